@@ -1,0 +1,3 @@
+from genq.cli import main
+
+main()

@@ -1,0 +1,102 @@
+"""The `genq` command: one click group; each subcommand lives beside the code it drives.
+
+Subcommands are imported lazily so `genq --help` and small commands start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from genq.redisconn import ENV_VAR, mask_url, resolve_url
+
+# name -> "module:attribute" of a click command
+COMMANDS: dict[str, str] = {
+    "enqueue": "producer.cli:enqueue",
+    "worker": "worker.cli:worker",
+    "monitor": "monitor.cli:monitor",
+    "sim": "sim.cli:sim_command",
+    "demo": "genq.demo:demo",
+    "dlq": "genq.dlq_cli:dlq",
+    "pause": "genq.control_cli:pause",
+    "resume": "genq.control_cli:resume",
+    "drain": "genq.control_cli:drain",
+    "workers": "genq.control_cli:workers",
+    "concurrency": "genq.control_cli:concurrency",
+    "export": "genq.export_cli:export",
+    "jobs": "genq.control_cli:jobs",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in COMMANDS if _available(name))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:
+                return None
+            raise
+
+
+def _available(name: str) -> bool:
+    module = COMMANDS[name].split(":")[0]
+    return importlib.util.find_spec(module) is not None
+
+
+class Settings:
+    """What the group's options give every subcommand (ctx.obj)."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+
+    @property
+    def redis_display(self) -> str:
+        return mask_url(self.redis_url)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar=ENV_VAR,
+    default=None,
+    metavar="URL",
+    help=f"Redis URL (redis:// or rediss://; env {ENV_VAR}; default redis://127.0.0.1:6379/0). "
+    "Passwords are masked in all output.",
+)
+@click.version_option(package_name="genq")
+@click.pass_context
+def cli(ctx: click.Context, redis_url: str | None) -> None:
+    """genq: batch LLM generation over a fleet of SGLang/vLLM servers, queued in Redis.
+
+    \b
+    Typical run:
+      genq sim --port 30000 &                 # or a real SGLang server per GPU
+      genq enqueue prompts.jsonl --job expansion --output ./out
+      genq worker --server http://127.0.0.1:30000 --burst
+      genq monitor --job expansion
+    """
+    ctx.obj = Settings(resolve_url(redis_url))
+
+
+def settings(ctx: click.Context) -> Settings:
+    obj = ctx.find_object(Settings)
+    if obj is None:  # a subcommand invoked on its own (tests, python -m)
+        obj = Settings(resolve_url(None))
+    return obj
+
+
+def main() -> None:
+    try:
+        cli(prog_name="genq")
+    except KeyboardInterrupt:
+        sys.exit(130)

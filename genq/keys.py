@@ -1,0 +1,124 @@
+"""The one place that names Redis keys. Nothing else in genq builds a key string.
+
+Everything genq owns lives under ``genq:``; RQ's own keys (``rq:*``) hold the
+batch jobs of the single RQ queue named by QUEUE.
+"""
+
+from __future__ import annotations
+
+import re
+
+QUEUE = "genq"  # the RQ queue every batch job goes to (`rq info` shows it)
+
+JOBS = "genq:jobs"  # set of job names
+PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
+WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
+DRAIN_ALL = "genq:drain:all"
+DRAIN_HOSTS = "genq:drain:hosts"  # set of host names to drain
+
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_job_name(name: str) -> str:
+    if not JOB_NAME.match(name):
+        raise ValueError(
+            f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def _job(job: str) -> str:
+    return f"genq:job:{job}"
+
+
+def job_config(job: str) -> str:
+    return f"{_job(job)}:config"
+
+
+def job_ids(job: str) -> str:
+    """Hash: prompt id -> content digest, for idempotent enqueue."""
+    return f"{_job(job)}:ids"
+
+
+def job_batch_seq(job: str) -> str:
+    return f"{_job(job)}:batch_seq"
+
+
+def job_batches(job: str) -> str:
+    """Sorted set of batch ids scored by creation order."""
+    return f"{_job(job)}:batches"
+
+
+def job_done(job: str) -> str:
+    """Set of batch ids whose shard is written."""
+    return f"{_job(job)}:done"
+
+
+def job_stats(job: str) -> str:
+    """Hash of job-level facts: total prompts, started_at, ..."""
+    return f"{_job(job)}:stats"
+
+
+def job_shards(job: str) -> str:
+    """Hash: batch id -> ShardInfo (the manifest's source)."""
+    return f"{_job(job)}:shards"
+
+
+def job_hist(job: str) -> str:
+    """Hash: length bucket -> count of finished completions (see genq.lengths)."""
+    return f"{_job(job)}:hist"
+
+
+def job_dlq(job: str) -> str:
+    """Hash: prompt id -> DeadLetter."""
+    return f"{_job(job)}:dlq"
+
+
+def job_paused(job: str) -> str:
+    return f"{_job(job)}:paused"
+
+
+def job_workers(job: str) -> str:
+    """Set of workers that have counters for this job."""
+    return f"{_job(job)}:workers"
+
+
+def worker_stats(job: str, worker: str) -> str:
+    """Hash of one worker's counters for one job: done, failed, in_tok, out_tok, ..."""
+    return f"{_job(job)}:wstats:{worker}"
+
+
+def job_inflight(job: str, worker: str) -> str:
+    """InFlight record (short TTL): a worker's running requests for the job."""
+    return f"{_job(job)}:inflight:{worker}"
+
+
+def batch(job: str, batch_id: str) -> str:
+    """The Batch record (msgpack): the prompts themselves."""
+    return f"{_job(job)}:batch:{batch_id}"
+
+
+def batch_results(job: str, batch_id: str) -> str:
+    """Hash: prompt id -> Result, kept until the batch's shard is written."""
+    return f"{_job(job)}:res:{batch_id}"
+
+
+def worker_status(worker: str) -> str:
+    return f"genq:worker:{worker}"
+
+
+def worker_control(worker: str) -> str:
+    return f"genq:worker:{worker}:control"
+
+
+def engine_alive(instance: str) -> str:
+    return f"genq:engine:{instance}:alive"
+
+
+def engine_inbox(instance: str) -> str:
+    return f"genq:engine:{instance}:inbox"
+
+
+def lease_reply(rq_job_id: str) -> str:
+    """List the engine pushes "done" or "handback" to, for the RQ job holding a batch."""
+    return f"genq:lease:{rq_job_id}:reply"

@@ -1,0 +1,107 @@
+"""Batches in Redis and their RQ jobs: the only code that creates either.
+
+A batch's prompts live in one msgpack value under keys.batch(); the RQ job that
+leases it carries only (job name, batch id), never the prompts: RQ pickles and
+rewrites job args, which is wasteful for 256 prompts of chat history.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import redis
+from redis.client import Pipeline
+from rq import Queue, Retry
+
+from genq import keys
+from genq.records import Batch, JobConfig, Prompt, pack, unpack
+
+RUN_BATCH = "worker.rqjob.run_batch"
+# How many times RQ re-runs a batch whose worker died or handed it back in
+# error. Prompts that already finished are never regenerated on a re-run.
+BATCH_RETRIES = 10
+
+
+def rq_queue(conn: redis.Redis) -> Queue:
+    return Queue(keys.QUEUE, connection=conn)
+
+
+def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
+    raw = conn.get(keys.job_config(job))
+    return unpack(raw, JobConfig) if raw else None
+
+
+def save_config(conn: redis.Redis, config: JobConfig) -> None:
+    with conn.pipeline() as pipe:
+        pipe.set(keys.job_config(config.name), pack(config))
+        pipe.sadd(keys.JOBS, config.name)
+        pipe.hsetnx(keys.job_stats(config.name), "created_at", repr(config.created_at or time.time()))
+        pipe.execute()
+
+
+def list_jobs(conn: redis.Redis) -> list[str]:
+    return sorted(name.decode() for name in conn.smembers(keys.JOBS))
+
+
+def load_batch(conn: redis.Redis, job: str, batch_id: str) -> Batch | None:
+    raw = conn.get(keys.batch(job, batch_id))
+    return unpack(raw, Batch) if raw else None
+
+
+def allocate_batch_ids(conn: redis.Redis, job: str, count: int) -> list[str]:
+    last = conn.incrby(keys.job_batch_seq(job), count)
+    return [f"b{n:07d}" for n in range(last - count + 1, last + 1)]
+
+
+def write_batches(
+    pipe: Pipeline,
+    conn: redis.Redis,
+    batches: Sequence[Batch],
+    digests: dict[str, str],
+    *,
+    count_total: bool = True,
+) -> None:
+    """Queue new batches in `pipe` (a MULTI pipeline): records, ids, RQ jobs.
+
+    Everything for a batch goes in the same transaction so a crash never leaves
+    ids marked as queued without a job that will run them.
+    """
+    for batch in batches:
+        pipe.set(keys.batch(batch.job, batch.id), pack(batch))
+        seq = int(batch.id[1:])
+        pipe.zadd(keys.job_batches(batch.job), {batch.id: seq})
+        if digests:
+            pipe.hset(keys.job_ids(batch.job), mapping={p.id: digests[p.id] for p in batch.prompts})
+        if count_total:
+            pipe.hincrby(keys.job_stats(batch.job), "total", len(batch.prompts))
+        pipe.hincrby(keys.job_stats(batch.job), "batches", 1)
+    enqueue_batch_jobs(pipe, conn, [(b.job, b.id, len(b.prompts)) for b in batches])
+
+
+def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[str, str, int]], *, at_front: bool = False) -> None:
+    """One RQ job per (job, batch id, prompt count), queued in `pipe`."""
+    queue = rq_queue(conn)
+    datas = [
+        Queue.prepare_data(
+            RUN_BATCH,
+            args=(job, batch_id),
+            timeout=-1,  # a batch's long tail can take hours; liveness is the heartbeat's job
+            result_ttl=24 * 3600,
+            failure_ttl=365 * 24 * 3600,
+            description=f"genq batch {job}/{batch_id} ({size} prompts)",
+            retry=Retry(max=BATCH_RETRIES),
+            at_front=at_front,
+        )
+        for job, batch_id, size in refs
+    ]
+    if datas:
+        queue.enqueue_many(datas, pipeline=pipe)
+
+
+def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int) -> list[Batch]:
+    """Split prompts into batches with freshly allocated ids (not yet written)."""
+    chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    ids = allocate_batch_ids(conn, job, len(chunks)) if chunks else []
+    created = time.time()
+    return [Batch(job=job, id=bid, prompts=list(chunk), created_at=created) for bid, chunk in zip(ids, chunks)]

@@ -1,0 +1,206 @@
+"""Every record that crosses Redis, HTTP or disk, defined once as a msgspec Struct.
+
+Encode and decode only at the edges (Redis calls, HTTP bodies, files) with the
+helpers at the bottom of this module.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+Endpoint = Literal["chat", "completions"]
+
+
+class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """A generation job: stored once in Redis, read by every worker."""
+
+    name: str
+    output: str  # local directory or s3://bucket/prefix
+    endpoint: Endpoint = "chat"
+    model: str = "auto"  # "auto": the first id the server lists in /v1/models
+    max_tokens: int = 4096
+    temperature: float | None = None
+    top_p: float | None = None
+    extra_body: dict[str, Any] = {}
+    batch_size: int = 256
+    max_attempts: int = 5
+    compression: Literal["none", "gzip"] = "none"
+    s3_endpoint_url: str | None = None
+    created_at: float = 0.0
+
+
+class Prompt(msgspec.Struct, omit_defaults=True):
+    """One input row. Exactly one of messages / prompt / body carries the request."""
+
+    id: str
+    index: int  # position in the input (0-based line number), for ordered export
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    # Per-row request parameters that override the job's (a row's `sampling`
+    # object, or an OpenAI Batch line's body minus messages).
+    sampling: dict[str, Any] | None = None
+    metadata: dict[str, Any] = {}
+    custom_id: str | None = None  # OpenAI Batch input: echoed back on export
+
+
+class Batch(msgspec.Struct):
+    """A batch of prompts: one RQ job references it by (job, id)."""
+
+    job: str
+    id: str
+    prompts: list[Prompt]
+    created_at: float = 0.0
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int | None = None
+
+
+class Result(msgspec.Struct, omit_defaults=True):
+    """One completed prompt: a line of a shard."""
+
+    id: str
+    job: str
+    batch: str
+    index: int
+    completion: str
+    finish_reason: str | None
+    usage: Usage
+    model: str
+    worker: str
+    attempts: int
+    latency_s: float
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    reasoning_content: str | None = None
+    metadata: dict[str, Any] = {}
+    custom_id: str | None = None
+    response_id: str | None = None
+    finished_at: float = 0.0
+
+
+ErrorKind = Literal[
+    "bad_request",  # the server rejected the prompt (4xx): not retryable
+    "server_error",  # 5xx / SSE error events, retried until attempts run out
+    "timeout",  # request or stall timeout, retried until attempts run out
+    "connection",  # reset or refused while the server looked healthy
+    "protocol",  # an answer genq could not parse
+    "batch_failed",  # a whole batch failed in RQ (shown from its failed registry)
+]
+
+
+class DeadLetter(msgspec.Struct, omit_defaults=True):
+    """A prompt genq gave up on, with the reason."""
+
+    id: str
+    job: str
+    batch: str
+    attempts: int
+    kind: str
+    message: str
+    worker: str
+    at: float
+    status: int | None = None  # HTTP status, when there was one
+    prompt: Prompt | None = None  # kept so the letter can be requeued
+
+
+class Rejected(msgspec.Struct, omit_defaults=True):
+    """A malformed input line, written to the producer's rejects file."""
+
+    line: int
+    reason: str
+    text: str  # the raw line (truncated when huge)
+
+
+class InFlight(msgspec.Struct):
+    """A worker's running requests for one job, published about once a second.
+
+    tokens holds, per running request, the completion tokens produced so far:
+    a lower bound on its final length (a censored observation) for the ETA.
+    """
+
+    worker: str
+    job: str
+    at: float
+    tokens: list[int]
+    queued: int  # prompts held by the worker but not yet sent
+
+
+class GpuSample(msgspec.Struct, omit_defaults=True):
+    index: int
+    name: str
+    utilization_pct: float
+    memory_used_mib: float
+    memory_total_mib: float
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+    temperature_c: float | None = None
+
+
+WorkerState = Literal["starting", "busy", "idle", "paused", "draining", "server_down", "stopped"]
+
+
+class WorkerStatus(msgspec.Struct, omit_defaults=True):
+    """A worker's heartbeat record for the fleet view (genq workers, monitor)."""
+
+    name: str
+    host: str
+    pid: int
+    server: str
+    state: str
+    started_at: float
+    heartbeat_at: float
+    gpu: str | None = None
+    concurrency_target: int = 0
+    concurrency_limit: int | None = None  # --concurrency N (a cap), None for auto
+    server_capacity: int | None = None
+    in_flight: int = 0
+    queued: int = 0
+    batches: list[str] = []
+    tok_per_s: float = 0.0
+    req_per_s: float = 0.0
+    done: int = 0
+    errors: int = 0
+    server_running: float | None = None
+    server_waiting: float | None = None
+    server_token_usage: float | None = None
+    gpu_sample: GpuSample | None = None
+    gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
+    bottleneck: str | None = None
+
+
+class Control(msgspec.Struct, omit_defaults=True):
+    """Operator instructions to one worker (genq drain / genq worker set)."""
+
+    drain: bool = False
+    concurrency: int | None = None  # live cap; 0 or None: back to auto
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def pack(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def unpack(data: bytes, typ: type) -> Any:
+    return msgspec.msgpack.decode(data, type=typ)
+
+
+def now() -> float:
+    return time.time()
+
+
+class ShardInfo(msgspec.Struct, omit_defaults=True):
+    """A written shard: one line of the manifest."""
+
+    batch: str
+    uri: str
+    records: int
+    bytes: int
+    at: float

@@ -1,0 +1,194 @@
+"""Shared fixtures: a real Redis database, real `genq sim` servers, real genq processes.
+
+GENQ_TEST_REDIS_URL picks the database (default db 15 on the local server);
+each test starts from an empty database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 15.0, want: int | None = 200) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if want is None or resp.status == want:
+                    return
+        except urllib.error.HTTPError as exc:
+            if want is None or exc.code == want:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
+    return [sys.executable, "-m", "genq", "--redis", redis_url, *args]
+
+
+def run_genq(*args: str, redis_url: str = REDIS_URL, timeout: float = 120, check: bool = True,
+             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(genq_cmd(*args, redis_url=redis_url), capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"genq {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def write_prompts(path: Path, n: int, *, start: int = 0, extra: dict | None = None) -> list[str]:
+    ids = []
+    with open(path, "w") as f:
+        for i in range(start, start + n):
+            pid = f"p{i:05d}"
+            ids.append(pid)
+            row = {"id": pid, "messages": [{"role": "user", "content": f"prompt number {i}"}], **(extra or {})}
+            f.write(json.dumps(row) + "\n")
+    return ids
+
+
+def read_results(out_dir: Path, job: str) -> list[dict]:
+    rows = []
+    for shard in sorted((out_dir / job / "shards").glob("*.jsonl")):
+        with open(shard) as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
+
+
+class Proc:
+    """A child process that is always stopped at the end of the test."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                      start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.popen.pid, sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL the process and everything it started (its session)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    conn = redis.Redis.from_url(REDIS_URL)
+    try:
+        conn.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"tests need a real Redis at {REDIS_URL}: {exc}")
+    conn.flushdb()
+    yield REDIS_URL
+    conn.close()
+
+
+@pytest.fixture
+def rconn(redis_url: str) -> Iterator[redis.Redis]:
+    conn = redis.Redis.from_url(redis_url)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[callable]:
+    """procs(args, name=..., env=...) starts a Proc that is stopped after the test."""
+    started: list[Proc] = []
+
+    def start(args: list[str], name: str = "proc", env: dict | None = None) -> Proc:
+        proc = Proc(args, tmp_path / f"{name}-{len(started)}.log", env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in reversed(started):
+        proc.stop()
+
+
+@pytest.fixture
+def sim(procs) -> callable:
+    """sim(**options) starts `genq sim` on a free port and returns its base URL."""
+
+    def start(**options) -> str:
+        port = options.pop("port", None) or free_port()
+        args = [sys.executable, "-m", "sim", "--port", str(port)]
+        for key, value in options.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        proc = procs(args, name=f"sim-{port}")
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/v1/models", want=None)
+        start.procs[url] = proc
+        return url
+
+    start.procs = {}
+    return start
+
+
+@pytest.fixture
+def worker(procs, redis_url: str) -> callable:
+    """worker(server_url, *extra_args) starts `genq worker` and returns its Proc."""
+
+    def start(server_url: str, *extra: str, name: str = "worker", env: dict | None = None) -> Proc:
+        args = genq_cmd("worker", "--server", server_url, *extra, redis_url=redis_url)
+        return procs(args, name=name, env=env)
+
+    return start

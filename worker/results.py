@@ -1,0 +1,166 @@
+"""Group commit of results and dead letters to Redis.
+
+Each result is written with HSETNX and counted in the same Lua call, so the
+counters the monitor reads always equal the results stored, even when a batch
+is re-run after a crash or two workers race on the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+
+from genq import keys
+from genq.records import DeadLetter, Result, pack
+
+log = logging.getLogger("genq.worker")
+
+# KEYS: results, done-set, worker-stats, hist, dlq, job-workers
+# ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m
+RECORD_SCRIPT = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {-1, -1} end
+local i = 5
+local added, dead, intok, outtok = 0, 0, 0, 0
+for _ = 1, tonumber(ARGV[4]) do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    added = added + 1
+    intok = intok + tonumber(ARGV[i + 2])
+    outtok = outtok + tonumber(ARGV[i + 3])
+    redis.call('HINCRBY', KEYS[4], ARGV[i + 4], 1)
+  end
+  i = i + 5
+end
+local m = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, m do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and redis.call('HSETNX', KEYS[5], ARGV[i], ARGV[i + 1]) == 1 then
+    dead = dead + 1
+  end
+  i = i + 2
+end
+if added > 0 or dead > 0 then
+  redis.call('HINCRBY', KEYS[3], 'done', added)
+  redis.call('HINCRBY', KEYS[3], 'failed', dead)
+  redis.call('HINCRBY', KEYS[3], 'in_tok', intok)
+  redis.call('HINCRBY', KEYS[3], 'out_tok', outtok)
+  redis.call('HSETNX', KEYS[3], 'first_at', ARGV[3])
+  redis.call('HSET', KEYS[3], 'last_at', ARGV[3])
+  redis.call('SADD', KEYS[6], ARGV[2])
+end
+return {added, dead}
+"""
+
+
+def length_bucket(tokens: int) -> int:
+    """Log-spaced bucket (4 per doubling) for the job's output-length histogram."""
+    return int(round(4 * math.log2(tokens + 1)))
+
+
+def bucket_bounds(bucket: int) -> tuple[float, float]:
+    """Token range a bucket stands for (inverse of length_bucket)."""
+    return 2 ** ((bucket - 0.5) / 4) - 1, 2 ** ((bucket + 0.5) / 4) - 1
+
+
+@dataclass
+class _Pending:
+    job: str
+    batch: str
+    results: list[Result]
+    dead: list[DeadLetter]
+
+
+class ResultWriter:
+    """Buffers records and writes them as soon as the previous write is done."""
+
+    def __init__(self, conn: aioredis.Redis, worker: str, on_written) -> None:
+        self.conn = conn
+        self.worker = worker
+        self.on_written = on_written  # callback(job, batch, [ids]) after a durable write
+        self._buffer: dict[tuple[str, str], _Pending] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._script = conn.register_script(RECORD_SCRIPT)
+        self.last_error: str | None = None
+
+    def add_result(self, result: Result) -> None:
+        self._slot(result.job, result.batch).results.append(result)
+
+    def add_dead(self, letter: DeadLetter) -> None:
+        self._slot(letter.job, letter.batch).dead.append(letter)
+
+    def _slot(self, job: str, batch: str) -> _Pending:
+        self._idle.clear()
+        self._wake.set()
+        slot = self._buffer.get((job, batch))
+        if slot is None:
+            slot = self._buffer[(job, batch)] = _Pending(job, batch, [], [])
+        return slot
+
+    @property
+    def pending(self) -> int:
+        return sum(len(p.results) + len(p.dead) for p in self._buffer.values())
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            taking, self._buffer = self._buffer, {}
+            try:
+                await self._write(list(taking.values()))
+            except (redis.RedisError, OSError) as exc:
+                # Keep everything in memory and try again: results are never dropped.
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("cannot write results to Redis (%s); %d kept in memory, retrying in %.1fs",
+                            self.last_error, sum(len(p.results) + len(p.dead) for p in taking.values()), backoff)
+                for key, pending in taking.items():
+                    slot = self._buffer.setdefault(key, _Pending(pending.job, pending.batch, [], []))
+                    slot.results[:0] = pending.results
+                    slot.dead[:0] = pending.dead
+                self._wake.set()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            backoff = 0.2
+            self.last_error = None
+            if not self._buffer:
+                self._idle.set()
+
+    async def _write(self, groups: list[_Pending]) -> None:
+        now = repr(time.time())
+        async with self.conn.pipeline(transaction=False) as pipe:
+            for group in groups:
+                args: list = [group.batch, self.worker, now, len(group.results)]
+                for r in group.results:
+                    args += [r.id, pack(r), r.usage.prompt_tokens, r.usage.completion_tokens,
+                             length_bucket(r.usage.completion_tokens)]
+                args.append(len(group.dead))
+                for d in group.dead:
+                    args += [d.id, pack(d)]
+                await self._script(
+                    keys=[
+                        keys.batch_results(group.job, group.batch),
+                        keys.job_done(group.job),
+                        keys.worker_stats(group.job, self.worker),
+                        keys.job_hist(group.job),
+                        keys.job_dlq(group.job),
+                        keys.job_workers(group.job),
+                    ],
+                    args=args,
+                    client=pipe,
+                )
+            await pipe.execute()
+        for group in groups:
+            self.on_written(group.job, group.batch,
+                            [r.id for r in group.results] + [d.id for d in group.dead])
+

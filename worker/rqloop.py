@@ -1,0 +1,65 @@
+"""Child process: one stock RQ work loop (forked `rq.Worker`) for a genq engine.
+
+Started by the engine with `python -m worker.rqloop`; dies with it (PR_SET_PDEATHSIG),
+so a killed engine never leaves loops taking batches nobody will run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+from rq import Worker
+from rq.exceptions import StopRequested
+
+from genq import keys
+from genq.redisconn import connect
+from worker.rqjob import ENGINE_ENV
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the horse still notices the engine's missing heartbeat
+    if os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.rqloop")
+    parser.add_argument("--redis", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--burst", action="store_true")
+    parser.add_argument("--monitoring-interval", type=int, default=10)
+    args = parser.parse_args(argv)
+    _die_with_parent(args.parent)
+    if not os.environ.get(ENGINE_ENV):
+        parser.error(f"{ENGINE_ENV} must name the engine")
+    worker = Worker(
+        [keys.QUEUE],
+        name=args.name,
+        connection=connect(args.redis),
+        # A dead worker's batch is seen as abandoned after this + 60 s (RQ's rule).
+        job_monitoring_interval=args.monitoring_interval,
+        maintenance_interval=30,
+        log_job_description=True,
+    )
+    try:
+        worker.work(burst=args.burst, logging_level="WARNING")
+    except StopRequested:  # a stop signal that landed during RQ's own teardown
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())
