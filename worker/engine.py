@@ -58,7 +58,7 @@ log = logging.getLogger("genq.worker")
 
 ALIVE_TTL_S = 10  # a holding RQ job gives up on this engine after this long without a heartbeat
 STATUS_TTL_S = 15  # the fleet view shows a worker as lost after this long
-CLEANUP_EVERY_S = 30  # recover batches of dead workers (RQ's abandoned-job handling)
+CLEANUP_EVERY_S = 10  # recover batches of dead workers (RQ abandoned-job handling); cheap
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""`genq sim`: run the SGLang-compatible simulator of one GPU server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from sim.config import SimConfig
+from sim.server import run
+
+_D = SimConfig()
+
+
+@click.command("sim", context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--host", default=_D.host, help="Address to listen on.")
+@click.option("--port", default=_D.port, type=int, help="Port to listen on (0: any free port).")
+@click.option("--model-path", default=_D.model_path, help="Model path reported by the info endpoints.")
+@click.option("--served-model-name", default=_D.served_model_name,
+              help="Model name in responses, /v1/models and metrics labels (empty: the model path).")
+@click.option("--context-length", default=_D.context_length, type=int,
+              help="Context length; longer prompts get SGLang's 400.")
+@click.option("--max-running-requests", default=_D.max_running_requests, type=int,
+              help="Most requests decoding at once; the rest wait in a FIFO queue.")
+@click.option("--max-total-num-tokens", default=_D.max_total_num_tokens, type=int,
+              help="KV cache budget: prompt plus generated tokens of running requests.")
+@click.option("--max-queued-requests", default=_D.max_queued_requests, type=int,
+              help="Waiting queue limit; beyond it requests get 503 'The request queue is full.' "
+                   "[default: unlimited]")
+@click.option("--step-ms-base", default=_D.step_ms_base, type=float,
+              help="Fixed cost of one engine step in ms (0 with --step-ms-per-req 0: instant server).")
+@click.option("--step-ms-per-req", default=_D.step_ms_per_req, type=float,
+              help="Extra step cost in ms per running request.")
+@click.option("--tokens-per-step", default=_D.tokens_per_step, type=int,
+              help="Tokens each running request gains per step (time compression).")
+@click.option("--mean-output-tokens", default=_D.mean_output_tokens, type=float,
+              help="Mean of the lognormal output length, fixed per prompt.")
+@click.option("--output-sigma", default=_D.output_sigma, type=float,
+              help="Sigma of the lognormal output length (0: every prompt gets the mean).")
+@click.option("--thinking-fraction", default=_D.thinking_fraction, type=float,
+              help="Share of the output that is reasoning_content when enable_thinking is set.")
+@click.option("--seed", default=_D.seed, type=int, help="Seed of output lengths and fault draws.")
+@click.option("--startup-delay", default=_D.startup_delay, type=float,
+              help="Seconds during which /health and generation answer 503 after start.")
+@click.option("--error-rate", default=_D.error_rate, type=click.FloatRange(0, 1),
+              help="Fraction of requests answered 500 InternalServerError.")
+@click.option("--reset-rate", default=_D.reset_rate, type=click.FloatRange(0, 1),
+              help="Fraction of requests whose connection is reset mid-generation.")
+@click.option("--hang-rate", default=_D.hang_rate, type=click.FloatRange(0, 1),
+              help="Fraction of requests that stop producing output until the client leaves.")
+@click.option("--outage-at", default=_D.outage_at, type=float,
+              help="Seconds after start at which the server 'crashes': in-flight requests are "
+                   "reset, /health is 503, new requests are reset. [default: never]")
+@click.option("--outage-for", default=_D.outage_for, type=float, help="Length of that outage in seconds.")
+def sim_command(**options: Any) -> None:
+    """Serve an SGLang-compatible simulator of one GPU server.
+
+    Continuous batching with compressed time, deterministic per-prompt output
+    lengths, SGLang's endpoints, errors and /metrics, plus /sim/stats,
+    /sim/reset and /sim/faults for tests and benchmarks. Stops on SIGINT/SIGTERM.
+    """
+    config = SimConfig(**options)
+    shown = ("max_running_requests", "max_total_num_tokens", "step_ms_base", "step_ms_per_req",
+             "tokens_per_step", "mean_output_tokens")
+    summary = ", ".join(f"{name}={getattr(config, name)}" for name in shown)
+    run(config, on_ready=lambda url: click.echo(f"genq sim: listening on {url} ({summary})"))

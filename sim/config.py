@@ -1,0 +1,55 @@
+"""All simulator knobs in one place; the CLI exposes one option per field."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SimConfig(msgspec.Struct, kw_only=True):
+    """Settings of one simulated SGLang server.
+
+    Time is compressed: one engine step stands for one decode iteration of a real
+    server but advances every running request by tokens_per_step tokens, so that
+    a test generating thousands of tokens finishes in seconds.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model_path: str = "genq-sim/Sim-8B"
+    # Empty means "same as model_path", as in SGLang.
+    served_model_name: str = ""
+    context_length: int = 32768
+
+    # Scheduler capacity.
+    max_running_requests: int = 37
+    max_total_num_tokens: int = 400_000
+    # None: unbounded waiting queue (SGLang's default); else 503 when full.
+    max_queued_requests: int | None = None
+
+    # Step timing. A fixed cost dominates, as in memory-bound decode, so
+    # throughput grows with the batch size. Both 0: an (almost) instant server.
+    step_ms_base: float = 20.0
+    step_ms_per_req: float = 0.05
+    tokens_per_step: int = 16
+
+    # Output lengths: lognormal per prompt, see sim.lengths.
+    mean_output_tokens: float = 256.0
+    output_sigma: float = 1.0
+    # Share of the output that is reasoning when enable_thinking is set.
+    thinking_fraction: float = 0.3
+    seed: int = 0
+
+    # Seconds during which the port is open but /health and generation answer 503.
+    startup_delay: float = 0.0
+
+    # Fault switches (also settable at run time through POST /sim/faults).
+    error_rate: float = 0.0
+    reset_rate: float = 0.0
+    hang_rate: float = 0.0
+    # Seconds after start at which an outage begins (None: no scheduled outage).
+    outage_at: float | None = None
+    outage_for: float = 5.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path

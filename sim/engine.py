@@ -1,0 +1,318 @@
+"""Continuous-batching model of one GPU server: pure asyncio, no HTTP.
+
+One loop task plays the scheduler. Each iteration admits waiting requests in FIFO
+order while there is a free slot (max_running_requests) and KV room
+(max_total_num_tokens), sleeps for one step, then advances every running request
+by tokens_per_step tokens. Handlers submit SimRequests and await their progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from sim.config import SimConfig
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queued_requests requests already."""
+
+
+class SimRequest:
+    """One generation in the engine. Plain slotted class: the engine touches these
+    on every step, so attribute access must be cheap."""
+
+    __slots__ = (
+        "key",
+        "prompt_tokens",
+        "target",
+        "natural_finish",
+        "stream",
+        "generated",
+        "finish_reason",
+        "dropped",
+        "hang_at",
+        "drop_at",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        prompt_tokens: int,
+        natural_tokens: int,
+        max_new_tokens: int,
+        stream: bool,
+    ) -> None:
+        self.key = key
+        self.prompt_tokens = prompt_tokens
+        self.target = min(natural_tokens, max_new_tokens)
+        # "stop" when the model ends on its own, "length" when max_tokens cuts it.
+        self.natural_finish = "stop" if natural_tokens <= max_new_tokens else "length"
+        self.stream = stream
+        self.generated = 0
+        # None while in flight; "stop" | "length" | "abort" once done.
+        self.finish_reason: str | None = None
+        # True when the connection must be reset (reset fault, outage).
+        self.dropped = False
+        # Token counts at which a hang / a connection drop strikes (faults);
+        # the server sets them after construction, from self.target.
+        self.hang_at: int | None = None
+        self.drop_at: int | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+
+class Stats:
+    """Figures since start or the last reset; time integrals give time-weighted means."""
+
+    def __init__(self, now: float) -> None:
+        self.start = now
+        self.last_change = now
+        self.running_integral = 0.0
+        self.waiting_integral = 0.0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished = 0
+        self.aborted = 0
+        self.first_admit: float | None = None
+        self.last_finish: float | None = None
+        # prompt_key -> number of complete generations (aborts excluded).
+        self.generated_by_key: dict[str, int] = {}
+
+
+class Engine:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        # Insertion-ordered dicts used as ordered sets: O(1) removal on abort.
+        self._waiting: dict[SimRequest, None] = {}
+        self._running: dict[SimRequest, None] = {}
+        self._used_tokens = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        now = time.monotonic()
+        self.stats = Stats(now)
+        # Prometheus counters: monotonic since start, never reset.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_total = 0
+        self.num_aborted_total = 0
+        self.last_gen_throughput = 0.0
+        self._tp_since = now
+        self._tp_tokens = 0
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # ---- requests --------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def used_tokens(self) -> int:
+        return self._used_tokens
+
+    def submit(self, req: SimRequest) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None:
+            # Requests the next step will admit into free slots are not queued.
+            free = max(self.config.max_running_requests - len(self._running), 0)
+            if len(self._waiting) >= limit + free:
+                raise QueueFull
+        self._account(time.monotonic())
+        self._waiting[req] = None
+        self._wakeup.set()
+
+    async def wait(self, req: SimRequest, seen: int) -> None:
+        """Return once req has more than `seen` tokens or has finished. Non-stream
+        requests are only woken at the end, which keeps the instant mode cheap."""
+        if req.finish_reason is None and req.generated <= seen:
+            req.waiter = asyncio.get_running_loop().create_future()
+            await req.waiter
+
+    def abort(self, req: SimRequest, dropped: bool = False) -> None:
+        """Stop req wherever it is (client gone, reset fault, outage); idempotent."""
+        if req.finish_reason is not None:
+            return
+        now = time.monotonic()
+        self._account(now)
+        if req in self._running:
+            del self._running[req]
+            self._used_tokens -= req.prompt_tokens + req.generated
+        else:
+            self._waiting.pop(req, None)
+        req.finish_reason = "abort"
+        req.dropped = dropped
+        self.stats.aborted += 1
+        self.num_aborted_total += 1
+        self.num_requests_total += 1
+        self._wake(req)
+        # A freed slot may let a waiting request in (the loop may be parked).
+        self._wakeup.set()
+
+    def drop_all(self) -> None:
+        """A crash: every request in flight loses its connection."""
+        for req in [*self._running, *self._waiting]:
+            self.abort(req, dropped=True)
+
+    # ---- statistics ------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        self.stats = Stats(time.monotonic())
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        self._account(now)
+        s = self.stats
+        elapsed = now - s.start
+        # The busy window runs from the first admission to the last finish (or
+        # now while work remains); means over it ignore idle time around a batch.
+        busy = 0.0
+        if s.first_admit is not None:
+            end = now if (self._running or self._waiting or s.last_finish is None) else s.last_finish
+            busy = max(end - s.first_admit, 0.0)
+        return {
+            "elapsed_s": elapsed,
+            "mean_running": s.running_integral / elapsed if elapsed > 0 else 0.0,
+            "mean_waiting": s.waiting_integral / elapsed if elapsed > 0 else 0.0,
+            "busy_s": busy,
+            "busy_mean_running": s.running_integral / busy if busy > 0 else 0.0,
+            "busy_mean_waiting": s.waiting_integral / busy if busy > 0 else 0.0,
+            "busy_gen_throughput": s.generated_tokens / busy if busy > 0 else 0.0,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "finished_requests": s.finished,
+            "aborted_requests": s.aborted,
+            "first_admit_s": None if s.first_admit is None else s.first_admit - s.start,
+            "last_finish_s": None if s.last_finish is None else s.last_finish - s.start,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "generated_by_key": s.generated_by_key,
+        }
+
+    def _account(self, now: float) -> None:
+        # Called before every change of the running/waiting counts.
+        s = self.stats
+        dt = now - s.last_change
+        s.running_integral += len(self._running) * dt
+        s.waiting_integral += len(self._waiting) * dt
+        s.last_change = now
+
+    # ---- scheduler loop --------------------------------------------------
+
+    async def _loop(self) -> None:
+        cfg = self.config
+        base_s = cfg.step_ms_base / 1000.0
+        per_req_s = cfg.step_ms_per_req / 1000.0
+        while True:
+            # Cleared before looking at the queues: a submit or abort from here on
+            # sets it again, so no wake-up is lost between the check and the wait.
+            self._wakeup.clear()
+            if not self._running and not self._waiting:
+                # Idle: no step cost, no throughput; sleep until a submit.
+                self.last_gen_throughput = 0.0
+                await self._wakeup.wait()
+                self._tp_since, self._tp_tokens = time.monotonic(), self.generation_tokens_total
+                continue
+            admitted = self._admit()
+            delay = base_s + per_req_s * len(self._running)
+            # sleep(0) still yields, so in the instant mode handlers can queue
+            # more requests and the next step serves them as one batch.
+            await asyncio.sleep(delay)
+            progressed = self._step()
+            if delay == 0 and not progressed and not admitted:
+                # Only hung requests left in the instant mode: wait for a change
+                # instead of spinning.
+                await self._wakeup.wait()
+
+    def _admit(self) -> bool:
+        cfg = self.config
+        now = time.monotonic()
+        self._account(now)
+        admitted = False
+        while self._waiting and len(self._running) < cfg.max_running_requests:
+            req = next(iter(self._waiting))
+            # An empty batch always takes the head request, so no prompt can block
+            # the queue forever. The sim never retracts: running requests may grow
+            # past the budget, which only delays further admissions.
+            if self._running and self._used_tokens + req.prompt_tokens > cfg.max_total_num_tokens:
+                break
+            del self._waiting[req]
+            self._running[req] = None
+            self._used_tokens += req.prompt_tokens
+            # Admission is the prefill: the prompt counts as processed now.
+            self.stats.prompt_tokens += req.prompt_tokens
+            self.prompt_tokens_total += req.prompt_tokens
+            admitted = True
+            if self.stats.first_admit is None:
+                self.stats.first_admit = now
+        return admitted
+
+    def _step(self) -> bool:
+        """Advance every running request by one step; True if anything changed."""
+        tps = self.config.tokens_per_step
+        now = time.monotonic()
+        self._account(now)
+        produced = 0
+        ended = 0
+        for req in list(self._running):
+            limit = req.target
+            if req.hang_at is not None:
+                limit = min(limit, req.hang_at)
+            if req.drop_at is not None:
+                limit = min(limit, req.drop_at)
+            new = min(req.generated + tps, limit)
+            delta = new - req.generated
+            req.generated = new
+            self._used_tokens += delta
+            produced += delta
+            if new >= req.target:
+                self._finish(req, now)
+                ended += 1
+            elif req.drop_at is not None and new >= req.drop_at:
+                self.abort(req, dropped=True)
+                ended += 1
+            elif delta and req.stream:
+                self._wake(req)
+        self.stats.generated_tokens += produced
+        self.generation_tokens_total += produced
+        if now - self._tp_since >= 1.0:
+            self.last_gen_throughput = (self.generation_tokens_total - self._tp_tokens) / (now - self._tp_since)
+            self._tp_since, self._tp_tokens = now, self.generation_tokens_total
+        return produced > 0 or ended > 0
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        del self._running[req]
+        self._used_tokens -= req.prompt_tokens + req.generated
+        req.finish_reason = req.natural_finish
+        s = self.stats
+        s.finished += 1
+        s.last_finish = now
+        s.generated_by_key[req.key] = s.generated_by_key.get(req.key, 0) + 1
+        self.num_requests_total += 1
+        self._wake(req)
+
+    @staticmethod
+    def _wake(req: SimRequest) -> None:
+        waiter = req.waiter
+        if waiter is not None:
+            req.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)

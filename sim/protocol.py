@@ -1,0 +1,86 @@
+"""Request bodies of SGLang's OpenAI-compatible endpoints, as far as the sim reads them.
+
+msgspec ignores unknown fields, as SGLang does, and a wrongly typed field is a
+ValidationError, which the server answers 400 like SGLang's remapped 422.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # SGLang uses rid as the response id.
+    rid: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+
+    def max_new_tokens(self) -> int | None:
+        # SGLang: max_completion_tokens wins over the deprecated max_tokens.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def thinking(self) -> bool:
+        return bool((self.chat_template_kwargs or {}).get("enable_thinking"))
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # str, list of str, or token ids; kept as sent for the prompt key.
+    prompt: Any = None
+
+
+def _text_tokens(text: str) -> int:
+    return len(text) // 4 + 1
+
+
+def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """About four characters a token, summed over message contents (text parts of
+    multimodal contents count, other parts do not)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        total += _text_tokens(content if isinstance(content, str) else "")
+    return total
+
+
+def completion_prompt_tokens(prompt: Any) -> int | None:
+    """Tokens of a text or token-id prompt; None for what the sim does not serve
+    (batched prompts, which SGLang answers with several choices)."""
+    if isinstance(prompt, str):
+        return _text_tokens(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return None
+
+
+def validate(body: _Sampling, max_new_tokens: int | None) -> str | None:
+    """SGLang's checks on sampling values; returns the error message or None."""
+    if body.n != 1:
+        return f"n must be 1 in genq sim, got {body.n}."
+    if max_new_tokens is not None and max_new_tokens < 0:
+        return f"max_new_tokens must be at least 0, got {max_new_tokens}."
+    if body.temperature is not None and body.temperature < 0:
+        return f"temperature must be non-negative, got {body.temperature}."
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        return f"top_p must be in (0, 1], got {body.top_p}."
+    return None

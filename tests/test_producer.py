@@ -1,0 +1,110 @@
+"""genq enqueue: batches in Redis and RQ, idempotent re-runs, rejects with line numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+
+from genq import keys
+from genq.queueing import load_batch, rq_queue
+from genq.records import Rejected
+from tests.conftest import run_genq, write_prompts
+
+
+def test_enqueue_batches_prompts_into_rq_jobs(redis_url, rconn, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    ids = write_prompts(src, 10, extra={"source": "unit"})
+    out = run_genq("enqueue", str(src), "--job", "j1", "--batch-size", "4", "--max-tokens", "64",
+                   "--output", str(tmp_path / "out"), redis_url=redis_url)
+    assert "queued 10 prompts in 3 batches" in out.stdout
+    queue = rq_queue(rconn)
+    assert queue.count == 3
+    batch_ids = [b.decode() for b in rconn.zrange(keys.job_batches("j1"), 0, -1)]
+    batches = [load_batch(rconn, "j1", bid) for bid in batch_ids]
+    assert [len(b.prompts) for b in batches] == [4, 4, 2]
+    assert [p.id for b in batches for p in b.prompts] == ids
+    assert batches[0].prompts[0].metadata == {"source": "unit"}
+    # RQ carries references, not prompts.
+    assert {tuple(j.args) for j in queue.get_jobs()} == {("j1", bid) for bid in batch_ids}
+    assert int(rconn.hget(keys.job_stats("j1"), "total")) == 10
+    info = subprocess.run([sys.executable, "-m", "rq.cli", "info", "-u", redis_url],
+                          capture_output=True, text=True)
+    assert "genq" in info.stdout and "3" in info.stdout
+
+
+def test_reenqueue_is_idempotent_and_adds_only_new_ids(redis_url, rconn, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    write_prompts(src, 6)
+    run_genq("enqueue", str(src), "--job", "j2", "--batch-size", "4", redis_url=redis_url)
+    again = run_genq("enqueue", str(src), "--job", "j2", redis_url=redis_url)
+    assert "queued 0 prompts" in again.stdout
+    assert "skipped 6 prompts already queued or done" in again.stdout
+    more = tmp_path / "more.jsonl"
+    write_prompts(more, 8)  # p00000..p00007: six known, two new
+    third = run_genq("enqueue", str(more), "--job", "j2", redis_url=redis_url)
+    assert "queued 2 prompts in 1 batches" in third.stdout
+    assert rq_queue(rconn).count == 3
+    assert int(rconn.hget(keys.job_stats("j2"), "total")) == 8
+
+
+def test_malformed_lines_are_reported_kept_aside_and_do_not_stop_valid_ones(redis_url, rconn, tmp_path):
+    good = {"id": "ok1", "messages": [{"role": "user", "content": "hi"}]}
+    lines = [
+        json.dumps(good),                                                    # 1 ok
+        "{not json",                                                         # 2 invalid JSON
+        json.dumps({"id": "m", "messages": []}),                             # 3 empty messages
+        json.dumps({"id": "n"}),                                             # 4 missing messages
+        json.dumps({"id": 3.5, "prompt": "x"}),                              # 5 wrong id type
+        json.dumps({"id": "ok1", "messages": [{"role": "user", "content": "other"}]}),  # 6 dup id, new content
+        json.dumps({"id": "big", "prompt": "x" * (5 * 1024 * 1024)}),         # 7 huge line
+        json.dumps({"prompt": "no id given", "topic": "t"}),                 # 8 ok, hashed id
+        json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "x", "messages": [{"role": "user", "content": "hey"}], "max_tokens": 7}}),  # 9 ok
+        "",                                                                  # blank: ignored
+        json.dumps({"id": "s", "messages": [{"role": "user", "content": "a"}], "sampling": 3}),  # 11 bad sampling
+    ]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    proc = run_genq("enqueue", str(src), "--job", "j3", redis_url=redis_url, check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "queued 3 prompts" in proc.stdout
+    rejects_path = tmp_path / "mixed.rejects.jsonl"
+    rejects = [msgspec.json.decode(line, type=Rejected) for line in rejects_path.read_bytes().splitlines()]
+    by_line = {r.line: r.reason for r in rejects}
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 11]
+    assert "invalid JSON" in by_line[2]
+    assert "non-empty list" in by_line[3]
+    assert "missing 'messages'" in by_line[4]
+    assert "'id' must be a string or an integer" in by_line[5]
+    assert "duplicate id 'ok1' with different content" in by_line[6]
+    assert "over the" in by_line[7]
+    assert "'sampling' must be an object" in by_line[11]
+    assert "line 2: invalid JSON" in proc.stderr
+    batch = load_batch(rconn, "j3", "b0000001")
+    prompts = {p.id: p for p in batch.prompts}
+    assert set(prompts) == {"ok1", "r1", next(i for i in prompts if i not in ("ok1", "r1"))}
+    assert prompts["r1"].custom_id == "r1" and prompts["r1"].sampling == {"max_tokens": 7}
+    hashed = next(p for i, p in prompts.items() if i not in ("ok1", "r1"))
+    assert hashed.metadata == {"topic": "t"} and len(hashed.id) == 16
+
+
+def test_config_conflict_is_refused_with_the_setting_named(redis_url, tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 2)
+    run_genq("enqueue", str(src), "--job", "j4", "--max-tokens", "100", redis_url=redis_url)
+    proc = run_genq("enqueue", str(src), "--job", "j4", "--max-tokens", "200", redis_url=redis_url, check=False)
+    assert proc.returncode == 1
+    assert "--max-tokens 200 (job has 100)" in proc.stderr
+
+
+def test_redis_password_is_masked_in_errors(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 1)
+    proc = run_genq("enqueue", str(src), "--job", "j5",
+                    redis_url="redis://user:s3cret@127.0.0.1:1/0", check=False)
+    assert proc.returncode == 1
+    assert "s3cret" not in proc.stdout + proc.stderr
+    assert "redis://user:***@127.0.0.1:1/0" in proc.stderr
