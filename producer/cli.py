@@ -18,8 +18,7 @@ from genq.records import JobConfig, Prompt, Rejected
 from genq.redisconn import connect, describe_error
 from genq import keys
 from producer.enqueue import Enqueuer, EnqueueSummary
-from producer.rows import parse_line
-from producer.sources import SourceError, default_rejects_path, open_lines
+from producer.sources import ColumnMap, SourceError, default_rejects_path, open_rows
 
 EXIT_REJECTED = 3
 
@@ -41,11 +40,20 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--extra-body", default=None, metavar="JSON", help='Extra request fields, e.g. \'{"chat_template_kwargs": {"enable_thinking": true}}\'.')
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before it goes to the dead-letter queue. [default: 5]")
 @click.option("--compression", type=click.Choice(["none", "gzip"]), default=None, help="Shard compression. [default: none]")
-@click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for s3:// output (MinIO...); AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL also work.")
+@click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for s3:// input and output (MinIO...); AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL also work.")
+@click.option("--messages-column", default=None, metavar="COL", help="Parquet input: the column holding the messages (list of {role, content}, or a JSON string). [default: 'messages']")
+@click.option("--prompt-column", default=None, metavar="COL", help="Parquet input: the column holding a plain prompt string (for --endpoint completions). [default: 'prompt']")
+@click.option("--id-column", default=None, metavar="COL", help="Parquet input: the column holding the row id. [default: 'id' if present, else a content hash]")
 @click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where malformed lines are written. [default: INPUT's name + .rejects.jsonl, beside it]")
 @click.pass_context
-def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, **options: object) -> None:
-    """Queue the prompts in INPUT (JSONL) as batches of job JOB.
+def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
+            prompt_column: str | None, id_column: str | None, **options: object) -> None:
+    """Queue the prompts in INPUT as batches of job JOB.
+
+    INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
+    s3://bucket/key (streamed; credentials and endpoint from the standard AWS
+    chain, or --s3-endpoint-url). Parquet rows are mapped with --messages-column
+    or --prompt-column and --id-column; other columns become metadata.
 
     \b
     Each line is one of:
@@ -71,8 +79,9 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         keys.check_job_name(job)
         conn = connect(url)
         config = _job_config(conn, job, options)
-        lines = open_lines(input_uri)
-        summary = _run(conn, config, input_uri, lines)
+        columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
+        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
+        summary = _run(conn, config, input_uri, rows)
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
@@ -111,22 +120,16 @@ def _job_config(conn: redis.Redis, job: str, options: dict[str, object]) -> JobC
     return stored
 
 
-def _run(conn: redis.Redis, config: JobConfig, input_uri: str, lines: Iterator[bytes]) -> EnqueueSummary:
+def _run(conn: redis.Redis, config: JobConfig, input_uri: str, rows: Iterator[Prompt | Rejected]) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
-
-    def rows() -> Iterator[Prompt | Rejected]:
-        for line_no, raw in enumerate(lines, start=1):
-            row = parse_line(line_no, raw)
-            if row is not None:
-                yield row
 
     def progress(summary: EnqueueSummary) -> None:
         if show_progress:
             rate = summary.read / max(time.monotonic() - started, 1e-9)
             click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config).run(rows(), on_progress=progress)
+    summary = Enqueuer(conn, config).run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     summary_time = time.monotonic() - started

@@ -80,6 +80,26 @@ def read_results(out_dir: Path, job: str) -> list[dict]:
     return rows
 
 
+def descendants(pid: int) -> list[int]:
+    """All processes below pid, found through /proc (children may start new sessions)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 class Proc:
     """A child process that is always stopped at the end of the test."""
 
@@ -105,12 +125,13 @@ class Proc:
         if self.alive():
             os.kill(self.popen.pid, sig)
 
-    def kill_group(self) -> None:
-        """SIGKILL the process and everything it started (its session)."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def kill_tree(self) -> None:
+        """SIGKILL the process and every descendant (as a machine crash would), at once."""
+        for pid in [self.popen.pid, *descendants(self.popen.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.popen.wait(timeout=10)
 
     def wait(self, timeout: float) -> int:

@@ -59,6 +59,7 @@ log = logging.getLogger("genq.worker")
 ALIVE_TTL_S = 10  # a holding RQ job gives up on this engine after this long without a heartbeat
 STATUS_TTL_S = 15  # the fleet view shows a worker as lost after this long
 CLEANUP_EVERY_S = 10  # recover batches of dead workers (RQ abandoned-job handling); cheap
+MAX_EXTRA_LOOPS = 14  # RQ loops beyond --prefetch for batches in their tails (each loop is a process)
 
 
 @dataclass
@@ -151,6 +152,8 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._gpu_sample = None
         self._writer_task: asyncio.Task | None = None
+        self._sync_redis = connect(opts.redis_url)
+        self._waiting_for_orphans = False
 
     # ---------------------------------------------------------------- run
 
@@ -197,8 +200,17 @@ class Engine:
             if (self.draining or self.stop_requested) and nothing_held and loops_gone:
                 return
             if self.opts.burst and self._burst_exhausted and nothing_held and loops_gone:
-                log.info("burst: queue empty and nothing in flight; exiting")
-                return
+                queued, orphaned = await asyncio.to_thread(_queue_outlook, self._sync_redis)
+                if queued:
+                    self._burst_exhausted = False  # work came back (recovered or requeued): take it
+                elif not orphaned:
+                    log.info("burst: queue empty and nothing in flight; exiting")
+                    return
+                elif not self._waiting_for_orphans:
+                    self._waiting_for_orphans = True
+                    log.info("burst: queue empty, but %d batch(es) held by stopped workers will come back; "
+                             "waiting for them", orphaned)
+                await asyncio.sleep(1.0)
 
     def _on_signal(self, sig: int) -> None:
         self.stop_requested += 1
@@ -549,7 +561,7 @@ class Engine:
                         failures += 1
                         log.warning("RQ loop %s exited with %s", loop.name, loop.proc.returncode)
             active = [l for l in self.loops if not l.stopping]
-            desired = self.opts.loops if self.accepting and not self._burst_exhausted else 0
+            desired = self._desired_loops(len(active)) if self.accepting and not self._burst_exhausted else 0
             if len(active) < desired and failures < 20:
                 for _ in range(desired - len(active)):
                     self.loops.append(await self._spawn_loop())
@@ -561,6 +573,26 @@ class Engine:
                     except ProcessLookupError:
                         pass
             await asyncio.sleep(0.3)
+
+    def _desired_loops(self, active: int) -> int:
+        """--prefetch loops, plus one for each held batch that has nothing left to send.
+
+        A batch whose prompts are all sent holds only its long tail. With heavy-tailed
+        lengths several batches can be in their tails at once, so the reserve of
+        unsent prompts must be counted in prompts, not batches: keep (prefetch - 1)
+        batches' worth unsent, or slots run dry at batch boundaries.
+        """
+        base = self.opts.loops
+        if self.paused_all or self.paused_jobs:
+            return base  # parked prompts are not work: do not take more batches for them
+        size = max((s.config.batch_size for s in self.batches.values()), default=0)
+        reserve = (base - 1) * size
+        unsent = len(self.ready) + len(self.delayed)
+        if unsent < reserve and len(self.batches) >= active:
+            return min(active + 1, base + MAX_EXTRA_LOOPS)  # every loop holds a batch: take one more
+        if unsent > reserve + 2 * size and active > base and not any(l.stopping for l in self.loops):
+            return active - 1  # plenty in hand: one loop leaves after its batch (hysteresis: 2 batches)
+        return max(base, active)
 
     async def _spawn_loop(self) -> RqLoop:
         name = f"{self.instance}.{uuid.uuid4().hex[:4]}"
@@ -574,14 +606,13 @@ class Engine:
         return RqLoop(proc, name)
 
     async def _cleanup_loop(self) -> None:
-        conn = connect(self.opts.redis_url)
         while True:
-            await asyncio.sleep(CLEANUP_EVERY_S)
             try:
-                # Moves batches of dead workers back to the queue (Retry) within ~a minute.
-                await asyncio.to_thread(lambda: StartedJobRegistry(queue=rq_queue(conn)).cleanup())
+                # Moves batches of dead workers back to the queue (RQ's Retry) once their heartbeat expired.
+                await asyncio.to_thread(lambda: StartedJobRegistry(queue=rq_queue(self._sync_redis)).cleanup())
             except (redis.RedisError, OSError) as exc:
                 log.debug("registry cleanup skipped: %s", exc)
+            await asyncio.sleep(CLEANUP_EVERY_S)
 
     # ---------------------------------------------------------------- heartbeat & control
 
@@ -663,7 +694,9 @@ class Engine:
         async with self.redis.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
                 pipe.set(keys.engine_alive(self.instance), self.name, ex=ALIVE_TTL_S)
-            pipe.set(keys.worker_status(self.name), pack(status), ex=STATUS_TTL_S)
+            # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
+            pipe.set(keys.worker_status(self.name), pack(status),
+                     ex=None if status.state == "stopped" else STATUS_TTL_S)
             pipe.sadd(keys.WORKERS, self.name)
             for job in set(by_job) | set(queued) | {s.job for s in self.batches.values()}:
                 record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
@@ -759,6 +792,25 @@ class Engine:
                 await self._reply(rq_job_id, b"handback")
         except (redis.RedisError, OSError):
             pass
+
+
+def _queue_outlook(conn: redis.Redis) -> tuple[int, int]:
+    """(batches queued, batches held by RQ loops whose engine stopped heartbeating).
+
+    Our RQ loops are named ENGINE_INSTANCE.xxxx, so a started job's worker name
+    tells whose lease it is; a dead engine's batches return once RQ sees their
+    heartbeat expire (a minute or so) and the registry cleanup requeues them.
+    """
+    queue = rq_queue(conn)
+    orphaned = 0
+    for job in queue.job_class.fetch_many(StartedJobRegistry(queue=queue).get_job_ids(), connection=conn):
+        if job is None or not job.worker_name:
+            continue
+        instance = job.worker_name.rsplit(".", 1)[0]
+        # A live engine refreshes its key every second; two missed beats mean it is gone.
+        if conn.pttl(keys.engine_alive(instance)) < (ALIVE_TTL_S - 2.5) * 1000:
+            orphaned += 1
+    return queue.count, orphaned
 
 
 async def run_engine(opts: WorkerOptions) -> int:

@@ -1,0 +1,411 @@
+"""The dead-letter queue: prompts genq gave up on, and batches RQ gave up on.
+
+Two sources, one view (an Entry each):
+- keys.job_dlq(job), prompt id -> DeadLetter, written by the worker engine when a
+  prompt fails for good (a 400, or its attempts ran out).
+- RQ's FailedJobRegistry of keys.QUEUE: batch jobs whose retries ran out (the
+  engine holding them died again and again, or a plain `rq worker` ran them).
+  Shown with kind "batch_failed" and id "batch:<batch id>".
+
+Requeue and purge are MULTI transactions guarded by WATCH: a crash leaves each
+letter either untouched or fully moved, and two operators running the same
+command never requeue a letter twice.
+
+A letter is only requeued or purged once its original batch can never run again
+(the batch record is deleted when its shard is written). While the batch record
+exists the batch may still be leased, and a re-leased batch regenerates every
+prompt that has neither a result nor a letter: moving the letter elsewhere then
+would produce that prompt twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+import redis
+from redis.exceptions import WatchError
+from rq.job import Job as RqJob
+from rq.registry import FailedJobRegistry
+from rq.results import Result as RqResult
+
+from genq import keys
+from genq.queueing import (
+    BATCH_RETRIES,
+    RUN_BATCH,
+    enqueue_batch_jobs,
+    list_jobs,
+    load_batch,
+    load_config,
+    new_batches,
+    rq_queue,
+    write_batches,
+)
+from genq.records import DeadLetter, Prompt, unpack
+
+BATCH_PREFIX = "batch:"
+BATCH_FAILED = "batch_failed"
+CHUNK = 2000  # letters per transaction: keeps one MULTI a sensible size
+
+
+class DlqError(Exception):
+    """A problem the operator can fix (unknown job or id); the CLI prints it and exits 1."""
+
+
+class Entry(msgspec.Struct, omit_defaults=True):
+    """One line of the dead-letter view: a dead prompt, or a failed batch."""
+
+    id: str  # the prompt id, or "batch:<batch id>"
+    job: str
+    batch: str
+    attempts: int
+    kind: str
+    message: str
+    worker: str
+    at: float
+    status: int | None = None  # HTTP status, when the server answered
+    prompt: Prompt | None = None  # dead prompts: the request, kept for requeue
+    rq_job: str | None = None  # failed batches: RQ's job id
+    prompts: int | None = None  # failed batches: prompts in the batch
+    traceback: str | None = None  # failed batches: the last run's traceback
+
+    @property
+    def is_batch(self) -> bool:
+        return self.kind == BATCH_FAILED
+
+
+class RequeueReport(msgspec.Struct):
+    prompts: dict[str, int] = {}  # job -> prompts requeued
+    new_batches: dict[str, list[str]] = {}  # job -> ids of the batches the prompts went to
+    batches: list[tuple[str, str, int]] = []  # failed batches requeued: (job, batch, prompts)
+    skipped: list[tuple[str, str]] = []  # (entry id, why)
+
+
+class PurgeReport(msgspec.Struct):
+    letters: dict[str, int] = {}  # job -> dead letters removed
+    batches: list[tuple[str, str, int]] = []  # failed batches removed: (job, batch, prompts forgotten)
+    kept: list[tuple[str, str]] = []  # (entry id, why)
+
+
+# ------------------------------------------------------------------ reading
+
+
+def jobs_for(conn: redis.Redis, job: str | None) -> list[str]:
+    """The jobs a command covers: the named one (which must exist) or all."""
+    known = list_jobs(conn)
+    if job is None:
+        return known
+    if job not in known:
+        hint = f"known jobs: {', '.join(known)}" if known else "this Redis database has no genq jobs"
+        raise DlqError(f"unknown job {job!r} ({hint})")
+    return [job]
+
+
+def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
+    # HSCAN rather than HGETALL: a huge DLQ is read in steps without blocking Redis.
+    return [_from_letter(unpack(raw, DeadLetter)) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
+
+
+def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = False) -> list[Entry]:
+    """Batch jobs of the genq queue in RQ's failed registry, for the given jobs."""
+    wanted = set(jobs)
+    registry = FailedJobRegistry(queue=rq_queue(conn))
+    entries = []
+    for rq_job in RqJob.fetch_many(registry.get_job_ids(), connection=conn):
+        ref = _batch_ref(rq_job)
+        if ref is None or ref[0] not in wanted:
+            continue
+        job, batch_id = ref
+        result = rq_job.latest_result()
+        exc = (result.exc_string if result is not None else None) or ""
+        last = next((line.strip() for line in reversed(exc.splitlines()) if line.strip()), "")
+        batch = load_batch(conn, job, batch_id)
+        if batch is None and conn.sismember(keys.job_done(job), batch_id):
+            # RQ can mark a finished job failed after the fact (rq#2424): say so.
+            last = f"batch already complete (RQ recorded a failure afterwards): {last}"
+        ended = rq_job.ended_at or (result.created_at if result is not None else None)
+        entries.append(Entry(
+            id=BATCH_PREFIX + batch_id, job=job, batch=batch_id,
+            # genq enqueues every batch job with Retry(max=BATCH_RETRIES); RQ keeps only what is left.
+            attempts=BATCH_RETRIES - rq_job.retries_left + 1 if rq_job.retries_left is not None else 1,
+            kind=BATCH_FAILED, message=last or "(RQ stored no exception)",
+            worker=rq_job.worker_name or "", at=ended.timestamp() if ended else 0.0,
+            rq_job=rq_job.id, prompts=len(batch.prompts) if batch else None,
+            traceback=exc if traceback else None,
+        ))
+    return entries
+
+
+def entries(conn: redis.Redis, job: str | None, *, traceback: bool = False) -> list[Entry]:
+    """Everything in the dead-letter view of one job or all, newest first."""
+    jobs = jobs_for(conn, job)
+    found = [e for j in jobs for e in dead_letters(conn, j)]
+    found += failed_batches(conn, jobs, traceback=traceback)
+    found.sort(key=lambda e: (-e.at, e.job, e.id))
+    return found
+
+
+def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: bool = False) -> list[Entry]:
+    """The entries with these ids; every id must name exactly one entry."""
+    jobs = jobs_for(conn, job)
+    matches: dict[str, list[Entry]] = {i: [] for i in ids}
+    prompt_ids = [i for i in matches if not i.startswith(BATCH_PREFIX)]
+    if prompt_ids:
+        for j in jobs:
+            for pid, raw in zip(prompt_ids, conn.hmget(keys.job_dlq(j), prompt_ids)):
+                if raw is not None:
+                    matches[pid].append(_from_letter(unpack(raw, DeadLetter)))
+    if len(prompt_ids) < len(matches):
+        for entry in failed_batches(conn, jobs, traceback=traceback):
+            if entry.id in matches:
+                matches[entry.id].append(entry)
+    scope = f"job {job!r}" if job else "any job"
+    missing = [i for i, found in matches.items() if not found]
+    if missing:
+        raise DlqError(
+            f"no dead letter or failed batch with id {', '.join(map(repr, missing))} in {scope} "
+            "(see `genq dlq list`; failed batches are named batch:<batch id>)"
+        )
+    for i, found in matches.items():
+        if len(found) > 1:
+            raise DlqError(f"id {i!r} is in several jobs ({', '.join(e.job for e in found)}): add --job")
+    return [found[0] for found in matches.values()]
+
+
+# ------------------------------------------------------------------ requeue
+
+
+def requeue(conn: redis.Redis, chosen: Sequence[Entry]) -> RequeueReport:
+    """Put dead prompts back as new batches and failed batches back on the queue."""
+    report = RequeueReport(prompts={}, new_batches={}, batches=[], skipped=[])
+    by_job: dict[str, list[str]] = {}
+    for entry in chosen:
+        if entry.is_batch:
+            _requeue_batch(conn, entry, report)
+        else:
+            by_job.setdefault(entry.job, []).append(entry.id)
+    for job, ids in by_job.items():
+        config = load_config(conn, job)
+        if config is None:
+            raise DlqError(f"job {job!r} has no stored config; cannot size its new batches")
+        for start in range(0, len(ids), CHUNK):
+            _requeue_letters(conn, job, ids[start:start + CHUNK], config.batch_size, report)
+    return report
+
+
+def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: int, report: RequeueReport) -> None:
+    dlq = keys.job_dlq(job)
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(dlq)  # a concurrent requeue/purge of these letters restarts this one
+                letters, skipped = _movable(pipe, job, ids, "requeue")
+                # A fresh Prompt carries no attempt count: the engine starts it at 0.
+                prompts = sorted((letter.prompt for letter in letters), key=lambda p: (p.index, p.id))
+                batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
+                pipe.multi()
+                if letters:
+                    write_batches(pipe, conn, batches, digests={}, count_total=False)
+                    pipe.hdel(dlq, *[letter.id for letter in letters])
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    report.skipped.extend(skipped)
+    if letters:
+        report.prompts[job] = report.prompts.get(job, 0) + len(letters)
+        report.new_batches.setdefault(job, []).extend(b.id for b in batches)
+
+
+def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
+    """Letters (still in the DLQ) whose batch can never run again, and why the others are not."""
+    letters = [unpack(raw, DeadLetter) for raw in pipe.hmget(keys.job_dlq(job), ids) if raw is not None]
+    gone = set(ids) - {letter.id for letter in letters}
+    skipped = [(i, "no longer in the dead-letter queue (requeued or purged meanwhile)") for i in ids if i in gone]
+    batch_ids = sorted({letter.batch for letter in letters})
+    live = {b for b in batch_ids if pipe.exists(keys.batch(job, b))}
+    movable = []
+    for letter in letters:
+        if letter.batch in live:
+            skipped.append((letter.id, f"its batch {letter.batch} has not finished (still held by a worker, queued, "
+                                       f"or failed in RQ); {verb} it once that batch completes"))
+        elif verb == "requeue" and letter.prompt is None:
+            skipped.append((letter.id, "the letter does not carry its prompt; re-enqueue it from the input"))
+        else:
+            movable.append(letter)
+    return movable, skipped
+
+
+def _requeue_batch(conn: redis.Redis, entry: Entry, report: RequeueReport) -> None:
+    """Enqueue a fresh RQ job for the batch and delete the failed one, in one MULTI.
+
+    Not FailedJobRegistry.requeue: that ZREMs, saves and enqueues in separate
+    steps (a crash between them leaves the batch in no registry at all) and
+    keeps retries_left at 0, so the next lost worker fails the batch at once.
+    A fresh job gets the full Retry(max=BATCH_RETRIES); `rq info` shows one
+    queued job and one failed job fewer, which is the truth.
+    """
+    registry = FailedJobRegistry(queue=rq_queue(conn))
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(registry.key)
+                if pipe.zscore(registry.key, entry.rq_job) is None:
+                    report.skipped.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
+                    return
+                old = RqJob.fetch(entry.rq_job, connection=conn)
+                pipe.multi()
+                enqueue_batch_jobs(pipe, conn, [(entry.job, entry.batch, entry.prompts or 0)])
+                old.delete(pipeline=pipe)  # also removes it from the failed registry
+                pipe.delete(RqResult.get_key(old.id))
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    report.batches.append((entry.job, entry.batch, entry.prompts or 0))
+
+
+# ------------------------------------------------------------------ purge
+
+
+def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
+    """Forget dead prompts and failed batches: no retry, and out of every count.
+
+    A purged prompt leaves the DLQ (the monitor's "failed"), the job's total and
+    its id index (so enqueueing the same row again queues it anew); the job
+    stats' "purged" field counts them. Failed batches go first: once their
+    record is gone, their own dead letters can be purged in the same run.
+    """
+    report = PurgeReport(letters={}, batches=[], kept=[])
+    by_job: dict[str, list[str]] = {}
+    for entry in chosen:
+        if entry.is_batch:
+            _purge_batch(conn, entry, report)
+    for entry in chosen:
+        if not entry.is_batch:
+            by_job.setdefault(entry.job, []).append(entry.id)
+    for job, ids in by_job.items():
+        for start in range(0, len(ids), CHUNK):
+            _purge_letters(conn, job, ids[start:start + CHUNK], report)
+    return report
+
+
+def _purge_letters(conn: redis.Redis, job: str, ids: list[str], report: PurgeReport) -> None:
+    dlq = keys.job_dlq(job)
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(dlq)
+                letters, kept = _movable(pipe, job, ids, "purge")
+                gone = [letter.id for letter in letters]
+                pipe.multi()
+                if gone:
+                    pipe.hdel(dlq, *gone)
+                    pipe.hdel(keys.job_ids(job), *gone)
+                    pipe.hincrby(keys.job_stats(job), "total", -len(gone))
+                    pipe.hincrby(keys.job_stats(job), "purged", len(gone))
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    report.kept.extend(kept)
+    if gone:
+        report.letters[job] = report.letters.get(job, 0) + len(gone)
+
+
+def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
+    registry = FailedJobRegistry(queue=rq_queue(conn))
+    job, batch_id = entry.job, entry.batch
+    results = keys.batch_results(job, batch_id)
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(registry.key, keys.job_dlq(job), results)
+                if pipe.zscore(registry.key, entry.rq_job) is None:
+                    report.kept.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
+                    return
+                finished = pipe.hlen(results)
+                if finished:
+                    # Those results are counted as done but are in no shard yet: purging would
+                    # throw away finished work and leave the counters wrong. Requeue finishes it.
+                    report.kept.append((entry.id, f"{finished} of its prompts finished but are not in a shard yet; "
+                                                  f"`genq dlq requeue --job {job} {entry.id}` completes it "
+                                                  "without regenerating them"))
+                    return
+                batch = load_batch(pipe, job, batch_id)
+                ids = [p.id for p in batch.prompts] if batch else []
+                dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
+                # Its dead letters stay letters (purged below with the others); the rest is forgotten.
+                forget = [i for i, d in zip(ids, dead) if d is None]
+                old = RqJob.fetch(entry.rq_job, connection=conn)
+                pipe.multi()
+                old.delete(pipeline=pipe)
+                pipe.delete(RqResult.get_key(old.id))
+                if batch is not None:
+                    pipe.delete(keys.batch(job, batch_id))
+                    pipe.hincrby(keys.job_stats(job), "batches", -1)
+                if forget:
+                    pipe.hdel(keys.job_ids(job), *forget)
+                    pipe.hincrby(keys.job_stats(job), "total", -len(forget))
+                    pipe.hincrby(keys.job_stats(job), "purged", len(forget))
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    report.batches.append((job, batch_id, len(forget)))
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _from_letter(letter: DeadLetter) -> Entry:
+    return Entry(
+        id=letter.id, job=letter.job, batch=letter.batch, attempts=letter.attempts, kind=letter.kind,
+        message=letter.message, worker=letter.worker, at=letter.at, status=letter.status, prompt=letter.prompt,
+    )
+
+
+def _batch_ref(rq_job: RqJob | None) -> tuple[str, str] | None:
+    """(job, batch id) of a genq batch job; None for anything else in the registry."""
+    if rq_job is None:
+        return None
+    try:
+        if rq_job.func_name != RUN_BATCH:
+            return None
+        job, batch_id = rq_job.args[:2]
+    except Exception:  # an undecodable job (another app's pickle): not ours to show
+        return None
+    return str(job), str(batch_id)
+
+
+def iso(at: float) -> str:
+    return datetime.fromtimestamp(at, tz=timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def age(at: float, now: float | None = None) -> str:
+    seconds = max(0.0, (now or time.time()) - at)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def to_json(entry: Entry, *, full: bool = False) -> dict[str, Any]:
+    """The --json shape: the id at top level, `at` as ISO 8601 UTC and `at_epoch` in seconds."""
+    out: dict[str, Any] = {
+        "id": entry.id, "job": entry.job, "batch": entry.batch, "attempts": entry.attempts,
+        "kind": entry.kind, "status": entry.status, "message": entry.message, "worker": entry.worker,
+        "at": iso(entry.at), "at_epoch": entry.at,
+    }
+    if entry.is_batch:
+        out["rq_job"] = entry.rq_job
+        out["prompts"] = entry.prompts
+    if full:
+        if entry.prompt is not None:
+            out["prompt"] = msgspec.to_builtins(entry.prompt)
+        if entry.is_batch:
+            out["traceback"] = entry.traceback
+    return out

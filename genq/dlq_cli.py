@@ -1,0 +1,240 @@
+"""genq dlq: list, show, requeue and purge what genq gave up on (logic in genq.dlq)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+import redis
+
+from genq import dlq as core
+from genq.cli import settings
+from genq.redisconn import connect, describe_error
+
+EXIT_SKIPPED = 3
+MESSAGE_WIDTH = 60
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _errors(func: F) -> F:
+    """DlqError and Redis errors become one clear line and exit status 1."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except core.DlqError as exc:
+            raise click.ClickException(str(exc)) from None
+        except redis.RedisError as exc:
+            raise click.ClickException(describe_error(settings(click.get_current_context()).redis_url, exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _conn(ctx: click.Context) -> redis.Redis:
+    return connect(settings(ctx).redis_url)
+
+
+job_option = click.option("--job", default=None, metavar="NAME", help="Only this job. [default: all jobs]")
+
+
+@click.group()
+def dlq() -> None:
+    """Inspect, requeue or purge what genq gave up on.
+
+    \b
+    Two kinds of entries:
+      prompts        a prompt failed for good: the server rejected it (bad_request,
+                     e.g. longer than the context) or its attempts ran out
+                     (server_error, timeout, connection, protocol). Id: the prompt id.
+      batch_failed   RQ gave up on a whole batch (its retries ran out, e.g. the
+                     worker holding it died again and again). Id: batch:<batch id>.
+    The monitor's "failed" count is the number of dead prompts.
+    """
+
+
+@dlq.command("list")
+@job_option
+@click.option("--json", "as_json", is_flag=True, help="A JSON array: one object per entry (id, job, batch, attempts, kind, status, message, worker, at as ISO 8601 UTC, at_epoch; failed batches add rq_job and prompts).")
+@click.option("--limit", type=click.IntRange(0), default=None, metavar="N", help="Show at most N entries, newest first (0: all). [default: 100 in the table, all with --json]")
+@click.pass_context
+@_errors
+def list_command(ctx: click.Context, job: str | None, as_json: bool, limit: int | None) -> None:
+    """List dead prompts and failed batches, newest first."""
+    found = core.entries(_conn(ctx), job)
+    shown = found if not limit and (as_json or limit == 0) else found[: limit or 100]
+    if as_json:
+        click.echo(json.dumps([core.to_json(e) for e in shown], indent=2))
+        return
+    scope = f"job {job}" if job else "any job"
+    if not found:
+        click.echo(f"the dead-letter queue is empty ({scope})")
+        return
+    _table(shown)
+    kinds = Counter(e.kind for e in found)
+    summary = ", ".join(f"{kind} {n:,}" for kind, n in kinds.most_common())
+    more = f" (showing the newest {len(shown):,}; --limit 0 for all)" if len(shown) < len(found) else ""
+    click.echo(f"{len(found):,} entries in {scope}: {summary}{more}")
+    click.echo("details: genq dlq show ID   retry: genq dlq requeue --all" + (f" --job {job}" if job else ""))
+
+
+def _table(rows: Sequence[core.Entry]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name, justify in (("id", "left"), ("job", "left"), ("batch", "left"), ("attempts", "right"),
+                          ("kind", "left"), ("HTTP", "right"), ("message", "left"), ("worker", "left"),
+                          ("age", "right")):
+        table.add_column(name, justify=justify, no_wrap=name != "message", overflow="fold")
+    now = time.time()
+    for e in rows:
+        table.add_row(e.id, e.job, e.batch, str(e.attempts), e.kind, str(e.status or "-"),
+                      _short(e.message), e.worker or "-", core.age(e.at, now))
+    # Not a terminal (a pipe, a file): a wide fixed width so lines are not folded at 80.
+    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False, soft_wrap=False)
+    console.print(table)
+
+
+def _short(message: str) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line if len(line) <= MESSAGE_WIDTH else line[: MESSAGE_WIDTH - 1] + "…"
+
+
+@dlq.command(short_help="Everything about one entry (prompt, full message, traceback).")
+@click.argument("entry_id", metavar="ID")
+@job_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, with the prompt and (failed batches) the traceback.")
+@click.pass_context
+@_errors
+def show(ctx: click.Context, entry_id: str, job: str | None, as_json: bool) -> None:
+    """Everything about one entry: the prompt and the server's full message, or a failed batch's traceback.
+
+    ID is a prompt id, or batch:<batch id> for a failed batch.
+    """
+    (entry,) = core.find(_conn(ctx), [entry_id], job, traceback=True)
+    if as_json:
+        click.echo(json.dumps(core.to_json(entry, full=True), indent=2))
+        return
+    fields: list[tuple[str, Any]] = [
+        ("id", entry.id), ("job", entry.job), ("batch", entry.batch), ("kind", entry.kind),
+        ("HTTP status", entry.status), ("attempts", entry.attempts), ("worker", entry.worker or "-"),
+        ("at", f"{core.iso(entry.at)} ({core.age(entry.at)} ago)"),
+    ]
+    if entry.is_batch:
+        fields += [("RQ job", entry.rq_job), ("prompts", entry.prompts if entry.prompts is not None else "(batch record gone)")]
+    for name, value in fields:
+        if value is not None:
+            click.echo(f"{name + ':':<13}{value}")
+    click.echo("message:")
+    click.echo(_indent(entry.message))
+    if entry.prompt is not None:
+        click.echo("prompt:")
+        click.echo(_indent(json.dumps(_prompt_view(entry), indent=2, ensure_ascii=False)))
+    if entry.is_batch:
+        click.echo("traceback:")
+        click.echo(_indent(entry.traceback or "(RQ stored none)"))
+
+
+def _prompt_view(entry: core.Entry) -> dict[str, Any]:
+    p = entry.prompt
+    assert p is not None
+    view = {"index": p.index, "messages": p.messages, "prompt": p.prompt, "sampling": p.sampling,
+            "metadata": p.metadata or None, "custom_id": p.custom_id}
+    return {k: v for k, v in view.items() if v is not None}
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.rstrip("\n").splitlines())
+
+
+@dlq.command(short_help="Queue dead prompts and failed batches again.")
+@click.argument("ids", nargs=-1, metavar="[ID]...")
+@job_option
+@click.option("--all", "all_", is_flag=True, help="Every entry (of --job, or of all jobs).")
+@click.pass_context
+@_errors
+def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: bool) -> None:
+    """Queue dead prompts again (as new batches) and failed batches (as new RQ jobs).
+
+    \b
+    Dead prompts go into new batches of the job (its batch size), with their
+    attempts reset; each letter leaves the dead-letter queue in the same
+    transaction that queues it, so none is lost or queued twice. A prompt
+    whose original batch has not finished yet is skipped (its batch could
+    still regenerate it): requeue it after that batch completes.
+    Failed batches get a fresh RQ job (full retries) and leave RQ's failed
+    registry; prompts they already finished are not regenerated.
+
+    Exit status: 0 all requeued; 3 some entries were skipped (each is named);
+    1 an unknown job or id (nothing was requeued).
+    """
+    if all_ == bool(ids):
+        raise click.UsageError("give either --all or one or more IDs")
+    conn = _conn(ctx)
+    chosen = core.entries(conn, job) if all_ else core.find(conn, ids, job)
+    if not chosen:
+        click.echo(f"nothing to requeue: the dead-letter queue is empty ({f'job {job}' if job else 'any job'})")
+        return
+    report = core.requeue(conn, chosen)
+    for name, batch_ids in report.new_batches.items():
+        plural = "es" if len(batch_ids) != 1 else ""
+        click.echo(f"job {name}: requeued {report.prompts[name]:,} prompts as {len(batch_ids)} new batch{plural}: "
+                   f"{', '.join(batch_ids)}")
+    for name, batch_id, size in report.batches:
+        click.echo(f"job {name}: requeued failed batch {batch_id} ({size:,} prompts) as a new RQ job")
+    if not report.new_batches and not report.batches:
+        click.echo("nothing was requeued")
+    for entry_id, why in report.skipped:
+        click.echo(f"skipped {entry_id}: {why}", err=True)
+    if report.skipped:
+        sys.exit(EXIT_SKIPPED)
+
+
+@dlq.command(short_help="Forget dead prompts and failed batches (asks first).")
+@job_option
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+@_errors
+def purge(ctx: click.Context, job: str | None, yes: bool) -> None:
+    """Forget every dead prompt and failed batch (of --job, or of all jobs).
+
+    \b
+    Purged prompts are neither retried nor counted: they leave the monitor's
+    "failed", the job's total and its id index (enqueueing the same rows again
+    queues them anew); the job's stats keep a "purged" count. A failed batch's
+    unfinished prompts are forgotten the same way. Keep a record first:
+      genq dlq list --job NAME --json > dead-letters.json
+      genq export --job NAME --to out.jsonl --format openai-batch   # + out.errors.jsonl
+    A prompt whose batch has not finished yet, and a failed batch that already
+    finished some prompts, are kept (and named): requeue those instead.
+    """
+    conn = _conn(ctx)
+    chosen = core.entries(conn, job)
+    scope = f"job {job}" if job else "all jobs"
+    if not chosen:
+        click.echo(f"nothing to purge: the dead-letter queue is empty ({scope})")
+        return
+    prompts = sum(1 for e in chosen if not e.is_batch)
+    batches = len(chosen) - prompts
+    what = f"{prompts:,} dead prompts" + (f" and {batches:,} failed batches" if batches else "")
+    if not yes:
+        click.confirm(f"Purge {what} of {scope}? They will not be retried or counted", abort=True)
+    report = core.purge(conn, chosen)
+    for name, n in report.letters.items():
+        click.echo(f"job {name}: purged {n:,} dead prompts")
+    for name, batch_id, forgotten in report.batches:
+        click.echo(f"job {name}: purged failed batch {batch_id} ({forgotten:,} unfinished prompts forgotten)")
+    if not report.letters and not report.batches:
+        click.echo("nothing was purged")
+    for entry_id, why in report.kept:
+        click.echo(f"kept {entry_id}: {why}", err=True)
+    if report.kept:
+        sys.exit(EXIT_SKIPPED)

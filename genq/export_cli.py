@@ -1,0 +1,147 @@
+"""genq export: one file from a job's finished shards (local or S3), in input order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import redis
+
+from genq import keys
+from genq.cli import settings
+from genq import export as exporting
+from genq.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name
+from genq.queueing import load_batch, load_config
+from genq.records import DeadLetter, unpack
+from genq.redisconn import connect, describe_error, mask_url
+
+
+@click.command()
+@click.option("--job", required=True, help="The job to export.")
+@click.option("--to", "dest", required=True, metavar="FILE|DIR",
+              help="Output file (local or s3://bucket/key), or a directory to write JOB.<format> into.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="jsonl (Result lines, as in the shards), parquet, or openai-batch (OpenAI Batch "
+                   "output lines; dead letters go to an errors file). [default: from --to's suffix, else jsonl]")
+@click.option("--order", type=click.Choice(ORDERS), default="input", show_default=True,
+              help="input: sorted by the prompt's position in the input; batch: shard by shard.")
+@click.option("--errors", "errors_path", default=None, metavar="FILE",
+              help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
+@click.option("--from", "source", default=None, metavar="OUTPUT",
+              help="Read shards from OUTPUT (a directory or s3://bucket/prefix) instead of the job's "
+                   "configured output, e.g. after copying it.")
+@click.option("--s3-endpoint-url", default=None, metavar="URL",
+              help="S3-compatible endpoint for reading and writing. [default: the job's, or the AWS env/config]")
+@click.pass_context
+def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str, errors_path: str | None,
+                   source: str | None, s3_endpoint_url: str | None) -> None:
+    """Merge JOB's finished shards into one JSONL, Parquet or OpenAI Batch file.
+
+    Only shards named by the manifest (JOB/manifest/*.json) are read, each checked
+    against its marker; records are deduplicated by id and, with --order input,
+    sorted by their line in the input. Prints what it wrote.
+
+    \b
+    Examples:
+      genq export --job expansion --to expansion.jsonl
+      genq export --job expansion --to ./exports/ --format parquet
+      genq export --job batch1 --to out.jsonl --format openai-batch   # + out.errors.jsonl
+    """
+    url = settings(ctx).redis_url
+    conn = connect(url)
+    try:
+        config = load_config(conn, job)
+        if config is None and source is None:
+            raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(url)}; "
+                                       "give --from OUTPUT to export shards without it")
+        output = source or config.output  # type: ignore[union-attr]
+        endpoint = s3_endpoint_url or (config.s3_endpoint_url if config else None)
+        fmt = fmt or ("parquet" if dest.endswith((".parquet", ".pq")) else "jsonl")
+        path = _destination(dest, job, fmt)
+        letters = _letters(conn, job) if fmt == "openai-batch" else []
+        try:
+            summary = exporting.export(output=output, job=job, dest=path, fmt=fmt, order=order, letters=letters,
+                             errors_path=errors_path, endpoint_url=endpoint, dest_endpoint_url=endpoint)
+        except ExportError as exc:
+            raise click.ClickException(str(exc)) from None
+        except Exception as exc:
+            if type(exc).__module__.startswith(("botocore", "boto3")):
+                from genq import s3
+
+                raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
+            raise
+        _report(summary, fmt, _status(conn, job, config is not None))
+    except redis.RedisError as exc:
+        raise click.ClickException(describe_error(url, exc)) from None
+    finally:
+        conn.close()
+
+
+def _destination(dest: str, job: str, fmt: str) -> str:
+    if dest.endswith("/") or (not dest.startswith("s3://") and Path(dest).is_dir()):
+        return dest.rstrip("/") + "/" + default_file_name(job, fmt)
+    return dest
+
+
+def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
+    """The job's dead letters, plus the unfinished prompts of batches RQ gave up on
+    (so that every input id lands in the output or the errors file)."""
+    letters = [unpack(raw, DeadLetter) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
+    dead = {d.id for d in letters}
+    from genq.dlq import failed_batches
+
+    for entry in failed_batches(conn, [job]):
+        batch = load_batch(conn, job, entry.batch)
+        if batch is None:
+            continue
+        done = set(conn.hkeys(keys.batch_results(job, entry.batch)))
+        for prompt in batch.prompts:
+            if prompt.id in dead or prompt.id.encode() in done:
+                continue
+            letters.append(DeadLetter(id=prompt.id, job=job, batch=entry.batch, attempts=entry.attempts,
+                                      kind=entry.kind, message=entry.message, worker=entry.worker, at=entry.at,
+                                      prompt=prompt))
+    return letters
+
+
+def _status(conn: redis.Redis, job: str, known: bool) -> dict[str, int]:
+    if not known:
+        return {}
+    total = int(conn.hget(keys.job_stats(job), "total") or 0)
+    return {
+        "total": total,
+        "batches": conn.zcard(keys.job_batches(job)),
+        "done": conn.scard(keys.job_done(job)),
+        "dead": conn.hlen(keys.job_dlq(job)),
+    }
+
+
+def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
+    click.echo(f"wrote {s.records:,} records ({_size(s.bytes)}, {s.bytes:,} bytes) to {s.path} "
+               f"from {s.shards:,} shards")
+    if s.duplicates:
+        click.echo(f"  dropped {s.duplicates:,} duplicate records (same id in more than one shard; first kept)")
+    if s.errors_path is not None:
+        click.echo(f"  wrote {s.errors:,} error lines to {s.errors_path}")
+    if s.skipped_errors:
+        click.echo(f"  left out {s.skipped_errors:,} dead letters whose id also has a result")
+    if not status:
+        return
+    if status["done"] < status["batches"]:
+        click.echo(f"  note: job has {status['batches']:,} batches, {status['done']:,} with shards written: "
+                   "the rest are not in this export yet", err=True)
+    if status["dead"] and fmt != "openai-batch":
+        click.echo(f"  note: {status['dead']:,} prompts are in the dead-letter queue, not in this export "
+                   "(see `genq dlq`)", err=True)
+    missing = status["total"] - s.records - s.errors
+    if fmt == "openai-batch" and missing > 0:
+        click.echo(f"  note: {missing:,} of {status['total']:,} prompts are in neither file (not finished yet)",
+                   err=True)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"

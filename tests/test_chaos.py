@@ -1,0 +1,211 @@
+"""Chaos suite: faults in the server, workers killed, Redis restarted.
+
+Every test ends with the same audit against the input: each valid prompt has
+exactly one result or exactly one dead letter with a reason; none is lost,
+none twice; nothing in the DLQ was caused by an outage or a kill.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+
+from genq import keys
+from genq.queueing import rq_queue
+from genq.records import DeadLetter, unpack
+from tests.conftest import free_port, read_results, run_genq, write_prompts
+
+FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as resp:
+        return json.loads(resp.read())
+
+
+def dead_letters(conn: redis.Redis, job: str) -> dict[str, DeadLetter]:
+    return {k.decode(): unpack(v, DeadLetter) for k, v in conn.hgetall(keys.job_dlq(job)).items()}
+
+
+def audit(conn: redis.Redis, out: Path, job: str, ids: list[str]) -> tuple[list[dict], dict[str, DeadLetter]]:
+    """Exactly one result or one dead letter per prompt; returns both for further checks."""
+    rows = read_results(out, job)
+    result_ids = [r["id"] for r in rows]
+    assert len(result_ids) == len(set(result_ids)), "a prompt has two results"
+    letters = dead_letters(conn, job)
+    assert not set(result_ids) & set(letters), "a prompt has both a result and a dead letter"
+    assert sorted(result_ids + list(letters)) == sorted(ids), "prompts lost or invented"
+    return rows, letters
+
+
+def enqueue(tmp_path: Path, redis_url: str, job: str, n: int, *args: str) -> tuple[list[str], Path]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args, redis_url=redis_url)
+    return ids, out
+
+
+def test_errors_resets_and_overlength_prompts(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, error_rate=0.25, reset_rate=0.1, context_length=400, **FAST)
+    ids, out = enqueue(tmp_path, redis_url, "faults", 120, "--batch-size", "30", "--max-tokens", "200",
+                       "--max-attempts", "8")
+    # Three prompts too long for the context: the server rejects them (400), no retries.
+    long_rows = [{"id": f"long{i}", "messages": [{"role": "user", "content": "word " * 600}]} for i in range(3)]
+    extra = tmp_path / "long.jsonl"
+    extra.write_text("".join(json.dumps(r) + "\n" for r in long_rows))
+    run_genq("enqueue", str(extra), "--job", "faults", redis_url=redis_url)
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    rows, letters = audit(rconn, out, "faults", ids + [r["id"] for r in long_rows])
+    for i in range(3):
+        letter = letters[f"long{i}"]
+        assert letter.kind == "bad_request" and letter.status == 400 and letter.attempts == 1
+        assert "longer than the model's context length" in letter.message
+        assert letter.prompt is not None and letter.prompt.id == f"long{i}"
+    # With 8 attempts at 25%+10% failure, any other letter must have used all its attempts.
+    for pid, letter in letters.items():
+        if not pid.startswith("long"):
+            assert letter.attempts == 8 and letter.kind in ("server_error", "connection"), letter
+    assert max(r["attempts"] for r in rows) > 1, "faults were injected, some prompts needed retries"
+
+
+def test_hung_requests_are_cancelled_and_retried(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, hang_rate=0.15, **FAST)
+    ids, out = enqueue(tmp_path, redis_url, "hangs", 60, "--batch-size", "30", "--max-tokens", "200")
+    proc = worker(server, "--burst", "--stall-timeout", "1", "--retry-backoff", "0.05")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    rows, letters = audit(rconn, out, "hangs", ids)
+    assert not letters
+    assert any(r["attempts"] > 1 for r in rows), "some requests hung and were retried"
+
+
+def test_server_outage_burns_no_attempts_and_fills_no_dlq(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, mean_output_tokens=300, output_sigma=1.0, tokens_per_step=16,
+                 step_ms_base=10)
+    ids, out = enqueue(tmp_path, redis_url, "outage", 80, "--batch-size", "20", "--max-tokens", "1000",
+                       "--max-attempts", "2")
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    done_key = keys.job_done("outage")
+    wait_until(lambda: rconn.scard(done_key) >= 1, 60, "a first batch done")
+    post_json(server + "/sim/faults", {"outage_for": 4})  # the server "crashes" for 4 s
+    assert proc.wait(timeout=180) == 0, proc.log()
+    rows, letters = audit(rconn, out, "outage", ids)
+    assert not letters, f"an outage sent prompts to the DLQ: {letters}"
+    assert all(r["attempts"] == 1 for r in rows), "attempts were counted while the server was down"
+    log = proc.log()
+    assert "is down: holding prompts" in log and "is back after" in log
+
+
+def test_long_outage_hands_batches_back_to_other_gpus(redis_url, rconn, sim, worker, tmp_path):
+    dying = sim(max_running_requests=4, mean_output_tokens=2000, output_sigma=0.3, tokens_per_step=16,
+                step_ms_base=10)
+    healthy = sim(max_running_requests=8, **FAST)
+    ids, out = enqueue(tmp_path, redis_url, "handback", 40, "--batch-size", "10", "--max-tokens", "3000")
+    first = worker(dying, "--server-down-timeout", "2", "--prefetch", "2", name="dying")
+    wait_until(lambda: len(rq_queue(rconn).started_job_registry) == 2, 30, "two batches held")
+    post_json(dying + "/sim/faults", {"outage_for": 600})
+    wait_until(lambda: "handed back 2 batches" in first.log(), 30, "hand-back after the timeout")
+    second = worker(healthy, "--burst", name="healthy")
+    assert second.wait(timeout=120) == 0, second.log()
+    first.signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == 0, first.log()
+    rows, letters = audit(rconn, out, "handback", ids)
+    assert not letters
+    healthy_name = f"{socket.gethostname()}.{healthy.rsplit(':', 1)[1]}"
+    assert sum(r["worker"] == healthy_name for r in rows) >= 20, "the handed-back batches ran elsewhere"
+
+
+def test_sigterm_finishes_held_batches_and_exits_zero(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, mean_output_tokens=200, output_sigma=0.5, tokens_per_step=16,
+                 step_ms_base=10)
+    ids, out = enqueue(tmp_path, redis_url, "term", 100, "--batch-size", "20", "--max-tokens", "600")
+    proc = worker(server)
+    wait_until(lambda: rconn.scard(keys.job_done("term")) >= 1, 60, "a first batch done")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.log()
+    done = {b.decode() for b in rconn.smembers(keys.job_done("term"))}
+    held_left = len(rq_queue(rconn).started_job_registry)
+    assert held_left == 0, "a drained worker holds nothing"
+    # Whatever it finished is on disk; the rest is still queued, untouched.
+    rows = read_results(out, "term")
+    assert len(rows) == 20 * len(done)
+    assert rq_queue(rconn).count == 5 - len(done)
+    rest = worker(server, "--burst", name="rest")
+    assert rest.wait(timeout=120) == 0, rest.log()
+    audit(rconn, out, "term", ids)
+
+
+def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url, rconn, sim, worker, tmp_path):
+    """SIGKILL to the worker and every process it started: RQ's abandoned-job handling."""
+    server = sim(max_running_requests=8, mean_output_tokens=300, output_sigma=1.0, tokens_per_step=16,
+                 step_ms_base=10)
+    ids, out = enqueue(tmp_path, redis_url, "killall", 60, "--batch-size", "30", "--max-tokens", "1500")
+    first = worker(server, "--heartbeat-interval", "1", name="first")
+    wait_until(lambda: rconn.hlen(keys.batch_results("killall", "b0000001")) >= 5, 60, "results recorded")
+    first.kill_tree()
+    killed_at = time.monotonic()
+    second = worker(server, "--heartbeat-interval", "1", "--burst", name="second")
+    # The burst worker takes b2 if still queued; b1 comes back once its heartbeat expires (1 + 60 s).
+    wait_until(lambda: rconn.scard(keys.job_done("killall")) == 2, 150, "both batches done")
+    recovered_in = time.monotonic() - killed_at
+    assert recovered_in < 120, f"recovery took {recovered_in:.0f}s"
+    second.wait(timeout=60)
+    rows, letters = audit(rconn, out, "killall", ids)
+    assert not letters
+
+
+def test_worker_survives_redis_restart(sim, procs, tmp_path):
+    """A private Redis with appendonly, restarted mid-run: nothing lost, the worker carries on."""
+    port = free_port()
+    data = tmp_path / "redis"
+    data.mkdir()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
+            "--appendfsync", "always", "--save", "", "--dir", str(data)]
+    server_proc = procs(args, name="redis")
+    url = f"redis://127.0.0.1:{port}/0"
+    conn = redis.Redis.from_url(url)
+    wait_until(lambda: _pings(conn), 10, "private redis")
+    sim_url = sim(max_running_requests=8, mean_output_tokens=200, output_sigma=0.8, tokens_per_step=16,
+                  step_ms_base=10)
+    src = tmp_path / "p.jsonl"
+    ids = write_prompts(src, 80)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "rr", "--output", str(out), "--batch-size", "20",
+             "--max-tokens", "800", redis_url=url)
+    proc = procs([sys.executable, "-m", "genq", "--redis", url, "worker", "--server", sim_url, "--burst"], name="w")
+    wait_until(lambda: conn.scard(keys.job_done("rr")) >= 1, 60, "a first batch done")
+    server_proc.signal(signal.SIGTERM)
+    server_proc.wait(timeout=10)
+    time.sleep(2)
+    procs(args, name="redis-again")
+    wait_until(lambda: _pings(conn), 10, "redis back")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    rows, letters = audit(conn, out, "rr", ids)
+    assert not letters
+
+
+def _pings(conn: redis.Redis) -> bool:
+    try:
+        return conn.ping()
+    except redis.ConnectionError:
+        return False

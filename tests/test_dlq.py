@@ -1,0 +1,296 @@
+"""genq dlq against real dead letters: real Redis, `genq sim`, `genq worker` and a plain `rq worker`.
+
+Dead prompts come from the sim's SGLang 400 for prompts longer than a small
+--context-length; failed batches from a plain `rq worker --burst`, where
+run_batch raises EngineLost (no GENQ_ENGINE) until its RQ retries run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+from rq.job import Job as RqJob
+from rq.registry import FailedJobRegistry
+
+from genq import keys
+from genq.queueing import BATCH_RETRIES, rq_queue
+from genq.records import Result, Usage
+from genq.redisconn import connect_async
+from tests.conftest import ROOT, read_results, run_genq
+from worker.results import ResultWriter
+
+FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2)
+SMALL_CONTEXT = 256
+TOO_LONG = re.compile(r"^The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)\.$")
+
+
+def sim_stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/sim/stats") as resp:
+        return json.loads(resp.read())
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def write_mixed(path: Path, n: int, long_every: int = 4) -> tuple[list[str], list[str]]:
+    """n prompts; every long_every-th (from 1) is ~500 sim tokens, over SMALL_CONTEXT. Returns (all, long) ids."""
+    ids, long_ids = [], []
+    with open(path, "w") as f:
+        for i in range(n):
+            pid = f"p{i:05d}"
+            is_long = i % long_every == 1
+            content = ("x" * 2000 + f" {i}") if is_long else f"prompt number {i}"
+            f.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": content}]}) + "\n")
+            ids.append(pid)
+            if is_long:
+                long_ids.append(pid)
+    return ids, long_ids
+
+
+def dlq_json(redis_url: str, *args: str) -> list[dict]:
+    return json.loads(run_genq("dlq", "list", "--json", *args, redis_url=redis_url).stdout)
+
+
+def enqueue(redis_url: str, src: Path, job: str, out: Path, batch_size: int = 5) -> None:
+    run_genq("enqueue", str(src), "--job", job, "--batch-size", str(batch_size), "--max-tokens", "16",
+             "--output", str(out), redis_url=redis_url)
+
+
+def dead_letters_the_real_way(redis_url, sim, worker, tmp_path, jobs=("j1",), n=12):
+    """Enqueue into each job and run a burst worker against a small-context sim."""
+    server = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
+    src = tmp_path / "prompts.jsonl"
+    ids, long_ids = write_mixed(src, n)
+    out = tmp_path / "out"
+    for job in jobs:
+        enqueue(redis_url, src, job, out)
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    return server, src, out, ids, long_ids
+
+
+def total(rconn, job: str) -> int:
+    return int(rconn.hget(keys.job_stats(job), "total") or 0)
+
+
+def done_count(rconn, job: str) -> int:
+    workers = [w.decode() for w in rconn.smembers(keys.job_workers(job))]
+    return sum(int(rconn.hget(keys.worker_stats(job, w), "done") or 0) for w in workers)
+
+
+def plain_rq_worker_burst(redis_url: str) -> subprocess.CompletedProcess:
+    """A stock `rq worker --burst`: without GENQ_ENGINE every run_batch raises EngineLost."""
+    env = {k: v for k, v in os.environ.items() if k != "GENQ_ENGINE"}
+    rq_bin = str(Path(sys.executable).parent / "rq")
+    return subprocess.run([rq_bin, "worker", "--burst", "--url", redis_url, keys.QUEUE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def fail_batches_in_rq(redis_url: str, rconn, expected: int) -> FailedJobRegistry:
+    registry = FailedJobRegistry(queue=rq_queue(rconn))
+    for _ in range(3):  # RQ re-queues a retried job at once, so one burst run normally exhausts it
+        log = plain_rq_worker_burst(redis_url)
+        if registry.count >= expected:
+            break
+    assert registry.count == expected, log.stdout + log.stderr
+    assert "EngineLost" in log.stdout + log.stderr
+    return registry
+
+
+def test_overlength_prompts_are_dead_lettered_then_requeued_and_complete_once(redis_url, rconn, sim, worker, tmp_path):
+    small, _, out, ids, long_ids = dead_letters_the_real_way(redis_url, sim, worker, tmp_path)
+    assert len(long_ids) == 3
+    assert sorted(r["id"] for r in read_results(out, "j1")) == sorted(set(ids) - set(long_ids))
+
+    letters = dlq_json(redis_url)
+    assert sorted(e["id"] for e in letters) == long_ids
+    old_batches = {e["batch"] for e in letters}
+    for e in letters:
+        assert e["job"] == "j1" and e["kind"] == "bad_request" and e["status"] == 400 and e["attempts"] == 1
+        match = TOO_LONG.match(e["message"])
+        assert match and int(match.group(2)) == SMALL_CONTEXT and int(match.group(1)) > SMALL_CONTEXT, e["message"]
+        assert e["worker"] and e["batch"].startswith("b")
+        assert abs(datetime.fromisoformat(e["at"].replace("Z", "+00:00")).timestamp() - e["at_epoch"]) < 1
+    assert dlq_json(redis_url, "--job", "j1") == letters
+    assert len(dlq_json(redis_url, "--limit", "2")) == 2
+
+    table = run_genq("dlq", "list", redis_url=redis_url).stdout
+    for pid in long_ids:
+        assert re.search(rf"^{pid}\s+j1\s+b\d+\s+1\s+bad_request\s+400\s+The input", table, re.M), table
+    assert "3 entries in any job: bad_request 3" in table
+
+    shown = run_genq("dlq", "show", long_ids[0], redis_url=redis_url).stdout
+    assert next(e["message"] for e in letters if e["id"] == long_ids[0]) in shown  # in full, not shortened
+    assert "x" * 2000 in shown  # the prompt itself
+    full = json.loads(run_genq("dlq", "show", long_ids[0], "--json", redis_url=redis_url).stdout)
+    assert full["prompt"]["messages"][0]["content"].startswith("x" * 2000)
+
+    # A server with room for them: requeue, then a worker finishes them.
+    sim.procs[small].stop()
+    big = sim(context_length=32768, **FAST_SIM)
+    requeued = run_genq("dlq", "requeue", "--all", redis_url=redis_url).stdout
+    match = re.search(r"job j1: requeued 3 prompts as 1 new batch: (b\d+)", requeued)
+    assert match, requeued
+    assert match.group(1) not in old_batches
+    assert dlq_json(redis_url) == [] and rconn.hlen(keys.job_dlq("j1")) == 0
+    assert total(rconn, "j1") == 12  # the same prompts: not counted twice
+    again = run_genq("dlq", "requeue", "--all", redis_url=redis_url).stdout
+    assert "nothing to requeue" in again
+
+    proc = worker(big, "--burst")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    rows = read_results(out, "j1")
+    assert Counter(r["id"] for r in rows) == Counter(ids)  # every prompt exactly once
+    for row in rows:
+        if row["id"] in long_ids:
+            assert row["batch"] == match.group(1) and row["attempts"] == 1  # attempts start over
+    assert sum(sim_stats(big)["generated_by_key"].values()) == 3  # only the requeued ones ran again
+    assert dlq_json(redis_url) == []
+    assert done_count(rconn, "j1") == 12 and rconn.hlen(keys.job_dlq("j1")) == 0
+
+
+def test_letters_of_a_batch_still_held_are_not_requeued_or_purged(redis_url, rconn, sim, worker, tmp_path):
+    # Every request that passes the context check hangs: the worker keeps the batch, while
+    # the over-long prompt's 400 makes a letter at once.
+    server = sim(context_length=SMALL_CONTEXT, hang_rate=1.0, **FAST_SIM)
+    src = tmp_path / "prompts.jsonl"
+    _, long_ids = write_mixed(src, 4)
+    enqueue(redis_url, src, "held", tmp_path / "out")
+    worker(server, "--burst", "--grace-period", "0")
+    wait_until(lambda: rconn.hlen(keys.job_dlq("held")) == 1, 30, "the over-long prompt's dead letter")
+
+    proc = run_genq("dlq", "requeue", "--all", redis_url=redis_url, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"skipped {long_ids[0]}: its batch b0000001 has not finished" in proc.stderr
+    proc = run_genq("dlq", "purge", "--yes", redis_url=redis_url, check=False)
+    assert proc.returncode == 3 and f"kept {long_ids[0]}" in proc.stderr, proc.stdout + proc.stderr
+    assert [e["id"] for e in dlq_json(redis_url)] == long_ids
+    assert total(rconn, "held") == 4
+
+
+def test_purge_asks_then_forgets_and_the_rows_can_be_enqueued_again(redis_url, rconn, sim, worker, tmp_path):
+    server, src, out, ids, long_ids = dead_letters_the_real_way(redis_url, sim, worker, tmp_path, jobs=("j1", "j2"))
+    # The same prompt id is dead in two jobs: naming it needs --job.
+    proc = run_genq("dlq", "show", long_ids[0], redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "several jobs (j1, j2): add --job" in proc.stderr, proc.stderr
+    assert run_genq("dlq", "show", long_ids[0], "--job", "j2", redis_url=redis_url).stdout.count("job:         j2") == 1
+
+    declined = subprocess.run([sys.executable, "-m", "genq", "--redis", redis_url, "dlq", "purge", "--job", "j1"],
+                              input="n\n", capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert declined.returncode == 1 and "Purge 3 dead prompts of job j1?" in declined.stdout, declined.stdout
+    assert len(dlq_json(redis_url, "--job", "j1")) == 3
+
+    purged = run_genq("dlq", "purge", "--job", "j1", "--yes", redis_url=redis_url).stdout
+    assert "job j1: purged 3 dead prompts" in purged
+    assert dlq_json(redis_url, "--job", "j1") == []
+    assert len(dlq_json(redis_url, "--job", "j2")) == 3  # another job's letters are untouched
+    # Forgotten: out of the total, so done + failed == total and the job is complete.
+    assert total(rconn, "j1") == 9 == done_count(rconn, "j1")
+    assert int(rconn.hget(keys.job_stats("j1"), "purged")) == 3
+    # ... and out of the id index: enqueueing the same input queues exactly those again.
+    again = run_genq("enqueue", str(src), "--job", "j1", redis_url=redis_url).stdout
+    assert "queued 3 prompts" in again and "skipped 9 prompts" in again, again
+
+    assert "nothing to purge" in run_genq("dlq", "purge", "--job", "j1", "--yes", redis_url=redis_url).stdout
+
+
+def record_partial_result(redis_url: str, job: str, batch: str, prompt_id: str) -> None:
+    """What a worker that finished one prompt and then died leaves behind (through the engine's writer)."""
+
+    async def go() -> None:
+        conn = connect_async(redis_url)
+        writer = ResultWriter(conn, "lost-worker", lambda *_: None)
+        task = asyncio.create_task(writer.run())
+        writer.add_result(Result(
+            id=prompt_id, job=job, batch=batch, index=0, completion="finished before the crash",
+            finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=4), model="m",
+            worker="lost-worker", attempts=1, latency_s=0.1,
+        ))
+        await writer.wait_idle()
+        task.cancel()
+        await conn.aclose()
+
+    asyncio.run(go())
+
+
+def test_failed_rq_batch_is_listed_requeued_and_completed(redis_url, rconn, sim, worker, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    ids, _ = write_mixed(src, 6, long_every=1000)
+    out = tmp_path / "out"
+    enqueue(redis_url, src, "fb", out, batch_size=20)
+    record_partial_result(redis_url, "fb", "b0000001", ids[0])
+    registry = fail_batches_in_rq(redis_url, rconn, expected=1)
+    (old_rq_id,) = registry.get_job_ids()
+
+    (entry,) = dlq_json(redis_url)
+    assert entry["id"] == "batch:b0000001" and entry["kind"] == "batch_failed" and entry["job"] == "fb"
+    assert entry["message"].startswith("worker.rqjob.EngineLost: this RQ worker was not started by `genq worker`")
+    assert entry["prompts"] == 6 and entry["rq_job"] == old_rq_id and entry["status"] is None
+    assert entry["attempts"] == BATCH_RETRIES + 1
+    assert "batch_failed" in run_genq("dlq", "list", redis_url=redis_url).stdout
+    shown = run_genq("dlq", "show", "batch:b0000001", redis_url=redis_url).stdout
+    assert "Traceback (most recent call last)" in shown and "in run_batch" in shown and old_rq_id in shown
+
+    # One prompt already finished: purge keeps the batch rather than throw that away.
+    proc = run_genq("dlq", "purge", "--yes", redis_url=redis_url, check=False)
+    assert proc.returncode == 3 and "kept batch:b0000001: 1 of its prompts finished" in proc.stderr, proc.stderr
+    assert registry.count == 1
+
+    requeued = run_genq("dlq", "requeue", "batch:b0000001", "--job", "fb", redis_url=redis_url).stdout
+    assert "job fb: requeued failed batch b0000001 (6 prompts) as a new RQ job" in requeued
+    assert registry.count == 0 and rq_queue(rconn).count == 1  # what `rq info` shows: queued, not failed
+    assert RqJob.exists(old_rq_id, connection=rconn) is False
+    assert dlq_json(redis_url) == []
+
+    server = sim(**FAST_SIM)
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    rows = read_results(out, "fb")
+    assert Counter(r["id"] for r in rows) == Counter(ids)
+    assert sum(sim_stats(server)["generated_by_key"].values()) == 5  # the finished one was not regenerated
+    assert registry.count == 0 and rq_queue(rconn).count == 0
+
+
+def test_failed_rq_batch_purge_forgets_its_prompts(redis_url, rconn, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    write_mixed(src, 6, long_every=1000)
+    enqueue(redis_url, src, "fp", tmp_path / "out", batch_size=20)
+    registry = fail_batches_in_rq(redis_url, rconn, expected=1)
+    purged = run_genq("dlq", "purge", "--yes", redis_url=redis_url).stdout
+    assert "job fp: purged failed batch b0000001 (6 unfinished prompts forgotten)" in purged
+    assert registry.count == 0 and rq_queue(rconn).count == 0
+    assert not rconn.exists(keys.batch("fp", "b0000001"))
+    stats = {k.decode(): int(float(v)) for k, v in rconn.hgetall(keys.job_stats("fp")).items()}
+    assert stats["total"] == 0 and stats["batches"] == 0 and stats["purged"] == 6
+    assert dlq_json(redis_url) == []
+
+
+def test_unknown_job_or_id_is_a_clear_error(redis_url, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    write_mixed(src, 2)
+    enqueue(redis_url, src, "real", tmp_path / "out")
+    for args in (["list"], ["show", "p00001"], ["requeue", "--all"], ["purge", "--yes"]):
+        proc = run_genq("dlq", *args, "--job", "nope", redis_url=redis_url, check=False)
+        assert proc.returncode == 1 and "unknown job 'nope' (known jobs: real)" in proc.stderr, (args, proc.stderr)
+    for args in (["show", "p00099"], ["requeue", "p00099", "p00000"], ["show", "batch:b0000042"]):
+        proc = run_genq("dlq", *args, redis_url=redis_url, check=False)
+        assert proc.returncode == 1 and "no dead letter or failed batch with id" in proc.stderr, (args, proc.stderr)
+    proc = run_genq("dlq", "requeue", redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "give either --all or one or more IDs" in proc.stderr
+    assert "the dead-letter queue is empty" in run_genq("dlq", "list", redis_url=redis_url).stdout

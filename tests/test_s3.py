@@ -1,0 +1,239 @@
+"""S3 through moto's standalone server on loopback: inputs, the shard sink, its
+manifest, an S3 outage in the middle of a job, and export from S3."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+import time
+
+import msgspec
+import pytest
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from genq import keys
+from genq.queueing import load_batch
+from genq.records import ShardInfo, unpack
+from tests.conftest import run_genq
+from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
+
+BUCKET = "genq-test"
+FAST_SIM = dict(mean_output_tokens=48, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)
+
+
+def prompt_lines(n: int, start: int = 0) -> tuple[list[str], bytes]:
+    ids = [f"p{i:05d}" for i in range(start, start + n)]
+    data = b"".join(
+        json.dumps({"id": pid, "messages": [{"role": "user", "content": f"prompt {pid}"}], "topic": "s3"}).encode()
+        + b"\n" for pid in ids)
+    return ids, data
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def shard_records(body: bytes, key: str) -> list[dict]:
+    if key.endswith(".gz"):
+        body = gzip.decompress(body)
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def check_manifest(objects: dict[str, bytes], root: str) -> dict[str, list[dict]]:
+    """Every marker names an existing shard with that many records and bytes.
+    Returns batch -> its records."""
+    markers = {k: v for k, v in objects.items() if k.startswith(f"{root}/manifest/")}
+    shards = {k: v for k, v in objects.items() if k.startswith(f"{root}/shards/")}
+    by_batch = {}
+    for marker_key, raw in markers.items():
+        info = msgspec.json.decode(raw, type=ShardInfo)
+        assert marker_key == f"{root}/manifest/{info.batch}.json"
+        shard_key = info.uri.removeprefix(f"s3://{BUCKET}/")
+        assert info.uri.startswith(f"s3://{BUCKET}/") and shard_key in shards, f"{marker_key} names a missing shard"
+        body = shards[shard_key]
+        assert len(body) == info.bytes, f"{shard_key}: {len(body)} bytes, marker says {info.bytes}"
+        records = shard_records(body, shard_key)
+        assert len(records) == info.records
+        assert {r["batch"] for r in records} == {info.batch}
+        by_batch[info.batch] = records
+    return by_batch
+
+
+def test_job_from_s3_input_writes_s3_shards_one_record_per_prompt(moto, redis_url, rconn, sim, worker, tmp_path):
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    ids, data = prompt_lines(57)
+    s3.put_object(Bucket=BUCKET, Key="inputs/prompts.jsonl.gz", Body=gzip.compress(data))
+    server = sim(max_running_requests=8, **FAST_SIM)
+
+    out = run_genq("enqueue", f"s3://{BUCKET}/inputs/prompts.jsonl.gz", "--job", "s3job", "--batch-size", "10",
+                   "--max-tokens", "64", "--output", f"s3://{BUCKET}/runs/2026", "--compression", "gzip",
+                   "--s3-endpoint-url", moto.url, redis_url=redis_url)
+    assert "queued 57 prompts in 6 batches" in out.stdout
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+
+    objects = moto.objects(BUCKET, "runs/2026/s3job/")
+    by_batch = check_manifest(objects, "runs/2026/s3job")
+    batches = [b.decode() for b in rconn.zrange(keys.job_batches("s3job"), 0, -1)]
+    assert sorted(by_batch) == batches
+    assert len(objects) == 2 * len(batches), "no shard without its marker, nothing else"
+    records = [r for rs in by_batch.values() for r in rs]
+    assert sorted(r["id"] for r in records) == ids, "exactly one record per prompt"
+    assert all(r["completion"] and r["metadata"] == {"topic": "s3"} for r in records)
+    # Redis's manifest hash agrees with the markers in the bucket.
+    for bid, raw in rconn.hgetall(keys.job_shards("s3job")).items():
+        info = unpack(raw, ShardInfo)
+        marker = msgspec.json.decode(objects[f"runs/2026/s3job/manifest/{bid.decode()}.json"], type=ShardInfo)
+        assert (info.uri, info.records, info.bytes) == (marker.uri, marker.records, marker.bytes)
+
+    # Export reads the manifest from S3 (the job's endpoint) into one file, in input order.
+    dest = tmp_path / "exports" / "s3job.jsonl"
+    exp = run_genq("export", "--job", "s3job", "--to", str(dest), redis_url=redis_url)
+    size = dest.stat().st_size
+    assert f"wrote 57 records" in exp.stdout and f"{size:,} bytes" in exp.stdout and "from 6 shards" in exp.stdout
+    rows = [json.loads(line) for line in dest.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ids and [r["index"] for r in rows] == list(range(57))
+
+    # ... and to Parquet on S3.
+    exp = run_genq("export", "--job", "s3job", "--to", f"s3://{BUCKET}/exports/s3job.parquet", redis_url=redis_url)
+    assert f"to s3://{BUCKET}/exports/s3job.parquet from 6 shards" in exp.stdout
+    table = pq.read_table(io.BytesIO(s3.get_object(Bucket=BUCKET, Key="exports/s3job.parquet")["Body"].read()))
+    assert table.column("id").to_pylist() == ids
+    assert table.column("messages").to_pylist()[3] == [{"role": "user", "content": "prompt p00003"}]
+
+
+def test_s3_outage_mid_run_acknowledges_only_uploaded_batches(moto, redis_url, rconn, sim, worker, tmp_path):
+    """moto keeps objects in memory: shards uploaded before the outage are gone with
+    the old server. The honest checks: while S3 is down no batch is acknowledged;
+    every batch whose upload failed was acknowledged later, and every batch
+    acknowledged after the restart is in the new bucket, matching its marker;
+    together, every prompt has exactly one record."""
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    ids, data = prompt_lines(96)
+    src = tmp_path / "prompts.jsonl"
+    src.write_bytes(data)
+    server = sim(max_running_requests=8, mean_output_tokens=160, output_sigma=0.3, tokens_per_step=16,
+                 step_ms_base=15)
+    run_genq("enqueue", str(src), "--job", "outage", "--batch-size", "8", "--max-tokens", "400",
+             "--output", f"s3://{BUCKET}/out", "--s3-endpoint-url", moto.url, redis_url=redis_url)
+    all_batches = {b.decode() for b in rconn.zrange(keys.job_batches("outage"), 0, -1)}
+    assert len(all_batches) == 12
+
+    def done() -> set[str]:
+        return {b.decode() for b in rconn.smembers(keys.job_done("outage"))}
+
+    proc = worker(server, "--burst", "--concurrency", "8")
+    wait_until(lambda: len(done()) >= 2, 60, "two batches acknowledged")
+    snapshot = check_manifest(moto.objects(BUCKET, "out/outage/"), "out/outage")
+    moto.stop()
+    failure = re.compile(r"batch outage/(b\d+): writing shard failed")
+    wait_until(lambda: failure.search(proc.log()), 60, "a shard upload failing while S3 is down")
+    time.sleep(0.5)
+    frozen = done()
+    assert frozen != all_batches, "the job must still have work when S3 goes down"
+    time.sleep(2.5)
+    assert done() == frozen, "a batch was acknowledged while S3 was down"
+    failed_during_outage = set(failure.findall(proc.log()))
+    assert failed_during_outage and not failed_during_outage & frozen
+
+    moto.start()  # the same port, an empty server
+    moto.client().create_bucket(Bucket=BUCKET)
+    assert proc.wait(timeout=120) == 0, proc.log()
+
+    assert done() == all_batches, "every batch acknowledged in the end"
+    after = check_manifest(moto.objects(BUCKET, "out/outage/"), "out/outage")
+    assert set(after) == all_batches - frozen, "every batch acknowledged after the restart is in the bucket"
+    assert failed_during_outage <= set(after), "each failed upload was redone before its batch was acknowledged"
+    # Batches acknowledged before the outage: their records are in the snapshot
+    # (or, if one finished between the snapshot and the stop, counted by Redis).
+    shards = {b.decode(): unpack(raw, ShardInfo) for b, raw in rconn.hgetall(keys.job_shards("outage")).items()}
+    assert set(shards) == all_batches
+    gap = frozen - set(snapshot)
+    seen = [r["id"] for b in frozen & set(snapshot) for r in snapshot[b]] + [r["id"] for rs in after.values() for r in rs]
+    assert len(seen) == len(set(seen)), "a prompt has two records"
+    assert len(seen) + sum(shards[b].records for b in gap) == len(ids)
+    assert set(seen) <= set(ids)
+    if not gap:
+        assert sorted(seen) == ids
+    log = proc.log()
+    assert "results stay in Redis, retrying" in log
+    assert log.count("writing shard failed") >= 2, "the worker kept retrying during the outage"
+
+
+def test_enqueue_parquet_from_s3_with_column_mapping(moto, redis_url, rconn, tmp_path):
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    table = pa.table({
+        "uid": [f"row{i}" for i in range(2500)],
+        "text": [f"complete this {i}" if i != 1700 else "" for i in range(2500)],
+        "source": ["wiki"] * 2500,
+    })
+    buf = io.BytesIO()
+    pq.write_table(table, buf, row_group_size=1000)  # three row groups, read a record batch at a time
+    s3.put_object(Bucket=BUCKET, Key="in/rows.parquet", Body=buf.getvalue())
+
+    proc = run_genq("enqueue", f"s3://{BUCKET}/in/rows.parquet", "--job", "pq", "--endpoint", "completions",
+                    "--prompt-column", "text", "--id-column", "uid", "--batch-size", "1000",
+                    "--s3-endpoint-url", moto.url, "--output", str(tmp_path / "out"),
+                    "--rejects", str(tmp_path / "rej.jsonl"), redis_url=redis_url, check=False, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "queued 2,499 prompts in 3 batches" in proc.stdout
+    assert "line 1701: 'prompt' must be a non-empty string" in proc.stderr
+    rejected = [json.loads(line) for line in (tmp_path / "rej.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejected] == [1701] and '"row1700"' in rejected[0]["text"]
+    batch = load_batch(rconn, "pq", "b0000002")
+    first = batch.prompts[0]
+    assert (first.id, first.index, first.prompt, first.metadata) == ("row1000", 1000, "complete this 1000",
+                                                                     {"source": "wiki"})
+
+    missing = run_genq("enqueue", f"s3://{BUCKET}/in/rows.parquet", "--job", "pq2", "--messages-column", "chat",
+                       "--s3-endpoint-url", moto.url, redis_url=redis_url, check=False)
+    assert missing.returncode == 1
+    assert "--messages-column 'chat': no such column" in missing.stderr and "uid, text, source" in missing.stderr
+    gone = run_genq("enqueue", f"s3://{BUCKET}/in/nothing.jsonl", "--job", "pq3", "--s3-endpoint-url", moto.url,
+                    redis_url=redis_url, check=False)
+    assert gone.returncode == 1 and f"s3://{BUCKET}/in/nothing.jsonl: no such object" in gone.stderr
+
+
+def test_s3_input_stream_resumes_where_a_dropped_connection_left_off(moto):
+    from genq.s3 import open_stream
+    from producer.sources import SourceError, open_lines
+
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    data = b"".join(b'{"id": "%08d", "prompt": "%s"}\n' % (i, b"x" * 90) for i in range(300_000))  # ~35 MB
+    s3.put_object(Bucket=BUCKET, Key="big.jsonl", Body=data)
+    stream = open_stream(f"s3://{BUCKET}/big.jsonl", moto.url, buffer_size=64 << 10)
+    first = stream.read(1 << 20)
+    # The endpoint goes away mid-body; it comes back with the same object (same ETag).
+    moto.stop()
+    moto.start()
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    s3.put_object(Bucket=BUCKET, Key="big.jsonl", Body=data)
+    rest = stream.read()
+    assert stream.raw.resumes >= 1, "the connection broke, so the reader must have resumed"
+    assert first + rest == data, "resumed at the right byte: nothing lost, nothing repeated"
+
+    # A changed object is never spliced onto the old one: the resume is pinned to the ETag.
+    lines = open_lines(f"s3://{BUCKET}/big.jsonl", s3_endpoint_url=moto.url)
+    assert next(lines) == data[: data.index(b"\n") + 1]
+    moto.stop()
+    moto.start()
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    s3.put_object(Bucket=BUCKET, Key="big.jsonl", Body=data.replace(b"x", b"y"))
+    with pytest.raises(SourceError, match="changed while it was being read"):
+        for line in lines:
+            assert b"y" not in line, "read a different version of the object after the resume"
