@@ -1,0 +1,10 @@
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY genq ./genq
+COPY producer ./producer
+COPY worker ./worker
+COPY monitor ./monitor
+COPY sim ./sim
+RUN pip install --no-cache-dir .
+ENTRYPOINT ["genq"]
