@@ -46,7 +46,7 @@ from genq.records import (
     pack,
     unpack,
 )
-from genq.redisconn import connect, connect_async
+from genq.redisconn import connect, connect_async, describe_error
 from genq.sinks import open_sink, shard_bytes
 from worker.controller import ConcurrencyController
 from worker.results import ResultWriter
@@ -158,6 +158,11 @@ class Engine:
     # ---------------------------------------------------------------- run
 
     async def run(self) -> int:
+        try:
+            await self.redis.ping()
+        except (redis.RedisError, OSError) as exc:
+            await self.client.close()
+            raise SystemExit(describe_error(self.opts.redis_url, exc)) from None
         await self._check_name_free()
         self.server = await self._wait_for_server()
         self.controller.set_capacity(self.server.capacity)
