@@ -46,7 +46,7 @@ from genq.records import (
     pack,
     unpack,
 )
-from genq.redisconn import connect, connect_async, describe_error
+from genq.redisconn import ENV_VAR as REDIS_ENV, connect, connect_async, describe_error
 from genq.sinks import open_sink, shard_bytes
 from worker.controller import ConcurrencyController
 from worker.results import ResultWriter
@@ -601,8 +601,8 @@ class Engine:
 
     async def _spawn_loop(self) -> RqLoop:
         name = f"{self.instance}.{uuid.uuid4().hex[:4]}"
-        env = dict(os.environ, **{ENGINE_ENV: self.instance})
-        args = [sys.executable, "-m", "worker.rqloop", "--redis", self.opts.redis_url, "--name", name,
+        env = dict(os.environ, **{ENGINE_ENV: self.instance, REDIS_ENV: self.opts.redis_url})
+        args = [sys.executable, "-m", "worker.rqloop", "--name", name,
                 "--parent", str(os.getpid()), "--monitoring-interval", str(self.opts.job_monitoring_interval)]
         if self.opts.burst:
             args.append("--burst")

@@ -17,7 +17,7 @@ from rq import Worker
 from rq.exceptions import StopRequested
 
 from genq import keys
-from genq.redisconn import connect
+from genq.redisconn import ENV_VAR as REDIS_ENV, connect
 from worker.rqjob import ENGINE_ENV
 
 PR_SET_PDEATHSIG = 1
@@ -35,19 +35,20 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.rqloop")
-    parser.add_argument("--redis", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--burst", action="store_true")
     parser.add_argument("--monitoring-interval", type=int, default=10)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent)
-    if not os.environ.get(ENGINE_ENV):
-        parser.error(f"{ENGINE_ENV} must name the engine")
+    for var in (ENGINE_ENV, REDIS_ENV):
+        if not os.environ.get(var):
+            parser.error(f"{var} must be set by the engine")
     worker = Worker(
         [keys.QUEUE],
         name=args.name,
-        connection=connect(args.redis),
+        # The URL comes through the environment: command lines are visible to every user (ps).
+        connection=connect(os.environ[REDIS_ENV]),
         # A dead worker's batch is seen as abandoned after this + 60 s (RQ's rule).
         job_monitoring_interval=args.monitoring_interval,
         maintenance_interval=30,
