@@ -1,14 +1,16 @@
-"""genq worker: drive one local inference server from the queue."""
+"""genq worker: drive one local inference server from the queue, or (--gpus) one per GPU."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from genq.cli import settings
-from worker.engine import WorkerOptions, run_engine
 
 
 class Concurrency(click.ParamType):
@@ -35,9 +37,18 @@ def setup_logging(level: str) -> None:
 
 
 @click.command()
-@click.option("--server", "server_url", required=True, metavar="URL", help="The local inference server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim).")
-@click.option("--gpu", type=click.IntRange(0), default=None, help="GPU index this server runs on (telemetry, default worker name).")
-@click.option("--name", default=None, help="Worker name, unique in the fleet. [default: HOST.gpuN, or HOST.PORT]")
+@click.option("--server", "server_url", default=None, metavar="URL", help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
+@click.option("--gpus", default=None, metavar="all|0,1,5", help="One worker per GPU of this machine, each a child process restarted if it fails: 'all' (every GPU NVML sees) or a list of indices as nvidia-smi numbers them.")
+@click.option("--server-url", "server_url_template", default="http://127.0.0.1:{port}", show_default=True, metavar="TEMPLATE", help="With --gpus: each GPU's server; {port} is --base-port + the GPU's position in the --gpus list (0,1,5 -> 30000,30001,30002), {gpu} its index.")
+@click.option("--base-port", type=click.IntRange(1, 65535), default=30000, show_default=True, help="With --gpus: port of the first listed GPU's server; the next ones count up.")
+@click.option("--launch", default=None, metavar="COMMAND", help="With --gpus: start and supervise each GPU's server with COMMAND (split like a shell, run without one; {port} and {gpu} substituted, nothing else), with CUDA_VISIBLE_DEVICES set to the GPU. It is restarted when it exits or /health fails for --server-health-timeout; its output goes to LOG_DIR/server-gpuN.log. E.g. \"python -m sglang.launch_server --model-path M --port {port} --enable-metrics\".")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("genq-logs"), show_default=True, help="With --gpus: server-gpuN.log, worker-gpuN.log and their .pid files.")
+@click.option("--max-restarts", type=click.IntRange(0), default=10, show_default=True, help="With --gpus: restarts in a row (1 s backoff, doubling to 60 s) before a GPU's server or worker is given up; 10 minutes of good running resets the count.")
+@click.option("--server-start-timeout", type=click.FloatRange(1), default=1800, show_default=True, help="With --launch: seconds a starting server may take to answer /health (model loading).")
+@click.option("--server-health-timeout", type=click.FloatRange(0.5), default=60, show_default=True, help="With --launch: seconds /health may fail, after the server has answered once, before it is restarted.")
+@click.option("--health-interval", type=click.FloatRange(0.1), default=5, show_default=True, help="With --launch: seconds between /health checks of a healthy server.")
+@click.option("--gpu", type=click.IntRange(0), default=None, help="With --server: GPU index this server runs on (telemetry, default worker name).")
+@click.option("--name", default=None, help="Worker name, unique in the fleet. [default: HOST.gpuN, or HOST.PORT]; with --gpus, a prefix: NAME.gpuN.")
 @click.option("--host", default=None, help="Host name to report. [default: this machine's]")
 @click.option("--concurrency", type=Concurrency(), default="auto", show_default=True, help="Requests in flight: 'auto' follows the server's capacity and metrics; a number caps it. Change it live with `genq concurrency`.")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
@@ -53,15 +64,80 @@ def setup_logging(level: str) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
-    """Take batches from the queue and drive one server with them.
+    """Take batches from the queue and drive one server with them (--server),
+    or one server per GPU of this machine (--gpus).
 
-    Run one per GPU. Prompts of the batches it holds share one in-flight window,
-    sized from the server's capacity, so the next batch fills slots while the
-    current one's long tail drains. Each finished prompt is recorded at once; a
-    batch's shard is written when all its prompts are done, and only then is
-    the batch acknowledged. Ctrl-C or SIGTERM: finish held batches (up to
-    --grace-period), hand back the rest, exit 0; a second Ctrl-C stops at once.
+    Prompts of the batches a worker holds share one in-flight window, sized
+    from the server's capacity, so the next batch fills slots while the current
+    one's long tail drains. Each finished prompt is recorded at once; a batch's
+    shard is written when all its prompts are done, and only then is the batch
+    acknowledged. Ctrl-C or SIGTERM: finish held batches (up to --grace-period),
+    hand back the rest, exit 0; a second Ctrl-C stops at once.
+
+    \b
+    One command per machine (joining machines run the same with --redis):
+      genq --redis redis://HEAD:6379/0 worker --gpus all \\
+        --launch "python -m sglang.launch_server --model-path M --port {port} --enable-metrics"
+    GPU i of the list gets port --base-port + i and worker name HOST.gpuN.
     """
     setup_logging(log_level)
+    fleet_opts = {k: options.pop(k) for k in FLEET_ONLY}
+    if (options["server_url"] is None) == (fleet_opts["gpus"] is None):
+        raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")
+    if fleet_opts["gpus"] is not None:
+        if options["gpu"] is not None:
+            raise click.UsageError("--gpu is for --server; with --gpus each worker gets its GPU from the list")
+        raise SystemExit(_run_fleet(ctx, fleet_opts, options["name"], options["host"]))
+    given = [f"--{k.replace('_template', '').replace('_', '-')}" for k in FLEET_ONLY
+             if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only work(s) with --gpus (use --gpus N for one GPU)")
+    from worker.engine import WorkerOptions, run_engine
+
     opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)
     raise SystemExit(asyncio.run(run_engine(opts)))
+
+
+# Options of the fleet itself (--gpus); everything else is passed to each GPU's worker.
+FLEET_ONLY = ("gpus", "server_url_template", "base_port", "launch", "log_dir", "max_restarts",
+              "server_start_timeout", "server_health_timeout", "health_interval")
+# Set per GPU by the fleet, never forwarded as given.
+PER_WORKER = ("server_url", "gpu", "name", "host")
+
+
+def forwarded_options(ctx: click.Context) -> list[str]:
+    """The shared options the operator gave, as arguments for each GPU's `genq worker`."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        name = param.name
+        if name in FLEET_ONLY or name in PER_WORKER or not isinstance(param, click.Option):
+            continue
+        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+            continue
+        value = ctx.params[name]
+        if param.is_flag:
+            if param.secondary_opts:
+                args.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                args.append(param.opts[0])
+            continue
+        args += [param.opts[0], "auto" if value is None else str(value)]
+    return args
+
+
+def _run_fleet(ctx: click.Context, fleet: dict, name: str | None, host: str | None) -> int:
+    from worker.fleet import FleetError, FleetOptions, parse_gpus, run_fleet
+    from worker.supervisor import HealthTimeouts
+
+    try:
+        opts = FleetOptions(
+            redis_url=settings(ctx).redis_url, gpus=parse_gpus(fleet["gpus"]), host=host or socket.gethostname(),
+            base_port=fleet["base_port"], server_url=fleet["server_url_template"], launch=fleet["launch"],
+            log_dir=fleet["log_dir"], name_prefix=name, engine_args=forwarded_options(ctx),
+            max_restarts=fleet["max_restarts"],
+            health=HealthTimeouts(start=fleet["server_start_timeout"], unhealthy=fleet["server_health_timeout"],
+                                  interval=fleet["health_interval"]),
+        )
+        return asyncio.run(run_fleet(opts))
+    except FleetError as exc:
+        raise click.ClickException(str(exc)) from None

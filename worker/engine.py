@@ -164,7 +164,15 @@ class Engine:
             await self.client.close()
             raise SystemExit(describe_error(self.opts.redis_url, exc)) from None
         await self._check_name_free()
-        self.server = await self._wait_for_server()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        server = await self._wait_for_server()
+        if server is None:  # stopped while waiting: nothing was taken, nothing to hand back
+            await self._heartbeat(state="stopped")
+            await self.client.close()
+            return 0
+        self.server = server
         self.controller.set_capacity(self.server.capacity)
         log.info(
             "worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s",
@@ -173,9 +181,6 @@ class Engine:
             f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
             _mask(self.opts.redis_url),
         )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
         await self._heartbeat()
         self._writer_task = asyncio.create_task(self.writer.run())
         self._tasks = [self._writer_task] + [
@@ -244,10 +249,10 @@ class Engine:
 
     # ---------------------------------------------------------------- server
 
-    async def _wait_for_server(self) -> ServerInfo:
+    async def _wait_for_server(self) -> ServerInfo | None:
         delay = 0.5
         waited = 0.0
-        while True:
+        while not self.stop_requested:
             try:
                 return await self.client.discover()
             except ServerUnavailable as exc:
@@ -257,6 +262,7 @@ class Engine:
                 await asyncio.sleep(delay)
                 waited += delay
                 delay = min(delay * 2, 5.0)
+        return None
 
     async def _server_is_down(self) -> bool:
         """Single-flight health check after a failure: many failures, one probe."""
@@ -459,36 +465,52 @@ class Engine:
                 self.ready.appendleft(heapq.heappop(self.delayed)[2])
             for job in [j for j in self.parked if j not in self.paused_jobs]:
                 self.ready.extendleft(reversed(self.parked.pop(job)))
-            while self.ready and self._can_dispatch():
-                task = self.ready.popleft()
-                if task.batch.id not in self.batches:
-                    continue  # handed back
-                if task.batch.job in self.paused_jobs:
-                    self.parked.setdefault(task.batch.job, []).append(task)
-                    continue
-                task.progress = Progress()
-                task.cancel_reason = None
+            while (task := self._take_ready()) is not None:
                 self.running[task] = asyncio.create_task(self._run(task))
 
-    async def _run(self, task: Task) -> None:
-        state = task.batch
-        config = state.config
-        model = self._model_for(config)
-        body = build_body(config, task.prompt, model, self.opts.stream)
-        try:
+    def _take_ready(self) -> Task | None:
+        """The next prompt to send, if the in-flight window has room."""
+        while self.ready and self._can_dispatch():
+            task = self.ready.popleft()
+            if task.batch.id not in self.batches:
+                continue  # handed back
+            if task.batch.job in self.paused_jobs:
+                self.parked.setdefault(task.batch.job, []).append(task)
+                continue
+            task.progress = Progress()
+            task.cancel_reason = None
+            return task
+        return None
+
+    async def _run(self, task: Task | None) -> None:
+        # One asyncio task sends prompt after prompt while there are prompts ready: a
+        # task per request and a round trip through the dispatcher would cost about
+        # half of what the HTTP request itself costs against a fast server.
+        me = asyncio.current_task()
+        while task is not None:
+            state = task.batch
+            config = state.config
+            model = self._model_for(config)
+            body = build_body(config, task.prompt, model, self.opts.stream)
             try:
-                outcome: Completion | Failure = await self.client.generate(config.endpoint, body, task.progress)
-            except asyncio.CancelledError:
-                if task.cancel_reason is None:
-                    raise  # shutdown or hand-back: the prompt stays unfinished, nothing is counted
-                outcome = Failure("timeout", task.cancel_reason)
-            if isinstance(outcome, Completion):
-                self._record(task, outcome)
-            else:
-                await self._failed(task, outcome)
-        finally:
-            self.running.pop(task, None)
-            self._wake.set()
+                try:
+                    outcome: Completion | Failure = await self.client.generate(config.endpoint, body, task.progress)
+                except asyncio.CancelledError:
+                    if task.cancel_reason is None:
+                        raise  # shutdown or hand-back: the prompt stays unfinished, nothing is counted
+                    me.uncancel()  # the watchdog's cancel was for this request only
+                    outcome = Failure("timeout", task.cancel_reason)
+                if isinstance(outcome, Completion):
+                    self._record(task, outcome)
+                else:
+                    await self._failed(task, outcome)
+                    self._wake.set()  # a retry may now be due: the dispatcher times it
+            finally:
+                self.running.pop(task, None)
+            task = self._take_ready()
+            if task is not None:
+                self.running[task] = me
+        self._wake.set()
 
     def _model_for(self, config: JobConfig) -> str:
         if config.model != "auto":
@@ -567,8 +589,10 @@ class Engine:
                         log.warning("RQ loop %s exited with %s", loop.name, loop.proc.returncode)
             active = [l for l in self.loops if not l.stopping]
             desired = self._desired_loops(len(active)) if self.accepting and not self._burst_exhausted else 0
-            if len(active) < desired and failures < 20:
-                for _ in range(desired - len(active)):
+            # Loops told to stop may still hold a batch until it is done; count them, or a
+            # pause/resume cycle would leave more batches held than --prefetch asks for.
+            if len(self.loops) < desired and failures < 20:
+                for _ in range(desired - len(self.loops)):
                     self.loops.append(await self._spawn_loop())
             elif len(active) > desired and not self._burst_exhausted:  # burst loops leave by themselves
                 for loop in active[desired:]:
@@ -646,7 +670,7 @@ class Engine:
         if control.drain and not self.draining:
             log.info("drain requested: finishing held batches, taking no new ones")
             self.draining = True
-        if (control.concurrency or None) != self.controller.cap:
+        if (control.concurrency or None) != self.controller.live_cap:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
         paused_jobs = {job for job, flag in zip(jobs, job_flags) if flag}

@@ -1,0 +1,249 @@
+"""Operator controls over Redis: the fleet view, pause/resume, drain, live concurrency, job list.
+
+Everything here is plain synchronous Redis reads and writes so the CLI (genq.control_cli)
+and the monitor can share it. Workers publish WorkerStatus (keys.worker_status, TTL 15 s,
+kept without TTL once "stopped") and read Control (keys.worker_control), keys.PAUSED and
+keys.job_paused every second; nothing here talks to a worker directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import msgspec
+import redis
+from rq import suspension
+
+from genq import keys
+from genq.records import Control, WorkerStatus, pack, unpack
+
+LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
+GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
+
+
+class WorkerRow(msgspec.Struct, omit_defaults=False):
+    """One line of the fleet view (`genq workers`, `--json`)."""
+
+    name: str
+    state: str  # WorkerStatus.state, or "lost"
+    host: str | None = None
+    gpu: str | None = None
+    server: str | None = None
+    pid: int | None = None
+    batches: list[str] = []
+    in_flight: int = 0
+    target: int = 0
+    cap: int | None = None  # live concurrency cap (None: auto)
+    queued: int = 0
+    tok_per_s: float = 0.0
+    req_per_s: float = 0.0
+    done: int = 0
+    errors: int = 0
+    heartbeat_age_s: float | None = None
+    note: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.state not in GONE_STATES
+
+
+class JobRow(msgspec.Struct, omit_defaults=False):
+    """One line of `genq jobs`."""
+
+    name: str
+    state: str  # paused | complete | running | queued | empty
+    paused: bool
+    total: int
+    done: int
+    failed: int
+    remaining: int
+    batches: int
+    batches_done: int
+    workers: list[str] = []  # workers holding work of this job right now
+    output: str | None = None
+
+
+def _row(name: str, status: WorkerStatus | None, now: float) -> WorkerRow:
+    if status is None:
+        return WorkerRow(name=name, state=LOST, note="no heartbeat for 15 s; RQ recovers its batches")
+    return WorkerRow(
+        name=name, state=status.state, host=status.host, gpu=status.gpu, server=status.server, pid=status.pid,
+        batches=list(status.batches), in_flight=status.in_flight, target=status.concurrency_target,
+        cap=status.concurrency_limit, queued=status.queued, tok_per_s=status.tok_per_s,
+        req_per_s=status.req_per_s, done=status.done, errors=status.errors,
+        heartbeat_age_s=round(max(0.0, now - status.heartbeat_at), 1),
+        note=status.bottleneck or (status.gpu_note if status.state == "server_down" else None),
+    )
+
+
+def _sort_key(row: WorkerRow) -> tuple:
+    gpu = int(row.gpu) if row.gpu is not None and row.gpu.isdigit() else -1
+    return (row.host is None, row.host or "", gpu, row.name)
+
+
+def fleet(conn: redis.Redis) -> list[WorkerRow]:
+    """Every worker that ever heartbeated, sorted by host then GPU."""
+    names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
+    if not names:
+        return []
+    raws = conn.mget([keys.worker_status(n) for n in names])
+    now = time.time()
+    rows = []
+    for name, raw in zip(names, raws):
+        try:
+            status = unpack(raw, WorkerStatus) if raw else None
+        except msgspec.DecodeError:
+            status = None  # written by an incompatible genq: treat as unknown
+        rows.append(_row(name, status, now))
+    return sorted(rows, key=_sort_key)
+
+
+class NoMatch(Exception):
+    """A selector (--worker/--host) matched no live worker; the message says what exists."""
+
+
+def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str | None = None,
+           everyone: bool = False) -> list[WorkerRow]:
+    """The live workers an operator named; raises NoMatch with a helpful message."""
+    rows = list(rows)
+    live = [r for r in rows if r.live]
+    if everyone:
+        return live
+    if host is not None:
+        chosen = [r for r in live if r.host == host]
+        if not chosen:
+            hosts = sorted({r.host for r in live if r.host})
+            raise NoMatch(f"no live worker on host {host!r}; live hosts: {', '.join(hosts) or 'none'}")
+        return chosen
+    by_name = {r.name: r for r in rows}
+    chosen = []
+    for name in workers:
+        row = by_name.get(name)
+        if row is None:
+            raise NoMatch(f"no worker named {name!r}; known: {', '.join(sorted(by_name)) or 'none'}")
+        if not row.live:
+            raise NoMatch(f"worker {name!r} is {row.state}; it cannot take instructions")
+        chosen.append(row)
+    return chosen
+
+
+KEEP = object()  # update_control: leave this field as it is
+
+
+def update_control(conn: redis.Redis, name: str, *, drain: bool | None = None,
+                   concurrency: object = KEEP) -> Control:
+    """Change one field of a worker's Control record and keep the others.
+
+    concurrency=None (or 0) means auto; leave it as KEEP to keep the current value.
+    WATCH makes a concurrent drain and concurrency change both stick.
+    """
+    key = keys.worker_control(name)
+    result: list[Control] = []
+
+    def change(pipe: redis.client.Pipeline) -> None:
+        raw = pipe.get(key)
+        control = unpack(raw, Control) if raw else Control()
+        if drain is not None:
+            control.drain = drain
+        if concurrency is not KEEP:
+            control.concurrency = concurrency or None
+        pipe.multi()
+        pipe.set(key, pack(control))
+        result[:] = [control]
+
+    conn.transaction(change, key)
+    return result[0]
+
+
+def pause(conn: redis.Redis, job: str | None = None) -> None:
+    """Stop dispatching new requests (all jobs, or one); in-flight requests finish."""
+    if job is None:
+        with conn.pipeline() as pipe:
+            pipe.set(keys.PAUSED, repr(time.time()))
+            pipe.execute()
+        suspension.suspend(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
+    else:
+        conn.set(keys.job_paused(job), repr(time.time()))
+
+
+def resume(conn: redis.Redis, job: str | None = None) -> None:
+    if job is None:
+        conn.delete(keys.PAUSED)
+        suspension.resume(conn)
+    else:
+        conn.delete(keys.job_paused(job))
+
+
+def paused_jobs(conn: redis.Redis, jobs: Iterable[str]) -> set[str]:
+    jobs = list(jobs)
+    if not jobs:
+        return set()
+    with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.exists(keys.job_paused(job))
+        flags = pipe.execute()
+    return {job for job, flag in zip(jobs, flags) if flag}
+
+
+def globally_paused(conn: redis.Redis) -> bool:
+    return bool(conn.exists(keys.PAUSED))
+
+
+def job_names(conn: redis.Redis) -> list[str]:
+    return sorted(n.decode() for n in conn.smembers(keys.JOBS))
+
+
+def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
+    """Totals per job from the counters of record (see CONTEXT: truth for totals)."""
+    from genq.queueing import load_config
+
+    names = job_names(conn) if names is None else list(names)
+    paused_all = globally_paused(conn)
+    paused = paused_jobs(conn, names)
+    fleet_names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
+    rows = []
+    for job in names:
+        workers = sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
+        with conn.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.job_stats(job))
+            pipe.hlen(keys.job_dlq(job))
+            pipe.scard(keys.job_done(job))
+            for w in workers:
+                pipe.hget(keys.worker_stats(job, w), "done")
+            for w in fleet_names:
+                pipe.exists(keys.job_inflight(job, w))
+            stats, failed, batches_done, *rest = pipe.execute()
+        done = sum(int(v or 0) for v in rest[: len(workers)])
+        holding = [w for w, flag in zip(fleet_names, rest[len(workers):]) if flag]
+        total = int(stats.get(b"total", 0))
+        batches = int(stats.get(b"batches", 0))
+        is_paused = paused_all or job in paused
+        if is_paused:
+            state = "paused"
+        elif total == 0:
+            state = "empty"
+        elif done + failed >= total and batches_done >= batches:
+            state = "complete"
+        elif holding:
+            state = "running"
+        else:
+            state = "queued"
+        config = load_config(conn, job)
+        rows.append(JobRow(
+            name=job, state=state, paused=is_paused, total=total, done=done, failed=failed,
+            remaining=max(0, total - done - failed), batches=batches, batches_done=batches_done,
+            workers=holding, output=config.output if config else None,
+        ))
+    return rows
+
+
+def forget(conn: redis.Redis, names: Iterable[str]) -> list[str]:
+    """Remove workers from the fleet view (their status and control records too)."""
+    names = list(names)
+    if names:
+        with conn.pipeline() as pipe:
+            pipe.srem(keys.WORKERS, *names)
+            pipe.delete(*[keys.worker_status(n) for n in names], *[keys.worker_control(n) for n in names])
+            pipe.execute()
+    return names

@@ -1,0 +1,330 @@
+"""Operator commands: genq workers, jobs, pause, resume, drain, concurrency.
+
+They only read and write Redis (see genq.control); workers pick changes up
+within about a second, wherever they run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+import msgspec
+import redis
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from genq import control
+from genq.cli import settings
+from genq.redisconn import connect, describe_error
+
+
+def _console() -> Console:
+    # Piped output (logs, docs, tests) gets wide lines rather than wrapped cells.
+    return Console() if sys.stdout.isatty() else Console(width=200, no_color=True)
+
+
+@contextmanager
+def _redis(ctx: click.Context) -> Iterator[redis.Redis]:
+    url = settings(ctx).redis_url
+    conn = connect(url)
+    try:
+        yield conn
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise click.ClickException(describe_error(url, exc)) from None
+    finally:
+        conn.close()
+
+
+def _check_job(conn: redis.Redis, job: str) -> None:
+    jobs = control.job_names(conn)
+    if job not in jobs:
+        raise click.ClickException(f"no job named {job!r}; jobs: {', '.join(jobs) or 'none'}")
+
+
+# ---------------------------------------------------------------- fleet view
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _batches(row: control.WorkerRow, limit: int = 3) -> str:
+    if not row.batches:
+        return "-" if row.live else ""
+    shown = " ".join(row.batches[:limit])
+    more = f" +{len(row.batches) - limit}" if len(row.batches) > limit else ""
+    return f"{len(row.batches)}: {shown}{more}"
+
+
+def workers_table(rows: list[control.WorkerRow], title: str | None = None) -> Table:
+    table = Table(title=title, show_edge=False, header_style="bold")
+    for col, justify in (("worker", "left"), ("host", "left"), ("gpu", "right"), ("server", "left"),
+                         ("state", "left"), ("batches", "left"), ("in flight", "right"), ("queued", "right"),
+                         ("tok/s", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
+        # One line per worker; a long note (a connection error) is cut: --json has it whole.
+        table.add_column(col, justify=justify, no_wrap=True, overflow="ellipsis",
+                         max_width=60 if col == "note" else None)
+    styles = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow",
+              "server_down": "red", "stopped": "dim", control.LOST: "red"}
+    for r in rows:
+        live = r.live
+        flight = f"{r.in_flight}/{r.target}" + (f" cap {r.cap}" if r.cap else "") if live else ""
+        table.add_row(
+            r.name, r.host or "?", r.gpu if r.gpu is not None else "-", r.server or "",
+            f"[{styles.get(r.state, '')}]{r.state}[/]" if styles.get(r.state) else r.state,
+            _batches(r), flight, str(r.queued) if live else "", f"{r.tok_per_s:,.0f}" if live else "",
+            str(r.done) if r.state != control.LOST else "", _age(r.heartbeat_age_s), r.note or "",
+        )
+    return table
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of workers (machine-readable).")
+@click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
+@click.pass_context
+def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
+    """The fleet: every worker with its host, GPU, server, state and load.
+
+    \b
+    States: busy, idle, paused, draining, server_down (its server is not
+    answering /health; it holds its batches and takes no new ones), stopped
+    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable; RQ
+    puts its batches back in the queue within about a minute and a half).
+    "in flight" is requests running / the worker's current target.
+    """
+    with _redis(ctx) as conn:
+        rows = control.fleet(conn)
+        if prune:
+            gone = control.forget(conn, [r.name for r in rows if not r.live])
+            rows = [r for r in rows if r.live]
+            if gone and not as_json:
+                click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
+    if as_json:
+        click.echo(msgspec.json.encode(rows).decode())
+        return
+    if not rows:
+        click.echo("no workers have registered in this Redis (start one with `genq worker`)")
+        return
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    console = _console()
+    console.print(workers_table(rows))
+    console.print(f"{len(rows)} worker(s): {summary}; "
+                  f"{sum(r.tok_per_s for r in rows if r.live):,.0f} tok/s in all")
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
+@click.pass_context
+def jobs(ctx: click.Context, as_json: bool) -> None:
+    """Jobs with prompts total/done/failed, batches and paused state.
+
+    done sums the workers' counters, failed is the dead-letter queue's size
+    (`genq dlq`), remaining = total - done - failed.
+    """
+    with _redis(ctx) as conn:
+        rows = control.job_rows(conn)
+        paused_all = control.globally_paused(conn)
+    if as_json:
+        click.echo(msgspec.json.encode(rows).decode())
+        return
+    if not rows:
+        click.echo("no jobs (queue some with `genq enqueue`)")
+        return
+    table = Table(show_edge=False, header_style="bold")
+    for col in ("job", "state", "total", "done", "failed", "remaining", "batches", "workers", "output"):
+        table.add_column(col, justify="right" if col in ("total", "done", "failed", "remaining") else "left",
+                         no_wrap=True)
+    for r in rows:
+        pct = f" ({100 * r.done / r.total:.0f}%)" if r.total else ""
+        table.add_row(r.name, r.state, f"{r.total:,}", f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}",
+                      f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
+    console = _console()
+    console.print(table)
+    if paused_all:
+        console.print("all jobs are paused (genq resume)")
+
+
+# ---------------------------------------------------------------- pause / resume
+
+
+@click.command()
+@click.option("--job", default=None, help="Pause only this job. [default: every job]")
+@click.pass_context
+def pause(ctx: click.Context, job: str | None) -> None:
+    """Stop sending new requests; requests in flight finish, held batches are kept.
+
+    Without --job this also sets RQ's suspension flag (as `rq suspend` does),
+    so no RQ work loop, genq's or a stock `rq worker`, takes a new batch.
+    Workers notice within a second. `genq resume` undoes it.
+    """
+    with _redis(ctx) as conn:
+        if job is not None:
+            _check_job(conn, job)
+        control.pause(conn, job)
+    what = f"job {job}" if job else "all jobs"
+    click.echo(f"paused {what}: workers send no new requests from now (in-flight ones finish, "
+               f"batches stay held){'' if job else '; RQ workers suspended (rq suspend)'}. "
+               f"Undo with `genq resume{f' --job {job}' if job else ''}`.")
+
+
+@click.command()
+@click.option("--job", default=None, help="Resume only this job. [default: lift the global pause]")
+@click.pass_context
+def resume(ctx: click.Context, job: str | None) -> None:
+    """Undo `genq pause` (global, or one job's)."""
+    with _redis(ctx) as conn:
+        if job is not None:
+            _check_job(conn, job)
+        control.resume(conn, job)
+        still = sorted(control.paused_jobs(conn, control.job_names(conn)))
+        paused_all = control.globally_paused(conn)
+    click.echo(f"resumed {f'job {job}' if job else 'all jobs'}")
+    if still:
+        click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
+    if paused_all:
+        click.echo("note: everything is still paused globally (genq resume)")
+
+
+# ---------------------------------------------------------------- drain / concurrency
+
+
+def _selector_options(fn: Callable) -> Callable:
+    fn = click.option("--all", "everyone", is_flag=True, help="Every live worker.")(fn)
+    fn = click.option("--host", default=None, help="Every live worker on this host.")(fn)
+    fn = click.option("--worker", "names", multiple=True, metavar="NAME",
+                      help="A worker by name (see `genq workers`); repeatable.")(fn)
+    return fn
+
+
+def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyone: bool) -> list[control.WorkerRow]:
+    given = sum([bool(names), host is not None, everyone])
+    if given != 1:
+        raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
+    try:
+        chosen = control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)
+    except control.NoMatch as exc:
+        raise click.ClickException(str(exc)) from None
+    if not chosen:
+        raise click.ClickException("no live workers")
+    return chosen
+
+
+@click.command()
+@_selector_options
+@click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
+@click.option("--timeout", type=click.FloatRange(0), default=None,
+              help="With --wait: give up waiting after this many seconds (exit 1).")
+@click.pass_context
+def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, wait: bool,
+          timeout: float | None) -> None:
+    """Let workers finish what they hold, then exit (0); they take no new batches.
+
+    A drained worker started by `genq worker --gpus` is not restarted; its
+    server is stopped once the worker has exited.
+    """
+    with _redis(ctx) as conn:
+        chosen = _select(conn, names, host, everyone)
+        for row in chosen:
+            control.update_control(conn, row.name, drain=True)
+        click.echo(f"draining {len(chosen)} worker(s): {', '.join(r.name for r in chosen)}")
+        if wait:
+            ok = _wait_stopped(conn, [r.name for r in chosen], timeout)
+            if not ok:
+                raise click.ClickException(f"still running after {timeout:.0f}s (they keep draining)")
+
+
+def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    tty = sys.stdout.isatty()
+    last_line = ""
+
+    def snapshot() -> list[control.WorkerRow]:
+        rows = {r.name: r for r in control.fleet(conn)}
+        return [rows.get(n) or control.WorkerRow(name=n, state=control.LOST) for n in names]
+
+    def table(rows: list[control.WorkerRow]) -> Table:
+        t = Table(show_edge=False, header_style="bold", title="draining")
+        for col in ("worker", "state", "batches held", "in flight", "queued"):
+            t.add_column(col, no_wrap=True)
+        for r in rows:
+            t.add_row(r.name, r.state, _batches(r, 4), str(r.in_flight) if r.live else "",
+                      str(r.queued) if r.live else "")
+        return t
+
+    live = Live(table(snapshot()), console=_console(), auto_refresh=False) if tty else None
+    try:
+        if live:
+            live.start()
+        while True:
+            rows = snapshot()
+            left = [r for r in rows if r.live]
+            if live:
+                live.update(table(rows), refresh=True)
+            else:
+                line = "; ".join(
+                    f"{r.name} {r.state}" + (f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}"
+                                             if r.live else "")
+                    for r in rows)
+                if line != last_line:
+                    click.echo(line)
+                    last_line = line
+            if not left:
+                click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(1.0)
+    finally:
+        if live:
+            live.stop()
+
+
+class CapValue(click.ParamType):
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if str(value).lower() == "auto":
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
+        if number < 0:
+            self.fail("must be a positive number (or auto)", param, ctx)
+        return number or None  # 0 means auto, as in Control
+
+
+@click.command()
+@_selector_options
+@click.argument("value", type=CapValue())
+@click.pass_context
+def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
+                value: int | None) -> None:
+    """Cap requests in flight per worker at VALUE, live (auto: follow the server again).
+
+    The worker keeps its automatic target below the cap; `genq workers` shows
+    "in flight" as running/target and the cap.
+    """
+    with _redis(ctx) as conn:
+        chosen = _select(conn, names, host, everyone)
+        for row in chosen:
+            control.update_control(conn, row.name, concurrency=value)
+    click.echo(f"concurrency {'auto' if value is None else f'cap {value}'} for {len(chosen)} worker(s): "
+               f"{', '.join(r.name for r in chosen)}")

@@ -1,0 +1,268 @@
+"""Operator controls end to end: pause/resume, drain, live concurrency, the fleet view, jobs.
+
+Real Redis, real `genq sim` servers, real `genq worker` processes; the CLI is run as
+`python -m genq ...` subprocesses exactly as an operator would.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rq import suspension
+
+sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
+from conftest import REDIS_URL, read_results, run_genq, write_prompts  # noqa: E402
+from genq import control, keys
+from genq.records import Control, WorkerStatus, pack, unpack
+from genq.redisconn import connect
+
+# Slow enough that a job of a few hundred prompts lasts seconds, fast enough for CI.
+SLOW_SIM = dict(max_running_requests=4, step_ms_base=25, step_ms_per_req=0, tokens_per_step=8,
+                mean_output_tokens=48, output_sigma=0.3)
+
+
+def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def workers_json() -> dict[str, dict]:
+    """`genq workers --json`, as the operator sees it (a subprocess: use it for assertions)."""
+    return {w["name"]: w for w in json.loads(run_genq("workers", "--json").stdout)}
+
+
+def jobs_json() -> dict[str, dict]:
+    return {j["name"]: j for j in json.loads(run_genq("jobs", "--json").stdout)}
+
+
+def job_now(job: str) -> control.JobRow:
+    """The same figures as `genq jobs`, read in-process: cheap enough to poll."""
+    conn = connect(REDIS_URL)
+    try:
+        return control.job_rows(conn, [job])[0]
+    finally:
+        conn.close()
+
+
+def worker_now(name: str) -> control.WorkerRow | None:
+    conn = connect(REDIS_URL)
+    try:
+        return {r.name: r for r in control.fleet(conn)}.get(name)
+    finally:
+        conn.close()
+
+
+def sim_stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as resp:
+        return json.load(resp)
+
+
+def received(stats: dict) -> int:
+    """Requests the sim has accepted so far (finished, aborted, running or waiting)."""
+    return stats["finished_requests"] + stats["aborted_requests"] + stats["num_running"] + stats["num_waiting"]
+
+
+def enqueue(tmp_path: Path, job: str, n: int, batch_size: int = 10, start: int = 0) -> list[str]:
+    ids = write_prompts(tmp_path / f"{job}.jsonl", n, start=start)
+    run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"),
+             "--batch-size", str(batch_size), "--max-tokens", "64")
+    return ids
+
+
+def assert_exactly_once(tmp_path: Path, job: str, ids: list[str]) -> list[dict]:
+    rows = read_results(tmp_path / "out", job)
+    got = [r["id"] for r in rows]
+    assert len(got) == len(set(got)), "a prompt has more than one result"
+    assert sorted(got) == sorted(ids)
+    return rows
+
+
+def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rconn, sim, worker):
+    url = sim(**SLOW_SIM)
+    ids = enqueue(tmp_path, "pz", 160)
+    w = worker(url, "--name", "pz-worker")
+    wait_until(lambda: job_now("pz").done >= 20, what="20 prompts done")
+
+    out = run_genq("pause")
+    assert "paused all jobs" in out.stdout
+    assert rconn.exists(keys.PAUSED) and suspension.is_suspended(rconn)
+    wait_until(lambda: worker_now("pz-worker").state == "paused", timeout=10, what="the worker to see the pause")
+    # In-flight requests finish; then nothing new arrives at the server.
+    wait_until(lambda: (s := sim_stats(url))["num_running"] == 0 and s["num_waiting"] == 0, timeout=20,
+               what="the server to finish its in-flight requests")
+    before = sim_stats(url)
+    done_before = job_now("pz").done
+    time.sleep(1.5)
+    after = sim_stats(url)
+    assert received(after) == received(before), "requests were sent while paused"
+    assert after["generated_tokens"] == before["generated_tokens"]
+    assert after["aborted_requests"] == 0, "in-flight requests were cut instead of finishing"
+    row = jobs_json()["pz"]
+    assert row["done"] == done_before < 160 and row["state"] == "paused" and row["paused"]
+    assert workers_json()["pz-worker"]["state"] == "paused"
+
+    out = run_genq("resume")
+    assert "resumed all jobs" in out.stdout
+    assert not rconn.exists(keys.PAUSED) and not suspension.is_suspended(rconn)
+    wait_until(lambda: job_now("pz").state == "complete", timeout=60, what="the job to complete")
+    assert_exactly_once(tmp_path, "pz", ids)
+    assert w.alive()
+
+
+def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
+    url = sim(**SLOW_SIM)
+    ids = enqueue(tmp_path, "one", 120)
+    worker(url, "--name", "job-pauser")
+    wait_until(lambda: job_now("one").done >= 20, what="20 prompts done")
+
+    run_genq("pause", "--job", "one")
+    assert rconn.exists(keys.job_paused("one")) and not rconn.exists(keys.PAUSED)
+    assert not suspension.is_suspended(rconn)
+    wait_until(lambda: worker_now("job-pauser").state == "paused", timeout=10, what="the worker to see the pause")
+    wait_until(lambda: sim_stats(url)["num_running"] == 0, timeout=20, what="in-flight requests to finish")
+    done = job_now("one").done
+    time.sleep(1.5)
+    row = jobs_json()["one"]
+    assert row["done"] == done < 120 and row["paused"] and row["state"] == "paused"
+
+    bad = run_genq("pause", "--job", "nosuch", check=False)
+    assert bad.returncode == 1 and "no job named 'nosuch'" in bad.stderr
+
+    run_genq("resume", "--job", "one")
+    assert not rconn.exists(keys.job_paused("one"))
+    wait_until(lambda: job_now("one").state == "complete", timeout=60, what="the job to complete")
+    assert_exactly_once(tmp_path, "one", ids)
+
+
+def test_drain_one_worker_while_another_keeps_going(tmp_path, redis_url, sim, worker):
+    url_a, url_b = sim(**SLOW_SIM), sim(**SLOW_SIM)
+    ids = enqueue(tmp_path, "dr", 240)
+    a = worker(url_a, "--name", "drain-a", "--host", "host-a")
+    b = worker(url_b, "--name", "drain-b", "--host", "host-b")
+    wait_until(lambda: job_now("dr").done >= 20, what="20 prompts done")
+    assert {"drain-a", "drain-b"} <= set(workers_json())
+
+    out = run_genq("drain", "--worker", "drain-a", "--wait", "--timeout", "60")
+    assert "draining 1 worker(s): drain-a" in out.stdout
+    assert "all drained: drain-a stopped" in out.stdout
+    assert a.wait(timeout=20) == 0, a.log()
+    stopped_at = time.time()
+    assert b.alive()
+    assert job_now("dr").done < 240, "the job ended before the drain could be seen to matter"
+
+    wait_until(lambda: job_now("dr").state == "complete", timeout=90, what="the job to complete")
+    rows = assert_exactly_once(tmp_path, "dr", ids)
+    assert {r["worker"] for r in rows} == {"drain-a", "drain-b"}
+    # After the drain, only drain-b produced results.
+    late = {r["worker"] for r in rows if r["finished_at"] > stopped_at}
+    assert late == {"drain-b"}
+    job = jobs_json()["dr"]
+    assert (job["total"], job["done"], job["failed"], job["remaining"]) == (240, 240, 0, 0)
+
+    view = workers_json()
+    assert view["drain-a"]["state"] == "stopped" and view["drain-b"]["state"] in ("busy", "idle")
+    # --prune forgets the stopped worker, keeps the live one.
+    pruned = run_genq("workers", "--prune")
+    assert "forgot 1 stopped/lost worker(s): drain-a" in pruned.stdout
+    assert set(workers_json()) == {"drain-b"}
+
+    # Draining a worker that is not live is refused with the names that exist.
+    bad = run_genq("drain", "--worker", "drain-a", check=False)
+    assert bad.returncode == 1 and "no worker named 'drain-a'" in bad.stderr and "drain-b" in bad.stderr
+    bad = run_genq("drain", check=False)
+    assert bad.returncode == 2 and "exactly one of --worker NAME, --host HOST or --all" in bad.stderr
+    run_genq("drain", "--host", "host-b")
+    assert b.wait(timeout=20) == 0
+
+
+def test_concurrency_cap_is_live(tmp_path, redis_url, rconn, sim, worker):
+    url = sim(max_running_requests=32, step_ms_base=20, tokens_per_step=8, mean_output_tokens=64)
+    worker(url, "--name", "capped")
+    wait_until(lambda: (w := worker_now("capped")) and w.state == "idle", what="the worker to come up")
+    assert workers_json()["capped"]["target"] > 3
+
+    out = run_genq("concurrency", "--worker", "capped", "3")
+    assert "cap 3" in out.stdout
+    assert unpack(rconn.get(keys.worker_control("capped")), Control) == Control(concurrency=3)
+    wait_until(lambda: worker_now("capped").cap == 3, what="the cap to be applied")
+    w = workers_json()["capped"]
+    assert w["target"] == 3
+
+    # While capped, a job runs with never more than 3 requests at the server.
+    ids = enqueue(tmp_path, "cap", 40)
+    peak = 0
+    deadline = time.monotonic() + 60
+    while job_now("cap").state != "complete":
+        assert time.monotonic() < deadline, "job did not complete"
+        peak = max(peak, sim_stats(url)["num_running"])
+        time.sleep(0.05)
+    assert 0 < peak <= 3
+    assert_exactly_once(tmp_path, "cap", ids)
+
+    run_genq("concurrency", "--all", "auto")
+    assert unpack(rconn.get(keys.worker_control("capped")), Control) == Control(concurrency=None)
+    wait_until(lambda: worker_now("capped").cap is None, what="the cap to be lifted")
+    bad = run_genq("concurrency", "--all", "lots", check=False)
+    assert bad.returncode == 2 and "neither 'auto' nor a whole number" in bad.stderr
+
+
+def test_control_record_keeps_the_other_field(redis_url, rconn):
+    conn = connect(redis_url)
+    control.update_control(conn, "w1", concurrency=7)
+    control.update_control(conn, "w1", drain=True)
+    assert unpack(rconn.get(keys.worker_control("w1")), Control) == Control(drain=True, concurrency=7)
+    control.update_control(conn, "w1", concurrency=None)
+    assert unpack(rconn.get(keys.worker_control("w1")), Control) == Control(drain=True, concurrency=None)
+    conn.close()
+
+
+def test_workers_view_shows_lost_and_prunes(redis_url, rconn):
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "gone.gpu0", "old.gpu1", "live.gpu2")
+    # gone.gpu0: in the set, no status (its TTL expired) -> lost
+    rconn.set(keys.worker_status("old.gpu1"), pack(WorkerStatus(
+        name="old.gpu1", host="old", pid=1, server="http://x:1", state="stopped", started_at=now - 60,
+        heartbeat_at=now - 30, gpu="1")))
+    rconn.set(keys.worker_status("live.gpu2"), pack(WorkerStatus(
+        name="live.gpu2", host="live", pid=2, server="http://x:2", state="busy", started_at=now - 60,
+        heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=["b0000001"], tok_per_s=123.0)),
+        ex=15)
+    view = workers_json()
+    assert view["gone.gpu0"]["state"] == "lost" and view["gone.gpu0"]["host"] is None
+    assert view["old.gpu1"]["state"] == "stopped"
+    live = view["live.gpu2"]
+    assert (live["state"], live["in_flight"], live["target"], live["batches"], live["host"]) == (
+        "busy", 5, 8, ["b0000001"], "live")
+
+    table = run_genq("workers").stdout
+    assert "lost" in table and "5/8" in table and "b0000001" in table
+    assert "3 worker(s): 1 busy, 1 lost, 1 stopped" in table
+
+    bad = run_genq("concurrency", "--worker", "gone.gpu0", "4", check=False)
+    assert bad.returncode == 1 and "gone.gpu0' is lost" in bad.stderr
+
+    run_genq("workers", "--prune")
+    assert {m.decode() for m in rconn.smembers(keys.WORKERS)} == {"live.gpu2"}
+    assert not rconn.exists(keys.worker_status("old.gpu1"))
+
+
+def test_empty_views(redis_url):
+    assert "no workers have registered" in run_genq("workers").stdout
+    assert "no jobs" in run_genq("jobs").stdout
+    bad = run_genq("drain", "--all", check=False)
+    assert bad.returncode == 1 and "no live workers" in bad.stderr
+
+
+def test_redis_password_is_masked_when_unreachable():
+    out = run_genq("workers", redis_url="redis://user:hunter2@127.0.0.1:1/0", check=False)
+    assert out.returncode == 1
+    assert "hunter2" not in out.stderr and "user:***@127.0.0.1:1" in out.stderr
