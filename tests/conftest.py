@@ -48,6 +48,33 @@ def wait_http(url: str, timeout: float = 15.0, want: int | None = 200) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition", *, interval: float = 0.1):
+    """Poll predicate until it returns something truthy; return that, or fail naming what."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sim_stats(url: str) -> dict:
+    """The simulator's /sim/stats (time-weighted running mean, generated_by_key, ...)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def post_json(url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
 def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
     return [sys.executable, "-m", "genq", "--redis", redis_url, *args]
 

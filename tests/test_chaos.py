@@ -21,25 +21,15 @@ import redis
 from genq import keys
 from genq.queueing import rq_queue
 from genq.records import DeadLetter, unpack
-from tests.conftest import free_port, read_results, run_genq, write_prompts
+from tests.conftest import free_port, post_json, read_results, run_genq, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def post_json(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req) as resp:
-        return json.loads(resp.read())
+
+
 
 
 def dead_letters(conn: redis.Redis, job: str) -> dict[str, DeadLetter]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from rq import suspension
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
-from conftest import REDIS_URL, read_results, run_genq, write_prompts  # noqa: E402
+from conftest import REDIS_URL, read_results, run_genq, sim_stats, wait_until, write_prompts  # noqa: E402
 from genq import control, keys
 from genq.records import Control, WorkerStatus, pack, unpack
 from genq.redisconn import connect
@@ -25,14 +25,7 @@ SLOW_SIM = dict(max_running_requests=4, step_ms_base=25, step_ms_per_req=0, toke
                 mean_output_tokens=48, output_sigma=0.3)
 
 
-def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
 
 
 def workers_json() -> dict[str, dict]:
@@ -61,9 +54,7 @@ def worker_now(name: str) -> control.WorkerRow | None:
         conn.close()
 
 
-def sim_stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as resp:
-        return json.load(resp)
+
 
 
 def received(stats: dict) -> int:

@@ -26,7 +26,7 @@ from genq import keys
 from genq.queueing import BATCH_RETRIES, rq_queue
 from genq.records import Result, Usage
 from genq.redisconn import connect_async
-from tests.conftest import ROOT, read_results, run_genq
+from tests.conftest import ROOT, read_results, run_genq, sim_stats, wait_until
 from worker.results import ResultWriter
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2)
@@ -34,18 +34,10 @@ SMALL_CONTEXT = 256
 TOO_LONG = re.compile(r"^The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)\.$")
 
 
-def sim_stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/sim/stats") as resp:
-        return json.loads(resp.read())
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 
 
 def write_mixed(path: Path, n: int, long_every: int = 4) -> tuple[list[str], list[str]]:

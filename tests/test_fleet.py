@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
-from conftest import REDIS_URL, free_port, genq_cmd, read_results, run_genq, write_prompts  # noqa: E402
+from conftest import REDIS_URL, free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
 from genq import control  # noqa: E402
 from genq.redisconn import connect  # noqa: E402
 
@@ -54,14 +54,7 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
 
 
 def fleet_now() -> dict[str, control.WorkerRow]:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from genq import keys
 from genq.queueing import load_batch
 from genq.records import ShardInfo, unpack
-from tests.conftest import run_genq
+from tests.conftest import run_genq, wait_until
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 
 BUCKET = "genq-test"
@@ -32,14 +32,7 @@ def prompt_lines(n: int, start: int = 0) -> tuple[list[str], bytes]:
     return ids, data
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
 
 
 def shard_records(body: bytes, key: str) -> list[dict]:

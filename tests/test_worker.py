@@ -12,24 +12,15 @@ import urllib.request
 from genq import keys
 from genq.queueing import rq_queue
 from sim.lengths import prompt_key
-from tests.conftest import read_results, run_genq, write_prompts
+from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
 
 FAST_SIM = dict(mean_output_tokens=64, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 
 
-def sim_stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/sim/stats") as resp:
-        return json.loads(resp.read())
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 
 
 def test_burst_worker_completes_job_with_one_result_per_id(redis_url, rconn, sim, worker, tmp_path):
