@@ -14,17 +14,60 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from genq.records import JobConfig, Prompt, Usage
 
 _json_decode = msgspec.json.Decoder().decode
+_JSON_HEADERS = {"Content-Type": "application/json"}
 _json_encode = msgspec.json.Encoder().encode
 
 # Metric names genq reads; SGLang's first, vLLM's second.
 RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running")
 WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
 KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-RETRACTED = ("sglang:num_retracted_reqs",)
+RETRACTED = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
+# Counters of requests pushed back out of the running batch for lack of KV cache.
+RETRACTIONS_TOTAL = ("sglang:num_retracted_requests_total", "vllm:num_preemptions_total")
+
+
+# Typed views of the answers: decoding straight into these is several times cheaper
+# than into dicts, which matters at thousands of stream events a second. A field of
+# an unexpected type fails validation and the answer goes through the generic
+# (dict) path instead, so odd servers are still understood.
+class _WireUsage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+
+class _WireMessage(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name
+
+
+class _WireChoice(msgspec.Struct):
+    delta: _WireMessage | None = None
+    message: _WireMessage | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _WireAnswer(msgspec.Struct):
+    """A chat/completions response or one stream chunk."""
+
+    id: str | None = None
+    model: str | None = None
+    object: str | None = None
+    choices: list[_WireChoice] | None = None
+    usage: _WireUsage | None = None
+    error: Any = None
+    message: Any = None  # flat error bodies (SGLang): {"object": "error", "message": ...}
+
+
+_answer_decode = msgspec.json.Decoder(_WireAnswer).decode
 
 
 class ServerUnavailable(Exception):
@@ -45,7 +88,8 @@ class Metrics:
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
-    retracted: float | None = None
+    retracted: float | None = None  # gauge: requests retracted lately
+    retractions_total: float | None = None  # counter: requests retracted/preempted since start
 
 
 @dataclass
@@ -103,6 +147,11 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
 class ServerClient:
     def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
+        # Parsed once: a URL string is parsed again on every request otherwise.
+        self._generate_urls = {
+            "chat": URL(self.base_url + "/v1/chat/completions"),
+            "completions": URL(self.base_url + "/v1/completions"),
+        }
         connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, ttl_dns_cache=300)
         # No total timeout: the worker's watchdog enforces stall and request timeouts,
         # which a per-request aiohttp timer would only duplicate.
@@ -161,30 +210,37 @@ class ServerClient:
             return None
         if status != 200:
             return None
-        sums = parse_metrics(body.decode("utf-8", "replace"), RUNNING + WAITING + KV_USAGE + RETRACTED)
-        return Metrics(
-            running=_first(sums, RUNNING),
-            waiting=_first(sums, WAITING),
-            kv_usage=_first(sums, KV_USAGE),
-            retracted=_first(sums, RETRACTED),
-        )
+        return metrics_from_text(body.decode("utf-8", "replace"))
 
     async def generate(
         self, endpoint: str, body: dict[str, Any], progress: Progress
     ) -> Completion | Failure:
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        url = self._generate_urls["chat" if endpoint == "chat" else "completions"]
         try:
-            async with self.session.post(self.base_url + path, data=_json_encode(body),
-                                         headers={"Content-Type": "application/json"}) as resp:
+            async with self.session.post(url, data=_json_encode(body), headers=_JSON_HEADERS) as resp:
                 if resp.status != 200:
                     return _http_failure(resp.status, await resp.read())
                 if body.get("stream"):
                     return await _read_stream(resp, progress, body.get("model", ""))
-                return _parse_completion(_json_decode(await resp.read()), body.get("model", ""))
+                return parse_completion_bytes(await resp.read(), body.get("model", ""))
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
         except msgspec.DecodeError as exc:
             return Failure("protocol", f"unparsable response: {exc}")
+
+
+def metrics_from_text(text: str) -> Metrics:
+    """The figures the concurrency controller reads, from a Prometheus text page."""
+    sums = parse_metrics(text, RUNNING + WAITING + RETRACTED + RETRACTIONS_TOTAL)
+    # Usage is a fraction per rank: the fullest rank is the one that retracts.
+    kv = _first(parse_metrics(text, KV_USAGE, combine=max), KV_USAGE)
+    return Metrics(
+        running=_first(sums, RUNNING),
+        waiting=_first(sums, WAITING),
+        kv_usage=kv,
+        retracted=_first(sums, RETRACTED),
+        retractions_total=_first(sums, RETRACTIONS_TOTAL),
+    )
 
 
 def _capacity(info: dict[str, Any]) -> int | None:
@@ -203,19 +259,26 @@ def _first(sums: dict[str, float], names: tuple[str, ...]) -> float | None:
     return None
 
 
-def parse_metrics(text: str, wanted: tuple[str, ...]) -> dict[str, float]:
-    """Sum each wanted Prometheus sample over its labels (one series per DP/TP rank)."""
-    sums: dict[str, float] = {}
+def parse_metrics(text: str, wanted: tuple[str, ...], combine=None) -> dict[str, float]:
+    """Each wanted Prometheus sample over its labels (one series per DP/TP rank):
+    summed, or combined by `combine` (e.g. max)."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
             try:
-                sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                # `name{labels} value [timestamp]` or `name value [timestamp]`
+                rest = line.rsplit("}", 1)[1] if "{" in line else line[len(name):]
+                value = float(rest.split()[0])
             except (IndexError, ValueError):
                 continue
-    return sums
+            if name not in out:
+                out[name] = value
+            else:
+                out[name] = combine(out[name], value) if combine else out[name] + value
+    return out
 
 
 def _error_message(raw: bytes) -> str:
@@ -265,6 +328,44 @@ def _usage(raw: Any) -> Usage:
     )
 
 
+def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
+    """A non-streamed answer. Raises msgspec.DecodeError if it is not JSON."""
+    try:
+        answer = _answer_decode(raw)
+    except msgspec.ValidationError:
+        return _parse_completion(_json_decode(raw), model)
+    if not answer.choices or answer.error is not None or answer.object == "error":
+        return _parse_completion(_json_decode(raw), model)  # errors and oddities: the generic path
+    choice = answer.choices[0]
+    message = choice.message
+    if message is not None:
+        text = message.content or ""
+        reasoning = message.reasoning_content or message.reasoning
+    else:
+        text, reasoning = choice.text or "", None
+    return Completion(
+        text=text,
+        reasoning=reasoning,
+        finish_reason=choice.finish_reason,
+        usage=_wire_usage(answer.usage),
+        model=answer.model or model,
+        response_id=answer.id,
+    )
+
+
+def _wire_usage(raw: _WireUsage | None) -> Usage:
+    if raw is None:
+        return Usage()
+    reasoning = raw.reasoning_tokens
+    if reasoning is None and raw.completion_tokens_details:
+        reasoning = raw.completion_tokens_details.get("reasoning_tokens")
+    return Usage(
+        prompt_tokens=raw.prompt_tokens or 0,
+        completion_tokens=raw.completion_tokens or 0,
+        reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None,
+    )
+
+
 def _parse_completion(body: Any, model: str) -> Completion | Failure:
     if not isinstance(body, dict) or not body.get("choices"):
         if isinstance(body, dict) and ("error" in body or body.get("object") == "error"):
@@ -288,50 +389,128 @@ def _parse_completion(body: Any, model: str) -> Completion | Failure:
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: str) -> Completion | Failure:
-    text: list[str] = []
-    reasoning: list[str] = []
-    finish_reason = None
-    usage: Any = None
-    response_id = None
-    served_model = model
-    done = False
-    async for line in resp.content:
+    state = _StreamState(model)
+    # Read whatever arrives rather than a readline per line (two per event): a short
+    # answer comes in one piece. No async generator here: leaving one early costs a
+    # task for its aclose(). Read on to the end of the body after [DONE]: a body left
+    # unread makes aiohttp close the connection instead of reusing it.
+    rest = b""
+    async for chunk in resp.content.iter_any():
         progress.last_activity = time.monotonic()
-        if not line.startswith(b"data:"):
+        if state.done:
             continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            done = True
-            break
-        event = _json_decode(payload)
-        if "error" in event:  # SGLang and vLLM report mid-stream errors this way, on HTTP 200
-            return _event_failure(event["error"])
-        if event.get("usage"):
-            usage = event["usage"]
-            progress.tokens = int(usage.get("completion_tokens") or progress.tokens)
-        response_id = response_id or event.get("id")
-        served_model = event.get("model") or served_model
-        for choice in event.get("choices") or ():
-            delta = choice.get("delta")
-            if delta is not None:
-                if delta.get("content"):
-                    text.append(delta["content"])
-                piece = delta.get("reasoning_content") or delta.get("reasoning")
-                if piece:
-                    reasoning.append(piece)
-            elif choice.get("text"):
-                text.append(choice["text"])
-            if choice.get("finish_reason"):
-                finish_reason = choice["finish_reason"]
-        if usage is None:
-            progress.tokens += 1
-    if not done:
+        if rest:
+            chunk = rest + chunk
+        lines = chunk.split(b"\n")
+        rest = lines.pop()  # the unfinished last line (b"" when the chunk ends a line)
+        for line in lines:
+            if line.startswith(b"data:"):
+                failure = state.feed(line[5:].strip(), progress)
+                if failure is not None:
+                    return failure
+                if state.done:
+                    break
+    if not state.done and rest.startswith(b"data:"):
+        failure = state.feed(rest[5:].strip(), progress)
+        if failure is not None:
+            return failure
+    if not state.done:
         return Failure("connection", "stream ended before [DONE]")
-    return Completion(
-        text="".join(text),
-        reasoning="".join(reasoning) if reasoning else None,
-        finish_reason=finish_reason,
-        usage=_usage(usage),
-        model=served_model,
-        response_id=response_id,
-    )
+    return state.completion()
+
+
+class _StreamState:
+    """What the events of one stream have said so far."""
+
+    __slots__ = ("text", "reasoning", "finish_reason", "usage", "response_id", "model", "done")
+
+    def __init__(self, model: str) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: _WireUsage | None = None
+        self.response_id: str | None = None
+        self.model = model
+        self.done = False
+
+    def feed(self, payload: bytes, progress: Progress) -> Failure | None:
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            event = _answer_decode(payload)
+        except msgspec.ValidationError:
+            generic = _generic_event(_json_decode(payload))
+            if isinstance(generic, Failure):
+                return generic
+            event = generic
+        if event.error is not None:  # SGLang and vLLM report mid-stream errors this way, on HTTP 200
+            return _event_failure(event.error)
+        usage = event.usage
+        if usage is not None:
+            self.usage = usage
+            if usage.completion_tokens:
+                progress.tokens = usage.completion_tokens
+        elif self.usage is None:
+            progress.tokens += 1  # no usage stats: count events
+        if self.response_id is None:
+            self.response_id = event.id
+        if event.model:
+            self.model = event.model
+        if event.choices:
+            for choice in event.choices:
+                delta = choice.delta
+                if delta is not None:
+                    if delta.content:
+                        self.text.append(delta.content)
+                    piece = delta.reasoning_content or delta.reasoning
+                    if piece:
+                        self.reasoning.append(piece)
+                elif choice.text:
+                    self.text.append(choice.text)
+                if choice.finish_reason:
+                    self.finish_reason = choice.finish_reason
+        return None
+
+    def completion(self) -> Completion:
+        return Completion(
+            text="".join(self.text),
+            reasoning="".join(self.reasoning) if self.reasoning else None,
+            finish_reason=self.finish_reason,
+            usage=_wire_usage(self.usage),
+            model=self.model,
+            response_id=self.response_id,
+        )
+
+
+def _generic_event(event: Any) -> _WireAnswer | Failure:
+    """A stream event the typed decoder refused (a field of another type): read it as
+    a dict, keeping only what genq uses."""
+    if not isinstance(event, dict):
+        return Failure("protocol", f"stream event is not a JSON object: {str(event)[:200]}")
+    if event.get("error") is not None:
+        return _WireAnswer(error=event["error"])
+    raw_usage = event.get("usage")
+    usage = None
+    if isinstance(raw_usage, dict):
+        u = _usage(raw_usage)
+        usage = _WireUsage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                           reasoning_tokens=u.reasoning_tokens)
+    choices = []
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        wire_delta = None
+        if isinstance(delta, dict):
+            wire_delta = _WireMessage(content=_str_or_none(delta.get("content")),
+                                      reasoning_content=_str_or_none(delta.get("reasoning_content")),
+                                      reasoning=_str_or_none(delta.get("reasoning")))
+        choices.append(_WireChoice(delta=wire_delta, text=_str_or_none(choice.get("text")),
+                                   finish_reason=_str_or_none(choice.get("finish_reason"))))
+    return _WireAnswer(id=_str_or_none(event.get("id")), model=_str_or_none(event.get("model")),
+                       choices=choices, usage=usage)
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
