@@ -52,7 +52,7 @@ def setup_logging(level: str) -> None:
 @click.option("--host", default=None, help="Host name to report. [default: this machine's]")
 @click.option("--concurrency", type=Concurrency(), default="auto", show_default=True, help="Requests in flight: 'auto' follows the server's capacity and metrics; a number caps it. Change it live with `genq concurrency`.")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
-@click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=2, show_default=True, help="Batches held at once (RQ work loops); 2 lets the next batch fill slots while one drains.")
+@click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=2, show_default=True, help="Batches held at once, at least (RQ work loops): the next batch fills slots while one drains; more are taken while held batches drain long tails.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Stream responses (stall detection and live token counts for the ETA).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before the dead-letter queue. [default: the job's, 5]")
 @click.option("--request-timeout", type=click.FloatRange(1), default=3600, show_default=True, help="Seconds one request may take (a 32K-token thinking completion fits).")

@@ -500,6 +500,9 @@ class Engine:
                         raise  # shutdown or hand-back: the prompt stays unfinished, nothing is counted
                     me.uncancel()  # the watchdog's cancel was for this request only
                     outcome = Failure("timeout", task.cancel_reason)
+                # No longer in flight: the watchdog must not cancel the bookkeeping below
+                # (a health check can take seconds), or the prompt would be dropped.
+                self.running.pop(task, None)
                 if isinstance(outcome, Completion):
                     self._record(task, outcome)
                 else:
