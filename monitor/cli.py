@@ -1,0 +1,145 @@
+"""genq monitor: totals, throughput, an honest ETA and per-GPU efficiency, live or once."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import click
+import redis
+
+from genq.cli import settings
+from genq.redisconn import connect, describe_error
+from monitor.progress import JobNotFound, Monitor, document, encode, write_atomic
+
+
+@click.command()
+@click.option("--job", default=None, help="Job to show. [default: the only job, or every job]")
+@click.option("--once", is_flag=True, help="Print one report and exit (rate from the workers' own records: less certain).")
+@click.option("--json", "as_json", is_flag=True,
+              help="JSON instead of the live view: one document with --once, else one line per refresh.")
+@click.option("--progress-file", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="(Re)write this JSON file atomically on every refresh (once with --once).")
+@click.option("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--rate-window", type=click.FloatRange(5), default=120.0, show_default=True,
+              help="Seconds of the monitor's own samples the throughput is read from.")
+@click.option("--serve", "listen", default=None, metavar="[HOST]:PORT",
+              help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "
+                   "honor_labels: true (the genq job is the `job` label). Grafana: dashboards/grafana-genq.json.")
+@click.option("--until-done", is_flag=True, help="Exit once every shown job is done (for scripts).")
+@click.pass_context
+def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, progress_file: str | None,
+            interval: float, rate_window: float, listen: str | None, until_done: bool) -> None:
+    """Show job progress: totals, rates, tokens, an ETA with its range, and each worker.
+
+    \b
+    JSON (--json, --progress-file): with --job, or when exactly one job exists,
+    one object; otherwise an object keyed by job name, each value the same
+    object ({} when there are no jobs). Fields include total, completed,
+    failed, in_flight, queued, rate_per_sec, output_tokens_per_sec,
+    eta_hours, eta_low_hours, eta_high_hours, eta_state, elapsed_hours,
+    total_input_tokens, total_output_tokens, avg_output_tokens, status
+    (queued | running | paused | done), s3_uploaded and s3_bytes (shards
+    written and their bytes), worker_details; --json adds eta_s, eta_low_s
+    and eta_high_s in unrounded seconds (null while there is no honest
+    estimate: eta_state "warming up", "paused" or "stalled").
+
+    \b
+    The ETA comes from remaining work and recent throughput: output lengths
+    are fitted to the finished completions and the running ones (a running
+    request will be at least as long as it is now), so the long tail is
+    counted before it finishes; the range is the central 90% of simulated
+    finish times.
+    """
+    s = settings(ctx)
+    if once and listen:
+        raise click.UsageError("--serve needs a running monitor; drop --once")
+    try:
+        conn = connect(s.redis_url)
+        conn.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise click.ClickException(describe_error(s.redis_url, exc)) from None
+    mon = Monitor(conn, job, window_s=rate_window, once=once)
+    if listen:
+        from monitor.exporter import serve
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+        try:
+            serve(mon, listen)
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(f"--serve {listen}: {exc}") from None
+        click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
+                   err=True)
+    try:
+        if once:
+            _emit(mon, as_json, progress_file, s.redis_display, interval, live=None)
+            return
+        _loop(mon, as_json, progress_file, s.redis_display, interval, until_done)
+    except JobNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+    except redis.RedisError as exc:
+        raise click.ClickException(describe_error(s.redis_url, exc)) from None
+    except OSError as exc:  # the progress file cannot be written
+        raise click.ClickException(f"--progress-file {progress_file}: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float,
+          live) -> list:
+    reports = mon.refresh()
+    if progress_file:
+        write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
+    if as_json:
+        sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
+        sys.stdout.flush()
+    else:
+        from monitor.view import render
+
+        view = render(reports, redis_display, interval)
+        if live is not None:
+            live.update(view, refresh=True)
+        else:
+            from rich.console import Console
+
+            console = Console()
+            if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+                console = Console(width=140)
+            console.print(view)
+    return reports
+
+
+def _loop(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float,
+          until_done: bool) -> None:
+    live = None
+    if not as_json:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console()
+        if console.is_terminal:
+            live = Live(console=console, auto_refresh=False, screen=False)
+            live.start()
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                reports = _emit(mon, as_json, progress_file, redis_display, interval, live)
+            except redis.RedisError as exc:
+                # A live monitor outlasts a Redis restart: say so and try again next time.
+                from rich.text import Text
+
+                message = f"cannot read Redis at {redis_display} ({type(exc).__name__}: {exc}); retrying"
+                if live is not None:
+                    live.update(Text(message, style="bold red"), refresh=True)
+                else:
+                    click.echo(message, err=True)
+                reports = []
+            if until_done and reports and all(r.progress.status == "done" for r in reports):
+                return
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        if live is not None:
+            live.stop()

@@ -1,0 +1,306 @@
+"""Output lengths: a lognormal fitted to censored observations (pure; no Redis, no clock).
+
+What is known about a job's output lengths at any moment:
+
+* finished completions, binned in the job's log-spaced histogram
+  (worker/results.py length_bucket): interval-censored observations;
+* completions still running, with the tokens produced so far: right-censored
+  observations (the final length is at least that);
+* the job's max_tokens: no completion is longer (it is cut at the cap).
+
+fit_lengths() fits ln(L + 1) ~ Normal(mu, sigma) by maximum likelihood over
+all three, so the long completions that have started but not finished pull
+the estimate up as they should (the finished ones alone are the short ones).
+LengthModel gives the closed-form expectations (cut at the cap), conditional
+expectations given "at least t tokens so far", and draws for the simulation.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+LN2 = math.log(2.0)
+_N = NormalDist()
+SQRT2 = math.sqrt(2.0)
+
+SIGMA_BOUNDS = (0.02, 5.0)  # of log(L + 1); a wider fit is a broken one
+
+
+# ---------------------------------------------------------------- normal helpers
+
+
+def norm_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / SQRT2)
+
+
+def log_q(x: float) -> float:
+    """log P(N(0,1) >= x), accurate far into the upper tail."""
+    if x == -math.inf:
+        return 0.0
+    if x == math.inf:
+        return -math.inf
+    if x < 25.0:
+        q = 0.5 * math.erfc(x / SQRT2)
+        return math.log(q) if q > 0 else -math.inf
+    # Mills-ratio expansion: erfc underflows out here.
+    x2 = x * x
+    return -x2 / 2 - math.log(x * math.sqrt(2 * math.pi)) + math.log1p(-1 / x2 + 3 / (x2 * x2))
+
+
+def log_interval(lo: float, hi: float) -> float:
+    """log P(lo <= N(0,1) < hi) without cancellation in either tail."""
+    if hi <= lo:
+        return -math.inf
+    if lo > 0:  # both in the upper tail: Q(lo) - Q(hi)
+        a, b = log_q(lo), log_q(hi)
+    elif hi < 0:  # both in the lower tail: mirror it
+        a, b = log_q(-hi), log_q(-lo)
+    else:
+        p = 1.0 - 0.5 * math.erfc(hi / SQRT2) - 0.5 * math.erfc(-lo / SQRT2)
+        return math.log(p) if p > 0 else -math.inf
+    if a == -math.inf:
+        return -math.inf
+    d = b - a
+    return a + math.log1p(-math.exp(d)) if d < 0 else -math.inf
+
+
+def bucket_log_bounds(bucket: int) -> tuple[float, float]:
+    """The bucket's range in z = ln(L + 1) (inverse of results.length_bucket)."""
+    return (bucket - 0.5) / 4 * LN2, (bucket + 0.5) / 4 * LN2
+
+
+def length_bucket(tokens: int) -> int:
+    # Same formula as worker.results.length_bucket; repeated here so this module stays pure.
+    return int(round(4 * math.log2(tokens + 1)))
+
+
+# ---------------------------------------------------------------- length model
+
+
+@dataclass(frozen=True)
+class LengthData:
+    """Everything known about output lengths at one moment."""
+
+    hist: Mapping[int, int]  # length bucket -> finished completions
+    running: Sequence[int]  # tokens so far of each running request
+    cap: int | None = None  # the job's max_tokens: no output is longer
+
+    @property
+    def finished(self) -> int:
+        return sum(self.hist.values())
+
+
+@dataclass
+class LengthModel:
+    """ln(L + 1) ~ Normal(mu, sigma); observed output = min(L, cap)."""
+
+    mu: float
+    sigma: float
+    cap: int | None = None
+    # Covariance of (mu, ln sigma) from the observed information; None when unknown.
+    cov: tuple[tuple[float, float], tuple[float, float]] | None = None
+    finished: int = 0
+    censored: int = 0
+
+    # -- expectations (closed forms for the lognormal, cut at the cap) --
+
+    def mean(self) -> float:
+        return self.conditional_mean(0)
+
+    def conditional_mean(self, tokens_so_far: int) -> float:
+        """E[min(L, cap) | L >= tokens_so_far]."""
+        mu, s = self.mu, self.sigma
+        c0 = -math.inf if tokens_so_far <= 0 else (math.log(tokens_so_far + 1) - mu) / s
+        lq_c = log_q(c0)
+        if lq_c == -math.inf:  # far beyond anything the fit believes in
+            return float(max(tokens_so_far, 1) if self.cap is None else min(max(tokens_so_far, 1), self.cap))
+        # E[e^Z | Z >= c] = exp(mu + s^2/2) Q(c0 - s) / Q(c0)
+        growth = mu + s * s / 2
+        above_c = math.exp(min(700.0, growth + log_q(c0 - s) - lq_c))
+        if self.cap is None:
+            return above_c - 1.0
+        m0 = (math.log(self.cap + 1) - mu) / s
+        if c0 >= m0:
+            return float(self.cap)
+        above_m = math.exp(min(700.0, growth + log_q(m0 - s) - lq_c))
+        p_m = math.exp(log_q(m0) - lq_c)  # P(L >= cap | L >= t)
+        return (above_c - above_m) - (1.0 - p_m) + self.cap * p_m
+
+    def second_moment(self) -> float:
+        """E[min(L, cap)^2], for the spread of a large batch's total."""
+        mu, s = self.mu, self.sigma
+        if self.cap is None:
+            m0 = math.inf
+        else:
+            m0 = (math.log(self.cap + 1) - mu) / s
+        below = 1.0 - math.exp(log_q(m0)) if m0 != math.inf else 1.0
+        e1 = math.exp(min(700.0, mu + s * s / 2)) * norm_cdf(m0 - s)  # E[e^Z; Z < m]
+        e2 = math.exp(min(700.0, 2 * mu + 2 * s * s)) * norm_cdf(m0 - 2 * s)  # E[e^2Z; Z < m]
+        value = e2 - 2 * e1 + below  # E[(e^Z - 1)^2; Z < m]
+        if self.cap is not None:
+            value += self.cap**2 * math.exp(log_q(m0))
+        return value
+
+    def remaining_tokens(self, unstarted: int, running: Iterable[int]) -> float:
+        """Expected output tokens still to come: fresh prompts plus the rest of running ones."""
+        total = unstarted * self.mean()
+        for t, n in Counter(running).items():
+            total += n * max(0.0, self.conditional_mean(t) - t)
+        return total
+
+    def median(self) -> float:
+        return math.exp(self.mu) - 1.0
+
+    # -- draws --
+
+    def draw_params(self, rng: random.Random) -> tuple[float, float]:
+        """(mu, sigma) from the fit's approximate sampling distribution."""
+        if self.cov is None:
+            return self.mu, self.sigma
+        (a, b), (_, d) = self.cov
+        # Cholesky of the 2x2 covariance.
+        l11 = math.sqrt(max(a, 0.0))
+        l21 = b / l11 if l11 > 0 else 0.0
+        l22 = math.sqrt(max(d - l21 * l21, 0.0))
+        g1, g2 = rng.gauss(0, 1), rng.gauss(0, 1)
+        mu = self.mu + l11 * g1
+        log_s = math.log(self.sigma) + l21 * g1 + l22 * g2
+        return mu, min(max(math.exp(log_s), SIGMA_BOUNDS[0]), SIGMA_BOUNDS[1])
+
+    def with_params(self, mu: float, sigma: float) -> LengthModel:
+        return LengthModel(mu=mu, sigma=sigma, cap=self.cap)
+
+    def draw(self, rng: random.Random, n: int) -> list[float]:
+        mu, s, cap = self.mu, self.sigma, self.cap
+        out = [math.exp(rng.gauss(mu, s)) - 1.0 for _ in range(n)]
+        if cap is not None:
+            out = [x if x < cap else float(cap) for x in out]
+        return out
+
+    def draw_remaining(self, rng: random.Random, tokens_so_far: Sequence[int]) -> list[float]:
+        """For each running request: final length drawn given L >= tokens so far, minus those tokens."""
+        mu, s, cap = self.mu, self.sigma, self.cap
+        out = []
+        for t in tokens_so_far:
+            if t <= 0:
+                z = rng.gauss(mu, s)
+            else:
+                c0 = (math.log(t + 1) - mu) / s
+                lq = log_q(c0)
+                # Inverse CDF in the upper tail: pick Q(z0) uniformly in (0, Q(c0)).
+                log_u = lq + math.log(1.0 - rng.random())
+                if log_u > -690:
+                    q = math.exp(log_u)
+                    z0 = -_N.inv_cdf(q) if q < 0.5 else _N.inv_cdf(1 - q)
+                else:  # beyond double precision: the tail is ~ exponential in z0 * c0
+                    z0 = c0 + rng.expovariate(1.0) / max(c0, 1.0)
+                z = mu + s * max(z0, c0)
+            length = math.exp(z) - 1.0
+            if cap is not None:
+                length = min(length, float(cap))
+            out.append(max(0.0, length - t))
+        return out
+
+
+def fit_lengths(data: LengthData) -> LengthModel | None:
+    """Censored maximum likelihood for the lognormal; None with no finished completions."""
+    cap = data.cap
+    hist = {int(b): int(n) for b, n in data.hist.items() if int(n) > 0}
+    if not hist:
+        return None
+    cap_bucket = length_bucket(cap) if cap else None
+    if cap_bucket is not None and max(hist) > cap_bucket:
+        cap = None  # rows overrode max_tokens upwards: the job's cap is not a cap
+        cap_bucket = None
+    intervals: list[tuple[float, float, int]] = []
+    for b, n in hist.items():
+        lo, hi = bucket_log_bounds(b)
+        if b == cap_bucket:
+            hi = math.inf  # a completion cut at the cap was at least that long
+        intervals.append((lo, hi, n))
+    cap_z = math.log(cap + 1) if cap else math.inf
+    censored = [(math.log(t + 1), n) for t, n in Counter(int(t) for t in data.running if t > 0).items()
+                if math.log(t + 1) < cap_z]
+
+    def nll(mu: float, log_s: float) -> float:
+        s = math.exp(log_s)
+        total = 0.0
+        for lo, hi, n in intervals:
+            total += n * log_interval((lo - mu) / s, (hi - mu) / s)
+        for c, n in censored:
+            total += n * log_q((c - mu) / s)
+        return -total if total > -math.inf else 1e300
+
+    # Start from the finished completions alone (biased short; the optimiser fixes that).
+    count = sum(n for _, _, n in intervals)
+    mids = [((lo + min(hi, lo + LN2 / 4)) / 2, n) for lo, hi, n in intervals]
+    m0 = sum(z * n for z, n in mids) / count
+    v0 = sum(n * (z - m0) ** 2 for z, n in mids) / count
+    start = (m0, math.log(min(max(math.sqrt(v0), 0.3), 3.0)))
+    lo_ls, hi_ls = math.log(SIGMA_BOUNDS[0]), math.log(SIGMA_BOUNDS[1])
+
+    def bounded(mu: float, log_s: float) -> float:
+        if not lo_ls <= log_s <= hi_ls:
+            return 1e300
+        return nll(mu, log_s)
+
+    best = _nelder_mead(bounded, start, (0.5, 0.3))
+    mu, log_s = best
+    cov = _covariance(nll, best)
+    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, cov=cov,
+                       finished=count, censored=sum(n for _, n in censored))
+
+
+def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float],
+                 tol: float = 1e-7, max_iter: int = 400) -> tuple[float, float]:
+    """A plain 2-D Nelder-Mead: the likelihood is smooth and cheap, no scipy needed."""
+    pts = [start, (start[0] + step[0], start[1]), (start[0], start[1] + step[1])]
+    vals = [f(*p) for p in pts]
+    for _ in range(max_iter):
+        order = sorted(range(3), key=lambda i: vals[i])
+        pts = [pts[i] for i in order]
+        vals = [vals[i] for i in order]
+        if abs(vals[2] - vals[0]) <= tol * (1 + abs(vals[0])) and \
+                max(abs(pts[2][0] - pts[0][0]), abs(pts[2][1] - pts[0][1])) < 1e-6:
+            break
+        cx = (pts[0][0] + pts[1][0]) / 2
+        cy = (pts[0][1] + pts[1][1]) / 2
+        worst = pts[2]
+        refl = (cx + (cx - worst[0]), cy + (cy - worst[1]))
+        fr = f(*refl)
+        if fr < vals[0]:
+            exp_ = (cx + 2 * (cx - worst[0]), cy + 2 * (cy - worst[1]))
+            fe = f(*exp_)
+            pts[2], vals[2] = (exp_, fe) if fe < fr else (refl, fr)
+        elif fr < vals[1]:
+            pts[2], vals[2] = refl, fr
+        else:
+            con = (cx + 0.5 * (worst[0] - cx), cy + 0.5 * (worst[1] - cy))
+            fc = f(*con)
+            if fc < vals[2]:
+                pts[2], vals[2] = con, fc
+            else:  # shrink towards the best point
+                for i in (1, 2):
+                    pts[i] = ((pts[i][0] + pts[0][0]) / 2, (pts[i][1] + pts[0][1]) / 2)
+                    vals[i] = f(*pts[i])
+    i = min(range(3), key=lambda k: vals[k])
+    return pts[i]
+
+
+def _covariance(nll, at: tuple[float, float]) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """Inverse of the numerical Hessian of the negative log-likelihood (observed information)."""
+    h = 1e-3
+    x, y = at
+    f0 = nll(x, y)
+    fxx = (nll(x + h, y) - 2 * f0 + nll(x - h, y)) / h**2
+    fyy = (nll(x, y + h) - 2 * f0 + nll(x, y - h)) / h**2
+    fxy = (nll(x + h, y + h) - nll(x + h, y - h) - nll(x - h, y + h) + nll(x - h, y - h)) / (4 * h * h)
+    det = fxx * fyy - fxy * fxy
+    if not (fxx > 0 and fyy > 0 and det > 0) or not math.isfinite(det):
+        return None
+    return ((fyy / det, -fxy / det), (-fxy / det, fxx / det))

@@ -1,0 +1,331 @@
+"""What `genq monitor` reports: one JobProgress per job, for --json, the progress file,
+the live view and the Prometheus exporter alike.
+
+Monitor.refresh() is the single code path: read Redis (snapshot.py), add a
+throughput sample (rates.py), estimate the remaining time (eta.py), fill the
+record. bench/eta_bench.py calls the same Monitor so it measures exactly what
+`genq monitor --json` prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import redis
+
+from genq.records import GpuSample
+from monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
+from monitor.health import bottlenecks, fleet_gpu_note, slot_utilization
+from monitor.rates import RateTracker, once_speed
+from monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_workers
+
+# Only in --json: the same figures in unrounded seconds.
+JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")
+
+
+class WorkerReport(msgspec.Struct):
+    name: str
+    # The worker's state; "lost" when its heartbeat expired while the job is unfinished,
+    # "gone" when it expired after the job was done (nothing to worry about).
+    state: str
+    host: str | None = None
+    in_flight: int = 0  # requests this worker has in flight (all jobs)
+    concurrency_target: int = 0
+    concurrency_limit: int | None = None
+    server_capacity: int | None = None
+    server_running: float | None = None
+    server_waiting: float | None = None
+    slot_utilization: float | None = None  # server_running / server_capacity
+    kv_cache_usage: float | None = None
+    tok_per_s: float = 0.0
+    req_per_s: float = 0.0
+    errors: int = 0
+    job_in_flight: int = 0  # this job's requests on this worker
+    job_completed: int = 0
+    job_failed: int = 0
+    job_output_tokens: int = 0
+    gpu: GpuSample | None = None
+    gpu_note: str | None = None
+    bottlenecks: list[str] = []
+    heartbeat_age_s: float | None = None
+
+
+class JobProgress(msgspec.Struct):
+    """One job's progress. Field names of the original progress.json are kept."""
+
+    job: str
+    status: str  # queued | running | paused | done
+    updated_at: float
+    total: int
+    completed: int
+    failed: int
+    in_flight: int
+    queued: int  # not started: in the queue or held unsent by a worker
+    held: int  # of those, held by workers
+    percent: float
+    rate_per_sec: float | None  # prompts finished per second, recently
+    output_tokens_per_sec: float | None
+    eta_hours: float | None
+    eta_low_hours: float | None
+    eta_high_hours: float | None
+    eta_state: str  # warming up | estimating | steady | done | paused | stalled
+    eta_note: str
+    eta_s: float | None
+    eta_low_s: float | None
+    eta_high_s: float | None
+    elapsed_hours: float
+    elapsed_s: float  # from the first result (or creation) to now, or to the last result once done
+    total_input_tokens: int
+    total_output_tokens: int
+    avg_output_tokens: float | None  # finished completions only: biased short while running
+    expected_output_tokens: float | None  # fitted mean length, running ones included
+    remaining_output_tokens: float | None
+    batches_total: int
+    batches_done: int
+    queued_batches: int
+    shards: int
+    shard_records: int
+    s3_uploaded: int  # shards written (keys.job_shards), wherever the output is
+    s3_bytes: int
+    workers: int  # live workers on this job
+    workers_lost: int
+    rate_source: str
+    gpu_note: str | None
+    worker_details: list[WorkerReport]
+
+
+@dataclass
+class JobReport:
+    snapshot: JobSnapshot
+    estimate: Estimate
+    progress: JobProgress
+    speed: Speed | None = None
+    fleet: list[WorkerState] | None = None
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+class Monitor:
+    """Keeps throughput samples per job between refreshes; thread-safe (the exporter scrapes too)."""
+
+    def __init__(self, conn: redis.Redis, job: str | None = None, *, window_s: float = 120.0,
+                 once: bool = False) -> None:
+        self.conn = conn
+        self.job = job
+        self.window_s = window_s
+        self.once = once
+        self.trackers: dict[str, RateTracker] = {}
+        self.lock = threading.Lock()
+        self.last: list[JobReport] = []
+
+    def job_names(self) -> list[str]:
+        if self.job is not None:
+            return [self.job]
+        return list_job_names(self.conn)
+
+    def refresh(self) -> list[JobReport]:
+        with self.lock:
+            statuses = read_workers(self.conn)
+            reports = []
+            for name in self.job_names():
+                snap = read_job(self.conn, name, statuses)
+                if snap is None:
+                    if self.job is not None:
+                        raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
+                    continue
+                reports.append(self._report(snap))
+            self.last = reports
+            return reports
+
+    @property
+    def single(self) -> bool:
+        """Whether output is one object (one job asked for or present) rather than keyed by job."""
+        return self.job is not None or len(self.last) == 1
+
+    def _report(self, snap: JobSnapshot) -> JobReport:
+        if self.once:
+            speed, prompts_rate = once_speed(snap)
+        else:
+            tracker = self.trackers.setdefault(snap.job, RateTracker(self.window_s))
+            tracker.observe(snap)
+            speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
+        config = snap.config
+        fleet = fleet_of(snap)
+        est = estimate(
+            total=snap.total, completed=snap.completed, failed=snap.failed,
+            lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
+            fleet=fleet, batch_size=config.batch_size if config else 256,
+            speed=speed, paused=snap.paused and not snap.is_done,
+        )
+        if snap.is_done:
+            est.state = "done"
+        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
+
+
+# genq worker's batch-taking policy (worker/engine.py _desired_loops): it holds
+# --prefetch batches (default 2; not published, so the default is assumed), and
+# takes one more, up to MAX_EXTRA_LOOPS more, while its unsent prompts are below
+# (prefetch - 1) batches' worth. tests/test_eta.py checks these against the worker.
+DEFAULT_PREFETCH = 2
+MAX_EXTRA_LOOPS = 14
+
+
+def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
+    """The workers that will work on this job from now on, as the ETA simulation sees them.
+
+    Live workers holding the job's prompts, plus idle ones (the queue is
+    shared: they take its next batches). Paused and server-down workers add
+    nothing until they come back; a draining one only finishes what it holds.
+    """
+    size = snap.config.batch_size if snap.config else 256
+    fleet = []
+    for w in snap.workers:
+        if not w.live:
+            continue
+        holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
+        if not holds and w.status.state not in ("idle", "busy", "starting"):
+            continue
+        if w.status.state in ("paused", "server_down"):
+            continue
+        draining = w.status.state == "draining"
+        leases = len(w.held_unfinished) if draining else DEFAULT_PREFETCH
+        fleet.append(WorkerState(
+            slots=w.slots,
+            leases=leases,
+            max_leases=leases if draining else leases + MAX_EXTRA_LOOPS,
+            reserve=0 if draining else (DEFAULT_PREFETCH - 1) * size,
+            running=tuple(w.running_tokens),
+            ready=w.inflight.queued if w.inflight is not None else 0,
+            held=len(w.held_unfinished),
+            held_unfinished=tuple(w.held_unfinished),
+        ))
+    return fleet
+
+
+def _hours(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds / 3600, 4)
+
+
+def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
+    finished = snap.completed + snap.failed
+    start = snap.first_at or snap.created_at or snap.at
+    end = snap.last_at if snap.is_done and snap.last_at else snap.at
+    live = [w for w in snap.workers if w.live]
+    statuses = [w.status for w in snap.workers if w.status is not None]
+    return JobProgress(
+        job=snap.job,
+        status=snap.status,
+        updated_at=round(snap.at, 3),
+        total=snap.total,
+        completed=snap.completed,
+        failed=snap.failed,
+        in_flight=snap.in_flight,
+        queued=snap.queued,
+        held=snap.held,
+        percent=round(100.0 * finished / snap.total, 2) if snap.total else 0.0,
+        rate_per_sec=None if prompts_rate is None else round(prompts_rate, 3),
+        output_tokens_per_sec=None if speed is None else round(speed.tokens_per_s, 1),
+        eta_hours=_hours(est.eta_s),
+        eta_low_hours=_hours(est.eta_low_s),
+        eta_high_hours=_hours(est.eta_high_s),
+        eta_state=est.state,
+        eta_note=est.note,
+        eta_s=est.eta_s,
+        eta_low_s=est.eta_low_s,
+        eta_high_s=est.eta_high_s,
+        elapsed_hours=round(max(0.0, end - start) / 3600, 4),
+        elapsed_s=round(max(0.0, end - start), 3),
+        total_input_tokens=snap.in_tokens,
+        total_output_tokens=snap.out_tokens,
+        avg_output_tokens=round(snap.out_tokens / snap.completed, 1) if snap.completed else None,
+        expected_output_tokens=None if est.expected_output_tokens is None else round(est.expected_output_tokens, 1),
+        remaining_output_tokens=None if est.remaining_tokens is None else round(est.remaining_tokens),
+        batches_total=snap.batches_total,
+        batches_done=snap.batches_done,
+        queued_batches=snap.queued_batches,
+        shards=snap.shards,
+        shard_records=snap.shard_records,
+        s3_uploaded=snap.shards,
+        s3_bytes=snap.shard_bytes,
+        workers=sum(1 for w in live if w.inflight is not None),
+        workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
+        rate_source="" if speed is None else speed.source,
+        gpu_note=fleet_gpu_note(statuses),
+        worker_details=[worker_report(w, snap.at, snap.is_done) for w in snap.workers],
+    )
+
+
+def worker_report(w: WorkerView, now: float, job_done: bool = False) -> WorkerReport:
+    s = w.status
+    base = dict(name=w.name, state=w.state, job_in_flight=len(w.running_tokens),
+                job_completed=w.counters.done, job_failed=w.counters.failed,
+                job_output_tokens=w.counters.out_tok, bottlenecks=bottlenecks(s))
+    if s is None:
+        if job_done:
+            base.update(state="gone", bottlenecks=[])
+        return WorkerReport(**base)
+    util = slot_utilization(s)
+    return WorkerReport(
+        **base, host=s.host, in_flight=s.in_flight, concurrency_target=s.concurrency_target,
+        concurrency_limit=s.concurrency_limit, server_capacity=s.server_capacity,
+        server_running=s.server_running, server_waiting=s.server_waiting,
+        slot_utilization=None if util is None else round(util, 3), kv_cache_usage=s.server_token_usage,
+        tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, errors=s.errors, gpu=s.gpu_sample, gpu_note=s.gpu_note,
+        heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1),
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def as_dict(p: JobProgress, *, for_json: bool) -> dict[str, Any]:
+    d = msgspec.to_builtins(p)
+    if not for_json:
+        for k in JSON_ONLY:
+            d.pop(k, None)
+    for k, v in list(d.items()):  # NaN is not JSON
+        if isinstance(v, float) and not math.isfinite(v):
+            d[k] = None
+    return d
+
+
+def document(reports: list[JobReport], single: bool, *, for_json: bool) -> Any:
+    """One job: its object. Several (no --job): an object keyed by job name. None: {}."""
+    if single and len(reports) == 1:
+        return as_dict(reports[0].progress, for_json=for_json)
+    return {r.progress.job: as_dict(r.progress, for_json=for_json) for r in reports}
+
+
+_json = msgspec.json.Encoder()
+
+
+def encode(doc: Any) -> bytes:
+    return _json.encode(doc)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Readers of the progress file never see half of it: write beside it, then rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,258 @@
+"""The rest of a job, played through genq's scheduling: Monte-Carlo finish times.
+
+Each worker leases batches from one shared queue and holds a batch until all
+its prompts are finished; it keeps up to `slots` requests decoding from what
+it holds and takes more batches following genq worker's prefetch policy
+(WorkerState). That is why slots can sit idle behind a batch's long tail, and
+why the end of a job drains at its own pace; a model of "slots x speed" gets
+both wrong. Time is counted in token units (one request making one token) and
+divided by the measured per-request speed at the end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from monitor.lengths import LengthModel
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One live worker as the simulation sees it (from its WorkerStatus and InFlight).
+
+    Batch-taking policy (genq worker's): it holds at least `leases` batches
+    while the queue lasts, and takes one more whenever its unsent prompts fall
+    below `reserve` and it holds fewer than `max_leases` (None: = leases, a
+    worker that only takes a batch when a held one is complete). A batch is
+    held until all its prompts are finished.
+    """
+
+    slots: int  # requests it decodes at once: in-flight target, at most the server's capacity
+    leases: int  # batches it holds at least (genq worker --prefetch)
+    running: tuple[int, ...] = ()  # tokens so far of its running requests for the job
+    ready: int = 0  # prompts of the job it holds but has not sent yet
+    held: int = 0  # batches of the job it holds now
+    # Unfinished prompts of each held batch, oldest batch first, when known
+    # (batch size minus results stored): which batch frees a lease when.
+    held_unfinished: tuple[int, ...] = ()
+    max_leases: int | None = None
+    reserve: int = 0
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Decode speed as measured over a recent window."""
+
+    per_request: float  # output tokens/s of one decoding request
+    rel_se: float  # relative standard error of per_request
+    span_s: float  # length of the window
+    samples: int
+    tokens_per_s: float = 0.0  # the job's measured output tokens/s (shown, not used)
+    source: str = ""
+
+
+def _policy(w: WorkerState, b: int) -> tuple[int, int, int, int]:
+    """(slots, leases, max leases, reserve) key of a worker's batch-taking behaviour."""
+    return (max(1, w.slots), max(1, w.leases), max(w.leases, w.max_leases or w.leases), w.reserve)
+
+
+# How many batches per worker at the end of the queue the event simulation plays
+# out in full; earlier batches go through at the simulated steady rate of the
+# fleet (a job of 654,676 prompts is not replayed prompt by prompt on every refresh).
+TAIL_BATCHES_PER_WORKER = 3
+# Workers whose end of the job is played out; in a larger fleet a spread-out
+# sample of them takes a proportional share of the last batches, and the rest
+# of the fleet's work goes into the bulk. (The finish of the slowest of 8 is a
+# little earlier than that of the slowest of 64: a small optimism, for speed.)
+MAX_SIM_WORKERS = 8
+STEADY_BATCHES = 10  # batches one worker plays at least, to measure its steady rate
+MIN_SAMPLES = 20
+
+
+def simulate_remaining(
+    model: LengthModel,
+    fleet: Sequence[WorkerState],
+    queue: int,
+    batch_size: int,
+    speed: Speed,
+    *,
+    samples: int = 100,
+    seed: int = 1,
+    max_events: int = 300_000,
+) -> list[float]:
+    """Monte-Carlo finish times (seconds from now) of the rest of the job.
+
+    The simulation follows genq's scheduling (WorkerState): batches are leased
+    from one shared queue and held until all their prompts are finished, each
+    worker keeps up to `slots` requests decoding from what it holds. That is
+    why slots can sit idle behind a batch's long tail, and why the end of a job
+    drains at its own pace; a model of "slots x speed" gets both wrong. Each
+    draw takes the length parameters from the fit's uncertainty and the speed
+    from its standard error. When many prompts remain, all but the last few
+    batches per worker go through at the simulated steady rate of the fleet.
+    """
+    rng = random.Random(seed)  # fixed: the same data give the same answer on every refresh
+    b = max(1, batch_size)
+    states = list(fleet)
+    if len(states) > MAX_SIM_WORKERS:
+        picks = sorted({round(i * (len(states) - 1) / (MAX_SIM_WORKERS - 1)) for i in range(MAX_SIM_WORKERS)})
+        played = [states[i] for i in picks]
+        others = [w for i, w in enumerate(states) if i not in set(picks)]
+    else:
+        played, others = states, []
+    share = len(played) / len(states)
+    tail_all = min(queue, b * TAIL_BATCHES_PER_WORKER * len(states))
+    tail = round(tail_all * share)  # the played workers' share of the last batches
+    bulk = queue - tail_all
+    kinds = {_policy(w, b) for w in states}
+    events = tail + sum(len(w.running) + w.ready for w in played)
+    if bulk or others:
+        events += sum(_steady_batches(k) for k in kinds) * b
+    samples = max(MIN_SAMPLES, min(samples, max_events // max(events, 1)))
+    rel_se = max(speed.rel_se, 0.0)
+    out = []
+    for _ in range(samples):
+        mu, sigma = model.draw_params(rng)
+        m = model.with_params(mu, sigma)
+        speed_draw = speed.per_request * math.exp(rng.gauss(0.0, rel_se) - rel_se * rel_se / 2)
+        bulk_time = 0.0  # in token units (time for one request to make one token)
+        if bulk or others:
+            mean = m.mean()
+            var = max(0.0, m.second_moment() - mean * mean)
+            bulk_tokens = max(0.0, rng.gauss(bulk * mean, math.sqrt(bulk * var))) if bulk else 0.0
+            for w in others:  # what the workers not played out hold goes through with the bulk
+                bulk_tokens += sum(m.draw_remaining(rng, w.running)) + w.ready * mean
+            rates = {k: _steady_rate(m, rng, k, b) for k in kinds}
+            bulk_time = bulk_tokens / sum(rates[_policy(w, b)] for w in states)
+        tail_lengths = m.draw(rng, tail)
+        batches = [tail_lengths[i:i + b] for i in range(0, tail, b)]
+        starts = [(w, m.draw_remaining(rng, w.running), m.draw(rng, w.ready)) for w in played]
+        out.append((bulk_time + _play(starts, batches)) / speed_draw)
+    return out
+
+
+def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], batch_size: int,
+              seed: int, reps: int = 5) -> Speed:
+    """Per-request speed that makes the simulated fleet produce the measured tokens/s."""
+    rng = random.Random(seed)
+    b = max(1, batch_size)
+    kinds = {_policy(w, b) for w in fleet}
+    rates = {k: sum(_steady_rate(model, rng, k, b) for _ in range(reps)) / reps for k in kinds}
+    fleet_rate = sum(rates[_policy(w, b)] for w in fleet)  # tokens per token-time
+    return Speed(per_request=speed.tokens_per_s / fleet_rate, rel_se=speed.rel_se, span_s=speed.span_s,
+                 samples=speed.samples, tokens_per_s=speed.tokens_per_s, source=speed.source)
+
+
+def _steady_batches(kind: tuple[int, int, int, int]) -> int:
+    _, leases, max_leases, _ = kind
+    return max(STEADY_BATCHES, leases + max_leases + 6)
+
+
+def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, int], b: int) -> float:
+    """Tokens per token-time one worker sustains while the queue lasts (the bulk of a big job)."""
+    slots, leases, max_leases, reserve = kind
+    n = _steady_batches(kind)
+    batches = [m.draw(rng, b) for _ in range(n)]
+    marks: list[tuple[float, float]] = []  # (time, tokens finished) at each batch completion
+    w = WorkerState(slots=slots, leases=leases, max_leases=max_leases, reserve=reserve)
+    end = _play([(w, [], [])], batches, marks)
+    # Skip the start (the worker begins empty) and stop before the drain at the end.
+    i, j = max(leases, 2) - 1, n - max_leases - 1
+    if 0 <= i < j < len(marks) and marks[j][0] > marks[i][0]:
+        return (marks[j][1] - marks[i][1]) / (marks[j][0] - marks[i][0])
+    return sum(sum(x) for x in batches) / max(end, 1e-9)
+
+
+def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: list[list[float]],
+          marks: list[tuple[float, float]] | None = None) -> float:
+    """Event simulation of the fleet from now until the last request finishes.
+
+    starts: per worker, its state, the remaining tokens of its running
+    requests and the lengths of the prompts it holds unsent. batches: the
+    queue, in order. Time is in token units. Returns the finish time; marks,
+    when given, gets (time, tokens finished so far) at each batch completion.
+    """
+    heap: list[tuple[float, int, int, float]] = []  # (finish time, worker, batch, tokens)
+    left: list[int] = []  # unfinished prompts per batch
+    ready: list[deque] = []  # per worker: (batch, length) waiting for a slot
+    free: list[int] = []  # per worker: free slots
+    held: list[int] = []  # per worker: batches held
+    policy: list[tuple[int, int, int]] = []  # per worker: (leases, max leases, reserve)
+    queue_pos = 0
+    for wi, (w, running, unsent) in enumerate(starts):
+        counts = list(w.held_unfinished)
+        n_held = len(counts) or max(w.held, 1 if running or unsent else 0)
+        ids = list(range(len(left), len(left) + n_held))
+        left.extend([0] * n_held)
+        # Prompts go out in order (FIFO over held batches), so the requests that have
+        # run longest belong to the oldest batches, and unsent ones to the newest.
+        order = [(r, True) for r in sorted(running, reverse=True)] + [(x, False) for x in unsent]
+        if counts:
+            owner = []
+            for bid, n in zip(ids, counts):
+                owner.extend([bid] * n)
+        else:  # counts unknown: split the running ones evenly, unsent to the newest
+            per = -(-len(running) // n_held) if n_held else 0
+            owner = [ids[min(i // per, n_held - 1)] for i in range(len(running))] if per else []
+        q: deque = deque()
+        n_free = max(1, w.slots)
+        for i, (x, is_running) in enumerate(order):
+            bid = owner[i] if i < len(owner) else ids[-1]
+            left[bid] += 1
+            if is_running and n_free > 0:
+                heapq.heappush(heap, (x, wi, bid, x))
+                n_free -= 1
+            else:
+                q.append((bid, x))
+        ready.append(q)
+        free.append(n_free)
+        # A held batch with nothing left is written and released now.
+        held.append(sum(1 for bid in ids if left[bid] > 0))
+        policy.append((max(1, w.leases), max(w.leases, w.max_leases or w.leases), w.reserve))
+    now = 0.0
+
+    def take(wi: int) -> None:
+        nonlocal queue_pos
+        leases, max_leases, reserve = policy[wi]
+        q = ready[wi]
+        while queue_pos < len(batches) and (
+                held[wi] < leases or (held[wi] < max_leases and len(q) < reserve)):
+            lengths = batches[queue_pos]
+            queue_pos += 1
+            if not lengths:
+                continue
+            bid = len(left)
+            left.append(len(lengths))
+            held[wi] += 1
+            q.extend((bid, x) for x in lengths)
+
+    def fill(wi: int) -> None:
+        q = ready[wi]
+        while free[wi] > 0 and q:
+            bid, length = q.popleft()
+            heapq.heappush(heap, (now + length, wi, bid, length))
+            free[wi] -= 1
+            if len(q) < policy[wi][2]:
+                take(wi)
+
+    for wi in range(len(starts)):
+        take(wi)
+        fill(wi)
+    finished = 0.0
+    while heap:
+        now, wi, bid, tokens = heapq.heappop(heap)
+        finished += tokens
+        free[wi] += 1
+        left[bid] -= 1
+        if left[bid] == 0:
+            held[wi] -= 1
+            if marks is not None:
+                marks.append((now, finished))
+            take(wi)
+        fill(wi)
+    return now

@@ -1,0 +1,269 @@
+"""Read one job's state out of Redis in a few pipelined round trips.
+
+Truth for totals (see CONTEXT): total = job_stats "total"; completed = sum of
+the workers' "done" counters; failed = current dead letters (HLEN job_dlq);
+tokens = sums of the workers' counters. Running requests and their token
+counts come from the workers' InFlight records (TTL 5 s), worker health from
+their WorkerStatus records (TTL 15 s): a worker in keys.WORKERS whose status
+expired is "lost".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import redis
+
+from genq import keys
+from genq.records import InFlight, JobConfig, ShardInfo, WorkerStatus, unpack
+
+
+@dataclass
+class WorkerCounters:
+    """One worker's counters for one job (keys.worker_stats)."""
+
+    done: int = 0
+    failed: int = 0
+    in_tok: int = 0
+    out_tok: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+@dataclass
+class WorkerView:
+    name: str
+    status: WorkerStatus | None  # None: the status key expired (lost) or never written
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+    inflight: InFlight | None = None  # this job's running requests on this worker
+    # Unfinished prompts of each batch of this job the worker holds, oldest first.
+    held_unfinished: list[int] = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        return self.status is not None and self.status.state != "stopped"
+
+    @property
+    def state(self) -> str:
+        return "lost" if self.status is None else self.status.state
+
+    @property
+    def running_tokens(self) -> list[int]:
+        return list(self.inflight.tokens) if self.inflight is not None else []
+
+    @property
+    def decoding(self) -> int:
+        """This job's requests the server is decoding (in flight, at most its capacity)."""
+        n = len(self.running_tokens)
+        cap = self.status.server_capacity if self.status is not None else None
+        return min(n, cap) if cap else n
+
+    @property
+    def slots(self) -> int:
+        """Requests this worker can decode at once: its in-flight target, at most its server's capacity."""
+        if not self.live:
+            return 0
+        s = self.status
+        target = s.concurrency_target or s.in_flight
+        return min(target, s.server_capacity) if s.server_capacity else target
+
+
+@dataclass
+class JobSnapshot:
+    job: str
+    at: float
+    config: JobConfig | None
+    total: int
+    created_at: float | None
+    batches_total: int
+    batches_done: int
+    batches_held: int  # by live workers, not yet written
+    completed: int
+    failed: int
+    in_tokens: int
+    out_tokens: int
+    hist: dict[int, int]
+    workers: list[WorkerView]
+    paused: bool  # this job or every job
+    shards: int
+    shard_bytes: int
+    shard_records: int
+
+    @property
+    def running_tokens(self) -> list[int]:
+        return [t for w in self.workers if w.live for t in w.running_tokens]
+
+    @property
+    def in_flight(self) -> int:
+        # In-flight records live 5 s after a request ends: never more than what is left.
+        return min(len(self.running_tokens), max(0, self.total - self.completed - self.failed))
+
+    @property
+    def held(self) -> int:
+        """Prompts held by live workers but not yet sent to their servers."""
+        return sum(w.inflight.queued for w in self.workers if w.live and w.inflight is not None)
+
+    @property
+    def queued(self) -> int:
+        """Prompts not started anywhere: in the RQ queue or held by a worker."""
+        return max(0, self.total - self.completed - self.failed - self.in_flight)
+
+    @property
+    def queued_batches(self) -> int:
+        return max(0, self.batches_total - self.batches_done - self.batches_held)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens produced so far, finished or not: the smooth quantity a rate is read from."""
+        return self.out_tokens + sum(self.running_tokens)
+
+    @property
+    def decoding(self) -> int:
+        return sum(w.decoding for w in self.workers if w.live)
+
+    @property
+    def slots(self) -> int:
+        return sum(w.slots for w in self.workers if w.live)
+
+    @property
+    def first_at(self) -> float | None:
+        firsts = [w.counters.first_at for w in self.workers if w.counters.first_at]
+        return min(firsts) if firsts else None
+
+    @property
+    def last_at(self) -> float | None:
+        lasts = [w.counters.last_at for w in self.workers if w.counters.last_at]
+        return max(lasts) if lasts else None
+
+    @property
+    def is_done(self) -> bool:
+        return self.total > 0 and self.completed + self.failed >= self.total
+
+    @property
+    def status(self) -> str:
+        if self.is_done:
+            return "done"
+        if self.paused:
+            return "paused"
+        if self.completed + self.failed == 0 and self.in_flight == 0:
+            return "queued"
+        return "running"
+
+
+def _int(value: bytes | None) -> int:
+    return int(value) if value else 0
+
+
+def _float(value: bytes | None) -> float | None:
+    return float(value) if value else None
+
+
+def read_workers(conn: redis.Redis) -> dict[str, WorkerStatus | None]:
+    """Every worker that ever heartbeated, with its status (None when expired: lost)."""
+    names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
+    raws = conn.mget([keys.worker_status(n) for n in names]) if names else []
+    out: dict[str, WorkerStatus | None] = {}
+    for name, raw in zip(names, raws):
+        try:
+            out[name] = unpack(raw, WorkerStatus) if raw else None
+        except msgspec.DecodeError:
+            out[name] = None
+    return out
+
+
+def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None,
+             now: float | None = None) -> JobSnapshot | None:
+    """The job's snapshot, or None when no such job exists."""
+    if workers is None:
+        workers = read_workers(conn)
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.get(keys.job_config(job))
+        pipe.hgetall(keys.job_stats(job))
+        pipe.zcard(keys.job_batches(job))
+        pipe.scard(keys.job_done(job))
+        pipe.hlen(keys.job_dlq(job))
+        pipe.hgetall(keys.job_hist(job))
+        pipe.smembers(keys.job_workers(job))
+        pipe.exists(keys.job_paused(job))
+        pipe.exists(keys.PAUSED)
+        pipe.hvals(keys.job_shards(job))
+        pipe.sismember(keys.JOBS, job)
+        raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known = pipe.execute()
+    if raw_config is None and not stats and not known:
+        return None
+    names = sorted(set(workers) | {w.decode() for w in job_workers})
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(keys.worker_stats(job, name))
+            pipe.get(keys.job_inflight(job, name))
+        replies = pipe.execute()
+    views: list[WorkerView] = []
+    member = {w.decode() for w in job_workers}
+    for i, name in enumerate(names):
+        raw_stats, raw_inflight = replies[2 * i], replies[2 * i + 1]
+        status = workers.get(name)
+        inflight = unpack(raw_inflight, InFlight) if raw_inflight else None
+        # Shown for this job: it has counters here, or it is working on it, or it is alive.
+        if name not in member and inflight is None and (status is None or status.state == "stopped"):
+            continue
+        counters = WorkerCounters(
+            done=_int(raw_stats.get(b"done")), failed=_int(raw_stats.get(b"failed")),
+            in_tok=_int(raw_stats.get(b"in_tok")), out_tok=_int(raw_stats.get(b"out_tok")),
+            first_at=_float(raw_stats.get(b"first_at")), last_at=_float(raw_stats.get(b"last_at")),
+        )
+        views.append(WorkerView(name=name, status=status, counters=counters, inflight=inflight))
+
+    infos = [unpack(v, ShardInfo) for v in shards]
+    config = unpack(raw_config, JobConfig) if raw_config else None
+    held = _held_batches(conn, job, views, config.batch_size if config else 0)
+    return JobSnapshot(
+        job=job,
+        at=now if now is not None else time.time(),
+        config=config,
+        total=_int(stats.get(b"total")),
+        created_at=_float(stats.get(b"created_at")),
+        batches_total=int(n_batches),
+        batches_done=int(n_done),
+        batches_held=held,
+        completed=sum(v.counters.done for v in views),
+        failed=int(n_dlq),
+        in_tokens=sum(v.counters.in_tok for v in views),
+        out_tokens=sum(v.counters.out_tok for v in views),
+        hist={int(b): int(n) for b, n in hist.items()},
+        workers=views,
+        paused=bool(paused) or bool(paused_all),
+        shards=len(infos),
+        shard_bytes=sum(i.bytes for i in infos),
+        shard_records=sum(i.records for i in infos),
+    )
+
+
+def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
+    """Count the batches of this job that live workers hold, and fill each view's held_unfinished.
+
+    WorkerStatus.batches names batch ids without their job; an id counts here
+    when it is one of this job's batches (its record still exists: it is
+    deleted when the shard is written). Unfinished = batch size minus results
+    stored so far (a batch's own size is not stored apart from its prompts;
+    the job's batch size is exact for all but the last batch of an enqueue).
+    """
+    asks = [(v, b) for v in views if v.live and v.inflight is not None for b in sorted(v.status.batches)]
+    if not asks:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for _, bid in asks:
+            pipe.exists(keys.batch(job, bid))
+            pipe.hlen(keys.batch_results(job, bid))
+        replies = pipe.execute()
+    held = 0
+    for i, (view, _) in enumerate(asks):
+        if replies[2 * i]:
+            held += 1
+            view.held_unfinished.append(max(0, batch_size - int(replies[2 * i + 1])))
+    return held
+
+
+def list_job_names(conn: redis.Redis) -> list[str]:
+    return sorted(n.decode() for n in conn.smembers(keys.JOBS))

@@ -1,0 +1,153 @@
+"""The live terminal view (rich): job totals and ETA, then one row per worker."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from monitor.progress import JobReport, WorkerReport
+
+STATUS_STYLE = {"queued": "yellow", "running": "green", "paused": "magenta", "done": "bold green"}
+STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
+               "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    if s < 90:
+        return f"{s}s"
+    m = s // 60
+    if m < 90:
+        return f"{m}m {s % 60:02d}s"
+    h = m // 60
+    if h < 48:
+        return f"{h}h {m % 60:02d}m"
+    return f"{h // 24}d {h % 24:02d}h"
+
+
+def count(n: float | None) -> str:
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}" if n == int(n) else f"{n:.1f}"
+
+
+def nbytes(n: int) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def render(reports: list[JobReport], redis_display: str, interval: float) -> RenderableType:
+    if not reports:
+        return Text(f"no jobs in {redis_display} yet (genq enqueue creates one); refreshing every {interval:g}s")
+    parts: list[RenderableType] = [job_panel(r) for r in reports]
+    workers: dict[str, WorkerReport] = {}
+    for r in reports:  # one fleet table: a worker serving several jobs shows once
+        for w in r.progress.worker_details:
+            workers.setdefault(w.name, w)
+    parts.append(worker_table(list(workers.values()), several_jobs=len(reports) > 1))
+    notes = bottleneck_lines(list(workers.values()))
+    gpu_note = next((r.progress.gpu_note for r in reports if r.progress.gpu_note), None)
+    if gpu_note:
+        notes.append(Text(f"GPU: {gpu_note}", style="dim"))
+    parts.extend(notes)
+    parts.append(Text(f"redis {redis_display} · every {interval:g}s · Ctrl-C to leave", style="dim"))
+    return Group(*parts)
+
+
+def job_panel(r: JobReport) -> Panel:
+    p = r.progress
+    finished = p.completed + p.failed
+    head = Text.assemble(
+        (p.job, "bold"), "  ", (p.status, STATUS_STYLE.get(p.status, "")), "  ",
+        f"{finished:,} / {p.total:,} ({p.percent:.1f}%)",
+    )
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=max(p.total, 1), completed=finished, width=60))
+    counts = Text(
+        f"done {p.completed:,}  failed {p.failed:,}  in flight {p.in_flight:,}  queued {p.queued:,}"
+        f" ({p.held:,} held by workers, {p.queued_batches:,} batches in the queue)"
+    )
+    rate = "?" if p.rate_per_sec is None else f"{p.rate_per_sec:.2f}"
+    tok_s = "?" if p.output_tokens_per_sec is None else count(p.output_tokens_per_sec)
+    speed = Text(
+        f"{rate} prompts/s · {tok_s} out tok/s · tokens in {count(p.total_input_tokens)}"
+        f" out {count(p.total_output_tokens)} · avg out {count(p.avg_output_tokens)} (finished)"
+        f" · expected {count(p.expected_output_tokens)} (fit incl. running)"
+    )
+    if p.eta_s is not None and p.eta_state not in ("done",):
+        eta = Text.assemble(("ETA ", "bold"), (duration(p.eta_s), "bold cyan"),
+                            f"  (90% range {duration(p.eta_low_s)} – {duration(p.eta_high_s)})",
+                            f"  · {p.eta_state}")
+    elif p.eta_state == "done":
+        eta = Text.assemble(("finished", "bold green"))
+    else:
+        eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
+    eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
+    out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
+    lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    if p.rate_source:
+        lines.append(Text(f"rate: {p.rate_source}", style="dim"))
+    lines.append(out)
+    return Panel(Group(*lines), expand=True)
+
+
+def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
+    t = Table(expand=True, show_edge=False, pad_edge=False)
+    for col, justify in (("worker", "left"), ("state", "left"), ("in flight/target", "right"),
+                         ("server run/wait", "right"), ("slots", "right"), ("tok/s", "right"),
+                         ("done", "right"), ("errors", "right"), ("GPU", "left")):
+        t.add_column(col, justify=justify, no_wrap=col not in ("GPU", "in flight/target", "server run/wait"),
+                     min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
+    gpu_any = any(w.gpu is not None for w in workers)
+    for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
+        if w.state in ("lost", "gone"):
+            t.add_row(w.name, Text(w.state, STATE_STYLE[w.state]), "", "", "", "", f"{w.job_completed:,}", "", "")
+            continue
+        server = "-" if w.server_running is None else f"{w.server_running:.0f}/{w.server_waiting or 0:.0f}"
+        slots = "-" if w.slot_utilization is None else f"{w.slot_utilization:.0%}"
+        target = f"{w.in_flight}/{w.concurrency_target}"
+        if w.concurrency_limit:
+            target += f" (cap {w.concurrency_limit})"
+        t.add_row(w.name, Text(w.state, STATE_STYLE.get(w.state, "")), target, server, slots,
+                  count(w.tok_per_s), f"{w.job_completed:,}", str(w.errors), gpu_cell(w, gpu_any))
+    return t
+
+
+def gpu_cell(w: WorkerReport, gpu_any: bool) -> str:
+    g = w.gpu
+    if g is None:
+        # Without any GPU in the fleet the note is shown once below the table.
+        return (w.gpu_note or "no telemetry") if gpu_any else ""
+    parts = [f"{g.utilization_pct:.0f}%", f"{g.memory_used_mib / 1024:.1f}/{g.memory_total_mib / 1024:.0f} GiB"]
+    if g.power_w is not None:
+        parts.append(f"{g.power_w:.0f} W")
+    if g.temperature_c is not None:
+        parts.append(f"{g.temperature_c:.0f}°C")
+    if g.sm_clock_mhz is not None:
+        parts.append(f"{g.sm_clock_mhz:.0f} MHz")
+    return " ".join(parts)
+
+
+def bottleneck_lines(workers: list[WorkerReport]) -> list[RenderableType]:
+    lines: list[RenderableType] = []
+    lost = [w.name for w in workers if w.state == "lost"]
+    for w in workers:
+        if w.state in ("lost", "gone"):
+            continue
+        for b in w.bottlenecks:
+            lines.append(Text.assemble(("bottleneck ", "bold yellow"), (w.name, "bold"), f": {b}"))
+    if lost:
+        shown = ", ".join(lost[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
+        lines.append(Text.assemble(("lost ", "bold red"), f"{shown}: no heartbeat for 15 s"))
+    return lines

@@ -1,0 +1,304 @@
+"""The ETA estimator (monitor/eta.py) on synthetic data with a known answer.
+
+No Redis here: the estimator is pure. The synthetic runs below are an
+independent, plain re-implementation of a genq worker's scheduling (batches
+leased from one queue, held until all their prompts finish, a fixed number of
+decode slots), so the estimator is checked against a process it did not write.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from monitor.eta import (
+    MIN_FINISHED,
+    LengthData,
+    LengthModel,
+    Speed,
+    WorkerState,
+    estimate,
+    fit_lengths,
+    length_bucket,
+)
+from worker.results import length_bucket as worker_length_bucket
+
+MEAN, SIGMA, CAP = 512.0, 1.2, 8192
+MU = math.log(MEAN) - SIGMA**2 / 2
+STEADY = Speed(per_request=1.0, rel_se=0.03, span_s=100.0, samples=100)  # time unit: one token
+
+
+def lengths(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [max(1, min(CAP, int(round(rng.lognormvariate(MU, SIGMA))))) for _ in range(n)]
+
+
+def hist_of(values: list[int]) -> dict[int, int]:
+    return dict(Counter(length_bucket(v) for v in values))
+
+
+@dataclass
+class Snap:
+    at: float  # simulated time of the snapshot
+    hist: dict[int, int]
+    done: int
+    out_tokens: int
+    running: list[int]  # tokens so far
+    ready: int
+    held_unfinished: tuple[int, ...]
+    remaining_tokens: int  # the truth: tokens still to generate
+    true_left: float = 0.0  # the truth: time until the last request finishes
+
+
+def run_job(lens: list[int], *, slots: int = 37, batch: int = 64, leases: int = 2, max_leases: int | None = None,
+            reserve: int = 0, at_done: tuple[float, ...] = (0.05,)) -> list[Snap]:
+    """Play a job through one worker; snapshot when these fractions are done. One token per time unit."""
+    max_leases = max_leases or leases
+    batches = [list(range(i, min(len(lens), i + batch))) for i in range(0, len(lens), batch)]
+    queue_pos, held, ready = 0, [], []
+    running: dict[int, float] = {}
+    heap: list[tuple[float, int]] = []
+    now, done = 0.0, []
+    snaps: list[Snap] = []
+    marks = list(at_done)
+
+    def take() -> None:
+        nonlocal queue_pos
+        while queue_pos < len(batches) and (len(held) < leases or (len(held) < max_leases and len(ready) < reserve)):
+            held.append(set(batches[queue_pos]))
+            ready.extend(batches[queue_pos])
+            queue_pos += 1
+
+    def fill() -> None:
+        while len(running) < slots and ready:
+            i = ready.pop(0)
+            running[i] = now
+            heapq.heappush(heap, (now + lens[i], i))
+            take()
+
+    take()
+    fill()
+    while heap:
+        if marks and len(done) >= marks[0] * len(lens):
+            marks.pop(0)
+            so_far = {i: int(now - start) for i, start in running.items()}
+            unstarted = [i for i in range(len(lens)) if i not in running and i not in set(done)]
+            snaps.append(Snap(
+                at=now, hist=hist_of([lens[i] for i in done]), done=len(done),
+                out_tokens=sum(lens[i] for i in done), running=list(so_far.values()), ready=len(ready),
+                held_unfinished=tuple(len(h) for h in sorted(held, key=min)),
+                remaining_tokens=sum(lens[i] for i in unstarted) + sum(lens[i] - t for i, t in so_far.items()),
+            ))
+        now, i = heapq.heappop(heap)
+        del running[i]
+        done.append(i)
+        for h in held:
+            if i in h:
+                h.discard(i)
+                if not h:
+                    held.remove(h)
+                break
+        take()
+        fill()
+    for s in snaps:
+        s.true_left = now - s.at
+    return snaps
+
+
+def fleet_for(s: Snap, **policy) -> list[WorkerState]:
+    return [WorkerState(slots=37, leases=policy.get("leases", 2), max_leases=policy.get("max_leases"),
+                        reserve=policy.get("reserve", 0), running=tuple(s.running), ready=s.ready,
+                        held_unfinished=s.held_unfinished)]
+
+
+# ---------------------------------------------------------------- the length model
+
+
+def test_buckets_match_the_workers() -> None:
+    for t in (0, 1, 2, 7, 100, 4095, 4096, 100_000):
+        assert length_bucket(t) == worker_length_bucket(t)
+
+
+def test_fit_recovers_lognormal_from_the_histogram() -> None:
+    values = lengths(4000, seed=3)
+    model = fit_lengths(LengthData(hist=hist_of(values), running=[], cap=CAP))
+    assert model is not None
+    assert model.mu == pytest.approx(MU, abs=0.06)
+    assert model.sigma == pytest.approx(SIGMA, abs=0.05)
+    assert model.mean() == pytest.approx(statistics.mean(values), rel=0.06)
+
+
+def test_conditional_mean_matches_draws() -> None:
+    model = LengthModel(mu=MU, sigma=SIGMA, cap=CAP)
+    rng = random.Random(5)
+    draws = model.draw(rng, 200_000)
+    for t in (0, 300, 2000, 6000):
+        tail = [x for x in draws if x >= t]
+        assert model.conditional_mean(t) == pytest.approx(statistics.mean(tail), rel=0.03), t
+        residual = model.draw_remaining(rng, [t] * 20_000)
+        assert statistics.mean(residual) + t == pytest.approx(model.conditional_mean(t), rel=0.03), t
+    assert model.conditional_mean(CAP) == CAP  # at the cap nothing more comes
+
+
+def test_running_requests_correct_the_short_bias() -> None:
+    """At 5% done the finished ones are the short ones: the running (censored) ones fix that."""
+    truth = LengthModel(mu=MU, sigma=SIGMA, cap=CAP)
+    ours, naives, finished_only = [], [], []
+    for seed in range(11, 19):
+        lens = lengths(3000, seed=seed)
+        (s,) = run_job(lens, at_done=(0.05,), leases=2, max_leases=16, reserve=64)
+        unstarted = len(lens) - s.done - len(s.running)
+        # The expected remainder under the true distribution: no luck of the draw in it.
+        expected = truth.remaining_tokens(unstarted, s.running)
+        model = fit_lengths(LengthData(hist=s.hist, running=s.running, cap=CAP))
+        alone = fit_lengths(LengthData(hist=s.hist, running=[], cap=CAP))
+        ours.append(model.remaining_tokens(unstarted, s.running) / expected)
+        naives.append((len(lens) - s.done) * s.out_tokens / s.done / expected)  # the old monitor's figure
+        finished_only.append(alone.remaining_tokens(unstarted, s.running) / expected)
+    assert 0.9 < statistics.median(ours) < 1.1, ours
+    assert all(0.75 < r < 1.3 for r in ours), ours
+    assert statistics.median(naives) < 0.65, naives  # far too low
+    assert statistics.median(finished_only) < 0.7, finished_only  # a fit without the running ones too
+    assert all(abs(o - 1) < abs(n - 1) for o, n in zip(ours, naives)), (ours, naives)
+
+
+# ---------------------------------------------------------------- remaining time
+
+
+@pytest.mark.parametrize("policy", [
+    {"leases": 2},  # a worker that takes a batch only when one is complete
+    {"leases": 2, "max_leases": 16, "reserve": 64},  # genq worker's adaptive prefetch
+])
+def test_eta_range_covers_the_true_finish(policy: dict) -> None:
+    inside, ratios = 0, []
+    seeds = range(20, 28)
+    for seed in seeds:
+        lens = lengths(1000, seed)
+        for s in run_job(lens, at_done=(0.10, 0.5), **policy):
+            e = estimate(total=1000, completed=s.done, failed=0, lengths=LengthData(hist=s.hist, running=[], cap=CAP),
+                         fleet=fleet_for(s, **policy), batch_size=64, speed=STEADY, samples=60)
+            assert e.state in ("estimating", "steady") and e.eta_low_s <= e.eta_s <= e.eta_high_s
+            inside += e.eta_low_s <= s.true_left <= e.eta_high_s
+            ratios.append(e.eta_s / s.true_left)
+    assert inside >= 0.75 * len(ratios), ratios  # a 90% range; heavy tails make single runs wild
+    assert 0.9 < statistics.median(ratios) < 1.1, ratios
+
+
+def test_scheduling_gates_throughput() -> None:
+    """A worker that waits for a batch's tail before taking the next is slower: the ETA knows."""
+    lens = lengths(2000, seed=9)
+    (gated,) = run_job(lens, at_done=(0.2,), leases=2)
+    common = dict(total=2000, completed=gated.done, failed=0,
+                  lengths=LengthData(hist=gated.hist, running=[], cap=CAP), batch_size=64, speed=STEADY)
+    slow = estimate(fleet=fleet_for(gated, leases=2), **common)
+    fast = estimate(fleet=fleet_for(gated, leases=2, max_leases=16, reserve=64), **common)
+    assert slow.eta_s > 1.2 * fast.eta_s
+    assert slow.eta_s == pytest.approx(gated.true_left, rel=0.25)
+
+
+def test_more_workers_finish_sooner() -> None:
+    lens = lengths(2000, seed=4)
+    (s,) = run_job(lens, at_done=(0.2,), leases=2, max_leases=16, reserve=64)
+    common = dict(total=2000, completed=s.done, failed=0, lengths=LengthData(hist=s.hist, running=[], cap=CAP),
+                  batch_size=64, speed=STEADY)
+    one = estimate(fleet=fleet_for(s, leases=2, max_leases=16, reserve=64), **common)
+    joined = fleet_for(s, leases=2, max_leases=16, reserve=64) + [WorkerState(slots=37, leases=2, max_leases=16, reserve=64)]
+    two = estimate(fleet=joined, **common)
+    assert two.eta_s < 0.75 * one.eta_s
+
+
+# ---------------------------------------------------------------- states
+
+
+def test_warming_up_paused_stalled_done() -> None:
+    few = lengths(MIN_FINISHED - 1, seed=1)
+    fleet = [WorkerState(slots=37, leases=2, running=(10, 20))]
+    e = estimate(total=100, completed=len(few), failed=0, lengths=LengthData(hist=hist_of(few), running=[], cap=CAP),
+                 fleet=fleet, batch_size=64, speed=STEADY)
+    assert e.state == "warming up" and e.eta_s is None and "finished completions" in e.note
+
+    enough = lengths(200, seed=1)
+    data = LengthData(hist=hist_of(enough), running=[], cap=CAP)
+    short = Speed(per_request=1.0, rel_se=0.03, span_s=1.0, samples=2)
+    e = estimate(total=1000, completed=200, failed=0, lengths=data, fleet=fleet, batch_size=64, speed=short)
+    assert e.state == "warming up" and e.eta_s is None and "window" in e.note
+    e = estimate(total=1000, completed=200, failed=0, lengths=data, fleet=fleet, batch_size=64, speed=None)
+    assert e.state == "warming up" and e.eta_s is None
+
+    e = estimate(total=1000, completed=200, failed=0, lengths=data, fleet=fleet, batch_size=64, speed=STEADY,
+                 paused=True)
+    assert e.state == "paused" and e.eta_s is None
+    e = estimate(total=1000, completed=200, failed=0, lengths=data, fleet=[], batch_size=64, speed=STEADY)
+    assert e.state == "stalled" and e.eta_s is None
+
+    e = estimate(total=200, completed=190, failed=10, lengths=data, fleet=[], batch_size=64, speed=None)
+    assert e.state == "done" and e.eta_s == e.eta_low_s == e.eta_high_s == 0.0
+
+    e = estimate(total=1000, completed=200, failed=0, lengths=data, fleet=fleet, batch_size=64, speed=STEADY)
+    assert e.state in ("estimating", "steady") and 0 < e.eta_low_s <= e.eta_s <= e.eta_high_s
+
+
+def test_once_calibrates_speed_from_tokens_per_second() -> None:
+    """--once knows the fleet's tokens/s, not one request's speed: the simulation calibrates it."""
+    lens = lengths(2000, seed=6)
+    (s,) = run_job(lens, at_done=(0.3,), leases=2, max_leases=16, reserve=64)
+    common = dict(total=2000, completed=s.done, failed=0, lengths=LengthData(hist=s.hist, running=[], cap=CAP),
+                  fleet=fleet_for(s, leases=2, max_leases=16, reserve=64), batch_size=64)
+    known = estimate(speed=STEADY, **common)
+    # Full slots at one token per time unit each: 37 tokens per unit.
+    calibrated = estimate(speed=Speed(per_request=0.0, tokens_per_s=37.0, rel_se=0.15, span_s=60, samples=3),
+                          **common)
+    assert calibrated.eta_s == pytest.approx(known.eta_s, rel=0.1)
+    assert calibrated.eta_high_s - calibrated.eta_low_s > known.eta_high_s - known.eta_low_s
+
+
+def test_policy_constants_follow_the_worker() -> None:
+    from monitor import progress
+    from worker import engine
+
+    assert progress.MAX_EXTRA_LOOPS == engine.MAX_EXTRA_LOOPS
+    assert progress.DEFAULT_PREFETCH == engine.WorkerOptions.loops
+
+
+# ---------------------------------------------------------------- speed from the monitor's own samples
+
+
+def _snapshot(at: float, out_tok: int, published_at: float, tokens: list[int], done: int):
+    from genq.records import InFlight, WorkerStatus
+    from monitor.snapshot import JobSnapshot, WorkerCounters, WorkerView
+
+    status = WorkerStatus(name="w", host="h", pid=1, server="s", state="busy", started_at=0.0, heartbeat_at=published_at,
+                          concurrency_target=40, server_capacity=37, in_flight=len(tokens))
+    view = WorkerView(name="w", status=status, counters=WorkerCounters(done=done, out_tok=out_tok),
+                      inflight=InFlight(worker="w", job="j", at=published_at, tokens=tokens, queued=10))
+    return JobSnapshot(job="j", at=at, config=None, total=10**6, created_at=0.0, batches_total=1, batches_done=0,
+                       batches_held=1, completed=done, failed=0, in_tokens=0, out_tokens=out_tok, hist={},
+                       workers=[view], paused=False, shards=0, shard_bytes=0, shard_records=0)
+
+
+def test_speed_comes_from_what_the_monitor_saw_not_from_the_job_start() -> None:
+    """A resumed run: a million tokens were made before the monitor started, and its first
+    read comes before the worker's first in-flight list. Then 37 requests decode at 100 tok/s
+    each; each in-flight list is published 0.6 s before the read; finished tokens grow evenly."""
+    from monitor.rates import RateTracker
+
+    tracker = RateTracker(window_s=60)
+    start = 1000.0
+    tracker.observe(_snapshot(start, 1_000_000, start - 5, [], done=4000))  # nothing published yet
+    for k in range(1, 13):
+        read_at = start + k
+        running = [400 + (k * 7 + i * 13) % 200 - 100 for i in range(37)]  # mean 400 tokens each
+        # Everything decoded since the monitor started is 3700 tok/s: finished + running.
+        out_tok = round(1_000_000 + 3700 * (read_at - start) - sum(running) + 37 * 400)
+        tracker.observe(_snapshot(read_at, out_tok, read_at - 0.6, running, done=4000 + 20 * k))
+    speed = tracker.speed()
+    assert speed is not None and speed.samples >= 10 and speed.span_s == pytest.approx(11)
+    assert speed.per_request == pytest.approx(100, rel=0.05)
+    assert speed.tokens_per_s == pytest.approx(3700, rel=0.05)
+    assert tracker.prompts_per_s() == pytest.approx(20, rel=0.02)  # not 4000+ done / elapsed since creation

@@ -1,0 +1,200 @@
+"""`genq monitor` against real runs: real Redis, a real `genq sim`, real `genq worker` processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
+from conftest import genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
+from genq import keys  # noqa: E402
+from genq.records import InFlight, WorkerStatus, pack  # noqa: E402
+
+FAST_SIM = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=64, output_sigma=1.0)
+# Fields the original progress.json carried, plus the range and state.
+PROGRESS_FIELDS = {"total", "completed", "failed", "rate_per_sec", "eta_hours", "total_input_tokens",
+                   "total_output_tokens", "avg_output_tokens", "elapsed_hours", "status", "eta_low_hours",
+                   "eta_high_hours", "eta_state", "in_flight", "queued", "queued_batches", "workers",
+                   "s3_uploaded", "s3_bytes", "shards"}
+JSON_ONLY = {"eta_s", "eta_low_s", "eta_high_s"}
+
+
+def small_run(tmp_path: Path, sim, worker, job: str = "mon", n: int = 60, *extra: str) -> Path:
+    """Enqueue n prompts and run one burst worker (GPU 0 asked for: there is none here) to the end."""
+    url = sim(**FAST_SIM)
+    prompts = tmp_path / f"{job}.jsonl"
+    write_prompts(prompts, n)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(prompts), "--job", job, "--output", str(out), "--batch-size", "16")
+    proc = worker(url, "--burst", "--gpu", "0", "--name", f"{job}-w", *extra)
+    assert proc.wait(90) == 0, proc.log()
+    return out
+
+
+def monitor_json(*args: str) -> dict:
+    proc = run_genq("monitor", "--once", "--json", *args)
+    return json.loads(proc.stdout)
+
+
+def test_once_json_and_progress_file_match_the_shards(tmp_path: Path, redis_url, sim, worker) -> None:
+    out = small_run(tmp_path, sim, worker)
+    progress_file = tmp_path / "progress" / "progress.json"
+    doc = monitor_json("--job", "mon", "--progress-file", str(progress_file))
+
+    rows = read_results(out, "mon")
+    assert len(rows) == 60
+    assert doc["job"] == "mon" and doc["status"] == "done"
+    assert doc["total"] == 60 and doc["completed"] == 60 and doc["failed"] == 0
+    assert doc["in_flight"] == 0 and doc["queued"] == 0 and doc["percent"] == 100.0
+    out_tokens = sum(r["usage"]["completion_tokens"] for r in rows)
+    in_tokens = sum(r["usage"]["prompt_tokens"] for r in rows)
+    assert doc["total_output_tokens"] == out_tokens and doc["total_input_tokens"] == in_tokens
+    assert doc["avg_output_tokens"] == round(out_tokens / 60, 1)
+    shards = sorted((out / "mon" / "shards").glob("*.jsonl"))
+    assert doc["shards"] == doc["s3_uploaded"] == len(shards) == len(list((out / "mon" / "manifest").glob("*.json"))) == 4
+    assert doc["s3_bytes"] == sum(p.stat().st_size for p in shards)
+    assert doc["shard_records"] == 60
+    assert doc["batches_total"] == doc["batches_done"] == 4 and doc["queued_batches"] == 0
+    assert doc["eta_state"] == "done" and doc["eta_s"] == doc["eta_low_s"] == doc["eta_high_s"] == 0.0
+    assert doc["eta_hours"] == 0.0 and doc["elapsed_s"] > 0
+    assert doc["elapsed_hours"] == round(doc["elapsed_s"] / 3600, 4)
+    assert PROGRESS_FIELDS | JSON_ONLY <= set(doc)
+    # The fitted mean length is near what the shards hold (60 lognormal draws: loose).
+    assert doc["expected_output_tokens"] == pytest.approx(out_tokens / 60, rel=0.35)
+
+    (w,) = doc["worker_details"]
+    assert w["name"] == "mon-w" and w["job_completed"] == 60 and w["job_output_tokens"] == out_tokens
+    # No GPU and no NVIDIA driver on this machine: the worker says so and the monitor passes it on.
+    assert w["gpu"] is None and "no GPU telemetry" in w["gpu_note"]
+    assert doc["gpu_note"].startswith("no GPU figures from any worker: no GPU telemetry")
+
+    saved = json.loads(progress_file.read_text())
+    assert PROGRESS_FIELDS <= set(saved) and not JSON_ONLY & set(saved)
+    for field in ("total", "completed", "failed", "total_output_tokens", "total_input_tokens", "status",
+                  "s3_uploaded", "s3_bytes", "eta_state"):
+        assert saved[field] == doc[field], field
+    assert not list(progress_file.parent.glob(".*.tmp"))  # written beside, then renamed
+
+
+def test_live_json_lines_and_progress_file_follow_a_run(tmp_path: Path, redis_url, sim, worker, procs) -> None:
+    # About 3 s of work (60 x ~160 tokens, 4 slots at 800 tok/s): several refreshes see it running.
+    url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=160, output_sigma=1.0,
+              max_running_requests=4)
+    prompts = tmp_path / "live.jsonl"
+    write_prompts(prompts, 60)
+    run_genq("enqueue", str(prompts), "--job", "live", "--output", str(tmp_path / "out"), "--batch-size", "16")
+    progress_file = tmp_path / "progress.json"
+    mon = procs(genq_cmd("monitor", "--job", "live", "--json", "--interval", "0.3", "--until-done",
+                         "--progress-file", str(progress_file)), name="monitor")
+    wait_until(progress_file.exists, 20, "the first progress file")
+    first = json.loads(progress_file.read_text())
+    assert first["status"] == "queued" and first["completed"] == 0 and first["eta_hours"] is None
+    assert not JSON_ONLY & set(first)
+    w = worker(url, "--burst", "--name", "live-w")
+    assert mon.wait(120) == 0, mon.log()
+    assert w.wait(60) == 0
+
+    docs = [json.loads(line) for line in mon.log().splitlines() if line.startswith("{")]
+    assert len(docs) >= 3
+    assert docs[0]["status"] == "queued" and docs[-1]["status"] == "done"
+    completed = [d["completed"] for d in docs]
+    assert completed == sorted(completed) and completed[-1] == 60
+    running = [d for d in docs if d["status"] == "running"]
+    assert running, "no refresh saw the job running"
+    assert any(d["in_flight"] > 0 and d["worker_details"] and d["worker_details"][0]["state"] == "busy"
+               for d in running)
+    assert all(d["eta_state"] in ("warming up", "estimating", "steady") for d in running)
+    for d in running:  # a number only with its range, and the range around it
+        if d["eta_s"] is not None:
+            assert d["eta_low_s"] <= d["eta_s"] <= d["eta_high_s"]
+            assert d["eta_hours"] == round(d["eta_s"] / 3600, 4)
+    final = json.loads(progress_file.read_text())
+    assert final["status"] == "done" and final["completed"] == 60 and final["eta_state"] == "done"
+
+
+def test_view_without_gpu_says_so_once(tmp_path: Path, redis_url, sim, worker) -> None:
+    small_run(tmp_path, sim, worker, "view")
+    proc = run_genq("monitor", "--once")
+    text = proc.stdout
+    assert "view" in text and "60 / 60" in text and "finished" in text
+    assert "view-w" in text
+    assert text.count("no GPU telemetry") == 1, text
+
+
+def test_several_jobs_are_keyed_by_name_and_a_missing_one_is_an_error(tmp_path: Path, redis_url) -> None:
+    for job, n in (("alpha", 30), ("beta", 20)):
+        write_prompts(tmp_path / f"{job}.jsonl", n)
+        run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"))
+    doc = monitor_json()
+    assert set(doc) == {"alpha", "beta"}
+    assert doc["alpha"]["total"] == 30 and doc["beta"]["total"] == 20
+    for d in doc.values():
+        assert d["status"] == "queued" and d["eta_state"] == "warming up" and d["eta_s"] is None
+        assert d["queued"] == d["total"] and d["completed"] == 0
+    assert monitor_json("--job", "beta")["job"] == "beta"
+
+    proc = run_genq("monitor", "--once", "--json", "--job", "nosuch", check=False)
+    assert proc.returncode == 1 and "no job named 'nosuch'" in proc.stderr
+
+
+def test_no_jobs_gives_an_empty_object(redis_url) -> None:
+    assert monitor_json() == {}
+    assert "no jobs" in run_genq("monitor", "--once").stdout
+
+
+def test_paused_job_and_lost_worker(tmp_path: Path, redis_url, rconn) -> None:
+    write_prompts(tmp_path / "p.jsonl", 40)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "held", "--output", str(tmp_path / "out"))
+    # A worker that worked on the job and whose heartbeat expired: in WORKERS, no status key.
+    rconn.sadd(keys.WORKERS, "ghost")
+    rconn.sadd(keys.job_workers("held"), "ghost")
+    rconn.hset(keys.worker_stats("held", "ghost"), mapping={"done": 5, "failed": 0, "in_tok": 50, "out_tok": 640,
+                                                             "first_at": time.time() - 60, "last_at": time.time() - 30})
+    rconn.hset(keys.job_hist("held"), mapping={"28": 5})
+    doc = monitor_json("--job", "held")
+    assert doc["status"] == "running" and doc["completed"] == 5 and doc["total_output_tokens"] == 640
+    (ghost,) = doc["worker_details"]
+    assert ghost["state"] == "lost" and doc["workers_lost"] == 1 and ghost["job_completed"] == 5
+    text = run_genq("monitor", "--once", "--job", "held").stdout
+    assert "lost" in text and "ghost" in text
+
+    rconn.set(keys.job_paused("held"), 1)
+    doc = monitor_json("--job", "held")
+    assert doc["status"] == "paused" and doc["eta_state"] == "paused" and doc["eta_s"] is None
+
+
+def test_worker_rows_show_slots_and_bottlenecks(tmp_path: Path, redis_url, rconn) -> None:
+    """Efficiency columns and bottleneck lines come from WorkerStatus; written here as a worker would."""
+    write_prompts(tmp_path / "p.jsonl", 100)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "eff", "--output", str(tmp_path / "out"))
+    now = time.time()
+    capped = WorkerStatus(name="w-capped", host="h1", pid=1, server="http://s1", state="busy", started_at=now - 100,
+                          heartbeat_at=now, concurrency_target=8, concurrency_limit=8, server_capacity=32,
+                          in_flight=8, queued=20, server_running=8.0, server_waiting=0.0, server_token_usage=0.2,
+                          tok_per_s=900.0, gpu_note="no GPU telemetry: NVMLError_LibraryNotFound")
+    full = WorkerStatus(name="w-full", host="h2", pid=2, server="http://s2", state="busy", started_at=now - 100,
+                        heartbeat_at=now, concurrency_target=40, server_capacity=32, in_flight=40, queued=5,
+                        server_running=32.0, server_waiting=8.0, server_token_usage=0.99, tok_per_s=3000.0,
+                        gpu_note="no GPU telemetry: NVMLError_LibraryNotFound")
+    down = WorkerStatus(name="w-down", host="h3", pid=3, server="http://s3", state="server_down", started_at=now - 100,
+                        heartbeat_at=now, bottleneck="health check failed")
+    for s in (capped, full, down):
+        rconn.set(keys.worker_status(s.name), pack(s), ex=60)
+        rconn.sadd(keys.WORKERS, s.name)
+        rconn.set(keys.job_inflight("eff", s.name),
+                  pack(InFlight(worker=s.name, job="eff", at=now, tokens=[5] * s.in_flight, queued=s.queued)), ex=60)
+    doc = monitor_json("--job", "eff")
+    by_name = {w["name"]: w for w in doc["worker_details"]}
+    assert by_name["w-capped"]["slot_utilization"] == 0.25 and by_name["w-full"]["slot_utilization"] == 1.0
+    assert any("concurrency cap 8 below server capacity 32" in b for b in by_name["w-capped"]["bottlenecks"])
+    assert any("KV cache full" in b for b in by_name["w-full"]["bottlenecks"])
+    assert any(b.startswith("server down") for b in by_name["w-down"]["bottlenecks"])
+    assert doc["in_flight"] == 48
+    text = run_genq("monitor", "--once", "--job", "eff").stdout
+    assert "concurrency cap 8 below server capacity 32" in text and "KV cache full" in text
+    assert "25%" in text and "100%" in text
+    assert text.count("no GPU telemetry") == 1

@@ -1,0 +1,194 @@
+"""`genq monitor --serve`: Prometheus metrics read from Redis on every scrape."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
+from conftest import free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
+from genq import keys  # noqa: E402
+from genq.queueing import save_config  # noqa: E402
+from genq.records import DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
+from monitor.exporter import make_registry, parse_listen  # noqa: E402
+from monitor.progress import Monitor  # noqa: E402
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from the exposition text."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def put_job(conn, now: float) -> None:
+    """A job in mid-run, written the way producer and workers write it."""
+    save_config(conn, JobConfig(name="exp", output="/tmp/unused", max_tokens=2048, batch_size=50, created_at=now - 600))
+    conn.hset(keys.job_stats("exp"), mapping={"total": 1000, "batches": 20})
+    conn.zadd(keys.job_batches("exp"), {f"b{i:07d}": i for i in range(1, 21)})
+    conn.sadd(keys.job_done("exp"), "b0000001", "b0000002")
+    for i in (1, 2):
+        info = ShardInfo(batch=f"b{i:07d}", uri=f"/tmp/unused/exp/shards/b{i:07d}.jsonl", records=50,
+                         bytes=10_000 + i, at=now - 100)
+        conn.hset(keys.job_shards("exp"), info.batch, pack(info))
+    for name, done, failed, in_tok, out_tok in (("gpu-a", 250, 1, 5000, 90_000), ("gpu-b", 150, 2, 3000, 60_000)):
+        conn.hset(keys.worker_stats("exp", name), mapping={
+            "done": done, "failed": failed, "in_tok": in_tok, "out_tok": out_tok,
+            "first_at": repr(now - 500), "last_at": repr(now - 1)})
+        conn.sadd(keys.job_workers("exp"), name)
+        conn.sadd(keys.WORKERS, name)
+    for i in range(3):  # the DLQ holds 3 letters: failed = HLEN, not the counters
+        letter = DeadLetter(id=f"p{i}", job="exp", batch="b0000003", attempts=5, kind="server_error",
+                            message="500", worker="gpu-a", at=now)
+        conn.hset(keys.job_dlq("exp"), letter.id, pack(letter))
+    conn.hset(keys.job_hist("exp"), mapping={str(b): n for b, n in ((28, 100), (32, 150), (36, 120), (40, 30))})
+    gpu = GpuSample(index=0, name="NVIDIA H100 80GB HBM3", utilization_pct=97.0, memory_used_mib=70_000.0,
+                    memory_total_mib=81_559.0, power_w=612.5, sm_clock_mhz=1980.0, temperature_c=71.0)
+    a = WorkerStatus(name="gpu-a", host="node1", pid=11, server="http://127.0.0.1:30000", state="busy",
+                     started_at=now - 550, heartbeat_at=now - 0.5, gpu="0", concurrency_target=70,
+                     server_capacity=64, in_flight=70, queued=30, batches=["b0000003", "b0000004"],
+                     tok_per_s=2150.5, req_per_s=3.2, done=250, errors=4, server_running=64.0,
+                     server_waiting=6.0, server_token_usage=0.83, gpu_sample=gpu)
+    b = WorkerStatus(name="gpu-b", host="node2", pid=12, server="http://127.0.0.1:30001", state="busy",
+                     started_at=now - 550, heartbeat_at=now - 0.2, concurrency_target=40, concurrency_limit=40,
+                     server_capacity=64, in_flight=40, queued=10, batches=["b0000005"], tok_per_s=1200.0,
+                     req_per_s=2.0, done=150, errors=0, server_running=40.0, server_waiting=0.0,
+                     server_token_usage=0.5, gpu_note="no GPU telemetry: NVMLError_LibraryNotFound")
+    for s, tokens in ((a, [300, 120, 2000] + [50] * 67), (b, [10] * 40)):
+        conn.set(keys.worker_status(s.name), pack(s), ex=60)
+        conn.set(keys.job_inflight("exp", s.name),
+                 pack(InFlight(worker=s.name, job="exp", at=now - 0.5, tokens=tokens, queued=s.queued)), ex=60)
+    # A third worker of the job whose heartbeat expired: lost.
+    conn.sadd(keys.WORKERS, "gpu-c")
+    conn.sadd(keys.job_workers("exp"), "gpu-c")
+    conn.hset(keys.worker_stats("exp", "gpu-c"), mapping={"done": 7, "failed": 0, "in_tok": 70, "out_tok": 900})
+
+
+def test_collector_reports_what_redis_holds(rconn) -> None:
+    put_job(rconn, time.time())
+    monitor = Monitor(rconn, once=True)
+    text = generate_latest(make_registry(monitor)).decode()
+    m = samples(text)
+    (report,) = monitor.last  # the reports this very scrape was built from
+    job = (("job", "exp"),)
+
+    assert m[("genq_monitor_redis_up", ())] == 1
+    assert m[("genq_job_prompts", job)] == 1000
+    assert m[("genq_job_prompts_completed", job)] == 250 + 150 + 7
+    assert m[("genq_job_prompts_failed", job)] == 3
+    assert m[("genq_job_prompts_in_flight", job)] == 70 + 40
+    assert m[("genq_job_prompts_queued", job)] == 1000 - 407 - 3 - 110
+    assert m[("genq_job_input_tokens_total", job)] == 5000 + 3000 + 70
+    assert m[("genq_job_output_tokens_total", job)] == 90_000 + 60_000 + 900
+    assert m[("genq_job_shards", job)] == 2 and m[("genq_job_shard_bytes", job)] == 20_003
+    assert m[("genq_job_workers", job)] == 2 and m[("genq_job_workers_lost", job)] == 1
+    assert m[("genq_job_info", (("eta_state", report.progress.eta_state), ("job", "exp"), ("status", "running")))] == 1
+    # The ETA (one look: --once rates) is there with its range, as the JSON has it.
+    assert report.progress.eta_s is not None
+    assert m[("genq_job_eta_seconds", job)] == pytest.approx(report.progress.eta_s)
+    assert m[("genq_job_eta_low_seconds", job)] == pytest.approx(report.progress.eta_low_s)
+    assert m[("genq_job_eta_high_seconds", job)] == pytest.approx(report.progress.eta_high_s)
+    assert m[("genq_job_eta_low_seconds", job)] <= m[("genq_job_eta_seconds", job)] <= m[("genq_job_eta_high_seconds", job)]
+
+    a, b, c = (("worker", "gpu-a"),), (("worker", "gpu-b"),), (("worker", "gpu-c"),)
+    assert m[("genq_worker_up", (("state", "busy"), ("worker", "gpu-a")))] == 1
+    assert m[("genq_worker_up", (("state", "lost"), ("worker", "gpu-c")))] == 0
+    assert m[("genq_worker_output_tokens_per_second", a)] == 2150.5
+    assert m[("genq_worker_output_tokens_per_second", b)] == 1200.0
+    assert m[("genq_worker_slot_utilization", a)] == 1.0
+    assert m[("genq_worker_slot_utilization", b)] == pytest.approx(40 / 64)
+    assert m[("genq_worker_server_running", a)] == 64 and m[("genq_worker_server_waiting", a)] == 6
+    assert m[("genq_worker_kv_cache_usage", a)] == 0.83
+    assert m[("genq_worker_in_flight", a)] == 70 and m[("genq_worker_concurrency_target", b)] == 40
+    assert m[("genq_worker_errors_total", a)] == 4
+    assert ("genq_worker_output_tokens_per_second", c) not in m  # lost: no figures made up
+    assert m[("genq_worker_bottleneck", (("reason", "concurrency cap 40 below server capacity 64 "
+                                                   "(genq concurrency to raise it)"), ("worker", "gpu-b")))] == 1
+    jw = (("job", "exp"), ("worker", "gpu-a"))
+    assert m[("genq_job_worker_prompts_completed_total", jw)] == 250
+    assert m[("genq_job_worker_output_tokens_total", jw)] == 90_000
+    assert m[("genq_job_worker_in_flight", jw)] == 70
+
+    g = (("gpu", "0"), ("name", "NVIDIA H100 80GB HBM3"), ("worker", "gpu-a"))
+    assert m[("genq_gpu_utilization_percent", g)] == 97.0
+    assert m[("genq_gpu_memory_used_bytes", g)] == 70_000 * 2**20
+    assert m[("genq_gpu_memory_total_bytes", g)] == 81_559 * 2**20
+    assert m[("genq_gpu_power_watts", g)] == 612.5
+    assert m[("genq_gpu_temperature_celsius", g)] == 71.0
+    assert m[("genq_gpu_sm_clock_hertz", g)] == 1980e6
+    assert not [k for k in m if k[0].startswith("genq_gpu_") and ("worker", "gpu-b") in k[1]]  # no GPU there
+
+
+def test_dashboard_uses_only_exported_metrics(rconn) -> None:
+    import re
+
+    put_job(rconn, time.time())
+    exported = {name for name, _ in samples(generate_latest(make_registry(Monitor(rconn, once=True))).decode())}
+    dashboard = json.loads((Path(__file__).parent.parent / "dashboards" / "grafana-genq.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"\bgenq_[a-z_]+", e)}
+    assert used and used <= exported, used - exported
+    variables = [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert all(re.search(r"genq_[a-z_]+", v)[0] in exported for v in variables)
+
+
+def test_serve_over_http_during_and_after_a_real_run(tmp_path: Path, redis_url, sim, worker, procs) -> None:
+    # About 4 s of work (60 x ~200 tokens, 4 slots at 800 tok/s): scrapes see it running.
+    url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=200, output_sigma=1.0,
+              max_running_requests=4)
+    write_prompts(tmp_path / "p.jsonl", 60)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "served", "--output", str(tmp_path / "out"),
+             "--batch-size", "16")
+    port = free_port()
+    mon = procs(genq_cmd("monitor", "--serve", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
+
+    def scrape() -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                return samples(resp.read().decode())
+        except OSError:
+            return {}
+
+    before = wait_until(scrape, 20, "the metrics endpoint")
+    job = (("job", "served"),)
+    assert before[("genq_job_prompts", job)] == 60 and before[("genq_job_prompts_completed", job)] == 0
+    assert ("genq_job_eta_seconds", job) not in before  # nothing known yet: no number
+    w = worker(url, "--burst", "--name", "served-w")
+    seen_running = wait_until(lambda: (s := scrape()).get(("genq_job_prompts_in_flight", job), 0) > 0 and s,
+                              30, "a scrape with requests in flight")
+    assert seen_running[("genq_worker_up", (("state", "busy"), ("worker", "served-w")))] == 1
+    assert w.wait(90) == 0, w.log()
+
+    after = scrape()
+    rows = read_results(tmp_path / "out", "served")
+    assert after[("genq_job_prompts_completed", job)] == len(rows) == 60
+    assert after[("genq_job_output_tokens_total", job)] == sum(r["usage"]["completion_tokens"] for r in rows)
+    assert after[("genq_job_input_tokens_total", job)] == sum(r["usage"]["prompt_tokens"] for r in rows)
+    assert after[("genq_job_eta_seconds", job)] == 0
+    assert after[("genq_job_info", (("eta_state", "done"), ("job", "served"), ("status", "done")))] == 1
+    assert after[("genq_job_shards", job)] == 4
+    # The JSON lines the same monitor printed agree with the scrape.
+    last = [json.loads(line) for line in mon.log().splitlines() if line.startswith("{")][-1]
+    assert last["total"] == 60
+
+
+def test_listen_addresses() -> None:
+    assert parse_listen(":9108") == ("0.0.0.0", 9108)
+    assert parse_listen("127.0.0.1:9108") == ("127.0.0.1", 9108)
+    assert parse_listen("[::1]:9108") == ("::1", 9108)
+    for bad in ("9108", "host:", "host:99999", ":http"):
+        with pytest.raises(ValueError, match="HOST"):
+            parse_listen(bad)
+    proc = run_genq("monitor", "--serve", "nonsense", check=False)
+    assert proc.returncode != 0 and "[HOST]:PORT" in proc.stderr
+    proc = run_genq("monitor", "--serve", ":9108", "--once", check=False)
+    assert proc.returncode != 0 and "--once" in proc.stderr
