@@ -164,7 +164,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
             sys.executable, "-m", "sim", "--port", str(port), "--max-running-requests", str(capacity),
             "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
             "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
-            "--tokens-per-step", "16", "--seed", str(gpu)])
+            "--tokens-per-step", "16"])
         sims.append(f"http://127.0.0.1:{port}")
     for sim_url in sims:
         _wait_http(sim_url + "/health")
@@ -222,4 +222,6 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
     if rows:
         sample = {k: rows[0][k] for k in ("id", "finish_reason", "usage", "worker", "attempts")}
         console.print(f"  first result: {json.dumps(sample)}")
-    console.print(f"  next:     genq monitor --job {job} --once --json;  genq export --job {job} --to {job}.jsonl")
+    genq = shutil.which("genq") or os.path.relpath(Path(sys.executable).with_name("genq"))
+    console.print(f"  next:     {genq} monitor --job {job} --once --json")
+    console.print(f"            {genq} export --job {job} --to {job}.jsonl")

@@ -221,6 +221,12 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     end = snap.last_at if snap.is_done and snap.last_at else snap.at
     live = [w for w in snap.workers if w.live]
     statuses = [w.status for w in snap.workers if w.status is not None]
+    elapsed = max(0.0, end - start)
+    tok_s = None if speed is None else speed.tokens_per_s
+    if snap.is_done and elapsed > 0 and prompts_rate is None:
+        # Nothing is running to sample: report the whole run's averages rather than nothing.
+        prompts_rate = finished / elapsed
+        tok_s = snap.out_tokens / elapsed
     return JobProgress(
         job=snap.job,
         status=snap.status,
@@ -233,7 +239,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         held=snap.held,
         percent=round(100.0 * finished / snap.total, 2) if snap.total else 0.0,
         rate_per_sec=None if prompts_rate is None else round(prompts_rate, 3),
-        output_tokens_per_sec=None if speed is None else round(speed.tokens_per_s, 1),
+        output_tokens_per_sec=None if tok_s is None else round(tok_s, 1),
         eta_hours=_hours(est.eta_s),
         eta_low_hours=_hours(est.eta_low_s),
         eta_high_hours=_hours(est.eta_high_s),
