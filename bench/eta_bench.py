@@ -27,18 +27,17 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import free_port, wait_http  # noqa: E402  (bench/ is on sys.path: run as a script)
 from genq.queueing import rq_queue  # noqa: E402
 from genq.redisconn import connect, mask_url  # noqa: E402
 from monitor.progress import Monitor  # noqa: E402
@@ -64,23 +63,6 @@ class Point:
     decoding_avg: float | None = None
     leases: list[int] | None = None
     true_s: float | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except Exception:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} did not answer within {timeout:.0f}s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

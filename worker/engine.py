@@ -46,7 +46,7 @@ from genq.records import (
     pack,
     unpack,
 )
-from genq.redisconn import ENV_VAR as REDIS_ENV, connect, connect_async, describe_error
+from genq.redisconn import ENV_VAR as REDIS_ENV, connect, connect_async, describe_error, mask_url
 from genq.sinks import open_sink, shard_bytes
 from worker.controller import ConcurrencyController
 from worker.results import ResultWriter
@@ -179,7 +179,7 @@ class Engine:
             self.name, self.opts.server_url, self.server.kind, self.server.model,
             self.server.capacity or "unknown", self.controller.target,
             f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
-            _mask(self.opts.redis_url),
+            mask_url(self.opts.redis_url),
         )
         await self._heartbeat()
         self._writer_task = asyncio.create_task(self.writer.run())
@@ -311,16 +311,8 @@ class Engine:
     async def _intake(self) -> None:
         conn = connect_async(self.opts.redis_url)  # BLPOP blocks its connection
         inbox = keys.engine_inbox(self.instance)
-        backoff = 0.5
         while True:
-            try:
-                item = await conn.blpop([inbox], timeout=1)
-                backoff = 0.5
-            except (redis.RedisError, OSError) as exc:
-                log.warning("inbox: %s; retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10)
-                continue
+            item = await self._retrying(lambda: conn.blpop([inbox], timeout=1), "inbox")
             if item is None:
                 continue
             rq_job_id, job, batch_id = unpack(item[1], list)
@@ -856,8 +848,3 @@ def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
     port = server_url.rstrip("/").rsplit(":", 1)[-1]
     return f"{host}.{port}" if port.isdigit() else host
 
-
-def _mask(url: str) -> str:
-    from genq.redisconn import mask_url
-
-    return mask_url(url)
