@@ -5,6 +5,5 @@ COPY genq ./genq
 COPY producer ./producer
 COPY worker ./worker
 COPY monitor ./monitor
-COPY sim ./sim
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["genq"]

@@ -29,7 +29,7 @@ REDIS_URL = os.environ.get("GENQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/8")
 if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from genq.redisconn import mask_url  # noqa: E402
+from genq.core.redisconn import mask_url  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,7 +64,7 @@ def wait_http(url: str, timeout: float = 20.0) -> None:
 
 
 def sim_args(port: int, options: dict[str, Any]) -> list[str]:
-    args = [PY, "-m", "sim", "--port", str(port)]
+    args = [PY, "-m", "genq", "sim", "--port", str(port)]
     for key, value in options.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     return args

@@ -3,7 +3,7 @@
 Runs a real job end to end on this machine: `genq sim` servers with
 lognormal output lengths (sigma >= 1, time compressed), `genq enqueue`, one
 or more `genq worker` processes, and in this process the monitor's own
-estimator (monitor.progress.Monitor, the code behind `genq monitor --json`,
+estimator (genq.monitor.progress.Monitor, the code behind `genq monitor --json`,
 refreshed every --interval seconds exactly as the live monitor does). When
 2, 5, 10, 25 and 50 % of the prompts are done it records the monitor's ETA
 and range; after the job ends it compares them with the true finish time
@@ -38,9 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import free_port, wait_http  # noqa: E402  (bench/ is on sys.path: run as a script)
-from genq.queueing import rq_queue  # noqa: E402
-from genq.redisconn import connect, mask_url  # noqa: E402
-from monitor.progress import Monitor  # noqa: E402
+
+from genq.core.queueing import rq_queue  # noqa: E402
+from genq.core.redisconn import connect, mask_url  # noqa: E402
+from genq.monitor.progress import Monitor  # noqa: E402
 
 CHECKPOINTS = (0.02, 0.05, 0.10, 0.25, 0.50)
 
@@ -158,7 +159,7 @@ def run(a: argparse.Namespace) -> dict:
 
     def start_worker(i: int) -> None:
         port = free_port()
-        procs.start([sys.executable, "-m", "sim", "--port", str(port), "--seed", str(a.seed),
+        procs.start([sys.executable, "-m", "genq", "sim", "--port", str(port), "--seed", str(a.seed),
                      "--max-running-requests", str(a.max_running_requests),
                      "--mean-output-tokens", f"{a.mean_output_tokens}", "--output-sigma", f"{a.output_sigma}",
                      "--tokens-per-step", str(a.tokens_per_step), "--step-ms-base", f"{a.step_ms_base}"],

@@ -25,15 +25,29 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import (PY, REDIS_URL, ROOT, busy_processes, conditions, flush_bench_db, free_port, genq, get_json,
-                    mask_url, read_messages, sim_args, table, wait_http, write_prompts)
+from common import (
+    PY,
+    REDIS_URL,
+    ROOT,
+    busy_processes,
+    conditions,
+    flush_bench_db,
+    free_port,
+    genq,
+    get_json,
+    mask_url,
+    read_messages,
+    sim_args,
+    table,
+    wait_http,
+    write_prompts,
+)
 
 CAPACITY = 64  # server slots; genq's auto target is this plus its headroom
 
@@ -221,7 +235,7 @@ def _children_cpu() -> float:
 
 def target_concurrency(capacity: int) -> int:
     sys.path.insert(0, str(ROOT))
-    from worker.controller import ConcurrencyController
+    from genq.worker.controller import ConcurrencyController
 
     return ConcurrencyController(capacity).target
 

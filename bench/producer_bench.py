@@ -74,8 +74,8 @@ def main() -> None:
 
     import redis
 
-    from genq import keys
-    from genq.queueing import rq_queue
+    from genq.core import keys
+    from genq.core.queueing import rq_queue
 
     conn = redis.Redis.from_url(args.redis)
     total = int(conn.hget(keys.job_stats("producer-bench"), "total") or 0)

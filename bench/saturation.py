@@ -31,8 +31,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (PY, REDIS_URL, ROOT, Poller, RunFigures, Sim, busy_processes, conditions, figures,
-                    flush_bench_db, genq, mask_url, read_messages, table, write_prompts)
+from common import (
+    PY,
+    REDIS_URL,
+    ROOT,
+    Poller,
+    RunFigures,
+    Sim,
+    busy_processes,
+    conditions,
+    figures,
+    flush_bench_db,
+    genq,
+    mask_url,
+    read_messages,
+    table,
+    write_prompts,
+)
 
 RUNS = ("limit", "baseline", "genq")
 

@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 # Re-exported: callers and tests take the whole estimator from here.
-from monitor.lengths import LengthData, LengthModel, fit_lengths, length_bucket  # noqa: F401
-from monitor.simulate import Speed, WorkerState, calibrate, simulate_remaining  # noqa: F401
+from genq.monitor.lengths import LengthData, LengthModel, fit_lengths, length_bucket  # noqa: F401
+from genq.monitor.simulate import Speed, WorkerState, calibrate, simulate_remaining  # noqa: F401
 
 # Below this many finished completions the length fit is not worth a number.
 MIN_FINISHED = 20

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from monitor.progress import JobReport, Monitor, WorkerReport
+from genq.monitor.progress import JobReport, Monitor, WorkerReport
 
 log = logging.getLogger("genq.monitor")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from genq.records import WorkerStatus
+from genq.core.records import WorkerStatus
 
 KV_FULL = 0.98
 

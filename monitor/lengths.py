@@ -75,7 +75,7 @@ def bucket_log_bounds(bucket: int) -> tuple[float, float]:
 
 
 def length_bucket(tokens: int) -> int:
-    # Same formula as worker.results.length_bucket; repeated here so this module stays pure.
+    # Same formula as genq.worker.results.length_bucket; repeated here so this module stays pure.
     return int(round(4 * math.log2(tokens + 1)))
 
 

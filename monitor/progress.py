@@ -10,21 +10,18 @@ record. bench/eta_bench.py calls the same Monitor so it measures exactly what
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import redis
 
-from genq.records import GpuSample
-from monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
-from monitor.health import bottlenecks, fleet_gpu_note, slot_utilization
-from monitor.rates import RateTracker, once_speed
-from monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_workers
+from genq.core.records import GpuSample
+from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
+from genq.monitor.health import bottlenecks, fleet_gpu_note, slot_utilization
+from genq.monitor.rates import RateTracker, once_speed
+from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_workers
 
 # Only in --json: the same figures in unrounded seconds.
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")
@@ -316,22 +313,3 @@ _json = msgspec.json.Encoder()
 
 def encode(doc: Any) -> bytes:
     return _json.encode(doc)
-
-
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Readers of the progress file never see half of it: write beside it, then rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -22,8 +22,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from monitor.eta import Speed
-from monitor.snapshot import JobSnapshot
+from genq.monitor.eta import Speed
+from genq.monitor.snapshot import JobSnapshot
 
 # Relative standard error never below this: speed drifts in ways a window
 # cannot see (other jobs, thermal throttling, batch-size effects at the end).

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from monitor.lengths import LengthModel
+from genq.monitor.lengths import LengthModel
 
 
 @dataclass(frozen=True)

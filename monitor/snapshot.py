@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from genq import keys
-from genq.records import InFlight, JobConfig, ShardInfo, WorkerStatus, unpack
+from genq.core import keys
+from genq.core.records import InFlight, JobConfig, ShardInfo, WorkerStatus, unpack
 
 
 @dataclass

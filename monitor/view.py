@@ -8,7 +8,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from monitor.progress import JobReport, WorkerReport
+from genq.monitor.progress import JobReport, WorkerReport
 
 STATUS_STYLE = {"queued": "yellow", "running": "green", "paused": "magenta", "done": "bold green"}
 STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",

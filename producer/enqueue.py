@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from genq import keys
-from genq.queueing import new_batches, write_batches
-from genq.records import JobConfig, Prompt, Rejected
-from producer.rows import content_digest
+from genq.core import keys
+from genq.core.queueing import new_batches, write_batches
+from genq.core.records import JobConfig, Prompt, Rejected
+from genq.producer.rows import content_digest
 
 LOOKUP_CHUNK = 8192  # ids checked against Redis per round trip
 

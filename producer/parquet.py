@@ -1,4 +1,4 @@
-"""Parquet inputs (local or s3://): each row becomes a dict handed to producer.rows.
+"""Parquet inputs (local or s3://): each row becomes a dict handed to genq.producer.rows.
 
 Column mapping: --messages-column COL (a list of {role, content} structs, or a
 JSON string of one) or --prompt-column COL (a string) carries the request;
@@ -15,12 +15,12 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from genq.records import Prompt, Rejected
-from producer.rows import RowError, rejected, row_to_prompt
-from producer.sources import ColumnMap, SourceError, open_binary
+from genq.core.records import Prompt, Rejected
+from genq.producer.files import ColumnMap, SourceError, open_binary
+from genq.producer.rows import RowError, rejected, row_to_prompt
 
 READ_BATCH_ROWS = 1024
-# Request fields of a row (producer.rows): a column with one of these names that
+# Request fields of a row (genq.producer.rows): a column with one of these names that
 # is not the mapped one would be taken for the request, so it is left out.
 _REQUEST_NAMES = ("messages", "prompt", "id")
 

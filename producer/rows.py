@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from genq.records import Prompt, Rejected
+from genq.core.records import Prompt, Rejected
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000

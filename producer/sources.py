@@ -1,6 +1,6 @@
 """Where input rows come from: JSONL (plain or .gz) and Parquet, local or on S3.
 
-Every source ends in producer.rows, so validation and error messages are the
+Every source ends in genq.producer.rows, so validation and error messages are the
 same whatever the format; a bad row is reported with its 1-based line (JSONL)
 or row (Parquet) number. Nothing is read whole: JSONL streams line by line,
 S3 objects stream (resuming after a broken connection), and Parquet is read a
@@ -11,34 +11,14 @@ from __future__ import annotations
 
 import gzip
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from genq.records import Prompt, Rejected
-from producer.rows import parse_line
+from genq.core.records import Prompt, Rejected
+from genq.producer.files import ColumnMap, SourceError, open_binary
+from genq.producer.rows import parse_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-class SourceError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class ColumnMap:
-    """Which Parquet columns carry the request (--messages-column / --prompt-column / --id-column)."""
-
-    messages: str | None = None
-    prompt: str | None = None
-    id: str | None = None
-
-    def given(self) -> bool:
-        return any((self.messages, self.prompt, self.id))
-
-
-def is_s3(uri: str) -> bool:
-    return uri.startswith("s3://")
 
 
 def is_parquet(uri: str) -> bool:
@@ -52,7 +32,7 @@ def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMa
     here, before anything is read.
     """
     if is_parquet(uri):
-        from producer.parquet import parquet_rows  # pyarrow only when a Parquet input is read
+        from genq.producer.parquet import parquet_rows  # pyarrow only when a Parquet input is read
 
         return parquet_rows(uri, columns, s3_endpoint_url=s3_endpoint_url)
     if columns.given():
@@ -74,28 +54,6 @@ def open_lines(uri: str, *, s3_endpoint_url: str | None = None) -> Iterator[byte
     return _lines(uri, stream, gz=uri.endswith(".gz"))
 
 
-def open_binary(uri: str, *, s3_endpoint_url: str | None = None, seekable: bool = False) -> BinaryIO:
-    """A local file or an S3 object as a binary stream; errors name the input."""
-    if is_s3(uri):
-        from genq import s3  # boto3 only when an input is on S3
-
-        try:
-            opener = s3.open_seekable if seekable else s3.open_stream
-            return opener(uri, s3_endpoint_url)  # type: ignore[return-value]
-        except s3.S3UriError as exc:
-            raise SourceError(str(exc)) from None
-        except Exception as exc:  # botocore: no such key/bucket, access denied, endpoint down
-            raise SourceError(f"cannot read input {s3.describe(exc, uri)}") from None
-    if "://" in uri:
-        raise SourceError(f"unsupported input {uri!r}: use a local path or s3://bucket/key")
-    path = Path(uri)
-    if not path.exists():
-        raise SourceError(f"input file not found: {uri}")
-    if path.is_dir():
-        raise SourceError(f"input is a directory, expected a file: {uri}")
-    return open(path, "rb")
-
-
 def _lines(uri: str, stream: BinaryIO, gz: bool) -> Iterator[bytes]:
     # Read as it streams rather than all at once: inputs can be many GB.
     with stream:
@@ -107,7 +65,7 @@ def _lines(uri: str, stream: BinaryIO, gz: bool) -> Iterator[bytes]:
         except Exception as exc:
             if not type(exc).__module__.startswith("botocore"):
                 raise
-            from genq import s3
+            from genq.output import s3
 
             if s3.error_code(exc) in ("PreconditionFailed", "412"):
                 raise SourceError(f"input {uri} changed while it was being read; enqueue it again "

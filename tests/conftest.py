@@ -218,7 +218,7 @@ def sim(procs) -> callable:
 
     def start(**options) -> str:
         port = options.pop("port", None) or free_port()
-        args = [sys.executable, "-m", "sim", "--port", str(port)]
+        args = [sys.executable, "-m", "genq", "sim", "--port", str(port)]
         for key, value in options.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
         proc = procs(args, name=f"sim-{port}")

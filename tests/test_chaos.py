@@ -12,15 +12,13 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-import pytest
 import redis
 
-from genq import keys
-from genq.queueing import rq_queue
-from genq.records import DeadLetter, unpack
+from genq.core import keys
+from genq.core.queueing import rq_queue
+from genq.core.records import DeadLetter, unpack
 from tests.conftest import free_port, post_json, read_results, run_genq, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)

@@ -14,11 +14,11 @@ import json
 import time
 from pathlib import Path
 
-from genq import keys
-from genq.records import Control, WorkerStatus, pack, unpack
+from genq.core import keys
+from genq.core.records import Control, WorkerStatus, pack, unpack
+from genq.worker.controller import GENTLE_CHECKS, UNKNOWN_CAPACITY_START, ConcurrencyController, headroom
+from genq.worker.server import Metrics, _capacity, metrics_from_text
 from tests.conftest import read_results, run_genq, sim_stats, write_prompts
-from worker.controller import (GENTLE_CHECKS, UNKNOWN_CAPACITY_START, ConcurrencyController, headroom)
-from worker.server import Metrics, _capacity, metrics_from_text
 
 # ---------------------------------------------------------------- controller, pure unit
 
@@ -268,7 +268,7 @@ def test_sim_metrics_page_is_understood(sim):
     """The controller reads the sim's real /metrics page (what the worker polls)."""
     import asyncio
 
-    from worker.server import ServerClient
+    from genq.worker.server import ServerClient
 
     server = sim(max_running_requests=6, **SLOW_SIM)
 
@@ -289,7 +289,7 @@ def test_sim_metrics_page_is_understood(sim):
 
 
 def feed_all(events: list[bytes]):
-    from worker.server import Progress, _StreamState
+    from genq.worker.server import Progress, _StreamState
 
     state, progress = _StreamState("m"), Progress()
     for payload in events:
@@ -331,7 +331,7 @@ def test_stream_events_are_read_like_sglang_and_vllm_send_them():
 
 
 def test_whole_answers_typed_and_generic():
-    from worker.server import Completion, Failure, parse_completion_bytes
+    from genq.worker.server import Completion, Failure, parse_completion_bytes
 
     sglang = {"id": "c1", "object": "chat.completion", "model": "served", "choices": [{"index": 0, "message": {
         "role": "assistant", "content": "Hello", "reasoning_content": "hmm", "tool_calls": None},

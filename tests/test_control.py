@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from rq import suspension
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
 from conftest import REDIS_URL, read_results, run_genq, sim_stats, wait_until, write_prompts  # noqa: E402
-from genq import control, keys
-from genq.records import Control, WorkerStatus, pack, unpack
-from genq.redisconn import connect
+
+from genq.core import keys
+from genq.core.records import Control, WorkerStatus, pack, unpack
+from genq.core.redisconn import connect
+from genq.ops import control
 
 # Slow enough that a job of a few hundred prompts lasts seconds, fast enough for CI.
 SLOW_SIM = dict(max_running_requests=4, step_ms_base=25, step_ms_per_req=0, tokens_per_step=8,

@@ -13,8 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -22,12 +20,12 @@ from pathlib import Path
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
-from genq import keys
-from genq.queueing import BATCH_RETRIES, rq_queue
-from genq.records import Result, Usage
-from genq.redisconn import connect_async
+from genq.core import keys
+from genq.core.queueing import BATCH_RETRIES, rq_queue
+from genq.core.records import Result, Usage
+from genq.core.redisconn import connect_async
+from genq.worker.results import ResultWriter
 from tests.conftest import ROOT, read_results, run_genq, sim_stats, wait_until
-from worker.results import ResultWriter
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2)
 SMALL_CONTEXT = 256
@@ -232,7 +230,7 @@ def test_failed_rq_batch_is_listed_requeued_and_completed(redis_url, rconn, sim,
 
     (entry,) = dlq_json(redis_url)
     assert entry["id"] == "batch:b0000001" and entry["kind"] == "batch_failed" and entry["job"] == "fb"
-    assert entry["message"].startswith("worker.rqjob.EngineLost: this RQ worker was not started by `genq worker`")
+    assert entry["message"].startswith("genq.worker.rqjob.EngineLost: this RQ worker was not started by `genq worker`")
     assert entry["prompts"] == 6 and entry["rq_job"] == old_rq_id and entry["status"] is None
     assert entry["attempts"] == BATCH_RETRIES + 1
     assert "batch_failed" in run_genq("dlq", "list", redis_url=redis_url).stdout

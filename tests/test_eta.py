@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from monitor.eta import (
+from genq.monitor.eta import (
     MIN_FINISHED,
     LengthData,
     LengthModel,
@@ -27,7 +27,7 @@ from monitor.eta import (
     fit_lengths,
     length_bucket,
 )
-from worker.results import length_bucket as worker_length_bucket
+from genq.worker.results import length_bucket as worker_length_bucket
 
 MEAN, SIGMA, CAP = 512.0, 1.2, 8192
 MU = math.log(MEAN) - SIGMA**2 / 2
@@ -270,8 +270,8 @@ def test_policy_constants_follow_the_worker() -> None:
 
 
 def _snapshot(at: float, out_tok: int, published_at: float, tokens: list[int], done: int):
-    from genq.records import InFlight, WorkerStatus
-    from monitor.snapshot import JobSnapshot, WorkerCounters, WorkerView
+    from genq.core.records import InFlight, WorkerStatus
+    from genq.monitor.snapshot import JobSnapshot, WorkerCounters, WorkerView
 
     status = WorkerStatus(name="w", host="h", pid=1, server="s", state="busy", started_at=0.0, heartbeat_at=published_at,
                           concurrency_target=40, server_capacity=37, in_flight=len(tokens))
@@ -286,7 +286,7 @@ def test_speed_comes_from_what_the_monitor_saw_not_from_the_job_start() -> None:
     """A resumed run: a million tokens were made before the monitor started, and its first
     read comes before the worker's first in-flight list. Then 37 requests decode at 100 tok/s
     each; each in-flight list is published 0.6 s before the read; finished tokens grow evenly."""
-    from monitor.rates import RateTracker
+    from genq.monitor.rates import RateTracker
 
     tracker = RateTracker(window_s=60)
     start = 1000.0

@@ -9,10 +9,11 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from genq import keys
-from genq.queueing import load_batch
-from genq.records import DeadLetter, Result, Usage, unpack
-from genq.sinks import LocalSink, shard_bytes
+from genq.core import keys
+from genq.core.queueing import load_batch
+from genq.core.records import DeadLetter, Result, Usage, unpack
+from genq.output.local import LocalSink
+from genq.output.sink import shard_bytes
 from tests.conftest import read_results, run_genq
 
 
@@ -109,7 +110,7 @@ def test_export_dedups_orders_and_reads_only_shards_in_the_manifest(redis_url, t
 
     by_input = tmp_path / "input.jsonl"
     proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(by_input), redis_url=redis_url)
-    assert f"wrote 10 records" in proc.stdout and f"{by_input.stat().st_size:,} bytes" in proc.stdout
+    assert "wrote 10 records" in proc.stdout and f"{by_input.stat().st_size:,} bytes" in proc.stdout
     assert "from 2 shards" in proc.stdout and "dropped 1 duplicate records" in proc.stdout
     rows = [json.loads(line) for line in by_input.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"p{i:05d}" for i in range(10)]
@@ -215,8 +216,8 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
 
 
 def test_openai_batch_lines_for_completions_and_errors_without_an_http_answer():
-    from genq.export import openai_error_line, openai_output_line
-    from genq.records import Prompt
+    from genq.core.records import Prompt
+    from genq.output.export import openai_error_line, openai_output_line
 
     r = Result(id="c1", job="j", batch="b0000001", index=0, completion=" world", finish_reason="stop",
                usage=Usage(prompt_tokens=3, completion_tokens=2, reasoning_tokens=1), model="m", worker="w",

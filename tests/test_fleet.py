@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,8 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
 from conftest import REDIS_URL, free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
-from genq import control  # noqa: E402
-from genq.redisconn import connect  # noqa: E402
+
+from genq.core.redisconn import connect  # noqa: E402
+from genq.ops import control  # noqa: E402
 
 GENQ = Path(sys.executable).parent / "genq"  # the venv's console script
 SIM_ARGS = "--max-running-requests 4 --step-ms-base 25 --step-ms-per-req 0 --tokens-per-step 8 " \

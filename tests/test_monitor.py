@@ -11,8 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
 from conftest import genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
-from genq import keys  # noqa: E402
-from genq.records import InFlight, WorkerStatus, pack  # noqa: E402
+
+from genq.core import keys  # noqa: E402
+from genq.core.records import InFlight, WorkerStatus, pack  # noqa: E402
 
 FAST_SIM = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=64, output_sigma=1.0)
 # Fields the original progress.json carried, plus the range and state.

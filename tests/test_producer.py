@@ -8,9 +8,9 @@ import sys
 
 import msgspec
 
-from genq import keys
-from genq.queueing import load_batch, rq_queue
-from genq.records import Rejected
+from genq.core import keys
+from genq.core.queueing import load_batch, rq_queue
+from genq.core.records import Rejected
 from tests.conftest import run_genq, write_prompts
 
 

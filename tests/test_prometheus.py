@@ -14,11 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
 from conftest import free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
-from genq import keys  # noqa: E402
-from genq.queueing import save_config  # noqa: E402
-from genq.records import DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
-from monitor.exporter import make_registry, parse_listen  # noqa: E402
-from monitor.progress import Monitor  # noqa: E402
+
+from genq.core import keys  # noqa: E402
+from genq.core.queueing import save_config  # noqa: E402
+from genq.core.records import DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
+from genq.monitor.exporter import make_registry, parse_listen  # noqa: E402
+from genq.monitor.progress import Monitor  # noqa: E402
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

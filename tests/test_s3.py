@@ -10,13 +10,13 @@ import re
 import time
 
 import msgspec
-import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from genq import keys
-from genq.queueing import load_batch
-from genq.records import ShardInfo, unpack
+from genq.core import keys
+from genq.core.queueing import load_batch
+from genq.core.records import ShardInfo, unpack
 from tests.conftest import run_genq, wait_until
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 
@@ -93,7 +93,7 @@ def test_job_from_s3_input_writes_s3_shards_one_record_per_prompt(moto, redis_ur
     dest = tmp_path / "exports" / "s3job.jsonl"
     exp = run_genq("export", "--job", "s3job", "--to", str(dest), redis_url=redis_url)
     size = dest.stat().st_size
-    assert f"wrote 57 records" in exp.stdout and f"{size:,} bytes" in exp.stdout and "from 6 shards" in exp.stdout
+    assert "wrote 57 records" in exp.stdout and f"{size:,} bytes" in exp.stdout and "from 6 shards" in exp.stdout
     rows = [json.loads(line) for line in dest.read_text().splitlines()]
     assert [r["id"] for r in rows] == ids and [r["index"] for r in rows] == list(range(57))
 
@@ -200,8 +200,8 @@ def test_enqueue_parquet_from_s3_with_column_mapping(moto, redis_url, rconn, tmp
 
 
 def test_s3_input_stream_resumes_where_a_dropped_connection_left_off(moto):
-    from genq.s3 import open_stream
-    from producer.sources import SourceError, open_lines
+    from genq.output.s3 import open_stream
+    from genq.producer.sources import SourceError, open_lines
 
     s3 = moto.client()
     s3.create_bucket(Bucket=BUCKET)

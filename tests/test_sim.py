@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sim.config import SimConfig
-from sim.lengths import output_length, prompt_key
-from sim.server import RunningSim, start
+from genq.sim.config import SimConfig
+from genq.sim.lengths import output_length, prompt_key
+from genq.sim.server import RunningSim, start
 
 REPO = Path(__file__).resolve().parents[1]
 Body = Callable[[RunningSim, aiohttp.ClientSession], Awaitable[None]]
@@ -442,7 +442,7 @@ async def test_info_endpoints(sim: RunningSim, http: aiohttp.ClientSession) -> N
 
 def test_cli_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sim", "--port", "0", "--max-running-requests", "7"],
+        [sys.executable, "-m", "genq", "sim", "--port", "0", "--max-running-requests", "7"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
-from genq import keys
-from genq.queueing import rq_queue
-from sim.lengths import prompt_key
+from genq.core import keys
+from genq.core.queueing import rq_queue
+from genq.sim.lengths import prompt_key
 from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
 
 FAST_SIM = dict(mean_output_tokens=64, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)

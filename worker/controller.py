@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from worker.server import Metrics
+from genq.worker.server import Metrics
 
 UNKNOWN_CAPACITY_START = 64  # vLLM has no capacity endpoint: start here, then follow /metrics
 MAX_TARGET = 100_000

@@ -28,12 +28,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import redis
-import redis.asyncio as aioredis
 from rq.registry import StartedJobRegistry
 
-from genq import keys
-from genq.queueing import load_config, rq_queue
-from genq.records import (
+from genq.core import keys
+from genq.core.queueing import rq_queue
+from genq.core.records import (
     Batch,
     Control,
     DeadLetter,
@@ -46,13 +45,14 @@ from genq.records import (
     pack,
     unpack,
 )
-from genq.redisconn import ENV_VAR as REDIS_ENV, connect, connect_async, describe_error, mask_url
-from genq.sinks import open_sink, shard_bytes
-from worker.controller import ConcurrencyController
-from worker.results import ResultWriter
-from worker.rqjob import ENGINE_ENV
-from worker.server import Completion, Failure, Progress, ServerClient, ServerInfo, ServerUnavailable, build_body
-from worker.telemetry import GpuProbe
+from genq.core.redisconn import ENV_VAR as REDIS_ENV
+from genq.core.redisconn import connect, connect_async, describe_error, mask_url
+from genq.output.sink import open_sink, shard_bytes
+from genq.worker.controller import ConcurrencyController
+from genq.worker.results import ResultWriter
+from genq.worker.rqjob import ENGINE_ENV
+from genq.worker.server import Completion, Failure, Progress, ServerClient, ServerInfo, ServerUnavailable, build_body
+from genq.worker.telemetry import GpuProbe
 
 log = logging.getLogger("genq.worker")
 
@@ -449,7 +449,7 @@ class Engine:
                 timeout = max(0.0, self.delayed[0][0] - time.monotonic())
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             now = time.monotonic()
@@ -621,7 +621,7 @@ class Engine:
     async def _spawn_loop(self) -> RqLoop:
         name = f"{self.instance}.{uuid.uuid4().hex[:4]}"
         env = dict(os.environ, **{ENGINE_ENV: self.instance, REDIS_ENV: self.opts.redis_url})
-        args = [sys.executable, "-m", "worker.rqloop", "--name", name,
+        args = [sys.executable, "-m", "genq.worker.rqloop", "--name", name,
                 "--parent", str(os.getpid()), "--monitoring-interval", str(self.opts.job_monitoring_interval)]
         if self.opts.burst:
             args.append("--burst")
@@ -787,14 +787,14 @@ class Engine:
             task.cancel()
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("could not flush %d results to Redis; their batches will be redone", self.writer.pending)
         self._writer_task.cancel()
         await self._release_late_leases()
         for loop in self.loops:
             try:
                 await asyncio.wait_for(loop.proc.wait(), timeout=10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 loop.proc.kill()
         await self._release_late_leases()
         try:

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from genq.redisconn import ENV_VAR, mask_url
-from worker.supervisor import (
+from genq.core.redisconn import ENV_VAR, mask_url
+from genq.worker.supervisor import (
     HealthTimeouts,
     RestartPolicy,
     ServerSpec,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from genq import keys
-from genq.records import DeadLetter, Result, pack
+from genq.core import keys
+from genq.core.records import DeadLetter, Result, pack
 
 log = logging.getLogger("genq.worker")
 

@@ -16,9 +16,9 @@ import time
 import redis
 from rq import get_current_job
 
-from genq import keys
-from genq.queueing import enqueue_batch_jobs, load_batch
-from genq.records import pack
+from genq.core import keys
+from genq.core.queueing import enqueue_batch_jobs, load_batch
+from genq.core.records import pack
 
 ENGINE_ENV = "GENQ_ENGINE"
 REPLY_POLL_S = 2

@@ -1,6 +1,6 @@
 """Child process: one stock RQ work loop (forked `rq.Worker`) for a genq engine.
 
-Started by the engine with `python -m worker.rqloop`; dies with it (PR_SET_PDEATHSIG),
+Started by the engine with `python -m genq.worker.rqloop`; dies with it (PR_SET_PDEATHSIG),
 so a killed engine never leaves loops taking batches nobody will run.
 """
 
@@ -16,9 +16,10 @@ import sys
 from rq import Worker
 from rq.exceptions import StopRequested
 
-from genq import keys
-from genq.redisconn import ENV_VAR as REDIS_ENV, connect
-from worker.rqjob import ENGINE_ENV
+from genq.core import keys
+from genq.core.redisconn import ENV_VAR as REDIS_ENV
+from genq.core.redisconn import connect
+from genq.worker.rqjob import ENGINE_ENV
 
 PR_SET_PDEATHSIG = 1
 
@@ -34,7 +35,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.rqloop")
+    parser = argparse.ArgumentParser(prog="python -m genq.worker.rqloop")
     parser.add_argument("--name", required=True)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--burst", action="store_true")

@@ -7,7 +7,6 @@ worker sees tokens as they come (stall detection, in-flight lengths for the ETA)
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,7 @@ import aiohttp
 import msgspec
 from yarl import URL
 
-from genq.records import JobConfig, Prompt, Usage
+from genq.core.records import JobConfig, Prompt, Usage
 
 _json_decode = msgspec.json.Decoder().decode
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -94,7 +93,7 @@ class Metrics:
 
 @dataclass
 class Failure:
-    kind: str  # see genq.records.ErrorKind
+    kind: str  # see genq.core.records.ErrorKind
     message: str
     status: int | None = None
     retryable: bool = True
@@ -168,7 +167,7 @@ class ServerClient:
         try:
             async with self.session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 return resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def healthy(self) -> bool:

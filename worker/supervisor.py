@@ -88,7 +88,7 @@ async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
     try:
         await asyncio.wait_for(event.wait(), seconds)
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
 
 
@@ -198,7 +198,7 @@ class ServerSupervisor:
             async with session.get(self.spec.url.rstrip("/") + "/health") as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def _wait_exit_or_stop(self, seconds: float) -> bool:
@@ -253,7 +253,7 @@ class ServerSupervisor:
         signal_group(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), self.timeouts.stop)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("%s: did not stop within %.0fs of SIGTERM; killing it", self.label, self.timeouts.stop)
         # SIGKILL what is left of the group (the leader, or children it left behind holding the GPU).
         signal_group(proc.pid, signal.SIGKILL)

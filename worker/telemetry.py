@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from genq.records import GpuSample
+from genq.core.records import GpuSample
 
 log = logging.getLogger("genq.worker")
 

@@ -10,23 +10,23 @@ import sys
 
 import click
 
-from genq.redisconn import ENV_VAR, mask_url, resolve_url
+from genq.core.redisconn import ENV_VAR, mask_url, resolve_url
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
-    "enqueue": "producer.cli:enqueue",
-    "worker": "worker.cli:worker",
-    "monitor": "monitor.cli:monitor",
-    "sim": "sim.cli:sim_command",
-    "demo": "genq.demo:demo",
-    "dlq": "genq.dlq_cli:dlq",
-    "pause": "genq.control_cli:pause",
-    "resume": "genq.control_cli:resume",
-    "drain": "genq.control_cli:drain",
-    "workers": "genq.control_cli:workers",
-    "concurrency": "genq.control_cli:concurrency",
-    "export": "genq.export_cli:export",
-    "jobs": "genq.control_cli:jobs",
+    "enqueue": "genq.cli.enqueue:enqueue",
+    "worker": "genq.cli.worker:worker",
+    "monitor": "genq.cli.monitor:monitor",
+    "sim": "genq.cli.sim:sim_command",
+    "demo": "genq.cli.demo:demo",
+    "dlq": "genq.cli.dlq:dlq",
+    "pause": "genq.cli.control:pause",
+    "resume": "genq.cli.control:resume",
+    "drain": "genq.cli.control:drain",
+    "workers": "genq.cli.control:workers",
+    "concurrency": "genq.cli.control:concurrency",
+    "export": "genq.cli.export:export",
+    "jobs": "genq.cli.control:jobs",
 }
 
 

@@ -14,10 +14,10 @@ import redis
 from redis.client import Pipeline
 from rq import Queue, Retry
 
-from genq import keys
-from genq.records import Batch, JobConfig, Prompt, pack, unpack
+from genq.core import keys
+from genq.core.records import Batch, JobConfig, Prompt, pack, unpack
 
-RUN_BATCH = "worker.rqjob.run_batch"
+RUN_BATCH = "genq.worker.rqjob.run_batch"
 # How many times RQ re-runs a batch whose worker died or handed it back in
 # error. Prompts that already finished are never regenerated on a re-run.
 BATCH_RETRIES = 10

@@ -1,6 +1,6 @@
 """S3 for genq: the shard sink, streaming and seekable readers, and cheap clients.
 
-Layout under a job's s3://bucket/prefix output (the same as genq.sinks.LocalSink):
+Layout under a job's s3://bucket/prefix output (the same as genq.output.local.LocalSink):
   PREFIX/JOB/shards/BATCH.jsonl[.gz]   the batch's results, one JSON object a line,
                                        sorted by input index
   PREFIX/JOB/manifest/BATCH.json       a marker written after its shard succeeded:
@@ -34,8 +34,8 @@ import botocore.exceptions
 import msgspec
 from botocore.config import Config
 
-from genq.records import ShardInfo
-from genq.sinks import shard_name
+from genq.core.records import ShardInfo
+from genq.output import layout
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 
 def join_key(*parts: str) -> str:
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+    return layout.join(*parts)
 
 
 def client(endpoint_url: str | None = None) -> Any:
@@ -152,12 +152,12 @@ class S3Sink:
         return parse_uri(self.uri)[1]
 
     def shard_key(self, job: str, batch_id: str) -> str:
-        return join_key(self.prefix, job, "shards", shard_name(batch_id, self.compression))
+        return join_key(self.prefix, job, layout.SHARDS_DIR, layout.shard_name(batch_id, self.compression))
 
     def marker_key(self, job: str, batch_id: str) -> str:
-        return join_key(self.prefix, job, "manifest", f"{batch_id}.json")
+        return join_key(self.prefix, job, layout.MANIFEST_DIR, layout.marker_name(batch_id))
 
-    def write_shard(self, job: str, batch_id: str, data: bytes, records: int) -> ShardInfo:
+    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None) -> ShardInfo:
         key = self.shard_key(job, batch_id)
         # No Content-Encoding for .gz: clients would then unzip on download and
         # the stored size would no longer match the marker's byte count.
@@ -165,7 +165,7 @@ class S3Sink:
         s3 = client(self.endpoint_url)
         s3.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
         info = ShardInfo(batch=batch_id, uri=f"s3://{self.bucket}/{key}", records=records, bytes=len(data),
-                         at=time.time())
+                         at=time.time() if at is None else at)
         s3.put_object(Bucket=self.bucket, Key=self.marker_key(job, batch_id),
                                Body=_encoder.encode(info) + b"\n", ContentType="application/json")
         return info

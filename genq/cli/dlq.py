@@ -1,4 +1,4 @@
-"""genq dlq: list, show, requeue and purge what genq gave up on (logic in genq.dlq)."""
+"""genq dlq: list, show, requeue and purge what genq gave up on (logic in genq.ops.dlq)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import click
 import redis
 
-from genq import dlq as core
 from genq.cli import settings
-from genq.redisconn import connect, describe_error
+from genq.core.redisconn import connect, describe_error
+from genq.ops import dlq as core
 
 EXIT_SKIPPED = 3
 MESSAGE_WIDTH = 60

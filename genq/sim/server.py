@@ -22,11 +22,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from sim.config import SimConfig
-from sim.engine import Engine, QueueFull, SimRequest
-from sim.faults import Fault, FaultInjector, FaultUpdate
-from sim.lengths import output_length, prompt_key
-from sim.protocol import (
+from genq.sim.config import SimConfig
+from genq.sim.engine import Engine, QueueFull, SimRequest
+from genq.sim.faults import Fault, FaultInjector, FaultUpdate
+from genq.sim.lengths import output_length, prompt_key
+from genq.sim.protocol import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,

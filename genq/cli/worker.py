@@ -92,7 +92,7 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
              if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT]
     if given:
         raise click.UsageError(f"{', '.join(given)} only work(s) with --gpus (use --gpus N for one GPU)")
-    from worker.engine import WorkerOptions, run_engine
+    from genq.worker.engine import WorkerOptions, run_engine
 
     opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)
     raise SystemExit(asyncio.run(run_engine(opts)))
@@ -126,8 +126,8 @@ def forwarded_options(ctx: click.Context) -> list[str]:
 
 
 def _run_fleet(ctx: click.Context, fleet: dict, name: str | None, host: str | None) -> int:
-    from worker.fleet import FleetError, FleetOptions, parse_gpus, run_fleet
-    from worker.supervisor import HealthTimeouts
+    from genq.worker.fleet import FleetError, FleetOptions, parse_gpus, run_fleet
+    from genq.worker.supervisor import HealthTimeouts
 
     try:
         opts = FleetOptions(

@@ -7,13 +7,13 @@ from pathlib import Path
 import click
 import redis
 
-from genq import keys
 from genq.cli import settings
-from genq import export as exporting
-from genq.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name
-from genq.queueing import load_batch, load_config
-from genq.records import DeadLetter, unpack
-from genq.redisconn import connect, describe_error, mask_url
+from genq.core import keys
+from genq.core.queueing import load_batch, load_config
+from genq.core.records import DeadLetter, unpack
+from genq.core.redisconn import connect, describe_error, mask_url
+from genq.output import export as exporting
+from genq.output.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name
 
 
 @click.command()
@@ -66,7 +66,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
             raise click.ClickException(str(exc)) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("botocore", "boto3")):
-                from genq import s3
+                from genq.output import s3
 
                 raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
             raise
@@ -88,7 +88,7 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     (so that every input id lands in the output or the errors file)."""
     letters = [unpack(raw, DeadLetter) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
     dead = {d.id for d in letters}
-    from genq.dlq import failed_batches
+    from genq.ops.dlq import failed_batches
 
     for entry in failed_batches(conn, [job]):
         batch = load_batch(conn, job, entry.batch)

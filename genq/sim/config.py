@@ -32,7 +32,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     step_ms_per_req: float = 0.05
     tokens_per_step: int = 16
 
-    # Output lengths: lognormal per prompt, see sim.lengths.
+    # Output lengths: lognormal per prompt, see genq.sim.lengths.
     mean_output_tokens: float = 256.0
     output_sigma: float = 1.0
     # Share of the output that is reasoning when enable_thinking is set.

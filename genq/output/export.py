@@ -1,7 +1,7 @@
 """Merge a job's finished shards into one file: JSONL, Parquet or OpenAI Batch output.
 
 Which shards: those named by the manifest markers (OUTPUT/JOB/manifest/*.json,
-see genq.sinks and genq.s3), never a bare listing of shards/: a shard without
+see genq.output.local and genq.output.s3), never a bare listing of shards/: a shard without
 a marker may be half written. Each shard is checked against its marker (bytes
 and record count) before anything is exported.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import os
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -37,12 +36,12 @@ from typing import Any, BinaryIO, NamedTuple
 
 import msgspec
 
-from genq.records import DeadLetter, Result, ShardInfo
+from genq.core.records import DeadLetter, Result, ShardInfo
+from genq.output.layout import MANIFEST_DIR, SHARDS_DIR, job_root
+from genq.output.local import write_atomic
 
 FORMATS = ("jsonl", "parquet", "openai-batch")
 ORDERS = ("input", "batch")
-MANIFEST_DIR = "manifest"
-SHARDS_DIR = "shards"
 PARQUET_ROWS_PER_GROUP = 5000
 DOWNLOAD_THREADS = 8
 
@@ -93,15 +92,11 @@ class ExportSummary:
 # ------------------------------------------------------------------ manifest
 
 
-def job_root(output: str, job: str) -> str:
-    return f"{output.rstrip('/')}/{job}"
-
-
 def list_shards(output: str, job: str, endpoint_url: str | None = None) -> list[ShardRef]:
     """The shards named by the job's manifest markers, in batch order."""
     root = job_root(output, job)
     if output.startswith("s3://"):
-        from genq import s3
+        from genq.output import s3
 
         prefix = f"{root}/{MANIFEST_DIR}/"
         bucket, _ = s3.parse_uri(root)
@@ -158,7 +153,7 @@ def _materialize(ref: ShardRef, spool: Path, number: int, endpoint_url: str | No
             raise ExportError(f"shard {ref.location} named by the manifest is missing")
         return str(path), path.stat().st_size
     if ref.location.startswith("s3://"):
-        from genq import s3
+        from genq.output import s3
 
         try:
             source: BinaryIO = s3.open_stream(ref.location, endpoint_url)
@@ -424,26 +419,15 @@ def errors_path_for(path: str) -> str:
 def _atomic_local(path: str, write: Callable[[BinaryIO], Any]) -> tuple[Any, int]:
     """Write through a temporary file in the same folder, then rename: a reader never
     sees half an export. Returns what write returned and the file's size."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            value = write(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return value, target.stat().st_size
+    value = write_atomic(path, write)
+    return value, Path(path).stat().st_size
 
 
 def write_output(dest: str, write: Callable[[BinaryIO], Any], endpoint_url: str | None = None) -> tuple[Any, int]:
     """Write to a local path, or to s3:// through a local temporary file."""
     if not dest.startswith("s3://"):
         return _atomic_local(dest, write)
-    from genq import s3
+    from genq.output import s3
 
     with tempfile.TemporaryDirectory(prefix="genq-export-") as folder:
         local = str(Path(folder) / "upload")

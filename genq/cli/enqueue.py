@@ -13,12 +13,12 @@ import msgspec
 import redis
 
 from genq.cli import settings
-from genq.queueing import load_config, save_config
-from genq.records import JobConfig, Prompt, Rejected
-from genq.redisconn import connect, describe_error
-from genq import keys
-from producer.enqueue import Enqueuer, EnqueueSummary
-from producer.sources import ColumnMap, SourceError, default_rejects_path, open_rows
+from genq.core import keys
+from genq.core.queueing import load_config, save_config
+from genq.core.records import JobConfig, Prompt, Rejected
+from genq.core.redisconn import connect, describe_error
+from genq.producer.enqueue import Enqueuer, EnqueueSummary
+from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, open_rows
 
 EXIT_REJECTED = 3
 

@@ -24,7 +24,7 @@ import click
 import redis
 
 from genq.cli import settings
-from genq.redisconn import DEFAULT_URL, connect, mask_url
+from genq.core.redisconn import DEFAULT_URL, connect, mask_url
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "TCP congestion control",
           "Bayesian inference", "sourdough baking", "the Krebs cycle", "compiler optimisations",
@@ -146,8 +146,8 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     from rich.console import Console
     from rich.live import Live
 
-    from monitor.progress import Monitor
-    from monitor.view import render
+    from genq.monitor.progress import Monitor
+    from genq.monitor.view import render
 
     console = Console()
     genq = [sys.executable, "-m", "genq", "--redis", url]
@@ -161,7 +161,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     for gpu in range(gpus):
         port = _free_port()
         children.start(f"sim-gpu{gpu}", [
-            sys.executable, "-m", "sim", "--port", str(port), "--max-running-requests", str(capacity),
+            sys.executable, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
             "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
             "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
             "--tokens-per-step", "16"])

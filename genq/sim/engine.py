@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-from sim.config import SimConfig
+from genq.sim.config import SimConfig
 
 
 class QueueFull(Exception):

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from sim.config import SimConfig
-from sim.server import run
+from genq.sim.config import SimConfig
+from genq.sim.server import run
 
 _D = SimConfig()
 

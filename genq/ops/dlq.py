@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -32,8 +32,8 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
 
-from genq import keys
-from genq.queueing import (
+from genq.core import keys
+from genq.core.queueing import (
     BATCH_RETRIES,
     RUN_BATCH,
     enqueue_batch_jobs,
@@ -44,7 +44,7 @@ from genq.queueing import (
     rq_queue,
     write_batches,
 )
-from genq.records import DeadLetter, Prompt, unpack
+from genq.core.records import DeadLetter, Prompt, unpack
 
 BATCH_PREFIX = "batch:"
 BATCH_FAILED = "batch_failed"
@@ -382,7 +382,7 @@ def _batch_ref(rq_job: RqJob | None) -> tuple[str, str] | None:
 
 
 def iso(at: float) -> str:
-    return datetime.fromtimestamp(at, tz=timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(at, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def age(at: float, now: float | None = None) -> str:

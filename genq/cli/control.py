@@ -1,6 +1,6 @@
 """Operator commands: genq workers, jobs, pause, resume, drain, concurrency.
 
-They only read and write Redis (see genq.control); workers pick changes up
+They only read and write Redis (see genq.ops.control); workers pick changes up
 within about a second, wherever they run.
 """
 
@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from genq import control
 from genq.cli import settings
-from genq.redisconn import connect, describe_error
+from genq.core.redisconn import connect, describe_error
+from genq.ops import control
 
 
 def _console() -> Console:

@@ -10,8 +10,9 @@ import click
 import redis
 
 from genq.cli import settings
-from genq.redisconn import connect, describe_error
-from monitor.progress import JobNotFound, Monitor, document, encode, write_atomic
+from genq.core.redisconn import connect, describe_error
+from genq.monitor.progress import JobNotFound, Monitor, document, encode
+from genq.output.local import write_atomic
 
 
 @click.command()
@@ -63,7 +64,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         raise click.ClickException(describe_error(s.redis_url, exc)) from None
     mon = Monitor(conn, job, window_s=rate_window, once=once)
     if listen:
-        from monitor.exporter import serve
+        from genq.monitor.exporter import serve
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
         try:
@@ -96,7 +97,7 @@ def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display:
         sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
         sys.stdout.flush()
     else:
-        from monitor.view import render
+        from genq.monitor.view import render
 
         view = render(reports, redis_display, interval)
         if live is not None:

@@ -13,7 +13,7 @@ import time
 
 import msgspec
 
-from sim.config import SimConfig
+from genq.sim.config import SimConfig
 
 
 class Fault(enum.Enum):

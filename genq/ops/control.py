@@ -1,6 +1,6 @@
 """Operator controls over Redis: the fleet view, pause/resume, drain, live concurrency, job list.
 
-Everything here is plain synchronous Redis reads and writes so the CLI (genq.control_cli)
+Everything here is plain synchronous Redis reads and writes so the CLI (genq.cli.control)
 and the monitor can share it. Workers publish WorkerStatus (keys.worker_status, TTL 15 s,
 kept without TTL once "stopped") and read Control (keys.worker_control), keys.PAUSED and
 keys.job_paused every second; nothing here talks to a worker directly.
@@ -15,8 +15,8 @@ import msgspec
 import redis
 from rq import suspension
 
-from genq import keys
-from genq.records import Control, WorkerStatus, pack, unpack
+from genq.core import keys
+from genq.core.records import Control, WorkerStatus, pack, unpack
 
 LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -196,7 +196,7 @@ def job_names(conn: redis.Redis) -> list[str]:
 
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
     """Totals per job from the counters of record (see CONTEXT: truth for totals)."""
-    from genq.queueing import load_config
+    from genq.core.queueing import load_config
 
     names = job_names(conn) if names is None else list(names)
     paused_all = globally_paused(conn)
