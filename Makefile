@@ -24,7 +24,6 @@ demo: $(BIN)/genq
 	$(BIN)/genq demo
 
 test: $(VENV)/.test-extras
-	scripts/ensure-redis
 	$(BIN)/python -m pytest
 
 bench: $(BIN)/genq

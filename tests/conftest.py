@@ -1,17 +1,21 @@
-"""Shared fixtures: a real Redis database, real `genq sim` servers, real genq processes.
+"""Shared fixtures: a private real Redis, real `genq sim` servers, real genq processes.
 
-GENQ_TEST_REDIS_URL picks the database (default db 15 on the local server);
-each test starts from an empty database.
+The suite starts its own redis-server on a free port (nothing kept on disk) when this
+module is imported, and stops it at the end: it never connects to a Redis it did not
+start (a Redis on 6379 may be production). Each test starts from an empty database.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +23,6 @@ from pathlib import Path
 import pytest
 import redis
 
-REDIS_URL = os.environ.get("GENQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,6 +30,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class PrivateRedis:
+    """A redis-server of our own on a free loopback port, in a temporary folder."""
+
+    def __init__(self, *extra: str) -> None:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("the tests need redis-server (apt-get install redis-server)")
+        self.dir = tempfile.mkdtemp(prefix="genq-test-redis-")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if redis.Redis.from_url(self.url, socket_connect_timeout=0.5).ping():
+                    break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"private redis-server on port {self.port} did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_PRIVATE = PrivateRedis()
+atexit.register(_PRIVATE.stop)
+REDIS_URL = _PRIVATE.url
 
 
 def wait_http(url: str, timeout: float = 15.0, want: int | None = 200) -> None:
@@ -181,11 +222,7 @@ class Proc:
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     conn = redis.Redis.from_url(REDIS_URL)
-    try:
-        conn.ping()
-    except redis.ConnectionError as exc:
-        pytest.fail(f"tests need a real Redis at {REDIS_URL}: {exc}")
-    conn.flushdb()
+    conn.flushall()
     yield REDIS_URL
     conn.close()
 
