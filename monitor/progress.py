@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import redis
 
+from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.records import GpuSample
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
-from genq.monitor.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_workers
 

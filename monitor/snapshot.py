@@ -243,13 +243,13 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
 def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
     """Count the batches of this job that live workers hold, and fill each view's held_unfinished.
 
-    WorkerStatus.batches names batch ids without their job; an id counts here
-    when it is one of this job's batches (its record still exists: it is
-    deleted when the shard is written). Unfinished = batch size minus results
+    WorkerStatus.batches names (job, batch); one of this job's counts while its
+    record still exists (it is deleted when the shard is written). Unfinished = batch size minus results
     stored so far (a batch's own size is not stored apart from its prompts;
     the job's batch size is exact for all but the last batch of an enqueue).
     """
-    asks = [(v, b) for v in views if v.live and v.inflight is not None for b in sorted(v.status.batches)]
+    asks = [(v, b.batch) for v in views if v.live and v.inflight is not None
+            for b in sorted(v.status.batches) if b.job == job]
     if not asks:
         return 0
     with conn.pipeline(transaction=False) as pipe:

@@ -7,19 +7,16 @@ Real Redis, real `genq sim` servers, real `genq worker` processes; the CLI is ru
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 from rq import suspension
 
-sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
-from conftest import REDIS_URL, read_results, run_genq, sim_stats, wait_until, write_prompts  # noqa: E402
-
 from genq.core import keys
-from genq.core.records import Control, WorkerStatus, pack, unpack
+from genq.core.records import BatchRef, Control, WorkerStatus, pack, unpack
 from genq.core.redisconn import connect
 from genq.ops import control
+from tests.conftest import REDIS_URL, read_results, run_genq, sim_stats, wait_until, write_prompts
 
 # Slow enough that a job of a few hundred prompts lasts seconds, fast enough for CI.
 SLOW_SIM = dict(max_running_requests=4, step_ms_base=25, step_ms_per_req=0, tokens_per_step=8,
@@ -226,14 +223,14 @@ def test_workers_view_shows_lost_and_prunes(redis_url, rconn):
         heartbeat_at=now - 30, gpu="1")))
     rconn.set(keys.worker_status("live.gpu2"), pack(WorkerStatus(
         name="live.gpu2", host="live", pid=2, server="http://x:2", state="busy", started_at=now - 60,
-        heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=["b0000001"], tok_per_s=123.0)),
+        heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=[BatchRef("j", "b0000001")], tok_per_s=123.0)),
         ex=15)
     view = workers_json()
     assert view["gone.gpu0"]["state"] == "lost" and view["gone.gpu0"]["host"] is None
     assert view["old.gpu1"]["state"] == "stopped"
     live = view["live.gpu2"]
     assert (live["state"], live["in_flight"], live["target"], live["batches"], live["host"]) == (
-        "busy", 5, 8, ["b0000001"], "live")
+        "busy", 5, 8, ["j/b0000001"], "live")
 
     table = run_genq("workers").stdout
     assert "lost" in table and "5/8" in table and "b0000001" in table

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
-from conftest import REDIS_URL, free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
-
 from genq.core.redisconn import connect  # noqa: E402
 from genq.ops import control  # noqa: E402
+from tests.conftest import REDIS_URL, free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts
 
 GENQ = Path(sys.executable).parent / "genq"  # the venv's console script
 SIM_ARGS = "--max-running-requests 4 --step-ms-base 25 --step-ms-per-req 0 --tokens-per-step 8 " \

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
-from conftest import genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
-
 from genq.core import keys  # noqa: E402
 from genq.core.records import InFlight, WorkerStatus, pack  # noqa: E402
+from tests.conftest import genq_cmd, read_results, run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=64, output_sigma=1.0)
 # Fields the original progress.json carried, plus the range and state.
@@ -182,7 +179,7 @@ def test_worker_rows_show_slots_and_bottlenecks(tmp_path: Path, redis_url, rconn
                         server_running=32.0, server_waiting=8.0, server_token_usage=0.99, tok_per_s=3000.0,
                         gpu_note="no GPU telemetry: NVMLError_LibraryNotFound")
     down = WorkerStatus(name="w-down", host="h3", pid=3, server="http://s3", state="server_down", started_at=now - 100,
-                        heartbeat_at=now, bottleneck="health check failed")
+                        heartbeat_at=now, note="health check failed")
     for s in (capped, full, down):
         rconn.set(keys.worker_status(s.name), pack(s), ex=60)
         rconn.sadd(keys.WORKERS, s.name)

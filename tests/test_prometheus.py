@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -12,14 +11,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).parent))  # conftest's helpers (tests/ is not a package)
-from conftest import free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts  # noqa: E402
-
 from genq.core import keys  # noqa: E402
 from genq.core.queueing import save_config  # noqa: E402
-from genq.core.records import DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
+from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
 from genq.monitor.exporter import make_registry, parse_listen  # noqa: E402
 from genq.monitor.progress import Monitor  # noqa: E402
+from tests.conftest import free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -56,12 +53,12 @@ def put_job(conn, now: float) -> None:
                     memory_total_mib=81_559.0, power_w=612.5, sm_clock_mhz=1980.0, temperature_c=71.0)
     a = WorkerStatus(name="gpu-a", host="node1", pid=11, server="http://127.0.0.1:30000", state="busy",
                      started_at=now - 550, heartbeat_at=now - 0.5, gpu="0", concurrency_target=70,
-                     server_capacity=64, in_flight=70, queued=30, batches=["b0000003", "b0000004"],
+                     server_capacity=64, in_flight=70, queued=30, batches=[BatchRef("exp", "b0000003"), BatchRef("exp", "b0000004")],
                      tok_per_s=2150.5, req_per_s=3.2, done=250, errors=4, server_running=64.0,
                      server_waiting=6.0, server_token_usage=0.83, gpu_sample=gpu)
     b = WorkerStatus(name="gpu-b", host="node2", pid=12, server="http://127.0.0.1:30001", state="busy",
                      started_at=now - 550, heartbeat_at=now - 0.2, concurrency_target=40, concurrency_limit=40,
-                     server_capacity=64, in_flight=40, queued=10, batches=["b0000005"], tok_per_s=1200.0,
+                     server_capacity=64, in_flight=40, queued=10, batches=[BatchRef("exp", "b0000005")], tok_per_s=1200.0,
                      req_per_s=2.0, done=150, errors=0, server_running=40.0, server_waiting=0.0,
                      server_token_usage=0.5, gpu_note="no GPU telemetry: NVMLError_LibraryNotFound")
     for s, tokens in ((a, [300, 120, 2000] + [50] * 67), (b, [10] * 40)):

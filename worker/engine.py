@@ -34,6 +34,7 @@ from genq.core import keys
 from genq.core.queueing import rq_queue
 from genq.core.records import (
     Batch,
+    BatchRef,
     Control,
     DeadLetter,
     InFlight,
@@ -701,12 +702,12 @@ class Engine:
             concurrency_target=self.controller.target, concurrency_limit=self.controller.cap,
             server_capacity=self.server.capacity if self.server else None,
             in_flight=len(self.running), queued=len(self.ready) + len(self.delayed),
-            batches=sorted(self.batches), tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2),
+            batches=sorted(BatchRef(s.job, s.id) for s in self.batches.values()), prefetch=self.opts.loops, tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2),
             done=self.done, errors=self.errors,
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self._gpu_sample, gpu_note=self.gpu.note,
-            bottleneck=note or self.server_note or self._bottleneck(),
+            note=note or self.server_note,
         )
         by_job: dict[str, list[int]] = {}
         for task in self.running:
@@ -727,19 +728,6 @@ class Engine:
                                   queued=queued.get(job, 0))
                 pipe.set(keys.job_inflight(job, self.name), pack(record), ex=5)
             await pipe.execute()
-
-    def _bottleneck(self) -> str | None:
-        m = self.last_metrics
-        if m is None or m.running is None:
-            return None
-        cap = self.server.capacity if self.server else None
-        if self.controller.cap and cap and self.controller.cap < cap and self.ready:
-            return f"concurrency cap {self.controller.cap} below server capacity {cap}"
-        if cap and m.running < cap * 0.9 and not self.ready and not self.delayed and self.batches:
-            return "worker has no more prompts to send (queue empty or batch tail)"
-        if m.kv_usage is not None and m.kv_usage >= 0.98:
-            return "KV cache full"
-        return None
 
     async def _metrics_loop(self) -> None:
         while True:

@@ -142,6 +142,16 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     temperature_c: float | None = None
 
 
+class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):
+    """A batch's identity everywhere: batch ids are numbered per job, so the job is part of it."""
+
+    job: str
+    batch: str
+
+    def __str__(self) -> str:
+        return f"{self.job}/{self.batch}"
+
+
 WorkerState = Literal["starting", "busy", "idle", "paused", "draining", "server_down", "stopped"]
 
 
@@ -161,7 +171,8 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     server_capacity: int | None = None
     in_flight: int = 0
     queued: int = 0
-    batches: list[str] = []
+    batches: list[BatchRef] = []
+    prefetch: int = 2  # genq worker --prefetch: batches held at least while the queue lasts
     tok_per_s: float = 0.0
     req_per_s: float = 0.0
     done: int = 0
@@ -171,7 +182,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     server_token_usage: float | None = None
     gpu_sample: GpuSample | None = None
     gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
-    bottleneck: str | None = None
+    note: str | None = None  # why the server is down, or what the worker waits for
 
 
 class Control(msgspec.Struct, omit_defaults=True):

@@ -69,11 +69,11 @@ def _row(name: str, status: WorkerStatus | None, now: float) -> WorkerRow:
         return WorkerRow(name=name, state=LOST, note="no heartbeat for 15 s; RQ recovers its batches")
     return WorkerRow(
         name=name, state=status.state, host=status.host, gpu=status.gpu, server=status.server, pid=status.pid,
-        batches=list(status.batches), in_flight=status.in_flight, target=status.concurrency_target,
+        batches=[str(b) for b in status.batches], in_flight=status.in_flight, target=status.concurrency_target,
         cap=status.concurrency_limit, queued=status.queued, tok_per_s=status.tok_per_s,
         req_per_s=status.req_per_s, done=status.done, errors=status.errors,
         heartbeat_age_s=round(max(0.0, now - status.heartbeat_at), 1),
-        note=status.bottleneck or (status.gpu_note if status.state == "server_down" else None),
+        note=status.note or (status.gpu_note if status.state == "server_down" else None),
     )
 
 

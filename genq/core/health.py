@@ -22,9 +22,9 @@ def bottlenecks(s: WorkerStatus | None) -> list[str]:
         return []
     out: list[str] = []
     if s.state == "server_down":
-        out.append(f"server down ({s.bottleneck})" if s.bottleneck else "server down")
-    elif s.bottleneck:
-        out.append(s.bottleneck)
+        out.append(f"server down ({s.note})" if s.note else "server down")
+    elif s.note:
+        out.append(s.note)
     cap, limit = s.server_capacity, s.concurrency_limit
     if limit and cap and limit < cap:
         out.append(f"concurrency cap {limit} below server capacity {cap} (genq concurrency to raise it)")
