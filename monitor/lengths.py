@@ -3,7 +3,7 @@
 What is known about a job's output lengths at any moment:
 
 * finished completions, binned in the job's log-spaced histogram
-  (worker/results.py length_bucket): interval-censored observations;
+  (genq.core.histogram.length_bucket): interval-censored observations;
 * completions still running, with the tokens produced so far: right-censored
   observations (the final length is at least that);
 * the job's max_tokens: no completion is longer (it is cut at the cap).
@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+
+from genq.core.histogram import length_bucket
 
 LN2 = math.log(2.0)
 _N = NormalDist()
@@ -70,13 +72,8 @@ def log_interval(lo: float, hi: float) -> float:
 
 
 def bucket_log_bounds(bucket: int) -> tuple[float, float]:
-    """The bucket's range in z = ln(L + 1) (inverse of results.length_bucket)."""
+    """The bucket's range in z = ln(L + 1) (inverse of length_bucket)."""
     return (bucket - 0.5) / 4 * LN2, (bucket + 0.5) / 4 * LN2
-
-
-def length_bucket(tokens: int) -> int:
-    # Same formula as genq.worker.results.length_bucket; repeated here so this module stays pure.
-    return int(round(4 * math.log2(tokens + 1)))
 
 
 # ---------------------------------------------------------------- length model

@@ -18,6 +18,7 @@ import msgspec
 import redis
 
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
+from genq.core.prefetch import MAX_EXTRA_LOOPS
 from genq.core.records import GpuSample
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.rates import RateTracker, once_speed
@@ -168,12 +169,10 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
 
 
-# genq worker's batch-taking policy (worker/engine.py _desired_loops): it holds
-# --prefetch batches (default 2; not published, so the default is assumed), and
-# takes one more, up to MAX_EXTRA_LOOPS more, while its unsent prompts are below
-# (prefetch - 1) batches' worth. tests/test_eta.py checks these against the worker.
-DEFAULT_PREFETCH = 2
-MAX_EXTRA_LOOPS = 14
+# genq worker's batch-taking policy (worker/loops.py RqLoops.desired, constants in
+# genq.core.prefetch): it holds --prefetch batches (published in WorkerStatus.prefetch),
+# and takes one more, up to MAX_EXTRA_LOOPS more, while its unsent prompts are below
+# (prefetch - 1) batches' worth.
 
 
 def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
@@ -194,12 +193,13 @@ def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
         if w.status.state in ("paused", "server_down"):
             continue
         draining = w.status.state == "draining"
-        leases = len(w.held_unfinished) if draining else DEFAULT_PREFETCH
+        prefetch = w.status.prefetch
+        leases = len(w.held_unfinished) if draining else prefetch
         fleet.append(WorkerState(
             slots=w.slots,
             leases=leases,
             max_leases=leases if draining else leases + MAX_EXTRA_LOOPS,
-            reserve=0 if draining else (DEFAULT_PREFETCH - 1) * size,
+            reserve=0 if draining else (prefetch - 1) * size,
             running=tuple(w.running_tokens),
             ready=w.inflight.queued if w.inflight is not None else 0,
             held=len(w.held_unfinished),

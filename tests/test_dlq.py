@@ -21,7 +21,7 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
-from genq.core.queueing import BATCH_RETRIES, rq_queue
+from genq.core.queueing import rq_queue
 from genq.core.records import Result, Usage
 from genq.core.redisconn import connect_async
 from genq.worker.results import ResultWriter
@@ -88,7 +88,8 @@ def plain_rq_worker_burst(redis_url: str) -> subprocess.CompletedProcess:
     """A stock `rq worker --burst`: without GENQ_ENGINE every run_batch raises EngineLost."""
     env = {k: v for k, v in os.environ.items() if k != "GENQ_ENGINE"}
     rq_bin = str(Path(sys.executable).parent / "rq")
-    return subprocess.run([rq_bin, "worker", "--burst", "--url", redis_url, keys.QUEUE], cwd=ROOT, env=env,
+    return subprocess.run([rq_bin, "worker", "--burst", "-S", "rq.serializers.JSONSerializer", "--url", redis_url,
+                           keys.QUEUE], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -232,7 +233,7 @@ def test_failed_rq_batch_is_listed_requeued_and_completed(redis_url, rconn, sim,
     assert entry["id"] == "batch:b0000001" and entry["kind"] == "batch_failed" and entry["job"] == "fb"
     assert entry["message"].startswith("genq.worker.rqjob.EngineLost: this RQ worker was not started by `genq worker`")
     assert entry["prompts"] == 6 and entry["rq_job"] == old_rq_id and entry["status"] is None
-    assert entry["attempts"] == BATCH_RETRIES + 1
+    assert entry["attempts"] == 1  # genq uses no RQ retries: a failed transport is the reconciler's
     assert "batch_failed" in run_genq("dlq", "list", redis_url=redis_url).stdout
     shown = run_genq("dlq", "show", "batch:b0000001", redis_url=redis_url).stdout
     assert "Traceback (most recent call last)" in shown and "in run_batch" in shown and old_rq_id in shown

@@ -27,7 +27,6 @@ from genq.monitor.eta import (
     fit_lengths,
     length_bucket,
 )
-from genq.worker.results import length_bucket as worker_length_bucket
 
 MEAN, SIGMA, CAP = 512.0, 1.2, 8192
 MU = math.log(MEAN) - SIGMA**2 / 2
@@ -118,11 +117,6 @@ def fleet_for(s: Snap, **policy) -> list[WorkerState]:
 
 
 # ---------------------------------------------------------------- the length model
-
-
-def test_buckets_match_the_workers() -> None:
-    for t in (0, 1, 2, 7, 100, 4095, 4096, 100_000):
-        assert length_bucket(t) == worker_length_bucket(t)
 
 
 def test_fit_recovers_lognormal_from_the_histogram() -> None:
@@ -257,13 +251,6 @@ def test_once_calibrates_speed_from_tokens_per_second() -> None:
     assert calibrated.eta_s == pytest.approx(known.eta_s, rel=0.1)
     assert calibrated.eta_high_s - calibrated.eta_low_s > known.eta_high_s - known.eta_low_s
 
-
-def test_policy_constants_follow_the_worker() -> None:
-    from monitor import progress
-    from worker import engine
-
-    assert progress.MAX_EXTRA_LOOPS == engine.MAX_EXTRA_LOOPS
-    assert progress.DEFAULT_PREFETCH == engine.WorkerOptions.loops
 
 
 # ---------------------------------------------------------------- speed from the monitor's own samples

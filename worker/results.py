@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -17,18 +16,22 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
+from genq.core.histogram import length_bucket
 from genq.core.records import DeadLetter, Result, pack
 
 log = logging.getLogger("genq.worker")
 
 # KEYS: results, done-set, worker-stats, hist, dlq, job-workers
 # ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m
+# One final state per prompt, first writer wins: a result is kept only if the prompt
+# has no result and no dead letter yet, a dead letter only if it has neither; the
+# counters move only for what was kept, so they always equal what is stored.
 RECORD_SCRIPT = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {-1, -1} end
 local i = 5
 local added, dead, intok, outtok = 0, 0, 0, 0
 for _ = 1, tonumber(ARGV[4]) do
-  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+  if redis.call('HEXISTS', KEYS[5], ARGV[i]) == 0 and redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     added = added + 1
     intok = intok + tonumber(ARGV[i + 2])
     outtok = outtok + tonumber(ARGV[i + 3])
@@ -55,16 +58,6 @@ if added > 0 or dead > 0 then
 end
 return {added, dead}
 """
-
-
-def length_bucket(tokens: int) -> int:
-    """Log-spaced bucket (4 per doubling) for the job's output-length histogram."""
-    return int(round(4 * math.log2(tokens + 1)))
-
-
-def bucket_bounds(bucket: int) -> tuple[float, float]:
-    """Token range a bucket stands for (inverse of length_bucket)."""
-    return 2 ** ((bucket - 0.5) / 4) - 1, 2 ** ((bucket + 0.5) / 4) - 1
 
 
 @dataclass

@@ -1,23 +1,24 @@
-"""The RQ job function: one call holds one batch for the local worker engine.
+"""The RQ job function: one call carries one batch to the local worker engine.
 
-RQ gives genq durable leases: the job sits in RQ's started registry, is
-heartbeated by the forked RQ worker, is retried when its worker dies, and shows
-in `rq info`. The prompts themselves are driven by the engine process that
-started this RQ worker (one shared in-flight window per GPU, so the next
-batch fills slots while this one's long tail drains); this function hands the
-batch over and waits for the engine's word.
+RQ gives genq its transport: the job sits in RQ's started registry, is heartbeated
+by the forked RQ worker and shows in `rq info`. The prompts themselves are driven by
+the engine that started this RQ worker (one in-flight window per GPU). This function
+hands the batch over under a fresh lease token and waits for the engine's word on
+that lease: "done" (the batch is complete, by anyone) or "released" (the engine gave
+it back to the queue itself, or another lease of the same batch took over). It never
+enqueues anything: a horse may be killed at any moment without losing a batch.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import redis
 from rq import get_current_job
 
 from genq.core import keys
-from genq.core.queueing import enqueue_batch_jobs, load_batch
 from genq.core.records import pack
 
 ENGINE_ENV = "GENQ_ENGINE"
@@ -25,7 +26,7 @@ REPLY_POLL_S = 2
 
 
 class EngineLost(RuntimeError):
-    """The worker engine that took this batch is gone; RQ's retry hands it to another."""
+    """The worker engine that took this batch is gone; the ledger's reconciler queues the batch again."""
 
 
 def run_batch(job: str, batch_id: str) -> dict:
@@ -37,17 +38,12 @@ def run_batch(job: str, batch_id: str) -> dict:
     engine = os.environ.get(ENGINE_ENV)
     if not engine:
         raise EngineLost("this RQ worker was not started by `genq worker` (no GENQ_ENGINE set)")
-    reply_key = keys.lease_reply(rq_job.id)
-    conn.delete(reply_key)
-    conn.rpush(keys.engine_inbox(engine), pack([rq_job.id, job, batch_id]))
-    reply = _wait_for_reply(conn, engine, reply_key)
-    if reply == b"handback":
-        batch = load_batch(conn, job, batch_id)
-        size = len(batch.prompts) if batch else 0
-        with conn.pipeline(transaction=True) as pipe:
-            enqueue_batch_jobs(pipe, conn, [(job, batch_id, size)], at_front=True)
-            pipe.execute()
-        return {"batch": batch_id, "status": "handed back"}
+    if not conn.exists(keys.engine_alive(engine)):
+        raise EngineLost(f"worker engine {engine} is not heartbeating; not taking the batch")
+    token = uuid.uuid4().hex
+    conn.rpush(keys.engine_inbox(engine), pack([token, job, batch_id, rq_job.id]))
+    reply = _wait_for_reply(conn, engine, keys.lease_reply(token))
+    conn.delete(keys.lease_reply(token))
     return {"batch": batch_id, "status": reply.decode()}
 
 

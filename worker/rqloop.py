@@ -12,9 +12,11 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from rq import Worker
 from rq.exceptions import StopRequested
+from rq.serializers import JSONSerializer
 
 from genq.core import keys
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
@@ -34,6 +36,18 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit(1)
 
 
+class EngineWorker(Worker):
+    """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
+    engine would only make each batch it takes fail and go round again)."""
+
+    engine: str = ""
+
+    def check_for_suspension(self, burst: bool) -> None:
+        super().check_for_suspension(burst)
+        while not self._stop_requested and not self.connection.exists(keys.engine_alive(self.engine)):
+            time.sleep(1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m genq.worker.rqloop")
     parser.add_argument("--name", required=True)
@@ -45,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for var in (ENGINE_ENV, REDIS_ENV):
         if not os.environ.get(var):
             parser.error(f"{var} must be set by the engine")
-    worker = Worker(
+    worker = EngineWorker(
         [keys.QUEUE],
         name=args.name,
         # The URL comes through the environment: command lines are visible to every user (ps).
@@ -54,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         job_monitoring_interval=args.monitoring_interval,
         maintenance_interval=30,
         log_job_description=True,
+        serializer=JSONSerializer,  # no pickle on genq's paths
     )
+    worker.engine = os.environ[ENGINE_ENV]
     try:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown

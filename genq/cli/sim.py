@@ -52,6 +52,9 @@ _D = SimConfig()
               help="Seconds after start at which the server 'crashes': in-flight requests are "
                    "reset, /health is 503, new requests are reset. [default: never]")
 @click.option("--outage-for", default=_D.outage_for, type=float, help="Length of that outage in seconds.")
+@click.option("--crash-marker", default=None, metavar="TEXT",
+              help="A request containing TEXT takes the server down for --outage-for seconds, every time. "
+                   "[default: none]")
 def sim_command(**options: Any) -> None:
     """Serve an SGLang-compatible simulator of one GPU server.
 

@@ -11,6 +11,7 @@ import click
 from click.core import ParameterSource
 
 from genq.cli import settings
+from genq.core.prefetch import DEFAULT_PREFETCH
 
 
 class Concurrency(click.ParamType):
@@ -44,7 +45,7 @@ def setup_logging(level: str) -> None:
 @click.option("--launch", default=None, metavar="COMMAND", help="With --gpus: start and supervise each GPU's server with COMMAND (split like a shell, run without one; {port} and {gpu} substituted, nothing else), with CUDA_VISIBLE_DEVICES set to the GPU. It is restarted when it exits or /health fails for --server-health-timeout; its output goes to LOG_DIR/server-gpuN.log. E.g. \"python -m sglang.launch_server --model-path M --port {port} --enable-metrics\".")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("genq-logs"), show_default=True, help="With --gpus: server-gpuN.log, worker-gpuN.log and their .pid files.")
 @click.option("--max-restarts", type=click.IntRange(0), default=10, show_default=True, help="With --gpus: restarts in a row (1 s backoff, doubling to 60 s) before a GPU's server or worker is given up; 10 minutes of good running resets the count.")
-@click.option("--server-start-timeout", type=click.FloatRange(1), default=1800, show_default=True, help="With --launch: seconds a starting server may take to answer /health (model loading).")
+@click.option("--server-start-timeout", type=click.FloatRange(1), default=1800, show_default=True, help="Seconds a starting server may take to answer /health (model loading): with --launch it is then restarted; a --burst worker gives up with an error (exit 1). Without either the worker waits, saying so.")
 @click.option("--server-health-timeout", type=click.FloatRange(0.5), default=60, show_default=True, help="With --launch: seconds /health may fail, after the server has answered once, before it is restarted.")
 @click.option("--health-interval", type=click.FloatRange(0.1), default=5, show_default=True, help="With --launch: seconds between /health checks of a healthy server.")
 @click.option("--gpu", type=click.IntRange(0), default=None, help="With --server: GPU index this server runs on (telemetry, default worker name).")
@@ -52,12 +53,13 @@ def setup_logging(level: str) -> None:
 @click.option("--host", default=None, help="Host name to report. [default: this machine's]")
 @click.option("--concurrency", type=Concurrency(), default="auto", show_default=True, help="Requests in flight: 'auto' follows the server's capacity and metrics; a number caps it. Change it live with `genq concurrency`.")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
-@click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=2, show_default=True, help="Batches held at once, at least (RQ work loops): the next batch fills slots while one drains; more are taken while held batches drain long tails.")
+@click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULT_PREFETCH, show_default=True, help="Batches held at once, at least (RQ work loops): the next batch fills slots while one drains; more are taken while held batches drain long tails.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Stream responses (stall detection and live token counts for the ETA).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before the dead-letter queue. [default: the job's, 5]")
 @click.option("--request-timeout", type=click.FloatRange(1), default=3600, show_default=True, help="Seconds one request may take (a 32K-token thinking completion fits).")
 @click.option("--stall-timeout", type=click.FloatRange(0.1), default=300, show_default=True, help="Seconds without output before a request is cancelled and retried.")
 @click.option("--server-down-timeout", type=click.FloatRange(0), default=300, show_default=True, help="Seconds the server may be down before held batches go back to the queue for other GPUs.")
+@click.option("--server-crash-limit", type=click.IntRange(1, 100), default=3, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
 @click.option("--grace-period", type=click.FloatRange(0), default=60, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=1.0, show_default=True, help="First retry delay in seconds; doubles per attempt (with jitter), capped at 60.")
 @click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=10, show_default=True, help="RQ job heartbeat; a batch of a killed worker is recovered after this + 60 s.")
@@ -87,20 +89,24 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     if fleet_opts["gpus"] is not None:
         if options["gpu"] is not None:
             raise click.UsageError("--gpu is for --server; with --gpus each worker gets its GPU from the list")
+        fleet_opts["server_start_timeout"] = options["server_start_timeout"]
         raise SystemExit(_run_fleet(ctx, fleet_opts, options["name"], options["host"]))
     given = [f"--{k.replace('_template', '').replace('_', '-')}" for k in FLEET_ONLY
              if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT]
     if given:
         raise click.UsageError(f"{', '.join(given)} only work(s) with --gpus (use --gpus N for one GPU)")
-    from genq.worker.engine import WorkerOptions, run_engine
+    from genq.worker.engine import run_engine
+    from genq.worker.options import WorkerOptions
 
+    if not options["burst"]:
+        options["server_start_timeout"] = None  # a long-lived worker waits for its server, saying so
     opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)
     raise SystemExit(asyncio.run(run_engine(opts)))
 
 
 # Options of the fleet itself (--gpus); everything else is passed to each GPU's worker.
 FLEET_ONLY = ("gpus", "server_url_template", "base_port", "launch", "log_dir", "max_restarts",
-              "server_start_timeout", "server_health_timeout", "health_interval")
+              "server_health_timeout", "health_interval")
 # Set per GPU by the fleet, never forwarded as given.
 PER_WORKER = ("server_url", "gpu", "name", "host")
 

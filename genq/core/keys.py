@@ -119,6 +119,21 @@ def engine_inbox(instance: str) -> str:
     return f"genq:engine:{instance}:inbox"
 
 
-def lease_reply(rq_job_id: str) -> str:
-    """List the engine pushes "done" or "handback" to, for the RQ job holding a batch."""
-    return f"genq:lease:{rq_job_id}:reply"
+def job_leases(job: str) -> str:
+    """Hash: batch id -> the current lease ("TOKEN INSTANCE"): who is driving the batch now."""
+    return f"{_job(job)}:leases"
+
+
+def job_transport(job: str) -> str:
+    """Hash: batch id -> id of the RQ job that carries the batch now (queued or held)."""
+    return f"{_job(job)}:transport"
+
+
+def lease_reply(token: str) -> str:
+    """List the engine pushes "done" or "released" to, for the RQ work horse holding one lease.
+
+    A token per delivery, not per RQ job id: an RQ retry reuses the job id."""
+    return f"genq:lease:{token}:reply"
+
+
+RECONCILE_LOCK = "genq:reconcile:lock"  # one reconciler pass at a time across the fleet

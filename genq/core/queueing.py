@@ -1,8 +1,13 @@
 """Batches in Redis and their RQ jobs: the only code that creates either.
 
 A batch's prompts live in one msgpack value under keys.batch(); the RQ job that
-leases it carries only (job name, batch id), never the prompts: RQ pickles and
-rewrites job args, which is wasteful for 256 prompts of chat history.
+carries it holds only (job name, batch id), JSON-serialized (no pickle: whoever can
+write Redis must not be able to make a worker unpickle arbitrary bytes).
+
+RQ is the transport, genq's ledger the truth (genq.core.ledger): every RQ job of a
+batch is recorded in keys.job_transport in the same transaction that enqueues it,
+and RQ's own retries are not used: a batch whose RQ job fails or vanishes is put
+back by the reconciler, so worker failures never count against a batch.
 """
 
 from __future__ import annotations
@@ -12,19 +17,25 @@ from collections.abc import Iterable, Sequence
 
 import redis
 from redis.client import Pipeline
-from rq import Queue, Retry
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from genq.core import keys
 from genq.core.records import Batch, JobConfig, Prompt, pack, unpack
 
 RUN_BATCH = "genq.worker.rqjob.run_batch"
-# How many times RQ re-runs a batch whose worker died or handed it back in
-# error. Prompts that already finished are never regenerated on a re-run.
-BATCH_RETRIES = 10
+# Jobs queued by genq 0.1 name this function (and were pickled): they are not run;
+# the reconciler queues their batches again as JSON jobs (see genq.core.ledger).
+LEGACY_RUN_BATCH = "worker.rqjob.run_batch"
 
 
 def rq_queue(conn: redis.Redis) -> Queue:
-    return Queue(keys.QUEUE, connection=conn)
+    return Queue(keys.QUEUE, connection=conn, serializer=JSONSerializer)
+
+
+def fetch_rq_jobs(conn: redis.Redis, ids: Sequence[str]) -> list[Job | None]:
+    return Job.fetch_many(list(ids), connection=conn, serializer=JSONSerializer)
 
 
 def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
@@ -79,24 +90,30 @@ def write_batches(
     enqueue_batch_jobs(pipe, conn, [(b.job, b.id, len(b.prompts)) for b in batches])
 
 
-def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[str, str, int]], *, at_front: bool = False) -> None:
-    """One RQ job per (job, batch id, prompt count), queued in `pipe`."""
+def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[str, str, int]], *,
+                       at_front: bool = False) -> list[str]:
+    """One RQ job per (job, batch id, prompt count), queued in `pipe` and recorded as the
+    batch's transport; returns the RQ job ids."""
     queue = rq_queue(conn)
+    refs = list(refs)
     datas = [
         Queue.prepare_data(
             RUN_BATCH,
             args=(job, batch_id),
             timeout=-1,  # a batch's long tail can take hours; liveness is the heartbeat's job
-            result_ttl=24 * 3600,
-            failure_ttl=365 * 24 * 3600,
+            result_ttl=3600,
+            failure_ttl=24 * 3600,
             description=f"genq batch {job}/{batch_id} ({size} prompts)",
-            retry=Retry(max=BATCH_RETRIES),
             at_front=at_front,
         )
         for job, batch_id, size in refs
     ]
-    if datas:
-        queue.enqueue_many(datas, pipeline=pipe)
+    if not datas:
+        return []
+    rq_jobs = queue.enqueue_many(datas, pipeline=pipe)
+    for (job, batch_id, _), rq_job in zip(refs, rq_jobs):
+        pipe.hset(keys.job_transport(job), batch_id, rq_job.id)
+    return [j.id for j in rq_jobs]
 
 
 def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int) -> list[Batch]:

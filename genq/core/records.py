@@ -90,6 +90,7 @@ ErrorKind = Literal[
     "timeout",  # request or stall timeout, retried until attempts run out
     "connection",  # reset or refused while the server looked healthy
     "protocol",  # an answer genq could not parse
+    "server_crash",  # the server went down --server-crash-limit times with this prompt in flight
     "batch_failed",  # a whole batch failed in RQ (shown from its failed registry)
 ]
 

@@ -34,9 +34,9 @@ from rq.results import Result as RqResult
 
 from genq.core import keys
 from genq.core.queueing import (
-    BATCH_RETRIES,
     RUN_BATCH,
     enqueue_batch_jobs,
+    fetch_rq_jobs,
     list_jobs,
     load_batch,
     load_config,
@@ -114,7 +114,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
     wanted = set(jobs)
     registry = FailedJobRegistry(queue=rq_queue(conn))
     entries = []
-    for rq_job in RqJob.fetch_many(registry.get_job_ids(), connection=conn):
+    for rq_job in fetch_rq_jobs(conn, registry.get_job_ids()):
         ref = _batch_ref(rq_job)
         if ref is None or ref[0] not in wanted:
             continue
@@ -129,8 +129,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
         ended = rq_job.ended_at or (result.created_at if result is not None else None)
         entries.append(Entry(
             id=BATCH_PREFIX + batch_id, job=job, batch=batch_id,
-            # genq enqueues every batch job with Retry(max=BATCH_RETRIES); RQ keeps only what is left.
-            attempts=BATCH_RETRIES - rq_job.retries_left + 1 if rq_job.retries_left is not None else 1,
+            attempts=1,
             kind=BATCH_FAILED, message=last or "(RQ stored no exception)",
             worker=rq_job.worker_name or "", at=ended.timestamp() if ended else 0.0,
             rq_job=rq_job.id, prompts=len(batch.prompts) if batch else None,
@@ -256,7 +255,7 @@ def _requeue_batch(conn: redis.Redis, entry: Entry, report: RequeueReport) -> No
                 if pipe.zscore(registry.key, entry.rq_job) is None:
                     report.skipped.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
                     return
-                old = RqJob.fetch(entry.rq_job, connection=conn)
+                old = RqJob.fetch(entry.rq_job, connection=conn, serializer=rq_queue(conn).serializer)
                 pipe.multi()
                 enqueue_batch_jobs(pipe, conn, [(entry.job, entry.batch, entry.prompts or 0)])
                 old.delete(pipeline=pipe)  # also removes it from the failed registry
@@ -340,7 +339,7 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
                 dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
                 # Its dead letters stay letters (purged below with the others); the rest is forgotten.
                 forget = [i for i, d in zip(ids, dead) if d is None]
-                old = RqJob.fetch(entry.rq_job, connection=conn)
+                old = RqJob.fetch(entry.rq_job, connection=conn, serializer=rq_queue(conn).serializer)
                 pipe.multi()
                 old.delete(pipeline=pipe)
                 pipe.delete(RqResult.get_key(old.id))

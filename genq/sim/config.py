@@ -49,6 +49,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # Seconds after start at which an outage begins (None: no scheduled outage).
     outage_at: float | None = None
     outage_for: float = 5.0
+    # A request whose body contains this text takes the server down (an outage of
+    # outage_for seconds, every request in flight dropped) a moment after it arrives,
+    # every time it is sent: a prompt that crashes its server.
+    crash_marker: str | None = None
 
     @property
     def model_name(self) -> str:

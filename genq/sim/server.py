@@ -236,7 +236,8 @@ class SimServer:
             return web.Response(status=500)  # never sent: the connection is gone
         if not self.ready():
             return error_response(503, "The server is not ready yet.", "ServiceUnavailableError")
-        job = self._parse(await request.read(), chat)
+        raw = await request.read()
+        job = self._parse(raw, chat)
         if isinstance(job, web.Response):
             return job
         cfg, body = self.config, job.body
@@ -257,6 +258,8 @@ class SimServer:
             self.engine.submit(req)
         except QueueFull:
             return error_response(503, "The request queue is full.", "ServiceUnavailableError")
+        if cfg.crash_marker and cfg.crash_marker.encode() in raw:
+            self.start_outage(cfg.outage_for)  # down it goes, with everything in flight
 
         thinking = isinstance(body, ChatRequest) and body.thinking()
         reply = _Reply(

@@ -1,0 +1,213 @@
+"""genq's ledger: the truth about every batch. RQ only carries batches to workers.
+
+A batch of a job is, at any moment, exactly one of:
+- done: in keys.job_done (its shard and manifest marker are written);
+- carried: not done, and keys.job_transport names a live RQ job for it (queued in
+  `genq`, or started by a work horse whose engine heartbeats);
+- stranded: anything else (the RQ job failed, finished early, was deleted, was lost
+  in a Redis restart, or was queued by genq 0.1 as a pickle). The reconciler finds
+  these and queues them again, so an unknown bug in this class costs a delay, not
+  a job.
+
+A **lease** is one delivery of a batch to one worker engine: a random token that the
+RQ work horse and the engine share. Acquiring a lease records it as the batch's
+current one (keys.job_leases); an engine whose lease is no longer current (a frozen
+worker woke up, RQ delivered the batch twice) stops sending that batch's prompts.
+A second holder is harmless anyway: each prompt's outcome is written once (first
+writer wins, a result and a dead letter exclude each other: worker/results.py), the
+shard is built from what Redis recorded (every writer writes the same bytes), and
+releasing a batch is conditional and idempotent (RELEASE below).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+from redis.exceptions import WatchError
+from rq.registry import FailedJobRegistry
+
+from genq.core import keys
+from genq.core.queueing import enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+
+log = logging.getLogger("genq.ledger")
+
+# KEYS: done, leases, transport; ARGV: batch, token, instance, rq job id
+# -> "done" | "gone" (no record: job deleted) | "ok"
+ACQUIRE = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 'done' end
+if redis.call('EXISTS', KEYS[4]) == 0 then return 'gone' end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
+return 'ok'
+"""
+
+# KEYS: done, shards, results, batch record, leases, transport, stats
+# ARGV: batch, ShardInfo blob, reply TTL
+# Marks the batch done once; the current lease's work horse is told "done".
+RELEASE = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('DEL', KEYS[3], KEYS[4])
+local lease = redis.call('HGET', KEYS[5], ARGV[1])
+if lease then
+  local token = string.match(lease, '^(%S+)')
+  local reply = 'genq:lease:' .. token .. ':reply'
+  redis.call('RPUSH', reply, 'done')
+  redis.call('EXPIRE', reply, tonumber(ARGV[3]))
+end
+redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
+return 1
+"""
+
+REPLY_TTL_S = 24 * 3600
+RECONCILE_EVERY_S = 10.0
+# A batch must look stranded in two passes this far apart before it is queued
+# again: an RQ job between BLMOVE and "started" looks stranded for a moment.
+STRANDED_CONFIRM_S = 4.0
+
+
+def lease_value(token: str, instance: str) -> str:
+    return f"{token} {instance}"
+
+
+def lease_token(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    return text.split(" ", 1)[0]
+
+
+def push_reply(pipe: redis.client.Pipeline, token: str, word: bytes) -> None:
+    pipe.rpush(keys.lease_reply(token), word)
+    pipe.expire(keys.lease_reply(token), REPLY_TTL_S)
+
+
+def engine_of(rq_worker_name: str | None) -> str | None:
+    """genq's RQ loops are named ENGINE_INSTANCE.xxxx: the engine whose heartbeat counts."""
+    if not rq_worker_name or "." not in rq_worker_name:
+        return None
+    return rq_worker_name.rsplit(".", 1)[0]
+
+
+@dataclass
+class Outlook:
+    """What the ledger says about every job's batches."""
+
+    pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
+    requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
+
+    @property
+    def unfinished(self) -> int:
+        return sum(len(b) for b in self.pending.values())
+
+
+class Reconciler:
+    """Finds stranded batches and queues them again (see the module docstring).
+
+    Kept by each worker; a fleet-wide lock makes one pass at a time do the work.
+    Remembers what looked stranded in its last pass to confirm it in the next.
+    """
+
+    def __init__(self, conn: redis.Redis, owner: str) -> None:
+        self.conn = conn
+        self.owner = owner
+        self._suspects: dict[tuple[str, str, str | None], float] = {}
+
+    def pass_once(self, *, force: bool = False) -> Outlook:
+        """One pass over every job. `force` skips the fleet lock (a burst worker deciding to exit)."""
+        outlook = Outlook()
+        if not force and not self.conn.set(keys.RECONCILE_LOCK, self.owner, nx=True, px=int(RECONCILE_EVERY_S * 900)):
+            outlook.pending = self.pending()
+            return outlook
+        queued = self._queued_ids()
+        now = time.monotonic()
+        seen: set[tuple[str, str, str | None]] = set()
+        for job in list_jobs(self.conn):
+            batches = self._pending_of(job)
+            if not batches:
+                continue
+            outlook.pending[job] = batches
+            transport = self.conn.hmget(keys.job_transport(job), batches)
+            rq_ids = [t.decode() if t else None for t in transport]
+            live = self._live(rq_ids, queued)
+            for batch, rq_id, ok in zip(batches, rq_ids, live):
+                if ok:
+                    continue
+                key = (job, batch, rq_id)
+                seen.add(key)
+                first = self._suspects.setdefault(key, now)
+                if now - first >= STRANDED_CONFIRM_S and self._requeue(job, batch, rq_id):
+                    outlook.requeued.append((job, batch))
+                    self._suspects.pop(key, None)
+        self._suspects = {k: v for k, v in self._suspects.items() if k in seen}
+        return outlook
+
+    def pending(self) -> dict[str, list[str]]:
+        return {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
+
+    def _pending_of(self, job: str) -> list[str]:
+        with self.conn.pipeline(transaction=False) as pipe:
+            pipe.zrange(keys.job_batches(job), 0, -1)
+            pipe.smembers(keys.job_done(job))
+            all_batches, done = pipe.execute()
+        return [b.decode() for b in all_batches if b not in done]
+
+    def _queued_ids(self) -> set[bytes]:
+        queue = rq_queue(self.conn)
+        with self.conn.pipeline(transaction=False) as pipe:
+            pipe.lrange(queue.key, 0, -1)
+            pipe.lrange(queue.intermediate_queue_key, 0, -1)
+            waiting, moving = pipe.execute()
+        return set(waiting) | set(moving)
+
+    def _live(self, rq_ids: list[str | None], queued: set[bytes]) -> list[bool]:
+        known = [i for i in rq_ids if i]
+        jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
+        engines = {engine_of(j.worker_name) for j in jobs.values() if j.get_status(refresh=False) == "started"}
+        engines.discard(None)
+        alive = {}
+        if engines:
+            names = sorted(e for e in engines if e)
+            alive = dict(zip(names, self.conn.mget([keys.engine_alive(e) for e in names])))
+        out = []
+        for rq_id in rq_ids:
+            job = jobs.get(rq_id) if rq_id else None
+            if job is None:
+                out.append(False)
+                continue
+            status = job.get_status(refresh=False)
+            if status == "queued":
+                out.append(rq_id.encode() in queued)
+            elif status == "started":
+                out.append(alive.get(engine_of(job.worker_name)) is not None)
+            else:
+                out.append(status in ("scheduled", "deferred"))
+        return out
+
+    def _requeue(self, job: str, batch: str, stale_rq_id: str | None) -> bool:
+        """Queue the batch again if it is still stranded with the same transport; drop the
+        stale RQ job from RQ's failed registry (a transport failure, not the batch's)."""
+        failed = FailedJobRegistry(queue=rq_queue(self.conn))
+        with self.conn.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(keys.job_transport(job), keys.job_done(job))
+                current = pipe.hget(keys.job_transport(job), batch)
+                if (current.decode() if current else None) != stale_rq_id or pipe.sismember(keys.job_done(job), batch):
+                    return False
+                if not pipe.exists(keys.batch(job, batch)):
+                    return False  # deleted with its job
+                pipe.multi()
+                enqueue_batch_jobs(pipe, self.conn, [(job, batch, 0)], at_front=True)
+                if stale_rq_id:
+                    pipe.zrem(failed.key, stale_rq_id)
+                pipe.hincrby(keys.job_stats(job), "redeliveries", 1)
+                pipe.execute()
+            except WatchError:
+                return False
+        log.warning("batch %s/%s had no live RQ job (was %s); queued it again", job, batch, stale_rq_id or "none")
+        return True

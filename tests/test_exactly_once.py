@@ -1,0 +1,184 @@
+"""Exactly once with any number of holders: several jobs at once, frozen workers,
+duplicate deliveries, lost RQ jobs, shutdown mid-batch, a prompt that crashes its server.
+
+Each test ends with the same check against the input: one record per prompt in the
+output (or one dead letter the prompt caused), the counters equal to the records,
+and RQ holding nothing of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import redis
+from rq.job import Job as RqJob
+from rq.registry import StartedJobRegistry
+
+from genq.core import keys
+from genq.core.queueing import enqueue_batch_jobs, rq_queue
+from genq.core.records import DeadLetter, unpack
+from genq.sim.lengths import prompt_key
+from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
+
+FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
+SLOW = dict(mean_output_tokens=600, output_sigma=0.5, tokens_per_step=8, step_ms_base=20)
+
+
+def enqueue(tmp_path: Path, job: str, n: int, *args: str, start: int = 0) -> tuple[list[str], Path]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n, start=start)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args)
+    return ids, out
+
+
+def check(conn: redis.Redis, out: Path, job: str, ids: list[str]) -> tuple[list[dict], dict[str, DeadLetter]]:
+    """One record or one dead letter per input id; counters equal records; RQ holds none of the job."""
+    rows = read_results(out, job)
+    counts = Counter(r["id"] for r in rows)
+    assert not [i for i, n in counts.items() if n > 1], "a prompt has two records in the output"
+    letters = {k.decode(): unpack(v, DeadLetter) for k, v in conn.hgetall(keys.job_dlq(job)).items()}
+    assert not set(counts) & set(letters), "a prompt has both a result and a dead letter"
+    assert sorted(list(counts) + list(letters)) == sorted(ids), "prompts lost or invented"
+    workers = [w.decode() for w in conn.smembers(keys.job_workers(job))]
+    done = sum(int(conn.hget(keys.worker_stats(job, w), "done") or 0) for w in workers)
+    failed = sum(int(conn.hget(keys.worker_stats(job, w), "failed") or 0) for w in workers)
+    assert (done, failed) == (len(rows), len(letters)), "the counters disagree with what is stored"
+    monitor = json.loads(run_genq("monitor", "--job", job, "--once", "--json").stdout)
+    assert (monitor["completed"], monitor["failed"], monitor["total"]) == (len(rows), len(letters), len(ids))
+    assert conn.scard(keys.job_done(job)) == conn.zcard(keys.job_batches(job)), "a batch is not marked done"
+    queue = rq_queue(conn)
+    queued = [j for j in queue.get_jobs() if j.args and j.args[0] == job]
+    assert not queued, f"RQ still queues batches of {job}: {[j.args for j in queued]}"
+    return rows, letters
+
+
+def test_several_jobs_with_the_same_batch_ids_in_one_worker(redis_url, rconn, sim, worker, tmp_path):
+    """Every job numbers its batches from b0000001: the second and third job used to be
+    answered "done" without running, and the burst worker left."""
+    server = sim(max_running_requests=16, **FAST)
+    jobs = {}
+    for j, n in (("g4", 40), ("g5", 40), ("g6", 25)):
+        jobs[j] = enqueue(tmp_path, j, n, "--batch-size", "10", "--max-tokens", "400", start=len(jobs) * 1000)
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    for j, (ids, out) in jobs.items():
+        check(rconn, out, j, ids)
+
+
+def test_several_jobs_across_two_workers(redis_url, rconn, sim, worker, tmp_path):
+    a, b = sim(max_running_requests=8, **FAST), sim(max_running_requests=8, **FAST)
+    jobs = {j: enqueue(tmp_path, j, 30, "--batch-size", "5", "--max-tokens", "400", start=i * 1000)
+            for i, j in enumerate(("x1", "x2", "x3"))}
+    first, second = worker(a, "--burst", name="wa"), worker(b, "--burst", name="wb")
+    assert first.wait(timeout=120) == 0, first.log()
+    assert second.wait(timeout=120) == 0, second.log()
+    for j, (ids, out) in jobs.items():
+        check(rconn, out, j, ids)
+
+
+def test_a_deleted_rq_job_is_brought_back_by_the_reconciler(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, **FAST)
+    ids, out = enqueue(tmp_path, "lost", 30, "--batch-size", "10", "--max-tokens", "400")
+    victim = rconn.hget(keys.job_transport("lost"), "b0000002").decode()
+    queue = rq_queue(rconn)
+    queue.remove(victim)
+    RqJob.fetch(victim, connection=rconn, serializer=queue.serializer).delete()
+    assert queue.count == 2
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    assert "batch lost/b0000002 had no live RQ job" in proc.log()
+    check(rconn, out, "lost", ids)
+
+
+def test_a_duplicate_rq_delivery_mid_run_changes_nothing(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=6, **SLOW)
+    ids, out = enqueue(tmp_path, "dup", 24, "--batch-size", "12", "--max-tokens", "2000")
+    proc = worker(server, "--burst", "--prefetch", "2")
+    wait_until(lambda: rconn.hlen(keys.batch_results("dup", "b0000001")) >= 2, 60, "the first batch under way")
+    with rconn.pipeline(transaction=True) as pipe:  # RQ delivers the same batch a second time
+        enqueue_batch_jobs(pipe, rconn, [("dup", "b0000001", 12)], at_front=True)
+        pipe.execute()
+    assert proc.wait(timeout=180) == 0, proc.log()
+    rows, _ = check(rconn, out, "dup", ids)
+    generated = sim_stats(server)["generated_by_key"]
+    recorded_once = [r["id"] for r in rows if generated[prompt_key(r["messages"])] == 1]
+    assert len(recorded_once) >= len(ids) - 6, "prompts already recorded were sent again"
+
+
+def test_a_frozen_worker_resumed_after_another_finished_its_batches(redis_url, rconn, sim, worker, tmp_path):
+    slow = sim(max_running_requests=4, **SLOW)
+    fast = sim(max_running_requests=16, **FAST)
+    ids, out = enqueue(tmp_path, "frz", 40, "--batch-size", "10", "--max-tokens", "2000")
+    frozen = worker(slow, "--prefetch", "2", name="frozen")
+    wait_until(lambda: rconn.hlen(keys.batch_results("frz", "b0000001")) >= 1, 60, "the frozen worker under way")
+    os.kill(frozen.pid, signal.SIGSTOP)  # the engine only, past its heartbeat: its horses give up on it
+    try:
+        helper = worker(fast, "--burst", name="helper")
+        assert helper.wait(timeout=180) == 0, helper.log()
+        check(rconn, out, "frz", ids)
+        before = {r["id"]: r for r in read_results(out, "frz")}
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    wait_until(lambda: "elsewhere: dropping it here" in frozen.log(), 30, "the resumed worker to let go")
+    frozen.signal(signal.SIGTERM)
+    assert frozen.wait(timeout=60) == 0, frozen.log()
+    rows, _ = check(rconn, out, "frz", ids)
+    assert {r["id"]: r for r in rows} == before, "the resumed worker changed a published shard"
+
+
+def test_sigterm_with_a_grace_period_shorter_than_the_batches(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=4, **SLOW)
+    ids, out = enqueue(tmp_path, "term", 24, "--batch-size", "12", "--max-tokens", "2000")
+    proc = worker(server, "--prefetch", "2", "--grace-period", "1")
+    wait_until(lambda: rconn.hlen(keys.batch_results("term", "b0000001")) >= 1, 60, "work under way")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.log()
+    log = proc.log()
+    assert "handed back" in log and "exited:" in log
+    assert "cold shut down" not in log.lower() and "Traceback" not in log
+    assert len(StartedJobRegistry(queue=rq_queue(rconn))) == 0, "a handed-back batch is still 'started' in RQ"
+    finisher = worker(server, "--burst", name="finisher")
+    assert finisher.wait(timeout=180) == 0, finisher.log()
+    check(rconn, out, "term", ids)
+
+
+def test_a_prompt_that_crashes_its_server_is_dead_lettered_with_the_evidence(redis_url, rconn, sim, worker,
+                                                                             tmp_path):
+    server = sim(max_running_requests=8, crash_marker="CRASH-ME", outage_for=0.5, **FAST)
+    src = tmp_path / "crash.jsonl"
+    ids = write_prompts(src, 30)
+    with open(src, "a") as f:
+        f.write(json.dumps({"id": "poison", "messages": [{"role": "user", "content": "please CRASH-ME now"}]}) + "\n")
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "crash", "--output", str(out), "--batch-size", "31",
+             "--max-tokens", "400", "--max-attempts", "2")
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    rows, letters = check(rconn, out, "crash", ids + ["poison"])
+    assert list(letters) == ["poison"], f"only the poison prompt is dead-lettered: {letters}"
+    letter = letters["poison"]
+    assert letter.kind == "server_crash" and "went down 3 times" in letter.message
+    assert len(rows) == 30
+
+
+def test_records_are_not_rewritten_by_a_late_second_writer(redis_url, rconn, sim, worker, tmp_path):
+    """Two workers racing on one batch (both hold it): the shard is built from Redis, so
+    whichever writes last writes the same bytes; the marker too."""
+    server = sim(max_running_requests=8, **FAST)
+    ids, out = enqueue(tmp_path, "race", 20, "--batch-size", "20", "--max-tokens", "400")
+    with rconn.pipeline(transaction=True) as pipe:
+        enqueue_batch_jobs(pipe, rconn, [("race", "b0000001", 20)])
+        pipe.execute()
+    a, b = worker(server, "--burst", name="ra"), worker(server, "--burst", name="rb")
+    assert a.wait(timeout=120) == 0 and b.wait(timeout=120) == 0, a.log() + b.log()
+    check(rconn, out, "race", ids)
+    shard = out / "race" / "shards" / "b0000001.jsonl"
+    marker = out / "race" / "manifest" / "b0000001.json"
+    info = json.loads(marker.read_text())
+    assert info["bytes"] == shard.stat().st_size and info["records"] == 20
+    assert info["at"] == max(r["finished_at"] for r in read_results(out, "race")), "marker time not deterministic"

@@ -1,0 +1,232 @@
+"""Dispatch: one in-flight window over the prompts of every held batch.
+
+Keeps `controller.target` requests in flight; retries failed attempts with capped
+exponential backoff; sends dead letters. A failure while the server is down counts
+no attempt (circuit breaker, worker/watch.py) but marks every prompt that was in
+flight. A prompt in flight during two crashes is a suspect: suspects go back one at a
+time, so a prompt that takes the server down again and again is found and
+dead-lettered as `server_crash` after `--server-crash-limit` crashes, while the
+prompts that merely kept it company are not (and a one-off outage slows nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from genq.core.records import DeadLetter, JobConfig, Prompt, Result
+from genq.worker.controller import ConcurrencyController
+from genq.worker.held import Flags, HeldBatch, RateWindow, Task
+from genq.worker.options import WorkerOptions
+from genq.worker.results import ResultWriter
+from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
+
+log = logging.getLogger("genq.worker")
+
+# Longer than this since the leases were last checked (the process was frozen):
+# send nothing until the heartbeat has checked them again.
+LEASE_CHECK_STALE_S = 8.0
+
+
+class Dispatcher:
+    def __init__(self, opts: WorkerOptions, name: str, client: ServerClient, controller: ConcurrencyController,
+                 writer: ResultWriter, flags: Flags, rates: RateWindow,
+                 server_is_down: Callable[[], Awaitable[bool]], model: Callable[[], str | None]) -> None:
+        self.opts = opts
+        self.name = name
+        self.client = client
+        self.controller = controller
+        self.writer = writer
+        self.flags = flags
+        self.rates = rates
+        self.server_is_down = server_is_down
+        self.server_model = model
+        self.ready: deque[Task] = deque()
+        self.suspects: deque[Task] = deque()  # crash suspects: sent one at a time
+        self.parked: dict[str, list[Task]] = {}  # prompts of paused jobs, by job
+        self.delayed: list[tuple[float, int, Task]] = []  # retries: (due, seq, task)
+        self.running: dict[Task, asyncio.Task[None]] = {}
+        self.wake = asyncio.Event()
+        self._seq = itertools.count()
+
+    # ---------------------------------------------------------------- what is held
+
+    def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        self.ready.extend(Task(p, held) for p in prompts)
+        self.wake.set()
+
+    @property
+    def unsent(self) -> int:
+        return len(self.ready) + len(self.delayed) + len(self.suspects)
+
+    def queued_by_job(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed)):
+            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
+        return out
+
+    def drop(self, held: HeldBatch, *, cancel: bool) -> None:
+        """Send nothing more of this batch; with `cancel`, stop its requests in flight too
+        (their prompts stay unfinished: nothing is recorded or counted)."""
+        held.dropped = True
+        self.ready = deque(t for t in self.ready if t.batch is not held)
+        self.suspects = deque(t for t in self.suspects if t.batch is not held)
+        self.delayed = [d for d in self.delayed if d[2].batch is not held]
+        heapq.heapify(self.delayed)
+        for job, tasks in self.parked.items():
+            self.parked[job] = [t for t in tasks if t.batch is not held]
+        if cancel:
+            for task, aio in list(self.running.items()):
+                if task.batch is held:
+                    aio.cancel()
+
+    def cancel_all(self, reason: str | None = None) -> None:
+        """Stop every request in flight. With a reason, each ends as a failure with it
+        (and is retried by the failure policy); without, nothing is recorded or counted."""
+        for task, aio in list(self.running.items()):
+            task.cancel_reason = reason
+            aio.cancel()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _can_send(self) -> bool:
+        return (self.flags.server_down_since is None and not self.flags.paused_all
+                and self.flags.stop_requested < 2 and len(self.running) < self.controller.target
+                and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
+
+    async def run(self) -> None:
+        while True:
+            timeout = max(0.0, self.delayed[0][0] - time.monotonic()) if self.delayed else None
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self.wake.clear()
+            now = time.monotonic()
+            while self.delayed and self.delayed[0][0] <= now:
+                task = heapq.heappop(self.delayed)[2]
+                (self.suspects if self._suspect(task) else self.ready).appendleft(task)
+            for job in [j for j in self.parked if j not in self.flags.paused_jobs]:
+                self.ready.extendleft(reversed(self.parked.pop(job)))
+            while (task := self._take()) is not None:
+                self.running[task] = asyncio.create_task(self._send(task))
+
+    def _take(self) -> Task | None:
+        """The next prompt to send, if the in-flight window has room: a crash suspect
+        only when no other suspect is in flight."""
+        while self._can_send():
+            if self.suspects and not any(self._suspect(t) for t in self.running):
+                task = self.suspects.popleft()
+            elif self.ready:
+                task = self.ready.popleft()
+            else:
+                return None
+            if task.batch.dropped:
+                continue
+            if task.batch.ref.job in self.flags.paused_jobs:
+                self.parked.setdefault(task.batch.ref.job, []).append(task)
+                continue
+            task.progress = Progress()
+            task.cancel_reason = None
+            return task
+        return None
+
+    async def _send(self, task: Task | None) -> None:
+        # One asyncio task sends prompt after prompt while there are prompts ready: a
+        # task per request and a round trip through the loop would cost about half of
+        # what the HTTP request itself costs against a fast server.
+        me = asyncio.current_task()
+        assert me is not None
+        while task is not None:
+            config = task.batch.config
+            body = build_body(config, task.prompt, self._model(config), self.opts.stream)
+            try:
+                try:
+                    outcome: Completion | Failure = await self.client.generate(config.endpoint, body, task.progress)
+                except asyncio.CancelledError:
+                    if task.cancel_reason is None:
+                        raise  # shutdown, hand-back or a dropped batch: nothing is recorded or counted
+                    me.uncancel()  # the watchdog's cancel was for this request only
+                    outcome = Failure("connection" if task.cancel_reason.startswith("server down") else "timeout",
+                                      task.cancel_reason)
+                # No longer in flight: the watchdog must not cancel the bookkeeping below.
+                self.running.pop(task, None)
+                if isinstance(outcome, Completion):
+                    self._record(task, outcome)
+                else:
+                    await self._failed(task, outcome)
+                    self.wake.set()  # a retry may now be due: the loop times it
+            finally:
+                self.running.pop(task, None)
+            task = self._take()
+            if task is not None:
+                self.running[task] = me
+        self.wake.set()
+
+    def _model(self, config: JobConfig) -> str:
+        if config.model != "auto":
+            return config.model
+        return self.server_model() or "default"
+
+    # ---------------------------------------------------------------- outcomes
+
+    def _record(self, task: Task, c: Completion) -> None:
+        p, held = task.prompt, task.batch
+        self.writer.add_result(Result(
+            id=p.id, job=held.ref.job, batch=held.ref.batch, index=p.index,
+            completion=c.text, reasoning_content=c.reasoning, finish_reason=c.finish_reason,
+            usage=c.usage, model=c.model, worker=self.name, attempts=task.attempts + 1,
+            latency_s=round(time.monotonic() - task.progress.started, 3),
+            messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
+            response_id=c.response_id, finished_at=time.time(),
+        ))
+        self.rates.add(c.usage.completion_tokens)
+
+    def _suspect(self, task: Task) -> bool:
+        return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))
+
+    def crashed(self, task: Task) -> None:
+        """The server went down with this prompt in flight: one more crash, once per outage."""
+        if task.last_outage != self.flags.outages:
+            task.last_outage = self.flags.outages
+            task.crashes += 1
+
+    async def _failed(self, task: Task, failure: Failure) -> None:
+        held = task.batch
+        if failure.kind in ("connection", "timeout", "server_error") and await self.server_is_down():
+            # The server is down, not (necessarily) the prompt: no attempt is counted.
+            self.crashed(task)
+            if task.crashes >= self.opts.server_crash_limit:
+                self._dead(task, Failure(
+                    "server_crash", f"the server went down {task.crashes} times while this prompt was in flight "
+                    f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
+                return
+            (self.suspects if self._suspect(task) else self.ready).appendleft(task)
+            return
+        task.attempts += 1
+        self.rates.errors += 1
+        max_attempts = self.opts.max_attempts or held.config.max_attempts
+        if failure.retryable and task.attempts < max_attempts:
+            delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
+            delay *= random.uniform(0.5, 1.5)
+            heapq.heappush(self.delayed, (time.monotonic() + delay, next(self._seq), task))
+            log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
+                      task.prompt.id, task.attempts, failure.kind, failure.message, delay)
+            return
+        self._dead(task, failure)
+
+    def _dead(self, task: Task, failure: Failure) -> None:
+        held = task.batch
+        log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s",
+                    held.ref.job, task.prompt.id, task.attempts, failure.kind,
+                    f" {failure.status}" if failure.status else "", failure.message)
+        self.writer.add_dead(DeadLetter(
+            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.attempts, kind=failure.kind,
+            message=failure.message, worker=self.name, at=time.time(), status=failure.status, prompt=task.prompt,
+        ))

@@ -1,0 +1,181 @@
+"""The engine's heartbeat: it is alive, what it holds, how fast it goes; and what the
+operator asks of it (drain, live concurrency cap, pause).
+
+Liveness must not depend on anything slow: GPU figures come from a sampler thread of
+their own (NVML calls can block), shards are encoded and uploaded on their own
+threads (worker/completion.py), so a beat is a few Redis writes once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core import keys
+from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerStatus, pack, unpack
+from genq.worker.controller import ConcurrencyController
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags, Holdings, RateWindow
+from genq.worker.options import WorkerOptions
+from genq.worker.telemetry import GpuProbe
+from genq.worker.watch import ServerWatch
+
+log = logging.getLogger("genq.worker")
+
+ALIVE_TTL_S = 10  # a holding RQ work horse gives up on this engine after this long without a beat
+STATUS_TTL_S = 15  # the fleet view shows a worker as lost after this long
+GPU_EVERY_S = 5.0
+
+
+class GpuSampler:
+    """Samples NVML on a daemon thread; the heartbeat reads the last sample."""
+
+    def __init__(self, probe: GpuProbe) -> None:
+        self.probe = probe
+        self.last: GpuSample | None = None
+        self._stop = threading.Event()
+        if probe.note is None:
+            threading.Thread(target=self._run, name="genq-gpu", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.last = self.probe.sample()
+            self._stop.wait(GPU_EVERY_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Heartbeat:
+    def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
+                 flags: Flags, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
+                 controller: ConcurrencyController, rates: RateWindow, gpu: GpuProbe,
+                 on_beat: Callable[[], Awaitable[None]]) -> None:
+        self.opts = opts
+        self.name = name
+        self.host = host
+        self.instance = instance
+        self.conn = conn
+        self.flags = flags
+        self.held = held
+        self.dispatcher = dispatcher
+        self.watch = watch
+        self.controller = controller
+        self.rates = rates
+        self.gpu = gpu
+        self.sampler = GpuSampler(gpu)
+        self.on_beat = on_beat  # after each beat: the lease check
+        self.started_at = time.time()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            gap = time.monotonic() - self.flags.last_beat
+            if gap > ALIVE_TTL_S:
+                log.warning("this engine was frozen for %.0fs: checking its leases before sending more", gap)
+            try:
+                await self.beat()
+                await self.read_control()
+                await self.on_beat()
+                self.flags.last_beat = time.monotonic()
+                self.dispatcher.wake.set()
+            except (redis.RedisError, OSError) as exc:
+                log.warning("heartbeat: %s", exc)
+
+    def state(self) -> str:
+        f = self.flags
+        if f.server_down_since is not None:
+            return "server_down"
+        if f.draining or f.stop_requested:
+            return "draining"
+        if f.paused_all or (self.held and self.held.jobs() <= f.paused_jobs):
+            return "paused"
+        return "busy" if self.held or self.dispatcher.running else "idle"
+
+    def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
+        req_s, tok_s = self.rates.rates()
+        m = self.watch.metrics
+        server = self.watch.info
+        return WorkerStatus(
+            name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
+            state=state or self.state(), started_at=self.started_at, heartbeat_at=time.time(),
+            gpu=None if self.opts.gpu is None else str(self.opts.gpu),
+            concurrency_target=self.controller.target, concurrency_limit=self.controller.cap,
+            server_capacity=(server.capacity if server else None) or self.controller.learned,
+            in_flight=len(self.dispatcher.running), queued=self.dispatcher.unsent,
+            batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
+            tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
+            server_running=m.running if m else None, server_waiting=m.waiting if m else None,
+            server_token_usage=m.kv_usage if m else None,
+            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
+        )
+
+    async def beat(self, state: str | None = None, note: str | None = None) -> None:
+        status = self.status(state, note)
+        by_job: dict[str, list[int]] = {}
+        for task in self.dispatcher.running:
+            by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
+        queued = self.dispatcher.queued_by_job()
+        now = time.time()
+        async with self.conn.pipeline(transaction=False) as pipe:
+            if status.state != "stopped":
+                pipe.set(keys.engine_alive(self.instance), self.name, ex=ALIVE_TTL_S)
+            # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
+            pipe.set(keys.worker_status(self.name), pack(status), ex=None if status.state == "stopped" else STATUS_TTL_S)
+            pipe.sadd(keys.WORKERS, self.name)
+            for job in set(by_job) | set(queued) | self.held.jobs():
+                record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
+                                  queued=queued.get(job, 0))
+                pipe.set(keys.job_inflight(job, self.name), pack(record), ex=5)
+            await pipe.execute()
+
+    async def read_control(self) -> None:
+        jobs = sorted(self.held.jobs() | set(self.dispatcher.parked))
+        async with self.conn.pipeline(transaction=False) as pipe:
+            pipe.get(keys.worker_control(self.name))
+            pipe.exists(keys.PAUSED)
+            for job in jobs:
+                pipe.exists(keys.job_paused(job))
+            raw, paused, *job_flags = await pipe.execute()
+        control = unpack(raw, Control) if raw else Control()
+        f = self.flags
+        if control.drain and not f.draining:
+            log.info("drain requested: finishing held batches, taking no new ones")
+            f.draining = True
+        if (control.concurrency or None) != self.controller.live_cap:
+            self.controller.set_cap(control.concurrency)
+            log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
+        paused_jobs = {job for job, flag in zip(jobs, job_flags) if flag}
+        if bool(paused) != f.paused_all or paused_jobs != f.paused_jobs:
+            f.paused_all, f.paused_jobs = bool(paused), paused_jobs
+            log.info("paused: %s", "all jobs" if f.paused_all else (", ".join(sorted(paused_jobs)) or "none"))
+        self.dispatcher.wake.set()
+
+    async def check_name_free(self) -> None:
+        """Refuse to run twice under one name; a crashed predecessor's record is fine."""
+        raw = await self.conn.get(keys.worker_status(self.name))
+        if not raw or unpack(raw, WorkerStatus).state == "stopped":
+            return
+        first = unpack(raw, WorkerStatus).heartbeat_at
+        await asyncio.sleep(2.5)  # a live worker heartbeats every second
+        raw = await self.conn.get(keys.worker_status(self.name))
+        if raw and (other := unpack(raw, WorkerStatus)).heartbeat_at > first and other.state != "stopped":
+            raise SystemExit(
+                f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "
+                "give this one another --name"
+            )
+
+    async def stopped(self) -> None:
+        self.sampler.stop()
+        async with self.conn.pipeline(transaction=False) as pipe:
+            pipe.delete(keys.engine_alive(self.instance))
+            pipe.delete(keys.worker_control(self.name))
+            await pipe.execute()
+        await self.beat(state="stopped")

@@ -1,0 +1,85 @@
+"""What an engine holds: leased batches and the prompts of them it is driving.
+
+Shared by the engine's parts (leases, dispatch, completion, heartbeat); none of them
+owns the others, so the state they all read lives here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.worker.server import Progress
+
+
+@dataclass(eq=False)
+class HeldBatch:
+    ref: BatchRef
+    token: str  # the current lease; replies go to its RQ work horse
+    config: JobConfig
+    size: int
+    unfinished: set[str]
+    completing: bool = False
+    dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
+
+
+@dataclass(eq=False)
+class Task:
+    """One prompt of a held batch, from its first send to its outcome."""
+
+    prompt: Prompt
+    batch: HeldBatch
+    attempts: int = 0
+    crashes: int = 0  # server crashes while this prompt was in flight
+    last_outage: int = 0  # the outage (Flags.outages) last counted for it
+    progress: Progress = field(default_factory=Progress)
+    cancel_reason: str | None = None
+
+
+@dataclass
+class Flags:
+    """Engine-wide switches the operator or the server flip; read by every part."""
+
+    paused_all: bool = False
+    paused_jobs: set[str] = field(default_factory=set)
+    draining: bool = False
+    stop_requested: int = 0  # SIGTERM/SIGINT received
+    server_down_since: float | None = None
+    outages: int = 0  # times the server went down since the engine started
+    # When the heartbeat last beat and checked the leases (monotonic). A gap longer than a
+    # lease survives (a frozen process) stops dispatch until the leases are checked again.
+    last_beat: float = field(default_factory=time.monotonic)
+    server_note: str | None = None
+
+    @property
+    def accepting(self) -> bool:
+        """Whether RQ loops should take new batches."""
+        return not (self.draining or self.stop_requested or self.paused_all or self.server_down_since is not None)
+
+
+class Holdings(dict[BatchRef, HeldBatch]):
+    """The batches an engine holds now, by (job, batch)."""
+
+    def jobs(self) -> set[str]:
+        return {ref.job for ref in self}
+
+
+class RateWindow:
+    """Requests/s and completion tokens/s over the last 30 s (or since start)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._events: list[tuple[float, int]] = []
+        self.done = 0
+        self.errors = 0
+
+    def add(self, tokens: int) -> None:
+        self.done += 1
+        self._events.append((time.monotonic(), tokens))
+
+    def rates(self) -> tuple[float, float]:
+        now = time.monotonic()
+        self._events = [e for e in self._events if now - e[0] <= 30]
+        span = max(1.0, min(30.0, now - self.started))
+        return len(self._events) / span, sum(t for _, t in self._events) / span

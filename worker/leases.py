@@ -1,0 +1,180 @@
+"""Leases: batches arriving from the engine's RQ work horses, and leaving again.
+
+    RQ work horse --(token, job, batch, rq job)--> inbox --> LeaseDesk.acquire --> on_batch(held, todo)
+    LeaseDesk --"done" | "released"--> lease_reply(token) --> the horse returns
+
+A lease is one delivery (genq.core.ledger). The desk records it as the batch's current
+lease, loads what Redis already recorded for the batch (those prompts are not sent
+again), and later tells the horse how it ended. Handing a batch back is done here, in
+Redis, by the engine (a new RQ job at the front of the queue, in one transaction with
+the lease's end); the horse only returns, so no process needs a signal mid-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from genq.core import keys, ledger
+from genq.core.queueing import enqueue_batch_jobs
+from genq.core.records import Batch, BatchRef, JobConfig, Prompt, unpack
+from genq.core.redisconn import connect_async
+from genq.worker.held import HeldBatch, Holdings
+
+log = logging.getLogger("genq.worker")
+
+T = TypeVar("T")
+
+
+async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T:
+    """Redis errors (a restart, a dropped connection) are waited out, never lost."""
+    backoff = 0.5
+    while True:
+        try:
+            return await action()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("%s: %s; retrying in %.1fs", what, exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10)
+
+
+class LeaseDesk:
+    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, redis_url: str, instance: str,
+                 held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None]) -> None:
+        self.conn = conn
+        self.sync_conn = sync_conn  # RQ's enqueue is synchronous
+        self.redis_url = redis_url
+        self.instance = instance
+        self.held = held
+        self.on_batch = on_batch
+        self._configs: dict[str, JobConfig] = {}
+        self._acquire = conn.register_script(ledger.ACQUIRE)
+
+    # ---------------------------------------------------------------- arriving
+
+    async def intake(self) -> None:
+        inbox_conn = connect_async(self.redis_url)  # BLPOP blocks its connection
+        inbox = keys.engine_inbox(self.instance)
+        try:
+            while True:
+                item = await retrying(lambda: inbox_conn.blpop([inbox], timeout=1), "inbox")
+                if item is not None:
+                    token, job, batch_id, rq_id = unpack(item[1], list)
+                    ref = BatchRef(job, batch_id)
+                    await retrying(lambda t=token, r=ref, q=rq_id: self.acquire(t, r, q), "lease")
+        finally:
+            await inbox_conn.aclose()
+
+    async def acquire(self, token: str, ref: BatchRef, rq_id: str) -> None:
+        answer = await self._acquire(
+            keys=[keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_transport(ref.job),
+                  keys.batch(ref.job, ref.batch)],
+            args=[ref.batch, token, self.instance, rq_id])
+        word = answer.decode() if isinstance(answer, bytes) else str(answer)
+        if word != "ok":
+            if word == "gone":
+                log.warning("batch %s has no record (job deleted?); releasing it", ref)
+            await self.reply(token, b"done")
+            return
+        current = self.held.get(ref)
+        if current is not None and not current.dropped:
+            # The same batch delivered again (an RQ retry, a duplicate job): one lease drives it,
+            # the newest; the older horse is let go.
+            old, current.token = current.token, token
+            await self.reply(old, b"released")
+            return
+        config = await self._config(ref.job)
+        raw = await self.conn.get(keys.batch(ref.job, ref.batch))
+        if config is None or raw is None:
+            await self.reply(token, b"done")
+            return
+        batch = unpack(raw, Batch)
+        ids = [p.id for p in batch.prompts]
+        async with self.conn.pipeline(transaction=True) as pipe:
+            pipe.hkeys(keys.batch_results(ref.job, ref.batch))
+            pipe.hmget(keys.job_dlq(ref.job), ids)
+            stored, dead = await pipe.execute()
+        finished = {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
+        held = HeldBatch(ref, token, config, size=len(ids), unfinished={i for i in ids if i not in finished})
+        self.held[ref] = held
+        if finished:
+            log.info("batch %s: %d of %d prompts already done, not regenerating them", ref, len(finished), len(ids))
+        self.on_batch(held, [p for p in batch.prompts if p.id in held.unfinished])
+
+    async def _config(self, job: str) -> JobConfig | None:
+        if job not in self._configs:
+            raw = await self.conn.get(keys.job_config(job))
+            if raw is None:
+                return None
+            self._configs[job] = unpack(raw, JobConfig)
+        return self._configs[job]
+
+    # ---------------------------------------------------------------- leaving
+
+    async def reply(self, token: str, word: bytes) -> None:
+        async with self.conn.pipeline(transaction=True) as pipe:
+            ledger.push_reply(pipe, token, word)
+            await pipe.execute()
+
+    async def current(self) -> list[tuple[HeldBatch, str]]:
+        """Held batches whose lease is no longer this engine's: (batch, "done" | "superseded")."""
+        refs = [h for h in self.held.values() if not h.dropped and not h.completing]
+        if not refs:
+            return []
+        async with self.conn.pipeline(transaction=False) as pipe:
+            for h in refs:
+                pipe.sismember(keys.job_done(h.ref.job), h.ref.batch)
+                pipe.hget(keys.job_leases(h.ref.job), h.ref.batch)
+            answers = await pipe.execute()
+        lost = []
+        for i, h in enumerate(refs):
+            done, lease = answers[2 * i], answers[2 * i + 1]
+            if done:
+                lost.append((h, "done"))
+            elif ledger.lease_token(lease) != h.token:
+                lost.append((h, "superseded"))
+        return lost
+
+    async def hand_back(self, ref: BatchRef, token: str) -> bool:
+        """Queue the batch again (front of the queue) and let the horse go; False if it was
+        done or no longer ours (then there is nothing to give back)."""
+        given = await asyncio.to_thread(self._hand_back_sync, ref, token)
+        await self.reply(token, b"released")
+        return given
+
+    def _hand_back_sync(self, ref: BatchRef, token: str) -> bool:
+        conn = self.sync_conn
+        with conn.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
+                    if pipe.sismember(keys.job_done(ref.job), ref.batch):
+                        return False
+                    if ledger.lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
+                        return False
+                    pipe.multi()
+                    enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True)
+                    pipe.hdel(keys.job_leases(ref.job), ref.batch)
+                    pipe.execute()
+                    return True
+                except WatchError:
+                    continue
+
+    async def release_late_leases(self) -> None:
+        """Batches a loop took just before it was told to stop go straight back."""
+        while raw := await self.conn.lpop(keys.engine_inbox(self.instance)):
+            token, job, batch_id, rq_id = unpack(raw, list)
+            ref = BatchRef(job, batch_id)
+            answer: Any = await self._acquire(
+                keys=[keys.job_done(job), keys.job_leases(job), keys.job_transport(job), keys.batch(job, batch_id)],
+                args=[batch_id, token, self.instance, rq_id])
+            if (answer.decode() if isinstance(answer, bytes) else str(answer)) == "ok":
+                await self.hand_back(ref, token)
+            else:
+                await self.reply(token, b"done")

@@ -1,0 +1,149 @@
+"""The engine's RQ work loops: child processes that take batches off the queue.
+
+Each loop is a stock forked `rq.Worker` (genq.worker.rqloop); its work horse hands
+the batch to the engine and waits (genq.worker.rqjob), which keeps `rq info`
+truthful. How many run: --prefetch, plus one for each held batch that has nothing
+left to send (its long tail), so slots never run dry at batch boundaries.
+
+Loops get exactly one SIGTERM (RQ's warm shutdown: an idle loop exits, a busy one
+waits for its horse, which returns once the engine has answered its lease). A
+second signal would be RQ's cold shutdown, which kills horses: never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from genq.core.prefetch import MAX_EXTRA_LOOPS
+from genq.core.redisconn import ENV_VAR as REDIS_ENV
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags, Holdings
+from genq.worker.options import WorkerOptions
+from genq.worker.rqjob import ENGINE_ENV
+
+log = logging.getLogger("genq.worker")
+
+FAILURE_WINDOW_S = 600.0  # loop crashes counted over this window...
+MAX_FAILURES = 20  # ...and this many in it stop the worker (loudly, exit 1) rather than idle silently
+
+
+class LoopsFailing(RuntimeError):
+    """RQ work loops keep crashing: the worker stops instead of holding nothing forever."""
+
+
+@dataclass
+class RqLoop:
+    proc: asyncio.subprocess.Process
+    name: str
+    stopping: bool = False
+
+
+class RqLoops:
+    def __init__(self, opts: WorkerOptions, instance: str, flags: Flags, held: Holdings,
+                 dispatcher: Dispatcher) -> None:
+        self.opts = opts
+        self.instance = instance
+        self.flags = flags
+        self.held = held
+        self.dispatcher = dispatcher
+        self.loops: list[RqLoop] = []
+        self.exhausted = False  # --burst: a loop found the queue empty
+        self._failures: deque[float] = deque()
+
+    @property
+    def any_alive(self) -> bool:
+        return any(loop.proc.returncode is None for loop in self.loops)
+
+    async def run(self) -> None:
+        while True:
+            self._reap()
+            active = [loop for loop in self.loops if not loop.stopping]
+            desired = self.desired(len(active)) if self.flags.accepting and not self.exhausted else 0
+            # Loops told to stop may still hold a batch until it is done; count them, or a
+            # pause/resume cycle would leave more batches held than --prefetch asks for.
+            if len(self.loops) < desired:
+                for _ in range(desired - len(self.loops)):
+                    self.loops.append(await self._spawn())
+            elif len(active) > desired and not self.exhausted:  # burst loops leave by themselves
+                for loop in active[desired:]:
+                    self._stop(loop)
+            await asyncio.sleep(0.3)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for loop in [lp for lp in self.loops if lp.proc.returncode is not None]:
+            self.loops.remove(loop)
+            if loop.stopping:
+                continue
+            if loop.proc.returncode == 0 and self.opts.burst:
+                self.exhausted = True
+            elif loop.proc.returncode != 0:
+                self._failures.append(now)
+                log.warning("RQ loop %s exited with %s", loop.name, loop.proc.returncode)
+        while self._failures and now - self._failures[0] > FAILURE_WINDOW_S:
+            self._failures.popleft()
+        if len(self._failures) >= MAX_FAILURES:
+            raise LoopsFailing(f"{len(self._failures)} RQ work loops crashed in the last "
+                               f"{FAILURE_WINDOW_S / 60:.0f} minutes; see the log above")
+
+    def desired(self, active: int) -> int:
+        """--prefetch loops, plus one for each held batch that has nothing left to send.
+
+        A batch whose prompts are all sent holds only its long tail. With heavy-tailed
+        lengths several batches can be in their tails at once, so the reserve of
+        unsent prompts is counted in prompts, not batches: keep (prefetch - 1)
+        batches' worth unsent, or slots run dry at batch boundaries.
+        """
+        base = self.opts.loops
+        if self.flags.paused_all or self.flags.paused_jobs:
+            return base  # parked prompts are not work: do not take more batches for them
+        size = max((h.config.batch_size for h in self.held.values()), default=0)
+        reserve = (base - 1) * size
+        unsent = self.dispatcher.unsent
+        if unsent < reserve and len(self.held) >= active:
+            return min(active + 1, base + MAX_EXTRA_LOOPS)  # every loop holds a batch: take one more
+        if unsent > reserve + 2 * size and active > base and not any(lp.stopping for lp in self.loops):
+            return active - 1  # plenty in hand: one loop leaves after its batch (hysteresis: 2 batches)
+        return max(base, active)
+
+    async def _spawn(self) -> RqLoop:
+        name = f"{self.instance}.{uuid.uuid4().hex[:4]}"
+        env = dict(os.environ, **{ENGINE_ENV: self.instance, REDIS_ENV: self.opts.redis_url})
+        args = [sys.executable, "-m", "genq.worker.rqloop", "--name", name,
+                "--parent", str(os.getpid()), "--monitoring-interval", str(self.opts.job_monitoring_interval)]
+        if self.opts.burst:
+            args.append("--burst")
+        # Own session: a terminal's Ctrl-C reaches the engine, which decides what the loops do.
+        proc = await asyncio.create_subprocess_exec(*args, env=env, start_new_session=True)
+        return RqLoop(proc, name)
+
+    def _stop(self, loop: RqLoop) -> None:
+        if loop.stopping:
+            return  # one SIGTERM only: a second is RQ's cold shutdown
+        loop.stopping = True
+        try:
+            loop.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def stop_all(self) -> None:
+        for loop in self.loops:
+            if loop.proc.returncode is None:
+                self._stop(loop)
+
+    async def wait_all(self, timeout: float) -> None:
+        """Wait for the loops to exit; kill what is left (every lease was answered before)."""
+        for loop in self.loops:
+            try:
+                await asyncio.wait_for(loop.proc.wait(), timeout)
+            except TimeoutError:
+                loop.proc.kill()
+                await loop.proc.wait()

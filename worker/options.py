@@ -1,0 +1,37 @@
+"""What `genq worker --server ...` was told: one record, handed to every part of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genq.core.prefetch import DEFAULT_PREFETCH
+
+
+@dataclass
+class WorkerOptions:
+    redis_url: str
+    server_url: str
+    name: str | None = None
+    host: str | None = None
+    gpu: int | None = None
+    concurrency: int | None = None  # None: auto, from the server's capacity
+    burst: bool = False
+    loops: int = DEFAULT_PREFETCH  # --prefetch: RQ work loops, batches held at once (the current one and the next)
+    stream: bool = True
+    request_timeout: float = 3600.0
+    stall_timeout: float = 300.0
+    server_down_timeout: float = 300.0
+    server_start_timeout: float | None = None  # None: wait for the server forever (not with --burst)
+    server_crash_limit: int = 3  # a prompt in flight during this many server crashes is dead-lettered
+    grace_period: float = 60.0
+    retry_backoff: float = 1.0
+    retry_backoff_max: float = 60.0
+    max_attempts: int | None = None  # overrides the job's setting
+    job_monitoring_interval: int = 10
+
+
+def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
+    if gpu is not None:
+        return f"{host}.gpu{gpu}"
+    port = server_url.rstrip("/").rsplit(":", 1)[-1]
+    return f"{host}.{port}" if port.isdigit() else host

@@ -1,0 +1,165 @@
+"""The server as the engine sees it: up or down, its metrics, and requests that stall.
+
+- Circuit breaker: after a failed request one health check runs (single flight); if
+  the server is down the engine stops sending, counts no attempt, polls until it
+  answers, and after --server-down-timeout hands its batches back for other GPUs.
+- A server that stops answering while it holds requests (no output from any of them
+  for a while) is health-checked during generation, not only after a request fails.
+- Watchdog: a request with no output for --stall-timeout is cancelled and retried.
+  Time spent waiting in the server's queue before the first byte is not a stall,
+  unless the server says nothing is waiting (then the request is stuck).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from genq.worker.controller import ConcurrencyController
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags
+from genq.worker.options import WorkerOptions
+from genq.worker.server import Metrics, ServerClient, ServerInfo, ServerUnavailable
+
+log = logging.getLogger("genq.worker")
+
+SILENT_PROBE_S = 15.0  # no output from any request in flight this long: ask /health
+
+
+class ServerStartTimeout(Exception):
+    """The server did not answer within --server-start-timeout."""
+
+
+class ServerWatch:
+    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, flags: Flags,
+                 dispatcher: Dispatcher, hand_back_all: Callable[[str], Awaitable[None]],
+                 on_waiting: Callable[[str], Awaitable[None]]) -> None:
+        self.opts = opts
+        self.client = client
+        self.controller = controller
+        self.flags = flags
+        self.dispatcher = dispatcher
+        self.hand_back_all = hand_back_all
+        self.on_waiting = on_waiting
+        self.info: ServerInfo | None = None
+        self.metrics: Metrics | None = None
+        self._check: asyncio.Future[bool] | None = None
+
+    # ---------------------------------------------------------------- start
+
+    async def wait_for_server(self) -> ServerInfo | None:
+        """The server's info once it answers; None if stopped while waiting. Raises
+        ServerStartTimeout after --server-start-timeout."""
+        started = time.monotonic()
+        delay, next_note = 0.5, 0.0
+        while not self.flags.stop_requested:
+            try:
+                self.info = await self.client.discover()
+                return self.info
+            except ServerUnavailable as exc:
+                waited = time.monotonic() - started
+                limit = self.opts.server_start_timeout
+                if limit is not None and waited >= limit:
+                    raise ServerStartTimeout(f"server {self.opts.server_url} did not answer within {limit:.0f}s "
+                                             f"(--server-start-timeout): {exc}") from None
+                if waited >= next_note:
+                    log.warning("waiting for server %s (%.0fs so far): %s", self.opts.server_url, waited, exc)
+                    next_note = max(10.0, next_note * 2)
+                await self.on_waiting(str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        return None
+
+    # ---------------------------------------------------------------- down / up
+
+    async def is_down(self) -> bool:
+        """Single-flight health check after a failure: many failures, one probe."""
+        if self.flags.server_down_since is not None:
+            return True
+        if self._check is None:
+            self._check = asyncio.ensure_future(self.client.healthy())
+        try:
+            healthy = await asyncio.shield(self._check)
+        finally:
+            if self._check is not None and self._check.done():
+                self._check = None
+        if not healthy and self.flags.server_down_since is None:
+            self._went_down("health check failed")
+        return not healthy
+
+    def _went_down(self, why: str) -> None:
+        self.flags.server_down_since = time.monotonic()
+        self.flags.server_note = why
+        self.flags.outages += 1
+        in_flight = list(self.dispatcher.running)
+        for task in in_flight:
+            self.dispatcher.crashed(task)
+        log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
+                    "%d in flight counted a server crash)", self.opts.server_url, why, len(in_flight))
+        self.dispatcher.cancel_all(f"server down: {why}")
+        asyncio.get_running_loop().create_task(self._await_recovery())
+
+    async def _await_recovery(self) -> None:
+        delay, handed_back = 0.5, False
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+            down_for = time.monotonic() - (self.flags.server_down_since or time.monotonic())
+            if down_for > self.opts.server_down_timeout and not handed_back:
+                handed_back = True
+                await self.hand_back_all(f"server down for {down_for:.0f}s")
+            try:
+                info = await self.client.discover()
+            except ServerUnavailable as exc:
+                self.flags.server_note = str(exc)
+                continue
+            self.info = info
+            self.controller.set_capacity(info.capacity)
+            log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
+            self.flags.server_down_since = None
+            self.flags.server_note = None
+            self.dispatcher.wake.set()
+            return
+
+    # ---------------------------------------------------------------- loops
+
+    async def metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.flags.server_down_since is not None or self.info is None or not self.info.has_metrics:
+                continue
+            m = await self.client.metrics()
+            if m is None:
+                continue
+            self.metrics = m
+            before = self.controller.target
+            self.controller.observe(m, len(self.dispatcher.running), self.dispatcher.unsent)
+            if self.controller.target != before:
+                log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
+                self.dispatcher.wake.set()
+
+    async def watchdog(self) -> None:
+        """Cancel requests that stalled or ran too long (one timer for all, not one each);
+        probe a server that went silent while holding requests."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            running = self.dispatcher.running
+            queue_empty = self.metrics is not None and not self.metrics.waiting
+            for task, aio in list(running.items()):
+                p = task.progress
+                waiting_in_server = getattr(p, "first_byte", p.last_activity) is None and not queue_empty
+                if now - p.started > self.opts.request_timeout:
+                    task.cancel_reason = f"request exceeded {self.opts.request_timeout:.0f}s (request timeout)"
+                elif now - p.last_activity > self.opts.stall_timeout and not waiting_in_server:
+                    task.cancel_reason = f"no output for {self.opts.stall_timeout:.0f}s (stall timeout)"
+                else:
+                    continue
+                aio.cancel()
+            if running and self.flags.server_down_since is None:
+                latest = max(t.progress.last_activity for t in running)
+                if now - latest > SILENT_PROBE_S and not await self.client.healthy():
+                    self._went_down(f"no output from {len(running)} requests for {now - latest:.0f}s "
+                                    "and /health fails")
