@@ -54,8 +54,10 @@ def dlq() -> None:
       prompts        a prompt failed for good: the server rejected it (bad_request,
                      e.g. longer than the context) or its attempts ran out
                      (server_error, timeout, connection, protocol). Id: the prompt id.
-      batch_failed   RQ gave up on a whole batch (its retries ran out, e.g. the
-                     worker holding it died again and again). Id: batch:<batch id>.
+      batch_failed   a batch's RQ job failed (the worker holding it was lost); workers
+                     queue it again within seconds. Id: batch:<batch id>.
+      server_crash   the server went down --server-crash-limit times with this
+                     prompt in flight (sent alone after the second).
     The monitor's "failed" count is the number of dead prompts.
     """
 
@@ -170,7 +172,7 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
     transaction that queues it, so none is lost or queued twice. A prompt
     whose original batch has not finished yet is skipped (its batch could
     still regenerate it): requeue it after that batch completes.
-    Failed batches get a fresh RQ job (full retries) and leave RQ's failed
+    Failed batches get a fresh RQ job and leave RQ's failed
     registry; prompts they already finished are not regenerated.
 
     Exit status: 0 all requeued; 3 some entries were skipped (each is named);

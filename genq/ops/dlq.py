@@ -3,9 +3,11 @@
 Two sources, one view (an Entry each):
 - keys.job_dlq(job), prompt id -> DeadLetter, written by the worker engine when a
   prompt fails for good (a 400, or its attempts ran out).
-- RQ's FailedJobRegistry of keys.QUEUE: batch jobs whose retries ran out (the
-  engine holding them died again and again, or a plain `rq worker` ran them).
-  Shown with kind "batch_failed" and id "batch:<batch id>".
+- RQ's FailedJobRegistry of keys.QUEUE: batch jobs whose RQ job failed (the engine
+  holding them was lost, or a plain `rq worker` ran them). This is the transport
+  failing, not the batch: the ledger's reconciler (genq.core.ledger) queues such a
+  batch again within seconds of a worker running. Shown with kind "batch_failed"
+  and id "batch:<batch id>" meanwhile, so that it can also be purged.
 
 Requeue and purge are MULTI transactions guarded by WATCH: a crash leaves each
 letter either untouched or fully moved, and two operators running the same
@@ -21,13 +23,12 @@ would produce that prompt twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import redis
-from redis.exceptions import WatchError
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
@@ -44,30 +45,22 @@ from genq.core.queueing import (
     rq_queue,
     write_batches,
 )
-from genq.core.records import DeadLetter, Prompt, unpack
+from genq.core.records import DeadLetter, unpack
 
 BATCH_PREFIX = "batch:"
 BATCH_FAILED = "batch_failed"
 CHUNK = 2000  # letters per transaction: keeps one MULTI a sensible size
+T = TypeVar("T")
 
 
 class DlqError(Exception):
     """A problem the operator can fix (unknown job or id); the CLI prints it and exits 1."""
 
 
-class Entry(msgspec.Struct, omit_defaults=True):
-    """One line of the dead-letter view: a dead prompt, or a failed batch."""
+class Entry(DeadLetter, omit_defaults=True):
+    """One line of the dead-letter view: a dead prompt (a DeadLetter as stored), or a failed
+    batch (id "batch:<batch id>", kind batch_failed, and the fields below)."""
 
-    id: str  # the prompt id, or "batch:<batch id>"
-    job: str
-    batch: str
-    attempts: int
-    kind: str
-    message: str
-    worker: str
-    at: float
-    status: int | None = None  # HTTP status, when the server answered
-    prompt: Prompt | None = None  # dead prompts: the request, kept for requeue
     rq_job: str | None = None  # failed batches: RQ's job id
     prompts: int | None = None  # failed batches: prompts in the batch
     traceback: str | None = None  # failed batches: the last run's traceback
@@ -106,7 +99,7 @@ def jobs_for(conn: redis.Redis, job: str | None) -> list[str]:
 
 def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
     # HSCAN rather than HGETALL: a huge DLQ is read in steps without blocking Redis.
-    return [_from_letter(unpack(raw, DeadLetter)) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
+    return [unpack(raw, Entry) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
 
 
 def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = False) -> list[Entry]:
@@ -156,7 +149,7 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
         for j in jobs:
             for pid, raw in zip(prompt_ids, conn.hmget(keys.job_dlq(j), prompt_ids)):
                 if raw is not None:
-                    matches[pid].append(_from_letter(unpack(raw, DeadLetter)))
+                    matches[pid].append(unpack(raw, Entry))
     if len(prompt_ids) < len(matches):
         for entry in failed_batches(conn, jobs, traceback=traceback):
             if entry.id in matches:
@@ -195,28 +188,31 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry]) -> RequeueReport:
     return report
 
 
+def _atomically(conn: redis.Redis, watched: Sequence[str], body: Callable[[Any], T]) -> T:
+    """Run body(pipe) with `watched` under WATCH, again from the start whenever one of them
+    changes before its MULTI executes (a concurrent requeue or purge of the same letters)."""
+    return conn.transaction(body, *watched, value_from_callable=True)
+
+
 def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: int, report: RequeueReport) -> None:
     dlq = keys.job_dlq(job)
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(dlq)  # a concurrent requeue/purge of these letters restarts this one
-                letters, skipped = _movable(pipe, job, ids, "requeue")
-                # A fresh Prompt carries no attempt count: the engine starts it at 0.
-                prompts = sorted((letter.prompt for letter in letters), key=lambda p: (p.index, p.id))
-                batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
-                pipe.multi()
-                if letters:
-                    write_batches(pipe, conn, batches, digests={}, count_total=False)
-                    pipe.hdel(dlq, *[letter.id for letter in letters])
-                pipe.execute()
-                break
-            except WatchError:
-                continue
+
+    def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
+        letters, skipped = _movable(pipe, job, ids, "requeue")
+        # A fresh Prompt carries no attempt count: the engine starts it at 0.
+        prompts = sorted((letter.prompt for letter in letters), key=lambda p: (p.index, p.id))
+        batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
+        pipe.multi()
+        if letters:
+            write_batches(pipe, conn, batches, digests={}, count_total=False)
+            pipe.hdel(dlq, *[letter.id for letter in letters])
+        return letters, skipped, [b.id for b in batches]
+
+    letters, skipped, batch_ids = _atomically(conn, [dlq], move)
     report.skipped.extend(skipped)
     if letters:
         report.prompts[job] = report.prompts.get(job, 0) + len(letters)
-        report.new_batches.setdefault(job, []).extend(b.id for b in batches)
+        report.new_batches.setdefault(job, []).extend(batch_ids)
 
 
 def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
@@ -242,29 +238,25 @@ def _requeue_batch(conn: redis.Redis, entry: Entry, report: RequeueReport) -> No
     """Enqueue a fresh RQ job for the batch and delete the failed one, in one MULTI.
 
     Not FailedJobRegistry.requeue: that ZREMs, saves and enqueues in separate
-    steps (a crash between them leaves the batch in no registry at all) and
-    keeps retries_left at 0, so the next lost worker fails the batch at once.
-    A fresh job gets the full Retry(max=BATCH_RETRIES); `rq info` shows one
-    queued job and one failed job fewer, which is the truth.
+    steps (a crash between them leaves the batch in no registry at all). `rq info`
+    shows one queued job and one failed job fewer, which is the truth.
     """
     registry = FailedJobRegistry(queue=rq_queue(conn))
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(registry.key)
-                if pipe.zscore(registry.key, entry.rq_job) is None:
-                    report.skipped.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
-                    return
-                old = RqJob.fetch(entry.rq_job, connection=conn, serializer=rq_queue(conn).serializer)
-                pipe.multi()
-                enqueue_batch_jobs(pipe, conn, [(entry.job, entry.batch, entry.prompts or 0)])
-                old.delete(pipeline=pipe)  # also removes it from the failed registry
-                pipe.delete(RqResult.get_key(old.id))
-                pipe.execute()
-                break
-            except WatchError:
-                continue
-    report.batches.append((entry.job, entry.batch, entry.prompts or 0))
+
+    def move(pipe: Any) -> bool:
+        if pipe.zscore(registry.key, entry.rq_job) is None:
+            return False
+        old = RqJob.fetch(str(entry.rq_job), connection=conn, serializer=rq_queue(conn).serializer)
+        pipe.multi()
+        enqueue_batch_jobs(pipe, conn, [(entry.job, entry.batch, entry.prompts or 0)])
+        old.delete(pipeline=pipe)  # also removes it from the failed registry
+        pipe.delete(RqResult.get_key(old.id))
+        return True
+
+    if _atomically(conn, [registry.key], move):
+        report.batches.append((entry.job, entry.batch, entry.prompts or 0))
+    else:
+        report.skipped.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
 
 
 # ------------------------------------------------------------------ purge
@@ -294,22 +286,19 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
 
 def _purge_letters(conn: redis.Redis, job: str, ids: list[str], report: PurgeReport) -> None:
     dlq = keys.job_dlq(job)
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(dlq)
-                letters, kept = _movable(pipe, job, ids, "purge")
-                gone = [letter.id for letter in letters]
-                pipe.multi()
-                if gone:
-                    pipe.hdel(dlq, *gone)
-                    pipe.hdel(keys.job_ids(job), *gone)
-                    pipe.hincrby(keys.job_stats(job), "total", -len(gone))
-                    pipe.hincrby(keys.job_stats(job), "purged", len(gone))
-                pipe.execute()
-                break
-            except WatchError:
-                continue
+
+    def forget(pipe: Any) -> tuple[list[str], list[tuple[str, str]]]:
+        letters, kept = _movable(pipe, job, ids, "purge")
+        gone = [letter.id for letter in letters]
+        pipe.multi()
+        if gone:
+            pipe.hdel(dlq, *gone)
+            pipe.hdel(keys.job_ids(job), *gone)
+            pipe.hincrby(keys.job_stats(job), "total", -len(gone))
+            pipe.hincrby(keys.job_stats(job), "purged", len(gone))
+        return gone, kept
+
+    gone, kept = _atomically(conn, [dlq], forget)
     report.kept.extend(kept)
     if gone:
         report.letters[job] = report.letters.get(job, 0) + len(gone)
@@ -319,52 +308,46 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
     registry = FailedJobRegistry(queue=rq_queue(conn))
     job, batch_id = entry.job, entry.batch
     results = keys.batch_results(job, batch_id)
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(registry.key, keys.job_dlq(job), results)
-                if pipe.zscore(registry.key, entry.rq_job) is None:
-                    report.kept.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
-                    return
-                finished = pipe.hlen(results)
-                if finished:
-                    # Those results are counted as done but are in no shard yet: purging would
-                    # throw away finished work and leave the counters wrong. Requeue finishes it.
-                    report.kept.append((entry.id, f"{finished} of its prompts finished but are not in a shard yet; "
-                                                  f"`genq dlq requeue --job {job} {entry.id}` completes it "
-                                                  "without regenerating them"))
-                    return
-                batch = load_batch(pipe, job, batch_id)
-                ids = [p.id for p in batch.prompts] if batch else []
-                dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
-                # Its dead letters stay letters (purged below with the others); the rest is forgotten.
-                forget = [i for i, d in zip(ids, dead) if d is None]
-                old = RqJob.fetch(entry.rq_job, connection=conn, serializer=rq_queue(conn).serializer)
-                pipe.multi()
-                old.delete(pipeline=pipe)
-                pipe.delete(RqResult.get_key(old.id))
-                if batch is not None:
-                    pipe.delete(keys.batch(job, batch_id))
-                    pipe.hincrby(keys.job_stats(job), "batches", -1)
-                if forget:
-                    pipe.hdel(keys.job_ids(job), *forget)
-                    pipe.hincrby(keys.job_stats(job), "total", -len(forget))
-                    pipe.hincrby(keys.job_stats(job), "purged", len(forget))
-                pipe.execute()
-                break
-            except WatchError:
-                continue
-    report.batches.append((job, batch_id, len(forget)))
+
+    def forget(pipe: Any) -> str | list[str]:
+        if pipe.zscore(registry.key, entry.rq_job) is None:
+            return "no longer in RQ's failed registry (requeued or purged meanwhile)"
+        finished = pipe.hlen(results)
+        if finished:
+            # Those results are counted as done but are in no shard yet: purging would
+            # throw away finished work and leave the counters wrong. Requeue finishes it.
+            return (f"{finished} of its prompts finished but are not in a shard yet; "
+                    f"`genq dlq requeue --job {job} {entry.id}` completes it without regenerating them")
+        batch = load_batch(pipe, job, batch_id)
+        ids = [p.id for p in batch.prompts] if batch else []
+        dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
+        # Its dead letters stay letters (purged below with the others); the rest is forgotten.
+        unfinished = [i for i, d in zip(ids, dead) if d is None]
+        old = RqJob.fetch(str(entry.rq_job), connection=conn, serializer=rq_queue(conn).serializer)
+        pipe.multi()
+        old.delete(pipeline=pipe)
+        pipe.delete(RqResult.get_key(old.id))
+        # Out of the ledger too: a purged batch is neither pending nor done.
+        pipe.zrem(keys.job_batches(job), batch_id)
+        pipe.hdel(keys.job_transport(job), batch_id)
+        pipe.hdel(keys.job_leases(job), batch_id)
+        if batch is not None:
+            pipe.delete(keys.batch(job, batch_id))
+            pipe.hincrby(keys.job_stats(job), "batches", -1)
+        if unfinished:
+            pipe.hdel(keys.job_ids(job), *unfinished)
+            pipe.hincrby(keys.job_stats(job), "total", -len(unfinished))
+            pipe.hincrby(keys.job_stats(job), "purged", len(unfinished))
+        return unfinished
+
+    outcome = _atomically(conn, [registry.key, keys.job_dlq(job), results], forget)
+    if isinstance(outcome, str):
+        report.kept.append((entry.id, outcome))
+    else:
+        report.batches.append((job, batch_id, len(outcome)))
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _from_letter(letter: DeadLetter) -> Entry:
-    return Entry(
-        id=letter.id, job=letter.job, batch=letter.batch, attempts=letter.attempts, kind=letter.kind,
-        message=letter.message, worker=letter.worker, at=letter.at, status=letter.status, prompt=letter.prompt,
-    )
 
 
 def _batch_ref(rq_job: RqJob | None) -> tuple[str, str] | None:

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""The house rules of genq's code, measured: prints what it found and exits 1 on a breach.
+
+- no import circles between genq's modules;
+- layers: the core (genq.core) imports nothing of genq above it; genq.sim imports
+  nothing else of genq; nothing imports the CLI (genq.cli) but the CLI itself and
+  genq/__main__.py;
+- no file over MAX_FILE_LINES lines and no class over MAX_CLASS_LINES (the simulator
+  and the tests included).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "genq"
+MAX_FILE_LINES = 400
+MAX_CLASS_LINES = 200
+# Which genq packages each layer may import (besides itself).
+ALLOWED = {
+    "genq.core": {"genq.core"},
+    "genq.sim": {"genq.sim"},
+    "genq.output": {"genq.core", "genq.output"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def genq_files() -> dict[str, Path]:
+    """Every module of the package, through its linked subpackages (producer/ worker/ monitor/)."""
+    found = {}
+    for folder, _dirs, files in os.walk(PACKAGE, followlinks=True):  # rglob does not follow the links
+        for file in files:
+            if file.endswith(".py"):
+                path = Path(folder) / file
+                found[module_name(path)] = path
+    return dict(sorted(found.items()))
+
+
+def imports_of(path: Path, name: str) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {i for i in found if i == "genq" or i.startswith("genq.")}
+
+
+def resolve(target: str, modules: dict[str, Path]) -> str | None:
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def layer(name: str) -> str | None:
+    return next((lay for lay in ALLOWED if name == lay or name.startswith(lay + ".")), None)
+
+
+def main() -> int:
+    modules = genq_files()
+    graph: dict[str, set[str]] = {}
+    breaches: list[str] = []
+    for name, path in modules.items():
+        deps = {d for i in imports_of(path, name) if (d := resolve(i, modules)) and d != name and d != "genq"}
+        graph[name] = deps
+        own = layer(name)
+        for dep in sorted(deps):
+            if own and not any(dep == a or dep.startswith(a + ".") for a in ALLOWED[own]):
+                breaches.append(f"layer: {name} imports {dep} ({own} may import only {sorted(ALLOWED[own])})")
+            if (dep == "genq.cli" or dep.startswith("genq.cli.")) and not name.startswith("genq.cli") \
+                    and name != "genq.__main__":
+                breaches.append(f"leaf: {name} imports the CLI module {dep}")
+    for cycle in cycles(graph):
+        breaches.append("circle: " + " -> ".join(cycle))
+    sizes = []
+    for path in sorted({*modules.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")}):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        sizes.append((lines, path))
+        if lines > MAX_FILE_LINES:
+            breaches.append(f"size: {path.relative_to(ROOT)} has {lines} lines (max {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > MAX_CLASS_LINES:
+                    breaches.append(f"size: class {node.name} in {path.relative_to(ROOT)} has {span} lines "
+                                    f"(max {MAX_CLASS_LINES})")
+    edges = sum(len(d) for d in graph.values())
+    largest = ", ".join(f"{p.relative_to(ROOT)} {n}" for n, p in sorted(sizes, reverse=True)[:3])
+    print(f"layout: {len(modules)} modules, {edges} imports between them, {len(sizes)} files measured; "
+          f"largest: {largest}")
+    for line in breaches:
+        print("  " + line)
+    print("layout: ok" if not breaches else f"layout: {len(breaches)} breach(es)")
+    return 1 if breaches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
