@@ -23,10 +23,8 @@ import socket
 import uuid
 
 import redis
-from rq.registry import StartedJobRegistry
 
-from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
-from genq.core.queueing import rq_queue
+from genq.core.ledger import Reconciler
 from genq.core.records import BatchRef
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
 from genq.worker.completion import Completer
@@ -36,6 +34,7 @@ from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Flags, HeldBatch, Holdings, RateWindow
 from genq.worker.leases import LeaseDesk, retrying
 from genq.worker.loops import RqLoops
+from genq.worker.maintenance import Maintenance
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
@@ -70,7 +69,7 @@ class Engine:
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags, self.held,
                                    self.dispatcher, self.watch, self.controller, self.rates, GpuProbe(opts.gpu),
                                    self._check_leases)
-        self.reconciler = Reconciler(self.sync_redis, self.instance)
+        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops)
         self.completed = 0
         self.handed_back = 0
         self._completions: set[asyncio.Task[None]] = set()
@@ -110,7 +109,7 @@ class Engine:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(),
-                    self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self._maintenance())]
+                    self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run())]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:
@@ -131,21 +130,8 @@ class Engine:
             if (self.flags.draining or self.flags.stop_requested) and idle:
                 return
             if self.opts.burst and self.loops.exhausted and idle and not self.loops.any_alive:
-                if await self._burst_done():
+                if await self.maintenance.burst_done():
                     return
-
-    async def _burst_done(self) -> bool:
-        """A burst worker leaves once the ledger says every batch of every job is done; batches
-        queued again (stranded, handed back by others) are taken first."""
-        outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
-        if not outlook.unfinished:
-            log.info("burst: every batch of every job is done; exiting")
-            return True
-        queued = await asyncio.to_thread(lambda: rq_queue(self.sync_redis).count)
-        if queued:
-            self.loops.exhausted = False  # work came back: take it
-        await asyncio.sleep(1.0)
-        return False
 
     def _on_signal(self, sig: int) -> None:
         self.flags.stop_requested += 1
@@ -221,16 +207,6 @@ class Engine:
 
     async def _waiting(self, note: str) -> None:
         await self.heartbeat.beat(state="server_down", note=note)
-
-    async def _maintenance(self) -> None:
-        """Every worker looks for stranded batches (one pass at a time across the fleet)."""
-        while True:
-            await asyncio.sleep(RECONCILE_EVERY_S)
-            try:
-                await asyncio.to_thread(lambda: StartedJobRegistry(queue=rq_queue(self.sync_redis)).cleanup())
-                await asyncio.to_thread(self.reconciler.pass_once)
-            except (redis.RedisError, OSError) as exc:
-                log.debug("maintenance skipped: %s", exc)
 
     async def _shutdown(self) -> None:
         """Answer every lease, then let the loops go (see the module docstring)."""

@@ -1,0 +1,45 @@
+"""Every worker's share of keeping the fleet honest: RQ's abandoned-job cleanup and the
+ledger's reconciler (genq.core.ledger), and the burst worker's decision to leave."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis
+from rq.registry import StartedJobRegistry
+
+from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
+from genq.core.queueing import rq_queue
+from genq.worker.loops import RqLoops
+
+log = logging.getLogger("genq.worker")
+
+
+class Maintenance:
+    def __init__(self, conn: redis.Redis, reconciler: Reconciler, loops: RqLoops) -> None:
+        self.conn = conn
+        self.reconciler = reconciler
+        self.loops = loops
+
+    async def run(self) -> None:
+        """Stranded batches are looked for by every worker (one pass at a time across the fleet)."""
+        while True:
+            await asyncio.sleep(RECONCILE_EVERY_S)
+            try:
+                await asyncio.to_thread(lambda: StartedJobRegistry(queue=rq_queue(self.conn)).cleanup())
+                await asyncio.to_thread(self.reconciler.pass_once)
+            except (redis.RedisError, OSError) as exc:
+                log.debug("maintenance skipped: %s", exc)
+
+    async def burst_done(self) -> bool:
+        """A burst worker leaves once the ledger says every batch of every job is done; batches
+        queued again (stranded, or handed back by others) are taken first."""
+        outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
+        if not outlook.unfinished:
+            log.info("burst: every batch of every job is done; exiting")
+            return True
+        if await asyncio.to_thread(lambda: rq_queue(self.conn).count):
+            self.loops.exhausted = False  # work came back: take it
+        await asyncio.sleep(1.0)
+        return False
