@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench bench-eta install clean
+.PHONY: demo test check bench bench-eta install clean
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,14 @@ demo: $(BIN)/genq
 	scripts/ensure-redis
 	$(BIN)/genq demo
 
-test: $(VENV)/.test-extras
+test: $(VENV)/.test-extras check
 	$(BIN)/python -m pytest
+
+# The house rules, measured: lint with import order, types, layers/sizes/circles.
+check: $(VENV)/.test-extras
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python scripts/check_layout.py
 
 bench: $(BIN)/genq
 	scripts/ensure-redis

@@ -34,7 +34,7 @@ def open_binary(uri: str, *, s3_endpoint_url: str | None = None, seekable: bool 
 
         try:
             opener = s3.open_seekable if seekable else s3.open_stream
-            return opener(uri, s3_endpoint_url)  # type: ignore[return-value]
+            return opener(uri, s3_endpoint_url)
         except s3.S3UriError as exc:
             raise SourceError(str(exc)) from None
         except Exception as exc:  # botocore: no such key/bucket, access denied, endpoint down

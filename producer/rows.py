@@ -110,7 +110,7 @@ def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
     return Prompt(
         id=custom_id,
         index=line_no - 1,
-        messages=value if field == "messages" else None,
+        messages=value if field == "messages" and isinstance(value, list) else None,
         prompt=value if field == "prompt" else None,
         sampling=sampling,
         custom_id=custom_id,

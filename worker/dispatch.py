@@ -110,8 +110,8 @@ class Dispatcher:
             self.wake.clear()
             now = time.monotonic()
             while self.delayed and self.delayed[0][0] <= now:
-                task = heapq.heappop(self.delayed)[2]
-                (self.suspects if self._suspect(task) else self.ready).appendleft(task)
+                due = heapq.heappop(self.delayed)[2]
+                (self.suspects if self._suspect(due) else self.ready).appendleft(due)
             for job in [j for j in self.parked if j not in self.flags.paused_jobs]:
                 self.ready.extendleft(reversed(self.parked.pop(job)))
             while (task := self._take()) is not None:

@@ -17,6 +17,7 @@ lease; only then let the RQ loops go (one SIGTERM each).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -190,7 +191,7 @@ class Engine:
         for h in held:
             if h.completing:
                 continue  # the flush above finished it
-            if await retrying(lambda h=h: self.leases.hand_back(h.ref, h.token), f"handing back {h.ref}"):
+            if await retrying(functools.partial(self.leases.hand_back, h.ref, h.token), f"handing back {h.ref}"):
                 given.append(str(h.ref))
             self.held.pop(h.ref, None)
         self.handed_back += len(given)

@@ -260,6 +260,7 @@ class EngineSupervisor:
                      f" (start #{self.starts})" if self.starts > 1 else "")
             if self.stopping:  # stop() came while it was being spawned
                 self.proc.send_signal(signal.SIGTERM)
+            assert self.proc.stdout is not None  # started with stdout=PIPE
             pump = asyncio.create_task(self._pump(self.proc.stdout))
             rc = await self.proc.wait()
             await pump

@@ -13,6 +13,7 @@ the lease's end); the horse only returns, so no process needs a signal mid-way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -67,7 +68,7 @@ class LeaseDesk:
                 if item is not None:
                     token, job, batch_id, rq_id = unpack(item[1], list)
                     ref = BatchRef(job, batch_id)
-                    await retrying(lambda t=token, r=ref, q=rq_id: self.acquire(t, r, q), "lease")
+                    await retrying(functools.partial(self.acquire, token, ref, rq_id), "lease")
         finally:
             await inbox_conn.aclose()
 

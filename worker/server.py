@@ -246,7 +246,7 @@ def _capacity(info: dict[str, Any]) -> int | None:
     states = info.get("internal_states") or []
     effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
     if effective and all(isinstance(v, int) and v > 0 for v in effective):
-        return sum(effective)
+        return sum(int(v) for v in effective if v)
     value = info.get("max_running_requests")
     return value if isinstance(value, int) and value > 0 else None
 

@@ -6,6 +6,7 @@ Subcommands are imported lazily so `genq --help` and small commands start fast.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 import click

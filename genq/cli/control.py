@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import click
 import msgspec
@@ -17,6 +18,7 @@ import redis
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import JustifyMethod
 
 from genq.cli import settings
 from genq.core.redisconn import connect, describe_error
@@ -73,7 +75,7 @@ def workers_table(rows: list[control.WorkerRow], title: str | None = None) -> Ta
                          ("state", "left"), ("batches", "left"), ("in flight", "right"), ("queued", "right"),
                          ("tok/s", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
         # One line per worker; a long note (a connection error) is cut: --json has it whole.
-        table.add_column(col, justify=justify, no_wrap=True, overflow="ellipsis",
+        table.add_column(col, justify=cast(JustifyMethod, justify), no_wrap=True, overflow="ellipsis",
                          max_width=60 if col == "note" else None)
     styles = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow",
               "server_down": "red", "stopped": "dim", control.LOST: "red"}

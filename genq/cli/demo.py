@@ -197,7 +197,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
 
 def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
              n_prompts: int) -> None:
-    rows = []
+    rows: list[dict] = []
     for shard in sorted((out / job / "shards").glob("*.jsonl")):
         with open(shard) as f:
             rows.extend(json.loads(line) for line in f if line.strip())

@@ -8,10 +8,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 import redis
+from rich.text import JustifyMethod
 
 from genq.cli import settings
 from genq.core.redisconn import connect, describe_error
@@ -95,7 +96,7 @@ def _table(rows: Sequence[core.Entry]) -> None:
     for name, justify in (("id", "left"), ("job", "left"), ("batch", "left"), ("attempts", "right"),
                           ("kind", "left"), ("HTTP", "right"), ("message", "left"), ("worker", "left"),
                           ("age", "right")):
-        table.add_column(name, justify=justify, no_wrap=name != "message", overflow="fold")
+        table.add_column(name, justify=cast(JustifyMethod, justify), no_wrap=name != "message", overflow="fold")
     now = time.time()
     for e in rows:
         table.add_row(e.id, e.job, e.batch, str(e.attempts), e.kind, str(e.status or "-"),

@@ -177,14 +177,14 @@ class Reconciler:
         out = []
         for rq_id in rq_ids:
             job = jobs.get(rq_id) if rq_id else None
-            if job is None:
+            if job is None or rq_id is None:
                 out.append(False)
                 continue
             status = job.get_status(refresh=False)
             if status == "queued":
                 out.append(rq_id.encode() in queued)
             elif status == "started":
-                out.append(alive.get(engine_of(job.worker_name)) is not None)
+                out.append(alive.get(engine_of(job.worker_name) or "") is not None)
             else:
                 out.append(status in ("scheduled", "deferred"))
         return out

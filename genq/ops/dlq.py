@@ -109,7 +109,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
     entries = []
     for rq_job in fetch_rq_jobs(conn, registry.get_job_ids()):
         ref = _batch_ref(rq_job)
-        if ref is None or ref[0] not in wanted:
+        if rq_job is None or ref is None or ref[0] not in wanted:
             continue
         job, batch_id = ref
         result = rq_job.latest_result()
@@ -200,7 +200,8 @@ def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: in
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         letters, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
-        prompts = sorted((letter.prompt for letter in letters), key=lambda p: (p.index, p.id))
+        prompts = sorted((letter.prompt for letter in letters if letter.prompt is not None),
+                         key=lambda p: (p.index, p.id))
         batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
         pipe.multi()
         if letters:

@@ -63,7 +63,7 @@ class ShardRef(NamedTuple):
 
 
 class Entry(NamedTuple):
-    index: int
+    line: int  # the prompt's position in the input (Result.index)
     shard: int
     offset: int
     length: int
@@ -159,7 +159,7 @@ def _materialize(ref: ShardRef, spool: Path, number: int, endpoint_url: str | No
     counting = _Counting(source)
     target = spool / f"{number:08d}.jsonl"
     try:
-        reader: Any = gzip.GzipFile(fileobj=counting, mode="rb") if gz else counting
+        reader: Any = gzip.GzipFile(fileobj=counting, mode="rb") if gz else counting  # type: ignore[call-overload]
         with open(target, "wb") as out:
             shutil.copyfileobj(reader, out, 1 << 20)
         if reader is not counting:
