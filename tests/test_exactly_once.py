@@ -182,3 +182,29 @@ def test_records_are_not_rewritten_by_a_late_second_writer(redis_url, rconn, sim
     info = json.loads(marker.read_text())
     assert info["bytes"] == shard.stat().st_size and info["records"] == 20
     assert info["at"] == max(r["finished_at"] for r in read_results(out, "race")), "marker time not deterministic"
+
+
+def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim, worker, tmp_path, monkeypatch):
+    """RQ used to retry a batch 10 times and then dead-letter it as batch_failed, though no
+    prompt was at fault: the ledger now queues it again however often its RQ job fails."""
+    import subprocess
+    import sys
+
+    from genq.core import ledger
+
+    monkeypatch.setattr(ledger, "STRANDED_CONFIRM_S", 0.0)
+    ids, out = enqueue(tmp_path, "tf", 10, "--batch-size", "10", "--max-tokens", "200")
+    reconciler = ledger.Reconciler(rconn, "test")
+    rq_bin = str(Path(sys.executable).parent / "rq")
+    env = {k: v for k, v in os.environ.items() if k != "GENQ_ENGINE"}
+    for _ in range(12):  # a stock RQ worker: run_batch raises EngineLost, the RQ job fails
+        subprocess.run([rq_bin, "worker", "--burst", "-S", "rq.serializers.JSONSerializer", "--url", redis_url,
+                        keys.QUEUE], env=env, capture_output=True, timeout=60, check=True)
+        assert rq_queue(rconn).count == 0
+        assert reconciler.pass_once(force=True).requeued == [("tf", "b0000001")]  # stranded: queued again
+    assert json.loads(run_genq("dlq", "list", "--json").stdout) == [], "a failed transport is in the DLQ"
+    server = sim(max_running_requests=8, **FAST)
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    check(rconn, out, "tf", ids)
+    assert int(rconn.hget(keys.job_stats("tf"), "redeliveries")) == 12

@@ -106,6 +106,7 @@ class Engine:
             mask_url(self.opts.redis_url),
         )
         await self.heartbeat.beat()
+        await asyncio.to_thread(self.maintenance.reconciler.drop_legacy_jobs)
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (

@@ -15,10 +15,9 @@ from typing import cast
 import click
 import msgspec
 import redis
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
-from rich.text import JustifyMethod
 
 from genq.cli import settings
 from genq.core.redisconn import connect, describe_error

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 
 import click
 import redis
-from rich.text import JustifyMethod
+from rich.console import JustifyMethod
 
 from genq.cli import settings
 from genq.core.redisconn import connect, describe_error

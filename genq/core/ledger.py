@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import redis
@@ -146,6 +147,29 @@ class Reconciler:
                     self._suspects.pop(key, None)
         self._suspects = {k: v for k, v in self._suspects.items() if k in seen}
         return outlook
+
+    def drop_legacy_jobs(self) -> int:
+        """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without
+        unpickling them; their batches have no transport entry, so a pass queues them again."""
+        queue = rq_queue(self.conn)
+        dropped = 0
+        for raw_id in self.conn.lrange(queue.key, 0, -1):
+            job_key = b"rq:job:" + raw_id
+            data = self.conn.hget(job_key, "data")
+            try:
+                legacy = data is not None and zlib.decompress(data)[:1] not in (b"[", b"{")
+            except zlib.error:
+                legacy = True
+            if legacy:
+                with self.conn.pipeline(transaction=True) as pipe:
+                    pipe.lrem(queue.key, 0, raw_id)
+                    pipe.delete(job_key)
+                    pipe.execute()
+                dropped += 1
+        if dropped:
+            log.warning("dropped %d RQ jobs that were not JSON (queued by genq 0.1, pickled): "
+                        "their batches are queued again", dropped)
+        return dropped
 
     def pending(self) -> dict[str, list[str]]:
         return {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
