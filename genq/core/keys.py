@@ -122,3 +122,8 @@ def engine_inbox(instance: str) -> str:
 def lease_reply(rq_job_id: str) -> str:
     """List the engine pushes "done" or "handback" to, for the RQ job holding a batch."""
     return f"genq:lease:{rq_job_id}:reply"
+
+
+def job_keys_pattern(job: str) -> str:
+    """SCAN MATCH pattern for every key of a job (genq jobs delete); glob characters escaped."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", f"{_job(job)}:") + "*"
