@@ -8,7 +8,12 @@ concurrent enqueues of one input, passwords masked in every URL form.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +24,7 @@ from genq.core import keys
 from genq.core.queueing import load_batch, rq_queue
 from genq.core.records import BatchRef, Rejected, WorkerStatus, pack
 from genq.core.redisconn import mask_url
-from tests.conftest import genq_cmd, run_genq, write_prompts
+from tests.conftest import ROOT, descendants, free_port, genq_cmd, run_genq, write_prompts
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -296,3 +301,42 @@ def test_a_query_password_is_masked_in_enqueue_errors(tmp_path):
     proc = run_genq("enqueue", str(src), "--job", "j", redis_url="redis://127.0.0.1:1/0?password=s3cret", check=False)
     assert proc.returncode == 1
     assert "s3cret" not in proc.stdout + proc.stderr and "password=***" in proc.stderr
+
+
+# ---------------------------------------------------------------- items 7 and 8: README walk-through, exit codes
+
+
+def test_the_readme_walkthrough_works_in_a_fresh_shell(tmp_path):
+    """The "Using it" commands as printed, after its set-up line (the venv on PATH).
+
+    Only the two ports are changed, to free ones, so parallel runs do not collide.
+    """
+    section = (ROOT / "README.md").read_text().split("## Using it", 1)[1]
+    setup, script = re.findall(r"```\n(.*?)```", section, re.S)[:2]
+    assert setup.strip() == "make install && . .venv/bin/activate"
+    redis_port, sim_port = free_port(), free_port()
+    script = script.replace("6390", str(redis_port)).replace("30000", str(sim_port))
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = {k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # what activate does
+    shell = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = shell.communicate(timeout=240)
+    finally:
+        for pid in descendants(shell.pid):
+            os.kill(pid, signal.SIGTERM)
+        subprocess.run(["redis-cli", "-p", str(redis_port), "shutdown", "nosave"], capture_output=True)
+    assert shell.returncode == 0, out
+    assert "queued 20 prompts" in out and "6 'prompt' rows sent as one user message each" in out
+    results = [json.loads(line) for line in (tmp_path / "example-results.jsonl").read_text().splitlines()]
+    assert len(results) == 20 and all(r.get("completion") for r in results), results[:2]
+    source = [json.loads(line) for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in results] == [row.get("id") or row.get("custom_id") for row in source]
+
+
+def test_bad_usage_exits_2_as_the_help_says(redis_url, tmp_path):
+    assert "2    bad usage" in run_genq("--help", redis_url=redis_url).stdout
+    proc = run_genq("enqueue", "x.jsonl", "--job", "j", "--no-such-option", redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "No such option" in proc.stderr
+    assert "2 bad usage" in " ".join(run_genq("enqueue", "--help", redis_url=redis_url).stdout.split())
