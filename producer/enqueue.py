@@ -81,7 +81,7 @@ class Enqueuer:
                 if fit_endpoint(prompt, self.config.endpoint):
                     self.summary.converted += 1
             except RowError as exc:
-                self.summary.rejected.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text))
+                self.summary.rejected.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
                 continue
             self.summary.read += 1
             digest = content_digest(prompt)
@@ -181,7 +181,7 @@ def _conflict(row: Row, where: str) -> Rejected:
     return Rejected(
         line=row.prompt.index + 1,
         reason=f"duplicate id {row.prompt.id!r} with different content ({where})",
-        text=row.text,
+        text=row.text(),
     )
 
 

@@ -107,7 +107,7 @@ def _to_prompt(row_no: int, row: dict[str, Any]) -> Row | Rejected:
             row["messages"] = _strip_nulls(messages)
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
-        return Row(row_to_prompt(row_no, row), _fallback.encode(row).decode())
+        return Row(row_to_prompt(row_no, row), row)
     except RowError as exc:
         return rejected(row_no, str(exc), _fallback.encode(row))
 

@@ -4,6 +4,10 @@ Accepted rows (one JSON object a line):
   {"id": ..., "messages": [...], "sampling": {...}, ...metadata}
   {"id": ..., "prompt": "...", ...}
   OpenAI Batch: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+`sampling` and an OpenAI Batch body are checked field by field (genq.producer.params).
+fit_endpoint then makes a row what the job's endpoint takes (a prompt becomes one user
+message for chat; messages are refused for completions) before it is stored.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
 
 _decoder = msgspec.json.Decoder()
 _canonical = msgspec.json.Encoder(order="sorted")
+_fallback = msgspec.json.Encoder(enc_hook=str)  # Parquet values JSON has no type for (dates, bytes)
 
 
 class RowError(ValueError):
@@ -32,10 +37,19 @@ class RowError(ValueError):
 
 
 class Row(NamedTuple):
-    """A valid row and its whole input line, kept in case the row is rejected later (a duplicate id)."""
+    """A valid row and where it came from, kept in case the row is rejected later (a duplicate id).
+
+    source is the raw JSONL line or the Parquet row; it becomes text only for a reject.
+    """
 
     prompt: Prompt
-    text: str
+    source: bytes | dict[str, Any]
+
+    def text(self) -> str:
+        """The whole line, for the rejects file."""
+        if isinstance(self.source, bytes):
+            return self.source.decode("utf-8", errors="replace")
+        return _fallback.encode(self.source).decode()
 
 
 def content_digest(prompt: Prompt) -> str:
@@ -56,7 +70,7 @@ def parse_line(line_no: int, raw: bytes) -> Row | Rejected | None:
     except msgspec.DecodeError as exc:
         return _reject(line_no, f"invalid JSON: {exc}", raw)
     try:
-        return Row(row_to_prompt(line_no, obj), stripped.decode("utf-8", errors="replace"))
+        return Row(row_to_prompt(line_no, obj), stripped)
     except RowError as exc:
         return _reject(line_no, str(exc), raw)
 
