@@ -103,7 +103,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         raise click.ClickException(describe_error(url, exc)) from None
     if summary.read == 0:
         _nothing_valid(summary, input_uri)
-    _report(summary, rejects_path or default_rejects_path(input_uri, config.output, job))
+    _report(summary, os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
     if summary.rejected:
         sys.exit(EXIT_REJECTED)
 
