@@ -12,6 +12,7 @@ be overridden.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -168,7 +169,9 @@ def check_params(params: Any, where: str) -> None:
             raise ParamError(f"{where}: {name!r} cannot be set here; it is set by {SET_BY_GENQ[name]}")
         check = KNOWN.get(name)
         if check is None:
-            raise ParamError(f"{where}: unknown request field {name!r}; known fields: {', '.join(sorted(KNOWN))}")
+            close = difflib.get_close_matches(name, KNOWN, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ParamError(f"{where}: unknown request field {name!r}{hint}; known fields: {', '.join(sorted(KNOWN))}")
         problem = check(value)
         if problem:
             raise ParamError(f"{where}: {name} {problem}")

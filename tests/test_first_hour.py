@@ -97,7 +97,7 @@ def test_out_of_range_options_are_refused_before_anything_is_created(redis_url, 
 
 
 @pytest.mark.parametrize("extra, expect", [
-    ('{"temprature": 0.5}', "unknown request field 'temprature'; known fields: "),
+    ('{"temprature": 0.5}', "unknown request field 'temprature' (did you mean 'temperature'?); known fields: "),
     ('{"temperature": "hot"}', "temperature must be a number"),
     ('{"top_k": 2.5}', "top_k must be an integer"),
     ('{"stream": false}', "'stream' cannot be set here"),

@@ -169,7 +169,7 @@ def _nothing_valid(summary: EnqueueSummary, input_uri: str) -> None:
     """No valid line: a plain error, and nothing written (no job, no rejects file)."""
     if not summary.rejected:
         raise click.ClickException(f"{input_uri} has no prompts (it is empty): nothing queued, no job created")
-    _show_reasons(summary.rejected, None)
+    _show_reasons(summary.rejected, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
     raise click.ClickException(
         f"no valid line in {input_uri} ({len(summary.rejected):,} rejected, reasons above): nothing queued, "
         "no job created. Input is JSONL, one object a line (see `genq enqueue --help`)."
@@ -199,9 +199,9 @@ def _report(summary: EnqueueSummary, rejects_path: str) -> None:
     _show_reasons(summary.rejected, rejects_path)
 
 
-def _show_reasons(rejected: list[Rejected], rejects_path: str | None) -> None:
-    for item in rejected[:SHOWN_REJECTS]:
+def _show_reasons(rejected: list[Rejected], rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
+    for item in rejected[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
-    if len(rejected) > SHOWN_REJECTS:
+    if len(rejected) > limit:
         more = f" (see {rejects_path})" if rejects_path else ""
-        click.echo(f"    ... and {len(rejected) - SHOWN_REJECTS:,} more{more}", err=True)
+        click.echo(f"    ... and {len(rejected) - limit:,} more{more}", err=True)
