@@ -219,7 +219,7 @@ def test_two_enqueues_of_one_input_at_once_queue_each_id_once(redis_url, rconn, 
 
 
 def _job_keys(rconn, job: str) -> list[bytes]:
-    return sorted(rconn.scan_iter(match=f"genq:job:{job}:*"))
+    return sorted(rconn.scan_iter(match=keys.job_keys_pattern(job)))
 
 
 def test_jobs_delete_removes_every_key_of_the_job_and_its_rq_jobs(redis_url, rconn, tmp_path, sim, worker):
