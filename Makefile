@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create .venv, install genq, run the end-to-end demo on simulated GPUs
-#   make test   install the test extras and run the tests against a real Redis
+#               (on a private redis-server of its own: an existing Redis is never touched)
+#   make test   install the test extras and run the tests against a private real Redis
+# `make install` only creates .venv; `. .venv/bin/activate` then puts `genq` on PATH.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,10 +20,11 @@ $(VENV)/.test-extras: $(BIN)/genq
 	touch $@
 
 install: $(BIN)/genq
+	@echo "genq is installed in $(VENV). Put it on PATH in this shell with:  . $(VENV)/bin/activate"
 
 demo: $(BIN)/genq
-	scripts/ensure-redis
 	$(BIN)/genq demo
+	@echo "To use genq yourself: . $(VENV)/bin/activate, then follow \"Using it\" in README.md"
 
 test: $(VENV)/.test-extras check
 	$(BIN)/python -m pytest

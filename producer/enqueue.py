@@ -2,108 +2,191 @@
 
 Ids already queued (or done) for the job are skipped; an id seen before with
 different content is rejected, never silently replaced.
+
+Ids are claimed in the same transaction that writes their batches and RQ jobs,
+under WATCH of the job's ids hash, batch counter and config: two enqueues of
+the same input at once queue each id once (the loser's transaction fails, it
+re-reads the ids and skips the ones the winner queued), and a crash can never
+leave ids claimed without the batches that run them. The job's config is
+written in the transaction of its first batches, so an enqueue that queues
+nothing (missing input, empty file, every line rejected) creates nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import redis
 
 from genq.core import keys
-from genq.core.queueing import new_batches, write_batches
-from genq.core.records import JobConfig, Prompt, Rejected
-from genq.producer.rows import content_digest
+from genq.core.queueing import batch_id, stage_config, write_batches
+from genq.core.records import Batch, JobConfig, Rejected, unpack
+from genq.producer.rows import Row, RowError, content_digest, fit_endpoint
 
-LOOKUP_CHUNK = 8192  # ids checked against Redis per round trip
+READ_CHUNK = 8192  # rows read before queueing what is ready
+GROUP_BATCHES = 64  # batches per transaction: keeps a MULTI a sensible size
+
+
+class JobConflict(ValueError):
+    """Another enqueue created the job meanwhile with other settings."""
 
 
 @dataclass
 class EnqueueSummary:
-    read: int = 0
+    read: int = 0  # valid rows
     enqueued: int = 0
     batches: int = 0
+    converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
     skipped_existing: int = 0  # already queued or done in an earlier run
     skipped_duplicate: int = 0  # same id, same content, twice in this input
     rejected: list[Rejected] = field(default_factory=list)
+    created: bool = False  # this run created the job
+
+
+@dataclass
+class _Pending:
+    row: Row
+    digest: str
 
 
 class Enqueuer:
-    def __init__(self, conn: redis.Redis, config: JobConfig) -> None:
+    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool) -> None:
+        """create: the job has no stored config yet; it is stored with the first batches."""
         self.conn = conn
         self.config = config
         self.summary = EnqueueSummary()
+        self._create = create
         self._seen: dict[str, str] = {}  # id -> digest within this run
-        self._pending: list[Prompt] = []
-        self._pending_digests: dict[str, str] = {}
+        self._pending: list[_Pending] = []
 
-    def run(self, rows: Iterable[Prompt | Rejected], on_progress=None) -> EnqueueSummary:
-        for chunk in _chunks(rows, LOOKUP_CHUNK):
+    def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
+        for chunk in _chunks(rows, READ_CHUNK):
             self._add_chunk(chunk)
+            self._flush(final=False)
             if on_progress:
                 on_progress(self.summary)
         self._flush(final=True)
         return self.summary
 
-    def _add_chunk(self, rows: list[Prompt | Rejected]) -> None:
-        prompts: list[tuple[Prompt, str]] = []
+    def _add_chunk(self, rows: list[Row | Rejected]) -> None:
         for row in rows:
             if isinstance(row, Rejected):
                 self.summary.rejected.append(row)
                 continue
+            prompt = row.prompt
+            try:
+                if fit_endpoint(prompt, self.config.endpoint):
+                    self.summary.converted += 1
+            except RowError as exc:
+                self.summary.rejected.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
+                continue
             self.summary.read += 1
-            digest = content_digest(row)
-            earlier = self._seen.get(row.id)
+            digest = content_digest(prompt)
+            earlier = self._seen.get(prompt.id)
             if earlier is not None:
                 if earlier == digest:
                     self.summary.skipped_duplicate += 1
                 else:
                     self.summary.rejected.append(_conflict(row, "earlier in this input"))
                 continue
-            self._seen[row.id] = digest
-            prompts.append((row, digest))
-        if not prompts:
-            return
-        stored = self.conn.hmget(keys.job_ids(self.config.name), [p.id for p, _ in prompts])
-        for (prompt, digest), known in zip(prompts, stored):
-            if known is None:
-                self._pending.append(prompt)
-                self._pending_digests[prompt.id] = digest
-            elif known.decode() == digest:
-                self.summary.skipped_existing += 1
-            else:
-                self.summary.rejected.append(_conflict(prompt, "in an earlier enqueue of this job"))
-        self._flush(final=False)
+            self._seen[prompt.id] = digest
+            self._pending.append(_Pending(row, digest))
 
     def _flush(self, final: bool) -> None:
         size = self.config.batch_size
-        ready = len(self._pending) if final else len(self._pending) - len(self._pending) % size
-        if ready <= 0:
-            return
-        taking, self._pending = self._pending[:ready], self._pending[ready:]
-        batches = new_batches(self.conn, self.config.name, taking, size)
-        digests = {p.id: self._pending_digests.pop(p.id) for p in taking}
-        # One transaction per group of batches keeps pipelines a sensible size.
-        for start in range(0, len(batches), 64):
-            group = batches[start : start + 64]
-            with self.conn.pipeline(transaction=True) as pipe:
-                write_batches(pipe, self.conn, group, {p.id: digests[p.id] for b in group for p in b.prompts})
-                pipe.execute()
+        while self._pending and (final or len(self._pending) >= size):
+            take = min(len(self._pending), GROUP_BATCHES * size)
+            if not final:
+                take -= take % size
+            group, rest = self._pending[:take], self._pending[take:]
+            # Rows checked but not queued (too few for a full batch) are checked again next time.
+            self._pending = self._commit(group, final) + rest
+            if not final and len(self._pending) == len(group) + len(rest):
+                return  # nothing could be taken: wait for more rows
+
+    def _commit(self, group: list[_Pending], final: bool) -> list[_Pending]:
+        """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
+        job = self.config.name
+        ids_key = keys.job_ids(job)
+        with self.conn.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(ids_key, keys.job_batch_seq(job), keys.job_config(job))
+                    if self._create:
+                        self._check_created_meanwhile(pipe)
+                    known = pipe.hmget(ids_key, [p.row.prompt.id for p in group])
+                    fresh, existing, conflicts = _classify(group, known)
+                    size = self.config.batch_size
+                    keep = len(fresh) if final else len(fresh) - len(fresh) % size
+                    taking, held = fresh[:keep], fresh[keep:]
+                    if taking:
+                        batches = self._batches(pipe, [p.row.prompt for p in taking])
+                        pipe.multi()
+                        if self._create:
+                            stage_config(pipe, self.config)
+                        pipe.set(keys.job_batch_seq(job), int(batches[-1].id[1:]))
+                        write_batches(pipe, self.conn, batches, {p.row.prompt.id: p.digest for p in taking})
+                        pipe.execute()
+                    else:
+                        pipe.unwatch()
+                        batches = []
+                    break
+                except redis.WatchError:
+                    continue  # another enqueue (or a DLQ requeue) wrote meanwhile: look again
+        if batches and self._create:
+            self._create = False
+            self.summary.created = True
         self.summary.enqueued += len(taking)
         self.summary.batches += len(batches)
+        self.summary.skipped_existing += existing
+        self.summary.rejected.extend(_conflict(p.row, "in an earlier enqueue of this job") for p in conflicts)
+        return held
+
+    def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
+        raw = pipe.get(keys.job_config(self.config.name))
+        if raw is None:
+            return
+        stored = unpack(raw, JobConfig)
+        if msgspec.structs.replace(stored, created_at=0.0) != msgspec.structs.replace(self.config, created_at=0.0):
+            raise JobConflict(f"job {self.config.name!r} was created by another enqueue meanwhile with other "
+                              "settings; nothing was queued by this one. Run it again to see which differ.")
+        self.config = stored
+        self._create = False
+
+    def _batches(self, pipe: redis.client.Pipeline, prompts: list) -> list[Batch]:
+        size = self.config.batch_size
+        last = int(pipe.get(keys.job_batch_seq(self.config.name)) or 0)
+        created = time.time()
+        return [Batch(job=self.config.name, id=batch_id(last + 1 + n), prompts=prompts[i : i + size], created_at=created)
+                for n, i in enumerate(range(0, len(prompts), size))]
 
 
-def _conflict(prompt: Prompt, where: str) -> Rejected:
+def _classify(group: list[_Pending], known: list[bytes | None]) -> tuple[list[_Pending], int, list[_Pending]]:
+    fresh, existing, conflicts = [], 0, []
+    for pending, stored in zip(group, known):
+        if stored is None:
+            fresh.append(pending)
+        elif stored.decode() == pending.digest:
+            existing += 1
+        else:
+            conflicts.append(pending)
+    return fresh, existing, conflicts
+
+
+def _conflict(row: Row, where: str) -> Rejected:
+    # The whole line is kept: it is valid, and may be queued again under another id.
     return Rejected(
-        line=prompt.index + 1,
-        reason=f"duplicate id {prompt.id!r} with different content ({where})",
-        text=prompt.id,
+        line=row.prompt.index + 1,
+        reason=f"duplicate id {row.prompt.id!r} with different content ({where})",
+        text=row.text(),
     )
 
 
-def _chunks(rows: Iterable[Prompt | Rejected], size: int) -> Iterator[list[Prompt | Rejected]]:
-    chunk: list[Prompt | Rejected] = []
+def _chunks(rows: Iterable[Row | Rejected], size: int) -> Iterator[list[Row | Rejected]]:
+    chunk: list[Row | Rejected] = []
     for row in rows:
         chunk.append(row)
         if len(chunk) >= size:

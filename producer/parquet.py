@@ -15,9 +15,9 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from genq.core.records import Prompt, Rejected
+from genq.core.records import Rejected
 from genq.producer.files import ColumnMap, SourceError, open_binary
-from genq.producer.rows import RowError, rejected, row_to_prompt
+from genq.producer.rows import Row, RowError, rejected, row_to_prompt
 
 READ_BATCH_ROWS = 1024
 # Request fields of a row (genq.producer.rows): a column with one of these names that
@@ -56,7 +56,7 @@ def resolve_columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str,
     return mapping
 
 
-def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = None) -> Iterator[Prompt | Rejected]:
+def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = None) -> Iterator[Row | Rejected]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -75,7 +75,7 @@ def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = 
     return _rows(parquet, stream, mapping)
 
 
-def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str]) -> Iterator[Prompt | Rejected]:
+def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str]) -> Iterator[Row | Rejected]:
     import pyarrow as pa
 
     sources = set(mapping.values())
@@ -95,7 +95,7 @@ def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str]) -> Iterator[P
         stream.close()
 
 
-def _to_prompt(row_no: int, row: dict[str, Any]) -> Prompt | Rejected:
+def _to_prompt(row_no: int, row: dict[str, Any]) -> Row | Rejected:
     try:
         messages = row.get("messages")
         if isinstance(messages, str):
@@ -107,7 +107,7 @@ def _to_prompt(row_no: int, row: dict[str, Any]) -> Prompt | Rejected:
             row["messages"] = _strip_nulls(messages)
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
-        return row_to_prompt(row_no, row)
+        return Row(row_to_prompt(row_no, row), row)
     except RowError as exc:
         return rejected(row_no, str(exc), _fallback.encode(row))
 

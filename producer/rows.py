@@ -4,16 +4,21 @@ Accepted rows (one JSON object a line):
   {"id": ..., "messages": [...], "sampling": {...}, ...metadata}
   {"id": ..., "prompt": "...", ...}
   OpenAI Batch: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+`sampling` and an OpenAI Batch body are checked field by field (genq.producer.params).
+fit_endpoint then makes a row what the job's endpoint takes (a prompt becomes one user
+message for chat; messages are refused for completions) before it is stored.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from genq.core.records import Prompt, Rejected
+from genq.core.records import Endpoint, Prompt, Rejected
+from genq.producer.params import ParamError, check_params
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
@@ -24,10 +29,27 @@ _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
 
 _decoder = msgspec.json.Decoder()
 _canonical = msgspec.json.Encoder(order="sorted")
+_fallback = msgspec.json.Encoder(enc_hook=str)  # Parquet values JSON has no type for (dates, bytes)
 
 
 class RowError(ValueError):
     pass
+
+
+class Row(NamedTuple):
+    """A valid row and where it came from, kept in case the row is rejected later (a duplicate id).
+
+    source is the raw JSONL line or the Parquet row; it becomes text only for a reject.
+    """
+
+    prompt: Prompt
+    source: bytes | dict[str, Any]
+
+    def text(self) -> str:
+        """The whole line, for the rejects file."""
+        if isinstance(self.source, bytes):
+            return self.source.decode("utf-8", errors="replace")
+        return _fallback.encode(self.source).decode()
 
 
 def content_digest(prompt: Prompt) -> str:
@@ -36,7 +58,7 @@ def content_digest(prompt: Prompt) -> str:
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
-def parse_line(line_no: int, raw: bytes) -> Prompt | Rejected | None:
+def parse_line(line_no: int, raw: bytes) -> Row | Rejected | None:
     """None for a blank line. line_no is 1-based, as editors show it."""
     if len(raw) > MAX_LINE_BYTES:
         return _reject(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
@@ -48,7 +70,7 @@ def parse_line(line_no: int, raw: bytes) -> Prompt | Rejected | None:
     except msgspec.DecodeError as exc:
         return _reject(line_no, f"invalid JSON: {exc}", raw)
     try:
-        return row_to_prompt(line_no, obj)
+        return Row(row_to_prompt(line_no, obj), stripped)
     except RowError as exc:
         return _reject(line_no, str(exc), raw)
 
@@ -70,8 +92,8 @@ def row_to_prompt(line_no: int, obj: Any) -> Prompt:
     elif not isinstance(prompt, str) or not prompt:
         raise RowError("'prompt' must be a non-empty string")
     sampling = obj.get("sampling")
-    if sampling is not None and not isinstance(sampling, dict):
-        raise RowError("'sampling' must be an object of request parameters")
+    if sampling is not None:
+        _check_sampling(sampling, "'sampling'")
     metadata = {k: v for k, v in obj.items() if k not in _REQUEST_FIELDS}
     result = Prompt(
         id="",
@@ -107,6 +129,8 @@ def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
     elif not isinstance(value, str) or not value:
         raise RowError("OpenAI Batch body for /v1/completions needs a non-empty string 'prompt'")
     sampling = {k: v for k, v in body.items() if k not in _BODY_FIELDS_IGNORED} or None
+    if sampling:
+        _check_sampling(sampling, "OpenAI Batch 'body'")
     return Prompt(
         id=custom_id,
         index=line_no - 1,
@@ -115,6 +139,32 @@ def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
         sampling=sampling,
         custom_id=custom_id,
     )
+
+
+def _check_sampling(sampling: Any, where: str) -> None:
+    try:
+        check_params(sampling, where)
+    except ParamError as exc:
+        raise RowError(str(exc)) from None
+
+
+def fit_endpoint(prompt: Prompt, endpoint: Endpoint) -> bool:
+    """Make the row what the job's endpoint takes; True when it was converted. Raises RowError.
+
+    /v1/chat/completions takes only messages: a plain prompt becomes one user
+    message (the stored Prompt is what is sent, so this happens at enqueue).
+    /v1/completions takes only a prompt string: messages cannot be flattened
+    without the model's chat template, so such a row is refused.
+    """
+    if endpoint == "chat" and prompt.messages is None:
+        prompt.messages = [{"role": "user", "content": prompt.prompt}]
+        prompt.prompt = None
+        return True
+    if endpoint == "completions" and prompt.messages is not None:
+        what = "OpenAI Batch url /v1/chat/completions" if prompt.custom_id is not None else "'messages'"
+        raise RowError(f"has {what} but the job uses --endpoint completions, which takes a 'prompt' string; "
+                       "queue chat rows in a job with --endpoint chat")
+    return False
 
 
 def _check_messages(messages: Any) -> None:
@@ -144,11 +194,15 @@ def _row_id(raw_id: Any, prompt: Prompt) -> str:
     return text
 
 
-def _reject(line_no: int, reason: str, raw: bytes) -> Rejected:
+def _cut(raw: bytes) -> str:
     text = raw[:REJECT_TEXT_LIMIT].decode("utf-8", errors="replace").rstrip("\n")
     if len(raw) > REJECT_TEXT_LIMIT:
         text += f"... [{len(raw) - REJECT_TEXT_LIMIT:,} more bytes]"
-    return Rejected(line=line_no, reason=reason, text=text)
+    return text
+
+
+def _reject(line_no: int, reason: str, raw: bytes) -> Rejected:
+    return Rejected(line=line_no, reason=reason, text=_cut(raw))
 
 
 def rejected(line_no: int, reason: str, raw: bytes) -> Rejected:

@@ -14,18 +14,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from genq.core.records import Prompt, Rejected
+from genq.core.records import Rejected
+from genq.output import layout
 from genq.producer.files import ColumnMap, SourceError, open_binary
-from genq.producer.rows import parse_line
+from genq.producer.rows import Row, parse_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+REJECTS_DIR = "rejects"  # OUTPUT/JOB/rejects/: beside shards/ and manifest/
 
 
 def is_parquet(uri: str) -> bool:
     return uri.lower().endswith(PARQUET_SUFFIXES)
 
 
-def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap()) -> Iterator[Prompt | Rejected]:
+def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap()) -> Iterator[Row | Rejected]:
     """Prompts (or rejects) of INPUT in input order; blank JSONL lines are skipped.
 
     Opening errors (missing file, no such bucket, no such column) are raised
@@ -41,7 +43,7 @@ def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMa
     return _parse_lines(open_lines(uri, s3_endpoint_url=s3_endpoint_url))
 
 
-def _parse_lines(lines: Iterator[bytes]) -> Iterator[Prompt | Rejected]:
+def _parse_lines(lines: Iterator[bytes]) -> Iterator[Row | Rejected]:
     for line_no, raw in enumerate(lines, start=1):
         row = parse_line(line_no, raw)
         if row is not None:
@@ -76,11 +78,17 @@ def _lines(uri: str, stream: BinaryIO, gz: bool) -> Iterator[bytes]:
                 reader.close()
 
 
-def default_rejects_path(uri: str) -> str:
-    """prompts.jsonl -> prompts.rejects.jsonl beside it (in the current directory for remote inputs)."""
-    remote = "://" in uri
+def default_rejects_path(uri: str, output: str, job: str) -> str:
+    """Where rejected lines of INPUT go: under the job's output, never beside the input.
+
+    data/prompts.jsonl -> OUTPUT/JOB/rejects/prompts.rejects.jsonl (the input's folder
+    may be read-only or somebody else's: /bin, a shared dataset). For s3:// output
+    the rejects are written locally, under ./genq-rejects/JOB/, and the path is printed.
+    """
     name = uri.rsplit("/", 1)[-1]
     for suffix in (".gz", ".jsonl", ".json", ".parquet", ".pq"):
         name = name.removesuffix(suffix)
-    folder = Path(".") if remote else Path(uri).parent
-    return str(folder / f"{name}.rejects.jsonl")
+    filename = f"{name or 'input'}.rejects.jsonl"
+    if "://" in output:
+        return str(Path("genq-rejects") / job / filename)
+    return str(Path(layout.job_root(output, job)) / REJECTS_DIR / filename)

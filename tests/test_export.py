@@ -186,7 +186,7 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
     assert "queued 28 prompts in 3 batches" in proc.stdout
     assert "line 5: 'messages' must be a non-empty list" in proc.stderr
     assert "line 10: messages[0] has no 'content'" in proc.stderr
-    assert (tmp_path / "chats.rejects.jsonl").exists()
+    assert (out / "pqjob" / "rejects" / "chats.rejects.jsonl").exists()
     prompt = load_batch(rconn, "pqjob", "b0000001").prompts[1]
     # Parquet's null struct fields are dropped; other columns are metadata; the
     # unmapped "prompt" column is left out rather than taken for the request.

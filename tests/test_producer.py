@@ -68,10 +68,11 @@ def test_malformed_lines_are_reported_kept_aside_and_do_not_stop_valid_ones(redi
     ]
     src = tmp_path / "mixed.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    proc = run_genq("enqueue", str(src), "--job", "j3", redis_url=redis_url, check=False)
+    proc = run_genq("enqueue", str(src), "--job", "j3", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
     assert proc.returncode == 3, proc.stderr
     assert "queued 3 prompts" in proc.stdout
-    rejects_path = tmp_path / "mixed.rejects.jsonl"
+    rejects_path = tmp_path / "out" / "j3" / "rejects" / "mixed.rejects.jsonl"
     rejects = [msgspec.json.decode(line, type=Rejected) for line in rejects_path.read_bytes().splitlines()]
     by_line = {r.line: r.reason for r in rejects}
     assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 11]
@@ -80,6 +81,7 @@ def test_malformed_lines_are_reported_kept_aside_and_do_not_stop_valid_ones(redi
     assert "missing 'messages'" in by_line[4]
     assert "'id' must be a string or an integer" in by_line[5]
     assert "duplicate id 'ok1' with different content" in by_line[6]
+    assert {r.line: r.text for r in rejects}[6] == lines[5]  # the whole line, not only the id
     assert "over the" in by_line[7]
     assert "'sampling' must be an object" in by_line[11]
     assert "line 2: invalid JSON" in proc.stderr

@@ -85,6 +85,14 @@ def cli(ctx: click.Context, redis_url: str | None) -> None:
       genq enqueue prompts.jsonl --job expansion --output ./out
       genq worker --server http://127.0.0.1:30000 --burst
       genq monitor --job expansion
+
+    \b
+    Exit status (every command):
+      0    done
+      1    error: the message on stderr says what (unreachable Redis, missing input, ...)
+      2    bad usage: unknown option, missing argument, value out of range
+      3    partly done: some input lines or DLQ entries were skipped (each one named)
+      130  interrupted (Ctrl-C)
     """
     ctx.obj = Settings(resolve_url(redis_url))
 

@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 
 from genq.cli import settings
+from genq.core import keys
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
 
@@ -130,15 +131,18 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
 # ---------------------------------------------------------------- jobs
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
     """Jobs with prompts total/done/failed, batches and paused state.
 
     done sums the workers' counters, failed is the dead-letter queue's size
-    (`genq dlq`), remaining = total - done - failed.
+    (`genq dlq`), remaining = total - done - failed. `genq jobs delete JOB`
+    removes a job from Redis.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     with _redis(ctx) as conn:
         rows = control.job_rows(conn)
         paused_all = control.globally_paused(conn)
@@ -160,6 +164,47 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
     console.print(table)
     if paused_all:
         console.print("all jobs are paused (genq resume)")
+
+
+@jobs.command("delete")
+@click.argument("job")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
+@click.pass_context
+def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
+    """Remove job JOB from Redis: its keys, its name, and its RQ jobs.
+
+    Removes everything under genq:job:JOB: (config, ids, batches, results not
+    yet written, counters, dead letters), JOB from the job list, and the job's
+    RQ jobs from the queue and RQ's registries. Shards already written under
+    the job's output are kept. Refused while a live worker holds one of its
+    batches (drain or stop it first), unless --force.
+    """
+    with _redis(ctx) as conn:
+        found = control.find_job(conn, job)
+        if not found.keys and not found.rq_jobs and job not in control.job_names(conn):
+            jobs_known = control.job_names(conn)
+            raise click.ClickException(f"no job named {job!r}; jobs: {', '.join(jobs_known) or 'none'}")
+        if found.holders and not force:
+            raise click.ClickException(
+                f"live workers hold batches of job {job!r}: {', '.join(found.holders)}. Drain them "
+                f"(genq drain --worker NAME) or wait, or pass --force to delete anyway.")
+        what = _deletion_summary(found)
+        if not yes and not click.confirm(f"delete job {job}: {what}?", default=False):
+            raise click.ClickException("nothing deleted")
+        control.delete_job(conn, found)
+    click.echo(f"removed job {job}: {what}")
+
+
+def _deletion_summary(found: control.JobDeletion) -> str:
+    kinds: dict[str, int] = {}
+    for key in found.keys:
+        kind = key.split(":")[3]  # genq:job:JOB:batch:b0000001 -> batch (job names have no ':')
+        kinds[kind] = kinds.get(kind, 0) + 1
+    listing = ", ".join(f"{kind}" + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
+    places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())
+    return (f"{len(found.keys)} keys {keys.job_keys_pattern(found.job)} ({listing or 'none'}), its name in the job list, "
+            f"{found.rq_count} RQ jobs ({places or 'none'})")
 
 
 # ---------------------------------------------------------------- pause / resume

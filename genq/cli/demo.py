@@ -24,7 +24,9 @@ import click
 import redis
 
 from genq.cli import settings
-from genq.core.redisconn import DEFAULT_URL, connect, mask_url
+from genq.core import keys
+from genq.core.redisconn import connect, mask_url
+from genq.ops import control
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "TCP congestion control",
           "Bayesian inference", "sourdough baking", "the Krebs cycle", "compiler optimisations",
@@ -102,47 +104,72 @@ class Children:
 @click.option("--max-running-requests", type=click.IntRange(1), default=37, show_default=True, help="Each simulated server's capacity.")
 @click.option("--mean-output-tokens", type=click.FloatRange(1), default=600, show_default=True, help="Mean of the heavy-tailed (lognormal) output lengths.")
 @click.option("--speed", type=click.FloatRange(0.1), default=1.0, show_default=True, help="Time compression: higher finishes sooner.")
+@click.option("--keep", is_flag=True, help="With --redis: keep the demo's job in that Redis afterwards (to try `genq monitor`, `genq export`).")
 @click.pass_context
 def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running_requests: int,
-         mean_output_tokens: float, speed: float) -> None:
+         mean_output_tokens: float, speed: float, keep: bool) -> None:
     """Run genq end to end on this machine with simulated GPUs.
 
     Enqueues synthetic prompts, starts one SGLang-compatible simulator and one
     worker per simulated GPU, shows live progress, and leaves one result per
-    prompt under --output. Uses the Redis from --redis / GENQ_REDIS_URL; if that
-    is the default and nothing answers, starts a private redis-server.
+    prompt under --output. Runs on a private redis-server of its own (started
+    and stopped by the demo; nothing kept), so it never touches a Redis already
+    running here. With --redis URL (or GENQ_REDIS_URL) it uses that Redis
+    instead and removes the demo's job from it at the end unless --keep.
     """
-    url = settings(ctx).redis_url
+    given = _given_redis(ctx)
+    if keep and given is None:
+        raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
     out = Path(output).resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     children = Children(logs)
-    private_redis = None
+    private_dir = None
+    url = given
     try:
-        if not _answers(url):
-            if url != DEFAULT_URL or shutil.which("redis-server") is None:
-                raise click.ClickException(
-                    f"no Redis answers at {mask_url(url)}: start one (apt-get install redis-server) or pass --redis URL")
-            port = _free_port()
-            private_redis = tempfile.mkdtemp(prefix="genq-demo-redis-")
-            children.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--dir", private_redis])
-            url = f"redis://127.0.0.1:{port}/0"
-            deadline = time.monotonic() + 10
-            while not _answers(url):
-                if time.monotonic() > deadline:
-                    raise click.ClickException("could not start a private redis-server")
-                time.sleep(0.1)
-            click.echo(f"no Redis at {mask_url(DEFAULT_URL)}: started a private one at {url}")
-        _run(url, out, logs, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed)
+        if url is None:
+            private_dir = tempfile.mkdtemp(prefix="genq-demo-redis-")
+            url = _private_redis(children, private_dir)
+        elif not _answers(url):
+            raise click.ClickException(f"no Redis answers at {mask_url(url)}")
+        job = _run(url, out, logs, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
+                   private=private_dir is not None, keep=keep)
+        if given is not None and not keep:
+            conn = connect(url)
+            control.delete_job(conn, control.find_job(conn, job))
+            click.echo(f"removed the demo's job {job} from {mask_url(url)} (--keep keeps it)")
     finally:
         children.stop()
-        if private_redis:
-            shutil.rmtree(private_redis, ignore_errors=True)
+        if private_dir:
+            shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _given_redis(ctx: click.Context) -> str | None:
+    """The Redis URL given with --redis or GENQ_REDIS_URL, or None (the demo then runs its own)."""
+    root = ctx.find_root()
+    if root is not ctx and root.params.get("redis_url"):
+        return settings(ctx).redis_url
+    return os.environ.get("GENQ_REDIS_URL") or None
+
+
+def _private_redis(children: Children, folder: str) -> str:
+    if shutil.which("redis-server") is None:
+        raise click.ClickException("the demo runs its own redis-server and none is installed: "
+                                   "apt-get install redis-server (or give --redis URL)")
+    port = _free_port()
+    children.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", folder])
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not _answers(url):
+        if time.monotonic() > deadline:
+            raise click.ClickException("could not start a private redis-server")
+        time.sleep(0.1)
+    return url
 
 
 def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_prompts: int,
-         capacity: int, mean_tokens: float, speed: float) -> None:
+         capacity: int, mean_tokens: float, speed: float, *, private: bool, keep: bool) -> str:
     from rich.console import Console
     from rich.live import Live
 
@@ -155,8 +182,9 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     prompts_path = out / "prompts.jsonl"
     _write_prompts(prompts_path, n_prompts, seed=7)
 
+    where = f"a private redis-server at {url}, stopped at the end" if private else mask_url(url)
     console.print(f"[bold]genq demo[/]: {n_prompts:,} prompts, {gpus} simulated GPUs "
-                  f"(max_running_requests {capacity} each), Redis {mask_url(url)}")
+                  f"(max_running_requests {capacity} each), Redis {where}")
     sims = []
     for gpu in range(gpus):
         port = _free_port()
@@ -192,11 +220,12 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     failed_workers = [i for i, w in enumerate(workers) if w.returncode != 0]
     if failed_workers:
         raise click.ClickException(f"worker(s) {failed_workers} failed; see {logs}")
-    _summary(console, conn, out, job, sims, makespan, n_prompts)
+    _summary(console, conn, out, job, sims, makespan, n_prompts, hints=keep)
+    return job
 
 
 def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
-             n_prompts: int) -> None:
+             n_prompts: int, *, hints: bool) -> None:
     rows: list[dict] = []
     for shard in sorted((out / job / "shards").glob("*.jsonl")):
         with open(shard) as f:
@@ -210,7 +239,7 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
         with urllib.request.urlopen(sim_url + "/get_server_info") as resp:
             capacity = json.loads(resp.read())["max_running_requests"]
         utilization.append(stats["busy_mean_running"] / capacity)
-    dead = conn.hlen(f"genq:job:{job}:dlq")
+    dead = conn.hlen(keys.job_dlq(job))
     console.print()
     console.print(f"[bold green]done[/] in {makespan:.1f}s: {len(rows):,} results for {n_prompts:,} prompts "
                   f"({len(set(ids)):,} unique ids), {dead} dead letters")
@@ -222,6 +251,9 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
     if rows:
         sample = {k: rows[0][k] for k in ("id", "finish_reason", "usage", "worker", "attempts")}
         console.print(f"  first result: {json.dumps(sample)}")
-    genq = shutil.which("genq") or os.path.relpath(Path(sys.executable).with_name("genq"))
-    console.print(f"  next:     {genq} monitor --job {job} --once --json")
-    console.print(f"            {genq} export --job {job} --to {job}.jsonl")
+    if hints:
+        genq = shutil.which("genq") or os.path.relpath(Path(sys.executable).with_name("genq"))
+        console.print(f"  next:     {genq} monitor --job {job} --once --json")
+        console.print(f"            {genq} export --job {job} --to {job}.jsonl")
+    else:
+        console.print("  next:     the walk-through in README.md, \"Using it\" (enqueue, worker, monitor, export)")

@@ -1,4 +1,8 @@
-"""genq enqueue: read prompts, store the job's config once, queue batches."""
+"""genq enqueue: read prompts, check them and the job's settings, queue batches.
+
+Nothing is written to Redis until at least one line is queued: the job's config
+is stored in the transaction of its first batches (genq.producer.enqueue).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 import msgspec
@@ -14,13 +19,16 @@ import redis
 
 from genq.cli import settings
 from genq.core import keys
-from genq.core.queueing import load_config, save_config
-from genq.core.records import JobConfig, Prompt, Rejected
+from genq.core.queueing import load_config
+from genq.core.records import JobConfig, Rejected
 from genq.core.redisconn import connect, describe_error
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
+from genq.producer.params import ParamError, check_params
+from genq.producer.rows import Row
 from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, open_rows
 
 EXIT_REJECTED = 3
+SHOWN_REJECTS = 20  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -33,18 +41,19 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=None, help="Prompts per batch (one RQ job each). [default: 256]")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="max_tokens sent with every request (always sent: SGLang otherwise runs to the context limit). [default: 4096]")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature (server default if unset).")
-@click.option("--top-p", type=float, default=None, help="Nucleus sampling top_p (server default if unset).")
+@click.option("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature, >= 0 (server default if unset).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling top_p, in (0, 1] (server default if unset).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None, help="/v1/chat/completions or /v1/completions. [default: chat]")
 @click.option("--model", default=None, help='Model name to send; "auto" takes the first id from the server\'s /v1/models. [default: auto]')
-@click.option("--extra-body", default=None, metavar="JSON", help='Extra request fields, e.g. \'{"chat_template_kwargs": {"enable_thinking": true}}\'.')
+@click.option("--extra-body", default=None, metavar="JSON", help='Extra request fields (a JSON object of known OpenAI/SGLang/vLLM request fields, checked here), e.g. \'{"chat_template_kwargs": {"enable_thinking": true}}\'.')
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before it goes to the dead-letter queue. [default: 5]")
 @click.option("--compression", type=click.Choice(["none", "gzip"]), default=None, help="Shard compression. [default: none]")
 @click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for s3:// input and output (MinIO...); AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL also work.")
 @click.option("--messages-column", default=None, metavar="COL", help="Parquet input: the column holding the messages (list of {role, content}, or a JSON string). [default: 'messages']")
 @click.option("--prompt-column", default=None, metavar="COL", help="Parquet input: the column holding a plain prompt string (for --endpoint completions). [default: 'prompt']")
 @click.option("--id-column", default=None, metavar="COL", help="Parquet input: the column holding the row id. [default: 'id' if present, else a content hash]")
-@click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where malformed lines are written. [default: INPUT's name + .rejects.jsonl, beside it]")
+@click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where rejected lines are written. [default: OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl; "
+              "./genq-rejects/JOB/NAME.rejects.jsonl for s3:// output]")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
             prompt_column: str | None, id_column: str | None, **options: object) -> None:
@@ -62,37 +71,45 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
       {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
     "id" is optional (a stable hash of the content is used); "sampling" overrides
     the job's request parameters for that row; any other field is metadata,
-    carried through to the result.
+    carried through to the result. With --endpoint chat (the default) a
+    "prompt" row (or an OpenAI Batch /v1/completions row) is sent as one user
+    message; with --endpoint completions a "messages" row is rejected.
+    Settings and "sampling" are checked here (ranges, types, known fields).
 
     Re-running is safe: ids already queued or done are skipped and counted.
-    The job's settings are stored on the first enqueue; later enqueues into the
-    same job must not contradict them.
+    The job's settings are stored with its first queued batch; later enqueues
+    into the same job must not contradict them. Nothing is created when
+    nothing is queued (missing or empty input, no valid line).
 
     \b
-    Exit status: 0 all lines queued or skipped; 3 some lines were rejected
-    (each is reported with its line number and written to the rejects file;
-    the valid lines were still queued); 1 nothing could be done (bad option,
-    unreadable input, Redis unreachable).
+    Exit status: 0 every line queued or skipped; 3 some lines were rejected
+    (each reported with its line number and written to the rejects file; the
+    valid lines were queued); 1 nothing was queued (unreadable, empty or
+    wholly invalid input, bad --extra-body, settings that contradict the job,
+    Redis unreachable); 2 bad usage (unknown option, value out of range).
     """
     url = settings(ctx).redis_url
     try:
         keys.check_job_name(job)
-        conn = connect(url)
-        config = _job_config(conn, job, options)
+        given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
+        conn = connect(url)
+        config, create = _job_config(conn, job, given)
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
-        summary = _run(conn, config, input_uri, rows)
+        summary = _run(conn, config, create, input_uri, rows)
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
-    rejects = rejects_path or default_rejects_path(input_uri)
-    _report(summary, rejects)
+    if summary.read == 0:
+        _nothing_valid(summary, input_uri)
+    _report(summary, os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
     if summary.rejected:
         sys.exit(EXIT_REJECTED)
 
 
-def _job_config(conn: redis.Redis, job: str, options: dict[str, object]) -> JobConfig:
+def _given_settings(options: dict[str, object]) -> dict[str, object]:
+    """The config options given on the command line, checked and normalised (no Redis needed)."""
     given = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     if "extra_body" in given:
         try:
@@ -101,15 +118,22 @@ def _job_config(conn: redis.Redis, job: str, options: dict[str, object]) -> JobC
             raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
+        try:
+            check_params(extra, "--extra-body")
+        except ParamError as exc:
+            raise ValueError(str(exc)) from None
         given["extra_body"] = extra
     if "output" in given and "://" not in str(given["output"]):
         given["output"] = os.path.abspath(str(given["output"]))
+    return given
+
+
+def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[JobConfig, bool]:
+    """The job's config and whether it is new (stored only with the first batch queued)."""
     stored = load_config(conn, job)
     if stored is None:
         given.setdefault("output", os.path.abspath("out"))
-        config = JobConfig(name=job, created_at=time.time(), **given)  # type: ignore[arg-type]
-        save_config(conn, config)
-        return config
+        return JobConfig(name=job, created_at=time.time(), **given), True  # type: ignore[arg-type]
     differing = [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
                  for k in given if getattr(stored, k) != given[k]]
     if differing:
@@ -117,10 +141,11 @@ def _job_config(conn: redis.Redis, job: str, options: dict[str, object]) -> JobC
             f"job {job!r} already exists with other settings: " + "; ".join(differing)
             + ". Leave those options out to add to it, or use a new --job name."
         )
-    return stored
+    return stored, False
 
 
-def _run(conn: redis.Redis, config: JobConfig, input_uri: str, rows: Iterator[Prompt | Rejected]) -> EnqueueSummary:
+def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
+         rows: Iterator[Row | Rejected]) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
 
@@ -129,29 +154,54 @@ def _run(conn: redis.Redis, config: JobConfig, input_uri: str, rows: Iterator[Pr
             rate = summary.read / max(time.monotonic() - started, 1e-9)
             click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config).run(rows, on_progress=progress)
+    summary = Enqueuer(conn, config, create=create).run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
-    summary_time = time.monotonic() - started
-    click.echo(
-        f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches "
-        f"from {input_uri} in {summary_time:.1f}s"
-    )
+    if summary.read:
+        click.echo(
+            f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches "
+            f"from {input_uri} in {time.monotonic() - started:.1f}s"
+        )
     return summary
 
 
+def _nothing_valid(summary: EnqueueSummary, input_uri: str) -> None:
+    """No valid line: a plain error, and nothing written (no job, no rejects file)."""
+    if not summary.rejected:
+        raise click.ClickException(f"{input_uri} has no prompts (it is empty): nothing queued, no job created")
+    _show_reasons(summary.rejected, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
+    raise click.ClickException(
+        f"no valid line in {input_uri} ({len(summary.rejected):,} rejected, reasons above): nothing queued, "
+        "no job created. Input is JSONL, one object a line (see `genq enqueue --help`)."
+    )
+
+
 def _report(summary: EnqueueSummary, rejects_path: str) -> None:
+    if summary.converted:
+        click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
+                   "(--endpoint chat takes messages)")
     if summary.skipped_existing:
         click.echo(f"  skipped {summary.skipped_existing:,} prompts already queued or done (same id, same content)")
     if summary.skipped_duplicate:
         click.echo(f"  skipped {summary.skipped_duplicate:,} repeated lines (same id and content earlier in this input)")
     if not summary.rejected:
         return
-    with open(rejects_path, "wb") as out:
-        for rejected in summary.rejected:
-            out.write(msgspec.json.encode(rejected) + b"\n")
-    click.echo(f"  rejected {len(summary.rejected):,} lines, written to {rejects_path}:", err=True)
-    for rejected in summary.rejected[:20]:
-        click.echo(f"    line {rejected.line}: {rejected.reason}", err=True)
-    if len(summary.rejected) > 20:
-        click.echo(f"    ... and {len(summary.rejected) - 20:,} more (see {rejects_path})", err=True)
+    summary.rejected.sort(key=lambda r: r.line)  # endpoint and duplicate checks come later than parsing
+    try:
+        Path(rejects_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(rejects_path, "wb") as out:
+            for rejected in summary.rejected:
+                out.write(msgspec.json.encode(rejected) + b"\n")
+        where = f"written to {rejects_path}"
+    except OSError as exc:
+        where = f"NOT written ({exc}; give another place with --rejects)"
+    click.echo(f"  rejected {len(summary.rejected):,} lines, {where}:", err=True)
+    _show_reasons(summary.rejected, rejects_path)
+
+
+def _show_reasons(rejected: list[Rejected], rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
+    for item in rejected[:limit]:
+        click.echo(f"    line {item.line}: {item.reason}", err=True)
+    if len(rejected) > limit:
+        more = f" (see {rejects_path})" if rejects_path else ""
+        click.echo(f"    ... and {len(rejected) - limit:,} more{more}", err=True)

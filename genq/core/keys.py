@@ -137,3 +137,8 @@ def lease_reply(token: str) -> str:
 
 
 RECONCILE_LOCK = "genq:reconcile:lock"  # one reconciler pass at a time across the fleet
+
+
+def job_keys_pattern(job: str) -> str:
+    """SCAN MATCH pattern for every key of a job (genq jobs delete); glob characters escaped."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", f"{_job(job)}:") + "*"

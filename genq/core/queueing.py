@@ -45,10 +45,15 @@ def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
 
 def save_config(conn: redis.Redis, config: JobConfig) -> None:
     with conn.pipeline() as pipe:
-        pipe.set(keys.job_config(config.name), pack(config))
-        pipe.sadd(keys.JOBS, config.name)
-        pipe.hsetnx(keys.job_stats(config.name), "created_at", repr(config.created_at or time.time()))
+        stage_config(pipe, config)
         pipe.execute()
+
+
+def stage_config(pipe: Pipeline, config: JobConfig) -> None:
+    """Store a job's config in `pipe`: enqueue writes it in the transaction of the job's first batches."""
+    pipe.set(keys.job_config(config.name), pack(config))
+    pipe.sadd(keys.JOBS, config.name)
+    pipe.hsetnx(keys.job_stats(config.name), "created_at", repr(config.created_at or time.time()))
 
 
 def list_jobs(conn: redis.Redis) -> list[str]:
@@ -62,7 +67,12 @@ def load_batch(conn: redis.Redis, job: str, batch_id: str) -> Batch | None:
 
 def allocate_batch_ids(conn: redis.Redis, job: str, count: int) -> list[str]:
     last = conn.incrby(keys.job_batch_seq(job), count)
-    return [f"b{n:07d}" for n in range(last - count + 1, last + 1)]
+    return [batch_id(n) for n in range(last - count + 1, last + 1)]
+
+
+def batch_id(seq: int) -> str:
+    """The id of a job's seq-th batch (keys.job_batch_seq counts them)."""
+    return f"b{seq:07d}"
 
 
 def write_batches(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -17,14 +17,29 @@ def resolve_url(url: str | None) -> str:
 
 
 def mask_url(url: str) -> str:
-    """redis://user:secret@host:6379/0 -> redis://user:***@host:6379/0"""
+    """The URL with every password replaced by ***, whatever form it takes.
+
+    redis://user:secret@h:6379/0, redis://:secret@h, redis://secret@h (redis-py reads a
+    lone userinfo as the password), rediss://..., unix://user:secret@/path.sock, and
+    ?password=secret in the query (redis-py honours it for every scheme).
+    """
     parts = urlsplit(url)
-    if parts.password is None and "@" not in parts.netloc:
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if colon else f"***@{hostport}"
+    query = "&".join(_mask_param(p) for p in parts.query.split("&")) if parts.query else parts.query
+    if netloc == parts.netloc and query == parts.query:
         return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-    masked = f"{user}:***@{hostport}" if user else f"***@{hostport}"
-    return urlunsplit((parts.scheme, masked, parts.path, parts.query, parts.fragment))
+    # Assembled by hand: urlunsplit drops the empty host of unix:///path.
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
+def _mask_param(param: str) -> str:
+    name, eq, _ = param.partition("=")
+    return f"{name}=***" if eq and name.lower() == "password" else param
 
 
 def connect(url: str) -> redis.Redis:

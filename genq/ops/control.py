@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 import redis
 from rq import suspension
 
 from genq.core import keys
+from genq.core.queueing import fetch_rq_jobs
 from genq.core.records import Control, WorkerStatus, pack, unpack
 
 LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
@@ -247,3 +249,93 @@ def forget(conn: redis.Redis, names: Iterable[str]) -> list[str]:
             pipe.delete(*[keys.worker_status(n) for n in names], *[keys.worker_control(n) for n in names])
             pipe.execute()
     return names
+
+
+# ---------------------------------------------------------------- deleting a job
+
+
+class JobDeletion(msgspec.Struct):
+    """What `genq jobs delete` found (and removed) for one job."""
+
+    job: str
+    keys: list[str]  # genq's keys of the job (everything under genq:job:JOB:)
+    rq_jobs: dict[str, list[str]]  # where the job's RQ jobs are (queue, started, failed...) -> RQ job ids
+    holders: list[str]  # live workers holding its batches
+
+    @property
+    def rq_count(self) -> int:
+        return len({i for ids in self.rq_jobs.values() for i in ids})
+
+
+def _rq_places(conn: redis.Redis) -> dict[str, Any]:
+    """The queue `genq` and every registry of RQ's that can hold one of its jobs."""
+    from genq.core.queueing import rq_queue
+
+    queue = rq_queue(conn)
+    return {
+        "queued": queue,
+        "started": queue.started_job_registry,
+        "finished": queue.finished_job_registry,
+        "failed": queue.failed_job_registry,
+        "deferred": queue.deferred_job_registry,
+        "scheduled": queue.scheduled_job_registry,
+        "canceled": queue.canceled_job_registry,
+    }
+
+
+def _job_of(rq_job: Any) -> str | None:
+    """The genq job an RQ job carries a batch of; None for anything else (no unpickling: JSON only)."""
+    try:
+        return str(rq_job.args[0]) if rq_job.args else None
+    except Exception:  # not JSON (another app's job, or genq 0.1's pickle): not ours to read
+        return None
+
+
+def find_job(conn: redis.Redis, job: str) -> JobDeletion:
+    """Everything of `job` in Redis: its keys, its RQ jobs by place, the live workers holding its batches."""
+    found_keys = sorted(k.decode() for k in conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
+    rq_jobs: dict[str, list[str]] = {}
+    for place, holder in _rq_places(conn).items():
+        # cleanup=False: looking must not make RQ move jobs between registries.
+        ids = holder.get_job_ids() if place == "queued" else holder.get_job_ids(cleanup=False)
+        mine = [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and _job_of(j) == job]
+        if mine:
+            rq_jobs[place] = mine
+    holders = sorted(row.name for row in fleet(conn)
+                     if row.live and any(b.split("/", 1)[0] == job for b in row.batches))
+    return JobDeletion(job=job, keys=found_keys, rq_jobs=rq_jobs, holders=holders)
+
+
+def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> None:
+    """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name."""
+    from rq.results import Result
+
+    places = _rq_places(conn)
+    ids = sorted({i for ids in found.rq_jobs.values() for i in ids})
+    with conn.pipeline() as pipe:
+        for place, holder in places.items():
+            mine = found.rq_jobs.get(place, [])
+            if not mine:
+                continue
+            if place == "queued":
+                for rq_id in mine:
+                    holder.remove(rq_id, pipeline=pipe)
+            else:
+                # The started registry holds "job:execution" entries; the others plain job ids.
+                wanted = set(mine)
+                entries = [e for e in conn.zrange(holder.key, 0, -1) if holder.parse_job_id(e.decode()) in wanted]
+                if entries:
+                    pipe.zrem(holder.key, *entries)
+        for rq_job in fetch_rq_jobs(conn, ids):
+            if rq_job is not None:
+                rq_job.delete(pipeline=pipe, remove_from_queue=False)
+                pipe.delete(Result.get_key(rq_job.id))
+        if found.keys:
+            pipe.delete(*found.keys)
+        pipe.srem(keys.JOBS, found.job)
+        pipe.execute()
+    if again:
+        # A batch RQ re-queued or a worker wrote meanwhile would be orphaned: one more pass catches it.
+        late = find_job(conn, found.job)
+        if late.keys or late.rq_jobs:
+            delete_job(conn, late, again=False)

@@ -1,0 +1,190 @@
+"""Request parameters a job or a row may set, checked at enqueue.
+
+A bad value would otherwise reach the server with every prompt and send each one
+to the dead-letter queue (400 bad_request) hours into a run; checked here, it is
+one clear error naming the option or the line before anything is queued.
+
+Known fields: the OpenAI chat/completions request fields, the extras SGLang
+accepts (/work/shared/notes/sglang-api.md) and the common vLLM extras. The
+fields genq sets itself (model, messages, prompt, stream, stream_options) may not
+be overridden.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+# Fields genq writes into every request itself; an override would break it.
+SET_BY_GENQ = {
+    "model": "the job's --model",
+    "messages": "the row",
+    "prompt": "the row",
+    "stream": "genq (it always streams)",
+    "stream_options": "genq (it always streams)",
+}
+
+
+def _number(low: float | None = None, high: float | None = None, *, low_open: bool = False) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, got {_kind(value)}"
+        if low is not None and (value <= low if low_open else value < low):
+            return f"must be {'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "") + f", got {value!r}"
+        if high is not None and value > high:
+            return f"must be <= {high:g}, got {value!r}"
+        return None
+
+    return check
+
+
+def _integer(low: int | None = None, high: int | None = None) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer, got {_kind(value)}"
+        if low is not None and value < low:
+            return f"must be >= {low}, got {value!r}"
+        if high is not None and value > high:
+            return f"must be <= {high}, got {value!r}"
+        return None
+
+    return check
+
+
+def _of(*types: type, what: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) and bool not in types:
+            return f"must be {what}, got {_kind(value)}"
+        return None if isinstance(value, types) else f"must be {what}, got {_kind(value)}"
+
+    return check
+
+
+def _list_of(item: type, what: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, item) for v in value):
+            return f"must be {what}, got {_kind(value)}"
+        return None
+
+    return check
+
+
+def _stop(value: Any) -> str | None:
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return None
+    return f"must be a string or a list of strings, got {_kind(value)}"
+
+
+def _anything(value: Any) -> str | None:
+    return None
+
+
+_BOOL = _of(bool, what="true or false")
+_STR = _of(str, what="a string")
+_OBJ = _of(dict, what="an object")
+_LIST = _of(list, what="a list")
+_STR_OR_OBJ = _of(str, dict, what="a string or an object")
+
+# field -> check(value) returning None or what is wrong with it
+KNOWN: dict[str, Callable[[Any], str | None]] = {
+    # OpenAI chat completions and completions
+    "max_tokens": _integer(1),
+    "max_completion_tokens": _integer(1),
+    "temperature": _number(0),
+    "top_p": _number(0, 1, low_open=True),
+    "n": _integer(1),
+    "best_of": _integer(1),
+    "stop": _stop,
+    "seed": _integer(),
+    "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2),
+    "logit_bias": _OBJ,
+    "logprobs": _of(bool, int, what="true/false (chat) or an integer (completions)"),
+    "top_logprobs": _integer(0, 20),
+    "echo": _BOOL,
+    "suffix": _STR,
+    "user": _STR,
+    "response_format": _OBJ,
+    "tools": _LIST,
+    "tool_choice": _STR_OR_OBJ,
+    "parallel_tool_calls": _BOOL,
+    "functions": _LIST,
+    "function_call": _STR_OR_OBJ,
+    "reasoning_effort": _STR,
+    "metadata": _OBJ,
+    "store": _BOOL,
+    "service_tier": _STR,
+    "modalities": _LIST,
+    "audio": _OBJ,
+    "prediction": _OBJ,
+    "web_search_options": _OBJ,
+    "verbosity": _STR,
+    "prompt_cache_key": _STR,
+    "safety_identifier": _STR,
+    # SGLang extras (and vLLM's, where they share a name)
+    "top_k": _integer(-1),
+    "min_p": _number(0, 1),
+    "repetition_penalty": _number(0, low_open=True),
+    "min_tokens": _integer(0),
+    "stop_token_ids": _list_of(int, "a list of integers"),
+    "ignore_eos": _BOOL,
+    "skip_special_tokens": _BOOL,
+    "spaces_between_special_tokens": _BOOL,
+    "no_stop_trim": _BOOL,
+    "regex": _STR,
+    "ebnf": _STR,
+    "json_schema": _STR,
+    "separate_reasoning": _BOOL,
+    "stream_reasoning": _BOOL,
+    "chat_template_kwargs": _OBJ,
+    "continue_final_message": _BOOL,
+    "rid": _STR,
+    "priority": _integer(),
+    "lora_path": _STR,
+    # vLLM extras
+    "add_generation_prompt": _BOOL,
+    "chat_template": _STR,
+    "include_stop_str_in_output": _BOOL,
+    "length_penalty": _number(),
+    "truncate_prompt_tokens": _integer(1),
+    "guided_json": _anything,
+    "guided_regex": _STR,
+    "guided_choice": _list_of(str, "a list of strings"),
+    "guided_grammar": _STR,
+    "structured_outputs": _OBJ,
+}
+
+
+class ParamError(ValueError):
+    pass
+
+
+def check_params(params: Any, where: str) -> None:
+    """Raise ParamError naming `where` (an option or a row field) and the first bad field."""
+    if not isinstance(params, dict):
+        raise ParamError(f"{where} must be an object of request parameters, got {_kind(params)}")
+    for name, value in params.items():
+        if name in SET_BY_GENQ:
+            raise ParamError(f"{where}: {name!r} cannot be set here; it is set by {SET_BY_GENQ[name]}")
+        check = KNOWN.get(name)
+        if check is None:
+            close = difflib.get_close_matches(name, KNOWN, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ParamError(f"{where}: unknown request field {name!r}{hint}; known fields: {', '.join(sorted(KNOWN))}")
+        problem = check(value)
+        if problem:
+            raise ParamError(f"{where}: {name} {problem}")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, (int, float)):
+        return f"{value!r} (a number)"
+    if isinstance(value, str):
+        return f"{value[:40]!r} (a string)"
+    kinds: dict[type, str] = {dict: "an object", list: "a list"}
+    return kinds.get(type(value), type(value).__name__)
