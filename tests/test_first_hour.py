@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from genq.core import keys
-from genq.core.queueing import load_batch, rq_queue
+from genq.core.queueing import fetch_rq_jobs, load_batch, rq_queue
 from genq.core.records import BatchRef, Rejected, WorkerStatus, pack
 from genq.core.redisconn import mask_url
 from tests.conftest import ROOT, descendants, free_port, genq_cmd, run_genq, write_prompts
@@ -238,8 +238,8 @@ def test_jobs_delete_removes_every_key_of_the_job_and_its_rq_jobs(redis_url, rco
     enqueue("gone", 14)  # eight new prompts: four more batches, still queued
     enqueue("kept", 3)
     queue = rq_queue(rconn)
-    gone_rq = [j.id for j in Job.fetch_many([*queue.get_job_ids(), *queue.finished_job_registry.get_job_ids()],
-                                            connection=rconn) if j.args[0] == "gone"]
+    gone_rq = [j.id for j in fetch_rq_jobs(rconn, [*queue.get_job_ids(), *queue.finished_job_registry.get_job_ids()])
+               if j.args[0] == "gone"]
     assert len(gone_rq) == 7 and queue.finished_job_registry.count == 3
 
     no = subprocess.run(genq_cmd("jobs", "delete", "gone", redis_url=redis_url), input="n\n", capture_output=True,

@@ -110,7 +110,7 @@ class Engine:
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
-                    self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(),
+                    self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run())]
                 await self._until_finished()
                 await self._shutdown()

@@ -46,6 +46,7 @@ class ServerWatch:
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
         self._check: asyncio.Future[bool] | None = None
+        self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
 
     # ---------------------------------------------------------------- start
 
@@ -99,7 +100,13 @@ class ServerWatch:
         log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
                     "%d in flight counted a server crash)", self.opts.server_url, why, len(in_flight))
         self.dispatcher.cancel_all(f"server down: {why}")
-        asyncio.get_running_loop().create_task(self._await_recovery())
+        self._down.set()
+
+    async def recovery_loop(self) -> None:
+        while True:
+            await self._down.wait()
+            await self._await_recovery()
+            self._down.clear()
 
     async def _await_recovery(self) -> None:
         delay, handed_back = 0.5, False
