@@ -75,7 +75,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
                    err=True)
     try:
         if once:
-            _emit(mon, as_json, progress_file, s.redis_display, interval, live=None)
+            _emit(mon, as_json, progress_file, s.redis_display, None, live=None)
             return
         _loop(mon, as_json, progress_file, s.redis_display, interval, until_done)
     except JobNotFound as exc:
@@ -88,8 +88,9 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         pass
 
 
-def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float,
+def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float | None,
           live) -> list:
+    """One refresh, printed; interval None for --once."""
     reports = mon.refresh()
     if progress_file:
         write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
@@ -138,6 +139,8 @@ def _loop(mon: Monitor, as_json: bool, progress_file: str | None, redis_display:
                 else:
                     click.echo(message, err=True)
                 reports = []
+            # "done" means every shard is written too (not only every prompt finished): a script
+            # that exports right after --until-done gets every batch.
             if until_done and reports and all(r.progress.status == "done" for r in reports):
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
