@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from genq.core import keys  # noqa: E402
+from genq.core.health import CODES
 from genq.core.queueing import save_config  # noqa: E402
 from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
 from genq.monitor.exporter import make_registry, parse_listen  # noqa: E402
@@ -69,6 +70,18 @@ def put_job(conn, now: float) -> None:
     conn.sadd(keys.WORKERS, "gpu-c")
     conn.sadd(keys.job_workers("exp"), "gpu-c")
     conn.hset(keys.worker_stats("exp", "gpu-c"), mapping={"done": 7, "failed": 0, "in_tok": 70, "out_tok": 900})
+    # An idle live worker that never worked on the job, and one that stopped (its record kept, no TTL).
+    idle = WorkerStatus(name="gpu-d", host="node3", pid=13, server="http://127.0.0.1:30002", state="idle",
+                        started_at=now - 50, heartbeat_at=now - 0.3, concurrency_target=8, server_capacity=64,
+                        tok_per_s=0.0)
+    stopped = WorkerStatus(name="gpu-e", host="node4", pid=14, server="http://127.0.0.1:30003", state="stopped",
+                           started_at=now - 900, heartbeat_at=now - 120, concurrency_target=8, server_capacity=64,
+                           tok_per_s=999.0, server_running=3.0)
+    for s in (idle, stopped):
+        conn.set(keys.worker_status(s.name), pack(s))
+        conn.sadd(keys.WORKERS, s.name)
+    conn.sadd(keys.job_workers("exp"), "gpu-e")
+    conn.hset(keys.worker_stats("exp", "gpu-e"), mapping={"done": 0, "failed": 0, "in_tok": 0, "out_tok": 0})
 
 
 def test_collector_reports_what_redis_holds(rconn) -> None:
@@ -89,7 +102,13 @@ def test_collector_reports_what_redis_holds(rconn) -> None:
     assert m[("genq_job_output_tokens_total", job)] == 90_000 + 60_000 + 900
     assert m[("genq_job_shards", job)] == 2 and m[("genq_job_shard_bytes", job)] == 20_003
     assert m[("genq_job_workers", job)] == 2 and m[("genq_job_workers_lost", job)] == 1
-    assert m[("genq_job_info", (("eta_state", report.progress.eta_state), ("job", "exp"), ("status", "running")))] == 1
+    assert m[("genq_job_status", (("job", "exp"), ("status", "running")))] == 1
+    assert m[("genq_job_status", (("job", "exp"), ("status", "done")))] == 0
+    assert m[("genq_job_eta_state", (("job", "exp"), ("state", report.progress.eta_state)))] == 1
+    assert m[("genq_job_batches", job)] == 20 and m[("genq_job_batches_written", job)] == 2
+    # No RQ jobs and no batch records were written here: nothing queued or held, the rest elsewhere.
+    assert m[("genq_job_batches_queued", job)] == m[("genq_job_batches_held", job)] == 0
+    assert m[("genq_job_batches_elsewhere", job)] == 18 and m[("genq_rq_queue_batches", ())] == 0
     # The ETA (one look: --once rates) is there with its range, as the JSON has it.
     assert report.progress.eta_s is not None
     assert m[("genq_job_eta_seconds", job)] == pytest.approx(report.progress.eta_s)
@@ -98,32 +117,61 @@ def test_collector_reports_what_redis_holds(rconn) -> None:
     assert m[("genq_job_eta_low_seconds", job)] <= m[("genq_job_eta_seconds", job)] <= m[("genq_job_eta_high_seconds", job)]
 
     a, b, c = (("worker", "gpu-a"),), (("worker", "gpu-b"),), (("worker", "gpu-c"),)
-    assert m[("genq_worker_up", (("state", "busy"), ("worker", "gpu-a")))] == 1
-    assert m[("genq_worker_up", (("state", "lost"), ("worker", "gpu-c")))] == 0
+    d, e = (("worker", "gpu-d"),), (("worker", "gpu-e"),)
+    # Up without a state label (a state change would start a new series); the state is an enum beside it.
+    assert m[("genq_worker_up", a)] == 1 and m[("genq_worker_up", d)] == 1
+    assert m[("genq_worker_up", c)] == 0 and m[("genq_worker_up", e)] == 0  # lost, stopped: down
+    assert m[("genq_worker_state", (("state", "busy"), ("worker", "gpu-a")))] == 1
+    assert m[("genq_worker_state", (("state", "idle"), ("worker", "gpu-a")))] == 0
+    assert m[("genq_worker_state", (("state", "lost"), ("worker", "gpu-c")))] == 1
+    assert m[("genq_worker_state", (("state", "stopped"), ("worker", "gpu-e")))] == 1
+    # A stopped worker's last figures are not figures of now.
+    assert not [k for k in m if k[1] == e and k[0] not in ("genq_worker_up",)]
     assert m[("genq_worker_output_tokens_per_second", a)] == 2150.5
     assert m[("genq_worker_output_tokens_per_second", b)] == 1200.0
-    assert m[("genq_worker_slot_utilization", a)] == 1.0
-    assert m[("genq_worker_slot_utilization", b)] == pytest.approx(40 / 64)
+    assert m[("genq_worker_slot_utilization_ratio", a)] == 1.0
+    assert m[("genq_worker_slot_utilization_ratio", b)] == pytest.approx(40 / 64)
     assert m[("genq_worker_server_running", a)] == 64 and m[("genq_worker_server_waiting", a)] == 6
-    assert m[("genq_worker_kv_cache_usage", a)] == 0.83
+    assert m[("genq_worker_kv_cache_usage_ratio", a)] == 0.83
     assert m[("genq_worker_in_flight", a)] == 70 and m[("genq_worker_concurrency_target", b)] == 40
     assert m[("genq_worker_errors_total", a)] == 4
     assert ("genq_worker_output_tokens_per_second", c) not in m  # lost: no figures made up
-    assert m[("genq_worker_bottleneck", (("reason", "concurrency cap 40 below server capacity 64 "
-                                                   "(genq concurrency to raise it)"), ("worker", "gpu-b")))] == 1
+    # Fixed codes in the label, never the numbers.
+    assert m[("genq_worker_bottleneck", (("reason", "cap_below_capacity"), ("worker", "gpu-b")))] == 1
+    assert m[("genq_worker_bottleneck", (("reason", "kv_cache_full"), ("worker", "gpu-b")))] == 0
+    assert m[("genq_worker_bottleneck", (("reason", "no_prompts"), ("worker", "gpu-d")))] == 1
+    reasons = {dict(k[1])["reason"] for k in m if k[0] == "genq_worker_bottleneck"}
+    assert reasons == set(CODES)
     jw = (("job", "exp"), ("worker", "gpu-a"))
     assert m[("genq_job_worker_prompts_completed_total", jw)] == 250
     assert m[("genq_job_worker_output_tokens_total", jw)] == 90_000
     assert m[("genq_job_worker_in_flight", jw)] == 70
+    # Pairs only where the worker worked on the job: not the idle gpu-d, not gpu-e (nothing done).
+    pairs = {dict(k[1])["worker"] for k in m if k[0] == "genq_job_worker_in_flight"}
+    assert pairs == {"gpu-a", "gpu-b", "gpu-c"}
 
     g = (("gpu", "0"), ("name", "NVIDIA H100 80GB HBM3"), ("worker", "gpu-a"))
-    assert m[("genq_gpu_utilization_percent", g)] == 97.0
+    assert m[("genq_gpu_utilization_ratio", g)] == 0.97
     assert m[("genq_gpu_memory_used_bytes", g)] == 70_000 * 2**20
     assert m[("genq_gpu_memory_total_bytes", g)] == 81_559 * 2**20
     assert m[("genq_gpu_power_watts", g)] == 612.5
     assert m[("genq_gpu_temperature_celsius", g)] == 71.0
     assert m[("genq_gpu_sm_clock_hertz", g)] == 1980e6
     assert not [k for k in m if k[0].startswith("genq_gpu_") and ("worker", "gpu-b") in k[1]]  # no GPU there
+
+
+def test_scrapes_share_a_refresh_and_down_workers_are_forgotten(rconn) -> None:
+    put_job(rconn, time.time())
+    monitor = Monitor(rconn, once=True)
+    registry = make_registry(monitor, max_age=3600)
+    generate_latest(registry)
+    first, first_at = monitor.last, monitor.last_at
+    generate_latest(registry)
+    assert monitor.last is first and monitor.last_at == first_at, "a second scrape recomputed the ETA"
+    # Down (lost gpu-c, stopped gpu-e) for longer than forget_after_s: not exported at all.
+    m = samples(generate_latest(make_registry(Monitor(rconn, once=True), forget_after_s=0)).decode())
+    workers = {dict(k[1]).get("worker") for k in m} - {None}
+    assert workers == {"gpu-a", "gpu-b", "gpu-d"}
 
 
 def test_dashboard_uses_only_exported_metrics(rconn) -> None:
@@ -163,16 +211,19 @@ def test_serve_over_http_during_and_after_a_real_run(tmp_path: Path, redis_url, 
     w = worker(url, "--burst", "--name", "served-w")
     seen_running = wait_until(lambda: (s := scrape()).get(("genq_job_prompts_in_flight", job), 0) > 0 and s,
                               30, "a scrape with requests in flight")
-    assert seen_running[("genq_worker_up", (("state", "busy"), ("worker", "served-w")))] == 1
+    assert seen_running[("genq_worker_up", (("worker", "served-w"),))] == 1
     assert w.wait(90) == 0, w.log()
 
-    after = scrape()
+    # Reports are cached for a second: the scrape after the end may come from just before it.
+    after = wait_until(lambda: (s := scrape()).get(("genq_job_prompts_completed", job)) == 60 and s, 10,
+                       "a scrape after the end")
     rows = read_results(tmp_path / "out", "served")
     assert after[("genq_job_prompts_completed", job)] == len(rows) == 60
     assert after[("genq_job_output_tokens_total", job)] == sum(r["usage"]["completion_tokens"] for r in rows)
     assert after[("genq_job_input_tokens_total", job)] == sum(r["usage"]["prompt_tokens"] for r in rows)
     assert after[("genq_job_eta_seconds", job)] == 0
-    assert after[("genq_job_info", (("eta_state", "done"), ("job", "served"), ("status", "done")))] == 1
+    assert after[("genq_job_status", (("job", "served"), ("status", "done")))] == 1
+    assert after[("genq_job_eta_state", (("job", "served"), ("state", "done")))] == 1
     assert after[("genq_job_shards", job)] == 4
     # The JSON lines the same monitor printed agree with the scrape.
     last = [json.loads(line) for line in mon.log().splitlines() if line.startswith("{")][-1]

@@ -68,7 +68,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
         try:
-            serve(mon, listen)
+            serve(mon, listen, max_age=interval)
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--serve {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
