@@ -77,24 +77,24 @@ class GenqCollector(Collector):
             rq = GaugeMetricFamily("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)")
             rq.add_metric([], float(self.monitor.rq_queued))
             yield rq
+        fleet = self.monitor.fleet if up else []
         yield from job_metrics(reports)
-        yield from worker_metrics(reports, self._shown(reports))
+        yield from worker_metrics(reports, fleet, self._shown(fleet))
 
-    def _shown(self, reports: list[JobReport]) -> set[str]:
+    def _shown(self, fleet: list[WorkerReport]) -> set[str]:
         """Workers to export: live ones, and down ones until they have been down for forget_after_s."""
         now = self.clock()
         shown: set[str] = set()
-        for r in reports:
-            for w in r.progress.worker_details:
-                if w.state not in ("stopped", "lost", "gone"):
-                    self.down_since.pop(w.name, None)
-                    shown.add(w.name)
-                    continue
-                since = self.down_since.setdefault(w.name, now)
-                if w.heartbeat_age_s is not None:  # a stopped worker says when it stopped
-                    since = min(since, now - w.heartbeat_age_s)
-                if now - since < self.forget_after_s:
-                    shown.add(w.name)
+        for w in fleet:
+            if w.state not in ("stopped", "lost", "gone"):
+                self.down_since.pop(w.name, None)
+                shown.add(w.name)
+                continue
+            since = self.down_since.setdefault(w.name, now)
+            if w.heartbeat_age_s is not None:  # a stopped worker says when it stopped
+                since = min(since, now - w.heartbeat_age_s)
+            if now - since < self.forget_after_s:
+                shown.add(w.name)
         return shown
 
 
@@ -161,7 +161,8 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     yield eta_state
 
 
-def worker_metrics(reports: list[JobReport], shown: set[str]) -> Iterator[Metric]:
+def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: set[str]) -> Iterator[Metric]:
+    """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports."""
     W = ["worker"]
     JW = ["job", "worker"]
     G = ["worker", "gpu", "name"]
@@ -192,18 +193,18 @@ def worker_metrics(reports: list[JobReport], shown: set[str]) -> Iterator[Metric
         "temp": _gauge("genq_gpu_temperature_celsius", "GPU temperature", G),
         "clock": _gauge("genq_gpu_sm_clock_hertz", "GPU SM clock", G),
     }
-    seen: dict[str, WorkerReport] = {}
     for r in reports:
         for w in r.progress.worker_details:
             if w.name not in shown:
                 continue
-            seen.setdefault(w.name, w)
             # Only pairs with something to say: not a zero for every live worker under every job ever run.
             if w.job_completed or w.job_failed or w.job_output_tokens or w.job_in_flight:
                 job_done.add_metric([r.progress.job, w.name], float(w.job_completed))
                 job_out.add_metric([r.progress.job, w.name], float(w.job_output_tokens))
                 job_inflight.add_metric([r.progress.job, w.name], float(w.job_in_flight))
-    for w in seen.values():
+    for w in fleet:
+        if w.name not in shown:
+            continue
         lab = [w.name]
         worker_state = "lost" if w.state == "gone" else w.state
         live = worker_state not in ("stopped", "lost")

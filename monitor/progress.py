@@ -132,6 +132,7 @@ class Monitor:
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
         self.rq_queued = 0  # RQ's count of its genq queue at the last refresh
+        self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it worked on
         self.listeners: list = []  # called with the reports after each refresh (the web page's history)
 
     def job_names(self) -> list[str]:
@@ -161,6 +162,9 @@ class Monitor:
                     continue
                 reports.append(self._report(snap))
             self.last = reports
+            now = time.time()
+            self.fleet = [worker_report(WorkerView(name=name, status=status), now)
+                          for name, status in sorted(statuses.items())]
             self.last_at = time.monotonic()
             for listener in self.listeners:
                 listener(reports)

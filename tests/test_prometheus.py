@@ -15,9 +15,9 @@ from genq.core import keys  # noqa: E402
 from genq.core.health import CODES
 from genq.core.queueing import save_config  # noqa: E402
 from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
-from genq.monitor.exporter import make_registry, parse_listen  # noqa: E402
+from genq.monitor.exporter import ETA_STATES, JOB_STATUSES, WORKER_STATES, make_registry, parse_listen  # noqa: E402
 from genq.monitor.progress import Monitor  # noqa: E402
-from tests.conftest import free_port, genq_cmd, read_results, run_genq, wait_until, write_prompts
+from tests.conftest import free_port, genq_cmd, read_results, run_genq, wait_http, wait_until, write_prompts
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -241,3 +241,130 @@ def test_listen_addresses() -> None:
     assert proc.returncode != 0 and "[HOST]:PORT" in proc.stderr
     proc = run_genq("monitor", "--serve", ":9108", "--once", check=False)
     assert proc.returncode != 0 and "--once" in proc.stderr
+
+
+# ---------------------------------------------------------------- a real Prometheus
+
+
+SCRAPE_JOB = "genq-monitor"  # Prometheus' own job label, on series without a genq job (workers)
+
+
+class Prometheus:
+    """Debian's prometheus on a free loopback port, scraping targets every second (honor_labels: true)."""
+
+    def __init__(self, procs, tmp_path: Path, target: str) -> None:
+        import shutil
+
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.fail("this test needs a real Prometheus: apt-get install prometheus")
+        self.port = free_port()
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            f"  - job_name: {SCRAPE_JOB}\n"
+            "    honor_labels: true\n"
+            "    scrape_timeout: 1s\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n")
+        self.proc = procs([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                           f"--web.listen-address=127.0.0.1:{self.port}"], name="prometheus")
+        wait_http(f"http://127.0.0.1:{self.port}/-/ready", timeout=30)
+
+    def api(self, path: str, **params: str) -> dict | list:
+        from urllib.parse import urlencode
+
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.loads(resp.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> dict[tuple, float]:
+        """{sorted labels: value} of an instant query, without __name__, instance and the scrape job."""
+        data = self.api("query", query=expr)
+        return {tuple(sorted((k, v) for k, v in r["metric"].items()
+                             if k not in ("__name__", "instance") and (k, v) != ("job", SCRAPE_JOB))): float(r["value"][1])
+                for r in data["result"]}
+
+    def one(self, expr: str) -> float | None:
+        result = self.query(expr)
+        assert len(result) <= 1, (expr, result)
+        return next(iter(result.values()), None)
+
+
+def dashboard_queries(job: str) -> dict[str, list[str]]:
+    """Every panel's expressions with Grafana's variables substituted: {panel title: [expr, ...]}."""
+    dashboard = json.loads((Path(__file__).parent.parent / "dashboards" / "grafana-genq.json").read_text())
+    subs = {"$__rate_interval": "4s", "$job": job, "$worker": ".*"}  # 4 x the 1 s scrape, as Grafana picks it
+    out = {}
+    for panel in dashboard["panels"]:
+        exprs = []
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for var, value in subs.items():
+                expr = expr.replace(var, value)
+            assert "$" not in expr, expr
+            exprs.append(expr)
+        out[panel["title"]] = exprs
+    return out
+
+
+def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, worker, procs) -> None:
+    # About 5 s of work (80 x ~200 tokens, 4 slots at 800 tok/s): several scrapes see it running.
+    url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=200, output_sigma=0.8,
+              max_running_requests=4)
+    write_prompts(tmp_path / "p.jsonl", 80)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "pj", "--output", str(tmp_path / "out"),
+             "--batch-size", "16")
+    port = free_port()
+    procs(genq_cmd("monitor", "--serve", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
+    prom = Prometheus(procs, tmp_path, f"127.0.0.1:{port}")
+    wait_until(lambda: prom.one(f'up{{job="{SCRAPE_JOB}"}}') == 1, 30, "Prometheus to scrape the monitor")
+    queries = dashboard_queries("pj")
+    assert prom.one(queries["Done"][0]) == 0
+
+    w = worker(url, "--burst", "--name", "pj-w")
+    slots = queries["Slot utilization per worker (server running / capacity)"][0]
+    wait_until(lambda: (prom.one(queries["Prompts"][2]) or 0) > 0 and prom.query(slots), 30,
+               "Prometheus to see requests in flight and the server's slots")
+    running = {title: [prom.query(e) for e in exprs] for title, exprs in queries.items()}
+    assert 0 <= next(iter(running["Done"][0].values())) < 100
+    assert running["Workers"][0] == {(("state", "busy"), ("worker", "pj-w")): 1.0}
+    assert running["Output tok/s per worker"][0]
+    assert 0 < running["Slot utilization per worker (server running / capacity)"][0][(("worker", "pj-w"),)] <= 1
+    assert w.wait(90) == 0, w.log()
+
+    rows = read_results(tmp_path / "out", "pj")
+    assert len(rows) == 80
+    wait_until(lambda: prom.one(queries["Done"][0]) == 100 and prom.one('genq_job_status{job="pj",status="done"}') == 1,
+               30, "Prometheus to see the job done")
+    assert prom.one(queries["ETA"][0]) == 0
+    assert prom.one(queries["Failed"][0]) == 0
+    assert prom.one('genq_job_prompts_completed{job="pj"}') == 80
+    assert prom.one('genq_job_output_tokens_total{job="pj"}') == sum(r["usage"]["completion_tokens"] for r in rows)
+    assert prom.one('genq_job_shards{job="pj"}') == 5
+    # rate() over $__rate_interval has points to work with at a 1 s scrape.
+    assert prom.query(queries["Completed prompts per worker (rate)"][0])
+    # The burst worker exited: down, with none of its last figures left.
+    wait_until(lambda: prom.one('genq_worker_up{worker="pj-w"}') == 0, 30, "the stopped worker down")
+    assert prom.query(queries["Workers"][0]) == {(("state", "stopped"), ("worker", "pj-w")): 1.0}
+    assert prom.query('genq_worker_output_tokens_per_second{worker="pj-w"}') == {}
+
+    # A worker that never worked on the job: not in the job's worker picker; killed, it goes down.
+    idle = worker(url, "--name", "pj-idle")
+    wait_until(lambda: prom.one('genq_worker_up{worker="pj-idle"}') == 1, 30, "the idle worker up")
+    picker = prom.api("label/worker/values", **{"match[]": 'genq_job_worker_in_flight{job=~"pj"}'})
+    assert picker == ["pj-w"]
+    idle.kill_tree()
+    wait_until(lambda: prom.one('genq_worker_up{worker="pj-idle"}') == 0, 40, "the killed worker down (lost)")
+    assert prom.one('genq_worker_state{worker="pj-idle",state="lost"}') == 1
+    assert prom.query('genq_worker_in_flight{worker="pj-idle"}') == {}
+
+    # No label whose values grow with time: besides names, only fixed sets of codes.
+    series = prom.api("series", **{"match[]": '{__name__=~"genq_.*"}'})
+    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES), "reason": set(CODES)}
+    names = {"__name__", "job", "worker", "instance", "gpu", "name"}
+    for s in series:
+        for label, value in s.items():
+            assert label in names or value in fixed.get(label, ()), (label, value, s)
