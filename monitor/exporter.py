@@ -45,11 +45,11 @@ ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
 WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, option: str = "--serve") -> tuple[str, int]:
     """':9108' -> ('0.0.0.0', 9108); 'host:9108' -> ('host', 9108)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--serve {value!r}: expected [HOST]:PORT, e.g. :9108 or 127.0.0.1:9108")
+        raise ValueError(f"{option} {value!r}: expected [HOST]:PORT, e.g. :9108 or 127.0.0.1:9108")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
 

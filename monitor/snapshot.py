@@ -332,3 +332,35 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
 
 def list_job_names(conn: redis.Redis) -> list[str]:
     return sorted(n.decode() for n in conn.smembers(keys.JOBS))
+
+
+@dataclass
+class DeadLetterSummary:
+    total: int
+    by_kind: dict[str, int]
+    latest: list[dict]  # newest first: id, kind, message, worker, batch, at, attempts, status
+
+
+DLQ_READ_LIMIT = 20_000  # letters read for the breakdown; beyond, by_kind covers the first ones scanned
+
+
+def read_dead_letters(conn: redis.Redis, job: str, latest: int = 5) -> DeadLetterSummary:
+    """The job's dead letters by kind, and the newest few (for the web page)."""
+    from genq.core.records import DeadLetter
+
+    total = int(conn.hlen(keys.job_dlq(job)))
+    by_kind: dict[str, int] = {}
+    letters: list[DeadLetter] = []
+    for n, (_, raw) in enumerate(conn.hscan_iter(keys.job_dlq(job), count=1000)):
+        if n >= DLQ_READ_LIMIT:
+            break
+        try:
+            letter = unpack(raw, DeadLetter)
+        except msgspec.DecodeError:
+            continue
+        by_kind[letter.kind] = by_kind.get(letter.kind, 0) + 1
+        letters.append(letter)
+    letters.sort(key=lambda d: d.at, reverse=True)
+    rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
+                 attempts=d.attempts, status=d.status) for d in letters[:latest]]
+    return DeadLetterSummary(total=total, by_kind=dict(sorted(by_kind.items())), latest=rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -29,10 +30,18 @@ from genq.output.local import write_atomic
 @click.option("--serve", "listen", default=None, metavar="[HOST]:PORT",
               help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "
                    "honor_labels: true (the genq job is the `job` label). Grafana: dashboards/grafana-genq.json.")
-@click.option("--until-done", is_flag=True, help="Exit once every shown job is done (for scripts).")
+@click.option("--web", "web_listen", default=None, metavar="[HOST]:PORT",
+              help="Serve a live page with plots on HOST:PORT (e.g. 127.0.0.1:8008; reach it through a port "
+                   "forward). Read-only unless --web-control.")
+@click.option("--web-control", is_flag=True,
+              help="Add pause/resume/drain buttons to the --web page; they need the token in the "
+                   "GENQ_WEB_TOKEN environment variable (not an option: ps shows options).")
+@click.option("--until-done", is_flag=True,
+              help="Exit once every shown job is done and every shard written (for scripts).")
 @click.pass_context
 def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, progress_file: str | None,
-            interval: float, rate_window: float, listen: str | None, until_done: bool) -> None:
+            interval: float, rate_window: float, listen: str | None, web_listen: str | None, web_control: bool,
+            until_done: bool) -> None:
     """Show job progress: totals, rates, tokens, an ETA with its range, and each worker.
 
     \b
@@ -55,8 +64,13 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     finish times.
     """
     s = settings(ctx)
-    if once and listen:
-        raise click.UsageError("--serve needs a running monitor; drop --once")
+    if once and (listen or web_listen):
+        raise click.UsageError(f"{'--serve' if listen else '--web'} needs a running monitor; drop --once")
+    token = os.environ.get("GENQ_WEB_TOKEN") or None
+    if web_control and not web_listen:
+        raise click.UsageError("--web-control goes with --web")
+    if web_control and (token is None or len(token) < 16):
+        raise click.UsageError("--web-control needs a token of 16 or more characters in GENQ_WEB_TOKEN")
     try:
         conn = connect(s.redis_url)
         conn.ping()
@@ -73,6 +87,16 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(f"--serve {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
                    err=True)
+    if web_listen:
+        from genq.monitor.webapp import serve_web
+
+        try:
+            serve_web(mon, web_listen, interval, token if web_control else None)
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(f"--web {web_listen}: {exc}") from None
+        shown = web_listen if not web_listen.startswith(":") else "0.0.0.0" + web_listen
+        click.echo(f"genq monitor: live page on http://{shown}/"
+                   f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
     try:
         if once:
             _emit(mon, as_json, progress_file, s.redis_display, None, live=None)
