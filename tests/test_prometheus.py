@@ -183,6 +183,10 @@ def test_dashboard_uses_only_exported_metrics(rconn) -> None:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {name for e in exprs for name in re.findall(r"\bgenq_[a-z_]+", e)}
     assert used and used <= exported, used - exported
+    # Every range is Grafana's $__rate_interval (a fixed [5m] is too coarse at a 1-2 s scrape, too fine at 1 m).
+    assert not [e for e in exprs if re.search(r"\[(?!\$__rate_interval\])[^\]]*\]", e)]
+    # Shares are 0-1 ratios named so; percent would need a different unit on every panel.
+    assert not [n for n in exported if re.search(r"utilization|usage|percent", n) and not n.endswith("_ratio")]
     variables = [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     assert all(re.search(r"genq_[a-z_]+", v)[0] in exported for v in variables)
 
@@ -214,9 +218,10 @@ def test_serve_over_http_during_and_after_a_real_run(tmp_path: Path, redis_url, 
     assert seen_running[("genq_worker_up", (("worker", "served-w"),))] == 1
     assert w.wait(90) == 0, w.log()
 
-    # Reports are cached for a second: the scrape after the end may come from just before it.
-    after = wait_until(lambda: (s := scrape()).get(("genq_job_prompts_completed", job)) == 60 and s, 10,
-                       "a scrape after the end")
+    # Reports are cached for a second: the scrape after the end may come from just before it
+    # (status "writing" while the last shard is written).
+    after = wait_until(lambda: (s := scrape()).get(("genq_job_status", (("job", "served"), ("status", "done")))) == 1
+                       and s, 10, "a scrape after the end")
     rows = read_results(tmp_path / "out", "served")
     assert after[("genq_job_prompts_completed", job)] == len(rows) == 60
     assert after[("genq_job_output_tokens_total", job)] == sum(r["usage"]["completion_tokens"] for r in rows)
