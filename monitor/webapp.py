@@ -18,6 +18,7 @@ import hmac
 import logging
 import math
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,13 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
 
 def make_app(monitor: Monitor, history: History, interval: float, token: str | None = None) -> web.Application:
     app = web.Application()
+    letters: dict[str, tuple[float, Any]] = {}  # job -> (monotonic, summary): one DLQ scan per interval
+
+    def dead_letters(job: str):
+        cached = letters.get(job)
+        if cached is None or time.monotonic() - cached[0] >= interval:
+            cached = letters[job] = (time.monotonic(), read_dead_letters(monitor.conn, job))
+        return cached[1]
 
     async def index(request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC / "index.html")
@@ -83,7 +91,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None}
         if chosen is not None:
             job = chosen.progress.job
-            dlq = await loop.run_in_executor(None, read_dead_letters, monitor.conn, job)
+            dlq = await loop.run_in_executor(None, dead_letters, job)
             body.update(
                 job=job,
                 progress=as_dict(chosen.progress, for_json=True),
