@@ -312,6 +312,12 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False) -> WorkerRe
         if job_done:
             base.update(state="gone", bottlenecks=[], bottleneck_codes=[])
         return WorkerReport(**base)
+    if s.state == "stopped":
+        # Its record is kept (stopped, not lost) but its last rates, slots and GPU figures are not
+        # figures of now: a stopped worker generates nothing.
+        return WorkerReport(**base, host=s.host, concurrency_target=s.concurrency_target,
+                            concurrency_limit=s.concurrency_limit, server_capacity=s.server_capacity,
+                            errors=s.errors, gpu_note=s.gpu_note, heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
     util = slot_utilization(s)
     return WorkerReport(
         **base, host=s.host, in_flight=s.in_flight, concurrency_target=s.concurrency_target,

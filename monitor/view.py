@@ -123,7 +123,7 @@ def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
                      min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
     gpu_any = any(w.gpu is not None for w in workers)
     for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
-        if w.state in ("lost", "gone"):
+        if w.state in ("lost", "gone", "stopped"):
             t.add_row(w.name, Text(w.state, STATE_STYLE[w.state]), "", "", "", "", f"{w.job_completed:,}", "", "")
             continue
         server = "-" if w.server_running is None else f"{w.server_running:.0f}/{w.server_waiting or 0:.0f}"
@@ -155,7 +155,7 @@ def bottleneck_lines(workers: list[WorkerReport]) -> list[RenderableType]:
     lines: list[RenderableType] = []
     lost = [w.name for w in workers if w.state == "lost"]
     for w in workers:
-        if w.state in ("lost", "gone"):
+        if w.state in ("lost", "gone", "stopped"):
             continue
         for b in w.bottlenecks:
             lines.append(Text.assemble(("bottleneck ", "bold yellow"), (w.name, "bold"), f": {b}"))

@@ -319,3 +319,14 @@ def test_until_done_waits_for_every_shard(tmp_path: Path, redis_url, rconn, proc
     rconn.sadd(keys.job_done("ud"), "b0000002")
     assert mon.wait(30) == 0
     assert docs()[-1]["status"] == "done"
+
+
+def test_a_stopped_worker_shows_no_figures_of_its_last_moments(redis_url, rconn) -> None:
+    from tests.test_prometheus import put_job
+
+    put_job(rconn, time.time())  # gpu-e stopped with its last tok/s 999 and 3 requests on its server
+    (e,) = [w for w in monitor_json("--job", "exp")["worker_details"] if w["name"] == "gpu-e"]
+    assert e["state"] == "stopped" and e["tok_per_s"] == 0 and e["slot_utilization"] is None
+    assert e["server_running"] is None and e["in_flight"] == 0
+    row = next(line for line in run_genq("monitor", "--once", "--job", "exp").stdout.splitlines() if "gpu-e" in line)
+    assert "999" not in row and "%" not in row, row
