@@ -147,7 +147,8 @@ def test_controls_need_the_flag_and_the_token(tmp_path: Path, redis_url, rconn, 
     from tests.conftest import write_prompts
 
     write_prompts(tmp_path / "p.jsonl", 10)
-    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "ctl", "--output", str(tmp_path / "out"))
+    for job in ("ctl", "other"):
+        run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", job, "--output", str(tmp_path / "out"))
     proc = run_genq("monitor", "--web", "127.0.0.1:1", "--web-control", check=False)
     assert proc.returncode != 0 and "GENQ_WEB_TOKEN" in proc.stderr
     token = "s3cret-token-of-enough-length"
@@ -171,5 +172,13 @@ def test_controls_need_the_flag_and_the_token(tmp_path: Path, redis_url, rconn, 
     assert not rconn.exists(keys.job_paused("ctl"))
     assert post({"X-Genq-Token": token}) == 200
     assert rconn.exists(keys.job_paused("ctl"))
-    state = json.loads(urllib.request.urlopen(base + "api/state?job=ctl", timeout=5).read())
-    assert state["controls"] is True and state["job"] == "ctl"
+    def state(job: str) -> dict:
+        return json.loads(urllib.request.urlopen(base + f"api/state?job={job}", timeout=5).read())
+
+    # Reports are refreshed every --interval: the pause shows at the next one.
+    ctl = wait_until(lambda: (st := state("ctl"))["progress"]["status"] == "paused" and st, 10, "the job paused")
+    assert ctl["controls"] is True and ctl["job"] == "ctl"
+    # The job picker's list, and the other job on request.
+    other = state("other")
+    assert other["jobs"] == ["ctl", "other"] and other["job"] == "other" and other["progress"]["status"] == "queued"
+    assert post({"X-Genq-Token": token}) == 200  # pausing twice is harmless
