@@ -349,6 +349,8 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
     assert prom.one('genq_job_prompts_completed{job="pj"}') == 80
     assert prom.one('genq_job_output_tokens_total{job="pj"}') == sum(r["usage"]["completion_tokens"] for r in rows)
     assert prom.one('genq_job_shards{job="pj"}') == 5
+    batches = [prom.one(e) for e in queries["Batches: written, held, in RQ's queue, elsewhere"]]
+    assert batches == [5, 0, 0, 0, 0], batches  # written, held, queued, elsewhere, RQ's whole queue
     # rate() over $__rate_interval has points to work with at a 1 s scrape.
     assert prom.query(queries["Completed prompts per worker (rate)"][0])
     # The burst worker exited: down, with none of its last figures left.
