@@ -132,6 +132,7 @@ class Monitor:
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
         self.rq_queued = 0  # RQ's count of its genq queue at the last refresh
+        self.queue_names: dict[str, str] = {}  # RQ job id -> genq job, for ids still queued
         self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it worked on
         self.listeners: list = []  # called with the reports after each refresh (the web page's history)
 
@@ -151,7 +152,7 @@ class Monitor:
     def refresh(self) -> list[JobReport]:
         with self.lock:
             statuses = read_workers(self.conn)
-            queue = read_queue(self.conn)
+            queue = read_queue(self.conn, self.queue_names)
             self.rq_queued = queue.total
             reports = []
             for name in self.job_names():

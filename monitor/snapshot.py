@@ -206,30 +206,39 @@ class QueueCounts:
 QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts are not read every refresh
 
 
-def read_queue(conn: redis.Redis) -> QueueCounts:
+def read_queue(conn: redis.Redis, names: dict[str, str] | None = None) -> QueueCounts:
     """RQ's queue as `rq info` shows it, and how many of its batches belong to each genq job.
 
     The RQ job ids are random, so the job is read from each RQ job's description
-    ("genq batch JOB/BATCH (N prompts)", genq.core.queueing).
+    ("genq batch JOB/BATCH (N prompts)", genq.core.queueing). An RQ job's
+    description never changes: `names` (RQ id -> genq job), kept by the caller
+    between refreshes, means only newly queued ids are looked up.
     """
     queue = rq_queue(conn)
     total = queue.count
     by_job: dict[str, int] = {}
+    if names is None:
+        names = {}
     if total == 0:
+        names.clear()
         return QueueCounts(0, by_job)
     ids = queue.get_job_ids(0, QUEUE_SCAN_LIMIT - 1)
-    descriptions: list = []
-    for start in range(0, len(ids), 5000):
+    unknown = [i for i in ids if i not in names]
+    for start in range(0, len(unknown), 5000):
+        chunk = unknown[start:start + 5000]
         with conn.pipeline(transaction=False) as pipe:
-            for rq_id in ids[start:start + 5000]:
+            for rq_id in chunk:
                 pipe.hget(queue.job_class.key_for(rq_id), "description")
-            descriptions.extend(pipe.execute())
-    for raw in descriptions:
-        if not raw:
-            continue
-        text = raw.decode(errors="replace")
-        if text.startswith("genq batch ") and "/" in text:
-            name = text[len("genq batch "):].split("/", 1)[0]
+            for rq_id, raw in zip(chunk, pipe.execute()):
+                text = raw.decode(errors="replace") if raw else ""
+                if text.startswith("genq batch ") and "/" in text:
+                    names[rq_id] = text[len("genq batch "):].split("/", 1)[0]
+    present = set(ids)
+    for rq_id in [i for i in names if i not in present]:  # left the queue: forget
+        del names[rq_id]
+    for rq_id in ids:
+        name = names.get(rq_id)
+        if name is not None:
             by_job[name] = by_job.get(name, 0) + 1
     return QueueCounts(total, by_job)
 
