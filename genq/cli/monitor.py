@@ -51,8 +51,12 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     failed, in_flight, queued, rate_per_sec, output_tokens_per_sec,
     eta_hours, eta_low_hours, eta_high_hours, eta_state, elapsed_hours,
     total_input_tokens, total_output_tokens, avg_output_tokens, status
-    (queued | running | paused | done), s3_uploaded and s3_bytes (shards
-    written and their bytes), worker_details; --json adds eta_s, eta_low_s
+    (queued | running | paused | writing | done: done once every shard is
+    written), percent_completed and percent_failed, queued_batches (the
+    job's batches in RQ's queue), held_batches, other_batches (neither
+    written, held nor queued), rq_queued (RQ's whole queue), s3_uploaded and
+    s3_bytes (shards written and their bytes), worker_details (with
+    bottleneck_codes); --json adds eta_s, eta_low_s
     and eta_high_s in unrounded seconds (null while there is no honest
     estimate: eta_state "warming up", "paused" or "stalled").
 
