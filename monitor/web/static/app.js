@@ -200,6 +200,10 @@ async function poll() {
   timer = setTimeout(poll, interval * 1000);
 }
 
+window.addEventListener("resize", () => {
+  for (const [id, c] of Object.entries(charts)) c.plot.setSize({width: Math.max(300, $(id).clientWidth), height: 240});
+});
+
 $("job-picker").addEventListener("change", (e) => {
   job = e.target.value;
   history.replaceState(null, "", "?job=" + encodeURIComponent(job));
