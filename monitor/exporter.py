@@ -2,8 +2,16 @@
 
 A custom collector: every scrape reads Redis through the same Monitor the
 view uses (so the throughput samples and the ETA are shared), and turns the
-reports into metric families labelled by job and worker. Nothing is cached
-between scrapes except the monitor's throughput samples.
+reports into metric families labelled by job and worker. Reports are cached
+for one refresh interval: a second Prometheus (or a page poll) in between
+does not recompute the ETA.
+
+Label values never grow with time: workers and jobs are names, states and
+bottlenecks are fixed sets of codes (an enum-style metric per set, every code
+exported with 0 or 1, so a state change does not start a new series). A
+stopped or lost worker is exported as down (genq_worker_up 0) without its last
+figures, and not at all once it has been down for FORGET_AFTER_S: genq:workers
+keeps every name that ever heartbeated, and Prometheus must not.
 
 The genq job is the `job` label. Prometheus gives every target a `job` label
 of its own (the scrape job) and renames a clashing one to `exported_job`
@@ -20,32 +28,44 @@ dashboards/grafana-genq.json is built on these metric names.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from genq.core.health import CODES
 from genq.monitor.progress import JobReport, Monitor, WorkerReport
 
 log = logging.getLogger("genq.monitor")
 
+FORGET_AFTER_S = 600.0
+JOB_STATUSES = ("queued", "running", "paused", "writing", "done")
+ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
+WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
-def parse_listen(value: str) -> tuple[str, int]:
+
+def parse_listen(value: str, option: str = "--serve") -> tuple[str, int]:
     """':9108' -> ('0.0.0.0', 9108); 'host:9108' -> ('host', 9108)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--serve {value!r}: expected [HOST]:PORT, e.g. :9108 or 127.0.0.1:9108")
+        raise ValueError(f"{option} {value!r}: expected [HOST]:PORT, e.g. :9108 or 127.0.0.1:9108")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
 
 
 class GenqCollector(Collector):
-    def __init__(self, monitor: Monitor) -> None:
+    def __init__(self, monitor: Monitor, *, max_age: float = 1.0, forget_after_s: float = FORGET_AFTER_S,
+                 clock=time.time) -> None:
         self.monitor = monitor
+        self.max_age = max_age
+        self.forget_after_s = forget_after_s
+        self.clock = clock
+        self.down_since: dict[str, float] = {}  # worker -> when this exporter first saw it stopped or lost
 
     def collect(self) -> Iterator[Metric]:
         try:
-            reports = self.monitor.refresh()
+            reports = self.monitor.current(self.max_age)
             up = 1.0
         except Exception as exc:  # a scrape must answer even when Redis does not
             log.warning("scrape: %s", exc)
@@ -53,8 +73,29 @@ class GenqCollector(Collector):
         g = GaugeMetricFamily("genq_monitor_redis_up", "1 when the last scrape could read Redis")
         g.add_metric([], up)
         yield g
+        if up:
+            rq = GaugeMetricFamily("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)")
+            rq.add_metric([], float(self.monitor.rq_queued))
+            yield rq
+        fleet = self.monitor.fleet if up else []
         yield from job_metrics(reports)
-        yield from worker_metrics(reports)
+        yield from worker_metrics(reports, fleet, self._shown(fleet))
+
+    def _shown(self, fleet: list[WorkerReport]) -> set[str]:
+        """Workers to export: live ones, and down ones until they have been down for forget_after_s."""
+        now = self.clock()
+        shown: set[str] = set()
+        for w in fleet:
+            if w.state not in ("stopped", "lost", "gone"):
+                self.down_since.pop(w.name, None)
+                shown.add(w.name)
+                continue
+            since = self.down_since.setdefault(w.name, now)
+            if w.heartbeat_age_s is not None:  # a stopped worker says when it stopped
+                since = min(since, now - w.heartbeat_age_s)
+            if now - since < self.forget_after_s:
+                shown.add(w.name)
+        return shown
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -68,9 +109,16 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
         "completed": _gauge("genq_job_prompts_completed", "Prompts with a result", J),
         "failed": _gauge("genq_job_prompts_failed", "Prompts in the dead-letter queue", J),
         "in_flight": _gauge("genq_job_prompts_in_flight", "Prompts being generated now", J),
-        "queued": _gauge("genq_job_prompts_queued", "Prompts not started (queued or held by a worker)", J),
-        "rate": _gauge("genq_job_prompts_per_second", "Prompts finished per second (recent window)", J),
-        "tok_s": _gauge("genq_job_output_tokens_per_second", "Output tokens generated per second (recent window)", J),
+        "queued": _gauge("genq_job_prompts_queued", "Prompts not started (queued, held unsent, or elsewhere)", J),
+        "held": _gauge("genq_job_prompts_held", "Unsent prompts in batches workers hold", J),
+        "batches": _gauge("genq_job_batches", "Batches enqueued", J),
+        "batches_done": _gauge("genq_job_batches_written", "Batches whose shard is written", J),
+        "batches_held": _gauge("genq_job_batches_held", "Batches held by live workers", J),
+        "batches_queued": _gauge("genq_job_batches_queued", "The job's batches in RQ's queue", J),
+        "batches_other": _gauge("genq_job_batches_elsewhere",
+                                "Batches neither written, held nor queued (retrying, failed in RQ, orphaned)", J),
+        "rate": _gauge("genq_job_prompts_per_second", "Prompts finished per second (recent window; whole run once done)", J),
+        "tok_s": _gauge("genq_job_output_tokens_per_second", "Output tokens per second (recent window; whole run once done)", J),
         "eta": _gauge("genq_job_eta_seconds", "Estimated seconds until the job is done (median)", J),
         "eta_low": _gauge("genq_job_eta_low_seconds", "Low end of the ETA's 90% range", J),
         "eta_high": _gauge("genq_job_eta_high_seconds", "High end of the ETA's 90% range", J),
@@ -83,14 +131,16 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     }
     in_tok = CounterMetricFamily("genq_job_input_tokens", "Prompt tokens of finished prompts", labels=J)
     out_tok = CounterMetricFamily("genq_job_output_tokens", "Completion tokens of finished prompts", labels=J)
-    info = GaugeMetricFamily("genq_job_info", "1, labelled with the job's status and ETA state",
-                             labels=["job", "status", "eta_state"])
+    status = _gauge("genq_job_status", "1 for the job's status, 0 for the others", ["job", "status"])
+    eta_state = _gauge("genq_job_eta_state", "1 for the ETA's state, 0 for the others", ["job", "state"])
     for r in reports:
         p = r.progress
         lab = [p.job]
         values = {
             "total": p.total, "completed": p.completed, "failed": p.failed, "in_flight": p.in_flight,
-            "queued": p.queued, "rate": p.rate_per_sec, "tok_s": p.output_tokens_per_sec,
+            "queued": p.queued, "held": p.held, "batches": p.batches_total, "batches_done": p.batches_done,
+            "batches_held": p.held_batches, "batches_queued": p.queued_batches, "batches_other": p.other_batches,
+            "rate": p.rate_per_sec, "tok_s": p.output_tokens_per_sec,
             "eta": p.eta_s, "eta_low": p.eta_low_s, "eta_high": p.eta_high_s,
             "expected": p.expected_output_tokens, "remaining": p.remaining_output_tokens,
             "shards": p.shards, "shard_bytes": p.s3_bytes, "workers": p.workers, "lost": p.workers_lost,
@@ -100,56 +150,71 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
                 fams[key].add_metric(lab, float(value))
         in_tok.add_metric(lab, float(p.total_input_tokens))
         out_tok.add_metric(lab, float(p.total_output_tokens))
-        info.add_metric([p.job, p.status, p.eta_state], 1.0)
+        for code in JOB_STATUSES:
+            status.add_metric([p.job, code], float(p.status == code))
+        for code in ETA_STATES:
+            eta_state.add_metric([p.job, code], float(p.eta_state == code))
     yield from fams.values()
     yield in_tok
     yield out_tok
-    yield info
+    yield status
+    yield eta_state
 
 
-def worker_metrics(reports: list[JobReport]) -> Iterator[Metric]:
+def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: set[str]) -> Iterator[Metric]:
+    """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports."""
     W = ["worker"]
     JW = ["job", "worker"]
     G = ["worker", "gpu", "name"]
-    up = _gauge("genq_worker_up", "1 while the worker heartbeats, 0 when lost", ["worker", "state"])
+    up = _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped or lost", W)
+    state = _gauge("genq_worker_state", "1 for the worker's state, 0 for the others", ["worker", "state"])
     fams = {
         "in_flight": _gauge("genq_worker_in_flight", "Requests in flight (all jobs)", W),
         "target": _gauge("genq_worker_concurrency_target", "In-flight target", W),
         "capacity": _gauge("genq_worker_server_capacity", "Server's max running requests", W),
         "running": _gauge("genq_worker_server_running", "Requests the server is decoding", W),
         "waiting": _gauge("genq_worker_server_waiting", "Requests waiting in the server's queue", W),
-        "util": _gauge("genq_worker_slot_utilization", "server_running / server_capacity", W),
-        "kv": _gauge("genq_worker_kv_cache_usage", "Share of the KV cache in use", W),
+        "util": _gauge("genq_worker_slot_utilization_ratio", "server_running / server_capacity (0-1)", W),
+        "kv": _gauge("genq_worker_kv_cache_usage_ratio", "Share of the KV cache in use (0-1)", W),
         "tok_s": _gauge("genq_worker_output_tokens_per_second", "Output tokens per second (worker's 30 s window)", W),
         "req_s": _gauge("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", W),
     }
     errors = CounterMetricFamily("genq_worker_errors", "Failed request attempts since the worker started", labels=W)
-    bottleneck = _gauge("genq_worker_bottleneck", "1 per current bottleneck of the worker", ["worker", "reason"])
+    bottleneck = _gauge("genq_worker_bottleneck", "1 for each code that limits the worker now, 0 for the others",
+                        ["worker", "reason"])
     job_done = CounterMetricFamily("genq_job_worker_prompts_completed", "Prompts completed by the worker", labels=JW)
     job_out = CounterMetricFamily("genq_job_worker_output_tokens", "Completion tokens by the worker", labels=JW)
     job_inflight = _gauge("genq_job_worker_in_flight", "The job's requests in flight on the worker", JW)
     gpu = {
-        "util": _gauge("genq_gpu_utilization_percent", "GPU utilization (NVML)", G),
+        "util": _gauge("genq_gpu_utilization_ratio", "GPU utilization (NVML, 0-1)", G),
         "mem": _gauge("genq_gpu_memory_used_bytes", "GPU memory in use", G),
         "mem_total": _gauge("genq_gpu_memory_total_bytes", "GPU memory", G),
         "power": _gauge("genq_gpu_power_watts", "GPU power draw", G),
         "temp": _gauge("genq_gpu_temperature_celsius", "GPU temperature", G),
         "clock": _gauge("genq_gpu_sm_clock_hertz", "GPU SM clock", G),
     }
-    seen: dict[str, WorkerReport] = {}
     for r in reports:
         for w in r.progress.worker_details:
-            job_done.add_metric([r.progress.job, w.name], float(w.job_completed))
-            job_out.add_metric([r.progress.job, w.name], float(w.job_output_tokens))
-            job_inflight.add_metric([r.progress.job, w.name], float(w.job_in_flight))
-            seen.setdefault(w.name, w)
-    for w in seen.values():
-        lab = [w.name]
-        up.add_metric([w.name, w.state], 0.0 if w.state == "lost" else 1.0)
-        for reason in w.bottlenecks:
-            bottleneck.add_metric([w.name, reason], 1.0)
-        if w.state == "lost":
+            if w.name not in shown:
+                continue
+            # Only pairs with something to say: not a zero for every live worker under every job ever run.
+            if w.job_completed or w.job_failed or w.job_output_tokens or w.job_in_flight:
+                job_done.add_metric([r.progress.job, w.name], float(w.job_completed))
+                job_out.add_metric([r.progress.job, w.name], float(w.job_output_tokens))
+                job_inflight.add_metric([r.progress.job, w.name], float(w.job_in_flight))
+    for w in fleet:
+        if w.name not in shown:
             continue
+        lab = [w.name]
+        worker_state = "lost" if w.state == "gone" else w.state
+        live = worker_state not in ("stopped", "lost")
+        up.add_metric(lab, float(live))
+        for code in WORKER_STATES:
+            state.add_metric([w.name, code], float(worker_state == code))
+        if not live:
+            continue  # its last figures are not figures of now
+        for code in CODES:
+            bottleneck.add_metric([w.name, code], float(code in w.bottleneck_codes))
         values = {
             "in_flight": w.in_flight, "target": w.concurrency_target, "capacity": w.server_capacity,
             "running": w.server_running, "waiting": w.server_waiting, "util": w.slot_utilization,
@@ -162,7 +227,7 @@ def worker_metrics(reports: list[JobReport]) -> Iterator[Metric]:
         if w.gpu is not None:
             s = w.gpu
             glab = [w.name, str(s.index), s.name]
-            gpu["util"].add_metric(glab, s.utilization_pct)
+            gpu["util"].add_metric(glab, s.utilization_pct / 100.0)
             gpu["mem"].add_metric(glab, s.memory_used_mib * 2**20)
             gpu["mem_total"].add_metric(glab, s.memory_total_mib * 2**20)
             for key, value, scale in (("power", s.power_w, 1.0), ("temp", s.temperature_c, 1.0),
@@ -170,6 +235,7 @@ def worker_metrics(reports: list[JobReport]) -> Iterator[Metric]:
                 if value is not None:
                     gpu[key].add_metric(glab, value * scale)
     yield up
+    yield state
     yield from fams.values()
     yield errors
     yield bottleneck
@@ -179,15 +245,15 @@ def worker_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     yield from gpu.values()
 
 
-def make_registry(monitor: Monitor) -> CollectorRegistry:
+def make_registry(monitor: Monitor, max_age: float = 1.0, **options) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GenqCollector(monitor))
+    registry.register(GenqCollector(monitor, max_age=max_age, **options))
     return registry
 
 
-def serve(monitor: Monitor, listen: str):
+def serve(monitor: Monitor, listen: str, max_age: float = 1.0):
     """Start the HTTP endpoint in a background thread; returns (server, thread)."""
     from prometheus_client import start_http_server
 
     host, port = parse_listen(listen)
-    return start_http_server(port, addr=host, registry=make_registry(monitor))
+    return start_http_server(port, addr=host, registry=make_registry(monitor, max_age))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from genq.core.prefetch import MAX_EXTRA_LOOPS
 from genq.core.records import GpuSample
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.rates import RateTracker, once_speed
-from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_workers
+from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
 
 # Only in --json: the same figures in unrounded seconds.
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")
@@ -51,7 +52,8 @@ class WorkerReport(msgspec.Struct):
     job_output_tokens: int = 0
     gpu: GpuSample | None = None
     gpu_note: str | None = None
-    bottlenecks: list[str] = []
+    bottlenecks: list[str] = []  # for people: with the numbers
+    bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.health.CODES)
     heartbeat_age_s: float | None = None
 
 
@@ -59,15 +61,17 @@ class JobProgress(msgspec.Struct):
     """One job's progress. Field names of the original progress.json are kept."""
 
     job: str
-    status: str  # queued | running | paused | done
+    status: str  # queued | running | paused | writing (every prompt finished, shards still being written) | done
     updated_at: float
     total: int
     completed: int
     failed: int
     in_flight: int
-    queued: int  # not started: in the queue or held unsent by a worker
-    held: int  # of those, held by workers
-    percent: float
+    queued: int  # not started: in the queue, held unsent by a worker, or in a batch elsewhere
+    held: int  # of those, in batches workers hold
+    percent: float  # finished (done or failed) of total
+    percent_completed: float  # with a result
+    percent_failed: float  # dead-lettered
     rate_per_sec: float | None  # prompts finished per second, recently
     output_tokens_per_sec: float | None
     eta_hours: float | None
@@ -87,7 +91,10 @@ class JobProgress(msgspec.Struct):
     remaining_output_tokens: float | None
     batches_total: int
     batches_done: int
-    queued_batches: int
+    queued_batches: int  # this job's batches in RQ's queue
+    held_batches: int  # held by live workers
+    other_batches: int  # neither written, held nor queued: retrying, failed in RQ, or orphaned
+    rq_queued: int  # RQ's count of its `genq` queue, every job's batches (what `rq info` shows)
     shards: int
     shard_records: int
     s3_uploaded: int  # shards written (keys.job_shards), wherever the output is
@@ -124,24 +131,45 @@ class Monitor:
         self.trackers: dict[str, RateTracker] = {}
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
+        self.last_at = 0.0  # time.monotonic() of the last refresh
+        self.rq_queued = 0  # RQ's count of its genq queue at the last refresh
+        self.queue_names: dict[str, str] = {}  # RQ job id -> genq job, for ids still queued
+        self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it worked on
+        self.listeners: list = []  # called with the reports after each refresh (the web page's history)
 
     def job_names(self) -> list[str]:
         if self.job is not None:
             return [self.job]
         return list_job_names(self.conn)
 
+    def current(self, max_age: float) -> list[JobReport]:
+        """The last reports while younger than max_age seconds, else fresh ones: a scrape or a page
+        poll between two refreshes does not recompute the ETA (up to a second of CPU)."""
+        with self.lock:
+            if self.last_at and time.monotonic() - self.last_at < max_age:
+                return self.last
+        return self.refresh()
+
     def refresh(self) -> list[JobReport]:
         with self.lock:
             statuses = read_workers(self.conn)
+            queue = read_queue(self.conn, self.queue_names)
+            self.rq_queued = queue.total
             reports = []
             for name in self.job_names():
-                snap = read_job(self.conn, name, statuses)
+                snap = read_job(self.conn, name, statuses, queue=queue)
                 if snap is None:
                     if self.job is not None:
                         raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
                     continue
                 reports.append(self._report(snap))
             self.last = reports
+            now = time.time()
+            self.fleet = [worker_report(WorkerView(name=name, status=status), now)
+                          for name, status in sorted(statuses.items())]
+            self.last_at = time.monotonic()
+            for listener in self.listeners:
+                listener(reports)
             return reports
 
     @property
@@ -220,10 +248,11 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     statuses = [w.status for w in snap.workers if w.status is not None]
     elapsed = max(0.0, end - start)
     tok_s = None if speed is None else speed.tokens_per_s
-    if snap.is_done and elapsed > 0 and prompts_rate is None:
-        # Nothing is running to sample: report the whole run's averages rather than nothing.
-        prompts_rate = finished / elapsed
-        tok_s = snap.out_tokens / elapsed
+    if snap.is_done:
+        # One definition of a finished job's rate, whatever saw it (live view, --once, the exporter):
+        # the whole run's averages. A recent window would read the idle tail after the last result.
+        prompts_rate = finished / elapsed if elapsed > 0 else None
+        tok_s = snap.out_tokens / elapsed if elapsed > 0 else None
     return JobProgress(
         job=snap.job,
         status=snap.status,
@@ -235,6 +264,8 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         queued=snap.queued,
         held=snap.held,
         percent=round(100.0 * finished / snap.total, 2) if snap.total else 0.0,
+        percent_completed=round(100.0 * snap.completed / snap.total, 2) if snap.total else 0.0,
+        percent_failed=round(100.0 * snap.failed / snap.total, 2) if snap.total else 0.0,
         rate_per_sec=None if prompts_rate is None else round(prompts_rate, 3),
         output_tokens_per_sec=None if tok_s is None else round(tok_s, 1),
         eta_hours=_hours(est.eta_s),
@@ -255,6 +286,9 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         batches_total=snap.batches_total,
         batches_done=snap.batches_done,
         queued_batches=snap.queued_batches,
+        held_batches=snap.batches_held,
+        other_batches=snap.other_batches,
+        rq_queued=snap.rq_queued,
         shards=snap.shards,
         shard_records=snap.shard_records,
         s3_uploaded=snap.shards,
@@ -269,13 +303,21 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
 
 def worker_report(w: WorkerView, now: float, job_done: bool = False) -> WorkerReport:
     s = w.status
+    found = bottlenecks(s)
     base = dict(name=w.name, state=w.state, job_in_flight=len(w.running_tokens),
                 job_completed=w.counters.done, job_failed=w.counters.failed,
-                job_output_tokens=w.counters.out_tok, bottlenecks=bottlenecks(s))
+                job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],
+                bottleneck_codes=[code for code, _ in found])
     if s is None:
         if job_done:
-            base.update(state="gone", bottlenecks=[])
+            base.update(state="gone", bottlenecks=[], bottleneck_codes=[])
         return WorkerReport(**base)
+    if s.state == "stopped":
+        # Its record is kept (stopped, not lost) but its last rates, slots and GPU figures are not
+        # figures of now: a stopped worker generates nothing.
+        return WorkerReport(**base, host=s.host, concurrency_target=s.concurrency_target,
+                            concurrency_limit=s.concurrency_limit, server_capacity=s.server_capacity,
+                            errors=s.errors, gpu_note=s.gpu_note, heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
     util = slot_utilization(s)
     return WorkerReport(
         **base, host=s.host, in_flight=s.in_flight, concurrency_target=s.concurrency_target,

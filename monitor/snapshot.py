@@ -6,6 +6,12 @@ tokens = sums of the workers' counters. Running requests and their token
 counts come from the workers' InFlight records (TTL 5 s), worker health from
 their WorkerStatus records (TTL 15 s): a worker in keys.WORKERS whose status
 expired is "lost".
+
+Batches: done = keys.job_done; held = named in a live worker's
+WorkerStatus.batches while their record exists; queued = this job's RQ jobs in
+RQ's queue (what `rq info` counts). Anything else (waiting for a retry, failed
+in RQ, orphaned by a dead worker until RQ's cleanup) is "elsewhere", never
+called queued.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import msgspec
 import redis
 
 from genq.core import keys
+from genq.core.queueing import rq_queue
 from genq.core.records import InFlight, JobConfig, ShardInfo, WorkerStatus, unpack
 
 
@@ -90,6 +97,8 @@ class JobSnapshot:
     shards: int
     shard_bytes: int
     shard_records: int
+    batches_queued: int = 0  # this job's batches in RQ's queue
+    rq_queued: int = 0  # every batch in RQ's queue, all jobs (`rq info`)
 
     @property
     def running_tokens(self) -> list[int]:
@@ -102,17 +111,30 @@ class JobSnapshot:
 
     @property
     def held(self) -> int:
-        """Prompts held by live workers but not yet sent to their servers."""
-        return sum(w.inflight.queued for w in self.workers if w.live and w.inflight is not None)
+        """Prompts in batches live workers hold, not finished and not running (ready, parked while
+        paused, or waiting for a retry): from the batches, not the worker's ready list, which a
+        paused worker empties."""
+        unsent = sum(max(0, sum(w.held_unfinished) - len(w.running_tokens)) for w in self.workers if w.live)
+        return min(unsent, self.queued)
 
     @property
     def queued(self) -> int:
-        """Prompts not started anywhere: in the RQ queue or held by a worker."""
+        """Prompts not started anywhere: in the RQ queue, held by a worker, or elsewhere."""
         return max(0, self.total - self.completed - self.failed - self.in_flight)
 
     @property
     def queued_batches(self) -> int:
-        return max(0, self.batches_total - self.batches_done - self.batches_held)
+        """This job's batches in RQ's queue."""
+        return self.batches_queued
+
+    @property
+    def other_batches(self) -> int:
+        """Batches neither written, held nor queued: retrying, failed in RQ, or orphaned by a lost worker."""
+        return max(0, self.batches_total - self.batches_done - self.batches_held - self.batches_queued)
+
+    @property
+    def all_written(self) -> bool:
+        return self.batches_done >= self.batches_total
 
     @property
     def generated_tokens(self) -> int:
@@ -144,7 +166,9 @@ class JobSnapshot:
     @property
     def status(self) -> str:
         if self.is_done:
-            return "done"
+            # Every prompt has a result or a letter; "done" once every shard is written too,
+            # so a script that exports on "done" gets every batch.
+            return "done" if self.all_written else "writing"
         if self.paused:
             return "paused"
         if self.completed + self.failed == 0 and self.in_flight == 0:
@@ -173,11 +197,59 @@ def read_workers(conn: redis.Redis) -> dict[str, WorkerStatus | None]:
     return out
 
 
+@dataclass
+class QueueCounts:
+    total: int  # RQ's count of the genq queue
+    by_job: dict[str, int]
+
+
+QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts are not read every refresh
+
+
+def read_queue(conn: redis.Redis, names: dict[str, str] | None = None) -> QueueCounts:
+    """RQ's queue as `rq info` shows it, and how many of its batches belong to each genq job.
+
+    The RQ job ids are random, so the job is read from each RQ job's description
+    ("genq batch JOB/BATCH (N prompts)", genq.core.queueing). An RQ job's
+    description never changes: `names` (RQ id -> genq job), kept by the caller
+    between refreshes, means only newly queued ids are looked up.
+    """
+    queue = rq_queue(conn)
+    total = queue.count
+    by_job: dict[str, int] = {}
+    if names is None:
+        names = {}
+    if total == 0:
+        names.clear()
+        return QueueCounts(0, by_job)
+    ids = queue.get_job_ids(0, QUEUE_SCAN_LIMIT - 1)
+    unknown = [i for i in ids if i not in names]
+    for start in range(0, len(unknown), 5000):
+        chunk = unknown[start:start + 5000]
+        with conn.pipeline(transaction=False) as pipe:
+            for rq_id in chunk:
+                pipe.hget(queue.job_class.key_for(rq_id), "description")
+            for rq_id, raw in zip(chunk, pipe.execute()):
+                text = raw.decode(errors="replace") if raw else ""
+                if text.startswith("genq batch ") and "/" in text:
+                    names[rq_id] = text[len("genq batch "):].split("/", 1)[0]
+    present = set(ids)
+    for rq_id in [i for i in names if i not in present]:  # left the queue: forget
+        del names[rq_id]
+    for rq_id in ids:
+        name = names.get(rq_id)
+        if name is not None:
+            by_job[name] = by_job.get(name, 0) + 1
+    return QueueCounts(total, by_job)
+
+
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None,
-             now: float | None = None) -> JobSnapshot | None:
+             now: float | None = None, queue: QueueCounts | None = None) -> JobSnapshot | None:
     """The job's snapshot, or None when no such job exists."""
     if workers is None:
         workers = read_workers(conn)
+    if queue is None:
+        queue = read_queue(conn)
     with conn.pipeline(transaction=False) as pipe:
         pipe.get(keys.job_config(job))
         pipe.hgetall(keys.job_stats(job))
@@ -227,6 +299,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         batches_total=int(n_batches),
         batches_done=int(n_done),
         batches_held=held,
+        batches_queued=queue.by_job.get(job, 0),
+        rq_queued=queue.total,
         completed=sum(v.counters.done for v in views),
         failed=int(n_dlq),
         in_tokens=sum(v.counters.in_tok for v in views),
@@ -267,3 +341,35 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
 
 def list_job_names(conn: redis.Redis) -> list[str]:
     return sorted(n.decode() for n in conn.smembers(keys.JOBS))
+
+
+@dataclass
+class DeadLetterSummary:
+    total: int
+    by_kind: dict[str, int]
+    latest: list[dict]  # newest first: id, kind, message, worker, batch, at, attempts, status
+
+
+DLQ_READ_LIMIT = 20_000  # letters read for the breakdown; beyond, by_kind covers the first ones scanned
+
+
+def read_dead_letters(conn: redis.Redis, job: str, latest: int = 5) -> DeadLetterSummary:
+    """The job's dead letters by kind, and the newest few (for the web page)."""
+    from genq.core.records import DeadLetter
+
+    total = int(conn.hlen(keys.job_dlq(job)))
+    by_kind: dict[str, int] = {}
+    letters: list[DeadLetter] = []
+    for n, (_, raw) in enumerate(conn.hscan_iter(keys.job_dlq(job), count=1000)):
+        if n >= DLQ_READ_LIMIT:
+            break
+        try:
+            letter = unpack(raw, DeadLetter)
+        except msgspec.DecodeError:
+            continue
+        by_kind[letter.kind] = by_kind.get(letter.kind, 0) + 1
+        letters.append(letter)
+    letters.sort(key=lambda d: d.at, reverse=True)
+    rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
+                 attempts=d.attempts, status=d.status) for d in letters[:latest]]
+    return DeadLetterSummary(total=total, by_kind=dict(sorted(by_kind.items())), latest=rows)

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from genq.monitor.progress import JobReport, WorkerReport
 
-STATUS_STYLE = {"queued": "yellow", "running": "green", "paused": "magenta", "done": "bold green"}
+STATUS_STYLE = {"queued": "yellow", "running": "green", "paused": "magenta", "writing": "green", "done": "bold green"}
 STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
                "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
 
@@ -47,9 +47,11 @@ def nbytes(n: int) -> str:
     return f"{n} B"
 
 
-def render(reports: list[JobReport], redis_display: str, interval: float) -> RenderableType:
+def render(reports: list[JobReport], redis_display: str, interval: float | None) -> RenderableType:
+    """The whole view; interval None for one report (--once): nothing refreshes, nothing to leave."""
     if not reports:
-        return Text(f"no jobs in {redis_display} yet (genq enqueue creates one); refreshing every {interval:g}s")
+        again = "" if interval is None else f"; refreshing every {interval:g}s"
+        return Text(f"no jobs in {redis_display} yet (genq enqueue creates one){again}")
     parts: list[RenderableType] = [job_panel(r) for r in reports]
     workers: dict[str, WorkerReport] = {}
     for r in reports:  # one fleet table: a worker serving several jobs shows once
@@ -61,23 +63,33 @@ def render(reports: list[JobReport], redis_display: str, interval: float) -> Ren
     if gpu_note:
         notes.append(Text(f"GPU: {gpu_note}", style="dim"))
     parts.extend(notes)
-    parts.append(Text(f"redis {redis_display} · every {interval:g}s · Ctrl-C to leave", style="dim"))
+    rq = reports[0].progress.rq_queued
+    footer = f"redis {redis_display} · RQ queue genq: {rq:,} batches (all jobs)"
+    if interval is not None:
+        footer += f" · every {interval:g}s · Ctrl-C to leave"
+    parts.append(Text(footer, style="dim"))
     return Group(*parts)
 
 
 def job_panel(r: JobReport) -> Panel:
     p = r.progress
     finished = p.completed + p.failed
-    head = Text.assemble(
-        (p.job, "bold"), "  ", (p.status, STATUS_STYLE.get(p.status, "")), "  ",
-        f"{finished:,} / {p.total:,} ({p.percent:.1f}%)",
-    )
+    # Done and failed apart: a job whose prompts were dead-lettered is finished, not done.
+    head = Text.assemble((p.job, "bold"), "  ", (p.status, STATUS_STYLE.get(p.status, "")), "  ",
+                         f"{p.completed:,} / {p.total:,} done ({p.percent_completed:.1f}%)")
+    if p.failed:
+        head.append(f"  {p.failed:,} failed ({p.percent_failed:.1f}%)", style="bold red")
+    if finished and p.failed and finished < p.total:
+        head.append(f"  {finished:,} finished ({p.percent:.1f}%)")
     bar = Table.grid(padding=(0, 1))
     bar.add_row(ProgressBar(total=max(p.total, 1), completed=finished, width=60))
     counts = Text(
-        f"done {p.completed:,}  failed {p.failed:,}  in flight {p.in_flight:,}  queued {p.queued:,}"
-        f" ({p.held:,} held by workers, {p.queued_batches:,} batches in the queue)"
+        f"done {p.completed:,}  failed {p.failed:,}  in flight {p.in_flight:,}  not started {p.queued:,}"
+        f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({p.held:,} prompts unsent),"
+        f" {p.queued_batches:,} in RQ's queue"
     )
+    if p.other_batches:
+        counts.append(f", {p.other_batches:,} elsewhere (retrying, failed in RQ or orphaned)", style="yellow")
     rate = "?" if p.rate_per_sec is None else f"{p.rate_per_sec:.2f}"
     tok_s = "?" if p.output_tokens_per_sec is None else count(p.output_tokens_per_sec)
     speed = Text(
@@ -111,7 +123,7 @@ def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
                      min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
     gpu_any = any(w.gpu is not None for w in workers)
     for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
-        if w.state in ("lost", "gone"):
+        if w.state in ("lost", "gone", "stopped"):
             t.add_row(w.name, Text(w.state, STATE_STYLE[w.state]), "", "", "", "", f"{w.job_completed:,}", "", "")
             continue
         server = "-" if w.server_running is None else f"{w.server_running:.0f}/{w.server_waiting or 0:.0f}"
@@ -143,7 +155,7 @@ def bottleneck_lines(workers: list[WorkerReport]) -> list[RenderableType]:
     lines: list[RenderableType] = []
     lost = [w.name for w in workers if w.state == "lost"]
     for w in workers:
-        if w.state in ("lost", "gone"):
+        if w.state in ("lost", "gone", "stopped"):
             continue
         for b in w.bottlenecks:
             lines.append(Text.assemble(("bottleneck ", "bold yellow"), (w.name, "bold"), f": {b}"))

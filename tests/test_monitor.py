@@ -196,3 +196,137 @@ def test_worker_rows_show_slots_and_bottlenecks(tmp_path: Path, redis_url, rconn
     assert "concurrency cap 8 below server capacity 32" in text and "KV cache full" in text
     assert "25%" in text and "100%" in text
     assert text.count("no GPU telemetry") == 1
+
+
+# ---------------------------------------------------------------- figures that were wrong (issue #16)
+
+
+def worker_status(rconn, name: str) -> WorkerStatus | None:
+    from genq.core.records import unpack
+
+    raw = rconn.get(keys.worker_status(name))
+    return unpack(raw, WorkerStatus) if raw else None
+
+
+def test_paused_worker_still_holds_its_batches(tmp_path: Path, redis_url, rconn, sim, worker) -> None:
+    """A paused worker parks its unsent prompts: they are still held, in the batches it holds."""
+    url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=400, output_sigma=0.3,
+              max_running_requests=4)
+    write_prompts(tmp_path / "p.jsonl", 80)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "pz", "--output", str(tmp_path / "out"),
+             "--batch-size", "8")
+    w = worker(url, "--prefetch", "4", "--name", "pz-w")
+    wait_until(lambda: (s := worker_status(rconn, "pz-w")) and len(s.batches) >= 4, 30, "the worker to hold 4 batches")
+    run_genq("pause", "--job", "pz")
+    status = wait_until(lambda: (s := worker_status(rconn, "pz-w")) and s.state == "paused" and s.in_flight == 0
+                        and s, 30, "the worker paused with nothing running")
+    held = len(status.batches)
+    assert held >= 4
+    unsent = sum(8 - rconn.hlen(keys.batch_results("pz", b.batch)) for b in status.batches)
+    assert unsent > 0
+    doc = monitor_json("--job", "pz")
+    assert doc["status"] == "paused"
+    assert doc["held"] == unsent, "a paused worker's parked prompts are held"
+    assert doc["held_batches"] == held
+    text = run_genq("monitor", "--once", "--job", "pz").stdout
+    assert f"{held} held by workers" in text and f"{unsent} prompts unsent" in text, text
+    w.kill_tree()  # a paused worker cannot drain; its RQ loops (own sessions) must not outlive the test
+
+
+def test_queued_batches_are_what_rq_shows(tmp_path: Path, redis_url, rconn) -> None:
+    """Batches not in RQ's queue (here: removed from it, as after a failed or orphaned run) are not 'queued'."""
+    from genq.core.queueing import rq_queue
+
+    write_prompts(tmp_path / "p.jsonl", 72)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "rqv", "--output", str(tmp_path / "out"),
+             "--batch-size", "8")
+    doc = monitor_json("--job", "rqv")
+    assert doc["queued_batches"] == doc["rq_queued"] == rq_queue(rconn).count == 9 and doc["other_batches"] == 0
+    rq_queue(rconn).empty()
+    assert rq_queue(rconn).count == 0
+    doc = monitor_json("--job", "rqv")
+    assert doc["queued_batches"] == 0 and doc["rq_queued"] == 0
+    assert doc["other_batches"] == 9 and doc["queued"] == 72  # the prompts are still not started
+    text = run_genq("monitor", "--once", "--job", "rqv").stdout
+    assert "9 batches in the queue" not in text
+    assert "0 in RQ's queue" in text and "9 elsewhere" in text, text
+
+
+def test_a_finished_job_has_one_rate_live_and_once(tmp_path: Path, redis_url, sim, worker, procs) -> None:
+    url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=160, output_sigma=1.0,
+              max_running_requests=4)
+    write_prompts(tmp_path / "p.jsonl", 60)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "rate", "--output", str(tmp_path / "out"),
+             "--batch-size", "16")
+    mon = procs(genq_cmd("monitor", "--job", "rate", "--json", "--interval", "0.3"), name="monitor")
+    w = worker(url, "--burst", "--name", "rate-w")
+    assert w.wait(90) == 0, w.log()
+
+    def live_done() -> dict | None:
+        docs = [json.loads(line) for line in mon.log().splitlines() if line.startswith("{")]
+        done = [d for d in docs if d["status"] == "done"]
+        return len(done) >= 3 and done[-1]  # a few refreshes after the end: the idle tail is sampled
+
+    live = wait_until(live_done, 30, "the live monitor to see the job done")
+    once = monitor_json("--job", "rate")
+    assert once["status"] == "done"
+    for field in ("rate_per_sec", "output_tokens_per_sec", "elapsed_s", "completed", "total_output_tokens"):
+        assert live[field] == once[field], (field, live[field], once[field])
+    assert once["rate_per_sec"] == pytest.approx(60 / once["elapsed_s"], rel=1e-3)  # the whole run
+
+
+def test_dead_letters_are_not_shown_as_done(tmp_path: Path, redis_url, sim, worker) -> None:
+    from tests.test_dlq import SMALL_CONTEXT, write_mixed
+
+    url = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
+    _, long_ids = write_mixed(tmp_path / "p.jsonl", 30, long_every=3)  # every third prompt is too long
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "dl", "--output", str(tmp_path / "out"), "--max-tokens", "16")
+    assert worker(url, "--burst", "--name", "dl-w").wait(60) == 0
+    doc = monitor_json("--job", "dl")
+    assert doc["failed"] == len(long_ids) == 10 and doc["completed"] == 20 and doc["status"] == "done"
+    assert doc["percent_completed"] == 66.67 and doc["percent_failed"] == 33.33
+    text = run_genq("monitor", "--once", "--job", "dl").stdout
+    assert "30 / 30" not in text and "100.0%" not in text, text
+    assert "20 / 30 done (66.7%)" in text and "10 failed (33.3%)" in text, text
+
+
+def test_once_has_no_refresh_footer(tmp_path: Path, redis_url) -> None:
+    write_prompts(tmp_path / "p.jsonl", 10)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "ft", "--output", str(tmp_path / "out"))
+    text = run_genq("monitor", "--once").stdout
+    assert "Ctrl-C" not in text and "every 2s" not in text, text
+    assert "Ctrl-C" not in run_genq("monitor", "--once", "--job", "ft").stdout
+
+
+def test_until_done_waits_for_every_shard(tmp_path: Path, redis_url, rconn, procs) -> None:
+    """Every prompt has a result but the last batch's shard is not written yet: not done."""
+    write_prompts(tmp_path / "p.jsonl", 16)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "ud", "--output", str(tmp_path / "out"),
+             "--batch-size", "8")
+    # As the worker leaves it between the last result and the shard of batch 2: counters full, one batch done.
+    rconn.hset(keys.worker_stats("ud", "w"), mapping={"done": 16, "failed": 0, "in_tok": 160, "out_tok": 1600,
+                                                       "first_at": time.time() - 10, "last_at": time.time()})
+    rconn.sadd(keys.job_workers("ud"), "w")
+    rconn.sadd(keys.job_done("ud"), "b0000001")
+    mon = procs(genq_cmd("monitor", "--job", "ud", "--json", "--interval", "0.2", "--until-done"), name="monitor")
+
+    def docs() -> list[dict]:
+        return [json.loads(line) for line in mon.log().splitlines() if line.startswith("{")]
+
+    wait_until(lambda: len(docs()) >= 3 or not mon.alive(), 30, "three refreshes")
+    assert mon.alive(), "--until-done returned before the last shard was written"
+    assert docs()[-1]["status"] == "writing" and docs()[-1]["batches_done"] == 1
+    rconn.sadd(keys.job_done("ud"), "b0000002")
+    assert mon.wait(30) == 0
+    assert docs()[-1]["status"] == "done"
+
+
+def test_a_stopped_worker_shows_no_figures_of_its_last_moments(redis_url, rconn) -> None:
+    from tests.test_prometheus import put_job
+
+    put_job(rconn, time.time())  # gpu-e stopped with its last tok/s 999 and 3 requests on its server
+    (e,) = [w for w in monitor_json("--job", "exp")["worker_details"] if w["name"] == "gpu-e"]
+    assert e["state"] == "stopped" and e["tok_per_s"] == 0 and e["slot_utilization"] is None
+    assert e["server_running"] is None and e["in_flight"] == 0
+    row = next(line for line in run_genq("monitor", "--once", "--job", "exp").stdout.splitlines() if "gpu-e" in line)
+    assert "999" not in row and "%" not in row, row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -29,10 +30,18 @@ from genq.output.local import write_atomic
 @click.option("--serve", "listen", default=None, metavar="[HOST]:PORT",
               help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "
                    "honor_labels: true (the genq job is the `job` label). Grafana: dashboards/grafana-genq.json.")
-@click.option("--until-done", is_flag=True, help="Exit once every shown job is done (for scripts).")
+@click.option("--web", "web_listen", default=None, metavar="[HOST]:PORT",
+              help="Serve a live page with plots on HOST:PORT (e.g. 127.0.0.1:8008; reach it through a port "
+                   "forward). Read-only unless --web-control.")
+@click.option("--web-control", is_flag=True,
+              help="Add pause/resume/drain buttons to the --web page; they need the token in the "
+                   "GENQ_WEB_TOKEN environment variable (not an option: ps shows options).")
+@click.option("--until-done", is_flag=True,
+              help="Exit once every shown job is done and every shard written (for scripts).")
 @click.pass_context
 def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, progress_file: str | None,
-            interval: float, rate_window: float, listen: str | None, until_done: bool) -> None:
+            interval: float, rate_window: float, listen: str | None, web_listen: str | None, web_control: bool,
+            until_done: bool) -> None:
     """Show job progress: totals, rates, tokens, an ETA with its range, and each worker.
 
     \b
@@ -42,8 +51,12 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     failed, in_flight, queued, rate_per_sec, output_tokens_per_sec,
     eta_hours, eta_low_hours, eta_high_hours, eta_state, elapsed_hours,
     total_input_tokens, total_output_tokens, avg_output_tokens, status
-    (queued | running | paused | done), s3_uploaded and s3_bytes (shards
-    written and their bytes), worker_details; --json adds eta_s, eta_low_s
+    (queued | running | paused | writing | done: done once every shard is
+    written), percent_completed and percent_failed, queued_batches (the
+    job's batches in RQ's queue), held_batches, other_batches (neither
+    written, held nor queued), rq_queued (RQ's whole queue), s3_uploaded and
+    s3_bytes (shards written and their bytes), worker_details (with
+    bottleneck_codes); --json adds eta_s, eta_low_s
     and eta_high_s in unrounded seconds (null while there is no honest
     estimate: eta_state "warming up", "paused" or "stalled").
 
@@ -55,8 +68,13 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     finish times.
     """
     s = settings(ctx)
-    if once and listen:
-        raise click.UsageError("--serve needs a running monitor; drop --once")
+    if once and (listen or web_listen):
+        raise click.UsageError(f"{'--serve' if listen else '--web'} needs a running monitor; drop --once")
+    token = os.environ.get("GENQ_WEB_TOKEN") or None
+    if web_control and not web_listen:
+        raise click.UsageError("--web-control goes with --web")
+    if web_control and (token is None or len(token) < 16):
+        raise click.UsageError("--web-control needs a token of 16 or more characters in GENQ_WEB_TOKEN")
     try:
         conn = connect(s.redis_url)
         conn.ping()
@@ -68,14 +86,24 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
         try:
-            serve(mon, listen)
+            serve(mon, listen, max_age=interval)
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--serve {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
                    err=True)
+    if web_listen:
+        from genq.monitor.webapp import serve_web
+
+        try:
+            serve_web(mon, web_listen, interval, token if web_control else None)
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(f"--web {web_listen}: {exc}") from None
+        shown = web_listen if not web_listen.startswith(":") else "0.0.0.0" + web_listen
+        click.echo(f"genq monitor: live page on http://{shown}/"
+                   f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
     try:
         if once:
-            _emit(mon, as_json, progress_file, s.redis_display, interval, live=None)
+            _emit(mon, as_json, progress_file, s.redis_display, None, live=None)
             return
         _loop(mon, as_json, progress_file, s.redis_display, interval, until_done)
     except JobNotFound as exc:
@@ -88,8 +116,9 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         pass
 
 
-def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float,
+def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float | None,
           live) -> list:
+    """One refresh, printed; interval None for --once."""
     reports = mon.refresh()
     if progress_file:
         write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
@@ -138,6 +167,8 @@ def _loop(mon: Monitor, as_json: bool, progress_file: str | None, redis_display:
                 else:
                     click.echo(message, err=True)
                 reports = []
+            # "done" means every shard is written too (not only every prompt finished): a script
+            # that exports right after --until-done gets every batch.
             if until_done and reports and all(r.progress.status == "done" for r in reports):
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - started)))

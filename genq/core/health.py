@@ -1,10 +1,20 @@
-"""Per-worker efficiency: slot use and what holds a GPU back, from its WorkerStatus."""
+"""Per-worker efficiency: slot use and what holds a GPU back, from its WorkerStatus.
+
+A bottleneck is a (code, text) pair: the code is one of a fixed set (CODES), fit
+for a Prometheus label or a chart's legend, whose values never grow with time;
+the text carries the numbers, for people (terminal view, web page, JSON).
+"""
 
 from __future__ import annotations
 
 from genq.core.records import WorkerStatus
 
 KV_FULL = 0.98
+
+# Every code bottlenecks() can return, most important first.
+CODES = ("lost", "server_down", "waiting", "cap_below_capacity", "kv_cache_full", "target_limits", "no_prompts")
+
+Bottleneck = tuple[str, str]
 
 
 def slot_utilization(s: WorkerStatus) -> float | None:
@@ -14,33 +24,37 @@ def slot_utilization(s: WorkerStatus) -> float | None:
     return s.server_running / s.server_capacity
 
 
-def bottlenecks(s: WorkerStatus | None) -> list[str]:
-    """What limits this worker now, most important first; [] when nothing does."""
+def bottlenecks(s: WorkerStatus | None) -> list[Bottleneck]:
+    """What limits this worker now as (code, text), most important first; [] when nothing does."""
     if s is None:
-        return ["lost: no heartbeat for 15 s (worker crashed, or its host or Redis link is down)"]
+        return [("lost", "lost: no heartbeat for 15 s (worker crashed, or its host or Redis link is down)")]
     if s.state == "stopped":
         return []
-    out: list[str] = []
+    out: list[Bottleneck] = []
     if s.state == "server_down":
-        out.append(f"server down ({s.note})" if s.note else "server down")
+        out.append(("server_down", f"server down ({s.note})" if s.note else "server down"))
     elif s.note:
-        out.append(s.note)
+        out.append(("waiting", s.note))
     cap, limit = s.server_capacity, s.concurrency_limit
-    if limit and cap and limit < cap:
-        out.append(f"concurrency cap {limit} below server capacity {cap} (genq concurrency to raise it)")
+    capped = bool(limit and cap and limit < cap)
+    if capped:
+        out.append(("cap_below_capacity",
+                    f"concurrency cap {limit} below server capacity {cap} (genq concurrency to raise it)"))
     if s.server_token_usage is not None and s.server_token_usage >= KV_FULL:
-        out.append(f"KV cache full ({s.server_token_usage:.0%} of tokens in use)")
+        out.append(("kv_cache_full", f"KV cache full ({s.server_token_usage:.0%} of tokens in use)"))
     if (s.server_waiting is not None and s.server_waiting == 0 and s.queued > 0
-            and s.in_flight >= s.concurrency_target and s.state == "busy" and not (limit and cap and limit < cap)):
-        out.append(f"server queue empty while the worker holds {s.queued} prompts: "
-                   f"in-flight target {s.concurrency_target} is what limits it")
+            and s.in_flight >= s.concurrency_target and s.state == "busy" and not capped):
+        out.append(("target_limits", f"server queue empty while the worker holds {s.queued} prompts: "
+                                     f"in-flight target {s.concurrency_target} is what limits it"))
+    if s.state == "idle" and not s.batches:
+        out.append(("no_prompts", "idle: nothing to take from the queue"))
     seen: set[str] = set()
     unique = []
-    for line in out:  # the worker's own note may repeat a derived one
-        key = line.split(" (")[0].lower()
-        if key not in seen:
-            seen.add(key)
-            unique.append(line)
+    for code, text in out:  # the worker's own note may repeat a derived one
+        key = text.split(" (")[0].lower()
+        if code not in seen and key not in seen:
+            seen.update((code, key))
+            unique.append((code, text))
     return unique
 
 

@@ -1,0 +1,223 @@
+// genq monitor's live page: polls api/state (relative URL: works through a port forward or a
+// proxy's path prefix) and draws with uPlot, shipped beside this file. No other dependency.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777",
+                 "#4b5563", "#65a30d", "#7c3aed", "#0d9488"];
+let job = new URLSearchParams(location.search).get("job");
+let interval = 2;
+let timer = null;
+const charts = {};
+
+function duration(s) {
+  if (s === null || s === undefined) return "?";
+  s = Math.round(s);
+  if (s < 90) return s + "s";
+  const m = Math.floor(s / 60);
+  if (m < 90) return m + "m " + String(s % 60).padStart(2, "0") + "s";
+  const h = Math.floor(m / 60);
+  if (h < 48) return h + "h " + String(m % 60).padStart(2, "0") + "m";
+  return Math.floor(h / 24) + "d " + String(h % 24).padStart(2, "0") + "h";
+}
+
+function count(n) {
+  if (n === null || n === undefined) return "?";
+  for (const [unit, size] of [["G", 1e9], ["M", 1e6], ["k", 1e3]]) {
+    if (Math.abs(n) >= size) return (n / size).toFixed(1) + unit;
+  }
+  return Number.isInteger(n) ? String(n) : n.toFixed(2);
+}
+
+function bytes(n) {
+  for (const [unit, size] of [["GB", 2 ** 30], ["MB", 2 ** 20], ["kB", 2 ** 10]]) {
+    if (n >= size) return (n / size).toFixed(1) + " " + unit;
+  }
+  return n + " B";
+}
+
+// A number shown on the page: formatted text, and the exact value in data-value (for scripts and tests).
+function put(id, value, text) {
+  const el = $(id);
+  el.dataset.value = value === null || value === undefined ? "" : String(value);
+  el.textContent = text !== undefined ? text : (value === null || value === undefined ? "?" : String(value));
+}
+
+function chart(id, series, data, extra) {
+  const el = $(id);
+  const key = JSON.stringify(series.map((s) => s.label));
+  const width = Math.max(300, el.clientWidth);
+  if (charts[id] && charts[id].key === key) {
+    charts[id].plot.setData(data);
+    return;
+  }
+  if (charts[id]) charts[id].plot.destroy();
+  const opts = Object.assign({width: width, height: 240, series: [{}].concat(series),
+                              legend: {live: false}, cursor: {drag: {x: false, y: false}}}, extra || {});
+  charts[id] = {key: key, plot: new uPlot(opts, data, el)};
+}
+
+function line(label, i, more) {
+  return Object.assign({label: label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
+                        points: {show: false}}, more || {});
+}
+
+function drawProgress(h, p) {
+  const t = h.t.slice();
+  const n = t.length;
+  const done = h.percent_completed.slice(), finished = h.percent.slice();
+  const mid = new Array(n).fill(null), low = new Array(n).fill(null), high = new Array(n).fill(null);
+  if (n && p.eta_s !== null && p.eta_low_s !== null && p.eta_s > 0 && p.status !== "done") {
+    // The 90% range drawn forward: from now to 100% at the early, median and late finish.
+    const now = t[n - 1], at = finished[n - 1];
+    mid[n - 1] = low[n - 1] = high[n - 1] = at;
+    const ends = [[p.eta_low_s, low], [p.eta_s, mid], [p.eta_high_s, high]];
+    let last = now;
+    for (const [eta, arr] of ends) {
+      const x = Math.max(now + eta, last + 0.001);  // x must grow
+      last = x;
+      t.push(x); done.push(null); finished.push(null);
+      for (const a of [mid, low, high]) a.push(a === arr ? 100 : null);
+    }
+  }
+  chart("chart-progress", [
+    line("done %", 0, {fill: "rgba(37,99,235,0.08)"}), line("finished % (done + failed)", 1),
+    line("ETA median", 2, {dash: [6, 4]}), line("ETA 5%", 4, {dash: [2, 3]}), line("ETA 95%", 4, {dash: [2, 3]}),
+  ], [t, done, finished, mid, low, high], {scales: {y: {range: [0, 100]}}});
+}
+
+function drawEta(h) {
+  chart("chart-eta", [line("ETA median", 2), line("ETA 5%", 4, {dash: [2, 3]}), line("ETA 95%", 4, {dash: [2, 3]})],
+        [h.t, h.eta_s, h.eta_low_s, h.eta_high_s],
+        {axes: [{}, {values: (u, splits) => splits.map(duration), size: 70}]});
+}
+
+function drawPerWorker(id, h, fleetField, fleetLabel, field, scale) {
+  const names = Object.keys(h.workers).sort();
+  const series = [], data = [h.t];
+  if (fleetField) { series.push(line(fleetLabel, 0, {width: 2.5})); data.push(h[fleetField]); }
+  names.forEach((name, i) => {
+    series.push(line(name, i + 1));
+    data.push(h.workers[name][field].map((v) => (v === null ? null : v * scale)));
+  });
+  chart(id, series, data, scale === 100 ? {scales: {y: {range: [0, 100]}}} : {});
+}
+
+function drawLengths(l) {
+  const x = l.buckets;
+  const bars = (align) => uPlot.paths.bars({size: [0.45, 60], align: align});
+  chart("chart-lengths", [
+    {label: "finished", fill: "rgba(37,99,235,0.55)", stroke: PALETTE[0], paths: bars(-1), points: {show: false}},
+    {label: "running (so far)", fill: "rgba(234,88,12,0.55)", stroke: PALETTE[4], paths: bars(1), points: {show: false}},
+    line("fitted (finished)", 1, {width: 2}),
+  ], [x, l.finished, l.running, l.fitted], {
+    scales: {x: {time: false}},
+    axes: [{values: (u, splits) => splits.map((b) => count(Math.round(2 ** (b / 4) - 1))), label: "output tokens"}, {}],
+  });
+}
+
+function drawTables(s) {
+  const p = s.progress;
+  const rows = p.worker_details.map((w) => {
+    const codes = w.bottleneck_codes.map((c) => `<span class="code ${c}">${c}</span>`).join("");
+    const slots = w.slot_utilization === null ? "-" : Math.round(w.slot_utilization * 100) + "%";
+    return `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td>${esc(w.state)}</td><td>${slots}</td>` +
+           `<td>${codes || "none"}</td><td>${w.bottlenecks.map(esc).join("<br>")}</td></tr>`;
+  });
+  document.querySelector("#bottlenecks tbody").innerHTML = rows.join("") || "<tr><td colspan=5>no workers</td></tr>";
+  const d = s.dead_letters;
+  put("dlq-total", d.total);
+  document.querySelector("#dlq-kinds tbody").innerHTML =
+    Object.entries(d.by_kind).map(([k, n]) => `<tr data-kind="${esc(k)}"><td>${esc(k)}</td><td>${n}</td></tr>`).join("") ||
+    "<tr><td colspan=2>none</td></tr>";
+  document.querySelector("#dlq-latest tbody").innerHTML = d.latest.map((e) =>
+    `<tr><td>${esc(e.id)}</td><td>${esc(e.kind)}</td><td>${esc(e.worker)}</td><td>${esc(e.message)}</td></tr>`).join("") ||
+    "<tr><td colspan=4>none</td></tr>";
+}
+
+function esc(s) {
+  return String(s).replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
+}
+
+function render(s) {
+  const picker = $("job-picker");
+  if (picker.dataset.jobs !== JSON.stringify(s.jobs)) {
+    picker.innerHTML = s.jobs.map((j) => `<option>${esc(j)}</option>`).join("");
+    picker.dataset.jobs = JSON.stringify(s.jobs);
+  }
+  interval = s.interval;
+  $("controls").hidden = !s.controls;
+  if (!s.job) { $("status").textContent = "no jobs yet"; return; }
+  picker.value = s.job;
+  const p = s.progress;
+  $("status").textContent = p.status;
+  $("status").className = "badge " + p.status;
+  $("updated").textContent = "updated " + new Date(p.updated_at * 1000).toLocaleTimeString();
+  put("completed", p.completed, p.completed.toLocaleString());
+  put("total", p.total, p.total.toLocaleString());
+  put("percent", p.percent, p.percent.toFixed(1));
+  put("percent-completed", p.percent_completed, p.percent_completed.toFixed(1));
+  put("failed", p.failed, p.failed.toLocaleString());
+  $("failed").classList.toggle("bad", p.failed > 0);
+  put("percent-failed", p.percent_failed, p.percent_failed.toFixed(1));
+  put("in-flight", p.in_flight);
+  put("queued", p.queued);
+  put("batches-done", p.batches_done);
+  put("held-batches", p.held_batches);
+  put("queued-batches", p.queued_batches);
+  put("other-batches", p.other_batches);
+  put("eta", p.eta_s, p.status === "done" ? "finished" : (p.eta_s === null ? p.eta_state : duration(p.eta_s)));
+  $("eta-range").textContent = p.eta_low_s === null ? p.eta_note : duration(p.eta_low_s) + " – " + duration(p.eta_high_s);
+  $("eta-state").textContent = p.eta_state;
+  put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
+  put("toks", p.output_tokens_per_sec, count(p.output_tokens_per_sec));
+  put("elapsed", p.elapsed_s, duration(p.elapsed_s));
+  put("shards", p.shards);
+  put("manifest", p.shards);
+  put("shard-records", p.shard_records, p.shard_records.toLocaleString());
+  put("shard-bytes", p.s3_bytes, bytes(p.s3_bytes));
+  const h = s.history;
+  drawProgress(h, p);
+  drawEta(h);
+  drawPerWorker("chart-tok", h, "output_tokens_per_sec", "fleet", "tok_per_s", 1);
+  drawPerWorker("chart-prompts", h, "rate_per_sec", "fleet", "req_per_s", 1);
+  drawPerWorker("chart-slots", h, null, null, "slot_utilization", 100);
+  drawLengths(s.lengths);
+  drawTables(s);
+}
+
+async function poll() {
+  try {
+    const resp = await fetch("api/state" + (job ? "?job=" + encodeURIComponent(job) : ""), {cache: "no-store"});
+    if (!resp.ok) throw new Error("HTTP " + resp.status);
+    render(await resp.json());
+    $("error").textContent = "";
+    document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
+  } catch (e) {
+    $("error").textContent = "cannot reach the monitor (" + e.message + "); retrying";
+  }
+  clearTimeout(timer);
+  timer = setTimeout(poll, interval * 1000);
+}
+
+window.addEventListener("resize", () => {
+  for (const [id, c] of Object.entries(charts)) c.plot.setSize({width: Math.max(300, $(id).clientWidth), height: 240});
+});
+
+$("job-picker").addEventListener("change", (e) => {
+  job = e.target.value;
+  history.replaceState(null, "", "?job=" + encodeURIComponent(job));
+  for (const id of Object.keys(charts)) { charts[id].plot.destroy(); delete charts[id]; }
+  poll();
+});
+
+document.querySelectorAll("#controls button").forEach((b) => b.addEventListener("click", async () => {
+  const resp = await fetch("api/control", {
+    method: "POST", headers: {"Content-Type": "application/json", "X-Genq-Token": $("token").value},
+    body: JSON.stringify({action: b.dataset.action, job: b.dataset.action === "drain" ? null : job || $("job-picker").value}),
+  });
+  const body = await resp.json();
+  $("control-result").textContent = body.ok || body.error;
+}));
+
+poll();

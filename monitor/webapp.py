@@ -1,0 +1,168 @@
+"""`genq monitor --web HOST:PORT`: one live page with plots, served by the monitor process.
+
+The page (monitor/web/) polls api/state, which answers from the same Monitor
+as the terminal view, the JSON lines and the exporter: its numbers are
+`genq monitor --json`'s. Time series are the monitor's own (history.py); the
+charting library (uPlot, MIT) ships inside the package, so the page works on an
+air-gapped cluster. URLs are relative, so the page works through a port forward
+or under a reverse proxy's path prefix.
+
+Read-only unless started with control enabled and a token: then pause, resume
+and drain are POSTs to api/control carrying the token in X-Genq-Token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from genq.monitor.history import History
+from genq.monitor.lengths import bucket_log_bounds, length_bucket, norm_cdf
+from genq.monitor.progress import JobReport, Monitor, as_dict
+from genq.monitor.snapshot import read_dead_letters
+
+log = logging.getLogger("genq.monitor")
+STATIC = Path(__file__).parent / "web"
+CONTROL_ACTIONS = ("pause", "resume", "drain")
+
+
+def length_histogram(report: JobReport) -> dict[str, Any]:
+    """Finished lengths per log bucket, running ones (tokens so far) per bucket, and the fitted
+    lognormal's expected count of finished completions per bucket."""
+    finished = {int(b): n for b, n in report.snapshot.hist.items()}
+    # A request with no token yet says nothing about its length.
+    running = Counter(length_bucket(t) for t in report.snapshot.running_tokens if t > 0)
+    model = report.estimate.model
+    keys = set(finished) | set(running)
+    if model is not None:  # the fit's central 99.8 %, so its tails show where nothing was seen yet
+        for z in (model.mu - 3 * model.sigma, model.mu + 3 * model.sigma):
+            keys.add(max(0, int(round(4 * z / math.log(2)))))
+    if not keys:
+        return {"buckets": [], "tokens": [], "finished": [], "running": [], "fitted": []}
+    buckets = list(range(min(keys), max(keys) + 1))
+    n = sum(finished.values())
+    fitted: list[float | None] = []
+    for b in buckets:
+        if model is None or n == 0:
+            fitted.append(None)
+            continue
+        lo, hi = bucket_log_bounds(b)
+        p = norm_cdf((hi - model.mu) / model.sigma) - norm_cdf((lo - model.mu) / model.sigma)
+        fitted.append(round(n * p, 3))
+    return {
+        "buckets": buckets,
+        "tokens": [round(2 ** (b / 4) - 1) for b in buckets],
+        "finished": [finished.get(b, 0) for b in buckets],
+        "running": [running.get(b, 0) for b in buckets],
+        "fitted": fitted,
+        "mu": None if model is None else model.mu,
+        "sigma": None if model is None else model.sigma,
+    }
+
+
+def make_app(monitor: Monitor, history: History, interval: float, token: str | None = None) -> web.Application:
+    app = web.Application()
+    letters: dict[str, tuple[float, Any]] = {}  # job -> (monotonic, summary): one DLQ scan per interval
+
+    def dead_letters(job: str):
+        cached = letters.get(job)
+        if cached is None or time.monotonic() - cached[0] >= interval:
+            cached = letters[job] = (time.monotonic(), read_dead_letters(monitor.conn, job))
+        return cached[1]
+
+    async def index(request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "index.html")
+
+    async def state(request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        reports = await loop.run_in_executor(None, monitor.current, interval)
+        names = [r.progress.job for r in reports]
+        wanted = request.query.get("job")
+        chosen = next((r for r in reports if r.progress.job == wanted), reports[0] if reports else None)
+        body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None}
+        if chosen is not None:
+            job = chosen.progress.job
+            dlq = await loop.run_in_executor(None, dead_letters, job)
+            body.update(
+                job=job,
+                progress=as_dict(chosen.progress, for_json=True),
+                history=history.columns(job),
+                lengths=length_histogram(chosen),
+                dead_letters={"total": dlq.total, "by_kind": dlq.by_kind, "latest": dlq.latest},
+            )
+        return web.json_response(body, dumps=_dumps)
+
+    app.router.add_get("/", index)
+    app.router.add_get("/api/state", state)
+    app.router.add_static("/static/", STATIC / "static", show_index=False)
+    if token is not None:
+        app.router.add_post("/api/control", _control_handler(monitor, token))
+    return app
+
+
+def _dumps(obj: Any) -> str:
+    from genq.monitor.progress import encode
+
+    return encode(_finite(obj)).decode()
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _control_handler(monitor: Monitor, token: str):
+    from genq.ops import control
+
+    def act(action: str, job: str | None) -> str:
+        if action == "pause":
+            control.pause(monitor.conn, job)
+        elif action == "resume":
+            control.resume(monitor.conn, job)
+        else:  # drain every live worker: they finish what they hold and exit
+            for row in control.select(control.fleet(monitor.conn), everyone=True):
+                control.update_control(monitor.conn, row.name, drain=True)
+        return f"{action} {job or 'all'}"
+
+    async def handler(request: web.Request) -> web.Response:
+        given = request.headers.get("X-Genq-Token", "")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return web.json_response({"error": "wrong or missing token"}, status=403)
+        body = await request.json()
+        action, job = body.get("action"), body.get("job") or None
+        if action not in CONTROL_ACTIONS:
+            return web.json_response({"error": f"action must be one of {', '.join(CONTROL_ACTIONS)}"}, status=400)
+        done = await asyncio.get_running_loop().run_in_executor(None, act, action, job)
+        log.warning("web control: %s (from %s)", done, request.remote)
+        return web.json_response({"ok": done})
+
+    return handler
+
+
+def serve_web(monitor: Monitor, listen: str, interval: float, token: str | None = None) -> History:
+    """Start the page's server in a background thread (binding here, so errors reach the caller)."""
+    from genq.monitor.exporter import parse_listen
+
+    host, port = parse_listen(listen, "--web")
+    history = History()
+    monitor.listeners.append(history.record)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(monitor, history, interval, token), access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, host, port).start())
+    threading.Thread(target=loop.run_forever, name="genq-web", daemon=True).start()
+    return history

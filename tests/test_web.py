@@ -1,0 +1,184 @@
+"""`genq monitor --web`: the live page in a real headless Chromium, against a real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from genq.core import keys
+from tests.conftest import free_port, genq_cmd, run_genq, wait_http, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+SIM = dict(step_ms_base=30, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=150, output_sigma=0.8,
+           max_running_requests=4, context_length=1024)
+# Figures the page shows that `genq monitor --once --json` has too.
+SAME = ("total", "completed", "failed", "percent", "percent_completed", "percent_failed", "rate_per_sec",
+        "output_tokens_per_sec", "elapsed_s", "shards", "shard_records", "s3_bytes", "batches_done", "in_flight",
+        "queued", "eta_s")
+PAGE_IDS = {"total": "total", "completed": "completed", "failed": "failed", "percent": "percent",
+            "percent_completed": "percent-completed", "percent_failed": "percent-failed", "rate_per_sec": "rate",
+            "output_tokens_per_sec": "toks", "elapsed_s": "elapsed", "shards": "shards",
+            "shard_records": "shard-records", "s3_bytes": "shard-bytes", "batches_done": "batches-done",
+            "in_flight": "in-flight", "queued": "queued", "eta_s": "eta"}
+
+
+def write_prompts_with_long(path: Path, n: int, long_every: int = 10) -> int:
+    """n prompts; every long_every-th is longer than the sim's context (a bad_request dead letter)."""
+    long = 0
+    with open(path, "w") as f:
+        for i in range(n):
+            too_long = i % long_every == 3
+            long += too_long
+            content = ("y" * 8000 + f" {i}") if too_long else f"prompt number {i}"
+            f.write(json.dumps({"id": f"p{i:05d}", "messages": [{"role": "user", "content": content}]}) + "\n")
+    return long
+
+
+@pytest.fixture
+def browser():
+    if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
+        pytest.fail("this test needs Chromium: apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=shutil.which("chromium") or CHROMIUM, headless=True,
+                               args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+def page_values(page) -> dict:
+    return page.evaluate("""(ids) => Object.fromEntries(Object.entries(ids).map(
+        ([k, id]) => [k, document.getElementById(id).dataset.value]))""", PAGE_IDS)
+
+
+def as_number(text: str):
+    return None if text in ("", None) else float(text)
+
+
+# How many pixels of its series' colours each chart's canvas holds: > 0 means lines or bars were drawn
+# (axes and grid are grey). Series may hide each other (two GPUs both at 100%), so any series counts.
+DRAWN = """() => Object.fromEntries(Object.entries(charts).map(([id, c]) => {
+    const u = c.plot;
+    const wants = u.series.slice(1).map((s) => [1, 3, 5].map((i) => parseInt(s.stroke().slice(i, i + 2), 16)));
+    const img = u.ctx.getImageData(0, 0, u.ctx.canvas.width, u.ctx.canvas.height).data;
+    let n = 0;
+    for (let i = 0; i < img.length; i += 4) {
+        if (img[i + 3] > 200 && wants.some((w) => Math.abs(img[i] - w[0]) < 40 && Math.abs(img[i + 1] - w[1]) < 40
+                                                  && Math.abs(img[i + 2] - w[2]) < 40)) n++;
+    }
+    return [id, n];
+}))"""
+
+
+def test_live_page_draws_the_run_and_agrees_with_once_json(tmp_path: Path, redis_url, rconn, sim, worker, procs,
+                                                          browser) -> None:
+    sims = [sim(**SIM), sim(**SIM)]
+    n_long = write_prompts_with_long(tmp_path / "p.jsonl", 300)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "webjob", "--output", str(tmp_path / "out"),
+             "--batch-size", "16", "--max-tokens", "600")
+    port = free_port()
+    mon = procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
+    base = f"http://127.0.0.1:{port}/"
+    wait_http(base)
+    assert "read-only" in wait_until(lambda: "live page" in mon.log() and mon.log(), 10, "the monitor's banner")
+
+    html = urllib.request.urlopen(base, timeout=5).read().decode()
+    assert not re.search(r"""(src|href)=["'](https?:)?//""", html), "the page must not load anything from outside"
+    with urllib.request.urlopen(base + "static/uPlot.iife.min.js", timeout=5) as resp:
+        assert resp.status == 200 and b"uPlot" in resp.read()
+    with pytest.raises(urllib.error.HTTPError) as err:  # read-only by default
+        urllib.request.urlopen(urllib.request.Request(base + "api/control", data=b"{}", method="POST"), timeout=5)
+    assert err.value.code in (404, 405)
+
+    page = browser.new_page(viewport={"width": 1500, "height": 1500})
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.goto(base)
+    page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1")
+    assert page.locator("#controls").is_hidden()
+    assert page.locator("#status").text_content() == "queued"
+
+    workers = [worker(url, "--burst", "--name", f"web-gpu{i}") for i, url in enumerate(sims)]
+    # A running job with an estimate: the moment the README's screenshot shows.
+    page.wait_for_function("""() => { const e = document.getElementById('eta').dataset.value;
+        return document.getElementById('status').textContent === 'running' && e !== '' && Number(e) > 0; }""",
+                           timeout=60_000)
+    page.wait_for_function("charts['chart-eta'].plot.data[1].filter((v) => v !== null).length >= 3", polling=200,
+                           timeout=60_000)
+    assert page.locator("#bottlenecks tbody tr").count() == 2
+    shot = tmp_path / "monitor-web.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("GENQ_WEB_SCREENSHOT"):  # `GENQ_WEB_SCREENSHOT=docs/monitor-web.png pytest tests/test_web.py`
+        shutil.copy(shot, os.environ["GENQ_WEB_SCREENSHOT"])
+
+    for w in workers:
+        assert w.wait(120) == 0, w.log()
+    # Both after the end: the page's numbers are `genq monitor --once --json`'s.
+    page.wait_for_function("document.getElementById('status').textContent === 'done'", timeout=30_000)
+    polls = int(page.evaluate("document.body.dataset.polls"))
+    page.wait_for_function(f"Number(document.body.dataset.polls) >= {polls + 2}")
+    once = json.loads(run_genq("monitor", "--once", "--json", "--job", "webjob").stdout)
+    shown = page_values(page)
+    drawn = page.evaluate(DRAWN)  # every chart has its first series drawn (pixels of its colour)
+    assert set(drawn) == {"chart-progress", "chart-eta", "chart-tok", "chart-prompts", "chart-slots", "chart-lengths"}
+    for chart, pixels in drawn.items():
+        assert pixels > 20, (chart, drawn)
+    for field in SAME:
+        assert as_number(shown[field]) == once[field], (field, shown[field], once[field])
+    assert once["failed"] == n_long == 30 and once["completed"] == 270
+    assert page.locator("#dlq-total").get_attribute("data-value") == "30"
+    assert page.locator("#dlq-kinds tr[data-kind=bad_request] td").nth(1).text_content() == "30"
+    assert page.locator("#dlq-latest tbody tr").count() == 5
+    assert page.locator("#manifest").get_attribute("data-value") == str(len(list((tmp_path / "out" / "webjob" / "manifest").glob("*.json"))))
+    assert problems == [], problems
+    assert rconn.exists(keys.job_paused("webjob")) == 0
+
+
+def test_controls_need_the_flag_and_the_token(tmp_path: Path, redis_url, rconn, procs) -> None:
+    from tests.conftest import write_prompts
+
+    write_prompts(tmp_path / "p.jsonl", 10)
+    for job in ("ctl", "other"):
+        run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", job, "--output", str(tmp_path / "out"))
+    proc = run_genq("monitor", "--web", "127.0.0.1:1", "--web-control", check=False)
+    assert proc.returncode != 0 and "GENQ_WEB_TOKEN" in proc.stderr
+    token = "s3cret-token-of-enough-length"
+    port = free_port()
+    procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--web-control", "--json"), name="monitor",
+          env={"GENQ_WEB_TOKEN": token})
+    base = f"http://127.0.0.1:{port}/"
+    wait_http(base)
+    assert token not in urllib.request.urlopen(base, timeout=5).read().decode()
+
+    def post(headers: dict) -> int:
+        req = urllib.request.Request(base + "api/control", data=json.dumps({"action": "pause", "job": "ctl"}).encode(),
+                                     headers={"Content-Type": "application/json", **headers}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert post({}) == 403 and post({"X-Genq-Token": "wrong"}) == 403
+    assert not rconn.exists(keys.job_paused("ctl"))
+    assert post({"X-Genq-Token": token}) == 200
+    assert rconn.exists(keys.job_paused("ctl"))
+    def state(job: str) -> dict:
+        return json.loads(urllib.request.urlopen(base + f"api/state?job={job}", timeout=5).read())
+
+    # Reports are refreshed every --interval: the pause shows at the next one.
+    ctl = wait_until(lambda: (st := state("ctl"))["progress"]["status"] == "paused" and st, 10, "the job paused")
+    assert ctl["controls"] is True and ctl["job"] == "ctl"
+    # The job picker's list, and the other job on request.
+    other = state("other")
+    assert other["jobs"] == ["ctl", "other"] and other["job"] == "other" and other["progress"]["status"] == "queued"
+    assert post({"X-Genq-Token": token}) == 200  # pausing twice is harmless
