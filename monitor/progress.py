@@ -213,15 +213,16 @@ def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
     size = snap.config.batch_size if snap.config else 256
     fleet = []
     for w in snap.workers:
-        if not w.live:
+        s = w.live_status
+        if s is None:
             continue
         holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
-        if not holds and w.status.state not in ("idle", "busy", "starting"):
+        if not holds and s.state not in ("idle", "busy", "starting"):
             continue
-        if w.status.state in ("paused", "server_down"):
+        if s.state in ("paused", "server_down"):
             continue
-        draining = w.status.state == "draining"
-        prefetch = w.status.prefetch
+        draining = s.state == "draining"
+        prefetch = s.prefetch
         leases = len(w.held_unfinished) if draining else prefetch
         fleet.append(WorkerState(
             slots=w.slots,
@@ -304,29 +305,25 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
 def worker_report(w: WorkerView, now: float, job_done: bool = False) -> WorkerReport:
     s = w.status
     found = bottlenecks(s)
-    base = dict(name=w.name, state=w.state, job_in_flight=len(w.running_tokens),
-                job_completed=w.counters.done, job_failed=w.counters.failed,
-                job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],
-                bottleneck_codes=[code for code, _ in found])
+    report = WorkerReport(name=w.name, state=w.state, job_in_flight=len(w.running_tokens),
+                          job_completed=w.counters.done, job_failed=w.counters.failed,
+                          job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],
+                          bottleneck_codes=[code for code, _ in found])
     if s is None:
-        if job_done:
-            base.update(state="gone", bottlenecks=[], bottleneck_codes=[])
-        return WorkerReport(**base)
+        return msgspec.structs.replace(report, state="gone", bottlenecks=[], bottleneck_codes=[]) \
+            if job_done else report
+    kept = dict(host=s.host, concurrency_target=s.concurrency_target, concurrency_limit=s.concurrency_limit,
+                server_capacity=s.server_capacity, errors=s.errors, gpu_note=s.gpu_note,
+                heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
     if s.state == "stopped":
         # Its record is kept (stopped, not lost) but its last rates, slots and GPU figures are not
         # figures of now: a stopped worker generates nothing.
-        return WorkerReport(**base, host=s.host, concurrency_target=s.concurrency_target,
-                            concurrency_limit=s.concurrency_limit, server_capacity=s.server_capacity,
-                            errors=s.errors, gpu_note=s.gpu_note, heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
+        return msgspec.structs.replace(report, **kept)
     util = slot_utilization(s)
-    return WorkerReport(
-        **base, host=s.host, in_flight=s.in_flight, concurrency_target=s.concurrency_target,
-        concurrency_limit=s.concurrency_limit, server_capacity=s.server_capacity,
-        server_running=s.server_running, server_waiting=s.server_waiting,
+    return msgspec.structs.replace(
+        report, **kept, in_flight=s.in_flight, server_running=s.server_running, server_waiting=s.server_waiting,
         slot_utilization=None if util is None else round(util, 3), kv_cache_usage=s.server_token_usage,
-        tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, errors=s.errors, gpu=s.gpu_sample, gpu_note=s.gpu_note,
-        heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1),
-    )
+        tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)
 
 
 # ---------------------------------------------------------------- output

@@ -159,9 +159,9 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
     spans: list[float] = []
     sources: set[str] = set()
     for w in snap.workers:
-        if not w.live or w.inflight is None:
+        s, c = w.live_status, w.counters
+        if s is None or w.inflight is None:
             continue  # not working on this job now: contributes nothing from here on
-        s, c = w.status, w.counters
         clean = c.first_at is not None and c.first_at >= s.started_at - 1.0  # no restart since its first result
         start = max(s.started_at, snap.created_at or 0.0)
         if c.first_at is not None:

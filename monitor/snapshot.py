@@ -68,11 +68,16 @@ class WorkerView:
         return min(n, cap) if cap else n
 
     @property
+    def live_status(self) -> WorkerStatus | None:
+        """Its status while it runs (None when stopped or lost)."""
+        return self.status if self.live else None
+
+    @property
     def slots(self) -> int:
         """Requests this worker can decode at once: its in-flight target, at most its server's capacity."""
-        if not self.live:
+        s = self.live_status
+        if s is None:
             return 0
-        s = self.status
         target = s.concurrency_target or s.in_flight
         return min(target, s.server_capacity) if s.server_capacity else target
 
@@ -322,8 +327,8 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     stored so far (a batch's own size is not stored apart from its prompts;
     the job's batch size is exact for all but the last batch of an enqueue).
     """
-    asks = [(v, b.batch) for v in views if v.live and v.inflight is not None
-            for b in sorted(v.status.batches) if b.job == job]
+    asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
+            for b in sorted(s.batches) if b.job == job]
     if not asks:
         return 0
     with conn.pipeline(transaction=False) as pipe:

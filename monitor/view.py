@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rich.console import Group, RenderableType
+from typing import cast
+
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -119,7 +121,7 @@ def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
     for col, justify in (("worker", "left"), ("state", "left"), ("in flight/target", "right"),
                          ("server run/wait", "right"), ("slots", "right"), ("tok/s", "right"),
                          ("done", "right"), ("errors", "right"), ("GPU", "left")):
-        t.add_column(col, justify=justify, no_wrap=col not in ("GPU", "in flight/target", "server run/wait"),
+        t.add_column(col, justify=cast(JustifyMethod, justify), no_wrap=col not in ("GPU", "in flight/target", "server run/wait"),
                      min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
     gpu_any = any(w.gpu is not None for w in workers)
     for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
