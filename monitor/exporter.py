@@ -35,12 +35,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from genq.core.health import CODES
+from genq.core.state import JOB_STATUSES
 from genq.monitor.progress import JobReport, Monitor, WorkerReport
 
 log = logging.getLogger("genq.monitor")
 
 FORGET_AFTER_S = 600.0
-JOB_STATUSES = ("queued", "running", "paused", "writing", "done")
 ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
 WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
@@ -150,10 +150,10 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
                 fams[key].add_metric(lab, float(value))
         in_tok.add_metric(lab, float(p.total_input_tokens))
         out_tok.add_metric(lab, float(p.total_output_tokens))
-        for code in JOB_STATUSES:
-            status.add_metric([p.job, code], float(p.status == code))
-        for code in ETA_STATES:
-            eta_state.add_metric([p.job, code], float(p.eta_state == code))
+        for job_state in JOB_STATUSES:
+            status.add_metric([p.job, job_state], float(p.status == job_state))
+        for eta_code in ETA_STATES:
+            eta_state.add_metric([p.job, eta_code], float(p.eta_state == eta_code))
     yield from fams.values()
     yield in_tok
     yield out_tok

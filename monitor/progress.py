@@ -21,6 +21,7 @@ import redis
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.prefetch import MAX_EXTRA_LOOPS
 from genq.core.records import GpuSample
+from genq.core.state import JobStatus
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
@@ -61,7 +62,7 @@ class JobProgress(msgspec.Struct):
     """One job's progress. Field names of the original progress.json are kept."""
 
     job: str
-    status: str  # queued | running | paused | writing (every prompt finished, shards still being written) | done
+    status: JobStatus  # genq.core.state: writing = every prompt finished, shards still being written
     updated_at: float
     total: int
     completed: int

@@ -25,6 +25,7 @@ import redis
 from genq.core import keys
 from genq.core.queueing import rq_queue
 from genq.core.records import InFlight, JobConfig, ShardInfo, WorkerStatus, unpack
+from genq.core.state import JobStatus, job_status
 
 
 @dataclass
@@ -169,16 +170,10 @@ class JobSnapshot:
         return self.total > 0 and self.completed + self.failed >= self.total
 
     @property
-    def status(self) -> str:
-        if self.is_done:
-            # Every prompt has a result or a letter; "done" once every shard is written too,
-            # so a script that exports on "done" gets every batch.
-            return "done" if self.all_written else "writing"
-        if self.paused:
-            return "paused"
-        if self.completed + self.failed == 0 and self.in_flight == 0:
-            return "queued"
-        return "running"
+    def status(self) -> JobStatus:
+        return job_status(total=self.total, finished=self.completed + self.failed, batches=self.batches_total,
+                          batches_done=self.batches_done, paused=self.paused,
+                          started=self.completed + self.failed > 0 or self.in_flight > 0)
 
 
 def _int(value: bytes | None) -> int:

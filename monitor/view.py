@@ -12,7 +12,8 @@ from rich.text import Text
 
 from genq.monitor.progress import JobReport, WorkerReport
 
-STATUS_STYLE = {"queued": "yellow", "running": "green", "paused": "magenta", "writing": "green", "done": "bold green"}
+STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "writing": "green",
+                "done": "bold green"}
 STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
                "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
 

@@ -102,7 +102,7 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
     out = run_genq("resume")
     assert "resumed all jobs" in out.stdout
     assert not rconn.exists(keys.PAUSED) and not suspension.is_suspended(rconn)
-    wait_until(lambda: job_now("pz").state == "complete", timeout=60, what="the job to complete")
+    wait_until(lambda: job_now("pz").state == "done", timeout=60, what="the job to complete")
     assert_exactly_once(tmp_path, "pz", ids)
     assert w.alive()
 
@@ -128,7 +128,7 @@ def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
 
     run_genq("resume", "--job", "one")
     assert not rconn.exists(keys.job_paused("one"))
-    wait_until(lambda: job_now("one").state == "complete", timeout=60, what="the job to complete")
+    wait_until(lambda: job_now("one").state == "done", timeout=60, what="the job to complete")
     assert_exactly_once(tmp_path, "one", ids)
 
 
@@ -148,7 +148,7 @@ def test_drain_one_worker_while_another_keeps_going(tmp_path, redis_url, sim, wo
     assert b.alive()
     assert job_now("dr").done < 240, "the job ended before the drain could be seen to matter"
 
-    wait_until(lambda: job_now("dr").state == "complete", timeout=90, what="the job to complete")
+    wait_until(lambda: job_now("dr").state == "done", timeout=90, what="the job to complete")
     rows = assert_exactly_once(tmp_path, "dr", ids)
     assert {r["worker"] for r in rows} == {"drain-a", "drain-b"}
     # After the drain, only drain-b produced results.
@@ -190,7 +190,7 @@ def test_concurrency_cap_is_live(tmp_path, redis_url, rconn, sim, worker):
     ids = enqueue(tmp_path, "cap", 40)
     peak = 0
     deadline = time.monotonic() + 60
-    while job_now("cap").state != "complete":
+    while job_now("cap").state != "done":
         assert time.monotonic() < deadline, "job did not complete"
         peak = max(peak, sim_stats(url)["num_running"])
         time.sleep(0.05)

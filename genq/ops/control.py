@@ -19,6 +19,7 @@ from rq import suspension
 from genq.core import keys
 from genq.core.queueing import fetch_rq_jobs
 from genq.core.records import Control, WorkerStatus, pack, unpack
+from genq.core.state import JobStatus, job_status
 
 LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -54,7 +55,7 @@ class JobRow(msgspec.Struct, omit_defaults=False):
     """One line of `genq jobs`."""
 
     name: str
-    state: str  # paused | complete | running | queued | empty
+    state: JobStatus
     paused: bool
     total: int
     done: int
@@ -221,16 +222,8 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
         total = int(stats.get(b"total", 0))
         batches = int(stats.get(b"batches", 0))
         is_paused = paused_all or job in paused
-        if is_paused:
-            state = "paused"
-        elif total == 0:
-            state = "empty"
-        elif done + failed >= total and batches_done >= batches:
-            state = "complete"
-        elif holding:
-            state = "running"
-        else:
-            state = "queued"
+        state = job_status(total=total, finished=done + failed, batches=batches, batches_done=batches_done,
+                           paused=is_paused, started=bool(holding) or done + failed > 0)
         config = load_config(conn, job)
         rows.append(JobRow(
             name=job, state=state, paused=is_paused, total=total, done=done, failed=failed,
