@@ -143,7 +143,7 @@ def test_fleet_runs_one_worker_per_gpu_and_restarts_a_killed_server(tmp_path, re
     assert job_now("fl").done < 300, "the job ended before the server was killed"
     assert read_pid(logs / "server-gpu1.pid") == other  # the other GPU was not touched
 
-    wait_until(lambda: job_now("fl").state == "complete", timeout=90, what="the job to complete")
+    wait_until(lambda: job_now("fl").state == "done", timeout=90, what="the job to complete")
     results = read_results(tmp_path / "out", "fl")
     got = [r["id"] for r in results]
     assert len(got) == len(set(got)) and sorted(got) == ids
@@ -213,7 +213,7 @@ def test_crashed_engine_is_restarted_and_external_servers_work(tmp_path, redis_u
     assert "exited with status -9; restart 1/10" in fleet.log()
 
     ids = enqueue(tmp_path, "after", 30)
-    wait_until(lambda: job_now("after").state == "complete", timeout=60, what="the job to complete")
+    wait_until(lambda: job_now("after").state == "done", timeout=60, what="the job to complete")
     assert sorted(r["id"] for r in read_results(tmp_path / "out", "after")) == ids
 
     fleet.signal(signal.SIGINT)  # Ctrl-C: forwarded, the worker drains and exits 0
@@ -236,7 +236,7 @@ def test_second_machine_joins_mid_job(tmp_path, redis_url, procs):
                what="the new machine's worker in the fleet view")
     assert job_now("grow").done < 300, "the job ended before the second machine joined"
 
-    wait_until(lambda: job_now("grow").state == "complete", timeout=90, what="the job to complete")
+    wait_until(lambda: job_now("grow").state == "done", timeout=90, what="the job to complete")
     results = read_results(tmp_path / "out", "grow")
     got = [r["id"] for r in results]
     assert len(got) == len(set(got)) and sorted(got) == ids

@@ -113,7 +113,7 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
             if gone and not as_json:
                 click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
     if as_json:
-        click.echo(msgspec.json.encode(rows).decode())
+        click.echo(msgspec.json.encode([r.to_json() for r in rows]).decode())
         return
     if not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")
@@ -303,7 +303,7 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
 
     def snapshot() -> list[control.WorkerRow]:
         rows = {r.name: r for r in control.fleet(conn)}
-        return [rows.get(n) or control.WorkerRow(name=n, state=control.LOST) for n in names]
+        return [rows.get(n) or control.WorkerRow(n, None, time.time()) for n in names]
 
     def table(rows: list[control.WorkerRow]) -> Table:
         t = Table(show_edge=False, header_style="bold", title="draining")

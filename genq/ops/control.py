@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgspec
 import redis
@@ -25,30 +26,62 @@ LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died w
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
 
 
-class WorkerRow(msgspec.Struct, omit_defaults=False):
-    """One line of the fleet view (`genq workers`, `--json`)."""
+@dataclass(frozen=True)
+class WorkerRow:
+    """One line of the fleet view (`genq workers`): the worker's own record (None once its
+    heartbeat expired: lost) and what is derived from it; no field is copied."""
 
     name: str
-    state: str  # WorkerStatus.state, or "lost"
-    host: str | None = None
-    gpu: str | None = None
-    server: str | None = None
-    pid: int | None = None
-    batches: list[str] = []
-    in_flight: int = 0
-    target: int = 0
-    cap: int | None = None  # live concurrency cap (None: auto)
-    queued: int = 0
-    tok_per_s: float = 0.0
-    req_per_s: float = 0.0
-    done: int = 0
-    errors: int = 0
-    heartbeat_age_s: float | None = None
-    note: str | None = None
+    status: WorkerStatus | None
+    now: float
+
+    # Read through from the record (defaults while lost).
+    _DEFAULTS: ClassVar[dict[str, Any]] = {
+        "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0,
+        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0}
+    JSON_FIELDS: ClassVar[tuple[str, ...]] = (
+        "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "cap", "queued",
+        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note")
+
+    def __getattr__(self, field: str) -> Any:
+        if field not in self._DEFAULTS:
+            raise AttributeError(field)
+        return self._DEFAULTS[field] if self.status is None else getattr(self.status, field)
+
+    @property
+    def state(self) -> str:
+        return LOST if self.status is None else self.status.state
 
     @property
     def live(self) -> bool:
         return self.state not in GONE_STATES
+
+    @property
+    def batches(self) -> list[str]:
+        return [] if self.status is None else [str(b) for b in self.status.batches]
+
+    @property
+    def target(self) -> int:
+        return 0 if self.status is None else self.status.concurrency_target
+
+    @property
+    def cap(self) -> int | None:
+        """The live concurrency cap (None: auto)."""
+        return None if self.status is None else self.status.concurrency_limit
+
+    @property
+    def heartbeat_age_s(self) -> float | None:
+        return None if self.status is None else round(max(0.0, self.now - self.status.heartbeat_at), 1)
+
+    @property
+    def note(self) -> str | None:
+        s = self.status
+        if s is None:
+            return "no heartbeat for 15 s; its batches are queued again"
+        return s.note or (s.gpu_note if s.state == "server_down" else None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.JSON_FIELDS}
 
 
 class JobRow(msgspec.Struct, omit_defaults=False):
@@ -65,19 +98,6 @@ class JobRow(msgspec.Struct, omit_defaults=False):
     batches_done: int
     workers: list[str] = []  # workers holding work of this job right now
     output: str | None = None
-
-
-def _row(name: str, status: WorkerStatus | None, now: float) -> WorkerRow:
-    if status is None:
-        return WorkerRow(name=name, state=LOST, note="no heartbeat for 15 s; RQ recovers its batches")
-    return WorkerRow(
-        name=name, state=status.state, host=status.host, gpu=status.gpu, server=status.server, pid=status.pid,
-        batches=[str(b) for b in status.batches], in_flight=status.in_flight, target=status.concurrency_target,
-        cap=status.concurrency_limit, queued=status.queued, tok_per_s=status.tok_per_s,
-        req_per_s=status.req_per_s, done=status.done, errors=status.errors,
-        heartbeat_age_s=round(max(0.0, now - status.heartbeat_at), 1),
-        note=status.note or (status.gpu_note if status.state == "server_down" else None),
-    )
 
 
 def _sort_key(row: WorkerRow) -> tuple:
@@ -98,7 +118,7 @@ def fleet(conn: redis.Redis) -> list[WorkerRow]:
             status = unpack(raw, WorkerStatus) if raw else None
         except msgspec.DecodeError:
             status = None  # written by an incompatible genq: treat as unknown
-        rows.append(_row(name, status, now))
+        rows.append(WorkerRow(name, status, now))
     return sorted(rows, key=_sort_key)
 
 
