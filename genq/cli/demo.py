@@ -27,6 +27,7 @@ from genq.cli import settings
 from genq.core import keys
 from genq.core.redisconn import connect, mask_url
 from genq.ops import control
+from genq.output import layout
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "TCP congestion control",
           "Bayesian inference", "sourdough baking", "the Krebs cycle", "compiler optimisations",
@@ -227,7 +228,8 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
 def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
              n_prompts: int, *, hints: bool) -> None:
     rows: list[dict] = []
-    for shard in sorted((out / job / "shards").glob("*.jsonl")):
+    shards_dir = Path(layout.job_root(str(out), job)) / layout.SHARDS_DIR
+    for shard in sorted(shards_dir.glob("*.jsonl")):
         with open(shard) as f:
             rows.extend(json.loads(line) for line in f if line.strip())
     ids = [r["id"] for r in rows]
@@ -245,8 +247,8 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
                   f"({len(set(ids)):,} unique ids), {dead} dead letters")
     console.print(f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
                   f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}")
-    console.print(f"  shards:   {out / job / 'shards'}  ({len(list((out / job / 'shards').glob('*.jsonl')))} files)")
-    console.print(f"  manifest: {out / job / 'manifest'}")
+    console.print(f"  shards:   {shards_dir}  ({len(list(shards_dir.glob('*.jsonl')))} files)")
+    console.print(f"  manifest: {Path(layout.job_root(str(out), job)) / layout.MANIFEST_DIR}")
     console.print(f"  logs:     {out / 'logs'}")
     if rows:
         sample = {k: rows[0][k] for k in ("id", "finish_reason", "usage", "worker", "attempts")}
