@@ -208,3 +208,19 @@ def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim,
     assert proc.wait(timeout=60) == 0, proc.log()
     check(rconn, out, "tf", ids)
     assert int(rconn.hget(keys.job_stats("tf"), "redeliveries")) == 12
+
+
+def test_a_job_stuck_between_dequeue_and_start_is_brought_back(redis_url, rconn, sim, worker, tmp_path):
+    """An RQ loop that dies (Redis restarting under it) right after moving a job to RQ's
+    intermediate list leaves it there, "queued", until a running loop's cleanup: a burst
+    worker, whose loops have left, used to wait for it forever."""
+    server = sim(max_running_requests=8, **FAST)
+    ids, out = enqueue(tmp_path, "mid", 20, "--batch-size", "10", "--max-tokens", "400")
+    queue = rq_queue(rconn)
+    stuck = rconn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+    assert stuck is not None and queue.count == 1
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    assert "had no live RQ job" in proc.log()
+    check(rconn, out, "mid", ids)
+    assert rconn.llen(queue.intermediate_queue_key) == 0

@@ -182,12 +182,10 @@ class Reconciler:
         return [b.decode() for b in all_batches if b not in done]
 
     def _queued_ids(self) -> set[bytes]:
-        queue = rq_queue(self.conn)
-        with self.conn.pipeline(transaction=False) as pipe:
-            pipe.lrange(queue.key, 0, -1)
-            pipe.lrange(queue.intermediate_queue_key, 0, -1)
-            waiting, moving = pipe.execute()
-        return set(waiting) | set(moving)
+        """Ids in RQ's queue. Not its intermediate list: a job a loop moved there and then died
+        with stays "queued" there until RQ's own cleanup, which only running loops do (a burst
+        worker's have left); seen there in two passes, it is stranded like any other."""
+        return set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
 
     def _live(self, rq_ids: list[str | None], queued: set[bytes]) -> list[bool]:
         known = [i for i in rq_ids if i]
@@ -225,10 +223,12 @@ class Reconciler:
                     return False
                 if not pipe.exists(keys.batch(job, batch)):
                     return False  # deleted with its job
+                queue = rq_queue(self.conn)
                 pipe.multi()
                 enqueue_batch_jobs(pipe, self.conn, [(job, batch, 0)], at_front=True)
                 if stale_rq_id:
                     pipe.zrem(failed.key, stale_rq_id)
+                    pipe.lrem(queue.intermediate_queue_key, 0, stale_rq_id)
                 pipe.hincrby(keys.job_stats(job), "redeliveries", 1)
                 pipe.execute()
             except WatchError:
