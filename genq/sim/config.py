@@ -13,6 +13,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     a test generating thousands of tokens finishes in seconds.
     """
 
+    # Which engine to play: "sglang", "vllm" or "llamacpp" (genq/sim/flavors.py).
+    flavor: str = "sglang"
     host: str = "127.0.0.1"
     port: int = 30000
     model_path: str = "genq-sim/Sim-8B"
@@ -49,6 +51,11 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # Seconds after start at which an outage begins (None: no scheduled outage).
     outage_at: float | None = None
     outage_for: float = 5.0
+    # llama.cpp only: after a streamed response the server stops reading the
+    # connection and closes it this many seconds later, although the response said
+    # Keep-Alive. A request sent on it meanwhile is lost with the connection, as
+    # happens to a client that reuses it before llama-server's FIN arrives.
+    stream_close_delay: float = 0.1
 
     @property
     def model_name(self) -> str:
