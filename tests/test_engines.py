@@ -25,6 +25,8 @@ from tests.conftest import read_results, run_genq, sim_stats, write_prompts
 Body = Callable[[RunningSim, aiohttp.ClientSession], Awaitable[None]]
 # Requests of a few hundred ms: slots stay busy long enough to see a queue.
 SLOW = dict(step_ms_base=20.0, step_ms_per_req=0.0, tokens_per_step=4, mean_output_tokens=64.0, output_sigma=0.0)
+# The held request runs about 2 s (100 steps): its queue is there while the test looks.
+HOLD = {**SLOW, "mean_output_tokens": 400.0}
 
 
 def with_sim(**overrides: Any) -> Callable[[Body], Callable[[], None]]:
@@ -116,13 +118,14 @@ llamacpp:tokens_predicted_total 12345
 # ---------------------------------------------------------------- queueing: no byte while deferred
 
 
-async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession) -> tuple[Progress, Progress, bool]:
-    """With one slot: one request runs, a second waits in the server's queue. Returns
-    their progress and whether the waiting one had its response (headers) while waiting."""
+async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession, headers_expected: bool = False
+                            ) -> tuple[Progress, Progress, bool]:
+    """With one slot: one request runs, others wait in the server's queue. Returns
+    their progress and whether a waiting one had its response (headers) while waiting."""
     client = ServerClient(sim.url)
     try:
         first, second = Progress(), Progress()
-        running = asyncio.ensure_future(client.generate("chat", chat("first", max_tokens=64), first))
+        running = asyncio.ensure_future(client.generate("chat", chat("first", max_tokens=400), first))
         while sim.sim.engine.num_running < 1:
             await asyncio.sleep(0.01)
         # A raw request shows whether headers come while deferred.
@@ -130,6 +133,9 @@ async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession) -> tup
         waiting = asyncio.ensure_future(client.generate("chat", chat("second", max_tokens=8), second))
         while sim.sim.engine.num_waiting < 2:
             await asyncio.sleep(0.01)
+        if headers_expected:
+            await asyncio.wait([raw])  # the with_sim timeout bounds the wait
+            assert sim.sim.engine.num_waiting == 2, "the headers came while both still waited"
         headers_while_waiting = raw.done()
         assert second.first_byte is None, "no response byte while the request waits for a slot"
         done = await running
@@ -142,15 +148,23 @@ async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession) -> tup
         await client.close()
 
 
-@with_sim(flavor="llamacpp", max_running_requests=1, **SLOW)
+@with_sim(flavor="llamacpp", max_running_requests=1, **HOLD)
 async def test_llamacpp_sends_nothing_while_a_request_is_deferred(sim: RunningSim, http) -> None:
     _, _, headers_while_waiting = await _hold_then_second(sim, http)
     assert not headers_while_waiting, "llama-server answers only with the first result"
 
 
-@with_sim(flavor="sglang", max_running_requests=1, **SLOW)
-async def test_sglang_sends_stream_headers_but_no_event_while_queued(sim: RunningSim, http) -> None:
-    await _hold_then_second(sim, http)  # first_byte is the first event, not the headers
+@with_sim(flavor="sglang", max_running_requests=1, **HOLD)
+async def test_sglang_sends_nothing_while_a_request_is_queued(sim: RunningSim, http) -> None:
+    _, _, headers_while_waiting = await _hold_then_second(sim, http)
+    assert not headers_while_waiting, "SGLang awaits a stream's first chunk before it answers"
+
+
+@with_sim(flavor="vllm", max_running_requests=1, **HOLD)
+async def test_vllm_sends_stream_headers_but_no_event_while_queued(sim: RunningSim, http) -> None:
+    _, _, headers_while_waiting = await _hold_then_second(sim, http, headers_expected=True)
+    # first_byte is the first event, not the headers: still None while queued (checked inside).
+    assert headers_while_waiting, "vLLM's StreamingResponse sends its headers at once"
 
 
 # ---------------------------------------------------------------- connections

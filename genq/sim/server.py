@@ -280,15 +280,16 @@ class SimServer:
         llamacpp = self.flavor == "llamacpp"
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if llamacpp else headers)
-        if llamacpp:
-            # llama-server answers (headers included) only with the first result, so a
-            # deferred request gets no byte at all until a slot takes it.
+        if self.flavor in ("llamacpp", "sglang"):
+            # llama-server answers (headers included) only with the first result, and
+            # SGLang's _handle_streaming_request awaits the stream's first chunk before
+            # it returns the response: a queued request gets no byte at all until it runs.
             await self.engine.wait(req, 0)
             if req.dropped:
                 _drop_connection(request)
                 return resp
-        # SGLang and vLLM (Starlette's StreamingResponse) send the headers at once, and
-        # the first event, the role, only with the first output: nothing while queued.
+        # vLLM returns Starlette's StreamingResponse at once: headers at once, the
+        # first event (the role) only with the first output, nothing while queued.
         await resp.prepare(request)
         sent = 0
         while True:
