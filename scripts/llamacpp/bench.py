@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -89,6 +90,11 @@ class Stack:
                     work / "llama-server.log")
         wait_ok(self.server + "/health", 120, self.procs[-1])
 
+    def cpu_s(self) -> float:
+        """CPU seconds llama-server has used: the work, whatever else the machine runs."""
+        fields = Path(f"/proc/{self.procs[-1].pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def _start(self, args: list[str], log: Path) -> None:
         self.procs.append(subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT))
 
@@ -99,6 +105,43 @@ class Stack:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+class Sampler:
+    """Busy slots and deferred requests from llama-server's /metrics, twice a second,
+    and its CPU time: figures a shared, noisy machine does not distort as much as tok/s."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack, self.busy, self.deferred = stack, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self.cpu0 = self.stack.cpu_s()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.cpu = self.stack.cpu_s() - self.cpu0
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                with urllib.request.urlopen(self.stack.server + "/metrics", timeout=2) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                continue
+            values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("llamacpp:"))
+            self.busy.append(float(values.get("llamacpp:requests_processing", "nan")))
+            self.deferred.append(float(values.get("llamacpp:requests_deferred", "nan")))
+
+    def figures(self, tokens: int) -> dict:
+        # Samples while work was in flight; the first and last seconds ramp.
+        busy = [b for b in self.busy if b > 0] or [0.0]
+        return {"busy_slots": sum(busy) / len(busy), "max_deferred": max(self.deferred or [0.0]),
+                "server_cpu_s": self.cpu, "server_cpu_ms_per_tok": 1000 * self.cpu / max(tokens, 1)}
 
 
 def genq(stack: Stack, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -200,13 +243,17 @@ def main() -> int:
         # order of the one before (ABBA), so a drift in load hits all of them alike.
         for rnd in range(args.rounds):
             for name, worker_args in (configs if rnd % 2 == 0 else configs[::-1]):
-                if name.startswith("bare"):
-                    run = asyncio.run(bare(stack.server, fitting, args.max_tokens, name == "bare-stream", SLOTS))
-                else:
-                    run = genq_run(stack, work, src, name, args.max_tokens, *worker_args)
+                with Sampler(stack) as sampler:
+                    if name.startswith("bare"):
+                        run = asyncio.run(bare(stack.server, fitting, args.max_tokens, name == "bare-stream", SLOTS))
+                    else:
+                        run = genq_run(stack, work, src, name, args.max_tokens, *worker_args)
+                run.update(sampler.figures(run["tokens"]))
                 run["round"] = rnd
                 runs.append(run)
-                print(f"round {rnd} {name}: {run['tok_s']:.0f} tok/s over {run['span_s']:.1f} s", flush=True)
+                print(f"round {rnd} {name}: {run['tok_s']:.0f} tok/s over {run['span_s']:.1f} s, "
+                      f"busy slots {run['busy_slots']:.2f}, server {run['server_cpu_ms_per_tok']:.2f} ms CPU/token",
+                      flush=True)
     finally:
         stack.stop()
     for run in runs:
@@ -240,15 +287,24 @@ def main() -> int:
     bare_cost = 1 - tok_s("bare-stream") / tok_s("bare-nostream")
     if genq_cost > bare_cost + 0.05:
         problems.append(f"streaming costs genq {genq_cost:.1%}, a bare client {bare_cost:.1%}")
-    print("\n| run | in flight | round | tokens | span s | tok/s | stop/length | dead letters |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| run | in flight | round | tokens | span s | tok/s | busy slots | server CPU ms/token "
+          "| stop/length | dead letters |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for run in runs:
+        common = (f"| {run['round']} | {run['tokens']} | {run['span_s']:.1f} | {run['tok_s']:.0f} "
+                  f"| {run['busy_slots']:.2f} | {run['server_cpu_ms_per_tok']:.2f} ")
         if run["name"].startswith("bare"):
-            print(f"| {run['name']} | 8 | {run['round']} | {run['tokens']} | {run['span_s']:.1f} | {run['tok_s']:.0f} "
-                  f"| | {run['errors']} errors |")
+            print(f"| {run['name']} | 8 {common}| | {run['errors']} errors |")
         else:
-            print(f"| genq {run['name']} | {run['args']} | {run['round']} | {run['tokens']} | {run['span_s']:.1f} "
-                  f"| {run['tok_s']:.0f} | {run['finish']['stop']}/{run['finish']['length']} | {len(run['letters'])} |")
+            print(f"| genq {run['name']} | {run['args']} {common}| {run['finish']['stop']}/{run['finish']['length']} "
+                  f"| {len(run['letters'])} |")
+
+    def mean(name: str, key: str) -> float:
+        mine = [r[key] for r in runs if r["name"] == name]
+        return sum(mine) / len(mine)
+
+    print("\nmean busy slots: " + ", ".join(f"{c} {mean(c, 'busy_slots'):.2f}" for c, _ in configs))
+    print("server CPU ms per token: " + ", ".join(f"{c} {mean(c, 'server_cpu_ms_per_tok'):.2f}" for c, _ in configs))
     print(f"\ndefaults / --concurrency 8: {ratio:.3f}; streaming cost: genq {genq_cost:+.1%}, bare {bare_cost:+.1%}")
     print(f"genq: {first['capacity_line'].split('INFO ', 1)[-1]}")
     summary = {"runs": [{k: v for k, v in r.items() if k not in ("rows", "letters")} for r in runs],
