@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from genq.sim.config import SimConfig
-from genq.sim.server import RunningSim, start
+from genq.sim.serve import RunningSim, start
 from genq.worker.server import Completion, Failure, Progress, ServerClient, metrics_from_text
 from tests.conftest import read_results, run_genq, sim_stats, write_prompts
 

@@ -20,7 +20,7 @@ import pytest
 
 from genq.sim.config import SimConfig
 from genq.sim.lengths import output_length, prompt_key
-from genq.sim.server import RunningSim, start
+from genq.sim.serve import RunningSim, start
 
 REPO = Path(__file__).resolve().parents[1]
 Body = Callable[[RunningSim, aiohttp.ClientSession], Awaitable[None]]

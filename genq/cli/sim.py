@@ -8,7 +8,7 @@ import click
 
 from genq.sim.config import SimConfig
 from genq.sim.flavors import FLAVORS
-from genq.sim.server import run
+from genq.sim.serve import run
 
 _D = SimConfig()
 
