@@ -270,3 +270,35 @@ def test_worker_defaults_against_vllm_learns_capacity(redis_url, sim, worker, tm
     check_run(server, out, "vllm", ids, long_ids, redis_url, "maximum context length is 512 tokens")
     log = proc.log()
     assert "learned server capacity 8" in log, log[-3000:]
+
+
+def test_llamacpp_flavor_sigterm_stops_listening_and_exits_when_no_request_is_open(sim):
+    """The CLI copies llama-server's SIGTERM: port closed, open request left hanging;
+    the process exits once its client gives up."""
+    import signal
+
+    server = sim(flavor="llamacpp", max_running_requests=2, **{k: v for k, v in SLOW.items()
+                                                               if k != "mean_output_tokens"},
+                 mean_output_tokens=100_000)
+    proc = sim.procs[server]
+
+    async def scenario() -> None:
+        client = ServerClient(server)
+        try:
+            pending = asyncio.ensure_future(client.generate("chat", chat(max_tokens=50_000), Progress()))
+            while sim_stats(server)["num_running"] < 1:
+                await asyncio.sleep(0.02)
+            proc.signal(signal.SIGTERM)
+            probe = ServerClient(server)
+            try:
+                while await probe.healthy():  # until the listening socket is gone
+                    await asyncio.sleep(0.02)
+            finally:
+                await probe.close()
+            assert proc.alive() and not pending.done(), "the open request hangs, the process waits for it"
+            pending.cancel()  # the client gives up
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+    assert proc.wait(timeout=20) == 0
