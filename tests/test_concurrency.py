@@ -225,8 +225,8 @@ def test_command_line_cap_survives_control_reads(redis_url, rconn, sim, worker, 
     # Two more heartbeats, each of which reads the (absent) control key.
     for _ in range(2):
         seen = first.heartbeat_at
-        first = wait_for(lambda: (s := status(rconn, "capped-w")) and s.heartbeat_at > seen and s, 20,
-                         "a later heartbeat", proc)
+        first = wait_for(lambda seen=seen: (s := status(rconn, "capped-w")) and s.heartbeat_at > seen and s,
+                         20, "a later heartbeat", proc)
     st = status(rconn, "capped-w")
     assert (st.concurrency_target, st.concurrency_limit) == (5, 5)
     s = sim_stats(server)
