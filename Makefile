@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test check bench bench-eta install clean
+.PHONY: demo test check test-llamacpp bench bench-eta install clean
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,11 @@ bench-eta: $(BIN)/genq
 
 clean:
 	rm -rf $(VENV) *.egg-info demo-out
+
+# genq against a real llama.cpp llama-server on CPU (tiny random model): builds
+# llama-server once from the llama-cpp-python sdist into ~/.cache/genq-llamacpp,
+# then runs 300 prompts with several settings (minutes; not part of `make test`).
+# make_model.py needs numpy in python3. See README "Real engines".
+test-llamacpp: $(BIN)/genq
+	scripts/llamacpp/build.sh
+	$(BIN)/python scripts/llamacpp/bench.py

@@ -91,17 +91,42 @@ def test_unknown_capacity_grows_until_the_queue_fills_then_settles():
     target = c.target
     c.observe(Metrics(running=64, waiting=0, kv_usage=0.2), in_flight=target, backlog=10_000)
     assert c.target > target, "an empty server queue with prompts held back: grow"
-    while c.target < 400:
+    looks = 0
+    while c.target < 400 and looks < 50:
+        looks += 1
         c.observe(Metrics(running=min(c.target, 256), waiting=max(0, c.target - 256), kv_usage=0.3),
                   in_flight=c.target, backlog=10_000)
         if c.learned:
             break
     assert c.learned == 256, "requests wait while memory is free: what runs is the slot limit"
-    waiting = 50.0
-    for _ in range(3):  # the queue keeps growing past what refilling needs
-        waiting += 20
-        c.observe(Metrics(running=256, waiting=waiting, kv_usage=0.3), in_flight=c.target, backlog=10_000)
-    assert c.target == 256 + headroom(256) and c.reason == "lowered: server queue growing"
+    assert c.slots == 256
+    assert c.target == 256 + headroom(256), "once known, only the refill headroom waits in the server"
+    assert c.reason == "lowered: learned server capacity 256"
+
+
+def test_capacity_is_learned_only_once_running_holds_still():
+    """While a server ramps up (vLLM admits by a token budget per step) requests wait
+    with slots still free: a running count that still moves is no capacity."""
+    c = ConcurrencyController(None)
+    for running in (10, 30, 50):
+        c.observe(Metrics(running=running, waiting=64 - running, kv_usage=0.1), in_flight=64, backlog=1000)
+    assert c.learned is None and c.target == UNKNOWN_CAPACITY_START
+    for _ in range(3):
+        c.observe(Metrics(running=60, waiting=4, kv_usage=0.1), in_flight=64, backlog=1000)
+    assert c.learned == 60 and c.target == 64 <= 60 + headroom(60), "already within the headroom: kept"
+    # A larger count later (a slot freed by a KV limit, say) raises what is known.
+    for _ in range(3):
+        c.observe(Metrics(running=62, waiting=4, kv_usage=0.1), in_flight=c.target, backlog=1000)
+    assert c.learned == 62 and c.slots == 62
+    told = ConcurrencyController(8)
+    assert told.slots == 8 and told.learned is None
+
+
+def test_many_waiting_for_a_learned_capacity_lowers_at_once():
+    c = ConcurrencyController(None)  # starts at 64 against an 8-slot server
+    for _ in range(3):
+        c.observe(Metrics(running=8, waiting=56), in_flight=64, backlog=1000)
+    assert c.learned == 8 and c.target == 8 + headroom(8) == 10
 
 
 def test_metrics_pages_of_sglang_and_vllm():
@@ -196,10 +221,13 @@ def test_command_line_cap_survives_control_reads(redis_url, rconn, sim, worker, 
     enqueue(tmp_path, redis_url, 300)
     proc = worker(server, "--name", "capped-w", "--concurrency", "5", *QUICK_STOP)
     wait_for(lambda: sim_stats(server)["num_running"] == 5, 20, "5 running requests", proc)
-    first = status(rconn, "capped-w")
-    time.sleep(2.5)  # a few heartbeats, each of which reads the (absent) control key
+    first = wait_for(lambda: status(rconn, "capped-w"), 20, "the first heartbeat", proc)
+    # Two more heartbeats, each of which reads the (absent) control key.
+    for _ in range(2):
+        seen = first.heartbeat_at
+        first = wait_for(lambda seen=seen: (s := status(rconn, "capped-w")) and s.heartbeat_at > seen and s,
+                         20, "a later heartbeat", proc)
     st = status(rconn, "capped-w")
-    assert st.heartbeat_at > first.heartbeat_at
     assert (st.concurrency_target, st.concurrency_limit) == (5, 5)
     s = sim_stats(server)
     assert s["num_running"] + s["num_waiting"] <= 5

@@ -11,8 +11,13 @@ second:
   running requests), multiplicatively, and raise only gently for a while after;
 - lower when the server's waiting queue keeps growing past what refilling needs.
 
-A server without a capacity endpoint (vLLM) starts at a guess and grows until
-its waiting queue fills; the running count it then holds is taken as its capacity.
+A server without a capacity endpoint (vLLM, or one genq does not recognise)
+starts at a guess and grows while its slots sit idle. Once requests wait in its
+queue while the running count holds still (PLATEAU_CHECKS looks in a row, KV cache
+not full), that running count is its capacity ("learned"), and the target drops
+at once to it plus the small refill headroom: no more than that waits in the
+server. `slots` is the one notion of server capacity (told or learned) that the
+worker publishes (WorkerStatus.server_capacity) and the monitor shows.
 A number from the command line caps the target; `genq concurrency` sets a live
 cap (Control.concurrency) that replaces it until set back to auto.
 """
@@ -28,6 +33,10 @@ MAX_TARGET = 100_000
 KV_PRESSURE = 0.9  # token usage above which idle slots are the KV cache's doing, not ours
 QUEUE_RUNAWAY_CHECKS = 3  # observations in a row with too long a queue before lowering
 GENTLE_CHECKS = 30  # observations after a KV-pressure cut during which raises are small
+# Looks in a row with requests waiting and the same running count before that count
+# is taken as the capacity: while a server ramps up (vLLM admits by a token budget
+# per step) requests wait although slots are free, but the running count still moves.
+PLATEAU_CHECKS = 3
 
 
 def headroom(capacity: int) -> int:
@@ -45,7 +54,10 @@ class ConcurrencyController:
         self._last_retractions: float | None = None
         self._queue_high = 0
         self._last_waiting = 0.0
+        self._last_running = 0.0
         self._gentle = 0
+        self._plateau_value = -1.0
+        self._plateau_count = 0
         self.reason = "from server capacity" if capacity else "capacity unknown: starting value"
         self.target = 1
         self._update()
@@ -56,6 +68,11 @@ class ConcurrencyController:
     def cap(self) -> int | None:
         """The cap in force: the live one, else the command line's."""
         return self.live_cap or self.start_cap
+
+    @property
+    def slots(self) -> int | None:
+        """The server's capacity: as it tells (SGLang, llama.cpp), else as learned (vLLM)."""
+        return self.capacity or self.learned
 
     @property
     def auto(self) -> int:
@@ -90,13 +107,17 @@ class ConcurrencyController:
         waiting = m.waiting or 0.0
         growing = waiting > self._last_waiting
         self._last_waiting = waiting
+        # Running still rising: the server is admitting (ramping up), not full.
+        ramping = running > self._last_running
+        self._last_running = running
         retracting = self._retracting(m)
         kv_pressure = m.kv_usage is not None and m.kv_usage >= KV_PRESSURE
         if self.capacity is None and waiting > 0 and not kv_pressure and not retracting:
-            # Requests wait although memory is free: a slot limit. What runs is the capacity.
-            seen = int(running)
-            if seen > 0 and seen != self.learned and (self.learned is None or seen > self.learned):
-                self.learned = seen
+            # Requests wait although memory is free: a slot limit. What runs, once it
+            # holds still, is the capacity.
+            self._learn(int(running))
+        else:
+            self._plateau_count = 0
         capacity = self.capacity or self.learned
         if self._gentle:
             self._gentle -= 1
@@ -130,7 +151,9 @@ class ConcurrencyController:
 
         base = capacity or int(running)
         queue_limit = 2 * headroom(max(base, 1))
-        if waiting > queue_limit and (growing or self._queue_high) and self._auto > base + headroom(max(base, 1)):
+        settling = capacity is None and ramping  # what runs is no capacity yet
+        if (waiting > queue_limit and (growing or self._queue_high) and not settling
+                and self._auto > base + headroom(max(base, 1))):
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:
                 # The queue grows past what refilling slots needs: hold less.
@@ -140,6 +163,24 @@ class ConcurrencyController:
                 self._update()
         else:
             self._queue_high = 0
+
+    def _learn(self, running: int) -> None:
+        if running != self._plateau_value:
+            self._plateau_value, self._plateau_count = running, 0
+        self._plateau_count += 1
+        if running <= 0 or self._plateau_count < PLATEAU_CHECKS:
+            return
+        if self.learned is None or running > self.learned:
+            self.learned = running
+            limit = running + headroom(running)
+            if self._auto > limit:
+                # Known now: more than the refill headroom would only wait in the server.
+                self._auto = limit
+                self.reason = f"lowered: learned server capacity {running}"
+            else:
+                self.reason = f"learned server capacity {running}"
+            self._queue_high = 0
+            self._update()
 
     def _retracting(self, m: Metrics) -> bool:
         """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""

@@ -1,72 +1,52 @@
-"""HTTP client for one inference server (SGLang, vLLM, or `genq sim`).
+"""HTTP client for one inference server: SGLang, vLLM, llama.cpp's llama-server, or `genq sim`.
 
-Speaks only the public API: /health, /v1/models, /get_server_info (SGLang),
-/metrics, and the OpenAI-compatible generation endpoints, streamed so the
-worker sees tokens as they come (stall detection, in-flight lengths for the ETA).
+Speaks only the public API: /health, /v1/models, the capacity endpoint of the
+flavor (SGLang /get_server_info, llama.cpp /props), /metrics, and the
+OpenAI-compatible generation endpoints, streamed so the worker sees tokens as
+they come (stall detection, in-flight lengths for the ETA). What each engine
+serves, and where in its sources, is in docs/engines.md.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import msgspec
 from yarl import URL
 
-from genq.core.records import JobConfig, Prompt, Usage
+from genq.core.records import JobConfig, Prompt
+from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
+    Completion,
+    Failure,
+    _capacity_from_props,
+    _http_failure,
+    _StreamState,
+    parse_completion_bytes,
+)
 
 _json_decode = msgspec.json.Decoder().decode
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _json_encode = msgspec.json.Encoder().encode
 
-# Metric names genq reads; SGLang's first, vLLM's second.
-RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running")
-WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
+# Metric names genq reads, per flavor: SGLang, vLLM, llama.cpp (docs/engines.md
+# names the source lines). A page has one flavor's names; the first found wins.
+RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running", "llamacpp:requests_processing")
+WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting", "llamacpp:requests_deferred")
+# llama.cpp publishes no KV usage: its slots each own a fixed share of the context.
 KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 RETRACTED = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
-# Counters of requests pushed back out of the running batch for lack of KV cache.
+# Counters of requests pushed back out of the running batch for lack of KV cache
+# (llama.cpp never preempts: a slot keeps its request to the end).
 RETRACTIONS_TOTAL = ("sglang:num_retracted_requests_total", "vllm:num_preemptions_total")
+_METRIC_PREFIXES = {"sglang": b"sglang:", "vllm": b"vllm:", "llamacpp": b"llamacpp:"}
 
-
-# Typed views of the answers: decoding straight into these is several times cheaper
-# than into dicts, which matters at thousands of stream events a second. A field of
-# an unexpected type fails validation and the answer goes through the generic
-# (dict) path instead, so odd servers are still understood.
-class _WireUsage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    reasoning_tokens: int | None = None
-    completion_tokens_details: dict[str, Any] | None = None
-
-
-class _WireMessage(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None  # vLLM's name
-
-
-class _WireChoice(msgspec.Struct):
-    delta: _WireMessage | None = None
-    message: _WireMessage | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _WireAnswer(msgspec.Struct):
-    """A chat/completions response or one stream chunk."""
-
-    id: str | None = None
-    model: str | None = None
-    object: str | None = None
-    choices: list[_WireChoice] | None = None
-    usage: _WireUsage | None = None
-    error: Any = None
-    message: Any = None  # flat error bodies (SGLang): {"object": "error", "message": ...}
-
-
-_answer_decode = msgspec.json.Decoder(_WireAnswer).decode
+# Errors of a request that never got a response byte: on a reused keep-alive
+# connection these mean the server had closed it (llama.cpp does after every stream).
+_BEFORE_RESPONSE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 class ServerUnavailable(Exception):
@@ -76,10 +56,15 @@ class ServerUnavailable(Exception):
 @dataclass
 class ServerInfo:
     model: str | None
-    capacity: int | None  # max running requests, when the server tells
-    context_length: int | None
-    kind: str  # "sglang" or "openai-compatible"
+    capacity: int | None  # requests the server runs at once, when it tells (SGLang, llama.cpp)
+    context_length: int | None  # per request (llama.cpp: per slot)
+    flavor: str  # "sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)
     has_metrics: bool
+
+    @property
+    def kind(self) -> str:
+        """The flavor under its older name."""
+        return self.flavor
 
 
 @dataclass
@@ -92,30 +77,17 @@ class Metrics:
 
 
 @dataclass
-class Failure:
-    kind: str  # see genq.core.records.ErrorKind
-    message: str
-    status: int | None = None
-    retryable: bool = True
-
-
-@dataclass
-class Completion:
-    text: str
-    reasoning: str | None
-    finish_reason: str | None
-    usage: Usage
-    model: str
-    response_id: str | None
-
-
-@dataclass
 class Progress:
     """Live state of one request, read by the watchdog and the in-flight report."""
 
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     tokens: int = 0
+    # When the first byte of the response body came (time.monotonic()); None before.
+    # Until then the request waits in the server's queue: llama.cpp sends nothing at
+    # all while a request is deferred, SGLang and vLLM send a stream's headers at
+    # once but no event until the request runs. Time before it is queue time, not a stall.
+    first_byte: float | None = None
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
@@ -151,17 +123,34 @@ class ServerClient:
             "chat": URL(self.base_url + "/v1/chat/completions"),
             "completions": URL(self.base_url + "/v1/completions"),
         }
+        self._connections = connections
         connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, ttl_dns_cache=300)
+        # Tells a request whether it went out on a pooled (reused) connection.
+        tracing = aiohttp.TraceConfig()
+        tracing.on_connection_reuseconn.append(_mark_reused)
         # No total timeout: the worker's watchdog enforces stall and request timeouts,
         # which a per-request aiohttp timer would only duplicate.
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             json_serialize=lambda obj: _json_encode(obj).decode(),
+            trace_configs=[tracing],
         )
+        self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection
+        self.reconnects = 0  # requests sent again after their reused connection was dead
 
     async def close(self) -> None:
         await self.session.close()
+        if self._fresh is not None:
+            await self._fresh.close()
+
+    def _fresh_session(self) -> aiohttp.ClientSession:
+        if self._fresh is None:
+            self._fresh = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._connections, force_close=True),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            )
+        return self._fresh
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
@@ -169,6 +158,16 @@ class ServerClient:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
+
+    async def _get_json(self, path: str) -> Any:
+        """The JSON answer of a GET, or None if the server has no such endpoint."""
+        status, body = await self._get(path)
+        if status != 200:
+            return None
+        try:
+            return _json_decode(body)
+        except msgspec.DecodeError:
+            return None
 
     async def healthy(self) -> bool:
         try:
@@ -178,29 +177,38 @@ class ServerClient:
         return status == 200
 
     async def discover(self) -> ServerInfo:
-        """Model name and capacity. Raises ServerUnavailable if the server is not up."""
+        """Model name, flavor and capacity. Raises ServerUnavailable if the server is not up."""
         status, _ = await self._get("/health")
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
         model = None
-        status, body = await self._get("/v1/models")
-        if status == 200:
-            data = _json_decode(body).get("data") or []
-            if data:
+        models = await self._get_json("/v1/models")
+        if isinstance(models, dict):
+            data = models.get("data") or []
+            if data and isinstance(data[0], dict):
                 model = data[0].get("id")
         capacity = context = None
-        kind = "openai-compatible"
-        for path in ("/get_server_info", "/server_info"):
-            status, body = await self._get(path)
-            if status == 200:
-                kind = "sglang"
-                info = _json_decode(body)
-                capacity = _capacity(info)
-                context = info.get("context_length")
+        flavor = None
+        for path in ("/get_server_info", "/server_info"):  # SGLang (older, newer name)
+            info = await self._get_json(path)
+            if isinstance(info, dict):
+                flavor, capacity, context = "sglang", _capacity(info), info.get("context_length")
                 break
+        if flavor is None:
+            props = await self._get_json("/props")  # llama.cpp
+            if isinstance(props, dict) and "default_generation_settings" in props:
+                flavor = "llamacpp"
+                capacity, context = _capacity_from_props(props)
+                if capacity is None:
+                    slots = await self._get_json("/slots")  # only with --slots
+                    capacity = len(slots) if isinstance(slots, list) and slots else None
         status, body = await self._get("/metrics")
-        has_metrics = status == 200 and (b"sglang:" in body or b"vllm:" in body)
-        return ServerInfo(model=model, capacity=capacity, context_length=context, kind=kind, has_metrics=has_metrics)
+        seen = [name for name, prefix in _METRIC_PREFIXES.items() if status == 200 and prefix in body]
+        if flavor is None:
+            # vLLM has no capacity endpoint; its metrics (always on) name it.
+            flavor = "vllm" if "vllm" in seen else "openai-compatible"
+        return ServerInfo(model=model, capacity=capacity, context_length=context, flavor=flavor,
+                          has_metrics=bool(seen))
 
     async def metrics(self) -> Metrics | None:
         try:
@@ -215,17 +223,53 @@ class ServerClient:
         self, endpoint: str, body: dict[str, Any], progress: Progress
     ) -> Completion | Failure:
         url = self._generate_urls["chat" if endpoint == "chat" else "completions"]
+        data = _json_encode(body)
+        trace = SimpleNamespace(reused=False)
         try:
-            async with self.session.post(url, data=_json_encode(body), headers=_JSON_HEADERS) as resp:
-                if resp.status != 200:
-                    return _http_failure(resp.status, await resp.read())
-                if body.get("stream"):
-                    return await _read_stream(resp, progress, body.get("model", ""))
-                return parse_completion_bytes(await resp.read(), body.get("model", ""))
+            return await self._post(self.session, url, data, body, progress, trace)
+        except _BEFORE_RESPONSE as exc:
+            if not trace.reused:
+                return _connection_failure(exc)
+            # The pooled connection was dead before the server said anything: the
+            # request never reached a live server. Send it again at once on a new
+            # connection; the server's behaviour, not the prompt's, so no attempt counts.
+            self.reconnects += 1
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
-        except msgspec.DecodeError as exc:
-            return Failure("protocol", f"unparsable response: {exc}")
+            return _connection_failure(exc)
+        try:
+            return await self._post(self._fresh_session(), url, data, body, progress, None)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            return _connection_failure(exc)
+
+    async def _post(self, session: aiohttp.ClientSession, url: URL, data: bytes, body: dict[str, Any],
+                    progress: Progress, trace: SimpleNamespace | None) -> Completion | Failure:
+        """One try. Errors before the response escape as exceptions; once the response
+        has begun, every outcome (failures after response bytes included) is returned,
+        so the caller never sends it again."""
+        async with session.post(url, data=data, headers=_JSON_HEADERS, trace_request_ctx=trace) as resp:
+            try:
+                if resp.status != 200:
+                    outcome: Completion | Failure = _http_failure(resp.status, await resp.read())
+                elif body.get("stream"):
+                    outcome = await _read_stream(resp, progress, body.get("model", ""))
+                else:
+                    raw = await resp.read()
+                    progress.first_byte = progress.last_activity = time.monotonic()
+                    outcome = parse_completion_bytes(raw, body.get("model", ""))
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+                outcome = _connection_failure(exc)
+            except msgspec.DecodeError as exc:
+                outcome = Failure("protocol", f"unparsable response: {exc}")
+            return outcome
+
+
+async def _mark_reused(session: Any, ctx: SimpleNamespace, params: Any) -> None:
+    if ctx.trace_request_ctx is not None:
+        ctx.trace_request_ctx.reused = True
+
+
+def _connection_failure(exc: BaseException) -> Failure:
+    return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
 def metrics_from_text(text: str) -> Metrics:
@@ -243,6 +287,7 @@ def metrics_from_text(text: str) -> Metrics:
 
 
 def _capacity(info: dict[str, Any]) -> int | None:
+    """SGLang's running-request limit from /get_server_info, over its DP ranks."""
     states = info.get("internal_states") or []
     effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
     if effective and all(isinstance(v, int) and v > 0 for v in effective):
@@ -280,113 +325,6 @@ def parse_metrics(text: str, wanted: tuple[str, ...], combine=None) -> dict[str,
     return out
 
 
-def _error_message(raw: bytes) -> str:
-    try:
-        body = _json_decode(raw)
-    except msgspec.DecodeError:
-        return raw[:500].decode("utf-8", "replace") or "(empty body)"
-    if isinstance(body, dict):
-        err = body.get("error", body)  # vLLM nests the error, SGLang does not
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-    return raw[:500].decode("utf-8", "replace")
-
-
-def _http_failure(status: int, raw: bytes) -> Failure:
-    message = _error_message(raw)
-    if status in (400, 413, 422):
-        return Failure("bad_request", message, status, retryable=False)
-    return Failure("server_error", message, status)
-
-
-def _event_failure(err: Any) -> Failure:
-    if isinstance(err, dict):
-        code = err.get("code")
-        status = code if isinstance(code, int) else None
-        message = str(err.get("message") or err)
-    else:
-        status, message = None, str(err)
-    if status in (400, 413, 422):
-        return Failure("bad_request", message, status, retryable=False)
-    return Failure("server_error", message, status)
-
-
-def _usage(raw: Any) -> Usage:
-    if not isinstance(raw, dict):
-        return Usage()
-    details = raw.get("completion_tokens_details") or {}
-    reasoning = raw.get("reasoning_tokens")
-    if reasoning is None and isinstance(details, dict):
-        reasoning = details.get("reasoning_tokens")
-    return Usage(
-        prompt_tokens=int(raw.get("prompt_tokens") or 0),
-        completion_tokens=int(raw.get("completion_tokens") or 0),
-        reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None,
-    )
-
-
-def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
-    """A non-streamed answer. Raises msgspec.DecodeError if it is not JSON."""
-    try:
-        answer = _answer_decode(raw)
-    except msgspec.ValidationError:
-        return _parse_completion(_json_decode(raw), model)
-    if not answer.choices or answer.error is not None or answer.object == "error":
-        return _parse_completion(_json_decode(raw), model)  # errors and oddities: the generic path
-    choice = answer.choices[0]
-    message = choice.message
-    if message is not None:
-        text = message.content or ""
-        reasoning = message.reasoning_content or message.reasoning
-    else:
-        text, reasoning = choice.text or "", None
-    return Completion(
-        text=text,
-        reasoning=reasoning,
-        finish_reason=choice.finish_reason,
-        usage=_wire_usage(answer.usage),
-        model=answer.model or model,
-        response_id=answer.id,
-    )
-
-
-def _wire_usage(raw: _WireUsage | None) -> Usage:
-    if raw is None:
-        return Usage()
-    reasoning = raw.reasoning_tokens
-    if reasoning is None and raw.completion_tokens_details:
-        reasoning = raw.completion_tokens_details.get("reasoning_tokens")
-    return Usage(
-        prompt_tokens=raw.prompt_tokens or 0,
-        completion_tokens=raw.completion_tokens or 0,
-        reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None,
-    )
-
-
-def _parse_completion(body: Any, model: str) -> Completion | Failure:
-    if not isinstance(body, dict) or not body.get("choices"):
-        if isinstance(body, dict) and ("error" in body or body.get("object") == "error"):
-            return _event_failure(body.get("error", body))
-        return Failure("protocol", "response has no choices")
-    choice = body["choices"][0]
-    message = choice.get("message")
-    if message is not None:
-        text = message.get("content") or ""
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-    else:
-        text, reasoning = choice.get("text") or "", None
-    return Completion(
-        text=text,
-        reasoning=reasoning,
-        finish_reason=choice.get("finish_reason"),
-        usage=_usage(body.get("usage")),
-        model=body.get("model") or model,
-        response_id=body.get("id"),
-    )
-
-
 async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: str) -> Completion | Failure:
     state = _StreamState(model)
     # Read whatever arrives rather than a readline per line (two per event): a short
@@ -395,7 +333,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: 
     # unread makes aiohttp close the connection instead of reusing it.
     rest = b""
     async for chunk in resp.content.iter_any():
-        progress.last_activity = time.monotonic()
+        now = progress.last_activity = time.monotonic()
+        if progress.first_byte is None:
+            progress.first_byte = now
         if state.done:
             continue
         if rest:
@@ -416,100 +356,3 @@ async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: 
     if not state.done:
         return Failure("connection", "stream ended before [DONE]")
     return state.completion()
-
-
-class _StreamState:
-    """What the events of one stream have said so far."""
-
-    __slots__ = ("text", "reasoning", "finish_reason", "usage", "response_id", "model", "done")
-
-    def __init__(self, model: str) -> None:
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.finish_reason: str | None = None
-        self.usage: _WireUsage | None = None
-        self.response_id: str | None = None
-        self.model = model
-        self.done = False
-
-    def feed(self, payload: bytes, progress: Progress) -> Failure | None:
-        if payload == b"[DONE]":
-            self.done = True
-            return None
-        try:
-            event = _answer_decode(payload)
-        except msgspec.ValidationError:
-            generic = _generic_event(_json_decode(payload))
-            if isinstance(generic, Failure):
-                return generic
-            event = generic
-        if event.error is not None:  # SGLang and vLLM report mid-stream errors this way, on HTTP 200
-            return _event_failure(event.error)
-        usage = event.usage
-        if usage is not None:
-            self.usage = usage
-            if usage.completion_tokens:
-                progress.tokens = usage.completion_tokens
-        elif self.usage is None:
-            progress.tokens += 1  # no usage stats: count events
-        if self.response_id is None:
-            self.response_id = event.id
-        if event.model:
-            self.model = event.model
-        if event.choices:
-            for choice in event.choices:
-                delta = choice.delta
-                if delta is not None:
-                    if delta.content:
-                        self.text.append(delta.content)
-                    piece = delta.reasoning_content or delta.reasoning
-                    if piece:
-                        self.reasoning.append(piece)
-                elif choice.text:
-                    self.text.append(choice.text)
-                if choice.finish_reason:
-                    self.finish_reason = choice.finish_reason
-        return None
-
-    def completion(self) -> Completion:
-        return Completion(
-            text="".join(self.text),
-            reasoning="".join(self.reasoning) if self.reasoning else None,
-            finish_reason=self.finish_reason,
-            usage=_wire_usage(self.usage),
-            model=self.model,
-            response_id=self.response_id,
-        )
-
-
-def _generic_event(event: Any) -> _WireAnswer | Failure:
-    """A stream event the typed decoder refused (a field of another type): read it as
-    a dict, keeping only what genq uses."""
-    if not isinstance(event, dict):
-        return Failure("protocol", f"stream event is not a JSON object: {str(event)[:200]}")
-    if event.get("error") is not None:
-        return _WireAnswer(error=event["error"])
-    raw_usage = event.get("usage")
-    usage = None
-    if isinstance(raw_usage, dict):
-        u = _usage(raw_usage)
-        usage = _WireUsage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                           reasoning_tokens=u.reasoning_tokens)
-    choices = []
-    for choice in event.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        wire_delta = None
-        if isinstance(delta, dict):
-            wire_delta = _WireMessage(content=_str_or_none(delta.get("content")),
-                                      reasoning_content=_str_or_none(delta.get("reasoning_content")),
-                                      reasoning=_str_or_none(delta.get("reasoning")))
-        choices.append(_WireChoice(delta=wire_delta, text=_str_or_none(choice.get("text")),
-                                   finish_reason=_str_or_none(choice.get("finish_reason"))))
-    return _WireAnswer(id=_str_or_none(event.get("id")), model=_str_or_none(event.get("model")),
-                       choices=choices, usage=usage)
-
-
-def _str_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) else None

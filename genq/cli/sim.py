@@ -1,4 +1,4 @@
-"""`genq sim`: run the SGLang-compatible simulator of one GPU server."""
+"""`genq sim`: run the simulator of one GPU inference server (SGLang, vLLM or llama.cpp)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ from typing import Any
 import click
 
 from genq.sim.config import SimConfig
-from genq.sim.server import run
+from genq.sim.flavors import FLAVORS
+from genq.sim.serve import run
 
 _D = SimConfig()
 
 
 @click.command("sim", context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--flavor", default=_D.flavor, type=click.Choice(FLAVORS),
+              help="Engine to play: its endpoints, metric names, error bodies, queueing and connection habits.")
 @click.option("--host", default=_D.host, help="Address to listen on.")
 @click.option("--port", default=_D.port, type=int, help="Port to listen on (0: any free port).")
 @click.option("--model-path", default=_D.model_path, help="Model path reported by the info endpoints.")
@@ -55,15 +58,20 @@ _D = SimConfig()
 @click.option("--crash-marker", default=None, metavar="TEXT",
               help="A request containing TEXT takes the server down for --outage-for seconds, every time. "
                    "[default: none]")
+@click.option("--stream-close-delay", default=_D.stream_close_delay, type=float,
+              help="llamacpp flavor: seconds after a streamed response at which the connection closes "
+                   "(unread meanwhile), whatever its Keep-Alive header said.")
 def sim_command(**options: Any) -> None:
-    """Serve an SGLang-compatible simulator of one GPU server.
+    """Serve a simulator of one GPU inference server (SGLang, vLLM or llama.cpp).
 
     Continuous batching with compressed time, deterministic per-prompt output
-    lengths, SGLang's endpoints, errors and /metrics, plus /sim/stats,
-    /sim/reset and /sim/faults for tests and benchmarks. Stops on SIGINT/SIGTERM.
+    lengths, the flavor's endpoints, errors and /metrics, plus /sim/stats,
+    /sim/reset and /sim/faults for tests and benchmarks. Stops on SIGINT/SIGTERM
+    (llamacpp: the first SIGTERM stops listening and leaves open requests hanging,
+    as llama-server does; it exits when none is left open, or on a second signal).
     """
     config = SimConfig(**options)
-    shown = ("max_running_requests", "max_total_num_tokens", "step_ms_base", "step_ms_per_req",
+    shown = ("flavor", "max_running_requests", "max_total_num_tokens", "step_ms_base", "step_ms_per_req",
              "tokens_per_step", "mean_output_tokens")
     summary = ", ".join(f"{name}={getattr(config, name)}" for name in shown)
     run(config, on_ready=lambda url: click.echo(f"genq sim: listening on {url} ({summary})"))

@@ -13,6 +13,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     a test generating thousands of tokens finishes in seconds.
     """
 
+    # Which engine to play: "sglang", "vllm" or "llamacpp" (genq/sim/flavors.py).
+    flavor: str = "sglang"
     host: str = "127.0.0.1"
     port: int = 30000
     model_path: str = "genq-sim/Sim-8B"
@@ -53,6 +55,11 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # outage_for seconds, every request in flight dropped) a moment after it arrives,
     # every time it is sent: a prompt that crashes its server.
     crash_marker: str | None = None
+    # llama.cpp only: after a streamed response the server stops reading the
+    # connection and closes it this many seconds later, although the response said
+    # Keep-Alive. A request sent on it meanwhile is lost with the connection, as
+    # happens to a client that reuses it before llama-server's FIN arrives.
+    stream_close_delay: float = 0.1
 
     @property
     def model_name(self) -> str:

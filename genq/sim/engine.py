@@ -76,6 +76,12 @@ class Stats:
         self.finished = 0
         self.aborted = 0
         self.first_admit: float | None = None
+        # Engine steps, request-steps (sum of the batch size over steps), and steps
+        # that ran with a free slot while a request waited (continuous batching: 0
+        # unless the KV budget held it back): counts a test can assert on, not times.
+        self.steps = 0
+        self.request_steps = 0
+        self.starved_steps = 0
         self.last_finish: float | None = None
         # prompt_key -> number of complete generations (aborts excluded).
         self.generated_by_key: dict[str, int] = {}
@@ -205,6 +211,9 @@ class Engine:
             "num_running": len(self._running),
             "num_waiting": len(self._waiting),
             "generated_by_key": s.generated_by_key,
+            "steps": s.steps,
+            "request_steps": s.request_steps,
+            "starved_steps": s.starved_steps,
         }
 
     def _account(self, now: float) -> None:
@@ -232,6 +241,11 @@ class Engine:
                 self._tp_since, self._tp_tokens = time.monotonic(), self.generation_tokens_total
                 continue
             admitted = self._admit()
+            st = self.stats
+            st.steps += 1
+            st.request_steps += len(self._running)
+            if self._waiting and len(self._running) < cfg.max_running_requests:
+                st.starved_steps += 1
             delay = base_s + per_req_s * len(self._running)
             # sleep(0) still yields, so in the instant mode handlers can queue
             # more requests and the next step serves them as one batch.

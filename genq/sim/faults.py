@@ -31,6 +31,9 @@ class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hang_rate: float | None = None
     # Start an outage now lasting this many seconds (0 ends a running one).
     outage_for: float | None = None
+    # True: stop listening as llama-server does on SIGTERM (its listening socket
+    # closes, open requests hang, no answer, no close). One way: nothing undoes it.
+    stop_listening: bool | None = None
 
 
 class FaultInjector:
@@ -60,7 +63,8 @@ class FaultInjector:
         return Fault.NONE, where
 
     def apply(self, update: FaultUpdate) -> None:
-        """Change the rate switches (all or none); the caller handles outage_for."""
+        """Change the rate switches (all or none); the caller handles outage_for and
+        stop_listening."""
         rates = {
             name: value
             for name in ("error_rate", "reset_rate", "hang_rate")

@@ -1,0 +1,219 @@
+"""What differs between the engines the simulator plays: SGLang, vLLM, llama.cpp.
+
+Endpoints, metric names, error bodies and context-length checks, each copied
+from the engine's sources (docs/engines.md names the files). Everything the
+three share (OpenAI chat/completions shapes, streaming) is in genq/sim/reply.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from genq.sim.config import SimConfig
+
+if TYPE_CHECKING:
+    from genq.sim.engine import Engine
+
+FLAVORS = ("sglang", "vllm", "llamacpp")
+VERSION = "0.0.0-genq-sim"
+_JSON = "application/json"
+_encode = msgspec.json.encode
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encode(data), content_type=_JSON)
+
+
+# ---- errors ------------------------------------------------------------------
+
+
+def error_response(flavor: str, status: int, message: str, err_type: str | None = None,
+                   **extra: Any) -> web.Response:
+    """The engine's error body: SGLang's is flat, vLLM and llama.cpp nest it under "error"."""
+    if flavor == "sglang":
+        body: dict[str, Any] = {"object": "error", "message": message, "type": err_type or "BadRequestError",
+                                "param": None, "code": status}
+    elif flavor == "vllm":
+        body = {"error": {"message": message, "type": err_type or "BadRequestError", "param": None, "code": status}}
+    else:  # llama.cpp: format_error_response() in tools/server/server-common.cpp
+        body = {"error": {"code": status, "message": message, "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"),
+                          **extra}}
+    return json_response(body, status)
+
+
+_LLAMACPP_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
+
+
+def bad_request(flavor: str, message: str) -> web.Response:
+    return error_response(flavor, 400, message)
+
+
+def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int) -> web.Response | int:
+    """The engine's answer to a prompt against its context: a 400, or the most tokens
+    the request may generate."""
+    if flavor == "llamacpp":
+        # tools/server/server-context.cpp: checked against the slot's context when the
+        # request gets a slot; max_tokens past the end is no error, the slot stops at
+        # the end of its context (finish_reason "length").
+        if n_prompt >= ctx:
+            return error_response(
+                flavor, 400,
+                f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try increasing it",
+                "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
+        return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
+    if flavor == "vllm":
+        # vllm/entrypoints/openai/serving_engine.py _validate_input (wording of 0.6-0.10)
+        if n_prompt >= ctx:
+            return bad_request(flavor, f"This model's maximum context length is {ctx} tokens. However, you "
+                                       f"requested {n_prompt} tokens in the messages, Please reduce the length "
+                                       f"of the messages.")
+        if max_new is not None and n_prompt + max_new > ctx:
+            return bad_request(flavor, f"This model's maximum context length is {ctx} tokens. However, you "
+                                       f"requested {n_prompt + max_new} tokens ({n_prompt} in the messages, "
+                                       f"{max_new} in the completion). Please reduce the length of the messages "
+                                       f"or completion.")
+        return ctx - n_prompt if max_new is None else max_new
+    # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py
+    if n_prompt >= ctx:
+        return bad_request(flavor, f"The input ({n_prompt} tokens) is longer than the model's context length "
+                                   f"({ctx} tokens).")
+    if max_new is not None and max_new + n_prompt >= ctx:
+        return bad_request(
+            flavor,
+            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+            f"You requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the "
+            f"input messages and {max_new} tokens for the completion. Please reduce the number "
+            f"of tokens in the input messages or the completion to fit within the limit.")
+    # SGLang runs a chat request without a limit up to the context length.
+    return ctx - n_prompt if max_new is None else max_new
+
+
+# ---- info endpoints ----------------------------------------------------------
+
+
+def model_card(cfg: SimConfig) -> dict[str, Any]:
+    flavor = cfg.flavor
+    return {
+        # llama.cpp names the model by its file (or --alias).
+        "id": cfg.model_path if flavor == "llamacpp" else cfg.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": {"sglang": "sglang", "vllm": "vllm", "llamacpp": "llamacpp"}[flavor],
+        "root": cfg.model_path,
+        "max_model_len": cfg.context_length,
+    }
+
+
+def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
+    # Plausible memory figures for an 8B model on one 80 GB GPU; the token capacity
+    # is the one a client can act on.
+    memory = {"weight": 15.3, "kvcache": 52.4, "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
+    return {
+        "model_path": cfg.model_path,
+        "tokenizer_path": cfg.model_path,
+        "served_model_name": cfg.model_name,
+        "host": cfg.host,
+        "port": cfg.port,
+        "context_length": cfg.context_length,
+        "max_running_requests": cfg.max_running_requests,
+        "max_queued_requests": cfg.max_queued_requests,
+        "max_total_num_tokens": cfg.max_total_num_tokens,
+        "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1,
+        "chunked_prefill_size": 8192,
+        "schedule_policy": "fcfs",
+        "tp_size": 1,
+        "dp_size": 1,
+        "enable_metrics": True,
+        "reasoning_parser": "qwen3",
+        "version": VERSION,
+        "internal_states": [
+            {
+                "last_gen_throughput": engine.last_gen_throughput,
+                "effective_max_running_requests_per_dp": cfg.max_running_requests,
+                "memory_usage": memory,
+            }
+        ],
+        # Not in SGLang: the simulator's own knobs, for benchmark reports.
+        "sim": msgspec.to_builtins(cfg),
+    }
+
+
+def llamacpp_props(cfg: SimConfig) -> dict[str, Any]:
+    """get_res_props() in tools/server/server-context.cpp (the fields a client reads)."""
+    return {
+        "default_generation_settings": {"n_ctx": cfg.context_length, "params": {"n_predict": -1}},
+        "total_slots": cfg.max_running_requests,
+        "model_alias": cfg.model_name,
+        "model_path": cfg.model_path,
+        "modalities": {"vision": False, "audio": False},
+        "build_info": VERSION,
+    }
+
+
+def llamacpp_slots(cfg: SimConfig, engine: Engine) -> list[dict[str, Any]]:
+    """GET /slots (with --slots): one entry per slot; the first `running` are busy."""
+    busy = engine.num_running
+    return [{"id": i, "n_ctx": cfg.context_length, "speculative": False, "is_processing": i < busy}
+            for i in range(cfg.max_running_requests)]
+
+
+# ---- metrics -----------------------------------------------------------------
+
+
+def metrics_page(cfg: SimConfig, eng: Engine) -> str:
+    if cfg.flavor == "llamacpp":
+        return _llamacpp_metrics(eng)
+    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    usage = eng.used_tokens / cfg.max_total_num_tokens
+    if cfg.flavor == "vllm":
+        # vllm/v1/metrics/loggers.py PrometheusStatLogger; counters get _total on the wire.
+        labels = f'{{engine="0",model_name="{label}"}}'
+        gauges = [
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", eng.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+        ]
+        counters = [
+            ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+            ("vllm:generation_tokens_total", "Number of generation tokens processed.", eng.generation_tokens_total),
+        ]
+    else:
+        # python/sglang/srt/metrics/collector.py
+        labels = f'{{model_name="{label}"}}'
+        gauges = [
+            ("sglang:num_running_reqs", "The number of running requests.", eng.num_running),
+            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
+            ("sglang:num_used_tokens", "The number of used tokens.", eng.used_tokens),
+            ("sglang:token_usage", "The token usage.", usage),
+            ("sglang:gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+        ]
+        counters = [
+            ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+            ("sglang:generation_tokens_total", "Number of generation tokens processed.", eng.generation_tokens_total),
+            ("sglang:num_requests_total", "Number of requests processed.", eng.num_requests_total),
+            ("sglang:num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total),
+        ]
+    lines: list[str] = []
+    for kind, items in (("gauge", gauges), ("counter", counters)):
+        for name, help_text, value in items:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _llamacpp_metrics(eng: Engine) -> str:
+    """server_task_result_metrics in tools/server/server-task.cpp: no labels."""
+    items = [
+        ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+        ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
+        ("gauge", "requests_processing", "Number of requests processing", eng.num_running),
+        ("gauge", "requests_deferred", "Number of requests deferred", eng.num_waiting),
+    ]
+    lines: list[str] = []
+    for kind, name, help_text, value in items:
+        lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {value}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,304 @@
+"""genq against each engine flavor the simulator plays: SGLang, vLLM, llama.cpp.
+
+The sim's flavors copy the engines' endpoints, metric names, error bodies,
+queueing and connection habits (docs/engines.md cites their sources). The client
+is tested in-process against an in-process sim; the worker end to end, as a real
+`genq worker --burst` with default settings against a real `genq sim` process.
+No timing assertions: conditions are waited on with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from genq.sim.config import SimConfig
+from genq.sim.serve import RunningSim, start
+from genq.worker.server import Completion, Failure, Progress, ServerClient, metrics_from_text
+from tests.conftest import read_results, run_genq, sim_stats, write_prompts
+
+Body = Callable[[RunningSim, aiohttp.ClientSession], Awaitable[None]]
+# Requests of a few hundred ms: slots stay busy long enough to see a queue.
+SLOW = dict(step_ms_base=20.0, step_ms_per_req=0.0, tokens_per_step=4, mean_output_tokens=64.0, output_sigma=0.0)
+# The held request runs about 2 s (100 steps): its queue is there while the test looks.
+HOLD = {**SLOW, "mean_output_tokens": 400.0}
+
+
+def with_sim(**overrides: Any) -> Callable[[Body], Callable[[], None]]:
+    """Run an async test body against a fresh in-process sim on a free port."""
+
+    def wrap(body: Body) -> Callable[[], None]:
+        def test() -> None:
+            async def main() -> None:
+                sim = await start(SimConfig(**{"port": 0, **overrides}))
+                try:
+                    async with aiohttp.ClientSession(sim.url) as http:
+                        await asyncio.wait_for(body(sim, http), timeout=20)
+                finally:
+                    await sim.close()
+
+            asyncio.run(main())
+
+        test.__name__ = body.__name__
+        return test
+
+    return wrap
+
+
+def chat(content: str = "hello", stream: bool = True, max_tokens: int = 32) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return body
+
+
+async def discover(url: str):
+    client = ServerClient(url)
+    try:
+        return await client.discover(), await client.metrics()
+    finally:
+        await client.close()
+
+
+# ---------------------------------------------------------------- what each flavor serves
+
+
+@with_sim(flavor="llamacpp", max_running_requests=8, context_length=2048)
+async def test_llamacpp_flavor_endpoints_and_errors(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+    async with http.get("/props") as resp:
+        props = await resp.json()
+    assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == 2048
+    async with http.get("/slots") as resp:
+        assert len(await resp.json()) == 8
+    async with http.get("/get_server_info") as resp:
+        assert resp.status == 404, "llama.cpp has no SGLang server info"
+    async with http.post("/v1/chat/completions", json=chat("word " * 3000, stream=True)) as resp:
+        assert resp.status == 400
+        err = (await resp.json())["error"]
+    assert err["type"] == "exceed_context_size_error" and err["code"] == 400 and err["n_ctx"] == 2048
+    assert "exceeds the available context size (2048 tokens)" in err["message"]
+    info, m = await discover(sim.url)
+    assert (info.flavor, info.capacity, info.context_length, info.has_metrics) == ("llamacpp", 8, 2048, True)
+    assert (m.running, m.waiting) == (0.0, 0.0)
+
+
+@with_sim(flavor="vllm", max_running_requests=8, context_length=1024)
+async def test_vllm_flavor_endpoints_and_errors(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+    for path in ("/get_server_info", "/server_info", "/props", "/slots"):
+        async with http.get(path) as resp:
+            assert resp.status == 404, f"vLLM serves no {path}"
+    async with http.post("/v1/chat/completions", json=chat("word " * 2000, stream=False)) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert "maximum context length is 1024 tokens" in body["error"]["message"], "vLLM nests its errors"
+    info, m = await discover(sim.url)
+    assert (info.flavor, info.capacity, info.has_metrics) == ("vllm", None, True)
+    assert m.running == 0.0 and m.kv_usage is not None
+
+
+def test_metrics_pages_of_llamacpp():
+    page = """# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 8
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 56
+llamacpp:tokens_predicted_total 12345
+"""
+    m = metrics_from_text(page)
+    assert (m.running, m.waiting, m.kv_usage, m.retractions_total) == (8.0, 56.0, None, None)
+
+
+# ---------------------------------------------------------------- queueing: no byte while deferred
+
+
+async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession, headers_expected: bool = False
+                            ) -> tuple[Progress, Progress, bool]:
+    """With one slot: one request runs, others wait in the server's queue. Returns
+    their progress and whether a waiting one had its response (headers) while waiting."""
+    client = ServerClient(sim.url)
+    try:
+        first, second = Progress(), Progress()
+        running = asyncio.ensure_future(client.generate("chat", chat("first", max_tokens=400), first))
+        while sim.sim.engine.num_running < 1:
+            await asyncio.sleep(0.01)
+        # A raw request shows whether headers come while deferred.
+        raw = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat("raw", max_tokens=4)))
+        waiting = asyncio.ensure_future(client.generate("chat", chat("second", max_tokens=8), second))
+        while sim.sim.engine.num_waiting < 2:
+            await asyncio.sleep(0.01)
+        if headers_expected:
+            await asyncio.wait([raw])  # the with_sim timeout bounds the wait
+            assert sim.sim.engine.num_waiting == 2, "the headers came while both still waited"
+        headers_while_waiting = raw.done()
+        assert second.first_byte is None, "no response byte while the request waits for a slot"
+        done = await running
+        assert isinstance(done, Completion) and first.first_byte is not None
+        assert isinstance(await waiting, Completion)
+        assert second.first_byte is not None and second.first_byte >= first.first_byte
+        (await raw).release()
+        return first, second, headers_while_waiting
+    finally:
+        await client.close()
+
+
+@with_sim(flavor="llamacpp", max_running_requests=1, **HOLD)
+async def test_llamacpp_sends_nothing_while_a_request_is_deferred(sim: RunningSim, http) -> None:
+    _, _, headers_while_waiting = await _hold_then_second(sim, http)
+    assert not headers_while_waiting, "llama-server answers only with the first result"
+
+
+@with_sim(flavor="sglang", max_running_requests=1, **HOLD)
+async def test_sglang_sends_nothing_while_a_request_is_queued(sim: RunningSim, http) -> None:
+    _, _, headers_while_waiting = await _hold_then_second(sim, http)
+    assert not headers_while_waiting, "SGLang awaits a stream's first chunk before it answers"
+
+
+@with_sim(flavor="vllm", max_running_requests=1, **HOLD)
+async def test_vllm_sends_stream_headers_but_no_event_while_queued(sim: RunningSim, http) -> None:
+    _, _, headers_while_waiting = await _hold_then_second(sim, http, headers_expected=True)
+    # first_byte is the first event, not the headers: still None while queued (checked inside).
+    assert headers_while_waiting, "vLLM's StreamingResponse sends its headers at once"
+
+
+# ---------------------------------------------------------------- connections
+
+
+@with_sim(flavor="llamacpp", max_running_requests=4, stream_close_delay=2.0, **SLOW)
+async def test_a_dead_reused_connection_costs_no_failure(sim: RunningSim, http) -> None:
+    """llama-server closes the connection after each stream while its header says
+    Keep-Alive: the next request on it is lost before any response byte. The client
+    sends it again on a fresh connection instead of returning a Failure."""
+    client = ServerClient(sim.url, connections=1)  # one pooled connection: the next request reuses it
+    try:
+        outcomes = []
+        for i in range(3):
+            outcomes.append(await client.generate("chat", chat(f"again {i}", max_tokens=8), Progress()))
+        assert all(isinstance(o, Completion) for o in outcomes), outcomes
+        assert client.reconnects >= 1, "the second request went out on the dead connection"
+        # Failures on a fresh connection still count: nothing listens there.
+        await client.close()
+        client = ServerClient("http://127.0.0.1:9")
+        outcome = await client.generate("chat", chat(), Progress())
+        assert isinstance(outcome, Failure) and outcome.kind == "connection" and client.reconnects == 0
+    finally:
+        await client.close()
+
+
+@with_sim(flavor="llamacpp", max_running_requests=2, **SLOW)
+async def test_stop_listening_leaves_open_requests_hanging(sim: RunningSim, http) -> None:
+    """llama-server on SIGTERM: the port closes, open requests get no answer and no close."""
+    client = ServerClient(sim.url)
+    try:
+        pending = asyncio.ensure_future(client.generate("chat", chat(max_tokens=10_000), Progress()))
+        while sim.sim.engine.num_running < 1:
+            await asyncio.sleep(0.01)
+        async with http.post("/sim/faults", json={"stop_listening": True}) as resp:
+            assert (await resp.json())["listening"] is False
+        probe = ServerClient(sim.url)
+        try:
+            assert not await probe.healthy(), "the listening socket is closed: refused"
+        finally:
+            await probe.close()
+        done, _ = await asyncio.wait([pending], timeout=0.5)
+        assert not done, "the open request hangs: no answer, no close"
+        pending.cancel()
+    finally:
+        await client.close()
+
+
+# ---------------------------------------------------------------- a real worker, default settings
+
+LONG = 5
+
+
+def enqueue_with_long(tmp_path: Path, redis_url: str, n: int, job: str) -> tuple[list[str], list[str], Path]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    long_ids = [f"long{i}" for i in range(LONG)]
+    with open(src, "a") as f:
+        for pid in long_ids:
+            f.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": "word " * 1000}]}) + "\n")
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--batch-size", "40", "--max-tokens", "64",
+             "--output", str(out), redis_url=redis_url)
+    return ids, long_ids, out
+
+
+def dead_letters(redis_url: str) -> dict[str, dict]:
+    letters = json.loads(run_genq("dlq", "list", "--json", redis_url=redis_url).stdout)
+    return {letter["id"]: letter for letter in letters}
+
+
+def check_run(server: str, out: Path, job: str, ids: list[str], long_ids: list[str], redis_url: str,
+              message: str) -> list[dict]:
+    rows = read_results(out, job)
+    assert sorted(r["id"] for r in rows) == sorted(ids), "every prompt that fits completes exactly once"
+    assert all(r["attempts"] == 1 for r in rows), [r for r in rows if r["attempts"] != 1][:3]
+    generated = sim_stats(server)["generated_by_key"]
+    assert len(generated) == len(ids) and set(generated.values()) == {1}, "each generated once"
+    letters = dead_letters(redis_url)
+    assert sorted(letters) == sorted(long_ids), "no dead letters but the too-long prompts"
+    for letter in letters.values():
+        assert letter["kind"] == "bad_request" and message in letter["message"], letter
+    return rows
+
+
+def test_worker_defaults_against_llamacpp(redis_url, sim, worker, tmp_path):
+    server = sim(flavor="llamacpp", max_running_requests=8, context_length=512, step_ms_base=5,
+                 step_ms_per_req=0, tokens_per_step=4, mean_output_tokens=48, output_sigma=0.5)
+    ids, long_ids, out = enqueue_with_long(tmp_path, redis_url, 200, "lcpp")
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()[-3000:]
+    check_run(server, out, "lcpp", ids, long_ids, redis_url, "exceeds the available context size")
+    log = proc.log()
+    assert "llamacpp" in log and "capacity 8)" in log, log[:2000]
+
+
+def test_worker_defaults_against_vllm_learns_capacity(redis_url, sim, worker, tmp_path):
+    server = sim(flavor="vllm", max_running_requests=8, context_length=512, step_ms_base=20,
+                 step_ms_per_req=0, tokens_per_step=4, mean_output_tokens=48, output_sigma=0.3)
+    ids, long_ids, out = enqueue_with_long(tmp_path, redis_url, 200, "vllm")
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()[-3000:]
+    check_run(server, out, "vllm", ids, long_ids, redis_url, "maximum context length is 512 tokens")
+    log = proc.log()
+    assert "learned server capacity 8" in log, log[-3000:]
+
+
+def test_llamacpp_flavor_sigterm_stops_listening_and_exits_when_no_request_is_open(sim):
+    """The CLI copies llama-server's SIGTERM: port closed, open request left hanging;
+    the process exits once its client gives up."""
+    import signal
+
+    server = sim(flavor="llamacpp", max_running_requests=2, **{k: v for k, v in SLOW.items()
+                                                               if k != "mean_output_tokens"},
+                 mean_output_tokens=100_000)
+    proc = sim.procs[server]
+
+    async def scenario() -> None:
+        client = ServerClient(server)
+        try:
+            pending = asyncio.ensure_future(client.generate("chat", chat(max_tokens=50_000), Progress()))
+            while sim_stats(server)["num_running"] < 1:
+                await asyncio.sleep(0.02)
+            proc.signal(signal.SIGTERM)
+            probe = ServerClient(server)
+            try:
+                while await probe.healthy():  # until the listening socket is gone
+                    await asyncio.sleep(0.02)
+            finally:
+                await probe.close()
+            assert proc.alive() and not pending.done(), "the open request hangs, the process waits for it"
+            pending.cancel()  # the client gives up
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+    assert proc.wait(timeout=20) == 0
