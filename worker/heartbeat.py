@@ -102,13 +102,12 @@ class Heartbeat:
     def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
         m = self.watch.metrics
-        server = self.watch.info
         return WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
             state=state or self.state(), started_at=self.started_at, heartbeat_at=time.time(),
             gpu=None if self.opts.gpu is None else str(self.opts.gpu),
             concurrency_target=self.controller.target, concurrency_limit=self.controller.cap,
-            server_capacity=(server.capacity if server else None) or self.controller.learned,
+            server_capacity=self.controller.slots,
             in_flight=len(self.dispatcher.running), queued=self.dispatcher.unsent,
             batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
             tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,

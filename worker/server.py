@@ -10,7 +10,7 @@ serves, and where in its sources, is in docs/engines.md.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +22,7 @@ from genq.core.records import JobConfig, Prompt
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
+    Progress,
     _capacity_from_props,
     _http_failure,
     _StreamState,
@@ -74,20 +75,6 @@ class Metrics:
     kv_usage: float | None = None
     retracted: float | None = None  # gauge: requests retracted lately
     retractions_total: float | None = None  # counter: requests retracted/preempted since start
-
-
-@dataclass
-class Progress:
-    """Live state of one request, read by the watchdog and the in-flight report."""
-
-    started: float = field(default_factory=time.monotonic)
-    last_activity: float = field(default_factory=time.monotonic)
-    tokens: int = 0
-    # When the first byte of the response body came (time.monotonic()); None before.
-    # Until then the request waits in the server's queue: llama.cpp sends nothing at
-    # all while a request is deferred, SGLang and vLLM send a stream's headers at
-    # once but no event until the request runs. Time before it is queue time, not a stall.
-    first_byte: float | None = None
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:

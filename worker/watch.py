@@ -157,7 +157,9 @@ class ServerWatch:
             queue_empty = self.metrics is not None and not self.metrics.waiting
             for task, aio in list(running.items()):
                 p = task.progress
-                waiting_in_server = getattr(p, "first_byte", p.last_activity) is None and not queue_empty
+                # Before the first byte the request waits in the server's queue: not a stall,
+                # unless the server says nothing waits (then it is stuck).
+                waiting_in_server = p.first_byte is None and not queue_empty
                 if now - p.started > self.opts.request_timeout:
                     task.cancel_reason = f"request exceeded {self.opts.request_timeout:.0f}s (request timeout)"
                 elif now - p.last_activity > self.opts.stall_timeout and not waiting_in_server:

@@ -6,15 +6,29 @@ shapes, with their own error layouts); worker/server.py does the HTTP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from genq.core.records import Usage
 
-if TYPE_CHECKING:
-    from genq.worker.server import Progress
+
+@dataclass
+class Progress:
+    """Live state of one request, read by the watchdog and the in-flight report."""
+
+    started: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)
+    tokens: int = 0
+    # When the first byte of the response body came (time.monotonic()); None before.
+    # Until then the request waits in the server's queue: llama.cpp sends nothing at
+    # all while a request is deferred, SGLang and vLLM send a stream's headers at
+    # once but no event until the request runs. Time before it is queue time, not a stall.
+    first_byte: float | None = None
+
+
 
 _json_decode = msgspec.json.Decoder().decode
 
