@@ -224,3 +224,24 @@ def test_a_job_stuck_between_dequeue_and_start_is_brought_back(redis_url, rconn,
     assert "had no live RQ job" in proc.log()
     check(rconn, out, "mid", ids)
     assert rconn.llen(queue.intermediate_queue_key) == 0
+
+
+def test_a_batch_started_by_a_horse_that_died_before_handing_it_over(redis_url, rconn, sim, worker, tmp_path):
+    """RQ says "started" by a loop of a live engine, but the horse died (Redis went away
+    under it) before the engine got the batch: no lease, so the batch is stranded, and
+    the reconciler must not wait for RQ's abandoned-job detection (minutes) to see it."""
+    server = sim(max_running_requests=8, **FAST)
+    ids, out = enqueue(tmp_path, "ghost", 10, "--batch-size", "10", "--max-tokens", "400")
+    queue = rq_queue(rconn)
+    rq_id = rconn.hget(keys.job_transport("ghost"), "b0000001").decode()
+    queue.remove(rq_id)  # a loop took it...
+    proc = worker(server, name="alive")
+    instance = wait_until(lambda: next((k.decode().split(":")[2] for k in rconn.keys("genq:engine:*:alive")), None),
+                          30, "the engine's heartbeat")
+    rq_job = RqJob.fetch(rq_id, connection=rconn, serializer=queue.serializer)
+    rconn.hset(rq_job.key, mapping={"status": "started", "worker_name": f"{instance}.dead"})  # ...and died
+    wait_until(lambda: rconn.scard(keys.job_done("ghost")) == 1, 60, "the stranded batch done")
+    assert "batch ghost/b0000001 had no live RQ job" in proc.log()
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.log()
+    check(rconn, out, "ghost", ids)

@@ -88,6 +88,14 @@ def push_reply(pipe: redis.client.Pipeline, token: str, word: bytes) -> None:
     pipe.expire(keys.lease_reply(token), REPLY_TTL_S)
 
 
+def lease_holder(value: bytes | str | None) -> str | None:
+    """The engine instance named by a lease value ("TOKEN INSTANCE")."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    return text.partition(" ")[2] or None
+
+
 def engine_of(rq_worker_name: str | None) -> str | None:
     """genq's RQ loops are named ENGINE_INSTANCE.xxxx: the engine whose heartbeat counts."""
     if not rq_worker_name or "." not in rq_worker_name:
@@ -135,7 +143,8 @@ class Reconciler:
             outlook.pending[job] = batches
             transport = self.conn.hmget(keys.job_transport(job), batches)
             rq_ids = [t.decode() if t else None for t in transport]
-            live = self._live(rq_ids, queued)
+            holders = [lease_holder(v) for v in self.conn.hmget(keys.job_leases(job), batches)]
+            live = self._live(rq_ids, holders, queued)
             for batch, rq_id, ok in zip(batches, rq_ids, live):
                 if ok:
                     continue
@@ -187,7 +196,10 @@ class Reconciler:
         worker's have left); seen there in two passes, it is stranded like any other."""
         return set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
 
-    def _live(self, rq_ids: list[str | None], queued: set[bytes]) -> list[bool]:
+    def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
+        """Whether each batch's RQ job carries it: queued in RQ's queue, or started by a loop
+        whose engine heartbeats and holds the batch's lease (a horse that died before handing
+        the batch over leaves it "started" for an engine that never got it)."""
         known = [i for i in rq_ids if i]
         jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
         engines = {engine_of(j.worker_name) for j in jobs.values() if j.get_status(refresh=False) == "started"}
@@ -197,7 +209,7 @@ class Reconciler:
             names = sorted(e for e in engines if e)
             alive = dict(zip(names, self.conn.mget([keys.engine_alive(e) for e in names])))
         out = []
-        for rq_id in rq_ids:
+        for rq_id, holder in zip(rq_ids, holders):
             job = jobs.get(rq_id) if rq_id else None
             if job is None or rq_id is None:
                 out.append(False)
@@ -206,7 +218,8 @@ class Reconciler:
             if status == "queued":
                 out.append(rq_id.encode() in queued)
             elif status == "started":
-                out.append(alive.get(engine_of(job.worker_name) or "") is not None)
+                engine = engine_of(job.worker_name) or ""
+                out.append(alive.get(engine) is not None and holder == engine)
             else:
                 out.append(status in ("scheduled", "deferred"))
         return out

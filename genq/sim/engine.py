@@ -86,6 +86,42 @@ class Stats:
         # prompt_key -> number of complete generations (aborts excluded).
         self.generated_by_key: dict[str, int] = {}
 
+    def account(self, now: float, running: int, waiting: int) -> None:
+        dt = now - self.last_change
+        self.running_integral += running * dt
+        self.waiting_integral += waiting * dt
+        self.last_change = now
+
+    def snapshot(self, now: float, running: int, waiting: int) -> dict[str, Any]:
+        elapsed = now - self.start
+        # The busy window runs from the first admission to the last finish (or
+        # now while work remains); means over it ignore idle time around a batch.
+        busy = 0.0
+        if self.first_admit is not None:
+            end = now if (running or waiting or self.last_finish is None) else self.last_finish
+            busy = max(end - self.first_admit, 0.0)
+        return {
+            "elapsed_s": elapsed,
+            "mean_running": self.running_integral / elapsed if elapsed > 0 else 0.0,
+            "mean_waiting": self.waiting_integral / elapsed if elapsed > 0 else 0.0,
+            "busy_s": busy,
+            "busy_mean_running": self.running_integral / busy if busy > 0 else 0.0,
+            "busy_mean_waiting": self.waiting_integral / busy if busy > 0 else 0.0,
+            "busy_gen_throughput": self.generated_tokens / busy if busy > 0 else 0.0,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "finished_requests": self.finished,
+            "aborted_requests": self.aborted,
+            "first_admit_s": None if self.first_admit is None else self.first_admit - self.start,
+            "last_finish_s": None if self.last_finish is None else self.last_finish - self.start,
+            "num_running": running,
+            "num_waiting": waiting,
+            "generated_by_key": self.generated_by_key,
+            "steps": self.steps,
+            "request_steps": self.request_steps,
+            "starved_steps": self.starved_steps,
+        }
+
 
 class Engine:
     def __init__(self, config: SimConfig) -> None:
@@ -93,7 +129,7 @@ class Engine:
         # Insertion-ordered dicts used as ordered sets: O(1) removal on abort.
         self._waiting: dict[SimRequest, None] = {}
         self._running: dict[SimRequest, None] = {}
-        self._used_tokens = 0
+        self.used_tokens = 0  # KV cache in use: prompt + generated tokens of running requests
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         now = time.monotonic()
@@ -131,10 +167,6 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    @property
-    def used_tokens(self) -> int:
-        return self._used_tokens
-
     def submit(self, req: SimRequest) -> None:
         limit = self.config.max_queued_requests
         if limit is not None:
@@ -161,7 +193,7 @@ class Engine:
         self._account(now)
         if req in self._running:
             del self._running[req]
-            self._used_tokens -= req.prompt_tokens + req.generated
+            self.used_tokens -= req.prompt_tokens + req.generated
         else:
             self._waiting.pop(req, None)
         req.finish_reason = "abort"
@@ -169,7 +201,7 @@ class Engine:
         self.stats.aborted += 1
         self.num_aborted_total += 1
         self.num_requests_total += 1
-        self._wake(req)
+        _wake(req)
         # A freed slot may let a waiting request in (the loop may be parked).
         self._wakeup.set()
 
@@ -186,43 +218,11 @@ class Engine:
     def stats_snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         self._account(now)
-        s = self.stats
-        elapsed = now - s.start
-        # The busy window runs from the first admission to the last finish (or
-        # now while work remains); means over it ignore idle time around a batch.
-        busy = 0.0
-        if s.first_admit is not None:
-            end = now if (self._running or self._waiting or s.last_finish is None) else s.last_finish
-            busy = max(end - s.first_admit, 0.0)
-        return {
-            "elapsed_s": elapsed,
-            "mean_running": s.running_integral / elapsed if elapsed > 0 else 0.0,
-            "mean_waiting": s.waiting_integral / elapsed if elapsed > 0 else 0.0,
-            "busy_s": busy,
-            "busy_mean_running": s.running_integral / busy if busy > 0 else 0.0,
-            "busy_mean_waiting": s.waiting_integral / busy if busy > 0 else 0.0,
-            "busy_gen_throughput": s.generated_tokens / busy if busy > 0 else 0.0,
-            "prompt_tokens": s.prompt_tokens,
-            "generated_tokens": s.generated_tokens,
-            "finished_requests": s.finished,
-            "aborted_requests": s.aborted,
-            "first_admit_s": None if s.first_admit is None else s.first_admit - s.start,
-            "last_finish_s": None if s.last_finish is None else s.last_finish - s.start,
-            "num_running": len(self._running),
-            "num_waiting": len(self._waiting),
-            "generated_by_key": s.generated_by_key,
-            "steps": s.steps,
-            "request_steps": s.request_steps,
-            "starved_steps": s.starved_steps,
-        }
+        return self.stats.snapshot(now, len(self._running), len(self._waiting))
 
     def _account(self, now: float) -> None:
         # Called before every change of the running/waiting counts.
-        s = self.stats
-        dt = now - s.last_change
-        s.running_integral += len(self._running) * dt
-        s.waiting_integral += len(self._waiting) * dt
-        s.last_change = now
+        self.stats.account(now, len(self._running), len(self._waiting))
 
     # ---- scheduler loop --------------------------------------------------
 
@@ -266,11 +266,11 @@ class Engine:
             # An empty batch always takes the head request, so no prompt can block
             # the queue forever. The sim never retracts: running requests may grow
             # past the budget, which only delays further admissions.
-            if self._running and self._used_tokens + req.prompt_tokens > cfg.max_total_num_tokens:
+            if self._running and self.used_tokens + req.prompt_tokens > cfg.max_total_num_tokens:
                 break
             del self._waiting[req]
             self._running[req] = None
-            self._used_tokens += req.prompt_tokens
+            self.used_tokens += req.prompt_tokens
             # Admission is the prefill: the prompt counts as processed now.
             self.stats.prompt_tokens += req.prompt_tokens
             self.prompt_tokens_total += req.prompt_tokens
@@ -295,7 +295,7 @@ class Engine:
             new = min(req.generated + tps, limit)
             delta = new - req.generated
             req.generated = new
-            self._used_tokens += delta
+            self.used_tokens += delta
             produced += delta
             if new >= req.target:
                 self._finish(req, now)
@@ -304,7 +304,7 @@ class Engine:
                 self.abort(req, dropped=True)
                 ended += 1
             elif delta and req.stream:
-                self._wake(req)
+                _wake(req)
         self.stats.generated_tokens += produced
         self.generation_tokens_total += produced
         if now - self._tp_since >= 1.0:
@@ -314,19 +314,20 @@ class Engine:
 
     def _finish(self, req: SimRequest, now: float) -> None:
         del self._running[req]
-        self._used_tokens -= req.prompt_tokens + req.generated
+        self.used_tokens -= req.prompt_tokens + req.generated
         req.finish_reason = req.natural_finish
         s = self.stats
         s.finished += 1
         s.last_finish = now
         s.generated_by_key[req.key] = s.generated_by_key.get(req.key, 0) + 1
         self.num_requests_total += 1
-        self._wake(req)
+        _wake(req)
 
-    @staticmethod
-    def _wake(req: SimRequest) -> None:
-        waiter = req.waiter
-        if waiter is not None:
-            req.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+
+def _wake(req: SimRequest) -> None:
+    """Resolve whoever waits on this request's progress (a handler streaming it)."""
+    waiter = req.waiter
+    if waiter is not None:
+        req.waiter = None
+        if not waiter.done():
+            waiter.set_result(None)
