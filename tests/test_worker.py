@@ -75,6 +75,9 @@ def test_rq_info_shows_queue_and_workers_truthfully(redis_url, sim, worker, tmp_
     wait_until(lambda: "finishing held batches" in proc.log(), 10, "the first signal to be seen")
     proc.signal(signal.SIGTERM)  # second signal: hand back at once
     assert proc.wait(timeout=60) == 0, proc.log()
+    log = proc.log()
+    assert "cold shut down" not in log.lower(), "RQ's cold shutdown reached the loops"
+    assert "exited: 0 batches completed, 2 handed back" in log, "the worker must say it exited and how"
     text = wait_until(lambda: info_showing("0 workers"), 30, "workers gone from rq info")
     assert "0 executing" in text
     assert "genq         |████ 4" in text, "handed-back batches are queued again"
@@ -107,3 +110,17 @@ def test_killed_worker_batch_finishes_on_restart_without_regenerating(redis_url,
         assert generated[prompt_key(content[pid])] == 1, f"{pid} finished before the kill and was regenerated"
     assert "already done, not regenerating them" in second.log()
     assert "had no live RQ job" in second.log()
+
+
+def test_burst_worker_gives_up_on_a_server_that_never_answers(redis_url, tmp_path):
+    """A typo'd port used to wait forever after one INFO line, even with --burst."""
+    from tests.conftest import free_port, genq_cmd
+
+    port = free_port()  # nothing listens there
+    started = subprocess.run(genq_cmd("worker", "--server", f"http://127.0.0.1:{port}", "--burst",
+                                      "--server-start-timeout", "3", redis_url=redis_url),
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode == 1, started.stderr
+    err = started.stderr
+    assert f"server http://127.0.0.1:{port} did not answer within 3s (--server-start-timeout)" in err
+    assert err.count("waiting for server") >= 1 and "so far" in err
