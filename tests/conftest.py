@@ -168,6 +168,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 class Proc:
     """A child process that is always stopped at the end of the test."""
 
@@ -206,6 +214,9 @@ class Proc:
         return self.popen.wait(timeout=timeout)
 
     def stop(self) -> None:
+        # Children that started sessions of their own (a worker's RQ loops, a fleet's
+        # servers) are outside the process group: collect them before the parent goes.
+        children = {pid: _cmdline(pid) for pid in descendants(self.popen.pid)}
         if self.alive():
             self.signal(signal.SIGTERM)
             try:
@@ -216,6 +227,12 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        for pid, cmdline in children.items():
+            if cmdline and _cmdline(pid) == cmdline:  # still that process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         self._log.close()
 
 
