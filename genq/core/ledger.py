@@ -200,7 +200,9 @@ class Reconciler:
         """Whether each batch's RQ job carries it: queued in RQ's queue, or started by a loop
         whose engine heartbeats and holds the batch's lease (a horse that died before handing
         the batch over leaves it "started" for an engine that never got it)."""
-        known = [i for i in rq_ids if i]
+        # A job in RQ's queue will be taken: live, whatever else it says (and not worth
+        # fetching: early in a big job nearly every pending batch is there).
+        known = [i for i in rq_ids if i and i.encode() not in queued]
         jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
         engines = {engine_of(j.worker_name) for j in jobs.values() if j.get_status(refresh=False) == "started"}
         engines.discard(None)
@@ -210,17 +212,18 @@ class Reconciler:
             alive = dict(zip(names, self.conn.mget([keys.engine_alive(e) for e in names])))
         out = []
         for rq_id, holder in zip(rq_ids, holders):
+            if rq_id and rq_id.encode() in queued:
+                out.append(True)
+                continue
             job = jobs.get(rq_id) if rq_id else None
             if job is None or rq_id is None:
                 out.append(False)
                 continue
             status = job.get_status(refresh=False)
-            if status == "queued":
-                out.append(rq_id.encode() in queued)
-            elif status == "started":
+            if status == "started":
                 engine = engine_of(job.worker_name) or ""
                 out.append(alive.get(engine) is not None and holder == engine)
-            else:
+            else:  # "queued" but not in the queue (lost from it) is stranded too
                 out.append(status in ("scheduled", "deferred"))
         return out
 
