@@ -37,6 +37,20 @@ def letter(pid: str, worker: str, *, batch: str = BATCH) -> DeadLetter:
                       worker=worker, at=1.0, status=500, prompt=Prompt(id=pid, index=int(pid[1:]), prompt="x"))
 
 
+async def stored_by(writer: ResultWriter, *, errors_expected: bool = False, within: float = 30.0) -> None:
+    """Wait until the writer has stored everything it was given. Against a healthy Redis a failed
+    write is a bug (the writer would retry it for ever): fail at once, naming the error."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        try:
+            await asyncio.wait_for(writer.wait_idle(), 0.05)
+            return
+        except TimeoutError:
+            pass
+        assert errors_expected or writer.last_error is None, f"the write failed: {writer.last_error}"
+        assert asyncio.get_running_loop().time() < deadline, f"nothing stored within {within}s"
+
+
 async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], pause: float = 0.0) -> list[str]:
     """Write each group through one ResultWriter (waiting for it to be stored) and return the ids it reported."""
     written: list[str] = []
@@ -47,7 +61,7 @@ async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], paus
         for group in groups:
             for record in group:
                 (writer.add_result if isinstance(record, Result) else writer.add_dead)(record)
-            await asyncio.wait_for(writer.wait_idle(), 30)
+            await stored_by(writer)
             if pause:
                 await asyncio.sleep(pause)
     finally:
@@ -208,7 +222,7 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
                     assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
                 for r in records[i:i + 3]:
                     writer.add_result(r)  # and some are sent twice, as after a lost reply
-                await asyncio.wait_for(writer.wait_idle(), 60)
+                await stored_by(writer, errors_expected=True, within=60)
         finally:
             task.cancel()
             await conn.aclose()

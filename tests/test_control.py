@@ -55,6 +55,25 @@ def worker_now(name: str) -> control.WorkerRow | None:
 
 
 
+def heartbeats_pass(rconn, name: str, count: int = 3) -> None:
+    """Wait until worker `name` has written `count` more heartbeats (it reads its controls after each).
+
+    The window in which "nothing happens" is measured in the worker's own loop turns, not in
+    seconds: a worker slowed down by a busy machine gets the same number of chances to misbehave.
+    """
+    def beat() -> float:
+        return unpack(rconn.get(keys.worker_status(name)), WorkerStatus).heartbeat_at
+
+    seen = {beat()}
+    first = max(seen)
+
+    def more() -> bool:
+        seen.add(beat())
+        return sum(1 for at in seen if at > first) >= count
+
+    wait_until(more, 30, f"{count} more heartbeats of {name}", interval=0.05)
+
+
 def received(stats: dict) -> int:
     """Requests the sim has accepted so far (finished, aborted, running or waiting)."""
     return stats["finished_requests"] + stats["aborted_requests"] + stats["num_running"] + stats["num_waiting"]
@@ -90,7 +109,7 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
                what="the server to finish its in-flight requests")
     before = sim_stats(url)
     done_before = job_now("pz").done
-    time.sleep(1.5)
+    heartbeats_pass(rconn, "pz-worker")
     after = sim_stats(url)
     assert received(after) == received(before), "requests were sent while paused"
     assert after["generated_tokens"] == before["generated_tokens"]
@@ -119,7 +138,9 @@ def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
     wait_until(lambda: worker_now("job-pauser").state == "paused", timeout=10, what="the worker to see the pause")
     wait_until(lambda: sim_stats(url)["num_running"] == 0, timeout=20, what="in-flight requests to finish")
     done = job_now("one").done
-    time.sleep(1.5)
+    before = received(sim_stats(url))
+    heartbeats_pass(rconn, "job-pauser")
+    assert received(sim_stats(url)) == before, "requests were sent for a paused job"
     row = jobs_json()["one"]
     assert row["done"] == done < 120 and row["paused"] and row["state"] == "paused"
 
