@@ -12,6 +12,7 @@ reshaped commit path needs one helper changed, not the tests.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -20,7 +21,7 @@ import redis
 from genq.core import keys
 from genq.core.records import DeadLetter, Prompt, Result, Usage, unpack
 from genq.core.redisconn import connect_async
-from genq.worker.results import ResultWriter, length_bucket
+from genq.worker.results import ResultWriter, bucket_bounds, length_bucket
 
 JOB, BATCH = "cj", "b0000001"
 
@@ -37,31 +38,46 @@ def letter(pid: str, worker: str, *, batch: str = BATCH) -> DeadLetter:
                       worker=worker, at=1.0, status=500, prompt=Prompt(id=pid, index=int(pid[1:]), prompt="x"))
 
 
-async def stored_by(writer: ResultWriter, *, errors_expected: bool = False, within: float = 30.0) -> None:
-    """Wait until the writer has stored everything it was given. Against a healthy Redis a failed
-    write is a bug (the writer would retry it for ever): fail at once, naming the error."""
+async def stored_by(writer: ResultWriter, task: asyncio.Task, *, errors_expected: bool = False,
+                    within: float = 30.0) -> list[str]:
+    """Wait until the writer has stored everything it was given; return the errors it showed meanwhile.
+    Against a healthy Redis a failed write is a bug (the writer would retry it for ever): fail at once,
+    naming the error; so does a writer task that died."""
     deadline = asyncio.get_running_loop().time() + within
+    errors: list[str] = []
     while True:
         try:
-            await asyncio.wait_for(writer.wait_idle(), 0.05)
-            return
+            await asyncio.wait_for(asyncio.shield(writer.wait_idle()), 0.01)
+            assert writer.last_error is None, f"idle, yet last_error is {writer.last_error!r}"
+            return errors
         except TimeoutError:
             pass
-        assert errors_expected or writer.last_error is None, f"the write failed: {writer.last_error}"
+        if task.done():
+            raise AssertionError(f"the writer stopped: {task.exception()!r}")
+        if writer.last_error is not None and writer.last_error not in errors:
+            errors.append(writer.last_error)
+        assert errors_expected or not errors, f"the write failed: {errors}"
         assert asyncio.get_running_loop().time() < deadline, f"nothing stored within {within}s"
 
 
 async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], pause: float = 0.0) -> list[str]:
     """Write each group through one ResultWriter (waiting for it to be stored) and return the ids it reported."""
     written: list[str] = []
+
+    def on_written(job: str, batch: str, ids: list[str]) -> None:
+        assert (job, batch) == (JOB, BATCH), f"on_written was told {(job, batch)}"
+        written.extend(ids)
+
     conn = connect_async(url)
-    writer = ResultWriter(conn, worker, lambda job, batch, ids: written.extend(ids))
+    writer = ResultWriter(conn, worker, on_written)
+    assert writer.last_error is None and writer.pending == 0
     task = asyncio.create_task(writer.run())
     try:
         for group in groups:
             for record in group:
                 (writer.add_result if isinstance(record, Result) else writer.add_dead)(record)
-            await stored_by(writer)
+            assert writer.pending == len(group)
+            await stored_by(writer, task)
             if pause:
                 await asyncio.sleep(pause)
     finally:
@@ -98,7 +114,7 @@ class Stored:
         assert self.counted("failed") == len(self.letters)
         want_hist: dict[int, int] = {}
         for r in self.results.values():
-            bucket = length_bucket(r.usage.completion_tokens)
+            bucket = round(4 * math.log2(r.usage.completion_tokens + 1))  # 4 buckets per doubling
             want_hist[bucket] = want_hist.get(bucket, 0) + 1
         assert self.hist == want_hist
         assert not set(self.results) & set(self.letters), "a prompt with both a result and a dead letter"
@@ -114,7 +130,7 @@ def test_first_result_wins_and_is_counted_once(redis_url, rconn):
     assert stored.stats["w1"] == {"done": 1, "failed": 0, "in_tok": 11, "out_tok": 13,
                                   "first_at": stored.stats["w1"]["first_at"], "last_at": stored.stats["w1"]["last_at"]}
     assert stored.stats["w2"] == {} and stored.workers == {"w1"}, "a write that stored nothing was counted"
-    assert stored.hist == {length_bucket(13): 1}
+    assert stored.hist == {15: 1} == {length_bucket(13): 1}  # 4 * log2(14) = 15.2
     stored.check_counters()
 
 
@@ -206,12 +222,15 @@ def test_a_write_after_the_batch_is_done_stores_and_counts_nothing(redis_url, rc
 
 
 def test_writes_survive_the_connection_being_killed_between_them(redis_url, rconn):
-    records = [result(f"p{i:05d}", "w1", completion_tokens=3 * i + 1) for i in range(30)]
+    # Two batches in flight at once: what is kept in memory after a failed write goes back to its own batch.
+    records = [result(f"p{i:05d}", "w1", completion_tokens=3 * i + 1, batch=BATCH if i % 2 else "b0000002")
+               for i in range(30)]
 
-    async def go() -> list[str]:
-        written: list[str] = []
+    async def go() -> tuple[list[tuple[str, str, str]], list[str]]:
+        written: list[tuple[str, str, str]] = []
+        errors: list[str] = []
         conn = connect_async(redis_url)
-        writer = ResultWriter(conn, "w1", lambda job, batch, ids: written.extend(ids))
+        writer = ResultWriter(conn, "w1", lambda job, batch, ids: written.extend((job, batch, i) for i in ids))
         task = asyncio.create_task(writer.run())
         try:
             for i in range(0, 30, 5):
@@ -222,15 +241,26 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
                     assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
                 for r in records[i:i + 3]:
                     writer.add_result(r)  # and some are sent twice, as after a lost reply
-                await stored_by(writer, errors_expected=True, within=60)
+                errors += await stored_by(writer, task, errors_expected=True, within=60)
         finally:
             task.cancel()
             await conn.aclose()
-        return written
+        return written, errors
 
-    written = asyncio.run(go())
-    assert set(written) == {r.id for r in records}
-    stored = Stored(rconn)
-    assert stored.results == {r.id: r for r in records}
-    assert stored.stats["w1"]["done"] == 30
-    stored.check_counters()
+    written, errors = asyncio.run(go())
+    assert errors and all(e.startswith("ConnectionError: ") for e in errors), errors
+    assert {(j, b, i) for j, b, i in written} == {(JOB, r.batch, r.id) for r in records}
+    for batch in (BATCH, "b0000002"):
+        held = {k.decode(): unpack(v, Result) for k, v in rconn.hgetall(keys.batch_results(JOB, batch)).items()}
+        assert held == {r.id: r for r in records if r.batch == batch}, f"batch {batch} holds the wrong records"
+    stats = {k.decode(): int(float(v)) for k, v in rconn.hgetall(keys.worker_stats(JOB, "w1")).items()}
+    assert stats["done"] == 30 and stats["out_tok"] == sum(r.usage.completion_tokens for r in records)
+    assert sum(int(v) for v in rconn.hvals(keys.job_hist(JOB))) == 30
+
+
+def test_length_buckets_are_four_per_doubling_and_bounds_invert_them():
+    assert [length_bucket(t) for t in (0, 1, 3, 7, 15, 255, 32767)] == [0, 4, 8, 12, 16, 32, 60]
+    for tokens in (0, 1, 2, 5, 13, 100, 999, 4096, 32000):
+        low, high = bucket_bounds(length_bucket(tokens))
+        assert low <= tokens <= high, (tokens, low, high)
+    assert bucket_bounds(16) == (2 ** 3.875 - 1, 2 ** 4.125 - 1)
