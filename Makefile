@@ -38,7 +38,8 @@ clean:
 	rm -rf $(VENV) *.egg-info demo-out
 
 # Mutation testing of the result commit path (worker/results.py) with mutmut, run against the fast
-# tests that drive it (tests/test_commit.py); config in pyproject.toml [tool.mutmut], survivors
+# tests that drive it (tests/test_commit.py), then the Lua commit script's own mutants
+# (tests/lua_mutants.py: mutmut does not look inside the string); config in pyproject.toml [tool.mutmut], survivors
 # explained in docs/mutation.md. Runs in a copy of the tree (.genq-mutation/, git-ignored) in which
 # worker/ is moved into genq/worker, because mutmut copies the genq/worker symlink as a plain folder.
 MUTATION_DIR := .genq-mutation
@@ -56,4 +57,5 @@ mutation: $(VENV)/.mutation-extras
 	  "import json; s = json.load(open('mutants/mutmut-cicd-stats.json')); \
 	  dead = s['killed'] + s['timeout'] + s['suspicious'] + s['segfault']; \
 	  print(f\"mutation score {dead}/{s['total']} ({100 * dead / max(s['total'], 1):.0f}%): {s}\")"; \
-	  ../$(BIN)/mutmut results
+	  ../$(BIN)/mutmut results; \
+	  ../$(BIN)/python tests/lua_mutants.py .
