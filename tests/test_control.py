@@ -16,7 +16,7 @@ from genq.core import keys
 from genq.core.records import BatchRef, Control, WorkerStatus, pack, unpack
 from genq.core.redisconn import connect
 from genq.ops import control
-from tests.conftest import REDIS_URL, read_results, run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import REDIS_URL, post_json, read_results, run_genq, sim_stats, wait_until, write_prompts
 
 # Slow enough that a job of a few hundred prompts lasts seconds, fast enough for CI.
 SLOW_SIM = dict(max_running_requests=4, step_ms_base=25, step_ms_per_req=0, tokens_per_step=8,
@@ -161,6 +161,9 @@ def test_drain_one_worker_while_another_keeps_going(tmp_path, redis_url, sim, wo
     wait_until(lambda: job_now("dr").done >= 20, what="20 prompts done")
     assert {"drain-a", "drain-b"} <= set(workers_json())
 
+    # B's server is down while A drains, so the job cannot finish behind the drain's back however
+    # slowly this machine runs the CLI; B holds its prompts (an outage burns no attempts).
+    post_json(url_b + "/sim/faults", {"outage_for": 600})
     out = run_genq("drain", "--worker", "drain-a", "--wait", "--timeout", "60")
     assert "draining 1 worker(s): drain-a" in out.stdout
     assert "all drained: drain-a stopped" in out.stdout
@@ -168,6 +171,7 @@ def test_drain_one_worker_while_another_keeps_going(tmp_path, redis_url, sim, wo
     stopped_at = time.time()
     assert b.alive()
     assert job_now("dr").done < 240, "the job ended before the drain could be seen to matter"
+    post_json(url_b + "/sim/faults", {"outage_for": 0})  # B's server is back: B finishes the job
 
     wait_until(lambda: job_now("dr").state == "complete", timeout=90, what="the job to complete")
     rows = assert_exactly_once(tmp_path, "dr", ids)
@@ -245,7 +249,7 @@ def test_workers_view_shows_lost_and_prunes(redis_url, rconn):
     rconn.set(keys.worker_status("live.gpu2"), pack(WorkerStatus(
         name="live.gpu2", host="live", pid=2, server="http://x:2", state="busy", started_at=now - 60,
         heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=[BatchRef("j", "b0000001")], tok_per_s=123.0)),
-        ex=15)
+        ex=3600)  # live = the status key exists; a worker's 15 s TTL would run out under a loaded machine's CLI calls
     view = workers_json()
     assert view["gone.gpu0"]["state"] == "lost" and view["gone.gpu0"]["host"] is None
     assert view["old.gpu1"]["state"] == "stopped"
