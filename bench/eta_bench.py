@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reproduce: {reproduce_line(a)}")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return 0 if ok else 1  # a missed target is a failed benchmark run
 
 
 if __name__ == "__main__":

@@ -270,12 +270,32 @@ def run_pair(server: Server, mode: str, args: argparse.Namespace, work: Path, pr
             raise SystemExit(f"{tag}: client exited {rc}; see {work / f'client-{tag}.log'}")
         served, busy = server.served()
         if served != args.prompts:
-            print(f"warning: {tag}: server answered {served} requests, expected {args.prompts}", file=sys.stderr)
+            print(f"MISSED: {tag}: server answered {served} requests, expected {args.prompts}", file=sys.stderr)
+            MISMATCHES.append(f"{tag}: the server answered {served} of {args.prompts} requests")
         rate = served / busy if busy > 0 else 0.0
         rows.append([server.kind, mode, client, conc, served, busy, rate, wall, cpu, served / cpu])
         print(f"  {tag}: {rate:,.0f} req/s ({served} in {busy:.2f}s; wall {wall:.1f}s; client cpu {cpu:.2f}s, "
               f"{1e6 * cpu / max(served, 1):.0f} us/request)", flush=True)
     return rows
+
+
+# Targets (README "Worker overhead"): one worker drives >= 2,000 req/s on one core, >= 0.7 of a bare loop.
+RATE_TARGET = 2000.0
+RATIO_TARGET = 0.7
+MISMATCHES: list[str] = []
+
+
+def missed_targets(out: list[list]) -> list[str]:
+    misses = list(MISMATCHES)
+    for row in out:
+        server, mode, client, rate, ratio = row[0], row[1], row[2], row[6], row[10]
+        if client == "bare":
+            continue
+        if rate < RATE_TARGET:
+            misses.append(f"{server}/{mode}: {rate:,.0f} req/s < {RATE_TARGET:,.0f}")
+        if ratio is None or ratio < RATIO_TARGET:
+            misses.append(f"{server}/{mode}: {ratio if ratio is None else round(ratio, 2)} of bare < {RATIO_TARGET}")
+    return misses
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,6 +328,11 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["server", "mode", "client", "in flight", "requests", "busy s", "req/s", "wall s", "client cpu s",
                  "req per cpu-s", "req/s genq/bare", "req per cpu-s genq/bare"], out))
     print(f"machine after: {conditions()}")
+    misses = missed_targets(out)
+    print(f"targets (>= {RATE_TARGET:,.0f} req/s, >= {RATIO_TARGET} of bare): "
+          + ("met" if not misses else "NOT met: " + "; ".join(misses)))
+    if misses:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -127,9 +127,30 @@ def run_one(name: str, args: argparse.Namespace, work: Path, prompts: Path) -> R
         shards = list((work / f"out-{name}" / "sat" / "shards").glob("*.jsonl"))
         figs.extra["results_written"] = sum(1 for s in shards for line in open(s) if line.strip())
     if figs.finished != args.prompts:
-        print(f"warning: {name}: the server finished {figs.finished} requests, expected {args.prompts}",
+        print(f"MISSED: {name}: the server finished {figs.finished} requests, expected {args.prompts}",
               file=sys.stderr)
+        figs.extra["finished_mismatch"] = True
     return figs
+
+
+# Targets (README "Saturation"): genq keeps the slots busy and ends within 3% of the limit.
+UTILIZATION_TARGET = 0.98
+MAKESPAN_TARGET = 1.03
+
+
+def missed_targets(runs: list) -> list[str]:
+    """Every target a run missed, in words; empty when all were met."""
+    misses = [f"{r.name}: the server finished {r.finished} requests" for r in runs if r.extra.get("finished_mismatch")]
+    limit = next((r for r in runs if r.name == "limit"), None)
+    for r in runs:
+        if not r.name.startswith("genq"):
+            continue
+        if r.util_until_empty is None or r.util_until_empty < UTILIZATION_TARGET:
+            misses.append(f"{r.name}: slot utilization until the queue is empty {r.util_until_empty} "
+                          f"< {UTILIZATION_TARGET}")
+        if limit is not None and r.makespan_s / limit.makespan_s > MAKESPAN_TARGET:
+            misses.append(f"{r.name}: makespan {r.makespan_s / limit.makespan_s:.3f}x the limit's > {MAKESPAN_TARGET}")
+    return misses
 
 
 async def limit_client(url: str, prompts: Path, max_tokens: int) -> None:
@@ -199,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine after: {conditions()}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([r.__dict__ for r in runs], indent=2, default=str))
+    misses = missed_targets(runs)
+    print("targets (utilization >= 0.98 until the queue is empty, makespan within 3% of the limit): "
+          + ("met" if not misses else "NOT met: " + "; ".join(misses)))
+    if misses:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from genq.core import keys
 from genq.core.records import BatchRef, Control, WorkerStatus, pack, unpack
 from genq.core.redisconn import connect
 from genq.ops import control
-from tests.conftest import REDIS_URL, read_results, run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import REDIS_URL, post_json, read_results, run_genq, sim_stats, wait_until, write_prompts
 
 # Slow enough that a job of a few hundred prompts lasts seconds, fast enough for CI.
 SLOW_SIM = dict(max_running_requests=4, step_ms_base=25, step_ms_per_req=0, tokens_per_step=8,
@@ -55,6 +55,25 @@ def worker_now(name: str) -> control.WorkerRow | None:
 
 
 
+def heartbeats_pass(rconn, name: str, count: int = 3) -> None:
+    """Wait until worker `name` has written `count` more heartbeats (it reads its controls after each).
+
+    The window in which "nothing happens" is measured in the worker's own loop turns, not in
+    seconds: a worker slowed down by a busy machine gets the same number of chances to misbehave.
+    """
+    def beat() -> float:
+        return unpack(rconn.get(keys.worker_status(name)), WorkerStatus).heartbeat_at
+
+    seen = {beat()}
+    first = max(seen)
+
+    def more() -> bool:
+        seen.add(beat())
+        return sum(1 for at in seen if at > first) >= count
+
+    wait_until(more, 60, f"{count} more heartbeats of {name}", interval=0.05)
+
+
 def received(stats: dict) -> int:
     """Requests the sim has accepted so far (finished, aborted, running or waiting)."""
     return stats["finished_requests"] + stats["aborted_requests"] + stats["num_running"] + stats["num_waiting"]
@@ -84,13 +103,13 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
     out = run_genq("pause")
     assert "paused all jobs" in out.stdout
     assert rconn.exists(keys.PAUSED) and suspension.is_suspended(rconn)
-    wait_until(lambda: worker_now("pz-worker").state == "paused", timeout=10, what="the worker to see the pause")
+    wait_until(lambda: worker_now("pz-worker").state == "paused", timeout=60, what="the worker to see the pause")
     # In-flight requests finish; then nothing new arrives at the server.
-    wait_until(lambda: (s := sim_stats(url))["num_running"] == 0 and s["num_waiting"] == 0, timeout=20,
+    wait_until(lambda: (s := sim_stats(url))["num_running"] == 0 and s["num_waiting"] == 0, timeout=60,
                what="the server to finish its in-flight requests")
     before = sim_stats(url)
     done_before = job_now("pz").done
-    time.sleep(1.5)
+    heartbeats_pass(rconn, "pz-worker")
     after = sim_stats(url)
     assert received(after) == received(before), "requests were sent while paused"
     assert after["generated_tokens"] == before["generated_tokens"]
@@ -102,7 +121,7 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
     out = run_genq("resume")
     assert "resumed all jobs" in out.stdout
     assert not rconn.exists(keys.PAUSED) and not suspension.is_suspended(rconn)
-    wait_until(lambda: job_now("pz").state == "done", timeout=60, what="the job to complete")
+    wait_until(lambda: job_now("pz").state == "done", timeout=180, what="the job to complete")
     assert_exactly_once(tmp_path, "pz", ids)
     assert w.alive()
 
@@ -116,10 +135,12 @@ def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
     run_genq("pause", "--job", "one")
     assert rconn.exists(keys.job_paused("one")) and not rconn.exists(keys.PAUSED)
     assert not suspension.is_suspended(rconn)
-    wait_until(lambda: worker_now("job-pauser").state == "paused", timeout=10, what="the worker to see the pause")
-    wait_until(lambda: sim_stats(url)["num_running"] == 0, timeout=20, what="in-flight requests to finish")
+    wait_until(lambda: worker_now("job-pauser").state == "paused", timeout=60, what="the worker to see the pause")
+    wait_until(lambda: sim_stats(url)["num_running"] == 0, timeout=60, what="in-flight requests to finish")
     done = job_now("one").done
-    time.sleep(1.5)
+    before = received(sim_stats(url))
+    heartbeats_pass(rconn, "job-pauser")
+    assert received(sim_stats(url)) == before, "requests were sent for a paused job"
     row = jobs_json()["one"]
     assert row["done"] == done < 120 and row["paused"] and row["state"] == "paused"
 
@@ -128,18 +149,23 @@ def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
 
     run_genq("resume", "--job", "one")
     assert not rconn.exists(keys.job_paused("one"))
-    wait_until(lambda: job_now("one").state == "done", timeout=60, what="the job to complete")
+    wait_until(lambda: job_now("one").state == "done", timeout=180, what="the job to complete")
     assert_exactly_once(tmp_path, "one", ids)
 
 
 def test_drain_one_worker_while_another_keeps_going(tmp_path, redis_url, sim, worker):
-    url_a, url_b = sim(**SLOW_SIM), sim(**SLOW_SIM)
+    # A's server is ten times slower (4 slots, 1.5 s a request): A alone cannot finish the job within
+    # the drain's own 60 s timeout, however slowly this machine runs the CLI.
+    url_a, url_b = sim(**{**SLOW_SIM, "step_ms_base": 250}), sim(**SLOW_SIM)
     ids = enqueue(tmp_path, "dr", 240)
     a = worker(url_a, "--name", "drain-a", "--host", "host-a")
     b = worker(url_b, "--name", "drain-b", "--host", "host-b")
     wait_until(lambda: job_now("dr").done >= 20, what="20 prompts done")
     assert {"drain-a", "drain-b"} <= set(workers_json())
 
+    # B's server is down while A drains, so the job cannot finish behind the drain's back however
+    # slowly this machine runs the CLI; B holds its prompts (an outage burns no attempts).
+    post_json(url_b + "/sim/faults", {"outage_for": 600})
     out = run_genq("drain", "--worker", "drain-a", "--wait", "--timeout", "60")
     assert "draining 1 worker(s): drain-a" in out.stdout
     assert "all drained: drain-a stopped" in out.stdout
@@ -147,8 +173,9 @@ def test_drain_one_worker_while_another_keeps_going(tmp_path, redis_url, sim, wo
     stopped_at = time.time()
     assert b.alive()
     assert job_now("dr").done < 240, "the job ended before the drain could be seen to matter"
+    post_json(url_b + "/sim/faults", {"outage_for": 0})  # B's server is back: B finishes the job
 
-    wait_until(lambda: job_now("dr").state == "done", timeout=90, what="the job to complete")
+    wait_until(lambda: job_now("dr").state == "done", timeout=180, what="the job to complete")
     rows = assert_exactly_once(tmp_path, "dr", ids)
     assert {r["worker"] for r in rows} == {"drain-a", "drain-b"}
     # After the drain, only drain-b produced results.
@@ -224,7 +251,7 @@ def test_workers_view_shows_lost_and_prunes(redis_url, rconn):
     rconn.set(keys.worker_status("live.gpu2"), pack(WorkerStatus(
         name="live.gpu2", host="live", pid=2, server="http://x:2", state="busy", started_at=now - 60,
         heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=[BatchRef("j", "b0000001")], tok_per_s=123.0)),
-        ex=15)
+        ex=3600)  # live = the status key exists; a worker's 15 s TTL would run out under a loaded machine's CLI calls
     view = workers_json()
     assert view["gone.gpu0"]["state"] == "lost" and view["gone.gpu0"]["host"] is None
     assert view["old.gpu1"]["state"] == "stopped"

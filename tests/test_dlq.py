@@ -17,6 +17,7 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
@@ -25,6 +26,7 @@ from genq.core.queueing import rq_queue
 from genq.core.records import Result, Usage
 from genq.core.redisconn import connect_async
 from genq.worker.results import ResultWriter
+from tests.audit import audit
 from tests.conftest import ROOT, read_results, run_genq, sim_stats, wait_until
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2)
@@ -107,7 +109,8 @@ def fail_batches_in_rq(redis_url: str, rconn, expected: int) -> FailedJobRegistr
 def test_overlength_prompts_are_dead_lettered_then_requeued_and_complete_once(redis_url, rconn, sim, worker, tmp_path):
     small, _, out, ids, long_ids = dead_letters_the_real_way(redis_url, sim, worker, tmp_path)
     assert len(long_ids) == 3
-    assert sorted(r["id"] for r in read_results(out, "j1")) == sorted(set(ids) - set(long_ids))
+    found = audit(rconn, "j1", out, ids)
+    assert sorted(found.letters) == long_ids and sorted(found.results) == sorted(set(ids) - set(long_ids))
 
     letters = dlq_json(redis_url)
     assert sorted(e["id"] for e in letters) == long_ids
@@ -154,6 +157,8 @@ def test_overlength_prompts_are_dead_lettered_then_requeued_and_complete_once(re
     assert sum(sim_stats(big)["generated_by_key"].values()) == 3  # only the requeued ones ran again
     assert dlq_json(redis_url) == []
     assert done_count(rconn, "j1") == 12 and rconn.hlen(keys.job_dlq("j1")) == 0
+    found = audit(rconn, "j1", out, ids)
+    assert not found.letters and found.monitor["batches_total"] == 4  # 3 first batches + the requeued one
 
 
 def test_letters_of_a_batch_still_held_are_not_requeued_or_purged(redis_url, rconn, sim, worker, tmp_path):
@@ -200,6 +205,12 @@ def test_purge_asks_then_forgets_and_the_rows_can_be_enqueued_again(redis_url, r
 
     assert "nothing to purge" in run_genq("dlq", "purge", "--job", "j1", "--yes", redis_url=redis_url).stdout
 
+    # The purged prompts are out of j1's input (re-enqueued above, not yet run); j2 is untouched.
+    w = worker(server, "--burst")
+    assert w.wait(timeout=60) == 0, w.log()
+    assert sorted(audit(rconn, "j1", out, ids).letters) == long_ids  # the same small server rejects them again
+    assert sorted(audit(rconn, "j2", out, ids).letters) == long_ids
+
 
 def record_partial_result(redis_url: str, job: str, batch: str, prompt_id: str) -> None:
     """What a worker that finished one prompt and then died leaves behind (through the engine's writer)."""
@@ -228,6 +239,8 @@ def test_failed_rq_batch_is_listed_requeued_and_completed(redis_url, rconn, sim,
     record_partial_result(redis_url, "fb", "b0000001", ids[0])
     registry = fail_batches_in_rq(redis_url, rconn, expected=1)
     (old_rq_id,) = registry.get_job_ids()
+    found = audit(rconn, "fb", out, ids, failed_batches={"b0000001"})
+    assert list(found.pending) == [ids[0]] and found.unfinished == set(ids[1:])
 
     (entry,) = dlq_json(redis_url)
     assert entry["id"] == "batch:b0000001" and entry["kind"] == "batch_failed" and entry["job"] == "fb"
@@ -256,6 +269,7 @@ def test_failed_rq_batch_is_listed_requeued_and_completed(redis_url, rconn, sim,
     assert Counter(r["id"] for r in rows) == Counter(ids)
     assert sum(sim_stats(server)["generated_by_key"].values()) == 5  # the finished one was not regenerated
     assert registry.count == 0 and rq_queue(rconn).count == 0
+    assert audit(rconn, "fb", out, ids).results[ids[0]]["completion"] == "finished before the crash"
 
 
 def test_failed_rq_batch_purge_forgets_its_prompts(redis_url, rconn, tmp_path):
@@ -263,6 +277,8 @@ def test_failed_rq_batch_purge_forgets_its_prompts(redis_url, rconn, tmp_path):
     write_mixed(src, 6, long_every=1000)
     enqueue(redis_url, src, "fp", tmp_path / "out", batch_size=20)
     registry = fail_batches_in_rq(redis_url, rconn, expected=1)
+    assert audit(rconn, "fp", tmp_path / "out", [f"p{i:05d}" for i in range(6)],
+                 failed_batches={"b0000001"}).unfinished == {f"p{i:05d}" for i in range(6)}
     purged = run_genq("dlq", "purge", "--yes", redis_url=redis_url).stdout
     assert "job fp: purged failed batch b0000001 (6 unfinished prompts forgotten)" in purged
     assert registry.count == 0 and rq_queue(rconn).count == 0
@@ -270,6 +286,12 @@ def test_failed_rq_batch_purge_forgets_its_prompts(redis_url, rconn, tmp_path):
     stats = {k.decode(): int(float(v)) for k, v in rconn.hgetall(keys.job_stats("fp")).items()}
     assert stats["total"] == 0 and stats["batches"] == 0 and stats["purged"] == 6
     assert dlq_json(redis_url) == []
+    # Forgotten: nothing expected, nothing stored, nothing queued. KNOWN BUG (genq/ops/dlq.py _purge_batch,
+    # not this test's to fix): the purged batch stays in keys.job_batches, so the monitor keeps reporting
+    # batches 0/1 and status 'queued' for a job with nothing left. Drop the pytest.raises once it is fixed.
+    with pytest.raises(AssertionError, match=r"(?s)monitor says batches 0/1 done.*status='queued'") as caught:
+        audit(rconn, "fp", tmp_path / "out", [])
+    assert caught.value.args[0].count("\n  - ") == 2, caught.value.args[0]  # and nothing else disagrees
 
 
 def test_unknown_job_or_id_is_a_clear_error(redis_url, tmp_path):

@@ -14,6 +14,7 @@ from genq.core.queueing import load_batch
 from genq.core.records import DeadLetter, Result, Usage, unpack
 from genq.output.local import LocalSink
 from genq.output.sink import shard_bytes
+from tests.audit import audit
 from tests.conftest import read_results, run_genq
 
 
@@ -49,6 +50,8 @@ def test_openai_batch_round_trip_with_a_rejected_row(redis_url, rconn, sim, work
              "--output", str(out), redis_url=redis_url)
     proc = worker(server, "--burst")
     assert proc.wait(timeout=120) == 0, proc.log()
+    found = audit(rconn, "oai", out, custom_ids)
+    assert list(found.letters) == [long_id]
     letter = unpack(rconn.hget(keys.job_dlq("oai"), long_id), DeadLetter)
     assert letter.status == 400 and letter.kind == "bad_request"
 
@@ -198,6 +201,7 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
                  step_ms_base=5)
     w = worker(server, "--burst")
     assert w.wait(timeout=120) == 0, w.log()
+    assert not audit(rconn, "pqjob", out, [f"u{i:03d}" for i in range(30) if i not in (4, 9)]).letters
     dest = tmp_path / "pqjob.parquet"
     run_genq("export", "--job", "pqjob", "--to", str(dest), redis_url=redis_url)
     exported = pq.read_table(dest)

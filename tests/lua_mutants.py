@@ -1,0 +1,66 @@
+"""Mutation check of the Lua commit script (worker/results.py RECORD_SCRIPT), run by `make mutation`.
+
+mutmut mutates Python only: the script is one string constant to it, so the logic that
+decides what is stored and counted would go unchecked. Each mutant below is one
+hand-written change of that Lua, applied to a copy of the tree; tests/test_commit.py must
+fail on every one. Usage: python tests/lua_mutants.py COPY_DIR  (exits 1 if any survives).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+MUTANTS = [
+    ("result HSETNX -> HSET (a second write replaces the first)",
+     "redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then",
+     "redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) >= 0 then"),
+    ("count every result write, not only new ones",
+     "redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then",
+     "redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) >= 0 then"),
+    ("result without the has-a-letter check (a result and a letter for one prompt)",
+     "redis.call('HEXISTS', KEYS[5], ARGV[i]) == 0 and ", ""),
+    ("no done-batch guard (late writes after the shard)",
+     "if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {-1, -1} end", ""),
+    ("letter without the has-a-result check",
+     "redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 and ", ""),
+    ("letter HSETNX -> HSET (a second letter replaces the first)",
+     "redis.call('HSETNX', KEYS[5], ARGV[i], ARGV[i + 1]) == 1", "redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1]) >= 0"),
+    ("letters not counted", "dead = dead + 1", "dead = dead + 0"),
+    ("input tokens read from the output field", "intok = intok + tonumber(ARGV[i + 2])",
+     "intok = intok + tonumber(ARGV[i + 3])"),
+    ("output tokens read from the input field", "outtok = outtok + tonumber(ARGV[i + 3])",
+     "outtok = outtok + tonumber(ARGV[i + 2])"),
+    ("histogram counts 2", "redis.call('HINCRBY', KEYS[4], ARGV[i + 4], 1)", "redis.call('HINCRBY', KEYS[4], ARGV[i + 4], 2)"),
+    ("a write of letters only updates no counter", "if added > 0 or dead > 0 then", "if added > 0 then"),
+    ("counters written even when nothing was stored", "if added > 0 or dead > 0 then", "if true then"),
+    ("done counts letters too", "redis.call('HINCRBY', KEYS[3], 'done', added)",
+     "redis.call('HINCRBY', KEYS[3], 'done', added + dead)"),
+    ("worker not added to the job's workers", "redis.call('SADD', KEYS[6], ARGV[2])", ""),
+]
+
+
+def main(copy_dir: str) -> int:
+    root = Path(copy_dir)
+    target = next(p for p in (root / "genq/worker/results.py", root / "worker/results.py") if p.is_file())
+    original = target.read_text()
+    survived = []
+    try:
+        for name, old, new in MUTANTS:
+            assert original.count(old) == 1, f"mutant {name!r}: {old!r} is not in {target} exactly once"
+            target.write_text(original.replace(old, new))
+            run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                  "tests/test_commit.py"], cwd=root, capture_output=True, text=True, timeout=600)
+            verdict = "killed" if run.returncode != 0 else "SURVIVED"
+            if run.returncode == 0:
+                survived.append(name)
+            print(f"    lua: {verdict:8} {name}", flush=True)
+    finally:
+        target.write_text(original)
+    print(f"lua mutation score {len(MUTANTS) - len(survived)}/{len(MUTANTS)}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

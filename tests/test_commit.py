@@ -1,0 +1,262 @@
+"""The result commit path on its own: write through the worker's writer, read real Redis.
+
+What two workers racing on one batch, a retried write whose reply was lost, or a late
+write after the shard was written can do to the stored records and to the counters the
+monitor reads. The first record stored for a prompt wins; it is counted once, by the
+worker that stored it; a prompt never ends with both a result and a dead letter.
+
+Written against `worker.results.ResultWriter` only through `commit()` below, so that a
+reshaped commit path needs one helper changed, not the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import redis
+
+from genq.core import keys
+from genq.core.histogram import bucket_bounds, length_bucket
+from genq.core.records import DeadLetter, Prompt, Result, Usage, unpack
+from genq.core.redisconn import connect_async
+from genq.worker.results import ResultWriter
+
+JOB, BATCH = "cj", "b0000001"
+
+
+def result(pid: str, worker: str, *, completion: str | None = None, prompt_tokens: int = 5,
+           completion_tokens: int = 7, batch: str = BATCH) -> Result:
+    return Result(id=pid, job=JOB, batch=batch, index=int(pid[1:]), completion=completion or f"{pid} by {worker}",
+                  finish_reason="stop", usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+                  model="m", worker=worker, attempts=1, latency_s=0.1)
+
+
+def letter(pid: str, worker: str, *, batch: str = BATCH) -> DeadLetter:
+    return DeadLetter(id=pid, job=JOB, batch=batch, attempts=5, kind="server_error", message=f"gave up ({worker})",
+                      worker=worker, at=1.0, status=500, prompt=Prompt(id=pid, index=int(pid[1:]), prompt="x"))
+
+
+async def stored_by(writer: ResultWriter, task: asyncio.Task, *, errors_expected: bool = False,
+                    within: float = 30.0) -> list[str]:
+    """Wait until the writer has stored everything it was given; return the errors it showed meanwhile.
+    Against a healthy Redis a failed write is a bug (the writer would retry it for ever): fail at once,
+    naming the error; so does a writer task that died."""
+    deadline = asyncio.get_running_loop().time() + within
+    errors: list[str] = []
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.shield(writer.wait_idle()), 0.01)
+            assert writer.last_error is None, f"idle, yet last_error is {writer.last_error!r}"
+            return errors
+        except TimeoutError:
+            pass
+        if task.done():
+            raise AssertionError(f"the writer stopped: {task.exception()!r}")
+        if writer.last_error is not None and writer.last_error not in errors:
+            errors.append(writer.last_error)
+        assert errors_expected or not errors, f"the write failed: {errors}"
+        assert asyncio.get_running_loop().time() < deadline, f"nothing stored within {within}s"
+
+
+async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], pause: float = 0.0) -> list[str]:
+    """Write each group through one ResultWriter (waiting for it to be stored) and return the ids it reported."""
+    written: list[str] = []
+
+    def on_written(job: str, batch: str, ids: list[str]) -> None:
+        assert (job, batch) == (JOB, BATCH), f"on_written was told {(job, batch)}"
+        written.extend(ids)
+
+    conn = connect_async(url)
+    writer = ResultWriter(conn, worker, on_written)
+    assert writer.last_error is None and writer.pending == 0
+    task = asyncio.create_task(writer.run())
+    try:
+        for group in groups:
+            for record in group:
+                (writer.add_result if isinstance(record, Result) else writer.add_dead)(record)
+            assert writer.pending == len(group)
+            await stored_by(writer, task)
+            if pause:
+                await asyncio.sleep(pause)
+    finally:
+        task.cancel()
+        await conn.aclose()
+    return written
+
+
+class Stored:
+    """What Redis holds for JOB after the writes."""
+
+    def __init__(self, conn: redis.Redis) -> None:
+        self.results = {k.decode(): unpack(v, Result) for k, v in conn.hgetall(keys.batch_results(JOB, BATCH)).items()}
+        self.letters = {k.decode(): unpack(v, DeadLetter) for k, v in conn.hgetall(keys.job_dlq(JOB)).items()}
+        self.workers = {w.decode() for w in conn.smembers(keys.job_workers(JOB))}
+        names = self.workers | {"w1", "w2"}
+        self.stats = {w: {k.decode(): int(float(v)) for k, v in conn.hgetall(keys.worker_stats(JOB, w)).items()}
+                      for w in names}
+        self.hist = {int(k): int(v) for k, v in conn.hgetall(keys.job_hist(JOB)).items()}
+
+    def counted(self, field: str) -> int:
+        return sum(s.get(field, 0) for s in self.stats.values())
+
+    def check_counters(self) -> None:
+        """Every counter equals the records stored, per worker and in all."""
+        for name, stats in self.stats.items():
+            mine = [r for r in self.results.values() if r.worker == name]
+            assert stats.get("done", 0) == len(mine), (name, stats)
+            assert stats.get("in_tok", 0) == sum(r.usage.prompt_tokens for r in mine), (name, stats)
+            assert stats.get("out_tok", 0) == sum(r.usage.completion_tokens for r in mine), (name, stats)
+            assert stats.get("failed", 0) == sum(1 for d in self.letters.values() if d.worker == name), (name, stats)
+            assert (name in self.workers) == bool(stats), f"{name} is a worker of the job iff it has counters"
+        assert self.counted("done") == len(self.results)
+        assert self.counted("failed") == len(self.letters)
+        want_hist: dict[int, int] = {}
+        for r in self.results.values():
+            bucket = round(4 * math.log2(r.usage.completion_tokens + 1))  # 4 buckets per doubling
+            want_hist[bucket] = want_hist.get(bucket, 0) + 1
+        assert self.hist == want_hist
+        assert not set(self.results) & set(self.letters), "a prompt with both a result and a dead letter"
+
+
+def test_first_result_wins_and_is_counted_once(redis_url, rconn):
+    first = result("p00001", "w1", completion="the first answer", prompt_tokens=11, completion_tokens=13)
+    second = result("p00001", "w2", completion="a second answer", prompt_tokens=17, completion_tokens=400)
+    assert asyncio.run(commit(redis_url, "w1", [first])) == ["p00001"]
+    asyncio.run(commit(redis_url, "w2", [second]))
+    stored = Stored(rconn)
+    assert stored.results == {"p00001": first}, "the second write replaced the stored record"
+    assert stored.stats["w1"] == {"done": 1, "failed": 0, "in_tok": 11, "out_tok": 13,
+                                  "first_at": stored.stats["w1"]["first_at"], "last_at": stored.stats["w1"]["last_at"]}
+    assert stored.stats["w2"] == {} and stored.workers == {"w1"}, "a write that stored nothing was counted"
+    assert stored.hist == {15: 1} == {length_bucket(13): 1}  # 4 * log2(14) = 15.2
+    stored.check_counters()
+
+
+def test_the_same_write_repeated_by_one_worker_is_counted_once(redis_url, rconn):
+    # A group commit whose reply was lost (connection dropped after Redis ran it) is sent again.
+    records = [result(f"p{i:05d}", "w1", completion_tokens=i + 1) for i in range(5)]
+    asyncio.run(commit(redis_url, "w1", records, records, records[:2]))
+    stored = Stored(rconn)
+    assert sorted(stored.results) == [r.id for r in records]
+    assert stored.stats["w1"]["done"] == 5 and stored.stats["w1"]["out_tok"] == sum(range(1, 6))
+    stored.check_counters()
+
+
+def test_two_workers_racing_on_one_batch_store_each_prompt_once(redis_url, rconn):
+    ids = [f"p{i:05d}" for i in range(60)]
+    rng = random.Random(7)
+
+    def groups(worker: str) -> list[list[Result]]:
+        order = ids[:]
+        rng.shuffle(order)
+        mine = [result(pid, worker, completion_tokens=rng.randint(1, 900)) for pid in order]
+        return [mine[i:i + 7] for i in range(0, len(mine), 7)]
+
+    async def race() -> None:
+        await asyncio.gather(commit(redis_url, "w1", *groups("w1"), pause=0.001),
+                             commit(redis_url, "w2", *groups("w2"), pause=0.001))
+
+    asyncio.run(race())
+    stored = Stored(rconn)
+    assert sorted(stored.results) == ids
+    assert stored.counted("done") == 60 and stored.counted("out_tok") == sum(
+        r.usage.completion_tokens for r in stored.results.values())
+    stored.check_counters()
+
+
+def test_a_dead_letter_after_a_result_is_dropped(redis_url, rconn):
+    kept = result("p00003", "w1")
+    asyncio.run(commit(redis_url, "w1", [kept]))
+    asyncio.run(commit(redis_url, "w2", [letter("p00003", "w2")]))
+    stored = Stored(rconn)
+    assert stored.results == {"p00003": kept} and stored.letters == {}
+    assert stored.stats["w2"] == {} and stored.counted("failed") == 0
+    stored.check_counters()
+
+
+def test_a_result_and_a_letter_in_one_write_keep_the_result(redis_url, rconn):
+    kept = result("p00004", "w1")
+    asyncio.run(commit(redis_url, "w1", [letter("p00004", "w1"), kept]))
+    stored = Stored(rconn)
+    assert stored.results == {"p00004": kept} and stored.letters == {}
+    stored.check_counters()
+
+
+def test_the_first_dead_letter_wins(redis_url, rconn):
+    first = letter("p00005", "w1")
+    asyncio.run(commit(redis_url, "w1", [first]))
+    asyncio.run(commit(redis_url, "w2", [letter("p00005", "w2")]))
+    stored = Stored(rconn)
+    assert stored.letters == {"p00005": first} and stored.results == {}
+    assert stored.stats["w1"]["failed"] == 1 and stored.stats["w2"] == {}
+    stored.check_counters()
+
+
+def test_a_result_after_a_dead_letter_is_dropped(redis_url, rconn):
+    first = letter("p00006", "w1")
+    asyncio.run(commit(redis_url, "w1", [first]))
+    asyncio.run(commit(redis_url, "w2", [result("p00006", "w2")]))
+    stored = Stored(rconn)
+    assert stored.letters == {"p00006": first}
+    assert stored.results == {}, "the prompt now has both a dead letter and a result"
+    stored.check_counters()
+
+
+def test_a_write_after_the_batch_is_done_stores_and_counts_nothing(redis_url, rconn):
+    asyncio.run(commit(redis_url, "w1", [result("p00001", "w1")]))
+    # The shard is written: the engine adds the batch to the done set and deletes its results.
+    rconn.sadd(keys.job_done(JOB), BATCH)
+    rconn.delete(keys.batch_results(JOB, BATCH))
+    reported = asyncio.run(commit(redis_url, "w2", [result("p00002", "w2"), letter("p00003", "w2")]))
+    assert reported == ["p00002", "p00003"], "the writer still reports the group as handled"
+    assert not rconn.exists(keys.batch_results(JOB, BATCH)), "a late write brought the batch's results back"
+    assert rconn.hlen(keys.job_dlq(JOB)) == 0
+    stored = Stored(rconn)
+    assert stored.stats["w2"] == {} and stored.stats["w1"]["done"] == 1
+
+
+def test_writes_survive_the_connection_being_killed_between_them(redis_url, rconn):
+    # Two batches in flight at once: what is kept in memory after a failed write goes back to its own batch.
+    records = [result(f"p{i:05d}", "w1", completion_tokens=3 * i + 1, batch=BATCH if i % 2 else "b0000002")
+               for i in range(30)]
+
+    async def go() -> tuple[list[tuple[str, str, str]], list[str]]:
+        written: list[tuple[str, str, str]] = []
+        errors: list[str] = []
+        conn = connect_async(redis_url)
+        writer = ResultWriter(conn, "w1", lambda job, batch, ids: written.extend((job, batch, i) for i in ids))
+        task = asyncio.create_task(writer.run())
+        try:
+            for i in range(0, 30, 5):
+                for r in records[i:i + 5]:
+                    writer.add_result(r)
+                if i in (5, 15):
+                    # Every client but this test's own is dropped, the writer's included.
+                    assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
+                for r in records[i:i + 3]:
+                    writer.add_result(r)  # and some are sent twice, as after a lost reply
+                errors += await stored_by(writer, task, errors_expected=True, within=60)
+        finally:
+            task.cancel()
+            await conn.aclose()
+        return written, errors
+
+    written, errors = asyncio.run(go())
+    assert errors and all(e.startswith("ConnectionError: ") for e in errors), errors
+    assert {(j, b, i) for j, b, i in written} == {(JOB, r.batch, r.id) for r in records}
+    for batch in (BATCH, "b0000002"):
+        held = {k.decode(): unpack(v, Result) for k, v in rconn.hgetall(keys.batch_results(JOB, batch)).items()}
+        assert held == {r.id: r for r in records if r.batch == batch}, f"batch {batch} holds the wrong records"
+    stats = {k.decode(): int(float(v)) for k, v in rconn.hgetall(keys.worker_stats(JOB, "w1")).items()}
+    assert stats["done"] == 30 and stats["out_tok"] == sum(r.usage.completion_tokens for r in records)
+    assert sum(int(v) for v in rconn.hvals(keys.job_hist(JOB))) == 30
+
+
+def test_length_buckets_are_four_per_doubling_and_bounds_invert_them():
+    assert [length_bucket(t) for t in (0, 1, 3, 7, 15, 255, 32767)] == [0, 4, 8, 12, 16, 32, 60]
+    for tokens in (0, 1, 2, 5, 13, 100, 999, 4096, 32000):
+        low, high = bucket_bounds(length_bucket(tokens))
+        assert low <= tokens <= high, (tokens, low, high)
+    assert bucket_bounds(16) == (2 ** 3.875 - 1, 2 ** 4.125 - 1)

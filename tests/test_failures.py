@@ -1,0 +1,177 @@
+"""End-to-end tests for the rows of the failure table that had none.
+
+Each fault is real: the sim's own 503 queue limit, requests that run past the worker's
+--request-timeout, a shard write failing with ENOSPC on a small tmpfs that is really
+full, the Redis connections of a working worker dropped with CLIENT KILL. Real `genq
+worker` processes throughout; every test ends with the shared exactly-once audit.
+
+Not covered here: an SSE `error` event in the middle of a stream. `genq sim` has no fault
+that sends one (its faults are 500, reset, hang, outage), so it cannot be driven end to end yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from genq.core import keys
+from tests.audit import audit
+from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
+
+FAST = dict(mean_output_tokens=32, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)
+
+
+def enqueue(tmp_path: Path, job: str, n: int, *args: str, out: Path | None = None) -> tuple[list[str], Path]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    out = out or tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args)
+    return ids, out
+
+
+def done_count(rconn, job: str) -> int:
+    workers = [w.decode() for w in rconn.smembers(keys.job_workers(job))]
+    return sum(int(rconn.hget(keys.worker_stats(job, w), "done") or 0) for w in workers)
+
+
+def test_the_audit_catches_a_result_deleted_from_a_shard(redis_url, rconn, sim, worker, tmp_path):
+    """The audit itself can fail: a result removed from a shard file is named as lost, and more."""
+    server = sim(**FAST)
+    ids, out = enqueue(tmp_path, "audited", 20, "--batch-size", "10", "--max-tokens", "64")
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    audit(rconn, "audited", out, ids)  # the honest run passes
+
+    shard = out / "audited" / "shards" / "b0000001.jsonl"
+    lines = shard.read_text().splitlines(keepends=True)
+    victim = json.loads(lines[3])["id"]
+    shard.write_text("".join(lines[:3] + lines[4:]))
+    with pytest.raises(AssertionError) as caught:
+        audit(rconn, "audited", out, ids)
+    message = str(caught.value)
+    assert f"lost): ['{victim}']" in message, message
+    assert "holds 9 records but its marker says 10" in message, message
+    assert "workers' done counter is 20 but 19 are stored" in message, message
+    assert "monitor says shard_records=20 but 19 stored" in message, message
+
+    # ... and a duplicate: the line put back into the other shard.
+    other = out / "audited" / "shards" / "b0000002.jsonl"
+    other.write_text(other.read_text() + lines[3])
+    with pytest.raises(AssertionError, match=r"prompt ids in the shards more than once|another job or batch"):
+        audit(rconn, "audited", out, ids)
+
+
+def test_queue_full_503_is_retried_until_every_prompt_completes(redis_url, rconn, sim, worker, tmp_path):
+    # Two running, one waiting: the worker's window of 8 gets SGLang's 503 "The request queue is full."
+    server = sim(max_running_requests=2, max_queued_requests=1, **FAST)
+    ids, out = enqueue(tmp_path, "full", 40, "--batch-size", "20", "--max-tokens", "64", "--max-attempts", "100")
+    proc = worker(server, "--burst", "--concurrency", "8", "--retry-backoff", "0.01", "--log-level", "debug")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    found = audit(rconn, "full", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    # The sim injects no other fault: every extra attempt was a 503 for the full queue.
+    assert [r for r in found.rows if r["attempts"] > 1], "no request was turned away: the queue limit was never reached"
+    assert "The request queue is full." in proc.log()
+    assert sum(sim_stats(server)["generated_by_key"].values()) == 40  # 503s generate nothing
+
+
+def test_request_timeout_cancels_retries_then_dead_letters_as_timeout(redis_url, rconn, sim, worker, tmp_path):
+    # Output lengths vary per prompt (deterministic, the same on every attempt) at 160 tokens/s:
+    # short ones finish within the 1 s limit, long ones (up to --max-tokens 4000) cannot, on any attempt.
+    server = sim(max_running_requests=24, mean_output_tokens=150, output_sigma=1.2, tokens_per_step=8,
+                 step_ms_base=50, step_ms_per_req=0)
+    ids, out = enqueue(tmp_path, "slow", 24, "--batch-size", "12", "--max-tokens", "4000", "--max-attempts", "2")
+    proc = worker(server, "--burst", "--request-timeout", "1", "--retry-backoff", "0.05")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    found = audit(rconn, "slow", out, ids)
+    assert found.letters and found.results, "the lengths must give both outcomes"
+    for letter in found.letters.values():
+        assert letter.kind == "timeout" and letter.attempts == 2, letter
+        assert "request exceeded 1s (request timeout)" in letter.message, letter.message
+    stats = sim_stats(server)
+    assert stats["aborted_requests"] >= 2 * len(found.letters), "each attempt of a timed-out prompt was cancelled"
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs that can be filled to ENOSPC and freed again (needs root, as in the CI image)."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root (the CI image runs tests as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(mnt: Path) -> Path:
+    """Fill the filesystem to the last byte; return the filler file."""
+    filler = mnt / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == 28, exc  # ENOSPC
+        try:  # the last partial page
+            while True:
+                f.write(b"\0")
+        except OSError as exc:
+            assert exc.errno == 28, exc
+    return filler
+
+
+def test_shard_write_failing_for_lack_of_disk_is_retried_and_acknowledged_after(redis_url, rconn, sim, worker,
+                                                                               tmp_path, full_disk):
+    server = sim(**FAST)
+    out = full_disk / "out"
+    out.mkdir()
+    ids, _ = enqueue(tmp_path, "disk", 30, "--batch-size", "10", "--max-tokens", "64", out=out)
+    filler = fill(full_disk)
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    wait_until(lambda: "writing shard failed (OSError: [Errno 28] No space left on device" in proc.log(), 60,
+               "a shard write failing with ENOSPC")
+    # While the disk is full: every prompt has its result in Redis, yet no batch is acknowledged.
+    wait_until(lambda: done_count(rconn, "disk") == 30, 60, "all 30 results recorded in Redis")
+    assert rconn.scard(keys.job_done("disk")) == 0, "a batch was acknowledged without its shard"
+    assert not list(out.rglob("*.jsonl")), "a shard is on the full disk"
+    seen = proc.log().count("No space left on device")
+    wait_until(lambda: proc.log().count("No space left on device") > seen, 60, "the worker retrying the write")
+    assert rconn.scard(keys.job_done("disk")) == 0
+    filler.unlink()  # room again
+    assert proc.wait(timeout=120) == 0, proc.log()
+    found = audit(rconn, "disk", out, ids)
+    assert not found.letters and len(found.rows) == 30
+    assert not [p for p in (out / "disk").rglob(".*.tmp")], "a half-written temporary file was left behind"
+
+
+def test_redis_connections_dropped_mid_commit_leave_results_exactly_once(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, mean_output_tokens=48, output_sigma=0.5, tokens_per_step=8, step_ms_base=5)
+    ids, out = enqueue(tmp_path, "drops", 200, "--batch-size", "25", "--max-tokens", "200")
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    kills = 0
+    last = 0
+    while proc.alive() and kills < 6:
+        # Each drop comes once the worker has committed more results since the last one.
+        try:
+            wait_until(lambda last=last: not proc.alive() or done_count(rconn, "drops") >= last + 15, 60,
+                       "more results committed")
+        except AssertionError:
+            break
+        last = done_count(rconn, "drops")
+        if last >= 200:
+            break
+        killed = rconn.execute_command("CLIENT", "KILL", "TYPE", "normal")  # every client but this test's
+        assert killed >= 1
+        kills += 1
+    assert kills >= 3, f"only {kills} drops happened before the job finished: make it longer"
+    assert proc.wait(timeout=180) == 0, proc.log()
+    found = audit(rconn, "drops", out, ids)
+    assert not found.letters, "dropped Redis connections sent prompts to the DLQ"
+    assert sorted(r["id"] for r in read_results(out, "drops")) == ids
