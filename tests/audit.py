@@ -32,11 +32,10 @@ from pathlib import Path
 
 import msgspec
 import redis
-from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from genq.core import keys
-from genq.core.queueing import RUN_BATCH, load_batch, rq_queue
+from genq.core.queueing import RUN_BATCH, fetch_rq_jobs, load_batch, rq_queue
 from genq.core.records import DeadLetter, Result, unpack
 from tests.conftest import run_genq
 
@@ -67,7 +66,7 @@ def _read_shard(path: Path) -> list[dict]:
 def _batch_refs(conn: redis.Redis, job_ids: list[str]) -> list[tuple[str, str]]:
     """(job, batch) of each RQ job id that is a genq batch job."""
     refs = []
-    for rq_job in RqJob.fetch_many(job_ids, connection=conn):
+    for rq_job in fetch_rq_jobs(conn, job_ids):  # JSON: genq's jobs are never pickled
         if rq_job is None or rq_job.func_name != RUN_BATCH:
             continue
         job, batch_id = rq_job.args[:2]
@@ -194,8 +193,9 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
             problems.append(f"monitor says {what}={reported} but {stored} stored")
     if not failed_batches and mon.get("batches_done") != mon.get("batches_total"):
         problems.append(f"monitor says batches {mon.get('batches_done')}/{mon.get('batches_total')} done")
-    if not failed_batches and mon.get("status") != "done":
-        problems.append(f"monitor says status={mon.get('status')!r}, not 'done'")
+    finished_status = "done" if ids else "empty"  # genq.core.state: a job with nothing in it is empty
+    if not failed_batches and mon.get("status") != finished_status:
+        problems.append(f"monitor says status={mon.get('status')!r}, not {finished_status!r}")
 
     # --- RQ's registries
     queue = rq_queue(conn)

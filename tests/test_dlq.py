@@ -17,7 +17,6 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
-import pytest
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
@@ -286,12 +285,10 @@ def test_failed_rq_batch_purge_forgets_its_prompts(redis_url, rconn, tmp_path):
     stats = {k.decode(): int(float(v)) for k, v in rconn.hgetall(keys.job_stats("fp")).items()}
     assert stats["total"] == 0 and stats["batches"] == 0 and stats["purged"] == 6
     assert dlq_json(redis_url) == []
-    # Forgotten: nothing expected, nothing stored, nothing queued. KNOWN BUG (genq/ops/dlq.py _purge_batch,
-    # not this test's to fix): the purged batch stays in keys.job_batches, so the monitor keeps reporting
-    # batches 0/1 and status 'queued' for a job with nothing left. Drop the pytest.raises once it is fixed.
-    with pytest.raises(AssertionError, match=r"(?s)monitor says batches 0/1 done.*status='queued'") as caught:
-        audit(rconn, "fp", tmp_path / "out", [])
-    assert caught.value.args[0].count("\n  - ") == 2, caught.value.args[0]  # and nothing else disagrees
+    # Forgotten: nothing expected, nothing stored, nothing queued; the purged batch left the ledger too
+    # (it used to stay in keys.job_batches: the monitor then said batches 0/1 and 'queued' forever).
+    audit(rconn, "fp", tmp_path / "out", [])
+    assert rconn.zcard(keys.job_batches("fp")) == 0
 
 
 def test_unknown_job_or_id_is_a_clear_error(redis_url, tmp_path):
