@@ -260,3 +260,61 @@ def test_length_buckets_are_four_per_doubling_and_bounds_invert_them():
         low, high = bucket_bounds(length_bucket(tokens))
         assert low <= tokens <= high, (tokens, low, high)
     assert bucket_bounds(16) == (2 ** 3.875 - 1, 2 ** 4.125 - 1)
+
+
+
+def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp_path):
+    """Several failed writes in a row (nothing listens yet), then Redis starts on that port: all stored once."""
+    import logging
+    import subprocess
+
+    import redis as sync_redis
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    records = [result(f"p{i:05d}", "w1", completion_tokens=i + 1) for i in range(12)]
+    failures: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                failures.append(record.getMessage())
+
+    handler = Count()
+    logging.getLogger("genq.worker").addHandler(handler)
+
+    async def go() -> None:
+        conn = connect_async(url)
+        writer = ResultWriter(conn, "w1", lambda job, batch, ids: None)
+        task = asyncio.create_task(writer.run())
+        server = None
+        try:
+            for r in records[:6]:
+                writer.add_result(r)
+            while len(failures) < 3:  # three failed writes in a row, counted as the writer reports them
+                await asyncio.sleep(0.01)
+                assert not task.done(), f"the writer stopped after {len(failures)} failures: {task.exception()!r}"
+            assert writer.last_error and writer.last_error.startswith("ConnectionError"), writer.last_error
+            for r in records[6:]:
+                writer.add_result(r)
+            server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+            await stored_by(writer, task, errors_expected=True, within=60)
+            check = sync_redis.Redis.from_url(url)
+            held = {k.decode(): unpack(v, Result) for k, v in check.hgetall(keys.batch_results(JOB, BATCH)).items()}
+            done = int(check.hget(keys.worker_stats(JOB, "w1"), "done"))
+            check.close()
+            assert held == {r.id: r for r in records} and done == 12
+        finally:
+            task.cancel()
+            await conn.aclose()
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=10)
+
+    try:
+        asyncio.run(go())
+    finally:
+        logging.getLogger("genq.worker").removeHandler(handler)
