@@ -18,7 +18,8 @@ import redis
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
-from genq.core.records import DeadLetter, unpack
+from genq.core.records import DeadLetter
+from tests.audit import audit as shared_audit
 from tests.conftest import free_port, post_json, read_results, run_genq, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
@@ -30,19 +31,10 @@ FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_m
 
 
 
-def dead_letters(conn: redis.Redis, job: str) -> dict[str, DeadLetter]:
-    return {k.decode(): unpack(v, DeadLetter) for k, v in conn.hgetall(keys.job_dlq(job)).items()}
-
-
 def audit(conn: redis.Redis, out: Path, job: str, ids: list[str]) -> tuple[list[dict], dict[str, DeadLetter]]:
-    """Exactly one result or one dead letter per prompt; returns both for further checks."""
-    rows = read_results(out, job)
-    result_ids = [r["id"] for r in rows]
-    assert len(result_ids) == len(set(result_ids)), "a prompt has two results"
-    letters = dead_letters(conn, job)
-    assert not set(result_ids) & set(letters), "a prompt has both a result and a dead letter"
-    assert sorted(result_ids + list(letters)) == sorted(ids), "prompts lost or invented"
-    return rows, letters
+    """The shared exactly-once audit (tests/audit.py), returning the records and letters."""
+    found = shared_audit(conn, job, out, ids)
+    return list(found.results.values()), found.letters
 
 
 def enqueue(tmp_path: Path, redis_url: str, job: str, n: int, *args: str) -> tuple[list[str], Path]:

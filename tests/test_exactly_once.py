@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections import Counter
 from pathlib import Path
 
 import redis
@@ -20,8 +19,9 @@ from rq.registry import StartedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import enqueue_batch_jobs, rq_queue
-from genq.core.records import DeadLetter, unpack
+from genq.core.records import DeadLetter
 from genq.sim.lengths import prompt_key
+from tests.audit import audit
 from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
@@ -37,24 +37,10 @@ def enqueue(tmp_path: Path, job: str, n: int, *args: str, start: int = 0) -> tup
 
 
 def check(conn: redis.Redis, out: Path, job: str, ids: list[str]) -> tuple[list[dict], dict[str, DeadLetter]]:
-    """One record or one dead letter per input id; counters equal records; RQ holds none of the job."""
-    rows = read_results(out, job)
-    counts = Counter(r["id"] for r in rows)
-    assert not [i for i, n in counts.items() if n > 1], "a prompt has two records in the output"
-    letters = {k.decode(): unpack(v, DeadLetter) for k, v in conn.hgetall(keys.job_dlq(job)).items()}
-    assert not set(counts) & set(letters), "a prompt has both a result and a dead letter"
-    assert sorted(list(counts) + list(letters)) == sorted(ids), "prompts lost or invented"
-    workers = [w.decode() for w in conn.smembers(keys.job_workers(job))]
-    done = sum(int(conn.hget(keys.worker_stats(job, w), "done") or 0) for w in workers)
-    failed = sum(int(conn.hget(keys.worker_stats(job, w), "failed") or 0) for w in workers)
-    assert (done, failed) == (len(rows), len(letters)), "the counters disagree with what is stored"
-    monitor = json.loads(run_genq("monitor", "--job", job, "--once", "--json").stdout)
-    assert (monitor["completed"], monitor["failed"], monitor["total"]) == (len(rows), len(letters), len(ids))
-    assert conn.scard(keys.job_done(job)) == conn.zcard(keys.job_batches(job)), "a batch is not marked done"
-    queue = rq_queue(conn)
-    queued = [j for j in queue.get_jobs() if j.args and j.args[0] == job]
-    assert not queued, f"RQ still queues batches of {job}: {[j.args for j in queued]}"
-    return rows, letters
+    """The shared exactly-once audit (tests/audit.py: output, letters, counters, monitor, RQ),
+    returning the records and the letters."""
+    found = audit(conn, job, out, ids)
+    return list(found.results.values()), found.letters
 
 
 def test_several_jobs_with_the_same_batch_ids_in_one_worker(redis_url, rconn, sim, worker, tmp_path):
@@ -174,7 +160,8 @@ def test_records_are_not_rewritten_by_a_late_second_writer(redis_url, rconn, sim
     with rconn.pipeline(transaction=True) as pipe:
         enqueue_batch_jobs(pipe, rconn, [("race", "b0000001", 20)])
         pipe.execute()
-    a, b = worker(server, "--burst", name="ra"), worker(server, "--burst", name="rb")
+    a = worker(server, "--burst", "--name", "ra", name="ra")
+    b = worker(server, "--burst", "--name", "rb", name="rb")
     assert a.wait(timeout=120) == 0 and b.wait(timeout=120) == 0, a.log() + b.log()
     check(rconn, out, "race", ids)
     shard = out / "race" / "shards" / "b0000001.jsonl"

@@ -63,7 +63,8 @@ class Completer:
             keys=[keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
                   keys.job_stats(ref.job)],
-            args=[ref.batch, pack(info), ledger.REPLY_TTL_S]), f"releasing batch {ref}")
+            args=[ref.batch, pack(info), ledger.REPLY_TTL_S, held.token,
+                  keys.lease_reply(ledger.TOKEN_SLOT)]), f"releasing batch {ref}")
         return bool(released)
 
     async def _read(self, held: HeldBatch) -> tuple[list[Result], list[DeadLetter]] | None:

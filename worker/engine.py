@@ -164,7 +164,9 @@ class Engine:
 
     async def _complete(self, held: HeldBatch) -> None:
         if await self.completer.complete(held):
-            self.completed += 1
+            self.completed += 1  # RELEASE told this lease's horse too
+        else:  # done by another holder meanwhile: this lease's horse still waits for a word
+            await retrying(functools.partial(self.leases.reply, held.token, b"done"), f"answering {held.ref}")
         self.held.pop(held.ref, None)
         self.dispatcher.wake.set()
 

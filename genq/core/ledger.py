@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import redis
 from redis.exceptions import WatchError
+from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
@@ -46,17 +47,24 @@ return 'ok'
 """
 
 # KEYS: done, shards, results, batch record, leases, transport, stats
-# ARGV: batch, ShardInfo blob, reply TTL
-# Marks the batch done once; the current lease's work horse is told "done".
+# ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT)
+# Marks the batch done once; the work horses of the current lease and of the releasing
+# one (a holder whose lease was superseded can still be the one that finishes) are told "done".
 RELEASE = """
+local TOKEN_SLOT_PATTERN = '{token}'
+
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('DEL', KEYS[3], KEYS[4])
+local tokens = {ARGV[4]}
 local lease = redis.call('HGET', KEYS[5], ARGV[1])
 if lease then
-  local token = string.match(lease, '^(%S+)')
-  local reply = 'genq:lease:' .. token .. ':reply'
+  local current = string.match(lease, '^(%S+)')
+  if current ~= ARGV[4] then tokens[2] = current end
+end
+for _, token in ipairs(tokens) do
+  local reply = string.gsub(ARGV[5], TOKEN_SLOT_PATTERN, token)
   redis.call('RPUSH', reply, 'done')
   redis.call('EXPIRE', reply, tonumber(ARGV[3]))
 end
@@ -66,6 +74,7 @@ return 1
 """
 
 REPLY_TTL_S = 24 * 3600
+TOKEN_SLOT = "{token}"  # where RELEASE puts a token into keys.lease_reply's template
 RECONCILE_EVERY_S = 10.0
 # A batch must look stranded in two passes this far apart before it is queued
 # again: an RQ job between BLMOVE and "started" looks stranded for a moment.
@@ -163,7 +172,7 @@ class Reconciler:
         queue = rq_queue(self.conn)
         dropped = 0
         for raw_id in self.conn.lrange(queue.key, 0, -1):
-            job_key = b"rq:job:" + raw_id
+            job_key = RqJob.key_for(raw_id.decode())
             data = self.conn.hget(job_key, "data")
             try:
                 legacy = data is not None and zlib.decompress(data)[:1] not in (b"[", b"{")
@@ -228,9 +237,13 @@ class Reconciler:
         return out
 
     def _requeue(self, job: str, batch: str, stale_rq_id: str | None) -> bool:
-        """Queue the batch again if it is still stranded with the same transport; drop the
-        stale RQ job from RQ's failed registry (a transport failure, not the batch's)."""
-        failed = FailedJobRegistry(queue=rq_queue(self.conn))
+        """Queue the batch again if it is still stranded with the same transport. The stale RQ
+        job leaves RQ altogether (failed, started and intermediate registries, its hash): the
+        ledger superseded it, a transport failure is not the batch's, and `rq info` must not
+        go on showing a dead horse's job as started or a redelivered batch as failed."""
+        queue = rq_queue(self.conn)
+        failed = FailedJobRegistry(queue=queue)
+        started = queue.started_job_registry
         with self.conn.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(keys.job_transport(job), keys.job_done(job))
@@ -239,12 +252,16 @@ class Reconciler:
                     return False
                 if not pipe.exists(keys.batch(job, batch)):
                     return False  # deleted with its job
-                queue = rq_queue(self.conn)
+                executions = [e for e in pipe.zrange(started.key, 0, -1)
+                              if stale_rq_id and e.decode().partition(":")[0] == stale_rq_id]
                 pipe.multi()
                 enqueue_batch_jobs(pipe, self.conn, [(job, batch, 0)], at_front=True)
                 if stale_rq_id:
                     pipe.zrem(failed.key, stale_rq_id)
                     pipe.lrem(queue.intermediate_queue_key, 0, stale_rq_id)
+                    if executions:
+                        pipe.zrem(started.key, *executions)
+                    pipe.delete(RqJob.key_for(stale_rq_id))
                 pipe.hincrby(keys.job_stats(job), "redeliveries", 1)
                 pipe.execute()
             except WatchError:
