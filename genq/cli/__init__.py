@@ -53,6 +53,27 @@ def _available(name: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+class Concurrency(click.ParamType):
+    """Requests in flight: 'auto' (None) or a whole number; `genq concurrency` also takes 0
+    for auto, as the Control record stores it."""
+
+    name = "auto|N"
+
+    def __init__(self, *, zero_is_auto: bool = False) -> None:
+        self.zero_is_auto = zero_is_auto
+
+    def convert(self, value, param, ctx):
+        if value is None or str(value).lower() == "auto":
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
+        if number < (0 if self.zero_is_auto else 1):
+            self.fail("must be a positive number (or auto)" if self.zero_is_auto else "must be at least 1", param, ctx)
+        return number or None
+
+
 class Settings:
     """What the group's options give every subcommand (ctx.obj)."""
 

@@ -19,7 +19,7 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from genq.cli import settings
+from genq.cli import Concurrency, settings
 from genq.core import keys
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
@@ -342,24 +342,9 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
             live.stop()
 
 
-class CapValue(click.ParamType):
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if str(value).lower() == "auto":
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
-        if number < 0:
-            self.fail("must be a positive number (or auto)", param, ctx)
-        return number or None  # 0 means auto, as in Control
-
-
 @click.command()
 @_selector_options
-@click.argument("value", type=CapValue())
+@click.argument("value", type=Concurrency(zero_is_auto=True))
 @click.pass_context
 def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
                 value: int | None) -> None:

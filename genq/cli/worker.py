@@ -10,23 +10,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from genq.cli import settings
+from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
-
-
-class Concurrency(click.ParamType):
-    name = "auto|N"
-
-    def convert(self, value, param, ctx):
-        if value is None or str(value).lower() == "auto":
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
-        if number < 1:
-            self.fail("must be at least 1", param, ctx)
-        return number
 
 
 def setup_logging(level: str) -> None:
