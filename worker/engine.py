@@ -21,6 +21,7 @@ import functools
 import logging
 import signal
 import socket
+import time
 import uuid
 
 import redis
@@ -43,6 +44,8 @@ from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
+
+LOOPS_STOP_S = 15.0  # at shutdown, how long RQ loops may take to finish their last batch hand-over
 
 
 class Engine:
@@ -223,9 +226,15 @@ class Engine:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
             log.error("could not flush %d results to Redis; their batches will be redone", self.writer.pending)
-        for _ in range(2):  # a loop may hand over a batch while stopping: give it straight back
+        # A loop may hand over a batch while it stops: answer (hand back) every lease until the
+        # loops are gone; then kill what is left, horses included, and look one last time.
+        deadline = time.monotonic() + LOOPS_STOP_S
+        while self.loops.any_alive and time.monotonic() < deadline:
             await retrying(self.leases.release_late_leases, "late leases")
-            await self.loops.wait_all(timeout=10)
+            await asyncio.sleep(0.2)
+        self.loops.kill_all()
+        await self.loops.wait_all()
+        await retrying(self.leases.release_late_leases, "late leases")
         try:
             await self.heartbeat.stopped()
         except (redis.RedisError, OSError):

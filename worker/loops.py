@@ -139,11 +139,16 @@ class RqLoops:
             if loop.proc.returncode is None:
                 self._stop(loop)
 
-    async def wait_all(self, timeout: float) -> None:
-        """Wait for the loops to exit; kill what is left (every lease was answered before)."""
+    def kill_all(self) -> None:
+        """SIGKILL what is left of the loops, their work horses too (each loop leads its own
+        process group): no horse may hand over a batch after the engine's last look."""
         for loop in self.loops:
-            try:
-                await asyncio.wait_for(loop.proc.wait(), timeout)
-            except TimeoutError:
-                loop.proc.kill()
-                await loop.proc.wait()
+            if loop.proc.returncode is None:
+                try:
+                    os.killpg(loop.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    async def wait_all(self) -> None:
+        for loop in self.loops:
+            await loop.proc.wait()
