@@ -73,11 +73,7 @@ class LeaseDesk:
             await inbox_conn.aclose()
 
     async def acquire(self, token: str, ref: BatchRef, rq_id: str) -> None:
-        answer = await self._acquire(
-            keys=[keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                  keys.batch(ref.job, ref.batch)],
-            args=[ref.batch, token, self.instance, rq_id])
-        word = answer.decode() if isinstance(answer, bytes) else str(answer)
+        word = await self._record_lease(token, ref, rq_id)
         if word != "ok":
             if word == "gone":
                 log.warning("batch %s has no record (job deleted?); releasing it", ref)
@@ -107,6 +103,14 @@ class LeaseDesk:
         if finished:
             log.info("batch %s: %d of %d prompts already done, not regenerating them", ref, len(finished), len(ids))
         self.on_batch(held, [p for p in batch.prompts if p.id in held.unfinished])
+
+    async def _record_lease(self, token: str, ref: BatchRef, rq_id: str) -> str:
+        """ACQUIRE: "ok" (this lease is now the batch's), "done", or "gone" (no record)."""
+        answer: Any = await self._acquire(
+            keys=[keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_transport(ref.job),
+                  keys.batch(ref.job, ref.batch)],
+            args=[ref.batch, token, self.instance, rq_id])
+        return answer.decode() if isinstance(answer, bytes) else str(answer)
 
     async def _config(self, job: str) -> JobConfig | None:
         if job not in self._configs:
@@ -172,10 +176,7 @@ class LeaseDesk:
         while raw := await self.conn.lpop(keys.engine_inbox(self.instance)):
             token, job, batch_id, rq_id = unpack(raw, list)
             ref = BatchRef(job, batch_id)
-            answer: Any = await self._acquire(
-                keys=[keys.job_done(job), keys.job_leases(job), keys.job_transport(job), keys.batch(job, batch_id)],
-                args=[batch_id, token, self.instance, rq_id])
-            if (answer.decode() if isinstance(answer, bytes) else str(answer)) == "ok":
+            if await self._record_lease(token, ref, rq_id) == "ok":
                 await self.hand_back(ref, token)
             else:
                 await self.reply(token, b"done")

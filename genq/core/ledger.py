@@ -85,11 +85,17 @@ def lease_value(token: str, instance: str) -> str:
     return f"{token} {instance}"
 
 
-def lease_token(value: bytes | str | None) -> str | None:
+def _lease_parts(value: bytes | str | None) -> tuple[str | None, str | None]:
+    """A lease value ("TOKEN INSTANCE") as (token, engine instance)."""
     if value is None:
-        return None
+        return None, None
     text = value.decode() if isinstance(value, bytes) else value
-    return text.split(" ", 1)[0]
+    token, _, instance = text.partition(" ")
+    return token, instance or None
+
+
+def lease_token(value: bytes | str | None) -> str | None:
+    return _lease_parts(value)[0]
 
 
 def push_reply(pipe: redis.client.Pipeline, token: str, word: bytes) -> None:
@@ -98,11 +104,8 @@ def push_reply(pipe: redis.client.Pipeline, token: str, word: bytes) -> None:
 
 
 def lease_holder(value: bytes | str | None) -> str | None:
-    """The engine instance named by a lease value ("TOKEN INSTANCE")."""
-    if value is None:
-        return None
-    text = value.decode() if isinstance(value, bytes) else value
-    return text.partition(" ")[2] or None
+    """The engine instance named by a lease value."""
+    return _lease_parts(value)[1]
 
 
 def engine_of(rq_worker_name: str | None) -> str | None:
