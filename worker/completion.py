@@ -62,7 +62,7 @@ class Completer:
         released = await retrying(lambda: self._release(
             keys=[keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                  keys.job_stats(ref.job)],
+                  keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch)],
             args=[ref.batch, pack(info), ledger.REPLY_TTL_S, held.token,
                   keys.lease_reply(ledger.TOKEN_SLOT)]), f"releasing batch {ref}")
         return bool(released)

@@ -13,30 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 
-from genq.core.records import DeadLetter, JobConfig, Prompt, Result
+import redis
+
+from genq.core.records import DeadLetter, JobConfig, Result
+from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.results import ResultWriter
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
+from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
 # Longer than this since the leases were last checked (the process was frozen):
 # send nothing until the heartbeat has checked them again.
 LEASE_CHECK_STALE_S = 8.0
+# Prompts claimed beyond the free slots, so a slot that frees is refilled without a
+# round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
+CLAIM_AHEAD = 2
 
 
 class Dispatcher:
     def __init__(self, opts: WorkerOptions, name: str, client: ServerClient, controller: ConcurrencyController,
-                 writer: ResultWriter, flags: Flags, rates: RateWindow,
+                 writer: ResultWriter, flags: Flags, rates: RateWindow, backlog: Backlog,
                  server_is_down: Callable[[], Awaitable[bool]], model: Callable[[], str | None]) -> None:
         self.opts = opts
         self.name = name
@@ -47,44 +52,27 @@ class Dispatcher:
         self.rates = rates
         self.server_is_down = server_is_down
         self.server_model = model
-        self.ready: deque[Task] = deque()
-        self.suspects: deque[Task] = deque()  # crash suspects: sent one at a time
-        self.parked: dict[str, list[Task]] = {}  # prompts of paused jobs, by job
-        self.delayed: list[tuple[float, int, Task]] = []  # retries: (due, seq, task)
         self.running: dict[Task, asyncio.Task[None]] = {}
         self.wake = asyncio.Event()
-        self._seq = itertools.count()
+        self.todo = Todo(backlog, self.wake.set)
 
     # ---------------------------------------------------------------- what is held
 
-    def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        self.ready.extend(Task(p, held) for p in prompts)
-        self.wake.set()
-
-    @property
-    def unsent(self) -> int:
-        return len(self.ready) + len(self.delayed) + len(self.suspects)
-
-    def queued_by_job(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed)):
-            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
-        return out
-
-    def drop(self, held: HeldBatch, *, cancel: bool) -> None:
+    def drop(self, held: HeldBatch, *, cancel: bool) -> list[str]:
         """Send nothing more of this batch; with `cancel`, stop its requests in flight too
-        (their prompts stay unfinished: nothing is recorded or counted)."""
+        (their prompts stay unfinished: nothing is recorded or counted). Returns the ids
+        that were claimed here and not sent: their claims can go."""
         held.dropped = True
-        self.ready = deque(t for t in self.ready if t.batch is not held)
-        self.suspects = deque(t for t in self.suspects if t.batch is not held)
-        self.delayed = [d for d in self.delayed if d[2].batch is not held]
-        heapq.heapify(self.delayed)
-        for job, tasks in self.parked.items():
-            self.parked[job] = [t for t in tasks if t.batch is not held]
+        unsent = self.todo.remove_batch(held)
         if cancel:
             for task, aio in list(self.running.items()):
                 if task.batch is held:
                     aio.cancel()
+        return unsent
+
+    @property
+    def unsent(self) -> int:
+        return len(self.todo)
 
     def cancel_all(self, reason: str | None = None) -> None:
         """Stop every request in flight. With a reason, each ends as a failure with it
@@ -102,35 +90,45 @@ class Dispatcher:
 
     async def run(self) -> None:
         while True:
-            timeout = max(0.0, self.delayed[0][0] - time.monotonic()) if self.delayed else None
+            timeout = max(0.0, self.todo.delayed[0][0] - time.monotonic()) if self.todo.delayed else None
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout)
             except TimeoutError:
                 pass
             self.wake.clear()
             now = time.monotonic()
-            while self.delayed and self.delayed[0][0] <= now:
-                due = heapq.heappop(self.delayed)[2]
-                (self.suspects if self._suspect(due) else self.ready).appendleft(due)
-            for job in [j for j in self.parked if j not in self.flags.paused_jobs]:
-                self.ready.extendleft(reversed(self.parked.pop(job)))
+            while self.todo.delayed and self.todo.delayed[0][0] <= now:
+                due = heapq.heappop(self.todo.delayed)[2]
+                (self.todo.suspects if self._suspect(due) else self.todo.ready).appendleft(due)
+            for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
+                self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
+            if self._can_send() and (want := self._want()) > 0 and self.todo.backlog.waiting:
+                try:
+                    self.todo.ready.extend(await self.todo.backlog.claim(want, self.flags.paused_jobs))
+                except (redis.RedisError, OSError) as exc:
+                    log.warning("cannot claim prompts (%s); trying again shortly", exc)
+                    asyncio.get_running_loop().call_later(1.0, self.wake.set)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
+
+    def _want(self) -> int:
+        """Prompts to claim now: the free slots and CLAIM_AHEAD more, less what is claimed."""
+        return self.controller.target + CLAIM_AHEAD - len(self.running) - len(self.todo.ready) - len(self.todo.suspects)
 
     def _take(self) -> Task | None:
         """The next prompt to send, if the in-flight window has room: a crash suspect
         only when no other suspect is in flight."""
         while self._can_send():
-            if self.suspects and not any(self._suspect(t) for t in self.running):
-                task = self.suspects.popleft()
-            elif self.ready:
-                task = self.ready.popleft()
+            if self.todo.suspects and not any(self._suspect(t) for t in self.running):
+                task = self.todo.suspects.popleft()
+            elif self.todo.ready:
+                task = self.todo.ready.popleft()
             else:
                 return None
             if task.batch.dropped:
                 continue
             if task.batch.ref.job in self.flags.paused_jobs:
-                self.parked.setdefault(task.batch.ref.job, []).append(task)
+                self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
             task.progress = Progress()
             task.cancel_reason = None
@@ -167,6 +165,8 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
+            if self.todo.backlog.waiting and len(self.todo.ready) < CLAIM_AHEAD:
+                self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 
     def _model(self, config: JobConfig) -> str:
@@ -207,7 +207,7 @@ class Dispatcher:
                     "server_crash", f"the server went down {task.crashes} times while this prompt was in flight "
                     f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
                 return
-            (self.suspects if self._suspect(task) else self.ready).appendleft(task)
+            (self.todo.suspects if self._suspect(task) else self.todo.ready).appendleft(task)
             return
         task.attempts += 1
         self.rates.errors += 1
@@ -215,7 +215,7 @@ class Dispatcher:
         if failure.retryable and task.attempts < max_attempts:
             delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
             delay *= random.uniform(0.5, 1.5)
-            heapq.heappush(self.delayed, (time.monotonic() + delay, next(self._seq), task))
+            self.todo.retry_at(time.monotonic() + delay, task)
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay)
             return

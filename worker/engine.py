@@ -29,6 +29,7 @@ import redis
 from genq.core.ledger import Reconciler
 from genq.core.records import BatchRef
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
+from genq.worker.claims import Backlog, Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
@@ -40,6 +41,7 @@ from genq.worker.maintenance import Maintenance
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
+from genq.worker.stealing import Stealer
 from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
@@ -62,12 +64,17 @@ class Engine:
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
         self.writer = ResultWriter(self.redis, self.name, self._on_written)
+        self.claims = Claims(self.redis, self.instance)
         self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
-                                     self.rates, self._server_is_down, self._model)
+                                     self.rates, Backlog(self.claims, self._on_written), lambda: self.watch.is_down(),
+                                     lambda: self.watch.info.model if self.watch.info else None)
+        self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags,
+                               self.held, self.dispatcher, self.controller, self.claims)
         self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                 self.hand_back_all, self._waiting)
+                                 self.hand_back_all,
+                                 lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
-                                self.dispatcher.add)
+                                self.stealer.lease_arrived)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags, self.held,
@@ -114,7 +121,8 @@ class Engine:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
-                    self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run())]
+                    self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
+                    self.stealer.run())]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:
@@ -128,7 +136,8 @@ class Engine:
     async def _until_finished(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            idle = not self.held and not self.dispatcher.running and self.writer.pending == 0
+            idle = (not self.held and not self.stealer.borrowed and not self.dispatcher.running
+                    and self.writer.pending == 0)
             if self.flags.stop_requested >= 2:
                 await self.hand_back_all("stopping now")
                 return
@@ -155,8 +164,10 @@ class Engine:
     # ---------------------------------------------------------------- batches
 
     def _on_written(self, job: str, batch: str, ids: list[str]) -> None:
+        """Outcomes recorded, by this engine or (lent prompts) another one."""
         held = self.held.get(BatchRef(job, batch))
         if held is None:
+            self.stealer.written(BatchRef(job, batch), ids)
             return
         held.unfinished.difference_update(ids)
         if not held.unfinished and not held.completing and not held.dropped:
@@ -178,9 +189,11 @@ class Engine:
         for held, why in await self.leases.current():
             log.info("batch %s %s elsewhere: dropping it here", held.ref,
                      "was completed" if why == "done" else "was leased again")
-            self.dispatcher.drop(held, cancel=False)  # requests in flight finish; first writer wins
+            unsent = self.dispatcher.drop(held, cancel=False)  # requests in flight finish; first writer wins
             self.held.pop(held.ref, None)
+            await self.claims.unclaim(held.ref, unsent)
             await self.leases.reply(held.token, b"released")
+        await self.dispatcher.todo.check_claims()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:
                 self._on_written(held.ref.job, held.ref.batch, [])
@@ -190,13 +203,16 @@ class Engine:
         held = [h for h in self.held.values() if not h.completing]
         for h in held:
             self.dispatcher.drop(h, cancel=True)
-        while any(t.batch in held for t in self.dispatcher.running):
+        self.stealer.stop_borrowed()
+        while any(t.batch in held or t.batch.borrowed for t in self.dispatcher.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()
+        await retrying(self.stealer.release_borrowed, "releasing borrowed prompts")
         given = []
         for h in held:
             if h.completing:
                 continue  # the flush above finished it
+            await retrying(functools.partial(self.claims.unclaim, h.ref), f"releasing claims of {h.ref}")
             if await retrying(functools.partial(self.leases.hand_back, h.ref, h.token), f"handing back {h.ref}"):
                 given.append(str(h.ref))
             self.held.pop(h.ref, None)
@@ -204,21 +220,10 @@ class Engine:
         if given:
             log.info("%s: handed back %d batches (%s)", why, len(given), ", ".join(given))
 
-    # ---------------------------------------------------------------- helpers
-
-    async def _server_is_down(self) -> bool:
-        return await self.watch.is_down()
-
-    def _model(self) -> str | None:
-        return self.watch.info.model if self.watch.info else None
-
-    async def _waiting(self, note: str) -> None:
-        await self.heartbeat.beat(state="server_down", note=note)
-
     async def _shutdown(self) -> None:
         """Answer every lease, then let the loops go (see the module docstring)."""
         self.loops.stop_all()
-        if self.held:
+        if self.held or self.stealer.borrowed:
             await self.hand_back_all("stopping")
         if self._completions:  # shards being written: their release answers their leases
             await asyncio.wait(self._completions, timeout=60)

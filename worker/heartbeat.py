@@ -121,7 +121,7 @@ class Heartbeat:
         by_job: dict[str, list[int]] = {}
         for task in self.dispatcher.running:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
-        queued = self.dispatcher.queued_by_job()
+        queued = self.dispatcher.todo.by_job()
         now = time.time()
         async with self.conn.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
@@ -136,7 +136,7 @@ class Heartbeat:
             await pipe.execute()
 
     async def read_control(self) -> None:
-        jobs = sorted(self.held.jobs() | set(self.dispatcher.parked))
+        jobs = sorted(self.held.jobs() | set(self.dispatcher.todo.parked))
         async with self.conn.pipeline(transaction=False) as pipe:
             pipe.get(keys.worker_control(self.name))
             pipe.exists(keys.PAUSED)

@@ -22,6 +22,9 @@ class HeldBatch:
     unfinished: set[str]
     completing: bool = False
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
+    # Prompts taken from another engine's batch (worker/stealing.py): no lease, so this
+    # engine sends and records them but never writes the batch's shard.
+    borrowed: bool = False
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from genq.core.records import DeadLetter, Result, pack
 
 log = logging.getLogger("genq.worker")
 
-# KEYS: results, done-set, worker-stats, hist, dlq, job-workers
+# KEYS: results, done-set, worker-stats, hist, dlq, job-workers, claims
 # ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m
 # One final state per prompt, first writer wins: a result is kept only if the prompt
 # has no result and no dead letter yet, a dead letter only if it has neither; the
@@ -47,6 +47,11 @@ for _ = 1, m do
   end
   i = i + 2
 end
+-- Every prompt written here has its outcome now: its claim (worker/claims.py) is over.
+i = 5
+for _ = 1, tonumber(ARGV[4]) do redis.call('HDEL', KEYS[7], ARGV[i]); i = i + 5 end
+i = i + 1
+for _ = 1, m do redis.call('HDEL', KEYS[7], ARGV[i]); i = i + 2 end
 if added > 0 or dead > 0 then
   redis.call('HINCRBY', KEYS[3], 'done', added)
   redis.call('HINCRBY', KEYS[3], 'failed', dead)
@@ -148,6 +153,7 @@ class ResultWriter:
                         keys.job_hist(group.job),
                         keys.job_dlq(group.job),
                         keys.job_workers(group.job),
+                        keys.batch_claims(group.job, group.batch),
                     ],
                     args=args,
                     client=pipe,

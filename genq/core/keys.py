@@ -103,6 +103,13 @@ def batch_results(job: str, batch_id: str) -> str:
     return f"{_job(job)}:res:{batch_id}"
 
 
+def batch_claims(job: str, batch_id: str) -> str:
+    """Hash: prompt id -> engine instance that is sending it (or about to): one sender per prompt.
+
+    A claim counts while its engine heartbeats (engine_alive); an outcome ends it."""
+    return f"{_job(job)}:claims:{batch_id}"
+
+
 def worker_status(worker: str) -> str:
     return f"genq:worker:{worker}"
 

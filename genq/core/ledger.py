@@ -46,7 +46,7 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 return 'ok'
 """
 
-# KEYS: done, shards, results, batch record, leases, transport, stats
+# KEYS: done, shards, results, batch record, leases, transport, stats, claims
 # ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT)
 # Marks the batch done once; the work horses of the current lease and of the releasing
 # one (a holder whose lease was superseded can still be the one that finishes) are told "done".
@@ -56,7 +56,7 @@ local TOKEN_SLOT_PATTERN = '{token}'
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('DEL', KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[8])
 local tokens = {ARGV[4]}
 local lease = redis.call('HGET', KEYS[5], ARGV[1])
 if lease then

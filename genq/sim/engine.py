@@ -114,6 +114,9 @@ class Stats:
             "aborted_requests": self.aborted,
             "first_admit_s": None if self.first_admit is None else self.first_admit - self.start,
             "last_finish_s": None if self.last_finish is None else self.last_finish - self.start,
+            # The same two instants on the wall clock, to compare servers (a fleet's makespan).
+            "first_admit_at": None if self.first_admit is None else self.first_admit + time.time() - now,
+            "last_finish_at": None if self.last_finish is None else self.last_finish + time.time() - now,
             "num_running": running,
             "num_waiting": waiting,
             "generated_by_key": self.generated_by_key,

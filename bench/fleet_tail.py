@@ -1,0 +1,240 @@
+"""The end of a job on a fleet: genq against the fleet's ideal, side by side.
+
+A fleet of `genq sim` servers (16 running slots each, heavy-tailed output lengths;
+optionally one at half speed) runs the same prompts twice:
+
+  ideal  one shared queue in this script: every free slot of every server takes the
+         next prompt (a slot per asyncio task, non-streamed), so no slot idles while
+         a prompt is unsent. The best any scheduler can do on that fleet.
+  genq   real `genq enqueue` + one real `genq worker --burst` per server, defaults.
+
+Makespan is timed by the servers: the first admission on any of them to the last
+finish on any of them. Both runs also count every generation the servers did: each
+prompt must be generated exactly once (nothing twice), and genq must write one
+result per prompt.
+
+    .venv/bin/python bench/fleet_tail.py                       # the three scenarios, ~5 min
+    .venv/bin/python bench/fleet_tail.py --scenarios half      # one of them
+
+Scenarios (targets, genq makespan / ideal): `half` 1,600 prompts, batches of 64, 4
+servers, one at half speed (<= 1.05); `even` the same on an even fleet (<= 1.03);
+`large` 10,000 prompts, batches of 256, 8 servers, one at half speed (<= 1.05).
+Exits 1 when a target is missed. Uses a private redis-server on a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import PY, ROOT, Sim, conditions, free_port, genq, table, write_prompts
+
+SLOTS = 16
+
+
+@dataclass
+class Scenario:
+    name: str
+    prompts: int
+    batch_size: int
+    servers: int
+    half_speed: bool
+    target: float
+
+
+SCENARIOS = {
+    "half": Scenario("half", 1600, 64, 4, True, 1.05),
+    "even": Scenario("even", 1600, 64, 4, False, 1.03),
+    "large": Scenario("large", 10_000, 256, 8, True, 1.05),
+}
+
+
+def sim_options(slow: bool, args: argparse.Namespace) -> dict[str, Any]:
+    factor = 2.0 if slow else 1.0
+    return {"max_running_requests": SLOTS, "step_ms_base": args.step_ms * factor,
+            "step_ms_per_req": 0.05 * factor, "tokens_per_step": 16, "mean_output_tokens": 256,
+            "output_sigma": args.output_sigma, "max_total_num_tokens": 10_000_000}
+
+
+def fleet_figures(sims: list[Sim]) -> dict[str, Any]:
+    stats = [s.stats() for s in sims]
+    firsts = [s["first_admit_at"] for s in stats if s["first_admit_at"] is not None]
+    lasts = [s["last_finish_at"] for s in stats if s["last_finish_at"] is not None]
+    generated: dict[str, int] = {}
+    for s in stats:
+        for key, n in s["generated_by_key"].items():
+            generated[key] = generated.get(key, 0) + n
+    return {
+        "makespan_s": max(lasts) - min(firsts) if firsts and lasts else float("nan"),
+        "finished": sum(s["finished_requests"] for s in stats),
+        "generated_twice": sum(1 for n in generated.values() if n > 1),
+        "per_server": [s["finished_requests"] for s in stats],
+        "last_finish_s": [round(s["last_finish_at"] - min(firsts), 1) if s["last_finish_at"] else None
+                          for s in stats],
+    }
+
+
+async def ideal_client(urls: list[str], prompts: Path, max_tokens: int) -> None:
+    """One shared queue; SLOTS tasks per server, each takes the next prompt when free."""
+    import aiohttp
+
+    queue: asyncio.Queue[list] = asyncio.Queue()
+    for line in prompts.read_text().splitlines():
+        queue.put_nowait(json.loads(line)["messages"])
+    failures = 0
+
+    async def slot(http: aiohttp.ClientSession) -> None:
+        nonlocal failures
+        while not queue.empty():
+            messages = queue.get_nowait()
+            body = {"model": "default", "messages": messages, "max_tokens": max_tokens}
+            async with http.post("/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                failures += resp.status != 200
+
+    sessions = [aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0),
+                                      timeout=aiohttp.ClientTimeout(total=None)) for url in urls]
+    try:
+        await asyncio.gather(*(slot(http) for http in sessions for _ in range(SLOTS)))
+    finally:
+        for http in sessions:
+            await http.close()
+    if failures:
+        raise SystemExit(f"ideal client: {failures} requests failed")
+
+
+class Redis:
+    """A private redis-server on a free port (never a Redis this script did not start)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout.strip() != b"PONG":
+            if time.monotonic() > deadline:
+                raise SystemExit("redis-server did not start")
+            time.sleep(0.05)
+
+    def flush(self) -> None:
+        subprocess.run(["redis-cli", "-p", str(self.port), "flushall"], check=True, capture_output=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def run_genq(sc: Scenario, sims: list[Sim], redis: Redis, prompts: Path, work: Path, max_tokens: int) -> float:
+    redis.flush()
+    out = work / f"out-{sc.name}"
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(genq("enqueue", str(prompts), "--job", "tail", "--output", str(out), "--batch-size",
+                        str(sc.batch_size), "--max-tokens", str(max_tokens), redis_url=redis.url),
+                   check=True, capture_output=True, cwd=ROOT)
+    logs = [open(work / f"worker-{sc.name}-{i}.log", "wb") for i in range(len(sims))]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(genq("worker", "--server", sim.url, "--burst", "--name", f"tail-{i}",
+                                   redis_url=redis.url), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+             for i, (sim, log) in enumerate(zip(sims, logs))]
+    codes = [p.wait() for p in procs]
+    for log in logs:
+        log.close()
+    if any(codes):
+        raise SystemExit(f"genq workers exited {codes}; see {work}/worker-{sc.name}-*.log")
+    results = [json.loads(line)["id"] for shard in (out / "tail" / "shards").glob("*.jsonl")
+               for line in shard.read_text().splitlines() if line.strip()]
+    if len(results) != sc.prompts or len(set(results)) != sc.prompts:
+        raise SystemExit(f"genq wrote {len(results)} results ({len(set(results))} distinct) for {sc.prompts} prompts")
+    return time.monotonic() - t0
+
+
+def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redis) -> dict[str, Any]:
+    prompts = work / f"prompts-{sc.name}.jsonl"
+    write_prompts(prompts, sc.prompts, seed=1)
+    sims = [Sim(work / f"sim-{sc.name}-{i}.log", **sim_options(sc.half_speed and i == 0, args))
+            for i in range(sc.servers)]
+    figures: dict[str, Any] = {}
+    try:
+        for run in args.order.split(","):
+            for sim in sims:
+                sim.reset()
+            if run == "ideal":
+                started = time.monotonic()
+                subprocess.run([PY, str(Path(__file__).resolve()), "ideal-client", str(prompts), str(args.max_tokens),
+                                *[s.url for s in sims]], check=True, cwd=ROOT)
+                wall = time.monotonic() - started
+            else:
+                wall = run_genq(sc, sims, redis, prompts, work, args.max_tokens)
+            time.sleep(0.2)
+            figs = fleet_figures(sims)
+            figs["wall_s"] = wall
+            if figs["finished"] != sc.prompts or figs["generated_twice"]:
+                raise SystemExit(f"{sc.name}/{run}: servers finished {figs['finished']} of {sc.prompts}, "
+                                 f"{figs['generated_twice']} prompts generated twice")
+            figures[run] = figs
+    finally:
+        for sim in sims:
+            sim.stop()
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ideal-client"]:
+        asyncio.run(ideal_client(argv[3:], Path(argv[1]), int(argv[2])))
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--scenarios", default="half,even,large", help=f"Of: {', '.join(SCENARIOS)}.")
+    p.add_argument("--order", default="ideal,genq", help="Runs, in this order, per scenario.")
+    p.add_argument("--step-ms", type=float, default=50.0, help="Decode step of a full-speed server (ms).")
+    p.add_argument("--output-sigma", type=float, default=0.5,
+                   help="Lognormal sigma of output lengths. Larger: the last long completions, which run "
+                        "where they started in any scheduler, hide what holding batches costs.")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
+    args = p.parse_args(argv)
+    print(conditions(), flush=True)
+    rows, misses, all_figures = [], [], {}
+    with tempfile.TemporaryDirectory(prefix="genq-tail-") as tmp:
+        work = Path(tmp)
+        redis = Redis(work)
+        try:
+            for name in args.scenarios.split(","):
+                sc = SCENARIOS[name]
+                figs = run_scenario(sc, args, work, redis)
+                all_figures[name] = figs
+                ratio = figs["genq"]["makespan_s"] / figs["ideal"]["makespan_s"]
+                rows.append([name, sc.prompts, sc.batch_size, sc.servers, "yes" if sc.half_speed else "no",
+                             figs["ideal"]["makespan_s"], figs["genq"]["makespan_s"], ratio, sc.target,
+                             " ".join(str(x) for x in figs["genq"]["last_finish_s"])])
+                print(f"{name}: ideal {figs['ideal']['makespan_s']:.1f}s, genq {figs['genq']['makespan_s']:.1f}s "
+                      f"({ratio:.3f}x); genq per server {figs['genq']['per_server']}", flush=True)
+                if ratio > sc.target:
+                    misses.append(f"{name}: genq {ratio:.3f}x the ideal > {sc.target}")
+        finally:
+            redis.stop()
+    print(table(["scenario", "prompts", "batch", "servers", "one at half speed", "ideal makespan s",
+                 "genq makespan s", "genq / ideal", "target", "genq: each server's last finish s"], rows))
+    print(conditions())
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(all_figures, indent=2))
+    if misses:
+        print("target NOT met: " + "; ".join(misses), file=sys.stderr)
+        raise SystemExit(1)
+    print("all targets met")
+
+
+if __name__ == "__main__":
+    main()

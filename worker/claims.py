@@ -1,0 +1,220 @@
+"""Claims: one sender per prompt, so prompts can move between engines at the end of a job.
+
+A batch has one lease (its holder) but each prompt is claimed by the engine about to
+send it (keys.batch_claims). The holder claims a few prompts ahead of its free slots;
+the rest of a batch it holds stays unclaimed, so an engine with idle slots and an empty
+queue can take them (worker/stealing.py) from the back of the batch. A claim counts
+while its engine heartbeats (keys.engine_alive); an outcome recorded for the prompt
+ends it (worker/results.py), and a released batch drops them all (ledger RELEASE).
+
+Nothing here weakens exactly once: outcomes are still written once (first writer
+wins). Claims only keep two live engines from generating the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from genq.core import keys
+from genq.core.records import BatchRef
+from genq.worker.held import HeldBatch, Task
+
+# A claim's owner is alive while ALIVE_PREFIX .. owner .. ALIVE_SUFFIX exists.
+ALIVE_PREFIX, ALIVE_SUFFIX = keys.engine_alive("\0").split("\0")
+
+_HELPERS = """
+local function finished(id)
+  return redis.call('HEXISTS', KEYS[2], id) == 1 or redis.call('HEXISTS', KEYS[3], id) == 1
+end
+local function claimable(id, me)
+  local owner = redis.call('HGET', KEYS[1], id)
+  return not owner or owner == me or redis.call('EXISTS', ARGV[3] .. owner .. ARGV[4]) == 0
+end
+"""
+
+# KEYS: claims, results, dlq, done; ARGV: batch, me, alive prefix, alive suffix, id...
+# -> 'done', or one letter per id: c (claimed: send it), t (taken by another live engine), f (finished)
+CLAIM = _HELPERS + """
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return 'done' end
+local out = {}
+for i = 5, #ARGV do
+  local id = ARGV[i]
+  if finished(id) then
+    out[#out + 1] = 'f'
+  elseif claimable(id, ARGV[2]) then
+    redis.call('HSET', KEYS[1], id, ARGV[2])
+    out[#out + 1] = 'c'
+  else
+    out[#out + 1] = 't'
+  end
+end
+return table.concat(out)
+"""
+
+# KEYS: claims, results, dlq, done, the holder's alive key
+# ARGV: batch, me, alive prefix, alive suffix, n, batch size, id... (the back of the batch first)
+# -> the ids claimed (at most n): unclaimed ones, or claimed by an engine that stopped beating.
+STEAL = _HELPERS + """
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return {} end
+-- Cheap answer for the common case (a live holder, every prompt claimed or finished).
+if redis.call('EXISTS', KEYS[5]) == 1 and
+   tonumber(ARGV[6]) - redis.call('HLEN', KEYS[1]) - redis.call('HLEN', KEYS[2]) <= 0 then
+  return {}
+end
+local n, taken = tonumber(ARGV[5]), {}
+for i = 7, #ARGV do
+  if #taken >= n then break end
+  local id = ARGV[i]
+  if not finished(id) and redis.call('HGET', KEYS[1], id) ~= ARGV[2] and claimable(id, ARGV[2]) then
+    redis.call('HSET', KEYS[1], id, ARGV[2])
+    taken[#taken + 1] = id
+  end
+end
+return taken
+"""
+
+# KEYS: claims; ARGV: me, id... (none: every claim of mine in the batch)
+UNCLAIM = """
+if #ARGV > 1 then
+  for i = 2, #ARGV do
+    if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+  end
+  return 0
+end
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if all[i + 1] == ARGV[1] then redis.call('HDEL', KEYS[1], all[i]) end
+end
+return 0
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Claims:
+    """The claim scripts, for one engine instance."""
+
+    def __init__(self, conn: aioredis.Redis, instance: str) -> None:
+        self.conn = conn
+        self.instance = instance
+        self._claim = conn.register_script(CLAIM)
+        self._steal = conn.register_script(STEAL)
+        self._unclaim = conn.register_script(UNCLAIM)
+
+    @staticmethod
+    def _keys(ref: BatchRef) -> list[str]:
+        return [keys.batch_claims(ref.job, ref.batch), keys.batch_results(ref.job, ref.batch),
+                keys.job_dlq(ref.job), keys.job_done(ref.job)]
+
+    async def claim(self, ref: BatchRef, ids: list[str]) -> str | None:
+        """One letter per id (see CLAIM); None once the batch is done."""
+        if not ids:
+            return ""
+        answer = _text(await self._claim(keys=self._keys(ref),
+                                         args=[ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, *ids]))
+        return None if answer == "done" else answer
+
+    async def steal(self, ref: BatchRef, holder: str, ids_back_first: list[str], n: int) -> list[str]:
+        answer = await self._steal(
+            keys=[*self._keys(ref), keys.engine_alive(holder)],
+            args=[ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, n, len(ids_back_first), *ids_back_first])
+        return [_text(i) for i in answer]
+
+    async def unclaim(self, ref: BatchRef, ids: Iterable[str] = ()) -> None:
+        await self._unclaim(keys=[keys.batch_claims(ref.job, ref.batch)], args=[self.instance, *ids])
+
+    async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
+        owners = await self.conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
+        return [o is not None and _text(o) == self.instance for o in owners]
+
+
+class Backlog:
+    """The prompts of held batches that no engine has claimed yet, and those of them
+    another engine took ("lent"): their outcomes end the batch like this engine's own."""
+
+    def __init__(self, claims: Claims, on_finished: Callable[[str, str, list[str]], None]) -> None:
+        self.claims = claims
+        self.on_finished = on_finished  # (job, batch, ids) whose outcome another engine recorded
+        self.waiting: dict[HeldBatch, deque[Task]] = {}
+        self.lent: dict[HeldBatch, dict[str, Task]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(tasks) for tasks in self.waiting.values())
+
+    def tasks(self) -> Iterable[Task]:
+        for tasks in self.waiting.values():
+            yield from tasks
+
+    def add(self, held: HeldBatch, tasks: list[Task]) -> None:
+        self.waiting.setdefault(held, deque()).extend(tasks)
+
+    def lend(self, task: Task) -> None:
+        self.lent.setdefault(task.batch, {})[task.prompt.id] = task
+
+    def drop(self, held: HeldBatch) -> None:
+        self.waiting.pop(held, None)
+        self.lent.pop(held, None)
+
+    async def claim(self, n: int, skip_jobs: set[str]) -> list[Task]:
+        """Claim up to n prompts to send, oldest batch first."""
+        out: list[Task] = []
+        for held, tasks in list(self.waiting.items()):
+            if len(out) >= n:
+                break
+            if held.dropped or not tasks:
+                self.waiting.pop(held, None)
+                continue
+            if held.ref.job in skip_jobs:
+                continue
+            chunk = [tasks.popleft() for _ in range(min(n - len(out), len(tasks)))]
+            try:
+                out += await self._sort(held, chunk)
+            except BaseException:  # Redis away, or cancelled: keep every prompt (a claim of ours is re-claimable)
+                tasks.extendleft(reversed(chunk))
+                for task in reversed(out):
+                    self.waiting.setdefault(task.batch, deque()).appendleft(task)
+                raise
+            if not tasks:
+                self.waiting.pop(held, None)
+        return out
+
+    async def recheck(self) -> list[Task]:
+        """Lent prompts: finished elsewhere (the batch may now be complete), still taken,
+        or back to this engine because the one that took them stopped beating."""
+        back: list[Task] = []
+        for held, lent in list(self.lent.items()):
+            if held.dropped:
+                self.lent.pop(held)
+                continue
+            got = await self._sort(held, list(lent.values()))  # what stays lent is lent again
+            for task in got:
+                lent.pop(task.prompt.id, None)
+            back += got
+        return back
+
+    async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
+        answer = await self.claims.claim(held.ref, [t.prompt.id for t in chunk])
+        if answer is None:  # done elsewhere: the lease check drops the batch
+            return []
+        mine, finished = [], []
+        lent = self.lent.setdefault(held, {})
+        for task, letter in zip(chunk, answer):
+            if letter == "t":
+                lent[task.prompt.id] = task
+                continue
+            lent.pop(task.prompt.id, None)
+            if letter == "c":
+                mine.append(task)
+            else:
+                finished.append(task.prompt.id)
+        if not lent:
+            self.lent.pop(held, None)
+        if finished:
+            self.on_finished(held.ref.job, held.ref.batch, finished)
+        return mine

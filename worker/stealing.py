@@ -1,0 +1,171 @@
+"""The end of a job on a fleet: an engine with idle slots takes unsent prompts from
+batches other engines hold.
+
+While the queue has batches, RQ hands them out and nothing is taken. Once it is empty,
+an engine whose slots are not all busy looks at every leased batch it does not hold
+and claims (worker/claims.py) up to its free slots from the back of one, the holder
+sending from the front: at the end of a job every free slot takes the next prompt, as
+with one shared queue, and a worker that joins late gets work within seconds. Prompts
+claimed by an engine that stopped beating (frozen, killed) are taken too.
+
+The taken prompts are "borrowed": sent and recorded here, but the batch's shard is
+written by its holder once every outcome is recorded (it sees ours in its lent check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import OrderedDict
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core import keys, ledger
+from genq.core.queueing import rq_queue
+from genq.core.records import Batch, BatchRef, JobConfig, Prompt, unpack
+from genq.worker.claims import Claims
+from genq.worker.controller import ConcurrencyController
+from genq.worker.dispatch import LEASE_CHECK_STALE_S, Dispatcher
+from genq.worker.held import Flags, HeldBatch, Holdings
+
+log = logging.getLogger("genq.worker")
+
+STEAL_EVERY_S = 0.5
+STEAL_IDLE_MAX_S = 2.0  # the longest wait between looks while there is nothing to take
+BATCHES_CACHED = 64
+
+
+class Stealer:
+    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
+                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims) -> None:
+        self.conn = conn
+        self.queue_key = queue_key
+        self.instance = instance
+        self.flags = flags
+        self.held = held
+        self.dispatcher = dispatcher
+        self.controller = controller
+        self.claims = claims
+        self.borrowed: dict[BatchRef, HeldBatch] = {}
+        self.taken = 0  # prompts taken since start
+        self._batches: OrderedDict[BatchRef, tuple[JobConfig, list[Prompt]] | None] = OrderedDict()
+        self._configs: dict[str, JobConfig] = {}
+
+    @staticmethod
+    def queue_key_of(conn: redis.Redis) -> str:
+        return rq_queue(conn).key
+
+    async def run(self) -> None:
+        wait = STEAL_EVERY_S
+        while True:
+            await asyncio.sleep(wait)
+            try:
+                took = await self.pass_once()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("stealing skipped: %s", exc)
+                took = 0
+            wait = STEAL_EVERY_S if took else min(wait * 2, STEAL_IDLE_MAX_S)
+
+    def free_slots(self) -> int:
+        d = self.dispatcher
+        return self.controller.target - len(d.running) - d.unsent
+
+    async def pass_once(self) -> int:
+        """Take up to the free slots' worth of prompts; how many were taken."""
+        self._forget_finished()
+        free = self.free_slots()
+        if (free <= 0 or not self.flags.accepting or self.flags.paused_all
+                or time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S):
+            return 0
+        if await self.conn.llen(self.queue_key):
+            return 0  # RQ hands the queue's batches out: the end of the job is not here yet
+        took = 0
+        for ref, holder in await self._leased_elsewhere():
+            loaded = await self._batch(ref)
+            if loaded is None:
+                continue
+            config, prompts = loaded
+            ids = await self.claims.steal(ref, holder, [p.id for p in reversed(prompts)], free)
+            if not ids:
+                continue
+            if ref in self.held:  # leased to this engine meanwhile: its own lease sends them
+                await self.claims.unclaim(ref, ids)
+                continue
+            took += len(ids)
+            free -= len(ids)
+            self._lend_here(ref, config, prompts, set(ids))
+            if free <= 0:
+                break
+        if took:
+            self.taken += took
+        return took
+
+    def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: set[str]) -> None:
+        borrowed = self.borrowed.get(ref)
+        if borrowed is None or borrowed.dropped:
+            borrowed = self.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
+                                                      unfinished=set(), borrowed=True)
+        borrowed.unfinished |= ids
+        log.info("took %d unsent prompts of batch %s from another worker", len(ids), ref)
+        self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids])
+
+    async def _leased_elsewhere(self) -> list[tuple[BatchRef, str]]:
+        jobs = [j.decode() for j in await self.conn.smembers(keys.JOBS)]
+        jobs = [j for j in jobs if j not in self.flags.paused_jobs]
+        async with self.conn.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.hgetall(keys.job_leases(job))
+            answers = await pipe.execute()
+        out = []
+        for job, leases in zip(jobs, answers):
+            for batch, value in leases.items():
+                holder = ledger.lease_holder(value)
+                ref = BatchRef(job, batch.decode())
+                if holder and holder != self.instance and ref not in self.held:
+                    out.append((ref, holder))
+        random.shuffle(out)  # idle engines spread over the holders
+        return out
+
+    async def _batch(self, ref: BatchRef) -> tuple[JobConfig, list[Prompt]] | None:
+        if ref not in self._batches:
+            raw_config = None if ref.job in self._configs else await self.conn.get(keys.job_config(ref.job))
+            if raw_config is not None:
+                self._configs[ref.job] = unpack(raw_config, JobConfig)
+            raw = await self.conn.get(keys.batch(ref.job, ref.batch))
+            config = self._configs.get(ref.job)
+            self._batches[ref] = None if raw is None or config is None else (config, unpack(raw, Batch).prompts)
+            while len(self._batches) > BATCHES_CACHED:
+                self._batches.popitem(last=False)
+        return self._batches[ref]
+
+    # ---------------------------------------------------------------- borrowed prompts
+
+    def written(self, ref: BatchRef, ids: list[str]) -> None:
+        borrowed = self.borrowed.get(ref)
+        if borrowed is not None:
+            borrowed.unfinished.difference_update(ids)
+            self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        for ref in [r for r, b in self.borrowed.items() if not b.unfinished or b.dropped]:
+            self.borrowed.pop(ref)
+
+    def lease_arrived(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        """A batch leased to this engine: what it had borrowed of it is the lease's now, already on its way."""
+        borrowed = self.borrowed.pop(held.ref, None)
+        adopted = set() if borrowed is None else self.dispatcher.todo.adopt(borrowed, held, iter(self.dispatcher.running))
+        self.dispatcher.todo.add(held, [p for p in prompts if p.id not in adopted])
+
+    def stop_borrowed(self) -> None:
+        """Send no borrowed prompt more (server down, stopping); release_borrowed() then lets them go."""
+        for borrowed in self.borrowed.values():
+            self.dispatcher.drop(borrowed, cancel=True)
+
+    async def release_borrowed(self) -> None:
+        """Once what was recorded is written: drop the claims, the holders send the rest."""
+        for ref in list(self.borrowed):
+            await self.claims.unclaim(ref)
+            self.borrowed.pop(ref, None)

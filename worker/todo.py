@@ -1,0 +1,113 @@
+"""What an engine has to send: claimed prompts in order, retries, crash suspects, paused
+jobs' prompts, and the backlog of held prompts not claimed yet (worker/claims.py).
+
+The dispatcher (worker/dispatch.py) takes from here; leases, stealing and the lease
+check put prompts in and take them out.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from genq.core.records import Prompt
+from genq.worker.claims import Backlog
+from genq.worker.held import HeldBatch, Task
+
+log = logging.getLogger("genq.worker")
+
+
+class Todo:
+    def __init__(self, backlog: Backlog, wake: Callable[[], None]) -> None:
+        self.backlog = backlog  # held prompts not claimed yet: claimed a few at a time, as slots free
+        self.wake = wake
+        self.ready: deque[Task] = deque()
+        self.suspects: deque[Task] = deque()  # crash suspects: sent one at a time
+        self.parked: dict[str, list[Task]] = {}  # prompts of paused jobs, by job
+        self.delayed: list[tuple[float, int, Task]] = []  # retries: (due, seq, task)
+        self._seq = itertools.count()
+
+    def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        """A leased batch's prompts: claimed as slots free."""
+        self.backlog.add(held, [Task(p, held) for p in prompts])
+        self.wake()
+
+    def add_claimed(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        """Prompts already claimed (taken from another engine's batch): sent next."""
+        self.ready.extend(Task(p, held) for p in prompts)
+        self.wake()
+
+    def send_soon(self, tasks: list[Task]) -> None:
+        """Claimed prompts (lent ones that came back): sent next."""
+        self.ready.extendleft(reversed(tasks))
+        self.wake()
+
+    def retry_at(self, due: float, task: Task) -> None:
+        heapq.heappush(self.delayed, (due, next(self._seq), task))
+
+    def claimed(self) -> Iterator[Task]:
+        """Prompts this engine claimed and has not sent (or will send again)."""
+        yield from itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed),
+                                   *self.parked.values())
+
+    def __len__(self) -> int:
+        return len(self.ready) + len(self.delayed) + len(self.suspects) + len(self.backlog)
+
+    def by_job(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), self.backlog.tasks()):
+            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
+        return out
+
+    def adopt(self, borrowed: HeldBatch, held: HeldBatch, running: Iterator[Task]) -> set[str]:
+        """This engine now leases a batch it had borrowed prompts of: they become the batch's."""
+        adopted = set()
+        for task in itertools.chain(self.claimed(), running):
+            if task.batch is borrowed:
+                task.batch = held
+                adopted.add(task.prompt.id)
+        borrowed.dropped = True
+        return adopted
+
+    def remove_batch(self, held: HeldBatch) -> list[str]:
+        """Forget the batch's unsent prompts; the ids that were claimed here (their claims can go)."""
+        self.backlog.drop(held)
+        unsent = [t.prompt.id for t in self.claimed() if t.batch is held]
+        self._remove(lambda t: t.batch is held)
+        return unsent
+
+    async def check_claims(self) -> None:
+        """After each heartbeat: claims lost while frozen, and lent prompts that came back."""
+        await self.verify_claims()
+        self.send_soon(await self.backlog.recheck())
+
+    async def verify_claims(self) -> None:
+        """Claimed prompts another engine took meanwhile (this one was frozen and looked
+        dead): lent if the batch is ours, forgotten if borrowed."""
+        by_batch: dict[HeldBatch, list[Task]] = {}
+        for task in self.claimed():
+            by_batch.setdefault(task.batch, []).append(task)
+        lost: set[Task] = set()
+        for held, tasks in by_batch.items():
+            mine = await self.backlog.claims.mine(held.ref, [t.prompt.id for t in tasks])
+            lost.update(t for t, ok in zip(tasks, mine) if not ok)
+        if not lost:
+            return
+        log.info("%d claimed prompts were taken by other engines meanwhile: not sending them", len(lost))
+        self._remove(lambda t: t in lost)
+        for task in lost:
+            if task.batch.borrowed:
+                task.batch.unfinished.discard(task.prompt.id)
+            else:
+                self.backlog.lend(task)
+
+    def _remove(self, gone: Callable[[Task], bool]) -> None:
+        self.ready = deque(t for t in self.ready if not gone(t))
+        self.suspects = deque(t for t in self.suspects if not gone(t))
+        self.delayed = [d for d in self.delayed if not gone(d[2])]
+        heapq.heapify(self.delayed)
+        for job, tasks in self.parked.items():
+            self.parked[job] = [t for t in tasks if not gone(t)]
