@@ -1,0 +1,82 @@
+"""The end of a job on a fleet (worker/stealing.py, worker/claims.py): prompts a worker
+holds but has not sent move to a worker with free slots once the queue is empty.
+
+Each test ends with the shared exactly-once audit and counts what the servers generated.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from genq.core import keys
+from genq.core.queueing import rq_queue
+from tests.conftest import sim_stats, wait_until
+from tests.test_exactly_once import FAST, SLOW, check, enqueue
+
+
+def generations(*servers: str) -> dict[str, int]:
+    """prompt key -> complete generations, over every server."""
+    total: dict[str, int] = {}
+    for url in servers:
+        for key, n in sim_stats(url)["generated_by_key"].items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def test_a_worker_joining_when_every_batch_is_held_takes_unsent_prompts(redis_url, rconn, sim, worker, tmp_path):
+    slow = sim(max_running_requests=4, **SLOW)
+    fast = sim(max_running_requests=8, **FAST)
+    ids, out = enqueue(tmp_path, "late", 40, "--batch-size", "20", "--max-tokens", "2000")
+    holder = worker(slow, "--burst", "--prefetch", "2", name="holder")
+    wait_until(lambda: rconn.hlen(keys.job_leases("late")) == 2 and rq_queue(rconn).count == 0, 60,
+               "both batches held, the queue empty")
+    late = worker(fast, "--burst", name="late")
+    assert late.wait(timeout=180) == 0, late.log()
+    assert holder.wait(timeout=180) == 0, holder.log()
+    check(rconn, out, "late", ids)
+    assert "unsent prompts of batch late/" in late.log(), late.log()
+    assert sim_stats(fast)["finished_requests"] > 0, "the late worker got no work"
+    generated = generations(slow, fast)
+    assert sorted(generated.values()) == [1] * len(ids), "a prompt was generated twice (or not at all)"
+
+
+def test_prompts_of_a_frozen_holder_move_and_the_job_ends_exactly_once(redis_url, rconn, sim, worker, tmp_path):
+    slow = sim(max_running_requests=4, **SLOW)
+    fast = sim(max_running_requests=16, **FAST)
+    ids, out = enqueue(tmp_path, "frzt", 40, "--batch-size", "40", "--max-tokens", "2000")
+    frozen = worker(slow, "--prefetch", "1", name="frozen")
+    wait_until(lambda: rconn.hlen(keys.batch_results("frzt", "b0000001")) >= 1, 60, "the holder under way")
+    os.kill(frozen.pid, signal.SIGSTOP)  # the engine only: its claims and its lease lapse with its heartbeat
+    try:
+        stats = sim_stats(slow)
+        in_flight_at_freeze = stats["num_running"] + stats["num_waiting"]
+        helper = worker(fast, "--burst", name="helper")
+        assert helper.wait(timeout=180) == 0, helper.log()
+        rows, _ = check(rconn, out, "frzt", ids)
+        before = {r["id"]: r for r in rows}
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    assert "unsent prompts of batch frzt/b0000001" in helper.log(), helper.log()
+    wait_until(lambda: "elsewhere: dropping it here" in frozen.log(), 30, "the resumed holder to let go")
+    frozen.signal(signal.SIGTERM)
+    assert frozen.wait(timeout=60) == 0, frozen.log()
+    rows, _ = check(rconn, out, "frzt", ids)
+    assert {r["id"]: r for r in rows} == before, "the resumed holder changed a published shard"
+    twice = [k for k, n in generations(slow, fast).items() if n > 1]
+    # Only what the frozen holder had on its server when it froze can be generated again:
+    # its outcomes were never recorded. Nothing recorded, and nothing else, is sent twice.
+    assert len(twice) <= in_flight_at_freeze, f"{len(twice)} prompts generated twice, {in_flight_at_freeze} in flight"
+
+
+def test_prompts_a_killed_worker_took_go_back_to_their_holder(redis_url, rconn, sim, worker, tmp_path):
+    holder_server = sim(max_running_requests=4, **SLOW)
+    taker_server = sim(max_running_requests=4, **SLOW)
+    ids, out = enqueue(tmp_path, "kt", 30, "--batch-size", "30", "--max-tokens", "2000")
+    holder = worker(holder_server, "--burst", "--prefetch", "1", name="holder")
+    wait_until(lambda: rconn.hlen(keys.job_leases("kt")) == 1, 60, "the batch held")
+    taker = worker(taker_server, name="taker")
+    wait_until(lambda: "unsent prompts of batch kt/" in taker.log(), 60, "the second worker to take prompts")
+    taker.kill_tree()  # its claims lapse with its heartbeat; the holder sends those prompts itself
+    assert holder.wait(timeout=180) == 0, holder.log()
+    check(rconn, out, "kt", ids)
