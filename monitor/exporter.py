@@ -128,6 +128,7 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
         "shard_bytes": _gauge("genq_job_shard_bytes", "Bytes of shards written", J),
         "workers": _gauge("genq_job_workers", "Live workers working on the job", J),
         "lost": _gauge("genq_job_workers_lost", "Workers of the job whose heartbeat expired", J),
+        "tail": _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)", J),
     }
     in_tok = CounterMetricFamily("genq_job_input_tokens", "Prompt tokens of finished prompts", labels=J)
     out_tok = CounterMetricFamily("genq_job_output_tokens", "Completion tokens of finished prompts", labels=J)
@@ -144,6 +145,7 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
             "eta": p.eta_s, "eta_low": p.eta_low_s, "eta_high": p.eta_high_s,
             "expected": p.expected_output_tokens, "remaining": p.remaining_output_tokens,
             "shards": p.shards, "shard_bytes": p.s3_bytes, "workers": p.workers, "lost": p.workers_lost,
+            "tail": p.tail is not None,
         }
         for key, value in values.items():
             if value is not None:  # unknown stays absent rather than a made-up 0

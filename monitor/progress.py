@@ -104,6 +104,9 @@ class JobProgress(msgspec.Struct):
     workers_lost: int
     rate_source: str
     gpu_note: str | None
+    # The job's tail: nothing left to start, its last requests hold few of the fleet's slots.
+    # Throughput falls as they finish; that is the end of the job, not a fault (None otherwise).
+    tail: str | None
     worker_details: list[WorkerReport]
 
 
@@ -242,6 +245,21 @@ def _hours(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds / 3600, 4)
 
 
+def tail_note(snap: JobSnapshot) -> str | None:
+    """Set while nothing of the job is left to start and its running requests fill at most
+    half of the live workers' slots (each worker's server capacity, or its in-flight target)."""
+    if snap.status != "running" or snap.queued or snap.queued_batches or not snap.in_flight:
+        return None
+    live = [w.status for w in snap.workers if w.live and w.status is not None]
+    slots = sum(s.server_capacity or s.concurrency_target for s in live)
+    if not slots or snap.in_flight * 2 > slots:
+        return None
+    busy = sum(1 for w in snap.workers if w.live and w.running_tokens)
+    return (f"tail: nothing left to start; the last {snap.in_flight:,} requests run on {busy} of {len(live)} "
+            f"workers ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
+            f"the end of the job, not a fault")
+
+
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
     finished = snap.completed + snap.failed
     start = snap.first_at or snap.created_at or snap.at
@@ -250,6 +268,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     statuses = [w.status for w in snap.workers if w.status is not None]
     elapsed = max(0.0, end - start)
     tok_s = None if speed is None else speed.tokens_per_s
+    tail = tail_note(snap)
     if snap.is_done:
         # One definition of a finished job's rate, whatever saw it (live view, --once, the exporter):
         # the whole run's averages. A recent window would read the idle tail after the last result.
@@ -299,13 +318,15 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
         rate_source="" if speed is None else speed.source,
         gpu_note=fleet_gpu_note(statuses),
-        worker_details=[worker_report(w, snap.at, snap.is_done) for w in snap.workers],
+        tail=tail,
+        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None) for w in snap.workers],
     )
 
 
-def worker_report(w: WorkerView, now: float, job_done: bool = False) -> WorkerReport:
+def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False) -> WorkerReport:
     s = w.status
-    found = bottlenecks(s)
+    # In the job's tail an idle worker is expected (the job's tail note says so), not a bottleneck.
+    found = [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
     report = WorkerReport(name=w.name, state=w.state, job_in_flight=len(w.running_tokens),
                           job_completed=w.counters.done, job_failed=w.counters.failed,
                           job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],

@@ -111,6 +111,8 @@ def job_panel(r: JobReport) -> Panel:
     eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    if p.tail:
+        lines.append(Text(p.tail, style="cyan"))
     if p.rate_source:
         lines.append(Text(f"rate: {p.rate_source}", style="dim"))
     lines.append(out)

@@ -11,6 +11,7 @@ import signal
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
+from tests.audit import monitor_json
 from tests.conftest import sim_stats, wait_until
 from tests.test_exactly_once import FAST, SLOW, check, enqueue
 
@@ -80,3 +81,24 @@ def test_prompts_a_killed_worker_took_go_back_to_their_holder(redis_url, rconn, 
     taker.kill_tree()  # its claims lapse with its heartbeat; the holder sends those prompts itself
     assert holder.wait(timeout=180) == 0, holder.log()
     check(rconn, out, "kt", ids)
+
+
+def test_the_monitor_says_when_a_job_is_in_its_tail(redis_url, rconn, sim, worker, tmp_path):
+    long = dict(mean_output_tokens=3000, output_sigma=0.2, tokens_per_step=8, step_ms_base=20)  # ~7 s each
+    busy_server = sim(max_running_requests=16, **long)
+    idle_server = sim(max_running_requests=16, **long)
+    ids, out = enqueue(tmp_path, "tl", 6, "--batch-size", "6", "--max-tokens", "6000")
+    first = worker(busy_server, "--burst", "--name", "first", name="first")
+    wait_until(lambda: rconn.hlen(keys.job_leases("tl")) == 1 and sim_stats(busy_server)["num_running"] == 6, 60,
+               "every prompt running on the first worker")
+    second = worker(idle_server, "--burst", "--name", "second", name="second")
+    # Six requests on 32 slots, nothing left to start: the tail, said as such; the idle worker
+    # is not reported as a bottleneck.
+    doc = wait_until(lambda: (d := monitor_json(rconn, "tl"))["tail"] and len(d["worker_details"]) == 2 and d, 60,
+                     "the monitor to report the tail", interval=0.5)
+    assert "the last 6 requests run on 1 of 2 workers" in doc["tail"], doc["tail"]
+    idle = next(w for w in doc["worker_details"] if w["name"] == "second")
+    assert "no_prompts" not in idle["bottleneck_codes"], idle
+    assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0, first.log() + second.log()
+    check(rconn, out, "tl", ids)
+    assert monitor_json(rconn, "tl")["tail"] is None, "a finished job is not in its tail"
