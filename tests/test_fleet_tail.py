@@ -12,7 +12,7 @@ import signal
 from genq.core import keys
 from genq.core.queueing import rq_queue
 from tests.audit import monitor_json
-from tests.conftest import sim_stats, wait_until
+from tests.conftest import post_json, sim_stats, wait_until
 from tests.test_exactly_once import FAST, SLOW, check, enqueue
 
 
@@ -102,3 +102,19 @@ def test_the_monitor_says_when_a_job_is_in_its_tail(redis_url, rconn, sim, worke
     assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0, first.log() + second.log()
     check(rconn, out, "tl", ids)
     assert monitor_json(rconn, "tl")["tail"] is None, "a finished job is not in its tail"
+
+
+def test_a_worker_whose_server_goes_down_gives_taken_prompts_back_at_once(redis_url, rconn, sim, worker, tmp_path):
+    holder_server = sim(max_running_requests=4, **SLOW)
+    taker_server = sim(max_running_requests=4, **SLOW)
+    ids, out = enqueue(tmp_path, "sd", 30, "--batch-size", "30", "--max-tokens", "2000")
+    holder = worker(holder_server, "--burst", "--prefetch", "1", name="holder")
+    wait_until(lambda: rconn.hlen(keys.job_leases("sd")) == 1, 60, "the batch held")
+    # The taker would wait 600 s for its server before handing anything back: prompts it took
+    # must go back to their holder as soon as its server is down, not then.
+    taker = worker(taker_server, "--server-down-timeout", "600", name="taker")
+    wait_until(lambda: "unsent prompts of batch sd/" in taker.log(), 60, "the second worker to take prompts")
+    post_json(taker_server + "/sim/faults", {"outage_for": 600})
+    assert holder.wait(timeout=180) == 0, holder.log()
+    assert "giving" in taker.log() and "borrowed prompts back to their holders" in taker.log(), taker.log()
+    check(rconn, out, "sd", ids)

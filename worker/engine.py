@@ -68,8 +68,8 @@ class Engine:
         self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
                                      self.rates, Backlog(self.claims, self._on_written), lambda: self.watch.is_down(),
                                      lambda: self.watch.info.model if self.watch.info else None)
-        self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags,
-                               self.held, self.dispatcher, self.controller, self.claims)
+        self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
+                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle)
         self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
                                  self.hand_back_all,
                                  lambda note: self.heartbeat.beat(state="server_down", note=note))
@@ -203,11 +203,11 @@ class Engine:
         held = [h for h in self.held.values() if not h.completing]
         for h in held:
             self.dispatcher.drop(h, cancel=True)
-        self.stealer.stop_borrowed()
-        while any(t.batch in held or t.batch.borrowed for t in self.dispatcher.running):
+        while any(t.batch in held for t in self.dispatcher.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()
-        await retrying(self.stealer.release_borrowed, "releasing borrowed prompts")
+        if self.stealer.borrowed:
+            await retrying(functools.partial(self.stealer.give_back, why), "giving borrowed prompts back")
         given = []
         for h in held:
             if h.completing:

@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -40,7 +41,8 @@ BATCHES_CACHED = 64
 
 class Stealer:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
-                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims) -> None:
+                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims,
+                 flushed: Callable[[], Awaitable[None]]) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
@@ -49,6 +51,7 @@ class Stealer:
         self.dispatcher = dispatcher
         self.controller = controller
         self.claims = claims
+        self.flushed = flushed  # waits until every outcome recorded here is written to Redis
         self.borrowed: dict[BatchRef, HeldBatch] = {}
         self.taken = 0  # prompts taken since start
         self._batches: OrderedDict[BatchRef, tuple[JobConfig, list[Prompt]] | None] = OrderedDict()
@@ -76,6 +79,9 @@ class Stealer:
     async def pass_once(self) -> int:
         """Take up to the free slots' worth of prompts; how many were taken."""
         self._forget_finished()
+        if self.flags.server_down_since is not None and self.borrowed:
+            await self.give_back("this worker's server is down")  # the holders need not wait for it
+            return 0
         free = self.free_slots()
         if (free <= 0 or not self.flags.accepting or self.flags.paused_all
                 or time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S):
@@ -158,6 +164,17 @@ class Stealer:
         borrowed = self.borrowed.pop(held.ref, None)
         adopted = set() if borrowed is None else self.dispatcher.todo.adopt(borrowed, held, iter(self.dispatcher.running))
         self.dispatcher.todo.add(held, [p for p in prompts if p.id not in adopted])
+
+    async def give_back(self, why: str) -> None:
+        """Borrowed prompts go back to their holders: nothing more is sent, what was recorded
+        is written, then the claims go."""
+        log.info("%s: giving %d borrowed prompts back to their holders", why,
+                 sum(len(b.unfinished) for b in self.borrowed.values()))
+        self.stop_borrowed()
+        while any(t.batch.borrowed for t in self.dispatcher.running):
+            await asyncio.sleep(0.05)
+        await self.flushed()
+        await self.release_borrowed()
 
     def stop_borrowed(self) -> None:
         """Send no borrowed prompt more (server down, stopping); release_borrowed() then lets them go."""
