@@ -22,6 +22,8 @@ class HeldBatch:
     unfinished: set[str]
     completing: bool = False
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
+    # Every prompt of the batch (finished ones too): the shard joins each result with its prompt.
+    prompts: list[Prompt] = field(default_factory=list)
 
 
 @dataclass(eq=False)
