@@ -8,7 +8,8 @@ ledger's RELEASE (completion.release_call, with the shard's ShardInfo; no shard 
 only Redis is measured). Workers are their heartbeat records (WorkerStatus, InFlight) as a live
 worker writes them. Then it reports:
 
-- bytes of Redis `used_memory` per finished prompt (a job all of whose batches are released),
+- bytes of Redis `used_memory` per finished prompt (a job all of whose batches are released,
+  the work horses' replies popped and RQ's job hashes gone, as RQ's result_ttl does an hour later),
   per in-flight prompt (a leased batch whose results are all committed, its shard not yet
   written: the most a prompt costs before its release), and per queued prompt, with what each
   key of a finished job holds (MEMORY USAGE);
@@ -118,6 +119,7 @@ class Filler:
     seed: int = 0
     _next_index: int = 0
     _rng: random.Random = field(default_factory=random.Random)
+    _rq_ids: dict[str, str] = field(default_factory=dict)  # batch id -> the RQ job that carried it
 
     def __post_init__(self) -> None:
         self._rng.seed(self.seed)
@@ -164,6 +166,7 @@ class Filler:
         with self.conn.pipeline(transaction=False) as pipe:
             for b in batches:
                 rq_id = self.conn.hget(keys.job_transport(self.job), b.id)
+                self._rq_ids[b.id] = rq_id.decode() if rq_id else ""
                 pipe.lrem(queue_key, 0, rq_id)
                 self._acquire(keys=[keys.job_done(self.job), keys.job_leases(self.job), keys.job_transport(self.job),
                                     keys.batch(self.job, b.id)],
@@ -196,6 +199,14 @@ class Filler:
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
                 script_keys, args = release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}")
                 self._release(keys=script_keys, args=args, client=pipe)
+                pipe.delete(keys.lease_reply(f"tok-{b.id}"))  # the work horse pops its "done"
+            pipe.execute()
+
+    def expire_rq_jobs(self, batches: list[Batch]) -> None:
+        """What RQ's result_ttl does an hour after each batch finished: its RQ job hash goes."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            for b in batches:
+                pipe.delete(rq_queue(self.conn).job_class.key_for(self._rq_ids.pop(b.id, "")))
             pipe.execute()
 
     def finish(self, batches: list[Batch], worker: str, chunk: int = 32) -> None:
@@ -262,6 +273,7 @@ def measure_footprint(n_prompts: int = 20_480, *, prompt_chars: int = 400, compl
         fill.commit(batches, "fp-w")
         in_flight = r.used_memory()
         fill.release(batches, prompt_chars + completion_chars + 300)
+        fill.expire_rq_jobs(batches)
         finished = r.used_memory()
         kinds: dict[str, int] = {}
         for raw in r.conn.scan_iter(count=1000):
