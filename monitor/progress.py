@@ -24,6 +24,7 @@ from genq.core.records import GpuSample
 from genq.core.state import JobStatus
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.rates import RateTracker, once_speed
+from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
 
 # Only in --json: the same figures in unrounded seconds.
@@ -137,7 +138,7 @@ class Monitor:
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
         self.rq_queued = 0  # RQ's count of its genq queue at the last refresh
-        self.queue_names: dict[str, str] = {}  # RQ job id -> genq job, for ids still queued
+        self.queue = QueueMirror()  # RQ's queue by genq job, read at its ends between refreshes
         self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it worked on
         self.listeners: list = []  # called with the reports after each refresh (the web page's history)
 
@@ -157,7 +158,7 @@ class Monitor:
     def refresh(self) -> list[JobReport]:
         with self.lock:
             statuses = read_workers(self.conn)
-            queue = read_queue(self.conn, self.queue_names)
+            queue = read_queue(self.conn, self.queue)
             self.rq_queued = queue.total
             reports = []
             for name in self.job_names():

@@ -11,7 +11,10 @@ Batches: done = keys.job_done; held = named in a live worker's
 WorkerStatus.batches while their record exists; queued = this job's RQ jobs in
 RQ's queue (what `rq info` counts). Anything else (waiting for a retry, failed
 in RQ, orphaned by a dead worker until RQ's cleanup) is "elsewhere", never
-called queued.
+called queued. Shards: their count (HLEN keys.job_shards) and the running totals
+of their records and bytes that the ledger's RELEASE keeps in keys.job_stats, so
+a refresh reads no per-batch record of the job (its cost does not grow with the
+job); the held batches' details are read only for batches live workers name.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from genq.core import keys
-from genq.core.queueing import rq_queue
-from genq.core.records import InFlight, JobConfig, ShardInfo, WorkerStatus, unpack
+from genq.core import keys, ledger
+from genq.core.records import InFlight, JobConfig, WorkerStatus, unpack
 from genq.core.state import JobStatus, job_status
+from genq.monitor.rqqueue import QueueMirror
 
 
 @dataclass
@@ -203,44 +206,16 @@ class QueueCounts:
     by_job: dict[str, int]
 
 
-QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts are not read every refresh
-
-
-def read_queue(conn: redis.Redis, names: dict[str, str] | None = None) -> QueueCounts:
+def read_queue(conn: redis.Redis, mirror: QueueMirror | None = None) -> QueueCounts:
     """RQ's queue as `rq info` shows it, and how many of its batches belong to each genq job.
 
-    The RQ job ids are random, so the job is read from each RQ job's description
-    ("genq batch JOB/BATCH (N prompts)", genq.core.queueing). An RQ job's
-    description never changes: `names` (RQ id -> genq job), kept by the caller
-    between refreshes, means only newly queued ids are looked up.
+    `mirror`, kept by the caller between refreshes (the live monitor), makes a refresh read
+    only what changed at the queue's ends (monitor/rqqueue.py); without one the whole queue is read.
     """
-    queue = rq_queue(conn)
-    total = queue.count
-    by_job: dict[str, int] = {}
-    if names is None:
-        names = {}
-    if total == 0:
-        names.clear()
-        return QueueCounts(0, by_job)
-    ids = queue.get_job_ids(0, QUEUE_SCAN_LIMIT - 1)
-    unknown = [i for i in ids if i not in names]
-    for start in range(0, len(unknown), 5000):
-        chunk = unknown[start:start + 5000]
-        with conn.pipeline(transaction=False) as pipe:
-            for rq_id in chunk:
-                pipe.hget(queue.job_class.key_for(rq_id), "description")
-            for rq_id, raw in zip(chunk, pipe.execute()):
-                text = raw.decode(errors="replace") if raw else ""
-                if text.startswith("genq batch ") and "/" in text:
-                    names[rq_id] = text[len("genq batch "):].split("/", 1)[0]
-    present = set(ids)
-    for rq_id in [i for i in names if i not in present]:  # left the queue: forget
-        del names[rq_id]
-    for rq_id in ids:
-        name = names.get(rq_id)
-        if name is not None:
-            by_job[name] = by_job.get(name, 0) + 1
-    return QueueCounts(total, by_job)
+    if mirror is None:
+        mirror = QueueMirror()
+    mirror.refresh(conn)
+    return QueueCounts(mirror.total, dict(mirror.by_job))
 
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None,
@@ -260,11 +235,15 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         pipe.smembers(keys.job_workers(job))
         pipe.exists(keys.job_paused(job))
         pipe.exists(keys.PAUSED)
-        pipe.hvals(keys.job_shards(job))
+        pipe.hlen(keys.job_shards(job))
         pipe.sismember(keys.JOBS, job)
         raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known = pipe.execute()
     if raw_config is None and not stats and not known:
         return None
+    if shards and ledger.SHARD_RECORDS.encode() not in stats:
+        # Shards written by a genq that kept no totals: count them once, and keep the totals.
+        conn.eval(ledger.COUNT_SHARDS, 2, keys.job_shards(job), keys.job_stats(job))
+        stats = conn.hgetall(keys.job_stats(job))
     names = sorted(set(workers) | {w.decode() for w in job_workers})
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
@@ -287,7 +266,6 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         )
         views.append(WorkerView(name=name, status=status, counters=counters, inflight=inflight))
 
-    infos = [unpack(v, ShardInfo) for v in shards]
     config = unpack(raw_config, JobConfig) if raw_config else None
     held = _held_batches(conn, job, views, config.batch_size if config else 0)
     return JobSnapshot(
@@ -308,10 +286,13 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         hist={int(b): int(n) for b, n in hist.items()},
         workers=views,
         paused=bool(paused) or bool(paused_all),
-        shards=len(infos),
-        shard_bytes=sum(i.bytes for i in infos),
-        shard_records=sum(i.records for i in infos),
+        shards=int(shards),
+        shard_bytes=_int(stats.get(ledger.SHARD_BYTES.encode())),
+        shard_records=_int(stats.get(ledger.SHARD_RECORDS.encode())),
     )
+
+
+HELD_READ_LIMIT = 2_000  # held batches looked at per refresh: bounded by the fleet, never by the job
 
 
 def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
@@ -323,7 +304,7 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     the job's batch size is exact for all but the last batch of an enqueue).
     """
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
-            for b in sorted(s.batches) if b.job == job]
+            for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
     if not asks:
         return 0
     with conn.pipeline(transaction=False) as pipe:

@@ -12,7 +12,8 @@ what `genq monitor --job JOB --once --json` reports:
   a batch that failed in RQ) or exactly one dead letter; none both, none invented,
   none lost (prompts of a batch the caller expects to have failed may have neither);
 - counters: the workers' done/in_tok/out_tok and the length histogram equal the
-  results stored (their failed counts every letter stored: requeue and purge keep that
+  results stored, the job's running shard totals (records, bytes: ledger.RELEASE keeps
+  them) equal a recount of the shard records in Redis and of the markers (their failed counts every letter stored: requeue and purge keep that
   history), and the monitor's completed, failed, total,
   shard_records, shards, batches_done/batches_total and tokens equal them too;
 - RQ: the queue `genq` and the started registry hold no batch of this job, the failed
@@ -34,9 +35,9 @@ import msgspec
 import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from genq.core import keys
+from genq.core import keys, ledger
 from genq.core.queueing import RUN_BATCH, fetch_rq_jobs, load_batch, rq_queue
-from genq.core.records import DeadLetter, Result, unpack
+from genq.core.records import DeadLetter, Result, ShardInfo, unpack
 from tests.conftest import run_genq
 
 
@@ -176,12 +177,29 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
     if sums["failed"] < len(letters):
         problems.append(f"workers' failed counter is {sums['failed']} but {len(letters)} letters are stored")
 
+    # The running totals the monitor reads (kept by the ledger's RELEASE) against a full recount.
+    infos = [unpack(v, ShardInfo) for v in conn.hvals(keys.job_shards(job))]
+    stats = conn.hgetall(keys.job_stats(job))
+    for what, kept, counted in (
+        ("shard_records", int(stats.get(ledger.SHARD_RECORDS.encode(), 0)), sum(i.records for i in infos)),
+        ("shard_bytes", int(stats.get(ledger.SHARD_BYTES.encode(), 0)), sum(i.bytes for i in infos)),
+        ("shard_records (markers)", int(stats.get(ledger.SHARD_RECORDS.encode(), 0)),
+         sum(int(m.get("records", 0)) for m in markers.values())),
+        ("shard_bytes (markers)", int(stats.get(ledger.SHARD_BYTES.encode(), 0)),
+         sum(int(m.get("bytes", 0)) for m in markers.values())),
+    ):
+        if kept != counted:
+            problems.append(f"the job's running total {what} is {kept} but a recount gives {counted}")
+    if len(infos) != len(done):
+        problems.append(f"{len(infos)} shard records in Redis for {len(done)} done batches")
+
     mon = monitor_json(conn, job)
     for what, reported, stored in (
         ("completed", mon.get("completed"), len(stored_results)),
         ("failed", mon.get("failed"), len(letters)),
         ("total", mon.get("total"), len(ids)),
         ("shard_records", mon.get("shard_records"), len(rows)),
+        ("s3_bytes", mon.get("s3_bytes"), sum(i.bytes for i in infos)),
         ("shards", mon.get("shards"), len(shards)),
         ("batches_done", mon.get("batches_done"), len(done)),
         ("batches_total", mon.get("batches_total"), len(all_batches)),

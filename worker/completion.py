@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis.asyncio as aioredis
 
 from genq.core import keys, ledger
-from genq.core.records import Batch, DeadLetter, Result, ShardInfo, pack, unpack
+from genq.core.records import Batch, BatchRef, DeadLetter, Result, ShardInfo, pack, unpack, with_prompt
 from genq.output.sink import open_sink, shard_bytes
 from genq.worker.held import HeldBatch
 from genq.worker.leases import retrying
@@ -25,6 +25,16 @@ from genq.worker.leases import retrying
 log = logging.getLogger("genq.worker")
 
 SHARD_THREADS = 4
+
+
+def release_call(ref: BatchRef, info: ShardInfo, token: str) -> tuple[list[str], list]:
+    """ledger.RELEASE's keys and arguments for a written shard (bench/footprint.py drives it too)."""
+    script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
+                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
+                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch)]
+    args = [ref.batch, pack(info), ledger.REPLY_TTL_S, token, keys.lease_reply(ledger.TOKEN_SLOT),
+            info.records, info.bytes]
+    return script_keys, args
 
 
 class Completer:
@@ -59,26 +69,33 @@ class Completer:
                             ref, type(exc).__name__, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 60)
-        released = await retrying(lambda: self._release(
-            keys=[keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
-                  keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                  keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch)],
-            args=[ref.batch, pack(info), ledger.REPLY_TTL_S, held.token,
-                  keys.lease_reply(ledger.TOKEN_SLOT)]), f"releasing batch {ref}")
+        script_keys, args = release_call(ref, info, held.token)
+        released = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
         return bool(released)
 
     async def _read(self, held: HeldBatch) -> tuple[list[Result], list[DeadLetter]] | None:
-        """Everything recorded for the batch, read in one transaction; None once it is done."""
+        """Everything recorded for the batch, read in one transaction; None once it is done.
+
+        Results are stored without their prompt (records.without_prompt); each is joined here
+        with its prompt from the batch the engine holds, so the shard's line is what it was."""
         ref = held.ref
         async with self.conn.pipeline(transaction=True) as pipe:
             pipe.sismember(keys.job_done(ref.job), ref.batch)
-            pipe.get(keys.batch(ref.job, ref.batch))
+            if held.prompts:  # in memory already: only whether the batch record is still there
+                pipe.exists(keys.batch(ref.job, ref.batch))
+            else:
+                pipe.get(keys.batch(ref.job, ref.batch))
             pipe.hvals(keys.batch_results(ref.job, ref.batch))
             done, raw_batch, raw_results = await pipe.execute()
-        if done or raw_batch is None:
+        if done or not raw_batch:
             return None
-        ids = [p.id for p in unpack(raw_batch, Batch).prompts]
-        raw_letters = await self.conn.hmget(keys.job_dlq(ref.job), ids)
-        results = [unpack(v, Result) for v in raw_results]
+        prompts = held.prompts or unpack(raw_batch, Batch).prompts
+        by_id = {p.id: p for p in prompts}
+        raw_letters = await self.conn.hmget(keys.job_dlq(ref.job), list(by_id))
+        results = []
+        for v in raw_results:
+            r = unpack(v, Result)
+            prompt = by_id.get(r.id)
+            results.append(with_prompt(r, prompt) if prompt is not None else r)
         letters = [unpack(v, DeadLetter) for v in raw_letters if v is not None]
         return results, letters

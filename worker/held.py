@@ -25,6 +25,8 @@ class HeldBatch:
     # Prompts taken from another engine's batch (worker/stealing.py): no lease, so this
     # engine sends and records them but never writes the batch's shard.
     borrowed: bool = False
+    # Every prompt of the batch (finished ones too): the shard joins each result with its prompt.
+    prompts: list[Prompt] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -98,7 +98,8 @@ class LeaseDesk:
             pipe.hmget(keys.job_dlq(ref.job), ids)
             stored, dead = await pipe.execute()
         finished = {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
-        held = HeldBatch(ref, token, config, size=len(ids), unfinished={i for i in ids if i not in finished})
+        held = HeldBatch(ref, token, config, size=len(ids), unfinished={i for i in ids if i not in finished},
+                         prompts=batch.prompts)
         self.held[ref] = held
         if finished:
             log.info("batch %s: %d of %d prompts already done, not regenerating them", ref, len(finished), len(ids))

@@ -2,7 +2,9 @@
 
 Each result is written with HSETNX and counted in the same Lua call, so the
 counters the monitor reads always equal the results stored, even when a batch
-is re-run after a crash or two workers race on the same batch.
+is re-run after a crash or two workers race on the same batch. A result is stored
+without its copy of the prompt (records.without_prompt): the batch holds the prompt,
+and the shard joins them again (worker/completion.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import redis.asyncio as aioredis
 
 from genq.core import keys
 from genq.core.histogram import length_bucket
-from genq.core.records import DeadLetter, Result, pack
+from genq.core.records import DeadLetter, Result, pack, without_prompt
 
 log = logging.getLogger("genq.worker")
 
@@ -63,6 +65,21 @@ if added > 0 or dead > 0 then
 end
 return {added, dead}
 """
+
+
+def record_call(job: str, batch: str, worker: str, now: str, results: list[Result],
+                dead: list[DeadLetter]) -> tuple[list[str], list]:
+    """RECORD_SCRIPT's keys and arguments for one batch's outcomes (bench/footprint.py drives it too)."""
+    args: list = [batch, worker, now, len(results)]
+    for r in results:
+        args += [r.id, pack(without_prompt(r)), r.usage.prompt_tokens, r.usage.completion_tokens,
+                 length_bucket(r.usage.completion_tokens)]
+    args.append(len(dead))
+    for d in dead:
+        args += [d.id, pack(d)]
+    script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
+                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch)]
+    return script_keys, args
 
 
 @dataclass
@@ -138,26 +155,8 @@ class ResultWriter:
         now = repr(time.time())
         async with self.conn.pipeline(transaction=False) as pipe:
             for group in groups:
-                args: list = [group.batch, self.worker, now, len(group.results)]
-                for r in group.results:
-                    args += [r.id, pack(r), r.usage.prompt_tokens, r.usage.completion_tokens,
-                             length_bucket(r.usage.completion_tokens)]
-                args.append(len(group.dead))
-                for d in group.dead:
-                    args += [d.id, pack(d)]
-                await self._script(
-                    keys=[
-                        keys.batch_results(group.job, group.batch),
-                        keys.job_done(group.job),
-                        keys.worker_stats(group.job, self.worker),
-                        keys.job_hist(group.job),
-                        keys.job_dlq(group.job),
-                        keys.job_workers(group.job),
-                        keys.batch_claims(group.job, group.batch),
-                    ],
-                    args=args,
-                    client=pipe,
-                )
+                script_keys, args = record_call(group.job, group.batch, self.worker, now, group.results, group.dead)
+                await self._script(keys=script_keys, args=args, client=pipe)
             await pipe.execute()
         for group in groups:
             self.on_written(group.job, group.batch,

@@ -46,16 +46,51 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 return 'ok'
 """
 
+# Running totals of the written shards, in keys.job_stats: kept by RELEASE in the same call
+# that records a shard, so they always equal the sums over keys.job_shards, and the monitor
+# reads them instead of every ShardInfo (a refresh does not grow with the number of batches).
+SHARD_RECORDS = "shard_records"  # sum of ShardInfo.records
+SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
+
+# Lua count_shards(shards, stats): when stats has no totals yet (a new job, or one whose shards
+# an older genq wrote), count every ShardInfo there once and store the sums.
+_COUNT_SHARDS = """
+local function count_shards(shards, stats)
+  if redis.call('HEXISTS', stats, '@RECORDS@') == 1 then return 0 end
+  local records, bytes = 0, 0
+  for _, blob in ipairs(redis.call('HVALS', shards)) do
+    local info = cmsgpack.unpack(blob)
+    records = records + (info['records'] or 0)
+    bytes = bytes + (info['bytes'] or 0)
+  end
+  redis.call('HSET', stats, '@RECORDS@', records, '@BYTES@', bytes)
+  return 1
+end
+""".replace("@RECORDS@", SHARD_RECORDS).replace("@BYTES@", SHARD_BYTES)
+
+# KEYS: shards, stats -> 1 if it counted now, 0 if the totals were there already.
+# The monitor runs it for a job whose shards an older genq wrote: O(its shards), once.
+COUNT_SHARDS = _COUNT_SHARDS + """
+return count_shards(KEYS[1], KEYS[2])
+"""
+
 # KEYS: done, shards, results, batch record, leases, transport, stats, claims
-# ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT)
-# Marks the batch done once; the work horses of the current lease and of the releasing
-# one (a holder whose lease was superseded can still be the one that finishes) are told "done".
-RELEASE = """
+# ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT),
+#       the shard's records, the shard's bytes
+# Marks the batch done once and adds its shard to the running totals; the work horses of the
+# current lease and of the releasing one (a holder whose lease was superseded can still be the
+# one that finishes) are told "done".
+RELEASE = _COUNT_SHARDS + """
 local TOKEN_SLOT_PATTERN = '{token}'
 
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('SADD', KEYS[1], ARGV[1])
+-- Totals not kept yet (a job's first shard, or a job of an older genq): count what is
+-- there before this shard (nothing, for a new job), then add this one.
+count_shards(KEYS[2], KEYS[7])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[7], '@RECORDS@', tonumber(ARGV[6]))
+redis.call('HINCRBY', KEYS[7], '@BYTES@', tonumber(ARGV[7]))
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[8])
 local tokens = {ARGV[4]}
 local lease = redis.call('HGET', KEYS[5], ARGV[1])
@@ -71,7 +106,7 @@ end
 redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
 return 1
-"""
+""".replace("@RECORDS@", SHARD_RECORDS).replace("@BYTES@", SHARD_BYTES)
 
 REPLY_TTL_S = 24 * 3600
 TOKEN_SLOT = "{token}"  # where RELEASE puts a token into keys.lease_reply's template

@@ -84,6 +84,18 @@ class Result(msgspec.Struct, omit_defaults=True):
     finished_at: float = 0.0
 
 
+def without_prompt(result: Result) -> Result:
+    """A Result as kept in Redis until its batch's shard is written: without its copy of the
+    prompt (messages, prompt, metadata, custom_id), which the batch holds already."""
+    return msgspec.structs.replace(result, messages=None, prompt=None, metadata={}, custom_id=None)
+
+
+def with_prompt(result: Result, prompt: Prompt) -> Result:
+    """The shard's line: a stored Result joined with its prompt again (what the worker sent)."""
+    return msgspec.structs.replace(result, messages=prompt.messages, prompt=prompt.prompt,
+                                   metadata=prompt.metadata, custom_id=prompt.custom_id)
+
+
 ErrorKind = Literal[
     "bad_request",  # the server rejected the prompt (4xx): not retryable
     "server_error",  # 5xx / SSE error events, retried until attempts run out
