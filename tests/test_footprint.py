@@ -17,10 +17,11 @@ import redis
 
 from genq.core import keys, ledger
 from genq.core.queueing import enqueue_batch_jobs, rq_queue
-from genq.core.records import Result, ShardInfo, Usage, pack, unpack
+from genq.core.records import BatchRef, Result, ShardInfo, Usage, pack, unpack
 from genq.core.redisconn import connect_async
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import read_job
+from genq.worker.completion import release_call
 from genq.worker.results import ResultWriter
 from tests.audit import audit
 from tests.conftest import read_results, run_genq, write_prompts
@@ -85,10 +86,8 @@ def test_shard_totals_are_counted_once_for_a_job_of_an_older_genq(rconn):
     # A new genq's RELEASE then adds to them, and never counts them again.
     release = rconn.register_script(ledger.RELEASE)
     info = ShardInfo(batch="b0000006", uri="/o/j/shards/b0000006.jsonl", records=7, bytes=70, at=2.0)
-    release(keys=[keys.job_done("old"), keys.job_shards("old"), keys.batch_results("old", info.batch),
-                  keys.batch("old", info.batch), keys.job_leases("old"), keys.job_transport("old"),
-                  keys.job_stats("old")],
-            args=[info.batch, pack(info), 60, "tok", keys.lease_reply(ledger.TOKEN_SLOT), info.records, info.bytes])
+    script_keys, args = release_call(BatchRef("old", info.batch), info, "tok")
+    release(keys=script_keys, args=args)
     snap = read_job(rconn, "old")
     assert snap is not None and (snap.shards, snap.shard_records, snap.shard_bytes) == (
         6, sum(i.records for i in infos) + 7, sum(i.bytes for i in infos) + 70)
