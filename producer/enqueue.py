@@ -10,6 +10,12 @@ re-reads the ids and skips the ones the winner queued), and a crash can never
 leave ids claimed without the batches that run them. The job's config is
 written in the transaction of its first batches, so an enqueue that queues
 nothing (missing input, empty file, every line rejected) creates nothing.
+
+Memory is bounded whatever the input's size: rows are read a chunk at a time and
+the dedupe lives in Redis (keys.job_ids); only the rows of the group being
+queued are held. A batch is stored inline (its prompts compressed) or, with
+`reference` set, as the byte range of the input that holds its lines
+(genq.producer.batchinput reads it back on the worker).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
+from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import batch_id, stage_config, write_batches
-from genq.core.records import Batch, JobConfig, Rejected, unpack
+from genq.core.records import BatchSource, InputRange, JobConfig, Rejected, unpack
+from genq.producer.batchinput import range_digest, row_digest_items
 from genq.producer.rows import Row, RowError, content_digest, fit_endpoint
 
 READ_CHUNK = 8192  # rows read before queueing what is ready
@@ -41,7 +49,8 @@ class EnqueueSummary:
     batches: int = 0
     converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
     skipped_existing: int = 0  # already queued or done in an earlier run
-    skipped_duplicate: int = 0  # same id, same content, twice in this input
+    skipped_duplicate: int = 0  # same id, same content, twice in this input (close together; farther
+    # apart the second is counted in skipped_existing: the dedupe is Redis's, not this process's)
     rejected: list[Rejected] = field(default_factory=list)
     created: bool = False  # this run created the job
 
@@ -53,13 +62,15 @@ class _Pending:
 
 
 class Enqueuer:
-    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool) -> None:
-        """create: the job has no stored config yet; it is stored with the first batches."""
+    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, reference: str | None = None) -> None:
+        """create: the job has no stored config yet; it is stored with the first batches.
+        reference: the input's URI as workers read it (s3://... or an absolute path) to queue
+        batches by reference; None stores the prompts inline."""
         self.conn = conn
         self.config = config
+        self.reference = reference
         self.summary = EnqueueSummary()
         self._create = create
-        self._seen: dict[str, str] = {}  # id -> digest within this run
         self._pending: list[_Pending] = []
 
     def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
@@ -83,17 +94,10 @@ class Enqueuer:
             except RowError as exc:
                 self.summary.rejected.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
                 continue
+            if self.reference is not None and row.start < 0:
+                raise ValueError("by-reference batches need an uncompressed JSONL input")
             self.summary.read += 1
-            digest = content_digest(prompt)
-            earlier = self._seen.get(prompt.id)
-            if earlier is not None:
-                if earlier == digest:
-                    self.summary.skipped_duplicate += 1
-                else:
-                    self.summary.rejected.append(_conflict(row, "earlier in this input"))
-                continue
-            self._seen[prompt.id] = digest
-            self._pending.append(_Pending(row, digest))
+            self._pending.append(_Pending(row, content_digest(prompt)))
 
     def _flush(self, final: bool) -> None:
         size = self.config.batch_size
@@ -109,6 +113,7 @@ class Enqueuer:
 
     def _commit(self, group: list[_Pending], final: bool) -> list[_Pending]:
         """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
+        group = self._unique(group)
         job = self.config.name
         ids_key = keys.job_ids(job)
         with self.conn.pipeline(transaction=True) as pipe:
@@ -123,7 +128,7 @@ class Enqueuer:
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
                     if taking:
-                        batches = self._batches(pipe, [p.row.prompt for p in taking])
+                        batches = self._batches(pipe, [p.row for p in taking])
                         pipe.multi()
                         if self._create:
                             stage_config(pipe, self.config)
@@ -142,7 +147,9 @@ class Enqueuer:
         self.summary.enqueued += len(taking)
         self.summary.batches += len(batches)
         self.summary.skipped_existing += existing
-        self.summary.rejected.extend(_conflict(p.row, "in an earlier enqueue of this job") for p in conflicts)
+        self.summary.rejected.extend(
+            _conflict(p.row, "queued earlier: farther up this input or in an earlier enqueue of this job")
+            for p in conflicts)
         return held
 
     def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
@@ -156,12 +163,37 @@ class Enqueuer:
         self.config = stored
         self._create = False
 
-    def _batches(self, pipe: redis.client.Pipeline, prompts: list) -> list[Batch]:
+    def _unique(self, group: list[_Pending]) -> list[_Pending]:
+        """The first row of each id in `group`; repeats are counted or rejected here (the
+        rows held back from an earlier group come first, so the first line of an id wins)."""
+        seen: dict[str, str] = {}
+        unique = []
+        for pending in group:
+            earlier = seen.get(pending.row.prompt.id)
+            if earlier is None:
+                seen[pending.row.prompt.id] = pending.digest
+                unique.append(pending)
+            elif earlier == pending.digest:
+                self.summary.skipped_duplicate += 1
+            else:
+                self.summary.rejected.append(_conflict(pending.row, "earlier in this input"))
+        return unique
+
+    def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
         size = self.config.batch_size
         last = int(pipe.get(keys.job_batch_seq(self.config.name)) or 0)
         created = time.time()
-        return [Batch(job=self.config.name, id=batch_id(last + 1 + n), prompts=prompts[i : i + size], created_at=created)
-                for n, i in enumerate(range(0, len(prompts), size))]
+        return [self._batch(batch_id(last + 1 + n), rows[i : i + size], created)
+                for n, i in enumerate(range(0, len(rows), size))]
+
+    def _batch(self, bid: str, rows: list[Row], created: float) -> BatchSource:
+        job = self.config.name
+        if self.reference is None:
+            return batch_records.inline(job, bid, [r.prompt for r in rows], created)
+        ref = InputRange(uri=self.reference, start=rows[0].start, end=rows[-1].end,
+                         first_line=rows[0].prompt.index + 1, last_line=rows[-1].prompt.index + 1,
+                         digest=range_digest(row_digest_items(rows)))
+        return batch_records.by_reference(job, bid, [r.prompt.id for r in rows], ref, created)
 
 
 def _classify(group: list[_Pending], known: list[bytes | None]) -> tuple[list[_Pending], int, list[_Pending]]:

@@ -44,6 +44,8 @@ class Row(NamedTuple):
 
     prompt: Prompt
     source: bytes | dict[str, Any]
+    start: int = -1  # a JSONL line's byte range in the (uncompressed) input, for by-reference batches
+    end: int = -1
 
     def text(self) -> str:
         """The whole line, for the rejects file."""

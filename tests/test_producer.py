@@ -9,9 +9,9 @@ import sys
 import msgspec
 
 from genq.core import keys
-from genq.core.queueing import load_batch, rq_queue
+from genq.core.queueing import rq_queue
 from genq.core.records import Rejected
-from tests.conftest import run_genq, write_prompts
+from tests.conftest import batch_prompts, run_genq, write_prompts
 
 
 def test_enqueue_batches_prompts_into_rq_jobs(redis_url, rconn, tmp_path):
@@ -23,10 +23,10 @@ def test_enqueue_batches_prompts_into_rq_jobs(redis_url, rconn, tmp_path):
     queue = rq_queue(rconn)
     assert queue.count == 3
     batch_ids = [b.decode() for b in rconn.zrange(keys.job_batches("j1"), 0, -1)]
-    batches = [load_batch(rconn, "j1", bid) for bid in batch_ids]
-    assert [len(b.prompts) for b in batches] == [4, 4, 2]
-    assert [p.id for b in batches for p in b.prompts] == ids
-    assert batches[0].prompts[0].metadata == {"source": "unit"}
+    batches = [batch_prompts(rconn, "j1", bid) for bid in batch_ids]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [p.id for b in batches for p in b] == ids
+    assert batches[0][0].metadata == {"source": "unit"}
     # RQ carries references, not prompts.
     assert {tuple(j.args) for j in queue.get_jobs()} == {("j1", bid) for bid in batch_ids}
     assert int(rconn.hget(keys.job_stats("j1"), "total")) == 10
@@ -85,8 +85,7 @@ def test_malformed_lines_are_reported_kept_aside_and_do_not_stop_valid_ones(redi
     assert "over the" in by_line[7]
     assert "'sampling' must be an object" in by_line[11]
     assert "line 2: invalid JSON" in proc.stderr
-    batch = load_batch(rconn, "j3", "b0000001")
-    prompts = {p.id: p for p in batch.prompts}
+    prompts = {p.id: p for p in batch_prompts(rconn, "j3", "b0000001")}
     assert set(prompts) == {"ok1", "r1", next(i for i in prompts if i not in ("ok1", "r1"))}
     assert prompts["r1"].custom_id == "r1" and prompts["r1"].sampling == {"max_tokens": 7}
     hashed = next(p for i, p in prompts.items() if i not in ("ok1", "r1"))

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 
-from genq.core import keys, ledger
-from genq.core.records import Batch, DeadLetter, Result, ShardInfo, pack, unpack
+from genq.core import batches, keys, ledger
+from genq.core.records import DeadLetter, Result, ShardInfo, pack, unpack
 from genq.output.sink import open_sink, shard_bytes
 from genq.worker.held import HeldBatch
 from genq.worker.leases import retrying
@@ -77,7 +77,7 @@ class Completer:
             done, raw_batch, raw_results = await pipe.execute()
         if done or raw_batch is None:
             return None
-        ids = [p.id for p in unpack(raw_batch, Batch).prompts]
+        ids = batches.ids(batches.decode(raw_batch))
         raw_letters = await self.conn.hmget(keys.job_dlq(ref.job), ids)
         results = [unpack(v, Result) for v in raw_results]
         letters = [unpack(v, DeadLetter) for v in raw_letters if v is not None]

@@ -67,7 +67,7 @@ class Engine:
         self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
                                  self.hand_back_all, self._waiting)
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
-                                self.dispatcher.add)
+                                self.dispatcher.add, self.writer.add_dead, self.name)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags, self.held,

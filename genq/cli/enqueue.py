@@ -23,9 +23,10 @@ from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected
 from genq.core.redisconn import connect, describe_error
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
+from genq.producer.files import is_s3
 from genq.producer.params import ParamError, check_params
 from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, open_rows
+from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
 
 EXIT_REJECTED = 3
 SHOWN_REJECTS = 20  # reasons printed; the rejects file has them all
@@ -54,9 +55,14 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--id-column", default=None, metavar="COL", help="Parquet input: the column holding the row id. [default: 'id' if present, else a content hash]")
 @click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where rejected lines are written. [default: OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl; "
               "./genq-rejects/JOB/NAME.rejects.jsonl for s3:// output]")
+@click.option("--input-by-reference/--input-inline", "by_reference", default=None,
+              help="By reference: Redis holds each batch's line range of INPUT, not its prompts, and workers read "
+                   "that range themselves (a ranged GET on S3; for a local path, every worker must be able to read "
+                   "it at the same absolute path). Needs uncompressed JSONL. Inline: the prompts go into Redis, "
+                   "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
-            prompt_column: str | None, id_column: str | None, **options: object) -> None:
+            prompt_column: str | None, id_column: str | None, by_reference: bool | None, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -94,9 +100,10 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
+        reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
-        summary = _run(conn, config, create, input_uri, rows)
+        summary = _run(conn, config, create, input_uri, rows, reference)
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
@@ -144,8 +151,22 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     return stored, False
 
 
+def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
+    """The input as workers will read it when its batches are queued by reference; None for inline."""
+    plain_jsonl = not (is_parquet(input_uri) or input_uri.endswith(".gz"))
+    if by_reference is None:
+        by_reference = is_s3(input_uri) and plain_jsonl
+    if not by_reference:
+        return None
+    if not plain_jsonl:
+        raise ValueError(f"--input-by-reference needs an uncompressed JSONL input (workers read byte ranges of it); "
+                         f"{input_uri} is {'Parquet' if is_parquet(input_uri) else 'gzip-compressed'}: "
+                         "use --input-inline, or decompress it")
+    return input_uri if is_s3(input_uri) else os.path.abspath(input_uri)
+
+
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected]) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
 
@@ -154,12 +175,13 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             rate = summary.read / max(time.monotonic() - started, 1e-9)
             click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config, create=create).run(rows, on_progress=progress)
+    summary = Enqueuer(conn, config, create=create, reference=reference).run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
+        mode = f"by reference to {reference}" if reference else "inline"
         click.echo(
-            f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches "
+            f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches ({mode}) "
             f"from {input_uri} in {time.monotonic() - started:.1f}s"
         )
     return summary

@@ -33,6 +33,7 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
 
+from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import (
     RUN_BATCH,
@@ -125,7 +126,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
             attempts=1,
             kind=BATCH_FAILED, message=last or "(RQ stored no exception)",
             worker=rq_job.worker_name or "", at=ended.timestamp() if ended else 0.0,
-            rq_job=rq_job.id, prompts=len(batch.prompts) if batch else None,
+            rq_job=rq_job.id, prompts=batch.count if batch else None,
             traceback=exc if traceback else None,
         ))
     return entries
@@ -199,6 +200,11 @@ def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: in
 
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         letters, skipped = _movable(pipe, job, ids, "requeue")
+        # An input_changed letter has no prompt (its input lines were not the ones queued):
+        # it cannot be sent again, only purged and enqueued again from the corrected input.
+        skipped += [(letter.id, "it has no prompt (its input changed); `genq dlq purge` it and enqueue the "
+                     "corrected input again") for letter in letters if letter.prompt is None]
+        letters = [letter for letter in letters if letter.prompt is not None]
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
         prompts = sorted((letter.prompt for letter in letters if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
@@ -320,7 +326,7 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
             return (f"{finished} of its prompts finished but are not in a shard yet; "
                     f"`genq dlq requeue --job {job} {entry.id}` completes it without regenerating them")
         batch = load_batch(pipe, job, batch_id)
-        ids = [p.id for p in batch.prompts] if batch else []
+        ids = batch_records.ids(batch) if batch else []
         dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
         # Its dead letters stay letters (purged below with the others); the rest is forgotten.
         unfinished = [i for i, d in zip(ids, dead) if d is None]
