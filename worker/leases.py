@@ -111,7 +111,8 @@ class LeaseDesk:
             try:
                 prompts = await self._load(source, config)
             except InputChanged as exc:
-                changed = str(exc)
+                changed = (f"{exc}. To run them: restore the input (or fix it), `genq dlq purge --job {ref.job}`, "
+                       "enqueue it again")
             except Exception as exc:  # the input is unreachable (S3 down): another try, later or elsewhere
                 log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
                 await self.hand_back(ref, token)

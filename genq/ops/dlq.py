@@ -200,11 +200,6 @@ def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: in
 
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         letters, skipped = _movable(pipe, job, ids, "requeue")
-        # An input_changed letter has no prompt (its input lines were not the ones queued):
-        # it cannot be sent again, only purged and enqueued again from the corrected input.
-        skipped += [(letter.id, "it has no prompt (its input changed); `genq dlq purge` it and enqueue the "
-                     "corrected input again") for letter in letters if letter.prompt is None]
-        letters = [letter for letter in letters if letter.prompt is not None]
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
         prompts = sorted((letter.prompt for letter in letters if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
