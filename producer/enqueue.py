@@ -133,7 +133,7 @@ class Enqueuer:
                         if self._create:
                             stage_config(pipe, self.config)
                         pipe.set(keys.job_batch_seq(job), int(batches[-1].id[1:]))
-                        write_batches(pipe, self.conn, batches, {p.row.prompt.id: p.digest for p in taking})
+                        write_batches(pipe, self.conn, batches, {p.row.prompt.id: _claim(p.digest) for p in taking})
                         pipe.execute()
                     else:
                         pipe.unwatch()
@@ -201,11 +201,17 @@ def _classify(group: list[_Pending], known: list[bytes | None]) -> tuple[list[_P
     for pending, stored in zip(group, known):
         if stored is None:
             fresh.append(pending)
-        elif stored.decode() == pending.digest:
+        elif stored == _claim(pending.digest) or stored == pending.digest.encode():  # or as genq 0.1 wrote it
             existing += 1
         else:
             conflicts.append(pending)
     return fresh, existing, conflicts
+
+
+def _claim(digest: str) -> bytes:
+    """What keys.job_ids holds for an id: its content digest as 8 raw bytes (not 16 hex
+    characters: at 10 M ids that is 80 MB of Redis less)."""
+    return bytes.fromhex(digest)
 
 
 def _conflict(row: Row, where: str) -> Rejected:
