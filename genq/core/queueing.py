@@ -82,13 +82,13 @@ def write_batches(
     pipe: Pipeline,
     conn: redis.Redis,
     batches: Sequence[BatchSource],
-    digests: dict[str, str],
+    digests: dict[str, bytes],
     *,
     count_total: bool = True,
 ) -> None:
     """Queue new batches in `pipe` (a MULTI pipeline): records, ids, RQ jobs.
 
-    digests (id -> content digest) are the ids the batches claim in keys.job_ids, all
+    digests (id -> content digest, 8 bytes) are the ids the batches claim in keys.job_ids, all
     written in the same transaction so a crash never leaves ids marked as queued
     without a job that will run them.
     """
