@@ -25,12 +25,7 @@ class InputChanged(Exception):
 
 def range_digest(rows: Iterable[tuple[int, bytes]]) -> str:
     """Digest of (1-based line number, stripped line) of each prompt of a batch, in input order."""
-    h = hashlib.blake2b(digest_size=16)
-    for line_no, text in rows:
-        h.update(b"%d\0" % line_no)
-        h.update(text)
-        h.update(b"\n")
-    return h.hexdigest()
+    return hashlib.blake2b(b"".join([b"%d\0%b\n" % item for item in rows]), digest_size=16).hexdigest()
 
 
 def row_digest_items(rows: Iterable[Row]) -> Iterable[tuple[int, bytes]]:

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import redis
 
 from genq.core import batches as batch_records
 from genq.core import keys
-from genq.core.queueing import batch_id, stage_config, write_batches
+from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, batch_id, lookup_ids, stage_config, write_batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Rejected, unpack
 from genq.producer.batchinput import range_digest, row_digest_items
-from genq.producer.rows import Row, RowError, content_digest, fit_endpoint
+from genq.producer.rejects import RejectsFile
+from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
 
 READ_CHUNK = 8192  # rows read before queueing what is ready
 GROUP_BATCHES = 64  # batches per transaction: keeps a MULTI a sensible size
@@ -51,22 +52,22 @@ class EnqueueSummary:
     skipped_existing: int = 0  # already queued or done in an earlier run
     skipped_duplicate: int = 0  # same id, same content, twice in this input (close together; farther
     # apart the second is counted in skipped_existing: the dedupe is Redis's, not this process's)
-    rejected: list[Rejected] = field(default_factory=list)
+    rejected: int = 0  # lines written to the rejects file
     created: bool = False  # this run created the job
 
 
-@dataclass
-class _Pending:
-    row: Row
-    digest: str
+_Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_digest)
 
 
 class Enqueuer:
-    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, reference: str | None = None) -> None:
+    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
+                 reference: str | None = None) -> None:
         """create: the job has no stored config yet; it is stored with the first batches.
+        rejects: where rejected lines go as they are found (the caller closes or discards it).
         reference: the input's URI as workers read it (s3://... or an absolute path) to queue
         batches by reference; None stores the prompts inline."""
         self.conn = conn
+        self.rejects = rejects
         self.config = config
         self.reference = reference
         self.summary = EnqueueSummary()
@@ -77,27 +78,38 @@ class Enqueuer:
         for chunk in _chunks(rows, READ_CHUNK):
             self._add_chunk(chunk)
             self._flush(final=False)
+            # Every reject still to come is of a pending row or a later line.
+            self.rejects.release(self._pending[0][0].prompt.index + 1 if self._pending else None)
             if on_progress:
                 on_progress(self.summary)
         self._flush(final=True)
+        self.rejects.release(None)
         return self.summary
 
+    def _reject(self, rejected: Rejected) -> None:
+        self.summary.rejected += 1
+        self.rejects.add(rejected)
+
     def _add_chunk(self, rows: list[Row | Rejected]) -> None:
+        endpoint, by_reference, pending = self.config.endpoint, self.reference is not None, self._pending
+        read = converted = 0
         for row in rows:
             if isinstance(row, Rejected):
-                self.summary.rejected.append(row)
+                self._reject(row)
                 continue
             prompt = row.prompt
             try:
-                if fit_endpoint(prompt, self.config.endpoint):
-                    self.summary.converted += 1
+                if fit_endpoint(prompt, endpoint):
+                    converted += 1
             except RowError as exc:
-                self.summary.rejected.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
+                self._reject(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
                 continue
-            if self.reference is not None and row.start < 0:
+            if by_reference and row.start < 0:
                 raise ValueError("by-reference batches need an uncompressed JSONL input")
-            self.summary.read += 1
-            self._pending.append(_Pending(row, content_digest(prompt)))
+            read += 1
+            pending.append((row, claim_digest(prompt)))
+        self.summary.read += read
+        self.summary.converted += converted
 
     def _flush(self, final: bool) -> None:
         size = self.config.batch_size
@@ -122,18 +134,18 @@ class Enqueuer:
                     pipe.watch(ids_key, keys.job_batch_seq(job), keys.job_config(job))
                     if self._create:
                         self._check_created_meanwhile(pipe)
-                    known = pipe.hmget(ids_key, [p.row.prompt.id for p in group])
+                    known = lookup_ids(pipe, job, [(row.prompt.id, digest) for row, digest in group])
                     fresh, existing, conflicts = _classify(group, known)
                     size = self.config.batch_size
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
                     if taking:
-                        batches = self._batches(pipe, [p.row for p in taking])
+                        batches = self._batches(pipe, [row for row, _ in taking])
                         pipe.multi()
                         if self._create:
                             stage_config(pipe, self.config)
                         pipe.set(keys.job_batch_seq(job), int(batches[-1].id[1:]))
-                        write_batches(pipe, self.conn, batches, {p.row.prompt.id: _claim(p.digest) for p in taking})
+                        write_batches(pipe, self.conn, batches, {row.prompt.id: digest for row, digest in taking})
                         pipe.execute()
                     else:
                         pipe.unwatch()
@@ -147,9 +159,8 @@ class Enqueuer:
         self.summary.enqueued += len(taking)
         self.summary.batches += len(batches)
         self.summary.skipped_existing += existing
-        self.summary.rejected.extend(
-            _conflict(p.row, "queued earlier: farther up this input or in an earlier enqueue of this job")
-            for p in conflicts)
+        for row, _ in conflicts:
+            self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
         return held
 
     def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
@@ -166,17 +177,18 @@ class Enqueuer:
     def _unique(self, group: list[_Pending]) -> list[_Pending]:
         """The first row of each id in `group`; repeats are counted or rejected here (the
         rows held back from an earlier group come first, so the first line of an id wins)."""
-        seen: dict[str, str] = {}
+        seen: dict[str, bytes] = {}
         unique = []
         for pending in group:
-            earlier = seen.get(pending.row.prompt.id)
+            row, digest = pending
+            earlier = seen.get(row.prompt.id)
             if earlier is None:
-                seen[pending.row.prompt.id] = pending.digest
+                seen[row.prompt.id] = digest
                 unique.append(pending)
-            elif earlier == pending.digest:
+            elif earlier == digest:
                 self.summary.skipped_duplicate += 1
             else:
-                self.summary.rejected.append(_conflict(pending.row, "earlier in this input"))
+                self._reject(_conflict(row, "earlier in this input"))
         return unique
 
     def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
@@ -196,22 +208,13 @@ class Enqueuer:
         return batch_records.by_reference(job, bid, [r.prompt.id for r in rows], ref, created)
 
 
-def _classify(group: list[_Pending], known: list[bytes | None]) -> tuple[list[_Pending], int, list[_Pending]]:
-    fresh, existing, conflicts = [], 0, []
-    for pending, stored in zip(group, known):
-        if stored is None:
-            fresh.append(pending)
-        elif stored == _claim(pending.digest) or stored == pending.digest.encode():  # or as genq 0.1 wrote it
-            existing += 1
-        else:
-            conflicts.append(pending)
-    return fresh, existing, conflicts
-
-
-def _claim(digest: str) -> bytes:
-    """What keys.job_ids holds for an id: its content digest as 8 raw bytes (not 16 hex
-    characters: at 10 M ids that is 80 MB of Redis less)."""
-    return bytes.fromhex(digest)
+def _classify(group: list[_Pending], known: str) -> tuple[list[_Pending], int, list[_Pending]]:
+    """Split by lookup_ids's answer: (not queued yet, how many are queued already, queued with other content)."""
+    if known.count(ID_NEW) == len(group):
+        return group, 0, []
+    fresh = [pending for pending, k in zip(group, known) if k == ID_NEW]
+    conflicts = [pending for pending, k in zip(group, known) if k == ID_OTHER]
+    return fresh, known.count(ID_SAME), conflicts
 
 
 def _conflict(row: Row, where: str) -> Rejected:

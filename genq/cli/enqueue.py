@@ -11,10 +11,8 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import click
-import msgspec
 import redis
 
 from genq.cli import settings
@@ -25,11 +23,12 @@ from genq.core.redisconn import connect, describe_error
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
 from genq.producer.params import ParamError, check_params
+from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
 from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
 
 EXIT_REJECTED = 3
-SHOWN_REJECTS = 20  # reasons printed; the rejects file has them all
+SHOWN_REJECTS = SHOWN  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -103,14 +102,21 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
-        summary = _run(conn, config, create, input_uri, rows, reference)
+        rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
+        try:
+            summary = _run(conn, config, create, input_uri, rows, reference, rejects)
+        except BaseException:
+            rejects.discard()
+            raise
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
     if summary.read == 0:
-        _nothing_valid(summary, input_uri)
-    _report(summary, os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
+        rejects.discard()
+        _nothing_valid(summary, rejects, input_uri)
+    rejects.close()
+    _report(summary, rejects)
     if summary.rejected:
         sys.exit(EXIT_REJECTED)
 
@@ -166,7 +172,7 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
 
 
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected], reference: str | None) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
 
@@ -175,7 +181,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             rate = summary.read / max(time.monotonic() - started, 1e-9)
             click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config, create=create, reference=reference).run(rows, on_progress=progress)
+    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference).run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
@@ -187,18 +193,18 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
     return summary
 
 
-def _nothing_valid(summary: EnqueueSummary, input_uri: str) -> None:
+def _nothing_valid(summary: EnqueueSummary, rejects: RejectsFile, input_uri: str) -> None:
     """No valid line: a plain error, and nothing written (no job, no rejects file)."""
     if not summary.rejected:
         raise click.ClickException(f"{input_uri} has no prompts (it is empty): nothing queued, no job created")
-    _show_reasons(summary.rejected, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
+    _show_reasons(rejects, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
     raise click.ClickException(
-        f"no valid line in {input_uri} ({len(summary.rejected):,} rejected, reasons above): nothing queued, "
+        f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing queued, "
         "no job created. Input is JSONL, one object a line (see `genq enqueue --help`)."
     )
 
 
-def _report(summary: EnqueueSummary, rejects_path: str) -> None:
+def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.converted:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
@@ -208,22 +214,17 @@ def _report(summary: EnqueueSummary, rejects_path: str) -> None:
         click.echo(f"  skipped {summary.skipped_duplicate:,} repeated lines (same id and content earlier in this input)")
     if not summary.rejected:
         return
-    summary.rejected.sort(key=lambda r: r.line)  # endpoint and duplicate checks come later than parsing
-    try:
-        Path(rejects_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(rejects_path, "wb") as out:
-            for rejected in summary.rejected:
-                out.write(msgspec.json.encode(rejected) + b"\n")
-        where = f"written to {rejects_path}"
-    except OSError as exc:
-        where = f"NOT written ({exc}; give another place with --rejects)"
-    click.echo(f"  rejected {len(summary.rejected):,} lines, {where}:", err=True)
-    _show_reasons(summary.rejected, rejects_path)
+    if rejects.error is None:
+        where = f"written to {rejects.path}"
+    else:
+        where = f"NOT written ({rejects.error}; give another place with --rejects)"
+    click.echo(f"  rejected {summary.rejected:,} lines, {where}:", err=True)
+    _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 
-def _show_reasons(rejected: list[Rejected], rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
-    for item in rejected[:limit]:
+def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
+    for item in rejects.first[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
-    if len(rejected) > limit:
+    if rejects.count > limit:
         more = f" (see {rejects_path})" if rejects_path else ""
-        click.echo(f"    ... and {len(rejected) - limit:,} more{more}", err=True)
+        click.echo(f"    ... and {rejects.count - limit:,} more{more}", err=True)
