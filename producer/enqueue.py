@@ -20,9 +20,12 @@ queued are held. A batch is stored inline (its prompts compressed) or, with
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import redis
@@ -36,7 +39,8 @@ from genq.producer.rejects import RejectsFile
 from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
 
 READ_CHUNK = 8192  # rows read before queueing what is ready
-GROUP_BATCHES = 64  # batches per transaction: keeps a MULTI a sensible size
+READ_AHEAD = 2  # chunks the reading thread may have ready: bounds the rows held
+GROUP_BATCHES = 32  # batches per transaction: keeps a MULTI a sensible size (and the rows held)
 
 
 class JobConflict(ValueError):
@@ -75,7 +79,10 @@ class Enqueuer:
         self._pending: list[_Pending] = []
 
     def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
-        for chunk in _chunks(rows, READ_CHUNK):
+        """Queue `rows`. They are read, checked and digested in a thread of their own, a chunk ahead
+        of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing."""
+        endpoint, by_reference = self.config.endpoint, self.reference is not None
+        for chunk in _read_ahead(_chunks(rows, READ_CHUNK), lambda c: _prepare(c, endpoint, by_reference)):
             self._add_chunk(chunk)
             self._flush(final=False)
             # Every reject still to come is of a pending row or a later line.
@@ -90,24 +97,15 @@ class Enqueuer:
         self.summary.rejected += 1
         self.rejects.add(rejected)
 
-    def _add_chunk(self, rows: list[Row | Rejected]) -> None:
-        endpoint, by_reference, pending = self.config.endpoint, self.reference is not None, self._pending
-        read = converted = 0
-        for row in rows:
-            if isinstance(row, Rejected):
-                self._reject(row)
-                continue
-            prompt = row.prompt
-            try:
-                if fit_endpoint(prompt, endpoint):
-                    converted += 1
-            except RowError as exc:
-                self._reject(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
-                continue
-            if by_reference and row.start < 0:
-                raise ValueError("by-reference batches need an uncompressed JSONL input")
-            read += 1
-            pending.append((row, claim_digest(prompt)))
+    def _add_chunk(self, prepared: tuple[list[_Pending | Rejected], int]) -> None:
+        items, converted = prepared
+        pending, read = self._pending, 0
+        for item in items:
+            if isinstance(item, Rejected):
+                self._reject(item)
+            else:
+                pending.append(item)
+                read += 1
         self.summary.read += read
         self.summary.converted += converted
 
@@ -224,6 +222,66 @@ def _conflict(row: Row, where: str) -> Rejected:
         reason=f"duplicate id {row.prompt.id!r} with different content ({where})",
         text=row.text(),
     )
+
+
+def _prepare(rows: list[Row | Rejected], endpoint: str, by_reference: bool) -> tuple[list[_Pending | Rejected], int]:
+    """Fit each row to the job's endpoint and digest it (or reject it); and how many were converted."""
+    out: list[_Pending | Rejected] = []
+    converted = 0
+    for row in rows:
+        if isinstance(row, Rejected):
+            out.append(row)
+            continue
+        prompt = row.prompt
+        try:
+            if fit_endpoint(prompt, endpoint):  # type: ignore[arg-type]
+                converted += 1
+        except RowError as exc:
+            out.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
+            continue
+        if by_reference and row.start < 0:
+            raise ValueError("by-reference batches need an uncompressed JSONL input")
+        out.append((row, claim_digest(prompt)))
+    return out, converted
+
+
+def _read_ahead(chunks: Iterator[list[Row | Rejected]], prepare: Callable[[list[Row | Rejected]], Any]) -> Iterator[Any]:
+    """prepare(chunk) for each chunk, computed in a thread at most READ_AHEAD chunks ahead of the
+    consumer; its exceptions are raised here, and it stops when the consumer does."""
+    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=READ_AHEAD)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for chunk in chunks:
+                if not put(("chunk", prepare(chunk))):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            put(("error", exc))
+
+    thread = threading.Thread(target=read, name="genq-enqueue-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = ready.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _chunks(rows: Iterable[Row | Rejected], size: int) -> Iterator[list[Row | Rejected]]:
