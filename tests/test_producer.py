@@ -109,3 +109,41 @@ def test_redis_password_is_masked_in_errors(tmp_path):
     assert proc.returncode == 1
     assert "s3cret" not in proc.stdout + proc.stderr
     assert "redis://user:***@127.0.0.1:1/0" in proc.stderr
+
+
+def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
+    """The rejects file grows while the input is read (the producer does not hold every reject
+    until the end: an input of mostly bad lines would not fit), and still comes out sorted by
+    line, a duplicate id found in Redis a group later included."""
+    from genq.core.records import JobConfig
+    from genq.producer.enqueue import Enqueuer
+    from genq.producer.rejects import RejectsFile
+    from genq.producer.sources import _parse_lines
+
+    n, seen_while_reading = 60_000, []
+    path = tmp_path / "rejects" / "in.rejects.jsonl"
+
+    def lines():
+        for i in range(1, n + 1):
+            if i % 10 == 0:
+                yield b"{bad\n"
+            elif i == 40_001:  # the id of line 1 again, other content: queued earlier, found in Redis
+                yield json.dumps({"id": "p1", "prompt": "other"}).encode() + b"\n"
+            else:
+                yield json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}).encode() + b"\n"
+            if i == n:
+                partial = path.with_name(path.name + ".partial")
+                seen_while_reading.extend(partial.read_bytes().splitlines() if partial.exists() else [])
+
+    rejects = RejectsFile(str(path))
+    config = JobConfig(name="streamed", output=str(tmp_path / "out"), batch_size=100)
+    summary = Enqueuer(rconn, config, create=True, rejects=rejects).run(_parse_lines(lines()))
+    rejects.close()
+    assert len(seen_while_reading) >= 1_000  # rejects of early lines were on disk before the last line was read
+    written = [msgspec.json.decode(line, type=Rejected) for line in path.read_bytes().splitlines()]
+    assert summary.rejected == rejects.count == len(written) == n // 10 + 1
+    assert [r.line for r in written] == sorted(r.line for r in written)
+    assert "duplicate id 'p1'" in next(r.reason for r in written if r.line == 40_001)
+    assert [r.line for r in rejects.first] == [r.line for r in written[:len(rejects.first)]]
+    assert not path.with_name(path.name + ".partial").exists()
+    assert summary.enqueued == n - n // 10 - 1
