@@ -13,8 +13,8 @@ non-overlapping pieces, so nothing repeats within a batch), then times one
   in the input's size when the producer's memory is bounded.
 
 Runs: inline from a local file, by reference from a local file, by reference from
-moto's S3 (the input uploaded first, not timed). moto's server fails to assemble an
-object over 2 GiB (HTTP 500 on CompleteMultipartUpload), so on S3 the same lines are
+moto's S3 (the input uploaded first, not timed). moto's server answered HTTP 500 to the
+CompleteMultipartUpload of a 2.2 GB object (objects over 2 GiB, presumably), so on S3 the same lines are
 cut into objects of at most S3_OBJECT_BYTES, enqueued one after the other into the same
 job: the time is their sum, the RSS the highest. Targets (exit 1 on a miss):
 by reference <= 150 bytes of Redis per queued prompt; inline <= 0.5 x the input's
