@@ -10,24 +10,37 @@ re-reads the ids and skips the ones the winner queued), and a crash can never
 leave ids claimed without the batches that run them. The job's config is
 written in the transaction of its first batches, so an enqueue that queues
 nothing (missing input, empty file, every line rejected) creates nothing.
+
+Memory is bounded whatever the input's size: rows are read a chunk at a time and
+the dedupe lives in Redis (keys.job_ids); only the rows of the group being
+queued are held. A batch is stored inline (its prompts compressed) or, with
+`reference` set, as the byte range of the input that holds its lines
+(genq.producer.batchinput reads it back on the worker).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import redis
 
+from genq.core import batches as batch_records
 from genq.core import keys
-from genq.core.queueing import batch_id, stage_config, write_batches
-from genq.core.records import Batch, JobConfig, Rejected, unpack
-from genq.producer.rows import Row, RowError, content_digest, fit_endpoint
+from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, batch_id, lookup_ids, stage_config, write_batches
+from genq.core.records import BatchSource, InputRange, JobConfig, Rejected, unpack
+from genq.producer.batchinput import range_digest, row_digest_items
+from genq.producer.rejects import RejectsFile
+from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
 
 READ_CHUNK = 8192  # rows read before queueing what is ready
-GROUP_BATCHES = 64  # batches per transaction: keeps a MULTI a sensible size
+READ_AHEAD = 2  # chunks the reading thread may have ready: bounds the rows held
+GROUP_BATCHES = 32  # batches per transaction: keeps a MULTI a sensible size (and the rows held)
 
 
 class JobConflict(ValueError):
@@ -41,59 +54,60 @@ class EnqueueSummary:
     batches: int = 0
     converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
     skipped_existing: int = 0  # already queued or done in an earlier run
-    skipped_duplicate: int = 0  # same id, same content, twice in this input
-    rejected: list[Rejected] = field(default_factory=list)
+    skipped_duplicate: int = 0  # same id, same content, twice in this input (close together; farther
+    # apart the second is counted in skipped_existing: the dedupe is Redis's, not this process's)
+    rejected: int = 0  # lines written to the rejects file
     created: bool = False  # this run created the job
 
 
-@dataclass
-class _Pending:
-    row: Row
-    digest: str
+_Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_digest)
 
 
 class Enqueuer:
-    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool) -> None:
-        """create: the job has no stored config yet; it is stored with the first batches."""
+    def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
+                 reference: str | None = None) -> None:
+        """create: the job has no stored config yet; it is stored with the first batches.
+        rejects: where rejected lines go as they are found (the caller closes or discards it).
+        reference: the input's URI as workers read it (s3://... or an absolute path) to queue
+        batches by reference; None stores the prompts inline."""
         self.conn = conn
+        self.rejects = rejects
         self.config = config
+        self.reference = reference
         self.summary = EnqueueSummary()
         self._create = create
-        self._seen: dict[str, str] = {}  # id -> digest within this run
         self._pending: list[_Pending] = []
 
     def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
-        for chunk in _chunks(rows, READ_CHUNK):
+        """Queue `rows`. They are read, checked and digested in a thread of their own, a chunk ahead
+        of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing."""
+        endpoint, by_reference = self.config.endpoint, self.reference is not None
+        for chunk in _read_ahead(_chunks(rows, READ_CHUNK), lambda c: _prepare(c, endpoint, by_reference)):
             self._add_chunk(chunk)
             self._flush(final=False)
+            # Every reject still to come is of a pending row or a later line.
+            self.rejects.release(self._pending[0][0].prompt.index + 1 if self._pending else None)
             if on_progress:
                 on_progress(self.summary)
         self._flush(final=True)
+        self.rejects.release(None)
         return self.summary
 
-    def _add_chunk(self, rows: list[Row | Rejected]) -> None:
-        for row in rows:
-            if isinstance(row, Rejected):
-                self.summary.rejected.append(row)
-                continue
-            prompt = row.prompt
-            try:
-                if fit_endpoint(prompt, self.config.endpoint):
-                    self.summary.converted += 1
-            except RowError as exc:
-                self.summary.rejected.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
-                continue
-            self.summary.read += 1
-            digest = content_digest(prompt)
-            earlier = self._seen.get(prompt.id)
-            if earlier is not None:
-                if earlier == digest:
-                    self.summary.skipped_duplicate += 1
-                else:
-                    self.summary.rejected.append(_conflict(row, "earlier in this input"))
-                continue
-            self._seen[prompt.id] = digest
-            self._pending.append(_Pending(row, digest))
+    def _reject(self, rejected: Rejected) -> None:
+        self.summary.rejected += 1
+        self.rejects.add(rejected)
+
+    def _add_chunk(self, prepared: tuple[list[_Pending | Rejected], int]) -> None:
+        items, converted = prepared
+        pending, read = self._pending, 0
+        for item in items:
+            if isinstance(item, Rejected):
+                self._reject(item)
+            else:
+                pending.append(item)
+                read += 1
+        self.summary.read += read
+        self.summary.converted += converted
 
     def _flush(self, final: bool) -> None:
         size = self.config.batch_size
@@ -109,6 +123,7 @@ class Enqueuer:
 
     def _commit(self, group: list[_Pending], final: bool) -> list[_Pending]:
         """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
+        group = self._unique(group)
         job = self.config.name
         ids_key = keys.job_ids(job)
         with self.conn.pipeline(transaction=True) as pipe:
@@ -117,18 +132,18 @@ class Enqueuer:
                     pipe.watch(ids_key, keys.job_batch_seq(job), keys.job_config(job))
                     if self._create:
                         self._check_created_meanwhile(pipe)
-                    known = pipe.hmget(ids_key, [p.row.prompt.id for p in group])
+                    known = lookup_ids(pipe, job, [(row.prompt.id, digest) for row, digest in group])
                     fresh, existing, conflicts = _classify(group, known)
                     size = self.config.batch_size
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
                     if taking:
-                        batches = self._batches(pipe, [p.row.prompt for p in taking])
+                        batches = self._batches(pipe, [row for row, _ in taking])
                         pipe.multi()
                         if self._create:
                             stage_config(pipe, self.config)
                         pipe.set(keys.job_batch_seq(job), int(batches[-1].id[1:]))
-                        write_batches(pipe, self.conn, batches, {p.row.prompt.id: p.digest for p in taking})
+                        write_batches(pipe, self.conn, batches, {row.prompt.id: digest for row, digest in taking})
                         pipe.execute()
                     else:
                         pipe.unwatch()
@@ -142,7 +157,8 @@ class Enqueuer:
         self.summary.enqueued += len(taking)
         self.summary.batches += len(batches)
         self.summary.skipped_existing += existing
-        self.summary.rejected.extend(_conflict(p.row, "in an earlier enqueue of this job") for p in conflicts)
+        for row, _ in conflicts:
+            self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
         return held
 
     def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
@@ -156,24 +172,47 @@ class Enqueuer:
         self.config = stored
         self._create = False
 
-    def _batches(self, pipe: redis.client.Pipeline, prompts: list) -> list[Batch]:
+    def _unique(self, group: list[_Pending]) -> list[_Pending]:
+        """The first row of each id in `group`; repeats are counted or rejected here (the
+        rows held back from an earlier group come first, so the first line of an id wins)."""
+        seen: dict[str, bytes] = {}
+        unique = []
+        for pending in group:
+            row, digest = pending
+            earlier = seen.get(row.prompt.id)
+            if earlier is None:
+                seen[row.prompt.id] = digest
+                unique.append(pending)
+            elif earlier == digest:
+                self.summary.skipped_duplicate += 1
+            else:
+                self._reject(_conflict(row, "earlier in this input"))
+        return unique
+
+    def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
         size = self.config.batch_size
         last = int(pipe.get(keys.job_batch_seq(self.config.name)) or 0)
         created = time.time()
-        return [Batch(job=self.config.name, id=batch_id(last + 1 + n), prompts=prompts[i : i + size], created_at=created)
-                for n, i in enumerate(range(0, len(prompts), size))]
+        return [self._batch(batch_id(last + 1 + n), rows[i : i + size], created)
+                for n, i in enumerate(range(0, len(rows), size))]
+
+    def _batch(self, bid: str, rows: list[Row], created: float) -> BatchSource:
+        job = self.config.name
+        if self.reference is None:
+            return batch_records.inline(job, bid, [r.prompt for r in rows], created)
+        ref = InputRange(uri=self.reference, start=rows[0].start, end=rows[-1].end,
+                         first_line=rows[0].prompt.index + 1, last_line=rows[-1].prompt.index + 1,
+                         digest=range_digest(row_digest_items(rows)))
+        return batch_records.by_reference(job, bid, [r.prompt.id for r in rows], ref, created)
 
 
-def _classify(group: list[_Pending], known: list[bytes | None]) -> tuple[list[_Pending], int, list[_Pending]]:
-    fresh, existing, conflicts = [], 0, []
-    for pending, stored in zip(group, known):
-        if stored is None:
-            fresh.append(pending)
-        elif stored.decode() == pending.digest:
-            existing += 1
-        else:
-            conflicts.append(pending)
-    return fresh, existing, conflicts
+def _classify(group: list[_Pending], known: str) -> tuple[list[_Pending], int, list[_Pending]]:
+    """Split by lookup_ids's answer: (not queued yet, how many are queued already, queued with other content)."""
+    if known.count(ID_NEW) == len(group):
+        return group, 0, []
+    fresh = [pending for pending, k in zip(group, known) if k == ID_NEW]
+    conflicts = [pending for pending, k in zip(group, known) if k == ID_OTHER]
+    return fresh, known.count(ID_SAME), conflicts
 
 
 def _conflict(row: Row, where: str) -> Rejected:
@@ -183,6 +222,66 @@ def _conflict(row: Row, where: str) -> Rejected:
         reason=f"duplicate id {row.prompt.id!r} with different content ({where})",
         text=row.text(),
     )
+
+
+def _prepare(rows: list[Row | Rejected], endpoint: str, by_reference: bool) -> tuple[list[_Pending | Rejected], int]:
+    """Fit each row to the job's endpoint and digest it (or reject it); and how many were converted."""
+    out: list[_Pending | Rejected] = []
+    converted = 0
+    for row in rows:
+        if isinstance(row, Rejected):
+            out.append(row)
+            continue
+        prompt = row.prompt
+        try:
+            if fit_endpoint(prompt, endpoint):  # type: ignore[arg-type]
+                converted += 1
+        except RowError as exc:
+            out.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
+            continue
+        if by_reference and row.start < 0:
+            raise ValueError("by-reference batches need an uncompressed JSONL input")
+        out.append((row, claim_digest(prompt)))
+    return out, converted
+
+
+def _read_ahead(chunks: Iterator[list[Row | Rejected]], prepare: Callable[[list[Row | Rejected]], Any]) -> Iterator[Any]:
+    """prepare(chunk) for each chunk, computed in a thread at most READ_AHEAD chunks ahead of the
+    consumer; its exceptions are raised here, and it stops when the consumer does."""
+    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=READ_AHEAD)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for chunk in chunks:
+                if not put(("chunk", prepare(chunk))):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            put(("error", exc))
+
+    thread = threading.Thread(target=read, name="genq-enqueue-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = ready.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _chunks(rows: Iterable[Row | Rejected], size: int) -> Iterator[list[Row | Rejected]]:

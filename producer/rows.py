@@ -44,6 +44,8 @@ class Row(NamedTuple):
 
     prompt: Prompt
     source: bytes | dict[str, Any]
+    start: int = -1  # a JSONL line's byte range in the (uncompressed) input, for by-reference batches
+    end: int = -1
 
     def text(self) -> str:
         """The whole line, for the rejects file."""
@@ -53,13 +55,18 @@ class Row(NamedTuple):
 
 
 def content_digest(prompt: Prompt) -> str:
-    """Stable digest of what is sent to the server (not of the metadata)."""
-    payload = _canonical.encode([prompt.messages, prompt.prompt, prompt.sampling])
-    return hashlib.sha256(payload).hexdigest()[:16]
+    """Stable digest of what is sent to the server (not of the metadata): 16 hex characters."""
+    return claim_digest(prompt).hex()
 
 
-def parse_line(line_no: int, raw: bytes) -> Row | Rejected | None:
-    """None for a blank line. line_no is 1-based, as editors show it."""
+def claim_digest(prompt: Prompt) -> bytes:
+    """content_digest as the 8 raw bytes enqueue stores in keys.job_ids."""
+    return hashlib.sha256(_canonical.encode([prompt.messages, prompt.prompt, prompt.sampling])).digest()[:8]
+
+
+def parse_line(line_no: int, raw: bytes, start: int = -1) -> Row | Rejected | None:
+    """None for a blank line. line_no is 1-based, as editors show it; start is the line's
+    byte offset in the input (kept in the Row, with its end, for by-reference batches)."""
     if len(raw) > MAX_LINE_BYTES:
         return _reject(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
     stripped = raw.strip()
@@ -70,7 +77,7 @@ def parse_line(line_no: int, raw: bytes) -> Row | Rejected | None:
     except msgspec.DecodeError as exc:
         return _reject(line_no, f"invalid JSON: {exc}", raw)
     try:
-        return Row(row_to_prompt(line_no, obj), stripped)
+        return Row(row_to_prompt(line_no, obj), stripped, start, start + len(raw) if start >= 0 else -1)
     except RowError as exc:
         return _reject(line_no, str(exc), raw)
 

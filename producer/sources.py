@@ -44,8 +44,10 @@ def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMa
 
 
 def _parse_lines(lines: Iterator[bytes]) -> Iterator[Row | Rejected]:
+    offset = 0
     for line_no, raw in enumerate(lines, start=1):
-        row = parse_line(line_no, raw)
+        row = parse_line(line_no, raw, offset)
+        offset += len(raw)
         if row is not None:
             yield row
 

@@ -10,12 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from genq.core import keys
-from genq.core.queueing import load_batch
 from genq.core.records import DeadLetter, Result, Usage, unpack
 from genq.output.local import LocalSink
 from genq.output.sink import shard_bytes
 from tests.audit import audit
-from tests.conftest import read_results, run_genq
+from tests.conftest import batch_prompts, read_results, run_genq
 
 
 def result(pid: str, index: int, batch: str, job: str = "hand", **extra) -> Result:
@@ -190,7 +189,7 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
     assert "line 5: 'messages' must be a non-empty list" in proc.stderr
     assert "line 10: messages[0] has no 'content'" in proc.stderr
     assert (out / "pqjob" / "rejects" / "chats.rejects.jsonl").exists()
-    prompt = load_batch(rconn, "pqjob", "b0000001").prompts[1]
+    prompt = batch_prompts(rconn, "pqjob", "b0000001")[1]
     # Parquet's null struct fields are dropped; other columns are metadata; the
     # unmapped "prompt" column is left out rather than taken for the request.
     assert prompt.id == "u001" and prompt.index == 1
@@ -216,7 +215,7 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
                     redis_url=redis_url, check=False)
     assert proc.returncode == 3 and "queued 1 prompts" in proc.stdout
     assert "line 2: 'messages' is a string but not JSON" in proc.stderr
-    assert load_batch(rconn, "pqjson", "b0000001").prompts[0].messages == [{"role": "user", "content": "hi"}]
+    assert batch_prompts(rconn, "pqjson", "b0000001")[0].messages == [{"role": "user", "content": "hi"}]
 
 
 def test_openai_batch_lines_for_completions_and_errors_without_an_http_answer():

@@ -21,10 +21,10 @@ import msgspec
 import pytest
 
 from genq.core import keys
-from genq.core.queueing import fetch_rq_jobs, load_batch, rq_queue
+from genq.core.queueing import fetch_rq_jobs, rq_queue
 from genq.core.records import BatchRef, Rejected, WorkerStatus, pack
 from genq.core.redisconn import mask_url
-from tests.conftest import ROOT, descendants, free_port, genq_cmd, run_genq, write_prompts
+from tests.conftest import ROOT, batch_prompts, descendants, free_port, genq_cmd, run_genq, write_prompts
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -36,7 +36,7 @@ def _lines(path: Path, rows: list) -> Path:
 
 def _stored_prompts(rconn, job: str) -> list:
     ids = [b.decode() for b in rconn.zrange(keys.job_batches(job), 0, -1)]
-    return [p for bid in ids for p in load_batch(rconn, job, bid).prompts]
+    return [p for bid in ids for p in batch_prompts(rconn, job, bid)]
 
 
 def _rejects(path: Path) -> list[Rejected]:

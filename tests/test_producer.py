@@ -9,9 +9,9 @@ import sys
 import msgspec
 
 from genq.core import keys
-from genq.core.queueing import load_batch, rq_queue
+from genq.core.queueing import rq_queue
 from genq.core.records import Rejected
-from tests.conftest import run_genq, write_prompts
+from tests.conftest import batch_prompts, run_genq, write_prompts
 
 
 def test_enqueue_batches_prompts_into_rq_jobs(redis_url, rconn, tmp_path):
@@ -23,10 +23,10 @@ def test_enqueue_batches_prompts_into_rq_jobs(redis_url, rconn, tmp_path):
     queue = rq_queue(rconn)
     assert queue.count == 3
     batch_ids = [b.decode() for b in rconn.zrange(keys.job_batches("j1"), 0, -1)]
-    batches = [load_batch(rconn, "j1", bid) for bid in batch_ids]
-    assert [len(b.prompts) for b in batches] == [4, 4, 2]
-    assert [p.id for b in batches for p in b.prompts] == ids
-    assert batches[0].prompts[0].metadata == {"source": "unit"}
+    batches = [batch_prompts(rconn, "j1", bid) for bid in batch_ids]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [p.id for b in batches for p in b] == ids
+    assert batches[0][0].metadata == {"source": "unit"}
     # RQ carries references, not prompts.
     assert {tuple(j.args) for j in queue.get_jobs()} == {("j1", bid) for bid in batch_ids}
     assert int(rconn.hget(keys.job_stats("j1"), "total")) == 10
@@ -85,8 +85,7 @@ def test_malformed_lines_are_reported_kept_aside_and_do_not_stop_valid_ones(redi
     assert "over the" in by_line[7]
     assert "'sampling' must be an object" in by_line[11]
     assert "line 2: invalid JSON" in proc.stderr
-    batch = load_batch(rconn, "j3", "b0000001")
-    prompts = {p.id: p for p in batch.prompts}
+    prompts = {p.id: p for p in batch_prompts(rconn, "j3", "b0000001")}
     assert set(prompts) == {"ok1", "r1", next(i for i in prompts if i not in ("ok1", "r1"))}
     assert prompts["r1"].custom_id == "r1" and prompts["r1"].sampling == {"max_tokens": 7}
     hashed = next(p for i, p in prompts.items() if i not in ("ok1", "r1"))
@@ -110,3 +109,41 @@ def test_redis_password_is_masked_in_errors(tmp_path):
     assert proc.returncode == 1
     assert "s3cret" not in proc.stdout + proc.stderr
     assert "redis://user:***@127.0.0.1:1/0" in proc.stderr
+
+
+def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
+    """The rejects file grows while the input is read (the producer does not hold every reject
+    until the end: an input of mostly bad lines would not fit), and still comes out sorted by
+    line, a duplicate id found in Redis a group later included."""
+    from genq.core.records import JobConfig
+    from genq.producer.enqueue import Enqueuer
+    from genq.producer.rejects import RejectsFile
+    from genq.producer.sources import _parse_lines
+
+    n, seen_while_reading = 60_000, []
+    path = tmp_path / "rejects" / "in.rejects.jsonl"
+
+    def lines():
+        for i in range(1, n + 1):
+            if i % 10 == 0:
+                yield b"{bad\n"
+            elif i == 40_001:  # the id of line 1 again, other content: queued earlier, found in Redis
+                yield json.dumps({"id": "p1", "prompt": "other"}).encode() + b"\n"
+            else:
+                yield json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}).encode() + b"\n"
+            if i == n:
+                partial = path.with_name(path.name + ".partial")
+                seen_while_reading.extend(partial.read_bytes().splitlines() if partial.exists() else [])
+
+    rejects = RejectsFile(str(path))
+    config = JobConfig(name="streamed", output=str(tmp_path / "out"), batch_size=100)
+    summary = Enqueuer(rconn, config, create=True, rejects=rejects).run(_parse_lines(lines()))
+    rejects.close()
+    assert len(seen_while_reading) >= 1_000  # rejects of early lines were on disk before the last line was read
+    written = [msgspec.json.decode(line, type=Rejected) for line in path.read_bytes().splitlines()]
+    assert summary.rejected == rejects.count == len(written) == n // 10 + 1
+    assert [r.line for r in written] == sorted(r.line for r in written)
+    assert "duplicate id 'p1'" in next(r.reason for r in written if r.line == 40_001)
+    assert [r.line for r in rejects.first] == [r.line for r in written[:len(rejects.first)]]
+    assert not path.with_name(path.name + ".partial").exists()
+    assert summary.enqueued == n - n // 10 - 1

@@ -14,9 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from genq.core import keys
-from genq.core.queueing import load_batch
 from genq.core.records import ShardInfo, unpack
-from tests.conftest import run_genq, wait_until
+from tests.conftest import batch_prompts, run_genq, wait_until
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 
 BUCKET = "genq-test"
@@ -187,8 +186,7 @@ def test_enqueue_parquet_from_s3_with_column_mapping(moto, redis_url, rconn, tmp
     assert "line 1701: 'prompt' must be a non-empty string" in proc.stderr
     rejected = [json.loads(line) for line in (tmp_path / "rej.jsonl").read_text().splitlines()]
     assert [r["line"] for r in rejected] == [1701] and '"row1700"' in rejected[0]["text"]
-    batch = load_batch(rconn, "pq", "b0000002")
-    first = batch.prompts[0]
+    first = batch_prompts(rconn, "pq", "b0000002")[0]
     assert (first.id, first.index, first.prompt, first.metadata) == ("row1000", 1000, "complete this 1000",
                                                                      {"source": "wiki"})
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 
-from genq.core import keys, ledger
-from genq.core.records import Batch, BatchRef, DeadLetter, Result, ShardInfo, pack, unpack, with_prompt
+from genq.core import batches, keys, ledger
+from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, pack, unpack, with_prompt
 from genq.output.sink import open_sink, shard_bytes
 from genq.worker.held import HeldBatch
 from genq.worker.leases import retrying
@@ -89,9 +89,9 @@ class Completer:
             done, raw_batch, raw_results = await pipe.execute()
         if done or not raw_batch:
             return None
-        prompts = held.prompts or unpack(raw_batch, Batch).prompts
-        by_id = {p.id: p for p in prompts}
-        raw_letters = await self.conn.hmget(keys.job_dlq(ref.job), list(by_id))
+        by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
+        ids = list(by_id) if by_id else batches.ids(batches.decode(raw_batch))
+        raw_letters = await self.conn.hmget(keys.job_dlq(ref.job), ids)
         results = []
         for v in raw_results:
             r = unpack(v, Result)

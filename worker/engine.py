@@ -74,7 +74,7 @@ class Engine:
                                  self.hand_back_all,
                                  lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
-                                self.stealer.lease_arrived)
+                                self.stealer.lease_arrived, self.writer.add_dead, self.name)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags, self.held,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,15 +23,17 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
-from genq.core import keys, ledger
+from genq.core import batches, keys, ledger
 from genq.core.queueing import enqueue_batch_jobs
-from genq.core.records import Batch, BatchRef, JobConfig, Prompt, unpack
+from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
 from genq.core.redisconn import connect_async
+from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
 
 log = logging.getLogger("genq.worker")
 
 T = TypeVar("T")
+LOAD_TRIES = 4  # reads of a batch's input (S3, a shared path) before the batch is handed back
 
 
 async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T:
@@ -47,13 +50,16 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 
 class LeaseDesk:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, redis_url: str, instance: str,
-                 held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None]) -> None:
+                 held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None],
+                 add_dead: Callable[[DeadLetter], None], worker: str) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue is synchronous
         self.redis_url = redis_url
         self.instance = instance
         self.held = held
         self.on_batch = on_batch
+        self.add_dead = add_dead  # the result writer's: a batch whose input changed ends in letters
+        self.worker = worker
         self._configs: dict[str, JobConfig] = {}
         self._acquire = conn.register_script(ledger.ACQUIRE)
 
@@ -91,19 +97,52 @@ class LeaseDesk:
         if config is None or raw is None:
             await self.reply(token, b"done")
             return
-        batch = unpack(raw, Batch)
-        ids = [p.id for p in batch.prompts]
+        source = batches.decode(raw)
+        ids = batches.ids(source)
         async with self.conn.pipeline(transaction=True) as pipe:
             pipe.hkeys(keys.batch_results(ref.job, ref.batch))
             pipe.hmget(keys.job_dlq(ref.job), ids)
             stored, dead = await pipe.execute()
         finished = {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
-        held = HeldBatch(ref, token, config, size=len(ids), unfinished={i for i in ids if i not in finished},
-                         prompts=batch.prompts)
+        unfinished = {i for i in ids if i not in finished}
+        prompts: list[Prompt] = []
+        changed: str | None = None
+        try:  # every prompt, finished ones too: the shard joins each result with its prompt
+            prompts = await self._load(source, config)
+        except InputChanged as exc:
+            changed = (f"{exc}. To run them: restore the input (or fix it), `genq dlq purge --job {ref.job}`, "
+                       "enqueue it again")
+        except Exception as exc:  # the input is unreachable (S3 down): another try, later or elsewhere
+            log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
+            await self.hand_back(ref, token)
+            return
+        held = HeldBatch(ref, token, config, size=len(ids), unfinished=unfinished, prompts=prompts)
         self.held[ref] = held
         if finished:
             log.info("batch %s: %d of %d prompts already done, not regenerating them", ref, len(finished), len(ids))
-        self.on_batch(held, [p for p in batch.prompts if p.id in held.unfinished])
+        if changed is not None and unfinished:
+            log.error("batch %s: %s; its %d unfinished prompts go to the dead-letter queue", ref, changed,
+                      len(unfinished))
+            for prompt_id in sorted(unfinished):
+                self.add_dead(DeadLetter(id=prompt_id, job=ref.job, batch=ref.batch, attempts=0, kind="input_changed",
+                                         message=changed, worker=self.worker, at=time.time()))
+            return
+        self.on_batch(held, [p for p in prompts if p.id in unfinished])
+
+    async def _load(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
+        """The batch's prompts; a failing read is tried a few times (a blip) before it is given up."""
+        for attempt in range(LOAD_TRIES):
+            try:
+                return await load_prompts(source, config)
+            except InputChanged:
+                raise
+            except Exception as exc:
+                if attempt == LOAD_TRIES - 1:
+                    raise
+                log.warning("batch %s/%s: reading its input failed (%s: %s); retrying", source.job, source.id,
+                            type(exc).__name__, exc)
+                await asyncio.sleep(min(0.5 * 2 ** attempt, 8))
+        raise AssertionError("unreachable")
 
     async def _record_lease(self, token: str, ref: BatchRef, rq_id: str) -> str:
         """ACQUIRE: "ok" (this lease is now the batch's), "done", or "gone" (no record)."""

@@ -24,9 +24,10 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import keys, ledger
+from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
-from genq.core.records import Batch, BatchRef, JobConfig, Prompt, unpack
+from genq.core.records import BatchRef, JobConfig, Prompt, unpack
+from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import LEASE_CHECK_STALE_S, Dispatcher
@@ -142,7 +143,13 @@ class Stealer:
                 self._configs[ref.job] = unpack(raw_config, JobConfig)
             raw = await self.conn.get(keys.batch(ref.job, ref.batch))
             config = self._configs.get(ref.job)
-            self._batches[ref] = None if raw is None or config is None else (config, unpack(raw, Batch).prompts)
+            loaded = None
+            if raw is not None and config is not None:
+                try:
+                    loaded = (config, await load_prompts(batches.decode(raw), config))
+                except Exception as exc:  # unreadable or changed input: its holder deals with it
+                    log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
+            self._batches[ref] = loaded
             while len(self._batches) > BATCHES_CACHED:
                 self._batches.popitem(last=False)
         return self._batches[ref]

@@ -11,10 +11,8 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import click
-import msgspec
 import redis
 
 from genq.cli import settings
@@ -23,12 +21,14 @@ from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected
 from genq.core.redisconn import connect, describe_error
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
+from genq.producer.files import is_s3
 from genq.producer.params import ParamError, check_params
+from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, open_rows
+from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
 
 EXIT_REJECTED = 3
-SHOWN_REJECTS = 20  # reasons printed; the rejects file has them all
+SHOWN_REJECTS = SHOWN  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -54,9 +54,14 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--id-column", default=None, metavar="COL", help="Parquet input: the column holding the row id. [default: 'id' if present, else a content hash]")
 @click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where rejected lines are written. [default: OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl; "
               "./genq-rejects/JOB/NAME.rejects.jsonl for s3:// output]")
+@click.option("--input-by-reference/--input-inline", "by_reference", default=None,
+              help="By reference: Redis holds each batch's line range of INPUT, not its prompts, and workers read "
+                   "that range themselves (a ranged GET on S3; for a local path, every worker must be able to read "
+                   "it at the same absolute path). Needs uncompressed JSONL. Inline: the prompts go into Redis, "
+                   "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
-            prompt_column: str | None, id_column: str | None, **options: object) -> None:
+            prompt_column: str | None, id_column: str | None, by_reference: bool | None, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -94,16 +99,24 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
+        reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
-        summary = _run(conn, config, create, input_uri, rows)
+        rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
+        try:
+            summary = _run(conn, config, create, input_uri, rows, reference, rejects)
+        except BaseException:
+            rejects.discard()
+            raise
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
     if summary.read == 0:
-        _nothing_valid(summary, input_uri)
-    _report(summary, os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
+        rejects.discard()
+        _nothing_valid(summary, rejects, input_uri)
+    rejects.close()
+    _report(summary, rejects)
     if summary.rejected:
         sys.exit(EXIT_REJECTED)
 
@@ -144,8 +157,22 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     return stored, False
 
 
+def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
+    """The input as workers will read it when its batches are queued by reference; None for inline."""
+    plain_jsonl = not (is_parquet(input_uri) or input_uri.endswith(".gz"))
+    if by_reference is None:
+        by_reference = is_s3(input_uri) and plain_jsonl
+    if not by_reference:
+        return None
+    if not plain_jsonl:
+        raise ValueError(f"--input-by-reference needs an uncompressed JSONL input (workers read byte ranges of it); "
+                         f"{input_uri} is {'Parquet' if is_parquet(input_uri) else 'gzip-compressed'}: "
+                         "use --input-inline, or decompress it")
+    return input_uri if is_s3(input_uri) else os.path.abspath(input_uri)
+
+
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected]) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
 
@@ -154,29 +181,30 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             rate = summary.read / max(time.monotonic() - started, 1e-9)
             click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config, create=create).run(rows, on_progress=progress)
+    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference).run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
+        mode = f"by reference to {reference}" if reference else "inline"
         click.echo(
-            f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches "
+            f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches ({mode}) "
             f"from {input_uri} in {time.monotonic() - started:.1f}s"
         )
     return summary
 
 
-def _nothing_valid(summary: EnqueueSummary, input_uri: str) -> None:
+def _nothing_valid(summary: EnqueueSummary, rejects: RejectsFile, input_uri: str) -> None:
     """No valid line: a plain error, and nothing written (no job, no rejects file)."""
     if not summary.rejected:
         raise click.ClickException(f"{input_uri} has no prompts (it is empty): nothing queued, no job created")
-    _show_reasons(summary.rejected, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
+    _show_reasons(rejects, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
     raise click.ClickException(
-        f"no valid line in {input_uri} ({len(summary.rejected):,} rejected, reasons above): nothing queued, "
+        f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing queued, "
         "no job created. Input is JSONL, one object a line (see `genq enqueue --help`)."
     )
 
 
-def _report(summary: EnqueueSummary, rejects_path: str) -> None:
+def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.converted:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
@@ -186,22 +214,17 @@ def _report(summary: EnqueueSummary, rejects_path: str) -> None:
         click.echo(f"  skipped {summary.skipped_duplicate:,} repeated lines (same id and content earlier in this input)")
     if not summary.rejected:
         return
-    summary.rejected.sort(key=lambda r: r.line)  # endpoint and duplicate checks come later than parsing
-    try:
-        Path(rejects_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(rejects_path, "wb") as out:
-            for rejected in summary.rejected:
-                out.write(msgspec.json.encode(rejected) + b"\n")
-        where = f"written to {rejects_path}"
-    except OSError as exc:
-        where = f"NOT written ({exc}; give another place with --rejects)"
-    click.echo(f"  rejected {len(summary.rejected):,} lines, {where}:", err=True)
-    _show_reasons(summary.rejected, rejects_path)
+    if rejects.error is None:
+        where = f"written to {rejects.path}"
+    else:
+        where = f"NOT written ({rejects.error}; give another place with --rejects)"
+    click.echo(f"  rejected {summary.rejected:,} lines, {where}:", err=True)
+    _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 
-def _show_reasons(rejected: list[Rejected], rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
-    for item in rejected[:limit]:
+def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
+    for item in rejects.first[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
-    if len(rejected) > limit:
+    if rejects.count > limit:
         more = f" (see {rejects_path})" if rejects_path else ""
-        click.echo(f"    ... and {len(rejected) - limit:,} more{more}", err=True)
+        click.echo(f"    ... and {rejects.count - limit:,} more{more}", err=True)

@@ -8,12 +8,14 @@ import click
 import redis
 
 from genq.cli import settings
+from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import load_batch, load_config
-from genq.core.records import DeadLetter, unpack
+from genq.core.records import DeadLetter, Prompt, unpack
 from genq.core.redisconn import connect, describe_error, mask_url
 from genq.output import export as exporting
 from genq.output.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name
+from genq.producer.batchinput import read_prompts
 
 
 @click.command()
@@ -95,12 +97,17 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
         if batch is None:
             continue
         done = set(conn.hkeys(keys.batch_results(job, entry.batch)))
-        for prompt in batch.prompts:
-            if prompt.id in dead or prompt.id.encode() in done:
+        config = load_config(conn, job)
+        try:
+            prompts: dict[str, Prompt | None] = {p.id: p for p in read_prompts(batch, config)} if config else {}
+        except Exception:  # its input is gone or unreadable: the letters carry the ids alone
+            prompts = {}
+        for prompt_id in batch_records.ids(batch):
+            if prompt_id in dead or prompt_id.encode() in done:
                 continue
-            letters.append(DeadLetter(id=prompt.id, job=job, batch=entry.batch, attempts=entry.attempts,
+            letters.append(DeadLetter(id=prompt_id, job=job, batch=entry.batch, attempts=entry.attempts,
                                       kind=entry.kind, message=entry.message, worker=entry.worker, at=entry.at,
-                                      prompt=prompt))
+                                      prompt=prompts.get(prompt_id)))
     return letters
 
 

@@ -1,6 +1,7 @@
 """Batches in Redis and their RQ jobs: the only code that creates either.
 
-A batch's prompts live in one msgpack value under keys.batch(); the RQ job that
+A batch's record (records.BatchSource: its prompts compressed, or a reference to the
+input lines that hold them; genq.core.batches) lives under keys.batch(); the RQ job that
 carries it holds only (job name, batch id), JSON-serialized (no pickle: whoever can
 write Redis must not be able to make a worker unpickle arbitrary bytes).
 
@@ -21,8 +22,51 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from genq.core import batches as batch_records
 from genq.core import keys
-from genq.core.records import Batch, JobConfig, Prompt, pack, unpack
+from genq.core.records import BatchSource, JobConfig, Prompt, pack, unpack
+
+# keys.job_ids maps each queued id to its content digest (8 raw bytes; genq 0.1 wrote 16 hex
+# characters). Enqueue looks up and claims ids thousands at a time with two arguments, the ids
+# (a msgpack list) and their digests (8 bytes each, one after the other), not two Redis
+# arguments per id (packing those was a third of the producer's time). The lookup answers
+# one character per id: "0" not queued, "1" queued with this content, "2" with other content.
+ID_NEW, ID_SAME, ID_OTHER = "0", "1", "2"
+_LOOKUP_IDS = """
+local ids, digests = cmsgpack.unpack(ARGV[1]), ARGV[2]
+local out = {}
+for first = 1, #ids, 1000 do
+  local last = math.min(first + 999, #ids)
+  local stored = redis.call('HMGET', KEYS[1], unpack(ids, first, last))
+  for i = first, last do
+    local v = stored[i - first + 1]
+    if not v then
+      out[i] = '0'
+    else
+      local digest = digests:sub(i * 8 - 7, i * 8)
+      if v == digest or (#v == 16 and v == (digest:gsub('.', function(c)
+          return string.format('%02x', c:byte()) end))) then
+        out[i] = '1'
+      else
+        out[i] = '2'
+      end
+    end
+  end
+end
+return table.concat(out)
+"""
+_CLAIM_IDS = """
+local ids, digests = cmsgpack.unpack(ARGV[1]), ARGV[2]
+for first = 1, #ids, 500 do
+  local args = {}
+  for i = first, math.min(first + 499, #ids) do
+    args[#args + 1] = ids[i]
+    args[#args + 1] = digests:sub(i * 8 - 7, i * 8)
+  end
+  redis.call('HSET', KEYS[1], unpack(args))
+end
+return #ids
+"""
 
 RUN_BATCH = "genq.worker.rqjob.run_batch"
 # Jobs queued by genq 0.1 name this function (and were pickled): they are not run;
@@ -60,9 +104,10 @@ def list_jobs(conn: redis.Redis) -> list[str]:
     return sorted(name.decode() for name in conn.smembers(keys.JOBS))
 
 
-def load_batch(conn: redis.Redis, job: str, batch_id: str) -> Batch | None:
+def load_batch(conn: redis.Redis, job: str, batch_id: str) -> BatchSource | None:
+    """The batch's record (its ids: batches.ids; its prompts: genq.producer.batchinput)."""
     raw = conn.get(keys.batch(job, batch_id))
-    return unpack(raw, Batch) if raw else None
+    return batch_records.decode(raw) if raw else None
 
 
 def allocate_batch_ids(conn: redis.Redis, job: str, count: int) -> list[str]:
@@ -78,26 +123,42 @@ def batch_id(seq: int) -> str:
 def write_batches(
     pipe: Pipeline,
     conn: redis.Redis,
-    batches: Sequence[Batch],
-    digests: dict[str, str],
+    batches: Sequence[BatchSource],
+    digests: dict[str, bytes],
     *,
     count_total: bool = True,
 ) -> None:
     """Queue new batches in `pipe` (a MULTI pipeline): records, ids, RQ jobs.
 
-    Everything for a batch goes in the same transaction so a crash never leaves
-    ids marked as queued without a job that will run them.
+    digests (id -> content digest, 8 bytes) are the ids the batches claim in keys.job_ids, all
+    written in the same transaction so a crash never leaves ids marked as queued
+    without a job that will run them.
     """
     for batch in batches:
         pipe.set(keys.batch(batch.job, batch.id), pack(batch))
         seq = int(batch.id[1:])
         pipe.zadd(keys.job_batches(batch.job), {batch.id: seq})
-        if digests:
-            pipe.hset(keys.job_ids(batch.job), mapping={p.id: digests[p.id] for p in batch.prompts})
         if count_total:
-            pipe.hincrby(keys.job_stats(batch.job), "total", len(batch.prompts))
+            pipe.hincrby(keys.job_stats(batch.job), "total", batch.count)
         pipe.hincrby(keys.job_stats(batch.job), "batches", 1)
-    enqueue_batch_jobs(pipe, conn, [(b.job, b.id, len(b.prompts)) for b in batches])
+    if digests and batches:
+        pipe.eval(_CLAIM_IDS, 1, keys.job_ids(batches[0].job), *_id_args(digests.items()))
+    enqueue_batch_jobs(pipe, conn, [(b.job, b.id, b.count) for b in batches])
+
+
+def lookup_ids(conn: redis.Redis | Pipeline, job: str, digests: Iterable[tuple[str, bytes]]) -> str:
+    """One of ID_NEW, ID_SAME, ID_OTHER per (id, 8-byte content digest), in order (on a
+    pipeline under WATCH: in immediate mode, before its MULTI)."""
+    answer = conn.eval(_LOOKUP_IDS, 1, keys.job_ids(job), *_id_args(digests))
+    return answer.decode() if isinstance(answer, bytes) else str(answer)
+
+
+def _id_args(digests: Iterable[tuple[str, bytes]]) -> tuple[bytes, bytes]:
+    pairs = list(digests)
+    ids, values = zip(*pairs) if pairs else ((), ())
+    if any(len(v) != 8 for v in values):
+        raise ValueError("keys.job_ids digests are 8 bytes")
+    return pack(list(ids)), b"".join(values)
 
 
 def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[str, str, int]], *,
@@ -126,9 +187,9 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
     return [j.id for j in rq_jobs]
 
 
-def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int) -> list[Batch]:
-    """Split prompts into batches with freshly allocated ids (not yet written)."""
+def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int) -> list[BatchSource]:
+    """Split prompts into inline batches with freshly allocated ids (not yet written)."""
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     ids = allocate_batch_ids(conn, job, len(chunks)) if chunks else []
     created = time.time()
-    return [Batch(job=job, id=bid, prompts=list(chunk), created_at=created) for bid, chunk in zip(ids, chunks)]
+    return [batch_records.inline(job, bid, chunk, created) for bid, chunk in zip(ids, chunks)]

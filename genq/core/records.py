@@ -47,12 +47,43 @@ class Prompt(msgspec.Struct, omit_defaults=True):
 
 
 class Batch(msgspec.Struct):
-    """A batch of prompts: one RQ job references it by (job, id)."""
+    """A batch of prompts in memory (and genq <= 0.1's record under keys.batch: read, never written)."""
 
     job: str
     id: str
     prompts: list[Prompt]
     created_at: float = 0.0
+
+
+class InputRange(msgspec.Struct, array_like=True, frozen=True):
+    """Where a by-reference batch's prompts are: lines first_line..last_line (1-based) of
+    the JSONL input at uri, bytes [start, end). digest covers (line number, line) of every
+    prompt of the batch, so a changed, moved or missing line is noticed before sending."""
+
+    uri: str  # s3://bucket/key or an absolute path every worker can read
+    start: int
+    end: int
+    first_line: int
+    last_line: int
+    digest: str
+
+
+class BatchSource(msgspec.Struct, array_like=True):
+    """The record under keys.batch(): its existence means "this batch is pending".
+
+    Either the prompts themselves (inline: zstd-compressed msgpack) or a reference to
+    the lines of the input that hold them (by reference: the workers read that range).
+    ids (zstd-compressed msgpack list) are kept in both cases: completion, the DLQ and
+    resumption need them without reading any input. genq.core.batches packs and unpacks it.
+    """
+
+    job: str
+    id: str
+    count: int
+    ids: bytes
+    created_at: float = 0.0
+    prompts: bytes = b""  # inline
+    ref: InputRange | None = None  # by reference
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -104,6 +135,7 @@ ErrorKind = Literal[
     "protocol",  # an answer genq could not parse
     "server_crash",  # the server went down --server-crash-limit times with this prompt in flight
     "batch_failed",  # a whole batch failed in RQ (shown from its failed registry)
+    "input_changed",  # a by-reference batch's input lines are missing or differ from what was queued
 ]
 
 

@@ -33,6 +33,7 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
 
+from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import (
     RUN_BATCH,
@@ -125,7 +126,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
             attempts=1,
             kind=BATCH_FAILED, message=last or "(RQ stored no exception)",
             worker=rq_job.worker_name or "", at=ended.timestamp() if ended else 0.0,
-            rq_job=rq_job.id, prompts=len(batch.prompts) if batch else None,
+            rq_job=rq_job.id, prompts=batch.count if batch else None,
             traceback=exc if traceback else None,
         ))
     return entries
@@ -320,7 +321,7 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
             return (f"{finished} of its prompts finished but are not in a shard yet; "
                     f"`genq dlq requeue --job {job} {entry.id}` completes it without regenerating them")
         batch = load_batch(pipe, job, batch_id)
-        ids = [p.id for p in batch.prompts] if batch else []
+        ids = batch_records.ids(batch) if batch else []
         dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
         # Its dead letters stay letters (purged below with the others); the rest is forgotten.
         unfinished = [i for i, d in zip(ids, dead) if d is None]
