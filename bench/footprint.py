@@ -4,9 +4,8 @@ Fills private redis-servers (started here on free loopback ports, never 6379, st
 through genq's own code paths: batches queued by core.queueing.write_batches (records, ids, RQ
 jobs), leases taken by the ledger's ACQUIRE, outcomes committed by worker/results.py's
 RECORD_SCRIPT (the worker's exact arguments, results.record_call), batches finished by the
-ledger's RELEASE (completion.release_call, with the shard's ShardInfo; no shard file is written:
-only Redis is measured). Workers are their heartbeat records (WorkerStatus, InFlight) as a live
-worker writes them. Then it reports:
+ledger's RELEASE (completion.release_call; no shard file: only Redis is measured). Workers are
+their heartbeat records as a live worker writes them. Then it reports:
 
 - bytes of Redis `used_memory` per finished prompt (a job all of whose batches are released,
   the work horses' replies popped and RQ's job hashes gone, as RQ's result_ttl does an hour later),
@@ -43,6 +42,7 @@ import redis
 from common import conditions, free_port, table
 
 from genq.core import keys, ledger
+from genq.core.batches import inline as inline_record
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
     Batch,
@@ -59,7 +59,7 @@ from genq.core.records import (
 )
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import read_job, read_queue, read_workers
-from genq.producer.rows import content_digest
+from genq.producer.rows import claim_digest
 from genq.worker.completion import release_call
 from genq.worker.results import RECORD_SCRIPT, record_call
 
@@ -152,9 +152,10 @@ class Filler:
                                           messages=[{"role": "user", "content": f"{i} {text}"}],
                                           metadata={"source": "footprint", "row": i}))
                 batches.append(Batch(job=self.job, id=f"b{seq + b + 1:07d}", prompts=prompts, created_at=time.time()))
-            digests = {p.id: content_digest(p) for b in batches for p in b.prompts}
+            digests = {p.id: claim_digest(p) for b in batches for p in b.prompts}
             with self.conn.pipeline(transaction=True) as pipe:
-                write_batches(pipe, self.conn, batches, digests)
+                write_batches(pipe, self.conn, [inline_record(b.job, b.id, b.prompts, b.created_at) for b in batches],
+                              digests)
                 pipe.execute()
             made.extend(batches)
         return made

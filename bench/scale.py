@@ -40,6 +40,7 @@ from pathlib import Path
 import msgspec
 import redis
 from common import PY, ROOT, conditions, free_port, table
+from footprint import measure_footprint, measure_refresh
 
 TARGET_REF_BYTES = 150
 TARGET_INLINE_RATIO = 0.5
@@ -164,9 +165,26 @@ def run_measured(servers: Servers, sources: list[str], job: str, mode: str) -> d
             "out": "\n".join(outs), "load": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
 
 
+def footprint_part(n: int) -> list[str]:
+    """bench/footprint.py at this size: what a prompt costs in flight and once finished, and
+    whether the monitor's refresh stays flat from 20 K to n prompts (target <= 1.5x)."""
+    fp = measure_footprint()
+    print(f"Redis per prompt (bench/footprint.py, {fp.prompts:,} prompts of 400 + 1,500 characters): "
+          f"queued inline {fp.per_queued:,.0f} B, in flight {fp.per_in_flight:,.0f} B, finished "
+          f"{fp.per_finished:,.0f} B (10 M finished: {fp.per_finished * TEN_M / 2**30:.2f} GiB) ({conditions()})",
+          flush=True)
+    ref = measure_refresh(large=n)
+    print(f"monitor refresh: {ref.small_ms:.2f} ms at {ref.small:,} prompts, {ref.large_ms:.2f} ms at "
+          f"{ref.large:,} ({ref.ratio:.2f}x; target <= 1.5) ({conditions()})", flush=True)
+    return [] if ref.met else [f"monitor refresh at {ref.large:,} prompts {ref.ratio:.2f}x the one at {ref.small:,}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=2_000_000)
+    parser.add_argument("--no-footprint", action="store_true",
+                        help="Skip bench/footprint.py's part: Redis per in-flight and finished prompt, and the "
+                             "monitor's refresh at 20 K vs --prompts prompts.")
     args = parser.parse_args()
     if not shutil.which("redis-server"):
         sys.exit("redis-server is not installed (apt-get install redis-server)")
@@ -228,6 +246,8 @@ def main() -> int:
                      "Redis at 10 M", f"peak RSS {small:,} / {n:,}", "10 M (extrapolated)",
                      "load (1-min, before -> after)"], rows))
         print(f"conditions after: {conditions()}")
+        if not args.no_footprint:
+            misses += footprint_part(n)
         for miss in misses:
             print(f"MISSED: {miss}")
         return 1 if misses else 0
