@@ -182,7 +182,10 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
         while pending and done >= pending[0]:
             points.append({"at": pending.pop(0), "done": done, "t": report.snapshot.at, "eta_s": p.eta_s,
                            "eta_low_s": p.eta_low_s, "eta_high_s": p.eta_high_s, "state": p.eta_state,
-                           "load": load()})
+                           "load": load(), "tok_s": p.output_tokens_per_sec,
+                           # The estimator's inputs: one decoding request's speed, the fitted mean length.
+                           "per_request_tok_s": report.speed.per_request if report.speed else None,
+                           "fit_mean": report.estimate.model.mean() if report.estimate.model else None})
         if p.status == "done" or proc.poll() is not None:
             break
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
