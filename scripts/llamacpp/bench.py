@@ -36,7 +36,8 @@ loopback port (parts in runs.py). Exits 1 if any check below fails.
      raw paired tok/s ratio is printed beside it.
    - what streaming costs: 1 - tok/s(stream) / tok/s(no stream), for genq (at 8 in
      flight) and for the bare client, per round; target: median over rounds of
-     (genq's cost - the bare client's cost) <= 0.05. Also printed: the client's CPU
+     (genq's cost - the bare client's cost) <= 0.05. Also printed: the same costs in
+     occupancy (server-normalised) terms, and the client's CPU
      ms per request (the genq worker and its RQ loops; the bare client's process),
      which hardly depends on the load: the extra CPU a streamed request costs the
      client (stream minus no-stream run of the same round, per request; genq's
@@ -157,6 +158,10 @@ def verdicts(runs: list[dict], rounds: int, problems: list[str]) -> dict:
             "defaults_c8_occupancy": get("defaults", "occupancy") / (get("c8", "occupancy") or float("nan")),
             "stream_cost_genq": 1 - get("c8", "tok_s") / get("c8-nostream", "tok_s"),
             "stream_cost_bare": 1 - get("bare-stream", "tok_s") / get("bare-nostream", "tok_s"),
+            # The same in server-normalised throughput (occupancy): what streaming costs in
+            # slot-time kept generating, whatever the CPU's speed at that moment.
+            "stream_cost_genq_occ": 1 - get("c8", "occupancy") / get("c8-nostream", "occupancy"),
+            "stream_cost_bare_occ": 1 - get("bare-stream", "occupancy") / get("bare-nostream", "occupancy"),
             # Client CPU a streamed request costs beyond a whole answer (start-up cancels out).
             "stream_cpu_ms_genq": 1000 * (get("c8", "client_cpu_s") - get("c8-nostream", "client_cpu_s"))
             / get("c8", "requests"),
@@ -190,7 +195,8 @@ def report(runs: list[dict], v: dict) -> None:
           f"tok/s {m['defaults_c8_tok_s']:.3f}; streaming cost genq {m['stream_cost_genq']:+.1%}, bare "
           f"{m['stream_cost_bare']:+.1%}, gap {m['stream_cost_gap']:+.1%} (target <= +5%); client CPU per "
           f"streamed request beyond a whole answer: genq {m['stream_cpu_ms_genq']:+.2f} ms, "
-          f"bare {m['stream_cpu_ms_bare']:+.2f} ms")
+          f"bare {m['stream_cpu_ms_bare']:+.2f} ms; in occupancy: genq {m['stream_cost_genq_occ']:+.1%}, "
+          f"bare {m['stream_cost_bare_occ']:+.1%}")
 
     def mean(name: str, key: str) -> float:
         return statistics.mean(r[key] for r in runs if r["name"] == name)
