@@ -48,7 +48,8 @@ clean:
 
 # genq against a real llama.cpp llama-server on CPU (tiny random model): builds
 # llama-server once from the llama-cpp-python sdist into ~/.cache/genq-llamacpp,
-# then runs 300 prompts with several settings (minutes; not part of `make test`).
+# then checks the monitor's ETA in one long defaults run and compares settings in short
+# paired rounds (minutes; not part of `make test`; method in scripts/llamacpp/bench.py).
 # make_model.py needs numpy in python3. See README "Real engines".
 test-llamacpp: $(BIN)/genq
 	scripts/llamacpp/build.sh

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -98,6 +99,53 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition", *, int
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def nvml_count() -> int | None:
+    """GPUs NVML sees on this machine, or None where there is no driver (then indices are only labels)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+
+
+class NvmlGpu(NamedTuple):
+    name: str
+    memory_total_mib: float
+    power_limit_w: float  # the board's top power limit (W), or a bound where it says none
+    max_sm_clock_mhz: float  # likewise
+
+
+def nvml_gpu(index: int) -> NvmlGpu:
+    """NVML's own fixed figures of one GPU (a GPU host only), to check what a worker reports."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(h)  # bytes in older nvidia-ml-py, str in newer
+        try:  # [min, max] in milliwatts; not every board says (then a bound no board exceeds)
+            power_limit_w = pynvml.nvmlDeviceGetPowerManagementLimitConstraints(h)[1] / 1000.0
+        except pynvml.NVMLError:
+            power_limit_w = 2000.0
+        try:
+            max_sm_clock = float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))
+        except pynvml.NVMLError:
+            max_sm_clock = 5000.0
+        return NvmlGpu(
+            name=name.decode() if isinstance(name, bytes) else str(name),
+            memory_total_mib=pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**20,  # bytes
+            power_limit_w=power_limit_w,
+            max_sm_clock_mhz=max_sm_clock,
+        )
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def sim_stats(url: str) -> dict:

@@ -11,7 +11,6 @@ import json
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import redis
@@ -143,12 +142,9 @@ def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url
     first = worker(server, "--heartbeat-interval", "1", name="first")
     wait_until(lambda: rconn.hlen(keys.batch_results("killall", "b0000001")) >= 5, 60, "results recorded")
     first.kill_tree()
-    killed_at = time.monotonic()
     second = worker(server, "--heartbeat-interval", "1", "--burst", name="second")
     # The burst worker takes b2 if still queued; b1 comes back once its heartbeat expires (1 + 60 s).
     wait_until(lambda: rconn.scard(keys.job_done("killall")) == 2, 150, "both batches done")
-    recovered_in = time.monotonic() - killed_at
-    assert recovered_in < 120, f"recovery took {recovered_in:.0f}s"
     second.wait(timeout=60)
     rows, letters = audit(rconn, out, "killall", ids)
     assert not letters
@@ -174,9 +170,11 @@ def test_worker_survives_redis_restart(sim, procs, tmp_path):
              "--max-tokens", "800", redis_url=url)
     proc = procs([sys.executable, "-m", "genq", "--redis", url, "worker", "--server", sim_url, "--burst"], name="w")
     wait_until(lambda: conn.scard(keys.job_done("rr")) >= 1, 60, "a first batch done")
+    seen = proc.log().count("heartbeat: ")
     server_proc.signal(signal.SIGTERM)
     server_proc.wait(timeout=10)
-    time.sleep(2)
+    # Redis stays down until the worker has felt it: a heartbeat failed.
+    wait_until(lambda: proc.log().count("heartbeat: ") > seen, 30, "the worker's heartbeat failing without Redis")
     procs(args, name="redis-again")
     wait_until(lambda: _pings(conn), 10, "redis back")
     assert proc.wait(timeout=180) == 0, proc.log()

@@ -354,6 +354,13 @@ def test_stream_events_are_read_like_sglang_and_vllm_send_them():
     failure, _ = feed_all([ev(choices=[{"delta": {"content": "a"}}]),
                            json.dumps({"error": {"message": "boom", "code": 500}}).encode()])
     assert (failure.kind, failure.message, failure.status) == ("server_error", "boom", 500)
+    # SGLang's code 400 on an error event after output is no verdict on the prompt: retried.
+    sglang_error = json.dumps({"error": {"object": "error", "message": "boom", "type": "BadRequestError",
+                                         "param": None, "code": 400}}).encode()
+    failure, _ = feed_all([ev(choices=[{"delta": {"content": "a"}}]), sglang_error])
+    assert (failure.kind, failure.status, failure.retryable) == ("server_error", 400, True)
+    failure, _ = feed_all([sglang_error])  # before any output: a rejected request, as a 400 answer is
+    assert (failure.kind, failure.retryable) == ("bad_request", False)
     failure, _ = feed_all([b"[1, 2]"])
     assert failure.kind == "protocol"
 

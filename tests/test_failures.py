@@ -5,8 +5,9 @@ Each fault is real: the sim's own 503 queue limit, requests that run past the wo
 full, the Redis connections of a working worker dropped with CLIENT KILL. Real `genq
 worker` processes throughout; every test ends with the shared exactly-once audit.
 
-Not covered here: an SSE `error` event in the middle of a stream. `genq sim` has no fault
-that sends one (its faults are 500, reset, hang, outage), so it cannot be driven end to end yet.
+An SSE `error` event in the middle of a stream comes from the sim's stream_error fault, in
+each engine's own shape (genq/sim/flavors.py stream_error): SGLang's carries code 400 whatever
+went wrong, vLLM's and llama.cpp's code 500, llama.cpp's stream ends without [DONE].
 """
 
 from __future__ import annotations
@@ -77,6 +78,40 @@ def test_queue_full_503_is_retried_until_every_prompt_completes(redis_url, rconn
     assert [r for r in found.rows if r["attempts"] > 1], "no request was turned away: the queue limit was never reached"
     assert "The request queue is full." in proc.log()
     assert sum(sim_stats(server)["generated_by_key"].values()) == 40  # 503s generate nothing
+
+
+STREAM_ERROR = "Internal server error (simulated, mid-stream)"
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm", "llamacpp"])
+def test_sse_error_event_mid_stream_is_retried_until_the_prompt_completes(flavor, redis_url, rconn, sim, worker,
+                                                                          tmp_path):
+    server = sim(flavor=flavor, max_running_requests=8, stream_error_rate=0.3, **FAST)
+    job = f"sse-{flavor}"
+    ids, out = enqueue(tmp_path, job, 40, "--batch-size", "20", "--max-tokens", "64", "--max-attempts", "10")
+    proc = worker(server, "--burst", "--retry-backoff", "0.01", "--log-level", "debug")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    found = audit(rconn, job, out, ids)
+    assert not found.letters, {k: (v.kind, v.status, v.message) for k, v in found.letters.items()}
+    retried = [r for r in found.rows if r["attempts"] > 1]
+    assert retried, "no stream failed: the fault was never drawn"
+    # The retried prompts' results are whole completions of a later attempt, not the failed
+    # attempt's partial output.
+    assert all(r["finish_reason"] in ("stop", "length") and r["completion"] for r in retried)
+    assert f"failed (server_error: {STREAM_ERROR}); retry in" in proc.log()
+
+
+def test_sse_error_event_on_every_attempt_is_dead_lettered_as_server_error(redis_url, rconn, sim, worker, tmp_path):
+    # SGLang's flavor: its error event says code 400 although the request was accepted and ran.
+    server = sim(max_running_requests=8, stream_error_rate=1.0, **FAST)
+    ids, out = enqueue(tmp_path, "sse-dead", 12, "--batch-size", "6", "--max-tokens", "64", "--max-attempts", "3")
+    proc = worker(server, "--burst", "--retry-backoff", "0.01")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    found = audit(rconn, "sse-dead", out, ids)
+    assert not found.results and sorted(found.letters) == ids
+    for letter in found.letters.values():
+        assert (letter.kind, letter.attempts, letter.message) == ("server_error", 3, STREAM_ERROR), letter
+    assert sim_stats(server)["aborted_requests"] == 3 * len(ids), "each attempt reached the server and failed"
 
 
 def test_request_timeout_cancels_retries_then_dead_letters_as_timeout(redis_url, rconn, sim, worker, tmp_path):

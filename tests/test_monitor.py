@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from genq.core import keys  # noqa: E402
-from genq.core.records import InFlight, WorkerStatus, pack  # noqa: E402
-from tests.conftest import genq_cmd, read_results, run_genq, wait_until, write_prompts
+from genq.core.records import InFlight, WorkerStatus, pack, unpack  # noqa: E402
+from tests.conftest import genq_cmd, nvml_count, nvml_gpu, read_results, run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=64, output_sigma=1.0)
 # Fields the original progress.json carried, plus the range and state.
@@ -38,7 +38,23 @@ def monitor_json(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_once_json_and_progress_file_match_the_shards(tmp_path: Path, redis_url, sim, worker) -> None:
+def gpu_figures_or_note(rconn, worker: str) -> str | None:
+    """Where NVML sees GPU 0, check that the worker reported NVML's own figures for it and
+    return None; elsewhere return the note the worker gave instead (no driver, no GPU 0)."""
+    status = unpack(rconn.get(keys.worker_status(worker)), WorkerStatus)
+    if not nvml_count():
+        assert status.gpu_sample is None and status.gpu_note, status
+        assert status.gpu_note.startswith("no GPU"), status.gpu_note
+        return status.gpu_note
+    gpu = nvml_gpu(0)
+    sample = status.gpu_sample
+    assert sample is not None and status.gpu_note is None, status.gpu_note
+    assert (sample.index, sample.name, sample.memory_total_mib) == (0, gpu.name, gpu.memory_total_mib)
+    assert 0 < sample.memory_used_mib <= gpu.memory_total_mib and 0 <= sample.utilization_pct <= 100
+    return None
+
+
+def test_once_json_and_progress_file_match_the_shards(tmp_path: Path, redis_url, rconn, sim, worker) -> None:
     out = small_run(tmp_path, sim, worker)
     progress_file = tmp_path / "progress" / "progress.json"
     doc = monitor_json("--job", "mon", "--progress-file", str(progress_file))
@@ -66,9 +82,11 @@ def test_once_json_and_progress_file_match_the_shards(tmp_path: Path, redis_url,
 
     (w,) = doc["worker_details"]
     assert w["name"] == "mon-w" and w["job_completed"] == 60 and w["job_output_tokens"] == out_tokens
-    # No GPU and no NVIDIA driver on this machine: the worker says so and the monitor passes it on.
-    assert w["gpu"] is None and "no GPU telemetry" in w["gpu_note"]
-    assert doc["gpu_note"].startswith("no GPU figures from any worker: no GPU telemetry")
+    # A stopped worker's GPU figures are not figures of now: never shown. Without a GPU 0 the
+    # worker says why and the monitor passes it on; with one, there is nothing to excuse.
+    note = gpu_figures_or_note(rconn, "mon-w")
+    assert w["gpu"] is None and w["gpu_note"] == note
+    assert doc["gpu_note"] == (None if note is None else f"no GPU figures from any worker: {note}")
 
     saved = json.loads(progress_file.read_text())
     assert PROGRESS_FIELDS <= set(saved) and not JSON_ONLY & set(saved)
@@ -114,13 +132,19 @@ def test_live_json_lines_and_progress_file_follow_a_run(tmp_path: Path, redis_ur
     assert final["status"] == "done" and final["completed"] == 60 and final["eta_state"] == "done"
 
 
-def test_view_without_gpu_says_so_once(tmp_path: Path, redis_url, sim, worker) -> None:
+def test_view_without_gpu_says_so_once(tmp_path: Path, redis_url, rconn, sim, worker) -> None:
     small_run(tmp_path, sim, worker, "view")
     proc = run_genq("monitor", "--once")
     text = proc.stdout
     assert "view" in text and "60 / 60" in text and "finished" in text
     assert "view-w" in text
-    assert text.count("no GPU telemetry") == 1, text
+    note = gpu_figures_or_note(rconn, "view-w")
+    if note is None:  # a GPU host: GPU 0 was sampled, so nothing to excuse
+        assert "no GPU" not in text, text
+    else:
+        # One line under the table, the worker's own reason in it ("no GPU telemetry", "no GPU 0").
+        assert text.count("GPU: no GPU figures from any worker") == 1, text
+        assert text.count(note.split(":")[0]) == 1, text
 
 
 def test_several_jobs_are_keyed_by_name_and_a_missing_one_is_an_error(tmp_path: Path, redis_url) -> None:

@@ -67,6 +67,61 @@ async def test_hang_until_client_leaves(sim: RunningSim, http: aiohttp.ClientSes
     assert m["sglang:num_aborted_requests_total"] == 1
 
 
+# What each engine sends when a request fails after its stream began (genq/sim/flavors.py
+# stream_error names the engines' source places): an SSE event holding the error on the
+# HTTP 200 stream, after some output; SGLang's carries its blanket code 400.
+STREAM_ERRORS = {
+    "sglang": {"object": "error", "message": "Internal server error (simulated, mid-stream)",
+               "type": "BadRequestError", "param": None, "code": 400},
+    "vllm": {"message": "Internal server error (simulated, mid-stream)", "type": "InternalServerError",
+             "param": None, "code": 500},
+    "llamacpp": {"code": 500, "message": "Internal server error (simulated, mid-stream)", "type": "server_error"},
+}
+
+
+async def _stream_error_body(flavor: str, sim: RunningSim) -> None:
+    # A connection per request: llama-server closes each after a stream.
+    async with aiohttp.ClientSession(sim.url, connector=aiohttp.TCPConnector(force_close=True)) as http:
+        await _stream_errors(flavor, http)
+
+
+async def _stream_errors(flavor: str, http: aiohttp.ClientSession) -> None:
+    for n in range(3):
+        events = await sse_events(http, chat(f"fail {n}", max_tokens=400, stream=True))
+        *output, last = events if flavor == "llamacpp" else events[:-1]
+        assert flavor == "llamacpp" or events[-1] == "[DONE]", "SGLang and vLLM end with [DONE]"
+        assert last == {"error": STREAM_ERRORS[flavor]}, last
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in output)
+        assert output[0]["choices"][0]["delta"]["role"] == "assistant" and text, "some output came first"
+        assert all("error" not in e and e["choices"][0]["finish_reason"] is None for e in output)
+    status, body = await post(http, chat("whole", max_tokens=400))
+    assert status == 500 and "Internal server error (simulated, mid-stream)" in str(body)
+    if flavor == "sglang":
+        assert (await metrics(http))["sglang:num_aborted_requests_total"] == 4, "the engine aborted each one"
+    async with http.post("/sim/faults", json={"stream_error_rate": 0.0}) as resp:
+        assert (await resp.json())["stream_error_rate"] == 0.0
+    events = await sse_events(http, chat("fine", max_tokens=50, stream=True))
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+
+
+SE = dict(stream_error_rate=1.0, tokens_per_step=2, mean_output_tokens=400.0, output_sigma=0.0)
+
+
+@with_sim(flavor="sglang", **SE)
+async def test_stream_error_event_sglang(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+    await _stream_error_body("sglang", sim)
+
+
+@with_sim(flavor="vllm", **SE)
+async def test_stream_error_event_vllm(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+    await _stream_error_body("vllm", sim)
+
+
+@with_sim(flavor="llamacpp", **SE)
+async def test_stream_error_event_llamacpp(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+    await _stream_error_body("llamacpp", sim)
+
+
 @with_sim(startup_delay=0.4)
 async def test_503_while_starting(sim: RunningSim, http: aiohttp.ClientSession) -> None:
     for path in ("/health", "/health_generate"):

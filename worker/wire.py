@@ -112,14 +112,18 @@ def _http_failure(status: int, raw: bytes) -> Failure:
     return Failure("server_error", message, status)
 
 
-def _event_failure(err: Any) -> Failure:
+def _event_failure(err: Any, mid_stream: bool = False) -> Failure:
+    """The failure an error body or stream event names. An error event after the
+    stream's first event (the request was accepted and ran) is a server_error to retry
+    whatever its code: SGLang sends any exception in a running stream with its blanket
+    code 400 (create_streaming_error_response's default), so the code says nothing there."""
     if isinstance(err, dict):
         code = err.get("code")
         status = code if isinstance(code, int) else None
         message = str(err.get("message") or err)
     else:
         status, message = None, str(err)
-    if status in (400, 413, 422):
+    if status in (400, 413, 422) and not mid_stream:
         return Failure("bad_request", message, status, retryable=False)
     return Failure("server_error", message, status)
 
@@ -202,7 +206,7 @@ def _parse_completion(body: Any, model: str) -> Completion | Failure:
 class _StreamState:
     """What the events of one stream have said so far."""
 
-    __slots__ = ("text", "reasoning", "finish_reason", "usage", "response_id", "model", "done")
+    __slots__ = ("text", "reasoning", "finish_reason", "usage", "response_id", "model", "done", "events")
 
     def __init__(self, model: str) -> None:
         self.text: list[str] = []
@@ -212,6 +216,7 @@ class _StreamState:
         self.response_id: str | None = None
         self.model = model
         self.done = False
+        self.events = 0  # events before this one
 
     def feed(self, payload: bytes, progress: Progress) -> Failure | None:
         if payload == b"[DONE]":
@@ -224,8 +229,9 @@ class _StreamState:
             if isinstance(generic, Failure):
                 return generic
             event = generic
-        if event.error is not None:  # SGLang and vLLM report mid-stream errors this way, on HTTP 200
-            return _event_failure(event.error)
+        if event.error is not None:  # the engines report errors in a running stream this way, on HTTP 200
+            return _event_failure(event.error, mid_stream=self.events > 0)
+        self.events += 1
         usage = event.usage
         if usage is not None:
             self.usage = usage

@@ -51,6 +51,9 @@ _D = SimConfig()
               help="Fraction of requests whose connection is reset mid-generation.")
 @click.option("--hang-rate", default=_D.hang_rate, type=click.FloatRange(0, 1),
               help="Fraction of requests that stop producing output until the client leaves.")
+@click.option("--stream-error-rate", default=_D.stream_error_rate, type=click.FloatRange(0, 1),
+              help="Fraction of requests that fail after some output: a stream gets the engine's SSE "
+                   "error event and [DONE] on its HTTP 200, a whole answer a 500.")
 @click.option("--outage-at", default=_D.outage_at, type=float,
               help="Seconds after start at which the server 'crashes': in-flight requests are "
                    "reset, /health is 503, new requests are reset. [default: never]")

@@ -48,6 +48,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     error_rate: float = 0.0
     reset_rate: float = 0.0
     hang_rate: float = 0.0
+    # Streams that fail after some output with the flavor's SSE error event.
+    stream_error_rate: float = 0.0
     # Seconds after start at which an outage begins (None: no scheduled outage).
     outage_at: float | None = None
     outage_for: float = 5.0

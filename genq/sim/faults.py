@@ -21,6 +21,12 @@ class Fault(enum.Enum):
     ERROR = "error"  # answered 500
     RESET = "reset"  # connection dropped mid-generation
     HANG = "hang"  # output stops forever
+    # Some output, then the engine's SSE error event and [DONE] on the HTTP 200 stream
+    # (a whole answer: 500), as SGLang and vLLM report an internal error mid-stream.
+    STREAM_ERROR = "stream_error"
+
+
+_RATES = ("error_rate", "reset_rate", "hang_rate", "stream_error_rate")
 
 
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -29,6 +35,7 @@ class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     error_rate: float | None = None
     reset_rate: float | None = None
     hang_rate: float | None = None
+    stream_error_rate: float | None = None
     # Start an outage now lasting this many seconds (0 ends a running one).
     outage_for: float | None = None
     # True: stop listening as llama-server does on SIGTERM (its listening socket
@@ -41,6 +48,7 @@ class FaultInjector:
         self.error_rate = config.error_rate
         self.reset_rate = config.reset_rate
         self.hang_rate = config.hang_rate
+        self.stream_error_rate = config.stream_error_rate
         self._seed = config.seed
         self._attempts: dict[str, int] = {}
         self._outage_until = 0.0
@@ -48,7 +56,7 @@ class FaultInjector:
     def draw(self, key: str) -> tuple[Fault, float]:
         """The fault for the next request of this prompt, and where in the output
         (fraction in [0, 1)) it strikes."""
-        if not (self.error_rate or self.reset_rate or self.hang_rate):
+        if not (self.error_rate or self.reset_rate or self.hang_rate or self.stream_error_rate):
             return Fault.NONE, 0.0
         attempt = self._attempts.get(key, 0)
         self._attempts[key] = attempt + 1
@@ -60,6 +68,8 @@ class FaultInjector:
             return Fault.RESET, where
         if u < self.error_rate + self.reset_rate + self.hang_rate:
             return Fault.HANG, where
+        if u < self.error_rate + self.reset_rate + self.hang_rate + self.stream_error_rate:
+            return Fault.STREAM_ERROR, where
         return Fault.NONE, where
 
     def apply(self, update: FaultUpdate) -> None:
@@ -67,7 +77,7 @@ class FaultInjector:
         stop_listening."""
         rates = {
             name: value
-            for name in ("error_rate", "reset_rate", "hang_rate")
+            for name in _RATES
             if (value := getattr(update, name)) is not None
         }
         for name, value in rates.items():
@@ -93,6 +103,7 @@ class FaultInjector:
             "error_rate": self.error_rate,
             "reset_rate": self.reset_rate,
             "hang_rate": self.hang_rate,
+            "stream_error_rate": self.stream_error_rate,
             "outage": remaining > 0,
             "outage_remaining_s": remaining,
         }

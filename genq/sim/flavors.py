@@ -45,6 +45,28 @@ def error_response(flavor: str, status: int, message: str, err_type: str | None 
     return json_response(body, status)
 
 
+def stream_error(flavor: str, message: str) -> bytes:
+    """What the engine writes on an HTTP 200 stream when a request fails after output
+    began: an SSE event holding the error, then (SGLang, vLLM) [DONE].
+
+    SGLang: serving_chat.py/serving_completions.py catch the exception inside the
+    stream generator and send create_streaming_error_response(str(e)), whose defaults
+    make it type "BadRequestError", code 400, whatever went wrong. vLLM: a request the
+    engine finishes with "error" raises GenerationError, sent as InternalServerError,
+    code 500 (entrypoints/openai/engine/serving.py). llama.cpp: format_error(...) of a
+    server_error (code 500), and the stream ends without [DONE]
+    (tools/server/server-context.cpp, handle_completions_impl).
+    """
+    if flavor == "sglang":
+        event: dict[str, Any] = {"error": {"object": "error", "message": message, "type": "BadRequestError",
+                                           "param": None, "code": 400}}
+    elif flavor == "vllm":
+        event = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+    else:
+        return b"data: " + _encode({"error": {"code": 500, "message": message, "type": "server_error"}}) + b"\n\n"
+    return b"data: " + _encode(event) + b"\n\ndata: [DONE]\n\n"
+
+
 _LLAMACPP_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
 
 

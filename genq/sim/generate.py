@@ -34,6 +34,8 @@ _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 # cpp-httplib's keep-alive header, which llama-server sends even on the streamed
 # responses after which it closes the connection.
+# The message of the stream_error fault (and of the 500 a whole answer gets instead).
+_STREAM_ERROR = "Internal server error (simulated, mid-stream)"
 _LLAMACPP_KEEP_ALIVE = {"Connection": "Keep-Alive", "Keep-Alive": "timeout=5, max=100"}
 
 
@@ -84,6 +86,11 @@ class Generation:
             req.hang_at = int(where * req.target)
         elif fault is Fault.RESET:
             req.drop_at = int(where * req.target)
+        elif fault is Fault.STREAM_ERROR:
+            # The engine aborts the request after at least one token (a request of one
+            # token finishes first): "mid-stream".
+            req.drop_at = 1 + int(where * (req.target - 1))
+        failing = fault is Fault.STREAM_ERROR
         try:
             self.engine.submit(req)
         except QueueFull:
@@ -106,9 +113,11 @@ class Generation:
         )
         try:
             if body.stream:
-                return await self._stream(request, req, reply, body.stream_options or StreamOptions())
+                return await self._stream(request, req, reply, body.stream_options or StreamOptions(), failing)
             while req.finish_reason is None:
                 await self.engine.wait(req, req.generated)
+            if req.dropped and failing:
+                return error_response(self.flavor, 500, _STREAM_ERROR, "InternalServerError")
             if req.dropped:
                 _drop_connection(request)
                 return web.Response(status=500)  # never sent
@@ -148,7 +157,7 @@ class Generation:
         return Job(body, prompt_key(source), n_prompt, limit)
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, reply: Reply, options: StreamOptions
+        self, request: web.Request, req: SimRequest, reply: Reply, options: StreamOptions, failing: bool
     ) -> web.StreamResponse:
         continuous = options.continuous_usage_stats
         llamacpp = self.flavor == "llamacpp"
@@ -159,7 +168,7 @@ class Generation:
             # SGLang's _handle_streaming_request awaits the stream's first chunk before
             # it returns the response: a queued request gets no byte at all until it runs.
             await self.engine.wait(req, 0)
-            if req.dropped:
+            if req.dropped and not failing:
                 _drop_connection(request)
                 return resp
         # vLLM returns Starlette's StreamingResponse at once: headers at once, the
@@ -181,13 +190,16 @@ class Generation:
                 sent = done
             if req.finish_reason is not None:
                 break
-        if req.dropped:
+        if req.dropped and failing:
+            await resp.write(flavors.stream_error(self.flavor, _STREAM_ERROR))
+        elif req.dropped:
             _drop_connection(request)
             return resp
-        await resp.write(sse(reply.chunk(None, req.finish_reason, sent if continuous else None)))
-        if options.include_usage:
-            await resp.write(sse(reply.usage_chunk(sent)))
-        await resp.write(b"data: [DONE]\n\n")
+        else:
+            await resp.write(sse(reply.chunk(None, req.finish_reason, sent if continuous else None)))
+            if options.include_usage:
+                await resp.write(sse(reply.usage_chunk(sent)))
+            await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         if llamacpp and request.transport is not None:
             # llama-server closes the connection after a stream, whatever its

@@ -5,219 +5,214 @@
 Builds (or reuses) llama-server and a tiny random-weight GGUF under
 ~/.cache/genq-llamacpp, starts llama-server with 8 slots (-np 8 -c 16384: 2,048
 tokens a slot, --metrics --slots) and a private redis-server, each on a free
-loopback port, and runs N prompts of which LONG exceed a slot's context:
+loopback port (parts in runs.py). Exits 1 if any check below fails.
 
-1. genq defaults (auto concurrency, streaming): every prompt that fits completes
-   exactly once at the first attempt, the too-long ones are dead-lettered as
-   bad_request with the server's message, nothing else; genq finds 8 slots.
-2. genq --concurrency 8: throughput of the defaults must be within 5% of it.
-3. what streaming costs: genq stream vs --no-stream at 8 in flight, against a bare
-   aiohttp client (8 in flight, stream vs not) on the same server and prompts;
-   genq's cost must be no more than the bare client's (plus 5 points of noise).
+1. Correctness and the ETA: one long genq run with defaults (auto concurrency,
+   streaming) over --eta-n prompts, --long of them longer than a slot's context.
+   Every prompt that fits completes exactly once at the first attempt, the too-long
+   ones are dead-lettered as bad_request with llama.cpp's message, nothing else;
+   genq finds 8 slots. Meanwhile this script runs the monitor's own estimator
+   (genq.monitor.progress.Monitor, what `genq monitor --json` runs, refreshed every
+   second) and records its ETA when 25, 50 and 75 % of the prompts are done; at the
+   end each is compared with the true time left (to the last result's commit): it
+   must be within +-15 %.
 
-Throughput is completion tokens over the span from the first request's start to
-the last finish (process start-up is not counted for either side). Prints a
-markdown table and writes llamacpp-bench.json. Exits 1 if a check fails.
+2. Throughput, in --rounds short rounds of --round-n prompts. Each round runs five
+   configurations back to back: genq defaults, genq --concurrency 8, genq
+   --concurrency 8 --no-stream, a bare aiohttp client (8 in flight) without and with
+   streaming; odd rounds in the reverse order (ABBA), so the two sides of every
+   comparison run next to each other and a linear drift in load cancels over two
+   rounds. The machine is shared and its load swings several-fold within minutes, so
+   rates from different minutes cannot be compared; instead:
+   - every comparison is a ratio of two runs of the same round (paired), and the
+     verdict is the median over rounds of those ratios, not a ratio of totals;
+   - defaults vs --concurrency 8 is judged on throughput normalised by llama-server's
+     own generation speed: the slot-seconds it spent generating
+     (llamacpp:tokens_predicted_seconds_total, before and after the run) over the
+     slot-seconds the run lasted (8 x span). When the CPU is contended every token
+     takes longer, the tokens per second fall and the generation seconds rise
+     alike, so this "occupancy" reflects how well the client keeps slots generating
+     (genq's driving), not how fast the CPU was. Target: median ratio >= 0.95. The
+     raw paired tok/s ratio is printed beside it.
+   - what streaming costs: 1 - tok/s(stream) / tok/s(no stream), for genq (at 8 in
+     flight) and for the bare client, per round; target: median over rounds of
+     (genq's cost - the bare client's cost) <= 0.05. Also printed: the same costs in
+     occupancy (server-normalised) terms, and the client's CPU
+     ms per request (the genq worker and its RQ loops; the bare client's process),
+     which hardly depends on the load: the extra CPU a streamed request costs the
+     client (stream minus no-stream run of the same round, per request; genq's
+     start-up cancels out), genq against the bare client.
+   Every genq run is checked for correctness as in 1.
+
+Throughput is completion tokens over the span from the first request's start to the
+last finish (process start-up is not counted for either side). The load average is
+recorded with every figure. Prints markdown tables and writes llamacpp-bench.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import shutil
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
-import aiohttp
+# scripts/llamacpp/ is on sys.path when this runs as a script.
+from runs import CACHE, HERE, ROOT, SLOTS, TREE, Sampler, Stack, bare_run, genq_run, load, prompts
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-CACHE = Path(os.environ.get("GENQ_LLAMACPP_CACHE", Path.home() / ".cache" / "genq-llamacpp"))
-TREE = CACHE / f"llama_cpp_python-{os.environ.get('GENQ_LLAMACPP_PY_VERSION', '0.3.36')}" / "vendor" / "llama.cpp"
-SLOTS, CTX = 8, 16384
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+CONFIGS: list[tuple[str, tuple[str, ...]]] = [
+    ("defaults", ()), ("c8", ("--concurrency", "8")), ("c8-nostream", ("--concurrency", "8", "--no-stream")),
+    ("bare-nostream", ()), ("bare-stream", ())]
 
 
-def wait_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args[0]} exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} not ready after {timeout}s")
+def check(run: dict, fit: list[str], long_ids: list[str]) -> list[str]:
+    """What must hold for every genq run."""
+    problems = []
+    ids = sorted(r["id"] for r in run["rows"])
+    if ids != fit:
+        problems.append(f"{run['name']}: {len(ids)} results, {len(set(ids))} distinct, want {len(fit)}")
+    retried = [r["id"] for r in run["rows"] if r["attempts"] != 1]
+    if retried:
+        problems.append(f"{run['name']}: {len(retried)} results needed more than one attempt")
+    dead = {letter["id"]: letter for letter in run["letters"]}
+    if sorted(dead) != long_ids:
+        problems.append(f"{run['name']}: dead letters {sorted(dead)[:10]}, want only the {len(long_ids)} long")
+    if any(d["kind"] != "bad_request" or "exceeds the available context size" not in d["message"]
+           for d in dead.values()):
+        problems.append(f"{run['name']}: a dead letter is not llama.cpp's context 400")
+    if "capacity 8)" not in run["capacity_line"]:
+        problems.append(f"{run['name']}: genq did not find 8 slots: {run['capacity_line']}")
+    run["finish"] = {k: sum(1 for r in run["rows"] if r["finish_reason"] == k) for k in ("stop", "length")}
+    return problems
 
 
-def prompts(n: int, long: int) -> list[dict]:
-    rows = [{"id": f"p{i:04d}", "messages": [{"role": "user", "content": f"Tell me about item {i}, please."}]}
-            for i in range(n - long)]
-    # ~3,000 tokens each: more than a slot's 2,048.
-    rows += [{"id": f"long{i}", "messages": [{"role": "user", "content": "word " * 3000 + str(i)}]}
-             for i in range(long)]
-    return rows
+def write_prompts(path: Path, rows: list[dict]) -> tuple[list[str], list[str]]:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return (sorted(r["id"] for r in rows if not r["id"].startswith("long")),
+            sorted(r["id"] for r in rows if r["id"].startswith("long")))
 
 
-class Stack:
-    """A private redis-server and llama-server, stopped at the end."""
-
-    def __init__(self, work: Path, model: Path) -> None:
-        self.procs: list[subprocess.Popen] = []
-        rport, lport = free_port(), free_port()
-        self.redis = f"redis://127.0.0.1:{rport}/0"
-        self.server = f"http://127.0.0.1:{lport}"
-        self._start(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(work)], work / "redis.log")
-        self._start([str(CACHE / "build" / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-                     "--port", str(lport), "-np", str(SLOTS), "-c", str(CTX), "--metrics", "--slots"],
-                    work / "llama-server.log")
-        wait_ok(self.server + "/health", 120, self.procs[-1])
-
-    def cpu_s(self) -> float:
-        """CPU seconds llama-server has used: the work, whatever else the machine runs."""
-        fields = Path(f"/proc/{self.procs[-1].pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def _start(self, args: list[str], log: Path) -> None:
-        self.procs.append(subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT))
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list[str]) -> dict:
+    src = work / "eta-prompts.jsonl"
+    fit, long_ids = write_prompts(src, prompts(args.eta_n, args.long, "e"))
+    with Sampler(stack) as sampler:
+        run = genq_run(stack, work, src, "eta-defaults", args.max_tokens, eta=True)
+    run.update(sampler.figures(run))
+    problems += check(run, fit, long_ids)
+    print(f"\nETA ({run['capacity_line'].split('INFO ', 1)[-1]}): {args.eta_n} prompts, {run['tokens']} tokens "
+          f"in {run['span_s']:.1f} s ({run['tok_s']:.0f} tok/s), load {run['load']:.1f}")
+    print("| done | monitor ETA | 90% range | true time left | error | state | load "
+          "| tok/s | per-request tok/s | fitted mean length |\n|---|---|---|---|---|---|---|---|---|---|")
+    for pt in run["eta"]:
+        eta = "–" if pt["eta_s"] is None else f"{pt['eta_s']:.1f} s"
+        rng = "–" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
+        err = "–" if pt["error"] is None else f"{pt['error']:+.0%}"
+        print(f"| {pt['at']:.0%} | {eta} | {rng} | {pt['true_s']:.1f} s | {err} | {pt['state']} | {pt['load']:.1f} "
+              f"| {pt['tok_s'] or 0:.0f} | {pt['per_request_tok_s'] or 0:.1f} | {pt['fit_mean'] or 0:.1f} |")
+        if pt["error"] is None or abs(pt["error"]) > 0.15:
+            problems.append(f"ETA at {pt['at']:.0%} done: {eta} for {pt['true_s']:.1f} s left (target +-15%)")
+    if len(run["eta"]) < 3:
+        problems.append(f"ETA recorded at {len(run['eta'])} of 3 checkpoints")
+    return run
 
 
-class Sampler:
-    """Busy slots and deferred requests from llama-server's /metrics, twice a second,
-    and its CPU time: figures a shared, noisy machine does not distort as much as tok/s."""
-
-    def __init__(self, stack: Stack) -> None:
-        self.stack, self.busy, self.deferred = stack, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Sampler:
-        self.cpu0 = self.stack.cpu_s()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.cpu = self.stack.cpu_s() - self.cpu0
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                with urllib.request.urlopen(self.stack.server + "/metrics", timeout=2) as resp:
-                    text = resp.read().decode()
-            except OSError:
-                continue
-            values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("llamacpp:"))
-            self.busy.append(float(values.get("llamacpp:requests_processing", "nan")))
-            self.deferred.append(float(values.get("llamacpp:requests_deferred", "nan")))
-
-    def figures(self, tokens: int) -> dict:
-        # Samples while work was in flight; the first and last seconds ramp.
-        busy = [b for b in self.busy if b > 0] or [0.0]
-        return {"busy_slots": sum(busy) / len(busy), "max_deferred": max(self.deferred or [0.0]),
-                "server_cpu_s": self.cpu, "server_cpu_ms_per_tok": 1000 * self.cpu / max(tokens, 1)}
+def rounds_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list[str]) -> list[dict]:
+    src = work / "prompts.jsonl"
+    rows = prompts(args.round_n, args.long)
+    fit, long_ids = write_prompts(src, rows)
+    fitting = [r for r in rows if not r["id"].startswith("long")]
+    runs: list[dict] = []
+    for rnd in range(args.rounds):
+        for name, worker_args in (CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]):
+            with Sampler(stack) as sampler:
+                if name.startswith("bare"):
+                    run = bare_run(stack.server, fitting, args.max_tokens, name == "bare-stream")
+                else:
+                    run = genq_run(stack, work, src, name, args.max_tokens, *worker_args)
+            run.update(sampler.figures(run))
+            run["round"] = rnd
+            runs.append(run)
+            if not name.startswith("bare"):
+                problems += check(run, fit, long_ids)
+            elif run["errors"]:
+                problems.append(f"round {rnd} {name}: {run['errors']} requests failed")
+            print(f"round {rnd} {name}: {run['tok_s']:.0f} tok/s over {run['span_s']:.1f} s, occupancy "
+                  f"{run['occupancy']:.3f}, busy slots {run['busy_slots']:.2f}, client "
+                  f"{run['client_cpu_ms_per_req']:.2f} ms CPU/request, load {run['load']:.1f}"
+                  + (f", {run['errors']} errors" if "errors" in run else ""), flush=True)
+    return runs
 
 
-def genq(stack: Stack, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "genq", "--redis", stack.redis, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def verdicts(runs: list[dict], rounds: int, problems: list[str]) -> dict:
+    by = {(r["name"], r["round"]): r for r in runs}
+    per_round = []
+    for rnd in range(rounds):
+        def get(name: str, key: str, rnd: int = rnd) -> float:
+            return by[(name, rnd)][key]
+        per_round.append({
+            "round": rnd,
+            "load": statistics.mean(by[(c, rnd)]["load"] for c, _ in CONFIGS),
+            "defaults_c8_tok_s": get("defaults", "tok_s") / get("c8", "tok_s"),
+            "defaults_c8_occupancy": get("defaults", "occupancy") / (get("c8", "occupancy") or float("nan")),
+            "stream_cost_genq": 1 - get("c8", "tok_s") / get("c8-nostream", "tok_s"),
+            "stream_cost_bare": 1 - get("bare-stream", "tok_s") / get("bare-nostream", "tok_s"),
+            # The same in server-normalised throughput (occupancy): what streaming costs in
+            # slot-time kept generating, whatever the CPU's speed at that moment.
+            "stream_cost_genq_occ": 1 - get("c8", "occupancy") / get("c8-nostream", "occupancy"),
+            "stream_cost_bare_occ": 1 - get("bare-stream", "occupancy") / get("bare-nostream", "occupancy"),
+            # Client CPU a streamed request costs beyond a whole answer (start-up cancels out).
+            "stream_cpu_ms_genq": 1000 * (get("c8", "client_cpu_s") - get("c8-nostream", "client_cpu_s"))
+            / get("c8", "requests"),
+            "stream_cpu_ms_bare": 1000 * (get("bare-stream", "client_cpu_s") - get("bare-nostream", "client_cpu_s"))
+            / get("bare-stream", "requests"),
+        })
+    med = {k: statistics.median(r[k] for r in per_round) for k in per_round[0] if k not in ("round", "load")}
+    med["stream_cost_gap"] = statistics.median(r["stream_cost_genq"] - r["stream_cost_bare"] for r in per_round)
+    if med["defaults_c8_occupancy"] < 0.95:
+        problems.append(f"defaults reach {med['defaults_c8_occupancy']:.1%} of --concurrency 8's occupancy")
+    if med["stream_cost_gap"] > 0.05:
+        problems.append(f"streaming costs genq {med['stream_cost_gap']:+.1%} more than a bare client")
+    return {"per_round": per_round, "median": med}
 
 
-def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *worker_args: str) -> dict:
-    subprocess.run(["redis-cli", "-u", stack.redis, "flushall"], check=True, capture_output=True)
-    out = work / f"out-{name}"
-    shutil.rmtree(out, ignore_errors=True)
-    p = genq(stack, "enqueue", str(src), "--job", name, "--batch-size", "50", "--max-tokens", str(max_tokens),
-             "--output", str(out))
-    assert p.returncode == 0, p.stderr
-    p = genq(stack, "worker", "--server", stack.server, "--burst", *worker_args)
-    (work / f"worker-{name}.log").write_text(p.stdout + p.stderr)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for shard in sorted((out / name / "shards").glob("*.jsonl"))
-            for line in open(shard) if line.strip()]
-    letters = json.loads(genq(stack, "dlq", "list", "--json").stdout or "[]")
-    start = min(r["finished_at"] - r["latency_s"] for r in rows)
-    span = max(r["finished_at"] for r in rows) - start
-    tokens = sum(r["usage"]["completion_tokens"] for r in rows)
-    capacity_line = next((line for line in (p.stdout + p.stderr).splitlines() if "in flight" in line), "")
-    return {"name": name, "args": " ".join(worker_args) or "(defaults)", "rows": rows, "letters": letters,
-            "span_s": span, "tokens": tokens, "tok_s": tokens / span, "capacity_line": capacity_line}
+def report(runs: list[dict], v: dict) -> None:
+    print("\n| run | round | tokens | span s | tok/s | occupancy | busy slots | server CPU ms/token "
+          "| client CPU ms/request | load |\n|---|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        print(f"| {run['name']} | {run['round']} | {run['tokens']} | {run['span_s']:.1f} | {run['tok_s']:.0f} "
+              f"| {run['occupancy']:.3f} | {run['busy_slots']:.2f} | {run['server_cpu_ms_per_tok']:.2f} "
+              f"| {run['client_cpu_ms_per_req']:.2f} | {run['load']:.1f} |")
+    print("\n| round | load | defaults/c8 tok/s | defaults/c8 occupancy | stream cost genq | stream cost bare "
+          "| stream CPU ms/req genq | bare |\n|---|---|---|---|---|---|---|---|")
+    for r in v["per_round"]:
+        print(f"| {r['round']} | {r['load']:.1f} | {r['defaults_c8_tok_s']:.3f} | {r['defaults_c8_occupancy']:.3f} "
+              f"| {r['stream_cost_genq']:+.1%} | {r['stream_cost_bare']:+.1%} | {r['stream_cpu_ms_genq']:+.2f} "
+              f"| {r['stream_cpu_ms_bare']:+.2f} |")
+    m = v["median"]
+    print(f"\nmedians over rounds: defaults/c8 occupancy {m['defaults_c8_occupancy']:.3f} (target >= 0.95), "
+          f"tok/s {m['defaults_c8_tok_s']:.3f}; streaming cost genq {m['stream_cost_genq']:+.1%}, bare "
+          f"{m['stream_cost_bare']:+.1%}, gap {m['stream_cost_gap']:+.1%} (target <= +5%); client CPU per "
+          f"streamed request beyond a whole answer: genq {m['stream_cpu_ms_genq']:+.2f} ms, "
+          f"bare {m['stream_cpu_ms_bare']:+.2f} ms; in occupancy: genq {m['stream_cost_genq_occ']:+.1%}, "
+          f"bare {m['stream_cost_bare_occ']:+.1%}")
 
-
-async def bare(server: str, rows: list[dict], max_tokens: int, stream: bool, concurrency: int) -> dict:
-    """A plain aiohttp client, 8 in flight, no retries: the floor genq is held to."""
-    queue = list(rows)
-    starts, ends, tokens, errors = [], [], 0, 0
-    async with aiohttp.ClientSession() as http:
-        async def one(row: dict) -> None:
-            nonlocal tokens, errors
-            body = {"messages": row["messages"], "max_tokens": max_tokens, "stream": stream}
-            if stream:
-                body["stream_options"] = {"include_usage": True}
-            starts.append(time.time())
-            try:
-                # A new connection per request: llama-server closes it after a stream anyway.
-                async with http.post(server + "/v1/chat/completions", json=body,
-                                     headers={"Connection": "close"}) as resp:
-                    raw = await resp.read()
-            except aiohttp.ClientError:
-                errors += 1
-                return
-            ends.append(time.time())
-            if resp.status != 200:
-                errors += 1
-                return
-            if stream:
-                for line in raw.split(b"\n"):
-                    if line.startswith(b"data: {"):
-                        event = json.loads(line[6:])
-                        if event.get("usage"):
-                            tokens += event["usage"]["completion_tokens"]
-            else:
-                tokens += json.loads(raw)["usage"]["completion_tokens"]
-
-        async def lane() -> None:
-            while queue:
-                await one(queue.pop(0))
-
-        await asyncio.gather(*(lane() for _ in range(concurrency)))
-    span = max(ends) - min(starts)
-    return {"name": f"bare-{'stream' if stream else 'nostream'}", "tokens": tokens, "span_s": span,
-            "tok_s": tokens / span, "errors": errors}
+    def mean(name: str, key: str) -> float:
+        return statistics.mean(r[key] for r in runs if r["name"] == name)
+    print("client CPU ms/request (genq: with its start-up): "
+          + ", ".join(f"{c} {mean(c, 'client_cpu_ms_per_req'):.2f}" for c, _ in CONFIGS))
+    print("mean occupancy: " + ", ".join(f"{c} {mean(c, 'occupancy'):.3f}" for c, _ in CONFIGS))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=300)
-    ap.add_argument("--long", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eta-n", type=int, default=800, help="prompts of the defaults run that checks the ETA")
+    ap.add_argument("--round-n", type=int, default=80, help="prompts of each throughput run")
+    ap.add_argument("--long", type=int, default=5, help="prompts longer than a slot's context, in every genq run")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--skip-eta", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "llamacpp-bench.json")
     args = ap.parse_args()
     subprocess.run([str(HERE / "build.sh")], check=True)
@@ -226,93 +221,25 @@ def main() -> int:
         subprocess.run(["python3", str(HERE / "make_model.py"), str(TREE), str(model), "--eog-scale", "1.8"],
                        check=True)
     work = Path(tempfile.mkdtemp(prefix="genq-llamacpp-"))
-    rows = prompts(args.n, args.long)
-    src = work / "prompts.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fit = sorted(r["id"] for r in rows if not r["id"].startswith("long"))
-    long_ids = sorted(r["id"] for r in rows if r["id"].startswith("long"))
+    print(f"llamacpp bench: {SLOTS} slots, work in {work}, load {load():.1f}", flush=True)
     stack = Stack(work, model)
     problems: list[str] = []
-    fitting = [r for r in rows if not r["id"].startswith("long")]
-    configs: list[tuple[str, tuple[str, ...]]] = [
-        ("defaults", ()), ("c8", ("--concurrency", "8")), ("c8-nostream", ("--concurrency", "8", "--no-stream")),
-        ("bare-nostream", ()), ("bare-stream", ())]
-    runs: list[dict] = []
     try:
-        # The machine is shared: each round runs the configurations in the reverse
-        # order of the one before (ABBA), so a drift in load hits all of them alike.
-        for rnd in range(args.rounds):
-            for name, worker_args in (configs if rnd % 2 == 0 else configs[::-1]):
-                with Sampler(stack) as sampler:
-                    if name.startswith("bare"):
-                        run = asyncio.run(bare(stack.server, fitting, args.max_tokens, name == "bare-stream", SLOTS))
-                    else:
-                        run = genq_run(stack, work, src, name, args.max_tokens, *worker_args)
-                run.update(sampler.figures(run["tokens"]))
-                run["round"] = rnd
-                runs.append(run)
-                print(f"round {rnd} {name}: {run['tok_s']:.0f} tok/s over {run['span_s']:.1f} s, "
-                      f"busy slots {run['busy_slots']:.2f}, server {run['server_cpu_ms_per_tok']:.2f} ms CPU/token",
-                      flush=True)
+        eta = None if args.skip_eta else eta_phase(stack, work, args, problems)
+        runs = rounds_phase(stack, work, args, problems) if args.rounds else []
     finally:
         stack.stop()
-    for run in runs:
-        if run["name"].startswith("bare"):
-            continue
-        ids = sorted(r["id"] for r in run["rows"])
-        if ids != fit:
-            problems.append(f"{run['name']}: {len(ids)} results, {len(set(ids))} distinct, want {len(fit)}")
-        retried = [r["id"] for r in run["rows"] if r["attempts"] != 1]
-        if retried:
-            problems.append(f"{run['name']}: {len(retried)} results needed more than one attempt")
-        dead = {letter["id"]: letter for letter in run["letters"]}
-        if sorted(dead) != long_ids:
-            problems.append(f"{run['name']}: dead letters {sorted(dead)[:10]}, want only the {len(long_ids)} long")
-        if any(d["kind"] != "bad_request" or "exceeds the available context size" not in d["message"]
-               for d in dead.values()):
-            problems.append(f"{run['name']}: a dead letter is not llama.cpp's context 400")
-        run["finish"] = {k: sum(1 for r in run["rows"] if r["finish_reason"] == k) for k in ("stop", "length")}
-    first = next(r for r in runs if r["name"] == "defaults")
-    if "capacity 8)" not in first["capacity_line"]:
-        problems.append(f"genq did not find 8 slots: {first['capacity_line']}")
-
-    def tok_s(name: str) -> float:  # over all rounds: total tokens over total span
-        mine = [r for r in runs if r["name"] == name]
-        return sum(r["tokens"] for r in mine) / sum(r["span_s"] for r in mine)
-
-    ratio = tok_s("defaults") / tok_s("c8")
-    if ratio < 0.95:
-        problems.append(f"defaults reach {ratio:.1%} of --concurrency 8")
-    genq_cost = 1 - tok_s("c8") / tok_s("c8-nostream")
-    bare_cost = 1 - tok_s("bare-stream") / tok_s("bare-nostream")
-    if genq_cost > bare_cost + 0.05:
-        problems.append(f"streaming costs genq {genq_cost:.1%}, a bare client {bare_cost:.1%}")
-    print("\n| run | in flight | round | tokens | span s | tok/s | busy slots | server CPU ms/token "
-          "| stop/length | dead letters |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for run in runs:
-        common = (f"| {run['round']} | {run['tokens']} | {run['span_s']:.1f} | {run['tok_s']:.0f} "
-                  f"| {run['busy_slots']:.2f} | {run['server_cpu_ms_per_tok']:.2f} ")
-        if run["name"].startswith("bare"):
-            print(f"| {run['name']} | 8 {common}| | {run['errors']} errors |")
-        else:
-            print(f"| genq {run['name']} | {run['args']} {common}| {run['finish']['stop']}/{run['finish']['length']} "
-                  f"| {len(run['letters'])} |")
-
-    def mean(name: str, key: str) -> float:
-        mine = [r[key] for r in runs if r["name"] == name]
-        return sum(mine) / len(mine)
-
-    print("\nmean busy slots: " + ", ".join(f"{c} {mean(c, 'busy_slots'):.2f}" for c, _ in configs))
-    print("server CPU ms per token: " + ", ".join(f"{c} {mean(c, 'server_cpu_ms_per_tok'):.2f}" for c, _ in configs))
-    print(f"\ndefaults / --concurrency 8: {ratio:.3f}; streaming cost: genq {genq_cost:+.1%}, bare {bare_cost:+.1%}")
-    print(f"genq: {first['capacity_line'].split('INFO ', 1)[-1]}")
-    summary = {"runs": [{k: v for k, v in r.items() if k not in ("rows", "letters")} for r in runs],
-               "ratio_defaults_c8": ratio, "stream_cost_genq": genq_cost,
-               "stream_cost_bare": bare_cost, "problems": problems, "work": str(work)}
+    v = verdicts(runs, args.rounds, problems) if runs else {}
+    if runs:
+        report(runs, v)
+    strip = ("rows", "letters")
+    summary = {"eta_run": eta and {k: x for k, x in eta.items() if k not in strip},
+               "runs": [{k: x for k, x in r.items() if k not in strip} for r in runs],
+               "verdicts": v, "problems": problems, "work": str(work)}
     args.out.write_text(json.dumps(summary, indent=2))
     for p in problems:
         print("FAIL:", p)
+    print("all checks met" if not problems else f"{len(problems)} check(s) failed")
     return 1 if problems else 0
 
 
