@@ -8,6 +8,7 @@ and RQ holding nothing of the job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from genq.core.queueing import enqueue_batch_jobs, rq_queue
 from genq.core.records import DeadLetter
 from genq.sim.lengths import prompt_key
 from tests.audit import audit
-from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import descendants, read_results, run_genq, sim_stats, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 SLOW = dict(mean_output_tokens=600, output_sigma=0.5, tokens_per_step=8, step_ms_base=20)
@@ -232,3 +233,29 @@ def test_a_batch_started_by_a_horse_that_died_before_handing_it_over(redis_url, 
     proc.signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, proc.log()
     check(rconn, out, "ghost", ids)
+
+
+def test_rq_loops_killed_with_their_horses_leave_nothing_started_in_rq(redis_url, rconn, sim, worker, tmp_path):
+    """An RQ loop that dies with its horse (seen: a loop crashing on a Redis outage) leaves its job
+    "started" in RQ after the engine finished the batch; before leaving, the burst worker's
+    reconciler clears it, so `rq info` does not show a done batch as running."""
+    server = sim(max_running_requests=4, **SLOW)
+    ids, out = enqueue(tmp_path, "ld", 16, "--batch-size", "8", "--max-tokens", "2000")
+    proc = worker(server, "--burst", "--prefetch", "2")
+    wait_until(lambda: rconn.hlen(keys.job_leases("ld")) == 2, 60, "both batches held")
+    loops = [pid for pid in descendants(proc.pid) if b"genq.worker.rqloop" in _cmdline(pid)]
+    assert loops, "no RQ loop found"
+    for pid in loops:  # the horses first: they are the loops' children
+        for victim in [*descendants(pid), pid]:
+            with contextlib.suppress(ProcessLookupError):  # a horse may have just returned
+                os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.log()
+    check(rconn, out, "ld", ids)
+    assert "left started by a horse that never returned" in proc.log(), proc.log()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -36,7 +36,7 @@ class Maintenance:
         """A burst worker leaves once the ledger says every batch of every job is done; batches
         queued again (stranded, or handed back by others) are taken first."""
         outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
-        if not outlook.unfinished:
+        if not outlook.unfinished and not outlook.finishing:
             log.info("burst: every batch of every job is done; exiting")
             return True
         if await asyncio.to_thread(lambda: rq_queue(self.conn).count):

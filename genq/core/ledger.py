@@ -32,7 +32,7 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
-from genq.core.queueing import enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+from genq.core.queueing import RUN_BATCH, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 
 log = logging.getLogger("genq.ledger")
 
@@ -156,6 +156,9 @@ class Outlook:
 
     pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
+    # RQ jobs of done batches still "started" in RQ: their horses are returning (a moment), or
+    # died with them (an RQ loop that crashed on a Redis outage); cleared once seen in two passes.
+    finishing: int = 0
 
     @property
     def unfinished(self) -> int:
@@ -173,6 +176,7 @@ class Reconciler:
         self.conn = conn
         self.owner = owner
         self._suspects: dict[tuple[str, str, str | None], float] = {}
+        self._done_started: dict[str, float] = {}  # RQ job id -> when first seen started with its batch done
 
     def pass_once(self, *, force: bool = False) -> Outlook:
         """One pass over every job. `force` skips the fleet lock (a burst worker deciding to exit)."""
@@ -202,7 +206,34 @@ class Reconciler:
                     outlook.requeued.append((job, batch))
                     self._suspects.pop(key, None)
         self._suspects = {k: v for k, v in self._suspects.items() if k in seen}
+        outlook.finishing = self._clear_done_started(now)
         return outlook
+
+    def _clear_done_started(self, now: float) -> int:
+        """RQ jobs left "started" for batches the ledger has done (a horse whose RQ loop died
+        before it could return) leave RQ's started registry, so `rq info` tells the truth;
+        how many are still waiting for confirmation."""
+        started = rq_queue(self.conn).started_job_registry
+        executions: dict[str, list[bytes]] = {}
+        for entry in self.conn.zrange(started.key, 0, -1):
+            executions.setdefault(entry.decode().partition(":")[0], []).append(entry)
+        seen: dict[str, float] = {}
+        for rq_id, job in zip(list(executions), fetch_rq_jobs(self.conn, list(executions))):
+            if job is None or job.func_name != RUN_BATCH or len(job.args) < 2:
+                continue
+            if not self.conn.sismember(keys.job_done(str(job.args[0])), str(job.args[1])):
+                continue
+            first = seen[rq_id] = self._done_started.get(rq_id, now)
+            if now - first >= STRANDED_CONFIRM_S:
+                with self.conn.pipeline(transaction=True) as pipe:
+                    pipe.zrem(started.key, *executions[rq_id])
+                    pipe.delete(RqJob.key_for(rq_id))
+                    pipe.execute()
+                del seen[rq_id]
+                log.info("RQ job %s of done batch %s/%s was left started by a horse that never returned; "
+                         "removed it from RQ's started registry", rq_id, job.args[0], job.args[1])
+        self._done_started = seen
+        return len(seen)
 
     def drop_legacy_jobs(self) -> int:
         """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without
