@@ -69,9 +69,9 @@ class Engine:
                                      self.rates, Backlog(self.claims, self._on_written), lambda: self.watch.is_down(),
                                      lambda: self.watch.info.model if self.watch.info else None)
         self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
-                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle)
-        self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                 self.hand_back_all,
+                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle,
+                               lambda job: self.leases.config(job))
+        self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher, self.hand_back_all,
                                  lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
                                 self.stealer.lease_arrived, self.writer.add_dead, self.name)

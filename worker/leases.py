@@ -92,7 +92,7 @@ class LeaseDesk:
             old, current.token = current.token, token
             await self.reply(old, b"released")
             return
-        config = await self._config(ref.job)
+        config = await self.config(ref.job)
         raw = await self.conn.get(keys.batch(ref.job, ref.batch))
         if config is None or raw is None:
             await self.reply(token, b"done")
@@ -152,7 +152,8 @@ class LeaseDesk:
             args=[ref.batch, token, self.instance, rq_id])
         return answer.decode() if isinstance(answer, bytes) else str(answer)
 
-    async def _config(self, job: str) -> JobConfig | None:
+    async def config(self, job: str) -> JobConfig | None:
+        """A job's settings, read once per engine (the stealer reads them through here too)."""
         if job not in self._configs:
             raw = await self.conn.get(keys.job_config(job))
             if raw is None:

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
-from genq.core.records import BatchRef, JobConfig, Prompt, unpack
+from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
@@ -43,7 +43,8 @@ BATCHES_CACHED = 64
 class Stealer:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims,
-                 flushed: Callable[[], Awaitable[None]]) -> None:
+                 flushed: Callable[[], Awaitable[None]],
+                 job_config: Callable[[str], Awaitable[JobConfig | None]]) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
@@ -56,7 +57,7 @@ class Stealer:
         self.borrowed: dict[BatchRef, HeldBatch] = {}
         self.taken = 0  # prompts taken since start
         self._batches: OrderedDict[BatchRef, tuple[JobConfig, list[Prompt]] | None] = OrderedDict()
-        self._configs: dict[str, JobConfig] = {}
+        self.job_config = job_config  # LeaseDesk.config: one cache of job settings per engine
 
     @staticmethod
     def queue_key_of(conn: redis.Redis) -> str:
@@ -138,11 +139,8 @@ class Stealer:
 
     async def _batch(self, ref: BatchRef) -> tuple[JobConfig, list[Prompt]] | None:
         if ref not in self._batches:
-            raw_config = None if ref.job in self._configs else await self.conn.get(keys.job_config(ref.job))
-            if raw_config is not None:
-                self._configs[ref.job] = unpack(raw_config, JobConfig)
+            config = await self.job_config(ref.job)
             raw = await self.conn.get(keys.batch(ref.job, ref.batch))
-            config = self._configs.get(ref.job)
             loaded = None
             if raw is not None and config is not None:
                 try:
