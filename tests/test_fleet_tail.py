@@ -70,14 +70,21 @@ def test_prompts_of_a_frozen_holder_move_and_the_job_ends_exactly_once(redis_url
     assert len(twice) <= in_flight_at_freeze, f"{len(twice)} prompts generated twice, {in_flight_at_freeze} in flight"
 
 
-def test_prompts_a_killed_worker_took_go_back_to_their_holder(redis_url, rconn, sim, worker, tmp_path):
+def holder_and_taker(rconn, sim, worker, tmp_path, job: str, *taker_args: str):
+    """One batch of 30 held by a burst worker; a second worker that has taken prompts of it.
+    Returns (ids, out, holder, taker, the taker's server)."""
     holder_server = sim(max_running_requests=4, **SLOW)
     taker_server = sim(max_running_requests=4, **SLOW)
-    ids, out = enqueue(tmp_path, "kt", 30, "--batch-size", "30", "--max-tokens", "2000")
+    ids, out = enqueue(tmp_path, job, 30, "--batch-size", "30", "--max-tokens", "2000")
     holder = worker(holder_server, "--burst", "--prefetch", "1", name="holder")
-    wait_until(lambda: rconn.hlen(keys.job_leases("kt")) == 1, 60, "the batch held")
-    taker = worker(taker_server, name="taker")
-    wait_until(lambda: "unsent prompts of batch kt/" in taker.log(), 60, "the second worker to take prompts")
+    wait_until(lambda: rconn.hlen(keys.job_leases(job)) == 1, 60, "the batch held")
+    taker = worker(taker_server, *taker_args, name="taker")
+    wait_until(lambda: f"unsent prompts of batch {job}/" in taker.log(), 60, "the second worker to take prompts")
+    return ids, out, holder, taker, taker_server
+
+
+def test_prompts_a_killed_worker_took_go_back_to_their_holder(redis_url, rconn, sim, worker, tmp_path):
+    ids, out, holder, taker, _ = holder_and_taker(rconn, sim, worker, tmp_path, "kt")
     taker.kill_tree()  # its claims lapse with its heartbeat; the holder sends those prompts itself
     assert holder.wait(timeout=180) == 0, holder.log()
     check(rconn, out, "kt", ids)
@@ -105,15 +112,10 @@ def test_the_monitor_says_when_a_job_is_in_its_tail(redis_url, rconn, sim, worke
 
 
 def test_a_worker_whose_server_goes_down_gives_taken_prompts_back_at_once(redis_url, rconn, sim, worker, tmp_path):
-    holder_server = sim(max_running_requests=4, **SLOW)
-    taker_server = sim(max_running_requests=4, **SLOW)
-    ids, out = enqueue(tmp_path, "sd", 30, "--batch-size", "30", "--max-tokens", "2000")
-    holder = worker(holder_server, "--burst", "--prefetch", "1", name="holder")
-    wait_until(lambda: rconn.hlen(keys.job_leases("sd")) == 1, 60, "the batch held")
     # The taker would wait 600 s for its server before handing anything back: prompts it took
     # must go back to their holder as soon as its server is down, not then.
-    taker = worker(taker_server, "--server-down-timeout", "600", name="taker")
-    wait_until(lambda: "unsent prompts of batch sd/" in taker.log(), 60, "the second worker to take prompts")
+    ids, out, holder, taker, taker_server = holder_and_taker(rconn, sim, worker, tmp_path, "sd",
+                                                             "--server-down-timeout", "600")
     post_json(taker_server + "/sim/faults", {"outage_for": 600})
     assert holder.wait(timeout=180) == 0, holder.log()
     assert "giving" in taker.log() and "borrowed prompts back to their holders" in taker.log(), taker.log()
