@@ -26,8 +26,12 @@ demo: $(BIN)/genq
 	$(BIN)/genq demo
 	@echo "To use genq yourself: . $(VENV)/bin/activate, then follow \"Using it\" in README.md"
 
+# Two test processes: most tests wait on simulated servers, not on the CPU, so two halve the wall
+# time even on two busy cores (each process starts its own private redis-server). TEST_WORKERS=0: one.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.test-extras check
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The house rules, measured: lint with import order, types, layers/sizes/circles.
 check: $(VENV)/.test-extras

@@ -16,7 +16,7 @@ what `genq monitor --job JOB --once --json` reports:
   them) equal a recount of the shard records in Redis and of the markers (their failed counts every letter stored: requeue and purge keep that
   history), and the monitor's completed, failed, total,
   shard_records, shards, batches_done/batches_total and tokens equal them too;
-- RQ: the queue `genq` and the started registry hold no batch of this job, the failed
+- RQ: the queue `genq`, its intermediate list and the started registry hold no batch of this job, the failed
   registry holds exactly the batches the caller names in `failed_batches`.
 
 Every disagreement is collected and raised together as one AssertionError that
@@ -221,6 +221,10 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
     queued = sorted(b for j, b in _batch_refs(conn, queue.get_job_ids()) if j == job)
     if queued:
         problems.append(f"queue {keys.QUEUE!r} still holds batches of {job}: {queued}")
+    taken = [i.decode() for i in conn.lrange(queue.intermediate_queue_key, 0, -1)]
+    stuck = sorted(b for j, b in _batch_refs(conn, taken) if j == job)
+    if stuck:
+        problems.append(f"RQ's intermediate list still holds batches of {job}: {stuck}")
     started = sorted(b for j, b in _batch_refs(conn, StartedJobRegistry(queue=queue).get_job_ids()) if j == job)
     if started:
         problems.append(f"RQ's started registry still holds batches of {job}: {started}")

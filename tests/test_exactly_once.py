@@ -254,6 +254,52 @@ def test_rq_loops_killed_with_their_horses_leave_nothing_started_in_rq(redis_url
     assert "left started by a horse that never returned" in proc.log(), proc.log()
 
 
+def test_a_loop_stopped_as_it_takes_a_batch_hands_the_batch_back(redis_url, rconn, sim, worker, tmp_path):
+    """RQ's stop signal raises at once in a loop that is not busy. Landing after the loop's BLMOVE
+    took a batch into RQ's intermediate list, and before the job started, it stranded the batch
+    there (seen in test_chaos's SIGTERM test, where the signal comes as a loop goes back for its
+    next batch). Made exact here: the loops are frozen in their BLMOVE, a batch is queued (Redis
+    serves a frozen BLMOVE), the worker is told to stop, and the loops resume with that pending."""
+    server = sim(max_running_requests=8, **FAST)
+    proc = worker(server)
+    queue = rq_queue(rconn)
+    wait_until(lambda: _rq_loops(proc.pid) and len(_rq_workers(rconn)) == len(_rq_loops(proc.pid))
+               and all(w.get_state() == "idle" for w in _rq_workers(rconn)), 30, "the RQ loops waiting for a batch")
+    loops = _rq_loops(proc.pid)
+    for pid in loops:
+        os.kill(pid, signal.SIGSTOP)
+    ids, out = enqueue(tmp_path, "stop", 10, "--batch-size", "10", "--max-tokens", "400")
+    wait_until(lambda: rconn.llen(queue.intermediate_queue_key) == 1, 30, "a frozen loop's BLMOVE served")
+    proc.signal(signal.SIGTERM)
+    wait_until(lambda: all(_sigterm_pending(pid) for pid in loops), 30, "the engine's SIGTERM pending in every loop")
+    for pid in loops:
+        os.kill(pid, signal.SIGCONT)
+    assert proc.wait(timeout=60) == 0, proc.log()
+    assert rconn.llen(queue.intermediate_queue_key) == 0, "the batch was left in RQ's intermediate list"
+    # The engine either ran the batch it got while stopping, or handed it back: done or queued.
+    assert queue.count + rconn.scard(keys.job_done("stop")) == 1, proc.log()
+    rest = worker(server, "--burst", name="rest")
+    assert rest.wait(timeout=120) == 0, rest.log()
+    check(rconn, out, "stop", ids)
+
+
+def _rq_loops(engine_pid: int) -> list[int]:
+    return [pid for pid in descendants(engine_pid) if b"genq.worker.rqloop" in _cmdline(pid)]
+
+
+def _rq_workers(conn: redis.Redis) -> list:
+    from rq import Worker
+
+    return Worker.all(connection=conn)
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM sent to the (stopped) process waits for it."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -6,8 +6,9 @@ truthful. How many run: --prefetch, plus one for each held batch that has nothin
 left to send (its long tail), so slots never run dry at batch boundaries.
 
 Loops get exactly one SIGTERM (RQ's warm shutdown: an idle loop exits, a busy one
-waits for its horse, which returns once the engine has answered its lease). A
-second signal would be RQ's cold shutdown, which kills horses: never sent.
+waits for its horse, which returns once the engine has answered its lease; a loop
+popping a batch when it comes first starts it: see rqloop.EngineWorker). A second
+signal would be RQ's cold shutdown, which kills horses: never sent.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from rq import Worker
 from rq.exceptions import StopRequested
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from genq.core import keys
@@ -24,6 +26,7 @@ from genq.core.redisconn import connect
 from genq.worker.rqjob import ENGINE_ENV
 
 PR_SET_PDEATHSIG = 1
+POP_WAIT_S = 3  # one blocking pop; a stop that comes meanwhile waits for it (RQ's: 405 s)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -38,14 +41,58 @@ def _die_with_parent(parent_pid: int) -> None:
 
 class EngineWorker(Worker):
     """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
-    engine would only make each batch it takes fail and go round again)."""
+    engine would only make each batch it takes fail and go round again), and that a stop
+    never interrupts between taking a batch and starting it.
+
+    RQ's stop handler raises at once in a worker that is not busy. Landing after the pop
+    moved a batch into RQ's intermediate list, and before the job started, it left the batch
+    there, out of the queue, until a reconciler pass (seen: a worker told to stop as one of
+    its loops went back for its next batch). So a stop that comes while popping is kept,
+    and acted on after a pop that took nothing (RQ raises StopRequested: nothing is held)
+    or once the job has started (RQ then lets it run, and the engine hands the batch back).
+    """
 
     engine: str = ""
+    _popping = False
+    _kept_stop: int | None = None  # the signal of a stop that came while popping
 
     def check_for_suspension(self, burst: bool) -> None:
         super().check_for_suspension(burst)
         while not self._stop_requested and not self.connection.exists(keys.engine_alive(self.engine)):
             time.sleep(1.0)
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        if self._popping:
+            self._kept_stop = signum
+            return
+        super().request_stop(signum, frame)
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        while True:
+            self._popping = True
+            try:
+                # RQ's own wait loop, cut into waits of POP_WAIT_S so a kept stop is seen between them.
+                result = super().dequeue_job_and_maintain_ttl(timeout, POP_WAIT_S if timeout else max_idle_time)
+            except BaseException:
+                self._popped()
+                raise
+            if result is not None:
+                return result  # a batch: a stop is kept until prepare_execution marks this worker busy
+            self._popped()
+            if timeout is None:
+                return None  # burst, and the queue is empty
+
+    def prepare_execution(self, job: Job) -> Any:
+        execution = super().prepare_execution(job)  # busy now: a stop lets the job run
+        self._popped()
+        return execution
+
+    def _popped(self) -> None:
+        """Act on a kept stop: RQ raises StopRequested if idle, or stops after the job if busy."""
+        self._popping = False
+        if self._kept_stop is not None:
+            signum, self._kept_stop = self._kept_stop, None
+            super().request_stop(signum, None)
 
 
 def main(argv: list[str] | None = None) -> int:
