@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 from rq.job import Job as RqJob
-from rq.registry import StartedJobRegistry
+from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import enqueue_batch_jobs, rq_queue
@@ -252,6 +252,27 @@ def test_rq_loops_killed_with_their_horses_leave_nothing_started_in_rq(redis_url
     assert proc.wait(timeout=180) == 0, proc.log()
     check(rconn, out, "ld", ids)
     assert "left started by a horse that never returned" in proc.log(), proc.log()
+
+
+def test_horses_killed_after_handing_batches_over_leave_no_failed_job_in_rq(redis_url, rconn, sim, worker, tmp_path):
+    """A work horse that dies after handing its batch to the engine, while its RQ loop lives on:
+    the loop records the RQ job as failed, the engine still finishes the batch (it holds the
+    lease). Seen in the test above when a loop noticed its horse's death before its own
+    SIGKILL. The reconciler takes the done batch's job out of RQ's failed registry, so
+    `rq info` and `genq dlq` do not show a complete batch as failed."""
+    server = sim(max_running_requests=4, **SLOW)
+    ids, out = enqueue(tmp_path, "hd", 16, "--batch-size", "8", "--max-tokens", "2000")
+    proc = worker(server, "--burst", "--prefetch", "2")
+    wait_until(lambda: rconn.hlen(keys.job_leases("hd")) == 2, 60, "both batches held")
+    horses = [h for loop in _rq_loops(proc.pid) for h in descendants(loop)]
+    assert len(horses) == 2, horses
+    for pid in horses:
+        os.kill(pid, signal.SIGKILL)
+    failed = FailedJobRegistry(queue=rq_queue(rconn))
+    wait_until(lambda: failed.count == 2, 60, "the loops recording their horses' deaths")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    check(rconn, out, "hd", ids)
+    assert "removed it from RQ's failed registry" in proc.log(), proc.log()
 
 
 def test_a_loop_stopped_as_it_takes_a_batch_hands_the_batch_back(redis_url, rconn, sim, worker, tmp_path):

@@ -207,6 +207,7 @@ class Reconciler:
                     self._suspects.pop(key, None)
         self._suspects = {k: v for k, v in self._suspects.items() if k in seen}
         outlook.finishing = self._clear_done_started(now)
+        self._clear_done_failed()
         return outlook
 
     def _clear_done_started(self, now: float) -> int:
@@ -218,11 +219,7 @@ class Reconciler:
         for entry in self.conn.zrange(started.key, 0, -1):
             executions.setdefault(entry.decode().partition(":")[0], []).append(entry)
         seen: dict[str, float] = {}
-        for rq_id, job in zip(list(executions), fetch_rq_jobs(self.conn, list(executions))):
-            if job is None or job.func_name != RUN_BATCH or len(job.args) < 2:
-                continue
-            if not self.conn.sismember(keys.job_done(str(job.args[0])), str(job.args[1])):
-                continue
+        for rq_id, job in self._of_done_batches(list(executions)):
             first = seen[rq_id] = self._done_started.get(rq_id, now)
             if now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
@@ -234,6 +231,30 @@ class Reconciler:
                          "removed it from RQ's started registry", rq_id, job.args[0], job.args[1])
         self._done_started = seen
         return len(seen)
+
+    def _clear_done_failed(self) -> None:
+        """RQ jobs that failed for batches the ledger has done (a horse that died after handing
+        its batch over, whose loop lived on and recorded the failure; RQ's rq#2424) leave RQ's
+        failed registry: the batch is complete, and `rq info` and `genq dlq` must not show it
+        as failed. A done batch never runs again, so one pass is enough."""
+        failed = FailedJobRegistry(queue=rq_queue(self.conn))
+        for rq_id, job in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
+            with self.conn.pipeline(transaction=True) as pipe:
+                pipe.zrem(failed.key, rq_id)
+                pipe.delete(RqJob.key_for(rq_id))
+                pipe.execute()
+            log.info("RQ job %s of done batch %s/%s had failed after its batch was handed over; "
+                     "removed it from RQ's failed registry", rq_id, job.args[0], job.args[1])
+
+    def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, RqJob]]:
+        """The genq batch jobs among these RQ job ids whose batch the ledger has done."""
+        found = []
+        for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids)):
+            if job is None or job.func_name != RUN_BATCH or len(job.args) < 2:
+                continue
+            if self.conn.sismember(keys.job_done(str(job.args[0])), str(job.args[1])):
+                found.append((rq_id, job))
+        return found
 
     def drop_legacy_jobs(self) -> int:
         """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without
