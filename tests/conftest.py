@@ -216,11 +216,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> bytes | None:
+def _started_at(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot): with the pid, it names one process.
+    Not its command line: RQ renames its processes where setproctitle is installed."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
         return None
 
 
@@ -264,7 +266,7 @@ class Proc:
     def stop(self) -> None:
         # Children that started sessions of their own (a worker's RQ loops, a fleet's
         # servers) are outside the process group: collect them before the parent goes.
-        children = {pid: _cmdline(pid) for pid in descendants(self.popen.pid)}
+        children = {pid: _started_at(pid) for pid in descendants(self.popen.pid)}
         if self.alive():
             self.signal(signal.SIGTERM)
             try:
@@ -275,8 +277,8 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        for pid, cmdline in children.items():
-            if cmdline and _cmdline(pid) == cmdline:  # still that process, not a reused pid
+        for pid, started in children.items():
+            if started and _started_at(pid) == started:  # still that process, not a reused pid
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):

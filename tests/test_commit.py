@@ -254,6 +254,54 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
     assert sum(int(v) for v in rconn.hvals(keys.job_hist(JOB))) == 30
 
 
+def test_records_added_while_a_write_fails_are_kept_with_the_ones_put_back(redis_url, rconn):
+    """A write held open by Redis (CLIENT PAUSE WRITE) and then failed (its connection killed) while
+    new records for the same batch arrive: the failed write's records go back in front of the new
+    ones and every one is stored. (Putting them back over the first new record instead, mutmut's
+    run__mutmut_36 and _38, loses that record.)"""
+    held = [result(f"p{i:05d}", "w1") for i in range(1, 4)]
+    held_letter = letter("p00004", "w1")
+    arriving = [result(f"p{i:05d}", "w1") for i in range(5, 8)]
+    arriving_letter = letter("p00008", "w1")
+
+    def write_blocked() -> bool:
+        return any("b" in c["flags"] and c["cmd"] in ("evalsha", "eval") for c in rconn.client_list())
+
+    async def go() -> list[str]:
+        conn = connect_async(redis_url)
+        writer = ResultWriter(conn, "w1", lambda job, batch, ids: None)
+        task = asyncio.create_task(writer.run())
+        try:
+            writer.add_result(result("p00000", "w1"))  # the script loaded, the connection open
+            await stored_by(writer, task)
+            rconn.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+            try:
+                for r in held:
+                    writer.add_result(r)
+                writer.add_dead(held_letter)
+                deadline = asyncio.get_running_loop().time() + 15
+                while not write_blocked():
+                    assert asyncio.get_running_loop().time() < deadline, "the writer's write never reached Redis"
+                    await asyncio.sleep(0.01)
+                for r in arriving:
+                    writer.add_result(r)
+                writer.add_dead(arriving_letter)
+                assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes") >= 1
+            finally:
+                rconn.execute_command("CLIENT", "UNPAUSE")
+            return await stored_by(writer, task, errors_expected=True, within=60)
+        finally:
+            task.cancel()
+            await conn.aclose()
+
+    errors = asyncio.run(go())
+    assert errors and all(e.startswith("ConnectionError: ") for e in errors), errors
+    stored = {k.decode(): unpack(v, Result) for k, v in rconn.hgetall(keys.batch_results(JOB, BATCH)).items()}
+    assert stored == {r.id: r for r in [result("p00000", "w1"), *held, *arriving]}
+    letters = {k.decode() for k in rconn.hkeys(keys.job_dlq(JOB))}
+    assert letters == {"p00004", "p00008"}
+
+
 def test_length_buckets_are_four_per_doubling_and_bounds_invert_them():
     assert [length_bucket(t) for t in (0, 1, 3, 7, 15, 255, 32767)] == [0, 4, 8, 12, 16, 32, 60]
     for tokens in (0, 1, 2, 5, 13, 100, 999, 4096, 32000):

@@ -243,7 +243,7 @@ def test_rq_loops_killed_with_their_horses_leave_nothing_started_in_rq(redis_url
     ids, out = enqueue(tmp_path, "ld", 16, "--batch-size", "8", "--max-tokens", "2000")
     proc = worker(server, "--burst", "--prefetch", "2")
     wait_until(lambda: rconn.hlen(keys.job_leases("ld")) == 2, 60, "both batches held")
-    loops = [pid for pid in descendants(proc.pid) if b"genq.worker.rqloop" in _cmdline(pid)]
+    loops = _rq_loops(proc.pid)
     assert loops, "no RQ loop found"
     for pid in loops:  # the horses first: they are the loops' children
         for victim in [*descendants(pid), pid]:
@@ -305,7 +305,12 @@ def test_a_loop_stopped_as_it_takes_a_batch_hands_the_batch_back(redis_url, rcon
 
 
 def _rq_loops(engine_pid: int) -> list[int]:
-    return [pid for pid in descendants(engine_pid) if b"genq.worker.rqloop" in _cmdline(pid)]
+    """The engine's RQ loops: its child processes here (the server is external). Not by command
+    line: RQ renames its processes (rq:worker:...) where setproctitle is installed."""
+    try:
+        return [int(c) for c in Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _rq_workers(conn: redis.Redis) -> list:
@@ -320,9 +325,3 @@ def _sigterm_pending(pid: int) -> bool:
     pending = int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
     return bool(pending & (1 << (signal.SIGTERM - 1)))
 
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""

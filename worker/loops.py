@@ -141,8 +141,10 @@ class RqLoops:
                 self._stop(loop)
 
     def kill_all(self) -> None:
-        """SIGKILL what is left of the loops, their work horses too (each loop leads its own
-        process group): no horse may hand over a batch after the engine's last look."""
+        """SIGKILL what is left of the loops (each leads its own process group). Not their work
+        horses: RQ puts each in a process group of its own. A horse leaves by itself: it returns
+        once its lease is answered, and raises EngineLost once the engine stops heartbeating, so
+        none hands a batch over after the engine's last look (the reconciler takes such a batch)."""
         for loop in self.loops:
             if loop.proc.returncode is None:
                 try:
