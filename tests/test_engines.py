@@ -191,6 +191,28 @@ async def test_a_dead_reused_connection_costs_no_failure(sim: RunningSim, http) 
         await client.close()
 
 
+@with_sim(flavor="llamacpp", max_running_requests=4, stream_close_delay=1.5, **SLOW)
+async def test_a_health_check_after_streams_ends_reads_a_live_server_as_up(sim: RunningSim, http) -> None:
+    """llama-server closes each connection a moment after its stream, so every pooled
+    connection may be one it is about to close. A health check sent on one is lost, and
+    aiohttp's one retry takes the next pooled connection: one that another stream has
+    just released, lost the same way. The worker then read a live server as down and
+    counted a crash on every prompt in flight (three, and a valid prompt was dead-lettered
+    as server_crash). Health checks go out on a connection of their own."""
+    client = ServerClient(sim.url)
+    try:
+        # Two streams at once: two pooled connections. The short one ends first; the
+        # long one ends while the health check waits on the short one's connection.
+        short = asyncio.ensure_future(client.generate("chat", chat("short", max_tokens=8), Progress()))
+        long = asyncio.ensure_future(client.generate("chat", chat("long", max_tokens=64), Progress()))
+        assert isinstance(await short, Completion)
+        assert not long.done(), "the long stream is still running when the health check goes out"
+        assert await client.healthy(), "the server is up: its health check must say so"
+        assert isinstance(await long, Completion)
+    finally:
+        await client.close()
+
+
 @with_sim(flavor="llamacpp", max_running_requests=2, **SLOW)
 async def test_stop_listening_leaves_open_requests_hanging(sim: RunningSim, http) -> None:
     """llama-server on SIGTERM: the port closes, open requests get no answer and no close."""

@@ -123,7 +123,9 @@ class ServerClient:
             json_serialize=lambda obj: _json_encode(obj).decode(),
             trace_configs=[tracing],
         )
-        self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection
+        # Never reuses a connection: for GETs, and for a generation request whose
+        # pooled connection turned out dead.
+        self._fresh: aiohttp.ClientSession | None = None
         self.reconnects = 0  # requests sent again after their reused connection was dead
 
     async def close(self) -> None:
@@ -140,8 +142,12 @@ class ServerClient:
         return self._fresh
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        # Each GET on a connection of its own: a pooled one may be one llama-server is
+        # about to close, and aiohttp's single retry takes the next pooled one, which may
+        # be closing too. A health check lost that way read a live server as down.
         try:
-            async with self.session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with self._fresh_session().get(self.base_url + path,
+                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
