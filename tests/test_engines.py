@@ -213,6 +213,20 @@ async def test_a_health_check_after_streams_ends_reads_a_live_server_as_up(sim: 
         await client.close()
 
 
+
+@with_sim(flavor="sglang", health_delay=7.0)
+async def test_a_busy_sglang_that_answers_its_health_check_late_is_up(sim: RunningSim, http) -> None:
+    """SGLang's /health answers once its scheduler says anything, up to 20 s later, and
+    only then says 503. A client that stopped waiting at 5 s read a live server as down
+    (and the worker cancelled every request in flight as a crash). The client waits for
+    the server's verdict."""
+    client = ServerClient(sim.url)
+    try:
+        assert await client.healthy(), "a late 200 is still a 200"
+        await client.discover()  # the start-up check waits as long
+    finally:
+        await client.close()
+
 @with_sim(flavor="llamacpp", max_running_requests=2, **SLOW)
 async def test_stop_listening_leaves_open_requests_hanging(sim: RunningSim, http) -> None:
     """llama-server on SIGTERM: the port closes, open requests get no answer and no close."""

@@ -45,6 +45,12 @@ RETRACTED = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
 RETRACTIONS_TOTAL = ("sglang:num_retracted_requests_total", "vllm:num_preemptions_total")
 _METRIC_PREFIXES = {"sglang": b"sglang:", "vllm": b"vllm:", "llamacpp": b"llamacpp:"}
 
+# How long a health check waits for the server's verdict. SGLang's /health runs a
+# one-token generation and itself answers 503 if its scheduler says nothing for 20 s
+# (SGLANG_HEALTH_CHECK_TIMEOUT): a client that gives up sooner reads a live, busy server
+# as down, and the worker then cancels every request in flight as a crash.
+HEALTH_TIMEOUT_S = 30.0
+
 # Errors of a request that never got a response byte: on a reused keep-alive
 # connection these mean the server had closed it (llama.cpp does after every stream).
 _BEFORE_RESPONSE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
@@ -164,14 +170,14 @@ class ServerClient:
 
     async def healthy(self) -> bool:
         try:
-            status, _ = await self._get("/health")
+            status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         except ServerUnavailable:
             return False
         return status == 200
 
     async def discover(self) -> ServerInfo:
         """Model name, flavor and capacity. Raises ServerUnavailable if the server is not up."""
-        status, _ = await self._get("/health")
+        status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
         model = None

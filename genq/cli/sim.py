@@ -61,6 +61,8 @@ _D = SimConfig()
 @click.option("--crash-marker", default=None, metavar="TEXT",
               help="A request containing TEXT takes the server down for --outage-for seconds, every time. "
                    "[default: none]")
+@click.option("--health-delay", default=_D.health_delay, type=float,
+              help="Seconds /health takes to answer (SGLang's takes a second or more, up to 20 s when busy).")
 @click.option("--stream-close-delay", default=_D.stream_close_delay, type=float,
               help="llamacpp flavor: seconds after a streamed response at which the connection closes "
                    "(unread meanwhile), whatever its Keep-Alive header said.")

@@ -43,6 +43,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
 
     # Seconds during which the port is open but /health and generation answer 503.
     startup_delay: float = 0.0
+    # Seconds /health takes to answer. SGLang's generates one token and answers once
+    # its scheduler says anything: a second at least, up to 20 s (its
+    # SGLANG_HEALTH_CHECK_TIMEOUT) when the scheduler is busy or stalled.
+    health_delay: float = 0.0
 
     # Fault switches (also settable at run time through POST /sim/faults).
     error_rate: float = 0.0

@@ -91,6 +91,8 @@ class SimServer:
     # ---- info endpoints --------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.config.health_delay:
+            await asyncio.sleep(self.config.health_delay)
         ok = self.ready() and not self.faults.in_outage()
         if self.flavor == "llamacpp":
             if ok:
