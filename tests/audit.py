@@ -17,7 +17,8 @@ what `genq monitor --job JOB --once --json` reports:
   history), and the monitor's completed, failed, total,
   shard_records, shards, batches_done/batches_total and tokens equal them too;
 - RQ: the queue `genq`, its intermediate list and the started registry hold no batch of this job, the failed
-  registry holds exactly the batches the caller names in `failed_batches`.
+  registry holds exactly the batches the caller names in `failed_batches`, and none of them holds
+  an id whose job hash is gone (`rq info` counts those too).
 
 Every disagreement is collected and raised together as one AssertionError that
 names what disagrees. The findings come back (Audit) for further checks.
@@ -218,17 +219,24 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
 
     # --- RQ's registries
     queue = rq_queue(conn)
-    queued = sorted(b for j, b in _batch_refs(conn, queue.get_job_ids()) if j == job)
+    listed = {"queue": queue.get_job_ids(), "intermediate list": [i.decode() for i in conn.lrange(
+        queue.intermediate_queue_key, 0, -1)], "started registry": StartedJobRegistry(queue=queue).get_job_ids(),
+        "failed registry": FailedJobRegistry(queue=queue).get_job_ids()}
+    for where, rq_ids in listed.items():
+        # An id whose job hash is gone belongs to no job any more, but `rq info` still counts it.
+        orphans = [i for i, j in zip(rq_ids, fetch_rq_jobs(conn, rq_ids)) if j is None]
+        if orphans:
+            problems.append(f"RQ's {where} holds ids with no job behind them (rq info counts them): {orphans}")
+    queued = sorted(b for j, b in _batch_refs(conn, listed["queue"]) if j == job)
     if queued:
         problems.append(f"queue {keys.QUEUE!r} still holds batches of {job}: {queued}")
-    taken = [i.decode() for i in conn.lrange(queue.intermediate_queue_key, 0, -1)]
-    stuck = sorted(b for j, b in _batch_refs(conn, taken) if j == job)
+    stuck = sorted(b for j, b in _batch_refs(conn, listed["intermediate list"]) if j == job)
     if stuck:
         problems.append(f"RQ's intermediate list still holds batches of {job}: {stuck}")
-    started = sorted(b for j, b in _batch_refs(conn, StartedJobRegistry(queue=queue).get_job_ids()) if j == job)
+    started = sorted(b for j, b in _batch_refs(conn, listed["started registry"]) if j == job)
     if started:
         problems.append(f"RQ's started registry still holds batches of {job}: {started}")
-    failed = sorted(b for j, b in _batch_refs(conn, FailedJobRegistry(queue=queue).get_job_ids()) if j == job)
+    failed = sorted(b for j, b in _batch_refs(conn, listed["failed registry"]) if j == job)
     if set(failed) != set(failed_batches):
         problems.append(f"RQ's failed registry holds batches {failed} of {job}, expected {sorted(failed_batches)}")
 

@@ -27,6 +27,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import redis
+from redis.client import Pipeline
 from redis.exceptions import WatchError
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
@@ -223,8 +224,7 @@ class Reconciler:
             first = seen[rq_id] = self._done_started.get(rq_id, now)
             if now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
-                    pipe.zrem(started.key, *executions[rq_id])
-                    pipe.delete(RqJob.key_for(rq_id))
+                    _forget_rq_job(pipe, rq_id, executions[rq_id])
                     pipe.execute()
                 del seen[rq_id]
                 log.info("RQ job %s of done batch %s/%s was left started by a horse that never returned; "
@@ -240,8 +240,7 @@ class Reconciler:
         failed = FailedJobRegistry(queue=rq_queue(self.conn))
         for rq_id, job in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
             with self.conn.pipeline(transaction=True) as pipe:
-                pipe.zrem(failed.key, rq_id)
-                pipe.delete(RqJob.key_for(rq_id))
+                _forget_rq_job(pipe, rq_id)
                 pipe.execute()
             log.info("RQ job %s of done batch %s/%s had failed after its batch was handed over; "
                      "removed it from RQ's failed registry", rq_id, job.args[0], job.args[1])
@@ -331,9 +330,7 @@ class Reconciler:
         job leaves RQ altogether (failed, started and intermediate registries, its hash): the
         ledger superseded it, a transport failure is not the batch's, and `rq info` must not
         go on showing a dead horse's job as started or a redelivered batch as failed."""
-        queue = rq_queue(self.conn)
-        failed = FailedJobRegistry(queue=queue)
-        started = queue.started_job_registry
+        started = rq_queue(self.conn).started_job_registry
         with self.conn.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(keys.job_transport(job), keys.job_done(job))
@@ -347,14 +344,22 @@ class Reconciler:
                 pipe.multi()
                 enqueue_batch_jobs(pipe, self.conn, [(job, batch, 0)], at_front=True)
                 if stale_rq_id:
-                    pipe.zrem(failed.key, stale_rq_id)
-                    pipe.lrem(queue.intermediate_queue_key, 0, stale_rq_id)
-                    if executions:
-                        pipe.zrem(started.key, *executions)
-                    pipe.delete(RqJob.key_for(stale_rq_id))
+                    _forget_rq_job(pipe, stale_rq_id, executions)
                 pipe.hincrby(keys.job_stats(job), "redeliveries", 1)
                 pipe.execute()
             except WatchError:
                 return False
         log.warning("batch %s/%s had no live RQ job (was %s); queued it again", job, batch, stale_rq_id or "none")
         return True
+
+
+def _forget_rq_job(pipe: Pipeline, rq_id: str, executions: list[bytes] | None = None) -> None:
+    """Take an RQ job out of RQ altogether, once the ledger has no use for it: its failed
+    registry, its intermediate list, its started registry (`executions`: the job's entries
+    there) and its hash. What `rq info` shows then matches the ledger."""
+    queue = rq_queue(pipe)
+    pipe.zrem(FailedJobRegistry(queue=queue).key, rq_id)
+    pipe.lrem(queue.intermediate_queue_key, 0, rq_id)
+    if executions:
+        pipe.zrem(queue.started_job_registry.key, *executions)
+    pipe.delete(RqJob.key_for(rq_id))
