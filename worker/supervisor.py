@@ -24,6 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
+from genq.worker.server import HEALTH_TIMEOUT_S
+
 log = logging.getLogger("genq.fleet")
 
 PR_SET_PDEATHSIG = 1
@@ -112,7 +114,7 @@ class HealthTimeouts:
     start: float = 1800.0  # a big model can take many minutes to load
     unhealthy: float = 60.0  # /health failing this long (after having answered) -> restart
     interval: float = 5.0  # between health checks while healthy
-    probe: float = 25.0  # one /health request (SGLang's own health generation times out at 20 s)
+    probe: float = HEALTH_TIMEOUT_S  # one /health request: the engine's own verdict (worker/server.py)
     stop: float = 30.0  # SIGTERM -> SIGKILL
 
 
