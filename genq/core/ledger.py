@@ -247,13 +247,13 @@ class Reconciler:
 
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, RqJob]]:
         """The genq batch jobs among these RQ job ids whose batch the ledger has done."""
-        found = []
-        for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids)):
-            if job is None or job.func_name != RUN_BATCH or len(job.args) < 2:
-                continue
-            if self.conn.sismember(keys.job_done(str(job.args[0])), str(job.args[1])):
-                found.append((rq_id, job))
-        return found
+        batch_jobs = [(rq_id, job) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
+                      if job is not None and job.func_name == RUN_BATCH and len(job.args) >= 2]
+        with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
+            for _, job in batch_jobs:
+                pipe.sismember(keys.job_done(str(job.args[0])), str(job.args[1]))
+            done = pipe.execute()
+        return [found for found, is_done in zip(batch_jobs, done) if is_done]
 
     def drop_legacy_jobs(self) -> int:
         """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without
