@@ -66,15 +66,15 @@ def _read_shard(path: Path) -> list[dict]:
     return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 
 
-def _batch_refs(conn: redis.Redis, job_ids: list[str]) -> list[tuple[str, str]]:
-    """(job, batch) of each RQ job id that is a genq batch job."""
-    refs = []
-    for rq_job in fetch_rq_jobs(conn, job_ids):  # JSON: genq's jobs are never pickled
-        if rq_job is None or rq_job.func_name != RUN_BATCH:
-            continue
-        job, batch_id = rq_job.args[:2]
-        refs.append((str(job), str(batch_id)))
-    return refs
+def _rq_holdings(conn: redis.Redis, rq_ids: list[str], job: str) -> tuple[list[str], list[str]]:
+    """Of these RQ job ids: those whose job hash is gone, and the batches of `job` the rest carry."""
+    orphans, batches = [], []
+    for rq_id, rq_job in zip(rq_ids, fetch_rq_jobs(conn, rq_ids)):  # JSON: genq's jobs are never pickled
+        if rq_job is None:
+            orphans.append(rq_id)
+        elif rq_job.func_name == RUN_BATCH and str(rq_job.args[0]) == job:
+            batches.append(str(rq_job.args[1]))
+    return orphans, sorted(batches)
 
 
 def monitor_json(conn: redis.Redis, job: str) -> dict:
@@ -219,26 +219,21 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
 
     # --- RQ's registries
     queue = rq_queue(conn)
-    listed = {"queue": queue.get_job_ids(), "intermediate list": [i.decode() for i in conn.lrange(
-        queue.intermediate_queue_key, 0, -1)], "started registry": StartedJobRegistry(queue=queue).get_job_ids(),
-        "failed registry": FailedJobRegistry(queue=queue).get_job_ids()}
+    listed = {
+        f"queue {keys.QUEUE!r}": queue.get_job_ids(),
+        "RQ's intermediate list": [i.decode() for i in conn.lrange(queue.intermediate_queue_key, 0, -1)],
+        "RQ's started registry": StartedJobRegistry(queue=queue).get_job_ids(),
+        "RQ's failed registry": FailedJobRegistry(queue=queue).get_job_ids(),
+    }
     for where, rq_ids in listed.items():
-        # An id whose job hash is gone belongs to no job any more, but `rq info` still counts it.
-        orphans = [i for i, j in zip(rq_ids, fetch_rq_jobs(conn, rq_ids)) if j is None]
-        if orphans:
-            problems.append(f"RQ's {where} holds ids with no job behind them (rq info counts them): {orphans}")
-    queued = sorted(b for j, b in _batch_refs(conn, listed["queue"]) if j == job)
-    if queued:
-        problems.append(f"queue {keys.QUEUE!r} still holds batches of {job}: {queued}")
-    stuck = sorted(b for j, b in _batch_refs(conn, listed["intermediate list"]) if j == job)
-    if stuck:
-        problems.append(f"RQ's intermediate list still holds batches of {job}: {stuck}")
-    started = sorted(b for j, b in _batch_refs(conn, listed["started registry"]) if j == job)
-    if started:
-        problems.append(f"RQ's started registry still holds batches of {job}: {started}")
-    failed = sorted(b for j, b in _batch_refs(conn, listed["failed registry"]) if j == job)
-    if set(failed) != set(failed_batches):
-        problems.append(f"RQ's failed registry holds batches {failed} of {job}, expected {sorted(failed_batches)}")
+        orphans, batches = _rq_holdings(conn, rq_ids, job)
+        if orphans:  # an id whose job hash is gone belongs to no job any more, but `rq info` still counts it
+            problems.append(f"{where} holds ids with no job behind them (rq info counts them): {orphans}")
+        if where == "RQ's failed registry":
+            if set(batches) != set(failed_batches):
+                problems.append(f"{where} holds batches {batches} of {job}, expected {sorted(failed_batches)}")
+        elif batches:
+            problems.append(f"{where} still holds batches of {job}: {batches}")
 
     if problems:
         raise AssertionError(f"exactly-once audit of job {job!r} ({len(ids)} input ids) failed:\n  - "

@@ -213,7 +213,6 @@ async def test_a_health_check_after_streams_ends_reads_a_live_server_as_up(sim: 
         await client.close()
 
 
-
 @with_sim(flavor="sglang", health_delay=7.0)
 async def test_a_busy_sglang_that_answers_its_health_check_late_is_up(sim: RunningSim, http) -> None:
     """SGLang's /health answers once its scheduler says anything, up to 20 s later, and
@@ -226,6 +225,7 @@ async def test_a_busy_sglang_that_answers_its_health_check_late_is_up(sim: Runni
         await client.discover()  # the start-up check waits as long
     finally:
         await client.close()
+
 
 @with_sim(flavor="llamacpp", max_running_requests=2, **SLOW)
 async def test_stop_listening_leaves_open_requests_hanging(sim: RunningSim, http) -> None:
