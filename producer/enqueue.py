@@ -166,7 +166,7 @@ class Enqueuer:
         if raw is None:
             return
         stored = unpack(raw, JobConfig)
-        if msgspec.structs.replace(stored, created_at=0.0) != msgspec.structs.replace(self.config, created_at=0.0):
+        if _settings(stored) != _settings(self.config):
             raise JobConflict(f"job {self.config.name!r} was created by another enqueue meanwhile with other "
                               "settings; nothing was queued by this one. Run it again to see which differ.")
         self.config = stored
@@ -204,6 +204,11 @@ class Enqueuer:
                          first_line=rows[0].prompt.index + 1, last_line=rows[-1].prompt.index + 1,
                          digest=range_digest(row_digest_items(rows)))
         return batch_records.by_reference(job, bid, [r.prompt.id for r in rows], ref, created)
+
+
+def _settings(config: JobConfig) -> JobConfig:
+    """A config without the fields that say when and which life, not what was asked for."""
+    return msgspec.structs.replace(config, created_at=0.0, incarnation="")
 
 
 def _classify(group: list[_Pending], known: str) -> tuple[list[_Pending], int, list[_Pending]]:

@@ -18,7 +18,7 @@ import redis
 from genq.cli import settings
 from genq.core import keys
 from genq.core.queueing import load_config
-from genq.core.records import JobConfig, Rejected
+from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
@@ -146,7 +146,7 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     stored = load_config(conn, job)
     if stored is None:
         given.setdefault("output", os.path.abspath("out"))
-        return JobConfig(name=job, created_at=time.time(), **given), True  # type: ignore[arg-type]
+        return JobConfig(name=job, created_at=time.time(), incarnation=new_incarnation(), **given), True  # type: ignore[arg-type]
     differing = [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
                  for k in given if getattr(stored, k) != given[k]]
     if differing:

@@ -6,6 +6,7 @@ helpers at the bottom of this module.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any, Literal
 
@@ -30,6 +31,15 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     compression: Literal["none", "gzip"] = "none"
     s3_endpoint_url: str | None = None
     created_at: float = 0.0
+    # Which life of this job name this is: a random token drawn when the job is created. A job
+    # deleted and enqueued again under the same name is a new incarnation; everything a worker
+    # caches, claims, records or writes for a job is checked against it (exactly-once, #30), and
+    # the output records it so that a ledger lost with Redis can be told apart and rebuilt (#31).
+    incarnation: str = ""
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(6)
 
 
 class Prompt(msgspec.Struct, omit_defaults=True):
