@@ -270,3 +270,6 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     records: int
     bytes: int
     at: float
+    # The batch's prompt count (0: written by a genq before #30). A shard is written only when
+    # every prompt has an outcome, so records + the batch's dead letters == prompts.
+    prompts: int = 0
