@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 runs=${1:-20}
 burners=${2:-2}
 logs=${CHAOS_LOGS:-$(mktemp -d -t genq-chaos-XXXX)}
+mkdir -p "$logs"
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done; }
 trap cleanup EXIT
