@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 import redis
+from rq.registry import StartedJobRegistry
 
 from genq.core import keys, ledger
+from genq.core.queueing import rq_queue
 from genq.sim.lengths import prompt_key
 from tests.audit import audit
 from tests.conftest import (
@@ -168,6 +170,10 @@ def test_workers_ride_out_a_redis_outage_longer_than_a_heartbeat(sim, procs, tmp
         assert w.alive(), f"a worker exited during the outage:\n{w.log()}"
     own.start()
     wait_until(lambda: conn.scard(keys.job_done("rr")) == 8, 240, "every batch done after the outage")
+    # A loop that died on the outage anyway (between RQ calls that do not retry) leaves its RQ job
+    # "started" for a done batch: the reconcilers take it out (two passes, 4 s apart).
+    started = StartedJobRegistry(queue=rq_queue(conn))
+    wait_until(lambda: not started.get_job_ids(cleanup=False), 60, "RQ's started registry holding no done batch")
     for w in workers:
         assert w.alive(), f"a worker exited:\n{w.log()}"
         w.signal(signal.SIGTERM)

@@ -68,6 +68,14 @@ class EngineWorker(Worker):
     _popping = False
     _kept_stop: int | None = None  # the signal of a stop that came while popping
 
+    def maintain_heartbeats(self, job: Job) -> None:
+        """RQ's heartbeat while its horse runs. Redis away: beat again next time, do not die (the
+        horse, which dies with this loop, waits for Redis too, and returns normally after)."""
+        try:
+            super().maintain_heartbeats(job)
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            pass
+
     def clean_registries(self) -> None:
         """Not RQ's registry cleanup (wall clocks decide there: see the module docstring); only
         the worker registry, whose entries expire by Redis TTL."""
