@@ -195,24 +195,28 @@ def _holders(conn: redis.Redis, jobs: list[str]) -> set[str]:
 
 def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
     """#30's done-when: several jobs (batch sizes 1, 7 and 256), error and reset faults, a frozen
-    holder (SIGSTOP past its heartbeat), a server crash, and stealing at the end of the big job,
-    in one run; every job audited. scripts/chaos_loop.sh runs it N times in a row under load."""
+    holder (SIGSTOP past its heartbeat), a server crash, and stealing at the end of the big job
+    (which comes last, to idle workers), in one run; every job audited. scripts/chaos_loop.sh
+    runs it N times in a row under load."""
     faulty = sim(max_running_requests=8, error_rate=0.05, reset_rate=0.05, **FAST)
     steady = sim(max_running_requests=8, mean_output_tokens=200, output_sigma=0.8, tokens_per_step=16,
                  step_ms_base=8)
     crashing = sim(max_running_requests=8, **FAST)
     jobs = {}
-    for job, n, size in (("one", 24, 1), ("seven", 70, 7), ("big", 300, 256)):
+
+    def add(job: str, n: int, size: int) -> None:
         jobs[job] = enqueue(tmp_path, redis_url, job, n, "--batch-size", str(size), "--max-tokens", "600",
                             "--max-attempts", "10")
+
+    add("one", 24, 1)
+    add("seven", 70, 7)
     common = ("--retry-backoff", "0.05", "--prefetch", "2")
     procs = {name: worker(url, *common, "--name", name, name=name)
              for name, url in (("faulty", faulty), ("steady", steady), ("crashing", crashing))}
-    done_keys = {job: keys.job_done(job) for job in jobs}
     total_batches = {"one": 24, "seven": 10, "big": 2}
 
     def finished() -> int:
-        return sum(rconn.scard(done_keys[j]) for j in jobs)
+        return sum(rconn.scard(keys.job_done(j)) for j in jobs)
 
     # The frozen holder: "steady" stops while it holds batches, past its heartbeat (10 s); its
     # horses give up on it, the batches go round again, and it resumes to find them leased elsewhere.
@@ -225,6 +229,11 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
         time.sleep(max(0.0, FROZEN_S - (time.monotonic() - frozen_at)))
     finally:
         os.kill(procs["steady"].pid, signal.SIGCONT)
+    wait_until(lambda: finished() == total_batches["one"] + total_batches["seven"], 300, "the small jobs done")
+    # Stealing: the big job comes to idle workers, 2 requests in flight each, so its 256-prompt batch
+    # outlasts the queue and the workers that hold nothing take prompts from its back.
+    run_genq("concurrency", "2", "--all", redis_url=redis_url)
+    add("big", 300, 256)
     wait_until(lambda: finished() == sum(total_batches.values()), 300, "every batch of every job done")
     # A horse that gave up on the frozen worker left its RQ job failed though the batch got done;
     # the reconcilers take such jobs out of RQ's failed registry (every 10 s).
