@@ -12,7 +12,7 @@ from rich.text import Text
 
 from genq.monitor.progress import JobReport, WorkerReport
 
-STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "writing": "green",
+STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
                 "done": "bold green"}
 STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
                "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
@@ -111,6 +111,8 @@ def job_panel(r: JobReport) -> Panel:
     eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    if p.blocked:
+        lines.append(Text(p.blocked, style="bold red"))
     if p.tail:
         lines.append(Text(p.tail, style="cyan"))
     if p.rate_source:

@@ -169,6 +169,8 @@ function render(s) {
   put("eta", p.eta_s, p.status === "done" ? "finished" : (p.eta_s === null ? p.eta_state : duration(p.eta_s)));
   $("eta-range").textContent = p.eta_low_s === null ? p.eta_note : duration(p.eta_low_s) + " – " + duration(p.eta_high_s);
   $("eta-state").textContent = p.eta_state;
+  $("blocked").textContent = p.blocked || "";
+  $("blocked").hidden = !p.blocked;
   $("tail").textContent = p.tail || "";
   $("tail").hidden = !p.tail;
   put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
