@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from genq.core import keys
 from genq.core.records import JobBlock, WorkerStatus, unpack
+from genq.monitor.exporter import make_registry
+from genq.monitor.progress import Monitor
 from tests.audit import audit
 from tests.conftest import run_genq, sim_stats, write_prompts
 
@@ -111,6 +114,10 @@ def test_brake_blocks_a_job_whose_every_request_fails(redis_url, rconn, sim, wor
     assert doc["status"] == "blocked" and doc["blocked_reason"] == "brake"
     assert "Requested token count exceeds" in doc["blocked"] and "genq resume --job brk" in doc["blocked"], doc
     assert doc["rate_per_sec"] in (None, 0.0), "nothing was done: no rate"
+    metrics = generate_latest(make_registry(Monitor(rconn, once=True))).decode()
+    assert 'genq_job_status{job="brk",status="blocked"} 1.0' in metrics
+    assert 'genq_job_blocked{job="brk",reason="brake"} 1.0' in metrics
+    assert 'genq_job_blocked{job="brk",reason="preflight"} 0.0' in metrics
     # The prompts that tripped the brake were not dead-lettered: every prompt is still to do.
     assert letters == 0, f"{letters} prompts dead-lettered"
     fix_and_finish(redis_url, rconn, url, worker, "brk", out, ids, CONTEXT - 1)

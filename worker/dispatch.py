@@ -158,7 +158,7 @@ class Dispatcher:
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
                 if isinstance(outcome, Completion):
-                    self._record(task, outcome)
+                    self._record(task, outcome, config)
                 else:
                     await self._failed(task, outcome)
                     self.wake.set()  # a retry may now be due: the loop times it
@@ -178,7 +178,7 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- outcomes
 
-    def _record(self, task: Task, c: Completion) -> None:
+    def _record(self, task: Task, c: Completion, sent: JobConfig) -> None:
         p, held = task.prompt, task.batch
         self.writer.add_result(Result(
             id=p.id, job=held.ref.job, batch=held.ref.batch, index=p.index,
@@ -186,7 +186,7 @@ class Dispatcher:
             usage=c.usage, model=c.model, worker=self.name, attempts=task.attempts + 1,
             latency_s=round(time.monotonic() - task.progress.started, 3),
             messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
-            response_id=c.response_id, finished_at=time.time(), settings_version=held.config.settings_version,
+            response_id=c.response_id, finished_at=time.time(), settings_version=sent.settings_version,
         ))
         self.rates.add(c.usage.completion_tokens)
         if self.brake is not None:

@@ -28,6 +28,7 @@ from redis.exceptions import WatchError
 
 from genq.core import keys, ledger
 from genq.core.records import BatchRef, JobBlock, JobConfig, Prompt, pack, unpack
+from genq.ops.settings import unqueue
 from genq.worker.brake import Brake
 from genq.worker.claims import Claims
 from genq.worker.dispatch import Dispatcher
@@ -107,7 +108,7 @@ class Parking:
         if held.dropped or held.ref not in self.held:
             return  # handed back meanwhile (stopping)
         if job in self.brake.blocked:
-            await self.park_job(job)
+            await self.park_job(job, quiet=True)
             return
         problem = preflight(held.config, self.server())
         if problem is not None:
@@ -139,6 +140,14 @@ class Parking:
         finally:
             self._storing.discard(job)
         await self.park_job(job)
+        try:
+            taken = await asyncio.to_thread(unqueue, self.sync_conn, job)
+        except (redis.RedisError, OSError) as exc:  # they are parked one by one as they arrive instead
+            log.warning("job %s: could not take its batches out of RQ's queue (%s)", job, exc)
+        else:
+            if taken:
+                log.info("job %s: %d of its batches taken out of RQ's queue, parked until `genq resume --job %s`",
+                         job, taken, job)
 
     def _blocked_elsewhere(self, job: str) -> None:
         if job not in self.brake.blocked:
@@ -157,7 +166,7 @@ class Parking:
         self.brake.clear(job)
         self.flags.paused_jobs.discard(job)
 
-    async def park_job(self, job: str) -> None:
+    async def park_job(self, job: str, *, quiet: bool = False) -> None:
         """Stop the job's held and borrowed batches here and end their leases without an RQ job."""
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
@@ -180,7 +189,7 @@ class Parking:
             self.held.pop(h.ref, None)
         self.parked += len(parked)
         if parked:
-            log.info("job %s is blocked: parked %d batches (%s); their prompts wait for `genq resume --job %s`",
+            (log.debug if quiet else log.info)("job %s is blocked: parked %d batches (%s); their prompts wait for `genq resume --job %s`",
                      job, len(parked), ", ".join(parked), job)
         self.dispatcher.wake.set()
 

@@ -16,7 +16,7 @@ import msgspec
 import redis
 
 from genq.core import keys
-from genq.core.queueing import enqueue_batch_jobs
+from genq.core.queueing import RUN_BATCH, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange, pack, unpack
 
 # The settings `genq jobs set` may change: what is sent with each request. Not endpoint (rows were
@@ -82,6 +82,39 @@ def unblock(conn: redis.Redis, job: str) -> int:
     """Lift the job's block and pause, and queue its parked batches again; how many were queued."""
     conn.delete(keys.job_blocked(job), keys.job_paused(job))
     return requeue_parked(conn, job)
+
+
+def blocked_jobs(conn: redis.Redis) -> list[str]:
+    jobs = list_jobs(conn)
+    return sorted(blocks_of(conn, jobs))
+
+
+def unqueue(conn: redis.Redis, job: str) -> int:
+    """Take the blocked job's batches out of RQ's queue (they are parked like the held ones: no RQ
+    job carries them, `genq resume --job` queues them again), so that workers do not take them one
+    by one only to park them, and other jobs' batches behind them are not kept waiting. How many."""
+    queue = rq_queue(conn)
+    ids = queue.get_job_ids()
+    mine = [(j.id, str(j.args[1])) for j in fetch_rq_jobs(conn, ids)
+            if j is not None and j.func_name == RUN_BATCH and len(j.args) >= 2 and str(j.args[0]) == job]
+    if not mine:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for rq_id, _ in mine:
+            pipe.lrem(queue.key, 0, rq_id)
+        removed = pipe.execute()
+    # Only what left the queue here: a loop that took one meanwhile delivers it, and its engine parks it.
+    gone = [(rq_id, batch) for (rq_id, batch), n in zip(mine, removed) if n]
+    carriers = conn.hmget(keys.job_transport(job), [batch for _, batch in gone]) if gone else []
+    with conn.pipeline(transaction=True) as pipe:
+        for (rq_id, batch), carrier in zip(gone, carriers):
+            if carrier is not None and carrier.decode() == rq_id:
+                pipe.hdel(keys.job_transport(job), batch)
+        for rq_job in fetch_rq_jobs(conn, [rq_id for rq_id, _ in gone]):
+            if rq_job is not None:
+                rq_job.delete(pipeline=pipe, remove_from_queue=False)
+        pipe.execute()
+    return len(gone)
 
 
 def requeue_parked(conn: redis.Redis, job: str) -> int:
