@@ -91,7 +91,9 @@ def job_panel(r: JobReport) -> Panel:
         f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({p.held:,} prompts unsent),"
         f" {p.queued_batches:,} in RQ's queue"
     )
-    if p.other_batches:
+    if p.other_batches and p.blocked:
+        counts.append(f", {p.other_batches:,} parked while the job is blocked", style="yellow")
+    elif p.other_batches:
         counts.append(f", {p.other_batches:,} elsewhere (retrying, failed in RQ or orphaned)", style="yellow")
     rate = "?" if p.rate_per_sec is None else f"{p.rate_per_sec:.2f}"
     tok_s = "?" if p.output_tokens_per_sec is None else count(p.output_tokens_per_sec)

@@ -210,6 +210,11 @@ class Parking:
         self.brake.reset(job)
         log.info("job %s: settings version %d from now on (%d batches held here)", job, stored.settings_version,
                  len(stale))
+        problem = preflight(stored, self.server())
+        if problem is not None and job not in self.brake.blocked:
+            log.error("job %s blocked (preflight of its new settings): %s", job, problem)
+            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
+                                     settings_version=stored.settings_version))
 
     async def run(self) -> None:
         while True:

@@ -140,7 +140,7 @@ def requeue_parked(conn: redis.Redis, job: str) -> int:
 def describe_block(job: str, block: JobBlock) -> str:
     """One paragraph for `genq jobs`, `genq jobs show` and the monitor."""
     if block.reason == "preflight":
-        why = f"preflight by {block.worker} (settings version {block.settings_version})"
+        why = f"preflight by {block.worker}"  # its message names the settings version
     else:
         why = (f"brake on {block.worker}: {block.failures} of its last {block.outcomes} requests failed the same "
                f"way across {block.prompts} prompts (settings version {block.settings_version}"
