@@ -39,7 +39,7 @@ from genq.worker.leases import LeaseDesk, retrying
 from genq.worker.loops import RqLoops
 from genq.worker.maintenance import Maintenance
 from genq.worker.options import WorkerOptions, default_worker_name
-from genq.worker.parking import Parking
+from genq.worker.parking import parking_of
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
 from genq.worker.stealing import Stealer
@@ -74,7 +74,7 @@ class Engine:
                                lambda job: self.leases.config(job))
         self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher, self.hand_back_all,
                                  lambda note: self.heartbeat.beat(state="server_down", note=note))
-        self.parking = Parking.of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
+        self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
                                 self.parking.admit, self.writer.add_dead, self.name)
         self.completer = Completer(self.redis)

@@ -67,20 +67,15 @@ class Parking:
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
         self._tasks: set[asyncio.Task[None]] = set()
 
-    @classmethod
-    def of(cls, engine: Any) -> Parking:
-        """The engine's (worker/engine.py; its LeaseDesk is built after this, hence the lambdas)."""
-        parking = cls(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
-                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info,
-                      lambda token, word: engine.leases.reply(token, word),
-                      lambda job: engine.leases.forget_config(job))
-        engine.dispatcher.brake = parking.brake
-        return parking
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("blocked-job handling failed", exc_info=task.exception())
 
     # ---------------------------------------------------------------- arriving batches
 
@@ -242,6 +237,16 @@ class Parking:
                 self._resumed(job)
             if raw is not None:
                 self._settings(job, unpack(raw, JobConfig))
+
+
+def parking_of(engine: Any) -> Parking:
+    """The engine's (worker/engine.py; its LeaseDesk is built after this, hence the lambdas)."""
+    parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
+                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info,
+                      lambda token, word: engine.leases.reply(token, word),
+                      lambda job: engine.leases.forget_config(job))
+    engine.dispatcher.brake = parking.brake
+    return parking
 
 
 def end_lease_parked(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
