@@ -89,3 +89,11 @@ def test_held_failures_wait_at_most_hold_s() -> None:
         held.since -= HOLD_S + 0.1
     j.brake.judge_all()
     assert sorted(j.dead) == ["p0", "p1", "p2"] and not j.blocks
+
+
+def test_no_brake_leaves_every_failure_to_the_dead_letter_queue() -> None:
+    j = Judged()
+    j.batch.config.brake = False
+    for i in range(WINDOW * 2):
+        assert not j.fail(i), "with --no-brake the dispatcher dead-letters it at once"
+    assert not j.blocks

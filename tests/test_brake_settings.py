@@ -75,3 +75,24 @@ def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, si
         record = found.results[pid]
         assert record["usage"]["completion_tokens"] <= 50 and record["settings_version"] == 1, record
     assert run_genq("jobs", "show", "ov", redis_url=redis_url).stdout.count("version 2") == 0
+
+
+def test_no_brake_lets_a_job_dead_letter_its_prompts(redis_url, rconn, sim, worker, tmp_path: Path):
+    """Blocked by the brake, then `genq jobs set --no-brake` + resume: the operator says these prompts
+    fail on their own, so each goes to the dead-letter queue and the job ends partial, never blocked."""
+    url = sim(max_context=2048, mean_output_tokens=24, step_ms_base=2)
+    src = tmp_path / "p.jsonl"
+    ids = write_prompts(src, 60)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "nb", "--output", str(out), "--batch-size", "20", "--max-tokens", "2047",
+             redis_url=redis_url)
+    assert worker(url, "--burst").wait(timeout=60) == 0
+    assert json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout)[0]["state"] == "blocked"
+    run_genq("jobs", "set", "nb", "--no-brake", redis_url=redis_url)
+    run_genq("resume", "--job", "nb", redis_url=redis_url)
+    assert worker(url, "--burst", name="again").wait(timeout=60) == 0
+    found = audit(rconn, "nb", out, ids)  # every prompt a letter: status partial
+    assert sorted(found.letters) == ids and not found.results
+    assert all(letter.message.startswith("Requested token count exceeds") for letter in found.letters.values())
+    row = json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout)[0]
+    assert row["state"] == "partial" and row["blocked"] is None

@@ -95,6 +95,8 @@ class Brake:
         job = task.batch.ref.job
         if job in self.blocked:
             return True  # the job's batches are being parked: this prompt waits with them
+        if not task.batch.config.brake:
+            return False  # `genq jobs set JOB --no-brake`: every failing prompt is its own
         window = self.windows.setdefault(job, JobWindow())
         sig = signature(failure)
         window.outcomes.append((sig, task.prompt.id))

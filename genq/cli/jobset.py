@@ -63,10 +63,14 @@ def _when(at: float) -> str:
 @generation_options
 @click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
+@click.option("--brake/--no-brake", "brake", default=None,
+              help="--no-brake: never block this job on repeated failures; each failing prompt is "
+                   "dead-lettered on its own (for prompts that really fail on their own).")
 @click.option("--note", default=None, help="Why (kept in the settings history).")
 @click.pass_context
 def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: float | None, top_p: float | None,
-             extra_body: str | None, model: str | None, max_attempts: int | None, note: str | None) -> None:
+             extra_body: str | None, model: str | None, max_attempts: int | None, brake: bool | None,
+             note: str | None) -> None:
     """Change JOB's generation settings for every prompt not yet done.
 
     Stored as the job's next settings version (see `genq jobs show JOB`); workers send
@@ -74,7 +78,8 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
     version it was generated with. A blocked job stays blocked until `genq resume --job JOB`.
     """
     changes = given_generation(max_tokens, temperature, top_p, extra_body)
-    changes.update({k: v for k, v in (("model", model), ("max_attempts", max_attempts)) if v is not None})
+    changes.update({k: v for k, v in (("model", model), ("max_attempts", max_attempts), ("brake", brake))
+                    if v is not None})
     if not changes:
         raise click.UsageError("name at least one setting to change (see --help)")
     url = settings(ctx).redis_url
@@ -122,7 +127,7 @@ def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
         click.echo(describe_block(job, row.blocked))
         click.echo(f"  blocked at {_when(row.blocked.at)}")
     sent = {k: getattr(config, k) for k in ("endpoint", "model", "max_tokens", "temperature", "top_p",
-                                             "extra_body", "max_attempts")}
+                                             "extra_body", "max_attempts", "brake")}
     click.echo(f"settings version {config.settings_version}: "
                + ", ".join(f"{k} {json.dumps(v)}" for k, v in sent.items() if v is not None))
     click.echo(f"  version 1: enqueued at {_when(config.created_at)}" if config.created_at else "  version 1: enqueued")

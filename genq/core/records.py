@@ -50,6 +50,9 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     # each time) and what changed when (docs/settings.md). Results record the version they ran under.
     settings_version: int = 1
     settings_history: list[SettingsChange] = []
+    # False: the brake (worker/brake.py) never blocks this job; failing prompts are dead-lettered one by
+    # one (`genq jobs set JOB --no-brake`, for a job whose prompts really do fail on their own).
+    brake: bool = True
 
 
 class JobBlock(msgspec.Struct, omit_defaults=True):

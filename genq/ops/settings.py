@@ -21,7 +21,7 @@ from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange, pack,
 
 # The settings `genq jobs set` may change: what is sent with each request. Not endpoint (rows were
 # fitted to it at enqueue), output, batch size or compression (written batches and shards follow them).
-SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_attempts")
+SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_attempts", "brake")
 
 
 class SettingsError(ValueError):
