@@ -22,15 +22,16 @@ def done_count(redis_url: str, job: str) -> int:
 def test_jobs_set_reaches_a_running_job(redis_url, rconn, sim, worker, tmp_path: Path):
     """Changed mid-run, max_tokens applies to every prompt sent from then on; each record names
     the settings version it was generated with."""
-    url = sim(max_context=4096, mean_output_tokens=200, output_sigma=0.2, tokens_per_step=8, step_ms_base=15,
-              max_running_requests=8)
+    # ~1.5 s a request, 8 at a time: about 20 s of work, so the change lands early in the run.
+    url = sim(max_context=4096, mean_output_tokens=300, output_sigma=0.2, tokens_per_step=8, step_ms_base=40,
+              step_ms_per_req=0, max_running_requests=8)
     src = tmp_path / "p.jsonl"
     ids = write_prompts(src, 120)
     out = tmp_path / "out"
     run_genq("enqueue", str(src), "--job", "live", "--output", str(out), "--batch-size", "20", "--max-tokens", "1000",
              redis_url=redis_url)
     proc = worker(url, "--burst")
-    wait_until(lambda: done_count(redis_url, "live") >= 16, timeout=60, what="some prompts done")
+    wait_until(lambda: done_count(redis_url, "live") >= 8, timeout=60, what="some prompts done")
     said = run_genq("jobs", "set", "live", "--max-tokens", "8", redis_url=redis_url).stdout
     assert "settings version 2" in said and "still blocked" not in said, said
     assert proc.wait(timeout=120) == 0, proc.log()
@@ -38,7 +39,7 @@ def test_jobs_set_reaches_a_running_job(redis_url, rconn, sim, worker, tmp_path:
     by_version: dict[int, list[dict]] = {}
     for record in found.results.values():
         by_version.setdefault(record["settings_version"], []).append(record)
-    assert set(by_version) == {1, 2} and len(by_version[1]) >= 16 and len(by_version[2]) >= 40, \
+    assert set(by_version) == {1, 2} and len(by_version[1]) >= 8 and len(by_version[2]) >= 40, \
         {v: len(r) for v, r in by_version.items()}
     assert all(r["usage"]["completion_tokens"] <= 8 and r["finish_reason"] == "length" for r in by_version[2])
     assert max(r["usage"]["completion_tokens"] for r in by_version[1]) > 8, "version 1 ran with max_tokens 1000"
