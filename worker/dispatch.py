@@ -18,9 +18,8 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-import redis
-
 from genq.core.records import DeadLetter, JobConfig, Result
+from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
@@ -37,7 +36,6 @@ LEASE_CHECK_STALE_S = 8.0
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
 CLAIM_AHEAD = 2
-CLAIM_NOTE_EVERY_S = 10.0  # while claims fail (Redis away), say so this often
 
 
 class Dispatcher:
@@ -54,9 +52,9 @@ class Dispatcher:
         self.server_is_down = server_is_down
         self.server_model = model
         self.running: dict[Task, asyncio.Task[None]] = {}
+        self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
-        self._next_claim_note = 0.0
 
     # ---------------------------------------------------------------- what is held
 
@@ -106,13 +104,7 @@ class Dispatcher:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
             if self._can_send() and (want := self._want()) > 0 and self.todo.backlog.waiting:
-                try:
-                    self.todo.ready.extend(await self.todo.backlog.claim(want, self.flags.paused_jobs))
-                except (redis.RedisError, OSError) as exc:
-                    if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
-                        log.warning("cannot claim prompts (%s); trying again shortly", exc)
-                        self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
-                    asyncio.get_running_loop().call_later(1.0, self.wake.set)
+                await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
@@ -162,7 +154,7 @@ class Dispatcher:
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
                 if isinstance(outcome, Completion):
-                    self._record(task, outcome)
+                    self._record(task, outcome, config)
                 else:
                     await self._failed(task, outcome)
                     self.wake.set()  # a retry may now be due: the loop times it
@@ -182,7 +174,7 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- outcomes
 
-    def _record(self, task: Task, c: Completion) -> None:
+    def _record(self, task: Task, c: Completion, sent: JobConfig) -> None:
         p, held = task.prompt, task.batch
         self.writer.add_result(Result(
             id=p.id, job=held.ref.job, batch=held.ref.batch, index=p.index,
@@ -190,9 +182,11 @@ class Dispatcher:
             usage=c.usage, model=c.model, worker=self.name, attempts=task.attempts + 1,
             latency_s=round(time.monotonic() - task.progress.started, 3),
             messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
-            response_id=c.response_id, finished_at=time.time(),
-        ), held.config.incarnation)
+            response_id=c.response_id, finished_at=time.time(), settings_version=sent.settings_version,
+        ), sent.incarnation)
         self.rates.add(c.usage.completion_tokens)
+        if self.brake is not None:
+            self.brake.succeeded(task)
 
     def _suspect(self, task: Task) -> bool:
         return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))
@@ -228,6 +222,8 @@ class Dispatcher:
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay)
             return
+        if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
+            return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
 
     def _dead(self, task: Task, failure: Failure) -> None:

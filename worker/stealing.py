@@ -164,6 +164,11 @@ class Stealer:
                 self._batches.popitem(last=False)
         return self._batches[cached]
 
+    def forget_batches(self, job: str) -> None:
+        """The job's settings changed (worker/parking.py): batches cached with the old ones go."""
+        for cached in [c for c in self._batches if c[0].job == job]:
+            self._batches.pop(cached)
+
     # ---------------------------------------------------------------- borrowed prompts
 
     def written(self, ref: BatchRef, ids: list[str]) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -21,6 +22,8 @@ from genq.worker.claims import Backlog
 from genq.worker.held import HeldBatch, Task
 
 log = logging.getLogger("genq.worker")
+
+CLAIM_NOTE_EVERY_S = 10.0  # while claims fail (Redis away), say so this often
 
 
 class Todo:
@@ -34,6 +37,7 @@ class Todo:
         self._seq = itertools.count()
         # Claimed prompts of let-go batches that will not be sent here: their claims go.
         self._let_go: dict[HeldBatch, set[str]] = {}
+        self._next_claim_note = 0.0
 
     def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         """A leased batch's prompts: claimed as slots free."""
@@ -49,6 +53,16 @@ class Todo:
         """Claimed prompts (lent ones that came back): sent next."""
         self.ready.extendleft(reversed(tasks))
         self.wake()
+
+    async def claim(self, n: int, skip_jobs: set[str]) -> None:
+        """Claim up to n prompts of the backlog into `ready` (Redis away: again in a second)."""
+        try:
+            self.ready.extend(await self.backlog.claim(n, skip_jobs))
+        except (redis.RedisError, OSError) as exc:
+            if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
+                log.warning("cannot claim prompts (%s); trying again shortly", exc)
+                self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
+            asyncio.get_running_loop().call_later(1.0, self.wake)
 
     def let_go(self, task: Task) -> None:
         """A claimed prompt of a let-go batch (done or leased elsewhere, handed back) that will not
