@@ -103,7 +103,7 @@ class Completer:
             try:
                 info: ShardInfo = await loop.run_in_executor(
                     self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at)
-                info = msgspec.structs.replace(info, prompts=recorded.prompts)
+                info = msgspec.structs.replace(info, prompts=recorded.prompts, letters=len(letters))
                 break
             except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
                 log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
