@@ -88,6 +88,8 @@ class Heartbeat:
                 await self.beat()
                 await self.read_control()
                 await self.on_beat()
+                if self.pace is not None:
+                    await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
             except (redis.RedisError, OSError) as exc:

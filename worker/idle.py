@@ -13,9 +13,11 @@ at every job's leases for prompts to steal every two. Idle, a worker:
   it (CLIENT UNBLOCK: the pop ends with an error, nothing taken);
 * beats every IDLE_BEAT_S instead of every second, with keys that live IDLE_TTL_S,
   and reads its control record (drain, pause, cap) at the same beat;
-* looks for prompts to steal when woken (WAKE, published when prompts are given
-  back to their holder: the ones another worker may now take) and otherwise every
-  IDLE_LOOK_S (prompts claimed by an engine that froze; fresh batches need no look);
+* looks for prompts to steal when woken, at most every WOKEN_LOOK_S, and otherwise
+  every IDLE_LOOK_S (prompts claimed by an engine that froze). WAKE is published by
+  busy engines holding prompts not yet sent, every ANNOUNCE_EVERY_S (at a job's end,
+  once the queue is empty, those are what an idle worker takes), and when borrowed
+  prompts are given back; a fleet with nothing to do publishes nothing;
 * takes its turn at the fleet's reconciler every IDLE_MAINTENANCE_S.
 
 The first sign of work (a lease in its inbox, a borrowed prompt) ends the idle pace
@@ -49,20 +51,25 @@ WORKERS_SET_EVERY_S = 60.0  # re-adding the worker to genq:workers (kept once ad
 # Blocking pops; under redis-py's health check (30 s), which would add a PING to each.
 POP_WAIT_S = 25  # an RQ loop's BLMOVE
 INBOX_WAIT_S = 25  # the engine's BLPOP on its inbox
+WOKEN_LOOK_S = 1.0  # an idle stealer woken looks at most this often
+ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) this often
 RQ_BEAT_EVERY_S = 60.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
 
 
 class IdlePace:
     """Whether the engine is idle, and the pace of its loops accordingly."""
 
-    def __init__(self, held: Holdings, dispatcher: Dispatcher, borrowed: Callable[[], Sized]) -> None:
+    def __init__(self, held: Holdings, dispatcher: Dispatcher, borrowed: Callable[[], Sized],
+                 queue_key: str = "") -> None:
+        self.queue_key = queue_key  # RQ's queue list: announce() speaks once it is empty
         self.held = held
         self.dispatcher = dispatcher
         self.borrowed = borrowed
         self.busy_at = time.monotonic()
         self.last_beat = 0.0
         self.workers_set_at = -WORKERS_SET_EVERY_S
-        self.woken = asyncio.Event()  # a WAKE message, or work arriving
+        self.woken = asyncio.Event()  # a WAKE message
+        self.announced_at = 0.0
 
     def idle(self) -> bool:
         d = self.dispatcher
@@ -99,8 +106,8 @@ class IdlePace:
         second whether the engine is still idle (no Redis)."""
         start = time.monotonic()
         while True:
-            if self.woken.is_set():
-                self.woken.clear()
+            if self.woken.is_set() and time.monotonic() - start >= WOKEN_LOOK_S:
+                self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
                 return
             left = start + (IDLE_LOOK_S if self.idle() else seconds) - time.monotonic()
             if left <= 0:
@@ -109,6 +116,16 @@ class IdlePace:
                 await asyncio.wait_for(self.woken.wait(), timeout=min(left, 1.0))
             except TimeoutError:
                 pass
+
+    async def announce(self, conn: aioredis.Redis) -> None:
+        """From a busy engine's heartbeat: while it holds prompts not yet sent and the queue
+        is empty (idle workers take those then), WAKE every ANNOUNCE_EVERY_S. While the queue
+        has batches, idle workers' RQ loops take them: no need, and no fan-out to pay."""
+        now = time.monotonic()
+        if self.dispatcher.unsent and now - self.announced_at >= ANNOUNCE_EVERY_S:
+            self.announced_at = now
+            if not await conn.llen(self.queue_key):
+                await wake_fleet(conn)
 
     async def listen(self, conn: aioredis.Redis) -> None:
         """Sets `woken` on each WAKE message; resubscribes after a lost connection."""

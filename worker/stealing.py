@@ -59,7 +59,7 @@ class Stealer:
         self.taken = 0  # prompts taken since start
         self._batches: OrderedDict[BatchRef, tuple[JobConfig, list[Prompt]] | None] = OrderedDict()
         self.job_config = job_config  # LeaseDesk.config: one cache of job settings per engine
-        self.pace = IdlePace(held, dispatcher, lambda: self.borrowed)  # the engine's idleness (worker/idle.py)
+        self.pace = IdlePace(held, dispatcher, lambda: self.borrowed, queue_key)  # the engine's idleness (worker/idle.py)
 
     @staticmethod
     def queue_key_of(conn: redis.Redis) -> str:
