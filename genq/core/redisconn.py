@@ -195,7 +195,7 @@ def _sentinel_target(url: str, parts: _Parts) -> Target:
             master["password"] = parts.password
             if parts.user:
                 master["username"] = parts.user
-    sentinel_kwargs = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S}
+    sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S}
     if sentinel_password:
         sentinel_kwargs["password"] = sentinel_password
     return Target(url=url, scheme=parts.scheme, sentinels=[_host_port(h, url) for h in hosts.split(",")],
