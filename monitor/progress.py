@@ -263,13 +263,18 @@ def tail_note(snap: JobSnapshot) -> str | None:
 
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
     finished = snap.completed + snap.failed
-    start = snap.first_at or snap.created_at or snap.at
+    # Elapsed runs from the first result, or from creation once a worker works on the job: a job
+    # no worker has touched has not started (it showed "elapsed 33s" with no worker at all).
+    started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
+    start = started or snap.at
     end = snap.last_at if snap.is_done and snap.last_at else snap.at
     live = [w for w in snap.workers if w.live]
     statuses = [w.status for w in snap.workers if w.status is not None]
     elapsed = max(0.0, end - start)
     tok_s = None if speed is None else speed.tokens_per_s
     tail = tail_note(snap)
+    if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
+        prompts_rate, tok_s = 0.0, 0.0  # paused and drained: nothing is finishing now (a window rate reads stale)
     if snap.is_done:
         # One definition of a finished job's rate, whatever saw it (live view, --once, the exporter):
         # the whole run's averages. A recent window would read the idle tail after the last result.

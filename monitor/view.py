@@ -108,7 +108,7 @@ def job_panel(r: JobReport) -> Panel:
         eta = Text.assemble(("finished", "bold green"))
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
-    eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
+    eta.append(f"  · elapsed {duration(p.elapsed_s)}" if p.elapsed_s > 0 else "  · not started")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
     if p.tail:

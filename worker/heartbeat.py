@@ -101,6 +101,8 @@ class Heartbeat:
 
     def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
+        if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
+            req_s = tok_s = 0.0
         m = self.watch.metrics
         return WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,

@@ -86,13 +86,10 @@ def _available(name: str) -> bool:
 
 
 class Concurrency(click.ParamType):
-    """Requests in flight: 'auto' (None) or a whole number; `genq concurrency` also takes 0
-    for auto, as the Control record stores it."""
+    """Requests in flight: 'auto' (None) or a whole number of at least 1 (0 would mean
+    nothing: no request could be sent; auto is asked for by name)."""
 
     name = "auto|N"
-
-    def __init__(self, *, zero_is_auto: bool = False) -> None:
-        self.zero_is_auto = zero_is_auto
 
     def convert(self, value, param, ctx):
         if value is None or str(value).lower() == "auto":
@@ -101,9 +98,9 @@ class Concurrency(click.ParamType):
             number = int(value)
         except ValueError:
             self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
-        if number < (0 if self.zero_is_auto else 1):
-            self.fail("must be a positive number (or auto)" if self.zero_is_auto else "must be at least 1", param, ctx)
-        return number or None
+        if number < 1:
+            self.fail(f"{number} is not a cap: give at least 1, or auto to follow the server", param, ctx)
+        return number
 
 
 class Settings:

@@ -157,13 +157,19 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         table.add_column(col, justify="right" if col in ("total", "done", "failed", "remaining") else "left",
                          no_wrap=True)
     for r in rows:
-        pct = f" ({100 * r.done / r.total:.0f}%)" if r.total else ""
+        pct = f" ({_floor_percent(r.done, r.total)})" if r.total else ""
         table.add_row(r.name, r.state, f"{r.total:,}", f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}",
                       f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
     console = _console()
     console.print(table)
     if paused_all:
         console.print("all jobs are paused (genq resume)")
+
+
+def _floor_percent(part: int, whole: int) -> str:
+    """Rounded down: 1,995 of 2,000 is 99.7%, never "100%" beside prompts still missing or failed."""
+    tenths = 1000 * part // whole
+    return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
 
 
 @jobs.command("delete")
@@ -275,8 +281,8 @@ def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyon
 @click.command()
 @_selector_options
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
-@click.option("--timeout", type=click.FloatRange(0), default=None,
-              help="With --wait: give up waiting after this many seconds (exit 1).")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+              help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 @click.pass_context
 def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, wait: bool,
           timeout: float | None) -> None:
@@ -344,7 +350,7 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
 
 @click.command()
 @_selector_options
-@click.argument("value", type=Concurrency(zero_is_auto=True))
+@click.argument("value", type=Concurrency())
 @click.pass_context
 def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
                 value: int | None) -> None:
