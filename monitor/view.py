@@ -10,6 +10,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from genq.core.words import plural
 from genq.monitor.progress import JobReport, WorkerReport
 
 STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "writing": "green",
@@ -67,7 +68,7 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None)
         notes.append(Text(f"GPU: {gpu_note}", style="dim"))
     parts.extend(notes)
     rq = reports[0].progress.rq_queued
-    footer = f"redis {redis_display} · RQ queue genq: {rq:,} batches (all jobs)"
+    footer = f"redis {redis_display} · RQ queue genq: {plural(rq, 'batch', 'batches')} (all jobs)"
     if interval is not None:
         footer += f" · every {interval:g}s · Ctrl-C to leave"
     parts.append(Text(footer, style="dim"))

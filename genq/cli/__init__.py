@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "concurrency": "genq.cli.control:concurrency",
     "export": "genq.cli.export:export",
     "jobs": "genq.cli.control:jobs",
+    "status": "genq.cli.status:status",
 }
 
 
@@ -101,6 +102,20 @@ class Concurrency(click.ParamType):
         if number < 1:
             self.fail(f"{number} is not a cap: give at least 1, or auto to follow the server", param, ctx)
         return number
+
+
+class JobName(click.ParamType):
+    """A job name as keys.check_job_name allows it: a bad one is bad usage (exit 2)."""
+
+    name = "NAME"
+
+    def convert(self, value, param, ctx):
+        from genq.core.keys import check_job_name
+
+        try:
+            return check_job_name(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 class Settings:

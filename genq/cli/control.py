@@ -19,7 +19,7 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from genq.cli import Concurrency, settings
+from genq.cli import Concurrency, JobName, settings
 from genq.core import keys
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
@@ -173,7 +173,7 @@ def _floor_percent(part: int, whole: int) -> str:
 
 
 @jobs.command("delete")
-@click.argument("job")
+@click.argument("job", type=JobName())
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
 @click.pass_context
@@ -217,7 +217,7 @@ def _deletion_summary(found: control.JobDeletion) -> str:
 
 
 @click.command()
-@click.option("--job", default=None, help="Pause only this job. [default: every job]")
+@click.option("--job", type=JobName(), default=None, help="Pause only this job. [default: every job]")
 @click.pass_context
 def pause(ctx: click.Context, job: str | None) -> None:
     """Stop sending new requests; requests in flight finish, held batches are kept.
@@ -237,7 +237,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
 
 
 @click.command()
-@click.option("--job", default=None, help="Resume only this job. [default: lift the global pause]")
+@click.option("--job", type=JobName(), default=None, help="Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:
     """Undo `genq pause` (global, or one job's)."""
