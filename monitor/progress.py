@@ -325,11 +325,13 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         rate_source="" if speed is None else speed.source,
         gpu_note=fleet_gpu_note(statuses),
         tail=tail,
-        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None) for w in snap.workers],
+        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job)
+                        for w in snap.workers],
     )
 
 
-def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False) -> WorkerReport:
+def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False,
+                  job: str | None = None) -> WorkerReport:
     s = w.status
     # In the job's tail an idle worker is expected (the job's tail note says so), not a bottleneck.
     found = [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
@@ -341,7 +343,8 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
         return msgspec.structs.replace(report, state="gone", bottlenecks=[], bottleneck_codes=[]) \
             if job_done else report
     kept = dict(host=s.host, concurrency_target=s.concurrency_target, concurrency_limit=s.concurrency_limit,
-                server_capacity=s.server_capacity, errors=s.errors, gpu_note=s.gpu_note,
+                server_capacity=s.server_capacity, gpu_note=s.gpu_note,
+                errors=s.errors if job is None else s.job_errors.get(job, 0),  # this job's, in a job's table
                 heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
     if s.state == "stopped":
         # Its record is kept (stopped, not lost) but its last rates, slots and GPU figures are not

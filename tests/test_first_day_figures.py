@@ -69,3 +69,21 @@ def test_values_of_zero_that_mean_nothing_are_refused(redis_url, rconn):
     assert proc.returncode == 2 and "at least 1" in proc.stderr and "auto" in proc.stderr, proc.stderr
     proc = run_genq("drain", "--all", "--wait", "--timeout", "0", check=False)
     assert proc.returncode == 2 and "--timeout" in proc.stderr, proc.stderr
+
+
+def test_the_errors_column_is_per_job(tmp_path, redis_url, sim, worker):
+    url = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
+    write_mixed(tmp_path / "a.jsonl", 12, long_every=3)  # 4 prompts too long: 4 failed attempts
+    run_genq("enqueue", str(tmp_path / "a.jsonl"), "--job", "first", "--max-tokens", "8")
+    worker(url, "--name", "one")
+    wait_until(lambda: monitor_json("first")["status"] in ("done", "partial"), 60, "the first job finished")
+    write_prompts(tmp_path / "b.jsonl", 10)
+    run_genq("enqueue", str(tmp_path / "b.jsonl"), "--job", "second", "--max-tokens", "8")
+    wait_until(lambda: monitor_json("second")["status"] == "done", 60, "the second job finished")
+    time.sleep(2.5)  # a heartbeat after the last outcome
+
+    def errors(job: str) -> int:
+        return {w["name"]: w for w in monitor_json(job)["worker_details"]}["one"]["errors"]
+
+    assert errors("first") == 4 and errors("second") == 0, (errors("first"), errors("second"))
+    assert workers_json()["one"]["errors"] == 4  # the worker's own total stays in `genq workers`
