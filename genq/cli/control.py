@@ -101,8 +101,10 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     \b
     States: busy, idle, paused, draining, server_down (its server is not
     answering /health; it holds its batches and takes no new ones), stopped
-    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable; RQ
-    puts its batches back in the queue within about a minute and a half).
+    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable). A
+    lost worker's batches run elsewhere 30-40 s after it died: its engine's
+    liveness key lapses after 10 s and the reconciler every worker runs every
+    10 s queues them again (docs/operations.md has the measurement).
     "in flight" is requests running / the worker's current target.
     """
     with _redis(ctx) as conn:

@@ -48,7 +48,7 @@ def setup_logging(level: str) -> None:
 @click.option("--server-crash-limit", type=click.IntRange(1, 100), default=3, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
 @click.option("--grace-period", type=click.FloatRange(0), default=60, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=1.0, show_default=True, help="First retry delay in seconds; doubles per attempt (with jitter), capped at 60.")
-@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=10, show_default=True, help="RQ job heartbeat; a batch of a killed worker is recovered after this + 60 s.")
+@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=10, show_default=True, help="RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within 30-40 s of the kill: see genq workers --help).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
