@@ -14,7 +14,7 @@ import subprocess
 import time
 
 from genq.core import keys
-from tests.conftest import free_port, genq_cmd, run_genq, write_prompts
+from tests.conftest import free_port, genq_cmd, run_genq, wait_until, write_prompts
 
 FAST = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=24, output_sigma=0.5)
 
@@ -61,25 +61,33 @@ def test_the_stream_message_names_the_switch_that_exists_and_dlq_help_counts_rig
     assert "Three kinds of entries" in text and len(kinds) == 3, text
 
 
-def test_dry_run_checks_everything_and_writes_nothing(redis_url, rconn, tmp_path):
+def test_dry_run_checks_everything_says_what_a_real_run_does_and_writes_nothing(redis_url, rconn, tmp_path):
     src = tmp_path / "p.jsonl"
     write_prompts(src, 30)
+    lines = src.read_text().splitlines()
     with open(src, "a") as f:
-        f.write("{not json\n")
-    proc = run_genq("enqueue", str(src), "--job", "dry", "--output", str(tmp_path / "out"), "--batch-size", "8",
-                    "--dry-run", check=False)
+        f.write("{not json\n")  # line 31: rejected
+        f.write(lines[0] + "\n")  # line 32: a repeated line, skipped
+        f.write(lines[1].replace("prompt number 1", "other content") + "\n")  # line 33: same id, other content
+    args = ("enqueue", str(src), "--job", "dry", "--output", str(tmp_path / "out"), "--batch-size", "8")
+    proc = run_genq(*args, "--dry-run", check=False)
     assert proc.returncode == 3, proc.stderr
-    assert "30 prompts would be queued in 4 batches" in proc.stdout and "1 line rejected" in proc.stdout, proc.stdout
-    assert "line 31" in proc.stderr and "invalid JSON" in proc.stderr, proc.stderr
+    assert ("30 prompts would be queued in 4 batches" in proc.stdout and "1 repeated line would be skipped" in proc.stdout
+            and "2 lines rejected" in proc.stdout), proc.stdout
+    assert "line 31: invalid JSON" in proc.stderr and "line 33: duplicate id 'p00001' with different content" in proc.stderr
     assert rconn.dbsize() == 0 and not (tmp_path / "out").exists()
-    # Settings that contradict an existing job are refused as a real enqueue refuses them.
-    run_genq("enqueue", str(src), "--job", "dry", "--batch-size", "8", check=False)
+    # The real run does what the dry run said.
+    real = run_genq(*args, check=False)
+    assert real.returncode == 3 and "queued 30 prompts in 4 batches" in real.stdout, real.stdout
+    assert "skipped 1 repeated line" in real.stdout and "rejected 2 lines" in real.stderr, (real.stdout, real.stderr)
+    # Into the existing job: settings that contradict it are refused as a real enqueue refuses them...
     proc = run_genq("enqueue", str(src), "--job", "dry", "--batch-size", "9", "--dry-run", check=False)
     assert proc.returncode == 1 and "already exists with other settings" in proc.stderr, proc.stderr
-    keys_before = sorted(rconn.keys("*"))
+    # ...and ids already queued are counted, nothing written.
+    keys_before = {k: rconn.dump(k) for k in rconn.keys("*")}
     proc = run_genq("enqueue", str(src), "--job", "dry", "--dry-run", check=False)
     assert "0 prompts would be queued in 0 batches" in proc.stdout and "30 prompts already queued" in proc.stdout
-    assert sorted(rconn.keys("*")) == keys_before
+    assert {k: rconn.dump(k) for k in rconn.keys("*")} == keys_before
 
 
 def test_status_tells_the_fate_of_one_prompt(redis_url, rconn, tmp_path, sim, worker):
@@ -129,3 +137,24 @@ def test_enqueue_shows_percent_and_eta_on_a_big_file(redis_url, tmp_path):
     assert proc.returncode == 0, text
     assert "% of " in text and "MiB, ETA " in text, text[-2000:]
     assert "100.0% of" in text, text[-500:]
+
+
+def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, sim, worker):
+    write_prompts(tmp_path / "p.jsonl", 8)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400")
+    url = sim(max_running_requests=1, step_ms_base=200, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=200,
+              output_sigma=0.1)
+    worker(url, "--concurrency", "1", "--name", "slow-w")
+
+    def states() -> dict[str, str]:
+        return {pid: json.loads(run_genq("status", "slow", pid, "--json").stdout)["state"]
+                for pid in ("p00000", "p00001", "p00002", "p00003")}
+
+    # (the four are asked one after another while the worker starts: until its batch is leased, queued)
+    found = wait_until(lambda: (s := states()) and "sending" in s.values() and "queued" not in s.values() and s, 60,
+                       "a prompt being sent, its batch held")
+    # One request at a time (40 s each): none done yet; those not claimed wait in the worker holding the batch.
+    assert set(found.values()) <= {"sending", "held"}, found
+    engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
+                        .stdout)["holder"]
+    assert engine.startswith("slow-w"), engine

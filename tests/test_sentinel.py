@@ -148,6 +148,17 @@ def test_every_command_reads_a_sentinel_url(sentinel_set):
     assert sentinel_set.direct("a").get("k") == b"v"
     time.sleep(0.2)
     assert sentinel_set.direct("b").get("k") == b"v"  # replicated: this is the master the sentinel names
+    # ?wait_replicas=0: no WAIT after writes (a plain client; the last writes may be lost in a failover).
+    from genq.core.replicated import ReplicatedRedis
+
+    assert isinstance(client, ReplicatedRedis) and not isinstance(connect(sentinel_set.url + "?wait_replicas=0"),
+                                                                   ReplicatedRedis)
+    # With its one replica gone, a write is refused after the wait instead of being taken alone.
+    sentinel_set.procs["b"].kill()
+    sentinel_set.procs["b"].wait(timeout=10)
+    time.sleep(1.5)
+    with pytest.raises(redis.ConnectionError, match="replica"):
+        connect(sentinel_set.url).set("k", "lost?")
     # A service the sentinel does not know: one line naming it, exit 1.
     proc = run_genq("jobs", redis_url=sentinel_set.url.replace(SERVICE, "nosuch"), check=False)
     assert proc.returncode == 1 and "nosuch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

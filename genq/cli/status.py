@@ -1,7 +1,7 @@
 """`genq status JOB ID`: the fate of one prompt, read from where genq keeps it.
 
 dead-lettered (the letter says why) > not in the job > in a pending batch: done (its result is
-in Redis, the shard not yet written), in flight (claimed by an engine), held (its batch is
+in Redis, the shard not yet written), sending (claimed by an engine), held (its batch is
 leased by a worker, or parked while the job is paused) or queued > in a written shard (the
 record is shown).
 """
@@ -30,7 +30,7 @@ from genq.core.redisconn import connect, describe_error
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: {state, batch, record | letter | holder}.")
 @click.pass_context
 def status(ctx: click.Context, job: str, prompt_id: str, as_json: bool) -> None:
-    """The fate of prompt ID of JOB: queued, held, in flight, done (with its record) or
+    """The fate of prompt ID of JOB: queued, held, sending, done (with its record) or
     dead-lettered (with why).
 
     \b
@@ -91,9 +91,9 @@ def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[st
     if result is not None:
         return {"state": "done", "batch": batch, "record": _plain(unpack(result, Result)),
                 "why": "its result is in Redis; the batch's shard is written when the whole batch is done"}
-    if claim is not None:
-        return {"state": "in flight", "batch": batch, "holder": claim.decode(),
-                "why": f"being sent by engine {claim.decode()}"}
+    if claim is not None:  # a claim is taken just before the send: it covers the next prompts too
+        return {"state": "sending", "batch": batch, "holder": claim.decode(),
+                "why": f"claimed by engine {claim.decode()}: in flight, or among the next it sends"}
     if lease is not None:
         holder = lease.decode().partition(" ")[2]
         return {"state": "held", "batch": batch, "holder": holder,
