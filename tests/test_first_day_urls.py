@@ -143,3 +143,38 @@ def test_rediss_against_a_plaintext_redis_fails_within_seconds_saying_why(redis_
 def test_genq_help_names_every_engine():
     text = genq("--help").stdout
     assert "SGLang" in text and "vLLM" in text and "llama.cpp" in text, text
+
+
+def test_rediss_against_a_tls_redis_works_with_its_certificate_checked(tmp_path):
+    """Timing the handshake (genq/core/redisconn.py) leaves real TLS working, verified against its CA."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                               "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                               "--tls-auth-clients", "no", "--save", "", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        write_prompts(tmp_path / "p.jsonl", 3)
+        wait_until(lambda: genq("--redis", url, "jobs").returncode == 0, 10, "the TLS redis-server")
+        proc = genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "tls", "--redis", url)
+        assert proc.returncode == 0, proc.stderr
+        assert "tls" in genq("jobs", "--redis", url).stdout
+        import asyncio
+
+        from genq.core.redisconn import connect_async
+
+        async def ping() -> bool:
+            client = connect_async(url)
+            try:
+                return bool(await client.ping())
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(ping())  # the workers' asyncio client too
+    finally:
+        server.kill()
+        server.wait(timeout=10)
