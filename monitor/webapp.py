@@ -71,7 +71,7 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
 
 # Without ?job= the page follows the job a user is watching: one that runs (the most requests in
 # flight), else one waiting for workers, else the newest; not the alphabetically first.
-FOLLOW_ORDER = ("running", "writing", "paused", "queued", "empty")
+FOLLOW_ORDER = ("running", "writing", "blocked", "paused", "queued", "empty")
 
 
 def followed(reports: list[JobReport]) -> JobReport | None:

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import redis
 
 from genq.core.records import DeadLetter, JobConfig, Result
+from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
@@ -53,6 +54,7 @@ class Dispatcher:
         self.server_is_down = server_is_down
         self.server_model = model
         self.running: dict[Task, asyncio.Task[None]] = {}
+        self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
 
@@ -156,7 +158,7 @@ class Dispatcher:
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
                 if isinstance(outcome, Completion):
-                    self._record(task, outcome)
+                    self._record(task, outcome, config)
                 else:
                     await self._failed(task, outcome)
                     self.wake.set()  # a retry may now be due: the loop times it
@@ -176,7 +178,7 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- outcomes
 
-    def _record(self, task: Task, c: Completion) -> None:
+    def _record(self, task: Task, c: Completion, sent: JobConfig) -> None:
         p, held = task.prompt, task.batch
         self.writer.add_result(Result(
             id=p.id, job=held.ref.job, batch=held.ref.batch, index=p.index,
@@ -184,9 +186,11 @@ class Dispatcher:
             usage=c.usage, model=c.model, worker=self.name, attempts=task.attempts + 1,
             latency_s=round(time.monotonic() - task.progress.started, 3),
             messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
-            response_id=c.response_id, finished_at=time.time(),
+            response_id=c.response_id, finished_at=time.time(), settings_version=sent.settings_version,
         ))
         self.rates.add(c.usage.completion_tokens)
+        if self.brake is not None:
+            self.brake.succeeded(task)
 
     def _suspect(self, task: Task) -> bool:
         return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))
@@ -219,6 +223,8 @@ class Dispatcher:
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay)
             return
+        if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
+            return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
 
     def _dead(self, task: Task, failure: Failure) -> None:
