@@ -21,8 +21,8 @@ SET_BY_GENQ = {
     "model": "the job's --model",
     "messages": "the row",
     "prompt": "the row",
-    "stream": "genq (it always streams)",
-    "stream_options": "genq (it always streams)",
+    "stream": "the worker (genq worker --stream/--no-stream)",
+    "stream_options": "the worker (genq worker --stream/--no-stream)",
 }
 
 

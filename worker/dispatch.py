@@ -214,7 +214,7 @@ class Dispatcher:
             (self.todo.suspects if self._suspect(task) else self.todo.ready).appendleft(task)
             return
         task.attempts += 1
-        self.rates.errors += 1
+        self.rates.error(held.ref.job)
         max_attempts = self.opts.max_attempts or held.config.max_attempts
         if failure.retryable and task.attempts < max_attempts:
             delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))

@@ -19,7 +19,7 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from genq.cli import Concurrency, jobset, settings
+from genq.cli import Concurrency, JobName, jobset, settings
 from genq.core import keys
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
@@ -102,8 +102,10 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     \b
     States: busy, idle, paused, draining, server_down (its server is not
     answering /health; it holds its batches and takes no new ones), stopped
-    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable; RQ
-    puts its batches back in the queue within about a minute and a half).
+    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable). A
+    lost worker's batches run elsewhere 30-40 s after it died: its engine's
+    liveness key lapses after 10 s and the reconciler every worker runs every
+    10 s queues them again (docs/operations.md has the measurement).
     "in flight" is requests running / the worker's current target.
     """
     with _redis(ctx) as conn:
@@ -158,7 +160,7 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         table.add_column(col, justify="right" if col in ("total", "done", "failed", "remaining") else "left",
                          no_wrap=True)
     for r in rows:
-        pct = f" ({100 * r.done / r.total:.0f}%)" if r.total else ""
+        pct = f" ({_floor_percent(r.done, r.total)})" if r.total else ""
         table.add_row(r.name, r.state, f"{r.total:,}", f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}",
                       f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
     console = _console()
@@ -170,8 +172,14 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         console.print("all jobs are paused (genq resume)")
 
 
+def _floor_percent(part: int, whole: int) -> str:
+    """Rounded down: 1,995 of 2,000 is 99.7%, never "100%" beside prompts still missing or failed."""
+    tenths = 1000 * part // whole
+    return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
+
+
 @jobs.command("delete")
-@click.argument("job")
+@click.argument("job", type=JobName())
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
 @click.pass_context
@@ -219,7 +227,7 @@ def _deletion_summary(found: control.JobDeletion) -> str:
 
 
 @click.command()
-@click.option("--job", default=None, help="Pause only this job. [default: every job]")
+@click.option("--job", type=JobName(), default=None, help="Pause only this job. [default: every job]")
 @click.pass_context
 def pause(ctx: click.Context, job: str | None) -> None:
     """Stop sending new requests; requests in flight finish, held batches are kept.
@@ -239,7 +247,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
 
 
 @click.command()
-@click.option("--job", default=None, help="Resume only this job. [default: lift the global pause]")
+@click.option("--job", type=JobName(), default=None, help="Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:
     """Undo `genq pause` (global, or one job's)."""
@@ -284,8 +292,8 @@ def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyon
 @click.command()
 @_selector_options
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
-@click.option("--timeout", type=click.FloatRange(0), default=None,
-              help="With --wait: give up waiting after this many seconds (exit 1).")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+              help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 @click.pass_context
 def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, wait: bool,
           timeout: float | None) -> None:
@@ -353,7 +361,7 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
 
 @click.command()
 @_selector_options
-@click.argument("value", type=Concurrency(zero_is_auto=True))
+@click.argument("value", type=Concurrency())
 @click.pass_context
 def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
                 value: int | None) -> None:

@@ -271,6 +271,9 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     gpu_sample: GpuSample | None = None
     gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
     note: str | None = None  # why the server is down, or what the worker waits for
+    # Failed request attempts per job (errors is the worker's total since it started): the
+    # monitor's per-job table shows these, so one job's errors do not show on the next.
+    job_errors: dict[str, int] = {}
 
 
 class Control(msgspec.Struct, omit_defaults=True):
