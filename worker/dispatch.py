@@ -17,10 +17,12 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import redis
 
-from genq.core.records import DeadLetter, JobConfig, Result
+from genq.core.records import DeadLetter, JobConfig
+from genq.worker.answers import result_of
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
@@ -155,10 +157,9 @@ class Dispatcher:
                                       task.cancel_reason)
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
-                if isinstance(outcome, Completion):
-                    self._record(task, outcome)
-                else:
-                    await self._failed(task, outcome)
+                failure = self._record(task, body, outcome) if isinstance(outcome, Completion) else outcome
+                if failure is not None:
+                    await self._failed(task, failure)
                     self.wake.set()  # a retry may now be due: the loop times it
             finally:
                 self.running.pop(task, None)
@@ -176,17 +177,16 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- outcomes
 
-    def _record(self, task: Task, c: Completion) -> None:
-        p, held = task.prompt, task.batch
-        self.writer.add_result(Result(
-            id=p.id, job=held.ref.job, batch=held.ref.batch, index=p.index,
-            completion=c.text, reasoning_content=c.reasoning, finish_reason=c.finish_reason,
-            usage=c.usage, model=c.model, worker=self.name, attempts=task.attempts + 1,
-            latency_s=round(time.monotonic() - task.progress.started, 3),
-            messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
-            response_id=c.response_id, finished_at=time.time(),
-        ))
+    def _record(self, task: Task, body: dict[str, Any], c: Completion) -> Failure | None:
+        """Records the answer, or returns why it is not what the request asked for (answers.py)."""
+        held = task.batch
+        result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
+                           attempts=task.attempts + 1, latency_s=time.monotonic() - task.progress.started)
+        if isinstance(result, Failure):
+            return result
+        self.writer.add_result(result)
         self.rates.add(c.usage.completion_tokens)
+        return None
 
     def _suspect(self, task: Task) -> bool:
         return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))

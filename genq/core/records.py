@@ -102,8 +102,27 @@ class Usage(msgspec.Struct, omit_defaults=True):
     reasoning_tokens: int | None = None
 
 
+class Choice(msgspec.Struct, omit_defaults=True):
+    """One of the n samples of a request that asked for n > 1 (Result.choices)."""
+
+    index: int
+    completion: str
+    finish_reason: str | None
+    # This sample's own length, when the server said it (streamed answers do, per index,
+    # with continuous usage stats); None when it gave only the request's total (non-streamed).
+    completion_tokens: int | None = None
+    reasoning_content: str | None = None
+    logprobs: dict[str, Any] | None = None  # as Result.logprobs
+    matched_stop: int | str | None = None  # as Result.matched_stop
+
+
 class Result(msgspec.Struct, omit_defaults=True):
-    """One completed prompt: a line of a shard."""
+    """One completed prompt: a line of a shard.
+
+    A request for n > 1 samples has them all in `choices`, in index order; completion,
+    reasoning_content, finish_reason, logprobs and matched_stop are then choice 0's, so a
+    reader that knows only them reads a real sample. usage is the whole request's
+    (completion_tokens: the sum over the choices). docs/fidelity.md lists every field."""
 
     id: str
     job: str
@@ -123,6 +142,14 @@ class Result(msgspec.Struct, omit_defaults=True):
     custom_id: str | None = None
     response_id: str | None = None
     finished_at: float = 0.0
+    choices: list[Choice] | None = None  # n > 1 only
+    # The server's logprobs object of the choice, only when the request asked for logprobs:
+    # chat {"content": [{token, logprob, bytes, top_logprobs}]}, completions {"tokens",
+    # "token_logprobs", "top_logprobs", "text_offset"}; a stream's pieces concatenated.
+    logprobs: dict[str, Any] | None = None
+    # What stopped generation, when the request set stop or stop_token_ids: SGLang's
+    # matched_stop, vLLM's stop_reason (the stop string, or the token id; None for EOS/length).
+    matched_stop: int | str | None = None
 
 
 def without_prompt(result: Result) -> Result:
