@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.audit import audit
-from tests.conftest import read_results, run_genq
+from tests.conftest import read_results, run_genq, sim_stats
 
 SIM = {"max_running_requests": 16, "mean_output_tokens": 40, "output_sigma": 0.8, "tokens_per_step": 4,
        "step_ms_base": 5}
@@ -160,3 +160,21 @@ def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
     proc = run_genq("enqueue", str(src), "--job", "x", "--endpoint", "completions", "--extra-body",
                     '{"logprobs": true}', "--output", str(tmp_path / "o"), redis_url=redis_url, check=False)
     assert proc.returncode != 0 and "--extra-body: logprobs must be an integer" in proc.stderr, proc.stderr
+
+
+def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, worker, tmp_path):
+    """The in-flight window counts what the server runs: with room for 8 sequences, requests of
+    4 samples go out two at a time, so none waits in the server's queue."""
+    ids = rows(tmp_path / "seq.jsonl", 16, {"n": 4})
+    out = tmp_path / "out"
+    run_genq("enqueue", str(tmp_path / "seq.jsonl"), "--job", "seq", "--output", str(out), "--max-tokens", "64",
+             "--batch-size", "8", redis_url=redis_url)
+    server = sim(max_running_requests=8, mean_output_tokens=30, output_sigma=0.3, tokens_per_step=2, step_ms_base=10)
+    w = worker(server, "--burst", "--concurrency", "8")
+    assert w.wait(timeout=120) == 0, w.log()
+    assert not audit(rconn, "seq", out, ids).letters
+    stats = sim_stats(server)
+    assert stats["finished_requests"] == 16 * 4
+    # Counted as requests, 8 in flight would be 32 sequences: 24 of them waiting all along.
+    assert stats["busy_mean_waiting"] < 1.0, stats
+    assert stats["busy_mean_running"] > 5.0, stats
