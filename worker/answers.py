@@ -7,10 +7,12 @@ training data. docs/fidelity.md lists where each request field's answer lands.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from genq.core.records import JobConfig, Prompt, Result
+from genq.worker.held import Task
 from genq.worker.wire import Completion, Failure
 
 # Request fields whose answer genq keeps (Result.matched_stop) only when they were set.
@@ -21,6 +23,26 @@ def samples(config: JobConfig, prompt: Prompt) -> int:
     """How many samples (sequences on the server) the request asks for: its n."""
     n = (prompt.sampling or {}).get("n", config.extra_body.get("n", 1))
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+class Running(dict[Task, "asyncio.Task[None]"]):
+    """The requests in flight, and the sequences they are on the server: a request for n
+    samples is n (SGLang and vLLM schedule each choice as a sequence of its own), and the
+    in-flight target counts what the server runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequences = 0
+
+    def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
+        if task not in self:
+            self.sequences += samples(task.batch.config, task.prompt)
+        super().__setitem__(task, aio)
+
+    def pop(self, task: Task, default: Any = None) -> Any:
+        if task in self:
+            self.sequences -= samples(task.batch.config, task.prompt)
+        return super().pop(task, default)
 
 
 def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, batch: str, worker: str,

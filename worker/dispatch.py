@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from genq.core.records import DeadLetter, JobConfig
-from genq.worker.answers import result_of, samples
+from genq.worker.answers import Running, result_of
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
@@ -54,11 +54,7 @@ class Dispatcher:
         self.rates = rates
         self.server_is_down = server_is_down
         self.server_model = model
-        self.running: dict[Task, asyncio.Task[None]] = {}
-        # Sequences in flight beyond one per request: a request for n samples is n sequences
-        # on the server (SGLang and vLLM schedule each choice on its own), and the target
-        # counts what the server runs.
-        self.extra_sequences = 0
+        self.running = Running()
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
 
@@ -91,7 +87,7 @@ class Dispatcher:
 
     def _can_send(self) -> bool:
         return (self.flags.server_down_since is None and not self.flags.paused_all
-                and self.flags.stop_requested < 2 and self.sequences < self.controller.target
+                and self.flags.stop_requested < 2 and self.running.sequences < self.controller.target
                 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
 
     async def run(self) -> None:
@@ -115,11 +111,11 @@ class Dispatcher:
                     log.warning("cannot claim prompts (%s); trying again shortly", exc)
                     asyncio.get_running_loop().call_later(1.0, self.wake.set)
             while (task := self._take()) is not None:
-                self._started(task, asyncio.create_task(self._send(task)))
+                self.running[task] = asyncio.create_task(self._send(task))
 
     def _want(self) -> int:
         """Prompts to claim now: the free slots and CLAIM_AHEAD more, less what is claimed."""
-        return self.controller.target + CLAIM_AHEAD - self.sequences - len(self.todo.ready) - len(self.todo.suspects)
+        return self.controller.target + CLAIM_AHEAD - self.running.sequences - len(self.todo.ready) - len(self.todo.suspects)
 
     def _take(self) -> Task | None:
         """The next prompt to send, if the in-flight window has room: a crash suspect
@@ -160,32 +156,19 @@ class Dispatcher:
                     outcome = Failure("connection" if task.cancel_reason.startswith("server down") else "timeout",
                                       task.cancel_reason)
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
-                self._ended(task)
+                self.running.pop(task, None)
                 failure = self._record(task, body, outcome) if isinstance(outcome, Completion) else outcome
                 if failure is not None:
                     await self._failed(task, failure)
                     self.wake.set()  # a retry may now be due: the loop times it
             finally:
-                self._ended(task)
+                self.running.pop(task, None)
             task = self._take()
             if task is not None:
-                self._started(task, me)
+                self.running[task] = me
             if self.todo.backlog.waiting and len(self.todo.ready) < CLAIM_AHEAD:
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
-
-    @property
-    def sequences(self) -> int:
-        """Sequences in flight on the server: one per request, n for a request of n samples."""
-        return len(self.running) + self.extra_sequences
-
-    def _started(self, task: Task, aio: asyncio.Task[None]) -> None:
-        self.running[task] = aio
-        self.extra_sequences += samples(task.batch.config, task.prompt) - 1
-
-    def _ended(self, task: Task) -> None:
-        if self.running.pop(task, None) is not None:
-            self.extra_sequences -= samples(task.batch.config, task.prompt) - 1
 
     def _model(self, config: JobConfig) -> str:
         if config.model != "auto":
