@@ -114,6 +114,7 @@ class Heartbeat:
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
+            model=self.watch.info.model if self.watch.info else None,
         )
 
     async def beat(self, state: str | None = None, note: str | None = None) -> None:

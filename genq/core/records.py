@@ -265,6 +265,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     gpu_sample: GpuSample | None = None
     gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
     note: str | None = None  # why the server is down, or what the worker waits for
+    model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
 
 
 class Control(msgspec.Struct, omit_defaults=True):
