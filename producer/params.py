@@ -106,6 +106,9 @@ KNOWN: dict[str, Callable[[Any], str | None]] = {
     "suffix": _STR,
     "user": _STR,
     "response_format": _OBJ,
+    "tools": _list_of(dict, "a list of tool objects"),
+    "tool_choice": _STR_OR_OBJ,
+    "parallel_tool_calls": _BOOL,
     "reasoning_effort": _STR,
     "metadata": _OBJ,
     "store": _BOOL,
@@ -150,13 +153,10 @@ KNOWN: dict[str, Callable[[Any], str | None]] = {
 
 # Fields the server would answer with something genq does not record (or would not honor):
 # refused, because a record that silently lacks what its request asked for is worse than none.
-_TOOLS = "genq does not record tool calls (message.tool_calls): the record would lack the answer"
+_FUNCTIONS = "OpenAI's deprecated function calling (answered in message.function_call); use tools"
 REFUSED = {
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
     "modalities": "genq records text only; audio output would be dropped",
     "audio": "genq records text only; audio output would be dropped",
     "web_search_options": "genq does not record web search annotations; no self-hosted engine serves it",
@@ -164,7 +164,9 @@ REFUSED = {
 }
 
 # Fields of one endpoint only: the other's engines ignore them, so the record would not show them.
-CHAT_ONLY = {"top_logprobs": "use 'logprobs': K with --endpoint completions"}
+CHAT_ONLY = {"top_logprobs": "use 'logprobs': K with --endpoint completions",
+             "tools": "completions have no tool calls", "tool_choice": "completions have no tool calls",
+             "parallel_tool_calls": "completions have no tool calls"}
 COMPLETIONS_ONLY = {"echo": "chat has no echo", "suffix": "chat has no suffix"}
 
 

@@ -128,6 +128,31 @@ def test_export_keeps_every_choice(redis_url, rconn, sim, worker, tmp_path):
     assert sorted(jsonl, key=lambda r: r["index"]) == records
 
 
+TOOL = {"type": "function", "function": {"name": "count_tokens", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_tool_calls_are_kept(redis_url, rconn, sim, worker, tmp_path, stream):
+    flag = "--stream" if stream else "--no-stream"
+    records = run_job(tmp_path, redis_url, rconn, sim, worker, "tools", {"tools": [TOOL], "n": 2}, flag, count=6,
+                      sim_options={"mean_output_tokens": 10})
+    for r in records:
+        for c in r["choices"]:
+            # The sim calls the first tool with its own length as the argument, streamed in pieces.
+            [call] = c["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            assert call["function"]["name"] == "count_tokens"
+            assert json.loads(call["function"]["arguments"]) == {"tokens": len(c["completion"]) // 4}
+            assert c["finish_reason"] in ("tool_calls", "length")
+        assert r["tool_calls"] == r["choices"][0]["tool_calls"]
+    assert any(r["finish_reason"] == "tool_calls" for r in records)
+    batch = tmp_path / "tools.batch.jsonl"
+    run_genq("export", "--job", "tools", "--to", str(batch), "--format", "openai-batch", redis_url=redis_url)
+    for line, r in zip(batch.read_text().splitlines(), records, strict=True):
+        choices = json.loads(line)["response"]["body"]["choices"]
+        assert [c["message"]["tool_calls"] for c in choices] == [c["tool_calls"] for c in r["choices"]]
+
+
 def _export(tmp_path: Path, redis_url: str, fmt: str) -> Path:
     dest = tmp_path / f"exp.{fmt}"
     run_genq("export", "--job", "exp", "--to", str(dest), "--format", fmt, redis_url=redis_url)
@@ -135,7 +160,8 @@ def _export(tmp_path: Path, redis_url: str, fmt: str) -> Path:
 
 
 @pytest.mark.parametrize(("line", "endpoint", "message"), [
-    ({"sampling": {"tools": [{"type": "function"}]}}, "chat", "'tools' is refused: genq does not record tool calls"),
+    ({"sampling": {"functions": [{"name": "f"}]}}, "chat", "'functions' is refused: OpenAI's deprecated function"),
+    ({"sampling": {"tools": [TOOL]}}, "completions", "'tools' is a chat field"),
     ({"sampling": {"best_of": 2}}, "chat", "'best_of' is refused"),
     ({"sampling": {"top_logprobs": 2}}, "chat", "top_logprobs needs logprobs: true"),
     ({"sampling": {"logprobs": 2}}, "chat", "logprobs must be true or false for chat"),

@@ -71,4 +71,5 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
         messages=prompt.messages, prompt=prompt.prompt, metadata=prompt.metadata, custom_id=prompt.custom_id,
         response_id=c.response_id, finished_at=time.time(),
         choices=c.choices if n > 1 else None, logprobs=first.logprobs, matched_stop=first.matched_stop,
+        tool_calls=first.tool_calls,
     )

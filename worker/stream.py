@@ -28,7 +28,7 @@ from genq.worker.wire import (
 
 
 class _ChoiceState:
-    __slots__ = ("text", "reasoning", "finish_reason", "tokens", "logprobs", "matched_stop")
+    __slots__ = ("text", "reasoning", "finish_reason", "tokens", "logprobs", "matched_stop", "tool_calls")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -37,6 +37,24 @@ class _ChoiceState:
         self.tokens: int | None = None  # the last per-choice usage seen
         self.logprobs: dict[str, Any] | None = None
         self.matched_stop: int | str | None = None
+        self.tool_calls: dict[int, dict[str, Any]] = {}  # by the call's index
+
+    def add_tool_calls(self, pieces: list[dict[str, Any]]) -> None:
+        """Streamed calls come in pieces by index: the first names id, type and function name,
+        the rest carry more of the arguments (OpenAI's shape; SGLang and vLLM send it)."""
+        for piece in pieces:
+            index = piece.get("index", len(self.tool_calls))
+            call = self.tool_calls.setdefault(index if isinstance(index, int) else 0,
+                                              {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            for key in ("id", "type"):
+                if piece.get(key):
+                    call[key] = piece[key]
+            function = piece.get("function")
+            if isinstance(function, dict):
+                if function.get("name"):
+                    call["function"]["name"] = function["name"]
+                if isinstance(function.get("arguments"), str):
+                    call["function"]["arguments"] += function["arguments"]
 
     def add_logprobs(self, piece: dict[str, Any]) -> None:
         """A chunk's logprobs: its lists (chat's content; completions' tokens, token_logprobs,
@@ -55,7 +73,8 @@ class _ChoiceState:
         return Choice(index=index, completion="".join(self.text), finish_reason=self.finish_reason,
                       completion_tokens=self.tokens,
                       reasoning_content="".join(self.reasoning) if self.reasoning else None,
-                      logprobs=self.logprobs, matched_stop=self.matched_stop)
+                      logprobs=self.logprobs, matched_stop=self.matched_stop,
+                      tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)] or None)
 
 
 class _StreamState:
@@ -102,6 +121,8 @@ class _StreamState:
                 piece = delta.reasoning_content or delta.reasoning
                 if piece:
                     state.reasoning.append(piece)
+                if delta.tool_calls:
+                    state.add_tool_calls(delta.tool_calls)
             elif wire.text:
                 state.text.append(wire.text)
             if wire.finish_reason:

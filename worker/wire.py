@@ -48,6 +48,8 @@ class _WireMessage(msgspec.Struct):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name
+    # Whole calls in an answer; in a stream, pieces: {"index", "id"?, "function": {"name"?, "arguments"}}.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class _WireChoice(msgspec.Struct):
@@ -163,13 +165,15 @@ def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
     choices = []
     for wire in sorted(answer.choices, key=lambda c: c.index):
         message = wire.message
+        tool_calls = None
         if message is not None:
             text, reasoning = message.content or "", message.reasoning_content or message.reasoning
+            tool_calls = message.tool_calls or None  # vLLM answers [] without a call
         else:
             text, reasoning = wire.text or "", None
         choices.append(Choice(index=wire.index, completion=text, finish_reason=wire.finish_reason,
                               reasoning_content=reasoning, logprobs=wire.logprobs,
-                              matched_stop=_stop_of(wire)))
+                              matched_stop=_stop_of(wire), tool_calls=tool_calls))
     if len(choices) == 1:  # a whole answer counts only the request's tokens: one choice has them all
         choices[0].completion_tokens = usage.completion_tokens
     return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
@@ -227,9 +231,11 @@ def _generic_answer(body: Any) -> _WireAnswer | Failure:
 def _generic_message(message: Any) -> _WireMessage | None:
     if not isinstance(message, dict):
         return None
+    calls = message.get("tool_calls")
     return _WireMessage(content=_str_or_none(message.get("content")),
                         reasoning_content=_str_or_none(message.get("reasoning_content")),
-                        reasoning=_str_or_none(message.get("reasoning")))
+                        reasoning=_str_or_none(message.get("reasoning")),
+                        tool_calls=[c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else None)
 
 
 def _stop_value(value: Any) -> int | str | None:

@@ -114,13 +114,14 @@ class Choice(msgspec.Struct, omit_defaults=True):
     reasoning_content: str | None = None
     logprobs: dict[str, Any] | None = None  # as Result.logprobs
     matched_stop: int | str | None = None  # as Result.matched_stop
+    tool_calls: list[dict[str, Any]] | None = None  # as Result.tool_calls
 
 
 class Result(msgspec.Struct, omit_defaults=True):
     """One completed prompt: a line of a shard.
 
     A request for n > 1 samples has them all in `choices`, in index order; completion,
-    reasoning_content, finish_reason, logprobs and matched_stop are then choice 0's, so a
+    reasoning_content, finish_reason, logprobs, matched_stop and tool_calls are then choice 0's, so a
     reader that knows only them reads a real sample. usage is the whole request's
     (completion_tokens: the sum over the choices). docs/fidelity.md lists every field."""
 
@@ -150,6 +151,9 @@ class Result(msgspec.Struct, omit_defaults=True):
     # What stopped generation, when the request set stop or stop_token_ids: SGLang's
     # matched_stop, vLLM's stop_reason (the stop string, or the token id; None for EOS/length).
     matched_stop: int | str | None = None
+    # The calls the model made when the request offered tools: OpenAI's message.tool_calls,
+    # [{"id", "type": "function", "function": {"name", "arguments"}}]; a stream's pieces merged.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def without_prompt(result: Result) -> Result:

@@ -50,9 +50,10 @@ def _parquet_schema() -> Any:
         ("choices", pa.list_(pa.struct([
             ("index", pa.int64()), ("completion", pa.string()), ("reasoning_content", pa.string()),
             ("finish_reason", pa.string()), ("completion_tokens", pa.int64()), ("logprobs", pa.string()),
-            ("matched_stop", pa.string())]))),
+            ("matched_stop", pa.string()), ("tool_calls", pa.string())]))),
         ("logprobs", pa.string()),  # JSON: the OpenAI logprobs object, when asked for
         ("matched_stop", pa.string()),  # JSON: a stop string or a token id, when stop was set
+        ("tool_calls", pa.string()),  # JSON: the calls, when the request offered tools
     ])
 
 
@@ -80,9 +81,11 @@ def parquet_row(r: Result) -> dict[str, Any]:
         "choices": None if r.choices is None else [
             {"index": c.index, "completion": c.completion, "reasoning_content": c.reasoning_content,
              "finish_reason": c.finish_reason, "completion_tokens": c.completion_tokens,
-             "logprobs": _json_or_none(c.logprobs), "matched_stop": _json_or_none(c.matched_stop)}
+             "logprobs": _json_or_none(c.logprobs), "matched_stop": _json_or_none(c.matched_stop),
+             "tool_calls": _json_or_none(c.tool_calls)}
             for c in r.choices],
         "logprobs": _json_or_none(r.logprobs), "matched_stop": _json_or_none(r.matched_stop),
+        "tool_calls": _json_or_none(r.tool_calls),
     }
 
 
@@ -125,16 +128,21 @@ def openai_output_line(r: Result) -> dict[str, Any]:
         usage["completion_tokens_details"] = {"reasoning_tokens": r.usage.reasoning_tokens}
     completions = r.messages is None and r.prompt is not None
     samples = r.choices or [Choice(index=0, completion=r.completion, finish_reason=r.finish_reason,
-                                   reasoning_content=r.reasoning_content, logprobs=r.logprobs)]
+                                   reasoning_content=r.reasoning_content, logprobs=r.logprobs,
+                                   tool_calls=r.tool_calls)]
     choices: list[dict[str, Any]] = []
     for c in samples:
         if completions:
             choices.append({"index": c.index, "text": c.completion, "logprobs": c.logprobs,
                             "finish_reason": c.finish_reason})
         else:
+            message: dict[str, Any] = {"role": "assistant", "content": c.completion,
+                                       "reasoning_content": c.reasoning_content}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
             choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.completion, "reasoning_content": c.reasoning_content},
+                "message": message,
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
             })

@@ -102,6 +102,7 @@ class Generation:
             separate=not isinstance(body, ChatRequest) or body.separate_reasoning,
             index=i,
             top_logprobs=body.logprobs_asked(),
+            tool=body.tool_called() if isinstance(body, ChatRequest) else None,
         ) for i in range(body.n)]
         try:
             if body.stream:

@@ -35,6 +35,18 @@ class ChatRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def tool_called(self) -> str | None:
+        """The function the sim's answer calls: the chosen one, else the first offered (none
+        with tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            return str((self.tool_choice.get("function") or {}).get("name") or "")
+        function = self.tools[0].get("function")
+        return str(function.get("name")) if isinstance(function, dict) else None
 
     def logprobs_asked(self) -> int | None:
         """How many alternatives per token the answer's logprobs list, or None: no logprobs."""

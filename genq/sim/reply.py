@@ -53,6 +53,25 @@ class Reply:
     separate: bool  # separate_reasoning: reasoning goes to reasoning_content
     index: int = 0  # the choice's index (n > 1)
     top_logprobs: int | None = None  # logprobs asked for, with this many alternatives; None: not asked
+    # The tool the answer calls (the request offered tools), as SGLang with a tool-call
+    # parser answers: the text, then the call; None: no call.
+    tool: str | None = None
+
+    def finish(self, reason: str | None) -> str | None:
+        """SGLang turns a natural stop after a tool call into "tool_calls" (serving_chat.py)."""
+        return "tool_calls" if self.tool and reason == "stop" else reason
+
+    def call(self, tokens: int) -> dict[str, Any]:
+        return {"id": f"call_{self.rid[-8:]}_{self.index}", "type": "function",
+                "function": {"name": self.tool, "arguments": _encode({"tokens": tokens}).decode()}}
+
+    def tool_deltas(self, tokens: int) -> list[dict[str, Any]]:
+        """The call streamed in two pieces, as the engines send it: its name, then its arguments."""
+        if not self.tool:
+            return []
+        call = self.call(tokens)
+        head = {**call, "index": 0, "function": {"name": self.tool, "arguments": ""}}
+        return [{"tool_calls": [head]}, {"tool_calls": [{"index": 0, "function": {"arguments": call["function"]["arguments"]}}]}]
 
     def pieces(self, a: int, b: int) -> tuple[str, str]:
         """(reasoning, content) text of output tokens [a, b)."""
@@ -103,10 +122,10 @@ class Reply:
                     "role": "assistant",
                     "content": content,
                     "reasoning_content": reasoning or None,
-                    "tool_calls": None,
+                    "tool_calls": [self.call(req.generated)] if self.tool else None,
                 },
                 "logprobs": self.logprobs(0, req.generated),
-                "finish_reason": req.finish_reason,
+                "finish_reason": self.finish(req.finish_reason),
                 "matched_stop": matched,
             }
         return {

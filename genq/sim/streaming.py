@@ -81,7 +81,7 @@ async def stream(
             if each.finish_reason is not None:
                 finished[i] = True
                 if not (finish_at_end or each.dropped):
-                    await resp.write(sse(reply.chunk(None, each.finish_reason, done if continuous else None)))
+                    await _finish(resp, reply, each, done, continuous)
         if all(finished) or req.dropped:
             break
     if req.dropped and failing:
@@ -92,7 +92,7 @@ async def stream(
     else:
         if finish_at_end:
             for each, reply, tokens in zip(reqs, replies, sent, strict=True):
-                await resp.write(sse(reply.chunk(None, each.finish_reason, tokens if continuous else None)))
+                await _finish(resp, reply, each, tokens, continuous)
         if options.include_usage:
             await resp.write(sse(replies[0].usage_chunk(sum(sent))))
         await resp.write(b"data: [DONE]\n\n")
@@ -104,6 +104,14 @@ async def stream(
         transport.pause_reading()
         asyncio.get_running_loop().call_later(config.stream_close_delay, transport.close)
     return resp
+
+
+async def _finish(resp: web.StreamResponse, reply: Reply, req: SimRequest, tokens: int, continuous: bool) -> None:
+    """A choice's last chunks: its tool call, if it makes one, then its finish_reason."""
+    usage = tokens if continuous else None
+    for delta in reply.tool_deltas(tokens):
+        await resp.write(sse(reply.chunk(delta, None, usage)))
+    await resp.write(sse(reply.chunk(None, reply.finish(req.finish_reason), usage)))
 
 
 async def _any_progress(engine: Engine, waiting: list[tuple[SimRequest, int]]) -> None:
