@@ -42,6 +42,17 @@ MODEL_TTL_S = 120
 TOLD_TTL_S = 7 * 24 * 3600
 
 
+# KEYS: RQ's intermediate list, its queue; ARGV: the RQ job id. Pushed back unless it is in the
+# queue already (RQ's own cleanup of the intermediate list may have moved it back meanwhile).
+PUT_BACK = """
+local moved = redis.call('LREM', KEYS[1], 1, ARGV[1])
+if moved == 1 or not redis.call('LPOS', KEYS[2], ARGV[1]) then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+end
+return moved
+"""
+
+
 def engine_model_key(instance: str) -> str:
     """The model an engine's server serves, for its RQ loops (a string; absent: unknown)."""
     return f"genq:engine:{instance}:model"
@@ -157,6 +168,7 @@ class LoopFilter:
         self.conn = conn
         self.instance = instance
         self._models: dict[str, str] = {}  # job -> its pinned model (never changes once pinned)
+        self._put_back = conn.register_script(PUT_BACK)
         self._told: set[str] = set()
         self._passed: set[str] = set()  # RQ jobs put back since this loop last took a batch
         self._rest = REST_MIN_S
@@ -197,11 +209,8 @@ class LoopFilter:
 
     def put_back(self, rq_id: str, queue_key: str, intermediate_key: str) -> float:
         """Return a popped batch of another model to the tail of the queue (out of RQ's
-        intermediate list, in one transaction); how long to rest before the next pop."""
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.lrem(intermediate_key, 1, rq_id)
-            pipe.rpush(queue_key, rq_id)
-            pipe.execute()
+        intermediate list, in one step); how long to rest before the next pop."""
+        self._put_back(keys=[intermediate_key, queue_key], args=[rq_id])
         if rq_id not in self._passed:
             self._passed.add(rq_id)
             return 0.0
