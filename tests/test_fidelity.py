@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.audit import audit
-from tests.conftest import read_results, run_genq, sim_stats
+from tests.conftest import read_results, run_genq, sim_stats, wait_until
 
 SIM = {"max_running_requests": 16, "mean_output_tokens": 40, "output_sigma": 0.8, "tokens_per_step": 4,
        "step_ms_base": 5}
@@ -204,3 +204,24 @@ def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, wo
     # Counted as requests, 8 in flight would be 32 sequences: 24 of them waiting all along.
     assert stats["busy_mean_waiting"] < 1.0, stats
     assert stats["busy_mean_running"] > 5.0, stats
+
+
+def test_the_eta_sees_requests_of_n_samples_as_fewer_slots(redis_url, rconn, sim, worker, tmp_path):
+    """A worker whose 8 sequences in flight are 2 requests of 4 samples decodes 2 prompts at
+    once: the ETA's simulation gets 2 slots, not 8 (and its throughput per prompt is 4 samples')."""
+    from genq.monitor.snapshot import read_job
+
+    rows(tmp_path / "eta.jsonl", 12, {"n": 4})
+    run_genq("enqueue", str(tmp_path / "eta.jsonl"), "--job", "eta", "--output", str(tmp_path / "out"),
+             "--max-tokens", "200", "--batch-size", "4", redis_url=redis_url)
+    server = sim(max_running_requests=8, mean_output_tokens=150, output_sigma=0.1, tokens_per_step=1,
+                 step_ms_base=20)
+    worker(server, "--concurrency", "8")
+
+    def busy_view():
+        views = [w for w in read_job(rconn, "eta").workers if w.live_status and w.live_status.in_flight == 2]
+        return views[0] if views else None
+
+    view = wait_until(busy_view, 60, "the worker running two requests")
+    assert (view.live_status.sequences, view.live_status.concurrency_target) == (8, 8)
+    assert view.slots == 2

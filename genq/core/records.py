@@ -256,6 +256,9 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     concurrency_limit: int | None = None  # --concurrency N (a cap), None for auto
     server_capacity: int | None = None
     in_flight: int = 0
+    # Sequences those requests are on the server: more than in_flight when requests ask for
+    # n > 1 samples (SGLang and vLLM run each choice as a sequence); 0 from older workers.
+    sequences: int = 0
     queued: int = 0
     batches: list[BatchRef] = []
     prefetch: int = 2  # genq worker --prefetch: batches held at least while the queue lasts
