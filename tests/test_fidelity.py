@@ -45,10 +45,12 @@ def run_job(tmp_path: Path, redis_url: str, rconn, sim, worker, job: str, sampli
     return sorted(read_results(out, job), key=lambda r: r["index"])
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_n_samples_are_one_record_with_every_choice(redis_url, rconn, sim, worker, tmp_path, stream):
+def test_n_samples_are_one_record_with_every_choice(redis_url, rconn, sim, worker, tmp_path, stream, endpoint):
     flag = "--stream" if stream else "--no-stream"
-    records = run_job(tmp_path, redis_url, rconn, sim, worker, "njob", {"n": 3}, flag)
+    records = run_job(tmp_path, redis_url, rconn, sim, worker, "njob", {"n": 3}, flag,
+                      prompt=endpoint == "completions")
     assert len(records) == 12
     lengths_differ = 0
     for r in records:
