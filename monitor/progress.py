@@ -26,6 +26,7 @@ from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
+from genq.ops.settings import describe_block
 
 # Only in --json: the same figures in unrounded seconds.
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")
@@ -109,6 +110,9 @@ class JobProgress(msgspec.Struct):
     # Throughput falls as they finish; that is the end of the job, not a fault (None otherwise).
     tail: str | None
     worker_details: list[WorkerReport]
+    # Why the job is blocked (docs/settings.md): the server's message and the counts; None otherwise.
+    blocked: str | None = None
+    blocked_reason: str | None = None  # "preflight" | "brake"
 
 
 @dataclass
@@ -273,7 +277,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     if snap.is_done:
         # One definition of a finished job's rate, whatever saw it (live view, --once, the exporter):
         # the whole run's averages. A recent window would read the idle tail after the last result.
-        prompts_rate = finished / elapsed if elapsed > 0 else None
+        prompts_rate = snap.completed / elapsed if elapsed > 0 else None  # a dead letter is no progress
         tok_s = snap.out_tokens / elapsed if elapsed > 0 else None
     return JobProgress(
         job=snap.job,
@@ -321,6 +325,8 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         gpu_note=fleet_gpu_note(statuses),
         tail=tail,
         worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None) for w in snap.workers],
+        blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
+        blocked_reason=None if snap.blocked is None else snap.blocked.reason,
     )
 
 

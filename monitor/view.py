@@ -12,7 +12,7 @@ from rich.text import Text
 
 from genq.monitor.progress import JobReport, WorkerReport
 
-STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "writing": "green",
+STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
                 "done": "bold green"}
 STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
                "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
@@ -91,7 +91,9 @@ def job_panel(r: JobReport) -> Panel:
         f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({p.held:,} prompts unsent),"
         f" {p.queued_batches:,} in RQ's queue"
     )
-    if p.other_batches:
+    if p.other_batches and p.blocked:
+        counts.append(f", {p.other_batches:,} parked while the job is blocked", style="yellow")
+    elif p.other_batches:
         counts.append(f", {p.other_batches:,} elsewhere (retrying, failed in RQ or orphaned)", style="yellow")
     rate = "?" if p.rate_per_sec is None else f"{p.rate_per_sec:.2f}"
     tok_s = "?" if p.output_tokens_per_sec is None else count(p.output_tokens_per_sec)
@@ -111,6 +113,8 @@ def job_panel(r: JobReport) -> Panel:
     eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    if p.blocked:
+        lines.append(Text(p.blocked, style="bold red"))
     if p.tail:
         lines.append(Text(p.tail, style="cyan"))
     if p.rate_source:

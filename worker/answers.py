@@ -46,7 +46,7 @@ class Running(dict[Task, "asyncio.Task[None]"]):
 
 
 def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, batch: str, worker: str,
-              attempts: int, latency_s: float) -> Result | Failure:
+              attempts: int, latency_s: float, settings_version: int = 0) -> Result | Failure:
     n = body.get("n", 1)
     n = n if isinstance(n, int) and n > 1 else 1
     indexes = [choice.index for choice in c.choices]
@@ -71,5 +71,5 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
         messages=prompt.messages, prompt=prompt.prompt, metadata=prompt.metadata, custom_id=prompt.custom_id,
         response_id=c.response_id, finished_at=time.time(),
         choices=c.choices if n > 1 else None, logprobs=first.logprobs, matched_stop=first.matched_stop,
-        tool_calls=first.tool_calls,
+        tool_calls=first.tool_calls, settings_version=settings_version,
     )

@@ -23,6 +23,7 @@ import redis
 
 from genq.core.records import DeadLetter, JobConfig
 from genq.worker.answers import Running, result_of
+from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
@@ -55,6 +56,7 @@ class Dispatcher:
         self.server_is_down = server_is_down
         self.server_model = model
         self.running = Running()
+        self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
 
@@ -157,7 +159,7 @@ class Dispatcher:
                                       task.cancel_reason)
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
-                failure = self._record(task, body, outcome) if isinstance(outcome, Completion) else outcome
+                failure = self._record(task, body, outcome, config) if isinstance(outcome, Completion) else outcome
                 if failure is not None:
                     await self._failed(task, failure)
                     self.wake.set()  # a retry may now be due: the loop times it
@@ -177,15 +179,18 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- outcomes
 
-    def _record(self, task: Task, body: dict[str, Any], c: Completion) -> Failure | None:
+    def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
         """Records the answer, or returns why it is not what the request asked for (answers.py)."""
         held = task.batch
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
-                           attempts=task.attempts + 1, latency_s=time.monotonic() - task.progress.started)
+                           attempts=task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
+                           settings_version=sent.settings_version)
         if isinstance(result, Failure):
             return result
         self.writer.add_result(result)
         self.rates.add(c.usage.completion_tokens)
+        if self.brake is not None:
+            self.brake.succeeded(task)
         return None
 
     def _suspect(self, task: Task) -> bool:
@@ -219,6 +224,8 @@ class Dispatcher:
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay)
             return
+        if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
+            return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
 
     def _dead(self, task: Task, failure: Failure) -> None:

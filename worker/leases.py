@@ -172,6 +172,10 @@ class LeaseDesk:
             self._configs[job] = unpack(raw, JobConfig)
         return self._configs[job]
 
+    def forget_config(self, job: str) -> None:
+        """The job's settings changed (genq jobs set, worker/parking.py): read them again next time."""
+        self._configs.pop(job, None)
+
     # ---------------------------------------------------------------- leaving
 
     async def reply(self, token: str, word: bytes) -> None:

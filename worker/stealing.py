@@ -152,6 +152,11 @@ class Stealer:
                 self._batches.popitem(last=False)
         return self._batches[ref]
 
+    def forget_batches(self, job: str) -> None:
+        """The job's settings changed (worker/parking.py): batches cached with the old ones go."""
+        for ref in [r for r in self._batches if r.job == job]:
+            self._batches.pop(ref)
+
     # ---------------------------------------------------------------- borrowed prompts
 
     def written(self, ref: BatchRef, ids: list[str]) -> None:

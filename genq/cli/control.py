@@ -19,11 +19,12 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from genq.cli import Concurrency, settings
+from genq.cli import Concurrency, jobset, settings
 from genq.core import keys
 from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
+from genq.ops.settings import describe_block
 from genq.worker.models import servable_jobs
 
 
@@ -170,6 +171,9 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
                       f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
     console = _console()
     console.print(table)
+    for r in rows:
+        if r.blocked is not None:
+            console.print(describe_block(r.name, r.blocked), soft_wrap=True)
     if paused_all:
         console.print("all jobs are paused (genq resume)")
 
@@ -202,6 +206,10 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
             raise click.ClickException("nothing deleted")
         control.delete_job(conn, found)
     click.echo(f"removed job {job}: {what}")
+
+
+jobs.add_command(jobset.jobs_set)
+jobs.add_command(jobset.jobs_show)
 
 
 def _deletion_summary(found: control.JobDeletion) -> str:
@@ -246,10 +254,11 @@ def resume(ctx: click.Context, job: str | None) -> None:
     with _redis(ctx) as conn:
         if job is not None:
             _check_job(conn, job)
-        control.resume(conn, job)
+        queued = control.resume(conn, job)
         still = sorted(control.paused_jobs(conn, control.job_names(conn)))
         paused_all = control.globally_paused(conn)
-    click.echo(f"resumed {f'job {job}' if job else 'all jobs'}")
+    click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
+               + (f"; {queued} parked batches queued again" if queued else ""))
     if still:
         click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
     if paused_all:

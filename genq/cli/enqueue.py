@@ -152,7 +152,8 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     if differing:
         raise ValueError(
             f"job {job!r} already exists with other settings: " + "; ".join(differing)
-            + ". Leave those options out to add to it, or use a new --job name."
+            + f". Leave those options out to add to it, change the job's generation settings with "
+            f"`genq jobs set {job} ...` (docs/settings.md), or use a new --job name."
         )
     return stored, False
 

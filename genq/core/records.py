@@ -15,6 +15,16 @@ import msgspec
 Endpoint = Literal["chat", "completions"]
 
 
+class SettingsChange(msgspec.Struct, omit_defaults=True):
+    """One `genq jobs set`: the settings it changed, from what to what, and when."""
+
+    version: int  # the version this change made
+    at: float
+    changed: dict[str, Any]  # setting -> new value
+    previous: dict[str, Any] = {}  # setting -> value before
+    note: str | None = None
+
+
 class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     """A generation job: stored once in Redis, read by every worker."""
 
@@ -36,6 +46,28 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     # caches, claims, records or writes for a job is checked against it (exactly-once, #30), and
     # the output records it so that a ledger lost with Redis can be told apart and rebuilt (#31).
     incarnation: str = ""
+    # Which version of the generation settings this is (1 as enqueued; `genq jobs set` adds one
+    # each time) and what changed when (docs/settings.md). Results record the version they ran under.
+    settings_version: int = 1
+    settings_history: list[SettingsChange] = []
+    # False: the brake (worker/brake.py) never blocks this job; failing prompts are dead-lettered one by
+    # one (`genq jobs set JOB --no-brake`, for a job whose prompts really do fail on their own).
+    brake: bool = True
+
+
+class JobBlock(msgspec.Struct, omit_defaults=True):
+    """Why a job is blocked (keys.job_blocked): its settings cannot work against its server, so its
+    prompts stay queued instead of being dead-lettered one by one (docs/settings.md)."""
+
+    reason: Literal["preflight", "brake"]
+    message: str  # the server's own message (brake) or what the preflight found
+    worker: str
+    at: float
+    settings_version: int = 1
+    status: int | None = None  # HTTP status of the failures (brake)
+    failures: int = 0  # requests that failed this way in the worker's recent window (brake)
+    outcomes: int = 0  # outcomes in that window
+    prompts: int = 0  # distinct prompts among the failures
 
 
 def new_incarnation() -> str:
@@ -143,6 +175,7 @@ class Result(msgspec.Struct, omit_defaults=True):
     custom_id: str | None = None
     response_id: str | None = None
     finished_at: float = 0.0
+    settings_version: int = 0  # JobConfig.settings_version the request was sent with (0: before versions)
     choices: list[Choice] | None = None  # n > 1 only
     # The server's logprobs object of the choice, only when the request asked for logprobs:
     # chat {"content": [{token, logprob, bytes, top_logprobs}]}, completions {"tokens",

@@ -48,8 +48,10 @@ class Generation:
         if not self.ready():
             return error_response(self.flavor, 503, "The server is not ready yet.", "ServiceUnavailableError")
         raw = await request.read()
+        self.engine.stats.requests += 1
         job = self._parse(raw, chat)
         if isinstance(job, web.Response):
+            self.engine.stats.rejected += 1
             return job
         cfg, body = self.config, job.body
 

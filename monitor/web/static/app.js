@@ -67,7 +67,7 @@ function drawProgress(h, p) {
   const n = t.length;
   const done = h.percent_completed.slice(), finished = h.percent.slice();
   const mid = new Array(n).fill(null), low = new Array(n).fill(null), high = new Array(n).fill(null);
-  if (n && p.eta_s !== null && p.eta_low_s !== null && p.eta_s > 0 && p.status !== "done") {
+  if (n && p.eta_s !== null && p.eta_low_s !== null && p.eta_s > 0 && p.status !== "done" && p.status !== "partial") {
     // The 90% range drawn forward: from now to 100% at the early, median and late finish.
     const now = t[n - 1], at = finished[n - 1];
     mid[n - 1] = low[n - 1] = high[n - 1] = at;
@@ -166,9 +166,11 @@ function render(s) {
   put("held-batches", p.held_batches);
   put("queued-batches", p.queued_batches);
   put("other-batches", p.other_batches);
-  put("eta", p.eta_s, p.status === "done" ? "finished" : (p.eta_s === null ? p.eta_state : duration(p.eta_s)));
+  put("eta", p.eta_s, (p.status === "done" || p.status === "partial") ? "finished" : (p.eta_s === null ? p.eta_state : duration(p.eta_s)));
   $("eta-range").textContent = p.eta_low_s === null ? p.eta_note : duration(p.eta_low_s) + " – " + duration(p.eta_high_s);
   $("eta-state").textContent = p.eta_state;
+  $("blocked").textContent = p.blocked || "";
+  $("blocked").hidden = !p.blocked;
   $("tail").textContent = p.tail || "";
   $("tail").hidden = !p.tail;
   put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
