@@ -21,9 +21,11 @@ from rich.table import Table
 
 from genq.cli import Concurrency, JobName, jobset, settings
 from genq.core import keys
+from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
 from genq.ops.settings import describe_block
+from genq.worker.models import servable_jobs
 
 
 def _console() -> Console:
@@ -70,9 +72,11 @@ def _batches(row: control.WorkerRow, limit: int = 3) -> str:
     return f"{len(row.batches)}: {shown}{more}"
 
 
-def workers_table(rows: list[control.WorkerRow], title: str | None = None) -> Table:
+def workers_table(rows: list[control.WorkerRow], title: str | None = None,
+                  serves: dict[str, list[str]] | None = None) -> Table:
     table = Table(title=title, show_edge=False, header_style="bold")
     for col, justify in (("worker", "left"), ("host", "left"), ("gpu", "right"), ("server", "left"),
+                         ("model: jobs it serves", "left"),
                          ("state", "left"), ("batches", "left"), ("in flight", "right"), ("queued", "right"),
                          ("tok/s", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
         # One line per worker; a long note (a connection error) is cut: --json has it whole.
@@ -85,6 +89,7 @@ def workers_table(rows: list[control.WorkerRow], title: str | None = None) -> Ta
         flight = f"{r.in_flight}/{r.target}" + (f" cap {r.cap}" if r.cap else "") if live else ""
         table.add_row(
             r.name, r.host or "?", r.gpu if r.gpu is not None else "-", r.server or "",
+            f"{r.model or '?'}: {', '.join((serves or {}).get(r.name, [])) or '-'}" if live else "",
             f"[{styles.get(r.state, '')}]{r.state}[/]" if styles.get(r.state) else r.state,
             _batches(r), flight, str(r.queued) if live else "", f"{r.tok_per_s:,.0f}" if live else "",
             str(r.done) if r.state != control.LOST else "", _age(r.heartbeat_age_s), r.note or "",
@@ -115,8 +120,11 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
             rows = [r for r in rows if r.live]
             if gone and not as_json:
                 click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
+        # Which jobs each can serve: those for its server's model or `auto` (worker/models.py).
+        jobs = list_jobs(conn)
+        serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
-        click.echo(msgspec.json.encode([r.to_json() for r in rows]).decode())
+        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name)} for r in rows]).decode())
         return
     if not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")
@@ -126,7 +134,7 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         counts[r.state] = counts.get(r.state, 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
     console = _console()
-    console.print(workers_table(rows))
+    console.print(workers_table(rows, serves=serves))
     console.print(f"{len(rows)} worker(s): {summary}; "
                   f"{sum(r.tok_per_s for r in rows if r.live):,.0f} tok/s in all")
 

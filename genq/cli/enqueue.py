@@ -141,7 +141,7 @@ def _given_settings(options: dict[str, object]) -> dict[str, object]:
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
         try:
-            check_params(extra, "--extra-body")
+            check_params(extra, "--extra-body", given.get("endpoint"))  # type: ignore[arg-type]
         except ParamError as exc:
             raise ValueError(str(exc)) from None
         given["extra_body"] = extra
