@@ -19,13 +19,13 @@ import msgspec
 from yarl import URL
 
 from genq.core.records import JobConfig, Prompt
+from genq.worker.stream import _StreamState
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
     Progress,
     _capacity_from_props,
     _http_failure,
-    _StreamState,
     parse_completion_bytes,
 )
 

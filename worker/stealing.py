@@ -78,7 +78,7 @@ class Stealer:
 
     def free_slots(self) -> int:
         d = self.dispatcher
-        return self.controller.target - len(d.running) - d.unsent
+        return self.controller.target - d.running.sequences - d.unsent
 
     async def pass_once(self) -> int:
         """Take up to the free slots' worth of prompts; how many were taken."""
