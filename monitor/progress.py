@@ -23,6 +23,7 @@ from genq.core.prefetch import MAX_EXTRA_LOOPS
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
+from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
@@ -138,6 +139,7 @@ class Monitor:
         self.window_s = window_s
         self.once = once
         self.trackers: dict[str, RateTracker] = {}
+        self.pools: dict[str, EtaPool] = {}  # live: each job's ETA work, spread over refreshes
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
@@ -200,6 +202,7 @@ class Monitor:
             lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
             fleet=fleet, batch_size=config.batch_size if config else 256,
             speed=speed, paused=snap.paused and not snap.is_done,
+            pool=None if self.once else self.pools.setdefault(snap.job, EtaPool()), now=snap.at,
         )
         if snap.is_done:
             est.state = "done"

@@ -81,7 +81,7 @@ class Engine:
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags, self.held,
                                    self.dispatcher, self.watch, self.controller, self.rates, GpuProbe(opts.gpu),
-                                   self._check_leases)
+                                   self._check_leases, self.stealer.pace)
         self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops)
         self.completed = self.handed_back = 0
         self._completions: set[asyncio.Task[None]] = set()
@@ -123,7 +123,7 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
-                    self.stealer.run(), self.parking.run())]
+                    self.stealer.run(), self.parking.run(), self.stealer.pace.listen(self.redis))]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:

@@ -23,6 +23,7 @@ from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerStat
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings, RateWindow
+from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
 from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerWatch
@@ -57,7 +58,8 @@ class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
                  flags: Flags, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
                  controller: ConcurrencyController, rates: RateWindow, gpu: GpuProbe,
-                 on_beat: Callable[[], Awaitable[None]]) -> None:
+                 on_beat: Callable[[], Awaitable[None]], pace: IdlePace | None = None) -> None:
+        self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.opts = opts
         self.name = name
         self.host = host
@@ -77,13 +79,17 @@ class Heartbeat:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            if self.pace is not None and not self.pace.beat_due():
+                continue
             gap = time.monotonic() - self.flags.last_beat
-            if gap > ALIVE_TTL_S:
+            if gap > (self.pace.ttl(ALIVE_TTL_S) if self.pace else ALIVE_TTL_S):  # idle: beats IDLE_BEAT_S apart
                 log.warning("this engine was frozen for %.0fs: checking its leases before sending more", gap)
             try:
                 await self.beat()
                 await self.read_control()
                 await self.on_beat()
+                if self.pace is not None:
+                    await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
             except (redis.RedisError, OSError) as exc:
@@ -128,12 +134,15 @@ class Heartbeat:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
         now = time.time()
+        pace = self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
-                pipe.set(keys.engine_alive(self.instance), self.name, ex=ALIVE_TTL_S)
+                pipe.set(keys.engine_alive(self.instance), self.name, ex=pace.ttl(ALIVE_TTL_S) if pace else ALIVE_TTL_S)
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
-            pipe.set(keys.worker_status(self.name), pack(status), ex=None if status.state == "stopped" else STATUS_TTL_S)
-            pipe.sadd(keys.WORKERS, self.name)
+            pipe.set(keys.worker_status(self.name), pack(status),
+                     ex=None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
+            if pace is None or pace.workers_set_due():
+                pipe.sadd(keys.WORKERS, self.name)
             for job in set(by_job) | set(queued) | self.held.jobs():
                 record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                   queued=queued.get(job, 0))

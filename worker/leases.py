@@ -29,6 +29,7 @@ from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prom
 from genq.core.redisconn import connect_async
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
+from genq.worker.idle import INBOX_WAIT_S
 from genq.worker.models import ModelGate
 
 log = logging.getLogger("genq.worker")
@@ -74,7 +75,7 @@ class LeaseDesk:
         inbox = keys.engine_inbox(self.instance)
         try:
             while True:
-                item = await retrying(lambda: inbox_conn.blpop([inbox], timeout=1), "inbox")
+                item = await retrying(lambda: inbox_conn.blpop([inbox], timeout=INBOX_WAIT_S), "inbox")
                 if item is not None:
                     token, job, batch_id, rq_id = unpack(item[1], list)
                     ref = BatchRef(job, batch_id)

@@ -23,11 +23,11 @@ from rq.serializers import JSONSerializer
 from genq.core import keys
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
+from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
 from genq.worker.models import LoopFilter
 from genq.worker.rqjob import ENGINE_ENV
 
 PR_SET_PDEATHSIG = 1
-POP_WAIT_S = 3  # one blocking pop; a stop that comes meanwhile waits for it (RQ's: 405 s)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -40,7 +40,7 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit(1)
 
 
-class EngineWorker(Worker):
+class EngineWorker(QuietPops, Worker):
     """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
     engine would only make each batch it takes fail and go round again), and that a stop
     never interrupts between taking a batch and starting it.
@@ -66,6 +66,7 @@ class EngineWorker(Worker):
     def request_stop(self, signum: int, frame: Any) -> None:
         if self._popping:
             self._kept_stop = signum
+            unblock_own_pop(self.connection, self.name)  # the pop ends now, having taken nothing
             return
         super().request_stop(signum, frame)
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         connection=connect(os.environ[REDIS_ENV]),
         # A dead worker's batch is seen as abandoned after this + 60 s (RQ's rule).
         job_monitoring_interval=args.monitoring_interval,
-        maintenance_interval=30,
+        maintenance_interval=120,  # RQ's registry cleanup; genq's reconciler does its own (worker/maintenance.py)
         log_job_description=True,
         serializer=JSONSerializer,  # no pickle on genq's paths
     )

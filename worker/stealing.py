@@ -32,6 +32,7 @@ from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import LEASE_CHECK_STALE_S, Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
+from genq.worker.idle import IdlePace, wake_fleet
 
 log = logging.getLogger("genq.worker")
 
@@ -58,6 +59,7 @@ class Stealer:
         self.taken = 0  # prompts taken since start
         self._batches: OrderedDict[BatchRef, tuple[JobConfig, list[Prompt]] | None] = OrderedDict()
         self.job_config = job_config  # LeaseDesk.config: one cache of job settings per engine
+        self.pace = IdlePace(held, dispatcher, lambda: self.borrowed, queue_key)  # the engine's idleness (worker/idle.py)
 
     @staticmethod
     def queue_key_of(conn: redis.Redis) -> str:
@@ -66,7 +68,7 @@ class Stealer:
     async def run(self) -> None:
         wait = STEAL_EVERY_S
         while True:
-            await asyncio.sleep(wait)
+            await self.pace.nap(wait)  # idle: until woken, or IDLE_LOOK_S
             try:
                 took = await self.pass_once()
             except (redis.RedisError, OSError) as exc:
@@ -193,6 +195,9 @@ class Stealer:
 
     async def release_borrowed(self) -> None:
         """Once what was recorded is written: drop the claims, the holders send the rest."""
+        given = bool(self.borrowed)
         for ref in list(self.borrowed):
             await self.claims.unclaim(ref)
             self.borrowed.pop(ref, None)
+        if given:
+            await wake_fleet(self.conn)  # unclaimed prompts: an idle worker may take them now
