@@ -116,8 +116,13 @@ def fidelity_phase(stack: Stack, work: Path, args: argparse.Namespace, problems:
             bad.append(f"{r['id']}: choices {[c.get('index') for c in choices]}")
         elif not all((c.get("logprobs") or {}).get("content") for c in choices):
             bad.append(f"{r['id']}: a choice without token logprobs")
+        elif any(len(t.get("top_logprobs") or []) != 2 for c in choices for t in c["logprobs"]["content"]):
+            bad.append(f"{r['id']}: a token without its 2 top logprobs")
         elif r.get("logprobs") != choices[0]["logprobs"] or r["completion"] != choices[0]["completion"]:
             bad.append(f"{r['id']}: the record's own fields are not choice 0's")
+        elif (all(c.get("completion_tokens") is not None for c in choices)
+              and sum(c["completion_tokens"] for c in choices) != r["usage"]["completion_tokens"]):
+            bad.append(f"{r['id']}: usage is not the sum over the choices")
     if len(run["rows"]) != len(rows) or bad:
         problems.append(f"n > 1 / logprobs: {len(run['rows'])} records of {len(rows)}; {bad[:3]}")
     print(f"n > 1 and logprobs: {len(run['rows'])} records, {len(bad)} without both choices and their logprobs")

