@@ -41,6 +41,7 @@ from genq.monitor.progress import JobReport, Monitor, WorkerReport
 log = logging.getLogger("genq.monitor")
 
 FORGET_AFTER_S = 600.0
+BLOCK_REASONS = ("preflight", "brake")  # JobBlock.reason: a fixed set, so no series appears with time
 ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
 WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
@@ -134,6 +135,8 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     out_tok = CounterMetricFamily("genq_job_output_tokens", "Completion tokens of finished prompts", labels=J)
     status = _gauge("genq_job_status", "1 for the job's status, 0 for the others", ["job", "status"])
     eta_state = _gauge("genq_job_eta_state", "1 for the ETA's state, 0 for the others", ["job", "state"])
+    blocked = _gauge("genq_job_blocked", "1 while the job is blocked for this reason (docs/settings.md), 0 otherwise",
+                     ["job", "reason"])
     for r in reports:
         p = r.progress
         lab = [p.job]
@@ -156,11 +159,14 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
             status.add_metric([p.job, job_state], float(p.status == job_state))
         for eta_code in ETA_STATES:
             eta_state.add_metric([p.job, eta_code], float(p.eta_state == eta_code))
+        for reason in BLOCK_REASONS:
+            blocked.add_metric([p.job, reason], float(p.blocked_reason == reason))
     yield from fams.values()
     yield in_tok
     yield out_tok
     yield status
     yield eta_state
+    yield blocked
 
 
 def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: set[str]) -> Iterator[Metric]:

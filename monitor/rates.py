@@ -36,7 +36,7 @@ class Sample:
     at: float  # when `generated` and `decoding` were true (the workers' mean publish time)
     read_at: float  # when `finished` was read
     generated: int  # output tokens so far, finished and running
-    finished: int  # completed + failed prompts
+    finished: int  # prompts with a result (a dead letter is no progress: it never counts toward the rate)
     decoding: int  # requests being decoded (at most each server's capacity)
 
 
@@ -87,7 +87,7 @@ class RateTracker:
             generated += sum(w.running_tokens)
             stamps.append(at)
         at = sum(stamps) / len(stamps) if stamps else snap.at
-        return Sample(at=at, read_at=snap.at, generated=round(generated), finished=snap.completed + snap.failed,
+        return Sample(at=at, read_at=snap.at, generated=round(generated), finished=snap.completed,
                       decoding=snap.decoding)
 
     def speed(self) -> Speed | None:
@@ -169,7 +169,7 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
         span = snap.at - start
         if clean and span >= 5.0:
             tokens += (c.out_tok + sum(w.running_tokens)) / span
-            prompts += (c.done + c.failed) / span
+            prompts += c.done / span  # results only: dead letters are no progress
             spans.append(span)
             sources.add("workers' tokens since their first result")
         elif s.tok_per_s > 0:

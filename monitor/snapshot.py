@@ -26,7 +26,7 @@ import msgspec
 import redis
 
 from genq.core import keys, ledger
-from genq.core.records import InFlight, JobConfig, WorkerStatus, unpack
+from genq.core.records import InFlight, JobBlock, JobConfig, WorkerStatus, unpack
 from genq.core.state import JobStatus, job_status
 from genq.monitor.rqqueue import QueueMirror
 
@@ -78,12 +78,16 @@ class WorkerView:
 
     @property
     def slots(self) -> int:
-        """Requests this worker can decode at once: its in-flight target, at most its server's capacity."""
+        """Requests this worker can decode at once: its in-flight target, at most its server's
+        capacity (both in sequences), over the samples its requests in flight ask for."""
         s = self.live_status
         if s is None:
             return 0
         target = s.concurrency_target or s.in_flight
-        return min(target, s.server_capacity) if s.server_capacity else target
+        slots = min(target, s.server_capacity) if s.server_capacity else target
+        if s.sequences > s.in_flight > 0:  # requests of n samples: each takes n of the sequences
+            slots = max(1, slots * s.in_flight // s.sequences)
+        return slots
 
 
 @dataclass
@@ -108,6 +112,7 @@ class JobSnapshot:
     shard_records: int
     batches_queued: int = 0  # this job's batches in RQ's queue
     rq_queued: int = 0  # every batch in RQ's queue, all jobs (`rq info`)
+    blocked: JobBlock | None = None  # why the job's settings stopped it (docs/settings.md)
 
     @property
     def running_tokens(self) -> list[int]:
@@ -176,7 +181,8 @@ class JobSnapshot:
     def status(self) -> JobStatus:
         return job_status(total=self.total, finished=self.completed + self.failed, batches=self.batches_total,
                           batches_done=self.batches_done, paused=self.paused,
-                          started=self.completed + self.failed > 0 or self.in_flight > 0)
+                          started=self.completed + self.failed > 0 or self.in_flight > 0, failed=self.failed,
+                          blocked=self.blocked is not None)
 
 
 def _int(value: bytes | None) -> int:
@@ -237,7 +243,9 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         pipe.exists(keys.PAUSED)
         pipe.hlen(keys.job_shards(job))
         pipe.sismember(keys.JOBS, job)
-        raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known = pipe.execute()
+        pipe.get(keys.job_blocked(job))
+        (raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known,
+         raw_block) = pipe.execute()
     if raw_config is None and not stats and not known:
         return None
     if shards and ledger.SHARD_RECORDS.encode() not in stats:
@@ -289,6 +297,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         shards=int(shards),
         shard_bytes=_int(stats.get(ledger.SHARD_BYTES.encode())),
         shard_records=_int(stats.get(ledger.SHARD_RECORDS.encode())),
+        blocked=unpack(raw_block, JobBlock) if raw_block else None,
     )
 
 

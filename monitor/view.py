@@ -10,9 +10,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from genq.core.words import plural
 from genq.monitor.progress import JobReport, WorkerReport
 
-STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "writing": "green",
+STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
                 "done": "bold green"}
 STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
                "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
@@ -67,7 +68,7 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None)
         notes.append(Text(f"GPU: {gpu_note}", style="dim"))
     parts.extend(notes)
     rq = reports[0].progress.rq_queued
-    footer = f"redis {redis_display} · RQ queue genq: {rq:,} batches (all jobs)"
+    footer = f"redis {redis_display} · RQ queue genq: {plural(rq, 'batch', 'batches')} (all jobs)"
     if interval is not None:
         footer += f" · every {interval:g}s · Ctrl-C to leave"
     parts.append(Text(footer, style="dim"))
@@ -91,7 +92,9 @@ def job_panel(r: JobReport) -> Panel:
         f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({p.held:,} prompts unsent),"
         f" {p.queued_batches:,} in RQ's queue"
     )
-    if p.other_batches:
+    if p.other_batches and p.blocked:
+        counts.append(f", {p.other_batches:,} parked while the job is blocked", style="yellow")
+    elif p.other_batches:
         counts.append(f", {p.other_batches:,} elsewhere (retrying, failed in RQ or orphaned)", style="yellow")
     rate = "?" if p.rate_per_sec is None else f"{p.rate_per_sec:.2f}"
     tok_s = "?" if p.output_tokens_per_sec is None else count(p.output_tokens_per_sec)
@@ -108,9 +111,11 @@ def job_panel(r: JobReport) -> Panel:
         eta = Text.assemble(("finished", "bold green"))
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
-    eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
+    eta.append(f"  · elapsed {duration(p.elapsed_s)}" if p.elapsed_s > 0 else "  · not started")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    if p.blocked:
+        lines.append(Text(p.blocked, style="bold red"))
     if p.tail:
         lines.append(Text(p.tail, style="cyan"))
     if p.rate_source:

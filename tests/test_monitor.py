@@ -307,7 +307,7 @@ def test_dead_letters_are_not_shown_as_done(tmp_path: Path, redis_url, sim, work
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "dl", "--output", str(tmp_path / "out"), "--max-tokens", "16")
     assert worker(url, "--burst", "--name", "dl-w").wait(60) == 0
     doc = monitor_json("--job", "dl")
-    assert doc["failed"] == len(long_ids) == 10 and doc["completed"] == 20 and doc["status"] == "done"
+    assert doc["failed"] == len(long_ids) == 10 and doc["completed"] == 20 and doc["status"] == "partial"  # never "done" with dead letters (#25)
     assert doc["percent_completed"] == 66.67 and doc["percent_failed"] == 33.33
     text = run_genq("monitor", "--once", "--job", "dl").stdout
     assert "30 / 30" not in text and "100.0%" not in text, text

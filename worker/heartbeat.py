@@ -102,6 +102,8 @@ class Heartbeat:
 
     def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
+        if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
+            req_s = tok_s = 0.0
         m = self.watch.metrics
         return WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
@@ -109,12 +111,15 @@ class Heartbeat:
             gpu=None if self.opts.gpu is None else str(self.opts.gpu),
             concurrency_target=self.controller.target, concurrency_limit=self.controller.cap,
             server_capacity=self.controller.slots,
-            in_flight=len(self.dispatcher.running), queued=self.dispatcher.unsent,
+            in_flight=len(self.dispatcher.running), sequences=self.dispatcher.running.sequences,
+            queued=self.dispatcher.unsent,
             batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
             tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
+            job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
+            model=self.watch.info.model if self.watch.info else None,
         )
 
     async def beat(self, state: str | None = None, note: str | None = None) -> None:

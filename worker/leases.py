@@ -29,6 +29,7 @@ from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prom
 from genq.core.redisconn import connect_async
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
+from genq.worker.models import ModelGate
 
 log = logging.getLogger("genq.worker")
 
@@ -51,7 +52,8 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 class LeaseDesk:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, redis_url: str, instance: str,
                  held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None],
-                 add_dead: Callable[[DeadLetter], None], worker: str) -> None:
+                 add_dead: Callable[[DeadLetter], None], worker: str,
+                 server_model: Callable[[], str | None] = lambda: None) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue is synchronous
         self.redis_url = redis_url
@@ -60,6 +62,8 @@ class LeaseDesk:
         self.on_batch = on_batch
         self.add_dead = add_dead  # the result writer's: a batch whose input changed ends in letters
         self.worker = worker
+        # Turns away other models' jobs and pins `auto` ones (worker/models.py).
+        self.models = ModelGate(conn, instance, server_model)
         self._configs: dict[str, JobConfig] = {}
         self._acquire = conn.register_script(ledger.ACQUIRE)
 
@@ -93,6 +97,12 @@ class LeaseDesk:
             await self.reply(old, b"released")
             return
         config = await self.config(ref.job)
+        if config is not None:
+            admitted = await self.models.admit(config)
+            if admitted is None:  # another model's job: back to the queue for a server of that model
+                await self.hand_back(ref, token)
+                return
+            config = admitted
         raw = await self.conn.get(keys.batch(ref.job, ref.batch))
         if config is None or raw is None:
             await self.reply(token, b"done")
@@ -154,12 +164,17 @@ class LeaseDesk:
 
     async def config(self, job: str) -> JobConfig | None:
         """A job's settings, read once per engine (the stealer reads them through here too)."""
-        if job not in self._configs:
+        cached = self._configs.get(job)
+        if cached is None or cached.model == "auto":  # `auto` is pinned by the first engine to take the job
             raw = await self.conn.get(keys.job_config(job))
             if raw is None:
                 return None
             self._configs[job] = unpack(raw, JobConfig)
         return self._configs[job]
+
+    def forget_config(self, job: str) -> None:
+        """The job's settings changed (genq jobs set, worker/parking.py): read them again next time."""
+        self._configs.pop(job, None)
 
     # ---------------------------------------------------------------- leaving
 

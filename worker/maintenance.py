@@ -11,6 +11,7 @@ from rq.registry import StartedJobRegistry
 
 from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
 from genq.core.queueing import rq_queue
+from genq.ops.settings import blocked_jobs
 from genq.worker.loops import RqLoops
 
 log = logging.getLogger("genq.worker")
@@ -37,7 +38,9 @@ class Maintenance:
         queued again (stranded, or handed back by others) are taken first."""
         outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
         if not outlook.unfinished and not outlook.finishing:
-            log.info("burst: every batch of every job is done; exiting")
+            blocked = await asyncio.to_thread(blocked_jobs, self.conn)  # they wait: docs/settings.md
+            log.info("burst: every batch of every job is done%s; exiting",
+                     f" but those of blocked jobs ({', '.join(blocked)}: genq jobs show JOB)" if blocked else "")
             return True
         if await asyncio.to_thread(lambda: rq_queue(self.conn).count):
             self.loops.exhausted = False  # work came back: take it

@@ -23,6 +23,7 @@ from rq.serializers import JSONSerializer
 from genq.core import keys
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
+from genq.worker.models import LoopFilter
 from genq.worker.rqjob import ENGINE_ENV
 
 PR_SET_PDEATHSIG = 1
@@ -53,6 +54,7 @@ class EngineWorker(Worker):
     """
 
     engine: str = ""
+    models: LoopFilter | None = None  # set in main(): other models' batches go back (worker/models.py)
     _popping = False
     _kept_stop: int | None = None  # the signal of a stop that came while popping
 
@@ -76,6 +78,10 @@ class EngineWorker(Worker):
             except BaseException:
                 self._popped()
                 raise
+            if result is not None and self.models and (rest := self.models.route(*result)) is not None:
+                self._popped()  # nothing is held: a kept stop acts now
+                time.sleep(rest)
+                continue
             if result is not None:
                 return result  # a batch: a stop is kept until prepare_execution marks this worker busy
             self._popped()
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         serializer=JSONSerializer,  # no pickle on genq's paths
     )
     worker.engine = os.environ[ENGINE_ENV]
+    worker.models = LoopFilter(worker.connection, worker.engine)
     try:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown

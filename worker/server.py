@@ -19,13 +19,13 @@ import msgspec
 from yarl import URL
 
 from genq.core.records import JobConfig, Prompt
+from genq.worker.stream import _StreamState
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
     Progress,
     _capacity_from_props,
     _http_failure,
-    _StreamState,
     parse_completion_bytes,
 )
 
@@ -184,12 +184,13 @@ class ServerClient:
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
-        model = None
+        model = model_len = None
         models = await self._get_json("/v1/models")
         if isinstance(models, dict):
             data = models.get("data") or []
             if data and isinstance(data[0], dict):
                 model = data[0].get("id")
+                model_len = data[0].get("max_model_len")  # vLLM and SGLang list the context here
         capacity = context = None
         flavor = None
         for path in ("/get_server_info", "/server_info"):  # SGLang (older, newer name)
@@ -210,6 +211,8 @@ class ServerClient:
         if flavor is None:
             # vLLM has no capacity endpoint; its metrics (always on) name it.
             flavor = "vllm" if "vllm" in seen else "openai-compatible"
+        if context is None and isinstance(model_len, int) and model_len > 0:
+            context = model_len
         return ServerInfo(model=model, capacity=capacity, context_length=context, flavor=flavor,
                           has_metrics=bool(seen))
 

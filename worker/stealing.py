@@ -76,7 +76,7 @@ class Stealer:
 
     def free_slots(self) -> int:
         d = self.dispatcher
-        return self.controller.target - len(d.running) - d.unsent
+        return self.controller.target - d.running.sequences - d.unsent
 
     async def pass_once(self) -> int:
         """Take up to the free slots' worth of prompts; how many were taken."""
@@ -151,6 +151,11 @@ class Stealer:
             while len(self._batches) > BATCHES_CACHED:
                 self._batches.popitem(last=False)
         return self._batches[ref]
+
+    def forget_batches(self, job: str) -> None:
+        """The job's settings changed (worker/parking.py): batches cached with the old ones go."""
+        for ref in [r for r in self._batches if r.job == job]:
+            self._batches.pop(ref)
 
     # ---------------------------------------------------------------- borrowed prompts
 

@@ -142,7 +142,7 @@ class ServerWatch:
                 continue
             self.metrics = m
             before = self.controller.target
-            self.controller.observe(m, len(self.dispatcher.running), self.dispatcher.unsent)
+            self.controller.observe(m, self.dispatcher.running.sequences, self.dispatcher.unsent)
             if self.controller.target != before:
                 log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
                 self.dispatcher.wake.set()

@@ -14,7 +14,8 @@ import click
 import redis
 from rich.console import JustifyMethod
 
-from genq.cli import settings
+from genq.cli import JobName, settings
+from genq.cli.jobset import generation_options, given_generation
 from genq.core.redisconn import connect, describe_error
 from genq.ops import dlq as core
 
@@ -43,7 +44,7 @@ def _conn(ctx: click.Context) -> redis.Redis:
     return connect(settings(ctx).redis_url)
 
 
-job_option = click.option("--job", default=None, metavar="NAME", help="Only this job. [default: all jobs]")
+job_option = click.option("--job", type=JobName(), default=None, metavar="NAME", help="Only this job. [default: all jobs]")
 
 
 @click.group()
@@ -51,7 +52,7 @@ def dlq() -> None:
     """Inspect, requeue or purge what genq gave up on.
 
     \b
-    Two kinds of entries:
+    Three kinds of entries:
       prompts        a prompt failed for good: the server rejected it (bad_request,
                      e.g. longer than the context) or its attempts ran out
                      (server_error, timeout, connection, protocol). Id: the prompt id.
@@ -162,9 +163,11 @@ def _indent(text: str) -> str:
 @click.argument("ids", nargs=-1, metavar="[ID]...")
 @job_option
 @click.option("--all", "all_", is_flag=True, help="Every entry (of --job, or of all jobs).")
+@generation_options
 @click.pass_context
 @_errors
-def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: bool) -> None:
+def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: bool, max_tokens: int | None,
+            temperature: float | None, top_p: float | None, extra_body: str | None) -> None:
     """Queue dead prompts again (as new batches) and failed batches (as new RQ jobs).
 
     \b
@@ -176,17 +179,26 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
     Failed batches get a fresh RQ job and leave RQ's failed
     registry; prompts they already finished are not regenerated.
 
+    Requeued prompts are sent with the job's current settings (`genq jobs set`,
+    `genq jobs show`); --max-tokens, --temperature, --top-p or --extra-body
+    override them for these prompts only (kept in each prompt's own sampling,
+    as a row's "sampling" is). Not for failed batches: change the job's settings.
+
     Exit status: 0 all requeued; 3 some entries were skipped (each is named);
     1 an unknown job or id (nothing was requeued).
     """
     if all_ == bool(ids):
         raise click.UsageError("give either --all or one or more IDs")
+    override = given_generation(max_tokens, temperature, top_p, extra_body)
     conn = _conn(ctx)
     chosen = core.entries(conn, job) if all_ else core.find(conn, ids, job)
     if not chosen:
         click.echo(f"nothing to requeue: the dead-letter queue is empty ({f'job {job}' if job else 'any job'})")
         return
-    report = core.requeue(conn, chosen)
+    if override and any(e.is_batch for e in chosen):
+        raise click.UsageError("--max-tokens/--temperature/--top-p/--extra-body apply to dead prompts, not to "
+                               "failed batches: change the job's settings with `genq jobs set` instead")
+    report = core.requeue(conn, chosen, override=override)
     for name, batch_ids in report.new_batches.items():
         plural = "es" if len(batch_ids) != 1 else ""
         click.echo(f"job {name}: requeued {report.prompts[name]:,} prompts as {len(batch_ids)} new batch{plural}: "

@@ -10,14 +10,15 @@ import time
 import click
 import redis
 
-from genq.cli import settings
+from genq.cli import JobName, settings
 from genq.core.redisconn import connect, describe_error
+from genq.core.state import FINISHED_STATUSES
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
 
 
 @click.command()
-@click.option("--job", default=None, help="Job to show. [default: the only job, or every job]")
+@click.option("--job", type=JobName(), default=None, help="Job to show. [default: the only job, or every job]")
 @click.option("--once", is_flag=True, help="Print one report and exit (rate from the workers' own records: less certain).")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON instead of the live view: one document with --once, else one line per refresh.")
@@ -169,7 +170,7 @@ def _loop(mon: Monitor, as_json: bool, progress_file: str | None, redis_display:
                 reports = []
             # "done" means every shard is written too (not only every prompt finished): a script
             # that exports right after --until-done gets every batch.
-            if until_done and reports and all(r.progress.status == "done" for r in reports):
+            if until_done and reports and all(r.progress.status in FINISHED_STATUSES for r in reports):
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
     finally:

@@ -21,8 +21,9 @@ _D = SimConfig()
 @click.option("--model-path", default=_D.model_path, help="Model path reported by the info endpoints.")
 @click.option("--served-model-name", default=_D.served_model_name,
               help="Model name in responses, /v1/models and metrics labels (empty: the model path).")
-@click.option("--context-length", default=_D.context_length, type=int,
-              help="Context length; longer prompts get SGLang's 400.")
+@click.option("--context-length", "--max-context", "context_length", default=_D.context_length, type=int,
+              help="Context length (per slot for llamacpp): a prompt, or prompt + max_tokens, over it gets the "
+                   "flavor's 400 (SGLang's, vLLM's; llama.cpp's for the prompt alone).")
 @click.option("--max-running-requests", default=_D.max_running_requests, type=int,
               help="Most requests decoding at once; the rest wait in a FIFO queue.")
 @click.option("--max-total-num-tokens", default=_D.max_total_num_tokens, type=int,

@@ -78,6 +78,11 @@ def job_paused(job: str) -> str:
     return f"{_job(job)}:paused"
 
 
+def job_blocked(job: str) -> str:
+    """JobBlock record: why the job is blocked (set with keys.job_paused; `genq resume --job` clears both)."""
+    return f"{_job(job)}:blocked"
+
+
 def job_workers(job: str) -> str:
     """Set of workers that have counters for this job."""
     return f"{_job(job)}:workers"

@@ -5,21 +5,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-JobStatus = Literal["empty", "queued", "running", "paused", "writing", "done"]
-JOB_STATUSES: tuple[JobStatus, ...] = ("empty", "queued", "running", "paused", "writing", "done")
+JobStatus = Literal["empty", "queued", "running", "paused", "blocked", "writing", "partial", "done"]
+JOB_STATUSES: tuple[JobStatus, ...] = ("empty", "queued", "running", "paused", "blocked", "writing", "partial",
+                                       "done")
+# Nothing more will happen without an operator: `genq monitor --until-done` stops at these.
+FINISHED_STATUSES: tuple[JobStatus, ...] = ("partial", "done")
 
 
 def job_status(*, total: int, finished: int, batches: int, batches_done: int, paused: bool,
-               started: bool) -> JobStatus:
-    """finished = results + dead letters; started = anything finished, in flight or held.
+               started: bool, failed: int = 0, blocked: bool = False) -> JobStatus:
+    """finished = results + dead letters (failed of them); started = anything finished, in
+    flight or held.
 
     "done" only once every batch's shard is written (a script that exports on "done" gets
-    every batch); "writing" while the last shards are written.
+    every batch) and no prompt failed: a job with dead letters ends "partial" (see `genq dlq`),
+    never "done". "writing" while the last shards are written. "blocked": its settings failed
+    against the server (the preflight or the brake, docs/settings.md); its prompts wait.
     """
     if total == 0:
         return "empty"
+    if blocked:
+        return "blocked"
     if finished >= total:
-        return "done" if batches_done >= batches else "writing"
+        if batches_done < batches:
+            return "writing"
+        return "partial" if failed else "done"
     if paused:
         return "paused"
     return "running" if started else "queued"

@@ -19,8 +19,9 @@ from rq import suspension
 
 from genq.core import keys
 from genq.core.queueing import fetch_rq_jobs
-from genq.core.records import Control, WorkerStatus, pack, unpack
+from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
+from genq.ops.settings import blocks_of, unblock
 
 LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -38,10 +39,10 @@ class WorkerRow:
     # Read through from the record (defaults while lost).
     _DEFAULTS: ClassVar[dict[str, Any]] = {
         "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0,
-        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0}
+        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None}
     JSON_FIELDS: ClassVar[tuple[str, ...]] = (
         "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "cap", "queued",
-        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note")
+        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note", "model")
 
     def __getattr__(self, field: str) -> Any:
         if field not in self._DEFAULTS:
@@ -98,6 +99,8 @@ class JobRow(msgspec.Struct, omit_defaults=False):
     batches_done: int
     workers: list[str] = []  # workers holding work of this job right now
     output: str | None = None
+    blocked: JobBlock | None = None  # why its settings stopped it (docs/settings.md)
+    settings_version: int = 1
 
 
 def _sort_key(row: WorkerRow) -> tuple:
@@ -190,12 +193,14 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
         conn.set(keys.job_paused(job), repr(time.time()))
 
 
-def resume(conn: redis.Redis, job: str | None = None) -> None:
+def resume(conn: redis.Redis, job: str | None = None) -> int:
+    """Undo a pause; with a job, also lift its block and queue the batches its workers parked
+    (genq.ops.settings.unblock): how many were queued."""
     if job is None:
         conn.delete(keys.PAUSED)
         suspension.resume(conn)
-    else:
-        conn.delete(keys.job_paused(job))
+        return 0
+    return unblock(conn, job)
 
 
 def paused_jobs(conn: redis.Redis, jobs: Iterable[str]) -> set[str]:
@@ -225,6 +230,7 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
     paused_all = globally_paused(conn)
     paused = paused_jobs(conn, names)
     fleet_names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
+    blocks = blocks_of(conn, names)
     rows = []
     for job in names:
         workers = sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
@@ -243,12 +249,14 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
         batches = int(stats.get(b"batches", 0))
         is_paused = paused_all or job in paused
         state = job_status(total=total, finished=done + failed, batches=batches, batches_done=batches_done,
-                           paused=is_paused, started=bool(holding) or done + failed > 0)
+                           paused=is_paused, started=bool(holding) or done + failed > 0, failed=failed,
+                           blocked=job in blocks)
         config = load_config(conn, job)
         rows.append(JobRow(
             name=job, state=state, paused=is_paused, total=total, done=done, failed=failed,
             remaining=max(0, total - done - failed), batches=batches, batches_done=batches_done,
-            workers=holding, output=config.output if config else None,
+            workers=holding, output=config.output if config else None, blocked=blocks.get(job),
+            settings_version=config.settings_version if config else 1,
         ))
     return rows
 

@@ -47,6 +47,7 @@ from genq.core.queueing import (
     write_batches,
 )
 from genq.core.records import DeadLetter, unpack
+from genq.ops.settings import with_override
 
 BATCH_PREFIX = "batch:"
 BATCH_FAILED = "batch_failed"
@@ -171,8 +172,9 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
 # ------------------------------------------------------------------ requeue
 
 
-def requeue(conn: redis.Redis, chosen: Sequence[Entry]) -> RequeueReport:
-    """Put dead prompts back as new batches and failed batches back on the queue."""
+def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> RequeueReport:
+    """Put dead prompts back as new batches and failed batches back on the queue. Prompts run with
+    the job's current settings; `override` (request fields) goes into each prompt's own sampling."""
     report = RequeueReport(prompts={}, new_batches={}, batches=[], skipped=[])
     by_job: dict[str, list[str]] = {}
     for entry in chosen:
@@ -185,7 +187,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry]) -> RequeueReport:
         if config is None:
             raise DlqError(f"job {job!r} has no stored config; cannot size its new batches")
         for start in range(0, len(ids), CHUNK):
-            _requeue_letters(conn, job, ids[start:start + CHUNK], config.batch_size, report)
+            _requeue_letters(conn, job, ids[start:start + CHUNK], config.batch_size, report, override or {})
     return report
 
 
@@ -195,13 +197,14 @@ def _atomically(conn: redis.Redis, watched: Sequence[str], body: Callable[[Any],
     return conn.transaction(body, *watched, value_from_callable=True)
 
 
-def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: int, report: RequeueReport) -> None:
+def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: int, report: RequeueReport,
+                     override: dict[str, Any]) -> None:
     dlq = keys.job_dlq(job)
 
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         letters, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
-        prompts = sorted((letter.prompt for letter in letters if letter.prompt is not None),
+        prompts = sorted((with_override(letter.prompt, override) for letter in letters if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
         batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
         pipe.multi()

@@ -75,6 +75,9 @@ class Stats:
         self.generated_tokens = 0
         self.finished = 0
         self.aborted = 0
+        # Generation requests received, answered or refused (a 400 too): "no request was sent" is testable.
+        self.requests = 0
+        self.rejected = 0  # of them answered with a 4xx before generating
         self.first_admit: float | None = None
         # Engine steps, request-steps (sum of the batch size over steps), and steps
         # that ran with a free slot while a request waited (continuous batching: 0
@@ -111,6 +114,8 @@ class Stats:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "finished_requests": self.finished,
+            "generation_requests": self.requests,
+            "rejected_requests": self.rejected,
             "aborted_requests": self.aborted,
             "first_admit_s": None if self.first_admit is None else self.first_admit - self.start,
             "last_finish_s": None if self.last_finish is None else self.last_finish - self.start,

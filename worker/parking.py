@@ -1,0 +1,268 @@
+"""What an engine does with a blocked job, and with a job whose settings changed.
+
+A blocked job (worker/brake.py, worker/preflight.py) is a paused job with a reason:
+keys.job_paused and keys.job_blocked (a JobBlock). Every engine that holds its batches
+**parks** them: it stops sending, cancels their requests in flight (nothing is recorded for
+them), drops its claims, and ends the lease with no RQ job carrying the batch (keys.job_leases
+and keys.job_transport lose their entries; the ledger's reconciler leaves a blocked job alone).
+A batch of the job that arrives later is parked the same way before anything is sent. Their
+prompts are neither sent nor dead-lettered: `genq resume --job JOB` (genq.ops.control) queues
+the parked batches again.
+
+Settings fixed in place (`genq jobs set`, a new JobConfig.settings_version) reach the batches an
+engine holds within a second, and every batch that arrives is checked against the stored version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from genq.core import keys, ledger
+from genq.core.records import BatchRef, JobBlock, JobConfig, Prompt, pack, unpack
+from genq.ops.settings import unqueue
+from genq.worker.brake import Brake
+from genq.worker.claims import Claims
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags, HeldBatch, Holdings
+from genq.worker.leases import retrying
+from genq.worker.preflight import preflight
+from genq.worker.results import ResultWriter
+from genq.worker.server import ServerInfo
+from genq.worker.stealing import Stealer
+
+log = logging.getLogger("genq.worker")
+
+CHECK_EVERY_S = 1.0
+
+
+class Parking:
+    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
+                 dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
+                 server: Callable[[], ServerInfo | None], reply: Callable[[str, bytes], Awaitable[None]],
+                 forget_config: Callable[[str], None]) -> None:
+        self.conn = conn
+        self.sync_conn = sync_conn
+        self.worker = worker
+        self.flags = flags
+        self.held = held
+        self.dispatcher = dispatcher
+        self.stealer = stealer
+        self.claims = claims
+        self.writer = writer
+        self.server = server  # what the server said about itself (ServerWatch.info)
+        self.reply = reply  # LeaseDesk.reply: a lease's word to its RQ work horse
+        self.forget_config = forget_config  # LeaseDesk's settings cache: read the job's config again
+        self.brake = Brake(worker, dispatcher._dead, self.block)
+        self.parked = 0  # batches parked since start
+        self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
+        self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("blocked-job handling failed", exc_info=task.exception())
+
+    # ---------------------------------------------------------------- arriving batches
+
+    def admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        """LeaseDesk's on_batch: a leased batch is sent only if its job is not blocked, with the
+        job's current settings, and past the preflight."""
+        self._spawn(self._admit(held, prompts))
+
+    async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        job = held.ref.job
+
+        async def look() -> list[Any]:
+            async with self.conn.pipeline(transaction=False) as pipe:
+                pipe.exists(keys.job_blocked(job))
+                pipe.get(keys.job_config(job))
+                return await pipe.execute()
+
+        blocked, raw = await retrying(look, f"checking job {job}")
+        if raw is not None:
+            self._settings(job, unpack(raw, JobConfig))
+        if blocked:
+            self._blocked_elsewhere(job)
+        elif self._lifted(job):
+            self._resumed(job)
+        if held.dropped or held.ref not in self.held:
+            return  # handed back meanwhile (stopping)
+        if job in self.brake.blocked:
+            await self.park_job(job, quiet=True)
+            return
+        problem = preflight(held.config, self.server())
+        if problem is not None:
+            log.error("job %s blocked before any request (preflight): %s", job, problem)
+            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
+                                     settings_version=held.config.settings_version))
+            return
+        self.stealer.lease_arrived(held, prompts)
+
+    # ---------------------------------------------------------------- blocking
+
+    def block(self, job: str, record: JobBlock) -> None:
+        """Block `job` (the first reason stored wins) and park what this engine holds of it."""
+        self.brake.blocked.add(job)
+        self.flags.paused_jobs.add(job)  # dispatch parks the job's prompts at once
+        self._storing.add(job)
+        self._blocked_at[job] = time.monotonic()
+        self._spawn(self._block(job, record))
+
+    async def _block(self, job: str, record: JobBlock) -> None:
+        async def store() -> None:
+            async with self.conn.pipeline(transaction=True) as pipe:
+                pipe.set(keys.job_blocked(job), pack(record), nx=True)
+                pipe.set(keys.job_paused(job), repr(time.time()))
+                await pipe.execute()
+
+        try:
+            await retrying(store, f"blocking job {job}")
+        finally:
+            self._storing.discard(job)
+        await self.park_job(job)
+        try:
+            taken = await asyncio.to_thread(unqueue, self.sync_conn, job)
+        except (redis.RedisError, OSError) as exc:  # they are parked one by one as they arrive instead
+            log.warning("job %s: could not take its batches out of RQ's queue (%s)", job, exc)
+        else:
+            if taken:
+                log.info("job %s: %d of its batches taken out of RQ's queue, parked until `genq resume --job %s`",
+                         job, taken, job)
+
+    def _blocked_elsewhere(self, job: str) -> None:
+        if job not in self.brake.blocked:
+            log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
+            self.brake.blocked.add(job)
+            self.flags.paused_jobs.add(job)
+            self._spawn(self.park_job(job))
+
+    def _lifted(self, job: str) -> bool:
+        """Redis says `job` is not blocked, and that is news (not a read from before our own block landed)."""
+        recent = time.monotonic() - self._blocked_at.get(job, float("-inf")) < 3 * CHECK_EVERY_S
+        return job in self.brake.blocked and job not in self._storing and not recent
+
+    def _resumed(self, job: str) -> None:
+        log.info("job %s is no longer blocked: taking its batches again", job)
+        self.brake.clear(job)
+        self.flags.paused_jobs.discard(job)
+
+    async def park_job(self, job: str, *, quiet: bool = False) -> None:
+        """Stop the job's held and borrowed batches here and end their leases without an RQ job."""
+        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
+        borrowed = [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
+        for batch in mine + borrowed:
+            self.dispatcher.drop(batch, cancel=True)
+        while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
+            await asyncio.sleep(0.05)
+        await self.writer.wait_idle()  # what was recorded before is written: it stays
+        for b in borrowed:
+            await retrying(functools.partial(self.claims.unclaim, b.ref), f"releasing claims of {b.ref}")
+            self.stealer.borrowed.pop(b.ref, None)
+        parked = []
+        for h in mine:
+            if h.completing:
+                continue  # the flush finished it
+            await retrying(functools.partial(self.claims.unclaim, h.ref), f"releasing claims of {h.ref}")
+            if await asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token):
+                parked.append(str(h.ref))
+            await retrying(functools.partial(self.reply, h.token, b"released"), f"parking {h.ref}")
+            self.held.pop(h.ref, None)
+        self.parked += len(parked)
+        if parked:
+            (log.debug if quiet else log.info)("job %s is blocked: parked %d batches (%s); their prompts wait for `genq resume --job %s`",
+                     job, len(parked), ", ".join(parked), job)
+        self.dispatcher.wake.set()
+
+    # ---------------------------------------------------------------- settings and flags, every second
+
+    def _settings(self, job: str, stored: JobConfig) -> None:
+        """A newer settings version of a job this engine holds: every unsent prompt gets it."""
+        batches = [h for h in self.held.values() if h.ref.job == job]
+        batches += [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
+        stale = [h for h in batches if h.config.incarnation == stored.incarnation
+                 and h.config.settings_version < stored.settings_version]
+        if not stale:
+            return
+        self.forget_config(job)
+        self.stealer.forget_batches(job)
+        for h in stale:
+            h.config = stored
+        self.brake.reset(job)
+        log.info("job %s: settings version %d from now on (%d batches held here)", job, stored.settings_version,
+                 len(stale))
+        problem = preflight(stored, self.server())
+        if problem is not None and job not in self.brake.blocked:
+            log.error("job %s blocked (preflight of its new settings): %s", job, problem)
+            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
+                                     settings_version=stored.settings_version))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_EVERY_S)
+            try:
+                await self.check()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("blocked/settings check skipped: %s", exc)
+            self.brake.judge_all()
+
+    async def check(self) -> None:
+        jobs = sorted(self.held.jobs() | {r.job for r in self.stealer.borrowed} | self.brake.blocked)
+        if not jobs:
+            return
+        async with self.conn.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.exists(keys.job_blocked(job))
+                pipe.get(keys.job_config(job))
+            answers = await pipe.execute()
+        for i, job in enumerate(jobs):
+            blocked, raw = answers[2 * i], answers[2 * i + 1]
+            if blocked:
+                self._blocked_elsewhere(job)
+            elif self._lifted(job):
+                self._resumed(job)
+            if raw is not None:
+                self._settings(job, unpack(raw, JobConfig))
+
+
+def parking_of(engine: Any) -> Parking:
+    """The engine's (worker/engine.py; its LeaseDesk is built after this, hence the lambdas)."""
+    parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
+                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info,
+                      lambda token, word: engine.leases.reply(token, word),
+                      lambda job: engine.leases.forget_config(job))
+    engine.dispatcher.brake = parking.brake
+    return parking
+
+
+def end_lease_parked(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
+    """End this lease with no RQ job carrying the batch; False if it was done or not ours."""
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
+                if pipe.sismember(keys.job_done(ref.job), ref.batch):
+                    return False
+                if ledger.lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
+                    return False
+                pipe.multi()
+                pipe.hdel(keys.job_leases(ref.job), ref.batch)
+                pipe.hdel(keys.job_transport(ref.job), ref.batch)
+                pipe.execute()
+                return True
+            except WatchError:
+                continue
