@@ -75,6 +75,7 @@ class Heartbeat:
         self.sampler = GpuSampler(gpu)
         self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
+        self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
 
     async def run(self) -> None:
         while True:
@@ -143,11 +144,17 @@ class Heartbeat:
                      ex=None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
             if pace is None or pace.workers_set_due():
                 pipe.sadd(keys.WORKERS, self.name)
-            for job in set(by_job) | set(queued) | self.held.jobs():
+            jobs = set(by_job) | set(queued) | self.held.jobs()
+            for job in jobs:
                 record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                   queued=queued.get(job, 0))
                 pipe.set(keys.job_inflight(job, self.name), pack(record), ex=5)
+            # A job this worker no longer works on has nothing of it in flight here, now: its
+            # last record (the requests running a second ago) must not outlive it by its TTL.
+            for job in self._inflight_jobs - jobs:
+                pipe.delete(keys.job_inflight(job, self.name))
             await pipe.execute()
+        self._inflight_jobs = jobs
 
     async def read_control(self) -> None:
         jobs = sorted(self.held.jobs() | set(self.dispatcher.todo.parked))
