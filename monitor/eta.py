@@ -39,6 +39,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from genq.monitor.etapool import MIN_DRAWS, EtaPool
+
 # Re-exported: callers and tests take the whole estimator from here.
 from genq.monitor.lengths import LengthData, LengthModel, fit_lengths, length_bucket  # noqa: F401
 from genq.monitor.simulate import Speed, WorkerState, calibrate, simulate_remaining  # noqa: F401
@@ -84,6 +86,8 @@ def estimate(
     samples: int = 100,
     seed: int = 20240601,
     max_events: int = 300_000,
+    pool: EtaPool | None = None,
+    now: float = 0.0,
 ) -> Estimate:
     """The job's remaining time: a point estimate (median draw) and a 90 % range.
 
@@ -91,14 +95,22 @@ def estimate(
     are taken from the fleet (each worker's in-flight list), or from
     lengths.running when no fleet is given. speed: measured per-request speed,
     or (per_request 0) the fleet's tokens/s, to which the simulation calibrates.
+    pool: a live monitor's EtaPool for this job (the work spread over refreshes within a
+    budget; `now` dates its draws); None: all of it now, as `genq monitor --once` does.
     """
     finished = completed + failed
     fleet = _trim_stale(list(fleet), max(0, total - finished))
     # The running requests are the fleet's (each worker's in-flight record) when one is given.
-    running = [max(0, int(t)) for w in fleet for t in w.running] if fleet else [max(0, int(t)) for t in lengths.running]
+    running = [t if t > 0 else 0 for w in fleet for t in w.running] if fleet else [max(0, int(t)) for t in lengths.running]
     unstarted = max(0, total - finished - len(running))
     lengths = LengthData(hist=lengths.hist, running=running, cap=lengths.cap)
-    model = fit_lengths(lengths) if lengths.finished >= MIN_FINISHED else None
+    spent = 0
+    if lengths.finished < MIN_FINISHED:
+        model = None
+    elif pool is not None:
+        model, spent = pool.fit(lengths, now)
+    else:
+        model = fit_lengths(lengths)
     result = Estimate(None, None, None, "warming up", model=model)
     if model is not None:
         result.remaining_tokens = model.remaining_tokens(unstarted, running)
@@ -111,7 +123,8 @@ def estimate(
         result.state, result.note = "paused", "paused: no estimate until it resumes"
         return result
     if model is None:
-        result.note = f"{lengths.finished} of {MIN_FINISHED} finished completions needed to fit output lengths"
+        result.note = (f"{lengths.finished} of {MIN_FINISHED} finished completions needed to fit output lengths"
+                       if lengths.finished < MIN_FINISHED else "fitting output lengths")
         return result
     active = [w for w in fleet if w.slots > 0]
     if not active:
@@ -128,9 +141,15 @@ def estimate(
         speed = calibrate(speed, model, active, batch_size, seed)
     # Prompts in the shared queue: not running and not held unsent by a worker.
     queue = max(0, unstarted - sum(w.ready for w in active))
-    draws = simulate_remaining(model, active, queue, batch_size, speed,
-                               samples=samples, seed=seed, max_events=max_events)
-    draws.sort()
+    if pool is None:
+        draws = sorted(simulate_remaining(model, active, queue, batch_size, speed,
+                                          samples=samples, seed=seed, max_events=max_events))
+    else:
+        draws = pool.draws(model, active, queue, batch_size, speed, now=now, spent=spent,
+                           samples=samples, seed=seed, max_events=max_events)
+        if len(draws) < MIN_DRAWS:
+            result.note = f"{len(draws)} of {MIN_DRAWS} simulated draws so far"  # still "warming up"
+            return result
     result.draws = draws
     result.eta_s = _quantile(draws, 0.5)
     result.eta_low_s = _quantile(draws, RANGE_QUANTILES[0])
@@ -144,9 +163,9 @@ def estimate(
 def _trim_stale(fleet: list[WorkerState], left: int) -> list[WorkerState]:
     """More requests listed as running than prompts left: some lists are stale (a worker
     publishes once a second). Keep the longest-running ones, the likeliest still to run."""
-    listed = sorted(((t, i) for i, w in enumerate(fleet) for t in w.running), reverse=True)
-    if len(listed) <= left:
+    if sum(len(w.running) for w in fleet) <= left:
         return fleet
+    listed = sorted(((t, i) for i, w in enumerate(fleet) for t in w.running), reverse=True)
     keep: list[list[int]] = [[] for _ in fleet]
     for t, i in listed[:left]:
         keep[i].append(t)

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from statistics import NormalDist
 
 from genq.core.histogram import length_bucket
@@ -31,6 +32,8 @@ _N = NormalDist()
 SQRT2 = math.sqrt(2.0)
 
 SIGMA_BOUNDS = (0.02, 5.0)  # of log(L + 1); a wider fit is a broken one
+CENSOR_GRID = 32  # steps per unit of ln(t + 1) on which running requests are counted in the fit
+REMAINING_GRID = 8  # the same for the expected remaining tokens (shown, not simulated)
 
 
 # ---------------------------------------------------------------- normal helpers
@@ -146,8 +149,8 @@ class LengthModel:
     def remaining_tokens(self, unstarted: int, running: Iterable[int]) -> float:
         """Expected output tokens still to come: fresh prompts plus the rest of running ones."""
         total = unstarted * self.mean()
-        for t, n in Counter(running).items():
-            total += n * max(0.0, self.conditional_mean(t) - t)
+        for at, n, tokens in grid_groups(running, REMAINING_GRID):
+            total += max(0.0, n * self.conditional_mean(at) - tokens)
         return total
 
     def median(self) -> float:
@@ -204,8 +207,38 @@ class LengthModel:
         return out
 
 
+def grid_groups(tokens: Iterable[int], grid: int) -> list[tuple[int, int, int]]:
+    """Token counts grouped on a grid of ln(t + 1) (`grid` steps a unit): (the group's point,
+    how many, their sum) for each group. A fleet runs thousands of requests, each at its own
+    t; their expectations are taken at the group's point (t within 1/(2 grid) in ln)."""
+    ordered = sorted(tokens)
+    if ordered and ordered[0] < 0:
+        ordered = [max(0, t) for t in ordered]
+    sums = [0, *accumulate(ordered)]
+    out = []
+    i = 0
+    while i < len(ordered):
+        k = round(math.log(ordered[i] + 1) * grid)
+        j = bisect_left(ordered, math.exp((k + 0.5) / grid) - 1, i)
+        j = max(j, i + 1)
+        out.append((round(math.exp(k / grid) - 1), j - i, sums[j] - sums[i]))
+        i = j
+    return out
+
+
 def fit_lengths(data: LengthData) -> LengthModel | None:
     """Censored maximum likelihood for the lognormal; None with no finished completions."""
+    steps = fit_steps(data)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def fit_steps(data: LengthData, near: LengthModel | None = None) -> Generator[int, None, LengthModel | None]:
+    """fit_lengths, yielding the terms evaluated as it goes (a live monitor spreads a fit
+    over its refreshes: monitor/etapool.py). near: a fit of similar data to start from."""
     cap = data.cap
     hist = {int(b): int(n) for b, n in data.hist.items() if int(n) > 0}
     if not hist:
@@ -221,8 +254,10 @@ def fit_lengths(data: LengthData) -> LengthModel | None:
             hi = math.inf  # a completion cut at the cap was at least that long
         intervals.append((lo, hi, n))
     cap_z = math.log(cap + 1) if cap else math.inf
-    censored = [(math.log(t + 1), n) for t, n in Counter(int(t) for t in data.running if t > 0).items()
-                if math.log(t + 1) < cap_z]
+    # Running requests as "at least t" observations, on a grid (grid_groups): the likelihood is
+    # evaluated some hundred times a fit, and on the grid they are a few hundred terms at most.
+    censored = [(math.log(at + 1), n) for at, n, _ in grid_groups(data.running, CENSOR_GRID)
+                if at > 0 and math.log(at + 1) < cap_z]
 
     def nll(mu: float, log_s: float) -> float:
         s = math.exp(log_s)
@@ -246,19 +281,25 @@ def fit_lengths(data: LengthData) -> LengthModel | None:
             return 1e300
         return nll(mu, log_s)
 
-    best = _nelder_mead(bounded, start, (0.5, 0.3))
+    step = (0.5, 0.3)
+    if near is not None and lo_ls <= math.log(near.sigma) <= hi_ls:
+        start, step = (near.mu, math.log(near.sigma)), (0.05, 0.05)
+    best = yield from _nelder_mead(bounded, start, step, cost=len(intervals) + len(censored))
     mu, log_s = best
+    yield 9 * (len(intervals) + len(censored))  # the covariance's evaluations, next
     cov = _covariance(nll, best)
     return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, cov=cov,
                        finished=count, censored=sum(n for _, n in censored))
 
 
-def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float],
-                 tol: float = 1e-7, max_iter: int = 400) -> tuple[float, float]:
-    """A plain 2-D Nelder-Mead: the likelihood is smooth and cheap, no scipy needed."""
+def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *, cost: int,
+                 tol: float = 1e-7, max_iter: int = 400) -> Generator[int, None, tuple[float, float]]:
+    """A plain 2-D Nelder-Mead: the likelihood is smooth and cheap, no scipy needed.
+    Yields `cost` (terms of one evaluation of f) once an iteration."""
     pts = [start, (start[0] + step[0], start[1]), (start[0], start[1] + step[1])]
     vals = [f(*p) for p in pts]
     for _ in range(max_iter):
+        yield 2 * cost  # an iteration evaluates f once or twice (a shrink: twice more)
         order = sorted(range(3), key=lambda i: vals[i])
         pts = [pts[i] for i in order]
         vals = [vals[i] for i in order]

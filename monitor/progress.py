@@ -23,6 +23,7 @@ from genq.core.prefetch import MAX_EXTRA_LOOPS
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
+from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
@@ -138,6 +139,7 @@ class Monitor:
         self.window_s = window_s
         self.once = once
         self.trackers: dict[str, RateTracker] = {}
+        self.pools: dict[str, EtaPool] = {}  # live: each job's ETA work, spread over refreshes
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
@@ -200,6 +202,7 @@ class Monitor:
             lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
             fleet=fleet, batch_size=config.batch_size if config else 256,
             speed=speed, paused=snap.paused and not snap.is_done,
+            pool=None if self.once else self.pools.setdefault(snap.job, EtaPool()), now=snap.at,
         )
         if snap.is_done:
             est.state = "done"
@@ -267,13 +270,18 @@ def tail_note(snap: JobSnapshot) -> str | None:
 
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
     finished = snap.completed + snap.failed
-    start = snap.first_at or snap.created_at or snap.at
+    # Elapsed runs from the first result, or from creation once a worker works on the job: a job
+    # no worker has touched has not started (it showed "elapsed 33s" with no worker at all).
+    started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
+    start = started or snap.at
     end = snap.last_at if snap.is_done and snap.last_at else snap.at
     live = [w for w in snap.workers if w.live]
     statuses = [w.status for w in snap.workers if w.status is not None]
     elapsed = max(0.0, end - start)
     tok_s = None if speed is None else speed.tokens_per_s
     tail = tail_note(snap)
+    if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
+        prompts_rate, tok_s = 0.0, 0.0  # paused and drained: nothing is finishing now (a window rate reads stale)
     if snap.is_done:
         # One definition of a finished job's rate, whatever saw it (live view, --once, the exporter):
         # the whole run's averages. A recent window would read the idle tail after the last result.
@@ -324,13 +332,15 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         rate_source="" if speed is None else speed.source,
         gpu_note=fleet_gpu_note(statuses),
         tail=tail,
-        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None) for w in snap.workers],
+        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job)
+                        for w in snap.workers],
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
     )
 
 
-def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False) -> WorkerReport:
+def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False,
+                  job: str | None = None) -> WorkerReport:
     s = w.status
     # In the job's tail an idle worker is expected (the job's tail note says so), not a bottleneck.
     found = [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
@@ -342,7 +352,8 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
         return msgspec.structs.replace(report, state="gone", bottlenecks=[], bottleneck_codes=[]) \
             if job_done else report
     kept = dict(host=s.host, concurrency_target=s.concurrency_target, concurrency_limit=s.concurrency_limit,
-                server_capacity=s.server_capacity, errors=s.errors, gpu_note=s.gpu_note,
+                server_capacity=s.server_capacity, gpu_note=s.gpu_note,
+                errors=s.errors if job is None else s.job_errors.get(job, 0),  # this job's, in a job's table
                 heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
     if s.state == "stopped":
         # Its record is kept (stopped, not lost) but its last rates, slots and GPU figures are not

@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from genq.monitor.lengths import LengthModel
@@ -70,8 +70,54 @@ TAIL_BATCHES_PER_WORKER = 3
 # of the fleet's work goes into the bulk. (The finish of the slowest of 8 is a
 # little earlier than that of the slowest of 64: a small optimism, for speed.)
 MAX_SIM_WORKERS = 8
+YIELD_EVERY = 256  # events _play plays between yields (a monitor refresh's unit of work)
 STEADY_BATCHES = 10  # batches one worker plays at least, to measure its steady rate
 MIN_SAMPLES = 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every draw of one estimate shares: who is played out, the tail, the bulk."""
+
+    model: LengthModel
+    played: tuple[WorkerState, ...]  # workers whose end of the job is played event by event
+    others: tuple[WorkerState, ...]  # the rest of a large fleet: their work goes into the bulk
+    kinds: tuple[tuple[int, int, int, int], ...]  # the fleet's batch-taking policies (_policy)
+    rate_weights: tuple[int, ...]  # workers of each kind
+    others_running: tuple[int, ...]  # their running requests' tokens so far
+    tail: int  # the played workers' share of the last batches of the queue
+    bulk: int  # queued prompts before the tail: they go through at the steady rate
+    batch_size: int
+    speed: Speed
+    samples: int  # draws of one estimate
+    events: int  # events one draw plays, about (the budget's unit)
+
+
+def plan(model: LengthModel, fleet: Sequence[WorkerState], queue: int, batch_size: int, speed: Speed, *,
+         samples: int = 100, max_events: int = 300_000) -> Plan:
+    b = max(1, batch_size)
+    states = list(fleet)
+    if len(states) > MAX_SIM_WORKERS:
+        picks = sorted({round(i * (len(states) - 1) / (MAX_SIM_WORKERS - 1)) for i in range(MAX_SIM_WORKERS)})
+        played = [states[i] for i in picks]
+        others = [w for i, w in enumerate(states) if i not in set(picks)]
+    else:
+        played, others = states, []
+    share = len(played) / len(states)
+    tail_all = min(queue, b * TAIL_BATCHES_PER_WORKER * len(states))
+    tail = round(tail_all * share)
+    bulk = queue - tail_all
+    counts = Counter(_policy(w, b) for w in states)
+    kinds = tuple(sorted(counts))
+    events = tail + sum(len(w.running) + w.ready for w in played)
+    if bulk or others:
+        events += sum(_steady_batches(k) for k in kinds) * b
+    samples = max(MIN_SAMPLES, min(samples, max_events // max(events, 1)))
+    if bulk or others:  # the steady rates are cached (_cached_rate): most draws skip their events
+        events -= sum(_steady_batches(k) for k in kinds) * b
+    others_running = tuple(t for w in others for t in w.running)
+    return Plan(model, tuple(played), tuple(others), kinds, tuple(counts[k] for k in kinds), others_running,
+                tail, bulk, b, speed, samples, max(events, 1))
 
 
 def simulate_remaining(
@@ -96,44 +142,44 @@ def simulate_remaining(
     from its standard error. When many prompts remain, all but the last few
     batches per worker go through at the simulated steady rate of the fleet.
     """
+    p = plan(model, fleet, queue, batch_size, speed, samples=samples, max_events=max_events)
     rng = random.Random(seed)  # fixed: the same data give the same answer on every refresh
-    b = max(1, batch_size)
-    states = list(fleet)
-    if len(states) > MAX_SIM_WORKERS:
-        picks = sorted({round(i * (len(states) - 1) / (MAX_SIM_WORKERS - 1)) for i in range(MAX_SIM_WORKERS)})
-        played = [states[i] for i in picks]
-        others = [w for i, w in enumerate(states) if i not in set(picks)]
-    else:
-        played, others = states, []
-    share = len(played) / len(states)
-    tail_all = min(queue, b * TAIL_BATCHES_PER_WORKER * len(states))
-    tail = round(tail_all * share)  # the played workers' share of the last batches
-    bulk = queue - tail_all
-    kinds = {_policy(w, b) for w in states}
-    events = tail + sum(len(w.running) + w.ready for w in played)
-    if bulk or others:
-        events += sum(_steady_batches(k) for k in kinds) * b
-    samples = max(MIN_SAMPLES, min(samples, max_events // max(events, 1)))
-    rel_se = max(speed.rel_se, 0.0)
-    out = []
-    for _ in range(samples):
-        mu, sigma = model.draw_params(rng)
-        m = model.with_params(mu, sigma)
-        speed_draw = speed.per_request * math.exp(rng.gauss(0.0, rel_se) - rel_se * rel_se / 2)
-        bulk_time = 0.0  # in token units (time for one request to make one token)
-        if bulk or others:
-            mean = m.mean()
-            var = max(0.0, m.second_moment() - mean * mean)
-            bulk_tokens = max(0.0, rng.gauss(bulk * mean, math.sqrt(bulk * var))) if bulk else 0.0
-            for w in others:  # what the workers not played out hold goes through with the bulk
-                bulk_tokens += sum(m.draw_remaining(rng, w.running)) + w.ready * mean
-            rates = {k: _steady_rate(m, rng, k, b) for k in kinds}
-            bulk_time = bulk_tokens / sum(rates[_policy(w, b)] for w in states)
-        tail_lengths = m.draw(rng, tail)
-        batches = [tail_lengths[i:i + b] for i in range(0, tail, b)]
-        starts = [(w, m.draw_remaining(rng, w.running), m.draw(rng, w.ready)) for w in played]
-        out.append((bulk_time + _play(starts, batches)) / speed_draw)
-    return out
+    return [run(draw(p, rng)) for _ in range(p.samples)]
+
+
+def run(steps: Generator[int, None, float]) -> float:
+    """A draw (or any of its parts) played to the end at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def draw(p: Plan, rng: random.Random) -> Generator[int, None, float]:
+    """One draw of an estimate, the next from rng: yields the events played every so often
+    (so a live monitor can spread draws over its refreshes, monitor/etapool.py), returns the
+    finish time in seconds."""
+    m = p.model.with_params(*p.model.draw_params(rng))
+    rel_se = max(p.speed.rel_se, 0.0)
+    speed_draw = p.speed.per_request * math.exp(rng.gauss(0.0, rel_se) - rel_se * rel_se / 2)
+    bulk_time = 0.0  # in token units (time for one request to make one token)
+    if p.bulk or p.others:
+        mean = m.mean()
+        var = max(0.0, m.second_moment() - mean * mean)
+        bulk_tokens = max(0.0, rng.gauss(p.bulk * mean, math.sqrt(p.bulk * var))) if p.bulk else 0.0
+        # What the workers not played out hold goes through with the bulk: its expectation
+        # under this draw's parameters (thousands of requests: their sum hardly varies).
+        bulk_tokens += m.remaining_tokens(sum(w.ready for w in p.others), p.others_running)
+        yield len(p.others_running) // 8
+        fleet_rate = 0.0
+        for kind, n in zip(p.kinds, p.rate_weights):
+            fleet_rate += n * (yield from _cached_rate(m, kind, p.batch_size))
+        bulk_time = bulk_tokens / fleet_rate
+    tail_lengths = m.draw(rng, p.tail)
+    batches = [tail_lengths[i:i + p.batch_size] for i in range(0, p.tail, p.batch_size)]
+    starts = [(w, m.draw_remaining(rng, w.running), m.draw(rng, w.ready)) for w in p.played]
+    return (bulk_time + (yield from _play(starts, batches))) / speed_draw
 
 
 def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], batch_size: int,
@@ -142,7 +188,7 @@ def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], ba
     rng = random.Random(seed)
     b = max(1, batch_size)
     kinds = {_policy(w, b) for w in fleet}
-    rates = {k: sum(_steady_rate(model, rng, k, b) for _ in range(reps)) / reps for k in kinds}
+    rates = {k: sum(run(_steady_rate(model, rng, k, b)) for _ in range(reps)) / reps for k in kinds}
     fleet_rate = sum(rates[_policy(w, b)] for w in fleet)  # tokens per token-time
     return Speed(per_request=speed.tokens_per_s / fleet_rate, rel_se=speed.rel_se, span_s=speed.span_s,
                  samples=speed.samples, tokens_per_s=speed.tokens_per_s, source=speed.source)
@@ -153,14 +199,44 @@ def _steady_batches(kind: tuple[int, int, int, int]) -> int:
     return max(STEADY_BATCHES, leases + max_leases + 6)
 
 
-def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, int], b: int) -> float:
+# The steady rate depends on the shape of the length distribution (sigma, and mu
+# only through the cap): a draw's parameters are rounded to these steps and the
+# rate at the rounded ones is kept, measured over RATE_REPS times the batches
+# one draw used to play. Draws then cost their tail, not a fresh steady run each.
+RATE_MU_STEP = 0.05
+RATE_SIGMA_STEP = 0.02
+RATE_REPS = 3
+_RATES: dict[tuple, float] = {}
+MAX_RATES = 4096
+
+
+def _cached_rate(m: LengthModel, kind: tuple[int, int, int, int], b: int) -> Generator[int, None, float]:
+    import os
+    if os.environ.get('NOCACHE'):
+        return (yield from _steady_rate(m, random.Random(), kind, b))
+    key = (kind, b, round(m.mu / RATE_MU_STEP), round(m.sigma / RATE_SIGMA_STEP), m.cap)
+    rate = _RATES.get(key)
+    if rate is None:
+        at = LengthModel(mu=key[2] * RATE_MU_STEP, sigma=max(key[3] * RATE_SIGMA_STEP, 1e-3), cap=m.cap)
+        rng = random.Random(repr(key))  # the key alone decides the value: no history in it
+        rate = 0.0
+        for _ in range(RATE_REPS):
+            rate += (yield from _steady_rate(at, rng, kind, b)) / RATE_REPS
+        if len(_RATES) >= MAX_RATES:
+            _RATES.clear()
+        _RATES[key] = rate
+    return rate
+
+
+def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, int],
+                 b: int) -> Generator[int, None, float]:
     """Tokens per token-time one worker sustains while the queue lasts (the bulk of a big job)."""
     slots, leases, max_leases, reserve = kind
     n = _steady_batches(kind)
     batches = [m.draw(rng, b) for _ in range(n)]
     marks: list[tuple[float, float]] = []  # (time, tokens finished) at each batch completion
     w = WorkerState(slots=slots, leases=leases, max_leases=max_leases, reserve=reserve)
-    end = _play([(w, [], [])], batches, marks)
+    end = yield from _play([(w, [], [])], batches, marks)
     # Skip the start (the worker begins empty) and stop before the drain at the end.
     i, j = max(leases, 2) - 1, n - max_leases - 1
     if 0 <= i < j < len(marks) and marks[j][0] > marks[i][0]:
@@ -169,7 +245,7 @@ def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, 
 
 
 def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: list[list[float]],
-          marks: list[tuple[float, float]] | None = None) -> float:
+          marks: list[tuple[float, float]] | None = None) -> Generator[int, None, float]:
     """Event simulation of the fleet from now until the last request finishes.
 
     starts: per worker, its state, the remaining tokens of its running
@@ -244,7 +320,12 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
         take(wi)
         fill(wi)
     finished = 0.0
+    played = 0
     while heap:
+        played += 1
+        if played == YIELD_EVERY:
+            yield played
+            played = 0
         now, wi, bid, tokens = heapq.heappop(heap)
         finished += tokens
         free[wi] += 1
@@ -255,4 +336,5 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
                 marks.append((now, finished))
             take(wi)
         fill(wi)
+    yield played
     return now

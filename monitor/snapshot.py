@@ -78,12 +78,16 @@ class WorkerView:
 
     @property
     def slots(self) -> int:
-        """Requests this worker can decode at once: its in-flight target, at most its server's capacity."""
+        """Requests this worker can decode at once: its in-flight target, at most its server's
+        capacity (both in sequences), over the samples its requests in flight ask for."""
         s = self.live_status
         if s is None:
             return 0
         target = s.concurrency_target or s.in_flight
-        return min(target, s.server_capacity) if s.server_capacity else target
+        slots = min(target, s.server_capacity) if s.server_capacity else target
+        if s.sequences > s.in_flight > 0:  # requests of n samples: each takes n of the sequences
+            slots = max(1, slots * s.in_flight // s.sequences)
+        return slots
 
 
 @dataclass

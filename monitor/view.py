@@ -10,6 +10,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from genq.core.words import plural
 from genq.monitor.progress import JobReport, WorkerReport
 
 STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
@@ -67,7 +68,7 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None)
         notes.append(Text(f"GPU: {gpu_note}", style="dim"))
     parts.extend(notes)
     rq = reports[0].progress.rq_queued
-    footer = f"redis {redis_display} · RQ queue genq: {rq:,} batches (all jobs)"
+    footer = f"redis {redis_display} · RQ queue genq: {plural(rq, 'batch', 'batches')} (all jobs)"
     if interval is not None:
         footer += f" · every {interval:g}s · Ctrl-C to leave"
     parts.append(Text(footer, style="dim"))
@@ -110,7 +111,7 @@ def job_panel(r: JobReport) -> Panel:
         eta = Text.assemble(("finished", "bold green"))
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
-    eta.append(f"  · elapsed {duration(p.elapsed_hours * 3600)}")
+    eta.append(f"  · elapsed {duration(p.elapsed_s)}" if p.elapsed_s > 0 else "  · not started")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
     if p.blocked:

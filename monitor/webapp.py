@@ -69,6 +69,20 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
     }
 
 
+# Without ?job= the page follows the job a user is watching: one that runs (the most requests in
+# flight), else one waiting for workers, else the newest; not the alphabetically first.
+FOLLOW_ORDER = ("running", "writing", "blocked", "paused", "queued", "empty")
+
+
+def followed(reports: list[JobReport]) -> JobReport | None:
+    def rank(r: JobReport) -> tuple:
+        status = r.progress.status
+        order = FOLLOW_ORDER.index(status) if status in FOLLOW_ORDER else len(FOLLOW_ORDER)
+        return (order, -r.progress.in_flight, -(r.snapshot.created_at or 0.0))
+
+    return min(reports, key=rank, default=None)
+
+
 def make_app(monitor: Monitor, history: History, interval: float, token: str | None = None) -> web.Application:
     app = web.Application()
     letters: dict[str, tuple[float, Any]] = {}  # job -> (monotonic, summary): one DLQ scan per interval
@@ -87,7 +101,9 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         reports = await loop.run_in_executor(None, monitor.current, interval)
         names = [r.progress.job for r in reports]
         wanted = request.query.get("job")
-        chosen = next((r for r in reports if r.progress.job == wanted), reports[0] if reports else None)
+        if wanted is not None and wanted not in names:
+            return web.json_response({"error": f"no job named {wanted!r}", "jobs": names}, status=404)
+        chosen = next((r for r in reports if r.progress.job == wanted), None) if wanted else followed(reports)
         body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None}
         if chosen is not None:
             job = chosen.progress.job

@@ -7,7 +7,8 @@ one clear error naming the option or the line before anything is queued.
 Known fields: the OpenAI chat/completions request fields, the extras SGLang
 accepts (/work/shared/notes/sglang-api.md) and the common vLLM extras. The
 fields genq sets itself (model, messages, prompt, stream, stream_options) may not
-be overridden.
+be overridden. Fields whose answer genq could not record are refused (REFUSED);
+docs/fidelity.md says where every accepted field's answer lands in the record.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ SET_BY_GENQ = {
     "model": "the job's --model",
     "messages": "the row",
     "prompt": "the row",
-    "stream": "genq (it always streams)",
-    "stream_options": "genq (it always streams)",
+    "stream": "the worker (genq worker --stream/--no-stream)",
+    "stream_options": "the worker (genq worker --stream/--no-stream)",
 }
 
 
@@ -94,7 +95,6 @@ KNOWN: dict[str, Callable[[Any], str | None]] = {
     "temperature": _number(0),
     "top_p": _number(0, 1, low_open=True),
     "n": _integer(1),
-    "best_of": _integer(1),
     "stop": _stop,
     "seed": _integer(),
     "frequency_penalty": _number(-2, 2),
@@ -106,19 +106,14 @@ KNOWN: dict[str, Callable[[Any], str | None]] = {
     "suffix": _STR,
     "user": _STR,
     "response_format": _OBJ,
-    "tools": _LIST,
+    "tools": _list_of(dict, "a list of tool objects"),
     "tool_choice": _STR_OR_OBJ,
     "parallel_tool_calls": _BOOL,
-    "functions": _LIST,
-    "function_call": _STR_OR_OBJ,
     "reasoning_effort": _STR,
     "metadata": _OBJ,
     "store": _BOOL,
     "service_tier": _STR,
-    "modalities": _LIST,
-    "audio": _OBJ,
     "prediction": _OBJ,
-    "web_search_options": _OBJ,
     "verbosity": _STR,
     "prompt_cache_key": _STR,
     "safety_identifier": _STR,
@@ -156,17 +151,62 @@ KNOWN: dict[str, Callable[[Any], str | None]] = {
 }
 
 
+# Fields the server would answer with something genq does not record (or would not honor):
+# refused, because a record that silently lacks what its request asked for is worse than none.
+_FUNCTIONS = "OpenAI's deprecated function calling (answered in message.function_call); use tools"
+REFUSED = {
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
+    "modalities": "genq records text only; audio output would be dropped",
+    "audio": "genq records text only; audio output would be dropped",
+    "web_search_options": "genq does not record web search annotations; no self-hosted engine serves it",
+    "best_of": "SGLang ignores it and vLLM's V1 engine refuses it; ask for n samples instead",
+}
+
+# Fields of one endpoint only: the other's engines ignore them, so the record would not show them.
+CHAT_ONLY = {"top_logprobs": "use 'logprobs': K with --endpoint completions",
+             "tools": "completions have no tool calls", "tool_choice": "completions have no tool calls",
+             "parallel_tool_calls": "completions have no tool calls"}
+COMPLETIONS_ONLY = {"echo": "chat has no echo", "suffix": "chat has no suffix"}
+
+
 class ParamError(ValueError):
     pass
 
 
-def check_params(params: Any, where: str) -> None:
-    """Raise ParamError naming `where` (an option or a row field) and the first bad field."""
+def check_for_endpoint(params: dict[str, Any], endpoint: str, where: str) -> None:
+    """The rules that depend on the endpoint: logprobs is true/false for chat and a count for
+    completions; top_logprobs needs logprobs true (chat); one endpoint's fields on the other."""
+    logprobs = params.get("logprobs")
+    if endpoint == "chat":
+        for name, hint in COMPLETIONS_ONLY.items():
+            if name in params:
+                raise ParamError(f"{where}: {name!r} is a /v1/completions field; {hint} (the job uses --endpoint chat)")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise ParamError(f"{where}: logprobs must be true or false for chat (use top_logprobs: K for "
+                             f"alternatives), got {_kind(logprobs)}")
+        if params.get("top_logprobs") is not None and logprobs is not True:
+            raise ParamError(f"{where}: top_logprobs needs logprobs: true")
+    else:
+        for name, hint in CHAT_ONLY.items():
+            if name in params:
+                raise ParamError(f"{where}: {name!r} is a chat field; {hint}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise ParamError(f"{where}: logprobs must be an integer 0..20 for completions (the alternatives "
+                             f"per token), got {_kind(logprobs)}")
+
+
+def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
+    """Raise ParamError naming `where` (an option or a row field) and the first bad field;
+    with the endpoint known, its rules too (check_for_endpoint)."""
     if not isinstance(params, dict):
         raise ParamError(f"{where} must be an object of request parameters, got {_kind(params)}")
     for name, value in params.items():
         if name in SET_BY_GENQ:
             raise ParamError(f"{where}: {name!r} cannot be set here; it is set by {SET_BY_GENQ[name]}")
+        if name in REFUSED:
+            raise ParamError(f"{where}: {name!r} is refused: {REFUSED[name]}")
         check = KNOWN.get(name)
         if check is None:
             close = difflib.get_close_matches(name, KNOWN, n=1)
@@ -175,6 +215,8 @@ def check_params(params: Any, where: str) -> None:
         problem = check(value)
         if problem:
             raise ParamError(f"{where}: {name} {problem}")
+    if endpoint is not None:
+        check_for_endpoint(params, endpoint, where)
 
 
 def _kind(value: Any) -> str:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from genq.core.records import Endpoint, Prompt, Rejected
-from genq.producer.params import ParamError, check_params
+from genq.producer.params import ParamError, check_for_endpoint, check_params
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
@@ -161,8 +161,15 @@ def fit_endpoint(prompt: Prompt, endpoint: Endpoint) -> bool:
     /v1/chat/completions takes only messages: a plain prompt becomes one user
     message (the stored Prompt is what is sent, so this happens at enqueue).
     /v1/completions takes only a prompt string: messages cannot be flattened
-    without the model's chat template, so such a row is refused.
+    without the model's chat template, so such a row is refused. The row's request
+    fields must suit the endpoint (params.check_for_endpoint).
     """
+    if prompt.sampling:
+        where = "OpenAI Batch 'body'" if prompt.custom_id is not None else "'sampling'"
+        try:
+            check_for_endpoint(prompt.sampling, endpoint, where)
+        except ParamError as exc:
+            raise RowError(str(exc)) from None
     if endpoint == "chat" and prompt.messages is None:
         prompt.messages = [{"role": "user", "content": prompt.prompt}]
         prompt.prompt = None

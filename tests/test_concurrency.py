@@ -113,7 +113,7 @@ def test_capacity_is_learned_only_once_running_holds_still():
     assert c.learned is None and c.target == UNKNOWN_CAPACITY_START
     for _ in range(3):
         c.observe(Metrics(running=60, waiting=4, kv_usage=0.1), in_flight=64, backlog=1000)
-    assert c.learned == 60 and c.target == 64 <= 60 + headroom(60), "already within the headroom: kept"
+    assert c.learned == 60 and c.target == 60 + headroom(60), "known: the capacity and its refill headroom"
     # A larger count later (a slot freed by a KV limit, say) raises what is known.
     for _ in range(3):
         c.observe(Metrics(running=62, waiting=4, kv_usage=0.1), in_flight=c.target, backlog=1000)

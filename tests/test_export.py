@@ -213,7 +213,7 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
     pq.write_table(rows, tmp_path / "strings.parquet")
     proc = run_genq("enqueue", str(tmp_path / "strings.parquet"), "--job", "pqjson", "--output", str(out),
                     redis_url=redis_url, check=False)
-    assert proc.returncode == 3 and "queued 1 prompts" in proc.stdout
+    assert proc.returncode == 3 and "queued 1 prompt in" in proc.stdout
     assert "line 2: 'messages' is a string but not JSON" in proc.stderr
     assert batch_prompts(rconn, "pqjson", "b0000001")[0].messages == [{"role": "user", "content": "hi"}]
 

@@ -71,7 +71,7 @@ def test_chat_rows_are_refused_for_the_completions_endpoint_naming_the_chat_endp
     proc = run_genq("enqueue", str(src), "--job", "comp", "--endpoint", "completions", "--output", str(out),
                     redis_url=redis_url, check=False)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "queued 1 prompts" in proc.stdout
+    assert "queued 1 prompt in" in proc.stdout
     by_line = {r.line: r.reason for r in _rejects(out / "comp" / "rejects" / "mixed.rejects.jsonl")}
     assert sorted(by_line) == [1, 3]
     assert all("--endpoint chat" in reason for reason in by_line.values())
@@ -124,7 +124,7 @@ def test_bad_row_sampling_is_rejected_with_its_line(redis_url, rconn, tmp_path):
     out = tmp_path / "out"
     proc = run_genq("enqueue", str(src), "--job", "samp", "--output", str(out), redis_url=redis_url, check=False)
     assert proc.returncode == 3
-    assert "queued 1 prompts" in proc.stdout
+    assert "queued 1 prompt in" in proc.stdout
     by_line = {r.line: r.reason for r in _rejects(out / "samp" / "rejects" / "s.rejects.jsonl")}
     assert sorted(by_line) == [2, 3, 4]
     assert "'sampling': temperature must be >= 0, got -1" in by_line[2]

@@ -45,7 +45,7 @@ def test_reenqueue_is_idempotent_and_adds_only_new_ids(redis_url, rconn, tmp_pat
     more = tmp_path / "more.jsonl"
     write_prompts(more, 8)  # p00000..p00007: six known, two new
     third = run_genq("enqueue", str(more), "--job", "j2", redis_url=redis_url)
-    assert "queued 2 prompts in 1 batches" in third.stdout
+    assert "queued 2 prompts in 1 batch " in third.stdout
     assert rq_queue(rconn).count == 3
     assert int(rconn.hget(keys.job_stats("j2"), "total")) == 8
 

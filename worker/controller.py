@@ -12,12 +12,21 @@ second:
 - lower when the server's waiting queue keeps growing past what refilling needs.
 
 A server without a capacity endpoint (vLLM, or one genq does not recognise)
-starts at a guess and grows while its slots sit idle. Once requests wait in its
-queue while the running count holds still (PLATEAU_CHECKS looks in a row, KV cache
-not full), that running count is its capacity ("learned"), and the target drops
-at once to it plus the small refill headroom: no more than that waits in the
-server. `slots` is the one notion of server capacity (told or learned) that the
-worker publishes (WorkerStatus.server_capacity) and the monitor shows.
+starts at a guess and grows while it runs all it is sent and nothing waits. While
+requests wait for capacity (vLLM: num_requests_waiting_by_reason{reason="capacity"},
+else the waiting count) and the KV cache is not full, the server runs as many as
+its slots allow, less the requests that finished in its last step: vLLM reports
+running after removing those, before admitting the next ones. So the capacity is
+the highest running count seen while requests wait ("learned"), taken once no
+higher count came for LEARN_LOOKS looks (a server that is still admitting, e.g.
+vLLM within its token budget per step, shows a rising count); a higher one later
+raises it. The controller looks four times a second while it learns, so a step
+in which nothing finished is soon seen. Once learned, the target drops at once to
+the capacity plus the small refill headroom: no more than that waits in the
+server. Whatever runs fits: a running count above the learned capacity raises it
+at once. `slots` is the one notion of
+server capacity (told or learned) that the worker publishes
+(WorkerStatus.server_capacity) and the monitor shows.
 A number from the command line caps the target; `genq concurrency` sets a live
 cap (Control.concurrency) that replaces it until set back to auto.
 """
@@ -28,15 +37,23 @@ import math
 
 from genq.worker.server import Metrics
 
-UNKNOWN_CAPACITY_START = 64  # vLLM has no capacity endpoint: start here, then follow /metrics
+# vLLM has no capacity endpoint: start here, then follow /metrics. Its default max_num_seqs
+# is 128 on CPU, 256 on most GPUs, 1024 on H100/H200/B200 (vllm/engine/arg_utils.py):
+# growing by half per look reaches any of them within seconds.
+UNKNOWN_CAPACITY_START = 64
 MAX_TARGET = 100_000
 KV_PRESSURE = 0.9  # token usage above which idle slots are the KV cache's doing, not ours
 QUEUE_RUNAWAY_CHECKS = 3  # observations in a row with too long a queue before lowering
 GENTLE_CHECKS = 30  # observations after a KV-pressure cut during which raises are small
-# Looks in a row with requests waiting and the same running count before that count
-# is taken as the capacity: while a server ramps up (vLLM admits by a token budget
-# per step) requests wait although slots are free, but the running count still moves.
-PLATEAU_CHECKS = 3
+# Looks with requests waiting and no higher running count before the highest is taken as
+# the capacity: while a server ramps up (vLLM admits by a token budget per step) requests
+# wait although slots are free, but the running count still rises.
+LEARN_LOOKS = 3
+LOOK_S = 1.0  # between looks at /metrics
+LEARN_LOOK_S = 0.25  # while the capacity is being learned: a step with no finish is soon seen
+# Looks after the last rise of the learned capacity during which the controller still
+# looks at LEARN_LOOK_S (a count one or two below the capacity is the common sample).
+SETTLE_LOOKS = 40
 
 
 def headroom(capacity: int) -> int:
@@ -56,8 +73,10 @@ class ConcurrencyController:
         self._last_waiting = 0.0
         self._last_running = 0.0
         self._gentle = 0
-        self._plateau_value = -1.0
-        self._plateau_count = 0
+        self._seen_max = 0  # the highest running count seen while requests waited for capacity
+        self._since_rise = 0  # looks with requests waiting since _seen_max last rose
+        self._since_learned = 0  # looks since the learned capacity last rose
+        self._backlog = 0  # prompts held back at the last look
         self.reason = "from server capacity" if capacity else "capacity unknown: starting value"
         self.target = 1
         self._update()
@@ -85,8 +104,24 @@ class ConcurrencyController:
         self.live_cap = cap if cap and cap > 0 else None
         self._update()
 
+    @property
+    def look_interval_s(self) -> float:
+        """How long the metrics loop waits before its next look."""
+        if self.capacity is not None:
+            return LOOK_S
+        # Unknown: learn while prompts are held back (the server can be filled); known: a
+        # while longer, for a step in which nothing finished (the exact count).
+        learning = self._backlog > 0 if self.learned is None else self._since_learned < SETTLE_LOOKS
+        return LEARN_LOOK_S if learning else LOOK_S
+
     def set_capacity(self, capacity: int | None) -> None:
-        if capacity and capacity != self.capacity:
+        """What the server tells after (re)discovery. A server that tells nothing may be
+        another one after an outage: what was learned of it is learned again."""
+        if capacity is None and self.learned is not None:
+            self.learned = None
+            self._seen_max = self._since_rise = 0
+            self.reason = "server rediscovered: learning its capacity again"
+        elif capacity and capacity != self.capacity:
             self.capacity = capacity
             self._auto = capacity + headroom(capacity)
             self.reason = "from server capacity"
@@ -104,7 +139,11 @@ class ConcurrencyController:
         if m.running is None:
             return
         running = m.running
+        self._backlog = backlog
+        self._since_learned += 1
         waiting = m.waiting or 0.0
+        # Waiting for a slot (vLLM tells it apart from requests deferred for other reasons).
+        queued = waiting if m.waiting_capacity is None else m.waiting_capacity
         growing = waiting > self._last_waiting
         self._last_waiting = waiting
         # Running still rising: the server is admitting (ramping up), not full.
@@ -112,12 +151,15 @@ class ConcurrencyController:
         self._last_running = running
         retracting = self._retracting(m)
         kv_pressure = m.kv_usage is not None and m.kv_usage >= KV_PRESSURE
-        if self.capacity is None and waiting > 0 and not kv_pressure and not retracting:
-            # Requests wait although memory is free: a slot limit. What runs, once it
-            # holds still, is the capacity.
-            self._learn(int(running))
-        else:
-            self._plateau_count = 0
+        if self.capacity is None and not kv_pressure and not retracting:
+            if queued > 0:
+                # Requests wait although memory is free: a slot limit. The most that
+                # runs, once no more come, is the capacity.
+                self._learn(int(running))
+            elif self.learned is not None and running > self.learned:
+                # Whatever runs fits: a count above the learned one raises it at once.
+                self._seen_max = int(running)
+                self._commit(int(running))
         capacity = self.capacity or self.learned
         if self._gentle:
             self._gentle -= 1
@@ -139,8 +181,12 @@ class ConcurrencyController:
                 step = max(1, self._auto // 20)
             elif capacity:
                 step = max(1, int(capacity - running))
-            else:
+            elif running + waiting >= 0.9 * self.target:
                 step = max(1, self._auto // 2)  # unknown capacity: grow fast to find it
+            else:
+                # What was sent has not all reached the server yet: its figures say
+                # nothing of idle slots. Look again before sending more.
+                return
             ceiling = 2 * capacity + headroom(capacity) if capacity else MAX_TARGET
             if self._auto < ceiling:
                 self._auto = min(ceiling, self._auto + step)
@@ -165,22 +211,23 @@ class ConcurrencyController:
             self._queue_high = 0
 
     def _learn(self, running: int) -> None:
-        if running != self._plateau_value:
-            self._plateau_value, self._plateau_count = running, 0
-        self._plateau_count += 1
-        if running <= 0 or self._plateau_count < PLATEAU_CHECKS:
-            return
-        if self.learned is None or running > self.learned:
-            self.learned = running
-            limit = running + headroom(running)
-            if self._auto > limit:
-                # Known now: more than the refill headroom would only wait in the server.
-                self._auto = limit
-                self.reason = f"lowered: learned server capacity {running}"
-            else:
-                self.reason = f"learned server capacity {running}"
-            self._queue_high = 0
-            self._update()
+        if running > self._seen_max:
+            self._seen_max, self._since_rise = running, 0
+        self._since_rise += 1
+        if self._since_rise >= LEARN_LOOKS and self._seen_max > (self.learned or 0):
+            self._commit(self._seen_max)
+
+    def _commit(self, capacity: int) -> None:
+        self.learned = capacity
+        self._since_learned = 0
+        # Known now: the refill headroom waits in the server, no more (that would only
+        # wait there), no less (a freed slot would idle until the next request arrives).
+        limit = capacity + headroom(capacity)
+        verb = "lowered" if self._auto > limit else "raised" if self._auto < limit else "kept"
+        self._auto = limit
+        self.reason = f"{verb}: learned server capacity {capacity}"
+        self._queue_high = 0
+        self._update()
 
     def _retracting(self, m: Metrics) -> bool:
         """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""

@@ -17,8 +17,10 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from genq.core.records import DeadLetter, JobConfig, Result
+from genq.core.records import DeadLetter, JobConfig
+from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
@@ -51,7 +53,7 @@ class Dispatcher:
         self.rates = rates
         self.server_is_down = server_is_down
         self.server_model = model
-        self.running: dict[Task, asyncio.Task[None]] = {}
+        self.running = Running()
         self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
@@ -85,7 +87,7 @@ class Dispatcher:
 
     def _can_send(self) -> bool:
         return (self.flags.server_down_since is None and not self.flags.paused_all
-                and self.flags.stop_requested < 2 and len(self.running) < self.controller.target
+                and self.flags.stop_requested < 2 and self.running.sequences < self.controller.target
                 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
 
     async def run(self) -> None:
@@ -110,7 +112,7 @@ class Dispatcher:
 
     def _want(self) -> int:
         """Prompts to claim now: the free slots and CLAIM_AHEAD more, less what is claimed."""
-        return self.controller.target + CLAIM_AHEAD - len(self.running) - len(self.todo.ready) - len(self.todo.suspects)
+        return self.controller.target + CLAIM_AHEAD - self.running.sequences - len(self.todo.ready) - len(self.todo.suspects)
 
     def _take(self) -> Task | None:
         """The next prompt to send, if the in-flight window has room: a crash suspect
@@ -153,10 +155,9 @@ class Dispatcher:
                                       task.cancel_reason)
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
-                if isinstance(outcome, Completion):
-                    self._record(task, outcome, config)
-                else:
-                    await self._failed(task, outcome)
+                failure = self._record(task, body, outcome, config) if isinstance(outcome, Completion) else outcome
+                if failure is not None:
+                    await self._failed(task, failure)
                     self.wake.set()  # a retry may now be due: the loop times it
             finally:
                 self.running.pop(task, None)
@@ -174,19 +175,19 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- outcomes
 
-    def _record(self, task: Task, c: Completion, sent: JobConfig) -> None:
-        p, held = task.prompt, task.batch
-        self.writer.add_result(Result(
-            id=p.id, job=held.ref.job, batch=held.ref.batch, index=p.index,
-            completion=c.text, reasoning_content=c.reasoning, finish_reason=c.finish_reason,
-            usage=c.usage, model=c.model, worker=self.name, attempts=task.attempts + 1,
-            latency_s=round(time.monotonic() - task.progress.started, 3),
-            messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
-            response_id=c.response_id, finished_at=time.time(), settings_version=sent.settings_version,
-        ), sent.incarnation)
+    def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
+        """Records the answer, or returns why it is not what the request asked for (answers.py)."""
+        held = task.batch
+        result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
+                           attempts=task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
+                           settings_version=sent.settings_version)
+        if isinstance(result, Failure):
+            return result
+        self.writer.add_result(result, sent.incarnation)
         self.rates.add(c.usage.completion_tokens)
         if self.brake is not None:
             self.brake.succeeded(task)
+        return None
 
     def _suspect(self, task: Task) -> bool:
         return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))
@@ -213,7 +214,7 @@ class Dispatcher:
             (self.todo.suspects if self._suspect(task) else self.todo.ready).appendleft(task)
             return
         task.attempts += 1
-        self.rates.errors += 1
+        self.rates.error(held.ref.job)
         max_attempts = self.opts.max_attempts or held.config.max_attempts
         if failure.retryable and task.attempts < max_attempts:
             delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))

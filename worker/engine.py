@@ -71,18 +71,20 @@ class Engine:
                                      self.rates, Backlog(self.claims, written), lambda: self.watch.is_down(),
                                      lambda: self.watch.info.model if self.watch.info else None)
         self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
-                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle)
+                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle,
+                               lambda job: self.leases.models.servable_config(job, self.leases.config))
         self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
                                               self.hand_back_all,
                                               lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
-                                self.parking.admit, self.writer.add_dead, self.name)
+                                self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
-                                              GpuProbe(opts.gpu), lambda: self.ends.check_leases())
+                                              GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
+                                              self.stealer.pace)
         self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops)
         self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
                                          self.stealer.written)
@@ -123,9 +125,9 @@ class Engine:
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
-                    self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
+                    self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
-                    self.stealer.run(), self.parking.run())]
+                    self.stealer.run(), self.parking.run(), self.stealer.pace.listen(self.redis))]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:

@@ -23,6 +23,7 @@ from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerStat
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings, RateWindow
+from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
 from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerWatch
@@ -58,7 +59,8 @@ class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
                  flags: Flags, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
                  controller: ConcurrencyController, rates: RateWindow, gpu: GpuProbe,
-                 on_beat: Callable[[], Awaitable[None]]) -> None:
+                 on_beat: Callable[[], Awaitable[None]], pace: IdlePace | None = None) -> None:
+        self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.opts = opts
         self.name = name
         self.host = host
@@ -75,6 +77,7 @@ class Heartbeat:
         self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
         self.redis_down_since: float | None = None  # monotonic: the first beat that failed, while they fail
+        self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
 
     async def run(self) -> None:
         tick = time.monotonic()
@@ -87,10 +90,14 @@ class Heartbeat:
             if now - last_tick > ALIVE_TTL_S:
                 log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
                             now - last_tick)
+            if self.pace is not None and not self.pace.beat_due():
+                continue
             try:
                 await self.beat()
                 await self.read_control()
                 await self.on_beat()
+                if self.pace is not None:
+                    await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
                 if self.redis_down_since is not None:
@@ -118,6 +125,8 @@ class Heartbeat:
 
     def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
+        if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
+            req_s = tok_s = 0.0
         m = self.watch.metrics
         return WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
@@ -125,12 +134,15 @@ class Heartbeat:
             gpu=None if self.opts.gpu is None else str(self.opts.gpu),
             concurrency_target=self.controller.target, concurrency_limit=self.controller.cap,
             server_capacity=self.controller.slots,
-            in_flight=len(self.dispatcher.running), queued=self.dispatcher.unsent,
+            in_flight=len(self.dispatcher.running), sequences=self.dispatcher.running.sequences,
+            queued=self.dispatcher.unsent,
             batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
             tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
+            job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
+            model=self.watch.info.model if self.watch.info else None,
         )
 
     async def beat(self, state: str | None = None, note: str | None = None) -> None:
@@ -140,17 +152,26 @@ class Heartbeat:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
         now = time.time()
+        pace = self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
-                pipe.set(keys.engine_alive(self.instance), self.name, ex=ALIVE_TTL_S)
+                pipe.set(keys.engine_alive(self.instance), self.name, ex=pace.ttl(ALIVE_TTL_S) if pace else ALIVE_TTL_S)
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
-            pipe.set(keys.worker_status(self.name), pack(status), ex=None if status.state == "stopped" else STATUS_TTL_S)
-            pipe.sadd(keys.WORKERS, self.name)
-            for job in set(by_job) | set(queued) | self.held.jobs():
+            pipe.set(keys.worker_status(self.name), pack(status),
+                     ex=None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
+            if pace is None or pace.workers_set_due():
+                pipe.sadd(keys.WORKERS, self.name)
+            jobs = set(by_job) | set(queued) | self.held.jobs()
+            for job in jobs:
                 record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                   queued=queued.get(job, 0))
                 pipe.set(keys.job_inflight(job, self.name), pack(record), ex=5)
+            # A job this worker no longer works on has nothing of it in flight here, now: its
+            # last record (the requests running a second ago) must not outlive it by its TTL.
+            for job in self._inflight_jobs - jobs:
+                pipe.delete(keys.job_inflight(job, self.name))
             await pipe.execute()
+        self._inflight_jobs = jobs
 
     async def read_control(self) -> None:
         jobs = sorted(self.held.jobs() | set(self.dispatcher.todo.parked))

@@ -78,6 +78,11 @@ class RateWindow:
         self._events: list[tuple[float, int]] = []
         self.done = 0
         self.errors = 0
+        self.job_errors: dict[str, int] = {}
+
+    def error(self, job: str) -> None:
+        self.errors += 1
+        self.job_errors[job] = self.job_errors.get(job, 0) + 1
 
     def add(self, tokens: int) -> None:
         self.done += 1

@@ -29,6 +29,8 @@ from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prom
 from genq.core.redisconn import connect_async
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
+from genq.worker.idle import INBOX_WAIT_S
+from genq.worker.models import ModelGate
 
 log = logging.getLogger("genq.worker")
 
@@ -51,7 +53,8 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 class LeaseDesk:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, redis_url: str, instance: str,
                  held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None],
-                 add_dead: Callable[[DeadLetter, str], None], worker: str) -> None:
+                 add_dead: Callable[[DeadLetter, str], None], worker: str,
+                 server_model: Callable[[], str | None] = lambda: None) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue is synchronous
         self.redis_url = redis_url
@@ -60,6 +63,8 @@ class LeaseDesk:
         self.on_batch = on_batch
         self.add_dead = add_dead  # the result writer's: a batch whose input changed ends in letters
         self.worker = worker
+        # Turns away other models' jobs and pins `auto` ones (worker/models.py).
+        self.models = ModelGate(conn, instance, server_model)
         self._acquire = conn.register_script(ledger.ACQUIRE)
 
     # ---------------------------------------------------------------- arriving
@@ -69,7 +74,7 @@ class LeaseDesk:
         inbox = keys.engine_inbox(self.instance)
         try:
             while True:
-                item = await retrying(lambda: inbox_conn.blpop([inbox], timeout=1), "inbox")
+                item = await retrying(lambda: inbox_conn.blpop([inbox], timeout=INBOX_WAIT_S), "inbox")
                 if item is not None:
                     token, job, batch_id, rq_id = unpack(item[1], list)
                     ref = BatchRef(job, batch_id)
@@ -96,6 +101,12 @@ class LeaseDesk:
                 return
             current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
             await self.reply(old, b"released")
+        if config is not None:
+            admitted = await self.models.admit(config)
+            if admitted is None:  # another model's job: back to the queue for a server of that model
+                await self.hand_back(ref, token)
+                return
+            config = admitted
         raw = await self.conn.get(keys.batch(ref.job, ref.batch))
         if config is None or raw is None:
             await self.reply(token, b"done")

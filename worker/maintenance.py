@@ -15,6 +15,7 @@ import redis
 from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
 from genq.core.queueing import rq_queue
 from genq.ops.settings import blocked_jobs
+from genq.worker.idle import IdlePace
 from genq.worker.loops import RqLoops
 
 log = logging.getLogger("genq.worker")
@@ -25,11 +26,12 @@ class Maintenance:
         self.conn = conn
         self.reconciler = reconciler
         self.loops = loops
+        self.pace = IdlePace(loops.held, loops.dispatcher, tuple)  # idle: a turn every IDLE_MAINTENANCE_S
 
     async def run(self) -> None:
         """Stranded batches are looked for by every worker (one pass at a time across the fleet)."""
         while True:
-            await asyncio.sleep(RECONCILE_EVERY_S)
+            await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
             try:
                 await asyncio.to_thread(self.reconciler.pass_once)
             except (redis.RedisError, OSError) as exc:

@@ -32,9 +32,10 @@ from rq.serializers import JSONSerializer
 from genq.core import keys
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
+from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
+from genq.worker.models import LoopFilter
 from genq.worker.rqjob import ENGINE_ENV, LOOP_PID_ENV, die_with_parent
 
-POP_WAIT_S = 3  # one blocking pop; a stop that comes meanwhile waits for it (RQ's: 405 s)
 EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ; not a crash
 REDIS_WAIT_MAX_S = 10.0
 
@@ -51,7 +52,7 @@ def _wait_for_redis(conn: redis.Redis) -> None:
             delay = min(delay * 2, REDIS_WAIT_MAX_S)
 
 
-class EngineWorker(Worker):
+class EngineWorker(QuietPops, Worker):
     """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
     engine would only make each batch it takes fail and go round again), and that a stop
     never interrupts between taking a batch and starting it.
@@ -65,6 +66,7 @@ class EngineWorker(Worker):
     """
 
     engine: str = ""
+    models: LoopFilter | None = None  # set in main(): other models' batches go back (worker/models.py)
     _popping = False
     _kept_stop: int | None = None  # the signal of a stop that came while popping
 
@@ -92,6 +94,7 @@ class EngineWorker(Worker):
     def request_stop(self, signum: int, frame: Any) -> None:
         if self._popping:
             self._kept_stop = signum
+            unblock_own_pop(self.connection, self.name)  # the pop ends now, having taken nothing
             return
         super().request_stop(signum, frame)
 
@@ -104,6 +107,10 @@ class EngineWorker(Worker):
             except BaseException:
                 self._popped()
                 raise
+            if result is not None and self.models and (rest := self.models.route(*result)) is not None:
+                self._popped()  # nothing is held: a kept stop acts now
+                time.sleep(rest)
+                continue
             if result is not None:
                 return result  # a batch: a stop is kept until prepare_execution marks this worker busy
             self._popped()
@@ -144,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         connection=conn,
         # A dead worker's batch is seen as abandoned after this + 60 s (RQ's rule).
         job_monitoring_interval=args.monitoring_interval,
-        maintenance_interval=30,
+        maintenance_interval=120,  # RQ's registry cleanup; genq's reconciler does its own (worker/maintenance.py)
         log_job_description=True,
         serializer=JSONSerializer,  # no pickle on genq's paths
     )
     worker.engine = os.environ[ENGINE_ENV]
+    worker.models = LoopFilter(worker.connection, worker.engine)
     try:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown

@@ -19,13 +19,13 @@ import msgspec
 from yarl import URL
 
 from genq.core.records import JobConfig, Prompt
+from genq.worker.stream import _StreamState
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
     Progress,
     _capacity_from_props,
     _http_failure,
-    _StreamState,
     parse_completion_bytes,
 )
 
@@ -37,6 +37,9 @@ _json_encode = msgspec.json.Encoder().encode
 # names the source lines). A page has one flavor's names; the first found wins.
 RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running", "llamacpp:requests_processing")
 WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting", "llamacpp:requests_deferred")
+# vLLM's waiting requests that wait for a slot (reason="capacity"), apart from those deferred
+# for LoRA budget, KV transfer or a blocked status (reason="deferred").
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 # llama.cpp publishes no KV usage: its slots each own a fixed share of the context.
 KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 RETRACTED = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
@@ -78,6 +81,7 @@ class ServerInfo:
 class Metrics:
     running: float | None = None
     waiting: float | None = None
+    waiting_capacity: float | None = None  # of those waiting, how many wait for a slot (vLLM)
     kv_usage: float | None = None
     retracted: float | None = None  # gauge: requests retracted lately
     retractions_total: float | None = None  # counter: requests retracted/preempted since start
@@ -282,6 +286,7 @@ def metrics_from_text(text: str) -> Metrics:
     return Metrics(
         running=_first(sums, RUNNING),
         waiting=_first(sums, WAITING),
+        waiting_capacity=parse_metrics(text, (WAITING_BY_REASON,), label='reason="capacity"').get(WAITING_BY_REASON),
         kv_usage=kv,
         retracted=_first(sums, RETRACTED),
         retractions_total=_first(sums, RETRACTIONS_TOTAL),
@@ -305,12 +310,13 @@ def _first(sums: dict[str, float], names: tuple[str, ...]) -> float | None:
     return None
 
 
-def parse_metrics(text: str, wanted: tuple[str, ...], combine=None) -> dict[str, float]:
+def parse_metrics(text: str, wanted: tuple[str, ...], combine=None, label: str | None = None) -> dict[str, float]:
     """Each wanted Prometheus sample over its labels (one series per DP/TP rank):
-    summed, or combined by `combine` (e.g. max)."""
+    summed, or combined by `combine` (e.g. max); with `label` (`key="value"`), only
+    the series that carry it."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line or line[0] == "#":
+        if not line or line[0] == "#" or (label is not None and label not in line):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:

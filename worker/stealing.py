@@ -33,6 +33,7 @@ from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import LEASE_CHECK_STALE_S, Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
+from genq.worker.idle import IdlePace, wake_fleet
 
 log = logging.getLogger("genq.worker")
 
@@ -44,7 +45,8 @@ BATCHES_CACHED = 64
 class Stealer:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims,
-                 flushed: Callable[[], Awaitable[None]]) -> None:
+                 flushed: Callable[[], Awaitable[None]],
+                 job_config: Callable[[str], Awaitable[JobConfig | None]]) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
@@ -59,6 +61,8 @@ class Stealer:
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
         self._batches: OrderedDict[tuple[BatchRef, str], list[Prompt] | None] = OrderedDict()
+        self.job_config = job_config  # the job's settings if this engine may take its prompts (worker/models.py)
+        self.pace = IdlePace(held, dispatcher, lambda: self.borrowed, queue_key)  # the engine's idleness (worker/idle.py)
 
     @staticmethod
     def queue_key_of(conn: redis.Redis) -> str:
@@ -67,7 +71,7 @@ class Stealer:
     async def run(self) -> None:
         wait = STEAL_EVERY_S
         while True:
-            await asyncio.sleep(wait)
+            await self.pace.nap(wait)  # idle: until woken, or IDLE_LOOK_S
             try:
                 took = await self.pass_once()
             except (redis.RedisError, OSError) as exc:
@@ -77,7 +81,7 @@ class Stealer:
 
     def free_slots(self) -> int:
         d = self.dispatcher
-        return self.controller.target - len(d.running) - d.unsent
+        return self.controller.target - d.running.sequences - d.unsent
 
     async def pass_once(self) -> int:
         """Take up to the free slots' worth of prompts; how many were taken."""
@@ -93,6 +97,8 @@ class Stealer:
             return 0  # RQ hands the queue's batches out: the end of the job is not here yet
         took = 0
         for ref, holder, config in await self._leased_elsewhere():
+            if await self.job_config(ref.job) is None:
+                continue  # another model's job (worker/models.py)
             prompts = await self._batch(ref, config)
             if prompts is None:
                 continue
@@ -205,6 +211,9 @@ class Stealer:
 
     async def release_borrowed(self) -> None:
         """Once what was recorded is written: drop the claims, the holders send the rest."""
+        given = bool(self.borrowed)
         for ref, borrowed in list(self.borrowed.items()):
             await self.claims.unclaim(borrowed)
             self.borrowed.pop(ref, None)
+        if given:
+            await wake_fleet(self.conn)  # unclaimed prompts: an idle worker may take them now

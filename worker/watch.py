@@ -134,7 +134,7 @@ class ServerWatch:
 
     async def metrics_loop(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.controller.look_interval_s)  # faster while it learns a capacity
             if self.flags.server_down_since is not None or self.info is None or not self.info.has_metrics:
                 continue
             m = await self.client.metrics()
@@ -142,7 +142,7 @@ class ServerWatch:
                 continue
             self.metrics = m
             before = self.controller.target
-            self.controller.observe(m, len(self.dispatcher.running), self.dispatcher.unsent)
+            self.controller.observe(m, self.dispatcher.running.sequences, self.dispatcher.unsent)
             if self.controller.target != before:
                 log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
                 self.dispatcher.wake.set()

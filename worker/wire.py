@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from genq.core.records import Usage
+from genq.core.records import Choice, Usage
 
 
 @dataclass
@@ -48,13 +48,21 @@ class _WireMessage(msgspec.Struct):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name
+    # Whole calls in an answer; in a stream, pieces: {"index", "id"?, "function": {"name"?, "arguments"}}.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class _WireChoice(msgspec.Struct):
+    index: int = 0
     delta: _WireMessage | None = None
     message: _WireMessage | None = None
     text: str | None = None
     finish_reason: str | None = None
+    # Only when asked for (null otherwise): the OpenAI logprobs object of this choice (or of
+    # this stream chunk's tokens).
+    logprobs: dict[str, Any] | None = None
+    matched_stop: int | str | None = None  # SGLang
+    stop_reason: int | str | None = None  # vLLM's name
 
 
 class _WireAnswer(msgspec.Struct):
@@ -82,13 +90,25 @@ class Failure:
 
 @dataclass
 class Completion:
-    text: str
-    reasoning: str | None
-    finish_reason: str | None
+    """A whole answer: every choice in index order (one unless the request asked for n > 1)."""
+
+    choices: list[Choice]
     usage: Usage
     model: str
     response_id: str | None
 
+    # The first choice, what a request for one sample is about.
+    @property
+    def text(self) -> str:
+        return self.choices[0].completion
+
+    @property
+    def reasoning(self) -> str | None:
+        return self.choices[0].reasoning_content
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
 
 
 def _error_message(raw: bytes) -> str:
@@ -128,43 +148,39 @@ def _event_failure(err: Any, mid_stream: bool = False) -> Failure:
     return Failure("server_error", message, status)
 
 
-def _usage(raw: Any) -> Usage:
-    if not isinstance(raw, dict):
-        return Usage()
-    details = raw.get("completion_tokens_details") or {}
-    reasoning = raw.get("reasoning_tokens")
-    if reasoning is None and isinstance(details, dict):
-        reasoning = details.get("reasoning_tokens")
-    return Usage(
-        prompt_tokens=int(raw.get("prompt_tokens") or 0),
-        completion_tokens=int(raw.get("completion_tokens") or 0),
-        reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None,
-    )
-
-
 def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
     """A non-streamed answer. Raises msgspec.DecodeError if it is not JSON."""
     try:
         answer = _answer_decode(raw)
     except msgspec.ValidationError:
-        return _parse_completion(_json_decode(raw), model)
-    if not answer.choices or answer.error is not None or answer.object == "error":
-        return _parse_completion(_json_decode(raw), model)  # errors and oddities: the generic path
-    choice = answer.choices[0]
-    message = choice.message
-    if message is not None:
-        text = message.content or ""
-        reasoning = message.reasoning_content or message.reasoning
-    else:
-        text, reasoning = choice.text or "", None
-    return Completion(
-        text=text,
-        reasoning=reasoning,
-        finish_reason=choice.finish_reason,
-        usage=_wire_usage(answer.usage),
-        model=answer.model or model,
-        response_id=answer.id,
-    )
+        generic = _generic_answer(_json_decode(raw))
+        if isinstance(generic, Failure):
+            return generic
+        answer = generic
+    if answer.error is not None or answer.object == "error":
+        return _event_failure(answer.error if answer.error is not None else _json_decode(raw))
+    if not answer.choices:
+        return Failure("protocol", "response has no choices")
+    usage = _wire_usage(answer.usage)
+    choices = []
+    for wire in sorted(answer.choices, key=lambda c: c.index):
+        message = wire.message
+        tool_calls = None
+        if message is not None:
+            text, reasoning = message.content or "", message.reasoning_content or message.reasoning
+            tool_calls = message.tool_calls or None  # vLLM answers [] without a call
+        else:
+            text, reasoning = wire.text or "", None
+        choices.append(Choice(index=wire.index, completion=text, finish_reason=wire.finish_reason,
+                              reasoning_content=reasoning, logprobs=wire.logprobs,
+                              matched_stop=_stop_of(wire), tool_calls=tool_calls))
+    if len(choices) == 1:  # a whole answer counts only the request's tokens: one choice has them all
+        choices[0].completion_tokens = usage.completion_tokens
+    return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
+
+
+def _stop_of(choice: _WireChoice) -> int | str | None:
+    return choice.matched_stop if choice.matched_stop is not None else choice.stop_reason
 
 
 def _wire_usage(raw: _WireUsage | None) -> Usage:
@@ -180,122 +196,54 @@ def _wire_usage(raw: _WireUsage | None) -> Usage:
     )
 
 
-def _parse_completion(body: Any, model: str) -> Completion | Failure:
-    if not isinstance(body, dict) or not body.get("choices"):
-        if isinstance(body, dict) and ("error" in body or body.get("object") == "error"):
-            return _event_failure(body.get("error", body))
-        return Failure("protocol", "response has no choices")
-    choice = body["choices"][0]
-    message = choice.get("message")
-    if message is not None:
-        text = message.get("content") or ""
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-    else:
-        text, reasoning = choice.get("text") or "", None
-    return Completion(
-        text=text,
-        reasoning=reasoning,
-        finish_reason=choice.get("finish_reason"),
-        usage=_usage(body.get("usage")),
-        model=body.get("model") or model,
-        response_id=body.get("id"),
-    )
-
-
-
-class _StreamState:
-    """What the events of one stream have said so far."""
-
-    __slots__ = ("text", "reasoning", "finish_reason", "usage", "response_id", "model", "done", "events")
-
-    def __init__(self, model: str) -> None:
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.finish_reason: str | None = None
-        self.usage: _WireUsage | None = None
-        self.response_id: str | None = None
-        self.model = model
-        self.done = False
-        self.events = 0  # events before this one
-
-    def feed(self, payload: bytes, progress: Progress) -> Failure | None:
-        if payload == b"[DONE]":
-            self.done = True
-            return None
-        try:
-            event = _answer_decode(payload)
-        except msgspec.ValidationError:
-            generic = _generic_event(_json_decode(payload))
-            if isinstance(generic, Failure):
-                return generic
-            event = generic
-        if event.error is not None:  # the engines report errors in a running stream this way, on HTTP 200
-            return _event_failure(event.error, mid_stream=self.events > 0)
-        self.events += 1
-        usage = event.usage
-        if usage is not None:
-            self.usage = usage
-            if usage.completion_tokens:
-                progress.tokens = usage.completion_tokens
-        elif self.usage is None:
-            progress.tokens += 1  # no usage stats: count events
-        if self.response_id is None:
-            self.response_id = event.id
-        if event.model:
-            self.model = event.model
-        if event.choices:
-            for choice in event.choices:
-                delta = choice.delta
-                if delta is not None:
-                    if delta.content:
-                        self.text.append(delta.content)
-                    piece = delta.reasoning_content or delta.reasoning
-                    if piece:
-                        self.reasoning.append(piece)
-                elif choice.text:
-                    self.text.append(choice.text)
-                if choice.finish_reason:
-                    self.finish_reason = choice.finish_reason
-        return None
-
-    def completion(self) -> Completion:
-        return Completion(
-            text="".join(self.text),
-            reasoning="".join(self.reasoning) if self.reasoning else None,
-            finish_reason=self.finish_reason,
-            usage=_wire_usage(self.usage),
-            model=self.model,
-            response_id=self.response_id,
-        )
-
-
-def _generic_event(event: Any) -> _WireAnswer | Failure:
-    """A stream event the typed decoder refused (a field of another type): read it as
-    a dict, keeping only what genq uses."""
-    if not isinstance(event, dict):
-        return Failure("protocol", f"stream event is not a JSON object: {str(event)[:200]}")
-    if event.get("error") is not None:
-        return _WireAnswer(error=event["error"])
-    raw_usage = event.get("usage")
+def _generic_answer(body: Any) -> _WireAnswer | Failure:
+    """An answer or stream event the typed decoder refused (a field of another type): read
+    it as a dict, keeping only what genq uses."""
+    if not isinstance(body, dict):
+        return Failure("protocol", f"answer is not a JSON object: {str(body)[:200]}")
+    if body.get("error") is not None:
+        return _WireAnswer(error=body["error"])
+    if body.get("object") == "error":
+        return _WireAnswer(error=body)
+    raw_usage = body.get("usage")
     usage = None
     if isinstance(raw_usage, dict):
-        u = _usage(raw_usage)
-        usage = _WireUsage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                           reasoning_tokens=u.reasoning_tokens)
+        details = raw_usage.get("completion_tokens_details")
+        usage = _WireUsage(prompt_tokens=_int_or_none(raw_usage.get("prompt_tokens")),
+                           completion_tokens=_int_or_none(raw_usage.get("completion_tokens")),
+                           reasoning_tokens=_int_or_none(raw_usage.get("reasoning_tokens")),
+                           completion_tokens_details=details if isinstance(details, dict) else None)
     choices = []
-    for choice in event.get("choices") or ():
+    for choice in body.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        delta = choice.get("delta")
-        wire_delta = None
-        if isinstance(delta, dict):
-            wire_delta = _WireMessage(content=_str_or_none(delta.get("content")),
-                                      reasoning_content=_str_or_none(delta.get("reasoning_content")),
-                                      reasoning=_str_or_none(delta.get("reasoning")))
-        choices.append(_WireChoice(delta=wire_delta, text=_str_or_none(choice.get("text")),
-                                   finish_reason=_str_or_none(choice.get("finish_reason"))))
-    return _WireAnswer(id=_str_or_none(event.get("id")), model=_str_or_none(event.get("model")),
-                       choices=choices, usage=usage)
+        index, logprobs = choice.get("index"), choice.get("logprobs")
+        choices.append(_WireChoice(
+            index=index if isinstance(index, int) else 0,
+            delta=_generic_message(choice.get("delta")), message=_generic_message(choice.get("message")),
+            text=_str_or_none(choice.get("text")), finish_reason=_str_or_none(choice.get("finish_reason")),
+            logprobs=logprobs if isinstance(logprobs, dict) else None,
+            matched_stop=_stop_value(choice.get("matched_stop")), stop_reason=_stop_value(choice.get("stop_reason"))))
+    return _WireAnswer(id=_str_or_none(body.get("id")), model=_str_or_none(body.get("model")),
+                       object=_str_or_none(body.get("object")), choices=choices, usage=usage)
+
+
+def _generic_message(message: Any) -> _WireMessage | None:
+    if not isinstance(message, dict):
+        return None
+    calls = message.get("tool_calls")
+    return _WireMessage(content=_str_or_none(message.get("content")),
+                        reasoning_content=_str_or_none(message.get("reasoning_content")),
+                        reasoning=_str_or_none(message.get("reasoning")),
+                        tool_calls=[c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else None)
+
+
+def _stop_value(value: Any) -> int | str | None:
+    return value if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _str_or_none(value: Any) -> str | None:

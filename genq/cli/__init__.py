@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from genq.core.redisconn import ENV_VAR, mask_url, resolve_url
+from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, mask_url, parse, resolve_url
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "concurrency": "genq.cli.control:concurrency",
     "export": "genq.cli.export:export",
     "jobs": "genq.cli.control:jobs",
+    "status": "genq.cli.status:status",
 }
 
 
@@ -41,11 +42,43 @@ class LazyGroup(click.Group):
             return None
         module, attr = target.split(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            command = getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as exc:
             if exc.name == module:
                 return None
             raise
+        return _with_global_options(command)
+
+
+def _set_redis(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:  # given after the subcommand: it overrides the group's (and the env's)
+        ctx.ensure_object(Settings).redis_url = checked_url(value)
+
+
+def _with_global_options(command: click.Command) -> click.Command:
+    """The group's --redis, accepted after the subcommand too (`genq worker ... --redis URL`),
+    on the subcommand and on every subcommand of a subgroup (`genq dlq list --redis URL`)."""
+    if not any(p.name == "subcommand_redis" for p in command.params):
+        command.params.append(click.Option(["--redis", "subcommand_redis"], metavar="URL", expose_value=False,
+                                           is_eager=True, callback=_set_redis,
+                                           help="Redis URL: the same as genq --redis URL (see genq --help)."))
+    for sub in getattr(command, "commands", {}).values():
+        _with_global_options(sub)
+    return command
+
+
+class BadURL(click.ClickException):
+    """A Redis URL genq cannot use: bad usage (exit 2), said in one line."""
+
+    exit_code = 2
+
+
+def checked_url(url: str) -> str:
+    try:
+        parse(url)
+    except BadRedisURL as exc:
+        raise BadURL(str(exc)) from None
+    return url
 
 
 def _available(name: str) -> bool:
@@ -54,13 +87,10 @@ def _available(name: str) -> bool:
 
 
 class Concurrency(click.ParamType):
-    """Requests in flight: 'auto' (None) or a whole number; `genq concurrency` also takes 0
-    for auto, as the Control record stores it."""
+    """Requests in flight: 'auto' (None) or a whole number of at least 1 (0 would mean
+    nothing: no request could be sent; auto is asked for by name)."""
 
     name = "auto|N"
-
-    def __init__(self, *, zero_is_auto: bool = False) -> None:
-        self.zero_is_auto = zero_is_auto
 
     def convert(self, value, param, ctx):
         if value is None or str(value).lower() == "auto":
@@ -69,9 +99,23 @@ class Concurrency(click.ParamType):
             number = int(value)
         except ValueError:
             self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
-        if number < (0 if self.zero_is_auto else 1):
-            self.fail("must be a positive number (or auto)" if self.zero_is_auto else "must be at least 1", param, ctx)
-        return number or None
+        if number < 1:
+            self.fail(f"{number} is not a cap: give at least 1, or auto to follow the server", param, ctx)
+        return number
+
+
+class JobName(click.ParamType):
+    """A job name as keys.check_job_name allows it: a bad one is bad usage (exit 2)."""
+
+    name = "NAME"
+
+    def convert(self, value, param, ctx):
+        from genq.core.keys import check_job_name
+
+        try:
+            return check_job_name(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 class Settings:
@@ -92,13 +136,13 @@ class Settings:
     envvar=ENV_VAR,
     default=None,
     metavar="URL",
-    help=f"Redis URL (redis:// or rediss://; env {ENV_VAR}; default redis://127.0.0.1:6379/0). "
-    "Passwords are masked in all output.",
+    help=f"Redis URL, before or after the subcommand (env {ENV_VAR}; default redis://127.0.0.1:6379/0). "
+    f"Forms: {FORMS}. Passwords are masked in all output; docs/operations.md has every form.",
 )
 @click.version_option(package_name="genq")
 @click.pass_context
 def cli(ctx: click.Context, redis_url: str | None) -> None:
-    """genq: batch LLM generation over a fleet of SGLang/vLLM servers, queued in Redis.
+    """genq: batch LLM generation over a fleet of SGLang, vLLM or llama.cpp (llama-server) servers, queued in Redis.
 
     \b
     Typical run:
@@ -115,7 +159,7 @@ def cli(ctx: click.Context, redis_url: str | None) -> None:
       3    partly done: some input lines or DLQ entries were skipped (each one named)
       130  interrupted (Ctrl-C)
     """
-    ctx.obj = Settings(resolve_url(redis_url))
+    ctx.obj = Settings(checked_url(resolve_url(redis_url)))
 
 
 def settings(ctx: click.Context) -> Settings:

@@ -19,11 +19,13 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from genq.cli import Concurrency, jobset, settings
+from genq.cli import Concurrency, JobName, jobset, settings
 from genq.core import keys
+from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
 from genq.ops.settings import describe_block
+from genq.worker.models import servable_jobs
 
 
 def _console() -> Console:
@@ -70,9 +72,11 @@ def _batches(row: control.WorkerRow, limit: int = 3) -> str:
     return f"{len(row.batches)}: {shown}{more}"
 
 
-def workers_table(rows: list[control.WorkerRow], title: str | None = None) -> Table:
+def workers_table(rows: list[control.WorkerRow], title: str | None = None,
+                  serves: dict[str, list[str]] | None = None) -> Table:
     table = Table(title=title, show_edge=False, header_style="bold")
     for col, justify in (("worker", "left"), ("host", "left"), ("gpu", "right"), ("server", "left"),
+                         ("model: jobs it serves", "left"),
                          ("state", "left"), ("batches", "left"), ("in flight", "right"), ("queued", "right"),
                          ("tok/s", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
         # One line per worker; a long note (a connection error) is cut: --json has it whole.
@@ -85,6 +89,7 @@ def workers_table(rows: list[control.WorkerRow], title: str | None = None) -> Ta
         flight = f"{r.in_flight}/{r.target}" + (f" cap {r.cap}" if r.cap else "") if live else ""
         table.add_row(
             r.name, r.host or "?", r.gpu if r.gpu is not None else "-", r.server or "",
+            f"{r.model or '?'}: {', '.join((serves or {}).get(r.name, [])) or '-'}" if live else "",
             f"[{styles.get(r.state, '')}]{r.state}[/]" if styles.get(r.state) else r.state,
             _batches(r), flight, str(r.queued) if live else "", f"{r.tok_per_s:,.0f}" if live else "",
             str(r.done) if r.state != control.LOST else "", _age(r.heartbeat_age_s), r.note or "",
@@ -102,8 +107,10 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     \b
     States: busy, idle, paused, draining, server_down (its server is not
     answering /health; it holds its batches and takes no new ones), stopped
-    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable; RQ
-    puts its batches back in the queue within about a minute and a half).
+    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable). A
+    lost worker's batches run elsewhere 30-40 s after it died: its engine's
+    liveness key lapses after 10 s and the reconciler every worker runs every
+    10 s queues them again (docs/operations.md has the measurement).
     "in flight" is requests running / the worker's current target.
     """
     with _redis(ctx) as conn:
@@ -113,8 +120,11 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
             rows = [r for r in rows if r.live]
             if gone and not as_json:
                 click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
+        # Which jobs each can serve: those for its server's model or `auto` (worker/models.py).
+        jobs = list_jobs(conn)
+        serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
-        click.echo(msgspec.json.encode([r.to_json() for r in rows]).decode())
+        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name)} for r in rows]).decode())
         return
     if not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")
@@ -124,7 +134,7 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         counts[r.state] = counts.get(r.state, 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
     console = _console()
-    console.print(workers_table(rows))
+    console.print(workers_table(rows, serves=serves))
     console.print(f"{len(rows)} worker(s): {summary}; "
                   f"{sum(r.tok_per_s for r in rows if r.live):,.0f} tok/s in all")
 
@@ -158,7 +168,7 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         table.add_column(col, justify="right" if col in ("total", "done", "failed", "remaining") else "left",
                          no_wrap=True)
     for r in rows:
-        pct = f" ({100 * r.done / r.total:.0f}%)" if r.total else ""
+        pct = f" ({_floor_percent(r.done, r.total)})" if r.total else ""
         table.add_row(r.name, r.state, f"{r.total:,}", f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}",
                       f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
     console = _console()
@@ -170,8 +180,14 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         console.print("all jobs are paused (genq resume)")
 
 
+def _floor_percent(part: int, whole: int) -> str:
+    """Rounded down: 1,995 of 2,000 is 99.7%, never "100%" beside prompts still missing or failed."""
+    tenths = 1000 * part // whole
+    return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
+
+
 @jobs.command("delete")
-@click.argument("job")
+@click.argument("job", type=JobName())
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
 @click.pass_context
@@ -219,7 +235,7 @@ def _deletion_summary(found: control.JobDeletion) -> str:
 
 
 @click.command()
-@click.option("--job", default=None, help="Pause only this job. [default: every job]")
+@click.option("--job", type=JobName(), default=None, help="Pause only this job. [default: every job]")
 @click.pass_context
 def pause(ctx: click.Context, job: str | None) -> None:
     """Stop sending new requests; requests in flight finish, held batches are kept.
@@ -239,7 +255,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
 
 
 @click.command()
-@click.option("--job", default=None, help="Resume only this job. [default: lift the global pause]")
+@click.option("--job", type=JobName(), default=None, help="Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:
     """Undo `genq pause` (global, or one job's)."""
@@ -284,8 +300,8 @@ def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyon
 @click.command()
 @_selector_options
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
-@click.option("--timeout", type=click.FloatRange(0), default=None,
-              help="With --wait: give up waiting after this many seconds (exit 1).")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+              help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 @click.pass_context
 def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, wait: bool,
           timeout: float | None) -> None:
@@ -353,7 +369,7 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
 
 @click.command()
 @_selector_options
-@click.argument("value", type=Concurrency(zero_is_auto=True))
+@click.argument("value", type=Concurrency())
 @click.pass_context
 def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
                 value: int | None) -> None:

@@ -14,7 +14,7 @@ import click
 import redis
 from rich.console import JustifyMethod
 
-from genq.cli import settings
+from genq.cli import JobName, settings
 from genq.cli.jobset import generation_options, given_generation
 from genq.core.redisconn import connect, describe_error
 from genq.ops import dlq as core
@@ -44,7 +44,7 @@ def _conn(ctx: click.Context) -> redis.Redis:
     return connect(settings(ctx).redis_url)
 
 
-job_option = click.option("--job", default=None, metavar="NAME", help="Only this job. [default: all jobs]")
+job_option = click.option("--job", type=JobName(), default=None, metavar="NAME", help="Only this job. [default: all jobs]")
 
 
 @click.group()
@@ -52,7 +52,7 @@ def dlq() -> None:
     """Inspect, requeue or purge what genq gave up on.
 
     \b
-    Two kinds of entries:
+    Three kinds of entries:
       prompts        a prompt failed for good: the server rejected it (bad_request,
                      e.g. longer than the context) or its attempts ran out
                      (server_error, timeout, connection, protocol). Id: the prompt id.

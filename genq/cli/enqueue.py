@@ -15,11 +15,13 @@ from collections.abc import Iterator
 import click
 import redis
 
-from genq.cli import settings
+from genq.cli import JobName, settings
+from genq.cli.readprogress import ReadProgress
 from genq.core import keys
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
+from genq.core.words import plural
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
 from genq.producer.params import ParamError, check_params
@@ -37,7 +39,7 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 
 @click.command()
 @click.argument("input_uri", metavar="INPUT")
-@click.option("--job", required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job.")
+@click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job.")
 @click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=None, help="Prompts per batch (one RQ job each). [default: 256]")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="max_tokens sent with every request (always sent: SGLang otherwise runs to the context limit). [default: 4096]")
@@ -59,9 +61,12 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                    "that range themselves (a ranged GET on S3; for a local path, every worker must be able to read "
                    "it at the same absolute path). Needs uncompressed JSONL. Inline: the prompts go into Redis, "
                    "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
+@click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
+              "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
-            prompt_column: str | None, id_column: str | None, by_reference: bool | None, **options: object) -> None:
+            prompt_column: str | None, id_column: str | None, by_reference: bool | None, dry_run: bool,
+            **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -102,6 +107,10 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
+        if dry_run:
+            from genq.cli.dryrun import dry_run as check_only
+
+            sys.exit(check_only(conn, config, create, input_uri, rows))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
             summary = _run(conn, config, create, input_uri, rows, reference, rejects)
@@ -132,7 +141,7 @@ def _given_settings(options: dict[str, object]) -> dict[str, object]:
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
         try:
-            check_params(extra, "--extra-body")
+            check_params(extra, "--extra-body", given.get("endpoint"))  # type: ignore[arg-type]
         except ParamError as exc:
             raise ValueError(str(exc)) from None
         given["extra_body"] = extra
@@ -176,28 +185,39 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
          rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
+    reading = ReadProgress(input_uri)
 
     def progress(summary: EnqueueSummary) -> None:
         if show_progress:
-            rate = summary.read / max(time.monotonic() - started, 1e-9)
-            click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
+            click.echo(f"\r  {reading.line(summary.read, summary.enqueued)}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference).run(rows, on_progress=progress)
+    enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference)
+    summary = enqueuer.run(reading.track(rows), on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
         mode = f"by reference to {reference}" if reference else "inline"
         click.echo(
-            f"job {config.name}: queued {summary.enqueued:,} prompts in {summary.batches:,} batches ({mode}) "
+            f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
+            f"{plural(summary.batches, 'batch', 'batches')} ({mode}) "
             f"from {input_uri} in {time.monotonic() - started:.1f}s"
         )
     return summary
 
 
+def _emptiness(input_uri: str) -> str:
+    """What a file with no prompt and no rejected line holds: nothing, or only blank lines."""
+    if "://" in input_uri or not os.path.isfile(input_uri):
+        return "it is empty or holds only blank lines"
+    if input_uri.endswith(".parquet"):
+        return "it has no rows"
+    return "it is empty" if os.path.getsize(input_uri) == 0 else "it holds only blank lines (whitespace)"
+
+
 def _nothing_valid(summary: EnqueueSummary, rejects: RejectsFile, input_uri: str) -> None:
     """No valid line: a plain error, and nothing written (no job, no rejects file)."""
     if not summary.rejected:
-        raise click.ClickException(f"{input_uri} has no prompts (it is empty): nothing queued, no job created")
+        raise click.ClickException(f"{input_uri} has no prompts ({_emptiness(input_uri)}): nothing queued, no job created")
     _show_reasons(rejects, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
     raise click.ClickException(
         f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing queued, "
@@ -210,7 +230,7 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
     if summary.skipped_existing:
-        click.echo(f"  skipped {summary.skipped_existing:,} prompts already queued or done (same id, same content)")
+        click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
     if summary.skipped_duplicate:
         click.echo(f"  skipped {summary.skipped_duplicate:,} repeated lines (same id and content earlier in this input)")
     if not summary.rejected:
@@ -219,7 +239,7 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
         where = f"written to {rejects.path}"
     else:
         where = f"NOT written ({rejects.error}; give another place with --rejects)"
-    click.echo(f"  rejected {summary.rejected:,} lines, {where}:", err=True)
+    click.echo(f"  rejected {plural(summary.rejected, 'line')}, {where}:", err=True)
     _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 

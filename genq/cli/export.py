@@ -7,19 +7,20 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import settings
+from genq.cli import JobName, settings
 from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Prompt, unpack
 from genq.core.redisconn import connect, describe_error, mask_url
+from genq.core.words import plural
 from genq.output import export as exporting
 from genq.output.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name
 from genq.producer.batchinput import read_prompts
 
 
 @click.command()
-@click.option("--job", required=True, help="The job to export.")
+@click.option("--job", type=JobName(), required=True, help="The job to export.")
 @click.option("--to", "dest", required=True, metavar="FILE|DIR",
               help="Output file (local or s3://bucket/key), or a directory to write JOB.<format> into.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
@@ -124,8 +125,8 @@ def _status(conn: redis.Redis, job: str, known: bool) -> dict[str, int]:
 
 
 def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
-    click.echo(f"wrote {s.records:,} records ({_size(s.bytes)}, {s.bytes:,} bytes) to {s.path} "
-               f"from {s.shards:,} shards")
+    click.echo(f"wrote {plural(s.records, 'record')} ({_size(s.bytes)}, {s.bytes:,} bytes) to {s.path} "
+               f"from {plural(s.shards, 'shard')}")
     if s.duplicates:
         click.echo(f"  dropped {s.duplicates:,} duplicate records (same id in more than one shard; first kept)")
     if s.errors_path is not None:

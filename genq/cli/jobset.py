@@ -13,7 +13,7 @@ import click
 import msgspec
 import redis
 
-from genq.cli import settings
+from genq.cli import JobName, settings
 from genq.core.queueing import load_config
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
@@ -59,7 +59,7 @@ def _when(at: float) -> str:
 
 
 @click.command("set")
-@click.argument("job")
+@click.argument("job", type=JobName())
 @generation_options
 @click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
@@ -101,7 +101,7 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
 
 
 @click.command("show")
-@click.argument("job")
+@click.argument("job", type=JobName())
 @click.option("--json", "as_json", is_flag=True, help="The job's config, block and counts as one JSON object.")
 @click.pass_context
 def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:

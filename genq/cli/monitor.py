@@ -10,7 +10,7 @@ import time
 import click
 import redis
 
-from genq.cli import settings
+from genq.cli import JobName, settings
 from genq.core.redisconn import connect, describe_error
 from genq.core.state import FINISHED_STATUSES
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
@@ -18,7 +18,7 @@ from genq.output.local import write_atomic
 
 
 @click.command()
-@click.option("--job", default=None, help="Job to show. [default: the only job, or every job]")
+@click.option("--job", type=JobName(), default=None, help="Job to show. [default: the only job, or every job]")
 @click.option("--once", is_flag=True, help="Print one report and exit (rate from the workers' own records: less certain).")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON instead of the live view: one document with --once, else one line per refresh.")

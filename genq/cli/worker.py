@@ -13,6 +13,8 @@ from click.core import ParameterSource
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
 
+BURST_SERVER_WAIT_S = 30.0  # --burst --server: how long a server that does not answer is waited for
+
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(
@@ -20,7 +22,6 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-
 
 @click.command()
 @click.option("--server", "server_url", default=None, metavar="URL", help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
@@ -30,7 +31,7 @@ def setup_logging(level: str) -> None:
 @click.option("--launch", default=None, metavar="COMMAND", help="With --gpus: start and supervise each GPU's server with COMMAND (split like a shell, run without one; {port} and {gpu} substituted, nothing else), with CUDA_VISIBLE_DEVICES set to the GPU. It is restarted when it exits or /health fails for --server-health-timeout; its output goes to LOG_DIR/server-gpuN.log. E.g. \"python -m sglang.launch_server --model-path M --port {port} --enable-metrics\".")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("genq-logs"), show_default=True, help="With --gpus: server-gpuN.log, worker-gpuN.log and their .pid files.")
 @click.option("--max-restarts", type=click.IntRange(0), default=10, show_default=True, help="With --gpus: restarts in a row (1 s backoff, doubling to 60 s) before a GPU's server or worker is given up; 10 minutes of good running resets the count.")
-@click.option("--server-start-timeout", type=click.FloatRange(1), default=1800, show_default=True, help="Seconds a starting server may take to answer /health (model loading): with --launch it is then restarted; a --burst worker gives up with an error (exit 1). Without either the worker waits, saying so.")
+@click.option("--server-start-timeout", type=click.FloatRange(1), default=1800, show_default=True, help=f"Seconds a starting server may take to answer /health (model loading): with --launch it is then restarted. A --burst worker with --server gives up (exit 1) after this if given, else after {BURST_SERVER_WAIT_S:.0f} s (its server should be up already). Otherwise the worker waits, saying so.")
 @click.option("--server-health-timeout", type=click.FloatRange(0.5), default=60, show_default=True, help="With --launch: seconds /health may fail, after the server has answered once, before it is restarted.")
 @click.option("--health-interval", type=click.FloatRange(0.1), default=5, show_default=True, help="With --launch: seconds between /health checks of a healthy server.")
 @click.option("--gpu", type=click.IntRange(0), default=None, help="With --server: GPU index this server runs on (telemetry, default worker name).")
@@ -47,7 +48,7 @@ def setup_logging(level: str) -> None:
 @click.option("--server-crash-limit", type=click.IntRange(1, 100), default=3, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
 @click.option("--grace-period", type=click.FloatRange(0), default=60, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=1.0, show_default=True, help="First retry delay in seconds; doubles per attempt (with jitter), capped at 60.")
-@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=10, show_default=True, help="RQ job heartbeat; a batch of a killed worker is recovered after this + 60 s.")
+@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=10, show_default=True, help="RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within 30-40 s of the kill: see genq workers --help).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
@@ -85,6 +86,10 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
 
     if not options["burst"]:
         options["server_start_timeout"] = None  # a long-lived worker waits for its server, saying so
+    elif ctx.get_parameter_source("server_start_timeout") is ParameterSource.DEFAULT:
+        # A burst worker is run to empty a queue against a server that is up: a dead port (a typo,
+        # a server that died) is said, finally, in seconds, not after the 30 minutes a model may load.
+        options["server_start_timeout"] = BURST_SERVER_WAIT_S
     opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)
     raise SystemExit(asyncio.run(run_engine(opts)))
 

@@ -134,8 +134,28 @@ class Usage(msgspec.Struct, omit_defaults=True):
     reasoning_tokens: int | None = None
 
 
+class Choice(msgspec.Struct, omit_defaults=True):
+    """One of the n samples of a request that asked for n > 1 (Result.choices)."""
+
+    index: int
+    completion: str
+    finish_reason: str | None
+    # This sample's own length, when the server said it (streamed answers do, per index,
+    # with continuous usage stats); None when it gave only the request's total (non-streamed).
+    completion_tokens: int | None = None
+    reasoning_content: str | None = None
+    logprobs: dict[str, Any] | None = None  # as Result.logprobs
+    matched_stop: int | str | None = None  # as Result.matched_stop
+    tool_calls: list[dict[str, Any]] | None = None  # as Result.tool_calls
+
+
 class Result(msgspec.Struct, omit_defaults=True):
-    """One completed prompt: a line of a shard."""
+    """One completed prompt: a line of a shard.
+
+    A request for n > 1 samples has them all in `choices`, in index order; completion,
+    reasoning_content, finish_reason, logprobs, matched_stop and tool_calls are then choice 0's, so a
+    reader that knows only them reads a real sample. usage is the whole request's
+    (completion_tokens: the sum over the choices). docs/fidelity.md lists every field."""
 
     id: str
     job: str
@@ -156,6 +176,17 @@ class Result(msgspec.Struct, omit_defaults=True):
     response_id: str | None = None
     finished_at: float = 0.0
     settings_version: int = 0  # JobConfig.settings_version the request was sent with (0: before versions)
+    choices: list[Choice] | None = None  # n > 1 only
+    # The server's logprobs object of the choice, only when the request asked for logprobs:
+    # chat {"content": [{token, logprob, bytes, top_logprobs}]}, completions {"tokens",
+    # "token_logprobs", "top_logprobs", "text_offset"}; a stream's pieces concatenated.
+    logprobs: dict[str, Any] | None = None
+    # What stopped generation, when the request set stop or stop_token_ids: SGLang's
+    # matched_stop, vLLM's stop_reason (the stop string, or the token id; None for EOS/length).
+    matched_stop: int | str | None = None
+    # The calls the model made when the request offered tools: OpenAI's message.tool_calls,
+    # [{"id", "type": "function", "function": {"name", "arguments"}}]; a stream's pieces merged.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def without_prompt(result: Result) -> Result:
@@ -258,6 +289,9 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     concurrency_limit: int | None = None  # --concurrency N (a cap), None for auto
     server_capacity: int | None = None
     in_flight: int = 0
+    # Sequences those requests are on the server: more than in_flight when requests ask for
+    # n > 1 samples (SGLang and vLLM run each choice as a sequence); 0 from older workers.
+    sequences: int = 0
     queued: int = 0
     batches: list[BatchRef] = []
     prefetch: int = 2  # genq worker --prefetch: batches held at least while the queue lasts
@@ -271,6 +305,10 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     gpu_sample: GpuSample | None = None
     gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
     note: str | None = None  # why the server is down, or what the worker waits for
+    # Failed request attempts per job (errors is the worker's total since it started): the
+    # monitor's per-job table shows these, so one job's errors do not show on the next.
+    job_errors: dict[str, int] = {}
+    model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
 
 
 class Control(msgspec.Struct, omit_defaults=True):

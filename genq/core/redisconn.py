@@ -1,55 +1,259 @@
-"""Redis connections and URL masking (URLs may carry passwords and TLS)."""
+"""Redis connections and URL masking (URLs may carry passwords and TLS).
+
+Every genq process (commands, workers, their RQ loops) makes its connections here, so every
+URL form works the same everywhere:
+
+    redis://[[user]:password@]host[:6379][/db][?option=value...]
+    rediss://...                                    TLS (the handshake times out like a connect)
+    unix://[[user]:password@]/path/redis.sock[?db=N]
+    redis+sentinel://[[user]:password@]host[:26379][,host2[:port]...]/service[/db][?sentinel_password=...]
+
+The userinfo is everything before the last '@', split at its first ':', so a password may
+hold '/', '#', '?', ':' or '@' as typed; percent-encoding (%2F, %23, %40, %3A) works too, and
+a literal '%' must be written %25. Errors about a URL never show its password.
+"""
 
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel as aiosentinel
+import redis.sentinel
+
+from genq.core.replicated import AsyncReplicatedRedis, ReplicatedRedis
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 ENV_VAR = "GENQ_REDIS_URL"
+SENTINEL_SCHEME = "redis+sentinel"
+SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
+SENTINEL_PORT = 26379
+# A connect, and a TLS handshake, that takes longer than this is not going to succeed: say so
+# (the OS default is minutes for a connect, and forever for a handshake with a plaintext Redis).
+CONNECT_TIMEOUT_S = 5.0
+SECRET_PARAMS = ("password", "sentinel_password")
+FORMS = "redis://host:6379/0, rediss://..., unix:///path/redis.sock, redis+sentinel://host:26379/service/0"
+
+
+class BadRedisURL(ValueError):
+    """A URL genq cannot use; the message is one line and never holds the password."""
 
 
 def resolve_url(url: str | None) -> str:
     return url or os.environ.get(ENV_VAR) or DEFAULT_URL
 
 
+@dataclass(frozen=True)
+class _Parts:
+    scheme: str
+    user: str | None  # decoded; None: no userinfo at all
+    password: str | None  # decoded; None: no ':' in the userinfo
+    rest: str  # after the userinfo: host[:port][/path][?query] (or /path for unix)
+
+    def userinfo(self, masked: bool = False) -> str:
+        if self.user is None:
+            return ""
+        user = quote(self.user, safe="")
+        if self.password is None:  # redis-py reads a lone userinfo as the password: mask it
+            return "***@" if masked else f"{user}@"
+        return f"{user}:{'***' if masked else quote(self.password, safe='')}@"
+
+
+def _split(url: str) -> _Parts:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise BadRedisURL(f"the Redis URL has no scheme: use one of {FORMS}")
+    scheme = scheme.lower()
+    user = password = None
+    if "@" in rest:
+        userinfo, _, rest = rest.rpartition("@")
+        raw_user, colon, raw_password = userinfo.partition(":")
+        user = unquote(raw_user)
+        password = unquote(raw_password) if colon else None
+    return _Parts(scheme, user, password, rest)
+
+
+def _mask_query(rest: str) -> str:
+    head, q, query = rest.partition("?")
+    if not q:
+        return rest
+    params = []
+    for param in query.split("&"):
+        name, eq, _ = param.partition("=")
+        params.append(f"{name}=***" if eq and name.lower() in SECRET_PARAMS else param)
+    return f"{head}?{'&'.join(params)}"
+
+
 def mask_url(url: str) -> str:
-    """The URL with every password replaced by ***, whatever form it takes.
-
-    redis://user:secret@h:6379/0, redis://:secret@h, redis://secret@h (redis-py reads a
-    lone userinfo as the password), rediss://..., unix://user:secret@/path.sock, and
-    ?password=secret in the query (redis-py honours it for every scheme).
-    """
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{hostport}" if colon else f"***@{hostport}"
-    query = "&".join(_mask_param(p) for p in parts.query.split("&")) if parts.query else parts.query
-    if netloc == parts.netloc and query == parts.query:
-        return url
-    # Assembled by hand: urlunsplit drops the empty host of unix:///path.
-    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-            + (f"#{parts.fragment}" if parts.fragment else ""))
+    """The URL with every password replaced by ***, whatever form it takes."""
+    try:
+        parts = _split(url)
+    except BadRedisURL:
+        return "(a Redis URL without a scheme)"
+    masked = f"{parts.scheme}://{parts.userinfo(masked=True)}{_mask_query(parts.rest)}"
+    # Unchanged URLs come back exactly as given (scheme case and all).
+    return url if "***" not in masked and parts.user is None else masked
 
 
-def _mask_param(param: str) -> str:
-    name, eq, _ = param.partition("=")
-    return f"{name}=***" if eq and name.lower() == "password" else param
+def _secrets(parts: _Parts) -> list[str]:
+    found = [s for s in (parts.user if parts.password is None else None, parts.password) if s]
+    for name, value in parse_qsl(parts.rest.partition("?")[2]):
+        if name.lower() in SECRET_PARAMS and value:
+            found.append(value)
+    return found + [quote(s, safe="") for s in found]
+
+
+def scrub(text: str, url: str) -> str:
+    """text with every password of url (raw or encoded) replaced by *** (for library messages)."""
+    try:
+        secrets = _secrets(_split(url))
+    except BadRedisURL:
+        return text
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+class _TimedSSLConnection(redis.SSLConnection):
+    """redis-py times the TCP connect but not the TLS handshake after it (the socket is in
+    blocking mode by then): rediss:// against a plaintext Redis waited forever."""
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:
+        sock.settimeout(self.socket_connect_timeout)
+        wrapped = super()._wrap_socket_with_ssl(sock)
+        wrapped.settimeout(self.socket_timeout)
+        return wrapped
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a URL says to connect to: a plain (or TLS, or unix) Redis, or a Sentinel service."""
+
+    url: str  # normalized: userinfo percent-encoded, as redis-py's from_url reads it
+    scheme: str
+    sentinels: list[tuple[str, int]] = field(default_factory=list)
+    service: str = ""
+    db: int = 0
+    master_kwargs: dict[str, Any] = field(default_factory=dict)  # credentials and options for the master
+    sentinel_kwargs: dict[str, Any] = field(default_factory=dict)
+    wait_replicas: int = 1  # Sentinel only: replicas that must have each write (genq/core/replicated.py)
+
+
+def _defaults(scheme: str) -> dict[str, Any]:
+    kw: dict[str, Any] = {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S}
+    if scheme != "unix":  # a unix socket has no TCP keepalive (redis-py refuses the option)
+        kw["socket_keepalive"] = True
+    return kw
+
+
+def _bad(url: str, why: str) -> BadRedisURL:
+    return BadRedisURL(f"bad Redis URL {mask_url(url)}: {scrub(why, url)}")
+
+
+def _host_port(text: str, url: str) -> tuple[str, int]:
+    if text.startswith("["):  # [::1]:26379
+        host, _, tail = text[1:].partition("]")
+        port_text = tail[1:] if tail.startswith(":") else ""
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise _bad(url, "a Sentinel address has no host")
+    if not port_text:
+        return host, SENTINEL_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise _bad(url, f"the Sentinel port {port_text!r} is not a port number")
+    return host, int(port_text)
+
+
+def _sentinel_target(url: str, parts: _Parts) -> Target:
+    head, _, query = parts.rest.partition("?")
+    hosts, _, path = head.partition("/")
+    names = [p for p in path.split("/") if p]
+    if not hosts or not names or len(names) > 2:
+        raise _bad(url, "a Sentinel URL is redis+sentinel://host:26379[,host2:port]/service[/db]")
+    if len(names) == 2 and not names[1].isdigit():
+        raise _bad(url, f"the database {names[1]!r} is not a number")
+    options = dict(parse_qsl(query))
+    sentinel_password = options.pop("sentinel_password", None)
+    wait_replicas = options.pop("wait_replicas", "1")
+    if not wait_replicas.isdigit():
+        raise _bad(url, f"wait_replicas={wait_replicas!r} is not a whole number (0 turns waiting off)")
+    try:  # redis-py's own reading (and typing) of the other options, on a URL of the same shape
+        extra = redis.connection.parse_url("redis://h/?" + "&".join(f"{k}={quote(v)}" for k, v in options.items()))
+    except ValueError as exc:
+        raise _bad(url, str(exc)) from None
+    extra.pop("host", None)
+    master: dict[str, Any] = {**_defaults("redis"), **extra}
+    if parts.user is not None:
+        if parts.password is None:
+            master["password"] = parts.user
+        else:
+            master["password"] = parts.password
+            if parts.user:
+                master["username"] = parts.user
+    sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S}
+    if sentinel_password:
+        sentinel_kwargs["password"] = sentinel_password
+    return Target(url=url, scheme=parts.scheme, sentinels=[_host_port(h, url) for h in hosts.split(",")],
+                  service=unquote(names[0]), db=int(names[1]) if len(names) == 2 else 0,
+                  master_kwargs=master, sentinel_kwargs=sentinel_kwargs, wait_replicas=int(wait_replicas))
+
+
+def parse(url: str) -> Target:
+    """The URL checked and read; BadRedisURL (one line, no password) where it cannot be used."""
+    parts = _split(url)
+    if parts.scheme not in SCHEMES:
+        raise BadRedisURL(f"{parts.scheme}:// is not a Redis URL scheme: use one of {FORMS}")
+    if parts.scheme == SENTINEL_SCHEME:
+        return _sentinel_target(url, parts)
+    normalized = f"{parts.scheme}://{parts.userinfo()}{parts.rest}"
+    try:
+        kwargs = redis.connection.parse_url(normalized)
+    except ValueError as exc:
+        raise _bad(url, str(exc)) from None
+    path = parts.rest.partition("?")[0]
+    if parts.scheme == "unix" and not kwargs.get("path"):
+        raise _bad(url, "unix:// needs the socket's path, as in unix:///run/redis/redis.sock")
+    if parts.scheme != "unix":
+        if not kwargs.get("host"):
+            raise _bad(url, "no host")
+        db_text = path.partition("/")[2].strip("/")
+        if db_text and not db_text.isdigit():
+            raise _bad(url, f"the database {db_text!r} is not a number")
+    return Target(url=normalized, scheme=parts.scheme)
 
 
 def connect(url: str) -> redis.Redis:
     """A sync client: RQ and the CLI use this one. Raw bytes, no decoding."""
-    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+    target = parse(url)
+    if target.sentinels:
+        manager = redis.sentinel.Sentinel(target.sentinels, sentinel_kwargs=target.sentinel_kwargs)
+        client = manager.master_for(target.service, redis_class=ReplicatedRedis if target.wait_replicas else redis.Redis,
+                                    db=target.db, **target.master_kwargs)
+        client.wait_replicas = target.wait_replicas
+        return client
+    extra: dict[str, Any] = {"connection_class": _TimedSSLConnection} if target.scheme == "rediss" else {}
+    return redis.Redis.from_url(target.url, **_defaults(target.scheme), **extra)
 
 
 def connect_async(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+    """An asyncio client (asyncio's TLS handshake is inside redis-py's connect timeout)."""
+    target = parse(url)
+    if target.sentinels:
+        manager = aiosentinel.Sentinel(target.sentinels, sentinel_kwargs=target.sentinel_kwargs)
+        aclient = manager.master_for(target.service, db=target.db, **target.master_kwargs,
+                                     redis_class=AsyncReplicatedRedis if target.wait_replicas else aioredis.Redis)
+        aclient.wait_replicas = target.wait_replicas
+        return aclient
+    return aioredis.Redis.from_url(target.url, **_defaults(target.scheme))
 
 
 def describe_error(url: str, exc: Exception) -> str:
-    return f"cannot reach Redis at {mask_url(url)}: {exc}"
+    why = scrub(str(exc), url)
+    if isinstance(exc, redis.TimeoutError) and url.lower().startswith("rediss://"):
+        why += f" (no TLS handshake within {CONNECT_TIMEOUT_S:g}s: if this Redis does not speak TLS, use redis://)"
+    return f"cannot reach Redis at {mask_url(url)}: {why}"

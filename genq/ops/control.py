@@ -39,10 +39,10 @@ class WorkerRow:
     # Read through from the record (defaults while lost).
     _DEFAULTS: ClassVar[dict[str, Any]] = {
         "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0,
-        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0}
+        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None}
     JSON_FIELDS: ClassVar[tuple[str, ...]] = (
         "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "cap", "queued",
-        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note")
+        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note", "model")
 
     def __getattr__(self, field: str) -> Any:
         if field not in self._DEFAULTS:

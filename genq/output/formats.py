@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from genq.core.records import DeadLetter, Result
+from genq.core.records import Choice, DeadLetter, Result
 
 PARQUET_ROWS_PER_GROUP = 5000
 
@@ -46,7 +46,19 @@ def _parquet_schema() -> Any:
         ("model", pa.string()), ("worker", pa.string()), ("attempts", pa.int32()), ("latency_s", pa.float64()),
         ("response_id", pa.string()), ("finished_at", pa.float64()),
         ("metadata", pa.string()),  # JSON: its keys differ from row to row
+        # n > 1: every sample (completion, finish_reason, ... above are choice 0's).
+        ("choices", pa.list_(pa.struct([
+            ("index", pa.int64()), ("completion", pa.string()), ("reasoning_content", pa.string()),
+            ("finish_reason", pa.string()), ("completion_tokens", pa.int64()), ("logprobs", pa.string()),
+            ("matched_stop", pa.string()), ("tool_calls", pa.string())]))),
+        ("logprobs", pa.string()),  # JSON: the OpenAI logprobs object, when asked for
+        ("matched_stop", pa.string()),  # JSON: a stop string or a token id, when stop was set
+        ("tool_calls", pa.string()),  # JSON: the calls, when the request offered tools
     ])
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else _json.encode(value).decode()
 
 
 def _text(value: Any) -> str | None:
@@ -66,6 +78,14 @@ def parquet_row(r: Result) -> dict[str, Any]:
         "model": r.model, "worker": r.worker, "attempts": r.attempts, "latency_s": r.latency_s,
         "response_id": r.response_id, "finished_at": r.finished_at,
         "metadata": _json.encode(r.metadata).decode() if r.metadata else None,
+        "choices": None if r.choices is None else [
+            {"index": c.index, "completion": c.completion, "reasoning_content": c.reasoning_content,
+             "finish_reason": c.finish_reason, "completion_tokens": c.completion_tokens,
+             "logprobs": _json_or_none(c.logprobs), "matched_stop": _json_or_none(c.matched_stop),
+             "tool_calls": _json_or_none(c.tool_calls)}
+            for c in r.choices],
+        "logprobs": _json_or_none(r.logprobs), "matched_stop": _json_or_none(r.matched_stop),
+        "tool_calls": _json_or_none(r.tool_calls),
     }
 
 
@@ -107,21 +127,31 @@ def openai_output_line(r: Result) -> dict[str, Any]:
     if r.usage.reasoning_tokens is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": r.usage.reasoning_tokens}
     completions = r.messages is None and r.prompt is not None
-    if completions:
-        choice: dict[str, Any] = {"index": 0, "text": r.completion, "logprobs": None, "finish_reason": r.finish_reason}
-    else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": r.completion, "reasoning_content": r.reasoning_content},
-            "logprobs": None,
-            "finish_reason": r.finish_reason,
-        }
+    samples = r.choices or [Choice(index=0, completion=r.completion, finish_reason=r.finish_reason,
+                                   reasoning_content=r.reasoning_content, logprobs=r.logprobs,
+                                   tool_calls=r.tool_calls)]
+    choices: list[dict[str, Any]] = []
+    for c in samples:
+        if completions:
+            choices.append({"index": c.index, "text": c.completion, "logprobs": c.logprobs,
+                            "finish_reason": c.finish_reason})
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": c.completion,
+                                       "reasoning_content": c.reasoning_content}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+            })
     body = {
         "id": r.response_id or (f"cmpl-{h}" if completions else f"chatcmpl-{h}"),
         "object": "text_completion" if completions else "chat.completion",
         "created": int(r.finished_at),
         "model": r.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
     }
     return {

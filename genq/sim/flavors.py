@@ -17,6 +17,7 @@ from genq.sim.config import SimConfig
 
 if TYPE_CHECKING:
     from genq.sim.engine import Engine
+    from genq.sim.stepped import SteppedEngine
 
 FLAVORS = ("sglang", "vllm", "llamacpp")
 VERSION = "0.0.0-genq-sim"
@@ -186,19 +187,21 @@ def llamacpp_slots(cfg: SimConfig, engine: Engine) -> list[dict[str, Any]]:
 # ---- metrics -----------------------------------------------------------------
 
 
-def metrics_page(cfg: SimConfig, eng: Engine) -> str:
+def metrics_page(cfg: SimConfig, eng: SteppedEngine) -> str:
     if cfg.flavor == "llamacpp":
         return _llamacpp_metrics(eng)
     label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     usage = eng.used_tokens / cfg.max_total_num_tokens
     if cfg.flavor == "vllm":
-        # vllm/v1/metrics/loggers.py PrometheusStatLogger; counters get _total on the wire.
+        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire.
+        # The scheduler's counts as its last step left them (genq/sim/stepped.py); none deferred.
         labels = f'{{engine="0",model_name="{label}"}}'
         gauges = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", eng.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.num_waiting),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
         ]
+        by_reason = [("capacity", eng.stepped_waiting), ("deferred", 0)]
         counters = [
             ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
             ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
@@ -224,6 +227,13 @@ def metrics_page(cfg: SimConfig, eng: Engine) -> str:
     for kind, items in (("gauge", gauges), ("counter", counters)):
         for name, help_text, value in items:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+    if cfg.flavor == "vllm":
+        name = "vllm:num_requests_waiting_by_reason"
+        lines += [f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+                  "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
+                  "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+                  f"# TYPE {name} gauge"]
+        lines += [f'{name}{labels[:-1]},reason="{reason}"}} {float(n)}' for reason, n in by_reason]
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,12 @@ def prompt_key(messages_or_prompt: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def choice_key(key: str, index: int) -> str:
+    """The key of a request's choice `index`: the prompt's own for the first (so n=1 answers
+    are what they always were), a key of its own for each other sample."""
+    return key if index == 0 else prompt_key([key, index])
+
+
 def output_length(key: str, seed: int, mean_tokens: float, sigma: float, max_tokens: int) -> int:
     """Natural output length for a prompt: lognormal with the given mean, at least 1,
     at most max_tokens. Seeded only by key and seed, so it never depends on timing."""

@@ -26,6 +26,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     # SGLang uses rid as the response id.
     rid: str | None = None
+    top_logprobs: int | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -33,6 +34,23 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def tool_called(self) -> str | None:
+        """The function the sim's answer calls: the chosen one, else the first offered (none
+        with tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            return str((self.tool_choice.get("function") or {}).get("name") or "")
+        function = self.tools[0].get("function")
+        return str(function.get("name")) if isinstance(function, dict) else None
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the answer's logprobs list, or None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         # SGLang: max_completion_tokens wins over the deprecated max_tokens.
@@ -45,6 +63,10 @@ class ChatRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     # str, list of str, or token ids; kept as sent for the prompt key.
     prompt: Any = None
+    logprobs: int | None = None  # completions: the number of alternatives, 0 for the chosen token only
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 def _text_tokens(text: str) -> int:
@@ -73,10 +95,17 @@ def completion_prompt_tokens(prompt: Any) -> int | None:
     return None
 
 
-def validate(body: _Sampling, max_new_tokens: int | None) -> str | None:
+def validate(body: _Sampling, max_new_tokens: int | None, flavor: str) -> str | None:
     """SGLang's checks on sampling values; returns the error message or None."""
-    if body.n != 1:
-        return f"n must be 1 in genq sim, got {body.n}."
+    if flavor == "llamacpp" and body.n != 1:
+        # llama.cpp's oaicompat params parsing refuses any other n.
+        return "Only one completion choice is allowed"
+    if body.n < 1:
+        return f"n must be at least 1, got {body.n}."
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        return f"top_logprobs must be between 0 and 20, got {body.top_logprobs}."
+    if isinstance(body, ChatRequest) and body.top_logprobs and not body.logprobs:
+        return "top_logprobs requires logprobs to be true."
     if max_new_tokens is not None and max_new_tokens < 0:
         return f"max_new_tokens must be at least 0, got {max_new_tokens}."
     if body.temperature is not None and body.temperature < 0:

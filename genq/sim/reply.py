@@ -40,8 +40,9 @@ class Job:
 
 @dataclass(slots=True)
 class Reply:
-    """Builds response bodies for one request from token counts: the text of tokens
-    [a, b) is a slice of a fixed string, reasoning first when thinking is on."""
+    """Builds response bodies for one choice of a request from token counts: the text of
+    tokens [a, b) is a slice of a fixed string (rotated per choice, so that the n samples
+    of a request differ), reasoning first when thinking is on."""
 
     text: str
     chat: bool
@@ -50,6 +51,27 @@ class Reply:
     prompt_tokens: int
     think: int  # tokens of reasoning at the start of the output (0: no thinking)
     separate: bool  # separate_reasoning: reasoning goes to reasoning_content
+    index: int = 0  # the choice's index (n > 1)
+    top_logprobs: int | None = None  # logprobs asked for, with this many alternatives; None: not asked
+    # The tool the answer calls (the request offered tools), as SGLang with a tool-call
+    # parser answers: the text, then the call; None: no call.
+    tool: str | None = None
+
+    def finish(self, reason: str | None) -> str | None:
+        """SGLang turns a natural stop after a tool call into "tool_calls" (serving_chat.py)."""
+        return "tool_calls" if self.tool and reason == "stop" else reason
+
+    def call(self, tokens: int) -> dict[str, Any]:
+        return {"id": f"call_{self.rid[-8:]}_{self.index}", "type": "function",
+                "function": {"name": self.tool, "arguments": _encode({"tokens": tokens}).decode()}}
+
+    def tool_deltas(self, tokens: int) -> list[dict[str, Any]]:
+        """The call streamed in two pieces, as the engines send it: its name, then its arguments."""
+        if not self.tool:
+            return []
+        call = self.call(tokens)
+        head = {**call, "index": 0, "function": {"name": self.tool, "arguments": ""}}
+        return [{"tool_calls": [head]}, {"tool_calls": [{"index": 0, "function": {"arguments": call["function"]["arguments"]}}]}]
 
     def pieces(self, a: int, b: int) -> tuple[str, str]:
         """(reasoning, content) text of output tokens [a, b)."""
@@ -71,37 +93,47 @@ class Reply:
             "reasoning_tokens": min(completion_tokens, self.think),
         }
 
-    def full(self, req: SimRequest) -> dict[str, Any]:
+    def logprobs(self, a: int, b: int) -> dict[str, Any] | None:
+        """The logprobs of output tokens [a, b) in the OpenAI shape of the endpoint, or None
+        when not asked for. Values are fake but fixed: a function of the choice and position."""
+        if self.top_logprobs is None:
+            return None
+        k, tokens = self.top_logprobs, [self.text[4 * t : 4 * t + 4] for t in range(a, b)]
+        values = [_logprob(self.index, t) for t in range(a, b)]
+        if self.chat:
+            return {"content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                 "top_logprobs": [{"token": alt, "logprob": alp, "bytes": list(alt.encode())}
+                                  for alt, alp in _alternatives(tok, lp, k)]}
+                for tok, lp in zip(tokens, values, strict=True)]}
+        return {"tokens": tokens, "token_logprobs": values,
+                "top_logprobs": [dict(_alternatives(tok, lp, k)) for tok, lp in zip(tokens, values, strict=True)]
+                if k else None,
+                "text_offset": [4 * t for t in range(a, b)]}
+
+    def choice(self, req: SimRequest) -> dict[str, Any]:
+        """This choice of a whole (non-streamed) answer."""
         reasoning, content = self.pieces(0, req.generated)
         matched = EOS_TOKEN_ID if req.finish_reason == "stop" else None
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
+            return {
+                "index": self.index,
                 "message": {
                     "role": "assistant",
                     "content": content,
                     "reasoning_content": reasoning or None,
-                    "tool_calls": None,
+                    "tool_calls": [self.call(req.generated)] if self.tool else None,
                 },
-                "logprobs": None,
-                "finish_reason": req.finish_reason,
-                "matched_stop": matched,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": reasoning + content,
-                "logprobs": None,
-                "finish_reason": req.finish_reason,
+                "logprobs": self.logprobs(0, req.generated),
+                "finish_reason": self.finish(req.finish_reason),
                 "matched_stop": matched,
             }
         return {
-            "id": self.rid,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(req.generated),
+            "index": self.index,
+            "text": reasoning + content,
+            "logprobs": self.logprobs(0, req.generated),
+            "finish_reason": req.finish_reason,
+            "matched_stop": matched,
         }
 
     def deltas(self, a: int, b: int) -> list[dict[str, Any]]:
@@ -115,13 +147,14 @@ class Reply:
             out.append({"content": content})
         return out
 
-    def chunk(self, delta: dict[str, Any] | None, finish: str | None, tokens: int | None) -> dict[str, Any]:
+    def chunk(self, delta: dict[str, Any] | None, finish: str | None, tokens: int | None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One stream chunk; delta None is the finish chunk (empty delta/text)."""
         matched = EOS_TOKEN_ID if finish == "stop" else None
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "logprobs": None}
+            choice: dict[str, Any] = {"index": self.index, "delta": delta or {}, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": (delta or {}).get("text", ""), "logprobs": None}
+            choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
         choice["finish_reason"] = finish
         choice["matched_stop"] = matched
         return {
@@ -134,6 +167,7 @@ class Reply:
         }
 
     def usage_chunk(self, tokens: int) -> dict[str, Any]:
+        """The last chunk: the request's usage (tokens: over all its choices), no choices."""
         return {
             "id": self.rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -142,3 +176,26 @@ class Reply:
             "choices": [],
             "usage": self.usage(tokens),
         }
+
+
+def full_answer(replies: list[Reply], reqs: list[SimRequest]) -> dict[str, Any]:
+    """A whole answer: one choice per sample, the prompt counted once and the output tokens
+    summed (SGLang's _build_chat_response and UsageProcessor; vLLM alike)."""
+    first = replies[0]
+    return {
+        "id": first.rid,
+        "object": "chat.completion" if first.chat else "text_completion",
+        "created": int(time.time()),
+        "model": first.model,
+        "choices": [reply.choice(req) for reply, req in zip(replies, reqs, strict=True)],
+        "usage": first.usage(sum(req.generated for req in reqs)),
+    }
+
+
+def _logprob(index: int, position: int) -> float:
+    return -round(((index * 7919 + position * 104729) % 1000) / 1000 + 0.001, 4)
+
+
+def _alternatives(token: str, logprob: float, k: int) -> list[tuple[str, float]]:
+    """k alternatives, the chosen token first, each less likely than the one before."""
+    return [(token if i == 0 else f"{token}~{i}", round(logprob - i, 4)) for i in range(k)]

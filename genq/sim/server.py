@@ -19,10 +19,10 @@ from aiohttp import web
 
 from genq.sim import flavors
 from genq.sim.config import SimConfig
-from genq.sim.engine import Engine
 from genq.sim.faults import FaultInjector, FaultUpdate
 from genq.sim.flavors import error_response, json_response
 from genq.sim.generate import Generation
+from genq.sim.stepped import SteppedEngine
 
 _fault_decoder = msgspec.json.Decoder(FaultUpdate)
 
@@ -36,7 +36,7 @@ class SimServer:
             raise ValueError(f"flavor must be one of {', '.join(flavors.FLAVORS)}, got {config.flavor!r}")
         self.config = config
         self.flavor = config.flavor
-        self.engine = Engine(config)
+        self.engine = SteppedEngine(config)  # the plain engine, and its counts as vLLM reports them
         self.faults = FaultInjector(config)
         self.started_at = time.monotonic()
         self._outage_task: asyncio.Task[None] | None = None

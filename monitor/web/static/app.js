@@ -57,6 +57,28 @@ function chart(id, series, data, extra) {
   charts[id] = {key: key, plot: new uPlot(opts, data, el)};
 }
 
+// A y axis as wide as its longest label, measured in its font: uPlot's fixed 50 px cut
+// "15,000" to "5,000".
+const measurer = document.createElement("canvas").getContext("2d");
+function yAxis(format) {
+  return {values: (u, splits) => splits.map(format),
+          size: (u, values, i) => {
+            const ax = u.axes[i];
+            measurer.font = ax.font ? ax.font[0] : "12px system-ui";
+            const widest = Math.max(0, ...(values || []).map((v) => measurer.measureText(String(v)).width));
+            return Math.ceil(widest / devicePixelRatio + 2 * (ax.gap || 5) + (ax.ticks ? ax.ticks.size : 10) + 4);
+          }};
+}
+
+// The top of a y scale that a few early outliers do not set (the first ETA of a job is a guess
+// from almost nothing, often many times the later ones: it flattened the whole chart).
+function robustMax(columns) {
+  const all = columns.flat().filter((v) => v !== null && v !== undefined && isFinite(v)).sort((a, b) => a - b);
+  if (!all.length) return 60;  // nothing yet: a minute, not 1 s of repeated "0s"/"1s" labels
+  const p90 = all[Math.floor(0.9 * (all.length - 1))];
+  return Math.max(1e-9, Math.min(all[all.length - 1], 1.25 * p90));
+}
+
 function line(label, i, more) {
   return Object.assign({label: label, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
                         points: {show: false}}, more || {});
@@ -83,24 +105,31 @@ function drawProgress(h, p) {
   chart("chart-progress", [
     line("done %", 0, {fill: "rgba(37,99,235,0.08)"}), line("finished % (done + failed)", 1),
     line("ETA median", 2, {dash: [6, 4]}), line("ETA 5%", 4, {dash: [2, 3]}), line("ETA 95%", 4, {dash: [2, 3]}),
-  ], [t, done, finished, mid, low, high], {scales: {y: {range: [0, 100]}}});
+  ], [t, done, finished, mid, low, high], {scales: {y: {range: [0, 100]}}, axes: [{}, yAxis((v) => v + "%")]});
 }
 
 function drawEta(h) {
   chart("chart-eta", [line("ETA median", 2), line("ETA 5%", 4, {dash: [2, 3]}), line("ETA 95%", 4, {dash: [2, 3]})],
         [h.t, h.eta_s, h.eta_low_s, h.eta_high_s],
-        {axes: [{}, {values: (u, splits) => splits.map(duration), size: 70}]});
+        {scales: {y: {range: (u) => [0, robustMax([u.data[1], u.data[3]])]}}, axes: [{}, yAxis(duration)]});
 }
 
-function drawPerWorker(id, h, fleetField, fleetLabel, field, scale) {
+function drawPerWorker(id, h, fleetLabel, field, scale) {
   const names = Object.keys(h.workers).sort();
+  const per = names.map((name) => h.workers[name][field].map((v) => (v === null ? null : v * scale)));
   const series = [], data = [h.t];
-  if (fleetField) { series.push(line(fleetLabel, 0, {width: 2.5})); data.push(h[fleetField]); }
-  names.forEach((name, i) => {
-    series.push(line(name, i + 1));
-    data.push(h.workers[name][field].map((v) => (v === null ? null : v * scale)));
-  });
-  chart(id, series, data, scale === 100 ? {scales: {y: {range: [0, 100]}}} : {});
+  if (fleetLabel) {
+    // The fleet is the sum of the lines below it, from the same heartbeat windows: the monitor's own
+    // job rate uses a longer window and was drawn below the only GPU's line.
+    series.push(line(fleetLabel, 0, {width: 2.5}));
+    data.push(h.t.map((_, i) => {
+      const here = per.map((col) => col[i]).filter((v) => v !== null && v !== undefined);
+      return here.length ? here.reduce((a, b) => a + b, 0) : null;
+    }));
+  }
+  names.forEach((name, i) => { series.push(line(name, i + 1)); data.push(per[i]); });
+  chart(id, series, data, scale === 100 ? {scales: {y: {range: [0, 100]}}, axes: [{}, yAxis((v) => v + "%")]}
+                                        : {axes: [{}, yAxis(count)]});
 }
 
 function drawLengths(l) {
@@ -112,7 +141,8 @@ function drawLengths(l) {
     line("fitted (finished)", 1, {width: 2}),
   ], [x, l.finished, l.running, l.fitted], {
     scales: {x: {time: false}},
-    axes: [{values: (u, splits) => splits.map((b) => count(Math.round(2 ** (b / 4) - 1))), label: "output tokens"}, {}],
+    axes: [{values: (u, splits) => splits.map((b) => count(Math.round(2 ** (b / 4) - 1))), label: "output tokens"},
+           yAxis(count)],
   });
 }
 
@@ -125,6 +155,15 @@ function drawTables(s) {
            `<td>${codes || "none"}</td><td>${w.bottlenecks.map(esc).join("<br>")}</td></tr>`;
   });
   document.querySelector("#bottlenecks tbody").innerHTML = rows.join("") || "<tr><td colspan=5>no workers</td></tr>";
+  // The terminal view's worker table: this job's figures per worker.
+  const live = (w) => !["lost", "gone", "stopped"].includes(w.state);
+  document.querySelector("#workers tbody").innerHTML = p.worker_details.map((w) =>
+    `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td>${esc(w.state)}</td>` +
+    `<td data-value="${live(w) ? w.in_flight : ""}">${live(w) ? w.in_flight + "/" + w.concurrency_target : ""}</td>` +
+    `<td>${live(w) ? count(Math.round(w.tok_per_s)) : ""}</td><td data-value="${w.job_completed}">${w.job_completed.toLocaleString()}</td>` +
+    `<td data-value="${w.job_failed}">${w.job_failed.toLocaleString()}</td>` +
+    `<td data-value="${w.errors}">${live(w) ? w.errors.toLocaleString() : ""}</td></tr>`).join("") ||
+    "<tr><td colspan=7>no workers</td></tr>";
   const d = s.dead_letters;
   put("dlq-total", d.total);
   document.querySelector("#dlq-kinds tbody").innerHTML =
@@ -139,12 +178,17 @@ function esc(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 }
 
+function fillPicker(jobs) {
+  const picker = $("job-picker");
+  if (picker.dataset.jobs !== JSON.stringify(jobs)) {
+    picker.innerHTML = jobs.map((j) => `<option>${esc(j)}</option>`).join("");
+    picker.dataset.jobs = JSON.stringify(jobs);
+  }
+}
+
 function render(s) {
   const picker = $("job-picker");
-  if (picker.dataset.jobs !== JSON.stringify(s.jobs)) {
-    picker.innerHTML = s.jobs.map((j) => `<option>${esc(j)}</option>`).join("");
-    picker.dataset.jobs = JSON.stringify(s.jobs);
-  }
+  fillPicker(s.jobs);
   interval = s.interval;
   $("controls").hidden = !s.controls;
   if (!s.job) { $("status").textContent = "no jobs yet"; return; }
@@ -175,7 +219,7 @@ function render(s) {
   $("tail").hidden = !p.tail;
   put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
   put("toks", p.output_tokens_per_sec, count(p.output_tokens_per_sec));
-  put("elapsed", p.elapsed_s, duration(p.elapsed_s));
+  put("elapsed", p.elapsed_s, p.elapsed_s > 0 ? duration(p.elapsed_s) : "not started");
   put("shards", p.shards);
   put("manifest", p.shards);
   put("shard-records", p.shard_records, p.shard_records.toLocaleString());
@@ -183,9 +227,9 @@ function render(s) {
   const h = s.history;
   drawProgress(h, p);
   drawEta(h);
-  drawPerWorker("chart-tok", h, "output_tokens_per_sec", "fleet", "tok_per_s", 1);
-  drawPerWorker("chart-prompts", h, "rate_per_sec", "fleet", "req_per_s", 1);
-  drawPerWorker("chart-slots", h, null, null, "slot_utilization", 100);
+  drawPerWorker("chart-tok", h, "fleet", "tok_per_s", 1);
+  drawPerWorker("chart-prompts", h, "fleet", "req_per_s", 1);
+  drawPerWorker("chart-slots", h, null, "slot_utilization", 100);
   drawLengths(s.lengths);
   drawTables(s);
 }
@@ -193,9 +237,17 @@ function render(s) {
 async function poll() {
   try {
     const resp = await fetch("api/state" + (job ? "?job=" + encodeURIComponent(job) : ""), {cache: "no-store"});
-    if (!resp.ok) throw new Error("HTTP " + resp.status);
-    render(await resp.json());
-    $("error").textContent = "";
+    if (resp.status === 404) {  // ?job= names no job: say so, and offer the ones there are
+      const body = await resp.json();
+      fillPicker(body.jobs);
+      $("job-picker").value = "";
+      $("status").textContent = "";
+      $("error").textContent = body.error + ": pick one above";
+    } else {
+      if (!resp.ok) throw new Error("HTTP " + resp.status);
+      render(await resp.json());
+      $("error").textContent = "";
+    }
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
   } catch (e) {
     $("error").textContent = "cannot reach the monitor (" + e.message + "); retrying";

@@ -1,0 +1,137 @@
+"""`genq status JOB ID`: the fate of one prompt, read from where genq keeps it.
+
+dead-lettered (the letter says why) > not in the job > in a pending batch: done (its result is
+in Redis, the shard not yet written), sending (claimed by an engine), held (its batch is
+leased by a worker, or parked while the job is paused) or queued > in a written shard (the
+record is shown).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+import click
+import msgspec
+import redis
+
+from genq.cli import JobName, settings
+from genq.core import batches as batch_records
+from genq.core import keys
+from genq.core.queueing import load_batch, load_config
+from genq.core.records import DeadLetter, Result, ShardInfo, unpack
+from genq.core.redisconn import connect, describe_error
+
+
+@click.command()
+@click.argument("job", type=JobName())
+@click.argument("prompt_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: {state, batch, record | letter | holder}.")
+@click.pass_context
+def status(ctx: click.Context, job: str, prompt_id: str, as_json: bool) -> None:
+    """The fate of prompt ID of JOB: queued, held, sending, done (with its record) or
+    dead-lettered (with why).
+
+    \b
+    Exit status: 0 found (whatever its state); 1 no such job or no such prompt in it.
+    """
+    url = settings(ctx).redis_url
+    try:
+        conn = connect(url)
+        if load_config(conn, job) is None:
+            raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
+        fate = find(conn, job, prompt_id)
+    except redis.RedisError as exc:
+        raise click.ClickException(describe_error(url, exc)) from None
+    if fate is None:
+        raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
+    if as_json:
+        click.echo(json.dumps(fate))
+        return
+    click.echo(f"{job} {prompt_id}: {fate['state']}" + (f" (batch {fate['batch']})" if fate.get("batch") else ""))
+    if fate.get("why"):
+        click.echo(f"  {fate['why']}")
+    for name in ("letter", "record"):
+        if fate.get(name) is not None:
+            click.echo(json.dumps(fate[name], indent=2))
+
+
+def _plain(record: Any) -> Any:
+    return msgspec.to_builtins(record)
+
+
+def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
+    raw_letter = conn.hget(keys.job_dlq(job), prompt_id)
+    if raw_letter is not None:
+        letter = unpack(raw_letter, DeadLetter)
+        return {"state": "dead-lettered", "batch": letter.batch, "letter": _plain(letter),
+                "why": f"{letter.kind} after {letter.attempts} attempt(s): {letter.message}"}
+    if conn.hget(keys.job_ids(job), prompt_id) is None:
+        return None
+    done = {b.decode() for b in conn.smembers(keys.job_done(job))}
+    for raw_batch in conn.zrange(keys.job_batches(job), 0, -1):
+        batch = raw_batch.decode()
+        if batch in done:
+            continue
+        source = load_batch(conn, job, batch)
+        if source is None or prompt_id not in batch_records.ids(source):
+            continue
+        return _pending(conn, job, batch, prompt_id)
+    return _written(conn, job, prompt_id)
+
+
+def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[str, Any]:
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hget(keys.batch_results(job, batch), prompt_id)
+        pipe.hget(keys.batch_claims(job, batch), prompt_id)
+        pipe.hget(keys.job_leases(job), batch)
+        pipe.exists(keys.job_paused(job), keys.PAUSED)
+        result, claim, lease, paused = pipe.execute()
+    if result is not None:
+        return {"state": "done", "batch": batch, "record": _plain(unpack(result, Result)),
+                "why": "its result is in Redis; the batch's shard is written when the whole batch is done"}
+    if claim is not None:  # a claim is taken just before the send: it covers the next prompts too
+        return {"state": "sending", "batch": batch, "holder": claim.decode(),
+                "why": f"claimed by engine {claim.decode()}: in flight, or among the next it sends"}
+    if lease is not None:
+        holder = lease.decode().partition(" ")[2]
+        return {"state": "held", "batch": batch, "holder": holder,
+                "why": f"its batch is held by engine {holder}" + (" (paused)" if paused else "; it is sent in turn")}
+    return {"state": "queued", "batch": batch,
+            "why": "its batch waits for a worker" + (" (the job is paused)" if paused else "")}
+
+
+def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
+    """In a written shard: the record itself, read from the shard (local or S3)."""
+    config = load_config(conn, job)
+    endpoint = config.s3_endpoint_url if config else None
+    for raw in conn.hvals(keys.job_shards(job)):
+        info = unpack(raw, ShardInfo)
+        for line in _lines(info.uri, endpoint):
+            if prompt_id.encode() in line:
+                record = json.loads(line)
+                if record.get("id") == prompt_id:
+                    return {"state": "done", "batch": info.batch, "record": record, "why": f"written to {info.uri}"}
+    return {"state": "done", "batch": None,
+            "why": "its batch is done, but no written shard holds it (see `genq export` and docs/operations.md)"}
+
+
+def _lines(uri: str, endpoint: str | None) -> list[bytes]:
+    if uri.startswith("s3://"):
+        from genq.output import s3
+
+        stream = s3.open_stream(uri, endpoint)
+        try:
+            data = stream.read()
+        finally:
+            stream.close()
+    else:
+        try:
+            with open(uri, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return []
+    if uri.endswith(".gz"):
+        data = gzip.decompress(data)
+    return data.splitlines()

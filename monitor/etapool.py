@@ -1,0 +1,100 @@
+"""The live monitor's ETA within a fixed CPU budget a refresh (issue #29).
+
+One estimate (monitor/eta.py) fits the output lengths and plays about a
+hundred Monte-Carlo draws of the rest of the job: at a million prompts and a
+fleet of 64 workers that is a few hundred thousand simulated events, 0.2-0.6 s
+of CPU, and the live view refreshes twice a second per viewer. An EtaPool
+keeps that work between the refreshes of one job instead: each refresh plays
+at most `budget` units (one simulated event, or one likelihood term of the
+fit; about a microsecond each) and resumes there at the next. What it keeps:
+
+* the length fit, redone (spread over refreshes, starting from the last
+  fit) whenever the finished histogram or the running requests have changed,
+  REFIT_S apart at most often; the draws use the last finished fit;
+* the last draw of each of the estimate's `samples` slots, as an absolute
+  finish time (when it was made + its seconds to go). Each cycle through the
+  slots is one run of the random stream `estimate()` uses (Random(seed)), so
+  on unchanging data a full pool holds exactly the one-shot estimate's draws.
+
+The ETA is read from the slots filled within MAX_AGE_S; until MIN_DRAWS are,
+there is none ("estimating"). A change in what the simulation is of (the
+number of workers, their batch-taking policies, the batch size) empties the
+pool: draws of another fleet are not this one's. The cost of all this: the
+draws are up to one cycle through the slots old (a few seconds at a fleet of
+8, a minute at 64 with a million prompts left), so a change of speed shows in
+the ETA over that time rather than at the next refresh.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+from genq.monitor.lengths import LengthData, LengthModel, fit_steps
+from genq.monitor.simulate import MIN_SAMPLES, Plan, Speed, WorkerState, draw, plan
+
+BUDGET = 2000  # units of work a refresh plays (simulated events, likelihood terms)
+REFIT_S = 5.0  # a new length fit starts at most this often (it starts from the last one)
+MAX_AGE_S = 300.0  # a draw older than this is not used
+MIN_DRAWS = MIN_SAMPLES  # draws needed before an ETA is shown (the one-shot estimate's minimum too)
+
+
+@dataclass
+class EtaPool:
+    budget: int = BUDGET
+    model: LengthModel | None = None
+    fit_key: tuple | None = None  # the data of `model`
+    fit_started: float = -1e18
+    fitting: Generator[int, None, LengthModel | None] | None = None
+    fitting_key: tuple | None = None
+    regime: tuple | None = None
+    finish_at: dict[int, tuple[float, float]] = field(default_factory=dict)  # slot -> (made at, finish at)
+    next_slot: int = 0
+    drawing: tuple[int, float, Generator[int, None, float]] | None = None  # (slot, made at, its draw)
+    rng: random.Random = field(default_factory=random.Random)  # this cycle's stream
+    rounds: int = 0  # times round all the slots
+    spent: int = 0  # units played at the last refresh (tests and benches read it)
+
+    def fit(self, data: LengthData, now: float) -> tuple[LengthModel | None, int]:
+        """The latest finished fit (None before the first) and units spent on fitting now."""
+        key = (tuple(sorted(data.hist.items())), tuple(sorted(data.running)), data.cap)
+        spent = 0
+        if self.fitting is None and key != self.fit_key and now - self.fit_started >= REFIT_S:
+            self.fitting, self.fitting_key, self.fit_started = fit_steps(data, self.model), key, now
+        # A refit shares the budget with the draws; the first fit takes all of it.
+        share = self.budget if self.model is None else self.budget // 2
+        while self.fitting is not None and spent < share:
+            try:
+                spent += next(self.fitting)
+            except StopIteration as done:
+                self.model, self.fit_key, self.fitting = done.value, self.fitting_key, None
+        return self.model, spent
+
+    def draws(self, model: LengthModel, fleet: Sequence[WorkerState], queue: int, batch_size: int, speed: Speed,
+              *, now: float, spent: int, samples: int, seed: int, max_events: int) -> list[float]:
+        """Seconds to go of the slots filled recently, after playing what is left of the budget."""
+        p = plan(model, fleet, queue, batch_size, speed, samples=samples, max_events=max_events)
+        regime = (p.kinds, p.rate_weights, p.batch_size, p.samples)
+        if regime != self.regime:
+            self.regime, self.finish_at, self.drawing, self.next_slot = regime, {}, None, 0
+        spent = self._play(p, now, spent, seed)
+        self.spent = spent
+        return sorted(at - now for made, at in self.finish_at.values() if now - made <= MAX_AGE_S)
+
+    def _play(self, p: Plan, now: float, spent: int, seed: int) -> int:
+        while spent < self.budget:
+            if self.drawing is None:
+                slot = self.next_slot
+                if slot == 0:  # each cycle through the slots is the one-shot estimate's random stream
+                    self.rng = random.Random(seed)
+                self.next_slot = (slot + 1) % p.samples
+                self.drawing = (slot, now, draw(p, self.rng))
+            slot, made, steps = self.drawing
+            try:
+                spent += max(1, next(steps))  # a draw of no events still costs its set-up
+            except StopIteration as done:
+                self.finish_at[slot] = (made, made + done.value)
+                self.drawing = None
+                self.rounds += slot == p.samples - 1
+        return spent

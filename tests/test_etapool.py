@@ -1,0 +1,84 @@
+"""The live monitor's ETA within a budget a refresh (monitor/etapool.py, issue #29).
+
+Pure, like tests/test_eta.py: no Redis, no clock. The states are those of a
+million-prompt job (bench/eta_cost.py builds the same), where one full estimate
+plays a few hundred thousand simulated events.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from genq.monitor.eta import LengthData, LengthModel, Speed, WorkerState, estimate, length_bucket
+from genq.monitor.etapool import BUDGET, MIN_DRAWS, EtaPool
+from genq.monitor.simulate import YIELD_EVERY
+
+MEAN, SIGMA, CAP = 512.0, 1.2, 8192
+MU = math.log(MEAN) - SIGMA**2 / 2
+SPEED = Speed(per_request=30.0, rel_se=0.05, span_s=100.0, samples=100)
+# The most one step of work plays past the budget: a stretch of simulated events, or one
+# Nelder-Mead iteration of the length fit (two evaluations of a few hundred terms).
+STEP = max(YIELD_EVERY, 2000)
+
+
+def million(done: int, workers: int, batch: int = 64, seed: int = 1) -> dict:
+    rng = random.Random(seed)
+    sample = [max(1, min(CAP, round(rng.lognormvariate(MU, SIGMA)))) for _ in range(5000)]
+    hist = {k: round(v * done / len(sample)) for k, v in Counter(length_bucket(v) for v in sample).items()}
+    fleet = [WorkerState(slots=37, leases=2, max_leases=16, reserve=batch,
+                         running=tuple(rng.randint(0, 3000) for _ in range(37)), ready=batch, held=3,
+                         held_unfinished=(batch // 4, batch // 2, batch)) for _ in range(workers)]
+    return dict(total=1_000_000, completed=done, failed=0, lengths=LengthData(hist=hist, running=[], cap=CAP),
+                fleet=fleet, batch_size=batch, speed=SPEED)
+
+
+def fill(pool: EtaPool, inputs: dict, now: float, refreshes: int = 2000):
+    """Refresh on unchanging data until the pool has gone once round all its slots."""
+    spent, rounds = [], pool.rounds
+    for _ in range(refreshes):
+        est = estimate(**inputs, pool=pool, now=now)
+        spent.append(pool.spent)
+        if pool.rounds > rounds:
+            return est, spent
+    raise AssertionError(f"the pool did not fill in {refreshes} refreshes")
+
+
+@pytest.mark.parametrize("done,workers", [(2_000, 8), (500_000, 16), (995_000, 8)])
+def test_pooled_eta_is_the_one_shot_eta_on_unchanging_data(done: int, workers: int) -> None:
+    inputs = million(done, workers)
+    one = estimate(**inputs)
+    pool = EtaPool()
+    est, spent = fill(pool, inputs, now=5_000.0)
+    assert one.eta_s is not None and len(one.draws) >= MIN_DRAWS
+    assert est.draws == pytest.approx(one.draws, rel=1e-12)
+    assert (est.eta_s, est.eta_low_s, est.eta_high_s) == pytest.approx((one.eta_s, one.eta_low_s, one.eta_high_s),
+                                                                       rel=1e-12)
+    assert est.state == one.state and est.remaining_tokens == one.remaining_tokens
+    # The work was spread: many refreshes, none over its budget by more than one step.
+    assert len(spent) > 10 and max(spent) <= BUDGET + STEP, max(spent)
+    # Round again: the same draws again (each cycle is the one-shot's random stream).
+    again, _ = fill(pool, inputs, now=5_000.0)
+    assert again.draws == pytest.approx(one.draws, rel=1e-12)
+
+
+def test_draws_age_with_the_clock_and_another_fleet_starts_afresh() -> None:
+    inputs = million(500_000, 8)
+    pool = EtaPool()
+    est, _ = fill(pool, inputs, now=100.0)
+    later = estimate(**inputs, pool=pool, now=160.0)  # a minute on: the same finish times, a minute nearer
+    old = {round(x - 60.0, 6) for x in est.draws}
+    assert sum(round(x, 6) in old for x in later.draws) >= len(later.draws) - 2
+    joined = dict(inputs, fleet=inputs["fleet"] + [WorkerState(slots=37, leases=2, max_leases=16, reserve=64)])
+    fresh = estimate(**joined, pool=pool, now=161.0)
+    assert fresh.eta_s is None and fresh.state == "warming up" and "simulated draws" in fresh.note
+
+
+def test_remaining_tokens_on_the_grid_match_the_exact_sum() -> None:
+    model = LengthModel(mu=MU, sigma=SIGMA, cap=CAP)
+    running = [random.Random(i).randint(0, 6000) for i in range(3000)]
+    exact = sum(max(0.0, model.conditional_mean(t) - t) for t in running)
+    assert model.remaining_tokens(0, running) == pytest.approx(exact, rel=0.01)

@@ -1,0 +1,180 @@
+"""The first day on a real fleet (#28): --redis after the subcommand, and every Redis URL form.
+
+Each URL is tried against a private redis-server of its own (a password with the characters
+generated passwords hold, an ACL user, a unix socket): it works, or the command says in one
+line what is wrong without any part of the password.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import redis
+
+from genq.core import keys
+from tests.conftest import ROOT, PrivateRedis, free_port, run_genq, wait_until, write_prompts
+
+PASSWORD = "k3J9/x#Q@z:w?p"  # '/', '#', '@', ':' and '?': each broke URL parsing somewhere
+
+
+def genq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """genq with no --redis of the suite's: each test names its own URL where it wants one."""
+    return subprocess.run([sys.executable, "-m", "genq", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+class LockedRedis:
+    """A private Redis with a password and an ACL user, both with URL-hostile characters
+    (conftest's PrivateRedis pings without a password)."""
+
+    def __init__(self, conf: Path) -> None:
+        self.dir = tempfile.mkdtemp(prefix="genq-test-redis-")
+        self.port = free_port()
+        self.proc = subprocess.Popen(["redis-server", str(conf), "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--dir", self.dir], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.client = redis.Redis(port=self.port, password=PASSWORD)
+        wait_until(self._pings, 10, "the locked redis-server")
+
+    def _pings(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except redis.ConnectionError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory):
+    conf = tmp_path_factory.mktemp("locked") / "redis.conf"
+    conf.write_text(f'requirepass "{PASSWORD}"\nuser alice on >{PASSWORD} ~* &* +@all\n')
+    server = LockedRedis(conf)
+    yield server
+    server.stop()
+
+
+def test_redis_is_accepted_after_the_subcommand_and_wins_there(locked, tmp_path):
+    url = f"redis://:{quote(PASSWORD, safe='')}@127.0.0.1:{locked.port}/0"
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 3)
+    # After the subcommand, even with a different (unreachable) URL before it.
+    proc = genq("--redis", "redis://127.0.0.1:1/0", "enqueue", str(src), "--job", "after", "--redis", url)
+    assert proc.returncode == 0, proc.stderr
+    assert locked.client.exists(keys.job_config("after"))
+    proc = genq("jobs", "--redis", url)
+    assert proc.returncode == 0 and "after" in proc.stdout, proc.stderr
+    # In a subgroup's subcommand too, and named in each command's --help.
+    proc = genq("jobs", "delete", "after", "--yes", "--redis", url)
+    assert proc.returncode == 0, proc.stderr
+    assert not locked.client.exists(keys.job_config("after"))
+    assert "--redis URL" in genq("worker", "--help").stdout
+
+
+@pytest.mark.parametrize("userinfo", [
+    PASSWORD,  # as typed: the userinfo is everything before the last '@'
+    quote(PASSWORD, safe=""),  # percent-encoded
+    f"alice:{PASSWORD}",  # an ACL user
+    f"alice:{quote(PASSWORD, safe='')}",
+])
+def test_every_password_form_connects(locked, userinfo):
+    colon = "" if userinfo.startswith("alice") else ":"
+    proc = genq("--redis", f"redis://{colon}{userinfo}@127.0.0.1:{locked.port}/0", "jobs")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("url, code, says", [
+    ("redis://:{pw}@127.0.0.1:{port}/0", 1, "invalid username-password"),  # a wrong password
+    ("redis://:{pw}@127.0.0.1:notaport/0", 2, "port"),
+    ("redis://:{pw}@127.0.0.1:{port}/zero", 2, "database 'zero'"),
+    ("http://:{pw}@127.0.0.1:{port}/0", 2, "http:// is not a Redis URL scheme"),
+    ("127.0.0.1:{port}", 2, "no scheme"),
+    ("redis+sentinel://:{pw}@127.0.0.1:{port}", 2, "service"),
+])
+def test_a_bad_url_is_one_line_without_the_password(locked, url, code, says):
+    wrong = "W7/#:x@" + PASSWORD[::-1]
+    proc = genq("--redis", url.format(pw=wrong, port=locked.port), "jobs")
+    assert proc.returncode == code, proc.stderr
+    assert says in proc.stderr.lower() or says in proc.stderr, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for piece in ("W7/", wrong[2:6], PASSWORD[:4], quote(wrong, safe="")[:8]):
+        assert piece not in err, (piece, err)
+
+
+def test_unix_socket_urls_run_a_job(tmp_path, sim, procs):
+    sock = tmp_path / "redis.sock"
+    server = PrivateRedis("--unixsocket", str(sock), "--unixsocketperm", "700")
+    try:
+        url = f"unix://{sock}?db=2"
+        src = tmp_path / "p.jsonl"
+        ids = write_prompts(src, 12)
+        out = tmp_path / "out"
+        run_genq("enqueue", str(src), "--job", "sock", "--output", str(out), "--batch-size", "4", redis_url=url)
+        server_url = sim(mean_output_tokens=20, tokens_per_step=16, step_ms_base=2)
+        worker = procs([sys.executable, "-m", "genq", "--redis", url, "worker", "--server", server_url, "--burst"],
+                       name="worker")
+        assert worker.wait(timeout=120) == 0, worker.log()
+        assert redis.Redis(unix_socket_path=str(sock), db=2).scard(keys.job_done("sock")) == 3
+        assert len(list((out / "sock" / "shards").glob("*.jsonl"))) == 3 and ids
+    finally:
+        server.stop()
+
+
+def test_rediss_against_a_plaintext_redis_fails_within_seconds_saying_why(redis_url):
+    plain = redis_url.replace("redis://", "rediss://")
+    started = time.monotonic()
+    proc = genq("--redis", plain, "jobs", timeout=60)
+    took = time.monotonic() - started
+    assert proc.returncode == 1 and took < 15, (took, proc.stderr)
+    assert "TLS" in proc.stderr and "redis://" in proc.stderr, proc.stderr
+
+
+def test_genq_help_names_every_engine():
+    text = genq("--help").stdout
+    assert "SGLang" in text and "vLLM" in text and "llama.cpp" in text, text
+
+
+def test_rediss_against_a_tls_redis_works_with_its_certificate_checked(tmp_path):
+    """Timing the handshake (genq/core/redisconn.py) leaves real TLS working, verified against its CA."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                               "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                               "--tls-auth-clients", "no", "--save", "", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        write_prompts(tmp_path / "p.jsonl", 3)
+        wait_until(lambda: genq("--redis", url, "jobs").returncode == 0, 10, "the TLS redis-server")
+        proc = genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "tls", "--redis", url)
+        assert proc.returncode == 0, proc.stderr
+        assert "tls" in genq("jobs", "--redis", url).stdout
+        import asyncio
+
+        from genq.core.redisconn import connect_async
+
+        async def ping() -> bool:
+            client = connect_async(url)
+            try:
+                return bool(await client.ping())
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(ping())  # the workers' asyncio client too
+    finally:
+        server.kill()
+        server.wait(timeout=10)

@@ -1,0 +1,75 @@
+"""From what the server answered to the record: every choice asked for, and only what was asked.
+
+A request for n samples must come back with n choices (indexes 0..n-1) or it is a failure:
+a record that holds fewer samples than its request asked for would pass unnoticed into
+training data. docs/fidelity.md lists where each request field's answer lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from genq.core.records import JobConfig, Prompt, Result
+from genq.worker.held import Task
+from genq.worker.wire import Completion, Failure
+
+# Request fields whose answer genq keeps (Result.matched_stop) only when they were set.
+_STOP_FIELDS = ("stop", "stop_token_ids")
+
+
+def samples(config: JobConfig, prompt: Prompt) -> int:
+    """How many samples (sequences on the server) the request asks for: its n."""
+    n = (prompt.sampling or {}).get("n", config.extra_body.get("n", 1))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+class Running(dict[Task, "asyncio.Task[None]"]):
+    """The requests in flight, and the sequences they are on the server: a request for n
+    samples is n (SGLang and vLLM schedule each choice as a sequence of its own), and the
+    in-flight target counts what the server runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequences = 0
+
+    def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
+        if task not in self:
+            self.sequences += samples(task.batch.config, task.prompt)
+        super().__setitem__(task, aio)
+
+    def pop(self, task: Task, default: Any = None) -> Any:
+        if task in self:
+            self.sequences -= samples(task.batch.config, task.prompt)
+        return super().pop(task, default)
+
+
+def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, batch: str, worker: str,
+              attempts: int, latency_s: float, settings_version: int = 0) -> Result | Failure:
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and n > 1 else 1
+    indexes = [choice.index for choice in c.choices]
+    if indexes != list(range(n)):
+        return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
+                       f"indexes {indexes}", retryable=False)
+    asked_stop = any(body.get(name) for name in _STOP_FIELDS)
+    asked_logprobs = bool(body.get("logprobs"))
+    for choice in c.choices:
+        if not asked_stop:
+            choice.matched_stop = None
+        if not asked_logprobs:
+            choice.logprobs = None
+        elif choice.logprobs is None:
+            return Failure("protocol", f"the request asked for logprobs; the server's choice {choice.index} has none",
+                           retryable=False)
+    first = c.choices[0]
+    return Result(
+        id=prompt.id, job=job, batch=batch, index=prompt.index,
+        completion=first.completion, reasoning_content=first.reasoning_content, finish_reason=first.finish_reason,
+        usage=c.usage, model=c.model, worker=worker, attempts=attempts, latency_s=round(latency_s, 3),
+        messages=prompt.messages, prompt=prompt.prompt, metadata=prompt.metadata, custom_id=prompt.custom_id,
+        response_id=c.response_id, finished_at=time.time(),
+        choices=c.choices if n > 1 else None, logprobs=first.logprobs, matched_stop=first.matched_stop,
+        tool_calls=first.tool_calls, settings_version=settings_version,
+    )

@@ -1,0 +1,199 @@
+"""An idle worker waits instead of polling (issue #29).
+
+A worker that holds nothing, runs nothing and has borrowed nothing for IDLE_AFTER_S
+is idle. A fleet of hundreds keeps some idle (a job's end, a queue run dry, spare GPUs),
+and each used to issue 11-13 Redis commands a second: a heartbeat and a control read
+every second, an inbox pop and RQ pops timing out every one to three seconds, a look
+at every job's leases for prompts to steal every two. Idle, a worker:
+
+* picks up new batches the moment they are queued, as before: its RQ loops block on
+  the queue (BLMOVE) and the engine on its inbox (BLPOP); only their timeouts are
+  longer (POP_WAIT_S, INBOX_WAIT_S), and RQ's own bookkeeping around each pop is kept
+  to once a minute (QuietPops). A stop ends a loop's pop at once: the loop unblocks
+  it (CLIENT UNBLOCK: the pop ends with an error, nothing taken);
+* beats every IDLE_BEAT_S instead of every second, with keys that live IDLE_TTL_S,
+  and reads its control record (drain, pause, cap) at the same beat;
+* looks for prompts to steal when woken, at most every WOKEN_LOOK_S, and otherwise
+  every IDLE_LOOK_S (prompts claimed by an engine that froze). WAKE is published by
+  busy engines holding prompts not yet sent, every ANNOUNCE_EVERY_S (at a job's end,
+  once the queue is empty, those are what an idle worker takes), and when borrowed
+  prompts are given back; a fleet with nothing to do publishes nothing;
+* takes its turn at the fleet's reconciler every IDLE_MAINTENANCE_S.
+
+The first sign of work (a lease in its inbox, a borrowed prompt) ends the idle pace
+at the next one-second tick of the heartbeat: nothing waits for a long sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sized
+from datetime import datetime, timedelta
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core import keys
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Holdings
+
+log = logging.getLogger("genq.worker")
+
+IDLE_AFTER_S = 5.0  # nothing held, running or borrowed this long: the idle pace
+IDLE_BEAT_S = 15.0  # an idle worker's heartbeat and control read
+IDLE_TTL_S = 45  # its liveness and status keys live this long (3 beats)
+IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
+IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup
+WORKERS_SET_EVERY_S = 60.0  # re-adding the worker to genq:workers (kept once added)
+# Blocking pops; under redis-py's health check (30 s), which would add a PING to each.
+POP_WAIT_S = 25  # an RQ loop's BLMOVE
+INBOX_WAIT_S = 25  # the engine's BLPOP on its inbox
+WOKEN_LOOK_S = 1.0  # an idle stealer woken looks at most this often
+ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) this often
+RQ_BEAT_EVERY_S = 60.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
+
+
+class IdlePace:
+    """Whether the engine is idle, and the pace of its loops accordingly."""
+
+    def __init__(self, held: Holdings, dispatcher: Dispatcher, borrowed: Callable[[], Sized],
+                 queue_key: str = "") -> None:
+        self.queue_key = queue_key  # RQ's queue list: announce() speaks once it is empty
+        self.held = held
+        self.dispatcher = dispatcher
+        self.borrowed = borrowed
+        self.busy_at = time.monotonic()
+        self.last_beat = 0.0
+        self.workers_set_at = -WORKERS_SET_EVERY_S
+        self.woken = asyncio.Event()  # a WAKE message
+        self.announced_at = 0.0
+
+    def idle(self) -> bool:
+        d = self.dispatcher
+        now = time.monotonic()
+        if self.held or d.running or d.unsent or len(self.borrowed()):
+            self.busy_at = now
+            return False
+        return now - self.busy_at >= IDLE_AFTER_S
+
+    def beat_due(self) -> bool:
+        """Called every second by the heartbeat: beat now? (always, unless idle)."""
+        now = time.monotonic()
+        if self.idle() and now - self.last_beat < IDLE_BEAT_S:
+            return False
+        self.last_beat = now
+        return True
+
+    def ttl(self, busy_ttl: int) -> int:
+        return IDLE_TTL_S if self.idle() else busy_ttl
+
+    def workers_set_due(self) -> bool:
+        now = time.monotonic()
+        if now - self.workers_set_at < WORKERS_SET_EVERY_S:
+            return False
+        self.workers_set_at = now
+        return True
+
+    def maintenance_every(self, busy_s: float) -> float:
+        return IDLE_MAINTENANCE_S if self.idle() else busy_s
+
+    async def nap(self, seconds: float) -> None:
+        """The stealer's wait between looks: `seconds`, or IDLE_LOOK_S while idle; a WAKE
+        message (also one that came during the last look) ends it early. Checks once a
+        second whether the engine is still idle (no Redis)."""
+        start = time.monotonic()
+        while True:
+            if self.woken.is_set() and time.monotonic() - start >= WOKEN_LOOK_S:
+                self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
+                return
+            left = start + (IDLE_LOOK_S if self.idle() else seconds) - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self.woken.wait(), timeout=min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    async def announce(self, conn: aioredis.Redis) -> None:
+        """From a busy engine's heartbeat: while it holds prompts not yet sent and the queue
+        is empty (idle workers take those then), WAKE every ANNOUNCE_EVERY_S. While the queue
+        has batches, idle workers' RQ loops take them: no need, and no fan-out to pay."""
+        now = time.monotonic()
+        if self.dispatcher.unsent and now - self.announced_at >= ANNOUNCE_EVERY_S:
+            self.announced_at = now
+            if not await conn.llen(self.queue_key):
+                await wake_fleet(conn)
+
+    async def listen(self, conn: aioredis.Redis) -> None:
+        """Sets `woken` on each WAKE message; resubscribes after a lost connection."""
+        while True:
+            try:
+                async with conn.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(keys.WAKE)
+                    async for message in pubsub.listen():
+                        if message and message.get("type") == "message":
+                            self.woken.set()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("wake-up channel: %s", exc)
+                await asyncio.sleep(1.0)
+
+
+async def wake_fleet(conn: aioredis.Redis) -> None:
+    """Tell idle workers there may be prompts to take (one PUBLISH; nobody listening is fine)."""
+    try:
+        await conn.publish(keys.WAKE, b"1")
+    except (redis.RedisError, OSError) as exc:
+        log.debug("wake-up not sent: %s", exc)
+
+
+def unblock_own_pop(conn: redis.Redis, name: str) -> None:
+    """From an RQ loop told to stop while it pops: end its blocking pop (its connection carries
+    the loop's name, QuietPops) with an error, so the pop takes nothing and the loop stops now
+    rather than after POP_WAIT_S. A stop's signal handler runs between the
+    pop's reads, on a connection of its own; if the pop has just taken a batch, there is
+    nothing blocked to unblock and the batch is run as before."""
+    pool = conn.connection_pool  # not its connections: the signal may land while it hands one out
+    try:
+        with redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
+                                                              **pool.connection_kwargs)) as own:
+            for client in own.client_list(_type="normal"):
+                if client.get("name") == name and client.get("cmd") in ("blmove", "brpoplpush"):
+                    # As an error, not a timeout: RQ pops again for what is left of its wait after
+                    # a timeout; an error ends the pop (EngineWorker then acts on the kept stop).
+                    own.client_unblock(int(client["id"]), error=True)
+    except Exception as exc:  # noqa: BLE001 - any failure here only means the stop waits for the pop
+        log.warning("could not end this loop's pop early (it stops within %ss): %s", POP_WAIT_S, exc)
+
+
+class QuietPops:
+    """An RQ worker mixin: between pops, RQ's worker-key heartbeat at most once a minute and
+    its state written only when it changes. RQ writes both around every pop (6 commands a
+    pop); the key lives worker_ttl + 60 s (480 s), and the state does not change while idle.
+    Each pop's connection is named for unblock_own_pop."""
+
+    _popping: bool
+    _beat_at: datetime | None = None
+    name: str
+    connection: redis.Redis
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        # Names the connection the pop runs on (the pool hands out the last one returned), so a
+        # stop can find and unblock it: RQ names one at its start, not always the one it pops on.
+        self.connection.client_setname(self.name)
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)  # type: ignore[misc]
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        now = datetime.now()
+        if (self._popping and timeout is None and pipeline is None and self._beat_at is not None
+                and now - self._beat_at < timedelta(seconds=RQ_BEAT_EVERY_S)):
+            return
+        self._beat_at = now
+        super().heartbeat(timeout, pipeline)  # type: ignore[misc]
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        if self._popping and pipeline is None and getattr(self, "_state", None) == state:
+            return
+        super().set_state(state, pipeline)  # type: ignore[misc]

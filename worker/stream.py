@@ -1,0 +1,157 @@
+"""A streamed answer, event by event: demultiplexed by choice index into whole choices.
+
+A request for n > 1 samples streams them interleaved: SGLang and vLLM send one choice per
+chunk, each with its `index` (SGLang's _generate_chat_stream, vLLM's chat_completion_stream_generator;
+docs/fidelity.md names the lines). With continuous usage stats a chunk's usage counts the
+tokens of its own choice; the last chunk (no choices) has the request's total.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from genq.core.records import Choice
+from genq.worker.wire import (
+    Completion,
+    Failure,
+    Progress,
+    _answer_decode,
+    _event_failure,
+    _generic_answer,
+    _json_decode,
+    _stop_of,
+    _wire_usage,
+    _WireUsage,
+)
+
+
+class _ChoiceState:
+    __slots__ = ("text", "reasoning", "finish_reason", "tokens", "logprobs", "matched_stop", "tool_calls")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason: str | None = None
+        self.tokens: int | None = None  # the last per-choice usage seen
+        self.logprobs: dict[str, Any] | None = None
+        self.matched_stop: int | str | None = None
+        self.tool_calls: dict[int, dict[str, Any]] = {}  # by the call's index
+
+    def add_tool_calls(self, pieces: list[dict[str, Any]]) -> None:
+        """Streamed calls come in pieces by index: the first names id, type and function name,
+        the rest carry more of the arguments (OpenAI's shape; SGLang and vLLM send it)."""
+        for piece in pieces:
+            index = piece.get("index", len(self.tool_calls))
+            call = self.tool_calls.setdefault(index if isinstance(index, int) else 0,
+                                              {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            for key in ("id", "type"):
+                if piece.get(key):
+                    call[key] = piece[key]
+            function = piece.get("function")
+            if isinstance(function, dict):
+                if function.get("name"):
+                    call["function"]["name"] = function["name"]
+                if isinstance(function.get("arguments"), str):
+                    call["function"]["arguments"] += function["arguments"]
+
+    def add_logprobs(self, piece: dict[str, Any]) -> None:
+        """A chunk's logprobs: its lists (chat's content; completions' tokens, token_logprobs,
+        top_logprobs, text_offset) extend what came before."""
+        if self.logprobs is None:
+            self.logprobs = {k: list(v) if isinstance(v, list) else v for k, v in piece.items()}
+            return
+        for key, value in piece.items():
+            have = self.logprobs.get(key)
+            if isinstance(value, list) and isinstance(have, list):
+                have.extend(value)
+            elif value is not None:
+                self.logprobs[key] = list(value) if isinstance(value, list) else value
+
+    def choice(self, index: int) -> Choice:
+        return Choice(index=index, completion="".join(self.text), finish_reason=self.finish_reason,
+                      completion_tokens=self.tokens,
+                      reasoning_content="".join(self.reasoning) if self.reasoning else None,
+                      logprobs=self.logprobs, matched_stop=self.matched_stop,
+                      tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)] or None)
+
+
+class _StreamState:
+    """What the events of one stream have said so far."""
+
+    __slots__ = ("choices", "usage", "total_seen", "response_id", "model", "done", "events")
+
+    def __init__(self, model: str) -> None:
+        self.choices: dict[int, _ChoiceState] = {}
+        self.usage: _WireUsage | None = None
+        self.total_seen = False  # usage came on a chunk without choices: the request's total
+        self.response_id: str | None = None
+        self.model = model
+        self.done = False
+        self.events = 0  # events before this one
+
+    def feed(self, payload: bytes, progress: Progress) -> Failure | None:
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            event = _answer_decode(payload)
+        except msgspec.ValidationError:
+            generic = _generic_answer(_json_decode(payload))
+            if isinstance(generic, Failure):
+                return Failure("protocol", f"stream event is not a JSON object: {payload[:200]!r}")
+            event = generic
+        if event.error is not None:  # the engines report errors in a running stream this way, on HTTP 200
+            return _event_failure(event.error, mid_stream=self.events > 0)
+        self.events += 1
+        if self.response_id is None:
+            self.response_id = event.id
+        if event.model:
+            self.model = event.model
+        usage = event.usage
+        for wire in event.choices or ():
+            state = self.choices.get(wire.index)
+            if state is None:
+                state = self.choices[wire.index] = _ChoiceState()
+            delta = wire.delta
+            if delta is not None:
+                if delta.content:
+                    state.text.append(delta.content)
+                piece = delta.reasoning_content or delta.reasoning
+                if piece:
+                    state.reasoning.append(piece)
+                if delta.tool_calls:
+                    state.add_tool_calls(delta.tool_calls)
+            elif wire.text:
+                state.text.append(wire.text)
+            if wire.finish_reason:
+                state.finish_reason = wire.finish_reason
+                state.matched_stop = _stop_of(wire)
+            if wire.logprobs:
+                state.add_logprobs(wire.logprobs)
+            if usage is not None and usage.completion_tokens is not None:
+                state.tokens = usage.completion_tokens
+        if usage is not None:
+            if not event.choices:
+                self.total_seen = True
+            if self.total_seen or not event.choices or len(self.choices) <= 1:
+                self.usage = usage
+            elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
+                self.usage = _WireUsage(prompt_tokens=usage.prompt_tokens)
+            progress.tokens = (usage.completion_tokens or 0) if self.total_seen or len(self.choices) <= 1 \
+                else sum(s.tokens or 0 for s in self.choices.values())
+        elif self.usage is None:
+            progress.tokens += 1  # no usage stats: count events
+        return None
+
+    def completion(self) -> Completion:
+        indexes = sorted(self.choices) or [0]
+        choices = [self.choices.get(i, _ChoiceState()).choice(i) for i in indexes]
+        usage = _wire_usage(self.usage)
+        if not self.total_seen and len(choices) > 1:
+            # No total from the server: the sum of what each choice's last chunk counted.
+            usage.completion_tokens = sum(c.completion_tokens or 0 for c in choices)
+        if len(choices) == 1 and (choices[0].completion_tokens is None or self.total_seen):
+            choices[0].completion_tokens = usage.completion_tokens
+        return Completion(choices=choices, usage=usage, model=self.model, response_id=self.response_id)
