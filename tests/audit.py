@@ -11,6 +11,8 @@ what `genq monitor --job JOB --once --json` reports:
 - prompts: every input id has exactly one result (in a shard, or still in Redis for
   a batch that failed in RQ) or exactly one dead letter; none both, none invented,
   none lost (prompts of a batch the caller expects to have failed may have neither);
+- the shard invariant: every shard was written with its batch's prompt count minus the
+  batch's dead letters (its records, in its file), and no dead letter of its batch came since;
 - counters: the workers' done/in_tok/out_tok and the length histogram equal the
   results stored, the job's running shard totals (records, bytes: ledger.RELEASE keeps
   them) equal a recount of the shard records in Redis and of the markers (their failed counts every letter stored: requeue and purge keep that
@@ -194,6 +196,18 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
             problems.append(f"the job's running total {what} is {kept} but a recount gives {counted}")
     if len(infos) != len(done):
         problems.append(f"{len(infos)} shard records in Redis for {len(done)} done batches")
+    # The shard invariant (#30): a shard is written only when every prompt of its batch has an
+    # outcome: its records and the batch's dead letters then were the batch's prompts. Letters can
+    # only leave the DLQ since (`genq dlq requeue` / `purge`), never come.
+    letters_of = Counter(d.batch for d in letters.values())
+    rows_of = Counter(r.get("batch") for r in rows)
+    for info in infos:
+        if info.records + info.letters != info.prompts or rows_of[info.batch] != info.records:
+            problems.append(f"shard {info.batch} was written with {info.records} records ({rows_of[info.batch]} in "
+                            f"its file) and {info.letters} dead letters for a batch of {info.prompts} prompts")
+        if letters_of[info.batch] > info.letters:
+            problems.append(f"batch {info.batch} has {letters_of[info.batch]} dead letters, its shard counted "
+                            f"{info.letters}")
 
     mon = monitor_json(conn, job)
     for what, reported, stored in (

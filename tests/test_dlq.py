@@ -22,7 +22,7 @@ from rq.registry import FailedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
-from genq.core.records import Result, Usage
+from genq.core.records import JobConfig, Result, Usage, unpack
 from genq.core.redisconn import connect_async
 from genq.worker.results import ResultWriter
 from tests.audit import audit
@@ -216,13 +216,14 @@ def record_partial_result(redis_url: str, job: str, batch: str, prompt_id: str) 
 
     async def go() -> None:
         conn = connect_async(redis_url)
+        config = unpack(await conn.get(keys.job_config(job)), JobConfig)  # RECORD writes for this incarnation only
         writer = ResultWriter(conn, "lost-worker", lambda *_: None)
         task = asyncio.create_task(writer.run())
         writer.add_result(Result(
             id=prompt_id, job=job, batch=batch, index=0, completion="finished before the crash",
             finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=4), model="m",
             worker="lost-worker", attempts=1, latency_s=0.1,
-        ))
+        ), config.incarnation)
         await writer.wait_idle()
         task.cancel()
         await conn.aclose()

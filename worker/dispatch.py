@@ -19,8 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import redis
-
 from genq.core.records import DeadLetter, JobConfig
 from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
@@ -106,12 +104,9 @@ class Dispatcher:
                 (self.todo.suspects if self._suspect(due) else self.todo.ready).appendleft(due)
             for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
+            await self.todo.release_let_go()
             if self._can_send() and (want := self._want()) > 0 and self.todo.backlog.waiting:
-                try:
-                    self.todo.ready.extend(await self.todo.backlog.claim(want, self.flags.paused_jobs))
-                except (redis.RedisError, OSError) as exc:
-                    log.warning("cannot claim prompts (%s); trying again shortly", exc)
-                    asyncio.get_running_loop().call_later(1.0, self.wake.set)
+                await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
@@ -130,6 +125,7 @@ class Dispatcher:
             else:
                 return None
             if task.batch.dropped:
+                self.todo.let_go(task)
                 continue
             if task.batch.ref.job in self.flags.paused_jobs:
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
@@ -187,7 +183,7 @@ class Dispatcher:
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
             return result
-        self.writer.add_result(result)
+        self.writer.add_result(result, sent.incarnation)
         self.rates.add(c.usage.completion_tokens)
         if self.brake is not None:
             self.brake.succeeded(task)
@@ -204,6 +200,9 @@ class Dispatcher:
 
     async def _failed(self, task: Task, failure: Failure) -> None:
         held = task.batch
+        if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
+            self.todo.let_go(task)
+            return
         if failure.kind in ("connection", "timeout", "server_error") and await self.server_is_down():
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             self.crashed(task)
@@ -236,4 +235,4 @@ class Dispatcher:
         self.writer.add_dead(DeadLetter(
             id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.attempts, kind=failure.kind,
             message=failure.message, worker=self.name, at=time.time(), status=failure.status, prompt=task.prompt,
-        ))
+        ), held.config.incarnation)

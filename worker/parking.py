@@ -47,8 +47,7 @@ CHECK_EVERY_S = 1.0
 class Parking:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
-                 server: Callable[[], ServerInfo | None], reply: Callable[[str, bytes], Awaitable[None]],
-                 forget_config: Callable[[str], None]) -> None:
+                 server: Callable[[], ServerInfo | None], reply: Callable[[str, bytes], Awaitable[None]]) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
@@ -60,7 +59,6 @@ class Parking:
         self.writer = writer
         self.server = server  # what the server said about itself (ServerWatch.info)
         self.reply = reply  # LeaseDesk.reply: a lease's word to its RQ work horse
-        self.forget_config = forget_config  # LeaseDesk's settings cache: read the job's config again
         self.brake = Brake(worker, dispatcher._dead, self.block)
         self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
@@ -171,13 +169,13 @@ class Parking:
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()  # what was recorded before is written: it stays
         for b in borrowed:
-            await retrying(functools.partial(self.claims.unclaim, b.ref), f"releasing claims of {b.ref}")
+            await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
             self.stealer.borrowed.pop(b.ref, None)
         parked = []
         for h in mine:
             if h.completing:
                 continue  # the flush finished it
-            await retrying(functools.partial(self.claims.unclaim, h.ref), f"releasing claims of {h.ref}")
+            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
             if await asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token):
                 parked.append(str(h.ref))
             await retrying(functools.partial(self.reply, h.token, b"released"), f"parking {h.ref}")
@@ -198,7 +196,6 @@ class Parking:
                  and h.config.settings_version < stored.settings_version]
         if not stale:
             return
-        self.forget_config(job)
         self.stealer.forget_batches(job)
         for h in stale:
             h.config = stored
@@ -243,8 +240,7 @@ def parking_of(engine: Any) -> Parking:
     """The engine's (worker/engine.py; its LeaseDesk is built after this, hence the lambdas)."""
     parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
                       engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info,
-                      lambda token, word: engine.leases.reply(token, word),
-                      lambda job: engine.leases.forget_config(job))
+                      lambda token, word: engine.leases.reply(token, word))
     engine.dispatcher.brake = parking.brake
     return parking
 

@@ -341,3 +341,7 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     records: int
     bytes: int
     at: float
+    # The batch's prompt count and its dead letters when the shard was written (0: a genq before
+    # #30). A shard is written only when every prompt has an outcome: records + letters == prompts.
+    prompts: int = 0
+    letters: int = 0
