@@ -36,10 +36,13 @@ local function claimable(id, me)
 end
 """
 
-# KEYS: claims, results, dlq, done; ARGV: batch, me, alive prefix, alive suffix, id...
+# KEYS: claims, results, dlq, done, batch record; ARGV: batch, me, alive prefix, alive suffix, id...
 # -> 'done', or one letter per id: c (claimed: send it), t (taken by another live engine), f (finished)
+# A batch whose record is gone is over too: its job was deleted, or Redis lost it (restarted
+# empty, flushed: #31) and what it held is queued again from the output and the input.
 CLAIM = _HELPERS + """
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return 'done' end
+if redis.call('EXISTS', KEYS[5]) == 0 then return 'done' end
 local out = {}
 for i = 5, #ARGV do
   local id = ARGV[i]
@@ -116,7 +119,7 @@ class Claims:
         """One letter per id (see CLAIM); None once the batch is done."""
         if not ids:
             return ""
-        answer = _text(await self._claim(keys=self._keys(ref),
+        answer = _text(await self._claim(keys=[*self._keys(ref), keys.batch(ref.job, ref.batch)],
                                          args=[ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, *ids]))
         return None if answer == "done" else answer
 

@@ -11,6 +11,7 @@ from rq.registry import StartedJobRegistry
 
 from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
 from genq.core.queueing import rq_queue
+from genq.ops.recover import OutputWatch
 from genq.worker.loops import RqLoops
 
 log = logging.getLogger("genq.worker")
@@ -21,6 +22,7 @@ class Maintenance:
         self.conn = conn
         self.reconciler = reconciler
         self.loops = loops
+        self.outputs = OutputWatch(conn)  # the ledger checked against the written output (#31)
 
     async def run(self) -> None:
         """Stranded batches are looked for by every worker (one pass at a time across the fleet)."""
@@ -28,6 +30,7 @@ class Maintenance:
             await asyncio.sleep(RECONCILE_EVERY_S)
             try:
                 await asyncio.to_thread(lambda: StartedJobRegistry(queue=rq_queue(self.conn)).cleanup())
+                await asyncio.to_thread(self.outputs.pass_once)
                 await asyncio.to_thread(self.reconciler.pass_once)
             except (redis.RedisError, OSError) as exc:
                 log.debug("maintenance skipped: %s", exc)
@@ -35,6 +38,7 @@ class Maintenance:
     async def burst_done(self) -> bool:
         """A burst worker leaves once the ledger says every batch of every job is done; batches
         queued again (stranded, or handed back by others) are taken first."""
+        await asyncio.to_thread(self.outputs.pass_once)
         outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
         if not outlook.unfinished and not outlook.finishing:
             log.info("burst: every batch of every job is done; exiting")

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "concurrency": "genq.cli.control:concurrency",
     "export": "genq.cli.export:export",
     "jobs": "genq.cli.control:jobs",
+    "recover": "genq.cli.recover:recover",
 }
 
 

@@ -181,7 +181,8 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             rate = summary.read / max(time.monotonic() - started, 1e-9)
             click.echo(f"\r  read {summary.read:,} prompts ({rate:,.0f}/s), queued {summary.enqueued:,}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference).run(rows, on_progress=progress)
+    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
+                       input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri)).run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
@@ -208,6 +209,11 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.converted:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
+    if summary.rebuilt or summary.recovered_batches:  # the output is the truth (#31, docs/recovery.md)
+        click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
+                   f"{summary.recovered_batches:,} batches already written there counted as done")
+    if summary.note:
+        click.echo(f"  note: {summary.note}")
     if summary.skipped_existing:
         click.echo(f"  skipped {summary.skipped_existing:,} prompts already queued or done (same id, same content)")
     if summary.skipped_duplicate:
