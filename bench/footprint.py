@@ -187,7 +187,7 @@ class Filler:
         with self.conn.pipeline(transaction=False) as pipe:
             for b in batches:
                 done = b.prompts[: int(len(b.prompts) * share)]
-                script_keys, args = record_call(self.job, b.id, worker, now, self.results(b, done, worker), [])
+                script_keys, args = record_call(self.job, b.id, worker, now, self.results(b, done, worker), [], "")
                 self._record(keys=script_keys, args=args, client=pipe)
             pipe.execute()
 
@@ -197,7 +197,7 @@ class Filler:
             for b in batches:
                 info = ShardInfo(batch=b.id, uri=f"/nonexistent/footprint/{self.job}/shards/{b.id}.jsonl",
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
-                script_keys, args = release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}")
+                script_keys, args = release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}", incarnation="")
                 self._release(keys=script_keys, args=args, client=pipe)
                 pipe.delete(keys.lease_reply(f"tok-{b.id}"))  # the work horse pops its "done"
             pipe.execute()

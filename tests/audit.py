@@ -11,6 +11,8 @@ what `genq monitor --job JOB --once --json` reports:
 - prompts: every input id has exactly one result (in a shard, or still in Redis for
   a batch that failed in RQ) or exactly one dead letter; none both, none invented,
   none lost (prompts of a batch the caller expects to have failed may have neither);
+- the shard invariant: every shard holds its batch's prompt count minus the batch's dead
+  letters, and the batches' prompt counts add up to the input;
 - counters: the workers' done/in_tok/out_tok and the length histogram equal the
   results stored, the job's running shard totals (records, bytes: ledger.RELEASE keeps
   them) equal a recount of the shard records in Redis and of the markers (their failed counts every letter stored: requeue and purge keep that
@@ -194,6 +196,17 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
             problems.append(f"the job's running total {what} is {kept} but a recount gives {counted}")
     if len(infos) != len(done):
         problems.append(f"{len(infos)} shard records in Redis for {len(done)} done batches")
+    # The shard invariant (#30): a shard is written only when every prompt of its batch has an
+    # outcome, so it holds the batch's prompt count minus the batch's dead letters, and the
+    # batches' prompt counts add up to the input.
+    letters_of = Counter(d.batch for d in letters.values())
+    rows_of = Counter(r.get("batch") for r in rows)
+    for info in infos:
+        if info.prompts != rows_of[info.batch] + letters_of[info.batch]:
+            problems.append(f"shard {info.batch} holds {rows_of[info.batch]} records and its batch "
+                            f"{letters_of[info.batch]} dead letters, but the batch has {info.prompts} prompts")
+    if not failed_batches and sum(i.prompts for i in infos) != len(ids):
+        problems.append(f"the shards' batches hold {sum(i.prompts for i in infos)} prompts, the input {len(ids)}")
 
     mon = monitor_json(conn, job)
     for what, reported, stored in (

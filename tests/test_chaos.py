@@ -8,9 +8,11 @@ none twice; nothing in the DLQ was caused by an outage or a kill.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import redis
@@ -22,12 +24,6 @@ from tests.audit import audit as shared_audit
 from tests.conftest import free_port, post_json, read_results, run_genq, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
-
-
-
-
-
-
 
 
 def audit(conn: redis.Redis, out: Path, job: str, ids: list[str]) -> tuple[list[dict], dict[str, DeadLetter]]:
@@ -187,3 +183,56 @@ def _pings(conn: redis.Redis) -> bool:
         return conn.ping()
     except redis.ConnectionError:
         return False
+
+
+FROZEN_S = 15.0  # longer than a heartbeat's life (worker/heartbeat.py ALIVE_TTL_S = 10)
+
+
+def _holders(conn: redis.Redis, jobs: list[str]) -> set[str]:
+    return {v.decode().split(" ", 1)[1].rsplit(".", 1)[0] for j in jobs for v in conn.hvals(keys.job_leases(j))
+            if b" " in v}
+
+
+def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
+    """#30's done-when: several jobs (batch sizes 1, 7 and 256), error and reset faults, a frozen
+    holder (SIGSTOP past its heartbeat), a server crash, and stealing at the end of the big job,
+    in one run; every job audited. scripts/chaos_loop.sh runs it N times in a row under load."""
+    faulty = sim(max_running_requests=8, error_rate=0.05, reset_rate=0.05, **FAST)
+    steady = sim(max_running_requests=8, mean_output_tokens=200, output_sigma=0.8, tokens_per_step=16,
+                 step_ms_base=8)
+    crashing = sim(max_running_requests=8, **FAST)
+    jobs = {}
+    for job, n, size in (("one", 24, 1), ("seven", 70, 7), ("big", 300, 256)):
+        jobs[job] = enqueue(tmp_path, redis_url, job, n, "--batch-size", str(size), "--max-tokens", "600",
+                            "--max-attempts", "10")
+    common = ("--retry-backoff", "0.05", "--prefetch", "2")
+    procs = {name: worker(url, *common, "--name", name, name=name)
+             for name, url in (("faulty", faulty), ("steady", steady), ("crashing", crashing))}
+    done_keys = {job: keys.job_done(job) for job in jobs}
+    total_batches = {"one": 24, "seven": 10, "big": 2}
+
+    def finished() -> int:
+        return sum(rconn.scard(done_keys[j]) for j in jobs)
+
+    # The frozen holder: "steady" stops while it holds batches, past its heartbeat (10 s); its
+    # horses give up on it, the batches go round again, and it resumes to find them leased elsewhere.
+    wait_until(lambda: "steady" in _holders(rconn, list(jobs)), 60, "steady holding a batch")
+    os.kill(procs["steady"].pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        post_json(crashing + "/sim/faults", {"outage_for": 4})  # the server crash
+        wait_until(lambda: finished() >= 10, 120, "work going on without the frozen worker")
+        time.sleep(max(0.0, FROZEN_S - (time.monotonic() - frozen_at)))
+    finally:
+        os.kill(procs["steady"].pid, signal.SIGCONT)
+    wait_until(lambda: finished() == sum(total_batches.values()), 300, "every batch of every job done")
+    for proc in procs.values():
+        proc.signal(signal.SIGTERM)
+    for name, proc in procs.items():
+        assert proc.wait(timeout=90) == 0, f"{name}:\n{proc.log()}"
+    for job, (ids, out) in jobs.items():
+        rows, letters = audit(rconn, out, job, ids)
+        assert not letters, f"{job}: dead letters with 10 attempts at 10% faults: {letters}"
+    logs = "".join(p.log() for p in procs.values())
+    assert "was frozen for" in procs["steady"].log(), "the frozen holder was not frozen past its heartbeat"
+    assert "from another worker" in logs, "no prompt was taken from another worker's batch (stealing)"

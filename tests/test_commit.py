@@ -15,15 +15,23 @@ import asyncio
 import math
 import random
 
+import pytest
 import redis
 
 from genq.core import keys
 from genq.core.histogram import bucket_bounds, length_bucket
-from genq.core.records import DeadLetter, Prompt, Result, Usage, unpack
+from genq.core.queueing import save_config
+from genq.core.records import DeadLetter, JobConfig, Prompt, Result, Usage, unpack
 from genq.core.redisconn import connect_async
 from genq.worker.results import ResultWriter
 
 JOB, BATCH = "cj", "b0000001"
+INCARNATION = "c0ffee"  # the job's life the writes are for (RECORD refuses any other)
+
+
+@pytest.fixture(autouse=True)
+def job_config(rconn: redis.Redis) -> None:
+    save_config(rconn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))
 
 
 def result(pid: str, worker: str, *, completion: str | None = None, prompt_tokens: int = 5,
@@ -75,7 +83,7 @@ async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], paus
     try:
         for group in groups:
             for record in group:
-                (writer.add_result if isinstance(record, Result) else writer.add_dead)(record)
+                (writer.add_result if isinstance(record, Result) else writer.add_dead)(record, INCARNATION)  # type: ignore[arg-type]
             assert writer.pending == len(group)
             await stored_by(writer, task)
             if pause:
@@ -231,12 +239,12 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
         try:
             for i in range(0, 30, 5):
                 for r in records[i:i + 5]:
-                    writer.add_result(r)
+                    writer.add_result(r, INCARNATION)
                 if i in (5, 15):
                     # Every client but this test's own is dropped, the writer's included.
                     assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
                 for r in records[i:i + 3]:
-                    writer.add_result(r)  # and some are sent twice, as after a lost reply
+                    writer.add_result(r, INCARNATION)  # and some are sent twice, as after a lost reply
                 errors += await stored_by(writer, task, errors_expected=True, within=60)
         finally:
             task.cancel()
@@ -272,20 +280,20 @@ def test_records_added_while_a_write_fails_are_kept_with_the_ones_put_back(redis
         writer = ResultWriter(conn, "w1", lambda job, batch, ids: None)
         task = asyncio.create_task(writer.run())
         try:
-            writer.add_result(result("p00000", "w1"))  # the script loaded, the connection open
+            writer.add_result(result("p00000", "w1"), INCARNATION)  # the script loaded, the connection open
             await stored_by(writer, task)
             rconn.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
             try:
                 for r in held:
-                    writer.add_result(r)
-                writer.add_dead(held_letter)
+                    writer.add_result(r, INCARNATION)
+                writer.add_dead(held_letter, INCARNATION)
                 deadline = asyncio.get_running_loop().time() + 15
                 while not write_blocked():
                     assert asyncio.get_running_loop().time() < deadline, "the writer's write never reached Redis"
                     await asyncio.sleep(0.01)
                 for r in arriving:
-                    writer.add_result(r)
-                writer.add_dead(arriving_letter)
+                    writer.add_result(r, INCARNATION)
+                writer.add_dead(arriving_letter, INCARNATION)
                 assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes") >= 1
             finally:
                 rconn.execute_command("CLIENT", "UNPAUSE")
@@ -340,13 +348,13 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
         server = None
         try:
             for r in records[:6]:
-                writer.add_result(r)
+                writer.add_result(r, INCARNATION)
             while len(failures) < 3:  # three failed writes in a row, counted as the writer reports them
                 await asyncio.sleep(0.01)
                 assert not task.done(), f"the writer stopped after {len(failures)} failures: {task.exception()!r}"
             assert writer.last_error and writer.last_error.startswith("ConnectionError"), writer.last_error
             for r in records[6:]:
-                writer.add_result(r)
+                writer.add_result(r, INCARNATION)
             server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
             await stored_by(writer, task, errors_expected=True, within=60)

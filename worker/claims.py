@@ -3,9 +3,14 @@
 A batch has one lease (its holder) but each prompt is claimed by the engine about to
 send it (keys.batch_claims). The holder claims a few prompts ahead of its free slots;
 the rest of a batch it holds stays unclaimed, so an engine with idle slots and an empty
-queue can take them (worker/stealing.py) from the back of the batch. A claim counts
-while its engine heartbeats (keys.engine_alive); an outcome recorded for the prompt
-ends it (worker/results.py), and a released batch drops them all (ledger RELEASE).
+queue can take them (worker/stealing.py) from the back of the batch.
+
+A claim is "INSTANCE TOKEN": the engine sending the prompt and the batch's lease it was
+taken under. It counts while that lease is the batch's current one and its engine
+heartbeats (keys.engine_alive); an outcome recorded for the prompt ends it
+(worker/results.py), and a released batch drops them all (ledger RELEASE). So a holder
+whose lease was superseded (it froze, the batch went round again) holds nothing up, even
+once it beats again: its claims, and those taken from it, are void under the new lease.
 
 Nothing here weakens exactly once: outcomes are still written once (first writer
 wins). Claims only keep two live engines from generating the same prompt.
@@ -20,36 +25,49 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from genq.core import keys
+from genq.core.ledger import INCARNATION_LUA
 from genq.core.records import BatchRef
 from genq.worker.held import HeldBatch, Task
 
 # A claim's owner is alive while ALIVE_PREFIX .. owner .. ALIVE_SUFFIX exists.
 ALIVE_PREFIX, ALIVE_SUFFIX = keys.engine_alive("\0").split("\0")
 
-_HELPERS = """
+# KEYS (every script): claims, results, dlq, done, leases, config
+# ARGV (every script): batch, me, alive prefix, alive suffix, incarnation, then the script's own
+_HELPERS = INCARNATION_LUA + """
 local function finished(id)
   return redis.call('HEXISTS', KEYS[2], id) == 1 or redis.call('HEXISTS', KEYS[3], id) == 1
 end
-local function claimable(id, me)
-  local owner = redis.call('HGET', KEYS[1], id)
-  return not owner or owner == me or redis.call('EXISTS', ARGV[3] .. owner .. ARGV[4]) == 0
+-- The batch's current lease token, or nil (not leased: handed back, or never).
+local function current_lease()
+  local lease = redis.call('HGET', KEYS[5], ARGV[1])
+  if not lease then return nil end
+  return string.match(lease, '^(%S+)')
+end
+local function claimable(id, me, lease)
+  local claim = redis.call('HGET', KEYS[1], id)
+  if not claim then return true end
+  local owner, token = string.match(claim, '^(%S+) (%S+)$')
+  if not lease or token ~= lease then return true end  -- taken under a lease that is over: void
+  return owner == me or redis.call('EXISTS', ARGV[3] .. owner .. ARGV[4]) == 0
 end
 """
 
-# KEYS: claims, results, dlq, done, batch record; ARGV: batch, me, alive prefix, alive suffix, id...
-# -> 'done', or one letter per id: c (claimed: send it), t (taken by another live engine), f (finished)
-# A batch whose record is gone is over too: its job was deleted, or Redis lost it (restarted
-# empty, flushed: #31) and what it held is queued again from the output and the input.
+# ARGV: ..., my lease token, id...
+# -> 'done'; 'stale' (not this incarnation, or not my lease: the lease check decides);
+#    or one letter per id: c (claimed: send it), t (taken by another live engine), f (finished)
 CLAIM = _HELPERS + """
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return 'done' end
-if redis.call('EXISTS', KEYS[5]) == 0 then return 'done' end
+local lease = current_lease()
+if lease ~= ARGV[6] or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end
+local mine = ARGV[2] .. ' ' .. lease
 local out = {}
-for i = 5, #ARGV do
+for i = 7, #ARGV do
   local id = ARGV[i]
   if finished(id) then
     out[#out + 1] = 'f'
-  elseif claimable(id, ARGV[2]) then
-    redis.call('HSET', KEYS[1], id, ARGV[2])
+  elseif claimable(id, ARGV[2], lease) then
+    redis.call('HSET', KEYS[1], id, mine)
     out[#out + 1] = 'c'
   else
     out[#out + 1] = 't'
@@ -58,39 +76,45 @@ end
 return table.concat(out)
 """
 
-# KEYS: claims, results, dlq, done, the holder's alive key
-# ARGV: batch, me, alive prefix, alive suffix, n, batch size, id... (the back of the batch first)
-# -> the ids claimed (at most n): unclaimed ones, or claimed by an engine that stopped beating.
+# KEYS: ..., the holder's alive key
+# ARGV: ..., n, batch size, id... (the back of the batch first)
+# -> the ids claimed (at most n), under the batch's current lease: unclaimed ones, or claimed
+#    by an engine that stopped beating or under a lease that is over.
 STEAL = _HELPERS + """
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return {} end
+local lease = current_lease()
+if not lease or not incarnation_ok(KEYS[6], ARGV[5]) then return {} end
 -- Cheap answer for the common case (a live holder, every prompt claimed or finished).
-if redis.call('EXISTS', KEYS[5]) == 1 and
-   tonumber(ARGV[6]) - redis.call('HLEN', KEYS[1]) - redis.call('HLEN', KEYS[2]) <= 0 then
+if redis.call('EXISTS', KEYS[7]) == 1 and
+   tonumber(ARGV[7]) - redis.call('HLEN', KEYS[1]) - redis.call('HLEN', KEYS[2]) <= 0 then
   return {}
 end
-local n, taken = tonumber(ARGV[5]), {}
-for i = 7, #ARGV do
+local mine = ARGV[2] .. ' ' .. lease
+local n, taken = tonumber(ARGV[6]), {}
+for i = 8, #ARGV do
   if #taken >= n then break end
   local id = ARGV[i]
-  if not finished(id) and redis.call('HGET', KEYS[1], id) ~= ARGV[2] and claimable(id, ARGV[2]) then
-    redis.call('HSET', KEYS[1], id, ARGV[2])
+  if not finished(id) and redis.call('HGET', KEYS[1], id) ~= mine and claimable(id, ARGV[2], lease) then
+    redis.call('HSET', KEYS[1], id, mine)
     taken[#taken + 1] = id
   end
 end
 return taken
 """
 
-# KEYS: claims; ARGV: me, id... (none: every claim of mine in the batch)
-UNCLAIM = """
-if #ARGV > 1 then
-  for i = 2, #ARGV do
-    if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+# KEYS: claims, config; ARGV: me, incarnation, id... (none: every claim of mine in the batch)
+UNCLAIM = INCARNATION_LUA + """
+if not incarnation_ok(KEYS[2], ARGV[2]) then return 0 end
+local function mine(claim) return claim and string.match(claim, '^(%S+)') == ARGV[1] end
+if #ARGV > 2 then
+  for i = 3, #ARGV do
+    if mine(redis.call('HGET', KEYS[1], ARGV[i])) then redis.call('HDEL', KEYS[1], ARGV[i]) end
   end
   return 0
 end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  if all[i + 1] == ARGV[1] then redis.call('HDEL', KEYS[1], all[i]) end
+  if mine(all[i + 1]) then redis.call('HDEL', KEYS[1], all[i]) end
 end
 return 0
 """
@@ -113,28 +137,36 @@ class Claims:
     @staticmethod
     def _keys(ref: BatchRef) -> list[str]:
         return [keys.batch_claims(ref.job, ref.batch), keys.batch_results(ref.job, ref.batch),
-                keys.job_dlq(ref.job), keys.job_done(ref.job)]
+                keys.job_dlq(ref.job), keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_config(ref.job)]
 
-    async def claim(self, ref: BatchRef, ids: list[str]) -> str | None:
-        """One letter per id (see CLAIM); None once the batch is done."""
+    def _args(self, ref: BatchRef, incarnation: str) -> list[Any]:
+        return [ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, incarnation]
+
+    async def claim(self, held: HeldBatch, ids: list[str]) -> str | None:
+        """One letter per id (see CLAIM); None once the batch is done; "" if this lease does
+        not drive the batch now (the lease check then tells what happened)."""
         if not ids:
             return ""
-        answer = _text(await self._claim(keys=[*self._keys(ref), keys.batch(ref.job, ref.batch)],
-                                         args=[ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, *ids]))
+        answer = _text(await self._claim(keys=self._keys(held.ref),
+                                         args=[*self._args(held.ref, held.config.incarnation), held.token, *ids]))
+        if answer == "stale":
+            return ""
         return None if answer == "done" else answer
 
-    async def steal(self, ref: BatchRef, holder: str, ids_back_first: list[str], n: int) -> list[str]:
+    async def steal(self, ref: BatchRef, incarnation: str, holder: str, ids_back_first: list[str],
+                    n: int) -> list[str]:
         answer = await self._steal(
             keys=[*self._keys(ref), keys.engine_alive(holder)],
-            args=[ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, n, len(ids_back_first), *ids_back_first])
+            args=[*self._args(ref, incarnation), n, len(ids_back_first), *ids_back_first])
         return [_text(i) for i in answer]
 
-    async def unclaim(self, ref: BatchRef, ids: Iterable[str] = ()) -> None:
-        await self._unclaim(keys=[keys.batch_claims(ref.job, ref.batch)], args=[self.instance, *ids])
+    async def unclaim(self, held: HeldBatch, ids: Iterable[str] = ()) -> None:
+        await self._unclaim(keys=[keys.batch_claims(held.ref.job, held.ref.batch), keys.job_config(held.ref.job)],
+                            args=[self.instance, held.config.incarnation, *ids])
 
     async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
         owners = await self.conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
-        return [o is not None and _text(o) == self.instance for o in owners]
+        return [o is not None and _text(o).partition(" ")[0] == self.instance for o in owners]
 
 
 class Backlog:
@@ -202,8 +234,12 @@ class Backlog:
         return back
 
     async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
-        answer = await self.claims.claim(held.ref, [t.prompt.id for t in chunk])
+        answer = await self.claims.claim(held, [t.prompt.id for t in chunk])
         if answer is None:  # done elsewhere: the lease check drops the batch
+            return []
+        if not answer:  # not this lease's to send now: waiting again until the lease check decides
+            self.waiting.setdefault(held, deque()).extendleft(reversed([t for t in chunk if t.prompt.id not in
+                                                                        self.lent.get(held, {})]))
             return []
         mine, finished = [], []
         lent = self.lent.setdefault(held, {})

@@ -1,5 +1,11 @@
 """A batch whose every prompt has an outcome: its shard, its marker, then its release.
 
+The shard invariant: a shard is written only when Redis holds an outcome (a result or a
+dead letter) for every prompt of the batch, and holds them for this incarnation of the
+job. Outcomes lost from Redis (a rollback, a restart from an older snapshot) send the
+batch back to work for those prompts; it is never written short and never marked done
+(RELEASE checks again, in the same call that marks it).
+
 The shard is built from what Redis recorded, never from this engine's memory: with
 outcomes written once (first writer wins), every holder of the batch builds the same
 bytes, so a late second writer overwrites a shard with itself. The release (ledger
@@ -14,11 +20,12 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from genq.core import batches, keys, ledger
-from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, pack, unpack, with_prompt
+from genq.core.records import BatchRef, DeadLetter, JobConfig, Result, ShardInfo, pack, unpack, with_prompt
 from genq.ops.written import adopt_marker, outcome_for
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
@@ -30,14 +37,32 @@ log = logging.getLogger("genq.worker")
 SHARD_THREADS = 4
 
 
-def release_call(ref: BatchRef, info: ShardInfo, token: str) -> tuple[list[str], list]:
+def release_call(ref: BatchRef, info: ShardInfo, token: str, incarnation: str) -> tuple[list[str], list]:
     """ledger.RELEASE's keys and arguments for a written shard (bench/footprint.py drives it too)."""
     script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
                    keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch)]
+                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job)]
     args = [ref.batch, pack(info), ledger.REPLY_TTL_S, token, keys.lease_reply(ledger.TOKEN_SLOT),
-            info.records, info.bytes]
+            info.records, info.bytes, incarnation]
     return script_keys, args
+
+
+@dataclass
+class Finished:
+    """How completing a batch ended: released now (this engine marked it done), or not (done
+    by another holder, or the job is gone); `missing`: prompts with no outcome in Redis, to
+    send again (nothing was written)."""
+
+    released: bool = False
+    missing: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Recorded:
+    results: list[Result]
+    letters: list[DeadLetter]
+    prompts: int  # the batch's prompt count
+    missing: set[str]  # prompts of the batch with no outcome in Redis
 
 
 class Completer:
@@ -49,18 +74,28 @@ class Completer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def complete(self, held: HeldBatch) -> bool:
-        """Write the shard and release the batch; False if it was already done (nothing written)."""
+    async def complete(self, held: HeldBatch) -> Finished:
+        """Write the shard and release the batch, if every prompt has its outcome in Redis."""
         ref = held.ref
-        recorded = await retrying(lambda: self._read(held), f"reading batch {ref}")
-        if recorded is None:
-            return False
-        results, letters = recorded
+        while True:
+            recorded = await retrying(lambda: self._read(held), f"reading batch {ref}")
+            if recorded is None:
+                return Finished()
+            if recorded.missing:
+                return Finished(missing=recorded.missing)
+            released = await self._write(held, recorded)
+            if released != "short":
+                return Finished(released=released == 1)
+            log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
+
+    async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
+        """The shard, then RELEASE's answer (see ledger.RELEASE)."""
+        ref, results, letters = held.ref, recorded.results, recorded.letters
         # The shard's time is the last outcome's: the same for every writer.
         at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
         loop = asyncio.get_running_loop()
         data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
-        outcome = outcome_for(held.prompts, results, letters)
+        outcome = outcome_for(held.prompts, results, letters, recorded.prompts)
         sink = open_sink(held.config)
         backoff = 1.0
         while True:
@@ -70,39 +105,49 @@ class Completer:
                 break
             except AlreadyWritten as written:  # the output's shard of this batch stands (#31)
                 adopting = functools.partial(adopt_marker, self.conn, ref, written.marker, held.token)
-                return await retrying(adopting, f"adopting batch {ref}")
+                return int(await retrying(adopting, f"adopting batch {ref}"))
             except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
                 log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
                             ref, type(exc).__name__, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 60)
-        script_keys, args = release_call(ref, info, held.token)
-        released = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
-        return bool(released)
+        script_keys, args = release_call(ref, info, held.token, held.config.incarnation)
+        answer = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
+        return answer.decode() if isinstance(answer, bytes) else int(answer)
 
-    async def _read(self, held: HeldBatch) -> tuple[list[Result], list[DeadLetter]] | None:
-        """Everything recorded for the batch, read in one transaction; None once it is done.
+    async def _read(self, held: HeldBatch) -> _Recorded | None:
+        """Everything recorded for the batch, read in one transaction; None once it is done, or
+        its job is gone or another incarnation.
 
         Results are stored without their prompt (records.without_prompt); each is joined here
         with its prompt from the batch the engine holds, so the shard's line is what it was."""
         ref = held.ref
+        by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
         async with self.conn.pipeline(transaction=True) as pipe:
             pipe.sismember(keys.job_done(ref.job), ref.batch)
-            if held.prompts:  # in memory already: only whether the batch record is still there
+            pipe.get(keys.job_config(ref.job))
+            if by_id:  # in memory already: only whether the batch record is still there
                 pipe.exists(keys.batch(ref.job, ref.batch))
             else:
                 pipe.get(keys.batch(ref.job, ref.batch))
             pipe.hvals(keys.batch_results(ref.job, ref.batch))
-            done, raw_batch, raw_results = await pipe.execute()
-        if done or not raw_batch:
+            if by_id:
+                pipe.hmget(keys.job_dlq(ref.job), list(by_id))
+            done, raw_config, raw_batch, raw_results, *raw_letters = await pipe.execute()
+        if done or not raw_batch or not raw_config:
             return None
-        by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
+        if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
+            return None  # the job was deleted and enqueued again: nothing of this one is written
         ids = list(by_id) if by_id else batches.ids(batches.decode(raw_batch))
-        raw_letters = await self.conn.hmget(keys.job_dlq(ref.job), ids)
+        letters_raw = raw_letters[0] if raw_letters else await self.conn.hmget(keys.job_dlq(ref.job), ids)
+        wanted = set(ids)
         results = []
         for v in raw_results:
             r = unpack(v, Result)
+            if r.id not in wanted:
+                continue
             prompt = by_id.get(r.id)
             results.append(with_prompt(r, prompt) if prompt is not None else r)
-        letters = [unpack(v, DeadLetter) for v in raw_letters if v is not None]
-        return results, letters
+        letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
+        missing = wanted - {r.id for r in results} - {d.id for d in letters}
+        return _Recorded(results, letters, prompts=len(ids), missing=missing)

@@ -37,6 +37,7 @@ LEASE_CHECK_STALE_S = 8.0
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
 CLAIM_AHEAD = 2
+CLAIM_NOTE_EVERY_S = 10.0  # while claims fail (Redis away), say so this often
 
 
 class Dispatcher:
@@ -55,6 +56,7 @@ class Dispatcher:
         self.running: dict[Task, asyncio.Task[None]] = {}
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
+        self._next_claim_note = 0.0
 
     # ---------------------------------------------------------------- what is held
 
@@ -102,11 +104,14 @@ class Dispatcher:
                 (self.todo.suspects if self._suspect(due) else self.todo.ready).appendleft(due)
             for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
+            await self.todo.release_let_go()
             if self._can_send() and (want := self._want()) > 0 and self.todo.backlog.waiting:
                 try:
                     self.todo.ready.extend(await self.todo.backlog.claim(want, self.flags.paused_jobs))
                 except (redis.RedisError, OSError) as exc:
-                    log.warning("cannot claim prompts (%s); trying again shortly", exc)
+                    if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
+                        log.warning("cannot claim prompts (%s); trying again shortly", exc)
+                        self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
                     asyncio.get_running_loop().call_later(1.0, self.wake.set)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
@@ -126,6 +131,7 @@ class Dispatcher:
             else:
                 return None
             if task.batch.dropped:
+                self.todo.let_go(task)
                 continue
             if task.batch.ref.job in self.flags.paused_jobs:
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
@@ -185,7 +191,7 @@ class Dispatcher:
             latency_s=round(time.monotonic() - task.progress.started, 3),
             messages=p.messages, prompt=p.prompt, metadata=p.metadata, custom_id=p.custom_id,
             response_id=c.response_id, finished_at=time.time(),
-        ))
+        ), held.config.incarnation)
         self.rates.add(c.usage.completion_tokens)
 
     def _suspect(self, task: Task) -> bool:
@@ -199,6 +205,9 @@ class Dispatcher:
 
     async def _failed(self, task: Task, failure: Failure) -> None:
         held = task.batch
+        if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
+            self.todo.let_go(task)
+            return
         if failure.kind in ("connection", "timeout", "server_error") and await self.server_is_down():
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             self.crashed(task)
@@ -229,4 +238,4 @@ class Dispatcher:
         self.writer.add_dead(DeadLetter(
             id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.attempts, kind=failure.kind,
             message=failure.message, worker=self.name, at=time.time(), status=failure.status, prompt=task.prompt,
-        ))
+        ), held.config.incarnation)

@@ -27,14 +27,14 @@ import uuid
 import redis
 
 from genq.core.ledger import Reconciler
-from genq.core.records import BatchRef
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
 from genq.worker.claims import Backlog, Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
+from genq.worker.finishing import BatchEnds
 from genq.worker.heartbeat import Heartbeat
-from genq.worker.held import Flags, HeldBatch, Holdings, RateWindow
+from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.leases import LeaseDesk, retrying
 from genq.worker.loops import RqLoops
 from genq.worker.maintenance import Maintenance
@@ -63,27 +63,28 @@ class Engine:
         self.rates = RateWindow()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
-        self.writer = ResultWriter(self.redis, self.name, self._on_written)
+        written = lambda *outcomes: self.ends.on_written(*outcomes)  # noqa: E731 (BatchEnds comes later)
+        self.writer = ResultWriter(self.redis, self.name, written)
         self.claims = Claims(self.redis, self.instance)
         self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
-                                     self.rates, Backlog(self.claims, self._on_written), lambda: self.watch.is_down(),
+                                     self.rates, Backlog(self.claims, written), lambda: self.watch.is_down(),
                                      lambda: self.watch.info.model if self.watch.info else None)
         self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
-                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle,
-                               lambda job: self.leases.config(job))
-        self.watch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher, self.hand_back_all,
-                                 lambda note: self.heartbeat.beat(state="server_down", note=note))
+                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle)
+        self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
+                                              self.hand_back_all,
+                                              lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
                                 self.stealer.lease_arrived, self.writer.add_dead, self.name)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
-        self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags, self.held,
-                                   self.dispatcher, self.watch, self.controller, self.rates, GpuProbe(opts.gpu),
-                                   self._check_leases)
+        self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
+                                              self.held, self.dispatcher, self.watch, self.controller, self.rates,
+                                              GpuProbe(opts.gpu), lambda: self.ends.check_leases())
         self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops)
-        self.completed = 0
+        self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
+                                         self.stealer.written)
         self.handed_back = 0
-        self._completions: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- run
 
@@ -129,7 +130,7 @@ class Engine:
                     task.cancel()
         finally:
             await self._close()
-        log.info("worker %s exited: %d batches completed, %d handed back", self.name, self.completed,
+        log.info("worker %s exited: %d batches completed, %d handed back", self.name, self.ends.completed,
                  self.handed_back)
         return 0
 
@@ -163,41 +164,6 @@ class Engine:
 
     # ---------------------------------------------------------------- batches
 
-    def _on_written(self, job: str, batch: str, ids: list[str]) -> None:
-        """Outcomes recorded, by this engine or (lent prompts) another one."""
-        held = self.held.get(BatchRef(job, batch))
-        if held is None:
-            self.stealer.written(BatchRef(job, batch), ids)
-            return
-        held.unfinished.difference_update(ids)
-        if not held.unfinished and not held.completing and not held.dropped:
-            held.completing = True
-            task = asyncio.create_task(self._complete(held))
-            self._completions.add(task)
-            task.add_done_callback(self._completions.discard)
-
-    async def _complete(self, held: HeldBatch) -> None:
-        if await self.completer.complete(held):
-            self.completed += 1  # RELEASE told this lease's horse too
-        else:  # done by another holder meanwhile: this lease's horse still waits for a word
-            await retrying(functools.partial(self.leases.reply, held.token, b"done"), f"answering {held.ref}")
-        self.held.pop(held.ref, None)
-        self.dispatcher.wake.set()
-
-    async def _check_leases(self) -> None:
-        """Batches done by someone else, or whose lease another delivery took: let them go."""
-        for held, why in await self.leases.current():
-            log.info("batch %s %s elsewhere: dropping it here", held.ref,
-                     "was completed" if why == "done" else "was leased again")
-            unsent = self.dispatcher.drop(held, cancel=False)  # requests in flight finish; first writer wins
-            self.held.pop(held.ref, None)
-            await self.claims.unclaim(held.ref, unsent)
-            await self.leases.reply(held.token, b"released")
-        await self.dispatcher.todo.check_claims()
-        for held in list(self.held.values()):
-            if not held.unfinished and not held.completing and not held.dropped:
-                self._on_written(held.ref.job, held.ref.batch, [])
-
     async def hand_back_all(self, why: str) -> None:
         """Give every held batch back to the queue; what finished stays finished."""
         held = [h for h in self.held.values() if not h.completing]
@@ -212,7 +178,7 @@ class Engine:
         for h in held:
             if h.completing:
                 continue  # the flush above finished it
-            await retrying(functools.partial(self.claims.unclaim, h.ref), f"releasing claims of {h.ref}")
+            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
             if await retrying(functools.partial(self.leases.hand_back, h.ref, h.token), f"handing back {h.ref}"):
                 given.append(str(h.ref))
             self.held.pop(h.ref, None)
@@ -225,8 +191,8 @@ class Engine:
         self.loops.stop_all()
         if self.held or self.stealer.borrowed:
             await self.hand_back_all("stopping")
-        if self._completions:  # shards being written: their release answers their leases
-            await asyncio.wait(self._completions, timeout=60)
+        if self.ends.completions:  # shards being written: their release answers their leases
+            await asyncio.wait(self.ends.completions, timeout=60)
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:

@@ -30,6 +30,7 @@ from genq.worker.watch import ServerWatch
 log = logging.getLogger("genq.worker")
 
 ALIVE_TTL_S = 10  # a holding RQ work horse gives up on this engine after this long without a beat
+REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable, say so this often
 STATUS_TTL_S = 15  # the fleet view shows a worker as lost after this long
 GPU_EVERY_S = 5.0
 
@@ -73,21 +74,37 @@ class Heartbeat:
         self.sampler = GpuSampler(gpu)
         self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
+        self.redis_down_since: float | None = None  # monotonic: the first beat that failed, while they fail
 
     async def run(self) -> None:
+        tick = time.monotonic()
+        next_note = 0.0
         while True:
             await asyncio.sleep(1.0)
-            gap = time.monotonic() - self.flags.last_beat
-            if gap > ALIVE_TTL_S:
-                log.warning("this engine was frozen for %.0fs: checking its leases before sending more", gap)
+            # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
+            now, last_tick = time.monotonic(), tick
+            tick = now
+            if now - last_tick > ALIVE_TTL_S:
+                log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
+                            now - last_tick)
             try:
                 await self.beat()
                 await self.read_control()
                 await self.on_beat()
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
+                if self.redis_down_since is not None:
+                    log.info("Redis is back after being unreachable for %.0fs; leases checked, sending again",
+                             time.monotonic() - self.redis_down_since)
+                    self.redis_down_since = None
             except (redis.RedisError, OSError) as exc:
-                log.warning("heartbeat: %s", exc)
+                if self.redis_down_since is None:
+                    self.redis_down_since, next_note = time.monotonic(), 0.0
+                down_for = time.monotonic() - self.redis_down_since
+                if down_for >= next_note:  # not every second: the log of a long outage stays readable
+                    log.warning("heartbeat: Redis unreachable for %.0fs (%s); results kept in memory, "
+                                "nothing new sent until it answers", down_for, exc)
+                    next_note = down_for + REDIS_NOTE_EVERY_S
 
     def state(self) -> str:
         f = self.flags

@@ -52,7 +52,7 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 class LeaseDesk:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, redis_url: str, instance: str,
                  held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None],
-                 add_dead: Callable[[DeadLetter], None], worker: str) -> None:
+                 add_dead: Callable[[DeadLetter, str], None], worker: str) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue is synchronous
         self.redis_url = redis_url
@@ -61,7 +61,6 @@ class LeaseDesk:
         self.on_batch = on_batch
         self.add_dead = add_dead  # the result writer's: a batch whose input changed ends in letters
         self.worker = worker
-        self._configs: dict[str, JobConfig] = {}
         self._acquire = conn.register_script(ledger.ACQUIRE)
 
     # ---------------------------------------------------------------- arriving
@@ -86,14 +85,18 @@ class LeaseDesk:
                 log.warning("batch %s has no record (job deleted?); releasing it", ref)
             await self.reply(token, b"done")
             return
+        config = await self.config(ref.job)
         current = self.held.get(ref)
         if current is not None and not current.dropped:
-            # The same batch delivered again (an RQ retry, a duplicate job): one lease drives it,
-            # the newest; the older horse is let go.
-            old, current.token = current.token, token
+            old = current.token
+            if config is not None and current.config.incarnation == config.incarnation:
+                # The same batch delivered again (an RQ retry, a duplicate job): one lease drives it,
+                # the newest; the older horse is let go.
+                current.token = token
+                await self.reply(old, b"released")
+                return
+            current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
             await self.reply(old, b"released")
-            return
-        config = await self.config(ref.job)
         raw = await self.conn.get(keys.batch(ref.job, ref.batch))
         if config is None or raw is None:
             await self.reply(token, b"done")
@@ -128,7 +131,7 @@ class LeaseDesk:
                       len(unfinished))
             for prompt_id in sorted(unfinished):
                 self.add_dead(DeadLetter(id=prompt_id, job=ref.job, batch=ref.batch, attempts=0, kind="input_changed",
-                                         message=changed, worker=self.worker, at=time.time()))
+                                         message=changed, worker=self.worker, at=time.time()), config.incarnation)
             return
         self.on_batch(held, [p for p in prompts if p.id in unfinished])
 
@@ -156,13 +159,10 @@ class LeaseDesk:
         return answer.decode() if isinstance(answer, bytes) else str(answer)
 
     async def config(self, job: str) -> JobConfig | None:
-        """A job's settings, read once per engine (the stealer reads them through here too)."""
-        if job not in self._configs:
-            raw = await self.conn.get(keys.job_config(job))
-            if raw is None:
-                return None
-            self._configs[job] = unpack(raw, JobConfig)
-        return self._configs[job]
+        """A job's settings as they are now: read for every delivery, never kept by name (a job
+        deleted and enqueued again under its name is another incarnation, with its own)."""
+        raw = await self.conn.get(keys.job_config(job))
+        return unpack(raw, JobConfig) if raw is not None else None
 
     # ---------------------------------------------------------------- leaving
 
@@ -172,19 +172,28 @@ class LeaseDesk:
             await pipe.execute()
 
     async def current(self) -> list[tuple[HeldBatch, str]]:
-        """Held batches whose lease is no longer this engine's: (batch, "done" | "superseded")."""
+        """Held batches whose lease is no longer this engine's: (batch, "gone" | "done" | "superseded");
+        "gone": the job was deleted, or deleted and enqueued again (another incarnation)."""
         refs = [h for h in self.held.values() if not h.dropped and not h.completing]
         if not refs:
             return []
+        jobs = sorted({h.ref.job for h in refs})
         async with self.conn.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.get(keys.job_config(job))
             for h in refs:
                 pipe.sismember(keys.job_done(h.ref.job), h.ref.batch)
                 pipe.hget(keys.job_leases(h.ref.job), h.ref.batch)
             answers = await pipe.execute()
+        incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None
+                        for job, raw in zip(jobs, answers[: len(jobs)])}
+        answers = answers[len(jobs):]
         lost = []
         for i, h in enumerate(refs):
             done, lease = answers[2 * i], answers[2 * i + 1]
-            if done:
+            if incarnations[h.ref.job] != h.config.incarnation:
+                lost.append((h, "gone"))
+            elif done:
                 lost.append((h, "done"))
             elif ledger.lease_token(lease) != h.token:
                 lost.append((h, "superseded"))

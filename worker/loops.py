@@ -9,6 +9,10 @@ Loops get exactly one SIGTERM (RQ's warm shutdown: an idle loop exits, a busy on
 waits for its horse, which returns once the engine has answered its lease; a loop
 popping a batch when it comes first starts it: see rqloop.EngineWorker). A second
 signal would be RQ's cold shutdown, which kills horses: never sent.
+
+A loop that exits because Redis is unreachable (rqloop.EXIT_REDIS_UNREACHABLE) is no crash:
+it is not counted toward LoopsFailing, and loops that exit are started again with a
+backoff (up to RESPAWN_MAX_S), not every pass: a Redis outage of any length stops no worker.
 """
 
 from __future__ import annotations
@@ -29,11 +33,15 @@ from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings
 from genq.worker.options import WorkerOptions
 from genq.worker.rqjob import ENGINE_ENV
+from genq.worker.rqloop import EXIT_REDIS_UNREACHABLE
 
 log = logging.getLogger("genq.worker")
 
 FAILURE_WINDOW_S = 600.0  # loop crashes counted over this window...
 MAX_FAILURES = 20  # ...and this many in it stop the worker (loudly, exit 1) rather than idle silently
+RESPAWN_FIRST_S = 0.5  # after a loop exits unasked, the next start waits this long, doubling...
+RESPAWN_MAX_S = 30.0  # ...up to this; a loop that ran a while (HEALTHY_S) resets it
+HEALTHY_S = 60.0
 
 
 class LoopsFailing(RuntimeError):
@@ -44,6 +52,7 @@ class LoopsFailing(RuntimeError):
 class RqLoop:
     proc: asyncio.subprocess.Process
     name: str
+    started: float  # monotonic
     stopping: bool = False
 
 
@@ -58,6 +67,8 @@ class RqLoops:
         self.loops: list[RqLoop] = []
         self.exhausted = False  # --burst: a loop found the queue empty
         self._failures: deque[float] = deque()
+        self._respawn_delay = 0.0  # grows while loops exit unasked (see RESPAWN_FIRST_S)
+        self._respawn_at = 0.0  # monotonic: no loop is started before this
 
     @property
     def any_alive(self) -> bool:
@@ -70,7 +81,7 @@ class RqLoops:
             desired = self.desired(len(active)) if self.flags.accepting and not self.exhausted else 0
             # Loops told to stop may still hold a batch until it is done; count them, or a
             # pause/resume cycle would leave more batches held than --prefetch asks for.
-            if len(self.loops) < desired:
+            if len(self.loops) < desired and time.monotonic() >= self._respawn_at:
                 for _ in range(desired - len(self.loops)):
                     self.loops.append(await self._spawn())
             elif len(active) > desired and not self.exhausted:  # burst loops leave by themselves
@@ -86,6 +97,10 @@ class RqLoops:
                 continue
             if loop.proc.returncode == 0 and self.opts.burst:
                 self.exhausted = True
+                continue
+            self._back_off(now - loop.started)
+            if loop.proc.returncode == EXIT_REDIS_UNREACHABLE:
+                log.info("RQ loop %s: Redis unreachable; starting another in %.0fs", loop.name, self._respawn_delay)
             elif loop.proc.returncode != 0:
                 self._failures.append(now)
                 log.warning("RQ loop %s exited with %s", loop.name, loop.proc.returncode)
@@ -94,6 +109,13 @@ class RqLoops:
         if len(self._failures) >= MAX_FAILURES:
             raise LoopsFailing(f"{len(self._failures)} RQ work loops crashed in the last "
                                f"{FAILURE_WINDOW_S / 60:.0f} minutes; see the log above")
+
+    def _back_off(self, ran_s: float) -> None:
+        """A loop exited unasked after running ran_s: the next start waits (see RESPAWN_FIRST_S)."""
+        if ran_s >= HEALTHY_S:
+            self._respawn_delay = 0.0
+        self._respawn_delay = min(RESPAWN_MAX_S, max(RESPAWN_FIRST_S, self._respawn_delay * 2))
+        self._respawn_at = time.monotonic() + self._respawn_delay
 
     def desired(self, active: int) -> int:
         """--prefetch loops, plus one for each held batch that has nothing left to send.
@@ -124,7 +146,7 @@ class RqLoops:
             args.append("--burst")
         # Own session: a terminal's Ctrl-C reaches the engine, which decides what the loops do.
         proc = await asyncio.create_subprocess_exec(*args, env=env, start_new_session=True)
-        return RqLoop(proc, name)
+        return RqLoop(proc, name, started=time.monotonic())
 
     def _stop(self, loop: RqLoop) -> None:
         if loop.stopping:
@@ -141,10 +163,9 @@ class RqLoops:
                 self._stop(loop)
 
     def kill_all(self) -> None:
-        """SIGKILL what is left of the loops (each leads its own process group). Not their work
-        horses: RQ puts each in a process group of its own. A horse leaves by itself: it returns
-        once its lease is answered, and raises EngineLost once the engine stops heartbeating, so
-        none hands a batch over after the engine's last look (the reconciler takes such a batch)."""
+        """SIGKILL what is left of the loops (each leads its own process group). Their work horses
+        (each in a process group of its own) die with them (genq.worker.rqjob), so none hands a
+        batch over after the engine's last look (the reconciler takes such a batch)."""
         for loop in self.loops:
             if loop.proc.returncode is None:
                 try:

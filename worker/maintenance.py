@@ -1,5 +1,9 @@
-"""Every worker's share of keeping the fleet honest: RQ's abandoned-job cleanup and the
-ledger's reconciler (genq.core.ledger), and the burst worker's decision to leave."""
+"""Every worker's share of keeping the fleet honest: the ledger's reconciler
+(genq.core.ledger), and the burst worker's decision to leave.
+
+Not RQ's abandoned-job cleanup (StartedJobRegistry.cleanup): it compares scores other
+workers wrote with their wall clocks against this machine's, so one skewed clock failed
+healthy batches fleet-wide. The reconciler decides from Redis TTLs (engine heartbeats) alone."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import asyncio
 import logging
 
 import redis
-from rq.registry import StartedJobRegistry
 
 from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
 from genq.core.queueing import rq_queue
@@ -29,7 +32,6 @@ class Maintenance:
         while True:
             await asyncio.sleep(RECONCILE_EVERY_S)
             try:
-                await asyncio.to_thread(lambda: StartedJobRegistry(queue=rq_queue(self.conn)).cleanup())
                 await asyncio.to_thread(self.outputs.pass_once)
                 await asyncio.to_thread(self.reconciler.pass_once)
             except (redis.RedisError, OSError) as exc:

@@ -4,7 +4,9 @@ Each result is written with HSETNX and counted in the same Lua call, so the
 counters the monitor reads always equal the results stored, even when a batch
 is re-run after a crash or two workers race on the same batch. A result is stored
 without its copy of the prompt (records.without_prompt): the batch holds the prompt,
-and the shard joins them again (worker/completion.py).
+and the shard joins them again (worker/completion.py). Outcomes are written only for the
+job's incarnation they were generated for (genq.core.ledger): a deleted job's late
+results are dropped, never attached to the prompts of a new job of the same name.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ import redis.asyncio as aioredis
 
 from genq.core import keys
 from genq.core.histogram import length_bucket
+from genq.core.ledger import INCARNATION_LUA
 from genq.core.records import DeadLetter, Result, pack, without_prompt
 
 log = logging.getLogger("genq.worker")
 
-# KEYS: results, done-set, worker-stats, hist, dlq, job-workers, claims
-# ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m
+# KEYS: results, done-set, worker-stats, hist, dlq, job-workers, claims, config
+# ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m, incarnation
+# -> {added, dead}; {-1, -1}: the batch is done; {-2, -2}: not the job's incarnation (nothing written).
 # One final state per prompt, first writer wins: a result is kept only if the prompt
 # has no result and no dead letter yet, a dead letter only if it has neither; the
 # counters move only for what was kept, so they always equal what is stored.
-RECORD_SCRIPT = """
+RECORD_SCRIPT = INCARNATION_LUA + """
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {-1, -1} end
+if not incarnation_ok(KEYS[8], ARGV[#ARGV]) then return {-2, -2} end
 local i = 5
 local added, dead, intok, outtok = 0, 0, 0, 0
 for _ = 1, tonumber(ARGV[4]) do
@@ -68,7 +73,7 @@ return {added, dead}
 
 
 def record_call(job: str, batch: str, worker: str, now: str, results: list[Result],
-                dead: list[DeadLetter]) -> tuple[list[str], list]:
+                dead: list[DeadLetter], incarnation: str) -> tuple[list[str], list]:
     """RECORD_SCRIPT's keys and arguments for one batch's outcomes (bench/footprint.py drives it too)."""
     args: list = [batch, worker, now, len(results)]
     for r in results:
@@ -77,8 +82,10 @@ def record_call(job: str, batch: str, worker: str, now: str, results: list[Resul
     args.append(len(dead))
     for d in dead:
         args += [d.id, pack(d)]
+    args.append(incarnation)
     script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
-                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch)]
+                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
+                   keys.job_config(job)]
     return script_keys, args
 
 
@@ -86,6 +93,7 @@ def record_call(job: str, batch: str, worker: str, now: str, results: list[Resul
 class _Pending:
     job: str
     batch: str
+    incarnation: str  # the job's incarnation the outcomes were generated for
     results: list[Result]
     dead: list[DeadLetter]
 
@@ -97,25 +105,25 @@ class ResultWriter:
         self.conn = conn
         self.worker = worker
         self.on_written = on_written  # callback(job, batch, [ids]) after a durable write
-        self._buffer: dict[tuple[str, str], _Pending] = {}
+        self._buffer: dict[tuple[str, str, str], _Pending] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._script = conn.register_script(RECORD_SCRIPT)
         self.last_error: str | None = None
 
-    def add_result(self, result: Result) -> None:
-        self._slot(result.job, result.batch).results.append(result)
+    def add_result(self, result: Result, incarnation: str) -> None:
+        self._slot(result.job, result.batch, incarnation).results.append(result)
 
-    def add_dead(self, letter: DeadLetter) -> None:
-        self._slot(letter.job, letter.batch).dead.append(letter)
+    def add_dead(self, letter: DeadLetter, incarnation: str) -> None:
+        self._slot(letter.job, letter.batch, incarnation).dead.append(letter)
 
-    def _slot(self, job: str, batch: str) -> _Pending:
+    def _slot(self, job: str, batch: str, incarnation: str) -> _Pending:
         self._idle.clear()
         self._wake.set()
-        slot = self._buffer.get((job, batch))
+        slot = self._buffer.get((job, batch, incarnation))
         if slot is None:
-            slot = self._buffer[(job, batch)] = _Pending(job, batch, [], [])
+            slot = self._buffer[(job, batch, incarnation)] = _Pending(job, batch, incarnation, [], [])
         return slot
 
     @property
@@ -139,7 +147,7 @@ class ResultWriter:
                 log.warning("cannot write results to Redis (%s); %d kept in memory, retrying in %.1fs",
                             self.last_error, sum(len(p.results) + len(p.dead) for p in taking.values()), backoff)
                 for key, pending in taking.items():
-                    slot = self._buffer.setdefault(key, _Pending(pending.job, pending.batch, [], []))
+                    slot = self._buffer.setdefault(key, _Pending(pending.job, pending.batch, pending.incarnation, [], []))
                     slot.results[:0] = pending.results
                     slot.dead[:0] = pending.dead
                 self._wake.set()
@@ -155,10 +163,15 @@ class ResultWriter:
         now = repr(time.time())
         async with self.conn.pipeline(transaction=False) as pipe:
             for group in groups:
-                script_keys, args = record_call(group.job, group.batch, self.worker, now, group.results, group.dead)
+                script_keys, args = record_call(group.job, group.batch, self.worker, now, group.results, group.dead,
+                                                group.incarnation)
                 await self._script(keys=script_keys, args=args, client=pipe)
-            await pipe.execute()
-        for group in groups:
+            answers = await pipe.execute()
+        for group, (added, _) in zip(groups, answers):
+            if added == -2:
+                log.info("batch %s/%s: %d outcomes not recorded: the job was deleted (or enqueued again) meanwhile",
+                         group.job, group.batch, len(group.results) + len(group.dead))
+                continue
             self.on_written(group.job, group.batch,
                             [r.id for r in group.results] + [d.id for d in group.dead])
 

@@ -7,11 +7,16 @@ hands the batch over under a fresh lease token and waits for the engine's word o
 that lease: "done" (the batch is complete, by anyone) or "released" (the engine gave
 it back to the queue itself, or another lease of the same batch took over). It never
 enqueues anything: a horse may be killed at any moment without losing a batch.
+
+A horse dies with its RQ loop, which dies with its engine (PR_SET_PDEATHSIG both), so no
+horse outlives the worker that started it, even while Redis is unreachable.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import time
 import uuid
 
@@ -22,7 +27,23 @@ from genq.core import keys
 from genq.core.records import pack
 
 ENGINE_ENV = "GENQ_ENGINE"
+LOOP_PID_ENV = "GENQ_RQ_LOOP_PID"  # set by the RQ loop (genq.worker.rqloop): the process its horses die with
 REPLY_POLL_S = 2
+# After Redis was unreachable, how long an engine's missing heartbeat is waited for before the
+# horse gives the batch up: the engine beats again within a second of Redis coming back, but
+# its alive key may have expired meanwhile (worker/heartbeat.py ALIVE_TTL_S).
+ENGINE_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (and leave now if it already has)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: a horse still notices the engine's missing heartbeat once Redis answers
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 class EngineLost(RuntimeError):
@@ -32,6 +53,8 @@ class EngineLost(RuntimeError):
 def run_batch(job: str, batch_id: str) -> dict:
     rq_job = get_current_job()
     assert rq_job is not None, "run_batch runs inside an RQ worker"
+    if loop_pid := os.environ.get(LOOP_PID_ENV):
+        die_with_parent(int(loop_pid))
     conn: redis.Redis = rq_job.connection
     if conn.sismember(keys.job_done(job), batch_id):
         return {"batch": batch_id, "status": "already done"}
@@ -49,15 +72,17 @@ def run_batch(job: str, batch_id: str) -> dict:
 
 def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str) -> bytes:
     backoff = 0.5
+    back_at = float("-inf")  # when Redis answered again after being unreachable
     while True:
         try:
             item = conn.blpop([reply_key], timeout=REPLY_POLL_S)
             if item is not None:
                 return item[1]
-            if not conn.exists(keys.engine_alive(engine)):
+            if not conn.exists(keys.engine_alive(engine)) and time.monotonic() - back_at > ENGINE_GRACE_S:
                 raise EngineLost(f"worker engine {engine} stopped heartbeating while holding this batch")
             backoff = 0.5
-        except redis.ConnectionError:
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             # Redis restarting: keep the lease and wait; the engine keeps its results in memory.
             time.sleep(backoff)
             backoff = min(backoff * 2, 10)
+            back_at = time.monotonic()

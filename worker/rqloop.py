@@ -1,20 +1,29 @@
 """Child process: one stock RQ work loop (forked `rq.Worker`) for a genq engine.
 
 Started by the engine with `python -m genq.worker.rqloop`; dies with it (PR_SET_PDEATHSIG),
-so a killed engine never leaves loops taking batches nobody will run.
+so a killed engine never leaves loops taking batches nobody will run; its work horses die
+with it in turn (genq.worker.rqjob), whatever state Redis is in.
+
+A loop that cannot reach Redis waits for it, and if Redis goes away under RQ's own calls it
+exits with EXIT_REDIS_UNREACHABLE: the engine starts another later, without counting it as a
+crash (worker/loops.py). A Redis outage of any length stops no worker.
+
+RQ's registry maintenance is not run here: it marks a started job abandoned by comparing
+scores other workers wrote with their own wall clocks against this machine's wall clock,
+so one skewed clock would fail healthy batches everywhere. genq's ledger finds stranded
+batches from Redis TTLs alone (genq.core.ledger).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Any
 
+import redis
 from rq import Worker
 from rq.exceptions import StopRequested
 from rq.job import Job
@@ -23,20 +32,23 @@ from rq.serializers import JSONSerializer
 from genq.core import keys
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
-from genq.worker.rqjob import ENGINE_ENV
+from genq.worker.rqjob import ENGINE_ENV, LOOP_PID_ENV, die_with_parent
 
-PR_SET_PDEATHSIG = 1
 POP_WAIT_S = 3  # one blocking pop; a stop that comes meanwhile waits for it (RQ's: 405 s)
+EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ; not a crash
+REDIS_WAIT_MAX_S = 10.0
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: the horse still notices the engine's missing heartbeat
-    if os.getppid() != parent_pid:
-        sys.exit(1)
+def _wait_for_redis(conn: redis.Redis) -> None:
+    """Until Redis answers (restarting, loading a large dataset); this process dies with the engine."""
+    delay = 0.5
+    while True:
+        try:
+            conn.ping()
+            return
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            time.sleep(delay)
+            delay = min(delay * 2, REDIS_WAIT_MAX_S)
 
 
 class EngineWorker(Worker):
@@ -55,6 +67,14 @@ class EngineWorker(Worker):
     engine: str = ""
     _popping = False
     _kept_stop: int | None = None  # the signal of a stop that came while popping
+
+    def clean_registries(self) -> None:
+        """Not RQ's registry cleanup (wall clocks decide there: see the module docstring); only
+        the worker registry, whose entries expire by Redis TTL."""
+        from rq.worker_registration import clean_worker_registry
+
+        for queue in self.queues:
+            clean_worker_registry(queue)
 
     def check_for_suspension(self, burst: bool) -> None:
         super().check_for_suspension(burst)
@@ -102,15 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", action="store_true")
     parser.add_argument("--monitoring-interval", type=int, default=10)
     args = parser.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     for var in (ENGINE_ENV, REDIS_ENV):
         if not os.environ.get(var):
             parser.error(f"{var} must be set by the engine")
+    os.environ[LOOP_PID_ENV] = str(os.getpid())
+    # The URL comes through the environment: command lines are visible to every user (ps).
+    conn = connect(os.environ[REDIS_ENV])
+    _wait_for_redis(conn)
     worker = EngineWorker(
         [keys.QUEUE],
         name=args.name,
-        # The URL comes through the environment: command lines are visible to every user (ps).
-        connection=connect(os.environ[REDIS_ENV]),
+        connection=conn,
         # A dead worker's batch is seen as abandoned after this + 60 s (RQ's rule).
         job_monitoring_interval=args.monitoring_interval,
         maintenance_interval=30,
@@ -122,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown
         pass
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+        print(f"RQ loop {args.name}: Redis unreachable ({exc}); the engine starts another", file=sys.stderr)
+        return EXIT_REDIS_UNREACHABLE
     return 0
 
 

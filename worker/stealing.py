@@ -21,12 +21,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
-from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.records import BatchRef, JobConfig, Prompt, unpack
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
@@ -43,8 +44,7 @@ BATCHES_CACHED = 64
 class Stealer:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims,
-                 flushed: Callable[[], Awaitable[None]],
-                 job_config: Callable[[str], Awaitable[JobConfig | None]]) -> None:
+                 flushed: Callable[[], Awaitable[None]]) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
@@ -56,8 +56,9 @@ class Stealer:
         self.flushed = flushed  # waits until every outcome recorded here is written to Redis
         self.borrowed: dict[BatchRef, HeldBatch] = {}
         self.taken = 0  # prompts taken since start
-        self._batches: OrderedDict[BatchRef, tuple[JobConfig, list[Prompt]] | None] = OrderedDict()
-        self.job_config = job_config  # LeaseDesk.config: one cache of job settings per engine
+        # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
+        # again under its name numbers its batches from b0000001 again, with other prompts.
+        self._batches: OrderedDict[tuple[BatchRef, str], list[Prompt] | None] = OrderedDict()
 
     @staticmethod
     def queue_key_of(conn: redis.Redis) -> str:
@@ -91,16 +92,15 @@ class Stealer:
         if await self.conn.llen(self.queue_key):
             return 0  # RQ hands the queue's batches out: the end of the job is not here yet
         took = 0
-        for ref, holder in await self._leased_elsewhere():
-            loaded = await self._batch(ref)
-            if loaded is None:
+        for ref, holder, config in await self._leased_elsewhere():
+            prompts = await self._batch(ref, config)
+            if prompts is None:
                 continue
-            config, prompts = loaded
-            ids = await self.claims.steal(ref, holder, [p.id for p in reversed(prompts)], free)
+            ids = await self.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)], free)
             if not ids:
                 continue
             if ref in self.held:  # leased to this engine meanwhile: its own lease sends them
-                await self.claims.unclaim(ref, ids)
+                await self.claims.unclaim(self.held[ref], ids)
                 continue
             took += len(ids)
             free -= len(ids)
@@ -113,6 +113,8 @@ class Stealer:
 
     def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: set[str]) -> None:
         borrowed = self.borrowed.get(ref)
+        if borrowed is not None and borrowed.config.incarnation != config.incarnation:
+            self.dispatcher.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
             borrowed = self.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
                                                       unfinished=set(), borrowed=True)
@@ -120,37 +122,47 @@ class Stealer:
         log.info("took %d unsent prompts of batch %s from another worker", len(ids), ref)
         self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids])
 
-    async def _leased_elsewhere(self) -> list[tuple[BatchRef, str]]:
+    async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
+        """Batches other engines hold, with their job's settings as they are now (read each pass:
+        a job deleted and enqueued again under its name is another incarnation)."""
         jobs = [j.decode() for j in await self.conn.smembers(keys.JOBS)]
         jobs = [j for j in jobs if j not in self.flags.paused_jobs]
         async with self.conn.pipeline(transaction=False) as pipe:
             for job in jobs:
                 pipe.hgetall(keys.job_leases(job))
+                pipe.get(keys.job_config(job))
             answers = await pipe.execute()
         out = []
-        for job, leases in zip(jobs, answers):
+        for i, job in enumerate(jobs):
+            leases, raw_config = answers[2 * i], answers[2 * i + 1]
+            try:
+                config = unpack(raw_config, JobConfig) if raw_config else None
+            except msgspec.ValidationError:
+                config = None
+            if config is None:
+                continue
             for batch, value in leases.items():
                 holder = ledger.lease_holder(value)
                 ref = BatchRef(job, batch.decode())
                 if holder and holder != self.instance and ref not in self.held:
-                    out.append((ref, holder))
+                    out.append((ref, holder, config))
         random.shuffle(out)  # idle engines spread over the holders
         return out
 
-    async def _batch(self, ref: BatchRef) -> tuple[JobConfig, list[Prompt]] | None:
-        if ref not in self._batches:
-            config = await self.job_config(ref.job)
+    async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
+        cached = (ref, config.incarnation)
+        if cached not in self._batches:
             raw = await self.conn.get(keys.batch(ref.job, ref.batch))
             loaded = None
-            if raw is not None and config is not None:
+            if raw is not None:
                 try:
-                    loaded = (config, await load_prompts(batches.decode(raw), config))
+                    loaded = await load_prompts(batches.decode(raw), config)
                 except Exception as exc:  # unreadable or changed input: its holder deals with it
                     log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
-            self._batches[ref] = loaded
+            self._batches[cached] = loaded
             while len(self._batches) > BATCHES_CACHED:
                 self._batches.popitem(last=False)
-        return self._batches[ref]
+        return self._batches[cached]
 
     # ---------------------------------------------------------------- borrowed prompts
 
@@ -188,6 +200,6 @@ class Stealer:
 
     async def release_borrowed(self) -> None:
         """Once what was recorded is written: drop the claims, the holders send the rest."""
-        for ref in list(self.borrowed):
-            await self.claims.unclaim(ref)
+        for ref, borrowed in list(self.borrowed.items()):
+            await self.claims.unclaim(borrowed)
             self.borrowed.pop(ref, None)

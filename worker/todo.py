@@ -7,11 +7,14 @@ check put prompts in and take them out.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
+
+import redis
 
 from genq.core.records import Prompt
 from genq.worker.claims import Backlog
@@ -29,6 +32,8 @@ class Todo:
         self.parked: dict[str, list[Task]] = {}  # prompts of paused jobs, by job
         self.delayed: list[tuple[float, int, Task]] = []  # retries: (due, seq, task)
         self._seq = itertools.count()
+        # Claimed prompts of let-go batches that will not be sent here: their claims go.
+        self._let_go: dict[HeldBatch, set[str]] = {}
 
     def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         """A leased batch's prompts: claimed as slots free."""
@@ -44,6 +49,21 @@ class Todo:
         """Claimed prompts (lent ones that came back): sent next."""
         self.ready.extendleft(reversed(tasks))
         self.wake()
+
+    def let_go(self, task: Task) -> None:
+        """A claimed prompt of a let-go batch (done or leased elsewhere, handed back) that will not
+        be sent (again) here: its claim goes at the dispatcher's next turn (release_let_go)."""
+        self._let_go.setdefault(task.batch, set()).add(task.prompt.id)
+        self.wake()
+
+    async def release_let_go(self) -> None:
+        pending, self._let_go = self._let_go, {}
+        for held, ids in pending.items():
+            try:
+                await self.backlog.claims.unclaim(held, ids)
+            except (redis.RedisError, OSError):  # Redis away: again shortly
+                self._let_go.setdefault(held, set()).update(ids)
+                asyncio.get_running_loop().call_later(1.0, self.wake)
 
     def retry_at(self, due: float, task: Task) -> None:
         heapq.heappush(self.delayed, (due, next(self._seq), task))

@@ -17,6 +17,12 @@ A second holder is harmless anyway: each prompt's outcome is written once (first
 writer wins, a result and a dead letter exclude each other: worker/results.py), the
 shard is built from what Redis recorded (every writer writes the same bytes), and
 releasing a batch is conditional and idempotent (RELEASE below).
+
+A job's **incarnation** (JobConfig.incarnation) is the life of its name: a job deleted and
+enqueued again under the same name is a new one. Every script that writes for a job
+(RECORD in worker/results.py, the claim scripts in worker/claims.py, RELEASE here) is
+given the incarnation its caller works for and refuses to write for another one
+(INCARNATION_LUA), so nothing of a deleted job lands in its successor.
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ from genq.core import keys
 from genq.core.queueing import RUN_BATCH, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 
 log = logging.getLogger("genq.ledger")
+
+# Lua incarnation_ok(config key, incarnation): whether the job's stored config is that
+# incarnation (a config of a genq before incarnations has none: ""). A deleted job has no
+# config: nothing is its incarnation. The config is a msgpack map (records.pack).
+INCARNATION_LUA = """
+local function incarnation_ok(config_key, incarnation)
+  local raw = redis.call('GET', config_key)
+  if not raw then return false end
+  return (cmsgpack.unpack(raw)['incarnation'] or '') == incarnation
+end
+"""
 
 # KEYS: done, leases, transport; ARGV: batch, token, instance, rq job id
 # -> "done" | "gone" (no record: job deleted) | "ok"
@@ -75,16 +92,20 @@ COUNT_SHARDS = _COUNT_SHARDS + """
 return count_shards(KEYS[1], KEYS[2])
 """
 
-# KEYS: done, shards, results, batch record, leases, transport, stats, claims
+# KEYS: done, shards, results, batch record, leases, transport, stats, claims, config
 # ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT),
-#       the shard's records, the shard's bytes
+#       the shard's records, the shard's bytes, the job's incarnation
+# -> 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
+#    'short' (Redis holds other results than the shard: lost or rolled back meanwhile).
 # Marks the batch done once and adds its shard to the running totals; the work horses of the
 # current lease and of the releasing one (a holder whose lease was superseded can still be the
-# one that finishes) are told "done".
-RELEASE = _COUNT_SHARDS + """
+# one that finishes) are told "done". Never for a shard that is not every result Redis holds.
+RELEASE = _COUNT_SHARDS + INCARNATION_LUA + """
 local TOKEN_SLOT_PATTERN = '{token}'
 
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+if not incarnation_ok(KEYS[9], ARGV[8]) then return 'gone' end
+if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[6]) then return 'short' end
 redis.call('SADD', KEYS[1], ARGV[1])
 -- Totals not kept yet (a job's first shard, or a job of an older genq): count what is
 -- there before this shard (nothing, for a new job), then add this one.

@@ -270,6 +270,9 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     records: int
     bytes: int
     at: float
+    # The batch's prompt count (0: written by a genq before #30). A shard is written only when
+    # every prompt has an outcome, so records + the batch's dead letters == prompts.
+    prompts: int = 0
     incarnation: str = ""  # JobConfig.incarnation of the job that wrote it (#31)
 
 

@@ -34,13 +34,14 @@ from genq.output.sink import open_store
 log = logging.getLogger("genq.recover")
 
 # KEYS: done, shards, results, batch record, leases, transport, stats, claims, hist, dlq, job workers,
-#       batches, ids
+#       batches, ids, config
 # ARGV: batch, ShardInfo blob, reply TTL, keys.lease_reply(TOKEN_SLOT), records, bytes, worker-stats key
 #       prefix, tally {worker: [results, in_tok, out_tok]}, hist {bucket: n}, letters [[id, blob, worker]],
 #       digests {id: hex}, the batch's number, a token to tell "done" besides the current lease's ("" none)
-# -> 0 already done, 1 adopted
-ADOPT = ledger._COUNT_SHARDS + """
+# -> 0 already done, 1 adopted, 'gone' (the job is not in Redis as the life that wrote the shard)
+ADOPT = ledger._COUNT_SHARDS + ledger.INCARNATION_LUA + """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+if not incarnation_ok(KEYS[14], ARGV[14]) then return 'gone' end
 local function wstats(worker) return ARGV[7] .. worker end
 -- What Redis counted for the results it stores of this batch is taken back ...
 local stored = redis.call('HGETALL', KEYS[3])
@@ -109,11 +110,11 @@ def adopt_call(job: str, marker: ShardMarker, token: str = "") -> tuple[list[str
     script_keys = [keys.job_done(job), keys.job_shards(job), keys.batch_results(job, b), keys.batch(job, b),
                    keys.job_leases(job), keys.job_transport(job), keys.job_stats(job), keys.batch_claims(job, b),
                    keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.job_batches(job),
-                   keys.job_ids(job)]
+                   keys.job_ids(job), keys.job_config(job)]
     letters = [[d.id, pack(d), d.worker] for d in marker.letters]
     args = [b, pack(truth.shard_info(marker)), ledger.REPLY_TTL_S, keys.lease_reply(ledger.TOKEN_SLOT),
             marker.records, marker.bytes, keys.worker_stats(job, ""), pack(marker.tally), pack(marker.hist),
-            pack(letters), pack(marker.digests), batch_number(b), token]
+            pack(letters), pack(marker.digests), batch_number(b), token, marker.incarnation]
     return script_keys, args
 
 
@@ -124,8 +125,10 @@ def batch_number(batch: str) -> int:
 
 
 def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> bool:
+    """Mark a written batch done from its marker: False if it was done already, or the job in
+    Redis is not the life that wrote it."""
     script_keys, args = adopt_call(job, marker, token)
-    return bool(conn.eval(ADOPT, len(script_keys), *script_keys, *args))
+    return conn.eval(ADOPT, len(script_keys), *script_keys, *args) == 1
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:

@@ -29,7 +29,7 @@ def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
 async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker, token: str) -> bool:
     """Mark the batch done from its marker (False: it was done already)."""
     script_keys, args = adopt_call(ref.job, marker, token)
-    adopted = bool(await conn.eval(ADOPT, len(script_keys), *script_keys, *args))
+    adopted = await conn.eval(ADOPT, len(script_keys), *script_keys, *args) == 1
     if adopted:
         log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
                     "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)
@@ -50,6 +50,8 @@ async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRe
     return True
 
 
-def outcome_for(prompts: Iterable[Prompt], results: list[Result], letters: list[DeadLetter]) -> truth.Outcome:
-    """The marker's outcome of a batch about to be written (digests from the prompts held)."""
-    return truth.outcome_of(results, letters, {p.id: claim_digest(p) for p in prompts})
+def outcome_for(prompts: Iterable[Prompt], results: list[Result], letters: list[DeadLetter],
+                size: int) -> truth.Outcome:
+    """The marker's outcome of a batch of `size` prompts about to be written (digests from the
+    prompts held)."""
+    return truth.outcome_of(results, letters, {p.id: claim_digest(p) for p in prompts}, size)

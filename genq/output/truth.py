@@ -60,16 +60,18 @@ class AlreadyWritten(Exception):
 class Outcome:
     """What a batch's marker says beyond its ShardInfo (records.ShardMarker's fields)."""
 
+    prompts: int = 0  # the batch's prompt count (ShardInfo.prompts)
     digests: dict[str, str] = field(default_factory=dict)
     letters: list[DeadLetter] = field(default_factory=list)
     tally: dict[str, list[int]] = field(default_factory=dict)
     hist: dict[int, int] = field(default_factory=dict)
 
 
-def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes]) -> Outcome:
+def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes],
+               prompts: int) -> Outcome:
     """A batch's outcome for its marker; digests: prompt id -> 8-byte content digest
-    (producer.rows.claim_digest) for the prompts known."""
-    out = Outcome(letters=[msgspec.structs.replace(d, prompt=None) for d in letters])
+    (producer.rows.claim_digest) for the prompts known; prompts: the batch's prompt count."""
+    out = Outcome(prompts=prompts, letters=[msgspec.structs.replace(d, prompt=None) for d in letters])
     for r in results:
         counts = out.tally.setdefault(r.worker, [0, 0, 0])
         counts[0] += 1
@@ -88,7 +90,7 @@ def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests
 def shard_info(marker: ShardMarker) -> ShardInfo:
     """The part of a marker Redis keeps (keys.job_shards)."""
     return ShardInfo(batch=marker.batch, uri=marker.uri, records=marker.records, bytes=marker.bytes, at=marker.at,
-                     incarnation=marker.incarnation)
+                     prompts=marker.prompts, incarnation=marker.incarnation)
 
 
 def result_ids(marker: ShardMarker) -> set[str]:
@@ -117,7 +119,7 @@ def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, 
         store.put(shard_rel, data)
     outcome = outcome or Outcome()
     marker = ShardMarker(batch=batch, uri=store.uri(shard_rel), records=records, bytes=len(data), at=at,
-                         incarnation=incarnation, sha256=sha, digests=outcome.digests, letters=outcome.letters,
+                         prompts=outcome.prompts, incarnation=incarnation, sha256=sha, digests=outcome.digests, letters=outcome.letters,
                          tally=outcome.tally, hist=outcome.hist)
     if not store.create(marker_at, _json.encode(marker) + b"\n"):
         raced = read_marker(store, marker_at)
