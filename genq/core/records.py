@@ -283,7 +283,7 @@ class ShardMarker(ShardInfo):
 
     sha256: str = ""  # of the shard's bytes: a second writer with other bytes is told apart
     digests: dict[str, str] = {}  # every prompt of the batch with an outcome -> content digest (hex)
-    letters: list[DeadLetter] = []  # the batch's dead letters, without their prompt
+    letters: list[DeadLetter] = []  # the batch's dead letters (with their prompt: requeue needs it)
     tally: dict[str, list[int]] = {}  # worker -> [results, input tokens, output tokens] in the shard
     hist: dict[int, int] = {}  # output-length bucket (genq.core.histogram) -> results in the shard
 

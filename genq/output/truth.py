@@ -7,7 +7,8 @@ whatever Redis says or forgets.
 - A shard's marker (records.ShardMarker) is the commit of a batch: created once, never
   replaced, and it names the shard it describes. It carries what rebuilding the ledger
   needs without reading the shard: the incarnation, each outcome's content digest, the
-  dead letters, per-worker results and tokens, the length histogram.
+  dead letters (with their prompt, so `genq dlq requeue` works after a rebuild), per-worker
+  results and tokens, the length histogram.
 - A shard is never overwritten with other bytes (fewer or other records): the second
   writer's copy goes under another name and the marker decides (genq.output.layout).
 
@@ -71,7 +72,7 @@ def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests
                prompts: int) -> Outcome:
     """A batch's outcome for its marker; digests: prompt id -> 8-byte content digest
     (producer.rows.claim_digest) for the prompts known; prompts: the batch's prompt count."""
-    out = Outcome(prompts=prompts, letters=[msgspec.structs.replace(d, prompt=None) for d in letters])
+    out = Outcome(prompts=prompts, letters=list(letters))
     for r in results:
         counts = out.tally.setdefault(r.worker, [0, 0, 0])
         counts[0] += 1
