@@ -54,7 +54,7 @@ clean:
 # llama-server once from the llama-cpp-python sdist into ~/.cache/genq-llamacpp,
 # then checks the monitor's ETA in one long defaults run and compares settings in short
 # paired rounds (minutes; not part of `make test`; method in scripts/llamacpp/bench.py).
-# make_model.py needs numpy in python3. See README "Real engines".
+# make_model.py needs numpy in python3. See docs/real-engines.md.
 test-llamacpp: $(BIN)/genq
 	scripts/llamacpp/build.sh
 	$(BIN)/python scripts/llamacpp/bench.py

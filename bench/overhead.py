@@ -279,7 +279,7 @@ def run_pair(server: Server, mode: str, args: argparse.Namespace, work: Path, pr
     return rows
 
 
-# Targets (README "Worker overhead"): one worker drives >= 2,000 req/s on one core, >= 0.7 of a bare loop.
+# Targets (docs/performance.md "Worker overhead"): one worker drives >= 2,000 req/s on one core, >= 0.7 of a bare loop.
 RATE_TARGET = 2000.0
 RATIO_TARGET = 0.7
 MISMATCHES: list[str] = []

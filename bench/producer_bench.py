@@ -24,7 +24,7 @@ from pathlib import Path
 from common import PY, REDIS_URL, ROOT, busy_processes, conditions, flush_bench_db, genq, mask_url, table
 
 N_PROMPTS = 654_676
-TARGET_S = 30.0  # README "Producer": the whole file in 30 s or less
+TARGET_S = 30.0  # docs/performance.md "Producer": the whole file in 30 s or less
 
 # The baseline, timed in the same run as its own process: what a plain script does to put the same
 # file into Redis: read the lines, join every batch-size of them, RPUSH each batch (pipelined).

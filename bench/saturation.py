@@ -133,7 +133,7 @@ def run_one(name: str, args: argparse.Namespace, work: Path, prompts: Path) -> R
     return figs
 
 
-# Targets (README "Saturation"): genq keeps the slots busy and ends within 3% of the limit.
+# Targets (docs/performance.md "Saturation"): genq keeps the slots busy and ends within 3% of the limit.
 UTILIZATION_TARGET = 0.98
 MAKESPAN_TARGET = 1.03
 
