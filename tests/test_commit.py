@@ -341,6 +341,8 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
     handler = Count()
     logging.getLogger("genq.worker").addHandler(handler)
 
+    _dump_with_the_job_config(tmp_path)
+
     async def go() -> None:
         conn = connect_async(url)
         writer = ResultWriter(conn, "w1", lambda job, batch, ids: None)
@@ -357,6 +359,8 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
                 writer.add_result(r, INCARNATION)
             server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+            # (it loads the job's config from dump.rdb, saved below before the writer started: RECORD
+            # writes only for a job that exists in the incarnation the outcomes are for)
             await stored_by(writer, task, errors_expected=True, within=60)
             check = sync_redis.Redis.from_url(url)
             held = {k.decode(): unpack(v, Result) for k, v in check.hgetall(keys.batch_results(JOB, BATCH)).items()}
@@ -374,3 +378,29 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
         asyncio.run(go())
     finally:
         logging.getLogger("genq.worker").removeHandler(handler)
+
+
+def _dump_with_the_job_config(folder) -> None:
+    """A dump.rdb in `folder` holding the job's config (a Redis started there loads it)."""
+    import subprocess
+
+    from tests.conftest import free_port, wait_until
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    try:
+        conn = redis.Redis(port=port)
+        wait_until(lambda: _answers(conn), 10, "a redis-server to save the config")
+        save_config(conn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))
+        conn.save()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _answers(conn: redis.Redis) -> bool:
+    try:
+        return bool(conn.ping())
+    except redis.ConnectionError:
+        return False
