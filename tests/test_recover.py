@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from rq.registry import StartedJobRegistry
+from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from genq.core import keys
-from genq.core.queueing import rq_queue
+from genq.core.queueing import fetch_rq_jobs, rq_queue
 from genq.sim.lengths import prompt_key
 from tests.audit import audit
 from tests.conftest import free_port, genq_cmd, run_genq, sim_stats, wait_until, write_prompts
@@ -130,13 +130,19 @@ def wait_done(url: str, job: str, timeout: float = 180) -> dict:
                              f"monitor: { {k: v for k, v in last.items() if k != 'worker_details'} }") from None
 
 
-def rq_settled(url: str) -> None:
-    """RQ's started registry empty: jobs a restored snapshot still shows as started (their horses
-    returned in the lost timeline) leave it once the reconciler has seen their batches done
-    (two passes, ledger.STRANDED_CONFIRM_S apart)."""
+def rq_settled(url: str, job: str) -> None:
+    """RQ's started and failed registries hold nothing of the job: jobs a restored snapshot still
+    shows as started (their horses returned in the lost timeline), and those of batches lost
+    with Redis that their old horses recorded as failed into it, leave them once the reconciler
+    has seen their batches done or gone from the ledger (ledger.Reconciler)."""
     conn = redis.Redis.from_url(url)
-    registry = StartedJobRegistry(queue=rq_queue(conn))
-    wait_until(lambda: not registry.get_job_ids(), 60, "RQ's started registry to empty", interval=0.5)
+    queue = rq_queue(conn)
+
+    def settled() -> bool:
+        ids = StartedJobRegistry(queue=queue).get_job_ids() + FailedJobRegistry(queue=queue).get_job_ids()
+        return not any(j is not None and j.args[0] == job for j in fetch_rq_jobs(conn, ids))
+
+    wait_until(settled, 60, "RQ's registries to hold nothing of the job", interval=0.5)
 
 
 def describe_pending(url: str, job: str) -> str:
@@ -227,19 +233,20 @@ def test_redis_restored_from_a_snapshot_10s_old_two_workers(lost_redis, sim, pro
     markers = out / "roll" / "manifest"
     wait_until(lambda: time.monotonic() - taken >= 10 or len(list(markers.glob("*.json"))) >= 36, 60, "10 s")
     lost_redis.kill()
+    snapshot_age = time.monotonic() - taken
     written = written_records(out, "roll")
     lost_redis.start(empty=False)  # from dump.rdb: the job as it was ~10 s ago
 
     wait_done(lost_redis.url, "roll")
-    rq_settled(lost_redis.url)
+    rq_settled(lost_redis.url, "roll")
     conn = redis.Redis.from_url(lost_redis.url)
     audit(conn, "roll", out, ids)
     assert sorted(export_ids(lost_redis.url, "roll", tmp_path)) == sorted(ids)
     after = written_records(out, "roll")
     assert all(after[i] == r for i, r in written.items()), "a written record was replaced"
     never_regenerated(written, servers)
-    print(f"\n[b] snapshot at {at_snapshot} written, killed at {len(written)} written "
-          f"({time.monotonic() - taken:.0f}s later); requests {sum(generated_by_prompt(servers).values())} for {n}")
+    print(f"\n[b] snapshot at {at_snapshot} written, Redis killed {snapshot_age:.1f}s later at {len(written)} "
+          f"written; requests {sum(generated_by_prompt(servers).values())} for {n} prompts")
     assert len(written) - at_snapshot >= 100, "the snapshot was not behind the output: the test proves nothing"
 
 
@@ -260,8 +267,10 @@ def test_recover_after_flushall_finishes_the_job(lost_redis, sim, procs, tmp_pat
     done = run_genq("recover", "--job", "flushed", "--output", str(out), redis_url=lost_redis.url)
     assert "created again from" in done.stdout, done.stdout
     wait_done(lost_redis.url, "flushed")
+    rq_settled(lost_redis.url, "flushed")
     conn = redis.Redis.from_url(lost_redis.url)
     audit(conn, "flushed", out, ids)
     assert sorted(export_ids(lost_redis.url, "flushed", tmp_path)) == sorted(ids)
     assert all(written_records(out, "flushed")[i] == r for i, r in written.items()), "a written record was replaced"
     never_regenerated(written, [server])
+    print(f"\n[c] FLUSHALL at {len(written)} written; requests {generated(server)} for {n} prompts")

@@ -267,14 +267,20 @@ class Reconciler:
                      "removed it from RQ's failed registry", rq_id, job.args[0], job.args[1])
 
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, RqJob]]:
-        """The genq batch jobs among these RQ job ids whose batch the ledger has done."""
+        """The genq batch jobs among these RQ job ids whose batch the ledger has done, or does
+        not have at all while it has the job: a batch lost with Redis (restarted empty,
+        flushed) whose prompts were queued again under other numbers (#31, genq recover)."""
         batch_jobs = [(rq_id, job) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
                       if job is not None and job.func_name == RUN_BATCH and len(job.args) >= 2]
         with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
             for _, job in batch_jobs:
-                pipe.sismember(keys.job_done(str(job.args[0])), str(job.args[1]))
-            done = pipe.execute()
-        return [found for found, is_done in zip(batch_jobs, done) if is_done]
+                job_name, batch = str(job.args[0]), str(job.args[1])
+                pipe.sismember(keys.job_done(job_name), batch)
+                pipe.zscore(keys.job_batches(job_name), batch)
+                pipe.exists(keys.job_config(job_name))
+            answers = pipe.execute()
+        over = [done or (score is None and known) for done, score, known in zip(*[iter(answers)] * 3)]
+        return [found for found, is_over in zip(batch_jobs, over) if is_over]
 
     def drop_legacy_jobs(self) -> int:
         """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without
