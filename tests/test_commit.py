@@ -382,25 +382,12 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
 
 def _dump_with_the_job_config(folder) -> None:
     """A dump.rdb in `folder` holding the job's config (a Redis started there loads it)."""
-    import subprocess
+    from tests.conftest import PrivateRedis
 
-    from tests.conftest import free_port, wait_until
-
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    server = PrivateRedis("--dir", str(folder))  # the later --dir wins
     try:
-        conn = redis.Redis(port=port)
-        wait_until(lambda: _answers(conn), 10, "a redis-server to save the config")
+        conn = redis.Redis.from_url(server.url)
         save_config(conn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))
         conn.save()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _answers(conn: redis.Redis) -> bool:
-    try:
-        return bool(conn.ping())
-    except redis.ConnectionError:
-        return False
+        server.stop()

@@ -35,6 +35,7 @@ from genq.worker.leases import retrying
 log = logging.getLogger("genq.worker")
 
 SHARD_THREADS = 4
+SHORT_TRIES = 3  # RELEASE refusing a shard that is not every stored result, this often in a row: let go
 
 
 def release_call(ref: BatchRef, info: ShardInfo, token: str, incarnation: str) -> tuple[list[str], list]:
@@ -77,7 +78,7 @@ class Completer:
     async def complete(self, held: HeldBatch) -> Finished:
         """Write the shard and release the batch, if every prompt has its outcome in Redis."""
         ref = held.ref
-        while True:
+        for _ in range(SHORT_TRIES):
             recorded = await retrying(lambda: self._read(held), f"reading batch {ref}")
             if recorded is None:
                 return Finished()
@@ -87,6 +88,9 @@ class Completer:
             if released != "short":
                 return Finished(released=released == 1)
             log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
+        # Never marked done short: the batch is let go, and the reconciler queues it again.
+        log.error("batch %s: Redis never held exactly the shard's results; letting the batch go", ref)
+        return Finished()
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
         """The shard, then RELEASE's answer (see ledger.RELEASE)."""
