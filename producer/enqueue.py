@@ -112,18 +112,30 @@ class Enqueuer:
         self._floor = max([self._floor, self._record.reserved, *map(recover.batch_number, written)])
         self._record = msgspec.structs.replace(self._record, config=self.config)
 
+    def _reach_output(self, action: Callable[[], Any]) -> Any:
+        """Enqueue reads and writes the job's output (job.json, the manifest): where it cannot,
+        nothing is queued, with the reason."""
+        try:
+            return action()
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
+            raise ValueError(f"cannot read or write the job's output {self.config.output} from here "
+                             f"({type(exc).__name__}: {exc}); enqueue writes {self.config.name}/job.json there "
+                             "before queueing: give an --output this machine reaches too") from None
+
     def _reserve(self, last_batch: str) -> None:
         """job.json says the batch numbers about to be queued may be in use, before they are."""
         upto = recover.batch_number(last_batch)
         if upto > self._record.reserved or not set(self._inputs) <= set(self._record.inputs):
             record = msgspec.structs.replace(self._record, config=self.config,
                                              inputs=sorted(set(self._record.inputs) | set(self._inputs)))
-            self._record = truth.reserve(self._store, record, upto + truth.RESERVE_STEP)
+            self._record = self._reach_output(lambda: truth.reserve(self._store, record, upto + truth.RESERVE_STEP))
 
     def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
         """Queue `rows`. They are read, checked and digested in a thread of their own, a chunk ahead
         of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing."""
-        self._from_output()
+        self._reach_output(self._from_output)
         endpoint, by_reference = self.config.endpoint, self.reference is not None
         for chunk in _read_ahead(_chunks(rows, READ_CHUNK), lambda c: _prepare(c, endpoint, by_reference)):
             self._add_chunk(chunk)
