@@ -131,15 +131,17 @@ def wait_done(url: str, job: str, timeout: float = 180) -> dict:
 
 
 def rq_settled(url: str, job: str) -> None:
-    """RQ's started and failed registries hold nothing of the job: jobs a restored snapshot still
-    shows as started (their horses returned in the lost timeline), and those of batches lost
+    """RQ's started and failed registries and its intermediate list hold nothing of the job: jobs a
+    restored snapshot still shows as started or being taken (in the lost timeline their horses
+    returned), and those of batches lost
     with Redis that their old horses recorded as failed into it, leave them once the reconciler
     has seen their batches done or gone from the ledger (ledger.Reconciler)."""
     conn = redis.Redis.from_url(url)
     queue = rq_queue(conn)
 
     def settled() -> bool:
-        ids = StartedJobRegistry(queue=queue).get_job_ids() + FailedJobRegistry(queue=queue).get_job_ids()
+        ids = (StartedJobRegistry(queue=queue).get_job_ids() + FailedJobRegistry(queue=queue).get_job_ids()
+               + [i.decode() for i in conn.lrange(queue.intermediate_queue_key, 0, -1)])
         return not any(j is not None and j.args[0] == job for j in fetch_rq_jobs(conn, ids))
 
     wait_until(settled, 60, "RQ's registries to hold nothing of the job", interval=0.5)

@@ -235,11 +235,15 @@ class Reconciler:
     def _clear_done_started(self, now: float) -> int:
         """RQ jobs left "started" for batches the ledger has done (a horse whose RQ loop died
         before it could return) leave RQ's started registry, so `rq info` tells the truth;
-        how many are still waiting for confirmation."""
-        started = rq_queue(self.conn).started_job_registry
+        how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
+        intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
+        its batch was written since, #31)."""
+        queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
-        for entry in self.conn.zrange(started.key, 0, -1):
+        for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
             executions.setdefault(entry.decode().partition(":")[0], []).append(entry)
+        for raw_id in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
+            executions.setdefault(raw_id.decode(), [])
         seen: dict[str, float] = {}
         for rq_id, job in self._of_done_batches(list(executions)):
             first = seen[rq_id] = self._done_started.get(rq_id, now)
@@ -248,8 +252,9 @@ class Reconciler:
                     _forget_rq_job(pipe, rq_id, executions[rq_id])
                     pipe.execute()
                 del seen[rq_id]
-                log.info("RQ job %s of done batch %s/%s was left started by a horse that never returned; "
-                         "removed it from RQ's started registry", rq_id, job.args[0], job.args[1])
+                where = "started by a horse that never returned" if executions[rq_id] else "in RQ's intermediate list"
+                log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
+                         rq_id, job.args[0], job.args[1], where)
         self._done_started = seen
         return len(seen)
 
