@@ -33,7 +33,10 @@ import redis
 from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, batch_id, lookup_ids, stage_config, write_batches
-from genq.core.records import BatchSource, InputRange, JobConfig, Rejected, unpack
+from genq.core.records import BatchSource, InputRange, JobConfig, JobRecord, Rejected, unpack
+from genq.ops import recover
+from genq.output import truth
+from genq.output.sink import open_store
 from genq.producer.batchinput import range_digest, row_digest_items
 from genq.producer.rejects import RejectsFile
 from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
@@ -58,6 +61,12 @@ class EnqueueSummary:
     # apart the second is counted in skipped_existing: the dedupe is Redis's, not this process's)
     rejected: int = 0  # lines written to the rejects file
     created: bool = False  # this run created the job
+    # The job's output held batches Redis did not count as done (#31: Redis lost them); their
+    # prompts are counted in skipped_existing. rebuilt: the job itself was gone from Redis and
+    # was created again from OUTPUT/JOB/job.json.
+    recovered_batches: int = 0
+    rebuilt: bool = False
+    note: str = ""  # something about the output the operator should know
 
 
 _Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_digest)
@@ -65,11 +74,12 @@ _Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_d
 
 class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
-                 reference: str | None = None) -> None:
+                 reference: str | None = None, input_uri: str | None = None) -> None:
         """create: the job has no stored config yet; it is stored with the first batches.
         rejects: where rejected lines go as they are found (the caller closes or discards it).
         reference: the input's URI as workers read it (s3://... or an absolute path) to queue
-        batches by reference; None stores the prompts inline."""
+        batches by reference; None stores the prompts inline.
+        input_uri: the input, recorded in OUTPUT/JOB/job.json for `genq recover`."""
         self.conn = conn
         self.rejects = rejects
         self.config = config
@@ -77,10 +87,55 @@ class Enqueuer:
         self.summary = EnqueueSummary()
         self._create = create
         self._pending: list[_Pending] = []
+        self._store = open_store(config.output, config.s3_endpoint_url)
+        self._inputs = [input_uri] if input_uri else []
+        self._record = JobRecord(config=config, inputs=self._inputs)
+        self._floor = 0  # batch numbers at or below it may be in use in the output folder
+
+    def _from_output(self) -> None:
+        """The output is the truth (#31): batches written there that Redis does not count as
+        done are adopted first, and a job gone from Redis whose output holds its job.json (same
+        settings) is created again from there, so its written prompts count as done."""
+        on_disk = truth.read_job(self._store, self.config.name)
+        if not self._create:
+            self.summary.recovered_batches = len(recover.catch_up(self.conn, self.config))
+            self._record = on_disk if on_disk and on_disk.config.incarnation == self.config.incarnation else self._record
+        elif on_disk is not None and _settings(on_disk.config) == _settings(self.config):
+            recovery = recover.rebuild(self.conn, on_disk)
+            self.config, self._record, self._create = recovery.config, on_disk, False
+            self.summary.recovered_batches, self.summary.rebuilt = len(recovery.adopted), True
+        elif on_disk is not None:
+            self.summary.note = (f"{truth.job_uri(self._store, self.config.name)} is of an earlier job of this name "
+                                 f"with other settings: its shards stay and are not counted as done for this one")
+            self._floor = on_disk.reserved
+        written = truth.marker_batches(self._store, self.config.name)  # an output of a genq without job.json
+        self._floor = max([self._floor, self._record.reserved, *map(recover.batch_number, written)])
+        self._record = msgspec.structs.replace(self._record, config=self.config)
+
+    def _reach_output(self, action: Callable[[], Any]) -> Any:
+        """Enqueue reads and writes the job's output (job.json, the manifest): where it cannot,
+        nothing is queued, with the reason."""
+        try:
+            return action()
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
+            raise ValueError(f"cannot read or write the job's output {self.config.output} from here "
+                             f"({type(exc).__name__}: {exc}); enqueue writes {self.config.name}/job.json there "
+                             "before queueing: give an --output this machine reaches too") from None
+
+    def _reserve(self, last_batch: str) -> None:
+        """job.json says the batch numbers about to be queued may be in use, before they are."""
+        upto = recover.batch_number(last_batch)
+        if upto > self._record.reserved or not set(self._inputs) <= set(self._record.inputs):
+            record = msgspec.structs.replace(self._record, config=self.config,
+                                             inputs=sorted(set(self._record.inputs) | set(self._inputs)))
+            self._record = self._reach_output(lambda: truth.reserve(self._store, record, upto + truth.RESERVE_STEP))
 
     def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
         """Queue `rows`. They are read, checked and digested in a thread of their own, a chunk ahead
         of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing."""
+        self._reach_output(self._from_output)
         endpoint, by_reference = self.config.endpoint, self.reference is not None
         for chunk in _read_ahead(_chunks(rows, READ_CHUNK), lambda c: _prepare(c, endpoint, by_reference)):
             self._add_chunk(chunk)
@@ -139,6 +194,7 @@ class Enqueuer:
                     taking, held = fresh[:keep], fresh[keep:]
                     if taking:
                         batches = self._batches(pipe, [row for row, _ in taking])
+                        self._reserve(batches[-1].id)
                         pipe.multi()
                         if self._create:
                             stage_config(pipe, self.config)
@@ -191,7 +247,7 @@ class Enqueuer:
 
     def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
         size = self.config.batch_size
-        last = int(pipe.get(keys.job_batch_seq(self.config.name)) or 0)
+        last = max(int(pipe.get(keys.job_batch_seq(self.config.name)) or 0), self._floor)
         created = time.time()
         return [self._batch(batch_id(last + 1 + n), rows[i : i + size], created)
                 for n, i in enumerate(range(0, len(rows), size))]

@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from genq.core import keys
-from genq.core.records import ShardInfo, unpack
+from genq.core.queueing import load_config
+from genq.core.records import JobRecord, ShardInfo, unpack
 from tests.conftest import batch_prompts, run_genq, wait_until
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 
@@ -77,7 +78,9 @@ def test_job_from_s3_input_writes_s3_shards_one_record_per_prompt(moto, redis_ur
     by_batch = check_manifest(objects, "runs/2026/s3job")
     batches = [b.decode() for b in rconn.zrange(keys.job_batches("s3job"), 0, -1)]
     assert sorted(by_batch) == batches
-    assert len(objects) == 2 * len(batches), "no shard without its marker, nothing else"
+    assert len(objects) == 2 * len(batches) + 1, "no shard without its marker, nothing else but job.json"
+    job_file = msgspec.json.decode(objects["runs/2026/s3job/job.json"], type=JobRecord)
+    assert job_file.config == load_config(rconn, "s3job") and job_file.reserved >= len(batches)
     records = [r for rs in by_batch.values() for r in rs]
     assert sorted(r["id"] for r in records) == ids, "exactly one record per prompt"
     assert all(r["completion"] and r["metadata"] == {"topic": "s3"} for r in records)

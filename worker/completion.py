@@ -17,16 +17,18 @@ pool the heartbeat uses.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import msgspec
 import redis.asyncio as aioredis
 
 from genq.core import batches, keys, ledger
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Result, ShardInfo, pack, unpack, with_prompt
+from genq.ops.written import adopt_marker, outcome_for
 from genq.output.sink import open_sink, shard_bytes
+from genq.output.truth import AlreadyWritten
 from genq.worker.held import HeldBatch
 from genq.worker.leases import retrying
 
@@ -97,14 +99,17 @@ class Completer:
         at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
         loop = asyncio.get_running_loop()
         data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
+        outcome = outcome_for(held.prompts, results, letters, recorded.prompts)
         sink = open_sink(held.config)
         backoff = 1.0
         while True:
             try:
                 info: ShardInfo = await loop.run_in_executor(
-                    self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at)
-                info = msgspec.structs.replace(info, prompts=recorded.prompts, letters=len(letters))
+                    self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
                 break
+            except AlreadyWritten as written:  # the output's shard of this batch stands (#31)
+                adopting = functools.partial(adopt_marker, self.conn, ref, written.marker, held.token)
+                return int(await retrying(adopting, f"adopting batch {ref}"))
             except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
                 log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
                             ref, type(exc).__name__, exc, backoff)

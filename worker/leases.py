@@ -27,6 +27,7 @@ from genq.core import batches, keys, ledger
 from genq.core.queueing import enqueue_batch_jobs
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
 from genq.core.redisconn import connect_async
+from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
 from genq.worker.idle import INBOX_WAIT_S
@@ -110,6 +111,8 @@ class LeaseDesk:
         raw = await self.conn.get(keys.batch(ref.job, ref.batch))
         if config is None or raw is None:
             await self.reply(token, b"done")
+            return
+        if await adopt_if_written(self.conn, config, ref, token):  # written before Redis lost it (#31)
             return
         source = batches.decode(raw)
         ids = batches.ids(source)

@@ -14,6 +14,7 @@ import redis
 
 from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
 from genq.core.queueing import rq_queue
+from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
 from genq.worker.idle import IdlePace
 from genq.worker.loops import RqLoops
@@ -27,12 +28,14 @@ class Maintenance:
         self.reconciler = reconciler
         self.loops = loops
         self.pace = IdlePace(loops.held, loops.dispatcher, tuple)  # idle: a turn every IDLE_MAINTENANCE_S
+        self.outputs = OutputWatch(conn)  # the ledger checked against the written output (#31)
 
     async def run(self) -> None:
         """Stranded batches are looked for by every worker (one pass at a time across the fleet)."""
         while True:
             await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
             try:
+                await asyncio.to_thread(self.outputs.pass_once)
                 await asyncio.to_thread(self.reconciler.pass_once)
             except (redis.RedisError, OSError) as exc:
                 log.debug("maintenance skipped: %s", exc)
@@ -40,6 +43,7 @@ class Maintenance:
     async def burst_done(self) -> bool:
         """A burst worker leaves once the ledger says every batch of every job is done; batches
         queued again (stranded, or handed back by others) are taken first."""
+        await asyncio.to_thread(self.outputs.pass_once)
         outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
         if not outlook.unfinished and not outlook.finishing:
             blocked = await asyncio.to_thread(blocked_jobs, self.conn)  # they wait: docs/settings.md

@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt, unpack
+from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
@@ -104,6 +105,8 @@ class Stealer:
                 continue
             ids = await self.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)], free)
             if not ids:
+                continue
+            if await adopt_if_written(self.conn, config, ref, ""):  # written already: Redis lost that (#31)
                 continue
             if ref in self.held:  # leased to this engine meanwhile: its own lease sends them
                 await self.claims.unclaim(self.held[ref], ids)

@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "export": "genq.cli.export:export",
     "jobs": "genq.cli.control:jobs",
     "status": "genq.cli.status:status",
+    "recover": "genq.cli.recover:recover",
 }
 
 

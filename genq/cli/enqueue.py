@@ -191,7 +191,8 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
         if show_progress:
             click.echo(f"\r  {reading.line(summary.read, summary.enqueued)}", err=True, nl=False)
 
-    enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference)
+    enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
+                        input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri))
     summary = enqueuer.run(reading.track(rows), on_progress=progress)
     if show_progress:
         click.echo("", err=True)
@@ -229,6 +230,11 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.converted:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
+    if summary.rebuilt or summary.recovered_batches:  # the output is the truth (#31, docs/recovery.md)
+        click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
+                   f"{summary.recovered_batches:,} batches already written there counted as done")
+    if summary.note:
+        click.echo(f"  note: {summary.note}")
     if summary.skipped_existing:
         click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
     if summary.skipped_duplicate:

@@ -64,7 +64,8 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
         letters = _letters(conn, job) if fmt == "openai-batch" else []
         try:
             summary = exporting.export(output=output, job=job, dest=path, fmt=fmt, order=order, letters=letters,
-                             errors_path=errors_path, endpoint_url=endpoint, dest_endpoint_url=endpoint)
+                             errors_path=errors_path, endpoint_url=endpoint, dest_endpoint_url=endpoint,
+                             incarnation=config.incarnation if config and not source else None)
         except ExportError as exc:
             raise click.ClickException(str(exc)) from None
         except Exception as exc:

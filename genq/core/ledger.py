@@ -235,11 +235,15 @@ class Reconciler:
     def _clear_done_started(self, now: float) -> int:
         """RQ jobs left "started" for batches the ledger has done (a horse whose RQ loop died
         before it could return) leave RQ's started registry, so `rq info` tells the truth;
-        how many are still waiting for confirmation."""
-        started = rq_queue(self.conn).started_job_registry
+        how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
+        intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
+        its batch was written since, #31)."""
+        queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
-        for entry in self.conn.zrange(started.key, 0, -1):
+        for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
             executions.setdefault(entry.decode().partition(":")[0], []).append(entry)
+        for raw_id in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
+            executions.setdefault(raw_id.decode(), [])
         seen: dict[str, float] = {}
         for rq_id, job in self._of_done_batches(list(executions)):
             first = seen[rq_id] = self._done_started.get(rq_id, now)
@@ -248,8 +252,9 @@ class Reconciler:
                     _forget_rq_job(pipe, rq_id, executions[rq_id])
                     pipe.execute()
                 del seen[rq_id]
-                log.info("RQ job %s of done batch %s/%s was left started by a horse that never returned; "
-                         "removed it from RQ's started registry", rq_id, job.args[0], job.args[1])
+                where = "started by a horse that never returned" if executions[rq_id] else "in RQ's intermediate list"
+                log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
+                         rq_id, job.args[0], job.args[1], where)
         self._done_started = seen
         return len(seen)
 
@@ -267,14 +272,20 @@ class Reconciler:
                      "removed it from RQ's failed registry", rq_id, job.args[0], job.args[1])
 
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, RqJob]]:
-        """The genq batch jobs among these RQ job ids whose batch the ledger has done."""
+        """The genq batch jobs among these RQ job ids whose batch the ledger has done, or does
+        not have at all while it has the job: a batch lost with Redis (restarted empty,
+        flushed) whose prompts were queued again under other numbers (#31, genq recover)."""
         batch_jobs = [(rq_id, job) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
                       if job is not None and job.func_name == RUN_BATCH and len(job.args) >= 2]
         with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
             for _, job in batch_jobs:
-                pipe.sismember(keys.job_done(str(job.args[0])), str(job.args[1]))
-            done = pipe.execute()
-        return [found for found, is_done in zip(batch_jobs, done) if is_done]
+                job_name, batch = str(job.args[0]), str(job.args[1])
+                pipe.sismember(keys.job_done(job_name), batch)
+                pipe.zscore(keys.job_batches(job_name), batch)
+                pipe.exists(keys.job_config(job_name))
+            answers = pipe.execute()
+        over = [done or (score is None and known) for done, score, known in zip(*[iter(answers)] * 3)]
+        return [found for found, is_over in zip(batch_jobs, over) if is_over]
 
     def drop_legacy_jobs(self) -> int:
         """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without

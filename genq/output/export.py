@@ -8,7 +8,8 @@ and record count) before anything is exported.
 How: shards are read once (S3 objects and .gz shards are spooled, uncompressed,
 to a temporary folder beside the destination), remembering for each record its
 id, input index and place in the spool; ids seen before are dropped (the first
-copy, in batch order, wins); the kept records are then sorted (input order: by
+copy wins: shards are read in the order of their last outcome, ShardInfo.at, the
+first result of a prompt first); the kept records are then sorted (input order: by
 Result.index) and copied out. Memory holds one small tuple per record, never
 the records themselves.
 
@@ -85,8 +86,12 @@ class ExportSummary:
 # ------------------------------------------------------------------ manifest
 
 
-def list_shards(output: str, job: str, endpoint_url: str | None = None) -> list[ShardRef]:
-    """The shards named by the job's manifest markers, in batch order."""
+def list_shards(output: str, job: str, endpoint_url: str | None = None,
+                incarnation: str | None = None) -> list[ShardRef]:
+    """The shards named by the job's manifest markers, the first written first (a prompt
+    generated twice, by a genq before #31, is exported once: its first result). With
+    `incarnation`, only the markers of that life of the job (and of a genq that wrote none):
+    another life of the name may have used the folder with other settings."""
     root = job_root(output, job)
     if output.startswith("s3://"):
         from genq.output import s3
@@ -114,7 +119,11 @@ def list_shards(output: str, job: str, endpoint_url: str | None = None) -> list[
         # output folder or bucket that was copied elsewhere still exports.
         name = info.uri.rstrip("/").rsplit("/", 1)[-1]
         refs.append(ShardRef(info, f"{root}/{SHARDS_DIR}/{name}"))
-    refs.sort(key=lambda r: r.info.batch)
+    refs = [r for r in refs if incarnation is None or r.info.incarnation in ("", incarnation)]
+    if not refs:
+        raise ExportError(f"no shards of this life of job {job!r} (incarnation {incarnation}) in {root}/{MANIFEST_DIR}/: "
+                          "the markers there are of an earlier job of that name")
+    refs.sort(key=lambda r: (r.info.at, r.info.batch))
     return refs
 
 
@@ -208,12 +217,13 @@ def scan(refs: list[ShardRef], spool: Path, endpoint_url: str | None = None,
     return paths, kept, duplicates
 
 
-def ordered(kept: dict[str, Entry], order: str) -> list[Entry]:
+def ordered(kept: dict[str, Entry], order: str, refs: list[ShardRef]) -> list[Entry]:
     entries = list(kept.values())
     if order == "input":
-        entries.sort()  # (index, shard, offset): input order, ties in batch order
+        entries.sort()  # (index, shard, offset): input order, ties in the order written
     else:
-        entries.sort(key=lambda e: (e.shard, e.offset))
+        batch_of = [r.info.batch for r in refs]
+        entries.sort(key=lambda e: (batch_of[e.shard], e.offset))
     return entries
 
 
@@ -292,6 +302,7 @@ def export(
     errors_path: str | None = None,
     endpoint_url: str | None = None,
     dest_endpoint_url: str | None = None,
+    incarnation: str | None = None,
 ) -> ExportSummary:
     """Merge the job's shards under `output` into `dest`. `letters` (the job's dead
     letters) are written to `errors_path` for the openai-batch format."""
@@ -299,14 +310,14 @@ def export(
         raise ExportError(f"unknown format {fmt!r} (use {', '.join(FORMATS)})")
     if order not in ORDERS:
         raise ExportError(f"unknown order {order!r} (use {', '.join(ORDERS)})")
-    refs = list_shards(output, job, endpoint_url)
+    refs = list_shards(output, job, endpoint_url, incarnation)
     summary = ExportSummary(path=dest, shards=len(refs))
     spool_parent = None if dest.startswith("s3://") else Path(dest).resolve().parent
     if spool_parent is not None:
         spool_parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".genq-export-", dir=spool_parent) as spool:
         paths, kept, summary.duplicates = scan(refs, Path(spool), endpoint_url)
-        entries = ordered(kept, order)
+        entries = ordered(kept, order, refs)
         writer = WRITERS[fmt]
         summary.records, summary.bytes = write_output(
             dest, lambda out: writer(read_records(paths, entries), out), dest_endpoint_url)

@@ -2,12 +2,18 @@
 
     OUTPUT/JOB/shards/BATCH.jsonl[.gz]   one shard per batch: its results, one JSON object a line,
                                          sorted by input index
-    OUTPUT/JOB/manifest/BATCH.json       a marker written after its shard: ShardInfo JSON
-                                         {batch, uri, records, bytes, at}
+    OUTPUT/JOB/manifest/BATCH.json       a marker written after its shard: ShardMarker JSON
+                                         {batch, uri, records, bytes, at, incarnation, ...}
+    OUTPUT/JOB/job.json                  the job as created (records.JobRecord), written
+                                         before its first batch is queued
 
 A reader lists manifest/ and reads only the shards named there: a shard without a
-marker may still be being written. Names depend only on the batch id, so a batch
-that is redone overwrites its shard and marker instead of adding a second copy.
+marker may still be being written. The marker is the commit: it is created once and
+never replaced (genq.output.truth), and names the shard it describes. Batch numbers
+are never reused in a job's folder (JobRecord.reserved survives a Redis loss and a
+job deleted and created again), so a name is one batch of one job's life. A shard
+whose name holds other bytes is never overwritten: the second writer's copy goes
+under an alternative name (alt_shard_name) and the first marker decides which counts.
 """
 
 from __future__ import annotations
@@ -20,8 +26,23 @@ def shard_name(batch_id: str, compression: str) -> str:
     return f"{batch_id}.jsonl.gz" if compression == "gzip" else f"{batch_id}.jsonl"
 
 
+def alt_shard_name(batch_id: str, compression: str, tag: str) -> str:
+    """Where a batch's shard goes when its usual name already holds other bytes."""
+    return shard_name(f"{batch_id}.{tag}", compression)
+
+
 def marker_name(batch_id: str) -> str:
     return f"{batch_id}.json"
+
+
+def batch_of_marker(name: str) -> str | None:
+    """The batch id a manifest file name stands for; None for what is not a marker."""
+    if name.startswith(".") or not name.endswith(".json"):
+        return None
+    return name[: -len(".json")]
+
+
+JOB_FILE = "job.json"
 
 
 def join(*parts: str) -> str:
@@ -39,3 +60,7 @@ def shard_path(output: str, job: str, batch_id: str, compression: str) -> str:
 
 def marker_path(output: str, job: str, batch_id: str) -> str:
     return f"{job_root(output, job)}/{MANIFEST_DIR}/{marker_name(batch_id)}"
+
+
+def job_file_path(output: str, job: str) -> str:
+    return f"{job_root(output, job)}/{JOB_FILE}"

@@ -1,7 +1,8 @@
 """Shards on a local (or shared) filesystem, and the one atomic file write genq uses.
 
-Layout: genq.output.layout. Every file is written beside its target and renamed into
-place, so a reader never sees half a shard, marker, export or progress file.
+Layout: genq.output.layout. Every file is written beside its target and renamed (or, to be
+created only once, hard-linked) into place, so a reader never sees half a shard, marker,
+export or progress file.
 """
 
 from __future__ import annotations
@@ -13,12 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import msgspec
-
 from genq.core.records import ShardInfo
-from genq.output import layout
-
-_encoder = msgspec.json.Encoder()
+from genq.output import truth
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
@@ -39,15 +36,63 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO]
     return value
 
 
+def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
+    """Write `data` at `path` only if nothing is there (whole or not at all, like write_atomic):
+    False when something is. A hard link of the finished temporary file is the one step that
+    both creates and fails if the name exists."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.link(tmp, target)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+class LocalStore:
+    """A local (or shared) output folder as a truth.Store."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def uri(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}"
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return Path(self.uri(rel)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def create(self, rel: str, data: bytes) -> bool:
+        return create_atomic(self.uri(rel), data)
+
+    def put(self, rel: str, data: bytes) -> None:
+        write_atomic(self.uri(rel), data)
+
+    def names(self, rel_dir: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.uri(rel_dir)))
+        except FileNotFoundError:
+            return []
+
+
 class LocalSink:
-    def __init__(self, root: str, compression: str = "none") -> None:
+    def __init__(self, root: str, compression: str = "none", incarnation: str = "") -> None:
         self.root = root
         self.compression = compression
+        self.incarnation = incarnation
+        self.store = LocalStore(root)
 
-    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None) -> ShardInfo:
-        path = layout.shard_path(self.root, job, batch_id, self.compression)
-        write_atomic(path, data)
-        info = ShardInfo(batch=batch_id, uri=path, records=records, bytes=len(data),
-                         at=time.time() if at is None else at)
-        write_atomic(layout.marker_path(self.root, job, batch_id), _encoder.encode(info) + b"\n")
-        return info
+    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None,
+                    outcome: truth.Outcome | None = None) -> ShardInfo:
+        """The shard, then its marker (created once: truth.commit_shard; raises truth.AlreadyWritten)."""
+        return truth.commit_shard(self.store, job, batch_id, data, records, time.time() if at is None else at,
+                                  compression=self.compression, incarnation=self.incarnation, outcome=outcome)

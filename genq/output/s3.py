@@ -8,8 +8,8 @@ Layout under a job's s3://bucket/prefix output (the same as genq.output.local.Lo
 A reader (a training job, `genq export`) lists PREFIX/JOB/manifest/ and reads only
 the shards named there: a shard without a marker may still be being written, or
 be an orphan of an attempt that failed between the two uploads. Keys depend only
-on the batch id, so a batch that is redone overwrites its shard and marker
-instead of adding a second copy.
+on the batch id; a marker is created once (a conditional PUT) and a shard is never
+overwritten with other bytes (genq.output.truth).
 
 Credentials and endpoint follow boto3's standard chain (env, profile, instance
 role; AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3); a job's --s3-endpoint-url wins
@@ -31,15 +31,13 @@ from typing import Any
 
 import boto3
 import botocore.exceptions
-import msgspec
 from botocore.config import Config
 
 from genq.core.records import ShardInfo
-from genq.output import layout
+from genq.output import layout, truth
 
 log = logging.getLogger(__name__)
 
-_encoder = msgspec.json.Encoder()
 _clients: dict[tuple[int, str | None], Any] = {}
 _clients_lock = threading.Lock()
 
@@ -132,16 +130,73 @@ def describe(exc: BaseException, uri: str) -> str:
     return f"{uri}: {type(exc).__name__}: {exc}"
 
 
+class S3Store:
+    """An s3://bucket/prefix output as a truth.Store; create() is a conditional PUT
+    (If-None-Match: *), so a marker is created once even with two writers."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
+        self.uri_root = uri.rstrip("/")
+        self.endpoint_url = endpoint_url
+
+    def _key(self, rel: str) -> tuple[str, str]:
+        bucket, prefix = parse_uri(self.uri_root)
+        return bucket, join_key(prefix, rel)
+
+    def uri(self, rel: str) -> str:
+        bucket, key = self._key(rel)
+        return f"s3://{bucket}/{key}"
+
+    def read(self, rel: str) -> bytes | None:
+        bucket, key = self._key(rel)
+        try:
+            return client(self.endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
+        except botocore.exceptions.ClientError as exc:
+            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+
+    def create(self, rel: str, data: bytes) -> bool:
+        bucket, key = self._key(rel)
+        try:
+            client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*",
+                                                 ContentType=_content_type(rel))
+            return True
+        except botocore.exceptions.ClientError as exc:
+            if error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return False
+            raise
+
+    def put(self, rel: str, data: bytes) -> None:
+        bucket, key = self._key(rel)
+        client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, ContentType=_content_type(rel))
+
+    def names(self, rel_dir: str) -> list[str]:
+        base = self._key(rel_dir)[1] + "/"
+        return [key[len(base):] for key, _ in list_keys(self.uri(rel_dir) + "/", self.endpoint_url)
+                if "/" not in key[len(base):]]
+
+
+def _content_type(rel: str) -> str:
+    # No Content-Encoding for .gz: clients would then unzip on download and the stored
+    # size would no longer match the marker's byte count.
+    if rel.endswith(".gz"):
+        return "application/gzip"
+    return "application/json" if rel.endswith(".json") else "application/x-ndjson"
+
+
 class S3Sink:
     """Writes each batch's shard, then its manifest marker (see the module docstring)."""
 
-    def __init__(self, uri: str, compression: str = "none", endpoint_url: str | None = None) -> None:
+    def __init__(self, uri: str, compression: str = "none", endpoint_url: str | None = None,
+                 incarnation: str = "") -> None:
         # Nothing here may raise: the engine builds the sink outside its retry
         # loop. A bad URI or endpoint fails in write_shard, where the engine logs
         # it and retries (keeping the batch's results in Redis).
         self.uri = uri.rstrip("/")
         self.compression = compression
         self.endpoint_url = endpoint_url
+        self.incarnation = incarnation
+        self.store = S3Store(self.uri, endpoint_url)
 
     @property
     def bucket(self) -> str:
@@ -157,18 +212,11 @@ class S3Sink:
     def marker_key(self, job: str, batch_id: str) -> str:
         return join_key(self.prefix, job, layout.MANIFEST_DIR, layout.marker_name(batch_id))
 
-    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None) -> ShardInfo:
-        key = self.shard_key(job, batch_id)
-        # No Content-Encoding for .gz: clients would then unzip on download and
-        # the stored size would no longer match the marker's byte count.
-        content_type = "application/gzip" if self.compression == "gzip" else "application/x-ndjson"
-        s3 = client(self.endpoint_url)
-        s3.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
-        info = ShardInfo(batch=batch_id, uri=f"s3://{self.bucket}/{key}", records=records, bytes=len(data),
-                         at=time.time() if at is None else at)
-        s3.put_object(Bucket=self.bucket, Key=self.marker_key(job, batch_id),
-                               Body=_encoder.encode(info) + b"\n", ContentType="application/json")
-        return info
+    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None,
+                    outcome: truth.Outcome | None = None) -> ShardInfo:
+        """The shard, then its marker (created once: truth.commit_shard; raises truth.AlreadyWritten)."""
+        return truth.commit_shard(self.store, job, batch_id, data, records, time.time() if at is None else at,
+                                  compression=self.compression, incarnation=self.incarnation, outcome=outcome)
 
 
 class ObjectStream(io.RawIOBase):

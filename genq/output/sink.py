@@ -8,13 +8,15 @@ from typing import Protocol
 import msgspec
 
 from genq.core.records import JobConfig, Result, ShardInfo
-from genq.output.local import LocalSink
+from genq.output.local import LocalSink, LocalStore
+from genq.output.truth import Outcome, Store
 
 _encoder = msgspec.json.Encoder()
 
 
 class Sink(Protocol):
-    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None) -> ShardInfo: ...
+    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None,
+                    outcome: Outcome | None = None) -> ShardInfo: ...
 
 
 def shard_bytes(results: list[Result], compression: str) -> bytes:
@@ -28,5 +30,15 @@ def open_sink(config: JobConfig) -> Sink:
     if config.output.startswith("s3://"):
         from genq.output.s3 import S3Sink  # boto3 is only imported when a job writes to S3
 
-        return S3Sink(config.output, compression=config.compression, endpoint_url=config.s3_endpoint_url)
-    return LocalSink(config.output, compression=config.compression)
+        return S3Sink(config.output, compression=config.compression, endpoint_url=config.s3_endpoint_url,
+                      incarnation=config.incarnation)
+    return LocalSink(config.output, compression=config.compression, incarnation=config.incarnation)
+
+
+def open_store(output: str, endpoint_url: str | None = None) -> Store:
+    """A job output (a folder or s3://bucket/prefix) as a truth.Store."""
+    if output.startswith("s3://"):
+        from genq.output.s3 import S3Store
+
+        return S3Store(output, endpoint_url)
+    return LocalStore(output)
