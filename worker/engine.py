@@ -85,7 +85,8 @@ class Engine:
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
                                               GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
                                               self.stealer.pace)
-        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops)
+        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops,
+                                       self.stealer.pace)
         self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
                                          self.stealer.written)
         self.handed_back = 0
@@ -127,7 +128,7 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
-                    self.stealer.run(), self.parking.run(), self.stealer.pace.listen(self.redis))]
+                    self.stealer.run(), self.parking.run())]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:

@@ -69,12 +69,16 @@ class IdlePace:
         self.last_beat = 0.0
         self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
+        # Set by maintenance after each reconciler pass: some job has a batch not done (held by
+        # others, or stranded). No idle pace then: stranded batches, a frozen holder's prompts and
+        # RQ entries of done batches must be found within seconds, not minutes.
+        self.open_work = False
         self.announced_at = 0.0
 
     def idle(self) -> bool:
         d = self.dispatcher
         now = time.monotonic()
-        if self.held or d.running or d.unsent or len(self.borrowed()):
+        if self.open_work or self.held or d.running or d.unsent or len(self.borrowed()):
             self.busy_at = now
             return False
         return now - self.busy_at >= IDLE_AFTER_S

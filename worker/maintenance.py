@@ -23,11 +23,11 @@ log = logging.getLogger("genq.worker")
 
 
 class Maintenance:
-    def __init__(self, conn: redis.Redis, reconciler: Reconciler, loops: RqLoops) -> None:
+    def __init__(self, conn: redis.Redis, reconciler: Reconciler, loops: RqLoops, pace: IdlePace) -> None:
         self.conn = conn
         self.reconciler = reconciler
         self.loops = loops
-        self.pace = IdlePace(loops.held, loops.dispatcher, tuple)  # idle: a turn every IDLE_MAINTENANCE_S
+        self.pace = pace  # the engine's one idleness (the stealer's): idle, a turn every IDLE_MAINTENANCE_S
         self.outputs = OutputWatch(conn)  # the ledger checked against the written output (#31)
 
     async def run(self) -> None:
@@ -36,7 +36,8 @@ class Maintenance:
             await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
             try:
                 await asyncio.to_thread(self.outputs.pass_once)
-                await asyncio.to_thread(self.reconciler.pass_once)
+                outlook = await asyncio.to_thread(self.reconciler.pass_once)
+                self.pace.open_work = bool(outlook.unfinished or outlook.finishing)
             except (redis.RedisError, OSError) as exc:
                 log.debug("maintenance skipped: %s", exc)
 
