@@ -26,6 +26,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches, keys, ledger
+from genq.core.order import schedule_of
 from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt, unpack
 from genq.ops.written import adopt_if_written
@@ -91,7 +92,7 @@ class Stealer:
             await self.give_back("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if (free <= 0 or not self.flags.accepting or self.flags.paused_all
+        if (free <= 0 or not self.flags.accepting or self.flags.paused_all or self.flags.hold_back
                 or time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S):
             return 0
         if await self.conn.llen(self.queue_key):
@@ -140,10 +141,16 @@ class Stealer:
             for job in jobs:
                 pipe.hgetall(keys.job_leases(job))
                 pipe.get(keys.job_config(job))
+                pipe.get(keys.job_schedule(job))
+                pipe.exists(keys.job_paused(job))
             answers = await pipe.execute()
         out = []
+        priority: dict[str, int] = {}
         for i, job in enumerate(jobs):
-            leases, raw_config = answers[2 * i], answers[2 * i + 1]
+            leases, raw_config, raw_schedule, paused = answers[4 * i: 4 * i + 4]
+            if paused:
+                continue  # its holders park it (worker/parking.py)
+            priority[job] = schedule_of(raw_schedule).priority
             try:
                 config = unpack(raw_config, JobConfig) if raw_config else None
             except msgspec.ValidationError:
@@ -156,6 +163,7 @@ class Stealer:
                 if holder and holder != self.instance and ref not in self.held:
                     out.append((ref, holder, config))
         random.shuffle(out)  # idle engines spread over the holders
+        out.sort(key=lambda found: -priority[found[0].job])  # the highest priority first (docs/scheduling.md)
         return out
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:

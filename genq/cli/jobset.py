@@ -14,6 +14,7 @@ import msgspec
 import redis
 
 from genq.cli import JobName, settings
+from genq.core.order import set_schedule
 from genq.core.queueing import load_config
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
@@ -67,24 +68,37 @@ def _when(at: float) -> str:
               help="--no-brake: never block this job on repeated failures; each failing prompt is "
                    "dead-lettered on its own (for prompts that really fail on their own).")
 @click.option("--note", default=None, help="Why (kept in the settings history).")
+@click.option("--priority", type=int, default=None,
+              help="Scheduling priority, higher first (not a settings version: nothing sent changes).")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Fair-share weight among jobs of equal priority.")
 @click.pass_context
 def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: float | None, top_p: float | None,
              extra_body: str | None, model: str | None, max_attempts: int | None, brake: bool | None,
-             note: str | None) -> None:
-    """Change JOB's generation settings for every prompt not yet done.
+             note: str | None, priority: int | None, weight: float | None) -> None:
+    """Change JOB's generation settings for every prompt not yet done, or its priority and weight.
 
-    Stored as the job's next settings version (see `genq jobs show JOB`); workers send
-    every prompt from then on with it (within a second), and each result records the
+    Settings are stored as the job's next settings version (see `genq jobs show JOB`); workers
+    send every prompt from then on with it (within a second), and each result records the
     version it was generated with. A blocked job stays blocked until `genq resume --job JOB`.
+    --priority and --weight are how the job shares the fleet (docs/scheduling.md): they take
+    effect within seconds on every worker and are no settings version.
     """
     changes = given_generation(max_tokens, temperature, top_p, extra_body)
     changes.update({k: v for k, v in (("model", model), ("max_attempts", max_attempts), ("brake", brake))
                     if v is not None})
-    if not changes:
+    if not changes and priority is None and weight is None:
         raise click.UsageError("name at least one setting to change (see --help)")
     url = settings(ctx).redis_url
     conn = connect(url)
     try:
+        if priority is not None or weight is not None:
+            if job not in control.job_names(conn):
+                raise SettingsError(f"no job named {job!r}")
+            sched = set_schedule(conn, job, priority, weight)
+            click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
+        if not changes:
+            return
         config = set_settings(conn, job, changes, note)
         block = block_of(conn, job)
     except SettingsError as exc:

@@ -21,7 +21,7 @@ from genq.core import keys
 from genq.core.queueing import fetch_rq_jobs
 from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
-from genq.ops.settings import blocks_of, unblock
+from genq.ops.settings import blocks_of, unblock, unqueue
 
 LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -190,7 +190,10 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
             pipe.execute()
         suspension.suspend(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
     else:
+        # Its queued batches leave RQ's queue and its workers park what they hold (worker/parking.py):
+        # their slots go to other jobs; `resume --job` queues them all again.
         conn.set(keys.job_paused(job), repr(time.time()))
+        unqueue(conn, job)
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:

@@ -1,0 +1,98 @@
+"""The tail on the fastest GPUs: at the end of the queue, a prompt starts where it finishes first.
+
+While RQ's queue has batches every slot takes work. Once it is empty, the prompts still unsent
+(held by the workers, not yet claimed: worker/claims.py) are the last to start. A prompt started
+now on this worker ends after L_me (its expected request time: the mean output tokens times its
+measured seconds per output token per request). A faster worker v (L_v < L_me) frees r_v =
+slots_v / L_v slots a second; it can start a prompt and still finish it before L_me for as long as
+L_me - L_v lasts. So when the unsent prompts of the whole fleet, U, are no more than
+
+    sum over faster live workers v of  r_v * (L_me - L_v)
+
+every one of them finishes sooner elsewhere: this worker holds back (Flags.hold_back): it claims
+nothing more of its own batches and takes nothing of others'; the faster workers take its unsent
+prompts as their slots free (worker/stealing.py). Requests in flight go on. A worker counts as
+faster only if it is at least MARGIN faster, so an even fleet never holds back on noise; the
+fastest worker never holds back, so the fleet always makes progress.
+
+Every worker's speed is in its heartbeat (WorkerStatus.token_s, mean_tokens). Read once a second
+while this engine holds something and the queue is empty: the workers' records, one MGET.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core import keys
+from genq.core.records import WorkerStatus, unpack
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags
+
+log = logging.getLogger("genq.worker")
+
+EVERY_S = 1.0
+MARGIN = 0.15  # a worker is faster when its requests take at most 85% of this one's
+WORKING = ("busy", "idle")
+
+
+def hold_back(me: WorkerStatus, others: list[WorkerStatus]) -> bool:
+    """Whether `me` should start nothing new: the unsent prompts of the fleet all finish sooner
+    on faster workers (see the module docstring)."""
+    fleet = [me, *others]
+    tokens = [w.mean_tokens for w in fleet if w.mean_tokens]
+    if not me.token_s or not tokens:
+        return False  # nothing measured yet
+    mean = sum(tokens) / len(tokens)
+    mine = mean * me.token_s
+    unsent = sum(w.queued for w in fleet)
+    faster = 0.0
+    for w in others:
+        if w.state in WORKING and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
+            theirs = mean * w.token_s
+            faster += w.concurrency_target / theirs * (mine - theirs)
+    return 0 < unsent <= faster
+
+
+class TailWatch:
+    def __init__(self, conn: aioredis.Redis, name: str, queue_key: str, flags: Flags, dispatcher: Dispatcher,
+                 active: Callable[[], bool]) -> None:
+        self.conn = conn
+        self.name = name
+        self.queue_key = queue_key
+        self.flags = flags
+        self.dispatcher = dispatcher
+        self.active = active  # whether this engine holds or borrows anything (idle: nothing is read)
+        self.held_back = 0  # times this engine began holding back
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(EVERY_S)
+            try:
+                hold = self.active() and await self.decide()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("tail check skipped: %s", exc)
+                hold = False
+            if hold != self.flags.hold_back:
+                log.info("end of the queue: %s", "faster workers finish the unsent prompts sooner; starting none "
+                         "here" if hold else "starting prompts here again")
+                self.held_back += hold
+                self.flags.hold_back = hold
+                self.dispatcher.wake.set()
+
+    async def decide(self) -> bool:
+        if await self.conn.llen(self.queue_key):
+            return False
+        names = sorted(n.decode() for n in await self.conn.smembers(keys.WORKERS))
+        if len(names) < 2:
+            return False
+        raws = await self.conn.mget([keys.worker_status(n) for n in names])
+        statuses = [unpack(raw, WorkerStatus) for raw in raws if raw]
+        mine = [s for s in statuses if s.name == self.name]
+        if not mine:
+            return False
+        return hold_back(mine[0], [s for s in statuses if s.name != self.name])
