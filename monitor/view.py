@@ -113,7 +113,9 @@ def job_panel(r: JobReport) -> Panel:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
     eta.append(f"  · elapsed {duration(p.elapsed_s)}" if p.elapsed_s > 0 else "  · not started")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
-    lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    share = Text(f"priority {p.priority}" + (f" (weight {p.weight:g})" if p.weight != 1 else "")
+                 + (f" · {100 * p.share:.0f}% of the fleet's requests in flight" if p.share else ""), style="dim")
+    lines: list[RenderableType] = [head, bar, counts, speed, eta, share]
     if p.blocked:
         lines.append(Text(p.blocked, style="bold red"))
     if p.tail:

@@ -8,6 +8,7 @@ on a loaded 2-core machine.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -16,8 +17,11 @@ from genq.core import keys
 from genq.core.order import interleave, order_queue
 from genq.core.queueing import rq_queue
 from genq.core.records import JobSchedule
+from genq.monitor.eta import LengthData, WorkerState, estimate
+from genq.monitor.sharing import shared_fleet
 from genq.ops.control import job_rows
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
+from tests.test_eta import CAP, STEADY, fleet_for, lengths, run_job
 from tests.test_exactly_once import check, enqueue
 
 # ~0.4 s a request, 16 slots: a server does ~40 prompts/s.
@@ -47,6 +51,19 @@ def test_interleave_takes_priority_first_then_turns_by_weight():
         ["a1", "c1", "c2", "a2", "c3", "c4", "a3", "a4"]
 
 
+def test_the_eta_of_a_job_with_half_the_fleet_is_about_twice_as_long():
+    """monitor/sharing.py: the simulation is fed the slots the job gets, not the fleet's."""
+    lens = lengths(2000, seed=4)
+    (s,) = run_job(lens, at_done=(0.2,), leases=2, max_leases=16, reserve=64)
+    common = dict(total=2000, completed=s.done, failed=0, lengths=LengthData(hist=s.hist, running=[], cap=CAP),
+                  batch_size=64, speed=STEADY)
+    fleet = fleet_for(s, leases=2, max_leases=16, reserve=64) + [WorkerState(slots=37, leases=2, max_leases=16,
+                                                                             reserve=64)]
+    alone = estimate(fleet=shared_fleet(fleet, 1.0), **common)
+    half = estimate(fleet=shared_fleet(fleet, 0.5), **common)
+    assert 1.6 * alone.eta_s < half.eta_s < 2.4 * alone.eta_s, (alone.eta_s, half.eta_s)
+
+
 def test_order_queue_moves_a_later_job_forward_and_loses_nothing(redis_url, rconn, tmp_path):
     enqueue(tmp_path, "first", 100, "--batch-size", "10")
     enqueue(tmp_path, "second", 30, "--batch-size", "10")
@@ -70,6 +87,8 @@ def test_a_high_priority_job_is_done_within_20s_while_a_big_one_runs(redis_url, 
     time.sleep(8)
     queued_at = time.monotonic()
     small_ids, _ = enqueue(tmp_path, "small", 60, "--priority", "10", "--max-tokens", "2000", start=10_000)
+    assert {r["name"]: r["priority"] for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout)} \
+        == {"big": 0, "small": 10}
     wait_until(lambda: finished(rconn, "small"), 60, "the small job done")
     took = time.monotonic() - queued_at
     big_done, big_batches = done_batches(rconn, "big")
@@ -96,6 +115,11 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
     time.sleep(10)
     b_ids, _ = enqueue(tmp_path, "bb", 600, "--batch-size", "100", "--max-tokens", "2000", start=10_000)
     t0, a0 = time.monotonic(), done_count(rconn, "aa")
+    # genq jobs and the monitor show each job's priority and its share of the fleet now.
+    wait_until(lambda: all(0.25 < r["share"] < 0.75 for r in json.loads(run_genq(
+        "jobs", "--json", redis_url=redis_url).stdout)), 60, "both jobs sharing the fleet in `genq jobs`")
+    shown = json.loads(run_genq("monitor", "--job", "bb", "--once", "--json", redis_url=redis_url).stdout)
+    assert shown["priority"] == 0 and 0 < shown["share"] <= 1, shown
     wait_until(lambda: finished(rconn, "bb"), 180, "the second job done")
     span, a1 = time.monotonic() - t0, done_count(rconn, "aa")
     assert not finished(rconn, "aa"), "the first job ended first: nothing was measured"

@@ -64,7 +64,7 @@ class Parking:
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._pausing: set[str] = set()  # paused jobs being parked here
+        self.pausing: set[str] = set()  # paused jobs being parked here (park_paused)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -226,22 +226,8 @@ class Parking:
                 log.debug("blocked/settings check skipped: %s", exc)
             self.brake.judge_all()
 
-    def _paused(self) -> None:
-        """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked
-        once their requests in flight are done, so their slots go to other jobs at once."""
-        holding = self.held.jobs() | {r.job for r in self.stealer.borrowed}
-        for job in (self.flags.paused_jobs & holding) - self.brake.blocked - self._pausing:
-            self._pausing.add(job)
-            self._spawn(self._park_paused(job))
-
-    async def _park_paused(self, job: str) -> None:
-        try:
-            await self.park_job(job, cancel=False)
-        finally:
-            self._pausing.discard(job)
-
     async def check(self) -> None:
-        self._paused()
+        park_paused(self)
         jobs = sorted(self.held.jobs() | {r.job for r in self.stealer.borrowed} | self.brake.blocked)
         if not jobs:
             return
@@ -258,6 +244,22 @@ class Parking:
                 self._resumed(job)
             if raw is not None:
                 self._settings(job, unpack(raw, JobConfig))
+
+
+def park_paused(parking: Parking) -> None:
+    """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
+    their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
+    holding = parking.held.jobs() | {r.job for r in parking.stealer.borrowed}
+    for job in (parking.flags.paused_jobs & holding) - parking.brake.blocked - parking.pausing:
+        parking.pausing.add(job)
+
+        async def park(job: str = job) -> None:
+            try:
+                await parking.park_job(job, cancel=False)
+            finally:
+                parking.pausing.discard(job)
+
+        parking._spawn(park())
 
 
 def parking_of(engine: Any) -> Parking:
