@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test check test-llamacpp test-vllm mutation bench bench-eta install clean
+.PHONY: demo test test-fast check test-llamacpp test-vllm mutation bench bench-eta install clean
 
 # setuptools says "Editable installation ... folders with the same name as your package" for every
 # editable install through its import hook (pyproject.toml [tool.setuptools]); it is information only.
@@ -36,6 +36,10 @@ TEST_WORKERS ?= 2
 
 test: $(VENV)/.test-extras check
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+
+# The fast tier: every test that starts no process (tests/conftest.py marks and guards the tiers).
+test-fast: $(VENV)/.test-extras check
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m fast
 
 # The house rules, measured: lint with import order, types, layers/sizes/circles.
 check: $(VENV)/.test-extras
