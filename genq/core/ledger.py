@@ -138,10 +138,6 @@ RECONCILE_EVERY_S = 10.0
 STRANDED_CONFIRM_S = 4.0
 
 
-def lease_value(token: str, instance: str) -> str:
-    return f"{token} {instance}"
-
-
 def _lease_parts(value: bytes | str | None) -> tuple[str | None, str | None]:
     """A lease value ("TOKEN INSTANCE") as (token, engine instance)."""
     if value is None:

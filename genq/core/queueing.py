@@ -69,9 +69,6 @@ return #ids
 """
 
 RUN_BATCH = "genq.worker.rqjob.run_batch"
-# Jobs queued by genq 0.1 name this function (and were pickled): they are not run;
-# the reconciler queues their batches again as JSON jobs (see genq.core.ledger).
-LEGACY_RUN_BATCH = "worker.rqjob.run_batch"
 
 
 def rq_queue(conn: redis.Redis) -> Queue:

@@ -89,7 +89,7 @@ class Prompt(msgspec.Struct, omit_defaults=True):
 
 
 class Batch(msgspec.Struct):
-    """A batch of prompts in memory (and genq <= 0.1's record under keys.batch: read, never written)."""
+    """A batch of prompts in memory, before it is stored as a BatchSource."""
 
     job: str
     id: str

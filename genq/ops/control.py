@@ -223,7 +223,7 @@ def job_names(conn: redis.Redis) -> list[str]:
 
 
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
-    """Totals per job from the counters of record (see CONTEXT: truth for totals)."""
+    """Totals per job from the counters of record (genq.monitor.snapshot says which counter is the truth of each)."""
     from genq.core.queueing import load_config
 
     names = job_names(conn) if names is None else list(names)
