@@ -25,14 +25,10 @@ from rq import get_current_job
 
 from genq.core import keys
 from genq.core.records import pack
+from genq.core.timings import ENGINE_GRACE_S, REPLY_POLL_S
 
 ENGINE_ENV = "GENQ_ENGINE"
 LOOP_PID_ENV = "GENQ_RQ_LOOP_PID"  # set by the RQ loop (genq.worker.rqloop): the process its horses die with
-REPLY_POLL_S = 2
-# After Redis was unreachable, how long an engine's missing heartbeat is waited for before the
-# horse gives the batch up: the engine beats again within a second of Redis coming back, but
-# its alive key may have expired meanwhile (worker/heartbeat.py ALIVE_TTL_S).
-ENGINE_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1
 
 

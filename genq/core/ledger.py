@@ -40,6 +40,7 @@ from rq.registry import FailedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import RUN_BATCH, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
 log = logging.getLogger("genq.ledger")
 
@@ -132,10 +133,6 @@ return 1
 
 REPLY_TTL_S = 24 * 3600
 TOKEN_SLOT = "{token}"  # where RELEASE puts a token into keys.lease_reply's template
-RECONCILE_EVERY_S = 10.0
-# A batch must look stranded in two passes this far apart before it is queued
-# again: an RQ job between BLMOVE and "started" looks stranded for a moment.
-STRANDED_CONFIRM_S = 4.0
 
 
 def _lease_parts(value: bytes | str | None) -> tuple[str | None, str | None]:

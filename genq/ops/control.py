@@ -18,6 +18,7 @@ import redis
 from rq import suspension
 
 from genq.core import keys
+from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import fetch_rq_jobs
 from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
@@ -78,7 +79,7 @@ class WorkerRow:
     def note(self) -> str | None:
         s = self.status
         if s is None:
-            return "no heartbeat for 15 s; its batches are queued again"
+            return f"{NO_HEARTBEAT}; its batches are queued again"
         return s.note or (s.gpu_note if s.state == "server_down" else None)
 
     def to_json(self) -> dict[str, Any]:
