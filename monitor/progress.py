@@ -20,13 +20,14 @@ import redis
 
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.prefetch import MAX_EXTRA_LOOPS
+from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
+from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
 from genq.ops.settings import describe_block
 
 # Only in --json: the same figures in unrounded seconds.
@@ -151,7 +152,7 @@ class Monitor:
     def job_names(self) -> list[str]:
         if self.job is not None:
             return [self.job]
-        return list_job_names(self.conn)
+        return list_jobs(self.conn)
 
     def current(self, max_age: float) -> list[JobReport]:
         """The last reports while younger than max_age seconds, else fresh ones: a scrape or a page

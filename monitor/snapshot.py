@@ -325,10 +325,6 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     return held
 
 
-def list_job_names(conn: redis.Redis) -> list[str]:
-    return sorted(n.decode() for n in conn.smembers(keys.JOBS))
-
-
 @dataclass
 class DeadLetterSummary:
     total: int

@@ -48,7 +48,7 @@ def _redis(ctx: click.Context) -> Iterator[redis.Redis]:
 
 
 def _check_job(conn: redis.Redis, job: str) -> None:
-    jobs = control.job_names(conn)
+    jobs = list_jobs(conn)
     if job not in jobs:
         raise click.ClickException(f"no job named {job!r}; jobs: {', '.join(jobs) or 'none'}")
 
@@ -207,8 +207,8 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
     """
     with _redis(ctx) as conn:
         found = control.find_job(conn, job)
-        if not found.keys and not found.rq_jobs and job not in control.job_names(conn):
-            jobs_known = control.job_names(conn)
+        if not found.keys and not found.rq_jobs and job not in list_jobs(conn):
+            jobs_known = list_jobs(conn)
             raise click.ClickException(f"no job named {job!r}; jobs: {', '.join(jobs_known) or 'none'}")
         if found.holders and not force:
             raise click.ClickException(
@@ -268,7 +268,7 @@ def resume(ctx: click.Context, job: str | None) -> None:
         if job is not None:
             _check_job(conn, job)
         queued = control.resume(conn, job)
-        still = sorted(control.paused_jobs(conn, control.job_names(conn)))
+        still = sorted(control.paused_jobs(conn, list_jobs(conn)))
         paused_all = control.globally_paused(conn)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
                + (f"; {queued} parked batches queued again" if queued else ""))

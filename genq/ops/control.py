@@ -19,7 +19,7 @@ from rq import suspension
 
 from genq.core import keys
 from genq.core.health import NO_HEARTBEAT
-from genq.core.queueing import fetch_rq_jobs
+from genq.core.queueing import fetch_rq_jobs, list_jobs
 from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock
@@ -219,15 +219,11 @@ def globally_paused(conn: redis.Redis) -> bool:
     return bool(conn.exists(keys.PAUSED))
 
 
-def job_names(conn: redis.Redis) -> list[str]:
-    return sorted(n.decode() for n in conn.smembers(keys.JOBS))
-
-
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
     """Totals per job from the counters of record (genq.monitor.snapshot says which counter is the truth of each)."""
     from genq.core.queueing import load_config
 
-    names = job_names(conn) if names is None else list(names)
+    names = list_jobs(conn) if names is None else list(names)
     paused_all = globally_paused(conn)
     paused = paused_jobs(conn, names)
     fleet_names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
