@@ -19,7 +19,7 @@ from rq import suspension
 
 from genq.core import keys
 from genq.core.health import NO_HEARTBEAT
-from genq.core.queueing import fetch_rq_jobs, list_jobs
+from genq.core.queueing import carried, fetch_rq_jobs, list_jobs
 from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock
@@ -301,14 +301,6 @@ def _rq_places(conn: redis.Redis) -> dict[str, Any]:
     }
 
 
-def _job_of(rq_job: Any) -> str | None:
-    """The genq job an RQ job carries a batch of; None for anything else (no unpickling: JSON only)."""
-    try:
-        return str(rq_job.args[0]) if rq_job.args else None
-    except Exception:  # not JSON (another app's job, or genq 0.1's pickle): not ours to read
-        return None
-
-
 def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     """Everything of `job` in Redis: its keys, its RQ jobs by place, the live workers holding its batches."""
     found_keys = sorted(k.decode() for k in conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
@@ -316,7 +308,7 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     for place, holder in _rq_places(conn).items():
         # cleanup=False: looking must not make RQ move jobs between registries.
         ids = holder.get_job_ids() if place == "queued" else holder.get_job_ids(cleanup=False)
-        mine = [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and _job_of(j) == job]
+        mine = [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) is not None and c[0] == job]
         if mine:
             rq_jobs[place] = mine
     holders = sorted(row.name for row in fleet(conn)
