@@ -19,7 +19,7 @@ import msgspec
 import redis
 
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
-from genq.core.prefetch import MAX_EXTRA_LOOPS
+from genq.core.prefetch import max_loops, reserve
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
@@ -210,10 +210,9 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
 
 
-# genq worker's batch-taking policy (worker/loops.py RqLoops.desired, constants in
+# genq worker's batch-taking policy (worker/loops.py RqLoops.desired, its rule in
 # genq.core.prefetch): it holds --prefetch batches (published in WorkerStatus.prefetch),
-# and takes one more, up to MAX_EXTRA_LOOPS more, while its unsent prompts are below
-# (prefetch - 1) batches' worth.
+# and takes one more, up to max_loops, while its unsent prompts are below the reserve.
 
 
 def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
@@ -240,8 +239,8 @@ def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
         fleet.append(WorkerState(
             slots=w.slots,
             leases=leases,
-            max_leases=leases if draining else leases + MAX_EXTRA_LOOPS,
-            reserve=0 if draining else (prefetch - 1) * size,
+            max_leases=leases if draining else max_loops(leases),
+            reserve=0 if draining else reserve(prefetch, size),
             running=tuple(w.running_tokens),
             ready=w.inflight.queued if w.inflight is not None else 0,
             held=len(w.held_unfinished),
