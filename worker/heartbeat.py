@@ -19,7 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
-from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerStatus, pack, unpack
+from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerState, WorkerStatus, pack, unpack
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
@@ -112,7 +112,7 @@ class Heartbeat:
                                 "nothing new sent until it answers", down_for, exc)
                     next_note = down_for + REDIS_NOTE_EVERY_S
 
-    def state(self) -> str:
+    def state(self) -> WorkerState:
         f = self.flags
         if f.server_down_since is not None:
             return "server_down"
@@ -122,7 +122,7 @@ class Heartbeat:
             return "paused"
         return "busy" if self.held or self.dispatcher.running else "idle"
 
-    def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
+    def status(self, state: WorkerState | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
         if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
             req_s = tok_s = 0.0
@@ -144,7 +144,7 @@ class Heartbeat:
             model=self.watch.info.model if self.watch.info else None,
         )
 
-    async def beat(self, state: str | None = None, note: str | None = None) -> None:
+    async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
         status = self.status(state, note)
         by_job: dict[str, list[int]] = {}
         for task in self.dispatcher.running:

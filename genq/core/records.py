@@ -220,7 +220,7 @@ class DeadLetter(msgspec.Struct, omit_defaults=True):
     job: str
     batch: str
     attempts: int
-    kind: str
+    kind: ErrorKind
     message: str
     worker: str
     at: float
@@ -281,7 +281,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     host: str
     pid: int
     server: str
-    state: str
+    state: WorkerState
     started_at: float
     heartbeat_at: float
     gpu: str | None = None

@@ -46,11 +46,11 @@ from genq.core.queueing import (
     rq_queue,
     write_batches,
 )
-from genq.core.records import DeadLetter, unpack
+from genq.core.records import DeadLetter, ErrorKind, unpack
 from genq.ops.settings import with_override
 
 BATCH_PREFIX = "batch:"
-BATCH_FAILED = "batch_failed"
+BATCH_FAILED: ErrorKind = "batch_failed"
 CHUNK = 2000  # letters per transaction: keeps one MULTI a sensible size
 T = TypeVar("T")
 
