@@ -177,7 +177,7 @@ class Dispatcher:
         """Records the answer, or returns why it is not what the request asked for (answers.py)."""
         held = task.batch
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
-                           attempts=task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
+                           attempts=task.lost + task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
             return result
@@ -228,9 +228,9 @@ class Dispatcher:
     def _dead(self, task: Task, failure: Failure) -> None:
         held = task.batch
         log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s",
-                    held.ref.job, task.prompt.id, task.attempts, failure.kind,
+                    held.ref.job, task.prompt.id, task.lost + task.attempts, failure.kind,
                     f" {failure.status}" if failure.status else "", failure.message)
         self.writer.add_dead(DeadLetter(
-            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.attempts, kind=failure.kind,
+            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.lost + task.attempts, kind=failure.kind,
             message=failure.message, worker=self.name, at=time.time(), status=failure.status, prompt=task.prompt,
         ), held.config.incarnation)

@@ -114,6 +114,13 @@ def batch_claims(job: str, batch_id: str) -> str:
     return f"{_job(job)}:claims:{batch_id}"
 
 
+def batch_tries(job: str, batch_id: str) -> str:
+    """Hash: prompt id -> tries lost: claims of it that ended without an outcome (their engine
+    was killed, their lease is over). Written only when such a claim is taken over; gone with
+    the batch's release. A record's `attempts` adds them (worker/claims.py)."""
+    return f"{_job(job)}:tries:{batch_id}"
+
+
 def worker_status(worker: str) -> str:
     return f"genq:worker:{worker}"
 

@@ -93,7 +93,7 @@ COUNT_SHARDS = _COUNT_SHARDS + """
 return count_shards(KEYS[1], KEYS[2])
 """
 
-# KEYS: done, shards, results, batch record, leases, transport, stats, claims, config
+# KEYS: done, shards, results, batch record, leases, transport, stats, claims, config, tries
 # ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT),
 #       the shard's records, the shard's bytes, the job's incarnation
 # -> 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
@@ -114,7 +114,7 @@ count_shards(KEYS[2], KEYS[7])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[7], '@RECORDS@', tonumber(ARGV[6]))
 redis.call('HINCRBY', KEYS[7], '@BYTES@', tonumber(ARGV[7]))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[8])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[10])
 local tokens = {ARGV[4]}
 local lease = redis.call('HGET', KEYS[5], ARGV[1])
 if lease then

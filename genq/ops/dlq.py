@@ -337,7 +337,7 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
         pipe.hdel(keys.job_transport(job), batch_id)
         pipe.hdel(keys.job_leases(job), batch_id)
         if batch is not None:
-            pipe.delete(keys.batch(job, batch_id), keys.batch_claims(job, batch_id))
+            pipe.delete(keys.batch(job, batch_id), keys.batch_claims(job, batch_id), keys.batch_tries(job, batch_id))
             pipe.hincrby(keys.job_stats(job), "batches", -1)
         if unfinished:
             pipe.hdel(keys.job_ids(job), *unfinished)
