@@ -15,7 +15,7 @@ import redis
 
 from genq.cli import JobName, settings
 from genq.core.order import set_schedule
-from genq.core.queueing import load_config
+from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
 from genq.ops.settings import SettingsError, block_of, describe_block, set_settings
@@ -93,7 +93,7 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
     conn = connect(url)
     try:
         if priority is not None or weight is not None:
-            if job not in control.job_names(conn):
+            if job not in list_jobs(conn):
                 raise SettingsError(f"no job named {job!r}")
             sched = set_schedule(conn, job, priority, weight)
             click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
@@ -123,7 +123,7 @@ def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
     url = settings(ctx).redis_url
     conn = connect(url)
     try:
-        rows = control.job_rows(conn, [job]) if job in control.job_names(conn) else []
+        rows = control.job_rows(conn, [job]) if job in list_jobs(conn) else []
         config = load_config(conn, job)
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
