@@ -64,6 +64,7 @@ def test_the_eta_of_a_job_with_half_the_fleet_is_about_twice_as_long():
     assert 1.6 * alone.eta_s < half.eta_s < 2.4 * alone.eta_s, (alone.eta_s, half.eta_s)
 
 
+@pytest.mark.e2e
 def test_order_queue_moves_a_later_job_forward_and_loses_nothing(redis_url, rconn, tmp_path):
     enqueue(tmp_path, "first", 100, "--batch-size", "10")
     enqueue(tmp_path, "second", 30, "--batch-size", "10")
@@ -78,6 +79,7 @@ def test_order_queue_moves_a_later_job_forward_and_loses_nothing(redis_url, rcon
     assert rconn.hlen(keys.job_transport("first")) == 10
 
 
+@pytest.mark.e2e
 def test_a_high_priority_job_is_done_within_20s_while_a_big_one_runs(redis_url, rconn, sim, worker, tmp_path):
     """#26: 4,000 prompts on 2 workers; 8 s later 60 prompts at --priority 10."""
     servers = [sim(**SERVER), sim(**SERVER)]
@@ -106,6 +108,7 @@ def test_a_high_priority_job_is_done_within_20s_while_a_big_one_runs(redis_url, 
     assert sorted(generated.values()) == [1] * (len(big_ids) + len(small_ids)), "a prompt was generated twice"
 
 
+@pytest.mark.e2e
 def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, tmp_path):
     """#26: equal priority, queued 10 s apart: equal prompt rates (within 20%) until the smaller is done."""
     servers = [sim(**SERVER), sim(**SERVER)]
@@ -115,6 +118,8 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
     time.sleep(10)
     b_ids, _ = enqueue(tmp_path, "bb", 600, "--batch-size", "100", "--max-tokens", "2000", start=10_000)
     t0, a0 = time.monotonic(), done_count(rconn, "aa")
+    wait_until(lambda: done_count(rconn, "bb") > 0, 60, "the second job under way")
+    print(f"second job: first result {time.monotonic() - t0:.1f}s after being queued")
     # genq jobs and the monitor show each job's priority and its share of the fleet now.
     wait_until(lambda: all(0.25 < r["share"] < 0.75 for r in json.loads(run_genq(
         "jobs", "--json", redis_url=redis_url).stdout)), 60, "both jobs sharing the fleet in `genq jobs`")
@@ -132,6 +137,7 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
     check(rconn, out, "bb", b_ids)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("servers_n", [2])
 def test_pausing_a_job_gives_its_slots_to_the_other(redis_url, rconn, sim, worker, tmp_path, servers_n):
     """#26: `pause --job` of one keeps the fleet's slot utilization >= 0.9 on the other."""
