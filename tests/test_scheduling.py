@@ -16,10 +16,11 @@ import pytest
 from genq.core import keys
 from genq.core.order import interleave, order_queue
 from genq.core.queueing import rq_queue
-from genq.core.records import JobSchedule
+from genq.core.records import JobSchedule, WorkerStatus
 from genq.monitor.eta import LengthData, WorkerState, estimate
 from genq.monitor.sharing import shared_fleet
 from genq.ops.control import job_rows
+from genq.worker.tail import hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
 from tests.test_eta import CAP, STEADY, fleet_for, lengths, run_job
 from tests.test_exactly_once import check, enqueue
@@ -162,3 +163,19 @@ def test_pausing_a_job_gives_its_slots_to_the_other(redis_url, rconn, sim, worke
         assert w.wait(timeout=600) == 0, w.log()
     check(rconn, out, "pa", a_ids)
     check(rconn, out, "pb", b_ids)
+
+
+def _status(name: str, token_s: float, queued: int, slots: int = 16) -> WorkerStatus:
+    return WorkerStatus(name=name, host="h", pid=1, server="s", state="busy", started_at=0, heartbeat_at=0,
+                        concurrency_target=slots, queued=queued, token_s=token_s, mean_tokens=256)
+
+
+def test_only_a_slower_worker_holds_back_and_only_at_the_end():
+    """worker/tail.py: three workers at 3 ms/token, one at 6 ms/token, 16 slots each."""
+    fast = [_status(f"f{i}", 0.003, 0) for i in range(3)]
+    slow = _status("slow", 0.006, 10)
+    assert hold_back(slow, fast)  # 10 unsent: the fast ones start them all and finish first
+    assert not hold_back(_status("slow", 0.006, 1000), fast)  # far from the end
+    assert not hold_back(fast[0], [*fast[1:], slow])  # the fastest never holds back
+    assert not hold_back(_status("even", 0.0032, 10), fast)  # within MARGIN: an even fleet
+    assert not hold_back(_status("slow", 0.006, 0), fast)  # nothing unsent: nothing to hold

@@ -137,6 +137,8 @@ def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
         return
     click.echo(f"job {job}: {row.state}, {row.done:,} done, {row.failed:,} failed, {row.remaining:,} remaining "
                f"of {row.total:,}; batches {row.batches_done}/{row.batches}; output {config.output}")
+    click.echo(f"priority {row.priority}, weight {row.weight:g}; {100 * row.share:.0f}% of the fleet's requests in "
+               "flight now (docs/scheduling.md)")
     if row.blocked is not None:
         click.echo(describe_block(job, row.blocked))
         click.echo(f"  blocked at {_when(row.blocked.at)}")
