@@ -142,16 +142,10 @@ class Stealer:
             for job in jobs:
                 pipe.hgetall(keys.job_leases(job))
                 pipe.get(keys.job_config(job))
-                pipe.get(keys.job_schedule(job))
-                pipe.exists(keys.job_paused(job))
             answers = await pipe.execute()
         out = []
-        priority: dict[str, int] = {}
         for i, job in enumerate(jobs):
-            leases, raw_config, raw_schedule, paused = answers[4 * i: 4 * i + 4]
-            if paused:
-                continue  # its holders park it (worker/parking.py)
-            priority[job] = schedule_of(raw_schedule).priority
+            leases, raw_config = answers[2 * i], answers[2 * i + 1]
             try:
                 config = unpack(raw_config, JobConfig) if raw_config else None
             except msgspec.ValidationError:
@@ -163,8 +157,23 @@ class Stealer:
                 ref = BatchRef(job, batch.decode())
                 if holder and holder != self.instance and ref not in self.held:
                     out.append((ref, holder, config))
-        random.shuffle(out)  # idle engines spread over the holders
-        out.sort(key=lambda found: -priority[found[0].job])  # the highest priority first (docs/scheduling.md)
+        return await self._by_priority(out)
+
+    async def _by_priority(self, found: list[tuple[BatchRef, str, JobConfig]]) -> list[tuple[BatchRef, str, JobConfig]]:
+        """The highest priority first, paused jobs left out (their holders park them), holders mixed
+        (idle engines spread over them). Read only for jobs with batches to take: an idle fleet reads nothing."""
+        jobs = sorted({ref.job for ref, _, _ in found})
+        if not jobs:
+            return []
+        async with self.conn.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.get(keys.job_schedule(job))
+                pipe.exists(keys.job_paused(job))
+            answers = await pipe.execute()
+        priority = {job: schedule_of(answers[2 * i]).priority for i, job in enumerate(jobs) if not answers[2 * i + 1]}
+        out = [f for f in found if f[0].job in priority]
+        random.shuffle(out)
+        out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
         return out
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
