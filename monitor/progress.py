@@ -22,6 +22,7 @@ from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.prefetch import MAX_EXTRA_LOOPS
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
+from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
@@ -263,8 +264,8 @@ def tail_note(snap: JobSnapshot) -> str | None:
     if not slots or snap.in_flight * 2 > slots:
         return None
     busy = sum(1 for w in snap.workers if w.live and w.running_tokens)
-    return (f"tail: nothing left to start; the last {snap.in_flight:,} requests run on {busy} of {len(live)} "
-            f"workers ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
+    return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of {plural(len(live), 'worker')} "
+            f"({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
             f"the end of the job, not a fault")
 
 

@@ -51,6 +51,21 @@ def test_counts_are_in_words_and_an_input_of_blank_lines_is_called_that(redis_ur
     assert "(it is empty)" in run_genq("enqueue", str(empty), "--job", "empty", check=False).stderr
 
 
+def test_a_job_of_one_prompt_is_counted_in_words_to_the_end(redis_url, tmp_path, sim, worker):
+    """The worker's exit line, its dead letters, the monitor's shard line and a repeated line
+    each counted once: "1 batch completed", not "1 batches"."""
+    src = tmp_path / "one.jsonl"
+    write_prompts(src, 1)
+    src.write_text(src.read_text() * 2)  # the same line twice: one repeated line
+    out = run_genq("enqueue", str(src), "--job", "one", "--output", str(tmp_path / "out")).stdout
+    assert "skipped 1 repeated line (" in out, out
+    proc = worker(sim(**FAST), "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    assert "exited: 1 batch completed, 0 handed back" in proc.log(), proc.log()[-2000:]
+    shown = run_genq("monitor", "--job", "one", "--once").stdout
+    assert "1 record)" in shown and "1 records" not in shown, shown
+
+
 def test_the_stream_message_names_the_switch_that_exists_and_dlq_help_counts_right(redis_url, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 1)
     proc = run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "s", "--extra-body", '{"stream": false}', check=False)

@@ -23,6 +23,7 @@ from genq.core import keys
 from genq.core.histogram import length_bucket
 from genq.core.ledger import INCARNATION_LUA
 from genq.core.records import DeadLetter, Result, pack, without_prompt
+from genq.core.words import plural
 
 log = logging.getLogger("genq.worker")
 
@@ -169,8 +170,8 @@ class ResultWriter:
             answers = await pipe.execute()
         for group, (added, _) in zip(groups, answers):
             if added == -2:
-                log.info("batch %s/%s: %d outcomes not recorded: the job was deleted (or enqueued again) meanwhile",
-                         group.job, group.batch, len(group.results) + len(group.dead))
+                log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",
+                         group.job, group.batch, plural(len(group.results) + len(group.dead), "outcome"))
                 continue
             self.on_written(group.job, group.batch,
                             [r.id for r in group.results] + [d.id for d in group.dead])

@@ -28,6 +28,7 @@ import redis
 from genq.core import keys, ledger
 from genq.core.queueing import list_jobs, load_config, stage_config
 from genq.core.records import JobConfig, JobRecord, ShardMarker, pack
+from genq.core.words import plural
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -140,8 +141,9 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     markers = truth.of_life(truth.read_markers(store, config.name, written - done), config)
     adopted = [m.batch for m in markers if adopt(conn, config.name, m)]
     if adopted:
-        log.warning("job %s: %d batches written to %s were not done in Redis (it lost recent writes); "
-                    "marked done from their markers, not generated again: %s", config.name, len(adopted),
+        log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); "
+                    "marked done from their markers, not generated again: %s", config.name,
+                    plural(len(adopted), "batch", "batches"),
                     config.output, ", ".join(adopted[:8]) + (" ..." if len(adopted) > 8 else ""))
     return adopted
 
@@ -193,8 +195,8 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         pipe.set(keys.job_batch_seq(job), top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]
-    log.warning("job %s was not in Redis: created again from %s (incarnation %s), %d written batches adopted",
-                job, truth.job_uri(store, job), config.incarnation, len(adopted))
+    log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted",
+                job, truth.job_uri(store, job), config.incarnation, plural(len(adopted), "written batch", "written batches"))
     return Recovery(config=config, record=record, adopted=adopted, rebuilt=True, dropped_keys=len(orphans))
 
 
