@@ -156,7 +156,8 @@ def test_enqueue_shows_percent_and_eta_on_a_big_file(redis_url, tmp_path):
 
 def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, sim, worker):
     write_prompts(tmp_path / "p.jsonl", 8)
-    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400")
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400",
+             "--output", str(tmp_path / "out"))
     url = sim(max_running_requests=1, step_ms_base=200, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=200,
               output_sigma=0.1)
     worker(url, "--concurrency", "1", "--name", "slow-w")
