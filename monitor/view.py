@@ -111,7 +111,9 @@ def job_panel(r: JobReport) -> Panel:
         eta = Text.assemble(("finished", "bold green"))
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
-    eta.append(f"  · elapsed {duration(p.elapsed_s)}" if p.elapsed_s > 0 else "  · not started")
+    short = p.elapsed_s < 9.95  # a short run in tenths: 0.4 s of generation is not "elapsed 0s"
+    eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}" if p.elapsed_s > 0
+               else "  · not started")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {plural(p.shard_records, 'record')})", style="dim")
     lines: list[RenderableType] = [head, bar, counts, speed, eta]
     if p.blocked:

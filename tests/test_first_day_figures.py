@@ -103,3 +103,5 @@ def test_a_finished_jobs_elapsed_time_and_rate_run_from_its_first_request(redis_
     doc = json.loads(run_genq("monitor", "--job", "together", "--once", "--json").stdout)
     assert doc["status"] == "done" and doc["elapsed_s"] >= 0.9 * slowest, (doc["elapsed_s"], slowest)
     assert doc["rate_per_sec"] <= 20 / (0.9 * slowest), doc["rate_per_sec"]
+    text = run_genq("monitor", "--job", "together", "--once").stdout
+    assert f"elapsed {doc['elapsed_s']:.1f}s" in text, text  # a short run in tenths, not "elapsed 2s" or "0s"
