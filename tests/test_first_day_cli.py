@@ -11,10 +11,12 @@ import json
 import os
 import pty
 import subprocess
+import sys
 import time
 
 from genq.core import keys
 from tests.conftest import free_port, genq_cmd, run_genq, wait_until, write_prompts
+from tests.test_fleet import free_ports
 
 FAST = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=24, output_sigma=0.5)
 
@@ -174,3 +176,23 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
     engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
                         .stdout)["holder"]
     assert engine.startswith("slow-w"), engine
+
+
+def test_a_launch_that_cannot_run_here_is_said_at_once_and_a_failing_server_says_why(tmp_path, redis_url):
+    """`python -m sglang.launch_server ...` where that python has no sglang (a CPU box): one line at once,
+    not 10 restarts per GPU; a server that exits with an error: its log's last line in the warning."""
+    out = run_genq("worker", "--gpus", "0,1,2,3", "--log-dir", str(tmp_path / "l1"), "--launch",
+                   f"{sys.executable} -m genq_no_such_engine.launch_server --model-path M --port {{port}}",
+                   check=False, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"{sys.executable} has no module 'genq_no_such_engine'" in out.stderr, out.stderr
+    assert "genq sim --port {port}" in out.stderr and "restart" not in out.stderr, out.stderr
+    out = run_genq("worker", "--gpus", "0", "--base-port", str(free_ports(1)), "--log-dir", str(tmp_path / "l2"),
+                   "--launch", "nosuch-genq-server --port {port}", check=False, timeout=60)
+    assert out.returncode == 1 and "'nosuch-genq-server' is not a command on this machine's PATH" in out.stderr, \
+        out.stderr
+    out = run_genq("worker", "--gpus", "0", "--base-port", str(free_ports(1)), "--log-dir", str(tmp_path / "l3"),
+                   "--max-restarts", "1", "--launch", f"{sys.executable} -c \"raise SystemExit('no model M here')\"",
+                   check=False, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "exited with status 1 (its log ends: no model M here); restart 1/1" in out.stderr, out.stderr

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
+from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.words import plural
 from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
@@ -33,9 +34,6 @@ from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
-# Longer than this since the leases were last checked (the process was frozen):
-# send nothing until the heartbeat has checked them again.
-LEASE_CHECK_STALE_S = 8.0
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
 CLAIM_AHEAD = 2

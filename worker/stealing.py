@@ -28,12 +28,13 @@ import redis.asyncio as aioredis
 from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt, unpack
+from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
-from genq.worker.dispatch import LEASE_CHECK_STALE_S, Dispatcher
+from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
 from genq.worker.idle import IdlePace, wake_fleet
 

@@ -13,8 +13,6 @@ QUEUE = "genq"  # the RQ queue every batch job goes to (`rq info` shows it)
 JOBS = "genq:jobs"  # set of job names
 PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
 WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
-DRAIN_ALL = "genq:drain:all"
-DRAIN_HOSTS = "genq:drain:hosts"  # set of host names to drain
 WAKE = "genq:wake"  # pub/sub channel: prompts were given back, idle workers look for some to take (worker/idle.py)
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
