@@ -13,8 +13,12 @@ import secrets
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import genq_cmd
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.e2e  # runs the CLI (and moto's server)
 
 ROWS = 30_000
 PERCENT = re.compile(r"(\d+\.\d)% of ([\d,.]+ (?:MiB compressed|MiB|rows)), ETA ")
