@@ -164,6 +164,13 @@ def post_json(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
+# The folder genq's processes run in unless a test says otherwise: what they write by default
+# (./out, ./genq-rejects, ./genq-logs) stays out of the repository, so a second `make test` does not
+# find the first one's shards and rebuild its jobs from them (the output is the durable truth).
+WORKDIR = Path(tempfile.mkdtemp(prefix="genq-test-cwd-"))
+atexit.register(shutil.rmtree, WORKDIR, ignore_errors=True)
+
+
 def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
     return [sys.executable, "-m", "genq", "--redis", redis_url, *args]
 
@@ -171,7 +178,7 @@ def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
 def run_genq(*args: str, redis_url: str = REDIS_URL, timeout: float = 120, check: bool = True,
              cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(genq_cmd(*args, redis_url=redis_url), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT)
+                          timeout=timeout, cwd=cwd or WORKDIR)
     if check and proc.returncode != 0:
         raise AssertionError(f"genq {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -233,7 +240,7 @@ class Proc:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=WORKDIR,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                       start_new_session=True)
 
