@@ -38,7 +38,7 @@ def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
         return
 
     def refuse(*_args: object, **_kwargs: object) -> None:
-        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.e2e (tests/conftest.py)")
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.e2e (tests/tiers.py)")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(os, "fork", refuse)
