@@ -7,6 +7,7 @@ Each test ends with the shared exactly-once audit and counts what the servers ge
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 from genq.core import keys
@@ -36,7 +37,7 @@ def test_a_worker_joining_when_every_batch_is_held_takes_unsent_prompts(redis_ur
     assert late.wait(timeout=180) == 0, late.log()
     assert holder.wait(timeout=180) == 0, holder.log()
     check(rconn, out, "late", ids)
-    assert "unsent prompts of batch late/" in late.log(), late.log()
+    assert re.search(r"unsent prompts? of batch late/", late.log()), late.log()
     assert sim_stats(fast)["finished_requests"] > 0, "the late worker got no work"
     generated = generations(slow, fast)
     assert sorted(generated.values()) == [1] * len(ids), "a prompt was generated twice (or not at all)"
@@ -58,7 +59,7 @@ def test_prompts_of_a_frozen_holder_move_and_the_job_ends_exactly_once(redis_url
         before = {r["id"]: r for r in rows}
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
-    assert "unsent prompts of batch frzt/b0000001" in helper.log(), helper.log()
+    assert re.search(r"unsent prompts? of batch frzt/b0000001", helper.log()), helper.log()
     wait_until(lambda: "elsewhere: dropping it here" in frozen.log(), 30, "the resumed holder to let go")
     frozen.signal(signal.SIGTERM)
     assert frozen.wait(timeout=60) == 0, frozen.log()
@@ -79,7 +80,7 @@ def holder_and_taker(rconn, sim, worker, tmp_path, job: str, *taker_args: str):
     holder = worker(holder_server, "--burst", "--prefetch", "1", name="holder")
     wait_until(lambda: rconn.hlen(keys.job_leases(job)) == 1, 60, "the batch held")
     taker = worker(taker_server, *taker_args, name="taker")
-    wait_until(lambda: f"unsent prompts of batch {job}/" in taker.log(), 60, "the second worker to take prompts")
+    wait_until(lambda: re.search(rf"unsent prompts? of batch {job}/", taker.log()), 60, "the second worker to take prompts")
     return ids, out, holder, taker, taker_server
 
 
@@ -103,7 +104,8 @@ def test_the_monitor_says_when_a_job_is_in_its_tail(redis_url, rconn, sim, worke
     # is not reported as a bottleneck.
     doc = wait_until(lambda: (d := monitor_json(rconn, "tl"))["tail"] and len(d["worker_details"]) == 2 and d, 60,
                      "the monitor to report the tail", interval=0.5)
-    assert "the last 6 requests run on 1 of 2 workers" in doc["tail"], doc["tail"]
+    # Six were running; on a loaded machine one may finish before the monitor's read.
+    assert re.search(r"the last [1-6] requests? run on 1 of 2 workers", doc["tail"]), doc["tail"]
     idle = next(w for w in doc["worker_details"] if w["name"] == "second")
     assert "no_prompts" not in idle["bottleneck_codes"], idle
     assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0, first.log() + second.log()
@@ -118,5 +120,5 @@ def test_a_worker_whose_server_goes_down_gives_taken_prompts_back_at_once(redis_
                                                              "--server-down-timeout", "600")
     post_json(taker_server + "/sim/faults", {"outage_for": 600})
     assert holder.wait(timeout=180) == 0, holder.log()
-    assert "giving" in taker.log() and "borrowed prompts back to their holders" in taker.log(), taker.log()
+    assert "giving" in taker.log() and re.search(r"borrowed prompts? back to their holders", taker.log()), taker.log()
     check(rconn, out, "sd", ids)
