@@ -93,8 +93,9 @@ def job_panel(r: JobReport) -> Panel:
         f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({plural(p.held, 'prompt')} unsent),"
         f" {p.queued_batches:,} in RQ's queue"
     )
-    if p.other_batches and p.blocked:
-        counts.append(f", {p.other_batches:,} parked while the job is blocked", style="yellow")
+    if p.other_batches and (p.blocked or p.status == "paused"):
+        why = "blocked" if p.blocked else "paused"
+        counts.append(f", {p.other_batches:,} parked while the job is {why}", style="yellow")
     elif p.other_batches:
         counts.append(f", {p.other_batches:,} elsewhere (retrying, failed in RQ or orphaned)", style="yellow")
     rate = "?" if p.rate_per_sec is None else f"{p.rate_per_sec:.2f}"

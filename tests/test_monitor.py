@@ -232,8 +232,9 @@ def worker_status(rconn, name: str) -> WorkerStatus | None:
     return unpack(raw, WorkerStatus) if raw else None
 
 
-def test_paused_worker_still_holds_its_batches(tmp_path: Path, redis_url, rconn, sim, worker) -> None:
-    """A paused worker parks its unsent prompts: they are still held, in the batches it holds."""
+def test_a_paused_job_parks_its_batches_and_the_monitor_says_so(tmp_path: Path, redis_url, rconn, sim, worker) -> None:
+    """`genq pause --job` parks the job's batches once its requests finish (#26): the worker holds none
+    of them and its slots are free; the monitor shows them parked, not lost elsewhere."""
     url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=400, output_sigma=0.3,
               max_running_requests=4)
     write_prompts(tmp_path / "p.jsonl", 80)
@@ -242,19 +243,17 @@ def test_paused_worker_still_holds_its_batches(tmp_path: Path, redis_url, rconn,
     w = worker(url, "--prefetch", "4", "--name", "pz-w")
     wait_until(lambda: (s := worker_status(rconn, "pz-w")) and len(s.batches) >= 4, 30, "the worker to hold 4 batches")
     run_genq("pause", "--job", "pz")
-    status = wait_until(lambda: (s := worker_status(rconn, "pz-w")) and s.state == "paused" and s.in_flight == 0
-                        and s, 30, "the worker paused with nothing running")
-    held = len(status.batches)
-    assert held >= 4
-    unsent = sum(8 - rconn.hlen(keys.batch_results("pz", b.batch)) for b in status.batches)
-    assert unsent > 0
+    wait_until(lambda: (s := worker_status(rconn, "pz-w")) and not s.batches and s.in_flight == 0, 60,
+               "the worker to park the paused job's batches")
     doc = monitor_json("--job", "pz")
     assert doc["status"] == "paused"
-    assert doc["held"] == unsent, "a paused worker's parked prompts are held"
-    assert doc["held_batches"] == held
+    assert doc["held_batches"] == 0 and doc["queued_batches"] == 0 and doc["in_flight"] == 0
+    parked = doc["batches_total"] - doc["batches_done"]
+    assert parked > 0 and doc["other_batches"] == parked
+    assert doc["queued"] == 80 - doc["completed"] - doc["failed"] > 0, "parked prompts are not started"
     text = run_genq("monitor", "--once", "--job", "pz").stdout
-    assert f"{held} held by workers" in text and f"{unsent} prompts unsent" in text, text
-    w.kill_tree()  # a paused worker cannot drain; its RQ loops (own sessions) must not outlive the test
+    assert f"{parked} parked while the job is paused" in text and "elsewhere" not in text, text
+    w.kill_tree()
 
 
 def test_queued_batches_are_what_rq_shows(tmp_path: Path, redis_url, rconn) -> None:
