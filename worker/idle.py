@@ -31,14 +31,16 @@ import logging
 import time
 from collections.abc import Callable, Sized
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
-from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Holdings
+
+if TYPE_CHECKING:  # not imported at run time: the RQ loops import this module, and start fast (no aiohttp)
+    from genq.worker.dispatch import Dispatcher
+    from genq.worker.held import Holdings
 
 log = logging.getLogger("genq.worker")
 
