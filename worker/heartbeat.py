@@ -83,7 +83,7 @@ class Heartbeat:
         tick = time.monotonic()
         next_note = 0.0
         while True:
-            await asyncio.sleep(1.0)
+            await (self.pace.tick() if self.pace is not None else asyncio.sleep(1.0))
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             now, last_tick = time.monotonic(), tick
             tick = now

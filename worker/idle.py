@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sized
 from datetime import datetime, timedelta
@@ -45,17 +46,18 @@ if TYPE_CHECKING:  # not imported at run time: the RQ loops import this module, 
 log = logging.getLogger("genq.worker")
 
 IDLE_AFTER_S = 5.0  # nothing held, running or borrowed this long: the idle pace
-IDLE_BEAT_S = 15.0  # an idle worker's heartbeat and control read
-IDLE_TTL_S = 45  # its liveness and status keys live this long (3 beats)
+IDLE_BEAT_S = 20.0  # an idle worker's heartbeat and control read
+IDLE_TTL_S = 60  # its liveness and status keys live this long (3 beats)
 IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
 IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup
 WORKERS_SET_EVERY_S = 60.0  # re-adding the worker to genq:workers (kept once added)
-# Blocking pops; under redis-py's health check (30 s), which would add a PING to each.
-POP_WAIT_S = 25  # an RQ loop's BLMOVE
-INBOX_WAIT_S = 25  # the engine's BLPOP on its inbox
+# Blocking pops. redis-py's health check (a PING on a connection unused for 30 s) is not
+# set off by them: the clock starts again when the pop's answer is read.
+POP_WAIT_S = 55  # an RQ loop's BLMOVE
+INBOX_WAIT_S = 55  # the engine's BLPOP on its inbox
 WOKEN_LOOK_S = 1.0  # an idle stealer woken looks at most this often
 ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) this often
-RQ_BEAT_EVERY_S = 60.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
+RQ_BEAT_EVERY_S = 120.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
 
 
 class IdlePace:
@@ -76,6 +78,7 @@ class IdlePace:
         # RQ entries of done batches must be found within seconds, not minutes.
         self.open_work = False
         self.announced_at = 0.0
+        self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
 
     def idle(self) -> bool:
         d = self.dispatcher
@@ -85,10 +88,19 @@ class IdlePace:
             return False
         return now - self.busy_at >= IDLE_AFTER_S
 
+    async def tick(self) -> None:
+        """The heartbeat's wait between its looks: a second, or less when a beat is asked for."""
+        try:
+            await asyncio.wait_for(self.beat_now.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+
     def beat_due(self) -> bool:
         """Called every second by the heartbeat: beat now? (always, unless idle)."""
         now = time.monotonic()
-        if self.idle() and now - self.last_beat < IDLE_BEAT_S:
+        asked = self.beat_now.is_set()
+        self.beat_now.clear()
+        if not asked and self.idle() and now - self.last_beat < IDLE_BEAT_S:
             return False
         self.last_beat = now
         return True
@@ -106,22 +118,32 @@ class IdlePace:
     def maintenance_every(self, busy_s: float) -> float:
         return IDLE_MAINTENANCE_S if self.idle() else busy_s
 
-    async def nap(self, seconds: float) -> None:
+    async def nap(self, seconds: float) -> bool:
         """The stealer's wait between looks: `seconds`, or IDLE_LOOK_S while idle; a WAKE
-        message (also one that came during the last look) ends it early. Checks once a
-        second whether the engine is still idle (no Redis)."""
+        message (also one that came during the last look) ends it early: then True. Checks
+        once a second whether the engine is still idle (no Redis)."""
         start = time.monotonic()
         while True:
             if self.woken.is_set() and time.monotonic() - start >= WOKEN_LOOK_S:
                 self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
-                return
+                return True
             left = start + (IDLE_LOOK_S if self.idle() else seconds) - time.monotonic()
             if left <= 0:
-                return
+                return False
             try:
                 await asyncio.wait_for(self.woken.wait(), timeout=min(left, 1.0))
             except TimeoutError:
                 pass
+
+    async def fresh_beat(self, last_beat: Callable[[], float], within: float = 3.0) -> None:
+        """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
+        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than the
+        dispatcher's LEASE_CHECK_STALE_S."""
+        before = last_beat()
+        self.beat_now.set()
+        deadline = time.monotonic() + within
+        while last_beat() == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def announce(self, conn: aioredis.Redis) -> None:
         """From a busy engine's heartbeat: while it holds prompts not yet sent and the queue
@@ -133,18 +155,51 @@ class IdlePace:
             if not await conn.llen(self.queue_key):
                 await wake_fleet(conn)
 
-    async def listen(self, conn: aioredis.Redis) -> None:
-        """Sets `woken` on each WAKE message; resubscribes after a lost connection."""
-        while True:
+
+class WakeListener:
+    """Sets `woken` on each WAKE message (genq:wake), from a thread of its own: a blocking read
+    of at most a second at a time, so a stop never waits on a read. (The asyncio pubsub read
+    this replaces, cancelled in the engine's task group, hung a --burst worker's exit.) No
+    health-check PINGs on its connection: an idle worker's Redis commands stay under one a
+    second; a lost connection shows as an error on the next read, and it subscribes again."""
+
+    def __init__(self, conn: redis.Redis, woken: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+        pool = conn.connection_pool
+        self._conn = redis.Redis(connection_pool=pool.__class__(
+            connection_class=pool.connection_class, **{**pool.connection_kwargs, "health_check_interval": 0}))
+        self.woken = woken
+        self.loop = loop
+        self.subscribed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="genq-wake", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._conn.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
-                async with conn.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(keys.WAKE)
-                    async for message in pubsub.listen():
-                        if message and message.get("type") == "message":
-                            self.woken.set()
+                pubsub.subscribe(keys.WAKE)
+                self.subscribed.set()
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message and message.get("type") == "message":
+                        self.loop.call_soon_threadsafe(self.woken.set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
-                await asyncio.sleep(1.0)
+                self._stop.wait(1.0)
+            except RuntimeError:  # the engine's loop is closed: it has exited
+                return
+            finally:
+                self.subscribed.clear()
+                pubsub.close()
 
 
 async def wake_fleet(conn: aioredis.Redis) -> None:
@@ -178,18 +233,12 @@ class QuietPops:
     """An RQ worker mixin: between pops, RQ's worker-key heartbeat at most once a minute and
     its state written only when it changes. RQ writes both around every pop (6 commands a
     pop); the key lives worker_ttl + 60 s (480 s), and the state does not change while idle.
-    Each pop's connection is named for unblock_own_pop."""
+    The loop's connections carry its name (rqloop.main) for unblock_own_pop."""
 
     _popping: bool
     _beat_at: datetime | None = None
     name: str
     connection: redis.Redis
-
-    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        # Names the connection the pop runs on (the pool hands out the last one returned), so a
-        # stop can find and unblock it: RQ names one at its start, not always the one it pops on.
-        self.connection.client_setname(self.name)
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)  # type: ignore[misc]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         now = datetime.now()
