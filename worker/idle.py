@@ -88,10 +88,10 @@ class IdlePace:
             return False
         return now - self.busy_at >= IDLE_AFTER_S
 
-    async def tick(self) -> None:
-        """The heartbeat's wait between its looks: a second, or less when a beat is asked for."""
+    async def tick(self, seconds: float) -> None:
+        """The heartbeat's wait between its looks: `seconds`, or less when a beat is asked for."""
         try:
-            await asyncio.wait_for(self.beat_now.wait(), timeout=1.0)
+            await asyncio.wait_for(self.beat_now.wait(), timeout=seconds)
         except TimeoutError:
             pass
 
