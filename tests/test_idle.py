@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack
-from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S
+from genq.worker.held import Holdings
+from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IdlePace
 from tests.conftest import run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)
@@ -106,3 +109,28 @@ def test_a_burst_worker_listening_for_wake_exits_when_its_job_is_done(redis_url,
     assert proc.wait(timeout=30) == 0, proc.log()
     assert time.monotonic() - done < 15, proc.log()
     assert rconn.pubsub_numsub(keys.WAKE) == [(keys.WAKE.encode(), 0)]
+
+
+def test_a_stealer_woken_as_it_is_stopped_stops():
+    """The stealer's nap, cancelled in the loop turn in which a WAKE sets `woken`, ends its task:
+    asyncio.wait_for on Python 3.11 swallowed such a cancel (it returned the result), the stealer
+    napped on, and the engine's TaskGroup waited for it for ever: a --burst worker that had said
+    'every batch of every job is done; exiting' ran on (seen in bench/fleet_scale.py's real run)."""
+    pace = IdlePace(Holdings(), SimpleNamespace(running={}, unsent=0), lambda: ())
+
+    async def go() -> bool:
+        async def stealer() -> None:
+            while True:
+                await pace.nap(0.5)
+
+        task = asyncio.create_task(stealer())
+        await asyncio.sleep(0.05)  # napping
+        pace.woken.set()  # a WAKE message, and the stop, in one turn of the loop
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=3)
+        if task not in done:
+            task.cancel()  # and again: the test must end either way
+            await asyncio.wait({task}, timeout=3)
+        return task in done and task.cancelled()
+
+    assert asyncio.run(go()), "the stealer's task went on after it was cancelled"

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
+from genq.core.waits import wait_event
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
@@ -103,10 +104,7 @@ class Dispatcher:
     async def run(self) -> None:
         while True:
             timeout = max(0.0, self.todo.delayed[0][0] - time.monotonic()) if self.todo.delayed else None
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await wait_event(self.wake, timeout)  # not wait_for: a stop must not be swallowed (core/waits.py)
             self.wake.clear()
             now = time.monotonic()
             while self.todo.delayed and self.todo.delayed[0][0] <= now:

@@ -38,6 +38,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
+from genq.core.waits import wait_event
 
 if TYPE_CHECKING:  # not imported at run time: the RQ loops import this module, and start fast (no aiohttp)
     from genq.worker.dispatch import Dispatcher
@@ -90,10 +91,7 @@ class IdlePace:
 
     async def tick(self, seconds: float) -> None:
         """The heartbeat's wait between its looks: `seconds`, or less when a beat is asked for."""
-        try:
-            await asyncio.wait_for(self.beat_now.wait(), timeout=seconds)
-        except TimeoutError:
-            pass
+        await wait_event(self.beat_now, seconds)
 
     def beat_due(self) -> bool:
         """Called every second by the heartbeat: beat now? (always, unless idle)."""
@@ -130,10 +128,7 @@ class IdlePace:
             left = start + (IDLE_LOOK_S if self.idle() else seconds) - time.monotonic()
             if left <= 0:
                 return False
-            try:
-                await asyncio.wait_for(self.woken.wait(), timeout=min(left, 1.0))
-            except TimeoutError:
-                pass
+            await wait_event(self.woken, min(left, 1.0))
 
     async def fresh_beat(self, last_beat: Callable[[], float], within: float = 3.0) -> None:
         """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
