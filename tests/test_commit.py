@@ -241,9 +241,8 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
                 for r in records[i:i + 5]:
                     writer.add_result(r, INCARNATION)
                 if i in (5, 15):
-                    # Every client but this test's own is dropped, the writer's included, and none may
-                    # connect again for a while (redis-py would otherwise reconnect and send again by
-                    # itself): the writer's own path, what it keeps in memory, is what is tested here.
+                    # Every client but this test's own is dropped, and none may connect again for a while
+                    # (else redis-py reconnects by itself): what the writer keeps in memory is tested here.
                     rconn.config_set("maxclients", 1)
                     assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
                 for r in records[i:i + 3]:

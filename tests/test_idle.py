@@ -8,8 +8,6 @@ import signal
 import time
 from types import SimpleNamespace
 
-import pytest
-
 from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
-from genq.core.waits import wait_event
 from genq.core.timings import LEASE_CHECK_STALE_S
+from genq.core.waits import wait_event
 from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog

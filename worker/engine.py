@@ -34,8 +34,8 @@ from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.finishing import BatchEnds
 from genq.worker.heartbeat import Heartbeat
-from genq.worker.idle import WakeListener
 from genq.worker.held import Flags, Holdings, RateWindow
+from genq.worker.idle import WakeListener
 from genq.worker.leases import LeaseDesk, retrying
 from genq.worker.loops import RqLoops
 from genq.worker.maintenance import Maintenance
