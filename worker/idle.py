@@ -38,6 +38,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
+from genq.core.redisconn import connect
 from genq.core.waits import wait_event
 
 if TYPE_CHECKING:  # not imported at run time: the RQ loops import this module, and start fast (no aiohttp)
@@ -158,10 +159,9 @@ class WakeListener:
     health-check PINGs on its connection: an idle worker's Redis commands stay under one a
     second; a lost connection shows as an error on the next read, and it subscribes again."""
 
-    def __init__(self, conn: redis.Redis, woken: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
-        pool = conn.connection_pool
-        self._conn = redis.Redis(connection_pool=pool.__class__(
-            connection_class=pool.connection_class, **{**pool.connection_kwargs, "health_check_interval": 0}))
+    def __init__(self, redis_url: str, woken: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+        self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
+        self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
         self.woken = woken
         self.loop = loop
         self.subscribed = threading.Event()
