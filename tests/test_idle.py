@@ -39,6 +39,7 @@ def test_an_idle_worker_issues_under_one_redis_command_a_second(redis_url, rconn
     rconn.config_resetstat()
     time.sleep(SPAN_S)
     per_s = commands(rconn) / SPAN_S
+    print(f"an idle worker: {per_s:.2f} Redis commands a second over {SPAN_S:.0f} s")
     assert proc.alive, proc.log()
     status = unpack(rconn.get(keys.worker_status("idler")), WorkerStatus)
     assert status.state == "idle" and time.time() - status.heartbeat_at <= IDLE_BEAT_S + 3
