@@ -136,6 +136,12 @@ def batch_id(seq: int) -> str:
     return f"b{seq:07d}"
 
 
+def batch_number(batch: str) -> int:
+    """batch_id's inverse: b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
+    digits = batch[1:].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else 0
+
+
 def write_batches(
     pipe: Pipeline,
     conn: redis.Redis,
@@ -152,8 +158,7 @@ def write_batches(
     """
     for batch in batches:
         pipe.set(keys.batch(batch.job, batch.id), pack(batch))
-        seq = int(batch.id[1:])
-        pipe.zadd(keys.job_batches(batch.job), {batch.id: seq})
+        pipe.zadd(keys.job_batches(batch.job), {batch.id: batch_number(batch.id)})
         if count_total:
             pipe.hincrby(keys.job_stats(batch.job), "total", batch.count)
         pipe.hincrby(keys.job_stats(batch.job), "batches", 1)

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from genq.core import keys, ledger
-from genq.core.queueing import list_jobs, load_config, stage_config
+from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig, JobRecord, ShardMarker, pack
 from genq.output import truth
 from genq.output.sink import open_store
@@ -116,12 +116,6 @@ def adopt_call(job: str, marker: ShardMarker, token: str = "") -> tuple[list[str
             marker.records, marker.bytes, keys.worker_stats(job, ""), pack(marker.tally), pack(marker.hist),
             pack(letters), pack(marker.digests), batch_number(b), token, marker.incarnation]
     return script_keys, args
-
-
-def batch_number(batch: str) -> int:
-    """b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
-    digits = batch[1:].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else 0
 
 
 def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> bool:
