@@ -23,6 +23,7 @@ from genq.core.prefetch import max_loops, reserve
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
+from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
@@ -88,7 +89,7 @@ class JobProgress(msgspec.Struct):
     eta_low_s: float | None
     eta_high_s: float | None
     elapsed_hours: float
-    elapsed_s: float  # from the first result (or creation) to now, or to the last result once done
+    elapsed_s: float  # from the first request sent (or creation) to now, or to the last result once done
     total_input_tokens: int
     total_output_tokens: int
     avg_output_tokens: float | None  # finished completions only: biased short while running
@@ -263,15 +264,15 @@ def tail_note(snap: JobSnapshot) -> str | None:
     if not slots or snap.in_flight * 2 > slots:
         return None
     busy = sum(1 for w in snap.workers if w.live and w.running_tokens)
-    return (f"tail: nothing left to start; the last {snap.in_flight:,} requests run on {busy} of {len(live)} "
-            f"workers ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
+    return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of {plural(len(live), 'worker')} "
+            f"({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
             f"the end of the job, not a fault")
 
 
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
     finished = snap.completed + snap.failed
-    # Elapsed runs from the first result, or from creation once a worker works on the job: a job
-    # no worker has touched has not started (it showed "elapsed 33s" with no worker at all).
+    # Elapsed runs from the first request sent (the workers' first_at), or from creation once a worker
+    # works on the job: a job no worker has touched has not started (it showed "elapsed 33s").
     started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
     start = started or snap.at
     end = snap.last_at if snap.is_done and snap.last_at else snap.at

@@ -171,7 +171,7 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
             tokens += (c.out_tok + sum(w.running_tokens)) / span
             prompts += c.done / span  # results only: dead letters are no progress
             spans.append(span)
-            sources.add("workers' tokens since their first result")
+            sources.add("workers' tokens since their first request")
         elif s.tok_per_s > 0:
             tokens += s.tok_per_s
             prompts += s.req_per_s

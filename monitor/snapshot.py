@@ -310,19 +310,36 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     """
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
             for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
-    if not asks:
-        return 0
     with conn.pipeline(transaction=False) as pipe:
         for _, bid in asks:
             pipe.exists(keys.batch(job, bid))
             pipe.hlen(keys.batch_results(job, bid))
-        replies = pipe.execute()
+        pipe.hgetall(keys.job_leases(job))  # only batches in progress: bounded by the fleet
+        *replies, leases = pipe.execute()
     held = 0
     for i, (view, _) in enumerate(asks):
         if replies[2 * i]:
             held += 1
             view.held_unfinished.append(max(0, batch_size - int(replies[2 * i + 1])))
-    return held
+    return held + _leased_unnamed(conn, job, leases, {bid for _, bid in asks})
+
+
+def _leased_unnamed(conn: redis.Redis, job: str, leases: dict[bytes, bytes], named: set[str]) -> int:
+    """Batches a live engine has leased that no status record names yet (it publishes one a second):
+    held all the same, not "elsewhere". A lease of an engine that stopped beating is not counted."""
+    unnamed: list[tuple[str, str]] = []
+    for raw_batch, value in leases.items():
+        holder = ledger.lease_holder(value)
+        if holder and raw_batch.decode() not in named and len(unnamed) < HELD_READ_LIMIT:
+            unnamed.append((raw_batch.decode(), holder))
+    if not unnamed:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for bid, holder in unnamed:
+            pipe.exists(keys.engine_alive(holder))
+            pipe.exists(keys.batch(job, bid))
+        replies = pipe.execute()
+    return sum(1 for i in range(len(unnamed)) if replies[2 * i] and replies[2 * i + 1])
 
 
 @dataclass

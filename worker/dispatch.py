@@ -22,6 +22,7 @@ from typing import Any
 from genq.core.records import DeadLetter, JobConfig
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import wait_event
+from genq.core.words import plural
 from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
@@ -218,7 +219,7 @@ class Dispatcher:
             self.crashed(task)
             if task.crashes >= self.opts.server_crash_limit:
                 self._dead(task, Failure(
-                    "server_crash", f"the server went down {task.crashes} times while this prompt was in flight "
+                    "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
                     f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
                 return
             (self.todo.suspects if self._suspect(task) else self.todo.ready).appendleft(task)

@@ -28,6 +28,7 @@ import redis
 
 from genq.core.ledger import Reconciler
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
+from genq.core.words import plural
 from genq.worker.claims import Backlog, Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
@@ -138,8 +139,8 @@ class Engine:
                     task.cancel()
         finally:
             await self._close()
-        log.info("worker %s exited: %d batches completed, %d handed back", self.name, self.ends.completed,
-                 self.handed_back)
+        log.info("worker %s exited: %s completed, %d handed back", self.name,
+                 plural(self.ends.completed, "batch", "batches"), self.handed_back)
         return 0
 
     async def _until_finished(self) -> None:
@@ -192,7 +193,7 @@ class Engine:
             self.held.pop(h.ref, None)
         self.handed_back += len(given)
         if given:
-            log.info("%s: handed back %d batches (%s)", why, len(given), ", ".join(given))
+            log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def _shutdown(self) -> None:
         """Answer every lease, then let the loops go (see the module docstring)."""
@@ -204,7 +205,7 @@ class Engine:
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
-            log.error("could not flush %d results to Redis; their batches will be redone", self.writer.pending)
+            log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
         # A loop may hand over a batch while it stops: answer (hand back) every lease until the
         # loops are gone; then kill what is left, horses included, and look one last time.
         deadline = time.monotonic() + LOOPS_STOP_S

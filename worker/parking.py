@@ -28,6 +28,7 @@ from redis.exceptions import WatchError
 
 from genq.core import keys, ledger
 from genq.core.records import BatchRef, JobBlock, JobConfig, Prompt, pack, unpack
+from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.brake import Brake
 from genq.worker.claims import Claims
@@ -182,8 +183,8 @@ class Parking:
             self.held.pop(h.ref, None)
         self.parked += len(parked)
         if parked:
-            (log.debug if quiet else log.info)("job %s is blocked: parked %d batches (%s); their prompts wait for `genq resume --job %s`",
-                     job, len(parked), ", ".join(parked), job)
+            (log.debug if quiet else log.info)("job %s is blocked: parked %s (%s); their prompts wait for `genq resume --job %s`",
+                     job, plural(len(parked), "batch", "batches"), ", ".join(parked), job)
         self.dispatcher.wake.set()
 
     # ---------------------------------------------------------------- settings and flags, every second
@@ -200,8 +201,8 @@ class Parking:
         for h in stale:
             h.config = stored
         self.brake.reset(job)
-        log.info("job %s: settings version %d from now on (%d batches held here)", job, stored.settings_version,
-                 len(stale))
+        log.info("job %s: settings version %d from now on (%s held here)", job, stored.settings_version,
+                 plural(len(stale), "batch", "batches"))
         problem = preflight(stored, self.server())
         if problem is not None and job not in self.brake.blocked:
             log.error("job %s blocked (preflight of its new settings): %s", job, problem)

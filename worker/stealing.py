@@ -29,6 +29,7 @@ from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt, unpack
 from genq.core.timings import LEASE_CHECK_STALE_S
+from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
@@ -131,7 +132,7 @@ class Stealer:
             borrowed = self.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
                                                       unfinished=set(), borrowed=True)
         borrowed.unfinished |= set(ids)
-        log.info("took %d unsent prompts of batch %s from another worker", len(ids), ref)
+        log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
         self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
@@ -202,8 +203,8 @@ class Stealer:
     async def give_back(self, why: str) -> None:
         """Borrowed prompts go back to their holders: nothing more is sent, what was recorded
         is written, then the claims go."""
-        log.info("%s: giving %d borrowed prompts back to their holders", why,
-                 sum(len(b.unfinished) for b in self.borrowed.values()))
+        log.info("%s: giving %s back to their holders", why,
+                 plural(sum(len(b.unfinished) for b in self.borrowed.values()), "borrowed prompt"))
         self.stop_borrowed()
         while any(t.batch.borrowed for t in self.dispatcher.running):
             await asyncio.sleep(0.05)

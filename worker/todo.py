@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import redis
 
 from genq.core.records import Prompt
+from genq.core.words import plural
 from genq.worker.claims import Backlog
 from genq.worker.held import HeldBatch, Task
 
@@ -130,7 +131,8 @@ class Todo:
             lost.update(t for t, ok in zip(tasks, mine) if not ok)
         if not lost:
             return
-        log.info("%d claimed prompts were taken by other engines meanwhile: not sending them", len(lost))
+        log.info("%s taken by other engines meanwhile: not sending them",
+                 plural(len(lost), "claimed prompt was", "claimed prompts were"))
         self._remove(lambda t: t in lost)
         for task in lost:
             if task.batch.borrowed:

@@ -25,6 +25,7 @@ from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
 from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
+from genq.core.words import plural
 from genq.ops import control
 from genq.ops.settings import describe_block
 from genq.worker.models import servable_jobs
@@ -232,8 +233,8 @@ def _deletion_summary(found: control.JobDeletion) -> str:
         kinds[kind] = kinds.get(kind, 0) + 1
     listing = ", ".join(f"{kind}" + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
     places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())
-    return (f"{len(found.keys)} keys {keys.job_keys_pattern(found.job)} ({listing or 'none'}), its name in the job list, "
-            f"{found.rq_count} RQ jobs ({places or 'none'})")
+    return (f"{plural(len(found.keys), 'key')} {keys.job_keys_pattern(found.job)} ({listing or 'none'}), its name in the job list, "
+            f"{plural(found.rq_count, 'RQ job')} ({places or 'none'})")
 
 
 # ---------------------------------------------------------------- pause / resume
@@ -271,7 +272,7 @@ def resume(ctx: click.Context, job: str | None) -> None:
         still = sorted(control.paused_jobs(conn, list_jobs(conn)))
         paused_all = control.globally_paused(conn)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
-               + (f"; {queued} parked batches queued again" if queued else ""))
+               + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
     if still:
         click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
     if paused_all:

@@ -24,6 +24,7 @@ from genq.core.redisconn import connect, describe_error
 from genq.core.words import plural
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
+from genq.producer.meter import Meter
 from genq.producer.params import ParamError, check_params
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
@@ -106,14 +107,15 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         conn = connect(url)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
-        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
+        meter = Meter()
+        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 
             sys.exit(check_only(conn, config, create, input_uri, rows))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
-            summary = _run(conn, config, create, input_uri, rows, reference, rejects)
+            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter)
         except BaseException:
             rejects.discard()
             raise
@@ -182,10 +184,10 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
 
 
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
-    reading = ReadProgress(input_uri)
+    reading = ReadProgress(meter)
 
     def progress(summary: EnqueueSummary) -> None:
         if show_progress:
@@ -193,7 +195,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
                         input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri))
-    summary = enqueuer.run(reading.track(rows), on_progress=progress)
+    summary = enqueuer.run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
@@ -232,13 +234,13 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
                    "(--endpoint chat takes messages)")
     if summary.rebuilt or summary.recovered_batches:  # the output is the truth (#31, docs/recovery.md)
         click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
-                   f"{summary.recovered_batches:,} batches already written there counted as done")
+                   f"{plural(summary.recovered_batches, 'batch', 'batches')} already written there counted as done")
     if summary.note:
         click.echo(f"  note: {summary.note}")
     if summary.skipped_existing:
         click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
     if summary.skipped_duplicate:
-        click.echo(f"  skipped {summary.skipped_duplicate:,} repeated lines (same id and content earlier in this input)")
+        click.echo(f"  skipped {plural(summary.skipped_duplicate, 'repeated line')} (same id and content earlier in this input)")
     if not summary.rejected:
         return
     if rejects.error is None:
