@@ -48,11 +48,9 @@ check: $(VENV)/.test-extras
 	$(BIN)/python scripts/check_layout.py
 
 bench: $(BIN)/genq
-	scripts/ensure-redis
 	$(BIN)/python bench/saturation.py
 
 bench-eta: $(BIN)/genq
-	scripts/ensure-redis
 	$(BIN)/python bench/eta_bench.py
 
 clean:

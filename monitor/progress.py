@@ -28,6 +28,7 @@ from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
+from genq.monitor.sharing import shared_fleet
 from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
 from genq.ops.settings import describe_block
 
@@ -116,6 +117,9 @@ class JobProgress(msgspec.Struct):
     # Why the job is blocked (docs/settings.md): the server's message and the counts; None otherwise.
     blocked: str | None = None
     blocked_reason: str | None = None  # "preflight" | "brake"
+    priority: int = 0  # docs/scheduling.md
+    weight: float = 1.0
+    share: float = 0.0  # of the fleet's requests in flight now
 
 
 @dataclass
@@ -202,7 +206,7 @@ class Monitor:
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
-            fleet=fleet, batch_size=config.batch_size if config else 256,
+            fleet=shared_fleet(fleet, snap.share), batch_size=config.batch_size if config else 256,
             speed=speed, paused=snap.paused and not snap.is_done,
             pool=None if self.once else self.pools.setdefault(snap.job, EtaPool()), now=snap.at,
         )
@@ -337,6 +341,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
                         for w in snap.workers],
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
+        priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),
     )
 
 

@@ -26,7 +26,8 @@ import msgspec
 import redis
 
 from genq.core import keys, ledger
-from genq.core.records import InFlight, JobBlock, JobConfig, WorkerStatus, unpack
+from genq.core.order import schedule_of
+from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
 from genq.core.state import JobStatus, job_status
 from genq.monitor.rqqueue import QueueMirror
 
@@ -113,6 +114,13 @@ class JobSnapshot:
     batches_queued: int = 0  # this job's batches in RQ's queue
     rq_queued: int = 0  # every batch in RQ's queue, all jobs (`rq info`)
     blocked: JobBlock | None = None  # why the job's settings stopped it (docs/settings.md)
+    schedule: JobSchedule = field(default_factory=JobSchedule)  # priority and weight (docs/scheduling.md)
+    fleet_running: int = 0  # requests in flight on the live workers, every job's
+
+    @property
+    def share(self) -> float:
+        """This job's part of the fleet's requests in flight now (0 when nothing runs)."""
+        return min(1.0, self.in_flight / self.fleet_running) if self.fleet_running else 0.0
 
     @property
     def running_tokens(self) -> list[int]:
@@ -240,8 +248,9 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         pipe.hlen(keys.job_shards(job))
         pipe.sismember(keys.JOBS, job)
         pipe.get(keys.job_blocked(job))
+        pipe.get(keys.job_schedule(job))
         (raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known,
-         raw_block) = pipe.execute()
+         raw_block, raw_schedule) = pipe.execute()
     if raw_config is None and not stats and not known:
         return None
     if shards and ledger.SHARD_RECORDS.encode() not in stats:
@@ -294,6 +303,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         shard_bytes=_int(stats.get(ledger.SHARD_BYTES.encode())),
         shard_records=_int(stats.get(ledger.SHARD_RECORDS.encode())),
         blocked=unpack(raw_block, JobBlock) if raw_block else None,
+        schedule=schedule_of(raw_schedule),
+        fleet_running=sum(s.in_flight for s in workers.values() if s is not None and s.state != "stopped"),
     )
 
 

@@ -116,7 +116,9 @@ def job_panel(r: JobReport) -> Panel:
     eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}" if p.elapsed_s > 0
                else "  · not started")
     out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {plural(p.shard_records, 'record')})", style="dim")
-    lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    share = Text(f"priority {p.priority}" + (f" (weight {p.weight:g})" if p.weight != 1 else "")
+                 + (f" · {100 * p.share:.0f}% of the fleet's requests in flight" if p.share else ""), style="dim")
+    lines: list[RenderableType] = [head, bar, counts, speed, eta, share]
     if p.blocked:
         lines.append(Text(p.blocked, style="bold red"))
     if p.tail:

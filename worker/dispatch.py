@@ -114,7 +114,8 @@ class Dispatcher:
             for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
-            if (self._can_send() and (want := self._want()) > 0 and self.todo.backlog.waiting
+            if (self._can_send() and not self.flags.hold_back and (want := self._want()) > 0
+                    and self.todo.backlog.waiting
                     and (want >= claim_step(self.controller.target) or not self.todo.ready)):
                 await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
@@ -175,7 +176,8 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
-            if self.todo.backlog.waiting and self._want() >= claim_step(self.controller.target):
+            if (self.todo.backlog.waiting and not self.flags.hold_back
+                    and self._want() >= claim_step(self.controller.target)):
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 
@@ -189,13 +191,14 @@ class Dispatcher:
     def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
         """Records the answer, or returns why it is not what the request asked for (answers.py)."""
         held = task.batch
+        latency = time.monotonic() - task.progress.started
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
-                           attempts=task.lost + task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
+                           attempts=task.lost + task.attempts + 1, latency_s=latency,
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
             return result
         self.writer.add_result(result, sent.incarnation)
-        self.rates.add(c.usage.completion_tokens)
+        self.rates.add(c.usage.completion_tokens, latency)
         if self.brake is not None:
             self.brake.succeeded(task)
         return None

@@ -44,7 +44,9 @@ from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.parking import parking_of
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
+from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
+from genq.worker.tail import TailWatch
 from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
@@ -83,6 +85,13 @@ class Engine:
                                 self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
+        # Priorities and fair share: which held prompts go first, and when to take one more batch.
+        self.shares = Shares(self.redis, self.stealer.queue_key,
+                             lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed})
+        self.loops.shares = self.shares
+        self.dispatcher.todo.plan = self.shares.plan
+        self.tail = TailWatch(self.redis, self.name, self.stealer.queue_key, self.flags, self.dispatcher,
+                              lambda: bool(self.held or self.stealer.borrowed))
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
                                               GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
@@ -132,7 +141,7 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
-                    self.stealer.run(), self.parking.run())]
+                    self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:

@@ -142,6 +142,7 @@ class Heartbeat:
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
             model=self.watch.info.model if self.watch.info else None,
+            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,
         )
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:

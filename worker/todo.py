@@ -39,6 +39,8 @@ class Todo:
         # Claimed prompts of let-go batches that will not be sent here: their claims go.
         self._let_go: dict[HeldBatch, set[str]] = {}
         self._next_claim_note = 0.0
+        # Which jobs' prompts are claimed first (worker/shares.py Shares.plan); None: oldest batch first.
+        self.plan: Callable[[dict[str, int], int], list[tuple[str, int]]] | None = None
 
     def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         """A leased batch's prompts: claimed as slots free."""
@@ -58,7 +60,7 @@ class Todo:
     async def claim(self, n: int, skip_jobs: set[str]) -> None:
         """Claim up to n prompts of the backlog into `ready` (Redis away: again in a second)."""
         try:
-            self.ready.extend(await self.backlog.claim(n, skip_jobs))
+            self.ready.extend(await self.backlog.claim(n, skip_jobs, self.plan))
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
                 log.warning("cannot claim prompts (%s); trying again shortly", exc)

@@ -152,7 +152,10 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
-    """Jobs with prompts total/done/failed, batches and paused state.
+    """Jobs with priority, share of the fleet, prompts total/done/failed, batches and paused state.
+
+    share is the job's part of the requests running on the fleet now; priority (and
+    weight, when not 1) decide it: docs/scheduling.md.
 
     done sums the workers' counters, failed is the dead-letter queue's size
     (`genq dlq`), remaining = total - done - failed. `genq jobs delete JOB`
@@ -170,13 +173,16 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         click.echo("no jobs (queue some with `genq enqueue`)")
         return
     table = Table(show_edge=False, header_style="bold")
-    for col in ("job", "state", "total", "done", "failed", "remaining", "batches", "workers", "output"):
-        table.add_column(col, justify="right" if col in ("total", "done", "failed", "remaining") else "left",
-                         no_wrap=True)
+    for col in ("job", "state", "priority", "share", "total", "done", "failed", "remaining", "batches", "workers",
+                "output"):
+        table.add_column(col, justify="right" if col in ("priority", "share", "total", "done", "failed",
+                                                          "remaining") else "left", no_wrap=True)
     for r in rows:
         pct = f" ({_floor_percent(r.done, r.total)})" if r.total else ""
-        table.add_row(r.name, r.state, f"{r.total:,}", f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}",
-                      f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
+        prio = f"{r.priority}" + (f" w{r.weight:g}" if r.weight != 1 else "")
+        table.add_row(r.name, r.state, prio, f"{100 * r.share:.0f}%" if r.running else "-", f"{r.total:,}",
+                      f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}", f"{r.batches_done}/{r.batches}",
+                      str(len(r.workers)), r.output or "?")
     console = _console()
     console.print(table)
     for r in rows:

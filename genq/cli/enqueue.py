@@ -18,6 +18,7 @@ import redis
 from genq.cli import JobName, settings
 from genq.cli.readprogress import ReadProgress
 from genq.core import keys
+from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
@@ -62,12 +63,17 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                    "that range themselves (a ranged GET on S3; for a local path, every worker must be able to read "
                    "it at the same absolute path). Needs uncompressed JSONL. Inline: the prompts go into Redis, "
                    "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
+@click.option("--priority", type=int, default=None,
+              help="Scheduling priority, higher first: no worker starts a lower-priority prompt while one of this job "
+                   "waits (docs/scheduling.md). Changeable: genq jobs set JOB --priority N. [default: 0]")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
 @click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
               "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
             prompt_column: str | None, id_column: str | None, by_reference: bool | None, dry_run: bool,
-            **options: object) -> None:
+            priority: int | None, weight: float | None, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -119,6 +125,11 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         except BaseException:
             rejects.discard()
             raise
+        if summary.enqueued or (not create and (priority is not None or weight is not None)):
+            if priority is not None or weight is not None:
+                set_schedule(conn, job, priority, weight)  # and the queue in order again
+            else:
+                order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:

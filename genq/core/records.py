@@ -55,6 +55,15 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     brake: bool = True
 
 
+class JobSchedule(msgspec.Struct, omit_defaults=True):
+    """How a job shares the fleet (keys.job_schedule; docs/scheduling.md). Not a generation setting:
+    nothing of it is sent with a request, so changing it is no settings version and resets no brake."""
+
+    priority: int = 0  # higher first: no worker claims a lower-priority prompt while one of this waits
+    weight: float = 1.0  # among jobs of equal priority: prompts claimed in proportion to it
+    changed_at: float = 0.0
+
+
 class JobBlock(msgspec.Struct, omit_defaults=True):
     """Why a job is blocked (keys.job_blocked): its settings cannot work against its server, so its
     prompts stay queued instead of being dead-lettered one by one (docs/settings.md)."""
@@ -309,6 +318,10 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # monitor's per-job table shows these, so one job's errors do not show on the next.
     job_errors: dict[str, int] = {}
     model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
+    # Measured per-request speed (worker/tail.py): seconds per output token of one request, and the
+    # mean output tokens of its requests (moving averages over its recent completions).
+    token_s: float | None = None
+    mean_tokens: float | None = None
 
 
 class Control(msgspec.Struct, omit_defaults=True):
