@@ -43,8 +43,9 @@ from common import PY, ROOT, Sim, conditions, table, write_prompts
 from footprint import Filler, PrivateRedis
 
 from genq.core import keys
+from genq.core.luapack import lua_list
 from genq.core.records import BatchRef, InFlight, WorkerStatus, pack
-from genq.worker.claims import ALIVE_PREFIX, ALIVE_SUFFIX, CLAIM
+from genq.worker.claims import ALIVE_PREFIX, ALIVE_SUFFIX, CLAIM, Claims
 from genq.worker.results import RECORD_SCRIPT, record_call
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=64)
@@ -137,14 +138,14 @@ def fleet_worker(url: str, job: str, name: str, batches: list, a: argparse.Names
     for batch in batches:
         filler.lease([batch], instance)  # ACQUIRE (and the LREM standing for RQ's pop)
         ref = BatchRef(job, batch.id)
-        claim_keys = [keys.batch_claims(job, batch.id), keys.batch_results(job, batch.id), keys.job_dlq(job),
-                      keys.job_done(job)]
+        claim_keys = Claims._keys(ref)  # the worker's own keys and arguments (the job's incarnation is "")
         ids = [p.id for p in batch.prompts]
         for i in range(0, len(ids), a.claim_chunk):
-            claim(keys=claim_keys, args=[batch.id, instance, ALIVE_PREFIX, ALIVE_SUFFIX, *ids[i:i + a.claim_chunk]])
+            claim(keys=claim_keys, args=[batch.id, instance, ALIVE_PREFIX, ALIVE_SUFFIX, "", f"tok-{batch.id}",
+                                         lua_list(ids[i:i + a.claim_chunk])])
         for i in range(0, len(batch.prompts), a.record_chunk):
             results = filler.results(batch, batch.prompts[i:i + a.record_chunk], name)
-            script_keys, args = record_call(job, batch.id, name, repr(time.time()), results, [])
+            script_keys, args = record_call(job, batch.id, name, repr(time.time()), results, [], "")
             record(keys=script_keys, args=args)
         for _ in range(beats_per_batch):
             heartbeat(conn, name, instance, ref)

@@ -241,10 +241,16 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
                 for r in records[i:i + 5]:
                     writer.add_result(r, INCARNATION)
                 if i in (5, 15):
-                    # Every client but this test's own is dropped, the writer's included.
+                    # Every client but this test's own is dropped, and none may connect again for a while
+                    # (else redis-py reconnects by itself): what the writer keeps in memory is tested here.
+                    rconn.config_set("maxclients", 1)
                     assert rconn.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
                 for r in records[i:i + 3]:
                     writer.add_result(r, INCARNATION)  # and some are sent twice, as after a lost reply
+                if i in (5, 15):
+                    while writer.last_error is None:
+                        await asyncio.sleep(0.01)
+                    rconn.config_set("maxclients", 10000)
                 errors += await stored_by(writer, task, errors_expected=True, within=60)
         finally:
             task.cancel()

@@ -21,6 +21,7 @@ from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
 from genq.core.timings import LEASE_CHECK_STALE_S
+from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.answers import Running, result_of
 from genq.worker.brake import Brake
@@ -36,7 +37,19 @@ log = logging.getLogger("genq.worker")
 
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
-CLAIM_AHEAD = 2
+# A quarter of the in-flight target (at least CLAIM_AHEAD_MIN), claimed in steps of half
+# that: one CLAIM call then covers a dozen prompts or so, not one (issue #29: Redis
+# commands per prompt).
+CLAIM_AHEAD_MIN = 2
+
+
+def claim_ahead(target: int) -> int:
+    return max(CLAIM_AHEAD_MIN, target // 4)
+
+
+def claim_step(target: int) -> int:
+    """Claims wait until this many prompts are wanted (unless nothing is ready to send)."""
+    return max(1, claim_ahead(target) // 2)
 
 
 class Dispatcher:
@@ -92,10 +105,7 @@ class Dispatcher:
     async def run(self) -> None:
         while True:
             timeout = max(0.0, self.todo.delayed[0][0] - time.monotonic()) if self.todo.delayed else None
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await wait_event(self.wake, timeout)  # not wait_for: a stop must not be swallowed (core/waits.py)
             self.wake.clear()
             now = time.monotonic()
             while self.todo.delayed and self.todo.delayed[0][0] <= now:
@@ -105,14 +115,16 @@ class Dispatcher:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
             if (self._can_send() and not self.flags.hold_back and (want := self._want()) > 0
-                    and self.todo.backlog.waiting):
+                    and self.todo.backlog.waiting
+                    and (want >= claim_step(self.controller.target) or not self.todo.ready)):
                 await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
     def _want(self) -> int:
-        """Prompts to claim now: the free slots and CLAIM_AHEAD more, less what is claimed."""
-        return self.controller.target + CLAIM_AHEAD - self.running.sequences - len(self.todo.ready) - len(self.todo.suspects)
+        """Prompts to claim now: the free slots and claim_ahead more, less what is claimed."""
+        target = self.controller.target
+        return target + claim_ahead(target) - self.running.sequences - len(self.todo.ready) - len(self.todo.suspects)
 
     def _take(self) -> Task | None:
         """The next prompt to send, if the in-flight window has room: a crash suspect
@@ -164,7 +176,8 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
-            if self.todo.backlog.waiting and len(self.todo.ready) < CLAIM_AHEAD and not self.flags.hold_back:
+            if (self.todo.backlog.waiting and not self.flags.hold_back
+                    and self._want() >= claim_step(self.controller.target)):
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 

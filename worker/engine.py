@@ -36,6 +36,7 @@ from genq.worker.dispatch import Dispatcher
 from genq.worker.finishing import BatchEnds
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Flags, Holdings, RateWindow
+from genq.worker.idle import WakeListener
 from genq.worker.leases import LeaseDesk, retrying
 from genq.worker.loops import RqLoops
 from genq.worker.maintenance import Maintenance
@@ -100,6 +101,7 @@ class Engine:
         self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
                                          self.stealer.written)
         self.handed_back = 0
+        self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace.woken, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
 
@@ -133,6 +135,7 @@ class Engine:
         )
         await self.heartbeat.beat()
         await asyncio.to_thread(self.maintenance.reconciler.drop_legacy_jobs)
+        self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/idle.py)
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
@@ -227,6 +230,7 @@ class Engine:
             pass
 
     async def _close(self) -> None:
+        await asyncio.to_thread(self.wake_listener.stop)
         self.completer.close()
         await self.client.close()
         await self.redis.aclose()

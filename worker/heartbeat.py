@@ -82,7 +82,7 @@ class Heartbeat:
         tick = time.monotonic()
         next_note = 0.0
         while True:
-            await asyncio.sleep(BEAT_S)
+            await (self.pace.tick(BEAT_S) if self.pace is not None else asyncio.sleep(BEAT_S))
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             now, last_tick = time.monotonic(), tick
             tick = now

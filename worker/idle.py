@@ -28,32 +28,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sized
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
-from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Holdings
+from genq.core.redisconn import connect
+from genq.core.waits import wait_event
+
+if TYPE_CHECKING:  # not imported at run time: the RQ loops import this module, and start fast (no aiohttp)
+    from genq.worker.dispatch import Dispatcher
+    from genq.worker.held import Holdings
 
 log = logging.getLogger("genq.worker")
 
 IDLE_AFTER_S = 5.0  # nothing held, running or borrowed this long: the idle pace
-IDLE_BEAT_S = 15.0  # an idle worker's heartbeat and control read
-IDLE_TTL_S = 45  # its liveness and status keys live this long (3 beats)
+IDLE_BEAT_S = 20.0  # an idle worker's heartbeat and control read
+IDLE_TTL_S = 60  # its liveness and status keys live this long (3 beats)
 IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
 IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup
 WORKERS_SET_EVERY_S = 60.0  # re-adding the worker to genq:workers (kept once added)
-# Blocking pops; under redis-py's health check (30 s), which would add a PING to each.
-POP_WAIT_S = 25  # an RQ loop's BLMOVE
-INBOX_WAIT_S = 25  # the engine's BLPOP on its inbox
+# Blocking pops. redis-py's health check (a PING on a connection unused for 30 s) is not
+# set off by them: the clock starts again when the pop's answer is read.
+POP_WAIT_S = 55  # an RQ loop's BLMOVE
+INBOX_WAIT_S = 55  # the engine's BLPOP on its inbox
 WOKEN_LOOK_S = 1.0  # an idle stealer woken looks at most this often
 ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) this often
-RQ_BEAT_EVERY_S = 60.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
+RQ_BEAT_EVERY_S = 120.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
 
 
 class IdlePace:
@@ -74,6 +80,7 @@ class IdlePace:
         # RQ entries of done batches must be found within seconds, not minutes.
         self.open_work = False
         self.announced_at = 0.0
+        self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
 
     def idle(self) -> bool:
         d = self.dispatcher
@@ -83,10 +90,16 @@ class IdlePace:
             return False
         return now - self.busy_at >= IDLE_AFTER_S
 
+    async def tick(self, seconds: float) -> None:
+        """The heartbeat's wait between its looks: `seconds`, or less when a beat is asked for."""
+        await wait_event(self.beat_now, seconds)
+
     def beat_due(self) -> bool:
         """Called every second by the heartbeat: beat now? (always, unless idle)."""
         now = time.monotonic()
-        if self.idle() and now - self.last_beat < IDLE_BEAT_S:
+        asked = self.beat_now.is_set()
+        self.beat_now.clear()
+        if not asked and self.idle() and now - self.last_beat < IDLE_BEAT_S:
             return False
         self.last_beat = now
         return True
@@ -104,22 +117,29 @@ class IdlePace:
     def maintenance_every(self, busy_s: float) -> float:
         return IDLE_MAINTENANCE_S if self.idle() else busy_s
 
-    async def nap(self, seconds: float) -> None:
+    async def nap(self, seconds: float) -> bool:
         """The stealer's wait between looks: `seconds`, or IDLE_LOOK_S while idle; a WAKE
-        message (also one that came during the last look) ends it early. Checks once a
-        second whether the engine is still idle (no Redis)."""
+        message (also one that came during the last look) ends it early: then True. Checks
+        once a second whether the engine is still idle (no Redis)."""
         start = time.monotonic()
         while True:
             if self.woken.is_set() and time.monotonic() - start >= WOKEN_LOOK_S:
                 self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
-                return
+                return True
             left = start + (IDLE_LOOK_S if self.idle() else seconds) - time.monotonic()
             if left <= 0:
-                return
-            try:
-                await asyncio.wait_for(self.woken.wait(), timeout=min(left, 1.0))
-            except TimeoutError:
-                pass
+                return False
+            await wait_event(self.woken, min(left, 1.0))
+
+    async def fresh_beat(self, last_beat: Callable[[], float], within: float = 3.0) -> None:
+        """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
+        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than the
+        dispatcher's LEASE_CHECK_STALE_S."""
+        before = last_beat()
+        self.beat_now.set()
+        deadline = time.monotonic() + within
+        while last_beat() == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def announce(self, conn: aioredis.Redis) -> None:
         """From a busy engine's heartbeat: while it holds prompts not yet sent and the queue
@@ -131,18 +151,50 @@ class IdlePace:
             if not await conn.llen(self.queue_key):
                 await wake_fleet(conn)
 
-    async def listen(self, conn: aioredis.Redis) -> None:
-        """Sets `woken` on each WAKE message; resubscribes after a lost connection."""
-        while True:
+
+class WakeListener:
+    """Sets `woken` on each WAKE message (genq:wake), from a thread of its own: a blocking read
+    of at most a second at a time, so a stop never waits on a read. (The asyncio pubsub read
+    this replaces, cancelled in the engine's task group, hung a --burst worker's exit.) No
+    health-check PINGs on its connection: an idle worker's Redis commands stay under one a
+    second; a lost connection shows as an error on the next read, and it subscribes again."""
+
+    def __init__(self, redis_url: str, woken: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+        self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
+        self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
+        self.woken = woken
+        self.loop = loop
+        self.subscribed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="genq-wake", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._conn.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
-                async with conn.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(keys.WAKE)
-                    async for message in pubsub.listen():
-                        if message and message.get("type") == "message":
-                            self.woken.set()
+                pubsub.subscribe(keys.WAKE)
+                self.subscribed.set()
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message and message.get("type") == "message":
+                        self.loop.call_soon_threadsafe(self.woken.set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
-                await asyncio.sleep(1.0)
+                self._stop.wait(1.0)
+            except RuntimeError:  # the engine's loop is closed: it has exited
+                return
+            finally:
+                self.subscribed.clear()
+                pubsub.close()
 
 
 async def wake_fleet(conn: aioredis.Redis) -> None:
@@ -176,18 +228,12 @@ class QuietPops:
     """An RQ worker mixin: between pops, RQ's worker-key heartbeat at most once a minute and
     its state written only when it changes. RQ writes both around every pop (6 commands a
     pop); the key lives worker_ttl + 60 s (480 s), and the state does not change while idle.
-    Each pop's connection is named for unblock_own_pop."""
+    The loop's connections carry its name (rqloop.main) for unblock_own_pop."""
 
     _popping: bool
     _beat_at: datetime | None = None
     name: str
     connection: redis.Redis
-
-    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        # Names the connection the pop runs on (the pool hands out the last one returned), so a
-        # stop can find and unblock it: RQ names one at its start, not always the one it pops on.
-        self.connection.client_setname(self.name)
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)  # type: ignore[misc]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         now = datetime.now()

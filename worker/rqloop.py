@@ -79,13 +79,23 @@ class EngineWorker(QuietPops, Worker):
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             pass
 
+    def run_maintenance_tasks(self) -> None:
+        """Only the worker registry (below): genq uses neither RQ's scheduler nor its groups."""
+        self.clean_registries()
+
     def clean_registries(self) -> None:
         """Not RQ's registry cleanup (wall clocks decide there: see the module docstring); only
-        the worker registry, whose entries expire by Redis TTL."""
+        the worker registry, whose entries expire by Redis TTL, and by one loop of the fleet at a
+        time (RQ's maintenance lock, left to expire: 15 minutes): it reads every loop's key."""
+        from rq.utils import now
         from rq.worker_registration import clean_worker_registry
 
         for queue in self.queues:
-            clean_worker_registry(queue)
+            if queue.acquire_maintenance_lock():
+                clean_worker_registry(queue)
+        # RQ's own sets this: without it RQ's maintenance (this, and a look at its groups) ran
+        # before every pop, 6 commands each (issue #29), rather than every maintenance_interval.
+        self.last_cleaned_at = now()
 
     def check_for_suspension(self, burst: bool) -> None:
         super().check_for_suspension(burst)
@@ -145,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[LOOP_PID_ENV] = str(os.getpid())
     # The URL comes through the environment: command lines are visible to every user (ps).
     conn = connect(os.environ[REDIS_ENV])
+    # Every connection of this loop carries its name, from its (re)connect on: a stop finds the
+    # one blocked in a pop by it (idle.unblock_own_pop), and no pop needs a CLIENT SETNAME.
+    conn.connection_pool.connection_kwargs["client_name"] = args.name
     _wait_for_redis(conn)
     worker = EngineWorker(
         [keys.QUEUE],

@@ -75,7 +75,9 @@ class Stealer:
     async def run(self) -> None:
         wait = STEAL_EVERY_S
         while True:
-            await self.pace.nap(wait)  # idle: until woken, or IDLE_LOOK_S
+            woken = await self.pace.nap(wait)  # idle: until woken, or IDLE_LOOK_S
+            if woken and time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S:
+                await self.pace.fresh_beat(lambda: self.flags.last_beat)  # idle: its last lease check is old
             try:
                 took = await self.pass_once()
             except (redis.RedisError, OSError) as exc:

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from genq.core.parentdeath import ask_for_signal_on_parent_death
+from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.server import HEALTH_TIMEOUT_S
 
@@ -77,12 +78,8 @@ class RestartPolicy:
 
 
 async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
-    """Sleep, waking early when `event` is set; True when it was set."""
-    try:
-        await asyncio.wait_for(event.wait(), seconds)
-        return True
-    except TimeoutError:
-        return False
+    """Sleep, waking early when `event` is set; True when it was set (core/waits.py: a stop is not swallowed)."""
+    return await wait_event(event, seconds)
 
 
 class LaunchError(Exception):

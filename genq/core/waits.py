@@ -1,0 +1,24 @@
+"""Waiting for an asyncio event with a timeout, in a task that must stay stoppable."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def wait_event(event: asyncio.Event, seconds: float | None) -> bool:
+    """Whether `event` was set within `seconds`.
+
+    Not asyncio.wait_for: on Python 3.11, a cancel that lands in the loop turn in which the
+    event is set is swallowed there (wait_for returns the result instead of raising), so a
+    task looping on it cannot be stopped, and the engine's TaskGroup waits for it for ever
+    (a --burst worker hung at its exit while WAKE messages came in). asyncio.timeout tells
+    its own cancel from anyone else's.
+    """
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
