@@ -133,7 +133,9 @@ class RqLoops:
         size = max((h.config.batch_size for h in self.held.values()), default=0)
         keep = reserve(base, size)
         unsent = self.dispatcher.unsent
-        if self.shares is not None and self.shares.wants_head(self.dispatcher.todo.by_job()):
+        # A job's next batch is fetched while half an in-flight window of it is still waiting here.
+        low = max(1, self.dispatcher.controller.target // 2)
+        if self.shares is not None and self.shares.wants_head(self.dispatcher.todo.by_job(), low):
             # The queue's next batch is of higher priority, or a job with nothing waiting here
             # (worker/shares.py): take it now, not after a held batch's long tail.
             return min(active + 1, max_loops(base)) if len(self.held) >= active else max(base, active)
