@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -27,6 +27,7 @@ from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
+from genq.monitor.speedcurve import fit_overhead
 from genq.ops.settings import describe_block
 
 # Only in --json: the same figures in unrounded seconds.
@@ -195,6 +196,9 @@ class Monitor:
             tracker = self.trackers.setdefault(snap.job, RateTracker(self.window_s))
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
+        if speed is not None:  # how a request's speed depends on its worker's count (monitor/speedcurve.py)
+            speed = replace(speed, overhead=fit_overhead(b for w in snap.workers if w.live_status is not None
+                                                         for b in w.live_status.decode))
         config = snap.config
         fleet = fleet_of(snap)
         est = estimate(

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
-from genq.worker.answers import Running, result_of
+from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
@@ -130,7 +130,7 @@ class Dispatcher:
             if task.batch.ref.job in self.flags.paused_jobs:
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
-            task.progress = Progress()
+            task.progress = Progress(meter=self.running.meter, sequences=samples(task.batch.config, task.prompt))
             task.cancel_reason = None
             return task
         return None

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from genq.core.records import Choice, Usage
+
+if TYPE_CHECKING:
+    from genq.worker.decoding import DecodeMeter
 
 
 @dataclass
@@ -27,6 +30,18 @@ class Progress:
     # all while a request is deferred, SGLang and vLLM send a stream's headers at
     # once but no event until the request runs. Time before it is queue time, not a stall.
     first_byte: float | None = None
+    # worker/decoding.py: the meter that books this request's streamed tokens (None: none), the
+    # sequences it is on the server (its n), and whether it has begun decoding (its first token).
+    meter: DecodeMeter | None = None
+    sequences: int = 1
+    decoding: bool = False
+
+    def advance(self, tokens: int) -> None:
+        """The request has made `tokens` output tokens so far (a stream's count)."""
+        if self.meter is None:
+            self.tokens = tokens
+        else:
+            self.meter.advance(self, tokens)
 
 
 
