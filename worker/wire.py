@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from genq.core.records import Choice, Usage
 
-if TYPE_CHECKING:
-    from genq.worker.decoding import DecodeMeter
+
+class Meter(Protocol):
+    """What books a stream's tokens (worker/decoding.py DecodeMeter)."""
+
+    def advance(self, progress: Progress, tokens: int) -> None: ...
 
 
 @dataclass
@@ -32,7 +35,7 @@ class Progress:
     first_byte: float | None = None
     # worker/decoding.py: the meter that books this request's streamed tokens (None: none), the
     # sequences it is on the server (its n), and whether it has begun decoding (its first token).
-    meter: DecodeMeter | None = None
+    meter: Meter | None = None
     sequences: int = 1
     decoding: bool = False
 
