@@ -82,6 +82,9 @@ TAIL_BATCHES_PER_WORKER = 3
 # of the fleet's work goes into the bulk. (The finish of the slowest of 8 is a
 # little earlier than that of the slowest of 64: a small optimism, for speed.)
 MAX_SIM_WORKERS = 8
+# Fewer queued prompts than this are all played out: a cached steady rate costs a few of
+# its batches per new length parameter, more than playing a small queue itself.
+TAIL_MIN = 512
 YIELD_EVERY = 256  # events _play plays between yields (a monitor refresh's unit of work)
 STEADY_BATCHES = 10  # batches one worker plays at least, to measure its steady rate
 MIN_SAMPLES = 20
@@ -116,7 +119,7 @@ def plan(model: LengthModel, fleet: Sequence[WorkerState], queue: int, batch_siz
     else:
         played, others = states, []
     share = len(played) / len(states)
-    tail_all = min(queue, b * TAIL_BATCHES_PER_WORKER * len(states))
+    tail_all = min(queue, max(b * TAIL_BATCHES_PER_WORKER * len(states), TAIL_MIN))
     tail = round(tail_all * share)
     bulk = queue - tail_all
     counts = Counter(_policy(w, b) for w in states)
