@@ -351,14 +351,14 @@ async def test_vllm_flavor_answers_the_context_as_vllm_0_32(sim: RunningSim, htt
     assert body["error"]["message"] == (
         "This model's maximum context length is 1024 tokens. However, your prompt contains at least 1025 "
         "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
-        "of the input prompt."), body
+        "of the input prompt. (parameter=input_tokens, value=1025)"), body
     assert (body["error"]["type"], body["error"]["param"], body["error"]["code"]) == \
         ("BadRequestError", "input_tokens", 400)
     async with http.post("/v1/chat/completions", json=chat("hello", stream=False, max_tokens=5000)) as resp:
         assert resp.status == 400
         body = await resp.json()
     assert body["error"]["message"] == ("max_tokens=5000 cannot be greater than max_model_len=1024. "
-                                        "Please request fewer output tokens."), body
+                                        "Please request fewer output tokens. (parameter=max_tokens, value=5000)"), body
     assert body["error"]["param"] == "max_tokens"
     async with http.post("/v1/chat/completions", json=chat("word " * 600, stream=False, max_tokens=1000)) as resp:
         assert resp.status == 200, await resp.text()

@@ -95,16 +95,20 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int) -> 
         # tokenizer cuts the prompt at context + 1 tokens, hence "at least"); a prompt that
         # fits gets max_tokens cut to what the context leaves (get_max_tokens in
         # entrypoints/serve/utils/api_utils.py), no error; none left is SamplingParams' 400.
+        # VLLMValidationError's str() (vllm/exceptions.py) ends "(parameter=..., value=...)".
         if max_new is not None and max_new > ctx:
             return error_response(flavor, 400, f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. "
-                                               f"Please request fewer output tokens.", param="max_tokens")
+                                               f"Please request fewer output tokens. (parameter=max_tokens, "
+                                               f"value={max_new})", param="max_tokens")
         if n_prompt > ctx:
             return error_response(
                 flavor, 400, f"This model's maximum context length is {ctx} tokens. However, your prompt contains "
                              f"at least {ctx + 1} input tokens, which exceeds this limit even without any output "
-                             f"tokens. Please reduce the length of the input prompt.", param="input_tokens")
+                             f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                             f"value={ctx + 1})", param="input_tokens")
         if n_prompt == ctx:
-            return error_response(flavor, 400, "max_tokens must be at least 1, got 0.")
+            return error_response(flavor, 400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                                  param="max_tokens")
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
     # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py
     if n_prompt >= ctx:
