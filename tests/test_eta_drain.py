@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import time
 
+from genq.core import keys
+from genq.core.decodefigures import ServerDecode
+from genq.core.records import unpack
 from genq.monitor.progress import Monitor
 from tests.audit import audit
 from tests.conftest import run_genq, write_prompts
@@ -57,6 +60,8 @@ def run_job(redis_url, tmp_path, worker, url, job: str, n: int, rconn=None) -> l
 def test_the_eta_knows_the_drain_of_a_compute_bound_server(redis_url, rconn, sim, worker, tmp_path):
     url = sim(**CPU_LIKE)
     run_job(redis_url, tmp_path, worker, url, "first", 150)  # its drain is what the workers learn
+    stored = rconn.get(keys.server_decode(url, "genq-sim/Sim-8B"))
+    assert stored and len(unpack(stored, ServerDecode).bins) > 3, "the first worker left no figures of the server"
     points = run_job(redis_url, tmp_path, worker, url, "second", 480, rconn)
     assert [at for at, _, _ in points] == list(AT), points
     errors = [None if eta is None else eta / left - 1 for _, eta, left in points]

@@ -52,8 +52,6 @@ from pathlib import Path
 # scripts/vllm/ is on sys.path when this runs as a script.
 from stack import HERE, OVER_CONTEXT, REFUSED, ROOT, Sampler, Stack, bare_run, genq_run, load, prompts
 
-import brakes  # scripts/llamacpp/ (stack.py puts it on sys.path): the brake's checks, one definition
-
 from genq.worker.controller import headroom
 
 CPU_DEFAULT_SEQS = 128  # vLLM's max_num_seqs on CPU (vllm/engine/arg_utils.py); on GPUs it differs
@@ -246,6 +244,8 @@ def main() -> int:
             if n > 0:
                 continue
             if "brakes" not in skip:
+                import brakes  # scripts/llamacpp/, on sys.path once stack.py is imported: one definition
+
                 brakes.run_all(stack, work, stack.requests_served, REFUSED[args.engine], OVER_CONTEXT[args.engine],
                                problems)
             if "fidelity" not in skip:
