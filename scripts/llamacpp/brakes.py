@@ -176,10 +176,14 @@ def cut_at_context(stack: Any, work: Path, problems: list[str]) -> None:
 def run_all(stack: Any, work: Path, served: Callable[[], float], refused: str, over_context: str,
             problems: list[str]) -> None:
     start = served()
-    for name, fn, args in (("preflight", preflight, (served,)), ("brake", brake, (refused,)),
-                           ("too long", too_long, (over_context,)), ("cut at the context", cut_at_context, ())):
+    checks: list[tuple[str, Callable[[], None]]] = [
+        ("preflight", lambda: preflight(stack, work, served, problems)),
+        ("brake", lambda: brake(stack, work, refused, problems)),
+        ("too long", lambda: too_long(stack, work, over_context, problems)),
+        ("cut at the context", lambda: cut_at_context(stack, work, problems))]
+    for name, check in checks:
         try:
-            fn(stack, work, *args, problems)
+            check()
         except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check; the next still run
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
     if served() <= start:  # the counter must see the requests of checks 2-4, or check 1 proves nothing
