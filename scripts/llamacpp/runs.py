@@ -218,6 +218,9 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                            "load": load(), "tok_s": p.output_tokens_per_sec,
                            # The estimator's inputs: one decoding request's speed, the fitted mean length.
                            "per_request_tok_s": report.speed.per_request if report.speed else None,
+                           # How a request's speed depends on the count decoding (monitor/speedcurve.py).
+                           "overhead": report.speed.overhead if report.speed else None,
+                           "decoding": report.speed.decoding if report.speed else None,
                            "fit_mean": report.estimate.model.mean() if report.estimate.model else None})
         if p.status == "done" or proc.poll() is not None:
             break
