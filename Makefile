@@ -7,16 +7,20 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test check test-llamacpp test-vllm mutation bench bench-eta install clean
+.PHONY: demo test test-fast check test-llamacpp test-vllm mutation bench bench-eta install clean
+
+# setuptools says "Editable installation ... folders with the same name as your package" for every
+# editable install through its import hook (pyproject.toml [tool.setuptools]); it is information only.
+QUIET_PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e .
+	$(QUIET_PIP) -e .
 	touch $@
 
 $(VENV)/.test-extras: $(BIN)/genq
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(QUIET_PIP) -e '.[test]'
 	touch $@
 
 install: $(BIN)/genq
@@ -33,10 +37,14 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.test-extras check
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
+# The fast tier: every test that starts no process (tests/conftest.py marks and guards the tiers).
+test-fast: $(VENV)/.test-extras check
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m fast
+
 # The house rules, measured: lint with import order, types, layers/sizes/circles.
 check: $(VENV)/.test-extras
 	$(BIN)/ruff check .
-	$(BIN)/mypy
+	$(BIN)/python scripts/typecheck.py
 	$(BIN)/python scripts/check_layout.py
 
 bench: $(BIN)/genq
@@ -71,17 +79,17 @@ test-vllm: $(BIN)/genq
 # tests that drive it (tests/test_commit.py), then the Lua commit script's own mutants
 # (tests/lua_mutants.py: mutmut does not look inside the string); config in pyproject.toml [tool.mutmut], survivors
 # explained in docs/mutation.md. Runs in a copy of the tree (.genq-mutation/, git-ignored) in which
-# worker/ is moved into genq/worker, because mutmut copies the genq/worker symlink as a plain folder.
+# worker/ is moved into genq/worker: mutmut mutates files under one source path (genq/).
 MUTATION_DIR := .genq-mutation
 
 $(VENV)/.mutation-extras: $(VENV)/.test-extras
-	$(BIN)/pip install --quiet -e '.[test,mutation]'
+	$(QUIET_PIP) -e '.[test,mutation]'
 	touch $@
 
 mutation: $(VENV)/.mutation-extras
 	rm -rf $(MUTATION_DIR) && mkdir -p $(MUTATION_DIR)
 	git ls-files -co --exclude-standard | tar cf - -T - | tar xf - -C $(MUTATION_DIR)
-	cd $(MUTATION_DIR) && rm genq/worker && mv worker genq/worker && \
+	cd $(MUTATION_DIR) && mv worker genq/worker && \
 	  ../$(BIN)/mutmut run --max-children $${MUTATION_JOBS:-2} > mutmut-run.log 2>&1; \
 	  ../$(BIN)/mutmut export-cicd-stats > /dev/null && ../$(BIN)/python -c \
 	  "import json; s = json.load(open('mutants/mutmut-cicd-stats.json')); \

@@ -181,8 +181,3 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[i] + (sorted_values[j] - sorted_values[i]) * (pos - i)
 
 
-def naive_remaining_tokens(total: int, completed: int, out_tokens: int) -> float:
-    """The biased figure the old monitor used: remaining prompts x average finished length."""
-    if completed <= 0:
-        return math.nan
-    return (total - completed) * out_tokens / completed

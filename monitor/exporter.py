@@ -103,34 +103,42 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
+# Each per-job gauge and the JobProgress field it shows: the one mapping from the monitor's record
+# (which `--json`, the terminal view and the web page read as it is) to Prometheus.
+JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("genq_job_prompts", "Prompts enqueued", "total"),
+    ("genq_job_prompts_completed", "Prompts with a result", "completed"),
+    ("genq_job_prompts_failed", "Prompts in the dead-letter queue", "failed"),
+    ("genq_job_prompts_in_flight", "Prompts being generated now", "in_flight"),
+    ("genq_job_prompts_queued", "Prompts not started (queued, held unsent, or elsewhere)", "queued"),
+    ("genq_job_prompts_held", "Unsent prompts in batches workers hold", "held"),
+    ("genq_job_batches", "Batches enqueued", "batches_total"),
+    ("genq_job_batches_written", "Batches whose shard is written", "batches_done"),
+    ("genq_job_batches_held", "Batches held by live workers", "held_batches"),
+    ("genq_job_batches_queued", "The job's batches in RQ's queue", "queued_batches"),
+    ("genq_job_batches_elsewhere", "Batches neither written, held nor queued (retrying, failed in RQ, orphaned)",
+     "other_batches"),
+    ("genq_job_prompts_per_second", "Prompts finished per second (recent window; whole run once done)",
+     "rate_per_sec"),
+    ("genq_job_output_tokens_per_second", "Output tokens per second (recent window; whole run once done)",
+     "output_tokens_per_sec"),
+    ("genq_job_eta_seconds", "Estimated seconds until the job is done (median)", "eta_s"),
+    ("genq_job_eta_low_seconds", "Low end of the ETA's 90% range", "eta_low_s"),
+    ("genq_job_eta_high_seconds", "High end of the ETA's 90% range", "eta_high_s"),
+    ("genq_job_expected_output_tokens", "Fitted mean completion length (running ones included)",
+     "expected_output_tokens"),
+    ("genq_job_remaining_output_tokens", "Expected output tokens still to generate", "remaining_output_tokens"),
+    ("genq_job_shards", "Shards written", "shards"),
+    ("genq_job_shard_bytes", "Bytes of shards written", "s3_bytes"),
+    ("genq_job_workers", "Live workers working on the job", "workers"),
+    ("genq_job_workers_lost", "Workers of the job whose heartbeat expired", "workers_lost"),
+)
+
+
 def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     J = ["job"]
-    fams = {
-        "total": _gauge("genq_job_prompts", "Prompts enqueued", J),
-        "completed": _gauge("genq_job_prompts_completed", "Prompts with a result", J),
-        "failed": _gauge("genq_job_prompts_failed", "Prompts in the dead-letter queue", J),
-        "in_flight": _gauge("genq_job_prompts_in_flight", "Prompts being generated now", J),
-        "queued": _gauge("genq_job_prompts_queued", "Prompts not started (queued, held unsent, or elsewhere)", J),
-        "held": _gauge("genq_job_prompts_held", "Unsent prompts in batches workers hold", J),
-        "batches": _gauge("genq_job_batches", "Batches enqueued", J),
-        "batches_done": _gauge("genq_job_batches_written", "Batches whose shard is written", J),
-        "batches_held": _gauge("genq_job_batches_held", "Batches held by live workers", J),
-        "batches_queued": _gauge("genq_job_batches_queued", "The job's batches in RQ's queue", J),
-        "batches_other": _gauge("genq_job_batches_elsewhere",
-                                "Batches neither written, held nor queued (retrying, failed in RQ, orphaned)", J),
-        "rate": _gauge("genq_job_prompts_per_second", "Prompts finished per second (recent window; whole run once done)", J),
-        "tok_s": _gauge("genq_job_output_tokens_per_second", "Output tokens per second (recent window; whole run once done)", J),
-        "eta": _gauge("genq_job_eta_seconds", "Estimated seconds until the job is done (median)", J),
-        "eta_low": _gauge("genq_job_eta_low_seconds", "Low end of the ETA's 90% range", J),
-        "eta_high": _gauge("genq_job_eta_high_seconds", "High end of the ETA's 90% range", J),
-        "expected": _gauge("genq_job_expected_output_tokens", "Fitted mean completion length (running ones included)", J),
-        "remaining": _gauge("genq_job_remaining_output_tokens", "Expected output tokens still to generate", J),
-        "shards": _gauge("genq_job_shards", "Shards written", J),
-        "shard_bytes": _gauge("genq_job_shard_bytes", "Bytes of shards written", J),
-        "workers": _gauge("genq_job_workers", "Live workers working on the job", J),
-        "lost": _gauge("genq_job_workers_lost", "Workers of the job whose heartbeat expired", J),
-        "tail": _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)", J),
-    }
+    fams = {field: _gauge(name, doc, J) for name, doc, field in JOB_GAUGES}
+    tail = _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)", J)
     in_tok = CounterMetricFamily("genq_job_input_tokens", "Prompt tokens of finished prompts", labels=J)
     out_tok = CounterMetricFamily("genq_job_output_tokens", "Completion tokens of finished prompts", labels=J)
     status = _gauge("genq_job_status", "1 for the job's status, 0 for the others", ["job", "status"])
@@ -140,19 +148,11 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     for r in reports:
         p = r.progress
         lab = [p.job]
-        values = {
-            "total": p.total, "completed": p.completed, "failed": p.failed, "in_flight": p.in_flight,
-            "queued": p.queued, "held": p.held, "batches": p.batches_total, "batches_done": p.batches_done,
-            "batches_held": p.held_batches, "batches_queued": p.queued_batches, "batches_other": p.other_batches,
-            "rate": p.rate_per_sec, "tok_s": p.output_tokens_per_sec,
-            "eta": p.eta_s, "eta_low": p.eta_low_s, "eta_high": p.eta_high_s,
-            "expected": p.expected_output_tokens, "remaining": p.remaining_output_tokens,
-            "shards": p.shards, "shard_bytes": p.s3_bytes, "workers": p.workers, "lost": p.workers_lost,
-            "tail": p.tail is not None,
-        }
-        for key, value in values.items():
+        for field, fam in fams.items():
+            value = getattr(p, field)
             if value is not None:  # unknown stays absent rather than a made-up 0
-                fams[key].add_metric(lab, float(value))
+                fam.add_metric(lab, float(value))
+        tail.add_metric(lab, float(p.tail is not None))
         in_tok.add_metric(lab, float(p.total_input_tokens))
         out_tok.add_metric(lab, float(p.total_output_tokens))
         for job_state in JOB_STATUSES:
@@ -162,6 +162,7 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
         for reason in BLOCK_REASONS:
             blocked.add_metric([p.job, reason], float(p.blocked_reason == reason))
     yield from fams.values()
+    yield tail
     yield in_tok
     yield out_tok
     yield status

@@ -19,14 +19,15 @@ import msgspec
 import redis
 
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
-from genq.core.prefetch import MAX_EXTRA_LOOPS
+from genq.core.prefetch import max_loops, reserve
+from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.snapshot import JobSnapshot, WorkerView, list_job_names, read_job, read_queue, read_workers
+from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
 from genq.monitor.speedcurve import fit_overhead
 from genq.ops.settings import describe_block
 
@@ -152,7 +153,7 @@ class Monitor:
     def job_names(self) -> list[str]:
         if self.job is not None:
             return [self.job]
-        return list_job_names(self.conn)
+        return list_jobs(self.conn)
 
     def current(self, max_age: float) -> list[JobReport]:
         """The last reports while younger than max_age seconds, else fresh ones: a scrape or a page
@@ -213,10 +214,9 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
 
 
-# genq worker's batch-taking policy (worker/loops.py RqLoops.desired, constants in
+# genq worker's batch-taking policy (worker/loops.py RqLoops.desired, its rule in
 # genq.core.prefetch): it holds --prefetch batches (published in WorkerStatus.prefetch),
-# and takes one more, up to MAX_EXTRA_LOOPS more, while its unsent prompts are below
-# (prefetch - 1) batches' worth.
+# and takes one more, up to max_loops, while its unsent prompts are below the reserve.
 
 
 def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
@@ -243,8 +243,8 @@ def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
         fleet.append(WorkerState(
             slots=w.slots,
             leases=leases,
-            max_leases=leases if draining else leases + MAX_EXTRA_LOOPS,
-            reserve=0 if draining else (prefetch - 1) * size,
+            max_leases=leases if draining else max_loops(leases),
+            reserve=0 if draining else reserve(prefetch, size),
             running=tuple(w.running_tokens),
             ready=w.inflight.queued if w.inflight is not None else 0,
             held=len(w.held_unfinished),

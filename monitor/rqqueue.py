@@ -17,11 +17,10 @@ from collections import Counter
 
 import redis
 
-from genq.core.queueing import rq_queue
+from genq.core.queueing import job_in_description, rq_queue
 
 QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts come from the first ones
 WINDOW = 64  # ids read at each end of the list per refresh (more when more were appended)
-DESCRIPTION = "genq batch "
 
 
 class QueueMirror:
@@ -142,8 +141,7 @@ class QueueMirror:
                     pipe.hget(job_key(rq_id), "description")
                 for rq_id, raw in zip(chunk, pipe.execute()):
                     text = raw.decode(errors="replace") if raw else ""
-                    named = text.startswith(DESCRIPTION) and "/" in text
-                    self._count(rq_id, text[len(DESCRIPTION):].split("/", 1)[0] if named else None)
+                    self._count(rq_id, job_in_description(text))
 
     def _count(self, rq_id: str, job: str | None) -> None:
         self._job[rq_id] = job

@@ -1,6 +1,6 @@
 """Read one job's state out of Redis in a few pipelined round trips.
 
-Truth for totals (see CONTEXT): total = job_stats "total"; completed = sum of
+Truth for totals: total = job_stats "total"; completed = sum of
 the workers' "done" counters; failed = current dead letters (HLEN job_dlq);
 tokens = sums of the workers' counters. Running requests and their token
 counts come from the workers' InFlight records (TTL 5 s), worker health from
@@ -146,10 +146,6 @@ class JobSnapshot:
     def other_batches(self) -> int:
         """Batches neither written, held nor queued: retrying, failed in RQ, or orphaned by a lost worker."""
         return max(0, self.batches_total - self.batches_done - self.batches_held - self.batches_queued)
-
-    @property
-    def all_written(self) -> bool:
-        return self.batches_done >= self.batches_total
 
     @property
     def generated_tokens(self) -> int:
@@ -328,10 +324,6 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
             held += 1
             view.held_unfinished.append(max(0, batch_size - int(replies[2 * i + 1])))
     return held
-
-
-def list_job_names(conn: redis.Redis) -> list[str]:
-    return sorted(n.decode() for n in conn.smembers(keys.JOBS))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from genq.core.health import NO_HEARTBEAT
 from genq.core.words import plural
 from genq.monitor.progress import JobReport, WorkerReport
 
@@ -171,5 +172,5 @@ def bottleneck_lines(workers: list[WorkerReport]) -> list[RenderableType]:
             lines.append(Text.assemble(("bottleneck ", "bold yellow"), (w.name, "bold"), f": {b}"))
     if lost:
         shown = ", ".join(lost[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
-        lines.append(Text.assemble(("lost ", "bold red"), f"{shown}: no heartbeat for 15 s"))
+        lines.append(Text.assemble(("lost ", "bold red"), f"{shown}: {NO_HEARTBEAT}"))
     return lines

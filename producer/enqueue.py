@@ -32,7 +32,16 @@ import redis
 
 from genq.core import batches as batch_records
 from genq.core import keys
-from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, batch_id, lookup_ids, stage_config, write_batches
+from genq.core.queueing import (
+    ID_NEW,
+    ID_OTHER,
+    ID_SAME,
+    batch_id,
+    batch_number,
+    lookup_ids,
+    stage_config,
+    write_batches,
+)
 from genq.core.records import BatchSource, InputRange, JobConfig, JobRecord, Rejected, unpack
 from genq.ops import recover
 from genq.output import truth
@@ -109,7 +118,7 @@ class Enqueuer:
                                  f"with other settings: its shards stay and are not counted as done for this one")
             self._floor = on_disk.reserved
         written = truth.marker_batches(self._store, self.config.name)  # an output of a genq without job.json
-        self._floor = max([self._floor, self._record.reserved, *map(recover.batch_number, written)])
+        self._floor = max([self._floor, self._record.reserved, *map(batch_number, written)])
         self._record = msgspec.structs.replace(self._record, config=self.config)
 
     def _reach_output(self, action: Callable[[], Any]) -> Any:
@@ -126,7 +135,7 @@ class Enqueuer:
 
     def _reserve(self, last_batch: str) -> None:
         """job.json says the batch numbers about to be queued may be in use, before they are."""
-        upto = recover.batch_number(last_batch)
+        upto = batch_number(last_batch)
         if upto > self._record.reserved or not set(self._inputs) <= set(self._record.inputs):
             record = msgspec.structs.replace(self._record, config=self.config,
                                              inputs=sorted(set(self._record.inputs) | set(self._inputs)))

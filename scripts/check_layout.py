@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import ast
-import os
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,22 +28,21 @@ ALLOWED = {
 }
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def package_folders() -> dict[str, Path]:
+    """Package name -> folder: genq/ and the top-level folders pyproject.toml's package-dir maps into it."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {"genq": PACKAGE, **{name: ROOT / folder for name, folder in config["package-dir"].items()}}
 
 
 def genq_files() -> dict[str, Path]:
-    """Every module of the package, through its linked subpackages (producer/ worker/ monitor/)."""
+    """Every module of the installed package, by its dotted name."""
     found = {}
-    for folder, _dirs, files in os.walk(PACKAGE, followlinks=True):  # rglob does not follow the links
-        for file in files:
-            if file.endswith(".py"):
-                path = Path(folder) / file
-                found[module_name(path)] = path
+    for package, folder in package_folders().items():
+        for path in folder.rglob("*.py"):
+            parts = [*package.split("."), *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
     return dict(sorted(found.items()))
 
 

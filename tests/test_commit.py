@@ -319,6 +319,7 @@ def test_length_buckets_are_four_per_doubling_and_bounds_invert_them():
 
 
 
+@pytest.mark.e2e  # starts a process
 def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp_path):
     """Several failed writes in a row (nothing listens yet), then Redis starts on that port: all stored once."""
     import logging

@@ -65,7 +65,9 @@ def test_a_worker_on_another_model_takes_nothing_of_a_job(redis_url, rconn, sim,
 def test_two_jobs_on_two_models_run_at_once_each_on_its_own_servers(redis_url, rconn, sim, worker, tmp_path):
     ids_a, out = enqueue(tmp_path, redis_url, "ja", 40, "--model", "model-A")
     ids_b, _ = enqueue(tmp_path, redis_url, "jb", 40, "--model", "model-B")
-    server_a, server_b = served(sim, "model-A"), served(sim, "model-B")
+    # ja's server is slow (~10 s for its 40 prompts): a worker starting a few seconds late on a loaded
+    # machine must not read as jb waiting behind ja (it did at load 12 with ~1 s for ja).
+    server_a, server_b = served(sim, "model-A", step_ms_base=400), served(sim, "model-B")
     workers = [worker(server_a, "--burst", name="wa"), worker(server_b, "--burst", name="wb")]
     for w in workers:
         assert w.wait(timeout=180) == 0, w.log()

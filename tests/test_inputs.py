@@ -136,11 +136,3 @@ def test_producer_killed_mid_enqueue_then_run_again_queues_each_prompt_once(redi
     assert len(queued) == n and sorted(queued) == ids, "each prompt in exactly one batch"
     assert int(rconn.hget(keys.job_stats("crash"), "total")) == n == rconn.hlen(keys.job_ids("crash"))
     assert rconn.zcard(keys.job_batches("crash")) == int(rconn.hget(keys.job_stats("crash"), "batches"))
-
-
-def test_batch_records_written_by_genq_0_1_are_still_read():
-    from genq.core.records import Batch, Prompt, pack
-
-    old = Batch(job="old", id="b0000001", prompts=[Prompt(id="a", index=0, prompt="hi")], created_at=1.0)
-    record = batches.decode(pack(old))
-    assert record.count == 1 and batches.ids(record) == ["a"] and batches.inline_prompts(record)[0].prompt == "hi"

@@ -235,6 +235,7 @@ def test_serve_over_http_during_and_after_a_real_run(tmp_path: Path, redis_url, 
     assert last["total"] == 60
 
 
+@pytest.mark.e2e  # starts a process
 def test_listen_addresses() -> None:
     assert parse_listen(":9108") == ("0.0.0.0", 9108)
     assert parse_listen("127.0.0.1:9108") == ("127.0.0.1", 9108)

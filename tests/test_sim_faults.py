@@ -190,6 +190,7 @@ async def test_info_endpoints(sim: RunningSim, http: aiohttp.ClientSession) -> N
         assert 'sglang:num_running_reqs{model_name="served"} 0.0' in await resp.text()
 
 
+@pytest.mark.e2e  # starts a process
 def test_cli_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "genq", "sim", "--port", "0", "--max-running-requests", "7"],

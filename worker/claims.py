@@ -12,6 +12,10 @@ heartbeats (keys.engine_alive); an outcome recorded for the prompt ends it
 whose lease was superseded (it froze, the batch went round again) holds nothing up, even
 once it beats again: its claims, and those taken from it, are void under the new lease.
 
+A claim taken over from another (its engine stopped beating, its lease is over) is a try
+lost: the scripts count it in keys.batch_tries, in the same call, and tell the new sender, so
+a record's `attempts` counts it (Task.lost). Only such a take-over touches that hash.
+
 Nothing here weakens exactly once: outcomes are still written once (first writer
 wins). Claims only keep two live engines from generating the same prompt.
 """
@@ -32,7 +36,7 @@ from genq.worker.held import HeldBatch, Task
 # A claim's owner is alive while ALIVE_PREFIX .. owner .. ALIVE_SUFFIX exists.
 ALIVE_PREFIX, ALIVE_SUFFIX = keys.engine_alive("\0").split("\0")
 
-# KEYS (every script): claims, results, dlq, done, leases, config
+# KEYS (every script): claims, results, dlq, done, leases, config, tries
 # ARGV (every script): batch, me, alive prefix, alive suffix, incarnation, then the script's own
 _HELPERS = INCARNATION_LUA + """
 local function finished(id)
@@ -51,55 +55,66 @@ local function claimable(id, me, lease)
   if not lease or token ~= lease then return true end  -- taken under a lease that is over: void
   return owner == me or redis.call('EXISTS', ARGV[3] .. owner .. ARGV[4]) == 0
 end
+-- Claim a claimable id for mine ("ME LEASE"); the tries lost on it so far: a claim there that
+-- is not mine is one more (its engine stopped beating or its lease is over, its outcome never came).
+local function take(id, mine)
+  local claim = redis.call('HGET', KEYS[1], id)
+  redis.call('HSET', KEYS[1], id, mine)
+  if claim and claim ~= mine then return redis.call('HINCRBY', KEYS[7], id, 1) end
+  return 0
+end
 """
 
 # ARGV: ..., my lease token, id...
 # -> 'done'; 'stale' (not this incarnation, or not my lease: the lease check decides);
-#    or one letter per id: c (claimed: send it), t (taken by another live engine), f (finished)
+#    or {one letter per id: c (claimed: send it), t (taken by another live engine), f (finished),
+#        then (position, tries lost) for each claimed id that has lost any}
 CLAIM = _HELPERS + """
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return 'done' end
 local lease = current_lease()
 if lease ~= ARGV[6] or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end
 local mine = ARGV[2] .. ' ' .. lease
-local out = {}
+local out, answer = {}, {''}
 for i = 7, #ARGV do
   local id = ARGV[i]
   if finished(id) then
     out[#out + 1] = 'f'
   elseif claimable(id, ARGV[2], lease) then
-    redis.call('HSET', KEYS[1], id, mine)
+    local tries = take(id, mine)
+    if tries > 0 then answer[#answer + 1] = i - 6; answer[#answer + 1] = tries end
     out[#out + 1] = 'c'
   else
     out[#out + 1] = 't'
   end
 end
-return table.concat(out)
+answer[1] = table.concat(out)
+return answer
 """
 
 # KEYS: ..., the holder's alive key
 # ARGV: ..., n, batch size, id... (the back of the batch first)
-# -> the ids claimed (at most n), under the batch's current lease: unclaimed ones, or claimed
-#    by an engine that stopped beating or under a lease that is over.
+# -> {the ids claimed (at most n), under the batch's current lease: unclaimed ones, or claimed
+#    by an engine that stopped beating or under a lease that is over; the tries each had lost}
 STEAL = _HELPERS + """
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return {} end
 local lease = current_lease()
 if not lease or not incarnation_ok(KEYS[6], ARGV[5]) then return {} end
 -- Cheap answer for the common case (a live holder, every prompt claimed or finished).
-if redis.call('EXISTS', KEYS[7]) == 1 and
+if redis.call('EXISTS', KEYS[8]) == 1 and
    tonumber(ARGV[7]) - redis.call('HLEN', KEYS[1]) - redis.call('HLEN', KEYS[2]) <= 0 then
   return {}
 end
 local mine = ARGV[2] .. ' ' .. lease
-local n, taken = tonumber(ARGV[6]), {}
+local n, taken, lost = tonumber(ARGV[6]), {}, {}
 for i = 8, #ARGV do
   if #taken >= n then break end
   local id = ARGV[i]
   if not finished(id) and redis.call('HGET', KEYS[1], id) ~= mine and claimable(id, ARGV[2], lease) then
-    redis.call('HSET', KEYS[1], id, mine)
+    lost[#lost + 1] = take(id, mine)
     taken[#taken + 1] = id
   end
 end
-return taken
+return {taken, lost}
 """
 
 # KEYS: claims, config; ARGV: me, incarnation, id... (none: every claim of mine in the batch)
@@ -137,28 +152,34 @@ class Claims:
     @staticmethod
     def _keys(ref: BatchRef) -> list[str]:
         return [keys.batch_claims(ref.job, ref.batch), keys.batch_results(ref.job, ref.batch),
-                keys.job_dlq(ref.job), keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_config(ref.job)]
+                keys.job_dlq(ref.job), keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_config(ref.job),
+                keys.batch_tries(ref.job, ref.batch)]
 
     def _args(self, ref: BatchRef, incarnation: str) -> list[Any]:
         return [ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, incarnation]
 
-    async def claim(self, held: HeldBatch, ids: list[str]) -> str | None:
-        """One letter per id (see CLAIM); None once the batch is done; "" if this lease does
-        not drive the batch now (the lease check then tells what happened)."""
+    async def claim(self, held: HeldBatch, ids: list[str]) -> tuple[str, dict[int, int]] | None:
+        """One letter per id (see CLAIM) and the tries lost on claimed ones, by position;
+        None once the batch is done; "" if this lease does not drive the batch now (the lease
+        check then tells what happened)."""
         if not ids:
-            return ""
-        answer = _text(await self._claim(keys=self._keys(held.ref),
-                                         args=[*self._args(held.ref, held.config.incarnation), held.token, *ids]))
-        if answer == "stale":
-            return ""
-        return None if answer == "done" else answer
+            return "", {}
+        answer = await self._claim(keys=self._keys(held.ref),
+                                   args=[*self._args(held.ref, held.config.incarnation), held.token, *ids])
+        if not isinstance(answer, list):
+            return None if _text(answer) == "done" else ("", {})
+        lost = answer[1:]
+        return _text(answer[0]), {int(lost[i]) - 1: int(lost[i + 1]) for i in range(0, len(lost), 2)}
 
     async def steal(self, ref: BatchRef, incarnation: str, holder: str, ids_back_first: list[str],
-                    n: int) -> list[str]:
+                    n: int) -> dict[str, int]:
+        """The ids claimed, each with the tries it had lost."""
         answer = await self._steal(
             keys=[*self._keys(ref), keys.engine_alive(holder)],
             args=[*self._args(ref, incarnation), n, len(ids_back_first), *ids_back_first])
-        return [_text(i) for i in answer]
+        if not answer:
+            return {}
+        return {_text(i): int(lost) for i, lost in zip(answer[0], answer[1])}
 
     async def unclaim(self, held: HeldBatch, ids: Iterable[str] = ()) -> None:
         await self._unclaim(keys=[keys.batch_claims(held.ref.job, held.ref.batch), keys.job_config(held.ref.job)],
@@ -234,16 +255,18 @@ class Backlog:
         return back
 
     async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
-        answer = await self.claims.claim(held, [t.prompt.id for t in chunk])
-        if answer is None:  # done elsewhere: the lease check drops the batch
+        claimed = await self.claims.claim(held, [t.prompt.id for t in chunk])
+        if claimed is None:  # done elsewhere: the lease check drops the batch
             return []
+        answer, lost_tries = claimed
         if not answer:  # not this lease's to send now: waiting again until the lease check decides
             self.waiting.setdefault(held, deque()).extendleft(reversed([t for t in chunk if t.prompt.id not in
                                                                         self.lent.get(held, {})]))
             return []
         mine, finished = [], []
         lent = self.lent.setdefault(held, {})
-        for task, letter in zip(chunk, answer):
+        for position, (task, letter) in enumerate(zip(chunk, answer)):
+            task.lost = lost_tries.get(position, task.lost)
             if letter == "t":
                 lent[task.prompt.id] = task
                 continue

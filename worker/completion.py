@@ -42,7 +42,8 @@ def release_call(ref: BatchRef, info: ShardInfo, token: str, incarnation: str) -
     """ledger.RELEASE's keys and arguments for a written shard (bench/footprint.py drives it too)."""
     script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
                    keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job)]
+                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
+                   keys.batch_tries(ref.job, ref.batch)]
     args = [ref.batch, pack(info), ledger.REPLY_TTL_S, token, keys.lease_reply(ledger.TOKEN_SLOT),
             info.records, info.bytes, incarnation]
     return script_keys, args

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
+from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
@@ -32,9 +33,6 @@ from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
-# Longer than this since the leases were last checked (the process was frozen):
-# send nothing until the heartbeat has checked them again.
-LEASE_CHECK_STALE_S = 8.0
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
 CLAIM_AHEAD = 2
@@ -179,7 +177,7 @@ class Dispatcher:
         """Records the answer, or returns why it is not what the request asked for (answers.py)."""
         held = task.batch
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
-                           attempts=task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
+                           attempts=task.lost + task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
             return result
@@ -230,9 +228,9 @@ class Dispatcher:
     def _dead(self, task: Task, failure: Failure) -> None:
         held = task.batch
         log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s",
-                    held.ref.job, task.prompt.id, task.attempts, failure.kind,
+                    held.ref.job, task.prompt.id, task.lost + task.attempts, failure.kind,
                     f" {failure.status}" if failure.status else "", failure.message)
         self.writer.add_dead(DeadLetter(
-            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.attempts, kind=failure.kind,
+            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.lost + task.attempts, kind=failure.kind,
             message=failure.message, worker=self.name, at=time.time(), status=failure.status, prompt=task.prompt,
         ), held.config.incarnation)

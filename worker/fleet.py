@@ -36,7 +36,7 @@ from genq.worker.supervisor import (
     RestartPolicy,
     ServerSpec,
     ServerSupervisor,
-    die_with_parent,
+    preexec_die_with_parent,
     remove_pid_file,
     signal_group,
     sleep_unless,
@@ -252,7 +252,7 @@ class EngineSupervisor:
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True,
                 # The fleet killed outright: engines still drain (SIGTERM), never run unsupervised.
-                preexec_fn=die_with_parent(signal.SIGTERM), limit=1 << 20,
+                preexec_fn=preexec_die_with_parent(signal.SIGTERM), limit=1 << 20,
             )
             self.pid_path.parent.mkdir(parents=True, exist_ok=True)
             self.pid_path.write_text(f"{self.proc.pid}\n")

@@ -19,7 +19,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
-from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerStatus, pack, unpack
+from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerState, WorkerStatus, pack, unpack
+from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
@@ -31,9 +32,7 @@ from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
-ALIVE_TTL_S = 10  # a holding RQ work horse gives up on this engine after this long without a beat
 REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable, say so this often
-STATUS_TTL_S = 15  # the fleet view shows a worker as lost after this long
 GPU_EVERY_S = 5.0
 
 
@@ -85,11 +84,11 @@ class Heartbeat:
         tick = time.monotonic()
         next_note = 0.0
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(BEAT_S)
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             now, last_tick = time.monotonic(), tick
             tick = now
-            if now - last_tick > ALIVE_TTL_S:
+            if now - last_tick > LEASE_TIMEOUT_S:
                 log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
                             now - last_tick)
             if self.pace is not None and not self.pace.beat_due():
@@ -115,7 +114,7 @@ class Heartbeat:
                                 "nothing new sent until it answers", down_for, exc)
                     next_note = down_for + REDIS_NOTE_EVERY_S
 
-    def state(self) -> str:
+    def state(self) -> WorkerState:
         f = self.flags
         if f.server_down_since is not None:
             return "server_down"
@@ -125,7 +124,7 @@ class Heartbeat:
             return "paused"
         return "busy" if self.held or self.dispatcher.running else "idle"
 
-    def status(self, state: str | None = None, note: str | None = None) -> WorkerStatus:
+    def status(self, state: WorkerState | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
         if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
             req_s = tok_s = 0.0
@@ -148,7 +147,7 @@ class Heartbeat:
             decode=self.dispatcher.running.meter.figures(),
         )
 
-    async def beat(self, state: str | None = None, note: str | None = None) -> None:
+    async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
         info, meter = self.watch.info, self.dispatcher.running.meter
         if info is not None and self._figures_of is None:  # once its server is known: what was measured on it
             self._figures_of = (self.opts.server_url, info.model or "")
@@ -162,7 +161,7 @@ class Heartbeat:
         pace = self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
-                pipe.set(keys.engine_alive(self.instance), self.name, ex=pace.ttl(ALIVE_TTL_S) if pace else ALIVE_TTL_S)
+                pipe.set(keys.engine_alive(self.instance), self.name, ex=pace.ttl(LEASE_TIMEOUT_S) if pace else LEASE_TIMEOUT_S)
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
             pipe.set(keys.worker_status(self.name), pack(status),
                      ex=None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)

@@ -35,7 +35,8 @@ class Task:
 
     prompt: Prompt
     batch: HeldBatch
-    attempts: int = 0
+    attempts: int = 0  # failed requests here: max_attempts counts these
+    lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (Flags.outages) last counted for it
     progress: Progress = field(default_factory=Progress)

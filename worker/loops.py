@@ -27,7 +27,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from genq.core.prefetch import MAX_EXTRA_LOOPS
+from genq.core.prefetch import max_loops, reserve
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings
@@ -129,11 +129,11 @@ class RqLoops:
         if self.flags.paused_all or self.flags.paused_jobs:
             return base  # parked prompts are not work: do not take more batches for them
         size = max((h.config.batch_size for h in self.held.values()), default=0)
-        reserve = (base - 1) * size
+        keep = reserve(base, size)
         unsent = self.dispatcher.unsent
-        if unsent < reserve and len(self.held) >= active:
-            return min(active + 1, base + MAX_EXTRA_LOOPS)  # every loop holds a batch: take one more
-        if unsent > reserve + 2 * size and active > base and not any(lp.stopping for lp in self.loops):
+        if unsent < keep and len(self.held) >= active:
+            return min(active + 1, max_loops(base))  # every loop holds a batch: take one more
+        if unsent > keep + 2 * size and active > base and not any(lp.stopping for lp in self.loops):
             return active - 1  # plenty in hand: one loop leaves after its batch (hysteresis: 2 batches)
         return max(base, active)
 

@@ -12,8 +12,9 @@ import logging
 
 import redis
 
-from genq.core.ledger import RECONCILE_EVERY_S, Reconciler
+from genq.core.ledger import Reconciler
 from genq.core.queueing import rq_queue
+from genq.core.timings import RECONCILE_EVERY_S
 from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
 from genq.worker.idle import IdlePace

@@ -28,6 +28,7 @@ from rq import Queue
 from rq.job import Job
 
 from genq.core import keys
+from genq.core.queueing import carried
 from genq.core.records import JobConfig, pack, unpack
 
 log = logging.getLogger("genq.worker")
@@ -202,7 +203,7 @@ class LoopFilter:
     def route(self, rq_job: Job, queue: Queue) -> float | None:
         """None for a popped batch to run; for another model's batch, put back at the queue's
         tail, the seconds to rest before the next pop."""
-        if not rq_job.args or not self.foreign(str(rq_job.args[0])):
+        if (batch := carried(rq_job)) is None or not self.foreign(batch[0]):
             self.took()
             return None
         return self.put_back(rq_job.id, queue.key, queue.intermediate_queue_key)

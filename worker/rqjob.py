@@ -14,9 +14,7 @@ horse outlives the worker that started it, even while Redis is unreachable.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import time
 import uuid
 
@@ -24,26 +22,13 @@ import redis
 from rq import get_current_job
 
 from genq.core import keys
+from genq.core.parentdeath import die_with_parent
 from genq.core.records import pack
+from genq.core.timings import ENGINE_GRACE_S, REPLY_POLL_S
 
 ENGINE_ENV = "GENQ_ENGINE"
 LOOP_PID_ENV = "GENQ_RQ_LOOP_PID"  # set by the RQ loop (genq.worker.rqloop): the process its horses die with
-REPLY_POLL_S = 2
-# After Redis was unreachable, how long an engine's missing heartbeat is waited for before the
-# horse gives the batch up: the engine beats again within a second of Redis coming back, but
-# its alive key may have expired meanwhile (worker/heartbeat.py ALIVE_TTL_S).
-ENGINE_GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies (and leave now if it already has)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: a horse still notices the engine's missing heartbeat once Redis answers
-    if os.getppid() != parent_pid:
-        os._exit(1)
+# Not on Linux a horse still notices its engine's missing heartbeat once Redis answers.
 
 
 class EngineLost(RuntimeError):

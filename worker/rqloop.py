@@ -30,11 +30,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from genq.core import keys
+from genq.core.parentdeath import die_with_parent
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
 from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
 from genq.worker.models import LoopFilter
-from genq.worker.rqjob import ENGINE_ENV, LOOP_PID_ENV, die_with_parent
+from genq.worker.rqjob import ENGINE_ENV, LOOP_PID_ENV
 
 EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ; not a crash
 REDIS_WAIT_MAX_S = 10.0

@@ -28,11 +28,12 @@ import redis.asyncio as aioredis
 from genq.core import batches, keys, ledger
 from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt, unpack
+from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
-from genq.worker.dispatch import LEASE_CHECK_STALE_S, Dispatcher
+from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
 from genq.worker.idle import IdlePace, wake_fleet
 
@@ -113,23 +114,23 @@ class Stealer:
                 continue
             took += len(ids)
             free -= len(ids)
-            self._lend_here(ref, config, prompts, set(ids))
+            self._lend_here(ref, config, prompts, ids)
             if free <= 0:
                 break
         if took:
             self.taken += took
         return took
 
-    def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: set[str]) -> None:
+    def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int]) -> None:
         borrowed = self.borrowed.get(ref)
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
             self.dispatcher.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
             borrowed = self.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
                                                       unfinished=set(), borrowed=True)
-        borrowed.unfinished |= ids
+        borrowed.unfinished |= set(ids)
         log.info("took %d unsent prompts of batch %s from another worker", len(ids), ref)
-        self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids])
+        self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
         """Batches other engines hold, with their job's settings as they are now (read each pass:

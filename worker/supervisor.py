@@ -13,7 +13,6 @@ GPU memory.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -24,23 +23,14 @@ from pathlib import Path
 
 import aiohttp
 
+from genq.core.parentdeath import ask_for_signal_on_parent_death
 from genq.worker.server import HEALTH_TIMEOUT_S
 
 log = logging.getLogger("genq.fleet")
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int) -> Callable[[], None]:
+def preexec_die_with_parent(sig: int) -> Callable[[], None]:
     """A preexec_fn: the child gets `sig` when the fleet process dies (Linux; no-op elsewhere)."""
-
-    def setup() -> None:
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-        except OSError:
-            pass
-
-    return setup
+    return lambda: ask_for_signal_on_parent_death(sig)
 
 
 def remove_pid_file(path: Path, pid: int | None) -> None:
@@ -186,7 +176,7 @@ class ServerSupervisor:
                 self.proc = await asyncio.create_subprocess_exec(
                     *self.spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=asyncio.subprocess.STDOUT,
                     env={**os.environ, **self.spec.env}, start_new_session=True,
-                    preexec_fn=die_with_parent(signal.SIGTERM),
+                    preexec_fn=preexec_die_with_parent(signal.SIGTERM),
                 )
             except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
                 raise LaunchError(f"cannot run {self.spec.argv[0]!r}: {exc.strerror or exc}") from None

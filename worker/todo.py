@@ -44,9 +44,9 @@ class Todo:
         self.backlog.add(held, [Task(p, held) for p in prompts])
         self.wake()
 
-    def add_claimed(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """Prompts already claimed (taken from another engine's batch): sent next."""
-        self.ready.extend(Task(p, held) for p in prompts)
+    def add_claimed(self, held: HeldBatch, prompts: list[Prompt], lost: dict[str, int]) -> None:
+        """Prompts already claimed (taken from another engine's batch), with the tries each had lost: sent next."""
+        self.ready.extend(Task(p, held, lost=lost.get(p.id, 0)) for p in prompts)
         self.wake()
 
     def send_soon(self, tasks: list[Task]) -> None:

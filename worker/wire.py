@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from genq.core.records import Choice, Usage
+from genq.core.records import Choice, ErrorKind, Usage
 
 
 class Meter(Protocol):
@@ -100,7 +100,7 @@ _answer_decode = msgspec.json.Decoder(_WireAnswer).decode
 
 @dataclass
 class Failure:
-    kind: str  # see genq.core.records.ErrorKind
+    kind: ErrorKind
     message: str
     status: int | None = None
     retryable: bool = True

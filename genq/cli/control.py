@@ -21,8 +21,10 @@ from rich.table import Table
 
 from genq.cli import Concurrency, JobName, jobset, settings
 from genq.core import keys
+from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
+from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
 from genq.ops import control
 from genq.ops.settings import describe_block
 from genq.worker.models import servable_jobs
@@ -46,7 +48,7 @@ def _redis(ctx: click.Context) -> Iterator[redis.Redis]:
 
 
 def _check_job(conn: redis.Redis, job: str) -> None:
-    jobs = control.job_names(conn)
+    jobs = list_jobs(conn)
     if job not in jobs:
         raise click.ClickException(f"no job named {job!r}; jobs: {', '.join(jobs) or 'none'}")
 
@@ -97,22 +99,25 @@ def workers_table(rows: list[control.WorkerRow], title: str | None = None,
     return table
 
 
-@click.command()
-@click.option("--json", "as_json", is_flag=True, help="One JSON array of workers (machine-readable).")
-@click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
-@click.pass_context
-def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
-    """The fleet: every worker with its host, GPU, server, state and load.
+WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and load.
 
     \b
     States: busy, idle, paused, draining, server_down (its server is not
     answering /health; it holds its batches and takes no new ones), stopped
-    (exited cleanly), lost (no heartbeat for 15 s: killed or unreachable). A
-    lost worker's batches run elsewhere 30-40 s after it died: its engine's
-    liveness key lapses after 10 s and the reconciler every worker runs every
-    10 s queues them again (docs/operations.md has the measurement).
+    (exited cleanly), lost ({NO_HEARTBEAT}: killed or unreachable). A
+    lost worker's batches run elsewhere within about {LOST_BATCH_BACK_S:.0f} s of
+    its death: its engine's liveness key lapses after {LEASE_TIMEOUT_S:.0f} s and the
+    reconciler every worker runs every {RECONCILE_EVERY_S:.0f} s queues them again
+    (docs/operations.md has the measurement).
     "in flight" is requests running / the worker's current target.
     """
+
+
+@click.command(help=WORKERS_HELP)
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of workers (machine-readable).")
+@click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
+@click.pass_context
+def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     with _redis(ctx) as conn:
         rows = control.fleet(conn)
         if prune:
@@ -202,8 +207,8 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
     """
     with _redis(ctx) as conn:
         found = control.find_job(conn, job)
-        if not found.keys and not found.rq_jobs and job not in control.job_names(conn):
-            jobs_known = control.job_names(conn)
+        if not found.keys and not found.rq_jobs and job not in list_jobs(conn):
+            jobs_known = list_jobs(conn)
             raise click.ClickException(f"no job named {job!r}; jobs: {', '.join(jobs_known) or 'none'}")
         if found.holders and not force:
             raise click.ClickException(
@@ -263,7 +268,7 @@ def resume(ctx: click.Context, job: str | None) -> None:
         if job is not None:
             _check_job(conn, job)
         queued = control.resume(conn, job)
-        still = sorted(control.paused_jobs(conn, control.job_names(conn)))
+        still = sorted(control.paused_jobs(conn, list_jobs(conn)))
         paused_all = control.globally_paused(conn)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
                + (f"; {queued} parked batches queued again" if queued else ""))

@@ -15,7 +15,8 @@ from genq.core.records import DeadLetter, Prompt, unpack
 from genq.core.redisconn import connect, describe_error, mask_url
 from genq.core.words import plural
 from genq.output import export as exporting
-from genq.output.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name
+from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
+from genq.output.formats import FORMATS, format_for
 from genq.producer.batchinput import read_prompts
 
 
@@ -23,7 +24,7 @@ from genq.producer.batchinput import read_prompts
 @click.option("--job", type=JobName(), required=True, help="The job to export.")
 @click.option("--to", "dest", required=True, metavar="FILE|DIR",
               help="Output file (local or s3://bucket/key), or a directory to write JOB.<format> into.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default=None,
               help="jsonl (Result lines, as in the shards), parquet, or openai-batch (OpenAI Batch "
                    "output lines; dead letters go to an errors file). [default: from --to's suffix, else jsonl]")
 @click.option("--order", type=click.Choice(ORDERS), default="input", show_default=True,
@@ -59,9 +60,9 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
                                        "give --from OUTPUT to export shards without it")
         output = source or config.output  # type: ignore[union-attr]
         endpoint = s3_endpoint_url or (config.s3_endpoint_url if config else None)
-        fmt = fmt or ("parquet" if dest.endswith((".parquet", ".pq")) else "jsonl")
+        fmt = format_for(dest, fmt)
         path = _destination(dest, job, fmt)
-        letters = _letters(conn, job) if fmt == "openai-batch" else []
+        letters = _letters(conn, job) if FORMATS[fmt].errors_file else []
         try:
             summary = exporting.export(output=output, job=job, dest=path, fmt=fmt, order=order, letters=letters,
                              errors_path=errors_path, endpoint_url=endpoint, dest_endpoint_url=endpoint,
@@ -139,11 +140,11 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
     if status["done"] < status["batches"]:
         click.echo(f"  note: job has {status['batches']:,} batches, {status['done']:,} with shards written: "
                    "the rest are not in this export yet", err=True)
-    if status["dead"] and fmt != "openai-batch":
+    if status["dead"] and not FORMATS[fmt].errors_file:
         click.echo(f"  note: {status['dead']:,} prompts are in the dead-letter queue, not in this export "
                    "(see `genq dlq`)", err=True)
     missing = status["total"] - s.records - s.errors
-    if fmt == "openai-batch" and missing > 0:
+    if FORMATS[fmt].errors_file and missing > 0:
         click.echo(f"  note: {missing:,} of {status['total']:,} prompts are in neither file (not finished yet)",
                    err=True)
 

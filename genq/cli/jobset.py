@@ -14,7 +14,7 @@ import msgspec
 import redis
 
 from genq.cli import JobName, settings
-from genq.core.queueing import load_config
+from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
 from genq.ops.settings import SettingsError, block_of, describe_block, set_settings
@@ -109,7 +109,7 @@ def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
     url = settings(ctx).redis_url
     conn = connect(url)
     try:
-        rows = control.job_rows(conn, [job]) if job in control.job_names(conn) else []
+        rows = control.job_rows(conn, [job]) if job in list_jobs(conn) else []
         config = load_config(conn, job)
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None

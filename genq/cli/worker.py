@@ -12,6 +12,11 @@ from click.core import ParameterSource
 
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
+from genq.core.timings import LOST_BATCH_BACK_S
+from genq.worker.options import WorkerOptions
+
+# The worker's defaults are WorkerOptions' own: one definition, shown by --help.
+DEFAULTS = WorkerOptions(redis_url="", server_url="")
 
 BURST_SERVER_WAIT_S = 30.0  # --burst --server: how long a server that does not answer is waited for
 
@@ -42,13 +47,13 @@ def setup_logging(level: str) -> None:
 @click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULT_PREFETCH, show_default=True, help="Batches held at once, at least (RQ work loops): the next batch fills slots while one drains; more are taken while held batches drain long tails.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Stream responses (stall detection and live token counts for the ETA).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before the dead-letter queue. [default: the job's, 5]")
-@click.option("--request-timeout", type=click.FloatRange(1), default=3600, show_default=True, help="Seconds one request may take (a 32K-token thinking completion fits).")
-@click.option("--stall-timeout", type=click.FloatRange(0.1), default=300, show_default=True, help="Seconds without output before a request is cancelled and retried.")
-@click.option("--server-down-timeout", type=click.FloatRange(0), default=300, show_default=True, help="Seconds the server may be down before held batches go back to the queue for other GPUs.")
-@click.option("--server-crash-limit", type=click.IntRange(1, 100), default=3, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
-@click.option("--grace-period", type=click.FloatRange(0), default=60, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
-@click.option("--retry-backoff", type=click.FloatRange(0), default=1.0, show_default=True, help="First retry delay in seconds; doubles per attempt (with jitter), capped at 60.")
-@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=10, show_default=True, help="RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within 30-40 s of the kill: see genq workers --help).")
+@click.option("--request-timeout", type=click.FloatRange(1), default=DEFAULTS.request_timeout, show_default=True, help="Seconds one request may take (a 32K-token thinking completion fits).")
+@click.option("--stall-timeout", type=click.FloatRange(0.1), default=DEFAULTS.stall_timeout, show_default=True, help="Seconds without output before a request is cancelled and retried.")
+@click.option("--server-down-timeout", type=click.FloatRange(0), default=DEFAULTS.server_down_timeout, show_default=True, help="Seconds the server may be down before held batches go back to the queue for other GPUs.")
+@click.option("--server-crash-limit", type=click.IntRange(1, 100), default=DEFAULTS.server_crash_limit, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
+@click.option("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
+@click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help=f"First retry delay in seconds; doubles per attempt (with jitter), capped at {DEFAULTS.retry_backoff_max:.0f}.")
+@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=DEFAULTS.job_monitoring_interval, show_default=True, help=f"RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within about {LOST_BATCH_BACK_S:.0f} s of the kill: see genq workers --help).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:

@@ -15,14 +15,13 @@ from collections.abc import Sequence
 import msgspec
 import zstandard
 
-from genq.core.records import Batch, BatchSource, InputRange, Prompt, pack
+from genq.core.records import BatchSource, InputRange, Prompt, pack
 
 ZSTD_LEVEL = 1  # the fastest: natural-language prompts still come out at under a third of their JSON (level 3: 0.26 vs 0.28 of it, at 1.6x the time)
 _local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
 _ids_decoder = msgspec.msgpack.Decoder(list[str])
 _prompts_decoder = msgspec.msgpack.Decoder(list[Prompt])
 _source_decoder = msgspec.msgpack.Decoder(BatchSource)
-_legacy_decoder = msgspec.msgpack.Decoder(Batch)
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -53,10 +52,7 @@ def by_reference(job: str, batch_id: str, ids: Sequence[str], ref: InputRange,
 
 
 def decode(raw: bytes) -> BatchSource:
-    """The record under keys.batch(); a genq 0.1 Batch (a msgpack map) is turned into an inline one."""
-    if raw[:1] and (0x80 <= raw[0] <= 0x8F or raw[0] in (0xDE, 0xDF)):
-        old = _legacy_decoder.decode(raw)
-        return inline(old.job, old.id, old.prompts, old.created_at)
+    """The record under keys.batch()."""
     return _source_decoder.decode(raw)
 
 

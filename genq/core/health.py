@@ -8,6 +8,7 @@ the text carries the numbers, for people (terminal view, web page, JSON).
 from __future__ import annotations
 
 from genq.core.records import WorkerStatus
+from genq.core.timings import STATUS_TTL_S
 
 KV_FULL = 0.98
 
@@ -15,6 +16,8 @@ KV_FULL = 0.98
 CODES = ("lost", "server_down", "waiting", "cap_below_capacity", "kv_cache_full", "target_limits", "no_prompts")
 
 Bottleneck = tuple[str, str]
+# Why a worker is shown lost: its status record, renewed every beat, has expired.
+NO_HEARTBEAT = f"no heartbeat for {STATUS_TTL_S:.0f} s"
 
 
 def slot_utilization(s: WorkerStatus) -> float | None:
@@ -27,7 +30,7 @@ def slot_utilization(s: WorkerStatus) -> float | None:
 def bottlenecks(s: WorkerStatus | None) -> list[Bottleneck]:
     """What limits this worker now as (code, text), most important first; [] when nothing does."""
     if s is None:
-        return [("lost", "lost: no heartbeat for 15 s (worker crashed, or its host or Redis link is down)")]
+        return [("lost", f"lost: {NO_HEARTBEAT} (worker crashed, or its host or Redis link is down)")]
     if s.state == "stopped":
         return []
     out: list[Bottleneck] = []

@@ -13,8 +13,6 @@ QUEUE = "genq"  # the RQ queue every batch job goes to (`rq info` shows it)
 JOBS = "genq:jobs"  # set of job names
 PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
 WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
-DRAIN_ALL = "genq:drain:all"
-DRAIN_HOSTS = "genq:drain:hosts"  # set of host names to drain
 WAKE = "genq:wake"  # pub/sub channel: prompts were given back, idle workers look for some to take (worker/idle.py)
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -114,6 +112,13 @@ def batch_claims(job: str, batch_id: str) -> str:
 
     A claim counts while its engine heartbeats (engine_alive); an outcome ends it."""
     return f"{_job(job)}:claims:{batch_id}"
+
+
+def batch_tries(job: str, batch_id: str) -> str:
+    """Hash: prompt id -> tries lost: claims of it that ended without an outcome (their engine
+    was killed, their lease is over). Written only when such a claim is taken over; gone with
+    the batch's release. A record's `attempts` adds them (worker/claims.py)."""
+    return f"{_job(job)}:tries:{batch_id}"
 
 
 def worker_status(worker: str) -> str:

@@ -39,7 +39,8 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
-from genq.core.queueing import RUN_BATCH, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
 log = logging.getLogger("genq.ledger")
 
@@ -92,7 +93,7 @@ COUNT_SHARDS = _COUNT_SHARDS + """
 return count_shards(KEYS[1], KEYS[2])
 """
 
-# KEYS: done, shards, results, batch record, leases, transport, stats, claims, config
+# KEYS: done, shards, results, batch record, leases, transport, stats, claims, config, tries
 # ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT),
 #       the shard's records, the shard's bytes, the job's incarnation
 # -> 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
@@ -113,7 +114,7 @@ count_shards(KEYS[2], KEYS[7])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[7], '@RECORDS@', tonumber(ARGV[6]))
 redis.call('HINCRBY', KEYS[7], '@BYTES@', tonumber(ARGV[7]))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[8])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[10])
 local tokens = {ARGV[4]}
 local lease = redis.call('HGET', KEYS[5], ARGV[1])
 if lease then
@@ -132,14 +133,6 @@ return 1
 
 REPLY_TTL_S = 24 * 3600
 TOKEN_SLOT = "{token}"  # where RELEASE puts a token into keys.lease_reply's template
-RECONCILE_EVERY_S = 10.0
-# A batch must look stranded in two passes this far apart before it is queued
-# again: an RQ job between BLMOVE and "started" looks stranded for a moment.
-STRANDED_CONFIRM_S = 4.0
-
-
-def lease_value(token: str, instance: str) -> str:
-    return f"{token} {instance}"
 
 
 def _lease_parts(value: bytes | str | None) -> tuple[str | None, str | None]:
@@ -245,7 +238,7 @@ class Reconciler:
         for raw_id in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
             executions.setdefault(raw_id.decode(), [])
         seen: dict[str, float] = {}
-        for rq_id, job in self._of_done_batches(list(executions)):
+        for rq_id, carried_batch in self._of_done_batches(list(executions)):
             first = seen[rq_id] = self._done_started.get(rq_id, now)
             if now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
@@ -254,7 +247,7 @@ class Reconciler:
                 del seen[rq_id]
                 where = "started by a horse that never returned" if executions[rq_id] else "in RQ's intermediate list"
                 log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
-                         rq_id, job.args[0], job.args[1], where)
+                         rq_id, *carried_batch, where)
         self._done_started = seen
         return len(seen)
 
@@ -264,22 +257,21 @@ class Reconciler:
         failed registry: the batch is complete, and `rq info` and `genq dlq` must not show it
         as failed. A done batch never runs again, so one pass is enough."""
         failed = FailedJobRegistry(queue=rq_queue(self.conn))
-        for rq_id, job in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
+        for rq_id, carried_batch in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
             with self.conn.pipeline(transaction=True) as pipe:
                 _forget_rq_job(pipe, rq_id)
                 pipe.execute()
             log.info("RQ job %s of done batch %s/%s had failed after its batch was handed over; "
-                     "removed it from RQ's failed registry", rq_id, job.args[0], job.args[1])
+                     "removed it from RQ's failed registry", rq_id, *carried_batch)
 
-    def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, RqJob]]:
+    def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, tuple[str, str]]]:
         """The genq batch jobs among these RQ job ids whose batch the ledger has done, or does
         not have at all while it has the job: a batch lost with Redis (restarted empty,
         flushed) whose prompts were queued again under other numbers (#31, genq recover)."""
-        batch_jobs = [(rq_id, job) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
-                      if job is not None and job.func_name == RUN_BATCH and len(job.args) >= 2]
+        batch_jobs = [(rq_id, c) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
+                      if (c := carried(job)) is not None]
         with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
-            for _, job in batch_jobs:
-                job_name, batch = str(job.args[0]), str(job.args[1])
+            for _, (job_name, batch) in batch_jobs:
                 pipe.sismember(keys.job_done(job_name), batch)
                 pipe.zscore(keys.job_batches(job_name), batch)
                 pipe.exists(keys.job_config(job_name))

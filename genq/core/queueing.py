@@ -69,9 +69,25 @@ return #ids
 """
 
 RUN_BATCH = "genq.worker.rqjob.run_batch"
-# Jobs queued by genq 0.1 name this function (and were pickled): they are not run;
-# the reconciler queues their batches again as JSON jobs (see genq.core.ledger).
-LEGACY_RUN_BATCH = "worker.rqjob.run_batch"
+DESCRIPTION = "genq batch "  # + "JOB/BATCH (N prompts)": what `rq info` shows, and what the monitor reads
+
+
+def carried(rq_job: Job | None) -> tuple[str, str] | None:
+    """(job, batch id) of a genq batch's RQ job; None for anything else (another app's, or undecodable:
+    the JSON serializer never unpickles)."""
+    try:
+        if rq_job is None or rq_job.func_name != RUN_BATCH or len(rq_job.args) < 2:
+            return None
+        return str(rq_job.args[0]), str(rq_job.args[1])
+    except Exception:  # not JSON: not ours to read
+        return None
+
+
+def job_in_description(text: str) -> str | None:
+    """The genq job named by an RQ job's description (one HGET, not the whole job); None if not genq's."""
+    if not text.startswith(DESCRIPTION) or "/" not in text:
+        return None
+    return text[len(DESCRIPTION):].split("/", 1)[0]
 
 
 def rq_queue(conn: redis.Redis) -> Queue:
@@ -120,6 +136,12 @@ def batch_id(seq: int) -> str:
     return f"b{seq:07d}"
 
 
+def batch_number(batch: str) -> int:
+    """batch_id's inverse: b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
+    digits = batch[1:].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else 0
+
+
 def write_batches(
     pipe: Pipeline,
     conn: redis.Redis,
@@ -136,8 +158,7 @@ def write_batches(
     """
     for batch in batches:
         pipe.set(keys.batch(batch.job, batch.id), pack(batch))
-        seq = int(batch.id[1:])
-        pipe.zadd(keys.job_batches(batch.job), {batch.id: seq})
+        pipe.zadd(keys.job_batches(batch.job), {batch.id: batch_number(batch.id)})
         if count_total:
             pipe.hincrby(keys.job_stats(batch.job), "total", batch.count)
         pipe.hincrby(keys.job_stats(batch.job), "batches", 1)
@@ -174,7 +195,7 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
             timeout=-1,  # a batch's long tail can take hours; liveness is the heartbeat's job
             result_ttl=3600,
             failure_ttl=24 * 3600,
-            description=f"genq batch {job}/{batch_id} ({size} prompts)",
+            description=f"{DESCRIPTION}{job}/{batch_id} ({size} prompts)",
             at_front=at_front,
         )
         for job, batch_id, size in refs

@@ -91,7 +91,7 @@ class Prompt(msgspec.Struct, omit_defaults=True):
 
 
 class Batch(msgspec.Struct):
-    """A batch of prompts in memory (and genq <= 0.1's record under keys.batch: read, never written)."""
+    """A batch of prompts in memory, before it is stored as a BatchSource."""
 
     job: str
     id: str
@@ -222,7 +222,7 @@ class DeadLetter(msgspec.Struct, omit_defaults=True):
     job: str
     batch: str
     attempts: int
-    kind: str
+    kind: ErrorKind
     message: str
     worker: str
     at: float
@@ -283,7 +283,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     host: str
     pid: int
     server: str
-    state: str
+    state: WorkerState
     started_at: float
     heartbeat_at: float
     gpu: str | None = None

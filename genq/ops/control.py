@@ -18,7 +18,8 @@ import redis
 from rq import suspension
 
 from genq.core import keys
-from genq.core.queueing import fetch_rq_jobs
+from genq.core.health import NO_HEARTBEAT
+from genq.core.queueing import carried, fetch_rq_jobs, list_jobs
 from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock
@@ -78,7 +79,7 @@ class WorkerRow:
     def note(self) -> str | None:
         s = self.status
         if s is None:
-            return "no heartbeat for 15 s; its batches are queued again"
+            return f"{NO_HEARTBEAT}; its batches are queued again"
         return s.note or (s.gpu_note if s.state == "server_down" else None)
 
     def to_json(self) -> dict[str, Any]:
@@ -218,15 +219,11 @@ def globally_paused(conn: redis.Redis) -> bool:
     return bool(conn.exists(keys.PAUSED))
 
 
-def job_names(conn: redis.Redis) -> list[str]:
-    return sorted(n.decode() for n in conn.smembers(keys.JOBS))
-
-
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
-    """Totals per job from the counters of record (see CONTEXT: truth for totals)."""
+    """Totals per job from the counters of record (genq.monitor.snapshot says which counter is the truth of each)."""
     from genq.core.queueing import load_config
 
-    names = job_names(conn) if names is None else list(names)
+    names = list_jobs(conn) if names is None else list(names)
     paused_all = globally_paused(conn)
     paused = paused_jobs(conn, names)
     fleet_names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
@@ -304,14 +301,6 @@ def _rq_places(conn: redis.Redis) -> dict[str, Any]:
     }
 
 
-def _job_of(rq_job: Any) -> str | None:
-    """The genq job an RQ job carries a batch of; None for anything else (no unpickling: JSON only)."""
-    try:
-        return str(rq_job.args[0]) if rq_job.args else None
-    except Exception:  # not JSON (another app's job, or genq 0.1's pickle): not ours to read
-        return None
-
-
 def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     """Everything of `job` in Redis: its keys, its RQ jobs by place, the live workers holding its batches."""
     found_keys = sorted(k.decode() for k in conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
@@ -319,7 +308,7 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     for place, holder in _rq_places(conn).items():
         # cleanup=False: looking must not make RQ move jobs between registries.
         ids = holder.get_job_ids() if place == "queued" else holder.get_job_ids(cleanup=False)
-        mine = [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and _job_of(j) == job]
+        mine = [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) is not None and c[0] == job]
         if mine:
             rq_jobs[place] = mine
     holders = sorted(row.name for row in fleet(conn)

@@ -36,7 +36,7 @@ from rq.results import Result as RqResult
 from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import (
-    RUN_BATCH,
+    carried,
     enqueue_batch_jobs,
     fetch_rq_jobs,
     list_jobs,
@@ -46,11 +46,11 @@ from genq.core.queueing import (
     rq_queue,
     write_batches,
 )
-from genq.core.records import DeadLetter, unpack
+from genq.core.records import DeadLetter, ErrorKind, unpack
 from genq.ops.settings import with_override
 
 BATCH_PREFIX = "batch:"
-BATCH_FAILED = "batch_failed"
+BATCH_FAILED: ErrorKind = "batch_failed"
 CHUNK = 2000  # letters per transaction: keeps one MULTI a sensible size
 T = TypeVar("T")
 
@@ -110,7 +110,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
     registry = FailedJobRegistry(queue=rq_queue(conn))
     entries = []
     for rq_job in fetch_rq_jobs(conn, registry.get_job_ids()):
-        ref = _batch_ref(rq_job)
+        ref = carried(rq_job)
         if rq_job is None or ref is None or ref[0] not in wanted:
             continue
         job, batch_id = ref
@@ -337,7 +337,7 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
         pipe.hdel(keys.job_transport(job), batch_id)
         pipe.hdel(keys.job_leases(job), batch_id)
         if batch is not None:
-            pipe.delete(keys.batch(job, batch_id), keys.batch_claims(job, batch_id))
+            pipe.delete(keys.batch(job, batch_id), keys.batch_claims(job, batch_id), keys.batch_tries(job, batch_id))
             pipe.hincrby(keys.job_stats(job), "batches", -1)
         if unfinished:
             pipe.hdel(keys.job_ids(job), *unfinished)
@@ -355,17 +355,6 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
 # ------------------------------------------------------------------ helpers
 
 
-def _batch_ref(rq_job: RqJob | None) -> tuple[str, str] | None:
-    """(job, batch id) of a genq batch job; None for anything else in the registry."""
-    if rq_job is None:
-        return None
-    try:
-        if rq_job.func_name != RUN_BATCH:
-            return None
-        job, batch_id = rq_job.args[:2]
-    except Exception:  # an undecodable job (another app's pickle): not ours to show
-        return None
-    return str(job), str(batch_id)
 
 
 def iso(at: float) -> str:

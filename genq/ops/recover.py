@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from genq.core import keys, ledger
-from genq.core.queueing import list_jobs, load_config, stage_config
+from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig, JobRecord, ShardMarker, pack
 from genq.output import truth
 from genq.output.sink import open_store
@@ -34,7 +34,7 @@ from genq.output.sink import open_store
 log = logging.getLogger("genq.recover")
 
 # KEYS: done, shards, results, batch record, leases, transport, stats, claims, hist, dlq, job workers,
-#       batches, ids, config
+#       batches, ids, config, tries
 # ARGV: batch, ShardInfo blob, reply TTL, keys.lease_reply(TOKEN_SLOT), records, bytes, worker-stats key
 #       prefix, tally {worker: [results, in_tok, out_tok]}, hist {bucket: n}, letters [[id, blob, worker]],
 #       digests {id: hex}, the batch's number, a token to tell "done" besides the current lease's ("" none)
@@ -85,7 +85,7 @@ count_shards(KEYS[2], KEYS[7])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[7], '@RECORDS@', tonumber(ARGV[5]))
 redis.call('HINCRBY', KEYS[7], '@BYTES@', tonumber(ARGV[6]))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[8])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[15])
 local tokens = {}
 if ARGV[13] ~= '' then tokens[1] = ARGV[13] end
 local lease = redis.call('HGET', KEYS[5], ARGV[1])
@@ -110,18 +110,12 @@ def adopt_call(job: str, marker: ShardMarker, token: str = "") -> tuple[list[str
     script_keys = [keys.job_done(job), keys.job_shards(job), keys.batch_results(job, b), keys.batch(job, b),
                    keys.job_leases(job), keys.job_transport(job), keys.job_stats(job), keys.batch_claims(job, b),
                    keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.job_batches(job),
-                   keys.job_ids(job), keys.job_config(job)]
+                   keys.job_ids(job), keys.job_config(job), keys.batch_tries(job, b)]
     letters = [[d.id, pack(d), d.worker] for d in marker.dead_letters]
     args = [b, pack(truth.shard_info(marker)), ledger.REPLY_TTL_S, keys.lease_reply(ledger.TOKEN_SLOT),
             marker.records, marker.bytes, keys.worker_stats(job, ""), pack(marker.tally), pack(marker.hist),
             pack(letters), pack(marker.digests), batch_number(b), token, marker.incarnation]
     return script_keys, args
-
-
-def batch_number(batch: str) -> int:
-    """b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
-    digits = batch[1:].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else 0
 
 
 def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> bool:

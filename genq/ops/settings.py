@@ -16,7 +16,7 @@ import msgspec
 import redis
 
 from genq.core import keys
-from genq.core.queueing import RUN_BATCH, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange, pack, unpack
 
 # The settings `genq jobs set` may change: what is sent with each request. Not endpoint (rows were
@@ -95,8 +95,7 @@ def unqueue(conn: redis.Redis, job: str) -> int:
     by one only to park them, and other jobs' batches behind them are not kept waiting. How many."""
     queue = rq_queue(conn)
     ids = queue.get_job_ids()
-    mine = [(j.id, str(j.args[1])) for j in fetch_rq_jobs(conn, ids)
-            if j is not None and j.func_name == RUN_BATCH and len(j.args) >= 2 and str(j.args[0]) == job]
+    mine = [(j.id, c[1]) for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job]
     if not mine:
         return 0
     with conn.pipeline(transaction=False) as pipe:

@@ -31,11 +31,10 @@ from typing import Any, BinaryIO, NamedTuple
 import msgspec
 
 from genq.core.records import DeadLetter, Result, ShardInfo
-from genq.output.formats import WRITERS, openai_error_line
+from genq.output.formats import FORMATS, openai_error_line
 from genq.output.layout import MANIFEST_DIR, SHARDS_DIR, job_root
 from genq.output.local import write_atomic
 
-FORMATS = ("jsonl", "parquet", "openai-batch")
 ORDERS = ("input", "batch")
 DOWNLOAD_THREADS = 8
 
@@ -260,7 +259,7 @@ def letter_order(letters: list[DeadLetter], order: str) -> list[DeadLetter]:
 
 
 def default_file_name(job: str, fmt: str) -> str:
-    return {"jsonl": f"{job}.jsonl", "parquet": f"{job}.parquet", "openai-batch": f"{job}.batch_output.jsonl"}[fmt]
+    return job + FORMATS[fmt].file_suffix
 
 
 def errors_path_for(path: str) -> str:
@@ -318,10 +317,10 @@ def export(
     with tempfile.TemporaryDirectory(prefix=".genq-export-", dir=spool_parent) as spool:
         paths, kept, summary.duplicates = scan(refs, Path(spool), endpoint_url)
         entries = ordered(kept, order, refs)
-        writer = WRITERS[fmt]
+        writer = FORMATS[fmt].write
         summary.records, summary.bytes = write_output(
             dest, lambda out: writer(read_records(paths, entries), out), dest_endpoint_url)
-    if fmt == "openai-batch":
+    if FORMATS[fmt].errors_file:
         errors_path = errors_path or errors_path_for(dest)
         chosen = [d for d in (letters or []) if d.id not in kept]
         summary.skipped_errors = len(letters or []) - len(chosen)

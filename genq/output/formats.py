@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import msgspec
 
@@ -196,8 +196,26 @@ def write_openai_batch(lines: Iterable[bytes], out: BinaryIO) -> int:
     return count
 
 
-WRITERS: dict[str, Callable[[Iterable[bytes], BinaryIO], int]] = {
-    "jsonl": write_jsonl,
-    "parquet": write_parquet,
-    "openai-batch": write_openai_batch,
+class Format(NamedTuple):
+    """One export format: its writer, the file name `genq export --to DIR/` gives it, the suffixes that
+    choose it when --format is not given, and whether dead letters go to an errors file beside it."""
+
+    write: Callable[[Iterable[bytes], BinaryIO], int]
+    file_suffix: str
+    chosen_by: tuple[str, ...] = ()
+    errors_file: bool = False
+
+
+FORMATS: dict[str, Format] = {
+    "jsonl": Format(write_jsonl, ".jsonl"),
+    "parquet": Format(write_parquet, ".parquet", chosen_by=(".parquet", ".pq")),
+    "openai-batch": Format(write_openai_batch, ".batch_output.jsonl", errors_file=True),
 }
+DEFAULT_FORMAT = "jsonl"
+
+
+def format_for(dest: str, asked: str | None) -> str:
+    """--format if given, else the one the destination's suffix chooses, else jsonl."""
+    if asked:
+        return asked
+    return next((name for name, f in FORMATS.items() if dest.endswith(f.chosen_by)), DEFAULT_FORMAT)

@@ -1,0 +1,52 @@
+"""The timings of a batch's life, defined once: one lease timeout, the rest derived from it.
+
+An engine holds batches under leases and proves it is alive by beating every BEAT_S: each beat renews
+its alive key (keys.engine_alive), which expires LEASE_TIMEOUT_S after the last one. Everything else
+that decides when a holder counts as gone is a multiple of that timeout, so changing it keeps the
+order below; `check()` states the order and runs at import. docs/exactly-once.md says why each
+inequality matters. Timings that only pace one loop (idle pace, GPU sampling, the monitor) stay
+beside that loop.
+"""
+
+from __future__ import annotations
+
+BEAT_S = 1.0  # an engine's heartbeat: alive key, status, lease checks
+# No beat this long: the engine's alive key is gone and its horses give its batches up (whole seconds:
+# it is a key TTL, as STATUS_TTL_S is).
+LEASE_TIMEOUT_S = 10
+# A sender frozen this long (SIGSTOP, a stalled host) sends nothing more until a beat has checked its
+# leases: shorter than the lease timeout, so it stops before another engine can have its batches.
+LEASE_CHECK_STALE_S = 0.8 * LEASE_TIMEOUT_S
+# After Redis was unreachable, a horse waits this long for its engine's next beat before giving up the
+# batch: the alive key may have expired while nobody could write it.
+ENGINE_GRACE_S = LEASE_TIMEOUT_S
+# The fleet view calls a worker lost when its status record (renewed each beat) is this old.
+STATUS_TTL_S = LEASE_TIMEOUT_S * 3 // 2
+# A horse waiting on its engine's reply looks at the alive key this often.
+REPLY_POLL_S = LEASE_TIMEOUT_S / 5
+# The reconciler's pass (stranded batches, a lost holder's batches queued again) ...
+RECONCILE_EVERY_S = LEASE_TIMEOUT_S
+# ... and a batch must look stranded in two passes this far apart before it is queued again: an RQ job
+# between BLMOVE and "started" looks stranded for a moment.
+STRANDED_CONFIRM_S = 0.4 * LEASE_TIMEOUT_S
+# How long after a kill its batches are running elsewhere, at most: the alive key expires; the next
+# reconciler pass may be a period away and sees them stranded; the one after confirms it and queues
+# them again, and the next free RQ loop takes them (docs/operations.md measured 32-36 s).
+LOST_BATCH_BACK_S = LEASE_TIMEOUT_S + 3 * RECONCILE_EVERY_S
+
+
+def check() -> None:
+    """The order the timings must keep (an edit that breaks it fails at import, with the reason)."""
+    rules = [
+        (BEAT_S * 3 <= LEASE_TIMEOUT_S, "a lease must survive two missed beats"),
+        (LEASE_CHECK_STALE_S < LEASE_TIMEOUT_S, "a frozen sender must stop before its lease can pass on"),
+        (REPLY_POLL_S < LEASE_TIMEOUT_S, "a horse must notice a dead engine within one lease"),
+        (STATUS_TTL_S > LEASE_TIMEOUT_S, "a worker is shown lost only once its leases have lapsed"),
+        (STRANDED_CONFIRM_S < RECONCILE_EVERY_S, "two passes must be able to confirm a stranded batch"),
+    ]
+    broken = [reason for ok, reason in rules if not ok]
+    if broken:
+        raise RuntimeError("genq.core.timings: " + "; ".join(broken))
+
+
+check()
