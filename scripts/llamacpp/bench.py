@@ -113,13 +113,14 @@ def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list
     print(f"\nETA ({run['capacity_line'].split('INFO ', 1)[-1]}): {args.eta_n} prompts, {run['tokens']} tokens "
           f"in {run['span_s']:.1f} s ({run['tok_s']:.0f} tok/s), load {run['load']:.1f}")
     print("| done | monitor ETA | 90% range | true time left | error | state | load "
-          "| tok/s | per-request tok/s | fitted mean length |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| tok/s | per-request tok/s | fitted mean length | overhead (a/b) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for pt in run["eta"]:
         eta = "–" if pt["eta_s"] is None else f"{pt['eta_s']:.1f} s"
         rng = "–" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
         err = "–" if pt["error"] is None else f"{pt['error']:+.0%}"
         print(f"| {pt['at']:.0%} | {eta} | {rng} | {pt['true_s']:.1f} s | {err} | {pt['state']} | {pt['load']:.1f} "
-              f"| {pt['tok_s'] or 0:.0f} | {pt['per_request_tok_s'] or 0:.1f} | {pt['fit_mean'] or 0:.1f} |")
+              f"| {pt['tok_s'] or 0:.0f} | {pt['per_request_tok_s'] or 0:.1f} | {pt['fit_mean'] or 0:.1f} "
+              f"| {'none (flat)' if pt.get('overhead') is None else format(pt['overhead'], '.1f')} |")
         if pt["error"] is None or abs(pt["error"]) > 0.15:
             problems.append(f"ETA at {pt['at']:.0%} done: {eta} for {pt['true_s']:.1f} s left (target +-15%)")
     if len(run["eta"]) < 3:
