@@ -37,7 +37,7 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.test-extras check
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# The fast tier: every test that starts no process (tests/conftest.py marks and guards the tiers).
+# The fast tier: every test that starts no process (tests/tiers.py marks and guards the tiers).
 test-fast: $(VENV)/.test-extras check
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m fast
 
@@ -48,11 +48,9 @@ check: $(VENV)/.test-extras
 	$(BIN)/python scripts/check_layout.py
 
 bench: $(BIN)/genq
-	scripts/ensure-redis
 	$(BIN)/python bench/saturation.py
 
 bench-eta: $(BIN)/genq
-	scripts/ensure-redis
 	$(BIN)/python bench/eta_bench.py
 
 clean:

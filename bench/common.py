@@ -1,8 +1,9 @@
 """Shared pieces of the benchmarks: a `genq sim` process, its /sim/stats poller,
 synthetic prompts, genq command lines, the machine's conditions, markdown tables.
 
-Benchmarks use their own Redis database (GENQ_BENCH_REDIS_URL, default db 8) and
-flush it before each run: never point it at a database that holds real jobs.
+Benchmarks run on a private redis-server they start on a free loopback port (nothing kept on disk,
+stopped when the benchmark exits): a Redis they did not start is never touched. GENQ_BENCH_REDIS_URL
+names another one instead; it is flushed before each run, so never point it at real jobs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,36 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-REDIS_URL = os.environ.get("GENQ_BENCH_REDIS_URL", "redis://127.0.0.1:6379/8")
+
+
+def _private_redis() -> str:
+    """Start a redis-server of the benchmark's own; its URL goes into the environment so that the
+    benchmark's child processes (which import this module too) use the same one."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if shutil.which("redis-server") is None:
+        raise SystemExit("the benchmarks need redis-server (apt-get install redis-server)")
+    folder = tempfile.mkdtemp(prefix="genq-bench-redis-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    atexit.register(lambda: (proc.terminate(), proc.wait(10), shutil.rmtree(folder, ignore_errors=True)))
+    url = f"redis://127.0.0.1:{port}/8"
+    for _ in range(100):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                os.environ["GENQ_BENCH_REDIS_URL"] = url
+                return url
+        time.sleep(0.05)
+    raise SystemExit(f"the benchmark's private redis-server on port {port} did not start")
+
+
+REDIS_URL = os.environ.get("GENQ_BENCH_REDIS_URL") or _private_redis()
 
 if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
     sys.path.insert(0, str(ROOT))
@@ -244,7 +274,7 @@ def flush_bench_db(redis_url: str = REDIS_URL) -> None:
     db = conn.connection_pool.connection_kwargs.get("db", 0)
     if db == 0 and not os.environ.get("GENQ_BENCH_ALLOW_DB0"):
         raise SystemExit(f"refusing to flush database 0 of {mask_url(redis_url)}: "
-                         "set GENQ_BENCH_REDIS_URL to a spare database (e.g. redis://127.0.0.1:6379/8)")
+                         "set GENQ_BENCH_REDIS_URL to a spare database, or leave it unset for a private redis-server")
     conn.flushdb()
     conn.close()
 

@@ -6,6 +6,9 @@ optionally one at half speed) runs the same prompts twice:
   ideal  one shared queue in this script: every free slot of every server takes the
          next prompt (a slot per asyncio task, non-streamed), so no slot idles while
          a prompt is unsent. The best any scheduler can do on that fleet.
+  router SGLang's router (sglang-router from PyPI, `--policy cache_aware`) in front of the same
+         servers, one client keeping the fleet's total slot count in flight through it: what a
+         user would run instead of genq.
   genq   real `genq enqueue` + one real `genq worker --burst` per server, defaults.
 
 Makespan is timed by the servers: the first admission on any of them to the last
@@ -17,9 +20,11 @@ result per prompt.
     .venv/bin/python bench/fleet_tail.py --scenarios half      # one of them
 
 Scenarios (targets, genq makespan / ideal): `half` 1,600 prompts, batches of 64, 4
-servers, one at half speed (<= 1.05); `even` the same on an even fleet (<= 1.03);
-`large` 10,000 prompts, batches of 256, 8 servers, one at half speed (<= 1.05).
-Exits 1 when a target is missed. Uses a private redis-server on a free port.
+servers, one at half speed (<= 0.93, and no slower than the router in the same run); `even`
+the same on an even fleet (<= 1.03); `large` 10,000 prompts, batches of 256, 8 servers, one
+at half speed (<= 0.95). Exits 1 when a target is missed. Uses a private redis-server on a
+free port. The router run needs `sglang-router` (`.venv/bin/pip install sglang-router`);
+without it the bench says so and runs the others (`--order ideal,genq`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +59,9 @@ class Scenario:
 
 
 SCENARIOS = {
-    "half": Scenario("half", 1600, 64, 4, True, 1.05),
+    "half": Scenario("half", 1600, 64, 4, True, 0.93),
     "even": Scenario("even", 1600, 64, 4, False, 1.03),
-    "large": Scenario("large", 10_000, 256, 8, True, 1.05),
+    "large": Scenario("large", 10_000, 256, 8, True, 0.95),
 }
 
 
@@ -80,11 +87,14 @@ def fleet_figures(sims: list[Sim]) -> dict[str, Any]:
         "per_server": [s["finished_requests"] for s in stats],
         "last_finish_s": [round(s["last_finish_at"] - min(firsts), 1) if s["last_finish_at"] else None
                           for s in stats],
+        "first_admit_s": [round(s["first_admit_at"] - min(firsts), 2) if s["first_admit_at"] else None
+                          for s in stats],
+        "busy_mean_running": [round(s["busy_mean_running"], 1) for s in stats],
     }
 
 
-async def ideal_client(urls: list[str], prompts: Path, max_tokens: int) -> None:
-    """One shared queue; SLOTS tasks per server, each takes the next prompt when free."""
+async def ideal_client(urls: list[str], prompts: Path, max_tokens: int, per_url: int = SLOTS) -> None:
+    """One shared queue; per_url tasks per server (or router), each takes the next prompt when free."""
     import aiohttp
 
     queue: asyncio.Queue[list] = asyncio.Queue()
@@ -104,12 +114,56 @@ async def ideal_client(urls: list[str], prompts: Path, max_tokens: int) -> None:
     sessions = [aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0),
                                       timeout=aiohttp.ClientTimeout(total=None)) for url in urls]
     try:
-        await asyncio.gather(*(slot(http) for http in sessions for _ in range(SLOTS)))
+        await asyncio.gather(*(slot(http) for http in sessions for _ in range(per_url)))
     finally:
         for http in sessions:
             await http.close()
     if failures:
         raise SystemExit(f"ideal client: {failures} requests failed")
+
+
+ROUTER_MISSING = ("the router run needs sglang-router: `.venv/bin/pip install sglang-router` "
+                  "(or leave it out: --order ideal,genq)")
+
+
+def router_available() -> bool:
+    return subprocess.run([PY, "-c", "import sglang_router"], capture_output=True).returncode == 0
+
+
+class Router:
+    """SGLang's router (cache_aware) in front of the servers, on a free port."""
+
+    def __init__(self, urls: list[str], log_path: Path) -> None:
+        if not router_available():
+            raise SystemExit(ROUTER_MISSING)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+             "--policy", "cache_aware", "--worker-urls", *urls, "--log-level", "warn"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"sglang-router did not start; see {log_path}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 class Redis:
@@ -172,8 +226,19 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redi
             if run == "ideal":
                 started = time.monotonic()
                 subprocess.run([PY, str(Path(__file__).resolve()), "ideal-client", str(prompts), str(args.max_tokens),
-                                *[s.url for s in sims]], check=True, cwd=ROOT)
+                                str(SLOTS), *[s.url for s in sims]], check=True, cwd=ROOT)
                 wall = time.monotonic() - started
+            elif run == "router":
+                router = Router([s.url for s in sims], work / f"router-{sc.name}.log")
+                try:
+                    for sim in sims:  # its health checks are no generations, but reset what they touched
+                        sim.reset()
+                    started = time.monotonic()
+                    subprocess.run([PY, str(Path(__file__).resolve()), "ideal-client", str(prompts),
+                                    str(args.max_tokens), str(SLOTS * len(sims)), router.url], check=True, cwd=ROOT)
+                    wall = time.monotonic() - started
+                finally:
+                    router.stop()
             else:
                 wall = run_genq(sc, sims, redis, prompts, work, args.max_tokens)
             time.sleep(0.2)
@@ -192,41 +257,54 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redi
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ideal-client"]:
-        asyncio.run(ideal_client(argv[3:], Path(argv[1]), int(argv[2])))
+        asyncio.run(ideal_client(argv[4:], Path(argv[1]), int(argv[2]), int(argv[3])))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--scenarios", default="half,even,large", help=f"Of: {', '.join(SCENARIOS)}.")
-    p.add_argument("--order", default="ideal,genq", help="Runs, in this order, per scenario.")
+    p.add_argument("--order", default="ideal,router,genq",
+                   help="Runs, in this order, per scenario (of: ideal, router, genq).")
     p.add_argument("--step-ms", type=float, default=50.0, help="Decode step of a full-speed server (ms).")
     p.add_argument("--output-sigma", type=float, default=0.5,
                    help="Lognormal sigma of output lengths. Larger: the last long completions, which run "
                         "where they started in any scheduler, hide what holding batches costs.")
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--workdir", default=None, help="Keep the logs (workers, servers, router) here.")
     p.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
     args = p.parse_args(argv)
     print(conditions(), flush=True)
+    if "router" in args.order.split(",") and not router_available():
+        print(f"NOTE: {ROUTER_MISSING}; running without it", file=sys.stderr)
+        args.order = ",".join(r for r in args.order.split(",") if r != "router")
     rows, misses, all_figures = [], [], {}
     with tempfile.TemporaryDirectory(prefix="genq-tail-") as tmp:
-        work = Path(tmp)
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         redis = Redis(work)
         try:
             for name in args.scenarios.split(","):
                 sc = SCENARIOS[name]
                 figs = run_scenario(sc, args, work, redis)
                 all_figures[name] = figs
-                ratio = figs["genq"]["makespan_s"] / figs["ideal"]["makespan_s"]
+                ideal = figs["ideal"]["makespan_s"]
+                ratio = figs["genq"]["makespan_s"] / ideal
+                router = figs["router"]["makespan_s"] / ideal if "router" in figs else float("nan")
                 rows.append([name, sc.prompts, sc.batch_size, sc.servers, "yes" if sc.half_speed else "no",
-                             figs["ideal"]["makespan_s"], figs["genq"]["makespan_s"], ratio, sc.target,
+                             ideal, figs["genq"]["makespan_s"], ratio, router, sc.target,
                              " ".join(str(x) for x in figs["genq"]["last_finish_s"])])
-                print(f"{name}: ideal {figs['ideal']['makespan_s']:.1f}s, genq {figs['genq']['makespan_s']:.1f}s "
-                      f"({ratio:.3f}x); genq per server {figs['genq']['per_server']}", flush=True)
+                for run, f in figs.items():
+                    print(f"  {run}: each server's first admission {f['first_admit_s']} s, last finish "
+                          f"{f['last_finish_s']} s, mean running {f['busy_mean_running']}", flush=True)
+                print(f"{name}: ideal {ideal:.1f}s, genq {figs['genq']['makespan_s']:.1f}s ({ratio:.3f}x), router "
+                      f"{router:.3f}x; genq per server {figs['genq']['per_server']}", flush=True)
                 if ratio > sc.target:
                     misses.append(f"{name}: genq {ratio:.3f}x the ideal > {sc.target}")
+                if sc.half_speed and ratio > router:
+                    misses.append(f"{name}: genq {ratio:.3f}x the ideal, slower than the router's {router:.3f}x")
         finally:
             redis.stop()
     print(table(["scenario", "prompts", "batch", "servers", "one at half speed", "ideal makespan s",
-                 "genq makespan s", "genq / ideal", "target", "genq: each server's last finish s"], rows))
+                 "genq makespan s", "genq / ideal", "router / ideal", "target", "genq: each server's last finish s"], rows))
     print(conditions())
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(all_figures, indent=2))

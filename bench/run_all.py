@@ -3,8 +3,8 @@
     .venv/bin/python bench/run_all.py            # ~5 minutes on 2 cores
     .venv/bin/python bench/run_all.py --quick    # fewer prompts, ~2 minutes
 
-Each benchmark flushes the Redis database named by GENQ_BENCH_REDIS_URL
-(default redis://127.0.0.1:6379/8): use a spare one.
+Each benchmark runs on a private redis-server (bench/common.py), or flushes the database
+GENQ_BENCH_REDIS_URL names.
 """
 
 from __future__ import annotations

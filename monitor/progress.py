@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,12 +23,13 @@ from genq.core.prefetch import max_loops, reserve
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
+from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
+from genq.monitor.sharing import shared_fleet
 from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
-from genq.monitor.speedcurve import fit_overhead
 from genq.ops.settings import describe_block
 
 # Only in --json: the same figures in unrounded seconds.
@@ -89,7 +90,7 @@ class JobProgress(msgspec.Struct):
     eta_low_s: float | None
     eta_high_s: float | None
     elapsed_hours: float
-    elapsed_s: float  # from the first result (or creation) to now, or to the last result once done
+    elapsed_s: float  # from the first request sent (or creation) to now, or to the last result once done
     total_input_tokens: int
     total_output_tokens: int
     avg_output_tokens: float | None  # finished completions only: biased short while running
@@ -116,6 +117,9 @@ class JobProgress(msgspec.Struct):
     # Why the job is blocked (docs/settings.md): the server's message and the counts; None otherwise.
     blocked: str | None = None
     blocked_reason: str | None = None  # "preflight" | "brake"
+    priority: int = 0  # docs/scheduling.md
+    weight: float = 1.0
+    share: float = 0.0  # of the fleet's requests in flight now
 
 
 @dataclass
@@ -197,15 +201,12 @@ class Monitor:
             tracker = self.trackers.setdefault(snap.job, RateTracker(self.window_s))
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
-        if speed is not None:  # how a request's speed depends on its worker's count (monitor/speedcurve.py)
-            speed = replace(speed, overhead=fit_overhead(b for w in snap.workers if w.live_status is not None
-                                                         for b in w.live_status.decode))
         config = snap.config
         fleet = fleet_of(snap)
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
-            fleet=fleet, batch_size=config.batch_size if config else 256,
+            fleet=shared_fleet(fleet, snap.share), batch_size=config.batch_size if config else 256,
             speed=speed, paused=snap.paused and not snap.is_done,
             pool=None if self.once else self.pools.setdefault(snap.job, EtaPool()), now=snap.at,
         )
@@ -267,15 +268,15 @@ def tail_note(snap: JobSnapshot) -> str | None:
     if not slots or snap.in_flight * 2 > slots:
         return None
     busy = sum(1 for w in snap.workers if w.live and w.running_tokens)
-    return (f"tail: nothing left to start; the last {snap.in_flight:,} requests run on {busy} of {len(live)} "
-            f"workers ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
+    return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of {plural(len(live), 'worker')} "
+            f"({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
             f"the end of the job, not a fault")
 
 
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
     finished = snap.completed + snap.failed
-    # Elapsed runs from the first result, or from creation once a worker works on the job: a job
-    # no worker has touched has not started (it showed "elapsed 33s" with no worker at all).
+    # Elapsed runs from the first request sent (the workers' first_at), or from creation once a worker
+    # works on the job: a job no worker has touched has not started (it showed "elapsed 33s").
     started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
     start = started or snap.at
     end = snap.last_at if snap.is_done and snap.last_at else snap.at
@@ -340,6 +341,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
                         for w in snap.workers],
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
+        priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),
     )
 
 

@@ -26,7 +26,8 @@ import msgspec
 import redis
 
 from genq.core import keys, ledger
-from genq.core.records import InFlight, JobBlock, JobConfig, WorkerStatus, unpack
+from genq.core.order import schedule_of
+from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
 from genq.core.state import JobStatus, job_status
 from genq.monitor.rqqueue import QueueMirror
 
@@ -114,6 +115,13 @@ class JobSnapshot:
     batches_queued: int = 0  # this job's batches in RQ's queue
     rq_queued: int = 0  # every batch in RQ's queue, all jobs (`rq info`)
     blocked: JobBlock | None = None  # why the job's settings stopped it (docs/settings.md)
+    schedule: JobSchedule = field(default_factory=JobSchedule)  # priority and weight (docs/scheduling.md)
+    fleet_running: int = 0  # requests in flight on the live workers, every job's
+
+    @property
+    def share(self) -> float:
+        """This job's part of the fleet's requests in flight now (0 when nothing runs)."""
+        return min(1.0, self.in_flight / self.fleet_running) if self.fleet_running else 0.0
 
     @property
     def running_tokens(self) -> list[int]:
@@ -241,8 +249,9 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         pipe.hlen(keys.job_shards(job))
         pipe.sismember(keys.JOBS, job)
         pipe.get(keys.job_blocked(job))
+        pipe.get(keys.job_schedule(job))
         (raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known,
-         raw_block) = pipe.execute()
+         raw_block, raw_schedule) = pipe.execute()
     if raw_config is None and not stats and not known:
         return None
     if shards and ledger.SHARD_RECORDS.encode() not in stats:
@@ -295,6 +304,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         shard_bytes=_int(stats.get(ledger.SHARD_BYTES.encode())),
         shard_records=_int(stats.get(ledger.SHARD_RECORDS.encode())),
         blocked=unpack(raw_block, JobBlock) if raw_block else None,
+        schedule=schedule_of(raw_schedule),
+        fleet_running=sum(s.in_flight for s in workers.values() if s is not None and s.state != "stopped"),
     )
 
 
@@ -311,19 +322,36 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     """
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
             for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
-    if not asks:
-        return 0
     with conn.pipeline(transaction=False) as pipe:
         for _, bid in asks:
             pipe.exists(keys.batch(job, bid))
             pipe.hlen(keys.batch_results(job, bid))
-        replies = pipe.execute()
+        pipe.hgetall(keys.job_leases(job))  # only batches in progress: bounded by the fleet
+        *replies, leases = pipe.execute()
     held = 0
     for i, (view, _) in enumerate(asks):
         if replies[2 * i]:
             held += 1
             view.held_unfinished.append(max(0, batch_size - int(replies[2 * i + 1])))
-    return held
+    return held + _leased_unnamed(conn, job, leases, {bid for _, bid in asks})
+
+
+def _leased_unnamed(conn: redis.Redis, job: str, leases: dict[bytes, bytes], named: set[str]) -> int:
+    """Batches a live engine has leased that no status record names yet (it publishes one a second):
+    held all the same, not "elsewhere". A lease of an engine that stopped beating is not counted."""
+    unnamed: list[tuple[str, str]] = []
+    for raw_batch, value in leases.items():
+        holder = ledger.lease_holder(value)
+        if holder and raw_batch.decode() not in named and len(unnamed) < HELD_READ_LIMIT:
+            unnamed.append((raw_batch.decode(), holder))
+    if not unnamed:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for bid, holder in unnamed:
+            pipe.exists(keys.engine_alive(holder))
+            pipe.exists(keys.batch(job, bid))
+        replies = pipe.execute()
+    return sum(1 for i in range(len(unnamed)) if replies[2 * i] and replies[2 * i + 1])
 
 
 @dataclass

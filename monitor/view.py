@@ -90,7 +90,7 @@ def job_panel(r: JobReport) -> Panel:
     bar.add_row(ProgressBar(total=max(p.total, 1), completed=finished, width=60))
     counts = Text(
         f"done {p.completed:,}  failed {p.failed:,}  in flight {p.in_flight:,}  not started {p.queued:,}"
-        f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({p.held:,} prompts unsent),"
+        f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({plural(p.held, 'prompt')} unsent),"
         f" {p.queued_batches:,} in RQ's queue"
     )
     if p.other_batches and p.blocked:
@@ -112,9 +112,13 @@ def job_panel(r: JobReport) -> Panel:
         eta = Text.assemble(("finished", "bold green"))
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
-    eta.append(f"  · elapsed {duration(p.elapsed_s)}" if p.elapsed_s > 0 else "  · not started")
-    out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {p.shard_records:,} records)", style="dim")
-    lines: list[RenderableType] = [head, bar, counts, speed, eta]
+    short = p.elapsed_s < 9.95  # a short run in tenths: 0.4 s of generation is not "elapsed 0s"
+    eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}" if p.elapsed_s > 0
+               else "  · not started")
+    out = Text(f"shards {p.shards:,} ({nbytes(p.s3_bytes)}, {plural(p.shard_records, 'record')})", style="dim")
+    share = Text(f"priority {p.priority}" + (f" (weight {p.weight:g})" if p.weight != 1 else "")
+                 + (f" · {100 * p.share:.0f}% of the fleet's requests in flight" if p.share else ""), style="dim")
+    lines: list[RenderableType] = [head, bar, counts, speed, eta, share]
     if p.blocked:
         lines.append(Text(p.blocked, style="bold red"))
     if p.tail:

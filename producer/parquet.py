@@ -17,6 +17,7 @@ import msgspec
 
 from genq.core.records import Rejected
 from genq.producer.files import ColumnMap, SourceError, open_binary
+from genq.producer.meter import Meter
 from genq.producer.rows import Row, RowError, rejected, row_to_prompt
 
 READ_BATCH_ROWS = 1024
@@ -56,7 +57,8 @@ def resolve_columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str,
     return mapping
 
 
-def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = None) -> Iterator[Row | Rejected]:
+def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = None,
+                 meter: Meter | None = None) -> Iterator[Row | Rejected]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -72,10 +74,12 @@ def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = 
     except SourceError:
         stream.close()
         raise
-    return _rows(parquet, stream, mapping)
+    meter = meter or Meter()
+    meter.of_rows(parquet.metadata.num_rows)  # the footer's count: nothing read yet
+    return _rows(parquet, stream, mapping, meter)
 
 
-def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str]) -> Iterator[Row | Rejected]:
+def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str], meter: Meter) -> Iterator[Row | Rejected]:
     import pyarrow as pa
 
     sources = set(mapping.values())
@@ -85,6 +89,7 @@ def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str]) -> Iterator[R
         for record_batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS):
             for record in record_batch.to_pylist():
                 row_no += 1
+                meter.done = row_no
                 row = {k: v for k, v in record.items() if k not in sources and k not in dropped and k not in mapping}
                 for target, source in mapping.items():
                     row[target] = record[source]

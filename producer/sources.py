@@ -17,6 +17,7 @@ from typing import BinaryIO
 from genq.core.records import Rejected
 from genq.output import layout
 from genq.producer.files import ColumnMap, SourceError, open_binary
+from genq.producer.meter import Meter
 from genq.producer.rows import Row, parse_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -27,35 +28,43 @@ def is_parquet(uri: str) -> bool:
     return uri.lower().endswith(PARQUET_SUFFIXES)
 
 
-def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap()) -> Iterator[Row | Rejected]:
-    """Prompts (or rejects) of INPUT in input order; blank JSONL lines are skipped.
+def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap(),
+              meter: Meter | None = None) -> Iterator[Row | Rejected]:
+    """Prompts (or rejects) of INPUT in input order; blank JSONL lines are skipped. A `meter`
+    is kept up to date with how much of the input has been read.
 
     Opening errors (missing file, no such bucket, no such column) are raised
     here, before anything is read.
     """
+    meter = meter or Meter()
     if is_parquet(uri):
         from genq.producer.parquet import parquet_rows  # pyarrow only when a Parquet input is read
 
-        return parquet_rows(uri, columns, s3_endpoint_url=s3_endpoint_url)
+        return parquet_rows(uri, columns, s3_endpoint_url=s3_endpoint_url, meter=meter)
     if columns.given():
         raise SourceError("--messages-column, --prompt-column and --id-column apply to Parquet inputs "
                           f"(*.parquet) only; {uri} is read as JSONL")
-    return _parse_lines(open_lines(uri, s3_endpoint_url=s3_endpoint_url))
+    return _parse_lines(open_lines(uri, s3_endpoint_url=s3_endpoint_url, meter=meter), meter)
 
 
-def _parse_lines(lines: Iterator[bytes]) -> Iterator[Row | Rejected]:
+def _parse_lines(lines: Iterator[bytes], meter: Meter | None = None) -> Iterator[Row | Rejected]:
+    meter = meter or Meter()
     offset = 0
     for line_no, raw in enumerate(lines, start=1):
         row = parse_line(line_no, raw, offset)
         offset += len(raw)
+        meter.done = offset
         if row is not None:
             yield row
 
 
-def open_lines(uri: str, *, s3_endpoint_url: str | None = None) -> Iterator[bytes]:
+def open_lines(uri: str, *, s3_endpoint_url: str | None = None, meter: Meter | None = None) -> Iterator[bytes]:
     """The raw lines of a JSONL input, newline included (.gz decompressed as it streams)."""
     stream = open_binary(uri, s3_endpoint_url=s3_endpoint_url)
-    return _lines(uri, stream, gz=uri.endswith(".gz"))
+    gz = uri.endswith(".gz")
+    if meter is not None:
+        meter.of_stream(stream, compressed=gz)
+    return _lines(uri, stream, gz=gz)
 
 
 def _lines(uri: str, stream: BinaryIO, gz: bool) -> Iterator[bytes]:

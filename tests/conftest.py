@@ -25,6 +25,7 @@ import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.tiers"]  # the fast and end-to-end tiers
 
 
 def free_port() -> int:
@@ -164,6 +165,13 @@ def post_json(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
+# The folder genq's processes run in unless a test says otherwise: what they write by default
+# (./out, ./genq-rejects, ./genq-logs) stays out of the repository, so a second `make test` does not
+# find the first one's shards and rebuild its jobs from them (the output is the durable truth).
+WORKDIR = Path(tempfile.mkdtemp(prefix="genq-test-cwd-"))
+atexit.register(shutil.rmtree, WORKDIR, ignore_errors=True)
+
+
 def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
     return [sys.executable, "-m", "genq", "--redis", redis_url, *args]
 
@@ -171,7 +179,7 @@ def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
 def run_genq(*args: str, redis_url: str = REDIS_URL, timeout: float = 120, check: bool = True,
              cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(genq_cmd(*args, redis_url=redis_url), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT)
+                          timeout=timeout, cwd=cwd or WORKDIR)
     if check and proc.returncode != 0:
         raise AssertionError(f"genq {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -233,7 +241,7 @@ class Proc:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=WORKDIR,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                       start_new_session=True)
 
@@ -353,37 +361,3 @@ def batch_prompts(conn, job: str, batch_id: str) -> list:
 
     return read_prompts(load_batch(conn, job, batch_id), load_config(conn, job))
 
-
-# Two tiers (`make test-fast`, `make test`): a test is end-to-end when it starts a process (a sim, a
-# worker, the CLI, a second Redis); every other test is fast: genq's own code against the private
-# Redis, in this process. The guard below fails a fast test that starts a process anyway, so a test
-# cannot be in the wrong tier without anyone noticing: mark it `@pytest.mark.e2e`.
-PROCESS_FIXTURES = {"procs", "sim", "worker"}
-# Files whose tests mostly run the CLI or a second Redis without those fixtures.
-E2E_FILES = {
-    "test_control.py", "test_dlq.py", "test_export.py", "test_fidelity.py", "test_first_day_cli.py",
-    "test_first_day_figures.py", "test_first_day_urls.py", "test_first_hour.py", "test_fleet.py",
-    "test_harness.py", "test_inputs.py", "test_layout.py", "test_monitor.py", "test_producer.py",
-    "test_recover_output.py", "test_s3.py", "test_security.py", "test_sentinel.py", "test_worker.py",
-}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        spawns = item.path.name in E2E_FILES or not PROCESS_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
-        if item.get_closest_marker("e2e") is None and not spawns:
-            item.add_marker(pytest.mark.fast)
-        else:
-            item.add_marker(pytest.mark.e2e)
-
-
-@pytest.fixture(autouse=True)
-def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.node.get_closest_marker("fast") is None:
-        return
-
-    def refuse(*_args: object, **_kwargs: object) -> None:
-        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.e2e (tests/conftest.py)")
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(os, "fork", refuse)

@@ -13,6 +13,7 @@ from pathlib import Path
 from rq import suspension
 
 from genq.core import keys
+from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, Control, WorkerStatus, pack, unpack
 from genq.core.redisconn import connect
 from genq.ops import control
@@ -135,8 +136,13 @@ def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
     run_genq("pause", "--job", "one")
     assert rconn.exists(keys.job_paused("one")) and not rconn.exists(keys.PAUSED)
     assert not suspension.is_suspended(rconn)
-    wait_until(lambda: worker_now("job-pauser").state == "paused", timeout=60, what="the worker to see the pause")
+    # Its in-flight requests finish, then its batches are parked: the worker holds nothing of it,
+    # its slots are free for other jobs (#26), and the paused job's batches are out of RQ's queue.
+    wait_until(lambda: worker_now("job-pauser").state == "idle" and not worker_now("job-pauser").batches,
+               timeout=60, what="the worker to park the paused job's batches")
     wait_until(lambda: sim_stats(url)["num_running"] == 0, timeout=60, what="in-flight requests to finish")
+    assert sim_stats(url)["aborted_requests"] == 0, "in-flight requests were cut instead of finishing"
+    assert rconn.hlen(keys.job_leases("one")) == 0 and rq_queue(rconn).count == 0
     done = job_now("one").done
     before = received(sim_stats(url))
     heartbeats_pass(rconn, "job-pauser")

@@ -11,10 +11,12 @@ import json
 import os
 import pty
 import subprocess
+import sys
 import time
 
 from genq.core import keys
 from tests.conftest import free_port, genq_cmd, run_genq, wait_until, write_prompts
+from tests.test_fleet import free_ports
 
 FAST = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=24, output_sigma=0.5)
 
@@ -49,6 +51,21 @@ def test_counts_are_in_words_and_an_input_of_blank_lines_is_called_that(redis_ur
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert "(it is empty)" in run_genq("enqueue", str(empty), "--job", "empty", check=False).stderr
+
+
+def test_a_job_of_one_prompt_is_counted_in_words_to_the_end(redis_url, tmp_path, sim, worker):
+    """The worker's exit line, its dead letters, the monitor's shard line and a repeated line
+    each counted once: "1 batch completed", not "1 batches"."""
+    src = tmp_path / "one.jsonl"
+    write_prompts(src, 1)
+    src.write_text(src.read_text() * 2)  # the same line twice: one repeated line
+    out = run_genq("enqueue", str(src), "--job", "one", "--output", str(tmp_path / "out")).stdout
+    assert "skipped 1 repeated line (" in out, out
+    proc = worker(sim(**FAST), "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    assert "exited: 1 batch completed, 0 handed back" in proc.log(), proc.log()[-2000:]
+    shown = run_genq("monitor", "--job", "one", "--once").stdout
+    assert "1 record)" in shown and "1 records" not in shown, shown
 
 
 def test_the_stream_message_names_the_switch_that_exists_and_dlq_help_counts_right(redis_url, tmp_path):
@@ -141,7 +158,8 @@ def test_enqueue_shows_percent_and_eta_on_a_big_file(redis_url, tmp_path):
 
 def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, sim, worker):
     write_prompts(tmp_path / "p.jsonl", 8)
-    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400")
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400",
+             "--output", str(tmp_path / "out"))
     url = sim(max_running_requests=1, step_ms_base=200, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=200,
               output_sigma=0.1)
     worker(url, "--concurrency", "1", "--name", "slow-w")
@@ -158,3 +176,23 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
     engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
                         .stdout)["holder"]
     assert engine.startswith("slow-w"), engine
+
+
+def test_a_launch_that_cannot_run_here_is_said_at_once_and_a_failing_server_says_why(tmp_path, redis_url):
+    """`python -m sglang.launch_server ...` where that python has no sglang (a CPU box): one line at once,
+    not 10 restarts per GPU; a server that exits with an error: its log's last line in the warning."""
+    out = run_genq("worker", "--gpus", "0,1,2,3", "--log-dir", str(tmp_path / "l1"), "--launch",
+                   f"{sys.executable} -m genq_no_such_engine.launch_server --model-path M --port {{port}}",
+                   check=False, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"{sys.executable} has no module 'genq_no_such_engine'" in out.stderr, out.stderr
+    assert "genq sim --port {port}" in out.stderr and "restart" not in out.stderr, out.stderr
+    out = run_genq("worker", "--gpus", "0", "--base-port", str(free_ports(1)), "--log-dir", str(tmp_path / "l2"),
+                   "--launch", "nosuch-genq-server --port {port}", check=False, timeout=60)
+    assert out.returncode == 1 and "'nosuch-genq-server' is not a command on this machine's PATH" in out.stderr, \
+        out.stderr
+    out = run_genq("worker", "--gpus", "0", "--base-port", str(free_ports(1)), "--log-dir", str(tmp_path / "l3"),
+                   "--max-restarts", "1", "--launch", f"{sys.executable} -c \"raise SystemExit('no model M here')\"",
+                   check=False, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "exited with status 1 (its log ends: no model M here); restart 1/1" in out.stderr, out.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from tests.conftest import run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
 from tests.test_control import SLOW_SIM, enqueue, workers_json
 from tests.test_dlq import SMALL_CONTEXT, write_mixed
 
@@ -56,7 +56,7 @@ def test_jobs_never_shows_100_percent_beside_failed_prompts(tmp_path, redis_url,
 
 def test_a_job_no_worker_has_touched_shows_no_elapsed_time(tmp_path, redis_url):
     write_prompts(tmp_path / "p.jsonl", 5)
-    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "idle")
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "idle", "--output", str(tmp_path / "out"))
     time.sleep(2.2)
     doc = monitor_json("idle")
     assert doc["elapsed_s"] == 0 and doc["elapsed_hours"] == 0, doc
@@ -74,11 +74,11 @@ def test_values_of_zero_that_mean_nothing_are_refused(redis_url, rconn):
 def test_the_errors_column_is_per_job(tmp_path, redis_url, sim, worker):
     url = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
     write_mixed(tmp_path / "a.jsonl", 12, long_every=3)  # 4 prompts too long: 4 failed attempts
-    run_genq("enqueue", str(tmp_path / "a.jsonl"), "--job", "first", "--max-tokens", "8")
+    run_genq("enqueue", str(tmp_path / "a.jsonl"), "--job", "first", "--max-tokens", "8", "--output", str(tmp_path / "out"))
     worker(url, "--name", "one")
     wait_until(lambda: monitor_json("first")["status"] in ("done", "partial"), 60, "the first job finished")
     write_prompts(tmp_path / "b.jsonl", 10)
-    run_genq("enqueue", str(tmp_path / "b.jsonl"), "--job", "second", "--max-tokens", "8")
+    run_genq("enqueue", str(tmp_path / "b.jsonl"), "--job", "second", "--max-tokens", "8", "--output", str(tmp_path / "out"))
     wait_until(lambda: monitor_json("second")["status"] == "done", 60, "the second job finished")
     time.sleep(2.5)  # a heartbeat after the last outcome
 
@@ -87,3 +87,21 @@ def test_the_errors_column_is_per_job(tmp_path, redis_url, sim, worker):
 
     assert errors("first") == 4 and errors("second") == 0, (errors("first"), errors("second"))
     assert workers_json()["one"]["errors"] == 4  # the worker's own total stays in `genq workers`
+
+
+def test_a_finished_jobs_elapsed_time_and_rate_run_from_its_first_request(redis_url, tmp_path, sim, worker):
+    """20 prompts sent together that all take ~1.5 s: elapsed ~1.5 s and ~13 prompts/s, not the
+    0.1 s between the first and the last answer (it showed "elapsed 0s" and 61 prompts/s)."""
+    write_prompts(tmp_path / "p.jsonl", 20)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "together", "--output", str(tmp_path / "out"))
+    url = sim(max_running_requests=32, step_ms_base=50, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=30,
+              output_sigma=0.01)
+    assert worker(url, "--burst").wait(timeout=120) == 0
+    records = read_results(tmp_path / "out", "together")
+    slowest = max(r["latency_s"] for r in records)
+    assert slowest >= 1.0, slowest
+    doc = json.loads(run_genq("monitor", "--job", "together", "--once", "--json").stdout)
+    assert doc["status"] == "done" and doc["elapsed_s"] >= 0.9 * slowest, (doc["elapsed_s"], slowest)
+    assert doc["rate_per_sec"] <= 20 / (0.9 * slowest), doc["rate_per_sec"]
+    text = run_genq("monitor", "--job", "together", "--once").stdout
+    assert f"elapsed {doc['elapsed_s']:.1f}s" in text, text  # a short run in tenths, not "elapsed 2s" or "0s"

@@ -374,3 +374,4 @@ def test_busy_port_and_missing_program_are_reported(tmp_path, redis_url, procs, 
                    "--launch", "/nonexistent/sglang --port {port}", check=False, timeout=30)
     assert out.returncode == 1
     assert "cannot run '/nonexistent/sglang'" in out.stderr
+

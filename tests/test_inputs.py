@@ -44,7 +44,7 @@ def test_reference_job_on_s3_reads_ranges_and_ends_with_one_result_per_prompt(mo
                     redis_url=redis_url, check=False)
     assert proc.returncode == 3 and "line 11: invalid JSON" in proc.stderr, proc.stderr
     assert f"queued 47 prompts in 5 batches (by reference to s3://{BUCKET}/in/prompts.jsonl)" in proc.stdout
-    assert "skipped 1 repeated lines" in proc.stdout
+    assert "skipped 1 repeated line (same id" in proc.stdout
     records = batch_records(rconn, "ref")
     assert all(r.ref is not None and r.prompts == b"" for r in records), "Redis holds references, not prompts"
     assert [batches.ids(r) for r in records] == [ids[i:i + 10] for i in range(0, 47, 10)]

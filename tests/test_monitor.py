@@ -276,6 +276,25 @@ def test_queued_batches_are_what_rq_shows(tmp_path: Path, redis_url, rconn) -> N
     assert "0 in RQ's queue" in text and "9 elsewhere" in text, text
 
 
+def test_a_batch_a_live_worker_has_leased_is_held_before_its_next_heartbeat_names_it(tmp_path: Path, redis_url,
+                                                                                     rconn) -> None:
+    """Between a worker's lease of a batch and its next status record (a second), the batch is held,
+    not "elsewhere (retrying, failed in RQ or orphaned)": seen at every batch boundary on the page.
+    A lease of an engine that stopped beating stays elsewhere."""
+    from genq.core.queueing import rq_queue
+
+    write_prompts(tmp_path / "p.jsonl", 24)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "lz", "--output", str(tmp_path / "out"),
+             "--batch-size", "8")
+    rq_queue(rconn).empty()  # taken off the queue by the workers' RQ loops
+    rconn.hset(keys.job_leases("lz"), mapping={"b0000001": "tok1 eng-live", "b0000002": "tok2 eng-dead"})
+    rconn.set(keys.engine_alive("eng-live"), "w", ex=60)
+    doc = monitor_json("--job", "lz")
+    assert (doc["held_batches"], doc["other_batches"], doc["queued"]) == (1, 2, 24), doc
+    text = run_genq("monitor", "--once", "--job", "lz").stdout
+    assert "1 held by workers" in text and "2 elsewhere" in text, text
+
+
 def test_a_finished_job_has_one_rate_live_and_once(tmp_path: Path, redis_url, sim, worker, procs) -> None:
     url = sim(step_ms_base=10, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=160, output_sigma=1.0,
               max_running_requests=4)

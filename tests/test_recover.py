@@ -276,3 +276,30 @@ def test_recover_after_flushall_finishes_the_job(lost_redis, sim, procs, tmp_pat
     assert all(written_records(out, "flushed")[i] == r for i, r in written.items()), "a written record was replaced"
     never_regenerated(written, [server])
     print(f"\n[c] FLUSHALL at {len(written)} written; requests {generated(server)} for {n} prompts")
+
+
+def test_a_job_with_dead_letters_is_created_again_from_its_output(lost_redis, sim, procs, tmp_path):
+    """A finished job whose shards' markers carry dead letters, after FLUSHALL: the same enqueue
+    creates it again from its output with its letters back in the dead-letter queue. It failed with
+    "cannot reach Redis ...: Bad data format in input": ADOPT handed Redis's cmsgpack the letters as
+    msgpack bin, which it cannot read."""
+    from tests.test_dlq import SMALL_CONTEXT, write_mixed
+
+    server = sim(context_length=SMALL_CONTEXT, **FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids, long_ids = write_mixed(src, 12, long_every=3)
+    enqueue = ("enqueue", str(src), "--job", "lettered", "--output", str(out), "--batch-size", "6", "--max-tokens", "8")
+    run_genq(*enqueue, redis_url=lost_redis.url)
+    burst = procs(genq_cmd("worker", "--server", server, "--burst", redis_url=lost_redis.url), name="burst")
+    assert burst.wait(timeout=120) == 0, burst.log()
+    conn = redis.Redis.from_url(lost_redis.url)
+    letters = set(audit(conn, "lettered", out, ids).letters)
+    assert letters == set(long_ids), (letters, long_ids)
+    conn.flushall()
+
+    again = run_genq(*enqueue, redis_url=lost_redis.url)
+    assert "job created again from its output" in again.stdout, again.stdout
+    found = audit(conn, "lettered", out, ids)
+    assert set(found.letters) == letters and len(found.results) == len(ids) - len(letters)
+    dlq = json.loads(run_genq("dlq", "list", "--job", "lettered", "--json", redis_url=lost_redis.url).stdout)
+    assert sorted(e["id"] for e in dlq) == sorted(letters), dlq

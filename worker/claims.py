@@ -217,28 +217,40 @@ class Backlog:
         self.waiting.pop(held, None)
         self.lent.pop(held, None)
 
-    async def claim(self, n: int, skip_jobs: set[str]) -> list[Task]:
-        """Claim up to n prompts to send, oldest batch first."""
+    async def claim(self, n: int, skip_jobs: set[str],
+                    plan: Callable[[dict[str, int], int], list[tuple[str, int]]] | None = None) -> list[Task]:
+        """Claim up to n prompts to send, each job's oldest batch first; `plan` (worker/shares.py)
+        says how many of each job (priorities, fair share), else the oldest batches first."""
+        for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
+            self.waiting.pop(held, None)
+        eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
+        waiting: dict[str, int] = {}
+        for held, tasks in eligible:
+            waiting[held.ref.job] = waiting.get(held.ref.job, 0) + len(tasks)
+        quota = plan(waiting, n) if plan is not None else [(j, n) for j in waiting]
         out: list[Task] = []
-        for held, tasks in list(self.waiting.items()):
-            if len(out) >= n:
-                break
-            if held.dropped or not tasks:
-                self.waiting.pop(held, None)
-                continue
-            if held.ref.job in skip_jobs:
-                continue
-            chunk = [tasks.popleft() for _ in range(min(n - len(out), len(tasks)))]
-            try:
-                out += await self._sort(held, chunk)
-            except BaseException:  # Redis away, or cancelled: keep every prompt (a claim of ours is re-claimable)
-                tasks.extendleft(reversed(chunk))
-                for task in reversed(out):
-                    self.waiting.setdefault(task.batch, deque()).appendleft(task)
-                raise
-            if not tasks:
-                self.waiting.pop(held, None)
+        for job, k in quota:
+            for held, tasks in eligible:
+                if held.ref.job == job and k > 0 and tasks:
+                    got = await self._claim_from(held, tasks, min(k, n - len(out)), out)
+                    k -= got
         return out
+
+    async def _claim_from(self, held: HeldBatch, tasks: deque[Task], k: int, out: list[Task]) -> int:
+        """Claim k prompts of one batch into out; how many were taken from its backlog."""
+        if k <= 0:
+            return 0
+        chunk = [tasks.popleft() for _ in range(min(k, len(tasks)))]
+        try:
+            out += await self._sort(held, chunk)
+        except BaseException:  # Redis away, or cancelled: keep every prompt (a claim of ours is re-claimable)
+            tasks.extendleft(reversed(chunk))
+            for task in reversed(out):
+                self.waiting.setdefault(task.batch, deque()).appendleft(task)
+            raise
+        if not tasks:
+            self.waiting.pop(held, None)
+        return len(chunk)
 
     async def recheck(self) -> list[Task]:
         """Lent prompts: finished elsewhere (the batch may now be complete), still taken,

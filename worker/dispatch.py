@@ -21,6 +21,7 @@ from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
 from genq.core.timings import LEASE_CHECK_STALE_S
+from genq.core.words import plural
 from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
@@ -103,7 +104,8 @@ class Dispatcher:
             for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
-            if self._can_send() and (want := self._want()) > 0 and self.todo.backlog.waiting:
+            if (self._can_send() and not self.flags.hold_back and (want := self._want()) > 0
+                    and self.todo.backlog.waiting):
                 await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
@@ -162,7 +164,7 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
-            if self.todo.backlog.waiting and len(self.todo.ready) < CLAIM_AHEAD:
+            if self.todo.backlog.waiting and len(self.todo.ready) < CLAIM_AHEAD and not self.flags.hold_back:
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 
@@ -176,13 +178,14 @@ class Dispatcher:
     def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
         """Records the answer, or returns why it is not what the request asked for (answers.py)."""
         held = task.batch
+        latency = time.monotonic() - task.progress.started
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
-                           attempts=task.lost + task.attempts + 1, latency_s=time.monotonic() - task.progress.started,
+                           attempts=task.lost + task.attempts + 1, latency_s=latency,
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
             return result
         self.writer.add_result(result, sent.incarnation)
-        self.rates.add(c.usage.completion_tokens)
+        self.rates.add(c.usage.completion_tokens, latency)
         if self.brake is not None:
             self.brake.succeeded(task)
         return None
@@ -206,7 +209,7 @@ class Dispatcher:
             self.crashed(task)
             if task.crashes >= self.opts.server_crash_limit:
                 self._dead(task, Failure(
-                    "server_crash", f"the server went down {task.crashes} times while this prompt was in flight "
+                    "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
                     f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
                 return
             (self.todo.suspects if self._suspect(task) else self.todo.ready).appendleft(task)

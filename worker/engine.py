@@ -28,6 +28,7 @@ import redis
 
 from genq.core.ledger import Reconciler
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
+from genq.core.words import plural
 from genq.worker.claims import Backlog, Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
@@ -42,7 +43,9 @@ from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.parking import parking_of
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
+from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
+from genq.worker.tail import TailWatch
 from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
@@ -81,6 +84,13 @@ class Engine:
                                 self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
+        # Priorities and fair share: which held prompts go first, and when to take one more batch.
+        self.shares = Shares(self.redis, self.stealer.queue_key,
+                             lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed})
+        self.loops.shares = self.shares
+        self.dispatcher.todo.plan = self.shares.plan
+        self.tail = TailWatch(self.redis, self.name, self.stealer.queue_key, self.flags, self.dispatcher,
+                              lambda: bool(self.held or self.stealer.borrowed))
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
                                               GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
@@ -128,15 +138,15 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
-                    self.stealer.run(), self.parking.run())]
+                    self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
                 await self._until_finished()
                 await self._shutdown()
                 for task in loops:
                     task.cancel()
         finally:
             await self._close()
-        log.info("worker %s exited: %d batches completed, %d handed back", self.name, self.ends.completed,
-                 self.handed_back)
+        log.info("worker %s exited: %s completed, %d handed back", self.name,
+                 plural(self.ends.completed, "batch", "batches"), self.handed_back)
         return 0
 
     async def _until_finished(self) -> None:
@@ -189,7 +199,7 @@ class Engine:
             self.held.pop(h.ref, None)
         self.handed_back += len(given)
         if given:
-            log.info("%s: handed back %d batches (%s)", why, len(given), ", ".join(given))
+            log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def _shutdown(self) -> None:
         """Answer every lease, then let the loops go (see the module docstring)."""
@@ -201,7 +211,7 @@ class Engine:
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
-            log.error("could not flush %d results to Redis; their batches will be redone", self.writer.pending)
+            log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
         # A loop may hand over a batch while it stops: answer (hand back) every lease until the
         # loops are gone; then kill what is left, horses included, and look one last time.
         deadline = time.monotonic() + LOOPS_STOP_S

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from genq.core.records import BatchRef
+from genq.core.words import plural
 from genq.worker.claims import Claims
 from genq.worker.completion import Completer
 from genq.worker.dispatch import Dispatcher
@@ -60,8 +61,8 @@ class BatchEnds:
 
     async def _redo(self, held: HeldBatch, missing: set[str]) -> None:
         """Outcomes lost from Redis (a rollback): the batch goes back to work for those prompts."""
-        log.warning("batch %s: %d prompts have no outcome in Redis (lost from it?): sending them again",
-                    held.ref, len(missing))
+        log.warning("batch %s: %s no outcome in Redis (lost from it?): sending again",
+                    held.ref, plural(len(missing), "prompt has", "prompts have"))
         held.completing = False
         if not held.prompts:  # its input could not be read: the next delivery dead-letters them again
             self.dispatcher.drop(held, cancel=True)

@@ -31,6 +31,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from genq.core.redisconn import ENV_VAR, mask_url
+from genq.core.words import plural
+from genq.worker.launchcheck import launch_problem
 from genq.worker.supervisor import (
     HealthTimeouts,
     RestartPolicy,
@@ -157,8 +159,9 @@ class Slot:
 def plan(opts: FleetOptions) -> list[Slot]:
     """One slot per GPU: its port, server URL, worker name and (optional) server command."""
     check_template(opts.server_url, "--server-url")
-    if opts.launch is not None:
-        launch_argv(opts.launch, port=0, gpu=0)  # fail on a bad template before starting anything
+    if opts.launch is not None:  # fail on a bad template, or a command that cannot run here, before starting anything
+        if problem := launch_problem(launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0)):
+            raise FleetError(problem)
     last = opts.base_port + len(opts.gpus) - 1
     if not 1 <= opts.base_port or last > 65535:
         raise FleetError(f"--base-port {opts.base_port} with {len(opts.gpus)} GPU(s) needs ports up to {last}")
@@ -278,7 +281,7 @@ class EngineSupervisor:
                 return rc
             delay = self.policy.next_delay(time.monotonic() - started)
             if delay is None:
-                self.failure = f"exited with status {rc}; gave up after {self.policy.max_restarts} restarts"
+                self.failure = f"exited with status {rc}; gave up after {plural(self.policy.max_restarts, 'restart')}"
                 log.error("worker %s: %s (log: %s)", self.name, self.failure, self.log_path)
                 return rc
             log.warning("worker %s: exited with status %s; restart %d/%d in %.0fs", self.name, rc,

@@ -145,6 +145,7 @@ class Heartbeat:
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
+            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,
         )
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:

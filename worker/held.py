@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.worker.server import Progress
 
+SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-request speed
+
 
 @dataclass(eq=False)
 class HeldBatch:
@@ -57,6 +59,9 @@ class Flags:
     # lease survives (a frozen process) stops dispatch until the leases are checked again.
     last_beat: float = field(default_factory=time.monotonic)
     server_note: str | None = None
+    # The end of the queue, and a faster worker would finish this engine's next prompt first
+    # (worker/tail.py): claim and take nothing new; faster workers take what is held here.
+    hold_back: bool = False
 
     @property
     def accepting(self) -> bool:
@@ -80,14 +85,21 @@ class RateWindow:
         self.done = 0
         self.errors = 0
         self.job_errors: dict[str, int] = {}
+        self.token_s: float | None = None  # seconds per output token of one request, moving average
+        self.mean_tokens: float | None = None  # output tokens per request, moving average
 
     def error(self, job: str) -> None:
         self.errors += 1
         self.job_errors[job] = self.job_errors.get(job, 0) + 1
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, latency_s: float | None = None) -> None:
         self.done += 1
         self._events.append((time.monotonic(), tokens))
+        if latency_s is not None and tokens > 0:  # per-request speed (worker/tail.py)
+            a = SPEED_ALPHA
+            per_token = latency_s / tokens
+            self.token_s = per_token if self.token_s is None else (1 - a) * self.token_s + a * per_token
+            self.mean_tokens = tokens if self.mean_tokens is None else (1 - a) * self.mean_tokens + a * tokens
 
     def rates(self) -> tuple[float, float]:
         now = time.monotonic()

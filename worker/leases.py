@@ -27,6 +27,7 @@ from genq.core import batches, keys, ledger
 from genq.core.queueing import enqueue_batch_jobs
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
 from genq.core.redisconn import connect_async
+from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
@@ -136,7 +137,7 @@ class LeaseDesk:
         held = HeldBatch(ref, token, config, size=len(ids), unfinished=unfinished, prompts=prompts)
         self.held[ref] = held
         if finished:
-            log.info("batch %s: %d of %d prompts already done, not regenerating them", ref, len(finished), len(ids))
+            log.info("batch %s: %d of %s already done, not regenerating them", ref, len(finished), plural(len(ids), "prompt"))
         if changed is not None and unfinished:
             log.error("batch %s: %s; its %d unfinished prompts go to the dead-letter queue", ref, changed,
                       len(unfinished))

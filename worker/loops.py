@@ -34,6 +34,7 @@ from genq.worker.held import Flags, Holdings
 from genq.worker.options import WorkerOptions
 from genq.worker.rqjob import ENGINE_ENV
 from genq.worker.rqloop import EXIT_REDIS_UNREACHABLE
+from genq.worker.shares import Shares
 
 log = logging.getLogger("genq.worker")
 
@@ -69,6 +70,7 @@ class RqLoops:
         self._failures: deque[float] = deque()
         self._respawn_delay = 0.0  # grows while loops exit unasked (see RESPAWN_FIRST_S)
         self._respawn_at = 0.0  # monotonic: no loop is started before this
+        self.shares: Shares | None = None  # priorities and fair share (worker/shares.py)
 
     @property
     def any_alive(self) -> bool:
@@ -126,11 +128,15 @@ class RqLoops:
         batches' worth unsent, or slots run dry at batch boundaries.
         """
         base = self.opts.loops
-        if self.flags.paused_all or self.flags.paused_jobs:
+        if self.flags.paused_all:
             return base  # parked prompts are not work: do not take more batches for them
         size = max((h.config.batch_size for h in self.held.values()), default=0)
         keep = reserve(base, size)
         unsent = self.dispatcher.unsent
+        if self.shares is not None and self.shares.wants_head(self.dispatcher.todo.by_job()):
+            # The queue's next batch is of higher priority, or a job with nothing waiting here
+            # (worker/shares.py): take it now, not after a held batch's long tail.
+            return min(active + 1, max_loops(base)) if len(self.held) >= active else max(base, active)
         if unsent < keep and len(self.held) >= active:
             return min(active + 1, max_loops(base))  # every loop holds a batch: take one more
         if unsent > keep + 2 * size and active > base and not any(lp.stopping for lp in self.loops):

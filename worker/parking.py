@@ -28,6 +28,7 @@ from redis.exceptions import WatchError
 
 from genq.core import keys, ledger
 from genq.core.records import BatchRef, JobBlock, JobConfig, Prompt, pack, unpack
+from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.brake import Brake
 from genq.worker.claims import Claims
@@ -64,6 +65,7 @@ class Parking:
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.pausing: set[str] = set()  # paused jobs being parked here (park_paused)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -89,9 +91,10 @@ class Parking:
             async with self.conn.pipeline(transaction=False) as pipe:
                 pipe.exists(keys.job_blocked(job))
                 pipe.get(keys.job_config(job))
+                pipe.exists(keys.job_paused(job))
                 return await pipe.execute()
 
-        blocked, raw = await retrying(look, f"checking job {job}")
+        blocked, raw, paused = await retrying(look, f"checking job {job}")
         if raw is not None:
             self._settings(job, unpack(raw, JobConfig))
         if blocked:
@@ -102,6 +105,10 @@ class Parking:
             return  # handed back meanwhile (stopping)
         if job in self.brake.blocked:
             await self.park_job(job, quiet=True)
+            return
+        if paused:  # `genq pause --job`: parked, its slots go to other jobs
+            self.flags.paused_jobs.add(job)
+            await self.park_job(job, quiet=True, cancel=False)
             return
         problem = preflight(held.config, self.server())
         if problem is not None:
@@ -159,12 +166,14 @@ class Parking:
         self.brake.clear(job)
         self.flags.paused_jobs.discard(job)
 
-    async def park_job(self, job: str, *, quiet: bool = False) -> None:
-        """Stop the job's held and borrowed batches here and end their leases without an RQ job."""
+    async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
+        """Stop the job's held and borrowed batches here and end their leases without an RQ job.
+        Blocked: its requests in flight are cancelled (nothing recorded); paused (`cancel` False):
+        they finish and are recorded, and nothing more of the job is sent."""
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
         for batch in mine + borrowed:
-            self.dispatcher.drop(batch, cancel=True)
+            self.dispatcher.drop(batch, cancel=cancel)
         while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()  # what was recorded before is written: it stays
@@ -182,8 +191,9 @@ class Parking:
             self.held.pop(h.ref, None)
         self.parked += len(parked)
         if parked:
-            (log.debug if quiet else log.info)("job %s is blocked: parked %d batches (%s); their prompts wait for `genq resume --job %s`",
-                     job, len(parked), ", ".join(parked), job)
+            (log.debug if quiet else log.info)(
+                "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
+                job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
         self.dispatcher.wake.set()
 
     # ---------------------------------------------------------------- settings and flags, every second
@@ -200,8 +210,8 @@ class Parking:
         for h in stale:
             h.config = stored
         self.brake.reset(job)
-        log.info("job %s: settings version %d from now on (%d batches held here)", job, stored.settings_version,
-                 len(stale))
+        log.info("job %s: settings version %d from now on (%s held here)", job, stored.settings_version,
+                 plural(len(stale), "batch", "batches"))
         problem = preflight(stored, self.server())
         if problem is not None and job not in self.brake.blocked:
             log.error("job %s blocked (preflight of its new settings): %s", job, problem)
@@ -218,6 +228,7 @@ class Parking:
             self.brake.judge_all()
 
     async def check(self) -> None:
+        park_paused(self)
         jobs = sorted(self.held.jobs() | {r.job for r in self.stealer.borrowed} | self.brake.blocked)
         if not jobs:
             return
@@ -234,6 +245,22 @@ class Parking:
                 self._resumed(job)
             if raw is not None:
                 self._settings(job, unpack(raw, JobConfig))
+
+
+def park_paused(parking: Parking) -> None:
+    """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
+    their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
+    holding = parking.held.jobs() | {r.job for r in parking.stealer.borrowed}
+    for job in (parking.flags.paused_jobs & holding) - parking.brake.blocked - parking.pausing:
+        parking.pausing.add(job)
+
+        async def park(job: str = job) -> None:
+            try:
+                await parking.park_job(job, cancel=False)
+            finally:
+                parking.pausing.discard(job)
+
+        parking._spawn(park())
 
 
 def parking_of(engine: Any) -> Parking:

@@ -23,11 +23,13 @@ from genq.core import keys
 from genq.core.histogram import length_bucket
 from genq.core.ledger import INCARNATION_LUA
 from genq.core.records import DeadLetter, Result, pack, without_prompt
+from genq.core.words import plural
 
 log = logging.getLogger("genq.worker")
 
 # KEYS: results, done-set, worker-stats, hist, dlq, job-workers, claims, config
-# ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m, incarnation
+# ARGV: batch, worker, now, n, (id, blob, in_tok, out_tok, bucket)*n, m, (id, blob)*m, first sent, incarnation
+# (first sent: when the earliest request of these outcomes was sent; a worker's first_at for the job)
 # -> {added, dead}; {-1, -1}: the batch is done; {-2, -2}: not the job's incarnation (nothing written).
 # One final state per prompt, first writer wins: a result is kept only if the prompt
 # has no result and no dead letter yet, a dead letter only if it has neither; the
@@ -64,7 +66,7 @@ if added > 0 or dead > 0 then
   redis.call('HINCRBY', KEYS[3], 'failed', dead)
   redis.call('HINCRBY', KEYS[3], 'in_tok', intok)
   redis.call('HINCRBY', KEYS[3], 'out_tok', outtok)
-  redis.call('HSETNX', KEYS[3], 'first_at', ARGV[3])
+  redis.call('HSETNX', KEYS[3], 'first_at', ARGV[#ARGV - 1])
   redis.call('HSET', KEYS[3], 'last_at', ARGV[3])
   redis.call('SADD', KEYS[6], ARGV[2])
 end
@@ -82,7 +84,9 @@ def record_call(job: str, batch: str, worker: str, now: str, results: list[Resul
     args.append(len(dead))
     for d in dead:
         args += [d.id, pack(d)]
-    args.append(incarnation)
+    # The job's elapsed time and rate run from the first request, not from the first answer.
+    sent = min([r.finished_at - r.latency_s for r in results if r.finished_at] + [float(now)])
+    args += [repr(sent), incarnation]
     script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
                    keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
                    keys.job_config(job)]
@@ -169,8 +173,8 @@ class ResultWriter:
             answers = await pipe.execute()
         for group, (added, _) in zip(groups, answers):
             if added == -2:
-                log.info("batch %s/%s: %d outcomes not recorded: the job was deleted (or enqueued again) meanwhile",
-                         group.job, group.batch, len(group.results) + len(group.dead))
+                log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",
+                         group.job, group.batch, plural(len(group.results) + len(group.dead), "outcome"))
                 continue
             self.on_written(group.job, group.batch,
                             [r.id for r in group.results] + [d.id for d in group.dead])

@@ -26,9 +26,11 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches, keys, ledger
+from genq.core.order import schedule_of
 from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt, unpack
 from genq.core.timings import LEASE_CHECK_STALE_S
+from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.claims import Claims
@@ -92,7 +94,7 @@ class Stealer:
             await self.give_back("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if (free <= 0 or not self.flags.accepting or self.flags.paused_all
+        if (free <= 0 or not self.flags.accepting or self.flags.paused_all or self.flags.hold_back
                 or time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S):
             return 0
         if await self.conn.llen(self.queue_key):
@@ -129,7 +131,7 @@ class Stealer:
             borrowed = self.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
                                                       unfinished=set(), borrowed=True)
         borrowed.unfinished |= set(ids)
-        log.info("took %d unsent prompts of batch %s from another worker", len(ids), ref)
+        log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
         self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
@@ -156,7 +158,23 @@ class Stealer:
                 ref = BatchRef(job, batch.decode())
                 if holder and holder != self.instance and ref not in self.held:
                     out.append((ref, holder, config))
-        random.shuffle(out)  # idle engines spread over the holders
+        return await self._by_priority(out)
+
+    async def _by_priority(self, found: list[tuple[BatchRef, str, JobConfig]]) -> list[tuple[BatchRef, str, JobConfig]]:
+        """The highest priority first, paused jobs left out (their holders park them), holders mixed
+        (idle engines spread over them). Read only for jobs with batches to take: an idle fleet reads nothing."""
+        jobs = sorted({ref.job for ref, _, _ in found})
+        if not jobs:
+            return []
+        async with self.conn.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.get(keys.job_schedule(job))
+                pipe.exists(keys.job_paused(job))
+            answers = await pipe.execute()
+        priority = {job: schedule_of(answers[2 * i]).priority for i, job in enumerate(jobs) if not answers[2 * i + 1]}
+        out = [f for f in found if f[0].job in priority]
+        random.shuffle(out)
+        out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
         return out
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
@@ -200,8 +218,8 @@ class Stealer:
     async def give_back(self, why: str) -> None:
         """Borrowed prompts go back to their holders: nothing more is sent, what was recorded
         is written, then the claims go."""
-        log.info("%s: giving %d borrowed prompts back to their holders", why,
-                 sum(len(b.unfinished) for b in self.borrowed.values()))
+        log.info("%s: giving %s back to their holders", why,
+                 plural(sum(len(b.unfinished) for b in self.borrowed.values()), "borrowed prompt"))
         self.stop_borrowed()
         while any(t.batch.borrowed for t in self.dispatcher.running):
             await asyncio.sleep(0.05)

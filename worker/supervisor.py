@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from genq.core.parentdeath import ask_for_signal_on_parent_death
+from genq.core.words import plural
 from genq.worker.server import HEALTH_TIMEOUT_S
 
 log = logging.getLogger("genq.fleet")
@@ -99,6 +100,19 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def last_words(log_path: Path, limit: int = 240) -> str:
+    """The last line a server wrote in its log since its latest start (why it exited, mostly)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.rsplit("=== genq: start", 1)[-1].splitlines()[1:]]
+    said = next((line for line in reversed(lines) if line), "")
+    return said if len(said) <= limit else said[:limit] + "..."
+
+
 @dataclass
 class HealthTimeouts:
     start: float = 1800.0  # a big model can take many minutes to load
@@ -148,7 +162,7 @@ class ServerSupervisor:
                     break
                 delay = self.policy.next_delay(time.monotonic() - started)
                 if delay is None:
-                    self.failure = (f"{why}; gave up after {self.policy.max_restarts} restarts "
+                    self.failure = (f"{why}; gave up after {plural(self.policy.max_restarts, 'restart')} "
                                     f"(log: {self.spec.log_path})")
                     log.error("%s: %s", self.label, self.failure)
                     break
@@ -214,7 +228,9 @@ class ServerSupervisor:
             if await self._wait_exit_or_stop(interval):
                 if self._stop.is_set():
                     return "stop requested"
-                return f"exited with status {self.proc.returncode}"
+                rc = self.proc.returncode
+                said = last_words(self.spec.log_path) if rc and rc > 0 else ""  # killed by a signal: it said nothing
+                return f"exited with status {rc}" + (f" (its log ends: {said})" if said else "")
             ok = await self._healthy(session)
             now = time.monotonic()
             if ok:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import redis
 
 from genq.core.records import Prompt
+from genq.core.words import plural
 from genq.worker.claims import Backlog
 from genq.worker.held import HeldBatch, Task
 
@@ -38,6 +39,8 @@ class Todo:
         # Claimed prompts of let-go batches that will not be sent here: their claims go.
         self._let_go: dict[HeldBatch, set[str]] = {}
         self._next_claim_note = 0.0
+        # Which jobs' prompts are claimed first (worker/shares.py Shares.plan); None: oldest batch first.
+        self.plan: Callable[[dict[str, int], int], list[tuple[str, int]]] | None = None
 
     def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         """A leased batch's prompts: claimed as slots free."""
@@ -57,7 +60,7 @@ class Todo:
     async def claim(self, n: int, skip_jobs: set[str]) -> None:
         """Claim up to n prompts of the backlog into `ready` (Redis away: again in a second)."""
         try:
-            self.ready.extend(await self.backlog.claim(n, skip_jobs))
+            self.ready.extend(await self.backlog.claim(n, skip_jobs, self.plan))
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
                 log.warning("cannot claim prompts (%s); trying again shortly", exc)
@@ -130,7 +133,8 @@ class Todo:
             lost.update(t for t, ok in zip(tasks, mine) if not ok)
         if not lost:
             return
-        log.info("%d claimed prompts were taken by other engines meanwhile: not sending them", len(lost))
+        log.info("%s taken by other engines meanwhile: not sending them",
+                 plural(len(lost), "claimed prompt was", "claimed prompts were"))
         self._remove(lambda t: t in lost)
         for task in lost:
             if task.batch.borrowed:

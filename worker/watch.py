@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags
@@ -170,5 +171,5 @@ class ServerWatch:
             if running and self.flags.server_down_since is None:
                 latest = max(t.progress.last_activity for t in running)
                 if now - latest > SILENT_PROBE_S and not await self.client.healthy():
-                    self._went_down(f"no output from {len(running)} requests for {now - latest:.0f}s "
+                    self._went_down(f"no output from {plural(len(running), 'request')} for {now - latest:.0f}s "
                                     "and /health fails")

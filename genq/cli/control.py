@@ -25,6 +25,7 @@ from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
 from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
+from genq.core.words import plural
 from genq.ops import control
 from genq.ops.settings import describe_block
 from genq.worker.models import servable_jobs
@@ -151,7 +152,10 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
-    """Jobs with prompts total/done/failed, batches and paused state.
+    """Jobs with priority, share of the fleet, prompts total/done/failed, batches and paused state.
+
+    share is the job's part of the requests running on the fleet now; priority (and
+    weight, when not 1) decide it: docs/scheduling.md.
 
     done sums the workers' counters, failed is the dead-letter queue's size
     (`genq dlq`), remaining = total - done - failed. `genq jobs delete JOB`
@@ -169,13 +173,16 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         click.echo("no jobs (queue some with `genq enqueue`)")
         return
     table = Table(show_edge=False, header_style="bold")
-    for col in ("job", "state", "total", "done", "failed", "remaining", "batches", "workers", "output"):
-        table.add_column(col, justify="right" if col in ("total", "done", "failed", "remaining") else "left",
-                         no_wrap=True)
+    for col in ("job", "state", "priority", "share", "total", "done", "failed", "remaining", "batches", "workers",
+                "output"):
+        table.add_column(col, justify="right" if col in ("priority", "share", "total", "done", "failed",
+                                                          "remaining") else "left", no_wrap=True)
     for r in rows:
         pct = f" ({_floor_percent(r.done, r.total)})" if r.total else ""
-        table.add_row(r.name, r.state, f"{r.total:,}", f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}",
-                      f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?")
+        prio = f"{r.priority}" + (f" w{r.weight:g}" if r.weight != 1 else "")
+        table.add_row(r.name, r.state, prio, f"{100 * r.share:.0f}%" if r.running else "-", f"{r.total:,}",
+                      f"{r.done:,}{pct}", f"{r.failed:,}", f"{r.remaining:,}", f"{r.batches_done}/{r.batches}",
+                      str(len(r.workers)), r.output or "?")
     console = _console()
     console.print(table)
     for r in rows:
@@ -232,8 +239,8 @@ def _deletion_summary(found: control.JobDeletion) -> str:
         kinds[kind] = kinds.get(kind, 0) + 1
     listing = ", ".join(f"{kind}" + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
     places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())
-    return (f"{len(found.keys)} keys {keys.job_keys_pattern(found.job)} ({listing or 'none'}), its name in the job list, "
-            f"{found.rq_count} RQ jobs ({places or 'none'})")
+    return (f"{plural(len(found.keys), 'key')} {keys.job_keys_pattern(found.job)} ({listing or 'none'}), its name in the job list, "
+            f"{plural(found.rq_count, 'RQ job')} ({places or 'none'})")
 
 
 # ---------------------------------------------------------------- pause / resume
@@ -271,7 +278,7 @@ def resume(ctx: click.Context, job: str | None) -> None:
         still = sorted(control.paused_jobs(conn, list_jobs(conn)))
         paused_all = control.globally_paused(conn)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
-               + (f"; {queued} parked batches queued again" if queued else ""))
+               + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
     if still:
         click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
     if paused_all:

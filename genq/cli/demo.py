@@ -26,6 +26,7 @@ import redis
 from genq.cli import settings
 from genq.core import keys
 from genq.core.redisconn import connect, mask_url
+from genq.core.words import plural
 from genq.ops import control
 from genq.output import layout
 
@@ -243,11 +244,11 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
         utilization.append(stats["busy_mean_running"] / capacity)
     dead = conn.hlen(keys.job_dlq(job))
     console.print()
-    console.print(f"[bold green]done[/] in {makespan:.1f}s: {len(rows):,} results for {n_prompts:,} prompts "
-                  f"({len(set(ids)):,} unique ids), {dead} dead letters")
+    console.print(f"[bold green]done[/] in {makespan:.1f}s: {plural(len(rows), 'result')} for {plural(n_prompts, 'prompt')} "
+                  f"({len(set(ids)):,} unique ids), {plural(dead, 'dead letter')}")
     console.print(f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
                   f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}")
-    console.print(f"  shards:   {shards_dir}  ({len(list(shards_dir.glob('*.jsonl')))} files)")
+    console.print(f"  shards:   {shards_dir}  ({plural(len(list(shards_dir.glob('*.jsonl'))), 'file')})")
     console.print(f"  manifest: {Path(layout.job_root(str(out), job)) / layout.MANIFEST_DIR}")
     console.print(f"  logs:     {out / 'logs'}")
     if rows:

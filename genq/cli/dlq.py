@@ -17,6 +17,7 @@ from rich.console import JustifyMethod
 from genq.cli import JobName, settings
 from genq.cli.jobset import generation_options, given_generation
 from genq.core.redisconn import connect, describe_error
+from genq.core.words import plural
 from genq.ops import dlq as core
 
 EXIT_SKIPPED = 3
@@ -85,7 +86,7 @@ def list_command(ctx: click.Context, job: str | None, as_json: bool, limit: int 
     kinds = Counter(e.kind for e in found)
     summary = ", ".join(f"{kind} {n:,}" for kind, n in kinds.most_common())
     more = f" (showing the newest {len(shown):,}; --limit 0 for all)" if len(shown) < len(found) else ""
-    click.echo(f"{len(found):,} entries in {scope}: {summary}{more}")
+    click.echo(f"{plural(len(found), 'entry', 'entries')} in {scope}: {summary}{more}")
     click.echo("details: genq dlq show ID   retry: genq dlq requeue --all" + (f" --job {job}" if job else ""))
 
 
@@ -200,11 +201,11 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
                                "failed batches: change the job's settings with `genq jobs set` instead")
     report = core.requeue(conn, chosen, override=override)
     for name, batch_ids in report.new_batches.items():
-        plural = "es" if len(batch_ids) != 1 else ""
-        click.echo(f"job {name}: requeued {report.prompts[name]:,} prompts as {len(batch_ids)} new batch{plural}: "
+        click.echo(f"job {name}: requeued {plural(report.prompts[name], 'prompt')} as "
+                   f"{plural(len(batch_ids), 'new batch', 'new batches')}: "
                    f"{', '.join(batch_ids)}")
     for name, batch_id, size in report.batches:
-        click.echo(f"job {name}: requeued failed batch {batch_id} ({size:,} prompts) as a new RQ job")
+        click.echo(f"job {name}: requeued failed batch {batch_id} ({plural(size, 'prompt')}) as a new RQ job")
     if not report.new_batches and not report.batches:
         click.echo("nothing was requeued")
     for entry_id, why in report.skipped:
@@ -239,14 +240,14 @@ def purge(ctx: click.Context, job: str | None, yes: bool) -> None:
         return
     prompts = sum(1 for e in chosen if not e.is_batch)
     batches = len(chosen) - prompts
-    what = f"{prompts:,} dead prompts" + (f" and {batches:,} failed batches" if batches else "")
+    what = plural(prompts, "dead prompt") + (f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
     if not yes:
         click.confirm(f"Purge {what} of {scope}? They will not be retried or counted", abort=True)
     report = core.purge(conn, chosen)
     for name, n in report.letters.items():
-        click.echo(f"job {name}: purged {n:,} dead prompts")
+        click.echo(f"job {name}: purged {plural(n, 'dead prompt')}")
     for name, batch_id, forgotten in report.batches:
-        click.echo(f"job {name}: purged failed batch {batch_id} ({forgotten:,} unfinished prompts forgotten)")
+        click.echo(f"job {name}: purged failed batch {batch_id} ({plural(forgotten, 'unfinished prompt')} forgotten)")
     if not report.letters and not report.batches:
         click.echo("nothing was purged")
     for entry_id, why in report.kept:

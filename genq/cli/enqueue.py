@@ -18,12 +18,14 @@ import redis
 from genq.cli import JobName, settings
 from genq.cli.readprogress import ReadProgress
 from genq.core import keys
+from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
 from genq.core.words import plural
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
+from genq.producer.meter import Meter
 from genq.producer.params import ParamError, check_params
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
@@ -61,12 +63,17 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                    "that range themselves (a ranged GET on S3; for a local path, every worker must be able to read "
                    "it at the same absolute path). Needs uncompressed JSONL. Inline: the prompts go into Redis, "
                    "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
+@click.option("--priority", type=int, default=None,
+              help="Scheduling priority, higher first: no worker starts a lower-priority prompt while one of this job "
+                   "waits (docs/scheduling.md). Changeable: genq jobs set JOB --priority N. [default: 0]")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
 @click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
               "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
             prompt_column: str | None, id_column: str | None, by_reference: bool | None, dry_run: bool,
-            **options: object) -> None:
+            priority: int | None, weight: float | None, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -106,17 +113,23 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         conn = connect(url)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
-        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns)
+        meter = Meter()
+        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 
             sys.exit(check_only(conn, config, create, input_uri, rows))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
-            summary = _run(conn, config, create, input_uri, rows, reference, rejects)
+            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter)
         except BaseException:
             rejects.discard()
             raise
+        if summary.enqueued or (not create and (priority is not None or weight is not None)):
+            if priority is not None or weight is not None:
+                set_schedule(conn, job, priority, weight)  # and the queue in order again
+            else:
+                order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
@@ -182,10 +195,10 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
 
 
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
-    reading = ReadProgress(input_uri)
+    reading = ReadProgress(meter)
 
     def progress(summary: EnqueueSummary) -> None:
         if show_progress:
@@ -193,7 +206,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
                         input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri))
-    summary = enqueuer.run(reading.track(rows), on_progress=progress)
+    summary = enqueuer.run(rows, on_progress=progress)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
@@ -232,13 +245,13 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
                    "(--endpoint chat takes messages)")
     if summary.rebuilt or summary.recovered_batches:  # the output is the truth (#31, docs/recovery.md)
         click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
-                   f"{summary.recovered_batches:,} batches already written there counted as done")
+                   f"{plural(summary.recovered_batches, 'batch', 'batches')} already written there counted as done")
     if summary.note:
         click.echo(f"  note: {summary.note}")
     if summary.skipped_existing:
         click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
     if summary.skipped_duplicate:
-        click.echo(f"  skipped {summary.skipped_duplicate:,} repeated lines (same id and content earlier in this input)")
+        click.echo(f"  skipped {plural(summary.skipped_duplicate, 'repeated line')} (same id and content earlier in this input)")
     if not summary.rejected:
         return
     if rejects.error is None:

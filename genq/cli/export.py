@@ -138,7 +138,7 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
     if not status:
         return
     if status["done"] < status["batches"]:
-        click.echo(f"  note: job has {status['batches']:,} batches, {status['done']:,} with shards written: "
+        click.echo(f"  note: job has {plural(status['batches'], 'batch', 'batches')}, {status['done']:,} with shards written: "
                    "the rest are not in this export yet", err=True)
     if status["dead"] and not FORMATS[fmt].errors_file:
         click.echo(f"  note: {status['dead']:,} prompts are in the dead-letter queue, not in this export "

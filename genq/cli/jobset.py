@@ -14,6 +14,7 @@ import msgspec
 import redis
 
 from genq.cli import JobName, settings
+from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import connect, describe_error
 from genq.ops import control
@@ -67,24 +68,37 @@ def _when(at: float) -> str:
               help="--no-brake: never block this job on repeated failures; each failing prompt is "
                    "dead-lettered on its own (for prompts that really fail on their own).")
 @click.option("--note", default=None, help="Why (kept in the settings history).")
+@click.option("--priority", type=int, default=None,
+              help="Scheduling priority, higher first (not a settings version: nothing sent changes).")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Fair-share weight among jobs of equal priority.")
 @click.pass_context
 def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: float | None, top_p: float | None,
              extra_body: str | None, model: str | None, max_attempts: int | None, brake: bool | None,
-             note: str | None) -> None:
-    """Change JOB's generation settings for every prompt not yet done.
+             note: str | None, priority: int | None, weight: float | None) -> None:
+    """Change JOB's generation settings for every prompt not yet done, or its priority and weight.
 
-    Stored as the job's next settings version (see `genq jobs show JOB`); workers send
-    every prompt from then on with it (within a second), and each result records the
+    Settings are stored as the job's next settings version (see `genq jobs show JOB`); workers
+    send every prompt from then on with it (within a second), and each result records the
     version it was generated with. A blocked job stays blocked until `genq resume --job JOB`.
+    --priority and --weight are how the job shares the fleet (docs/scheduling.md): they take
+    effect within seconds on every worker and are no settings version.
     """
     changes = given_generation(max_tokens, temperature, top_p, extra_body)
     changes.update({k: v for k, v in (("model", model), ("max_attempts", max_attempts), ("brake", brake))
                     if v is not None})
-    if not changes:
+    if not changes and priority is None and weight is None:
         raise click.UsageError("name at least one setting to change (see --help)")
     url = settings(ctx).redis_url
     conn = connect(url)
     try:
+        if priority is not None or weight is not None:
+            if job not in list_jobs(conn):
+                raise SettingsError(f"no job named {job!r}")
+            sched = set_schedule(conn, job, priority, weight)
+            click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
+        if not changes:
+            return
         config = set_settings(conn, job, changes, note)
         block = block_of(conn, job)
     except SettingsError as exc:
@@ -123,6 +137,8 @@ def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
         return
     click.echo(f"job {job}: {row.state}, {row.done:,} done, {row.failed:,} failed, {row.remaining:,} remaining "
                f"of {row.total:,}; batches {row.batches_done}/{row.batches}; output {config.output}")
+    click.echo(f"priority {row.priority}, weight {row.weight:g}; {100 * row.share:.0f}% of the fleet's requests in "
+               "flight now (docs/scheduling.md)")
     if row.blocked is not None:
         click.echo(describe_block(job, row.blocked))
         click.echo(f"  blocked at {_when(row.blocked.at)}")

@@ -1,15 +1,12 @@
 """enqueue's progress line: prompts read and their rate, and for an input whose size is known
-(a local uncompressed JSONL file) the percent read and an ETA, from the byte offset of the
-last line read against the file's size."""
+the percent read and an ETA (genq.producer.meter: bytes of a JSONL file, compressed bytes of a
+.gz one, rows of a Parquet file's metadata; local or on S3)."""
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
 
-from genq.core.records import Rejected
-from genq.producer.rows import Row
+from genq.producer.meter import Meter
 
 
 def _duration(seconds: float) -> str:
@@ -22,24 +19,16 @@ def _duration(seconds: float) -> str:
 
 
 class ReadProgress:
-    def __init__(self, input_uri: str) -> None:
-        plain = "://" not in input_uri and not input_uri.endswith((".gz", ".parquet")) and os.path.isfile(input_uri)
-        self.size: int | None = os.path.getsize(input_uri) if plain else None
-        self.position = 0  # bytes of the input read (the end of the last line parsed)
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
         self.started = time.monotonic()
-
-    def track(self, rows: Iterator[Row | Rejected]) -> Iterator[Row | Rejected]:
-        for item in rows:
-            if isinstance(item, Row) and item.end > self.position:
-                self.position = item.end
-            yield item
 
     def line(self, read: int, queued: int) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         text = f"read {read:,} prompts ({read / elapsed:,.0f}/s), queued {queued:,}"
-        if self.size:
-            fraction = min(1.0, self.position / self.size)
+        fraction = self.meter.fraction()
+        if fraction is not None:
             eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
-            text += f" · {100 * fraction:.1f}% of {self.size / 2**20:,.1f} MiB" + (
+            text += f" · {100 * fraction:.1f}% of {self.meter.of_what()}" + (
                 f", ETA {_duration(eta)}" if eta is not None else "")
         return text

@@ -12,6 +12,7 @@ from genq.cli import settings
 from genq.cli.enqueue import EXIT_REJECTED, reference_uri
 from genq.core import keys
 from genq.core.redisconn import connect, describe_error
+from genq.core.words import plural
 from genq.ops import recover as recovering
 from genq.producer.enqueue import Enqueuer
 from genq.producer.files import is_s3
@@ -54,8 +55,8 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
         config = found.config
         if found.rebuilt:
             click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
-                       f"{config.incarnation}); removed {found.dropped_keys:,} keys Redis held of it without its config")
-        click.echo(f"job {job}: {len(found.adopted):,} batches written in the output marked done from their markers")
+                       f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it without its config")
+        click.echo(f"job {job}: {plural(len(found.adopted), 'batch', 'batches')} written in the output marked done from their markers")
         sources = list(inputs) or found.record.inputs
         if not sources:
             click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
@@ -68,8 +69,8 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
                                input_uri=source if is_s3(source) else os.path.abspath(source)).run(rows)
             rejects.close()
             rejected += summary.rejected
-            click.echo(f"  {source}: queued {summary.enqueued:,} prompts with no written outcome in "
-                       f"{summary.batches:,} batches; {summary.skipped_existing:,} already written or queued")
+            click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
+                       f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already written or queued")
     except (LookupError, ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:

@@ -77,6 +77,11 @@ def job_paused(job: str) -> str:
     return f"{_job(job)}:paused"
 
 
+def job_schedule(job: str) -> str:
+    """JobSchedule record: the job's priority and fair-share weight (genq.core.order; not a settings version)."""
+    return f"{_job(job)}:schedule"
+
+
 def job_blocked(job: str) -> str:
     """JobBlock record: why the job is blocked (set with keys.job_paused; `genq resume --job` clears both)."""
     return f"{_job(job)}:blocked"

@@ -306,8 +306,8 @@ class Reconciler:
         return {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
 
     def _pending_of(self, job: str) -> list[str]:
-        if self.conn.exists(keys.job_blocked(job)):
-            return []  # blocked (worker/parking.py): its batches wait, parked, for `genq resume --job`
+        if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
+            return []  # blocked or paused (worker/parking.py): its batches wait, parked, for `genq resume --job`
         with self.conn.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.job_batches(job), 0, -1)
             pipe.smembers(keys.job_done(job))

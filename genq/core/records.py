@@ -57,6 +57,15 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     brake: bool = True
 
 
+class JobSchedule(msgspec.Struct, omit_defaults=True):
+    """How a job shares the fleet (keys.job_schedule; docs/scheduling.md). Not a generation setting:
+    nothing of it is sent with a request, so changing it is no settings version and resets no brake."""
+
+    priority: int = 0  # higher first: no worker claims a lower-priority prompt while one of this waits
+    weight: float = 1.0  # among jobs of equal priority: prompts claimed in proportion to it
+    changed_at: float = 0.0
+
+
 class JobBlock(msgspec.Struct, omit_defaults=True):
     """Why a job is blocked (keys.job_blocked): its settings cannot work against its server, so its
     prompts stay queued instead of being dead-lettered one by one (docs/settings.md)."""
@@ -314,6 +323,10 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # Its streamed requests' speed against how many decoded at once (worker/decoding.py): the
     # monitor's ETA lets a request speed up as the batch drains where these say it does.
     decode: list[DecodeBin] = []
+    # Measured per-request speed (worker/tail.py): seconds per output token of one request, and the
+    # mean output tokens of its requests (moving averages over its recent completions).
+    token_s: float | None = None
+    mean_tokens: float | None = None
 
 
 class Control(msgspec.Struct, omit_defaults=True):

@@ -256,4 +256,6 @@ def describe_error(url: str, exc: Exception) -> str:
     why = scrub(str(exc), url)
     if isinstance(exc, redis.TimeoutError) and url.lower().startswith("rediss://"):
         why += f" (no TLS handshake within {CONNECT_TIMEOUT_S:g}s: if this Redis does not speak TLS, use redis://)"
+    if isinstance(exc, redis.ResponseError):  # Redis answered: it refused a command (or a script failed)
+        return f"Redis at {mask_url(url)} refused a command: {why}"
     return f"cannot reach Redis at {mask_url(url)}: {why}"

@@ -19,10 +19,11 @@ from rq import suspension
 
 from genq.core import keys
 from genq.core.health import NO_HEARTBEAT
+from genq.core.order import schedules
 from genq.core.queueing import carried, fetch_rq_jobs, list_jobs
-from genq.core.records import Control, JobBlock, WorkerStatus, pack, unpack
+from genq.core.records import Control, InFlight, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
-from genq.ops.settings import blocks_of, unblock
+from genq.ops.settings import blocks_of, unblock, unqueue
 
 LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -102,6 +103,10 @@ class JobRow(msgspec.Struct, omit_defaults=False):
     output: str | None = None
     blocked: JobBlock | None = None  # why its settings stopped it (docs/settings.md)
     settings_version: int = 1
+    priority: int = 0  # its JobSchedule (docs/scheduling.md)
+    weight: float = 1.0
+    running: int = 0  # its requests running on the fleet now
+    share: float = 0.0  # of the fleet's running requests now, this job's (0..1)
 
 
 def _sort_key(row: WorkerRow) -> tuple:
@@ -191,7 +196,10 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
             pipe.execute()
         suspension.suspend(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
     else:
+        # Its queued batches leave RQ's queue and its workers park what they hold (worker/parking.py):
+        # their slots go to other jobs; `resume --job` queues them all again.
         conn.set(keys.job_paused(job), repr(time.time()))
+        unqueue(conn, job)
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:
@@ -228,6 +236,7 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
     paused = paused_jobs(conn, names)
     fleet_names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
     blocks = blocks_of(conn, names)
+    sched = schedules(conn, names)
     rows = []
     for job in names:
         workers = sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
@@ -238,10 +247,11 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
             for w in workers:
                 pipe.hget(keys.worker_stats(job, w), "done")
             for w in fleet_names:
-                pipe.exists(keys.job_inflight(job, w))
+                pipe.get(keys.job_inflight(job, w))
             stats, failed, batches_done, *rest = pipe.execute()
         done = sum(int(v or 0) for v in rest[: len(workers)])
-        holding = [w for w, flag in zip(fleet_names, rest[len(workers):]) if flag]
+        holding = [w for w, raw in zip(fleet_names, rest[len(workers):]) if raw]
+        running = sum(len(unpack(raw, InFlight).tokens) for raw in rest[len(workers):] if raw)
         total = int(stats.get(b"total", 0))
         batches = int(stats.get(b"batches", 0))
         is_paused = paused_all or job in paused
@@ -254,7 +264,13 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
             remaining=max(0, total - done - failed), batches=batches, batches_done=batches_done,
             workers=holding, output=config.output if config else None, blocked=blocks.get(job),
             settings_version=config.settings_version if config else 1,
+            priority=sched[job].priority, weight=sched[job].weight, running=running,
         ))
+    statuses = [unpack(raw, WorkerStatus) for raw in conn.mget([keys.worker_status(w) for w in fleet_names])
+                if raw] if fleet_names else []
+    fleet_running = sum(s.in_flight for s in statuses if s.state != "stopped")  # every job's, as the monitor counts
+    for r in rows:
+        r.share = min(1.0, r.running / fleet_running) if fleet_running else 0.0
     return rows
 
 

@@ -28,6 +28,7 @@ import redis
 from genq.core import keys, ledger
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig, JobRecord, ShardMarker, pack
+from genq.core.words import plural
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -36,7 +37,7 @@ log = logging.getLogger("genq.recover")
 # KEYS: done, shards, results, batch record, leases, transport, stats, claims, hist, dlq, job workers,
 #       batches, ids, config, tries
 # ARGV: batch, ShardInfo blob, reply TTL, keys.lease_reply(TOKEN_SLOT), records, bytes, worker-stats key
-#       prefix, tally {worker: [results, in_tok, out_tok]}, hist {bucket: n}, letters [[id, blob, worker]],
+#       prefix, tally {worker: [results, in_tok, out_tok]}, hist {bucket: n}, letters [[id, blob hex, worker]],
 #       digests {id: hex}, the batch's number, a token to tell "done" besides the current lease's ("" none)
 # -> 0 already done, 1 adopted, 'gone' (the job is not in Redis as the life that wrote the shard)
 ADOPT = ledger._COUNT_SHARDS + ledger.INCARNATION_LUA + """
@@ -62,17 +63,18 @@ for worker, t in pairs(cmsgpack.unpack(ARGV[8])) do
   redis.call('SADD', KEYS[11], worker)
 end
 for bucket, n in pairs(cmsgpack.unpack(ARGV[9])) do redis.call('HINCRBY', KEYS[9], bucket, n) end
+local function unhex(hex) return (hex:gsub('..', function(c) return string.char(tonumber(c, 16)) end)) end
 local dead = {}
 for _, l in ipairs(cmsgpack.unpack(ARGV[10])) do
   dead[l[1]] = true
-  if redis.call('HSETNX', KEYS[10], l[1], l[2]) == 1 then
+  if redis.call('HSETNX', KEYS[10], l[1], unhex(l[2])) == 1 then
     redis.call('HINCRBY', wstats(l[3]), 'failed', 1)
     redis.call('SADD', KEYS[11], l[3])
   end
 end
 for id, hex in pairs(cmsgpack.unpack(ARGV[11])) do
   if not dead[id] then redis.call('HDEL', KEYS[10], id) end  -- the shard has its result
-  redis.call('HSETNX', KEYS[13], id, (hex:gsub('..', function(c) return string.char(tonumber(c, 16)) end)))
+  redis.call('HSETNX', KEYS[13], id, unhex(hex))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARGV[1]) then
   -- A batch this Redis never saw (it was lost with the rest): part of the job again.
@@ -111,7 +113,8 @@ def adopt_call(job: str, marker: ShardMarker, token: str = "") -> tuple[list[str
                    keys.job_leases(job), keys.job_transport(job), keys.job_stats(job), keys.batch_claims(job, b),
                    keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.job_batches(job),
                    keys.job_ids(job), keys.job_config(job), keys.batch_tries(job, b)]
-    letters = [[d.id, pack(d), d.worker] for d in marker.dead_letters]
+    # Hex, as the digests: Redis's cmsgpack cannot read msgpack bin (a letter's packed bytes).
+    letters = [[d.id, pack(d).hex(), d.worker] for d in marker.dead_letters]
     args = [b, pack(truth.shard_info(marker)), ledger.REPLY_TTL_S, keys.lease_reply(ledger.TOKEN_SLOT),
             marker.records, marker.bytes, keys.worker_stats(job, ""), pack(marker.tally), pack(marker.hist),
             pack(letters), pack(marker.digests), batch_number(b), token, marker.incarnation]
@@ -134,8 +137,9 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     markers = truth.of_life(truth.read_markers(store, config.name, written - done), config)
     adopted = [m.batch for m in markers if adopt(conn, config.name, m)]
     if adopted:
-        log.warning("job %s: %d batches written to %s were not done in Redis (it lost recent writes); "
-                    "marked done from their markers, not generated again: %s", config.name, len(adopted),
+        log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); "
+                    "marked done from their markers, not generated again: %s", config.name,
+                    plural(len(adopted), "batch", "batches"),
                     config.output, ", ".join(adopted[:8]) + (" ..." if len(adopted) > 8 else ""))
     return adopted
 
@@ -187,8 +191,8 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         pipe.set(keys.job_batch_seq(job), top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]
-    log.warning("job %s was not in Redis: created again from %s (incarnation %s), %d written batches adopted",
-                job, truth.job_uri(store, job), config.incarnation, len(adopted))
+    log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted",
+                job, truth.job_uri(store, job), config.incarnation, plural(len(adopted), "written batch", "written batches"))
     return Recovery(config=config, record=record, adopted=adopted, rebuilt=True, dropped_keys=len(orphans))
 
 

@@ -16,6 +16,7 @@ import msgspec
 import redis
 
 from genq.core import keys
+from genq.core.order import order_queue
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange, pack, unpack
 
@@ -81,7 +82,10 @@ def blocks_of(conn: redis.Redis, jobs: list[str]) -> dict[str, JobBlock]:
 def unblock(conn: redis.Redis, job: str) -> int:
     """Lift the job's block and pause, and queue its parked batches again; how many were queued."""
     conn.delete(keys.job_blocked(job), keys.job_paused(job))
-    return requeue_parked(conn, job)
+    queued = requeue_parked(conn, job)
+    if queued:
+        order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+    return queued
 
 
 def blocked_jobs(conn: redis.Redis) -> list[str]:

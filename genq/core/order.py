@@ -1,0 +1,170 @@
+"""Which batch RQ hands out next: priorities and fair share over RQ's one queue (docs/scheduling.md).
+
+Every job has a JobSchedule (keys.job_schedule: priority, weight). RQ's queue `genq` is kept in
+scheduling order: the batches of the highest priority first; among jobs of equal priority, one
+batch of each in turn (weighted: a job of weight 2 gets two turns to one), counting the batches
+each has already been given, so a job queued later is not stuck behind one queued earlier.
+`order_queue` rewrites the list in that order, in one script that keeps every id it finds there
+(one popped meanwhile is simply not there; one pushed meanwhile goes after the ordered ones):
+nothing is lost or queued twice, only moved. It runs after every change that can put a batch
+out of order (enqueue, `genq jobs set --priority`, resume) and in the reconciler's pass.
+
+`head_of_queue` tells an engine what the queue's next batch is (its job), so an engine whose
+loops all hold batches of lower priority takes one more (worker/loops.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import redis
+
+from genq.core import keys
+from genq.core.records import JobSchedule, pack, unpack
+
+# KEYS: the queue; ARGV: ids in the wanted order. Ids in the queue and in ARGV go first, in ARGV's
+# order; ids in the queue only (pushed meanwhile, or not genq's) after them, in their order.
+_REORDER = """
+local current = redis.call('LRANGE', KEYS[1], 0, -1)
+local present = {}
+for _, id in ipairs(current) do present[id] = true end
+local out, placed = {}, {}
+for _, id in ipairs(ARGV) do
+  if present[id] and not placed[id] then out[#out + 1] = id; placed[id] = true end
+end
+for _, id in ipairs(current) do
+  if not placed[id] then out[#out + 1] = id end
+end
+local same = #out == #current
+for i = 1, #out do if out[i] ~= current[i] then same = false; break end end
+if same then return 0 end
+redis.call('DEL', KEYS[1])
+for first = 1, #out, 1000 do
+  redis.call('RPUSH', KEYS[1], unpack(out, first, math.min(first + 999, #out)))
+end
+return 1
+"""
+
+# KEYS: the queue; ARGV: RQ's job key prefix. -> the description of the queue's first RQ job, or nil.
+_HEAD = """
+local id = redis.call('LINDEX', KEYS[1], 0)
+if not id then return false end
+return redis.call('HGET', ARGV[1] .. id, 'description')
+"""
+RQ_JOB_PREFIX = "rq:job:"
+DESCRIPTION = "genq batch "  # genq.core.queueing: "genq batch JOB/BATCH (N prompts)"
+
+
+def schedule_of(raw: bytes | None) -> JobSchedule:
+    return unpack(raw, JobSchedule) if raw else JobSchedule()
+
+
+def schedules(conn: redis.Redis, jobs: Iterable[str]) -> dict[str, JobSchedule]:
+    jobs = list(jobs)
+    if not jobs:
+        return {}
+    return {job: schedule_of(raw) for job, raw in zip(jobs, conn.mget([keys.job_schedule(j) for j in jobs]))}
+
+
+def set_schedule(conn: redis.Redis, job: str, priority: int | None = None, weight: float | None = None) -> JobSchedule:
+    """Store the job's priority and/or weight (the others kept) and put the queue in order again."""
+    if weight is not None and not weight > 0:
+        raise ValueError("a weight is > 0")
+    key = keys.job_schedule(job)
+    result: list[JobSchedule] = []
+
+    def change(pipe: redis.client.Pipeline) -> None:
+        old = schedule_of(pipe.get(key))
+        new = JobSchedule(priority=old.priority if priority is None else priority,
+                          weight=old.weight if weight is None else weight, changed_at=time.time())
+        pipe.multi()
+        pipe.set(key, pack(new))
+        result[:] = [new]
+
+    conn.transaction(change, key)
+    order_queue(conn)
+    return result[0]
+
+
+def batch_of_description(description: bytes | str | None) -> tuple[str, str] | None:
+    """(job, batch) from an RQ job's description; None if it is not one of genq's batches."""
+    if description is None:
+        return None
+    text = description.decode() if isinstance(description, bytes) else description
+    if not text.startswith(DESCRIPTION):
+        return None
+    ref = text[len(DESCRIPTION):].split(" ", 1)[0]
+    job, _, batch = ref.partition("/")
+    return (job, batch) if job and batch else None
+
+
+def interleave(queued: dict[str, list[str]], given: dict[str, int], sched: dict[str, JobSchedule]) -> list[str]:
+    """Jobs' queued items in scheduling order: priority first, then weighted turns counting what
+    each job was given already (`given`: batches out of the queue). Each job's items keep their order."""
+    order: list[str] = []
+    for priority in sorted({sched[j].priority for j in queued}, reverse=True):
+        level = [j for j in queued if sched[j].priority == priority and queued[j]]
+        # A job's place in the turns: what it was given, over its weight. One that has been
+        # given far more than the others (it ran alone a while) does not get a turn until they
+        # caught up, but no further back than one turn behind the least served.
+        least = min(given.get(j, 0) / sched[j].weight for j in level)
+        served = {j: max(given.get(j, 0) / sched[j].weight, least) for j in level}
+        at = {j: 0 for j in level}
+        while level:
+            job = min(level, key=lambda j: (served[j], j))
+            order.append(queued[job][at[job]])
+            at[job] += 1
+            served[job] += 1 / sched[job].weight
+            if at[job] >= len(queued[job]):
+                level.remove(job)
+    return order
+
+
+def order_queue(conn: redis.Redis) -> bool:
+    """Put RQ's queue in scheduling order; whether anything moved."""
+    from genq.core.queueing import rq_queue
+
+    queue = rq_queue(conn)
+    ids = [i.decode() for i in conn.lrange(queue.key, 0, -1)]
+    if len(ids) < 2:
+        return False
+    with conn.pipeline(transaction=False) as pipe:
+        for rq_id in ids:
+            pipe.hget(RQ_JOB_PREFIX + rq_id, "description")
+        descriptions = pipe.execute()
+    queued: dict[str, list[tuple[int, str]]] = {}
+    for rq_id, description in zip(ids, descriptions):
+        found = batch_of_description(description)
+        if found is not None:
+            queued.setdefault(found[0], []).append((_seq(found[1]), rq_id))
+    if len(queued) < 2 and all(_in_order(v) for v in queued.values()):
+        return False
+    jobs = sorted(queued)
+    sched = schedules(conn, jobs)
+    with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.hget(keys.job_stats(job), "batches")
+        counts = pipe.execute()
+    given = {job: max(0, int(n or 0) - len(queued[job])) for job, n in zip(jobs, counts)}
+    wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given, sched)
+    return bool(conn.eval(_REORDER, 1, queue.key, *wanted))
+
+
+def head_of_queue(conn: redis.Redis) -> str | None:
+    """The genq job of the queue's next batch, if any."""
+    from genq.core.queueing import rq_queue
+
+    found = batch_of_description(conn.eval(_HEAD, 1, rq_queue(conn).key, RQ_JOB_PREFIX))
+    return found[0] if found else None
+
+
+def _seq(batch: str) -> int:
+    try:
+        return int(batch[1:])
+    except ValueError:
+        return 0
+
+
+def _in_order(items: list[tuple[int, str]]) -> bool:
+    return all(a[0] <= b[0] for a, b in zip(items, items[1:]))

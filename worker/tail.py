@@ -1,0 +1,155 @@
+"""The tail on the fastest GPUs: at the end of the queue, a prompt starts where it finishes first.
+
+While RQ's queue has batches every slot takes work. Once it is empty, the prompts still unsent
+(held by the workers, not yet claimed: worker/claims.py) are the last to start. A prompt started
+now on this worker ends after L_me (its expected request time: the mean output tokens times its
+measured seconds per output token per request). A faster worker v (L_v < L_me) frees r_v =
+slots_v / L_v slots a second; it can start a prompt and still finish it before L_me for as long as
+L_me - L_v lasts. So when the unsent prompts of the whole fleet, U, are no more than
+
+    SPREAD * sum over faster live workers v of  r_v * (L_me - L_v)
+
+every one of them finishes sooner elsewhere (SPREAD: heavy tails), and this worker holds back (Flags.hold_back): it claims
+nothing more of its own batches and takes nothing of others'; the faster workers take its unsent
+prompts as their slots free (worker/stealing.py). Requests in flight go on. A worker counts as
+faster only if it is at least MARGIN faster, so an even fleet never holds back on noise; the
+fastest worker never holds back, so the fleet always makes progress.
+
+Every worker's speed is in its heartbeat (WorkerStatus.token_s, mean_tokens). Read once a second
+while this engine holds something and the queue is empty: the workers' records, one MGET.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core import keys
+from genq.core.records import WorkerStatus, unpack
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags
+
+log = logging.getLogger("genq.worker")
+
+EVERY_S = 1.0
+MARGIN = 0.15  # a worker is faster when its requests take at most 85% of this one's
+WORKING = ("busy", "idle")
+# Output lengths are heavy-tailed: what ends a job is a long request started on a slow GPU, not
+# an average one. The expected gap (L_me - L_v) is widened by this much.
+SPREAD = 3.0
+HOLD_MIN_S = 5.0  # a hold lasts at most this, or HOLD_REQUESTS of this worker's mean request time
+HOLD_REQUESTS = 3.0
+
+
+def hold_back(me: WorkerStatus, others: list[WorkerStatus]) -> bool:
+    """Whether `me` should start nothing new: the unsent prompts of the fleet all finish sooner
+    on faster workers (see the module docstring)."""
+    fleet = [me, *others]
+    tokens = [w.mean_tokens for w in fleet if w.mean_tokens]
+    if not me.token_s or not tokens:
+        return False  # nothing measured yet
+    mean = sum(tokens) / len(tokens)
+    mine = mean * me.token_s
+    unsent = sum(w.queued for w in fleet)
+    faster = 0.0
+    for w in others:
+        if w.state in WORKING and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
+            theirs = mean * w.token_s
+            faster += w.concurrency_target / theirs * (mine - theirs)
+    return 0 < unsent <= faster * SPREAD
+
+
+class TailWatch:
+    def __init__(self, conn: aioredis.Redis, name: str, queue_key: str, flags: Flags, dispatcher: Dispatcher,
+                 active: Callable[[], bool]) -> None:
+        self.conn = conn
+        self.name = name
+        self.queue_key = queue_key
+        self.flags = flags
+        self.dispatcher = dispatcher
+        self.active = active  # whether this engine holds or borrows anything (idle: nothing is read)
+        self.held_back = 0  # times this engine began holding back
+        self._since: float | None = None  # monotonic: when this hold began
+        self._limit_s = HOLD_MIN_S
+        self._given_up = False  # held back past its limit: not again while this engine holds anything
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(EVERY_S)
+            active = self.active()
+            try:
+                hold = active and not self._given_up and await self.decide()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("tail check skipped: %s", exc)
+                hold = False
+            hold = self._bounded(hold, active)
+            if hold:
+                try:
+                    await self.prune()
+                except (redis.RedisError, OSError) as exc:
+                    log.debug("tail prune skipped: %s", exc)
+            if hold != self.flags.hold_back:
+                log.info("end of the queue: %s", "faster workers finish the unsent prompts sooner; starting none "
+                         "here" if hold else "starting prompts here again")
+                self.held_back += hold
+                self.flags.hold_back = hold
+                self.dispatcher.wake.set()
+
+    def _bounded(self, hold: bool, active: bool) -> bool:
+        """A hold lasts at most a few of this worker's request times: if the faster workers have
+        not taken the prompts by then (another model's, paused, gone), this one sends them."""
+        if not active:
+            self._given_up = False
+        if not hold:
+            self._since = None
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since > self._limit_s:
+            log.info("end of the queue: held back %.0fs and the faster workers took nothing; sending here",
+                     now - self._since)
+            self._given_up, self._since = True, None
+            return False
+        return True
+
+    async def prune(self) -> None:
+        """Held prompts that faster workers took and finished: this engine learns it when it claims
+        them (CLAIM answers "finished"), and holding back it claims nothing, so it looks (read only):
+        their batch may be complete now."""
+        backlog = self.dispatcher.todo.backlog
+        for held, tasks in list(backlog.waiting.items()):
+            if held.dropped or not tasks:
+                continue
+            ids = [t.prompt.id for t in tasks]
+            async with self.conn.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.batch_results(held.ref.job, held.ref.batch), ids)
+                pipe.hmget(keys.job_dlq(held.ref.job), ids)
+                results, letters = await pipe.execute()
+            done = {i for i, r, d in zip(ids, results, letters) if r is not None or d is not None}
+            if done:
+                kept = [t for t in tasks if t.prompt.id not in done]
+                tasks.clear()
+                tasks.extend(kept)
+                backlog.on_finished(held.ref.job, held.ref.batch, sorted(done))
+
+    async def decide(self) -> bool:
+        if await self.conn.llen(self.queue_key):
+            return False
+        names = sorted(n.decode() for n in await self.conn.smembers(keys.WORKERS))
+        if len(names) < 2:
+            return False
+        raws = await self.conn.mget([keys.worker_status(n) for n in names])
+        statuses = [unpack(raw, WorkerStatus) for raw in raws if raw]
+        mine = [s for s in statuses if s.name == self.name]
+        if not mine:
+            return False
+        me = mine[0]
+        if me.token_s and me.mean_tokens:
+            self._limit_s = max(HOLD_MIN_S, HOLD_REQUESTS * me.token_s * me.mean_tokens)
+        return hold_back(me, [s for s in statuses if s.name != self.name])
