@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from genq.monitor.eta import Speed
 from genq.monitor.snapshot import JobSnapshot
+from genq.monitor.speedcurve import fit_overhead
 
 # Relative standard error never below this: speed drifts in ways a window
 # cannot see (other jobs, thermal throttling, batch-size effects at the end).
@@ -38,6 +39,7 @@ class Sample:
     generated: int  # output tokens so far, finished and running
     finished: int  # prompts with a result (a dead letter is no progress: it never counts toward the rate)
     decoding: int  # requests being decoded (at most each server's capacity)
+    workers: int = 0  # workers with any of them (a request's speed depends on its own worker's count)
 
 
 class RateTracker:
@@ -45,8 +47,10 @@ class RateTracker:
         self.window_s = window_s
         self.samples: deque[Sample] = deque()
         self._out: dict[str, tuple[float, int]] = {}  # worker -> (read time, out_tok then)
+        self.overhead: float | None = None  # the speed's dependence on the count decoding, as last seen
 
     def observe(self, snap: JobSnapshot) -> None:
+        self.overhead = curve_of(snap)
         s = self._aligned(snap)
         if self.samples:
             last = self.samples[-1]
@@ -88,7 +92,7 @@ class RateTracker:
             stamps.append(at)
         at = sum(stamps) / len(stamps) if stamps else snap.at
         return Sample(at=at, read_at=snap.at, generated=round(generated), finished=snap.completed,
-                      decoding=snap.decoding)
+                      decoding=snap.decoding, workers=sum(1 for w in snap.workers if w.live and w.decoding))
 
     def speed(self) -> Speed | None:
         """Speed of one decoding request = tokens generated / request-seconds spent decoding.
@@ -108,6 +112,9 @@ class RateTracker:
         tokens_per_s = max(tokens_per_s, 0.0)
         usable = [(b.generated - a.generated, b.decoding * (b.at - a.at), b.at - a.at)
                   for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
+        # The count per worker the speed was measured at (what a request's speed depends on).
+        worker_s = sum(max(1, b.workers) * (b.at - a.at) for a, b in zip(pts, pts[1:])
+                       if a.decoding > 0 and b.decoding > 0 and b.at > a.at)
         span = sum(dt for _, _, dt in usable)
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
         total_busy = sum(busy for _, busy, _ in usable)
@@ -123,7 +130,8 @@ class RateTracker:
         else:
             rel = 1.0
         return Speed(per_request=per_request, rel_se=min(rel, 1.0), span_s=span, samples=len(usable) + 1,
-                     tokens_per_s=tokens_per_s, source=source)
+                     tokens_per_s=tokens_per_s, source=source, decoding=total_busy / worker_s,
+                     overhead=self.overhead)
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
@@ -131,6 +139,12 @@ class RateTracker:
             return None
         slope, _ = _ols([p.read_at for p in pts], [float(p.finished) for p in pts])
         return max(slope, 0.0)
+
+
+def curve_of(snap: JobSnapshot) -> float | None:
+    """How a request's speed depends on its worker's count decoding, from the live workers'
+    figures (monitor/speedcurve.py): the overhead a/b, or None."""
+    return fit_overhead(b for w in snap.workers if w.live_status is not None for b in w.live_status.decode)
 
 
 def _ols(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -179,6 +193,9 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
             sources.add("workers' last-30s rates")
     if not spans:
         return None, None
+    # The calibration (monitor/simulate.py calibrate) finds the speed of a request on a full worker.
+    slots = [w.slots for w in snap.workers if w.live_status is not None and w.inflight is not None and w.slots]
     speed = Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
-                  source=" + ".join(sorted(sources)) + " (--once: one look, less certain)")
+                  source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
+                  decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap))
     return speed, prompts

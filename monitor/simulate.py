@@ -16,7 +16,7 @@ import math
 import random
 from collections import Counter, deque
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from genq.monitor.lengths import LengthModel
 
@@ -54,6 +54,18 @@ class Speed:
     samples: int
     tokens_per_s: float = 0.0  # the job's measured output tokens/s (shown, not used)
     source: str = ""
+    # How one request's speed depends on d, the requests decoding at once on its worker's
+    # server: a step costs in proportion to (overhead + d) (monitor/speedcurve.py fits it
+    # from the workers' figures), and per_request was measured at about `decoding` per
+    # worker. None: the same speed at any d (a GPU's memory-bound decode).
+    overhead: float | None = None
+    decoding: float = 0.0
+
+    def shape(self) -> tuple[float, float] | None:
+        """(overhead, decoding) when the speed depends on d, else None."""
+        if self.overhead is None or self.decoding <= 0:
+            return None
+        return (self.overhead, self.decoding)
 
 
 def _policy(w: WorkerState, b: int) -> tuple[int, int, int, int]:
@@ -70,6 +82,9 @@ TAIL_BATCHES_PER_WORKER = 3
 # of the fleet's work goes into the bulk. (The finish of the slowest of 8 is a
 # little earlier than that of the slowest of 64: a small optimism, for speed.)
 MAX_SIM_WORKERS = 8
+# Fewer queued prompts than this are all played out: a cached steady rate costs a few of
+# its batches per new length parameter, more than playing a small queue itself.
+TAIL_MIN = 512
 YIELD_EVERY = 256  # events _play plays between yields (a monitor refresh's unit of work)
 STEADY_BATCHES = 10  # batches one worker plays at least, to measure its steady rate
 MIN_SAMPLES = 20
@@ -104,7 +119,7 @@ def plan(model: LengthModel, fleet: Sequence[WorkerState], queue: int, batch_siz
     else:
         played, others = states, []
     share = len(played) / len(states)
-    tail_all = min(queue, b * TAIL_BATCHES_PER_WORKER * len(states))
+    tail_all = min(queue, max(b * TAIL_BATCHES_PER_WORKER * len(states), TAIL_MIN))
     tail = round(tail_all * share)
     bulk = queue - tail_all
     counts = Counter(_policy(w, b) for w in states)
@@ -174,12 +189,12 @@ def draw(p: Plan, rng: random.Random) -> Generator[int, None, float]:
         yield len(p.others_running) // 8
         fleet_rate = 0.0
         for kind, n in zip(p.kinds, p.rate_weights):
-            fleet_rate += n * (yield from _cached_rate(m, kind, p.batch_size))
+            fleet_rate += n * (yield from _cached_rate(m, kind, p.batch_size, p.speed.shape()))
         bulk_time = bulk_tokens / fleet_rate
     tail_lengths = m.draw(rng, p.tail)
     batches = [tail_lengths[i:i + p.batch_size] for i in range(0, p.tail, p.batch_size)]
     starts = [(w, m.draw_remaining(rng, w.running), m.draw(rng, w.ready)) for w in p.played]
-    return (bulk_time + (yield from _play(starts, batches))) / speed_draw
+    return (bulk_time + (yield from _play(starts, batches, shape=p.speed.shape()))) / speed_draw
 
 
 def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], batch_size: int,
@@ -188,10 +203,10 @@ def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], ba
     rng = random.Random(seed)
     b = max(1, batch_size)
     kinds = {_policy(w, b) for w in fleet}
-    rates = {k: sum(run(_steady_rate(model, rng, k, b)) for _ in range(reps)) / reps for k in kinds}
+    shape = speed.shape()
+    rates = {k: sum(run(_steady_rate(model, rng, k, b, shape)) for _ in range(reps)) / reps for k in kinds}
     fleet_rate = sum(rates[_policy(w, b)] for w in fleet)  # tokens per token-time
-    return Speed(per_request=speed.tokens_per_s / fleet_rate, rel_se=speed.rel_se, span_s=speed.span_s,
-                 samples=speed.samples, tokens_per_s=speed.tokens_per_s, source=speed.source)
+    return replace(speed, per_request=speed.tokens_per_s / fleet_rate)
 
 
 def _steady_batches(kind: tuple[int, int, int, int]) -> int:
@@ -210,33 +225,44 @@ _RATES: dict[tuple, float] = {}
 MAX_RATES = 4096
 
 
-def _cached_rate(m: LengthModel, kind: tuple[int, int, int, int], b: int) -> Generator[int, None, float]:
-    import os
-    if os.environ.get('NOCACHE'):
-        return (yield from _steady_rate(m, random.Random(), kind, b))
-    key = (kind, b, round(m.mu / RATE_MU_STEP), round(m.sigma / RATE_SIGMA_STEP), m.cap)
+def _cached_rate(m: LengthModel, kind: tuple[int, int, int, int], b: int,
+                 shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
+    key = (kind, b, round(m.mu / RATE_MU_STEP), round(m.sigma / RATE_SIGMA_STEP), m.cap, _shape_key(shape))
     rate = _RATES.get(key)
     if rate is None:
         at = LengthModel(mu=key[2] * RATE_MU_STEP, sigma=max(key[3] * RATE_SIGMA_STEP, 1e-3), cap=m.cap)
         rng = random.Random(repr(key))  # the key alone decides the value: no history in it
         rate = 0.0
         for _ in range(RATE_REPS):
-            rate += (yield from _steady_rate(at, rng, kind, b)) / RATE_REPS
+            rate += (yield from _steady_rate(at, rng, kind, b, _shape_of(key[-1]))) / RATE_REPS
         if len(_RATES) >= MAX_RATES:
             _RATES.clear()
         _RATES[key] = rate
     return rate
 
 
+# The speed's shape in a cached rate's key: the overhead to 5 % (or 1 when small), the
+# reference count to the unit.
+def _shape_key(shape: tuple[float, float] | None) -> tuple[int, int] | None:
+    if shape is None:
+        return None
+    overhead, decoding = shape
+    return (round(math.log1p(overhead) / 0.05), round(decoding))
+
+
+def _shape_of(key: tuple[int, int] | None) -> tuple[float, float] | None:
+    return None if key is None else (math.expm1(key[0] * 0.05), float(key[1]))
+
+
 def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, int],
-                 b: int) -> Generator[int, None, float]:
+                 b: int, shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
     """Tokens per token-time one worker sustains while the queue lasts (the bulk of a big job)."""
     slots, leases, max_leases, reserve = kind
     n = _steady_batches(kind)
     batches = [m.draw(rng, b) for _ in range(n)]
     marks: list[tuple[float, float]] = []  # (time, tokens finished) at each batch completion
     w = WorkerState(slots=slots, leases=leases, max_leases=max_leases, reserve=reserve)
-    end = yield from _play([(w, [], [])], batches, marks)
+    end = yield from _play([(w, [], [])], batches, marks, shape)
     # Skip the start (the worker begins empty) and stop before the drain at the end.
     i, j = max(leases, 2) - 1, n - max_leases - 1
     if 0 <= i < j < len(marks) and marks[j][0] > marks[i][0]:
@@ -245,22 +271,33 @@ def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, 
 
 
 def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: list[list[float]],
-          marks: list[tuple[float, float]] | None = None) -> Generator[int, None, float]:
+          marks: list[tuple[float, float]] | None = None,
+          shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
     """Event simulation of the fleet from now until the last request finishes.
 
     starts: per worker, its state, the remaining tokens of its running
     requests and the lengths of the prompts it holds unsent. batches: the
     queue, in order. Time is in token units. Returns the finish time; marks,
     when given, gets (time, tokens finished so far) at each batch completion.
+
+    shape (Speed.shape): a worker's requests all decode at the speed its count
+    running allows, (overhead + decoding) / (overhead + d) times the measured one,
+    so each worker keeps a clock of tokens made per running request ("progress"):
+    a request ends when its worker's progress has grown by its length. None: every
+    request at the measured speed, progress is time.
     """
-    heap: list[tuple[float, int, int, float]] = []  # (finish time, worker, batch, tokens)
+    heap: list[tuple[float, int]] = []  # (time of the worker's next finish, worker)
+    doing: list[list[tuple[float, int, float]]] = []  # per worker: (progress at its end, batch, tokens)
+    progress: list[float] = []  # per worker: its progress at `since`
     left: list[int] = []  # unfinished prompts per batch
     ready: list[deque] = []  # per worker: (batch, length) waiting for a slot
     free: list[int] = []  # per worker: free slots
     held: list[int] = []  # per worker: batches held
     policy: list[tuple[int, int, int]] = []  # per worker: (leases, max leases, reserve)
+    slots = max((max(1, w.slots) for w, _, _ in starts), default=1)
+    gain = None if shape is None else [1.0] + [(shape[0] + shape[1]) / (shape[0] + d) for d in range(1, slots + 1)]
     queue_pos = 0
-    for wi, (w, running, unsent) in enumerate(starts):
+    for w, running, unsent in starts:
         counts = list(w.held_unfinished)
         n_held = len(counts) or max(w.held, 1 if running or unsent else 0)
         ids = list(range(len(left), len(left) + n_held))
@@ -276,15 +313,18 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
             per = -(-len(running) // n_held) if n_held else 0
             owner = [ids[min(i // per, n_held - 1)] for i in range(len(running))] if per else []
         q: deque = deque()
+        mine: list[tuple[float, int, float]] = []
         n_free = max(1, w.slots)
         for i, (x, is_running) in enumerate(order):
             bid = owner[i] if i < len(owner) else ids[-1]
             left[bid] += 1
             if is_running and n_free > 0:
-                heapq.heappush(heap, (x, wi, bid, x))
+                heapq.heappush(mine, (x, bid, x))
                 n_free -= 1
             else:
                 q.append((bid, x))
+        doing.append(mine)
+        progress.append(0.0)
         ready.append(q)
         free.append(n_free)
         # A held batch with nothing left is written and released now.
@@ -309,16 +349,25 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
 
     def fill(wi: int) -> None:
         q = ready[wi]
+        mine = doing[wi]
+        at = progress[wi]
         while free[wi] > 0 and q:
             bid, length = q.popleft()
-            heapq.heappush(heap, (now + length, wi, bid, length))
+            heapq.heappush(mine, (at + length, bid, length))
             free[wi] -= 1
             if len(q) < policy[wi][2]:
                 take(wi)
 
+    def schedule(wi: int) -> None:
+        mine = doing[wi]
+        if mine:
+            end = mine[0][0]
+            heapq.heappush(heap, (end if gain is None else now + (end - progress[wi]) / gain[len(mine)], wi))
+
     for wi in range(len(starts)):
         take(wi)
         fill(wi)
+        schedule(wi)
     finished = 0.0
     played = 0
     while heap:
@@ -326,7 +375,8 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
         if played == YIELD_EVERY:
             yield played
             played = 0
-        now, wi, bid, tokens = heapq.heappop(heap)
+        now, wi = heapq.heappop(heap)
+        progress[wi], bid, tokens = heapq.heappop(doing[wi])
         finished += tokens
         free[wi] += 1
         left[bid] -= 1
@@ -336,5 +386,6 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
                 marks.append((now, finished))
             take(wi)
         fill(wi)
+        schedule(wi)
     yield played
     return now

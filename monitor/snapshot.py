@@ -67,8 +67,9 @@ class WorkerView:
 
     @property
     def decoding(self) -> int:
-        """This job's requests the server is decoding (in flight, at most its capacity)."""
-        n = len(self.running_tokens)
+        """This job's requests the server is decoding: in flight with a token made (a request
+        without one waits in the server's queue or its prefill), at most its capacity."""
+        n = sum(1 for t in self.running_tokens if t > 0)
         cap = self.status.server_capacity if self.status is not None else None
         return min(n, cap) if cap else n
 

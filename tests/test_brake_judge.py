@@ -37,6 +37,29 @@ def test_same_answer_whatever_the_numbers() -> None:
     assert signature(a) == signature(b) != signature(c)
 
 
+# What real vLLM 0.32 and llama.cpp (llama-cpp-python 0.3.36's tree) answered make test-vllm and
+# make test-llamacpp, as genq records it (vLLM's VLLMValidationError appends parameter and value).
+VLLM_TOO_LONG = ("This model's maximum context length is 2048 tokens. However, your prompt contains at least {n} "
+                 "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+                 "of the input prompt. (parameter=input_tokens, value={n})")
+VLLM_MAX_TOKENS = ("max_tokens={n} cannot be greater than max_model_len=2048. Please request fewer output tokens. "
+                   "(parameter=max_tokens, value={n})")
+LLAMACPP_TOO_LONG = "request ({n} tokens) exceeds the available context size (2048 tokens), try increasing it"
+LLAMACPP_FORMAT = 'response_format type must be one of "text" or "json_object", but got: yaml'
+
+
+def test_real_engines_answers_group_by_kind_whatever_the_numbers() -> None:
+    def sig(message: str) -> str:
+        return signature(Failure("bad_request", message, 400, retryable=False))
+
+    kinds = [VLLM_TOO_LONG, VLLM_MAX_TOKENS, LLAMACPP_TOO_LONG]
+    for kind in kinds:
+        assert sig(kind.format(n=2049)) == sig(kind.format(n=30125)), kind
+    assert len({sig(k.format(n=2049)) for k in kinds} | {sig(LLAMACPP_FORMAT)}) == 4
+    assert sig(LLAMACPP_TOO_LONG.format(n=3012)) == ("400 request (N tokens) exceeds the available context size "
+                                                     "(N tokens), try increasing it")
+
+
 def test_a_job_whose_every_request_fails_is_blocked_with_nothing_dead_lettered() -> None:
     j = Judged()
     for i in range(WINDOW - 1):

@@ -338,3 +338,31 @@ def test_llamacpp_flavor_sigterm_stops_listening_and_exits_when_no_request_is_op
 
     asyncio.run(scenario())
     assert proc.wait(timeout=20) == 0
+
+
+@with_sim(flavor="vllm", max_running_requests=8, context_length=1024, mean_output_tokens=100_000.0, output_sigma=0.0)
+async def test_vllm_flavor_answers_the_context_as_vllm_0_32(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+    """vLLM 0.32 (renderers/params.py, entrypoints/serve/utils/api_utils.py get_max_tokens): a prompt
+    over the context and max_tokens over the context are 400s with its wording; a prompt that fits
+    with max_tokens that fits alone is no error: max_tokens is cut to what the context leaves."""
+    async with http.post("/v1/chat/completions", json=chat("word " * 2000, stream=False)) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert body["error"]["message"] == (
+        "This model's maximum context length is 1024 tokens. However, your prompt contains at least 1025 "
+        "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+        "of the input prompt. (parameter=input_tokens, value=1025)"), body
+    assert (body["error"]["type"], body["error"]["param"], body["error"]["code"]) == \
+        ("BadRequestError", "input_tokens", 400)
+    async with http.post("/v1/chat/completions", json=chat("hello", stream=False, max_tokens=5000)) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert body["error"]["message"] == ("max_tokens=5000 cannot be greater than max_model_len=1024. "
+                                        "Please request fewer output tokens. (parameter=max_tokens, value=5000)"), body
+    assert body["error"]["param"] == "max_tokens"
+    async with http.post("/v1/chat/completions", json=chat("word " * 600, stream=False, max_tokens=1000)) as resp:
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+    usage = body["usage"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 1024 - usage["prompt_tokens"], usage

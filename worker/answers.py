@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from genq.core.records import JobConfig, Prompt, Result
+from genq.worker.decoding import DecodeMeter
 from genq.worker.held import Task
 from genq.worker.wire import Completion, Failure
 
@@ -33,6 +34,7 @@ class Running(dict[Task, "asyncio.Task[None]"]):
     def __init__(self) -> None:
         super().__init__()
         self.sequences = 0
+        self.meter = DecodeMeter()  # their streamed tokens against how many decode (worker/decoding.py)
 
     def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
         if task not in self:
@@ -42,6 +44,7 @@ class Running(dict[Task, "asyncio.Task[None]"]):
     def pop(self, task: Task, default: Any = None) -> Any:
         if task in self:
             self.sequences -= samples(task.batch.config, task.prompt)
+            self.meter.ended(task.progress)
         return super().pop(task, default)
 
 

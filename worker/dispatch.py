@@ -23,7 +23,7 @@ from genq.core.records import DeadLetter, JobConfig
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import wait_event
 from genq.core.words import plural
-from genq.worker.answers import Running, result_of
+from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
 from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
@@ -142,7 +142,7 @@ class Dispatcher:
             if task.batch.ref.job in self.flags.paused_jobs:
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
-            task.progress = Progress()
+            task.progress = Progress(meter=self.running.meter, sequences=samples(task.batch.config, task.prompt))
             task.cancel_reason = None
             return task
         return None

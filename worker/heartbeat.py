@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from genq.core import keys
 from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerState, WorkerStatus, pack, unpack
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
+from genq.worker import decoding
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings, RateWindow
@@ -77,6 +78,7 @@ class Heartbeat:
         self.started_at = time.time()
         self.redis_down_since: float | None = None  # monotonic: the first beat that failed, while they fail
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
+        self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
 
     async def run(self) -> None:
         tick = time.monotonic()
@@ -142,10 +144,15 @@ class Heartbeat:
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
             model=self.watch.info.model if self.watch.info else None,
+            decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,
         )
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
+        info, meter = self.watch.info, self.dispatcher.running.meter
+        if info is not None and self._figures_of is None:  # once its server is known: what was measured on it
+            self._figures_of = (self.opts.server_url, info.model or "")
+            await decoding.load(self.conn, meter, *self._figures_of)
         status = self.status(state, note)
         by_job: dict[str, list[int]] = {}
         for task in self.dispatcher.running:
@@ -170,6 +177,8 @@ class Heartbeat:
             # last record (the requests running a second ago) must not outlive it by its TTL.
             for job in self._inflight_jobs - jobs:
                 pipe.delete(keys.job_inflight(job, self.name))
+            if self._figures_of is not None:
+                decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
             await pipe.execute()
         self._inflight_jobs = jobs
 

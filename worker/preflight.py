@@ -3,9 +3,12 @@
 The context a request may fill is what each engine reports (worker/server.py discover):
 SGLang's /get_server_info `context_length`, vLLM's /v1/models `max_model_len`, llama.cpp's
 /props `default_generation_settings.n_ctx` (per slot: llama-server splits `-c` over `-np`).
-A prompt has at least one token, so max_tokens alone >= the context never fits: SGLang and
-vLLM answer every request with a 400, llama.cpp cuts every completion at the slot's end.
-That is the job's error, not each prompt's: the job is blocked before its first request.
+A prompt has at least one token, so max_tokens alone >= the context never fits: SGLang answers
+every request with a 400, vLLM 0.32 too once max_tokens is over the context (at the context
+itself it cuts max_tokens to what each prompt leaves), llama.cpp cuts every completion at the
+slot's end. That is the job's error, not each prompt's: the job is blocked before its first
+request. (Below the context, vLLM 0.32 and llama.cpp cut max_tokens to what the prompt leaves,
+SGLang answers 400: the brake's case, worker/brake.py.)
 """
 
 from __future__ import annotations

@@ -139,10 +139,10 @@ class _StreamState:
                 self.usage = usage
             elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
                 self.usage = _WireUsage(prompt_tokens=usage.prompt_tokens)
-            progress.tokens = (usage.completion_tokens or 0) if self.total_seen or len(self.choices) <= 1 \
-                else sum(s.tokens or 0 for s in self.choices.values())
+            progress.advance((usage.completion_tokens or 0) if self.total_seen or len(self.choices) <= 1
+                             else sum(s.tokens or 0 for s in self.choices.values()))
         elif self.usage is None:
-            progress.tokens += 1  # no usage stats: count events
+            progress.advance(progress.tokens + 1)  # no usage stats: count events
         return None
 
     def completion(self) -> Completion:

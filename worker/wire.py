@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from genq.core.records import Choice, ErrorKind, Usage
+
+
+class Meter(Protocol):
+    """What books a stream's tokens (worker/decoding.py DecodeMeter)."""
+
+    def advance(self, progress: Progress, tokens: int) -> None: ...
 
 
 @dataclass
@@ -27,6 +33,18 @@ class Progress:
     # all while a request is deferred, SGLang and vLLM send a stream's headers at
     # once but no event until the request runs. Time before it is queue time, not a stall.
     first_byte: float | None = None
+    # worker/decoding.py: the meter that books this request's streamed tokens (None: none), the
+    # sequences it is on the server (its n), and whether it has begun decoding (its first token).
+    meter: Meter | None = None
+    sequences: int = 1
+    decoding: bool = False
+
+    def advance(self, tokens: int) -> None:
+        """The request has made `tokens` output tokens so far (a stream's count)."""
+        if self.meter is None:
+            self.tokens = tokens
+        else:
+            self.meter.advance(self, tokens)
 
 
 

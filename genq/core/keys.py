@@ -130,6 +130,14 @@ def worker_status(worker: str) -> str:
     return f"genq:worker:{worker}"
 
 
+SERVERS = "genq:server:"  # what genq keeps of a server beyond its workers' lives: nothing of any job
+
+
+def server_decode(server: str, model: str) -> str:
+    """String: msgpack ServerDecode, a server's decode figures as its last worker left them (worker/decoding.py)."""
+    return f"{SERVERS}{model}@{server}:decode"
+
+
 def worker_control(worker: str) -> str:
     return f"genq:worker:{worker}:control"
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from genq.core.decodefigures import DecodeBin
+
 Endpoint = Literal["chat", "completions"]
 
 
@@ -318,6 +320,9 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # monitor's per-job table shows these, so one job's errors do not show on the next.
     job_errors: dict[str, int] = {}
     model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
+    # Its streamed requests' speed against how many decoded at once (worker/decoding.py): the
+    # monitor's ETA lets a request speed up as the batch drains where these say it does.
+    decode: list[DecodeBin] = []
     # Measured per-request speed (worker/tail.py): seconds per output token of one request, and the
     # mean output tokens of its requests (moving averages over its recent completions).
     token_s: float | None = None

@@ -39,7 +39,8 @@ def error_response(flavor: str, status: int, message: str, err_type: str | None 
         body: dict[str, Any] = {"object": "error", "message": message, "type": err_type or "BadRequestError",
                                 "param": None, "code": status}
     elif flavor == "vllm":
-        body = {"error": {"message": message, "type": err_type or "BadRequestError", "param": None, "code": status}}
+        body = {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
+                          "code": status}}
     else:  # llama.cpp: format_error_response() in tools/server/server-common.cpp
         body = {"error": {"code": status, "message": message, "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"),
                           **extra}}
@@ -89,17 +90,26 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int) -> 
                 "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
     if flavor == "vllm":
-        # vllm/entrypoints/openai/serving_engine.py _validate_input (wording of 0.6-0.10)
-        if n_prompt >= ctx:
-            return bad_request(flavor, f"This model's maximum context length is {ctx} tokens. However, you "
-                                       f"requested {n_prompt} tokens in the messages, Please reduce the length "
-                                       f"of the messages.")
-        if max_new is not None and n_prompt + max_new > ctx:
-            return bad_request(flavor, f"This model's maximum context length is {ctx} tokens. However, you "
-                                       f"requested {n_prompt + max_new} tokens ({n_prompt} in the messages, "
-                                       f"{max_new} in the completion). Please reduce the length of the messages "
-                                       f"or completion.")
-        return ctx - n_prompt if max_new is None else max_new
+        # vLLM 0.32: max_tokens over the context is refused first (renderers/params.py
+        # TokenizeParams.__post_init__), then a prompt over it (_token_len_check: the chat
+        # tokenizer cuts the prompt at context + 1 tokens, hence "at least"); a prompt that
+        # fits gets max_tokens cut to what the context leaves (get_max_tokens in
+        # entrypoints/serve/utils/api_utils.py), no error; none left is SamplingParams' 400.
+        # VLLMValidationError's str() (vllm/exceptions.py) ends "(parameter=..., value=...)".
+        if max_new is not None and max_new > ctx:
+            return error_response(flavor, 400, f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. "
+                                               f"Please request fewer output tokens. (parameter=max_tokens, "
+                                               f"value={max_new})", param="max_tokens")
+        if n_prompt > ctx:
+            return error_response(
+                flavor, 400, f"This model's maximum context length is {ctx} tokens. However, your prompt contains "
+                             f"at least {ctx + 1} input tokens, which exceeds this limit even without any output "
+                             f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                             f"value={ctx + 1})", param="input_tokens")
+        if n_prompt == ctx:
+            return error_response(flavor, 400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                                  param="max_tokens")
+        return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
     # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py
     if n_prompt >= ctx:
         return bad_request(flavor, f"The input ({n_prompt} tokens) is longer than the model's context length "

@@ -58,7 +58,9 @@ class Generation:
         fault, where = self.faults.draw(job.key)
         if fault is Fault.ERROR:
             return error_response(self.flavor, 500, "Internal server error (simulated)", "InternalServerError")
-        room = cfg.context_length - job.prompt_tokens
+        # One past what the context leaves: an answer cut by the context's end is "length" (as
+        # the engines say), not a natural "stop" at exactly the room left.
+        room = cfg.context_length - job.prompt_tokens + 1
         # One sequence per sample, each with its own deterministic length, as SGLang and vLLM
         # schedule each of the n choices as a request of its own. Faults strike the first.
         naturals = [output_length(choice_key(job.key, i), cfg.seed, cfg.mean_output_tokens, cfg.output_sigma, room)

@@ -7,6 +7,14 @@ Builds (or reuses) llama-server and a tiny random-weight GGUF under
 tokens a slot, --metrics --slots) and a private redis-server, each on a free
 loopback port (parts in runs.py). Exits 1 if any check below fails.
 
+0. The brake (#25, brakes.py, shared with scripts/vllm/bench.py): the preflight refuses
+   max_tokens over a slot's context before any request reaches llama-server (its prompt and
+   predicted token counters do not move); a setting llama.cpp refuses on every request
+   blocks the job within seconds with its message, at most 2 x the in-flight target
+   dead-lettered, and `genq jobs set` + `genq resume --job` finish it exactly once at
+   settings version 2; 5 too-long prompts among 300 are dead-lettered alone; max_tokens
+   that fits alone but not with the prompts is cut at the slot's end, no error.
+
 1. Correctness and the ETA: one long genq run with defaults (auto concurrency,
    streaming) over --eta-n prompts, --long of them longer than a slot's context.
    Every prompt that fits completes exactly once at the first attempt, the too-long
@@ -60,6 +68,7 @@ import tempfile
 from pathlib import Path
 
 # scripts/llamacpp/ is on sys.path when this runs as a script.
+import brakes
 from runs import CACHE, HERE, ROOT, SLOTS, TREE, Sampler, Stack, bare_run, genq_run, load, prompts
 
 CONFIGS: list[tuple[str, tuple[str, ...]]] = [
@@ -104,13 +113,14 @@ def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list
     print(f"\nETA ({run['capacity_line'].split('INFO ', 1)[-1]}): {args.eta_n} prompts, {run['tokens']} tokens "
           f"in {run['span_s']:.1f} s ({run['tok_s']:.0f} tok/s), load {run['load']:.1f}")
     print("| done | monitor ETA | 90% range | true time left | error | state | load "
-          "| tok/s | per-request tok/s | fitted mean length |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| tok/s | per-request tok/s | fitted mean length | overhead (a/b) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for pt in run["eta"]:
         eta = "–" if pt["eta_s"] is None else f"{pt['eta_s']:.1f} s"
         rng = "–" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
         err = "–" if pt["error"] is None else f"{pt['error']:+.0%}"
         print(f"| {pt['at']:.0%} | {eta} | {rng} | {pt['true_s']:.1f} s | {err} | {pt['state']} | {pt['load']:.1f} "
-              f"| {pt['tok_s'] or 0:.0f} | {pt['per_request_tok_s'] or 0:.1f} | {pt['fit_mean'] or 0:.1f} |")
+              f"| {pt['tok_s'] or 0:.0f} | {pt['per_request_tok_s'] or 0:.1f} | {pt['fit_mean'] or 0:.1f} "
+              f"| {'none (flat)' if pt.get('overhead') is None else format(pt['overhead'], '.1f')} |")
         if pt["error"] is None or abs(pt["error"]) > 0.15:
             problems.append(f"ETA at {pt['at']:.0%} done: {eta} for {pt['true_s']:.1f} s left (target +-15%)")
     if len(run["eta"]) < 3:
@@ -213,6 +223,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--skip-eta", action="store_true")
+    ap.add_argument("--skip-brakes", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "llamacpp-bench.json")
     args = ap.parse_args()
     subprocess.run([str(HERE / "build.sh")], check=True)
@@ -225,6 +236,9 @@ def main() -> int:
     stack = Stack(work, model)
     problems: list[str] = []
     try:
+        if not args.skip_brakes:
+            brakes.run_all(stack, work, stack.work_done, "response_format type must be one of",
+                           "exceeds the available context size", problems)
         eta = None if args.skip_eta else eta_phase(stack, work, args, problems)
         runs = rounds_phase(stack, work, args, problems) if args.rounds else []
     finally:

@@ -83,6 +83,12 @@ class Stack:
         fields = Path(f"/proc/{self.procs[-1].pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def work_done(self) -> float:
+        """Prompt and generated tokens llama-server has processed: any request it ran moves it
+        (it counts no requests as such)."""
+        m = self.metrics()
+        return m.get("llamacpp:prompt_tokens_total", 0.0) + m.get("llamacpp:tokens_predicted_total", 0.0)
+
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.server + "/metrics", timeout=5) as resp:
             text = resp.read().decode()
@@ -153,6 +159,22 @@ class Sampler:
                 "load": (self.load0 + self.load1) / 2}
 
 
+def flush(stack: Stack) -> None:
+    """Empties the private Redis for the next run, all but what genq keeps of the server
+    (keys.SERVERS: its decode figures, worker/decoding.py), as a fleet's Redis keeps them
+    from job to job: a run's ETA then knows how this server drains (docs/real-engines.md)."""
+    from genq.core import keys
+    from genq.core.redisconn import connect
+
+    conn = connect(stack.redis)
+    try:
+        drop = [k for k in conn.scan_iter(count=1000) if not k.startswith(keys.SERVERS.encode())]
+        for i in range(0, len(drop), 500):
+            conn.delete(*drop[i:i + 500])
+    finally:
+        conn.close()
+
+
 def genq(stack: Stack, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "genq", "--redis", stack.redis, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -196,6 +218,9 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                            "load": load(), "tok_s": p.output_tokens_per_sec,
                            # The estimator's inputs: one decoding request's speed, the fitted mean length.
                            "per_request_tok_s": report.speed.per_request if report.speed else None,
+                           # How a request's speed depends on the count decoding (monitor/speedcurve.py).
+                           "overhead": report.speed.overhead if report.speed else None,
+                           "decoding": report.speed.decoding if report.speed else None,
                            "fit_mean": report.estimate.model.mean() if report.estimate.model else None})
         if p.status == "done" or proc.poll() is not None:
             break
@@ -215,7 +240,7 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
 
 def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *worker_args: str,
              eta: bool = False) -> dict:
-    subprocess.run(["redis-cli", "-u", stack.redis, "flushall"], check=True, capture_output=True)
+    flush(stack)
     out = work / f"out-{name}"
     shutil.rmtree(out, ignore_errors=True)
     p = genq(stack, "enqueue", str(src), "--job", name, "--batch-size", "50", "--max-tokens", str(max_tokens),

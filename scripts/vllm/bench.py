@@ -12,13 +12,19 @@ check fails. With vLLM's defaults (max_num_seqs 128 on CPU):
    that fits completes exactly once at its first attempt, the long ones are
    dead-lettered as bad_request with vLLM's own message, nothing else, and the worker
    learns capacity 128 (its last "learned server capacity" line).
-2. n > 1 and logprobs kept: a job whose rows ask for n=2 samples with logprobs has both
+2. The brake (#25, scripts/llamacpp/brakes.py): the preflight refuses max_tokens over the
+   context before any request reaches the server (its http_requests_total); a setting vLLM
+   refuses on every request blocks the job within seconds with vLLM's message, at most 2 x
+   the in-flight target dead-lettered, and `genq jobs set` + `genq resume --job` finish it
+   exactly once at settings version 2; 5 too-long prompts among 300 are dead-lettered alone;
+   max_tokens that fits alone but not with the prompts is cut by vLLM, no error.
+3. n > 1 and logprobs kept: a job whose rows ask for n=2 samples with logprobs has both
    choices in every record, each with its token logprobs (the shape of docs/fidelity.md,
    #24). Where this genq refuses those fields at enqueue, says so (pending #24).
-3. The ETA: one defaults run of --eta-n prompts; the monitor's own estimator
+4. The ETA: one defaults run of --eta-n prompts; the monitor's own estimator
    (genq.monitor.progress.Monitor, refreshed each second, at nice 19) at 25, 50 and 75 %
    done, against the true time left: within +-15 %.
-4. Throughput, --rounds paired rounds of --round-n prompts: genq defaults and a bare
+5. Throughput, --rounds paired rounds of --round-n prompts: genq defaults and a bare
    aiohttp client streaming at the same concurrency (128 + genq's headroom, 141), in
    ABBA order so a linear drift of the shared machine's load cancels. Judged on vLLM's
    own slot occupancy: the seconds requests spent running
@@ -44,7 +50,7 @@ import time
 from pathlib import Path
 
 # scripts/vllm/ is on sys.path when this runs as a script.
-from stack import HERE, OVER_CONTEXT, ROOT, Sampler, Stack, bare_run, genq_run, load, prompts
+from stack import HERE, OVER_CONTEXT, REFUSED, ROOT, Sampler, Stack, bare_run, genq_run, load, prompts
 
 from genq.worker.controller import headroom
 
@@ -138,12 +144,15 @@ def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, slots: int, pr
     problems += check(run, fit, long_ids, slots, stack.engine)
     print(f"\nETA: {args.eta_n} prompts, {run['tokens']} tokens in {run['span_s']:.1f} s ({run['tok_s']:.0f} "
           f"tok/s), learned {run['learned']}, load {run['load']:.1f}")
-    print("| done | monitor ETA | 90% range | true time left | error | state | load |\n|---|---|---|---|---|---|---|")
+    print("| done | monitor ETA | 90% range | true time left | error | state | load | per-request tok/s at d "
+          "| overhead (a/b) |\n|---|---|---|---|---|---|---|---|---|")
     for pt in run["eta"]:
         eta = "–" if pt["eta_s"] is None else f"{pt['eta_s']:.1f} s"
         rng = "–" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
         err = "–" if pt["error"] is None else f"{pt['error']:+.0%}"
-        print(f"| {pt['at']:.0%} | {eta} | {rng} | {pt['true_s']:.1f} s | {err} | {pt['state']} | {pt['load']:.1f} |")
+        shape = "none (flat)" if pt.get("overhead") is None else f"{pt['overhead']:.1f}"
+        print(f"| {pt['at']:.0%} | {eta} | {rng} | {pt['true_s']:.1f} s | {err} | {pt['state']} | {pt['load']:.1f} "
+              f"| {pt['per_request_tok_s'] or 0:.2f} at {pt.get('decoding') or 0:.0f} | {shape} |")
         if pt["error"] is None or abs(pt["error"]) > 0.15:
             problems.append(f"ETA at {pt['at']:.0%} done: {eta} for {pt['true_s']:.1f} s left (target +-15%)")
     if len(run["eta"]) < 3:
@@ -209,7 +218,7 @@ def main() -> int:
     ap.add_argument("--round-n", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: fidelity,eta,rounds")
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: brakes,fidelity,eta,rounds")
     ap.add_argument("--seqs", default="default,16",
                     help="server settings, one server each: its slots (vLLM --max-num-seqs, SGLang "
                          "--max-running-requests) or 'default' (vLLM on CPU: 128); all phases on the first")
@@ -237,6 +246,11 @@ def main() -> int:
             summary[f"capacity{slots}"] = [strip(r) for r in runs or []]
             if n > 0:
                 continue
+            if "brakes" not in skip:
+                import brakes  # scripts/llamacpp/, on sys.path once stack.py is imported: one definition
+
+                brakes.run_all(stack, work, stack.requests_served, REFUSED[args.engine], OVER_CONTEXT[args.engine],
+                               problems)
             if "fidelity" not in skip:
                 summary["fidelity"] = guarded(problems, "fidelity", fidelity_phase, stack, work, args, problems)
             if "eta" not in skip:

@@ -23,13 +23,15 @@ import aiohttp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "llamacpp"))
-from runs import ROOT, cpu_s, free_port, genq, load, wait_ok, watch_eta  # noqa: E402
+from runs import ROOT, cpu_s, flush, free_port, genq, load, wait_ok, watch_eta  # noqa: E402
 
 CACHE = Path(os.environ.get("GENQ_VLLM_CACHE", Path.home() / ".cache" / "genq-vllm"))
 MODEL_NAME = "tiny"
 CONTEXT = 2048
 # Each engine's 400 for a prompt longer than the context (docs/engines.md, Errors).
 OVER_CONTEXT = {"vllm": "maximum context length is 2048 tokens", "sglang": "longer than the model's context length"}
+# Each engine's 400 for the brake check's response_format of type "yaml" (scripts/llamacpp/brakes.py).
+REFUSED = {"vllm": "response_format", "sglang": "response_format"}
 LEARNED = re.compile(r"learned server capacity (\d+)")
 TOLD = re.compile(r"\(\w[\w-]*, model .*, capacity (\d+)\) -> ")
 
@@ -91,6 +93,18 @@ class Stack:
             key = f"{name}:{reason.group(1)}" if reason and "waiting_by_reason" in name else name
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
+
+    def requests_served(self) -> float:
+        """Chat requests the server has answered, any status (vLLM's http_requests_total; SGLang:
+        its prompt tokens, which a request it ran moves)."""
+        with urllib.request.urlopen(self.server + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if (line.startswith("http_requests_total{") and 'handler="/v1/chat/completions"' in line) \
+                    or line.startswith("sglang:prompt_tokens_total"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def _start(self, args: list[str], log: Path, env: dict | None = None) -> None:
         self.procs.append(subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env))
@@ -156,7 +170,7 @@ def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *w
              eta: bool = False) -> dict:
     """One job of src through one `genq worker --burst` (flushed Redis first): its records,
     dead letters, span, tokens, what capacity it learned, the monitor's ETA points."""
-    subprocess.run(["redis-cli", "-u", stack.redis, "flushall"], check=True, capture_output=True)
+    flush(stack)  # all but the server's decode figures (runs.py)
     out = work / f"out-{name}"
     shutil.rmtree(out, ignore_errors=True)
     p = genq(stack, "enqueue", str(src), "--job", name, "--batch-size", "50", "--max-tokens", str(max_tokens),

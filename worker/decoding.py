@@ -1,0 +1,136 @@
+"""How fast one request decodes against how many decode at once, as this worker sees it.
+
+A server's step makes one token for every running sequence. On a GPU a step costs
+about the same at 1 or 100 sequences (decode is memory-bound); on a CPU, or a GPU
+at large batches, it costs more the more there are, so the last requests of a job
+speed up as the batch drains (issue #27: vLLM on CPU drained 141 requests in 26 s
+where a constant speed said 47). The monitor's ETA needs that curve and no engine
+reports it, so each worker measures it from what it streams: while `d` of its
+sequences are decoding (between a request's first token and its end), the
+request-seconds spent and the tokens received are added to d's bin. A bin's
+tokens over its request-seconds is one request's speed at d.
+
+Streamed requests only (a whole answer says nothing until it ends). The first
+chunk's tokens come from the prefill and are not counted; its time is. The figures
+are halved every HALF_LIFE_S so that they follow a server whose speed changes;
+published in WorkerStatus.decode as DecodeBin (a few dozen), and fitted by the
+monitor (monitor/speedcurve.py).
+
+A job on a fresh worker runs at its server's capacity until its queue runs out: what
+its last requests will do is only seen when it drains, too late for its ETA. So the
+figures outlive the worker: each beat that booked tokens stores them for its server
+and model (keys.server_decode, ServerDecode), and a worker that starts on that server
+begins from them (decayed by their age). The first job a server ever runs has no
+drain behind it: its ETA takes a speed that does not depend on the count until then.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from genq.core import keys
+from genq.core.decodefigures import DecodeBin, ServerDecode
+from genq.core.records import pack, unpack
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+    from redis.asyncio.client import Pipeline
+
+    from genq.worker.wire import Progress
+
+HALF_LIFE_S = 3600.0  # the figures of an hour ago weigh half of this minute's
+STORED_TTL_S = 7 * 86400  # a server's stored figures are dropped after a week unused
+BINS_PER_OCTAVE = 4  # published bins: exact counts up to 4, then four a doubling
+MIN_BUSY_S = 0.05  # a bin with less than this many request-seconds is not published
+
+
+class DecodeMeter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.decoding = 0  # sequences between their first token and their end
+        self._since = clock()
+        self._decayed_at = self._since
+        self.bins: dict[int, list[float]] = {}  # decoding -> [request-seconds, tokens]
+        self.news = False  # tokens booked since the figures were last stored
+
+    def _account(self, now: float) -> list[float] | None:
+        """Books the time since the last change to the current count; its bin (None at 0)."""
+        d = self.decoding
+        if d <= 0:
+            self._since = now
+            return None
+        b = self.bins.get(d)
+        if b is None:
+            b = self.bins[d] = [0.0, 0.0]
+        b[0] += d * (now - self._since)
+        self._since = now
+        return b
+
+    def advance(self, progress: Progress, tokens: int) -> None:
+        """A streamed request has made `tokens` in all (what progress.tokens becomes)."""
+        if tokens <= progress.tokens:
+            progress.tokens = tokens
+            return
+        b = self._account(self.clock())
+        if progress.decoding:
+            if b is not None:
+                b[1] += tokens - progress.tokens
+                self.news = True
+        else:  # its first token: it decodes from now on
+            progress.decoding = True
+            self.decoding += progress.sequences
+        progress.tokens = tokens
+
+    def ended(self, progress: Progress) -> None:
+        """The request is no longer in flight (answered, failed or cancelled)."""
+        if progress.decoding:
+            self._account(self.clock())
+            progress.decoding = False
+            self.decoding -= progress.sequences
+
+    def figures(self) -> list[DecodeBin]:
+        """The bins merged to BINS_PER_OCTAVE a doubling, after the decay: what the worker publishes."""
+        now = self.clock()
+        self._account(now)
+        factor = 0.5 ** ((now - self._decayed_at) / HALF_LIFE_S)
+        self._decayed_at = now
+        merged: dict[int, list[float]] = {}
+        for d, b in self.bins.items():
+            b[0] *= factor
+            b[1] *= factor
+            key = d if d <= BINS_PER_OCTAVE else round(BINS_PER_OCTAVE * math.log2(d)) + BINS_PER_OCTAVE * 8
+            m = merged.get(key)
+            if m is None:
+                m = merged[key] = [0.0, 0.0, 0.0]
+            m[0] += b[0]
+            m[1] += b[1]
+            m[2] += d * b[0]
+        return [DecodeBin(decoding=round(m[2] / m[0], 2), busy_s=round(m[0], 3), tokens=round(m[1], 1))
+                for _, m in sorted(merged.items()) if m[0] >= MIN_BUSY_S]
+
+    def seed(self, stored: ServerDecode, now: float) -> None:
+        """Begin from what earlier workers measured on this server, decayed by its age."""
+        factor = 0.5 ** (max(0.0, now - stored.at) / HALF_LIFE_S)
+        for b in stored.bins:
+            d = max(1, round(b.decoding))
+            mine = self.bins.setdefault(d, [0.0, 0.0])
+            mine[0] += b.busy_s * factor
+            mine[1] += b.tokens * factor
+
+
+async def load(conn: aioredis.Redis, meter: DecodeMeter, server: str, model: str) -> None:
+    """Seeds the meter from the server's stored figures, if any."""
+    raw = await conn.get(keys.server_decode(server, model))
+    if raw:
+        meter.seed(unpack(raw, ServerDecode), time.time())
+
+
+def store(pipe: Pipeline, meter: DecodeMeter, bins: list[DecodeBin], server: str, model: str, worker: str) -> None:
+    """Stores the figures (in a beat's pipeline) when tokens were booked since the last time."""
+    if meter.news and bins:
+        pipe.set(keys.server_decode(server, model), pack(ServerDecode(at=time.time(), worker=worker, bins=bins)),
+                 ex=STORED_TTL_S)
+        meter.news = False
