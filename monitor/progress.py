@@ -19,12 +19,12 @@ import msgspec
 import redis
 
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
-from genq.core.prefetch import max_loops, reserve
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.state import JobStatus
 from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
+from genq.monitor.etafleet import fleet_of
 from genq.monitor.etapool import EtaPool
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
@@ -213,45 +213,6 @@ class Monitor:
         if snap.is_done:
             est.state = "done"
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
-
-
-# genq worker's batch-taking policy (worker/loops.py RqLoops.desired, its rule in
-# genq.core.prefetch): it holds --prefetch batches (published in WorkerStatus.prefetch),
-# and takes one more, up to max_loops, while its unsent prompts are below the reserve.
-
-
-def fleet_of(snap: JobSnapshot) -> list[WorkerState]:
-    """The workers that will work on this job from now on, as the ETA simulation sees them.
-
-    Live workers holding the job's prompts, plus idle ones (the queue is
-    shared: they take its next batches). Paused and server-down workers add
-    nothing until they come back; a draining one only finishes what it holds.
-    """
-    size = snap.config.batch_size if snap.config else 256
-    fleet = []
-    for w in snap.workers:
-        s = w.live_status
-        if s is None:
-            continue
-        holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
-        if not holds and s.state not in ("idle", "busy", "starting"):
-            continue
-        if s.state in ("paused", "server_down"):
-            continue
-        draining = s.state == "draining"
-        prefetch = s.prefetch
-        leases = len(w.held_unfinished) if draining else prefetch
-        fleet.append(WorkerState(
-            slots=w.slots,
-            leases=leases,
-            max_leases=leases if draining else max_loops(leases),
-            reserve=0 if draining else reserve(prefetch, size),
-            running=tuple(w.running_tokens),
-            ready=w.inflight.queued if w.inflight is not None else 0,
-            held=len(w.held_unfinished),
-            held_unfinished=tuple(w.held_unfinished),
-        ))
-    return fleet
 
 
 def _hours(seconds: float | None) -> float | None:
