@@ -16,8 +16,10 @@ from tests.conftest import run_genq, wait_until, write_prompts
 N = 40
 # All N requests run at once and end in the same step (no length spread): every heartbeat
 # before the end sees N of them running, and the job ends with them.
+# About 3 s a request: several one-second beats land while they run (at 0.6 s a request the
+# whole job could fall between two beats once the worker got faster, #29).
 EVEN_SIM = dict(max_running_requests=N, step_ms_base=20, step_ms_per_req=0, tokens_per_step=2,
-                mean_output_tokens=60, output_sigma=0)
+                mean_output_tokens=300, output_sigma=0)
 
 
 def test_job_in_flight_is_zero_once_the_job_is_done(tmp_path: Path, redis_url, rconn, sim, worker) -> None:
