@@ -8,6 +8,7 @@ names another one instead; it is flushed before each run, so never point it at r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -27,9 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
-def _private_redis() -> str:
-    """Start a redis-server of the benchmark's own; its URL goes into the environment so that the
-    benchmark's child processes (which import this module too) use the same one."""
+@functools.cache
+def bench_redis_url() -> str:
+    """GENQ_BENCH_REDIS_URL, else a redis-server of the benchmark's own, started on first use (a
+    benchmark that runs its own Redis, or none, starts nothing); its URL goes into the environment
+    so that the benchmark's child processes (which import this module too) use the same one."""
+    if os.environ.get("GENQ_BENCH_REDIS_URL"):
+        return os.environ["GENQ_BENCH_REDIS_URL"]
     import atexit
     import shutil
     import tempfile
@@ -54,7 +59,6 @@ def _private_redis() -> str:
     raise SystemExit(f"the benchmark's private redis-server on port {port} did not start")
 
 
-REDIS_URL = os.environ.get("GENQ_BENCH_REDIS_URL") or _private_redis()
 
 if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
     sys.path.insert(0, str(ROOT))
@@ -263,13 +267,14 @@ def read_messages(path: Path) -> list[list[dict[str, Any]]]:
         return [json.loads(line)["messages"] for line in f if line.strip()]
 
 
-def genq(*args: str, redis_url: str = REDIS_URL) -> list[str]:
-    return [PY, "-m", "genq", "--redis", redis_url, *args]
+def genq(*args: str, redis_url: str | None = None) -> list[str]:
+    return [PY, "-m", "genq", "--redis", redis_url or bench_redis_url(), *args]
 
 
-def flush_bench_db(redis_url: str = REDIS_URL) -> None:
+def flush_bench_db(redis_url: str | None = None) -> None:
     import redis
 
+    redis_url = redis_url or bench_redis_url()
     conn = redis.Redis.from_url(redis_url)
     db = conn.connection_pool.connection_kwargs.get("db", 0)
     if db == 0 and not os.environ.get("GENQ_BENCH_ALLOW_DB0"):

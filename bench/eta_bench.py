@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import REDIS_URL, free_port, wait_http  # noqa: E402  (bench/ is on sys.path: run as a script)
+from common import bench_redis_url, free_port, wait_http  # noqa: E402  (bench/ is on sys.path: run as a script)
 
 from genq.core.queueing import rq_queue  # noqa: E402
 from genq.core.redisconn import connect, mask_url  # noqa: E402
@@ -68,7 +68,7 @@ class Point:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--redis", default=REDIS_URL,
+    p.add_argument("--redis", default=None,
                    help="Redis URL (an otherwise idle database) [default: a private redis-server, bench/common.py]")
     p.add_argument("--quick", action="store_true", help="A smaller, faster run: 1 worker, 1000 prompts.")
     p.add_argument("--prompts", type=int, default=None, help="Prompts to enqueue [3000; quick 1000].")
@@ -284,6 +284,7 @@ def table(result: dict) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    a.redis = a.redis or bench_redis_url()
     result = run(a)
     text, ok = table(result)
     print()

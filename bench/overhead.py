@@ -34,8 +34,8 @@ from pathlib import Path
 
 from common import (
     PY,
-    REDIS_URL,
     ROOT,
+    bench_redis_url,
     busy_processes,
     conditions,
     flush_bench_db,
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Paired rounds per server and mode, the order alternating (bare first, then genq "
                         "first): each round's ratio, and their median, are reported.")
     p.add_argument("--no-pin", action="store_true", help="Do not pin the server and the client to separate cores.")
-    p.add_argument("--redis", default=REDIS_URL, help="A spare Redis database: it is flushed.")
+    p.add_argument("--redis", default=None, help="A spare Redis database: it is flushed.")
     p.add_argument("--workdir", default=None)
     return p.parse_args(argv)
 
@@ -305,6 +305,7 @@ def missed_targets(out: list[list]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.redis = args.redis or bench_redis_url()
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="genq-overhead-"))
     work.mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.jsonl"

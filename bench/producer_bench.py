@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import PY, REDIS_URL, ROOT, busy_processes, conditions, flush_bench_db, genq, mask_url, table
+from common import PY, ROOT, bench_redis_url, busy_processes, conditions, flush_bench_db, genq, mask_url, table
 
 N_PROMPTS = 654_676
 TARGET_S = 30.0  # docs/performance.md "Producer": the whole file in 30 s or less
@@ -69,10 +69,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=N_PROMPTS)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--redis", default=REDIS_URL, help="A spare Redis database: it is flushed.")
+    p.add_argument("--redis", default=None, help="A spare Redis database: it is flushed.")
     p.add_argument("--workdir", default=None)
     p.add_argument("--profile", action="store_true", help="Also run once under cProfile and show the top functions.")
     args = p.parse_args()
+    args.redis = args.redis or bench_redis_url()
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="genq-producer-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / "prompts.jsonl"

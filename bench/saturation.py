@@ -33,11 +33,11 @@ from pathlib import Path
 
 from common import (
     PY,
-    REDIS_URL,
     ROOT,
     Poller,
     RunFigures,
     Sim,
+    bench_redis_url,
     busy_processes,
     conditions,
     figures,
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-concurrency", type=int, default=32)
     p.add_argument("--baseline-stagger", type=float, default=0.01, help="Seconds between the baseline's task creations.")
     p.add_argument("--worker-args", default="", help="Extra arguments for `genq worker` (e.g. '--prefetch 3').")
-    p.add_argument("--redis", default=REDIS_URL, help="A spare Redis database: it is flushed.")
+    p.add_argument("--redis", default=None, help="A spare Redis database: it is flushed.")
     p.add_argument("--workdir", default=None, help="Where prompts, logs and outputs go. [default: a temp dir]")
     p.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
     return p.parse_args(argv)
@@ -198,6 +198,7 @@ def report(args: argparse.Namespace, runs: list[RunFigures]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.redis = args.redis or bench_redis_url()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="genq-saturation-"))
     work.mkdir(parents=True, exist_ok=True)
