@@ -185,6 +185,28 @@ def run_genq(*args: str, redis_url: str = REDIS_URL, timeout: float = 120, check
     return proc
 
 
+def run_genq_on_a_tty(*args: str, timeout: float = 300) -> tuple[int, str, str]:
+    """Run genq with stderr on a terminal (progress is drawn for one only): (exit code, stdout,
+    what the terminal got)."""
+    import pty
+
+    main, child = pty.openpty()
+    proc = subprocess.Popen(genq_cmd(*args), stdout=subprocess.PIPE, stderr=child, text=True, cwd=WORKDIR)
+    os.close(child)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out = proc.communicate(timeout=timeout)[0]
+    os.close(main)
+    return proc.returncode, out, seen.decode(errors="replace")
+
+
 def write_prompts(path: Path, n: int, *, start: int = 0, extra: dict | None = None) -> list[str]:
     ids = []
     with open(path, "w") as f:

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import pty
 import re
 import secrets
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import genq_cmd
+from tests.conftest import run_genq_on_a_tty
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.e2e  # runs the CLI (and moto's server)
@@ -50,23 +47,8 @@ READ_AHEAD_XFAIL = pytest.mark.xfail(
 def _progress(*args: str) -> list[tuple[float, str]]:
     """Run `genq enqueue ARGS` with stderr on a terminal (progress is drawn for one only):
     (percent, of what) of every progress line drawn."""
-    main, child = pty.openpty()
-    proc = subprocess.Popen(genq_cmd("enqueue", *args, "--batch-size", "1000"), stdout=subprocess.PIPE,
-                            stderr=child, text=True)
-    os.close(child)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    out = proc.communicate(timeout=300)[0]
-    os.close(main)
-    text = seen.decode(errors="replace")
-    assert proc.returncode == 0, text + out
+    returncode, out, text = run_genq_on_a_tty("enqueue", *args, "--batch-size", "1000")
+    assert returncode == 0, text + out
     found = [(float(p), what) for p, what in PERCENT.findall(text)]
     assert found, text[-2000:]
     return found

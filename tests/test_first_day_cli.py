@@ -8,14 +8,12 @@ whitespace-only input, the 'stream' message, `dlq --help`; `genq status JOB ID`,
 from __future__ import annotations
 
 import json
-import os
-import pty
 import subprocess
 import sys
 import time
 
 from genq.core import keys
-from tests.conftest import free_port, genq_cmd, run_genq, wait_until, write_prompts
+from tests.conftest import free_port, genq_cmd, run_genq, run_genq_on_a_tty, wait_until, write_prompts
 from tests.test_fleet import free_ports
 
 FAST = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=24, output_sigma=0.5)
@@ -135,23 +133,8 @@ def test_status_tells_the_fate_of_one_prompt(redis_url, rconn, tmp_path, sim, wo
 def test_enqueue_shows_percent_and_eta_on_a_big_file(redis_url, tmp_path):
     src = tmp_path / "big.jsonl"
     write_prompts(src, 60_000)
-    main, child = pty.openpty()  # progress is drawn for a terminal only
-    proc = subprocess.Popen(genq_cmd("enqueue", str(src), "--job", "big", "--batch-size", "1000"), stdout=subprocess.PIPE,
-                            stderr=child, text=True)
-    os.close(child)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    proc.wait(timeout=300)
-    os.close(main)
-    text = seen.decode(errors="replace")
-    assert proc.returncode == 0, text
+    returncode, _, text = run_genq_on_a_tty("enqueue", str(src), "--job", "big", "--batch-size", "1000")
+    assert returncode == 0, text
     assert "% of " in text and "MiB, ETA " in text, text[-2000:]
     assert "100.0% of" in text, text[-500:]
 
