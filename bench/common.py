@@ -66,6 +66,17 @@ if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
 from genq.core.redisconn import mask_url  # noqa: E402
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL after 10 s: a benchmark's child process at its end."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,13 +138,7 @@ class Sim:
         post_json(self.url + "/sim/reset")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
     def __enter__(self) -> Sim:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import PY, ROOT, Sim, conditions, free_port, genq, table, write_prompts
+from common import PY, ROOT, Sim, conditions, free_port, genq, stop_process, table, write_prompts
 
 SLOTS = 16
 
@@ -157,12 +157,7 @@ class Router:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 

@@ -45,6 +45,7 @@ from common import (
     mask_url,
     read_messages,
     sim_args,
+    stop_process,
     table,
     wait_http,
     write_prompts,
@@ -224,11 +225,7 @@ class Server:
         return s["requests"], s["busy_s"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self._log.close()
 
 
