@@ -246,14 +246,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _stat_field(pid: int, index: int) -> str | None:
+    """Field `index` of /proc/PID/stat after the command name; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[index]
+    except (OSError, IndexError):
+        return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter ('T' once a SIGSTOP has taken effect)."""
+    return _stat_field(pid, 0)
+
+
 def _started_at(pid: int) -> str | None:
     """The process's start time (clock ticks after boot): with the pid, it names one process.
     Not its command line: RQ renames its processes where setproctitle is installed."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    return _stat_field(pid, 19)
 
 
 class Proc:
