@@ -65,6 +65,33 @@ def test_an_idle_worker_takes_a_job_enqueued_while_it_waits_within_2s(redis_url,
     assert took < 2.0, f"first result {took:.2f}s after the enqueue"
 
 
+def fresh_idle_beat(rconn, name: str) -> float:
+    """Waits for the idle worker's next heartbeat (its control read): the one after it is IDLE_BEAT_S away."""
+    def beat_at() -> float:
+        return unpack(rconn.get(keys.worker_status(name)), WorkerStatus).heartbeat_at
+    last = beat_at()
+    wait_until(lambda: beat_at() != last, timeout=IDLE_BEAT_S + 10, interval=0.05, what="an idle heartbeat")
+    return time.monotonic()
+
+
+def test_an_idle_worker_sees_pause_and_drain_within_seconds_not_at_its_next_idle_beat(redis_url, rconn, sim, worker):
+    proc = idle_worker(rconn, sim, worker)
+
+    def state() -> str:
+        return unpack(rconn.get(keys.worker_status("idler")), WorkerStatus).state
+
+    beat = fresh_idle_beat(rconn, "idler")
+    run_genq("pause", redis_url=redis_url)
+    wait_until(lambda: state() == "paused", timeout=IDLE_BEAT_S + 10, interval=0.1, what="the worker paused")
+    assert time.monotonic() - beat < IDLE_BEAT_S / 2, "a pause waited for the idle worker's next beat"
+    run_genq("resume", redis_url=redis_url)
+    wait_until(lambda: state() == "idle", timeout=IDLE_BEAT_S + 10, interval=0.1, what="the worker resumed")
+    beat = fresh_idle_beat(rconn, "idler")
+    run_genq("drain", "--worker", "idler", redis_url=redis_url)
+    assert proc.wait(timeout=IDLE_BEAT_S + 30) == 0, proc.log()
+    assert time.monotonic() - beat < IDLE_BEAT_S / 2, "a drain waited for the idle worker's next beat"
+
+
 def test_an_idle_worker_takes_stealable_prompts_within_3s_of_their_lease(redis_url, rconn, sim, worker, tmp_path):
     """Two idle workers, their heartbeats asleep; a job of one batch comes: one takes it and holds
     prompts it has not sent, the queue empty. It says so (WAKE on genq:wake), and the other

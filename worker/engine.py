@@ -101,7 +101,7 @@ class Engine:
         self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
                                          self.stealer.written)
         self.handed_back = 0
-        self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace.woken, asyncio.get_running_loop())
+        self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
 

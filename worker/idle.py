@@ -153,16 +153,18 @@ class IdlePace:
 
 
 class WakeListener:
-    """Sets `woken` on each WAKE message (genq:wake), from a thread of its own: a blocking read
+    """Sets the pace's `woken` on each WAKE message (genq:wake), or its `beat_now` on one that
+    says an operator changed a control (keys.WAKE_CONTROL: a drain or pause seen within a
+    second, not at the next idle beat), from a thread of its own: a blocking read
     of at most a second at a time, so a stop never waits on a read. (The asyncio pubsub read
     this replaces, cancelled in the engine's task group, hung a --burst worker's exit.) No
     health-check PINGs on its connection: an idle worker's Redis commands stay under one a
     second; a lost connection shows as an error on the next read, and it subscribes again."""
 
-    def __init__(self, redis_url: str, woken: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, redis_url: str, pace: IdlePace, loop: asyncio.AbstractEventLoop) -> None:
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
         self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
-        self.woken = woken
+        self.pace = pace
         self.loop = loop
         self.subscribed = threading.Event()
         self._stop = threading.Event()
@@ -186,7 +188,8 @@ class WakeListener:
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message.get("type") == "message":
-                        self.loop.call_soon_threadsafe(self.woken.set)
+                        control = message.get("data") == keys.WAKE_CONTROL
+                        self.loop.call_soon_threadsafe((self.pace.beat_now if control else self.pace.woken).set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
                 self._stop.wait(1.0)

@@ -14,6 +14,9 @@ JOBS = "genq:jobs"  # set of job names
 PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
 WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
 WAKE = "genq:wake"  # pub/sub channel: prompts were given back, idle workers look for some to take (worker/idle.py)
+# A WAKE message that says an operator changed a control (drain, pause, cap): idle workers read
+# theirs at once rather than at their next idle beat (worker/idle.py). Any other message is work.
+WAKE_CONTROL = b"control"
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
