@@ -47,6 +47,7 @@ from genq.ops import recover
 from genq.output import truth
 from genq.output.sink import open_store
 from genq.producer.batchinput import range_digest, row_digest_items
+from genq.producer.meter import Meter
 from genq.producer.rejects import RejectsFile
 from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
 
@@ -141,20 +142,30 @@ class Enqueuer:
                                              inputs=sorted(set(self._record.inputs) | set(self._inputs)))
             self._record = self._reach_output(lambda: truth.reserve(self._store, record, upto + truth.RESERVE_STEP))
 
-    def run(self, rows: Iterable[Row | Rejected], on_progress=None) -> EnqueueSummary:
+    def run(self, rows: Iterable[Row | Rejected], on_progress=None, meter: Meter | None = None) -> EnqueueSummary:
         """Queue `rows`. They are read, checked and digested in a thread of their own, a chunk ahead
-        of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing."""
+        of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing.
+        `meter` (the one `rows` advance as they are read) is told how many rows are handed on."""
         self._reach_output(self._from_output)
         endpoint, by_reference = self.config.endpoint, self.reference is not None
-        for chunk in _read_ahead(_chunks(rows, READ_CHUNK), lambda c: _prepare(c, endpoint, by_reference)):
+        meter, read = meter or Meter(), 0
+        # The position is taken in the reading thread right after the chunk's last row.
+        prepare = lambda c: (_prepare(c, endpoint, by_reference), meter.position())  # noqa: E731
+        for chunk, position in _read_ahead(_chunks(rows, READ_CHUNK), prepare):
+            read += len(chunk[0])
+            meter.read_upto(read, position)
             self._add_chunk(chunk)
             self._flush(final=False)
+            meter.settle(read - len(self._pending))
             # Every reject still to come is of a pending row or a later line.
             self.rejects.release(self._pending[0][0].prompt.index + 1 if self._pending else None)
             if on_progress:
                 on_progress(self.summary)
         self._flush(final=True)
         self.rejects.release(None)
+        meter.finish()
+        if on_progress:  # the rows of the last, short batch are queued too: 100%
+            on_progress(self.summary)
         return self.summary
 
     def _reject(self, rejected: Rejected) -> None:

@@ -1,6 +1,12 @@
-"""How much of an input has been read: what enqueue's percent and ETA are made of.
+"""How much of an input is queued: what enqueue's percent and ETA are made of.
 
-Filled in by the source as it opens the input (genq.producer.sources, genq.producer.parquet):
+The percent is of the rows handed on (queued, skipped or rejected), not of the rows read: enqueue's
+reading thread runs up to READ_AHEAD chunks (16-24K rows) ahead of what is queued, so on an input of a
+few chunks the part read says 100% while most of it is still to queue (#28). The reading thread notes
+the position after each chunk it reads (read_upto, passed along with the chunk); the enqueuer says how
+many rows are handed on (settle), and the position of that row is interpolated between the marks.
+
+The position is filled in by the source as it opens the input (genq.producer.sources, genq.producer.parquet):
 - uncompressed JSONL, local or S3: the end of the last line parsed, of the file's size;
 - gzip-compressed JSONL (.gz), local or S3: the compressed bytes read so far, of the file's size
   (the decompressed size is not known before the end);
@@ -10,6 +16,7 @@ Filled in by the source as it opens the input (genq.producer.sources, genq.produ
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import Any, BinaryIO
 
 BYTES, ROWS = "bytes", "rows"
@@ -22,6 +29,8 @@ class Meter:
         self.compressed = False
         self.done = 0  # of total: bytes parsed, or rows read
         self._raw: Any = None  # a .gz input's stream: its position is the compressed bytes read
+        self.settled = 0.0  # of total: where the rows handed on end (the enqueuer's side)
+        self._marks: deque[tuple[int, int]] = deque([(0, 0)])  # (rows read in all, position after them)
 
     def of_stream(self, stream: BinaryIO, *, compressed: bool) -> None:
         """A JSONL input's binary stream (a local file, or genq.output.s3's object stream)."""
@@ -50,11 +59,31 @@ class Meter:
                 pos = self.total
         return int(pos)
 
+    def read_upto(self, rows: int, position: int) -> None:
+        """`rows` rows (rejected ones included) were read in all, ending at `position` (a position() taken then)."""
+        self._marks.append((rows, position))
+
+    def settle(self, rows: int) -> None:
+        """The first `rows` rows read are queued, skipped or rejected."""
+        marks = self._marks
+        while len(marks) > 1 and marks[1][0] <= rows:
+            marks.popleft()  # older marks: every row up to them is settled
+        (r0, p0), at = marks[0], float(marks[0][1])
+        if len(marks) > 1 and rows > r0:
+            r1, p1 = marks[1]
+            at = p0 + (p1 - p0) * (rows - r0) / (r1 - r0)  # rows of a chunk are about the same size
+        self.settled = max(self.settled, at)
+
+    def finish(self) -> None:
+        """Every row is read to the end and handed on: a .gz (or S3) stream's last position may
+        stop short of the size, and it is still all of it."""
+        self.settled = float(self.total)
+
     def fraction(self) -> float | None:
-        """The part read, 0..1; None when the size is not known."""
+        """The part handed on, 0..1; None when the size is not known."""
         if self.total <= 0:
             return None
-        return min(1.0, self.position() / self.total)
+        return min(1.0, self.settled / self.total)
 
     def of_what(self) -> str:
         """'12.3 MiB', '4.1 MiB compressed' or '654,676 rows'."""

@@ -73,6 +73,7 @@ class IdlePace:
         self.borrowed = borrowed
         self.busy_at = time.monotonic()
         self.last_beat = 0.0
+        self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
         self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
         # Set by maintenance after each reconciler pass: some job has a batch not done (held by
@@ -99,13 +100,19 @@ class IdlePace:
         now = time.monotonic()
         asked = self.beat_now.is_set()
         self.beat_now.clear()
-        if not asked and self.idle() and now - self.last_beat < IDLE_BEAT_S:
+        # Beats are spaced out only after one whose keys all outlive the gap: the last busy beat's
+        # expire in LEASE_TIMEOUT_S, and waiting IDLE_BEAT_S from it left an engine going idle
+        # shown lost, its RQ loops refusing the next batch (EngineLost), for seconds.
+        if not asked and self.idle() and self.idle_keys and now - self.last_beat < IDLE_BEAT_S:
             return False
         self.last_beat = now
+        self.idle_keys = True  # until a ttl() of this beat is a busy one
         return True
 
     def ttl(self, busy_ttl: int) -> int:
-        return IDLE_TTL_S if self.idle() else busy_ttl
+        idle = self.idle()
+        self.idle_keys = self.idle_keys and idle
+        return IDLE_TTL_S if idle else busy_ttl
 
     def workers_set_due(self) -> bool:
         now = time.monotonic()

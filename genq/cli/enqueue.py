@@ -206,7 +206,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
                         input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri))
-    summary = enqueuer.run(rows, on_progress=progress)
+    summary = enqueuer.run(rows, on_progress=progress, meter=meter)
     if show_progress:
         click.echo("", err=True)
     if summary.read:

@@ -1,5 +1,5 @@
 """enqueue's progress line: prompts read and their rate, and for an input whose size is known
-the percent read and an ETA (genq.producer.meter: bytes of a JSONL file, compressed bytes of a
+the percent queued and an ETA (genq.producer.meter: bytes of a JSONL file, compressed bytes of a
 .gz one, rows of a Parquet file's metadata; local or on S3)."""
 
 from __future__ import annotations
