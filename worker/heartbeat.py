@@ -95,7 +95,8 @@ class Heartbeat:
                 continue
             try:
                 await self.beat()
-                await self.read_control()
+                if await self.read_control() and self.pace is not None:
+                    self.pace.beat_now.set()  # an idle engine's next beat is 20 s away: show the change in 1 s
                 await self.on_beat()
                 if self.pace is not None:
                     await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
@@ -182,7 +183,8 @@ class Heartbeat:
             await pipe.execute()
         self._inflight_jobs = jobs
 
-    async def read_control(self) -> None:
+    async def read_control(self) -> bool:
+        """Applies the operator's controls; True if one changed (the status just written is stale)."""
         jobs = sorted(self.held.jobs() | set(self.dispatcher.todo.parked))
         async with self.conn.pipeline(transaction=False) as pipe:
             pipe.get(keys.worker_control(self.name))
@@ -192,17 +194,21 @@ class Heartbeat:
             raw, paused, *job_flags = await pipe.execute()
         control = unpack(raw, Control) if raw else Control()
         f = self.flags
+        changed = False
         if control.drain and not f.draining:
             log.info("drain requested: finishing held batches, taking no new ones")
-            f.draining = True
+            f.draining = changed = True
         if (control.concurrency or None) != self.controller.live_cap:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
+            changed = True
         paused_jobs = {job for job, flag in zip(jobs, job_flags) if flag}
         if bool(paused) != f.paused_all or paused_jobs != f.paused_jobs:
             f.paused_all, f.paused_jobs = bool(paused), paused_jobs
             log.info("paused: %s", "all jobs" if f.paused_all else (", ".join(sorted(paused_jobs)) or "none"))
+            changed = True
         self.dispatcher.wake.set()
+        return changed
 
     async def check_name_free(self) -> None:
         """Refuse to run twice under one name; a crashed predecessor's record is fine."""
