@@ -1,5 +1,6 @@
 """Every Lua script of genq, loaded once from the .lua files beside this module, and each
-script's KEYS and ARGV built in one function next to it (docs/architecture.md, "The scripts and the ledger's boundary").
+script's KEYS and ARGV built in one function next to it (docs/architecture.md, "The scripts and
+the ledger's boundary").
 
 Each NAME.lua starts with its header: what it does, each KEYS[i] and ARGV[i] by name, what it
 returns. A line `-- #include PIECE` is replaced by _PIECE.lua (Lua shared by several scripts:
