@@ -19,17 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
-from rq import Queue
-from rq.job import Job
 
 from genq.core import keys, scripts
 from genq.core.queueing import carried
 from genq.core.records import JobConfig, pack, unpack
+
+if TYPE_CHECKING:  # the types of what an RQ loop pops; RQ itself is the loop's (worker/rqloop.py)
+    from rq import Queue
+    from rq.job import Job
 
 log = logging.getLogger("genq.worker")
 

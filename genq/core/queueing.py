@@ -18,8 +18,10 @@ from collections.abc import Iterable, Sequence
 
 import redis
 from redis.client import Pipeline
-from rq import Queue
+from rq import Queue, suspension
 from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.results import Result as RqResult
 from rq.serializers import JSONSerializer
 
 from genq.core import batches as batch_records
@@ -59,6 +61,27 @@ def rq_queue(conn: redis.Redis) -> Queue:
 
 def fetch_rq_jobs(conn: redis.Redis, ids: Sequence[str]) -> list[Job | None]:
     return Job.fetch_many(list(ids), connection=conn, serializer=JSONSerializer)
+
+
+def fetch_rq_job(conn: redis.Redis | Pipeline, rq_id: str) -> Job:
+    """One RQ job (on a pipeline under WATCH: read at once); raises rq's NoSuchJobError if gone."""
+    return Job.fetch(rq_id, connection=conn, serializer=JSONSerializer)
+
+
+def failed_registry(conn: redis.Redis) -> FailedJobRegistry:
+    """RQ's failed registry of genq's queue: batches whose RQ job failed (genq dlq)."""
+    return FailedJobRegistry(queue=rq_queue(conn))
+
+
+def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True) -> None:
+    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind)."""
+    rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
+    pipe.delete(RqResult.get_key(rq_job.id))
+
+
+def suspend_loops(conn: redis.Redis, suspended: bool = True) -> None:
+    """As `rq suspend` (`rq resume`, suspended=False): RQ work loops, genq's or stock, take no new batch."""
+    (suspension.suspend if suspended else suspension.resume)(conn)
 
 
 def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
