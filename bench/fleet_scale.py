@@ -42,11 +42,8 @@ import redis
 from common import PY, ROOT, Sim, conditions, table, write_prompts
 from footprint import Filler, PrivateRedis
 
-from genq.core import keys
-from genq.core.luapack import lua_list
+from genq.core import keys, scripts
 from genq.core.records import BatchRef, InFlight, WorkerStatus, pack
-from genq.worker.claims import ALIVE_PREFIX, ALIVE_SUFFIX, CLAIM, Claims
-from genq.worker.results import RECORD_SCRIPT, record_call
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=64)
 
@@ -131,21 +128,21 @@ class Probe:
 
 def fleet_worker(url: str, job: str, name: str, batches: list, a: argparse.Namespace, filler: Filler) -> None:
     conn = redis.Redis.from_url(url)
-    claim = conn.register_script(CLAIM)
-    record = conn.register_script(RECORD_SCRIPT)
+    claim = conn.register_script(scripts.CLAIM)
+    record = conn.register_script(scripts.RECORD)
     instance = f"{name}.eng"
     beats_per_batch = max(1, round(a.batch_size / a.prompts_per_s))
     for batch in batches:
         filler.lease([batch], instance)  # ACQUIRE (and the LREM standing for RQ's pop)
         ref = BatchRef(job, batch.id)
-        claim_keys = Claims._keys(ref)  # the worker's own keys and arguments (the job's incarnation is "")
         ids = [p.id for p in batch.prompts]
         for i in range(0, len(ids), a.claim_chunk):
-            claim(keys=claim_keys, args=[batch.id, instance, ALIVE_PREFIX, ALIVE_SUFFIX, "", f"tok-{batch.id}",
-                                         lua_list(ids[i:i + a.claim_chunk])])
+            # the worker's own keys and arguments (the job's incarnation is "")
+            script_keys, args = scripts.claim_call(ref, instance, "", f"tok-{batch.id}", ids[i:i + a.claim_chunk])
+            claim(keys=script_keys, args=args)
         for i in range(0, len(batch.prompts), a.record_chunk):
             results = filler.results(batch, batch.prompts[i:i + a.record_chunk], name)
-            script_keys, args = record_call(job, batch.id, name, repr(time.time()), results, [], "")
+            script_keys, args = scripts.record_call(job, batch.id, name, repr(time.time()), results, [], "")
             record(keys=script_keys, args=args)
         for _ in range(beats_per_batch):
             heartbeat(conn, name, instance, ref)

@@ -3,8 +3,8 @@
 Fills private redis-servers (started here on free loopback ports, never 6379, stopped at the end)
 through genq's own code paths: batches queued by core.queueing.write_batches (records, ids, RQ
 jobs), leases taken by the ledger's ACQUIRE, outcomes committed by worker/results.py's
-RECORD_SCRIPT (the worker's exact arguments, results.record_call), batches finished by the
-ledger's RELEASE (completion.release_call; no shard file: only Redis is measured). Workers are
+RECORD (the worker's exact arguments, scripts.record_call), batches finished by the
+ledger's RELEASE (scripts.release_call; no shard file: only Redis is measured). Workers are
 their heartbeat records as a live worker writes them. Then it reports:
 
 - bytes of Redis `used_memory` per finished prompt (a job all of whose batches are released,
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import redis
 from common import conditions, free_port, table
 
-from genq.core import keys, ledger
+from genq.core import keys, scripts
 from genq.core.batches import inline as inline_record
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
@@ -60,8 +60,6 @@ from genq.core.records import (
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import read_job, read_queue, read_workers
 from genq.producer.rows import claim_digest
-from genq.worker.completion import release_call
-from genq.worker.results import RECORD_SCRIPT, record_call
 
 TARGET_RATIO = 1.5  # refresh at LARGE prompts within 1.5x the refresh at SMALL (issue #15)
 WORKERS = 8
@@ -122,9 +120,9 @@ class Filler:
 
     def __post_init__(self) -> None:
         self._rng.seed(self.seed)
-        self._record = self.conn.register_script(RECORD_SCRIPT)
-        self._release = self.conn.register_script(ledger.RELEASE)
-        self._acquire = self.conn.register_script(ledger.ACQUIRE)
+        self._record = self.conn.register_script(scripts.RECORD)
+        self._release = self.conn.register_script(scripts.RELEASE)
+        self._acquire = self.conn.register_script(scripts.ACQUIRE)
         save_config(self.conn, JobConfig(name=self.job, output="/nonexistent/footprint",
                                          batch_size=self.batch_size, created_at=time.time()))
 
@@ -168,9 +166,9 @@ class Filler:
                 rq_id = self.conn.hget(keys.job_transport(self.job), b.id)
                 self._rq_ids[b.id] = rq_id.decode() if rq_id else ""
                 pipe.lrem(queue_key, 0, rq_id)
-                self._acquire(keys=[keys.job_done(self.job), keys.job_leases(self.job), keys.job_transport(self.job),
-                                    keys.batch(self.job, b.id)],
-                              args=[b.id, f"tok-{b.id}", instance, rq_id.decode() if rq_id else ""], client=pipe)
+                script_keys, args = scripts.acquire_call(BatchRef(self.job, b.id), f"tok-{b.id}", instance,
+                                                         rq_id.decode() if rq_id else "")
+                self._acquire(keys=script_keys, args=args, client=pipe)
             pipe.execute()
 
     def results(self, batch: Batch, prompts: list[Prompt], worker: str) -> list[Result]:
@@ -187,7 +185,7 @@ class Filler:
         with self.conn.pipeline(transaction=False) as pipe:
             for b in batches:
                 done = b.prompts[: int(len(b.prompts) * share)]
-                script_keys, args = record_call(self.job, b.id, worker, now, self.results(b, done, worker), [], "")
+                script_keys, args = scripts.record_call(self.job, b.id, worker, now, self.results(b, done, worker), [], "")
                 self._record(keys=script_keys, args=args, client=pipe)
             pipe.execute()
 
@@ -197,7 +195,7 @@ class Filler:
             for b in batches:
                 info = ShardInfo(batch=b.id, uri=f"/nonexistent/footprint/{self.job}/shards/{b.id}.jsonl",
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
-                script_keys, args = release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}", incarnation="")
+                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}", incarnation="")
                 self._release(keys=script_keys, args=args, client=pipe)
                 pipe.delete(keys.lease_reply(f"tok-{b.id}"))  # the work horse pops its "done"
             pipe.execute()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from genq.core import keys, ledger
+from genq.core import keys, ledger, scripts
 from genq.core.order import schedule_of
 from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
 from genq.core.state import JobStatus, job_status
@@ -254,9 +254,9 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
          raw_block, raw_schedule) = pipe.execute()
     if raw_config is None and not stats and not known:
         return None
-    if shards and ledger.SHARD_RECORDS.encode() not in stats:
+    if shards and scripts.SHARD_RECORDS.encode() not in stats:
         # Shards written by a genq that kept no totals: count them once, and keep the totals.
-        conn.eval(ledger.COUNT_SHARDS, 2, keys.job_shards(job), keys.job_stats(job))
+        scripts.evaluate(conn, scripts.COUNT_SHARDS, scripts.count_shards_call(job))
         stats = conn.hgetall(keys.job_stats(job))
     names = sorted(set(workers) | {w.decode() for w in job_workers})
     with conn.pipeline(transaction=False) as pipe:
@@ -301,8 +301,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         workers=views,
         paused=bool(paused) or bool(paused_all),
         shards=int(shards),
-        shard_bytes=_int(stats.get(ledger.SHARD_BYTES.encode())),
-        shard_records=_int(stats.get(ledger.SHARD_RECORDS.encode())),
+        shard_bytes=_int(stats.get(scripts.SHARD_BYTES.encode())),
+        shard_records=_int(stats.get(scripts.SHARD_RECORDS.encode())),
         blocked=unpack(raw_block, JobBlock) if raw_block else None,
         schedule=schedule_of(raw_schedule),
         fleet_running=sum(s.in_flight for s in workers.values() if s is not None and s.state != "stopped"),

@@ -6,7 +6,12 @@
   nothing else of genq; nothing imports the CLI (genq.cli) but the CLI itself and
   genq/__main__.py;
 - no file over MAX_FILE_LINES lines and no class over MAX_CLASS_LINES (the simulator
-  and the tests included).
+  and the tests included);
+- the ledger's boundary (issue #23): only the modules in LEDGER import rq (RQ is the ledger's
+  transport, nobody else's), and no module holds a Lua script (`redis.call(` in a .py file):
+  every script is a .lua file in genq/core/scripts/, loaded by genq.core.scripts.
+It also counts the modules outside LEDGER that still build Redis keys with genq.core.keys
+(the next step of #23: only the ledger builds a key).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import ast
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +31,15 @@ ALLOWED = {
     "genq.core": {"genq.core"},
     "genq.sim": {"genq.sim"},
     "genq.output": {"genq.core", "genq.output"},
+}
+# The modules that own a batch's life in Redis: the Lua scripts' loader, the ledger, the RQ
+# transport (queueing) and the RQ work loops and horse that must be RQ's to run at all.
+LEDGER = {
+    "genq.core.scripts",
+    "genq.core.ledger",
+    "genq.core.queueing",
+    "genq.worker.rqloop",
+    "genq.worker.rqjob",
 }
 
 
@@ -60,6 +75,36 @@ def imports_of(path: Path, name: str) -> set[str]:
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return {i for i in found if i == "genq" or i.startswith("genq.")}
+
+
+def imports_rq(path: Path) -> bool:
+    """Whether the module imports rq anywhere (a function's own import counts too); imports for
+    the type checker only (`if TYPE_CHECKING:`) do not: they tie nothing to RQ when genq runs."""
+    def names(node: ast.AST) -> Iterator[str]:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.orelse:
+                yield from names(child)
+            return
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.module or ""
+        for child in ast.iter_child_nodes(node):
+            yield from names(child)
+
+    return any(n == "rq" or n.startswith("rq.") for n in names(ast.parse(path.read_text(), str(path))))
+
+
+def boundary(modules: dict[str, Path], graph: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+    """Breaches of the ledger's boundary; the modules outside it that build keys (genq.core.keys)."""
+    breaches = []
+    for name, path in modules.items():
+        if name not in LEDGER and imports_rq(path):
+            breaches.append(f"ledger: {name} imports rq (only {sorted(LEDGER)} may: RQ is the ledger's transport)")
+        if "redis.call(" in path.read_text():
+            breaches.append(f"ledger: {name} holds a Lua script: it goes in genq/core/scripts/ as a .lua file")
+    keyed = sorted(n for n, deps in graph.items() if "genq.core.keys" in deps and n not in LEDGER)
+    return breaches, keyed
 
 
 def resolve(target: str, modules: dict[str, Path]) -> str | None:
@@ -108,6 +153,8 @@ def main() -> int:
                 breaches.append(f"leaf: {name} imports the CLI module {dep}")
     for cycle in cycles(graph):
         breaches.append("circle: " + " -> ".join(cycle))
+    ledger_breaches, keyed = boundary(modules, graph)
+    breaches += ledger_breaches
     sizes = []
     for path in sorted({*modules.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")}):
         text = path.read_text()
@@ -125,6 +172,7 @@ def main() -> int:
     largest = ", ".join(f"{p.relative_to(ROOT)} {n}" for n, p in sorted(sizes, reverse=True)[:3])
     print(f"layout: {len(modules)} modules, {edges} imports between them, {len(sizes)} files measured; "
           f"largest: {largest}")
+    print(f"ledger: {len(keyed)} modules outside it build Redis keys (genq.core.keys): {', '.join(keyed)}")
     for line in breaches:
         print("  " + line)
     print("layout: ok" if not breaches else f"layout: {len(breaches)} breach(es)")

@@ -14,7 +14,7 @@ what `genq monitor --job JOB --once --json` reports:
 - the shard invariant: every shard was written with its batch's prompt count minus the
   batch's dead letters (its records, in its file), and no dead letter of its batch came since;
 - counters: the workers' done/in_tok/out_tok and the length histogram equal the
-  results stored, the job's running shard totals (records, bytes: ledger.RELEASE keeps
+  results stored, the job's running shard totals (records, bytes: RELEASE keeps
   them) equal a recount of the shard records in Redis and of the markers (their failed counts every letter stored: requeue and purge keep that
   history), and the monitor's completed, failed, total,
   shard_records, shards, batches_done/batches_total and tokens equal them too;
@@ -39,7 +39,7 @@ import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from genq.core import batches as batch_records
-from genq.core import keys, ledger
+from genq.core import keys, scripts
 from genq.core.queueing import RUN_BATCH, fetch_rq_jobs, load_batch, rq_queue
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
 from tests.conftest import run_genq
@@ -185,11 +185,11 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
     infos = [unpack(v, ShardInfo) for v in conn.hvals(keys.job_shards(job))]
     stats = conn.hgetall(keys.job_stats(job))
     for what, kept, counted in (
-        ("shard_records", int(stats.get(ledger.SHARD_RECORDS.encode(), 0)), sum(i.records for i in infos)),
-        ("shard_bytes", int(stats.get(ledger.SHARD_BYTES.encode(), 0)), sum(i.bytes for i in infos)),
-        ("shard_records (markers)", int(stats.get(ledger.SHARD_RECORDS.encode(), 0)),
+        ("shard_records", int(stats.get(scripts.SHARD_RECORDS.encode(), 0)), sum(i.records for i in infos)),
+        ("shard_bytes", int(stats.get(scripts.SHARD_BYTES.encode(), 0)), sum(i.bytes for i in infos)),
+        ("shard_records (markers)", int(stats.get(scripts.SHARD_RECORDS.encode(), 0)),
          sum(int(m.get("records", 0)) for m in markers.values())),
-        ("shard_bytes (markers)", int(stats.get(ledger.SHARD_BYTES.encode(), 0)),
+        ("shard_bytes (markers)", int(stats.get(scripts.SHARD_BYTES.encode(), 0)),
          sum(int(m.get("bytes", 0)) for m in markers.values())),
     ):
         if kept != counted:

@@ -1,9 +1,8 @@
-"""Mutation check of the Lua commit script (worker/results.py RECORD_SCRIPT), run by `make mutation`.
+"""Mutation check of the Lua commit script (RECORD: genq/core/scripts/record.lua), run by `make mutation`.
 
-mutmut mutates Python only: the script is one string constant to it, so the logic that
-decides what is stored and counted would go unchecked. Each mutant below is one
-hand-written change of that Lua, applied to a copy of the tree; tests/test_commit.py must
-fail on every one. Usage: python tests/lua_mutants.py COPY_DIR  (exits 1 if any survives).
+mutmut mutates Python only, so the logic that decides what is stored and counted would go
+unchecked. Each mutant below is one hand-written change of that Lua, applied to a copy of the
+tree; tests/test_commit.py must fail on every one. Usage: python tests/lua_mutants.py COPY_DIR  (exits 1 if any survives).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ MUTANTS = [
 
 def main(copy_dir: str) -> int:
     root = Path(copy_dir)
-    target = next(p for p in (root / "genq/worker/results.py", root / "worker/results.py") if p.is_file())
+    target = root / "genq/core/scripts/record.lua"
     original = target.read_text()
     survived = []
     try:

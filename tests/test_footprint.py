@@ -15,13 +15,12 @@ import random
 
 import redis
 
-from genq.core import keys, ledger
+from genq.core import keys, scripts
 from genq.core.queueing import enqueue_batch_jobs, rq_queue, save_config
 from genq.core.records import BatchRef, JobConfig, Result, ShardInfo, Usage, pack, unpack
 from genq.core.redisconn import connect_async
 from genq.monitor.rqqueue import QueueMirror
 from genq.monitor.snapshot import read_job
-from genq.worker.completion import release_call
 from genq.worker.results import ResultWriter
 from tests.audit import audit
 from tests.conftest import read_results, run_genq, write_prompts
@@ -83,14 +82,14 @@ def test_shard_totals_are_counted_once_for_a_job_of_an_older_genq(rconn):
     assert (snap.shards, snap.shard_records, snap.shard_bytes) == (5, sum(i.records for i in infos),
                                                                    sum(i.bytes for i in infos))
     stats = rconn.hgetall(keys.job_stats("old"))
-    assert int(stats[ledger.SHARD_RECORDS.encode()]) == snap.shard_records  # kept: counted once
+    assert int(stats[scripts.SHARD_RECORDS.encode()]) == snap.shard_records  # kept: counted once
     # A new genq's RELEASE then adds to them, and never counts them again (a config of a genq
     # before incarnations, and the shard's 7 results: RELEASE checks both).
-    release = rconn.register_script(ledger.RELEASE)
+    release = rconn.register_script(scripts.RELEASE)
     info = ShardInfo(batch="b0000006", uri="/o/j/shards/b0000006.jsonl", records=7, bytes=70, at=2.0)
     save_config(rconn, JobConfig(name="old", output="/o"))
     rconn.hset(keys.batch_results("old", info.batch), mapping={f"p{i}": b"result" for i in range(7)})
-    script_keys, args = release_call(BatchRef("old", info.batch), info, "tok", incarnation="")
+    script_keys, args = scripts.release_call(BatchRef("old", info.batch), info, "tok", incarnation="")
     release(keys=script_keys, args=args)
     snap = read_job(rconn, "old")
     assert snap is not None and (snap.shards, snap.shard_records, snap.shard_bytes) == (

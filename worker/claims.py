@@ -28,146 +28,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from genq.core import keys
-from genq.core.ledger import INCARNATION_LUA
-from genq.core.luapack import lua_list
+from genq.core import keys, scripts
 from genq.core.records import BatchRef
 from genq.worker.held import HeldBatch, Task
-
-# A claim's owner is alive while ALIVE_PREFIX .. owner .. ALIVE_SUFFIX exists.
-ALIVE_PREFIX, ALIVE_SUFFIX = keys.engine_alive("\0").split("\0")
-
-# KEYS (every script): claims, results, dlq, done, leases, config, tries
-# ARGV (every script): batch, me, alive prefix, alive suffix, incarnation, then the script's own
-_HELPERS = INCARNATION_LUA + """
-local function finished(id)
-  return redis.call('HEXISTS', KEYS[2], id) == 1 or redis.call('HEXISTS', KEYS[3], id) == 1
-end
--- The batch's current lease token, or nil (not leased: handed back, or never).
-local function current_lease()
-  local lease = redis.call('HGET', KEYS[5], ARGV[1])
-  if not lease then return nil end
-  return string.match(lease, '^(%S+)')
-end
-local function claimable(id, me, lease)
-  local claim = redis.call('HGET', KEYS[1], id)
-  if not claim then return true end
-  local owner, token = string.match(claim, '^(%S+) (%S+)$')
-  if not lease or token ~= lease then return true end  -- taken under a lease that is over: void
-  return owner == me or redis.call('EXISTS', ARGV[3] .. owner .. ARGV[4]) == 0
-end
--- Claim a claimable id for mine ("ME LEASE"); the tries lost on it so far: a claim there that
--- is not mine is one more (its engine stopped beating or its lease is over, its outcome never came).
-local function take(id, mine)
-  local claim = redis.call('HGET', KEYS[1], id)
-  redis.call('HSET', KEYS[1], id, mine)
-  if claim and claim ~= mine then return redis.call('HINCRBY', KEYS[7], id, 1) end
-  return 0
-end
-"""
-
-# ARGV: ..., my lease token, the ids (core/luapack.lua_list)
-# -> 'done'; 'stale' (not this incarnation, or not my lease: the lease check decides);
-#    or {one letter per id: c (claimed: send it), t (taken by another live engine), f (finished),
-#        then (position, tries lost) for each claimed id that has lost any}
-# A fixed handful of commands a call, whatever its number of ids (issue #29): outcomes and claims
-# read with one HMGET per hash, the claims written with one HSET, each other live owner's alive
-# key read once; only a take-over of a void claim touches the tries hash (ux's lost tries).
-CLAIM = _HELPERS + """
-local CHUNK = 1000  -- fields per HMGET/HSET (Lua's unpack has a stack limit)
-local function hmget(key, ids)
-  local out = {}
-  for first = 1, #ids, CHUNK do
-    local got = redis.call('HMGET', key, unpack(ids, first, math.min(#ids, first + CHUNK - 1)))
-    for j = 1, #got do out[#out + 1] = got[j] end  -- false where the field is missing
-  end
-  return out
-end
-
-if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return 'done' end
-local lease = current_lease()
-if lease ~= ARGV[6] or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end
-local mine = ARGV[2] .. ' ' .. lease
-local ids = cmsgpack.unpack(ARGV[7])
-local results, letters, claims = hmget(KEYS[2], ids), hmget(KEYS[3], ids), hmget(KEYS[1], ids)
-local beating = {}  -- owner -> its engine beats (one EXISTS per other owner)
-local function free(claim)  -- claimable(), on a claim already read
-  if not claim then return true end
-  local owner, token = string.match(claim, '^(%S+) (%S+)$')
-  if token ~= lease or owner == ARGV[2] then return true end  -- void (another lease's), or mine
-  if beating[owner] == nil then
-    beating[owner] = redis.call('EXISTS', ARGV[3] .. owner .. ARGV[4]) == 1
-  end
-  return not beating[owner]
-end
-local out, answer, writes, taken_over = {}, {''}, {}, {}
-for k, id in ipairs(ids) do
-  if results[k] or letters[k] then
-    out[k] = 'f'
-  elseif free(claims[k]) then
-    writes[#writes + 1] = id
-    writes[#writes + 1] = mine
-    if claims[k] and claims[k] ~= mine then taken_over[#taken_over + 1] = k end
-    out[k] = 'c'
-  else
-    out[k] = 't'
-  end
-end
-for first = 1, #writes, 2 * CHUNK do
-  redis.call('HSET', KEYS[1], unpack(writes, first, math.min(#writes, first + 2 * CHUNK - 1)))
-end
--- A claim there that was not mine is one more try lost (its engine stopped beating or its lease
--- is over, its outcome never came): as take() counts it for STEAL.
-for _, k in ipairs(taken_over) do
-  answer[#answer + 1] = k
-  answer[#answer + 1] = redis.call('HINCRBY', KEYS[7], ids[k], 1)
-end
-answer[1] = table.concat(out)
-return answer
-"""
-
-# KEYS: ..., the holder's alive key
-# ARGV: ..., n, batch size, id... (the back of the batch first)
-# -> {the ids claimed (at most n), under the batch's current lease: unclaimed ones, or claimed
-#    by an engine that stopped beating or under a lease that is over; the tries each had lost}
-STEAL = _HELPERS + """
-if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return {} end
-local lease = current_lease()
-if not lease or not incarnation_ok(KEYS[6], ARGV[5]) then return {} end
--- Cheap answer for the common case (a live holder, every prompt claimed or finished).
-if redis.call('EXISTS', KEYS[8]) == 1 and
-   tonumber(ARGV[7]) - redis.call('HLEN', KEYS[1]) - redis.call('HLEN', KEYS[2]) <= 0 then
-  return {}
-end
-local mine = ARGV[2] .. ' ' .. lease
-local n, taken, lost = tonumber(ARGV[6]), {}, {}
-for i = 8, #ARGV do
-  if #taken >= n then break end
-  local id = ARGV[i]
-  if not finished(id) and redis.call('HGET', KEYS[1], id) ~= mine and claimable(id, ARGV[2], lease) then
-    lost[#lost + 1] = take(id, mine)
-    taken[#taken + 1] = id
-  end
-end
-return {taken, lost}
-"""
-
-# KEYS: claims, config; ARGV: me, incarnation, id... (none: every claim of mine in the batch)
-UNCLAIM = INCARNATION_LUA + """
-if not incarnation_ok(KEYS[2], ARGV[2]) then return 0 end
-local function mine(claim) return claim and string.match(claim, '^(%S+)') == ARGV[1] end
-if #ARGV > 2 then
-  for i = 3, #ARGV do
-    if mine(redis.call('HGET', KEYS[1], ARGV[i])) then redis.call('HDEL', KEYS[1], ARGV[i]) end
-  end
-  return 0
-end
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all, 2 do
-  if mine(all[i + 1]) then redis.call('HDEL', KEYS[1], all[i]) end
-end
-return 0
-"""
 
 
 def _text(value: Any) -> str:
@@ -180,18 +43,9 @@ class Claims:
     def __init__(self, conn: aioredis.Redis, instance: str) -> None:
         self.conn = conn
         self.instance = instance
-        self._claim = conn.register_script(CLAIM)
-        self._steal = conn.register_script(STEAL)
-        self._unclaim = conn.register_script(UNCLAIM)
-
-    @staticmethod
-    def _keys(ref: BatchRef) -> list[str]:
-        return [keys.batch_claims(ref.job, ref.batch), keys.batch_results(ref.job, ref.batch),
-                keys.job_dlq(ref.job), keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_config(ref.job),
-                keys.batch_tries(ref.job, ref.batch)]
-
-    def _args(self, ref: BatchRef, incarnation: str) -> list[Any]:
-        return [ref.batch, self.instance, ALIVE_PREFIX, ALIVE_SUFFIX, incarnation]
+        self._claim = conn.register_script(scripts.CLAIM)
+        self._steal = conn.register_script(scripts.STEAL)
+        self._unclaim = conn.register_script(scripts.UNCLAIM)
 
     async def claim(self, held: HeldBatch, ids: list[str]) -> tuple[str, dict[int, int]] | None:
         """One letter per id (see CLAIM) and the tries lost on claimed ones, by position;
@@ -199,8 +53,8 @@ class Claims:
         check then tells what happened)."""
         if not ids:
             return "", {}
-        answer = await self._claim(keys=self._keys(held.ref),
-                                   args=[*self._args(held.ref, held.config.incarnation), held.token, lua_list(ids)])
+        script_keys, args = scripts.claim_call(held.ref, self.instance, held.config.incarnation, held.token, ids)
+        answer = await self._claim(keys=script_keys, args=args)
         if not isinstance(answer, list):
             return None if _text(answer) == "done" else ("", {})
         lost = answer[1:]
@@ -209,16 +63,15 @@ class Claims:
     async def steal(self, ref: BatchRef, incarnation: str, holder: str, ids_back_first: list[str],
                     n: int) -> dict[str, int]:
         """The ids claimed, each with the tries it had lost."""
-        answer = await self._steal(
-            keys=[*self._keys(ref), keys.engine_alive(holder)],
-            args=[*self._args(ref, incarnation), n, len(ids_back_first), *ids_back_first])
+        script_keys, args = scripts.steal_call(ref, self.instance, incarnation, holder, ids_back_first, n)
+        answer = await self._steal(keys=script_keys, args=args)
         if not answer:
             return {}
         return {_text(i): int(lost) for i, lost in zip(answer[0], answer[1])}
 
     async def unclaim(self, held: HeldBatch, ids: Iterable[str] = ()) -> None:
-        await self._unclaim(keys=[keys.batch_claims(held.ref.job, held.ref.batch), keys.job_config(held.ref.job)],
-                            args=[self.instance, held.config.incarnation, *ids])
+        script_keys, args = scripts.unclaim_call(held.ref, self.instance, held.config.incarnation, ids)
+        await self._unclaim(keys=script_keys, args=args)
 
     async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
         owners = await self.conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from genq.core import batches, keys, ledger
-from genq.core.records import BatchRef, DeadLetter, JobConfig, Result, ShardInfo, pack, unpack, with_prompt
+from genq.core import batches, keys, scripts
+from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, with_prompt
 from genq.ops.written import adopt_marker, outcome_for
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
@@ -36,17 +36,6 @@ log = logging.getLogger("genq.worker")
 
 SHARD_THREADS = 4
 SHORT_TRIES = 3  # RELEASE refusing a shard that is not every stored result, this often in a row: let go
-
-
-def release_call(ref: BatchRef, info: ShardInfo, token: str, incarnation: str) -> tuple[list[str], list]:
-    """ledger.RELEASE's keys and arguments for a written shard (bench/footprint.py drives it too)."""
-    script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
-                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
-                   keys.batch_tries(ref.job, ref.batch)]
-    args = [ref.batch, pack(info), ledger.REPLY_TTL_S, token, keys.lease_reply(ledger.TOKEN_SLOT),
-            info.records, info.bytes, incarnation]
-    return script_keys, args
 
 
 @dataclass
@@ -71,7 +60,7 @@ class Completer:
     def __init__(self, conn: aioredis.Redis) -> None:
         self.conn = conn
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
-        self._release = conn.register_script(ledger.RELEASE)
+        self._release = conn.register_script(scripts.RELEASE)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -94,7 +83,7 @@ class Completer:
         return Finished()
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
-        """The shard, then RELEASE's answer (see ledger.RELEASE)."""
+        """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
         ref, results, letters = held.ref, recorded.results, recorded.letters
         # The shard's time is the last outcome's: the same for every writer.
         at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
@@ -116,7 +105,7 @@ class Completer:
                             ref, type(exc).__name__, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 60)
-        script_keys, args = release_call(ref, info, held.token, held.config.incarnation)
+        script_keys, args = scripts.release_call(ref, info, held.token, held.config.incarnation)
         answer = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 

@@ -23,7 +23,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
-from genq.core import batches, keys, ledger
+from genq.core import batches, keys, ledger, scripts
 from genq.core.queueing import enqueue_batch_jobs
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
 from genq.core.redisconn import connect_async
@@ -67,7 +67,7 @@ class LeaseDesk:
         self.worker = worker
         # Turns away other models' jobs and pins `auto` ones (worker/models.py).
         self.models = ModelGate(conn, instance, server_model)
-        self._acquire = conn.register_script(ledger.ACQUIRE)
+        self._acquire = conn.register_script(scripts.ACQUIRE)
 
     # ---------------------------------------------------------------- arriving
 
@@ -164,10 +164,8 @@ class LeaseDesk:
 
     async def _record_lease(self, token: str, ref: BatchRef, rq_id: str) -> str:
         """ACQUIRE: "ok" (this lease is now the batch's), "done", or "gone" (no record)."""
-        answer: Any = await self._acquire(
-            keys=[keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                  keys.batch(ref.job, ref.batch)],
-            args=[ref.batch, token, self.instance, rq_id])
+        script_keys, args = scripts.acquire_call(ref, token, self.instance, rq_id)
+        answer: Any = await self._acquire(keys=script_keys, args=args)
         return answer.decode() if isinstance(answer, bytes) else str(answer)
 
     async def config(self, job: str) -> JobConfig | None:

@@ -19,17 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
-from rq import Queue
-from rq.job import Job
 
-from genq.core import keys
+from genq.core import keys, scripts
 from genq.core.queueing import carried
 from genq.core.records import JobConfig, pack, unpack
+
+if TYPE_CHECKING:  # the types of what an RQ loop pops; RQ itself is the loop's (worker/rqloop.py)
+    from rq import Queue
+    from rq.job import Job
 
 log = logging.getLogger("genq.worker")
 
@@ -41,17 +44,6 @@ REST_MAX_S = 5.0
 # How long an engine's published model lives without a heartbeat renewing it.
 MODEL_TTL_S = 120
 TOLD_TTL_S = 7 * 24 * 3600
-
-
-# KEYS: RQ's intermediate list, its queue; ARGV: the RQ job id. Pushed back unless it is in the
-# queue already (RQ's own cleanup of the intermediate list may have moved it back meanwhile).
-PUT_BACK = """
-local moved = redis.call('LREM', KEYS[1], 1, ARGV[1])
-if moved == 1 or not redis.call('LPOS', KEYS[2], ARGV[1]) then
-  redis.call('RPUSH', KEYS[2], ARGV[1])
-end
-return moved
-"""
 
 
 def engine_model_key(instance: str) -> str:
@@ -169,7 +161,7 @@ class LoopFilter:
         self.conn = conn
         self.instance = instance
         self._models: dict[str, str] = {}  # job -> its pinned model (never changes once pinned)
-        self._put_back = conn.register_script(PUT_BACK)
+        self._put_back = conn.register_script(scripts.PUT_BACK)
         self._told: set[str] = set()
         self._passed: set[str] = set()  # RQ jobs put back since this loop last took a batch
         self._rest = REST_MIN_S
@@ -211,7 +203,8 @@ class LoopFilter:
     def put_back(self, rq_id: str, queue_key: str, intermediate_key: str) -> float:
         """Return a popped batch of another model to the tail of the queue (out of RQ's
         intermediate list, in one step); how long to rest before the next pop."""
-        self._put_back(keys=[intermediate_key, queue_key], args=[rq_id])
+        script_keys, args = scripts.put_back_call(intermediate_key, queue_key, rq_id)
+        self._put_back(keys=script_keys, args=args)
         if rq_id not in self._passed:
             self._passed.add(rq_id)
             return 0.0

@@ -1,7 +1,7 @@
 """Group commit of results and dead letters to Redis.
 
-Each result is written with HSETNX and counted in the same Lua call, so the
-counters the monitor reads always equal the results stored, even when a batch
+Each result is written and counted in the same Lua call (RECORD: genq/core/scripts/record.lua),
+so the counters the monitor reads always equal the results stored, even when a batch
 is re-run after a crash or two workers race on the same batch. A result is stored
 without its copy of the prompt (records.without_prompt): the batch holds the prompt,
 and the shard joins them again (worker/completion.py). Outcomes are written only for the
@@ -20,11 +20,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from genq.core import keys
-from genq.core.histogram import length_bucket
-from genq.core.ledger import INCARNATION_LUA
-from genq.core.luapack import lua_list
-from genq.core.records import DeadLetter, Result, pack, without_prompt
+from genq.core.records import DeadLetter, Result
+from genq.core.scripts import RECORD, record_call
 from genq.core.words import plural
 
 log = logging.getLogger("genq.worker")
@@ -33,106 +30,6 @@ log = logging.getLogger("genq.worker")
 # RECORD call covers many prompts (issue #29: Redis commands per prompt). Nothing waits for a
 # record but the batch's end: a few ms there cost nothing.
 RECORD_LINGER_S = 0.005
-
-# KEYS: results, done-set, worker-stats, hist, dlq, job-workers, claims, config
-# ARGV: batch, worker, now, incarnation, results (msgpack: id, blob, in_tok, out_tok, bucket, ...),
-#       dead letters (msgpack: id, blob, ...), first sent
-# (first sent: when the earliest request of these outcomes was sent; a worker's first_at for the job)
-# -> {added, dead}; {-1, -1}: the batch is done; {-2, -2}: not the job's incarnation (nothing written).
-# One final state per prompt, first writer wins: a result is kept only if the prompt
-# has no result and no dead letter yet, a dead letter only if it has neither; the
-# counters move only for what was kept, so they always equal what is stored.
-# A group of prompts costs a fixed dozen commands or so, not a few per prompt (issue #29):
-# the outcomes already stored are read with one HMGET per hash, the new ones written with
-# one HSET, their claims ended with one HDEL, the histogram with one HINCRBY per length bucket.
-RECORD_SCRIPT = INCARNATION_LUA + """
-local CHUNK = 1000  -- fields per HMGET/HSET/HDEL (Lua's unpack has a stack limit)
-local function each_chunk(list, step, fn)
-  for first = 1, #list, CHUNK * step do
-    fn(unpack(list, first, math.min(#list, first + CHUNK * step - 1)))
-  end
-end
-local function hmget(key, ids)
-  local out = {}
-  each_chunk(ids, 1, function(...)
-    local got = redis.call('HMGET', key, ...)  -- false where the field is missing
-    for j = 1, #got do out[#out + 1] = got[j] end
-  end)
-  return out
-end
-
-if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {-1, -1} end
-if not incarnation_ok(KEYS[8], ARGV[4]) then return {-2, -2} end
-local rs, ds = cmsgpack.unpack(ARGV[5]), cmsgpack.unpack(ARGV[6])
-local ids = {}
-for i = 1, #rs, 5 do ids[#ids + 1] = rs[i] end
-for i = 1, #ds, 2 do ids[#ids + 1] = ds[i] end
-if #ids == 0 then return {0, 0} end
--- Prompts with an outcome already (a result or a letter): nothing more is stored for them.
-local has_result, has_letter = hmget(KEYS[1], ids), hmget(KEYS[5], ids)
-local over = {}
-for k = 1, #ids do
-  if has_result[k] then over[ids[k]] = 'result' end
-  if has_letter[k] then over[ids[k]] = 'letter' end
-end
-local added, dead, intok, outtok = 0, 0, 0, 0
-local results, letters, buckets, bucket_order = {}, {}, {}, {}
-for i = 1, #rs, 5 do
-  if not over[rs[i]] then
-    over[rs[i]] = 'result'
-    results[#results + 1] = rs[i]
-    results[#results + 1] = rs[i + 1]
-    added = added + 1
-    intok = intok + tonumber(rs[i + 2])
-    outtok = outtok + tonumber(rs[i + 3])
-    local bucket = tostring(rs[i + 4])
-    if not buckets[bucket] then bucket_order[#bucket_order + 1] = bucket end
-    buckets[bucket] = (buckets[bucket] or 0) + 1
-  end
-end
-for i = 1, #ds, 2 do
-  if not over[ds[i]] then
-    over[ds[i]] = 'letter'
-    letters[#letters + 1] = ds[i]
-    letters[#letters + 1] = ds[i + 1]
-    dead = dead + 1
-  end
-end
-each_chunk(results, 2, function(...) redis.call('HSET', KEYS[1], ...) end)
-each_chunk(letters, 2, function(...) redis.call('HSET', KEYS[5], ...) end)
--- Every prompt written here has its outcome now: its claim (worker/claims.py) is over.
-each_chunk(ids, 1, function(...) redis.call('HDEL', KEYS[7], ...) end)
-for _, bucket in ipairs(bucket_order) do redis.call('HINCRBY', KEYS[4], bucket, buckets[bucket]) end
-if added > 0 or dead > 0 then
-  redis.call('HINCRBY', KEYS[3], 'done', added)
-  redis.call('HINCRBY', KEYS[3], 'failed', dead)
-  redis.call('HINCRBY', KEYS[3], 'in_tok', intok)
-  redis.call('HINCRBY', KEYS[3], 'out_tok', outtok)
-  redis.call('HSETNX', KEYS[3], 'first_at', ARGV[7])
-  redis.call('HSET', KEYS[3], 'last_at', ARGV[3])
-  redis.call('SADD', KEYS[6], ARGV[2])
-end
-return {added, dead}
-"""
-
-
-def record_call(job: str, batch: str, worker: str, now: str, results: list[Result],
-                dead: list[DeadLetter], incarnation: str) -> tuple[list[str], list]:
-    """RECORD_SCRIPT's keys and arguments for one batch's outcomes (bench/footprint.py drives it too)."""
-    flat: list = []
-    for r in results:
-        flat += [r.id, pack(without_prompt(r)), r.usage.prompt_tokens, r.usage.completion_tokens,
-                 length_bucket(r.usage.completion_tokens)]
-    letters: list = []
-    for d in dead:
-        letters += [d.id, pack(d)]
-    # The job's elapsed time and rate run from the first request, not from the first answer.
-    sent = min([r.finished_at - r.latency_s for r in results if r.finished_at] + [float(now)])
-    args: list = [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)]
-    script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
-                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
-                   keys.job_config(job)]
-    return script_keys, args
 
 
 @dataclass
@@ -155,7 +52,7 @@ class ResultWriter:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._script = conn.register_script(RECORD_SCRIPT)
+        self._script = conn.register_script(RECORD)
         self.last_error: str | None = None
 
     def add_result(self, result: Result, incarnation: str) -> None:
@@ -234,6 +131,6 @@ class ResultWriter:
                     if isinstance(answer, Exception):
                         raise answer
                 return answers
-            await self.conn.script_load(RECORD_SCRIPT)
+            await self.conn.script_load(RECORD)
         raise NoScriptError("RECORD could not be loaded")
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import keys
-from genq.core.order import _HEAD, RQ_JOB_PREFIX, batch_of_description, schedule_of
+from genq.core import keys, scripts
+from genq.core.order import batch_of_description, schedule_of
 from genq.core.records import JobSchedule
 
 log = logging.getLogger("genq.worker")
@@ -41,7 +41,7 @@ class Shares:
         self.sched: dict[str, JobSchedule] = {}
         self.head: str | None = None  # the job of the queue's next batch (None: empty, or not read)
         self.served: dict[str, float] = {}  # prompts claimed per job, over its weight
-        self._head = conn.register_script(_HEAD)
+        self._head = conn.register_script(scripts.QUEUE_HEAD)
 
     def priority(self, job: str) -> int:
         return self.sched.get(job, JobSchedule()).priority
@@ -64,7 +64,8 @@ class Shares:
     async def refresh(self, jobs: list[str]) -> None:
         async with self.conn.pipeline(transaction=False) as pipe:
             pipe.mget([keys.job_schedule(j) for j in jobs])
-            await self._head(keys=[self.queue_key], args=[RQ_JOB_PREFIX], client=pipe)
+            script_keys, args = scripts.queue_head_call(self.queue_key)
+            await self._head(keys=script_keys, args=args, client=pipe)
             raws, head = await pipe.execute()
         self.sched.update({job: schedule_of(raw) for job, raw in zip(jobs, raws)})
         found = batch_of_description(head)

@@ -65,3 +65,14 @@ def inline_prompts(source: BatchSource) -> list[Prompt]:
     if source.ref is not None:
         raise ValueError(f"batch {source.job}/{source.id} is by reference: read it with genq.producer.batchinput")
     return _prompts_decoder.decode(decompress(source.prompts))
+
+
+def batch_id(seq: int) -> str:
+    """The id of a job's seq-th batch (keys.job_batch_seq counts them)."""
+    return f"b{seq:07d}"
+
+
+def batch_number(batch: str) -> int:
+    """batch_id's inverse: b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
+    digits = batch[1:].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else 0

@@ -16,13 +16,13 @@ worker woke up, RQ delivered the batch twice) stops sending that batch's prompts
 A second holder is harmless anyway: each prompt's outcome is written once (first
 writer wins, a result and a dead letter exclude each other: worker/results.py), the
 shard is built from what Redis recorded (every writer writes the same bytes), and
-releasing a batch is conditional and idempotent (RELEASE below).
+releasing a batch is conditional and idempotent (RELEASE: genq/core/scripts/release.lua).
 
 A job's **incarnation** (JobConfig.incarnation) is the life of its name: a job deleted and
 enqueued again under the same name is a new one. Every script that writes for a job
-(RECORD in worker/results.py, the claim scripts in worker/claims.py, RELEASE here) is
-given the incarnation its caller works for and refuses to write for another one
-(INCARNATION_LUA), so nothing of a deleted job lands in its successor.
+(RECORD, the claim scripts, RELEASE, ADOPT: genq/core/scripts/) is given the incarnation its
+caller works for and refuses to write for another one (scripts/_incarnation.lua), so nothing
+of a deleted job lands in its successor.
 """
 
 from __future__ import annotations
@@ -40,100 +40,10 @@ from rq.registry import FailedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
+from genq.core.scripts import REPLY_TTL_S
 from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
 log = logging.getLogger("genq.ledger")
-
-# Lua incarnation_ok(config key, incarnation): whether the job's stored config is that
-# incarnation (a config of a genq before incarnations has none: ""). A deleted job has no
-# config: nothing is its incarnation. The config is a msgpack map (records.pack).
-INCARNATION_LUA = """
-local function incarnation_ok(config_key, incarnation)
-  local raw = redis.call('GET', config_key)
-  if not raw then return false end
-  return (cmsgpack.unpack(raw)['incarnation'] or '') == incarnation
-end
-"""
-
-# KEYS: done, leases, transport; ARGV: batch, token, instance, rq job id
-# -> "done" | "gone" (no record: job deleted) | "ok"
-ACQUIRE = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 'done' end
-if redis.call('EXISTS', KEYS[4]) == 0 then return 'gone' end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
-return 'ok'
-"""
-
-# Running totals of the written shards, in keys.job_stats: kept by RELEASE in the same call
-# that records a shard, so they always equal the sums over keys.job_shards, and the monitor
-# reads them instead of every ShardInfo (a refresh does not grow with the number of batches).
-SHARD_RECORDS = "shard_records"  # sum of ShardInfo.records
-SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
-
-# Lua count_shards(shards, stats): when stats has no totals yet (a new job, or one whose shards
-# an older genq wrote), count every ShardInfo there once and store the sums.
-_COUNT_SHARDS = """
-local function count_shards(shards, stats)
-  if redis.call('HEXISTS', stats, '@RECORDS@') == 1 then return 0 end
-  local records, bytes = 0, 0
-  for _, blob in ipairs(redis.call('HVALS', shards)) do
-    local info = cmsgpack.unpack(blob)
-    records = records + (info['records'] or 0)
-    bytes = bytes + (info['bytes'] or 0)
-  end
-  redis.call('HSET', stats, '@RECORDS@', records, '@BYTES@', bytes)
-  return 1
-end
-""".replace("@RECORDS@", SHARD_RECORDS).replace("@BYTES@", SHARD_BYTES)
-
-# KEYS: shards, stats -> 1 if it counted now, 0 if the totals were there already.
-# The monitor runs it for a job whose shards an older genq wrote: O(its shards), once.
-COUNT_SHARDS = _COUNT_SHARDS + """
-return count_shards(KEYS[1], KEYS[2])
-"""
-
-# KEYS: done, shards, results, batch record, leases, transport, stats, claims, config, tries
-# ARGV: batch, ShardInfo blob, reply TTL, the releasing lease's token, keys.lease_reply(TOKEN_SLOT),
-#       the shard's records, the shard's bytes, the job's incarnation
-# -> 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
-#    'short' (Redis holds other results than the shard: lost or rolled back meanwhile).
-# Marks the batch done once and adds its shard to the running totals; the work horses of the
-# current lease and of the releasing one (a holder whose lease was superseded can still be the
-# one that finishes) are told "done". Never for a shard that is not every result Redis holds.
-RELEASE = _COUNT_SHARDS + INCARNATION_LUA + """
-local TOKEN_SLOT_PATTERN = '{token}'
-
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
-if not incarnation_ok(KEYS[9], ARGV[8]) then return 'gone' end
-if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[6]) then return 'short' end
-redis.call('SADD', KEYS[1], ARGV[1])
--- Totals not kept yet (a job's first shard, or a job of an older genq): count what is
--- there before this shard (nothing, for a new job), then add this one.
-count_shards(KEYS[2], KEYS[7])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[7], '@RECORDS@', tonumber(ARGV[6]))
-redis.call('HINCRBY', KEYS[7], '@BYTES@', tonumber(ARGV[7]))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[10])
-local tokens = {ARGV[4]}
-local lease = redis.call('HGET', KEYS[5], ARGV[1])
-if lease then
-  local current = string.match(lease, '^(%S+)')
-  if current ~= ARGV[4] then tokens[2] = current end
-end
-for _, token in ipairs(tokens) do
-  local reply = string.gsub(ARGV[5], TOKEN_SLOT_PATTERN, token)
-  redis.call('RPUSH', reply, 'done')
-  redis.call('EXPIRE', reply, tonumber(ARGV[3]))
-end
-redis.call('HDEL', KEYS[5], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
-return 1
-""".replace("@RECORDS@", SHARD_RECORDS).replace("@BYTES@", SHARD_BYTES)
-
-REPLY_TTL_S = 24 * 3600
-TOKEN_SLOT = "{token}"  # where RELEASE puts a token into keys.lease_reply's template
-
 
 def _lease_parts(value: bytes | str | None) -> tuple[str | None, str | None]:
     """A lease value ("TOKEN INSTANCE") as (token, engine instance)."""

@@ -4,7 +4,7 @@ Every job has a JobSchedule (keys.job_schedule: priority, weight). RQ's queue `g
 scheduling order: the batches of the highest priority first; among jobs of equal priority, one
 batch of each in turn (weighted: a job of weight 2 gets two turns to one), counting the batches
 each has already been given, so a job queued later is not stuck behind one queued earlier.
-`order_queue` rewrites the list in that order, in one script that keeps every id it finds there
+`order_queue` rewrites the list in that order, in one script (REORDER) that keeps every id it finds there
 (one popped meanwhile is simply not there; one pushed meanwhile goes after the ordered ones):
 nothing is lost or queued twice, only moved. It runs after every change that can put a batch
 out of order (enqueue, `genq jobs set --priority`, resume) and in the reconciler's pass.
@@ -20,39 +20,10 @@ from collections.abc import Iterable
 
 import redis
 
-from genq.core import keys
+from genq.core import keys, scripts
 from genq.core.records import JobSchedule, pack, unpack
+from genq.core.scripts import RQ_JOB_PREFIX
 
-# KEYS: the queue; ARGV: ids in the wanted order. Ids in the queue and in ARGV go first, in ARGV's
-# order; ids in the queue only (pushed meanwhile, or not genq's) after them, in their order.
-_REORDER = """
-local current = redis.call('LRANGE', KEYS[1], 0, -1)
-local present = {}
-for _, id in ipairs(current) do present[id] = true end
-local out, placed = {}, {}
-for _, id in ipairs(ARGV) do
-  if present[id] and not placed[id] then out[#out + 1] = id; placed[id] = true end
-end
-for _, id in ipairs(current) do
-  if not placed[id] then out[#out + 1] = id end
-end
-local same = #out == #current
-for i = 1, #out do if out[i] ~= current[i] then same = false; break end end
-if same then return 0 end
-redis.call('DEL', KEYS[1])
-for first = 1, #out, 1000 do
-  redis.call('RPUSH', KEYS[1], unpack(out, first, math.min(first + 999, #out)))
-end
-return 1
-"""
-
-# KEYS: the queue; ARGV: RQ's job key prefix. -> the description of the queue's first RQ job, or nil.
-_HEAD = """
-local id = redis.call('LINDEX', KEYS[1], 0)
-if not id then return false end
-return redis.call('HGET', ARGV[1] .. id, 'description')
-"""
-RQ_JOB_PREFIX = "rq:job:"
 DESCRIPTION = "genq batch "  # genq.core.queueing: "genq batch JOB/BATCH (N prompts)"
 
 
@@ -148,14 +119,14 @@ def order_queue(conn: redis.Redis) -> bool:
         counts = pipe.execute()
     given = {job: max(0, int(n or 0) - len(queued[job])) for job, n in zip(jobs, counts)}
     wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given, sched)
-    return bool(conn.eval(_REORDER, 1, queue.key, *wanted))
+    return bool(scripts.evaluate(conn, scripts.REORDER, scripts.reorder_call(queue.key, wanted)))
 
 
 def head_of_queue(conn: redis.Redis) -> str | None:
     """The genq job of the queue's next batch, if any."""
     from genq.core.queueing import rq_queue
 
-    found = batch_of_description(conn.eval(_HEAD, 1, rq_queue(conn).key, RQ_JOB_PREFIX))
+    found = batch_of_description(scripts.evaluate(conn, scripts.QUEUE_HEAD, scripts.queue_head_call(rq_queue(conn).key)))
     return found[0] if found else None
 
 

@@ -18,55 +18,20 @@ from collections.abc import Iterable, Sequence
 
 import redis
 from redis.client import Pipeline
-from rq import Queue
+from rq import Queue, suspension
 from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.results import Result as RqResult
 from rq.serializers import JSONSerializer
 
 from genq.core import batches as batch_records
-from genq.core import keys
+from genq.core import keys, scripts
+from genq.core.batches import batch_id, batch_number
 from genq.core.records import BatchSource, JobConfig, Prompt, pack, unpack
 
-# keys.job_ids maps each queued id to its content digest (8 raw bytes; genq 0.1 wrote 16 hex
-# characters). Enqueue looks up and claims ids thousands at a time with two arguments, the ids
-# (a msgpack list) and their digests (8 bytes each, one after the other), not two Redis
-# arguments per id (packing those was a third of the producer's time). The lookup answers
-# one character per id: "0" not queued, "1" queued with this content, "2" with other content.
+# keys.job_ids maps each queued id to its content digest: LOOKUP_IDS answers one of these per id
+# (genq/core/scripts/lookup_ids.lua).
 ID_NEW, ID_SAME, ID_OTHER = "0", "1", "2"
-_LOOKUP_IDS = """
-local ids, digests = cmsgpack.unpack(ARGV[1]), ARGV[2]
-local out = {}
-for first = 1, #ids, 1000 do
-  local last = math.min(first + 999, #ids)
-  local stored = redis.call('HMGET', KEYS[1], unpack(ids, first, last))
-  for i = first, last do
-    local v = stored[i - first + 1]
-    if not v then
-      out[i] = '0'
-    else
-      local digest = digests:sub(i * 8 - 7, i * 8)
-      if v == digest or (#v == 16 and v == (digest:gsub('.', function(c)
-          return string.format('%02x', c:byte()) end))) then
-        out[i] = '1'
-      else
-        out[i] = '2'
-      end
-    end
-  end
-end
-return table.concat(out)
-"""
-_CLAIM_IDS = """
-local ids, digests = cmsgpack.unpack(ARGV[1]), ARGV[2]
-for first = 1, #ids, 500 do
-  local args = {}
-  for i = first, math.min(first + 499, #ids) do
-    args[#args + 1] = ids[i]
-    args[#args + 1] = digests:sub(i * 8 - 7, i * 8)
-  end
-  redis.call('HSET', KEYS[1], unpack(args))
-end
-return #ids
-"""
 
 RUN_BATCH = "genq.worker.rqjob.run_batch"
 DESCRIPTION = "genq batch "  # + "JOB/BATCH (N prompts)": what `rq info` shows, and what the monitor reads
@@ -96,6 +61,27 @@ def rq_queue(conn: redis.Redis) -> Queue:
 
 def fetch_rq_jobs(conn: redis.Redis, ids: Sequence[str]) -> list[Job | None]:
     return Job.fetch_many(list(ids), connection=conn, serializer=JSONSerializer)
+
+
+def fetch_rq_job(conn: redis.Redis | Pipeline, rq_id: str) -> Job:
+    """One RQ job (on a pipeline under WATCH: read at once); raises rq's NoSuchJobError if gone."""
+    return Job.fetch(rq_id, connection=conn, serializer=JSONSerializer)
+
+
+def failed_registry(conn: redis.Redis) -> FailedJobRegistry:
+    """RQ's failed registry of genq's queue: batches whose RQ job failed (genq dlq)."""
+    return FailedJobRegistry(queue=rq_queue(conn))
+
+
+def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True) -> None:
+    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind)."""
+    rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
+    pipe.delete(RqResult.get_key(rq_job.id))
+
+
+def suspend_loops(conn: redis.Redis, suspended: bool = True) -> None:
+    """As `rq suspend` (`rq resume`, suspended=False): RQ work loops, genq's or stock, take no new batch."""
+    (suspension.suspend if suspended else suspension.resume)(conn)
 
 
 def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
@@ -131,17 +117,6 @@ def allocate_batch_ids(conn: redis.Redis, job: str, count: int) -> list[str]:
     return [batch_id(n) for n in range(last - count + 1, last + 1)]
 
 
-def batch_id(seq: int) -> str:
-    """The id of a job's seq-th batch (keys.job_batch_seq counts them)."""
-    return f"b{seq:07d}"
-
-
-def batch_number(batch: str) -> int:
-    """batch_id's inverse: b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
-    digits = batch[1:].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else 0
-
-
 def write_batches(
     pipe: Pipeline,
     conn: redis.Redis,
@@ -163,23 +138,15 @@ def write_batches(
             pipe.hincrby(keys.job_stats(batch.job), "total", batch.count)
         pipe.hincrby(keys.job_stats(batch.job), "batches", 1)
     if digests and batches:
-        pipe.eval(_CLAIM_IDS, 1, keys.job_ids(batches[0].job), *_id_args(digests.items()))
+        scripts.evaluate(pipe, scripts.CLAIM_IDS, scripts.ids_call(batches[0].job, digests.items()))
     enqueue_batch_jobs(pipe, conn, [(b.job, b.id, b.count) for b in batches])
 
 
 def lookup_ids(conn: redis.Redis | Pipeline, job: str, digests: Iterable[tuple[str, bytes]]) -> str:
     """One of ID_NEW, ID_SAME, ID_OTHER per (id, 8-byte content digest), in order (on a
     pipeline under WATCH: in immediate mode, before its MULTI)."""
-    answer = conn.eval(_LOOKUP_IDS, 1, keys.job_ids(job), *_id_args(digests))
+    answer = scripts.evaluate(conn, scripts.LOOKUP_IDS, scripts.ids_call(job, digests))
     return answer.decode() if isinstance(answer, bytes) else str(answer)
-
-
-def _id_args(digests: Iterable[tuple[str, bytes]]) -> tuple[bytes, bytes]:
-    pairs = list(digests)
-    ids, values = zip(*pairs) if pairs else ((), ())
-    if any(len(v) != 8 for v in values):
-        raise ValueError("keys.job_ids digests are 8 bytes")
-    return pack(list(ids)), b"".join(values)
 
 
 def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[str, str, int]], *,
@@ -203,8 +170,8 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
     if not datas:
         return []
     rq_jobs = queue.enqueue_many(datas, pipeline=pipe)
-    for (job, batch_id, _), rq_job in zip(refs, rq_jobs):
-        pipe.hset(keys.job_transport(job), batch_id, rq_job.id)
+    for (job, bid, _), rq_job in zip(refs, rq_jobs):
+        pipe.hset(keys.job_transport(job), bid, rq_job.id)
     return [j.id for j in rq_jobs]
 
 

@@ -15,12 +15,11 @@ from typing import Any, ClassVar
 
 import msgspec
 import redis
-from rq import suspension
 
 from genq.core import keys
 from genq.core.health import NO_HEARTBEAT
 from genq.core.order import schedules
-from genq.core.queueing import carried, fetch_rq_jobs, list_jobs
+from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, suspend_loops
 from genq.core.records import Control, InFlight, JobBlock, WorkerStatus, pack, unpack
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock, unqueue
@@ -200,7 +199,7 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
         with conn.pipeline() as pipe:
             pipe.set(keys.PAUSED, repr(time.time()))
             pipe.execute()
-        suspension.suspend(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
+        suspend_loops(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
     else:
         # Its queued batches leave RQ's queue and its workers park what they hold (worker/parking.py):
         # their slots go to other jobs; `resume --job` queues them all again.
@@ -214,7 +213,7 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
     (genq.ops.settings.unblock): how many were queued."""
     if job is None:
         conn.delete(keys.PAUSED)
-        suspension.resume(conn)
+        suspend_loops(conn, suspended=False)
         queued = 0
     else:
         queued = unblock(conn, job)
@@ -344,8 +343,6 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
 
 def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> None:
     """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name."""
-    from rq.results import Result
-
     places = _rq_places(conn)
     ids = sorted({i for ids in found.rq_jobs.values() for i in ids})
     with conn.pipeline() as pipe:
@@ -364,8 +361,7 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> 
                     pipe.zrem(holder.key, *entries)
         for rq_job in fetch_rq_jobs(conn, ids):
             if rq_job is not None:
-                rq_job.delete(pipeline=pipe, remove_from_queue=False)
-                pipe.delete(Result.get_key(rq_job.id))
+                delete_rq_job(pipe, rq_job, remove_from_queue=False)
         if found.keys:
             pipe.delete(*found.keys)
         pipe.srem(keys.JOBS, found.job)

@@ -29,21 +29,20 @@ from typing import Any, TypeVar
 
 import msgspec
 import redis
-from rq.job import Job as RqJob
-from rq.registry import FailedJobRegistry
-from rq.results import Result as RqResult
 
 from genq.core import batches as batch_records
 from genq.core import keys
 from genq.core.queueing import (
     carried,
+    delete_rq_job,
     enqueue_batch_jobs,
+    failed_registry,
+    fetch_rq_job,
     fetch_rq_jobs,
     list_jobs,
     load_batch,
     load_config,
     new_batches,
-    rq_queue,
     write_batches,
 )
 from genq.core.records import DeadLetter, ErrorKind, unpack
@@ -107,7 +106,7 @@ def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
 def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = False) -> list[Entry]:
     """Batch jobs of the genq queue in RQ's failed registry, for the given jobs."""
     wanted = set(jobs)
-    registry = FailedJobRegistry(queue=rq_queue(conn))
+    registry = failed_registry(conn)
     entries = []
     for rq_job in fetch_rq_jobs(conn, registry.get_job_ids()):
         ref = carried(rq_job)
@@ -246,16 +245,15 @@ def _requeue_batch(conn: redis.Redis, entry: Entry, report: RequeueReport) -> No
     steps (a crash between them leaves the batch in no registry at all). `rq info`
     shows one queued job and one failed job fewer, which is the truth.
     """
-    registry = FailedJobRegistry(queue=rq_queue(conn))
+    registry = failed_registry(conn)
 
     def move(pipe: Any) -> bool:
         if pipe.zscore(registry.key, entry.rq_job) is None:
             return False
-        old = RqJob.fetch(str(entry.rq_job), connection=conn, serializer=rq_queue(conn).serializer)
+        old = fetch_rq_job(conn, str(entry.rq_job))
         pipe.multi()
         enqueue_batch_jobs(pipe, conn, [(entry.job, entry.batch, entry.prompts or 0)])
-        old.delete(pipeline=pipe)  # also removes it from the failed registry
-        pipe.delete(RqResult.get_key(old.id))
+        delete_rq_job(pipe, old)  # also removes it from the failed registry
         return True
 
     if _atomically(conn, [registry.key], move):
@@ -310,7 +308,7 @@ def _purge_letters(conn: redis.Redis, job: str, ids: list[str], report: PurgeRep
 
 
 def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
-    registry = FailedJobRegistry(queue=rq_queue(conn))
+    registry = failed_registry(conn)
     job, batch_id = entry.job, entry.batch
     results = keys.batch_results(job, batch_id)
 
@@ -328,10 +326,9 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
         dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
         # Its dead letters stay letters (purged below with the others); the rest is forgotten.
         unfinished = [i for i, d in zip(ids, dead) if d is None]
-        old = RqJob.fetch(str(entry.rq_job), connection=conn, serializer=rq_queue(conn).serializer)
+        old = fetch_rq_job(conn, str(entry.rq_job))
         pipe.multi()
-        old.delete(pipeline=pipe)
-        pipe.delete(RqResult.get_key(old.id))
+        delete_rq_job(pipe, old)
         # Out of the ledger too: a purged batch is neither pending nor done.
         pipe.zrem(keys.job_batches(job), batch_id)
         pipe.hdel(keys.job_transport(job), batch_id)

@@ -1,5 +1,5 @@
 """The worker's side of "the output is the truth" (#31): one call each where a worker is about
-to drive a batch, or finds its shard's marker there already (genq.ops.recover explains ADOPT).
+to drive a batch, or finds its shard's marker there already (genq.ops.recover explains ADOPT, genq/core/scripts/adopt.lua).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from genq.core import scripts
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardMarker
-from genq.ops.recover import ADOPT, adopt_call
 from genq.output import truth
 from genq.output.sink import open_store
 from genq.producer.rows import claim_digest
@@ -28,8 +28,8 @@ def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
 
 async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker, token: str) -> bool:
     """Mark the batch done from its marker (False: it was done already)."""
-    script_keys, args = adopt_call(ref.job, marker, token)
-    adopted = await conn.eval(ADOPT, len(script_keys), *script_keys, *args) == 1
+    adopted = await scripts.evaluate(conn, scripts.ADOPT,
+                                     scripts.adopt_call(ref.job, marker, truth.shard_info(marker), token)) == 1
     if adopted:
         log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
                     "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)

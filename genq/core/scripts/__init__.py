@@ -1,0 +1,195 @@
+"""Every Lua script of genq, loaded once from the .lua files beside this module, and each
+script's KEYS and ARGV built in one function next to it (docs/architecture.md, "The scripts and
+the ledger's boundary").
+
+Each NAME.lua starts with its header: what it does, each KEYS[i] and ARGV[i] by name, what it
+returns. A line `-- #include PIECE` is replaced by _PIECE.lua (Lua shared by several scripts:
+the incarnation check, the running shard totals, the claim helpers); a piece may include
+another. The scripts are plain strings: callers register them on their own connection
+(redis-py's register_script: EVALSHA, loaded again after a Redis restart).
+
+A `*_call` function takes typed arguments and returns (keys, args) for its script, so a
+script's KEYS are named in its header and built here, nowhere else. Lists of many values go
+in one argument (lua_list): one argument holding them all costs one encoding, not one each.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from genq.core import keys
+from genq.core.batches import batch_number
+from genq.core.histogram import length_bucket
+from genq.core.luapack import lua_list
+from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, pack, without_prompt
+
+HERE = Path(__file__).resolve().parent
+_INCLUDE = re.compile(r"^-- #include (\w+)$", re.MULTILINE)
+
+Call = tuple[list[str], list[Any]]  # a script's KEYS and ARGV
+
+
+def evaluate(conn: Any, script: str, call: Call) -> Any:
+    """EVAL on any redis-py client or pipeline, sync or async (the answer, or its awaitable)."""
+    script_keys, args = call
+    return conn.eval(script, len(script_keys), *script_keys, *args)
+
+
+def load(name: str, _within: tuple[str, ...] = ()) -> str:
+    """NAME.lua with its `-- #include` lines expanded (a piece included twice is an error:
+    Lua would define its functions twice, the second silently winning)."""
+    if name in _within:
+        raise ValueError(f"Lua include circle: {' -> '.join((*_within, name))}")
+    text = (HERE / f"{name}.lua").read_text()
+    return _INCLUDE.sub(lambda m: load("_" + m.group(1), (*_within, name)), text)
+
+
+REPLY_TTL_S = 24 * 3600  # how long a lease's reply list lives (RELEASE, ADOPT, ledger.push_reply)
+TOKEN_SLOT = "{token}"  # where RELEASE and ADOPT put a token into keys.lease_reply's template
+RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix (QUEUE_HEAD reads a job's description there)
+# Running totals of the written shards, in keys.job_stats: kept by RELEASE and ADOPT in the call
+# that records a shard, so they always equal the sums over keys.job_shards, and the monitor reads
+# them instead of every ShardInfo (a refresh does not grow with the number of batches). The Lua
+# writes these names itself (_shard_totals.lua, release.lua, adopt.lua; tests/test_scripts.py).
+SHARD_RECORDS = "shard_records"  # sum of ShardInfo.records
+SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
+
+# --------------------------------------------------------------------------- the ledger
+
+ACQUIRE = load("acquire")
+
+
+def acquire_call(ref: BatchRef, token: str, instance: str, rq_id: str) -> Call:
+    return ([keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_transport(ref.job),
+             keys.batch(ref.job, ref.batch)], [ref.batch, token, instance, rq_id])
+
+
+COUNT_SHARDS = load("count_shards")
+
+
+def count_shards_call(job: str) -> Call:
+    return [keys.job_shards(job), keys.job_stats(job)], []
+
+
+RELEASE = load("release")
+
+
+def release_call(ref: BatchRef, info: ShardInfo, token: str, incarnation: str) -> Call:
+    """For a written shard (bench/footprint.py drives it too)."""
+    script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
+                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
+                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
+                   keys.batch_tries(ref.job, ref.batch)]
+    args = [ref.batch, pack(info), REPLY_TTL_S, token, keys.lease_reply(TOKEN_SLOT),
+            info.records, info.bytes, incarnation]
+    return script_keys, args
+
+
+ADOPT = load("adopt")
+
+
+def adopt_call(job: str, marker: ShardMarker, info: ShardInfo, token: str = "") -> Call:
+    """For one written batch; info: the marker's ShardInfo (genq.output.truth.shard_info)."""
+    b = marker.batch
+    script_keys = [keys.job_done(job), keys.job_shards(job), keys.batch_results(job, b), keys.batch(job, b),
+                   keys.job_leases(job), keys.job_transport(job), keys.job_stats(job), keys.batch_claims(job, b),
+                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.job_batches(job),
+                   keys.job_ids(job), keys.job_config(job), keys.batch_tries(job, b)]
+    # Hex, as the digests: Redis's cmsgpack cannot read msgpack bin (a letter's packed bytes).
+    letters = [[d.id, pack(d).hex(), d.worker] for d in marker.dead_letters]
+    args = [b, pack(info), REPLY_TTL_S, keys.lease_reply(TOKEN_SLOT), marker.records, marker.bytes,
+            keys.worker_stats(job, ""), pack(marker.tally), pack(marker.hist), pack(letters), pack(marker.digests),
+            batch_number(b), token, marker.incarnation]
+    return script_keys, args
+
+
+# --------------------------------------------------------------------------- queueing and order
+
+LOOKUP_IDS = load("lookup_ids")
+CLAIM_IDS = load("claim_ids")
+
+
+def ids_call(job: str, digests: Iterable[tuple[str, bytes]]) -> Call:
+    """LOOKUP_IDS's or CLAIM_IDS's (the same KEYS and ARGV): (id, 8-byte content digest) pairs."""
+    pairs = list(digests)
+    ids, values = zip(*pairs) if pairs else ((), ())
+    if any(len(v) != 8 for v in values):
+        raise ValueError("keys.job_ids digests are 8 bytes")
+    return [keys.job_ids(job)], [pack(list(ids)), b"".join(values)]
+
+
+REORDER = load("reorder")
+
+
+def reorder_call(queue_key: str, wanted: list[str]) -> Call:
+    return [queue_key], list(wanted)
+
+
+QUEUE_HEAD = load("queue_head")
+
+
+def queue_head_call(queue_key: str) -> Call:
+    return [queue_key], [RQ_JOB_PREFIX]
+
+
+PUT_BACK = load("put_back")
+
+
+def put_back_call(intermediate_key: str, queue_key: str, rq_id: str) -> Call:
+    return [intermediate_key, queue_key], [rq_id]
+
+
+# --------------------------------------------------------------------------- outcomes and claims
+
+RECORD = load("record")
+
+
+def record_call(job: str, batch: str, worker: str, now: str, results: list[Result],
+                dead: list[DeadLetter], incarnation: str) -> Call:
+    """For one batch's outcomes (bench/footprint.py drives it too)."""
+    flat: list = []
+    for r in results:
+        flat += [r.id, pack(without_prompt(r)), r.usage.prompt_tokens, r.usage.completion_tokens,
+                 length_bucket(r.usage.completion_tokens)]
+    letters: list = []
+    for d in dead:
+        letters += [d.id, pack(d)]
+    # The job's elapsed time and rate run from the first request, not from the first answer.
+    sent = min([r.finished_at - r.latency_s for r in results if r.finished_at] + [float(now)])
+    args: list = [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)]
+    script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
+                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
+                   keys.job_config(job)]
+    return script_keys, args
+
+
+CLAIM = load("claim")
+STEAL = load("steal")
+UNCLAIM = load("unclaim")
+# A claim's owner is alive while ALIVE_PREFIX .. owner .. ALIVE_SUFFIX exists.
+ALIVE_PREFIX, ALIVE_SUFFIX = keys.engine_alive("\0").split("\0")
+
+
+def _claim_common(ref: BatchRef, me: str, incarnation: str) -> Call:
+    """KEYS[1..7] and ARGV[1..5] of CLAIM and STEAL (_claim_helpers.lua)."""
+    return ([keys.batch_claims(ref.job, ref.batch), keys.batch_results(ref.job, ref.batch), keys.job_dlq(ref.job),
+             keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_config(ref.job),
+             keys.batch_tries(ref.job, ref.batch)],
+            [ref.batch, me, ALIVE_PREFIX, ALIVE_SUFFIX, incarnation])
+
+
+def claim_call(ref: BatchRef, me: str, incarnation: str, token: str, ids: list[str]) -> Call:
+    script_keys, args = _claim_common(ref, me, incarnation)
+    return script_keys, [*args, token, lua_list(ids)]
+
+
+def steal_call(ref: BatchRef, me: str, incarnation: str, holder: str, ids_back_first: list[str], n: int) -> Call:
+    script_keys, args = _claim_common(ref, me, incarnation)
+    return [*script_keys, keys.engine_alive(holder)], [*args, n, len(ids_back_first), *ids_back_first]
+
+
+def unclaim_call(ref: BatchRef, me: str, incarnation: str, ids: Iterable[str] = ()) -> Call:
+    return [keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job)], [me, incarnation, *ids]

@@ -1,0 +1,97 @@
+-- ADOPT: mark a written batch done from its marker (genq/ops/recover.py), exactly as RELEASE
+-- would, and set the counters to what the shard holds: what Redis had counted for the batch's
+-- stored results is taken back, the marker's tally counted instead.
+-- KEYS[1] = the job's done batches (keys.job_done)
+-- KEYS[2] = the job's shards (keys.job_shards)
+-- KEYS[3] = the batch's results (keys.batch_results)
+-- KEYS[4] = the batch's record (keys.batch)
+-- KEYS[5] = the job's leases (keys.job_leases)
+-- KEYS[6] = the job's transport (keys.job_transport)
+-- KEYS[7] = the job's stats (keys.job_stats)
+-- KEYS[8] = the batch's claims (keys.batch_claims)
+-- KEYS[9] = the job's length histogram (keys.job_hist)
+-- KEYS[10] = the job's dead letters (keys.job_dlq)
+-- KEYS[11] = the job's workers (keys.job_workers)
+-- KEYS[12] = the job's batches (keys.job_batches)
+-- KEYS[13] = the job's ids (keys.job_ids)
+-- KEYS[14] = the job's config (keys.job_config)
+-- KEYS[15] = the batch's lost tries (keys.batch_tries)
+-- ARGV[1] = batch id
+-- ARGV[2] = ShardInfo (msgpack)
+-- ARGV[3] = reply TTL, seconds
+-- ARGV[4] = keys.lease_reply(TOKEN_SLOT): the reply list's name, '{token}' where a token goes
+-- ARGV[5] = the shard's records
+-- ARGV[6] = the shard's bytes
+-- ARGV[7] = the worker-stats key prefix (keys.worker_stats(job, ""))
+-- ARGV[8] = tally {worker: [results, in_tok, out_tok]} (msgpack)
+-- ARGV[9] = length histogram {bucket: n} (msgpack)
+-- ARGV[10] = dead letters [[id, letter hex, worker]] (msgpack)
+-- ARGV[11] = digests {id: hex} (msgpack)
+-- ARGV[12] = the batch's number (its score in keys.job_batches)
+-- ARGV[13] = a token to tell "done" besides the current lease's ('': none)
+-- ARGV[14] = the incarnation that wrote the shard
+-- Returns 0 (done already), 1 (adopted), 'gone' (the job is not in Redis as the life that wrote the shard).
+-- #include shard_totals
+-- #include incarnation
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+if not incarnation_ok(KEYS[14], ARGV[14]) then return 'gone' end
+local function wstats(worker) return ARGV[7] .. worker end
+-- What Redis counted for the results it stores of this batch is taken back ...
+local stored = redis.call('HGETALL', KEYS[3])
+for i = 2, #stored, 2 do
+  local r = cmsgpack.unpack(stored[i])
+  local usage = r['usage'] or {}
+  local pt, ct = usage['prompt_tokens'] or 0, usage['completion_tokens'] or 0
+  redis.call('HINCRBY', wstats(r['worker']), 'done', -1)
+  redis.call('HINCRBY', wstats(r['worker']), 'in_tok', -pt)
+  redis.call('HINCRBY', wstats(r['worker']), 'out_tok', -ct)
+  redis.call('HINCRBY', KEYS[9], math.floor(4 * math.log(ct + 1) / math.log(2) + 0.5), -1)
+end
+-- ... and what the shard holds is counted instead.
+for worker, t in pairs(cmsgpack.unpack(ARGV[8])) do
+  redis.call('HINCRBY', wstats(worker), 'done', t[1])
+  redis.call('HINCRBY', wstats(worker), 'in_tok', t[2])
+  redis.call('HINCRBY', wstats(worker), 'out_tok', t[3])
+  redis.call('SADD', KEYS[11], worker)
+end
+for bucket, n in pairs(cmsgpack.unpack(ARGV[9])) do redis.call('HINCRBY', KEYS[9], bucket, n) end
+local function unhex(hex) return (hex:gsub('..', function(c) return string.char(tonumber(c, 16)) end)) end
+local dead = {}
+for _, l in ipairs(cmsgpack.unpack(ARGV[10])) do
+  dead[l[1]] = true
+  if redis.call('HSETNX', KEYS[10], l[1], unhex(l[2])) == 1 then
+    redis.call('HINCRBY', wstats(l[3]), 'failed', 1)
+    redis.call('SADD', KEYS[11], l[3])
+  end
+end
+for id, hex in pairs(cmsgpack.unpack(ARGV[11])) do
+  if not dead[id] then redis.call('HDEL', KEYS[10], id) end  -- the shard has its result
+  redis.call('HSETNX', KEYS[13], id, unhex(hex))
+end
+if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARGV[1]) then
+  -- A batch this Redis never saw (it was lost with the rest): part of the job again.
+  redis.call('ZADD', KEYS[12], tonumber(ARGV[12]), ARGV[1])
+  redis.call('HINCRBY', KEYS[7], 'total', tonumber(ARGV[5]) + #cmsgpack.unpack(ARGV[10]))
+  redis.call('HINCRBY', KEYS[7], 'batches', 1)
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+count_shards(KEYS[2], KEYS[7])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[7], 'shard_records', tonumber(ARGV[5]))
+redis.call('HINCRBY', KEYS[7], 'shard_bytes', tonumber(ARGV[6]))
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[15])
+local tokens = {}
+if ARGV[13] ~= '' then tokens[1] = ARGV[13] end
+local lease = redis.call('HGET', KEYS[5], ARGV[1])
+if lease then
+  local current = string.match(lease, '^(%S+)')
+  if current ~= ARGV[13] then tokens[#tokens + 1] = current end
+end
+for _, token in ipairs(tokens) do
+  local reply = string.gsub(ARGV[4], '{token}', token)
+  redis.call('RPUSH', reply, 'done')
+  redis.call('EXPIRE', reply, tonumber(ARGV[3]))
+end
+redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
+return 1

@@ -1,0 +1,53 @@
+-- RELEASE: mark a batch done with its written shard (worker/completion.py), once. Adds the
+-- shard to the job's running totals; the work horses of the current lease and of the releasing
+-- one (a holder whose lease was superseded can still be the one that finishes) are told "done".
+-- Never for a shard that is not every result Redis holds.
+-- KEYS[1] = the job's done batches (keys.job_done)
+-- KEYS[2] = the job's shards (keys.job_shards)
+-- KEYS[3] = the batch's results (keys.batch_results)
+-- KEYS[4] = the batch's record (keys.batch)
+-- KEYS[5] = the job's leases (keys.job_leases)
+-- KEYS[6] = the job's transport (keys.job_transport)
+-- KEYS[7] = the job's stats (keys.job_stats)
+-- KEYS[8] = the batch's claims (keys.batch_claims)
+-- KEYS[9] = the job's config (keys.job_config)
+-- KEYS[10] = the batch's lost tries (keys.batch_tries)
+-- ARGV[1] = batch id
+-- ARGV[2] = ShardInfo (msgpack)
+-- ARGV[3] = reply TTL, seconds
+-- ARGV[4] = the releasing lease's token
+-- ARGV[5] = keys.lease_reply(TOKEN_SLOT): the reply list's name, '{token}' where a token goes
+-- ARGV[6] = the shard's records
+-- ARGV[7] = the shard's bytes
+-- ARGV[8] = the job's incarnation
+-- Returns 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
+-- 'short' (Redis holds other results than the shard: lost or rolled back meanwhile).
+-- #include shard_totals
+-- #include incarnation
+local TOKEN_SLOT_PATTERN = '{token}'
+
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
+if not incarnation_ok(KEYS[9], ARGV[8]) then return 'gone' end
+if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[6]) then return 'short' end
+redis.call('SADD', KEYS[1], ARGV[1])
+-- Totals not kept yet (a job's first shard, or a job of an older genq): count what is
+-- there before this shard (nothing, for a new job), then add this one.
+count_shards(KEYS[2], KEYS[7])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[7], 'shard_records', tonumber(ARGV[6]))
+redis.call('HINCRBY', KEYS[7], 'shard_bytes', tonumber(ARGV[7]))
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[10])
+local tokens = {ARGV[4]}
+local lease = redis.call('HGET', KEYS[5], ARGV[1])
+if lease then
+  local current = string.match(lease, '^(%S+)')
+  if current ~= ARGV[4] then tokens[2] = current end
+end
+for _, token in ipairs(tokens) do
+  local reply = string.gsub(ARGV[5], TOKEN_SLOT_PATTERN, token)
+  redis.call('RPUSH', reply, 'done')
+  redis.call('EXPIRE', reply, tonumber(ARGV[3]))
+end
+redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
+return 1
