@@ -98,9 +98,12 @@ class Dispatcher:
     # ---------------------------------------------------------------- the loop
 
     def _can_send(self) -> bool:
+        return self._open() and self.running.sequences < self.controller.target
+
+    def _open(self) -> bool:
+        """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
         return (self.flags.server_down_since is None and not self.flags.paused_all
-                and self.flags.stop_requested < 2 and self.running.sequences < self.controller.target
-                and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
+                and self.flags.stop_requested < 2 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
 
     async def run(self) -> None:
         while True:
@@ -114,8 +117,7 @@ class Dispatcher:
             for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
-            if (self._can_send() and not self.flags.hold_back and (want := self._want()) > 0
-                    and self.todo.backlog.waiting
+            if (self._open() and not self.flags.hold_back and (want := self._want()) > 0 and self.todo.backlog.waiting
                     and (want >= claim_step(self.controller.target) or not self.todo.ready)):
                 await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
