@@ -190,9 +190,6 @@ def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
     assert proc.returncode != 0 and "--extra-body: logprobs must be an integer" in proc.stderr, proc.stderr
 
 
-@pytest.mark.xfail(strict=False, reason="regression found at the merge of #29 (s2-lean, 5a02e28; passes on s2-real): the "
-                   "dispatcher keeps 2 requests of 4 samples (8 sequences) in flight, traced, yet the server runs 4.5 "
-                   "on average (was > 5): the time between one request's end and the next one's start grew; #29 open")
 def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, worker, tmp_path):
     """The in-flight window counts what the server runs: with room for 8 sequences, requests of
     4 samples go out two at a time, so none waits in the server's queue."""

@@ -160,3 +160,29 @@ def test_a_stealer_woken_as_it_is_stopped_stops():
         return task in done and task.cancelled()
 
     assert asyncio.run(go()), "the stealer's task went on after it was cancelled"
+
+
+def test_a_stealer_woken_early_waits_without_holding_the_loop():
+    """A WAKE that comes less than WOKEN_LOOK_S into the stealer's nap is acted on at WOKEN_LOOK_S;
+    meanwhile the engine's other tasks run. The nap spun instead (its wait on the event, already
+    set, returned at once, without yielding), so the dispatcher sat still for up to a second
+    each time a busy engine heard its own WAKE (announce) with the window full: requests ended
+    at the server were read late and the next ones started late (test_fidelity's n-samples test)."""
+    pace = IdlePace(Holdings(), SimpleNamespace(running={"busy": 1}, unsent=0), lambda: ())
+
+    async def go() -> list[str]:
+        order: list[str] = []
+
+        async def stealer() -> None:
+            assert await pace.nap(5.0), "a WAKE ends the nap"
+            order.append("nap")
+
+        async def dispatcher() -> None:
+            await asyncio.sleep(0.05)  # far less than WOKEN_LOOK_S
+            order.append("dispatcher")
+
+        pace.woken.set()  # a WAKE as the nap starts
+        await asyncio.gather(stealer(), dispatcher())
+        return order
+
+    assert asyncio.run(go()) == ["dispatcher", "nap"]

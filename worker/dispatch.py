@@ -37,18 +37,21 @@ log = logging.getLogger("genq.worker")
 
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
-# A quarter of the in-flight target (at least CLAIM_AHEAD_MIN), claimed in steps of half
-# that: one CLAIM call then covers a dozen prompts or so, not one (issue #29: Redis
-# commands per prompt).
+# Claimed in groups of a quarter of the in-flight target (at least CLAIM_AHEAD_MIN): one
+# CLAIM call covers a dozen prompts or so, not one (issue #29: Redis commands per prompt).
+# The next group is claimed, window full or not, once those claimed ahead are down to half
+# a group (claim_step): those are the slack while its call is out. At most claim_ahead +
+# claim_step prompts are claimed beyond the free slots.
 CLAIM_AHEAD_MIN = 2
 
 
 def claim_ahead(target: int) -> int:
+    """Prompts a CLAIM call takes (fewer when nothing is ready to send, or the batch has fewer)."""
     return max(CLAIM_AHEAD_MIN, target // 4)
 
 
 def claim_step(target: int) -> int:
-    """Claims wait until this many prompts are wanted (unless nothing is ready to send)."""
+    """Prompts still claimed ahead when the next group is claimed: the slack while its call is out."""
     return max(1, claim_ahead(target) // 2)
 
 
@@ -98,9 +101,12 @@ class Dispatcher:
     # ---------------------------------------------------------------- the loop
 
     def _can_send(self) -> bool:
+        return self._open() and self.running.sequences < self.controller.target
+
+    def _open(self) -> bool:
+        """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
         return (self.flags.server_down_since is None and not self.flags.paused_all
-                and self.flags.stop_requested < 2 and self.running.sequences < self.controller.target
-                and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
+                and self.flags.stop_requested < 2 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
 
     async def run(self) -> None:
         while True:
@@ -114,17 +120,16 @@ class Dispatcher:
             for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
-            if (self._can_send() and not self.flags.hold_back and (want := self._want()) > 0
-                    and self.todo.backlog.waiting
-                    and (want >= claim_step(self.controller.target) or not self.todo.ready)):
+            if self._open() and not self.flags.hold_back and self.todo.backlog.waiting and (want := self._to_claim()):
                 await self.todo.claim(want, self.flags.paused_jobs)
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
-    def _want(self) -> int:
-        """Prompts to claim now: the free slots and claim_ahead more, less what is claimed."""
-        target = self.controller.target
-        return target + claim_ahead(target) - self.running.sequences - len(self.todo.ready) - len(self.todo.suspects)
+    def _to_claim(self) -> int:
+        """Prompts to claim now (0: not yet), by the rule in the note above claim_ahead."""
+        t, todo = self.controller.target, self.todo
+        want = t + claim_ahead(t) + claim_step(t) - self.running.sequences - len(todo.ready) - len(todo.suspects)
+        return max(0, want) if want >= claim_ahead(t) or not todo.ready else 0  # a whole group, or any when dry
 
     def _take(self) -> Task | None:
         """The next prompt to send, if the in-flight window has room: a crash suspect
@@ -176,8 +181,7 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
-            if (self.todo.backlog.waiting and not self.flags.hold_back
-                    and self._want() >= claim_step(self.controller.target)):
+            if self.todo.backlog.waiting and not self.flags.hold_back and self._to_claim():
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 

@@ -130,13 +130,20 @@ class IdlePace:
         once a second whether the engine is still idle (no Redis)."""
         start = time.monotonic()
         while True:
-            if self.woken.is_set() and time.monotonic() - start >= WOKEN_LOOK_S:
+            now = time.monotonic()
+            if self.woken.is_set() and now - start >= WOKEN_LOOK_S:
                 self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
                 return True
-            left = start + (IDLE_LOOK_S if self.idle() else seconds) - time.monotonic()
+            left = start + (IDLE_LOOK_S if self.idle() else seconds) - now
             if left <= 0:
                 return False
-            await wait_event(self.woken, min(left, 1.0))
+            if self.woken.is_set():
+                # Woken too soon after the last look: sleep out the rest. Waiting on the event,
+                # set already, returns without yielding: this loop spun and held the engine's
+                # other tasks (the dispatcher's window) still for up to WOKEN_LOOK_S.
+                await asyncio.sleep(min(left, start + WOKEN_LOOK_S - now))
+            else:
+                await wait_event(self.woken, min(left, 1.0))
 
     async def fresh_beat(self, last_beat: Callable[[], float], within: float = 3.0) -> None:
         """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle

@@ -1,0 +1,96 @@
+"""The dispatcher's in-flight window against its claims (worker/dispatch.py), with a server and
+a Redis that answer when the test says: which request ends, and what a CLAIM call returns."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
+from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
+from genq.worker.held import Flags, HeldBatch, RateWindow, Task
+from genq.worker.options import WorkerOptions
+from genq.worker.server import Completion
+
+TARGET = 8
+
+
+class Server:
+    """Each request waits until the test ends it."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def generate(self, endpoint: str, body: dict, progress: object) -> Completion:
+        prompt = body["prompt"]
+        self.waiting[prompt] = asyncio.get_running_loop().create_future()
+        await self.waiting[prompt]
+        return Completion([Choice(0, "ok", "stop")], Usage(1, 1), "m", None)
+
+    def end(self) -> None:
+        prompt = next(p for p, f in self.waiting.items() if not f.done())
+        self.waiting[prompt].set_result(None)
+
+
+class Backlog:
+    """Held prompts not claimed yet; each CLAIM call is recorded with what was in flight then."""
+
+    def __init__(self, held: HeldBatch, n: int) -> None:
+        self.held = held
+        self.waiting = {held: [Task(Prompt(id=f"p{i}", index=i, prompt=f"p{i}"), held) for i in range(n)]}
+        self.calls: list[tuple[int, int]] = []  # (prompts asked for, sequences in flight)
+        self.in_flight = lambda: 0
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.waiting.values())
+
+    async def claim(self, n: int, skip_jobs: set[str], plan: object = None) -> list[Task]:
+        self.calls.append((n, self.in_flight()))
+        tasks = self.waiting[self.held]
+        taken, self.waiting[self.held] = tasks[:n], tasks[n:]
+        if not self.waiting[self.held]:
+            self.waiting = {}
+        return taken
+
+
+async def settle() -> None:
+    """Lets the dispatcher act on what just happened: no real I/O here, so a few loop turns."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_claims_are_taken_ahead_while_the_window_is_full():
+    """A slot that frees is refilled from prompts claimed ahead, and the next group is claimed
+    while some are left: the window never waits on a CLAIM round trip while the batch has
+    prompts left. The claims were taken only once a slot was free (the claim's condition was
+    that a request could be sent now), so the prompts claimed ahead ran out every few ends and
+    the next request waited for a CLAIM."""
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m"), 40, set())
+    backlog = Backlog(held, 40)
+    server = Server()
+    group, slack = claim_ahead(TARGET), claim_step(TARGET)
+
+    async def go() -> None:
+        d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
+                       SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
+                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), backlog,  # type: ignore[arg-type]
+                       lambda: asyncio.sleep(0, False), lambda: "m")
+        backlog.in_flight = lambda: d.running.sequences
+        runner = asyncio.create_task(d.run())
+        d.wake.set()
+        await settle()
+        assert d.running.sequences == TARGET and slack <= len(d.todo.ready) <= group + slack
+        for _ in range(4 * group):
+            server.end()
+            await settle()
+            assert d.running.sequences == TARGET  # refilled at once
+            assert slack <= len(d.todo.ready) <= group + slack, backlog.calls  # and claimed ahead again
+        # After the first, each claim a whole group, taken with the window full.
+        assert backlog.calls[1:] == [(group, TARGET)] * 4, backlog.calls
+        runner.cancel()
+        for aio in list(d.running.values()):
+            aio.cancel()
+        await asyncio.gather(runner, *d.running.values(), return_exceptions=True)
+
+    asyncio.run(go())
