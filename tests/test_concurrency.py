@@ -17,7 +17,8 @@ from pathlib import Path
 from genq.core import keys
 from genq.core.records import Control, WorkerStatus, pack, unpack
 from genq.worker.controller import GENTLE_CHECKS, UNKNOWN_CAPACITY_START, ConcurrencyController, headroom
-from genq.worker.server import Metrics, _capacity, metrics_from_text
+from genq.worker.engines.metrics import Metrics, metrics_from_text
+from genq.worker.engines.sglang import capacity_from_info
 from tests.conftest import read_results, run_genq, sim_stats, write_prompts
 
 # ---------------------------------------------------------------- controller, pure unit
@@ -156,9 +157,9 @@ vllm:num_preemptions_total{engine="0",model_name="m"} 3.0 1700000000000
 def test_capacity_from_server_info():
     info = {"max_running_requests": 48, "internal_states": [
         {"effective_max_running_requests_per_dp": 20}, {"effective_max_running_requests_per_dp": 17}]}
-    assert _capacity(info) == 37, "the effective per-rank values win over the configured one"
-    assert _capacity({"max_running_requests": 48, "internal_states": [{}]}) == 48
-    assert _capacity({"max_running_requests": None}) is None
+    assert capacity_from_info(info) == 37, "the effective per-rank values win over the configured one"
+    assert capacity_from_info({"max_running_requests": 48, "internal_states": [{}]}) == 48
+    assert capacity_from_info({"max_running_requests": None}) is None
 
 
 # ---------------------------------------------------------------- worker against genq sim

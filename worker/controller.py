@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import math
 
-from genq.worker.server import Metrics
+# Where a server that does not tell its capacity (vLLM) starts, then follows /metrics.
+from genq.worker.engines.base import CAPACITY_START as UNKNOWN_CAPACITY_START
+from genq.worker.engines.metrics import Metrics
 
-# vLLM has no capacity endpoint: start here, then follow /metrics. Its default max_num_seqs
-# is 128 on CPU, 256 on most GPUs, 1024 on H100/H200/B200 (vllm/engine/arg_utils.py):
-# growing by half per look reaches any of them within seconds.
-UNKNOWN_CAPACITY_START = 64
 MAX_TARGET = 100_000
 KV_PRESSURE = 0.9  # token usage above which idle slots are the KV cache's doing, not ours
 QUEUE_RUNAWAY_CHECKS = 3  # observations in a row with too long a queue before lowering

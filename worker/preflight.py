@@ -1,6 +1,6 @@
 """The preflight: a job's settings against what its server says about itself, before any request.
 
-The context a request may fill is what each engine reports (worker/server.py discover):
+The context a request may fill is what each engine reports (worker/engines/, worker/server.py discover):
 SGLang's /get_server_info `context_length`, vLLM's /v1/models `max_model_len`, llama.cpp's
 /props `default_generation_settings.n_ctx` (per slot: llama-server splits `-c` over `-np`).
 A prompt has at least one token, so max_tokens alone >= the context never fits: SGLang answers
@@ -24,7 +24,7 @@ def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
     context = server.context_length
     if config.max_tokens < context:
         return None
-    where = "each slot's context (/props n_ctx)" if server.flavor == "llamacpp" else "the model's context"
+    where = server.engine.context_where
     return (f"max_tokens {config.max_tokens} (settings version {config.settings_version}) is not below {where} "
             f"of {context} tokens on this {server.flavor} server: no prompt can fit (prompt + max_tokens must "
             f"fit in the context). Lower it with `genq jobs set {config.name} --max-tokens N` (N < {context}), "

@@ -1,9 +1,9 @@
 """HTTP client for one inference server: SGLang, vLLM, llama.cpp's llama-server, or `genq sim`.
 
-Speaks only the public API: /health, /v1/models, the capacity endpoint of the
-flavor (SGLang /get_server_info, llama.cpp /props), /metrics, and the
-OpenAI-compatible generation endpoints, streamed so the worker sees tokens as
-they come (stall detection, in-flight lengths for the ETA). What each engine
+Speaks only the public API: /health, /v1/models, what each engine serves of its own
+(worker/engines/: SGLang's /get_server_info, llama.cpp's /props, the metric names),
+/metrics, and the OpenAI-compatible generation endpoints, streamed so the worker sees
+tokens as they come (stall detection, in-flight lengths for the ETA). What each engine
 serves, and where in its sources, is in docs/engines.md.
 """
 
@@ -19,12 +19,13 @@ import msgspec
 from yarl import URL
 
 from genq.core.records import JobConfig, Prompt
+from genq.worker.engines import Engine, detect
+from genq.worker.engines.metrics import Metrics, metrics_from_text
 from genq.worker.stream import _StreamState
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
     Progress,
-    _capacity_from_props,
     _http_failure,
     parse_completion_bytes,
 )
@@ -32,21 +33,6 @@ from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public 
 _json_decode = msgspec.json.Decoder().decode
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _json_encode = msgspec.json.Encoder().encode
-
-# Metric names genq reads, per flavor: SGLang, vLLM, llama.cpp (docs/engines.md
-# names the source lines). A page has one flavor's names; the first found wins.
-RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running", "llamacpp:requests_processing")
-WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting", "llamacpp:requests_deferred")
-# vLLM's waiting requests that wait for a slot (reason="capacity"), apart from those deferred
-# for LoRA budget, KV transfer or a blocked status (reason="deferred").
-WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
-# llama.cpp publishes no KV usage: its slots each own a fixed share of the context.
-KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-RETRACTED = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
-# Counters of requests pushed back out of the running batch for lack of KV cache
-# (llama.cpp never preempts: a slot keeps its request to the end).
-RETRACTIONS_TOTAL = ("sglang:num_retracted_requests_total", "vllm:num_preemptions_total")
-_METRIC_PREFIXES = {"sglang": b"sglang:", "vllm": b"vllm:", "llamacpp": b"llamacpp:"}
 
 # How long a health check waits for the server's verdict. SGLang's /health runs a
 # one-token generation and itself answers 503 if its scheduler says nothing for 20 s
@@ -68,23 +54,18 @@ class ServerInfo:
     model: str | None
     capacity: int | None  # requests the server runs at once, when it tells (SGLang, llama.cpp)
     context_length: int | None  # per request (llama.cpp: per slot)
-    flavor: str  # "sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)
+    engine: Engine  # which server it is (worker/engines/): what genq knows of it
     has_metrics: bool
+
+    @property
+    def flavor(self) -> str:
+        """"sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)."""
+        return self.engine.name
 
     @property
     def kind(self) -> str:
         """The flavor under its older name."""
         return self.flavor
-
-
-@dataclass
-class Metrics:
-    running: float | None = None
-    waiting: float | None = None
-    waiting_capacity: float | None = None  # of those waiting, how many wait for a slot (vLLM)
-    kv_usage: float | None = None
-    retracted: float | None = None  # gauge: requests retracted lately
-    retractions_total: float | None = None  # counter: requests retracted/preempted since start
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
@@ -191,30 +172,12 @@ class ServerClient:
             if data and isinstance(data[0], dict):
                 model = data[0].get("id")
                 model_len = data[0].get("max_model_len")  # vLLM and SGLang list the context here
-        capacity = context = None
-        flavor = None
-        for path in ("/get_server_info", "/server_info"):  # SGLang (older, newer name)
-            info = await self._get_json(path)
-            if isinstance(info, dict):
-                flavor, capacity, context = "sglang", _capacity(info), info.get("context_length")
-                break
-        if flavor is None:
-            props = await self._get_json("/props")  # llama.cpp
-            if isinstance(props, dict) and "default_generation_settings" in props:
-                flavor = "llamacpp"
-                capacity, context = _capacity_from_props(props)
-                if capacity is None:
-                    slots = await self._get_json("/slots")  # only with --slots
-                    capacity = len(slots) if isinstance(slots, list) and slots else None
-        status, body = await self._get("/metrics")
-        seen = [name for name, prefix in _METRIC_PREFIXES.items() if status == 200 and prefix in body]
-        if flavor is None:
-            # vLLM has no capacity endpoint; its metrics (always on) name it.
-            flavor = "vllm" if "vllm" in seen else "openai-compatible"
+        found = await detect(self._get_json, self._get)
+        context = found.context_length
         if context is None and isinstance(model_len, int) and model_len > 0:
             context = model_len
-        return ServerInfo(model=model, capacity=capacity, context_length=context, flavor=flavor,
-                          has_metrics=bool(seen))
+        return ServerInfo(model=model, capacity=found.capacity, context_length=context, engine=found.engine,
+                          has_metrics=found.has_metrics)
 
     async def metrics(self) -> Metrics | None:
         try:
@@ -276,61 +239,6 @@ async def _mark_reused(session: Any, ctx: SimpleNamespace, params: Any) -> None:
 
 def _connection_failure(exc: BaseException) -> Failure:
     return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
-
-
-def metrics_from_text(text: str) -> Metrics:
-    """The figures the concurrency controller reads, from a Prometheus text page."""
-    sums = parse_metrics(text, RUNNING + WAITING + RETRACTED + RETRACTIONS_TOTAL)
-    # Usage is a fraction per rank: the fullest rank is the one that retracts.
-    kv = _first(parse_metrics(text, KV_USAGE, combine=max), KV_USAGE)
-    return Metrics(
-        running=_first(sums, RUNNING),
-        waiting=_first(sums, WAITING),
-        waiting_capacity=parse_metrics(text, (WAITING_BY_REASON,), label='reason="capacity"').get(WAITING_BY_REASON),
-        kv_usage=kv,
-        retracted=_first(sums, RETRACTED),
-        retractions_total=_first(sums, RETRACTIONS_TOTAL),
-    )
-
-
-def _capacity(info: dict[str, Any]) -> int | None:
-    """SGLang's running-request limit from /get_server_info, over its DP ranks."""
-    states = info.get("internal_states") or []
-    effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
-    if effective and all(isinstance(v, int) and v > 0 for v in effective):
-        return sum(int(v) for v in effective if v)
-    value = info.get("max_running_requests")
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def _first(sums: dict[str, float], names: tuple[str, ...]) -> float | None:
-    for name in names:
-        if name in sums:
-            return sums[name]
-    return None
-
-
-def parse_metrics(text: str, wanted: tuple[str, ...], combine=None, label: str | None = None) -> dict[str, float]:
-    """Each wanted Prometheus sample over its labels (one series per DP/TP rank):
-    summed, or combined by `combine` (e.g. max); with `label` (`key="value"`), only
-    the series that carry it."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#" or (label is not None and label not in line):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            try:
-                # `name{labels} value [timestamp]` or `name value [timestamp]`
-                rest = line.rsplit("}", 1)[1] if "{" in line else line[len(name):]
-                value = float(rest.split()[0])
-            except (IndexError, ValueError):
-                continue
-            if name not in out:
-                out[name] = value
-            else:
-                out[name] = combine(out[name], value) if combine else out[name] + value
-    return out
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: str) -> Completion | Failure:

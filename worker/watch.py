@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
+from genq.worker.engines.metrics import Metrics
 from genq.worker.held import Flags
 from genq.worker.options import WorkerOptions
-from genq.worker.server import Metrics, ServerClient, ServerInfo, ServerUnavailable
+from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
 
 log = logging.getLogger("genq.worker")
 

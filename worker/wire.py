@@ -267,11 +267,3 @@ def _int_or_none(value: Any) -> int | None:
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
-
-def _capacity_from_props(props: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(slots, context per slot) from llama.cpp's /props."""
-    slots = props.get("total_slots")
-    settings = props.get("default_generation_settings")
-    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-    return (slots if isinstance(slots, int) and slots > 0 else None,
-            n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None)

@@ -1,0 +1,44 @@
+"""SGLang (sgl-project/sglang, python/sglang/srt/...; docs/engines.md has the lines).
+
+- Told by `GET /get_server_info` (newer `/server_info`): the running-request limit and the context.
+- Metrics with `--enable-metrics`, `sglang:` names, one series per DP/TP rank (summed).
+- Errors: a flat body `{"object": "error", "message", "type", "param", "code"}`; an exception in a
+  running stream is sent as an event with the blanket code 400 whatever its cause, then `[DONE]`.
+- A prompt + max_tokens over the context is answered 400 (the brake's case, worker/brake.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from genq.worker.engines.base import Engine, GetJson, Told
+
+
+class SGLang(Engine):
+    name = "sglang"
+    metric_prefix = b"sglang:"
+    running = ("sglang:num_running_reqs",)
+    waiting = ("sglang:num_queue_reqs",)
+    kv_usage = ("sglang:token_usage",)
+    retracted = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
+    retractions_total = ("sglang:num_retracted_requests_total",)
+
+    async def probe(self, get_json: GetJson) -> Told | None:
+        for path in ("/get_server_info", "/server_info"):  # older, newer name
+            info = await get_json(path)
+            if isinstance(info, dict):
+                return Told(capacity=capacity_from_info(info), context_length=info.get("context_length"))
+        return None
+
+
+def capacity_from_info(info: dict[str, Any]) -> int | None:
+    """SGLang's running-request limit from /get_server_info, over its DP ranks."""
+    states = info.get("internal_states") or []
+    effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
+    if effective and all(isinstance(v, int) and v > 0 for v in effective):
+        return sum(int(v) for v in effective if v)
+    value = info.get("max_running_requests")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+SGLANG = SGLang()
