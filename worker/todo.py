@@ -60,12 +60,16 @@ class Todo:
     async def claim(self, n: int, skip_jobs: set[str]) -> None:
         """Claim up to n prompts of the backlog into `ready` (Redis away: again in a second)."""
         try:
-            self.ready.extend(await self.backlog.claim(n, skip_jobs, self.plan))
+            claimed = await self.backlog.claim(n, skip_jobs, self.plan)
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
                 log.warning("cannot claim prompts (%s); trying again shortly", exc)
                 self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
             asyncio.get_running_loop().call_later(1.0, self.wake)
+            return
+        # Not `self.ready.extend(await ...)`: that binds the deque before the call, and a batch let
+        # go meanwhile (_remove) puts a new one in its place: these claims were lost, their batch open forever.
+        self.ready.extend(claimed)
 
     def let_go(self, task: Task) -> None:
         """A claimed prompt of a let-go batch (done or leased elsewhere, handed back) that will not
