@@ -11,7 +11,9 @@ control, the ledger's Reconciler (genq.core.ledger) puts stranded batches back.
 
 Shutdown has one path: stop taking batches; finish held ones for up to
 --grace-period (a second signal: at once); hand the rest back in Redis; answer every
-lease; only then let the RQ loops go (one SIGTERM each).
+lease; only then let the RQ loops go (one SIGTERM each). Told to stop now (a second
+signal, the grace period over) it stops within seconds whatever Redis does: once Redis
+does not answer, what it still holds is left unrecorded, and its leases lapse (stopping.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
 from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
+from genq.worker.stopping import StopNow
 from genq.worker.tail import TailWatch
 from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
@@ -101,6 +104,7 @@ class Engine:
         self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
                                          self.stealer.written)
         self.handed_back = 0
+        self.stopping = StopNow(self.redis, self.name, self.held, self.writer, self.loops)
         self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
@@ -142,8 +146,7 @@ class Engine:
                     self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
                     self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
                     self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
-                await self._until_finished()
-                await self._shutdown()
+                await self.stopping.run(self._finish())
                 for task in loops:
                     task.cancel()
         finally:
@@ -151,6 +154,10 @@ class Engine:
         log.info("worker %s exited: %s completed, %d handed back", self.name,
                  plural(self.ends.completed, "batch", "batches"), self.handed_back)
         return 0
+
+    async def _finish(self) -> None:
+        await self._until_finished()
+        await self._shutdown()
 
     async def _until_finished(self) -> None:
         while True:
@@ -173,12 +180,17 @@ class Engine:
                      signal.Signals(sig).name, self.opts.grace_period)
             self.loops.stop_all()  # warm shutdown: idle loops exit, none takes another batch
             asyncio.get_running_loop().call_later(self.opts.grace_period, self._grace_expired)
+        else:
+            self.stopping.start()
         self.dispatcher.wake.set()
 
     def _grace_expired(self) -> None:
-        if self.held:
-            log.info("grace period over: handing back unfinished batches")
-            self.flags.stop_requested = max(self.flags.stop_requested, 2)
+        """Still here: stop as a second signal would (held batches go back; a shutdown that waits on
+        Redis waits only while Redis answers)."""
+        if self.flags.stop_requested < 2:
+            log.info("grace period over: %s", "handing back unfinished batches" if self.held else "stopping now")
+            self.flags.stop_requested = 2
+        self.stopping.start()
 
     # ---------------------------------------------------------------- batches
 

@@ -1,0 +1,104 @@
+"""Stopping now: a worker told to stop now (a second signal, its grace period over) stops
+within seconds, whatever its Redis does.
+
+The engine's shutdown (worker/engine.py) hands held batches back and answers every lease,
+all in Redis. Told to stop now, it goes on only while Redis answers a PING; once Redis does
+not (stopped, frozen, cut off), the worker stops without it. Nothing is lost: what it holds
+and has not recorded is simply not recorded; its leases lapse and the reconcilers put its
+batches back for other workers once Redis is back (docs/exactly-once.md). (The bug this
+ends: after two SIGTERMs with Redis gone, a worker waited forever to write the results it
+held, and needed SIGKILL.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core.words import plural
+from genq.worker.held import Holdings
+from genq.worker.loops import RqLoops
+from genq.worker.results import ResultWriter
+
+log = logging.getLogger("genq.worker")
+
+# Told to stop now, the shutdown goes on while Redis answers a PING within PING_S, asked every
+# STOP_NOW_S, for up to STOP_NOW_MAX_S (a Redis that answers pings but never takes the hand-back).
+STOP_NOW_S = 5.0
+STOP_NOW_MAX_S = 30.0
+PING_S = 1.0
+# Stopped without Redis, the process ends itself this long after if it is still there: a thread
+# blocked on a Redis that never answers (frozen, cut off: connections have no socket timeout)
+# would hold the interpreter's exit forever.
+EXIT_BY_S = 10.0
+LOOK_S = 0.5  # how often the shutdown is looked at
+
+
+class StopNow:
+    def __init__(self, conn: aioredis.Redis, worker: str, held: Holdings, writer: ResultWriter,
+                 loops: RqLoops) -> None:
+        self.conn = conn
+        self.worker = worker
+        self.held = held
+        self.writer = writer
+        self.loops = loops
+        self.since: float | None = None  # monotonic: when the worker was told to stop now
+
+    def start(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+    async def run(self, finish: Coroutine[Any, Any, None]) -> None:
+        """Run the shutdown `finish`; told to stop now, only while Redis answers (see STOP_NOW_S)."""
+        finishing = asyncio.create_task(finish)
+        ask_at = 0.0  # monotonic: when to ask Redis again
+        try:
+            while True:
+                await asyncio.wait({finishing}, timeout=LOOK_S)
+                if finishing.done():
+                    finishing.result()  # its error, if it failed
+                    return
+                now = time.monotonic()
+                if self.since is None or now < max(ask_at, self.since + STOP_NOW_S):
+                    continue
+                if now - self.since >= STOP_NOW_MAX_S or not await self._redis_answers():
+                    break
+                ask_at = now + STOP_NOW_S
+        finally:
+            finishing.cancel()  # nothing once it is done; it goes with the caller if that is cancelled
+        with contextlib.suppress(asyncio.CancelledError, redis.RedisError, OSError):
+            await finishing
+        await self._without_redis()
+
+    async def _redis_answers(self) -> bool:
+        try:
+            async with asyncio.timeout(PING_S):
+                return bool(await self.conn.ping())
+        except (TimeoutError, redis.RedisError, OSError):
+            return False
+
+    async def _without_redis(self) -> None:
+        log.warning("stopping now, Redis away: %s not handed back, %s not recorded; their leases lapse and "
+                    "other workers take them once Redis is back", plural(len(self.held), "batch", "batches"),
+                    plural(self.writer.pending, "result"))
+        self.loops.kill_all()  # their horses wait for Redis to answer their leases: they die with them
+        await self.loops.wait_all()
+        backstop = threading.Timer(EXIT_BY_S, self._exit_now)
+        backstop.daemon = True
+        backstop.start()
+
+    def _exit_now(self) -> None:
+        log.warning("worker %s: not exited %.0fs after stopping without Redis (a thread waits on it): exiting now",
+                    self.worker, EXIT_BY_S)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(0)
