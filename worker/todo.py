@@ -67,8 +67,6 @@ class Todo:
                 self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
             asyncio.get_running_loop().call_later(1.0, self.wake)
             return
-        # Not `self.ready.extend(await ...)`: that binds the deque before the call, and a batch let
-        # go meanwhile (_remove) puts a new one in its place: these claims were lost, their batch open forever.
         self.ready.extend(claimed)
 
     def let_go(self, task: Task) -> None:
@@ -147,8 +145,12 @@ class Todo:
                 self.backlog.lend(task)
 
     def _remove(self, gone: Callable[[Task], bool]) -> None:
-        self.ready = deque(t for t in self.ready if not gone(t))
-        self.suspects = deque(t for t in self.suspects if not gone(t))
+        # In place: a coroutine may hold these lists across an await (a CLAIM call's answer is
+        # added to `ready` after it); a new list in their place took such prompts with the old one.
+        for queue in (self.ready, self.suspects):
+            kept = [t for t in queue if not gone(t)]
+            queue.clear()
+            queue.extend(kept)
         self.delayed = [d for d in self.delayed if not gone(d[2])]
         heapq.heapify(self.delayed)
         for job, tasks in self.parked.items():
