@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -36,33 +35,21 @@ def bench_redis_url() -> str:
     if os.environ.get("GENQ_BENCH_REDIS_URL"):
         return os.environ["GENQ_BENCH_REDIS_URL"]
     import atexit
-    import shutil
-    import tempfile
 
-    if shutil.which("redis-server") is None:
-        raise SystemExit("the benchmarks need redis-server (apt-get install redis-server)")
-    folder = tempfile.mkdtemp(prefix="genq-bench-redis-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    atexit.register(lambda: (proc.terminate(), proc.wait(10), shutil.rmtree(folder, ignore_errors=True)))
-    url = f"redis://127.0.0.1:{port}/8"
-    for _ in range(100):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                os.environ["GENQ_BENCH_REDIS_URL"] = url
-                return url
-        time.sleep(0.05)
-    raise SystemExit(f"the benchmark's private redis-server on port {port} did not start")
+    try:
+        server = LocalRedis(db=8)
+    except RuntimeError as e:
+        raise SystemExit(f"the benchmarks run a redis-server of their own: {e}") from None
+    atexit.register(server.stop)
+    os.environ["GENQ_BENCH_REDIS_URL"] = server.url
+    return server.url
 
 
 
 if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from genq.core.localredis import LocalRedis, free_port  # noqa: E402,F401  (free_port: for the benchmarks)
 from genq.core.redisconn import mask_url  # noqa: E402
 
 
@@ -75,12 +62,6 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:

@@ -40,9 +40,10 @@ from pathlib import Path
 
 import redis
 from common import PY, ROOT, Sim, conditions, table, write_prompts
-from footprint import Filler, PrivateRedis
+from footprint import Filler
 
 from genq.core import keys, scripts
+from genq.core.localredis import LocalRedis
 from genq.core.records import BatchRef, InFlight, WorkerStatus, pack
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=64)
@@ -73,7 +74,7 @@ def real_run(a: argparse.Namespace, work: Path) -> tuple[RedisCounters, float]:
     """Commands and Redis CPU of a whole run of real workers, after the enqueue."""
     src = work / "prompts.jsonl"
     write_prompts(src, a.prompts)
-    with PrivateRedis() as r:
+    with LocalRedis() as r:
         conn = redis.Redis.from_url(r.url)
         sims = [Sim(work / f"sim{i}.log", **FAST_SIM) for i in range(a.workers)]
         try:
@@ -167,7 +168,7 @@ def heartbeat(conn: redis.Redis, name: str, instance: str, ref: BatchRef) -> Non
 
 
 def fleet_run(a: argparse.Namespace, work: Path) -> tuple[RedisCounters, float, int, list[float], dict]:
-    with PrivateRedis() as r:
+    with LocalRedis() as r:
         conn = redis.Redis.from_url(r.url)
         filler = Filler(conn, "fleet", prompt_chars=200, completion_chars=80, batch_size=a.batch_size)
         per_worker = a.fleet_batches

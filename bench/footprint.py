@@ -32,17 +32,16 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import shutil
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass, field
 
 import redis
-from common import conditions, free_port, table
+from common import conditions, table
 
 from genq.core import keys, scripts
 from genq.core.batches import inline as inline_record
+from genq.core.localredis import LocalRedis
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
     Batch,
@@ -66,42 +65,6 @@ WORKERS = 8
 HELD_PER_WORKER = 3
 WORDS = ("explain describe compare summarise translate classify protein market orbit theorem river "
          "harbor neuron compiler glacier contract poem recipe history physics").split()
-
-
-class PrivateRedis:
-    """A redis-server of the bench's own on a free loopback port (nothing on disk); a context manager."""
-
-    def __init__(self) -> None:
-        if shutil.which("redis-server") is None:
-            raise SystemExit("bench/footprint.py starts its own redis-server: apt-get install redis-server")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        self.conn = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                self.conn.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("could not start a private redis-server") from None
-                time.sleep(0.05)
-
-    def used_memory(self) -> int:
-        return int(self.conn.info("memory")["used_memory"])
-
-    def stop(self) -> None:
-        self.conn.close()
-        self.proc.terminate()
-        self.proc.wait(10)
-
-    def __enter__(self) -> PrivateRedis:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 @dataclass
@@ -262,7 +225,7 @@ def measure_footprint(n_prompts: int = 20_480, *, prompt_chars: int = 400, compl
     """Bytes of Redis per queued, in-flight and finished prompt, at realistic texts."""
     n_batches = max(1, n_prompts // batch_size)
     n = n_batches * batch_size
-    with PrivateRedis() as r:
+    with LocalRedis() as r:
         base = r.used_memory()
         fill = Filler(r.conn, "fp", prompt_chars=prompt_chars, completion_chars=completion_chars, batch_size=batch_size)
         batches = fill.queue(n_batches)
@@ -337,7 +300,7 @@ class RefreshFigures:
 
 def measure_refresh(small: int = 20_000, large: int = 2_000_000, *, rounds: int = 10, per_round: int = 20,
                     chars: int = 16) -> RefreshFigures:
-    with PrivateRedis() as a, PrivateRedis() as b:
+    with LocalRedis() as a, LocalRedis() as b:
         small_batches = fill_mid_job(a.conn, small, chars=chars)
         started = time.monotonic()
         large_batches = fill_mid_job(b.conn, large, chars=chars)

@@ -42,6 +42,8 @@ import redis
 from common import PY, ROOT, conditions, free_port, table
 from footprint import measure_footprint, measure_refresh
 
+from genq.core.localredis import LocalRedis
+
 TARGET_REF_BYTES = 150
 TARGET_INLINE_RATIO = 0.5
 TARGET_RSS_MB = 500
@@ -105,14 +107,12 @@ def split(path: Path, most: int) -> list[Path]:
 class Servers:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.redis_port, self.moto_port = free_port(), free_port()
-        self.redis = subprocess.Popen(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-                                      stdout=subprocess.DEVNULL)
+        self.redis = LocalRedis()
+        self.moto_port = free_port()
         self.moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, **S3_ENV})
-        self.url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.url = self.redis.url
         self.s3_url = f"http://127.0.0.1:{self.moto_port}"
         self.conn = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 30
@@ -133,9 +133,9 @@ class Servers:
                             aws_secret_access_key="bench", region_name="us-east-1")
 
     def stop(self) -> None:
-        for proc in (self.redis, self.moto):
-            proc.terminate()
-            proc.wait(timeout=30)
+        self.redis.stop()
+        self.moto.terminate()
+        self.moto.wait(timeout=30)
 
 
 def run_measured(servers: Servers, sources: list[str], job: str, mode: str) -> dict:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,50 +23,12 @@ from typing import NamedTuple
 import pytest
 import redis
 
+from genq.core.localredis import LocalRedis, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.tiers"]  # the fast and end-to-end tiers
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PrivateRedis:
-    """A redis-server of our own on a free loopback port, in a temporary folder."""
-
-    def __init__(self, *extra: str) -> None:
-        if shutil.which("redis-server") is None:
-            raise RuntimeError("the tests need redis-server (apt-get install redis-server)")
-        self.dir = tempfile.mkdtemp(prefix="genq-test-redis-")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis.from_url(self.url, socket_connect_timeout=0.5).ping():
-                    break
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"private redis-server on port {self.port} did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-_PRIVATE = PrivateRedis()
+_PRIVATE = LocalRedis()
 atexit.register(_PRIVATE.stop)
 REDIS_URL = _PRIVATE.url
 

@@ -292,9 +292,9 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
 
 def _dump_with_the_job_config(folder) -> None:
     """A dump.rdb in `folder` holding the job's config (a Redis started there loads it)."""
-    from tests.conftest import PrivateRedis
+    from tests.conftest import LocalRedis
 
-    server = PrivateRedis("--dir", str(folder))  # the later --dir wins
+    server = LocalRedis("--dir", str(folder))  # the later --dir wins
     try:
         conn = redis.Redis.from_url(server.url)
         save_config(conn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))

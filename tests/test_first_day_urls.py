@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from genq.core import keys
-from tests.conftest import ROOT, PrivateRedis, free_port, run_genq, wait_until, write_prompts
+from tests.conftest import ROOT, LocalRedis, free_port, run_genq, wait_until, write_prompts
 
 PASSWORD = "k3J9/x#Q@z:w?p"  # '/', '#', '@', ':' and '?': each broke URL parsing somewhere
 
@@ -32,7 +32,7 @@ def genq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 class LockedRedis:
     """A private Redis with a password and an ACL user, both with URL-hostile characters
-    (conftest's PrivateRedis pings without a password)."""
+    (conftest's LocalRedis pings without a password)."""
 
     def __init__(self, conf: Path) -> None:
         self.dir = tempfile.mkdtemp(prefix="genq-test-redis-")
@@ -114,7 +114,7 @@ def test_a_bad_url_is_one_line_without_the_password(locked, url, code, says):
 
 def test_unix_socket_urls_run_a_job(tmp_path, sim, procs):
     sock = tmp_path / "redis.sock"
-    server = PrivateRedis("--unixsocket", str(sock), "--unixsocketperm", "700")
+    server = LocalRedis("--unixsocket", str(sock), "--unixsocketperm", "700")
     try:
         url = f"unix://{sock}?db=2"
         src = tmp_path / "p.jsonl"

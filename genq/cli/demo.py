@@ -12,10 +12,8 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -25,6 +23,7 @@ import redis
 
 from genq.cli import settings
 from genq.core import keys
+from genq.core.localredis import LocalRedis, free_port
 from genq.core.redisconn import connect, mask_url
 from genq.core.words import plural
 from genq.ops import control
@@ -36,12 +35,6 @@ TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "TCP 
 TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.",
          "Summarise the main debates about {t}.", "Give a step-by-step example involving {t}.",
          "What are common misconceptions about {t}?"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -126,24 +119,32 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     children = Children(logs)
-    private_dir = None
+    private: LocalRedis | None = None
     url = given
     try:
         if url is None:
-            private_dir = tempfile.mkdtemp(prefix="genq-demo-redis-")
-            url = _private_redis(children, private_dir)
+            private = _private_redis(logs)
+            url = private.url
         elif not _answers(url):
             raise click.ClickException(f"no Redis answers at {mask_url(url)}")
         job = _run(url, out, logs, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
-                   private=private_dir is not None, keep=keep)
+                   private=private is not None, keep=keep)
         if given is not None and not keep:
             conn = connect(url)
             control.delete_job(conn, control.find_job(conn, job))
             click.echo(f"removed the demo's job {job} from {mask_url(url)} (--keep keeps it)")
     finally:
         children.stop()
-        if private_dir:
-            shutil.rmtree(private_dir, ignore_errors=True)
+        if private is not None:  # after the workers, so that none sees its Redis vanish
+            private.stop()
+
+
+def _private_redis(logs: Path) -> LocalRedis:
+    try:
+        with open(logs / "redis.log", "wb") as log:
+            return LocalRedis(log=log)
+    except RuntimeError as e:
+        raise click.ClickException(f"the demo runs a redis-server of its own: {e} (or give --redis URL)") from None
 
 
 def _given_redis(ctx: click.Context) -> str | None:
@@ -152,22 +153,6 @@ def _given_redis(ctx: click.Context) -> str | None:
     if root is not ctx and root.params.get("redis_url"):
         return settings(ctx).redis_url
     return os.environ.get("GENQ_REDIS_URL") or None
-
-
-def _private_redis(children: Children, folder: str) -> str:
-    if shutil.which("redis-server") is None:
-        raise click.ClickException("the demo runs its own redis-server and none is installed: "
-                                   "apt-get install redis-server (or give --redis URL)")
-    port = _free_port()
-    children.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", folder])
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not _answers(url):
-        if time.monotonic() > deadline:
-            raise click.ClickException("could not start a private redis-server")
-        time.sleep(0.1)
-    return url
 
 
 def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_prompts: int,
@@ -189,7 +174,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
                   f"(max_running_requests {capacity} each), Redis {where}")
     sims = []
     for gpu in range(gpus):
-        port = _free_port()
+        port = free_port()
         children.start(f"sim-gpu{gpu}", [
             sys.executable, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
             "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",

@@ -9,7 +9,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,18 +19,14 @@ from pathlib import Path
 
 import aiohttp
 
+from genq.core.localredis import LocalRedis, free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CACHE = Path(os.environ.get("GENQ_LLAMACPP_CACHE", Path.home() / ".cache" / "genq-llamacpp"))
 TREE = CACHE / f"llama_cpp_python-{os.environ.get('GENQ_LLAMACPP_PY_VERSION', '0.3.36')}" / "vendor" / "llama.cpp"
 SLOTS, CTX = 8, 16384
 ETA_AT = (0.25, 0.50, 0.75)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load() -> float:
@@ -68,11 +63,11 @@ class Stack:
 
     def __init__(self, work: Path, model: Path) -> None:
         self.procs: list[subprocess.Popen] = []
-        rport, lport = free_port(), free_port()
-        self.redis = f"redis://127.0.0.1:{rport}/0"
+        with open(work / "redis.log", "wb") as log:
+            self.local_redis = LocalRedis(log=log)
+        self.redis = self.local_redis.url
+        lport = free_port()
         self.server = f"http://127.0.0.1:{lport}"
-        self._start(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(work)], work / "redis.log")
         self._start([str(CACHE / "build" / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
                      "--port", str(lport), "-np", str(SLOTS), "-c", str(CTX), "--metrics", "--slots"],
                     work / "llama-server.log")
@@ -105,6 +100,7 @@ class Stack:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        self.local_redis.stop()
 
 
 def cpu_s(who: int) -> float:
