@@ -135,6 +135,20 @@ JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# The same for each live worker's gauges and the WorkerReport field each shows.
+WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("genq_worker_in_flight", "Requests in flight (all jobs)", "in_flight"),
+    ("genq_worker_concurrency_target", "In-flight target", "concurrency_target"),
+    ("genq_worker_server_capacity", "Server's max running requests", "server_capacity"),
+    ("genq_worker_server_running", "Requests the server is decoding", "server_running"),
+    ("genq_worker_server_waiting", "Requests waiting in the server's queue", "server_waiting"),
+    ("genq_worker_slot_utilization_ratio", "server_running / server_capacity (0-1)", "slot_utilization"),
+    ("genq_worker_kv_cache_usage_ratio", "Share of the KV cache in use (0-1)", "kv_cache_usage"),
+    ("genq_worker_output_tokens_per_second", "Output tokens per second (worker's 30 s window)", "tok_per_s"),
+    ("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", "req_per_s"),
+)
+
+
 def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     J = ["job"]
     fams = {field: _gauge(name, doc, J) for name, doc, field in JOB_GAUGES}
@@ -177,17 +191,7 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
     G = ["worker", "gpu", "name"]
     up = _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped or lost", W)
     state = _gauge("genq_worker_state", "1 for the worker's state, 0 for the others", ["worker", "state"])
-    fams = {
-        "in_flight": _gauge("genq_worker_in_flight", "Requests in flight (all jobs)", W),
-        "target": _gauge("genq_worker_concurrency_target", "In-flight target", W),
-        "capacity": _gauge("genq_worker_server_capacity", "Server's max running requests", W),
-        "running": _gauge("genq_worker_server_running", "Requests the server is decoding", W),
-        "waiting": _gauge("genq_worker_server_waiting", "Requests waiting in the server's queue", W),
-        "util": _gauge("genq_worker_slot_utilization_ratio", "server_running / server_capacity (0-1)", W),
-        "kv": _gauge("genq_worker_kv_cache_usage_ratio", "Share of the KV cache in use (0-1)", W),
-        "tok_s": _gauge("genq_worker_output_tokens_per_second", "Output tokens per second (worker's 30 s window)", W),
-        "req_s": _gauge("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", W),
-    }
+    fams = {field: _gauge(name, doc, W) for name, doc, field in WORKER_GAUGES}
     errors = CounterMetricFamily("genq_worker_errors", "Failed request attempts since the worker started", labels=W)
     bottleneck = _gauge("genq_worker_bottleneck", "1 for each code that limits the worker now, 0 for the others",
                         ["worker", "reason"])
@@ -224,14 +228,10 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
             continue  # its last figures are not figures of now
         for code in CODES:
             bottleneck.add_metric([w.name, code], float(code in w.bottleneck_codes))
-        values = {
-            "in_flight": w.in_flight, "target": w.concurrency_target, "capacity": w.server_capacity,
-            "running": w.server_running, "waiting": w.server_waiting, "util": w.slot_utilization,
-            "kv": w.kv_cache_usage, "tok_s": w.tok_per_s, "req_s": w.req_per_s,
-        }
-        for key, value in values.items():
+        for field, fam in fams.items():
+            value = getattr(w, field)
             if value is not None:
-                fams[key].add_metric(lab, float(value))
+                fam.add_metric(lab, float(value))
         errors.add_metric(lab, float(w.errors))
         if w.gpu is not None:
             s = w.gpu

@@ -235,6 +235,22 @@ def test_serve_over_http_during_and_after_a_real_run(tmp_path: Path, redis_url, 
     assert last["total"] == 60
 
 
+def test_every_gauge_shows_a_field_of_the_monitor_record() -> None:
+    """The gauge tables are the one mapping from the monitor's records (which --json, the terminal
+    view and the web page read as they are) to Prometheus: a renamed or removed field must fail here,
+    not as an AttributeError at a scrape."""
+    import msgspec
+
+    from genq.monitor.exporter import JOB_GAUGES, WORKER_GAUGES
+    from genq.monitor.progress import JobProgress, WorkerReport
+
+    for table, record in ((JOB_GAUGES, JobProgress), (WORKER_GAUGES, WorkerReport)):
+        fields = {f.name for f in msgspec.structs.fields(record)}
+        assert [field for _, _, field in table if field not in fields] == [], record.__name__
+        names = [name for name, _, _ in table]
+        assert len(set(names)) == len(names), f"a metric named twice in the {record.__name__} table"
+
+
 @pytest.mark.e2e  # starts a process
 def test_listen_addresses() -> None:
     assert parse_listen(":9108") == ("0.0.0.0", 9108)
