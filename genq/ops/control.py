@@ -166,7 +166,7 @@ def update_control(conn: redis.Redis, name: str, *, drain: bool | None = None,
         if drain is not None:
             control.drain = drain
         if concurrency is not KEEP:
-            control.concurrency = concurrency or None  # type: ignore[assignment]
+            control.concurrency = concurrency or None  # type: ignore[assignment]  # int | None, not KEEP
 
     control = ledger_fleet.change_control(conn, name, change)
     tell_idle_workers(conn)
