@@ -9,7 +9,7 @@ commands), so a beat stays one round trip.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -144,16 +144,6 @@ def listen_for_wakes(pubsub: Any) -> None:
 def is_control_wake(data: Any) -> bool:
     """Whether a wake-up message says a control changed (else: work to look at)."""
     return data == keys.WAKE_CONTROL
-
-
-# --------------------------------------------------------------------------- in flight, per job
-
-
-def inflight(conn: redis.Redis, job: str, workers: Iterable[str]) -> dict[str, InFlight]:
-    """The job's InFlight record of each of these workers that has one (5 s TTL: working on it now)."""
-    workers = list(workers)
-    raws = conn.mget([keys.job_inflight(job, w) for w in workers]) if workers else []
-    return {w: unpack(raw, InFlight) for w, raw in zip(workers, raws) if raw}
 
 
 # --------------------------------------------------------------------------- a server

@@ -16,10 +16,8 @@ import redis
 from redis.client import Pipeline
 
 from genq.core import keys
-from genq.core.keys import check_job_name
+from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
 from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
-
-__all__ = ["check_job_name"]  # the rule a job name keeps (it becomes part of every key of the job)
 
 # --------------------------------------------------------------------------- pause flags
 
