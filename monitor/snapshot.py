@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from genq.core import keys, ledger, scripts
-from genq.core.order import schedule_of
+from genq.core import ledger, scripts
+from genq.core.ledger import fleet, letters
+from genq.core.ledger.figures import held_progress, job_facts, live_held, worker_figures
 from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
 from genq.core.state import JobStatus, job_status
 from genq.monitor.rqqueue import QueueMirror
@@ -200,15 +201,7 @@ def _float(value: bytes | None) -> float | None:
 
 def read_workers(conn: redis.Redis) -> dict[str, WorkerStatus | None]:
     """Every worker that ever heartbeated, with its status (None when expired: lost)."""
-    names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
-    raws = conn.mget([keys.worker_status(n) for n in names]) if names else []
-    out: dict[str, WorkerStatus | None] = {}
-    for name, raw in zip(names, raws):
-        try:
-            out[name] = unpack(raw, WorkerStatus) if raw else None
-        except msgspec.DecodeError:
-            out[name] = None
-    return out
+    return fleet.statuses(conn)
 
 
 @dataclass
@@ -236,42 +229,16 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         workers = read_workers(conn)
     if queue is None:
         queue = read_queue(conn)
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.get(keys.job_config(job))
-        pipe.hgetall(keys.job_stats(job))
-        pipe.zcard(keys.job_batches(job))
-        pipe.scard(keys.job_done(job))
-        pipe.hlen(keys.job_dlq(job))
-        pipe.hgetall(keys.job_hist(job))
-        pipe.smembers(keys.job_workers(job))
-        pipe.exists(keys.job_paused(job))
-        pipe.exists(keys.PAUSED)
-        pipe.hlen(keys.job_shards(job))
-        pipe.sismember(keys.JOBS, job)
-        pipe.get(keys.job_blocked(job))
-        pipe.get(keys.job_schedule(job))
-        (raw_config, stats, n_batches, n_done, n_dlq, hist, job_workers, paused, paused_all, shards, known,
-         raw_block, raw_schedule) = pipe.execute()
-    if raw_config is None and not stats and not known:
+    facts = job_facts(conn, job)
+    if facts is None:
         return None
-    if shards and scripts.SHARD_RECORDS.encode() not in stats:
-        # Shards written by a genq that kept no totals: count them once, and keep the totals.
-        scripts.evaluate(conn, scripts.COUNT_SHARDS, scripts.count_shards_call(job))
-        stats = conn.hgetall(keys.job_stats(job))
-    names = sorted(set(workers) | {w.decode() for w in job_workers})
-    with conn.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.hgetall(keys.worker_stats(job, name))
-            pipe.get(keys.job_inflight(job, name))
-        replies = pipe.execute()
+    stats = facts.stats
+    names = sorted(set(workers) | facts.workers)
     views: list[WorkerView] = []
-    member = {w.decode() for w in job_workers}
-    for i, name in enumerate(names):
-        raw_stats, raw_inflight = replies[2 * i], replies[2 * i + 1]
+    for name, (raw_stats, inflight) in zip(names, worker_figures(conn, job, names)):
         status = workers.get(name)
-        inflight = unpack(raw_inflight, InFlight) if raw_inflight else None
         # Shown for this job: it has counters here, or it is working on it, or it is alive.
-        if name not in member and inflight is None and (status is None or status.state == "stopped"):
+        if name not in facts.workers and inflight is None and (status is None or status.state == "stopped"):
             continue
         counters = WorkerCounters(
             done=_int(raw_stats.get(b"done")), failed=_int(raw_stats.get(b"failed")),
@@ -280,7 +247,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         )
         views.append(WorkerView(name=name, status=status, counters=counters, inflight=inflight))
 
-    config = unpack(raw_config, JobConfig) if raw_config else None
+    config = facts.config
     held = _held_batches(conn, job, views, config.batch_size if config else 0)
     return JobSnapshot(
         job=job,
@@ -288,23 +255,23 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         config=config,
         total=_int(stats.get(b"total")),
         created_at=_float(stats.get(b"created_at")),
-        batches_total=int(n_batches),
-        batches_done=int(n_done),
+        batches_total=facts.batches,
+        batches_done=facts.done,
         batches_held=held,
         batches_queued=queue.by_job.get(job, 0),
         rq_queued=queue.total,
         completed=sum(v.counters.done for v in views),
-        failed=int(n_dlq),
+        failed=facts.dead,
         in_tokens=sum(v.counters.in_tok for v in views),
         out_tokens=sum(v.counters.out_tok for v in views),
-        hist={int(b): int(n) for b, n in hist.items()},
+        hist=facts.hist,
         workers=views,
-        paused=bool(paused) or bool(paused_all),
-        shards=int(shards),
+        paused=facts.paused,
+        shards=facts.shards,
         shard_bytes=_int(stats.get(scripts.SHARD_BYTES.encode())),
         shard_records=_int(stats.get(scripts.SHARD_RECORDS.encode())),
-        blocked=unpack(raw_block, JobBlock) if raw_block else None,
-        schedule=schedule_of(raw_schedule),
+        blocked=facts.block,
+        schedule=facts.schedule,
         fleet_running=sum(s.in_flight for s in workers.values() if s is not None and s.state != "stopped"),
     )
 
@@ -322,36 +289,24 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     """
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
             for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
-    with conn.pipeline(transaction=False) as pipe:
-        for _, bid in asks:
-            pipe.exists(keys.batch(job, bid))
-            pipe.hlen(keys.batch_results(job, bid))
-        pipe.hgetall(keys.job_leases(job))  # only batches in progress: bounded by the fleet
-        *replies, leases = pipe.execute()
+    stored, leases = held_progress(conn, job, [bid for _, bid in asks])
     held = 0
-    for i, (view, _) in enumerate(asks):
-        if replies[2 * i]:
+    for (view, _), results in zip(asks, stored):
+        if results is not None:
             held += 1
-            view.held_unfinished.append(max(0, batch_size - int(replies[2 * i + 1])))
+            view.held_unfinished.append(max(0, batch_size - results))
     return held + _leased_unnamed(conn, job, leases, {bid for _, bid in asks})
 
 
-def _leased_unnamed(conn: redis.Redis, job: str, leases: dict[bytes, bytes], named: set[str]) -> int:
+def _leased_unnamed(conn: redis.Redis, job: str, leases: dict[str, str], named: set[str]) -> int:
     """Batches a live engine has leased that no status record names yet (it publishes one a second):
     held all the same, not "elsewhere". A lease of an engine that stopped beating is not counted."""
     unnamed: list[tuple[str, str]] = []
-    for raw_batch, value in leases.items():
+    for bid, value in leases.items():
         holder = ledger.lease_holder(value)
-        if holder and raw_batch.decode() not in named and len(unnamed) < HELD_READ_LIMIT:
-            unnamed.append((raw_batch.decode(), holder))
-    if not unnamed:
-        return 0
-    with conn.pipeline(transaction=False) as pipe:
-        for bid, holder in unnamed:
-            pipe.exists(keys.engine_alive(holder))
-            pipe.exists(keys.batch(job, bid))
-        replies = pipe.execute()
-    return sum(1 for i in range(len(unnamed)) if replies[2 * i] and replies[2 * i + 1])
+        if holder and bid not in named and len(unnamed) < HELD_READ_LIMIT:
+            unnamed.append((bid, holder))
+    return live_held(conn, job, unnamed)
 
 
 @dataclass
@@ -368,10 +323,10 @@ def read_dead_letters(conn: redis.Redis, job: str, latest: int = 5) -> DeadLette
     """The job's dead letters by kind, and the newest few (for the web page)."""
     from genq.core.records import DeadLetter
 
-    total = int(conn.hlen(keys.job_dlq(job)))
+    total = letters.count(conn, job)
     by_kind: dict[str, int] = {}
-    letters: list[DeadLetter] = []
-    for n, (_, raw) in enumerate(conn.hscan_iter(keys.job_dlq(job), count=1000)):
+    found: list[DeadLetter] = []
+    for n, raw in enumerate(letters.scan_raw(conn, job, 1000)):
         if n >= DLQ_READ_LIMIT:
             break
         try:
@@ -379,8 +334,8 @@ def read_dead_letters(conn: redis.Redis, job: str, latest: int = 5) -> DeadLette
         except msgspec.DecodeError:
             continue
         by_kind[letter.kind] = by_kind.get(letter.kind, 0) + 1
-        letters.append(letter)
-    letters.sort(key=lambda d: d.at, reverse=True)
+        found.append(letter)
+    found.sort(key=lambda d: d.at, reverse=True)
     rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
-                 attempts=d.attempts, status=d.status) for d in letters[:latest]]
+                 attempts=d.attempts, status=d.status) for d in found[:latest]]
     return DeadLetterSummary(total=total, by_kind=dict(sorted(by_kind.items())), latest=rows)

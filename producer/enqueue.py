@@ -12,7 +12,7 @@ written in the transaction of its first batches, so an enqueue that queues
 nothing (missing input, empty file, every line rejected) creates nothing.
 
 Memory is bounded whatever the input's size: rows are read a chunk at a time and
-the dedupe lives in Redis (keys.job_ids); only the rows of the group being
+the dedupe lives in Redis (the job's id index); only the rows of the group being
 queued are held. A batch is stored inline (its prompts compressed) or, with
 `reference` set, as the byte range of the input that holds its lines
 (genq.producer.batchinput reads it back on the worker).
@@ -31,18 +31,19 @@ import msgspec
 import redis
 
 from genq.core import batches as batch_records
-from genq.core import keys
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import (
     ID_NEW,
     ID_OTHER,
     ID_SAME,
     batch_id,
     batch_number,
+    load_config,
     lookup_ids,
     stage_config,
     write_batches,
 )
-from genq.core.records import BatchSource, InputRange, JobConfig, JobRecord, Rejected, unpack
+from genq.core.records import BatchSource, InputRange, JobConfig, JobRecord, Rejected
 from genq.ops import recover
 from genq.output import truth
 from genq.output.sink import open_store
@@ -200,11 +201,10 @@ class Enqueuer:
         """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
         group = self._unique(group)
         job = self.config.name
-        ids_key = keys.job_ids(job)
         with self.conn.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(ids_key, keys.job_batch_seq(job), keys.job_config(job))
+                    ledger_jobs.watch_enqueue(pipe, job)
                     if self._create:
                         self._check_created_meanwhile(pipe)
                     known = lookup_ids(pipe, job, [(row.prompt.id, digest) for row, digest in group])
@@ -218,7 +218,7 @@ class Enqueuer:
                         pipe.multi()
                         if self._create:
                             stage_config(pipe, self.config)
-                        pipe.set(keys.job_batch_seq(job), int(batches[-1].id[1:]))
+                        ledger_jobs.stage_last_batch_number(pipe, job, int(batches[-1].id[1:]))
                         write_batches(pipe, self.conn, batches, {row.prompt.id: digest for row, digest in taking})
                         pipe.execute()
                     else:
@@ -238,10 +238,9 @@ class Enqueuer:
         return held
 
     def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
-        raw = pipe.get(keys.job_config(self.config.name))
-        if raw is None:
+        stored = load_config(pipe, self.config.name)
+        if stored is None:
             return
-        stored = unpack(raw, JobConfig)
         if _settings(stored) != _settings(self.config):
             raise JobConflict(f"job {self.config.name!r} was created by another enqueue meanwhile with other "
                               "settings; nothing was queued by this one. Run it again to see which differ.")
@@ -267,7 +266,7 @@ class Enqueuer:
 
     def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
         size = self.config.batch_size
-        last = max(int(pipe.get(keys.job_batch_seq(self.config.name)) or 0), self._floor)
+        last = max(ledger_jobs.last_batch_number(pipe, self.config.name), self._floor)
         created = time.time()
         return [self._batch(batch_id(last + 1 + n), rows[i : i + size], created)
                 for n, i in enumerate(range(0, len(rows), size))]

@@ -19,7 +19,7 @@ monitor (monitor/speedcurve.py).
 A job on a fresh worker runs at its server's capacity until its queue runs out: what
 its last requests will do is only seen when it drains, too late for its ETA. So the
 figures outlive the worker: each beat that booked tokens stores them for its server
-and model (keys.server_decode, ServerDecode), and a worker that starts on that server
+and model (ServerDecode, kept by the ledger: genq.core.ledger.fleet), and a worker that starts on that server
 begins from them (decayed by their age). The first job a server ever runs has no
 drain behind it: its ETA takes a speed that does not depend on the count until then.
 """
@@ -31,9 +31,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from genq.core import keys
 from genq.core.decodefigures import DecodeBin, ServerDecode
-from genq.core.records import pack, unpack
+from genq.core.ledger import fleet
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -123,14 +122,14 @@ class DecodeMeter:
 
 async def load(conn: aioredis.Redis, meter: DecodeMeter, server: str, model: str) -> None:
     """Seeds the meter from the server's stored figures, if any."""
-    raw = await conn.get(keys.server_decode(server, model))
-    if raw:
-        meter.seed(unpack(raw, ServerDecode), time.time())
+    stored = await fleet.server_decode(conn, server, model)
+    if stored is not None:
+        meter.seed(stored, time.time())
 
 
 def store(pipe: Pipeline, meter: DecodeMeter, bins: list[DecodeBin], server: str, model: str, worker: str) -> None:
     """Stores the figures (in a beat's pipeline) when tokens were booked since the last time."""
     if meter.news and bins:
-        pipe.set(keys.server_decode(server, model), pack(ServerDecode(at=time.time(), worker=worker, bins=bins)),
-                 ex=STORED_TTL_S)
+        fleet.stage_server_decode(pipe, server, model, ServerDecode(at=time.time(), worker=worker, bins=bins),
+                                  STORED_TTL_S)
         meter.news = False

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import keys
-from genq.core.records import BatchRef, Control, GpuSample, InFlight, WorkerState, WorkerStatus, pack, unpack
+from genq.core.ledger import fleet
+from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.controller import ConcurrencyController
@@ -34,6 +34,7 @@ log = logging.getLogger("genq.worker")
 
 REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable, say so this often
 GPU_EVERY_S = 5.0
+INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
 
 class GpuSampler:
@@ -163,21 +164,21 @@ class Heartbeat:
         pace = self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
-                pipe.set(keys.engine_alive(self.instance), self.name, ex=pace.ttl(LEASE_TIMEOUT_S) if pace else LEASE_TIMEOUT_S)
+                fleet.stage_alive(pipe, self.instance, self.name, pace.ttl(LEASE_TIMEOUT_S) if pace else LEASE_TIMEOUT_S)
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
-            pipe.set(keys.worker_status(self.name), pack(status),
-                     ex=None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
+            fleet.stage_status(pipe, status,
+                               None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
             if pace is None or pace.workers_set_due():
-                pipe.sadd(keys.WORKERS, self.name)
+                fleet.stage_member(pipe, self.name)
             jobs = set(by_job) | set(queued) | self.held.jobs()
             for job in jobs:
                 record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                   queued=queued.get(job, 0))
-                pipe.set(keys.job_inflight(job, self.name), pack(record), ex=5)
+                fleet.stage_inflight(pipe, record, INFLIGHT_TTL_S)
             # A job this worker no longer works on has nothing of it in flight here, now: its
             # last record (the requests running a second ago) must not outlive it by its TTL.
             for job in self._inflight_jobs - jobs:
-                pipe.delete(keys.job_inflight(job, self.name))
+                fleet.stage_no_inflight(pipe, job, self.name)
             if self._figures_of is not None:
                 decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
             await pipe.execute()
@@ -186,13 +187,7 @@ class Heartbeat:
     async def read_control(self) -> bool:
         """Applies the operator's controls; True if one changed (the status just written is stale)."""
         jobs = sorted(self.held.jobs() | set(self.dispatcher.todo.parked))
-        async with self.conn.pipeline(transaction=False) as pipe:
-            pipe.get(keys.worker_control(self.name))
-            pipe.exists(keys.PAUSED)
-            for job in jobs:
-                pipe.exists(keys.job_paused(job))
-            raw, paused, *job_flags = await pipe.execute()
-        control = unpack(raw, Control) if raw else Control()
+        control, paused, paused_jobs = await fleet.read_controls(self.conn, self.name, jobs)
         f = self.flags
         changed = False
         if control.drain and not f.draining:
@@ -202,9 +197,8 @@ class Heartbeat:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
             changed = True
-        paused_jobs = {job for job, flag in zip(jobs, job_flags) if flag}
-        if bool(paused) != f.paused_all or paused_jobs != f.paused_jobs:
-            f.paused_all, f.paused_jobs = bool(paused), paused_jobs
+        if paused != f.paused_all or paused_jobs != f.paused_jobs:
+            f.paused_all, f.paused_jobs = paused, paused_jobs
             log.info("paused: %s", "all jobs" if f.paused_all else (", ".join(sorted(paused_jobs)) or "none"))
             changed = True
         self.dispatcher.wake.set()
@@ -212,13 +206,13 @@ class Heartbeat:
 
     async def check_name_free(self) -> None:
         """Refuse to run twice under one name; a crashed predecessor's record is fine."""
-        raw = await self.conn.get(keys.worker_status(self.name))
-        if not raw or unpack(raw, WorkerStatus).state == "stopped":
+        found = await fleet.status_of(self.conn, self.name)
+        if found is None or found.state == "stopped":
             return
-        first = unpack(raw, WorkerStatus).heartbeat_at
+        first = found.heartbeat_at
         await asyncio.sleep(2.5)  # a live worker heartbeats every second
-        raw = await self.conn.get(keys.worker_status(self.name))
-        if raw and (other := unpack(raw, WorkerStatus)).heartbeat_at > first and other.state != "stopped":
+        other = await fleet.status_of(self.conn, self.name)
+        if other is not None and other.heartbeat_at > first and other.state != "stopped":
             raise SystemExit(
                 f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "
                 "give this one another --name"
@@ -226,8 +220,5 @@ class Heartbeat:
 
     async def stopped(self) -> None:
         self.sampler.stop()
-        async with self.conn.pipeline(transaction=False) as pipe:
-            pipe.delete(keys.engine_alive(self.instance))
-            pipe.delete(keys.worker_control(self.name))
-            await pipe.execute()
+        await fleet.stopped(self.conn, self.instance, self.name)
         await self.beat(state="stopped")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import keys
+from genq.core.ledger import fleet
 from genq.core.redisconn import connect
 from genq.core.waits import wait_event
 
@@ -168,7 +168,7 @@ class IdlePace:
 
 class WakeListener:
     """Sets the pace's `woken` on each WAKE message (genq:wake), or its `beat_now` on one that
-    says an operator changed a control (keys.WAKE_CONTROL: a drain or pause seen within a
+    says an operator changed a control (fleet.is_control_wake: a drain or pause seen within a
     second, not at the next idle beat), from a thread of its own: a blocking read
     of at most a second at a time, so a stop never waits on a read. (The asyncio pubsub read
     this replaces, cancelled in the engine's task group, hung a --burst worker's exit.) No
@@ -197,12 +197,12 @@ class WakeListener:
         while not self._stop.is_set():
             pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(keys.WAKE)
+                fleet.listen_for_wakes(pubsub)
                 self.subscribed.set()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message.get("type") == "message":
-                        control = message.get("data") == keys.WAKE_CONTROL
+                        control = fleet.is_control_wake(message.get("data"))
                         self.loop.call_soon_threadsafe((self.pace.beat_now if control else self.pace.woken).set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
@@ -217,7 +217,7 @@ class WakeListener:
 async def wake_fleet(conn: aioredis.Redis) -> None:
     """Tell idle workers there may be prompts to take (one PUBLISH; nobody listening is fine)."""
     try:
-        await conn.publish(keys.WAKE, b"1")
+        await fleet.wake_for_work(conn)
     except (redis.RedisError, OSError) as exc:
         log.debug("wake-up not sent: %s", exc)
 

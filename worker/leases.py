@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
-from genq.core import batches, keys, ledger, scripts
-from genq.core.queueing import enqueue_batch_jobs
+from genq.core import batches, ledger, scripts
+from genq.core.ledger import leasing
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
 from genq.core.redisconn import connect_async
 from genq.core.words import plural
@@ -73,12 +72,11 @@ class LeaseDesk:
 
     async def intake(self) -> None:
         inbox_conn = connect_async(self.redis_url)  # BLPOP blocks its connection
-        inbox = keys.engine_inbox(self.instance)
         try:
             while True:
-                item = await retrying(lambda: inbox_conn.blpop([inbox], timeout=INBOX_WAIT_S), "inbox")
+                item = await retrying(lambda: leasing.next_delivery(inbox_conn, self.instance, INBOX_WAIT_S), "inbox")
                 if item is not None:
-                    token, job, batch_id, rq_id = unpack(item[1], list)
+                    token, job, batch_id, rq_id = unpack(item, list)
                     ref = BatchRef(job, batch_id)
                     await retrying(functools.partial(self.acquire, token, ref, rq_id), "lease")
         finally:
@@ -109,7 +107,7 @@ class LeaseDesk:
                 await self.hand_back(ref, token)
                 return
             config = admitted
-        raw = await self.conn.get(keys.batch(ref.job, ref.batch))
+        raw = await leasing.batch_record(self.conn, ref)
         if config is None or raw is None:
             await self.reply(token, b"done")
             return
@@ -117,11 +115,7 @@ class LeaseDesk:
             return
         source = batches.decode(raw)
         ids = batches.ids(source)
-        async with self.conn.pipeline(transaction=True) as pipe:
-            pipe.hkeys(keys.batch_results(ref.job, ref.batch))
-            pipe.hmget(keys.job_dlq(ref.job), ids)
-            stored, dead = await pipe.execute()
-        finished = {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
+        finished = await leasing.finished_ids(self.conn, ref, ids)
         unfinished = {i for i in ids if i not in finished}
         prompts: list[Prompt] = []
         changed: str | None = None
@@ -171,8 +165,7 @@ class LeaseDesk:
     async def config(self, job: str) -> JobConfig | None:
         """A job's settings as they are now: read for every delivery, never kept by name (a job
         deleted and enqueued again under its name is another incarnation, with its own)."""
-        raw = await self.conn.get(keys.job_config(job))
-        return unpack(raw, JobConfig) if raw is not None else None
+        return await leasing.config_now(self.conn, job)
 
     # ---------------------------------------------------------------- leaving
 
@@ -187,56 +180,26 @@ class LeaseDesk:
         refs = [h for h in self.held.values() if not h.dropped and not h.completing]
         if not refs:
             return []
-        jobs = sorted({h.ref.job for h in refs})
-        async with self.conn.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                pipe.get(keys.job_config(job))
-            for h in refs:
-                pipe.sismember(keys.job_done(h.ref.job), h.ref.batch)
-                pipe.hget(keys.job_leases(h.ref.job), h.ref.batch)
-            answers = await pipe.execute()
-        incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None
-                        for job, raw in zip(jobs, answers[: len(jobs)])}
-        answers = answers[len(jobs):]
         lost = []
-        for i, h in enumerate(refs):
-            done, lease = answers[2 * i], answers[2 * i + 1]
-            if incarnations[h.ref.job] != h.config.incarnation:
+        for h, (incarnation, done, token) in zip(refs, await leasing.lease_states(self.conn, [h.ref for h in refs])):
+            if incarnation != h.config.incarnation:
                 lost.append((h, "gone"))
             elif done:
                 lost.append((h, "done"))
-            elif ledger.lease_token(lease) != h.token:
+            elif token != h.token:
                 lost.append((h, "superseded"))
         return lost
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again (front of the queue) and let the horse go; False if it was
         done or no longer ours (then there is nothing to give back)."""
-        given = await asyncio.to_thread(self._hand_back_sync, ref, token)
+        given = await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
         await self.reply(token, b"released")
         return given
 
-    def _hand_back_sync(self, ref: BatchRef, token: str) -> bool:
-        conn = self.sync_conn
-        with conn.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
-                    if pipe.sismember(keys.job_done(ref.job), ref.batch):
-                        return False
-                    if ledger.lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
-                        return False
-                    pipe.multi()
-                    enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True)
-                    pipe.hdel(keys.job_leases(ref.job), ref.batch)
-                    pipe.execute()
-                    return True
-                except WatchError:
-                    continue
-
     async def release_late_leases(self) -> None:
         """Batches a loop took just before it was told to stop go straight back."""
-        while raw := await self.conn.lpop(keys.engine_inbox(self.instance)):
+        while raw := await leasing.late_delivery(self.conn, self.instance):
             token, job, batch_id, rq_id = unpack(raw, list)
             ref = BatchRef(job, batch_id)
             if await self._record_lease(token, ref, rq_id) == "ok":

@@ -21,14 +21,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import msgspec
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
-from genq.core import keys, scripts
-from genq.core.queueing import carried
-from genq.core.records import JobConfig, pack, unpack
+from genq.core import scripts
+from genq.core.ledger import fleet, leasing
+from genq.core.queueing import carried, load_config, load_configs
+from genq.core.records import JobConfig
 
 if TYPE_CHECKING:  # the types of what an RQ loop pops; RQ itself is the loop's (worker/rqloop.py)
     from rq import Queue
@@ -46,16 +45,6 @@ MODEL_TTL_S = 120
 TOLD_TTL_S = 7 * 24 * 3600
 
 
-def engine_model_key(instance: str) -> str:
-    """The model an engine's server serves, for its RQ loops (a string; absent: unknown)."""
-    return f"genq:engine:{instance}:model"
-
-
-def _told_key(instance: str) -> str:
-    """Set of the jobs an engine (its loops included) has said it will not serve: said once."""
-    return f"genq:engine:{instance}:refused"
-
-
 def _refusal(job: str, job_model: str, server_model: str | None) -> str:
     return (f"job {job} is for model {job_model}; this worker's server serves {server_model}: "
             "it takes none of its batches or prompts")
@@ -70,26 +59,11 @@ def serves(job_model: str, server_model: str | None) -> bool:
 async def pin_model(conn: aioredis.Redis, job: str, model: str) -> JobConfig | None:
     """The job's settings with `auto` resolved to `model`, unless another engine resolved it
     first (then its model stays). None if the job is gone."""
-    key = keys.job_config(job)
-    async with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(key)
-                raw = await pipe.get(key)
-                if raw is None:
-                    return None
-                config = unpack(raw, JobConfig)
-                if config.model != AUTO:
-                    return config
-                pinned = msgspec.structs.replace(config, model=model)
-                pipe.multi()
-                pipe.set(key, pack(pinned))
-                await pipe.execute()
-                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
-                         "pinned in its settings", job, model)
-                return pinned
-            except WatchError:
-                continue
+    config, pinned = await leasing.pin_model(conn, job, model, AUTO)
+    if pinned:
+        log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
+                 "pinned in its settings", job, model)
+    return config
 
 
 class ModelGate:
@@ -103,11 +77,7 @@ class ModelGate:
 
     async def publish(self) -> None:
         """Tell this engine's RQ loops which model its server serves (again at each heartbeat)."""
-        model = self.server_model()
-        if model is None:
-            await self.conn.delete(engine_model_key(self.instance))
-        else:
-            await self.conn.set(engine_model_key(self.instance), model, ex=MODEL_TTL_S)
+        await fleet.publish_model(self.conn, self.instance, self.server_model(), MODEL_TTL_S)
 
     async def run(self) -> None:
         while True:
@@ -135,11 +105,7 @@ class ModelGate:
         if job in self._told:
             return
         self._told.add(job)
-        async with self.conn.pipeline(transaction=True) as pipe:
-            pipe.sadd(_told_key(self.instance), job)
-            pipe.expire(_told_key(self.instance), TOLD_TTL_S)
-            first, _ = await pipe.execute()
-        if first:
+        if await fleet.first_refusal_async(self.conn, self.instance, job, TOLD_TTL_S):
             log.warning(_refusal(job, job_model, self.server_model()))
 
     async def servable_config(self, job: str, config: Callable[[str], Awaitable[JobConfig | None]]
@@ -169,25 +135,20 @@ class LoopFilter:
     def foreign(self, job: str) -> bool:
         job_model = self._models.get(job)
         if job_model is None:
-            raw = self.conn.get(keys.job_config(job))
-            if raw is None:
+            config = load_config(self.conn, job)
+            if config is None:
                 return False  # gone: the engine sorts it out
-            job_model = unpack(raw, JobConfig).model
+            job_model = config.model
             if job_model != AUTO:
                 self._models[job] = job_model
         if job_model == AUTO:
             return False  # the engine pins it when it takes the batch
-        raw = self.conn.get(engine_model_key(self.instance))
-        server = raw.decode() if raw is not None else None
+        server = fleet.engine_model(self.conn, self.instance)
         if serves(job_model, server):
             return False
         if job not in self._told:
             self._told.add(job)
-            with self.conn.pipeline(transaction=True) as pipe:
-                pipe.sadd(_told_key(self.instance), job)
-                pipe.expire(_told_key(self.instance), TOLD_TTL_S)
-                first, _ = pipe.execute()
-            if first:
+            if fleet.first_refusal(self.conn, self.instance, job, TOLD_TTL_S):
                 log.warning(_refusal(job, job_model, server))
         return True
 
@@ -221,6 +182,5 @@ def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list
     """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
     if not jobs:
         return []
-    raws = conn.mget([keys.job_config(job) for job in jobs])
-    return [job for job, raw in zip(jobs, raws, strict=True)
-            if raw is not None and serves(unpack(raw, JobConfig).model, model)]
+    return [job for job, config in zip(jobs, load_configs(conn, jobs), strict=True)
+            if config is not None and serves(config.model, model)]

@@ -106,12 +106,12 @@ class Concurrency(click.ParamType):
 
 
 class JobName(click.ParamType):
-    """A job name as keys.check_job_name allows it: a bad one is bad usage (exit 2)."""
+    """A job name as the ledger's check_job_name allows it: a bad one is bad usage (exit 2)."""
 
     name = "NAME"
 
     def convert(self, value, param, ctx):
-        from genq.core.keys import check_job_name
+        from genq.core.ledger.jobs import check_job_name
 
         try:
             return check_job_name(value)

@@ -20,8 +20,8 @@ from rich.live import Live
 from rich.table import Table
 
 from genq.cli import Concurrency, JobName, jobset, settings
-from genq.core import keys
 from genq.core.health import NO_HEARTBEAT
+from genq.core.ledger.jobs import job_keys_shown
 from genq.core.queueing import list_jobs
 from genq.core.redisconn import connect, describe_error
 from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
@@ -239,7 +239,7 @@ def _deletion_summary(found: control.JobDeletion) -> str:
         kinds[kind] = kinds.get(kind, 0) + 1
     listing = ", ".join(f"{kind}" + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
     places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())
-    return (f"{plural(len(found.keys), 'key')} {keys.job_keys_pattern(found.job)} ({listing or 'none'}), its name in the job list, "
+    return (f"{plural(len(found.keys), 'key')} {job_keys_shown(found.job)} ({listing or 'none'}), its name in the job list, "
             f"{plural(found.rq_count, 'RQ job')} ({places or 'none'})")
 
 

@@ -22,7 +22,7 @@ import click
 import redis
 
 from genq.cli import settings
-from genq.core import keys
+from genq.core.ledger import letters
 from genq.core.localredis import LocalRedis, free_port
 from genq.core.redisconn import connect, mask_url
 from genq.core.words import plural
@@ -227,7 +227,7 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
         with urllib.request.urlopen(sim_url + "/get_server_info") as resp:
             capacity = json.loads(resp.read())["max_running_requests"]
         utilization.append(stats["busy_mean_running"] / capacity)
-    dead = conn.hlen(keys.job_dlq(job))
+    dead = letters.count(conn, job)
     console.print()
     console.print(f"[bold green]done[/] in {makespan:.1f}s: {plural(len(rows), 'result')} for {plural(n_prompts, 'prompt')} "
                   f"({len(set(ids)):,} unique ids), {plural(dead, 'dead letter')}")

@@ -17,7 +17,7 @@ import redis
 
 from genq.cli import JobName, settings
 from genq.cli.readprogress import ReadProgress
-from genq.core import keys
+from genq.core.ledger.jobs import check_job_name
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
@@ -107,7 +107,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     """
     url = settings(ctx).redis_url
     try:
-        keys.check_job_name(job)
+        check_job_name(job)
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)

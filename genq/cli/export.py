@@ -9,9 +9,10 @@ import redis
 
 from genq.cli import JobName, settings
 from genq.core import batches as batch_records
-from genq.core import keys
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger import letters as ledger_letters
 from genq.core.queueing import load_batch, load_config
-from genq.core.records import DeadLetter, Prompt, unpack
+from genq.core.records import DeadLetter, Prompt
 from genq.core.redisconn import connect, describe_error, mask_url
 from genq.core.words import plural
 from genq.output import export as exporting
@@ -91,7 +92,7 @@ def _destination(dest: str, job: str, fmt: str) -> str:
 def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     """The job's dead letters, plus the unfinished prompts of batches RQ gave up on
     (so that every input id lands in the output or the errors file)."""
-    letters = [unpack(raw, DeadLetter) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
+    letters = ledger_letters.read_all(conn, job, DeadLetter)
     dead = {d.id for d in letters}
     from genq.ops.dlq import failed_batches
 
@@ -99,14 +100,14 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
         batch = load_batch(conn, job, entry.batch)
         if batch is None:
             continue
-        done = set(conn.hkeys(keys.batch_results(job, entry.batch)))
+        done = ledger_jobs.result_ids(conn, job, entry.batch)
         config = load_config(conn, job)
         try:
             prompts: dict[str, Prompt | None] = {p.id: p for p in read_prompts(batch, config)} if config else {}
         except Exception:  # its input is gone or unreadable: the letters carry the ids alone
             prompts = {}
         for prompt_id in batch_records.ids(batch):
-            if prompt_id in dead or prompt_id.encode() in done:
+            if prompt_id in dead or prompt_id in done:
                 continue
             letters.append(DeadLetter(id=prompt_id, job=job, batch=entry.batch, attempts=entry.attempts,
                                       kind=entry.kind, message=entry.message, worker=entry.worker, at=entry.at,
@@ -117,13 +118,8 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
 def _status(conn: redis.Redis, job: str, known: bool) -> dict[str, int]:
     if not known:
         return {}
-    total = int(conn.hget(keys.job_stats(job), "total") or 0)
-    return {
-        "total": total,
-        "batches": conn.zcard(keys.job_batches(job)),
-        "done": conn.scard(keys.job_done(job)),
-        "dead": conn.hlen(keys.job_dlq(job)),
-    }
+    counts = ledger_jobs.counts(conn, job)
+    return {"total": counts.total, "batches": counts.batches_total, "done": counts.done, "dead": counts.dead}
 
 
 def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:

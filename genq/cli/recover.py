@@ -10,7 +10,7 @@ import redis
 
 from genq.cli import settings
 from genq.cli.enqueue import EXIT_REJECTED, reference_uri
-from genq.core import keys
+from genq.core.ledger.jobs import check_job_name
 from genq.core.redisconn import connect, describe_error
 from genq.core.words import plural
 from genq.ops import recover as recovering
@@ -47,7 +47,7 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
     """
     url = settings(ctx).redis_url
     try:
-        keys.check_job_name(job)
+        check_job_name(job)
         conn = connect(url)
         if output and "://" not in output:
             output = os.path.abspath(output)

@@ -18,7 +18,9 @@ import redis
 
 from genq.cli import JobName, settings
 from genq.core import batches as batch_records
-from genq.core import keys
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger import letters
+from genq.core.ledger.figures import prompt_state
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
 from genq.core.redisconn import connect, describe_error
@@ -62,18 +64,13 @@ def _plain(record: Any) -> Any:
 
 
 def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
-    raw_letter = conn.hget(keys.job_dlq(job), prompt_id)
-    if raw_letter is not None:
-        letter = unpack(raw_letter, DeadLetter)
+    letter = letters.read_some(conn, job, [prompt_id], DeadLetter)[0]
+    if letter is not None:
         return {"state": "dead-lettered", "batch": letter.batch, "letter": _plain(letter),
                 "why": f"{letter.kind} after {letter.attempts} attempt(s): {letter.message}"}
-    if conn.hget(keys.job_ids(job), prompt_id) is None:
+    if not ledger_jobs.knows_prompt(conn, job, prompt_id):
         return None
-    done = {b.decode() for b in conn.smembers(keys.job_done(job))}
-    for raw_batch in conn.zrange(keys.job_batches(job), 0, -1):
-        batch = raw_batch.decode()
-        if batch in done:
-            continue
+    for batch in ledger_jobs.pending_batches(conn, job):
         source = load_batch(conn, job, batch)
         if source is None or prompt_id not in batch_records.ids(source):
             continue
@@ -82,12 +79,7 @@ def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
 
 
 def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[str, Any]:
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hget(keys.batch_results(job, batch), prompt_id)
-        pipe.hget(keys.batch_claims(job, batch), prompt_id)
-        pipe.hget(keys.job_leases(job), batch)
-        pipe.exists(keys.job_paused(job), keys.PAUSED)
-        result, claim, lease, paused = pipe.execute()
+    result, claim, lease, paused = prompt_state(conn, job, batch, prompt_id)
     if result is not None:
         return {"state": "done", "batch": batch, "record": _plain(unpack(result, Result)),
                 "why": "its result is in Redis; the batch's shard is written when the whole batch is done"}
@@ -106,7 +98,7 @@ def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
     """In a written shard: the record itself, read from the shard (local or S3)."""
     config = load_config(conn, job)
     endpoint = config.s3_endpoint_url if config else None
-    for raw in conn.hvals(keys.job_shards(job)):
+    for raw in ledger_jobs.shard_infos(conn, job):
         info = unpack(raw, ShardInfo)
         for line in _lines(info.uri, endpoint):
             if prompt_id.encode() in line:

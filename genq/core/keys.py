@@ -149,6 +149,16 @@ def engine_alive(instance: str) -> str:
     return f"genq:engine:{instance}:alive"
 
 
+def engine_model(instance: str) -> str:
+    """The model an engine's server serves, for its RQ loops (a string; absent: unknown)."""
+    return f"genq:engine:{instance}:model"
+
+
+def engine_refused(instance: str) -> str:
+    """Set of the jobs an engine (its loops included) has said it will not serve: said once."""
+    return f"genq:engine:{instance}:refused"
+
+
 def engine_inbox(instance: str) -> str:
     return f"genq:engine:{instance}:inbox"
 

@@ -1,6 +1,6 @@
 """Which batch RQ hands out next: priorities and fair share over RQ's one queue (docs/scheduling.md).
 
-Every job has a JobSchedule (keys.job_schedule: priority, weight). RQ's queue `genq` is kept in
+Every job has a JobSchedule (priority, weight; stored by genq.core.ledger.jobs). RQ's queue `genq` is kept in
 scheduling order: the batches of the highest priority first; among jobs of equal priority, one
 batch of each in turn (weighted: a job of weight 2 gets two turns to one), counting the batches
 each has already been given, so a job queued later is not stuck behind one queued earlier.
@@ -16,46 +16,30 @@ loops all hold batches of lower priority takes one more (worker/loops.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 
 import redis
 
-from genq.core import keys, scripts
-from genq.core.records import JobSchedule, pack, unpack
+from genq.core import scripts
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger.jobs import schedule_of as schedule_of  # where worker/shares.py, stealing.py read it
+from genq.core.ledger.jobs import schedules
+from genq.core.records import JobSchedule
 from genq.core.scripts import RQ_JOB_PREFIX
 
 DESCRIPTION = "genq batch "  # genq.core.queueing: "genq batch JOB/BATCH (N prompts)"
-
-
-def schedule_of(raw: bytes | None) -> JobSchedule:
-    return unpack(raw, JobSchedule) if raw else JobSchedule()
-
-
-def schedules(conn: redis.Redis, jobs: Iterable[str]) -> dict[str, JobSchedule]:
-    jobs = list(jobs)
-    if not jobs:
-        return {}
-    return {job: schedule_of(raw) for job, raw in zip(jobs, conn.mget([keys.job_schedule(j) for j in jobs]))}
 
 
 def set_schedule(conn: redis.Redis, job: str, priority: int | None = None, weight: float | None = None) -> JobSchedule:
     """Store the job's priority and/or weight (the others kept) and put the queue in order again."""
     if weight is not None and not weight > 0:
         raise ValueError("a weight is > 0")
-    key = keys.job_schedule(job)
-    result: list[JobSchedule] = []
+    def change(old: JobSchedule) -> JobSchedule:
+        return JobSchedule(priority=old.priority if priority is None else priority,
+                           weight=old.weight if weight is None else weight, changed_at=time.time())
 
-    def change(pipe: redis.client.Pipeline) -> None:
-        old = schedule_of(pipe.get(key))
-        new = JobSchedule(priority=old.priority if priority is None else priority,
-                          weight=old.weight if weight is None else weight, changed_at=time.time())
-        pipe.multi()
-        pipe.set(key, pack(new))
-        result[:] = [new]
-
-    conn.transaction(change, key)
+    new = ledger_jobs.change_schedule(conn, job, change)
     order_queue(conn)
-    return result[0]
+    return new
 
 
 def batch_of_description(description: bytes | str | None) -> tuple[str, str] | None:
@@ -113,11 +97,8 @@ def order_queue(conn: redis.Redis) -> bool:
         return False
     jobs = sorted(queued)
     sched = schedules(conn, jobs)
-    with conn.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            pipe.hget(keys.job_stats(job), "batches")
-        counts = pipe.execute()
-    given = {job: max(0, int(n or 0) - len(queued[job])) for job, n in zip(jobs, counts)}
+    counts = ledger_jobs.batches_counted(conn, jobs)
+    given = {job: max(0, n - len(queued[job])) for job, n in zip(jobs, counts)}
     wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given, sched)
     return bool(scripts.evaluate(conn, scripts.REORDER, scripts.reorder_call(queue.key, wanted)))
 

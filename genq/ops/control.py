@@ -1,9 +1,9 @@
 """Operator controls over Redis: the fleet view, pause/resume, drain, live concurrency, job list.
 
 Everything here is plain synchronous Redis reads and writes so the CLI (genq.cli.control)
-and the monitor can share it. Workers publish WorkerStatus (keys.worker_status, TTL 15 s,
-kept without TTL once "stopped") and read Control (keys.worker_control), keys.PAUSED and
-keys.job_paused every second; nothing here talks to a worker directly.
+and the monitor can share it. Workers publish WorkerStatus (TTL 15 s, kept without TTL once
+"stopped") and read their Control and the pause flags every second (genq.core.ledger.fleet and
+.jobs keep them); nothing here talks to a worker directly.
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ from typing import Any, ClassVar
 import msgspec
 import redis
 
-from genq.core import keys
 from genq.core.health import NO_HEARTBEAT
+from genq.core.ledger import fleet as ledger_fleet
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger.figures import job_totals
 from genq.core.order import schedules
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, suspend_loops
-from genq.core.records import Control, InFlight, JobBlock, WorkerStatus, pack, unpack
+from genq.core.records import Control, JobBlock, WorkerStatus
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock, unqueue
 
-LOST = "lost"  # in keys.WORKERS, but its status key expired: the process died without saying so
+LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
 
 
@@ -115,19 +117,10 @@ def _sort_key(row: WorkerRow) -> tuple:
 
 def fleet(conn: redis.Redis) -> list[WorkerRow]:
     """Every worker that ever heartbeated, sorted by host then GPU."""
-    names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
-    if not names:
-        return []
-    raws = conn.mget([keys.worker_status(n) for n in names])
     now = time.time()
-    rows = []
-    for name, raw in zip(names, raws):
-        try:
-            status = unpack(raw, WorkerStatus) if raw else None
-        except msgspec.DecodeError:
-            status = None  # written by an incompatible genq: treat as unknown
-        rows.append(WorkerRow(name, status, now))
-    return sorted(rows, key=_sort_key)
+    # A status written by an incompatible genq reads as None: unknown.
+    return sorted((WorkerRow(name, status, now) for name, status in ledger_fleet.statuses(conn).items()),
+                  key=_sort_key)
 
 
 class NoMatch(Exception):
@@ -169,41 +162,31 @@ def update_control(conn: redis.Redis, name: str, *, drain: bool | None = None,
     concurrency=None (or 0) means auto; leave it as KEEP to keep the current value.
     WATCH makes a concurrent drain and concurrency change both stick.
     """
-    key = keys.worker_control(name)
-    result: list[Control] = []
-
-    def change(pipe: redis.client.Pipeline) -> None:
-        raw = pipe.get(key)
-        control = unpack(raw, Control) if raw else Control()
+    def change(control: Control) -> None:
         if drain is not None:
             control.drain = drain
         if concurrency is not KEEP:
-            control.concurrency = concurrency or None
-        pipe.multi()
-        pipe.set(key, pack(control))
-        result[:] = [control]
+            control.concurrency = concurrency or None  # type: ignore[assignment]  # int | None, not KEEP
 
-    conn.transaction(change, key)
+    control = ledger_fleet.change_control(conn, name, change)
     tell_idle_workers(conn)
-    return result[0]
+    return control
 
 
 def tell_idle_workers(conn: redis.Redis) -> None:
     """Idle workers read their control every 20 s: this makes them read it now (one PUBLISH)."""
-    conn.publish(keys.WAKE, keys.WAKE_CONTROL)
+    ledger_fleet.tell_idle_workers(conn)
 
 
 def pause(conn: redis.Redis, job: str | None = None) -> None:
     """Stop dispatching new requests (all jobs, or one); in-flight requests finish."""
     if job is None:
-        with conn.pipeline() as pipe:
-            pipe.set(keys.PAUSED, repr(time.time()))
-            pipe.execute()
+        ledger_jobs.pause_all(conn)
         suspend_loops(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
     else:
         # Its queued batches leave RQ's queue and its workers park what they hold (worker/parking.py):
         # their slots go to other jobs; `resume --job` queues them all again.
-        conn.set(keys.job_paused(job), repr(time.time()))
+        ledger_jobs.pause_job(conn, job)
         unqueue(conn, job)
     tell_idle_workers(conn)
 
@@ -212,7 +195,7 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
     """Undo a pause; with a job, also lift its block and queue the batches its workers parked
     (genq.ops.settings.unblock): how many were queued."""
     if job is None:
-        conn.delete(keys.PAUSED)
+        ledger_jobs.resume_all(conn)
         suspend_loops(conn, suspended=False)
         queued = 0
     else:
@@ -222,18 +205,11 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
 
 
 def paused_jobs(conn: redis.Redis, jobs: Iterable[str]) -> set[str]:
-    jobs = list(jobs)
-    if not jobs:
-        return set()
-    with conn.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            pipe.exists(keys.job_paused(job))
-        flags = pipe.execute()
-    return {job for job, flag in zip(jobs, flags) if flag}
+    return ledger_jobs.paused_jobs(conn, jobs)
 
 
 def globally_paused(conn: redis.Redis) -> bool:
-    return bool(conn.exists(keys.PAUSED))
+    return ledger_jobs.paused_all(conn)
 
 
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
@@ -243,24 +219,15 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
     names = list_jobs(conn) if names is None else list(names)
     paused_all = globally_paused(conn)
     paused = paused_jobs(conn, names)
-    fleet_names = sorted(n.decode() for n in conn.smembers(keys.WORKERS))
+    fleet_names = ledger_fleet.worker_names(conn)
     blocks = blocks_of(conn, names)
     sched = schedules(conn, names)
     rows = []
     for job in names:
-        workers = sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
-        with conn.pipeline(transaction=False) as pipe:
-            pipe.hgetall(keys.job_stats(job))
-            pipe.hlen(keys.job_dlq(job))
-            pipe.scard(keys.job_done(job))
-            for w in workers:
-                pipe.hget(keys.worker_stats(job, w), "done")
-            for w in fleet_names:
-                pipe.get(keys.job_inflight(job, w))
-            stats, failed, batches_done, *rest = pipe.execute()
-        done = sum(int(v or 0) for v in rest[: len(workers)])
-        holding = [w for w, raw in zip(fleet_names, rest[len(workers):]) if raw]
-        running = sum(len(unpack(raw, InFlight).tokens) for raw in rest[len(workers):] if raw)
+        totals = job_totals(conn, job, fleet_names)
+        stats, failed, batches_done, done = totals.stats, totals.dead, totals.batches_done, totals.done
+        holding = list(totals.inflight)
+        running = sum(len(record.tokens) for record in totals.inflight.values())
         total = int(stats.get(b"total", 0))
         batches = int(stats.get(b"batches", 0))
         is_paused = paused_all or job in paused
@@ -275,9 +242,8 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
             settings_version=config.settings_version if config else 1,
             priority=sched[job].priority, weight=sched[job].weight, running=running,
         ))
-    statuses = [unpack(raw, WorkerStatus) for raw in conn.mget([keys.worker_status(w) for w in fleet_names])
-                if raw] if fleet_names else []
-    fleet_running = sum(s.in_flight for s in statuses if s.state != "stopped")  # every job's, as the monitor counts
+    statuses = ledger_fleet.statuses(conn, fleet_names).values()
+    fleet_running = sum(s.in_flight for s in statuses if s is not None and s.state != "stopped")  # every job's, as the monitor counts
     for r in rows:
         r.share = min(1.0, r.running / fleet_running) if fleet_running else 0.0
     return rows
@@ -286,11 +252,7 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
 def forget(conn: redis.Redis, names: Iterable[str]) -> list[str]:
     """Remove workers from the fleet view (their status and control records too)."""
     names = list(names)
-    if names:
-        with conn.pipeline() as pipe:
-            pipe.srem(keys.WORKERS, *names)
-            pipe.delete(*[keys.worker_status(n) for n in names], *[keys.worker_control(n) for n in names])
-            pipe.execute()
+    ledger_fleet.forget_workers(conn, names)
     return names
 
 
@@ -328,7 +290,7 @@ def _rq_places(conn: redis.Redis) -> dict[str, Any]:
 
 def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     """Everything of `job` in Redis: its keys, its RQ jobs by place, the live workers holding its batches."""
-    found_keys = sorted(k.decode() for k in conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
+    found_keys = ledger_jobs.find_job_keys(conn, job)
     rq_jobs: dict[str, list[str]] = {}
     for place, holder in _rq_places(conn).items():
         # cleanup=False: looking must not make RQ move jobs between registries.
@@ -362,9 +324,7 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> 
         for rq_job in fetch_rq_jobs(conn, ids):
             if rq_job is not None:
                 delete_rq_job(pipe, rq_job, remove_from_queue=False)
-        if found.keys:
-            pipe.delete(*found.keys)
-        pipe.srem(keys.JOBS, found.job)
+        ledger_jobs.stage_forget_job(pipe, found.job, found.keys)
         pipe.execute()
     if again:
         # A batch RQ re-queued or a worker wrote meanwhile would be orphaned: one more pass catches it.

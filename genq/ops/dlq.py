@@ -31,7 +31,8 @@ import msgspec
 import redis
 
 from genq.core import batches as batch_records
-from genq.core import keys
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger import letters
 from genq.core.queueing import (
     carried,
     delete_rq_job,
@@ -45,7 +46,7 @@ from genq.core.queueing import (
     new_batches,
     write_batches,
 )
-from genq.core.records import DeadLetter, ErrorKind, unpack
+from genq.core.records import DeadLetter, ErrorKind
 from genq.ops.settings import with_override
 
 BATCH_PREFIX = "batch:"
@@ -99,8 +100,7 @@ def jobs_for(conn: redis.Redis, job: str | None) -> list[str]:
 
 
 def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
-    # HSCAN rather than HGETALL: a huge DLQ is read in steps without blocking Redis.
-    return [unpack(raw, Entry) for _, raw in conn.hscan_iter(keys.job_dlq(job), count=500)]
+    return letters.read_all(conn, job, Entry)
 
 
 def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = False) -> list[Entry]:
@@ -117,7 +117,7 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
         exc = (result.exc_string if result is not None else None) or ""
         last = next((line.strip() for line in reversed(exc.splitlines()) if line.strip()), "")
         batch = load_batch(conn, job, batch_id)
-        if batch is None and conn.sismember(keys.job_done(job), batch_id):
+        if batch is None and ledger_jobs.batch_done(conn, job, batch_id):
             # RQ can mark a finished job failed after the fact (rq#2424): say so.
             last = f"batch already complete (RQ recorded a failure afterwards): {last}"
         ended = rq_job.ended_at or (result.created_at if result is not None else None)
@@ -148,9 +148,9 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
     prompt_ids = [i for i in matches if not i.startswith(BATCH_PREFIX)]
     if prompt_ids:
         for j in jobs:
-            for pid, raw in zip(prompt_ids, conn.hmget(keys.job_dlq(j), prompt_ids)):
-                if raw is not None:
-                    matches[pid].append(unpack(raw, Entry))
+            for pid, letter in zip(prompt_ids, letters.read_some(conn, j, prompt_ids, Entry)):
+                if letter is not None:
+                    matches[pid].append(letter)
     if len(prompt_ids) < len(matches):
         for entry in failed_batches(conn, jobs, traceback=traceback):
             if entry.id in matches:
@@ -191,43 +191,41 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
 
 
 def _atomically(conn: redis.Redis, watched: Sequence[str], body: Callable[[Any], T]) -> T:
-    """Run body(pipe) with `watched` under WATCH, again from the start whenever one of them
-    changes before its MULTI executes (a concurrent requeue or purge of the same letters)."""
+    """Run body(pipe) with `watched` (keys of RQ's) under WATCH, again from the start whenever one
+    of them changes before its MULTI executes (a concurrent requeue or purge of the same batch)."""
     return conn.transaction(body, *watched, value_from_callable=True)
 
 
 def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: int, report: RequeueReport,
                      override: dict[str, Any]) -> None:
-    dlq = keys.job_dlq(job)
-
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
-        letters, skipped = _movable(pipe, job, ids, "requeue")
+        found, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
-        prompts = sorted((with_override(letter.prompt, override) for letter in letters if letter.prompt is not None),
+        prompts = sorted((with_override(letter.prompt, override) for letter in found if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
         batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
         pipe.multi()
-        if letters:
+        if found:
             write_batches(pipe, conn, batches, digests={}, count_total=False)
-            pipe.hdel(dlq, *[letter.id for letter in letters])
-        return letters, skipped, [b.id for b in batches]
+            letters.stage_drop(pipe, job, [letter.id for letter in found])
+        return found, skipped, [b.id for b in batches]
 
-    letters, skipped, batch_ids = _atomically(conn, [dlq], move)
+    moved, skipped, batch_ids = letters.transaction(conn, job, move)
     report.skipped.extend(skipped)
-    if letters:
-        report.prompts[job] = report.prompts.get(job, 0) + len(letters)
+    if moved:
+        report.prompts[job] = report.prompts.get(job, 0) + len(moved)
         report.new_batches.setdefault(job, []).extend(batch_ids)
 
 
 def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
     """Letters (still in the DLQ) whose batch can never run again, and why the others are not."""
-    letters = [unpack(raw, DeadLetter) for raw in pipe.hmget(keys.job_dlq(job), ids) if raw is not None]
-    gone = set(ids) - {letter.id for letter in letters}
+    found = [letter for letter in letters.read_some(pipe, job, ids, DeadLetter) if letter is not None]
+    gone = set(ids) - {letter.id for letter in found}
     skipped = [(i, "no longer in the dead-letter queue (requeued or purged meanwhile)") for i in ids if i in gone]
-    batch_ids = sorted({letter.batch for letter in letters})
-    live = {b for b in batch_ids if pipe.exists(keys.batch(job, b))}
+    batch_ids = sorted({letter.batch for letter in found})
+    live = {b for b in batch_ids if ledger_jobs.batch_exists(pipe, job, b)}
     movable = []
-    for letter in letters:
+    for letter in found:
         if letter.batch in live:
             skipped.append((letter.id, f"its batch {letter.batch} has not finished (still held by a worker, queued, "
                                        f"or failed in RQ); {verb} it once that batch completes"))
@@ -288,20 +286,15 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
 
 
 def _purge_letters(conn: redis.Redis, job: str, ids: list[str], report: PurgeReport) -> None:
-    dlq = keys.job_dlq(job)
-
     def forget(pipe: Any) -> tuple[list[str], list[tuple[str, str]]]:
-        letters, kept = _movable(pipe, job, ids, "purge")
-        gone = [letter.id for letter in letters]
+        found, kept = _movable(pipe, job, ids, "purge")
+        gone = [letter.id for letter in found]
         pipe.multi()
-        if gone:
-            pipe.hdel(dlq, *gone)
-            pipe.hdel(keys.job_ids(job), *gone)
-            pipe.hincrby(keys.job_stats(job), "total", -len(gone))
-            pipe.hincrby(keys.job_stats(job), "purged", len(gone))
+        letters.stage_drop(pipe, job, gone)
+        letters.stage_forget_prompts(pipe, job, gone)
         return gone, kept
 
-    gone, kept = _atomically(conn, [dlq], forget)
+    gone, kept = letters.transaction(conn, job, forget)
     report.kept.extend(kept)
     if gone:
         report.letters[job] = report.letters.get(job, 0) + len(gone)
@@ -310,12 +303,11 @@ def _purge_letters(conn: redis.Redis, job: str, ids: list[str], report: PurgeRep
 def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
     registry = failed_registry(conn)
     job, batch_id = entry.job, entry.batch
-    results = keys.batch_results(job, batch_id)
 
     def forget(pipe: Any) -> str | list[str]:
         if pipe.zscore(registry.key, entry.rq_job) is None:
             return "no longer in RQ's failed registry (requeued or purged meanwhile)"
-        finished = pipe.hlen(results)
+        finished = ledger_jobs.result_count(pipe, job, batch_id)
         if finished:
             # Those results are counted as done but are in no shard yet: purging would
             # throw away finished work and leave the counters wrong. Requeue finishes it.
@@ -323,26 +315,17 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
                     f"`genq dlq requeue --job {job} {entry.id}` completes it without regenerating them")
         batch = load_batch(pipe, job, batch_id)
         ids = batch_records.ids(batch) if batch else []
-        dead = pipe.hmget(keys.job_dlq(job), ids) if ids else []
+        dead = letters.read_some(pipe, job, ids, DeadLetter)
         # Its dead letters stay letters (purged below with the others); the rest is forgotten.
         unfinished = [i for i, d in zip(ids, dead) if d is None]
         old = fetch_rq_job(conn, str(entry.rq_job))
         pipe.multi()
         delete_rq_job(pipe, old)
-        # Out of the ledger too: a purged batch is neither pending nor done.
-        pipe.zrem(keys.job_batches(job), batch_id)
-        pipe.hdel(keys.job_transport(job), batch_id)
-        pipe.hdel(keys.job_leases(job), batch_id)
-        if batch is not None:
-            pipe.delete(keys.batch(job, batch_id), keys.batch_claims(job, batch_id), keys.batch_tries(job, batch_id))
-            pipe.hincrby(keys.job_stats(job), "batches", -1)
-        if unfinished:
-            pipe.hdel(keys.job_ids(job), *unfinished)
-            pipe.hincrby(keys.job_stats(job), "total", -len(unfinished))
-            pipe.hincrby(keys.job_stats(job), "purged", len(unfinished))
+        letters.stage_forget_batch(pipe, job, batch_id, had_record=batch is not None)
+        letters.stage_forget_prompts(pipe, job, unfinished)
         return unfinished
 
-    outcome = _atomically(conn, [registry.key, keys.job_dlq(job), results], forget)
+    outcome = letters.transaction(conn, job, forget, batch=batch_id, also=[registry.key])
     if isinstance(outcome, str):
         report.kept.append((entry.id, outcome))
     else:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import redis
 
-from genq.core import keys, scripts
+from genq.core import scripts
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig, JobRecord, ShardMarker
 from genq.core.words import plural
@@ -45,7 +46,7 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     count as done; the batches adopted."""
     store = open_store(config.output, config.s3_endpoint_url)
     written = truth.marker_batches(store, config.name)
-    done = {b.decode() for b in conn.smembers(keys.job_done(config.name))}
+    done = ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, written - done), config)
     adopted = [m.batch for m in markers if adopt(conn, config.name, m)]
     if adopted:
@@ -94,13 +95,13 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
     markers = truth.of_life(truth.read_markers(store, job, written), config)
     # Whatever Redis holds of the job without its config is not its ledger: results and claims
     # written into an empty Redis by workers that held batches when it was lost.
-    orphans = list(conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
+    orphans = ledger_jobs.find_job_keys(conn, job)
     top = max([record.reserved, *(batch_number(m.batch) for m in markers)], default=0)
     with conn.pipeline(transaction=True) as pipe:
         if orphans:
             pipe.delete(*orphans)
         stage_config(pipe, config)
-        pipe.set(keys.job_batch_seq(job), top)
+        ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]
     log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted",

@@ -4,8 +4,8 @@ the ledger's boundary").
 
 Each NAME.lua starts with its header: what it does, each KEYS[i] and ARGV[i] by name, what it
 returns. A line `-- #include PIECE` is replaced by _PIECE.lua (Lua shared by several scripts:
-the incarnation check, the running shard totals, the claim helpers); a piece may include
-another. The scripts are plain strings: callers register them on their own connection
+the incarnation check, the running shard totals, the claim helpers, the end that RELEASE and
+ADOPT share once a shard makes its batch done); a piece may include another. The scripts are plain strings: callers register them on their own connection
 (redis-py's register_script: EVALSHA, loaded again after a Redis restart).
 
 A `*_call` function takes typed arguments and returns (keys, args) for its script, so a

@@ -31,7 +31,7 @@
 -- ARGV[13] = a token to tell "done" besides the current lease's ('': none)
 -- ARGV[14] = the incarnation that wrote the shard
 -- Returns 0 (done already), 1 (adopted), 'gone' (the job is not in Redis as the life that wrote the shard).
--- #include shard_totals
+-- #include publish_shard
 -- #include incarnation
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
 if not incarnation_ok(KEYS[14], ARGV[14]) then return 'gone' end
@@ -74,24 +74,7 @@ if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARG
   redis.call('HINCRBY', KEYS[7], 'total', tonumber(ARGV[5]) + #cmsgpack.unpack(ARGV[10]))
   redis.call('HINCRBY', KEYS[7], 'batches', 1)
 end
-redis.call('SADD', KEYS[1], ARGV[1])
-count_shards(KEYS[2], KEYS[7])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[7], 'shard_records', tonumber(ARGV[5]))
-redis.call('HINCRBY', KEYS[7], 'shard_bytes', tonumber(ARGV[6]))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[15])
-local tokens = {}
-if ARGV[13] ~= '' then tokens[1] = ARGV[13] end
-local lease = redis.call('HGET', KEYS[5], ARGV[1])
-if lease then
-  local current = string.match(lease, '^(%S+)')
-  if current ~= ARGV[13] then tokens[#tokens + 1] = current end
-end
-for _, token in ipairs(tokens) do
-  local reply = string.gsub(ARGV[4], '{token}', token)
-  redis.call('RPUSH', reply, 'done')
-  redis.call('EXPIRE', reply, tonumber(ARGV[3]))
-end
-redis.call('HDEL', KEYS[5], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
+publish_shard({done = KEYS[1], shards = KEYS[2], results = KEYS[3], record = KEYS[4], leases = KEYS[5],
+               transport = KEYS[6], stats = KEYS[7], claims = KEYS[8], tries = KEYS[15]},
+              ARGV[1], ARGV[2], ARGV[3], ARGV[5], ARGV[6], ARGV[13], ARGV[4])
 return 1

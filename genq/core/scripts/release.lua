@@ -22,32 +22,14 @@
 -- ARGV[8] = the job's incarnation
 -- Returns 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
 -- 'short' (Redis holds other results than the shard: lost or rolled back meanwhile).
--- #include shard_totals
+-- #include publish_shard
 -- #include incarnation
-local TOKEN_SLOT_PATTERN = '{token}'
-
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
 if not incarnation_ok(KEYS[9], ARGV[8]) then return 'gone' end
 if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[6]) then return 'short' end
-redis.call('SADD', KEYS[1], ARGV[1])
--- Totals not kept yet (a job's first shard, or a job of an older genq): count what is
--- there before this shard (nothing, for a new job), then add this one.
-count_shards(KEYS[2], KEYS[7])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[7], 'shard_records', tonumber(ARGV[6]))
-redis.call('HINCRBY', KEYS[7], 'shard_bytes', tonumber(ARGV[7]))
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[8], KEYS[10])
-local tokens = {ARGV[4]}
-local lease = redis.call('HGET', KEYS[5], ARGV[1])
-if lease then
-  local current = string.match(lease, '^(%S+)')
-  if current ~= ARGV[4] then tokens[2] = current end
-end
-for _, token in ipairs(tokens) do
-  local reply = string.gsub(ARGV[5], TOKEN_SLOT_PATTERN, token)
-  redis.call('RPUSH', reply, 'done')
-  redis.call('EXPIRE', reply, tonumber(ARGV[3]))
-end
-redis.call('HDEL', KEYS[5], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
+-- Totals not kept yet (a job's first shard, or a job of an older genq): publish_shard counts what
+-- is there before this shard (nothing, for a new job), then adds this one.
+publish_shard({done = KEYS[1], shards = KEYS[2], results = KEYS[3], record = KEYS[4], leases = KEYS[5],
+               transport = KEYS[6], stats = KEYS[7], claims = KEYS[8], tries = KEYS[10]},
+              ARGV[1], ARGV[2], ARGV[3], ARGV[6], ARGV[7], ARGV[4], ARGV[5])
 return 1

@@ -23,6 +23,11 @@ enqueued again under the same name is a new one. Every script that writes for a 
 (RECORD, the claim scripts, RELEASE, ADOPT: genq/core/scripts/) is given the incarnation its
 caller works for and refuses to write for another one (scripts/_incarnation.lua), so nothing
 of a deleted job lands in its successor.
+
+This module is the protocol; the package's other modules are every read and write the rest of
+genq makes of a key, named for what they do (docs/architecture.md, "The scripts and the ledger's
+boundary"): jobs (a job's own records), fleet (workers and servers), letters (dead letters),
+leasing (the engine's side of a lease), parked (paused jobs' batches), figures (the monitor's reads).
 """
 
 from __future__ import annotations

@@ -1,0 +1,191 @@
+"""The fleet's records in Redis: who the workers are, the status each publishes, the controls an
+operator gives them, what each has in flight per job, the wake-up channel, and what genq keeps
+of a server (its decode figures, its model). Written by a worker's heartbeat, read by the
+operator's commands and the monitor; only the ledger names their keys.
+
+A beat's writes are staged on the caller's pipeline (sync or asyncio: `stage_*` only queue
+commands), so a beat stays one round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import redis
+import redis.asyncio as aioredis
+from redis.client import Pipeline
+
+from genq.core import keys
+from genq.core.decodefigures import ServerDecode
+from genq.core.records import Control, InFlight, WorkerStatus, pack, unpack
+
+AnyPipeline = Any  # a redis-py pipeline, sync or asyncio: stage_* only queue commands on it
+
+# --------------------------------------------------------------------------- statuses
+
+
+def worker_names(conn: redis.Redis) -> list[str]:
+    """Every worker that ever heartbeated (until `genq workers forget`), sorted."""
+    return sorted(n.decode() for n in conn.smembers(keys.WORKERS))
+
+
+def statuses(conn: redis.Redis, names: list[str] | None = None) -> dict[str, WorkerStatus | None]:
+    """Each worker's status (of `names`, else of every worker), None when expired (lost) or
+    written by an incompatible genq."""
+    names = worker_names(conn) if names is None else names
+    out: dict[str, WorkerStatus | None] = {}
+    for name, raw in zip(names, conn.mget([keys.worker_status(n) for n in names]) if names else []):
+        try:
+            out[name] = unpack(raw, WorkerStatus) if raw else None
+        except msgspec.DecodeError:
+            out[name] = None
+    return out
+
+
+async def status_of(conn: aioredis.Redis, name: str) -> WorkerStatus | None:
+    raw = await conn.get(keys.worker_status(name))
+    return unpack(raw, WorkerStatus) if raw else None
+
+
+def forget_workers(conn: redis.Redis, names: list[str]) -> None:
+    """Remove workers from the fleet view: their name, status and control records."""
+    if names:
+        with conn.pipeline() as pipe:
+            pipe.srem(keys.WORKERS, *names)
+            pipe.delete(*[keys.worker_status(n) for n in names], *[keys.worker_control(n) for n in names])
+            pipe.execute()
+
+
+# --------------------------------------------------------------------------- a beat's writes
+
+
+def stage_alive(pipe: AnyPipeline, instance: str, name: str, ttl: int) -> None:
+    """The engine instance is alive for `ttl` s more (claims and leases count while it is)."""
+    pipe.set(keys.engine_alive(instance), name, ex=ttl)
+
+
+def stage_status(pipe: AnyPipeline, status: WorkerStatus, ttl: int | None) -> None:
+    """The worker's status; ttl None keeps it (a clean exit's, so the fleet view tells stopped from lost)."""
+    pipe.set(keys.worker_status(status.name), pack(status), ex=ttl)
+
+
+def stage_member(pipe: AnyPipeline, name: str) -> None:
+    pipe.sadd(keys.WORKERS, name)
+
+
+def stage_inflight(pipe: AnyPipeline, record: InFlight, ttl: int) -> None:
+    pipe.set(keys.job_inflight(record.job, record.worker), pack(record), ex=ttl)
+
+
+def stage_no_inflight(pipe: AnyPipeline, job: str, worker: str) -> None:
+    pipe.delete(keys.job_inflight(job, worker))
+
+
+async def stopped(conn: aioredis.Redis, instance: str, name: str) -> None:
+    """The engine left: its liveness and its control record go (its status says "stopped")."""
+    async with conn.pipeline(transaction=False) as pipe:
+        pipe.delete(keys.engine_alive(instance))
+        pipe.delete(keys.worker_control(name))
+        await pipe.execute()
+
+
+# --------------------------------------------------------------------------- controls
+
+
+async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tuple[Control, bool, set[str]]:
+    """What the operator asks of this worker now: its Control, the fleet-wide pause, which of
+    `jobs` are paused; one round trip."""
+    async with conn.pipeline(transaction=False) as pipe:
+        pipe.get(keys.worker_control(name))
+        pipe.exists(keys.PAUSED)
+        for job in jobs:
+            pipe.exists(keys.job_paused(job))
+        raw, paused, *job_flags = await pipe.execute()
+    control = unpack(raw, Control) if raw else Control()
+    return control, bool(paused), {job for job, flag in zip(jobs, job_flags) if flag}
+
+
+def change_control(conn: redis.Redis, name: str, change: Callable[[Control], None]) -> Control:
+    """Apply change() to the worker's stored Control under WATCH (a concurrent drain and cap both stick)."""
+    key = keys.worker_control(name)
+    result: list[Control] = []
+
+    def store(pipe: Pipeline) -> None:
+        raw = pipe.get(key)
+        control = unpack(raw, Control) if raw else Control()
+        change(control)
+        pipe.multi()
+        pipe.set(key, pack(control))
+        result[:] = [control]
+
+    conn.transaction(store, key)
+    return result[0]
+
+
+# --------------------------------------------------------------------------- the wake-up channel
+
+
+def tell_idle_workers(conn: redis.Redis) -> None:
+    """An operator changed a control: idle workers read theirs now, not at their next idle beat."""
+    conn.publish(keys.WAKE, keys.WAKE_CONTROL)
+
+
+async def wake_for_work(conn: aioredis.Redis) -> None:
+    """Prompts were given back: idle workers look for some to take (one PUBLISH)."""
+    await conn.publish(keys.WAKE, b"1")
+
+
+def listen_for_wakes(pubsub: Any) -> None:
+    pubsub.subscribe(keys.WAKE)
+
+
+def is_control_wake(data: Any) -> bool:
+    """Whether a wake-up message says a control changed (else: work to look at)."""
+    return data == keys.WAKE_CONTROL
+
+
+# --------------------------------------------------------------------------- a server
+
+
+async def server_decode(conn: aioredis.Redis, server: str, model: str) -> ServerDecode | None:
+    """A server's decode figures as its last worker left them (worker/decoding.py)."""
+    raw = await conn.get(keys.server_decode(server, model))
+    return unpack(raw, ServerDecode) if raw else None
+
+
+def stage_server_decode(pipe: AnyPipeline, server: str, model: str, figures: ServerDecode, ttl: int) -> None:
+    pipe.set(keys.server_decode(server, model), pack(figures), ex=ttl)
+
+
+async def publish_model(conn: aioredis.Redis, instance: str, model: str | None, ttl: int) -> None:
+    """The model the engine's server serves, for its RQ loops (None: unknown)."""
+    if model is None:
+        await conn.delete(keys.engine_model(instance))
+    else:
+        await conn.set(keys.engine_model(instance), model, ex=ttl)
+
+
+def engine_model(conn: redis.Redis, instance: str) -> str | None:
+    raw = conn.get(keys.engine_model(instance))
+    return raw.decode() if raw is not None else None
+
+
+def first_refusal(conn: redis.Redis, instance: str, job: str, ttl: int) -> bool:
+    """Record that the engine (its loops included) turned the job away; True the first time,
+    so that it is said once."""
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.sadd(keys.engine_refused(instance), job)
+        pipe.expire(keys.engine_refused(instance), ttl)
+        first, _ = pipe.execute()
+    return bool(first)
+
+
+async def first_refusal_async(conn: aioredis.Redis, instance: str, job: str, ttl: int) -> bool:
+    """first_refusal, from the engine's event loop."""
+    async with conn.pipeline(transaction=True) as pipe:
+        pipe.sadd(keys.engine_refused(instance), job)
+        pipe.expire(keys.engine_refused(instance), ttl)
+        first, _ = await pipe.execute()
+    return bool(first)

@@ -1,0 +1,238 @@
+"""A job's own records in Redis, named for what they say: the job list and its name rule, the
+pause flags (the whole fleet's and one job's), a job's block and schedule, its counts, its batch
+numbering, and every key it has (`genq jobs delete`, `genq recover`). The other modules ask these
+functions; only the ledger builds a key (docs/architecture.md, "The scripts and the ledger's
+boundary"). Batches and their RQ jobs are genq.core.queueing's; dead letters are
+genq.core.ledger.letters'; workers genq.core.ledger.fleet's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis
+from redis.client import Pipeline
+
+from genq.core import keys
+from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
+from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
+
+# --------------------------------------------------------------------------- pause flags
+
+
+def pause_all(conn: redis.Redis) -> None:
+    """`genq pause`: no worker sends a new request of any job (the flag holds when it was set)."""
+    conn.set(keys.PAUSED, repr(time.time()))
+
+
+def resume_all(conn: redis.Redis) -> None:
+    conn.delete(keys.PAUSED)
+
+
+def paused_all(conn: redis.Redis) -> bool:
+    return bool(conn.exists(keys.PAUSED))
+
+
+def pause_job(conn: redis.Redis, job: str) -> None:
+    """`genq pause --job`: this job's prompts are not sent (its batches are parked: worker/parking.py)."""
+    conn.set(keys.job_paused(job), repr(time.time()))
+
+
+def paused_jobs(conn: redis.Redis, jobs: Iterable[str]) -> set[str]:
+    """Those of `jobs` paused one by one (not counting the fleet-wide pause)."""
+    jobs = list(jobs)
+    if not jobs:
+        return set()
+    with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.exists(keys.job_paused(job))
+        flags = pipe.execute()
+    return {job for job, flag in zip(jobs, flags) if flag}
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def block_of(conn: redis.Redis, job: str) -> JobBlock | None:
+    raw = conn.get(keys.job_blocked(job))
+    return unpack(raw, JobBlock) if raw else None
+
+
+def blocks_of(conn: redis.Redis, jobs: list[str]) -> dict[str, JobBlock]:
+    if not jobs:
+        return {}
+    raws = conn.mget([keys.job_blocked(j) for j in jobs])
+    return {job: unpack(raw, JobBlock) for job, raw in zip(jobs, raws) if raw}
+
+
+def lift_block(conn: redis.Redis, job: str) -> None:
+    """Lift the job's block and its pause (`genq resume --job`), in one DEL."""
+    conn.delete(keys.job_blocked(job), keys.job_paused(job))
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def schedule_of(raw: bytes | None) -> JobSchedule:
+    return unpack(raw, JobSchedule) if raw else JobSchedule()
+
+
+def schedules(conn: redis.Redis, jobs: Iterable[str]) -> dict[str, JobSchedule]:
+    jobs = list(jobs)
+    if not jobs:
+        return {}
+    return {job: schedule_of(raw) for job, raw in zip(jobs, conn.mget([keys.job_schedule(j) for j in jobs]))}
+
+
+def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule], JobSchedule]) -> JobSchedule:
+    """Store change(the stored schedule) as the job's schedule, under WATCH; the new schedule."""
+    key = keys.job_schedule(job)
+    result: list[JobSchedule] = []
+
+    def store(pipe: Pipeline) -> None:
+        new = change(schedule_of(pipe.get(key)))
+        pipe.multi()
+        pipe.set(key, pack(new))
+        result[:] = [new]
+
+    conn.transaction(store, key)
+    return result[0]
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | None], JobConfig]) -> JobConfig:
+    """Store change(the stored config) as the job's config, under WATCH (`genq jobs set`); the
+    new config. `change` may raise to store nothing."""
+    key = keys.job_config(job)
+    result: list[JobConfig] = []
+
+    def store(pipe: Pipeline) -> None:
+        raw = pipe.get(key)
+        new = change(unpack(raw, JobConfig) if raw is not None else None)
+        pipe.multi()
+        pipe.set(key, pack(new))
+        result[:] = [new]
+
+    conn.transaction(store, key)
+    return result[0]
+
+
+# --------------------------------------------------------------------------- counts
+
+
+@dataclass
+class JobCounts:
+    """A job's counters of record (genq.monitor.snapshot says which is the truth of what)."""
+
+    total: int  # prompts enqueued (less those purged)
+    batches_total: int  # batches written (the ledger's list)
+    batches: int  # batches counted in the job's stats (less those purged)
+    done: int  # batches whose shard is written
+    dead: int  # dead letters
+
+
+def counts(conn: redis.Redis, job: str) -> JobCounts:
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.job_stats(job), ["total", "batches"])
+        pipe.zcard(keys.job_batches(job))
+        pipe.scard(keys.job_done(job))
+        pipe.hlen(keys.job_dlq(job))
+        (total, batches), listed, done, dead = pipe.execute()
+    return JobCounts(total=int(total or 0), batches_total=int(listed), batches=int(batches or 0),
+                     done=int(done), dead=int(dead))
+
+
+def job_stats(conn: redis.Redis, job: str) -> dict[bytes, bytes]:
+    """The job's stats hash as stored (total, batches, created_at, redeliveries, the shard totals...)."""
+    return conn.hgetall(keys.job_stats(job))
+
+
+def batches_counted(conn: redis.Redis, jobs: list[str]) -> list[int]:
+    """Each job's count of batches ever queued (its stats' "batches"), in one round trip."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.hget(keys.job_stats(job), "batches")
+        return [int(n or 0) for n in pipe.execute()]
+
+
+def done_batches(conn: redis.Redis, job: str) -> set[str]:
+    return {b.decode() for b in conn.smembers(keys.job_done(job))}
+
+
+def pending_batches(conn: redis.Redis, job: str) -> list[str]:
+    """The job's batches not done, in order."""
+    done = done_batches(conn, job)
+    return [b for raw in conn.zrange(keys.job_batches(job), 0, -1) if (b := raw.decode()) not in done]
+
+
+def knows_prompt(conn: redis.Redis, job: str, prompt_id: str) -> bool:
+    """Whether the prompt id was ever queued for the job (its id index)."""
+    return conn.hget(keys.job_ids(job), prompt_id) is not None
+
+
+def shard_infos(conn: redis.Redis, job: str) -> list[bytes]:
+    """The packed ShardInfo of every written shard of the job (the manifest's source)."""
+    return conn.hvals(keys.job_shards(job))
+
+
+# --------------------------------------------------------------------------- numbering and creation
+
+
+def watch_enqueue(pipe: Pipeline, job: str) -> None:
+    """WATCH what an enqueue reads before it writes: the id index, the batch numbering, the config."""
+    pipe.watch(keys.job_ids(job), keys.job_batch_seq(job), keys.job_config(job))
+
+
+def last_batch_number(conn: redis.Redis, job: str) -> int:
+    """The number of the job's last batch allocated (0: none)."""
+    return int(conn.get(keys.job_batch_seq(job)) or 0)
+
+
+def stage_last_batch_number(pipe: Pipeline, job: str, number: int) -> None:
+    pipe.set(keys.job_batch_seq(job), number)
+
+
+# --------------------------------------------------------------------------- every key of a job
+
+
+def job_keys_shown(job: str) -> str:
+    """How `genq jobs delete` names a job's keys to the operator (a glob)."""
+    return keys.job_keys_pattern(job)
+
+
+def find_job_keys(conn: redis.Redis, job: str) -> list[str]:
+    """Every key of the job (everything under genq:job:JOB:), sorted."""
+    return sorted(k.decode() for k in conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
+
+
+def stage_forget_job(pipe: Pipeline, job: str, job_keys: list[str]) -> None:
+    """Delete the job's keys (find_job_keys) and its name from the job list, in `pipe`."""
+    if job_keys:
+        pipe.delete(*job_keys)
+    pipe.srem(keys.JOBS, job)
+
+
+# --------------------------------------------------------------------------- a batch's state
+
+
+def batch_exists(conn: redis.Redis, job: str, batch: str) -> bool:
+    """Whether the batch's record is stored: it is deleted once its shard is written (or with its job)."""
+    return bool(conn.exists(keys.batch(job, batch)))
+
+
+def batch_done(conn: redis.Redis, job: str, batch: str) -> bool:
+    return bool(conn.sismember(keys.job_done(job), batch))
+
+
+def result_count(conn: redis.Redis, job: str, batch: str) -> int:
+    """Results stored for the batch and not yet in a shard."""
+    return int(conn.hlen(keys.batch_results(job, batch)))
+
+
+def result_ids(conn: redis.Redis, job: str, batch: str) -> set[str]:
+    """The prompt ids of the batch's stored results (not yet in a shard)."""
+    return {k.decode() for k in conn.hkeys(keys.batch_results(job, batch))}

@@ -1,0 +1,110 @@
+"""The engine's side of a lease (worker/leases.py drives it): deliveries from its RQ work horses
+through its inbox, what Redis recorded of a delivered batch, the lease check after each beat,
+and the hand-back (genq.core.ledger's module docstring defines the terms).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from genq.core import keys
+from genq.core.ledger import lease_token
+from genq.core.queueing import enqueue_batch_jobs
+from genq.core.records import BatchRef, JobConfig, pack, unpack
+
+
+async def next_delivery(conn: aioredis.Redis, instance: str, timeout: float) -> bytes | None:
+    """The next (token, job, batch, rq job) a horse put in the engine's inbox, packed; waits up
+    to `timeout` s (BLPOP: give it a connection of its own)."""
+    item = await conn.blpop([keys.engine_inbox(instance)], timeout=timeout)
+    return item[1] if item is not None else None
+
+
+async def late_delivery(conn: aioredis.Redis, instance: str) -> bytes | None:
+    """A delivery still in the inbox (a loop took it just before it was told to stop), without waiting."""
+    return await conn.lpop(keys.engine_inbox(instance))
+
+
+async def config_now(conn: aioredis.Redis, job: str) -> JobConfig | None:
+    """A job's settings as they are now (read for every delivery, never kept by name)."""
+    raw = await conn.get(keys.job_config(job))
+    return unpack(raw, JobConfig) if raw is not None else None
+
+
+async def batch_record(conn: aioredis.Redis, ref: BatchRef) -> bytes | None:
+    """The batch's stored record (genq.core.batches decodes it); None once released or deleted."""
+    return await conn.get(keys.batch(ref.job, ref.batch))
+
+
+async def finished_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> set[str]:
+    """Of the batch's prompt ids, those with an outcome recorded: a result or a dead letter."""
+    async with conn.pipeline(transaction=True) as pipe:
+        pipe.hkeys(keys.batch_results(ref.job, ref.batch))
+        pipe.hmget(keys.job_dlq(ref.job), ids)
+        stored, dead = await pipe.execute()
+    return {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
+
+
+async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
+    """For each batch: its job's incarnation now (None: deleted), whether it is done, and the
+    token of its current lease; one round trip."""
+    jobs = sorted({r.job for r in refs})
+    async with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.get(keys.job_config(job))
+        for ref in refs:
+            pipe.sismember(keys.job_done(ref.job), ref.batch)
+            pipe.hget(keys.job_leases(ref.job), ref.batch)
+        answers = await pipe.execute()
+    incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None
+                    for job, raw in zip(jobs, answers[: len(jobs)])}
+    answers = answers[len(jobs):]
+    return [(incarnations[ref.job], bool(answers[2 * i]), lease_token(answers[2 * i + 1]))
+            for i, ref in enumerate(refs)]
+
+
+def hand_back(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
+    """Queue the batch again at the front of the queue, in one transaction with the end of the
+    lease `token`; False if the batch is done or that lease is no longer its current one."""
+    with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
+                if pipe.sismember(keys.job_done(ref.job), ref.batch):
+                    return False
+                if lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
+                    return False
+                pipe.multi()
+                enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True)
+                pipe.hdel(keys.job_leases(ref.job), ref.batch)
+                pipe.execute()
+                return True
+            except WatchError:
+                continue
+
+
+async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tuple[JobConfig | None, bool]:
+    """The job's settings with the model `auto` replaced by `model` in the stored config, unless
+    another engine resolved it first (then its model stays); and whether this call pinned it.
+    (None, False) if the job is gone."""
+    key = keys.job_config(job)
+    async with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(key)
+                raw = await pipe.get(key)
+                if raw is None:
+                    return None, False
+                config = unpack(raw, JobConfig)
+                if config.model != auto:
+                    return config, False
+                pinned = msgspec.structs.replace(config, model=model)
+                pipe.multi()
+                pipe.set(key, pack(pinned))
+                await pipe.execute()
+                return pinned, True
+            except WatchError:
+                continue

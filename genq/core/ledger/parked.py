@@ -1,0 +1,60 @@
+"""Parked batches: a paused or blocked job's batches that no RQ job carries (worker/parking.py
+parks the held ones; unqueue takes the queued ones out of RQ's queue), and their way back
+(`genq resume --job`). Not stranded: the reconciler leaves a paused or blocked job's batches be.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from genq.core import keys
+from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, rq_queue
+
+
+def unqueue(conn: redis.Redis, job: str) -> int:
+    """Take the blocked job's batches out of RQ's queue (they are parked like the held ones: no RQ
+    job carries them, `genq resume --job` queues them again), so that workers do not take them one
+    by one only to park them, and other jobs' batches behind them are not kept waiting. How many."""
+    queue = rq_queue(conn)
+    ids = queue.get_job_ids()
+    mine = [(j.id, c[1]) for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job]
+    if not mine:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for rq_id, _ in mine:
+            pipe.lrem(queue.key, 0, rq_id)
+        removed = pipe.execute()
+    # Only what left the queue here: a loop that took one meanwhile delivers it, and its engine parks it.
+    gone = [(rq_id, batch) for (rq_id, batch), n in zip(mine, removed) if n]
+    carriers = conn.hmget(keys.job_transport(job), [batch for _, batch in gone]) if gone else []
+    with conn.pipeline(transaction=True) as pipe:
+        for (rq_id, batch), carrier in zip(gone, carriers):
+            if carrier is not None and carrier.decode() == rq_id:
+                pipe.hdel(keys.job_transport(job), batch)
+        for rq_job in fetch_rq_jobs(conn, [rq_id for rq_id, _ in gone]):
+            if rq_job is not None:
+                rq_job.delete(pipeline=pipe, remove_from_queue=False)
+        pipe.execute()
+    return len(gone)
+
+
+def requeue_parked(conn: redis.Redis, job: str) -> int:
+    """Queue every batch of `job` that is not done and that no RQ job carries (a blocked job's
+    workers parked it: worker/parking.py). WATCH on the transport makes a reconciler or a second
+    resume that queues one meanwhile start this over, so none is queued twice."""
+    transport = keys.job_transport(job)
+
+    def queue(pipe: redis.client.Pipeline) -> int:
+        batches = [b.decode() for b in pipe.zrange(keys.job_batches(job), 0, -1)]
+        done = {b.decode() for b in pipe.smembers(keys.job_done(job))}
+        pending = [b for b in batches if b not in done]
+        carried = pipe.hmget(transport, pending) if pending else []
+        parked = [b for b, t in zip(pending, carried) if t is None and pipe.exists(keys.batch(job, b))]
+        pipe.multi()
+        if parked:
+            enqueue_batch_jobs(pipe, conn, [(job, b, 0) for b in parked], at_front=True)
+        return len(parked)
+
+    return int(conn.transaction(queue, transport, keys.job_done(job), value_from_callable=True))
+
+
