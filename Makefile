@@ -74,7 +74,7 @@ test-vllm: $(BIN)/genq
 	$(BIN)/python scripts/vllm/bench.py $(VLLM_BENCH_ARGS)
 
 # Mutation testing of the result commit path (worker/results.py) with mutmut, run against the fast
-# tests that drive it (tests/test_commit.py), then the Lua commit script's own mutants
+# tests that drive it (tests/test_commit.py, tests/test_commit_scripts.py), then the Lua commit script's own mutants
 # (tests/lua_mutants.py: mutmut mutates no .lua file); config in pyproject.toml [tool.mutmut], survivors
 # explained in docs/mutation.md. Runs in a copy of the tree (.genq-mutation/, git-ignored) in which
 # worker/ is moved into genq/worker: mutmut mutates files under one source path (genq/).
