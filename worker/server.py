@@ -21,7 +21,8 @@ from yarl import URL
 from genq.core.records import JobConfig, Prompt
 from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
-from genq.worker.stream import _StreamState
+from genq.worker.http1 import Http1Pool, NoResponse, Sink
+from genq.worker.stream import StreamSink
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
@@ -102,6 +103,10 @@ class ServerClient:
             "completions": URL(self.base_url + "/v1/completions"),
         }
         self._connections = connections
+        # The generation POSTs to an http:// server go through the lean client (worker/http1.py).
+        base = URL(self.base_url)
+        self._pool = Http1Pool(base, connections) if base.scheme == "http" else None
+        self._paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
         connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, ttl_dns_cache=300)
         # Tells a request whether it went out on a pooled (reused) connection.
         tracing = aiohttp.TraceConfig()
@@ -120,6 +125,8 @@ class ServerClient:
         self.reconnects = 0  # requests sent again after their reused connection was dead
 
     async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         await self.session.close()
         if self._fresh is not None:
             await self._fresh.close()
@@ -191,8 +198,11 @@ class ServerClient:
     async def generate(
         self, endpoint: str, body: dict[str, Any], progress: Progress
     ) -> Completion | Failure:
-        url = self._generate_urls["chat" if endpoint == "chat" else "completions"]
         data = _json_encode(body)
+        if self._pool is not None:
+            return await self._post_lean(self._paths["chat" if endpoint == "chat" else "completions"], data, body,
+                                         progress)
+        url = self._generate_urls["chat" if endpoint == "chat" else "completions"]
         trace = SimpleNamespace(reused=False)
         try:
             return await self._post(self.session, url, data, body, progress, trace)
@@ -209,6 +219,33 @@ class ServerClient:
             return await self._post(self._fresh_session(), url, data, body, progress, None)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             return _connection_failure(exc)
+
+    async def _post_lean(self, path: str, data: bytes, body: dict[str, Any], progress: Progress) -> Completion | Failure:
+        """The same contract as _post's on the lean client: sent again once, on a new connection,
+        only if a pooled one ended before any response byte."""
+        assert self._pool is not None
+        model = body.get("model", "")
+        for reuse in (True, False):
+            answer = _Answer(bool(body.get("stream")), model, progress)
+            try:
+                status = await self._pool.post(path, data, answer.sink_for, reuse=reuse)
+            except NoResponse as exc:
+                if exc.reused:
+                    self.reconnects += 1
+                    continue
+                return _connection_failure(exc)
+            except OSError as exc:  # refused, reset, cut short, the connect timeout
+                return _connection_failure(exc)
+            if status != 200:
+                return _http_failure(status, b"".join(answer.parts))
+            if answer.stream is not None:
+                return answer.stream.outcome()
+            progress.first_byte = progress.last_activity = time.monotonic()
+            try:
+                return parse_completion_bytes(b"".join(answer.parts), model)
+            except msgspec.DecodeError as exc:
+                return Failure("protocol", f"unparsable response: {exc}")
+        raise AssertionError("unreachable: the second try takes no pooled connection")
 
     async def _post(self, session: aiohttp.ClientSession, url: URL, data: bytes, body: dict[str, Any],
                     progress: Progress, trace: SimpleNamespace | None) -> Completion | Failure:
@@ -232,6 +269,27 @@ class ServerClient:
             return outcome
 
 
+class _Answer:
+    """Where a lean response's body goes: a stream's events to the stream's state, else its bytes."""
+
+    __slots__ = ("streamed", "model", "progress", "parts", "stream")
+
+    def __init__(self, streamed: bool, model: str, progress: Progress) -> None:
+        self.streamed, self.model, self.progress = streamed, model, progress
+        self.parts: list[bytes] = []
+        self.stream: StreamSink | None = None
+
+    def sink_for(self, status: int) -> Sink:
+        if status == 200 and self.streamed:
+            self.stream = StreamSink(self.model, self.progress)
+            return self.stream
+        return self._keep
+
+    def _keep(self, piece: bytes) -> bool:
+        self.parts.append(piece)
+        return False
+
+
 async def _mark_reused(session: Any, ctx: SimpleNamespace, params: Any) -> None:
     if ctx.trace_request_ctx is not None:
         ctx.trace_request_ctx.reused = True
@@ -242,33 +300,10 @@ def _connection_failure(exc: BaseException) -> Failure:
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: str) -> Completion | Failure:
-    state = _StreamState(model)
-    # Read whatever arrives rather than a readline per line (two per event): a short
-    # answer comes in one piece. No async generator here: leaving one early costs a
-    # task for its aclose(). Read on to the end of the body after [DONE]: a body left
-    # unread makes aiohttp close the connection instead of reusing it.
-    rest = b""
+    # Whatever arrives, not a readline per line (two per event): a short answer comes in one
+    # piece. No async generator here: leaving one early costs a task for its aclose().
+    sink = StreamSink(model, progress)
     async for chunk in resp.content.iter_any():
-        now = progress.last_activity = time.monotonic()
-        if progress.first_byte is None:
-            progress.first_byte = now
-        if state.done:
-            continue
-        if rest:
-            chunk = rest + chunk
-        lines = chunk.split(b"\n")
-        rest = lines.pop()  # the unfinished last line (b"" when the chunk ends a line)
-        for line in lines:
-            if line.startswith(b"data:"):
-                failure = state.feed(line[5:].strip(), progress)
-                if failure is not None:
-                    return failure
-                if state.done:
-                    break
-    if not state.done and rest.startswith(b"data:"):
-        failure = state.feed(rest[5:].strip(), progress)
-        if failure is not None:
-            return failure
-    if not state.done:
-        return Failure("connection", "stream ended before [DONE]")
-    return state.completion()
+        if sink(chunk):
+            break
+    return sink.outcome()
