@@ -4,8 +4,8 @@ aiohttp's client session cost about what a whole bare request loop costs (tracin
 cookie jar, payload registry, a StreamReader per response): against a fast server it was
 more than half of a worker's CPU. The POSTs need little of it: keep-alive connections to one
 `http://` server, a body of known length, and an answer by Content-Length, chunked, or to
-the connection's close. Health checks, /metrics and `https://` servers stay on aiohttp
-(worker/server.py).
+the connection's close. GETs (health, models, /metrics) go each on a connection of its own.
+`https://` servers stay on aiohttp (worker/aioclient.py).
 
 Only a request that got no response byte on a reused connection may be sent again (the
 caller does: a server that closed an idle keep-alive connection, llama.cpp after each
@@ -88,6 +88,7 @@ class Http1Pool:
         host = self.host if self.port == 80 else f"{self.host}:{self.port}"
         self._head = (f"\r\nHost: {host}\r\nContent-Type: application/json\r\nAccept: */*\r\n"
                       "Content-Length: ").encode()
+        self._get_head = f"\r\nHost: {host}\r\nAccept: */*\r\nConnection: close\r\n\r\n".encode()
 
     def close(self) -> None:
         for conn in self.idle:
@@ -99,6 +100,24 @@ class Http1Pool:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             _, conn = await loop.create_connection(lambda: _Conn(loop), self.host, self.port)
         return conn
+
+    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        """(status, body) of a GET on a connection of its own, closed after (see ServerClient._get)."""
+        parts: list[bytes] = []
+
+        def keep(piece: bytes) -> bool:
+            parts.append(piece)
+            return False
+
+        async with asyncio.timeout(timeout):
+            conn = await self._connect()
+            try:
+                assert conn.transport is not None
+                conn.transport.write(b"GET " + (self.prefix + path).encode() + b" HTTP/1.1" + self._get_head)
+                status, _ = await _response(conn, lambda status: keep)
+            finally:
+                conn.close()
+        return status, b"".join(parts)
 
     async def post(self, path: str, data: bytes, sink_for: Callable[[int], Sink], *, reuse: bool = True) -> int:
         """The status; the body went to sink_for(status). Raises NoResponse, or OSError, before

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 from yarl import URL
 
@@ -23,16 +21,19 @@ from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
 from genq.worker.http1 import Http1Pool, NoResponse, Sink
 from genq.worker.stream import StreamSink
+
+if TYPE_CHECKING:
+    from genq.worker.aioclient import AioClient
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
     Progress,
+    _connection_failure,
     _http_failure,
     parse_completion_bytes,
 )
 
 _json_decode = msgspec.json.Decoder().decode
-_JSON_HEADERS = {"Content-Type": "application/json"}
 _json_encode = msgspec.json.Encoder().encode
 
 # How long a health check waits for the server's verdict. SGLang's /health runs a
@@ -41,9 +42,6 @@ _json_encode = msgspec.json.Encoder().encode
 # as down, and the worker then cancels every request in flight as a crash.
 HEALTH_TIMEOUT_S = 30.0
 
-# Errors of a request that never got a response byte: on a reused keep-alive
-# connection these mean the server had closed it (llama.cpp does after every stream).
-_BEFORE_RESPONSE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 class ServerUnavailable(Exception):
@@ -107,47 +105,30 @@ class ServerClient:
         base = URL(self.base_url)
         self._pool = Http1Pool(base, connections) if base.scheme == "http" else None
         self._paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, ttl_dns_cache=300)
-        # Tells a request whether it went out on a pooled (reused) connection.
-        tracing = aiohttp.TraceConfig()
-        tracing.on_connection_reuseconn.append(_mark_reused)
-        # No total timeout: the worker's watchdog enforces stall and request timeouts,
-        # which a per-request aiohttp timer would only duplicate.
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            json_serialize=lambda obj: _json_encode(obj).decode(),
-            trace_configs=[tracing],
-        )
-        # Never reuses a connection: for GETs, and for a generation request whose
-        # pooled connection turned out dead.
-        self._fresh: aiohttp.ClientSession | None = None
+        # https:// servers, on aiohttp (worker/aioclient.py): imported only for them.
+        self._aio: AioClient | None = None
+        if self._pool is None:
+            from genq.worker.aioclient import AioClient
+
+            self._aio = AioClient(connections)
         self.reconnects = 0  # requests sent again after their reused connection was dead
 
     async def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
-        await self.session.close()
-        if self._fresh is not None:
-            await self._fresh.close()
-
-    def _fresh_session(self) -> aiohttp.ClientSession:
-        if self._fresh is None:
-            self._fresh = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._connections, force_close=True),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            )
-        return self._fresh
+        if self._aio is not None:
+            await self._aio.close()
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         # Each GET on a connection of its own: a pooled one may be one llama-server is
-        # about to close, and aiohttp's single retry takes the next pooled one, which may
-        # be closing too. A health check lost that way read a live server as down.
+        # about to close, and a retry could take the next pooled one, which may be closing
+        # too. A health check lost that way read a live server as down.
         try:
-            async with self._fresh_session().get(self.base_url + path,
-                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                return resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if self._aio is not None:
+                return await self._aio.get(self.base_url + path, timeout)
+            assert self._pool is not None
+            return await self._pool.get(path, timeout)
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP (aiohttp's: OSError too)
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def _get_json(self, path: str) -> Any:
@@ -202,23 +183,11 @@ class ServerClient:
         if self._pool is not None:
             return await self._post_lean(self._paths["chat" if endpoint == "chat" else "completions"], data, body,
                                          progress)
-        url = self._generate_urls["chat" if endpoint == "chat" else "completions"]
-        trace = SimpleNamespace(reused=False)
-        try:
-            return await self._post(self.session, url, data, body, progress, trace)
-        except _BEFORE_RESPONSE as exc:
-            if not trace.reused:
-                return _connection_failure(exc)
-            # The pooled connection was dead before the server said anything: the
-            # request never reached a live server. Send it again at once on a new
-            # connection; the server's behaviour, not the prompt's, so no attempt counts.
-            self.reconnects += 1
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            return _connection_failure(exc)
-        try:
-            return await self._post(self._fresh_session(), url, data, body, progress, None)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            return _connection_failure(exc)
+        assert self._aio is not None
+        outcome = await self._aio.generate(self._generate_urls["chat" if endpoint == "chat" else "completions"],
+                                           data, body, progress)
+        self.reconnects = self._aio.reconnects
+        return outcome
 
     async def _post_lean(self, path: str, data: bytes, body: dict[str, Any], progress: Progress) -> Completion | Failure:
         """The same contract as _post's on the lean client: sent again once, on a new connection,
@@ -236,6 +205,8 @@ class ServerClient:
                 return _connection_failure(exc)
             except OSError as exc:  # refused, reset, cut short, the connect timeout
                 return _connection_failure(exc)
+            except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
+                return Failure("protocol", f"malformed HTTP response: {exc}")
             if status != 200:
                 return _http_failure(status, b"".join(answer.parts))
             if answer.stream is not None:
@@ -246,28 +217,6 @@ class ServerClient:
             except msgspec.DecodeError as exc:
                 return Failure("protocol", f"unparsable response: {exc}")
         raise AssertionError("unreachable: the second try takes no pooled connection")
-
-    async def _post(self, session: aiohttp.ClientSession, url: URL, data: bytes, body: dict[str, Any],
-                    progress: Progress, trace: SimpleNamespace | None) -> Completion | Failure:
-        """One try. Errors before the response escape as exceptions; once the response
-        has begun, every outcome (failures after response bytes included) is returned,
-        so the caller never sends it again."""
-        async with session.post(url, data=data, headers=_JSON_HEADERS, trace_request_ctx=trace) as resp:
-            try:
-                if resp.status != 200:
-                    outcome: Completion | Failure = _http_failure(resp.status, await resp.read())
-                elif body.get("stream"):
-                    outcome = await _read_stream(resp, progress, body.get("model", ""))
-                else:
-                    raw = await resp.read()
-                    progress.first_byte = progress.last_activity = time.monotonic()
-                    outcome = parse_completion_bytes(raw, body.get("model", ""))
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-                outcome = _connection_failure(exc)
-            except msgspec.DecodeError as exc:
-                outcome = Failure("protocol", f"unparsable response: {exc}")
-            return outcome
-
 
 class _Answer:
     """Where a lean response's body goes: a stream's events to the stream's state, else its bytes."""
@@ -290,20 +239,5 @@ class _Answer:
         return False
 
 
-async def _mark_reused(session: Any, ctx: SimpleNamespace, params: Any) -> None:
-    if ctx.trace_request_ctx is not None:
-        ctx.trace_request_ctx.reused = True
 
 
-def _connection_failure(exc: BaseException) -> Failure:
-    return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: str) -> Completion | Failure:
-    # Whatever arrives, not a readline per line (two per event): a short answer comes in one
-    # piece. No async generator here: leaving one early costs a task for its aclose().
-    sink = StreamSink(model, progress)
-    async for chunk in resp.content.iter_any():
-        if sink(chunk):
-            break
-    return sink.outcome()
