@@ -318,7 +318,8 @@ def test_sim_metrics_page_is_understood(sim):
 
 
 def feed_all(events: list[bytes]):
-    from genq.worker.server import Progress, _StreamState
+    from genq.worker.server import Progress
+    from genq.worker.stream import _StreamState
 
     state, progress = _StreamState("m"), Progress()
     for payload in events:

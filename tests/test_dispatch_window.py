@@ -7,6 +7,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
@@ -19,14 +21,15 @@ TARGET = 8
 class Server:
     """Each request waits until the test ends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 1) -> None:
         self.waiting: dict[str, asyncio.Future[None]] = {}
+        self.n = n  # choices a request gets (the request's n)
 
     async def generate(self, endpoint: str, body: dict, progress: object) -> Completion:
         prompt = body["prompt"]
         self.waiting[prompt] = asyncio.get_running_loop().create_future()
         await self.waiting[prompt]
-        return Completion([Choice(0, "ok", "stop")], Usage(1, 1), "m", None)
+        return Completion([Choice(i, "ok", "stop") for i in range(self.n)], Usage(1, 1), "m", None)
 
     def end(self) -> None:
         prompt = next(p for p, f in self.waiting.items() if not f.done())
@@ -88,6 +91,42 @@ def test_claims_are_taken_ahead_while_the_window_is_full():
             assert slack <= len(d.todo.ready) <= group + slack, backlog.calls  # and claimed ahead again
         # After the first, each claim a whole group, taken with the window full.
         assert backlog.calls[1:] == [(group, TARGET)] * 4, backlog.calls
+        runner.cancel()
+        for aio in list(d.running.values()):
+            aio.cancel()
+        await asyncio.gather(runner, *d.running.values(), return_exceptions=True)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("n", [4, 16])
+def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
+    """With n = 4 each prompt is 4 sequences on the server: what is claimed beyond the window is
+    at most claim_ahead + claim_step sequences, not that many prompts. The old rule subtracted
+    sequences in flight from a count of prompts: with an empty window it claimed 11 prompts
+    (44 sequences) at a target of 8, prompts an idle worker could have stolen at a job's end.
+    A prompt of more sequences than the target (n = 16) is still sent, one at a time."""
+    config = JobConfig(name="j", output="/tmp", model="m", extra_body={"n": n})
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", config, 40, set())
+    backlog = Backlog(held, 40)
+    server = Server(n)
+    bound = max(n, TARGET + claim_ahead(TARGET) + claim_step(TARGET))  # sequences in flight + claimed ahead
+    window = -(-TARGET // n) * n  # whole prompts up to the target: 2 of 4, or 1 of 16
+
+    async def go() -> None:
+        d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
+                       SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
+                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), backlog,  # type: ignore[arg-type]
+                       lambda: asyncio.sleep(0, False), lambda: "m")
+        runner = asyncio.create_task(d.run())
+        d.wake.set()
+        await settle()
+        for _ in range(6):
+            assert d.running.sequences == window, backlog.calls
+            held_here = d.running.sequences + n * (len(d.todo.ready) + len(d.todo.suspects))
+            assert held_here <= bound, (held_here, backlog.calls)
+            server.end()
+            await settle()
         runner.cancel()
         for aio in list(d.running.values()):
             aio.cancel()

@@ -36,14 +36,15 @@ class Running(dict[Task, "asyncio.Task[None]"]):
         self.sequences = 0
         self.meter = DecodeMeter()  # their streamed tokens against how many decode (worker/decoding.py)
 
+    # A task's n is its progress's `sequences`, set when it was taken to send (dispatch._take).
     def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
         if task not in self:
-            self.sequences += samples(task.batch.config, task.prompt)
+            self.sequences += task.progress.sequences
         super().__setitem__(task, aio)
 
     def pop(self, task: Task, default: Any = None) -> Any:
         if task in self:
-            self.sequences -= samples(task.batch.config, task.prompt)
+            self.sequences -= task.progress.sequences
             self.meter.ended(task.progress)
         return super().pop(task, default)
 
@@ -71,7 +72,7 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
         id=prompt.id, job=job, batch=batch, index=prompt.index,
         completion=first.completion, reasoning_content=first.reasoning_content, finish_reason=first.finish_reason,
         usage=c.usage, model=c.model, worker=worker, attempts=attempts, latency_s=round(latency_s, 3),
-        messages=prompt.messages, prompt=prompt.prompt, metadata=prompt.metadata, custom_id=prompt.custom_id,
+        # Without its prompt, as Redis keeps it (records.without_prompt): the shard joins them again.
         response_id=c.response_id, finished_at=time.time(),
         choices=c.choices if n > 1 else None, logprobs=first.logprobs, matched_stop=first.matched_stop,
         tool_calls=first.tool_calls, settings_version=settings_version,

@@ -41,7 +41,7 @@ log = logging.getLogger("genq.worker")
 # CLAIM call covers a dozen prompts or so, not one (issue #29: Redis commands per prompt).
 # The next group is claimed, window full or not, once those claimed ahead are down to half
 # a group (claim_step): those are the slack while its call is out. At most claim_ahead +
-# claim_step prompts are claimed beyond the free slots.
+# claim_step sequences are claimed beyond the free slots (a prompt asking for n samples is n).
 CLAIM_AHEAD_MIN = 2
 
 
@@ -53,6 +53,17 @@ def claim_ahead(target: int) -> int:
 def claim_step(target: int) -> int:
     """Prompts still claimed ahead when the next group is claimed: the slack while its call is out."""
     return max(1, claim_ahead(target) // 2)
+
+
+def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -> int:
+    """Prompts to claim: the rule counts sequences, like the window (a prompt asking for n
+    samples is n on the server); `per` is the backlog's next prompt's n, taken for each prompt
+    claimed or queued."""
+    want = target + claim_ahead(target) + claim_step(target) - in_flight - per * (ready + suspects)
+    if want >= per and (want >= claim_ahead(target) or not ready):  # a whole group, or any when dry
+        return want // per
+    # Dry with a slot free, yet one prompt is more sequences than the slack (n > a quarter of the target).
+    return 1 if not ready and not suspects and in_flight < target else 0
 
 
 class Dispatcher:
@@ -127,9 +138,9 @@ class Dispatcher:
 
     def _to_claim(self) -> int:
         """Prompts to claim now (0: not yet), by the rule in the note above claim_ahead."""
-        t, todo = self.controller.target, self.todo
-        want = t + claim_ahead(t) + claim_step(t) - self.running.sequences - len(todo.ready) - len(todo.suspects)
-        return max(0, want) if want >= claim_ahead(t) or not todo.ready else 0  # a whole group, or any when dry
+        held, tasks = next(iter(self.todo.backlog.waiting.items()))
+        return to_claim(self.controller.target, self.running.sequences, len(self.todo.ready),
+                        len(self.todo.suspects), samples(held.config, tasks[0].prompt) if tasks else 1)
 
     def _take(self) -> Task | None:
         """The next prompt to send, if the in-flight window has room: a crash suspect

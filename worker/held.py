@@ -81,7 +81,7 @@ class RateWindow:
 
     def __init__(self) -> None:
         self.started = time.monotonic()
-        self._events: list[tuple[float, int]] = []
+        self._events: list[list[int]] = []  # [second, requests, tokens]: per second, not per request
         self.done = 0
         self.errors = 0
         self.job_errors: dict[str, int] = {}
@@ -94,7 +94,12 @@ class RateWindow:
 
     def add(self, tokens: int, latency_s: float | None = None) -> None:
         self.done += 1
-        self._events.append((time.monotonic(), tokens))
+        second = int(time.monotonic())
+        if self._events and self._events[-1][0] == second:
+            self._events[-1][1] += 1
+            self._events[-1][2] += tokens
+        else:
+            self._events.append([second, 1, tokens])
         if latency_s is not None and tokens > 0:  # per-request speed (worker/tail.py)
             a = SPEED_ALPHA
             per_token = latency_s / tokens
@@ -105,4 +110,4 @@ class RateWindow:
         now = time.monotonic()
         self._events = [e for e in self._events if now - e[0] <= 30]
         span = max(1.0, min(30.0, now - self.started))
-        return len(self._events) / span, sum(t for _, t in self._events) / span
+        return sum(e[1] for e in self._events) / span, sum(e[2] for e in self._events) / span

@@ -11,27 +11,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 from yarl import URL
 
 from genq.core.records import JobConfig, Prompt
 from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
-from genq.worker.stream import _StreamState
+from genq.worker.http1 import Http1Pool, NoResponse, Sink
+from genq.worker.stream import StreamSink
+
+if TYPE_CHECKING:
+    from genq.worker.aioclient import AioClient
 from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
     Completion,
     Failure,
     Progress,
+    _connection_failure,
     _http_failure,
     parse_completion_bytes,
 )
 
 _json_decode = msgspec.json.Decoder().decode
-_JSON_HEADERS = {"Content-Type": "application/json"}
 _json_encode = msgspec.json.Encoder().encode
 
 # How long a health check waits for the server's verdict. SGLang's /health runs a
@@ -40,9 +42,6 @@ _json_encode = msgspec.json.Encoder().encode
 # as down, and the worker then cancels every request in flight as a crash.
 HEALTH_TIMEOUT_S = 30.0
 
-# Errors of a request that never got a response byte: on a reused keep-alive
-# connection these mean the server had closed it (llama.cpp does after every stream).
-_BEFORE_RESPONSE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 class ServerUnavailable(Exception):
@@ -102,45 +101,34 @@ class ServerClient:
             "completions": URL(self.base_url + "/v1/completions"),
         }
         self._connections = connections
-        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, ttl_dns_cache=300)
-        # Tells a request whether it went out on a pooled (reused) connection.
-        tracing = aiohttp.TraceConfig()
-        tracing.on_connection_reuseconn.append(_mark_reused)
-        # No total timeout: the worker's watchdog enforces stall and request timeouts,
-        # which a per-request aiohttp timer would only duplicate.
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            json_serialize=lambda obj: _json_encode(obj).decode(),
-            trace_configs=[tracing],
-        )
-        # Never reuses a connection: for GETs, and for a generation request whose
-        # pooled connection turned out dead.
-        self._fresh: aiohttp.ClientSession | None = None
+        # The generation POSTs to an http:// server go through the lean client (worker/http1.py).
+        base = URL(self.base_url)
+        self._pool = Http1Pool(base, connections) if base.scheme == "http" else None
+        self._paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+        # https:// servers, on aiohttp (worker/aioclient.py): imported only for them.
+        self._aio: AioClient | None = None
+        if self._pool is None:
+            from genq.worker.aioclient import AioClient
+
+            self._aio = AioClient(connections)
         self.reconnects = 0  # requests sent again after their reused connection was dead
 
     async def close(self) -> None:
-        await self.session.close()
-        if self._fresh is not None:
-            await self._fresh.close()
-
-    def _fresh_session(self) -> aiohttp.ClientSession:
-        if self._fresh is None:
-            self._fresh = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._connections, force_close=True),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            )
-        return self._fresh
+        if self._pool is not None:
+            self._pool.close()
+        if self._aio is not None:
+            await self._aio.close()
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         # Each GET on a connection of its own: a pooled one may be one llama-server is
-        # about to close, and aiohttp's single retry takes the next pooled one, which may
-        # be closing too. A health check lost that way read a live server as down.
+        # about to close, and a retry could take the next pooled one, which may be closing
+        # too. A health check lost that way read a live server as down.
         try:
-            async with self._fresh_session().get(self.base_url + path,
-                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                return resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if self._aio is not None:
+                return await self._aio.get(self.base_url + path, timeout)
+            assert self._pool is not None
+            return await self._pool.get(path, timeout)
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP (aiohttp's: OSError too)
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def _get_json(self, path: str) -> Any:
@@ -191,84 +179,65 @@ class ServerClient:
     async def generate(
         self, endpoint: str, body: dict[str, Any], progress: Progress
     ) -> Completion | Failure:
-        url = self._generate_urls["chat" if endpoint == "chat" else "completions"]
         data = _json_encode(body)
-        trace = SimpleNamespace(reused=False)
-        try:
-            return await self._post(self.session, url, data, body, progress, trace)
-        except _BEFORE_RESPONSE as exc:
-            if not trace.reused:
-                return _connection_failure(exc)
-            # The pooled connection was dead before the server said anything: the
-            # request never reached a live server. Send it again at once on a new
-            # connection; the server's behaviour, not the prompt's, so no attempt counts.
-            self.reconnects += 1
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            return _connection_failure(exc)
-        try:
-            return await self._post(self._fresh_session(), url, data, body, progress, None)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            return _connection_failure(exc)
+        if self._pool is not None:
+            return await self._post_lean(self._paths["chat" if endpoint == "chat" else "completions"], data, body,
+                                         progress)
+        assert self._aio is not None
+        outcome = await self._aio.generate(self._generate_urls["chat" if endpoint == "chat" else "completions"],
+                                           data, body, progress)
+        self.reconnects = self._aio.reconnects
+        return outcome
 
-    async def _post(self, session: aiohttp.ClientSession, url: URL, data: bytes, body: dict[str, Any],
-                    progress: Progress, trace: SimpleNamespace | None) -> Completion | Failure:
-        """One try. Errors before the response escape as exceptions; once the response
-        has begun, every outcome (failures after response bytes included) is returned,
-        so the caller never sends it again."""
-        async with session.post(url, data=data, headers=_JSON_HEADERS, trace_request_ctx=trace) as resp:
+    async def _post_lean(self, path: str, data: bytes, body: dict[str, Any], progress: Progress) -> Completion | Failure:
+        """The same contract as _post's on the lean client: sent again once, on a new connection,
+        only if a pooled one ended before any response byte."""
+        assert self._pool is not None
+        model = body.get("model", "")
+        for reuse in (True, False):
+            answer = _Answer(bool(body.get("stream")), model, progress)
             try:
-                if resp.status != 200:
-                    outcome: Completion | Failure = _http_failure(resp.status, await resp.read())
-                elif body.get("stream"):
-                    outcome = await _read_stream(resp, progress, body.get("model", ""))
-                else:
-                    raw = await resp.read()
-                    progress.first_byte = progress.last_activity = time.monotonic()
-                    outcome = parse_completion_bytes(raw, body.get("model", ""))
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-                outcome = _connection_failure(exc)
+                status = await self._pool.post(path, data, answer.sink_for, reuse=reuse)
+            except NoResponse as exc:
+                if exc.reused:
+                    self.reconnects += 1
+                    continue
+                return _connection_failure(exc)
+            except OSError as exc:  # refused, reset, cut short, the connect timeout
+                return _connection_failure(exc)
+            except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
+                return Failure("protocol", f"malformed HTTP response: {exc}")
+            if status != 200:
+                return _http_failure(status, b"".join(answer.parts))
+            if answer.stream is not None:
+                return answer.stream.outcome()
+            progress.first_byte = progress.last_activity = time.monotonic()
+            try:
+                return parse_completion_bytes(b"".join(answer.parts), model)
             except msgspec.DecodeError as exc:
-                outcome = Failure("protocol", f"unparsable response: {exc}")
-            return outcome
+                return Failure("protocol", f"unparsable response: {exc}")
+        raise AssertionError("unreachable: the second try takes no pooled connection")
+
+class _Answer:
+    """Where a lean response's body goes: a stream's events to the stream's state, else its bytes."""
+
+    __slots__ = ("streamed", "model", "progress", "parts", "stream")
+
+    def __init__(self, streamed: bool, model: str, progress: Progress) -> None:
+        self.streamed, self.model, self.progress = streamed, model, progress
+        self.parts: list[bytes] = []
+        self.stream: StreamSink | None = None
+
+    def sink_for(self, status: int) -> Sink:
+        if status == 200 and self.streamed:
+            self.stream = StreamSink(self.model, self.progress)
+            return self.stream
+        return self._keep
+
+    def _keep(self, piece: bytes) -> bool:
+        self.parts.append(piece)
+        return False
 
 
-async def _mark_reused(session: Any, ctx: SimpleNamespace, params: Any) -> None:
-    if ctx.trace_request_ctx is not None:
-        ctx.trace_request_ctx.reused = True
 
 
-def _connection_failure(exc: BaseException) -> Failure:
-    return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, progress: Progress, model: str) -> Completion | Failure:
-    state = _StreamState(model)
-    # Read whatever arrives rather than a readline per line (two per event): a short
-    # answer comes in one piece. No async generator here: leaving one early costs a
-    # task for its aclose(). Read on to the end of the body after [DONE]: a body left
-    # unread makes aiohttp close the connection instead of reusing it.
-    rest = b""
-    async for chunk in resp.content.iter_any():
-        now = progress.last_activity = time.monotonic()
-        if progress.first_byte is None:
-            progress.first_byte = now
-        if state.done:
-            continue
-        if rest:
-            chunk = rest + chunk
-        lines = chunk.split(b"\n")
-        rest = lines.pop()  # the unfinished last line (b"" when the chunk ends a line)
-        for line in lines:
-            if line.startswith(b"data:"):
-                failure = state.feed(line[5:].strip(), progress)
-                if failure is not None:
-                    return failure
-                if state.done:
-                    break
-    if not state.done and rest.startswith(b"data:"):
-        failure = state.feed(rest[5:].strip(), progress)
-        if failure is not None:
-            return failure
-    if not state.done:
-        return Failure("connection", "stream ended before [DONE]")
-    return state.completion()

@@ -8,6 +8,7 @@ tokens of its own choice; the last chunk (no choices) has the request's total.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -155,3 +156,49 @@ class _StreamState:
         if len(choices) == 1 and (choices[0].completion_tokens is None or self.total_seen):
             choices[0].completion_tokens = usage.completion_tokens
         return Completion(choices=choices, usage=usage, model=self.model, response_id=self.response_id)
+
+
+class StreamSink:
+    """A stream's body as it comes, in pieces of any size: split into lines, each `data:`
+    event fed to the state. Called with each piece; True once a failure ends the reading."""
+
+    __slots__ = ("state", "progress", "rest", "failure")
+
+    def __init__(self, model: str, progress: Progress) -> None:
+        self.state = _StreamState(model)
+        self.progress = progress
+        self.rest = b""  # the unfinished last line
+        self.failure: Failure | None = None
+
+    def __call__(self, chunk: bytes) -> bool:
+        progress = self.progress
+        now = progress.last_activity = time.monotonic()
+        if progress.first_byte is None:
+            progress.first_byte = now
+        state = self.state
+        if state.done:  # read on to the body's end: a body left unread costs the connection
+            return False
+        if self.rest:
+            chunk = self.rest + chunk
+        lines = chunk.split(b"\n")
+        self.rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self.failure = state.feed(line[5:].strip(), progress)
+                if self.failure is not None:
+                    return True
+                if state.done:
+                    break
+        return False
+
+    def outcome(self) -> Completion | Failure:
+        """Once the body has ended (or a failure stopped the reading)."""
+        if self.failure is not None:
+            return self.failure
+        if not self.state.done and self.rest.startswith(b"data:"):
+            failure = self.state.feed(self.rest[5:].strip(), self.progress)
+            if failure is not None:
+                return failure
+        if not self.state.done:
+            return Failure("connection", "stream ended before [DONE]")
+        return self.state.completion()

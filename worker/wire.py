@@ -150,6 +150,10 @@ def _http_failure(status: int, raw: bytes) -> Failure:
     return Failure("server_error", message, status)
 
 
+def _connection_failure(exc: BaseException) -> Failure:
+    return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+
 def _event_failure(err: Any, mid_stream: bool = False) -> Failure:
     """The failure an error body or stream event names. An error event after the
     stream's first event (the request was accepted and ran) is a server_error to retry

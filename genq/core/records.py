@@ -203,6 +203,8 @@ class Result(msgspec.Struct, omit_defaults=True):
 def without_prompt(result: Result) -> Result:
     """A Result as kept in Redis until its batch's shard is written: without its copy of the
     prompt (messages, prompt, metadata, custom_id), which the batch holds already."""
+    if result.messages is None and result.prompt is None and not result.metadata and result.custom_id is None:
+        return result  # the worker's records come without it: no copy
     return msgspec.structs.replace(result, messages=None, prompt=None, metadata={}, custom_id=None)
 
 
@@ -344,7 +346,13 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: bytes, typ: type) -> Any:
-    return msgspec.msgpack.decode(data, type=typ)
+    decoder = _decoders.get(typ)
+    if decoder is None:  # one per type: msgpack.decode(type=) builds one a call
+        decoder = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+    return decoder.decode(data)
+
+
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 
 def now() -> float:

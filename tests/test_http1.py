@@ -1,0 +1,127 @@
+"""The lean HTTP/1.1 client of the generation POSTs (worker/http1.py) against a server that
+answers scripted bytes, a byte at a time: every way a body can end, and which connections
+may carry the next request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from yarl import URL
+
+from genq.worker.http1 import Http1Pool, NoResponse
+
+OK_JSON = b'{"a": 1}'
+
+
+class Scripted:
+    """Answers each request on a connection with the next of its answers; then, if told, closes."""
+
+    def __init__(self, answers: list[bytes], close_after: bool = False) -> None:
+        self.answers = answers
+        self.close_after = close_after
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+                             .split(b":")[1])
+                self.requests.append(head + await reader.readexactly(length))
+                answer = self.answers.pop(0)
+                if not answer:
+                    break
+                for i in range(len(answer)):  # a byte at a time: every split the parser can meet
+                    writer.write(answer[i:i + 1])
+                    await writer.drain()
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+async def post(pool: Http1Pool, reuse: bool = True) -> tuple[int, bytes]:
+    parts: list[bytes] = []
+
+    def sink_for(status: int):
+        def sink(piece: bytes) -> bool:
+            parts.append(piece)
+            return False
+        return sink
+
+    status = await pool.post("/v1/chat/completions", b'{"x": 1}', sink_for, reuse=reuse)
+    return status, b"".join(parts)
+
+
+def run(answers: list[bytes], go, close_after: bool = False) -> Scripted:
+    scripted = Scripted(answers, close_after)
+
+    async def main() -> None:
+        server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Http1Pool(URL(f"http://127.0.0.1:{port}/prefix"), 8)
+        try:
+            await go(pool)
+        finally:
+            pool.close()
+            server.close()
+
+    asyncio.run(main())
+    return scripted
+
+
+def test_bodies_by_length_chunks_and_close_and_keep_alive_reuse():
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"3;ext=1\r\ndat\r\n5\r\na: [D\r\n0\r\nX-Trailer: t\r\n\r\n")
+    answers = [
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n" + OK_JSON,
+        chunked,
+        b"HTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\nno",
+        b"HTTP/1.0 200 OK\r\n\r\n" + OK_JSON,  # no length: to the close
+    ]
+
+    async def go(pool: Http1Pool) -> None:
+        assert await post(pool) == (200, OK_JSON)
+        assert await post(pool) == (200, b"data: [D")
+        assert await post(pool) == (400, b"no")
+        assert await post(pool) == (200, OK_JSON)
+        assert not pool.idle  # HTTP/1.0 without keep-alive: not kept
+
+    scripted = run(answers, go)
+    assert scripted.connections == 1, "keep-alive: one connection carried all four"
+    assert all(r.startswith(b"POST /prefix/v1/chat/completions HTTP/1.1\r\n") for r in scripted.requests)
+
+
+def test_connection_close_is_not_reused_and_a_dead_pooled_one_is_no_response():
+    answers = [b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 8\r\n\r\n" + OK_JSON,
+               b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n" + OK_JSON,
+               b"",  # the server takes the request and closes without a byte (llama.cpp after a stream)
+               b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n" + OK_JSON]
+
+    async def go(pool: Http1Pool) -> None:
+        assert await post(pool) == (200, OK_JSON)
+        assert not pool.idle
+        assert await post(pool) == (200, OK_JSON)  # on a new connection, kept
+        assert len(pool.idle) == 1
+        with pytest.raises(NoResponse) as lost:
+            await post(pool)
+        assert lost.value.reused, "it went out on the pooled connection: the caller may send it again"
+        assert await post(pool, reuse=False) == (200, OK_JSON)
+
+    scripted = run(answers, go)
+    assert scripted.connections == 3
+
+def test_a_body_cut_short_is_a_connection_error_not_a_lost_request():
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + OK_JSON]
+
+    async def go(pool: Http1Pool) -> None:
+        with pytest.raises(ConnectionError) as cut:
+            await post(pool)
+        assert not isinstance(cut.value, NoResponse), "response bytes came: not to be sent again"
+        assert not pool.idle
+
+    run(answers, go, close_after=True)
