@@ -8,10 +8,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
+import redis
+from rich.console import Console
 
-from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, mask_url, parse, resolve_url
+from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -23,9 +27,9 @@ COMMANDS: dict[str, str] = {
     "dlq": "genq.cli.dlq:dlq",
     "pause": "genq.cli.control:pause",
     "resume": "genq.cli.control:resume",
-    "drain": "genq.cli.control:drain",
-    "workers": "genq.cli.control:workers",
-    "concurrency": "genq.cli.control:concurrency",
+    "drain": "genq.cli.fleet:drain",
+    "workers": "genq.cli.fleet:workers",
+    "concurrency": "genq.cli.fleet:concurrency",
     "export": "genq.cli.export:export",
     "jobs": "genq.cli.control:jobs",
     "status": "genq.cli.status:status",
@@ -168,6 +172,25 @@ def settings(ctx: click.Context) -> Settings:
     if obj is None:  # a subcommand invoked on its own (tests, python -m)
         obj = Settings(resolve_url(None))
     return obj
+
+
+@contextmanager
+def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
+    """The command's Redis, closed after; a connection failure is a one-line error naming the URL
+    (its password masked), not a traceback."""
+    url = settings(ctx).redis_url
+    conn = connect(url)
+    try:
+        yield conn
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise click.ClickException(describe_error(url, exc)) from None
+    finally:
+        conn.close()
+
+
+def console() -> Console:
+    # Piped output (logs, docs, tests) gets wide lines rather than wrapped cells.
+    return Console() if sys.stdout.isatty() else Console(width=200, no_color=True)
 
 
 def main() -> None:
