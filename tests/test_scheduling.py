@@ -12,6 +12,7 @@ import json
 import time
 
 import pytest
+import redis.asyncio as aioredis
 
 from genq.core import keys
 from genq.core.order import interleave, order_queue
@@ -21,6 +22,7 @@ from genq.monitor.eta import LengthData, WorkerState, estimate
 from genq.monitor.progress import JobProgress, Monitor
 from genq.monitor.sharing import shared_fleet
 from genq.ops.control import job_rows
+from genq.worker.shares import Shares
 from genq.worker.tail import hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
 from tests.test_eta import CAP, STEADY, fleet_for, lengths, run_job
@@ -218,6 +220,18 @@ def test_pausing_a_job_gives_its_slots_to_the_other(redis_url, rconn, sim, worke
         assert w.wait(timeout=600) == 0, w.log()
     check(rconn, out, "pa", a_ids)
     check(rconn, out, "pb", b_ids)
+
+
+def test_each_claim_goes_to_the_job_with_the_fewest_on_the_fleet():
+    """worker/shares.py: the other engines' counts (read each second) count with this engine's."""
+    shares = Shares(aioredis.Redis(), "q", "me", set, list)
+    shares.others = {"a": 16}  # the other engine runs only a: b, held here alone, gets every slot here
+    assert shares.plan({"a": 50, "b": 50}, 16) == [("b", 16)]
+    shares.others = {"a": 10, "b": 4}
+    assert dict(shares.plan({"a": 50, "b": 50}, 16)) == {"a": 5, "b": 11}
+    shares.sched = {"c": JobSchedule(weight=2.0), "hi": JobSchedule(priority=1)}
+    shares.others = {}
+    assert shares.plan({"a": 50, "c": 50, "hi": 3}, 12) == [("hi", 3), ("a", 3), ("c", 6)]
 
 
 def _status(name: str, token_s: float, queued: int, slots: int = 16) -> WorkerStatus:
