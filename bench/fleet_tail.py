@@ -23,8 +23,9 @@ Scenarios (targets, genq makespan / ideal): `half` 1,600 prompts, batches of 64,
 servers, one at half speed (<= 0.93, and no slower than the router in the same run); `even`
 the same on an even fleet (<= 1.03); `large` 10,000 prompts, batches of 256, 8 servers, one
 at half speed (<= 0.95). Exits 1 when a target is missed. Uses a private redis-server on a
-free port. The router run needs `sglang-router` (`.venv/bin/pip install sglang-router`);
-without it the bench says so and runs the others (`--order ideal,genq`).
+free port. The router run needs `sglang-router`, in this Python (`.venv/bin/pip install
+sglang-router`) or in the one `--router-python` (or $GENQ_ROUTER_PYTHON) names, e.g. a venv of
+its own outside the repository; without it the bench says so and runs the others.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -122,25 +124,25 @@ async def ideal_client(urls: list[str], prompts: Path, max_tokens: int, per_url:
         raise SystemExit(f"ideal client: {failures} requests failed")
 
 
-ROUTER_MISSING = ("the router run needs sglang-router: `.venv/bin/pip install sglang-router` "
-                  "(or leave it out: --order ideal,genq)")
+ROUTER_MISSING = ("the router run needs sglang-router: `.venv/bin/pip install sglang-router`, or --router-python "
+                  "a Python that has it (or leave it out: --order ideal,genq)")
 
 
-def router_available() -> bool:
-    return subprocess.run([PY, "-c", "import sglang_router"], capture_output=True).returncode == 0
+def router_available(python: str) -> bool:
+    return subprocess.run([python, "-c", "import sglang_router"], capture_output=True).returncode == 0
 
 
 class Router:
     """SGLang's router (cache_aware) in front of the servers, on a free port."""
 
-    def __init__(self, urls: list[str], log_path: Path) -> None:
-        if not router_available():
+    def __init__(self, urls: list[str], log_path: Path, python: str) -> None:
+        if not router_available(python):
             raise SystemExit(ROUTER_MISSING)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+            [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
              "--policy", "cache_aware", "--worker-urls", *urls, "--log-level", "warn"],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -224,7 +226,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redi
                                 str(SLOTS), *[s.url for s in sims]], check=True, cwd=ROOT)
                 wall = time.monotonic() - started
             elif run == "router":
-                router = Router([s.url for s in sims], work / f"router-{sc.name}.log")
+                router = Router([s.url for s in sims], work / f"router-{sc.name}.log", args.router_python)
                 try:
                     for sim in sims:  # its health checks are no generations, but reset what they touched
                         sim.reset()
@@ -264,11 +266,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="Lognormal sigma of output lengths. Larger: the last long completions, which run "
                         "where they started in any scheduler, hide what holding batches costs.")
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--router-python", default=os.environ.get("GENQ_ROUTER_PYTHON", PY),
+                   help="The Python whose sglang-router runs the router ($GENQ_ROUTER_PYTHON).")
     p.add_argument("--workdir", default=None, help="Keep the logs (workers, servers, router) here.")
     p.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
     args = p.parse_args(argv)
     print(conditions(), flush=True)
-    if "router" in args.order.split(",") and not router_available():
+    if "router" in args.order.split(",") and not router_available(args.router_python):
         print(f"NOTE: {ROUTER_MISSING}; running without it", file=sys.stderr)
         args.order = ",".join(r for r in args.order.split(",") if r != "router")
     rows, misses, all_figures = [], [], {}
