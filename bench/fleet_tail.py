@@ -9,7 +9,8 @@ optionally one at half speed) runs the same prompts twice:
   router SGLang's router (sglang-router from PyPI, `--policy cache_aware`) in front of the same
          servers, one client keeping the fleet's total slot count in flight through it: what a
          user would run instead of genq.
-  genq   real `genq enqueue` + one real `genq worker --burst` per server, defaults.
+  genq   real `genq enqueue` + one real `genq worker` per server, defaults, started and idle
+         before the job is enqueued (as the router is up before its client starts).
 
 Makespan is timed by the servers: the first admission on any of them to the last
 finish on any of them. Both runs also count every generation the servers did: each
@@ -187,27 +188,50 @@ class Redis:
 
 
 def run_genq(sc: Scenario, sims: list[Sim], redis: Redis, prompts: Path, work: Path, max_tokens: int) -> float:
+    """One `genq worker` per server, started and idle before the job is enqueued (as the router is
+    up before its client starts): the makespan is the job's, not the workers' start-up, which on a
+    loaded machine spread their first admissions over up to 5.8 s. Stopped (SIGTERM) once done."""
+    import redis as redis_py
+
+    from genq.ops.control import fleet, job_rows
+
     redis.flush()
+    conn = redis_py.Redis.from_url(redis.url)
     out = work / f"out-{sc.name}"
     shutil.rmtree(out, ignore_errors=True)
-    subprocess.run(genq("enqueue", str(prompts), "--job", "tail", "--output", str(out), "--batch-size",
-                        str(sc.batch_size), "--max-tokens", str(max_tokens), redis_url=redis.url),
-                   check=True, capture_output=True, cwd=ROOT)
     logs = [open(work / f"worker-{sc.name}-{i}.log", "wb") for i in range(len(sims))]
-    t0 = time.monotonic()
-    procs = [subprocess.Popen(genq("worker", "--server", sim.url, "--burst", "--name", f"tail-{i}",
-                                   redis_url=redis.url), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    procs = [subprocess.Popen(genq("worker", "--server", sim.url, "--name", f"tail-{i}", redis_url=redis.url),
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
              for i, (sim, log) in enumerate(zip(sims, logs))]
-    codes = [p.wait() for p in procs]
-    for log in logs:
-        log.close()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(1 for w in fleet(conn) if w.status is not None and w.status.state == "idle") < len(sims):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"genq workers did not all start; see {work}/worker-{sc.name}-*.log")
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        subprocess.run(genq("enqueue", str(prompts), "--job", "tail", "--output", str(out), "--batch-size",
+                            str(sc.batch_size), "--max-tokens", str(max_tokens), redis_url=redis.url),
+                       check=True, capture_output=True, cwd=ROOT)
+        while job_rows(conn, ["tail"])[0].state != "done":
+            if time.monotonic() - t0 > 600 or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"the genq job did not finish; see {work}/worker-{sc.name}-*.log")
+            time.sleep(0.5)
+        wall = time.monotonic() - t0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        codes = [proc.wait() for proc in procs]
+        for log in logs:
+            log.close()
     if any(codes):
         raise SystemExit(f"genq workers exited {codes}; see {work}/worker-{sc.name}-*.log")
     results = [json.loads(line)["id"] for shard in (out / "tail" / "shards").glob("*.jsonl")
                for line in shard.read_text().splitlines() if line.strip()]
     if len(results) != sc.prompts or len(set(results)) != sc.prompts:
         raise SystemExit(f"genq wrote {len(results)} results ({len(set(results))} distinct) for {sc.prompts} prompts")
-    return time.monotonic() - t0
+    return wall
 
 
 def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redis) -> dict[str, Any]:
