@@ -9,7 +9,8 @@ optionally one at half speed) runs the same prompts twice:
   router SGLang's router (sglang-router from PyPI, `--policy cache_aware`) in front of the same
          servers, one client keeping the fleet's total slot count in flight through it: what a
          user would run instead of genq.
-  genq   real `genq enqueue` + one real `genq worker --burst` per server, defaults.
+  genq   real `genq enqueue` + one real `genq worker` per server, defaults, started and idle
+         before the job is enqueued (as the router is up before its client starts).
 
 Makespan is timed by the servers: the first admission on any of them to the last
 finish on any of them. Both runs also count every generation the servers did: each
@@ -23,8 +24,9 @@ Scenarios (targets, genq makespan / ideal): `half` 1,600 prompts, batches of 64,
 servers, one at half speed (<= 0.93, and no slower than the router in the same run); `even`
 the same on an even fleet (<= 1.03); `large` 10,000 prompts, batches of 256, 8 servers, one
 at half speed (<= 0.95). Exits 1 when a target is missed. Uses a private redis-server on a
-free port. The router run needs `sglang-router` (`.venv/bin/pip install sglang-router`);
-without it the bench says so and runs the others (`--order ideal,genq`).
+free port. The router run needs `sglang-router`, in this Python (`.venv/bin/pip install
+sglang-router`) or in the one `--router-python` (or $GENQ_ROUTER_PYTHON) names, e.g. a venv of
+its own outside the repository; without it the bench says so and runs the others.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -122,25 +125,25 @@ async def ideal_client(urls: list[str], prompts: Path, max_tokens: int, per_url:
         raise SystemExit(f"ideal client: {failures} requests failed")
 
 
-ROUTER_MISSING = ("the router run needs sglang-router: `.venv/bin/pip install sglang-router` "
-                  "(or leave it out: --order ideal,genq)")
+ROUTER_MISSING = ("the router run needs sglang-router: `.venv/bin/pip install sglang-router`, or --router-python "
+                  "a Python that has it (or leave it out: --order ideal,genq)")
 
 
-def router_available() -> bool:
-    return subprocess.run([PY, "-c", "import sglang_router"], capture_output=True).returncode == 0
+def router_available(python: str) -> bool:
+    return subprocess.run([python, "-c", "import sglang_router"], capture_output=True).returncode == 0
 
 
 class Router:
     """SGLang's router (cache_aware) in front of the servers, on a free port."""
 
-    def __init__(self, urls: list[str], log_path: Path) -> None:
-        if not router_available():
+    def __init__(self, urls: list[str], log_path: Path, python: str) -> None:
+        if not router_available(python):
             raise SystemExit(ROUTER_MISSING)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+            [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
              "--policy", "cache_aware", "--worker-urls", *urls, "--log-level", "warn"],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -185,27 +188,50 @@ class Redis:
 
 
 def run_genq(sc: Scenario, sims: list[Sim], redis: Redis, prompts: Path, work: Path, max_tokens: int) -> float:
+    """One `genq worker` per server, started and idle before the job is enqueued (as the router is
+    up before its client starts): the makespan is the job's, not the workers' start-up, which on a
+    loaded machine spread their first admissions over up to 5.8 s. Stopped (SIGTERM) once done."""
+    import redis as redis_py
+
+    from genq.ops.control import fleet, job_rows
+
     redis.flush()
+    conn = redis_py.Redis.from_url(redis.url)
     out = work / f"out-{sc.name}"
     shutil.rmtree(out, ignore_errors=True)
-    subprocess.run(genq("enqueue", str(prompts), "--job", "tail", "--output", str(out), "--batch-size",
-                        str(sc.batch_size), "--max-tokens", str(max_tokens), redis_url=redis.url),
-                   check=True, capture_output=True, cwd=ROOT)
     logs = [open(work / f"worker-{sc.name}-{i}.log", "wb") for i in range(len(sims))]
-    t0 = time.monotonic()
-    procs = [subprocess.Popen(genq("worker", "--server", sim.url, "--burst", "--name", f"tail-{i}",
-                                   redis_url=redis.url), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    procs = [subprocess.Popen(genq("worker", "--server", sim.url, "--name", f"tail-{i}", redis_url=redis.url),
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
              for i, (sim, log) in enumerate(zip(sims, logs))]
-    codes = [p.wait() for p in procs]
-    for log in logs:
-        log.close()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(1 for w in fleet(conn) if w.status is not None and w.status.state == "idle") < len(sims):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"genq workers did not all start; see {work}/worker-{sc.name}-*.log")
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        subprocess.run(genq("enqueue", str(prompts), "--job", "tail", "--output", str(out), "--batch-size",
+                            str(sc.batch_size), "--max-tokens", str(max_tokens), redis_url=redis.url),
+                       check=True, capture_output=True, cwd=ROOT)
+        while job_rows(conn, ["tail"])[0].state != "done":
+            if time.monotonic() - t0 > 600 or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"the genq job did not finish; see {work}/worker-{sc.name}-*.log")
+            time.sleep(0.5)
+        wall = time.monotonic() - t0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        codes = [proc.wait() for proc in procs]
+        for log in logs:
+            log.close()
     if any(codes):
         raise SystemExit(f"genq workers exited {codes}; see {work}/worker-{sc.name}-*.log")
     results = [json.loads(line)["id"] for shard in (out / "tail" / "shards").glob("*.jsonl")
                for line in shard.read_text().splitlines() if line.strip()]
     if len(results) != sc.prompts or len(set(results)) != sc.prompts:
         raise SystemExit(f"genq wrote {len(results)} results ({len(set(results))} distinct) for {sc.prompts} prompts")
-    return time.monotonic() - t0
+    return wall
 
 
 def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redis) -> dict[str, Any]:
@@ -224,7 +250,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redi
                                 str(SLOTS), *[s.url for s in sims]], check=True, cwd=ROOT)
                 wall = time.monotonic() - started
             elif run == "router":
-                router = Router([s.url for s in sims], work / f"router-{sc.name}.log")
+                router = Router([s.url for s in sims], work / f"router-{sc.name}.log", args.router_python)
                 try:
                     for sim in sims:  # its health checks are no generations, but reset what they touched
                         sim.reset()
@@ -264,11 +290,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="Lognormal sigma of output lengths. Larger: the last long completions, which run "
                         "where they started in any scheduler, hide what holding batches costs.")
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--router-python", default=os.environ.get("GENQ_ROUTER_PYTHON", PY),
+                   help="The Python whose sglang-router runs the router ($GENQ_ROUTER_PYTHON).")
     p.add_argument("--workdir", default=None, help="Keep the logs (workers, servers, router) here.")
     p.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
     args = p.parse_args(argv)
     print(conditions(), flush=True)
-    if "router" in args.order.split(",") and not router_available():
+    if "router" in args.order.split(",") and not router_available(args.router_python):
         print(f"NOTE: {ROUTER_MISSING}; running without it", file=sys.stderr)
         args.order = ",".join(r for r in args.order.split(",") if r != "router")
     rows, misses, all_figures = [], [], {}

@@ -25,6 +25,7 @@ CALLS = {
     "claim_ids": scripts.ids_call("j", [("p1", b"12345678")]),
     "reorder": scripts.reorder_call("q", ["a", "b"]),
     "queue_head": scripts.queue_head_call("q"),
+    "fleet_share": scripts.fleet_share_call("inst", 3, {"j": 2}),
     "put_back": scripts.put_back_call("i", "q", "rq1"),
     "record": scripts.record_call("j", REF.batch, "w", "1.0", [], [], ""),
     "claim": scripts.claim_call(REF, "inst", "", "tok", ["p1"]),

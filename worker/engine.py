@@ -89,8 +89,9 @@ class Engine:
         self.completer = Completer(self.redis)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
-        self.shares = Shares(self.redis, self.stealer.queue_key,
-                             lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed})
+        self.shares = Shares(self.redis, self.stealer.queue_key, self.instance,
+                             lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed},
+                             lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
         self.loops.shares = self.shares
         self.dispatcher.todo.plan = self.shares.plan
         self.tail = TailWatch(self.redis, self.name, self.stealer.queue_key, self.flags, self.dispatcher,

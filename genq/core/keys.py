@@ -85,6 +85,12 @@ def job_schedule(job: str) -> str:
     return f"{_job(job)}:schedule"
 
 
+def job_share(job: str) -> str:
+    """Hash: engine instance -> "REDIS_SECONDS COUNT", the job's prompts each engine has claimed or in
+    flight, refreshed each second while it holds any: the fleet-wide fair share (worker/shares.py)."""
+    return f"{_job(job)}:share"
+
+
 def job_blocked(job: str) -> str:
     """JobBlock record: why the job is blocked (set with keys.job_paused; `genq resume --job` clears both)."""
     return f"{_job(job)}:blocked"

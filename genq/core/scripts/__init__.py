@@ -135,6 +135,14 @@ def queue_head_call(queue_key: str) -> Call:
     return [queue_key], [RQ_JOB_PREFIX]
 
 
+FLEET_SHARE = load("fleet_share")
+
+
+def fleet_share_call(instance: str, fresh_s: int, mine: dict[str, int]) -> Call:
+    """This engine's prompts per job (claimed or in flight; 0: none now)."""
+    return [keys.job_share(job) for job in mine], [instance, fresh_s, *mine.values()]
+
+
 PUT_BACK = load("put_back")
 
 
