@@ -121,8 +121,10 @@ class JobSnapshot:
 
     @property
     def share(self) -> float:
-        """This job's part of the fleet's requests in flight now (0 when nothing runs)."""
-        return min(1.0, self.in_flight / self.fleet_running) if self.fleet_running else 0.0
+        """This job's part of the fleet's requests in flight now (0 when nothing runs). Both counts
+        as of the workers' last beats: in_flight's cap at what is left would count the requests
+        finished since the beat in the fleet's and not in the job's (a job alone read < 1)."""
+        return min(1.0, len(self.running_tokens) / self.fleet_running) if self.fleet_running else 0.0
 
     @property
     def running_tokens(self) -> list[int]:

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from genq.monitor.eta import LengthData, LengthModel, Speed, WorkerState, estimate, length_bucket
-from genq.monitor.etapool import BUDGET, MIN_DRAWS, EtaPool
+from genq.monitor.etapool import BUDGET, MIN_DRAWS, REFIT_S, EtaPool
 from genq.monitor.simulate import YIELD_EVERY
 
 MEAN, SIGMA, CAP = 512.0, 1.2, 8192
@@ -82,3 +82,43 @@ def test_remaining_tokens_on_the_grid_match_the_exact_sum() -> None:
     running = [random.Random(i).randint(0, 6000) for i in range(3000)]
     exact = sum(max(0.0, model.conditional_mean(t) - t) for t in running)
     assert model.remaining_tokens(0, running) == pytest.approx(exact, rel=0.01)
+
+
+def early_job(finished: int, lag: float = 14.0, seed: int = 3) -> dict:
+    """A job of 480 prompts (lengths as tests/test_eta_drain.py's sim: mean ~40, cap 96) on one worker
+    of 48 slots, at the moment `finished` are done: the first to finish are the short ones."""
+    rng = random.Random(seed)
+    lengths = [max(1, min(96, round(rng.lognormvariate(math.log(40) - 0.18, 0.6)))) for _ in range(480)]
+    ends = sorted((x, i) for i, x in enumerate(lengths[:48]))  # (end time, prompt), one token a unit each
+    started, done, now = 48, [], 0.0
+    running = {i: 0.0 for i in range(48)}
+    while len(done) < finished:
+        now, i = ends.pop(0)
+        done.append(lengths[i])
+        del running[i]
+        running[started] = now
+        ends.append((now + lengths[started], started))
+        ends.sort()
+        started += 1
+    hist = Counter(length_bucket(x) for x in done)
+    fleet = [WorkerState(slots=48, leases=6, max_leases=6, running=tuple(max(0, round(now - t - lag)) for t in running.values()),
+                         ready=24, held=4)]
+    return dict(total=480, completed=finished, failed=0, lengths=LengthData(hist=dict(hist), running=[], cap=96),
+                fleet=fleet, batch_size=24, speed=Speed(per_request=1.0, rel_se=0.03, span_s=60.0, samples=60))
+
+
+def test_a_fit_of_the_first_completions_gives_way_as_they_grow_not_only_after_refit_s() -> None:
+    """The first fit comes from the earliest completions, the short ones (#27: tests/test_eta_drain.py's
+    ETA read 22-39 % low at 25 % done: the fit of 20 completions was used until 28 %, REFIT_S later)."""
+    first, later = early_job(20), early_job(120)
+    one_first, one_later = estimate(**first), estimate(**later)
+    assert one_first.eta_s is not None and one_later.eta_s is not None
+    assert one_first.model.mean() < 0.8 * one_later.model.mean()  # the early fit is that wrong: the test can fail
+    pool, now = EtaPool(), 0.0
+    while estimate(**first, pool=pool, now=now).eta_s is None:
+        now += 0.25
+    start = now
+    while now < start + REFIT_S - 1.0:  # well within REFIT_S of the first fit
+        now += 0.25
+        est = estimate(**later, pool=pool, now=now)
+    assert est.eta_s == pytest.approx(one_later.eta_s, rel=0.05), (est.eta_s, one_later.eta_s, one_first.eta_s)

@@ -201,6 +201,9 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     old_nice = os.getpriority(os.PRIO_PROCESS, 0)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     refresh_cpu: list[float] = []
+    # GENQ_ETA_TRACE=PATH: every refresh's ETA and its inputs, as JSON lines with the true time
+    # left (for finding why an estimate misses, not only whether).
+    trace: list[dict] = []
     while True:
         tick = time.monotonic()
         cpu = time.process_time()
@@ -208,6 +211,11 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
         refresh_cpu.append(time.process_time() - cpu)
         p = report.progress
         done = (p.completed + p.failed) / total
+        sp, model = report.speed, report.estimate.model
+        trace.append({"t": report.snapshot.at, "done": done, "eta_s": p.eta_s, "load": load(),
+                      "tok_s": sp.tokens_per_s if sp else None, "per_request_tok_s": sp.per_request if sp else None,
+                      "overhead": sp.overhead if sp else None, "decoding": sp.decoding if sp else None,
+                      "fit_mean": model.mean() if model else None, "in_flight": report.snapshot.decoding})
         while pending and done >= pending[0]:
             points.append({"at": pending.pop(0), "done": done, "t": report.snapshot.at, "eta_s": p.eta_s,
                            "eta_low_s": p.eta_low_s, "eta_high_s": p.eta_high_s, "state": p.eta_state,
@@ -230,6 +238,9 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     for pt in points:
         pt["true_s"] = end - pt["t"]
         pt["error"] = None if pt["eta_s"] is None else (pt["eta_s"] - pt["true_s"]) / pt["true_s"]
+    if os.environ.get("GENQ_ETA_TRACE"):
+        with open(os.environ["GENQ_ETA_TRACE"], "w") as f:
+            f.writelines(json.dumps(dict(row, true_s=end - row["t"])) + "\n" for row in trace)
     conn.close()
     return points
 
