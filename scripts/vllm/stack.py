@@ -23,7 +23,9 @@ import aiohttp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "llamacpp"))
-from runs import ROOT, cpu_s, flush, free_port, genq, load, wait_ok, watch_eta  # noqa: E402
+from runs import ROOT, cpu_s, flush, genq, load, wait_ok, watch_eta  # noqa: E402
+
+from genq.core.localredis import LocalRedis, free_port  # noqa: E402
 
 CACHE = Path(os.environ.get("GENQ_VLLM_CACHE", Path.home() / ".cache" / "genq-vllm"))
 MODEL_NAME = "tiny"
@@ -64,12 +66,12 @@ class Stack:
     def __init__(self, work: Path, engine: str = "vllm", seqs: int | None = None, *, python: str | None = None,
                  model: str | None = None, gpu: bool = False) -> None:
         self.procs: list[subprocess.Popen] = []
-        rport, vport = free_port(), free_port()
-        self.redis = f"redis://127.0.0.1:{rport}/0"
+        with open(work / "redis.log", "wb") as log:
+            self.local_redis = LocalRedis(log=log)
+        self.redis = self.local_redis.url
+        vport = free_port()
         self.server = f"http://127.0.0.1:{vport}"
         self.engine = engine
-        self._start(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(work)], work / "redis.log")
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         if not gpu:
             env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="auto")
@@ -117,6 +119,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.local_redis.stop()
 
 
 class Sampler:
