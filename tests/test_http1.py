@@ -125,3 +125,18 @@ def test_a_body_cut_short_is_a_connection_error_not_a_lost_request():
         assert not pool.idle
 
     run(answers, go, close_after=True)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 2x0 OK\r\nContent-Length: 8\r\n\r\n" + OK_JSON,  # a status that is not a number
+    b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nTransfer-Encoding: chunked\r\n\r\n8\r\n" + OK_JSON,  # both framings
+    b"SSH-2.0-OpenSSH_9.6\r\n",  # not HTTP, on a connection the server keeps open
+])
+def test_a_malformed_answer_is_a_value_error_at_once_not_a_hang_or_a_lost_request(answer):
+    async def go(pool: Http1Pool) -> None:
+        async with asyncio.timeout(5):
+            with pytest.raises(ValueError):
+                await post(pool)
+        assert not pool.idle
+
+    run([answer, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"], go)  # a second answer: the server keeps it open
