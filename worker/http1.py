@@ -72,7 +72,7 @@ class _Conn(asyncio.Protocol):
             self._end(exc=cause if cause is not None else ValueError(f"{exc} ({bytes(data[:40])!r})"))
 
     def on_message_begin(self) -> None:
-        if self.sink is not None:  # a second answer after the one asked for
+        if self.answer is None or self.answer.done():  # a second answer after the one asked for
             self.close()
         self.framed = False
 
@@ -111,6 +111,7 @@ class _Conn(asyncio.Protocol):
             self._end(exc=exc if isinstance(exc, OSError) else ConnectionResetError("the server closed the connection"))
 
     def _end(self, keep: bool = False, exc: BaseException | None = None) -> None:
+        self.sink = None  # the sink gets no more
         if self.answer is not None and not self.answer.done():
             if exc is None:
                 self.answer.set_result((self.status, keep))
