@@ -17,9 +17,10 @@ OK_JSON = b'{"a": 1}'
 class Scripted:
     """Answers each request on a connection with the next of its answers; then, if told, closes."""
 
-    def __init__(self, answers: list[bytes], close_after: bool = False) -> None:
+    def __init__(self, answers: list[bytes], close_after: bool = False, step: int = 1) -> None:
         self.answers = answers
         self.close_after = close_after
+        self.step = step
         self.connections = 0
         self.requests: list[bytes] = []
 
@@ -34,8 +35,8 @@ class Scripted:
                 answer = self.answers.pop(0)
                 if not answer:
                     break
-                for i in range(len(answer)):  # a byte at a time: every split the parser can meet
-                    writer.write(answer[i:i + 1])
+                for i in range(0, len(answer), self.step):  # a byte at a time: every split the parser can meet
+                    writer.write(answer[i:i + self.step])
                     await writer.drain()
                 if self.close_after:
                     break
@@ -57,8 +58,8 @@ async def post(pool: Http1Pool, reuse: bool = True) -> tuple[int, bytes]:
     return status, b"".join(parts)
 
 
-def run(answers: list[bytes], go, close_after: bool = False) -> Scripted:
-    scripted = Scripted(answers, close_after)
+def run(answers: list[bytes], go, close_after: bool = False, step: int = 1) -> Scripted:
+    scripted = Scripted(answers, close_after, step)
 
     async def main() -> None:
         server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
@@ -125,3 +126,35 @@ def test_a_body_cut_short_is_a_connection_error_not_a_lost_request():
         assert not pool.idle
 
     run(answers, go, close_after=True)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 2x0 OK\r\nContent-Length: 8\r\n\r\n" + OK_JSON,  # a status that is not a number
+    b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nTransfer-Encoding: chunked\r\n\r\n8\r\n" + OK_JSON,  # both framings
+    b"SSH-2.0-OpenSSH_9.6\r\n",  # not HTTP, on a connection the server keeps open
+])
+def test_a_malformed_answer_is_a_value_error_at_once_not_a_hang_or_a_lost_request(answer):
+    async def go(pool: Http1Pool) -> None:
+        async with asyncio.timeout(5):
+            with pytest.raises(ValueError):
+                await post(pool)
+        assert not pool.idle
+
+    run([answer, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"], go)  # a second answer: the server keeps it open
+
+
+@pytest.mark.parametrize("step", [1, 1000])  # a byte at a time, and the whole answer in one piece
+def test_a_sink_that_has_enough_gets_no_more_and_the_connection_is_not_reused(step):
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n4\r\nSTOP\r\n1\r\nb\r\n0\r\n\r\n"
+    parts: list[bytes] = []
+
+    def sink(piece: bytes) -> bool:
+        parts.append(piece)
+        return b"".join(parts).endswith(b"STOP")
+
+    async def go(pool: Http1Pool) -> None:
+        assert await pool.post("/v1/completions", b"{}", lambda status: sink) == 200
+        assert b"".join(parts) == b"aSTOP", "nothing after the sink said enough"
+        assert not pool.idle
+
+    run([answer], go, step=step)

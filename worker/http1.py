@@ -5,7 +5,8 @@ cookie jar, payload registry, a StreamReader per response): against a fast serve
 more than half of a worker's CPU. The POSTs need little of it: keep-alive connections to one
 `http://` server, a body of known length, and an answer by Content-Length, chunked, or to
 the connection's close. GETs (health, models, /metrics) go each on a connection of its own.
-`https://` servers stay on aiohttp (worker/aioclient.py).
+`https://` servers stay on aiohttp (worker/aioclient.py). The answers are parsed by llhttp
+(httptools, uvicorn's parser), as each piece arrives; what is not HTTP is a ValueError at once.
 
 Only a request that got no response byte on a reused connection may be sent again (the
 caller does: a server that closed an idle keep-alive connection, llama.cpp after each
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import httptools
 from yarl import URL
 
 CONNECT_TIMEOUT_S = 10.0  # the aiohttp session's sock_connect, kept
@@ -32,21 +34,65 @@ class NoResponse(ConnectionError):
 
 
 class _Conn(asyncio.Protocol):
+    """One connection; llhttp (httptools) parses what comes and feeds the body to the sink."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future[None] | None = None
+        self.parser = httptools.HttpResponseParser(self)
         self.closed = False
-        self.error: BaseException | None = None
+        self.answer: asyncio.Future[tuple[int, bool]] | None = None  # the request in flight's
+        self.sink_for: Callable[[int], Sink] = lambda status: lambda body: True
+        self.sink: Sink | None = None
+        self.status = 0
+        self.got = False  # a byte of this answer came
+        self.framed = False  # by Content-Length or chunked; else the body runs to the close
+        self.keep = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
+    def send(self, request: bytes, sink_for: Callable[[int], Sink]) -> asyncio.Future[tuple[int, bool]]:
+        """(status, whether the connection can carry another) once the answer is read."""
+        assert self.transport is not None
+        self.answer, self.sink_for, self.sink, self.got = self.loop.create_future(), sink_for, None, False
+        self.transport.write(request)
+        return self.answer
+
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if self.answer is None or self.answer.done():  # bytes nobody asked for: not to be reused
+            self.close()
+            return
+        self.got = True
+        try:
+            self.parser.feed_data(data)
+        except Exception as exc:
+            # A sink's own error goes up as it was; llhttp's as a ValueError (not HTTP).
+            cause = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else None
+            self._end(exc=cause if cause is not None else ValueError(f"{exc} ({bytes(data[:40])!r})"))
+
+    def on_message_begin(self) -> None:
+        if self.answer is None or self.answer.done():  # a second answer after the one asked for
+            self.close()
+        self.framed = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in _FRAMING:
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status >= 200:  # not 100 Continue and the like: the answer's own
+            self.keep = self.parser.should_keep_alive()
+            self.sink = self.sink_for(self.status)
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None and self.sink(body):
+            self._end(False)
+
+    def on_message_complete(self) -> None:
+        if self.sink is not None:
+            self._end(self.keep)
 
     def eof_received(self) -> bool:
         self._ended(None)
@@ -57,24 +103,28 @@ class _Conn(asyncio.Protocol):
 
     def _ended(self, exc: BaseException | None) -> None:
         self.closed = True
-        self.error = self.error or exc
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if not self.got:
+            self._end(exc=NoResponse("the server closed the connection before answering"))
+        elif self.sink is not None and not self.framed:  # a body to the close: this was its end
+            self._end(False)
+        else:
+            self._end(exc=exc if isinstance(exc, OSError) else ConnectionResetError("the server closed the connection"))
 
-    async def more(self) -> None:
-        """Until more bytes come; raises once the connection has ended."""
-        if self.closed:
-            raise self.error if isinstance(self.error, OSError) else ConnectionResetError("the server closed the connection")
-        self.waiter = self.loop.create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
+    def _end(self, keep: bool = False, exc: BaseException | None = None) -> None:
+        self.sink = None  # the sink gets no more
+        if self.answer is not None and not self.answer.done():
+            if exc is None:
+                self.answer.set_result((self.status, keep))
+            else:
+                self.answer.set_exception(exc)
 
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+_FRAMING = (b"content-length", b"transfer-encoding")
 
 
 class Http1Pool:
@@ -112,9 +162,8 @@ class Http1Pool:
         async with asyncio.timeout(timeout):
             conn = await self._connect()
             try:
-                assert conn.transport is not None
-                conn.transport.write(b"GET " + (self.prefix + path).encode() + b" HTTP/1.1" + self._get_head)
-                status, _ = await _response(conn, lambda status: keep)
+                status, _ = await conn.send(b"GET " + (self.prefix + path).encode() + b" HTTP/1.1" + self._get_head,
+                                            lambda status: keep)
             finally:
                 conn.close()
         return status, b"".join(parts)
@@ -130,11 +179,9 @@ class Http1Pool:
         reused = conn is not None
         if conn is None:
             conn = await self._connect()
-        assert conn.transport is not None
-        conn.transport.write(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head
-                             + str(len(data)).encode() + b"\r\n\r\n" + data)
         try:
-            status, keep = await _response(conn, sink_for)
+            status, keep = await conn.send(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head
+                                           + str(len(data)).encode() + b"\r\n\r\n" + data, sink_for)
         except BaseException as exc:  # cut short, cancelled: the connection is in an unknown state
             conn.close()
             if isinstance(exc, NoResponse):
@@ -145,78 +192,3 @@ class Http1Pool:
         else:
             conn.close()
         return status
-
-
-async def _response(conn: _Conn, sink_for: Callable[[int], Sink]) -> tuple[int, bool]:
-    """Reads one response, its body into sink: (status, whether the connection can carry another)."""
-    buf = conn.buf
-    while True:
-        while (end := buf.find(b"\r\n\r\n")) < 0:
-            if conn.closed and not buf:
-                raise NoResponse("the server closed the connection before answering")
-            await conn.more()
-        lines = bytes(buf[:end]).split(b"\r\n")
-        del buf[:end + 4]
-        version, status = lines[0][:8], int(lines[0][9:12])
-        if not 100 <= status < 200:
-            break
-    length, chunked, connection = -1, False, b""
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
-        elif name == b"connection":
-            connection = value.strip().lower()
-    keep = connection != b"close" if version == b"HTTP/1.1" else connection == b"keep-alive"
-    sink = sink_for(status)
-    if status in (204, 304):
-        return status, keep
-    if chunked:
-        return status, keep and await _chunked(conn, sink)
-    if length < 0:  # to the connection's close
-        while True:
-            if buf:
-                stop = sink(bytes(buf))
-                buf.clear()
-                if stop:
-                    return status, False
-            if conn.closed:
-                return status, False
-            await conn.more()
-    while length > 0:
-        if not buf:
-            await conn.more()
-            continue
-        piece = bytes(buf[:length])
-        del buf[:length]
-        length -= len(piece)
-        if sink(piece):
-            return status, False
-    return status, keep
-
-
-async def _chunked(conn: _Conn, sink: Sink) -> bool:
-    """A chunked body into sink; whether it was read to its end."""
-    buf = conn.buf
-    while True:
-        while (eol := buf.find(b"\r\n")) < 0:
-            await conn.more()
-        size = int(bytes(buf[:eol]).split(b";")[0], 16)
-        del buf[:eol + 2]
-        if size == 0:
-            while (eol := buf.find(b"\r\n")) != 0:  # trailers, up to the empty line
-                if eol > 0:
-                    del buf[:eol + 2]
-                else:
-                    await conn.more()
-            del buf[:2]
-            return True
-        while len(buf) < size + 2:
-            await conn.more()
-        piece = bytes(buf[:size])
-        del buf[:size + 2]
-        if sink(piece):
-            return False
