@@ -50,7 +50,6 @@ KEYED_YET = {
     "genq.worker.parking": "parks a paused job's batches; being changed by another branch",
     "genq.worker.shares": "fair-share reads of the fleet; being changed by another branch",
     "genq.worker.stealing": "the end-of-job stealer's reads; being changed by another branch",
-    "genq.worker.tail": "the tail's reads of held batches; being changed by another branch",
 }
 
 

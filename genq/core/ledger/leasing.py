@@ -48,6 +48,16 @@ async def finished_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> s
     return {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
 
 
+async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> set[str]:
+    """Of these prompt ids, those with an outcome recorded (a result or a dead letter), read by
+    id: one round trip, no transaction (a tail's look at what it holds back)."""
+    async with conn.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.batch_results(ref.job, ref.batch), ids)
+        pipe.hmget(keys.job_dlq(ref.job), ids)
+        results, letters = await pipe.execute()
+    return {i for i, r, d in zip(ids, results, letters) if r is not None or d is not None}
+
+
 async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
     """For each batch: its job's incarnation now (None: deleted), whether it is done, and the
     token of its current lease; one round trip."""
