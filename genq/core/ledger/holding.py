@@ -1,0 +1,44 @@
+"""What an engine reads and writes, from its event loop, of the jobs whose batches it holds:
+their block and pause flags, their settings (worker/parking.py), one round trip each.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from genq.core import keys
+from genq.core.records import JobBlock, JobConfig, pack, unpack
+
+
+def _config(raw: bytes | None) -> JobConfig | None:
+    return unpack(raw, JobConfig) if raw is not None else None
+
+
+async def arrival_state(conn: aioredis.Redis, job: str) -> tuple[bool, JobConfig | None, bool]:
+    """What a leased batch's job is now: blocked, its settings (None: deleted), paused."""
+    async with conn.pipeline(transaction=False) as pipe:
+        pipe.exists(keys.job_blocked(job))
+        pipe.get(keys.job_config(job))
+        pipe.exists(keys.job_paused(job))
+        blocked, raw, paused = await pipe.execute()
+    return bool(blocked), _config(raw), bool(paused)
+
+
+async def blocks_and_configs(conn: aioredis.Redis, jobs: list[str]) -> list[tuple[bool, JobConfig | None]]:
+    """For each job, in order: whether it is blocked, and its settings (None: deleted)."""
+    async with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.exists(keys.job_blocked(job))
+            pipe.get(keys.job_config(job))
+        answers = await pipe.execute()
+    return [(bool(answers[2 * i]), _config(answers[2 * i + 1])) for i in range(len(jobs))]
+
+
+async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
+    """Block the job (the first reason stored wins) and pause it, in one transaction."""
+    async with conn.pipeline(transaction=True) as pipe:
+        pipe.set(keys.job_blocked(job), pack(record), nx=True)
+        pipe.set(keys.job_paused(job), repr(time.time()))
+        await pipe.execute()
