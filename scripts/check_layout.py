@@ -47,7 +47,6 @@ LEDGER = {
 KEYED_YET = {
     "genq.worker.claims": "CLAIM/STEAL/UNCLAIM callers; being changed by another branch (#23 next step)",
     "genq.worker.completion": "builds the shard from stored results; being changed by another branch",
-    "genq.worker.shares": "fair-share reads of the fleet; being changed by another branch",
 }
 
 

@@ -1,11 +1,13 @@
 """What an engine reads and writes, from its event loop, of the jobs whose batches it holds:
 their block and pause flags, their settings (worker/parking.py), and the leases other engines
-hold with their jobs' priorities (worker/stealing.py); one round trip each.
+hold with their jobs' priorities (worker/stealing.py), their schedules (worker/shares.py, staged
+on the caller's pipeline with its scripts); one round trip each.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -13,7 +15,7 @@ import redis.asyncio as aioredis
 from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.ledger.jobs import schedule_of
-from genq.core.records import JobBlock, JobConfig, pack, unpack
+from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
 
 
 def _config(raw: bytes | None) -> JobConfig | None:
@@ -80,3 +82,13 @@ async def unpaused_priorities(conn: aioredis.Redis, jobs: list[str]) -> dict[str
             pipe.exists(keys.job_paused(job))
         answers = await pipe.execute()
     return {job: schedule_of(answers[2 * i]).priority for i, job in enumerate(jobs) if not answers[2 * i + 1]}
+
+
+def stage_schedules(pipe: Any, jobs: list[str]) -> None:
+    """Queue the read of these jobs' schedules, packed, in order, on an asyncio pipeline (one MGET;
+    genq.core.ledger.jobs.schedule_of reads each)."""
+    pipe.mget([keys.job_schedule(j) for j in jobs])
+
+
+async def schedule_now(conn: aioredis.Redis, job: str) -> JobSchedule:
+    return schedule_of(await conn.get(keys.job_schedule(job)))
