@@ -45,7 +45,6 @@ LEDGER = {
 }
 # The modules outside the ledger that still build Redis keys, and why; none may be added.
 KEYED_YET = {
-    "genq.worker.claims": "CLAIM/STEAL/UNCLAIM callers; being changed by another branch (#23 next step)",
     "genq.worker.completion": "builds the shard from stored results; being changed by another branch",
 }
 

@@ -58,6 +58,11 @@ async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> se
     return {i for i, r, d in zip(ids, results, letters) if r is not None or d is not None}
 
 
+async def claim_owners(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> list[bytes | None]:
+    """Who claimed each of these prompts of the batch, as CLAIM wrote it (None: unclaimed)."""
+    return await conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
+
+
 async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
     """For each batch: its job's incarnation now (None: deleted), whether it is done, and the
     token of its current lease; one round trip."""
