@@ -86,7 +86,7 @@ async def unpaused_priorities(conn: aioredis.Redis, jobs: list[str]) -> dict[str
 
 def stage_schedules(pipe: Any, jobs: list[str]) -> None:
     """Queue the read of these jobs' schedules, packed, in order, on an asyncio pipeline (one MGET;
-    genq.core.ledger.jobs.schedule_of reads each)."""
+    schedule_of reads each)."""
     pipe.mget([keys.job_schedule(j) for j in jobs])
 
 
