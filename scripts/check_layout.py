@@ -43,15 +43,9 @@ LEDGER = {
     "genq.worker.rqloop",
     "genq.worker.rqjob",
 }
-# The modules outside the ledger that still build Redis keys, and why; none may be added.
-KEYED_YET = {
-    "genq.worker.claims": "CLAIM/STEAL/UNCLAIM callers; being changed by another branch (#23 next step)",
-    "genq.worker.completion": "builds the shard from stored results; being changed by another branch",
-    "genq.worker.parking": "parks a paused job's batches; being changed by another branch",
-    "genq.worker.shares": "fair-share reads of the fleet; being changed by another branch",
-    "genq.worker.stealing": "the end-of-job stealer's reads; being changed by another branch",
-    "genq.worker.tail": "the tail's reads of held batches; being changed by another branch",
-}
+# The modules outside the ledger that still build Redis keys, and why; none may be added (empty
+# since 2026-12-03: the last six moved their keys into genq/core/ledger/).
+KEYED_YET: dict[str, str] = {}
 
 
 def in_ledger(name: str) -> bool:

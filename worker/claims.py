@@ -28,7 +28,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from genq.core import keys, scripts
+from genq.core import scripts
+from genq.core.ledger import leasing
 from genq.core.records import BatchRef
 from genq.worker.held import HeldBatch, Task
 
@@ -74,7 +75,7 @@ class Claims:
         await self._unclaim(keys=script_keys, args=args)
 
     async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
-        owners = await self.conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
+        owners = await leasing.claim_owners(self.conn, ref, ids)
         return [o is not None and _text(o).partition(" ")[0] == self.instance for o in owners]
 
 

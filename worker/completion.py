@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from genq.core import batches, keys, scripts
+from genq.core import batches, scripts
+from genq.core.ledger import leasing
 from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, with_prompt
 from genq.ops.written import adopt_marker, outcome_for
 from genq.output.sink import open_sink, shard_bytes
@@ -117,23 +118,15 @@ class Completer:
         with its prompt from the batch the engine holds, so the shard's line is what it was."""
         ref = held.ref
         by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
-        async with self.conn.pipeline(transaction=True) as pipe:
-            pipe.sismember(keys.job_done(ref.job), ref.batch)
-            pipe.get(keys.job_config(ref.job))
-            if by_id:  # in memory already: only whether the batch record is still there
-                pipe.exists(keys.batch(ref.job, ref.batch))
-            else:
-                pipe.get(keys.batch(ref.job, ref.batch))
-            pipe.hvals(keys.batch_results(ref.job, ref.batch))
-            if by_id:
-                pipe.hmget(keys.job_dlq(ref.job), list(by_id))
-            done, raw_config, raw_batch, raw_results, *raw_letters = await pipe.execute()
+        done, raw_config, raw_batch, raw_results, stored_letters = await leasing.stored_outcomes(
+            self.conn, ref, list(by_id))
         if done or not raw_batch or not raw_config:
             return None
         if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
             return None  # the job was deleted and enqueued again: nothing of this one is written
-        ids = list(by_id) if by_id else batches.ids(batches.decode(raw_batch))
-        letters_raw = raw_letters[0] if raw_letters else await self.conn.hmget(keys.job_dlq(ref.job), ids)
+        # the record itself only when the prompts were not in memory (else: whether it is there)
+        ids = batches.ids(batches.decode(raw_batch)) if isinstance(raw_batch, bytes) else list(by_id)
+        letters_raw = stored_letters if stored_letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
         wanted = set(ids)
         results = []
         for v in raw_results:

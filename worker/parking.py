@@ -24,10 +24,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
-from genq.core import keys, ledger
-from genq.core.records import BatchRef, JobBlock, JobConfig, Prompt, pack, unpack
+from genq.core.ledger import holding
+from genq.core.ledger.parked import end_lease_parked
+from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.brake import Brake
@@ -87,16 +87,9 @@ class Parking:
     async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         job = held.ref.job
 
-        async def look() -> list[Any]:
-            async with self.conn.pipeline(transaction=False) as pipe:
-                pipe.exists(keys.job_blocked(job))
-                pipe.get(keys.job_config(job))
-                pipe.exists(keys.job_paused(job))
-                return await pipe.execute()
-
-        blocked, raw, paused = await retrying(look, f"checking job {job}")
-        if raw is not None:
-            self._settings(job, unpack(raw, JobConfig))
+        blocked, config, paused = await retrying(lambda: holding.arrival_state(self.conn, job), f"checking job {job}")
+        if config is not None:
+            self._settings(job, config)
         if blocked:
             self._blocked_elsewhere(job)
         elif self._lifted(job):
@@ -129,14 +122,8 @@ class Parking:
         self._spawn(self._block(job, record))
 
     async def _block(self, job: str, record: JobBlock) -> None:
-        async def store() -> None:
-            async with self.conn.pipeline(transaction=True) as pipe:
-                pipe.set(keys.job_blocked(job), pack(record), nx=True)
-                pipe.set(keys.job_paused(job), repr(time.time()))
-                await pipe.execute()
-
         try:
-            await retrying(store, f"blocking job {job}")
+            await retrying(lambda: holding.block_job(self.conn, job, record), f"blocking job {job}")
         finally:
             self._storing.discard(job)
         await self.park_job(job)
@@ -232,19 +219,13 @@ class Parking:
         jobs = sorted(self.held.jobs() | {r.job for r in self.stealer.borrowed} | self.brake.blocked)
         if not jobs:
             return
-        async with self.conn.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                pipe.exists(keys.job_blocked(job))
-                pipe.get(keys.job_config(job))
-            answers = await pipe.execute()
-        for i, job in enumerate(jobs):
-            blocked, raw = answers[2 * i], answers[2 * i + 1]
+        for job, (blocked, config) in zip(jobs, await holding.blocks_and_configs(self.conn, jobs)):
             if blocked:
                 self._blocked_elsewhere(job)
             elif self._lifted(job):
                 self._resumed(job)
-            if raw is not None:
-                self._settings(job, unpack(raw, JobConfig))
+            if config is not None:
+                self._settings(job, config)
 
 
 def park_paused(parking: Parking) -> None:
@@ -271,21 +252,3 @@ def parking_of(engine: Any) -> Parking:
     engine.dispatcher.brake = parking.brake
     return parking
 
-
-def end_lease_parked(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
-    """End this lease with no RQ job carrying the batch; False if it was done or not ours."""
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
-                if pipe.sismember(keys.job_done(ref.job), ref.batch):
-                    return False
-                if ledger.lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
-                    return False
-                pipe.multi()
-                pipe.hdel(keys.job_leases(ref.job), ref.batch)
-                pipe.hdel(keys.job_transport(ref.job), ref.batch)
-                pipe.execute()
-                return True
-            except WatchError:
-                continue

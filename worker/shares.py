@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import keys, scripts
+from genq.core import scripts
+from genq.core.ledger import holding
 from genq.core.order import batch_of_description, schedule_of
 from genq.core.records import JobSchedule
 from genq.worker.held import Task
@@ -85,7 +86,7 @@ class Shares:
             script_keys, args = scripts.fleet_share_call(self.instance, FRESH_S, mine)
             await self._share(keys=script_keys, args=args, client=pipe)
             if jobs:
-                pipe.mget([keys.job_schedule(j) for j in jobs])
+                holding.stage_schedules(pipe, jobs)
                 script_keys, args = scripts.queue_head_call(self.queue_key)
                 await self._head(keys=script_keys, args=args, client=pipe)
             shared, *rest = await pipe.execute()
@@ -99,7 +100,7 @@ class Shares:
         found = batch_of_description(head)
         self.head = found[0] if found else None
         if self.head is not None and self.head not in self.sched:
-            self.sched[self.head] = schedule_of(await self.conn.get(keys.job_schedule(self.head)))
+            self.sched[self.head] = await holding.schedule_now(self.conn, self.head)
 
     def wants_head(self, waiting: dict[str, int], low: int = 1) -> bool:
         """Whether the queue's next batch should be taken now although every loop holds one:

@@ -21,14 +21,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-import msgspec
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches, keys, ledger
-from genq.core.order import schedule_of
+from genq.core import batches
+from genq.core.ledger import holding, leasing
 from genq.core.queueing import rq_queue
-from genq.core.records import BatchRef, JobConfig, Prompt, unpack
+from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
@@ -146,25 +145,13 @@ class Stealer:
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
         """Batches other engines hold, with their job's settings as they are now (read each pass:
         a job deleted and enqueued again under its name is another incarnation)."""
-        jobs = [j.decode() for j in await self.conn.smembers(keys.JOBS)]
-        jobs = [j for j in jobs if j not in self.flags.paused_jobs]
-        async with self.conn.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                pipe.hgetall(keys.job_leases(job))
-                pipe.get(keys.job_config(job))
-            answers = await pipe.execute()
+        jobs = [j for j in await holding.job_names(self.conn) if j not in self.flags.paused_jobs]
         out = []
-        for i, job in enumerate(jobs):
-            leases, raw_config = answers[2 * i], answers[2 * i + 1]
-            try:
-                config = unpack(raw_config, JobConfig) if raw_config else None
-            except msgspec.ValidationError:
-                config = None
+        for job, (config, leases) in zip(jobs, await holding.leases_and_configs(self.conn, jobs)):
             if config is None:
                 continue
-            for batch, value in leases.items():
-                holder = ledger.lease_holder(value)
-                ref = BatchRef(job, batch.decode())
+            for batch, holder in leases.items():
+                ref = BatchRef(job, batch)
                 if holder and holder != self.instance and ref not in self.held:
                     out.append((ref, holder, config))
         return await self._by_priority(out)
@@ -175,12 +162,7 @@ class Stealer:
         jobs = sorted({ref.job for ref, _, _ in found})
         if not jobs:
             return []
-        async with self.conn.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                pipe.get(keys.job_schedule(job))
-                pipe.exists(keys.job_paused(job))
-            answers = await pipe.execute()
-        priority = {job: schedule_of(answers[2 * i]).priority for i, job in enumerate(jobs) if not answers[2 * i + 1]}
+        priority = await holding.unpaused_priorities(self.conn, jobs)
         out = [f for f in found if f[0].job in priority]
         random.shuffle(out)
         out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
@@ -189,7 +171,7 @@ class Stealer:
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
         cached = (ref, config.incarnation)
         if cached not in self._batches:
-            raw = await self.conn.get(keys.batch(ref.job, ref.batch))
+            raw = await leasing.batch_record(self.conn, ref)
             loaded = None
             if raw is not None:
                 try:

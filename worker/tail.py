@@ -29,8 +29,8 @@ from collections.abc import Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import keys
-from genq.core.records import WorkerStatus, unpack
+from genq.core.ledger import fleet, leasing
+from genq.core.records import WorkerStatus
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags
 
@@ -127,11 +127,7 @@ class TailWatch:
             if held.dropped or not tasks:
                 continue
             ids = [t.prompt.id for t in tasks]
-            async with self.conn.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.batch_results(held.ref.job, held.ref.batch), ids)
-                pipe.hmget(keys.job_dlq(held.ref.job), ids)
-                results, letters = await pipe.execute()
-            done = {i for i, r, d in zip(ids, results, letters) if r is not None or d is not None}
+            done = await leasing.outcome_ids(self.conn, held.ref, ids)
             if done:
                 kept = [t for t in tasks if t.prompt.id not in done]
                 tasks.clear()
@@ -141,11 +137,10 @@ class TailWatch:
     async def decide(self) -> bool:
         if await self.conn.llen(self.queue_key):
             return False
-        names = sorted(n.decode() for n in await self.conn.smembers(keys.WORKERS))
+        names = await fleet.names_async(self.conn)
         if len(names) < 2:
             return False
-        raws = await self.conn.mget([keys.worker_status(n) for n in names])
-        statuses = [unpack(raw, WorkerStatus) for raw in raws if raw]
+        statuses = await fleet.live_statuses(self.conn, names)
         mine = [s for s in statuses if s.name == self.name]
         if not mine:
             return False

@@ -21,7 +21,7 @@ import redis
 
 from genq.core import scripts
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger.jobs import schedule_of as schedule_of  # where worker/shares.py, stealing.py read it
+from genq.core.ledger.jobs import schedule_of as schedule_of  # where worker/shares.py reads it
 from genq.core.ledger.jobs import schedules
 from genq.core.records import JobSchedule
 from genq.core.scripts import RQ_JOB_PREFIX

@@ -44,6 +44,17 @@ def statuses(conn: redis.Redis, names: list[str] | None = None) -> dict[str, Wor
     return out
 
 
+async def names_async(conn: aioredis.Redis) -> list[str]:
+    """worker_names, from the engine's event loop."""
+    return sorted(n.decode() for n in await conn.smembers(keys.WORKERS))
+
+
+async def live_statuses(conn: aioredis.Redis, names: list[str]) -> list[WorkerStatus]:
+    """The statuses of these workers that have not expired, in order (one MGET)."""
+    raws = await conn.mget([keys.worker_status(n) for n in names])
+    return [unpack(raw, WorkerStatus) for raw in raws if raw]
+
+
 async def status_of(conn: aioredis.Redis, name: str) -> WorkerStatus | None:
     raw = await conn.get(keys.worker_status(name))
     return unpack(raw, WorkerStatus) if raw else None

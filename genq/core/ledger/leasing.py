@@ -48,6 +48,46 @@ async def finished_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> s
     return {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
 
 
+async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> set[str]:
+    """Of these prompt ids, those with an outcome recorded (a result or a dead letter), read by
+    id: one round trip, no transaction (a tail's look at what it holds back)."""
+    async with conn.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.batch_results(ref.job, ref.batch), ids)
+        pipe.hmget(keys.job_dlq(ref.job), ids)
+        results, letters = await pipe.execute()
+    return {i for i, r, d in zip(ids, results, letters) if r is not None or d is not None}
+
+
+async def claim_owners(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> list[bytes | None]:
+    """Who claimed each of these prompts of the batch, as CLAIM wrote it (None: unclaimed)."""
+    return await conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
+
+
+async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]
+                          ) -> tuple[bool, bytes | None, bytes | int | None, list[bytes], list[bytes | None] | None]:
+    """What the batch's shard is built from, read in one transaction: whether it is done, its
+    job's settings (packed), the batch record (given `ids`, the prompts are in memory already:
+    only whether it is still there), its stored results (packed), and the letters of `ids`
+    (None without ids: letters_of, once the record names them)."""
+    async with conn.pipeline(transaction=True) as pipe:
+        pipe.sismember(keys.job_done(ref.job), ref.batch)
+        pipe.get(keys.job_config(ref.job))
+        if ids:
+            pipe.exists(keys.batch(ref.job, ref.batch))
+        else:
+            pipe.get(keys.batch(ref.job, ref.batch))
+        pipe.hvals(keys.batch_results(ref.job, ref.batch))
+        if ids:
+            pipe.hmget(keys.job_dlq(ref.job), ids)
+        done, raw_config, raw_batch, raw_results, *raw_letters = await pipe.execute()
+    return bool(done), raw_config, raw_batch, raw_results, raw_letters[0] if raw_letters else None
+
+
+async def letters_of(conn: aioredis.Redis, job: str, ids: list[str]) -> list[bytes | None]:
+    """The dead letters of these prompt ids, packed (None: no letter), in order."""
+    return await conn.hmget(keys.job_dlq(job), ids)
+
+
 async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
     """For each batch: its job's incarnation now (None: deleted), whether it is done, and the
     token of its current lease; one round trip."""
