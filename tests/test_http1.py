@@ -158,3 +158,23 @@ def test_a_sink_that_has_enough_gets_no_more_and_the_connection_is_not_reused(st
         assert not pool.idle
 
     run([answer], go, step=step)
+
+
+def test_a_server_on_an_ipv6_address_gets_a_bracketed_host_header():
+    # `--server http://[::1]:30000`: the Host header is "[::1]:30000" (RFC 9110 uses the URI's
+    # authority), not "::1:30000", which a strict server refuses as a bad request.
+    scripted = Scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n" + OK_JSON])
+
+    async def main() -> None:
+        server = await asyncio.start_server(scripted.handle, "::1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Http1Pool(URL(f"http://[::1]:{port}"), 8)
+        try:
+            assert await post(pool) == (200, OK_JSON)
+        finally:
+            pool.close()
+            server.close()
+
+    asyncio.run(main())
+    host = next(line for line in scripted.requests[0].split(b"\r\n") if line.lower().startswith(b"host:"))
+    assert host.split(b":", 1)[1].strip().startswith(b"[::1]:"), host

@@ -135,7 +135,7 @@ class Http1Pool:
         self.prefix = base.path.rstrip("/")
         self.limit = limit  # idle connections kept
         self.idle: list[_Conn] = []
-        host = self.host if self.port == 80 else f"{self.host}:{self.port}"
+        host = base.host_port_subcomponent  # the URI's authority: "[::1]:30000", no ":80"
         self._head = (f"\r\nHost: {host}\r\nContent-Type: application/json\r\nAccept: */*\r\n"
                       "Content-Length: ").encode()
         self._get_head = f"\r\nHost: {host}\r\nAccept: */*\r\nConnection: close\r\n\r\n".encode()
