@@ -31,6 +31,7 @@ import msgspec
 import redis
 
 from genq.core import batches as batch_records
+from genq.core.durable import JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import (
     ID_NEW,
@@ -43,7 +44,7 @@ from genq.core.queueing import (
     stage_config,
     write_batches,
 )
-from genq.core.records import BatchSource, InputRange, JobConfig, JobRecord, Rejected
+from genq.core.records import BatchSource, InputRange, JobConfig, Rejected
 from genq.ops import recover
 from genq.output import truth
 from genq.output.sink import open_store

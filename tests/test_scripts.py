@@ -9,7 +9,8 @@ import re
 import pytest
 
 from genq.core import scripts
-from genq.core.records import BatchRef, DeadLetter, ShardInfo, ShardMarker
+from genq.core.durable import ShardMarker
+from genq.core.records import BatchRef, DeadLetter, ShardInfo
 
 SCRIPTS = sorted(p.stem for p in scripts.HERE.glob("*.lua") if not p.stem.startswith("_"))
 REF = BatchRef("j", "b0000001")

@@ -372,26 +372,3 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     prompts: int = 0
     letters: int = 0
     incarnation: str = ""  # JobConfig.incarnation of the job that wrote it (#31)
-
-
-class ShardMarker(ShardInfo):
-    """A shard's marker on disk (OUTPUT/JOB/manifest/BATCH.json): its ShardInfo plus what
-    rebuilding the job's ledger from the output needs (#31), without reading the shard.
-    Redis keeps only the ShardInfo (keys.job_shards); the rest lives in the output."""
-
-    sha256: str = ""  # of the shard's bytes: a second writer with other bytes is told apart
-    digests: dict[str, str] = {}  # every prompt of the batch with an outcome -> content digest (hex)
-    dead_letters: list[DeadLetter] = []  # the batch's dead letters (with their prompt: requeue needs it)
-    tally: dict[str, list[int]] = {}  # worker -> [results, input tokens, output tokens] in the shard
-    hist: dict[int, int] = {}  # output-length bucket (genq.core.histogram) -> results in the shard
-
-
-class JobRecord(msgspec.Struct, omit_defaults=True):
-    """OUTPUT/JOB/job.json: the job as created, kept beside its shards so that a ledger lost
-    with Redis can be rebuilt (genq recover) and a batch number is never used twice there."""
-
-    config: JobConfig
-    inputs: list[str] = []  # what was enqueued (absolute paths or s3:// URIs), for genq recover
-    # Batch numbers up to this one may be in use: written before any batch above it is queued,
-    # so a counter lost with Redis restarts above it (no shard name is ever reused).
-    reserved: int = 0

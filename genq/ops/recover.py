@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import redis
 
 from genq.core import scripts
+from genq.core.durable import JobRecord, ShardMarker
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
-from genq.core.records import JobConfig, JobRecord, ShardMarker
+from genq.core.records import JobConfig
 from genq.core.words import plural
 from genq.output import truth
 from genq.output.sink import open_store

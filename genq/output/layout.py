@@ -4,7 +4,7 @@
                                          sorted by input index
     OUTPUT/JOB/manifest/BATCH.json       a marker written after its shard: ShardMarker JSON
                                          {batch, uri, records, bytes, at, incarnation, ...}
-    OUTPUT/JOB/job.json                  the job as created (records.JobRecord), written
+    OUTPUT/JOB/job.json                  the job as created (durable.JobRecord), written
                                          before its first batch is queued
 
 A reader lists manifest/ and reads only the shards named there: a shard without a

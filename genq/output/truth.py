@@ -1,10 +1,10 @@
 """The output as the durable truth of a job (#31): what is written there was generated,
 whatever Redis says or forgets.
 
-- OUTPUT/JOB/job.json (records.JobRecord) is written before the job's first batch is
+- OUTPUT/JOB/job.json (durable.JobRecord) is written before the job's first batch is
   queued: the job's settings and incarnation, its inputs, and the batch numbers that may
   be in use (raised before any batch above them is queued).
-- A shard's marker (records.ShardMarker) is the commit of a batch: created once, never
+- A shard's marker (durable.ShardMarker) is the commit of a batch: created once, never
   replaced, and it names the shard it describes. It carries what rebuilding the ledger
   needs without reading the shard: the incarnation, each outcome's content digest, the
   dead letters (with their prompt, so `genq dlq requeue` works after a rebuild), per-worker
@@ -26,8 +26,9 @@ from typing import Protocol
 
 import msgspec
 
+from genq.core.durable import JobRecord, ShardMarker
 from genq.core.histogram import length_bucket
-from genq.core.records import DeadLetter, JobConfig, JobRecord, Result, ShardInfo, ShardMarker
+from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo
 from genq.output import layout
 
 READ_THREADS = 8
@@ -59,7 +60,7 @@ class AlreadyWritten(Exception):
 
 @dataclass
 class Outcome:
-    """What a batch's marker says beyond its ShardInfo (records.ShardMarker's fields)."""
+    """What a batch's marker says beyond its ShardInfo (durable.ShardMarker's fields)."""
 
     prompts: int = 0  # the batch's prompt count (ShardInfo.prompts)
     digests: dict[str, str] = field(default_factory=dict)

@@ -22,9 +22,10 @@ from typing import Any
 
 from genq.core import keys
 from genq.core.batches import batch_number
+from genq.core.durable import ShardMarker
 from genq.core.histogram import length_bucket
 from genq.core.luapack import lua_list
-from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, pack, without_prompt
+from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, pack, without_prompt
 
 HERE = Path(__file__).resolve().parent
 _INCLUDE = re.compile(r"^-- #include (\w+)$", re.MULTILINE)
