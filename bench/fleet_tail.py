@@ -48,6 +48,8 @@ from typing import Any
 
 from common import PY, ROOT, Sim, conditions, free_port, genq, stop_process, table, write_prompts
 
+from genq.core.localredis import LocalRedis
+
 SLOTS = 16
 
 
@@ -164,30 +166,7 @@ class Router:
         self.log.close()
 
 
-class Redis:
-    """A private redis-server on a free port (never a Redis this script did not start)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout.strip() != b"PONG":
-            if time.monotonic() > deadline:
-                raise SystemExit("redis-server did not start")
-            time.sleep(0.05)
-
-    def flush(self) -> None:
-        subprocess.run(["redis-cli", "-p", str(self.port), "flushall"], check=True, capture_output=True)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait()
-
-
-def run_genq(sc: Scenario, sims: list[Sim], redis: Redis, prompts: Path, work: Path, max_tokens: int) -> float:
+def run_genq(sc: Scenario, sims: list[Sim], redis: LocalRedis, prompts: Path, work: Path, max_tokens: int) -> float:
     """One `genq worker` per server, started and idle before the job is enqueued (as the router is
     up before its client starts): the makespan is the job's, not the workers' start-up, which on a
     loaded machine spread their first admissions over up to 5.8 s. Stopped (SIGTERM) once done."""
@@ -195,7 +174,7 @@ def run_genq(sc: Scenario, sims: list[Sim], redis: Redis, prompts: Path, work: P
 
     from genq.ops.control import fleet, job_rows
 
-    redis.flush()
+    redis.conn.flushall()
     conn = redis_py.Redis.from_url(redis.url)
     out = work / f"out-{sc.name}"
     shutil.rmtree(out, ignore_errors=True)
@@ -234,7 +213,7 @@ def run_genq(sc: Scenario, sims: list[Sim], redis: Redis, prompts: Path, work: P
     return wall
 
 
-def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Redis) -> dict[str, Any]:
+def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: LocalRedis) -> dict[str, Any]:
     prompts = work / f"prompts-{sc.name}.jsonl"
     write_prompts(prompts, sc.prompts, seed=1)
     sims = [Sim(work / f"sim-{sc.name}-{i}.log", **sim_options(sc.half_speed and i == 0, args))
@@ -303,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="genq-tail-") as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        redis = Redis(work)
+        redis = LocalRedis()
         try:
             for name in args.scenarios.split(","):
                 sc = SCENARIOS[name]
