@@ -5,9 +5,12 @@ and the hand-back (genq.core.ledger's module docstring defines the terms).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import redis
 import redis.asyncio as aioredis
+from redis.client import Pipeline
 from redis.exceptions import WatchError
 
 from genq.core import keys
@@ -106,24 +109,29 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
             for i, ref in enumerate(refs)]
 
 
+def end_lease_if_ours(conn: redis.Redis, ref: BatchRef, token: str,
+                      along: Callable[[Pipeline], object]) -> bool:
+    """End the lease `token` of the batch, with `along`'s writes in the same transaction (WATCH
+    on its lease and the job's done set); False, writing nothing, if the batch is done or that
+    lease is no longer its current one."""
+    def attempt(pipe: Pipeline) -> bool:
+        if pipe.sismember(keys.job_done(ref.job), ref.batch):
+            return False
+        if lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
+            return False
+        pipe.multi()
+        along(pipe)
+        pipe.hdel(keys.job_leases(ref.job), ref.batch)
+        return True
+
+    return bool(conn.transaction(attempt, keys.job_leases(ref.job), keys.job_done(ref.job),
+                                 value_from_callable=True))
+
+
 def hand_back(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
-    """Queue the batch again at the front of the queue, in one transaction with the end of the
-    lease `token`; False if the batch is done or that lease is no longer its current one."""
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
-                if pipe.sismember(keys.job_done(ref.job), ref.batch):
-                    return False
-                if lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
-                    return False
-                pipe.multi()
-                enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True)
-                pipe.hdel(keys.job_leases(ref.job), ref.batch)
-                pipe.execute()
-                return True
-            except WatchError:
-                continue
+    """Queue the batch again at the front of the queue as its lease `token` ends (end_lease_if_ours)."""
+    return end_lease_if_ours(
+        conn, ref, token, lambda pipe: enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True))
 
 
 async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tuple[JobConfig | None, bool]:

@@ -6,10 +6,9 @@ parks the held ones; unqueue takes the queued ones out of RQ's queue), and their
 from __future__ import annotations
 
 import redis
-from redis.exceptions import WatchError
 
 from genq.core import keys
-from genq.core.ledger import lease_token
+from genq.core.ledger.leasing import end_lease_if_ours
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, rq_queue
 from genq.core.records import BatchRef
 
@@ -63,18 +62,4 @@ def requeue_parked(conn: redis.Redis, job: str) -> int:
 
 def end_lease_parked(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
     """End this lease with no RQ job carrying the batch; False if it was done or not ours."""
-    with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.job_leases(ref.job), keys.job_done(ref.job))
-                if pipe.sismember(keys.job_done(ref.job), ref.batch):
-                    return False
-                if lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
-                    return False
-                pipe.multi()
-                pipe.hdel(keys.job_leases(ref.job), ref.batch)
-                pipe.hdel(keys.job_transport(ref.job), ref.batch)
-                pipe.execute()
-                return True
-            except WatchError:
-                continue
+    return end_lease_if_ours(conn, ref, token, lambda pipe: pipe.hdel(keys.job_transport(ref.job), ref.batch))
