@@ -4,7 +4,12 @@ genq waits for a replica to confirm each write on a Sentinel URL (genq/core/repl
 without that, the old master's last writes are lost in a failover (seen here: a whole job run
 on the old master after SENTINEL FAILOVER, 13 of its 16 batches unknown to the new one). So
 the killed master is restarted, as its supervisor would: until it is the new master's replica,
-writes wait.
+writes wait. It comes back as the new master's replica, as a supervisor set up per Redis's advice
+restarts a master without persistence: back as an empty master, the Sentinel would take it for a
+replica of the new master (it is listed as one since the switch) and could promote it, and every
+replica would then resync from the empty server (seen here once at down-after 1,000 ms, the same
+as Sentinel's ping period: the new master was marked down a second after the switch, failed over
+to the restarted empty `a`, and the job was gone).
 
 Real Debian redis-sentinel (one sentinel, quorum 1), one master and one replica, all on
 free loopback ports; a real `genq sim`, a real burst worker (with its RQ loops) and the
@@ -52,9 +57,9 @@ class SentinelSet:
         conf.write_text(
             f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['a']} 1\n"
-            f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+            f"sentinel down-after-milliseconds {SERVICE} 2000\n"
             f"sentinel failover-timeout {SERVICE} 10000\n")
-        self.procs["sentinel"] = subprocess.Popen(["redis-sentinel", str(conf)], stdout=subprocess.DEVNULL,
+        self.procs["sentinel"] = subprocess.Popen(["redis-sentinel", str(conf)], stdout=open(self.dir / "sentinel.log", "ab"),
                                                   stderr=subprocess.STDOUT, start_new_session=True)
         self.sentinel = redis.Redis(port=self.sentinel_port, socket_connect_timeout=1, decode_responses=True)
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{SERVICE}/0"
@@ -66,8 +71,11 @@ class SentinelSet:
              "--appendonly", "no", "--dir", str(self.dir), "--dbfilename", f"{name}.rdb", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def restart(self, name: str) -> None:
-        self._server(name)
+    def restart_as_replica(self, name: str, of: str) -> None:
+        self._server(name, "--replicaof", "127.0.0.1", str(self.ports[of]))
+
+    def sentinel_log(self) -> str:
+        return (self.dir / "sentinel.log").read_text()[-3000:]
 
     def _replica_known(self) -> bool:
         try:
@@ -113,11 +121,11 @@ def _run_job(sentinel_set: SentinelSet, sim, procs, tmp_path: Path, job: str, fa
     fail_over()
     wait_until(lambda: sentinel_set.master_port() == sentinel_set.ports["b"], 60, "the replica promoted")
     if sentinel_set.procs["a"].poll() is not None:  # killed: it comes back (as a supervisor restarts it)
-        sentinel_set.restart("a")  # and Sentinel makes it the new master's replica
+        sentinel_set.restart_as_replica("a", of="b")
     code = worker.wait(timeout=300)
-    assert code == 0, worker.log()
+    assert code == 0, worker.log() + sentinel_set.sentinel_log()
     new_master = sentinel_set.direct("b")
-    assert new_master.scard(keys.job_done(job)) == 16, worker.log()[-6000:]
+    assert new_master.scard(keys.job_done(job)) == 16, worker.log()[-6000:] + sentinel_set.sentinel_log()
     found = audit(new_master, job, out, ids)
     assert not found.letters and len(found.results) == 400
     # The commands follow the new master through the same URL.
