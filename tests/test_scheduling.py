@@ -9,6 +9,7 @@ on a loaded 2-core machine.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -218,6 +219,10 @@ def test_pausing_a_job_gives_its_slots_to_the_other(redis_url, rconn, sim, worke
     run_genq("resume", "--job", "pa", redis_url=redis_url)
     for w in workers:
         assert w.wait(timeout=600) == 0, w.log()
+    # A worker that held the job logs it paused, then resumed (it said "paused: none" at the resume).
+    logs = [w.log() for w in workers]
+    assert any(re.search(r"paused: pa\n(.*\n)*.*resumed: pa", log) for log in logs), logs
+    assert not any("paused: none" in log for log in logs), logs
     check(rconn, out, "pa", a_ids)
     check(rconn, out, "pb", b_ids)
 

@@ -198,8 +198,8 @@ class Heartbeat:
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
             changed = True
         if paused != f.paused_all or paused_jobs != f.paused_jobs:
+            _log_pause_change(f.paused_all, f.paused_jobs, paused, paused_jobs)
             f.paused_all, f.paused_jobs = paused, paused_jobs
-            log.info("paused: %s", "all jobs" if f.paused_all else (", ".join(sorted(paused_jobs)) or "none"))
             changed = True
         self.dispatcher.wake.set()
         return changed
@@ -222,3 +222,15 @@ class Heartbeat:
         self.sampler.stop()
         await fleet.stopped(self.conn, self.instance, self.name)
         await self.beat(state="stopped")
+
+
+def _log_pause_change(was_all: bool, was: set[str], now_all: bool, now: set[str]) -> None:
+    """Says what changed: "paused: a" and "resumed: a" (not the whole set: an empty one read as "none").
+    A paused job's batches stay parked here until `genq resume` queues them again, so a job that
+    leaves the set was resumed (or deleted)."""
+    if now_all != was_all:
+        log.info("%s all jobs", "paused:" if now_all else "resumed:")
+    if now - was:
+        log.info("paused: %s", ", ".join(sorted(now - was)))
+    if was - now:
+        log.info("resumed: %s", ", ".join(sorted(was - now)))
