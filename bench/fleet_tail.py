@@ -47,10 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from common import PY, ROOT, Sim, conditions, free_port, genq, stop_process, table, write_prompts
+from fleet_trace import Trace, summary
 
 from genq.core.localredis import LocalRedis
 
 SLOTS = 16
+PROMPT_SEED = 1  # write_prompts' seed for every scenario's prompts (bench/tail_model.py replays them)
 
 
 @dataclass
@@ -95,6 +97,9 @@ def fleet_figures(sims: list[Sim]) -> dict[str, Any]:
         "first_admit_s": [round(s["first_admit_at"] - min(firsts), 2) if s["first_admit_at"] else None
                           for s in stats],
         "busy_mean_running": [round(s["busy_mean_running"], 1) for s in stats],
+        # The simulated GPU's step, as it ran: 50 ms (100 on the slow server) plus what the CPU,
+        # shared with the scheduler under test, added.
+        "step_ms": [round(1000 * s["busy_s"] / s["steps"], 1) if s["steps"] else None for s in stats],
     }
 
 
@@ -215,7 +220,7 @@ def run_genq(sc: Scenario, sims: list[Sim], redis: LocalRedis, prompts: Path, wo
 
 def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: LocalRedis) -> dict[str, Any]:
     prompts = work / f"prompts-{sc.name}.jsonl"
-    write_prompts(prompts, sc.prompts, seed=1)
+    write_prompts(prompts, sc.prompts, seed=PROMPT_SEED)
     sims = [Sim(work / f"sim-{sc.name}-{i}.log", **sim_options(sc.half_speed and i == 0, args))
             for i in range(sc.servers)]
     figures: dict[str, Any] = {}
@@ -223,6 +228,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Loca
         for run in args.order.split(","):
             for sim in sims:
                 sim.reset()
+            trace = Trace([s.url for s in sims]).start() if args.trace else None
             if run == "ideal":
                 started = time.monotonic()
                 subprocess.run([PY, str(Path(__file__).resolve()), "ideal-client", str(prompts), str(args.max_tokens),
@@ -244,6 +250,9 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, work: Path, redis: Loca
             time.sleep(0.2)
             figs = fleet_figures(sims)
             figs["wall_s"] = wall
+            if trace is not None:
+                trace.stop()
+                figs["trace"] = summary(trace, sc.prompts, SLOTS, list(range(1 if sc.half_speed else 0, sc.servers)))
             if figs["finished"] != sc.prompts or figs["generated_twice"]:
                 raise SystemExit(f"{sc.name}/{run}: servers finished {figs['finished']} of {sc.prompts}, "
                                  f"{figs['generated_twice']} prompts generated twice")
@@ -272,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--router-python", default=os.environ.get("GENQ_ROUTER_PYTHON", PY),
                    help="The Python whose sglang-router runs the router ($GENQ_ROUTER_PYTHON).")
     p.add_argument("--workdir", default=None, help="Keep the logs (workers, servers, router) here.")
+    p.add_argument("--trace", action="store_true",
+                   help="Read every server's /metrics each 0.1 s: when the prompts were all sent, each server's "
+                        "last prompt, mean running before and after (bench/fleet_trace.py); timelines in --json.")
     p.add_argument("--json", dest="json_out", default=None, help="Also write the figures as JSON here.")
     args = p.parse_args(argv)
     print(conditions(), flush=True)
@@ -296,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
                              " ".join(str(x) for x in figs["genq"]["last_finish_s"])])
                 for run, f in figs.items():
                     print(f"  {run}: each server's first admission {f['first_admit_s']} s, last finish "
-                          f"{f['last_finish_s']} s, mean running {f['busy_mean_running']}", flush=True)
+                          f"{f['last_finish_s']} s, mean running {f['busy_mean_running']}, step {f['step_ms']} ms", flush=True)
+                    if "trace" in f:
+                        print(f"    trace: {({k: v for k, v in f['trace'].items() if k != 'timeline'})}", flush=True)
                 print(f"{name}: ideal {ideal:.1f}s, genq {figs['genq']['makespan_s']:.1f}s ({ratio:.3f}x), router "
                       f"{router:.3f}x; genq per server {figs['genq']['per_server']}", flush=True)
                 if ratio > sc.target:

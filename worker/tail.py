@@ -16,7 +16,16 @@ faster only if it is at least MARGIN faster, so an even fleet never holds back o
 fastest worker never holds back, so the fleet always makes progress.
 
 Every worker's speed is in its heartbeat (WorkerStatus.token_s, mean_tokens). Read once a second
-while this engine holds something and the queue is empty: the workers' records, one MGET.
+while this engine holds something and the queue is empty: the workers' records, one MGET; every
+NEAR_EVERY_S once the unsent prompts are within NEAR times the line, so that the hold comes when
+they cross it, not up to two seconds after. A beat's `queued` is up to a beat old, and at the end
+of a job the fleet sends ~60 prompts a second: each other worker's is taken less what it sent
+since (r_v x the beat's age), this worker's own is counted live. Holding back, the engine gives
+back the prompts it claimed ahead and has not sent (worker/todo.py give_back_ready): sent, they
+were the slow GPU's last and longest requests; unclaimed, the faster workers take them.
+(bench/fleet_tail.py --trace, 2026-12-03: before this, the slow server got its last prompt 1.2-1.6 s
+after the unsent prompts fell to the line, with ~1 fast slots' worth of them left: a hold at k = 1,
+which the model in bench/tail_model.py finds worth nothing.)
 """
 
 from __future__ import annotations
@@ -26,17 +35,21 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
 
 from genq.core.ledger import fleet, leasing
 from genq.core.records import WorkerStatus
+from genq.core.timings import BEAT_S
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags
 
 log = logging.getLogger("genq.worker")
 
 EVERY_S = 1.0
+NEAR_EVERY_S = 0.2  # while the unsent prompts are within NEAR x the line and this engine does not hold back
+NEAR = 2.0
 MARGIN = 0.15  # a worker is faster when its requests take at most 85% of this one's
 WORKING = ("busy", "idle")
 # Output lengths are heavy-tailed: what ends a job is a long request started on a slow GPU, not
@@ -46,22 +59,38 @@ HOLD_MIN_S = 5.0  # a hold lasts at most this, or HOLD_REQUESTS of this worker's
 HOLD_REQUESTS = 3.0
 
 
-def hold_back(me: WorkerStatus, others: list[WorkerStatus]) -> bool:
-    """Whether `me` should start nothing new: the unsent prompts of the fleet all finish sooner
-    on faster workers (see the module docstring)."""
+def unsent_now(w: WorkerStatus, now: float) -> float:
+    """w's unsent prompts now: its beat's count less what it sent since, at r_w = slots / L_w
+    (a busy worker's requests end, and it sends the next, at that rate)."""
+    if w.state != "busy" or not w.token_s or not w.mean_tokens or not w.concurrency_target or not w.in_flight:
+        return w.queued
+    age = min(max(0.0, now - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
+    return max(0.0, w.queued - age * w.concurrency_target / (w.mean_tokens * w.token_s))
+
+
+def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> tuple[float, float]:
+    """(the fleet's unsent prompts now, the line under which `me` holds back; 0: never)."""
     fleet = [me, *others]
     tokens = [w.mean_tokens for w in fleet if w.mean_tokens]
+    now = time.time() if now is None else now
+    unsent = me.queued + sum(unsent_now(w, now) for w in others)
     if not me.token_s or not tokens:
-        return False  # nothing measured yet
+        return unsent, 0.0  # nothing measured yet
     mean = sum(tokens) / len(tokens)
     mine = mean * me.token_s
-    unsent = sum(w.queued for w in fleet)
     faster = 0.0
     for w in others:
         if w.state in WORKING and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
             theirs = mean * w.token_s
             faster += w.concurrency_target / theirs * (mine - theirs)
-    return 0 < unsent <= faster * SPREAD
+    return unsent, faster * SPREAD
+
+
+def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> bool:
+    """Whether `me` should start nothing new: the unsent prompts of the fleet all finish sooner
+    on faster workers (see the module docstring). `me.queued` is taken as of now."""
+    unsent, line = tail_line(me, others, now)
+    return 0 < unsent <= line
 
 
 class TailWatch:
@@ -77,11 +106,13 @@ class TailWatch:
         self._since: float | None = None  # monotonic: when this hold began
         self._limit_s = HOLD_MIN_S
         self._given_up = False  # held back past its limit: not again while this engine holds anything
+        self._near = False  # the unsent prompts near the line at the last look: look again soon
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(EVERY_S)
+            await asyncio.sleep(NEAR_EVERY_S if self._near and not self.flags.hold_back else EVERY_S)
             active = self.active()
+            self._near = self._near and active and not self._given_up
             try:
                 hold = active and not self._given_up and await self.decide()
             except (redis.RedisError, OSError) as exc:
@@ -99,6 +130,17 @@ class TailWatch:
                 self.held_back += hold
                 self.flags.hold_back = hold
                 self.dispatcher.wake.set()
+                if hold:
+                    await self.give_back_ready()
+
+    async def give_back_ready(self) -> None:
+        try:
+            back = await self.dispatcher.todo.give_back_ready()
+        except (redis.RedisError, OSError) as exc:  # still claimed here: sent here once the hold ends
+            log.debug("claimed prompts not given back: %s", exc)
+            return
+        if back:
+            log.info("end of the queue: %d claimed prompts not sent here, left to the faster workers", back)
 
     def _bounded(self, hold: bool, active: bool) -> bool:
         """A hold lasts at most a few of this worker's request times: if the faster workers have
@@ -135,6 +177,7 @@ class TailWatch:
                 backlog.on_finished(held.ref.job, held.ref.batch, sorted(done))
 
     async def decide(self) -> bool:
+        self._near = False
         if await self.conn.llen(self.queue_key):
             return False
         names = await fleet.names_async(self.conn)
@@ -147,4 +190,7 @@ class TailWatch:
         me = mine[0]
         if me.token_s and me.mean_tokens:
             self._limit_s = max(HOLD_MIN_S, HOLD_REQUESTS * me.token_s * me.mean_tokens)
-        return hold_back(me, [s for s in statuses if s.name != self.name])
+        me = msgspec.structs.replace(me, queued=self.dispatcher.unsent)  # its own count, live
+        unsent, line = tail_line(me, [s for s in statuses if s.name != self.name])
+        self._near = 0 < unsent <= NEAR * line  # nothing unsent, or no faster worker (line 0): not near
+        return 0 < unsent <= line

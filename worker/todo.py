@@ -69,6 +69,26 @@ class Todo:
             return
         self.ready.extend(claimed)
 
+    async def give_back_ready(self) -> int:
+        """Holding back (worker/tail.py): the claimed prompts of this engine's own batches that were
+        never sent go back to the front of the backlog and their claims are dropped, so that faster
+        engines take them (worker/stealing.py); claimed again here if the hold ends first. Those
+        that failed before or were borrowed stay. Returns how many went back."""
+        back = [t for t in self.ready if not t.batch.borrowed and not t.batch.dropped and not t.attempts
+                and not t.crashes and not t.lost]
+        if not back:
+            return 0
+        gone = set(back)
+        self._remove(lambda t: t in gone)  # before the await: the dispatcher sends none of them meanwhile
+        by_batch: dict[HeldBatch, list[Task]] = {}
+        for task in back:
+            by_batch.setdefault(task.batch, []).append(task)
+        for held, tasks in by_batch.items():
+            self.backlog.waiting.setdefault(held, deque()).extendleft(reversed(tasks))
+        for held, tasks in by_batch.items():
+            await self.backlog.claims.unclaim(held, [t.prompt.id for t in tasks])
+        return len(back)
+
     def let_go(self, task: Task) -> None:
         """A claimed prompt of a let-go batch (done or leased elsewhere, handed back) that will not
         be sent (again) here: its claim goes at the dispatcher's next turn (release_let_go)."""
