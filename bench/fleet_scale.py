@@ -15,7 +15,7 @@ nothing on disk, stopped at the end):
    RELEASE), and its busy heartbeat once per simulated second (a worker making
    --prompts-per-s prompts a second: the heartbeat's status, liveness and in-flight
    records and its control reads, as worker/heartbeat.py writes them). What it does
-   not replay: RQ's own bookkeeping of each batch job (hashes, registries, the horse),
+   not replay: RQ's own bookkeeping of each batch job (hashes, registries, the loop's heartbeats),
    which part 1 counts; part 1's figure is the one to size with, part 2 shows what
    hundreds of clients at once do to Redis's latency and CPU. Redis's p99 latency per
    command is its own (INFO latencystats); a probe connection PINGs every 10 ms

@@ -265,8 +265,8 @@ def run_pair(server: Server, mode: str, args: argparse.Namespace, work: Path, pr
         with open(work / f"client-{tag}.log", "wb") as log:
             rc = subprocess.run(pin(client_core) + cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
         wall = time.monotonic() - t0
-        # The client's CPU, with every process it started and reaped (genq: RQ loops and
-        # their work horses), start-up included: robust to other load on the machine.
+        # The client's CPU, with every process it started and reaped (genq: its RQ
+        # loops), start-up included: robust to other load on the machine.
         cpu = _children_cpu() - cpu0
         if rc != 0:
             raise SystemExit(f"{tag}: client exited {rc}; see {work / f'client-{tag}.log'}")

@@ -35,7 +35,7 @@ ALLOWED = {
     "genq.output": {"genq.core", "genq.output"},
 }
 # The modules that own a batch's life in Redis: the Lua scripts' loader, the ledger, the RQ
-# transport (queueing) and the RQ work loops and horse that must be RQ's to run at all.
+# transport (queueing) and the RQ work loops and job function that must be RQ's to run at all.
 LEDGER = {
     "genq.core.scripts",
     "genq.core.ledger",  # and its modules: genq/core/ledger/ (in_ledger)

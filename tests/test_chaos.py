@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import redis
+from rq import Worker
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
@@ -208,18 +209,21 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
         jobs[job] = enqueue(tmp_path, redis_url, job, n, "--batch-size", str(size), "--max-tokens", "600",
                             "--max-attempts", "10")
 
-    add("one", 24, 1)
-    add("seven", 70, 7)
     common = ("--retry-backoff", "0.05", "--prefetch", "2")
     procs = {name: worker(url, *common, "--name", name, name=name)
              for name, url in (("faulty", faulty), ("steady", steady), ("crashing", crashing))}
+    # Every worker's loops up first: a worker still starting could find the small jobs taken by
+    # the others, and "steady" must hold a batch to be frozen holding it.
+    wait_until(lambda: len(Worker.all(connection=rconn)) >= 2 * len(procs), 60, "every worker's RQ loops")
+    add("one", 24, 1)
+    add("seven", 70, 7)
     total_batches = {"one": 24, "seven": 10, "big": 2}
 
     def finished() -> int:
         return sum(rconn.scard(keys.job_done(j)) for j in jobs)
 
     # The frozen holder: "steady" stops while it holds batches, past its heartbeat (10 s); its
-    # horses give up on it, the batches go round again, and it resumes to find them leased elsewhere.
+    # loops' job functions give up on it, the batches go round again, and it resumes to find them leased elsewhere.
     wait_until(lambda: "steady" in _holders(rconn, list(jobs)), 60, "steady holding a batch")
     os.kill(procs["steady"].pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
@@ -235,7 +239,7 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
     run_genq("concurrency", "2", "--all", redis_url=redis_url)
     add("big", 300, 256)
     wait_until(lambda: finished() == sum(total_batches.values()), 300, "every batch of every job done")
-    # A horse that gave up on the frozen worker left its RQ job failed though the batch got done;
+    # A job function that gave up on the frozen worker left its RQ job failed though the batch got done;
     # the reconcilers take such jobs out of RQ's failed registry (every 10 s).
     failed = rq_queue(rconn).failed_job_registry
     wait_until(lambda: not failed.get_job_ids(cleanup=False), 60, "RQ's failed registry cleared of done batches")

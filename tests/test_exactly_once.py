@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 from rq.job import Job as RqJob
-from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.registry import StartedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import enqueue_batch_jobs, rq_queue
@@ -235,44 +235,55 @@ def test_a_batch_started_by_a_horse_that_died_before_handing_it_over(redis_url, 
     check(rconn, out, "ghost", ids)
 
 
-def test_rq_loops_killed_with_their_horses_leave_nothing_started_in_rq(redis_url, rconn, sim, worker, tmp_path):
-    """An RQ loop that dies with its horse (seen: a loop crashing on a Redis outage) leaves its job
-    "started" in RQ after the engine finished the batch; before leaving, the burst worker's
-    reconciler clears it, so `rq info` does not show a done batch as running."""
+def test_rq_loops_killed_mid_batch_leave_nothing_started_in_rq(redis_url, rconn, sim, worker, tmp_path):
+    """An RQ loop that dies running its batch's job (seen: a loop crashing on a Redis outage)
+    leaves its job "started" in RQ after the engine finished the batch; before leaving, the burst
+    worker's reconciler clears it, so `rq info` does not show a done batch as running."""
     server = sim(max_running_requests=4, **SLOW)
     ids, out = enqueue(tmp_path, "ld", 16, "--batch-size", "8", "--max-tokens", "2000")
     proc = worker(server, "--burst", "--prefetch", "2")
     wait_until(lambda: rconn.hlen(keys.job_leases("ld")) == 2, 60, "both batches held")
     loops = _rq_loops(proc.pid)
     assert loops, "no RQ loop found"
-    for pid in loops:  # the horses first: they are the loops' children
-        for victim in [*descendants(pid), pid]:
-            with contextlib.suppress(ProcessLookupError):  # a horse may have just returned
-                os.kill(victim, signal.SIGKILL)
+    for pid in loops:
+        with contextlib.suppress(ProcessLookupError):  # a loop may have just left
+            os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=180) == 0, proc.log()
     check(rconn, out, "ld", ids)
-    assert "left started by a horse that never returned" in proc.log(), proc.log()
+    assert "left started by an RQ loop that died running it" in proc.log(), proc.log()
 
 
-def test_horses_killed_after_handing_batches_over_leave_no_failed_job_in_rq(redis_url, rconn, sim, worker, tmp_path):
-    """A work horse that dies after handing its batch to the engine, while its RQ loop lives on:
-    the loop records the RQ job as failed, the engine still finishes the batch (it holds the
-    lease). Seen in the test above when a loop noticed its horse's death before its own
-    SIGKILL. The reconciler takes the done batch's job out of RQ's failed registry, so
-    `rq info` and `genq dlq` do not show a complete batch as failed."""
-    server = sim(max_running_requests=4, **SLOW)
-    ids, out = enqueue(tmp_path, "hd", 16, "--batch-size", "8", "--max-tokens", "2000")
-    proc = worker(server, "--burst", "--prefetch", "2")
-    wait_until(lambda: rconn.hlen(keys.job_leases("hd")) == 2, 60, "both batches held")
-    horses = [h for loop in _rq_loops(proc.pid) for h in descendants(loop)]
-    assert len(horses) == 2, horses
-    for pid in horses:
-        os.kill(pid, signal.SIGKILL)
-    failed = FailedJobRegistry(queue=rq_queue(rconn))
-    wait_until(lambda: failed.count == 2, 60, "the loops recording their horses' deaths")
-    assert proc.wait(timeout=180) == 0, proc.log()
-    check(rconn, out, "hd", ids)
-    assert "removed it from RQ's failed registry" in proc.log(), proc.log()
+def test_loops_run_their_batches_without_a_work_horse_and_keep_them_alive_in_rq(
+        redis_url, rconn, sim, worker, tmp_path):
+    """#29: a forked work horse per batch cost a fork and RQ's horse bookkeeping for a job
+    function that only waits. The loops run it themselves (rq.SimpleWorker), and keep RQ's
+    heartbeats of the loop, the job and its execution going while it waits, as a forked
+    worker's parent did: a long batch is never taken for abandoned by `rq info` or RQ."""
+    server = sim(max_running_requests=4, mean_output_tokens=3000, output_sigma=0.2, tokens_per_step=2,
+                 step_ms_base=40)  # a minute a prompt: the batches outlive the look
+    ids, out = enqueue(tmp_path, "kept", 8, "--batch-size", "4", "--max-tokens", "5000")
+    proc = worker(server, "--prefetch", "2", "--heartbeat-interval", "1")
+    wait_until(lambda: rconn.hlen(keys.job_leases("kept")) == 2, 60, "both batches held")
+    loops = _rq_loops(proc.pid)
+    assert loops and all(not descendants(pid) for pid in loops), "a loop forked a work horse"
+    registry = StartedJobRegistry(queue=rq_queue(rconn))
+
+    def beats() -> tuple[dict, dict]:
+        running = {e: s for e, s in rconn.zrange(registry.key, 0, -1, withscores=True)}
+        loop_beats = {w.name: rconn.hget(w.key, "last_heartbeat") for w in _rq_workers(rconn) if w.get_current_job_id()}
+        return running, loop_beats
+
+    first_running, first_loops = beats()
+    assert len(first_running) == 2 and len(first_loops) == 2, (first_running, first_loops)
+
+    def renewed() -> bool:
+        running, loop_beats = beats()
+        assert running.keys() == first_running.keys(), "a batch ended during the look"
+        return all(running[e] > first_running[e] for e in running) and all(
+            loop_beats[n] != first_loops[n] for n in first_loops)
+
+    wait_until(renewed, 20, "RQ's heartbeats of both running batches and their loops, renewed")
+    proc.signal(signal.SIGKILL)  # the engine: its loops die with it; the batches are not the point here
 
 
 def test_a_loop_stopped_as_it_takes_a_batch_hands_the_batch_back(redis_url, rconn, sim, worker, tmp_path):

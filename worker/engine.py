@@ -229,7 +229,7 @@ class Engine:
         except TimeoutError:
             log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
         # A loop may hand over a batch while it stops: answer (hand back) every lease until the
-        # loops are gone; then kill what is left, horses included, and look one last time.
+        # loops are gone; then kill what is left, and look one last time.
         deadline = time.monotonic() + LOOPS_STOP_S
         while self.loops.any_alive and time.monotonic() < deadline:
             await retrying(self.leases.release_late_leases, "late leases")

@@ -53,8 +53,8 @@ class BatchEnds:
             await self._redo(held, finished.missing)
             return
         if finished.released:
-            self.completed += 1  # RELEASE told this lease's horse too
-        else:  # done by another holder meanwhile: this lease's horse still waits for a word
+            self.completed += 1  # RELEASE told this lease's RQ loop too
+        else:  # done by another holder meanwhile: this lease's RQ loop still waits for a word
             await retrying(functools.partial(self.leases.reply, held.token, b"done"), f"answering {held.ref}")
         self.held.pop(held.ref, None)
         self.dispatcher.wake.set()

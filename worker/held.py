@@ -18,7 +18,7 @@ SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-re
 @dataclass(eq=False)
 class HeldBatch:
     ref: BatchRef
-    token: str  # the current lease; replies go to its RQ work horse
+    token: str  # the current lease; replies go to the RQ loop that delivered it
     config: JobConfig
     size: int
     unfinished: set[str]

@@ -1,13 +1,13 @@
-"""Leases: batches arriving from the engine's RQ work horses, and leaving again.
+"""Leases: batches arriving from the engine's RQ loops, and leaving again.
 
-    RQ work horse --(token, job, batch, rq job)--> inbox --> LeaseDesk.acquire --> on_batch(held, todo)
-    LeaseDesk --"done" | "released"--> lease_reply(token) --> the horse returns
+    RQ loop --(token, job, batch, rq job)--> inbox --> LeaseDesk.acquire --> on_batch(held, todo)
+    LeaseDesk --"done" | "released"--> lease_reply(token) --> the loop's job returns
 
 A lease is one delivery (genq.core.ledger). The desk records it as the batch's current
 lease, loads what Redis already recorded for the batch (those prompts are not sent
-again), and later tells the horse how it ended. Handing a batch back is done here, in
+again), and later tells the loop how it ended. Handing a batch back is done here, in
 Redis, by the engine (a new RQ job at the front of the queue, in one transaction with
-the lease's end); the horse only returns, so no process needs a signal mid-way.
+the lease's end); the loop's job only returns, so no process needs a signal mid-way.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class LeaseDesk:
             old = current.token
             if config is not None and current.config.incarnation == config.incarnation:
                 # The same batch delivered again (an RQ retry, a duplicate job): one lease drives it,
-                # the newest; the older horse is let go.
+                # the newest; the older lease's loop is let go.
                 current.token = token
                 await self.reply(old, b"released")
                 return
@@ -191,7 +191,7 @@ class LeaseDesk:
         return lost
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
-        """Queue the batch again (front of the queue) and let the horse go; False if it was
+        """Queue the batch again (front of the queue) and let the loop go; False if it was
         done or no longer ours (then there is nothing to give back)."""
         given = await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
         await self.reply(token, b"released")

@@ -1,14 +1,14 @@
 """The engine's RQ work loops: child processes that take batches off the queue.
 
-Each loop is a stock forked `rq.Worker` (genq.worker.rqloop); its work horse hands
-the batch to the engine and waits (genq.worker.rqjob), which keeps `rq info`
+Each loop is a stock `rq.SimpleWorker` (genq.worker.rqloop); the job function it runs
+hands the batch to the engine and waits (genq.worker.rqjob), which keeps `rq info`
 truthful. How many run: --prefetch, plus one for each held batch that has nothing
 left to send (its long tail), so slots never run dry at batch boundaries.
 
 Loops get exactly one SIGTERM (RQ's warm shutdown: an idle loop exits, a busy one
-waits for its horse, which returns once the engine has answered its lease; a loop
+finishes its job, which returns once the engine has answered its lease; a loop
 popping a batch when it comes first starts it: see rqloop.EngineWorker). A second
-signal would be RQ's cold shutdown, which kills horses: never sent.
+signal would be RQ's cold shutdown: never sent.
 
 A loop that exits because Redis is unreachable (rqloop.EXIT_REDIS_UNREACHABLE) is no crash:
 it is not counted toward LoopsFailing, and loops that exit are started again with a
@@ -171,8 +171,7 @@ class RqLoops:
                 self._stop(loop)
 
     def kill_all(self) -> None:
-        """SIGKILL what is left of the loops (each leads its own process group). Their work horses
-        (each in a process group of its own) die with them (genq.worker.rqjob), so none hands a
+        """SIGKILL what is left of the loops (each leads its own process group), so none hands a
         batch over after the engine's last look (the reconciler takes such a batch)."""
         for loop in self.loops:
             if loop.proc.returncode is None:

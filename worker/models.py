@@ -6,7 +6,7 @@ then, first writer wins (a WATCH/MULTI on the settings), and every engine reads 
 
 An engine whose server serves another model takes nothing of such a job:
 - its RQ loops put the job's batches back at the tail of RQ's queue as they pop them, before
-  any lease or horse (worker/rqloop.py calls foreign_batch), and rest once they have gone
+  any lease (worker/rqloop.py calls foreign_batch), and rest once they have gone
   round the whole queue without finding a batch of their own;
 - its lease desk hands back a batch it got anyway (a race with the pinning);
 - its stealer takes no prompts of it (servable_config).

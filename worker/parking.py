@@ -59,7 +59,7 @@ class Parking:
         self.claims = claims
         self.writer = writer
         self.server = server  # what the server said about itself (ServerWatch.info)
-        self.reply = reply  # LeaseDesk.reply: a lease's word to its RQ work horse
+        self.reply = reply  # LeaseDesk.reply: a lease's word to its RQ loop
         self.brake = Brake(worker, dispatcher._dead, self.block)
         self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet

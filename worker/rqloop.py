@@ -1,8 +1,11 @@
-"""Child process: one stock RQ work loop (forked `rq.Worker`) for a genq engine.
+"""Child process: one stock RQ work loop (`rq.SimpleWorker`) for a genq engine.
 
 Started by the engine with `python -m genq.worker.rqloop`; dies with it (PR_SET_PDEATHSIG),
-so a killed engine never leaves loops taking batches nobody will run; its work horses die
-with it in turn (genq.worker.rqjob), whatever state Redis is in.
+so a killed engine never leaves loops taking batches nobody will run, whatever state Redis
+is in. The loop runs each batch's job function itself (genq.worker.rqjob), which only hands
+the batch to the engine and waits: a forked work horse per batch cost a fork, an interpreter's
+worth of copy-on-write and RQ's horse bookkeeping for nothing (#29). While it waits, the job
+function keeps RQ's heartbeats (EngineWorker.keep_alive), as a forked worker's parent would.
 
 A loop that cannot reach Redis waits for it, and if Redis goes away under RQ's own calls it
 exits with EXIT_REDIS_UNREACHABLE: the engine starts another later, without counting it as a
@@ -24,7 +27,7 @@ import time
 from typing import Any
 
 import redis
-from rq import Worker
+from rq import SimpleWorker
 from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -35,7 +38,7 @@ from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
 from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
 from genq.worker.models import LoopFilter
-from genq.worker.rqjob import ENGINE_ENV, LOOP_PID_ENV
+from genq.worker.rqjob import ENGINE_ENV, keep_alive_with
 
 EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ; not a crash
 REDIS_WAIT_MAX_S = 10.0
@@ -53,7 +56,7 @@ def _wait_for_redis(conn: redis.Redis) -> None:
             delay = min(delay * 2, REDIS_WAIT_MAX_S)
 
 
-class EngineWorker(QuietPops, Worker):
+class EngineWorker(QuietPops, SimpleWorker):
     """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
     engine would only make each batch it takes fail and go round again), and that a stop
     never interrupts between taking a batch and starting it.
@@ -71,11 +74,22 @@ class EngineWorker(QuietPops, Worker):
     _popping = False
     _kept_stop: int | None = None  # the signal of a stop that came while popping
 
-    def maintain_heartbeats(self, job: Job) -> None:
-        """RQ's heartbeat while its horse runs. Redis away: beat again next time, do not die (the
-        horse, which dies with this loop, waits for Redis too, and returns normally after)."""
+    _beaten_at = 0.0  # monotonic time of the last keep_alive beat
+
+    def get_heartbeat_ttl(self, job: Job) -> int:
+        """A forked worker's rule, not SimpleWorker's (which would give a batch that never times
+        out 420 s): the batch's RQ heartbeat lapses job_monitoring_interval + 60 s after the last."""
+        return self.job_monitoring_interval + 60
+
+    def keep_alive(self, job: Job) -> None:
+        """RQ's heartbeat of this loop, the job and its execution, at most every
+        job_monitoring_interval; called by the job function between its waits (rqjob). Redis
+        away: beat again next time, do not die (the job function waits for Redis too)."""
+        if time.monotonic() - self._beaten_at < self.job_monitoring_interval:
+            return
         try:
-            super().maintain_heartbeats(job)
+            self.maintain_heartbeats(job)
+            self._beaten_at = time.monotonic()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             pass
 
@@ -130,6 +144,7 @@ class EngineWorker(QuietPops, Worker):
 
     def prepare_execution(self, job: Job) -> Any:
         execution = super().prepare_execution(job)  # busy now: a stop lets the job run
+        self._beaten_at = time.monotonic()  # RQ's first beat of the job is part of the above
         self._popped()
         return execution
 
@@ -152,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     for var in (ENGINE_ENV, REDIS_ENV):
         if not os.environ.get(var):
             parser.error(f"{var} must be set by the engine")
-    os.environ[LOOP_PID_ENV] = str(os.getpid())
     # The URL comes through the environment: command lines are visible to every user (ps).
     conn = connect(os.environ[REDIS_ENV])
     # Every connection of this loop carries its name, from its (re)connect on: a stop finds the
@@ -171,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker.engine = os.environ[ENGINE_ENV]
     worker.models = LoopFilter(worker.connection, worker.engine)
+    keep_alive_with(worker.keep_alive)
     try:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown

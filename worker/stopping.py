@@ -90,7 +90,7 @@ class StopNow:
         log.warning("stopping now, Redis away: %s not handed back, %s not recorded; their leases lapse and "
                     "other workers take them once Redis is back", plural(len(self.held), "batch", "batches"),
                     plural(self.writer.pending, "result"))
-        self.loops.kill_all()  # their horses wait for Redis to answer their leases: they die with them
+        self.loops.kill_all()  # they wait for Redis to answer their leases: killed, they take nothing more
         await self.loops.wait_all()
         backstop = threading.Timer(EXIT_BY_S, self._exit_now)
         backstop.daemon = True

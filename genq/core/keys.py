@@ -180,7 +180,7 @@ def job_transport(job: str) -> str:
 
 
 def lease_reply(token: str) -> str:
-    """List the engine pushes "done" or "released" to, for the RQ work horse holding one lease.
+    """List the engine pushes "done" or "released" to, for the RQ loop holding one lease.
 
     A token per delivery, not per RQ job id: an RQ retry reuses the job id."""
     return f"genq:lease:{token}:reply"

@@ -3,14 +3,14 @@
 A batch of a job is, at any moment, exactly one of:
 - done: in keys.job_done (its shard and manifest marker are written);
 - carried: not done, and keys.job_transport names a live RQ job for it (queued in
-  `genq`, or started by a work horse whose engine heartbeats);
+  `genq`, or started by an RQ loop whose engine heartbeats);
 - stranded: anything else (the RQ job failed, finished early, was deleted, was lost
   in a Redis restart, or was queued by genq 0.1 as a pickle). The reconciler finds
   these and queues them again, so an unknown bug in this class costs a delay, not
   a job.
 
 A **lease** is one delivery of a batch to one worker engine: a random token that the
-RQ work horse and the engine share. Acquiring a lease records it as the batch's
+RQ loop and the engine share. Acquiring a lease records it as the batch's
 current one (keys.job_leases); an engine whose lease is no longer current (a frozen
 worker woke up, RQ delivered the batch twice) stops sending that batch's prompts.
 A second holder is harmless anyway: each prompt's outcome is written once (first
@@ -86,8 +86,8 @@ class Outlook:
 
     pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
-    # RQ jobs of done batches still "started" in RQ: their horses are returning (a moment), or
-    # died with them (an RQ loop that crashed on a Redis outage); cleared once seen in two passes.
+    # RQ jobs of done batches still "started" in RQ: their loops are returning (a moment), or
+    # died running them (an RQ loop that crashed on a Redis outage); cleared once seen in two passes.
     finishing: int = 0
 
     @property
@@ -141,8 +141,8 @@ class Reconciler:
         return outlook
 
     def _clear_done_started(self, now: float) -> int:
-        """RQ jobs left "started" for batches the ledger has done (a horse whose RQ loop died
-        before it could return) leave RQ's started registry, so `rq info` tells the truth;
+        """RQ jobs left "started" for batches the ledger has done (an RQ loop that died before
+        its job function returned) leave RQ's started registry, so `rq info` tells the truth;
         how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
         intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
         its batch was written since, #31)."""
@@ -160,15 +160,15 @@ class Reconciler:
                     _forget_rq_job(pipe, rq_id, executions[rq_id])
                     pipe.execute()
                 del seen[rq_id]
-                where = "started by a horse that never returned" if executions[rq_id] else "in RQ's intermediate list"
+                where = "started by an RQ loop that died running it" if executions[rq_id] else "in RQ's intermediate list"
                 log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
                          rq_id, *carried_batch, where)
         self._done_started = seen
         return len(seen)
 
     def _clear_done_failed(self) -> None:
-        """RQ jobs that failed for batches the ledger has done (a horse that died after handing
-        its batch over, whose loop lived on and recorded the failure; RQ's rq#2424) leave RQ's
+        """RQ jobs that failed for batches the ledger has done (a job function that gave up on a
+        frozen engine which then finished the batch; RQ's rq#2424) leave RQ's
         failed registry: the batch is complete, and `rq info` and `genq dlq` must not show it
         as failed. A done batch never runs again, so one pass is enough."""
         failed = FailedJobRegistry(queue=rq_queue(self.conn))
@@ -237,7 +237,7 @@ class Reconciler:
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
         """Whether each batch's RQ job carries it: queued in RQ's queue, or started by a loop
-        whose engine heartbeats and holds the batch's lease (a horse that died before handing
+        whose engine heartbeats and holds the batch's lease (an RQ loop that died before handing
         the batch over leaves it "started" for an engine that never got it)."""
         # A job in RQ's queue will be taken: live, whatever else it says (and not worth
         # fetching: early in a big job nearly every pending batch is there).
@@ -270,7 +270,7 @@ class Reconciler:
         """Queue the batch again if it is still stranded with the same transport. The stale RQ
         job leaves RQ altogether (failed, started and intermediate registries, its hash): the
         ledger superseded it, a transport failure is not the batch's, and `rq info` must not
-        go on showing a dead horse's job as started or a redelivered batch as failed."""
+        go on showing a dead loop's job as started or a redelivered batch as failed."""
         started = rq_queue(self.conn).started_job_registry
         with self.conn.pipeline(transaction=True) as pipe:
             try:

@@ -1,4 +1,4 @@
-"""The engine's side of a lease (worker/leases.py drives it): deliveries from its RQ work horses
+"""The engine's side of a lease (worker/leases.py drives it): deliveries from its RQ loops
 through its inbox, what Redis recorded of a delivered batch, the lease check after each beat,
 and the hand-back (genq.core.ledger's module docstring defines the terms).
 """
@@ -20,7 +20,7 @@ from genq.core.records import BatchRef, JobConfig, pack, unpack
 
 
 async def next_delivery(conn: aioredis.Redis, instance: str, timeout: float) -> bytes | None:
-    """The next (token, job, batch, rq job) a horse put in the engine's inbox, packed; waits up
+    """The next (token, job, batch, rq job) an RQ loop put in the engine's inbox, packed; waits up
     to `timeout` s (BLPOP: give it a connection of its own)."""
     item = await conn.blpop([keys.engine_inbox(instance)], timeout=timeout)
     return item[1] if item is not None else None
