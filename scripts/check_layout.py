@@ -40,7 +40,6 @@ LEDGER = {
     "genq.core.scripts",
     "genq.core.ledger",  # and its modules: genq/core/ledger/ (in_ledger)
     "genq.core.queueing",
-    "genq.worker.rqloop",
     "genq.worker.rqjob",
 }
 # The modules outside the ledger that still build Redis keys, and why; none may be added (empty

@@ -108,6 +108,8 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
     # In-flight requests finish; then nothing new arrives at the server.
     wait_until(lambda: (s := sim_stats(url))["num_running"] == 0 and s["num_waiting"] == 0, timeout=60,
                what="the server to finish its in-flight requests")
+    # The last answers are recorded a moment after the server sent them (seen: 30 done, then 31).
+    heartbeats_pass(rconn, "pz-worker", 1)
     before = sim_stats(url)
     done_before = job_now("pz").done
     heartbeats_pass(rconn, "pz-worker")

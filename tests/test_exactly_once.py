@@ -103,7 +103,7 @@ def test_a_frozen_worker_resumed_after_another_finished_its_batches(redis_url, r
     ids, out = enqueue(tmp_path, "frz", 40, "--batch-size", "10", "--max-tokens", "2000")
     frozen = worker(slow, "--prefetch", "2", name="frozen")
     wait_until(lambda: rconn.hlen(keys.batch_results("frz", "b0000001")) >= 1, 60, "the frozen worker under way")
-    os.kill(frozen.pid, signal.SIGSTOP)  # the engine only, past its heartbeat: its horses give up on it
+    os.kill(frozen.pid, signal.SIGSTOP)  # the engine only, past its heartbeat: its RQ loops give up on it
     try:
         helper = worker(fast, "--burst", name="helper")
         assert helper.wait(timeout=180) == 0, helper.log()
@@ -214,8 +214,8 @@ def test_a_job_stuck_between_dequeue_and_start_is_brought_back(redis_url, rconn,
     assert rconn.llen(queue.intermediate_queue_key) == 0
 
 
-def test_a_batch_started_by_a_horse_that_died_before_handing_it_over(redis_url, rconn, sim, worker, tmp_path):
-    """RQ says "started" by a loop of a live engine, but the horse died (Redis went away
+def test_a_batch_started_by_a_loop_that_died_before_handing_it_over(redis_url, rconn, sim, worker, tmp_path):
+    """RQ says "started" by a loop of a live engine, but the loop died (Redis went away
     under it) before the engine got the batch: no lease, so the batch is stranded, and
     the reconciler must not wait for RQ's abandoned-job detection (minutes) to see it."""
     server = sim(max_running_requests=8, **FAST)

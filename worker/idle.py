@@ -245,7 +245,7 @@ class QuietPops:
     """An RQ worker mixin: between pops, RQ's worker-key heartbeat at most once a minute and
     its state written only when it changes. RQ writes both around every pop (6 commands a
     pop); the key lives worker_ttl + 60 s (480 s), and the state does not change while idle.
-    The loop's connections carry its name (rqloop.main) for unblock_own_pop."""
+    The loop's connections carry its name (rqjob.main) for unblock_own_pop."""
 
     _popping: bool
     _beat_at: datetime | None = None

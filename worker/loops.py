@@ -1,16 +1,15 @@
 """The engine's RQ work loops: child processes that take batches off the queue.
 
-Each loop is a stock `rq.SimpleWorker` (genq.worker.rqloop); the job function it runs
-hands the batch to the engine and waits (genq.worker.rqjob), which keeps `rq info`
-truthful. How many run: --prefetch, plus one for each held batch that has nothing
+Each loop is a stock `rq.SimpleWorker` running `run_batch` (genq.worker.rqjob), which
+hands the batch to the engine and waits, and keeps `rq info` truthful. How many run: --prefetch, plus one for each held batch that has nothing
 left to send (its long tail), so slots never run dry at batch boundaries.
 
 Loops get exactly one SIGTERM (RQ's warm shutdown: an idle loop exits, a busy one
 finishes its job, which returns once the engine has answered its lease; a loop
-popping a batch when it comes first starts it: see rqloop.EngineWorker). A second
+popping a batch when it comes first starts it: see rqjob.EngineWorker). A second
 signal would be RQ's cold shutdown: never sent.
 
-A loop that exits because Redis is unreachable (rqloop.EXIT_REDIS_UNREACHABLE) is no crash:
+A loop that exits because Redis is unreachable (rqjob.EXIT_REDIS_UNREACHABLE) is no crash:
 it is not counted toward LoopsFailing, and loops that exit are started again with a
 backoff (up to RESPAWN_MAX_S), not every pass: a Redis outage of any length stops no worker.
 """
@@ -32,8 +31,7 @@ from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings
 from genq.worker.options import WorkerOptions
-from genq.worker.rqjob import ENGINE_ENV
-from genq.worker.rqloop import EXIT_REDIS_UNREACHABLE
+from genq.worker.rqjob import ENGINE_ENV, EXIT_REDIS_UNREACHABLE
 from genq.worker.shares import Shares
 
 log = logging.getLogger("genq.worker")
@@ -148,7 +146,7 @@ class RqLoops:
     async def _spawn(self) -> RqLoop:
         name = f"{self.instance}.{uuid.uuid4().hex[:4]}"
         env = dict(os.environ, **{ENGINE_ENV: self.instance, REDIS_ENV: self.opts.redis_url})
-        args = [sys.executable, "-m", "genq.worker.rqloop", "--name", name,
+        args = [sys.executable, "-m", "genq.worker.rqjob", "--name", name,
                 "--parent", str(os.getpid()), "--monitoring-interval", str(self.opts.job_monitoring_interval)]
         if self.opts.burst:
             args.append("--burst")

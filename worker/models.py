@@ -6,7 +6,7 @@ then, first writer wins (a WATCH/MULTI on the settings), and every engine reads 
 
 An engine whose server serves another model takes nothing of such a job:
 - its RQ loops put the job's batches back at the tail of RQ's queue as they pop them, before
-  any lease (worker/rqloop.py calls foreign_batch), and rest once they have gone
+  any lease (worker/rqjob.py calls foreign_batch), and rest once they have gone
   round the whole queue without finding a batch of their own;
 - its lease desk hands back a batch it got anyway (a race with the pinning);
 - its stealer takes no prompts of it (servable_config).
@@ -29,7 +29,7 @@ from genq.core.ledger import fleet, leasing
 from genq.core.queueing import carried, load_config, load_configs
 from genq.core.records import JobConfig
 
-if TYPE_CHECKING:  # the types of what an RQ loop pops; RQ itself is the loop's (worker/rqloop.py)
+if TYPE_CHECKING:  # the types of what an RQ loop pops; RQ itself is the loop's (worker/rqjob.py)
     from rq import Queue
     from rq.job import Job
 

@@ -1,44 +1,174 @@
-"""The RQ job function: one call carries one batch to the local worker engine.
+"""The RQ side of a worker: its RQ loops, and the job function they run for each batch.
 
-RQ gives genq its transport: the job sits in RQ's started registry, is heartbeated by the
-RQ loop running it (genq.worker.rqloop, an `rq.SimpleWorker`: no process is forked per
-batch) and shows in `rq info`. The prompts themselves are driven by the engine that
-started the loop (one in-flight window per GPU). This function hands the batch over
-under a fresh lease token and waits for the engine's word on that lease: "done" (the
-batch is complete, by anyone) or "released" (the engine gave it back to the queue
-itself, or another lease of the same batch took over). It never enqueues anything: the
-loop may be killed at any moment without losing a batch.
+A loop is a child process of the engine (`python -m genq.worker.rqjob`, started by
+worker/loops.py): one stock `rq.SimpleWorker` that pops batch jobs off RQ's queue and runs
+`run_batch` itself (a forked work horse per batch cost a fork, a start-up and RQ's horse
+bookkeeping for a function that only waits, #29). RQ gives genq its transport: the job sits in
+RQ's started registry, is heartbeated by the loop and shows in `rq info`. The prompts are driven
+by the engine (one in-flight window per GPU): `run_batch` hands the batch over under a fresh
+lease token and waits for the engine's word on that lease, "done" (the batch is complete, by
+anyone) or "released" (the engine gave it back to the queue itself, or another lease of the
+same batch took over), keeping RQ's heartbeats meanwhile (EngineWorker.keep_alive). It never
+enqueues anything: a loop may be killed at any moment without losing a batch.
 
-The loop dies with its engine (PR_SET_PDEATHSIG), so no call outlives the worker that
-took the batch, even while Redis is unreachable.
+A loop dies with its engine (PR_SET_PDEATHSIG), so a killed engine never leaves loops taking
+batches nobody will run, whatever state Redis is in. A loop that cannot reach Redis waits for
+it, and if Redis goes away under RQ's own calls it exits with EXIT_REDIS_UNREACHABLE: the
+engine starts another later, without counting it as a crash (worker/loops.py). A Redis outage
+of any length stops no worker.
+
+RQ's registry maintenance is not run here: it marks a started job abandoned by comparing
+scores other workers wrote with their own wall clocks against this machine's wall clock,
+so one skewed clock would fail healthy batches everywhere. genq's ledger finds stranded
+batches from Redis TTLs alone (genq.core.ledger).
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import redis
-from rq import get_current_job
+from rq import SimpleWorker, get_current_job
+from rq.exceptions import StopRequested
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from genq.core import keys
+from genq.core.parentdeath import die_with_parent
 from genq.core.records import pack
+from genq.core.redisconn import ENV_VAR as REDIS_ENV
+from genq.core.redisconn import connect
 from genq.core.timings import ENGINE_GRACE_S, REPLY_POLL_S
+from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
+from genq.worker.models import LoopFilter
 
 ENGINE_ENV = "GENQ_ENGINE"
-
-# Called between waits for the engine's word, with the RQ job: the loop keeps RQ's heartbeats of
-# itself, the job and its execution (rqloop.EngineWorker.keep_alive); a forked horse had its
-# parent do this. None outside an RQ loop of genq's (a test calling run_batch).
-_keep_alive: Callable[[Any], None] | None = None
+EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ; not a crash
+REDIS_WAIT_MAX_S = 10.0
 
 
-def keep_alive_with(beat: Callable[[Any], None]) -> None:
-    global _keep_alive
-    _keep_alive = beat
+def _wait_for_redis(conn: redis.Redis) -> None:
+    """Until Redis answers (restarting, loading a large dataset); this process dies with the engine."""
+    delay = 0.5
+    while True:
+        try:
+            conn.ping()
+            return
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            time.sleep(delay)
+            delay = min(delay * 2, REDIS_WAIT_MAX_S)
+
+
+class EngineWorker(QuietPops, SimpleWorker):
+    """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
+    engine would only make each batch it takes fail and go round again), and that a stop
+    never interrupts between taking a batch and starting it.
+
+    RQ's stop handler raises at once in a worker that is not busy. Landing after the pop
+    moved a batch into RQ's intermediate list, and before the job started, it left the batch
+    there, out of the queue, until a reconciler pass (seen: a worker told to stop as one of
+    its loops went back for its next batch). So a stop that comes while popping is kept,
+    and acted on after a pop that took nothing (RQ raises StopRequested: nothing is held)
+    or once the job has started (RQ then lets it run, and the engine hands the batch back).
+    """
+
+    engine: str = ""
+    models: LoopFilter | None = None  # set in main(): other models' batches go back (worker/models.py)
+    _popping = False
+    _kept_stop: int | None = None  # the signal of a stop that came while popping
+
+    _kept_alive_at = 0.0  # monotonic time of the last keep_alive beat
+
+    def get_heartbeat_ttl(self, job: Job) -> int:
+        """A forked worker's rule, not SimpleWorker's (which would give a batch that never times
+        out 420 s): the batch's RQ heartbeat lapses job_monitoring_interval + 60 s after the last."""
+        return self.job_monitoring_interval + 60
+
+    def keep_alive(self, job: Job) -> None:
+        """RQ's heartbeat of this loop, the job and its execution, at most every
+        job_monitoring_interval; called by run_batch between its waits (a forked worker's parent
+        did this for its horse). Redis away: beat again next time, do not die (run_batch waits
+        for Redis too)."""
+        if time.monotonic() - self._kept_alive_at < self.job_monitoring_interval:
+            return
+        try:
+            self.maintain_heartbeats(job)
+            self._kept_alive_at = time.monotonic()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            pass
+
+    def run_maintenance_tasks(self) -> None:
+        """Only the worker registry (below): genq uses neither RQ's scheduler nor its groups."""
+        self.clean_registries()
+
+    def clean_registries(self) -> None:
+        """Not RQ's registry cleanup (wall clocks decide there: see the module docstring); only
+        the worker registry, whose entries expire by Redis TTL, and by one loop of the fleet at a
+        time (RQ's maintenance lock, left to expire: 15 minutes): it reads every loop's key."""
+        from rq.utils import now
+        from rq.worker_registration import clean_worker_registry
+
+        for queue in self.queues:
+            if queue.acquire_maintenance_lock():
+                clean_worker_registry(queue)
+        # RQ's own sets this: without it RQ's maintenance (this, and a look at its groups) ran
+        # before every pop, 6 commands each (issue #29), rather than every maintenance_interval.
+        self.last_cleaned_at = now()
+
+    def check_for_suspension(self, burst: bool) -> None:
+        super().check_for_suspension(burst)
+        while not self._stop_requested and not self.connection.exists(keys.engine_alive(self.engine)):
+            time.sleep(1.0)
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        if self._popping:
+            self._kept_stop = signum
+            unblock_own_pop(self.connection, self.name)  # the pop ends now, having taken nothing
+            return
+        super().request_stop(signum, frame)
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        while True:
+            self._popping = True
+            try:
+                # RQ's own wait loop, cut into waits of POP_WAIT_S so a kept stop is seen between them.
+                result = super().dequeue_job_and_maintain_ttl(timeout, POP_WAIT_S if timeout else max_idle_time)
+            except BaseException:
+                self._popped()
+                raise
+            if result is not None and self.models and (rest := self.models.route(*result)) is not None:
+                self._popped()  # nothing is held: a kept stop acts now
+                time.sleep(rest)
+                continue
+            if result is not None:
+                return result  # a batch: a stop is kept until prepare_execution marks this worker busy
+            self._popped()
+            if timeout is None:
+                return None  # burst, and the queue is empty
+
+    def prepare_execution(self, job: Job) -> Any:
+        execution = super().prepare_execution(job)  # busy now: a stop lets the job run
+        self._kept_alive_at = time.monotonic()  # RQ's first beat of the job is part of the above
+        self._popped()
+        return execution
+
+    def _popped(self) -> None:
+        """Act on a kept stop: RQ raises StopRequested if idle, or stops after the job if busy."""
+        self._popping = False
+        if self._kept_stop is not None:
+            signum, self._kept_stop = self._kept_stop, None
+            super().request_stop(signum, None)
+
+
+# This process's loop, set in main(): run_batch runs inside it and keeps its RQ heartbeats.
+_loop: EngineWorker | None = None
 
 
 class EngineLost(RuntimeError):
@@ -58,12 +188,17 @@ def run_batch(job: str, batch_id: str) -> dict:
         raise EngineLost(f"worker engine {engine} is not heartbeating; not taking the batch")
     token = uuid.uuid4().hex
     conn.rpush(keys.engine_inbox(engine), pack([token, job, batch_id, rq_job.id]))
-    reply = _wait_for_reply(conn, engine, keys.lease_reply(token), lambda: _keep_alive and _keep_alive(rq_job))
+    reply = _wait_for_reply(conn, engine, keys.lease_reply(token), lambda: _keep_alive(rq_job))
     conn.delete(keys.lease_reply(token))
     return {"batch": batch_id, "status": reply.decode()}
 
 
-def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: Callable[[], object]) -> bytes:
+def _keep_alive(rq_job: Job) -> None:
+    if _loop is not None:  # None: run_batch called outside a loop of genq's
+        _loop.keep_alive(rq_job)
+
+
+def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: Callable[[], None]) -> bytes:
     backoff = 0.5
     back_at = float("-inf")  # when Redis answered again after being unreachable
     while True:
@@ -80,3 +215,53 @@ def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: 
             time.sleep(backoff)
             backoff = min(backoff * 2, 10)
             back_at = time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m genq.worker.rqjob")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--burst", action="store_true")
+    parser.add_argument("--monitoring-interval", type=int, default=10)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    for var in (ENGINE_ENV, REDIS_ENV):
+        if not os.environ.get(var):
+            parser.error(f"{var} must be set by the engine")
+    # The URL comes through the environment: command lines are visible to every user (ps).
+    conn = connect(os.environ[REDIS_ENV])
+    # Every connection of this loop carries its name, from its (re)connect on: a stop finds the
+    # one blocked in a pop by it (idle.unblock_own_pop), and no pop needs a CLIENT SETNAME.
+    conn.connection_pool.connection_kwargs["client_name"] = args.name
+    _wait_for_redis(conn)
+    worker = EngineWorker(
+        [keys.QUEUE],
+        name=args.name,
+        connection=conn,
+        # A dead worker's batch is seen as abandoned after this + 60 s (RQ's rule).
+        job_monitoring_interval=args.monitoring_interval,
+        maintenance_interval=120,  # RQ's registry cleanup; genq's reconciler does its own (worker/maintenance.py)
+        log_job_description=True,
+        serializer=JSONSerializer,  # no pickle on genq's paths
+    )
+    worker.engine = os.environ[ENGINE_ENV]
+    worker.models = LoopFilter(worker.connection, worker.engine)
+    global _loop
+    _loop = worker
+    try:
+        worker.work(burst=args.burst, logging_level="WARNING")
+    except StopRequested:  # a stop signal that landed during RQ's own teardown
+        pass
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+        print(f"RQ loop {args.name}: Redis unreachable ({exc}); the engine starts another", file=sys.stderr)
+        return EXIT_REDIS_UNREACHABLE
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    # Run as the module RQ imports run_batch from, not as __main__ (a second copy of this one):
+    # the loop that run_batch keeps alive must be the one it finds in _loop.
+    from genq.worker import rqjob
+
+    sys.exit(rqjob.main())
