@@ -147,13 +147,22 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
               output_sigma=0.1)
     worker(url, "--concurrency", "1", "--name", "slow-w")
 
-    def states() -> dict[str, str]:
-        return {pid: json.loads(run_genq("status", "slow", pid, "--json").stdout)["state"]
-                for pid in ("p00000", "p00001", "p00002", "p00003")}
+    batches = [[f"p{i:05d}" for i in range(first, first + 4)] for first in (0, 4)]
 
-    # (the four are asked one after another while the worker starts: until its batch is leased, queued)
-    found = wait_until(lambda: (s := states()) and "sending" in s.values() and "queued" not in s.values() and s, 60,
-                       "a prompt being sent, its batch held")
+    def states(batch: list[str]) -> dict[str, str]:
+        return {pid: json.loads(run_genq("status", "slow", pid, "--json").stdout)["state"]
+                for pid in batch}
+
+    def sending_batch() -> dict[str, str] | None:
+        # Either batch may go first: both are leased, and whichever the engine got first is sent
+        # first (seen under load: the second). The four of a batch are asked one after another
+        # while the worker starts: until their batch is leased, queued.
+        for batch in batches:
+            if (s := states(batch)) and "sending" in s.values() and "queued" not in s.values():
+                return s
+        return None
+
+    found = wait_until(sending_batch, 60, "a prompt being sent, its batch held")
     # One request at a time (40 s each): none done yet; those not claimed wait in the worker holding the batch.
     assert set(found.values()) <= {"sending", "held"}, found
     engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
