@@ -261,7 +261,7 @@ def test_loops_run_their_batches_without_a_work_horse_and_keep_them_alive_in_rq(
     worker's parent did: a long batch is never taken for abandoned by `rq info` or RQ."""
     server = sim(max_running_requests=4, mean_output_tokens=3000, output_sigma=0.2, tokens_per_step=2,
                  step_ms_base=40)  # a minute a prompt: the batches outlive the look
-    ids, out = enqueue(tmp_path, "kept", 8, "--batch-size", "4", "--max-tokens", "5000")
+    enqueue(tmp_path, "kept", 8, "--batch-size", "4", "--max-tokens", "5000")
     proc = worker(server, "--prefetch", "2", "--heartbeat-interval", "1")
     wait_until(lambda: rconn.hlen(keys.job_leases("kept")) == 2, 60, "both batches held")
     loops = _rq_loops(proc.pid)
@@ -269,7 +269,7 @@ def test_loops_run_their_batches_without_a_work_horse_and_keep_them_alive_in_rq(
     registry = StartedJobRegistry(queue=rq_queue(rconn))
 
     def beats() -> tuple[dict, dict]:
-        running = {e: s for e, s in rconn.zrange(registry.key, 0, -1, withscores=True)}
+        running = dict(rconn.zrange(registry.key, 0, -1, withscores=True))
         loop_beats = {w.name: rconn.hget(w.key, "last_heartbeat") for w in _rq_workers(rconn) if w.get_current_job_id()}
         return running, loop_beats
 

@@ -1,8 +1,9 @@
 """The engine's RQ work loops: child processes that take batches off the queue.
 
 Each loop is a stock `rq.SimpleWorker` running `run_batch` (genq.worker.rqjob), which
-hands the batch to the engine and waits, and keeps `rq info` truthful. How many run: --prefetch, plus one for each held batch that has nothing
-left to send (its long tail), so slots never run dry at batch boundaries.
+hands the batch to the engine and waits, and keeps `rq info` truthful. How many run:
+--prefetch, plus one for each held batch that has nothing left to send (its long tail),
+so slots never run dry at batch boundaries.
 
 Loops get exactly one SIGTERM (RQ's warm shutdown: an idle loop exits, a busy one
 finishes its job, which returns once the engine has answered its lease; a loop
