@@ -15,7 +15,10 @@ scripts/llamacpp/bench.py and scripts/vllm/bench.py. Each takes a stack (its .re
 3. too long: 5 prompts over the context among 300: each dead-lettered on its own as
    bad_request with the engine's message, the other 295 done, the job never blocked, `partial`.
 4. cut at the context: max_tokens that fits alone but not with the prompts (prompts of
-   ~1,800 tokens, max_tokens 1000): no block, no dead letter, every record within the context.
+   ~1,800 tokens, max_tokens 1000): never a block; each prompt either cut by the engine
+   (vLLM 0.32, llama.cpp: a record within the context) or refused on its own as
+   bad_request with the engine's context message (vLLM 0.26 answers 400, seen on an H200),
+   every prompt once, one way or the other.
 """
 
 from __future__ import annotations
@@ -157,11 +160,14 @@ def too_long(stack: Any, work: Path, message: str, problems: list[str]) -> None:
                         f"block {block}, state {state.get('state')}")
 
 
-def cut_at_context(stack: Any, work: Path, problems: list[str]) -> None:
+def cut_at_context(stack: Any, work: Path, over_context: str, problems: list[str]) -> None:
     job, n = "cut", 16
     out = _enqueue(stack, work, job, prompts(n, "c", words=1800), "--max-tokens", "1000")
     _worker(stack, work, "cut-w")
-    block, _, letters = _facts(stack, job, "cut-w")
+    block, _, _ = _facts(stack, job, "cut-w")
+    dead = [d for d in json.loads(genq(stack, "dlq", "list", "--json").stdout or "[]") if d.get("job") == job]
+    refused = [d for d in dead if d["kind"] == "bad_request" and over_context in d["message"]]
+    letters = len(dead)
     rows = _rows(out, job)
     totals = sorted(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] for r in rows)
     cut = [r for r in rows if r["finish_reason"] == "length"]
@@ -169,7 +175,9 @@ def cut_at_context(stack: Any, work: Path, problems: list[str]) -> None:
           f"letters, blocked: {block is not None}; prompt + completion {totals[:1]}..{totals[-1:]}, "
           f"{len(cut)} cut ('length') at {sorted({r['usage']['prompt_tokens'] + r['usage']['completion_tokens'] for r in cut})}",
           flush=True)
-    if block is not None or letters or len(rows) != n or not totals or totals[-1] > CONTEXT:
+    ids = sorted([r["id"] for r in rows] + [d["id"] for d in dead])
+    if block is not None or len(refused) != letters or ids != [f"c{i:04d}" for i in range(n)] \
+            or (totals and totals[-1] > CONTEXT):
         problems.append(f"cut at the context: {len(rows)} records, {letters} letters, block {block}, totals {totals}")
 
 
@@ -180,7 +188,7 @@ def run_all(stack: Any, work: Path, served: Callable[[], float], refused: str, o
         ("preflight", lambda: preflight(stack, work, served, problems)),
         ("brake", lambda: brake(stack, work, refused, problems)),
         ("too long", lambda: too_long(stack, work, over_context, problems)),
-        ("cut at the context", lambda: cut_at_context(stack, work, problems))]
+        ("cut at the context", lambda: cut_at_context(stack, work, over_context, problems))]
     for name, check in checks:
         try:
             check()

