@@ -22,7 +22,8 @@ fit; about a microsecond each) and resumes there at the next. What it keeps:
 
 The ETA is read from the slots filled within MAX_AGE_S; until MIN_DRAWS are,
 there is none ("warming up"), and until then a refresh may play WARM_BUDGET
-units rather than `budget`: on a fast server a draw costs a few thousand units
+units rather than `budget`, within WARM_CPU_S of CPU (so that a refresh still costs
+about 10 ms at a million prompts, #29): on a fast server a draw costs a few thousand units
 (the bulk's steady rate is measured afresh for each new length parameter), and
 at `budget` alone a job of 8,000 prompts that took 61 s on an H200 showed no ETA
 at 25, 50 or 75 % (#27: about 0.3 draws a refresh, 20 needed). The warm-up is a
@@ -40,6 +41,7 @@ the ETA over that time rather than at the next refresh.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +50,7 @@ from genq.monitor.simulate import MIN_SAMPLES, Plan, Speed, WorkerState, draw, p
 
 BUDGET = 2000  # units of work a refresh plays (simulated events, likelihood terms)
 WARM_BUDGET = 15 * BUDGET  # ... while fewer than MIN_DRAWS current draws are held (no ETA yet)
+WARM_CPU_S = 0.008  # ... and then for at most this much CPU a refresh
 REFIT_S = 5.0  # a new length fit starts at most this often (it starts from the last one)
 REFIT_GROWTH = 1.2  # ... unless the finished completions have grown this much since the last fit
 STALE_MEAN = 0.05  # a fit whose mean length moved this much (relative) makes the draws before it stale
@@ -59,6 +62,8 @@ MIN_DRAWS = MIN_SAMPLES  # draws needed before an ETA is shown (the one-shot est
 class EtaPool:
     budget: int = BUDGET
     warm_budget: int = WARM_BUDGET
+    warm_cpu_s: float = WARM_CPU_S
+    deadline: float | None = None  # process_time() at which a warming refresh stops playing
     model: LengthModel | None = None
     fit_key: tuple | None = None  # the data of `model`
     fit_started: float = -1e18
@@ -87,8 +92,9 @@ class EtaPool:
             self.fit_finished = finished
         # A refit shares the budget with the draws; the first fit takes all of it.
         budget = self._budget(now)
-        share = budget if self.model is None else budget // 2
-        while self.fitting is not None and spent < share:
+        self.deadline = time.process_time() + self.warm_cpu_s if budget > self.budget else None
+        share, floor = (budget, self.budget) if self.model is None else (budget // 2, self.budget // 2)
+        while self.fitting is not None and spent < share and not (spent >= floor and self._past_deadline()):
             try:
                 spent += next(self.fitting)
             except StopIteration as done:
@@ -122,8 +128,11 @@ class EtaPool:
         current = sum(1 for made, _, gen in self.finish_at.values() if gen == self.generation and now - made <= MAX_AGE_S)
         return self.budget if current >= MIN_DRAWS else max(self.budget, self.warm_budget)
 
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.process_time() >= self.deadline
+
     def _play(self, p: Plan, now: float, spent: int, seed: int, budget: int) -> int:
-        while spent < budget:
+        while spent < budget and not (spent >= self.budget and self._past_deadline()):
             if self.drawing is None:
                 slot = self.next_slot
                 if slot == 0:  # each cycle through the slots is the one-shot estimate's random stream

@@ -52,7 +52,7 @@ def fill(pool: EtaPool, inputs: dict, now: float, refreshes: int = 2000):
 def test_pooled_eta_is_the_one_shot_eta_on_unchanging_data(done: int, workers: int) -> None:
     inputs = million(done, workers)
     one = estimate(**inputs)
-    pool = EtaPool()
+    pool = EtaPool(warm_cpu_s=math.inf)  # the warm-up by units alone: the same on any machine
     est, spent = fill(pool, inputs, now=5_000.0)
     assert one.eta_s is not None and len(one.draws) >= MIN_DRAWS
     assert est.draws == pytest.approx(one.draws, rel=1e-12)
@@ -136,7 +136,7 @@ def test_a_fast_job_shows_its_eta_within_a_few_refreshes() -> None:
     curve each refresh): about 0.3 draws a refresh at BUDGET, and 20 needed. The same state,
     refreshed once a second with the speed curve moving as it did there."""
     rng = random.Random(7)
-    pool, shown = EtaPool(), None
+    pool, shown = EtaPool(warm_cpu_s=math.inf), None  # units alone (WARM_CPU_S: below)
     for refresh in range(12):
         finished = 2_000 + 130 * refresh
         running = tuple(rng.randint(0, 127) for _ in range(128))
@@ -151,3 +151,13 @@ def test_a_fast_job_shows_its_eta_within_a_few_refreshes() -> None:
             shown = refresh
             break
     assert shown is not None and shown <= 4, (shown, est.state, est.note)
+
+
+def test_a_warming_refresh_stops_at_its_cpu_allowance() -> None:
+    """WARM_CPU_S keeps a refresh near 10 ms at a million prompts (#29) while the pool warms up:
+    at no allowance a warming refresh plays what a warm one does, BUDGET and one step."""
+    inputs = million(2_000, 8)
+    pool = EtaPool(warm_cpu_s=0.0)
+    for i in range(12):
+        est = estimate(**inputs, pool=pool, now=100.0 + i)
+        assert pool.spent <= BUDGET + STEP and est.eta_s is None, (i, pool.spent)

@@ -215,7 +215,9 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
         trace.append({"t": report.snapshot.at, "done": done, "eta_s": p.eta_s, "load": load(),
                       "tok_s": sp.tokens_per_s if sp else None, "per_request_tok_s": sp.per_request if sp else None,
                       "overhead": sp.overhead if sp else None, "decoding": sp.decoding if sp else None,
-                      "fit_mean": model.mean() if model else None, "in_flight": report.snapshot.decoding})
+                      "fit_mean": model.mean() if model else None, "in_flight": report.snapshot.decoding,
+                      "remaining_tokens": report.estimate.remaining_tokens, "finished": p.completed + p.failed,
+                      "state": p.eta_state, "note": report.estimate.note})
         while pending and done >= pending[0]:
             points.append({"at": pending.pop(0), "done": done, "t": report.snapshot.at, "eta_s": p.eta_s,
                            "eta_low_s": p.eta_low_s, "eta_high_s": p.eta_high_s, "state": p.eta_state,
