@@ -117,7 +117,10 @@ class EtaPool:
         regime = (p.kinds, p.rate_weights, p.batch_size, p.samples)
         if regime != self.regime:
             self.regime, self.finish_at, self.drawing, self.next_slot = regime, {}, None, 0
-        spent = self._play(p, now, spent, seed, self._budget(now))
+        budget = self._budget(now)
+        if budget > self.budget and self.deadline is None:  # the fit just made the draws stale
+            self.deadline = time.process_time() + self.warm_cpu_s
+        spent = self._play(p, now, spent, seed, budget)
         self.spent = spent
         recent = [(at, gen) for made, at, gen in self.finish_at.values() if now - made <= MAX_AGE_S]
         current = [at for at, gen in recent if gen == self.generation]

@@ -161,3 +161,15 @@ def test_a_warming_refresh_stops_at_its_cpu_allowance() -> None:
     for i in range(12):
         est = estimate(**inputs, pool=pool, now=100.0 + i)
         assert pool.spent <= BUDGET + STEP and est.eta_s is None, (i, pool.spent)
+
+
+def test_draws_made_stale_mid_refresh_stop_at_the_allowance_too() -> None:
+    """The pool can start warming in the middle of a refresh (another fleet empties it, a refit
+    moves the mean): that refresh's draws stop at the allowance as well (bench/eta_cost.py
+    showed 30-33 ms refreshes at each new generation before they did)."""
+    inputs = million(500_000, 8)
+    pool = EtaPool(warm_cpu_s=0.0)
+    fill(pool, inputs, now=100.0)
+    joined = dict(inputs, fleet=inputs["fleet"] + [WorkerState(slots=37, leases=2, max_leases=16, reserve=64)])
+    estimate(**joined, pool=pool, now=101.0)
+    assert pool.spent <= BUDGET + STEP, pool.spent
