@@ -311,7 +311,9 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
     s = w.status
     # In the job's tail an idle worker is expected (the job's tail note says so), not a bottleneck.
     found = [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
-    report = WorkerReport(name=w.name, state=w.state, job_in_flight=len(w.running_tokens),
+    # A done job has nothing in flight anywhere: a worker's InFlight record can be a beat older
+    # than the job's last result (#27: 40 of 40 still shown once, in the full suite).
+    report = WorkerReport(name=w.name, state=w.state, job_in_flight=0 if job_done else len(w.running_tokens),
                           job_completed=w.counters.done, job_failed=w.counters.failed,
                           job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],
                           bottleneck_codes=[code for code, _ in found])

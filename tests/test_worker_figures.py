@@ -7,10 +7,11 @@ worker stays alive after the job, as a fleet's workers do, and the monitor reads
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from genq.core import keys
-from genq.core.records import WorkerStatus, unpack
+from genq.core.records import InFlight, WorkerStatus, pack, unpack
 from tests.conftest import run_genq, wait_until, write_prompts
 
 N = 40
@@ -44,3 +45,10 @@ def test_job_in_flight_is_zero_once_the_job_is_done(tmp_path: Path, redis_url, r
     assert w["job_completed"] == N
     assert doc["in_flight"] == 0
     assert w["job_in_flight"] == 0, f"the worker's figures still show {w['job_in_flight']} of the job in flight"
+    # A heartbeat a moment older than the job's last result (its requests still listed running):
+    # the full suite once read the monitor between the last result and the beat after it (40 of 40).
+    stale = InFlight(worker="fig-w", job="fig", at=time.time(), tokens=[300] * N, queued=0)
+    rconn.set(keys.job_inflight("fig", "fig-w"), pack(stale), ex=60)
+    doc = json.loads(run_genq("monitor", "--once", "--json", "--job", "fig", redis_url=redis_url).stdout)
+    (w,) = doc["worker_details"]
+    assert doc["status"] == "done" and w["job_in_flight"] == 0, w
