@@ -10,8 +10,8 @@
 # then runs scripts/vllm/bench.py with vLLM --enforce-eager and --load-format dummy at 128 and
 # 16 slots. Everything it prints, the bench's JSON and vLLM's logs land in $OUT (the device
 # tool brings them back). Its working draft ran in 448 s on an H200 on 2026-12-04 (docs/vllm.md);
-# this file differs from it only in taking croniter and pytz from the bundle, not as wheels
-# beside it, and has not itself run on a GPU.
+# this file differs from it in small ways (croniter and pytz come in the bundle, not as wheels
+# beside it; it stops at a failed import), and has not itself run on a GPU.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
