@@ -91,8 +91,8 @@ class EtaPool:
             self.fitting, self.fitting_key, self.fit_started = fit_steps(data, self.model), key, now
             self.fit_finished = finished
         # A refit shares the budget with the draws; the first fit takes all of it.
+        self.deadline = None  # a new refresh: its CPU allowance starts once it warms up
         budget = self._budget(now)
-        self.deadline = time.process_time() + self.warm_cpu_s if budget > self.budget else None
         share, floor = (budget, self.budget) if self.model is None else (budget // 2, self.budget // 2)
         while self.fitting is not None and spent < share and not (spent >= floor and self._past_deadline()):
             try:
@@ -117,19 +117,21 @@ class EtaPool:
         regime = (p.kinds, p.rate_weights, p.batch_size, p.samples)
         if regime != self.regime:
             self.regime, self.finish_at, self.drawing, self.next_slot = regime, {}, None, 0
-        budget = self._budget(now)
-        if budget > self.budget and self.deadline is None:  # the fit just made the draws stale
-            self.deadline = time.process_time() + self.warm_cpu_s
-        spent = self._play(p, now, spent, seed, budget)
+        spent = self._play(p, now, spent, seed, self._budget(now))  # the fit may just have made them stale
         self.spent = spent
         recent = [(at, gen) for made, at, gen in self.finish_at.values() if now - made <= MAX_AGE_S]
         current = [at for at, gen in recent if gen == self.generation]
         return sorted(at - now for at in (current if len(current) >= MIN_DRAWS else [at for at, _ in recent]))
 
     def _budget(self, now: float) -> int:
-        """Units this refresh plays: `budget` once MIN_DRAWS current draws are held, else warm_budget."""
+        """Units this refresh plays: `budget` once MIN_DRAWS current draws are held, else warm_budget,
+        within warm_cpu_s of CPU from the moment this refresh found the pool warming."""
         current = sum(1 for made, _, gen in self.finish_at.values() if gen == self.generation and now - made <= MAX_AGE_S)
-        return self.budget if current >= MIN_DRAWS else max(self.budget, self.warm_budget)
+        if current >= MIN_DRAWS:
+            return self.budget
+        if self.deadline is None:
+            self.deadline = time.process_time() + self.warm_cpu_s
+        return max(self.budget, self.warm_budget)
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.process_time() >= self.deadline

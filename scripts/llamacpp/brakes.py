@@ -165,7 +165,7 @@ def cut_at_context(stack: Any, work: Path, over_context: str, problems: list[str
     out = _enqueue(stack, work, job, prompts(n, "c", words=1800), "--max-tokens", "1000")
     _worker(stack, work, "cut-w")
     block, _, _ = _facts(stack, job, "cut-w")
-    dead = [d for d in json.loads(genq(stack, "dlq", "list", "--json").stdout or "[]") if d.get("job") == job]
+    dead = json.loads(genq(stack, "dlq", "list", "--job", job, "--json").stdout or "[]")
     refused = [d for d in dead if d["kind"] == "bad_request" and over_context in d["message"]]
     letters = len(dead)
     rows = _rows(out, job)
