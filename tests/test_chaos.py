@@ -210,11 +210,17 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
                             "--max-attempts", "10")
 
     common = ("--retry-backoff", "0.05", "--prefetch", "2")
-    procs = {name: worker(url, *common, "--name", name, name=name)
-             for name, url in (("faulty", faulty), ("steady", steady), ("crashing", crashing))}
-    # Every worker's loops up first: a worker still starting could find the small jobs taken by
-    # the others, and "steady" must hold a batch to be frozen holding it.
-    wait_until(lambda: len(Worker.all(connection=rconn)) >= 2 * len(procs), 60, "every worker's RQ loops")
+    procs = {}
+
+    def start(name: str, url: str) -> None:
+        procs[name] = worker(url, *common, "--name", name, name=name)
+
+    # The frozen holder: "steady" starts alone and takes the small jobs' first batches; it stops
+    # while it holds them, past its heartbeat (10 s); its loops' job functions give up on it, the
+    # batches go round again, and it resumes to find them leased elsewhere. (Started beside the
+    # others, it could miss holding anything: under load the small jobs were done in a second.)
+    start("steady", steady)
+    wait_until(lambda: len(Worker.all(connection=rconn)) >= 2, 60, "steady's RQ loops")
     add("one", 24, 1)
     add("seven", 70, 7)
     total_batches = {"one": 24, "seven": 10, "big": 2}
@@ -222,12 +228,21 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
     def finished() -> int:
         return sum(rconn.scard(keys.job_done(j)) for j in jobs)
 
-    # The frozen holder: "steady" stops while it holds batches, past its heartbeat (10 s); its
-    # loops' job functions give up on it, the batches go round again, and it resumes to find them leased elsewhere.
-    wait_until(lambda: "steady" in _holders(rconn, list(jobs)), 60, "steady holding a batch")
-    os.kill(procs["steady"].pid, signal.SIGSTOP)
+    def frozen_holding() -> bool:
+        if "steady" not in _holders(rconn, list(jobs)):
+            return False
+        os.kill(procs["steady"].pid, signal.SIGSTOP)
+        if "steady" in _holders(rconn, list(jobs)):
+            return True
+        os.kill(procs["steady"].pid, signal.SIGCONT)  # its batch got done in between: try again
+        return False
+
+    wait_until(frozen_holding, 60, "steady frozen while holding a batch")
     frozen_at = time.monotonic()
     try:
+        start("faulty", faulty)
+        start("crashing", crashing)
+        wait_until(lambda: len(Worker.all(connection=rconn)) >= 2 * len(procs), 60, "every worker's RQ loops")
         post_json(crashing + "/sim/faults", {"outage_for": 4})  # the server crash
         wait_until(lambda: finished() >= 10, 120, "work going on without the frozen worker")
         time.sleep(max(0.0, FROZEN_S - (time.monotonic() - frozen_at)))
