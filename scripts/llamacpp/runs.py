@@ -217,7 +217,10 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                       "overhead": sp.overhead if sp else None, "decoding": sp.decoding if sp else None,
                       "fit_mean": model.mean() if model else None, "in_flight": report.snapshot.decoding,
                       "remaining_tokens": report.estimate.remaining_tokens, "finished": p.completed + p.failed,
-                      "state": p.eta_state, "note": report.estimate.note})
+                      "state": p.eta_state, "note": report.estimate.note,
+                      # What the estimate's running part stood on: the requests' tokens so far.
+                      "running_tokens": report.snapshot.running_tokens, "hist": report.snapshot.hist,
+                      "fit_sigma": model.sigma if model else None})
         while pending and done >= pending[0]:
             points.append({"at": pending.pop(0), "done": done, "t": report.snapshot.at, "eta_s": p.eta_s,
                            "eta_low_s": p.eta_low_s, "eta_high_s": p.eta_high_s, "state": p.eta_state,
