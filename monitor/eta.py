@@ -148,7 +148,7 @@ def estimate(
                                           samples=samples, seed=seed, max_events=max_events))
     else:
         draws = pool.draws(model, active, queue, batch_size, speed, now=now, spent=spent,
-                           samples=samples, seed=seed, max_events=max_events)
+                           samples=samples, seed=seed, max_events=max_events, work=result.remaining_tokens or 0.0)
         if len(draws) < MIN_DRAWS:
             result.note = f"{len(draws)} of {MIN_DRAWS} simulated draws so far"  # still "warming up"
             return result

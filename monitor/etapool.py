@@ -15,10 +15,12 @@ fit; about a microsecond each) and resumes there at the next. What it keeps:
   earliest and shortest completions) is soon outdated, and on a job of a few
   minutes REFIT_S alone kept it from 10 % to 28 % done (#27: the ETA 22-39 %
   low at 25 %). The draws use the last finished fit;
-* the last draw of each of the estimate's `samples` slots, as an absolute
-  finish time (when it was made + its seconds to go). Each cycle through the
-  slots is one run of the random stream `estimate()` uses (Random(seed)), so
-  on unchanging data a full pool holds exactly the one-shot estimate's draws.
+* the last draw of each of the estimate's `samples` slots: its seconds to go
+  and the output tokens expected to be left (Estimate.remaining_tokens) when it
+  was made. It is read as seconds per token of work left, times the work left
+  now (_to_go). Each cycle through the slots is one run of the random stream
+  `estimate()` uses (Random(seed)), so on unchanging data a full pool holds
+  exactly the one-shot estimate's draws.
 
 The ETA is read from the slots filled within MAX_AGE_S; until MIN_DRAWS are,
 there is none ("warming up"), and until then a refresh may play WARM_BUDGET
@@ -34,8 +36,10 @@ old draws stayed until their slot came round again, a whole cycle). A change in 
 number of workers, their batch-taking policies, the batch size) empties the
 pool: draws of another fleet are not this one's. The cost of all this: the
 draws are up to one cycle through the slots old (a few seconds at a fleet of
-8, a minute at 64 with a million prompts left), so a change of speed shows in
-the ETA over that time rather than at the next refresh.
+8, a minute at 64 with a million prompts left; half a minute in a vLLM job of
+80 s), so a change of speed or of the lengths' shape shows in the ETA over
+that time rather than at the next refresh; the work left, which moves most,
+shows at once.
 """
 
 from __future__ import annotations
@@ -73,10 +77,11 @@ class EtaPool:
     fitting: Generator[int, None, LengthModel | None] | None = None
     fitting_key: tuple | None = None
     regime: tuple | None = None
-    # slot -> (made at, finish at, generation of the fit it was drawn with)
-    finish_at: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    # slot -> (made at, seconds to go then, generation of the fit it was drawn with, work left then)
+    made: dict[int, tuple[float, float, int, float]] = field(default_factory=dict)
     next_slot: int = 0
-    drawing: tuple[int, float, int, Generator[int, None, float]] | None = None  # (slot, made at, generation, draw)
+    # (slot, made at, generation, work left then, draw)
+    drawing: tuple[int, float, int, float, Generator[int, None, float]] | None = None
     rng: random.Random = field(default_factory=random.Random)  # this cycle's stream
     rounds: int = 0  # times round all the slots
     spent: int = 0  # units played at the last refresh (tests and benches read it)
@@ -111,22 +116,23 @@ class EtaPool:
         self.drawing = None  # a draw half-played with the old fit is not finished
 
     def draws(self, model: LengthModel, fleet: Sequence[WorkerState], queue: int, batch_size: int, speed: Speed,
-              *, now: float, spent: int, samples: int, seed: int, max_events: int) -> list[float]:
-        """Seconds to go of the slots filled recently, after playing what is left of the budget."""
+              *, now: float, spent: int, samples: int, seed: int, max_events: int, work: float = 0.0) -> list[float]:
+        """Seconds to go of the slots filled recently, after playing what is left of the budget.
+        work: the output tokens expected to be left now (Estimate.remaining_tokens); 0: unknown."""
         p = plan(model, fleet, queue, batch_size, speed, samples=samples, max_events=max_events)
         regime = (p.kinds, p.rate_weights, p.batch_size, p.samples)
         if regime != self.regime:
-            self.regime, self.finish_at, self.drawing, self.next_slot = regime, {}, None, 0
-        spent = self._play(p, now, spent, seed, self._budget(now))  # the fit may just have made them stale
+            self.regime, self.made, self.drawing, self.next_slot = regime, {}, None, 0
+        spent = self._play(p, now, spent, seed, self._budget(now), work)  # the fit may just have made them stale
         self.spent = spent
-        recent = [(at, gen) for made, at, gen in self.finish_at.values() if now - made <= MAX_AGE_S]
-        current = [at for at, gen in recent if gen == self.generation]
-        return sorted(at - now for at in (current if len(current) >= MIN_DRAWS else [at for at, _ in recent]))
+        recent = [(_to_go(d, now, work), d[2]) for d in self.made.values() if now - d[0] <= MAX_AGE_S]
+        current = [s for s, gen in recent if gen == self.generation]
+        return sorted(current if len(current) >= MIN_DRAWS else [s for s, _ in recent])
 
     def _budget(self, now: float) -> int:
         """Units this refresh plays: `budget` once MIN_DRAWS current draws are held, else warm_budget,
         within warm_cpu_s of CPU from the moment this refresh found the pool warming."""
-        current = sum(1 for made, _, gen in self.finish_at.values() if gen == self.generation and now - made <= MAX_AGE_S)
+        current = sum(1 for made, _, gen, _ in self.made.values() if gen == self.generation and now - made <= MAX_AGE_S)
         if current >= MIN_DRAWS:
             return self.budget
         if self.deadline is None:
@@ -136,19 +142,31 @@ class EtaPool:
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.process_time() >= self.deadline
 
-    def _play(self, p: Plan, now: float, spent: int, seed: int, budget: int) -> int:
+    def _play(self, p: Plan, now: float, spent: int, seed: int, budget: int, work: float) -> int:
         while spent < budget and not (spent >= self.budget and self._past_deadline()):
             if self.drawing is None:
                 slot = self.next_slot
                 if slot == 0:  # each cycle through the slots is the one-shot estimate's random stream
                     self.rng = random.Random(seed)
                 self.next_slot = (slot + 1) % p.samples
-                self.drawing = (slot, now, self.generation, draw(p, self.rng))
-            slot, made, gen, steps = self.drawing
+                self.drawing = (slot, now, self.generation, work, draw(p, self.rng))
+            slot, made, gen, work_then, steps = self.drawing
             try:
                 spent += max(1, next(steps))  # a draw of no events still costs its set-up
             except StopIteration as done:
-                self.finish_at[slot] = (made, made + done.value, gen)
+                self.made[slot] = (made, done.value, gen, work_then)
                 self.drawing = None
                 self.rounds += slot == p.samples - 1
         return spent
+
+
+def _to_go(made: tuple[float, float, int, float], now: float, work: float) -> float:
+    """A draw's seconds to go now. It was played from the state of the job when it was made, up to a
+    cycle through the slots ago; since then the work left has changed, by the tokens made and by
+    refits of the lengths (a fit 4 % high for a second kept the ETA 20 % high for the 30 s its draws
+    lasted, #27). So its seconds per token of work left then are applied to the work left now. With
+    either figure unknown: its finish time as made."""
+    at, seconds, _, work_then = made
+    if work > 0 and work_then > 0:
+        return seconds * work / work_then
+    return at + seconds - now

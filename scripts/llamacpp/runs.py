@@ -5,6 +5,7 @@ genq run or one bare-client run against them, with llama-server's own figures fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import resource
@@ -187,6 +188,7 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     --json`, refreshed every second as the live monitor does) when 25, 50 and 75 % of the
     prompts are done; after the end, the true time left at each (to the last commit)."""
     from genq.core.redisconn import connect
+    from genq.monitor.etafleet import fleet_of
     from genq.monitor.progress import Monitor
 
     conn = connect(stack.redis)
@@ -220,7 +222,10 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                       "state": p.eta_state, "note": report.estimate.note,
                       # What the estimate's running part stood on: the requests' tokens so far.
                       "running_tokens": report.snapshot.running_tokens, "hist": report.snapshot.hist,
-                      "fit_sigma": model.sigma if model else None})
+                      "fit_sigma": model.sigma if model else None,
+                      # What the simulation played: each worker as monitor/etafleet.py sees it.
+                      "fleet": [dataclasses.asdict(w) for w in fleet_of(report.snapshot)],
+                      "queued": report.snapshot.queued, "speed": dataclasses.asdict(sp) if sp else None})
         while pending and done >= pending[0]:
             points.append({"at": pending.pop(0), "done": done, "t": report.snapshot.at, "eta_s": p.eta_s,
                            "eta_low_s": p.eta_low_s, "eta_high_s": p.eta_high_s, "state": p.eta_state,
