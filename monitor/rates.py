@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from genq.monitor.eta import Speed
 from genq.monitor.snapshot import JobSnapshot
-from genq.monitor.speedcurve import Curve, fit_curve
+from genq.monitor.speedcurve import fit_overhead
 
 # Relative standard error never below this: speed drifts in ways a window
 # cannot see (other jobs, thermal throttling, batch-size effects at the end).
@@ -47,10 +47,10 @@ class RateTracker:
         self.window_s = window_s
         self.samples: deque[Sample] = deque()
         self._out: dict[str, tuple[float, int]] = {}  # worker -> (read time, out_tok then)
-        self.curve = Curve()  # the speed's dependence on the count decoding and on admissions, as last seen
+        self.overhead: float | None = None  # the speed's dependence on the count decoding, as last seen
 
     def observe(self, snap: JobSnapshot) -> None:
-        self.curve = curve_of(snap)
+        self.overhead = curve_of(snap)
         s = self._aligned(snap)
         if self.samples:
             last = self.samples[-1]
@@ -131,7 +131,7 @@ class RateTracker:
             rel = 1.0
         return Speed(per_request=per_request, rel_se=min(rel, 1.0), span_s=span, samples=len(usable) + 1,
                      tokens_per_s=tokens_per_s, source=source, decoding=total_busy / worker_s,
-                     overhead=self.curve.overhead, drain_gain=self.curve.drain_gain)
+                     overhead=self.overhead)
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
@@ -141,10 +141,10 @@ class RateTracker:
         return max(slope, 0.0)
 
 
-def curve_of(snap: JobSnapshot) -> Curve:
-    """How a request's speed depends on its worker's count decoding and on admissions, from the
-    live workers' figures (monitor/speedcurve.py)."""
-    return fit_curve(b for w in snap.workers if w.live_status is not None for b in w.live_status.decode)
+def curve_of(snap: JobSnapshot) -> float | None:
+    """How a request's speed depends on its worker's count decoding, from the live workers'
+    figures (monitor/speedcurve.py): the overhead a/b, or None."""
+    return fit_overhead(b for w in snap.workers if w.live_status is not None for b in w.live_status.decode)
 
 
 def _ols(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -197,6 +197,5 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
     slots = [w.slots for w in snap.workers if w.live_status is not None and w.inflight is not None and w.slots]
     speed = Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
                   source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
-                  decoding=sum(slots) / len(slots) if slots else 0.0)
-    curve = curve_of(snap)
-    return replace(speed, overhead=curve.overhead, drain_gain=curve.drain_gain), prompts
+                  decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap))
+    return speed, prompts

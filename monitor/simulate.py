@@ -60,9 +60,6 @@ class Speed:
     # worker. None: the same speed at any d (a GPU's memory-bound decode).
     overhead: float | None = None
     decoding: float = 0.0
-    # A worker's requests once it has nothing left to send run this much faster than measured (the
-    # server admits and prefills nothing of its: monitor/speedcurve.py's drain gain).
-    drain_gain: float = 1.0
 
     def shape(self) -> tuple[float, float] | None:
         """(overhead, decoding) when the speed depends on d, else None."""
@@ -191,8 +188,7 @@ def draw(p: Plan, rng: random.Random) -> Generator[int, None, float]:
     tail_lengths = m.draw(rng, p.tail)
     batches = [tail_lengths[i:i + p.batch_size] for i in range(0, p.tail, p.batch_size)]
     starts = [(w, m.draw_remaining(rng, w.running), m.draw(rng, w.ready)) for w in p.played]
-    tail_time = yield from _play(starts, batches, shape=p.speed.shape(), drain_gain=p.speed.drain_gain)
-    return (bulk_time + tail_time) / speed_draw
+    return (bulk_time + (yield from _play(starts, batches, shape=p.speed.shape()))) / speed_draw
 
 
 def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], batch_size: int,
@@ -270,7 +266,7 @@ def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, 
 
 def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: list[list[float]],
           marks: list[tuple[float, float]] | None = None,
-          shape: tuple[float, float] | None = None, drain_gain: float = 1.0) -> Generator[int, None, float]:
+          shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
     """Event simulation of the fleet from now until the last request finishes.
 
     starts: per worker, its state, the remaining tokens of its running
@@ -282,8 +278,7 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
     running allows, (overhead + decoding) / (overhead + d) times the measured one,
     so each worker keeps a clock of tokens made per running request ("progress"):
     a request ends when its worker's progress has grown by its length. None: every
-    request at the measured speed, progress is time. drain_gain (Speed.drain_gain): a worker
-    with nothing left to send (the queue and its own unsent prompts empty) runs that much faster.
+    request at the measured speed, progress is time.
     """
     heap: list[tuple[float, int]] = []  # (time of the worker's next finish, worker)
     doing: list[list[tuple[float, int, float]]] = []  # per worker: (progress at its end, batch, tokens)
@@ -360,10 +355,8 @@ def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: l
     def schedule(wi: int) -> None:
         mine = doing[wi]
         if mine:
-            rate = 1.0 if gain is None else gain[len(mine)]
-            if queue_pos >= len(batches) and not ready[wi]:
-                rate *= drain_gain
-            heapq.heappush(heap, (now + (mine[0][0] - progress[wi]) / rate, wi))
+            end = mine[0][0]
+            heapq.heappush(heap, (end if gain is None else now + (end - progress[wi]) / gain[len(mine)], wi))
 
     for wi in range(len(starts)):
         take(wi)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 
 from genq.core.decodefigures import DecodeBin
-from genq.monitor.lengths import LengthModel
-from genq.monitor.simulate import Speed, WorkerState, simulate_remaining
-from genq.monitor.speedcurve import fit_curve, fit_overhead
+from genq.monitor.speedcurve import fit_overhead
 from genq.worker.decoding import HALF_LIFE_S, DecodeMeter
 from genq.worker.wire import Progress
 
@@ -82,54 +80,3 @@ def test_the_overhead_is_the_step_time_line_through_the_figures() -> None:
     assert fit_overhead(bins_of(0.020, 0.001, [64])) is None
     few = [DecodeBin(decoding=8, busy_s=1.0, tokens=10.0), *bins_of(0.020, 0.001, [64])]
     assert fit_overhead(few) is None  # a bin of 10 tokens is no evidence
-
-
-def test_time_is_booked_apart_while_a_request_of_the_worker_waits_for_its_first_token() -> None:
-    """#27: while the worker admits requests the server prefills them in the same steps as the
-    decodes; once none waits (a job's drain) a request runs faster at the same count."""
-    clock = Clock()
-    meter = DecodeMeter(clock)
-    a, b = Progress(meter=meter), Progress(meter=meter)
-    meter.sent(a)
-    meter.sent(b)
-    a.advance(1)
-    clock.t += 2.0
-    a.advance(21)  # 20 tokens in 2 s while b waited: admitting
-    b.advance(1)  # b's first token: nothing waits any more
-    clock.t += 1.0
-    a.advance(41)  # 20 tokens in 1 s beside b: clean
-    b.advance(21)
-    meter.ended(a)
-    meter.ended(b)
-    meter.sent(Progress(meter=meter))  # sent, never answered
-    figures = {(round(x.decoding), x.clean): x for x in meter.figures()}
-    assert set(figures) == {(1, False), (2, True)}, figures
-    assert (figures[1, False].busy_s, figures[1, False].tokens) == pytest.approx((2.0, 20.0), rel=1e-3)
-    assert (figures[2, True].busy_s, figures[2, True].tokens) == pytest.approx((2.0, 40.0), rel=1e-3)
-    assert meter.waiting == 1 and meter.decoding == 0
-
-
-def test_the_drain_gain_is_the_clean_speed_over_the_admitting_one_at_the_bulks_count() -> None:
-    clean = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s, tokens=b.tokens, clean=True)
-             for b in bins_of(0.020, 0.001, [16, 32, 64, 128])]
-    bulk = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s * 1.2, tokens=b.tokens) for b in bins_of(0.020, 0.001, [128])]
-    ramp = [DecodeBin(decoding=8, busy_s=50.0, tokens=100.0)]  # the start of a job: prefill-laden, little time
-    curve = fit_curve(clean + bulk + ramp)
-    assert curve.overhead == pytest.approx(20.0) and curve.drain_gain == pytest.approx(1.2)
-    assert fit_curve(bulk + ramp).drain_gain == 1.0  # no drain seen yet: nothing assumed
-    assert fit_curve(clean).drain_gain == 1.0
-    assert fit_curve(clean + [DecodeBin(decoding=128, busy_s=1e4, tokens=100.0)]).drain_gain == 1.5  # bounded
-
-
-def test_the_simulation_plays_a_worker_with_nothing_left_to_send_at_the_drain_gain() -> None:
-    model = LengthModel(mu=4.0, sigma=0.6, cap=256)
-    running = tuple(range(5, 133, 4))
-    def eta(gain: float, queue: int) -> float:
-        w = WorkerState(slots=32, leases=2, max_leases=16, reserve=16, running=running, held=2,
-                        held_unfinished=(16, 16))
-        speed = Speed(per_request=5.0, rel_se=0.0, span_s=60.0, samples=60, drain_gain=gain)
-        draws = sorted(simulate_remaining(model, [w], queue, 16, speed, samples=40))
-        return draws[len(draws) // 2]
-    assert eta(1.25, 0) == pytest.approx(eta(1.0, 0) / 1.25, rel=1e-9)  # all of it is the drain
-    full, faster = eta(1.0, 320), eta(1.25, 320)
-    assert full / 1.25 < faster < full  # the queue's part runs at the measured speed

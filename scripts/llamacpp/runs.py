@@ -235,7 +235,6 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                            # How a request's speed depends on the count decoding (monitor/speedcurve.py).
                            "overhead": report.speed.overhead if report.speed else None,
                            "decoding": report.speed.decoding if report.speed else None,
-                           "drain_gain": report.speed.drain_gain if report.speed else None,
                            "fit_mean": report.estimate.model.mean() if report.estimate.model else None})
         if p.status == "done" or proc.poll() is not None:
             break
