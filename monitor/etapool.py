@@ -18,7 +18,7 @@ fit; about a microsecond each) and resumes there at the next. What it keeps:
 * the last draw of each of the estimate's `samples` slots: its seconds to go
   and the output tokens expected to be left (Estimate.remaining_tokens) when it
   was made. It is read as seconds per token of work left, times the work left
-  now (_to_go). Each cycle through the slots is one run of the random stream
+  now (Kept.to_go). Each cycle through the slots is one run of the random stream
   `estimate()` uses (Random(seed)), so on unchanging data a full pool holds
   exactly the one-shot estimate's draws.
 
@@ -48,6 +48,7 @@ import random
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from genq.monitor.lengths import LengthData, LengthModel, fit_steps
 from genq.monitor.simulate import MIN_SAMPLES, Plan, Speed, WorkerState, draw, plan
@@ -60,6 +61,25 @@ REFIT_GROWTH = 1.2  # ... unless the finished completions have grown this much s
 STALE_MEAN = 0.05  # a fit whose mean length moved this much (relative) makes the draws before it stale
 MAX_AGE_S = 300.0  # a draw older than this is not used
 MIN_DRAWS = MIN_SAMPLES  # draws needed before an ETA is shown (the one-shot estimate's minimum too)
+
+
+class Kept(NamedTuple):
+    """A slot's last draw."""
+
+    made_at: float
+    seconds: float  # to go, as played from the state of the job at made_at
+    generation: int  # of the fit it was drawn with
+    work: float  # output tokens expected to be left at made_at (0: unknown)
+
+    def to_go(self, now: float, work: float) -> float:
+        """Its seconds to go now. It was played from the job as it was up to a cycle through the
+        slots ago; since then the work left has changed, by the tokens made and by refits of the
+        lengths (a fit 4 % high for a second kept the ETA 20 % high for the 30 s its draws lasted,
+        #27). So its seconds per token of work left then are applied to the work left now. With
+        either figure unknown: its finish time as made."""
+        if work > 0 and self.work > 0:
+            return self.seconds * work / self.work
+        return self.made_at + self.seconds - now
 
 
 @dataclass
@@ -77,8 +97,7 @@ class EtaPool:
     fitting: Generator[int, None, LengthModel | None] | None = None
     fitting_key: tuple | None = None
     regime: tuple | None = None
-    # slot -> (made at, seconds to go then, generation of the fit it was drawn with, work left then)
-    made: dict[int, tuple[float, float, int, float]] = field(default_factory=dict)
+    kept: dict[int, Kept] = field(default_factory=dict)  # slot -> its last draw
     next_slot: int = 0
     # (slot, made at, generation, work left then, draw)
     drawing: tuple[int, float, int, float, Generator[int, None, float]] | None = None
@@ -122,17 +141,17 @@ class EtaPool:
         p = plan(model, fleet, queue, batch_size, speed, samples=samples, max_events=max_events)
         regime = (p.kinds, p.rate_weights, p.batch_size, p.samples)
         if regime != self.regime:
-            self.regime, self.made, self.drawing, self.next_slot = regime, {}, None, 0
+            self.regime, self.kept, self.drawing, self.next_slot = regime, {}, None, 0
         spent = self._play(p, now, spent, seed, self._budget(now), work)  # the fit may just have made them stale
         self.spent = spent
-        recent = [(_to_go(d, now, work), d[2]) for d in self.made.values() if now - d[0] <= MAX_AGE_S]
+        recent = [(d.to_go(now, work), d.generation) for d in self.kept.values() if now - d.made_at <= MAX_AGE_S]
         current = [s for s, gen in recent if gen == self.generation]
         return sorted(current if len(current) >= MIN_DRAWS else [s for s, _ in recent])
 
     def _budget(self, now: float) -> int:
         """Units this refresh plays: `budget` once MIN_DRAWS current draws are held, else warm_budget,
         within warm_cpu_s of CPU from the moment this refresh found the pool warming."""
-        current = sum(1 for made, _, gen, _ in self.made.values() if gen == self.generation and now - made <= MAX_AGE_S)
+        current = sum(1 for d in self.kept.values() if d.generation == self.generation and now - d.made_at <= MAX_AGE_S)
         if current >= MIN_DRAWS:
             return self.budget
         if self.deadline is None:
@@ -154,19 +173,8 @@ class EtaPool:
             try:
                 spent += max(1, next(steps))  # a draw of no events still costs its set-up
             except StopIteration as done:
-                self.made[slot] = (made, done.value, gen, work_then)
+                self.kept[slot] = Kept(made, done.value, gen, work_then)
                 self.drawing = None
                 self.rounds += slot == p.samples - 1
         return spent
 
-
-def _to_go(made: tuple[float, float, int, float], now: float, work: float) -> float:
-    """A draw's seconds to go now. It was played from the state of the job when it was made, up to a
-    cycle through the slots ago; since then the work left has changed, by the tokens made and by
-    refits of the lengths (a fit 4 % high for a second kept the ETA 20 % high for the 30 s its draws
-    lasted, #27). So its seconds per token of work left then are applied to the work left now. With
-    either figure unknown: its finish time as made."""
-    at, seconds, _, work_then = made
-    if work > 0 and work_then > 0:
-        return seconds * work / work_then
-    return at + seconds - now

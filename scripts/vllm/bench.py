@@ -25,7 +25,7 @@ check fails. With vLLM's defaults (max_num_seqs 128 on CPU):
    (genq.monitor.progress.Monitor, refreshed each second, at nice 19) at 25, 50 and 75 %
    done, against the true time left: within +-15 %. The rows go in a fixed shuffled order
    (ETA_ORDER_SEED): with this model the answer's length depends on the prompt's text, and in
-   file order the prompts "item 60".."item 119" ran 83-99 tokens and "item 300".."item 359"
+   file order the prompts "item 60".."item 119" ran 86-99 tokens and "item 300".."item 359"
    58-81 in every one of 12 jobs (docs/vllm.md), so the first quarter of the file was not like
    the rest, which the estimator assumes (docs/monitoring.md).
 5. Throughput, --rounds paired rounds of --round-n prompts: genq defaults and a bare
@@ -61,6 +61,7 @@ from genq.worker.controller import headroom
 
 CPU_DEFAULT_SEQS = 128  # vLLM's max_num_seqs on CPU (vllm/engine/arg_utils.py); on GPUs it differs
 ETA_ORDER_SEED = 27  # the ETA job's rows in one shuffled order, the same every run (the docstring, 4.)
+
 
 def write_prompts(path: Path, rows: list[dict]) -> tuple[list[str], list[str]]:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
