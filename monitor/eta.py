@@ -45,7 +45,8 @@ from genq.monitor.etapool import MIN_DRAWS, EtaPool
 
 # Re-exported: callers and tests take the whole estimator from here.
 from genq.monitor.lengths import LengthData, LengthModel, fit_lengths, length_bucket  # noqa: F401
-from genq.monitor.simulate import Speed, WorkerState, calibrate, simulate_remaining  # noqa: F401
+from genq.monitor.playout import WorkerState  # noqa: F401
+from genq.monitor.simulate import Speed, calibrate, simulate_remaining  # noqa: F401
 
 # Below this many finished completions the length fit is not worth a number.
 MIN_FINISHED = 20

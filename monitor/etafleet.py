@@ -8,7 +8,7 @@ takes one more, up to max_loops, while its unsent prompts are below the reserve.
 from __future__ import annotations
 
 from genq.core.prefetch import max_loops, reserve
-from genq.monitor.simulate import WorkerState
+from genq.monitor.playout import WorkerState
 from genq.monitor.snapshot import JobSnapshot
 
 

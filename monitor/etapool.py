@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from genq.monitor.lengths import LengthData, LengthModel, fit_steps
-from genq.monitor.simulate import MIN_SAMPLES, Plan, Speed, WorkerState, draw, plan
+from genq.monitor.playout import WorkerState
+from genq.monitor.simulate import MIN_SAMPLES, Plan, Speed, draw, plan
 
 BUDGET = 2000  # units of work a refresh plays (simulated events, likelihood terms)
 WARM_BUDGET = 15 * BUDGET  # ... while fewer than MIN_DRAWS current draws are held (no ETA yet)

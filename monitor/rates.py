@@ -48,9 +48,11 @@ class RateTracker:
         self.samples: deque[Sample] = deque()
         self._out: dict[str, tuple[float, int]] = {}  # worker -> (read time, out_tok then)
         self.overhead: float | None = None  # the speed's dependence on the count decoding, as last seen
+        self.prompt_tokens = 0.0  # the job's mean prompt tokens, as last seen
 
     def observe(self, snap: JobSnapshot) -> None:
         self.overhead = curve_of(snap)
+        self.prompt_tokens = prompt_tokens(snap)
         s = self._aligned(snap)
         if self.samples:
             last = self.samples[-1]
@@ -131,7 +133,7 @@ class RateTracker:
             rel = 1.0
         return Speed(per_request=per_request, rel_se=min(rel, 1.0), span_s=span, samples=len(usable) + 1,
                      tokens_per_s=tokens_per_s, source=source, decoding=total_busy / worker_s,
-                     overhead=self.overhead)
+                     overhead=self.overhead, prompt_tokens=self.prompt_tokens)
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
@@ -145,6 +147,11 @@ def curve_of(snap: JobSnapshot) -> float | None:
     """How a request's speed depends on its worker's count decoding, from the live workers'
     figures (monitor/speedcurve.py): the overhead a/b, or None."""
     return fit_overhead(b for w in snap.workers if w.live_status is not None for b in w.live_status.decode)
+
+
+def prompt_tokens(snap: JobSnapshot) -> float:
+    """The job's mean prompt tokens per finished prompt (what each start makes its server prefill)."""
+    return snap.in_tokens / snap.completed if snap.completed else 0.0
 
 
 def _ols(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -197,5 +204,6 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
     slots = [w.slots for w in snap.workers if w.live_status is not None and w.inflight is not None and w.slots]
     speed = Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
                   source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
-                  decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap))
+                  decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap),
+                  prompt_tokens=prompt_tokens(snap))
     return speed, prompts

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from genq.monitor.simulate import WorkerState
+from genq.monitor.playout import WorkerState
 
 
 def shared_fleet(fleet: Sequence[WorkerState], share: float) -> list[WorkerState]:

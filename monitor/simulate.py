@@ -1,47 +1,29 @@
 """The rest of a job, played through genq's scheduling: Monte-Carlo finish times.
 
-Each worker leases batches from one shared queue and holds a batch until all
-its prompts are finished; it keeps up to `slots` requests decoding from what
-it holds and takes more batches following genq worker's prefetch policy
-(WorkerState). That is why slots can sit idle behind a batch's long tail, and
-why the end of a job drains at its own pace; a model of "slots x speed" gets
-both wrong. Time is counted in token units (one request making one token) and
-divided by the measured per-request speed at the end.
+Each draw takes the length parameters and the speed from their uncertainty and plays the
+fleet out (monitor/playout.py): slots can sit idle behind a batch's long tail, and the end
+of a job drains at its own pace; a model of "slots x speed" gets both wrong. Time is
+counted in token units (one request making one token) and divided by the measured
+per-request speed at the end.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 
 from genq.monitor.lengths import LengthModel
+from genq.monitor.playout import WorkerState, play
 
-
-@dataclass(frozen=True)
-class WorkerState:
-    """One live worker as the simulation sees it (from its WorkerStatus and InFlight).
-
-    Batch-taking policy (genq worker's): it holds at least `leases` batches
-    while the queue lasts, and takes one more whenever its unsent prompts fall
-    below `reserve` and it holds fewer than `max_leases` (None: = leases, a
-    worker that only takes a batch when a held one is complete). A batch is
-    held until all its prompts are finished.
-    """
-
-    slots: int  # requests it decodes at once: in-flight target, at most the server's capacity
-    leases: int  # batches it holds at least (genq worker --prefetch)
-    running: tuple[int, ...] = ()  # tokens so far of its running requests for the job
-    ready: int = 0  # prompts of the job it holds but has not sent yet
-    held: int = 0  # batches of the job it holds now
-    # Unfinished prompts of each held batch, oldest batch first, when known
-    # (batch size minus results stored): which batch frees a lease when.
-    held_unfinished: tuple[int, ...] = ()
-    max_leases: int | None = None
-    reserve: int = 0
+# What one prompt token of a prefill costs a server's step, over what one decoding sequence
+# costs it (Speed.prefill). Measured on vLLM on CPU from its own counters, the drain's token rate
+# over the bulk's, per prompt token the bulk processed: 0.30 to 0.99, median 0.56, in nine jobs
+# (2026-12-05, docs/vllm.md). A decoding sequence costs more than a token of compute: its
+# sampling and its output.
+PREFILL_COST = 0.5
 
 
 @dataclass(frozen=True)
@@ -60,12 +42,32 @@ class Speed:
     # worker. None: the same speed at any d (a GPU's memory-bound decode).
     overhead: float | None = None
     decoding: float = 0.0
+    prompt_tokens: float = 0.0  # what a request's prefill processes: the job's mean prompt tokens
 
     def shape(self) -> tuple[float, float] | None:
         """(overhead, decoding) when the speed depends on d, else None."""
         if self.overhead is None or self.decoding <= 0:
             return None
         return (self.overhead, self.decoding)
+
+    def prefill(self) -> float:
+        """How long, in token units, a request's start holds up its server's decoding.
+
+        Where a step's cost grows with what it processes (shape), a new request's prompt tokens
+        are processed in the decoding requests' steps: while a server admits, its requests
+        decode slower than once it has nothing left to start (vLLM on CPU, 19-token prompts
+        and 84-token answers: 690-720 tok/s in a job's bulk, 750-860 in its drain, #27).
+        0 where the speed does not depend on d: a GPU's decode step hardly notices a prefill of
+        a few tokens beside it."""
+        shape = self.shape()
+        if shape is None or self.prompt_tokens <= 0:
+            return 0.0
+        return PREFILL_COST * self.prompt_tokens / (shape[0] + shape[1])
+
+    def decoding_alone(self, mean_tokens: float) -> float:
+        """Requests decode this many times per_request (measured while the server admitted one
+        new request for every answer of mean_tokens) once nothing is started beside them."""
+        return 1.0 + self.prefill() * self.decoding / max(mean_tokens, 1.0)
 
 
 def _policy(w: WorkerState, b: int) -> tuple[int, int, int, int]:
@@ -85,7 +87,6 @@ MAX_SIM_WORKERS = 8
 # Fewer queued prompts than this are all played out: a cached steady rate costs a few of
 # its batches per new length parameter, more than playing a small queue itself.
 TAIL_MIN = 512
-YIELD_EVERY = 256  # events _play plays between yields (a monitor refresh's unit of work)
 STEADY_BATCHES = 10  # batches one worker plays at least, to measure its steady rate
 MIN_SAMPLES = 20
 
@@ -183,12 +184,13 @@ def draw(p: Plan, rng: random.Random) -> Generator[int, None, float]:
         yield len(p.others_running) // 8
         fleet_rate = 0.0
         for kind, n in zip(p.kinds, p.rate_weights):
-            fleet_rate += n * (yield from _cached_rate(m, kind, p.batch_size, p.speed.shape()))
+            fleet_rate += n * (yield from _cached_rate(m, kind, p.batch_size, p.speed.shape(), p.speed.prefill()))
         bulk_time = bulk_tokens / fleet_rate
     tail_lengths = m.draw(rng, p.tail)
     batches = [tail_lengths[i:i + p.batch_size] for i in range(0, p.tail, p.batch_size)]
     starts = [(w, m.draw_remaining(rng, w.running), m.draw(rng, w.ready)) for w in p.played]
-    return (bulk_time + (yield from _play(starts, batches, shape=p.speed.shape()))) / speed_draw
+    ended = yield from play(starts, batches, shape=p.speed.shape(), prefill=p.speed.prefill())
+    return (bulk_time + ended) / (speed_draw * p.speed.decoding_alone(m.mean()))
 
 
 def calibrate(speed: Speed, model: LengthModel, fleet: Sequence[WorkerState], batch_size: int,
@@ -220,15 +222,15 @@ MAX_RATES = 4096
 
 
 def _cached_rate(m: LengthModel, kind: tuple[int, int, int, int], b: int,
-                 shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
-    key = (kind, b, round(m.mu / RATE_MU_STEP), round(m.sigma / RATE_SIGMA_STEP), m.cap, _shape_key(shape))
+                 shape: tuple[float, float] | None = None, prefill: float = 0.0) -> Generator[int, None, float]:
+    key = (kind, b, round(m.mu / RATE_MU_STEP), round(m.sigma / RATE_SIGMA_STEP), m.cap, _shape_key(shape, prefill))
     rate = _RATES.get(key)
     if rate is None:
         at = LengthModel(mu=key[2] * RATE_MU_STEP, sigma=max(key[3] * RATE_SIGMA_STEP, 1e-3), cap=m.cap)
         rng = random.Random(repr(key))  # the key alone decides the value: no history in it
         rate = 0.0
         for _ in range(RATE_REPS):
-            rate += (yield from _steady_rate(at, rng, kind, b, _shape_of(key[-1]))) / RATE_REPS
+            rate += (yield from _steady_rate(at, rng, kind, b, *_shape_of(key[-1]))) / RATE_REPS
         if len(_RATES) >= MAX_RATES:
             _RATES.clear()
         _RATES[key] = rate
@@ -236,154 +238,29 @@ def _cached_rate(m: LengthModel, kind: tuple[int, int, int, int], b: int,
 
 
 # The speed's shape in a cached rate's key: the overhead to 5 % (or 1 when small), the
-# reference count to the unit.
-def _shape_key(shape: tuple[float, float] | None) -> tuple[int, int] | None:
+# reference count to the unit, a start's prefill to 1 % of a token (Speed.prefill).
+def _shape_key(shape: tuple[float, float] | None, prefill: float) -> tuple[int, int, int] | None:
     if shape is None:
         return None
     overhead, decoding = shape
-    return (round(math.log1p(overhead) / 0.05), round(decoding))
+    return (round(math.log1p(overhead) / 0.05), round(decoding), round(prefill / 0.01))
 
 
-def _shape_of(key: tuple[int, int] | None) -> tuple[float, float] | None:
-    return None if key is None else (math.expm1(key[0] * 0.05), float(key[1]))
+def _shape_of(key: tuple[int, int, int] | None) -> tuple[tuple[float, float] | None, float]:
+    return (None, 0.0) if key is None else ((math.expm1(key[0] * 0.05), float(key[1])), key[2] * 0.01)
 
 
 def _steady_rate(m: LengthModel, rng: random.Random, kind: tuple[int, int, int, int],
-                 b: int, shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
+                 b: int, shape: tuple[float, float] | None = None, prefill: float = 0.0) -> Generator[int, None, float]:
     """Tokens per token-time one worker sustains while the queue lasts (the bulk of a big job)."""
     slots, leases, max_leases, reserve = kind
     n = _steady_batches(kind)
     batches = [m.draw(rng, b) for _ in range(n)]
     marks: list[tuple[float, float]] = []  # (time, tokens made) at each batch completion
     w = WorkerState(slots=slots, leases=leases, max_leases=max_leases, reserve=reserve)
-    end = yield from _play([(w, [], [])], batches, marks, shape)
+    end = yield from play([(w, [], [])], batches, marks, shape, prefill)
     # Skip the start (the worker begins empty) and stop before the drain at the end.
     i, j = max(leases, 2) - 1, n - max_leases - 1
     if 0 <= i < j < len(marks) and marks[j][0] > marks[i][0]:
         return (marks[j][1] - marks[i][1]) / (marks[j][0] - marks[i][0])
     return sum(sum(x) for x in batches) / max(end, 1e-9)
-
-
-def _play(starts: list[tuple[WorkerState, list[float], list[float]]], batches: list[list[float]],
-          marks: list[tuple[float, float]] | None = None,
-          shape: tuple[float, float] | None = None) -> Generator[int, None, float]:
-    """Event simulation of the fleet from now until the last request finishes.
-
-    starts: per worker, its state, the remaining tokens of its running
-    requests and the lengths of the prompts it holds unsent. batches: the
-    queue, in order. Time is in token units. Returns the finish time; marks,
-    when given, gets (time, tokens made so far) at each batch completion.
-
-    shape (Speed.shape): a worker's requests all decode at the speed its count
-    running allows, (overhead + decoding) / (overhead + d) times the measured one,
-    so each worker keeps a clock of tokens made per running request ("progress"):
-    a request ends when its worker's progress has grown by its length. None: every
-    request at the measured speed, progress is time.
-    """
-    heap: list[tuple[float, int]] = []  # (time of the worker's next finish, worker)
-    doing: list[list[tuple[float, int, float]]] = []  # per worker: (progress at its end, batch, tokens)
-    progress: list[float] = []  # per worker: its progress at `since`
-    left: list[int] = []  # unfinished prompts per batch
-    ready: list[deque] = []  # per worker: (batch, length) waiting for a slot
-    free: list[int] = []  # per worker: free slots
-    held: list[int] = []  # per worker: batches held
-    policy: list[tuple[int, int, int]] = []  # per worker: (leases, max leases, reserve)
-    slots = max((max(1, w.slots) for w, _, _ in starts), default=1)
-    gain = None if shape is None else [1.0] + [(shape[0] + shape[1]) / (shape[0] + d) for d in range(1, slots + 1)]
-    queue_pos = 0
-    for w, running, unsent in starts:
-        counts = list(w.held_unfinished)
-        n_held = len(counts) or max(w.held, 1 if running or unsent else 0)
-        ids = list(range(len(left), len(left) + n_held))
-        left.extend([0] * n_held)
-        # Prompts go out in order (FIFO over held batches), so the requests that have
-        # run longest belong to the oldest batches, and unsent ones to the newest.
-        order = [(r, True) for r in sorted(running, reverse=True)] + [(x, False) for x in unsent]
-        if counts:
-            owner = []
-            for bid, n in zip(ids, counts):
-                owner.extend([bid] * n)
-        else:  # counts unknown: split the running ones evenly, unsent to the newest
-            per = -(-len(running) // n_held) if n_held else 0
-            owner = [ids[min(i // per, n_held - 1)] for i in range(len(running))] if per else []
-        q: deque = deque()
-        mine: list[tuple[float, int, float]] = []
-        n_free = max(1, w.slots)
-        for i, (x, is_running) in enumerate(order):
-            bid = owner[i] if i < len(owner) else ids[-1]
-            left[bid] += 1
-            if is_running and n_free > 0:
-                heapq.heappush(mine, (x, bid, x))
-                n_free -= 1
-            else:
-                q.append((bid, x))
-        doing.append(mine)
-        progress.append(0.0)
-        ready.append(q)
-        free.append(n_free)
-        # A held batch with nothing left is written and released now.
-        held.append(sum(1 for bid in ids if left[bid] > 0))
-        policy.append((max(1, w.leases), max(w.leases, w.max_leases or w.leases), w.reserve))
-    now = 0.0
-
-    def take(wi: int) -> None:
-        nonlocal queue_pos
-        leases, max_leases, reserve = policy[wi]
-        q = ready[wi]
-        while queue_pos < len(batches) and (
-                held[wi] < leases or (held[wi] < max_leases and len(q) < reserve)):
-            lengths = batches[queue_pos]
-            queue_pos += 1
-            if not lengths:
-                continue
-            bid = len(left)
-            left.append(len(lengths))
-            held[wi] += 1
-            q.extend((bid, x) for x in lengths)
-
-    def fill(wi: int) -> None:
-        q = ready[wi]
-        mine = doing[wi]
-        at = progress[wi]
-        while free[wi] > 0 and q:
-            bid, length = q.popleft()
-            heapq.heappush(mine, (at + length, bid, length))
-            free[wi] -= 1
-            if len(q) < policy[wi][2]:
-                take(wi)
-
-    def schedule(wi: int) -> None:
-        mine = doing[wi]
-        if mine:
-            end = mine[0][0]
-            heapq.heappush(heap, (end if gain is None else now + (end - progress[wi]) / gain[len(mine)], wi))
-
-    for wi in range(len(starts)):
-        take(wi)
-        fill(wi)
-        schedule(wi)
-    finished = 0.0
-    played = 0
-    while heap:
-        played += 1
-        if played == YIELD_EVERY:
-            yield played
-            played = 0
-        now, wi = heapq.heappop(heap)
-        progress[wi], bid, tokens = heapq.heappop(doing[wi])
-        finished += tokens
-        free[wi] += 1
-        left[bid] -= 1
-        if left[bid] == 0:
-            held[wi] -= 1
-            if marks is not None:
-                # Tokens made, not finished: those lag while the running ones build up from the empty
-                # start (#27: 128 slots, batches of 50 read a steady rate of 122 for 128).
-                mine = doing[wi]
-                made = finished + progress[wi] * len(mine) - sum(end - x for end, _, x in mine)
-                marks.append((now, made))
-            take(wi)
-        fill(wi)
-        schedule(wi)
-    yield played
-    return now

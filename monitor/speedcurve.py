@@ -14,6 +14,13 @@ Nothing is assumed where the figures cannot tell: fewer than MIN_BINS bins with 
 tokens, or their counts within a MIN_SPREAD ratio of each other, or a line that does not rise
 (the speed does not fall with d): None, a speed that does not depend on d (what the ETA
 assumed before). Figures from all live workers of the job are pooled: one curve for the fleet.
+
+The bins come in two kinds (DecodeBin.clean): booked while a request of the worker waited for
+its first token (the server prefilled it in the decoding requests' steps) or while none did, as
+in a job's drain. The line goes through the clean ones where they tell: the steps of a job's
+start, a few decoding beside many prefills, read a request slow at a small count and flattened
+the line (an overhead of 57-72 for 0.7 on a compute-bound sim, 126-223 on vLLM on CPU where its
+drain said 0). What admitting costs is played apart (Speed.prefill, monitor/simulate.py).
 """
 
 from __future__ import annotations
@@ -29,7 +36,14 @@ MAX_OVERHEAD = 1e6  # "no dependence" beyond this (a flat line's overhead is inf
 
 
 def fit_overhead(bins: Iterable[DecodeBin]) -> float | None:
-    """a/b of the step time a + b*d through the bins, or None where they do not tell."""
+    """a/b of the step time a + b*d through the clean bins where they tell, else through all of
+    them; None where neither does."""
+    every = list(bins)
+    clean = _overhead([b for b in every if b.clean])
+    return clean if clean is not None else _overhead(every)
+
+
+def _overhead(bins: list[DecodeBin]) -> float | None:
     pts = [(b.decoding, b.busy_s / b.tokens, b.tokens) for b in bins if b.tokens >= MIN_TOKENS and b.busy_s > 0]
     if len(pts) < MIN_BINS or max(d for d, _, _ in pts) < MIN_SPREAD * min(d for d, _, _ in pts):
         return None

@@ -80,3 +80,43 @@ def test_the_overhead_is_the_step_time_line_through_the_figures() -> None:
     assert fit_overhead(bins_of(0.020, 0.001, [64])) is None
     few = [DecodeBin(decoding=8, busy_s=1.0, tokens=10.0), *bins_of(0.020, 0.001, [64])]
     assert fit_overhead(few) is None  # a bin of 10 tokens is no evidence
+
+
+def test_time_is_booked_apart_while_a_request_of_the_worker_waits_for_its_first_token() -> None:
+    """#27: while the worker admits requests the server prefills them in the same steps as the
+    decodes; once none waits (a job's drain) a request runs faster at the same count."""
+    clock = Clock()
+    meter = DecodeMeter(clock)
+    a, b = Progress(meter=meter), Progress(meter=meter)
+    meter.sent(a)
+    meter.sent(b)
+    a.advance(1)
+    clock.t += 2.0
+    a.advance(21)  # 20 tokens in 2 s while b waited: admitting
+    b.advance(1)  # b's first token: nothing waits any more
+    clock.t += 1.0
+    a.advance(41)  # 20 tokens in 1 s beside b: clean
+    b.advance(21)
+    meter.ended(a)
+    meter.ended(b)
+    meter.sent(Progress(meter=meter))  # sent, never answered
+    figures = {(round(x.decoding), x.clean): x for x in meter.figures()}
+    assert set(figures) == {(1, False), (2, True)}, figures
+    assert (figures[1, False].busy_s, figures[1, False].tokens) == pytest.approx((2.0, 20.0), rel=1e-3)
+    assert (figures[2, True].busy_s, figures[2, True].tokens) == pytest.approx((2.0, 40.0), rel=1e-3)
+    assert meter.waiting == 1 and meter.decoding == 0
+
+
+def test_the_line_goes_through_the_bins_booked_with_nothing_admitted_where_they_tell() -> None:
+    """#27: the steps that prefill a job's start (a few decoding, many admitted) read a request as
+    slow at a small count, and flattened the line: on a compute-bound sim with 30-token prompts
+    the overhead fitted 57-72 for 0.7. The bins booked while nothing waited (a drain) are the
+    decode's own curve; the prefill's cost is played apart (Speed.prefill)."""
+    clean = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s, tokens=b.tokens, clean=True)
+             for b in bins_of(0.020, 0.001, [16, 32, 64, 128])]
+    bulk = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s * 1.2, tokens=b.tokens) for b in bins_of(0.020, 0.001, [128])]
+    ramp = [DecodeBin(decoding=8, busy_s=50.0, tokens=100.0)]  # the start of a job: prefill-laden
+    assert fit_overhead(clean + bulk + ramp) == pytest.approx(20.0)
+    # No drain seen yet: all the bins, and the ramp beside the bulk reads a slower request at a
+    # smaller count, no line that rises: nothing assumed.
+    assert fit_overhead(bulk + ramp) is None

@@ -15,7 +15,7 @@ import pytest
 
 from genq.monitor.eta import LengthData, LengthModel, Speed, WorkerState, estimate, length_bucket
 from genq.monitor.etapool import BUDGET, MIN_DRAWS, REFIT_S, WARM_BUDGET, EtaPool
-from genq.monitor.simulate import YIELD_EVERY
+from genq.monitor.playout import YIELD_EVERY
 
 MEAN, SIGMA, CAP = 512.0, 1.2, 8192
 MU = math.log(MEAN) - SIGMA**2 / 2

@@ -40,6 +40,7 @@ class Running(dict[Task, "asyncio.Task[None]"]):
     def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
         if task not in self:
             self.sequences += task.progress.sequences
+            self.meter.sent(task.progress)
         super().__setitem__(task, aio)
 
     def pop(self, task: Task, default: Any = None) -> Any:

@@ -38,6 +38,7 @@ class Progress:
     meter: Meter | None = None
     sequences: int = 1
     decoding: bool = False
+    waiting: bool = False  # sent, no token yet: the server queues or prefills it
 
     def advance(self, tokens: int) -> None:
         """The request has made `tokens` output tokens so far (a stream's count)."""

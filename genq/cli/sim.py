@@ -37,6 +37,9 @@ _D = SimConfig()
               help="Extra step cost in ms per running request.")
 @click.option("--tokens-per-step", default=_D.tokens_per_step, type=int,
               help="Tokens each running request gains per step (time compression).")
+@click.option("--prefill-cost", default=_D.prefill_cost, type=float,
+              help="What a prompt token of the step's prefills costs, over a running request's token "
+                   "(the step's cost grows by --step-ms-per-req x this x its prompt tokens / --tokens-per-step).")
 @click.option("--mean-output-tokens", default=_D.mean_output_tokens, type=float,
               help="Mean of the lognormal output length, fixed per prompt.")
 @click.option("--output-sigma", default=_D.output_sigma, type=float,

@@ -12,6 +12,9 @@ class DecodeBin(msgspec.Struct, array_like=True):
     decoding: float  # the mean count over the bin's request-seconds
     busy_s: float
     tokens: float
+    # Booked while none of the worker's requests waited for its first token: no prefill of its own
+    # in the server's steps, as in the drain at the end of a job (False: while it admitted requests).
+    clean: bool = False
 
 
 class ServerDecode(msgspec.Struct, omit_defaults=True):

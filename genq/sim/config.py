@@ -33,6 +33,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
     step_ms_base: float = 20.0
     step_ms_per_req: float = 0.05
     tokens_per_step: int = 16
+    # A prompt's prefill runs in the step that admits it, beside the decoding requests: each of
+    # its tokens costs this fraction of what a running request's token costs (vLLM on CPU: about
+    # a half, measured from its counters; docs/vllm.md, 2026-12-05).
+    prefill_cost: float = 0.5
 
     # Output lengths: lognormal per prompt, see genq.sim.lengths.
     mean_output_tokens: float = 256.0

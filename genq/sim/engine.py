@@ -238,6 +238,7 @@ class Engine:
         cfg = self.config
         base_s = cfg.step_ms_base / 1000.0
         per_req_s = cfg.step_ms_per_req / 1000.0
+        prefill_cost = cfg.prefill_cost / max(1, cfg.tokens_per_step)  # a prompt token's, per running request's
         while True:
             # Cleared before looking at the queues: a submit or abort from here on
             # sets it again, so no wake-up is lost between the check and the wait.
@@ -254,21 +255,21 @@ class Engine:
             st.request_steps += len(self._running)
             if self._waiting and len(self._running) < cfg.max_running_requests:
                 st.starved_steps += 1
-            delay = base_s + per_req_s * len(self._running)
+            delay = base_s + per_req_s * (len(self._running) + (admitted or 0) * prefill_cost)
             # sleep(0) still yields, so in the instant mode handlers can queue
             # more requests and the next step serves them as one batch.
             await asyncio.sleep(delay)
             progressed = self._step()
-            if delay == 0 and not progressed and not admitted:
+            if delay == 0 and not progressed and admitted is None:
                 # Only hung requests left in the instant mode: wait for a change
                 # instead of spinning.
                 await self._wakeup.wait()
 
-    def _admit(self) -> bool:
+    def _admit(self) -> int | None:
         cfg = self.config
         now = time.monotonic()
         self._account(now)
-        admitted = False
+        admitted: int | None = None  # the prompt tokens admitted: this step prefills them
         while self._waiting and len(self._running) < cfg.max_running_requests:
             req = next(iter(self._waiting))
             # An empty batch always takes the head request, so no prompt can block
@@ -282,7 +283,7 @@ class Engine:
             # Admission is the prefill: the prompt counts as processed now.
             self.stats.prompt_tokens += req.prompt_tokens
             self.prompt_tokens_total += req.prompt_tokens
-            admitted = True
+            admitted = (admitted or 0) + req.prompt_tokens
             if self.stats.first_admit is None:
                 self.stats.first_admit = now
         return admitted

@@ -21,7 +21,7 @@ class SteppedEngine(Engine):
         self.stepped_waiting = 0
         self._left_out = 0  # waiting right after the last admission
 
-    def _admit(self) -> bool:
+    def _admit(self) -> int | None:
         admitted = super()._admit()
         self._left_out = len(self._waiting)
         return admitted
