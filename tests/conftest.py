@@ -168,13 +168,13 @@ def run_genq_on_a_tty(*args: str, timeout: float = 300) -> tuple[int, str, str]:
     return proc.returncode, out, seen.decode(errors="replace")
 
 
-def write_prompts(path: Path, n: int, *, start: int = 0, extra: dict | None = None) -> list[str]:
+def write_prompts(path: Path, n: int, *, start: int = 0, extra: dict | None = None, text: str = "") -> list[str]:
     ids = []
     with open(path, "w") as f:
         for i in range(start, start + n):
             pid = f"p{i:05d}"
             ids.append(pid)
-            row = {"id": pid, "messages": [{"role": "user", "content": f"prompt number {i}"}], **(extra or {})}
+            row = {"id": pid, "messages": [{"role": "user", "content": f"prompt number {i}{text}"}], **(extra or {})}
             f.write(json.dumps(row) + "\n")
     return ids
 
