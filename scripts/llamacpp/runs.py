@@ -235,7 +235,9 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                            # How a request's speed depends on the count decoding (monitor/speedcurve.py).
                            "overhead": report.speed.overhead if report.speed else None,
                            "decoding": report.speed.decoding if report.speed else None,
-                           "fit_mean": report.estimate.model.mean() if report.estimate.model else None})
+                           "fit_mean": report.estimate.model.mean() if report.estimate.model else None,
+                           # The job's own tokens so far, for its rate before and after the point.
+                           "generated": report.snapshot.generated_tokens, "first_at": report.snapshot.first_at})
         if p.status == "done" or proc.poll() is not None:
             break
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
@@ -245,8 +247,13 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     end = report.snapshot.last_at or report.snapshot.at  # the last result's commit
     print(f"monitor: {len(refresh_cpu)} refreshes, CPU per refresh median {statistics.median(refresh_cpu) * 1000:.0f} ms, "
           f"max {max(refresh_cpu) * 1000:.0f} ms (at nice 19)")
+    total = report.snapshot.out_tokens
     for pt in points:
         pt["true_s"] = end - pt["t"]
+        # What no estimate made at the point could know: how much faster (or slower) the job's
+        # tokens came after it than before it (the server's speed, which a shared CPU moves).
+        before = pt["generated"] / max(pt["t"] - (pt["first_at"] or pt["t"]), 1e-9)
+        pt["rate_change"] = ((total - pt["generated"]) / max(pt["true_s"], 1e-9)) / before if before > 0 else None
         pt["error"] = None if pt["eta_s"] is None else (pt["eta_s"] - pt["true_s"]) / pt["true_s"]
     if os.environ.get("GENQ_ETA_TRACE"):
         with open(os.environ["GENQ_ETA_TRACE"], "w") as f:

@@ -153,14 +153,15 @@ def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, slots: int, pr
     print(f"\nETA: {args.eta_n} prompts, {run['tokens']} tokens in {run['span_s']:.1f} s ({run['tok_s']:.0f} "
           f"tok/s), learned {run['learned']}, load {run['load']:.1f}")
     print("| done | monitor ETA | 90% range | true time left | error | state | load | per-request tok/s at d "
-          "| overhead (a/b) |\n|---|---|---|---|---|---|---|---|---|")
+          "| overhead (a/b) | job's rate after / before |\n|---|---|---|---|---|---|---|---|---|---|")
     for pt in run["eta"]:
         eta = "–" if pt["eta_s"] is None else f"{pt['eta_s']:.1f} s"
         rng = "–" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
         err = "–" if pt["error"] is None else f"{pt['error']:+.0%}"
         shape = "none (flat)" if pt.get("overhead") is None else f"{pt['overhead']:.1f}"
         print(f"| {pt['at']:.0%} | {eta} | {rng} | {pt['true_s']:.1f} s | {err} | {pt['state']} | {pt['load']:.1f} "
-              f"| {pt['per_request_tok_s'] or 0:.2f} at {pt.get('decoding') or 0:.0f} | {shape} |")
+              f"| {pt['per_request_tok_s'] or 0:.2f} at {pt.get('decoding') or 0:.0f} | {shape} "
+              f"| {'–' if pt.get('rate_change') is None else format(pt['rate_change'], '.2f')} |")
         if pt["error"] is None or abs(pt["error"]) > 0.15:
             problems.append(f"ETA at {pt['at']:.0%} done: {eta} for {pt['true_s']:.1f} s left (target +-15%)")
     if len(run["eta"]) < 3:
