@@ -247,13 +247,14 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     end = report.snapshot.last_at or report.snapshot.at  # the last result's commit
     print(f"monitor: {len(refresh_cpu)} refreshes, CPU per refresh median {statistics.median(refresh_cpu) * 1000:.0f} ms, "
           f"max {max(refresh_cpu) * 1000:.0f} ms (at nice 19)")
-    total = report.snapshot.out_tokens
+    out_tokens = report.snapshot.out_tokens  # the job's, all done (`total` counts its prompts)
     for pt in points:
         pt["true_s"] = end - pt["t"]
         # What no estimate made at the point could know: how much faster (or slower) the job's
         # tokens came after it than before it (the server's speed, which a shared CPU moves).
-        before = pt["generated"] / max(pt["t"] - (pt["first_at"] or pt["t"]), 1e-9)
-        pt["rate_change"] = ((total - pt["generated"]) / max(pt["true_s"], 1e-9)) / before if before > 0 else None
+        ran_s = pt["t"] - pt["first_at"] if pt["first_at"] else 0.0
+        known = ran_s > 0 and pt["generated"] > 0 and pt["true_s"] > 0
+        pt["rate_change"] = ((out_tokens - pt["generated"]) / pt["true_s"]) / (pt["generated"] / ran_s) if known else None
         pt["error"] = None if pt["eta_s"] is None else (pt["eta_s"] - pt["true_s"]) / pt["true_s"]
     if os.environ.get("GENQ_ETA_TRACE"):
         with open(os.environ["GENQ_ETA_TRACE"], "w") as f:
