@@ -18,9 +18,27 @@ from collections import Counter
 import redis
 
 from genq.core.queueing import job_in_description, rq_queue
+from genq.core.redismemory import is_full
 
 QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts come from the first ones
 WINDOW = 64  # ids read at each end of the list per refresh (more when more were appended)
+
+
+def _ends(conn: redis.Redis, key: str, want_tail: int) -> list:
+    """The list's length and both its ends, in one MULTI: one moment of the list. A full Redis
+    refuses every command inside MULTI, reads too; then without it (while it is full nothing is
+    queued, and a plan that does not fit what it read falls back to a whole read)."""
+    for transaction in (True, False):
+        try:
+            with conn.pipeline(transaction=transaction) as pipe:
+                pipe.llen(key)
+                pipe.lrange(key, 0, WINDOW - 1)
+                pipe.lrange(key, -want_tail, -1)
+                return pipe.execute()
+        except redis.ResponseError as exc:
+            if not (transaction and is_full(exc)):
+                raise
+    raise AssertionError("unreachable: the read without MULTI returns or raises")
 
 
 class QueueMirror:
@@ -43,11 +61,7 @@ class QueueMirror:
         key = rq_queue(conn).key
         want_tail = WINDOW
         for _ in range(3):
-            with conn.pipeline(transaction=True) as pipe:
-                pipe.llen(key)
-                pipe.lrange(key, 0, WINDOW - 1)
-                pipe.lrange(key, -want_tail, -1)
-                n, head, tail = pipe.execute()
+            n, head, tail = _ends(conn, key, want_tail)
             self.total = int(n)
             if n == 0:
                 self._clear()

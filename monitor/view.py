@@ -52,7 +52,8 @@ def nbytes(n: int) -> str:
     return f"{n} B"
 
 
-def render(reports: list[JobReport], redis_display: str, interval: float | None) -> RenderableType:
+def render(reports: list[JobReport], redis_display: str, interval: float | None,
+           redis_note: str | None = None) -> RenderableType:
     """The whole view; interval None for one report (--once): nothing refreshes, nothing to leave."""
     if not reports:
         again = "" if interval is None else f"; refreshing every {interval:g}s"
@@ -68,6 +69,8 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None)
     if gpu_note:
         notes.append(Text(f"GPU: {gpu_note}", style="dim"))
     parts.extend(notes)
+    if redis_note:  # Redis full, or a policy that evicts genq's keys (genq.core.redismemory)
+        parts.append(Text(f"warning: {redis_note}", style="bold yellow"))
     rq = reports[0].progress.rq_queued
     footer = f"redis {redis_display} · RQ queue genq: {plural(rq, 'batch', 'batches')} (all jobs)"
     if interval is not None:

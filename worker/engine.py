@@ -138,7 +138,7 @@ class Engine:
             self.controller.target, f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
             mask_url(self.opts.redis_url),
         )
-        await self.heartbeat.beat()
+        await self.heartbeat.first_beat()
         await asyncio.to_thread(self.maintenance.reconciler.drop_legacy_jobs)
         self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/idle.py)
         try:

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
+from genq.core.redismemory import is_full, memory_note, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.controller import ConcurrencyController
@@ -32,7 +33,7 @@ from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
-REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable, say so this often
+REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable or full, say so this often
 GPU_EVERY_S = 5.0
 INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
@@ -78,12 +79,47 @@ class Heartbeat:
         self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
         self.redis_down_since: float | None = None  # monotonic: the first beat that failed, while they fail
+        self._next_note = 0.0  # seconds into a run of failed beats when the next warning is due
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
 
+    async def first_beat(self) -> None:
+        """The start's beat, waited for like every other: Redis can be full (or restarting) while a
+        worker starts, and nothing is held yet that would need it sooner. Says first what Redis's
+        memory settings mean for genq (genq.core.redismemory)."""
+        try:
+            if note := memory_note(await self.conn.info("memory")):
+                log.warning("%s", note)
+        except (redis.RedisError, OSError):
+            pass  # INFO not allowed (renamed in some managed Redis), or Redis away: the beat below waits
+        while not self.flags.stop_requested:
+            try:
+                await self.beat()
+            except (redis.RedisError, OSError) as exc:
+                self._failed(exc)
+                await asyncio.sleep(BEAT_S)
+                continue
+            self._answered()
+            return
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.redis_down_since is None:
+            self.redis_down_since, self._next_note = time.monotonic(), 0.0
+        down_for = time.monotonic() - self.redis_down_since
+        if down_for >= self._next_note:  # not every second: the log of a long outage stays readable
+            why = "" if is_full(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
+                        "answers", trouble(exc), down_for, why)
+            self._next_note = down_for + REDIS_NOTE_EVERY_S
+
+    def _answered(self) -> None:
+        if self.redis_down_since is not None:
+            log.info("Redis answers again after %.0fs; leases checked, sending again",
+                     time.monotonic() - self.redis_down_since)
+            self.redis_down_since = None
+
     async def run(self) -> None:
         tick = time.monotonic()
-        next_note = 0.0
         while True:
             await (self.pace.tick(BEAT_S) if self.pace is not None else asyncio.sleep(BEAT_S))
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
@@ -103,18 +139,9 @@ class Heartbeat:
                     await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
-                if self.redis_down_since is not None:
-                    log.info("Redis is back after being unreachable for %.0fs; leases checked, sending again",
-                             time.monotonic() - self.redis_down_since)
-                    self.redis_down_since = None
+                self._answered()
             except (redis.RedisError, OSError) as exc:
-                if self.redis_down_since is None:
-                    self.redis_down_since, next_note = time.monotonic(), 0.0
-                down_for = time.monotonic() - self.redis_down_since
-                if down_for >= next_note:  # not every second: the log of a long outage stays readable
-                    log.warning("heartbeat: Redis unreachable for %.0fs (%s); results kept in memory, "
-                                "nothing new sent until it answers", down_for, exc)
-                    next_note = down_for + REDIS_NOTE_EVERY_S
+                self._failed(exc)
 
     def state(self) -> WorkerState:
         f = self.flags

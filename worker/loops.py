@@ -101,7 +101,7 @@ class RqLoops:
                 continue
             self._back_off(now - loop.started)
             if loop.proc.returncode == EXIT_REDIS_UNREACHABLE:
-                log.info("RQ loop %s: Redis unreachable; starting another in %.1fs", loop.name, self._respawn_delay)
+                log.info("RQ loop %s: Redis away or full; starting another in %.1fs", loop.name, self._respawn_delay)
             elif loop.proc.returncode != 0:
                 self._failures.append(now)
                 log.warning("RQ loop %s exited with %s", loop.name, loop.proc.returncode)

@@ -14,8 +14,9 @@ enqueues anything: a loop may be killed at any moment without losing a batch.
 A loop dies with its engine (PR_SET_PDEATHSIG), so a killed engine never leaves loops taking
 batches nobody will run, whatever state Redis is in. A loop that cannot reach Redis waits for
 it, and if Redis goes away under RQ's own calls it exits with EXIT_REDIS_UNREACHABLE: the
-engine starts another later, without counting it as a crash (worker/loops.py). A Redis outage
-of any length stops no worker.
+engine starts another later, without counting it as a crash (worker/loops.py). A full Redis
+(at its maxmemory: it refuses writes) is treated the same. A Redis outage of any length stops
+no worker.
 
 RQ's registry maintenance is not run here: it marks a started job abandoned by comparing
 scores other workers wrote with their own wall clocks against this machine's wall clock,
@@ -45,13 +46,23 @@ from genq.core.parentdeath import die_with_parent
 from genq.core.records import pack
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
+from genq.core.redismemory import is_full, trouble
 from genq.core.timings import ENGINE_GRACE_S, REPLY_POLL_S
 from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
 from genq.worker.models import LoopFilter
 
 ENGINE_ENV = "GENQ_ENGINE"
-EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ; not a crash
+EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ (or was full); not a crash
 REDIS_WAIT_MAX_S = 10.0
+
+
+# Redis errors a loop waits out rather than fail a batch or count as a crash: Redis away or
+# restarting, and (a ResponseError) Redis full, which refuses RQ's writes until it has room.
+_WAITED_OUT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def _waited_out(exc: BaseException) -> bool:
+    return isinstance(exc, _WAITED_OUT) or is_full(exc)
 
 
 def _wait_for_redis(conn: redis.Redis) -> None:
@@ -210,8 +221,10 @@ def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: 
                 raise EngineLost(f"worker engine {engine} stopped heartbeating while holding this batch")
             backoff = 0.5
             keep_alive()
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-            # Redis restarting: keep the lease and wait; the engine keeps its results in memory.
+        except (*_WAITED_OUT, redis.ResponseError) as exc:
+            # Redis restarting, or full: keep the lease and wait; the engine keeps its results in memory.
+            if not _waited_out(exc):
+                raise
             time.sleep(backoff)
             backoff = min(backoff * 2, 10)
             back_at = time.monotonic()
@@ -252,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown
         pass
-    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
-        print(f"RQ loop {args.name}: Redis unreachable ({exc}); the engine starts another", file=sys.stderr)
+    except (*_WAITED_OUT, redis.ResponseError) as exc:
+        if not _waited_out(exc):
+            raise
+        why = "" if is_full(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+        print(f"RQ loop {args.name}: {trouble(exc)}{why}; the engine starts another", file=sys.stderr)
         return EXIT_REDIS_UNREACHABLE
     return 0
 

@@ -16,6 +16,7 @@ import redis
 from rich.console import Console
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
+from genq.core.redismemory import is_full
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -183,6 +184,10 @@ def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
     try:
         yield conn
     except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise click.ClickException(describe_error(url, exc)) from None
+    except redis.ResponseError as exc:
+        if not is_full(exc):  # Redis full refuses a command; any other refusal is genq's bug: its traceback
+            raise
         raise click.ClickException(describe_error(url, exc)) from None
     finally:
         conn.close()

@@ -129,7 +129,7 @@ def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display:
     else:
         from genq.monitor.view import render
 
-        view = render(reports, redis_display, interval)
+        view = render(reports, redis_display, interval, mon.redis_note)
         if live is not None:
             live.update(view, refresh=True)
         else:

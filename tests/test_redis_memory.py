@@ -1,0 +1,142 @@
+"""Redis's memory: a Redis at its maxmemory, and one whose policy would evict genq's keys.
+
+A Redis with `maxmemory-policy noeviction` (what genq needs) refuses writes once its memory is
+full (OutOfMemoryError, "command not allowed when used memory > 'maxmemory'"), and inside MULTI it
+refuses even reads. Before 2026-12-05 a worker started while Redis was full died at its first
+heartbeat with a traceback, and `genq monitor` showed nothing but that refusal, both seen here
+on the old code; a worker that was running called it "Redis unreachable". Now the worker waits
+for room, as it waits out an outage, and says Redis is full; nothing is lost or generated twice.
+
+Any other policy lets Redis drop genq's keys when it fills (an engine's alive key first, under
+the volatile-* policies, so its prompts look abandoned): `genq enqueue`, the worker and the
+monitor name the policy and the setting that fixes it (docs/operations.md, "Redis's memory").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from genq.core import keys
+from genq.core.localredis import LocalRedis
+from genq.core.timings import LEASE_TIMEOUT_S
+from tests.audit import audit
+from tests.conftest import run_genq, sim_stats, wait_until, write_prompts
+
+FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
+SLOW = dict(mean_output_tokens=400, output_sigma=0.5, tokens_per_step=8, step_ms_base=20)
+FULL = "Redis is full"
+pytestmark = pytest.mark.e2e  # every test here starts a redis-server of its own
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A private Redis of this test's own: its maxmemory is changed, the shared one's never."""
+    with LocalRedis("--maxmemory-policy", "noeviction") as server:
+        yield server.url
+
+
+def enqueue(tmp_path: Path, redis_url: str, job: str, n: int) -> tuple[list[str], Path, str]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    out = tmp_path / "out"
+    done = run_genq("enqueue", str(src), "--job", job, "--output", str(out), "--batch-size", "10",
+                    "--max-tokens", "400", redis_url=redis_url)
+    return ids, out, done.stderr
+
+
+def generated_once(server: str, n: int) -> None:
+    generated = sim_stats(server)["generated_by_key"]
+    assert sum(generated.values()) == n and set(generated.values()) == {1}, f"regenerated: {generated}"
+
+
+def test_a_worker_started_on_a_full_redis_waits_for_room(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, **FAST)
+    ids, out, _ = enqueue(tmp_path, redis_url, "full0", 40)
+    rconn.config_set("maxmemory", 1)  # below what it holds: every write is refused from now on
+    proc = worker(server, "--burst")
+    wait_until(lambda: FULL in proc.log(), 30, "the worker to say Redis is full")
+    refused = run_genq("jobs", "delete", "full0", "--yes", redis_url=redis_url, check=False)
+    assert refused.returncode == 1 and FULL in refused.stderr, refused.stderr  # one line, no traceback
+    assert "Traceback" not in refused.stderr, refused.stderr
+    time.sleep(3)
+    assert proc.alive, proc.log()
+    assert "Traceback" not in proc.log(), proc.log()
+    rconn.config_set("maxmemory", 0)
+    assert proc.wait(timeout=120) == 0, proc.log()
+    audit(rconn, "full0", out, ids)
+    generated_once(server, len(ids))
+
+
+def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url, rconn, sim, worker, tmp_path):
+    server = sim(max_running_requests=8, **SLOW)
+    ids, out, _ = enqueue(tmp_path, redis_url, "full1", 80)
+    proc = worker(server, "--burst")
+    wait_until(lambda: rconn.scard(keys.job_done("full1")) >= 1, 60, "a first batch done")
+    rconn.config_set("maxmemory", 1)
+    wait_until(lambda: FULL in proc.log(), 30, "the worker to say Redis is full")
+    time.sleep(LEASE_TIMEOUT_S + 2)  # past the alive key's life: the engine could not renew it
+    assert proc.alive, proc.log()
+    assert "Redis unreachable" not in proc.log(), "a full Redis was called unreachable"
+    seen = run_genq("monitor", "--job", "full1", "--once", redis_url=redis_url, check=False)
+    assert seen.returncode == 0, seen.stderr
+    assert "full1" in seen.stdout and FULL in seen.stdout + seen.stderr, seen.stdout + seen.stderr
+    rconn.config_set("maxmemory", 0)
+    assert proc.wait(timeout=180) == 0, proc.log()
+    audit(rconn, "full1", out, ids)
+    generated_once(server, len(ids))
+
+
+def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, worker, tmp_path):
+    rconn.config_set("maxmemory-policy", "volatile-lru")  # ElastiCache's default
+    server = sim(max_running_requests=8, **FAST)
+    ids, out, said = enqueue(tmp_path, redis_url, "evict", 20)
+    assert "maxmemory-policy volatile-lru" in said and "noeviction" in said, said
+    proc = worker(server, "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    assert "maxmemory-policy volatile-lru" in proc.log(), proc.log()
+    seen = run_genq("monitor", "--job", "evict", "--once", redis_url=redis_url)
+    assert "maxmemory-policy volatile-lru" in seen.stdout + seen.stderr, seen.stdout
+    audit(rconn, "evict", out, ids)
+    rconn.config_set("maxmemory-policy", "noeviction")
+    quiet = run_genq("enqueue", str(tmp_path / "evict.jsonl"), "--job", "evict2", "--output", str(out),
+                     redis_url=redis_url)
+    assert "maxmemory-policy" not in quiet.stderr + quiet.stdout, quiet.stderr
+
+
+def test_the_refusal_is_told_apart_from_an_outage():
+    """describe_error on a real refusal: the message names the setting, not a lost connection."""
+    from genq.core.redisconn import describe_error
+
+    with LocalRedis("--maxmemory-policy", "noeviction", "--maxmemory", "1") as server:
+        try:
+            server.conn.set("genq:probe", "x")
+        except redis.OutOfMemoryError as exc:
+            said = describe_error(server.url, exc)
+        else:
+            raise AssertionError("a Redis at maxmemory 1 took a write")
+    assert FULL in said and "maxmemory" in said, said
+
+
+def test_an_rq_loop_on_a_full_redis_exits_as_for_an_outage(redis_url, rconn):
+    """A loop whose RQ calls a full Redis refuses exits with EXIT_REDIS_UNREACHABLE, which the
+    engine does not count as a crash. Before, it crashed (exit 1): 20 such exits in 10 minutes
+    (worker/loops.py MAX_FAILURES), about 7 minutes of a full Redis, stopped the worker."""
+    import os
+    import subprocess
+    import sys
+
+    from genq.core.redisconn import ENV_VAR
+    from genq.worker.rqjob import ENGINE_ENV, EXIT_REDIS_UNREACHABLE
+
+    rconn.set(keys.engine_alive("e1"), "w", ex=60)  # an engine that beats: the loop takes batches
+    rconn.config_set("maxmemory", 1)
+    env = dict(os.environ, **{ENGINE_ENV: "e1", ENV_VAR: redis_url})
+    loop = subprocess.run([sys.executable, "-m", "genq.worker.rqjob", "--name", "e1.loop", "--parent",
+                           str(os.getpid()), "--burst"], env=env, capture_output=True, text=True, timeout=60)
+    assert loop.returncode == EXIT_REDIS_UNREACHABLE, loop.stderr
+    assert FULL in loop.stderr, loop.stderr
