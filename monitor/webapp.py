@@ -104,7 +104,8 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         if wanted is not None and wanted not in names:
             return web.json_response({"error": f"no job named {wanted!r}", "jobs": names}, status=404)
         chosen = next((r for r in reports if r.progress.job == wanted), None) if wanted else followed(reports)
-        body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None}
+        body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None,
+                                "redis_note": monitor.redis_note}
         if chosen is not None:
             job = chosen.progress.job
             dlq = await loop.run_in_executor(None, dead_letters, job)

@@ -14,7 +14,9 @@ monitor name the policy and the setting that fixes it (docs/operations.md, "Redi
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from genq.core import keys
 from genq.core.localredis import LocalRedis
 from genq.core.timings import LEASE_TIMEOUT_S
 from tests.audit import audit
-from tests.conftest import run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import free_port, genq_cmd, run_genq, sim_stats, wait_http, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 SLOW = dict(mean_output_tokens=400, output_sigma=0.5, tokens_per_step=8, step_ms_base=20)
@@ -91,7 +93,7 @@ def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url,
     generated_once(server, len(ids))
 
 
-def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, worker, tmp_path):
+def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, worker, procs, tmp_path):
     rconn.config_set("maxmemory-policy", "volatile-lru")  # ElastiCache's default
     server = sim(max_running_requests=8, **FAST)
     ids, out, said = enqueue(tmp_path, redis_url, "evict", 20)
@@ -101,6 +103,11 @@ def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, w
     assert "maxmemory-policy volatile-lru" in proc.log(), proc.log()
     seen = run_genq("monitor", "--job", "evict", "--once", redis_url=redis_url)
     assert "maxmemory-policy volatile-lru" in seen.stdout + seen.stderr, seen.stdout
+    port = free_port()  # the web page's state carries it too (app.js shows it above the cards)
+    procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--json", redis_url=redis_url), name="monitor")
+    wait_http(f"http://127.0.0.1:{port}/api/state")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=5) as resp:
+        assert "maxmemory-policy volatile-lru" in json.loads(resp.read())["redis_note"]
     audit(rconn, "evict", out, ids)
     rconn.config_set("maxmemory-policy", "noeviction")
     quiet = run_genq("enqueue", str(tmp_path / "evict.jsonl"), "--job", "evict2", "--output", str(out),

@@ -191,6 +191,8 @@ function render(s) {
   fillPicker(s.jobs);
   interval = s.interval;
   $("controls").hidden = !s.controls;
+  $("redis-note").textContent = s.redis_note || "";  // Redis full, or evicting (genq.core.redismemory)
+  $("redis-note").hidden = !s.redis_note;
   if (!s.job) { $("status").textContent = "no jobs yet"; return; }
   picker.value = s.job;
   const p = s.progress;
