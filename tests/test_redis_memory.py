@@ -95,6 +95,9 @@ def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url,
 
 def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, worker, procs, tmp_path):
     rconn.config_set("maxmemory-policy", "volatile-lru")  # ElastiCache's default
+    quiet = enqueue(tmp_path, redis_url, "unlimited", 5)[2]  # maxmemory 0: no limit, nothing evicted
+    assert "maxmemory-policy" not in quiet, quiet
+    rconn.config_set("maxmemory", 1 << 30)
     server = sim(max_running_requests=8, **FAST)
     ids, out, said = enqueue(tmp_path, redis_url, "evict", 20)
     assert "maxmemory-policy volatile-lru" in said and "noeviction" in said, said

@@ -42,10 +42,10 @@ def memory_note(info: dict[str, Any]) -> str | None:
     """What `INFO memory` tells a user of genq to act on, or None."""
     policy = info.get("maxmemory_policy", SAFE_POLICY)
     policy = policy.decode() if isinstance(policy, bytes) else str(policy)
-    if policy != SAFE_POLICY:
+    maxmemory, used = int(info.get("maxmemory", 0)), int(info.get("used_memory", 0))
+    if policy != SAFE_POLICY and maxmemory:  # maxmemory 0: no limit, nothing is ever evicted
         return (f"Redis's maxmemory-policy {policy} lets it delete genq's keys when it fills (leases, claims, "
                 f"outcomes not yet written: prompts would be sent again); set maxmemory-policy {SAFE_POLICY}")
-    maxmemory, used = int(info.get("maxmemory", 0)), int(info.get("used_memory", 0))
     if maxmemory and used > maxmemory:
         return (f"{FULL}: it uses {used:,} bytes, over its maxmemory of {maxmemory:,}, and refuses writes; "
                 f"the workers wait for room ({HOW_TO_FIX})")
