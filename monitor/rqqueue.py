@@ -18,7 +18,7 @@ from collections import Counter
 import redis
 
 from genq.core.queueing import job_in_description, rq_queue
-from genq.core.redismemory import is_full
+from genq.core.refusals import refusal
 
 QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts come from the first ones
 WINDOW = 64  # ids read at each end of the list per refresh (more when more were appended)
@@ -36,7 +36,7 @@ def _ends(conn: redis.Redis, key: str, want_tail: int) -> list:
                 pipe.lrange(key, -want_tail, -1)
                 return pipe.execute()
         except redis.ResponseError as exc:
-            if not (transaction and is_full(exc)):
+            if not (transaction and refusal(exc)):
                 raise
     raise AssertionError("unreachable: the read without MULTI returns or raises")
 

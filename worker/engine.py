@@ -111,11 +111,9 @@ class Engine:
     # ---------------------------------------------------------------- run
 
     async def run(self) -> int:
-        try:
-            await self.redis.ping()
-        except (redis.RedisError, OSError) as exc:
+        if (failed := await self.heartbeat.unreachable()) is not None:
             await self.client.close()
-            raise SystemExit(describe_error(self.opts.redis_url, exc)) from None
+            raise SystemExit(describe_error(self.opts.redis_url, failed))
         await self.heartbeat.check_name_free()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
-from genq.core.redismemory import is_full, memory_note, trouble
+from genq.core.refusals import redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.controller import ConcurrencyController
@@ -33,7 +33,7 @@ from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
-REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable or full, say so this often
+REDIS_NOTE_EVERY_S = 10.0  # while Redis is unreachable or refuses writes, say so this often
 GPU_EVERY_S = 5.0
 INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
@@ -83,12 +83,21 @@ class Heartbeat:
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
 
+    async def unreachable(self) -> Exception | None:
+        """Why Redis does not answer at the start (a wrong URL exits at once), or None. A Redis that
+        refuses writes answers: MISCONF refuses PING too, and first_beat waits for it."""
+        try:
+            await self.conn.ping()
+        except (redis.RedisError, OSError) as exc:
+            return None if refusal(exc) else exc
+        return None
+
     async def first_beat(self) -> None:
         """The start's beat, waited for like every other: Redis can be full (or restarting) while a
         worker starts, and nothing is held yet that would need it sooner. Says first what Redis's
-        memory settings mean for genq (genq.core.redismemory)."""
+        settings mean for genq (genq.core.refusals)."""
         try:
-            if note := memory_note(await self.conn.info("memory")):
+            if note := redis_note(await self.conn.info()):
                 log.warning("%s", note)
         except (redis.RedisError, OSError):
             pass  # INFO not allowed (renamed in some managed Redis), or Redis away: the beat below waits
@@ -107,7 +116,7 @@ class Heartbeat:
             self.redis_down_since, self._next_note = time.monotonic(), 0.0
         down_for = time.monotonic() - self.redis_down_since
         if down_for >= self._next_note:  # not every second: the log of a long outage stays readable
-            why = "" if is_full(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
             log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
                         "answers", trouble(exc), down_for, why)
             self._next_note = down_for + REDIS_NOTE_EVERY_S
@@ -208,7 +217,12 @@ class Heartbeat:
                 fleet.stage_no_inflight(pipe, job, self.name)
             if self._figures_of is not None:
                 decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
-            await pipe.execute()
+            # Raised as Redis said it: redis-py 6's asyncio pipeline rewrites a failed command's
+            # error to "... caused error: {exception.args}", losing the words that tell a full
+            # Redis or a failing disk from a bug (genq.core.refusals).
+            for answer in await pipe.execute(raise_on_error=False):
+                if isinstance(answer, Exception):
+                    raise answer
         self._inflight_jobs = jobs
 
     async def read_control(self) -> bool:

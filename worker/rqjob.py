@@ -14,8 +14,8 @@ enqueues anything: a loop may be killed at any moment without losing a batch.
 A loop dies with its engine (PR_SET_PDEATHSIG), so a killed engine never leaves loops taking
 batches nobody will run, whatever state Redis is in. A loop that cannot reach Redis waits for
 it, and if Redis goes away under RQ's own calls it exits with EXIT_REDIS_UNREACHABLE: the
-engine starts another later, without counting it as a crash (worker/loops.py). A full Redis
-(at its maxmemory: it refuses writes) is treated the same. A Redis outage of any length stops
+engine starts another later, without counting it as a crash (worker/loops.py). A Redis that
+refuses writes (full, its disk failing, a replica: genq.core.refusals) is treated the same. A Redis outage of any length stops
 no worker.
 
 RQ's registry maintenance is not run here: it marks a started job abandoned by comparing
@@ -46,23 +46,23 @@ from genq.core.parentdeath import die_with_parent
 from genq.core.records import pack
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.core.redisconn import connect
-from genq.core.redismemory import is_full, trouble
+from genq.core.refusals import refusal, trouble
 from genq.core.timings import ENGINE_GRACE_S, REPLY_POLL_S
 from genq.worker.idle import POP_WAIT_S, QuietPops, unblock_own_pop
 from genq.worker.models import LoopFilter
 
 ENGINE_ENV = "GENQ_ENGINE"
-EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ (or was full); not a crash
+EXIT_REDIS_UNREACHABLE = 75  # EX_TEMPFAIL: Redis went away under RQ (or refused writes); not a crash
 REDIS_WAIT_MAX_S = 10.0
 
 
 # Redis errors a loop waits out rather than fail a batch or count as a crash: Redis away or
-# restarting, and (a ResponseError) Redis full, which refuses RQ's writes until it has room.
+# restarting, and (a ResponseError) a Redis that refuses writes for a while (genq.core.refusals).
 _WAITED_OUT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
 def _waited_out(exc: BaseException) -> bool:
-    return isinstance(exc, _WAITED_OUT) or is_full(exc)
+    return isinstance(exc, _WAITED_OUT) or refusal(exc) is not None
 
 
 def _wait_for_redis(conn: redis.Redis) -> None:
@@ -72,7 +72,9 @@ def _wait_for_redis(conn: redis.Redis) -> None:
         try:
             conn.ping()
             return
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+        except (*_WAITED_OUT, redis.ResponseError) as exc:  # MISCONF refuses PING too
+            if not _waited_out(exc):
+                raise
             time.sleep(delay)
             delay = min(delay * 2, REDIS_WAIT_MAX_S)
 
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     except (*_WAITED_OUT, redis.ResponseError) as exc:
         if not _waited_out(exc):
             raise
-        why = "" if is_full(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+        why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
         print(f"RQ loop {args.name}: {trouble(exc)}{why}; the engine starts another", file=sys.stderr)
         return EXIT_REDIS_UNREACHABLE
     return 0

@@ -16,7 +16,7 @@ import redis
 from rich.console import Console
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
-from genq.core.redismemory import is_full
+from genq.core.refusals import refusal
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -186,7 +186,7 @@ def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise click.ClickException(describe_error(url, exc)) from None
     except redis.ResponseError as exc:
-        if not is_full(exc):  # Redis full refuses a command; any other refusal is genq's bug: its traceback
+        if refusal(exc) is None:  # Redis full, without disk, a replica; any other refusal is genq's bug: a traceback
             raise
         raise click.ClickException(describe_error(url, exc)) from None
     finally:

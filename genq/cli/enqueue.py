@@ -22,7 +22,7 @@ from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
-from genq.core.redismemory import memory_note_of
+from genq.core.refusals import redis_note_of
 from genq.core.words import plural
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
@@ -112,7 +112,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
-        if note := memory_note_of(conn):  # before a prompt is queued: this Redis would lose them
+        if note := redis_note_of(conn):  # before a prompt is queued: this Redis would lose them
             click.echo(f"warning: {note}", err=True)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)

@@ -12,6 +12,7 @@ import redis
 
 from genq.cli import JobName, settings
 from genq.core.redisconn import connect, describe_error
+from genq.core.refusals import refusal
 from genq.core.state import FINISHED_STATUSES
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
@@ -80,7 +81,8 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         conn = connect(s.redis_url)
         conn.ping()
     except (redis.RedisError, OSError) as exc:
-        raise click.ClickException(describe_error(s.redis_url, exc)) from None
+        if refusal(exc) is None:  # a Redis refusing writes (MISCONF refuses PING) still answers reads
+            raise click.ClickException(describe_error(s.redis_url, exc)) from None
     mon = Monitor(conn, job, window_s=rate_window, once=once)
     if listen:
         from genq.monitor.exporter import serve

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
 
-from genq.core.redismemory import FULL, HOW_TO_FIX, is_full
+from genq.core.refusals import refusal
 from genq.core.replicated import AsyncReplicatedRedis, ReplicatedRedis
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -257,8 +257,8 @@ def describe_error(url: str, exc: Exception) -> str:
     why = scrub(str(exc), url)
     if isinstance(exc, redis.TimeoutError) and url.lower().startswith("rediss://"):
         why += f" (no TLS handshake within {CONNECT_TIMEOUT_S:g}s: if this Redis does not speak TLS, use redis://)"
-    if is_full(exc):  # not `why`: redis-py's words quote the refused command, arguments and all
-        return f"{FULL}: Redis at {mask_url(url)} refuses writes (its used memory is over its maxmemory): {HOW_TO_FIX}"
+    if found := refusal(exc):  # not `why`: redis-py's words quote the refused command, arguments and all
+        return f"{found[0]} (Redis at {mask_url(url)}): {found[1]}"
     if isinstance(exc, redis.ResponseError):  # Redis answered: it refused a command (or a script failed)
         return f"Redis at {mask_url(url)} refused a command: {why}"
     return f"cannot reach Redis at {mask_url(url)}: {why}"

@@ -191,7 +191,7 @@ function render(s) {
   fillPicker(s.jobs);
   interval = s.interval;
   $("controls").hidden = !s.controls;
-  $("redis-note").textContent = s.redis_note || "";  // Redis full, or evicting (genq.core.redismemory)
+  $("redis-note").textContent = s.redis_note || "";  // Redis refusing writes, or evicting (genq.core.refusals)
   $("redis-note").hidden = !s.redis_note;
   if (!s.job) { $("status").textContent = "no jobs yet"; return; }
   picker.value = s.job;

@@ -1,20 +1,23 @@
-"""Redis's memory: a Redis at its maxmemory, and one whose policy would evict genq's keys.
+"""A Redis that answers but refuses genq's writes, and one whose policy would evict genq's keys.
 
-A Redis with `maxmemory-policy noeviction` (what genq needs) refuses writes once its memory is
-full (OutOfMemoryError, "command not allowed when used memory > 'maxmemory'"), and inside MULTI it
-refuses even reads. Before 2026-12-05 a worker started while Redis was full died at its first
-heartbeat with a traceback, and `genq monitor` showed nothing but that refusal, both seen here
-on the old code; a worker that was running called it "Redis unreachable". Now the worker waits
-for room, as it waits out an outage, and says Redis is full; nothing is lost or generated twice.
+Three refusals a run of days meets (genq.core.refusals): Redis full at its maxmemory under
+noeviction ("OOM command not allowed when used memory > 'maxmemory'"; inside MULTI it refuses
+reads too), Redis unable to save its snapshot, as with a full disk ("MISCONF ...": it refuses
+writes and PING), and an address that is a read-only replica now ("READONLY ..."). Before
+2026-12-05, seen here on the old code: a worker started on a full Redis died at its first
+heartbeat with a traceback; an RQ loop crashed (exit 1) on every refused write, and 20 crashes
+in 10 minutes (worker/loops.py) stop a worker; `genq monitor` showed only the refusal; `genq jobs
+delete` printed a traceback; a running worker called a full Redis "unreachable". Now each is
+waited out like an outage and named with its fix; nothing is lost or generated twice.
 
-Any other policy lets Redis drop genq's keys when it fills (an engine's alive key first, under
-the volatile-* policies, so its prompts look abandoned): `genq enqueue`, the worker and the
-monitor name the policy and the setting that fixes it (docs/operations.md, "Redis's memory").
+Any maxmemory-policy but noeviction (with a maxmemory set) lets Redis drop genq's keys as it
+fills: `genq enqueue`, the worker and the monitor name it (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ import redis
 
 from genq.core import keys
 from genq.core.localredis import LocalRedis
+from genq.core.refusals import NO_DISK, REPLICA
 from genq.core.timings import LEASE_TIMEOUT_S
 from tests.audit import audit
 from tests.conftest import free_port, genq_cmd, run_genq, sim_stats, wait_http, wait_until, write_prompts
@@ -36,10 +40,15 @@ pytestmark = pytest.mark.e2e  # every test here starts a redis-server of its own
 
 
 @pytest.fixture
-def redis_url() -> Iterator[str]:
-    """A private Redis of this test's own: its maxmemory is changed, the shared one's never."""
+def own_redis() -> Iterator[LocalRedis]:
+    """A private Redis of this test's own: its settings are changed, the shared one's never."""
     with LocalRedis("--maxmemory-policy", "noeviction") as server:
-        yield server.url
+        yield server
+
+
+@pytest.fixture
+def redis_url(own_redis: LocalRedis) -> str:
+    return own_redis.url
 
 
 def enqueue(tmp_path: Path, redis_url: str, job: str, n: int) -> tuple[list[str], Path, str]:
@@ -150,3 +159,49 @@ def test_an_rq_loop_on_a_full_redis_exits_as_for_an_outage(redis_url, rconn):
                            str(os.getpid()), "--burst"], env=env, capture_output=True, text=True, timeout=60)
     assert loop.returncode == EXIT_REDIS_UNREACHABLE, loop.stderr
     assert FULL in loop.stderr, loop.stderr
+
+
+def test_redis_without_disk_mid_job_is_waited_out(own_redis, redis_url, rconn, sim, worker, tmp_path):
+    """MISCONF: Redis's snapshot cannot be written (here its file's place is taken by a folder, as a
+    full disk fails it); with a save point and stop-writes-on-bgsave-error (Redis's defaults) it
+    refuses writes, and PING, until a snapshot succeeds."""
+    server = sim(max_running_requests=8, **SLOW)
+    ids, out, _ = enqueue(tmp_path, redis_url, "nodisk", 60)
+    proc = worker(server, "--burst")
+    wait_until(lambda: rconn.scard(keys.job_done("nodisk")) >= 1, 60, "a first batch done")
+    blocker = Path(own_redis.dir) / "dump.rdb"
+    blocker.mkdir()
+    (blocker / "taken").touch()
+    rconn.config_set("save", "3600 1")
+    rconn.bgsave()
+    wait_until(lambda: rconn.info("persistence")["rdb_last_bgsave_status"] == "err", 30, "the snapshot to fail")
+    wait_until(lambda: NO_DISK in proc.log(), 30, "the worker to say Redis cannot save")
+    time.sleep(3)
+    assert proc.alive, proc.log()
+    seen = run_genq("monitor", "--job", "nodisk", "--once", redis_url=redis_url)
+    assert NO_DISK in seen.stdout, seen.stdout
+    shutil.rmtree(blocker)
+    rconn.bgsave()
+    wait_until(lambda: rconn.info("persistence")["rdb_last_bgsave_status"] == "ok", 30, "a snapshot to succeed")
+    assert proc.wait(timeout=180) == 0, proc.log()
+    audit(rconn, "nodisk", out, ids)
+    generated_once(server, len(ids))
+
+
+def test_a_worker_on_a_read_only_replica_waits_and_says_so(redis_url, rconn, sim, worker, tmp_path):
+    """READONLY: after a failover the address a worker was given is a replica. Made one here of a
+    primary that is not there: it keeps its data and refuses writes."""
+    server = sim(max_running_requests=8, **FAST)
+    ids, out, _ = enqueue(tmp_path, redis_url, "replica", 30)
+    rconn.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+    refused = run_genq("enqueue", str(tmp_path / "replica.jsonl"), "--job", "r2", "--output", str(out),
+                       redis_url=redis_url, check=False)
+    assert refused.returncode == 1 and REPLICA in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    proc = worker(server, "--burst")
+    wait_until(lambda: REPLICA in proc.log(), 30, "the worker to say Redis is a replica")
+    time.sleep(3)
+    assert proc.alive, proc.log()
+    rconn.execute_command("REPLICAOF", "NO", "ONE")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    audit(rconn, "replica", out, ids)
+    generated_once(server, len(ids))
