@@ -57,6 +57,30 @@ class GpuSampler:
         self._stop.set()
 
 
+class RedisOutage:
+    """A run of failed beats: Redis away or refusing writes (genq.core.refusals), said in the log
+    when it starts, every REDIS_NOTE_EVERY_S while it lasts, and when it ends."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # monotonic: the first beat that failed, while they fail
+        self._next_note = 0.0  # seconds into the run when the next warning is due
+
+    def failed(self, exc: BaseException) -> None:
+        if self.since is None:
+            self.since, self._next_note = time.monotonic(), 0.0
+        down_for = time.monotonic() - self.since
+        if down_for >= self._next_note:  # not every second: the log of a long outage stays readable
+            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
+                        "answers", trouble(exc), down_for, why)
+            self._next_note = down_for + REDIS_NOTE_EVERY_S
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.info("Redis answers again after %.0fs; leases checked, sending again", time.monotonic() - self.since)
+            self.since = None
+
+
 class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
                  flags: Flags, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
@@ -78,8 +102,7 @@ class Heartbeat:
         self.sampler = GpuSampler(gpu)
         self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
-        self.redis_down_since: float | None = None  # monotonic: the first beat that failed, while they fail
-        self._next_note = 0.0  # seconds into a run of failed beats when the next warning is due
+        self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
 
@@ -105,27 +128,11 @@ class Heartbeat:
             try:
                 await self.beat()
             except (redis.RedisError, OSError) as exc:
-                self._failed(exc)
+                self.outage.failed(exc)
                 await asyncio.sleep(BEAT_S)
                 continue
-            self._answered()
+            self.outage.answered()
             return
-
-    def _failed(self, exc: BaseException) -> None:
-        if self.redis_down_since is None:
-            self.redis_down_since, self._next_note = time.monotonic(), 0.0
-        down_for = time.monotonic() - self.redis_down_since
-        if down_for >= self._next_note:  # not every second: the log of a long outage stays readable
-            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
-            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
-                        "answers", trouble(exc), down_for, why)
-            self._next_note = down_for + REDIS_NOTE_EVERY_S
-
-    def _answered(self) -> None:
-        if self.redis_down_since is not None:
-            log.info("Redis answers again after %.0fs; leases checked, sending again",
-                     time.monotonic() - self.redis_down_since)
-            self.redis_down_since = None
 
     async def run(self) -> None:
         tick = time.monotonic()
@@ -148,9 +155,9 @@ class Heartbeat:
                     await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
-                self._answered()
+                self.outage.answered()
             except (redis.RedisError, OSError) as exc:
-                self._failed(exc)
+                self.outage.failed(exc)
 
     def state(self) -> WorkerState:
         f = self.flags
