@@ -104,12 +104,12 @@ class EngineWorker(QuietPops, SimpleWorker):
         out 420 s): the batch's RQ heartbeat lapses job_monitoring_interval + 60 s after the last."""
         return self.job_monitoring_interval + 60
 
-    def keep_alive(self, job: Job) -> None:
+    def keep_alive(self, job: Job, now: bool = False) -> None:
         """RQ's heartbeat of this loop, the job and its execution, at most every
-        job_monitoring_interval; called by run_batch between its waits (a forked worker's parent
-        did this for its horse). Redis away: beat again next time, do not die (run_batch waits
-        for Redis too)."""
-        if time.monotonic() - self._kept_alive_at < self.job_monitoring_interval:
+        job_monitoring_interval unless `now`; called by run_batch between its waits (a forked
+        worker's parent did this for its horse). Redis away: beat again next time, do not die
+        (run_batch waits for Redis too); Redis refusing writes raises (run_batch waits it out)."""
+        if not now and time.monotonic() - self._kept_alive_at < self.job_monitoring_interval:
             return
         try:
             self.maintain_heartbeats(job)
@@ -201,17 +201,17 @@ def run_batch(job: str, batch_id: str) -> dict:
         raise EngineLost(f"worker engine {engine} is not heartbeating; not taking the batch")
     token = uuid.uuid4().hex
     conn.rpush(keys.engine_inbox(engine), pack([token, job, batch_id, rq_job.id]))
-    reply = _wait_for_reply(conn, engine, keys.lease_reply(token), lambda: _keep_alive(rq_job))
+    reply = _wait_for_reply(conn, engine, keys.lease_reply(token), lambda now: _keep_alive(rq_job, now))
     conn.delete(keys.lease_reply(token))
     return {"batch": batch_id, "status": reply.decode()}
 
 
-def _keep_alive(rq_job: Job) -> None:
+def _keep_alive(rq_job: Job, now: bool) -> None:
     if _loop is not None:  # None: run_batch called outside a loop of genq's
-        _loop.keep_alive(rq_job)
+        _loop.keep_alive(rq_job, now)
 
 
-def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: Callable[[], None]) -> bytes:
+def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: Callable[[bool], None]) -> bytes:
     backoff = 0.5
     back_at = float("-inf")  # when Redis answered again after being unreachable
     while True:
@@ -220,9 +220,12 @@ def _wait_for_reply(conn: redis.Redis, engine: str, reply_key: str, keep_alive: 
             if item is not None:
                 return item[1]
             if not conn.exists(keys.engine_alive(engine)) and time.monotonic() - back_at > ENGINE_GRACE_S:
+                # A write first: a Redis that refuses writes (full, its disk failing, a replica) lets
+                # this read, yet the engine could not renew its key; that refusal is waited out below.
+                keep_alive(True)
                 raise EngineLost(f"worker engine {engine} stopped heartbeating while holding this batch")
             backoff = 0.5
-            keep_alive()
+            keep_alive(False)
         except (*_WAITED_OUT, redis.ResponseError) as exc:
             # Redis restarting, or full: keep the lease and wait; the engine keeps its results in memory.
             if not _waited_out(exc):
