@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from genq.core.health import CODES
+from genq.core.refusals import NOTE_REASONS, RedisNote
 from genq.core.state import JOB_STATUSES
 from genq.monitor.progress import JobReport, Monitor, WorkerReport
 
@@ -78,6 +79,7 @@ class GenqCollector(Collector):
             rq = GaugeMetricFamily("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)")
             rq.add_metric([], float(self.monitor.rq_queued))
             yield rq
+            yield redis_warning(self.monitor.redis_note)
         fleet = self.monitor.fleet if up else []
         yield from job_metrics(reports)
         yield from worker_metrics(reports, fleet, self._shown(fleet))
@@ -97,6 +99,16 @@ class GenqCollector(Collector):
             if now - since < self.forget_after_s:
                 shown.add(w.name)
         return shown
+
+
+def redis_warning(note: RedisNote | None) -> GaugeMetricFamily:
+    """1 for the reason Redis refuses genq's writes or would evict its keys now, 0 for the others:
+    every reason always present, so an alert is a plain `== 1` (docs/monitoring.md)."""
+    g = GaugeMetricFamily("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
+                          "maxmemory-policy would evict genq's keys (evicting_policy)", labels=["reason"])
+    for reason in NOTE_REASONS:
+        g.add_metric([reason], float(note is not None and note.reason == reason))
+    return g
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

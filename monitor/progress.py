@@ -21,7 +21,7 @@ import redis
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
-from genq.core.refusals import redis_note_of
+from genq.core.refusals import RedisNote, redis_note_of
 from genq.core.state import JobStatus
 from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
@@ -153,7 +153,7 @@ class Monitor:
         self.rq_queued = 0  # RQ's count of its genq queue at the last refresh
         self.queue = QueueMirror()  # RQ's queue by genq job, read at its ends between refreshes
         self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it worked on
-        self.redis_note: str | None = None  # Redis refusing writes, or evicting: genq.core.refusals
+        self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting: genq.core.refusals
         self.listeners: list = []  # called with the reports after each refresh (the web page's history)
 
     def job_names(self) -> list[str]:

@@ -105,7 +105,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
             return web.json_response({"error": f"no job named {wanted!r}", "jobs": names}, status=404)
         chosen = next((r for r in reports if r.progress.job == wanted), None) if wanted else followed(reports)
         body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None,
-                                "redis_note": monitor.redis_note}
+                                "redis_note": monitor.redis_note.text if monitor.redis_note else None}
         if chosen is not None:
             job = chosen.progress.job
             dlq = await loop.run_in_executor(None, dead_letters, job)

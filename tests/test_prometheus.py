@@ -15,6 +15,7 @@ from genq.core import keys  # noqa: E402
 from genq.core.health import CODES
 from genq.core.queueing import save_config  # noqa: E402
 from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
+from genq.core.refusals import NOTE_REASONS
 from genq.monitor.exporter import BLOCK_REASONS, ETA_STATES, JOB_STATUSES, WORKER_STATES, make_registry, parse_listen  # noqa: E402
 from genq.monitor.progress import Monitor  # noqa: E402
 from tests.conftest import free_port, genq_cmd, read_results, run_genq, wait_http, wait_until, write_prompts
@@ -387,7 +388,7 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
 
     # No label whose values grow with time: besides names, only fixed sets of codes.
     series = prom.api("series", **{"match[]": '{__name__=~"genq_.*"}'})
-    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES), "reason": set(CODES) | set(BLOCK_REASONS)}
+    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES), "reason": set(CODES) | set(BLOCK_REASONS) | set(NOTE_REASONS)}
     names = {"__name__", "job", "worker", "instance", "gpu", "name"}
     for s in series:
         for label, value in s.items():

@@ -25,11 +25,15 @@ from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from genq.core import keys
 from genq.core.localredis import LocalRedis
-from genq.core.refusals import NO_DISK, REPLICA
+from genq.core.refusals import NO_DISK, NOTE_REASONS, REPLICA
 from genq.core.timings import LEASE_TIMEOUT_S
+from genq.monitor.exporter import make_registry
+from genq.monitor.progress import Monitor
 from tests.audit import audit
 from tests.conftest import free_port, genq_cmd, run_genq, sim_stats, wait_http, wait_until, write_prompts
 
@@ -49,6 +53,15 @@ def own_redis() -> Iterator[LocalRedis]:
 @pytest.fixture
 def redis_url(own_redis: LocalRedis) -> str:
     return own_redis.url
+
+
+def warning_gauge(conn: redis.Redis) -> set[str]:
+    """The reasons genq_redis_warning (`genq monitor --serve`) says 1 for, the others being 0."""
+    said = {s.labels["reason"]: s.value for family in text_string_to_metric_families(
+        generate_latest(make_registry(Monitor(conn, once=True))).decode())
+        for s in family.samples if s.name == "genq_redis_warning"}
+    assert set(said) == set(NOTE_REASONS), said
+    return {reason for reason, value in said.items() if value == 1}
 
 
 def enqueue(tmp_path: Path, redis_url: str, job: str, n: int) -> tuple[list[str], Path, str]:
@@ -93,11 +106,20 @@ def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url,
     time.sleep(LEASE_TIMEOUT_S + 2)  # past the alive key's life: the engine could not renew it
     assert proc.alive, proc.log()
     assert "Redis unreachable" not in proc.log(), "a full Redis was called unreachable"
+    # The results kept in memory are named with the refusal, not Redis's text about a script's sha.
+    held = [line for line in proc.log().splitlines() if "cannot write results" in line]
+    assert held and all(FULL in line and "script" not in line for line in held), held
     seen = run_genq("monitor", "--job", "full1", "--once", redis_url=redis_url, check=False)
     assert seen.returncode == 0, seen.stderr
     assert "full1" in seen.stdout and FULL in seen.stdout + seen.stderr, seen.stdout + seen.stderr
+    as_json = run_genq("monitor", "--job", "full1", "--json", "--once", redis_url=redis_url, check=False)
+    assert json.loads(as_json.stdout)["job"] == "full1" and FULL in as_json.stderr, as_json.stderr
+    assert warning_gauge(rconn) == {"full"}
     rconn.config_set("maxmemory", 0)
     assert proc.wait(timeout=180) == 0, proc.log()
+    # The RQ loops' job functions read that the engine's alive key had expired (it could not renew
+    # it), and took the engine for lost: an RQ traceback, the batch's RQ job failed under its lease.
+    assert "stopped heartbeating" not in proc.log() and "Traceback" not in proc.log(), proc.log()
     audit(rconn, "full1", out, ids)
     generated_once(server, len(ids))
 
@@ -115,6 +137,7 @@ def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, w
     assert "maxmemory-policy volatile-lru" in proc.log(), proc.log()
     seen = run_genq("monitor", "--job", "evict", "--once", redis_url=redis_url)
     assert "maxmemory-policy volatile-lru" in seen.stdout + seen.stderr, seen.stdout
+    assert warning_gauge(rconn) == {"evicting_policy"}
     port = free_port()  # the web page's state carries it too (app.js shows it above the cards)
     procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--json", redis_url=redis_url), name="monitor")
     wait_http(f"http://127.0.0.1:{port}/api/state")
@@ -125,6 +148,7 @@ def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, w
     quiet = run_genq("enqueue", str(tmp_path / "evict.jsonl"), "--job", "evict2", "--output", str(out),
                      redis_url=redis_url)
     assert "maxmemory-policy" not in quiet.stderr + quiet.stdout, quiet.stderr
+    assert warning_gauge(rconn) == set()
 
 
 def test_the_refusal_is_told_apart_from_an_outage():
@@ -176,7 +200,7 @@ def test_redis_without_disk_mid_job_is_waited_out(own_redis, redis_url, rconn, s
     rconn.bgsave()
     wait_until(lambda: rconn.info("persistence")["rdb_last_bgsave_status"] == "err", 30, "the snapshot to fail")
     wait_until(lambda: NO_DISK in proc.log(), 30, "the worker to say Redis cannot save")
-    time.sleep(3)
+    time.sleep(LEASE_TIMEOUT_S + 2)  # past the alive key's life: Redis lets it expire and be read
     assert proc.alive, proc.log()
     seen = run_genq("monitor", "--job", "nodisk", "--once", redis_url=redis_url)
     assert NO_DISK in seen.stdout, seen.stdout
@@ -184,6 +208,7 @@ def test_redis_without_disk_mid_job_is_waited_out(own_redis, redis_url, rconn, s
     rconn.bgsave()
     wait_until(lambda: rconn.info("persistence")["rdb_last_bgsave_status"] == "ok", 30, "a snapshot to succeed")
     assert proc.wait(timeout=180) == 0, proc.log()
+    assert "stopped heartbeating" not in proc.log() and "Traceback" not in proc.log(), proc.log()
     audit(rconn, "nodisk", out, ids)
     generated_once(server, len(ids))
 

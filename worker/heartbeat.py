@@ -121,7 +121,7 @@ class Heartbeat:
         settings mean for genq (genq.core.refusals)."""
         try:
             if note := redis_note(await self.conn.info()):
-                log.warning("%s", note)
+                log.warning("%s", note.text)
         except (redis.RedisError, OSError):
             pass  # INFO not allowed (renamed in some managed Redis), or Redis away: the beat below waits
         while not self.flags.stop_requested:

@@ -113,7 +113,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
         if note := redis_note_of(conn):  # before a prompt is queued: this Redis would lose them
-            click.echo(f"warning: {note}", err=True)
+            click.echo(f"warning: {note.text}", err=True)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
         meter = Meter()

@@ -126,12 +126,14 @@ def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display:
     if progress_file:
         write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
     if as_json:
+        if mon.redis_note:  # stdout stays the JSON document
+            click.echo(f"warning: {mon.redis_note.text}", err=True)
         sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
         sys.stdout.flush()
     else:
         from genq.monitor.view import render
 
-        view = render(reports, redis_display, interval, mon.redis_note)
+        view = render(reports, redis_display, interval, mon.redis_note.text if mon.redis_note else None)
         if live is not None:
             live.update(view, refresh=True)
         else:

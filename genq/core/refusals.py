@@ -19,12 +19,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import redis
 
 SAFE_POLICY = "noeviction"
 FULL = "Redis is full"
 NO_DISK = "Redis cannot save to disk"
 REPLICA = "Redis is a read-only replica"
+# What a RedisNote is about: the three refusals, and a policy that would evict genq's keys.
+NOTE_REASONS = ("full", "no_disk", "replica", "evicting_policy")
+
+
+class RedisNote(msgspec.Struct, frozen=True):
+    """What Redis's state or settings mean for genq, for a user to act on: said by `genq enqueue`, a
+    worker's start and the monitor (its views, and the gauge genq_redis_warning{reason})."""
+    reason: str  # one of NOTE_REASONS
+    text: str
 # (the error class redis-py raises, words of Redis's reply, what it means, what fixes it). Inside a
 # pipeline, or as the context of EXECABORT, the refusal can come as another ResponseError: the
 # words find it there (server.c's shared.oomerr, shared.bgsaveerr, shared.roslaveerr).
@@ -55,7 +65,7 @@ def trouble(exc: BaseException) -> str:
     return f"{found[0]} ({found[1]})" if found else "Redis unreachable"
 
 
-def redis_note(info: dict[str, Any]) -> str | None:
+def redis_note(info: dict[str, Any]) -> RedisNote | None:
     """What `INFO` (its default sections) tells a user of genq to act on, or None."""
     def text(name: str, default: str = "") -> str:
         value = info.get(name, default)
@@ -63,20 +73,20 @@ def redis_note(info: dict[str, Any]) -> str | None:
 
     maxmemory, used = int(info.get("maxmemory", 0)), int(info.get("used_memory", 0))
     if text("role", "master") != "master":
-        return f"{REPLICA}: it refuses writes; {_REFUSALS[2][3]}"
+        return RedisNote("replica", f"{REPLICA}: it refuses writes; {_REFUSALS[2][3]}")
     if text("rdb_last_bgsave_status", "ok") != "ok" or text("aof_last_write_status", "ok") != "ok":
-        return f"{NO_DISK}: {_REFUSALS[1][3]}; the workers wait"
+        return RedisNote("no_disk", f"{NO_DISK}: {_REFUSALS[1][3]}; the workers wait")
     if maxmemory and used > maxmemory:
-        return (f"{FULL}: it uses {used:,} bytes, over its maxmemory of {maxmemory:,}, and refuses writes; "
-                f"the workers wait for room (raise its maxmemory or free memory)")
+        return RedisNote("full", f"{FULL}: it uses {used:,} bytes, over its maxmemory of {maxmemory:,}, and refuses writes; "
+                         f"the workers wait for room (raise its maxmemory or free memory)")
     policy = text("maxmemory_policy", SAFE_POLICY)
     if policy != SAFE_POLICY and maxmemory:  # maxmemory 0: no limit, nothing is ever evicted
-        return (f"Redis's maxmemory-policy {policy} lets it delete genq's keys when it fills (leases, claims, "
-                f"outcomes not yet written: prompts would be sent again); set maxmemory-policy {SAFE_POLICY}")
+        return RedisNote("evicting_policy", f"Redis's maxmemory-policy {policy} lets it delete genq's keys when it fills (leases, claims, "
+                         f"outcomes not yet written: prompts would be sent again); set maxmemory-policy {SAFE_POLICY}")
     return None
 
 
-def redis_note_of(conn: redis.Redis) -> str | None:
+def redis_note_of(conn: redis.Redis) -> RedisNote | None:
     """redis_note of this Redis; None where INFO is not allowed (some managed Redis rename it)."""
     try:
         return redis_note(conn.info())
