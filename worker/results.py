@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from genq.core.records import DeadLetter, Result
-from genq.core.refusals import refusal, trouble
+from genq.core.refusals import in_words
 from genq.core.scripts import RECORD, record_call
 from genq.core.words import plural
 
@@ -88,9 +88,7 @@ class ResultWriter:
                 await self._write(list(taking.values()))
             except (redis.RedisError, OSError) as exc:
                 # Keep everything in memory and try again: results are never dropped.
-                # A refusal (full, failing disk, replica) is named with its fix, not quoted with
-                # the script's sha; anything else as Redis said it.
-                self.last_error = trouble(exc) if refusal(exc) else f"{type(exc).__name__}: {exc}"
+                self.last_error = in_words(exc)
                 log.warning("cannot write results to Redis (%s); %d kept in memory, retrying in %.1fs",
                             self.last_error, sum(len(p.results) + len(p.dead) for p in taking.values()), backoff)
                 for key, pending in taking.items():

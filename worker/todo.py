@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import redis
 
 from genq.core.records import Prompt
+from genq.core.refusals import in_words
 from genq.core.words import plural
 from genq.worker.claims import Backlog
 from genq.worker.held import HeldBatch, Task
@@ -63,7 +64,7 @@ class Todo:
             claimed = await self.backlog.claim(n, skip_jobs, self.plan)
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
-                log.warning("cannot claim prompts (%s); trying again shortly", exc)
+                log.warning("cannot claim prompts (%s); trying again shortly", in_words(exc))
                 self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
             asyncio.get_running_loop().call_later(1.0, self.wake)
             return

@@ -65,6 +65,13 @@ def trouble(exc: BaseException) -> str:
     return f"{found[0]} ({found[1]})" if found else "Redis unreachable"
 
 
+def in_words(exc: BaseException) -> str:
+    """A failed write in a log line: a refusal named with its fix (not Redis's text, which quotes
+    the script's sha), anything else as Redis said it."""
+    found = refusal(exc)
+    return f"{found[0]} ({found[1]})" if found else f"{type(exc).__name__}: {exc}"
+
+
 def redis_note(info: dict[str, Any]) -> RedisNote | None:
     """What `INFO` (its default sections) tells a user of genq to act on, or None."""
     def text(name: str, default: str = "") -> str:
