@@ -168,7 +168,8 @@ def test_the_refusal_is_told_apart_from_an_outage():
 def test_an_rq_loop_on_a_full_redis_exits_as_for_an_outage(redis_url, rconn):
     """A loop whose RQ calls a full Redis refuses exits with EXIT_REDIS_UNREACHABLE, which the
     engine does not count as a crash. Before, it crashed (exit 1): 20 such exits in 10 minutes
-    (worker/loops.py MAX_FAILURES), about 7 minutes of a full Redis, stopped the worker."""
+    (worker/loops.py MAX_FAILURES) stopped the worker, 3 min 52 s after Redis filled in a run by
+    hand (docs/operations.md)."""
     import os
     import subprocess
     import sys
@@ -230,3 +231,48 @@ def test_a_worker_on_a_read_only_replica_waits_and_says_so(redis_url, rconn, sim
     assert proc.wait(timeout=120) == 0, proc.log()
     audit(rconn, "replica", out, ids)
     generated_once(server, len(ids))
+
+
+def test_an_rq_loop_that_quits_on_a_refusal_says_it_in_one_line_and_never_exits_0(redis_url, monkeypatch, capsys):
+    """RQ's loop logs an error of its own bookkeeping with a traceback and quits (seen: its success
+    pipeline refused as Redis filled the moment a batch ended); where its teardown then goes
+    through, work() returns. Exit 0 would read as a queue found empty (a --burst worker stops
+    taking batches): the loop exits 75, saying the refusal in one line, or 1 for anything else."""
+    import inspect
+    import logging
+    import os
+
+    import rq.worker.base
+
+    from genq.core.redisconn import ENV_VAR
+    from genq.worker import rqjob
+
+    assert "found an unhandled exception" in inspect.getsource(rq.worker.base.BaseWorker.work)  # what QuitWatch reads
+    monkeypatch.setenv(rqjob.ENGINE_ENV, "e1")
+    monkeypatch.setenv(ENV_VAR, redis_url)
+    monkeypatch.setattr(rqjob, "die_with_parent", lambda pid: None)  # in-process: pytest is no loop's child
+    for error, code in ((redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+                         rqjob.EXIT_REDIS_UNREACHABLE), (ValueError("a bug"), 1)):
+        def work(self, error=error, **_):
+            try:
+                raise error
+            except Exception:  # as rq.worker.base.BaseWorker.work does, then its teardown passes
+                self.log.error("Worker %s: found an unhandled exception, quitting...", self.name, exc_info=True)
+            return True
+
+        monkeypatch.setattr(rqjob.EngineWorker, "work", work)
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger("rq.worker").addHandler(handler)
+        try:
+            assert rqjob.main(["--name", "e1.loop", "--parent", str(os.getppid()), "--burst"]) == code
+        finally:
+            logging.getLogger("rq.worker").removeHandler(handler)
+            for f in list(logging.getLogger("rq.worker").filters):
+                logging.getLogger("rq.worker").removeFilter(f)
+        said = capsys.readouterr().err
+        if code == 1:
+            assert records and records[0].exc_info, "a bug's traceback is kept"
+        else:
+            assert not records and FULL in said, (records, said)

@@ -79,6 +79,23 @@ def _wait_for_redis(conn: redis.Redis) -> None:
             delay = min(delay * 2, REDIS_WAIT_MAX_S)
 
 
+class QuitWatch(logging.Filter):
+    """RQ's loop logs an error of its own bookkeeping with its traceback, quits and tears down
+    (rq/worker/base.py, work()); a Redis refusing writes at the moment a batch ends does that (its
+    success pipeline refused). Kept here: the loop says it in one line and exits 75 as for an
+    outage, or 1 for anything else, never 0, which would read as a queue found empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exc: BaseException | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and "unhandled exception" in str(record.msg):
+            self.exc = record.exc_info[1]
+            return not _waited_out(self.exc)  # a refusal or an outage: said in one line by main()
+        return True
+
+
 class EngineWorker(QuietPops, SimpleWorker):
     """A stock RQ worker that takes no batch while its engine does not heartbeat (a frozen
     engine would only make each batch it takes fail and go round again), and that a stop
@@ -266,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.models = LoopFilter(worker.connection, worker.engine)
     global _loop
     _loop = worker
+    quit_watch = QuitWatch()
+    worker.log.addFilter(quit_watch)
     try:
         worker.work(burst=args.burst, logging_level="WARNING")
     except StopRequested:  # a stop signal that landed during RQ's own teardown
@@ -273,10 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     except (*_WAITED_OUT, redis.ResponseError) as exc:
         if not _waited_out(exc):
             raise
-        why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
-        print(f"RQ loop {args.name}: {trouble(exc)}{why}; the engine starts another", file=sys.stderr)
-        return EXIT_REDIS_UNREACHABLE
+        return _waited_out_exit(args.name, exc)
+    if quit_watch.exc is not None:  # RQ quit on an error and its teardown went through
+        return _waited_out_exit(args.name, quit_watch.exc) if _waited_out(quit_watch.exc) else 1
     return 0
+
+
+def _waited_out_exit(name: str, exc: BaseException) -> int:
+    why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+    print(f"RQ loop {name}: {trouble(exc)}{why}; the engine starts another", file=sys.stderr)
+    return EXIT_REDIS_UNREACHABLE
 
 
 if __name__ == "__main__":
