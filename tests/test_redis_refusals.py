@@ -124,6 +124,32 @@ def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url,
     generated_once(server, len(ids))
 
 
+def test_two_workers_ride_out_a_full_redis_of_two_leases_each_prompt_generated_once(redis_url, rconn, sim, worker,
+                                                                                    tmp_path):
+    """A full Redis still serves reads and lets keys expire: both workers' alive keys lapse while it
+    refuses their renewals. When it takes writes again, neither worker's reconciler may take the
+    other's batches for abandoned and send their prompts again (a fleet, where one worker alone
+    has no one to take them)."""
+    servers = [sim(max_running_requests=8, **SLOW) for _ in range(2)]
+    ids, out, _ = enqueue(tmp_path, redis_url, "full2", 160)
+    procs = [worker(server, "--burst", name=f"w{i}") for i, server in enumerate(servers)]
+    wait_until(lambda: rconn.scard(keys.job_done("full2")) >= 2, 60, "first batches done")
+    rconn.config_set("maxmemory", 1)
+    wait_until(lambda: all(FULL in p.log() for p in procs), 30, "both workers to say Redis is full")
+    time.sleep(2 * LEASE_TIMEOUT_S + 2)
+    assert all(p.alive for p in procs), [p.log() for p in procs]
+    rconn.config_set("maxmemory", 0)
+    for p in procs:
+        assert p.wait(timeout=240) == 0, p.log()
+        assert "stopped heartbeating" not in p.log() and "Traceback" not in p.log(), p.log()
+    audit(rconn, "full2", out, ids)
+    generated: dict[str, int] = {}
+    for server in servers:
+        for key, n in sim_stats(server)["generated_by_key"].items():
+            generated[key] = generated.get(key, 0) + n
+    assert sum(generated.values()) == len(ids) and set(generated.values()) == {1}, f"regenerated: {generated}"
+
+
 def test_an_evicting_policy_is_named_where_a_user_looks(redis_url, rconn, sim, worker, procs, tmp_path):
     rconn.config_set("maxmemory-policy", "volatile-lru")  # ElastiCache's default
     quiet = enqueue(tmp_path, redis_url, "unlimited", 5)[2]  # maxmemory 0: no limit, nothing evicted
