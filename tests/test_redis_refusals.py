@@ -115,6 +115,8 @@ def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url,
     as_json = run_genq("monitor", "--job", "full1", "--json", "--once", redis_url=redis_url, check=False)
     assert json.loads(as_json.stdout)["job"] == "full1" and FULL in as_json.stderr, as_json.stderr
     assert warning_gauge(rconn) == {"full"}
+    fleet = run_genq("workers", redis_url=redis_url, check=False)  # its row reads lost: no heartbeat
+    assert fleet.returncode == 0 and FULL in fleet.stderr, fleet.stderr
     rconn.config_set("maxmemory", 0)
     assert proc.wait(timeout=180) == 0, proc.log()
     # The RQ loops' job functions read that the engine's alive key had expired (it could not renew

@@ -21,6 +21,7 @@ from rich.table import Table
 from genq.cli import Concurrency, console, redis_conn
 from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
+from genq.core.refusals import redis_note_of
 from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
 from genq.ops import control
 from genq.worker.models import servable_jobs
@@ -92,6 +93,8 @@ WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and
 def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     with redis_conn(ctx) as conn:
         rows = control.fleet(conn)
+        if note := redis_note_of(conn):  # refusing writes: its workers' heartbeats lapse, they are not dead
+            click.echo(f"warning: {note.text}", err=True)
         if prune:
             gone = control.forget(conn, [r.name for r in rows if not r.live])
             rows = [r for r in rows if r.live]
