@@ -304,3 +304,31 @@ def test_an_rq_loop_that_quits_on_a_refusal_says_it_in_one_line_and_never_exits_
             assert records and records[0].exc_info, "a bug's traceback is kept"
         else:
             assert not records and FULL in said, (records, said)
+
+
+def test_an_enqueue_that_fills_redis_says_what_is_queued_and_the_same_command_finishes_it(redis_url, rconn,
+                                                                                          tmp_path):
+    """The usual way a Redis fills: a large input queued inline. The enqueue stops at the refusal,
+    says what the job holds and how to go on; run again once Redis has room, it queues the rest,
+    each prompt once."""
+    import json as _json
+
+    from genq.core.ledger.jobs import counts
+    from genq.core.queueing import rq_queue
+
+    src = tmp_path / "big.jsonl"
+    n = 12_000
+    src.write_text("".join(_json.dumps({"id": f"p{i:05d}", "prompt": f"item {i} " + "lorem ipsum " * 20}) + "\n"
+                           for i in range(n)))
+    rconn.config_set("maxmemory", rconn.info("memory")["used_memory"] + 1_000_000)  # room for about a third
+    args = ("enqueue", str(src), "--job", "big", "--output", str(tmp_path / "out"), "--batch-size", "100")
+    first = run_genq(*args, redis_url=redis_url, check=False)
+    held = counts(rconn, "big").total
+    assert first.returncode == 1 and 0 < held < n, (held, first.stderr)
+    assert FULL in first.stderr and f"holds {held:,} prompts" in first.stderr, first.stderr
+    assert "run the same command again" in first.stderr and "Traceback" not in first.stderr, first.stderr
+    rconn.config_set("maxmemory", 0)
+    again = run_genq(*args, redis_url=redis_url)
+    assert f"skipped {held:,} prompts already queued" in again.stdout + again.stderr, again.stdout + again.stderr
+    assert counts(rconn, "big").total == n and counts(rconn, "big").batches == n // 100
+    assert rq_queue(rconn).count == n // 100  # every batch in RQ's queue once

@@ -17,7 +17,7 @@ import redis
 
 from genq.cli import JobName, settings
 from genq.cli.readprogress import ReadProgress
-from genq.core.ledger.jobs import check_job_name
+from genq.core.ledger.jobs import check_job_name, counts
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
@@ -104,7 +104,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     (each reported with its line number and written to the rejects file; the
     valid lines were queued); 1 nothing was queued (unreadable, empty or
     wholly invalid input, bad --extra-body, settings that contradict the job,
-    Redis unreachable); 2 bad usage (unknown option, value out of range).
+    Redis unreachable), or Redis failed part way (full: the error says how many
+    prompts the job holds, and the same command again queues the rest); 2 bad usage (unknown option, value out of range).
     """
     url = settings(ctx).redis_url
     try:
@@ -136,7 +137,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     except (ValueError, SourceError) as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
+        raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
     if summary.read == 0:
         rejects.discard()
         _nothing_valid(summary, rejects, input_uri)
@@ -144,6 +145,19 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     _report(summary, rejects)
     if summary.rejected:
         sys.exit(EXIT_REJECTED)
+
+
+def _held_so_far(url: str, job: str) -> str:
+    """After Redis failed part way (full, most often, with a large input): what the job holds, and
+    how to go on. Batches are queued whole, each prompt once: the same command skips them."""
+    try:
+        held = counts(connect(url), job).total
+    except redis.RedisError:  # away: nothing known to say
+        return ""
+    if not held:
+        return ""
+    return (f"\njob {job} holds {plural(held, 'prompt')} now; once Redis takes writes, run the same command "
+            "again: the prompts already queued are skipped, the rest queued")
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:
