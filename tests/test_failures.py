@@ -176,6 +176,13 @@ def test_shard_write_failing_for_lack_of_disk_is_retried_and_acknowledged_after(
     wait_until(lambda: done_count(rconn, "disk") == 30, 60, "all 30 results recorded in Redis")
     assert rconn.scard(keys.job_done("disk")) == 0, "a batch was acknowledged without its shard"
     assert not list(out.rglob("*.jsonl")), "a shard is on the full disk"
+    # Said where a user looks, not only in the worker's log: its status (genq workers, the monitor).
+    unwritten = "cannot write shards: [Errno 28] No space left on device (3 batches;"
+    wait_until(lambda: unwritten in run_genq("workers", "--json", redis_url=redis_url).stdout, 30,
+               "genq workers --json saying why")
+    assert unwritten[:55] in run_genq("workers", redis_url=redis_url).stdout  # its note column: 60 characters
+    seen = run_genq("monitor", "--job", "disk", "--once", redis_url=redis_url).stdout
+    assert unwritten in " ".join(seen.split()), seen
     seen = proc.log().count("No space left on device")
     wait_until(lambda: proc.log().count("No space left on device") > seen, 60, "the worker retrying the write")
     assert rconn.scard(keys.job_done("disk")) == 0

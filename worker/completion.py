@@ -30,7 +30,7 @@ from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, 
 from genq.ops.written import adopt_marker, outcome_for
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
-from genq.worker.held import HeldBatch
+from genq.worker.held import Flags, HeldBatch
 from genq.worker.leases import retrying
 
 log = logging.getLogger("genq.worker")
@@ -58,8 +58,9 @@ class _Recorded:
 
 
 class Completer:
-    def __init__(self, conn: aioredis.Redis) -> None:
+    def __init__(self, conn: aioredis.Redis, flags: Flags) -> None:
         self.conn = conn
+        self.flags = flags
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
 
@@ -93,19 +94,23 @@ class Completer:
         outcome = outcome_for(held.prompts, results, letters, recorded.prompts)
         sink = open_sink(held.config)
         backoff = 1.0
-        while True:
-            try:
-                info: ShardInfo = await loop.run_in_executor(
-                    self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
-                break
-            except AlreadyWritten as written:  # the output's shard of this batch stands (#31)
-                adopting = functools.partial(adopt_marker, self.conn, ref, written.marker, held.token)
-                return int(await retrying(adopting, f"adopting batch {ref}"))
-            except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
-                log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
-                            ref, type(exc).__name__, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 60)
+        try:
+            while True:
+                try:
+                    info: ShardInfo = await loop.run_in_executor(
+                        self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
+                    break
+                except AlreadyWritten as written:  # the output's shard of this batch stands (#31)
+                    adopting = functools.partial(adopt_marker, self.conn, ref, written.marker, held.token)
+                    return int(await retrying(adopting, f"adopting batch {ref}"))
+                except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
+                    self.flags.unwritten[ref] = str(exc) or type(exc).__name__
+                    log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
+                                ref, type(exc).__name__, exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 60)
+        finally:
+            self.flags.unwritten.pop(ref, None)
         script_keys, args = scripts.release_call(ref, info, held.token, held.config.incarnation)
         answer = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)

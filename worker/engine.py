@@ -86,7 +86,7 @@ class Engine:
         self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
         self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
                                 self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
-        self.completer = Completer(self.redis)
+        self.completer = Completer(self.redis, self.flags)
         self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, self.stealer.queue_key, self.instance,

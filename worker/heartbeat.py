@@ -187,7 +187,7 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.server_note,
+            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.note,
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.words import plural
 from genq.worker.server import Progress
 
 SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-request speed
@@ -59,9 +60,22 @@ class Flags:
     # lease survives (a frozen process) stops dispatch until the leases are checked again.
     last_beat: float = field(default_factory=time.monotonic)
     server_note: str | None = None
+    # Batches whose shard cannot be written now (a full disk, S3 down), and why: their results
+    # stay in Redis while the write is retried; the status says so (worker/completion.py).
+    unwritten: dict[BatchRef, str] = field(default_factory=dict)
     # The end of the queue, and a faster worker would finish this engine's next prompt first
     # (worker/tail.py): claim and take nothing new; faster workers take what is held here.
     hold_back: bool = False
+
+    @property
+    def note(self) -> str | None:
+        """What the worker's status says it waits on, if anything."""
+        if self.server_note or not self.unwritten:
+            return self.server_note
+        why = next(reversed(self.unwritten.values()))
+        # The cause first: `genq workers` cuts a note at 60 characters.
+        return (f"cannot write shards: {why} ({plural(len(self.unwritten), 'batch', 'batches')}; "
+                "their results stay in Redis, retrying)")
 
     @property
     def accepting(self) -> bool:
