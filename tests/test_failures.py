@@ -164,32 +164,38 @@ def fill(mnt: Path) -> Path:
 
 def test_shard_write_failing_for_lack_of_disk_is_retried_and_acknowledged_after(redis_url, rconn, sim, worker,
                                                                                tmp_path, full_disk):
+    from genq.core.queueing import rq_queue
+
     server = sim(**FAST)
     out = full_disk / "out"
     out.mkdir()
-    ids, _ = enqueue(tmp_path, "disk", 30, "--batch-size", "10", "--max-tokens", "64", out=out)
+    ids, _ = enqueue(tmp_path, "disk", 80, "--batch-size", "10", "--max-tokens", "64", out=out)
     filler = fill(full_disk)
     proc = worker(server, "--burst", "--retry-backoff", "0.05")
     wait_until(lambda: "writing shard failed (OSError: [Errno 28] No space left on device" in proc.log(), 60,
                "a shard write failing with ENOSPC")
-    # While the disk is full: every prompt has its result in Redis, yet no batch is acknowledged.
-    wait_until(lambda: done_count(rconn, "disk") == 30, 60, "all 30 results recorded in Redis")
-    assert rconn.scard(keys.job_done("disk")) == 0, "a batch was acknowledged without its shard"
-    assert not list(out.rglob("*.jsonl")), "a shard is on the full disk"
     # Said where a user looks, not only in the worker's log: its status (genq workers, the monitor).
-    unwritten = "cannot write shards: [Errno 28] No space left on device (3 batches;"
+    unwritten = "cannot write shards: [Errno 28] No space left on device ("
     wait_until(lambda: unwritten in run_genq("workers", "--json", redis_url=redis_url).stdout, 30,
                "genq workers --json saying why")
     assert unwritten[:55] in run_genq("workers", redis_url=redis_url).stdout  # its note column: 60 characters
-    seen = run_genq("monitor", "--job", "disk", "--once", redis_url=redis_url).stdout
-    assert unwritten in " ".join(seen.split()), seen
+    seen = " ".join(run_genq("monitor", "--job", "disk", "--once", redis_url=redis_url).stdout.split())
+    assert unwritten in seen and "taking no new batch" in seen, seen
+    # The batches it holds are generated into Redis; no new one is taken while none can be written
+    # (their results would only pile up in Redis). No batch is acknowledged without its shard.
+    held = lambda: {b for w in json.loads(run_genq("workers", "--json", redis_url=redis_url).stdout)  # noqa: E731
+                    for b in w["batches"]}
+    wait_until(lambda: done_count(rconn, "disk") == 10 * len(held()), 60, "the held batches' results in Redis")
+    taken, left = held(), rq_queue(rconn).count
     seen = proc.log().count("No space left on device")
-    wait_until(lambda: proc.log().count("No space left on device") > seen, 60, "the worker retrying the write")
-    assert rconn.scard(keys.job_done("disk")) == 0
+    wait_until(lambda: proc.log().count("No space left on device") > seen + 2, 60, "the worker retrying the write")
+    assert rq_queue(rconn).count == left > 0 and held() == taken, "a batch was taken while no shard could be written"
+    assert rconn.scard(keys.job_done("disk")) == 0, "a batch was acknowledged without its shard"
+    assert not list(out.rglob("*.jsonl")), "a shard is on the full disk"
     filler.unlink()  # room again
     assert proc.wait(timeout=120) == 0, proc.log()
     found = audit(rconn, "disk", out, ids)
-    assert not found.letters and len(found.rows) == 30
+    assert not found.letters and len(found.rows) == 80
     assert not [p for p in (out / "disk").rglob(".*.tmp")], "a half-written temporary file was left behind"
 
 
