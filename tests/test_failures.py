@@ -186,10 +186,11 @@ def test_shard_write_failing_for_lack_of_disk_is_retried_and_acknowledged_after(
     held = lambda: {b for w in json.loads(run_genq("workers", "--json", redis_url=redis_url).stdout)  # noqa: E731
                     for b in w["batches"]}
     wait_until(lambda: done_count(rconn, "disk") == 10 * len(held()), 60, "the held batches' results in Redis")
-    taken, left = held(), rq_queue(rconn).count
+    taken = held()
     seen = proc.log().count("No space left on device")
     wait_until(lambda: proc.log().count("No space left on device") > seen + 2, 60, "the worker retrying the write")
-    assert rq_queue(rconn).count == left > 0 and held() == taken, "a batch was taken while no shard could be written"
+    assert held() == taken and done_count(rconn, "disk") == 10 * len(taken) and rq_queue(rconn).count > 0, \
+        "a batch was taken while no shard could be written"
     assert rconn.scard(keys.job_done("disk")) == 0, "a batch was acknowledged without its shard"
     assert not list(out.rglob("*.jsonl")), "a shard is on the full disk"
     filler.unlink()  # room again
@@ -197,6 +198,27 @@ def test_shard_write_failing_for_lack_of_disk_is_retried_and_acknowledged_after(
     found = audit(rconn, "disk", out, ids)
     assert not found.letters and len(found.rows) == 80
     assert not [p for p in (out / "disk").rglob(".*.tmp")], "a half-written temporary file was left behind"
+
+
+def test_a_job_whose_shards_cannot_be_written_does_not_hold_up_another(redis_url, rconn, sim, worker, tmp_path,
+                                                                       full_disk):
+    """The brake is the job's: a worker whose shards of one job cannot be written (its output on a
+    full disk) puts that job's batches back and goes on with another job written elsewhere."""
+    server = sim(**FAST)
+    stuck_out = full_disk / "out"
+    stuck_out.mkdir()
+    stuck, _ = enqueue(tmp_path, "stuck", 60, "--batch-size", "10", "--max-tokens", "64", out=stuck_out)
+    filler = fill(full_disk)
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    wait_until(lambda: "No space left on device" in proc.log(), 60, "a shard of the first job failing")
+    free, free_out = enqueue(tmp_path, "free", 60, "--batch-size", "10", "--max-tokens", "64")
+    wait_until(lambda: rconn.scard(keys.job_done("free")) == 6, 90, "the other job written whole")
+    assert rconn.scard(keys.job_done("stuck")) == 0 and proc.alive(), proc.log()
+    filler.unlink()
+    assert proc.wait(timeout=120) == 0, proc.log()
+    assert len(audit(rconn, "stuck", stuck_out, stuck).rows) == 60
+    assert len(audit(rconn, "free", free_out, free).rows) == 60
+    assert sum(sim_stats(server)["generated_by_key"].values()) == 120
 
 
 def test_redis_connections_dropped_mid_commit_leave_results_exactly_once(redis_url, rconn, sim, worker, tmp_path):

@@ -62,8 +62,9 @@ class Flags:
     server_note: str | None = None
     # Batches whose shard cannot be written now (a full disk, S3 down, past boto3's own retries),
     # and why: their results stay in Redis while the write is retried (worker/completion.py), the
-    # status says so, and no new batch is taken until one is written: what is generated meanwhile
-    # would only pile up in Redis, at risk there, instead of in the output.
+    # status says so, and no new batch of their jobs is taken (worker/models.py) nor their prompts
+    # stolen until one is written: what is generated meanwhile would only pile up in Redis, at risk
+    # there, instead of in the output. Other jobs, written elsewhere, go on.
     unwritten: dict[BatchRef, str] = field(default_factory=dict)
     # The end of the queue, and a faster worker would finish this engine's next prompt first
     # (worker/tail.py): claim and take nothing new; faster workers take what is held here.
@@ -77,13 +78,15 @@ class Flags:
         why = next(reversed(self.unwritten.values()))
         # The cause first: `genq workers` cuts a note at 60 characters.
         return (f"cannot write shards: {why} ({plural(len(self.unwritten), 'batch', 'batches')}; "
-                "their results stay in Redis, retrying; taking no new batch)")
+                "their results stay in Redis, retrying; taking no new batch of their jobs)")
 
     @property
     def accepting(self) -> bool:
         """Whether RQ loops should take new batches."""
-        return not (self.draining or self.stop_requested or self.paused_all or self.server_down_since is not None
-                    or self.unwritten)
+        return not (self.draining or self.stop_requested or self.paused_all or self.server_down_since is not None)
+
+    def unwritten_jobs(self) -> frozenset[str]:
+        return frozenset(ref.job for ref in self.unwritten)
 
 
 class Holdings(dict[BatchRef, HeldBatch]):

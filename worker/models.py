@@ -133,6 +133,8 @@ class LoopFilter:
         self._rest = REST_MIN_S
 
     def foreign(self, job: str) -> bool:
+        if fleet.unwritten_here(self.conn, self.instance, job):
+            return True  # its shards cannot be written here now: left to other workers, or for later
         job_model = self._models.get(job)
         if job_model is None:
             config = load_config(self.conn, job)

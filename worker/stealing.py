@@ -109,6 +109,8 @@ class Stealer:
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
         took = 0
         for ref, holder, config in await self._leased_elsewhere():
+            if ref.job in self.flags.unwritten_jobs():
+                continue  # its shards cannot be written here now (worker/held.py)
             if await self.job_config(ref.job) is None:
                 continue  # another model's job (worker/models.py)
             prompts = await self._batch(ref, config)

@@ -160,6 +160,12 @@ def engine_model(instance: str) -> str:
     return f"genq:engine:{instance}:model"
 
 
+def engine_unwritten(instance: str) -> str:
+    """Set of the jobs whose shards an engine cannot write now (a full disk, S3 down): its RQ loops
+    put their batches back; gone once one is written, or with the engine (a lease's TTL)."""
+    return f"genq:engine:{instance}:unwritten"
+
+
 def engine_refused(instance: str) -> str:
     """Set of the jobs an engine (its loops included) has said it will not serve: said once."""
     return f"genq:engine:{instance}:refused"

@@ -77,6 +77,24 @@ def stage_alive(pipe: AnyPipeline, instance: str, name: str, ttl: int) -> None:
     pipe.set(keys.engine_alive(instance), name, ex=ttl)
 
 
+def stage_unwritten(pipe: AnyPipeline, instance: str, jobs: frozenset[str], said: frozenset[str], ttl: int
+                    ) -> frozenset[str]:
+    """The jobs whose shards the engine cannot write now, for its RQ loops (renewed while any, cleared
+    once); returns what Redis will hold, to pass as `said` next time."""
+    if jobs:
+        pipe.delete(keys.engine_unwritten(instance))
+        pipe.sadd(keys.engine_unwritten(instance), *jobs)
+        pipe.expire(keys.engine_unwritten(instance), ttl)
+    elif said:
+        pipe.delete(keys.engine_unwritten(instance))
+    return jobs
+
+
+def unwritten_here(conn: redis.Redis, instance: str, job: str) -> bool:
+    """Whether the engine cannot write this job's shards now (stage_unwritten)."""
+    return bool(conn.sismember(keys.engine_unwritten(instance), job))
+
+
 def stage_status(pipe: AnyPipeline, status: WorkerStatus, ttl: int | None) -> None:
     """The worker's status; ttl None keeps it (a clean exit's, so the fleet view tells stopped from lost)."""
     pipe.set(keys.worker_status(status.name), pack(status), ex=ttl)
