@@ -162,18 +162,25 @@ def fill(mnt: Path) -> Path:
     return filler
 
 
+def on_a_full_disk(tmp_path: Path, disk: Path, job: str, n: int, server: str, worker):
+    """A job whose output is on `disk`, filled; a --burst worker on it, once a shard write has
+    failed with ENOSPC: (ids, output, the filler to unlink, the worker)."""
+    out = disk / "out"
+    out.mkdir()
+    ids, _ = enqueue(tmp_path, job, n, "--batch-size", "10", "--max-tokens", "64", out=out)
+    filler = fill(disk)
+    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    wait_until(lambda: "writing shard failed (OSError: [Errno 28] No space left on device" in proc.log(), 60,
+               "a shard write failing with ENOSPC")
+    return ids, out, filler, proc
+
+
 def test_shard_write_failing_for_lack_of_disk_is_retried_and_acknowledged_after(redis_url, rconn, sim, worker,
                                                                                tmp_path, full_disk):
     from genq.core.queueing import rq_queue
 
     server = sim(**FAST)
-    out = full_disk / "out"
-    out.mkdir()
-    ids, _ = enqueue(tmp_path, "disk", 80, "--batch-size", "10", "--max-tokens", "64", out=out)
-    filler = fill(full_disk)
-    proc = worker(server, "--burst", "--retry-backoff", "0.05")
-    wait_until(lambda: "writing shard failed (OSError: [Errno 28] No space left on device" in proc.log(), 60,
-               "a shard write failing with ENOSPC")
+    ids, out, filler, proc = on_a_full_disk(tmp_path, full_disk, "disk", 80, server, worker)
     # Said where a user looks, not only in the worker's log: its status (genq workers, the monitor).
     unwritten = "cannot write shards: [Errno 28] No space left on device ("
     wait_until(lambda: unwritten in run_genq("workers", "--json", redis_url=redis_url).stdout, 30,
@@ -205,12 +212,7 @@ def test_a_job_whose_shards_cannot_be_written_does_not_hold_up_another(redis_url
     """The brake is the job's: a worker whose shards of one job cannot be written (its output on a
     full disk) puts that job's batches back and goes on with another job written elsewhere."""
     server = sim(**FAST)
-    stuck_out = full_disk / "out"
-    stuck_out.mkdir()
-    stuck, _ = enqueue(tmp_path, "stuck", 60, "--batch-size", "10", "--max-tokens", "64", out=stuck_out)
-    filler = fill(full_disk)
-    proc = worker(server, "--burst", "--retry-backoff", "0.05")
-    wait_until(lambda: "No space left on device" in proc.log(), 60, "a shard of the first job failing")
+    stuck, stuck_out, filler, proc = on_a_full_disk(tmp_path, full_disk, "stuck", 60, server, worker)
     free, free_out = enqueue(tmp_path, "free", 60, "--batch-size", "10", "--max-tokens", "64")
     wait_until(lambda: rconn.scard(keys.job_done("free")) == 6, 90, "the other job written whole")
     assert rconn.scard(keys.job_done("stuck")) == 0 and proc.alive(), proc.log()
