@@ -105,7 +105,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     valid lines were queued); 1 nothing was queued (unreadable, empty or
     wholly invalid input, bad --extra-body, settings that contradict the job,
     Redis unreachable), or Redis failed part way (full: the error says how many
-    prompts the job holds, and the same command again queues the rest); 2 bad usage (unknown option, value out of range).
+    prompts the job holds, and the same command again queues the rest); 2 bad
+    usage (unknown option, value out of range).
     """
     url = settings(ctx).redis_url
     try:
