@@ -108,8 +108,9 @@ class Stealer:
         if await self.conn.llen(self.queue_key):
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
         took = 0
+        unwritten = self.flags.unwritten_jobs()
         for ref, holder, config in await self._leased_elsewhere():
-            if ref.job in self.flags.unwritten_jobs():
+            if ref.job in unwritten:
                 continue  # its shards cannot be written here now (worker/held.py)
             if await self.job_config(ref.job) is None:
                 continue  # another model's job (worker/models.py)

@@ -59,17 +59,17 @@ def refusal(exc: BaseException | None) -> tuple[str, str] | None:
     return None
 
 
-def trouble(exc: BaseException) -> str:
-    """What a failed Redis call means, in the words of a log line."""
+def trouble(exc: BaseException, otherwise: str = "Redis unreachable") -> str:
+    """What a failed Redis call means, in the words of a log line: a refusal named with its fix,
+    else `otherwise`."""
     found = refusal(exc)
-    return f"{found[0]} ({found[1]})" if found else "Redis unreachable"
+    return f"{found[0]} ({found[1]})" if found else otherwise
 
 
 def in_words(exc: BaseException) -> str:
     """A failed write in a log line: a refusal named with its fix (not Redis's text, which quotes
     the script's sha), anything else as Redis said it."""
-    found = refusal(exc)
-    return f"{found[0]} ({found[1]})" if found else f"{type(exc).__name__}: {exc}"
+    return trouble(exc, f"{type(exc).__name__}: {exc}")
 
 
 def redis_note(info: dict[str, Any]) -> RedisNote | None:
