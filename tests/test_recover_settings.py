@@ -1,0 +1,96 @@
+"""The job's current settings survive Redis losing them: `genq jobs set` is written to OUTPUT/JOB/job.json
+before Redis, and whatever brings a job back from its output (genq recover, the same enqueue again, a worker
+catching up) takes the settings of the latest `jobs set` from there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import genq_cmd, run_genq, write_prompts
+from tests.test_recover import FAST, generated, lost_redis, wait_done, written_records  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+N = 60
+
+
+def enqueue_args(src, out, max_tokens: int) -> tuple[str, ...]:
+    return ("enqueue", str(src), "--job", "st", "--output", str(out), "--batch-size", "10",
+            "--max-tokens", str(max_tokens))
+
+
+def config_of(url: str) -> dict:
+    return json.loads(run_genq("jobs", "show", "st", "--json", redis_url=url).stdout)["config"]
+
+
+def burst(procs, url: str, server: str) -> None:
+    proc = procs(genq_cmd("worker", "--server", server, "--burst", redis_url=url), name="burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+
+
+def shortened(url: str, note: str = "shorter") -> None:
+    run_genq("jobs", "set", "st", "--max-tokens", "20", "--note", note, redis_url=url)
+
+
+def at_current_settings(config: dict) -> None:
+    assert (config["max_tokens"], config.get("settings_version", 1)) == (20, 2), config
+    assert [(c["version"], c["changed"], c["previous"], c.get("note")) for c in config.get("settings_history", [])] == [
+        (2, {"max_tokens": 20}, {"max_tokens": 64}, "shorter")], config["settings_history"]
+
+
+def test_recover_after_an_empty_restart_brings_the_job_back_at_its_current_settings(lost_redis, sim, procs,
+                                                                                    tmp_path):
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    shortened(lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=True)
+
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=lost_redis.url)
+    at_current_settings(config_of(lost_redis.url))
+    burst(procs, lost_redis.url, server)
+    records = written_records(out, "st")
+    assert sorted(records) == sorted(ids)
+    assert {r["settings_version"] for r in records.values()} == {2}
+    assert max(r["usage"]["completion_tokens"] for r in records.values()) <= 20
+
+
+def test_the_same_enqueue_at_the_current_settings_is_the_same_job(lost_redis, sim, procs, tmp_path):
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    shortened(lost_redis.url)
+    burst(procs, lost_redis.url, server)
+    first = config_of(lost_redis.url)["incarnation"]
+    written = written_records(out, "st")
+    assert sorted(written) == sorted(ids) and generated(server) == N
+    lost_redis.kill()
+    lost_redis.start(empty=True)
+
+    again = run_genq(*enqueue_args(src, out, 20), redis_url=lost_redis.url)
+    config = config_of(lost_redis.url)
+    assert config["incarnation"] == first, again.stdout + again.stderr
+    at_current_settings(config)
+    assert wait_done(lost_redis.url, "st", timeout=30)["completed"] == N
+    assert written_records(out, "st") == written and generated(server) == N  # nothing generated again
+
+
+def test_a_snapshot_from_before_jobs_set_takes_the_settings_from_the_output(lost_redis, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    lost_redis.snapshot()
+    shortened(lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=False)  # the job as it was before `jobs set`
+    assert config_of(lost_redis.url).get("settings_version", 1) == 1
+
+    run_genq("recover", "--job", "st", redis_url=lost_redis.url)
+    at_current_settings(config_of(lost_redis.url))
+    # and the output still says so (nothing wrote the older settings back)
+    on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
+    assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (20, 2)
