@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from tests.test_fleet import SIM_ARGS, GENQ, free_ports, health, read_pid, start_fleet
+from tests.test_fleet import GENQ, SIM_ARGS, free_ports, health, read_pid, start_fleet
 
 pytestmark = pytest.mark.e2e
 

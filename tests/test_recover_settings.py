@@ -39,8 +39,8 @@ def at_current_settings(config: dict) -> None:
         (2, {"max_tokens": 20}, {"max_tokens": 64}, "shorter")], config["settings_history"]
 
 
-def test_recover_after_an_empty_restart_brings_the_job_back_at_its_current_settings(lost_redis, sim, procs,
-                                                                                    tmp_path):
+def test_recover_after_an_empty_restart_brings_the_job_back_at_its_current_settings(
+        lost_redis, sim, procs, tmp_path):  # noqa: F811
     server = sim(**FAST)
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
     ids = write_prompts(src, N)
@@ -58,7 +58,7 @@ def test_recover_after_an_empty_restart_brings_the_job_back_at_its_current_setti
     assert max(r["usage"]["completion_tokens"] for r in records.values()) <= 20
 
 
-def test_the_same_enqueue_at_the_current_settings_is_the_same_job(lost_redis, sim, procs, tmp_path):
+def test_the_same_enqueue_at_the_current_settings_is_the_same_job(lost_redis, sim, procs, tmp_path):  # noqa: F811
     server = sim(**FAST)
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
     ids = write_prompts(src, N)
@@ -79,7 +79,7 @@ def test_the_same_enqueue_at_the_current_settings_is_the_same_job(lost_redis, si
     assert written_records(out, "st") == written and generated(server) == N  # nothing generated again
 
 
-def test_a_snapshot_from_before_jobs_set_takes_the_settings_from_the_output(lost_redis, tmp_path):
+def test_a_snapshot_from_before_jobs_set_takes_the_settings_from_the_output(lost_redis, tmp_path):  # noqa: F811
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
     write_prompts(src, N)
     run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)

@@ -17,11 +17,11 @@ from typing import Any
 import msgspec
 import redis
 
+from genq.core.durable import JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
 from genq.core.order import order_queue
 from genq.core.queueing import list_jobs
-from genq.core.durable import JobRecord
 from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange
 from genq.output import truth
 from genq.output.sink import open_store
