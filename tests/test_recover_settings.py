@@ -94,3 +94,34 @@ def test_a_snapshot_from_before_jobs_set_takes_the_settings_from_the_output(lost
     # and the output still says so (nothing wrote the older settings back)
     on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
     assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (20, 2)
+
+
+def test_jobs_set_where_the_output_cannot_be_written_changes_nothing(redis_url, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    (out / "st").rename(tmp_path / "elsewhere")
+    (out / "st").write_text("not a folder")  # job.json cannot be written under it
+    proc = run_genq("jobs", "set", "st", "--max-tokens", "20", redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "cannot write" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert config_of(redis_url)["max_tokens"] == 64
+
+
+def test_a_running_worker_takes_the_settings_back_after_a_snapshot_from_before_jobs_set(  # noqa: F811
+        lost_redis, sim, procs, tmp_path):  # noqa: F811
+    from tests.conftest import wait_until
+    from tests.test_recover import start_worker
+
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    start_worker(procs, lost_redis.url, server, "w1")
+    wait_done(lost_redis.url, "st", timeout=60)
+    lost_redis.snapshot()
+    shortened(lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=False)  # the job as it was before `jobs set`; the worker's maintenance sees a restart
+    wait_until(lambda: config_of(lost_redis.url).get("settings_version", 1) == 2, 90,
+               "the worker taking job.json's settings back into Redis", interval=1)
+    at_current_settings(config_of(lost_redis.url))

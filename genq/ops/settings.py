@@ -59,12 +59,20 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
 
 
 def write_settings(conn: redis.Redis, config: JobConfig) -> None:
-    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), replaced whole."""
+    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), replaced whole;
+    SettingsError where the output cannot be written from here."""
     store = open_store(config.output, config.s3_endpoint_url)
-    record = truth.read_job(store, config.name)
-    if record is None or record.config.incarnation != config.incarnation:  # an output of a genq without job.json
-        record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
-    truth.write_job(store, msgspec.structs.replace(record, config=config))
+    try:
+        record = truth.read_job(store, config.name)
+        if record is None or record.config.incarnation != config.incarnation:  # an output of a genq without job.json
+            record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
+        truth.write_job(store, msgspec.structs.replace(record, config=config))
+    except redis.RedisError:
+        raise
+    except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
+        raise SettingsError(f"cannot write {truth.job_uri(store, config.name)} ({type(exc).__name__}: {exc}): the "
+                            "job's settings are kept there first, so nothing was changed; run this where the "
+                            "output is reachable") from None
 
 
 def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> JobConfig:
