@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import redis
 
 from tests.conftest import genq_cmd, run_genq, write_prompts
+from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 from tests.test_recover import FAST, generated, lost_redis, wait_done, written_records  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -124,4 +126,18 @@ def test_a_running_worker_takes_the_settings_back_after_a_snapshot_from_before_j
     lost_redis.start(empty=False)  # the job as it was before `jobs set`; the worker's maintenance sees a restart
     wait_until(lambda: config_of(lost_redis.url).get("settings_version", 1) == 2, 90,
                "the worker taking job.json's settings back into Redis", interval=1)
+    at_current_settings(config_of(lost_redis.url))
+
+
+def test_on_s3_jobs_set_is_in_job_json_and_recover_takes_it(lost_redis, moto, tmp_path):  # noqa: F811
+    moto.client().create_bucket(Bucket="settings")
+    src, out = tmp_path / "in.jsonl", "s3://settings/out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
+    shortened(lost_redis.url)
+    on_s3 = json.loads(moto.objects("settings", "out/st/job.json")["out/st/job.json"])["config"]
+    assert (on_s3["max_tokens"], on_s3.get("settings_version", 1)) == (20, 2)
+    redis.Redis.from_url(lost_redis.url).flushall()
+
+    run_genq("recover", "--job", "st", "--output", out, "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
     at_current_settings(config_of(lost_redis.url))
