@@ -126,10 +126,11 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
              names: frozenset[str] = own_names("")) -> web.Application:
     @web.middleware
     async def own_host_only(request: web.Request, handler: Any) -> web.StreamResponse:
-        if not is_own_host(request.host, names):
-            return web.Response(status=403, text=f"genq monitor: Host {request.host!r} is not a name of this page "
-                                                 f"(an address, {', '.join(sorted(names))}); "
-                                                 f"start it with --web-allow-host NAME to allow another\n")
+        # No Host at all is no browser's request (aiohttp's request.host would look the machine's name up).
+        if (host := request.headers.get("Host")) is not None and not is_own_host(host, names):
+            # Whoever sent it reads this (a rebinding page is same-origin): it names nothing of this machine.
+            return web.Response(status=403, text="genq monitor: this Host is not one of the page's names; "
+                                                 "start it with --web-allow-host NAME to allow another\n")
         return await handler(request)
 
     async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
