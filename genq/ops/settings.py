@@ -5,12 +5,14 @@
 prompt not yet sent within a second (worker/parking.py) and each Result records the version it
 ran under. The new config is written to OUTPUT/JOB/job.json before Redis: the output is the
 durable truth of the job's current settings, and whatever brings a job back from it (genq
-recover, the same enqueue, a worker catching up after Redis lost writes) takes them from there. `genq resume --job JOB` lifts a block (JobBlock, set by a worker's preflight
-or brake) and queues the batches its workers parked.
+recover, the same enqueue, a worker catching up after Redis lost writes) takes them from there.
+`genq resume --job JOB` lifts a block (JobBlock, set by a worker's preflight or brake) and
+queues the batches its workers parked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -75,35 +77,29 @@ def write_settings(conn: redis.Redis, config: JobConfig) -> None:
                             "output is reachable") from None
 
 
-def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> JobConfig:
-    """The job's config with the latest settings of Redis's and the output's (same life of the job):
-    Redis restored from a snapshot, or failed over to a lagging replica, may have lost a `jobs set`
-    that job.json keeps; an output written before job.json carried settings is brought up to Redis."""
+def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
+    """Redis's and job.json's settings brought to the latest of the two (same life of the job): Redis
+    restored from a snapshot, or failed over to a lagging replica, may have lost a `jobs set` that
+    job.json keeps; an output written before job.json carried settings is brought up to Redis."""
     if on_disk is None or on_disk.incarnation != config.incarnation or on_disk.settings_version == config.settings_version:
-        return config
+        return
     if on_disk.settings_version < config.settings_version:
         write_settings(conn, config)
-        return config
+        return
 
     def take(stored: JobConfig | None) -> JobConfig:
         if stored is None or stored.incarnation != on_disk.incarnation or stored.settings_version >= on_disk.settings_version:
-            raise _Current(stored)
+            raise _Current
         return msgspec.structs.replace(stored, **{k: getattr(on_disk, k) for k in SETTABLE},
                                        settings_version=on_disk.settings_version,
                                        settings_history=on_disk.settings_history)
 
-    try:
-        return ledger_jobs.change_config(conn, config.name, take)
-    except _Current as current:
-        return current.config or config
+    with contextlib.suppress(_Current):
+        ledger_jobs.change_config(conn, config.name, take)
 
 
 class _Current(Exception):
     """Redis has the latest settings already (or lost the job meanwhile): nothing to store."""
-
-    def __init__(self, config: JobConfig | None) -> None:
-        super().__init__()
-        self.config = config
 
 
 def with_override(prompt: Prompt, override: dict[str, Any]) -> Prompt:
