@@ -35,3 +35,15 @@ def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
         return f"{host}.gpu{gpu}"
     port = server_url.rstrip("/").rsplit(":", 1)[-1]
     return f"{host}.{port}" if port.isdigit() else host
+
+
+# Redis refuses a client name with a space or a character outside printable ASCII, and every RQ
+# loop of a worker names its connections with the worker's name: such a name never works.
+NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
+
+
+def name_problem(name: str, option: str) -> str | None:
+    """Why `name` (given as `option`) cannot name a worker, or None."""
+    if name and all("!" <= c <= "~" for c in name):
+        return None
+    return f"{option} {name!r}: a worker name may hold only the characters {NAME_CHARS}, as a Redis client name"

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
 from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions
+from genq.worker.options import WorkerOptions, name_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
@@ -74,6 +74,9 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     GPU i of the list gets port --base-port + i and worker name HOST.gpuN.
     """
     setup_logging(log_level)
+    for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
+        if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
+            raise click.UsageError(problem)
     fleet_opts = {k: options.pop(k) for k in FLEET_ONLY}
     if (options["server_url"] is None) == (fleet_opts["gpus"] is None):
         raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")
