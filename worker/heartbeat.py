@@ -15,9 +15,11 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
 
+from genq.core.decodebound import Hardware
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
 from genq.core.refusals import redis_note, refusal, trouble
@@ -175,6 +177,9 @@ class Heartbeat:
         if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
             req_s = tok_s = 0.0
         m = self.watch.metrics
+        if m is not None and m.generated_total is not None:
+            self.rates.counted(m.at, m.generated_total)
+        server_tok_s = self.rates.server_tok_per_s()
         return WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
             state=state or self.state(), started_at=self.started_at, heartbeat_at=time.time(),
@@ -184,15 +189,29 @@ class Heartbeat:
             in_flight=len(self.dispatcher.running), sequences=self.dispatcher.running.sequences,
             queued=self.dispatcher.unsent,
             batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
-            tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
+            tok_per_s=round(tok_s if server_tok_s is None else server_tok_s, 1),
+            tok_per_s_from="answers" if server_tok_s is None else "server", req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.note,
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
-            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,
+            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=self.hardware(),
         )
+
+    def hardware(self) -> Hardware:
+        """What the decode bound needs of the GPU and the server (genq.core.decodebound): the
+        bandwidth given by --gpu-bandwidth, else NVML's; the weights as the server says, else --model-bytes."""
+        info, opts = self.watch.info, self.opts
+        memory = info.memory if info is not None else Hardware()
+        bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
+                           else (self.gpu.bandwidth, self.gpu.bandwidth_from or self.gpu.note))
+        weight, weight_from = memory.weight_bytes, memory.weight_from
+        if opts.model_bytes is not None:
+            weight, weight_from = opts.model_bytes, "--model-bytes"
+        return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
+                                       bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
         info, meter = self.watch.info, self.dispatcher.running.meter

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from genq.core.decodebound import Hardware
 from genq.core.decodefigures import DecodeBin
 
 Endpoint = Literal["chat", "completions"]
@@ -272,6 +273,10 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     power_w: float | None = None
     sm_clock_mhz: float | None = None
     temperature_c: float | None = None
+    max_sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    power_limit_w: float | None = None
+    throttled: list[str] | None = None  # NVML's clock-event reasons now: "power cap", "hw thermal", ...
 
 
 class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):
@@ -329,6 +334,11 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # mean output tokens of its requests (moving averages over its recent completions).
     token_s: float | None = None
     mean_tokens: float | None = None
+    # Where tok_per_s comes from: "server" (its generation-token counter, over the last few seconds) or
+    # "answers" (the tokens of the requests that ended, over 30 s: a server without that counter).
+    tok_per_s_from: str | None = None
+    # What the decode bound needs beyond the figures above (genq.core.decodebound).
+    hardware: Hardware | None = None
 
 
 class Control(msgspec.Struct, omit_defaults=True):
