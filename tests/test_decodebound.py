@@ -10,7 +10,7 @@ import click
 import pytest
 
 from genq.cli.worker import ByteSize
-from genq.core.decodebound import GpuFigures, Hardware, batch_cap, bound, fleet_line, slow
+from genq.core.decodebound import GpuFigures, Hardware, batch_cap, bound, fleet_line, slow, verdicts
 from genq.worker.held import COUNTER_WINDOW_S, RateWindow
 from genq.worker.telemetry import checked_bandwidth, throttle_reasons
 
@@ -89,7 +89,7 @@ def test_a_gpu_at_half_its_peers_share_is_flagged() -> None:
     flagged = slow(fleet)
     assert list(flagged) == ["gpu7"]
     assert "20% of its bound" in flagged["gpu7"] and "peers are at 40%" in flagged["gpu7"]
-    line = fleet_line(fleet)
+    line = fleet_line(fleet, verdicts(fleet))
     assert line is not None and line.startswith("fleet at 37% of its bandwidth bound")
     assert "gpu7 slowest at 20%" in line
     # Without a bound, tokens per running request at about the same running count.
@@ -140,11 +140,11 @@ def test_byte_sizes_as_the_worker_options_take_them() -> None:
 def test_the_counter_rate_follows_the_server_within_its_window() -> None:
     w = RateWindow()
     now = time.monotonic()
-    assert w.server_tok_per_s() is None
-    for i in range(22):  # 500 tok/s for 15 s, then 100 tok/s
+    assert w.server_window() is None
+    for i in range(22):  # 500 tok/s at 50 running for 15 s, then 100 tok/s at 10
         at = now - 22 + i
-        w.counted(at, (500 * i) if i <= 15 else 500 * 15 + 100 * (i - 15))
-    assert w.server_tok_per_s() == pytest.approx(100.0, rel=0.01)
+        w.counted(at, (500 * i) if i <= 15 else 500 * 15 + 100 * (i - 15), 50 if i <= 15 else 10, 0.5)
+    assert w.server_window() == pytest.approx((100.0, 10.0, 0.5), rel=0.01)
     assert len(w._counter) <= COUNTER_WINDOW_S + 2
-    w.counted(now, 10.0)  # the server restarted: its counter began again
-    assert w.server_tok_per_s() is None
+    w.counted(now, 10.0, 10, None)  # the server restarted: its counter began again
+    assert w.server_window() is None

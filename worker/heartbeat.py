@@ -19,6 +19,7 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 
+from genq.core import decodebound
 from genq.core.decodebound import Hardware
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
@@ -108,6 +109,8 @@ class Heartbeat:
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._unwritten: frozenset[str] = frozenset()  # jobs the last beat said this engine cannot write
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
+        self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
+        self._tallied_at = time.monotonic()
 
     async def unreachable(self) -> Exception | None:
         """Why Redis does not answer at the start (a wrong URL exits at once), or None. A Redis that
@@ -177,10 +180,12 @@ class Heartbeat:
         if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
             req_s = tok_s = 0.0
         m = self.watch.metrics
+        now = time.monotonic()
         if m is not None and m.generated_total is not None:
-            self.rates.counted(m.at, m.generated_total)
-        server_tok_s = self.rates.server_tok_per_s()
-        return WorkerStatus(
+            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage)
+        window = self.rates.server_window()
+        server_tok_s = None if window is None else window[0]
+        status = WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
             state=state or self.state(), started_at=self.started_at, heartbeat_at=time.time(),
             gpu=None if self.opts.gpu is None else str(self.opts.gpu),
@@ -190,7 +195,10 @@ class Heartbeat:
             queued=self.dispatcher.unsent,
             batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
             tok_per_s=round(tok_s if server_tok_s is None else server_tok_s, 1),
-            tok_per_s_from="answers" if server_tok_s is None else "server", req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
+            tok_per_s_from="answers" if server_tok_s is None else "server",
+            window_running=None if window is None else window[1],
+            window_token_usage=None if window is None else window[2],
+            req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
@@ -199,6 +207,13 @@ class Heartbeat:
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=self.hardware(),
         )
+        in_flight: dict[str, int] = {}
+        for task in self.dispatcher.running:
+            in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
+        decodebound.add_tally(self.tallies, in_flight, decodebound.figures_of(status), now - self._tallied_at)
+        self._tallied_at = now
+        status.bound_tally = self.tallies
+        return status
 
     def hardware(self) -> Hardware:
         """What the decode bound needs of the GPU and the server (genq.core.decodebound): the

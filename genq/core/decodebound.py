@@ -16,13 +16,12 @@ publishes what it read (WorkerStatus.hardware, .server_*), the views compute fro
 from __future__ import annotations
 
 import statistics
-
 from typing import TYPE_CHECKING
 
 import msgspec
 
 if TYPE_CHECKING:
-    from genq.core.records import WorkerStatus
+    from genq.core.records import GpuSample, WorkerStatus
 
 KV_FULL = 0.9  # of the KV pool in use: the server admits no more at the mean context
 AT_LIMIT = 0.95  # of the running limit in use: the limit is what caps the batch
@@ -67,6 +66,16 @@ class Bound(msgspec.Struct, omit_defaults=True):
     unknown: str | None = None  # "unknown: <what is missing> (give it with --...)"
 
 
+class Tally(msgspec.Struct, array_like=True):
+    """A job's part of one GPU's decode so far (WorkerStatus.bound_tally), for the summary at the job's end:
+    seconds it ran, and over the seconds that had a bound the tokens made and the tokens the bound allowed,
+    each split between the jobs in flight by their requests."""
+
+    busy_s: float = 0.0
+    made: float = 0.0
+    bound: float = 0.0
+
+
 class Cap(msgspec.Struct):
     code: str  # one of CAPS: fit for a Prometheus label
     text: str  # what caps it, with the figures
@@ -76,10 +85,21 @@ class Cap(msgspec.Struct):
 CAPS = ("kv_cache", "running_limit", "prefill", "genq_target", "nothing_to_send")
 
 
+class Verdict(msgspec.Struct, omit_defaults=True):
+    """One GPU as the views show it: its bound, what caps its batch, and whether it is much slower
+    than its peers (with the NVML figures that back it)."""
+
+    bound: Bound
+    cap: Cap | None = None
+    slow: str | None = None
+
+
 def figures_of(s: WorkerStatus) -> GpuFigures:
     """The figures of one worker's GPU, from its heartbeat record."""
-    return GpuFigures(hw=s.hardware or Hardware(), running=s.server_running, waiting=s.server_waiting,
-                      running_limit=s.server_capacity, token_usage=s.server_token_usage,
+    server = s.tok_per_s_from == "server"  # its speed over a window: set against the window's batch
+    return GpuFigures(hw=s.hardware or Hardware(), running=s.window_running if server else s.server_running,
+                      waiting=s.server_waiting, running_limit=s.server_capacity,
+                      token_usage=s.window_token_usage if server else s.server_token_usage,
                       tok_per_s=s.tok_per_s if s.state == "busy" or s.tok_per_s else None,
                       target=s.concurrency_target, cap=s.concurrency_limit, in_flight=s.in_flight, queued=s.queued)
 
@@ -137,7 +157,7 @@ def batch_cap(f: GpuFigures) -> Cap | None:
     limit = f.running_limit
     if f.token_usage is not None and f.token_usage >= KV_FULL:
         return Cap("kv_cache", f"KV cache {f.token_usage:.0%} full with {running:.0f} running: it holds "
-                               f"~{holds or running:.0f}{at}", _kv_advice((f.hw.engine or "")))
+                               f"~{holds or running:.0f}{at}", _kv_advice(f.hw.engine or ""))
     if limit and running >= AT_LIMIT * limit:
         if holds is not None and holds >= ROOM * limit:
             return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}, where its KV "
@@ -146,7 +166,7 @@ def batch_cap(f: GpuFigures) -> Cap | None:
     if f.waiting:
         return Cap("prefill", f"{f.waiting:.0f} waiting in the server's queue with {running:.0f} running "
                               f"(limit {limit or '?'}): admission (prefill) is slower than the answers end",
-                   _prefill_advice((f.hw.engine or "")))
+                   _prefill_advice(f.hw.engine or ""))
     if f.queued > 0 and f.in_flight >= f.target:
         own = f"genq's cap {f.cap}" if f.cap and f.cap <= f.target else f"genq's in-flight target {f.target}"
         advice = ("raise it with `genq concurrency`" if f.cap and f.cap <= f.target
@@ -204,10 +224,9 @@ def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -
     return out
 
 
-def fleet_line(fleet: dict[str, GpuFigures]) -> str | None:
-    """One line for a fleet: "fleet at N % of its bandwidth bound; GPU k slowest (...)"; None with no bound."""
-    bounds = {name: bound(f) for name, f in fleet.items()}
-    known = {n: b for n, b in bounds.items() if b.tok_per_s and b.share is not None}
+def fleet_line(fleet: dict[str, GpuFigures], verdicts: dict[str, Verdict]) -> str | None:
+    """One line for a fleet: "fleet at N % of its bandwidth bound; GPU k slowest ..."; None with no bound."""
+    known = {n: v.bound for n, v in verdicts.items() if v.bound.tok_per_s and v.bound.share is not None}
     if not known:
         return None
     made = sum(fleet[n].tok_per_s or 0.0 for n in known)
@@ -217,7 +236,7 @@ def fleet_line(fleet: dict[str, GpuFigures]) -> str | None:
     if len(known) > 1:
         low = min(known, key=lambda n: known[n].share or 0.0)
         words.append(f"{low} slowest at {known[low].share:.0%}")
-    flagged = slow(fleet, bounds)
+    flagged = {n: v.slow for n, v in verdicts.items() if v.slow}
     if flagged:
         words.append("much slower than peers: " + "; ".join(f"{n} {why}" for n, why in sorted(flagged.items())))
     return "; ".join(words)
@@ -230,3 +249,86 @@ def per_gpu_words(f: GpuFigures, b: Bound | None = None) -> str:
         return b.unknown or "unknown"
     shown = f"{b.share:.0%} of {b.tok_per_s:,.0f}" if b.share is not None else f"bound {b.tok_per_s:,.0f}"
     return shown + ("" if b.kv_bytes is not None else " (no KV)")
+
+
+def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | None = None) -> dict[str, Verdict]:
+    """Each GPU's verdict; a GPU is compared with its peers, those serving the same model."""
+    bounds = {n: bound(f) for n, f in fleet.items()}
+    flagged: dict[str, str] = {}
+    groups = {(model_of or {}).get(n) for n in fleet}
+    for model in groups:
+        peers = {n: f for n, f in fleet.items() if (model_of or {}).get(n) == model}
+        flagged.update(slow(peers, {n: bounds[n] for n in peers}))
+    return {n: Verdict(bound=bounds[n], cap=batch_cap(f), slow=flagged.get(n)) for n, f in fleet.items()}
+
+
+def working(statuses: dict[str, WorkerStatus]) -> dict[str, GpuFigures]:
+    """The figures of each worker whose server runs requests now."""
+    return {n: figures_of(s) for n, s in statuses.items() if s.state in ("busy", "draining") and s.server_running}
+
+
+def judge(statuses: dict[str, WorkerStatus]) -> dict[str, Verdict]:
+    """Each working GPU's verdict from its worker's heartbeat record, a slow one's with NVML's figures."""
+    fleet = working(statuses)
+    out = verdicts(fleet, {n: statuses[n].model for n in fleet})
+    for n, v in out.items():
+        if v.slow is not None and (told := nvml_words(statuses[n].gpu_sample)):
+            v.slow = f"{v.slow} ({told})"
+    return out
+
+
+def nvml_words(g: GpuSample | None) -> str | None:
+    """The NVML figures that tell a throttled or weaker GPU: clocks, power, temperature."""
+    if g is None:
+        return None
+    words = [g.name]
+    if g.sm_clock_mhz is not None:
+        words.append(f"SM {g.sm_clock_mhz:,.0f}" + (f" of {g.max_sm_clock_mhz:,.0f}" if g.max_sm_clock_mhz else "")
+                     + " MHz")
+    if g.power_w is not None:
+        words.append(f"{g.power_w:.0f}" + (f" of {g.power_limit_w:.0f}" if g.power_limit_w else "") + " W")
+    if g.temperature_c is not None:
+        words.append(f"{g.temperature_c:.0f} °C")
+    if g.throttled:
+        words.append("throttled: " + ", ".join(g.throttled))
+    return ", ".join(words)
+
+
+TALLIED_JOBS = 20  # a worker keeps the tallies of its last jobs
+
+
+def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], f: GpuFigures, dt: float) -> None:
+    """Books dt seconds of one GPU to the jobs it ran, in proportion to their requests in flight."""
+    total = sum(in_flight.values())
+    if total <= 0 or dt <= 0:
+        return
+    b = bound(f)
+    for job, n in in_flight.items():
+        part = dt * n / total
+        t = tallies.pop(job, None) or Tally()
+        t.busy_s += part
+        if b.tok_per_s is not None and f.tok_per_s is not None:
+            t.made += f.tok_per_s * part
+            t.bound += b.tok_per_s * part
+        tallies[job] = t  # the most recent last
+    while len(tallies) > TALLIED_JOBS:
+        tallies.pop(next(iter(tallies)))
+
+
+def job_line(tallies: dict[str, Tally]) -> str | None:
+    """The summary of a job from its workers' tallies: "fleet at N % of its bandwidth bound; k slowest ..."."""
+    known = {n: t for n, t in tallies.items() if t.bound > 0}
+    if not known:
+        return None
+    made, top = sum(t.made for t in known.values()), sum(t.bound for t in known.values())
+    words = [f"fleet at {made / top:.0%} of its bandwidth bound over the job"
+             + (f" ({len(known)} of {len(tallies)} GPUs with a bound)" if len(known) < len(tallies) else "")]
+    shares = {n: t.made / t.bound for n, t in known.items()}
+    if len(shares) > 1:
+        low = min(shares, key=shares.__getitem__)
+        words.append(f"{low} slowest at {shares[low]:.0%}")
+        for n, share in sorted(shares.items()):
+            others = [v for m, v in shares.items() if m != n]
+            if share < SLOWER * statistics.median(others):
+                words.append(f"{n} much slower than its peers ({share:.0%} against {statistics.median(others):.0%})")
+    return "; ".join(words)

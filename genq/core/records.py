@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from genq.core.decodebound import Hardware
+from genq.core.decodebound import Hardware, Tally
 from genq.core.decodefigures import DecodeBin
 
 Endpoint = Literal["chat", "completions"]
@@ -337,8 +337,13 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # Where tok_per_s comes from: "server" (its generation-token counter, over the last few seconds) or
     # "answers" (the tokens of the requests that ended, over 30 s: a server without that counter).
     tok_per_s_from: str | None = None
+    # The server's mean running count and KV usage over the readings of that window: its speed's batch.
+    window_running: float | None = None
+    window_token_usage: float | None = None
     # What the decode bound needs beyond the figures above (genq.core.decodebound).
     hardware: Hardware | None = None
+    # Per job, its part of this GPU's decode against the bound so far: the job's end summary.
+    bound_tally: dict[str, Tally] = {}
 
 
 class Control(msgspec.Struct, omit_defaults=True):
