@@ -10,7 +10,8 @@ import click
 import pytest
 
 from genq.cli.worker import ByteSize
-from genq.core.decodebound import GpuFigures, Hardware, batch_cap, bound, fleet_line, slow, verdicts
+from genq.core.decodebound import GpuFigures, batch_cap, bound, fleet_line, slow, verdicts
+from genq.core.records import Hardware
 from genq.worker.held import COUNTER_WINDOW_S, RateWindow
 from genq.worker.telemetry import checked_bandwidth, throttle_reasons
 
@@ -146,5 +147,7 @@ def test_the_counter_rate_follows_the_server_within_its_window() -> None:
         w.counted(at, (500 * i) if i <= 15 else 500 * 15 + 100 * (i - 15), 50 if i <= 15 else 10, 0.5)
     assert w.server_window() == pytest.approx((100.0, 10.0, 0.5), rel=0.01)
     assert len(w._counter) <= COUNTER_WINDOW_S + 2
+    w.counted(now - 0.5, 500 * 15 + 100 * 6, 0, 0.0)  # it ran nothing and made nothing since: 0 now, not
+    assert w.server_window() == (0.0, 0.0, 0.0)  # the window's 100
     w.counted(now, 10.0, 10, None)  # the server restarted: its counter began again
     assert w.server_window() is None

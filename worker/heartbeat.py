@@ -15,12 +15,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-import msgspec
 import redis
 import redis.asyncio as aioredis
 
 from genq.core import decodebound
-from genq.core.decodebound import Hardware
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
 from genq.core.refusals import redis_note, refusal, trouble
@@ -31,7 +29,7 @@ from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
-from genq.worker.telemetry import GpuProbe
+from genq.worker.telemetry import GpuProbe, hardware
 from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
@@ -205,7 +203,7 @@ class Heartbeat:
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.note,
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
-            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=self.hardware(),
+            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
         )
         in_flight: dict[str, int] = {}
         for task in self.dispatcher.running:
@@ -214,19 +212,6 @@ class Heartbeat:
         self._tallied_at = now
         status.bound_tally = self.tallies
         return status
-
-    def hardware(self) -> Hardware:
-        """What the decode bound needs of the GPU and the server (genq.core.decodebound): the
-        bandwidth given by --gpu-bandwidth, else NVML's; the weights as the server says, else --model-bytes."""
-        info, opts = self.watch.info, self.opts
-        memory = info.memory if info is not None else Hardware()
-        bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
-                           else (self.gpu.bandwidth, self.gpu.bandwidth_from or self.gpu.note))
-        weight, weight_from = memory.weight_bytes, memory.weight_from
-        if opts.model_bytes is not None:
-            weight, weight_from = opts.model_bytes, "--model-bytes"
-        return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
-                                       bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
         info, meter = self.watch.info, self.dispatcher.running.meter

@@ -154,6 +154,8 @@ class RateWindow:
         s = self._counter
         if len(s) < 2 or time.monotonic() - s[-1][0] > COUNTER_STALE_S:
             return None
+        if s[-1][2] == 0 and s[-1][1] == s[-2][1]:
+            return 0.0, 0.0, s[-1][3]  # it runs nothing and made nothing since the last reading: stopped now
         return ((s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]), _mean([r[2] for r in s[1:]]), _mean([r[3] for r in s[1:]]))
 
     def rates(self) -> tuple[float, float]:

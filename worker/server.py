@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from yarl import URL
 
-from genq.core.decodebound import Hardware
-from genq.core.records import JobConfig, Prompt
+from genq.core.records import Hardware, JobConfig, Prompt
 from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
 from genq.worker.http1 import Http1Pool, NoResponse, Sink

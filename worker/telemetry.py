@@ -8,8 +8,15 @@ rated figure), checked against SPECS, the vendors' rated figures.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from genq.core.records import GpuSample
+import msgspec
+
+from genq.core.records import GpuSample, Hardware
+
+if TYPE_CHECKING:
+    from genq.worker.options import WorkerOptions
+    from genq.worker.server import ServerInfo
 
 log = logging.getLogger("genq.worker")
 
@@ -135,3 +142,16 @@ def _clock_reasons(handle: object) -> int:
     read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
         pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
     return int(read(handle))
+
+
+def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> Hardware:
+    """What the decode bound needs of the GPU and its server (genq.core.decodebound): the bandwidth
+    --gpu-bandwidth gives, else NVML's; the weights --model-bytes gives, else the server's."""
+    memory = info.memory if info is not None else Hardware()
+    bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
+                       else (probe.bandwidth, probe.bandwidth_from or probe.note))
+    weight, weight_from = memory.weight_bytes, memory.weight_from
+    if opts.model_bytes is not None:
+        weight, weight_from = opts.model_bytes, "--model-bytes"
+    return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
+                                   bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)

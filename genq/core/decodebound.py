@@ -10,37 +10,22 @@ The KV bytes read per step are the KV cache's bytes in use: SGLang's `sglang:tok
 share of its pool held by running requests) x its pool's size (/server_info memory_usage.kvcache).
 Where a server does not publish its pool's size the KV reads are left out, which makes the bound a
 ceiling and the share a floor, and the figures say so. Pure functions over GpuFigures: the worker
-publishes what it read (WorkerStatus.hardware, .server_*), the views compute from it.
+publishes what it read (WorkerStatus.hardware, .server_*, .window_*), the views compute from it.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 import msgspec
 
-if TYPE_CHECKING:
-    from genq.core.records import GpuSample, WorkerStatus
+from genq.core.records import GpuSample, Hardware, Tally, WorkerStatus
 
 KV_FULL = 0.9  # of the KV pool in use: the server admits no more at the mean context
 AT_LIMIT = 0.95  # of the running limit in use: the limit is what caps the batch
 ROOM = 1.15  # the KV cache holds this many times the running limit: the limit, not the KV, caps
 SLOWER = 0.7  # a GPU below this share of its peers' median (share of the bound, or speed) is flagged
 SAME_BATCH = 0.25  # without bounds, peers are compared only at a running count within this of each other
-
-
-class Hardware(msgspec.Struct, omit_defaults=True, frozen=True):
-    """What a worker read of its GPU and server that only the bound needs (None: not read).
-    Published in WorkerStatus.hardware."""
-
-    engine: str | None = None  # "sglang" | "vllm" | "llamacpp" | ...: whose flags the advice names
-    bandwidth: float | None = None  # bytes/s
-    bandwidth_from: str | None = None  # where it came from: "NVML ...", "--gpu-bandwidth", ...
-    weight_bytes: float | None = None
-    weight_from: str | None = None
-    kv_pool_bytes: float | None = None  # the whole KV cache (SGLang's memory_usage.kvcache)
-    token_capacity: int | None = None  # tokens the KV cache holds
 
 
 class GpuFigures(msgspec.Struct, omit_defaults=True):
@@ -64,16 +49,6 @@ class Bound(msgspec.Struct, omit_defaults=True):
     step_bytes: float | None = None  # read per decode step
     kv_bytes: float | None = None  # of them, KV (None: not counted, unknown)
     unknown: str | None = None  # "unknown: <what is missing> (give it with --...)"
-
-
-class Tally(msgspec.Struct, array_like=True):
-    """A job's part of one GPU's decode so far (WorkerStatus.bound_tally), for the summary at the job's end:
-    seconds it ran, and over the seconds that had a bound the tokens made and the tokens the bound allowed,
-    each split between the jobs in flight by their requests."""
-
-    busy_s: float = 0.0
-    made: float = 0.0
-    bound: float = 0.0
 
 
 class Cap(msgspec.Struct):

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from genq.core.decodebound import Hardware, Tally
 from genq.core.decodefigures import DecodeBin
 
 Endpoint = Literal["chat", "completions"]
@@ -277,6 +276,29 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     mem_clock_mhz: float | None = None
     power_limit_w: float | None = None
     throttled: list[str] | None = None  # NVML's clock-event reasons now: "power cap", "hw thermal", ...
+
+
+class Hardware(msgspec.Struct, omit_defaults=True, frozen=True):
+    """What a worker read of its GPU and server that only the bound needs (None: not read).
+    Published in WorkerStatus.hardware."""
+
+    engine: str | None = None  # "sglang" | "vllm" | "llamacpp" | ...: whose flags the advice names
+    bandwidth: float | None = None  # bytes/s
+    bandwidth_from: str | None = None  # where it came from: "NVML ...", "--gpu-bandwidth", ...
+    weight_bytes: float | None = None
+    weight_from: str | None = None
+    kv_pool_bytes: float | None = None  # the whole KV cache (SGLang's memory_usage.kvcache)
+    token_capacity: int | None = None  # tokens the KV cache holds
+
+
+class Tally(msgspec.Struct, array_like=True):
+    """A job's part of one GPU's decode so far (WorkerStatus.bound_tally), for the summary at the job's end:
+    seconds it ran, and over the seconds that had a bound the tokens made and the tokens the bound allowed,
+    each split between the jobs in flight by their requests."""
+
+    busy_s: float = 0.0
+    made: float = 0.0
+    bound: float = 0.0
 
 
 class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from genq.core.decodebound import Hardware
+from genq.core.records import Hardware
 from genq.worker.engines.base import Engine, GetJson
 from genq.worker.engines.llamacpp import LLAMACPP
 from genq.worker.engines.openai import OPENAI

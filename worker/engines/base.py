@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from genq.core.decodebound import Hardware
+from genq.core.records import Hardware
 
 # The JSON answer of a GET on the server, or None when it has no such endpoint (worker/server.py).
 GetJson = Callable[[str], Awaitable[Any]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from genq.core.decodebound import Hardware
+from genq.core.records import Hardware
 from genq.worker.engines.base import Engine, GetJson, Told
 
 
@@ -53,12 +53,13 @@ GIB = 2**30  # SGLang's "GB" in memory_usage: bytes / (1 << 30) (srt/mem_cache/m
 def memory_from_info(info: dict[str, Any]) -> Hardware:
     """Weights, KV cache and its token capacity from /server_info's memory_usage, over its DP ranks
     (each rank a GPU of its own: the weights are one rank's)."""
-    usage = [s.get("memory_usage") for s in info.get("internal_states") or [] if isinstance(s, dict)]
-    usage = [u for u in usage if isinstance(u, dict)]
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    usage: list[dict[str, Any]] = [s["memory_usage"] for s in states if isinstance(s.get("memory_usage"), dict)]
 
     def figure(key: str) -> float | None:
         values = [u.get(key) for u in usage]
-        return sum(values) if values and all(isinstance(v, (int, float)) and v > 0 for v in values) else None
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and v > 0]
+        return sum(numbers) if numbers and len(numbers) == len(values) else None
 
     weight, kv, tokens = figure("weight"), figure("kvcache"), figure("token_capacity")
     ranks = max(1, len(usage))
