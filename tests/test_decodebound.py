@@ -151,3 +151,17 @@ def test_the_counter_rate_follows_the_server_within_its_window() -> None:
     assert w.server_window() == (0.0, 0.0, 0.0)  # the window's 100
     w.counted(now, 10.0, 10, None)  # the server restarted: its counter began again
     assert w.server_window() is None
+
+
+def test_workers_sharing_a_server_are_one_gpu() -> None:
+    from genq.core.decodebound import judge
+    from genq.core.records import WorkerStatus
+
+    def status(name: str, server: str) -> WorkerStatus:
+        return WorkerStatus(name=name, host="h", pid=1, server=server, state="busy", started_at=0.0,
+                            heartbeat_at=0.0, server_running=37, tok_per_s=485.0, in_flight=20,
+                            hardware=Hardware(bandwidth=PRO_6000, weight_bytes=WEIGHTS_27B))
+
+    judged = judge({"a": status("a", "http://gpu0"), "b": status("b", "http://gpu0"), "c": status("c", "http://gpu1")})
+    assert sorted(judged) == ["a", "c"]
+    assert round(judged["a"].bound.tok_per_s or 0) == 1226

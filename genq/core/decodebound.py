@@ -238,8 +238,15 @@ def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | Non
 
 
 def working(statuses: dict[str, WorkerStatus]) -> dict[str, GpuFigures]:
-    """The figures of each worker whose server runs requests now."""
-    return {n: figures_of(s) for n, s in statuses.items() if s.state in ("busy", "draining") and s.server_running}
+    """The figures of each worker whose server runs requests now: one worker per server (workers sharing
+    a server read the same counters of the same GPU; counted once, by the first name)."""
+    seen: set[str] = set()
+    out = {}
+    for n, s in sorted(statuses.items()):
+        if s.state in ("busy", "draining") and s.server_running and s.server not in seen:
+            seen.add(s.server)
+            out[n] = figures_of(s)
+    return out
 
 
 def judge(statuses: dict[str, WorkerStatus]) -> dict[str, Verdict]:
