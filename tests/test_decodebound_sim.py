@@ -6,7 +6,8 @@
 - the tok/s genq shows agrees with the server's generation counter within 10 % at every sample after
   the first 10 s;
 - a server whose KV cache caps its batch gets the KV advice, one whose running limit is below what its
-  KV cache holds gets the advice to raise it.
+  KV cache holds gets the advice to raise it; one that does not publish its weights (vLLM) has the
+  missing figure named with the option that gives it.
 """
 
 from __future__ import annotations
@@ -129,9 +130,12 @@ def test_kv_cache_and_running_limit_advice(tmp_path: Path, redis_url, sim, worke
     small_kv = sim(**{**SIM, "max_running_requests": 64, "max_total_num_tokens": 30_000})
     # A running limit of 8 where the KV cache (400,000 tokens) would hold ~260 at this context.
     low_limit = sim(**{**SIM, "max_running_requests": 8})
+    # vLLM publishes no weight bytes: the bound names what is missing and the option that gives it.
+    vllm = sim(**{**SIM, "flavor": "vllm", "max_running_requests": 8})
     start_job(tmp_path, redis_url, 300)
     worker(small_kv, "--name", "kv", "--gpu-bandwidth", "12TB/s", "--grace-period", "0")
     worker(low_limit, "--name", "limit", "--gpu-bandwidth", "12TB/s", "--grace-period", "0")
+    worker(vllm, "--name", "vllm", "--gpu-bandwidth", "12TB/s", "--grace-period", "0")
 
     def capped() -> dict | None:
         rows = workers_json(redis_url)
@@ -145,3 +149,4 @@ def test_kv_cache_and_running_limit_advice(tmp_path: Path, redis_url, sim, worke
     text = run_genq("workers", redis_url=redis_url).stdout
     assert "kv: batch capped by KV cache" in text and "fix: more KV cache: --mem-fraction-static" in text, text
     assert "limit: batch capped by 8 running at the server's limit 8" in text, text
+    assert "vllm: bound unknown: model weight bytes (give them with genq worker --model-bytes" in text, text
