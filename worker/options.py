@@ -14,6 +14,8 @@ class WorkerOptions:
     name: str | None = None
     host: str | None = None
     gpu: int | None = None
+    gpu_bandwidth: float | None = None  # bytes/s, --gpu-bandwidth: the decode bound's, where NVML has none
+    model_bytes: float | None = None  # --model-bytes: the weights, where the server does not publish them
     concurrency: int | None = None  # None: auto, from the server's capacity
     burst: bool = False
     loops: int = DEFAULT_PREFETCH  # --prefetch: RQ work loops, batches held at once (the current one and the next)

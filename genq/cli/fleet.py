@@ -19,6 +19,7 @@ from rich.live import Live
 from rich.table import Table
 
 from genq.cli import Concurrency, console, redis_conn
+from genq.core import decodebound
 from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
 from genq.core.refusals import redis_note_of
@@ -48,12 +49,13 @@ def _batches(row: control.WorkerRow, limit: int = 3) -> str:
 
 
 def workers_table(rows: list[control.WorkerRow], title: str | None = None,
-                  serves: dict[str, list[str]] | None = None) -> Table:
+                  serves: dict[str, list[str]] | None = None,
+                  judged: dict[str, decodebound.Verdict] | None = None) -> Table:
     table = Table(title=title, show_edge=False, header_style="bold")
     for col, justify in (("worker", "left"), ("host", "left"), ("gpu", "right"), ("server", "left"),
                          ("model: jobs it serves", "left"),
                          ("state", "left"), ("batches", "left"), ("in flight", "right"), ("queued", "right"),
-                         ("tok/s", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
+                         ("tok/s", "right"), ("of bound", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
         # One line per worker; a long note (a connection error) is cut: --json has it whole.
         table.add_column(col, justify=cast(JustifyMethod, justify), no_wrap=True, overflow="ellipsis",
                          max_width=60 if col == "note" else None)
@@ -67,9 +69,49 @@ def workers_table(rows: list[control.WorkerRow], title: str | None = None,
             f"{r.model or '?'}: {', '.join((serves or {}).get(r.name, [])) or '-'}" if live else "",
             f"[{styles.get(r.state, '')}]{r.state}[/]" if styles.get(r.state) else r.state,
             _batches(r), flight, str(r.queued) if live else "", f"{r.tok_per_s:,.0f}" if live else "",
+            _bound_cell((judged or {}).get(r.name)),
             str(r.done) if r.state != control.LOST else "", _age(r.heartbeat_age_s), r.note or "",
         )
     return table
+
+
+def _bound_cell(v: decodebound.Verdict | None) -> str:
+    """The share of the decode bound reached ("39% of 1,226"), "?" where a figure is missing."""
+    if v is None:
+        return ""
+    b = v.bound
+    if b.tok_per_s is None or b.share is None:
+        return "?"
+    return f"{'[red]' if v.slow else ''}{b.share:.0%} of {b.tok_per_s:,.0f}{'[/]' if v.slow else ''}"
+
+
+def bound_lines(judged: dict[str, decodebound.Verdict], fleet: dict[str, decodebound.GpuFigures]) -> list[str]:
+    """Below the table: per GPU, what caps its batch and the fix, a slow GPU, a missing figure; the fleet's line."""
+    lines = []
+    for name, v in sorted(judged.items()):
+        if v.slow:
+            lines.append(f"{name}: much slower than its peers: {v.slow}")
+        if v.cap is not None:
+            lines.append(f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""))
+        if v.bound.unknown and v.bound.tok_per_s is None:
+            lines.append(f"{name}: bound {v.bound.unknown}")
+    if line := decodebound.fleet_line(fleet, judged):
+        lines.append(line)
+    return lines
+
+
+def fleet_tok_per_s(rows: list[control.WorkerRow]) -> float:
+    """The fleet's tokens/s: a server's own counter counts once however many workers drive it."""
+    by_server: dict[str, float] = {}
+    total = 0.0
+    for r in rows:
+        if not r.live:
+            continue
+        if r.status is not None and r.status.tok_per_s_from == "server":
+            by_server[r.server or r.name] = r.tok_per_s
+        else:
+            total += r.tok_per_s
+    return total + sum(by_server.values())
 
 
 WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and load.
@@ -82,7 +124,12 @@ WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and
     its death: its engine's liveness key lapses after {LEASE_TIMEOUT_S:.0f} s and the
     reconciler every worker runs every {RECONCILE_EVERY_S:.0f} s queues them again
     (docs/operations.md has the measurement).
-    "in flight" is requests running / the worker's current target.
+    "in flight" is requests running / the worker's current target. "tok/s" is
+    the server's own generation counter over 5 s (the answers' tokens over
+    30 s where it has none). "of bound" is that speed against the GPU's decode
+    bound, running x memory bandwidth / (weight + KV bytes read a step), with
+    what caps each GPU's batch and the server flag that lifts it below the
+    table (docs/monitoring.md).
     """
 
 
@@ -103,8 +150,11 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         # Which jobs each can serve: those for its server's model or `auto` (worker/models.py).
         jobs = list_jobs(conn)
         serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
+    statuses = {r.name: r.status for r in rows if r.status is not None}
+    judged = decodebound.judge(statuses)
     if as_json:
-        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name)} for r in rows]).decode())
+        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name),
+                                         "bound": judged.get(r.name)} for r in rows]).decode())
         return
     if not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")
@@ -114,9 +164,10 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         counts[r.state] = counts.get(r.state, 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
     out = console()
-    out.print(workers_table(rows, serves=serves))
-    out.print(f"{len(rows)} worker(s): {summary}; "
-                  f"{sum(r.tok_per_s for r in rows if r.live):,.0f} tok/s in all")
+    out.print(workers_table(rows, serves=serves, judged=judged))
+    out.print(f"{len(rows)} worker(s): {summary}; {fleet_tok_per_s(rows):,.0f} tok/s in all")
+    for line in bound_lines(judged, decodebound.working(statuses)):
+        out.print(line, markup=False, highlight=False)
 
 
 # ---------------------------------------------------------------- drain / concurrency
