@@ -41,9 +41,11 @@ from common import bench_redis_url, free_port, wait_http  # noqa: E402  (bench/ 
 
 from genq.core.queueing import rq_queue  # noqa: E402
 from genq.core.redisconn import connect, mask_url  # noqa: E402
-from genq.monitor.progress import Monitor  # noqa: E402
+from genq.monitor import etaform  # noqa: E402
+from genq.monitor.eta import LengthData  # noqa: E402
+from genq.monitor.progress import JobReport, Monitor  # noqa: E402
 
-CHECKPOINTS = (0.02, 0.05, 0.10, 0.25, 0.50)
+CHECKPOINTS = (0.05, 0.25, 0.50, 0.75, 0.95)
 
 
 @dataclass
@@ -64,6 +66,9 @@ class Point:
     decoding_avg: float | None = None
     leases: list[int] | None = None
     true_s: float | None = None
+    closed_s: float | None = None  # the closed form (monitor/etaform.py) on the same refresh
+    closed_low_s: float | None = None
+    closed_high_s: float | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -188,6 +193,9 @@ def run(a: argparse.Namespace) -> dict:
         joined = a.join_at is None
         workers = a.workers
         refresh_s: list[float] = []
+        closed_ms: list[float] = []
+        five_at: float | None = None  # when 5 % was done
+        shown: dict[str, float] = {}  # estimator -> seconds from 5 % done to its first ETA
         trace = open(a.trace, "w") if a.trace else None
         while True:
             tick = time.monotonic()
@@ -207,6 +215,15 @@ def run(a: argparse.Namespace) -> dict:
                 }) + "\n")
             frac = finished / a.prompts
             elapsed = snap.at - t0
+            tick = time.process_time()
+            closed = closed_form(report)
+            closed_ms.append((time.process_time() - tick) * 1000)
+            if five_at is None and frac >= 0.05:
+                five_at = elapsed
+            if five_at is not None:
+                for name, eta in (("today", p.eta_s), ("closed", closed.eta_s)):
+                    if eta is not None and name not in shown:
+                        shown[name] = elapsed - five_at
             if not joined and frac >= a.join_at:
                 start_worker(workers)
                 workers += 1
@@ -224,9 +241,12 @@ def run(a: argparse.Namespace) -> dict:
                                     fit_mean=m.mean() if m else None, fit_sigma=m.sigma if m else None,
                                     per_request_tok_s=sp.per_request if sp else None,
                                     decoding_avg=(sp.tokens_per_s / sp.per_request) if sp and sp.per_request else None,
-                                    leases=[w.leases for w in report.fleet or []]))
+                                    leases=[w.leases for w in report.fleet or []],
+                                    closed_s=closed.eta_s, closed_low_s=closed.eta_low_s,
+                                    closed_high_s=closed.eta_high_s))
                 print(f"  {elapsed:6.1f}s  {frac:6.1%} done: monitor ETA "
-                      f"{_fmt(p.eta_s)} [{_fmt(p.eta_low_s)}, {_fmt(p.eta_high_s)}] ({p.eta_state})", flush=True)
+                      f"{_fmt(p.eta_s)} [{_fmt(p.eta_low_s)}, {_fmt(p.eta_high_s)}] ({p.eta_state}); closed form "
+                      f"{_fmt(closed.eta_s)} ({closed.state}); load {os.getloadavg()[0]:.1f}", flush=True)
             if p.status == "done":
                 break
             if all(w.poll() is not None for w in worker_procs):
@@ -242,9 +262,24 @@ def run(a: argparse.Namespace) -> dict:
             pt.true_s = end - (t0 + pt.at)
         return {"job": job, "args": vars(a), "wall_s": end - t0, "points": [asdict(pt) for pt in points],
                 "refresh_mean_s": sum(refresh_s) / len(refresh_s), "refresh_max_s": max(refresh_s),
+                "closed_ms_mean": sum(closed_ms) / len(closed_ms), "closed_ms_max": max(closed_ms),
+                "shown_after_5pct_s": shown, "load": os.getloadavg(),
                 "logs": str(work)}
     finally:
         procs.stop()
+
+
+def closed_form(report: JobReport) -> etaform.Estimate:
+    """The closed-form estimate from the inputs today's estimator had on this refresh."""
+    snap, p = report.snapshot, report.progress
+    fleet = report.fleet or []
+    return etaform.estimate(
+        total=p.total, completed=p.completed, failed=p.failed,
+        lengths=LengthData(hist=snap.hist, running=snap.running_tokens,
+                           cap=snap.config.max_tokens if snap.config else None),
+        speed=None if report.speed is None else etaform.Speed(**{
+            k: getattr(report.speed, k) for k in etaform.Speed.__dataclass_fields__}),
+        workers=len(fleet), unsent=sum(w.ready for w in fleet), paused=snap.paused and not snap.is_done)
 
 
 def _fmt(x: float | None) -> str:
@@ -263,7 +298,7 @@ def _err(est: float | None, true: float) -> str:
 
 def table(result: dict) -> tuple[str, bool]:
     rows = [("done", "at", "true left", "monitor ETA", "err", "90% range", "in?", "state",
-             "naive (a)", "err", "naive (b)", "err")]
+             "closed form", "err", "90% range", "in?", "naive (a)", "err", "naive (b)", "err")]
     ok = True
     for pt in result["points"]:
         true = pt["true_s"]
@@ -272,8 +307,11 @@ def table(result: dict) -> tuple[str, bool]:
         if pt["checkpoint"] >= 0.05 and not (err is not None and abs(err) <= 0.10 and inside):
             ok = False
         rng = "-" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
+        c_in = pt["closed_low_s"] is not None and pt["closed_low_s"] <= true <= pt["closed_high_s"]
+        c_rng = "-" if pt["closed_low_s"] is None else f"[{pt['closed_low_s']:.0f}, {pt['closed_high_s']:.0f}]"
         rows.append((f"{pt['checkpoint']:.0%}", f"{pt['at']:.0f}s", f"{true:.1f}s", _fmt(pt["eta_s"]),
                      _err(pt["eta_s"], true), rng, "yes" if inside else "no", pt["eta_state"],
+                     _fmt(pt["closed_s"]), _err(pt["closed_s"], true), c_rng, "yes" if c_in else "no",
                      _fmt(pt["naive_a_s"]), _err(pt["naive_a_s"], true),
                      _fmt(pt["naive_b_s"]), _err(pt["naive_b_s"], true)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -294,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{pt['checkpoint']:.0%}: fit mean {_num(pt['fit_mean'])} sigma {_num(pt['fit_sigma'], 2)}, "
         f"{_num(pt['per_request_tok_s'])} tok/s per request, {_num(pt['decoding_avg'], 1)} decoding, leases {pt['leases']}"
         for pt in result["points"]))
+    print(f"first ETA after 5 % done: {result['shown_after_5pct_s']} s; closed form {result['closed_ms_mean']:.1f} ms "
+          f"CPU a refresh (max {result['closed_ms_max']:.1f}); load at the end {result['load']}")
     print(f"job took {result['wall_s']:.1f}s from the workers' start; monitor refresh "
           f"{result['refresh_mean_s'] * 1000:.0f} ms mean, {result['refresh_max_s'] * 1000:.0f} ms max")
     print("naive (a) = elapsed/done x remaining; (b) = remaining x avg output tokens so far / output tok/s now")

@@ -29,6 +29,7 @@ from genq.monitor.speedcurve import fit_overhead
 # Relative standard error never below this: speed drifts in ways a window
 # cannot see (other jobs, thermal throttling, batch-size effects at the end).
 REL_SE_FLOOR = 0.03
+RECENT_S = 10.0  # the requests decoding "now": their mean over this much of the window's end
 ONCE_REL_SE = 0.15  # --once: one look, no history of our own
 
 
@@ -131,9 +132,12 @@ class RateTracker:
             rel = max(REL_SE_FLOOR, 2 * math.sqrt(var / n_eff) / per_request)
         else:
             rel = 1.0
+        recent = [(b.decoding, b.at - a.at) for a, b in zip(pts, pts[1:])
+                  if a.decoding > 0 and b.decoding > 0 and b.at > a.at and pts[-1].at - a.at <= RECENT_S]
+        running = sum(d * dt for d, dt in recent) / sum(dt for _, dt in recent) if recent else 0.0
         return Speed(per_request=per_request, rel_se=min(rel, 1.0), span_s=span, samples=len(usable) + 1,
                      tokens_per_s=tokens_per_s, source=source, decoding=total_busy / worker_s,
-                     overhead=self.overhead, prompt_tokens=self.prompt_tokens)
+                     overhead=self.overhead, prompt_tokens=self.prompt_tokens, running=running)
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)

@@ -43,6 +43,7 @@ class Speed:
     overhead: float | None = None
     decoding: float = 0.0
     prompt_tokens: float = 0.0  # what a request's prefill processes: the job's mean prompt tokens
+    running: float = 0.0
 
     def shape(self) -> tuple[float, float] | None:
         """(overhead, decoding) when the speed depends on d, else None."""
