@@ -1,4 +1,4 @@
-"""The ETA when a request's speed depends on how many decode at once (#27).
+"""The ETA when a request's speed depends on how many decode at once.
 
 On a CPU (vLLM's CPU build, llama.cpp) a server's step costs about the same per sequence, so
 its tokens/s hardly depends on the batch and the last requests of a job run many times
