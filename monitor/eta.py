@@ -127,7 +127,10 @@ def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, sp
         result.state, result.note = "stalled", "no tokens generated in the window: is any worker running?"
         return result
     work = result.remaining_tokens or 0.0
-    bulk_s, drain_work, shift, fresh, steady = _phases(model, work, running, unstarted, rate, per_request)
+    # Those that decode at once: as measured (a request waiting in the server's queue is in flight
+    # and not decoding), or those in flight when there is no measure (--once).
+    at_once = round(speed.running) if speed.running > 0 else busy
+    bulk_s, drain_work, shift, fresh, steady = _phases(model, work, at_once, unstarted, rate, per_request)
     cdf = _longest(model, running, shift, fresh, steady)
     per_worker = speed.decoding if speed.decoding > 0 else max(busy, 1) / workers
 
@@ -149,17 +152,18 @@ def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, sp
     return result
 
 
-def _phases(model: LengthModel, work: float, running: Sequence[int], unstarted: int, rate: float,
+def _phases(model: LengthModel, work: float, at_once: int, unstarted: int, rate: float,
             per_request: float) -> tuple[float, float, float, int, bool]:
     """(seconds of the full fleet, tokens of the drain, tokens the running requests make before it,
     requests that join the drain, whether those are a steady fleet's)."""
-    busy = len(running)
-    if busy == 0 or unstarted < busy:  # the drain is now: the running ones and the prompts left
+    if at_once == 0:  # nothing decoding and no measure of how many do: the work at the measured rate
+        return work / rate, 0.0, 0.0, 0, False
+    if unstarted < at_once:  # the drain is now: the running ones and the prompts left
         return 0.0, work, 0.0, unstarted, False
     mean = max(model.mean(), 1e-9)
-    drain_work = min(work, busy * model.second_moment() / (2 * mean))
+    drain_work = min(work, at_once * model.second_moment() / (2 * mean))
     bulk_s = (work - drain_work) / rate
-    return bulk_s, drain_work, per_request * bulk_s, busy, True
+    return bulk_s, drain_work, per_request * bulk_s, at_once, True
 
 
 def _survival(model: LengthModel, x: float) -> float:

@@ -345,6 +345,17 @@ def test_the_eta_is_shown_at_the_first_refresh_after_5_percent_done() -> None:
     assert e.state == "estimating" and e.eta_s is not None and e.eta_low_s < e.eta_s < e.eta_high_s
 
 
+def test_a_moment_with_nothing_in_flight_keeps_the_eta() -> None:
+    """Between two batches a worker's in-flight list can be empty: the requests that decode at
+    once are the measured ones, not the none listed this instant."""
+    lens = lengths(2000, seed=6)
+    (s,) = run_job(lens, at_done=(0.3,), leases=2, max_leases=16, reserve=64)
+    listed = estimate(**inputs(s, 2000))
+    empty = inputs(s, 2000)
+    empty["lengths"] = LengthData(hist=s.hist, running=[], cap=CAP)
+    assert estimate(**empty).eta_s == pytest.approx(listed.eta_s, rel=0.2)
+
+
 def test_once_reads_the_speed_from_tokens_per_second() -> None:
     """--once knows the fleet's tokens/s, not one request's speed: a request's is the tokens/s
     over the requests running."""
