@@ -63,6 +63,7 @@ class Point:
     fit_sigma: float | None = None
     per_request_tok_s: float | None = None
     decoding_avg: float | None = None
+    overhead: float | None = None  # the speed curve's a/b (None: a request's speed does not depend on the count)
     true_s: float | None = None
     load: float | None = None  # the machine's 1-minute load average
 
@@ -237,7 +238,7 @@ def run(a: argparse.Namespace) -> dict:
                                     naive_a, naive_b, workers,
                                     fit_mean=m.mean() if m else None, fit_sigma=m.sigma if m else None,
                                     per_request_tok_s=sp.per_request if sp else None,
-                                    decoding_avg=sp.running if sp else None,
+                                    decoding_avg=sp.running if sp else None, overhead=sp.overhead if sp else None,
                                     load=os.getloadavg()[0]))
                 print(f"  {elapsed:6.1f}s  {frac:6.1%} done: monitor ETA "
                       f"{_fmt(p.eta_s)} [{_fmt(p.eta_low_s)}, {_fmt(p.eta_high_s)}] ({p.eta_state}); "
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("estimator inputs at each checkpoint: " + "; ".join(
         f"{pt['checkpoint']:.0%}: fit mean {_num(pt['fit_mean'])} sigma {_num(pt['fit_sigma'], 2)}, "
-        f"{_num(pt['per_request_tok_s'])} tok/s per request, {_num(pt['decoding_avg'], 1)} decoding"
+        f"{_num(pt['per_request_tok_s'])} tok/s per request, {_num(pt['decoding_avg'], 1)} decoding, "
+        f"overhead {_num(pt['overhead'], 1)}"
         for pt in result["points"]))
     shown = result["shown_after_5pct_s"]
     print(f"first ETA shown {'never' if shown is None else f'{shown:.1f}s'} after 5 % done (target: within 10 s)")
