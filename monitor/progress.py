@@ -26,12 +26,9 @@ from genq.core.records import GpuSample
 from genq.core.refusals import RedisNote, redis_note_of
 from genq.core.state import JobStatus
 from genq.core.words import plural
-from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
-from genq.monitor.etafleet import fleet_of
-from genq.monitor.etapool import EtaPool
+from genq.monitor.eta import Estimate, LengthData, Speed, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.sharing import shared_fleet
 from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
 from genq.ops.settings import describe_block
 
@@ -135,7 +132,6 @@ class JobReport:
     estimate: Estimate
     progress: JobProgress
     speed: Speed | None = None
-    fleet: list[WorkerState] | None = None
 
 
 class JobNotFound(LookupError):
@@ -152,7 +148,6 @@ class Monitor:
         self.window_s = window_s
         self.once = once
         self.trackers: dict[str, RateTracker] = {}
-        self.pools: dict[str, EtaPool] = {}  # live: each job's ETA work, spread over refreshes
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
@@ -213,17 +208,27 @@ class Monitor:
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
         config = snap.config
-        fleet = fleet_of(snap)
+        workers = [w for w in snap.workers if works_on(w)]
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
-            fleet=shared_fleet(fleet, snap.share), batch_size=config.batch_size if config else 256,
-            speed=speed, paused=snap.paused and not snap.is_done,
-            pool=None if self.once else self.pools.setdefault(snap.job, EtaPool()), now=snap.at,
+            speed=speed, workers=len(workers), paused=snap.paused and not snap.is_done,
+            unsent=sum(w.inflight.queued for w in workers if w.inflight is not None),
         )
         if snap.is_done:
             est.state = "done"
-        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
+        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed)
+
+
+def works_on(w: WorkerView) -> bool:
+    """Whether a worker will work on the job from now on: a live one holding its prompts, or an idle
+    one (the queue is shared: it takes the next batches). Paused and server-down workers add nothing
+    until they come back."""
+    s = w.live_status
+    if s is None or s.state in ("paused", "server_down"):
+        return False
+    holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
+    return bool(holds) or s.state in ("idle", "busy", "starting")
 
 
 def _hours(seconds: float | None) -> float | None:

@@ -70,8 +70,8 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     The ETA comes from remaining work and recent throughput: output lengths
     are fitted to the finished completions and the running ones (a running
     request will be at least as long as it is now), so the long tail is
-    counted before it finishes; the range is the central 90% of simulated
-    finish times.
+    counted before it finishes; the job's drain (its longest last requests)
+    is added; the range is a central 90% (docs/monitoring.md).
     """
     s = settings(ctx)
     if once and (listen or web_listen):
