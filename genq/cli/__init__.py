@@ -16,7 +16,6 @@ import redis
 from rich.console import Console
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
-from genq.core.refusals import refusal
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -177,17 +176,14 @@ def settings(ctx: click.Context) -> Settings:
 
 @contextmanager
 def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
-    """The command's Redis, closed after; a connection failure is a one-line error naming the URL
-    (its password masked), not a traceback."""
+    """The command's Redis, closed after. Whatever Redis says instead of answering (unreachable,
+    full, a database index it does not have, an address that is not Redis) is one line naming
+    the URL (its password masked), exit 1, not a traceback: genq.core.redisconn.describe_error."""
     url = settings(ctx).redis_url
     conn = connect(url)
     try:
         yield conn
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    except redis.ResponseError as exc:
-        if refusal(exc) is None:  # Redis full, without disk, a replica; any other refusal is genq's bug: a traceback
-            raise
+    except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
     finally:
         conn.close()

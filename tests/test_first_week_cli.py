@@ -1,0 +1,59 @@
+"""A new user's first week (tried from a fresh clone with the README, the docs and --help only):
+what each command says and how it exits when Redis refuses, when Ctrl-C stops an enqueue, when
+a job's name is used again, when an option is given without its scheme, and where its files go.
+"""
+
+from __future__ import annotations
+
+import socketserver
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from genq.core.localredis import LocalRedis
+from tests.conftest import run_genq
+
+pytestmark = pytest.mark.e2e  # every test here runs the CLI
+
+
+@pytest.fixture(scope="module")
+def private_redis() -> Iterator[LocalRedis]:
+    with LocalRedis() as server:
+        yield server
+
+
+class _HTTP(socketserver.BaseRequestHandler):
+    """Answers whatever it is sent as an HTTP server answers a request it cannot parse."""
+
+    def handle(self) -> None:
+        self.request.recv(65536)
+        self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def http_port() -> Iterator[int]:
+    """An address that answers, but HTTP, not Redis (a metrics port, an inference server)."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _HTTP)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+CONTROL_COMMANDS = [("workers",), ("workers", "--json"), ("jobs",), ("jobs", "--json"), ("pause",),
+                    ("resume",), ("drain", "--all"), ("concurrency", "4", "--all"), ("jobs", "delete", "x", "-y"),
+                    ("jobs", "show", "x"), ("status", "x", "p1"), ("dlq", "list", "--job", "x"), ("monitor", "--once"),
+                    ("export", "--job", "x", "--to", "x.jsonl")]
+
+
+@pytest.mark.parametrize("where", ["db 99", "http"])
+def test_a_refusing_redis_is_one_line_and_exit_1_for_every_command(where, private_redis, http_port):
+    url = (private_redis.url.rsplit("/", 1)[0] + "/99" if where == "db 99" else f"redis://127.0.0.1:{http_port}/0")
+    said = "DB index is out of range" if where == "db 99" else "Protocol Error"
+    for args in CONTROL_COMMANDS:
+        proc = run_genq(*args, redis_url=url, check=False, timeout=60)
+        assert proc.returncode == 1, (args, proc.returncode, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and said in lines[0], (args, proc.stderr)
