@@ -42,10 +42,14 @@ class WorkerRow:
     # Read through from the record (defaults while lost).
     _DEFAULTS: ClassVar[dict[str, Any]] = {
         "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0,
-        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None}
+        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None, "server_capacity": None}
+    # server_capacity: the requests its server runs at once (vLLM's max_num_seqs, 128 by default;
+    # None: not known yet); concurrency_limit: the operator's cap on this worker (None: auto, follow
+    # the server). "cap" is concurrency_limit's first name, kept for scripts that read it.
     JSON_FIELDS: ClassVar[tuple[str, ...]] = (
-        "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "cap", "queued",
-        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note", "model")
+        "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "concurrency_limit",
+        "server_capacity", "cap", "queued", "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note",
+        "model")
 
     def __getattr__(self, field: str) -> Any:
         if field not in self._DEFAULTS:
@@ -69,9 +73,11 @@ class WorkerRow:
         return 0 if self.status is None else self.status.concurrency_target
 
     @property
-    def cap(self) -> int | None:
-        """The live concurrency cap (None: auto)."""
+    def concurrency_limit(self) -> int | None:
+        """The live concurrency cap (`genq concurrency`; None: auto)."""
         return None if self.status is None else self.status.concurrency_limit
+
+    cap = concurrency_limit
 
     @property
     def heartbeat_age_s(self) -> float | None:
