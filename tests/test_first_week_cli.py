@@ -57,3 +57,11 @@ def test_a_refusing_redis_is_one_line_and_exit_1_for_every_command(where, privat
         assert "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("Error: ") and said in lines[0], (args, proc.stderr)
+
+
+@pytest.mark.parametrize("server", ["127.0.0.1:31000", "localhost:31000", "tcp://127.0.0.1:31000", "http://:31000"])
+def test_a_server_without_its_scheme_is_bad_usage_before_anything_is_written(server, redis_url, rconn):
+    proc = run_genq("worker", "--server", server, "--burst", redis_url=redis_url, check=False, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "--server" in proc.stderr and "http://" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert rconn.keys("*") == [], rconn.keys("*")  # no worker row, nothing to --prune

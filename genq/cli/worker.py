@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
 from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions
+from genq.worker.options import WorkerOptions, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
@@ -28,8 +28,15 @@ def setup_logging(level: str) -> None:
         datefmt="%H:%M:%S",
     )
 
+
+def _checked_server(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and (problem := server_url_problem(value)):
+        raise click.BadParameter(problem, ctx, param)
+    return value
+
+
 @click.command()
-@click.option("--server", "server_url", default=None, metavar="URL", help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
+@click.option("--server", "server_url", default=None, metavar="URL", callback=_checked_server, help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
 @click.option("--gpus", default=None, metavar="all|0,1,5", help="One worker per GPU of this machine, each a child process restarted if it fails: 'all' (every GPU NVML sees) or a list of indices as nvidia-smi numbers them.")
 @click.option("--server-url", "server_url_template", default="http://127.0.0.1:{port}", show_default=True, metavar="TEMPLATE", help="With --gpus: each GPU's server; {port} is --base-port + the GPU's position in the --gpus list (0,1,5 -> 30000,30001,30002), {gpu} its index.")
 @click.option("--base-port", type=click.IntRange(1, 65535), default=30000, show_default=True, help="With --gpus: port of the first listed GPU's server; the next ones count up.")
