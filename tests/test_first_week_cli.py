@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from genq.core.localredis import LocalRedis
-from tests.conftest import run_genq
+from tests.conftest import run_genq, write_prompts
 
 pytestmark = pytest.mark.e2e  # every test here runs the CLI
 
@@ -65,3 +65,21 @@ def test_a_server_without_its_scheme_is_bad_usage_before_anything_is_written(ser
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "--server" in proc.stderr and "http://" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert rconn.keys("*") == [], rconn.keys("*")  # no worker row, nothing to --prune
+
+
+def test_export_of_an_unfinished_job_exits_3_with_its_note(redis_url, rconn, tmp_path):
+    from genq.core.queueing import load_config
+    from genq.output.local import LocalSink
+    from genq.output.sink import shard_bytes
+    from tests.test_export import result
+
+    src, out = tmp_path / "p.jsonl", tmp_path / "out"
+    write_prompts(src, 20)
+    run_genq("enqueue", str(src), "--job", "half", "--output", str(out), "--batch-size", "10", redis_url=redis_url)
+    incarnation = load_config(rconn, "half").incarnation
+    LocalSink(str(out), incarnation=incarnation).write_shard(
+        "half", "b0000001", shard_bytes([result(f"p{i:05d}", i, "b0000001", job="half") for i in range(10)], "none"), 10)
+    proc = run_genq("export", "--job", "half", "--to", str(tmp_path / "half.jsonl"), redis_url=redis_url, check=False)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "wrote 10 records" in proc.stdout and "not in this export yet" in proc.stderr, proc.stderr
+    assert len((tmp_path / "half.jsonl").read_text().splitlines()) == 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -19,6 +20,8 @@ from genq.output import export as exporting
 from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
 from genq.output.formats import FORMATS, format_for
 from genq.producer.batchinput import read_prompts
+
+EXIT_PARTLY_DONE = 3  # the job has batches without shards yet: they are not in the file
 
 
 @click.command()
@@ -44,7 +47,9 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
 
     Only shards named by the manifest (JOB/manifest/*.json) are read, each checked
     against its marker; records are deduplicated by id and, with --order input,
-    sorted by their line in the input. Prints what it wrote.
+    sorted by their line in the input. Prints what it wrote. Exit status 3
+    (partly done) when the job has batches whose shards are not written yet:
+    the file holds what is finished so far; run it again once the job is done.
 
     \b
     Examples:
@@ -76,11 +81,13 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
 
                 raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
             raise
-        _report(summary, fmt, _status(conn, job, config is not None))
+        partial = _report(summary, fmt, _status(conn, job, config is not None))
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
     finally:
         conn.close()
+    if partial:
+        sys.exit(EXIT_PARTLY_DONE)
 
 
 def _destination(dest: str, job: str, fmt: str) -> str:
@@ -122,7 +129,8 @@ def _status(conn: redis.Redis, job: str, known: bool) -> dict[str, int]:
     return {"total": counts.total, "batches": counts.batches_total, "done": counts.done, "dead": counts.dead}
 
 
-def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
+def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> bool:
+    """Says what was written; True when the job is not finished (the export is partial)."""
     click.echo(f"wrote {plural(s.records, 'record')} ({_size(s.bytes)}, {s.bytes:,} bytes) to {s.path} "
                f"from {plural(s.shards, 'shard')}")
     if s.duplicates:
@@ -132,10 +140,11 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
     if s.skipped_errors:
         click.echo(f"  left out {s.skipped_errors:,} dead letters whose id also has a result")
     if not status:
-        return
-    if status["done"] < status["batches"]:
+        return False
+    partial = status["done"] < status["batches"]
+    if partial:
         click.echo(f"  note: job has {plural(status['batches'], 'batch', 'batches')}, {status['done']:,} with shards written: "
-                   "the rest are not in this export yet", err=True)
+                   f"the rest are not in this export yet (exit {EXIT_PARTLY_DONE}: partly done)", err=True)
     if status["dead"] and not FORMATS[fmt].errors_file:
         click.echo(f"  note: {status['dead']:,} prompts are in the dead-letter queue, not in this export "
                    "(see `genq dlq`)", err=True)
@@ -143,6 +152,7 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
     if FORMATS[fmt].errors_file and missing > 0:
         click.echo(f"  note: {missing:,} of {status['total']:,} prompts are in neither file (not finished yet)",
                    err=True)
+    return partial
 
 
 def _size(n: int) -> str:
