@@ -5,6 +5,7 @@ a job's name is used again, when an option is given without its scheme, and wher
 
 from __future__ import annotations
 
+import os
 import socketserver
 import threading
 from collections.abc import Iterator
@@ -83,3 +84,27 @@ def test_export_of_an_unfinished_job_exits_3_with_its_note(redis_url, rconn, tmp
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
     assert "wrote 10 records" in proc.stdout and "not in this export yet" in proc.stderr, proc.stderr
     assert len((tmp_path / "half.jsonl").read_text().splitlines()) == 10
+
+
+def test_output_and_export_files_have_the_umasks_mode_not_0600(redis_url, sim, worker, tmp_path):
+    """Teammates read a job's files: each is created as open() would create it (0666 less the
+    umask; 027 here, so 0640), not with mkstemp's 0600."""
+    old = os.umask(0o027)
+    try:
+        src, out = tmp_path / "p.jsonl", tmp_path / "out"
+        write_prompts(src, 20)
+        with src.open("a") as f:
+            f.write("not json\n")  # a rejects file too
+        run_genq("enqueue", str(src), "--job", "modes", "--output", str(out), "--batch-size", "10",
+                 "--max-tokens", "16", redis_url=redis_url, check=False)
+        proc = worker(sim(mean_output_tokens=8, output_sigma=0.5, tokens_per_step=16, step_ms_base=2), "--burst")
+        assert proc.wait(timeout=120) == 0, proc.log()
+        for fmt in ("jsonl", "parquet"):
+            run_genq("export", "--job", "modes", "--to", str(tmp_path / f"modes.{fmt}"), redis_url=redis_url)
+    finally:
+        os.umask(old)
+    made = [p for p in (out / "modes").rglob("*") if p.is_file()] + [tmp_path / "modes.jsonl", tmp_path / "modes.parquet"]
+    kinds = {p.parent.name for p in made}
+    assert {"shards", "manifest", "rejects", "modes"} <= kinds, made  # modes/job.json is in "modes"
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made}
+    assert set(modes.values()) == {"0o640"}, modes
