@@ -108,3 +108,16 @@ def test_output_and_export_files_have_the_umasks_mode_not_0600(redis_url, sim, w
     assert {"shards", "manifest", "rejects", "modes"} <= kinds, made  # modes/job.json is in "modes"
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made}
     assert set(modes.values()) == {"0o640"}, modes
+
+
+def test_enable_thinking_at_the_top_of_extra_body_points_at_chat_template_kwargs(redis_url, rconn, tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 3)
+    proc = run_genq("enqueue", str(src), "--job", "think", "--extra-body", '{"enable_thinking": true}',
+                    redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert '{"chat_template_kwargs": {"enable_thinking": true}}' in proc.stderr, proc.stderr
+    assert rconn.keys("*") == []
+    # Said that way, it is taken.
+    run_genq("enqueue", str(src), "--job", "think", "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}',
+             "--output", str(tmp_path / "out"), redis_url=redis_url)
