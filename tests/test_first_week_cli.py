@@ -121,3 +121,33 @@ def test_enable_thinking_at_the_top_of_extra_body_points_at_chat_template_kwargs
     # Said that way, it is taken.
     run_genq("enqueue", str(src), "--job", "think", "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}',
              "--output", str(tmp_path / "out"), redis_url=redis_url)
+
+
+def test_parquet_columns_besides_id_and_messages_reach_the_record_as_metadata(redis_url, rconn, sim, worker, tmp_path):
+    """As a JSONL line's extra keys do: every other column, whatever its type, in the record's
+    metadata; a "prompt" column beside the messages too (it was dropped)."""
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import batch_prompts, read_results
+
+    when = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC)
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"think about {i}"}], "source": "gsm8k",
+             "difficulty": i, "score": i / 2, "tags": ["math", f"t{i}"], "extra": {"k": i}, "created": when,
+             "prompt": f"the problem as one string {i}"} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    out = tmp_path / "out"
+    run_genq("enqueue", str(tmp_path / "t.parquet"), "--job", "pqmeta", "--output", str(out), "--max-tokens", "16",
+             redis_url=redis_url)
+    expected = {f"q{i}": {"source": "gsm8k", "difficulty": i, "score": i / 2, "tags": ["math", f"t{i}"],
+                          "extra": {"k": i}, "prompt": f"the problem as one string {i}"} for i in range(6)}
+    queued = {p.id: p.metadata for p in batch_prompts(rconn, "pqmeta", "b0000001")}
+    assert {k: {f: v for f, v in m.items() if f != "created"} for k, m in queued.items()} == expected, queued
+    assert all(m.get("created") for m in queued.values()), queued
+    proc = worker(sim(mean_output_tokens=8, output_sigma=0.5, tokens_per_step=16, step_ms_base=2), "--burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+    written = {r["id"]: r["metadata"] for r in read_results(out, "pqmeta")}
+    assert {k: {f: v for f, v in m.items() if f != "created"} for k, m in written.items()} == expected, written
+    assert {m["created"] for m in written.values()} == {"2026-12-01T12:00:00Z"}, written
