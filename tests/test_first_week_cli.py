@@ -151,3 +151,31 @@ def test_parquet_columns_besides_id_and_messages_reach_the_record_as_metadata(re
     written = {r["id"]: r["metadata"] for r in read_results(out, "pqmeta")}
     assert {k: {f: v for f, v in m.items() if f != "created"} for k, m in written.items()} == expected, written
     assert {m["created"] for m in written.values()} == {"2026-12-01T12:00:00Z"}, written
+
+
+def test_ctrl_c_during_enqueue_exits_130_says_what_the_job_holds_and_the_same_command_completes_it(
+        redis_url, rconn, tmp_path):
+    import signal
+    import subprocess
+
+    from genq.core.ledger.jobs import counts
+    from tests.conftest import WORKDIR, genq_cmd, wait_until
+
+    n = 400_000
+    src = tmp_path / "big.jsonl"
+    with src.open("w") as f:
+        f.writelines(f'{{"id": "r{i}", "prompt": "q{i}"}}\n' for i in range(n))
+    args = ("enqueue", str(src), "--job", "big", "--output", str(tmp_path / "out"), "--batch-size", "512")
+    proc = subprocess.Popen(genq_cmd(*args, redis_url=redis_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=WORKDIR)
+    wait_until(lambda: counts(rconn, "big").total > 0 or proc.poll() is not None, 60, "the first batches queued")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    held = counts(rconn, "big").total
+    assert proc.returncode == 130, (proc.returncode, out, err[-2000:])
+    assert 0 < held < n, held
+    assert "Aborted!" not in err and "Traceback" not in err, err[-2000:]
+    assert f"job big holds {held:,} prompts now" in err and "run the same command again" in err, err
+    again = run_genq(*args, redis_url=redis_url, timeout=300)
+    assert f"skipped {held:,} prompts already queued" in again.stdout, again.stdout
+    assert counts(rconn, "big").total == n  # each prompt once

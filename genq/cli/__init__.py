@@ -41,6 +41,14 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(name for name in COMMANDS if _available(name))
 
+    def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
+        """Ctrl-C: exit 130, as the README says (click itself prints "Aborted!" and exits 1)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = COMMANDS.get(name)
         if target is None:

@@ -33,6 +33,7 @@ from genq.producer.rows import Row
 from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
 
 EXIT_REJECTED = 3
+EXIT_INTERRUPTED = 130
 SHOWN_REJECTS = SHOWN  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
@@ -106,7 +107,9 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     wholly invalid input, bad --extra-body, settings that contradict the job,
     Redis unreachable), or Redis failed part way (full: the error says how many
     prompts the job holds, and the same command again queues the rest); 2 bad
-    usage (unknown option, value out of range).
+    usage (unknown option, value out of range); 130 interrupted (Ctrl-C: it
+    says how many prompts the job holds; the same command again queues the
+    rest).
     """
     url = settings(ctx).redis_url
     try:
@@ -139,6 +142,10 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
+    except KeyboardInterrupt:
+        held = _held_so_far(url, job, "to queue the rest")
+        click.echo(f"\ninterrupted{held or ': nothing was queued'}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     if summary.read == 0:
         rejects.discard()
         _nothing_valid(summary, rejects, input_uri)
@@ -148,17 +155,17 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         sys.exit(EXIT_REJECTED)
 
 
-def _held_so_far(url: str, job: str) -> str:
-    """After Redis failed part way (full, most often, with a large input): what the job holds, and
-    how to go on. Batches are queued whole, each prompt once: the same command skips them."""
+def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
+    """After Redis failed part way (full, most often, with a large input) or Ctrl-C: what the job
+    holds, and how to go on. Batches are queued whole, each prompt once: the same command skips them."""
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
         return ""
     if not held:
         return ""
-    return (f"\njob {job} holds {plural(held, 'prompt')} now; once Redis takes writes, run the same command "
-            "again: the prompts already queued are skipped, the rest queued")
+    return (f"\njob {job} holds {plural(held, 'prompt')} now (queued: workers run them); {when}, run the same "
+            "command again: the prompts already queued are skipped, the rest queued, each prompt once")
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:
