@@ -179,3 +179,54 @@ def test_ctrl_c_during_enqueue_exits_130_says_what_the_job_holds_and_the_same_co
     again = run_genq(*args, redis_url=redis_url, timeout=300)
     assert f"skipped {held:,} prompts already queued" in again.stdout, again.stdout
     assert counts(rconn, "big").total == n  # each prompt once
+
+
+def test_a_finished_jobs_name_is_not_silently_added_to_and_a_deleted_ones_starts_a_new_life(
+        redis_url, rconn, sim, worker, tmp_path):
+    """New prompts under a done job's name are refused without --add (the same input again is
+    fine: nothing new); --dry-run says what the name is; after `jobs delete` the name is a new
+    job, not the old one taken up from its job.json, unless `genq recover` is asked."""
+    import json
+
+    from genq.core.ledger.jobs import counts
+
+    first, more, out = tmp_path / "first.jsonl", tmp_path / "more.jsonl", tmp_path / "out"
+    write_prompts(first, 10)
+    write_prompts(more, 5, start=10)
+    common = ("--job", "fin", "--output", str(out), "--max-tokens", "16", "--batch-size", "5")
+    run_genq("enqueue", str(first), *common, redis_url=redis_url)
+    url = sim(mean_output_tokens=8, output_sigma=0.5, tokens_per_step=16, step_ms_base=2)
+    assert worker(url, "--burst").wait(timeout=120) == 0
+
+    dry = run_genq("enqueue", str(more), *common, "--dry-run", redis_url=redis_url, check=False)
+    assert dry.returncode == 1, (dry.stdout, dry.stderr)
+    assert "an existing job, done, 10 prompts" in dry.stdout and "a new job" not in dry.stdout, dry.stdout
+    assert "would be refused" in dry.stderr and "--add" in dry.stderr, dry.stderr
+    refused = run_genq("enqueue", str(more), *common, redis_url=redis_url, check=False)
+    assert refused.returncode == 1 and "job fin is done" in refused.stderr and "--add" in refused.stderr, refused.stderr
+    assert counts(rconn, "fin").total == 10
+    same = run_genq("enqueue", str(first), *common, redis_url=redis_url)  # nothing new: fine, as ever
+    assert "skipped 10 prompts already queued or done" in same.stdout, same.stdout
+    run_genq("enqueue", str(more), *common, "--add", redis_url=redis_url)
+    assert counts(rconn, "fin").total == 15
+    assert worker(url, "--burst").wait(timeout=120) == 0
+
+    deleted = run_genq("jobs", "delete", "fin", "-y", redis_url=redis_url)
+    assert "the name fin is free for a new job" in deleted.stdout, deleted.stdout
+    assert json.loads((out / "fin" / "job.json").read_text())["deleted_at"] > 0
+    # genq recover, asked, brings the old job back whole.
+    back = run_genq("recover", "--job", "fin", "--output", str(out), redis_url=redis_url)
+    assert "created again from" in back.stdout and "3 batches written in the output marked done" in back.stdout, back.stdout
+    assert "deleted_at" not in json.loads((out / "fin" / "job.json").read_text())
+    row = next(r for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout) if r["name"] == "fin")
+    assert (row["state"], row["total"], row["done"]) == ("done", 15, 15), row
+
+    run_genq("jobs", "delete", "fin", "-y", redis_url=redis_url)
+    dry = run_genq("enqueue", str(first), *common, "--dry-run", redis_url=redis_url)
+    assert "a new job;" in dry.stdout and "earlier job of this name (deleted)" in dry.stdout, dry.stdout
+    assert "10 prompts would be queued" in dry.stdout, dry.stdout
+    again = run_genq("enqueue", str(first), *common, redis_url=redis_url)
+    assert "created again" not in again.stdout and "which was deleted" in again.stdout, again.stdout
+    assert "queued 10 prompts" in again.stdout, again.stdout
+    row = next(r for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout) if r["name"] == "fin")
+    assert (row["state"], row["total"], row["done"]) == ("queued", 10, 0), row

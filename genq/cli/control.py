@@ -13,7 +13,7 @@ from rich.table import Table
 
 from genq.cli import JobName, console, jobset, redis_conn
 from genq.core.ledger.jobs import job_keys_shown
-from genq.core.queueing import list_jobs
+from genq.core.queueing import list_jobs, load_config
 from genq.core.words import plural
 from genq.ops import control
 from genq.ops.settings import describe_block
@@ -89,8 +89,11 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
     Removes everything under genq:job:JOB: (config, ids, batches, results not
     yet written, counters, dead letters), JOB from the job list, and the job's
     RQ jobs from the queue and RQ's registries. Shards already written under
-    the job's output are kept. Refused while a live worker holds one of its
-    batches (drain or stop it first), unless --force.
+    the job's output are kept, and its job.json marked deleted: the name's
+    next `genq enqueue` starts a new job there instead of taking this one up
+    again (`genq recover --job JOB --output OUTPUT` brings it back). Refused
+    while a live worker holds one of its batches (drain or stop it first),
+    unless --force.
     """
     with redis_conn(ctx) as conn:
         found = control.find_job(conn, job)
@@ -104,8 +107,15 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
         what = _deletion_summary(found)
         if not yes and not click.confirm(f"delete job {job}: {what}?", default=False):
             raise click.ClickException("nothing deleted")
+        config = load_config(conn, job)
         control.delete_job(conn, found)
     click.echo(f"removed job {job}: {what}")
+    if config is not None:
+        if problem := control.mark_output_deleted(config):
+            click.echo(f"warning: {problem}", err=True)
+        else:
+            click.echo(f"its shards stay in {config.output}/{job}; the name {job} is free for a new job "
+                       f"(`genq recover --job {job} --output {config.output}` brings this one back instead)")
 
 
 jobs.add_command(jobset.jobs_set)

@@ -43,7 +43,7 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 
 @click.command()
 @click.argument("input_uri", metavar="INPUT")
-@click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job.")
+@click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job (a finished one only with --add).")
 @click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=None, help="Prompts per batch (one RQ job each). [default: 256]")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="max_tokens sent with every request (always sent: SGLang otherwise runs to the context limit). [default: 4096]")
@@ -70,12 +70,15 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                    "waits (docs/scheduling.md). Changeable: genq jobs set JOB --priority N. [default: 0]")
 @click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
+@click.option("--add", "add_to_finished", is_flag=True,
+              help="Add the new prompts of INPUT to JOB even though it is finished (done or partial): it runs "
+                   "again and writes into the same output. Without it, new prompts for a finished job are refused.")
 @click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
               "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
             prompt_column: str | None, id_column: str | None, by_reference: bool | None, dry_run: bool,
-            priority: int | None, weight: float | None, **options: object) -> None:
+            priority: int | None, weight: float | None, add_to_finished: bool, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -97,7 +100,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
 
     Re-running is safe: ids already queued or done are skipped and counted.
     The job's settings are stored with its first queued batch; later enqueues
-    into the same job must not contradict them. Nothing is created when
+    into the same job must not contradict them. New prompts for a finished
+    job (done or partial) are refused unless --add: use a new --job name. Nothing is created when
     nothing is queued (missing or empty input, no valid line).
 
     \b
@@ -121,15 +125,16 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
             click.echo(f"warning: {note.text}", err=True)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
+        closed = None if create or add_to_finished else _finished(conn, job, config)
         meter = Meter()
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 
-            sys.exit(check_only(conn, config, create, input_uri, rows))
+            sys.exit(check_only(conn, config, create, input_uri, rows, _name_state(conn, config, create), closed))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
-            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter)
+            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter, closed)
         except BaseException:
             rejects.discard()
             raise
@@ -219,8 +224,47 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
     return input_uri if is_s3(input_uri) else os.path.abspath(input_uri)
 
 
+def _finished(conn: redis.Redis, job: str, config: JobConfig) -> str | None:
+    """Why new prompts for `job` are refused without --add: it is finished (None: it is not)."""
+    from genq.core.state import FINISHED_STATUSES
+    from genq.ops.control import job_rows
+
+    row = job_rows(conn, [job])[0]
+    if row.state not in FINISHED_STATUSES:
+        return None
+    return (f"job {job} is {row.state} ({plural(row.total, 'prompt')}, output {config.output}) and INPUT has "
+            f"prompts it does not hold: adding them would run it again, writing into the same output. Give a new "
+            f"--job name for a new job, or --add to add them to {job}")
+
+
+def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
+    """What the job's name stands for now, as --dry-run says it."""
+    if not create:
+        from genq.ops.control import job_rows
+
+        row = job_rows(conn, [config.name])[0]
+        return f"an existing job, {row.state}, {plural(row.total, 'prompt')}; its settings agree"
+    from genq.output import truth
+    from genq.output.sink import open_store
+    from genq.producer.enqueue import revives
+
+    store = open_store(config.output, config.s3_endpoint_url)
+    try:
+        on_disk = truth.read_job(store, config.name)
+    except Exception as exc:  # the output unreachable: the real enqueue stops on it, saying so
+        return f"a new job, unless {config.output} (unreadable from here: {type(exc).__name__}) holds it"
+    if on_disk is None:
+        return "a new job"
+    if revives(on_disk, config):
+        return (f"not in Redis, but {truth.job_uri(store, config.name)} holds it: it would be created again from "
+                "there, its written batches counted as done (below, prompts are counted against Redis alone)")
+    return (f"a new job; {truth.job_uri(store, config.name)} holds an earlier job of this name "
+            f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")
+
+
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter,
+         closed: str | None) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
     reading = ReadProgress(meter)
@@ -230,7 +274,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             click.echo(f"\r  {reading.line(summary.read, summary.enqueued)}", err=True, nl=False)
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
-                        input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri))
+                        input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri), closed=closed)
     summary = enqueuer.run(rows, on_progress=progress, meter=meter)
     if show_progress:
         click.echo("", err=True)

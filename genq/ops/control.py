@@ -22,9 +22,11 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.figures import job_totals
 from genq.core.order import schedules
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, suspend_loops
-from genq.core.records import Control, JobBlock, WorkerStatus
+from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock, unqueue
+from genq.output import truth
+from genq.output.sink import open_store
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -276,6 +278,20 @@ class JobDeletion(msgspec.Struct):
     @property
     def rq_count(self) -> int:
         return len({i for ids in self.rq_jobs.values() for i in ids})
+
+
+def mark_output_deleted(config: JobConfig | None) -> str | None:
+    """OUTPUT/JOB/job.json marked deleted, so the name's next enqueue starts a new job instead of
+    taking this one up again from its shards (genq recover still can). Why it could not, or None."""
+    if config is None:
+        return None
+    try:
+        truth.mark_deleted(open_store(config.output, config.s3_endpoint_url), config.name, time.time(),
+                           config.incarnation)
+    except Exception as exc:  # OSError, botocore's: the output is not reachable from here
+        return (f"could not mark {config.output}/{config.name}/job.json deleted ({type(exc).__name__}: {exc}): "
+                f"an enqueue of the name {config.name} will take the old job up again from its shards")
+    return None
 
 
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:
