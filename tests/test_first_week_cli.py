@@ -230,3 +230,29 @@ def test_a_finished_jobs_name_is_not_silently_added_to_and_a_deleted_ones_starts
     assert "queued 10 prompts" in again.stdout, again.stdout
     row = next(r for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout) if r["name"] == "fin")
     assert (row["state"], row["total"], row["done"]) == ("queued", 10, 0), row
+
+
+def test_pause_job_takes_its_queued_batches_out_whole_and_resume_queues_them_again(redis_url, rconn, tmp_path):
+    """genq pause --job deletes the RQ jobs it takes out of the queue itself, without RQ's delete
+    (seven status reads a job); nothing of them is left, the other job's stay, resume queues all."""
+    from genq.core.queueing import carried, fetch_rq_jobs, rq_queue
+
+    for job in ("a", "b"):
+        write_prompts(tmp_path / f"{job}.jsonl", 200)
+        run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"),
+                 "--batch-size", "10", redis_url=redis_url)
+
+    def queued() -> dict[str, int]:
+        jobs = fetch_rq_jobs(rconn, rq_queue(rconn).get_job_ids())
+        return {j: sum(1 for r in jobs if r is not None and carried(r)[0] == j) for j in ("a", "b")}
+
+    assert queued() == {"a": 20, "b": 20}
+    rq_keys = {k for k in rconn.keys("rq:job:*") if b":" not in k[len("rq:job:"):]}
+    run_genq("pause", "--job", "a", redis_url=redis_url)
+    assert queued() == {"a": 0, "b": 20}
+    left = {k for k in rconn.keys("rq:job:*") if b":" not in k[len("rq:job:"):]}
+    assert len(left) == 20 and left < rq_keys, len(left)
+    assert not any(rconn.exists(k + b":dependents") for k in rq_keys - left)
+    said = run_genq("resume", "--job", "a", redis_url=redis_url).stdout
+    assert "20 parked batches queued again" in said, said
+    assert queued() == {"a": 20, "b": 20}
