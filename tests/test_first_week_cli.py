@@ -256,3 +256,52 @@ def test_pause_job_takes_its_queued_batches_out_whole_and_resume_queues_them_aga
     said = run_genq("resume", "--job", "a", redis_url=redis_url).stdout
     assert "20 parked batches queued again" in said, said
     assert queued() == {"a": 20, "b": 20}
+
+
+def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_path):
+    """--job everywhere (beside the positional JOB), export's --output (--from kept), monitor's
+    --metrics (--serve kept), -y on both deletions, --log-level in any case, and `genq --help`'s
+    summaries whole phrases. Old spellings are accepted and left out of --help."""
+    listing = run_genq("--help", redis_url=redis_url).stdout.split("Commands:")[1]
+    assert "..." not in listing and listing.count("\n") >= 15, listing
+    for group in ("jobs", "dlq"):
+        sub = run_genq(group, "--help", redis_url=redis_url).stdout.split("Commands:")[1]
+        assert "..." not in sub, sub
+
+    src, out = tmp_path / "p.jsonl", tmp_path / "out"
+    write_prompts(src, 4)
+    run_genq("enqueue", str(src), "--job", "names", "--output", str(out), redis_url=redis_url)
+    for args in (("jobs", "show", "names"), ("jobs", "show", "--job", "names")):
+        assert "names" in run_genq(*args, redis_url=redis_url).stdout
+    run_genq("jobs", "set", "--job", "names", "--priority", "3", redis_url=redis_url)
+    assert "priority" in run_genq("jobs", "show", "--job", "names", redis_url=redis_url).stdout
+    assert "queued" in run_genq("status", "--job", "names", "p00001", redis_url=redis_url).stdout
+    assert "queued" in run_genq("status", "names", "p00001", redis_url=redis_url).stdout
+    both = run_genq("jobs", "show", "names", "--job", "other", redis_url=redis_url, check=False)
+    assert both.returncode == 2 and "two jobs given" in both.stderr, both.stderr
+
+    from genq.output.local import LocalSink
+    from genq.output.sink import shard_bytes
+    from tests.test_export import result
+
+    LocalSink(str(out)).write_shard("names", "b0000001", shard_bytes([result("p00000", 0, "b0000001", job="names")],
+                                                                     "none"), 1)
+    for option in ("--output", "--from"):
+        done = run_genq("export", "--job", "names", option, str(out), "--to", str(tmp_path / f"x{option}.jsonl"),
+                        redis_url=redis_url, check=False)
+        assert done.returncode == 3 and "wrote 1 record" in done.stdout, (option, done.stdout, done.stderr)  # 3: partial
+    export_help = run_genq("export", "--help", redis_url=redis_url).stdout
+    assert "--output OUTPUT" in export_help and "--from" not in export_help, export_help
+    monitor_help = run_genq("monitor", "--help", redis_url=redis_url).stdout
+    assert "--metrics [HOST]:PORT" in monitor_help and "--serve" not in monitor_help, monitor_help
+    for option in ("--metrics", "--serve"):
+        bad = run_genq("monitor", option, "nonsense", redis_url=redis_url, check=False)
+        assert bad.returncode == 1 and "--metrics 'nonsense': expected [HOST]:PORT" in bad.stderr, bad.stderr
+
+    level = run_genq("worker", "--log-level", "INFO", redis_url=redis_url, check=False)
+    assert level.returncode == 2 and "--log-level" not in level.stderr and "give either --server" in level.stderr, level.stderr
+
+    purge = run_genq("dlq", "purge", "--job", "names", "-y", redis_url=redis_url, check=False)
+    assert purge.returncode == 0 and "No such option" not in purge.stderr, purge.stderr
+    gone = run_genq("jobs", "delete", "--job", "names", "-y", redis_url=redis_url)
+    assert "removed job names" in gone.stdout, gone.stdout

@@ -5,11 +5,13 @@ Subcommands are imported lazily so `genq --help` and small commands start fast.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import click
 import redis
@@ -129,6 +131,39 @@ class JobName(click.ParamType):
             return check_job_name(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class Option(click.Option):
+    """An option whose earlier names (`old`) still work but are left out of --help: scripts
+    written against them keep running, the help shows one name."""
+
+    def __init__(self, param_decls: Sequence[str], *, old: Sequence[str] = (), **attrs: Any) -> None:
+        super().__init__([*param_decls, *old], **attrs)
+        self.old = set(old)
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        shown, self.opts = self.opts, [o for o in self.opts if o not in self.old]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = shown
+
+
+def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The job of a command that names one, as JOB or --job JOB (the other commands take --job):
+    either form, not two different ones. The command receives it as `job`."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, job: str | None, job_option: str | None, **kwargs: Any) -> Any:
+        if job is not None and job_option is not None and job != job_option:
+            raise click.UsageError(f"two jobs given: {job} and --job {job_option}; give one")
+        if job is None and job_option is None:
+            raise click.UsageError("give the job: JOB or --job JOB")
+        return fn(*args, job=job or job_option, **kwargs)
+
+    command = click.option("--job", "job_option", type=JobName(), default=None, metavar="JOB",
+                           help="The job, as an option (the same as JOB).")(command)
+    return click.argument("job", type=JobName(), required=False)(command)
 
 
 class Settings:

@@ -11,7 +11,7 @@ import msgspec
 import redis
 from rich.table import Table
 
-from genq.cli import JobName, console, jobset, redis_conn
+from genq.cli import JobName, console, job_argument, jobset, redis_conn
 from genq.core.ledger.jobs import job_keys_shown
 from genq.core.queueing import list_jobs, load_config
 from genq.core.words import plural
@@ -28,7 +28,7 @@ def _check_job(conn: redis.Redis, job: str) -> None:
 # ---------------------------------------------------------------- jobs
 
 
-@click.group(invoke_without_command=True)
+@click.group(invoke_without_command=True, short_help="The jobs, their state and counts; show, set or delete one.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
@@ -78,8 +78,8 @@ def _floor_percent(part: int, whole: int) -> str:
     return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
 
 
-@jobs.command("delete")
-@click.argument("job", type=JobName())
+@jobs.command("delete", short_help="Remove a job from Redis (its shards stay).")
+@job_argument
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
 @click.pass_context
@@ -136,7 +136,7 @@ def _deletion_summary(found: control.JobDeletion) -> str:
 # ---------------------------------------------------------------- pause / resume
 
 
-@click.command()
+@click.command(short_help="Stop new requests (all jobs, or --job); in-flight ones finish.")
 @click.option("--job", type=JobName(), default=None, help="Pause only this job. [default: every job]")
 @click.pass_context
 def pause(ctx: click.Context, job: str | None) -> None:
@@ -156,7 +156,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
                f"Undo with `genq resume{f' --job {job}' if job else ''}`.")
 
 
-@click.command()
+@click.command(short_help="Undo genq pause (all jobs, or --job).")
 @click.option("--job", type=JobName(), default=None, help="Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:

@@ -41,7 +41,7 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                   "batch_size", "max_attempts", "compression", "s3_endpoint_url")
 
 
-@click.command()
+@click.command(short_help="Queue a JSONL or Parquet file's prompts as a job's batches.")
 @click.argument("input_uri", metavar="INPUT")
 @click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job (a finished one only with --add).")
 @click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")

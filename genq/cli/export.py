@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import JobName, Option, settings
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
@@ -24,7 +24,7 @@ from genq.producer.batchinput import read_prompts
 EXIT_PARTLY_DONE = 3  # the job has batches without shards yet: they are not in the file
 
 
-@click.command()
+@click.command(short_help="Merge a job's shards into one JSONL, Parquet or Batch file.")
 @click.option("--job", type=JobName(), required=True, help="The job to export.")
 @click.option("--to", "dest", required=True, metavar="FILE|DIR",
               help="Output file (local or s3://bucket/key), or a directory to write JOB.<format> into.")
@@ -35,9 +35,9 @@ EXIT_PARTLY_DONE = 3  # the job has batches without shards yet: they are not in 
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
 @click.option("--errors", "errors_path", default=None, metavar="FILE",
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
-@click.option("--from", "source", default=None, metavar="OUTPUT",
-              help="Read shards from OUTPUT (a directory or s3://bucket/prefix) instead of the job's "
-                   "configured output, e.g. after copying it.")
+@click.option("--output", "source", cls=Option, old=["--from"], default=None, metavar="OUTPUT",
+              help="Read shards from OUTPUT (a directory or s3://bucket/prefix, as enqueue's --output) instead "
+                   "of the job's configured output, e.g. after copying it.")
 @click.option("--s3-endpoint-url", default=None, metavar="URL",
               help="S3-compatible endpoint for reading and writing. [default: the job's, or the AWS env/config]")
 @click.pass_context
@@ -63,7 +63,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
         config = load_config(conn, job)
         if config is None and source is None:
             raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(url)}; "
-                                       "give --from OUTPUT to export shards without it")
+                                       "give --output OUTPUT to export shards without it")
         output = source or config.output  # type: ignore[union-attr]
         endpoint = s3_endpoint_url or (config.s3_endpoint_url if config else None)
         fmt = format_for(dest, fmt)

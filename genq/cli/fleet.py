@@ -160,7 +160,7 @@ WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and
     """
 
 
-@click.command(help=WORKERS_HELP)
+@click.command(help=WORKERS_HELP, short_help="The fleet: each worker's state, load, tok/s and heartbeat.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of workers (machine-readable).")
 @click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
 @click.pass_context
@@ -210,7 +210,7 @@ def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyon
     return chosen
 
 
-@click.command()
+@click.command(short_help="Let workers finish what they hold, then exit.")
 @_selector_options
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
@@ -280,7 +280,7 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
             live.stop()
 
 
-@click.command()
+@click.command(short_help="Cap the requests in flight per worker, live (or auto).")
 @_selector_options
 @click.argument("value", type=Concurrency())
 @click.pass_context

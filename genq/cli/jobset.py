@@ -13,7 +13,7 @@ import click
 import msgspec
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import job_argument, settings
 from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import connect, describe_error
@@ -59,8 +59,8 @@ def _when(at: float) -> str:
     return datetime.fromtimestamp(at, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-@click.command("set")
-@click.argument("job", type=JobName())
+@click.command("set", short_help="Change a job's generation settings, priority or weight.")
+@job_argument
 @generation_options
 @click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
@@ -114,8 +114,8 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
         click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
 
 
-@click.command("show")
-@click.argument("job", type=JobName())
+@click.command("show", short_help="A job's settings, their history, its state and any block.")
+@job_argument
 @click.option("--json", "as_json", is_flag=True, help="The job's config, block and counts as one JSON object.")
 @click.pass_context
 def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:

@@ -26,18 +26,20 @@ from genq.core.records import DeadLetter, Result, ShardInfo, unpack
 from genq.core.redisconn import connect, describe_error
 
 
-@click.command()
-@click.argument("job", type=JobName())
-@click.argument("prompt_id", metavar="ID")
+@click.command(short_help="One prompt's fate: queued, held, sending, done or failed.")
+@click.argument("words", nargs=-1, metavar="JOB ID")
+@click.option("--job", "job_option", type=JobName(), default=None, metavar="JOB",
+              help="The job, as an option: genq status --job JOB ID.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: {state, batch, record | letter | holder}.")
 @click.pass_context
-def status(ctx: click.Context, job: str, prompt_id: str, as_json: bool) -> None:
+def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, as_json: bool) -> None:
     """The fate of prompt ID of JOB: queued, held, sending, done (with its record) or
-    dead-lettered (with why).
+    dead-lettered (with why). JOB is given first, or as --job JOB.
 
     \b
     Exit status: 0 found (whatever its state); 1 no such job or no such prompt in it.
     """
+    job, prompt_id = _job_and_id(ctx, words, job_option)
     url = settings(ctx).redis_url
     try:
         conn = connect(url)
@@ -127,3 +129,14 @@ def _lines(uri: str, endpoint: str | None) -> list[bytes]:
     if uri.endswith(".gz"):
         data = gzip.decompress(data)
     return data.splitlines()
+
+
+def _job_and_id(ctx: click.Context, words: tuple[str, ...], job_option: str | None) -> tuple[str, str]:
+    """JOB ID, or --job JOB and ID: bad usage (exit 2) otherwise."""
+    want = 1 if job_option is not None else 2
+    if len(words) != want:
+        raise click.UsageError("give JOB and ID (or --job JOB and ID)" if want == 2 else
+                               f"with --job {job_option}, give only the prompt's ID", ctx)
+    if job_option is not None:
+        return job_option, words[0]
+    return JobName().convert(words[0], None, ctx), words[1]
