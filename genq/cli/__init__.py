@@ -43,7 +43,7 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(name for name in COMMANDS if _available(name))
 
-    def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
+    def invoke(self, ctx: click.Context) -> Any:
         """Ctrl-C: exit 130, as the README says (click itself prints "Aborted!" and exits 1)."""
         try:
             return super().invoke(ctx)

@@ -86,8 +86,8 @@ def _cells(r: control.WorkerRow, serves: dict[str, list[str]]) -> dict[str, str]
 # Most wanted first. The first three are always shown whole (a name is what an operator types
 # into --worker); the others are added in this order while the table fits the terminal, and
 # the line under it names those left out (--json has every field).
-COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "done", "queued",
-           "model: jobs it serves", "batches", "server", "gpu", "host", "note")
+COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "done", "queued", "note",
+           "model: jobs it serves", "batches", "server", "gpu", "host")
 ALWAYS = 3
 RIGHT = {"tok/s", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
 
@@ -112,9 +112,11 @@ def workers_table(rows: list[control.WorkerRow], width: int, title: str | None =
     cells = [_cells(r, serves or {}) for r in rows]
     shown = list(COLUMNS[:ALWAYS])
     for col in COLUMNS[ALWAYS:]:
+        if not any(c[col] for c in cells):
+            continue  # nothing to show (no worker has a note): not a column left out
         if _natural_width(_table(cells, [*shown, col], title)) <= width:
             shown.append(col)
-    return _table(cells, shown, title), [c for c in COLUMNS if c not in shown]
+    return _table(cells, shown, title), [c for c in COLUMNS if c not in shown and any(cell[c] for cell in cells)]
 
 
 def _natural_width(table: Table) -> int:
