@@ -72,7 +72,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
               help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
 @click.option("--add", "add_to_finished", is_flag=True,
               help="Add the new prompts of INPUT to JOB even though it is finished (done or partial): it runs "
-                   "again and writes into the same output. Without it, new prompts for a finished job are refused.")
+                   "again and writes into the same output. Without it, new prompts for a finished job from an "
+                   "input other than its own are refused.")
 @click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
               "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
@@ -100,8 +101,9 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
 
     Re-running is safe: ids already queued or done are skipped and counted.
     The job's settings are stored with its first queued batch; later enqueues
-    into the same job must not contradict them. New prompts for a finished
-    job (done or partial) are refused unless --add: use a new --job name. Nothing is created when
+    into the same job must not contradict them. New prompts from another
+    input for a finished job (done or partial) are refused unless --add: use
+    a new --job name. Nothing is created when
     nothing is queued (missing or empty input, no valid line).
 
     \b
@@ -125,7 +127,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
             click.echo(f"warning: {note.text}", err=True)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
-        closed = None if create or add_to_finished else _finished(conn, job, config)
+        closed = None if create or add_to_finished else _finished(conn, job, config, input_uri)
         meter = Meter()
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
         if dry_run:
@@ -224,17 +226,27 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
     return input_uri if is_s3(input_uri) else os.path.abspath(input_uri)
 
 
-def _finished(conn: redis.Redis, job: str, config: JobConfig) -> str | None:
-    """Why new prompts for `job` are refused without --add: it is finished (None: it is not)."""
+def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) -> str | None:
+    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not
+    one of its own inputs (None: not refused). Its own input again is the same command again: after
+    `genq dlq purge`, or an input fixed in place, it queues what the job does not hold."""
     from genq.core.state import FINISHED_STATUSES
     from genq.ops.control import job_rows
+    from genq.output import truth
+    from genq.output.sink import open_store
 
     row = job_rows(conn, [job])[0]
     if row.state not in FINISHED_STATUSES:
         return None
-    return (f"job {job} is {row.state} ({plural(row.total, 'prompt')}, output {config.output}) and INPUT has "
-            f"prompts it does not hold: adding them would run it again, writing into the same output. Give a new "
-            f"--job name for a new job, or --add to add them to {job}")
+    try:
+        record = truth.read_job(open_store(config.output, config.s3_endpoint_url), job)
+    except Exception:  # the output unreachable: the enqueue stops on it, saying so
+        record = None
+    if record is not None and (input_uri if is_s3(input_uri) else os.path.abspath(input_uri)) in record.inputs:
+        return None
+    return (f"job {job} is {row.state} ({plural(row.total, 'prompt')}, output {config.output}) and {input_uri}, "
+            f"not one of its inputs, has prompts it does not hold: adding them would run it again, writing into "
+            f"the same output. Give a new --job name for a new job, or --add to add them to {job}")
 
 
 def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
