@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 import redis
 
+from genq.core import decodebound
+from genq.core.decodebound import Verdict
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
@@ -63,6 +65,8 @@ class WorkerReport(msgspec.Struct):
     bottlenecks: list[str] = []  # for people: with the numbers
     bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.health.CODES)
     heartbeat_age_s: float | None = None
+    # Its decode bound, the share reached, what caps its batch and the fix (genq.core.decodebound).
+    bound: Verdict | None = None
 
 
 class JobProgress(msgspec.Struct):
@@ -121,6 +125,8 @@ class JobProgress(msgspec.Struct):
     priority: int = 0  # docs/scheduling.md
     weight: float = 1.0
     share: float = 0.0  # of the fleet's requests in flight now
+    # Its GPUs against their decode bound over the job so far: "fleet at N % of its bandwidth bound; ...".
+    bound_summary: str | None = None
 
 
 @dataclass
@@ -185,7 +191,9 @@ class Monitor:
                 reports.append(self._report(snap))
             self.last = reports
             now = time.time()
-            self.fleet = [worker_report(WorkerView(name=name, status=status), now)
+            judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
+            self.fleet = [msgspec.structs.replace(worker_report(WorkerView(name=name, status=status), now),
+                                                  bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last_at = time.monotonic()
             for listener in self.listeners:
@@ -247,6 +255,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     live = [w for w in snap.workers if w.live]
     statuses = [w.status for w in snap.workers if w.status is not None]
     elapsed = max(0.0, end - start)
+    judged = decodebound.judge({s.name: s for s in statuses if s.state != "stopped"})
     tok_s = None if speed is None else speed.tokens_per_s
     tail = tail_note(snap)
     if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
@@ -301,8 +310,11 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         rate_source="" if speed is None else speed.source,
         gpu_note=fleet_gpu_note(statuses),
         tail=tail,
-        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job)
+        worker_details=[msgspec.structs.replace(worker_report(w, snap.at, snap.is_done, in_tail=tail is not None,
+                                                              job=snap.job), bound=judged.get(w.name))
                         for w in snap.workers],
+        bound_summary=decodebound.job_line({s.name: s.bound_tally[snap.job] for s in statuses
+                                            if snap.job in s.bound_tally}),
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
         priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),

@@ -302,8 +302,9 @@ def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:
 
 
 def _settings(config: JobConfig) -> JobConfig:
-    """A config without the fields that say when and which life, not what was asked for."""
-    return msgspec.structs.replace(config, created_at=0.0, incarnation="")
+    """A config without the fields that say when, which life and which `genq jobs set`, not what is asked
+    for: an enqueue asking for a job's current settings (after `jobs set`) is that job."""
+    return msgspec.structs.replace(config, created_at=0.0, incarnation="", settings_version=1, settings_history=[])
 
 
 def _classify(group: list[_Pending], known: str) -> tuple[list[_Pending], int, list[_Pending]]:

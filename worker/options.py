@@ -14,6 +14,8 @@ class WorkerOptions:
     name: str | None = None
     host: str | None = None
     gpu: int | None = None
+    gpu_bandwidth: float | None = None  # bytes/s, --gpu-bandwidth: the decode bound's, where NVML has none
+    model_bytes: float | None = None  # --model-bytes: the weights, where the server does not publish them
     concurrency: int | None = None  # None: auto, from the server's capacity
     burst: bool = False
     loops: int = DEFAULT_PREFETCH  # --prefetch: RQ work loops, batches held at once (the current one and the next)
@@ -52,3 +54,15 @@ def server_url_problem(url: str) -> str | None:
     except ValueError as exc:
         return f"{url!r}: {exc}"
     return None
+
+
+# Redis refuses a client name with a space or a character outside printable ASCII, and every RQ
+# loop of a worker names its connections with the worker's name: such a name never works.
+NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
+
+
+def name_problem(name: str, option: str) -> str | None:
+    """Why `name` (given as `option`) cannot name a worker, or None."""
+    if name and all("!" <= c <= "~" for c in name):
+        return None
+    return f"{option} {name!r}: a worker name may hold only the characters {NAME_CHARS}, as a Redis client name"

@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 import redis
 
+from genq import PYTHON
 from genq.cli import settings
 from genq.core.ledger import letters
 from genq.core.localredis import LocalRedis, free_port
@@ -164,7 +165,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     from genq.monitor.view import render
 
     console = Console()
-    genq = [sys.executable, "-m", "genq", "--redis", url]
+    genq = [*PYTHON, "-m", "genq", "--redis", url]
     job = time.strftime("demo-%Y%m%d-%H%M%S")
     prompts_path = out / "prompts.jsonl"
     _write_prompts(prompts_path, n_prompts, seed=7)
@@ -176,7 +177,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     for gpu in range(gpus):
         port = free_port()
         children.start(f"sim-gpu{gpu}", [
-            sys.executable, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
+            *PYTHON, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
             "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
             "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
             "--tokens-per-step", "16"])

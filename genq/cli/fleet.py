@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from genq.cli import Concurrency, console, redis_conn
+from genq.core import decodebound
 from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
 from genq.core.refusals import redis_note_of
@@ -62,12 +63,13 @@ STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yell
           "server_down": "red", "stopped": "dim", control.LOST: "bold red"}
 
 
-def _cells(r: control.WorkerRow, serves: dict[str, list[str]]) -> dict[str, str]:
+def _cells(r: control.WorkerRow, serves: dict[str, list[str]], judged: dict[str, decodebound.Verdict]) -> dict[str, str]:
     live = r.live
     return {
         "worker": r.name,
         "state": f"[{STYLES[r.state]}]{r.state}[/]" if r.state in STYLES else r.state,
         "tok/s": f"{r.tok_per_s:,.0f}" if live else "",
+        "of bound": _bound_cell(judged.get(r.name)),
         "in flight": (f"{r.in_flight}/{r.target}" + (f" limit {r.concurrency_limit}" if r.concurrency_limit else "")
                       if live else ""),
         "capacity": (str(r.server_capacity) if r.server_capacity else "?") if live else "",
@@ -86,10 +88,10 @@ def _cells(r: control.WorkerRow, serves: dict[str, list[str]]) -> dict[str, str]
 # Most wanted first. The first three are always shown whole (a name is what an operator types
 # into --worker); the others are added in this order while the table fits the terminal, and
 # the line under it names those left out (--json has every field).
-COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "done", "queued", "note",
+COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of bound", "done", "queued", "note",
            "model: jobs it serves", "batches", "server", "gpu", "host")
 ALWAYS = 3
-RIGHT = {"tok/s", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
+RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
 
 
 def _table(cells: list[dict[str, str]], columns: list[str], title: str | None) -> Table:
@@ -107,9 +109,10 @@ def _table(cells: list[dict[str, str]], columns: list[str], title: str | None) -
 
 
 def workers_table(rows: list[control.WorkerRow], width: int, title: str | None = None,
-                  serves: dict[str, list[str]] | None = None) -> tuple[Table, list[str]]:
+                  serves: dict[str, list[str]] | None = None,
+                  judged: dict[str, decodebound.Verdict] | None = None) -> tuple[Table, list[str]]:
     """The fleet as a table that fits `width` columns, and the columns left out for it."""
-    cells = [_cells(r, serves or {}) for r in rows]
+    cells = [_cells(r, serves or {}, judged or {}) for r in rows]
     shown = list(COLUMNS[:ALWAYS])
     for col in COLUMNS[ALWAYS:]:
         if not any(c[col] for c in cells):
@@ -127,18 +130,61 @@ _MEASURING = Console(width=10_000)
 
 
 def print_workers(out: Console, rows: list[control.WorkerRow], serves: dict[str, list[str]]) -> None:
-    table, left_out = workers_table(rows, out.width, serves=serves)
+    statuses = {r.name: r.status for r in rows if r.status is not None}
+    judged = decodebound.judge(statuses)
+    table, left_out = workers_table(rows, out.width, serves=serves, judged=judged)
     out.print(table)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.state] = counts.get(r.state, 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-    out.print(f"{plural(len(rows), 'worker')}: {summary}; {sum(r.tok_per_s for r in rows if r.live):,.0f} tok/s in all")
+    out.print(f"{plural(len(rows), 'worker')}: {summary}; {fleet_tok_per_s(rows):,.0f} tok/s in all")
+    for line in bound_lines(judged, decodebound.working(statuses)):
+        out.print(line, markup=False, highlight=False)
     for r in rows:
         if r.state == control.LOST:
             out.print(f"[bold red]lost[/]: {r.name} ({r.note})")
     if left_out:
         out.print(f"not shown at {out.width} columns: {', '.join(left_out)} (a wider terminal, or --json)")
+
+
+def _bound_cell(v: decodebound.Verdict | None) -> str:
+    """The share of the decode bound reached ("39% of 1,226"), "?" where a figure is missing."""
+    if v is None:
+        return ""
+    b = v.bound
+    if b.tok_per_s is None or b.share is None:
+        return "?"
+    return f"{'[red]' if v.slow else ''}{b.share:.0%} of {b.tok_per_s:,.0f}{'[/]' if v.slow else ''}"
+
+
+def bound_lines(judged: dict[str, decodebound.Verdict], fleet: dict[str, decodebound.GpuFigures]) -> list[str]:
+    """Below the table: per GPU, what caps its batch and the fix, a slow GPU, a missing figure; the fleet's line."""
+    lines = []
+    for name, v in sorted(judged.items()):
+        if v.slow:
+            lines.append(f"{name}: much slower than its peers: {v.slow}")
+        if v.cap is not None:
+            lines.append(f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""))
+        if v.bound.unknown and v.bound.tok_per_s is None:
+            lines.append(f"{name}: bound {v.bound.unknown}")
+    if line := decodebound.fleet_line(fleet, judged):
+        lines.append(line)
+    return lines
+
+
+def fleet_tok_per_s(rows: list[control.WorkerRow]) -> float:
+    """The fleet's tokens/s: a server's own counter counts once however many workers drive it."""
+    by_server: dict[str, float] = {}
+    total = 0.0
+    for r in rows:
+        if not r.live:
+            continue
+        if r.status is not None and r.status.tok_per_s_from == "server":
+            by_server[r.server or r.name] = r.tok_per_s
+        else:
+            total += r.tok_per_s
+    return total + sum(by_server.values())
 
 
 WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and load.
@@ -155,10 +201,15 @@ WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and
     "limit N" under `genq concurrency N`); "capacity" is what its server runs
     at once (vLLM's max_num_seqs, 128 by default; ? until it is known).
     "heartbeat" is how long ago it last beat: every second when busy, every
-    {IDLE_BEAT_S:.0f} s when idle (so an idle worker is lost only after {IDLE_TTL_S} s). Columns that
-    do not fit the terminal are named under the table; --json has them all
-    (server_capacity, concurrency_limit: null is auto; "cap" is the old name
-    of concurrency_limit).
+    {IDLE_BEAT_S:.0f} s when idle (so an idle worker is lost only after {IDLE_TTL_S} s). "tok/s" is
+    the server's own generation counter over 5 s (the answers' tokens over
+    30 s where it has none). "of bound" is that speed against the GPU's decode
+    bound, running x memory bandwidth / (weight + KV bytes read a step), with
+    what caps each GPU's batch and the server flag that lifts it below the
+    table (docs/monitoring.md).
+    Columns that do not fit the terminal are named under the table; --json
+    has them all (server_capacity, concurrency_limit: null is auto; "cap" is
+    the old name of concurrency_limit).
     """
 
 
@@ -180,7 +231,9 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         jobs = list_jobs(conn)
         serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
-        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name)} for r in rows]).decode())
+        judged = decodebound.judge({r.name: r.status for r in rows if r.status is not None})
+        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name),
+                                         "bound": judged.get(r.name)} for r in rows]).decode())
         return
     if not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")

@@ -38,12 +38,16 @@ from genq.output.local import write_atomic
 @click.option("--web-control", is_flag=True,
               help="Add pause/resume/drain buttons to the --web page; they need the token in the "
                    "GENQ_WEB_TOKEN environment variable (not an option: ps shows options).")
+@click.option("--web-allow-host", "web_hosts", multiple=True, metavar="NAME",
+              help="Another host name the --web page answers to (a reverse proxy's, a DNS name of this "
+                   "machine); repeatable. Addresses, localhost, this machine's name and --web's host always "
+                   "are; any other Host gets 403 (a DNS-rebinding page).")
 @click.option("--until-done", is_flag=True,
               help="Exit once every shown job is done and every shard written (for scripts).")
 @click.pass_context
 def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, progress_file: str | None,
             interval: float, rate_window: float, listen: str | None, web_listen: str | None, web_control: bool,
-            until_done: bool) -> None:
+            web_hosts: tuple[str, ...], until_done: bool) -> None:
     """Show job progress: totals, rates, tokens, an ETA with its range, and each worker.
 
     \b
@@ -73,8 +77,8 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     if once and (listen or web_listen):
         raise click.UsageError(f"{'--metrics' if listen else '--web'} needs a running monitor; drop --once")
     token = os.environ.get("GENQ_WEB_TOKEN") or None
-    if web_control and not web_listen:
-        raise click.UsageError("--web-control goes with --web")
+    if (web_control or web_hosts) and not web_listen:
+        raise click.UsageError(f"{'--web-control' if web_control else '--web-allow-host'} goes with --web")
     if web_control and (token is None or len(token) < 16):
         raise click.UsageError("--web-control needs a token of 16 or more characters in GENQ_WEB_TOKEN")
     try:
@@ -100,7 +104,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         from genq.monitor.webapp import serve_web
 
         try:
-            serve_web(mon, web_listen, interval, token if web_control else None)
+            serve_web(mon, web_listen, interval, token if web_control else None, web_hosts)
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
         shown = web_listen if not web_listen.startswith(":") else "0.0.0.0" + web_listen

@@ -13,12 +13,39 @@ from click.core import ParameterSource
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
 from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions, server_url_problem
+from genq.worker.options import WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
 
 BURST_SERVER_WAIT_S = 30.0  # --burst --server: how long a server that does not answer is waited for
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes (or bytes/s): 54GB, 1.79TB/s, 1790GB/s, 48GiB, or a plain number of bytes.
+    Decimal units as vendors rate bandwidth; KiB..TiB binary."""
+
+    name = "SIZE"
+    UNITS = {"": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2.0**10, "MIB": 2.0**20, "GIB": 2.0**30, "TIB": 2.0**40}
+
+    def __init__(self, per_second: bool = False) -> None:
+        self.per_second = per_second
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        text = str(value).strip().upper().replace(" ", "")
+        if self.per_second and text.endswith("/S"):
+            text = text[:-2]
+        number = text.rstrip("KMGTIB")
+        try:
+            size = float(number) * self.UNITS[text[len(number):]]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size: give e.g. {'1.79TB/s' if self.per_second else '54GB'}", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r} is not a size above 0", param, ctx)
+        return size
 
 
 def setup_logging(level: str) -> None:
@@ -47,6 +74,8 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--server-health-timeout", type=click.FloatRange(0.5), default=60, show_default=True, help="With --launch: seconds /health may fail, after the server has answered once, before it is restarted.")
 @click.option("--health-interval", type=click.FloatRange(0.1), default=5, show_default=True, help="With --launch: seconds between /health checks of a healthy server.")
 @click.option("--gpu", type=click.IntRange(0), default=None, help="With --server: GPU index this server runs on (telemetry, default worker name).")
+@click.option("--gpu-bandwidth", type=ByteSize(per_second=True), default=None, metavar="RATE", help="The GPU's memory bandwidth, e.g. 1.79TB/s, for the decode bound (genq workers' bound column): where NVML cannot read it (no GPU, no driver) or reads it wrong. [default: NVML's]")
+@click.option("--model-bytes", type=ByteSize(), default=None, metavar="SIZE", help="The model's weight bytes on this GPU, e.g. 54GB for 27B in bf16, for the decode bound where the server does not publish them (vLLM). [default: the server's]")
 @click.option("--name", default=None, help="Worker name, unique in the fleet. [default: HOST.gpuN, or HOST.PORT]; with --gpus, a prefix: NAME.gpuN.")
 @click.option("--host", default=None, help="Host name to report. [default: this machine's]")
 @click.option("--concurrency", type=Concurrency(), default="auto", show_default=True, help="Requests in flight: 'auto' follows the server's capacity and metrics; a number caps it. Change it live with `genq concurrency`.")
@@ -81,6 +110,9 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     GPU i of the list gets port --base-port + i and worker name HOST.gpuN.
     """
     setup_logging(log_level)
+    for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
+        if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
+            raise click.UsageError(problem)
     fleet_opts = {k: options.pop(k) for k in FLEET_ONLY}
     if (options["server_url"] is None) == (fleet_opts["gpus"] is None):
         raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")

@@ -22,7 +22,8 @@ class ShardMarker(ShardInfo):
 
 
 class JobRecord(msgspec.Struct, omit_defaults=True):
-    """OUTPUT/JOB/job.json: the job as created, kept beside its shards so that a ledger lost
+    """OUTPUT/JOB/job.json: the job as created, at its current settings (`genq jobs set` writes
+    them here first), kept beside its shards so that a ledger lost
     with Redis can be rebuilt (genq recover) and a batch number is never used twice there."""
 
     config: JobConfig

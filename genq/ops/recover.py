@@ -32,6 +32,7 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig
 from genq.core.words import plural
+from genq.ops.settings import settings_from_output
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -44,9 +45,12 @@ def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> 
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
-    """Adopt every batch of this life of the job that the output has and the ledger does not
-    count as done; the batches adopted."""
+    """Take the latest settings of Redis's and job.json's (genq.ops.settings), and adopt every batch
+    of this life of the job that the output has and the ledger does not count as done; the batches
+    adopted."""
     store = open_store(config.output, config.s3_endpoint_url)
+    on_disk = truth.read_job(store, config.name)
+    settings_from_output(conn, config, on_disk.config if on_disk else None)
     written = truth.marker_batches(store, config.name)
     done = ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, written - done), config)
@@ -77,8 +81,10 @@ def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url
     config = load_config(conn, job)
     if config is not None:
         store = open_store(config.output, config.s3_endpoint_url)
+        adopted = catch_up(conn, config)
+        config = load_config(conn, job) or config  # with the output's settings, when Redis had lost them
         record = truth.read_job(store, job) or JobRecord(config=config)
-        return Recovery(config=config, record=record, adopted=catch_up(conn, config), rebuilt=False)
+        return Recovery(config=config, record=record, adopted=adopted, rebuilt=False)
     if output is None:
         raise LookupError(f"job {job!r} is not in Redis: give the output it wrote to (--output)")
     on_disk = truth.read_job(open_store(output, endpoint_url), job)

@@ -3,7 +3,8 @@ whatever Redis says or forgets.
 
 - OUTPUT/JOB/job.json (durable.JobRecord) is written before the job's first batch is
   queued: the job's settings and incarnation, its inputs, and the batch numbers that may
-  be in use (raised before any batch above them is queued).
+  be in use (raised before any batch above them is queued). `genq jobs set` replaces its
+  settings before Redis's (genq.ops.settings): they are the job's current ones.
 - A shard's marker (durable.ShardMarker) is the commit of a batch: created once, never
   replaced, and it names the shard it describes. It carries what rebuilding the ledger
   needs without reading the shard: the incarnation, each outcome's content digest, the
@@ -197,7 +198,9 @@ def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     they are queued); returns the record as written. Never lowers what is there."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
-        record = msgspec.structs.replace(record, reserved=max(record.reserved, on_disk.reserved),
+        # Settings newer on disk (`genq jobs set` during this enqueue) stay: an enqueue never writes older ones.
+        config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
+        record = msgspec.structs.replace(record, config=config, reserved=max(record.reserved, on_disk.reserved),
                                          inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
     if record.reserved >= upto and on_disk is not None and on_disk == record:
         return record

@@ -149,13 +149,31 @@ function drawLengths(l) {
   });
 }
 
+// A GPU against its decode bound (genq.core.decodebound): "62% of 1.2K", "?" where a figure is missing.
+function boundCell(v) {
+  if (!v) return "";
+  const b = v.bound;
+  if (b.tok_per_s === undefined || b.share === undefined) return "?";
+  return Math.round(100 * b.share) + "% of " + count(Math.round(b.tok_per_s));
+}
+
+function boundLines(v) {
+  if (!v) return [];
+  const out = [];
+  if (v.slow) out.push("slow GPU: " + v.slow);
+  if (v.cap && !["genq_target", "nothing_to_send"].includes(v.cap.code))
+    out.push("batch capped by " + v.cap.text + (v.cap.advice ? "; fix: " + v.cap.advice : ""));
+  if (v.bound.tok_per_s === undefined && v.bound.unknown) out.push("bound " + v.bound.unknown);
+  return out;
+}
+
 function drawTables(s) {
   const p = s.progress;
   const rows = p.worker_details.map((w) => {
     const codes = w.bottleneck_codes.map((c) => `<span class="code ${c}">${c}</span>`).join("");
     const slots = w.slot_utilization === null ? "-" : Math.round(w.slot_utilization * 100) + "%";
     return `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td>${esc(w.state)}</td><td>${slots}</td>` +
-           `<td>${codes || "none"}</td><td>${w.bottlenecks.map(esc).join("<br>")}</td></tr>`;
+           `<td>${codes || "none"}</td><td>${w.bottlenecks.concat(boundLines(w.bound)).map(esc).join("<br>")}</td></tr>`;
   });
   document.querySelector("#bottlenecks tbody").innerHTML = rows.join("") || "<tr><td colspan=5>no workers</td></tr>";
   // The terminal view's worker table: this job's figures per worker.
@@ -165,8 +183,10 @@ function drawTables(s) {
     `<td data-value="${live(w) ? w.in_flight : ""}">${live(w) ? w.in_flight + "/" + w.concurrency_target : ""}</td>` +
     `<td>${live(w) ? count(Math.round(w.tok_per_s)) : ""}</td><td data-value="${w.job_completed}">${w.job_completed.toLocaleString()}</td>` +
     `<td data-value="${w.job_failed}">${w.job_failed.toLocaleString()}</td>` +
-    `<td data-value="${w.errors}">${live(w) ? w.errors.toLocaleString() : ""}</td></tr>`).join("") ||
-    "<tr><td colspan=7>no workers</td></tr>";
+    `<td data-value="${w.errors}">${live(w) ? w.errors.toLocaleString() : ""}</td>` +
+    `<td data-value="${w.bound && w.bound.bound.share !== undefined ? w.bound.bound.share : ""}"` +
+    `${w.bound && w.bound.slow ? ' class="slow"' : ""}>${boundCell(w.bound)}</td></tr>`).join("") ||
+    "<tr><td colspan=8>no workers</td></tr>";
   const d = s.dead_letters;
   put("dlq-total", d.total);
   document.querySelector("#dlq-kinds tbody").innerHTML =
@@ -227,6 +247,8 @@ function render(s) {
   $("blocked").hidden = !p.blocked;
   $("tail").textContent = p.tail || "";
   $("tail").hidden = !p.tail;
+  $("bound-summary").textContent = p.bound_summary ? "GPUs: " + p.bound_summary : "";
+  $("bound-summary").hidden = !p.bound_summary;
   put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
   put("toks", p.output_tokens_per_sec, count(p.output_tokens_per_sec));
   put("elapsed", p.elapsed_s, p.elapsed_s > 0 ? duration(p.elapsed_s) : "not started");
