@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import free_port, genq_cmd, run_genq, wait_http, write_prompts
-from tests.test_web import browser  # noqa: F401  (the fixture: a real headless Chromium)
+from tests.test_web import browser, wait_js  # noqa: F401  (the fixture: a real headless Chromium)
 
 # What each chart's box shows over it (its ::after), and whether a uPlot canvas is drawn.
 CHART_STATES = """() => Array.from(document.querySelectorAll('.chart')).map((el) => ({
@@ -25,7 +25,7 @@ def test_the_page_says_loading_until_its_data_comes(tmp_path: Path, redis_url, p
     held: list[object] = []
     page.route("**/api/state*", lambda route: held.append(route))  # the data does not come yet
     page.goto(base)
-    page.wait_for_function("document.readyState === 'complete'")
+    wait_js(page, "document.readyState === 'complete'")
     page.wait_for_timeout(500)
     assert held, "the page asked for its data"
     assert page.locator("#status").text_content() == "loading…"
@@ -34,7 +34,7 @@ def test_the_page_says_loading_until_its_data_comes(tmp_path: Path, redis_url, p
     assert len(charts) == 6 and all(c["says"] == '"loading…"' and not c["canvas"] for c in charts), charts
 
     page.unroute("**/api/state*")  # and the request it held goes on
-    page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=20_000)
+    wait_js(page, "Number(document.body.dataset.polls || 0) >= 1", timeout=20_000)
     assert page.locator("#loading").is_hidden()
     assert page.locator("#status").text_content() == "queued"
     # A chart with fewer than two points says it waits for data; one with more draws, uncovered.
