@@ -8,13 +8,13 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import JobName, Option, settings
+from genq.cli import JobName, Option, redis_conn, settings
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Prompt
-from genq.core.redisconn import connect, describe_error, mask_url
+from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.output import export as exporting
 from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
@@ -58,8 +58,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
       genq export --job batch1 --to out.jsonl --format openai-batch   # + out.errors.jsonl
     """
     url = settings(ctx).redis_url
-    conn = connect(url)
-    try:
+    with redis_conn(ctx) as conn:
         config = load_config(conn, job)
         if config is None and source is None:
             raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(url)}; "
@@ -82,10 +81,6 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
                 raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
             raise
         partial = _report(summary, fmt, _status(conn, job, config is not None))
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    finally:
-        conn.close()
     if partial:
         sys.exit(EXIT_PARTLY_DONE)
 

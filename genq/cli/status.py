@@ -16,14 +16,13 @@ import click
 import msgspec
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import JobName, redis_conn
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.ledger.figures import prompt_state
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
-from genq.core.redisconn import connect, describe_error
 
 
 @click.command(short_help="One prompt's fate: queued, held, sending, done or failed.")
@@ -40,14 +39,10 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
     Exit status: 0 found (whatever its state); 1 no such job or no such prompt in it.
     """
     job, prompt_id = _job_and_id(ctx, words, job_option)
-    url = settings(ctx).redis_url
-    try:
-        conn = connect(url)
+    with redis_conn(ctx) as conn:
         if load_config(conn, job) is None:
             raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
         fate = find(conn, job, prompt_id)
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
     if fate is None:
         raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
     if as_json:
