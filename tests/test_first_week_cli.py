@@ -305,3 +305,16 @@ def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_
     assert purge.returncode == 0 and "No such option" not in purge.stderr, purge.stderr
     gone = run_genq("jobs", "delete", "--job", "names", "-y", redis_url=redis_url)
     assert "removed job names" in gone.stdout, gone.stdout
+
+
+def test_dry_run_says_a_job_redis_lost_would_be_created_again_from_its_output(redis_url, rconn, tmp_path):
+    src, out = tmp_path / "p.jsonl", tmp_path / "out"
+    write_prompts(src, 6)
+    common = ("--job", "lost", "--output", str(out), "--batch-size", "3")
+    run_genq("enqueue", str(src), *common, redis_url=redis_url)
+    rconn.flushall()  # Redis lost the job; OUTPUT/lost/job.json remains
+    dry = run_genq("enqueue", str(src), *common, "--dry-run", redis_url=redis_url)
+    assert "(not in Redis, but" in dry.stdout and "it would be created again from there" in dry.stdout, dry.stdout
+    assert "a new job" not in dry.stdout and rconn.keys("*") == [], dry.stdout
+    again = run_genq("enqueue", str(src), *common, redis_url=redis_url)
+    assert "job created again from its output" in again.stdout, again.stdout
