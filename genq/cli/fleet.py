@@ -130,6 +130,8 @@ _MEASURING = Console(width=10_000)
 
 
 def print_workers(out: Console, rows: list[control.WorkerRow], serves: dict[str, list[str]]) -> None:
+    """`genq workers` as a person reads it on `out` (its width decides the columns): the table,
+    the count by state, the decode-bound lines, each lost worker by name, the columns left out."""
     statuses = {r.name: r.status for r in rows if r.status is not None}
     judged = decodebound.judge(statuses)
     table, left_out = workers_table(rows, out.width, serves=serves, judged=judged)
