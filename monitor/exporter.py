@@ -48,7 +48,7 @@ ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
 WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
 
-def parse_listen(value: str, option: str = "--serve") -> tuple[str, int]:
+def parse_listen(value: str, option: str = "--metrics") -> tuple[str, int]:
     """':9108' -> ('0.0.0.0', 9108); 'host:9108' -> ('host', 9108)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:

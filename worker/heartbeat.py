@@ -107,6 +107,9 @@ class Heartbeat:
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._unwritten: frozenset[str] = frozenset()  # jobs the last beat said this engine cannot write
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
+        # The operator's pauses as last read from Redis: what the log compares with. flags.paused_jobs
+        # also holds the jobs this engine's brake blocked, which no operator paused or resumed.
+        self._paused_read: tuple[bool, set[str]] = (False, set())
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
 
@@ -267,8 +270,10 @@ class Heartbeat:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
             changed = True
+        if (paused, paused_jobs) != self._paused_read:
+            _log_pause_change(*self._paused_read, paused, paused_jobs)
+            self._paused_read = (paused, paused_jobs)
         if paused != f.paused_all or paused_jobs != f.paused_jobs:
-            _log_pause_change(f.paused_all, f.paused_jobs, paused, paused_jobs)
             f.paused_all, f.paused_jobs = paused, paused_jobs
             changed = True
         self.dispatcher.wake.set()
@@ -295,9 +300,9 @@ class Heartbeat:
 
 
 def _log_pause_change(was_all: bool, was: set[str], now_all: bool, now: set[str]) -> None:
-    """Says what changed: "paused: a" and "resumed: a" (not the whole set: an empty one read as "none").
-    A paused job's batches stay parked here until `genq resume` queues them again, so a job that
-    leaves the set was resumed (or deleted)."""
+    """Says what the operator changed since the last read: "paused: a" and "resumed: a" (not the
+    whole set: an empty one read as "none"). A paused job's batches stay parked here until `genq
+    resume` queues them again, so a job that leaves the set read was resumed (or deleted)."""
     if now_all != was_all:
         log.info("%s all jobs", "paused:" if now_all else "resumed:")
     if now - was:

@@ -39,6 +39,23 @@ def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
     return f"{host}.{port}" if port.isdigit() else host
 
 
+def server_url_problem(url: str) -> str | None:
+    """Why `url` cannot be a server's address (a usage error, said before anything starts), or None.
+    Without http:// an address such as 127.0.0.1:30000 would be taken for a scheme and a path."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return f"{url!r} has no http:// or https:// in front: give e.g. http://{url.split('://')[-1]}"
+    if not parts.hostname:
+        return f"{url!r} names no host: give e.g. http://127.0.0.1:30000"
+    try:
+        _ = parts.port  # raises for a port out of range or not a number
+    except ValueError as exc:
+        return f"{url!r}: {exc}"
+    return None
+
+
 # Redis refuses a client name with a space or a character outside printable ASCII, and every RQ
 # loop of a worker names its connections with the worker's name: such a name never works.
 NAME_CHARS = "! to ~ (printable ASCII, no spaces)"

@@ -10,7 +10,7 @@ import time
 import click
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import JobName, Option, settings
 from genq.core.redisconn import connect, describe_error
 from genq.core.refusals import refusal
 from genq.core.state import FINISHED_STATUSES
@@ -18,7 +18,7 @@ from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
 
 
-@click.command()
+@click.command(short_help="A job's progress, rates, ETA and workers (live, JSON, web).")
 @click.option("--job", type=JobName(), default=None, help="Job to show. [default: the only job, or every job]")
 @click.option("--once", is_flag=True, help="Print one report and exit (rate from the workers' own records: less certain).")
 @click.option("--json", "as_json", is_flag=True,
@@ -29,7 +29,7 @@ from genq.output.local import write_atomic
               help="Seconds between refreshes.")
 @click.option("--rate-window", type=click.FloatRange(5), default=120.0, show_default=True,
               help="Seconds of the monitor's own samples the throughput is read from.")
-@click.option("--serve", "listen", default=None, metavar="[HOST]:PORT",
+@click.option("--metrics", "listen", cls=Option, old=["--serve"], default=None, metavar="[HOST]:PORT",
               help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "
                    "honor_labels: true (the genq job is the `job` label). Grafana: dashboards/grafana-genq.json.")
 @click.option("--web", "web_listen", default=None, metavar="[HOST]:PORT",
@@ -75,7 +75,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     """
     s = settings(ctx)
     if once and (listen or web_listen):
-        raise click.UsageError(f"{'--serve' if listen else '--web'} needs a running monitor; drop --once")
+        raise click.UsageError(f"{'--metrics' if listen else '--web'} needs a running monitor; drop --once")
     token = os.environ.get("GENQ_WEB_TOKEN") or None
     if (web_control or web_hosts) and not web_listen:
         raise click.UsageError(f"{'--web-control' if web_control else '--web-allow-host'} goes with --web")
@@ -94,8 +94,10 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
         try:
             serve(mon, listen, max_age=interval)
-        except (ValueError, OSError) as exc:
-            raise click.ClickException(f"--serve {listen}: {exc}") from None
+        except ValueError as exc:  # it names the option and the value
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"--metrics {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
                    err=True)
     if web_listen:

@@ -13,7 +13,7 @@ from genq.sim.serve import run
 _D = SimConfig()
 
 
-@click.command("sim", context_settings={"show_default": True, "max_content_width": 100})
+@click.command("sim", short_help="Simulate one SGLang, vLLM or llama.cpp server (no GPU needed).", context_settings={"show_default": True, "max_content_width": 100})
 @click.option("--flavor", default=_D.flavor, type=click.Choice(FLAVORS),
               help="Engine to play: its endpoints, metric names, error bodies, queueing and connection habits.")
 @click.option("--host", default=_D.host, help="Address to listen on.")

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
 from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions, name_problem
+from genq.worker.options import WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
@@ -55,8 +55,15 @@ def setup_logging(level: str) -> None:
         datefmt="%H:%M:%S",
     )
 
-@click.command()
-@click.option("--server", "server_url", default=None, metavar="URL", help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
+
+def _checked_server(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and (problem := server_url_problem(value)):
+        raise click.BadParameter(problem, ctx, param)
+    return value
+
+
+@click.command(short_help="Drive one server (--server), or one per GPU (--gpus).")
+@click.option("--server", "server_url", default=None, metavar="URL", callback=_checked_server, help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
 @click.option("--gpus", default=None, metavar="all|0,1,5", help="One worker per GPU of this machine, each a child process restarted if it fails: 'all' (every GPU NVML sees) or a list of indices as nvidia-smi numbers them.")
 @click.option("--server-url", "server_url_template", default="http://127.0.0.1:{port}", show_default=True, metavar="TEMPLATE", help="With --gpus: each GPU's server; {port} is --base-port + the GPU's position in the --gpus list (0,1,5 -> 30000,30001,30002), {gpu} its index.")
 @click.option("--base-port", type=click.IntRange(1, 65535), default=30000, show_default=True, help="With --gpus: port of the first listed GPU's server; the next ones count up.")
@@ -83,7 +90,7 @@ def setup_logging(level: str) -> None:
 @click.option("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help=f"First retry delay in seconds; doubles per attempt (with jitter), capped at {DEFAULTS.retry_backoff_max:.0f}.")
 @click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=DEFAULTS.job_monitoring_interval, show_default=True, help=f"RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within about {LOST_BATCH_BACK_S:.0f} s of the kill: see genq workers --help).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info", show_default=True, help="Least severe log lines shown (any case: INFO or info).")
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
     """Take batches from the queue and drive one server with them (--server),

@@ -31,3 +31,6 @@ class JobRecord(msgspec.Struct, omit_defaults=True):
     # Batch numbers up to this one may be in use: written before any batch above it is queued,
     # so a counter lost with Redis restarts above it (no shard name is ever reused).
     reserved: int = 0
+    # Set by `genq jobs delete`: the name's next enqueue starts a new job, not this one again
+    # (`genq recover` brings this one back, and clears it).
+    deleted_at: float | None = None

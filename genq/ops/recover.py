@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import redis
 
 from genq.core import scripts
@@ -111,6 +112,9 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]
+    if record.deleted_at is not None:  # `genq jobs delete` marked it; it is asked back: it lives again
+        truth.mark_deleted(store, job, None)
+        record = msgspec.structs.replace(record, deleted_at=None)
     log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted",
                 job, truth.job_uri(store, job), config.incarnation, plural(len(adopted), "written batch", "written batches"))
     return Recovery(config=config, record=record, adopted=adopted, rebuilt=True, dropped_keys=len(orphans))

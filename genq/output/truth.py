@@ -182,6 +182,17 @@ def write_job(store: Store, record: JobRecord) -> None:
     store.put(f"{record.config.name}/{layout.JOB_FILE}", _json.encode(record) + b"\n")
 
 
+def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
+    """job.json says the job was deleted at `at` (None: it lives again); False when there is none
+    (or it is of another life than `incarnation`, when given)."""
+    on_disk = read_job(store, job)
+    if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
+        return False
+    if on_disk.deleted_at != at:
+        write_job(store, msgspec.structs.replace(on_disk, deleted_at=at))
+    return True
+
+
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     """job.json saying batch numbers up to at least `upto` may be in use (written before
     they are queued); returns the record as written. Never lowers what is there."""

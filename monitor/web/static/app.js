@@ -43,8 +43,11 @@ function put(id, value, text) {
   el.textContent = text !== undefined ? text : (value === null || value === undefined ? "?" : String(value));
 }
 
+// Points on the x axis a chart draws from: with fewer, its box says so instead of bare axes.
 function chart(id, series, data, extra) {
   const el = $(id);
+  if ((data[0] || []).length < 2) el.dataset.empty = "waiting for data";
+  else delete el.dataset.empty;
   const key = JSON.stringify(series.map((s) => s.label));
   const width = Math.max(300, el.clientWidth);
   if (charts[id] && charts[id].key === key) {
@@ -207,13 +210,18 @@ function fillPicker(jobs) {
 }
 
 function render(s) {
+  $("loading").hidden = true;
   const picker = $("job-picker");
   fillPicker(s.jobs);
   interval = s.interval;
   $("controls").hidden = !s.controls;
   $("redis-note").textContent = s.redis_note || "";  // Redis refusing writes, or evicting (genq.core.refusals)
   $("redis-note").hidden = !s.redis_note;
-  if (!s.job) { $("status").textContent = "no jobs yet"; return; }
+  if (!s.job) {
+    $("status").textContent = "no jobs yet";
+    document.querySelectorAll(".chart").forEach((el) => { el.dataset.empty = "no jobs yet (genq enqueue)"; });
+    return;
+  }
   picker.value = s.job;
   const p = s.progress;
   $("status").textContent = p.status;
@@ -266,6 +274,7 @@ async function poll() {
     if (resp.status === 404) {  // ?job= names no job: say so, and offer the ones there are
       const body = await resp.json();
       fillPicker(body.jobs);
+      $("loading").hidden = true;
       $("job-picker").value = "";
       $("status").textContent = "";
       $("error").textContent = body.error + ": pick one above";
