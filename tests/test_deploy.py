@@ -72,7 +72,7 @@ def image(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_images_layout_runs_the_demo_from_the_folder_holding_the_sources(image, tmp_path):
     src, genq = image
     out = tmp_path / "out"
-    proc = subprocess.run([str(genq), "demo", "--gpus", "2", "--prompts", "60", "--mean-output-tokens", "20",
+    proc = subprocess.run([str(genq), "demo", "--num-gpus", "2", "--prompts", "60", "--mean-output-tokens", "20",
                            "--speed", "20", "--output", str(out)],
                           cwd=src, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -22,7 +22,7 @@ import click
 import redis
 
 from genq import PYTHON
-from genq.cli import settings
+from genq.cli import Option, settings
 from genq.core.ledger import letters
 from genq.core.localredis import LocalRedis, free_port
 from genq.core.redisconn import connect, mask_url
@@ -94,7 +94,8 @@ class Children:
 
 
 @click.command()
-@click.option("--gpus", type=click.IntRange(1, 16), default=4, show_default=True, help="Simulated GPUs: one sim server and one worker each.")
+@click.option("--num-gpus", "gpus", cls=Option, old=["--gpus"], type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Simulated GPUs: one sim server and one worker each.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True, help="Synthetic prompts to generate.")
 @click.option("--output", type=click.Path(file_okay=False), default="demo-out", show_default=True, help="Where prompts, shards and logs go.")
 @click.option("--max-running-requests", type=click.IntRange(1), default=37, show_default=True, help="Each simulated server's capacity.")
