@@ -96,6 +96,7 @@ class ServerWatch:
         self.flags.server_down_since = time.monotonic()
         self.flags.server_note = why
         self.flags.outages += 1
+        self.metrics = None  # what a server that is gone said last is not what it does now
         in_flight = list(self.dispatcher.running)
         for task in in_flight:
             self.dispatcher.crashed(task)

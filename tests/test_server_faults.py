@@ -1,0 +1,63 @@
+"""One server's fault costs no good prompt and does not hold up the others.
+
+Real processes: a private redis-server, `genq sim` servers (their fault switches, and a real
+restart: the process killed and another started on its port with other options), `genq worker`,
+and the shared exactly-once audit (tests/audit.py) at the end of each test.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+from pathlib import Path
+
+from genq.core import keys
+from genq.core.records import WorkerStatus, unpack
+from tests.audit import audit
+from tests.conftest import post_json, run_genq, sim_stats, wait_until, write_prompts
+
+FAST = dict(mean_output_tokens=24, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=8)
+# About 2 s a request, 4 at a time: a 20-prompt batch takes 10 s on it.
+SLOW = dict(mean_output_tokens=400, output_sigma=0.2, tokens_per_step=8, step_ms_base=40, step_ms_per_req=0,
+            max_running_requests=4)
+
+
+def enqueue(redis_url: str, tmp_path: Path, job: str, n: int, *args: str) -> tuple[list[str], Path]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args, redis_url=redis_url)
+    return ids, out
+
+
+def status_of(rconn, name: str) -> WorkerStatus | None:
+    raw = rconn.get(keys.worker_status(name))
+    return unpack(raw, WorkerStatus) if raw else None
+
+
+def worker_name(url: str) -> str:
+    """A worker's default name: the host and its server's port."""
+    return f"{socket.gethostname()}.{url.rsplit(':', 1)[1]}"
+
+
+def test_a_dead_servers_prompts_go_to_the_other_server(redis_url, rconn, sim, worker, tmp_path):
+    """kill -9 of one of two servers while its worker holds a batch: within tens of seconds (not the
+    --server-down-timeout of 300 s) the other worker takes its prompts and the job is written whole; the
+    dead server's worker says server_down with no figures of the server it no longer has."""
+    slow = sim(**SLOW)
+    fast = sim(**FAST)
+    ids, out = enqueue(redis_url, tmp_path, "dead", 40, "--batch-size", "20", "--max-tokens", "600")
+    holder = worker(slow, "--prefetch", "1", name="holder")
+    name = worker_name(slow)
+    wait_until(lambda: (s := status_of(rconn, name)) and s.in_flight >= 4, 30, "the slow server busy with a batch")
+    sim.procs[slow].kill_tree()  # kill -9: connections reset, the port closed
+    other = worker(fast, "--burst", "--prefetch", "1", name="other")
+    assert other.wait(timeout=60) == 0, other.log() + holder.log()
+    found = audit(rconn, "dead", out, ids)
+    assert not found.letters
+    status = status_of(rconn, name)
+    assert status is not None and status.state == "server_down", status
+    assert status.server_running is None and status.server_token_usage is None, status
+    holder.signal(signal.SIGTERM)
+    assert holder.wait(timeout=30) == 0, holder.log()
