@@ -61,3 +61,20 @@ def test_a_dead_servers_prompts_go_to_the_other_server(redis_url, rconn, sim, wo
     assert status.server_running is None and status.server_token_usage is None, status
     holder.signal(signal.SIGTERM)
     assert holder.wait(timeout=30) == 0, holder.log()
+
+
+def test_a_server_answering_500_to_everything_costs_no_prompt(redis_url, rconn, sim, worker, tmp_path):
+    """Every request answered 500 while /health says 200, long enough for every prompt to run out of
+    attempts: no prompt is dead-lettered (nothing on this server succeeds, so nothing says it is the
+    prompt); once the server answers again the job is written whole."""
+    url = sim(error_rate=1.0, **FAST)
+    ids, out = enqueue(redis_url, tmp_path, "e500", 30, "--batch-size", "15", "--max-tokens", "64",
+                       "--max-attempts", "3")
+    proc = worker(url, "--burst", "--retry-backoff", "0.05")
+    name = worker_name(url)
+    wait_until(lambda: (s := status_of(rconn, name)) and s.errors >= 3 * len(ids), 30,
+               "every prompt failed as often as its attempts allow")
+    post_json(url + "/sim/faults", {"error_rate": 0.0})
+    assert proc.wait(timeout=60) == 0, proc.log()
+    found = audit(rconn, "e500", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}

@@ -7,6 +7,11 @@ flight. A prompt in flight during two crashes is a suspect: suspects go back one
 time, so a prompt that takes the server down again and again is found and
 dead-lettered as `server_crash` after `--server-crash-limit` crashes, while the
 prompts that merely kept it company are not (and a one-off outage slows nothing).
+
+A prompt whose retryable failures (5xx, resets, timeouts) reach its attempts is dead-lettered
+only on evidence that it is the prompt: the server answered normally a request sent after this
+prompt first failed. A server that fails everything (500s while its /health says 200) gives no
+such evidence: its prompts keep being retried, at the longest backoff, until it answers again.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class Dispatcher:
         self.server_is_down = server_is_down
         self.server_model = model
         self.running = Running()
+        self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
         self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
@@ -213,6 +219,7 @@ class Dispatcher:
         if isinstance(result, Failure):
             return result
         self.writer.add_result(result, sent.incarnation)
+        self.answered = max(self.answered, task.progress.started)
         self.rates.add(c.usage.completion_tokens, latency)
         if self.brake is not None:
             self.brake.succeeded(task)
@@ -245,12 +252,16 @@ class Dispatcher:
         task.attempts += 1
         self.rates.error(held.ref.job)
         max_attempts = self.opts.max_attempts or held.config.max_attempts
-        if failure.retryable and task.attempts < max_attempts:
+        if task.failing_since is None:
+            task.failing_since = task.progress.started
+        if failure.retryable and (task.attempts < max_attempts or self.answered <= task.failing_since):
             delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
             delay *= random.uniform(0.5, 1.5)
             self.todo.retry_at(time.monotonic() + delay, task)
-            log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
-                      task.prompt.id, task.attempts, failure.kind, failure.message, delay)
+            log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
+                      task.prompt.id, task.attempts, failure.kind, failure.message, delay,
+                      "" if task.attempts < max_attempts else " (the server answered nothing sent since it "
+                      "first failed: the server's fault, not the prompt's)")
             return
         if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
