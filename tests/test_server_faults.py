@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import time
 from pathlib import Path
+
+import pytest
 
 from genq.core import keys
 from genq.core.records import WorkerStatus, unpack
@@ -78,3 +81,50 @@ def test_a_server_answering_500_to_everything_costs_no_prompt(redis_url, rconn, 
     assert proc.wait(timeout=60) == 0, proc.log()
     found = audit(rconn, "e500", out, ids)
     assert not found.letters, {k: v.message for k, v in found.letters.items()}
+
+
+# About 0.8 s a request (64 tokens at most), 4 at a time.
+MEDIUM = dict(mean_output_tokens=100, output_sigma=0.3, tokens_per_step=8, step_ms_base=100, step_ms_per_req=0,
+              max_running_requests=4)
+
+
+def restart(sim, url: str, **options) -> None:
+    """The server process killed and another started on its port, with these options."""
+    sim.procs[url].kill_tree()
+    sim(port=int(url.rsplit(":", 1)[1]), **options)
+
+
+def mixed_prompts(path: Path, n: int) -> list[str]:
+    """n prompts, every other one about 130 tokens long (the sim's count), the rest about 5."""
+    ids = []
+    with open(path, "w") as f:
+        for i in range(n):
+            ids.append(pid := f"p{i:05d}")
+            text = f"prompt number {i}" + (" word" * 100 if i % 2 else "")
+            f.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": text}]}) + "\n")
+    return ids
+
+
+@pytest.mark.parametrize("context", [50, 100])
+def test_a_server_restarted_with_a_smaller_context_costs_no_prompt(context, redis_url, rconn, sim, worker, tmp_path):
+    """One of two servers restarted for a few seconds with a smaller context (50: no prompt of the job
+    fits; 100: the short ones do, the long ones not), then as it was. Its worker notices before sending
+    to it again and waits for it: the job is never blocked, no prompt is dead-lettered, the other
+    server goes on, and every prompt is written once."""
+    a, b = sim(**MEDIUM), sim(**MEDIUM)
+    src = tmp_path / "mixed.jsonl"
+    ids = mixed_prompts(src, 80)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "ctx", "--output", str(out), "--batch-size", "10", "--max-tokens", "64",
+             redis_url=redis_url)
+    wa = worker(a, "--prefetch", "1", name="a")
+    wb = worker(b, "--burst", "--prefetch", "1", name="b")
+    wait_until(lambda: (s := status_of(rconn, worker_name(a))) and s.done >= 4, 60, "the first server working")
+    restart(sim, a, context_length=context, **MEDIUM)
+    time.sleep(5)
+    restart(sim, a, **MEDIUM)
+    assert wb.wait(timeout=120) == 0, wb.log() + wa.log()
+    assert not rconn.exists(keys.job_blocked("ctx")), rconn.get(keys.job_blocked("ctx"))
+    found = audit(rconn, "ctx", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    assert "its context is" in wa.log(), wa.log()

@@ -85,6 +85,7 @@ class Dispatcher:
         self.server_is_down = server_is_down
         self.server_model = model
         self.running = Running()
+        self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
         self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
@@ -122,7 +123,7 @@ class Dispatcher:
 
     def _open(self) -> bool:
         """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
-        return (self.flags.server_down_since is None and not self.flags.paused_all
+        return (self.flags.server_down_since is None and not self.verifying and not self.flags.paused_all
                 and self.flags.stop_requested < 2 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
 
     async def run(self) -> None:
@@ -239,7 +240,11 @@ class Dispatcher:
         if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
             self.todo.let_go(task)
             return
-        if failure.kind in ("connection", "timeout", "server_error") and await self.server_is_down():
+        if not failure.retryable and await self._server_is_down(failure):
+            # Answered by a server that is not the one the prompt ran on (restarted smaller): no attempt.
+            self.todo.ready.appendleft(task)
+            return
+        if failure.kind in ("connection", "timeout", "server_error") and await self._server_is_down(failure):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             self.crashed(task)
             if task.crashes >= self.opts.server_crash_limit:
@@ -266,6 +271,17 @@ class Dispatcher:
         if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
+
+    async def _server_is_down(self, failure: Failure) -> bool:
+        """The watch's check; after a connection failure (a restart resets every connection) nothing
+        is sent until it says what the server is now: another model's answer must never be recorded."""
+        gate = failure.kind == "connection"
+        self.verifying += gate
+        try:
+            return await self.server_is_down()
+        finally:
+            self.verifying -= gate
+            self.wake.set()
 
     def _dead(self, task: Task, failure: Failure) -> None:
         held = task.batch

@@ -78,19 +78,51 @@ class ServerWatch:
     # ---------------------------------------------------------------- down / up
 
     async def is_down(self) -> bool:
-        """Single-flight health check after a failure: many failures, one probe."""
+        """Single-flight check after a failure (many failures, one probe): the server is down, or
+        is not the one this engine knew (restarted with another model or a smaller context)."""
         if self.flags.server_down_since is not None:
             return True
         if self._check is None:
-            self._check = asyncio.ensure_future(self.client.healthy())
+            self._check = asyncio.ensure_future(self._verify())
         try:
-            healthy = await asyncio.shield(self._check)
+            why = await asyncio.shield(self._check)
         finally:
             if self._check is not None and self._check.done():
                 self._check = None
-        if not healthy and self.flags.server_down_since is None:
-            self._went_down("health check failed")
-        return not healthy
+        if why is not None and self.flags.server_down_since is None:
+            self._went_down(why)
+        return why is not None
+
+    async def reread(self) -> ServerInfo | None:
+        """What the server says about itself now: a preflight about to block a job reads it again (the
+        server may have restarted with a larger context since this engine last looked)."""
+        await self.is_down()
+        return self.info
+
+    async def _verify(self) -> str | None:
+        """Why nothing can be sent to the server now, or None: what it says about itself is read
+        again, so a restart that changed it is noticed before the next request."""
+        try:
+            info = await self.client.discover()
+        except ServerUnavailable:
+            return "health check failed"
+        change = self._change(info)
+        if change is None:
+            self.info = info  # the same server (a larger context, another capacity: taken as they are)
+        return change
+
+    def _change(self, info: ServerInfo) -> str | None:
+        """How the server differs from the one this engine sends to in a way its prompts must not
+        meet: another model (its answers are not the job's), a smaller context (the prompts that
+        ran fail: the server's fault, not theirs). None if it is the same for them."""
+        old = self.info
+        if old is None:
+            return None
+        if info.model != old.model:
+            return f"it serves model {info.model} now, not {old.model}"
+        if old.context_length and info.context_length and info.context_length < old.context_length:
+            return f"its context is {info.context_length} tokens now, not {old.context_length}"
+        return None
 
     def _went_down(self, why: str) -> None:
         self.flags.server_down_since = time.monotonic()
@@ -125,6 +157,22 @@ class ServerWatch:
             except ServerUnavailable as exc:
                 self.flags.server_note = str(exc)
                 continue
+            change = self._change(info)
+            if change is not None and self.info is not None and info.model != self.info.model:
+                # Its held prompts are for a model it no longer serves: back to the queue for a server
+                # of theirs; the lease desk and RQ loops take jobs of its new model from now on.
+                log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
+                await self.hand_back_all(f"server now serves {info.model}")
+            elif change is not None and down_for <= self.opts.server_down_timeout:
+                # A smaller context for a while (a restart with other settings): the server is not fit
+                # for the prompts that ran here; they wait, or go to other workers (worker/tail.py).
+                note = f"{change}: waiting for it as it was (--server-down-timeout)"
+                if note != self.flags.server_note:
+                    log.warning("server %s: %s", self.opts.server_url, note)
+                self.flags.server_note = note
+                continue
+            elif change is not None:
+                log.warning("server %s: %s for %.0fs: taken as it is", self.opts.server_url, change, down_for)
             self.info = info
             self.controller.set_capacity(info.capacity)
             log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
