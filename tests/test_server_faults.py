@@ -128,3 +128,35 @@ def test_a_server_restarted_with_a_smaller_context_costs_no_prompt(context, redi
     found = audit(rconn, "ctx", out, ids)
     assert not found.letters, {k: v.message for k, v in found.letters.items()}
     assert "its context is" in wa.log(), wa.log()
+
+
+def test_a_server_restarted_with_another_model_answers_nothing_of_the_job(redis_url, rconn, sim, worker, tmp_path):
+    """One of two servers restarted mid-job serving another model (the sim, like SGLang, answers under
+    whatever model name a request asks for): its worker notices before sending to it again and hands its
+    batches back; the new model generates nothing of the job, the other server writes it whole."""
+    a, b = sim(**MEDIUM), sim(**FAST)
+    ids, out = enqueue(redis_url, tmp_path, "model", 60, "--batch-size", "10", "--max-tokens", "64")
+    wa = worker(a, "--prefetch", "1", name="a")
+    wait_until(lambda: (s := status_of(rconn, worker_name(a))) and s.done >= 2, 60, "the first server working")
+    restart(sim, a, served_model_name="other-model", **MEDIUM)
+    wb = worker(b, "--burst", "--prefetch", "1", name="b")
+    assert wb.wait(timeout=120) == 0, wb.log() + wa.log()
+    found = audit(rconn, "model", out, ids)
+    assert not found.letters
+    assert sim_stats(a)["generation_requests"] == 0, "the other model generated prompts of the job"
+    assert "serves model other-model now" in wa.log(), wa.log()
+
+
+def test_resume_reads_the_context_of_a_server_restarted_meanwhile(redis_url, rconn, sim, worker, tmp_path):
+    """Blocked by the preflight (max_tokens over the context), the server restarted with a larger one,
+    then `genq resume --job`: the preflight reads the server again and the job runs."""
+    url = sim(context_length=1000, **FAST)
+    ids, out = enqueue(redis_url, tmp_path, "pre", 20, "--batch-size", "10", "--max-tokens", "2000")
+    proc = worker(url, name="w")
+    wait_until(lambda: rconn.exists(keys.job_blocked("pre")), 30, "the job blocked by the preflight")
+    restart(sim, url, context_length=4096, **FAST)
+    run_genq("resume", "--job", "pre", redis_url=redis_url)
+    wait_until(lambda: rconn.scard(keys.job_done("pre")) == 2 or rconn.exists(keys.job_blocked("pre")), 60,
+               "the job done, or blocked again")
+    assert not rconn.exists(keys.job_blocked("pre")), proc.log()
+    audit(rconn, "pre", out, ids)
