@@ -47,7 +47,7 @@ class ServerWatch:
         self.on_waiting = on_waiting
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
-        self._check: asyncio.Future[bool] | None = None
+        self._check: asyncio.Future[str | None] | None = None
         self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
 
     # ---------------------------------------------------------------- start
