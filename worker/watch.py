@@ -1,8 +1,11 @@
 """The server as the engine sees it: up or down, its metrics, and requests that stall.
 
-- Circuit breaker: after a failed request one health check runs (single flight); if
-  the server is down the engine stops sending, counts no attempt, polls until it
-  answers, and after --server-down-timeout hands its batches back for other GPUs.
+- Circuit breaker: after a failed request one check runs (single flight): /health and
+  what the server says about itself. Down, or not the server it was (another model, a
+  smaller context: restarted with other settings), the engine stops sending, counts no
+  attempt, polls until it answers as it was, and after --server-down-timeout hands its
+  batches back for other GPUs (another model: at once; a smaller context: then taken as
+  it is). Past a short grace its unsent prompts go to other workers (worker/tail.py).
 - A server that stops answering while it holds requests (no output from any of them
   for a while) is health-checked during generation, not only after a request fails.
 - Watchdog: a request with no output for --stall-timeout is cancelled and retried.
