@@ -160,3 +160,18 @@ def test_resume_reads_the_context_of_a_server_restarted_meanwhile(redis_url, rco
                "the job done, or blocked again")
     assert not rconn.exists(keys.job_blocked("pre")), proc.log()
     audit(rconn, "pre", out, ids)
+
+
+def test_a_server_restarted_with_another_model_while_idle_answers_nothing(redis_url, rconn, sim, worker, tmp_path):
+    """A restart while nothing is in flight shows no failure: the worker looks at its server again
+    before its first request after a quiet spell, so a job for the old model sent after the restart
+    gets nothing from the new one."""
+    url = sim(**FAST)
+    first, out = enqueue(redis_url, tmp_path, "before", 5, "--max-tokens", "16")
+    proc = worker(url, name="w")
+    wait_until(lambda: rconn.scard(keys.job_done("before")) == 1, 30, "the first job done")
+    restart(sim, url, served_model_name="other-model", **FAST)
+    enqueue(redis_url, tmp_path, "after", 10, "--max-tokens", "16", "--model", "genq-sim/Sim-8B")
+    wait_until(lambda: "handing its batches back" in proc.log() or sim_stats(url)["generation_requests"], 30,
+               "the worker noticing, or the new model answering")
+    assert sim_stats(url)["generation_requests"] == 0, proc.log()

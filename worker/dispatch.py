@@ -48,6 +48,9 @@ log = logging.getLogger("genq.worker")
 # a group (claim_step): those are the slack while its call is out. At most claim_ahead +
 # claim_step sequences are claimed beyond the free slots (a prompt asking for n samples is n).
 CLAIM_AHEAD_MIN = 2
+# Nothing answered for this long: the server is checked before the next request. A restart while
+# nothing is in flight fails nothing, and no server restarts in less (a process start, a model load).
+IDLE_CHECK_S = 1.0
 
 
 def claim_ahead(target: int) -> int:
@@ -86,6 +89,7 @@ class Dispatcher:
         self.server_model = model
         self.running = Running()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
+        self.observed = time.monotonic()  # when the server last answered anything, or was checked
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
         self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
@@ -140,6 +144,9 @@ class Dispatcher:
             await self.todo.release_let_go()
             if self._open() and not self.flags.hold_back and self.todo.backlog.waiting and (want := self._to_claim()):
                 await self.todo.claim(want, self.flags.paused_jobs)
+            if (self.todo.ready and not self.running and self._open()
+                    and time.monotonic() - self.observed > IDLE_CHECK_S):
+                await self._check(gate=True)  # a restart while nothing was in flight showed no failure
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
@@ -190,6 +197,7 @@ class Dispatcher:
                                       task.cancel_reason)
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
+                self.observed = time.monotonic()
                 failure = self._record(task, body, outcome, config) if isinstance(outcome, Completion) else outcome
                 if failure is not None:
                     await self._failed(task, failure)
@@ -240,11 +248,11 @@ class Dispatcher:
         if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
             self.todo.let_go(task)
             return
-        if not failure.retryable and await self._server_is_down(failure):
+        if not failure.retryable and await self._check(gate=False):
             # Answered by a server that is not the one the prompt ran on (restarted smaller): no attempt.
             self.todo.ready.appendleft(task)
             return
-        if failure.kind in ("connection", "timeout", "server_error") and await self._server_is_down(failure):
+        if failure.kind in ("connection", "timeout", "server_error") and await self._check(failure.kind == "connection"):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             self.crashed(task)
             if task.crashes >= self.opts.server_crash_limit:
@@ -272,15 +280,16 @@ class Dispatcher:
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
 
-    async def _server_is_down(self, failure: Failure) -> bool:
-        """The watch's check; after a connection failure (a restart resets every connection) nothing
-        is sent until it says what the server is now: another model's answer must never be recorded."""
-        gate = failure.kind == "connection"
+    async def _check(self, gate: bool) -> bool:
+        """The watch's check (is the server down, or not the one it was?). With `gate` (after a connection
+        failure: a restart resets every connection) nothing is sent until it says what the server is now:
+        another model's answer must never be recorded."""
         self.verifying += gate
         try:
             return await self.server_is_down()
         finally:
             self.verifying -= gate
+            self.observed = time.monotonic()
             self.wake.set()
 
     def _dead(self, task: Task, failure: Failure) -> None:
