@@ -113,7 +113,7 @@ def test_a_server_restarted_with_a_smaller_context_costs_no_prompt(context, redi
     server goes on, and every prompt is written once."""
     a, b = sim(**MEDIUM), sim(**MEDIUM)
     src = tmp_path / "mixed.jsonl"
-    ids = mixed_prompts(src, 80)
+    ids = mixed_prompts(src, 48)
     out = tmp_path / "out"
     run_genq("enqueue", str(src), "--job", "ctx", "--output", str(out), "--batch-size", "10", "--max-tokens", "64",
              redis_url=redis_url)

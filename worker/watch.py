@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
@@ -111,8 +112,15 @@ class ServerWatch:
             return "health check failed"
         change = self._change(info)
         if change is None:
-            self.info = info  # the same server (a larger context, another capacity: taken as they are)
+            self._adopt(info)  # the same server (a larger context, another capacity: taken as they are)
         return change
+
+    def _adopt(self, info: ServerInfo) -> None:
+        """What the server says now; what it did not say this time (an endpoint that failed) is kept."""
+        if self.info is not None:
+            info = replace(info, model=info.model or self.info.model,
+                           context_length=info.context_length or self.info.context_length)
+        self.info = info
 
     def _change(self, info: ServerInfo) -> str | None:
         """How the server differs from the one this engine sends to in a way its prompts must not
@@ -121,7 +129,7 @@ class ServerWatch:
         old = self.info
         if old is None:
             return None
-        if info.model != old.model:
+        if info.model != old.model and info.model is not None and old.model is not None:  # None: it did not say
             return f"it serves model {info.model} now, not {old.model}"
         if old.context_length and info.context_length and info.context_length < old.context_length:
             return f"its context is {info.context_length} tokens now, not {old.context_length}"
@@ -161,7 +169,7 @@ class ServerWatch:
                 self.flags.server_note = str(exc)
                 continue
             change = self._change(info)
-            if change is not None and self.info is not None and info.model != self.info.model:
+            if change is not None and change.startswith("it serves model"):
                 # Its held prompts are for a model it no longer serves: back to the queue for a server
                 # of theirs; the lease desk and RQ loops take jobs of its new model from now on.
                 log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
@@ -176,7 +184,10 @@ class ServerWatch:
                 continue
             elif change is not None:
                 log.warning("server %s: %s for %.0fs: taken as it is", self.opts.server_url, change, down_for)
-            self.info = info
+            if change is None:
+                self._adopt(info)
+            else:
+                self.info = info  # another model, or a smaller context taken as it is now
             self.controller.set_capacity(info.capacity)
             log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
             self.flags.server_down_since = None
