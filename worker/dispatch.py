@@ -9,9 +9,10 @@ dead-lettered as `server_crash` after `--server-crash-limit` crashes, while the
 prompts that merely kept it company are not (and a one-off outage slows nothing).
 
 A prompt whose retryable failures (5xx, resets, timeouts) reach its attempts is dead-lettered
-only on evidence that it is the prompt: the server answered normally a request sent after this
-prompt first failed. A server that fails everything (500s while its /health says 200) gives no
-such evidence: its prompts keep being retried, at the longest backoff, until it answers again.
+only on evidence that it is the prompt: before its last request went out, the server had answered
+normally a request sent after this prompt first failed. A server that fails everything (500s
+while its /health says 200) gives no such evidence, nor does a fault that ended while the last
+request was out: its prompts keep being retried, at the longest backoff, until that evidence.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ class Dispatcher:
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
             task.progress = Progress(meter=self.running.meter, sequences=samples(task.batch.config, task.prompt))
+            task.answered_before = self.answered
             task.cancel_reason = None
             return task
         return None
@@ -267,14 +269,14 @@ class Dispatcher:
         max_attempts = self.opts.max_attempts or held.config.max_attempts
         if task.failing_since is None:
             task.failing_since = task.progress.started
-        if failure.retryable and (task.attempts < max_attempts or self.answered <= task.failing_since):
+        if failure.retryable and (task.attempts < max_attempts or task.answered_before <= task.failing_since):
             delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
             delay *= random.uniform(0.5, 1.5)
             self.todo.retry_at(time.monotonic() + delay, task)
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay,
-                      "" if task.attempts < max_attempts else " (the server answered nothing sent since it "
-                      "first failed: the server's fault, not the prompt's)")
+                      "" if task.attempts < max_attempts else " (the server had answered nothing sent since it "
+                      "first failed: no evidence it is the prompt's fault)")
             return
         if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
