@@ -144,8 +144,9 @@ def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
                      min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
     gpu_any = any(w.gpu is not None for w in workers)
     for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
-        if w.state in ("lost", "gone", "stopped"):
-            t.add_row(w.name, Text(w.state, STATE_STYLE[w.state]), "", "", "", "", "", f"{w.job_completed:,}", "", "")
+        if w.state in ("lost", "gone", "stopped", "server_down"):  # no figures of a server it does not have
+            t.add_row(w.name, Text(w.state.replace("_", " "), STATE_STYLE[w.state]), "", "", "", "", "",
+                      f"{w.job_completed:,}", "", "")
             continue
         server = "-" if w.server_running is None else f"{w.server_running:.0f}/{w.server_waiting or 0:.0f}"
         slots = "-" if w.slot_utilization is None else f"{w.slot_utilization:.0%}"

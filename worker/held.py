@@ -42,6 +42,8 @@ class Task:
     lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (Flags.outages) last counted for it
+    failing_since: float | None = None  # when its first failed request here was sent (monotonic)
+    answered_before: float = 0.0  # Dispatcher.answered when its latest request was sent
     progress: Progress = field(default_factory=Progress)
     cancel_reason: str | None = None
 
