@@ -185,7 +185,8 @@ class Heartbeat:
         if m is not None and m.generated_total is not None:
             self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage)
         window = self.rates.server_window()
-        server_tok_s = None if window is None else window[0]
+        # Nothing of this worker's running: its row says 0 at once, not the window's last tokens.
+        server_tok_s = None if window is None else window[0] if self.dispatcher.running else 0.0
         status = WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
             state=state or self.state(), started_at=self.started_at, heartbeat_at=time.time(),

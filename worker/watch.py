@@ -129,7 +129,9 @@ class ServerWatch:
         old = self.info
         if old is None:
             return None
-        if info.model != old.model and info.model is not None and old.model is not None:  # None: it did not say
+        if old.model is not None and info.model is None:  # unconfirmed is not the same: nothing is sent yet
+            return f"it did not say which model it serves now (/v1/models; it served {old.model})"
+        if info.model != old.model and old.model is not None:
             return f"it serves model {info.model} now, not {old.model}"
         if old.context_length and info.context_length and info.context_length < old.context_length:
             return f"its context is {info.context_length} tokens now, not {old.context_length}"
