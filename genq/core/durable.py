@@ -30,3 +30,15 @@ class JobRecord(msgspec.Struct, omit_defaults=True):
     # Batch numbers up to this one may be in use: written before any batch above it is queued,
     # so a counter lost with Redis restarts above it (no shard name is ever reused).
     reserved: int = 0
+
+
+class EnqueueRecord(msgspec.Struct, omit_defaults=True):
+    """OUTPUT/JOB/enqueues/RUN.json: what one `genq enqueue` (or `genq dlq requeue`) brought into
+    the job, written before its batches are queued (and again before each further group), so a
+    Redis that lost them (a snapshot restored, a lagging replica promoted) is found out and they
+    are queued again (genq.producer.enqueue.queue_lost)."""
+
+    incarnation: str
+    input: str  # the input read (absolute path or s3:// URI)
+    batches: list[str] = []  # the batches it queued
+    prompts: int = 0  # the prompts in them
