@@ -47,7 +47,7 @@ from genq.core.queueing import (
     write_batches,
 )
 from genq.core.records import BatchSource, InputRange, JobConfig, Rejected
-from genq.ops import recover
+from genq.ops import dlq, recover
 from genq.output import truth
 from genq.output.sink import open_store
 from genq.producer.batchinput import range_digest, row_digest_items
@@ -320,20 +320,26 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
         lost = [b for b in record.batches if b not in known]
         if not lost:
             continue
-        if not record.input:
+        if record.letters:
+            # A requeue's: its letters are back in the DLQ with the state Redis was restored to.
+            wanted = set(record.letters)
+            back = [e for e in dlq.dead_letters(conn, config.name) if e.id in wanted]
+            again = sum(dlq.requeue(conn, back).prompts.values()) if back else 0
+        elif record.input:
+            rejects = RejectsFile(default_rejects_path(record.input, config.output, config.name))
+            again = Enqueuer(conn, config, create=False, rejects=rejects, input_uri=record.input).run(
+                open_rows(record.input, s3_endpoint_url=config.s3_endpoint_url)).enqueued
+            rejects.close()
+        else:
             log.error("job %s: Redis lost batches %s of an enqueue whose input is not recorded; enqueue it again",
                       config.name, ", ".join(lost[:8]))
             continue
-        rejects = RejectsFile(default_rejects_path(record.input, config.output, config.name))
-        summary = Enqueuer(conn, config, create=False, rejects=rejects, input_uri=record.input).run(
-            open_rows(record.input, s3_endpoint_url=config.s3_endpoint_url))
-        rejects.close()
         truth.write_enqueue(store, config.name, run, msgspec.structs.replace(
             record, batches=[b for b in record.batches if b not in lost]))
-        queued += summary.enqueued
-        log.warning("job %s: Redis lost %d batches of the enqueue of %s (restored from an older state?); "
-                    "queued its %d prompts with neither an outcome nor a batch again", config.name, len(lost),
-                    record.input, summary.enqueued)
+        queued += again
+        log.warning("job %s: Redis lost %d batches of %s (restored from an older state?); queued its %d prompts "
+                    "with neither an outcome nor a batch again", config.name, len(lost),
+                    f"the enqueue of {record.input}" if record.input else "a requeue of dead letters", again)
     return queued
 
 

@@ -42,3 +42,4 @@ class EnqueueRecord(msgspec.Struct, omit_defaults=True):
     input: str  # the input read (absolute path or s3:// URI)
     batches: list[str] = []  # the batches it queued
     prompts: int = 0  # the prompts in them
+    letters: list[str] = []  # a requeue's: the dead letters it moved into those batches
