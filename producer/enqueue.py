@@ -305,8 +305,9 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
     """Compare what each enqueue of this life of the job brought (OUTPUT/JOB/enqueues/) with
     Redis: an enqueue with batches Redis knows nothing of and the output has no shard of (a
     snapshot restored, a lagging replica promoted) has its input read again, and the prompts
-    with neither an outcome nor a batch are queued again; its record then names what stands
-    for them. Every worker's start and maintenance runs it (genq.ops.recover.OutputWatch).
+    with neither an outcome nor a batch are queued again (a requeue's letters requeued again);
+    its record then names what stands for them. An enqueue running now may look so for the
+    moment between its record and its transaction: reading its input again then queues nothing. Every worker's start and maintenance runs it (genq.ops.recover.OutputWatch).
     The prompts queued again."""
     store = open_store(config.output, config.s3_endpoint_url)
     records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
@@ -315,9 +316,12 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
         return 0
     known = ledger_jobs.all_batches(conn, config.name)
     known |= truth.marker_batches(store, config.name)
+    # A batch numbered at or below the job's counter was there when Redis last saw it: taken out
+    # since (a purged failed batch), not lost with an older state, where the counter is older too.
+    last = ledger_jobs.last_batch_number(conn, config.name)
     queued = 0
     for run, record in records.items():
-        lost = [b for b in record.batches if b not in known]
+        lost = [b for b in record.batches if b not in known and batch_number(b) > last]
         if not lost:
             continue
         if record.letters:

@@ -95,7 +95,8 @@ def model_plants() -> int:
         try:
             run_model({plant[1]: planted(plant)}, settings(MODEL, max_examples=200))
         except (Broken, ExceptionGroup) as exc:
-            print(f"    model: caught   {plant[0]}\n{exc}", flush=True)
+            steps = "\n".join(note for e in [exc, *getattr(exc, "exceptions", [])] for note in getattr(e, "__notes__", []))
+            print(f"    model: caught   {plant[0]}\n{exc}\n{steps}", flush=True)
         else:
             missed.append(plant[0])
             print(f"    model: MISSED   {plant[0]}", flush=True)
