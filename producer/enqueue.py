@@ -316,12 +316,9 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
         return 0
     known = ledger_jobs.all_batches(conn, config.name)
     known |= truth.marker_batches(store, config.name)
-    # A batch numbered at or below the job's counter was there when Redis last saw it: taken out
-    # since (a purged failed batch), not lost with an older state, where the counter is older too.
-    last = ledger_jobs.last_batch_number(conn, config.name)
     queued = 0
     for run, record in records.items():
-        lost = [b for b in record.batches if b not in known and batch_number(b) > last]
+        lost = [b for b in record.batches if b not in known]
         if not lost:
             continue
         if record.letters:

@@ -353,6 +353,24 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
         report.kept.append((entry.id, outcome))
     else:
         report.batches.append((job, batch_id, len(outcome)))
+        _unrecord_batch(conn, job, batch_id)
+
+
+def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
+    """A purged batch leaves the enqueue records that name it: it is gone on purpose, not lost
+    with Redis, and its forgotten prompts are not queued again (genq.producer.enqueue.queue_lost)."""
+    config = load_config(conn, job)
+    if config is None:
+        return
+    try:
+        store = open_store(config.output, config.s3_endpoint_url)
+        for run, record in truth.read_enqueues(store, job).items():
+            if batch in record.batches:
+                kept = [b for b in record.batches if b != batch]
+                truth.write_enqueue(store, job, run, msgspec.structs.replace(record, batches=kept))
+    except Exception as exc:  # OSError, botocore's errors
+        log.warning("job %s: cannot take purged batch %s out of the enqueue records in %s (%s): a worker "
+                    "would queue its prompts again", job, batch, config.output, exc)
 
 
 # ------------------------------------------------------------------ helpers
