@@ -254,7 +254,7 @@ class Enqueuer:
         """OUTPUT/JOB/enqueues/RUN.json names these batches before they are queued: what Redis
         loses of them afterwards is found there (queue_lost)."""
         record = EnqueueRecord(incarnation=self.config.incarnation, input=self._inputs[0] if self._inputs else "",
-                               batches=self._queued + batches, prompts=self._prompts + prompts)
+                               batches=truth.batch_ranges(self._queued + batches), prompts=self._prompts + prompts)
         self._reach_output(lambda: truth.write_enqueue(self._store, self.config.name, self._run, record))
 
     def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
@@ -318,7 +318,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
     known |= truth.marker_batches(store, config.name)
     queued = 0
     for run, record in records.items():
-        lost = [b for b in record.batches if b not in known]
+        lost = [b for b in truth.recorded_batches(record) if b not in known]
         if not lost:
             continue
         if record.letters:
@@ -336,7 +336,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
                       config.name, ", ".join(lost[:8]))
             continue
         truth.write_enqueue(store, config.name, run, msgspec.structs.replace(
-            record, batches=[b for b in record.batches if b not in lost]))
+            record, batches=truth.batch_ranges(b for b in truth.recorded_batches(record) if b not in lost)))
         queued += again
         log.warning("job %s: Redis lost %d batches of %s (restored from an older state?); queued its %d prompts "
                     "with neither an outcome nor a batch again", config.name, len(lost),

@@ -40,6 +40,6 @@ class EnqueueRecord(msgspec.Struct, omit_defaults=True):
 
     incarnation: str
     input: str  # the input read (absolute path or s3:// URI)
-    batches: list[str] = []  # the batches it queued
+    batches: list[list[int]] = []  # the batches it queued: [first, last] number ranges (genq.output.truth)
     prompts: int = 0  # the prompts in them
     letters: list[str] = []  # a requeue's: the dead letters it moved into those batches

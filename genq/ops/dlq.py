@@ -232,7 +232,8 @@ def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[s
     """OUTPUT/JOB/enqueues/RUN.json names a requeue's batches and letters before they are queued,
     so a Redis that loses them requeues the letters again (genq.producer.enqueue.queue_lost).
     An output unreachable from here costs only that."""
-    record = EnqueueRecord(incarnation=config.incarnation, input="", batches=batches, prompts=len(ids), letters=ids)
+    record = EnqueueRecord(incarnation=config.incarnation, input="", batches=truth.batch_ranges(batches),
+                           prompts=len(ids), letters=ids)
     try:
         truth.write_enqueue(open_store(config.output, config.s3_endpoint_url), config.name, run, record)
     except Exception as exc:  # OSError, botocore's errors
@@ -365,8 +366,9 @@ def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
     try:
         store = open_store(config.output, config.s3_endpoint_url)
         for run, record in truth.read_enqueues(store, job).items():
-            if batch in record.batches:
-                kept = [b for b in record.batches if b != batch]
+            named = truth.recorded_batches(record)
+            if batch in named:
+                kept = truth.batch_ranges(b for b in named if b != batch)
                 truth.write_enqueue(store, job, run, msgspec.structs.replace(record, batches=kept))
     except Exception as exc:  # OSError, botocore's errors
         log.warning("job %s: cannot take purged batch %s out of the enqueue records in %s (%s): a worker "

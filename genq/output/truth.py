@@ -26,6 +26,7 @@ from typing import Protocol
 
 import msgspec
 
+from genq.core.batches import batch_id, batch_number
 from genq.core.durable import EnqueueRecord, JobRecord, ShardMarker
 from genq.core.histogram import length_bucket
 from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo
@@ -198,6 +199,21 @@ def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
 
 
 # ------------------------------------------------------------------ enqueues
+
+
+def batch_ranges(batches: Iterable[str]) -> list[list[int]]:
+    """Batch ids as [first, last] number ranges (an enqueue's are consecutive: a record stays small)."""
+    out: list[list[int]] = []
+    for n in sorted(map(batch_number, batches)):
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        elif not out or n > out[-1][1]:
+            out.append([n, n])
+    return out
+
+
+def recorded_batches(record: EnqueueRecord) -> list[str]:
+    return [batch_id(n) for first, last in record.batches for n in range(first, last + 1)]
 
 
 def write_enqueue(store: Store, job: str, run: str, record: EnqueueRecord) -> None:
