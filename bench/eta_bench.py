@@ -5,9 +5,10 @@ lognormal output lengths (sigma >= 1, time compressed), `genq enqueue`, one
 or more `genq worker` processes, and in this process the monitor's own
 estimator (genq.monitor.progress.Monitor, the code behind `genq monitor --json`,
 refreshed every --interval seconds exactly as the live monitor does). When
-2, 5, 10, 25 and 50 % of the prompts are done it records the monitor's ETA
-and range; after the job ends it compares them with the true finish time
-(the last result's commit time) next to two naive estimates:
+5, 25, 50, 75 and 95 % of the prompts are done it records the monitor's ETA,
+its range and the machine's load; after the job ends it compares them with the
+true finish time (the last result's commit time) next to two naive estimates,
+and says how long after 5 % done the first ETA was shown:
 
   (a) elapsed / done x remaining prompts
   (b) remaining prompts x average output tokens so far / output tok/s now
@@ -43,7 +44,7 @@ from genq.core.queueing import rq_queue  # noqa: E402
 from genq.core.redisconn import connect, mask_url  # noqa: E402
 from genq.monitor.progress import Monitor  # noqa: E402
 
-CHECKPOINTS = (0.02, 0.05, 0.10, 0.25, 0.50)
+CHECKPOINTS = (0.05, 0.25, 0.50, 0.75, 0.95)
 
 
 @dataclass
@@ -62,8 +63,9 @@ class Point:
     fit_sigma: float | None = None
     per_request_tok_s: float | None = None
     decoding_avg: float | None = None
-    leases: list[int] | None = None
+    overhead: float | None = None  # the speed curve's a/b (None: a request's speed does not depend on the count)
     true_s: float | None = None
+    load: float | None = None  # the machine's 1-minute load average
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,14 +159,16 @@ def run(a: argparse.Namespace) -> dict:
 
     worker_procs: list[subprocess.Popen] = []
 
-    def start_worker(i: int) -> None:
+    def start_sim(i: int) -> str:
         port = free_port()
         procs.start([sys.executable, "-m", "genq", "sim", "--port", str(port), "--seed", str(a.seed),
                      "--max-running-requests", str(a.max_running_requests),
                      "--mean-output-tokens", f"{a.mean_output_tokens}", "--output-sigma", f"{a.output_sigma}",
                      "--tokens-per-step", str(a.tokens_per_step), "--step-ms-base", f"{a.step_ms_base}"],
                     f"sim{i}")
-        url = f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{port}"
+
+    def start_worker(i: int, url: str) -> None:
         wait_http(url + "/v1/models")
         worker_procs.append(procs.start(genq(a.redis, "worker", "--server", url, "--name", f"{job}-w{i}",
                                              "--burst", "--log-level", "warning"), f"worker{i}"))
@@ -180,14 +184,20 @@ def run(a: argparse.Namespace) -> dict:
                             "--batch-size", str(a.batch_size), "--max-tokens", str(a.max_tokens)),
                        check=True, cwd=ROOT, capture_output=True)
         mon = Monitor(conn, job, window_s=a.rate_window)
-        for i in range(a.workers):
-            start_worker(i)
+        # Every sim up before the first worker starts: the job's clock starts with all of them.
+        urls = [start_sim(i) for i in range(a.workers)]
+        for url in urls:
+            wait_http(url + "/v1/models")
+        for i, url in enumerate(urls):
+            start_worker(i, url)
         t0 = time.time()
         points: list[Point] = []
         pending = list(CHECKPOINTS)
         joined = a.join_at is None
         workers = a.workers
         refresh_s: list[float] = []
+        five_at: float | None = None  # when 5 % was done
+        shown: float | None = None  # seconds from 5 % done to the first ETA shown
         trace = open(a.trace, "w") if a.trace else None
         while True:
             tick = time.monotonic()
@@ -203,12 +213,17 @@ def run(a: argparse.Namespace) -> dict:
                     "eta_s": p.eta_s, "eta_low_s": p.eta_low_s, "eta_high_s": p.eta_high_s,
                     "state": p.eta_state, "tok_s": p.output_tokens_per_sec,
                     "per_request": report.speed.per_request if report.speed else None,
+                    "decoding_lately": report.speed.running if report.speed else None,
                     "fit_mean": report.estimate.model.mean() if report.estimate.model else None,
                 }) + "\n")
             frac = finished / a.prompts
             elapsed = snap.at - t0
+            if five_at is None and frac >= 0.05:
+                five_at = elapsed
+            if five_at is not None and shown is None and p.eta_s is not None:
+                shown = elapsed - five_at
             if not joined and frac >= a.join_at:
-                start_worker(workers)
+                start_worker(workers, start_sim(workers))
                 workers += 1
                 joined = True
                 print(f"  {elapsed:6.1f}s  {frac:6.1%} done: worker {workers} joins", flush=True)
@@ -223,10 +238,11 @@ def run(a: argparse.Namespace) -> dict:
                                     naive_a, naive_b, workers,
                                     fit_mean=m.mean() if m else None, fit_sigma=m.sigma if m else None,
                                     per_request_tok_s=sp.per_request if sp else None,
-                                    decoding_avg=(sp.tokens_per_s / sp.per_request) if sp and sp.per_request else None,
-                                    leases=[w.leases for w in report.fleet or []]))
+                                    decoding_avg=sp.running if sp else None, overhead=sp.overhead if sp else None,
+                                    load=os.getloadavg()[0]))
                 print(f"  {elapsed:6.1f}s  {frac:6.1%} done: monitor ETA "
-                      f"{_fmt(p.eta_s)} [{_fmt(p.eta_low_s)}, {_fmt(p.eta_high_s)}] ({p.eta_state})", flush=True)
+                      f"{_fmt(p.eta_s)} [{_fmt(p.eta_low_s)}, {_fmt(p.eta_high_s)}] ({p.eta_state}); "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
             if p.status == "done":
                 break
             if all(w.poll() is not None for w in worker_procs):
@@ -242,6 +258,7 @@ def run(a: argparse.Namespace) -> dict:
             pt.true_s = end - (t0 + pt.at)
         return {"job": job, "args": vars(a), "wall_s": end - t0, "points": [asdict(pt) for pt in points],
                 "refresh_mean_s": sum(refresh_s) / len(refresh_s), "refresh_max_s": max(refresh_s),
+                "shown_after_5pct_s": shown,
                 "logs": str(work)}
     finally:
         procs.stop()
@@ -262,7 +279,7 @@ def _err(est: float | None, true: float) -> str:
 
 
 def table(result: dict) -> tuple[str, bool]:
-    rows = [("done", "at", "true left", "monitor ETA", "err", "90% range", "in?", "state",
+    rows = [("done", "at", "true left", "monitor ETA", "err", "90% range", "in?", "state", "load",
              "naive (a)", "err", "naive (b)", "err")]
     ok = True
     for pt in result["points"]:
@@ -274,6 +291,7 @@ def table(result: dict) -> tuple[str, bool]:
         rng = "-" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"
         rows.append((f"{pt['checkpoint']:.0%}", f"{pt['at']:.0f}s", f"{true:.1f}s", _fmt(pt["eta_s"]),
                      _err(pt["eta_s"], true), rng, "yes" if inside else "no", pt["eta_state"],
+                     _num(pt["load"], 1),
                      _fmt(pt["naive_a_s"]), _err(pt["naive_a_s"], true),
                      _fmt(pt["naive_b_s"]), _err(pt["naive_b_s"], true)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -292,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("estimator inputs at each checkpoint: " + "; ".join(
         f"{pt['checkpoint']:.0%}: fit mean {_num(pt['fit_mean'])} sigma {_num(pt['fit_sigma'], 2)}, "
-        f"{_num(pt['per_request_tok_s'])} tok/s per request, {_num(pt['decoding_avg'], 1)} decoding, leases {pt['leases']}"
+        f"{_num(pt['per_request_tok_s'])} tok/s per request, {_num(pt['decoding_avg'], 1)} decoding, "
+        f"overhead {_num(pt['overhead'], 1)}"
         for pt in result["points"]))
+    shown = result["shown_after_5pct_s"]
+    print(f"first ETA shown {'never' if shown is None else f'{shown:.1f}s'} after 5 % done (target: within 10 s)")
     print(f"job took {result['wall_s']:.1f}s from the workers' start; monitor refresh "
           f"{result['refresh_mean_s'] * 1000:.0f} ms mean, {result['refresh_max_s'] * 1000:.0f} ms max")
     print("naive (a) = elapsed/done x remaining; (b) = remaining x avg output tokens so far / output tok/s now")

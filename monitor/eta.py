@@ -1,66 +1,76 @@
-"""How long the rest of a job will take: a pure estimator (no Redis, no clock).
+"""How long the rest of a job will take, in closed form (pure: no Redis, no clock).
 
-Why not "remaining prompts x average length so far / tok/s": the completions
-that finish first are the short ones, so the running average of finished
-lengths is biased low until the very end (a real run estimated 208 h, then
-115 h three minutes later). What is known about output lengths is:
+The work left. Averaging finished lengths counts the short ones first (they finish first). A
+lognormal is fitted to everything known about output lengths (monitor/lengths.py: the finished
+ones, the running ones as "at least this long", the cap), and the work left is its expectation:
+prompts not started times the expected length, plus each running request's expected remainder
+given its length so far.
 
-* finished completions, binned in the job's log-spaced histogram
-  (worker/results.py length_bucket): interval-censored observations;
-* completions still running, with the tokens produced so far: right-censored
-  observations (the final length is at least that);
-* the job's max_tokens: no completion is longer (it is cut at the cap).
+The time. While prompts are left to start the fleet is full and makes the job's measured
+tokens/s. Once the last one has started the job drains: its last requests run with slots idle
+beside them, and it ends with the longest of them. So
 
-monitor/lengths.py fits a lognormal to log(L + 1) by maximum likelihood over
-all three, so the long completions that have started but not finished pull the
-estimate up as they should. The remaining time comes from a Monte-Carlo run
-of the rest of the job through genq's own scheduling (monitor/simulate.py):
-the running requests finish after a draw from their conditional length
-(L | L >= tokens so far), the unstarted prompts draw fresh lengths, each
-worker leases batches from the shared queue and keeps its decode slots busy
-from what it holds, every request generating at the measured per-request
-speed. The draws cover the fitted parameters' uncertainty and the speed's,
-so the spread of the simulated finish times gives an honest range; the
-drain at the end (a few long completions running while slots sit idle) is
-part of the simulation rather than a fudge factor. Nothing here reads a
-clock or Redis: tests feed it synthetic data with a known answer.
+    ETA = (work left - work of the drain) / measured tokens/s  +  time of the drain
 
-The in-flight lists are up to a heartbeat (1 s) old, so a request that
-finished since is listed as running and is also in the histogram. Its
-censored observation ("at least t tokens") is still true, so the fit uses the
-data as published: an EM-style correction (weighing each listed request by its
-chance of still running) was tried and made synthetic runs worse, not better.
-The simulation plays no more prompts than are left: when the listed running
-requests and the prompts held unsent outnumber them, the running list is trimmed
-(_trim_stale; on real vLLM 151 listed for 143 left at 76 % done, #27).
+The drain is of the requests running when the last prompt starts. With more prompts left than
+run at once, those are a steady fleet's running requests: as many as run now, each with the
+length-biased remainder of a renewal process (tail E[(L - r)+] / E[L], mean E[L^2] / 2 E[L]),
+and the requests running now, if still running by then. With fewer left, the drain is now: the
+running requests' remainders and the prompts left, each a fresh length. The drain's length is the
+expected longest of those remainders, its distribution the product of theirs (a 1-D integral).
+A request decodes it at the measured per-request speed; on a server whose step costs
+a + b x (requests decoding) (a CPU: monitor/speedcurve.py fits a/b from the workers' figures) the
+last requests run faster as the others end, and the drain takes (a M + b W) for M steps and W
+tokens, and faster still for what admitting new prompts cost the bulk (PREFILL_COST).
+
+The range: the bulk's time spread by the speed's and the mean length's standard errors, the
+drain's by the 5th and 95th percentiles of its longest remainder.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
-from genq.monitor.etapool import MIN_DRAWS, EtaPool
+from genq.monitor.lengths import LengthData, LengthModel, fit_lengths, grid_groups, length_bucket, log_q
 
-# Re-exported: callers and tests take the whole estimator from here.
-from genq.monitor.lengths import LengthData, LengthModel, fit_lengths, length_bucket  # noqa: F401
-from genq.monitor.playout import WorkerState  # noqa: F401
-from genq.monitor.simulate import Speed, calibrate, simulate_remaining  # noqa: F401
+__all__ = ["Estimate", "LengthData", "LengthModel", "Speed", "estimate", "fit_lengths", "length_bucket"]
 
 # Below this many finished completions the length fit is not worth a number.
 MIN_FINISHED = 20
-# The throughput window must span at least this long (seconds) and hold this
-# many samples before an ETA is given.
+# The throughput window must span at least this long (seconds) and hold this many samples.
 MIN_RATE_SPAN_S = 3.0
 MIN_RATE_SAMPLES = 3
-# "steady" rather than "estimating": enough finished completions, a long
-# enough throughput window and a tight enough throughput estimate.
+# "steady" rather than "estimating": enough finished completions, a long enough throughput
+# window and a tight enough throughput estimate.
 STEADY_FINISHED = 200
 STEADY_SPAN_S = 30.0
 STEADY_RATE_REL_SE = 0.05
-# The range is the central 90 % of the simulated finish times.
-RANGE_QUANTILES = (0.05, 0.95)
+Z90 = 1.645  # the range is a central 90 %
+# What one prompt token of a prefill costs a server's step, over what one decoding sequence costs
+# it: vLLM on CPU, 0.30 to 0.99, median 0.56, in nine jobs (2026-12-05, docs/vllm.md).
+PREFILL_COST = 0.5
+DRAIN_GRID = 24  # points per unit of ln(r + 1) on which the drain's longest remainder is integrated
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Decode speed as measured over a recent window."""
+
+    per_request: float  # output tokens/s of one decoding request (0: tokens_per_s over those running)
+    rel_se: float  # relative standard error of the speed
+    span_s: float  # length of the window
+    samples: int
+    tokens_per_s: float = 0.0  # the job's measured output tokens/s
+    source: str = ""
+    # How a request's speed depends on d, the requests decoding at once on its server: a step
+    # costs in proportion to overhead + d (monitor/speedcurve.py); per_request was measured at
+    # about `decoding` per worker. None: the same speed at any d (a GPU's memory-bound decode).
+    overhead: float | None = None
+    decoding: float = 0.0
+    prompt_tokens: float = 0.0  # the job's mean prompt tokens: what a request's start prefills
+    running: float = 0.0  # the job's requests decoding, over the window, scaled to the slots now (0: unknown)
 
 
 @dataclass
@@ -73,47 +83,20 @@ class Estimate:
     model: LengthModel | None = None
     remaining_tokens: float | None = None  # expected, at the fitted parameters
     expected_output_tokens: float | None = None  # fitted mean completion length
-    draws: list[float] = field(default_factory=list)
 
 
-def estimate(
-    *,
-    total: int,
-    completed: int,
-    failed: int,
-    lengths: LengthData,
-    fleet: Sequence[WorkerState],
-    batch_size: int,
-    speed: Speed | None,
-    paused: bool = False,
-    samples: int = 100,
-    seed: int = 20240601,
-    max_events: int = 300_000,
-    pool: EtaPool | None = None,
-    now: float = 0.0,
-) -> Estimate:
-    """The job's remaining time: a point estimate (median draw) and a 90 % range.
+def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, speed: Speed | None,
+             workers: int, unsent: int = 0, paused: bool = False) -> Estimate:
+    """The job's remaining time and a 90 % range.
 
-    lengths: the finished-length histogram and the cap; the running requests
-    are taken from the fleet (each worker's in-flight list), or from
-    lengths.running when no fleet is given. speed: measured per-request speed,
-    or (per_request 0) the fleet's tokens/s, to which the simulation calibrates.
-    pool: a live monitor's EtaPool for this job (the work spread over refreshes within a
-    budget; `now` dates its draws); None: all of it now, as `genq monitor --once` does.
+    lengths: the finished-length histogram, the running requests' tokens so far, the cap.
+    workers: the live workers that will work on the job. unsent: prompts they hold not yet sent.
     """
     finished = completed + failed
-    fleet = _trim_stale(list(fleet), max(0, total - finished))
-    # The running requests are the fleet's (each worker's in-flight record) when one is given.
-    running = [t if t > 0 else 0 for w in fleet for t in w.running] if fleet else [max(0, int(t)) for t in lengths.running]
-    unstarted = max(0, total - finished - len(running))
-    lengths = LengthData(hist=lengths.hist, running=running, cap=lengths.cap)
-    spent = 0
-    if lengths.finished < MIN_FINISHED:
-        model = None
-    elif pool is not None:
-        model, spent = pool.fit(lengths, now)
-    else:
-        model = fit_lengths(lengths)
+    left = max(0, total - finished)
+    running = _trim_stale(lengths.running, max(0, left - unsent))
+    unstarted = max(0, left - len(running))
+    model = fit_lengths(LengthData(lengths.hist, running, lengths.cap)) if lengths.finished >= MIN_FINISHED else None
     result = Estimate(None, None, None, "warming up", model=model)
     if model is not None:
         result.remaining_tokens = model.remaining_tokens(unstarted, running)
@@ -126,64 +109,128 @@ def estimate(
         result.state, result.note = "paused", "paused: no estimate until it resumes"
         return result
     if model is None:
-        result.note = (f"{lengths.finished} of {MIN_FINISHED} finished completions needed to fit output lengths"
-                       if lengths.finished < MIN_FINISHED else "fitting output lengths")
+        result.note = f"{lengths.finished} of {MIN_FINISHED} finished completions needed to fit output lengths"
         return result
-    active = [w for w in fleet if w.slots > 0]
-    if not active:
+    if workers <= 0:
         result.state, result.note = "stalled", "no live worker has slots for this job"
         return result
     if speed is None or speed.span_s < MIN_RATE_SPAN_S or speed.samples < MIN_RATE_SAMPLES:
         span = 0.0 if speed is None else speed.span_s
         result.note = f"throughput window {span:.0f}s of {MIN_RATE_SPAN_S:.0f}s needed"
         return result
-    if speed.per_request <= 0 and speed.tokens_per_s <= 0:
+    busy = len(running)
+    # The fleet's speed: one request's times the requests decoding (monitor/rates.py). A window's
+    # tokens/s would count the time before the fleet filled up, and workers that have left.
+    rate = speed.per_request * (speed.running or busy) if speed.per_request > 0 else speed.tokens_per_s
+    per_request = speed.per_request if speed.per_request > 0 else rate / max(busy, 1)
+    if rate <= 0 or per_request <= 0:
         result.state, result.note = "stalled", "no tokens generated in the window: is any worker running?"
         return result
-    if speed.per_request <= 0:
-        speed = calibrate(speed, model, active, batch_size, seed)
-    # Prompts in the shared queue: not running and not held unsent by a worker.
-    queue = max(0, unstarted - sum(w.ready for w in active))
-    if pool is None:
-        draws = sorted(simulate_remaining(model, active, queue, batch_size, speed,
-                                          samples=samples, seed=seed, max_events=max_events))
-    else:
-        draws = pool.draws(model, active, queue, batch_size, speed, now=now, spent=spent,
-                           samples=samples, seed=seed, max_events=max_events, work=result.remaining_tokens or 0.0)
-        if len(draws) < MIN_DRAWS:
-            result.note = f"{len(draws)} of {MIN_DRAWS} simulated draws so far"  # still "warming up"
-            return result
-    result.draws = draws
-    result.eta_s = _quantile(draws, 0.5)
-    result.eta_low_s = _quantile(draws, RANGE_QUANTILES[0])
-    result.eta_high_s = _quantile(draws, RANGE_QUANTILES[1])
-    steady = (lengths.finished >= STEADY_FINISHED and speed.span_s >= STEADY_SPAN_S
-              and speed.rel_se <= STEADY_RATE_REL_SE)
-    result.state = "steady" if steady else "estimating"
+    work = result.remaining_tokens or 0.0
+    # Those that decode at once: as measured (a request waiting in the server's queue is in flight
+    # and not decoding), or those in flight when there is no measure (--once).
+    at_once = round(speed.running) if speed.running > 0 else busy
+    bulk_s, drain_work, shift, fresh, steady = _phases(model, work, at_once, unstarted, rate, per_request)
+    cdf = _longest(model, running, shift, fresh, steady)
+    per_worker = speed.decoding if speed.decoding > 0 else max(busy, 1) / workers
+
+    def drain_s(longest: float) -> float:
+        if speed.overhead is None:
+            return longest / per_request
+        o = speed.overhead
+        alone = 1.0 + PREFILL_COST * speed.prompt_tokens * per_worker / ((o + per_worker) * model.mean())
+        return (o * longest + drain_work / workers) / (per_request * (o + per_worker)) / alone
+
+    rel = math.hypot(speed.rel_se, _mean_rel_se(model))
+    result.eta_s = bulk_s + drain_s(_mean_of(cdf))
+    result.eta_low_s = max(0.0, bulk_s * (1 - Z90 * rel)) + drain_s(_quantile(cdf, 0.05)) * max(0.0, 1 - Z90 * speed.rel_se)
+    result.eta_high_s = bulk_s * (1 + Z90 * rel) + drain_s(_quantile(cdf, 0.95)) * (1 + Z90 * speed.rel_se)
+    result.eta_low_s, result.eta_high_s = min(result.eta_low_s, result.eta_s), max(result.eta_high_s, result.eta_s)
+    steady_now = (lengths.finished >= STEADY_FINISHED and speed.span_s >= STEADY_SPAN_S
+                  and speed.rel_se <= STEADY_RATE_REL_SE)
+    result.state = "steady" if steady_now else "estimating"
     return result
 
 
-def _trim_stale(fleet: list[WorkerState], left: int) -> list[WorkerState]:
-    """More requests listed (running, or held unsent) than prompts left: some lists are stale (a
-    worker publishes once a second; a request that ended since is counted finished and still
-    listed as running). The unsent prompts have not run: the running ones are trimmed to what
-    is left beside them, keeping the longest-running, the likeliest still to run."""
-    ready = sum(w.ready for w in fleet)
-    if sum(len(w.running) for w in fleet) + ready <= left:
-        return fleet
-    listed = sorted(((t, i) for i, w in enumerate(fleet) for t in w.running), reverse=True)
-    keep: list[list[int]] = [[] for _ in fleet]
-    for t, i in listed[:max(0, left - ready)]:
-        keep[i].append(t)
-    return [replace(w, running=tuple(k)) for w, k in zip(fleet, keep)]
+def _phases(model: LengthModel, work: float, at_once: int, unstarted: int, rate: float,
+            per_request: float) -> tuple[float, float, float, int, bool]:
+    """(seconds of the full fleet, tokens of the drain, tokens the running requests make before it,
+    requests that join the drain, whether those are a steady fleet's)."""
+    if at_once == 0:  # nothing decoding and no measure of how many do: the work at the measured rate
+        return work / rate, 0.0, 0.0, 0, False
+    if unstarted < at_once:  # the drain is now: the running ones and the prompts left
+        return 0.0, work, 0.0, unstarted, False
+    mean = max(model.mean(), 1e-9)
+    drain_work = min(work, at_once * model.second_moment() / (2 * mean))
+    bulk_s = (work - drain_work) / rate
+    return bulk_s, drain_work, per_request * bulk_s, at_once, True
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    pos = q * (len(sorted_values) - 1)
-    i = int(math.floor(pos))
-    j = min(i + 1, len(sorted_values) - 1)
-    return sorted_values[i] + (sorted_values[j] - sorted_values[i]) * (pos - i)
+def _survival(model: LengthModel, x: float) -> float:
+    """P(L >= x), the observed length min(L, cap)."""
+    if x <= 0:
+        return 1.0
+    if model.cap is not None and x > model.cap:
+        return 0.0
+    return math.exp(log_q((math.log(x + 1) - model.mu) / model.sigma))
 
 
+def _longest(model: LengthModel, running: Sequence[int], shift: float, fresh: int,
+             steady: bool) -> list[tuple[float, float]]:
+    """(r, P(the drain's longest remainder <= r)) on a log grid: the product of each request's
+    P(remainder <= r). A running request with t tokens so far has shift more made by the drain."""
+    mean = max(model.mean(), 1e-9)
+    groups = [(at, n, _survival(model, at)) for at, n, _ in grid_groups(running, 8)]
+    top = model.cap if model.cap is not None else math.exp(model.mu + 8 * model.sigma)
+    top += max(running, default=0)
+    cdf = []
+    for k in range(int(math.log(top + 1) * DRAIN_GRID) + 2):
+        r = math.exp(k / DRAIN_GRID) - 1
+        log_p = 0.0
+        for at, n, alive in groups:
+            p = 1.0 - _survival(model, at + shift + r) / alive if alive > 0 else 1.0
+            log_p += n * math.log(p) if p > 0 else -math.inf
+        if fresh:
+            if steady:  # a renewal process' remainder: P(R > r) = E[(L - r)+] / E[L]
+                beyond = _survival(model, r) * max(0.0, model.conditional_mean(round(r)) - r) / mean
+            else:
+                beyond = _survival(model, r)
+            log_p += fresh * math.log1p(-beyond) if beyond < 1 else -math.inf
+        cdf.append((r, math.exp(log_p)))
+        if log_p > -1e-12:
+            break
+    return cdf
+
+
+def _mean_of(cdf: list[tuple[float, float]]) -> float:
+    """E[M] = integral of P(M > r) dr."""
+    return sum((r1 - r0) * (2 - p0 - p1) / 2 for (r0, p0), (r1, p1) in zip(cdf, cdf[1:]))
+
+
+def _quantile(cdf: list[tuple[float, float]], q: float) -> float:
+    prev_r, prev_p = 0.0, 0.0
+    for r, p in cdf:
+        if p >= q:
+            return r if p <= prev_p else prev_r + (r - prev_r) * (q - prev_p) / (p - prev_p)
+        prev_r, prev_p = r, p
+    return cdf[-1][0]
+
+
+def _mean_rel_se(model: LengthModel) -> float:
+    """Relative standard error of the fitted mean length, from the fit's covariance (delta method)."""
+    if model.cov is None:
+        return 0.0
+    h, mean = 1e-4, model.mean()
+    d_mu = (LengthModel(model.mu + h, model.sigma, model.cap).mean() - mean) / h
+    d_ls = (LengthModel(model.mu, model.sigma * math.exp(h), model.cap).mean() - mean) / h
+    (a, b), (_, d) = model.cov
+    var = d_mu * d_mu * a + 2 * d_mu * d_ls * b + d_ls * d_ls * d
+    return math.sqrt(max(var, 0.0)) / max(mean, 1e-9)
+
+
+def _trim_stale(running: Sequence[int], room: int) -> list[int]:
+    """A worker publishes its running requests once a second; one that ended since is counted
+    finished and still listed. More listed than prompts left beside the unsent ones: the longest
+    are kept, the likeliest still to run."""
+    listed = [max(0, int(t)) for t in running]
+    return listed if len(listed) <= room else sorted(listed, reverse=True)[:room]

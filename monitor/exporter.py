@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from genq.core.decodebound import CAPS
 from genq.core.health import CODES
 from genq.core.refusals import NOTE_REASONS, RedisNote
 from genq.core.state import JOB_STATUSES
@@ -47,7 +48,7 @@ ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
 WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
 
-def parse_listen(value: str, option: str = "--serve") -> tuple[str, int]:
+def parse_listen(value: str, option: str = "--metrics") -> tuple[str, int]:
     """':9108' -> ('0.0.0.0', 9108); 'host:9108' -> ('host', 9108)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -156,7 +157,8 @@ WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("genq_worker_server_waiting", "Requests waiting in the server's queue", "server_waiting"),
     ("genq_worker_slot_utilization_ratio", "server_running / server_capacity (0-1)", "slot_utilization"),
     ("genq_worker_kv_cache_usage_ratio", "Share of the KV cache in use (0-1)", "kv_cache_usage"),
-    ("genq_worker_output_tokens_per_second", "Output tokens per second (worker's 30 s window)", "tok_per_s"),
+    ("genq_worker_output_tokens_per_second", "Output tokens per second (the server's generation counter over 5 s; "
+     "finished answers over 30 s where it has none)", "tok_per_s"),
     ("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", "req_per_s"),
 )
 
@@ -205,6 +207,12 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
     state = _gauge("genq_worker_state", "1 for the worker's state, 0 for the others", ["worker", "state"])
     fams = {field: _gauge(name, doc, W) for name, doc, field in WORKER_GAUGES}
     errors = CounterMetricFamily("genq_worker_errors", "Failed request attempts since the worker started", labels=W)
+    bound = _gauge("genq_worker_decode_bound_tokens_per_second",
+                   "Decode bound: running x memory bandwidth / (weight + KV bytes read a step)", W)
+    bound_share = _gauge("genq_worker_decode_bound_ratio", "Output tokens/s over the decode bound (0-1)", W)
+    batch_cap = _gauge("genq_worker_batch_cap", "1 for what caps the server's running batch now, 0 for the others",
+                       ["worker", "reason"])
+    slow = _gauge("genq_worker_slow", "1 while the GPU is much slower than its peers (share of the bound)", W)
     bottleneck = _gauge("genq_worker_bottleneck", "1 for each code that limits the worker now, 0 for the others",
                         ["worker", "reason"])
     job_done = CounterMetricFamily("genq_job_worker_prompts_completed", "Prompts completed by the worker", labels=JW)
@@ -245,6 +253,14 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
             if value is not None:
                 fam.add_metric(lab, float(value))
         errors.add_metric(lab, float(w.errors))
+        if w.bound is not None:
+            if w.bound.bound.tok_per_s is not None:
+                bound.add_metric(lab, w.bound.bound.tok_per_s)
+            if w.bound.bound.share is not None:
+                bound_share.add_metric(lab, w.bound.bound.share)
+            for code in CAPS:
+                batch_cap.add_metric([w.name, code], float(w.bound.cap is not None and w.bound.cap.code == code))
+            slow.add_metric(lab, float(w.bound.slow is not None))
         if w.gpu is not None:
             s = w.gpu
             glab = [w.name, str(s.index), s.name]
@@ -260,6 +276,10 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
     yield from fams.values()
     yield errors
     yield bottleneck
+    yield bound
+    yield bound_share
+    yield batch_cap
+    yield slow
     yield job_done
     yield job_out
     yield job_inflight

@@ -11,29 +11,26 @@ What is known about a job's output lengths at any moment:
 fit_lengths() fits ln(L + 1) ~ Normal(mu, sigma) by maximum likelihood over
 all three, so the long completions that have started but not finished pull
 the estimate up as they should (the finished ones alone are the short ones).
-LengthModel gives the closed-form expectations (cut at the cap), conditional
-expectations given "at least t tokens so far", and draws for the simulation.
+LengthModel gives the closed-form expectations (cut at the cap) and conditional
+expectations given "at least t tokens so far".
 """
 
 from __future__ import annotations
 
 import math
-import random
 from bisect import bisect_left
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from statistics import NormalDist
 
 from genq.core.histogram import length_bucket
 
 LN2 = math.log(2.0)
-_N = NormalDist()
 SQRT2 = math.sqrt(2.0)
 
 SIGMA_BOUNDS = (0.02, 5.0)  # of log(L + 1); a wider fit is a broken one
 CENSOR_GRID = 32  # steps per unit of ln(t + 1) on which running requests are counted in the fit
-REMAINING_GRID = 8  # the same for the expected remaining tokens (shown, not simulated)
+REMAINING_GRID = 8  # the same for the expected remaining tokens
 
 
 # ---------------------------------------------------------------- normal helpers
@@ -153,59 +150,6 @@ class LengthModel:
             total += max(0.0, n * self.conditional_mean(at) - tokens)
         return total
 
-    def median(self) -> float:
-        return math.exp(self.mu) - 1.0
-
-    # -- draws --
-
-    def draw_params(self, rng: random.Random) -> tuple[float, float]:
-        """(mu, sigma) from the fit's approximate sampling distribution."""
-        if self.cov is None:
-            return self.mu, self.sigma
-        (a, b), (_, d) = self.cov
-        # Cholesky of the 2x2 covariance.
-        l11 = math.sqrt(max(a, 0.0))
-        l21 = b / l11 if l11 > 0 else 0.0
-        l22 = math.sqrt(max(d - l21 * l21, 0.0))
-        g1, g2 = rng.gauss(0, 1), rng.gauss(0, 1)
-        mu = self.mu + l11 * g1
-        log_s = math.log(self.sigma) + l21 * g1 + l22 * g2
-        return mu, min(max(math.exp(log_s), SIGMA_BOUNDS[0]), SIGMA_BOUNDS[1])
-
-    def with_params(self, mu: float, sigma: float) -> LengthModel:
-        return LengthModel(mu=mu, sigma=sigma, cap=self.cap)
-
-    def draw(self, rng: random.Random, n: int) -> list[float]:
-        mu, s, cap = self.mu, self.sigma, self.cap
-        out = [math.exp(rng.gauss(mu, s)) - 1.0 for _ in range(n)]
-        if cap is not None:
-            out = [x if x < cap else float(cap) for x in out]
-        return out
-
-    def draw_remaining(self, rng: random.Random, tokens_so_far: Sequence[int]) -> list[float]:
-        """For each running request: final length drawn given L >= tokens so far, minus those tokens."""
-        mu, s, cap = self.mu, self.sigma, self.cap
-        out = []
-        for t in tokens_so_far:
-            if t <= 0:
-                z = rng.gauss(mu, s)
-            else:
-                c0 = (math.log(t + 1) - mu) / s
-                lq = log_q(c0)
-                # Inverse CDF in the upper tail: pick Q(z0) uniformly in (0, Q(c0)).
-                log_u = lq + math.log(1.0 - rng.random())
-                if log_u > -690:
-                    q = math.exp(log_u)
-                    z0 = -_N.inv_cdf(q) if q < 0.5 else _N.inv_cdf(1 - q)
-                else:  # beyond double precision: the tail is ~ exponential in z0 * c0
-                    z0 = c0 + rng.expovariate(1.0) / max(c0, 1.0)
-                z = mu + s * max(z0, c0)
-            length = math.exp(z) - 1.0
-            if cap is not None:
-                length = min(length, float(cap))
-            out.append(max(0.0, length - t))
-        return out
-
 
 def grid_groups(tokens: Iterable[int], grid: int) -> list[tuple[int, int, int]]:
     """Token counts grouped on a grid of ln(t + 1) (`grid` steps a unit): (the group's point,
@@ -228,17 +172,6 @@ def grid_groups(tokens: Iterable[int], grid: int) -> list[tuple[int, int, int]]:
 
 def fit_lengths(data: LengthData) -> LengthModel | None:
     """Censored maximum likelihood for the lognormal; None with no finished completions."""
-    steps = fit_steps(data)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
-def fit_steps(data: LengthData, near: LengthModel | None = None) -> Generator[int, None, LengthModel | None]:
-    """fit_lengths, yielding the terms evaluated as it goes (a live monitor spreads a fit
-    over its refreshes: monitor/etapool.py). near: a fit of similar data to start from."""
     cap = data.cap
     hist = {int(b): int(n) for b, n in data.hist.items() if int(n) > 0}
     if not hist:
@@ -281,25 +214,19 @@ def fit_steps(data: LengthData, near: LengthModel | None = None) -> Generator[in
             return 1e300
         return nll(mu, log_s)
 
-    step = (0.5, 0.3)
-    if near is not None and lo_ls <= math.log(near.sigma) <= hi_ls:
-        start, step = (near.mu, math.log(near.sigma)), (0.05, 0.05)
-    best = yield from _nelder_mead(bounded, start, step, cost=len(intervals) + len(censored))
+    best = _nelder_mead(bounded, start, (0.5, 0.3))
     mu, log_s = best
-    yield 9 * (len(intervals) + len(censored))  # the covariance's evaluations, next
     cov = _covariance(nll, best)
     return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, cov=cov,
                        finished=count, censored=sum(n for _, n in censored))
 
 
-def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *, cost: int,
-                 tol: float = 1e-7, max_iter: int = 400) -> Generator[int, None, tuple[float, float]]:
-    """A plain 2-D Nelder-Mead: the likelihood is smooth and cheap, no scipy needed.
-    Yields `cost` (terms of one evaluation of f) once an iteration."""
+def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
+                 tol: float = 1e-7, max_iter: int = 400) -> tuple[float, float]:
+    """A plain 2-D Nelder-Mead: the likelihood is smooth and cheap, no scipy needed."""
     pts = [start, (start[0] + step[0], start[1]), (start[0], start[1] + step[1])]
     vals = [f(*p) for p in pts]
     for _ in range(max_iter):
-        yield 2 * cost  # an iteration evaluates f once or twice (a shrink: twice more)
         order = sorted(range(3), key=lambda i: vals[i])
         pts = [pts[i] for i in order]
         vals = [vals[i] for i in order]

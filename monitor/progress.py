@@ -18,18 +18,17 @@ from typing import Any
 import msgspec
 import redis
 
+from genq.core import decodebound
+from genq.core.decodebound import Verdict
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.refusals import RedisNote, redis_note_of
 from genq.core.state import JobStatus
 from genq.core.words import plural
-from genq.monitor.eta import Estimate, LengthData, Speed, WorkerState, estimate
-from genq.monitor.etafleet import fleet_of
-from genq.monitor.etapool import EtaPool
+from genq.monitor.eta import Estimate, LengthData, Speed, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.sharing import shared_fleet
 from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
 from genq.ops.settings import describe_block
 
@@ -63,6 +62,8 @@ class WorkerReport(msgspec.Struct):
     bottlenecks: list[str] = []  # for people: with the numbers
     bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.health.CODES)
     heartbeat_age_s: float | None = None
+    # Its decode bound, the share reached, what caps its batch and the fix (genq.core.decodebound).
+    bound: Verdict | None = None
 
 
 class JobProgress(msgspec.Struct):
@@ -121,6 +122,8 @@ class JobProgress(msgspec.Struct):
     priority: int = 0  # docs/scheduling.md
     weight: float = 1.0
     share: float = 0.0  # of the fleet's requests in flight now
+    # Its GPUs against their decode bound over the job so far: "fleet at N % of its bandwidth bound; ...".
+    bound_summary: str | None = None
 
 
 @dataclass
@@ -129,7 +132,6 @@ class JobReport:
     estimate: Estimate
     progress: JobProgress
     speed: Speed | None = None
-    fleet: list[WorkerState] | None = None
 
 
 class JobNotFound(LookupError):
@@ -146,7 +148,6 @@ class Monitor:
         self.window_s = window_s
         self.once = once
         self.trackers: dict[str, RateTracker] = {}
-        self.pools: dict[str, EtaPool] = {}  # live: each job's ETA work, spread over refreshes
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
@@ -185,7 +186,9 @@ class Monitor:
                 reports.append(self._report(snap))
             self.last = reports
             now = time.time()
-            self.fleet = [worker_report(WorkerView(name=name, status=status), now)
+            judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
+            self.fleet = [msgspec.structs.replace(worker_report(WorkerView(name=name, status=status), now),
+                                                  bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last_at = time.monotonic()
             for listener in self.listeners:
@@ -205,17 +208,27 @@ class Monitor:
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
         config = snap.config
-        fleet = fleet_of(snap)
+        workers = [w for w in snap.workers if works_on(w)]
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
-            fleet=shared_fleet(fleet, snap.share), batch_size=config.batch_size if config else 256,
-            speed=speed, paused=snap.paused and not snap.is_done,
-            pool=None if self.once else self.pools.setdefault(snap.job, EtaPool()), now=snap.at,
+            speed=speed, workers=len(workers), paused=snap.paused and not snap.is_done,
+            unsent=sum(w.inflight.queued for w in workers if w.inflight is not None),
         )
         if snap.is_done:
             est.state = "done"
-        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed, fleet)
+        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed)
+
+
+def works_on(w: WorkerView) -> bool:
+    """Whether a worker will work on the job from now on: a live one holding its prompts, or an idle
+    one (the queue is shared: it takes the next batches). Paused and server-down workers add nothing
+    until they come back."""
+    s = w.live_status
+    if s is None or s.state in ("paused", "server_down"):
+        return False
+    holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
+    return bool(holds) or s.state in ("idle", "busy", "starting")
 
 
 def _hours(seconds: float | None) -> float | None:
@@ -247,6 +260,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     live = [w for w in snap.workers if w.live]
     statuses = [w.status for w in snap.workers if w.status is not None]
     elapsed = max(0.0, end - start)
+    judged = decodebound.judge({s.name: s for s in statuses if s.state != "stopped"})
     tok_s = None if speed is None else speed.tokens_per_s
     tail = tail_note(snap)
     if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
@@ -301,8 +315,11 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         rate_source="" if speed is None else speed.source,
         gpu_note=fleet_gpu_note(statuses),
         tail=tail,
-        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job)
+        worker_details=[msgspec.structs.replace(worker_report(w, snap.at, snap.is_done, in_tail=tail is not None,
+                                                              job=snap.job), bound=judged.get(w.name))
                         for w in snap.workers],
+        bound_summary=decodebound.job_line({s.name: s.bound_tally[snap.job] for s in statuses
+                                            if snap.job in s.bound_tally}),
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
         priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),

@@ -6,14 +6,15 @@ completions plus the tokens of running ones) over a recent window. Counting
 running tokens makes the curve smooth (a 4,000-token completion does not land
 in one lump), and taking deltas means work done before the monitor started (a
 resumed run) never inflates the rate. Dividing by the average number of
-requests decoding over the same window gives the speed of one request, which
-the ETA simulation scales to whatever fleet there is now: workers joining or
-leaving change the forecast at the next refresh.
+requests decoding over the same window gives the speed of one request. The
+fleet's speed is that times the requests decoding: their mean over the window
+(slots idle behind batches' tails count), scaled by the live workers' slots now
+over their mean (workers joining or leaving change the forecast at once).
 
 `genq monitor --once` has no samples of its own: it takes the workers'
 generation since their first result (when the worker has run without a
 restart since) or their own last-30-s figures, leaves the per-request speed
-to be calibrated by the simulation, and says it is less certain.
+to the ETA (tokens/s over the requests running), and says it is less certain.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Sample:
     finished: int  # prompts with a result (a dead letter is no progress: it never counts toward the rate)
     decoding: int  # requests being decoded (at most each server's capacity)
     workers: int = 0  # workers with any of them (a request's speed depends on its own worker's count)
+    slots: int = 0  # the live workers' slots
 
 
 class RateTracker:
@@ -94,7 +96,8 @@ class RateTracker:
             stamps.append(at)
         at = sum(stamps) / len(stamps) if stamps else snap.at
         return Sample(at=at, read_at=snap.at, generated=round(generated), finished=snap.completed,
-                      decoding=snap.decoding, workers=sum(1 for w in snap.workers if w.live and w.decoding))
+                      decoding=snap.decoding, workers=sum(1 for w in snap.workers if w.live and w.decoding),
+                      slots=snap.slots)
 
     def speed(self) -> Speed | None:
         """Speed of one decoding request = tokens generated / request-seconds spent decoding.
@@ -131,9 +134,12 @@ class RateTracker:
             rel = max(REL_SE_FLOOR, 2 * math.sqrt(var / n_eff) / per_request)
         else:
             rel = 1.0
+        kept = [b for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
+        slots_s = sum(b.slots * dt for b, (_, _, dt) in zip(kept, usable))
+        running = total_busy / span * (pts[-1].slots * span / slots_s if slots_s > 0 and pts[-1].slots else 1.0)
         return Speed(per_request=per_request, rel_se=min(rel, 1.0), span_s=span, samples=len(usable) + 1,
                      tokens_per_s=tokens_per_s, source=source, decoding=total_busy / worker_s,
-                     overhead=self.overhead, prompt_tokens=self.prompt_tokens)
+                     overhead=self.overhead, prompt_tokens=self.prompt_tokens, running=running)
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
@@ -172,8 +178,8 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
     """(speed, prompts/s) from one snapshot: the workers' own records.
 
     The job's tokens/s is known; the speed of one request is not (one look
-    cannot average the number decoding), so per_request is left at 0 for the
-    estimator to calibrate against its simulated fleet.
+    cannot average the number decoding), so per_request is left at 0: the estimator
+    divides the tokens/s by the requests running.
     """
     tokens = 0.0
     prompts = 0.0
@@ -200,7 +206,7 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
             sources.add("workers' last-30s rates")
     if not spans:
         return None, None
-    # The calibration (monitor/simulate.py calibrate) finds the speed of a request on a full worker.
+    # The requests a worker decodes at once when full: what a request's speed was measured at.
     slots = [w.slots for w in snap.workers if w.live_status is not None and w.inflight is not None and w.slots]
     speed = Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
                   source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",

@@ -6,9 +6,8 @@ for each of the d and costs about a + b*d (a fixed part; a part per sequence), s
 request waits per token, busy / tokens, is a straight line in d. Its fit, weighted by the
 tokens behind each bin, gives the overhead a/b in units of one sequence: large on a GPU
 (memory-bound decode: a request's speed hardly depends on d), small on a CPU (compute-bound:
-the server's tokens/s hardly depends on d, a request alone runs many times faster). The ETA's
-simulation (monitor/simulate.py) plays each worker's requests at (overhead + ref) / (overhead + d)
-times the measured speed.
+the server's tokens/s hardly depends on d, a request alone runs many times faster). The ETA
+(monitor/eta.py) times a job's drain with it.
 
 Nothing is assumed where the figures cannot tell: fewer than MIN_BINS bins with MIN_TOKENS
 tokens, or their counts within a MIN_SPREAD ratio of each other, or a line that does not rise
@@ -20,7 +19,7 @@ its first token (the server prefilled it in the decoding requests' steps) or whi
 in a job's drain. The line goes through the clean ones where they tell: the steps of a job's
 start, a few decoding beside many prefills, read a request slow at a small count and flattened
 the line (an overhead of 57-72 for 0.7 on a compute-bound sim, 126-223 on vLLM on CPU where its
-drain said 0). What admitting costs is played apart (Speed.prefill, monitor/simulate.py).
+drain said 0). What admitting costs is counted apart (PREFILL_COST, monitor/eta.py).
 """
 
 from __future__ import annotations

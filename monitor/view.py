@@ -129,6 +129,8 @@ def job_panel(r: JobReport) -> Panel:
         lines.append(Text(p.tail, style="cyan"))
     if p.rate_source:
         lines.append(Text(f"rate: {p.rate_source}", style="dim"))
+    if p.bound_summary:
+        lines.append(Text(f"GPUs: {p.bound_summary}"))
     lines.append(out)
     return Panel(Group(*lines), expand=True)
 
@@ -137,13 +139,14 @@ def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
     t = Table(expand=True, show_edge=False, pad_edge=False)
     for col, justify in (("worker", "left"), ("state", "left"), ("in flight/target", "right"),
                          ("server run/wait", "right"), ("slots", "right"), ("tok/s", "right"),
-                         ("done", "right"), ("errors", "right"), ("GPU", "left")):
+                         ("of bound", "right"), ("done", "right"), ("errors", "right"), ("GPU", "left")):
         t.add_column(col, justify=cast(JustifyMethod, justify), no_wrap=col not in ("GPU", "in flight/target", "server run/wait"),
                      min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
     gpu_any = any(w.gpu is not None for w in workers)
     for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
-        if w.state in ("lost", "gone", "stopped"):
-            t.add_row(w.name, Text(w.state, STATE_STYLE[w.state]), "", "", "", "", f"{w.job_completed:,}", "", "")
+        if w.state in ("lost", "gone", "stopped", "server_down"):  # no figures of a server it does not have
+            t.add_row(w.name, Text(w.state.replace("_", " "), STATE_STYLE[w.state]), "", "", "", "", "",
+                      f"{w.job_completed:,}", "", "")
             continue
         server = "-" if w.server_running is None else f"{w.server_running:.0f}/{w.server_waiting or 0:.0f}"
         slots = "-" if w.slot_utilization is None else f"{w.slot_utilization:.0%}"
@@ -151,8 +154,19 @@ def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
         if w.concurrency_limit:
             target += f" (cap {w.concurrency_limit})"
         t.add_row(w.name, Text(w.state, STATE_STYLE.get(w.state, "")), target, server, slots,
-                  count(w.tok_per_s), f"{w.job_completed:,}", str(w.errors), gpu_cell(w, gpu_any))
+                  count(w.tok_per_s), bound_cell(w), f"{w.job_completed:,}", str(w.errors), gpu_cell(w, gpu_any))
     return t
+
+
+def bound_cell(w: WorkerReport) -> Text:
+    """The share of its decode bound the GPU reaches, red when much slower than its peers; "?" where a
+    figure is missing (the line below the table names it)."""
+    v = w.bound
+    if v is None:
+        return Text("")
+    if v.bound.tok_per_s is None or v.bound.share is None:
+        return Text("?", style="dim")
+    return Text(f"{v.bound.share:.0%} of {count(v.bound.tok_per_s)}", style="bold red" if v.slow else "")
 
 
 def gpu_cell(w: WorkerReport, gpu_any: bool) -> str:
@@ -178,6 +192,16 @@ def bottleneck_lines(workers: list[WorkerReport]) -> list[RenderableType]:
             continue
         for b in w.bottlenecks:
             lines.append(Text.assemble(("bottleneck ", "bold yellow"), (w.name, "bold"), f": {b}"))
+        v = w.bound
+        if v is None:
+            continue
+        if v.slow:
+            lines.append(Text.assemble(("slow GPU ", "bold red"), (w.name, "bold"), f": {v.slow}"))
+        if v.cap is not None and v.cap.code not in ("genq_target", "nothing_to_send"):  # those: the bottleneck lines
+            lines.append(Text.assemble(("batch ", "bold yellow"), (w.name, "bold"), f": capped by {v.cap.text}",
+                                       f"; fix: {v.cap.advice}" if v.cap.advice else ""))
+        if v.bound.tok_per_s is None and v.bound.unknown:
+            lines.append(Text.assemble(("bound ", "dim"), (w.name, "bold"), f": {v.bound.unknown}"))
     if lost:
         shown = ", ".join(lost[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
         lines.append(Text.assemble(("lost ", "bold red"), f"{shown}: {NO_HEARTBEAT}"))

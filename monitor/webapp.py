@@ -9,14 +9,22 @@ or under a reverse proxy's path prefix.
 
 Read-only unless started with control enabled and a token: then pause, resume
 and drain are POSTs to api/control carrying the token in X-Genq-Token.
+
+Only requests naming this server answer: a Host that is an address, a loopback name, the name
+it was bound to, this machine's name or one given with --web-allow-host. Any other name is what
+a DNS-rebinding page sends (its own domain, resolved to this address), and it gets 403 with
+nothing read. Every answer carries a Content-Security-Policy allowing only this server's own
+files, and X-Content-Type-Options: nosniff.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import math
+import socket
 import threading
 import time
 from collections import Counter
@@ -33,6 +41,37 @@ from genq.monitor.snapshot import read_dead_letters
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
 CONTROL_ACTIONS = ("pause", "resume", "drain")
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+# The page's own scripts and styles only (uPlot ships beside it); its icon is an empty data: URL.
+HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+                               "form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def host_name(header: str) -> str:
+    """'Name:8008' -> 'name'; '[::1]:8008' -> '::1'."""
+    name = header.strip().lower()
+    if name.startswith("["):
+        return name[1:].partition("]")[0]
+    if name.count(":") == 1:
+        name = name.partition(":")[0]
+    return name.rstrip(".")
+
+
+def own_names(bound: str, allowed: tuple[str, ...] = ()) -> frozenset[str]:
+    """The host names the page answers to, besides any address."""
+    return frozenset(host_name(n) for n in (*LOOPBACK_NAMES, bound, socket.gethostname(), *allowed) if n)
+
+
+def is_own_host(header: str, names: frozenset[str]) -> bool:
+    name = host_name(header)
+    try:
+        ipaddress.ip_address(name)
+        return True  # an address names no domain a page could rebind
+    except ValueError:
+        return name in names
 
 
 def length_histogram(report: JobReport) -> dict[str, Any]:
@@ -83,8 +122,22 @@ def followed(reports: list[JobReport]) -> JobReport | None:
     return min(reports, key=rank, default=None)
 
 
-def make_app(monitor: Monitor, history: History, interval: float, token: str | None = None) -> web.Application:
-    app = web.Application()
+def make_app(monitor: Monitor, history: History, interval: float, token: str | None = None,
+             names: frozenset[str] = own_names("")) -> web.Application:
+    @web.middleware
+    async def own_host_only(request: web.Request, handler: Any) -> web.StreamResponse:
+        # No Host at all is no browser's request (aiohttp's request.host would look the machine's name up).
+        if (host := request.headers.get("Host")) is not None and not is_own_host(host, names):
+            # Whoever sent it reads this (a rebinding page is same-origin): it names nothing of this machine.
+            return web.Response(status=403, text="genq monitor: this Host is not one of the page's names; "
+                                                 "start it with --web-allow-host NAME to allow another\n")
+        return await handler(request)
+
+    async def security_headers(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(HEADERS)
+
+    app = web.Application(middlewares=[own_host_only])
+    app.on_response_prepare.append(security_headers)
     letters: dict[str, tuple[float, Any]] = {}  # job -> (monotonic, summary): one DLQ scan per interval
 
     def dead_letters(job: str):
@@ -170,7 +223,8 @@ def _control_handler(monitor: Monitor, token: str):
     return handler
 
 
-def serve_web(monitor: Monitor, listen: str, interval: float, token: str | None = None) -> History:
+def serve_web(monitor: Monitor, listen: str, interval: float, token: str | None = None,
+              allow_hosts: tuple[str, ...] = ()) -> History:
     """Start the page's server in a background thread (binding here, so errors reach the caller)."""
     from genq.monitor.exporter import parse_listen
 
@@ -178,7 +232,7 @@ def serve_web(monitor: Monitor, listen: str, interval: float, token: str | None 
     history = History()
     monitor.listeners.append(history.record)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(monitor, history, interval, token), access_log=None)
+    runner = web.AppRunner(make_app(monitor, history, interval, token, own_names(host, allow_hosts)), access_log=None)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, host, port).start())
     threading.Thread(target=loop.run_forever, name="genq-web", daemon=True).start()

@@ -67,6 +67,10 @@ class JobConflict(ValueError):
     """Another enqueue created the job meanwhile with other settings."""
 
 
+class JobClosed(ValueError):
+    """New prompts for a finished job whose enqueue did not say to add them (the message says how)."""
+
+
 @dataclass
 class EnqueueSummary:
     read: int = 0  # valid rows
@@ -91,18 +95,21 @@ _Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_d
 
 class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
-                 reference: str | None = None, input_uri: str | None = None) -> None:
+                 reference: str | None = None, input_uri: str | None = None, closed: str | None = None) -> None:
         """create: the job has no stored config yet; it is stored with the first batches.
         rejects: where rejected lines go as they are found (the caller closes or discards it).
         reference: the input's URI as workers read it (s3://... or an absolute path) to queue
         batches by reference; None stores the prompts inline.
-        input_uri: the input, recorded in OUTPUT/JOB/job.json for `genq recover`."""
+        input_uri: the input, recorded in OUTPUT/JOB/job.json for `genq recover`.
+        closed: the job is finished and must not take new prompts: JobClosed(closed) is raised
+        before the first one is queued (prompts already queued or done are skipped as ever)."""
         self.conn = conn
         self.rejects = rejects
         self.config = config
         self.reference = reference
         self.summary = EnqueueSummary()
         self._create = create
+        self._closed = closed
         self._pending: list[_Pending] = []
         self._store = open_store(config.output, config.s3_endpoint_url)
         self._inputs = [input_uri] if input_uri else []
@@ -121,13 +128,16 @@ class Enqueuer:
         if not self._create:
             self.summary.recovered_batches = len(recover.catch_up(self.conn, self.config))
             self._record = on_disk if on_disk and on_disk.config.incarnation == self.config.incarnation else self._record
-        elif on_disk is not None and _settings(on_disk.config) == _settings(self.config):
+        elif on_disk is not None and revives(on_disk, self.config):
             recovery = recover.rebuild(self.conn, on_disk)
             self.config, self._record, self._create = recovery.config, on_disk, False
             self.summary.recovered_batches, self.summary.rebuilt = len(recovery.adopted), True
         elif on_disk is not None:
-            self.summary.note = (f"{truth.job_uri(self._store, self.config.name)} is of an earlier job of this name "
-                                 f"with other settings: its shards stay and are not counted as done for this one")
+            why = ("was deleted (genq jobs delete)" if on_disk.deleted_at is not None else "had other settings")
+            self.summary.note = (f"{truth.job_uri(self._store, self.config.name)} is of an earlier job of this name, "
+                                 f"which {why}: this is a new job; the old one's shards stay and are not counted as "
+                                 f"done for this one (genq recover --job {self.config.name} --output "
+                                 f"{self.config.output} would have brought the old one back instead)")
             self._floor = on_disk.reserved
         written = truth.marker_batches(self._store, self.config.name)  # an output of a genq without job.json
         self._floor = max([self._floor, self._record.reserved, *map(batch_number, written)])
@@ -222,6 +232,9 @@ class Enqueuer:
                     size = self.config.batch_size
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
+                    if taking and self._closed is not None and not self._create:
+                        pipe.reset()
+                        raise JobClosed(self._closed)
                     if taking:
                         batches = self._batches(pipe, [row for row, _ in taking])
                         self._reserve(batches[-1].id)
@@ -307,8 +320,9 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
     snapshot restored, a lagging replica promoted) has its input read again, and the prompts
     with neither an outcome nor a batch are queued again (a requeue's letters requeued again);
     its record then names what stands for them. An enqueue running now may look so for the
-    moment between its record and its transaction: reading its input again then queues nothing. Every worker's start and maintenance runs it (genq.ops.recover.OutputWatch).
-    The prompts queued again."""
+    moment between its record and its transaction: reading its input again then queues nothing.
+    Every worker's start and maintenance runs it (genq.ops.recover.OutputWatch). The prompts
+    queued again."""
     store = open_store(config.output, config.s3_endpoint_url)
     records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
                if r.incarnation == config.incarnation}
@@ -344,9 +358,16 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
     return queued
 
 
+def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:
+    """Whether an enqueue of a job Redis does not know takes up the job its output's job.json
+    describes: one with the same settings, not deleted (`genq jobs delete`; `genq recover` can)."""
+    return on_disk is not None and on_disk.deleted_at is None and _settings(on_disk.config) == _settings(config)
+
+
 def _settings(config: JobConfig) -> JobConfig:
-    """A config without the fields that say when and which life, not what was asked for."""
-    return msgspec.structs.replace(config, created_at=0.0, incarnation="")
+    """A config without the fields that say when, which life and which `genq jobs set`, not what is asked
+    for: an enqueue asking for a job's current settings (after `jobs set`) is that job."""
+    return msgspec.structs.replace(config, created_at=0.0, incarnation="", settings_version=1, settings_history=[])
 
 
 def _classify(group: list[_Pending], known: str) -> tuple[list[_Pending], int, list[_Pending]]:

@@ -14,6 +14,7 @@ docs/fidelity.md says where every accepted field's answer lands in the record.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -197,6 +198,11 @@ def check_for_endpoint(params: dict[str, Any], endpoint: str, where: str) -> Non
                              f"per token), got {_kind(logprobs)}")
 
 
+# Switches of chat templates (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), which users
+# put at the top of the request: the servers take them inside chat_template_kwargs.
+CHAT_TEMPLATE_ARGS = ("enable_thinking", "thinking")
+
+
 def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
     """Raise ParamError naming `where` (an option or a row field) and the first bad field;
     with the endpoint known, its rules too (check_for_endpoint)."""
@@ -208,6 +214,10 @@ def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
         if name in REFUSED:
             raise ParamError(f"{where}: {name!r} is refused: {REFUSED[name]}")
         check = KNOWN.get(name)
+        if check is None and name in CHAT_TEMPLATE_ARGS:
+            raise ParamError(f"{where}: {name!r} is not a request field but an argument of the model's chat template "
+                             f"(SGLang and vLLM pass it on from chat_template_kwargs): give "
+                             f"{{\"chat_template_kwargs\": {{{json.dumps(name)}: {json.dumps(value)}}}}}")
         if check is None:
             close = difflib.get_close_matches(name, KNOWN, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

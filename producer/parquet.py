@@ -4,7 +4,8 @@ Column mapping: --messages-column COL (a list of {role, content} structs, or a
 JSON string of one) or --prompt-column COL (a string) carries the request;
 --id-column COL the id (default: a column named "id" if there is one). Without
 a mapping, columns named "messages" or "prompt" are used. Every other column is
-carried through as metadata, as extra fields of a JSONL line are. Rows are read
+carried through as metadata, as extra fields of a JSONL line are (a "prompt" or "id"
+column that is not the one mapped too). Rows are read
 a record batch at a time, so memory stays bounded by one row group.
 """
 
@@ -21,8 +22,8 @@ from genq.producer.meter import Meter
 from genq.producer.rows import Row, RowError, rejected, row_to_prompt
 
 READ_BATCH_ROWS = 1024
-# Request fields of a row (genq.producer.rows): a column with one of these names that
-# is not the mapped one would be taken for the request, so it is left out.
+# Request fields of a row (genq.producer.rows): a column with one of these names that is
+# not the mapped one would be taken for the request, so it goes into the metadata afterwards.
 _REQUEST_NAMES = ("messages", "prompt", "id")
 
 _fallback = msgspec.json.Encoder(enc_hook=str)
@@ -93,14 +94,16 @@ def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str], meter: Meter)
                 row = {k: v for k, v in record.items() if k not in sources and k not in dropped and k not in mapping}
                 for target, source in mapping.items():
                     row[target] = record[source]
-                yield _to_prompt(row_no, row)
+                yield _to_prompt(row_no, row, {k: record[k] for k in dropped if k in record and k not in sources})
     except (pa.ArrowException, OSError) as exc:
         raise SourceError(f"reading Parquet failed after row {row_no:,}: {exc}") from None
     finally:
         stream.close()
 
 
-def _to_prompt(row_no: int, row: dict[str, Any]) -> Row | Rejected:
+def _to_prompt(row_no: int, row: dict[str, Any], aside: dict[str, Any]) -> Row | Rejected:
+    """aside: columns named like a request field but not the mapped one (a "prompt" column
+    beside the messages): metadata, as every other column is, never taken for the request."""
     try:
         messages = row.get("messages")
         if isinstance(messages, str):
@@ -112,7 +115,9 @@ def _to_prompt(row_no: int, row: dict[str, Any]) -> Row | Rejected:
             row["messages"] = _strip_nulls(messages)
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
-        return Row(row_to_prompt(row_no, row), row)
+        prompt = row_to_prompt(row_no, row)
+        prompt.metadata = {**(prompt.metadata or {}), **aside}
+        return Row(prompt, row)
     except RowError as exc:
         return rejected(row_no, str(exc), _fallback.encode(row))
 

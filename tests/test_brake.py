@@ -102,6 +102,8 @@ def test_brake_blocks_a_job_whose_every_request_fails(redis_url, rconn, sim, wor
     assert proc.wait(timeout=60) == 0, proc.log()
     block = block_of(rconn, "brk")
     assert block is not None and block.reason == "brake", proc.log()
+    # Nobody resumed it: the worker must not say so (the brake's own parking is no operator's pause).
+    assert "resumed:" not in proc.log(), proc.log()
     assert block.message.startswith("Requested token count exceeds the model's maximum context length of 2048"), block
     assert block.status == 400 and block.failures > block.outcomes / 2 and block.prompts >= 8, block
     assert block.at - started < 15, f"blocked {block.at - started:.1f}s after the worker started"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import free_port, genq_cmd, run_genq, wait_http, write_prompts
-from tests.test_web import browser  # noqa: F401  (the fixture: a real headless Chromium)
+from tests.test_web import browser, wait_js  # noqa: F401  (the fixture: a real headless Chromium)
 
 
 def test_the_page_says_why_a_job_is_blocked(tmp_path: Path, redis_url, sim, worker, procs, browser) -> None:  # noqa: F811
@@ -20,7 +20,7 @@ def test_the_page_says_why_a_job_is_blocked(tmp_path: Path, redis_url, sim, work
     wait_http(base)
     page = browser.new_page()
     page.goto(base)
-    page.wait_for_function("document.getElementById('status').textContent === 'blocked'", timeout=30_000)
+    wait_js(page, "document.getElementById('status').textContent === 'blocked'", timeout=30_000)
     line = page.locator("#blocked")
     assert line.is_visible()
     text = line.text_content() or ""

@@ -58,10 +58,11 @@ def test_errors_resets_and_overlength_prompts(redis_url, rconn, sim, worker, tmp
         assert letter.kind == "bad_request" and letter.status == 400 and letter.attempts == 1
         assert "longer than the model's context length" in letter.message
         assert letter.prompt is not None and letter.prompt.id == f"long{i}"
-    # With 8 attempts at 25%+10% failure, any other letter must have used all its attempts.
+    # With 8 attempts at 25%+10% failure, any other letter must have used all its attempts (more, where
+    # the server answered nothing sent after its first failure: no evidence yet that it is the prompt).
     for pid, letter in letters.items():
         if not pid.startswith("long"):
-            assert letter.attempts == 8 and letter.kind in ("server_error", "connection"), letter
+            assert letter.attempts >= 8 and letter.kind in ("server_error", "connection"), letter
     assert max(r["attempts"] for r in rows) > 1, "faults were injected, some prompts needed retries"
 
 

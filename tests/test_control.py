@@ -269,7 +269,7 @@ def test_workers_view_shows_lost_and_prunes(redis_url, rconn):
 
     table = run_genq("workers").stdout
     assert "lost" in table and "5/8" in table and "b0000001" in table
-    assert "3 worker(s): 1 busy, 1 lost, 1 stopped" in table
+    assert "3 workers: 1 busy, 1 lost, 1 stopped" in table
 
     bad = run_genq("concurrency", "--worker", "gone.gpu0", "4", check=False)
     assert bad.returncode == 1 and "gone.gpu0' is lost" in bad.stderr

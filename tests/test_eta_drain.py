@@ -1,4 +1,4 @@
-"""The ETA when a request's speed depends on how many decode at once (#27).
+"""The ETA when a request's speed depends on how many decode at once.
 
 On a CPU (vLLM's CPU build, llama.cpp) a server's step costs about the same per sequence, so
 its tokens/s hardly depends on the batch and the last requests of a job run many times
@@ -12,10 +12,8 @@ second job's ETA knows how this server drains before the second job does.
 
 The prompts are ~30 tokens for answers of ~40, and the sim prefills a prompt in the step that
 admits it (genq sim --prefill-cost, as vLLM on CPU does): while the server admits, its requests
-decode about a third slower than in the drain, when nothing is left to admit. The code before
-Speed.prefill and the clean bins (monitor/simulate.py, speedcurve.py, worker/decoding.py) read
-+23 / +30 / +61 % and +8 / +9 / +17 % here at 25 / 50 / 75 % in two runs, failing at 75 % both
-times; the monitor of before beside the workers' split bins passed once (+1 / +4 / +8 %).
+decode about a third slower than in the drain, when nothing is left to admit (PREFILL_COST,
+monitor/eta.py; the clean bins, monitor/speedcurve.py).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from tests.conftest import run_genq, write_prompts
 CPU_LIKE = dict(max_running_requests=48, step_ms_base=1, step_ms_per_req=1.5, tokens_per_step=1,
                 mean_output_tokens=40, output_sigma=0.6)
 PADDING = ": some context" * 9  # ~30 tokens a prompt at the sim's four characters a token
-TOLERANCE = 0.15  # the issue's target (#27)
+TOLERANCE = 0.15
 AT = (0.25, 0.50, 0.75)
 
 

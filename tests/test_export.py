@@ -190,11 +190,12 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
     assert "line 10: messages[0] has no 'content'" in proc.stderr
     assert (out / "pqjob" / "rejects" / "chats.rejects.jsonl").exists()
     prompt = batch_prompts(rconn, "pqjob", "b0000001")[1]
-    # Parquet's null struct fields are dropped; other columns are metadata; the
-    # unmapped "prompt" column is left out rather than taken for the request.
+    # Parquet's null struct fields are dropped; other columns are metadata, the unmapped
+    # "prompt" column too (kept, never taken for the request).
     assert prompt.id == "u001" and prompt.index == 1
     assert prompt.messages == [{"role": "user", "content": "tell me about 1"}]
-    assert prompt.metadata == {"lang": "fr"} and prompt.prompt is None
+    assert prompt.metadata == {"lang": "fr", "prompt": "an unrelated column named like a request field"}
+    assert prompt.prompt is None
 
     server = sim(max_running_requests=8, mean_output_tokens=24, output_sigma=0.5, tokens_per_step=16,
                  step_ms_base=5)

@@ -102,16 +102,18 @@ def test_sse_error_event_mid_stream_is_retried_until_the_prompt_completes(flavor
 
 
 def test_sse_error_event_on_every_attempt_is_dead_lettered_as_server_error(redis_url, rconn, sim, worker, tmp_path):
-    # SGLang's flavor: its error event says code 400 although the request was accepted and ran.
-    server = sim(max_running_requests=8, stream_error_rate=1.0, **FAST)
-    ids, out = enqueue(tmp_path, "sse-dead", 12, "--batch-size", "6", "--max-tokens", "64", "--max-attempts", "3")
+    # SGLang's flavor: its error event says code 400 although the request was accepted and ran. Most
+    # requests fail (the draws are per prompt and attempt): the prompts that fail both attempts while
+    # the server answers others are dead-lettered; a server failing every one would be its fault.
+    server = sim(max_running_requests=8, stream_error_rate=0.6, **FAST)
+    ids, out = enqueue(tmp_path, "sse-dead", 24, "--batch-size", "6", "--max-tokens", "64", "--max-attempts", "2")
     proc = worker(server, "--burst", "--retry-backoff", "0.01")
     assert proc.wait(timeout=180) == 0, proc.log()
     found = audit(rconn, "sse-dead", out, ids)
-    assert not found.results and sorted(found.letters) == ids
+    assert found.results and found.letters, "the draws must give both outcomes"
     for letter in found.letters.values():
-        assert (letter.kind, letter.attempts, letter.message) == ("server_error", 3, STREAM_ERROR), letter
-    assert sim_stats(server)["aborted_requests"] == 3 * len(ids), "each attempt reached the server and failed"
+        assert (letter.kind, letter.attempts, letter.message) == ("server_error", 2, STREAM_ERROR), letter
+    assert sim_stats(server)["aborted_requests"] >= 2 * len(found.letters), "each attempt reached the server"
 
 
 def test_request_timeout_cancels_retries_then_dead_letters_as_timeout(redis_url, rconn, sim, worker, tmp_path):

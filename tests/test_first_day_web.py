@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.conftest import free_port, genq_cmd, run_genq, wait_http, write_prompts
-from tests.test_web import browser  # noqa: F401  (the fixture)
+from tests.test_web import browser, wait_js  # noqa: F401  (the fixture)
 
 SLOW = dict(step_ms_base=30, step_ms_per_req=0, tokens_per_step=8, mean_output_tokens=150, output_sigma=0.8,
             max_running_requests=4)
@@ -62,10 +62,10 @@ def test_the_page_follows_the_running_job_and_draws_true_figures(tmp_path: Path,
     problems: list[str] = []
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.goto(base)
-    page.wait_for_function("document.getElementById('status').textContent === 'running'", timeout=60_000)
+    wait_js(page, "document.getElementById('status').textContent === 'running'", timeout=60_000)
     assert page.locator("#job-picker").input_value() == "zzz-running"
     # Enough history for the charts, then the per-worker table and the fleet line.
-    page.wait_for_function("charts['chart-tok'].plot.data[0].length >= 8 && "
+    wait_js(page, "charts['chart-tok'].plot.data[0].length >= 8 && "
                            "charts['chart-tok'].plot.data[2].filter((v) => v > 0).length >= 4", timeout=60_000)
     row = page.locator("#workers tr[data-worker=gpu0] td")
     assert row.nth(1).text_content() == "busy" and int(row.nth(4).get_attribute("data-value")) >= 0
@@ -96,7 +96,7 @@ def test_the_page_follows_the_running_job_and_draws_true_figures(tmp_path: Path,
 
     page.evaluate("interval = 0.5; poll()")
     # The screenshot (docs/monitor-web.png): the run well under way, its ETA with a history.
-    page.wait_for_function("charts['chart-eta'].plot.data[1].filter((v) => v !== null).length >= 10 && "
+    wait_js(page, "charts['chart-eta'].plot.data[1].filter((v) => v !== null).length >= 10 && "
                            "Number(document.getElementById('completed').dataset.value) >= 120", timeout=120_000)
     shot = tmp_path / "monitor-web.png"
     page.screenshot(path=str(shot), full_page=True)
@@ -115,6 +115,6 @@ def test_an_unknown_job_is_a_404_and_the_page_says_so(tmp_path: Path, redis_url,
     assert _state(base)[1]["job"] == "only"
     page = browser.new_page()
     page.goto(base + "?job=nosuch")
-    page.wait_for_function("document.getElementById('error').textContent.includes('nosuch')", timeout=20_000)
+    wait_js(page, "document.getElementById('error').textContent.includes('nosuch')", timeout=20_000)
     assert page.locator("#job-picker option").all_text_contents() == ["only"]
     assert page.locator("#elapsed").text_content() in ("", None)  # nothing of another job was drawn

@@ -225,17 +225,17 @@ def _job_keys(rconn, job: str) -> list[bytes]:
 def test_jobs_delete_removes_every_key_of_the_job_and_its_rq_jobs(redis_url, rconn, tmp_path, sim, worker):
     from rq.job import Job
 
-    def enqueue(job: str, n: int) -> None:
+    def enqueue(job: str, n: int, *more: str) -> None:
         src = tmp_path / f"{job}.jsonl"
         write_prompts(src, n)
         run_genq("enqueue", str(src), "--job", job, "--batch-size", "2", "--max-tokens", "8",
-                 "--output", str(tmp_path / "out"), redis_url=redis_url)
+                 "--output", str(tmp_path / "out"), *more, redis_url=redis_url)
 
     enqueue("gone", 6)
     # A worker finishes part of "gone" so RQ's finished registry holds some of its jobs too.
     url = sim(max_running_requests=8, mean_output_tokens=4)
     assert worker(url, "--burst").wait(timeout=120) == 0
-    enqueue("gone", 14)  # eight new prompts: four more batches, still queued
+    enqueue("gone", 14, "--add")  # eight new prompts for the done job: four more batches, still queued
     enqueue("kept", 3)
     queue = rq_queue(rconn)
     gone_rq = [j.id for j in fetch_rq_jobs(rconn, [*queue.get_job_ids(), *queue.finished_job_registry.get_job_ids()])

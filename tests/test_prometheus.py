@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from genq.core import keys  # noqa: E402
+from genq.core.decodebound import CAPS
 from genq.core.health import CODES
 from genq.core.queueing import save_config  # noqa: E402
 from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
@@ -388,7 +389,7 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
 
     # No label whose values grow with time: besides names, only fixed sets of codes.
     series = prom.api("series", **{"match[]": '{__name__=~"genq_.*"}'})
-    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES), "reason": set(CODES) | set(BLOCK_REASONS) | set(NOTE_REASONS)}
+    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES), "reason": set(CODES) | set(BLOCK_REASONS) | set(NOTE_REASONS) | set(CAPS)}
     names = {"__name__", "job", "worker", "instance", "gpu", "name"}
     for s in series:
         for label, value in s.items():

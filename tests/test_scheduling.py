@@ -19,14 +19,11 @@ from genq.core import keys
 from genq.core.order import interleave, order_queue
 from genq.core.queueing import rq_queue
 from genq.core.records import JobSchedule, WorkerStatus
-from genq.monitor.eta import LengthData, WorkerState, estimate
 from genq.monitor.progress import JobProgress, Monitor
-from genq.monitor.sharing import shared_fleet
 from genq.ops.control import job_rows
 from genq.worker.shares import Shares
 from genq.worker.tail import hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
-from tests.test_eta import CAP, STEADY, fleet_for, lengths, run_job
 from tests.test_exactly_once import check, enqueue
 
 # ~0.4 s a request, 16 slots: a server does ~40 prompts/s.
@@ -65,19 +62,6 @@ def test_interleave_takes_priority_first_then_turns_by_weight():
     assert interleave(queued, {"a": 2}, sched) == ["h1", "b1", "b2", "a1", "a2", "a3"]
     assert interleave({"a": ["a1", "a2", "a3", "a4"], "c": ["c1", "c2", "c3", "c4"]}, {}, sched) == \
         ["a1", "c1", "c2", "a2", "c3", "c4", "a3", "a4"]
-
-
-def test_the_eta_of_a_job_with_half_the_fleet_is_about_twice_as_long():
-    """monitor/sharing.py: the simulation is fed the slots the job gets, not the fleet's."""
-    lens = lengths(2000, seed=4)
-    (s,) = run_job(lens, at_done=(0.2,), leases=2, max_leases=16, reserve=64)
-    common = dict(total=2000, completed=s.done, failed=0, lengths=LengthData(hist=s.hist, running=[], cap=CAP),
-                  batch_size=64, speed=STEADY)
-    fleet = fleet_for(s, leases=2, max_leases=16, reserve=64) + [WorkerState(slots=37, leases=2, max_leases=16,
-                                                                             reserve=64)]
-    alone = estimate(fleet=shared_fleet(fleet, 1.0), **common)
-    half = estimate(fleet=shared_fleet(fleet, 0.5), **common)
-    assert 1.6 * alone.eta_s < half.eta_s < 2.4 * alone.eta_s, (alone.eta_s, half.eta_s)
 
 
 @pytest.mark.e2e

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -52,6 +53,16 @@ def browser():
                                args=["--no-sandbox", "--disable-gpu"])
         yield b
         b.close()
+
+
+def wait_js(page, expression: str, timeout: float = 30_000, polling: float = 100) -> None:
+    """page.wait_for_function, polled from here: Playwright's own evaluates the expression with eval
+    inside the page, which the page's Content-Security-Policy (no 'unsafe-eval') refuses."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout / 1000:.0f} s: {expression}")
+        page.wait_for_timeout(polling)
 
 
 def page_values(page) -> dict:
@@ -103,17 +114,17 @@ def test_live_page_draws_the_run_and_agrees_with_once_json(tmp_path: Path, redis
     page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.goto(base)
-    page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1")
+    wait_js(page, "Number(document.body.dataset.polls || 0) >= 1")
     assert page.locator("#controls").is_hidden()
     assert page.locator("#status").text_content() == "queued"
 
     workers = [worker(url, "--burst", "--name", f"web-gpu{i}") for i, url in enumerate(sims)]
     # A running job with an estimate: the moment the README's screenshot shows.
-    page.wait_for_function("""() => { const e = document.getElementById('eta').dataset.value;
+    wait_js(page, """() => { const e = document.getElementById('eta').dataset.value;
         return document.getElementById('status').textContent === 'running' && e !== '' && Number(e) > 0; }""",
                            timeout=60_000)
     # (8 estimates: the ETA chart shows how it moved, as in the README's screenshot)
-    page.wait_for_function("charts['chart-eta'].plot.data[1].filter((v) => v !== null).length >= 8", polling=200,
+    wait_js(page, "charts['chart-eta'].plot.data[1].filter((v) => v !== null).length >= 8", polling=200,
                            timeout=60_000)
     assert page.locator("#bottlenecks tbody tr").count() == 2
     shot = tmp_path / "monitor-web.png"
@@ -124,9 +135,9 @@ def test_live_page_draws_the_run_and_agrees_with_once_json(tmp_path: Path, redis
     for w in workers:
         assert w.wait(120) == 0, w.log()
     # Both after the end (the job's dead letters make it 'partial', never 'done'): the page's numbers are `genq monitor --once --json`'s.
-    page.wait_for_function("document.getElementById('status').textContent === 'partial'", timeout=30_000)
+    wait_js(page, "document.getElementById('status').textContent === 'partial'", timeout=30_000)
     polls = int(page.evaluate("document.body.dataset.polls"))
-    page.wait_for_function(f"Number(document.body.dataset.polls) >= {polls + 2}")
+    wait_js(page, f"Number(document.body.dataset.polls) >= {polls + 2}")
     once = json.loads(run_genq("monitor", "--once", "--json", "--job", "webjob").stdout)
     shown = page_values(page)
     drawn = page.evaluate(DRAWN)  # every chart has its first series drawn (pixels of its colour)
@@ -183,3 +194,45 @@ def test_controls_need_the_flag_and_the_token(tmp_path: Path, redis_url, rconn, 
     other = state("other")
     assert other["jobs"] == ["ctl", "other"] and other["job"] == "other" and other["progress"]["status"] == "queued"
     assert post({"X-Genq-Token": token}) == 200  # pausing twice is harmless
+
+
+def test_only_its_own_host_names_are_answered_and_the_page_runs_under_its_csp(tmp_path: Path, redis_url, procs,
+                                                                             browser) -> None:
+    from tests.conftest import write_prompts
+
+    write_prompts(tmp_path / "p.jsonl", 10)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "hosts", "--output", str(tmp_path / "out"))
+    port = free_port()
+    procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--json", "--interval", "0.5",
+                   "--web-allow-host", "genq.example.org"), name="monitor")
+    base = f"http://127.0.0.1:{port}/"
+    wait_http(base)
+
+    def get(path: str, host: str) -> tuple[int, dict, bytes]:
+        req = urllib.request.Request(base + path, headers={"Host": host})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+    # A DNS-rebinding page reaches this port under its own name: it reads nothing.
+    for host in ("evil.example", f"evil.example:{port}", "localhost.evil.example"):
+        for path in ("", "api/state", "static/app.js"):
+            status, _, body = get(path, host)
+            assert status == 403 and b"hosts" not in body and b"--web-allow-host" in body, (host, path, status, body)
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}", "genq.example.org",
+                 f"GENQ.example.org:{port}", "10.1.2.3:8008"):  # an address is no rebinding: no name to rebind
+        status, headers, body = get("api/state", host)
+        assert status == 200 and b"hosts" in body, (host, status)
+        assert "default-src 'self'" in headers["Content-Security-Policy"] and headers["X-Content-Type-Options"] == "nosniff"
+
+    page = browser.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.goto(base)
+    wait_js(page, "Number(document.body.dataset.polls || 0) >= 2")
+    assert page.locator("#status").text_content() == "queued"
+    assert page.evaluate("typeof uPlot") == "function" and page.evaluate("Object.keys(charts).length") > 0
+    assert problems == [], problems

@@ -7,6 +7,12 @@ flight. A prompt in flight during two crashes is a suspect: suspects go back one
 time, so a prompt that takes the server down again and again is found and
 dead-lettered as `server_crash` after `--server-crash-limit` crashes, while the
 prompts that merely kept it company are not (and a one-off outage slows nothing).
+
+A prompt whose retryable failures (5xx, resets, timeouts) reach its attempts is dead-lettered
+only on evidence that it is the prompt: before its last request went out, the server had answered
+normally a request sent after this prompt first failed. A server that fails everything (500s
+while its /health says 200) gives no such evidence, nor does a fault that ended while the last
+request was out: its prompts keep being retried, at the longest backoff, until that evidence.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ log = logging.getLogger("genq.worker")
 # a group (claim_step): those are the slack while its call is out. At most claim_ahead +
 # claim_step sequences are claimed beyond the free slots (a prompt asking for n samples is n).
 CLAIM_AHEAD_MIN = 2
+# Nothing answered for this long: the server is checked before the next request. A restart while
+# nothing is in flight fails nothing, and no server restarts in less (a process start, a model load).
+IDLE_CHECK_S = 1.0
 
 
 def claim_ahead(target: int) -> int:
@@ -80,6 +89,9 @@ class Dispatcher:
         self.server_is_down = server_is_down
         self.server_model = model
         self.running = Running()
+        self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
+        self.observed = time.monotonic()  # when the server last answered anything, or was checked
+        self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
         self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
         self.wake = asyncio.Event()
         self.todo = Todo(backlog, self.wake.set)
@@ -116,7 +128,7 @@ class Dispatcher:
 
     def _open(self) -> bool:
         """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
-        return (self.flags.server_down_since is None and not self.flags.paused_all
+        return (self.flags.server_down_since is None and not self.verifying and not self.flags.paused_all
                 and self.flags.stop_requested < 2 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
 
     async def run(self) -> None:
@@ -133,6 +145,9 @@ class Dispatcher:
             await self.todo.release_let_go()
             if self._open() and not self.flags.hold_back and self.todo.backlog.waiting and (want := self._to_claim()):
                 await self.todo.claim(want, self.flags.paused_jobs)
+            if (self.todo.ready and not self.running and self._open()
+                    and time.monotonic() - self.observed > IDLE_CHECK_S):
+                await self._check(gate=True)  # a restart while nothing was in flight showed no failure
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
@@ -159,6 +174,7 @@ class Dispatcher:
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
             task.progress = Progress(meter=self.running.meter, sequences=samples(task.batch.config, task.prompt))
+            task.answered_before = self.answered
             task.cancel_reason = None
             return task
         return None
@@ -183,6 +199,7 @@ class Dispatcher:
                                       task.cancel_reason)
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
+                self.observed = time.monotonic()
                 failure = self._record(task, body, outcome, config) if isinstance(outcome, Completion) else outcome
                 if failure is not None:
                     await self._failed(task, failure)
@@ -213,6 +230,7 @@ class Dispatcher:
         if isinstance(result, Failure):
             return result
         self.writer.add_result(result, sent.incarnation)
+        self.answered = max(self.answered, task.progress.started)
         self.rates.add(c.usage.completion_tokens, latency)
         if self.brake is not None:
             self.brake.succeeded(task)
@@ -232,7 +250,11 @@ class Dispatcher:
         if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
             self.todo.let_go(task)
             return
-        if failure.kind in ("connection", "timeout", "server_error") and await self.server_is_down():
+        if not failure.retryable and await self._check(gate=False):
+            # Answered by a server that is not the one the prompt ran on (restarted smaller): no attempt.
+            self.todo.ready.appendleft(task)
+            return
+        if failure.kind in ("connection", "timeout", "server_error") and await self._check(failure.kind == "connection"):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             self.crashed(task)
             if task.crashes >= self.opts.server_crash_limit:
@@ -245,16 +267,36 @@ class Dispatcher:
         task.attempts += 1
         self.rates.error(held.ref.job)
         max_attempts = self.opts.max_attempts or held.config.max_attempts
-        if failure.retryable and task.attempts < max_attempts:
+        if task.failing_since is None:
+            task.failing_since = task.progress.started
+        # No evidence against the prompt: retried while it could be the server's (a job's last prompts
+        # send nothing else to give evidence, so that lasts --server-down-timeout at most).
+        unproven = (task.answered_before <= task.failing_since
+                    and time.monotonic() - task.failing_since < self.opts.server_down_timeout)
+        if failure.retryable and (task.attempts < max_attempts or unproven):
             delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
             delay *= random.uniform(0.5, 1.5)
             self.todo.retry_at(time.monotonic() + delay, task)
-            log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs",
-                      task.prompt.id, task.attempts, failure.kind, failure.message, delay)
+            log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
+                      task.prompt.id, task.attempts, failure.kind, failure.message, delay,
+                      "" if task.attempts < max_attempts else " (the server had answered nothing sent since it "
+                      "first failed: no evidence it is the prompt's fault)")
             return
         if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
+
+    async def _check(self, gate: bool) -> bool:
+        """The watch's check (is the server down, or not the one it was?). With `gate` (after a connection
+        failure: a restart resets every connection) nothing is sent until it says what the server is now:
+        another model's answer must never be recorded."""
+        self.verifying += gate
+        try:
+            return await self.server_is_down()
+        finally:
+            self.verifying -= gate
+            self.observed = time.monotonic()
+            self.wake.set()
 
     def _dead(self, task: Task, failure: Failure) -> None:
         held = task.batch

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from genq import PYTHON
 from genq.core.redisconn import ENV_VAR, mask_url
 from genq.core.words import plural
 from genq.worker.launchcheck import launch_problem
@@ -170,7 +171,7 @@ def plan(opts: FleetOptions) -> list[Slot]:
         port = opts.base_port + position
         url = expand(opts.server_url, port=port, gpu=gpu)
         name = f"{opts.name_prefix or opts.host}.gpu{gpu}"
-        argv = [sys.executable, "-m", "genq", "worker", "--server", url, "--gpu", str(gpu), "--name", name,
+        argv = [*PYTHON, "-m", "genq", "worker", "--server", url, "--gpu", str(gpu), "--name", name,
                 "--host", opts.host, *opts.engine_args]
         engine = EngineSupervisor(
             name=name, argv=argv,

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
+from genq.core import decodebound
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
 from genq.core.refusals import redis_note, refusal, trouble
@@ -28,7 +29,7 @@ from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
-from genq.worker.telemetry import GpuProbe
+from genq.worker.telemetry import GpuProbe, hardware
 from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
@@ -106,6 +107,11 @@ class Heartbeat:
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._unwritten: frozenset[str] = frozenset()  # jobs the last beat said this engine cannot write
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
+        # The operator's pauses as last read from Redis: what the log compares with. flags.paused_jobs
+        # also holds the jobs this engine's brake blocked, which no operator paused or resumed.
+        self._paused_read: tuple[bool, set[str]] = (False, set())
+        self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
+        self._tallied_at = time.monotonic()
 
     async def unreachable(self) -> Exception | None:
         """Why Redis does not answer at the start (a wrong URL exits at once), or None. A Redis that
@@ -175,7 +181,12 @@ class Heartbeat:
         if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
             req_s = tok_s = 0.0
         m = self.watch.metrics
-        return WorkerStatus(
+        now = time.monotonic()
+        if m is not None and m.generated_total is not None:
+            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage)
+        window = self.rates.server_window()
+        server_tok_s = None if window is None else window[0]
+        status = WorkerStatus(
             name=self.name, host=self.host, pid=os.getpid(), server=self.opts.server_url,
             state=state or self.state(), started_at=self.started_at, heartbeat_at=time.time(),
             gpu=None if self.opts.gpu is None else str(self.opts.gpu),
@@ -184,15 +195,26 @@ class Heartbeat:
             in_flight=len(self.dispatcher.running), sequences=self.dispatcher.running.sequences,
             queued=self.dispatcher.unsent,
             batches=sorted(BatchRef(r.job, r.batch) for r in self.held), prefetch=self.opts.loops,
-            tok_per_s=round(tok_s, 1), req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
+            tok_per_s=round(tok_s if server_tok_s is None else server_tok_s, 1),
+            tok_per_s_from="answers" if server_tok_s is None else "server",
+            window_running=None if window is None else window[1],
+            window_token_usage=None if window is None else window[2],
+            req_per_s=round(req_s, 2), done=self.rates.done, errors=self.rates.errors,
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
             gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.note,
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
-            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,
+            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
         )
+        in_flight: dict[str, int] = {}
+        for task in self.dispatcher.running:
+            in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
+        decodebound.add_tally(self.tallies, in_flight, decodebound.figures_of(status), now - self._tallied_at)
+        self._tallied_at = now
+        status.bound_tally = self.tallies
+        return status
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
         info, meter = self.watch.info, self.dispatcher.running.meter
@@ -248,8 +270,10 @@ class Heartbeat:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
             changed = True
+        if (paused, paused_jobs) != self._paused_read:
+            _log_pause_change(*self._paused_read, paused, paused_jobs)
+            self._paused_read = (paused, paused_jobs)
         if paused != f.paused_all or paused_jobs != f.paused_jobs:
-            _log_pause_change(f.paused_all, f.paused_jobs, paused, paused_jobs)
             f.paused_all, f.paused_jobs = paused, paused_jobs
             changed = True
         self.dispatcher.wake.set()
@@ -276,9 +300,9 @@ class Heartbeat:
 
 
 def _log_pause_change(was_all: bool, was: set[str], now_all: bool, now: set[str]) -> None:
-    """Says what changed: "paused: a" and "resumed: a" (not the whole set: an empty one read as "none").
-    A paused job's batches stay parked here until `genq resume` queues them again, so a job that
-    leaves the set was resumed (or deleted)."""
+    """Says what the operator changed since the last read: "paused: a" and "resumed: a" (not the
+    whole set: an empty one read as "none"). A paused job's batches stay parked here until `genq
+    resume` queues them again, so a job that leaves the set read was resumed (or deleted)."""
     if now_all != was_all:
         log.info("%s all jobs", "paused:" if now_all else "resumed:")
     if now - was:

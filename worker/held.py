@@ -42,6 +42,8 @@ class Task:
     lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (Flags.outages) last counted for it
+    failing_since: float | None = None  # when its first failed request here was sent (monotonic)
+    answered_before: float = 0.0  # Dispatcher.answered when its latest request was sent
     progress: Progress = field(default_factory=Progress)
     cancel_reason: str | None = None
 
@@ -96,8 +98,16 @@ class Holdings(dict[BatchRef, HeldBatch]):
         return {ref.job for ref in self}
 
 
+# The server's generation counter is read every second (its /metrics); its rate over this window is
+# the speed shown: it follows the server within seconds, where tokens counted as answers end come in
+# waves (on vLLM, 0 to 546 tok/s at a steady 500 over a 30 s window, 2026-12).
+COUNTER_WINDOW_S = 5.0
+COUNTER_STALE_S = 10.0  # no reading this long (server down, metrics off): fall back to the answers
+
+
 class RateWindow:
-    """Requests/s and completion tokens/s over the last 30 s (or since start)."""
+    """Requests/s and completion tokens/s over the last 30 s (or since start) as answers end; and the
+    server's own tokens/s from its generation counter where it has one."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -107,6 +117,8 @@ class RateWindow:
         self.job_errors: dict[str, int] = {}
         self.token_s: float | None = None  # seconds per output token of one request, moving average
         self.mean_tokens: float | None = None  # output tokens per request, moving average
+        # (monotonic, the server's generation counter, running, KV usage): its metrics' readings
+        self._counter: list[tuple[float, float, float | None, float | None]] = []
 
     def error(self, job: str) -> None:
         self.errors += 1
@@ -126,8 +138,35 @@ class RateWindow:
             self.token_s = per_token if self.token_s is None else (1 - a) * self.token_s + a * per_token
             self.mean_tokens = tokens if self.mean_tokens is None else (1 - a) * self.mean_tokens + a * tokens
 
+    def counted(self, at: float, total: float, running: float | None, usage: float | None) -> None:
+        """A reading of the server's metrics (at `at`, monotonic): its generation-token counter, and the
+        running count and KV usage its speed over the window is to be set against."""
+        s = self._counter
+        if s and at <= s[-1][0]:
+            return  # the same reading again
+        if s and total < s[-1][1]:
+            s.clear()  # the server restarted: its counter began again
+        s.append((at, total, running, usage))
+        while len(s) > 2 and at - s[1][0] >= COUNTER_WINDOW_S:
+            s.pop(0)  # the oldest kept is the latest at least a window old
+
+    def server_window(self) -> tuple[float, float | None, float | None] | None:
+        """The server's output tokens/s by its own counter over the last COUNTER_WINDOW_S, with the mean
+        running count and KV usage over the same readings; None without two fresh readings."""
+        s = self._counter
+        if len(s) < 2 or time.monotonic() - s[-1][0] > COUNTER_STALE_S:
+            return None
+        if s[-1][2] == 0 and s[-1][1] == s[-2][1]:
+            return 0.0, 0.0, s[-1][3]  # it runs nothing and made nothing since the last reading: stopped now
+        return ((s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]), _mean([r[2] for r in s[1:]]), _mean([r[3] for r in s[1:]]))
+
     def rates(self) -> tuple[float, float]:
         now = time.monotonic()
         self._events = [e for e in self._events if now - e[0] <= 30]
         span = max(1.0, min(30.0, now - self.started))
         return sum(e[1] for e in self._events) / span, sum(e[2] for e in self._events) / span
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None

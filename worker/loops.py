@@ -21,12 +21,12 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from genq import PYTHON
 from genq.core.prefetch import max_loops, reserve
 from genq.core.redisconn import ENV_VAR as REDIS_ENV
 from genq.worker.dispatch import Dispatcher
@@ -147,7 +147,7 @@ class RqLoops:
     async def _spawn(self) -> RqLoop:
         name = f"{self.instance}.{uuid.uuid4().hex[:4]}"
         env = dict(os.environ, **{ENGINE_ENV: self.instance, REDIS_ENV: self.opts.redis_url})
-        args = [sys.executable, "-m", "genq.worker.rqjob", "--name", name,
+        args = [*PYTHON, "-m", "genq.worker.rqjob", "--name", name,
                 "--parent", str(os.getpid()), "--monitoring-interval", str(self.opts.job_monitoring_interval)]
         if self.opts.burst:
             args.append("--burst")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -80,12 +81,18 @@ class ModelGate:
         await fleet.publish_model(self.conn, self.instance, self.server_model(), MODEL_TTL_S)
 
     async def run(self) -> None:
+        """Published again every MODEL_TTL_S / 4, and within a second of the server changing model
+        (restarted with another: worker/watch.py), so the loops stop taking the old model's batches."""
+        published: tuple[str | None, float] | None = None
         while True:
-            try:
-                await self.publish()
-            except (redis.RedisError, OSError) as exc:
-                log.debug("cannot publish the server's model: %s", exc)
-            await asyncio.sleep(MODEL_TTL_S / 4)
+            model = self.server_model()
+            if published is None or published[0] != model or time.monotonic() - published[1] > MODEL_TTL_S / 4:
+                try:
+                    await self.publish()
+                    published = (model, time.monotonic())
+                except (redis.RedisError, OSError) as exc:
+                    log.debug("cannot publish the server's model: %s", exc)
+            await asyncio.sleep(1.0)
 
     async def admit(self, config: JobConfig) -> JobConfig | None:
         """The job's settings to run it with (`auto` pinned to this server's model), or None

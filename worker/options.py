@@ -14,6 +14,8 @@ class WorkerOptions:
     name: str | None = None
     host: str | None = None
     gpu: int | None = None
+    gpu_bandwidth: float | None = None  # bytes/s, --gpu-bandwidth: the decode bound's, where NVML has none
+    model_bytes: float | None = None  # --model-bytes: the weights, where the server does not publish them
     concurrency: int | None = None  # None: auto, from the server's capacity
     burst: bool = False
     loops: int = DEFAULT_PREFETCH  # --prefetch: RQ work loops, batches held at once (the current one and the next)
@@ -35,3 +37,32 @@ def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
         return f"{host}.gpu{gpu}"
     port = server_url.rstrip("/").rsplit(":", 1)[-1]
     return f"{host}.{port}" if port.isdigit() else host
+
+
+def server_url_problem(url: str) -> str | None:
+    """Why `url` cannot be a server's address (a usage error, said before anything starts), or None.
+    Without http:// an address such as 127.0.0.1:30000 would be taken for a scheme and a path."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return f"{url!r} has no http:// or https:// in front: give e.g. http://{url.split('://')[-1]}"
+    if not parts.hostname:
+        return f"{url!r} names no host: give e.g. http://127.0.0.1:30000"
+    try:
+        _ = parts.port  # raises for a port out of range or not a number
+    except ValueError as exc:
+        return f"{url!r}: {exc}"
+    return None
+
+
+# Redis refuses a client name with a space or a character outside printable ASCII, and every RQ
+# loop of a worker names its connections with the worker's name: such a name never works.
+NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
+
+
+def name_problem(name: str, option: str) -> str | None:
+    """Why `name` (given as `option`) cannot name a worker, or None."""
+    if name and all("!" <= c <= "~" for c in name):
+        return None
+    return f"{option} {name!r}: a worker name may hold only the characters {NAME_CHARS}, as a Redis client name"

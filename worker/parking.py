@@ -48,7 +48,8 @@ CHECK_EVERY_S = 1.0
 class Parking:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
-                 server: Callable[[], ServerInfo | None], reply: Callable[[str, bytes], Awaitable[None]]) -> None:
+                 server: Callable[[], ServerInfo | None], reread: Callable[[], Awaitable[ServerInfo | None]],
+                 reply: Callable[[str, bytes], Awaitable[None]]) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
@@ -59,6 +60,7 @@ class Parking:
         self.claims = claims
         self.writer = writer
         self.server = server  # what the server said about itself (ServerWatch.info)
+        self.reread = reread  # ... read again now (ServerWatch.reread)
         self.reply = reply  # LeaseDesk.reply: a lease's word to its RQ loop
         self.brake = Brake(worker, dispatcher._dead, self.block)
         self.parked = 0  # batches parked since start
@@ -104,6 +106,8 @@ class Parking:
             await self.park_job(job, quiet=True, cancel=False)
             return
         problem = preflight(held.config, self.server())
+        if problem is not None:  # judged by what the server says now, not before a restart
+            problem = preflight(held.config, await self.reread())
         if problem is not None:
             log.error("job %s blocked before any request (preflight): %s", job, problem)
             self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
@@ -247,7 +251,7 @@ def park_paused(parking: Parking) -> None:
 def parking_of(engine: Any) -> Parking:
     """The engine's (worker/engine.py; its LeaseDesk is built after this, hence the lambdas)."""
     parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
-                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info,
+                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info, engine.watch.reread,
                       lambda token, word: engine.leases.reply(token, word))
     engine.dispatcher.brake = parking.brake
     return parking

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from yarl import URL
 
-from genq.core.records import JobConfig, Prompt
+from genq.core.records import Hardware, JobConfig, Prompt
 from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
 from genq.worker.http1 import Http1Pool, NoResponse, Sink
@@ -55,6 +55,7 @@ class ServerInfo:
     context_length: int | None  # per request (llama.cpp: per slot)
     engine: Engine  # which server it is (worker/engines/): what genq knows of it
     has_metrics: bool
+    memory: Hardware = Hardware()  # its weight and KV sizes where it publishes them (genq.core.decodebound)
 
     @property
     def flavor(self) -> str:
@@ -153,19 +154,24 @@ class ServerClient:
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
-        model = model_len = None
+        model = model_len = size = None
         models = await self._get_json("/v1/models")
         if isinstance(models, dict):
             data = models.get("data") or []
             if data and isinstance(data[0], dict):
                 model = data[0].get("id")
                 model_len = data[0].get("max_model_len")  # vLLM and SGLang list the context here
+                meta = data[0].get("meta")  # llama.cpp: the model file's bytes, its weights
+                size = meta.get("size") if isinstance(meta, dict) else None
         found = await detect(self._get_json, self._get)
+        memory = found.memory
+        if memory.weight_bytes is None and isinstance(size, (int, float)) and size > 0:
+            memory = msgspec.structs.replace(memory, weight_bytes=float(size), weight_from="/v1/models meta.size")
         context = found.context_length
         if context is None and isinstance(model_len, int) and model_len > 0:
             context = model_len
         return ServerInfo(model=model, capacity=found.capacity, context_length=context, engine=found.engine,
-                          has_metrics=found.has_metrics)
+                          has_metrics=found.has_metrics, memory=memory)
 
     async def metrics(self) -> Metrics | None:
         try:
@@ -174,7 +180,9 @@ class ServerClient:
             return None
         if status != 200:
             return None
-        return metrics_from_text(body.decode("utf-8", "replace"))
+        m = metrics_from_text(body.decode("utf-8", "replace"))
+        m.at = time.monotonic()
+        return m
 
     async def generate(
         self, endpoint: str, body: dict[str, Any], progress: Progress

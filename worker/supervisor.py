@@ -6,8 +6,9 @@ Every child runs in its own session (process group) so that (1) a terminal's Ctr
 reaches only the fleet, which decides the order of shutdown (engines drain first,
 servers stop last), and (2) stopping a server also stops the processes it spawned
 (SGLang's scheduler and detokenizer) by signalling the whole group. Each child also
-gets PR_SET_PDEATHSIG, so a fleet killed with SIGKILL does not leave servers holding
-GPU memory.
+gets PR_SET_PDEATHSIG, and each server's group a guard (worker/launchguard.py) that
+ends it when the fleet dies, so a fleet killed with SIGKILL leaves no server holding
+its port or GPU memory, even one started through a shell.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,6 +129,7 @@ class ServerSupervisor:
         self.policy = policy
         self.timeouts = timeouts
         self.proc: asyncio.subprocess.Process | None = None
+        self.guard: asyncio.subprocess.Process | None = None  # ends proc's group if the fleet dies
         self.state = "stopped"  # starting | healthy | unhealthy | stopped | failed
         self.starts = 0
         self.failure: str | None = None  # why it gave up
@@ -191,6 +194,10 @@ class ServerSupervisor:
                 )
             except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
                 raise LaunchError(f"cannot run {self.spec.argv[0]!r}: {exc.strerror or exc}") from None
+            self.guard = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "genq.worker.launchguard", str(self.proc.pid), str(self.timeouts.stop),
+                stdin=asyncio.subprocess.PIPE, stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
         self.spec.pid_path.parent.mkdir(parents=True, exist_ok=True)
         self.spec.pid_path.write_text(f"{self.proc.pid}\n")
         self._last_pid = self.proc.pid
@@ -263,3 +270,17 @@ class ServerSupervisor:
         # SIGKILL what is left of the group (the leader, or children it left behind holding the GPU).
         signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
+        await self._release_guard()
+
+    async def _release_guard(self) -> None:
+        """The group is gone: its guard leaves without signalling (its number may be another's soon)."""
+        guard, self.guard = self.guard, None
+        if guard is None or guard.stdin is None:
+            return
+        try:
+            guard.stdin.write(b"done\n")
+            await guard.stdin.drain()
+            guard.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        await guard.wait()

@@ -23,6 +23,8 @@ of a job the fleet sends ~60 prompts a second: each other worker's is taken less
 since (r_v x the beat's age), this worker's own is counted live. Holding back, the engine gives
 back the prompts it claimed ahead and has not sent (worker/todo.py give_back_ready): sent, they
 were the slow GPU's last and longest requests; unclaimed, the faster workers take them.
+A worker whose server is down past DOWN_GRACE_S is the slowest of all: it holds back and gives
+back every prompt it claimed (retries too, not its crash suspects) until its server answers.
 (bench/fleet_tail.py --trace, 2026-12-03: before this, the slow server got its last prompt 1.2-1.6 s
 after the unsent prompts fell to the line, with ~1 fast slots' worth of them left: a hold at k = 1,
 which the model in bench/tail_model.py finds worth nothing.)
@@ -41,7 +43,7 @@ import redis.asyncio as aioredis
 
 from genq.core.ledger import fleet, leasing
 from genq.core.records import WorkerStatus
-from genq.core.timings import BEAT_S
+from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags
 
@@ -57,6 +59,9 @@ WORKING = ("busy", "idle")
 SPREAD = 3.0
 HOLD_MIN_S = 5.0  # a hold lasts at most this, or HOLD_REQUESTS of this worker's mean request time
 HOLD_REQUESTS = 3.0
+# A server down this long holds back as the slowest of workers: its prompts go to the others, as
+# soon as a lost worker's would (its leases lapse after LEASE_TIMEOUT_S).
+DOWN_GRACE_S = LEASE_TIMEOUT_S
 
 
 def unsent_now(w: WorkerStatus, now: float) -> float:
@@ -113,33 +118,45 @@ class TailWatch:
             await asyncio.sleep(NEAR_EVERY_S if self._near and not self.flags.hold_back else EVERY_S)
             active = self.active()
             self._near = self._near and active and not self._given_up
+            down = self._server_gone()
             try:
-                hold = active and not self._given_up and await self.decide()
+                hold = down or (active and not self._given_up and await self.decide())
             except (redis.RedisError, OSError) as exc:
                 log.debug("tail check skipped: %s", exc)
                 hold = False
-            hold = self._bounded(hold, active)
+            hold = down or self._bounded(hold, active)
             if hold:
                 try:
                     await self.prune()
                 except (redis.RedisError, OSError) as exc:
                     log.debug("tail prune skipped: %s", exc)
             if hold != self.flags.hold_back:
-                log.info("end of the queue: %s", "faster workers finish the unsent prompts sooner; starting none "
-                         "here" if hold else "starting prompts here again")
+                if not down:
+                    log.info("end of the queue: %s", "faster workers finish the unsent prompts sooner; starting "
+                             "none here" if hold else "starting prompts here again")
                 self.held_back += hold
                 self.flags.hold_back = hold
                 self.dispatcher.wake.set()
-                if hold:
+                if hold and not down:
                     await self.give_back_ready()
+            if down:  # every round: what was in flight when it went down comes back claimed
+                await self.give_back_ready(server_down=True)
 
-    async def give_back_ready(self) -> None:
+    def _server_gone(self) -> bool:
+        """The server is down past DOWN_GRACE_S: its prompts are better sent anywhere else."""
+        since = self.flags.server_down_since
+        return since is not None and time.monotonic() - since > DOWN_GRACE_S
+
+    async def give_back_ready(self, server_down: bool = False) -> None:
         try:
-            back = await self.dispatcher.todo.give_back_ready()
+            back = await self.dispatcher.todo.give_back_ready(server_down)
         except (redis.RedisError, OSError) as exc:  # still claimed here: sent here once the hold ends
             log.debug("claimed prompts not given back: %s", exc)
             return
-        if back:
+        if back and server_down:
+            log.info("server down: %d claimed prompts left to other workers (they take them once the queue is "
+                     "empty; claimed again here if it comes back first)", back)
+        elif back:
             log.info("end of the queue: %d claimed prompts not sent here, left to the faster workers", back)
 
     def _bounded(self, hold: bool, active: bool) -> bool:

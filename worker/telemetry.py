@@ -1,12 +1,54 @@
-"""GPU figures from NVML (nvidia-ml-py). Where there is no GPU or no driver, say so once."""
+"""GPU figures from NVML (nvidia-ml-py). Where there is no GPU or no driver, say so once.
+
+The memory bandwidth, for the decode bound (genq.core.decodebound), is read once: bus width x the
+maximum memory clock x 2 (NVML reports GDDR and HBM clocks so that two transfers a clock give the
+rated figure), checked against SPECS, the vendors' rated figures.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from genq.core.records import GpuSample
+import msgspec
+
+from genq.core.records import GpuSample, Hardware
+
+if TYPE_CHECKING:
+    from genq.worker.options import WorkerOptions
+    from genq.worker.server import ServerInfo
 
 log = logging.getLogger("genq.worker")
+
+# Rated memory bandwidth, bytes/s, by a piece of NVML's device name (most specific first), from
+# NVIDIA's datasheets (2026-12): H100 SXM5 / PCIe / NVL, H200 SXM, B200, RTX PRO 6000 Blackwell,
+# A100 80GB SXM4 / PCIe and 40GB, L40S, L4.
+SPECS: tuple[tuple[str, float], ...] = (
+    ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("B200", 8.0e12),
+    ("RTX PRO 6000", 1.792e12), ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
+)
+SPEC_AGREES = 0.15  # NVML's figure within this of the rated one: they agree
+
+
+def spec_bandwidth(name: str) -> tuple[str, float] | None:
+    """The rated bandwidth of a GPU NVML names so, with the table's key; None for one not in SPECS."""
+    return next(((key, bw) for key, bw in SPECS if key in name), None)
+
+
+def checked_bandwidth(name: str, bus_bits: int | None, max_mem_clock_mhz: float | None) -> tuple[float | None, str]:
+    """(bytes/s, where it came from): NVML's bus x clock x 2, said against the rated figure."""
+    spec = spec_bandwidth(name)
+    rated = f"rated {spec[1] / 1e12:.2f} TB/s for {spec[0]}" if spec else f"{name} not in genq's table"
+    if bus_bits and max_mem_clock_mhz:
+        bw = bus_bits / 8 * max_mem_clock_mhz * 1e6 * 2
+        told = f"NVML {bus_bits}-bit x {max_mem_clock_mhz:.0f} MHz x 2 = {bw / 1e12:.2f} TB/s"
+        if spec and abs(bw - spec[1]) > SPEC_AGREES * spec[1]:
+            return bw, f"{told}, not the {rated}"
+        return bw, f"{told} ({rated})"
+    if spec:
+        return spec[1], f"{rated} (NVML gave no bus width or memory clock)"
+    return None, f"unknown: NVML gave no bus width or memory clock and {rated}"
 
 
 class GpuProbe:
@@ -14,6 +56,8 @@ class GpuProbe:
         self.index = index
         self.note: str | None = None
         self._handle = None
+        self.bandwidth: float | None = None
+        self.bandwidth_from: str | None = None
         if index is None:
             self.note = "no GPU assigned (--gpu not given)"
             return
@@ -26,6 +70,7 @@ class GpuProbe:
                 self.note = f"no GPU {index}: NVML sees {count} GPU(s)"
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                self.bandwidth, self.bandwidth_from = read_bandwidth(self._handle)
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
             self.note = f"no GPU telemetry: {type(exc).__name__}: {exc}"
         if self.note:
@@ -56,9 +101,57 @@ class GpuProbe:
             ("power_w", lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
             ("sm_clock_mhz", lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))),
             ("temperature_c", lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))),
+            ("max_sm_clock_mhz", lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))),
+            ("mem_clock_mhz", lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM))),
+            ("power_limit_w", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
+            ("throttled", lambda: throttle_reasons(_clock_reasons(h))),
         ):
             try:
                 setattr(sample, attr, read())
             except Exception:
                 pass
         return sample
+
+
+def read_bandwidth(handle: object) -> tuple[float | None, str]:
+    import pynvml
+
+    name = pynvml.nvmlDeviceGetName(handle)
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    bus = clock = None
+    try:
+        bus = int(pynvml.nvmlDeviceGetMemoryBusWidth(handle))
+        clock = float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
+    except Exception:
+        pass  # older drivers: no bus width
+    return checked_bandwidth(name, bus, clock)
+
+
+# NVML's clock-event (throttle) reason bits that slow a GPU down (nvml.h), named as nvidia-smi does.
+THROTTLES = ((0x2, "applications clocks"), (0x4, "power cap"), (0x8, "hw slowdown"), (0x20, "sw thermal"),
+             (0x40, "hw thermal"), (0x80, "power brake"))
+
+
+def throttle_reasons(mask: int) -> list[str]:
+    return [name for bit, name in THROTTLES if mask & bit]
+
+
+def _clock_reasons(handle: object) -> int:
+    import pynvml
+
+    read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    return int(read(handle))
+
+
+def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> Hardware:
+    """What the decode bound needs of the GPU and its server (genq.core.decodebound): the bandwidth
+    --gpu-bandwidth gives, else NVML's; the weights --model-bytes gives, else the server's."""
+    memory = info.memory if info is not None else Hardware()
+    bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
+                       else (probe.bandwidth, probe.bandwidth_from or probe.note))
+    weight, weight_from = memory.weight_bytes, memory.weight_from
+    if opts.model_bytes is not None:
+        weight, weight_from = opts.model_bytes, "--model-bytes"
+    return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
+                                   bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)

@@ -70,13 +70,16 @@ class Todo:
             return
         self.ready.extend(claimed)
 
-    async def give_back_ready(self) -> int:
+    async def give_back_ready(self, server_down: bool = False) -> int:
         """Holding back (worker/tail.py): the claimed prompts of this engine's own batches that were
         never sent go back to the front of the backlog and their claims are dropped, so that faster
         engines take them (worker/stealing.py); claimed again here if the hold ends first. Those
-        that failed before or were borrowed stay. Returns how many went back."""
-        back = [t for t in self.ready if not t.batch.borrowed and not t.batch.dropped and not t.attempts
-                and not t.crashes and not t.lost]
+        that failed before or were borrowed stay, unless the server is down: then every one goes,
+        retries too, but the crash suspects (sent alone here, to find the prompt that crashes it).
+        Returns how many went back."""
+        mine = [t for t in itertools.chain(self.ready, (d[2] for d in self.delayed) if server_down else ())
+                if not t.batch.borrowed and not t.batch.dropped]
+        back = mine if server_down else [t for t in mine if not t.attempts and not t.crashes and not t.lost]
         if not back:
             return 0
         gone = set(back)

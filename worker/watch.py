@@ -1,8 +1,11 @@
 """The server as the engine sees it: up or down, its metrics, and requests that stall.
 
-- Circuit breaker: after a failed request one health check runs (single flight); if
-  the server is down the engine stops sending, counts no attempt, polls until it
-  answers, and after --server-down-timeout hands its batches back for other GPUs.
+- Circuit breaker: after a failed request one check runs (single flight): /health and
+  what the server says about itself. Down, or not the server it was (another model, a
+  smaller context: restarted with other settings), the engine stops sending, counts no
+  attempt, polls until it answers as it was, and after --server-down-timeout hands its
+  batches back for other GPUs (another model: at once; a smaller context: then taken as
+  it is). Past a short grace its unsent prompts go to other workers (worker/tail.py).
 - A server that stops answering while it holds requests (no output from any of them
   for a while) is health-checked during generation, not only after a request fails.
 - Watchdog: a request with no output for --stall-timeout is cancelled and retried.
@@ -16,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
@@ -47,7 +51,7 @@ class ServerWatch:
         self.on_waiting = on_waiting
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
-        self._check: asyncio.Future[bool] | None = None
+        self._check: asyncio.Future[str | None] | None = None
         self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
 
     # ---------------------------------------------------------------- start
@@ -78,24 +82,64 @@ class ServerWatch:
     # ---------------------------------------------------------------- down / up
 
     async def is_down(self) -> bool:
-        """Single-flight health check after a failure: many failures, one probe."""
+        """Single-flight check after a failure (many failures, one probe): the server is down, or
+        is not the one this engine knew (restarted with another model or a smaller context)."""
         if self.flags.server_down_since is not None:
             return True
         if self._check is None:
-            self._check = asyncio.ensure_future(self.client.healthy())
+            self._check = asyncio.ensure_future(self._verify())
         try:
-            healthy = await asyncio.shield(self._check)
+            why = await asyncio.shield(self._check)
         finally:
             if self._check is not None and self._check.done():
                 self._check = None
-        if not healthy and self.flags.server_down_since is None:
-            self._went_down("health check failed")
-        return not healthy
+        if why is not None and self.flags.server_down_since is None:
+            self._went_down(why)
+        return why is not None
+
+    async def reread(self) -> ServerInfo | None:
+        """What the server says about itself now: a preflight about to block a job reads it again (the
+        server may have restarted with a larger context since this engine last looked)."""
+        await self.is_down()
+        return self.info
+
+    async def _verify(self) -> str | None:
+        """Why nothing can be sent to the server now, or None: what it says about itself is read
+        again, so a restart that changed it is noticed before the next request."""
+        try:
+            info = await self.client.discover()
+        except ServerUnavailable:
+            return "health check failed"
+        change = self._change(info)
+        if change is None:
+            self._adopt(info)  # the same server (a larger context, another capacity: taken as they are)
+        return change
+
+    def _adopt(self, info: ServerInfo) -> None:
+        """What the server says now; what it did not say this time (an endpoint that failed) is kept."""
+        if self.info is not None:
+            info = replace(info, model=info.model or self.info.model,
+                           context_length=info.context_length or self.info.context_length)
+        self.info = info
+
+    def _change(self, info: ServerInfo) -> str | None:
+        """How the server differs from the one this engine sends to in a way its prompts must not
+        meet: another model (its answers are not the job's), a smaller context (the prompts that
+        ran fail: the server's fault, not theirs). None if it is the same for them."""
+        old = self.info
+        if old is None:
+            return None
+        if info.model != old.model and info.model is not None and old.model is not None:  # None: it did not say
+            return f"it serves model {info.model} now, not {old.model}"
+        if old.context_length and info.context_length and info.context_length < old.context_length:
+            return f"its context is {info.context_length} tokens now, not {old.context_length}"
+        return None
 
     def _went_down(self, why: str) -> None:
         self.flags.server_down_since = time.monotonic()
         self.flags.server_note = why
         self.flags.outages += 1
+        self.metrics = None  # what a server that is gone said last is not what it does now
         in_flight = list(self.dispatcher.running)
         for task in in_flight:
             self.dispatcher.crashed(task)
@@ -124,7 +168,26 @@ class ServerWatch:
             except ServerUnavailable as exc:
                 self.flags.server_note = str(exc)
                 continue
-            self.info = info
+            change = self._change(info)
+            if change is not None and change.startswith("it serves model"):
+                # Its held prompts are for a model it no longer serves: back to the queue for a server
+                # of theirs; the lease desk and RQ loops take jobs of its new model from now on.
+                log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
+                await self.hand_back_all(f"server now serves {info.model}")
+            elif change is not None and down_for <= self.opts.server_down_timeout:
+                # A smaller context for a while (a restart with other settings): the server is not fit
+                # for the prompts that ran here; they wait, or go to other workers (worker/tail.py).
+                note = f"{change}: waiting for it as it was (--server-down-timeout)"
+                if note != self.flags.server_note:
+                    log.warning("server %s: %s", self.opts.server_url, note)
+                self.flags.server_note = note
+                continue
+            elif change is not None:
+                log.warning("server %s: %s for %.0fs: taken as it is", self.opts.server_url, change, down_for)
+            if change is None:
+                self._adopt(info)
+            else:
+                self.info = info  # another model, or a smaller context taken as it is now
             self.controller.set_capacity(info.capacity)
             log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
             self.flags.server_down_since = None

@@ -5,18 +5,19 @@ Subcommands are imported lazily so `genq --help` and small commands start fast.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import click
 import redis
 from rich.console import Console
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
-from genq.core.refusals import refusal
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -41,6 +42,14 @@ COMMANDS: dict[str, str] = {
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(name for name in COMMANDS if _available(name))
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Ctrl-C: exit 130, as the README says (click itself prints "Aborted!" and exits 1)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = COMMANDS.get(name)
@@ -124,6 +133,39 @@ class JobName(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+class Option(click.Option):
+    """An option whose earlier names (`old`) still work but are left out of --help: scripts
+    written against them keep running, the help shows one name."""
+
+    def __init__(self, param_decls: Sequence[str], *, old: Sequence[str] = (), **attrs: Any) -> None:
+        super().__init__([*param_decls, *old], **attrs)
+        self.old = set(old)
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        shown, self.opts = self.opts, [o for o in self.opts if o not in self.old]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = shown
+
+
+def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The job of a command that names one, as JOB or --job JOB (the other commands take --job):
+    either form, not two different ones. The command receives it as `job`."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, job: str | None, job_option: str | None, **kwargs: Any) -> Any:
+        if job is not None and job_option is not None and job != job_option:
+            raise click.UsageError(f"two jobs given: {job} and --job {job_option}; give one")
+        if job is None and job_option is None:
+            raise click.UsageError("give the job: JOB or --job JOB")
+        return fn(*args, job=job or job_option, **kwargs)
+
+    command = click.option("--job", "job_option", type=JobName(), default=None, metavar="JOB",
+                           help="The job, as an option (the same as JOB).")(command)
+    return click.argument("job", type=JobName(), required=False)(command)
+
+
 class Settings:
     """What the group's options give every subcommand (ctx.obj)."""
 
@@ -177,17 +219,14 @@ def settings(ctx: click.Context) -> Settings:
 
 @contextmanager
 def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
-    """The command's Redis, closed after; a connection failure is a one-line error naming the URL
-    (its password masked), not a traceback."""
+    """The command's Redis, closed after. Whatever Redis says instead of answering (unreachable,
+    full, a database index it does not have, an address that is not Redis) is one line naming
+    the URL (its password masked), exit 1, not a traceback: genq.core.redisconn.describe_error."""
     url = settings(ctx).redis_url
     conn = connect(url)
     try:
         yield conn
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    except redis.ResponseError as exc:
-        if refusal(exc) is None:  # Redis full, without disk, a replica; any other refusal is genq's bug: a traceback
-            raise
+    except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc)) from None
     finally:
         conn.close()

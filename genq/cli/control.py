@@ -11,9 +11,9 @@ import msgspec
 import redis
 from rich.table import Table
 
-from genq.cli import JobName, console, jobset, redis_conn
+from genq.cli import JobName, console, job_argument, jobset, redis_conn
 from genq.core.ledger.jobs import job_keys_shown
-from genq.core.queueing import list_jobs
+from genq.core.queueing import list_jobs, load_config
 from genq.core.words import plural
 from genq.ops import control
 from genq.ops.settings import describe_block
@@ -28,7 +28,7 @@ def _check_job(conn: redis.Redis, job: str) -> None:
 # ---------------------------------------------------------------- jobs
 
 
-@click.group(invoke_without_command=True)
+@click.group(invoke_without_command=True, short_help="The jobs, their state and counts; show, set or delete one.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
@@ -78,8 +78,8 @@ def _floor_percent(part: int, whole: int) -> str:
     return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
 
 
-@jobs.command("delete")
-@click.argument("job", type=JobName())
+@jobs.command("delete", short_help="Remove a job from Redis (its shards stay).")
+@job_argument
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
 @click.pass_context
@@ -89,8 +89,11 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
     Removes everything under genq:job:JOB: (config, ids, batches, results not
     yet written, counters, dead letters), JOB from the job list, and the job's
     RQ jobs from the queue and RQ's registries. Shards already written under
-    the job's output are kept. Refused while a live worker holds one of its
-    batches (drain or stop it first), unless --force.
+    the job's output are kept, and its job.json marked deleted: the name's
+    next `genq enqueue` starts a new job there instead of taking this one up
+    again (`genq recover --job JOB --output OUTPUT` brings it back). Refused
+    while a live worker holds one of its batches (drain or stop it first),
+    unless --force.
     """
     with redis_conn(ctx) as conn:
         found = control.find_job(conn, job)
@@ -104,8 +107,15 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
         what = _deletion_summary(found)
         if not yes and not click.confirm(f"delete job {job}: {what}?", default=False):
             raise click.ClickException("nothing deleted")
+        config = load_config(conn, job)
         control.delete_job(conn, found)
     click.echo(f"removed job {job}: {what}")
+    if config is not None:
+        if problem := control.mark_output_deleted(config):
+            click.echo(f"warning: {problem}", err=True)
+        else:
+            click.echo(f"its shards stay in {config.output}/{job}; the name {job} is free for a new job "
+                       f"(`genq recover --job {job} --output {config.output}` brings this one back instead)")
 
 
 jobs.add_command(jobset.jobs_set)
@@ -126,7 +136,7 @@ def _deletion_summary(found: control.JobDeletion) -> str:
 # ---------------------------------------------------------------- pause / resume
 
 
-@click.command()
+@click.command(short_help="Stop new requests (all jobs, or --job); in-flight ones finish.")
 @click.option("--job", type=JobName(), default=None, help="Pause only this job. [default: every job]")
 @click.pass_context
 def pause(ctx: click.Context, job: str | None) -> None:
@@ -146,7 +156,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
                f"Undo with `genq resume{f' --job {job}' if job else ''}`.")
 
 
-@click.command()
+@click.command(short_help="Undo genq pause (all jobs, or --job).")
 @click.option("--job", type=JobName(), default=None, help="Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import settings
+from genq import PYTHON
+from genq.cli import Option, settings
 from genq.core.ledger import letters
 from genq.core.localredis import LocalRedis, free_port
 from genq.core.redisconn import connect, mask_url
@@ -93,7 +94,8 @@ class Children:
 
 
 @click.command()
-@click.option("--gpus", type=click.IntRange(1, 16), default=4, show_default=True, help="Simulated GPUs: one sim server and one worker each.")
+@click.option("--num-gpus", "gpus", cls=Option, old=["--gpus"], type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Simulated GPUs: one sim server and one worker each.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True, help="Synthetic prompts to generate.")
 @click.option("--output", type=click.Path(file_okay=False), default="demo-out", show_default=True, help="Where prompts, shards and logs go.")
 @click.option("--max-running-requests", type=click.IntRange(1), default=37, show_default=True, help="Each simulated server's capacity.")
@@ -164,7 +166,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     from genq.monitor.view import render
 
     console = Console()
-    genq = [sys.executable, "-m", "genq", "--redis", url]
+    genq = [*PYTHON, "-m", "genq", "--redis", url]
     job = time.strftime("demo-%Y%m%d-%H%M%S")
     prompts_path = out / "prompts.jsonl"
     _write_prompts(prompts_path, n_prompts, seed=7)
@@ -176,7 +178,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     for gpu in range(gpus):
         port = free_port()
         children.start(f"sim-gpu{gpu}", [
-            sys.executable, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
+            *PYTHON, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
             "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
             "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
             "--tokens-per-step", "16"])

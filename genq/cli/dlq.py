@@ -65,7 +65,7 @@ def dlq() -> None:
     """
 
 
-@dlq.command("list")
+@dlq.command("list", short_help="List dead prompts and failed batches, newest first.")
 @job_option
 @click.option("--json", "as_json", is_flag=True, help="A JSON array: one object per entry (id, job, batch, attempts, kind, status, message, worker, at as ISO 8601 UTC, at_epoch; failed batches add rq_job and prompts).")
 @click.option("--limit", type=click.IntRange(0), default=None, metavar="N", help="Show at most N entries, newest first (0: all). [default: 100 in the table, all with --json]")
@@ -216,7 +216,7 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
 
 @dlq.command(short_help="Forget dead prompts and failed batches (asks first).")
 @job_option
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 @_errors
 def purge(ctx: click.Context, job: str | None, yes: bool) -> None:

@@ -19,8 +19,9 @@ CHUNK = 1000  # ids looked up in Redis per round trip
 
 
 def dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-            rows: Iterator[Row | Rejected]) -> int:
-    """The exit status a real enqueue would have (0, 1 nothing valid, 3 some lines rejected),
+            rows: Iterator[Row | Rejected], state: str, closed: str | None = None) -> int:
+    """The exit status a real enqueue would have (0, 1 nothing valid or refused, 3 some lines rejected),
+    `state` saying what the job's name stands for now and `closed` why new prompts would be refused;
     with its rules: a repeated line (same id, same content) is skipped, the same id with other
     content is rejected; an id already queued with the same content is skipped, with other
     content rejected."""
@@ -63,13 +64,15 @@ def dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
         click.echo(f"  rejected line {r.line}: {r.reason}", err=True)
     if len(rejected) > SHOWN:
         click.echo(f"  ... and {plural(len(rejected) - SHOWN, 'more line')}", err=True)
-    state = "a new job" if create else "an existing job (its settings agree)"
     click.echo(f"dry run: job {config.name} ({state}): {plural(new, 'prompt')} would be queued in "
                f"{plural(batches, 'batch', 'batches')} of up to {config.batch_size:,} from {input_uri}"
                + (f"; {plural(known, 'prompt')} already queued or done would be skipped" if known else "")
                + (f"; {plural(repeated, 'repeated line')} would be skipped" if repeated else "")
                + (f"; {plural(len(rejected), 'line')} rejected" if rejected else "")
                + ". Nothing was written.")
+    if closed is not None and new:
+        click.echo(f"the real enqueue would be refused: {closed}", err=True)
+        return 1
     if not seen:
         return 1
     return EXIT_REJECTED if rejected else 0

@@ -33,6 +33,7 @@ from genq.producer.rows import Row
 from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
 
 EXIT_REJECTED = 3
+EXIT_INTERRUPTED = 130
 SHOWN_REJECTS = SHOWN  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
@@ -40,9 +41,9 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                   "batch_size", "max_attempts", "compression", "s3_endpoint_url")
 
 
-@click.command()
+@click.command(short_help="Queue a JSONL or Parquet file's prompts as a job's batches.")
 @click.argument("input_uri", metavar="INPUT")
-@click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job.")
+@click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job (a finished one only with --add).")
 @click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=None, help="Prompts per batch (one RQ job each). [default: 256]")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="max_tokens sent with every request (always sent: SGLang otherwise runs to the context limit). [default: 4096]")
@@ -69,12 +70,16 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
                    "waits (docs/scheduling.md). Changeable: genq jobs set JOB --priority N. [default: 0]")
 @click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
+@click.option("--add", "add_to_finished", is_flag=True,
+              help="Add the new prompts of INPUT to JOB even though it is finished (done or partial): it runs "
+                   "again and writes into the same output. Without it, new prompts for a finished job from an "
+                   "input other than its own are refused.")
 @click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
               "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
             prompt_column: str | None, id_column: str | None, by_reference: bool | None, dry_run: bool,
-            priority: int | None, weight: float | None, **options: object) -> None:
+            priority: int | None, weight: float | None, add_to_finished: bool, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
     INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
@@ -96,7 +101,9 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
 
     Re-running is safe: ids already queued or done are skipped and counted.
     The job's settings are stored with its first queued batch; later enqueues
-    into the same job must not contradict them. Nothing is created when
+    into the same job must not contradict them. New prompts from another
+    input for a finished job (done or partial) are refused unless --add: use
+    a new --job name. Nothing is created when
     nothing is queued (missing or empty input, no valid line).
 
     \b
@@ -106,7 +113,9 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     wholly invalid input, bad --extra-body, settings that contradict the job,
     Redis unreachable), or Redis failed part way (full: the error says how many
     prompts the job holds, and the same command again queues the rest); 2 bad
-    usage (unknown option, value out of range).
+    usage (unknown option, value out of range); 130 interrupted (Ctrl-C: it
+    says how many prompts the job holds; the same command again queues the
+    rest).
     """
     url = settings(ctx).redis_url
     try:
@@ -118,15 +127,16 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
             click.echo(f"warning: {note.text}", err=True)
         reference = reference_uri(input_uri, by_reference)
         config, create = _job_config(conn, job, given)
+        closed = None if create or add_to_finished else _finished(conn, job, config, input_uri)
         meter = Meter()
         rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 
-            sys.exit(check_only(conn, config, create, input_uri, rows))
+            sys.exit(check_only(conn, config, create, input_uri, rows, _name_state(conn, config, create), closed))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
-            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter)
+            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter, closed)
         except BaseException:
             rejects.discard()
             raise
@@ -139,6 +149,10 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
+    except KeyboardInterrupt:
+        held = _held_so_far(url, job, "to queue the rest")
+        click.echo(f"\ninterrupted{held or ': nothing was queued'}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     if summary.read == 0:
         rejects.discard()
         _nothing_valid(summary, rejects, input_uri)
@@ -148,17 +162,17 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         sys.exit(EXIT_REJECTED)
 
 
-def _held_so_far(url: str, job: str) -> str:
-    """After Redis failed part way (full, most often, with a large input): what the job holds, and
-    how to go on. Batches are queued whole, each prompt once: the same command skips them."""
+def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
+    """After Redis failed part way (full, most often, with a large input) or Ctrl-C: what the job
+    holds, and how to go on. Batches are queued whole, each prompt once: the same command skips them."""
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
         return ""
     if not held:
         return ""
-    return (f"\njob {job} holds {plural(held, 'prompt')} now; once Redis takes writes, run the same command "
-            "again: the prompts already queued are skipped, the rest queued")
+    return (f"\njob {job} holds {plural(held, 'prompt')} now (queued: workers run them); {when}, run the same "
+            "command again: the prompts already queued are skipped, the rest queued, each prompt once")
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:
@@ -212,8 +226,57 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
     return input_uri if is_s3(input_uri) else os.path.abspath(input_uri)
 
 
+def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) -> str | None:
+    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not
+    one of its own inputs (None: not refused). Its own input again is the same command again: after
+    `genq dlq purge`, or an input fixed in place, it queues what the job does not hold."""
+    from genq.core.state import FINISHED_STATUSES
+    from genq.ops.control import job_rows
+    from genq.output import truth
+    from genq.output.sink import open_store
+
+    row = job_rows(conn, [job])[0]
+    if row.state not in FINISHED_STATUSES:
+        return None
+    try:
+        record = truth.read_job(open_store(config.output, config.s3_endpoint_url), job)
+    except Exception:  # the output unreachable: the enqueue stops on it, saying so
+        record = None
+    if record is not None and (input_uri if is_s3(input_uri) else os.path.abspath(input_uri)) in record.inputs:
+        return None
+    return (f"job {job} is {row.state} ({plural(row.total, 'prompt')}, output {config.output}) and {input_uri}, "
+            f"not one of its inputs, has prompts it does not hold: adding them would run it again, writing into "
+            f"the same output. Give a new --job name for a new job, or --add to add them to {job}")
+
+
+def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
+    """What the job's name stands for now, as --dry-run says it."""
+    if not create:
+        from genq.ops.control import job_rows
+
+        row = job_rows(conn, [config.name])[0]
+        return f"an existing job, {row.state}, {plural(row.total, 'prompt')}; its settings agree"
+    from genq.output import truth
+    from genq.output.sink import open_store
+    from genq.producer.enqueue import revives
+
+    store = open_store(config.output, config.s3_endpoint_url)
+    try:
+        on_disk = truth.read_job(store, config.name)
+    except Exception as exc:  # the output unreachable: the real enqueue stops on it, saying so
+        return f"a new job, unless {config.output} (unreadable from here: {type(exc).__name__}) holds it"
+    if on_disk is None:
+        return "a new job"
+    if revives(on_disk, config):
+        return (f"not in Redis, but {truth.job_uri(store, config.name)} holds it: it would be created again from "
+                "there, its written batches counted as done (below, prompts are counted against Redis alone)")
+    return (f"a new job; {truth.job_uri(store, config.name)} holds an earlier job of this name "
+            f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")
+
+
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter) -> EnqueueSummary:
+         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter,
+         closed: str | None) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
     reading = ReadProgress(meter)
@@ -223,7 +286,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             click.echo(f"\r  {reading.line(summary.read, summary.enqueued)}", err=True, nl=False)
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
-                        input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri))
+                        input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri), closed=closed)
     summary = enqueuer.run(rows, on_progress=progress, meter=meter)
     if show_progress:
         click.echo("", err=True)

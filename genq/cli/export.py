@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import JobName, Option, redis_conn, settings
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Prompt
-from genq.core.redisconn import connect, describe_error, mask_url
+from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.output import export as exporting
 from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
 from genq.output.formats import FORMATS, format_for
 from genq.producer.batchinput import read_prompts
 
+EXIT_PARTLY_DONE = 3  # the job has batches without shards yet: they are not in the file
 
-@click.command()
+
+@click.command(short_help="Merge a job's shards into one JSONL, Parquet or Batch file.")
 @click.option("--job", type=JobName(), required=True, help="The job to export.")
 @click.option("--to", "dest", required=True, metavar="FILE|DIR",
               help="Output file (local or s3://bucket/key), or a directory to write JOB.<format> into.")
@@ -32,9 +35,9 @@ from genq.producer.batchinput import read_prompts
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
 @click.option("--errors", "errors_path", default=None, metavar="FILE",
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
-@click.option("--from", "source", default=None, metavar="OUTPUT",
-              help="Read shards from OUTPUT (a directory or s3://bucket/prefix) instead of the job's "
-                   "configured output, e.g. after copying it.")
+@click.option("--output", "source", cls=Option, old=["--from"], default=None, metavar="OUTPUT",
+              help="Read shards from OUTPUT (a directory or s3://bucket/prefix, as enqueue's --output) instead "
+                   "of the job's configured output, e.g. after copying it.")
 @click.option("--s3-endpoint-url", default=None, metavar="URL",
               help="S3-compatible endpoint for reading and writing. [default: the job's, or the AWS env/config]")
 @click.pass_context
@@ -44,7 +47,9 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
 
     Only shards named by the manifest (JOB/manifest/*.json) are read, each checked
     against its marker; records are deduplicated by id and, with --order input,
-    sorted by their line in the input. Prints what it wrote.
+    sorted by their line in the input. Prints what it wrote. Exit status 3
+    (partly done) when the job has batches whose shards are not written yet:
+    the file holds what is finished so far; run it again once the job is done.
 
     \b
     Examples:
@@ -53,12 +58,11 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
       genq export --job batch1 --to out.jsonl --format openai-batch   # + out.errors.jsonl
     """
     url = settings(ctx).redis_url
-    conn = connect(url)
-    try:
+    with redis_conn(ctx) as conn:
         config = load_config(conn, job)
         if config is None and source is None:
             raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(url)}; "
-                                       "give --from OUTPUT to export shards without it")
+                                       "give --output OUTPUT to export shards without it")
         output = source or config.output  # type: ignore[union-attr]
         endpoint = s3_endpoint_url or (config.s3_endpoint_url if config else None)
         fmt = format_for(dest, fmt)
@@ -76,11 +80,9 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
 
                 raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
             raise
-        _report(summary, fmt, _status(conn, job, config is not None))
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    finally:
-        conn.close()
+        partial = _report(summary, fmt, _status(conn, job, config is not None))
+    if partial:
+        sys.exit(EXIT_PARTLY_DONE)
 
 
 def _destination(dest: str, job: str, fmt: str) -> str:
@@ -122,7 +124,8 @@ def _status(conn: redis.Redis, job: str, known: bool) -> dict[str, int]:
     return {"total": counts.total, "batches": counts.batches_total, "done": counts.done, "dead": counts.dead}
 
 
-def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
+def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> bool:
+    """Says what was written; True when the job is not finished (the export is partial)."""
     click.echo(f"wrote {plural(s.records, 'record')} ({_size(s.bytes)}, {s.bytes:,} bytes) to {s.path} "
                f"from {plural(s.shards, 'shard')}")
     if s.duplicates:
@@ -132,10 +135,11 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
     if s.skipped_errors:
         click.echo(f"  left out {s.skipped_errors:,} dead letters whose id also has a result")
     if not status:
-        return
-    if status["done"] < status["batches"]:
+        return False
+    partial = status["done"] < status["batches"]
+    if partial:
         click.echo(f"  note: job has {plural(status['batches'], 'batch', 'batches')}, {status['done']:,} with shards written: "
-                   "the rest are not in this export yet", err=True)
+                   f"the rest are not in this export yet (exit {EXIT_PARTLY_DONE}: partly done)", err=True)
     if status["dead"] and not FORMATS[fmt].errors_file:
         click.echo(f"  note: {status['dead']:,} prompts are in the dead-letter queue, not in this export "
                    "(see `genq dlq`)", err=True)
@@ -143,6 +147,7 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> None:
     if FORMATS[fmt].errors_file and missing > 0:
         click.echo(f"  note: {missing:,} of {status['total']:,} prompts are in neither file (not finished yet)",
                    err=True)
+    return partial
 
 
 def _size(n: int) -> str:

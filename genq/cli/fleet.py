@@ -9,34 +9,46 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import cast
 
 import click
 import msgspec
 import redis
-from rich.console import JustifyMethod
+from rich.console import Console
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from genq.cli import Concurrency, console, redis_conn
+from genq.core import decodebound
 from genq.core.health import NO_HEARTBEAT
 from genq.core.queueing import list_jobs
 from genq.core.refusals import redis_note_of
 from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
+from genq.core.words import plural
 from genq.ops import control
+from genq.worker.idle import IDLE_BEAT_S, IDLE_TTL_S
 from genq.worker.models import servable_jobs
 
 # ---------------------------------------------------------------- fleet view
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
+def _age(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.0f}s"
     if seconds < 3600:
         return f"{seconds / 60:.0f}m"
     return f"{seconds / 3600:.1f}h"
+
+
+def _heartbeat(row: control.WorkerRow) -> str:
+    """How long ago it beat, beside how often it beats when that is not every second: an idle
+    worker beats every 20 s, so 16 s is on time for it (lost is 15 s late for a busy one, 60 s
+    for an idle one: the key it renews expires)."""
+    age = row.heartbeat_age_s
+    if age is None:
+        return "none" if row.state == control.LOST else "-"
+    return _age(age) + (f" (every {IDLE_BEAT_S:.0f}s)" if row.state == "idle" else "")
 
 
 def _batches(row: control.WorkerRow, limit: int = 3) -> str:
@@ -47,29 +59,134 @@ def _batches(row: control.WorkerRow, limit: int = 3) -> str:
     return f"{len(row.batches)}: {shown}{more}"
 
 
-def workers_table(rows: list[control.WorkerRow], title: str | None = None,
-                  serves: dict[str, list[str]] | None = None) -> Table:
+STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow",
+          "server_down": "red", "stopped": "dim", control.LOST: "bold red"}
+
+
+def _cells(r: control.WorkerRow, serves: dict[str, list[str]], judged: dict[str, decodebound.Verdict]) -> dict[str, str]:
+    live = r.live
+    return {
+        "worker": r.name,
+        "state": f"[{STYLES[r.state]}]{r.state}[/]" if r.state in STYLES else r.state,
+        "tok/s": f"{r.tok_per_s:,.0f}" if live else "",
+        "of bound": _bound_cell(judged.get(r.name)),
+        "in flight": (f"{r.in_flight}/{r.target}" + (f" limit {r.concurrency_limit}" if r.concurrency_limit else "")
+                      if live else ""),
+        "capacity": (str(r.server_capacity) if r.server_capacity else "?") if live else "",
+        "heartbeat": _heartbeat(r),
+        "done": f"{r.done:,}" if r.state != control.LOST else "",
+        "queued": str(r.queued) if live else "",
+        "batches": _batches(r),
+        "model: jobs it serves": f"{r.model or '?'}: {', '.join(serves.get(r.name, [])) or '-'}" if live else "",
+        "server": r.server or "",
+        "gpu": r.gpu if r.gpu is not None else "-",
+        "host": r.host or "?",
+        "note": r.note or "",
+    }
+
+
+# Most wanted first. The first three are always shown whole (a name is what an operator types
+# into --worker); the others are added in this order while the table fits the terminal, and
+# the line under it names those left out (--json has every field).
+COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of bound", "done", "queued", "note",
+           "model: jobs it serves", "batches", "server", "gpu", "host")
+ALWAYS = 3
+RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
+
+
+def _table(cells: list[dict[str, str]], columns: list[str], title: str | None) -> Table:
     table = Table(title=title, show_edge=False, header_style="bold")
-    for col, justify in (("worker", "left"), ("host", "left"), ("gpu", "right"), ("server", "left"),
-                         ("model: jobs it serves", "left"),
-                         ("state", "left"), ("batches", "left"), ("in flight", "right"), ("queued", "right"),
-                         ("tok/s", "right"), ("done", "right"), ("heartbeat", "right"), ("note", "left")):
-        # One line per worker; a long note (a connection error) is cut: --json has it whole.
-        table.add_column(col, justify=cast(JustifyMethod, justify), no_wrap=True, overflow="ellipsis",
-                         max_width=60 if col == "note" else None)
-    styles = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow",
-              "server_down": "red", "stopped": "dim", control.LOST: "red"}
-    for r in rows:
-        live = r.live
-        flight = f"{r.in_flight}/{r.target}" + (f" cap {r.cap}" if r.cap else "") if live else ""
-        table.add_row(
-            r.name, r.host or "?", r.gpu if r.gpu is not None else "-", r.server or "",
-            f"{r.model or '?'}: {', '.join((serves or {}).get(r.name, [])) or '-'}" if live else "",
-            f"[{styles.get(r.state, '')}]{r.state}[/]" if styles.get(r.state) else r.state,
-            _batches(r), flight, str(r.queued) if live else "", f"{r.tok_per_s:,.0f}" if live else "",
-            str(r.done) if r.state != control.LOST else "", _age(r.heartbeat_age_s), r.note or "",
-        )
+    for col in COLUMNS:
+        if col in columns:
+            # One line per worker; a long note (a connection error) is cut: --json has it whole.
+            table.add_column(col, justify="right" if col in RIGHT else "left", no_wrap=True,
+                             overflow="ellipsis", max_width=60 if col == "note" else None,
+                             min_width=max([len(col)] + [len(Text.from_markup(c[col])) for c in cells])
+                             if COLUMNS.index(col) < ALWAYS else None)
+    for c in cells:
+        table.add_row(*(c[col] for col in COLUMNS if col in columns))
     return table
+
+
+def workers_table(rows: list[control.WorkerRow], width: int, title: str | None = None,
+                  serves: dict[str, list[str]] | None = None,
+                  judged: dict[str, decodebound.Verdict] | None = None) -> tuple[Table, list[str]]:
+    """The fleet as a table that fits `width` columns, and the columns left out for it."""
+    cells = [_cells(r, serves or {}, judged or {}) for r in rows]
+    shown = list(COLUMNS[:ALWAYS])
+    for col in COLUMNS[ALWAYS:]:
+        if not any(c[col] for c in cells):
+            continue  # nothing to show (no worker has a note): not a column left out
+        if _natural_width(_table(cells, [*shown, col], title)) <= width:
+            shown.append(col)
+    return _table(cells, shown, title), [c for c in COLUMNS if c not in shown and any(cell[c] for cell in cells)]
+
+
+def _natural_width(table: Table) -> int:
+    return Measurement.get(_MEASURING, _MEASURING.options, table).maximum
+
+
+_MEASURING = Console(width=10_000)
+
+
+def print_workers(out: Console, rows: list[control.WorkerRow], serves: dict[str, list[str]]) -> None:
+    """`genq workers` as a person reads it on `out` (its width decides the columns): the table,
+    the count by state, the decode-bound lines, each lost worker by name, the columns left out."""
+    statuses = {r.name: r.status for r in rows if r.status is not None}
+    judged = decodebound.judge(statuses)
+    table, left_out = workers_table(rows, out.width, serves=serves, judged=judged)
+    out.print(table)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    out.print(f"{plural(len(rows), 'worker')}: {summary}; {fleet_tok_per_s(rows):,.0f} tok/s in all")
+    for line in bound_lines(judged, decodebound.working(statuses)):
+        out.print(line, markup=False, highlight=False)
+    for r in rows:
+        if r.state == control.LOST:
+            out.print(f"[bold red]lost[/]: {r.name} ({r.note})")
+    if left_out:
+        out.print(f"not shown at {out.width} columns: {', '.join(left_out)} (a wider terminal, or --json)")
+
+
+def _bound_cell(v: decodebound.Verdict | None) -> str:
+    """The share of the decode bound reached ("39% of 1,226"), "?" where a figure is missing."""
+    if v is None:
+        return ""
+    b = v.bound
+    if b.tok_per_s is None or b.share is None:
+        return "?"
+    return f"{'[red]' if v.slow else ''}{b.share:.0%} of {b.tok_per_s:,.0f}{'[/]' if v.slow else ''}"
+
+
+def bound_lines(judged: dict[str, decodebound.Verdict], fleet: dict[str, decodebound.GpuFigures]) -> list[str]:
+    """Below the table: per GPU, what caps its batch and the fix, a slow GPU, a missing figure; the fleet's line."""
+    lines = []
+    for name, v in sorted(judged.items()):
+        if v.slow:
+            lines.append(f"{name}: much slower than its peers: {v.slow}")
+        if v.cap is not None:
+            lines.append(f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""))
+        if v.bound.unknown and v.bound.tok_per_s is None:
+            lines.append(f"{name}: bound {v.bound.unknown}")
+    if line := decodebound.fleet_line(fleet, judged):
+        lines.append(line)
+    return lines
+
+
+def fleet_tok_per_s(rows: list[control.WorkerRow]) -> float:
+    """The fleet's tokens/s: a server's own counter counts once however many workers drive it."""
+    by_server: dict[str, float] = {}
+    total = 0.0
+    for r in rows:
+        if not r.live:
+            continue
+        if r.status is not None and r.status.tok_per_s_from == "server":
+            by_server[r.server or r.name] = r.tok_per_s
+        else:
+            total += r.tok_per_s
+    return total + sum(by_server.values())
 
 
 WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and load.
@@ -82,11 +199,23 @@ WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and
     its death: its engine's liveness key lapses after {LEASE_TIMEOUT_S:.0f} s and the
     reconciler every worker runs every {RECONCILE_EVERY_S:.0f} s queues them again
     (docs/operations.md has the measurement).
-    "in flight" is requests running / the worker's current target.
+    "in flight" is requests running / the worker's current target (and
+    "limit N" under `genq concurrency N`); "capacity" is what its server runs
+    at once (vLLM's max_num_seqs, 128 by default; ? until it is known).
+    "heartbeat" is how long ago it last beat: every second when busy, every
+    {IDLE_BEAT_S:.0f} s when idle (so an idle worker is lost only after {IDLE_TTL_S} s). "tok/s" is
+    the server's own generation counter over 5 s (the answers' tokens over
+    30 s where it has none). "of bound" is that speed against the GPU's decode
+    bound, running x memory bandwidth / (weight + KV bytes read a step), with
+    what caps each GPU's batch and the server flag that lifts it below the
+    table (docs/monitoring.md).
+    Columns that do not fit the terminal are named under the table; --json
+    has them all (server_capacity, concurrency_limit: null is auto; "cap" is
+    the old name of concurrency_limit).
     """
 
 
-@click.command(help=WORKERS_HELP)
+@click.command(help=WORKERS_HELP, short_help="The fleet: each worker's state, load, tok/s and heartbeat.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of workers (machine-readable).")
 @click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
 @click.pass_context
@@ -104,19 +233,14 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         jobs = list_jobs(conn)
         serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
-        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name)} for r in rows]).decode())
+        judged = decodebound.judge({r.name: r.status for r in rows if r.status is not None})
+        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name),
+                                         "bound": judged.get(r.name)} for r in rows]).decode())
         return
     if not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")
         return
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.state] = counts.get(r.state, 0) + 1
-    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-    out = console()
-    out.print(workers_table(rows, serves=serves))
-    out.print(f"{len(rows)} worker(s): {summary}; "
-                  f"{sum(r.tok_per_s for r in rows if r.live):,.0f} tok/s in all")
+    print_workers(console(), rows, serves)
 
 
 # ---------------------------------------------------------------- drain / concurrency
@@ -143,7 +267,7 @@ def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyon
     return chosen
 
 
-@click.command()
+@click.command(short_help="Let workers finish what they hold, then exit.")
 @_selector_options
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
@@ -213,7 +337,7 @@ def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) ->
             live.stop()
 
 
-@click.command()
+@click.command(short_help="Cap the requests in flight per worker, live (or auto).")
 @_selector_options
 @click.argument("value", type=Concurrency())
 @click.pass_context
@@ -222,7 +346,7 @@ def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, ev
     """Cap requests in flight per worker at VALUE, live (auto: follow the server again).
 
     The worker keeps its automatic target below the cap; `genq workers` shows
-    "in flight" as running/target and the cap.
+    "in flight" as running/target and "limit N", beside the server's capacity.
     """
     with redis_conn(ctx) as conn:
         chosen = _select(conn, names, host, everyone)

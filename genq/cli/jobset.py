@@ -11,12 +11,10 @@ from typing import Any
 
 import click
 import msgspec
-import redis
 
-from genq.cli import JobName, settings
+from genq.cli import job_argument, redis_conn
 from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
-from genq.core.redisconn import connect, describe_error
 from genq.ops import control
 from genq.ops.settings import SettingsError, block_of, describe_block, set_settings
 from genq.producer.params import ParamError, check_params
@@ -59,8 +57,8 @@ def _when(at: float) -> str:
     return datetime.fromtimestamp(at, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-@click.command("set")
-@click.argument("job", type=JobName())
+@click.command("set", short_help="Change a job's generation settings, priority or weight.")
+@job_argument
 @generation_options
 @click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
@@ -89,24 +87,19 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
                     if v is not None})
     if not changes and priority is None and weight is None:
         raise click.UsageError("name at least one setting to change (see --help)")
-    url = settings(ctx).redis_url
-    conn = connect(url)
-    try:
-        if priority is not None or weight is not None:
-            if job not in list_jobs(conn):
-                raise SettingsError(f"no job named {job!r}")
-            sched = set_schedule(conn, job, priority, weight)
-            click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
-        if not changes:
-            return
-        config = set_settings(conn, job, changes, note)
-        block = block_of(conn, job)
-    except SettingsError as exc:
-        raise click.ClickException(str(exc)) from None
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    finally:
-        conn.close()
+    with redis_conn(ctx) as conn:
+        try:
+            if priority is not None or weight is not None:
+                if job not in list_jobs(conn):
+                    raise SettingsError(f"no job named {job!r}")
+                sched = set_schedule(conn, job, priority, weight)
+                click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
+            if not changes:
+                return
+            config = set_settings(conn, job, changes, note)
+            block = block_of(conn, job)
+        except SettingsError as exc:
+            raise click.ClickException(str(exc)) from None
     what = ", ".join(f"{k} {json.dumps(v)}" for k, v in changes.items())
     click.echo(f"job {job}: settings version {config.settings_version}: {what}; every prompt not yet done is "
                "sent with it")
@@ -114,21 +107,15 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
         click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
 
 
-@click.command("show")
-@click.argument("job", type=JobName())
+@click.command("show", short_help="A job's settings, their history, its state and any block.")
+@job_argument
 @click.option("--json", "as_json", is_flag=True, help="The job's config, block and counts as one JSON object.")
 @click.pass_context
 def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
     """JOB's settings, their version history, its state and why it is blocked."""
-    url = settings(ctx).redis_url
-    conn = connect(url)
-    try:
+    with redis_conn(ctx) as conn:
         rows = control.job_rows(conn, [job]) if job in list_jobs(conn) else []
         config = load_config(conn, job)
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    finally:
-        conn.close()
     if not rows or config is None:
         raise click.ClickException(f"no job named {job!r}")
     row = rows[0]

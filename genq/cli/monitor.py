@@ -10,7 +10,7 @@ import time
 import click
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import JobName, Option, settings
 from genq.core.redisconn import connect, describe_error
 from genq.core.refusals import refusal
 from genq.core.state import FINISHED_STATUSES
@@ -18,7 +18,7 @@ from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
 
 
-@click.command()
+@click.command(short_help="A job's progress, rates, ETA and workers (live, JSON, web).")
 @click.option("--job", type=JobName(), default=None, help="Job to show. [default: the only job, or every job]")
 @click.option("--once", is_flag=True, help="Print one report and exit (rate from the workers' own records: less certain).")
 @click.option("--json", "as_json", is_flag=True,
@@ -29,7 +29,7 @@ from genq.output.local import write_atomic
               help="Seconds between refreshes.")
 @click.option("--rate-window", type=click.FloatRange(5), default=120.0, show_default=True,
               help="Seconds of the monitor's own samples the throughput is read from.")
-@click.option("--serve", "listen", default=None, metavar="[HOST]:PORT",
+@click.option("--metrics", "listen", cls=Option, old=["--serve"], default=None, metavar="[HOST]:PORT",
               help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "
                    "honor_labels: true (the genq job is the `job` label). Grafana: dashboards/grafana-genq.json.")
 @click.option("--web", "web_listen", default=None, metavar="[HOST]:PORT",
@@ -38,12 +38,16 @@ from genq.output.local import write_atomic
 @click.option("--web-control", is_flag=True,
               help="Add pause/resume/drain buttons to the --web page; they need the token in the "
                    "GENQ_WEB_TOKEN environment variable (not an option: ps shows options).")
+@click.option("--web-allow-host", "web_hosts", multiple=True, metavar="NAME",
+              help="Another host name the --web page answers to (a reverse proxy's, a DNS name of this "
+                   "machine); repeatable. Addresses, localhost, this machine's name and --web's host always "
+                   "are; any other Host gets 403 (a DNS-rebinding page).")
 @click.option("--until-done", is_flag=True,
               help="Exit once every shown job is done and every shard written (for scripts).")
 @click.pass_context
 def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, progress_file: str | None,
             interval: float, rate_window: float, listen: str | None, web_listen: str | None, web_control: bool,
-            until_done: bool) -> None:
+            web_hosts: tuple[str, ...], until_done: bool) -> None:
     """Show job progress: totals, rates, tokens, an ETA with its range, and each worker.
 
     \b
@@ -66,15 +70,15 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     The ETA comes from remaining work and recent throughput: output lengths
     are fitted to the finished completions and the running ones (a running
     request will be at least as long as it is now), so the long tail is
-    counted before it finishes; the range is the central 90% of simulated
-    finish times.
+    counted before it finishes; the job's drain (its longest last requests)
+    is added; the range is a central 90% (docs/monitoring.md).
     """
     s = settings(ctx)
     if once and (listen or web_listen):
-        raise click.UsageError(f"{'--serve' if listen else '--web'} needs a running monitor; drop --once")
+        raise click.UsageError(f"{'--metrics' if listen else '--web'} needs a running monitor; drop --once")
     token = os.environ.get("GENQ_WEB_TOKEN") or None
-    if web_control and not web_listen:
-        raise click.UsageError("--web-control goes with --web")
+    if (web_control or web_hosts) and not web_listen:
+        raise click.UsageError(f"{'--web-control' if web_control else '--web-allow-host'} goes with --web")
     if web_control and (token is None or len(token) < 16):
         raise click.UsageError("--web-control needs a token of 16 or more characters in GENQ_WEB_TOKEN")
     try:
@@ -90,15 +94,17 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
         try:
             serve(mon, listen, max_age=interval)
-        except (ValueError, OSError) as exc:
-            raise click.ClickException(f"--serve {listen}: {exc}") from None
+        except ValueError as exc:  # it names the option and the value
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"--metrics {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
                    err=True)
     if web_listen:
         from genq.monitor.webapp import serve_web
 
         try:
-            serve_web(mon, web_listen, interval, token if web_control else None)
+            serve_web(mon, web_listen, interval, token if web_control else None, web_hosts)
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
         shown = web_listen if not web_listen.startswith(":") else "0.0.0.0" + web_listen

@@ -20,7 +20,7 @@ from genq.producer.rejects import RejectsFile
 from genq.producer.sources import SourceError, default_rejects_path, open_rows
 
 
-@click.command()
+@click.command(short_help="Rebuild a job's ledger in Redis from its written output.")
 @click.option("--job", required=True, help="The job to recover.")
 @click.option("--output", default=None, metavar="OUTPUT",
               help="Where the job wrote its shards (a directory or s3://bucket/prefix); needed when Redis no "

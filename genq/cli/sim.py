@@ -13,7 +13,7 @@ from genq.sim.serve import run
 _D = SimConfig()
 
 
-@click.command("sim", context_settings={"show_default": True, "max_content_width": 100})
+@click.command("sim", short_help="Simulate one SGLang, vLLM or llama.cpp server (no GPU needed).", context_settings={"show_default": True, "max_content_width": 100})
 @click.option("--flavor", default=_D.flavor, type=click.Choice(FLAVORS),
               help="Engine to play: its endpoints, metric names, error bodies, queueing and connection habits.")
 @click.option("--host", default=_D.host, help="Address to listen on.")
@@ -28,6 +28,10 @@ _D = SimConfig()
               help="Most requests decoding at once; the rest wait in a FIFO queue.")
 @click.option("--max-total-num-tokens", default=_D.max_total_num_tokens, type=int,
               help="KV cache budget: prompt plus generated tokens of running requests.")
+@click.option("--weight-gb", default=_D.weight_gb, type=float,
+              help="sglang flavor: the weights' GB (2^30 bytes) /server_info's memory_usage reports.")
+@click.option("--kv-bytes-per-token", default=_D.kv_bytes_per_token, type=int,
+              help="sglang flavor: KV cache bytes per token; memory_usage.kvcache is this x --max-total-num-tokens.")
 @click.option("--max-queued-requests", default=_D.max_queued_requests, type=int,
               help="Waiting queue limit; beyond it requests get 503 'The request queue is full.' "
                    "[default: unlimited]")

@@ -16,36 +16,33 @@ import click
 import msgspec
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import JobName, redis_conn
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.ledger.figures import prompt_state
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
-from genq.core.redisconn import connect, describe_error
 
 
-@click.command()
-@click.argument("job", type=JobName())
-@click.argument("prompt_id", metavar="ID")
+@click.command(short_help="One prompt's fate: queued, held, sending, done or failed.")
+@click.argument("words", nargs=-1, metavar="JOB ID")
+@click.option("--job", "job_option", type=JobName(), default=None, metavar="JOB",
+              help="The job, as an option: genq status --job JOB ID.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: {state, batch, record | letter | holder}.")
 @click.pass_context
-def status(ctx: click.Context, job: str, prompt_id: str, as_json: bool) -> None:
+def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, as_json: bool) -> None:
     """The fate of prompt ID of JOB: queued, held, sending, done (with its record) or
-    dead-lettered (with why).
+    dead-lettered (with why). JOB is given first, or as --job JOB.
 
     \b
     Exit status: 0 found (whatever its state); 1 no such job or no such prompt in it.
     """
-    url = settings(ctx).redis_url
-    try:
-        conn = connect(url)
+    job, prompt_id = _job_and_id(ctx, words, job_option)
+    with redis_conn(ctx) as conn:
         if load_config(conn, job) is None:
             raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
         fate = find(conn, job, prompt_id)
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
     if fate is None:
         raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
     if as_json:
@@ -127,3 +124,14 @@ def _lines(uri: str, endpoint: str | None) -> list[bytes]:
     if uri.endswith(".gz"):
         data = gzip.decompress(data)
     return data.splitlines()
+
+
+def _job_and_id(ctx: click.Context, words: tuple[str, ...], job_option: str | None) -> tuple[str, str]:
+    """JOB ID, or --job JOB and ID: bad usage (exit 2) otherwise."""
+    want = 1 if job_option is not None else 2
+    if len(words) != want:
+        raise click.UsageError("give JOB and ID (or --job JOB and ID)" if want == 2 else
+                               f"with --job {job_option}, give only the prompt's ID", ctx)
+    if job_option is not None:
+        return job_option, words[0]
+    return JobName().convert(words[0], None, ctx), words[1]

@@ -13,12 +13,39 @@ from click.core import ParameterSource
 from genq.cli import Concurrency, settings
 from genq.core.prefetch import DEFAULT_PREFETCH
 from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions
+from genq.worker.options import WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
 
 BURST_SERVER_WAIT_S = 30.0  # --burst --server: how long a server that does not answer is waited for
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes (or bytes/s): 54GB, 1.79TB/s, 1790GB/s, 48GiB, or a plain number of bytes.
+    Decimal units as vendors rate bandwidth; KiB..TiB binary."""
+
+    name = "SIZE"
+    UNITS = {"": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2.0**10, "MIB": 2.0**20, "GIB": 2.0**30, "TIB": 2.0**40}
+
+    def __init__(self, per_second: bool = False) -> None:
+        self.per_second = per_second
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        text = str(value).strip().upper().replace(" ", "")
+        if self.per_second and text.endswith("/S"):
+            text = text[:-2]
+        number = text.rstrip("KMGTIB")
+        try:
+            size = float(number) * self.UNITS[text[len(number):]]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size: give e.g. {'1.79TB/s' if self.per_second else '54GB'}", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r} is not a size above 0", param, ctx)
+        return size
 
 
 def setup_logging(level: str) -> None:
@@ -28,8 +55,15 @@ def setup_logging(level: str) -> None:
         datefmt="%H:%M:%S",
     )
 
-@click.command()
-@click.option("--server", "server_url", default=None, metavar="URL", help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
+
+def _checked_server(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and (problem := server_url_problem(value)):
+        raise click.BadParameter(problem, ctx, param)
+    return value
+
+
+@click.command(short_help="Drive one server (--server), or one per GPU (--gpus).")
+@click.option("--server", "server_url", default=None, metavar="URL", callback=_checked_server, help="One worker for this server, e.g. http://127.0.0.1:30000 (SGLang, vLLM or genq sim). Use either --server or --gpus.")
 @click.option("--gpus", default=None, metavar="all|0,1,5", help="One worker per GPU of this machine, each a child process restarted if it fails: 'all' (every GPU NVML sees) or a list of indices as nvidia-smi numbers them.")
 @click.option("--server-url", "server_url_template", default="http://127.0.0.1:{port}", show_default=True, metavar="TEMPLATE", help="With --gpus: each GPU's server; {port} is --base-port + the GPU's position in the --gpus list (0,1,5 -> 30000,30001,30002), {gpu} its index.")
 @click.option("--base-port", type=click.IntRange(1, 65535), default=30000, show_default=True, help="With --gpus: port of the first listed GPU's server; the next ones count up.")
@@ -40,6 +74,8 @@ def setup_logging(level: str) -> None:
 @click.option("--server-health-timeout", type=click.FloatRange(0.5), default=60, show_default=True, help="With --launch: seconds /health may fail, after the server has answered once, before it is restarted.")
 @click.option("--health-interval", type=click.FloatRange(0.1), default=5, show_default=True, help="With --launch: seconds between /health checks of a healthy server.")
 @click.option("--gpu", type=click.IntRange(0), default=None, help="With --server: GPU index this server runs on (telemetry, default worker name).")
+@click.option("--gpu-bandwidth", type=ByteSize(per_second=True), default=None, metavar="RATE", help="The GPU's memory bandwidth, e.g. 1.79TB/s, for the decode bound (genq workers' bound column): where NVML cannot read it (no GPU, no driver) or reads it wrong. [default: NVML's]")
+@click.option("--model-bytes", type=ByteSize(), default=None, metavar="SIZE", help="The model's weight bytes on this GPU, e.g. 54GB for 27B in bf16, for the decode bound where the server does not publish them (vLLM). [default: the server's]")
 @click.option("--name", default=None, help="Worker name, unique in the fleet. [default: HOST.gpuN, or HOST.PORT]; with --gpus, a prefix: NAME.gpuN.")
 @click.option("--host", default=None, help="Host name to report. [default: this machine's]")
 @click.option("--concurrency", type=Concurrency(), default="auto", show_default=True, help="Requests in flight: 'auto' follows the server's capacity and metrics; a number caps it. Change it live with `genq concurrency`.")
@@ -54,7 +90,7 @@ def setup_logging(level: str) -> None:
 @click.option("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help=f"First retry delay in seconds; doubles per attempt (with jitter), capped at {DEFAULTS.retry_backoff_max:.0f}.")
 @click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=DEFAULTS.job_monitoring_interval, show_default=True, help=f"RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within about {LOST_BATCH_BACK_S:.0f} s of the kill: see genq workers --help).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info", show_default=True, help="Least severe log lines shown (any case: INFO or info).")
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
     """Take batches from the queue and drive one server with them (--server),
@@ -74,6 +110,9 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     GPU i of the list gets port --base-port + i and worker name HOST.gpuN.
     """
     setup_logging(log_level)
+    for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
+        if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
+            raise click.UsageError(problem)
     fleet_opts = {k: options.pop(k) for k in FLEET_ONLY}
     if (options["server_url"] is None) == (fleet_opts["gpus"] is None):
         raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")

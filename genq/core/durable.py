@@ -22,7 +22,8 @@ class ShardMarker(ShardInfo):
 
 
 class JobRecord(msgspec.Struct, omit_defaults=True):
-    """OUTPUT/JOB/job.json: the job as created, kept beside its shards so that a ledger lost
+    """OUTPUT/JOB/job.json: the job as created, at its current settings (`genq jobs set` writes
+    them here first), kept beside its shards so that a ledger lost
     with Redis can be rebuilt (genq recover) and a batch number is never used twice there."""
 
     config: JobConfig
@@ -30,6 +31,9 @@ class JobRecord(msgspec.Struct, omit_defaults=True):
     # Batch numbers up to this one may be in use: written before any batch above it is queued,
     # so a counter lost with Redis restarts above it (no shard name is ever reused).
     reserved: int = 0
+    # Set by `genq jobs delete`: the name's next enqueue starts a new job, not this one again
+    # (`genq recover` brings this one back, and clears it).
+    deleted_at: float | None = None
 
 
 class EnqueueRecord(msgspec.Struct, omit_defaults=True):

@@ -272,6 +272,33 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
     power_w: float | None = None
     sm_clock_mhz: float | None = None
     temperature_c: float | None = None
+    max_sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    power_limit_w: float | None = None
+    throttled: list[str] | None = None  # NVML's clock-event reasons now: "power cap", "hw thermal", ...
+
+
+class Hardware(msgspec.Struct, omit_defaults=True, frozen=True):
+    """What a worker read of its GPU and server that only the bound needs (None: not read).
+    Published in WorkerStatus.hardware."""
+
+    engine: str | None = None  # "sglang" | "vllm" | "llamacpp" | ...: whose flags the advice names
+    bandwidth: float | None = None  # bytes/s
+    bandwidth_from: str | None = None  # where it came from: "NVML ...", "--gpu-bandwidth", ...
+    weight_bytes: float | None = None
+    weight_from: str | None = None
+    kv_pool_bytes: float | None = None  # the whole KV cache (SGLang's memory_usage.kvcache)
+    token_capacity: int | None = None  # tokens the KV cache holds
+
+
+class Tally(msgspec.Struct, array_like=True):
+    """A job's part of one GPU's decode so far (WorkerStatus.bound_tally), for the summary at the job's end:
+    seconds it ran, and over the seconds that had a bound the tokens made and the tokens the bound allowed,
+    each split between the jobs in flight by their requests."""
+
+    busy_s: float = 0.0
+    made: float = 0.0
+    bound: float = 0.0
 
 
 class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):
@@ -329,6 +356,16 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # mean output tokens of its requests (moving averages over its recent completions).
     token_s: float | None = None
     mean_tokens: float | None = None
+    # Where tok_per_s comes from: "server" (its generation-token counter, over the last few seconds) or
+    # "answers" (the tokens of the requests that ended, over 30 s: a server without that counter).
+    tok_per_s_from: str | None = None
+    # The server's mean running count and KV usage over the readings of that window: its speed's batch.
+    window_running: float | None = None
+    window_token_usage: float | None = None
+    # What the decode bound needs beyond the figures above (genq.core.decodebound).
+    hardware: Hardware | None = None
+    # Per job, its part of this GPU's decode against the bound so far: the job's end summary.
+    bound_tally: dict[str, Tally] = {}
 
 
 class Control(msgspec.Struct, omit_defaults=True):

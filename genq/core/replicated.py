@@ -5,17 +5,24 @@ took after its replica stopped copying is gone: with SENTINEL FAILOVER the old m
 taking writes until Sentinel turns it into a replica, and in a test a whole 400-prompt job ran
 in that window (its shards written, the new master knowing 3 batches of 16 done). So on a
 Sentinel URL each write (a command, a script, a pipeline) is followed on the same connection
-by WAIT: a write no replica confirms within WAIT_TIMEOUT_MS raises ReplicaLag, a
-ConnectionError, so redis-py's retry, and genq's own above it, send it again once Sentinel
-names the master (the old master's copy is discarded when it becomes a replica). genq's
-writes are already safe to repeat: they are retried after any lost connection.
+by WAIT for every replica the master streams to (INFO replication's online replicas, read at
+most once a second per connection), at least ?wait_replicas=N of them (default 1): Sentinel
+may promote any of them, a lagging one too (with two replicas, WAIT 1 was met by the one in
+sync while the preferred one lagged; it was promoted and the job's done count went back from
+1,011 to 614, 2026-12-06). A write not confirmed by that many within WAIT_TIMEOUT_MS is logged
+and raises ReplicaLag, a ConnectionError, so redis-py's retry, and genq's own above it, send it
+again (to the master Sentinel names by then; the old master's copy is discarded when it becomes
+a replica). genq's writes are already safe to repeat: they are retried after any lost connection.
 
-The price: one round trip more per write, and no writes while no replica is in sync (a
-Sentinel URL with ?wait_replicas=0 turns this off and accepts losing the last writes).
+The price: one round trip more per write, writes as slow as the slowest replica, and no writes
+while a replica the master counts as online does not confirm them (a Sentinel URL with
+?wait_replicas=0 turns this off and accepts losing the last writes).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import redis
@@ -24,6 +31,9 @@ import redis.asyncio.client as aioclient
 import redis.client
 
 WAIT_TIMEOUT_MS = 2000
+REPLICAS_EVERY_S = 1.0  # how stale a connection's count of online replicas may be
+
+log = logging.getLogger("genq.redis")
 
 # Commands that change nothing: no WAIT after them. Anything else is taken as a write.
 READS = frozenset(
@@ -45,20 +55,45 @@ def _is_write(name: Any) -> bool:
     return text.split(b" ")[0].upper() not in READS
 
 
-def _check(acked: Any, want: int) -> None:
+def _check(conn: Any, acked: Any, want: int) -> None:
     if int(acked) < want:
-        raise ReplicaLag(f"{acked} of {want} replica(s) confirmed a write within {WAIT_TIMEOUT_MS} ms "
-                         "(the master may be failing over): it is sent again to the master Sentinel names")
+        conn.genq_replicas = None  # counted again before the next write: one may have left
+        message = (f"{acked} of {want} replica(s) confirmed a write within {WAIT_TIMEOUT_MS} ms (one lags, or the "
+                   "master is failing over): it is sent again, to the master Sentinel names")
+        log.warning("%s", message)
+        raise ReplicaLag(message)
 
 
-def _wait(conn: Any, want: int) -> None:
+def online_replicas(info: Any) -> int:
+    """The replicas a master streams to, from its INFO replication (state=online)."""
+    return (info.decode() if isinstance(info, bytes) else str(info)).count("state=online")
+
+
+def _stale(conn: Any) -> bool:
+    counted = getattr(conn, "genq_replicas", None)
+    return counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S
+
+
+def _wanted(conn: Any, least: int) -> int:
+    return max(least, conn.genq_replicas[1])
+
+
+def _wait(conn: Any, least: int) -> None:
+    if _stale(conn):
+        conn.send_command("INFO", "replication")
+        conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
+    want = _wanted(conn, least)
     conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
-    _check(conn.read_response(), want)
+    _check(conn, conn.read_response(), want)
 
 
-async def _wait_async(conn: Any, want: int) -> None:
+async def _wait_async(conn: Any, least: int) -> None:
+    if _stale(conn):
+        await conn.send_command("INFO", "replication")
+        conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
+    want = _wanted(conn, least)
     await conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
-    _check(await conn.read_response(), want)
+    _check(conn, await conn.read_response(), want)
 
 
 def _writes(commands: Any) -> bool:

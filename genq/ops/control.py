@@ -22,9 +22,11 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.figures import job_totals
 from genq.core.order import schedules
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, suspend_loops
-from genq.core.records import Control, JobBlock, WorkerStatus
+from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.core.state import JobStatus, job_status
 from genq.ops.settings import blocks_of, unblock, unqueue
+from genq.output import truth
+from genq.output.sink import open_store
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
@@ -42,10 +44,14 @@ class WorkerRow:
     # Read through from the record (defaults while lost).
     _DEFAULTS: ClassVar[dict[str, Any]] = {
         "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0,
-        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None}
+        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None, "server_capacity": None}
+    # server_capacity: the requests its server runs at once (vLLM's max_num_seqs, 128 by default;
+    # None: not known yet); concurrency_limit: the operator's cap on this worker (None: auto, follow
+    # the server). "cap" is concurrency_limit's first name, kept for scripts that read it.
     JSON_FIELDS: ClassVar[tuple[str, ...]] = (
-        "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "cap", "queued",
-        "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note", "model")
+        "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "concurrency_limit",
+        "server_capacity", "cap", "queued", "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note",
+        "model")
 
     def __getattr__(self, field: str) -> Any:
         if field not in self._DEFAULTS:
@@ -69,9 +75,11 @@ class WorkerRow:
         return 0 if self.status is None else self.status.concurrency_target
 
     @property
-    def cap(self) -> int | None:
-        """The live concurrency cap (None: auto)."""
+    def concurrency_limit(self) -> int | None:
+        """The live concurrency cap (`genq concurrency`; None: auto)."""
         return None if self.status is None else self.status.concurrency_limit
+
+    cap = concurrency_limit
 
     @property
     def heartbeat_age_s(self) -> float | None:
@@ -270,6 +278,20 @@ class JobDeletion(msgspec.Struct):
     @property
     def rq_count(self) -> int:
         return len({i for ids in self.rq_jobs.values() for i in ids})
+
+
+def mark_output_deleted(config: JobConfig | None) -> str | None:
+    """OUTPUT/JOB/job.json marked deleted, so the name's next enqueue starts a new job instead of
+    taking this one up again from its shards (genq recover still can). Why it could not, or None."""
+    if config is None:
+        return None
+    try:
+        truth.mark_deleted(open_store(config.output, config.s3_endpoint_url), config.name, time.time(),
+                           config.incarnation)
+    except Exception as exc:  # OSError, botocore's: the output is not reachable from here
+        return (f"could not mark {config.output}/{config.name}/job.json deleted ({type(exc).__name__}: {exc}): "
+                f"an enqueue of the name {config.name} will take the old job up again from its shards")
+    return None
 
 
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import redis
 
 from genq.core import scripts
@@ -32,6 +33,7 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig
 from genq.core.words import plural
+from genq.ops.settings import settings_from_output
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -44,9 +46,12 @@ def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> 
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
-    """Adopt every batch of this life of the job that the output has and the ledger does not
-    count as done; the batches adopted."""
+    """Take the latest settings of Redis's and job.json's (genq.ops.settings), and adopt every batch
+    of this life of the job that the output has and the ledger does not count as done; the batches
+    adopted."""
     store = open_store(config.output, config.s3_endpoint_url)
+    on_disk = truth.read_job(store, config.name)
+    settings_from_output(conn, config, on_disk.config if on_disk else None)
     written = truth.marker_batches(store, config.name)
     done = ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, written - done), config)
@@ -77,8 +82,10 @@ def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url
     config = load_config(conn, job)
     if config is not None:
         store = open_store(config.output, config.s3_endpoint_url)
+        adopted = catch_up(conn, config)
+        config = load_config(conn, job) or config  # with the output's settings, when Redis had lost them
         record = truth.read_job(store, job) or JobRecord(config=config)
-        return Recovery(config=config, record=record, adopted=catch_up(conn, config), rebuilt=False)
+        return Recovery(config=config, record=record, adopted=adopted, rebuilt=False)
     if output is None:
         raise LookupError(f"job {job!r} is not in Redis: give the output it wrote to (--output)")
     on_disk = truth.read_job(open_store(output, endpoint_url), job)
@@ -106,6 +113,9 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]
+    if record.deleted_at is not None:  # `genq jobs delete` marked it; it is asked back: it lives again
+        truth.mark_deleted(store, job, None)
+        record = msgspec.structs.replace(record, deleted_at=None)
     log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted",
                 job, truth.job_uri(store, job), config.incarnation, plural(len(adopted), "written batch", "written batches"))
     return Recovery(config=config, record=record, adopted=adopted, rebuilt=True, dropped_keys=len(orphans))

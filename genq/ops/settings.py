@@ -3,23 +3,30 @@
 `genq jobs set JOB --max-tokens 1024 ...` stores a new settings version in the job's config
 (JobConfig.settings_version, with the change in settings_history); workers apply it to every
 prompt not yet sent within a second (worker/parking.py) and each Result records the version it
-ran under. `genq resume --job JOB` lifts a block (JobBlock, set by a worker's preflight
-or brake) and queues the batches its workers parked.
+ran under. The new config is written to OUTPUT/JOB/job.json before Redis: the output is the
+durable truth of the job's current settings, and whatever brings a job back from it (genq
+recover, the same enqueue, a worker catching up after Redis lost writes) takes them from there.
+`genq resume --job JOB` lifts a block (JobBlock, set by a worker's preflight or brake) and
+queues the batches its workers parked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 import msgspec
 import redis
 
+from genq.core.durable import JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
 from genq.core.order import order_queue
 from genq.core.queueing import list_jobs
 from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange
+from genq.output import truth
+from genq.output.sink import open_store
 
 # The settings `genq jobs set` may change: what is sent with each request. Not endpoint (rows were
 # fitted to it at enqueue), output, batch size or compression (written batches and shards follow them).
@@ -45,10 +52,54 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
         version = config.settings_version + 1
         entry = SettingsChange(version=version, at=time.time(), changed=differing,
                                previous={k: getattr(config, k) for k in differing}, note=note)
-        return msgspec.structs.replace(config, **differing, settings_version=version,
-                                       settings_history=[*config.settings_history, entry])
+        new = msgspec.structs.replace(config, **differing, settings_version=version,
+                                      settings_history=[*config.settings_history, entry])
+        write_settings(conn, new)  # the output first: Redis may lose the change, the output keeps it
+        return new
 
     return ledger_jobs.change_config(conn, job, change)
+
+
+def write_settings(conn: redis.Redis, config: JobConfig) -> None:
+    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), replaced whole;
+    SettingsError where the output cannot be written from here."""
+    store = open_store(config.output, config.s3_endpoint_url)
+    try:
+        record = truth.read_job(store, config.name)
+        if record is None or record.config.incarnation != config.incarnation:  # an output of a genq without job.json
+            record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
+        truth.write_job(store, msgspec.structs.replace(record, config=config))
+    except redis.RedisError:
+        raise
+    except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
+        raise SettingsError(f"cannot write {truth.job_uri(store, config.name)} ({type(exc).__name__}: {exc}): the "
+                            "job's settings are kept there first, so nothing was changed; run this where the "
+                            "output is reachable") from None
+
+
+def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
+    """Redis's and job.json's settings brought to the latest of the two (same life of the job): Redis
+    restored from a snapshot, or failed over to a lagging replica, may have lost a `jobs set` that
+    job.json keeps; an output written before job.json carried settings is brought up to Redis."""
+    if on_disk is None or on_disk.incarnation != config.incarnation or on_disk.settings_version == config.settings_version:
+        return
+    if on_disk.settings_version < config.settings_version:
+        write_settings(conn, config)
+        return
+
+    def take(stored: JobConfig | None) -> JobConfig:
+        if stored is None or stored.incarnation != on_disk.incarnation or stored.settings_version >= on_disk.settings_version:
+            raise _Current
+        return msgspec.structs.replace(stored, **{k: getattr(on_disk, k) for k in SETTABLE},
+                                       settings_version=on_disk.settings_version,
+                                       settings_history=on_disk.settings_history)
+
+    with contextlib.suppress(_Current):
+        ledger_jobs.change_config(conn, config.name, take)
+
+
+class _Current(Exception):
+    """Redis has the latest settings already (or lost the job meanwhile): nothing to store."""
 
 
 def with_override(prompt: Prompt, override: dict[str, Any]) -> Prompt:

@@ -18,12 +18,40 @@ from genq.core.records import ShardInfo
 from genq.output import truth
 
 
+def _umask() -> int:
+    """The process's umask (read from /proc where it can be, which changes nothing; else set
+    and set back at once, at import, before any thread writes a file)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# What open() would give a new file: 0644 under the usual umask 022. mkstemp's temporary
+# files are 0600, which the rename would carry into place, and teammates could not read the
+# shards, markers, job.json and exports.
+FILE_MODE = 0o666 & ~_umask()
+
+
+def _temporary(target: Path) -> tuple[int, str]:
+    """A new file beside `target` (renamed or linked into place), with FILE_MODE."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.fchmod(fd, FILE_MODE)
+    return fd, tmp
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
     """Write `data` (bytes, or a function that writes to the open file and returns a value)
     to a temporary file in the target's folder, fsync, then rename it into place."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = _temporary(target)
     try:
         with os.fdopen(fd, "wb") as out:
             value = out.write(data) if isinstance(data, bytes) else data(out)
@@ -42,7 +70,7 @@ def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
     both creates and fails if the name exists."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = _temporary(target)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)

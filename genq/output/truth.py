@@ -3,7 +3,8 @@ whatever Redis says or forgets.
 
 - OUTPUT/JOB/job.json (durable.JobRecord) is written before the job's first batch is
   queued: the job's settings and incarnation, its inputs, and the batch numbers that may
-  be in use (raised before any batch above them is queued).
+  be in use (raised before any batch above them is queued). `genq jobs set` replaces its
+  settings before Redis's (genq.ops.settings): they are the job's current ones.
 - A shard's marker (durable.ShardMarker) is the commit of a batch: created once, never
   replaced, and it names the shard it describes. It carries what rebuilding the ledger
   needs without reading the shard: the incarnation, each outcome's content digest, the
@@ -184,12 +185,25 @@ def write_job(store: Store, record: JobRecord) -> None:
     store.put(f"{record.config.name}/{layout.JOB_FILE}", _json.encode(record) + b"\n")
 
 
+def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
+    """job.json says the job was deleted at `at` (None: it lives again); False when there is none
+    (or it is of another life than `incarnation`, when given)."""
+    on_disk = read_job(store, job)
+    if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
+        return False
+    if on_disk.deleted_at != at:
+        write_job(store, msgspec.structs.replace(on_disk, deleted_at=at))
+    return True
+
+
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     """job.json saying batch numbers up to at least `upto` may be in use (written before
     they are queued); returns the record as written. Never lowers what is there."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
-        record = msgspec.structs.replace(record, reserved=max(record.reserved, on_disk.reserved),
+        # Settings newer on disk (`genq jobs set` during this enqueue) stay: an enqueue never writes older ones.
+        config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
+        record = msgspec.structs.replace(record, config=config, reserved=max(record.reserved, on_disk.reserved),
                                          inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
     if record.reserved >= upto and on_disk is not None and on_disk == record:
         return record

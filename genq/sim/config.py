@@ -28,6 +28,14 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # None: unbounded waiting queue (SGLang's default); else 503 when full.
     max_queued_requests: int | None = None
 
+    # What /server_info's memory_usage reports (SGLang's GB: bytes / 2^30): the weights, and the KV
+    # cache as max_total_num_tokens x this per token (Llama-3-8B in bf16: 32 layers x 8 KV heads x
+    # 128 x K and V x 2 bytes = 128 KiB). sglang:token_usage is the running requests' tokens over
+    # max_total_num_tokens, as SGLang's. The step timing below plays a memory-bound GPU whose bandwidth
+    # is the bytes a step reads (weights + KV in use) over the step's time per token it makes.
+    weight_gb: float = 15.3
+    kv_bytes_per_token: int = 131072
+
     # Step timing. A fixed cost dominates, as in memory-bound decode, so
     # throughput grows with the batch size. Both 0: an (almost) instant server.
     step_ms_base: float = 20.0

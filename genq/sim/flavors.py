@@ -142,9 +142,9 @@ def model_card(cfg: SimConfig) -> dict[str, Any]:
 
 
 def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
-    # Plausible memory figures for an 8B model on one 80 GB GPU; the token capacity
-    # is the one a client can act on.
-    memory = {"weight": 15.3, "kvcache": 52.4, "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
+    # memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30), from the sim's knobs.
+    memory = {"weight": cfg.weight_gb, "kvcache": round(cfg.max_total_num_tokens * cfg.kv_bytes_per_token / 2**30, 3),
+              "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
     return {
         "model_path": cfg.model_path,
         "tokenizer_path": cfg.model_path,

@@ -188,18 +188,15 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     --json`, refreshed every second as the live monitor does) when 25, 50 and 75 % of the
     prompts are done; after the end, the true time left at each (to the last commit)."""
     from genq.core.redisconn import connect
-    from genq.monitor.etafleet import fleet_of
     from genq.monitor.progress import Monitor
 
     conn = connect(stack.redis)
     mon = Monitor(conn, job, window_s=120.0)
     points: list[dict] = []
     pending = list(ETA_AT)
-    # The estimator's Monte-Carlo costs CPU, more while more of the job remains. On this machine
-    # llama-server needs those same two cores, so a monitor at normal priority slows the server it
-    # measures, most at the start: the job then speeds up at its end and every estimate reads high.
-    # On a fleet the monitor runs beside GPUs, not on their cores: here it yields the CPU to the
-    # server (nice 19) for as long as it watches, and what it spent is reported.
+    # On this machine llama-server needs the same two cores as the monitor, and a monitor at normal
+    # priority slows the server it measures. On a fleet the monitor runs beside GPUs, not on their
+    # cores: here it yields the CPU to the server (nice 19) while it watches; what it spent is reported.
     old_nice = os.getpriority(os.PRIO_PROCESS, 0)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     refresh_cpu: list[float] = []
@@ -223,8 +220,6 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                       # What the estimate's running part stood on: the requests' tokens so far.
                       "running_tokens": report.snapshot.running_tokens, "hist": report.snapshot.hist,
                       "fit_sigma": model.sigma if model else None,
-                      # What the simulation played: each worker as monitor/etafleet.py sees it.
-                      "fleet": [dataclasses.asdict(w) for w in fleet_of(report.snapshot)],
                       "queued": report.snapshot.queued, "speed": dataclasses.asdict(sp) if sp else None})
         while pending and done >= pending[0]:
             points.append({"at": pending.pop(0), "done": done, "t": report.snapshot.at, "eta_s": p.eta_s,

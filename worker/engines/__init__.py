@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from genq.core.records import Hardware
 from genq.worker.engines.base import Engine, GetJson
 from genq.worker.engines.llamacpp import LLAMACPP
 from genq.worker.engines.openai import OPENAI
@@ -29,6 +30,7 @@ class Detected(msgspec.Struct, frozen=True):
     capacity: int | None  # as its own endpoint tells (None: learned from /metrics, if any)
     context_length: int | None  # as its own endpoint tells
     has_metrics: bool  # /metrics carries names of an engine genq knows
+    memory: Hardware = Hardware()  # as its own endpoint tells
 
 
 async def detect(get_json: GetJson, get: Get) -> Detected:
@@ -44,4 +46,5 @@ async def detect(get_json: GetJson, get: Get) -> Detected:
     if found is None:
         found = next((e for e in seen if e.named_by_metrics), OPENAI)
     return Detected(engine=found, capacity=told.capacity if told else None,
-                    context_length=told.context_length if told else None, has_metrics=bool(seen))
+                    context_length=told.context_length if told else None, has_metrics=bool(seen),
+                    memory=told.memory if told else Hardware())

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from genq.core.records import Hardware
+
 # The JSON answer of a GET on the server, or None when it has no such endpoint (worker/server.py).
 GetJson = Callable[[str], Awaitable[Any]]
 
@@ -32,6 +34,7 @@ class Told(msgspec.Struct, frozen=True):
 
     capacity: int | None = None  # requests it runs at once
     context_length: int | None = None  # per request (llama.cpp: per slot)
+    memory: Hardware = Hardware()  # its weight and KV cache sizes, where it says (SGLang)
 
 
 class Engine:
@@ -53,6 +56,7 @@ class Engine:
     kv_usage: ClassVar[tuple[str, ...]] = ()  # fraction 0..1 per rank
     retracted: ClassVar[tuple[str, ...]] = ()  # gauge: requests retracted lately
     retractions_total: ClassVar[tuple[str, ...]] = ()  # counter: retracted/preempted since start
+    generated_total: ClassVar[tuple[str, ...]] = ()  # counter: output tokens made since start
     # What the context length the server reports is, for the preflight's message.
     context_where: ClassVar[str] = "the model's context"
 

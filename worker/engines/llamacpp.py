@@ -23,6 +23,7 @@ class LlamaCpp(Engine):
     metric_prefix = b"llamacpp:"
     running = ("llamacpp:requests_processing",)
     waiting = ("llamacpp:requests_deferred",)
+    generated_total = ("llamacpp:tokens_predicted_total",)
     context_where = "each slot's context (/props n_ctx)"
 
     async def probe(self, get_json: GetJson) -> Told | None:

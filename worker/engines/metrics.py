@@ -18,6 +18,7 @@ WAITING_FOR_SLOT = tuple(e.waiting_for_slot for e in ENGINES if e.waiting_for_sl
 KV_USAGE = tuple(n for e in ENGINES for n in e.kv_usage)
 RETRACTED = tuple(n for e in ENGINES for n in e.retracted)
 RETRACTIONS_TOTAL = tuple(n for e in ENGINES for n in e.retractions_total)
+GENERATED_TOTAL = tuple(n for e in ENGINES for n in e.generated_total)
 
 
 @dataclass
@@ -28,11 +29,13 @@ class Metrics:
     kv_usage: float | None = None
     retracted: float | None = None  # gauge: requests retracted lately
     retractions_total: float | None = None  # counter: requests retracted/preempted since start
+    generated_total: float | None = None  # counter: output tokens the server made since it started
+    at: float = 0.0  # when the page was read (time.monotonic())
 
 
 def metrics_from_text(text: str) -> Metrics:
     """The figures the concurrency controller reads, from a Prometheus text page."""
-    sums = parse_metrics(text, RUNNING + WAITING + RETRACTED + RETRACTIONS_TOTAL)
+    sums = parse_metrics(text, RUNNING + WAITING + RETRACTED + RETRACTIONS_TOTAL + GENERATED_TOTAL)
     # Usage is a fraction per rank: the fullest rank is the one that retracts.
     kv = _first(parse_metrics(text, KV_USAGE, combine=max), KV_USAGE)
     return Metrics(
@@ -42,6 +45,7 @@ def metrics_from_text(text: str) -> Metrics:
         kv_usage=kv,
         retracted=_first(sums, RETRACTED),
         retractions_total=_first(sums, RETRACTIONS_TOTAL),
+        generated_total=_first(sums, GENERATED_TOTAL),
     )
 
 

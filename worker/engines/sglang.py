@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from genq.core.records import Hardware
 from genq.worker.engines.base import Engine, GetJson, Told
 
 
@@ -22,12 +23,14 @@ class SGLang(Engine):
     kv_usage = ("sglang:token_usage",)
     retracted = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
     retractions_total = ("sglang:num_retracted_requests_total",)
+    generated_total = ("sglang:generation_tokens_total",)  # split by is_streaming: summed
 
     async def probe(self, get_json: GetJson) -> Told | None:
         for path in ("/get_server_info", "/server_info"):  # older, newer name
             info = await get_json(path)
             if isinstance(info, dict):
-                return Told(capacity=capacity_from_info(info), context_length=info.get("context_length"))
+                return Told(capacity=capacity_from_info(info), context_length=info.get("context_length"),
+                            memory=memory_from_info(info))
         return None
 
 
@@ -42,3 +45,25 @@ def capacity_from_info(info: dict[str, Any]) -> int | None:
 
 
 SGLANG = SGLang()
+
+
+GIB = 2**30  # SGLang's "GB" in memory_usage: bytes / (1 << 30) (srt/mem_cache/memory_pool.py)
+
+
+def memory_from_info(info: dict[str, Any]) -> Hardware:
+    """Weights, KV cache and its token capacity from /server_info's memory_usage, over its DP ranks
+    (each rank a GPU of its own: the weights are one rank's)."""
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    usage: list[dict[str, Any]] = [s["memory_usage"] for s in states if isinstance(s.get("memory_usage"), dict)]
+
+    def figure(key: str) -> float | None:
+        values = [u.get(key) for u in usage]
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and v > 0]
+        return sum(numbers) if numbers and len(numbers) == len(values) else None
+
+    weight, kv, tokens = figure("weight"), figure("kvcache"), figure("token_capacity")
+    ranks = max(1, len(usage))
+    return Hardware(weight_bytes=None if weight is None else weight * GIB / ranks,
+                    weight_from=None if weight is None else "SGLang /server_info memory_usage.weight",
+                    kv_pool_bytes=None if kv is None else kv * GIB / ranks,
+                    token_capacity=None if tokens is None else int(tokens) // ranks)

@@ -26,6 +26,7 @@ class VLLM(Engine):
     waiting_for_slot = "vllm:num_requests_waiting_by_reason"
     kv_usage = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newer, older name
     retractions_total = ("vllm:num_preemptions_total",)
+    generated_total = ("vllm:generation_tokens_total",)
 
 
 VLLM_ENGINE = VLLM()

@@ -6,6 +6,7 @@ parks the held ones; unqueue takes the queued ones out of RQ's queue), and their
 from __future__ import annotations
 
 import redis
+from rq.results import Result as RqResult
 
 from genq.core import keys
 from genq.core.ledger.leasing import end_lease_if_ours
@@ -19,7 +20,8 @@ def unqueue(conn: redis.Redis, job: str) -> int:
     by one only to park them, and other jobs' batches behind them are not kept waiting. How many."""
     queue = rq_queue(conn)
     ids = queue.get_job_ids()
-    mine = [(j.id, c[1]) for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job]
+    found = {j.id: j for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job}
+    mine = [(rq_id, carried(j)[1]) for rq_id, j in found.items()]  # type: ignore[index]
     if not mine:
         return 0
     with conn.pipeline(transaction=False) as pipe:
@@ -33,9 +35,12 @@ def unqueue(conn: redis.Redis, job: str) -> int:
         for (rq_id, batch), carrier in zip(gone, carriers):
             if carrier is not None and carrier.decode() == rq_id:
                 pipe.hdel(keys.job_transport(job), batch)
-        for rq_job in fetch_rq_jobs(conn, [rq_id for rq_id, _ in gone]):
-            if rq_job is not None:
-                rq_job.delete(pipeline=pipe, remove_from_queue=False)
+        # Out of the queue, such a job is in no registry of RQ's: its keys go. RQ's own delete would
+        # first ask Redis for its status seven times, one round trip each: `genq pause --job` of a
+        # job with 1,250 queued batches took 17 s of its 18 s in them (2026-12-06).
+        for rq_id, _ in gone:
+            rq_job = found[rq_id]
+            pipe.delete(rq_job.key, rq_job.dependents_key, rq_job.dependencies_key, RqResult.get_key(rq_id))
         pipe.execute()
     return len(gone)
 

@@ -43,8 +43,11 @@ function put(id, value, text) {
   el.textContent = text !== undefined ? text : (value === null || value === undefined ? "?" : String(value));
 }
 
+// Points on the x axis a chart draws from: with fewer, its box says so instead of bare axes.
 function chart(id, series, data, extra) {
   const el = $(id);
+  if ((data[0] || []).length < 2) el.dataset.empty = "waiting for data";
+  else delete el.dataset.empty;
   const key = JSON.stringify(series.map((s) => s.label));
   const width = Math.max(300, el.clientWidth);
   if (charts[id] && charts[id].key === key) {
@@ -146,13 +149,31 @@ function drawLengths(l) {
   });
 }
 
+// A GPU against its decode bound (genq.core.decodebound): "62% of 1.2K", "?" where a figure is missing.
+function boundCell(v) {
+  if (!v) return "";
+  const b = v.bound;
+  if (b.tok_per_s === undefined || b.share === undefined) return "?";
+  return Math.round(100 * b.share) + "% of " + count(Math.round(b.tok_per_s));
+}
+
+function boundLines(v) {
+  if (!v) return [];
+  const out = [];
+  if (v.slow) out.push("slow GPU: " + v.slow);
+  if (v.cap && !["genq_target", "nothing_to_send"].includes(v.cap.code))
+    out.push("batch capped by " + v.cap.text + (v.cap.advice ? "; fix: " + v.cap.advice : ""));
+  if (v.bound.tok_per_s === undefined && v.bound.unknown) out.push("bound " + v.bound.unknown);
+  return out;
+}
+
 function drawTables(s) {
   const p = s.progress;
   const rows = p.worker_details.map((w) => {
     const codes = w.bottleneck_codes.map((c) => `<span class="code ${c}">${c}</span>`).join("");
     const slots = w.slot_utilization === null ? "-" : Math.round(w.slot_utilization * 100) + "%";
     return `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td>${esc(w.state)}</td><td>${slots}</td>` +
-           `<td>${codes || "none"}</td><td>${w.bottlenecks.map(esc).join("<br>")}</td></tr>`;
+           `<td>${codes || "none"}</td><td>${w.bottlenecks.concat(boundLines(w.bound)).map(esc).join("<br>")}</td></tr>`;
   });
   document.querySelector("#bottlenecks tbody").innerHTML = rows.join("") || "<tr><td colspan=5>no workers</td></tr>";
   // The terminal view's worker table: this job's figures per worker.
@@ -162,8 +183,10 @@ function drawTables(s) {
     `<td data-value="${live(w) ? w.in_flight : ""}">${live(w) ? w.in_flight + "/" + w.concurrency_target : ""}</td>` +
     `<td>${live(w) ? count(Math.round(w.tok_per_s)) : ""}</td><td data-value="${w.job_completed}">${w.job_completed.toLocaleString()}</td>` +
     `<td data-value="${w.job_failed}">${w.job_failed.toLocaleString()}</td>` +
-    `<td data-value="${w.errors}">${live(w) ? w.errors.toLocaleString() : ""}</td></tr>`).join("") ||
-    "<tr><td colspan=7>no workers</td></tr>";
+    `<td data-value="${w.errors}">${live(w) ? w.errors.toLocaleString() : ""}</td>` +
+    `<td data-value="${w.bound && w.bound.bound.share !== undefined ? w.bound.bound.share : ""}"` +
+    `${w.bound && w.bound.slow ? ' class="slow"' : ""}>${boundCell(w.bound)}</td></tr>`).join("") ||
+    "<tr><td colspan=8>no workers</td></tr>";
   const d = s.dead_letters;
   put("dlq-total", d.total);
   document.querySelector("#dlq-kinds tbody").innerHTML =
@@ -187,13 +210,18 @@ function fillPicker(jobs) {
 }
 
 function render(s) {
+  $("loading").hidden = true;
   const picker = $("job-picker");
   fillPicker(s.jobs);
   interval = s.interval;
   $("controls").hidden = !s.controls;
   $("redis-note").textContent = s.redis_note || "";  // Redis refusing writes, or evicting (genq.core.refusals)
   $("redis-note").hidden = !s.redis_note;
-  if (!s.job) { $("status").textContent = "no jobs yet"; return; }
+  if (!s.job) {
+    $("status").textContent = "no jobs yet";
+    document.querySelectorAll(".chart").forEach((el) => { el.dataset.empty = "no jobs yet (genq enqueue)"; });
+    return;
+  }
   picker.value = s.job;
   const p = s.progress;
   $("status").textContent = p.status;
@@ -219,6 +247,8 @@ function render(s) {
   $("blocked").hidden = !p.blocked;
   $("tail").textContent = p.tail || "";
   $("tail").hidden = !p.tail;
+  $("bound-summary").textContent = p.bound_summary ? "GPUs: " + p.bound_summary : "";
+  $("bound-summary").hidden = !p.bound_summary;
   put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
   put("toks", p.output_tokens_per_sec, count(p.output_tokens_per_sec));
   put("elapsed", p.elapsed_s, p.elapsed_s > 0 ? duration(p.elapsed_s) : "not started");
@@ -244,6 +274,7 @@ async function poll() {
     if (resp.status === 404) {  // ?job= names no job: say so, and offer the ones there are
       const body = await resp.json();
       fillPicker(body.jobs);
+      $("loading").hidden = true;
       $("job-picker").value = "";
       $("status").textContent = "";
       $("error").textContent = body.error + ": pick one above";

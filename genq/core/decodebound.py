@@ -1,0 +1,316 @@
+"""Is a GPU as fast as its memory allows? Its decode bound, the share of it reached, what caps its
+running batch and which server flag lifts it; the GPU much slower than its peers.
+
+Decode is memory-bound: each step reads the weights once and the KV cache of every running
+sequence, and makes one token per running sequence. So a GPU's tokens per second are at most
+
+    running x bandwidth / (weight bytes + KV bytes read per step)
+
+The KV bytes read per step are the KV cache's bytes in use: SGLang's `sglang:token_usage` (the
+share of its pool held by running requests) x its pool's size (/server_info memory_usage.kvcache).
+Where a server does not publish its pool's size the KV reads are left out, which makes the bound a
+ceiling and the share a floor, and the figures say so. Pure functions over GpuFigures: the worker
+publishes what it read (WorkerStatus.hardware, .server_*, .window_*), the views compute from it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import msgspec
+
+from genq.core.records import GpuSample, Hardware, Tally, WorkerStatus
+
+KV_FULL = 0.9  # of the KV pool in use: the server admits no more at the mean context
+AT_LIMIT = 0.95  # of the running limit in use: the limit is what caps the batch
+ROOM = 1.15  # the KV cache holds this many times the running limit: the limit, not the KV, caps
+SLOWER = 0.7  # a GPU below this share of its peers' median (share of the bound, or speed) is flagged
+SAME_BATCH = 0.25  # without bounds, peers are compared only at a running count within this of each other
+
+
+class GpuFigures(msgspec.Struct, omit_defaults=True):
+    """Everything the bound and the batch's cap are computed from, for one GPU."""
+
+    hw: Hardware = Hardware()
+    running: float | None = None  # requests the server runs now
+    waiting: float | None = None  # in the server's queue
+    running_limit: int | None = None  # the server's own (SGLang max_running_requests, llama.cpp slots)
+    token_usage: float | None = None  # share of the KV cache in use, 0..1
+    tok_per_s: float | None = None  # the server's generation speed
+    target: int = 0  # genq's in-flight target
+    cap: int | None = None  # genq's own cap on it (--concurrency, genq concurrency)
+    in_flight: int = 0
+    queued: int = 0  # prompts the worker holds, not sent yet
+
+
+class Bound(msgspec.Struct, omit_defaults=True):
+    tok_per_s: float | None = None  # the bound; None when a figure is missing
+    share: float | None = None  # measured / bound
+    step_bytes: float | None = None  # read per decode step
+    kv_bytes: float | None = None  # of them, KV (None: not counted, unknown)
+    unknown: str | None = None  # "unknown: <what is missing> (give it with --...)"
+
+
+class Cap(msgspec.Struct):
+    code: str  # one of CAPS: fit for a Prometheus label
+    text: str  # what caps it, with the figures
+    advice: str = ""  # the fix, in the server's own flags (or genq's)
+
+
+CAPS = ("kv_cache", "running_limit", "prefill", "genq_target", "nothing_to_send")
+
+
+class Verdict(msgspec.Struct, omit_defaults=True):
+    """One GPU as the views show it: its bound, what caps its batch, and whether it is much slower
+    than its peers (with the NVML figures that back it)."""
+
+    bound: Bound
+    cap: Cap | None = None
+    slow: str | None = None
+
+
+def figures_of(s: WorkerStatus) -> GpuFigures:
+    """The figures of one worker's GPU, from its heartbeat record."""
+    server = s.tok_per_s_from == "server"  # its speed over a window: set against the window's batch
+    return GpuFigures(hw=s.hardware or Hardware(), running=s.window_running if server else s.server_running,
+                      waiting=s.server_waiting, running_limit=s.server_capacity,
+                      token_usage=s.window_token_usage if server else s.server_token_usage,
+                      tok_per_s=s.tok_per_s if s.state == "busy" or s.tok_per_s else None,
+                      target=s.concurrency_target, cap=s.concurrency_limit, in_flight=s.in_flight, queued=s.queued)
+
+
+def bound(f: GpuFigures) -> Bound:
+    """The decode bound of one GPU at its running count now, and the share of it reached."""
+    hw = f.hw
+    missing = []
+    if hw.bandwidth is None:
+        missing.append("memory bandwidth (give it with genq worker --gpu-bandwidth, e.g. 1.79TB/s)")
+    if hw.weight_bytes is None:
+        missing.append("model weight bytes (give them with genq worker --model-bytes, e.g. 54GB)")
+    if not f.running:
+        missing.append("running requests (the server's metrics)")
+    if missing or hw.bandwidth is None or hw.weight_bytes is None or not f.running:
+        return Bound(unknown="unknown: " + "; ".join(missing))
+    kv = kv_read_bytes(f)
+    step = hw.weight_bytes + (kv or 0.0)
+    top = f.running * hw.bandwidth / step
+    share = None if f.tok_per_s is None else f.tok_per_s / top
+    return Bound(tok_per_s=top, share=share, step_bytes=step, kv_bytes=kv,
+                 unknown=None if kv is not None else "unknown: KV bytes read per step (not counted: the bound "
+                                                     "is a ceiling; the server does not publish its KV cache size)")
+
+
+def kv_read_bytes(f: GpuFigures) -> float | None:
+    """KV bytes a decode step reads: the KV cache in use."""
+    if f.hw.kv_pool_bytes is None or f.token_usage is None:
+        return None
+    return f.token_usage * f.hw.kv_pool_bytes
+
+
+def kv_holds(f: GpuFigures) -> float | None:
+    """Requests the KV cache holds at the running requests' mean context now (prompt + output so far):
+    running / usage."""
+    if not f.running or not f.token_usage:
+        return None
+    return f.running / f.token_usage
+
+
+def mean_context(f: GpuFigures) -> float | None:
+    """Tokens per running request in the KV cache (prompt + output so far), where the capacity is known."""
+    if not f.running or f.token_usage is None or not f.hw.token_capacity:
+        return None
+    return f.token_usage * f.hw.token_capacity / f.running
+
+
+def batch_cap(f: GpuFigures) -> Cap | None:
+    """What caps the running batch now, and the flag that lifts it; None when nothing runs."""
+    running = f.running or 0.0
+    if f.in_flight == 0 and not running:
+        return None
+    holds, ctx = kv_holds(f), mean_context(f)
+    at = f" at {ctx:,.0f} tokens a request" if ctx else ""
+    limit = f.running_limit
+    if f.token_usage is not None and f.token_usage >= KV_FULL:
+        return Cap("kv_cache", f"KV cache {f.token_usage:.0%} full with {running:.0f} running: it holds "
+                               f"~{holds or running:.0f}{at}", _kv_advice(f.hw.engine or ""))
+    if limit and running >= AT_LIMIT * limit:
+        if holds is not None and holds >= ROOM * limit:
+            return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}, where its KV "
+                                        f"cache would hold ~{holds:.0f}{at}", _limit_advice((f.hw.engine or ""), holds))
+        return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}", "")
+    if f.waiting:
+        return Cap("prefill", f"{f.waiting:.0f} waiting in the server's queue with {running:.0f} running "
+                              f"(limit {limit or '?'}): admission (prefill) is slower than the answers end",
+                   _prefill_advice(f.hw.engine or ""))
+    if f.queued > 0 and f.in_flight >= f.target:
+        own = f"genq's cap {f.cap}" if f.cap and f.cap <= f.target else f"genq's in-flight target {f.target}"
+        advice = ("raise it with `genq concurrency`" if f.cap and f.cap <= f.target
+                  else "genq's controller grows it while the server's queue stays empty")
+        return Cap("genq_target", f"{own}: the server's queue is empty while the worker holds {f.queued} prompts",
+                   advice)
+    if f.queued == 0:
+        return Cap("nothing_to_send", f"{running:.0f} running and nothing more to send (the job's tail, or "
+                                      "its queue is empty)", "more batches per worker: genq worker --prefetch")
+    return None
+
+
+def _kv_advice(engine: str) -> str:
+    if engine == "sglang":
+        return ("more KV cache: --mem-fraction-static (e.g. 0.9), --kv-cache-dtype fp8_e4m3; a hybrid "
+                "(Mamba) model: --mamba-scheduler-strategy no_buffer")
+    if engine == "vllm":
+        return "more KV cache: --gpu-memory-utilization (e.g. 0.95), --kv-cache-dtype fp8"
+    return "more KV cache (a larger context per slot, or a smaller KV dtype)"
+
+
+def _limit_advice(engine: str, holds: float) -> str:
+    flag = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs", "llamacpp": "-np (with -c grown alike)"}
+    return f"raise {flag.get(engine, 'the running limit')} to ~{int(holds)}"
+
+
+def _prefill_advice(engine: str) -> str:
+    if engine == "sglang":
+        return "a larger --chunked-prefill-size admits more prompts a step"
+    if engine == "vllm":
+        return "a larger --max-num-batched-tokens admits more prompts a step"
+    return ""
+
+
+def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -> dict[str, str]:
+    """GPUs much slower than their peers, each with why: its share of the bound against the others'
+    median share (which allows for batch and context), or, where a bound is unknown, its tokens per
+    running request against peers' at about the same running count."""
+    bounds = bounds if bounds is not None else {name: bound(f) for name, f in fleet.items()}
+    shares = {n: b.share for n, b in bounds.items() if b.share is not None and b.share > 0}
+    out: dict[str, str] = {}
+    for name, share in shares.items():
+        others = [s for n, s in shares.items() if n != name]
+        if others and share < SLOWER * statistics.median(others):
+            out[name] = f"at {share:.0%} of its bound where its peers are at {statistics.median(others):.0%}"
+    speeds = {n: f for n, f in fleet.items() if n not in shares and f.running and f.tok_per_s}
+    for name, f in speeds.items():
+        assert f.running and f.tok_per_s
+        mine = f.tok_per_s / f.running
+        peers = [g.tok_per_s / g.running for n, g in speeds.items()
+                 if n != name and g.running and g.tok_per_s and abs(g.running - f.running) <= SAME_BATCH * f.running]
+        if peers and mine < SLOWER * statistics.median(peers):
+            out[name] = (f"{mine:.1f} tok/s a request at {f.running:.0f} running where its peers make "
+                         f"{statistics.median(peers):.1f}")
+    return out
+
+
+def fleet_line(fleet: dict[str, GpuFigures], verdicts: dict[str, Verdict]) -> str | None:
+    """One line for a fleet: "fleet at N % of its bandwidth bound; GPU k slowest ..."; None with no bound."""
+    known = {n: v.bound for n, v in verdicts.items() if v.bound.tok_per_s and v.bound.share is not None}
+    if not known:
+        return None
+    made = sum(fleet[n].tok_per_s or 0.0 for n in known)
+    top = sum(b.tok_per_s or 0.0 for b in known.values())
+    words = [f"fleet at {made / top:.0%} of its bandwidth bound ({made:,.0f} of {top:,.0f} tok/s"
+             + (f", {len(known)} of {len(fleet)} GPUs with a bound)" if len(known) < len(fleet) else ")")]
+    if len(known) > 1:
+        low = min(known, key=lambda n: known[n].share or 0.0)
+        words.append(f"{low} slowest at {known[low].share:.0%}")
+    flagged = {n: v.slow for n, v in verdicts.items() if v.slow}
+    if flagged:
+        words.append("much slower than peers: " + "; ".join(f"{n} {why}" for n, why in sorted(flagged.items())))
+    return "; ".join(words)
+
+
+def per_gpu_words(f: GpuFigures, b: Bound | None = None) -> str:
+    """A short cell: "62 % of 1,226 tok/s" or "unknown: ..."."""
+    b = b if b is not None else bound(f)
+    if b.tok_per_s is None:
+        return b.unknown or "unknown"
+    shown = f"{b.share:.0%} of {b.tok_per_s:,.0f}" if b.share is not None else f"bound {b.tok_per_s:,.0f}"
+    return shown + ("" if b.kv_bytes is not None else " (no KV)")
+
+
+def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | None = None) -> dict[str, Verdict]:
+    """Each GPU's verdict; a GPU is compared with its peers, those serving the same model."""
+    bounds = {n: bound(f) for n, f in fleet.items()}
+    flagged: dict[str, str] = {}
+    groups = {(model_of or {}).get(n) for n in fleet}
+    for model in groups:
+        peers = {n: f for n, f in fleet.items() if (model_of or {}).get(n) == model}
+        flagged.update(slow(peers, {n: bounds[n] for n in peers}))
+    return {n: Verdict(bound=bounds[n], cap=batch_cap(f), slow=flagged.get(n)) for n, f in fleet.items()}
+
+
+def working(statuses: dict[str, WorkerStatus]) -> dict[str, GpuFigures]:
+    """The figures of each worker whose server runs requests now: one worker per server (workers sharing
+    a server read the same counters of the same GPU; counted once, by the first name)."""
+    seen: set[str] = set()
+    out = {}
+    for n, s in sorted(statuses.items()):
+        if s.state in ("busy", "draining") and s.server_running and s.server not in seen:
+            seen.add(s.server)
+            out[n] = figures_of(s)
+    return out
+
+
+def judge(statuses: dict[str, WorkerStatus]) -> dict[str, Verdict]:
+    """Each working GPU's verdict from its worker's heartbeat record, a slow one's with NVML's figures."""
+    fleet = working(statuses)
+    out = verdicts(fleet, {n: statuses[n].model for n in fleet})
+    for n, v in out.items():
+        if v.slow is not None and (told := nvml_words(statuses[n].gpu_sample)):
+            v.slow = f"{v.slow} ({told})"
+    return out
+
+
+def nvml_words(g: GpuSample | None) -> str | None:
+    """The NVML figures that tell a throttled or weaker GPU: clocks, power, temperature."""
+    if g is None:
+        return None
+    words = [g.name]
+    if g.sm_clock_mhz is not None:
+        words.append(f"SM {g.sm_clock_mhz:,.0f}" + (f" of {g.max_sm_clock_mhz:,.0f}" if g.max_sm_clock_mhz else "")
+                     + " MHz")
+    if g.power_w is not None:
+        words.append(f"{g.power_w:.0f}" + (f" of {g.power_limit_w:.0f}" if g.power_limit_w else "") + " W")
+    if g.temperature_c is not None:
+        words.append(f"{g.temperature_c:.0f} °C")
+    if g.throttled:
+        words.append("throttled: " + ", ".join(g.throttled))
+    return ", ".join(words)
+
+
+TALLIED_JOBS = 20  # a worker keeps the tallies of its last jobs
+
+
+def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], f: GpuFigures, dt: float) -> None:
+    """Books dt seconds of one GPU to the jobs it ran, in proportion to their requests in flight."""
+    total = sum(in_flight.values())
+    if total <= 0 or dt <= 0:
+        return
+    b = bound(f)
+    for job, n in in_flight.items():
+        part = dt * n / total
+        t = tallies.pop(job, None) or Tally()
+        t.busy_s += part
+        if b.tok_per_s is not None and f.tok_per_s is not None:
+            t.made += f.tok_per_s * part
+            t.bound += b.tok_per_s * part
+        tallies[job] = t  # the most recent last
+    while len(tallies) > TALLIED_JOBS:
+        tallies.pop(next(iter(tallies)))
+
+
+def job_line(tallies: dict[str, Tally]) -> str | None:
+    """The summary of a job from its workers' tallies: "fleet at N % of its bandwidth bound; k slowest ..."."""
+    known = {n: t for n, t in tallies.items() if t.bound > 0}
+    if not known:
+        return None
+    made, top = sum(t.made for t in known.values()), sum(t.bound for t in known.values())
+    words = [f"fleet at {made / top:.0%} of its bandwidth bound over the job"
+             + (f" ({len(known)} of {len(tallies)} GPUs with a bound)" if len(known) < len(tallies) else "")]
+    shares = {n: t.made / t.bound for n, t in known.items()}
+    if len(shares) > 1:
+        low = min(shares, key=shares.__getitem__)
+        words.append(f"{low} slowest at {shares[low]:.0%}")
+        for n, share in sorted(shares.items()):
+            others = [v for m, v in shares.items() if m != n]
+            if share < SLOWER * statistics.median(others):
+                words.append(f"{n} much slower than its peers ({share:.0%} against {statistics.median(others):.0%})")
+    return "; ".join(words)

@@ -1,0 +1,143 @@
+"""The job's current settings survive Redis losing them: `genq jobs set` is written to OUTPUT/JOB/job.json
+before Redis, and whatever brings a job back from its output (genq recover, the same enqueue again, a worker
+catching up) takes the settings of the latest `jobs set` from there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from tests.conftest import genq_cmd, run_genq, write_prompts
+from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
+from tests.test_recover import FAST, generated, lost_redis, wait_done, written_records  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+N = 60
+
+
+def enqueue_args(src, out, max_tokens: int) -> tuple[str, ...]:
+    return ("enqueue", str(src), "--job", "st", "--output", str(out), "--batch-size", "10",
+            "--max-tokens", str(max_tokens))
+
+
+def config_of(url: str) -> dict:
+    return json.loads(run_genq("jobs", "show", "st", "--json", redis_url=url).stdout)["config"]
+
+
+def burst(procs, url: str, server: str) -> None:
+    proc = procs(genq_cmd("worker", "--server", server, "--burst", redis_url=url), name="burst")
+    assert proc.wait(timeout=120) == 0, proc.log()
+
+
+def shortened(url: str, note: str = "shorter") -> None:
+    run_genq("jobs", "set", "st", "--max-tokens", "20", "--note", note, redis_url=url)
+
+
+def at_current_settings(config: dict) -> None:
+    assert (config["max_tokens"], config.get("settings_version", 1)) == (20, 2), config
+    assert [(c["version"], c["changed"], c["previous"], c.get("note")) for c in config.get("settings_history", [])] == [
+        (2, {"max_tokens": 20}, {"max_tokens": 64}, "shorter")], config["settings_history"]
+
+
+def test_recover_after_an_empty_restart_brings_the_job_back_at_its_current_settings(
+        lost_redis, sim, procs, tmp_path):  # noqa: F811
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    shortened(lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=True)
+
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=lost_redis.url)
+    at_current_settings(config_of(lost_redis.url))
+    burst(procs, lost_redis.url, server)
+    records = written_records(out, "st")
+    assert sorted(records) == sorted(ids)
+    assert {r["settings_version"] for r in records.values()} == {2}
+    assert max(r["usage"]["completion_tokens"] for r in records.values()) <= 20
+
+
+def test_the_same_enqueue_at_the_current_settings_is_the_same_job(lost_redis, sim, procs, tmp_path):  # noqa: F811
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    ids = write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    shortened(lost_redis.url)
+    burst(procs, lost_redis.url, server)
+    first = config_of(lost_redis.url)["incarnation"]
+    written = written_records(out, "st")
+    assert sorted(written) == sorted(ids) and generated(server) == N
+    lost_redis.kill()
+    lost_redis.start(empty=True)
+
+    again = run_genq(*enqueue_args(src, out, 20), redis_url=lost_redis.url)
+    config = config_of(lost_redis.url)
+    assert config["incarnation"] == first, again.stdout + again.stderr
+    at_current_settings(config)
+    assert wait_done(lost_redis.url, "st", timeout=30)["completed"] == N
+    assert written_records(out, "st") == written and generated(server) == N  # nothing generated again
+
+
+def test_a_snapshot_from_before_jobs_set_takes_the_settings_from_the_output(lost_redis, tmp_path):  # noqa: F811
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    lost_redis.snapshot()
+    shortened(lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=False)  # the job as it was before `jobs set`
+    assert config_of(lost_redis.url).get("settings_version", 1) == 1
+
+    run_genq("recover", "--job", "st", redis_url=lost_redis.url)
+    at_current_settings(config_of(lost_redis.url))
+    # and the output still says so (nothing wrote the older settings back)
+    on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
+    assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (20, 2)
+
+
+def test_jobs_set_where_the_output_cannot_be_written_changes_nothing(redis_url, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    (out / "st").rename(tmp_path / "elsewhere")
+    (out / "st").write_text("not a folder")  # job.json cannot be written under it
+    proc = run_genq("jobs", "set", "st", "--max-tokens", "20", redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "cannot write" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert config_of(redis_url)["max_tokens"] == 64
+
+
+def test_a_running_worker_takes_the_settings_back_after_a_snapshot_from_before_jobs_set(  # noqa: F811
+        lost_redis, sim, procs, tmp_path):  # noqa: F811
+    from tests.conftest import wait_until
+    from tests.test_recover import start_worker
+
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    start_worker(procs, lost_redis.url, server, "w1")
+    wait_done(lost_redis.url, "st", timeout=60)
+    lost_redis.snapshot()
+    shortened(lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=False)  # the job as it was before `jobs set`; the worker's maintenance sees a restart
+    wait_until(lambda: config_of(lost_redis.url).get("settings_version", 1) == 2, 90,
+               "the worker taking job.json's settings back into Redis", interval=1)
+    at_current_settings(config_of(lost_redis.url))
+
+
+def test_on_s3_jobs_set_is_in_job_json_and_recover_takes_it(lost_redis, moto, tmp_path):  # noqa: F811
+    moto.client().create_bucket(Bucket="settings")
+    src, out = tmp_path / "in.jsonl", "s3://settings/out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
+    shortened(lost_redis.url)
+    on_s3 = json.loads(moto.objects("settings", "out/st/job.json")["out/st/job.json"])["config"]
+    assert (on_s3["max_tokens"], on_s3.get("settings_version", 1)) == (20, 2)
+    redis.Redis.from_url(lost_redis.url).flushall()
+
+    run_genq("recover", "--job", "st", "--output", out, "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
+    at_current_settings(config_of(lost_redis.url))

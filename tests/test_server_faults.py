@@ -1,0 +1,177 @@
+"""One server's fault costs no good prompt and does not hold up the others.
+
+Real processes: a private redis-server, `genq sim` servers (their fault switches, and a real
+restart: the process killed and another started on its port with other options), `genq worker`,
+and the shared exactly-once audit (tests/audit.py) at the end of each test.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from genq.core import keys
+from genq.core.records import WorkerStatus, unpack
+from tests.audit import audit
+from tests.conftest import post_json, run_genq, sim_stats, wait_until, write_prompts
+
+FAST = dict(mean_output_tokens=24, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=8)
+# About 2 s a request, 4 at a time: a 20-prompt batch takes 10 s on it.
+SLOW = dict(mean_output_tokens=400, output_sigma=0.2, tokens_per_step=8, step_ms_base=40, step_ms_per_req=0,
+            max_running_requests=4)
+
+
+def enqueue(redis_url: str, tmp_path: Path, job: str, n: int, *args: str) -> tuple[list[str], Path]:
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args, redis_url=redis_url)
+    return ids, out
+
+
+def status_of(rconn, name: str) -> WorkerStatus | None:
+    raw = rconn.get(keys.worker_status(name))
+    return unpack(raw, WorkerStatus) if raw else None
+
+
+def worker_name(url: str) -> str:
+    """A worker's default name: the host and its server's port."""
+    return f"{socket.gethostname()}.{url.rsplit(':', 1)[1]}"
+
+
+def test_a_dead_servers_prompts_go_to_the_other_server(redis_url, rconn, sim, worker, tmp_path):
+    """kill -9 of one of two servers while its worker holds a batch: within tens of seconds (not the
+    --server-down-timeout of 300 s) the other worker takes its prompts and the job is written whole; the
+    dead server's worker says server_down with no figures of the server it no longer has."""
+    slow = sim(**SLOW)
+    fast = sim(**FAST)
+    ids, out = enqueue(redis_url, tmp_path, "dead", 40, "--batch-size", "20", "--max-tokens", "600")
+    holder = worker(slow, "--prefetch", "1", name="holder")
+    name = worker_name(slow)
+    wait_until(lambda: (s := status_of(rconn, name)) and s.in_flight >= 4, 30, "the slow server busy with a batch")
+    sim.procs[slow].kill_tree()  # kill -9: connections reset, the port closed
+    other = worker(fast, "--burst", "--prefetch", "1", name="other")
+    assert other.wait(timeout=60) == 0, other.log() + holder.log()
+    found = audit(rconn, "dead", out, ids)
+    assert not found.letters
+    status = status_of(rconn, name)
+    assert status is not None and status.state == "server_down", status
+    assert status.server_running is None and status.server_token_usage is None, status
+    holder.signal(signal.SIGTERM)
+    assert holder.wait(timeout=30) == 0, holder.log()
+
+
+def test_a_server_answering_500_to_everything_costs_no_prompt(redis_url, rconn, sim, worker, tmp_path):
+    """Every request answered 500 while /health says 200, long enough for every prompt to run out of
+    attempts: no prompt is dead-lettered (nothing on this server succeeds, so nothing says it is the
+    prompt); once the server answers again the job is written whole."""
+    url = sim(error_rate=1.0, **FAST)
+    ids, out = enqueue(redis_url, tmp_path, "e500", 30, "--batch-size", "15", "--max-tokens", "64",
+                       "--max-attempts", "3")
+    proc = worker(url, "--burst", "--retry-backoff", "0.05")
+    name = worker_name(url)
+    wait_until(lambda: (s := status_of(rconn, name)) and s.errors >= 3 * len(ids), 30,
+               "every prompt failed as often as its attempts allow")
+    post_json(url + "/sim/faults", {"error_rate": 0.0})
+    assert proc.wait(timeout=60) == 0, proc.log()
+    found = audit(rconn, "e500", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+
+
+# About 0.8 s a request (64 tokens at most), 4 at a time.
+MEDIUM = dict(mean_output_tokens=100, output_sigma=0.3, tokens_per_step=8, step_ms_base=100, step_ms_per_req=0,
+              max_running_requests=4)
+
+
+def restart(sim, url: str, **options) -> None:
+    """The server process killed and another started on its port, with these options."""
+    sim.procs[url].kill_tree()
+    sim(port=int(url.rsplit(":", 1)[1]), **options)
+
+
+def mixed_prompts(path: Path, n: int) -> list[str]:
+    """n prompts, every other one about 130 tokens long (the sim's count), the rest about 5."""
+    ids = []
+    with open(path, "w") as f:
+        for i in range(n):
+            ids.append(pid := f"p{i:05d}")
+            text = f"prompt number {i}" + (" word" * 100 if i % 2 else "")
+            f.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": text}]}) + "\n")
+    return ids
+
+
+@pytest.mark.parametrize("context", [50, 100])
+def test_a_server_restarted_with_a_smaller_context_costs_no_prompt(context, redis_url, rconn, sim, worker, tmp_path):
+    """One of two servers restarted for a few seconds with a smaller context (50: no prompt of the job
+    fits; 100: the short ones do, the long ones not), then as it was. Its worker notices before sending
+    to it again and waits for it: the job is never blocked, no prompt is dead-lettered, the other
+    server goes on, and every prompt is written once."""
+    a, b = sim(**MEDIUM), sim(**MEDIUM)
+    src = tmp_path / "mixed.jsonl"
+    ids = mixed_prompts(src, 48)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "ctx", "--output", str(out), "--batch-size", "10", "--max-tokens", "64",
+             redis_url=redis_url)
+    wa = worker(a, "--prefetch", "1", name="a")
+    wb = worker(b, "--burst", "--prefetch", "1", name="b")
+    wait_until(lambda: (s := status_of(rconn, worker_name(a))) and s.done >= 4, 60, "the first server working")
+    restart(sim, a, context_length=context, **MEDIUM)
+    time.sleep(5)
+    restart(sim, a, **MEDIUM)
+    assert wb.wait(timeout=120) == 0, wb.log() + wa.log()
+    assert not rconn.exists(keys.job_blocked("ctx")), rconn.get(keys.job_blocked("ctx"))
+    found = audit(rconn, "ctx", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    assert "its context is" in wa.log(), wa.log()
+
+
+def test_a_server_restarted_with_another_model_answers_nothing_of_the_job(redis_url, rconn, sim, worker, tmp_path):
+    """One of two servers restarted mid-job serving another model (the sim, like SGLang, answers under
+    whatever model name a request asks for): its worker notices before sending to it again and hands its
+    batches back; the new model generates nothing of the job, the other server writes it whole."""
+    a, b = sim(**MEDIUM), sim(**FAST)
+    ids, out = enqueue(redis_url, tmp_path, "model", 60, "--batch-size", "10", "--max-tokens", "64")
+    wa = worker(a, "--prefetch", "1", name="a")
+    wait_until(lambda: (s := status_of(rconn, worker_name(a))) and s.done >= 2, 60, "the first server working")
+    restart(sim, a, served_model_name="other-model", **MEDIUM)
+    wb = worker(b, "--burst", "--prefetch", "1", name="b")
+    assert wb.wait(timeout=120) == 0, wb.log() + wa.log()
+    found = audit(rconn, "model", out, ids)
+    assert not found.letters
+    assert sim_stats(a)["generation_requests"] == 0, "the other model generated prompts of the job"
+    assert "serves model other-model now" in wa.log(), wa.log()
+
+
+def test_resume_reads_the_context_of_a_server_restarted_meanwhile(redis_url, rconn, sim, worker, tmp_path):
+    """Blocked by the preflight (max_tokens over the context), the server restarted with a larger one,
+    then `genq resume --job`: the preflight reads the server again and the job runs."""
+    url = sim(context_length=1000, **FAST)
+    ids, out = enqueue(redis_url, tmp_path, "pre", 20, "--batch-size", "10", "--max-tokens", "2000")
+    proc = worker(url, name="w")
+    wait_until(lambda: rconn.exists(keys.job_blocked("pre")), 30, "the job blocked by the preflight")
+    restart(sim, url, context_length=4096, **FAST)
+    run_genq("resume", "--job", "pre", redis_url=redis_url)
+    wait_until(lambda: rconn.scard(keys.job_done("pre")) == 2 or rconn.exists(keys.job_blocked("pre")), 60,
+               "the job done, or blocked again")
+    assert not rconn.exists(keys.job_blocked("pre")), proc.log()
+    audit(rconn, "pre", out, ids)
+
+
+def test_a_server_restarted_with_another_model_while_idle_answers_nothing(redis_url, rconn, sim, worker, tmp_path):
+    """A restart while nothing is in flight shows no failure: the worker looks at its server again
+    before its first request after a quiet spell, so a job for the old model sent after the restart
+    gets nothing from the new one."""
+    url = sim(**FAST)
+    first, out = enqueue(redis_url, tmp_path, "before", 5, "--max-tokens", "16")
+    proc = worker(url, name="w")
+    wait_until(lambda: rconn.scard(keys.job_done("before")) == 1, 30, "the first job done")
+    restart(sim, url, served_model_name="other-model", **FAST)
+    enqueue(redis_url, tmp_path, "after", 10, "--max-tokens", "16", "--model", "genq-sim/Sim-8B")
+    wait_until(lambda: "handing its batches back" in proc.log() or sim_stats(url)["generation_requests"], 30,
+               "the worker noticing, or the new model answering")
+    assert sim_stats(url)["generation_requests"] == 0, proc.log()
