@@ -20,7 +20,9 @@ queued are held. A batch is stored inline (its prompts compressed) or, with
 
 from __future__ import annotations
 
+import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +33,7 @@ import msgspec
 import redis
 
 from genq.core import batches as batch_records
-from genq.core.durable import JobRecord
+from genq.core.durable import EnqueueRecord, JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import (
     ID_NEW,
@@ -45,13 +47,16 @@ from genq.core.queueing import (
     write_batches,
 )
 from genq.core.records import BatchSource, InputRange, JobConfig, Rejected
-from genq.ops import recover
+from genq.ops import dlq, recover
 from genq.output import truth
 from genq.output.sink import open_store
 from genq.producer.batchinput import range_digest, row_digest_items
 from genq.producer.meter import Meter
 from genq.producer.rejects import RejectsFile
 from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
+from genq.producer.sources import default_rejects_path, open_rows
+
+log = logging.getLogger("genq.enqueue")
 
 READ_CHUNK = 8192  # rows read before queueing what is ready
 READ_AHEAD = 2  # chunks the reading thread may have ready: bounds the rows held
@@ -110,6 +115,10 @@ class Enqueuer:
         self._inputs = [input_uri] if input_uri else []
         self._record = JobRecord(config=config, inputs=self._inputs)
         self._floor = 0  # batch numbers at or below it may be in use in the output folder
+        # This run's record in OUTPUT/JOB/enqueues/ (the durable truth of what it queued).
+        self._run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+        self._queued: list[str] = []
+        self._prompts = 0
 
     def _from_output(self) -> None:
         """The output is the truth (#31): batches written there that Redis does not count as
@@ -229,6 +238,7 @@ class Enqueuer:
                     if taking:
                         batches = self._batches(pipe, [row for row, _ in taking])
                         self._reserve(batches[-1].id)
+                        self._record_enqueue([b.id for b in batches], len(taking))
                         pipe.multi()
                         if self._create:
                             stage_config(pipe, self.config)
@@ -241,6 +251,8 @@ class Enqueuer:
                     break
                 except redis.WatchError:
                     continue  # another enqueue (or a DLQ requeue) wrote meanwhile: look again
+        self._queued += [b.id for b in batches]
+        self._prompts += len(taking)
         if batches and self._create:
             self._create = False
             self.summary.created = True
@@ -250,6 +262,13 @@ class Enqueuer:
         for row, _ in conflicts:
             self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
         return held
+
+    def _record_enqueue(self, batches: list[str], prompts: int) -> None:
+        """OUTPUT/JOB/enqueues/RUN.json names these batches before they are queued: what Redis
+        loses of them afterwards is found there (queue_lost)."""
+        record = EnqueueRecord(incarnation=self.config.incarnation, input=self._inputs[0] if self._inputs else "",
+                               batches=truth.batch_ranges(self._queued + batches), prompts=self._prompts + prompts)
+        self._reach_output(lambda: truth.write_enqueue(self._store, self.config.name, self._run, record))
 
     def _check_created_meanwhile(self, pipe: redis.client.Pipeline) -> None:
         stored = load_config(pipe, self.config.name)
@@ -293,6 +312,50 @@ class Enqueuer:
                          first_line=rows[0].prompt.index + 1, last_line=rows[-1].prompt.index + 1,
                          digest=range_digest(row_digest_items(rows)))
         return batch_records.by_reference(job, bid, [r.prompt.id for r in rows], ref, created)
+
+
+def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
+    """Compare what each enqueue of this life of the job brought (OUTPUT/JOB/enqueues/) with
+    Redis: an enqueue with batches Redis knows nothing of and the output has no shard of (a
+    snapshot restored, a lagging replica promoted) has its input read again, and the prompts
+    with neither an outcome nor a batch are queued again (a requeue's letters requeued again);
+    its record then names what stands for them. An enqueue running now may look so for the
+    moment between its record and its transaction: reading its input again then queues nothing.
+    Every worker's start and maintenance runs it (genq.ops.recover.OutputWatch). The prompts
+    queued again."""
+    store = open_store(config.output, config.s3_endpoint_url)
+    records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
+               if r.incarnation == config.incarnation}
+    if not records:
+        return 0
+    known = ledger_jobs.all_batches(conn, config.name)
+    known |= truth.marker_batches(store, config.name)
+    queued = 0
+    for run, record in records.items():
+        lost = [b for b in truth.recorded_batches(record) if b not in known]
+        if not lost:
+            continue
+        if record.letters:
+            # A requeue's: its letters are back in the DLQ with the state Redis was restored to.
+            wanted = set(record.letters)
+            back = [e for e in dlq.dead_letters(conn, config.name) if e.id in wanted]
+            again = sum(dlq.requeue(conn, back).prompts.values()) if back else 0
+        elif record.input:
+            rejects = RejectsFile(default_rejects_path(record.input, config.output, config.name))
+            again = Enqueuer(conn, config, create=False, rejects=rejects, input_uri=record.input).run(
+                open_rows(record.input, s3_endpoint_url=config.s3_endpoint_url)).enqueued
+            rejects.close()
+        else:
+            log.error("job %s: Redis lost batches %s of an enqueue whose input is not recorded; enqueue it again",
+                      config.name, ", ".join(lost[:8]))
+            continue
+        truth.write_enqueue(store, config.name, run, msgspec.structs.replace(
+            record, batches=truth.batch_ranges(b for b in truth.recorded_batches(record) if b not in lost)))
+        queued += again
+        log.warning("job %s: Redis lost %d batches of %s (restored from an older state?); queued its %d prompts "
+                    "with neither an outcome nor a batch again", config.name, len(lost),
+                    f"the enqueue of {record.input}" if record.input else "a requeue of dead letters", again)
+    return queued
 
 
 def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:

@@ -3,6 +3,8 @@
 mutmut mutates Python only, so the logic that decides what is stored and counted would go
 unchecked. Each mutant below is one hand-written change of that Lua, applied to a copy of the
 tree; tests/test_commit.py must fail on every one. Usage: python tests/lua_mutants.py COPY_DIR  (exits 1 if any survives).
+PLANTS are bugs planted in the ledger's scripts for the model test (tests/test_ledger_model.py):
+`python tests/lua_mutants.py --model` prints the shrunk failure of each.
 """
 
 from __future__ import annotations
@@ -37,6 +39,29 @@ MUTANTS = [
 ]
 
 
+# Bugs planted in the ledger's scripts: tests/test_ledger_model.py must fail on each
+# (test_each_planted_bug_is_caught). (what it breaks, script, its text, the planted text)
+PLANTS = [
+    ("a RECORD that lets a second writer win", "RECORD",
+     "if has_result[k] then over[ids[k]] = 'result' end", ""),
+    ("a RELEASE without the shard check", "RELEASE",
+     "if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[6]) then return 'short' end", ""),
+    ("a CLAIM that ignores the current lease", "CLAIM",
+     "if lease ~= ARGV[6] or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end",
+     "if not lease or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end"),
+]
+
+
+def planted(plant: tuple[str, str, str, str]) -> str:
+    """The script's text (genq.core.scripts) with the bug planted."""
+    from genq.core import scripts
+
+    name, script, old, new = plant
+    text = getattr(scripts, script)
+    assert text.count(old) == 1, f"plant {name!r}: {old!r} is not in {script} exactly once"
+    return text.replace(old, new)
+
+
 def main(copy_dir: str) -> int:
     root = Path(copy_dir)
     target = root / "genq/core/scripts/record.lua"
@@ -58,5 +83,25 @@ def main(copy_dir: str) -> int:
     return 1 if survived else 0
 
 
+def model_plants() -> int:
+    """Each PLANTS bug run through the model test with shrinking: prints the failure Hypothesis
+    found for it; exits 1 if the model misses one."""
+    from hypothesis import settings
+
+    from tests.test_ledger_model import MODEL, Broken, run_model
+
+    missed = []
+    for plant in PLANTS:
+        try:
+            run_model({plant[1]: planted(plant)}, settings(MODEL, max_examples=200))
+        except (Broken, ExceptionGroup) as exc:
+            steps = "\n".join(note for e in [exc, *getattr(exc, "exceptions", [])] for note in getattr(e, "__notes__", []))
+            print(f"    model: caught   {plant[0]}\n{exc}\n{steps}", flush=True)
+        else:
+            missed.append(plant[0])
+            print(f"    model: MISSED   {plant[0]}", flush=True)
+    return 1 if missed else 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(model_plants() if sys.argv[1:] == ["--model"] else main(sys.argv[1]))

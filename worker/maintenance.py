@@ -17,6 +17,7 @@ from genq.core.queueing import rq_queue
 from genq.core.timings import RECONCILE_EVERY_S
 from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
+from genq.producer.enqueue import queue_lost
 from genq.worker.idle import IdlePace
 from genq.worker.loops import RqLoops
 
@@ -29,7 +30,7 @@ class Maintenance:
         self.reconciler = reconciler
         self.loops = loops
         self.pace = pace  # the engine's one idleness (the stealer's): idle, a turn every IDLE_MAINTENANCE_S
-        self.outputs = OutputWatch(conn)  # the ledger checked against the written output (#31)
+        self.outputs = OutputWatch(conn, queue_lost)  # the ledger checked against the written output
 
     async def run(self) -> None:
         """Stranded batches are looked for by every worker (one pass at a time across the fleet)."""

@@ -34,3 +34,16 @@ class JobRecord(msgspec.Struct, omit_defaults=True):
     # Set by `genq jobs delete`: the name's next enqueue starts a new job, not this one again
     # (`genq recover` brings this one back, and clears it).
     deleted_at: float | None = None
+
+
+class EnqueueRecord(msgspec.Struct, omit_defaults=True):
+    """OUTPUT/JOB/enqueues/RUN.json: what one `genq enqueue` (or `genq dlq requeue`) brought into
+    the job, written before its batches are queued (and again before each further group), so a
+    Redis that lost them (a snapshot restored, a lagging replica promoted) is found out and they
+    are queued again (genq.producer.enqueue.queue_lost)."""
+
+    incarnation: str
+    input: str  # the input read (absolute path or s3:// URI)
+    batches: list[list[int]] = []  # the batches it queued: [first, last] number ranges (genq.output.truth)
+    prompts: int = 0  # the prompts in them
+    letters: list[str] = []  # a requeue's: the dead letters it moved into those batches

@@ -22,6 +22,8 @@ would produce that prompt twice.
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
@@ -31,6 +33,7 @@ import msgspec
 import redis
 
 from genq.core import batches as batch_records
+from genq.core.durable import EnqueueRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.queueing import (
@@ -46,8 +49,12 @@ from genq.core.queueing import (
     new_batches,
     write_batches,
 )
-from genq.core.records import DeadLetter, ErrorKind
+from genq.core.records import DeadLetter, ErrorKind, JobConfig
 from genq.ops.settings import with_override
+from genq.output import truth
+from genq.output.sink import open_store
+
+log = logging.getLogger("genq.dlq")
 
 BATCH_PREFIX = "batch:"
 BATCH_FAILED: ErrorKind = "batch_failed"
@@ -186,7 +193,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
         if config is None:
             raise DlqError(f"job {job!r} has no stored config; cannot size its new batches")
         for start in range(0, len(ids), CHUNK):
-            _requeue_letters(conn, job, ids[start:start + CHUNK], config.batch_size, report, override or {})
+            _requeue_letters(conn, config, ids[start:start + CHUNK], report, override or {})
     return report
 
 
@@ -196,14 +203,18 @@ def _atomically(conn: redis.Redis, watched: Sequence[str], body: Callable[[Any],
     return conn.transaction(body, *watched, value_from_callable=True)
 
 
-def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: int, report: RequeueReport,
+def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], report: RequeueReport,
                      override: dict[str, Any]) -> None:
+    job, run = config.name, f"requeue-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         found, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
         prompts = sorted((with_override(letter.prompt, override) for letter in found if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
-        batches = new_batches(conn, job, prompts, batch_size)  # ids come from INCRBY: gaps are harmless
+        batches = new_batches(conn, job, prompts, config.batch_size)  # ids come from INCRBY: gaps are harmless
+        if found:
+            _record_requeue(config, run, [b.id for b in batches], [letter.id for letter in found])
         pipe.multi()
         if found:
             write_batches(pipe, conn, batches, digests={}, count_total=False)
@@ -215,6 +226,19 @@ def _requeue_letters(conn: redis.Redis, job: str, ids: list[str], batch_size: in
     if moved:
         report.prompts[job] = report.prompts.get(job, 0) + len(moved)
         report.new_batches.setdefault(job, []).extend(batch_ids)
+
+
+def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[str]) -> None:
+    """OUTPUT/JOB/enqueues/RUN.json names a requeue's batches and letters before they are queued,
+    so a Redis that loses them requeues the letters again (genq.producer.enqueue.queue_lost).
+    An output unreachable from here costs only that."""
+    record = EnqueueRecord(incarnation=config.incarnation, input="", batches=truth.batch_ranges(batches),
+                           prompts=len(ids), letters=ids)
+    try:
+        truth.write_enqueue(open_store(config.output, config.s3_endpoint_url), config.name, run, record)
+    except Exception as exc:  # OSError, botocore's errors
+        log.warning("job %s: cannot record the requeue in its output %s (%s): a Redis restored from before "
+                    "it would not requeue these letters again", config.name, config.output, exc)
 
 
 def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
@@ -330,6 +354,25 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
         report.kept.append((entry.id, outcome))
     else:
         report.batches.append((job, batch_id, len(outcome)))
+        _unrecord_batch(conn, job, batch_id)
+
+
+def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
+    """A purged batch leaves the enqueue records that name it: it is gone on purpose, not lost
+    with Redis, and its forgotten prompts are not queued again (genq.producer.enqueue.queue_lost)."""
+    config = load_config(conn, job)
+    if config is None:
+        return
+    try:
+        store = open_store(config.output, config.s3_endpoint_url)
+        for run, record in truth.read_enqueues(store, job).items():
+            named = truth.recorded_batches(record)
+            if batch in named:
+                kept = truth.batch_ranges(b for b in named if b != batch)
+                truth.write_enqueue(store, job, run, msgspec.structs.replace(record, batches=kept))
+    except Exception as exc:  # OSError, botocore's errors
+        log.warning("job %s: cannot take purged batch %s out of the enqueue records in %s (%s): a worker "
+                    "would queue its prompts again", job, batch, config.output, exc)
 
 
 # ------------------------------------------------------------------ helpers

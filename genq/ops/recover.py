@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -121,17 +122,19 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
 
 
 class OutputWatch:
-    """Every worker's look at its jobs' outputs (run from its maintenance loop): after Redis
-    restarted (its run_id changed) and once a minute, batches written but not done in Redis
-    are adopted; a job that vanished from Redis while its output remains is named, with the
-    command that brings it back."""
+    """Every worker's look at its jobs' outputs (run from its maintenance loop): at its start,
+    after Redis restarted (its run_id changed) and once a minute, batches written but not done
+    in Redis are adopted, and enqueues whose batches Redis lost are queued again (`queue_lost`:
+    genq.producer.enqueue.queue_lost, given by the worker); a job that vanished from Redis while
+    its output remains is named, with the command that brings it back."""
 
     EVERY_S = 60.0
 
-    def __init__(self, conn: redis.Redis) -> None:
+    def __init__(self, conn: redis.Redis, queue_lost: Callable[[redis.Redis, JobConfig], int] | None = None) -> None:
         self.conn = conn
+        self.queue_lost = queue_lost
         self._run_id: str | None = None
-        self._last = 0.0
+        self._last = float("-inf")  # a worker's start compares at once
         self._outputs: dict[str, str] = {}  # job -> its output, as last seen
         self._missing: set[str] = set()
 
@@ -149,6 +152,8 @@ class OutputWatch:
             self._outputs[job] = config.output
             try:
                 catch_up(self.conn, config)
+                if self.queue_lost is not None:
+                    self.queue_lost(self.conn, config)
             except Exception as exc:  # the output unreachable (disk, S3): next time
                 log.warning("job %s: cannot read its output %s to check the ledger against it: %s",
                             job, config.output, exc)

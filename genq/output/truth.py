@@ -27,7 +27,8 @@ from typing import Protocol
 
 import msgspec
 
-from genq.core.durable import JobRecord, ShardMarker
+from genq.core.batches import batch_id, batch_number
+from genq.core.durable import EnqueueRecord, JobRecord, ShardMarker
 from genq.core.histogram import length_bucket
 from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo
 from genq.output import layout
@@ -39,6 +40,8 @@ RESERVE_STEP = 1024
 _json = msgspec.json.Encoder()
 _marker_decoder = msgspec.json.Decoder(ShardMarker)
 _job_decoder = msgspec.json.Decoder(JobRecord)
+_enqueue_decoder = msgspec.json.Decoder(EnqueueRecord)
+ENQUEUES_DIR = "enqueues"
 
 
 class Store(Protocol):
@@ -207,3 +210,37 @@ def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     record = msgspec.structs.replace(record, reserved=max(record.reserved, upto))
     write_job(store, record)
     return record
+
+
+# ------------------------------------------------------------------ enqueues
+
+
+def batch_ranges(batches: Iterable[str]) -> list[list[int]]:
+    """Batch ids as [first, last] number ranges (an enqueue's are consecutive: a record stays small)."""
+    out: list[list[int]] = []
+    for n in sorted(map(batch_number, batches)):
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        elif not out or n > out[-1][1]:
+            out.append([n, n])
+    return out
+
+
+def recorded_batches(record: EnqueueRecord) -> list[str]:
+    return [batch_id(n) for first, last in record.batches for n in range(first, last + 1)]
+
+
+def write_enqueue(store: Store, job: str, run: str, record: EnqueueRecord) -> None:
+    """OUTPUT/JOB/enqueues/RUN.json: one enqueue's batches, before they are queued."""
+    store.put(f"{job}/{ENQUEUES_DIR}/{run}.json", _json.encode(record) + b"\n")
+
+
+def read_enqueues(store: Store, job: str) -> dict[str, EnqueueRecord]:
+    """Every enqueue record of the job's folder, by run."""
+    names = [n for n in store.names(f"{job}/{ENQUEUES_DIR}") if n.endswith(".json")]
+    out = {}
+    for name in sorted(names):
+        raw = store.read(f"{job}/{ENQUEUES_DIR}/{name}")
+        if raw:
+            out[name.removesuffix(".json")] = _enqueue_decoder.decode(raw)
+    return out

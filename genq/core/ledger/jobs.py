@@ -163,6 +163,11 @@ def done_batches(conn: redis.Redis, job: str) -> set[str]:
     return {b.decode() for b in conn.smembers(keys.job_done(job))}
 
 
+def all_batches(conn: redis.Redis, job: str) -> set[str]:
+    """Every batch the ledger has of the job, done or not."""
+    return {b.decode() for b in conn.zrange(keys.job_batches(job), 0, -1)}
+
+
 def pending_batches(conn: redis.Redis, job: str) -> list[str]:
     """The job's batches not done, in order."""
     done = done_batches(conn, job)

@@ -64,14 +64,18 @@ for _, l in ipairs(cmsgpack.unpack(ARGV[10])) do
     redis.call('SADD', KEYS[11], l[3])
   end
 end
+-- The shard's prompts this Redis has not counted in the job's total: those new to its id index,
+-- and those the marker has no digest of (a shard of an older genq).
+local unknown = tonumber(ARGV[5]) + #cmsgpack.unpack(ARGV[10])
 for id, hex in pairs(cmsgpack.unpack(ARGV[11])) do
   if not dead[id] then redis.call('HDEL', KEYS[10], id) end  -- the shard has its result
-  redis.call('HSETNX', KEYS[13], id, unhex(hex))
+  unknown = unknown - 1 + redis.call('HSETNX', KEYS[13], id, unhex(hex))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARGV[1]) then
-  -- A batch this Redis never saw (it was lost with the rest): part of the job again.
+  -- A batch this Redis never saw (it was lost with the rest): part of the job again. Its prompts
+  -- count in the total only if Redis did not know them (a requeue's batch: they were letters).
   redis.call('ZADD', KEYS[12], tonumber(ARGV[12]), ARGV[1])
-  redis.call('HINCRBY', KEYS[7], 'total', tonumber(ARGV[5]) + #cmsgpack.unpack(ARGV[10]))
+  redis.call('HINCRBY', KEYS[7], 'total', unknown)
   redis.call('HINCRBY', KEYS[7], 'batches', 1)
 end
 publish_shard({done = KEYS[1], shards = KEYS[2], results = KEYS[3], record = KEYS[4], leases = KEYS[5],
