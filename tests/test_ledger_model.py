@@ -610,3 +610,55 @@ def test_a_requeue_that_redis_lost_is_done_again(tmp_path: Path) -> None:
     assert world.status() == "partial"
     world.drain()
     assert world.status() == "done", ledger_jobs.counts(world.conn, JOB)
+
+
+def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_release(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """The worker's Completer (worker/completion.py), not the model's engine: Redis loses an outcome
+    between the shard being written and RELEASE (a rollback), so RELEASE answers 'short'. The written
+    shard is the batch's outcome: the batch is marked done from its marker and nothing is sent again."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import completion
+    from genq.worker.held import Flags, HeldBatch
+
+    world = _world(tmp_path)
+    engine = world.engines[ENGINES[1]]
+    world.acquire(engine, 0)
+    (batch, hold), = engine.holds.items()
+    for _ in range(4):  # claim and record every prompt; no shard yet
+        if world.missing(batch, hold) or hold.inflight:
+            world.work(engine, batch)
+    assert not world.missing(batch, hold)
+    lost = hold.prompts[0].id
+    real_open_sink = completion.open_sink
+
+    class RolledBack:
+        """The shard written, then Redis rolled back to before one of its outcomes."""
+
+        def __init__(self, config: JobConfig) -> None:
+            self.sink = real_open_sink(config)
+
+        def write_shard(self, *args, **kwargs):
+            info = self.sink.write_shard(*args, **kwargs)
+            world.conn.hdel(keys.batch_results(JOB, batch), lost)
+            return info
+
+    monkeypatch.setattr(completion, "open_sink", RolledBack)
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, size=len(hold.prompts),
+                     unfinished=set(), prompts=hold.prompts)
+
+    async def complete() -> completion.Finished:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        completer = completion.Completer(conn, Flags())
+        try:
+            return await completer.complete(held)
+        finally:
+            completer.close()
+            await conn.aclose()
+
+    finished = asyncio.run(complete())
+    assert not finished.missing, f"{sorted(finished.missing)} would be generated again: their shard is written"
+    assert world.conn.sismember(keys.job_done(JOB), batch)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from genq.core import batches, scripts
+from genq.core.durable import ShardMarker
 from genq.core.ledger import leasing
 from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, with_prompt
-from genq.ops.written import adopt_marker, outcome_for
+from genq.ops.written import adopt_marker, outcome_for, written_marker
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
 from genq.worker.held import Flags, HeldBatch
@@ -79,10 +80,23 @@ class Completer:
             released = await self._write(held, recorded)
             if released != "short":
                 return Finished(released=released == 1)
+            # Redis lost outcomes after they were read (a rollback): the shard just written is the
+            # batch's outcome, as any written shard is, and none of its prompts is generated again.
+            marker = await self._written_marker(held)
+            if marker is not None:
+                adopting = functools.partial(adopt_marker, self.conn, ref, marker, held.token)
+                return Finished(released=bool(await retrying(adopting, f"adopting batch {ref}")))
             log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
         # Never marked done short: the batch is let go, and the reconciler queues it again.
         log.error("batch %s: Redis never held exactly the shard's results; letting the batch go", ref)
         return Finished()
+
+    async def _written_marker(self, held: HeldBatch) -> ShardMarker | None:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config, held.ref)
+        except Exception as exc:  # the output unreachable now: read Redis again instead
+            log.warning("batch %s: cannot read its marker (%s: %s)", held.ref, type(exc).__name__, exc)
+            return None
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
         """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
