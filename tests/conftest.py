@@ -179,6 +179,15 @@ def write_prompts(path: Path, n: int, *, start: int = 0, extra: dict | None = No
     return ids
 
 
+def enqueue(tmp_path: Path, redis_url: str, job: str, n: int, *args: str) -> tuple[list[str], Path]:
+    """`genq enqueue` of n generated prompts into job, its output under tmp_path/out: (ids, out)."""
+    src = tmp_path / f"{job}.jsonl"
+    ids = write_prompts(src, n)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args, redis_url=redis_url)
+    return ids, out
+
+
 def read_results(out_dir: Path, job: str) -> list[dict]:
     rows = []
     for shard in sorted((out_dir / job / "shards").glob("*.jsonl")):

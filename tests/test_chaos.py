@@ -22,7 +22,7 @@ from genq.core import keys
 from genq.core.queueing import rq_queue
 from genq.core.records import DeadLetter
 from tests.audit import audit as shared_audit
-from tests.conftest import free_port, post_json, read_results, run_genq, wait_until, write_prompts
+from tests.conftest import enqueue, free_port, post_json, read_results, run_genq, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 
@@ -31,14 +31,6 @@ def audit(conn: redis.Redis, out: Path, job: str, ids: list[str]) -> tuple[list[
     """The shared exactly-once audit (tests/audit.py), returning the records and letters."""
     found = shared_audit(conn, job, out, ids)
     return list(found.results.values()), found.letters
-
-
-def enqueue(tmp_path: Path, redis_url: str, job: str, n: int, *args: str) -> tuple[list[str], Path]:
-    src = tmp_path / f"{job}.jsonl"
-    ids = write_prompts(src, n)
-    out = tmp_path / "out"
-    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args, redis_url=redis_url)
-    return ids, out
 
 
 def test_errors_resets_and_overlength_prompts(redis_url, rconn, sim, worker, tmp_path):

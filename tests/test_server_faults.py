@@ -18,20 +18,12 @@ import pytest
 from genq.core import keys
 from genq.core.records import WorkerStatus, unpack
 from tests.audit import audit
-from tests.conftest import post_json, run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import enqueue, post_json, run_genq, sim_stats, wait_until
 
 FAST = dict(mean_output_tokens=24, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=8)
 # About 2 s a request, 4 at a time: a 20-prompt batch takes 10 s on it.
 SLOW = dict(mean_output_tokens=400, output_sigma=0.2, tokens_per_step=8, step_ms_base=40, step_ms_per_req=0,
             max_running_requests=4)
-
-
-def enqueue(redis_url: str, tmp_path: Path, job: str, n: int, *args: str) -> tuple[list[str], Path]:
-    src = tmp_path / f"{job}.jsonl"
-    ids = write_prompts(src, n)
-    out = tmp_path / "out"
-    run_genq("enqueue", str(src), "--job", job, "--output", str(out), *args, redis_url=redis_url)
-    return ids, out
 
 
 def status_of(rconn, name: str) -> WorkerStatus | None:
@@ -50,7 +42,7 @@ def test_a_dead_servers_prompts_go_to_the_other_server(redis_url, rconn, sim, wo
     dead server's worker says server_down with no figures of the server it no longer has."""
     slow = sim(**SLOW)
     fast = sim(**FAST)
-    ids, out = enqueue(redis_url, tmp_path, "dead", 40, "--batch-size", "20", "--max-tokens", "600")
+    ids, out = enqueue(tmp_path, redis_url, "dead", 40, "--batch-size", "20", "--max-tokens", "600")
     holder = worker(slow, "--prefetch", "1", name="holder")
     name = worker_name(slow)
     wait_until(lambda: (s := status_of(rconn, name)) and s.in_flight >= 4, 30, "the slow server busy with a batch")
@@ -71,7 +63,7 @@ def test_a_server_answering_500_to_everything_costs_no_prompt(redis_url, rconn, 
     attempts: no prompt is dead-lettered (nothing on this server succeeds, so nothing says it is the
     prompt); once the server answers again the job is written whole."""
     url = sim(error_rate=1.0, **FAST)
-    ids, out = enqueue(redis_url, tmp_path, "e500", 30, "--batch-size", "15", "--max-tokens", "64",
+    ids, out = enqueue(tmp_path, redis_url, "e500", 30, "--batch-size", "15", "--max-tokens", "64",
                        "--max-attempts", "3")
     proc = worker(url, "--burst", "--retry-backoff", "0.05")
     name = worker_name(url)
@@ -135,7 +127,7 @@ def test_a_server_restarted_with_another_model_answers_nothing_of_the_job(redis_
     whatever model name a request asks for): its worker notices before sending to it again and hands its
     batches back; the new model generates nothing of the job, the other server writes it whole."""
     a, b = sim(**MEDIUM), sim(**FAST)
-    ids, out = enqueue(redis_url, tmp_path, "model", 60, "--batch-size", "10", "--max-tokens", "64")
+    ids, out = enqueue(tmp_path, redis_url, "model", 60, "--batch-size", "10", "--max-tokens", "64")
     wa = worker(a, "--prefetch", "1", name="a")
     wait_until(lambda: (s := status_of(rconn, worker_name(a))) and s.done >= 2, 60, "the first server working")
     restart(sim, a, served_model_name="other-model", **MEDIUM)
@@ -151,7 +143,7 @@ def test_resume_reads_the_context_of_a_server_restarted_meanwhile(redis_url, rco
     """Blocked by the preflight (max_tokens over the context), the server restarted with a larger one,
     then `genq resume --job`: the preflight reads the server again and the job runs."""
     url = sim(context_length=1000, **FAST)
-    ids, out = enqueue(redis_url, tmp_path, "pre", 20, "--batch-size", "10", "--max-tokens", "2000")
+    ids, out = enqueue(tmp_path, redis_url, "pre", 20, "--batch-size", "10", "--max-tokens", "2000")
     proc = worker(url, name="w")
     wait_until(lambda: rconn.exists(keys.job_blocked("pre")), 30, "the job blocked by the preflight")
     restart(sim, url, context_length=4096, **FAST)
@@ -167,11 +159,11 @@ def test_a_server_restarted_with_another_model_while_idle_answers_nothing(redis_
     before its first request after a quiet spell, so a job for the old model sent after the restart
     gets nothing from the new one."""
     url = sim(**FAST)
-    first, out = enqueue(redis_url, tmp_path, "before", 5, "--max-tokens", "16")
+    first, out = enqueue(tmp_path, redis_url, "before", 5, "--max-tokens", "16")
     proc = worker(url, name="w")
     wait_until(lambda: rconn.scard(keys.job_done("before")) == 1, 30, "the first job done")
     restart(sim, url, served_model_name="other-model", **FAST)
-    enqueue(redis_url, tmp_path, "after", 10, "--max-tokens", "16", "--model", "genq-sim/Sim-8B")
+    enqueue(tmp_path, redis_url, "after", 10, "--max-tokens", "16", "--model", "genq-sim/Sim-8B")
     wait_until(lambda: "handing its batches back" in proc.log() or sim_stats(url)["generation_requests"], 30,
                "the worker noticing, or the new model answering")
     assert sim_stats(url)["generation_requests"] == 0, proc.log()
