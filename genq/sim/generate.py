@@ -155,7 +155,7 @@ class Generation:
         problem = validate(body, max_new, flavor)
         if problem:
             return flavors.bad_request(flavor, problem)
-        limit = flavors.context_check(flavor, n_prompt, max_new, self.config.context_length)
+        limit = flavors.context_check(flavor, n_prompt, max_new, self.config.context_length, self.config.args_given)
         if isinstance(limit, web.Response):
             return limit
         return Job(body, prompt_key(source), n_prompt, limit)

@@ -120,6 +120,10 @@ class Reply:
         """This choice of a whole (non-streamed) answer."""
         reasoning, content = self.pieces(0, req.generated)
         stop = self.stop_field(req.finish_reason)
+        if self.chat and self.sglang and not self.tool:  # SGLang's message has no tool_calls key then
+            message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            return {"index": self.index, "message": message, "logprobs": self.logprobs(0, req.generated),
+                    "finish_reason": self.finish(req.finish_reason), **stop}
         if self.chat:
             return {
                 "index": self.index,

@@ -61,6 +61,7 @@ async def stream(
     sent = [0] * len(reqs)
     finished = [False] * len(reqs)
     last_id = replies[0].chunk_id
+    finished_early = [False] * len(reqs)  # its finish went with its last token (SGLang's completions)
     while True:
         await _any_progress(engine, [(each, sent[i]) for i, each in enumerate(reqs) if not finished[i]])
         for i, (each, reply) in enumerate(zip(reqs, replies, strict=True)):
@@ -80,11 +81,16 @@ async def stream(
                 if per_token and reply.chat and each.natural_finish == "stop" and b == each.target:
                     continue
                 deltas = reply.deltas(a, b)
+                # SGLang's completions stream ends a choice on its last token's chunk, with the
+                # finish and (at end-of-sequence) that token's logprob; there is no finish chunk.
+                last = per_token and not reply.chat and b == each.target and each.finish_reason is not None
                 for d, delta in enumerate(deltas):
                     # The step's logprobs ride on its last delta.
                     logprobs = reply.logprobs(a, b) if d == len(deltas) - 1 else None
-                    await resp.write(sse(reply.chunk(delta, None, b if continuous else None, logprobs)))
+                    finish = each.finish_reason if last and d == len(deltas) - 1 else None
+                    await resp.write(sse(reply.chunk(delta, finish, b if continuous else None, logprobs)))
                     last_id = reply.chunk_id
+                finished_early[i] = finished_early[i] or last
             if each.finish_reason is not None:
                 finished[i] = True
                 if not (finish_at_end or each.dropped):
@@ -99,8 +105,9 @@ async def stream(
     else:
         if finish_at_end:
             # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
-            for each, reply, tokens in zip(reqs, replies, sent, strict=True):
-                await _finish(resp, reply, each, tokens, continuous, last_id)
+            for each, reply, tokens, early in zip(reqs, replies, sent, finished_early, strict=True):
+                if not early:
+                    await _finish(resp, reply, each, tokens, continuous, last_id)
         if options.include_usage:
             await resp.write(sse(replies[0].usage_chunk(sum(sent), last_id if finish_at_end else None)))
         await resp.write(b"data: [DONE]\n\n")
