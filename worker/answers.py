@@ -98,7 +98,7 @@ def one_per_token(logprobs: dict[str, Any] | None, tokens: int | None, finish_re
     end-of-sequence token alone, whose stream held no logprobs at all, gets one null entry.
     None: the server sent none for a choice that needed some (it ignored the request)."""
     have = 0 if logprobs is None else len(logprobs.get("content" if chat else "token_logprobs") or ())
-    if tokens is None or finish_reason != "stop" or have != tokens - 1:
+    if tokens is None or finish_reason not in ("stop", "tool_calls") or have != tokens - 1:
         return logprobs
     if chat:
         entry = {"token": None, "logprob": None, "bytes": None, "top_logprobs": None}
