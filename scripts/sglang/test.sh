@@ -4,7 +4,8 @@
 # (scripts/sglang/install.sh, cached in ~/.cache/genq-sglang), then scripts/vllm/bench.py --engine
 # sglang with one server as the notes start it (16 running requests, a 2,048-token context): the
 # capacity and context learnt, over-context prompts dead-lettered with SGLang's 400, the brake
-# (scripts/llamacpp/brakes.py), n > 1 with logprobs, scripts/sglang/checks.py (logprobs streamed and
+# (scripts/llamacpp/brakes.py; SGLang refuses prompt + max_tokens over the context where the
+# others cut the answer), n > 1 with logprobs, scripts/sglang/checks.py (logprobs streamed and
 # not with EOS first, stop strings, stop_token_ids, tools, regex, pause and drain, a worker killed
 # mid-batch, every prompt exactly once) and genq's throughput against a bare client's by the
 # server's own occupancy. Sizes fit SGLang's 2-6 requests/s on 2 shared cores; more via ARGS.

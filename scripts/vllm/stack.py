@@ -38,8 +38,10 @@ SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--
                    "--mem-fraction-static", "0.3", "--max-total-tokens", "65536")
 MODEL_NAME = "tiny"
 CONTEXT = 2048
-# Each engine's 400 for a prompt longer than the context (docs/engines.md, Errors).
-OVER_CONTEXT = {"vllm": "maximum context length is 2048 tokens", "sglang": "longer than the model's context length"}
+# Each engine's 400 for a prompt longer than the context (docs/engines.md, Errors). SGLang also
+# refuses a prompt that fits with max_tokens that do not ("Requested token count exceeds the model's
+# maximum context length ..."), where vLLM and llama.cpp cut the answer: the words both its 400s share.
+OVER_CONTEXT = {"vllm": "maximum context length is 2048 tokens", "sglang": "context length"}
 # Each engine's 400 for the brake check's response_format of type "yaml" (scripts/llamacpp/brakes.py).
 REFUSED = {"vllm": "response_format", "sglang": "response_format"}
 LEARNED = re.compile(r"learned server capacity (\d+)")
