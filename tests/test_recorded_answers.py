@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from genq.core.records import Prompt, Result
-from genq.worker.answers import result_of
+from genq.worker.answers import UNSENT_MAX, one_per_token, result_of
 from genq.worker.server import Progress
 from genq.worker.stream import _StreamState
 from genq.worker.wire import Completion, parse_completion_bytes
@@ -64,3 +64,15 @@ def test_one_logprob_entry_per_generated_token(name: str) -> None:
             assert c["logprobs"]["tokens"][-1] == "<|im_end|>" and last <= 0
         if "eos_first" in name:
             assert c["completion"] == ""  # a valid, empty answer
+
+
+def test_a_length_cut_answer_whose_last_token_made_no_text() -> None:
+    """Seen in make test-sglang (2026-12-06): streamed, finish length at max_tokens 16, 15 logprob
+    entries: the last token decoded to no text (a character's first bytes) and SGLang's chat stream
+    sends logprobs only with text. Its entry is recorded as nulls; a whole gap is not filled."""
+    sent = {"content": [{"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}] * 15}
+    filled = one_per_token(sent, 16, "length", chat=True)
+    assert filled is not None and len(filled["content"]) == 16 and filled["content"][-1]["logprob"] is None
+    assert one_per_token(sent, 15, "length", chat=True) is sent  # nothing missing
+    assert one_per_token(sent, 15 + UNSENT_MAX + 1, "length", chat=True) is sent  # more than trailing bytes: as sent
+    assert one_per_token(None, 16, "length", chat=True) is None  # no logprobs at all: the server ignored them

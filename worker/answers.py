@@ -88,22 +88,29 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
     )
 
 
+# The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
+# decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
+UNSENT_MAX = 4
+
+
 def one_per_token(logprobs: dict[str, Any] | None, tokens: int | None, finish_reason: str | None, *,
                   chat: bool) -> dict[str, Any] | None:
     """A choice's logprobs with one entry per generated token (docs/engines.md, "Logprobs").
 
-    Streamed, SGLang (0.5.23) sends no logprob for the end-of-sequence token, which its usage
-    counts and its whole answer lists: a choice that stopped with exactly one entry fewer than
-    its tokens gets that last entry as nulls (no figure is made up), and an answer that is the
-    end-of-sequence token alone, whose stream held no logprobs at all, gets one null entry.
-    None: the server sent none for a choice that needed some (it ignored the request)."""
+    SGLang's chat stream (0.5.23) attaches logprobs to the next chunk it sends: the last tokens of
+    an answer that decode to no text (its end-of-sequence token; the first bytes of a character
+    cut by max_tokens) are counted in its usage and never sent. Those entries, at most UNSENT_MAX,
+    are recorded as nulls at the end (no figure is made up); an answer that is the end-of-sequence
+    token alone, whose stream held no logprobs at all, is a valid answer with one null entry.
+    None: the server sent none for a choice that needed more (it ignored the request)."""
     have = 0 if logprobs is None else len(logprobs.get("content" if chat else "token_logprobs") or ())
-    if tokens is None or finish_reason not in ("stop", "tool_calls") or have != tokens - 1:
+    unsent = 0 if tokens is None else tokens - have
+    if not 0 < unsent <= UNSENT_MAX or (logprobs is None and finish_reason not in ("stop", "tool_calls")):
         return logprobs
     if chat:
         entry = {"token": None, "logprob": None, "bytes": None, "top_logprobs": None}
-        return {**(logprobs or {}), "content": [*((logprobs or {}).get("content") or ()), entry]}
+        return {**(logprobs or {}), "content": [*((logprobs or {}).get("content") or ()), *[entry] * unsent]}
     if logprobs is None:
-        return {k: [None] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-    # Each per-token list grows by one (top_logprobs is null, not a list, when no alternatives were asked).
-    return {k: [*v, None] if isinstance(v, list) and len(v) == have else v for k, v in logprobs.items()}
+        return {k: [None] * unsent for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    # Each per-token list grows (top_logprobs is null, not a list, when no alternatives were asked).
+    return {k: [*v, *[None] * unsent] if isinstance(v, list) and len(v) == have else v for k, v in logprobs.items()}
