@@ -160,9 +160,11 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int = 48) -> dic
     rows = [{"id": f"pd-{i}", "messages": [{"role": "user", "content": f"Pause {i}."}]} for i in range(n)]
     out = _enqueue(stack, work, job, rows, 24, 8)
     log = work / f"worker-{job}.log"
+    base = _requests(stack)  # the server's counter since it started: this job's requests are those past it
     proc = _worker(stack, log)
     found: list[str] = []
-    _wait(lambda: _done(out, job) >= 1 or _requests(stack) >= 8, 600)
+    if not _wait(lambda: _done(out, job) >= 1 or _requests(stack) >= base + 8, 600):
+        found.append("pause: the job sent no requests within 600 s")
     genq(stack, "pause")
     time.sleep(15)  # in-flight requests end (16 tokens at 2-6 requests/s on 2 shared cores)
     before = _requests(stack)
@@ -181,8 +183,8 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int = 48) -> dic
     _worker(stack, log, "--burst").wait(timeout=1800)
     found += _exactly_once(job, _records(out, job), rows, _letters(stack))
     problems += found
-    print(f"pause and drain: {before} -> {after} requests over 10 s paused, {len(found)} problems {found[:3]}",
-          flush=True)
+    print(f"pause and drain: paused after {before - base:.0f} requests of the job, {before} -> {after} over 10 s "
+          f"paused, {len(found)} problems {found[:3]}", flush=True)
     return {"paused_requests": [before, after], "problems": found}
 
 
