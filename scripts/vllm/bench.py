@@ -143,11 +143,13 @@ def fidelity_phase(stack: Stack, work: Path, args: argparse.Namespace, problems:
 
 
 def _sent(choice: dict) -> list[dict]:
-    """A choice's logprob entries the server sent: less the last when it is all null, the entry
-    genq records for an end-of-sequence token SGLang's stream counts but sends no logprob for
-    (docs/engines.md, "Logprobs")."""
-    content = choice["logprobs"]["content"]
-    return content[:-1] if content and content[-1]["logprob"] is None else content
+    """A choice's logprob entries the server sent: less the all-null ones at the end, which genq
+    records for the last tokens SGLang's chat stream counts but sends no logprob for (EOS, an
+    unfinished character; docs/engines.md, "Logprobs")."""
+    content = list(choice["logprobs"]["content"])
+    while content and content[-1]["logprob"] is None:
+        content.pop()
+    return content
 
 
 def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, slots: int, problems: list[str]) -> dict:
