@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast check test-llamacpp test-vllm mutation bench bench-eta install clean
+.PHONY: demo test test-fast check test-llamacpp test-vllm test-sglang mutation bench bench-eta install clean
 
 # setuptools says "Editable installation ... folders with the same name as your package" for every
 # editable install through its import hook (pyproject.toml [tool.setuptools]); it is information only.
@@ -72,6 +72,13 @@ test-llamacpp: $(BIN)/genq
 # against a bare client in paired rounds (~15 min; not part of `make test`; docs/vllm.md).
 test-vllm: $(BIN)/genq
 	$(BIN)/python scripts/vllm/bench.py $(VLLM_BENCH_ARGS)
+
+# genq against real SGLang 0.5.23 on CPU (its own server, scheduler and radix cache; a tiny random
+# Qwen2): installs it once into ~/.cache/genq-sglang (3.1 GB, ~6 min; needs python3.11), then runs
+# the real-engine checks from a fresh clone of HEAD (scripts/sglang/test.sh says which; not part of
+# `make test`; docs/engines.md). SGLANG_BENCH_ARGS go to scripts/vllm/bench.py.
+test-sglang:
+	scripts/sglang/test.sh $(SGLANG_BENCH_ARGS)
 
 # Mutation testing of the result commit path (worker/results.py) with mutmut, run against the fast
 # tests that drive it (tests/test_commit.py, tests/test_commit_scripts.py), then the Lua commit script's own mutants

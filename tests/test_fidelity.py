@@ -58,11 +58,13 @@ def test_n_samples_are_one_record_with_every_choice(redis_url, rconn, sim, worke
         assert [c["index"] for c in choices] == [0, 1, 2]
         texts = [c["completion"] for c in choices]
         assert len(set(texts)) == 3, texts  # three samples, not one thrice
-        assert all(t and c["finish_reason"] in ("stop", "length") for t, c in zip(texts, choices, strict=True))
+        assert all(c["finish_reason"] in ("stop", "length") for c in choices)
         # The fields a one-sample reader knows are choice 0's.
         assert (r["completion"], r["finish_reason"]) == (texts[0], choices[0]["finish_reason"])
-        # The sim's text is four characters a token: each sample's own length, and usage is their sum.
-        tokens = [len(t) // 4 for t in texts]
+        # The sim's text is four characters a token (SGLang's chat stream sends none for the
+        # end-of-sequence token, which it counts): each sample's own length, and usage is their sum.
+        tokens = [len(t) // 4 + (stream and endpoint == "chat" and c["finish_reason"] == "stop")
+                  for t, c in zip(texts, choices, strict=True)]
         assert r["usage"]["completion_tokens"] == sum(tokens)
         if stream:
             assert [c["completion_tokens"] for c in choices] == tokens
@@ -76,7 +78,8 @@ def test_one_sample_record_keeps_its_shape(redis_url, rconn, sim, worker, tmp_pa
     records = run_job(tmp_path, redis_url, rconn, sim, worker, "one", None, count=5)
     for r in records:
         assert "choices" not in r and "logprobs" not in r and "matched_stop" not in r
-        assert r["usage"]["completion_tokens"] == len(r["completion"]) // 4
+        # Streamed (genq's default), SGLang sends no text for the end-of-sequence token it counts.
+        assert r["usage"]["completion_tokens"] == len(r["completion"]) // 4 + (r["finish_reason"] == "stop")
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
@@ -87,29 +90,75 @@ def test_chat_logprobs_are_kept(redis_url, rconn, sim, worker, tmp_path, stream)
     for r in records:
         for c in r["choices"]:
             content = c["logprobs"]["content"]
+            if stream and c["finish_reason"] == "stop":
+                # SGLang streams nothing for the end-of-sequence token: its entry is all null.
+                assert content[-1] == {"token": None, "logprob": None, "bytes": None, "top_logprobs": None}
+                content = content[:-1]
             # One entry a token, in order, the stream's pieces concatenated: they spell the text.
-            assert "".join(e["token"] for e in content) == c["completion"]
+            assert "".join(e["token"] for e in content) == c["completion"][:4 * len(content)]
+            assert len(content) == len(c["completion"]) // 4
             assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in content)
             assert all(e["logprob"] < 0 for e in content)
         assert r["logprobs"] == r["choices"][0]["logprobs"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_logprobs_one_per_generated_token_when_the_stream_leaves_out_eos(redis_url, rconn, sim, worker, tmp_path,
+                                                                          stream, endpoint):
+    """SGLang streams no logprob for the end-of-sequence token, which usage counts (the sim
+    plays it): the record still has one entry a generated token, and an answer that is EOS
+    alone (no entry at all in the stream) is a valid, empty answer, not a dead letter."""
+    flag = "--stream" if stream else "--no-stream"
+    sampling = {"logprobs": 0} if endpoint == "completions" else {"logprobs": True, "n": 2}
+    # Short answers: lognormal lengths with mean 2 put a good share at one token (EOS first).
+    records = run_job(tmp_path, redis_url, rconn, sim, worker, "eos", sampling, flag, count=30,
+                      prompt=endpoint == "completions", sim_options={"mean_output_tokens": 2, "output_sigma": 1.0})
+    assert len(records) == 30
+    eos_first = 0
+    for r in records:
+        choices = r.get("choices") or [{**r, "completion_tokens": r["usage"]["completion_tokens"]}]
+        if len(choices) > 1 and not stream:  # a whole answer counts only the request's tokens
+            assert r["usage"]["completion_tokens"] == sum(len(c["completion"]) // 4 for c in choices)
+            choices = [{**c, "completion_tokens": len(c["completion"]) // 4} for c in choices]
+        for c in choices:
+            tokens = c["completion_tokens"]
+            # The sim's text is four characters a token; SGLang's chat stream sends no text for EOS.
+            unsent = stream and endpoint == "chat" and c["finish_reason"] == "stop"
+            assert len(c["completion"]) // 4 == tokens - unsent, (c, tokens)
+            lp = c["logprobs"]
+            entries = lp["content"] if endpoint == "chat" else lp["token_logprobs"]
+            assert len(entries) == tokens, (c, tokens)
+            known = [e["logprob"] for e in entries] if endpoint == "chat" else entries
+            # What the server sent is kept as sent; the entry it left out is there, all null.
+            unknown = [i for i, v in enumerate(known) if v is None]
+            assert unknown == ([tokens - 1] if unsent else []), (c, unknown)
+            eos_first += tokens == 1 and c["finish_reason"] == "stop"
+    assert eos_first >= 2
 
 
 def test_completions_logprobs_are_kept(redis_url, rconn, sim, worker, tmp_path):
     records = run_job(tmp_path, redis_url, rconn, sim, worker, "lpc", {"logprobs": 3}, prompt=True, count=6)
     for r in records:
         lp = r["logprobs"]
-        assert "".join(lp["tokens"]) == r["completion"]
+        if r["finish_reason"] == "stop" and lp["tokens"][-1] is None:  # streamed: SGLang's unsent EOS entry
+            assert [lp[k][-1] for k in ("token_logprobs", "top_logprobs", "text_offset")] == [None] * 3
+            lp = {k: v[:-1] for k, v in lp.items()}
+        assert "".join(lp["tokens"]) == r["completion"][:4 * len(lp["tokens"])]
         assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
         assert all(len(alts) == 3 for alts in lp["top_logprobs"])
         assert lp["text_offset"] == [4 * i for i in range(len(lp["tokens"]))]
 
 
-def test_a_stop_request_keeps_what_stopped_it(redis_url, rconn, sim, worker, tmp_path):
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_a_stop_request_keeps_what_stopped_it(redis_url, rconn, sim, worker, tmp_path, flavor):
     records = run_job(tmp_path, redis_url, rconn, sim, worker, "stops", {"stop": ["never appears"]}, count=8,
-                      sim_options={"mean_output_tokens": 10})
+                      sim_options={"mean_output_tokens": 10, "flavor": flavor})
     stopped = [r for r in records if r["finish_reason"] == "stop"]
-    assert stopped and all(r["matched_stop"] == 151645 for r in stopped)  # the sim's EOS, as SGLang says
-    assert all("matched_stop" not in r for r in records if r["finish_reason"] == "length")
+    # SGLang names the EOS token (the sim's is Qwen's <|im_end|>); vLLM's stop_reason is null at EOS.
+    assert stopped and all(r["matched_stop"] == (151645 if flavor == "sglang" else None) for r in stopped)
+    # Asked, and nothing matched: recorded as null, told apart from "not asked" (no key).
+    assert all(r["matched_stop"] is None for r in records if r["finish_reason"] == "length")
 
 
 def test_export_keeps_every_choice(redis_url, rconn, sim, worker, tmp_path):
@@ -137,14 +186,16 @@ TOOL = {"type": "function", "function": {"name": "count_tokens", "parameters": {
 def test_tool_calls_are_kept(redis_url, rconn, sim, worker, tmp_path, stream):
     flag = "--stream" if stream else "--no-stream"
     records = run_job(tmp_path, redis_url, rconn, sim, worker, "tools", {"tools": [TOOL], "n": 2}, flag, count=6,
-                      sim_options={"mean_output_tokens": 10})
+                      sim_options={"mean_output_tokens": 10, "tool_call_parser": "qwen25"})
     for r in records:
         for c in r["choices"]:
             # The sim calls the first tool with its own length as the argument, streamed in pieces.
             [call] = c["tool_calls"]
             assert call["type"] == "function" and call["id"].startswith("call_")
             assert call["function"]["name"] == "count_tokens"
-            assert json.loads(call["function"]["arguments"]) == {"tokens": len(c["completion"]) // 4}
+            # (streamed, SGLang sends no text for the end-of-sequence token it counts)
+            unsent = stream and c["finish_reason"] == "tool_calls"
+            assert json.loads(call["function"]["arguments"]) == {"tokens": len(c["completion"]) // 4 + unsent}
             assert c["finish_reason"] in ("tool_calls", "length")
         assert r["tool_calls"] == r["choices"][0]["tool_calls"]
     assert any(r["finish_reason"] == "tool_calls" for r in records)

@@ -11,6 +11,8 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
+
 from genq.core.records import JobConfig, Prompt, Result
 from genq.worker.decoding import DecodeMeter
 from genq.worker.held import Task
@@ -59,15 +61,21 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
         return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
                        f"indexes {indexes}", retryable=False)
     asked_stop = any(body.get(name) for name in _STOP_FIELDS)
-    asked_logprobs = bool(body.get("logprobs"))
+    # Chat asks with true; completions with a count of alternatives, 0 included.
+    asked_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
     for choice in c.choices:
         if not asked_stop:
-            choice.matched_stop = None
+            choice.matched_stop = msgspec.UNSET  # absent: not asked; null: asked, the server named none
         if not asked_logprobs:
             choice.logprobs = None
-        elif choice.logprobs is None:
+            continue
+        tokens = choice.completion_tokens if choice.completion_tokens is not None else \
+            c.usage.completion_tokens if n == 1 else None
+        logprobs = one_per_token(choice.logprobs, tokens, choice.finish_reason, chat="messages" in body)
+        if logprobs is None:
             return Failure("protocol", f"the request asked for logprobs; the server's choice {choice.index} has none",
                            retryable=False)
+        choice.logprobs = logprobs
     first = c.choices[0]
     return Result(
         id=prompt.id, job=job, batch=batch, index=prompt.index,
@@ -78,3 +86,31 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
         choices=c.choices if n > 1 else None, logprobs=first.logprobs, matched_stop=first.matched_stop,
         tool_calls=first.tool_calls, settings_version=settings_version,
     )
+
+
+# The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
+# decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
+UNSENT_MAX = 4
+
+
+def one_per_token(logprobs: dict[str, Any] | None, tokens: int | None, finish_reason: str | None, *,
+                  chat: bool) -> dict[str, Any] | None:
+    """A choice's logprobs with one entry per generated token (docs/engines.md, "Logprobs").
+
+    SGLang's chat stream (0.5.23) attaches logprobs to the next chunk it sends: the last tokens of
+    an answer that decode to no text (its end-of-sequence token; the first bytes of a character
+    cut by max_tokens) are counted in its usage and never sent. Those entries, at most UNSENT_MAX,
+    are recorded as nulls at the end (no figure is made up); an answer that is the end-of-sequence
+    token alone, whose stream held no logprobs at all, is a valid answer with one null entry.
+    None: the server sent none for a choice that needed more (it ignored the request)."""
+    have = 0 if logprobs is None else len(logprobs.get("content" if chat else "token_logprobs") or ())
+    unsent = 0 if tokens is None else tokens - have
+    if not 0 < unsent <= UNSENT_MAX or (logprobs is None and finish_reason not in ("stop", "tool_calls")):
+        return logprobs
+    if chat:
+        entry = {"token": None, "logprob": None, "bytes": None, "top_logprobs": None}
+        return {**(logprobs or {}), "content": [*((logprobs or {}).get("content") or ()), *[entry] * unsent]}
+    if logprobs is None:
+        return {k: [None] * unsent for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    # Each per-token list grows (top_logprobs is null, not a list, when no alternatives were asked).
+    return {k: [*v, *[None] * unsent] if isinstance(v, list) and len(v) == have else v for k, v in logprobs.items()}

@@ -153,6 +153,14 @@ class _StreamState:
         if not self.total_seen and len(choices) > 1:
             # No total from the server: the sum of what each choice's last chunk counted.
             usage.completion_tokens = sum(c.completion_tokens or 0 for c in choices)
+        elif len(choices) > 1:
+            # SGLang's chat stream sends no chunk for a choice's end-of-sequence token, which its
+            # total counts: when the total exceeds the choices' own counts by the number of
+            # choices that stopped, each of those has one token more than its chunks said.
+            stopped = [c for c in choices if c.finish_reason in ("stop", "tool_calls")]
+            if stopped and usage.completion_tokens - sum(c.completion_tokens or 0 for c in choices) == len(stopped):
+                for c in stopped:
+                    c.completion_tokens = (c.completion_tokens or 0) + 1
         if len(choices) == 1 and (choices[0].completion_tokens is None or self.total_seen):
             choices[0].completion_tokens = usage.completion_tokens
         return Completion(choices=choices, usage=usage, model=self.model, response_id=self.response_id)

@@ -74,6 +74,12 @@ _D = SimConfig()
 @click.option("--stream-close-delay", default=_D.stream_close_delay, type=float,
               help="llamacpp flavor: seconds after a streamed response at which the connection closes "
                    "(unread meanwhile), whatever its Keep-Alive header said.")
+@click.option("--tool-call-parser", default=_D.tool_call_parser, metavar="NAME",
+              help="sglang flavor: as SGLang's flag; without one, `tools` are ignored and answers are plain "
+                   "content. [default: none]")
+@click.option("--args-given", default=_D.args_given, type=bool,
+              help="sglang flavor: play a server started with --max-running-requests and --context-length "
+                   "(/server_info shows them; max_tokens over the context gets SGLang's own 400 for it).")
 def sim_command(**options: Any) -> None:
     """Serve a simulator of one GPU inference server (SGLang, vLLM or llama.cpp).
 

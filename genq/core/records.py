@@ -156,7 +156,7 @@ class Choice(msgspec.Struct, omit_defaults=True):
     completion_tokens: int | None = None
     reasoning_content: str | None = None
     logprobs: dict[str, Any] | None = None  # as Result.logprobs
-    matched_stop: int | str | None = None  # as Result.matched_stop
+    matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET  # as Result.matched_stop
     tool_calls: list[dict[str, Any]] | None = None  # as Result.tool_calls
 
 
@@ -192,9 +192,11 @@ class Result(msgspec.Struct, omit_defaults=True):
     # chat {"content": [{token, logprob, bytes, top_logprobs}]}, completions {"tokens",
     # "token_logprobs", "top_logprobs", "text_offset"}; a stream's pieces concatenated.
     logprobs: dict[str, Any] | None = None
-    # What stopped generation, when the request set stop or stop_token_ids: SGLang's
-    # matched_stop, vLLM's stop_reason (the stop string, or the token id; None for EOS/length).
-    matched_stop: int | str | None = None
+    # What stopped generation, only when the request set stop or stop_token_ids: SGLang's
+    # matched_stop, vLLM's stop_reason (the stop string or the token id). null: set, but the
+    # server named nothing (vLLM at end-of-sequence, or a length cut: finish_reason tells
+    # which); absent: not set, so not recorded.
+    matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET
     # The calls the model made when the request offered tools: OpenAI's message.tool_calls,
     # [{"id", "type": "function", "function": {"name", "arguments"}}]; a stream's pieces merged.
     tool_calls: list[dict[str, Any]] | None = None

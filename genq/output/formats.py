@@ -61,6 +61,11 @@ def _json_or_none(value: Any) -> str | None:
     return None if value is None else _json.encode(value).decode()
 
 
+def _stop_json(value: Any) -> str | None:
+    """matched_stop: "null" when stop was set and the server named nothing, null when not set."""
+    return None if value is msgspec.UNSET else _json.encode(value).decode()
+
+
 def _text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -81,10 +86,10 @@ def parquet_row(r: Result) -> dict[str, Any]:
         "choices": None if r.choices is None else [
             {"index": c.index, "completion": c.completion, "reasoning_content": c.reasoning_content,
              "finish_reason": c.finish_reason, "completion_tokens": c.completion_tokens,
-             "logprobs": _json_or_none(c.logprobs), "matched_stop": _json_or_none(c.matched_stop),
+             "logprobs": _json_or_none(c.logprobs), "matched_stop": _stop_json(c.matched_stop),
              "tool_calls": _json_or_none(c.tool_calls)}
             for c in r.choices],
-        "logprobs": _json_or_none(r.logprobs), "matched_stop": _json_or_none(r.matched_stop),
+        "logprobs": _json_or_none(r.logprobs), "matched_stop": _stop_json(r.matched_stop),
         "tool_calls": _json_or_none(r.tool_calls),
     }
 

@@ -35,6 +35,15 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # is the bytes a step reads (weights + KV in use) over the step's time per token it makes.
     weight_gb: float = 15.3
     kv_bytes_per_token: int = 131072
+    # SGLang only, as its command line would say (0.5.23, tests/recordings/sglang-0.5.23/):
+    # - tool_call_parser (--tool-call-parser): without one a request's `tools` are ignored and
+    #   the answer is plain content; with one the sim's answer calls the first tool.
+    # - args_given: it was started with --max-running-requests and --context-length. Only then
+    #   does /server_info show them at the top level (else null: the limit is in internal_states,
+    #   the context in /v1/models), and max_tokens over the context gets the "max_completion_tokens
+    #   is too large" 400 before the prompt is looked at.
+    tool_call_parser: str | None = None
+    args_given: bool = False
 
     # Step timing. A fixed cost dominates, as in memory-bound decode, so
     # throughput grows with the batch size. Both 0: an (almost) instant server.

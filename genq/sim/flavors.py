@@ -76,9 +76,10 @@ def bad_request(flavor: str, message: str) -> web.Response:
     return error_response(flavor, 400, message)
 
 
-def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int) -> web.Response | int:
+def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
+                  ctx_given: bool = False) -> web.Response | int:
     """The engine's answer to a prompt against its context: a 400, or the most tokens
-    the request may generate."""
+    the request may generate. ctx_given: SGLang was started with --context-length."""
     if flavor == "llamacpp":
         # tools/server/server-context.cpp: checked against the slot's context when the
         # request gets a slot; max_tokens past the end is no error, the slot stops at
@@ -110,7 +111,12 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int) -> 
             return error_response(flavor, 400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
                                   param="max_tokens")
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
-    # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py
+    # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py. With
+    # --context-length, _validate_request refuses max_tokens over it before the prompt is
+    # tokenized (0.5.23's message, its missing space included).
+    if ctx_given and max_new is not None and max_new > ctx:
+        return bad_request(flavor, f"max_completion_tokens is too large: {max_new}."
+                                   f"This model supports at most {ctx} completion tokens.")
     if n_prompt >= ctx:
         return bad_request(flavor, f"The input ({n_prompt} tokens) is longer than the model's context length "
                                    f"({ctx} tokens).")
@@ -151,8 +157,9 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
         "served_model_name": cfg.model_name,
         "host": cfg.host,
         "port": cfg.port,
-        "context_length": cfg.context_length,
-        "max_running_requests": cfg.max_running_requests,
+        # As given on its command line: null unless --context-length / --max-running-requests were.
+        "context_length": cfg.context_length if cfg.args_given else None,
+        "max_running_requests": cfg.max_running_requests if cfg.args_given else None,
         "max_queued_requests": cfg.max_queued_requests,
         "max_total_num_tokens": cfg.max_total_num_tokens,
         "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1,
@@ -226,6 +233,8 @@ def metrics_page(cfg: SimConfig, eng: SteppedEngine) -> str:
             ("sglang:num_used_tokens", "The number of used tokens.", eng.used_tokens),
             ("sglang:token_usage", "The token usage.", usage),
             ("sglang:gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+            # 0.5.23 has this gauge (no retraction counter); the sim never retracts.
+            ("sglang:num_retracted_reqs", "The number of retracted requests.", 0),
         ]
         counters = [
             ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),

@@ -39,6 +39,8 @@ class Generation:
         self.faults = faults
         self.ready = ready
         self.start_outage = start_outage
+        # vLLM and llama.cpp answer tools with calls (genq sim plays no parser switch for them).
+        self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None
         self._text = (WORDS * (4 * config.context_length // len(WORDS) + 1))[: 4 * config.context_length]
 
     async def answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -106,7 +108,10 @@ class Generation:
             separate=not isinstance(body, ChatRequest) or body.separate_reasoning,
             index=i,
             top_logprobs=body.logprobs_asked(),
-            tool=body.tool_called() if isinstance(body, ChatRequest) else None,
+            tool=body.tool_called() if isinstance(body, ChatRequest) and self._tool_calls else None,
+            sglang=self.flavor == "sglang",
+            # SGLang runs each of n > 1 samples as a sub-request with an id of its own.
+            chunk_id=rid if i == 0 or self.flavor != "sglang" else uuid.uuid4().hex,
         ) for i in range(body.n)]
         try:
             if body.stream:
@@ -150,7 +155,7 @@ class Generation:
         problem = validate(body, max_new, flavor)
         if problem:
             return flavors.bad_request(flavor, problem)
-        limit = flavors.context_check(flavor, n_prompt, max_new, self.config.context_length)
+        limit = flavors.context_check(flavor, n_prompt, max_new, self.config.context_length, self.config.args_given)
         if isinstance(limit, web.Response):
             return limit
         return Job(body, prompt_key(source), n_prompt, limit)

@@ -56,6 +56,11 @@ class Reply:
     # The tool the answer calls (the request offered tools), as SGLang with a tool-call
     # parser answers: the text, then the call; None: no call.
     tool: str | None = None
+    # SGLang's stream shapes (recorded from 0.5.23, tests/recordings/sglang-0.5.23/): every
+    # delta has reasoning_content (null when none), and each choice's chunks carry the id of
+    # its own sub-request. chunk_id: that id (the request's rid for choice 0).
+    sglang: bool = False
+    chunk_id: str = ""
 
     def finish(self, reason: str | None) -> str | None:
         """SGLang turns a natural stop after a tool call into "tool_calls" (serving_chat.py)."""
@@ -114,7 +119,11 @@ class Reply:
     def choice(self, req: SimRequest) -> dict[str, Any]:
         """This choice of a whole (non-streamed) answer."""
         reasoning, content = self.pieces(0, req.generated)
-        matched = EOS_TOKEN_ID if req.finish_reason == "stop" else None
+        stop = self.stop_field(req.finish_reason)
+        if self.chat and self.sglang and not self.tool:  # SGLang's message has no tool_calls key then
+            message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            return {"index": self.index, "message": message, "logprobs": self.logprobs(0, req.generated),
+                    "finish_reason": self.finish(req.finish_reason), **stop}
         if self.chat:
             return {
                 "index": self.index,
@@ -126,50 +135,64 @@ class Reply:
                 },
                 "logprobs": self.logprobs(0, req.generated),
                 "finish_reason": self.finish(req.finish_reason),
-                "matched_stop": matched,
+                **stop,
             }
         return {
             "index": self.index,
             "text": reasoning + content,
             "logprobs": self.logprobs(0, req.generated),
             "finish_reason": req.finish_reason,
-            "matched_stop": matched,
+            **stop,
         }
+
+    def stop_field(self, finish: str | None) -> dict[str, Any]:
+        """What stopped the choice: SGLang's matched_stop names the EOS token; vLLM's stop_reason
+        is null at EOS (it names only stop strings and stop_token_ids)."""
+        if self.sglang:
+            return {"matched_stop": EOS_TOKEN_ID if finish == "stop" else None}
+        return {"stop_reason": None}
 
     def deltas(self, a: int, b: int) -> list[dict[str, Any]]:
         reasoning, content = self.pieces(a, b)
         if not self.chat:
             return [{"text": content}]
-        out = []
+        out: list[dict[str, Any]] = []
         if reasoning:
             out.append({"reasoning_content": reasoning})
         if content:
             out.append({"content": content})
+        if self.sglang:
+            out = [{"reasoning_content": None, **d} for d in out]
         return out
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None, tokens: int | None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One stream chunk; delta None is the finish chunk (empty delta/text)."""
-        matched = EOS_TOKEN_ID if finish == "stop" else None
+              logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> dict[str, Any]:
+        """One stream chunk; delta None is the finish chunk (empty delta/text). SGLang's chunks
+        without a count (its role and finish chunks) have no usage key."""
         if self.chat:
+            if self.sglang:
+                delta = {"reasoning_content": None, **(delta or {})}
             choice: dict[str, Any] = {"index": self.index, "delta": delta or {}, "logprobs": logprobs}
         else:
             choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
         choice["finish_reason"] = finish
-        choice["matched_stop"] = matched
-        return {
-            "id": self.rid,
+        choice.update(self.stop_field(finish))
+        out = {
+            "id": chunk_id or self.chunk_id or self.rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
             "usage": None if tokens is None else self.usage(tokens),
         }
+        if self.sglang and tokens is None:
+            del out["usage"]
+        return out
 
-    def usage_chunk(self, tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, tokens: int, chunk_id: str | None = None) -> dict[str, Any]:
         """The last chunk: the request's usage (tokens: over all its choices), no choices."""
         return {
-            "id": self.rid,
+            "id": chunk_id or self.rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,

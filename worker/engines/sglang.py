@@ -1,6 +1,9 @@
 """SGLang (sgl-project/sglang, python/sglang/srt/...; docs/engines.md has the lines).
 
-- Told by `GET /get_server_info` (newer `/server_info`): the running-request limit and the context.
+- Told by `GET /server_info` (older `/get_server_info`, deprecated in 0.5.23: a warning in its log
+  at every call): the running-request limit (internal_states[].effective_max_running_requests_per_dp;
+  the top-level max_running_requests is null unless given on its command line) and the context
+  (null unless --context-length was given: /v1/models max_model_len then tells it).
 - Metrics with `--enable-metrics`, `sglang:` names, one series per DP/TP rank (summed).
 - Errors: a flat body `{"object": "error", "message", "type", "param", "code"}`; an exception in a
   running stream is sent as an event with the blanket code 400 whatever its cause, then `[DONE]`.
@@ -21,12 +24,12 @@ class SGLang(Engine):
     running = ("sglang:num_running_reqs",)
     waiting = ("sglang:num_queue_reqs",)
     kv_usage = ("sglang:token_usage",)
-    retracted = ("sglang:num_retracted_reqs",)  # gauge (older SGLang)
-    retractions_total = ("sglang:num_retracted_requests_total",)
+    retracted = ("sglang:num_retracted_reqs",)  # gauge, with a pid label in 0.5.23
+    retractions_total = ("sglang:num_retracted_requests_total",)  # a counter some versions have; not 0.5.23
     generated_total = ("sglang:generation_tokens_total",)  # split by is_streaming: summed
 
     async def probe(self, get_json: GetJson) -> Told | None:
-        for path in ("/get_server_info", "/server_info"):  # older, newer name
+        for path in ("/server_info", "/get_server_info"):  # newer, older name
             info = await get_json(path)
             if isinstance(info, dict):
                 return Told(capacity=capacity_from_info(info), context_length=info.get("context_length"),
