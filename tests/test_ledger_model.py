@@ -527,7 +527,7 @@ class LedgerModel(RuleBasedStateMachine):
 
 # A planted bug is looked for longer; the search stops at the first failure, unshrunk (shrinking
 # takes minutes here: `python tests/lua_mutants.py --model` prints the shrunk failure of each).
-HUNT = settings(MODEL, max_examples=200, phases=(Phase.explicit, Phase.generate))
+HUNT = settings(MODEL, max_examples=1000, phases=(Phase.explicit, Phase.generate))
 
 
 def run_model(lua: dict[str, str] | None = None, config: settings = MODEL) -> None:

@@ -174,7 +174,8 @@ async def test_info_endpoints(sim: RunningSim, http: aiohttp.ClientSession) -> N
     for path in ("/get_server_info", "/server_info"):
         async with http.get(path) as resp:
             info = await resp.json()
-        assert info["max_running_requests"] == 5 and info["context_length"] == 4096
+        # As SGLang 0.5.23: null at the top level unless given as flags (tests/test_sim_sglang_recorded.py)
+        assert info["max_running_requests"] is None and info["context_length"] is None
         assert info["served_model_name"] == "served" and info["version"] == "0.0.0-genq-sim"
         assert {"max_total_num_tokens", "max_req_input_len", "model_path"} <= info.keys()
         (state,) = info["internal_states"]
