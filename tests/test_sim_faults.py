@@ -211,7 +211,7 @@ def test_cli_serves_until_sigterm() -> None:
                 async with http.get("/get_server_info") as resp:
                     return await resp.json()
 
-        assert asyncio.run(probe())["max_running_requests"] == 7
+        assert asyncio.run(probe())["internal_states"][0]["effective_max_running_requests_per_dp"] == 7
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
         assert proc.wait(timeout=max(deadline - time.monotonic(), 0)) == 0

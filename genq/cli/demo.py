@@ -226,8 +226,8 @@ def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], m
     for sim_url in sims:
         with urllib.request.urlopen(sim_url + "/sim/stats") as resp:
             stats = json.loads(resp.read())
-        with urllib.request.urlopen(sim_url + "/get_server_info") as resp:
-            capacity = json.loads(resp.read())["max_running_requests"]
+        with urllib.request.urlopen(sim_url + "/server_info") as resp:  # the running limit, as SGLang says it
+            capacity = json.loads(resp.read())["internal_states"][0]["effective_max_running_requests_per_dp"]
         utilization.append(stats["busy_mean_running"] / capacity)
     dead = letters.count(conn, job)
     console.print()
