@@ -79,7 +79,10 @@ def test_job_from_s3_input_writes_s3_shards_one_record_per_prompt(moto, redis_ur
     by_batch = check_manifest(objects, "runs/2026/s3job")
     batches = [b.decode() for b in rconn.zrange(keys.job_batches("s3job"), 0, -1)]
     assert sorted(by_batch) == batches
-    assert len(objects) == 2 * len(batches) + 1, "no shard without its marker, nothing else but job.json"
+    enqueues = [k for k in objects if k.startswith("runs/2026/s3job/enqueues/")]
+    assert len(enqueues) == 1, "the enqueue recorded in the output (what it brought)"
+    assert len(objects) == 2 * len(batches) + 1 + 1, \
+        "no shard without its marker, nothing else but job.json and the enqueue's record"
     job_file = msgspec.json.decode(objects["runs/2026/s3job/job.json"], type=JobRecord)
     # job.json keeps the job as created; the ledger's copy has since pinned `--model auto` to the
     # model of the first server that took it (#24): the same job otherwise.
