@@ -239,11 +239,11 @@ def _started_at(pid: int) -> str | None:
 class Proc:
     """A child process that is always stopped at the end of the test."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, cwd: Path = WORKDIR) -> None:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=WORKDIR,
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                       start_new_session=True)
 
@@ -313,11 +313,11 @@ def rconn(redis_url: str) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[callable]:
-    """procs(args, name=..., env=...) starts a Proc that is stopped after the test."""
+    """procs(args, name=..., env=..., cwd=...) starts a Proc that is stopped after the test."""
     started: list[Proc] = []
 
-    def start(args: list[str], name: str = "proc", env: dict | None = None) -> Proc:
-        proc = Proc(args, tmp_path / f"{name}-{len(started)}.log", env)
+    def start(args: list[str], name: str = "proc", env: dict | None = None, cwd: Path = WORKDIR) -> Proc:
+        proc = Proc(args, tmp_path / f"{name}-{len(started)}.log", env, cwd)
         started.append(proc)
         return proc
 

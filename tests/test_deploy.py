@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -82,26 +81,7 @@ def test_the_images_layout_runs_the_demo_from_the_folder_holding_the_sources(ima
         assert "No module named" not in log.read_text(errors="replace"), log
 
 
-class Service:
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict, cwd: Path) -> None:
-        self.name, self.log_path = name, log
-        self.popen = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=cwd,
-                                      env=env, start_new_session=True, stdin=subprocess.DEVNULL)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def test_compose_services_run_a_job_as_processes(image, redis_url, tmp_path):
+def test_compose_services_run_a_job_as_processes(image, redis_url, tmp_path, procs):
     """Each service of compose.yaml but Redis, started with its own command from the image's
     layout: the enqueue in compose.yaml's header comment is written whole by its workers."""
     src, genq = image
@@ -119,39 +99,34 @@ def test_compose_services_run_a_job_as_processes(image, redis_url, tmp_path):
         return (word.replace("0.0.0.0", "127.0.0.1").replace(":9108", f"127.0.0.1:{metrics_port}")
                 .replace("/data/", f"{data}/"))
 
-    env = {**os.environ, "GENQ_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
-    started: list[Service] = []
-    try:
-        for name, service in compose["services"].items():
-            if name == "redis" or "cli" in service.get("profiles", []):
-                continue
-            argv = [str(genq), *(on_this_host(str(w), name) for w in service["command"])]
-            started.append(Service(name, argv, tmp_path / f"{name}.log", env, src))
-        for port in ports.values():
-            wait_http(f"http://127.0.0.1:{port}/v1/models", want=None, timeout=30)
-        write_prompts(data / "prompts.jsonl", 40)
-        enqueue = subprocess.run([str(genq), "enqueue", str(data / "prompts.jsonl"), "--job", "demo", "--output",
-                                  str(data / "out"), "--max-tokens", "32"],
-                                 cwd=src, env=env, capture_output=True, text=True, timeout=60)
-        assert enqueue.returncode == 0, enqueue.stderr
+    env = {"GENQ_REDIS_URL": redis_url}
+    started = {name: procs([str(genq), *(on_this_host(str(w), name) for w in service["command"])], name=name,
+                           env=env, cwd=src)
+               for name, service in compose["services"].items()
+               if name != "redis" and "cli" not in service.get("profiles", [])}
+    for port in ports.values():
+        wait_http(f"http://127.0.0.1:{port}/v1/models", want=None, timeout=30)
+    write_prompts(data / "prompts.jsonl", 40)
+    enqueue = subprocess.run([str(genq), "enqueue", str(data / "prompts.jsonl"), "--job", "demo", "--output",
+                              str(data / "out"), "--max-tokens", "32"],
+                             cwd=src, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert enqueue.returncode == 0, enqueue.stderr
 
-        def written() -> bool:
-            for service in started:
-                assert service.popen.poll() is None, f"{service.name} exited: {service.log_path.read_text()[-2000:]}"
-            return len(read_results(data / "out", "demo")) == 40
+    def written() -> bool:
+        for name, service in started.items():
+            assert service.alive(), f"{name} exited: {service.log()[-2000:]}"
+        return len(read_results(data / "out", "demo")) == 40
 
-        wait_until(written, timeout=120, what="the job written by compose's workers")
-        assert sorted(r["id"] for r in read_results(data / "out", "demo")) == sorted(f"p{i:05d}" for i in range(40))
-        progress = data / "progress.json"
-        wait_until(lambda: progress.exists() and "demo" in progress.read_text(), timeout=30,
-                   what="the monitor's progress file naming the job")
-        json.loads(progress.read_text())
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
-            assert b"genq_" in resp.read()
-    finally:
-        for service in reversed(started):
-            service.stop()
-    for service in started:
-        text = service.log_path.read_text(errors="replace")
-        assert "No module named" not in text, f"{service.name}: {text[-2000:]}"
-        assert "Traceback" not in text, f"{service.name}: {text[-2000:]}"
+    wait_until(written, timeout=120, what="the job written by compose's workers")
+    assert sorted(r["id"] for r in read_results(data / "out", "demo")) == sorted(f"p{i:05d}" for i in range(40))
+    progress = data / "progress.json"
+    wait_until(lambda: progress.exists() and "demo" in progress.read_text(), timeout=30,
+               what="the monitor's progress file naming the job")
+    json.loads(progress.read_text())
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        assert b"genq_" in resp.read()
+    for name, service in started.items():  # stopped as compose stops them (SIGTERM), then their logs read
+        service.stop()
+        text = service.log()
+        assert "No module named" not in text, f"{name}: {text[-2000:]}"
+        assert "Traceback" not in text, f"{name}: {text[-2000:]}"
