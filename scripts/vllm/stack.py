@@ -11,7 +11,6 @@ import os
 import re
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -173,11 +172,14 @@ class Sampler:
         # Looks while requests waited: how often the running count was the capacity itself
         # (the others saw it less the requests that had just finished).
         queued = [r for r, w in zip(self.running, self.waiting) if w > 0]
-        # Seconds requests spent in vLLM's RUNNING phase, over the slot-seconds the run had:
-        # its throughput normalised by the server's own speed (which the shared CPU sets).
-        # SGLang has no such counter: its running count, sampled, stands in.
-        running_s = self.delta.get("vllm:request_inference_time_seconds_sum",
-                                   statistics.fmean(self.running or [0.0]) * run["span_s"])
+        # Seconds requests spent running, over the slot-seconds the run had: its throughput
+        # normalised by the server's own speed (which the shared CPU sets). vLLM counts its
+        # RUNNING phase; SGLang, each request's seconds from arrival to end less its wait for
+        # a first forward pass (e2e less queue time; both counted when the request ends).
+        if "vllm:request_inference_time_seconds_sum" in self.delta:
+            running_s = self.delta["vllm:request_inference_time_seconds_sum"]
+        else:
+            running_s = self.delta["sglang:e2e_request_latency_seconds_sum"] - self.delta["sglang:queue_time_seconds_sum"]
         return {"busy_slots": sum(busy) / len(busy), "max_waiting": max(self.waiting or [0.0]),
                 "looks_queued": len(queued), "looks_queued_full": sum(1 for r in queued if r >= self.slots),
                 "server_running_s": running_s, "occupancy": running_s / (self.slots * run["span_s"]),
