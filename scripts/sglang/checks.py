@@ -20,8 +20,6 @@ from typing import Any
 
 from runs import ROOT, flush, genq  # scripts/llamacpp/, on sys.path once stack.py is imported
 
-from genq.core.redisconn import connect
-
 EOS = 151645
 EOS_BIAS = {"logit_bias": {str(EOS): 100}}
 TOOL = {"type": "function", "function": {"name": "count_tokens", "parameters": {"type": "object"}}}
@@ -151,14 +149,14 @@ def _done(out: Path, job: str) -> int:
     return len(_records(out, job))
 
 
-def pause_drain(stack: Any, work: Path, problems: list[str], n: int = 48) -> dict:
+def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int) -> dict:
     """`genq pause`: no new request reaches the server (its request counter stands still once those
     in flight end); `genq resume` goes on; `genq drain --all --wait`: the worker exits 0 holding
     nothing; a --burst worker finishes the job exactly once."""
     flush(stack)
     job = "sgl-pause"
     rows = [{"id": f"pd-{i}", "messages": [{"role": "user", "content": f"Pause {i}."}]} for i in range(n)]
-    out = _enqueue(stack, work, job, rows, 24, 8)
+    out = _enqueue(stack, work, job, rows, max_tokens, 8)
     log = work / f"worker-{job}.log"
     base = _requests(stack)  # the server's counter since it started: this job's requests are those past it
     proc = _worker(stack, log)
@@ -166,7 +164,7 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int = 48) -> dic
     if not _wait(lambda: _done(out, job) >= 1 or _requests(stack) >= base + 8, 600):
         found.append("pause: the job sent no requests within 600 s")
     genq(stack, "pause")
-    time.sleep(15)  # in-flight requests end (16 tokens at 2-6 requests/s on 2 shared cores)
+    time.sleep(15)  # in-flight requests end (32 tokens at 2-6 requests/s on 2 shared cores)
     before = _requests(stack)
     time.sleep(10)
     after = _requests(stack)
@@ -188,12 +186,12 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int = 48) -> dic
     return {"paused_requests": [before, after], "problems": found}
 
 
-def killed(stack: Any, work: Path, problems: list[str], n: int = 48) -> dict:
+def killed(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int) -> dict:
     """A worker SIGKILLed mid-batch: the next workers finish the job, every prompt exactly once."""
     flush(stack)
     job = "sgl-kill"
     rows = [{"id": f"k-{i}", "messages": [{"role": "user", "content": f"Kill {i}."}]} for i in range(n)]
-    out = _enqueue(stack, work, job, rows, 24, 12)
+    out = _enqueue(stack, work, job, rows, max_tokens, 12)
     log = work / f"worker-{job}.log"
     proc = _worker(stack, log, "--heartbeat-interval", "2")
     _wait(lambda: _done(out, job) >= 12, 900)  # a batch written, the next ones in flight
@@ -226,12 +224,16 @@ def _wait(ready: Any, timeout: float) -> bool:
     return False
 
 
-def run_all(stack: Any, work: Path, problems: list[str]) -> dict:
+def run_all(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int) -> dict:
+    """Every check; pause and drain and the killed worker on jobs of n prompts of max_tokens, sized
+    so that the job outlasts the pause and the kill on the server at hand (a GPU ends 48 short
+    prompts within a second)."""
     out: dict[str, Any] = {}
-    for name, check in (("fidelity", fidelity), ("pause and drain", pause_drain), ("killed", killed)):
+    sized = (n, max_tokens)
+    for name, check, extra in (("fidelity", fidelity, ()), ("pause and drain", pause_drain, sized),
+                               ("killed", killed, sized)):
         try:
-            out[name] = check(stack, work, problems)
+            out[name] = check(stack, work, problems, *extra)
         except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check; the next still run
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
-    _ = connect  # the private Redis is flushed by runs.flush
     return out

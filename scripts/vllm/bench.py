@@ -281,7 +281,7 @@ def main() -> int:
                 sys.path.insert(0, str(HERE.parent / "sglang"))
                 import checks  # scripts/sglang/checks.py: records, pause and drain, a worker killed
 
-                summary["sglang"] = checks.run_all(stack, work, problems)
+                summary["sglang"] = checks.run_all(stack, work, problems, args.round_n, args.max_tokens)
             if "eta" not in skip:
                 summary["eta"] = strip(guarded(problems, "eta", eta_phase, stack, work, args, slots, problems) or {})
             if "rounds" not in skip and args.rounds:

@@ -22,6 +22,7 @@
 #                       llama-cpp-python sdist: pip download, or already in the cache)
 #   GENQ_GPU_ENGINES    which engines, default "vllm sglang"
 #   GENQ_GPU_CACHE      default ~/.cache/genq-gpu
+#   GENQ_GPU_BENCH_ARGS appended to bench.py's arguments (the last of a repeated option wins)
 # A GPU runs the tiny model so fast that 200 prompts end in a second or two, too short to see
 # a server full for long: the jobs here are ten times those of the CPU run.
 set -euo pipefail
@@ -77,6 +78,6 @@ for engine in $ENGINES; do
     echo "== $engine ($py), model $MODEL"
     .venv/bin/python scripts/vllm/bench.py --engine "$engine" --gpu --python "$py" --model "$MODEL" \
         --seqs 128,16 --capacity-runs 3 --capacity-n 2000 --eta-n 6000 --round-n 2000 --rounds 4 \
-        --max-tokens 256 --out "gpu-$engine.json" || status=1
+        --max-tokens 256 --out "gpu-$engine.json" ${GENQ_GPU_BENCH_ARGS:-} || status=1
 done
 exit $status
