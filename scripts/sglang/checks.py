@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,8 @@ def _done(out: Path, job: str) -> int:
 
 
 def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int) -> dict:
-    """`genq pause`: no new request reaches the server (its request counter stands still once those
-    in flight end); `genq resume` goes on; `genq drain --all --wait`: the worker exits 0 holding
+    """`genq pause`: the requests in flight end and no new one reaches the server (its count of
+    requests arrived stands still for 10 s once it has none running or queued); `genq resume` goes on; `genq drain --all --wait`: the worker exits 0 holding
     nothing; a --burst worker finishes the job exactly once."""
     flush(stack)
     job = "sgl-pause"
@@ -164,14 +165,16 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens:
     if not _wait(lambda: _done(out, job) >= 1 or _requests(stack) >= base + 8, 600):
         found.append("pause: the job sent no requests within 600 s")
     genq(stack, "pause")
-    time.sleep(15)  # in-flight requests end (32 tokens at 2-6 requests/s on 2 shared cores)
-    before = _requests(stack)
+    # The requests in flight end: 18 of 32 tokens take 5-60 s on 2 shared cores, by their load.
+    if not _wait(lambda: _busy(stack) == 0, 600):
+        found.append(f"pause: {_busy(stack):.0f} requests running or queued 600 s after the pause")
+    before = _arrived(stack)
     time.sleep(10)
-    after = _requests(stack)
+    after = _arrived(stack)
     if after != before:
-        found.append(f"pause: the server's request counter moved {before} -> {after} while paused")
+        found.append(f"pause: {after - before:.0f} requests reached the server in 10 s paused")
     genq(stack, "resume")
-    resumed = _wait(lambda: _requests(stack) > after, 120)
+    resumed = _wait(lambda: _arrived(stack) > after, 120)
     if not resumed:
         found.append("resume: no request reached the server within 120 s")
     p = genq(stack, "drain", "--all", "--wait", "--timeout", "600")
@@ -181,7 +184,7 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens:
     _worker(stack, log, "--burst").wait(timeout=1800)
     found += _exactly_once(job, _records(out, job), rows, _letters(stack))
     problems += found
-    print(f"pause and drain: paused after {before - base:.0f} requests of the job, {before} -> {after} over 10 s "
+    print(f"pause and drain: paused after {_done(out, job)} records, {after - before:.0f} requests arrived in 10 s "
           f"paused, {len(found)} problems {found[:3]}", flush=True)
     return {"paused_requests": [before, after], "problems": found}
 
@@ -211,8 +214,23 @@ def killed(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int)
 
 
 def _requests(stack: Any) -> float:
-    """Requests the server has taken in (sglang:num_requests_total)."""
+    """Requests the server has finished (sglang:num_requests_total)."""
     return stack.metrics().get("sglang:num_requests_total", 0.0)
+
+
+def _busy(stack: Any) -> float:
+    """Requests the server is running or holds queued."""
+    m = stack.metrics()
+    return m.get("sglang:num_running_reqs", 0.0) + m.get("sglang:num_queue_reqs", 0.0)
+
+
+def _arrived(stack: Any) -> float:
+    """Generation requests that have reached the server, counted on arrival (its HTTP middleware's
+    sglang:http_requests_total, less /health, /metrics and the rest)."""
+    with urllib.request.urlopen(stack.server + "/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("sglang:http_requests_total{") and "completions\"" in line)
 
 
 def _wait(ready: Any, timeout: float) -> bool:
