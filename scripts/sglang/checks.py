@@ -152,8 +152,9 @@ def _done(out: Path, job: str) -> int:
 
 def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int) -> dict:
     """`genq pause`: the requests in flight end and no new one reaches the server (its count of
-    requests arrived stands still for 10 s once it has none running or queued); `genq resume` goes on; `genq drain --all --wait`: the worker exits 0 holding
-    nothing; a --burst worker finishes the job exactly once."""
+    requests arrived stands still for 10 s once it has none running or queued); `genq resume` goes
+    on; `genq drain --all --wait`: the worker exits 0 holding nothing; a --burst worker finishes
+    the job exactly once."""
     flush(stack)
     job = "sgl-pause"
     rows = [{"id": f"pd-{i}", "messages": [{"role": "user", "content": f"Pause {i}."}]} for i in range(n)]
@@ -165,6 +166,7 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens:
     if not _wait(lambda: _done(out, job) >= 1 or _requests(stack) >= base + 8, 600):
         found.append("pause: the job sent no requests within 600 s")
     genq(stack, "pause")
+    at_pause = _done(out, job)
     # The requests in flight end: 18 of 32 tokens take 5-60 s on 2 shared cores, by their load.
     if not _wait(lambda: _busy(stack) == 0, 600):
         found.append(f"pause: {_busy(stack):.0f} requests running or queued 600 s after the pause")
@@ -184,7 +186,7 @@ def pause_drain(stack: Any, work: Path, problems: list[str], n: int, max_tokens:
     _worker(stack, log, "--burst").wait(timeout=1800)
     found += _exactly_once(job, _records(out, job), rows, _letters(stack))
     problems += found
-    print(f"pause and drain: paused after {_done(out, job)} records, {after - before:.0f} requests arrived in 10 s "
+    print(f"pause and drain: paused at {at_pause}/{n} records, {after - before:.0f} requests arrived in 10 s "
           f"paused, {len(found)} problems {found[:3]}", flush=True)
     return {"paused_requests": [before, after], "problems": found}
 
