@@ -74,9 +74,11 @@ test-vllm: $(BIN)/genq
 	$(BIN)/python scripts/vllm/bench.py $(VLLM_BENCH_ARGS)
 
 # genq against real SGLang 0.5.23 on CPU (its own server, scheduler and radix cache; a tiny random
-# Qwen2): installs it once into ~/.cache/genq-sglang (3.1 GB, ~6 min; needs python3.11), then runs
+# Qwen2): installs it once into ~/.cache/genq-sglang (3.7 GB, 6-11 min; needs python3.11), then runs
 # the real-engine checks from a fresh clone of HEAD (scripts/sglang/test.sh says which; not part of
-# `make test`; docs/engines.md). SGLANG_BENCH_ARGS go to scripts/vllm/bench.py.
+# `make test`; docs/engines.md). SGLANG_BENCH_ARGS go to scripts/vllm/bench.py. The server runs at
+# nice GENQ_VLLM_NICE (5): at nice 5 and load 20-28 the brake's 300-prompt job ran past its worker's
+# 900 s; at nice 0 and load 15-19 it took ~9 min (2026-12-06).
 test-sglang:
 	scripts/sglang/test.sh $(SGLANG_BENCH_ARGS)
 
