@@ -158,7 +158,7 @@ class Filler:
             for b in batches:
                 info = ShardInfo(batch=b.id, uri=f"/nonexistent/footprint/{self.job}/shards/{b.id}.jsonl",
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
-                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}", incarnation="")
+                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, incarnation="")
                 self._release(keys=script_keys, args=args, client=pipe)
                 pipe.delete(keys.lease_reply(f"tok-{b.id}"))  # the RQ loop pops its "done"
             pipe.execute()

@@ -1,6 +1,6 @@
 """The worker engine: one process per GPU, one in-flight window over every batch it holds.
 
-    RQ loops (worker/loops.py) --lease--> LeaseDesk (leases.py) --prompts--> Dispatcher (dispatch.py) --> server
+    RQ's queue --TAKE--> Intake (intake.py) --> LeaseDesk (leases.py) --prompts--> Dispatcher (dispatch.py) --> server
                                                                                   |
        Completer (completion.py): shard + release  <-- batch complete <-- ResultWriter (results.py)
 
@@ -9,11 +9,10 @@ crash in any of them stops the worker loudly); ServerWatch (watch.py) keeps the
 server's health and the watchdog, Heartbeat (heartbeat.py) liveness and operator
 control, the ledger's Reconciler (genq.core.ledger) puts stranded batches back.
 
-Shutdown has one path: stop taking batches; finish held ones for up to
---grace-period (a second signal: at once); hand the rest back in Redis; answer every
-lease; only then let the RQ loops go (one SIGTERM each). Told to stop now (a second
-signal, the grace period over) it stops within seconds whatever Redis does: once Redis
-does not answer, what it still holds is left unrecorded, and its leases lapse (stopping.py).
+Shutdown has one path: stop taking batches; finish held ones for up to --grace-period (a
+second signal: at once); hand the rest back in Redis. Told to stop now (a second signal, the
+grace period over) it stops within seconds whatever Redis does: once Redis does not answer,
+what it still holds is left unrecorded, and its leases lapse (stopping.py).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import functools
 import logging
 import signal
 import socket
-import time
 import uuid
 
 import redis
@@ -39,8 +37,8 @@ from genq.worker.finishing import BatchEnds
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.idle import WakeListener
+from genq.worker.intake import Intake
 from genq.worker.leases import LeaseDesk, retrying
-from genq.worker.loops import RqLoops
 from genq.worker.maintenance import Maintenance
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.parking import parking_of
@@ -54,8 +52,6 @@ from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
-
-LOOPS_STOP_S = 15.0  # at shutdown, how long RQ loops may take to finish their last batch hand-over
 
 
 class Engine:
@@ -84,15 +80,13 @@ class Engine:
                                               self.hand_back_all,
                                               lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
-        self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
+        self.leases = LeaseDesk(self.redis, self.sync_redis, self.instance, self.held,
                                 self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
         self.completer = Completer(self.redis, self.flags)
-        self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, self.stealer.queue_key, self.instance,
                              lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed},
                              lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
-        self.loops.shares = self.shares
         self.dispatcher.todo.plan = self.shares.plan
         self.tail = TailWatch(self.redis, self.name, self.stealer.queue_key, self.flags, self.dispatcher,
                               lambda: bool(self.held or self.stealer.borrowed))
@@ -100,12 +94,14 @@ class Engine:
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
                                               GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
                                               self.stealer.pace)
-        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops,
-                                       self.stealer.pace)
+        self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.flags, self.held,
+                             self.dispatcher, self.shares, self.leases.models, self.stealer.pace.queued,
+                             self.leases.acquire)
+        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.stealer.pace)
         self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
                                          self.stealer.written)
         self.handed_back = 0
-        self.stopping = StopNow(self.redis, self.name, self.held, self.writer, self.loops)
+        self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
@@ -142,8 +138,8 @@ class Engine:
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
-                    self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
-                    self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
+                    self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
+                    self.watch.recovery_loop(), self.watch.metrics_loop(), self.heartbeat.run(), self.maintenance.run(),
                     self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
@@ -168,7 +164,7 @@ class Engine:
                 return
             if (self.flags.draining or self.flags.stop_requested) and idle:
                 return
-            if self.opts.burst and self.loops.exhausted and idle and not self.loops.any_alive:
+            if self.opts.burst and self.intake.exhausted and idle:
                 if await self.maintenance.burst_done():
                     return
 
@@ -177,7 +173,6 @@ class Engine:
         if self.flags.stop_requested == 1:
             log.info("%s: finishing held batches (up to %.0fs), then exiting; send again to stop now",
                      signal.Signals(sig).name, self.opts.grace_period)
-            self.loops.stop_all()  # warm shutdown: idle loops exit, none takes another batch
             asyncio.get_running_loop().call_later(self.opts.grace_period, self._grace_expired)
         else:
             self.stopping.start()
@@ -216,8 +211,7 @@ class Engine:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def _shutdown(self) -> None:
-        """Answer every lease, then let the loops go (see the module docstring)."""
-        self.loops.stop_all()
+        """Hand back what is held, and flush what is recorded (see the module docstring)."""
         if self.held or self.stealer.borrowed:
             await self.hand_back_all("stopping")
         if self.ends.completions:  # shards being written: their release answers their leases
@@ -226,15 +220,6 @@ class Engine:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
             log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
-        # A loop may hand over a batch while it stops: answer (hand back) every lease until the
-        # loops are gone; then kill what is left, and look one last time.
-        deadline = time.monotonic() + LOOPS_STOP_S
-        while self.loops.any_alive and time.monotonic() < deadline:
-            await retrying(self.leases.release_late_leases, "late leases")
-            await asyncio.sleep(0.2)
-        self.loops.kill_all()
-        await self.loops.wait_all()
-        await retrying(self.leases.release_late_leases, "late leases")
         try:
             await self.heartbeat.stopped()
         except (redis.RedisError, OSError):

@@ -53,9 +53,7 @@ class BatchEnds:
             await self._redo(held, finished.missing)
             return
         if finished.released:
-            self.completed += 1  # RELEASE told this lease's RQ loop too
-        else:  # done by another holder meanwhile: this lease's RQ loop still waits for a word
-            await retrying(functools.partial(self.leases.reply, held.token, b"done"), f"answering {held.ref}")
+            self.completed += 1
         self.held.pop(held.ref, None)
         self.dispatcher.wake.set()
 
@@ -84,7 +82,6 @@ class BatchEnds:
             unsent = self.dispatcher.drop(held, cancel=why == "gone")
             self.held.pop(held.ref, None)
             await self.claims.unclaim(held, unsent)
-            await self.leases.reply(held.token, b"released")
         await self.dispatcher.todo.check_claims()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:

@@ -1,36 +1,29 @@
-"""Leases: batches arriving from the engine's RQ loops, and leaving again.
+"""Leases: a batch the engine took (worker/intake.py, TAKE) is loaded, and given back.
 
-    RQ loop --(token, job, batch, rq job)--> inbox --> LeaseDesk.acquire --> on_batch(held, todo)
-    LeaseDesk --"done" | "released"--> lease_reply(token) --> the loop's job returns
-
-A lease is one delivery (genq.core.ledger). The desk records it as the batch's current
-lease, loads what Redis already recorded for the batch (those prompts are not sent
-again), and later tells the loop how it ended. Handing a batch back is done here, in
-Redis, by the engine (a new RQ job at the front of the queue, in one transaction with
-the lease's end); the loop's job only returns, so no process needs a signal mid-way.
+A lease is one delivery (genq.core.ledger). The desk loads what Redis already recorded for a
+taken batch (those prompts are not sent again) and hands the rest to dispatch. Handing a batch
+back is one transaction: a new RQ job at the front of the queue, the lease's end, the old RQ
+job out of RQ.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches, ledger, scripts
+from genq.core import batches
 from genq.core.ledger import leasing
-from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
-from genq.core.redisconn import connect_async
+from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.held import HeldBatch, Holdings
-from genq.worker.idle import INBOX_WAIT_S
 from genq.worker.models import ModelGate
 
 log = logging.getLogger("genq.worker")
@@ -52,13 +45,12 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 
 
 class LeaseDesk:
-    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, redis_url: str, instance: str,
+    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, instance: str,
                  held: Holdings, on_batch: Callable[[HeldBatch, list[Prompt]], None],
                  add_dead: Callable[[DeadLetter, str], None], worker: str,
                  server_model: Callable[[], str | None] = lambda: None) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue is synchronous
-        self.redis_url = redis_url
         self.instance = instance
         self.held = held
         self.on_batch = on_batch
@@ -66,41 +58,19 @@ class LeaseDesk:
         self.worker = worker
         # Turns away other models' jobs and pins `auto` ones (worker/models.py).
         self.models = ModelGate(conn, instance, server_model)
-        self._acquire = conn.register_script(scripts.ACQUIRE)
-
-    # ---------------------------------------------------------------- arriving
-
-    async def intake(self) -> None:
-        inbox_conn = connect_async(self.redis_url)  # BLPOP blocks its connection
-        try:
-            while True:
-                item = await retrying(lambda: leasing.next_delivery(inbox_conn, self.instance, INBOX_WAIT_S), "inbox")
-                if item is not None:
-                    token, job, batch_id, rq_id = unpack(item, list)
-                    ref = BatchRef(job, batch_id)
-                    await retrying(functools.partial(self.acquire, token, ref, rq_id), "lease")
-        finally:
-            await inbox_conn.aclose()
 
     async def acquire(self, token: str, ref: BatchRef, rq_id: str) -> None:
-        word = await self._record_lease(token, ref, rq_id)
-        if word != "ok":
-            if word == "gone":
-                log.warning("batch %s has no record (job deleted?); releasing it", ref)
-            await self.reply(token, b"done")
-            return
+        """Load a batch TAKE leased to this engine under `token`."""
         config = await self.config(ref.job)
         current = self.held.get(ref)
         if current is not None and not current.dropped:
             old = current.token
             if config is not None and current.config.incarnation == config.incarnation:
-                # The same batch delivered again (an RQ retry, a duplicate job): one lease drives it,
-                # the newest; the older lease's loop is let go.
+                # The same batch taken again (queued twice): one lease drives it, the newest.
+                log.debug("batch %s taken again; lease %s replaces %s", ref, token, old)
                 current.token = token
-                await self.reply(old, b"released")
                 return
             current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
-            await self.reply(old, b"released")
         if config is not None:
             admitted = await self.models.admit(config)
             if admitted is None:  # another model's job: back to the queue for a server of that model
@@ -109,9 +79,8 @@ class LeaseDesk:
             config = admitted
         raw = await leasing.batch_record(self.conn, ref)
         if config is None or raw is None:
-            await self.reply(token, b"done")
-            return
-        if await adopt_if_written(self.conn, config, ref, token):  # written before Redis lost it (#31)
+            return  # the job was deleted meanwhile: its lease goes with it
+        if await adopt_if_written(self.conn, config, ref):  # written before Redis lost it
             return
         source = batches.decode(raw)
         ids = batches.ids(source)
@@ -156,23 +125,12 @@ class LeaseDesk:
                 await asyncio.sleep(min(0.5 * 2 ** attempt, 8))
         raise AssertionError("unreachable")
 
-    async def _record_lease(self, token: str, ref: BatchRef, rq_id: str) -> str:
-        """ACQUIRE: "ok" (this lease is now the batch's), "done", or "gone" (no record)."""
-        script_keys, args = scripts.acquire_call(ref, token, self.instance, rq_id)
-        answer: Any = await self._acquire(keys=script_keys, args=args)
-        return answer.decode() if isinstance(answer, bytes) else str(answer)
-
     async def config(self, job: str) -> JobConfig | None:
         """A job's settings as they are now: read for every delivery, never kept by name (a job
         deleted and enqueued again under its name is another incarnation, with its own)."""
         return await leasing.config_now(self.conn, job)
 
     # ---------------------------------------------------------------- leaving
-
-    async def reply(self, token: str, word: bytes) -> None:
-        async with self.conn.pipeline(transaction=True) as pipe:
-            ledger.push_reply(pipe, token, word)
-            await pipe.execute()
 
     async def current(self) -> list[tuple[HeldBatch, str]]:
         """Held batches whose lease is no longer this engine's: (batch, "gone" | "done" | "superseded");
@@ -191,18 +149,6 @@ class LeaseDesk:
         return lost
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
-        """Queue the batch again (front of the queue) and let the loop go; False if it was
-        done or no longer ours (then there is nothing to give back)."""
-        given = await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
-        await self.reply(token, b"released")
-        return given
-
-    async def release_late_leases(self) -> None:
-        """Batches a loop took just before it was told to stop go straight back."""
-        while raw := await leasing.late_delivery(self.conn, self.instance):
-            token, job, batch_id, rq_id = unpack(raw, list)
-            ref = BatchRef(job, batch_id)
-            if await self._record_lease(token, ref, rq_id) == "ok":
-                await self.hand_back(ref, token)
-            else:
-                await self.reply(token, b"done")
+        """Queue the batch again (front of the queue); False if it was done or no longer ours
+        (then there is nothing to give back)."""
+        return await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)

@@ -39,10 +39,10 @@ from genq.output.sink import open_store
 
 log = logging.getLogger("genq.recover")
 
-def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> bool:
+def adopt(conn: redis.Redis, job: str, marker: ShardMarker) -> bool:
     """Mark a written batch done from its marker: False if it was done already, or the job in
     Redis is not the life that wrote it."""
-    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker), token)) == 1
+    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker))) == 1
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
