@@ -46,6 +46,7 @@ class StopNow:
         self.held = held
         self.writer = writer
         self.since: float | None = None  # monotonic: when the worker was told to stop now
+        self.without_redis = False  # the shutdown was given up: Redis did not answer, or took too long
 
     def start(self) -> None:
         if self.since is None:
@@ -81,6 +82,7 @@ class StopNow:
             return False
 
     async def _without_redis(self) -> None:
+        self.without_redis = True
         log.warning("stopping now, Redis away: %s not handed back, %s not recorded; their leases lapse and "
                     "other workers take them once Redis is back", plural(len(self.held), "batch", "batches"),
                     plural(self.writer.pending, "result"))
