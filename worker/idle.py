@@ -55,7 +55,7 @@ ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) th
 
 
 class IdlePace:
-    """Whether the engine is idle, and the pace of its loops accordingly."""
+    """Whether the engine is idle, and the pace of its loops accordingly (heartbeat, stealer, maintenance)."""
 
     def __init__(self, held: Holdings, dispatcher: Dispatcher, borrowed: Callable[[], Sized],
                  queue_key: str = "") -> None:
