@@ -28,11 +28,11 @@ from genq.core import batches, scripts
 from genq.core.durable import ShardMarker
 from genq.core.ledger import leasing
 from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, with_prompt
+from genq.core.waits import retrying
 from genq.ops.written import adopt_marker, outcome_for, written_marker
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
 from genq.worker.held import Flags, HeldBatch
-from genq.worker.leases import retrying
 
 log = logging.getLogger("genq.worker")
 

@@ -1,8 +1,8 @@
 """The worker engine: one process per GPU, one in-flight window over every batch it holds.
 
-    RQ's queue --TAKE--> Intake (intake.py) --> LeaseDesk (leases.py) --prompts--> Dispatcher (dispatch.py) --> server
-                                                                                  |
-       Completer (completion.py): shard + release  <-- batch complete <-- ResultWriter (results.py)
+    RQ's queue --TAKE--> Intake (intake.py) --> Batches (batches.py) --prompts--> Dispatcher (dispatch.py) --> server
+                                                   |  (a batch's life, one owner)                  |
+                                                   <-- batch complete <-- ResultWriter (results.py)
 
 The engine only wires its parts together and runs their loops in one TaskGroup (a
 crash in any of them stops the worker loudly); ServerWatch (watch.py) keeps the
@@ -18,7 +18,6 @@ what it still holds is left unrecorded, and its leases lapse (stopping.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import socket
@@ -29,17 +28,17 @@ import redis
 from genq.core.ledger import Reconciler
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
 from genq.core.words import plural
+from genq.worker.batches import Batches
 from genq.worker.claims import Backlog, Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
-from genq.worker.finishing import BatchEnds
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.idle import WakeListener
 from genq.worker.intake import Intake
-from genq.worker.leases import LeaseDesk, retrying
 from genq.worker.maintenance import Maintenance
+from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.parking import parking_of
 from genq.worker.results import ResultWriter
@@ -67,22 +66,22 @@ class Engine:
         self.rates = RateWindow()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
-        written = lambda *outcomes: self.ends.on_written(*outcomes)  # noqa: E731 (BatchEnds comes later)
+        written = lambda *outcomes: self.batches.on_written(*outcomes)  # noqa: E731 (Batches comes later)
         self.writer = ResultWriter(self.redis, self.name, written)
         self.claims = Claims(self.redis, self.instance)
         self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
                                      self.rates, Backlog(self.claims, written), lambda: self.watch.is_down(),
                                      lambda: self.watch.info.model if self.watch.info else None)
+        models = ModelGate(self.redis, self.instance, self.dispatcher.server_model)
         self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
                                self.dispatcher, self.controller, self.claims, self.writer.wait_idle,
-                               lambda job: self.leases.models.servable_config(job, self.leases.config))
+                               models.servable_config)
         self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                              self.hand_back_all,
+                                              lambda why: self.batches.hand_back_all(why),
                                               lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
-        self.leases = LeaseDesk(self.redis, self.sync_redis, self.instance, self.held,
-                                self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
-        self.completer = Completer(self.redis, self.flags)
+        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher, self.claims,
+                               self.writer, Completer(self.redis, self.flags), self.stealer, models, self.parking.admit)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, self.stealer.queue_key, self.instance,
                              lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed},
@@ -92,15 +91,10 @@ class Engine:
                               lambda: bool(self.held or self.stealer.borrowed))
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
-                                              GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
-                                              self.stealer.pace)
+                                              GpuProbe(opts.gpu), self.batches.check_leases, self.stealer.pace)
         self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.flags, self.held,
-                             self.dispatcher, self.shares, self.leases.models, self.stealer.pace.queued,
-                             self.leases.acquire)
+                             self.dispatcher, self.shares, models, self.stealer.pace.queued, self.batches.load)
         self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.stealer.pace)
-        self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
-                                         self.stealer.written)
-        self.handed_back = 0
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace, asyncio.get_running_loop())
 
@@ -147,7 +141,7 @@ class Engine:
         finally:
             await self._close()
         log.info("worker %s exited: %s completed, %d handed back", self.name,
-                 plural(self.ends.completed, "batch", "batches"), self.handed_back)
+                 plural(self.batches.completed, "batch", "batches"), self.batches.handed_back)
         return 0
 
     async def _finish(self) -> None:
@@ -160,7 +154,7 @@ class Engine:
             idle = (not self.held and not self.stealer.borrowed and not self.dispatcher.running
                     and self.writer.pending == 0)
             if self.flags.stop_requested >= 2:
-                await self.hand_back_all("stopping now")
+                await self.batches.hand_back_all("stopping now")
                 return
             if (self.flags.draining or self.flags.stop_requested) and idle:
                 return
@@ -186,36 +180,12 @@ class Engine:
             self.flags.stop_requested = 2
         self.stopping.start()
 
-    # ---------------------------------------------------------------- batches
-
-    async def hand_back_all(self, why: str) -> None:
-        """Give every held batch back to the queue; what finished stays finished."""
-        held = [h for h in self.held.values() if not h.completing]
-        for h in held:
-            self.dispatcher.drop(h, cancel=True)
-        while any(t.batch in held for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.writer.wait_idle()
-        if self.stealer.borrowed:
-            await retrying(functools.partial(self.stealer.give_back, why), "giving borrowed prompts back")
-        given = []
-        for h in held:
-            if h.completing:
-                continue  # the flush above finished it
-            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if await retrying(functools.partial(self.leases.hand_back, h.ref, h.token), f"handing back {h.ref}"):
-                given.append(str(h.ref))
-            self.held.pop(h.ref, None)
-        self.handed_back += len(given)
-        if given:
-            log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
-
     async def _shutdown(self) -> None:
         """Hand back what is held, and flush what is recorded (see the module docstring)."""
         if self.held or self.stealer.borrowed:
-            await self.hand_back_all("stopping")
-        if self.ends.completions:  # shards being written: their release answers their leases
-            await asyncio.wait(self.ends.completions, timeout=60)
+            await self.batches.hand_back_all("stopping")
+        if self.batches.completions:  # shards being written: their release answers their leases
+            await asyncio.wait(self.batches.completions, timeout=60)
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
@@ -227,7 +197,7 @@ class Engine:
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.wake_listener.stop)
-        self.completer.close()
+        self.batches.completer.close()
         await self.client.close()
         await self.redis.aclose()
         self.sync_redis.close()

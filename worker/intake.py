@@ -32,6 +32,7 @@ from genq.core import scripts
 from genq.core.prefetch import max_loops, reserve
 from genq.core.queueing import list_jobs, load_configs, rq_worker
 from genq.core.records import BatchRef
+from genq.core.waits import wait_event
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings
 from genq.worker.models import AUTO, ModelGate, serves
@@ -158,10 +159,7 @@ class Intake:
         self._rq.heartbeat(RQ_TTL_S)
 
     async def _wait(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self.queued.wait(), seconds)
-        except TimeoutError:
-            pass
+        await wait_event(self.queued, seconds)
         self.queued.clear()
 
 

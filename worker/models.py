@@ -15,7 +15,7 @@ models runs two jobs at once, each on its own model's GPUs (docs/fidelity.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -78,11 +78,10 @@ class ModelGate:
             self._told.add(job)
             log.warning(_refusal(job, job_model, self.server_model()))
 
-    async def servable_config(self, job: str, config: Callable[[str], Awaitable[JobConfig | None]]
-                              ) -> JobConfig | None:
-        """The job's settings if this engine may take its prompts (the stealer's view), else None.
+    async def servable_config(self, job: str) -> JobConfig | None:
+        """The job's settings now if this engine may take its prompts (the stealer's view), else None.
         An `auto` job is not pinned here: its batches' holders have pinned it already."""
-        found = await config(job)
+        found = await leasing.config_now(self.conn, job)
         if found is None or not serves(found.model, self.server_model()):
             if found is not None:
                 await self.refuse(job, found.model)

@@ -28,13 +28,13 @@ import redis.asyncio as aioredis
 from genq.core.ledger import holding
 from genq.core.ledger.parked import end_lease_parked
 from genq.core.records import JobBlock, JobConfig, Prompt
+from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.brake import Brake
 from genq.worker.claims import Claims
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.leases import retrying
 from genq.worker.preflight import preflight
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerInfo
