@@ -80,7 +80,7 @@ class Parking:
     # ---------------------------------------------------------------- arriving batches
 
     def admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """LeaseDesk's on_batch: a leased batch is sent only if its job is not blocked, with the
+        """Batches' admit: a loaded batch is sent only if its job is not blocked, with the
         job's current settings, and past the preflight."""
         self._spawn(self._admit(held, prompts))
 

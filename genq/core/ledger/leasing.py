@@ -1,4 +1,4 @@
-"""The engine's side of a lease (worker/leases.py drives it): what Redis recorded of a taken
+"""The engine's side of a lease (worker/batches.py drives it): what Redis recorded of a taken
 batch, the lease check after each beat, and the hand-back (genq.core.ledger's module docstring
 defines the terms).
 """
