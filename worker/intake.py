@@ -29,7 +29,6 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import scripts
-from genq.core.prefetch import max_loops, reserve
 from genq.core.queueing import list_jobs, load_configs, rq_worker
 from genq.core.records import BatchRef
 from genq.core.waits import wait_event
@@ -46,6 +45,7 @@ IDLE_POLL_S = 5.0  # ...or this often once nothing was found for a while (an enq
 FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
 RQ_BEAT_S = 15.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
+MAX_EXTRA = 14  # batches taken beyond --prefetch while held ones drain their long tails
 
 
 def run_batch(job: str, batch_id: str) -> None:
@@ -81,14 +81,16 @@ class Intake:
         base, held = self.opts.loops, len(self.held)
         if held < base:
             return True
-        if self.flags.paused_all or held >= max_loops(base):
+        if self.flags.paused_all or held >= base + MAX_EXTRA:
             return False  # parked prompts are not work: no more batches for them
         # The queue's next batch outranks what waits here (worker/shares.py): take it now, not
         # after a held batch's long tail.
         if self.shares.wants_head(self.dispatcher.todo.by_job(), max(1, self.dispatcher.controller.target // 2)):
             return True
+        # Keep (prefetch - 1) batches' worth of prompts unsent, counted in prompts: with heavy-tailed
+        # lengths several held batches can be in their tails at once.
         size = max((h.config.batch_size for h in self.held.values()), default=0)
-        return self.unsent() < reserve(base, size)
+        return self.unsent() < (base - 1) * size
 
     def unsent(self) -> int:
         """Prompts held here without an outcome and not in flight (a batch just taken counts in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genq.core.prefetch import DEFAULT_PREFETCH
+DEFAULT_PREFETCH = 2  # genq worker --prefetch: batches held at least (the current one and the next)
 
 
 @dataclass
@@ -18,7 +18,7 @@ class WorkerOptions:
     model_bytes: float | None = None  # --model-bytes: the weights, where the server does not publish them
     concurrency: int | None = None  # None: auto, from the server's capacity
     burst: bool = False
-    loops: int = DEFAULT_PREFETCH  # --prefetch: RQ work loops, batches held at once (the current one and the next)
+    loops: int = DEFAULT_PREFETCH  # --prefetch: batches held at least (worker/intake.py)
     stream: bool = True
     request_timeout: float = 3600.0
     stall_timeout: float = 300.0

@@ -11,9 +11,8 @@ import click
 from click.core import ParameterSource
 
 from genq.cli import Concurrency, settings
-from genq.core.prefetch import DEFAULT_PREFETCH
 from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions, name_problem, server_url_problem
+from genq.worker.options import DEFAULT_PREFETCH, WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
