@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from genq.core import scripts
 from genq.core.queueing import list_jobs, load_configs, rq_worker
 from genq.core.records import BatchRef
-from genq.core.waits import wait_event
+from genq.core.waits import retrying, wait_event
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, Holdings
 from genq.worker.models import AUTO, ModelGate, serves
@@ -98,15 +98,18 @@ class Intake:
         return sum(len(h.unfinished) for h in self.held.values() if not h.dropped) - len(self.dispatcher.running)
 
     async def run(self) -> None:
-        await asyncio.to_thread(self._rq.register_birth)
-        await asyncio.to_thread(self._rq_beat)
+        # Redis away or refusing writes (full, a replica) at the start: waited out, as every write is.
+        await retrying(lambda: asyncio.to_thread(self._rq_birth), "registering in rq info")
         beat_at = time.monotonic()
         quiet_since = time.monotonic()
         try:
             while True:
                 if time.monotonic() - beat_at >= RQ_BEAT_S:
-                    await asyncio.to_thread(self._rq_beat)
-                    beat_at = time.monotonic()
+                    try:
+                        await asyncio.to_thread(self._rq_beat)
+                        beat_at = time.monotonic()
+                    except (redis.RedisError, OSError) as exc:
+                        log.debug("rq info heartbeat: %s", exc)
                 if not self.wants_batch():
                     await self._wait(BUSY_POLL_S)
                     continue
@@ -155,6 +158,13 @@ class Intake:
         self._foreign_at = time.monotonic()
         for job, job_model in foreign.items():
             await self.models.refuse(job, job_model)
+
+    def _rq_birth(self) -> None:
+        try:
+            self._rq.register_birth()
+        except ValueError:  # "an active worker named ..." : a try before this one got that far
+            pass
+        self._rq_beat()
 
     def _rq_beat(self) -> None:
         self._rq.set_state("busy" if self.held else "idle")
