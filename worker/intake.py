@@ -41,9 +41,11 @@ from genq.worker.shares import Shares
 log = logging.getLogger("genq.worker")
 
 BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often...
-IDLE_POLL_S = 5.0  # ...or this often once nothing was found for a while (an enqueue wakes it at once)
+# ...or this often once nothing was found for a while: every queueing publishes a wake that ends the
+# wait at once (genq.core.queueing), so this only covers a wake lost while the listener reconnects.
+IDLE_POLL_S = 30.0
 FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
-RQ_BEAT_S = 15.0  # the RQ worker key's heartbeat...
+RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
 MAX_EXTRA = 14  # batches taken beyond --prefetch while held ones drain their long tails
 
