@@ -143,7 +143,8 @@ class Intake:
         if not got:
             return False
         job, batch, rq_id = (part.decode() for part in got)
-        await self.acquire(token, BatchRef(job, batch), rq_id)
+        # Leased to this live engine now: no one else takes it, so its load is waited through (Redis away).
+        await retrying(lambda: self.acquire(token, BatchRef(job, batch), rq_id), f"loading batch {job}/{batch}")
         return True
 
     async def _refresh_foreign(self) -> None:
