@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import redis
 from redis.client import Pipeline
 from rq import Queue, Worker, suspension
+from rq.exceptions import InvalidJobOperation
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
@@ -81,8 +82,12 @@ def failed_registry(conn: redis.Redis) -> FailedJobRegistry:
 
 
 def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True) -> None:
-    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind)."""
-    rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
+    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind). A
+    job whose hash went meanwhile (RELEASE takes a done batch's RQ job out of RQ) needs only that."""
+    try:
+        rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
+    except InvalidJobOperation:
+        pipe.delete(rq_job.key)
     pipe.delete(RqResult.get_key(rq_job.id))
 
 
