@@ -8,7 +8,7 @@ ledger's RELEASE (scripts.release_call; no shard file: only Redis is measured). 
 their heartbeat records as a live worker writes them. Then it reports:
 
 - bytes of Redis `used_memory` per finished prompt (a job all of whose batches are released,
-  the RQ loops' replies popped and RQ's job hashes gone, as RQ's result_ttl does an hour later),
+  their RQ jobs gone with RELEASE),
   per in-flight prompt (a leased batch whose results are all committed, its shard not yet
   written: the most a prompt costs before its release), and per queued prompt, with what each
   key of a finished job holds (MEMORY USAGE);
@@ -160,7 +160,6 @@ class Filler:
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
                 script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, incarnation="")
                 self._release(keys=script_keys, args=args, client=pipe)
-                pipe.delete(keys.lease_reply(f"tok-{b.id}"))  # the RQ loop pops its "done"
             pipe.execute()
 
     def expire_rq_jobs(self, batches: list[Batch]) -> None:
