@@ -56,8 +56,8 @@ def server_url_problem(url: str) -> str | None:
     return None
 
 
-# Redis refuses a client name with a space or a character outside printable ASCII, and a worker's
-# name is its RQ worker's name (`rq info`), which RQ sets as a client name: such a name never works.
+# A worker's name is its RQ worker's name (`rq info`); RQ names a worker's Redis connection after it,
+# and Redis refuses a client name with a space or a character outside printable ASCII.
 NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
 
 
