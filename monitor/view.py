@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from rich.console import Group, JustifyMethod, RenderableType
 from rich.panel import Panel
@@ -12,7 +12,9 @@ from rich.text import Text
 
 from genq.core.health import NO_HEARTBEAT
 from genq.core.words import plural
-from genq.monitor.progress import JobReport, WorkerReport
+
+if TYPE_CHECKING:
+    from genq.monitor.progress import JobReport, WorkerReport
 
 STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
                 "done": "bold green"}

@@ -31,12 +31,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import redis
 from aiohttp import web
 
+from genq.core.ledger import letters
+from genq.core.records import DeadLetter, unpack
+from genq.monitor.exporter import parse_listen
 from genq.monitor.history import History
 from genq.monitor.lengths import bucket_log_bounds, length_bucket, norm_cdf
-from genq.monitor.progress import JobReport, Monitor, as_dict
-from genq.monitor.snapshot import read_dead_letters
+from genq.monitor.progress import JobReport, Monitor, as_dict, encode, finite
 
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
@@ -138,12 +142,12 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
 
     app = web.Application(middlewares=[own_host_only])
     app.on_response_prepare.append(security_headers)
-    letters: dict[str, tuple[float, Any]] = {}  # job -> (monotonic, summary): one DLQ scan per interval
+    scanned: dict[str, tuple[float, dict[str, Any]]] = {}  # job -> (monotonic, summary): one DLQ scan an interval
 
-    def dead_letters(job: str):
-        cached = letters.get(job)
+    def dead_letters(job: str) -> dict[str, Any]:
+        cached = scanned.get(job)
         if cached is None or time.monotonic() - cached[0] >= interval:
-            cached = letters[job] = (time.monotonic(), read_dead_letters(monitor.conn, job))
+            cached = scanned[job] = (time.monotonic(), dead_letter_summary(monitor.conn, job))
         return cached[1]
 
     async def index(request: web.Request) -> web.StreamResponse:
@@ -167,9 +171,9 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
                 progress=as_dict(chosen.progress, for_json=True),
                 history=history.columns(job),
                 lengths=length_histogram(chosen),
-                dead_letters={"total": dlq.total, "by_kind": dlq.by_kind, "latest": dlq.latest},
+                dead_letters=dlq,
             )
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body, dumps=lambda obj: encode(finite(obj)).decode())
 
     app.router.add_get("/", index)
     app.router.add_get("/api/state", state)
@@ -179,20 +183,25 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
     return app
 
 
-def _dumps(obj: Any) -> str:
-    from genq.monitor.progress import encode
-
-    return encode(_finite(obj)).decode()
+DLQ_READ_LIMIT = 20_000  # letters read for the breakdown; beyond, by_kind covers the first ones scanned
 
 
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+def dead_letter_summary(conn: redis.Redis, job: str, latest: int = 5) -> dict[str, Any]:
+    """The job's dead letters: how many, how many of each kind, and the newest few."""
+    by_kind: Counter[str] = Counter()
+    found: list[DeadLetter] = []
+    for n, raw in enumerate(letters.scan_raw(conn, job, 1000)):
+        if n >= DLQ_READ_LIMIT:
+            break
+        try:
+            found.append(unpack(raw, DeadLetter))
+        except msgspec.DecodeError:
+            continue
+        by_kind[found[-1].kind] += 1
+    found.sort(key=lambda d: d.at, reverse=True)
+    rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
+                 attempts=d.attempts, status=d.status) for d in found[:latest]]
+    return {"total": letters.count(conn, job), "by_kind": dict(sorted(by_kind.items())), "latest": rows}
 
 
 def _control_handler(monitor: Monitor, token: str):
@@ -223,17 +232,12 @@ def _control_handler(monitor: Monitor, token: str):
     return handler
 
 
-def serve_web(monitor: Monitor, listen: str, interval: float, token: str | None = None,
-              allow_hosts: tuple[str, ...] = ()) -> History:
+def serve_web(monitor: Monitor, history: History, listen: str, interval: float, token: str | None = None,
+              allow_hosts: tuple[str, ...] = ()) -> None:
     """Start the page's server in a background thread (binding here, so errors reach the caller)."""
-    from genq.monitor.exporter import parse_listen
-
     host, port = parse_listen(listen, "--web")
-    history = History()
-    monitor.listeners.append(history.record)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(make_app(monitor, history, interval, token, own_names(host, allow_hosts)), access_log=None)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, host, port).start())
     threading.Thread(target=loop.run_forever, name="genq-web", daemon=True).start()
-    return history

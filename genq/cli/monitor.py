@@ -14,6 +14,7 @@ from genq.cli import JobName, Option, settings
 from genq.core.redisconn import connect, describe_error
 from genq.core.refusals import refusal
 from genq.core.state import FINISHED_STATUSES
+from genq.monitor.history import History
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
 
@@ -87,7 +88,8 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     except (redis.RedisError, OSError) as exc:
         if refusal(exc) is None:  # a Redis refusing writes (MISCONF refuses PING) still answers reads
             raise click.ClickException(describe_error(s.redis_url, exc)) from None
-    mon = Monitor(conn, job, window_s=rate_window, once=once)
+    history = History() if web_listen else None
+    mon = Monitor(conn, job, window_s=rate_window, once=once, on_refresh=history.record if history else None)
     if listen:
         from genq.monitor.exporter import serve
 
@@ -98,17 +100,15 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(str(exc)) from None
         except OSError as exc:
             raise click.ClickException(f"--metrics {listen}: {exc}") from None
-        click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
-                   err=True)
-    if web_listen:
+        click.echo(f"genq monitor: Prometheus metrics on http://{_shown(listen)}/metrics", err=True)
+    if web_listen and history is not None:
         from genq.monitor.webapp import serve_web
 
         try:
-            serve_web(mon, web_listen, interval, token if web_control else None, web_hosts)
+            serve_web(mon, history, web_listen, interval, token if web_control else None, web_hosts)
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
-        shown = web_listen if not web_listen.startswith(":") else "0.0.0.0" + web_listen
-        click.echo(f"genq monitor: live page on http://{shown}/"
+        click.echo(f"genq monitor: live page on http://{_shown(web_listen)}/"
                    f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
     try:
         if once:
@@ -123,6 +123,10 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         raise click.ClickException(f"--progress-file {progress_file}: {exc}") from None
     except KeyboardInterrupt:
         pass
+
+
+def _shown(listen: str) -> str:
+    return "0.0.0.0" + listen if listen.startswith(":") else listen
 
 
 def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float | None,
