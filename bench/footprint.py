@@ -12,7 +12,7 @@ their heartbeat records as a live worker writes them. Then it reports:
   per in-flight prompt (a leased batch whose results are all committed, its shard not yet
   written: the most a prompt costs before its release), and per queued prompt, with what each
   key of a finished job holds (MEMORY USAGE);
-- the monitor's refresh (monitor.snapshot: fleet.statuses + the queue mirror with the live monitor's
+- the monitor's refresh (genq.core.ledger.figures: fleet.statuses + the queue mirror with the live monitor's
   cache + read_job, i.e. what `genq monitor` and each Prometheus scrape read) on a mid-job state
   (half the batches finished, 8 workers x 3 held batches half done, the rest queued in RQ) of
   SMALL prompts against the same state of LARGE prompts on two servers, one refresh of each in
@@ -41,6 +41,8 @@ from common import conditions, table
 
 from genq.core import keys, scripts
 from genq.core.batches import inline as inline_record
+from genq.core.ledger import fleet
+from genq.core.ledger.figures import read_job
 from genq.core.localredis import LocalRedis
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
@@ -57,8 +59,6 @@ from genq.core.records import (
     without_prompt,
 )
 from genq.monitor.rqqueue import QueueMirror
-from genq.core.ledger import fleet
-from genq.monitor.snapshot import read_job
 from genq.producer.rows import claim_digest
 
 TARGET_RATIO = 1.5  # refresh at LARGE prompts within 1.5x the refresh at SMALL (issue #15)
@@ -274,7 +274,7 @@ def refresh_once(conn: redis.Redis, job: str, names: QueueMirror) -> float:
     started = time.perf_counter()
     workers = fleet.statuses(conn)
     names.refresh(conn)
-    snap = read_job(conn, job, workers, names)
+    snap = read_job(conn, job, workers, queued=names.by_job.get(job, 0), rq_queued=names.total)
     elapsed = time.perf_counter() - started
     assert snap is not None and snap.total > 0
     return elapsed

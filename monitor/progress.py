@@ -2,7 +2,7 @@
 `--json` and the progress file as they are, the terminal view (view.py), the web page (webapp.py)
 and Prometheus (exporter.py).
 
-Monitor.refresh() is the one path: read Redis (snapshot.py), add a throughput sample (rates.py),
+Monitor.refresh() is the one path: read Redis (genq.core.ledger.figures), add a throughput sample (rates.py),
 estimate the time left (eta.py), fill the record. bench/eta_bench.py calls the same Monitor, so it
 measures what `genq monitor --json` prints.
 """
@@ -23,6 +23,7 @@ from genq.core import decodebound
 from genq.core.decodebound import Verdict
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
+from genq.core.ledger.figures import JobSnapshot, WorkerView, read_job
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.refusals import RedisNote, redis_note_of
@@ -31,7 +32,6 @@ from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job
 from genq.ops.settings import describe_block
 
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds: --json only
@@ -177,7 +177,7 @@ class Monitor:
             self.queue.refresh(self.conn)
             reports = []
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
-                snap = read_job(self.conn, name, statuses, self.queue)
+                snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0), rq_queued=self.queue.total)
                 if snap is None:
                     if self.job is not None:
                         raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")

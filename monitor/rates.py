@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from genq.core.decodefigures import DecodeBin
+from genq.core.ledger.figures import JobSnapshot
 from genq.monitor.eta import Speed
-from genq.monitor.snapshot import JobSnapshot
 
 # Relative standard error never below this: speed drifts in ways a window cannot see (other jobs,
 # thermal throttling, batch-size effects at the end).
