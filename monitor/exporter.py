@@ -1,28 +1,14 @@
-"""Prometheus metrics for `genq monitor --serve [HOST]:PORT`.
+"""Prometheus metrics for `genq monitor --metrics [HOST]:PORT`: the monitor's records as metric families.
 
-A custom collector: every scrape reads Redis through the same Monitor the
-view uses (so the throughput samples and the ETA are shared), and turns the
-reports into metric families labelled by job and worker. Reports are cached
-for one refresh interval: a second Prometheus (or a page poll) in between
-does not recompute the ETA.
+Every scrape reads through the same Monitor as the view (one set of throughput samples, one ETA),
+its reports cached for one refresh interval, so a second scraper does not recompute the ETA. Label
+values never grow with time: jobs and workers are names; states, reasons and bottlenecks are fixed
+sets of codes, each exported with 0 or 1. A stopped or lost worker is exported as down without its
+last figures, and not at all once down for FORGET_AFTER_S (genq:workers keeps every name that ever
+heartbeated; Prometheus must not).
 
-Label values never grow with time: workers and jobs are names, states and
-bottlenecks are fixed sets of codes (an enum-style metric per set, every code
-exported with 0 or 1, so a state change does not start a new series). A
-stopped or lost worker is exported as down (genq_worker_up 0) without its last
-figures, and not at all once it has been down for FORGET_AFTER_S: genq:workers
-keeps every name that ever heartbeated, and Prometheus must not.
-
-The genq job is the `job` label. Prometheus gives every target a `job` label
-of its own (the scrape job) and renames a clashing one to `exported_job`
-unless the scrape config says `honor_labels: true`, which it should here:
-
-    scrape_configs:
-      - job_name: genq
-        honor_labels: true
-        static_configs: [{targets: ["monitor-host:9108"]}]
-
-dashboards/grafana-genq.json is built on these metric names.
+The genq job is the `job` label: scrape with `honor_labels: true`, else Prometheus renames it
+`exported_job` (docs/monitoring.md). dashboards/grafana-genq.json is built on these names.
 """
 
 from __future__ import annotations

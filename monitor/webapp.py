@@ -1,20 +1,17 @@
 """`genq monitor --web HOST:PORT`: one live page with plots, served by the monitor process.
 
-The page (monitor/web/) polls api/state, which answers from the same Monitor
-as the terminal view, the JSON lines and the exporter: its numbers are
-`genq monitor --json`'s. Time series are the monitor's own (history.py); the
-charting library (uPlot, MIT) ships inside the package, so the page works on an
-air-gapped cluster. URLs are relative, so the page works through a port forward
-or under a reverse proxy's path prefix.
+The page (monitor/web/) polls api/state, which answers from the same Monitor as the terminal view,
+the JSON lines and the exporter: its numbers are `genq monitor --json`'s. Its time series are the
+monitor's own, kept in memory (History: a restarted monitor starts its plots afresh; Prometheus
+keeps the long history). The charting library (uPlot, MIT) ships inside the package, so the page
+works on an air-gapped cluster; its URLs are relative, so it works through a port forward or under
+a reverse proxy's path prefix. Read-only unless started with control enabled and a token: then
+pause, resume and drain are POSTs to api/control carrying the token in X-Genq-Token.
 
-Read-only unless started with control enabled and a token: then pause, resume
-and drain are POSTs to api/control carrying the token in X-Genq-Token.
-
-Only requests naming this server answer: a Host that is an address, a loopback name, the name
-it was bound to, this machine's name or one given with --web-allow-host. Any other name is what
-a DNS-rebinding page sends (its own domain, resolved to this address), and it gets 403 with
-nothing read. Every answer carries a Content-Security-Policy allowing only this server's own
-files, and X-Content-Type-Options: nosniff.
+Only requests naming this server answer: a Host that is an address, a loopback name, the name it
+was bound to, this machine's name or one given with --web-allow-host. Any other is what a
+DNS-rebinding page sends (its own domain, resolved to this address): 403, nothing read. Every
+answer carries a Content-Security-Policy allowing only this server's own files, and nosniff.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import math
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +35,15 @@ from aiohttp import web
 from genq.core.ledger import letters
 from genq.core.records import DeadLetter, unpack
 from genq.monitor.exporter import parse_listen
-from genq.monitor.history import History
 from genq.monitor.lengths import bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.progress import JobReport, Monitor, as_dict, encode, finite
 
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
 CONTROL_ACTIONS = ("pause", "resume", "drain")
+JOB_FIELDS = ("completed", "failed", "percent", "percent_completed", "eta_s", "eta_low_s", "eta_high_s",
+              "rate_per_sec", "output_tokens_per_sec", "in_flight")
+WORKER_FIELDS = ("tok_per_s", "req_per_s", "slot_utilization")
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 # The page's own scripts and styles only (uPlot ships beside it); its icon is an empty data: URL.
 HEADERS = {
@@ -52,6 +51,37 @@ HEADERS = {
                                "form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
 }
+
+
+class History:
+    """Each job's figures at every refresh, a ring buffer per job (Monitor's on_refresh records them);
+    the page asks for a job's as columns aligned on `t`, the form uPlot draws."""
+
+    def __init__(self, maxlen: int = 3600) -> None:
+        self.maxlen = maxlen
+        self.points: dict[str, deque[dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def record(self, reports: list[JobReport]) -> None:
+        with self.lock:
+            for r in reports:
+                p = r.progress
+                point = {"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
+                         "workers": {w.name: {f: getattr(w, f) for f in WORKER_FIELDS}
+                                     for w in p.worker_details if w.state not in ("lost", "gone", "stopped")}}
+                ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
+                if ring and ring[-1]["t"] >= point["t"]:
+                    continue  # a second reader of the same refresh
+                ring.append(point)
+
+    def columns(self, job: str) -> dict[str, Any]:
+        """{"t": [...], field: [...], "workers": {name: {field: [...]}}}, None where absent."""
+        with self.lock:
+            pts = list(self.points.get(job, ()))
+        names = sorted({n for p in pts for n in p["workers"]})
+        return {**{name: [p[name] for p in pts] for name in ("t", *JOB_FIELDS)},
+                "workers": {n: {f: [p["workers"].get(n, {}).get(f) for p in pts] for f in WORKER_FIELDS}
+                            for n in names}}
 
 
 def host_name(header: str) -> str:

@@ -14,7 +14,6 @@ from genq.cli import JobName, Option, settings
 from genq.core.redisconn import connect, describe_error
 from genq.core.refusals import refusal
 from genq.core.state import FINISHED_STATUSES
-from genq.monitor.history import History
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
 
@@ -88,7 +87,11 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     except (redis.RedisError, OSError) as exc:
         if refusal(exc) is None:  # a Redis refusing writes (MISCONF refuses PING) still answers reads
             raise click.ClickException(describe_error(s.redis_url, exc)) from None
-    history = History() if web_listen else None
+    history = None
+    if web_listen:
+        from genq.monitor.webapp import History
+
+        history = History()
     mon = Monitor(conn, job, window_s=rate_window, once=once, on_refresh=history.record if history else None)
     if listen:
         from genq.monitor.exporter import serve
