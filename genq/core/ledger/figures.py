@@ -41,9 +41,13 @@ class WorkerCounters:
 
     @classmethod
     def of(cls, raw: dict[bytes, bytes]) -> WorkerCounters:
-        ints = {n: int(raw.get(n.encode()) or 0) for n in ("done", "failed", "in_tok", "out_tok")}
-        times = {n: float(v) if (v := raw.get(n.encode())) else None for n in ("first_at", "last_at")}
-        return cls(**ints, **times)
+        def at(name: bytes) -> float | None:
+            return float(raw[name]) if raw.get(name) else None
+
+        def n(name: bytes) -> int:
+            return int(raw.get(name) or 0)
+
+        return cls(n(b"done"), n(b"failed"), n(b"in_tok"), n(b"out_tok"), at(b"first_at"), at(b"last_at"))
 
 
 @dataclass
