@@ -19,7 +19,7 @@ and the requests running now, if still running by then. With fewer left, the dra
 running requests' remainders and the prompts left, each a fresh length. The drain's length is the
 expected longest of those remainders, its distribution the product of theirs (a 1-D integral).
 A request decodes it at the measured per-request speed; on a server whose step costs
-a + b x (requests decoding) (a CPU: monitor/speedcurve.py fits a/b from the workers' figures) the
+a + b x (requests decoding) (a CPU: monitor/rates.py fits a/b from the workers' figures) the
 last requests run faster as the others end, and the drain takes (a M + b W) for M steps and W
 tokens, and faster still for what admitting new prompts cost the bulk (PREFILL_COST).
 
@@ -65,7 +65,7 @@ class Speed:
     tokens_per_s: float = 0.0  # the job's measured output tokens/s
     source: str = ""
     # How a request's speed depends on d, the requests decoding at once on its server: a step
-    # costs in proportion to overhead + d (monitor/speedcurve.py); per_request was measured at
+    # costs in proportion to overhead + d (monitor/rates.py); per_request was measured at
     # about `decoding` per worker. None: the same speed at any d (a GPU's memory-bound decode).
     overhead: float | None = None
     decoding: float = 0.0

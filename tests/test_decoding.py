@@ -1,4 +1,4 @@
-"""The worker's decode figures (worker/decoding.py) and their fit (monitor/speedcurve.py).
+"""The worker's decode figures (worker/decoding.py) and their fit (monitor/rates.py).
 
 Pure: a fake clock stands in for time; the requests are Progress records fed as a stream
 would feed them. Against real servers the figures are checked by scripts/vllm/bench.py.
