@@ -52,26 +52,15 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
 
     \b
     JSON (--json, --progress-file): with --job, or when exactly one job exists,
-    one object; otherwise an object keyed by job name, each value the same
-    object ({} when there are no jobs). Fields include total, completed,
-    failed, in_flight, queued, rate_per_sec, output_tokens_per_sec,
-    eta_hours, eta_low_hours, eta_high_hours, eta_state, elapsed_hours,
-    total_input_tokens, total_output_tokens, avg_output_tokens, status
-    (queued | running | paused | writing | done: done once every shard is
-    written), percent_completed and percent_failed, queued_batches (the
-    job's batches in RQ's queue), held_batches, other_batches (neither
-    written, held nor queued), rq_queued (RQ's whole queue), s3_uploaded and
-    s3_bytes (shards written and their bytes), worker_details (with
-    bottleneck_codes); --json adds eta_s, eta_low_s
-    and eta_high_s in unrounded seconds (null while there is no honest
-    estimate: eta_state "warming up", "paused" or "stalled").
+    one object; otherwise an object keyed by job name ({} when there are no
+    jobs). Its fields (total, completed, failed, status, eta_hours, worker_details,
+    ...) are listed in docs/monitoring.md; --json adds eta_s, eta_low_s and
+    eta_high_s in unrounded seconds (null while there is no honest estimate).
 
     \b
-    The ETA comes from remaining work and recent throughput: output lengths
-    are fitted to the finished completions and the running ones (a running
-    request will be at least as long as it is now), so the long tail is
-    counted before it finishes; the job's drain (its longest last requests)
-    is added; the range is a central 90% (docs/monitoring.md).
+    The ETA: output lengths fitted to the finished completions and the running
+    ones (each at least as long as it is now), the remaining work at the
+    measured speed, plus the job's drain; its range is a central 90%.
     """
     s = settings(ctx)
     if once and (listen or web_listen):
