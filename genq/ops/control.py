@@ -221,7 +221,7 @@ def globally_paused(conn: redis.Redis) -> bool:
 
 
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
-    """Totals per job from the counters of record (genq.monitor.snapshot says which counter is the truth of each)."""
+    """Totals per job from the counters of record (genq.core.ledger.figures says which counter is the truth of each)."""
     from genq.core.queueing import load_config
 
     names = list_jobs(conn) if names is None else list(names)

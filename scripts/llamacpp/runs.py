@@ -227,7 +227,7 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                            "load": load(), "tok_s": p.output_tokens_per_sec,
                            # The estimator's inputs: one decoding request's speed, the fitted mean length.
                            "per_request_tok_s": report.speed.per_request if report.speed else None,
-                           # How a request's speed depends on the count decoding (monitor/speedcurve.py).
+                           # How a request's speed depends on the count decoding (monitor/rates.py).
                            "overhead": report.speed.overhead if report.speed else None,
                            "decoding": report.speed.decoding if report.speed else None,
                            "fit_mean": report.estimate.model.mean() if report.estimate.model else None,
