@@ -1,12 +1,8 @@
-"""genq enqueue: read prompts, check them and the job's settings, queue batches.
-
-Nothing is written to Redis until at least one line is queued: the job's config
-is stored in the transaction of its first batches (genq.producer.enqueue).
-"""
+"""`genq enqueue`: read prompts, check them and the job's settings, queue batches. Nothing is
+written to Redis until a line is queued: the job's config goes in with its first batches."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,9 +11,9 @@ from collections.abc import Iterator
 import click
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, settings
 from genq.cli.readprogress import ReadProgress
-from genq.core.ledger.jobs import check_job_name, counts
+from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
@@ -27,14 +23,9 @@ from genq.core.words import plural
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
 from genq.producer.meter import Meter
-from genq.producer.params import ParamError, check_params
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
 from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
-
-EXIT_REJECTED = 3
-EXIT_INTERRUPTED = 130
-SHOWN_REJECTS = SHOWN  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -119,7 +110,6 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     """
     url = settings(ctx).redis_url
     try:
-        check_job_name(job)
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
@@ -133,7 +123,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 
-            sys.exit(check_only(conn, config, create, input_uri, rows, _name_state(conn, config, create), closed))
+            sys.exit(check_only(conn, config, create, input_uri, rows, closed))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
             summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter, closed)
@@ -149,17 +139,15 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
-    except KeyboardInterrupt:
-        held = _held_so_far(url, job, "to queue the rest")
-        click.echo(f"\ninterrupted{held or ': nothing was queued'}", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:  # the group says "interrupted" and exits 130; this adds what the job holds
+        raise KeyboardInterrupt(_held_so_far(url, job, "to queue the rest") or ": nothing was queued") from None
     if summary.read == 0:
         rejects.discard()
         _nothing_valid(summary, rejects, input_uri)
     rejects.close()
     _report(summary, rejects)
     if summary.rejected:
-        sys.exit(EXIT_REJECTED)
+        sys.exit(EXIT_PARTLY_DONE)
 
 
 def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
@@ -179,17 +167,7 @@ def _given_settings(options: dict[str, object]) -> dict[str, object]:
     """The config options given on the command line, checked and normalised (no Redis needed)."""
     given = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     if "extra_body" in given:
-        try:
-            extra = json.loads(str(given["extra_body"]))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object")
-        try:
-            check_params(extra, "--extra-body", given.get("endpoint"))  # type: ignore[arg-type]
-        except ParamError as exc:
-            raise ValueError(str(exc)) from None
-        given["extra_body"] = extra
+        given["extra_body"] = extra_body(str(given["extra_body"]), given.get("endpoint"))  # type: ignore[arg-type]
     if "output" in given and "://" not in str(given["output"]):
         given["output"] = os.path.abspath(str(given["output"]))
     return given
@@ -247,31 +225,6 @@ def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) ->
     return (f"job {job} is {row.state} ({plural(row.total, 'prompt')}, output {config.output}) and {input_uri}, "
             f"not one of its inputs, has prompts it does not hold: adding them would run it again, writing into "
             f"the same output. Give a new --job name for a new job, or --add to add them to {job}")
-
-
-def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
-    """What the job's name stands for now, as --dry-run says it."""
-    if not create:
-        from genq.ops.control import job_rows
-
-        row = job_rows(conn, [config.name])[0]
-        return f"an existing job, {row.state}, {plural(row.total, 'prompt')}; its settings agree"
-    from genq.output import truth
-    from genq.output.sink import open_store
-    from genq.producer.enqueue import revives
-
-    store = open_store(config.output, config.s3_endpoint_url)
-    try:
-        on_disk = truth.read_job(store, config.name)
-    except Exception as exc:  # the output unreachable: the real enqueue stops on it, saying so
-        return f"a new job, unless {config.output} (unreadable from here: {type(exc).__name__}) holds it"
-    if on_disk is None:
-        return "a new job"
-    if revives(on_disk, config):
-        return (f"not in Redis, but {truth.job_uri(store, config.name)} holds it: it would be created again from "
-                "there, its written batches counted as done (below, prompts are counted against Redis alone)")
-    return (f"a new job; {truth.job_uri(store, config.name)} holds an earlier job of this name "
-            f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")
 
 
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
@@ -343,7 +296,7 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 
-def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
+def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN) -> None:
     for item in rejects.first[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
     if rejects.count > limit:
