@@ -208,7 +208,7 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     try:
-        check_params(extra, "--extra-body", endpoint)  # type: ignore[arg-type]
+        check_params(extra, "--extra-body", endpoint)
     except ParamError as exc:
         raise ValueError(str(exc)) from None
     return extra

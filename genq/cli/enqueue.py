@@ -73,9 +73,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
             priority: int | None, weight: float | None, add_to_finished: bool, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
-    INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
-    s3://bucket/key (streamed; credentials and endpoint from the standard AWS
-    chain, or --s3-endpoint-url). Parquet rows are mapped with --messages-column
+    INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or s3://bucket/key
+    (streamed; AWS credentials, or --s3-endpoint-url). Parquet columns map with --messages-column
     or --prompt-column and --id-column; other columns become metadata.
 
     \b
@@ -83,30 +82,21 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
       {"id": "a1", "messages": [{"role": "user", "content": "..."}]}
       {"id": "a2", "prompt": "...", "sampling": {"temperature": 0.2}}
       {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
-    "id" is optional (a stable hash of the content is used); "sampling" overrides
-    the job's request parameters for that row; any other field is metadata,
-    carried through to the result. With --endpoint chat (the default) a
-    "prompt" row (or an OpenAI Batch /v1/completions row) is sent as one user
-    message; with --endpoint completions a "messages" row is rejected.
-    Settings and "sampling" are checked here (ranges, types, known fields).
+    "id" is optional (a stable hash of the content is used); "sampling" overrides the job's
+    request parameters for that row; any other field is metadata, carried to the result. With
+    --endpoint chat a "prompt" row is sent as one user message; with --endpoint completions a
+    "messages" row is rejected. Settings and "sampling" are checked here.
 
-    Re-running is safe: ids already queued or done are skipped and counted.
-    The job's settings are stored with its first queued batch; later enqueues
-    into the same job must not contradict them. New prompts from another
-    input for a finished job (done or partial) are refused unless --add: use
-    a new --job name. Nothing is created when
-    nothing is queued (missing or empty input, no valid line).
+    Re-running is safe: ids already queued or done are skipped and counted. Later enqueues into
+    a job must not contradict its settings; new prompts from another input for a finished job
+    are refused unless --add. Nothing is created when nothing is queued.
 
     \b
-    Exit status: 0 every line queued or skipped; 3 some lines were rejected
-    (each reported with its line number and written to the rejects file; the
-    valid lines were queued); 1 nothing was queued (unreadable, empty or
-    wholly invalid input, bad --extra-body, settings that contradict the job,
-    Redis unreachable), or Redis failed part way (full: the error says how many
-    prompts the job holds, and the same command again queues the rest); 2 bad
-    usage (unknown option, value out of range); 130 interrupted (Ctrl-C: it
-    says how many prompts the job holds; the same command again queues the
-    rest).
+    Exit status: 0 every line queued or skipped; 3 some lines were rejected (each named, and
+    written to the rejects file; the valid ones were queued); 1 nothing was queued (unreadable,
+    empty or wholly invalid input, bad --extra-body, settings that contradict the job, Redis
+    unreachable), or Redis failed part way (the error says how many prompts the job holds: the
+    same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C: as Redis failing).
     """
     url = settings(ctx).redis_url
     try:
