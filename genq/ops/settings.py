@@ -37,6 +37,7 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
     unknown = sorted(set(changes) - set(SETTABLE))
     if unknown:
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
+
     def change(config: JobConfig | None) -> JobConfig:
         if config is None:
             raise Refused(f"no job named {job!r} (or it has no stored settings)")
@@ -67,8 +68,8 @@ def write_settings(conn: redis.Redis, config: JobConfig) -> None:
         raise
     except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
         raise Refused(f"cannot write {truth.job_uri(store, config.name)} ({type(exc).__name__}: {exc}): the "
-                            "job's settings are kept there first, so nothing was changed; run this where the "
-                            "output is reachable") from None
+                      "job's settings are kept there first, so nothing was changed; run this where the "
+                      "output is reachable") from None
 
 
 def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
