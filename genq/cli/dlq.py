@@ -139,19 +139,11 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
             temperature: float | None, top_p: float | None, extra_body: dict[str, Any] | None) -> None:
     """Queue dead prompts again (as new batches) and failed batches (as new RQ jobs).
 
-    \b
-    Dead prompts go into new batches of the job (its batch size), with their
-    attempts reset; each letter leaves the dead-letter queue in the same
-    transaction that queues it, so none is lost or queued twice. A prompt
-    whose original batch has not finished yet is skipped (its batch could
-    still regenerate it): requeue it after that batch completes.
-    Failed batches get a fresh RQ job and leave RQ's failed
-    registry; prompts they already finished are not regenerated.
-
-    Requeued prompts are sent with the job's current settings (`genq jobs set`,
-    `genq jobs show`); --max-tokens, --temperature, --top-p or --extra-body
-    override them for these prompts only (kept in each prompt's own sampling,
-    as a row's "sampling" is). Not for failed batches: change the job's settings.
+    Each letter leaves the dead-letter queue in the transaction that queues it: none is lost or
+    queued twice. A prompt whose batch has not finished yet is skipped (that batch could still
+    regenerate it); a failed batch's finished prompts are not generated again. Prompts are sent
+    with the job's current settings; --max-tokens, --temperature, --top-p or --extra-body
+    override them for these prompts only (not for failed batches: use `genq jobs set`).
 
     Exit status: 0 all requeued; 3 some entries were skipped (each is named);
     1 an unknown job or id (nothing was requeued).
@@ -193,15 +185,14 @@ def _skipped(verb: str, entries: list[tuple[str, str]]) -> None:
 def purge(ctx: click.Context, job: str | None, yes: bool) -> None:
     """Forget every dead prompt and failed batch (of --job, or of all jobs).
 
+    Purged prompts are neither retried nor counted (enqueueing the same rows again queues them
+    anew; the job's stats count them "purged"); so are a failed batch's unfinished prompts. A
+    prompt whose batch has not finished, and a failed batch with finished prompts, are kept
+    (and named): requeue those.
+
     \b
-    Purged prompts are neither retried nor counted: they leave the monitor's
-    "failed", the job's total and its id index (enqueueing the same rows again
-    queues them anew); the job's stats keep a "purged" count. A failed batch's
-    unfinished prompts are forgotten the same way. Keep a record first:
+    Keep a record first:
       genq dlq list --job NAME --json > dead-letters.json
-      genq export --job NAME --to out.jsonl --format openai-batch   # + out.errors.jsonl
-    A prompt whose batch has not finished yet, and a failed batch that already
-    finished some prompts, are kept (and named): requeue those instead.
     """
     with redis_conn(ctx) as conn:
         chosen = core.entries(conn, job)

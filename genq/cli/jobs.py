@@ -148,11 +148,9 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
              note: str | None, priority: int | None, weight: float | None) -> None:
     """Change JOB's generation settings for every prompt not yet done, or its priority and weight.
 
-    Settings are stored as the job's next settings version (see `genq jobs show JOB`); workers
-    send every prompt from then on with it (within a second), and each result records the
-    version it was generated with. A blocked job stays blocked until `genq resume --job JOB`.
-    --priority and --weight are how the job shares the fleet (docs/scheduling.md): they take
-    effect within seconds on every worker and are no settings version.
+    Settings become the job's next version (`genq jobs show JOB`): workers send every prompt with
+    it within a second, and each result records its version. A blocked job stays blocked until
+    `genq resume --job JOB`. --priority and --weight (docs/scheduling.md) are no settings version.
     """
     changes = given(max_tokens=max_tokens, temperature=temperature, top_p=top_p, extra_body=extra_body, model=model,
                     max_attempts=max_attempts, brake=brake)
@@ -181,16 +179,11 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
 @click.pass_context
 def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
-    """Remove job JOB from Redis: its keys, its name, and its RQ jobs.
+    """Remove job JOB from Redis: everything under genq:job:JOB:, its name, its RQ jobs.
 
-    Removes everything under genq:job:JOB: (config, ids, batches, results not
-    yet written, counters, dead letters), JOB from the job list, and the job's
-    RQ jobs from the queue and RQ's registries. Shards already written under
-    the job's output are kept, and its job.json marked deleted: the name's
-    next `genq enqueue` starts a new job there instead of taking this one up
-    again (`genq recover --job JOB --output OUTPUT` brings it back). Refused
-    while a live worker holds one of its batches (drain or stop it first),
-    unless --force.
+    Its written shards stay, and its job.json is marked deleted: the name's next `genq enqueue`
+    starts a new job (`genq recover --job JOB --output OUTPUT` brings this one back). Refused
+    while a live worker holds one of its batches, unless --force.
     """
     with redis_conn(ctx) as conn:
         found = control.find_job(conn, job)

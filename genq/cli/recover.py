@@ -31,12 +31,9 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
             s3_endpoint_url: str | None) -> None:
     """Bring JOB's ledger in Redis up to its output, after Redis lost it or its recent writes.
 
-    The output is the truth: every batch whose shard and marker are written (for this
-    life of the job) is marked done with its counts, tokens and dead letters; when Redis
-    has no trace of the job it is created again from OUTPUT/JOB/job.json (its settings and
-    incarnation), dropping what workers wrote into the emptied Redis meanwhile. Then the
-    input is read again and only prompts with no written outcome are queued. Running
-    workers take them; nothing written is generated again.
+    The output is the truth: every batch written for this life of the job is marked done from
+    its marker; a job Redis lost is created again from OUTPUT/JOB/job.json. Then only the
+    input's prompts with no written outcome are queued: nothing written is generated again.
 
     \b
     Exit status: 0 recovered; 1 nothing to recover from (no job.json), an unreadable
