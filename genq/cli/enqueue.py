@@ -267,7 +267,7 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.converted:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
-    if summary.rebuilt or summary.recovered_batches:  # the output is the truth (#31, docs/recovery.md)
+    if summary.rebuilt or summary.recovered_batches:  # the output is the truth (docs/recovery.md)
         click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
                    f"{plural(summary.recovered_batches, 'batch', 'batches')} already written there counted as done")
     if summary.note:
