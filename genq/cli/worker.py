@@ -1,4 +1,4 @@
-"""genq worker: drive one local inference server from the queue, or (--gpus) one per GPU."""
+"""`genq worker`: drive one inference server from the queue, or (--gpus) one per GPU of this machine."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ BURST_SERVER_WAIT_S = 30.0  # --burst --server: how long a server that does not 
 
 
 class ByteSize(click.ParamType):
-    """A size in bytes (or bytes/s): 54GB, 1.79TB/s, 1790GB/s, 48GiB, or a plain number of bytes.
-    Decimal units as vendors rate bandwidth; KiB..TiB binary."""
+    """A size in bytes (or bytes/s): 54GB, 1.79TB/s, 48GiB, or a plain number; decimal units as
+    vendors rate bandwidth, KiB..TiB binary."""
 
     name = "SIZE"
     UNITS = {"": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -45,14 +45,6 @@ class ByteSize(click.ParamType):
         if size <= 0:
             self.fail(f"{value!r} is not a size above 0", param, ctx)
         return size
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def _checked_server(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -108,7 +100,8 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
         --launch "python -m sglang.launch_server --model-path M --port {port} --enable-metrics"
     GPU i of the list gets port --base-port + i and worker name HOST.gpuN.
     """
-    setup_logging(log_level)
+    logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
         if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
             raise click.UsageError(problem)

@@ -1,6 +1,5 @@
-"""The worker's side of "the output is the truth" (#31): one call each where a worker is about
-to drive a batch, or finds its shard's marker there already (genq.ops.recover explains ADOPT, genq/core/scripts/adopt.lua).
-"""
+"""The worker's side of "the output is the truth": a batch whose shard this life of the job wrote
+is done from its marker (ADOPT, genq.ops.recover), before it is driven or when its shard is found there."""
 
 from __future__ import annotations
 
