@@ -129,10 +129,10 @@ def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url
     server = sim(max_running_requests=8, mean_output_tokens=300, output_sigma=1.0, tokens_per_step=16,
                  step_ms_base=10)
     ids, out = enqueue(tmp_path, redis_url, "killall", 60, "--batch-size", "30", "--max-tokens", "1500")
-    first = worker(server, "--heartbeat-interval", "1", name="first")
+    first = worker(server, name="first")
     wait_until(lambda: rconn.hlen(keys.batch_results("killall", "b0000001")) >= 5, 60, "results recorded")
     first.kill_tree()
-    second = worker(server, "--heartbeat-interval", "1", "--burst", name="second")
+    second = worker(server, "--burst", name="second")
     # The burst worker takes b2 if still queued; b1 comes back once its heartbeat expires (1 + 60 s).
     wait_until(lambda: rconn.scard(keys.job_done("killall")) == 2, 150, "both batches done")
     second.wait(timeout=60)

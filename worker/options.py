@@ -29,7 +29,6 @@ class WorkerOptions:
     retry_backoff: float = 1.0
     retry_backoff_max: float = 60.0
     max_attempts: int | None = None  # overrides the job's setting
-    job_monitoring_interval: int = 10
 
 
 def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
