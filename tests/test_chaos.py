@@ -125,7 +125,7 @@ def test_sigterm_finishes_held_batches_and_exits_zero(redis_url, rconn, sim, wor
 
 
 def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url, rconn, sim, worker, tmp_path):
-    """SIGKILL to the worker and every process it started: RQ's abandoned-job handling."""
+    """SIGKILL to the worker: its alive key lapses and the reconciler queues its batches again."""
     server = sim(max_running_requests=8, mean_output_tokens=300, output_sigma=1.0, tokens_per_step=16,
                  step_ms_base=10)
     ids, out = enqueue(tmp_path, redis_url, "killall", 60, "--batch-size", "30", "--max-tokens", "1500")
@@ -133,7 +133,8 @@ def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url
     wait_until(lambda: rconn.hlen(keys.batch_results("killall", "b0000001")) >= 5, 60, "results recorded")
     first.kill_tree()
     second = worker(server, "--burst", name="second")
-    # The burst worker takes b2 if still queued; b1 comes back once its heartbeat expires (1 + 60 s).
+    # The burst worker takes b2 if still queued; b1 comes back once the killed engine's alive key
+    # lapses (genq.core.timings.LOST_BATCH_BACK_S).
     wait_until(lambda: rconn.scard(keys.job_done("killall")) == 2, 150, "both batches done")
     second.wait(timeout=60)
     rows, letters = audit(rconn, out, "killall", ids)
