@@ -104,7 +104,7 @@ def test_a_superseded_holders_claims_do_not_hold_the_batch_up(redis_url, rconn, 
     a = worker(slow, "--concurrency", "4", "--prefetch", "1", "--retry-backoff", "0.2", "--name", "a", name="a")
     wait_until(lambda: rconn.hlen(keys.batch_claims("leak", "b0000001")) >= 4, 60, "A sending its batch")
     a_instance = _holder(rconn, "leak", "b0000001")
-    os.kill(a.pid, signal.SIGSTOP)  # the engine only: its RQ loop's job gives up on it, the batch goes round again
+    os.kill(a.pid, signal.SIGSTOP)  # past its heartbeat: its lease lapses, the batch goes round again
     try:
         # B sends one prompt at a time (it takes some from the back of A's batch meanwhile), so
         # A's claims on the front are still there when the batch is leased to B.

@@ -102,7 +102,7 @@ def test_a_frozen_worker_resumed_after_another_finished_its_batches(redis_url, r
     ids, out = enqueue(tmp_path, "frz", 40, "--batch-size", "10", "--max-tokens", "2000")
     frozen = worker(slow, "--prefetch", "2", name="frozen")
     wait_until(lambda: rconn.hlen(keys.batch_results("frz", "b0000001")) >= 1, 60, "the frozen worker under way")
-    os.kill(frozen.pid, signal.SIGSTOP)  # the engine only, past its heartbeat: its RQ loops give up on it
+    os.kill(frozen.pid, signal.SIGSTOP)  # past its heartbeat: its lease lapses, the reconciler queues the batch again
     try:
         helper = worker(fast, "--burst", name="helper")
         assert helper.wait(timeout=180) == 0, helper.log()
@@ -197,9 +197,9 @@ def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim,
 
 
 def test_a_job_stuck_between_dequeue_and_start_is_brought_back(redis_url, rconn, sim, worker, tmp_path):
-    """An RQ loop that dies (Redis restarting under it) right after moving a job to RQ's
-    intermediate list leaves it there, "queued", until a running loop's cleanup: a burst
-    worker, whose loops have left, used to wait for it forever."""
+    """A stock RQ worker (or a genq worker of an older version) that dies right after moving a job
+    to RQ's intermediate list leaves it there, "queued", where no engine's TAKE looks: the
+    reconciler brings it back."""
     server = sim(max_running_requests=8, **FAST)
     ids, out = enqueue(tmp_path, "mid", 20, "--batch-size", "10", "--max-tokens", "400")
     queue = rq_queue(rconn)

@@ -96,7 +96,7 @@ def test_killed_worker_batch_finishes_on_restart_without_regenerating(redis_url,
     first = worker(server, name="first")
     results_key = keys.batch_results("crash", "b0000001")
     wait_until(lambda: rconn.hlen(results_key) >= 15, 60, "15 recorded results")
-    first.signal(signal.SIGKILL)  # the engine only: its RQ loops die with it
+    first.signal(signal.SIGKILL)  # the whole worker: one process
     first.wait(timeout=10)
     finished_before = {k.decode() for k in rconn.hkeys(results_key)}
     assert 15 <= len(finished_before) < 60

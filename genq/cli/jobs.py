@@ -219,7 +219,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
     """Stop sending new requests; requests in flight finish, held batches are kept.
 
     Without --job this also sets RQ's suspension flag (as `rq suspend` does),
-    so no RQ work loop, genq's or a stock `rq worker`, takes a new batch.
+    so no engine, and no stock `rq worker`, takes a new batch.
     Workers notice within a second. `genq resume` undoes it.
     """
     with redis_conn(ctx) as conn:

@@ -92,7 +92,7 @@ def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True
 
 
 def suspend_loops(conn: redis.Redis, suspended: bool = True) -> None:
-    """As `rq suspend` (`rq resume`, suspended=False): RQ work loops, genq's or stock, take no new batch."""
+    """As `rq suspend` (`rq resume`, suspended=False): no engine (TAKE) and no stock RQ worker takes a new batch."""
     (suspension.suspend if suspended else suspension.resume)(conn)
 
 

@@ -164,7 +164,7 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
     """Stop dispatching new requests (all jobs, or one); in-flight requests finish."""
     if job is None:
         ledger_jobs.pause_all(conn)
-        suspend_loops(conn)  # as `rq suspend`: RQ work loops (ours or stock) take no new batch
+        suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
     else:
         # Its queued batches leave RQ's queue and its workers park what they hold: their slots
         # go to other jobs; `resume --job` queues them all again.

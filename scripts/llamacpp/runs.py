@@ -272,7 +272,7 @@ def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *w
     proc = _worker(stack, worker_args, log)
     points = watch_eta(stack, name, proc, total) if eta else []
     proc.wait(timeout=1800)
-    worker_cpu = cpu_s(resource.RUSAGE_CHILDREN) - cpu0  # the worker and its RQ loops
+    worker_cpu = cpu_s(resource.RUSAGE_CHILDREN) - cpu0  # the worker
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     rows = [json.loads(line) for shard in sorted((out / name / "shards").glob("*.jsonl"))

@@ -74,7 +74,8 @@ class Outlook:
     pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
     # RQ jobs of done batches still "started" in RQ: their loops are returning (a moment), or
-    # died running them (an RQ loop that crashed on a Redis outage); cleared once seen in two passes.
+    # died running them (a stock RQ worker, or genq before the engine took batches itself); cleared once
+    # seen in two passes.
     finishing: int = 0
 
     @property
@@ -128,7 +129,7 @@ class Reconciler:
         return outlook
 
     def _clear_done_started(self, now: float) -> int:
-        """RQ jobs left "started" for batches the ledger has done (an RQ loop that died before
+        """RQ jobs left "started" for batches the ledger has done (a worker that died before
         its job function returned) leave RQ's started registry, so `rq info` tells the truth;
         how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
         intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
@@ -147,7 +148,7 @@ class Reconciler:
                     forget_rq_job(pipe, rq_id, executions[rq_id])
                     pipe.execute()
                 del seen[rq_id]
-                where = "started by an RQ loop that died running it" if executions[rq_id] else "in RQ's intermediate list"
+                where = "started by a worker that died running it" if executions[rq_id] else "in RQ's intermediate list"
                 log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
                          rq_id, *carried_batch, where)
         self._done_started = seen
@@ -224,7 +225,7 @@ class Reconciler:
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
         """Whether each batch's RQ job carries it: queued in RQ's queue, or started by a loop
-        whose engine heartbeats and holds the batch's lease (an RQ loop that died before handing
+        whose engine heartbeats and holds the batch's lease (a worker that died before handing
         the batch over leaves it "started" for an engine that never got it)."""
         # A job in RQ's queue will be taken: live, whatever else it says (and not worth
         # fetching: early in a big job nearly every pending batch is there).
