@@ -2,10 +2,10 @@
 
 It does what the worker needs and nothing more: a body of known length out; the answer by
 Content-Length, chunked, or to the connection's close, parsed by llhttp (httptools) as each piece
-arrives and fed to the caller's sink; what is not HTTP is a ValueError at once. A general client
-costs more than the rest of the worker's request path: against a server that answers at once, CPU
-a request 47-64 us here, 183-221 us on aiohttp with genq's retry, 158-175 us for a bare aiohttp
-loop (2026-12-06, docs/performance.md).
+arrives and fed to the caller's sink; what is not HTTP is a ValueError at once. Why not aiohttp:
+against a server that answers at once, CPU a request is 47-64 us here and 158-175 us for a bare
+aiohttp loop, and a whole worker on aiohttp costs 80-100 % more (2026-12-06, docs/performance.md
+"Worker overhead").
 
 Only a request that got no response byte on a reused connection may be sent again (the caller
 does: a server closes idle keep-alive connections, llama.cpp after each stream); once a response
