@@ -224,3 +224,20 @@ def test_an_https_server_is_spoken_to_over_tls_verified_against_the_trust_store(
     asyncio.run(main())
     assert scripted.requests[0].startswith(b"GET /health HTTP/1.1\r\n")
     assert scripted.connections == 2, "the GET on a connection of its own, both POSTs on one kept alive"
+
+
+def test_a_stream_event_that_is_not_json_is_a_protocol_failure_not_an_exception():
+    sse = b"data: {not json\n\n"
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(sse), sse)]
+
+    async def main() -> None:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            outcome = await client.generate("chat", {"model": "m", "stream": True}, Progress())
+            assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())

@@ -131,7 +131,7 @@ class Http1Pool:
     """Keep-alive connections to one server, each carrying one request at a time."""
 
     def __init__(self, base: URL, limit: int) -> None:
-        self.host, self.port = base.host or "127.0.0.1", base.port  # yarl: 80 or 443 when the URL has none
+        self.host, self.port = base.host or "127.0.0.1", base.port or 80  # yarl: 443 for https:// without one
         self.tls = _tls() if base.scheme == "https" else None
         self.prefix = base.path.rstrip("/")
         self.limit = limit  # idle connections kept

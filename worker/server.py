@@ -21,14 +21,7 @@ from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
 from genq.worker.http1 import Http1Pool, NoResponse, Sink
 from genq.worker.stream import StreamSink
-from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
-    Completion,
-    Failure,
-    Progress,
-    _connection_failure,
-    _http_failure,
-    parse_completion_bytes,
-)
+from genq.worker.wire import Completion, Failure, Progress, connection_failure, http_failure, parse_completion_bytes
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -178,20 +171,17 @@ class ServerClient:
         except NoResponse as exc:
             if exc.reused:
                 raise
-            return _connection_failure(exc)
+            return connection_failure(exc)
         except OSError as exc:  # refused, reset, cut short, the connect timeout
-            return _connection_failure(exc)
+            return connection_failure(exc)
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
         if status != 200:
-            return _http_failure(status, b"".join(answer.parts))
+            return http_failure(status, b"".join(answer.parts))
         if answer.stream is not None:
             return answer.stream.outcome()
         progress.first_byte = progress.last_activity = time.monotonic()
-        try:
-            return parse_completion_bytes(b"".join(answer.parts), model)
-        except msgspec.DecodeError as exc:
-            return Failure("protocol", f"unparsable response: {exc}")
+        return parse_completion_bytes(b"".join(answer.parts), model)
 
 
 class _Answer:
