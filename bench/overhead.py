@@ -313,7 +313,7 @@ def run_pair(server: Server, mode: str, args: argparse.Namespace, work: Path, pr
 
 # Targets (docs/performance.md "Worker overhead"): one worker drives >= 2,000 req/s on one core, >= 0.8 of a bare loop.
 RATE_TARGET = 2000.0
-RATIO_TARGET = 0.8  # issue #29
+RATIO_TARGET = 0.8
 MISMATCHES: list[str] = []
 
 

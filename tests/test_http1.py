@@ -1,6 +1,6 @@
-"""The lean HTTP/1.1 client of the generation POSTs (worker/http1.py) against a server that
-answers scripted bytes, a byte at a time: every way a body can end, and which connections
-may carry the next request."""
+"""genq's HTTP/1.1 client (worker/http1.py, under worker/server.py) against a server that answers
+scripted bytes, a byte at a time: every way a body can end, which connections may carry the next
+request, TLS."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class ServerInfo:
 
     @property
     def kind(self) -> str:
-        """The flavor under its older name."""
+        """The flavor, as the worker's start-up line names it."""
         return self.flavor
 
 
