@@ -118,7 +118,7 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
     from genq.core.records import JobConfig
     from genq.producer.enqueue import Enqueuer
     from genq.producer.rejects import RejectsFile
-    from genq.producer.sources import _parse_lines
+    from genq.producer.sources import jsonl_rows
 
     n, seen_while_reading = 60_000, []
     path = tmp_path / "rejects" / "in.rejects.jsonl"
@@ -137,7 +137,7 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
 
     rejects = RejectsFile(str(path))
     config = JobConfig(name="streamed", output=str(tmp_path / "out"), batch_size=100)
-    summary = Enqueuer(rconn, config, create=True, rejects=rejects).run(_parse_lines(lines()))
+    summary = Enqueuer(rconn, config, create=True, rejects=rejects).run(jsonl_rows(lines(), config.endpoint))
     rejects.close()
     assert len(seen_while_reading) >= 1_000  # rejects of early lines were on disk before the last line was read
     written = [msgspec.json.decode(line, type=Rejected) for line in path.read_bytes().splitlines()]
