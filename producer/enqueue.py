@@ -17,11 +17,11 @@ Redis, and only the rows of the group being queued are held.
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,7 +40,7 @@ from genq.output.sink import open_store
 from genq.producer.batchinput import range_digest
 from genq.producer.meter import Meter
 from genq.producer.rejects import RejectsFile
-from genq.producer.rows import Row, claim_digest
+from genq.producer.rows import Row
 from genq.producer.sources import default_rejects_path, open_rows
 
 log = logging.getLogger("genq.enqueue")
@@ -49,7 +49,6 @@ READ_CHUNK = 8192  # rows read before queueing what is ready
 READ_AHEAD = 2  # chunks the reading thread may have ready: bounds the rows held
 GROUP_BATCHES = 32  # batches per transaction: keeps a MULTI a sensible size (and the rows held)
 
-_Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_digest)
 T = TypeVar("T")
 
 
@@ -93,7 +92,7 @@ class Enqueuer:
         self.summary = EnqueueSummary()
         self._create = create
         self._closed = closed
-        self._pending: list[_Pending] = []
+        self._pending: list[Row] = []
         self._store = open_store(config.output, config.s3_endpoint_url)
         self._inputs = [input_uri] if input_uri else []
         self._record = JobRecord(config=config, inputs=self._inputs)
@@ -104,26 +103,28 @@ class Enqueuer:
 
     def run(self, rows: Iterable[Row | Rejected], on_progress: Callable[[EnqueueSummary], None] | None = None,
             meter: Meter | None = None) -> EnqueueSummary:
-        """Queue `rows`. They are read and digested in a thread of their own, a chunk ahead of the one
-        being queued, so Redis's replies and zstd (which release the GIL) overlap the parsing. `meter`
-        (the one `rows` advance) is told how many rows are handed on."""
+        """Queue `rows`. They are read (parsed, checked, digested) in a thread of their own, a chunk ahead
+        of the one being queued, so Redis's replies and zstd (which release the GIL) overlap the parsing.
+        `meter` (the one `rows` advance) is told how many rows are handed on."""
         self._reach_output(self._from_output)
         meter, read = meter or Meter(), 0
         # The position is taken in the reading thread right after the chunk's last row.
-        for items, position in _read_ahead(_chunks(rows, READ_CHUNK), lambda c: (self._digest(c), meter.position())):
+        for items, position in _read_ahead(_chunks(rows, READ_CHUNK), lambda chunk: (chunk, meter.position())):
             read += len(items)
             meter.read_upto(read, position)
             for item in items:
                 if isinstance(item, Rejected):
                     self._reject(item)
-                else:
-                    self._pending.append(item)
-                    self.summary.read += 1
-                    self.summary.converted += item[0].converted
+                    continue
+                if self.reference is not None and item.start < 0:
+                    raise ValueError("by-reference batches need an uncompressed JSONL input")
+                self._pending.append(item)
+                self.summary.read += 1
+                self.summary.converted += item.converted
             self._flush(final=False)
             meter.settle(read - len(self._pending))
             # Every reject still to come is of a pending row or a later line.
-            self.rejects.release(self._pending[0][0].prompt.index + 1 if self._pending else None)
+            self.rejects.release(self._pending[0].prompt.index + 1 if self._pending else None)
             if on_progress:
                 on_progress(self.summary)
         self._flush(final=True)
@@ -132,11 +133,6 @@ class Enqueuer:
         if on_progress:  # the rows of the last, short batch are queued too: 100%
             on_progress(self.summary)
         return self.summary
-
-    def _digest(self, rows: list[Row | Rejected]) -> list[_Pending | Rejected]:
-        if self.reference is not None and any(isinstance(r, Row) and r.start < 0 for r in rows):
-            raise ValueError("by-reference batches need an uncompressed JSONL input")
-        return [r if isinstance(r, Rejected) else (r, claim_digest(r.prompt)) for r in rows]
 
     def _from_output(self) -> None:
         """Batches written in the output that Redis does not count as done are adopted first, and a
@@ -189,7 +185,7 @@ class Enqueuer:
             if not final and len(self._pending) == len(group) + len(rest):
                 return  # nothing could be taken: wait for more rows
 
-    def _commit(self, group: list[_Pending], final: bool) -> list[_Pending]:
+    def _commit(self, group: list[Row], final: bool) -> list[Row]:
         """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
         group = self._unique(group)
         job, size = self.config.name, self.config.batch_size
@@ -199,8 +195,8 @@ class Enqueuer:
                     ledger_jobs.watch_enqueue(pipe, job)
                     if self._create:
                         self._check_created_meanwhile(pipe)
-                    known = lookup_ids(pipe, job, [(row.prompt.id, digest) for row, digest in group])
-                    fresh = [pending for pending, k in zip(group, known) if k == ID_NEW]
+                    known = lookup_ids(pipe, job, [(row.prompt.id, row.digest) for row in group])
+                    fresh = [row for row, k in zip(group, known) if k == ID_NEW]
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
                     batches: list[BatchSource] = []
@@ -210,14 +206,14 @@ class Enqueuer:
                     if not taking:
                         pipe.unwatch()
                         break
-                    batches = self._batches(pipe, [row for row, _ in taking])
+                    batches = self._batches(pipe, taking)
                     self._reserve(batches[-1].id)
                     self._record_enqueue([b.id for b in batches], len(taking))
                     pipe.multi()
                     if self._create:
                         stage_config(pipe, self.config)
                     ledger_jobs.stage_last_batch_number(pipe, job, batch_number(batches[-1].id))
-                    write_batches(pipe, self.conn, batches, {row.prompt.id: digest for row, digest in taking})
+                    write_batches(pipe, self.conn, batches, {row.prompt.id: row.digest for row in taking})
                     pipe.execute()
                     break
                 except redis.WatchError:
@@ -230,7 +226,7 @@ class Enqueuer:
         self.summary.enqueued += len(taking)
         self.summary.batches += len(batches)
         self.summary.skipped_existing += known.count(ID_SAME)
-        for (row, _), k in zip(group, known):
+        for row, k in zip(group, known):
             if k == ID_OTHER:
                 self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
         return held
@@ -259,17 +255,17 @@ class Enqueuer:
                               "settings; nothing was queued by this one. Run it again to see which differ.")
         self.config, self._create = stored, False
 
-    def _unique(self, group: list[_Pending]) -> list[_Pending]:
+    def _unique(self, group: list[Row]) -> list[Row]:
         """The first row of each id in `group`; repeats are counted or rejected here (the rows held back
         from an earlier group come first, so the first line of an id wins)."""
         seen: dict[str, bytes] = {}
         unique = []
-        for row, digest in group:
+        for row in group:
             earlier = seen.get(row.prompt.id)
             if earlier is None:
-                seen[row.prompt.id] = digest
-                unique.append((row, digest))
-            elif earlier == digest:
+                seen[row.prompt.id] = row.digest
+                unique.append(row)
+            elif earlier == row.digest:
                 self.summary.skipped_duplicate += 1
             else:
                 self._reject(_conflict(row, "earlier in this input"))
@@ -351,39 +347,20 @@ def _conflict(row: Row, where: str) -> Rejected:
 
 
 def _read_ahead(chunks: Iterator[T], prepare: Callable[[T], Any]) -> Iterator[Any]:
-    """prepare(chunk) for each chunk, computed in a thread at most READ_AHEAD chunks ahead of the
-    consumer; its exceptions are raised here, and it stops when the consumer does."""
-    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=READ_AHEAD)
-    stop = threading.Event()
+    """prepare(chunk) for each chunk, read and computed in a thread at most READ_AHEAD chunks ahead of
+    the consumer; its exceptions are raised here, and it stops when the consumer does."""
+    def step() -> Any:
+        chunk = next(chunks, None)
+        return None if chunk is None else prepare(chunk)
 
-    def put(item: tuple[str, Any]) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            for chunk in chunks:
-                if not put(("chunk", prepare(chunk))):
-                    return
-            put(("end", None))
-        except BaseException as exc:  # handed to the consumer, raised there
-            put(("error", exc))
-
-    thread = threading.Thread(target=read, name="genq-enqueue-read", daemon=True)
-    thread.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="genq-enqueue-read")
     try:
-        while (item := ready.get())[0] == "chunk":
-            yield item[1]
-        if item[0] == "error":
-            raise item[1]
+        ahead = deque(pool.submit(step) for _ in range(READ_AHEAD))
+        while (value := ahead.popleft().result()) is not None:
+            ahead.append(pool.submit(step))
+            yield value
     finally:
-        stop.set()
-        thread.join()
+        pool.shutdown(cancel_futures=True)
 
 
 def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:

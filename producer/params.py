@@ -96,12 +96,16 @@ def _of(*types: type, what: str, items: bool = False) -> Check:
     return check
 
 
-_BOOL = _of(bool, what="true or false")
-_STR = _of(str, what="a string")
-_OBJ = _of(dict, what="an object")
-
 KNOWN: dict[str, Check] = {
-    # OpenAI chat completions and completions
+    **dict.fromkeys(["echo", "parallel_tool_calls", "store", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "no_stop_trim", "separate_reasoning", "stream_reasoning",
+                     "continue_final_message", "add_generation_prompt", "include_stop_str_in_output"],
+                    _of(bool, what="true or false")),
+    **dict.fromkeys(["suffix", "user", "reasoning_effort", "service_tier", "verbosity", "prompt_cache_key",
+                     "safety_identifier", "regex", "ebnf", "json_schema", "rid", "lora_path", "chat_template",
+                     "guided_regex", "guided_grammar"], _of(str, what="a string")),
+    **dict.fromkeys(["logit_bias", "response_format", "metadata", "prediction", "chat_template_kwargs",
+                     "structured_outputs"], _of(dict, what="an object")),
     "max_tokens": _integer(1),
     "max_completion_tokens": _integer(1),
     "temperature": _number(0),
@@ -111,55 +115,20 @@ KNOWN: dict[str, Check] = {
     "seed": _integer(),
     "frequency_penalty": _number(-2, 2),
     "presence_penalty": _number(-2, 2),
-    "logit_bias": _OBJ,
     "logprobs": _of(bool, int, what="true/false (chat) or an integer (completions)"),
     "top_logprobs": _integer(0, 20),
-    "echo": _BOOL,
-    "suffix": _STR,
-    "user": _STR,
-    "response_format": _OBJ,
     "tools": _of(dict, what="a list of tool objects", items=True),
     "tool_choice": _of(str, dict, what="a string or an object"),
-    "parallel_tool_calls": _BOOL,
-    "reasoning_effort": _STR,
-    "metadata": _OBJ,
-    "store": _BOOL,
-    "service_tier": _STR,
-    "prediction": _OBJ,
-    "verbosity": _STR,
-    "prompt_cache_key": _STR,
-    "safety_identifier": _STR,
-    # SGLang extras (and vLLM's, where they share a name)
     "top_k": _integer(-1),
     "min_p": _number(0, 1),
     "repetition_penalty": _number(0, low_open=True),
     "min_tokens": _integer(0),
     "stop_token_ids": _of(int, what="a list of integers", items=True),
-    "ignore_eos": _BOOL,
-    "skip_special_tokens": _BOOL,
-    "spaces_between_special_tokens": _BOOL,
-    "no_stop_trim": _BOOL,
-    "regex": _STR,
-    "ebnf": _STR,
-    "json_schema": _STR,
-    "separate_reasoning": _BOOL,
-    "stream_reasoning": _BOOL,
-    "chat_template_kwargs": _OBJ,
-    "continue_final_message": _BOOL,
-    "rid": _STR,
     "priority": _integer(),
-    "lora_path": _STR,
-    # vLLM extras
-    "add_generation_prompt": _BOOL,
-    "chat_template": _STR,
-    "include_stop_str_in_output": _BOOL,
     "length_penalty": _number(),
     "truncate_prompt_tokens": _integer(1),
     "guided_json": lambda v: None,
-    "guided_regex": _STR,
     "guided_choice": _of(str, what="a list of strings", items=True),
-    "guided_grammar": _STR,
-    "structured_outputs": _OBJ,
 }
 
 

@@ -17,7 +17,7 @@ import msgspec
 from genq.core.records import Endpoint, Rejected
 from genq.producer.files import ColumnMap, SourceError, open_binary
 from genq.producer.meter import Meter
-from genq.producer.rows import Row, RowError, rejected, to_prompt
+from genq.producer.rows import Row, RowError, claim_digest, rejected, to_prompt
 
 READ_BATCH_ROWS = 1024
 _REQUEST_NAMES = ("messages", "prompt", "id")
@@ -106,7 +106,7 @@ def _row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoint: Endp
     except RowError as exc:
         return rejected(row_no, str(exc), _fallback.encode(row))
     prompt.metadata = {**(prompt.metadata or {}), **aside}
-    return Row(prompt, row, converted=converted)
+    return Row(prompt, row, claim_digest(prompt), converted)
 
 
 def _strip_nulls(value: Any) -> Any:

@@ -44,9 +44,10 @@ class Row(NamedTuple):
 
     prompt: Prompt
     source: bytes | dict[str, Any]
+    digest: bytes  # claim_digest of the prompt as it is sent
+    converted: bool = False  # a 'prompt' row sent as one user message
     start: int = -1
     end: int = -1
-    converted: bool = False  # a 'prompt' row sent as one user message
 
     def text(self) -> str:
         """The whole line, for the rejects file."""
@@ -73,7 +74,7 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
         return rejected(line_no, f"invalid JSON: {exc}", raw)
     except RowError as exc:
         return rejected(line_no, str(exc), raw)
-    return Row(prompt, stripped, start, start + len(raw) if start >= 0 else -1, converted)
+    return Row(prompt, stripped, claim_digest(prompt), converted, start, start + len(raw) if start >= 0 else -1)
 
 
 def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]:

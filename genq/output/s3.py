@@ -148,127 +148,99 @@ class S3Store:
         return open_stream(self.uri(rel), self.endpoint_url)
 
 
-class ObjectStream(io.RawIOBase):
-    """A GET streamed front to back; a connection that breaks mid-body is resumed with a Range request
-    pinned to the first ETag, so a many-GB input survives a network blip and never mixes two versions
-    of the object."""
+class ObjectReader(io.RawIOBase):
+    """An S3 object read by one streaming GET (window None) or by ranged GETs of `window` bytes, which
+    can seek (Parquet's footer is at the end). Every GET is pinned to the object's ETag, so two versions
+    of it are never mixed, and a body that breaks is resumed where it left off (backoff 0.5 s .. 8 s):
+    a many-GB input survives a network blip."""
 
-    def __init__(self, s3: Any, bucket: str, key: str) -> None:
+    def __init__(self, s3: Any, bucket: str, key: str, window: int | None = None) -> None:
         super().__init__()
-        self.s3, self.bucket, self.key = s3, bucket, key
-        self.pos = self.size = self.resumes = self._resumed_at = 0
-        self.etag: str | None = None
-        self._body = self._open()
-
-    def _open(self) -> Any:
-        kwargs = {"Range": f"bytes={self.pos}-"} if self.pos else {}
-        if self.etag:
-            kwargs["IfMatch"] = self.etag
-        resp = self.s3.get_object(Bucket=self.bucket, Key=self.key, **kwargs)
-        if self.etag is None:
-            self.etag, self.size = resp.get("ETag"), int(resp["ContentLength"])
-        return resp["Body"]
+        self.s3, self.bucket, self.key, self.window = s3, bucket, key, window
+        head = s3.head_object(Bucket=bucket, Key=key)
+        self.size, self.etag = int(head["ContentLength"]), head.get("ETag")
+        self.pos = self.resumes = self._resumed_at = self._until = 0
+        self._body: Any = None
 
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return self.window is not None
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        pos = max(0, offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence])
+        if pos != self.pos:
+            self._drop()
+            self.pos = pos
+        return pos
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        while True:
+        while self.pos < self.size:
             try:
+                if self._body is None:
+                    self._body = self._open()
                 data = self._body.read(len(view))
             except _STREAM_ERRORS as exc:
                 self._resume(exc)
                 continue
-            if not data and self.pos < self.size:
-                self._resume(EOFError(f"body ended at byte {self.pos:,} of {self.size:,}"))
+            if not data:  # this GET's range is read, or its body ended early
+                early = self.pos < self._until
+                self._drop()
+                if early:
+                    self._resume(EOFError(f"body ended at byte {self.pos:,} of {self.size:,}"))
                 continue
             view[: len(data)] = data
             self.pos += len(data)
             if self.resumes and self.pos - self._resumed_at > RESUME_RESET_BYTES:
                 self.resumes = 0  # a long object may meet several blips over hours
             return len(data)
+        return 0
+
+    def _open(self) -> Any:
+        self._until = self.size if self.window is None else min(self.size, self.pos + self.window)
+        pinned = {"IfMatch": self.etag} if self.etag else {}
+        return self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-{self._until - 1}",
+                                  **pinned)["Body"]
 
     def _resume(self, exc: BaseException) -> None:
-        """Reopen at self.pos; the endpoint may be down for a while (backoff 0.5 s .. 8 s)."""
-        try:
-            self._body.close()
-        except Exception:  # the connection is already broken
-            pass
-        while True:
-            self.resumes += 1
-            if self.resumes > STREAM_RESUMES:
-                raise OSError(f"s3://{self.bucket}/{self.key}: reading failed at byte {self.pos:,} "
-                              f"after {STREAM_RESUMES} resumes: {exc}") from exc
-            log.warning("s3://%s/%s: %s at byte %s; resuming", self.bucket, self.key, exc, f"{self.pos:,}")
-            time.sleep(min(0.5 * 2 ** (self.resumes - 1), 8))
-            try:
-                self._body = self._open()
-                self._resumed_at = self.pos
-                return
-            except _STREAM_ERRORS as again:
-                exc = again
+        self._drop()
+        self.resumes += 1
+        if self.resumes > STREAM_RESUMES:
+            raise OSError(f"s3://{self.bucket}/{self.key}: reading failed at byte {self.pos:,} "
+                          f"after {STREAM_RESUMES} resumes: {exc}") from exc
+        log.warning("s3://%s/%s: %s at byte %s; resuming", self.bucket, self.key, exc, f"{self.pos:,}")
+        time.sleep(min(0.5 * 2 ** (self.resumes - 1), 8))
+        self._resumed_at = self.pos
 
-    def close(self) -> None:
-        if not self.closed:
+    def _drop(self) -> None:
+        if self._body is not None:
             try:
                 self._body.close()
-            finally:
-                super().close()
+            except Exception:  # the connection is already broken
+                pass
+            self._body = None
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
 
 
 def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20) -> io.BufferedReader:
     """A buffered, forward-only reader of an S3 object. Raises botocore errors (see describe)."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(ObjectStream(client(endpoint_url), bucket, key), buffer_size=buffer_size)
-
-
-class RangeFile(io.RawIOBase):
-    """A seekable S3 object read with ranged GETs pinned to its ETag (Parquet's footer is at the end)."""
-
-    def __init__(self, s3: Any, bucket: str, key: str) -> None:
-        super().__init__()
-        self.s3, self.bucket, self.key = s3, bucket, key
-        head = s3.head_object(Bucket=bucket, Key=key)
-        self.size, self.etag, self.pos = int(head["ContentLength"]), head.get("ETag"), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence])
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        want = min(len(view), self.size - self.pos)
-        if want <= 0:
-            return 0
-        kwargs = {"IfMatch": self.etag} if self.etag else {}
-        for attempt in range(STREAM_RESUMES + 1):
-            try:
-                data = self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-{self.pos + want - 1}",
-                                          **kwargs)["Body"].read()
-                break
-            except _STREAM_ERRORS as exc:
-                if attempt == STREAM_RESUMES:
-                    raise OSError(f"s3://{self.bucket}/{self.key}: ranged read failed: {exc}") from exc
-                time.sleep(min(0.5 * 2 ** attempt, 8))
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key), buffer_size=buffer_size)
 
 
 def open_seekable(uri: str, endpoint_url: str | None = None, buffer_size: int = 8 << 20) -> io.BufferedReader:
     """A seekable reader with an 8 MiB read-ahead: small reads share one GET."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(RangeFile(client(endpoint_url), bucket, key), buffer_size=buffer_size)
+    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key, window=buffer_size),
+                             buffer_size=buffer_size)
 
 
 def list_keys(uri: str, endpoint_url: str | None = None) -> Iterator[tuple[str, int]]:
