@@ -305,7 +305,7 @@ class World:
             hold.written = truth.commit_shard(self.store, JOB, batch, shard_bytes(results, "none"), len(results), at,
                                               compression="none", incarnation=hold.config.incarnation, outcome=outcome)
         except truth.AlreadyWritten as written:
-            recover.adopt(self.conn, JOB, written.marker, hold.token)
+            recover.adopt(self.conn, JOB, written.marker)
             self.let_go(engine, batch)
 
     def work(self, engine: Engine, batch: str, letter: bool = False) -> None:
@@ -327,12 +327,12 @@ class World:
         hold = engine.holds[batch]
         if hold.written is None:
             return
-        answer = self.run("RELEASE", scripts.release_call(BatchRef(JOB, batch), hold.written, hold.token,
+        answer = self.run("RELEASE", scripts.release_call(BatchRef(JOB, batch), hold.written,
                                                           hold.config.incarnation))
         if answer == b"short":  # Redis lost outcomes since they were read: the written shard is the truth
             marker = truth.read_marker(self.store, truth.marker_rel(JOB, batch))
             if marker is not None:
-                recover.adopt(self.conn, JOB, marker, hold.token)
+                recover.adopt(self.conn, JOB, marker)
         self.let_go(engine, batch)
 
     # ------------------------------------------------------------------ what is true

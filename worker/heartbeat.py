@@ -105,7 +105,6 @@ class Heartbeat:
         self.started_at = time.time()
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
-        self._unwritten: frozenset[str] = frozenset()  # jobs the last beat said this engine cannot write
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         # The operator's pauses as last read from Redis: what the log compares with. flags.paused_jobs
         # also holds the jobs this engine's brake blocked, which no operator paused or resumed.
@@ -235,8 +234,6 @@ class Heartbeat:
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
             fleet.stage_status(pipe, status,
                                None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
-            self._unwritten = fleet.stage_unwritten(pipe, self.instance, self.flags.unwritten_jobs(), self._unwritten,
-                                                    LEASE_TIMEOUT_S)
             if pace is None or pace.workers_set_due():
                 fleet.stage_member(pipe, self.name)
             jobs = set(by_job) | set(queued) | self.held.jobs()

@@ -19,7 +19,7 @@ SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-re
 @dataclass(eq=False)
 class HeldBatch:
     ref: BatchRef
-    token: str  # the current lease; replies go to the RQ loop that delivered it
+    token: str  # the lease it was taken under (TAKE)
     config: JobConfig
     size: int
     unfinished: set[str]
@@ -84,7 +84,7 @@ class Flags:
 
     @property
     def accepting(self) -> bool:
-        """Whether RQ loops should take new batches."""
+        """Whether the engine takes new batches (worker/intake.py)."""
         return not (self.draining or self.stop_requested or self.paused_all or self.server_down_since is not None)
 
     def unwritten_jobs(self) -> frozenset[str]:
