@@ -251,6 +251,12 @@ def list_keys(uri: str, endpoint_url: str | None = None) -> Iterator[tuple[str, 
             yield item["Key"], int(item["Size"])
 
 
+def read_object(uri: str, endpoint_url: str | None = None) -> bytes:
+    """A small object (a shard, a marker) in one GET."""
+    bucket, key = parse_uri(uri)
+    return client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
 def upload_file(path: str, uri: str, endpoint_url: str | None = None) -> None:
     """Upload a local file (multipart when large), e.g. an export written locally first."""
     bucket, key = parse_uri(uri)
