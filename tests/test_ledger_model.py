@@ -125,7 +125,7 @@ class World:
                                      created_at=time.time(), incarnation=secrets.token_hex(6))
         rejects = RejectsFile(str(self.root / f"in{self.enqueues}.rejects.jsonl"))
         summary = Enqueuer(self.conn, config, create=stored is None, rejects=rejects,
-                           input_uri=str(path)).run(open_rows(str(path)))
+                           input_uri=str(path)).run(open_rows(str(path), endpoint=config.endpoint))
         rejects.close()
         life = (self.config() or config).incarnation
         self.expected.setdefault(life, set()).update(ids)

@@ -109,7 +109,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         config, create = _job_config(conn, job, given)
         closed = None if create or add_to_finished else _finished(conn, job, config, input_uri)
         meter = Meter()
-        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
+        rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url, columns=columns,
+                         meter=meter)
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 

@@ -58,7 +58,7 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
                            "again (give --input)", err=True)
             for source in sources:
                 rejects = RejectsFile(os.path.abspath(default_rejects_path(source, config.output, job)))
-                rows = open_rows(source, s3_endpoint_url=config.s3_endpoint_url)
+                rows = open_rows(source, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
                 summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference_uri(source, None),
                                    input_uri=source if is_s3(source) else os.path.abspath(source)).run(rows)
                 rejects.close()
