@@ -66,6 +66,20 @@ def test_raises_only_when_slots_idle_and_prompts_are_held_back():
     assert capped.auto == 41 and capped.target == 10, "a cap is not a reason to raise the automatic target"
 
 
+def test_slots_the_worker_is_refilling_are_not_idle():
+    """A wave of answers ended in the server's last step: its slots read empty while the answers are
+    on their way back (ours decoding beyond what it runs) or their successors on their way in (sent
+    since the last look). The worker refills those itself; only the rest are idle."""
+    c = ConcurrencyController(128)
+    assert c.target == 141
+    c.observe(Metrics(running=13, waiting=0, kv_usage=0.3), in_flight=141, backlog=500, decoding=128)
+    assert c.target == 141, "115 answers on their way back: nothing idle"
+    c.observe(Metrics(running=13, waiting=0, kv_usage=0.3), in_flight=141, backlog=500, decoding=13, fresh=115)
+    assert c.target == 141, "their successors on their way in: nothing idle"
+    c.observe(Metrics(running=100, waiting=0, kv_usage=0.3), in_flight=141, backlog=500, decoding=110, fresh=8)
+    assert c.target == 141 + 128 - 100 - 10 - 8 and c.reason.startswith("raised"), "the rest are idle"
+
+
 def test_lowers_on_retractions_then_raises_gently():
     c = ConcurrencyController(37)
     c.observe(Metrics(running=37, waiting=4, kv_usage=0.99, retractions_total=0), 41, 500)
@@ -389,3 +403,28 @@ def test_whole_answers_typed_and_generic():
     assert isinstance(f, Failure) and f.message == "model not found"
     odd = {"choices": [{"message": {"content": [{"type": "text", "text": "x"}]}, "finish_reason": "stop"}]}
     assert isinstance(parse_completion_bytes(json.dumps(odd).encode(), "m"), Completion)
+
+
+def test_in_flight_stays_within_the_target_through_waves(redis_url, rconn, sim, worker, tmp_path):
+    """Answers of one length end in the same step, a wave at a time: the server's next figures show
+    its slots empty while the worker still counts those answers, on their way back, or their
+    successors, on their way in. Those slots are not idle: raising the target for them sends more
+    than the server runs, lowered again once they queue, and in flight stays above the target
+    shown until they are answered (vLLM, 128 slots: 163 in flight of a 141 target for ~30 s)."""
+    server = sim(max_running_requests=16, step_ms_base=40, step_ms_per_req=0, tokens_per_step=4,
+                 mean_output_tokens=40, output_sigma=0, flavor="vllm")
+    enqueue(tmp_path, redis_url, 3000, batch_size=64)
+    proc = worker(server, "--name", "wave-w", *QUICK_STOP)
+    # It starts at 64 against 16 slots: once learned, the start drains to the target.
+    wait_for(lambda: (s := status(rconn, "wave-w")) and s.server_capacity == 16
+             and s.sequences <= s.concurrency_target, 30, "the capacity learned and in flight within it", proc)
+    seen, over = [], []
+    deadline = time.monotonic() + 15  # about 25 waves of 0.4 s
+    while time.monotonic() < deadline:
+        st = status(rconn, "wave-w")
+        seen.append((st.sequences, st.concurrency_target))
+        if st.sequences > st.concurrency_target:
+            over.append(seen[-1])
+        time.sleep(0.05)
+    assert max(target for _, target in seen) == 16 + headroom(16), f"the target moved: {sorted(set(seen))}"
+    assert not over, f"in flight above the target shown: {over[:10]}"

@@ -132,8 +132,10 @@ class ConcurrencyController:
 
     # ---------------------------------------------------------------- metrics
 
-    def observe(self, m: Metrics, in_flight: int, backlog: int) -> None:
-        """One look at the server's metrics; in_flight is ours, backlog the prompts we hold unsent."""
+    def observe(self, m: Metrics, in_flight: int, backlog: int, *, decoding: int = 0, fresh: int = 0) -> None:
+        """One look at the server's metrics; in_flight is ours, backlog the prompts we hold unsent.
+        Of our sequences in flight, `decoding` have had their first token and `fresh` were sent
+        since the last look with none yet: slots they explain are not idle (see _coming)."""
         if m.running is None:
             return
         running = m.running
@@ -175,10 +177,15 @@ class ConcurrencyController:
         limited = backlog > 0 and in_flight >= self.target and (self.cap is None or self._auto < self.cap)
         if waiting == 0 and limited and not kv_pressure and (capacity is None or running < capacity):
             # Slots idle while we hold prompts back: feed the server more.
+            coming = _coming(running, decoding, fresh)
+            if capacity and running + coming >= capacity:
+                # Idle for a moment only: the worker refills them as the answers come back and its
+                # new requests arrive. Raising would hold that many more, to wait in the queue.
+                return
             if self._gentle:
                 step = max(1, self._auto // 20)
             elif capacity:
-                step = max(1, int(capacity - running))
+                step = max(1, int(capacity - running - coming))
             elif running + waiting >= 0.9 * self.target:
                 step = max(1, self._auto // 2)  # unknown capacity: grow fast to find it
             else:
@@ -237,3 +244,10 @@ class ConcurrencyController:
         elif m.retracted is not None:
             more = m.retracted > 0
         return more
+
+
+def _coming(running: float, decoding: int, fresh: int) -> float:
+    """Slots the worker's own requests are about to fill, though the server shows them empty:
+    answers on their way back (ours that decoded, beyond what the server still runs: answers of
+    one length end in the same step) and requests on their way in (sent since the last look)."""
+    return max(0.0, decoding - running) + fresh
