@@ -165,3 +165,33 @@ def test_workers_sharing_a_server_are_one_gpu() -> None:
     judged = judge({"a": status("a", "http://gpu0"), "b": status("b", "http://gpu0"), "c": status("c", "http://gpu1")})
     assert sorted(judged) == ["a", "c"]
     assert round(judged["a"].bound.tok_per_s or 0) == 1226
+
+
+def test_a_job_summary_counts_a_shared_server_once() -> None:
+    """Two workers on one server both read its counter: each books its part of the server's speed and
+    bound, and the summary counts that GPU once."""
+    from genq.core.decodebound import add_tally, job_line
+    from genq.core.records import WorkerStatus
+
+    def status(name: str, server: str, tok_per_s: float, sequences: int) -> WorkerStatus:
+        return WorkerStatus(name=name, host="h", pid=1, server=server, state="busy", started_at=0.0,
+                            heartbeat_at=0.0, server_running=37, server_waiting=3, window_running=37, tok_per_s=tok_per_s,
+                            tok_per_s_from="server", in_flight=sequences, sequences=sequences,
+                            hardware=Hardware(bandwidth=PRO_6000, weight_bytes=WEIGHTS_27B))
+
+    # gpu0 at 40 % of its 1,226 tok/s bound, its 40 requests held half by a, half by b; gpu1 at 20 %, c alone.
+    workers = [status("a", "http://gpu0", 485.0, 20), status("b", "http://gpu0", 485.0, 20),
+               status("c", "http://gpu1", 242.5, 40)]
+    for s in workers:
+        for _ in range(10):
+            add_tally(s.bound_tally, {"job": s.sequences}, s, 1.0)
+    assert sum(s.bound_tally["job"].made for s in workers) == pytest.approx((485.0 + 242.5) * 10)
+    line = job_line(workers, "job")
+    assert line is not None and line.startswith("fleet at 30% of its bandwidth bound over the job;"), line
+    assert "c slowest at 20%" in line and "c much slower than its peers (20% against 40%)" in line, line
+    # A worker whose speed is its own answers' (no counter) made its part already: its bound is its part too.
+    own = status("d", "http://gpu2", 242.5, 20)
+    own.tok_per_s_from = "answers"
+    add_tally(own.bound_tally, {"job": 20}, own, 1.0)
+    shared = workers[0].bound_tally["job"]
+    assert own.bound_tally["job"].made / own.bound_tally["job"].bound == pytest.approx(shared.made / shared.bound)

@@ -212,7 +212,7 @@ class Heartbeat:
         in_flight: dict[str, int] = {}
         for task in self.dispatcher.running:
             in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
-        decodebound.add_tally(self.tallies, in_flight, decodebound.figures_of(status), now - self._tallied_at)
+        decodebound.add_tally(self.tallies, in_flight, status, now - self._tallied_at)
         self._tallied_at = now
         status.bound_tally = self.tallies
         return status
