@@ -5,6 +5,7 @@ server's generation counter read as a rate. Pure functions: no Redis, no server.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -126,6 +127,19 @@ def test_the_no_gpu_probe_is_clean_here() -> None:
     probe = GpuProbe(0)
     assert probe.note is not None and probe.bandwidth is None  # this machine has no GPU / driver
     assert probe.sample() is None
+
+
+def test_nvml_bandwidth_script_without_a_gpu_says_so(tmp_path, capsys) -> None:
+    """scripts/nvml_bandwidth.py, run on a GPU machine by scripts/sglang/gpu_check.sh: here, no GPU, exit 1;
+    a model directory's weight files are its bytes."""
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "nvml_bandwidth.py"))
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * 99)
+    assert script["model_bytes"](tmp_path) == 1000
+    assert script["main"](["--model", str(tmp_path), "--running", "4"]) == 1
+    assert capsys.readouterr().out.startswith("no GPU: ")
 
 
 def test_byte_sizes_as_the_worker_options_take_them() -> None:

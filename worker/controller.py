@@ -6,7 +6,9 @@ refilled in the server's next step. Then follow the server's /metrics, once a
 second:
 
 - raise when slots sit idle (running below capacity, nothing waiting) while the
-  worker holds prompts back;
+  worker holds prompts back; not those its own requests are about to fill (answers
+  on their way back, requests on their way in: after a wave of answers that ended
+  together the server shows its slots empty for a moment);
 - lower when the KV cache is what limits (the server retracts or preempts
   running requests), multiplicatively, and raise only gently for a while after;
 - lower when the server's waiting queue keeps growing past what refilling needs.

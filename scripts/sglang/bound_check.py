@@ -263,6 +263,8 @@ def check(stack: Stack, work: Path, problems: list[str], *, gpu: bool = False, n
         print(f"bound {name}: {len(out[name].get('samples', []))} tok/s samples, {out[name].get('off')} off; "
               f"expected {out[name].get('views', {}).get('expected')}; {len(problems) - before} problems "
               f"{problems[before:][:2]}", flush=True)
+    if (out["given"].get("views", {}).get("hardware") or {}).get("bandwidth") is None:
+        problems.append(f"bound-given: no bandwidth read ({' '.join(given)}): {out['given'].get('views')}")
     summary = out["given"].get("bound_summary") or ""
     if not summary.startswith("fleet at "):
         problems.append(f"bound-given: the job's summary is {summary!r}, not the fleet's share")
