@@ -66,18 +66,20 @@ def test_raises_only_when_slots_idle_and_prompts_are_held_back():
     assert capped.auto == 41 and capped.target == 10, "a cap is not a reason to raise the automatic target"
 
 
-def test_slots_the_worker_is_refilling_are_not_idle():
-    """A wave of answers ended in the server's last step: its slots read empty while the answers are
-    on their way back (ours decoding beyond what it runs) or their successors on their way in (sent
-    since the last look). The worker refills those itself; only the rest are idle."""
+def test_a_raise_is_kept_while_the_queue_holds_only_what_it_added():
+    """After a wave of answers that ended together the server shows idle slots and the target rises;
+    the queue then holds what the raise added, which is its point. Lowering the target for that
+    would leave more in flight than the target until they are answered (vLLM, 128 slots: 163 in
+    flight of a 141 target for ~30 s). A queue beyond it, another client's, still lowers it."""
     c = ConcurrencyController(128)
-    assert c.target == 141
-    c.observe(Metrics(running=13, waiting=0, kv_usage=0.3), in_flight=141, backlog=500, decoding=128)
-    assert c.target == 141, "115 answers on their way back: nothing idle"
-    c.observe(Metrics(running=13, waiting=0, kv_usage=0.3), in_flight=141, backlog=500, decoding=13, fresh=115)
-    assert c.target == 141, "their successors on their way in: nothing idle"
-    c.observe(Metrics(running=100, waiting=0, kv_usage=0.3), in_flight=141, backlog=500, decoding=110, fresh=8)
-    assert c.target == 141 + 128 - 100 - 10 - 8 and c.reason.startswith("raised"), "the rest are idle"
+    c.observe(Metrics(running=13, waiting=0, kv_usage=0.3), in_flight=141, backlog=500)
+    assert c.target == 141 + 115 and c.reason.startswith("raised")
+    for _ in range(10):
+        c.observe(Metrics(running=128, waiting=128, kv_usage=0.3), in_flight=256, backlog=500)
+    assert c.target == 256, "the queue holds what the raise added: kept"
+    for waiting in (150, 155, 160):  # others' requests join the queue, past ours and a headroom (141)
+        c.observe(Metrics(running=128, waiting=waiting, kv_usage=0.3), in_flight=256, backlog=500)
+    assert c.target == 141 and c.reason == "lowered: server queue growing"
 
 
 def test_lowers_on_retractions_then_raises_gently():
@@ -412,19 +414,18 @@ def test_in_flight_stays_within_the_target_through_waves(redis_url, rconn, sim, 
     than the server runs, lowered again once they queue, and in flight stays above the target
     shown until they are answered (vLLM, 128 slots: 163 in flight of a 141 target for ~30 s)."""
     server = sim(max_running_requests=16, step_ms_base=40, step_ms_per_req=0, tokens_per_step=4,
-                 mean_output_tokens=40, output_sigma=0, flavor="vllm")
+                 mean_output_tokens=20, output_sigma=0, flavor="vllm")
     enqueue(tmp_path, redis_url, 3000, batch_size=64)
     proc = worker(server, "--name", "wave-w", *QUICK_STOP)
     # It starts at 64 against 16 slots: once learned, the start drains to the target.
     wait_for(lambda: (s := status(rconn, "wave-w")) and s.server_capacity == 16
              and s.sequences <= s.concurrency_target, 30, "the capacity learned and in flight within it", proc)
     seen, over = [], []
-    deadline = time.monotonic() + 15  # about 25 waves of 0.4 s
+    deadline = time.monotonic() + 20  # about 80 waves of 0.2 s
     while time.monotonic() < deadline:
         st = status(rconn, "wave-w")
         seen.append((st.sequences, st.concurrency_target))
         if st.sequences > st.concurrency_target:
             over.append(seen[-1])
         time.sleep(0.05)
-    assert max(target for _, target in seen) == 16 + headroom(16), f"the target moved: {sorted(set(seen))}"
-    assert not over, f"in flight above the target shown: {over[:10]}"
+    assert not over, f"in flight above the target shown: {over[:10]} ({proc.log()[-2000:]})"

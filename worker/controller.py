@@ -6,12 +6,16 @@ refilled in the server's next step. Then follow the server's /metrics, once a
 second:
 
 - raise when slots sit idle (running below capacity, nothing waiting) while the
-  worker holds prompts back; not those its own requests are about to fill (answers
-  on their way back, requests on their way in: after a wave of answers that ended
-  together the server shows its slots empty for a moment);
+  worker holds prompts back;
 - lower when the KV cache is what limits (the server retracts or preempts
   running requests), multiplicatively, and raise only gently for a while after;
-- lower when the server's waiting queue keeps growing past what refilling needs.
+- lower when the server's waiting queue keeps growing past what refilling needs:
+  the headroom, and what the worker's own raises found it needs (its target less
+  the slots). A raise is kept: the queue it fills is its point (answers of one
+  length end together, and a queue of one headroom refills few of their slots at
+  once), and lowering it below what is in flight would leave more in flight than
+  the target says until they are answered. Only a queue beyond that, of other
+  clients or another worker on the server, lowers the target.
 
 A server without a capacity endpoint (vLLM, or one genq does not recognise)
 starts at a guess and grows while it runs all it is sent and nothing waits. While
@@ -134,10 +138,8 @@ class ConcurrencyController:
 
     # ---------------------------------------------------------------- metrics
 
-    def observe(self, m: Metrics, in_flight: int, backlog: int, *, decoding: int = 0, fresh: int = 0) -> None:
-        """One look at the server's metrics; in_flight is ours, backlog the prompts we hold unsent.
-        Of our sequences in flight, `decoding` have had their first token and `fresh` were sent
-        since the last look with none yet: slots they explain are not idle (see _coming)."""
+    def observe(self, m: Metrics, in_flight: int, backlog: int) -> None:
+        """One look at the server's metrics; in_flight is ours, backlog the prompts we hold unsent."""
         if m.running is None:
             return
         running = m.running
@@ -179,15 +181,10 @@ class ConcurrencyController:
         limited = backlog > 0 and in_flight >= self.target and (self.cap is None or self._auto < self.cap)
         if waiting == 0 and limited and not kv_pressure and (capacity is None or running < capacity):
             # Slots idle while we hold prompts back: feed the server more.
-            coming = _coming(running, decoding, fresh)
-            if capacity and running + coming >= capacity:
-                # Idle for a moment only: the worker refills them as the answers come back and its
-                # new requests arrive. Raising would hold that many more, to wait in the queue.
-                return
             if self._gentle:
                 step = max(1, self._auto // 20)
             elif capacity:
-                step = max(1, int(capacity - running - coming))
+                step = max(1, int(capacity - running))
             elif running + waiting >= 0.9 * self.target:
                 step = max(1, self._auto // 2)  # unknown capacity: grow fast to find it
             else:
@@ -203,14 +200,16 @@ class ConcurrencyController:
             return
 
         base = capacity or int(running)
-        queue_limit = 2 * headroom(max(base, 1))
+        room = headroom(max(base, 1))
+        # Ours (once the capacity is known: before, what runs is no base for it) and a headroom more.
+        queue_limit = (max(self._auto - base, room) if capacity else room) + room
         settling = capacity is None and ramping  # what runs is no capacity yet
         if (waiting > queue_limit and (growing or self._queue_high) and not settling
-                and self._auto > base + headroom(max(base, 1))):
+                and self._auto > base + room):
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:
                 # The queue grows past what refilling slots needs: hold less.
-                self._auto = max(1, base + headroom(max(base, 1)))
+                self._auto = max(1, base + room)
                 self.reason = "lowered: server queue growing"
                 self._queue_high = 0
                 self._update()
@@ -246,10 +245,3 @@ class ConcurrencyController:
         elif m.retracted is not None:
             more = m.retracted > 0
         return more
-
-
-def _coming(running: float, decoding: int, fresh: int) -> float:
-    """Slots the worker's own requests are about to fill, though the server shows them empty:
-    answers on their way back (ours that decoded, beyond what the server still runs: answers of
-    one length end in the same step) and requests on their way in (sent since the last look)."""
-    return max(0.0, decoding - running) + fresh

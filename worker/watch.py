@@ -200,7 +200,6 @@ class ServerWatch:
     # ---------------------------------------------------------------- loops
 
     async def metrics_loop(self) -> None:
-        looked = time.monotonic()
         while True:
             await asyncio.sleep(self.controller.look_interval_s)  # faster while it learns a capacity
             if self.flags.server_down_since is not None or self.info is None or not self.info.has_metrics:
@@ -210,11 +209,7 @@ class ServerWatch:
                 continue
             self.metrics = m
             before = self.controller.target
-            running = self.dispatcher.running
-            fresh = sum(t.progress.sequences for t in running if t.progress.waiting and t.progress.started > looked)
-            looked = time.monotonic()
-            self.controller.observe(m, running.sequences, self.dispatcher.unsent, decoding=running.meter.decoding,
-                                    fresh=fresh)
+            self.controller.observe(m, self.dispatcher.running.sequences, self.dispatcher.unsent)
             if self.controller.target != before:
                 log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
                 self.dispatcher.wake.set()

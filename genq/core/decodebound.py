@@ -292,12 +292,12 @@ def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], s: WorkerSta
     # The server's counter is the whole server's speed; a worker's own answers are its part already.
     made = None if f.tok_per_s is None else f.tok_per_s * (part if s.tok_per_s_from == "server" else 1.0)
     for job, n in in_flight.items():
-        share = dt * n / total
+        seconds = dt * n / total
         t = tallies.pop(job, None) or Tally()
-        t.busy_s += share
+        t.busy_s += seconds
         if b.tok_per_s is not None and made is not None:
-            t.made += made * share
-            t.bound += b.tok_per_s * part * share
+            t.made += made * seconds
+            t.bound += b.tok_per_s * part * seconds
         tallies[job] = t  # the most recent last
     while len(tallies) > TALLIED_JOBS:
         tallies.pop(next(iter(tallies)))
@@ -320,7 +320,9 @@ def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
             continue
         name = names.setdefault(s.server, s.name)
         gpu = tallies.setdefault(name, Tally())
-        gpu.busy_s, gpu.made, gpu.bound = gpu.busy_s + t.busy_s, gpu.made + t.made, gpu.bound + t.bound
+        gpu.busy_s += t.busy_s
+        gpu.made += t.made
+        gpu.bound += t.bound
     known = {n: t for n, t in tallies.items() if t.bound > 0}
     if not known:
         return None

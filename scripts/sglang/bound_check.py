@@ -210,10 +210,10 @@ def look(stack: Stack, name: str, port: int, env: dict[str, str], counter: Count
     bound = verdict.get("bound") or {}
     detail: dict[str, Any] = next((w for w in doc.get("worker_details", []) if w.get("name") == name), {})
     monitor_bound = (detail.get("bound") or {}).get("bound")
-    seen: dict[str, Any] = {"memory_usage": usage, "hardware": hw, "bound": bound, "cap": verdict.get("cap"),
-            "monitor_bound": monitor_bound,
-            "prometheus": {k: v for k, v in prom.items() if "batch_cap" not in k or v},
-            "workers_lines": [line for line in text.splitlines() if line.startswith(f"{name}:") or "fleet at" in line]}
+    seen: dict[str, Any] = {
+        "memory_usage": usage, "hardware": hw, "bound": bound, "cap": verdict.get("cap"),
+        "monitor_bound": monitor_bound, "prometheus": {k: v for k, v in prom.items() if "batch_cap" not in k or v},
+        "workers_lines": [line for line in text.splitlines() if line.startswith(f"{name}:") or "fleet at" in line]}
     told = {"weight_bytes": usage.get("weight"), "kv_pool_bytes": usage.get("kvcache")}
     for field, gb in told.items():
         if gb is None or hw.get(field) is None or abs(hw[field] - gb * GIB) > 0.01 * gb * GIB:
