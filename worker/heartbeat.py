@@ -183,7 +183,7 @@ class Heartbeat:
         m = self.watch.metrics
         now = time.monotonic()
         if m is not None and m.generated_total is not None:
-            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage)
+            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage, m.waiting)
         window = self.rates.server_window()
         # Nothing of this worker's running: its row says 0 at once, not the window's last tokens.
         server_tok_s = None if window is None else window[0] if self.dispatcher.running else 0.0

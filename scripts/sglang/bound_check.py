@@ -120,9 +120,11 @@ class Counter:
         found = [self.rate(e, w) for e in ends for w in (WINDOW_S, WINDOW_S + 0.5, WINDOW_S + 1.0)]
         return [r for r in found if r is not None]
 
-    def mean(self, name: str, end: float) -> float:
-        vals = [r.get(name, 0.0) for t, r in zip(self.at[:], self.rows) if end - WINDOW_S <= t <= end]
-        return sum(vals) / len(vals) if vals else 0.0
+    def values(self, name: str, end: float) -> list[float]:
+        """The gauge's readings over the window ending at `end` (and the one before, for a short one)."""
+        pairs = list(zip(self.at[:], self.rows))
+        inside = [r.get(name, 0.0) for t, r in pairs if end - WINDOW_S - 1.5 <= t <= end]
+        return inside or [0.0]
 
 
 def phase(stack: Stack, work: Path, name: str, worker_args: tuple[str, ...], n: int, max_tokens: int,
@@ -166,9 +168,10 @@ def phase(stack: Stack, work: Path, name: str, worker_args: tuple[str, ...], n: 
                     samples.append({"at": round(s.heartbeat_at - generating, 1), "shown": s.tok_per_s,
                                     "from": s.tok_per_s_from, "server": round(counter.rate(s.heartbeat_at) or 0, 1),
                                     "low": round(min(near), 1), "high": round(max(near), 1)})
+            # The views once it runs (the bound is shown for a server running requests) and makes tokens.
             if not views and generating is not None and time.time() - generating >= WARM_S + 5 and \
-                    s is not None and s.tok_per_s and s.window_running:
-                views = look(stack, name, port, env, counter, s, problems)
+                    s is not None and s.tok_per_s and s.server_running:
+                views = look(stack, conn, name, port, env, counter, problems)
             if views and generating is not None and time.time() - generating >= seconds:
                 break
             time.sleep(0.25)
@@ -194,15 +197,24 @@ def phase(stack: Stack, work: Path, name: str, worker_args: tuple[str, ...], n: 
             "load": round(load(), 1)}
 
 
-def look(stack: Stack, name: str, port: int, env: dict[str, str], counter: Counter, status: WorkerStatus | None,
+def look(stack: Stack, conn: Any, name: str, port: int, env: dict[str, str], counter: Counter,
          problems: list[str]) -> dict[str, Any]:
-    """What the worker publishes of its server (its status record's hardware), and what `genq workers`
-    (text and --json), the monitor's JSON and its Prometheus page show for its bound, checked against
-    SGLang's own figures."""
+    """What the worker publishes of its server (its status record), and what `genq workers` (text and
+    --json), the monitor's JSON and its Prometheus page show for its bound, checked against SGLang's
+    own figures."""
     usage = memory_usage(stack.server)
-    text = subprocess.run([sys.executable, "-m", "genq", "--redis", stack.redis, "workers"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60).stdout
-    rows = {w["name"]: w for w in json.loads(genq(stack, "workers", "--json").stdout or "[]")}
+    for _ in range(5):  # a heartbeat that saw SGLang between batches (0 running) has no bound to show
+        text = subprocess.run([sys.executable, "-m", "genq", "--redis", stack.redis, "workers"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=60).stdout
+        if any(line.startswith(f"{name}: bound ") or line.startswith("fleet at") for line in text.splitlines()):
+            break
+        time.sleep(1)
+    for _ in range(5):  # `genq workers --json` and the status record of the same heartbeat
+        before = conn.get(keys.worker_status(name))
+        rows = {w["name"]: w for w in json.loads(genq(stack, "workers", "--json").stdout or "[]")}
+        if before == conn.get(keys.worker_status(name)):
+            break
+    status = unpack(before, WorkerStatus) if before else None
     doc = json.loads(genq(stack, "monitor", "--once", "--json", "--job", name).stdout or "{}")
     prom = prometheus(f"http://127.0.0.1:{port}/metrics", name)
     hw = json.loads(msgspec.json.encode(status.hardware)) if status is not None and status.hardware else {}
@@ -234,15 +246,21 @@ def look(stack: Stack, name: str, port: int, env: dict[str, str], counter: Count
         if bound_gauge is not None:
             problems.append(f"{name}: /metrics has a bound ({bound_gauge}) without a bandwidth")
         return seen
+    # The running count and KV usage over the worker's window (its readings of SGLang's gauges, which
+    # swing between 0 and the limit as batches are prefilled), with SGLang's own byte figures.
+    assert status is not None
     now = time.time()
-    kv = counter.mean("sglang:token_usage", now) * usage["kvcache"] * GIB
-    running = counter.mean("sglang:num_running_reqs", now)
-    expected = running * bandwidth / (usage["weight"] * GIB + kv)
+    running, used = status.window_running or 0.0, status.window_token_usage or 0.0
+    expected = running * bandwidth / (usage["weight"] * GIB + used * usage["kvcache"] * GIB)
     # The share is the speed of the same record over its bound (the speed is checked on its own).
     row_speed = (rows.get(name) or {}).get("tok_per_s")
     share = row_speed / bound["tok_per_s"] if row_speed is not None and bound.get("tok_per_s") else None
-    seen["expected"] = {"bound": round(expected, 1), "share": share, "running": running,
+    seen["expected"] = {"bound": round(expected, 1), "share": share, "running": running, "token_usage": used,
+                        "sglang_running_5s": [min(counter.values("sglang:num_running_reqs", now)),
+                                              max(counter.values("sglang:num_running_reqs", now))],
                         "bandwidth_from": hw.get("bandwidth_from")}
+    if not seen["expected"]["sglang_running_5s"][0] <= running <= seen["expected"]["sglang_running_5s"][1]:
+        problems.append(f"{name}: the window's running {running} outside SGLang's {seen['expected']}")
     if bound.get("tok_per_s") is None or abs(bound["tok_per_s"] - expected) > AGREE * expected:
         problems.append(f"{name}: bound {bound.get('tok_per_s')} where SGLang's figures give {expected:.1f}")
     if share is None or bound.get("share") is None or abs(bound["share"] - share) > 0.01 * share:
