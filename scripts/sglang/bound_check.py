@@ -21,9 +21,10 @@ A `genq worker` runs a job on the server twice, each watched by a `genq monitor 
    against its bound (a tiny model is far below it: its steps are not memory-bound).
 
 In both, the tok/s genq shows agrees with sglang:generation_tokens_total within 10 % at every
-heartbeat after the first 10 s of generation. genq's figure is the counter's rise over its last
-readings (once a second) at least 5 s apart, so it is set against the counter's rise over windows
-of 5-6 s ending in the 1.5 s before the heartbeat (the counter read here every quarter second).
+heartbeat after the first 10 s of generation. genq's figure is the counter's rise between its
+readings (a look a second) 5-6 s apart, the last of them up to a look and a heartbeat before the
+heartbeat, later on a loaded machine: so it is set against the counter's rise over windows of
+5-7 s ending in the 3 s before the heartbeat (the counter read here every quarter second).
 SGLang 0.5.23 adds a request's tokens to that counter when the request ends
 (observe_one_finished_request): a window's rise moves in steps of whole answers, and the window's
 placement matters.
@@ -116,8 +117,8 @@ class Counter:
 
     def rates_near(self, beat: float) -> list[float]:
         """The counter's speed over the windows a heartbeat at `beat` may have used (see the module)."""
-        ends = [beat - 0.25 * i for i in range(7)]
-        found = [self.rate(e, w) for e in ends for w in (WINDOW_S, WINDOW_S + 0.5, WINDOW_S + 1.0)]
+        ends = [beat - 0.25 * i for i in range(13)]
+        found = [self.rate(e, w) for e in ends for w in (WINDOW_S, WINDOW_S + 0.5, WINDOW_S + 1.0, WINDOW_S + 2.0)]
         return [r for r in found if r is not None]
 
     def values(self, name: str, end: float) -> list[float]:
