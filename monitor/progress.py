@@ -284,8 +284,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         rate_source="" if speed is None else speed.source, gpu_note=fleet_gpu_note(statuses), tail=tail,
         worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job,
                                       bound=judged.get(w.name)) for w in snap.workers],
-        bound_summary=decodebound.job_line({s.name: s.bound_tally[snap.job] for s in statuses
-                                            if snap.job in s.bound_tally}),
+        bound_summary=decodebound.job_line(statuses, snap.job),
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
         priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),

@@ -182,7 +182,7 @@ class Heartbeat:
         m = self.watch.metrics
         now = time.monotonic()
         if m is not None and m.generated_total is not None:
-            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage)
+            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage, m.waiting)
         window = self.rates.server_window()
         # Nothing of this worker's running: its row says 0 at once, not the window's last tokens.
         server_tok_s = None if window is None else window[0] if self.dispatcher.running else 0.0
@@ -211,7 +211,7 @@ class Heartbeat:
         in_flight: dict[str, int] = {}
         for task in self.dispatcher.running:
             in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
-        decodebound.add_tally(self.tallies, in_flight, decodebound.figures_of(status), now - self._tallied_at)
+        decodebound.add_tally(self.tallies, in_flight, status, now - self._tallied_at)
         self._tallied_at = now
         status.bound_tally = self.tallies
         return status

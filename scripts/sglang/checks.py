@@ -227,8 +227,11 @@ def _wait(ready: Any, timeout: float) -> bool:
 
 
 def run_all(stack: Any, work: Path, problems: list[str]) -> dict:
+    import bound_check  # scripts/sglang/, on sys.path as this module is: the decode bound's figures
+
     out: dict[str, Any] = {}
-    for name, check in (("fidelity", fidelity), ("pause and drain", pause_drain), ("killed", killed)):
+    for name, check in (("fidelity", fidelity), ("pause and drain", pause_drain), ("killed", killed),
+                        ("bound", bound_check.check)):
         try:
             out[name] = check(stack, work, problems)
         except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check; the next still run
