@@ -133,7 +133,7 @@ class Procs:
             except subprocess.TimeoutExpired:
                 pass
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker's RQ loops are in its session
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker's session
             except (ProcessLookupError, PermissionError):
                 pass
 

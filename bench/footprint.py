@@ -8,11 +8,11 @@ ledger's RELEASE (scripts.release_call; no shard file: only Redis is measured). 
 their heartbeat records as a live worker writes them. Then it reports:
 
 - bytes of Redis `used_memory` per finished prompt (a job all of whose batches are released,
-  the RQ loops' replies popped and RQ's job hashes gone, as RQ's result_ttl does an hour later),
+  their RQ jobs gone with RELEASE),
   per in-flight prompt (a leased batch whose results are all committed, its shard not yet
   written: the most a prompt costs before its release), and per queued prompt, with what each
   key of a finished job holds (MEMORY USAGE);
-- the monitor's refresh (monitor.snapshot: read_workers + read_queue with the live monitor's
+- the monitor's refresh (genq.core.ledger.figures: fleet.statuses + the queue mirror with the live monitor's
   cache + read_job, i.e. what `genq monitor` and each Prometheus scrape read) on a mid-job state
   (half the batches finished, 8 workers x 3 held batches half done, the rest queued in RQ) of
   SMALL prompts against the same state of LARGE prompts on two servers, one refresh of each in
@@ -41,6 +41,8 @@ from common import conditions, table
 
 from genq.core import keys, scripts
 from genq.core.batches import inline as inline_record
+from genq.core.ledger import fleet
+from genq.core.ledger.figures import read_job
 from genq.core.localredis import LocalRedis
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
@@ -57,7 +59,6 @@ from genq.core.records import (
     without_prompt,
 )
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.snapshot import read_job, read_queue, read_workers
 from genq.producer.rows import claim_digest
 
 TARGET_RATIO = 1.5  # refresh at LARGE prompts within 1.5x the refresh at SMALL (issue #15)
@@ -158,9 +159,8 @@ class Filler:
             for b in batches:
                 info = ShardInfo(batch=b.id, uri=f"/nonexistent/footprint/{self.job}/shards/{b.id}.jsonl",
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
-                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, f"tok-{b.id}", incarnation="")
+                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, incarnation="")
                 self._release(keys=script_keys, args=args, client=pipe)
-                pipe.delete(keys.lease_reply(f"tok-{b.id}"))  # the RQ loop pops its "done"
             pipe.execute()
 
     def expire_rq_jobs(self, batches: list[Batch]) -> None:
@@ -271,9 +271,9 @@ def fill_mid_job(conn: redis.Redis, n_prompts: int, *, chars: int = 16, batch_si
 def refresh_once(conn: redis.Redis, job: str, names: QueueMirror) -> float:
     """One monitor refresh's reads (what Monitor.refresh reads for one job), in seconds."""
     started = time.perf_counter()
-    workers = read_workers(conn)
-    queue = read_queue(conn, names)
-    snap = read_job(conn, job, workers, queue=queue)
+    workers = fleet.statuses(conn)
+    names.refresh(conn)
+    snap = read_job(conn, job, workers, queued=names.by_job.get(job, 0), rq_queued=names.total)
     elapsed = time.perf_counter() - started
     assert snap is not None and snap.total > 0
     return elapsed
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwhat the finished job keeps (MEMORY USAGE, bytes in all / per prompt):")
     print(table(["key", "bytes", "per prompt"], [[k, v, round(v / fp.prompts, 1)] for k, v in fp.finished_keys.items()]))
     rf = measure_refresh(args.small, args.large, rounds=args.rounds, chars=args.bulk_chars)
-    print(f"\nmonitor refresh (read_workers + read_queue + read_job), mid-job: half the batches finished, "
+    print(f"\nmonitor refresh (fleet.statuses + queue mirror + read_job), mid-job: half the batches finished, "
           f"{WORKERS} workers x {HELD_PER_WORKER} held batches, the rest queued; large state filled in {rf.fill_s:.0f}s")
     print(table(["prompts", "batches", "refresh, median ms"], [
         [rf.small, rf.small_batches, round(rf.small_ms, 2)], [rf.large, rf.large_batches, round(rf.large_ms, 2)]]))

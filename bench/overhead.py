@@ -12,10 +12,13 @@ For each server and mode (stream, no-stream) it runs
   bare  an asyncio + aiohttp loop: C coroutines posting the same requests, nothing else
   genq  `genq enqueue` (not timed) + one `genq worker --burst`, auto concurrency
 and reports requests/s (server side first request to last answer; the worker's
-process start is excluded and shown apart) and the ratio genq / bare.
+process start is excluded and shown apart) and the ratio genq / bare. `--client http` puts
+genq's HTTP client alone (worker/server.py ServerClient.generate, no Redis, no records) in
+the worker's place: what the request path's HTTP costs next to a bare aiohttp loop.
 
     .venv/bin/python bench/overhead.py                  # ~2 minutes
     .venv/bin/python bench/overhead.py --servers raw --modes no-stream
+    .venv/bin/python bench/overhead.py --servers raw --client http --rounds 4
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=8, help="Completion length of every request.")
     p.add_argument("--batch-size", type=int, default=256, help="genq's batch size.")
     p.add_argument("--worker-args", default="", help="Extra arguments for `genq worker`.")
+    p.add_argument("--client", choices=("worker", "http"), default="worker",
+                   help="What runs beside the bare loop: a whole `genq worker`, or genq's HTTP client alone.")
     p.add_argument("--rounds", type=int, default=1,
                    help="Paired rounds per server and mode, the order alternating (bare first, then genq "
                         "first): each round's ratio, and their median, are reported.")
@@ -189,6 +194,28 @@ async def bare_client(url: str, prompts: Path, concurrency: int, stream: bool, m
         await asyncio.gather(*(runner() for _ in range(concurrency)))
 
 
+async def http_client(url: str, prompts: Path, concurrency: int, stream: bool, max_tokens: int) -> None:
+    """The bare loop's requests through genq's own client: what the worker's request path pays for HTTP."""
+    from genq.worker.server import Completion, Progress, ServerClient
+
+    messages = read_messages(prompts)
+    it = iter(messages)
+    extra = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}} if stream else {}
+    client = ServerClient(url)
+
+    async def runner() -> None:
+        for m in it:
+            body = {"model": "default", "messages": m, "max_tokens": max_tokens, "stream": stream, **extra}
+            outcome = await client.generate("chat", body, Progress())
+            if not isinstance(outcome, Completion):
+                raise SystemExit(f"http client: {outcome}")
+
+    try:
+        await asyncio.gather(*(runner() for _ in range(concurrency)))
+    finally:
+        await client.close()
+
+
 # ---------------------------------------------------------------- runs
 
 def pin(core: int | None) -> list[str]:
@@ -249,7 +276,10 @@ def run_pair(server: Server, mode: str, args: argparse.Namespace, work: Path, pr
     rows = []
     for client in ("bare", "genq") if round_no % 2 == 0 else ("genq", "bare"):
         tag = f"{server.kind}-{mode}-{client}-r{round_no}"
-        if client == "genq":
+        if client == "genq" and args.client == "http":
+            cmd = [PY, str(Path(__file__).resolve()), "http-client", server.url, str(prompts), str(conc),
+                   "1" if stream else "0", str(args.output_tokens)]
+        elif client == "genq":
             flush_bench_db(args.redis)
             subprocess.run(genq("enqueue", str(prompts), "--job", "ovh", "--output", str(work / f"out-{tag}"),
                                 "--batch-size", str(args.batch_size), "--max-tokens", str(args.output_tokens),
@@ -283,7 +313,7 @@ def run_pair(server: Server, mode: str, args: argparse.Namespace, work: Path, pr
 
 # Targets (docs/performance.md "Worker overhead"): one worker drives >= 2,000 req/s on one core, >= 0.8 of a bare loop.
 RATE_TARGET = 2000.0
-RATIO_TARGET = 0.8  # issue #29
+RATIO_TARGET = 0.8
 MISMATCHES: list[str] = []
 
 
@@ -310,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     cores = os.cpu_count() or 1
     server_core, client_core = (None, None) if args.no_pin or cores < 2 else (1, 0)
     print(f"overhead: {args.prompts} prompts of {args.output_tokens} output tokens, server capacity {args.capacity}, "
-          f"concurrency {target_concurrency(args.capacity)} (genq auto), batch size {args.batch_size}; "
+          f"concurrency {target_concurrency(args.capacity)} (genq auto), batch size {args.batch_size}, genq = {args.client}; "
           f"server on core {server_core}, client on core {client_core}; redis {mask_url(args.redis)}; work dir {work}")
     print(f"machine: {conditions()}")
     for p in busy_processes():
@@ -353,8 +383,8 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "raw-server":
         asyncio.run(serve_raw(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
-    elif len(sys.argv) > 1 and sys.argv[1] == "bare-client":
-        asyncio.run(bare_client(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1",
-                                int(sys.argv[6])))
+    elif len(sys.argv) > 1 and sys.argv[1] in ("bare-client", "http-client"):
+        run_client = bare_client if sys.argv[1] == "bare-client" else http_client
+        asyncio.run(run_client(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", int(sys.argv[6])))
     else:
         main()

@@ -18,6 +18,8 @@ ratios to the limit.
 
     .venv/bin/python bench/saturation.py                 # ~3 minutes
     .venv/bin/python bench/saturation.py --prompts 1000  # quicker look
+    # answers of one length ending together, a wave at a time, on a server whose capacity is learned
+    .venv/bin/python bench/saturation.py --flavor vllm --output-sigma 0 --max-running-requests 128
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=3000, help="Prompts per run (the same prompts in every run).")
     p.add_argument("--runs", default=",".join(RUNS),
                    help=f"Comma-separated runs, in order: {', '.join(RUNS)}, genq-nostream (genq with --no-stream).")
+    p.add_argument("--flavor", default="sglang", help="The server genq sim plays (vllm: its capacity is learned).")
     p.add_argument("--max-running-requests", type=int, default=37)
     p.add_argument("--step-ms-base", type=float, default=30.0, help="Fixed cost of a decode step (dominant).")
     p.add_argument("--step-ms-per-req", type=float, default=0.05)
@@ -77,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sim_options(args: argparse.Namespace) -> dict[str, object]:
     return {
+        "flavor": args.flavor,
         "max_running_requests": args.max_running_requests,
         "step_ms_base": args.step_ms_base,
         "step_ms_per_req": args.step_ms_per_req,

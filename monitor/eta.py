@@ -19,7 +19,7 @@ and the requests running now, if still running by then. With fewer left, the dra
 running requests' remainders and the prompts left, each a fresh length. The drain's length is the
 expected longest of those remainders, its distribution the product of theirs (a 1-D integral).
 A request decodes it at the measured per-request speed; on a server whose step costs
-a + b x (requests decoding) (a CPU: monitor/speedcurve.py fits a/b from the workers' figures) the
+a + b x (requests decoding) (a CPU: monitor/rates.py fits a/b from the workers' figures) the
 last requests run faster as the others end, and the drain takes (a M + b W) for M steps and W
 tokens, and faster still for what admitting new prompts cost the bulk (PREFILL_COST).
 
@@ -65,7 +65,7 @@ class Speed:
     tokens_per_s: float = 0.0  # the job's measured output tokens/s
     source: str = ""
     # How a request's speed depends on d, the requests decoding at once on its server: a step
-    # costs in proportion to overhead + d (monitor/speedcurve.py); per_request was measured at
+    # costs in proportion to overhead + d (monitor/rates.py); per_request was measured at
     # about `decoding` per worker. None: the same speed at any d (a GPU's memory-bound decode).
     overhead: float | None = None
     decoding: float = 0.0
@@ -141,7 +141,7 @@ def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, sp
         alone = 1.0 + PREFILL_COST * speed.prompt_tokens * per_worker / ((o + per_worker) * model.mean())
         return (o * longest + drain_work / workers) / (per_request * (o + per_worker)) / alone
 
-    rel = math.hypot(speed.rel_se, _mean_rel_se(model))
+    rel = math.hypot(speed.rel_se, model.mean_rel_se())
     result.eta_s = bulk_s + drain_s(_mean_of(cdf))
     result.eta_low_s = max(0.0, bulk_s * (1 - Z90 * rel)) + drain_s(_quantile(cdf, 0.05)) * max(0.0, 1 - Z90 * speed.rel_se)
     result.eta_high_s = bulk_s * (1 + Z90 * rel) + drain_s(_quantile(cdf, 0.95)) * (1 + Z90 * speed.rel_se)
@@ -214,18 +214,6 @@ def _quantile(cdf: list[tuple[float, float]], q: float) -> float:
             return r if p <= prev_p else prev_r + (r - prev_r) * (q - prev_p) / (p - prev_p)
         prev_r, prev_p = r, p
     return cdf[-1][0]
-
-
-def _mean_rel_se(model: LengthModel) -> float:
-    """Relative standard error of the fitted mean length, from the fit's covariance (delta method)."""
-    if model.cov is None:
-        return 0.0
-    h, mean = 1e-4, model.mean()
-    d_mu = (LengthModel(model.mu + h, model.sigma, model.cap).mean() - mean) / h
-    d_ls = (LengthModel(model.mu, model.sigma * math.exp(h), model.cap).mean() - mean) / h
-    (a, b), (_, d) = model.cov
-    var = d_mu * d_mu * a + 2 * d_mu * d_ls * b + d_ls * d_ls * d
-    return math.sqrt(max(var, 0.0)) / max(mean, 1e-9)
 
 
 def _trim_stale(running: Sequence[int], room: int) -> list[int]:

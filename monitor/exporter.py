@@ -1,42 +1,29 @@
-"""Prometheus metrics for `genq monitor --serve [HOST]:PORT`.
+"""Prometheus metrics for `genq monitor --metrics [HOST]:PORT`: the monitor's records as metric families.
 
-A custom collector: every scrape reads Redis through the same Monitor the
-view uses (so the throughput samples and the ETA are shared), and turns the
-reports into metric families labelled by job and worker. Reports are cached
-for one refresh interval: a second Prometheus (or a page poll) in between
-does not recompute the ETA.
+Every scrape reads through the same Monitor as the view (one set of throughput samples, one ETA),
+its reports cached for one refresh interval, so a second scraper does not recompute the ETA. Label
+values never grow with time: jobs and workers are names; states, reasons and bottlenecks are fixed
+sets of codes, each exported with 0 or 1. A stopped or lost worker is exported as down without its
+last figures, and not at all once down for FORGET_AFTER_S (genq:workers keeps every name that ever
+heartbeated; Prometheus must not).
 
-Label values never grow with time: workers and jobs are names, states and
-bottlenecks are fixed sets of codes (an enum-style metric per set, every code
-exported with 0 or 1, so a state change does not start a new series). A
-stopped or lost worker is exported as down (genq_worker_up 0) without its last
-figures, and not at all once it has been down for FORGET_AFTER_S: genq:workers
-keeps every name that ever heartbeated, and Prometheus must not.
-
-The genq job is the `job` label. Prometheus gives every target a `job` label
-of its own (the scrape job) and renames a clashing one to `exported_job`
-unless the scrape config says `honor_labels: true`, which it should here:
-
-    scrape_configs:
-      - job_name: genq
-        honor_labels: true
-        static_configs: [{targets: ["monitor-host:9108"]}]
-
-dashboards/grafana-genq.json is built on these metric names.
+The genq job is the `job` label: scrape with `honor_labels: true`, else Prometheus renames it
+`exported_job` (docs/monitoring.md). dashboards/grafana-genq.json is built on these names.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from genq.core.decodebound import CAPS
 from genq.core.health import CODES
-from genq.core.refusals import NOTE_REASONS, RedisNote
+from genq.core.records import GpuSample
+from genq.core.refusals import NOTE_REASONS
 from genq.core.state import JOB_STATUSES
 from genq.monitor.progress import JobReport, Monitor, WorkerReport
 
@@ -59,7 +46,7 @@ def parse_listen(value: str, option: str = "--metrics") -> tuple[str, int]:
 
 class GenqCollector(Collector):
     def __init__(self, monitor: Monitor, *, max_age: float = 1.0, forget_after_s: float = FORGET_AFTER_S,
-                 clock=time.time) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self.monitor = monitor
         self.max_age = max_age
         self.forget_after_s = forget_after_s
@@ -69,21 +56,19 @@ class GenqCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         try:
             reports = self.monitor.current(self.max_age)
-            up = 1.0
         except Exception as exc:  # a scrape must answer even when Redis does not
             log.warning("scrape: %s", exc)
-            reports, up = [], 0.0
-        g = GaugeMetricFamily("genq_monitor_redis_up", "1 when the last scrape could read Redis")
-        g.add_metric([], up)
-        yield g
-        if up:
-            rq = GaugeMetricFamily("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)")
-            rq.add_metric([], float(self.monitor.rq_queued))
-            yield rq
-            yield redis_warning(self.monitor.redis_note)
-        fleet = self.monitor.fleet if up else []
+            yield _gauge("genq_monitor_redis_up", "1 when the last scrape could read Redis", [], [([], 0.0)])
+            return
+        yield _gauge("genq_monitor_redis_up", "1 when the last scrape could read Redis", [], [([], 1.0)])
+        yield _gauge("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)", [],
+                     [([], float(self.monitor.rq_queued))])
+        note = self.monitor.redis_note
+        yield _one_of("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
+                      "maxmemory-policy would evict genq's keys (evicting_policy)", [], "reason", NOTE_REASONS,
+                      [([], () if note is None else (note.reason,))])
         yield from job_metrics(reports)
-        yield from worker_metrics(reports, fleet, self._shown(fleet))
+        yield from worker_metrics(reports, self.monitor.fleet, self._shown(self.monitor.fleet))
 
     def _shown(self, fleet: list[WorkerReport]) -> set[str]:
         """Workers to export: live ones, and down ones until they have been down for forget_after_s."""
@@ -102,18 +87,22 @@ class GenqCollector(Collector):
         return shown
 
 
-def redis_warning(note: RedisNote | None) -> GaugeMetricFamily:
-    """1 for the reason Redis refuses genq's writes or would evict its keys now, 0 for the others:
-    every reason always present, so an alert is a plain `== 1` (docs/monitoring.md)."""
-    g = GaugeMetricFamily("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
-                          "maxmemory-policy would evict genq's keys (evicting_policy)", labels=["reason"])
-    for reason in NOTE_REASONS:
-        g.add_metric([reason], float(note is not None and note.reason == reason))
-    return g
+def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float | None]],
+           kind: type[GaugeMetricFamily] | type[CounterMetricFamily] = GaugeMetricFamily) -> Metric:
+    """A family of these (labels, value) rows; an unknown value (None) stays absent, not a made-up 0."""
+    fam = kind(name, doc, labels=labels)
+    for lab, value in rows:
+        if value is not None:
+            fam.add_metric(lab, float(value))
+    return fam
 
 
-def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=labels)
+def _one_of(name: str, doc: str, labels: list[str], label: str, codes: Iterable[str],
+            rows: Iterable[tuple[list[str], Collection[str]]]) -> Metric:
+    """An enum-style family: every code exported, 1 for those that hold and 0 for the others, so a change
+    starts no new series and an alert is a plain `== 1`."""
+    codes = tuple(codes)
+    return _gauge(name, doc, [*labels, label], [([*lab, c], float(c in held)) for lab, held in rows for c in codes])
 
 
 # Each per-job gauge and the JobProgress field it shows: the one mapping from the monitor's record
@@ -163,127 +152,73 @@ WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# The same for each GPU: (metric, help, its figure from the worker's GpuSample, None when not measured).
+GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
+    ("genq_gpu_utilization_ratio", "GPU utilization (NVML, 0-1)", lambda g: g.utilization_pct / 100.0),
+    ("genq_gpu_memory_used_bytes", "GPU memory in use", lambda g: g.memory_used_mib * 2**20),
+    ("genq_gpu_memory_total_bytes", "GPU memory", lambda g: g.memory_total_mib * 2**20),
+    ("genq_gpu_power_watts", "GPU power draw", lambda g: g.power_w),
+    ("genq_gpu_temperature_celsius", "GPU temperature", lambda g: g.temperature_c),
+    ("genq_gpu_sm_clock_hertz", "GPU SM clock", lambda g: None if g.sm_clock_mhz is None else g.sm_clock_mhz * 1e6),
+)
+
+
 def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
-    J = ["job"]
-    fams = {field: _gauge(name, doc, J) for name, doc, field in JOB_GAUGES}
-    tail = _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)", J)
-    in_tok = CounterMetricFamily("genq_job_input_tokens", "Prompt tokens of finished prompts", labels=J)
-    out_tok = CounterMetricFamily("genq_job_output_tokens", "Completion tokens of finished prompts", labels=J)
-    status = _gauge("genq_job_status", "1 for the job's status, 0 for the others", ["job", "status"])
-    eta_state = _gauge("genq_job_eta_state", "1 for the ETA's state, 0 for the others", ["job", "state"])
-    blocked = _gauge("genq_job_blocked", "1 while the job is blocked for this reason (docs/settings.md), 0 otherwise",
-                     ["job", "reason"])
-    for r in reports:
-        p = r.progress
-        lab = [p.job]
-        for field, fam in fams.items():
-            value = getattr(p, field)
-            if value is not None:  # unknown stays absent rather than a made-up 0
-                fam.add_metric(lab, float(value))
-        tail.add_metric(lab, float(p.tail is not None))
-        in_tok.add_metric(lab, float(p.total_input_tokens))
-        out_tok.add_metric(lab, float(p.total_output_tokens))
-        for job_state in JOB_STATUSES:
-            status.add_metric([p.job, job_state], float(p.status == job_state))
-        for eta_code in ETA_STATES:
-            eta_state.add_metric([p.job, eta_code], float(p.eta_state == eta_code))
-        for reason in BLOCK_REASONS:
-            blocked.add_metric([p.job, reason], float(p.blocked_reason == reason))
-    yield from fams.values()
-    yield tail
-    yield in_tok
-    yield out_tok
-    yield status
-    yield eta_state
-    yield blocked
+    ps = [r.progress for r in reports]
+    for name, doc, field in JOB_GAUGES:
+        yield _gauge(name, doc, ["job"], [([p.job], getattr(p, field)) for p in ps])
+    yield _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)",
+                 ["job"], [([p.job], p.tail is not None) for p in ps])
+    yield _gauge("genq_job_input_tokens", "Prompt tokens of finished prompts", ["job"],
+                 [([p.job], p.total_input_tokens) for p in ps], CounterMetricFamily)
+    yield _gauge("genq_job_output_tokens", "Completion tokens of finished prompts", ["job"],
+                 [([p.job], p.total_output_tokens) for p in ps], CounterMetricFamily)
+    yield _one_of("genq_job_status", "1 for the job's status, 0 for the others", ["job"], "status", JOB_STATUSES,
+                  [([p.job], (p.status,)) for p in ps])
+    yield _one_of("genq_job_eta_state", "1 for the ETA's state, 0 for the others", ["job"], "state", ETA_STATES,
+                  [([p.job], (p.eta_state,)) for p in ps])
+    yield _one_of("genq_job_blocked", "1 while the job is blocked for this reason (docs/settings.md), 0 otherwise",
+                  ["job"], "reason", BLOCK_REASONS, [([p.job], (p.blocked_reason or "",)) for p in ps])
 
 
 def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: set[str]) -> Iterator[Metric]:
-    """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports."""
-    W = ["worker"]
-    JW = ["job", "worker"]
-    G = ["worker", "gpu", "name"]
-    up = _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped or lost", W)
-    state = _gauge("genq_worker_state", "1 for the worker's state, 0 for the others", ["worker", "state"])
-    fams = {field: _gauge(name, doc, W) for name, doc, field in WORKER_GAUGES}
-    errors = CounterMetricFamily("genq_worker_errors", "Failed request attempts since the worker started", labels=W)
-    bound = _gauge("genq_worker_decode_bound_tokens_per_second",
-                   "Decode bound: running x memory bandwidth / (weight + KV bytes read a step)", W)
-    bound_share = _gauge("genq_worker_decode_bound_ratio", "Output tokens/s over the decode bound (0-1)", W)
-    batch_cap = _gauge("genq_worker_batch_cap", "1 for what caps the server's running batch now, 0 for the others",
-                       ["worker", "reason"])
-    slow = _gauge("genq_worker_slow", "1 while the GPU is much slower than its peers (share of the bound)", W)
-    bottleneck = _gauge("genq_worker_bottleneck", "1 for each code that limits the worker now, 0 for the others",
-                        ["worker", "reason"])
-    job_done = CounterMetricFamily("genq_job_worker_prompts_completed", "Prompts completed by the worker", labels=JW)
-    job_out = CounterMetricFamily("genq_job_worker_output_tokens", "Completion tokens by the worker", labels=JW)
-    job_inflight = _gauge("genq_job_worker_in_flight", "The job's requests in flight on the worker", JW)
-    gpu = {
-        "util": _gauge("genq_gpu_utilization_ratio", "GPU utilization (NVML, 0-1)", G),
-        "mem": _gauge("genq_gpu_memory_used_bytes", "GPU memory in use", G),
-        "mem_total": _gauge("genq_gpu_memory_total_bytes", "GPU memory", G),
-        "power": _gauge("genq_gpu_power_watts", "GPU power draw", G),
-        "temp": _gauge("genq_gpu_temperature_celsius", "GPU temperature", G),
-        "clock": _gauge("genq_gpu_sm_clock_hertz", "GPU SM clock", G),
-    }
-    for r in reports:
-        for w in r.progress.worker_details:
-            if w.name not in shown:
-                continue
-            # Only pairs with something to say: not a zero for every live worker under every job ever run.
-            if w.job_completed or w.job_failed or w.job_output_tokens or w.job_in_flight:
-                job_done.add_metric([r.progress.job, w.name], float(w.job_completed))
-                job_out.add_metric([r.progress.job, w.name], float(w.job_output_tokens))
-                job_inflight.add_metric([r.progress.job, w.name], float(w.job_in_flight))
-    for w in fleet:
-        if w.name not in shown:
-            continue
-        lab = [w.name]
-        worker_state = "lost" if w.state == "gone" else w.state
-        live = worker_state not in ("stopped", "lost")
-        up.add_metric(lab, float(live))
-        for code in WORKER_STATES:
-            state.add_metric([w.name, code], float(worker_state == code))
-        if not live:
-            continue  # its last figures are not figures of now
-        for code in CODES:
-            bottleneck.add_metric([w.name, code], float(code in w.bottleneck_codes))
-        for field, fam in fams.items():
-            value = getattr(w, field)
-            if value is not None:
-                fam.add_metric(lab, float(value))
-        errors.add_metric(lab, float(w.errors))
-        if w.bound is not None:
-            if w.bound.bound.tok_per_s is not None:
-                bound.add_metric(lab, w.bound.bound.tok_per_s)
-            if w.bound.bound.share is not None:
-                bound_share.add_metric(lab, w.bound.bound.share)
-            for code in CAPS:
-                batch_cap.add_metric([w.name, code], float(w.bound.cap is not None and w.bound.cap.code == code))
-            slow.add_metric(lab, float(w.bound.slow is not None))
-        if w.gpu is not None:
-            s = w.gpu
-            glab = [w.name, str(s.index), s.name]
-            gpu["util"].add_metric(glab, s.utilization_pct / 100.0)
-            gpu["mem"].add_metric(glab, s.memory_used_mib * 2**20)
-            gpu["mem_total"].add_metric(glab, s.memory_total_mib * 2**20)
-            for key, value, scale in (("power", s.power_w, 1.0), ("temp", s.temperature_c, 1.0),
-                                      ("clock", s.sm_clock_mhz, 1e6)):
-                if value is not None:
-                    gpu[key].add_metric(glab, value * scale)
-    yield up
-    yield state
-    yield from fams.values()
-    yield errors
-    yield bottleneck
-    yield bound
-    yield bound_share
-    yield batch_cap
-    yield slow
-    yield job_done
-    yield job_out
-    yield job_inflight
-    yield from gpu.values()
+    """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports.
+    A down worker is exported as down, without its last figures (they are not figures of now)."""
+    state = {w.name: "lost" if w.state == "gone" else w.state for w in fleet if w.name in shown}
+    live = [w for w in fleet if w.name in state and state[w.name] not in ("stopped", "lost")]
+    yield _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped or lost", ["worker"],
+                 [([w.name], w in live) for w in fleet if w.name in state])
+    yield _one_of("genq_worker_state", "1 for the worker's state, 0 for the others", ["worker"], "state",
+                  WORKER_STATES, [([name], (s,)) for name, s in state.items()])
+    for name, doc, field in WORKER_GAUGES:
+        yield _gauge(name, doc, ["worker"], [([w.name], getattr(w, field)) for w in live])
+    yield _gauge("genq_worker_errors", "Failed request attempts since the worker started", ["worker"],
+                 [([w.name], w.errors) for w in live], CounterMetricFamily)
+    yield _one_of("genq_worker_bottleneck", "1 for each code that limits the worker now, 0 for the others",
+                  ["worker"], "reason", CODES, [([w.name], w.bottleneck_codes) for w in live])
+    judged = [(w.name, w.bound) for w in live if w.bound is not None]
+    yield _gauge("genq_worker_decode_bound_tokens_per_second",
+                 "Decode bound: running x memory bandwidth / (weight + KV bytes read a step)", ["worker"],
+                 [([n], v.bound.tok_per_s) for n, v in judged])
+    yield _gauge("genq_worker_decode_bound_ratio", "Output tokens/s over the decode bound (0-1)", ["worker"],
+                 [([n], v.bound.share) for n, v in judged])
+    yield _one_of("genq_worker_batch_cap", "1 for what caps the server's running batch now, 0 for the others",
+                  ["worker"], "reason", CAPS, [([n], () if v.cap is None else (v.cap.code,)) for n, v in judged])
+    yield _gauge("genq_worker_slow", "1 while the GPU is much slower than its peers (share of the bound)", ["worker"],
+                 [([n], v.slow is not None) for n, v in judged])
+    # Only (job, worker) pairs with something to say: not a zero for every live worker under every job ever run.
+    pairs = [([r.progress.job, w.name], w) for r in reports for w in r.progress.worker_details if w.name in shown
+             and (w.job_completed or w.job_failed or w.job_output_tokens or w.job_in_flight)]
+    jw = ["job", "worker"]
+    yield _gauge("genq_job_worker_prompts_completed", "Prompts completed by the worker", jw,
+                 [(lab, w.job_completed) for lab, w in pairs], CounterMetricFamily)
+    yield _gauge("genq_job_worker_output_tokens", "Completion tokens by the worker", jw,
+                 [(lab, w.job_output_tokens) for lab, w in pairs], CounterMetricFamily)
+    yield _gauge("genq_job_worker_in_flight", "The job's requests in flight on the worker", jw,
+                 [(lab, w.job_in_flight) for lab, w in pairs])
+    gpus = [([w.name, str(w.gpu.index), w.gpu.name], w.gpu) for w in live if w.gpu is not None]
+    for name, doc, value in GPU_GAUGES:
+        yield _gauge(name, doc, ["worker", "gpu", "name"], [(lab, value(g)) for lab, g in gpus])
 
 
 def make_registry(monitor: Monitor, max_age: float = 1.0, **options) -> CollectorRegistry:

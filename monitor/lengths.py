@@ -1,18 +1,11 @@
 """Output lengths: a lognormal fitted to censored observations (pure; no Redis, no clock).
 
-What is known about a job's output lengths at any moment:
-
-* finished completions, binned in the job's log-spaced histogram
-  (genq.core.histogram.length_bucket): interval-censored observations;
-* completions still running, with the tokens produced so far: right-censored
-  observations (the final length is at least that);
-* the job's max_tokens: no completion is longer (it is cut at the cap).
-
-fit_lengths() fits ln(L + 1) ~ Normal(mu, sigma) by maximum likelihood over
-all three, so the long completions that have started but not finished pull
-the estimate up as they should (the finished ones alone are the short ones).
-LengthModel gives the closed-form expectations (cut at the cap) and conditional
-expectations given "at least t tokens so far".
+What is known of a job's output lengths: the finished ones, binned in its log-spaced histogram
+(genq.core.histogram.length_bucket: interval-censored); the running ones, at least as long as their
+tokens so far (right-censored); and max_tokens, which cuts every one. fit_lengths() fits
+ln(L + 1) ~ Normal(mu, sigma) by maximum likelihood over all three, so the long completions that
+have started pull the estimate up as they should (the finished ones alone are the short ones).
+LengthModel gives the expectations, cut at the cap, and given "at least t tokens so far".
 """
 
 from __future__ import annotations
@@ -31,9 +24,6 @@ SQRT2 = math.sqrt(2.0)
 SIGMA_BOUNDS = (0.02, 5.0)  # of log(L + 1); a wider fit is a broken one
 CENSOR_GRID = 32  # steps per unit of ln(t + 1) on which running requests are counted in the fit
 REMAINING_GRID = 8  # the same for the expected remaining tokens
-
-
-# ---------------------------------------------------------------- normal helpers
 
 
 def norm_cdf(x: float) -> float:
@@ -76,9 +66,6 @@ def bucket_log_bounds(bucket: int) -> tuple[float, float]:
     return (bucket - 0.5) / 4 * LN2, (bucket + 0.5) / 4 * LN2
 
 
-# ---------------------------------------------------------------- length model
-
-
 @dataclass(frozen=True)
 class LengthData:
     """Everything known about output lengths at one moment."""
@@ -99,12 +86,15 @@ class LengthModel:
     mu: float
     sigma: float
     cap: int | None = None
-    # Covariance of (mu, ln sigma) from the observed information; None when unknown.
-    cov: tuple[tuple[float, float], tuple[float, float]] | None = None
-    finished: int = 0
-    censored: int = 0
+    finished: int = 0  # observations fitted: finished completions
+    censored: int = 0  # and running ones
 
-    # -- expectations (closed forms for the lognormal, cut at the cap) --
+    def mean_rel_se(self) -> float:
+        """The fitted mean's relative standard error by the delta method: ln mean = mu + sigma^2 / 2,
+        Var(mu) = sigma^2 / n, Var(sigma) = sigma^2 / 2n over the n finished (the cap ignored, and the
+        running ones, which tell less, not counted)."""
+        n = self.finished
+        return self.sigma * math.sqrt((1 + self.sigma**2 / 2) / n) if n else 0.0
 
     def mean(self) -> float:
         return self.conditional_mean(0)
@@ -216,9 +206,7 @@ def fit_lengths(data: LengthData) -> LengthModel | None:
 
     best = _nelder_mead(bounded, start, (0.5, 0.3))
     mu, log_s = best
-    cov = _covariance(nll, best)
-    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, cov=cov,
-                       finished=count, censored=sum(n for _, n in censored))
+    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, finished=count, censored=sum(n for _, n in censored))
 
 
 def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
@@ -255,17 +243,3 @@ def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
                     vals[i] = f(*pts[i])
     i = min(range(3), key=lambda k: vals[k])
     return pts[i]
-
-
-def _covariance(nll, at: tuple[float, float]) -> tuple[tuple[float, float], tuple[float, float]] | None:
-    """Inverse of the numerical Hessian of the negative log-likelihood (observed information)."""
-    h = 1e-3
-    x, y = at
-    f0 = nll(x, y)
-    fxx = (nll(x + h, y) - 2 * f0 + nll(x - h, y)) / h**2
-    fyy = (nll(x, y + h) - 2 * f0 + nll(x, y - h)) / h**2
-    fxy = (nll(x + h, y + h) - nll(x + h, y - h) - nll(x - h, y + h) + nll(x - h, y - h)) / (4 * h * h)
-    det = fxx * fyy - fxy * fxy
-    if not (fxx > 0 and fyy > 0 and det > 0) or not math.isfinite(det):
-        return None
-    return ((fyy / det, -fxy / det), (-fxy / det, fxx / det))

@@ -1,10 +1,10 @@
-"""What `genq monitor` reports: one JobProgress per job, for --json, the progress file,
-the live view and the Prometheus exporter alike.
+"""The monitor's one record per job (JobProgress), from one read of Redis, that every view renders:
+`--json` and the progress file as they are, the terminal view (view.py), the web page (webapp.py)
+and Prometheus (exporter.py).
 
-Monitor.refresh() is the single code path: read Redis (snapshot.py), add a
-throughput sample (rates.py), estimate the remaining time (eta.py), fill the
-record. bench/eta_bench.py calls the same Monitor so it measures exactly what
-`genq monitor --json` prints.
+Monitor.refresh() is the one path: read Redis (genq.core.ledger.figures), add a throughput sample (rates.py),
+estimate the time left (eta.py), fill the record. bench/eta_bench.py calls the same Monitor, so it
+measures what `genq monitor --json` prints.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ import redis
 from genq.core import decodebound
 from genq.core.decodebound import Verdict
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
+from genq.core.ledger import fleet
+from genq.core.ledger.figures import JobSnapshot, WorkerView, read_job
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
 from genq.core.refusals import RedisNote, redis_note_of
@@ -29,20 +32,17 @@ from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.snapshot import JobSnapshot, WorkerView, read_job, read_queue, read_workers
 from genq.ops.settings import describe_block
 
-# Only in --json: the same figures in unrounded seconds.
-JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")
+JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds: --json only
 
 
 class WorkerReport(msgspec.Struct):
     name: str
-    # The worker's state; "lost" when its heartbeat expired while the job is unfinished,
-    # "gone" when it expired after the job was done (nothing to worry about).
+    # Its state; "lost" when its heartbeat expired while the job is unfinished, "gone" after it is done.
     state: str
     host: str | None = None
-    in_flight: int = 0  # requests this worker has in flight (all jobs)
+    in_flight: int = 0  # requests in flight (all jobs)
     concurrency_target: int = 0
     concurrency_limit: int | None = None
     server_capacity: int | None = None
@@ -62,13 +62,10 @@ class WorkerReport(msgspec.Struct):
     bottlenecks: list[str] = []  # for people: with the numbers
     bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.health.CODES)
     heartbeat_age_s: float | None = None
-    # Its decode bound, the share reached, what caps its batch and the fix (genq.core.decodebound).
-    bound: Verdict | None = None
+    bound: Verdict | None = None  # its decode bound, the share reached, what caps its batch (genq.core.decodebound)
 
 
 class JobProgress(msgspec.Struct):
-    """One job's progress. Field names of the original progress.json are kept."""
-
     job: str
     status: JobStatus  # genq.core.state: writing = every prompt finished, shards still being written
     updated_at: float
@@ -81,7 +78,7 @@ class JobProgress(msgspec.Struct):
     percent: float  # finished (done or failed) of total
     percent_completed: float  # with a result
     percent_failed: float  # dead-lettered
-    rate_per_sec: float | None  # prompts finished per second, recently
+    rate_per_sec: float | None  # prompts finished per second, recently (over the whole run once done)
     output_tokens_per_sec: float | None
     eta_hours: float | None
     eta_low_hours: float | None
@@ -112,18 +109,16 @@ class JobProgress(msgspec.Struct):
     workers_lost: int
     rate_source: str
     gpu_note: str | None
-    # The job's tail: nothing left to start, its last requests hold few of the fleet's slots.
-    # Throughput falls as they finish; that is the end of the job, not a fault (None otherwise).
+    # Nothing left to start and its last requests hold few of the fleet's slots: throughput falls as
+    # they finish, the end of the job and not a fault (None otherwise).
     tail: str | None
     worker_details: list[WorkerReport]
-    # Why the job is blocked (docs/settings.md): the server's message and the counts; None otherwise.
-    blocked: str | None = None
+    blocked: str | None = None  # why the job is blocked (docs/settings.md): the server's message and the counts
     blocked_reason: str | None = None  # "preflight" | "brake"
     priority: int = 0  # docs/scheduling.md
     weight: float = 1.0
     share: float = 0.0  # of the fleet's requests in flight now
-    # Its GPUs against their decode bound over the job so far: "fleet at N % of its bandwidth bound; ...".
-    bound_summary: str | None = None
+    bound_summary: str | None = None  # its GPUs against their decode bound over the job so far
 
 
 @dataclass
@@ -139,32 +134,37 @@ class JobNotFound(LookupError):
 
 
 class Monitor:
-    """Keeps throughput samples per job between refreshes; thread-safe (the exporter scrapes too)."""
+    """Keeps throughput samples per job between refreshes; thread-safe (the exporter and the page read too).
 
-    def __init__(self, conn: redis.Redis, job: str | None = None, *, window_s: float = 120.0,
-                 once: bool = False) -> None:
+    `on_refresh` is called with each refresh's reports (the web page's history)."""
+
+    def __init__(self, conn: redis.Redis, job: str | None = None, *, window_s: float = 120.0, once: bool = False,
+                 on_refresh: Callable[[list[JobReport]], None] | None = None) -> None:
         self.conn = conn
         self.job = job
         self.window_s = window_s
         self.once = once
+        self.on_refresh = on_refresh
         self.trackers: dict[str, RateTracker] = {}
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
-        self.rq_queued = 0  # RQ's count of its genq queue at the last refresh
         self.queue = QueueMirror()  # RQ's queue by genq job, read at its ends between refreshes
-        self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it worked on
-        self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting: genq.core.refusals
-        self.listeners: list = []  # called with the reports after each refresh (the web page's history)
+        self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it works on
+        self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting (genq.core.refusals)
 
-    def job_names(self) -> list[str]:
-        if self.job is not None:
-            return [self.job]
-        return list_jobs(self.conn)
+    @property
+    def rq_queued(self) -> int:
+        return self.queue.total
+
+    @property
+    def single(self) -> bool:
+        """Whether output is one object (one job asked for or present) rather than keyed by job."""
+        return self.job is not None or len(self.last) == 1
 
     def current(self, max_age: float) -> list[JobReport]:
-        """The last reports while younger than max_age seconds, else fresh ones: a scrape or a page
-        poll between two refreshes does not recompute the ETA (up to a second of CPU)."""
+        """The last reports while younger than max_age seconds, else fresh ones: a scrape or a page poll
+        between refreshes does not recompute the ETA."""
         with self.lock:
             if self.last_at and time.monotonic() - self.last_at < max_age:
                 return self.last
@@ -173,32 +173,24 @@ class Monitor:
     def refresh(self) -> list[JobReport]:
         with self.lock:
             self.redis_note = redis_note_of(self.conn)
-            statuses = read_workers(self.conn)
-            queue = read_queue(self.conn, self.queue)
-            self.rq_queued = queue.total
+            statuses = fleet.statuses(self.conn)
+            self.queue.refresh(self.conn)
             reports = []
-            for name in self.job_names():
-                snap = read_job(self.conn, name, statuses, queue=queue)
+            for name in [self.job] if self.job is not None else list_jobs(self.conn):
+                snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0), rq_queued=self.queue.total)
                 if snap is None:
                     if self.job is not None:
                         raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
                     continue
                 reports.append(self._report(snap))
-            self.last = reports
             now = time.time()
             judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
-            self.fleet = [msgspec.structs.replace(worker_report(WorkerView(name=name, status=status), now),
-                                                  bound=judged.get(name))
+            self.fleet = [worker_report(WorkerView(name, status), now, bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
-            self.last_at = time.monotonic()
-            for listener in self.listeners:
-                listener(reports)
+            self.last, self.last_at = reports, time.monotonic()
+            if self.on_refresh is not None:
+                self.on_refresh(reports)
             return reports
-
-    @property
-    def single(self) -> bool:
-        """Whether output is one object (one job asked for or present) rather than keyed by job."""
-        return self.job is not None or len(self.last) == 1
 
     def _report(self, snap: JobSnapshot) -> JobReport:
         if self.once:
@@ -207,23 +199,20 @@ class Monitor:
             tracker = self.trackers.setdefault(snap.job, RateTracker(self.window_s))
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
-        config = snap.config
         workers = [w for w in snap.workers if works_on(w)]
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
-            lengths=LengthData(hist=snap.hist, running=snap.running_tokens, cap=config.max_tokens if config else None),
+            lengths=LengthData(snap.hist, snap.running_tokens, snap.config.max_tokens if snap.config else None),
             speed=speed, workers=len(workers), paused=snap.paused and not snap.is_done,
-            unsent=sum(w.inflight.queued for w in workers if w.inflight is not None),
-        )
+            unsent=sum(w.inflight.queued for w in workers if w.inflight is not None))
         if snap.is_done:
             est.state = "done"
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed)
 
 
 def works_on(w: WorkerView) -> bool:
-    """Whether a worker will work on the job from now on: a live one holding its prompts, or an idle
-    one (the queue is shared: it takes the next batches). Paused and server-down workers add nothing
-    until they come back."""
+    """Whether a worker will work on the job from now on: a live one holding its prompts, or an idle one
+    (the queue is shared: it takes the next batches). Paused and server-down ones add nothing."""
     s = w.live_status
     if s is None or s.state in ("paused", "server_down"):
         return False
@@ -231,95 +220,71 @@ def works_on(w: WorkerView) -> bool:
     return bool(holds) or s.state in ("idle", "busy", "starting")
 
 
+def tail_note(snap: JobSnapshot) -> str | None:
+    """Set while nothing of the job is left to start and its running requests fill at most half of the
+    live workers' slots (each one's server capacity, or its in-flight target)."""
+    if snap.status != "running" or snap.queued or snap.batches_queued or not snap.in_flight:
+        return None
+    live = [w.status for w in snap.live if w.status is not None]
+    slots = sum(s.server_capacity or s.concurrency_target for s in live)
+    if not slots or snap.in_flight * 2 > slots:
+        return None
+    busy = sum(1 for w in snap.live if w.running_tokens)
+    return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of "
+            f"{plural(len(live), 'worker')} ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput "
+            f"falls as they finish: the end of the job, not a fault")
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def _hours(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds / 3600, 4)
 
 
-def tail_note(snap: JobSnapshot) -> str | None:
-    """Set while nothing of the job is left to start and its running requests fill at most
-    half of the live workers' slots (each worker's server capacity, or its in-flight target)."""
-    if snap.status != "running" or snap.queued or snap.queued_batches or not snap.in_flight:
-        return None
-    live = [w.status for w in snap.workers if w.live and w.status is not None]
-    slots = sum(s.server_capacity or s.concurrency_target for s in live)
-    if not slots or snap.in_flight * 2 > slots:
-        return None
-    busy = sum(1 for w in snap.workers if w.live and w.running_tokens)
-    return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of {plural(len(live), 'worker')} "
-            f"({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput falls as they finish: "
-            f"the end of the job, not a fault")
+def _pct(n: int, total: int) -> float:
+    return round(100.0 * n / total, 2) if total else 0.0
 
 
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
-    finished = snap.completed + snap.failed
-    # Elapsed runs from the first request sent (the workers' first_at), or from creation once a worker
-    # works on the job: a job no worker has touched has not started (it showed "elapsed 33s").
+    # Elapsed runs from the first request sent, or from creation once a worker works on the job (a job
+    # no worker has touched has not started), to now, or to the last result once done.
     started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
-    start = started or snap.at
     end = snap.last_at if snap.is_done and snap.last_at else snap.at
-    live = [w for w in snap.workers if w.live]
+    elapsed = max(0.0, end - (started or snap.at))
     statuses = [w.status for w in snap.workers if w.status is not None]
-    elapsed = max(0.0, end - start)
-    judged = decodebound.judge({s.name: s for s in statuses if s.state != "stopped"})
     tok_s = None if speed is None else speed.tokens_per_s
-    tail = tail_note(snap)
     if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
-        prompts_rate, tok_s = 0.0, 0.0  # paused and drained: nothing is finishing now (a window rate reads stale)
-    if snap.is_done:
-        # One definition of a finished job's rate, whatever saw it (live view, --once, the exporter):
-        # the whole run's averages. A recent window would read the idle tail after the last result.
-        prompts_rate = snap.completed / elapsed if elapsed > 0 else None  # a dead letter is no progress
+        prompts_rate, tok_s = 0.0, 0.0  # paused and drained: nothing finishes now (a window's rate is stale)
+    if snap.is_done:  # the whole run's averages, whoever looks: a window would read the idle tail
+        prompts_rate = snap.completed / elapsed if elapsed > 0 else None
         tok_s = snap.out_tokens / elapsed if elapsed > 0 else None
+    tail = tail_note(snap)
+    judged = decodebound.judge({s.name: s for s in statuses if s.state != "stopped"})
     return JobProgress(
-        job=snap.job,
-        status=snap.status,
-        updated_at=round(snap.at, 3),
-        total=snap.total,
-        completed=snap.completed,
-        failed=snap.failed,
-        in_flight=snap.in_flight,
-        queued=snap.queued,
-        held=snap.held,
-        percent=round(100.0 * finished / snap.total, 2) if snap.total else 0.0,
-        percent_completed=round(100.0 * snap.completed / snap.total, 2) if snap.total else 0.0,
-        percent_failed=round(100.0 * snap.failed / snap.total, 2) if snap.total else 0.0,
-        rate_per_sec=None if prompts_rate is None else round(prompts_rate, 3),
-        output_tokens_per_sec=None if tok_s is None else round(tok_s, 1),
-        eta_hours=_hours(est.eta_s),
-        eta_low_hours=_hours(est.eta_low_s),
-        eta_high_hours=_hours(est.eta_high_s),
-        eta_state=est.state,
-        eta_note=est.note,
-        eta_s=est.eta_s,
-        eta_low_s=est.eta_low_s,
-        eta_high_s=est.eta_high_s,
-        elapsed_hours=round(max(0.0, end - start) / 3600, 4),
-        elapsed_s=round(max(0.0, end - start), 3),
-        total_input_tokens=snap.in_tokens,
-        total_output_tokens=snap.out_tokens,
+        job=snap.job, status=snap.status, updated_at=round(snap.at, 3),
+        total=snap.total, completed=snap.completed, failed=snap.failed, in_flight=snap.in_flight,
+        queued=snap.queued, held=snap.held,
+        percent=_pct(snap.completed + snap.failed, snap.total), percent_completed=_pct(snap.completed, snap.total),
+        percent_failed=_pct(snap.failed, snap.total),
+        rate_per_sec=_round(prompts_rate, 3), output_tokens_per_sec=_round(tok_s, 1),
+        eta_hours=_hours(est.eta_s), eta_low_hours=_hours(est.eta_low_s), eta_high_hours=_hours(est.eta_high_s),
+        eta_state=est.state, eta_note=est.note, eta_s=est.eta_s, eta_low_s=est.eta_low_s, eta_high_s=est.eta_high_s,
+        elapsed_hours=round(elapsed / 3600, 4), elapsed_s=round(elapsed, 3),
+        total_input_tokens=snap.in_tokens, total_output_tokens=snap.out_tokens,
         avg_output_tokens=round(snap.out_tokens / snap.completed, 1) if snap.completed else None,
-        expected_output_tokens=None if est.expected_output_tokens is None else round(est.expected_output_tokens, 1),
+        expected_output_tokens=_round(est.expected_output_tokens, 1),
         remaining_output_tokens=None if est.remaining_tokens is None else round(est.remaining_tokens),
-        batches_total=snap.batches_total,
-        batches_done=snap.batches_done,
-        queued_batches=snap.queued_batches,
-        held_batches=snap.batches_held,
-        other_batches=snap.other_batches,
-        rq_queued=snap.rq_queued,
-        shards=snap.shards,
-        shard_records=snap.shard_records,
-        s3_uploaded=snap.shards,
-        s3_bytes=snap.shard_bytes,
-        workers=sum(1 for w in live if w.inflight is not None),
+        batches_total=snap.batches_total, batches_done=snap.batches_done, queued_batches=snap.batches_queued,
+        held_batches=snap.batches_held, other_batches=snap.other_batches, rq_queued=snap.rq_queued,
+        shards=snap.shards, shard_records=snap.shard_records, s3_uploaded=snap.shards, s3_bytes=snap.shard_bytes,
+        workers=sum(1 for w in snap.live if w.inflight is not None),
         workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
-        rate_source="" if speed is None else speed.source,
-        gpu_note=fleet_gpu_note(statuses),
-        tail=tail,
-        worker_details=[msgspec.structs.replace(worker_report(w, snap.at, snap.is_done, in_tail=tail is not None,
-                                                              job=snap.job), bound=judged.get(w.name))
-                        for w in snap.workers],
-        bound_summary=decodebound.job_line({s.name: s.bound_tally[snap.job] for s in statuses
-                                            if snap.job in s.bound_tally}),
+        rate_source="" if speed is None else speed.source, gpu_note=fleet_gpu_note(statuses), tail=tail,
+        worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job,
+                                      bound=judged.get(w.name)) for w in snap.workers],
+        bound_summary=decodebound.job_line(statuses, snap.job),
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
         priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),
@@ -327,46 +292,50 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
 
 
 def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False,
-                  job: str | None = None) -> WorkerReport:
+                  job: str | None = None, bound: Verdict | None = None) -> WorkerReport:
+    """A worker's row: in a job's table (`job` given) with its figures for that job."""
     s = w.status
-    # In the job's tail an idle worker is expected (the job's tail note says so), not a bottleneck.
+    # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
     found = [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
-    # A done job has nothing in flight anywhere: a worker's InFlight record can be a beat older
-    # than the job's last result (#27: 40 of 40 still shown once, in the full suite).
+    # A done job has nothing in flight: a worker's InFlight record can be a beat older than its last result.
     report = WorkerReport(name=w.name, state=w.state, job_in_flight=0 if job_done else len(w.running_tokens),
                           job_completed=w.counters.done, job_failed=w.counters.failed,
                           job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],
-                          bottleneck_codes=[code for code, _ in found])
+                          bottleneck_codes=[code for code, _ in found], bound=bound)
     if s is None:
-        return msgspec.structs.replace(report, state="gone", bottlenecks=[], bottleneck_codes=[]) \
-            if job_done else report
+        return msgspec.structs.replace(report, state="gone", bottlenecks=[], bottleneck_codes=[]) if job_done else report
     kept = dict(host=s.host, concurrency_target=s.concurrency_target, concurrency_limit=s.concurrency_limit,
                 server_capacity=s.server_capacity, gpu_note=s.gpu_note,
-                errors=s.errors if job is None else s.job_errors.get(job, 0),  # this job's, in a job's table
+                errors=s.errors if job is None else s.job_errors.get(job, 0),
                 heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
-    if s.state == "stopped":
-        # Its record is kept (stopped, not lost) but its last rates, slots and GPU figures are not
-        # figures of now: a stopped worker generates nothing.
+    if s.state == "stopped":  # its last rates, slots and GPU figures are not figures of now
         return msgspec.structs.replace(report, **kept)
     util = slot_utilization(s)
     return msgspec.structs.replace(
         report, **kept, in_flight=s.in_flight, server_running=s.server_running, server_waiting=s.server_waiting,
-        slot_utilization=None if util is None else round(util, 3), kv_cache_usage=s.server_token_usage,
+        slot_utilization=_round(util, 3), kv_cache_usage=s.server_token_usage,
         tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)
 
 
 # ---------------------------------------------------------------- output
 
 
+def finite(obj: Any) -> Any:
+    """NaN and infinities as null: JSON has neither."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def as_dict(p: JobProgress, *, for_json: bool) -> dict[str, Any]:
     d = msgspec.to_builtins(p)
-    if not for_json:
-        for k in JSON_ONLY:
-            d.pop(k, None)
-    for k, v in list(d.items()):  # NaN is not JSON
-        if isinstance(v, float) and not math.isfinite(v):
-            d[k] = None
-    return d
+    for k in () if for_json else JSON_ONLY:
+        d.pop(k, None)
+    return finite(d)
 
 
 def document(reports: list[JobReport], single: bool, *, for_json: bool) -> Any:
@@ -376,8 +345,4 @@ def document(reports: list[JobReport], single: bool, *, for_json: bool) -> Any:
     return {r.progress.job: as_dict(r.progress, for_json=for_json) for r in reports}
 
 
-_json = msgspec.json.Encoder()
-
-
-def encode(doc: Any) -> bytes:
-    return _json.encode(doc)
+encode = msgspec.json.Encoder().encode

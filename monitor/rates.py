@@ -1,36 +1,45 @@
-"""Decode speed from what the monitor saw, not from elapsed time since the job began.
+"""Decode speed from what the monitor saw, not from the time since the job began.
 
-A live monitor keeps its own samples between refreshes and reads the job's
-throughput as the slope of "output tokens generated so far" (finished
-completions plus the tokens of running ones) over a recent window. Counting
-running tokens makes the curve smooth (a 4,000-token completion does not land
-in one lump), and taking deltas means work done before the monitor started (a
-resumed run) never inflates the rate. Dividing by the average number of
-requests decoding over the same window gives the speed of one request. The
-fleet's speed is that times the requests decoding: their mean over the window
-(slots idle behind batches' tails count), scaled by the live workers' slots now
-over their mean (workers joining or leaving change the forecast at once).
+A live monitor keeps its own samples and reads the job's tokens/s as the slope of the output tokens
+generated so far (finished completions plus the running ones' tokens: a smooth curve, where a long
+completion does not land in one lump) over a recent window; deltas, so work done before the monitor
+started (a resumed run) never inflates it. Over the request-seconds spent decoding in the same window
+it is one request's speed; the fleet's is that times the requests decoding (their mean over the
+window, slots idle behind batches' tails included), scaled by the live workers' slots now over their
+mean (a worker joining or leaving changes the forecast at once).
 
-`genq monitor --once` has no samples of its own: it takes the workers'
-generation since their first result (when the worker has run without a
-restart since) or their own last-30-s figures, leaves the per-request speed
-to the ETA (tokens/s over the requests running), and says it is less certain.
+`genq monitor --once` has no samples: it takes the workers' tokens since their first result (when no
+restart came since) or their own last-30-s rates, leaves one request's speed to the ETA (tokens/s
+over the requests running), and says it is less certain.
+
+How a request's speed depends on d, the requests its server decodes at once: a step makes one token
+for each of them and costs about a + b*d, so the time a request waits per token is a line in d. The
+workers publish request-seconds and tokens per bin of d (WorkerStatus.decode); their fit, weighted by
+tokens, gives the overhead a/b in sequences: large on a GPU (memory-bound: the speed hardly depends on
+d), small on a CPU (compute-bound: a request alone runs many times faster). Bins booked with no
+request waiting for its first token (DecodeBin.clean) are fitted first: prefills beside a few decoding
+requests read them slow and flatten the line. Too few bins, too narrow a spread of d, or a line that
+does not rise: None, a speed that does not depend on d.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from genq.core.decodefigures import DecodeBin
+from genq.core.ledger.figures import JobSnapshot
 from genq.monitor.eta import Speed
-from genq.monitor.snapshot import JobSnapshot
-from genq.monitor.speedcurve import fit_overhead
 
-# Relative standard error never below this: speed drifts in ways a window
-# cannot see (other jobs, thermal throttling, batch-size effects at the end).
+# Relative standard error never below this: speed drifts in ways a window cannot see (other jobs,
+# thermal throttling, batch-size effects at the end).
 REL_SE_FLOOR = 0.03
 ONCE_REL_SE = 0.15  # --once: one look, no history of our own
+MIN_TOKENS = 50.0  # tokens behind a decode bin before it is fitted
+MIN_SPREAD = 1.3  # highest over lowest d among the bins fitted
+MAX_OVERHEAD = 1e6  # a flatter line is "no dependence"
 
 
 @dataclass(frozen=True)
@@ -38,10 +47,10 @@ class Sample:
     at: float  # when `generated` and `decoding` were true (the workers' mean publish time)
     read_at: float  # when `finished` was read
     generated: int  # output tokens so far, finished and running
-    finished: int  # prompts with a result (a dead letter is no progress: it never counts toward the rate)
+    finished: int  # prompts with a result (a dead letter is no progress)
     decoding: int  # requests being decoded (at most each server's capacity)
-    workers: int = 0  # workers with any of them (a request's speed depends on its own worker's count)
-    slots: int = 0  # the live workers' slots
+    workers: int  # workers decoding any of them (a request's speed depends on its own worker's count)
+    slots: int  # the live workers' slots
 
 
 class RateTracker:
@@ -49,12 +58,10 @@ class RateTracker:
         self.window_s = window_s
         self.samples: deque[Sample] = deque()
         self._out: dict[str, tuple[float, int]] = {}  # worker -> (read time, out_tok then)
-        self.overhead: float | None = None  # the speed's dependence on the count decoding, as last seen
-        self.prompt_tokens = 0.0  # the job's mean prompt tokens, as last seen
+        self.snap: JobSnapshot | None = None
 
     def observe(self, snap: JobSnapshot) -> None:
-        self.overhead = curve_of(snap)
-        self.prompt_tokens = prompt_tokens(snap)
+        self.snap = snap
         s = self._aligned(snap)
         if self.samples:
             last = self.samples[-1]
@@ -69,13 +76,10 @@ class RateTracker:
     def _aligned(self, snap: JobSnapshot) -> Sample:
         """A sample as of the workers' in-flight records, not as of this read.
 
-        A worker publishes its running requests once a second; its finished
-        count and tokens are written as results come in. Adding the two as read
-        now counts a request that finished after the publish twice (in the
-        in-flight record and in the finished tokens), which inflates an early
-        rate. So each worker's finished tokens are taken back to its publish
-        time (interpolated between this read and the previous one), and the
-        sample is dated at the mean publish time.
+        A worker publishes its running requests once a second and its finished tokens as results come
+        in: added as read, a request that finished after the publish counts twice. So each worker's
+        finished tokens are taken back to its publish time (interpolated between this read and the
+        previous one), and the sample is dated at the mean publish time.
         """
         generated = 0.0
         stamps: list[float] = []
@@ -88,115 +92,81 @@ class RateTracker:
                 continue
             at = min(w.inflight.at, snap.at)
             if prev is not None and snap.at > prev[0]:
-                frac = max(0.0, (at - prev[0]) / (snap.at - prev[0]))
-                generated += prev[1] + (out_now - prev[1]) * frac
+                generated += prev[1] + (out_now - prev[1]) * max(0.0, (at - prev[0]) / (snap.at - prev[0]))
             else:
                 generated += out_now
             generated += sum(w.running_tokens)
             stamps.append(at)
-        at = sum(stamps) / len(stamps) if stamps else snap.at
-        return Sample(at=at, read_at=snap.at, generated=round(generated), finished=snap.completed,
-                      decoding=snap.decoding, workers=sum(1 for w in snap.workers if w.live and w.decoding),
-                      slots=snap.slots)
+        return Sample(at=sum(stamps) / len(stamps) if stamps else snap.at, read_at=snap.at,
+                      generated=round(generated), finished=snap.completed, decoding=snap.decoding,
+                      workers=sum(1 for w in snap.live if w.decoding), slots=snap.slots)
 
     def speed(self) -> Speed | None:
-        """Speed of one decoding request = tokens generated / request-seconds spent decoding.
+        """One decoding request's speed = tokens generated / request-seconds decoding, over the window.
 
-        A ratio of integrals over the window, so idle stretches (the minute before
-        the first worker started, a pause) count in neither. The requests decoding
-        over an interval are taken as published at its end (the in-flight records a
-        sample is built from were written during the interval). An interval that
-        starts with nothing known to be decoding (before the workers' first
-        in-flight records, or after a pause) may end with tokens made before it:
-        such intervals teach nothing about speed and are left out.
+        A ratio of sums, so idle stretches (before the first worker, a pause) count in neither. The
+        requests decoding over an interval are those published at its end; an interval that starts with
+        none known to decode may end with tokens made before it, and is left out.
         """
         pts = list(self.samples)
         if len(pts) < 2:
             return None
-        tokens_per_s, _ = _ols([p.at for p in pts], [float(p.generated) for p in pts])
-        tokens_per_s = max(tokens_per_s, 0.0)
-        usable = [(b.generated - a.generated, b.decoding * (b.at - a.at), b.at - a.at)
-                  for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
-        # The count per worker the speed was measured at (what a request's speed depends on).
-        worker_s = sum(max(1, b.workers) * (b.at - a.at) for a, b in zip(pts, pts[1:])
-                       if a.decoding > 0 and b.decoding > 0 and b.at > a.at)
-        span = sum(dt for _, _, dt in usable)
+        tokens_per_s = max(_slope([p.at for p in pts], [float(p.generated) for p in pts]), 0.0)
+        kept = [(a, b) for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
-        total_busy = sum(busy for _, busy, _ in usable)
+        busy = [b.decoding * (b.at - a.at) for a, b in kept]
+        total_busy = sum(busy)
         if total_busy <= 0:
             return Speed(per_request=0.0, rel_se=1.0, span_s=0.0, samples=1, tokens_per_s=tokens_per_s,
                          source=source)
-        per_request = max(0.0, sum(made for made, _, _ in usable) / total_busy)
-        # Its standard error from the spread of the per-interval speeds, weighted by busy time.
-        if len(usable) >= 3 and per_request > 0:
-            var = sum(busy * (made / busy - per_request) ** 2 for made, busy, _ in usable) / total_busy
-            n_eff = total_busy ** 2 / sum(busy * busy for _, busy, _ in usable)
-            rel = max(REL_SE_FLOOR, 2 * math.sqrt(var / n_eff) / per_request)
-        else:
-            rel = 1.0
-        kept = [b for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
-        slots_s = sum(b.slots * dt for b, (_, _, dt) in zip(kept, usable))
-        running = total_busy / span * (pts[-1].slots * span / slots_s if slots_s > 0 and pts[-1].slots else 1.0)
-        return Speed(per_request=per_request, rel_se=min(rel, 1.0), span_s=span, samples=len(usable) + 1,
-                     tokens_per_s=tokens_per_s, source=source, decoding=total_busy / worker_s,
-                     overhead=self.overhead, prompt_tokens=self.prompt_tokens, running=running)
+        made = [b.generated - a.generated for a, b in kept]
+        per_request = max(0.0, sum(made) / total_busy)
+        rel = 1.0
+        if len(kept) >= 3 and per_request > 0:  # the spread of the intervals' speeds, weighted by busy time
+            var = sum(u * (m / u - per_request) ** 2 for m, u in zip(made, busy)) / total_busy
+            n_eff = total_busy ** 2 / sum(u * u for u in busy)
+            rel = min(1.0, max(REL_SE_FLOOR, 2 * math.sqrt(var / n_eff) / per_request))
+        span = sum(b.at - a.at for a, b in kept)
+        slots_s = sum(b.slots * (b.at - a.at) for a, b in kept)
+        scale = pts[-1].slots * span / slots_s if slots_s > 0 and pts[-1].slots else 1.0
+        snap = self.snap
+        return Speed(per_request=per_request, rel_se=rel, span_s=span, samples=len(kept) + 1,
+                     tokens_per_s=tokens_per_s, source=source,
+                     decoding=total_busy / sum(max(1, b.workers) * (b.at - a.at) for a, b in kept),
+                     overhead=None if snap is None else curve_of(snap),
+                     prompt_tokens=0.0 if snap is None else prompt_tokens(snap), running=total_busy / span * scale)
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
         if len(pts) < 2 or pts[-1].read_at - pts[0].read_at <= 0:
             return None
-        slope, _ = _ols([p.read_at for p in pts], [float(p.finished) for p in pts])
-        return max(slope, 0.0)
+        return max(_slope([p.read_at for p in pts], [float(p.finished) for p in pts]), 0.0)
 
 
-def curve_of(snap: JobSnapshot) -> float | None:
-    """How a request's speed depends on its worker's count decoding, from the live workers'
-    figures (monitor/speedcurve.py): the overhead a/b, or None."""
-    return fit_overhead(b for w in snap.workers if w.live_status is not None for b in w.live_status.decode)
-
-
-def prompt_tokens(snap: JobSnapshot) -> float:
-    """The job's mean prompt tokens per finished prompt (what each start makes its server prefill)."""
-    return snap.in_tokens / snap.completed if snap.completed else 0.0
-
-
-def _ols(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope and its standard error."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares slope."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx <= 0:
-        return 0.0, math.inf
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    if n < 3:
-        return slope, abs(slope)  # two points: no idea how noisy
-    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
-    return slope, math.sqrt(resid / (n - 2) / sxx)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
 
 
 def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
-    """(speed, prompts/s) from one snapshot: the workers' own records.
-
-    The job's tokens/s is known; the speed of one request is not (one look
-    cannot average the number decoding), so per_request is left at 0: the estimator
-    divides the tokens/s by the requests running.
-    """
-    tokens = 0.0
-    prompts = 0.0
+    """(speed, prompts/s) from one snapshot, from the workers' own records: the job's tokens/s is known,
+    one request's speed is not (per_request 0: the ETA divides by the requests running)."""
+    tokens = prompts = 0.0
     spans: list[float] = []
     sources: set[str] = set()
     for w in snap.workers:
         s, c = w.live_status, w.counters
         if s is None or w.inflight is None:
-            continue  # not working on this job now: contributes nothing from here on
-        clean = c.first_at is not None and c.first_at >= s.started_at - 1.0  # no restart since its first result
+            continue  # not working on this job now
         start = max(s.started_at, snap.created_at or 0.0)
         if c.first_at is not None:
             start = min(start, c.first_at)
         span = snap.at - start
-        if clean and span >= 5.0:
+        if c.first_at is not None and c.first_at >= s.started_at - 1.0 and span >= 5.0:  # no restart since
             tokens += (c.out_tok + sum(w.running_tokens)) / span
-            prompts += c.done / span  # results only: dead letters are no progress
+            prompts += c.done / span
             spans.append(span)
             sources.add("workers' tokens since their first request")
         elif s.tok_per_s > 0:
@@ -207,9 +177,40 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
     if not spans:
         return None, None
     # The requests a worker decodes at once when full: what a request's speed was measured at.
-    slots = [w.slots for w in snap.workers if w.live_status is not None and w.inflight is not None and w.slots]
-    speed = Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
-                  source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
-                  decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap),
-                  prompt_tokens=prompt_tokens(snap))
-    return speed, prompts
+    slots = [w.slots for w in snap.live if w.inflight is not None and w.slots]
+    return Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
+                 source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
+                 decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap),
+                 prompt_tokens=prompt_tokens(snap)), prompts
+
+
+def prompt_tokens(snap: JobSnapshot) -> float:
+    """The job's mean prompt tokens (what each start makes its server prefill)."""
+    return snap.in_tokens / snap.completed if snap.completed else 0.0
+
+
+def curve_of(snap: JobSnapshot) -> float | None:
+    """The overhead a/b of the step time a + b*d, from the live workers' decode bins pooled."""
+    return fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode)
+
+
+def fit_overhead(bins: Iterable[DecodeBin]) -> float | None:
+    """a/b through the clean bins where they tell, else through all of them; None where neither does."""
+    every = list(bins)
+    clean = _overhead([b for b in every if b.clean])
+    return clean if clean is not None else _overhead(every)
+
+
+def _overhead(bins: list[DecodeBin]) -> float | None:
+    pts = [(b.decoding, b.busy_s / b.tokens, b.tokens) for b in bins if b.tokens >= MIN_TOKENS and b.busy_s > 0]
+    if len(pts) < 2 or max(d for d, _, _ in pts) < MIN_SPREAD * min(d for d, _, _ in pts):
+        return None
+    w = sum(n for _, _, n in pts)
+    md = sum(d * n for d, _, n in pts) / w
+    mt = sum(t * n for _, t, n in pts) / w
+    sdd = sum(n * (d - md) ** 2 for d, _, n in pts)
+    slope = sum(n * (d - md) * (t - mt) for d, t, n in pts) / sdd if sdd > 0 else 0.0
+    if slope <= 0:
+        return None
+    overhead = max(0.0, (mt - slope * md) / slope)
+    return None if overhead >= MAX_OVERHEAD else overhead

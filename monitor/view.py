@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from rich.console import Group, JustifyMethod, RenderableType
 from rich.panel import Panel
@@ -12,7 +12,9 @@ from rich.text import Text
 
 from genq.core.health import NO_HEARTBEAT
 from genq.core.words import plural
-from genq.monitor.progress import JobReport, WorkerReport
+
+if TYPE_CHECKING:
+    from genq.monitor.progress import JobReport, WorkerReport
 
 STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
                 "done": "bold green"}
@@ -63,7 +65,7 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None,
     for r in reports:  # one fleet table: a worker serving several jobs shows once
         for w in r.progress.worker_details:
             workers.setdefault(w.name, w)
-    parts.append(worker_table(list(workers.values()), several_jobs=len(reports) > 1))
+    parts.append(worker_table(list(workers.values())))
     notes = bottleneck_lines(list(workers.values()))
     gpu_note = next((r.progress.gpu_note for r in reports if r.progress.gpu_note), None)
     if gpu_note:
@@ -108,7 +110,7 @@ def job_panel(r: JobReport) -> Panel:
         f" out {count(p.total_output_tokens)} · avg out {count(p.avg_output_tokens)} (finished)"
         f" · expected {count(p.expected_output_tokens)} (fit incl. running)"
     )
-    if p.eta_s is not None and p.eta_state not in ("done",):
+    if p.eta_s is not None and p.eta_state != "done":
         eta = Text.assemble(("ETA ", "bold"), (duration(p.eta_s), "bold cyan"),
                             f"  (90% range {duration(p.eta_low_s)} – {duration(p.eta_high_s)})",
                             f"  · {p.eta_state}")
@@ -135,7 +137,7 @@ def job_panel(r: JobReport) -> Panel:
     return Panel(Group(*lines), expand=True)
 
 
-def worker_table(workers: list[WorkerReport], several_jobs: bool) -> Table:
+def worker_table(workers: list[WorkerReport]) -> Table:
     t = Table(expand=True, show_edge=False, pad_edge=False)
     for col, justify in (("worker", "left"), ("state", "left"), ("in flight/target", "right"),
                          ("server run/wait", "right"), ("slots", "right"), ("tok/s", "right"),

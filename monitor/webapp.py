@@ -1,20 +1,17 @@
 """`genq monitor --web HOST:PORT`: one live page with plots, served by the monitor process.
 
-The page (monitor/web/) polls api/state, which answers from the same Monitor
-as the terminal view, the JSON lines and the exporter: its numbers are
-`genq monitor --json`'s. Time series are the monitor's own (history.py); the
-charting library (uPlot, MIT) ships inside the package, so the page works on an
-air-gapped cluster. URLs are relative, so the page works through a port forward
-or under a reverse proxy's path prefix.
+The page (monitor/web/) polls api/state, which answers from the same Monitor as the terminal view,
+the JSON lines and the exporter: its numbers are `genq monitor --json`'s. Its time series are the
+monitor's own, kept in memory (History: a restarted monitor starts its plots afresh; Prometheus
+keeps the long history). The charting library (uPlot, MIT) ships inside the package, so the page
+works on an air-gapped cluster; its URLs are relative, so it works through a port forward or under
+a reverse proxy's path prefix. Read-only unless started with control enabled and a token: then
+pause, resume and drain are POSTs to api/control carrying the token in X-Genq-Token.
 
-Read-only unless started with control enabled and a token: then pause, resume
-and drain are POSTs to api/control carrying the token in X-Genq-Token.
-
-Only requests naming this server answer: a Host that is an address, a loopback name, the name
-it was bound to, this machine's name or one given with --web-allow-host. Any other name is what
-a DNS-rebinding page sends (its own domain, resolved to this address), and it gets 403 with
-nothing read. Every answer carries a Content-Security-Policy allowing only this server's own
-files, and X-Content-Type-Options: nosniff.
+Only requests naming this server answer: a Host that is an address, a loopback name, the name it
+was bound to, this machine's name or one given with --web-allow-host. Any other is what a
+DNS-rebinding page sends (its own domain, resolved to this address): 403, nothing read. Every
+answer carries a Content-Security-Policy allowing only this server's own files, and nosniff.
 """
 
 from __future__ import annotations
@@ -27,20 +24,26 @@ import math
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import redis
 from aiohttp import web
 
-from genq.monitor.history import History
+from genq.core.ledger import letters
+from genq.core.records import DeadLetter, unpack
+from genq.monitor.exporter import parse_listen
 from genq.monitor.lengths import bucket_log_bounds, length_bucket, norm_cdf
-from genq.monitor.progress import JobReport, Monitor, as_dict
-from genq.monitor.snapshot import read_dead_letters
+from genq.monitor.progress import JobReport, Monitor, as_dict, encode, finite
 
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
 CONTROL_ACTIONS = ("pause", "resume", "drain")
+JOB_FIELDS = ("completed", "failed", "percent", "percent_completed", "eta_s", "eta_low_s", "eta_high_s",
+              "rate_per_sec", "output_tokens_per_sec", "in_flight")
+WORKER_FIELDS = ("tok_per_s", "req_per_s", "slot_utilization")
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 # The page's own scripts and styles only (uPlot ships beside it); its icon is an empty data: URL.
 HEADERS = {
@@ -48,6 +51,37 @@ HEADERS = {
                                "form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
 }
+
+
+class History:
+    """Each job's figures at every refresh, a ring buffer per job (Monitor's on_refresh records them);
+    the page asks for a job's as columns aligned on `t`, the form uPlot draws."""
+
+    def __init__(self, maxlen: int = 3600) -> None:
+        self.maxlen = maxlen
+        self.points: dict[str, deque[dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def record(self, reports: list[JobReport]) -> None:
+        with self.lock:
+            for r in reports:
+                p = r.progress
+                point = {"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
+                         "workers": {w.name: {f: getattr(w, f) for f in WORKER_FIELDS}
+                                     for w in p.worker_details if w.state not in ("lost", "gone", "stopped")}}
+                ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
+                if ring and ring[-1]["t"] >= point["t"]:
+                    continue  # a second reader of the same refresh
+                ring.append(point)
+
+    def columns(self, job: str) -> dict[str, Any]:
+        """{"t": [...], field: [...], "workers": {name: {field: [...]}}}, None where absent."""
+        with self.lock:
+            pts = list(self.points.get(job, ()))
+        names = sorted({n for p in pts for n in p["workers"]})
+        return {**{name: [p[name] for p in pts] for name in ("t", *JOB_FIELDS)},
+                "workers": {n: {f: [p["workers"].get(n, {}).get(f) for p in pts] for f in WORKER_FIELDS}
+                            for n in names}}
 
 
 def host_name(header: str) -> str:
@@ -138,12 +172,12 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
 
     app = web.Application(middlewares=[own_host_only])
     app.on_response_prepare.append(security_headers)
-    letters: dict[str, tuple[float, Any]] = {}  # job -> (monotonic, summary): one DLQ scan per interval
+    scanned: dict[str, tuple[float, dict[str, Any]]] = {}  # job -> (monotonic, summary): one DLQ scan an interval
 
-    def dead_letters(job: str):
-        cached = letters.get(job)
+    def dead_letters(job: str) -> dict[str, Any]:
+        cached = scanned.get(job)
         if cached is None or time.monotonic() - cached[0] >= interval:
-            cached = letters[job] = (time.monotonic(), read_dead_letters(monitor.conn, job))
+            cached = scanned[job] = (time.monotonic(), dead_letter_summary(monitor.conn, job))
         return cached[1]
 
     async def index(request: web.Request) -> web.StreamResponse:
@@ -167,9 +201,9 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
                 progress=as_dict(chosen.progress, for_json=True),
                 history=history.columns(job),
                 lengths=length_histogram(chosen),
-                dead_letters={"total": dlq.total, "by_kind": dlq.by_kind, "latest": dlq.latest},
+                dead_letters=dlq,
             )
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body, dumps=lambda obj: encode(finite(obj)).decode())
 
     app.router.add_get("/", index)
     app.router.add_get("/api/state", state)
@@ -179,20 +213,25 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
     return app
 
 
-def _dumps(obj: Any) -> str:
-    from genq.monitor.progress import encode
-
-    return encode(_finite(obj)).decode()
+DLQ_READ_LIMIT = 20_000  # letters read for the breakdown; beyond, by_kind covers the first ones scanned
 
 
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+def dead_letter_summary(conn: redis.Redis, job: str, latest: int = 5) -> dict[str, Any]:
+    """The job's dead letters: how many, how many of each kind, and the newest few."""
+    by_kind: Counter[str] = Counter()
+    found: list[DeadLetter] = []
+    for n, raw in enumerate(letters.scan_raw(conn, job, 1000)):
+        if n >= DLQ_READ_LIMIT:
+            break
+        try:
+            found.append(unpack(raw, DeadLetter))
+        except msgspec.DecodeError:
+            continue
+        by_kind[found[-1].kind] += 1
+    found.sort(key=lambda d: d.at, reverse=True)
+    rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
+                 attempts=d.attempts, status=d.status) for d in found[:latest]]
+    return {"total": letters.count(conn, job), "by_kind": dict(sorted(by_kind.items())), "latest": rows}
 
 
 def _control_handler(monitor: Monitor, token: str):
@@ -223,17 +262,12 @@ def _control_handler(monitor: Monitor, token: str):
     return handler
 
 
-def serve_web(monitor: Monitor, listen: str, interval: float, token: str | None = None,
-              allow_hosts: tuple[str, ...] = ()) -> History:
+def serve_web(monitor: Monitor, history: History, listen: str, interval: float, token: str | None = None,
+              allow_hosts: tuple[str, ...] = ()) -> None:
     """Start the page's server in a background thread (binding here, so errors reach the caller)."""
-    from genq.monitor.exporter import parse_listen
-
     host, port = parse_listen(listen, "--web")
-    history = History()
-    monitor.listeners.append(history.record)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(make_app(monitor, history, interval, token, own_names(host, allow_hosts)), access_log=None)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, host, port).start())
     threading.Thread(target=loop.run_forever, name="genq-web", daemon=True).start()
-    return history

@@ -1,59 +1,46 @@
-"""Idempotent enqueue: prompts in, batches and RQ jobs out.
+"""Idempotent enqueue: checked rows in, batches and RQ jobs out.
 
-Ids already queued (or done) for the job are skipped; an id seen before with
-different content is rejected, never silently replaced.
+Ids already queued (or done) for the job are skipped; an id seen before with other content is
+rejected, never silently replaced. Ids are claimed in the transaction that writes their batches and
+RQ jobs, under WATCH of the job's ids, batch counter and config: two enqueues of one input at once
+queue each id once (the loser re-reads the ids and skips the winner's), and a crash never leaves ids
+claimed without their batches. The job's config is written with its first batches, so an enqueue
+that queues nothing creates nothing.
 
-Ids are claimed in the same transaction that writes their batches and RQ jobs,
-under WATCH of the job's ids hash, batch counter and config: two enqueues of
-the same input at once queue each id once (the loser's transaction fails, it
-re-reads the ids and skips the ones the winner queued), and a crash can never
-leave ids claimed without the batches that run them. The job's config is
-written in the transaction of its first batches, so an enqueue that queues
-nothing (missing input, empty file, every line rejected) creates nothing.
+The output is the durable truth: before a batch is queued, OUTPUT/JOB/job.json reserves its number
+and OUTPUT/JOB/enqueues/RUN.json names it (genq.output.truth), so what Redis loses is found there.
 
-Memory is bounded whatever the input's size: rows are read a chunk at a time and
-the dedupe lives in Redis (the job's id index); only the rows of the group being
-queued are held. A batch is stored inline (its prompts compressed) or, with
-`reference` set, as the byte range of the input that holds its lines
-(genq.producer.batchinput reads it back on the worker).
+Memory is bounded whatever the input's size: rows are read a chunk at a time, the dedupe lives in
+Redis, and only the rows of the group being queued are held.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import redis
 
 from genq.core import batches as batch_records
+from genq.core.batches import batch_id, batch_number
 from genq.core.durable import EnqueueRecord, JobRecord
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.queueing import (
-    ID_NEW,
-    ID_OTHER,
-    ID_SAME,
-    batch_id,
-    batch_number,
-    load_config,
-    lookup_ids,
-    stage_config,
-    write_batches,
-)
+from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, stage_config, write_batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Rejected
 from genq.ops import dlq, recover
 from genq.output import truth
 from genq.output.sink import open_store
-from genq.producer.batchinput import range_digest, row_digest_items
+from genq.producer.batchinput import range_digest
 from genq.producer.meter import Meter
 from genq.producer.rejects import RejectsFile
-from genq.producer.rows import Row, RowError, claim_digest, fit_endpoint
+from genq.producer.rows import Row
 from genq.producer.sources import default_rejects_path, open_rows
 
 log = logging.getLogger("genq.enqueue")
@@ -61,6 +48,8 @@ log = logging.getLogger("genq.enqueue")
 READ_CHUNK = 8192  # rows read before queueing what is ready
 READ_AHEAD = 2  # chunks the reading thread may have ready: bounds the rows held
 GROUP_BATCHES = 32  # batches per transaction: keeps a MULTI a sensible size (and the rows held)
+
+T = TypeVar("T")
 
 
 class JobConflict(ValueError):
@@ -78,31 +67,24 @@ class EnqueueSummary:
     batches: int = 0
     converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
     skipped_existing: int = 0  # already queued or done in an earlier run
-    skipped_duplicate: int = 0  # same id, same content, twice in this input (close together; farther
-    # apart the second is counted in skipped_existing: the dedupe is Redis's, not this process's)
+    # Same id, same content, twice in this input close together (farther apart the second counts in
+    # skipped_existing: the dedupe is Redis's, not this process's).
+    skipped_duplicate: int = 0
     rejected: int = 0  # lines written to the rejects file
     created: bool = False  # this run created the job
-    # The job's output held batches Redis did not count as done (#31: Redis lost them); their
-    # prompts are counted in skipped_existing. rebuilt: the job itself was gone from Redis and
-    # was created again from OUTPUT/JOB/job.json.
-    recovered_batches: int = 0
-    rebuilt: bool = False
+    recovered_batches: int = 0  # batches written in the output that Redis did not count as done
+    rebuilt: bool = False  # the job was gone from Redis and was created again from OUTPUT/JOB/job.json
     note: str = ""  # something about the output the operator should know
-
-
-_Pending = tuple[Row, bytes]  # a valid row and its content digest (rows.claim_digest)
 
 
 class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
                  reference: str | None = None, input_uri: str | None = None, closed: str | None = None) -> None:
-        """create: the job has no stored config yet; it is stored with the first batches.
+        """create: the job has no stored config yet (it is stored with the first batches).
         rejects: where rejected lines go as they are found (the caller closes or discards it).
-        reference: the input's URI as workers read it (s3://... or an absolute path) to queue
-        batches by reference; None stores the prompts inline.
-        input_uri: the input, recorded in OUTPUT/JOB/job.json for `genq recover`.
-        closed: the job is finished and must not take new prompts: JobClosed(closed) is raised
-        before the first one is queued (prompts already queued or done are skipped as ever)."""
+        reference: the input as workers read it (s3://... or an absolute path), to queue batches by
+        reference; None stores the prompts inline. input_uri: recorded in job.json for `genq recover`.
+        closed: the job is finished: JobClosed(closed) is raised before a new prompt is queued."""
         self.conn = conn
         self.rejects = rejects
         self.config = config
@@ -110,76 +92,39 @@ class Enqueuer:
         self.summary = EnqueueSummary()
         self._create = create
         self._closed = closed
-        self._pending: list[_Pending] = []
+        self._pending: list[Row] = []
         self._store = open_store(config.output, config.s3_endpoint_url)
         self._inputs = [input_uri] if input_uri else []
         self._record = JobRecord(config=config, inputs=self._inputs)
         self._floor = 0  # batch numbers at or below it may be in use in the output folder
-        # This run's record in OUTPUT/JOB/enqueues/ (the durable truth of what it queued).
-        self._run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+        self._run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"  # enqueues/RUN.json
         self._queued: list[str] = []
         self._prompts = 0
 
-    def _from_output(self) -> None:
-        """The output is the truth (#31): batches written there that Redis does not count as
-        done are adopted first, and a job gone from Redis whose output holds its job.json (same
-        settings) is created again from there, so its written prompts count as done."""
-        on_disk = truth.read_job(self._store, self.config.name)
-        if not self._create:
-            self.summary.recovered_batches = len(recover.catch_up(self.conn, self.config))
-            self._record = on_disk if on_disk and on_disk.config.incarnation == self.config.incarnation else self._record
-        elif on_disk is not None and revives(on_disk, self.config):
-            recovery = recover.rebuild(self.conn, on_disk)
-            self.config, self._record, self._create = recovery.config, on_disk, False
-            self.summary.recovered_batches, self.summary.rebuilt = len(recovery.adopted), True
-        elif on_disk is not None:
-            why = ("was deleted (genq jobs delete)" if on_disk.deleted_at is not None else "had other settings")
-            self.summary.note = (f"{truth.job_uri(self._store, self.config.name)} is of an earlier job of this name, "
-                                 f"which {why}: this is a new job; the old one's shards stay and are not counted as "
-                                 f"done for this one (genq recover --job {self.config.name} --output "
-                                 f"{self.config.output} would have brought the old one back instead)")
-            self._floor = on_disk.reserved
-        written = truth.marker_batches(self._store, self.config.name)  # an output of a genq without job.json
-        self._floor = max([self._floor, self._record.reserved, *map(batch_number, written)])
-        self._record = msgspec.structs.replace(self._record, config=self.config)
-
-    def _reach_output(self, action: Callable[[], Any]) -> Any:
-        """Enqueue reads and writes the job's output (job.json, the manifest): where it cannot,
-        nothing is queued, with the reason."""
-        try:
-            return action()
-        except redis.RedisError:
-            raise
-        except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
-            raise ValueError(f"cannot read or write the job's output {self.config.output} from here "
-                             f"({type(exc).__name__}: {exc}); enqueue writes {self.config.name}/job.json there "
-                             "before queueing: give an --output this machine reaches too") from None
-
-    def _reserve(self, last_batch: str) -> None:
-        """job.json says the batch numbers about to be queued may be in use, before they are."""
-        upto = batch_number(last_batch)
-        if upto > self._record.reserved or not set(self._inputs) <= set(self._record.inputs):
-            record = msgspec.structs.replace(self._record, config=self.config,
-                                             inputs=sorted(set(self._record.inputs) | set(self._inputs)))
-            self._record = self._reach_output(lambda: truth.reserve(self._store, record, upto + truth.RESERVE_STEP))
-
-    def run(self, rows: Iterable[Row | Rejected], on_progress=None, meter: Meter | None = None) -> EnqueueSummary:
-        """Queue `rows`. They are read, checked and digested in a thread of their own, a chunk ahead
-        of the one being queued: Redis's replies and zstd (which release the GIL) overlap the parsing.
-        `meter` (the one `rows` advance as they are read) is told how many rows are handed on."""
+    def run(self, rows: Iterable[Row | Rejected], on_progress: Callable[[EnqueueSummary], None] | None = None,
+            meter: Meter | None = None) -> EnqueueSummary:
+        """Queue `rows`. They are read (parsed, checked, digested) in a thread of their own, a chunk ahead
+        of the one being queued, so Redis's replies and zstd (which release the GIL) overlap the parsing.
+        `meter` (the one `rows` advance) is told how many rows are handed on."""
         self._reach_output(self._from_output)
-        endpoint, by_reference = self.config.endpoint, self.reference is not None
         meter, read = meter or Meter(), 0
         # The position is taken in the reading thread right after the chunk's last row.
-        prepare = lambda c: (_prepare(c, endpoint, by_reference), meter.position())  # noqa: E731
-        for chunk, position in _read_ahead(_chunks(rows, READ_CHUNK), prepare):
-            read += len(chunk[0])
+        for items, position in _read_ahead(_chunks(rows, READ_CHUNK), lambda chunk: (chunk, meter.position())):
+            read += len(items)
             meter.read_upto(read, position)
-            self._add_chunk(chunk)
+            for item in items:
+                if isinstance(item, Rejected):
+                    self._reject(item)
+                    continue
+                if self.reference is not None and item.start < 0:
+                    raise ValueError("by-reference batches need an uncompressed JSONL input")
+                self._pending.append(item)
+                self.summary.read += 1
+                self.summary.converted += item.converted
             self._flush(final=False)
             meter.settle(read - len(self._pending))
             # Every reject still to come is of a pending row or a later line.
-            self.rejects.release(self._pending[0][0].prompt.index + 1 if self._pending else None)
+            self.rejects.release(self._pending[0].prompt.index + 1 if self._pending else None)
             if on_progress:
                 on_progress(self.summary)
         self._flush(final=True)
@@ -189,21 +134,44 @@ class Enqueuer:
             on_progress(self.summary)
         return self.summary
 
+    def _from_output(self) -> None:
+        """Batches written in the output that Redis does not count as done are adopted first, and a
+        job gone from Redis whose job.json has the same settings is created again from there, so its
+        written prompts count as done."""
+        on_disk = truth.read_job(self._store, self.config.name)
+        if not self._create:
+            self.summary.recovered_batches = len(recover.catch_up(self.conn, self.config))
+            if on_disk and on_disk.config.incarnation == self.config.incarnation:
+                self._record = on_disk
+        elif on_disk is not None and revives(on_disk, self.config):
+            recovery = recover.rebuild(self.conn, on_disk)
+            self.config, self._record, self._create = recovery.config, on_disk, False
+            self.summary.recovered_batches, self.summary.rebuilt = len(recovery.adopted), True
+        elif on_disk is not None:
+            why = "was deleted (genq jobs delete)" if on_disk.deleted_at is not None else "had other settings"
+            self.summary.note = (f"{truth.job_uri(self._store, self.config.name)} is of an earlier job of this name, "
+                                 f"which {why}: this is a new job; the old one's shards stay and are not counted as "
+                                 f"done for this one (genq recover --job {self.config.name} --output "
+                                 f"{self.config.output} would have brought the old one back instead)")
+            self._floor = on_disk.reserved
+        written = truth.marker_batches(self._store, self.config.name)  # an output of a genq without job.json
+        self._floor = max([self._floor, self._record.reserved, *map(batch_number, written)])
+        self._record = msgspec.structs.replace(self._record, config=self.config)
+
+    def _reach_output(self, action: Callable[[], T]) -> T:
+        """Enqueue reads and writes the job's output: where it cannot, nothing is queued, with the reason."""
+        try:
+            return action()
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
+            raise ValueError(f"cannot read or write the job's output {self.config.output} from here "
+                             f"({type(exc).__name__}: {exc}); enqueue writes {self.config.name}/job.json there "
+                             "before queueing: give an --output this machine reaches too") from None
+
     def _reject(self, rejected: Rejected) -> None:
         self.summary.rejected += 1
         self.rejects.add(rejected)
-
-    def _add_chunk(self, prepared: tuple[list[_Pending | Rejected], int]) -> None:
-        items, converted = prepared
-        pending, read = self._pending, 0
-        for item in items:
-            if isinstance(item, Rejected):
-                self._reject(item)
-            else:
-                pending.append(item)
-                read += 1
-        self.summary.read += read
-        self.summary.converted += converted
 
     def _flush(self, final: bool) -> None:
         size = self.config.batch_size
@@ -217,37 +185,36 @@ class Enqueuer:
             if not final and len(self._pending) == len(group) + len(rest):
                 return  # nothing could be taken: wait for more rows
 
-    def _commit(self, group: list[_Pending], final: bool) -> list[_Pending]:
+    def _commit(self, group: list[Row], final: bool) -> list[Row]:
         """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
         group = self._unique(group)
-        job = self.config.name
+        job, size = self.config.name, self.config.batch_size
         with self.conn.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     ledger_jobs.watch_enqueue(pipe, job)
                     if self._create:
                         self._check_created_meanwhile(pipe)
-                    known = lookup_ids(pipe, job, [(row.prompt.id, digest) for row, digest in group])
-                    fresh, existing, conflicts = _classify(group, known)
-                    size = self.config.batch_size
+                    known = lookup_ids(pipe, job, [(row.prompt.id, row.digest) for row in group])
+                    fresh = [row for row, k in zip(group, known) if k == ID_NEW]
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
+                    batches: list[BatchSource] = []
                     if taking and self._closed is not None and not self._create:
                         pipe.reset()
                         raise JobClosed(self._closed)
-                    if taking:
-                        batches = self._batches(pipe, [row for row, _ in taking])
-                        self._reserve(batches[-1].id)
-                        self._record_enqueue([b.id for b in batches], len(taking))
-                        pipe.multi()
-                        if self._create:
-                            stage_config(pipe, self.config)
-                        ledger_jobs.stage_last_batch_number(pipe, job, int(batches[-1].id[1:]))
-                        write_batches(pipe, self.conn, batches, {row.prompt.id: digest for row, digest in taking})
-                        pipe.execute()
-                    else:
+                    if not taking:
                         pipe.unwatch()
-                        batches = []
+                        break
+                    batches = self._batches(pipe, taking)
+                    self._reserve(batches[-1].id)
+                    self._record_enqueue([b.id for b in batches], len(taking))
+                    pipe.multi()
+                    if self._create:
+                        stage_config(pipe, self.config)
+                    ledger_jobs.stage_last_batch_number(pipe, job, batch_number(batches[-1].id))
+                    write_batches(pipe, self.conn, batches, {row.prompt.id: row.digest for row in taking})
+                    pipe.execute()
                     break
                 except redis.WatchError:
                     continue  # another enqueue (or a DLQ requeue) wrote meanwhile: look again
@@ -258,14 +225,23 @@ class Enqueuer:
             self.summary.created = True
         self.summary.enqueued += len(taking)
         self.summary.batches += len(batches)
-        self.summary.skipped_existing += existing
-        for row, _ in conflicts:
-            self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
+        self.summary.skipped_existing += known.count(ID_SAME)
+        for row, k in zip(group, known):
+            if k == ID_OTHER:
+                self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
         return held
 
+    def _reserve(self, last_batch: str) -> None:
+        """job.json says the batch numbers about to be queued may be in use, before they are."""
+        upto = batch_number(last_batch)
+        if upto > self._record.reserved or not set(self._inputs) <= set(self._record.inputs):
+            record = msgspec.structs.replace(self._record, config=self.config,
+                                             inputs=sorted(set(self._record.inputs) | set(self._inputs)))
+            self._record = self._reach_output(lambda: truth.reserve(self._store, record, upto + truth.RESERVE_STEP))
+
     def _record_enqueue(self, batches: list[str], prompts: int) -> None:
-        """OUTPUT/JOB/enqueues/RUN.json names these batches before they are queued: what Redis
-        loses of them afterwards is found there (queue_lost)."""
+        """OUTPUT/JOB/enqueues/RUN.json names these batches before they are queued: what Redis loses of
+        them afterwards is found there (queue_lost)."""
         record = EnqueueRecord(incarnation=self.config.incarnation, input=self._inputs[0] if self._inputs else "",
                                batches=truth.batch_ranges(self._queued + batches), prompts=self._prompts + prompts)
         self._reach_output(lambda: truth.write_enqueue(self._store, self.config.name, self._run, record))
@@ -277,73 +253,67 @@ class Enqueuer:
         if _settings(stored) != _settings(self.config):
             raise JobConflict(f"job {self.config.name!r} was created by another enqueue meanwhile with other "
                               "settings; nothing was queued by this one. Run it again to see which differ.")
-        self.config = stored
-        self._create = False
+        self.config, self._create = stored, False
 
-    def _unique(self, group: list[_Pending]) -> list[_Pending]:
-        """The first row of each id in `group`; repeats are counted or rejected here (the
-        rows held back from an earlier group come first, so the first line of an id wins)."""
+    def _unique(self, group: list[Row]) -> list[Row]:
+        """The first row of each id in `group`; repeats are counted or rejected here (the rows held back
+        from an earlier group come first, so the first line of an id wins)."""
         seen: dict[str, bytes] = {}
         unique = []
-        for pending in group:
-            row, digest = pending
+        for row in group:
             earlier = seen.get(row.prompt.id)
             if earlier is None:
-                seen[row.prompt.id] = digest
-                unique.append(pending)
-            elif earlier == digest:
+                seen[row.prompt.id] = row.digest
+                unique.append(row)
+            elif earlier == row.digest:
                 self.summary.skipped_duplicate += 1
             else:
                 self._reject(_conflict(row, "earlier in this input"))
         return unique
 
     def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
-        size = self.config.batch_size
-        last = max(ledger_jobs.last_batch_number(pipe, self.config.name), self._floor)
+        size, job = self.config.batch_size, self.config.name
+        last = max(ledger_jobs.last_batch_number(pipe, job), self._floor)
         created = time.time()
-        return [self._batch(batch_id(last + 1 + n), rows[i : i + size], created)
-                for n, i in enumerate(range(0, len(rows), size))]
-
-    def _batch(self, bid: str, rows: list[Row], created: float) -> BatchSource:
-        job = self.config.name
-        if self.reference is None:
-            return batch_records.inline(job, bid, [r.prompt for r in rows], created)
-        ref = InputRange(uri=self.reference, start=rows[0].start, end=rows[-1].end,
-                         first_line=rows[0].prompt.index + 1, last_line=rows[-1].prompt.index + 1,
-                         digest=range_digest(row_digest_items(rows)))
-        return batch_records.by_reference(job, bid, [r.prompt.id for r in rows], ref, created)
+        out = []
+        for n, i in enumerate(range(0, len(rows), size)):
+            bid, part = batch_id(last + 1 + n), rows[i : i + size]
+            if self.reference is None:
+                out.append(batch_records.inline(job, bid, [r.prompt for r in part], created))
+                continue
+            ref = InputRange(uri=self.reference, start=part[0].start, end=part[-1].end,
+                             first_line=part[0].prompt.index + 1, last_line=part[-1].prompt.index + 1,
+                             digest=range_digest(part))
+            out.append(batch_records.by_reference(job, bid, [r.prompt.id for r in part], ref, created))
+        return out
 
 
 def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
-    """Compare what each enqueue of this life of the job brought (OUTPUT/JOB/enqueues/) with
-    Redis: an enqueue with batches Redis knows nothing of and the output has no shard of (a
-    snapshot restored, a lagging replica promoted) has its input read again, and the prompts
-    with neither an outcome nor a batch are queued again (a requeue's letters requeued again);
-    its record then names what stands for them. An enqueue running now may look so for the
-    moment between its record and its transaction: reading its input again then queues nothing.
-    Every worker's start and maintenance runs it (genq.ops.recover.OutputWatch). The prompts
-    queued again."""
+    """The prompts queued again because Redis lost batches of this life of the job (a snapshot restored,
+    a lagging replica promoted): an enqueue record (OUTPUT/JOB/enqueues/) naming batches that neither
+    Redis nor the output knows has its input read again, and a requeue's letters are requeued again;
+    the record then names what stands for them. An enqueue running now may look so for the moment
+    between its record and its transaction: reading its input again then queues nothing. Every
+    worker's start and maintenance runs it (genq.ops.recover.OutputWatch)."""
     store = open_store(config.output, config.s3_endpoint_url)
     records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
                if r.incarnation == config.incarnation}
     if not records:
         return 0
-    known = ledger_jobs.all_batches(conn, config.name)
-    known |= truth.marker_batches(store, config.name)
+    known = ledger_jobs.all_batches(conn, config.name) | truth.marker_batches(store, config.name)
     queued = 0
     for run, record in records.items():
         lost = [b for b in truth.recorded_batches(record) if b not in known]
         if not lost:
             continue
-        if record.letters:
-            # A requeue's: its letters are back in the DLQ with the state Redis was restored to.
+        if record.letters:  # a requeue's: its letters are back in the DLQ with the state Redis was restored to
             wanted = set(record.letters)
             back = [e for e in dlq.dead_letters(conn, config.name) if e.id in wanted]
             again = sum(dlq.requeue(conn, back).prompts.values()) if back else 0
         elif record.input:
             rejects = RejectsFile(default_rejects_path(record.input, config.output, config.name))
-            again = Enqueuer(conn, config, create=False, rejects=rejects, input_uri=record.input).run(
-                open_rows(record.input, s3_endpoint_url=config.s3_endpoint_url)).enqueued
+            rows = open_rows(record.input, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
+            again = Enqueuer(conn, config, create=False, rejects=rejects, input_uri=record.input).run(rows).enqueued
             rejects.close()
         else:
             log.error("job %s: Redis lost batches %s of an enqueue whose input is not recorded; enqueue it again",
@@ -359,97 +329,42 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
 
 
 def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:
-    """Whether an enqueue of a job Redis does not know takes up the job its output's job.json
-    describes: one with the same settings, not deleted (`genq jobs delete`; `genq recover` can)."""
+    """Whether an enqueue of a job Redis does not know takes up the job its job.json describes: one
+    with the same settings, not deleted (`genq jobs delete`; `genq recover` can)."""
     return on_disk is not None and on_disk.deleted_at is None and _settings(on_disk.config) == _settings(config)
 
 
 def _settings(config: JobConfig) -> JobConfig:
-    """A config without the fields that say when, which life and which `genq jobs set`, not what is asked
-    for: an enqueue asking for a job's current settings (after `jobs set`) is that job."""
+    """A config without when, which life and which `genq jobs set`: an enqueue asking for a job's
+    current settings (after `jobs set`) is that job."""
     return msgspec.structs.replace(config, created_at=0.0, incarnation="", settings_version=1, settings_history=[])
-
-
-def _classify(group: list[_Pending], known: str) -> tuple[list[_Pending], int, list[_Pending]]:
-    """Split by lookup_ids's answer: (not queued yet, how many are queued already, queued with other content)."""
-    if known.count(ID_NEW) == len(group):
-        return group, 0, []
-    fresh = [pending for pending, k in zip(group, known) if k == ID_NEW]
-    conflicts = [pending for pending, k in zip(group, known) if k == ID_OTHER]
-    return fresh, known.count(ID_SAME), conflicts
 
 
 def _conflict(row: Row, where: str) -> Rejected:
     # The whole line is kept: it is valid, and may be queued again under another id.
-    return Rejected(
-        line=row.prompt.index + 1,
-        reason=f"duplicate id {row.prompt.id!r} with different content ({where})",
-        text=row.text(),
-    )
+    return Rejected(line=row.prompt.index + 1, reason=f"duplicate id {row.prompt.id!r} with different content ({where})",
+                    text=row.text())
 
 
-def _prepare(rows: list[Row | Rejected], endpoint: str, by_reference: bool) -> tuple[list[_Pending | Rejected], int]:
-    """Fit each row to the job's endpoint and digest it (or reject it); and how many were converted."""
-    out: list[_Pending | Rejected] = []
-    converted = 0
-    for row in rows:
-        if isinstance(row, Rejected):
-            out.append(row)
-            continue
-        prompt = row.prompt
-        try:
-            if fit_endpoint(prompt, endpoint):  # type: ignore[arg-type]
-                converted += 1
-        except RowError as exc:
-            out.append(Rejected(line=prompt.index + 1, reason=str(exc), text=row.text()))
-            continue
-        if by_reference and row.start < 0:
-            raise ValueError("by-reference batches need an uncompressed JSONL input")
-        out.append((row, claim_digest(prompt)))
-    return out, converted
+def _read_ahead(chunks: Iterator[T], prepare: Callable[[T], Any]) -> Iterator[Any]:
+    """prepare(chunk) for each chunk, read and computed in a thread at most READ_AHEAD chunks ahead of
+    the consumer; its exceptions are raised here, and it stops when the consumer does."""
+    def step() -> Any:
+        chunk = next(chunks, None)
+        return None if chunk is None else prepare(chunk)
 
-
-def _read_ahead(chunks: Iterator[list[Row | Rejected]], prepare: Callable[[list[Row | Rejected]], Any]) -> Iterator[Any]:
-    """prepare(chunk) for each chunk, computed in a thread at most READ_AHEAD chunks ahead of the
-    consumer; its exceptions are raised here, and it stops when the consumer does."""
-    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=READ_AHEAD)
-    stop = threading.Event()
-
-    def put(item: tuple[str, Any]) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            for chunk in chunks:
-                if not put(("chunk", prepare(chunk))):
-                    return
-            put(("end", None))
-        except BaseException as exc:  # handed to the consumer, raised there
-            put(("error", exc))
-
-    thread = threading.Thread(target=read, name="genq-enqueue-read", daemon=True)
-    thread.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="genq-enqueue-read")
     try:
-        while True:
-            kind, value = ready.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
+        ahead = deque(pool.submit(step) for _ in range(READ_AHEAD))
+        while (value := ahead.popleft().result()) is not None:
+            ahead.append(pool.submit(step))
             yield value
     finally:
-        stop.set()
-        thread.join()
+        pool.shutdown(cancel_futures=True)
 
 
-def _chunks(rows: Iterable[Row | Rejected], size: int) -> Iterator[list[Row | Rejected]]:
-    chunk: list[Row | Rejected] = []
+def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
+    chunk: list[T] = []
     for row in rows:
         chunk.append(row)
         if len(chunk) >= size:

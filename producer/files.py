@@ -1,4 +1,4 @@
-"""Opening an input: a local file or an S3 object, as a binary stream; errors name the input."""
+"""Opening an input, a local file or an S3 object, as a binary stream; errors name the input."""
 
 from __future__ import annotations
 
@@ -28,13 +28,11 @@ def is_s3(uri: str) -> bool:
 
 
 def open_binary(uri: str, *, s3_endpoint_url: str | None = None, seekable: bool = False) -> BinaryIO:
-    """A local file or an S3 object as a binary stream; errors name the input."""
     if is_s3(uri):
         from genq.output import s3  # boto3 only when an input is on S3
 
         try:
-            opener = s3.open_seekable if seekable else s3.open_stream
-            return opener(uri, s3_endpoint_url)
+            return (s3.open_seekable if seekable else s3.open_stream)(uri, s3_endpoint_url)
         except s3.S3UriError as exc:
             raise SourceError(str(exc)) from None
         except Exception as exc:  # botocore: no such key/bucket, access denied, endpoint down

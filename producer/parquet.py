@@ -1,12 +1,10 @@
-"""Parquet inputs (local or s3://): each row becomes a dict handed to genq.producer.rows.
+"""Parquet inputs (local or s3://), read a record batch at a time: each row becomes the dict a JSONL
+line would decode to, checked by genq.producer.rows.
 
-Column mapping: --messages-column COL (a list of {role, content} structs, or a
-JSON string of one) or --prompt-column COL (a string) carries the request;
---id-column COL the id (default: a column named "id" if there is one). Without
-a mapping, columns named "messages" or "prompt" are used. Every other column is
-carried through as metadata, as extra fields of a JSONL line are (a "prompt" or "id"
-column that is not the one mapped too). Rows are read
-a record batch at a time, so memory stays bounded by one row group.
+--messages-column COL (a list of {role, content} structs, or a JSON string of one) or --prompt-column
+COL carries the request, --id-column COL the id; without them, columns named "messages", "prompt" and
+"id" do. Every other column is metadata, as extra fields of a JSONL line are, and so is a "messages",
+"prompt" or "id" column that is not the mapped one.
 """
 
 from __future__ import annotations
@@ -16,14 +14,12 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from genq.core.records import Rejected
+from genq.core.records import Endpoint, Rejected
 from genq.producer.files import ColumnMap, SourceError, open_binary
 from genq.producer.meter import Meter
-from genq.producer.rows import Row, RowError, rejected, row_to_prompt
+from genq.producer.rows import Row, RowError, claim_digest, rejected, to_prompt
 
 READ_BATCH_ROWS = 1024
-# Request fields of a row (genq.producer.rows): a column with one of these names that is
-# not the mapped one would be taken for the request, so it goes into the metadata afterwards.
 _REQUEST_NAMES = ("messages", "prompt", "id")
 
 _fallback = msgspec.json.Encoder(enc_hook=str)
@@ -31,7 +27,7 @@ _decoder = msgspec.json.Decoder()
 
 
 def resolve_columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str, str]:
-    """target field ("messages" / "prompt" / "id") -> source column name."""
+    """Request field ("messages" / "prompt" / "id") -> the column that carries it."""
     listing = ", ".join(names) or "none"
     for option, name in (("--messages-column", columns.messages), ("--prompt-column", columns.prompt),
                          ("--id-column", columns.id)):
@@ -39,26 +35,21 @@ def resolve_columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str,
             raise SourceError(f"{option} {name!r}: no such column in {uri} (columns: {listing})")
     if columns.messages and columns.prompt:
         raise SourceError("give --messages-column or --prompt-column, not both")
-    mapping: dict[str, str] = {}
-    if columns.messages:
-        mapping["messages"] = columns.messages
-    elif columns.prompt:
-        mapping["prompt"] = columns.prompt
-    elif "messages" in names:
-        mapping["messages"] = "messages"
-    elif "prompt" in names:
-        mapping["prompt"] = "prompt"
+    mapping = {}
+    if columns.messages or columns.prompt:
+        mapping = {"messages": columns.messages} if columns.messages else {"prompt": str(columns.prompt)}
+    elif "messages" in names or "prompt" in names:
+        field = "messages" if "messages" in names else "prompt"
+        mapping = {field: field}
     elif not {"custom_id", "body"} <= set(names):  # OpenAI Batch rows stored as Parquet go through as they are
         raise SourceError(f"{uri} has no 'messages' or 'prompt' column (columns: {listing}); "
                           "name the one to use with --messages-column or --prompt-column")
-    if columns.id:
-        mapping["id"] = columns.id
-    elif "id" in names:
-        mapping["id"] = "id"
+    if columns.id or "id" in names:
+        mapping["id"] = columns.id or "id"
     return mapping
 
 
-def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = None,
+def parquet_rows(uri: str, columns: ColumnMap, endpoint: Endpoint, *, s3_endpoint_url: str | None = None,
                  meter: Meter | None = None) -> Iterator[Row | Rejected]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -66,44 +57,40 @@ def parquet_rows(uri: str, columns: ColumnMap, *, s3_endpoint_url: str | None = 
     stream = open_binary(uri, s3_endpoint_url=s3_endpoint_url, seekable=True)
     try:
         parquet = pq.ParquetFile(stream)
+        mapping = resolve_columns(columns, parquet.schema_arrow.names, uri)
     except (pa.ArrowException, OSError) as exc:
         stream.close()
         raise SourceError(f"{uri} is not a readable Parquet file: {exc}") from None
-    names = parquet.schema_arrow.names
-    try:
-        mapping = resolve_columns(columns, names, uri)
     except SourceError:
         stream.close()
         raise
     meter = meter or Meter()
     meter.of_rows(parquet.metadata.num_rows)  # the footer's count: nothing read yet
-    return _rows(parquet, stream, mapping, meter)
+    return _rows(parquet, stream, mapping, endpoint, meter)
 
 
-def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str], meter: Meter) -> Iterator[Row | Rejected]:
+def _rows(parquet: Any, stream: BinaryIO, mapping: dict[str, str], endpoint: Endpoint,
+          meter: Meter) -> Iterator[Row | Rejected]:
     import pyarrow as pa
 
     sources = set(mapping.values())
-    dropped = {n for n in _REQUEST_NAMES if n not in mapping}  # e.g. a "prompt" column beside --messages-column
+    aside = {n for n in _REQUEST_NAMES if n not in mapping and n not in sources}  # metadata, never the request
     row_no = 0
     try:
         for record_batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS):
             for record in record_batch.to_pylist():
                 row_no += 1
                 meter.done = row_no
-                row = {k: v for k, v in record.items() if k not in sources and k not in dropped and k not in mapping}
-                for target, source in mapping.items():
-                    row[target] = record[source]
-                yield _to_prompt(row_no, row, {k: record[k] for k in dropped if k in record and k not in sources})
+                row = {k: v for k, v in record.items() if k not in sources and k not in aside and k not in mapping}
+                row.update((target, record[source]) for target, source in mapping.items())
+                yield _row(row_no, row, {k: record[k] for k in aside if k in record}, endpoint)
     except (pa.ArrowException, OSError) as exc:
         raise SourceError(f"reading Parquet failed after row {row_no:,}: {exc}") from None
     finally:
         stream.close()
 
 
-def _to_prompt(row_no: int, row: dict[str, Any], aside: dict[str, Any]) -> Row | Rejected:
-    """aside: columns named like a request field but not the mapped one (a "prompt" column
-    beside the messages): metadata, as every other column is, never taken for the request."""
+def _row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoint: Endpoint) -> Row | Rejected:
     try:
         messages = row.get("messages")
         if isinstance(messages, str):
@@ -115,11 +102,11 @@ def _to_prompt(row_no: int, row: dict[str, Any], aside: dict[str, Any]) -> Row |
             row["messages"] = _strip_nulls(messages)
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
-        prompt = row_to_prompt(row_no, row)
-        prompt.metadata = {**(prompt.metadata or {}), **aside}
-        return Row(prompt, row)
+        prompt, converted = to_prompt(row_no, row, endpoint)
     except RowError as exc:
         return rejected(row_no, str(exc), _fallback.encode(row))
+    prompt.metadata = {**(prompt.metadata or {}), **aside}
+    return Row(prompt, row, claim_digest(prompt), converted)
 
 
 def _strip_nulls(value: Any) -> Any:

@@ -1,14 +1,10 @@
 """The rejects file, written as rejects are found: the producer never holds them all.
 
-Rejects arrive nearly in line order: parse errors as lines are read, duplicate-id
-conflicts when their group is queued, up to one group later. The enqueuer says which
-line it has checked up to (`release`); rejects below that line can no longer be
-preceded by another, so they are written then, and the file comes out sorted by line
-while only the rejects of the rows still being queued are held.
-
-The file is written as PATH.partial and renamed to PATH at the end; `discard` (nothing
-was queued: no job, no rejects file) removes it. A file that cannot be written is
-reported, not fatal: the rejects are still counted and the first few shown.
+Rejects arrive nearly in line order (parse errors as lines are read, duplicate ids up to one group
+later); the enqueuer says which line it has checked up to (`release`) and the rejects below it are
+written then, so the file comes out sorted by line. It is written as PATH.partial and renamed at the
+end; `discard` (nothing was queued) removes it and the folders it made. A file that cannot be
+written is reported, not fatal: the rejects are still counted and the first few shown.
 """
 
 from __future__ import annotations
@@ -35,7 +31,8 @@ class RejectsFile:
         self.error: OSError | None = None
         self._held: list[tuple[int, int, Rejected]] = []  # a heap by line
         self._out: BinaryIO | None = None
-        self._made: Path | None = None  # the topmost folder this created, removed again by discard
+        self._made: list[Path] = []  # the folders this created, deepest first
+        self._partial = path + ".partial"
 
     def add(self, rejected: Rejected) -> None:
         self.count += 1
@@ -43,9 +40,8 @@ class RejectsFile:
 
     def release(self, below_line: int | None) -> None:
         """Write the rejects of lines before below_line (None: all of them)."""
-        held = self._held
-        while held and (below_line is None or held[0][0] < below_line):
-            self._write(heapq.heappop(held)[2])
+        while self._held and (below_line is None or self._held[0][0] < below_line):
+            self._write(heapq.heappop(self._held)[2])
 
     def close(self) -> None:
         """Write what is held and move the file into place."""
@@ -54,7 +50,7 @@ class RejectsFile:
             self._out.close()
             self._out = None
             try:
-                os.replace(self._partial(), self.path)
+                os.replace(self._partial, self.path)
             except OSError as exc:
                 self.error = exc
 
@@ -63,16 +59,12 @@ class RejectsFile:
         if self._out is not None:
             self._out.close()
             self._out = None
-        Path(self._partial()).unlink(missing_ok=True)
-        folder = Path(self.path).parent
-        while self._made is not None:
+        Path(self._partial).unlink(missing_ok=True)
+        for folder in self._made:
             try:
                 folder.rmdir()
             except OSError:
                 break
-            if folder == self._made:
-                break
-            folder = folder.parent
 
     def _write(self, rejected: Rejected) -> None:
         if len(self.first) < SHOWN:
@@ -82,13 +74,9 @@ class RejectsFile:
         try:
             if self._out is None:
                 folder = Path(self.path).parent
-                missing = [p for p in (folder, *folder.parents) if not p.exists()]
-                self._made = missing[-1] if missing else None
+                self._made = [p for p in (folder, *folder.parents) if not p.exists()]
                 folder.mkdir(parents=True, exist_ok=True)
-                self._out = open(self._partial(), "wb")  # noqa: SIM115 (closed in close/discard)
+                self._out = open(self._partial, "wb")  # noqa: SIM115 (closed in close/discard)
             self._out.write(_encoder.encode(rejected) + b"\n")
         except OSError as exc:
             self.error = exc
-
-    def _partial(self) -> str:
-        return self.path + ".partial"

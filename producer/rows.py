@@ -1,13 +1,15 @@
-"""Turn one input row into a Prompt, or say exactly why it cannot be one.
+"""One input row becomes the Prompt the job's endpoint takes, or a reject saying exactly why: the one
+check every reader (JSONL, Parquet, a by-reference batch read back) goes through.
 
 Accepted rows (one JSON object a line):
   {"id": ..., "messages": [...], "sampling": {...}, ...metadata}
   {"id": ..., "prompt": "...", ...}
   OpenAI Batch: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
-`sampling` and an OpenAI Batch body are checked field by field (genq.producer.params).
-fit_endpoint then makes a row what the job's endpoint takes (a prompt becomes one user
-message for chat; messages are refused for completions) before it is stored.
+/v1/chat/completions takes only messages: a plain prompt becomes one user message (the stored Prompt
+is what is sent). /v1/completions takes only a prompt: messages cannot be flattened without the
+model's chat template, so such a row is refused. Request fields are checked with the endpoint known
+(genq.producer.params).
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ from typing import Any, NamedTuple
 import msgspec
 
 from genq.core.records import Endpoint, Prompt, Rejected
-from genq.producer.params import ParamError, check_for_endpoint, check_params
+from genq.producer.params import ParamError, check_params
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
 OPENAI_BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
-# Body fields genq sets itself: the job decides the model and streaming.
-_BODY_FIELDS_IGNORED = {"model", "stream", "stream_options", "messages", "prompt"}
+_BODY_FIELDS_IGNORED = {"model", "stream", "stream_options", "messages", "prompt"}  # the job decides them
 _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
 
 _decoder = msgspec.json.Decoder()
@@ -37,14 +38,15 @@ class RowError(ValueError):
 
 
 class Row(NamedTuple):
-    """A valid row and where it came from, kept in case the row is rejected later (a duplicate id).
-
-    source is the raw JSONL line or the Parquet row; it becomes text only for a reject.
-    """
+    """A valid row and where it came from, kept in case it is rejected later (a duplicate id).
+    source: the raw JSONL line or the Parquet row; start/end: a JSONL line's byte range in the
+    uncompressed input (for by-reference batches), -1 when there is none."""
 
     prompt: Prompt
     source: bytes | dict[str, Any]
-    start: int = -1  # a JSONL line's byte range in the (uncompressed) input, for by-reference batches
+    digest: bytes  # claim_digest of the prompt as it is sent
+    converted: bool = False  # a 'prompt' row sent as one user message
+    start: int = -1
     end: int = -1
 
     def text(self) -> str:
@@ -54,64 +56,67 @@ class Row(NamedTuple):
         return _fallback.encode(self.source).decode()
 
 
-def content_digest(prompt: Prompt) -> str:
-    """Stable digest of what is sent to the server (not of the metadata): 16 hex characters."""
-    return claim_digest(prompt).hex()
-
-
 def claim_digest(prompt: Prompt) -> bytes:
-    """content_digest as the 8 raw bytes enqueue stores in keys.job_ids."""
+    """8 bytes of what is sent to the server (not the metadata): the content enqueue stores per id."""
     return hashlib.sha256(_canonical.encode([prompt.messages, prompt.prompt, prompt.sampling])).digest()[:8]
 
 
-def parse_line(line_no: int, raw: bytes, start: int = -1) -> Row | Rejected | None:
-    """None for a blank line. line_no is 1-based, as editors show it; start is the line's
-    byte offset in the input (kept in the Row, with its end, for by-reference batches)."""
+def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) -> Row | Rejected | None:
+    """None for a blank line. line_no is 1-based, as editors show it; start: the line's byte offset."""
     if len(raw) > MAX_LINE_BYTES:
-        return _reject(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
+        return rejected(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
     stripped = raw.strip()
     if not stripped:
         return None
     try:
-        obj = _decoder.decode(stripped)
+        prompt, converted = to_prompt(line_no, _decoder.decode(stripped), endpoint)
     except msgspec.DecodeError as exc:
-        return _reject(line_no, f"invalid JSON: {exc}", raw)
-    try:
-        return Row(row_to_prompt(line_no, obj), stripped, start, start + len(raw) if start >= 0 else -1)
+        return rejected(line_no, f"invalid JSON: {exc}", raw)
     except RowError as exc:
-        return _reject(line_no, str(exc), raw)
+        return rejected(line_no, str(exc), raw)
+    return Row(prompt, stripped, claim_digest(prompt), converted, start, start + len(raw) if start >= 0 else -1)
 
 
-def row_to_prompt(line_no: int, obj: Any) -> Prompt:
-    """Validate a decoded row (a JSONL line or a Parquet row). Raises RowError."""
+def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]:
+    """A decoded row (a JSONL line or a Parquet row) as the endpoint's Prompt, and whether it was
+    converted (a prompt sent as one user message). Raises RowError."""
     if not isinstance(obj, dict):
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     if "custom_id" in obj and "body" in obj:
-        return _openai_batch_row(line_no, obj)
-    messages = obj.get("messages")
-    prompt = obj.get("prompt")
-    if messages is not None and prompt is not None:
+        prompt, where = _openai_batch_row(line_no, obj), "OpenAI Batch 'body'"
+    else:
+        prompt, where = _plain_row(line_no, obj), "'sampling'"
+    if prompt.sampling is not None:
+        try:
+            check_params(prompt.sampling, where, endpoint)
+        except ParamError as exc:
+            raise RowError(str(exc)) from None
+    if endpoint == "completions" and prompt.messages is not None:
+        what = "OpenAI Batch url /v1/chat/completions" if prompt.custom_id is not None else "'messages'"
+        raise RowError(f"has {what} but the job uses --endpoint completions, which takes a 'prompt' string; "
+                       "queue chat rows in a job with --endpoint chat")
+    if endpoint == "chat" and prompt.messages is None:
+        prompt.messages, prompt.prompt = [{"role": "user", "content": prompt.prompt}], None
+        return prompt, True
+    return prompt, False
+
+
+def _plain_row(line_no: int, obj: dict[str, Any]) -> Prompt:
+    messages, text = obj.get("messages"), obj.get("prompt")
+    if messages is not None and text is not None:
         raise RowError("has both 'messages' and 'prompt'; give one")
-    if messages is None and prompt is None:
+    if messages is None and text is None:
         raise RowError("missing 'messages' (a list of {role, content}) or 'prompt' (a string)")
     if messages is not None:
         _check_messages(messages)
-    elif not isinstance(prompt, str) or not prompt:
+    elif not isinstance(text, str) or not text:
         raise RowError("'prompt' must be a non-empty string")
     sampling = obj.get("sampling")
-    if sampling is not None:
-        _check_sampling(sampling, "'sampling'")
-    metadata = {k: v for k, v in obj.items() if k not in _REQUEST_FIELDS}
-    result = Prompt(
-        id="",
-        index=line_no - 1,
-        messages=messages,
-        prompt=prompt,
-        sampling=sampling or None,
-        metadata=metadata,
-    )
-    result.id = _row_id(obj.get("id"), result)
-    return result
+    prompt = Prompt(id="", index=line_no - 1, messages=messages, prompt=text,
+                    sampling=sampling if sampling != {} else None,
+                    metadata={k: v for k, v in obj.items() if k not in _REQUEST_FIELDS})
+    prompt.id = _row_id(obj.get("id"), prompt)  # of the row as given: the same line keeps its id
+    return prompt
 
 
 def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
@@ -128,57 +133,16 @@ def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
     body = obj["body"]
     if not isinstance(body, dict):
         raise RowError("OpenAI Batch 'body' must be an object")
-    value = body.get(field)
+    value: Any = body.get(field)
     if field == "messages":
         if value is None:
             raise RowError("OpenAI Batch body has no 'messages'")
         _check_messages(value)
     elif not isinstance(value, str) or not value:
         raise RowError("OpenAI Batch body for /v1/completions needs a non-empty string 'prompt'")
-    sampling = {k: v for k, v in body.items() if k not in _BODY_FIELDS_IGNORED} or None
-    if sampling:
-        _check_sampling(sampling, "OpenAI Batch 'body'")
-    return Prompt(
-        id=custom_id,
-        index=line_no - 1,
-        messages=value if field == "messages" and isinstance(value, list) else None,
-        prompt=value if field == "prompt" else None,
-        sampling=sampling,
-        custom_id=custom_id,
-    )
-
-
-def _check_sampling(sampling: Any, where: str) -> None:
-    try:
-        check_params(sampling, where)
-    except ParamError as exc:
-        raise RowError(str(exc)) from None
-
-
-def fit_endpoint(prompt: Prompt, endpoint: Endpoint) -> bool:
-    """Make the row what the job's endpoint takes; True when it was converted. Raises RowError.
-
-    /v1/chat/completions takes only messages: a plain prompt becomes one user
-    message (the stored Prompt is what is sent, so this happens at enqueue).
-    /v1/completions takes only a prompt string: messages cannot be flattened
-    without the model's chat template, so such a row is refused. The row's request
-    fields must suit the endpoint (params.check_for_endpoint).
-    """
-    if prompt.sampling:
-        where = "OpenAI Batch 'body'" if prompt.custom_id is not None else "'sampling'"
-        try:
-            check_for_endpoint(prompt.sampling, endpoint, where)
-        except ParamError as exc:
-            raise RowError(str(exc)) from None
-    if endpoint == "chat" and prompt.messages is None:
-        prompt.messages = [{"role": "user", "content": prompt.prompt}]
-        prompt.prompt = None
-        return True
-    if endpoint == "completions" and prompt.messages is not None:
-        what = "OpenAI Batch url /v1/chat/completions" if prompt.custom_id is not None else "'messages'"
-        raise RowError(f"has {what} but the job uses --endpoint completions, which takes a 'prompt' string; "
-                       "queue chat rows in a job with --endpoint chat")
-    return False
+    return Prompt(id=custom_id, index=line_no - 1, custom_id=custom_id,
+                  messages=value if field == "messages" else None, prompt=value if field == "prompt" else None,
+                  sampling={k: v for k, v in body.items() if k not in _BODY_FIELDS_IGNORED} or None)
 
 
 def _check_messages(messages: Any) -> None:
@@ -187,10 +151,9 @@ def _check_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RowError(f"messages[{i}] must be an object with 'role' and 'content'")
-        role = message.get("role")
+        role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise RowError(f"messages[{i}] has no 'role'")
-        content = message.get("content")
         if content is None and not message.get("tool_calls"):
             raise RowError(f"messages[{i}] has no 'content'")
         if content is not None and not isinstance(content, (str, list)):
@@ -198,26 +161,19 @@ def _check_messages(messages: Any) -> None:
 
 
 def _row_id(raw_id: Any, prompt: Prompt) -> str:
+    """The row's id, or 16 hex characters of its content when it has none."""
     if raw_id is None:
-        return content_digest(prompt)
+        return claim_digest(prompt).hex()
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
         raise RowError(f"'id' must be a string or an integer, got {type(raw_id).__name__}")
-    text = str(raw_id)
-    if not text:
+    if raw_id == "":
         raise RowError("'id' is empty")
-    return text
-
-
-def _cut(raw: bytes) -> str:
-    text = raw[:REJECT_TEXT_LIMIT].decode("utf-8", errors="replace").rstrip("\n")
-    if len(raw) > REJECT_TEXT_LIMIT:
-        text += f"... [{len(raw) - REJECT_TEXT_LIMIT:,} more bytes]"
-    return text
-
-
-def _reject(line_no: int, reason: str, raw: bytes) -> Rejected:
-    return Rejected(line=line_no, reason=reason, text=_cut(raw))
+    return str(raw_id)
 
 
 def rejected(line_no: int, reason: str, raw: bytes) -> Rejected:
-    return _reject(line_no, reason, raw)
+    """A reject, its text cut to REJECT_TEXT_LIMIT bytes."""
+    text = raw[:REJECT_TEXT_LIMIT].decode("utf-8", errors="replace").rstrip("\n")
+    if len(raw) > REJECT_TEXT_LIMIT:
+        text += f"... [{len(raw) - REJECT_TEXT_LIMIT:,} more bytes]"
+    return Rejected(line=line_no, reason=reason, text=text)

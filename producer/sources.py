@@ -1,20 +1,17 @@
-"""Where input rows come from: JSONL (plain or .gz) and Parquet, local or on S3.
-
-Every source ends in genq.producer.rows, so validation and error messages are the
-same whatever the format; a bad row is reported with its 1-based line (JSONL)
-or row (Parquet) number. Nothing is read whole: JSONL streams line by line,
-S3 objects stream (resuming after a broken connection), and Parquet is read a
-record batch at a time.
+"""Where input rows come from: JSONL (plain or .gz) and Parquet, local or on S3, each read by one
+reader whose rows go through genq.producer.rows; a bad row is reported with its 1-based line (JSONL)
+or row (Parquet) number. Nothing is read whole: JSONL streams line by line, S3 objects stream
+(resuming after a broken connection), Parquet is read a record batch at a time.
 """
 
 from __future__ import annotations
 
 import gzip
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from genq.core.records import Rejected
+from genq.core.records import Endpoint, Rejected
 from genq.output import layout
 from genq.producer.files import ColumnMap, SourceError, open_binary
 from genq.producer.meter import Meter
@@ -23,35 +20,31 @@ from genq.producer.rows import Row, parse_line
 PARQUET_SUFFIXES = (".parquet", ".pq")
 REJECTS_DIR = "rejects"  # OUTPUT/JOB/rejects/: beside shards/ and manifest/
 
-
 def is_parquet(uri: str) -> bool:
     return uri.lower().endswith(PARQUET_SUFFIXES)
 
 
-def open_rows(uri: str, *, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap(),
+def open_rows(uri: str, *, endpoint: Endpoint, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap(),
               meter: Meter | None = None) -> Iterator[Row | Rejected]:
-    """Prompts (or rejects) of INPUT in input order; blank JSONL lines are skipped. A `meter`
-    is kept up to date with how much of the input has been read.
-
-    Opening errors (missing file, no such bucket, no such column) are raised
-    here, before anything is read.
-    """
+    """The prompts (or rejects) of INPUT for a job of `endpoint`, in input order; `meter` is kept up to
+    date with how much of it is read. Opening errors (no such file, bucket or column) are raised here."""
     meter = meter or Meter()
     if is_parquet(uri):
         from genq.producer.parquet import parquet_rows  # pyarrow only when a Parquet input is read
 
-        return parquet_rows(uri, columns, s3_endpoint_url=s3_endpoint_url, meter=meter)
+        return parquet_rows(uri, columns, endpoint, s3_endpoint_url=s3_endpoint_url, meter=meter)
     if columns.given():
         raise SourceError("--messages-column, --prompt-column and --id-column apply to Parquet inputs "
                           f"(*.parquet) only; {uri} is read as JSONL")
-    return _parse_lines(open_lines(uri, s3_endpoint_url=s3_endpoint_url, meter=meter), meter)
+    return jsonl_rows(open_lines(uri, s3_endpoint_url=s3_endpoint_url, meter=meter), endpoint, meter)
 
 
-def _parse_lines(lines: Iterator[bytes], meter: Meter | None = None) -> Iterator[Row | Rejected]:
+def jsonl_rows(lines: Iterable[bytes], endpoint: Endpoint, meter: Meter | None = None) -> Iterator[Row | Rejected]:
+    """The rows of JSONL lines (newlines included); blank lines are skipped."""
     meter = meter or Meter()
     offset = 0
     for line_no, raw in enumerate(lines, start=1):
-        row = parse_line(line_no, raw, offset)
+        row = parse_line(line_no, raw, endpoint, offset)
         offset += len(raw)
         meter.done = offset
         if row is not None:
@@ -64,11 +57,10 @@ def open_lines(uri: str, *, s3_endpoint_url: str | None = None, meter: Meter | N
     gz = uri.endswith(".gz")
     if meter is not None:
         meter.of_stream(stream, compressed=gz)
-    return _lines(uri, stream, gz=gz)
+    return _lines(uri, stream, gz)
 
 
 def _lines(uri: str, stream: BinaryIO, gz: bool) -> Iterator[bytes]:
-    # Read as it streams rather than all at once: inputs can be many GB.
     with stream:
         reader: BinaryIO = gzip.GzipFile(fileobj=stream, mode="rb") if gz else stream  # type: ignore[assignment]
         try:
@@ -90,12 +82,8 @@ def _lines(uri: str, stream: BinaryIO, gz: bool) -> Iterator[bytes]:
 
 
 def default_rejects_path(uri: str, output: str, job: str) -> str:
-    """Where rejected lines of INPUT go: under the job's output, never beside the input.
-
-    data/prompts.jsonl -> OUTPUT/JOB/rejects/prompts.rejects.jsonl (the input's folder
-    may be read-only or somebody else's: /bin, a shared dataset). For s3:// output
-    the rejects are written locally, under ./genq-rejects/JOB/, and the path is printed.
-    """
+    """OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl, never beside the input (its folder
+    may be read-only or somebody else's); for an s3:// output, ./genq-rejects/JOB/NAME.rejects.jsonl."""
     name = uri.rsplit("/", 1)[-1]
     for suffix in (".gz", ".jsonl", ".json", ".parquet", ".pq"):
         name = name.removesuffix(suffix)

@@ -32,13 +32,12 @@ ALLOWED = {
     "genq.sim": {"genq.sim"},
     "genq.output": {"genq.core", "genq.output"},
 }
-# The modules that own a batch's life in Redis: the Lua scripts' loader, the ledger, the RQ
-# transport (queueing) and the RQ work loops and job function that must be RQ's to run at all.
+# The modules that own a batch's life in Redis: the Lua scripts' loader, the ledger and the RQ
+# transport (queueing).
 LEDGER = {
     "genq.core.scripts",
     "genq.core.ledger",  # and its modules: genq/core/ledger/ (in_ledger)
     "genq.core.queueing",
-    "genq.worker.rqjob",
 }
 # The modules outside the ledger that still build Redis keys, and why; none may be added (empty
 # since 2026-12-03: the last six moved their keys into genq/core/ledger/).

@@ -274,8 +274,8 @@ class Proc:
         return self.popen.wait(timeout=timeout)
 
     def stop(self) -> None:
-        # Children that started sessions of their own (a worker's RQ loops, a fleet's
-        # servers) are outside the process group: collect them before the parent goes.
+        # Children that started sessions of their own (a fleet's servers) are outside the
+        # process group: collect them before the parent goes.
         children = {pid: _started_at(pid) for pid in descendants(self.popen.pid)}
         if self.alive():
             self.signal(signal.SIGTERM)

@@ -125,15 +125,16 @@ def test_sigterm_finishes_held_batches_and_exits_zero(redis_url, rconn, sim, wor
 
 
 def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url, rconn, sim, worker, tmp_path):
-    """SIGKILL to the worker and every process it started: RQ's abandoned-job handling."""
+    """SIGKILL to the worker: its alive key lapses and the reconciler queues its batches again."""
     server = sim(max_running_requests=8, mean_output_tokens=300, output_sigma=1.0, tokens_per_step=16,
                  step_ms_base=10)
     ids, out = enqueue(tmp_path, redis_url, "killall", 60, "--batch-size", "30", "--max-tokens", "1500")
-    first = worker(server, "--heartbeat-interval", "1", name="first")
+    first = worker(server, name="first")
     wait_until(lambda: rconn.hlen(keys.batch_results("killall", "b0000001")) >= 5, 60, "results recorded")
     first.kill_tree()
-    second = worker(server, "--heartbeat-interval", "1", "--burst", name="second")
-    # The burst worker takes b2 if still queued; b1 comes back once its heartbeat expires (1 + 60 s).
+    second = worker(server, "--burst", name="second")
+    # The burst worker takes b2 if still queued; b1 comes back once the killed engine's alive key
+    # lapses (genq.core.timings.LOST_BATCH_BACK_S).
     wait_until(lambda: rconn.scard(keys.job_done("killall")) == 2, 150, "both batches done")
     second.wait(timeout=60)
     rows, letters = audit(rconn, out, "killall", ids)
@@ -209,11 +210,11 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
         procs[name] = worker(url, *common, "--name", name, name=name)
 
     # The frozen holder: "steady" starts alone and takes the small jobs' first batches; it stops
-    # while it holds them, past its heartbeat (10 s); its loops' job functions give up on it, the
-    # batches go round again, and it resumes to find them leased elsewhere. (Started beside the
+    # while it holds them, past its heartbeat (10 s); its alive key lapses, the reconcilers queue the
+    # batches again, and it resumes to find them leased elsewhere. (Started beside the
     # others, it could miss holding anything: under load the small jobs were done in a second.)
     start("steady", steady)
-    wait_until(lambda: len(Worker.all(connection=rconn)) >= 2, 60, "steady's RQ loops")
+    wait_until(lambda: len(Worker.all(connection=rconn)) >= 1, 60, "steady in rq info")
     add("one", 24, 1)
     add("seven", 70, 7)
     total_batches = {"one": 24, "seven": 10, "big": 2}
@@ -235,7 +236,7 @@ def test_the_chaos_mix_is_exactly_once(redis_url, rconn, sim, worker, tmp_path):
     try:
         start("faulty", faulty)
         start("crashing", crashing)
-        wait_until(lambda: len(Worker.all(connection=rconn)) >= 2 * len(procs), 60, "every worker's RQ loops")
+        wait_until(lambda: len(Worker.all(connection=rconn)) >= len(procs), 60, "every worker in rq info")
         post_json(crashing + "/sim/faults", {"outage_for": 4})  # the server crash
         wait_until(lambda: finished() >= 10, 120, "work going on without the frozen worker")
         time.sleep(max(0.0, FROZEN_S - (time.monotonic() - frozen_at)))

@@ -66,6 +66,22 @@ def test_raises_only_when_slots_idle_and_prompts_are_held_back():
     assert capped.auto == 41 and capped.target == 10, "a cap is not a reason to raise the automatic target"
 
 
+def test_a_raise_is_kept_while_the_queue_holds_only_what_it_added():
+    """After a wave of answers that ended together the server shows idle slots and the target rises;
+    the queue then holds what the raise added, which is its point. Lowering the target for that
+    would leave more in flight than the target until they are answered (vLLM, 128 slots: 163 in
+    flight of a 141 target for ~30 s). A queue beyond it, another client's, still lowers it."""
+    c = ConcurrencyController(128)
+    c.observe(Metrics(running=13, waiting=0, kv_usage=0.3), in_flight=141, backlog=500)
+    assert c.target == 141 + 115 and c.reason.startswith("raised")
+    for _ in range(10):
+        c.observe(Metrics(running=128, waiting=128, kv_usage=0.3), in_flight=256, backlog=500)
+    assert c.target == 256, "the queue holds what the raise added: kept"
+    for waiting in (150, 155, 160):  # others' requests join the queue, past ours and a headroom (141)
+        c.observe(Metrics(running=128, waiting=waiting, kv_usage=0.3), in_flight=256, backlog=500)
+    assert c.target == 141 and c.reason == "lowered: server queue growing"
+
+
 def test_lowers_on_retractions_then_raises_gently():
     c = ConcurrencyController(37)
     c.observe(Metrics(running=37, waiting=4, kv_usage=0.99, retractions_total=0), 41, 500)
@@ -389,3 +405,27 @@ def test_whole_answers_typed_and_generic():
     assert isinstance(f, Failure) and f.message == "model not found"
     odd = {"choices": [{"message": {"content": [{"type": "text", "text": "x"}]}, "finish_reason": "stop"}]}
     assert isinstance(parse_completion_bytes(json.dumps(odd).encode(), "m"), Completion)
+
+
+def test_in_flight_stays_within_the_target_through_waves(redis_url, rconn, sim, worker, tmp_path):
+    """Answers of one length end in the same step, a wave at a time: the server's next figures show
+    its slots empty while the worker still counts those answers, on their way back, or their
+    successors, on their way in. Those slots are not idle: raising the target for them sends more
+    than the server runs, lowered again once they queue, and in flight stays above the target
+    shown until they are answered (vLLM, 128 slots: 163 in flight of a 141 target for ~30 s)."""
+    server = sim(max_running_requests=16, step_ms_base=40, step_ms_per_req=0, tokens_per_step=4,
+                 mean_output_tokens=20, output_sigma=0, flavor="vllm")
+    enqueue(tmp_path, redis_url, 3000, batch_size=64)
+    proc = worker(server, "--name", "wave-w", *QUICK_STOP)
+    # It starts at 64 against 16 slots: once learned, the start drains to the target.
+    wait_for(lambda: (s := status(rconn, "wave-w")) and s.server_capacity == 16
+             and s.sequences <= s.concurrency_target, 30, "the capacity learned and in flight within it", proc)
+    seen, over = [], []
+    deadline = time.monotonic() + 20  # about 80 waves of 0.2 s
+    while time.monotonic() < deadline:
+        st = status(rconn, "wave-w")
+        seen.append((st.sequences, st.concurrency_target))
+        if st.sequences > st.concurrency_target:
+            over.append(seen[-1])
+        time.sleep(0.05)
+    assert not over, f"in flight above the target shown: {over[:10]} ({proc.log()[-2000:]})"

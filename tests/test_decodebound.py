@@ -5,6 +5,7 @@ server's generation counter read as a rate. Pure functions: no Redis, no server.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -128,6 +129,19 @@ def test_the_no_gpu_probe_is_clean_here() -> None:
     assert probe.sample() is None
 
 
+def test_nvml_bandwidth_script_without_a_gpu_says_so(tmp_path, capsys) -> None:
+    """scripts/nvml_bandwidth.py, run on a GPU machine by scripts/sglang/gpu_check.sh: here, no GPU, exit 1;
+    a model directory's weight files are its bytes."""
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).parent.parent / "scripts" / "nvml_bandwidth.py"))
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * 99)
+    assert script["model_bytes"](tmp_path) == 1000
+    assert script["main"](["--model", str(tmp_path), "--running", "4"]) == 1
+    assert capsys.readouterr().out.startswith("no GPU: ")
+
+
 def test_byte_sizes_as_the_worker_options_take_them() -> None:
     assert ByteSize(per_second=True).convert("1.79TB/s", None, None) == pytest.approx(1.79e12)
     assert ByteSize(per_second=True).convert("1790GB/s", None, None) == pytest.approx(1.79e12)
@@ -147,8 +161,12 @@ def test_the_counter_rate_follows_the_server_within_its_window() -> None:
         w.counted(at, (500 * i) if i <= 15 else 500 * 15 + 100 * (i - 15), 50 if i <= 15 else 10, 0.5)
     assert w.server_window() == pytest.approx((100.0, 10.0, 0.5), rel=0.01)
     assert len(w._counter) <= COUNTER_WINDOW_S + 2
-    w.counted(now - 0.5, 500 * 15 + 100 * 6, 0, 0.0)  # it ran nothing and made nothing since: 0 now, not
-    assert w.server_window() == (0.0, 0.0, 0.0)  # the window's 100
+    # SGLang between two batches: 0 running while it prefills the next, the counter still: the window's.
+    w.counted(now - 0.7, 500 * 15 + 100 * 6, 0, 0.0, waiting=10)
+    between = w.server_window()
+    assert between is not None and 80 < between[0] <= 100, between
+    w.counted(now - 0.5, 500 * 15 + 100 * 6, 0, 0.0)  # it ran nothing, nothing waits, made nothing since: 0
+    assert w.server_window() == (0.0, 0.0, 0.0)  # now, not the window's 100
     w.counted(now, 10.0, 10, None)  # the server restarted: its counter began again
     assert w.server_window() is None
 
@@ -165,3 +183,33 @@ def test_workers_sharing_a_server_are_one_gpu() -> None:
     judged = judge({"a": status("a", "http://gpu0"), "b": status("b", "http://gpu0"), "c": status("c", "http://gpu1")})
     assert sorted(judged) == ["a", "c"]
     assert round(judged["a"].bound.tok_per_s or 0) == 1226
+
+
+def test_a_job_summary_counts_a_shared_server_once() -> None:
+    """Two workers on one server both read its counter: each books its part of the server's speed and
+    bound, and the summary counts that GPU once."""
+    from genq.core.decodebound import add_tally, job_line
+    from genq.core.records import WorkerStatus
+
+    def status(name: str, server: str, tok_per_s: float, sequences: int) -> WorkerStatus:
+        return WorkerStatus(name=name, host="h", pid=1, server=server, state="busy", started_at=0.0,
+                            heartbeat_at=0.0, server_running=37, server_waiting=3, window_running=37, tok_per_s=tok_per_s,
+                            tok_per_s_from="server", in_flight=sequences, sequences=sequences,
+                            hardware=Hardware(bandwidth=PRO_6000, weight_bytes=WEIGHTS_27B))
+
+    # gpu0 at 40 % of its 1,226 tok/s bound, its 40 requests held half by a, half by b; gpu1 at 20 %, c alone.
+    workers = [status("a", "http://gpu0", 485.0, 20), status("b", "http://gpu0", 485.0, 20),
+               status("c", "http://gpu1", 242.5, 40)]
+    for s in workers:
+        for _ in range(10):
+            add_tally(s.bound_tally, {"job": s.sequences}, s, 1.0)
+    assert sum(s.bound_tally["job"].made for s in workers) == pytest.approx((485.0 + 242.5) * 10)
+    line = job_line(workers, "job")
+    assert line is not None and line.startswith("fleet at 30% of its bandwidth bound over the job;"), line
+    assert "c slowest at 20%" in line and "c much slower than its peers (20% against 40%)" in line, line
+    # A worker whose speed is its own answers' (no counter) made its part already: its bound is its part too.
+    own = status("d", "http://gpu2", 242.5, 20)
+    own.tok_per_s_from = "answers"
+    add_tally(own.bound_tally, {"job": 20}, own, 1.0)
+    shared = workers[0].bound_tally["job"]
+    assert own.bound_tally["job"].made / own.bound_tally["job"].bound == pytest.approx(shared.made / shared.bound)

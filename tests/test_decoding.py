@@ -1,4 +1,4 @@
-"""The worker's decode figures (worker/decoding.py) and their fit (monitor/speedcurve.py).
+"""The worker's decode figures (worker/decoding.py) and their fit (monitor/rates.py).
 
 Pure: a fake clock stands in for time; the requests are Progress records fed as a stream
 would feed them. Against real servers the figures are checked by scripts/vllm/bench.py.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from genq.core.decodefigures import DecodeBin
-from genq.monitor.speedcurve import fit_overhead
+from genq.monitor.rates import fit_overhead
 from genq.worker.decoding import HALF_LIFE_S, DecodeMeter
 from genq.worker.wire import Progress
 

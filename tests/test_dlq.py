@@ -1,15 +1,14 @@
 """genq dlq against real dead letters: real Redis, `genq sim`, `genq worker` and a plain `rq worker`.
 
 Dead prompts come from the sim's SGLang 400 for prompts longer than a small
---context-length; failed batches from a plain `rq worker --burst`, where
-run_batch raises EngineLost (no GENQ_ENGINE) until its RQ retries run out.
+--context-length; failed batches from a plain `rq worker --burst`, whose run_batch refuses each genq batch
+(genq's engine takes batches itself).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -86,11 +85,10 @@ def done_count(rconn, job: str) -> int:
 
 
 def plain_rq_worker_burst(redis_url: str) -> subprocess.CompletedProcess:
-    """A stock `rq worker --burst`: without GENQ_ENGINE every run_batch raises EngineLost."""
-    env = {k: v for k, v in os.environ.items() if k != "GENQ_ENGINE"}
+    """A stock `rq worker --burst`: every genq batch fails (worker/intake.py run_batch)."""
     rq_bin = str(Path(sys.executable).parent / "rq")
     return subprocess.run([rq_bin, "worker", "--burst", "-S", "rq.serializers.JSONSerializer", "--url", redis_url,
-                           keys.QUEUE], cwd=ROOT, env=env,
+                           keys.QUEUE], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -101,7 +99,7 @@ def fail_batches_in_rq(redis_url: str, rconn, expected: int) -> FailedJobRegistr
         if registry.count >= expected:
             break
     assert registry.count == expected, log.stdout + log.stderr
-    assert "EngineLost" in log.stdout + log.stderr
+    assert "genq batches are run by `genq worker`" in log.stdout + log.stderr
     return registry
 
 
@@ -244,7 +242,7 @@ def test_failed_rq_batch_is_listed_requeued_and_completed(redis_url, rconn, sim,
 
     (entry,) = dlq_json(redis_url)
     assert entry["id"] == "batch:b0000001" and entry["kind"] == "batch_failed" and entry["job"] == "fb"
-    assert entry["message"].startswith("genq.worker.rqjob.EngineLost: this RQ worker was not started by `genq worker`")
+    assert entry["message"].startswith("RuntimeError: batch fb/b0000001: genq batches are run by `genq worker`")
     assert entry["prompts"] == 6 and entry["rq_job"] == old_rq_id and entry["status"] is None
     assert entry["attempts"] == 1  # genq uses no RQ retries: a failed transport is the reconciler's
     assert "batch_failed" in run_genq("dlq", "list", redis_url=redis_url).stdout

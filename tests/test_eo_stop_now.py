@@ -56,7 +56,7 @@ def test_a_worker_told_to_stop_while_its_redis_is_away_stops_in_seconds(sim, pro
     assert code == 0, first.log()[-4000:]
     assert "send again to stop now" in first.log()
     assert "not handed back" in first.log(), first.log()[-4000:]
-    # The engine's tasks ended cleanly (its RQ loops may log Redis's errors: they die with it).
+    # The engine's tasks ended cleanly.
     assert "was never retrieved" not in first.log() and "Task was destroyed" not in first.log(), first.log()[-4000:]
 
     # Redis back: the first worker's leases lapse, and a second worker does its batches once.

@@ -372,8 +372,8 @@ def test_once_reads_the_speed_from_tokens_per_second() -> None:
 
 
 def _snapshot(at: float, out_tok: int, published_at: float, tokens: list[int], done: int):
+    from genq.core.ledger.figures import JobSnapshot, WorkerCounters, WorkerView
     from genq.core.records import InFlight, WorkerStatus
-    from genq.monitor.snapshot import JobSnapshot, WorkerCounters, WorkerView
 
     status = WorkerStatus(name="w", host="h", pid=1, server="s", state="busy", started_at=0.0, heartbeat_at=published_at,
                           concurrency_target=40, server_capacity=37, in_flight=len(tokens))

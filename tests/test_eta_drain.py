@@ -13,7 +13,7 @@ second job's ETA knows how this server drains before the second job does.
 The prompts are ~30 tokens for answers of ~40, and the sim prefills a prompt in the step that
 admits it (genq sim --prefill-cost, as vLLM on CPU does): while the server admits, its requests
 decode about a third slower than in the drain, when nothing is left to admit (PREFILL_COST,
-monitor/eta.py; the clean bins, monitor/speedcurve.py).
+monitor/eta.py; the clean bins, monitor/rates.py).
 """
 
 from __future__ import annotations

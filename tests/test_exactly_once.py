@@ -8,7 +8,6 @@ and RQ holding nothing of the job.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from genq.core.queueing import enqueue_batch_jobs, rq_queue
 from genq.core.records import DeadLetter
 from genq.sim.lengths import prompt_key
 from tests.audit import audit
-from tests.conftest import descendants, read_results, run_genq, sim_stats, wait_until, write_prompts
+from tests.conftest import read_results, run_genq, sim_stats, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 SLOW = dict(mean_output_tokens=600, output_sigma=0.5, tokens_per_step=8, step_ms_base=20)
@@ -103,7 +102,7 @@ def test_a_frozen_worker_resumed_after_another_finished_its_batches(redis_url, r
     ids, out = enqueue(tmp_path, "frz", 40, "--batch-size", "10", "--max-tokens", "2000")
     frozen = worker(slow, "--prefetch", "2", name="frozen")
     wait_until(lambda: rconn.hlen(keys.batch_results("frz", "b0000001")) >= 1, 60, "the frozen worker under way")
-    os.kill(frozen.pid, signal.SIGSTOP)  # the engine only, past its heartbeat: its RQ loops give up on it
+    os.kill(frozen.pid, signal.SIGSTOP)  # past its heartbeat: its lease lapses, the reconciler queues the batch again
     try:
         helper = worker(fast, "--burst", name="helper")
         assert helper.wait(timeout=180) == 0, helper.log()
@@ -184,10 +183,9 @@ def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim,
     ids, out = enqueue(tmp_path, "tf", 10, "--batch-size", "10", "--max-tokens", "200")
     reconciler = ledger.Reconciler(rconn, "test")
     rq_bin = str(Path(sys.executable).parent / "rq")
-    env = {k: v for k, v in os.environ.items() if k != "GENQ_ENGINE"}
-    for _ in range(12):  # a stock RQ worker: run_batch raises EngineLost, the RQ job fails
+    for _ in range(12):  # a stock RQ worker: genq's run_batch refuses, the RQ job fails
         subprocess.run([rq_bin, "worker", "--burst", "-S", "rq.serializers.JSONSerializer", "--url", redis_url,
-                        keys.QUEUE], env=env, capture_output=True, timeout=60, check=True)
+                        keys.QUEUE], capture_output=True, timeout=60, check=True)
         assert rq_queue(rconn).count == 0
         assert reconciler.pass_once(force=True).requeued == [("tf", "b0000001")]  # stranded: queued again
     assert json.loads(run_genq("dlq", "list", "--json").stdout) == [], "a failed transport is in the DLQ"
@@ -199,9 +197,9 @@ def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim,
 
 
 def test_a_job_stuck_between_dequeue_and_start_is_brought_back(redis_url, rconn, sim, worker, tmp_path):
-    """An RQ loop that dies (Redis restarting under it) right after moving a job to RQ's
-    intermediate list leaves it there, "queued", until a running loop's cleanup: a burst
-    worker, whose loops have left, used to wait for it forever."""
+    """A stock RQ worker (or a genq worker of an older version) that dies right after moving a job
+    to RQ's intermediate list leaves it there, "queued", where no engine's TAKE looks: the
+    reconciler brings it back."""
     server = sim(max_running_requests=8, **FAST)
     ids, out = enqueue(tmp_path, "mid", 20, "--batch-size", "10", "--max-tokens", "400")
     queue = rq_queue(rconn)
@@ -214,20 +212,20 @@ def test_a_job_stuck_between_dequeue_and_start_is_brought_back(redis_url, rconn,
     assert rconn.llen(queue.intermediate_queue_key) == 0
 
 
-def test_a_batch_started_by_a_loop_that_died_before_handing_it_over(redis_url, rconn, sim, worker, tmp_path):
-    """RQ says "started" by a loop of a live engine, but the loop died (Redis went away
-    under it) before the engine got the batch: no lease, so the batch is stranded, and
-    the reconciler must not wait for RQ's abandoned-job detection (minutes) to see it."""
+def test_a_batch_started_by_a_live_engine_that_holds_no_lease_is_stranded(redis_url, rconn, sim, worker, tmp_path):
+    """RQ says "started" by a live engine, but the ledger has no lease of it for the batch (TAKE
+    writes both at once: only a Redis restored between them, or a foreign writer, does this): the
+    reconciler must not trust RQ's word alone, nor wait for RQ's abandoned-job detection."""
     server = sim(max_running_requests=8, **FAST)
     ids, out = enqueue(tmp_path, "ghost", 10, "--batch-size", "10", "--max-tokens", "400")
     queue = rq_queue(rconn)
     rq_id = rconn.hget(keys.job_transport("ghost"), "b0000001").decode()
-    queue.remove(rq_id)  # a loop took it...
+    queue.remove(rq_id)
     proc = worker(server, name="alive")
     instance = wait_until(lambda: next((k.decode().split(":")[2] for k in rconn.keys("genq:engine:*:alive")), None),
                           30, "the engine's heartbeat")
     rq_job = RqJob.fetch(rq_id, connection=rconn, serializer=queue.serializer)
-    rconn.hset(rq_job.key, mapping={"status": "started", "worker_name": f"{instance}.dead"})  # ...and died
+    rconn.hset(rq_job.key, mapping={"status": "started", "worker_name": instance})
     wait_until(lambda: rconn.scard(keys.job_done("ghost")) == 1, 60, "the stranded batch done")
     assert "batch ghost/b0000001 had no live RQ job" in proc.log()
     proc.signal(signal.SIGTERM)
@@ -235,104 +233,23 @@ def test_a_batch_started_by_a_loop_that_died_before_handing_it_over(redis_url, r
     check(rconn, out, "ghost", ids)
 
 
-def test_rq_loops_killed_mid_batch_leave_nothing_started_in_rq(redis_url, rconn, sim, worker, tmp_path):
-    """An RQ loop that dies running its batch's job (seen: a loop crashing on a Redis outage)
-    leaves its job "started" in RQ after the engine finished the batch; before leaving, the burst
-    worker's reconciler clears it, so `rq info` does not show a done batch as running."""
-    server = sim(max_running_requests=4, **SLOW)
-    ids, out = enqueue(tmp_path, "ld", 16, "--batch-size", "8", "--max-tokens", "2000")
-    proc = worker(server, "--burst", "--prefetch", "2")
-    wait_until(lambda: rconn.hlen(keys.job_leases("ld")) == 2, 60, "both batches held")
-    loops = _rq_loops(proc.pid)
-    assert loops, "no RQ loop found"
-    for pid in loops:
-        with contextlib.suppress(ProcessLookupError):  # a loop may have just left
-            os.kill(pid, signal.SIGKILL)
-    assert proc.wait(timeout=180) == 0, proc.log()
-    check(rconn, out, "ld", ids)
-    assert "left started by an RQ loop that died running it" in proc.log(), proc.log()
+def test_held_batches_are_started_in_rq_for_as_long_as_they_are_held(redis_url, rconn, sim, worker, tmp_path):
+    """The engine is one RQ worker in `rq info`; each batch it holds is an RQ job started by it,
+    with no expiry in RQ's started registry (the ledger's lease decides, not RQ's clock), so RQ's
+    own cleanup (run by every `rq info`) never fails a long batch; done, it leaves RQ."""
+    from rq import Worker
 
-
-def test_loops_run_their_batches_without_a_work_horse_and_keep_them_alive_in_rq(
-        redis_url, rconn, sim, worker, tmp_path):
-    """#29: a forked work horse per batch cost a fork and RQ's horse bookkeeping for a job
-    function that only waits. The loops run it themselves (rq.SimpleWorker), and keep RQ's
-    heartbeats of the loop, the job and its execution going while it waits, as a forked
-    worker's parent did: a long batch is never taken for abandoned by `rq info` or RQ."""
     server = sim(max_running_requests=4, mean_output_tokens=3000, output_sigma=0.2, tokens_per_step=2,
                  step_ms_base=40)  # a minute a prompt: the batches outlive the look
     enqueue(tmp_path, "kept", 8, "--batch-size", "4", "--max-tokens", "5000")
-    proc = worker(server, "--prefetch", "2", "--heartbeat-interval", "1")
+    proc = worker(server, "--prefetch", "2")
     wait_until(lambda: rconn.hlen(keys.job_leases("kept")) == 2, 60, "both batches held")
-    loops = _rq_loops(proc.pid)
-    assert loops and all(not descendants(pid) for pid in loops), "a loop forked a work horse"
     registry = StartedJobRegistry(queue=rq_queue(rconn))
-
-    def beats() -> tuple[dict, dict]:
-        running = dict(rconn.zrange(registry.key, 0, -1, withscores=True))
-        loop_beats = {w.name: rconn.hget(w.key, "last_heartbeat") for w in _rq_workers(rconn) if w.get_current_job_id()}
-        return running, loop_beats
-
-    first_running, first_loops = beats()
-    assert len(first_running) == 2 and len(first_loops) == 2, (first_running, first_loops)
-
-    def renewed() -> bool:
-        running, loop_beats = beats()
-        assert running.keys() == first_running.keys(), "a batch ended during the look"
-        return all(running[e] > first_running[e] for e in running) and all(
-            loop_beats[n] != first_loops[n] for n in first_loops)
-
-    wait_until(renewed, 20, "RQ's heartbeats of both running batches and their loops, renewed")
-    proc.signal(signal.SIGKILL)  # the engine: its loops die with it; the batches are not the point here
-
-
-def test_a_loop_stopped_as_it_takes_a_batch_hands_the_batch_back(redis_url, rconn, sim, worker, tmp_path):
-    """RQ's stop signal raises at once in a loop that is not busy. Landing after the loop's BLMOVE
-    took a batch into RQ's intermediate list, and before the job started, it stranded the batch
-    there (seen in test_chaos's SIGTERM test, where the signal comes as a loop goes back for its
-    next batch). Made exact here: the loops are frozen in their BLMOVE, a batch is queued (Redis
-    serves a frozen BLMOVE), the worker is told to stop, and the loops resume with that pending."""
-    server = sim(max_running_requests=8, **FAST)
-    proc = worker(server)
-    queue = rq_queue(rconn)
-    wait_until(lambda: _rq_loops(proc.pid) and len(_rq_workers(rconn)) == len(_rq_loops(proc.pid))
-               and all(w.get_state() == "idle" for w in _rq_workers(rconn)), 30, "the RQ loops waiting for a batch")
-    loops = _rq_loops(proc.pid)
-    for pid in loops:
-        os.kill(pid, signal.SIGSTOP)
-    ids, out = enqueue(tmp_path, "stop", 10, "--batch-size", "10", "--max-tokens", "400")
-    wait_until(lambda: rconn.llen(queue.intermediate_queue_key) == 1, 30, "a frozen loop's BLMOVE served")
-    proc.signal(signal.SIGTERM)
-    wait_until(lambda: all(_sigterm_pending(pid) for pid in loops), 30, "the engine's SIGTERM pending in every loop")
-    for pid in loops:
-        os.kill(pid, signal.SIGCONT)
-    assert proc.wait(timeout=60) == 0, proc.log()
-    assert rconn.llen(queue.intermediate_queue_key) == 0, "the batch was left in RQ's intermediate list"
-    # The engine either ran the batch it got while stopping, or handed it back: done or queued.
-    assert queue.count + rconn.scard(keys.job_done("stop")) == 1, proc.log()
-    rest = worker(server, "--burst", name="rest")
-    assert rest.wait(timeout=120) == 0, rest.log()
-    check(rconn, out, "stop", ids)
-
-
-def _rq_loops(engine_pid: int) -> list[int]:
-    """The engine's RQ loops: its child processes here (the server is external). Not by command
-    line: RQ renames its processes (rq:worker:...) where setproctitle is installed."""
-    try:
-        return [int(c) for c in Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _rq_workers(conn: redis.Redis) -> list:
-    from rq import Worker
-
-    return Worker.all(connection=conn)
-
-
-def _sigterm_pending(pid: int) -> bool:
-    """Whether a SIGTERM sent to the (stopped) process waits for it."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    pending = int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
-    return bool(pending & (1 << (signal.SIGTERM - 1)))
-
+    held = {v.decode() for v in rconn.hvals(keys.job_transport("kept"))}
+    assert {i.split(":")[0] for i in registry.get_job_ids(cleanup=True)} == held  # RQ's cleanup ran: kept
+    assert all(score == float("inf") for _, score in rconn.zrange(registry.key, 0, -1, withscores=True))
+    workers = Worker.all(connection=rconn)
+    instance = rconn.hget(keys.job_leases("kept"), "b0000001").decode().split()[1]
+    assert [w.name for w in workers] == [instance]
+    assert {RqJob.fetch(i, connection=rconn).worker_name for i in held} == {instance}
+    proc.signal(signal.SIGKILL)  # the batches are not the point here

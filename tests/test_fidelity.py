@@ -262,7 +262,7 @@ def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, wo
 def test_the_eta_sees_requests_of_n_samples_as_fewer_slots(redis_url, rconn, sim, worker, tmp_path):
     """A worker whose 8 sequences in flight are 2 requests of 4 samples decodes 2 prompts at
     once: the ETA counts 2 slots, not 8 (and its throughput per prompt is 4 samples')."""
-    from genq.monitor.snapshot import read_job
+    from genq.core.ledger.figures import read_job
 
     rows(tmp_path / "eta.jsonl", 12, {"n": 4})
     run_genq("enqueue", str(tmp_path / "eta.jsonl"), "--job", "eta", "--output", str(tmp_path / "out"),

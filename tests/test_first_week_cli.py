@@ -70,15 +70,15 @@ def test_a_server_without_its_scheme_is_bad_usage_before_anything_is_written(ser
 
 def test_export_of_an_unfinished_job_exits_3_with_its_note(redis_url, rconn, tmp_path):
     from genq.core.queueing import load_config
-    from genq.output.local import LocalSink
-    from genq.output.sink import shard_bytes
+    from genq.output.local import LocalStore
+    from genq.output.sink import Sink, shard_bytes
     from tests.test_export import result
 
     src, out = tmp_path / "p.jsonl", tmp_path / "out"
     write_prompts(src, 20)
     run_genq("enqueue", str(src), "--job", "half", "--output", str(out), "--batch-size", "10", redis_url=redis_url)
     incarnation = load_config(rconn, "half").incarnation
-    LocalSink(str(out), incarnation=incarnation).write_shard(
+    Sink(LocalStore(str(out)), incarnation=incarnation).write_shard(
         "half", "b0000001", shard_bytes([result(f"p{i:05d}", i, "b0000001", job="half") for i in range(10)], "none"), 10)
     proc = run_genq("export", "--job", "half", "--to", str(tmp_path / "half.jsonl"), redis_url=redis_url, check=False)
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
@@ -280,11 +280,11 @@ def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_
     both = run_genq("jobs", "show", "names", "--job", "other", redis_url=redis_url, check=False)
     assert both.returncode == 2 and "two jobs given" in both.stderr, both.stderr
 
-    from genq.output.local import LocalSink
-    from genq.output.sink import shard_bytes
+    from genq.output.local import LocalStore
+    from genq.output.sink import Sink, shard_bytes
     from tests.test_export import result
 
-    LocalSink(str(out)).write_shard("names", "b0000001", shard_bytes([result("p00000", 0, "b0000001", job="names")],
+    Sink(LocalStore(str(out))).write_shard("names", "b0000001", shard_bytes([result("p00000", 0, "b0000001", job="names")],
                                                                      "none"), 1)
     for option in ("--output", "--from"):
         done = run_genq("export", "--job", "names", option, str(out), "--to", str(tmp_path / f"x{option}.jsonl"),

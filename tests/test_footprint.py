@@ -16,11 +16,11 @@ import random
 import redis
 
 from genq.core import keys, scripts
+from genq.core.ledger.figures import read_job
 from genq.core.queueing import enqueue_batch_jobs, rq_queue, save_config
 from genq.core.records import BatchRef, JobConfig, Result, ShardInfo, Usage, pack, unpack
 from genq.core.redisconn import connect_async
 from genq.monitor.rqqueue import QueueMirror
-from genq.monitor.snapshot import read_job
 from genq.worker.results import ResultWriter
 from tests.audit import audit
 from tests.conftest import read_results, run_genq, write_prompts
@@ -89,7 +89,7 @@ def test_shard_totals_are_counted_once_for_a_job_of_an_older_genq(rconn):
     info = ShardInfo(batch="b0000006", uri="/o/j/shards/b0000006.jsonl", records=7, bytes=70, at=2.0)
     save_config(rconn, JobConfig(name="old", output="/o"))
     rconn.hset(keys.batch_results("old", info.batch), mapping={f"p{i}": b"result" for i in range(7)})
-    script_keys, args = scripts.release_call(BatchRef("old", info.batch), info, "tok", incarnation="")
+    script_keys, args = scripts.release_call(BatchRef("old", info.batch), info, incarnation="")
     release(keys=script_keys, args=args)
     snap = read_job(rconn, "old")
     assert snap is not None and (snap.shards, snap.shard_records, snap.shard_bytes) == (

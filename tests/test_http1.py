@@ -1,15 +1,19 @@
-"""The lean HTTP/1.1 client of the generation POSTs (worker/http1.py) against a server that
-answers scripted bytes, a byte at a time: every way a body can end, and which connections
-may carry the next request."""
+"""genq's HTTP/1.1 client (worker/http1.py, under worker/server.py) against a server that answers
+scripted bytes, a byte at a time: every way a body can end, which connections may carry the next
+request, TLS."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 
 import pytest
 from yarl import URL
 
 from genq.worker.http1 import Http1Pool, NoResponse
+from genq.worker.server import ServerClient
+from genq.worker.wire import Completion, Failure, Progress
 
 OK_JSON = b'{"a": 1}'
 
@@ -29,8 +33,8 @@ class Scripted:
         try:
             while self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
-                             .split(b":")[1])
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)  # a GET has none
                 self.requests.append(head + await reader.readexactly(length))
                 answer = self.answers.pop(0)
                 if not answer:
@@ -178,3 +182,62 @@ def test_a_server_on_an_ipv6_address_gets_a_bracketed_host_header():
     asyncio.run(main())
     host = next(line for line in scripted.requests[0].split(b"\r\n") if line.lower().startswith(b"host:"))
     assert host.split(b":", 1)[1].strip().startswith(b"[::1]:"), host
+
+
+@pytest.mark.e2e  # openssl makes the certificate
+def test_an_https_server_is_spoken_to_over_tls_verified_against_the_trust_store(tmp_path, monkeypatch):
+    # The same client for `https://`: the certificate checked against the default trust store
+    # (SSL_CERT_FILE names it here), the name against the URL's host; one that is not trusted is a
+    # connection failure, not a request sent in clear.
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    body = b'{"choices": [{"index": 0, "message": {"content": "hi"}}], "usage": {"completion_tokens": 1}}'
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    scripted = Scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", answer, answer], step=1000)
+
+    async def main() -> None:
+        server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0, ssl=tls)
+        url = f"https://localhost:{server.sockets[0].getsockname()[1]}"
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "nothing.pem"))
+        untrusted = ServerClient(url)
+        try:
+            assert not await untrusted.healthy(), "a certificate nobody trusts: no answer read"
+            outcome = await untrusted.generate("chat", {"model": "m", "stream": False}, Progress())
+            assert isinstance(outcome, Failure) and outcome.kind == "connection", outcome
+        finally:
+            await untrusted.close()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        client = ServerClient(url)
+        try:
+            assert await client.healthy()
+            for _ in range(2):
+                outcome = await client.generate("chat", {"model": "m", "stream": False}, Progress())
+                assert isinstance(outcome, Completion) and outcome.text == "hi", outcome
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())
+    assert scripted.requests[0].startswith(b"GET /health HTTP/1.1\r\n")
+    assert scripted.connections == 2, "the GET on a connection of its own, both POSTs on one kept alive"
+
+
+def test_a_stream_event_that_is_not_json_is_a_protocol_failure_not_an_exception():
+    sse = b"data: {not json\n\n"
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(sse), sse)]
+
+    async def main() -> None:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            outcome = await client.generate("chat", {"model": "m", "stream": True}, Progress())
+            assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())

@@ -44,7 +44,7 @@ def test_an_idle_worker_issues_under_one_redis_command_a_second(redis_url, rconn
     status = unpack(rconn.get(keys.worker_status("idler")), WorkerStatus)
     assert status.state == "idle" and time.time() - status.heartbeat_at <= IDLE_BEAT_S + 3
     assert per_s <= 1.0, f"{per_s:.2f} commands a second: {rconn.info('commandstats')}"
-    # And a stop is not held up by the long blocking pops (the loops unblock their own).
+    # And a stop is not held up by the intake's long wait between looks at the queue.
     started = time.monotonic()
     proc.signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, proc.log()

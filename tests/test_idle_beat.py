@@ -1,8 +1,7 @@
 """An engine going idle keeps its keys alive across the idle pace's longer gap between beats
 (worker/idle.py). The last busy beat wrote its alive key for LEASE_TIMEOUT_S and its status for
 STATUS_TTL_S; the next beat came IDLE_BEAT_S later, so for seconds the worker showed as lost in
-`genq workers` (a `genq drain --wait` then ended at once, "all drained: W lost") and its RQ loops
-refused the next batch queued (EngineLost: not heartbeating), which waited for the reconciler."""
+`genq workers` (a `genq drain --wait` then ended at once, "all drained: W lost")."""
 
 from __future__ import annotations
 

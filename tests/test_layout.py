@@ -59,7 +59,7 @@ def test_only_the_ledger_builds_keys_and_the_exceptions_only_shrink() -> None:
     assert all(reason.strip() for reason in layout.KEYED_YET.values())
     assert {n for n in modules if n.startswith("genq.core.ledger.")} and not any(
         layout.in_ledger(n) for n in keyed)
-    for name in ("genq.monitor.snapshot", "genq.worker.heartbeat", "genq.cli.status", "genq.ops.dlq"):
+    for name in ("genq.monitor.progress", "genq.worker.heartbeat", "genq.cli.status", "genq.ops.dlq"):
         again = {**graph, name: graph[name] | {"genq.core.keys"}}
         breaches, _ = layout.boundary(modules, again)
         assert breaches == [f"ledger: {name} builds Redis keys (imports genq.core.keys): ask the ledger "

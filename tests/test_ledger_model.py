@@ -28,7 +28,14 @@ import pytest
 import redis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from genq.core import keys, scripts
 from genq.core.ledger import jobs as ledger_jobs
@@ -93,7 +100,7 @@ class World:
         self.max_tokens = 100
         self.expected: dict[str, set[str]] = {}  # incarnation -> every prompt of every enqueue of that life
         self.generated: dict[str, int] = {}  # prompt -> generations (prompt ids are never reused)
-        self.snapshot: list[tuple[bytes, int, bytes]] | None = None
+        self.snapshots: list[list[tuple[bytes, int, bytes]]] = []  # Redis as it was, oldest first
         self.compared = True  # a worker compared Redis with the output since Redis last changed under it
         self.requeued: set[str] = set()  # prompts whose dead letter was requeued: generated again rightly
         self.markers: dict[str, bytes] = {}  # marker file -> its bytes when first seen
@@ -118,7 +125,7 @@ class World:
                                      created_at=time.time(), incarnation=secrets.token_hex(6))
         rejects = RejectsFile(str(self.root / f"in{self.enqueues}.rejects.jsonl"))
         summary = Enqueuer(self.conn, config, create=stored is None, rejects=rejects,
-                           input_uri=str(path)).run(open_rows(str(path)))
+                           input_uri=str(path)).run(open_rows(str(path), endpoint=config.endpoint))
         rejects.close()
         life = (self.config() or config).incarnation
         self.expected.setdefault(life, set()).update(ids)
@@ -152,15 +159,28 @@ class World:
     # ------------------------------------------------------------------ Redis misbehaving
 
     def take_snapshot(self) -> None:
-        self.snapshot = [(k, self.conn.pttl(k), self.conn.dump(k)) for k in self.conn.keys("*")]
+        names = self.conn.keys("*")
+        pipe = self.conn.pipeline(transaction=False)
+        for k in names:
+            pipe.pttl(k)
+            pipe.dump(k)
+        got = pipe.execute()
+        self.snapshots.append([(k, ttl, dumped) for k, ttl, dumped in zip(names, got[0::2], got[1::2])
+                               if dumped is not None])
 
-    def restore(self) -> None:
-        """Redis restarted from the snapshot: everything written since is lost."""
-        if self.snapshot is None:
+    def restore(self, back: int = 0) -> None:
+        """Redis restarted from the snapshot `back` before the latest one: everything written since is
+        lost (the later snapshots with it)."""
+        if not self.snapshots:
             return
-        self.conn.flushdb()
-        for k, ttl, dumped in self.snapshot:
-            self.conn.restore(k, max(ttl, 0), dumped)
+        back = min(back, len(self.snapshots) - 1)
+        snapshot = self.snapshots[-1 - back]
+        del self.snapshots[len(self.snapshots) - back:]
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.flushdb()
+        for k, ttl, dumped in snapshot:
+            pipe.restore(k, max(ttl, 0), dumped)
+        pipe.execute()
         for engine in self.engines.values():  # heartbeats write their alive keys again
             if engine.instance and not engine.frozen:
                 self.conn.set(keys.engine_alive(engine.instance), "1")
@@ -206,13 +226,15 @@ class World:
 
     def acquire(self, engine: Engine, pick: int) -> None:
         """A delivery of one of the job's unfinished batches (RQ delivering it, or delivering it
-        again after the reconciler found it stranded): the output is looked at first."""
+        again after the reconciler found it stranded)."""
         pending = ledger_jobs.pending_batches(self.conn, JOB)
+        if pending:
+            self.deliver(engine, pending[pick % len(pending)])
+
+    def deliver(self, engine: Engine, batch: str) -> None:
+        """RQ delivers the batch to the engine: the output is looked at first."""
         config = self.config()
-        if not pending or config is None:
-            return
-        batch = pending[pick % len(pending)]
-        if batch in engine.holds:
+        if batch in engine.holds or config is None:
             return
         marker = truth.read_marker(self.store, truth.marker_rel(JOB, batch))
         if marker is not None and marker.incarnation == config.incarnation:
@@ -305,7 +327,7 @@ class World:
             hold.written = truth.commit_shard(self.store, JOB, batch, shard_bytes(results, "none"), len(results), at,
                                               compression="none", incarnation=hold.config.incarnation, outcome=outcome)
         except truth.AlreadyWritten as written:
-            recover.adopt(self.conn, JOB, written.marker, hold.token)
+            recover.adopt(self.conn, JOB, written.marker)
             self.let_go(engine, batch)
 
     def work(self, engine: Engine, batch: str, letter: bool = False) -> None:
@@ -327,12 +349,12 @@ class World:
         hold = engine.holds[batch]
         if hold.written is None:
             return
-        answer = self.run("RELEASE", scripts.release_call(BatchRef(JOB, batch), hold.written, hold.token,
+        answer = self.run("RELEASE", scripts.release_call(BatchRef(JOB, batch), hold.written,
                                                           hold.config.incarnation))
         if answer == b"short":  # Redis lost outcomes since they were read: the written shard is the truth
             marker = truth.read_marker(self.store, truth.marker_rel(JOB, batch))
             if marker is not None:
-                recover.adopt(self.conn, JOB, marker, hold.token)
+                recover.adopt(self.conn, JOB, marker)
         self.let_go(engine, batch)
 
     # ------------------------------------------------------------------ what is true
@@ -447,7 +469,6 @@ class LedgerModel(RuleBasedStateMachine):
         self.tmp = Path(tempfile.mkdtemp(prefix="genq-model-"))
         self.world = World(redis.Redis.from_url(REDIS_URL), self.tmp, self.lua)
         self.world.enqueue(3)
-        self.world.take_snapshot()
 
     def teardown(self) -> None:
         try:
@@ -463,55 +484,76 @@ class LedgerModel(RuleBasedStateMachine):
         """Every (engine, batch) held by an engine that runs."""
         return [(e, b) for e in self.world.engines.values() if not e.frozen for b in sorted(e.holds)]
 
-    @precondition(lambda self: any(not self._engine(i).frozen for i in (0, 1)))
-    @rule(i=st.integers(0, 1), pick=st.integers(0, 3))
-    def acquire(self, i: int, pick: int) -> None:
-        """A delivery of one of the job's unfinished batches to an engine (again, if another holds it)."""
-        if not self._engine(i).frozen:
-            self.world.acquire(self._engine(i), pick)
+    @initialize(opening=st.sampled_from(["delivered", "delivered twice", "sent", "written, then Redis lost its outcomes"]))
+    def first_delivery(self, opening: str) -> None:
+        """The job's first batch delivered to engine 0, where the races the scripts exist for begin:
+        delivered to engine 1 as well before engine 0 sent anything (the reconciler found it
+        stranded while engine 0 was slow); or engine 0 sent its prompts; or engine 0 wrote the
+        shard and Redis was then restored from before its outcomes were recorded."""
+        first = self._engine(0)
+        self.world.acquire(first, 0)
+        self.world.take_snapshot()
+        for batch in list(first.holds):
+            if opening == "delivered twice":
+                self.world.deliver(self._engine(1), batch)
+            elif opening == "sent":
+                self.world.work(first, batch)
+            elif opening.startswith("written"):
+                for _ in range(3):  # claim, record, write
+                    self.world.work(first, batch)
+                self.world.restore(1)
 
-    @precondition(lambda self: bool(self._held()))
-    @rule(pick=st.integers(0, 3), letter=st.booleans(), steps=st.integers(1, 4))
-    def work(self, pick: int, letter: bool, steps: int) -> None:
-        """An engine's next steps with a batch it holds: claim and send, record, write, release."""
-        held = self._held()
-        engine, batch = held[pick % len(held)]
-        for _ in range(steps):
-            if batch in engine.holds:
-                self.world.work(engine, batch, letter)
+    def _elsewhere(self, i: int) -> list[str]:
+        """The batches the other driven engine holds, engine i not; none while engine i is frozen."""
+        other = self._engine(1 - i)
+        return [] if self._engine(i).frozen else sorted(set(other.holds) - set(self._engine(i).holds))
 
-    @rule(i=st.integers(0, 1))
-    def beat(self, i: int) -> None:
-        if not self._engine(i).frozen:
-            self.world.beat(self._engine(i))
+    @precondition(lambda self: bool(self._elsewhere(0) or self._elsewhere(1)))
+    @rule()
+    def deliver_again(self) -> None:
+        """A batch one engine holds delivered to the other too: RQ delivering it again after the
+        reconciler found it stranded while its holder was slow."""
+        i = 1 if self._elsewhere(1) else 0
+        self.world.deliver(self._engine(i), self._elsewhere(i)[0])
 
-    @rule(i=st.integers(0, 1), crash=st.booleans())
-    def crash_freeze_or_wake(self, i: int, crash: bool) -> None:
-        """The engine crashes (and starts again), or freezes past its lease, or wakes with what it held."""
+    @rule(i=st.integers(0, 1), pick=st.integers(0, 3), letter=st.booleans())
+    def work(self, i: int, pick: int, letter: bool) -> None:
+        """Engine i's next step with a batch it holds (claim and send, record, write, release), or,
+        holding none, a delivery of one of the job's unfinished batches."""
         engine = self._engine(i)
-        if crash:
+        if engine.frozen:
+            return
+        if engine.holds:
+            held = sorted(engine.holds)
+            self.world.work(engine, held[pick % len(held)], letter)
+        else:
+            self.world.acquire(engine, pick)
+
+    @rule(i=st.integers(0, 1), event=st.sampled_from(["beat", "crash", "freeze or wake"]))
+    def engine(self, i: int, event: str) -> None:
+        """A heartbeat with its lease check; or the engine crashes (and starts again); or it freezes
+        past its lease, or wakes with what it held."""
+        engine = self._engine(i)
+        if event == "beat":
+            if not engine.frozen:
+                self.world.beat(engine)
+        elif event == "crash":
             self.world.start(engine)
         else:
             (self.world.wake if engine.frozen else self.world.freeze)(engine)
 
-    @rule()
-    def restore(self) -> None:
-        """Redis restored from the snapshot (taken at the start, or since): everything after it lost."""
-        self.world.restore()
+    @rule(back=st.integers(1, 6))
+    def restore(self, back: int) -> None:
+        """Redis restored from a snapshot taken `back` steps ago (or at the start): everything after it lost."""
+        self.world.restore(back)
 
-    @rule(snapshot=st.booleans())
-    def snapshot_or_compare(self, snapshot: bool) -> None:
-        """A snapshot of Redis taken, or a worker's comparison of Redis with the output (its
-        start, its maintenance)."""
-        if snapshot:
-            self.world.take_snapshot()
-        else:
-            self.world.compare()
-
-    @rule(what=st.sampled_from(["enqueue", "requeue letters", "jobs set", "delete and create again"]),
+    @rule(what=st.sampled_from(["compare", "enqueue", "requeue letters", "jobs set", "delete and create again"]),
           n=st.integers(1, 3))
-    def operator(self, what: str, n: int) -> None:
-        if what == "enqueue":
+    def around(self, what: str, n: int) -> None:
+        """A worker's comparison of Redis with the output (its start, its maintenance), or an operator's command."""
+        if what == "compare":
+            self.world.compare()
+        elif what == "enqueue":
             self.world.enqueue(n)
         elif what == "requeue letters":
             self.world.requeue_letters()
@@ -524,10 +566,15 @@ class LedgerModel(RuleBasedStateMachine):
     def holds(self) -> None:
         self.world.check()
 
+    @invariant()
+    def snapshot(self) -> None:
+        """Redis as it stands after every step, for a later restore."""
+        self.world.take_snapshot()
+
 
 # A planted bug is looked for longer; the search stops at the first failure, unshrunk (shrinking
 # takes minutes here: `python tests/lua_mutants.py --model` prints the shrunk failure of each).
-HUNT = settings(MODEL, max_examples=1000, phases=(Phase.explicit, Phase.generate))
+HUNT = settings(MODEL, max_examples=1000, stateful_step_count=8, phases=(Phase.explicit, Phase.generate))
 
 
 def run_model(lua: dict[str, str] | None = None, config: settings = MODEL) -> None:

@@ -286,7 +286,7 @@ def test_a_batch_a_live_worker_has_leased_is_held_before_its_next_heartbeat_name
     write_prompts(tmp_path / "p.jsonl", 24)
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "lz", "--output", str(tmp_path / "out"),
              "--batch-size", "8")
-    rq_queue(rconn).empty()  # taken off the queue by the workers' RQ loops
+    rq_queue(rconn).empty()  # taken off the queue by the workers (TAKE)
     rconn.hset(keys.job_leases("lz"), mapping={"b0000001": "tok1 eng-live", "b0000002": "tok2 eng-dead"})
     rconn.set(keys.engine_alive("eng-live"), "w", ex=60)
     doc = monitor_json("--job", "lz")

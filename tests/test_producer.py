@@ -118,7 +118,7 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
     from genq.core.records import JobConfig
     from genq.producer.enqueue import Enqueuer
     from genq.producer.rejects import RejectsFile
-    from genq.producer.sources import _parse_lines
+    from genq.producer.sources import jsonl_rows
 
     n, seen_while_reading = 60_000, []
     path = tmp_path / "rejects" / "in.rejects.jsonl"
@@ -137,7 +137,7 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
 
     rejects = RejectsFile(str(path))
     config = JobConfig(name="streamed", output=str(tmp_path / "out"), batch_size=100)
-    summary = Enqueuer(rconn, config, create=True, rejects=rejects).run(_parse_lines(lines()))
+    summary = Enqueuer(rconn, config, create=True, rejects=rejects).run(jsonl_rows(lines(), config.endpoint))
     rejects.close()
     assert len(seen_while_reading) >= 1_000  # rejects of early lines were on disk before the last line was read
     written = [msgspec.json.decode(line, type=Rejected) for line in path.read_bytes().splitlines()]
@@ -147,3 +147,24 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
     assert [r.line for r in rejects.first] == [r.line for r in written[:len(rejects.first)]]
     assert not path.with_name(path.name + ".partial").exists()
     assert summary.enqueued == n - n // 10 - 1
+
+
+def test_dry_run_checks_rows_for_the_jobs_endpoint_as_the_real_enqueue_does(redis_url, tmp_path):
+    """A 'prompt' row in a chat job is queued as one user message: a dry run of the same input again
+    finds it queued (same content), and a 'messages' row for a completions job is rejected in the
+    dry run as in the real one."""
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"say {i}"}) + "\n" for i in range(3)))
+    run_genq("enqueue", str(src), "--job", "conv", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    dry = run_genq("enqueue", str(src), "--job", "conv", "--dry-run", redis_url=redis_url, check=False)
+    assert dry.returncode == 0 and "3 prompts already queued or done would be skipped" in dry.stdout, dry.stdout + dry.stderr
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"id": "c1", "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                     + json.dumps({"id": "c2", "prompt": "hi"}) + "\n")
+    args = ("enqueue", str(chats), "--job", "comp", "--endpoint", "completions", "--output", str(tmp_path / "out"))
+    dry = run_genq(*args, "--dry-run", redis_url=redis_url, check=False)
+    assert dry.returncode == 3 and "1 prompt would be queued" in dry.stdout, dry.stdout + dry.stderr
+    assert "line 1: has 'messages' but the job uses --endpoint completions" in dry.stderr
+    real = run_genq(*args, redis_url=redis_url, check=False)
+    assert real.returncode == 3 and "queued 1 prompt in 1 batch" in real.stdout

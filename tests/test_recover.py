@@ -132,10 +132,9 @@ def wait_done(url: str, job: str, timeout: float = 180) -> dict:
 
 def rq_settled(url: str, job: str) -> None:
     """RQ's started and failed registries and its intermediate list hold nothing of the job: jobs a
-    restored snapshot still shows as started or being taken (in the lost timeline their RQ loops
-    returned), and those of batches lost
-    with Redis that their old RQ loops recorded as failed into it, leave them once the reconciler
-    has seen their batches done or gone from the ledger (ledger.Reconciler)."""
+    restored snapshot still shows as started or being taken, and those of batches lost with Redis
+    that were recorded as failed into it, leave them once the reconciler has seen their batches done
+    or gone from the ledger (ledger.Reconciler)."""
     conn = redis.Redis.from_url(url)
     queue = rq_queue(conn)
 

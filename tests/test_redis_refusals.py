@@ -3,11 +3,7 @@
 Three refusals a run of days meets (genq.core.refusals): Redis full at its maxmemory under
 noeviction ("OOM command not allowed when used memory > 'maxmemory'"; inside MULTI it refuses
 reads too), Redis unable to save its snapshot, as with a full disk ("MISCONF ...": it refuses
-writes and PING), and an address that is a read-only replica now ("READONLY ..."). Before
-2026-12-05, seen here on the old code: a worker started on a full Redis died at its first
-heartbeat with a traceback; an RQ loop crashed (exit 1) on every refused write, and 20 crashes
-in 10 minutes (worker/loops.py) stop a worker; `genq monitor` showed only the refusal; `genq jobs
-delete` printed a traceback; a running worker called a full Redis "unreachable". Now each is
+writes and PING), and an address that is a read-only replica now ("READONLY ..."). Each is
 waited out like an outage and named with its fix; nothing is lost or generated twice.
 
 Any maxmemory-policy but noeviction (with a maxmemory set) lets Redis drop genq's keys as it
@@ -119,8 +115,7 @@ def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url,
     assert fleet.returncode == 0 and FULL in fleet.stderr, fleet.stderr
     rconn.config_set("maxmemory", 0)
     assert proc.wait(timeout=180) == 0, proc.log()
-    # The RQ loops' job functions read that the engine's alive key had expired (it could not renew
-    # it), and took the engine for lost: an RQ traceback, the batch's RQ job failed under its lease.
+    # Nothing took the engine for lost while its alive key could not be renewed.
     assert "stopped heartbeating" not in proc.log() and "Traceback" not in proc.log(), proc.log()
     audit(rconn, "full1", out, ids)
     generated_once(server, len(ids))
@@ -193,27 +188,6 @@ def test_the_refusal_is_told_apart_from_an_outage():
     assert FULL in said and "maxmemory" in said, said
 
 
-def test_an_rq_loop_on_a_full_redis_exits_as_for_an_outage(redis_url, rconn):
-    """A loop whose RQ calls a full Redis refuses exits with EXIT_REDIS_UNREACHABLE, which the
-    engine does not count as a crash. Before, it crashed (exit 1): 20 such exits in 10 minutes
-    (worker/loops.py MAX_FAILURES) stopped the worker, 3 min 52 s after Redis filled in a run by
-    hand (docs/operations.md)."""
-    import os
-    import subprocess
-    import sys
-
-    from genq.core.redisconn import ENV_VAR
-    from genq.worker.rqjob import ENGINE_ENV, EXIT_REDIS_UNREACHABLE
-
-    rconn.set(keys.engine_alive("e1"), "w", ex=60)  # an engine that beats: the loop takes batches
-    rconn.config_set("maxmemory", 1)
-    env = dict(os.environ, **{ENGINE_ENV: "e1", ENV_VAR: redis_url})
-    loop = subprocess.run([sys.executable, "-m", "genq.worker.rqjob", "--name", "e1.loop", "--parent",
-                           str(os.getpid()), "--burst"], env=env, capture_output=True, text=True, timeout=60)
-    assert loop.returncode == EXIT_REDIS_UNREACHABLE, loop.stderr
-    assert FULL in loop.stderr, loop.stderr
-
-
 def test_redis_without_disk_mid_job_is_waited_out(own_redis, redis_url, rconn, sim, worker, tmp_path):
     """MISCONF: Redis's snapshot cannot be written (here its file's place is taken by a folder, as a
     full disk fails it); with a save point and stop-writes-on-bgsave-error (Redis's defaults) it
@@ -259,51 +233,6 @@ def test_a_worker_on_a_read_only_replica_waits_and_says_so(redis_url, rconn, sim
     assert proc.wait(timeout=120) == 0, proc.log()
     audit(rconn, "replica", out, ids)
     generated_once(server, len(ids))
-
-
-def test_an_rq_loop_that_quits_on_a_refusal_says_it_in_one_line_and_never_exits_0(redis_url, monkeypatch, capsys):
-    """RQ's loop logs an error of its own bookkeeping with a traceback and quits (seen: its success
-    pipeline refused as Redis filled the moment a batch ended); where its teardown then goes
-    through, work() returns. Exit 0 would read as a queue found empty (a --burst worker stops
-    taking batches): the loop exits 75, saying the refusal in one line, or 1 for anything else."""
-    import inspect
-    import logging
-    import os
-
-    import rq.worker.base
-
-    from genq.core.redisconn import ENV_VAR
-    from genq.worker import rqjob
-
-    assert "found an unhandled exception" in inspect.getsource(rq.worker.base.BaseWorker.work)  # what QuitWatch reads
-    monkeypatch.setenv(rqjob.ENGINE_ENV, "e1")
-    monkeypatch.setenv(ENV_VAR, redis_url)
-    monkeypatch.setattr(rqjob, "die_with_parent", lambda pid: None)  # in-process: pytest is no loop's child
-    for error, code in ((redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
-                         rqjob.EXIT_REDIS_UNREACHABLE), (ValueError("a bug"), 1)):
-        def work(self, error=error, **_):
-            try:
-                raise error
-            except Exception:  # as rq.worker.base.BaseWorker.work does, then its teardown passes
-                self.log.error("Worker %s: found an unhandled exception, quitting...", self.name, exc_info=True)
-            return True
-
-        monkeypatch.setattr(rqjob.EngineWorker, "work", work)
-        records: list[logging.LogRecord] = []
-        handler = logging.Handler()
-        handler.emit = records.append  # type: ignore[method-assign]
-        logging.getLogger("rq.worker").addHandler(handler)
-        try:
-            assert rqjob.main(["--name", "e1.loop", "--parent", str(os.getppid()), "--burst"]) == code
-        finally:
-            logging.getLogger("rq.worker").removeHandler(handler)
-            for f in list(logging.getLogger("rq.worker").filters):
-                logging.getLogger("rq.worker").removeFilter(f)
-        said = capsys.readouterr().err
-        if code == 1:
-            assert records and records[0].exc_info, "a bug's traceback is kept"
-        else:
-            assert not records and FULL in said, (records, said)
 
 
 def test_an_enqueue_that_fills_redis_says_what_is_queued_and_the_same_command_finishes_it(redis_url, rconn,

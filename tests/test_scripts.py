@@ -17,7 +17,7 @@ REF = BatchRef("j", "b0000001")
 CALLS = {
     "acquire": scripts.acquire_call(REF, "tok", "inst", "rq1"),
     "count_shards": scripts.count_shards_call("j"),
-    "release": scripts.release_call(REF, ShardInfo(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0), "tok", ""),
+    "release": scripts.release_call(REF, ShardInfo(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0), ""),
     "adopt": scripts.adopt_call("j", ShardMarker(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0, dead_letters=[
         DeadLetter(id="p1", job="j", batch=REF.batch, attempts=1, kind="bad_request", message="m", worker="w",
                    at=1.0)]),
@@ -27,7 +27,7 @@ CALLS = {
     "reorder": scripts.reorder_call("q", ["a", "b"]),
     "queue_head": scripts.queue_head_call("q"),
     "fleet_share": scripts.fleet_share_call("inst", 3, {"j": 2}),
-    "put_back": scripts.put_back_call("i", "q", "rq1"),
+    "take": scripts.take_call("inst", "tok", "now", ["other"]),
     "record": scripts.record_call("j", REF.batch, "w", "1.0", [], [], ""),
     "claim": scripts.claim_call(REF, "inst", "", "tok", ["p1"]),
     "steal": scripts.steal_call(REF, "inst", "", "holder", ["p1"], 1),
@@ -67,7 +67,19 @@ def test_pieces_are_expanded_once() -> None:
 def test_the_shard_totals_are_the_fields_the_monitor_reads() -> None:
     for text in (scripts.COUNT_SHARDS, scripts.RELEASE, scripts.ADOPT):
         assert f"'{scripts.SHARD_RECORDS}'" in text and f"'{scripts.SHARD_BYTES}'" in text
-    assert f"'{scripts.TOKEN_SLOT}'" in scripts.RELEASE and f"'{scripts.TOKEN_SLOT}'" in scripts.ADOPT
+
+
+def test_rqs_keys_are_where_rq_reads_them(rconn) -> None:
+    """TAKE, RELEASE and ADOPT write RQ's own keys; RQ must read them there (`rq info`)."""
+    from rq.suspension import WORKERS_SUSPENDED
+
+    from genq.core import keys
+    from genq.core.queueing import rq_queue
+
+    queue = rq_queue(rconn)
+    assert (keys.RQ_QUEUE, keys.RQ_STARTED, keys.RQ_SUSPENDED) == (queue.key, queue.started_job_registry.key,
+                                                                    WORKERS_SUSPENDED)
+    assert queue.job_class.key_for("x") == scripts.RQ_JOB_PREFIX + "x"
 
 
 def test_redis_compiles_every_script(rconn) -> None:

@@ -12,7 +12,7 @@ as Sentinel's ping period: the new master was marked down a second after the swi
 to the restarted empty `a`, and the job was gone).
 
 Real Debian redis-sentinel (one sentinel, quorum 1), one master and one replica, all on
-free loopback ports; a real `genq sim`, a real burst worker (with its RQ loops) and the
+free loopback ports; a real `genq sim`, a real burst worker and the
 genq commands all given the Sentinel URL. The master is failed over while a job runs
 (SENTINEL FAILOVER; SIGKILL of the master): the job finishes exactly once (tests/audit.py)
 on the new master, nothing lost.

@@ -28,16 +28,6 @@ class FakeRedis:
         return True
 
 
-class FakeLoops:
-    killed = False
-
-    def kill_all(self) -> None:
-        self.killed = True
-
-    async def wait_all(self) -> None:
-        pass
-
-
 class FakeWriter:
     pending = 0
 
@@ -58,7 +48,7 @@ def run(answers: bool | None, finish_s: float) -> tuple[StopNow, float, bool]:
         finished.append(True)
 
     async def main() -> tuple[StopNow, float]:
-        stopper = StopNow(FakeRedis(answers), "w", Holdings(), FakeWriter(), FakeLoops())  # type: ignore[arg-type]
+        stopper = StopNow(FakeRedis(answers), "w", Holdings(), FakeWriter())  # type: ignore[arg-type]
         stopper.start()
         began = time.monotonic()
         await stopper.run(finish())
@@ -71,19 +61,19 @@ def run(answers: bool | None, finish_s: float) -> tuple[StopNow, float, bool]:
 @pytest.mark.parametrize("answers", [False, None], ids=["refused", "frozen"])
 def test_a_redis_that_does_not_answer_ends_the_shutdown_at_the_first_look(answers):
     stopper, took, finished = run(answers, finish_s=30)
-    assert not finished and stopper.loops.killed
+    assert not finished and stopper.without_redis
     assert 0.2 <= took < 0.8
 
 
 def test_while_redis_answers_the_shutdown_goes_on_to_its_end():
     stopper, took, finished = run(True, finish_s=0.7)
-    assert finished and not stopper.loops.killed
+    assert finished and not stopper.without_redis
     assert stopper.conn.pings >= 2  # asked at 0.2 s and 0.4 s at least
 
 
 def test_a_shutdown_that_never_ends_stops_at_the_cap_even_while_redis_answers():
     stopper, took, finished = run(True, finish_s=30)
-    assert not finished and stopper.loops.killed
+    assert not finished and stopper.without_redis
     assert 1.0 <= took < 1.8
 
 
@@ -95,8 +85,8 @@ def test_not_told_to_stop_now_it_waits_for_the_shutdown():
             await asyncio.sleep(0.5)
             done.append(True)
 
-        stopper = StopNow(FakeRedis(False), "w", Holdings(), FakeWriter(), FakeLoops())  # type: ignore[arg-type]
+        stopper = StopNow(FakeRedis(False), "w", Holdings(), FakeWriter())  # type: ignore[arg-type]
         await stopper.run(finish())
-        return bool(done) and not stopper.loops.killed
+        return bool(done) and not stopper.without_redis
 
     assert asyncio.run(main())

@@ -15,7 +15,6 @@ def test_the_shipped_timings_keep_their_order() -> None:
 @pytest.mark.parametrize(("name", "value", "reason"), [
     ("LEASE_CHECK_STALE_S", 12.0, "a frozen sender must stop before its lease can pass on"),
     ("STATUS_TTL_S", 9, "a worker is shown lost only once its leases have lapsed"),
-    ("REPLY_POLL_S", 10.0, "an RQ loop must notice a dead engine within one lease"),
     ("BEAT_S", 4.0, "a lease must survive two missed beats"),
     ("STRANDED_CONFIRM_S", 10.0, "two passes must be able to confirm a stranded batch"),
 ])

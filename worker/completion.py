@@ -28,11 +28,11 @@ from genq.core import batches, scripts
 from genq.core.durable import ShardMarker
 from genq.core.ledger import leasing
 from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, with_prompt
+from genq.core.waits import retrying
 from genq.ops.written import adopt_marker, outcome_for, written_marker
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
 from genq.worker.held import Flags, HeldBatch
-from genq.worker.leases import retrying
 
 log = logging.getLogger("genq.worker")
 
@@ -84,7 +84,7 @@ class Completer:
             # batch's outcome, as any written shard is, and none of its prompts is generated again.
             marker = await self._written_marker(held)
             if marker is not None:
-                adopting = functools.partial(adopt_marker, self.conn, ref, marker, held.token)
+                adopting = functools.partial(adopt_marker, self.conn, ref, marker)
                 return Finished(released=bool(await retrying(adopting, f"adopting batch {ref}")))
             log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
         # Never marked done short: the batch is let go, and the reconciler queues it again.
@@ -115,7 +115,7 @@ class Completer:
                         self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
                     break
                 except AlreadyWritten as written:  # the output's shard of this batch stands (#31)
-                    adopting = functools.partial(adopt_marker, self.conn, ref, written.marker, held.token)
+                    adopting = functools.partial(adopt_marker, self.conn, ref, written.marker)
                     return int(await retrying(adopting, f"adopting batch {ref}"))
                 except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
                     self.flags.unwritten[ref] = str(exc) or type(exc).__name__
@@ -125,7 +125,7 @@ class Completer:
                     backoff = min(backoff * 2, 60)
         finally:
             self.flags.unwritten.pop(ref, None)
-        script_keys, args = scripts.release_call(ref, info, held.token, held.config.incarnation)
+        script_keys, args = scripts.release_call(ref, info, held.config.incarnation)
         answer = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 

@@ -9,7 +9,13 @@ second:
   worker holds prompts back;
 - lower when the KV cache is what limits (the server retracts or preempts
   running requests), multiplicatively, and raise only gently for a while after;
-- lower when the server's waiting queue keeps growing past what refilling needs.
+- lower when the server's waiting queue keeps growing past what refilling needs:
+  the headroom, and what the worker's own raises found it needs (its target less
+  the slots). A raise is kept: the queue it fills is its point (answers of one
+  length end together, and a queue of one headroom refills few of their slots at
+  once), and lowering it below what is in flight would leave more in flight than
+  the target says until they are answered. Only a queue beyond that, of other
+  clients or another worker on the server, lowers the target.
 
 A server without a capacity endpoint (vLLM, or one genq does not recognise)
 starts at a guess and grows while it runs all it is sent and nothing waits. While
@@ -194,14 +200,16 @@ class ConcurrencyController:
             return
 
         base = capacity or int(running)
-        queue_limit = 2 * headroom(max(base, 1))
+        room = headroom(max(base, 1))
+        # Ours (once the capacity is known: before, what runs is no base for it) and a headroom more.
+        queue_limit = (max(self._auto - base, room) if capacity else room) + room
         settling = capacity is None and ramping  # what runs is no capacity yet
         if (waiting > queue_limit and (growing or self._queue_high) and not settling
-                and self._auto > base + headroom(max(base, 1))):
+                and self._auto > base + room):
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:
                 # The queue grows past what refilling slots needs: hold less.
-                self._auto = max(1, base + headroom(max(base, 1)))
+                self._auto = max(1, base + room)
                 self.reason = "lowered: server queue growing"
                 self._queue_high = 0
                 self._update()

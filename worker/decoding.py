@@ -20,7 +20,7 @@ Streamed requests only (a whole answer says nothing until it ends). The first
 chunk's tokens come from the prefill and are not counted; its time is. The figures
 are halved every HALF_LIFE_S so that they follow a server whose speed changes;
 published in WorkerStatus.decode as DecodeBin (a few dozen), and fitted by the
-monitor (monitor/speedcurve.py).
+monitor (monitor/rates.py).
 
 A job on a fresh worker runs at its server's capacity until its queue runs out: what
 its last requests will do is only seen when it drains, too late for its ETA. So the

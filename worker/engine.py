@@ -1,29 +1,26 @@
 """The worker engine: one process per GPU, one in-flight window over every batch it holds.
 
-    RQ loops (worker/loops.py) --lease--> LeaseDesk (leases.py) --prompts--> Dispatcher (dispatch.py) --> server
-                                                                                  |
-       Completer (completion.py): shard + release  <-- batch complete <-- ResultWriter (results.py)
+    RQ's queue --TAKE--> Intake (intake.py) --> Batches (batches.py) --prompts--> Dispatcher (dispatch.py) --> server
+                                                   |  (a batch's life, one owner)                  |
+                                                   <-- batch complete <-- ResultWriter (results.py)
 
 The engine only wires its parts together and runs their loops in one TaskGroup (a
 crash in any of them stops the worker loudly); ServerWatch (watch.py) keeps the
 server's health and the watchdog, Heartbeat (heartbeat.py) liveness and operator
 control, the ledger's Reconciler (genq.core.ledger) puts stranded batches back.
 
-Shutdown has one path: stop taking batches; finish held ones for up to
---grace-period (a second signal: at once); hand the rest back in Redis; answer every
-lease; only then let the RQ loops go (one SIGTERM each). Told to stop now (a second
-signal, the grace period over) it stops within seconds whatever Redis does: once Redis
-does not answer, what it still holds is left unrecorded, and its leases lapse (stopping.py).
+Shutdown has one path: stop taking batches; finish held ones for up to --grace-period (a
+second signal: at once); hand the rest back in Redis. Told to stop now (a second signal, the
+grace period over) it stops within seconds whatever Redis does: once Redis does not answer,
+what it still holds is left unrecorded, and its leases lapse (stopping.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import socket
-import time
 import uuid
 
 import redis
@@ -31,17 +28,17 @@ import redis
 from genq.core.ledger import Reconciler
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
 from genq.core.words import plural
+from genq.worker.batches import Batches
 from genq.worker.claims import Backlog, Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
-from genq.worker.finishing import BatchEnds
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.idle import WakeListener
-from genq.worker.leases import LeaseDesk, retrying
-from genq.worker.loops import RqLoops
+from genq.worker.intake import Intake
 from genq.worker.maintenance import Maintenance
+from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.parking import parking_of
 from genq.worker.results import ResultWriter
@@ -54,8 +51,6 @@ from genq.worker.telemetry import GpuProbe
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
-
-LOOPS_STOP_S = 15.0  # at shutdown, how long RQ loops may take to finish their last batch hand-over
 
 
 class Engine:
@@ -71,41 +66,36 @@ class Engine:
         self.rates = RateWindow()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
-        written = lambda *outcomes: self.ends.on_written(*outcomes)  # noqa: E731 (BatchEnds comes later)
+        written = lambda *outcomes: self.batches.on_written(*outcomes)  # noqa: E731 (Batches comes later)
         self.writer = ResultWriter(self.redis, self.name, written)
         self.claims = Claims(self.redis, self.instance)
         self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
                                      self.rates, Backlog(self.claims, written), lambda: self.watch.is_down(),
                                      lambda: self.watch.info.model if self.watch.info else None)
+        models = ModelGate(self.redis, self.instance, self.dispatcher.server_model)
         self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
                                self.dispatcher, self.controller, self.claims, self.writer.wait_idle,
-                               lambda job: self.leases.models.servable_config(job, self.leases.config))
+                               models.servable_config)
         self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                              self.hand_back_all,
+                                              lambda why: self.batches.hand_back_all(why),
                                               lambda note: self.heartbeat.beat(state="server_down", note=note))
         self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
-        self.leases = LeaseDesk(self.redis, self.sync_redis, opts.redis_url, self.instance, self.held,
-                                self.parking.admit, self.writer.add_dead, self.name, self.dispatcher.server_model)
-        self.completer = Completer(self.redis, self.flags)
-        self.loops = RqLoops(opts, self.instance, self.flags, self.held, self.dispatcher)
+        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher, self.claims,
+                               self.writer, Completer(self.redis, self.flags), self.stealer, models, self.parking.admit)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, self.stealer.queue_key, self.instance,
                              lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed},
                              lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
-        self.loops.shares = self.shares
         self.dispatcher.todo.plan = self.shares.plan
         self.tail = TailWatch(self.redis, self.name, self.stealer.queue_key, self.flags, self.dispatcher,
                               lambda: bool(self.held or self.stealer.borrowed))
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
-                                              GpuProbe(opts.gpu), lambda: self.ends.check_leases(),
-                                              self.stealer.pace)
-        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.loops,
-                                       self.stealer.pace)
-        self.ends: BatchEnds = BatchEnds(self.held, self.dispatcher, self.completer, self.leases, self.claims,
-                                         self.stealer.written)
-        self.handed_back = 0
-        self.stopping = StopNow(self.redis, self.name, self.held, self.writer, self.loops)
+                                              GpuProbe(opts.gpu), self.batches.check_leases, self.stealer.pace)
+        self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.flags, self.held,
+                             self.dispatcher, self.shares, models, self.stealer.pace.queued, self.batches.load)
+        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.stealer.pace)
+        self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
@@ -142,8 +132,8 @@ class Engine:
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
-                    self.leases.models.run(), self.writer.run(), self.leases.intake(), self.dispatcher.run(), self.watch.watchdog(), self.watch.recovery_loop(),
-                    self.watch.metrics_loop(), self.heartbeat.run(), self.loops.run(), self.maintenance.run(),
+                    self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
+                    self.watch.recovery_loop(), self.watch.metrics_loop(), self.heartbeat.run(), self.maintenance.run(),
                     self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
@@ -151,7 +141,7 @@ class Engine:
         finally:
             await self._close()
         log.info("worker %s exited: %s completed, %d handed back", self.name,
-                 plural(self.ends.completed, "batch", "batches"), self.handed_back)
+                 plural(self.batches.completed, "batch", "batches"), self.batches.handed_back)
         return 0
 
     async def _finish(self) -> None:
@@ -164,11 +154,11 @@ class Engine:
             idle = (not self.held and not self.stealer.borrowed and not self.dispatcher.running
                     and self.writer.pending == 0)
             if self.flags.stop_requested >= 2:
-                await self.hand_back_all("stopping now")
+                await self.batches.hand_back_all("stopping now")
                 return
             if (self.flags.draining or self.flags.stop_requested) and idle:
                 return
-            if self.opts.burst and self.loops.exhausted and idle and not self.loops.any_alive:
+            if self.opts.burst and self.intake.exhausted and idle:
                 if await self.maintenance.burst_done():
                     return
 
@@ -177,7 +167,6 @@ class Engine:
         if self.flags.stop_requested == 1:
             log.info("%s: finishing held batches (up to %.0fs), then exiting; send again to stop now",
                      signal.Signals(sig).name, self.opts.grace_period)
-            self.loops.stop_all()  # warm shutdown: idle loops exit, none takes another batch
             asyncio.get_running_loop().call_later(self.opts.grace_period, self._grace_expired)
         else:
             self.stopping.start()
@@ -191,50 +180,16 @@ class Engine:
             self.flags.stop_requested = 2
         self.stopping.start()
 
-    # ---------------------------------------------------------------- batches
-
-    async def hand_back_all(self, why: str) -> None:
-        """Give every held batch back to the queue; what finished stays finished."""
-        held = [h for h in self.held.values() if not h.completing]
-        for h in held:
-            self.dispatcher.drop(h, cancel=True)
-        while any(t.batch in held for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.writer.wait_idle()
-        if self.stealer.borrowed:
-            await retrying(functools.partial(self.stealer.give_back, why), "giving borrowed prompts back")
-        given = []
-        for h in held:
-            if h.completing:
-                continue  # the flush above finished it
-            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if await retrying(functools.partial(self.leases.hand_back, h.ref, h.token), f"handing back {h.ref}"):
-                given.append(str(h.ref))
-            self.held.pop(h.ref, None)
-        self.handed_back += len(given)
-        if given:
-            log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
-
     async def _shutdown(self) -> None:
-        """Answer every lease, then let the loops go (see the module docstring)."""
-        self.loops.stop_all()
+        """Hand back what is held, and flush what is recorded (see the module docstring)."""
         if self.held or self.stealer.borrowed:
-            await self.hand_back_all("stopping")
-        if self.ends.completions:  # shards being written: their release answers their leases
-            await asyncio.wait(self.ends.completions, timeout=60)
+            await self.batches.hand_back_all("stopping")
+        if self.batches.completions:  # shards being written: their release answers their leases
+            await asyncio.wait(self.batches.completions, timeout=60)
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
             log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
-        # A loop may hand over a batch while it stops: answer (hand back) every lease until the
-        # loops are gone; then kill what is left, and look one last time.
-        deadline = time.monotonic() + LOOPS_STOP_S
-        while self.loops.any_alive and time.monotonic() < deadline:
-            await retrying(self.leases.release_late_leases, "late leases")
-            await asyncio.sleep(0.2)
-        self.loops.kill_all()
-        await self.loops.wait_all()
-        await retrying(self.leases.release_late_leases, "late leases")
         try:
             await self.heartbeat.stopped()
         except (redis.RedisError, OSError):
@@ -242,7 +197,7 @@ class Engine:
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.wake_listener.stop)
-        self.completer.close()
+        self.batches.completer.close()
         await self.client.close()
         await self.redis.aclose()
         self.sync_redis.close()

@@ -105,7 +105,6 @@ class Heartbeat:
         self.started_at = time.time()
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
-        self._unwritten: frozenset[str] = frozenset()  # jobs the last beat said this engine cannot write
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         # The operator's pauses as last read from Redis: what the log compares with. flags.paused_jobs
         # also holds the jobs this engine's brake blocked, which no operator paused or resumed.
@@ -183,7 +182,7 @@ class Heartbeat:
         m = self.watch.metrics
         now = time.monotonic()
         if m is not None and m.generated_total is not None:
-            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage)
+            self.rates.counted(m.at, m.generated_total, m.running, m.kv_usage, m.waiting)
         window = self.rates.server_window()
         # Nothing of this worker's running: its row says 0 at once, not the window's last tokens.
         server_tok_s = None if window is None else window[0] if self.dispatcher.running else 0.0
@@ -212,7 +211,7 @@ class Heartbeat:
         in_flight: dict[str, int] = {}
         for task in self.dispatcher.running:
             in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
-        decodebound.add_tally(self.tallies, in_flight, decodebound.figures_of(status), now - self._tallied_at)
+        decodebound.add_tally(self.tallies, in_flight, status, now - self._tallied_at)
         self._tallied_at = now
         status.bound_tally = self.tallies
         return status
@@ -235,8 +234,6 @@ class Heartbeat:
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
             fleet.stage_status(pipe, status,
                                None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
-            self._unwritten = fleet.stage_unwritten(pipe, self.instance, self.flags.unwritten_jobs(), self._unwritten,
-                                                    LEASE_TIMEOUT_S)
             if pace is None or pace.workers_set_due():
                 fleet.stage_member(pipe, self.name)
             jobs = set(by_job) | set(queued) | self.held.jobs()

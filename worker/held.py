@@ -19,7 +19,7 @@ SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-re
 @dataclass(eq=False)
 class HeldBatch:
     ref: BatchRef
-    token: str  # the current lease; replies go to the RQ loop that delivered it
+    token: str  # the lease it was taken under (TAKE)
     config: JobConfig
     size: int
     unfinished: set[str]
@@ -84,7 +84,7 @@ class Flags:
 
     @property
     def accepting(self) -> bool:
-        """Whether RQ loops should take new batches."""
+        """Whether the engine takes new batches (worker/intake.py)."""
         return not (self.draining or self.stop_requested or self.paused_all or self.server_down_since is not None)
 
     def unwritten_jobs(self) -> frozenset[str]:
@@ -119,6 +119,7 @@ class RateWindow:
         self.mean_tokens: float | None = None  # output tokens per request, moving average
         # (monotonic, the server's generation counter, running, KV usage): its metrics' readings
         self._counter: list[tuple[float, float, float | None, float | None]] = []
+        self._waiting = 0.0  # the server's queue at the last reading
 
     def error(self, job: str) -> None:
         self.errors += 1
@@ -138,12 +139,15 @@ class RateWindow:
             self.token_s = per_token if self.token_s is None else (1 - a) * self.token_s + a * per_token
             self.mean_tokens = tokens if self.mean_tokens is None else (1 - a) * self.mean_tokens + a * tokens
 
-    def counted(self, at: float, total: float, running: float | None, usage: float | None) -> None:
+    def counted(self, at: float, total: float, running: float | None, usage: float | None,
+                waiting: float | None = None) -> None:
         """A reading of the server's metrics (at `at`, monotonic): its generation-token counter, and the
-        running count and KV usage its speed over the window is to be set against."""
+        running count and KV usage its speed over the window is to be set against; what waits, which
+        tells a server between two batches (SGLang shows 0 running while it prefills) from a stopped one."""
         s = self._counter
         if s and at <= s[-1][0]:
             return  # the same reading again
+        self._waiting = waiting or 0.0
         if s and total < s[-1][1]:
             s.clear()  # the server restarted: its counter began again
         s.append((at, total, running, usage))
@@ -156,8 +160,8 @@ class RateWindow:
         s = self._counter
         if len(s) < 2 or time.monotonic() - s[-1][0] > COUNTER_STALE_S:
             return None
-        if s[-1][2] == 0 and s[-1][1] == s[-2][1]:
-            return 0.0, 0.0, s[-1][3]  # it runs nothing and made nothing since the last reading: stopped now
+        if s[-1][2] == 0 and not self._waiting and s[-1][1] == s[-2][1]:
+            return 0.0, 0.0, s[-1][3]  # it runs nothing, nothing waits, nothing made since: stopped now
         return ((s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]), _mean([r[2] for r in s[1:]]), _mean([r[3] for r in s[1:]]))
 
     def rates(self) -> tuple[float, float]:

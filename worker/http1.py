@@ -1,27 +1,27 @@
-"""A lean HTTP/1.1 client for the generation POSTs (issue #29: a worker's CPU per request).
+"""The worker's HTTP/1.1 client: keep-alive connections to one inference server, http:// or https://.
 
-aiohttp's client session cost about what a whole bare request loop costs (tracing, timers,
-cookie jar, payload registry, a StreamReader per response): against a fast server it was
-more than half of a worker's CPU. The POSTs need little of it: keep-alive connections to one
-`http://` server, a body of known length, and an answer by Content-Length, chunked, or to
-the connection's close. GETs (health, models, /metrics) go each on a connection of its own.
-`https://` servers stay on aiohttp (worker/aioclient.py). The answers are parsed by llhttp
-(httptools, uvicorn's parser), as each piece arrives; what is not HTTP is a ValueError at once.
+It does what the worker needs and nothing more: a body of known length out; the answer by
+Content-Length, chunked, or to the connection's close, parsed by llhttp (httptools) as each piece
+arrives and fed to the caller's sink; what is not HTTP is a ValueError at once. Why not aiohttp:
+against a server that answers at once, CPU a request is 47-64 us here and 158-175 us for a bare
+aiohttp loop, and a whole worker on aiohttp costs 80-100 % more (2026-12-06, docs/performance.md
+"Worker overhead").
 
-Only a request that got no response byte on a reused connection may be sent again (the
-caller does: a server that closed an idle keep-alive connection, llama.cpp after each
-stream); once a response byte came, every outcome is the request's.
+Only a request that got no response byte on a reused connection may be sent again (the caller
+does: a server closes idle keep-alive connections, llama.cpp after each stream); once a response
+byte came, every outcome is the request's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 
 import httptools
 from yarl import URL
 
-CONNECT_TIMEOUT_S = 10.0  # the aiohttp session's sock_connect, kept
+CONNECT_TIMEOUT_S = 10.0  # TCP and TLS handshakes: a server that takes longer is down
 
 # Feeds the body's bytes as they come; True: enough read (the connection is not reused).
 Sink = Callable[[bytes], bool]
@@ -128,10 +128,11 @@ _FRAMING = (b"content-length", b"transfer-encoding")
 
 
 class Http1Pool:
-    """Keep-alive connections to one http:// server, each carrying one request at a time."""
+    """Keep-alive connections to one server, each carrying one request at a time."""
 
     def __init__(self, base: URL, limit: int) -> None:
-        self.host, self.port = base.host or "127.0.0.1", base.port or 80
+        self.host, self.port = base.host or "127.0.0.1", base.port or 80  # yarl: 443 for https:// without one
+        self.tls = _tls() if base.scheme == "https" else None
         self.prefix = base.path.rstrip("/")
         self.limit = limit  # idle connections kept
         self.idle: list[_Conn] = []
@@ -148,11 +149,13 @@ class Http1Pool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            _, conn = await loop.create_connection(lambda: _Conn(loop), self.host, self.port)
+            _, conn = await loop.create_connection(lambda: _Conn(loop), self.host, self.port, ssl=self.tls)
         return conn
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        """(status, body) of a GET on a connection of its own, closed after (see ServerClient._get)."""
+        """(status, body) of a GET on a connection of its own, closed after: a pooled one may be
+        one the server is about to close (llama.cpp a moment after each stream), and a health
+        check lost that way reads a live server as down."""
         parts: list[bytes] = []
 
         def keep(piece: bytes) -> bool:
@@ -192,3 +195,11 @@ class Http1Pool:
         else:
             conn.close()
         return status
+
+
+def _tls() -> ssl.SSLContext:
+    """The certificate checked against the default trust store (the system's, or SSL_CERT_FILE)
+    and the URL's host, as curl and aiohttp do."""
+    context = ssl.create_default_context()
+    context.set_alpn_protocols(["http/1.1"])
+    return context

@@ -1,4 +1,4 @@
-"""An idle worker waits instead of polling (issue #29).
+"""An idle worker waits instead of polling.
 
 A worker that holds nothing, runs nothing and has borrowed nothing for IDLE_AFTER_S
 is idle. A fleet of hundreds keeps some idle (a job's end, a queue run dry, spare GPUs),
@@ -6,11 +6,9 @@ and each used to issue 11-13 Redis commands a second: a heartbeat and a control 
 every second, an inbox pop and RQ pops timing out every one to three seconds, a look
 at every job's leases for prompts to steal every two. Idle, a worker:
 
-* picks up new batches the moment they are queued, as before: its RQ loops block on
-  the queue (BLMOVE) and the engine on its inbox (BLPOP); only their timeouts are
-  longer (POP_WAIT_S, INBOX_WAIT_S), and RQ's own bookkeeping around each pop is kept
-  to once a minute (QuietPops). A stop ends a loop's pop at once: the loop unblocks
-  it (CLIENT UNBLOCK: the pop ends with an error, nothing taken);
+* picks up new batches the moment they are queued: every enqueue publishes a WAKE that
+  says so (genq.core.queueing), and the intake takes one then (worker/intake.py), else
+  it looks every IDLE_POLL_S;
 * beats every IDLE_BEAT_S instead of every second, with keys that live IDLE_TTL_S,
   and reads its control record (drain, pause, cap) at the same beat;
 * looks for prompts to steal when woken, at most every WOKEN_LOOK_S, and otherwise
@@ -20,7 +18,7 @@ at every job's leases for prompts to steal every two. Idle, a worker:
   prompts are given back; a fleet with nothing to do publishes nothing;
 * takes its turn at the fleet's reconciler every IDLE_MAINTENANCE_S.
 
-The first sign of work (a lease in its inbox, a borrowed prompt) ends the idle pace
+The first sign of work (a batch taken, a borrowed prompt) ends the idle pace
 at the next one-second tick of the heartbeat: nothing waits for a long sleep.
 """
 
@@ -31,8 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sized
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 import redis.asyncio as aioredis
@@ -41,7 +38,7 @@ from genq.core.ledger import fleet
 from genq.core.redisconn import connect
 from genq.core.waits import wait_event
 
-if TYPE_CHECKING:  # not imported at run time: the RQ loops import this module, and start fast (no aiohttp)
+if TYPE_CHECKING:
     from genq.worker.dispatch import Dispatcher
     from genq.worker.held import Holdings
 
@@ -53,17 +50,12 @@ IDLE_TTL_S = 60  # its liveness and status keys live this long (3 beats)
 IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
 IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup
 WORKERS_SET_EVERY_S = 60.0  # re-adding the worker to genq:workers (kept once added)
-# Blocking pops. redis-py's health check (a PING on a connection unused for 30 s) is not
-# set off by them: the clock starts again when the pop's answer is read.
-POP_WAIT_S = 55  # an RQ loop's BLMOVE
-INBOX_WAIT_S = 55  # the engine's BLPOP on its inbox
 WOKEN_LOOK_S = 1.0  # an idle stealer woken looks at most this often
 ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) this often
-RQ_BEAT_EVERY_S = 120.0  # RQ's worker-key heartbeat between pops (the key lives 480 s)
 
 
 class IdlePace:
-    """Whether the engine is idle, and the pace of its loops accordingly."""
+    """Whether the engine is idle, and the pace of its loops accordingly (heartbeat, stealer, maintenance)."""
 
     def __init__(self, held: Holdings, dispatcher: Dispatcher, borrowed: Callable[[], Sized],
                  queue_key: str = "") -> None:
@@ -76,6 +68,7 @@ class IdlePace:
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
         self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
+        self.queued = asyncio.Event()  # a WAKE message that says batches were queued (worker/intake.py)
         # Set by maintenance after each reconciler pass: some job has a batch not done (held by
         # others, or stranded). No idle pace then: stranded batches, a frozen holder's prompts and
         # RQ entries of done batches must be found within seconds, not minutes.
@@ -102,7 +95,7 @@ class IdlePace:
         self.beat_now.clear()
         # Beats are spaced out only after one whose keys all outlive the gap: the last busy beat's
         # expire in LEASE_TIMEOUT_S, and waiting IDLE_BEAT_S from it left an engine going idle
-        # shown lost, its RQ loops refusing the next batch (EngineLost), for seconds.
+        # shown lost for seconds.
         if not asked and self.idle() and self.idle_keys and now - self.last_beat < IDLE_BEAT_S:
             return False
         self.last_beat = now
@@ -158,7 +151,7 @@ class IdlePace:
     async def announce(self, conn: aioredis.Redis) -> None:
         """From a busy engine's heartbeat: while it holds prompts not yet sent and the queue
         is empty (idle workers take those then), WAKE every ANNOUNCE_EVERY_S. While the queue
-        has batches, idle workers' RQ loops take them: no need, and no fan-out to pay."""
+        has batches, idle workers take those: no need, and no fan-out to pay."""
         now = time.monotonic()
         if self.dispatcher.unsent and now - self.announced_at >= ANNOUNCE_EVERY_S:
             self.announced_at = now
@@ -202,8 +195,10 @@ class WakeListener:
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message.get("type") == "message":
-                        control = fleet.is_control_wake(message.get("data"))
-                        self.loop.call_soon_threadsafe((self.pace.beat_now if control else self.pace.woken).set)
+                        data = message.get("data")
+                        event = (self.pace.beat_now if fleet.is_control_wake(data)
+                                 else self.pace.queued if fleet.is_queued_wake(data) else self.pace.woken)
+                        self.loop.call_soon_threadsafe(event.set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
                 self._stop.wait(1.0)
@@ -220,47 +215,3 @@ async def wake_fleet(conn: aioredis.Redis) -> None:
         await fleet.wake_for_work(conn)
     except (redis.RedisError, OSError) as exc:
         log.debug("wake-up not sent: %s", exc)
-
-
-def unblock_own_pop(conn: redis.Redis, name: str) -> None:
-    """From an RQ loop told to stop while it pops: end its blocking pop (its connection carries
-    the loop's name, QuietPops) with an error, so the pop takes nothing and the loop stops now
-    rather than after POP_WAIT_S. A stop's signal handler runs between the
-    pop's reads, on a connection of its own; if the pop has just taken a batch, there is
-    nothing blocked to unblock and the batch is run as before."""
-    pool = conn.connection_pool  # not its connections: the signal may land while it hands one out
-    try:
-        with redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
-                                                              **pool.connection_kwargs)) as own:
-            for client in own.client_list(_type="normal"):
-                if client.get("name") == name and client.get("cmd") in ("blmove", "brpoplpush"):
-                    # As an error, not a timeout: RQ pops again for what is left of its wait after
-                    # a timeout; an error ends the pop (EngineWorker then acts on the kept stop).
-                    own.client_unblock(int(client["id"]), error=True)
-    except Exception as exc:  # noqa: BLE001 - any failure here only means the stop waits for the pop
-        log.warning("could not end this loop's pop early (it stops within %ss): %s", POP_WAIT_S, exc)
-
-
-class QuietPops:
-    """An RQ worker mixin: between pops, RQ's worker-key heartbeat at most once a minute and
-    its state written only when it changes. RQ writes both around every pop (6 commands a
-    pop); the key lives worker_ttl + 60 s (480 s), and the state does not change while idle.
-    The loop's connections carry its name (rqjob.main) for unblock_own_pop."""
-
-    _popping: bool
-    _beat_at: datetime | None = None
-    name: str
-    connection: redis.Redis
-
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        now = datetime.now()
-        if (self._popping and timeout is None and pipeline is None and self._beat_at is not None
-                and now - self._beat_at < timedelta(seconds=RQ_BEAT_EVERY_S)):
-            return
-        self._beat_at = now
-        super().heartbeat(timeout, pipeline)  # type: ignore[misc]
-
-    def set_state(self, state: str, pipeline: Any = None) -> None:
-        if self._popping and pipeline is None and getattr(self, "_state", None) == state:
-            return
-        super().set_state(state, pipeline)  # type: ignore[misc]

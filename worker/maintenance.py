@@ -13,22 +13,19 @@ import logging
 import redis
 
 from genq.core.ledger import Reconciler
-from genq.core.queueing import rq_queue
 from genq.core.timings import RECONCILE_EVERY_S
 from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
 from genq.worker.idle import IdlePace
-from genq.worker.loops import RqLoops
 
 log = logging.getLogger("genq.worker")
 
 
 class Maintenance:
-    def __init__(self, conn: redis.Redis, reconciler: Reconciler, loops: RqLoops, pace: IdlePace) -> None:
+    def __init__(self, conn: redis.Redis, reconciler: Reconciler, pace: IdlePace) -> None:
         self.conn = conn
         self.reconciler = reconciler
-        self.loops = loops
         self.pace = pace  # the engine's one idleness (the stealer's): idle, a turn every IDLE_MAINTENANCE_S
         self.outputs = OutputWatch(conn, queue_lost)  # the ledger checked against the written output
 
@@ -44,8 +41,8 @@ class Maintenance:
                 log.debug("maintenance skipped: %s", exc)
 
     async def burst_done(self) -> bool:
-        """A burst worker leaves once the ledger says every batch of every job is done; batches
-        queued again (stranded, or handed back by others) are taken first."""
+        """A burst worker leaves once the ledger says every batch of every job is done; False while
+        batches are queued again (stranded, or handed back by others): the intake takes them."""
         await asyncio.to_thread(self.outputs.pass_once)
         outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
         if not outlook.unfinished and not outlook.finishing:
@@ -53,7 +50,5 @@ class Maintenance:
             log.info("burst: every batch of every job is done%s; exiting",
                      f" but those of blocked jobs ({', '.join(blocked)}: genq jobs show JOB)" if blocked else "")
             return True
-        if await asyncio.to_thread(lambda: rq_queue(self.conn).count):
-            self.loops.exhausted = False  # work came back: take it
         await asyncio.sleep(1.0)
         return False

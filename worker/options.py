@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from genq.core.prefetch import DEFAULT_PREFETCH
+DEFAULT_PREFETCH = 2  # genq worker --prefetch: batches held at least (the current one and the next)
 
 
 @dataclass
@@ -18,7 +18,7 @@ class WorkerOptions:
     model_bytes: float | None = None  # --model-bytes: the weights, where the server does not publish them
     concurrency: int | None = None  # None: auto, from the server's capacity
     burst: bool = False
-    loops: int = DEFAULT_PREFETCH  # --prefetch: RQ work loops, batches held at once (the current one and the next)
+    loops: int = DEFAULT_PREFETCH  # --prefetch: batches held at least (worker/intake.py)
     stream: bool = True
     request_timeout: float = 3600.0
     stall_timeout: float = 300.0
@@ -29,7 +29,6 @@ class WorkerOptions:
     retry_backoff: float = 1.0
     retry_backoff_max: float = 60.0
     max_attempts: int | None = None  # overrides the job's setting
-    job_monitoring_interval: int = 10
 
 
 def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
@@ -56,8 +55,8 @@ def server_url_problem(url: str) -> str | None:
     return None
 
 
-# Redis refuses a client name with a space or a character outside printable ASCII, and every RQ
-# loop of a worker names its connections with the worker's name: such a name never works.
+# A worker's name is its RQ worker's name (`rq info`); RQ names a worker's Redis connection after it,
+# and Redis refuses a client name with a space or a character outside printable ASCII.
 NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
 
 

@@ -28,13 +28,13 @@ import redis.asyncio as aioredis
 from genq.core.ledger import holding
 from genq.core.ledger.parked import end_lease_parked
 from genq.core.records import JobBlock, JobConfig, Prompt
+from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.brake import Brake
 from genq.worker.claims import Claims
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.leases import retrying
 from genq.worker.preflight import preflight
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerInfo
@@ -48,8 +48,7 @@ CHECK_EVERY_S = 1.0
 class Parking:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
-                 server: Callable[[], ServerInfo | None], reread: Callable[[], Awaitable[ServerInfo | None]],
-                 reply: Callable[[str, bytes], Awaitable[None]]) -> None:
+                 server: Callable[[], ServerInfo | None], reread: Callable[[], Awaitable[ServerInfo | None]]) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
@@ -61,7 +60,6 @@ class Parking:
         self.writer = writer
         self.server = server  # what the server said about itself (ServerWatch.info)
         self.reread = reread  # ... read again now (ServerWatch.reread)
-        self.reply = reply  # LeaseDesk.reply: a lease's word to its RQ loop
         self.brake = Brake(worker, dispatcher._dead, self.block)
         self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
@@ -82,7 +80,7 @@ class Parking:
     # ---------------------------------------------------------------- arriving batches
 
     def admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """LeaseDesk's on_batch: a leased batch is sent only if its job is not blocked, with the
+        """Batches' admit: a loaded batch is sent only if its job is not blocked, with the
         job's current settings, and past the preflight."""
         self._spawn(self._admit(held, prompts))
 
@@ -178,7 +176,6 @@ class Parking:
             await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
             if await asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token):
                 parked.append(str(h.ref))
-            await retrying(functools.partial(self.reply, h.token, b"released"), f"parking {h.ref}")
             self.held.pop(h.ref, None)
         self.parked += len(parked)
         if parked:
@@ -249,10 +246,9 @@ def park_paused(parking: Parking) -> None:
 
 
 def parking_of(engine: Any) -> Parking:
-    """The engine's (worker/engine.py; its LeaseDesk is built after this, hence the lambdas)."""
+    """The engine's (worker/engine.py)."""
     parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
-                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info, engine.watch.reread,
-                      lambda token, word: engine.leases.reply(token, word))
+                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info, engine.watch.reread)
     engine.dispatcher.brake = parking.brake
     return parking
 

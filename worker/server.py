@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from yarl import URL
@@ -21,17 +21,7 @@ from genq.worker.engines import Engine, detect
 from genq.worker.engines.metrics import Metrics, metrics_from_text
 from genq.worker.http1 import Http1Pool, NoResponse, Sink
 from genq.worker.stream import StreamSink
-
-if TYPE_CHECKING:
-    from genq.worker.aioclient import AioClient
-from genq.worker.wire import (  # noqa: F401  (re-exported: the client's public names)
-    Completion,
-    Failure,
-    Progress,
-    _connection_failure,
-    _http_failure,
-    parse_completion_bytes,
-)
+from genq.worker.wire import Completion, Failure, Progress, connection_failure, http_failure, parse_completion_bytes
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -41,7 +31,6 @@ _json_encode = msgspec.json.Encoder().encode
 # (SGLANG_HEALTH_CHECK_TIMEOUT): a client that gives up sooner reads a live, busy server
 # as down, and the worker then cancels every request in flight as a crash.
 HEALTH_TIMEOUT_S = 30.0
-
 
 
 class ServerUnavailable(Exception):
@@ -64,7 +53,7 @@ class ServerInfo:
 
     @property
     def kind(self) -> str:
-        """The flavor under its older name."""
+        """The flavor, as the worker's start-up line names it."""
         return self.flavor
 
 
@@ -96,40 +85,16 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
 class ServerClient:
     def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
-        # Parsed once: a URL string is parsed again on every request otherwise.
-        self._generate_urls = {
-            "chat": URL(self.base_url + "/v1/chat/completions"),
-            "completions": URL(self.base_url + "/v1/completions"),
-        }
-        self._connections = connections
-        # The generation POSTs to an http:// server go through the lean client (worker/http1.py).
-        base = URL(self.base_url)
-        self._pool = Http1Pool(base, connections) if base.scheme == "http" else None
-        self._paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-        # https:// servers, on aiohttp (worker/aioclient.py): imported only for them.
-        self._aio: AioClient | None = None
-        if self._pool is None:
-            from genq.worker.aioclient import AioClient
-
-            self._aio = AioClient(connections)
+        self._pool = Http1Pool(URL(self.base_url), connections)
         self.reconnects = 0  # requests sent again after their reused connection was dead
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-        if self._aio is not None:
-            await self._aio.close()
+        self._pool.close()
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-        # Each GET on a connection of its own: a pooled one may be one llama-server is
-        # about to close, and a retry could take the next pooled one, which may be closing
-        # too. A health check lost that way read a live server as down.
         try:
-            if self._aio is not None:
-                return await self._aio.get(self.base_url + path, timeout)
-            assert self._pool is not None
             return await self._pool.get(path, timeout)
-        except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP (aiohttp's: OSError too)
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def _get_json(self, path: str) -> Any:
@@ -184,50 +149,43 @@ class ServerClient:
         m.at = time.monotonic()
         return m
 
-    async def generate(
-        self, endpoint: str, body: dict[str, Any], progress: Progress
-    ) -> Completion | Failure:
+    async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
+        """The request's outcome. Sent again once, on a new connection, only if a pooled one ended
+        before any response byte: the server had closed it (llama.cpp does after every stream), so
+        the request never reached it, and no attempt counts."""
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         data = _json_encode(body)
-        if self._pool is not None:
-            return await self._post_lean(self._paths["chat" if endpoint == "chat" else "completions"], data, body,
-                                         progress)
-        assert self._aio is not None
-        outcome = await self._aio.generate(self._generate_urls["chat" if endpoint == "chat" else "completions"],
-                                           data, body, progress)
-        self.reconnects = self._aio.reconnects
-        return outcome
+        try:
+            return await self._post(path, data, body, progress, reuse=True)
+        except NoResponse:
+            self.reconnects += 1
+            return await self._post(path, data, body, progress, reuse=False)
 
-    async def _post_lean(self, path: str, data: bytes, body: dict[str, Any], progress: Progress) -> Completion | Failure:
-        """The same contract as _post's on the lean client: sent again once, on a new connection,
-        only if a pooled one ended before any response byte."""
-        assert self._pool is not None
+    async def _post(self, path: str, data: bytes, body: dict[str, Any], progress: Progress, *,
+                    reuse: bool) -> Completion | Failure:
+        """One try. Raises NoResponse only when a pooled connection ended before any response byte."""
         model = body.get("model", "")
-        for reuse in (True, False):
-            answer = _Answer(bool(body.get("stream")), model, progress)
-            try:
-                status = await self._pool.post(path, data, answer.sink_for, reuse=reuse)
-            except NoResponse as exc:
-                if exc.reused:
-                    self.reconnects += 1
-                    continue
-                return _connection_failure(exc)
-            except OSError as exc:  # refused, reset, cut short, the connect timeout
-                return _connection_failure(exc)
-            except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
-                return Failure("protocol", f"malformed HTTP response: {exc}")
-            if status != 200:
-                return _http_failure(status, b"".join(answer.parts))
-            if answer.stream is not None:
-                return answer.stream.outcome()
-            progress.first_byte = progress.last_activity = time.monotonic()
-            try:
-                return parse_completion_bytes(b"".join(answer.parts), model)
-            except msgspec.DecodeError as exc:
-                return Failure("protocol", f"unparsable response: {exc}")
-        raise AssertionError("unreachable: the second try takes no pooled connection")
+        answer = _Answer(bool(body.get("stream")), model, progress)
+        try:
+            status = await self._pool.post(path, data, answer.sink_for, reuse=reuse)
+        except NoResponse as exc:
+            if exc.reused:
+                raise
+            return connection_failure(exc)
+        except OSError as exc:  # refused, reset, cut short, the connect timeout
+            return connection_failure(exc)
+        except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
+            return Failure("protocol", f"malformed HTTP response: {exc}")
+        if status != 200:
+            return http_failure(status, b"".join(answer.parts))
+        if answer.stream is not None:
+            return answer.stream.outcome()
+        progress.first_byte = progress.last_activity = time.monotonic()
+        return parse_completion_bytes(b"".join(answer.parts), model)
+
 
 class _Answer:
-    """Where a lean response's body goes: a stream's events to the stream's state, else its bytes."""
+    """Where a response's body goes: a stream's events to the stream's state, else its bytes."""
 
     __slots__ = ("streamed", "model", "progress", "parts", "stream")
 
@@ -245,7 +203,3 @@ class _Answer:
     def _keep(self, piece: bytes) -> bool:
         self.parts.append(piece)
         return False
-
-
-
-

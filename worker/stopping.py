@@ -1,13 +1,10 @@
 """Stopping now: a worker told to stop now (a second signal, its grace period over) stops
 within seconds, whatever its Redis does.
 
-The engine's shutdown (worker/engine.py) hands held batches back and answers every lease,
-all in Redis. Told to stop now, it goes on only while Redis answers a PING; once Redis does
+The engine's shutdown (worker/engine.py) hands held batches back, in Redis. Told to stop now, it goes on only while Redis answers a PING; once Redis does
 not (stopped, frozen, cut off), the worker stops without it. Nothing is lost: what it holds
 and has not recorded is simply not recorded; its leases lapse and the reconcilers put its
-batches back for other workers once Redis is back (docs/exactly-once.md). (The bug this
-ends: after two SIGTERMs with Redis gone, a worker waited forever to write the results it
-held, and needed SIGKILL.)
+batches back for other workers once Redis is back (docs/exactly-once.md).
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import redis.asyncio as aioredis
 
 from genq.core.words import plural
 from genq.worker.held import Holdings
-from genq.worker.loops import RqLoops
 from genq.worker.results import ResultWriter
 
 log = logging.getLogger("genq.worker")
@@ -44,14 +40,13 @@ LOOK_S = 0.5  # how often the shutdown is looked at
 
 
 class StopNow:
-    def __init__(self, conn: aioredis.Redis, worker: str, held: Holdings, writer: ResultWriter,
-                 loops: RqLoops) -> None:
+    def __init__(self, conn: aioredis.Redis, worker: str, held: Holdings, writer: ResultWriter) -> None:
         self.conn = conn
         self.worker = worker
         self.held = held
         self.writer = writer
-        self.loops = loops
         self.since: float | None = None  # monotonic: when the worker was told to stop now
+        self.without_redis = False  # the shutdown was given up: Redis did not answer, or took too long
 
     def start(self) -> None:
         if self.since is None:
@@ -87,11 +82,10 @@ class StopNow:
             return False
 
     async def _without_redis(self) -> None:
+        self.without_redis = True
         log.warning("stopping now, Redis away: %s not handed back, %s not recorded; their leases lapse and "
                     "other workers take them once Redis is back", plural(len(self.held), "batch", "batches"),
                     plural(self.writer.pending, "result"))
-        self.loops.kill_all()  # they wait for Redis to answer their leases: killed, they take nothing more
-        await self.loops.wait_all()
         backstop = threading.Timer(EXIT_BY_S, self._exit_now)
         backstop.daemon = True
         backstop.start()

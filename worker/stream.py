@@ -11,21 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
 from genq.core.records import Choice
-from genq.worker.wire import (
-    Completion,
-    Failure,
-    Progress,
-    _answer_decode,
-    _event_failure,
-    _generic_answer,
-    _json_decode,
-    _stop_of,
-    _wire_usage,
-    _WireUsage,
-)
+from genq.worker.wire import Completion, Failure, Progress, WireUsage, decode_answer, event_failure, stop_of, usage_of
 
 
 class _ChoiceState:
@@ -85,7 +72,7 @@ class _StreamState:
 
     def __init__(self, model: str) -> None:
         self.choices: dict[int, _ChoiceState] = {}
-        self.usage: _WireUsage | None = None
+        self.usage: WireUsage | None = None
         self.total_seen = False  # usage came on a chunk without choices: the request's total
         self.response_id: str | None = None
         self.model = model
@@ -96,15 +83,11 @@ class _StreamState:
         if payload == b"[DONE]":
             self.done = True
             return None
-        try:
-            event = _answer_decode(payload)
-        except msgspec.ValidationError:
-            generic = _generic_answer(_json_decode(payload))
-            if isinstance(generic, Failure):
-                return Failure("protocol", f"stream event is not a JSON object: {payload[:200]!r}")
-            event = generic
+        event = decode_answer(payload)
+        if isinstance(event, Failure):
+            return Failure("protocol", f"stream event is not a JSON object: {payload[:200]!r}")
         if event.error is not None:  # the engines report errors in a running stream this way, on HTTP 200
-            return _event_failure(event.error, mid_stream=self.events > 0)
+            return event_failure(event.error, mid_stream=self.events > 0)
         self.events += 1
         if self.response_id is None:
             self.response_id = event.id
@@ -128,7 +111,7 @@ class _StreamState:
                 state.text.append(wire.text)
             if wire.finish_reason:
                 state.finish_reason = wire.finish_reason
-                state.matched_stop = _stop_of(wire)
+                state.matched_stop = stop_of(wire)
             if wire.logprobs:
                 state.add_logprobs(wire.logprobs)
             if usage is not None and usage.completion_tokens is not None:
@@ -139,7 +122,7 @@ class _StreamState:
             if self.total_seen or not event.choices or len(self.choices) <= 1:
                 self.usage = usage
             elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
-                self.usage = _WireUsage(prompt_tokens=usage.prompt_tokens)
+                self.usage = WireUsage(prompt_tokens=usage.prompt_tokens)
             progress.advance((usage.completion_tokens or 0) if self.total_seen or len(self.choices) <= 1
                              else sum(s.tokens or 0 for s in self.choices.values()))
         elif self.usage is None:
@@ -149,7 +132,7 @@ class _StreamState:
     def completion(self) -> Completion:
         indexes = sorted(self.choices) or [0]
         choices = [self.choices.get(i, _ChoiceState()).choice(i) for i in indexes]
-        usage = _wire_usage(self.usage)
+        usage = usage_of(self.usage)
         if not self.total_seen and len(choices) > 1:
             # No total from the server: the sum of what each choice's last chunk counted.
             usage.completion_tokens = sum(c.completion_tokens or 0 for c in choices)

@@ -173,7 +173,7 @@ class ServerWatch:
             change = self._change(info)
             if change is not None and change.startswith("it serves model"):
                 # Its held prompts are for a model it no longer serves: back to the queue for a server
-                # of theirs; the lease desk and RQ loops take jobs of its new model from now on.
+                # of theirs; the intake takes jobs of its new model from now on.
                 log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
                 await self.hand_back_all(f"server now serves {info.model}")
             elif change is not None and down_for <= self.opts.server_down_timeout:

@@ -56,7 +56,7 @@ _json_decode = msgspec.json.Decoder().decode
 # than into dicts, which matters at thousands of stream events a second. A field of
 # an unexpected type fails validation and the answer goes through the generic
 # (dict) path instead, so odd servers are still understood.
-class _WireUsage(msgspec.Struct):
+class WireUsage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reasoning_tokens: int | None = None
@@ -91,7 +91,7 @@ class _WireAnswer(msgspec.Struct):
     model: str | None = None
     object: str | None = None
     choices: list[_WireChoice] | None = None
-    usage: _WireUsage | None = None
+    usage: WireUsage | None = None
     error: Any = None
     message: Any = None  # flat error bodies (SGLang): {"object": "error", "message": ...}
 
@@ -144,18 +144,18 @@ def _error_message(raw: bytes) -> str:
     return raw[:500].decode("utf-8", "replace")
 
 
-def _http_failure(status: int, raw: bytes) -> Failure:
+def http_failure(status: int, raw: bytes) -> Failure:
     message = _error_message(raw)
     if status in (400, 413, 422):
         return Failure("bad_request", message, status, retryable=False)
     return Failure("server_error", message, status)
 
 
-def _connection_failure(exc: BaseException) -> Failure:
+def connection_failure(exc: BaseException) -> Failure:
     return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
-def _event_failure(err: Any, mid_stream: bool = False) -> Failure:
+def event_failure(err: Any, mid_stream: bool = False) -> Failure:
     """The failure an error body or stream event names. An error event after the
     stream's first event (the request was accepted and ran) is a server_error to retry
     whatever its code: SGLang sends any exception in a running stream with its blanket
@@ -171,20 +171,26 @@ def _event_failure(err: Any, mid_stream: bool = False) -> Failure:
     return Failure("server_error", message, status)
 
 
-def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
-    """A non-streamed answer. Raises msgspec.DecodeError if it is not JSON."""
+def decode_answer(raw: bytes) -> _WireAnswer | Failure:
+    """A response or one stream event; a protocol Failure if it is not a JSON object."""
     try:
-        answer = _answer_decode(raw)
-    except msgspec.ValidationError:
-        generic = _generic_answer(_json_decode(raw))
-        if isinstance(generic, Failure):
-            return generic
-        answer = generic
+        return _answer_decode(raw)
+    except msgspec.ValidationError:  # JSON, a field of another type: the generic path
+        return _generic_answer(_json_decode(raw))
+    except msgspec.DecodeError as exc:
+        return Failure("protocol", f"unparsable answer: {exc} ({raw[:200]!r})")
+
+
+def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
+    """A non-streamed answer."""
+    answer = decode_answer(raw)
+    if isinstance(answer, Failure):
+        return answer
     if answer.error is not None or answer.object == "error":
-        return _event_failure(answer.error if answer.error is not None else _json_decode(raw))
+        return event_failure(answer.error if answer.error is not None else _json_decode(raw))
     if not answer.choices:
         return Failure("protocol", "response has no choices")
-    usage = _wire_usage(answer.usage)
+    usage = usage_of(answer.usage)
     choices = []
     for wire in sorted(answer.choices, key=lambda c: c.index):
         message = wire.message
@@ -196,17 +202,17 @@ def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
             text, reasoning = wire.text or "", None
         choices.append(Choice(index=wire.index, completion=text, finish_reason=wire.finish_reason,
                               reasoning_content=reasoning, logprobs=wire.logprobs,
-                              matched_stop=_stop_of(wire), tool_calls=tool_calls))
+                              matched_stop=stop_of(wire), tool_calls=tool_calls))
     if len(choices) == 1:  # a whole answer counts only the request's tokens: one choice has them all
         choices[0].completion_tokens = usage.completion_tokens
     return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
 
 
-def _stop_of(choice: _WireChoice) -> int | str | None:
+def stop_of(choice: _WireChoice) -> int | str | None:
     return choice.matched_stop if choice.matched_stop is not None else choice.stop_reason
 
 
-def _wire_usage(raw: _WireUsage | None) -> Usage:
+def usage_of(raw: WireUsage | None) -> Usage:
     if raw is None:
         return Usage()
     reasoning = raw.reasoning_tokens
@@ -232,7 +238,7 @@ def _generic_answer(body: Any) -> _WireAnswer | Failure:
     usage = None
     if isinstance(raw_usage, dict):
         details = raw_usage.get("completion_tokens_details")
-        usage = _WireUsage(prompt_tokens=_int_or_none(raw_usage.get("prompt_tokens")),
+        usage = WireUsage(prompt_tokens=_int_or_none(raw_usage.get("prompt_tokens")),
                            completion_tokens=_int_or_none(raw_usage.get("completion_tokens")),
                            reasoning_tokens=_int_or_none(raw_usage.get("reasoning_tokens")),
                            completion_tokens_details=details if isinstance(details, dict) else None)

@@ -1,6 +1,8 @@
-"""The `genq` command: one click group; each subcommand lives beside the code it drives.
+"""The `genq` command: one click group, and what its subcommands share.
 
-Subcommands are imported lazily so `genq --help` and small commands start fast.
+Subcommands are imported lazily, so that `genq --help` and small commands start fast. What Redis
+says instead of answering, a request the operator can fix (genq.ops.Refused) and Ctrl-C are turned
+into one line and the README's exit status here, for every subcommand.
 """
 
 from __future__ import annotations
@@ -8,16 +10,25 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 import redis
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
+from genq.ops import Refused
+
+EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an export is partial
+EXIT_INTERRUPTED = 130
 
 # name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -27,13 +38,13 @@ COMMANDS: dict[str, str] = {
     "sim": "genq.cli.sim:sim_command",
     "demo": "genq.cli.demo:demo",
     "dlq": "genq.cli.dlq:dlq",
-    "pause": "genq.cli.control:pause",
-    "resume": "genq.cli.control:resume",
+    "pause": "genq.cli.jobs:pause",
+    "resume": "genq.cli.jobs:resume",
     "drain": "genq.cli.fleet:drain",
     "workers": "genq.cli.fleet:workers",
     "concurrency": "genq.cli.fleet:concurrency",
     "export": "genq.cli.export:export",
-    "jobs": "genq.cli.control:jobs",
+    "jobs": "genq.cli.jobs:jobs",
     "status": "genq.cli.status:status",
     "recover": "genq.cli.recover:recover",
 }
@@ -41,51 +52,50 @@ COMMANDS: dict[str, str] = {
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(name for name in COMMANDS if _available(name))
-
-    def invoke(self, ctx: click.Context) -> Any:
-        """Ctrl-C: exit 130, as the README says (click itself prints "Aborted!" and exits 1)."""
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
+        return sorted(n for n in COMMANDS if importlib.util.find_spec(COMMANDS[n].split(":")[0]) is not None)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
+        if name not in COMMANDS:
             return None
-        module, attr = target.split(":")
+        module, attr = COMMANDS[name].split(":")
         try:
             command = getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as exc:
             if exc.name == module:
                 return None
             raise
-        return _with_global_options(command)
+        return _with_redis_option(command)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:  # click would say "Aborted!" and exit 1; a command may add what it did
+            click.echo(f"\ninterrupted{''.join(map(str, exc.args))}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except redis.RedisError as exc:  # unreachable, full, no such database, not Redis: the URL masked
+            raise click.ClickException(describe_error(settings(ctx).redis_url, exc)) from None
+        except Refused as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 def _set_redis(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    if value is not None:  # given after the subcommand: it overrides the group's (and the env's)
+    if value is not None:  # given after the subcommand: it wins over the group's (and the env's)
         ctx.ensure_object(Settings).redis_url = checked_url(value)
 
 
-def _with_global_options(command: click.Command) -> click.Command:
-    """The group's --redis, accepted after the subcommand too (`genq worker ... --redis URL`),
-    on the subcommand and on every subcommand of a subgroup (`genq dlq list --redis URL`)."""
+def _with_redis_option(command: click.Command) -> click.Command:
+    """The group's --redis, accepted after the subcommand too (`genq dlq list --redis URL`)."""
     if not any(p.name == "subcommand_redis" for p in command.params):
         command.params.append(click.Option(["--redis", "subcommand_redis"], metavar="URL", expose_value=False,
                                            is_eager=True, callback=_set_redis,
                                            help="Redis URL: the same as genq --redis URL (see genq --help)."))
     for sub in getattr(command, "commands", {}).values():
-        _with_global_options(sub)
+        _with_redis_option(sub)
     return command
 
 
 class BadURL(click.ClickException):
-    """A Redis URL genq cannot use: bad usage (exit 2), said in one line."""
-
-    exit_code = 2
+    exit_code = 2  # a Redis URL genq cannot use is bad usage
 
 
 def checked_url(url: str) -> str:
@@ -96,14 +106,33 @@ def checked_url(url: str) -> str:
     return url
 
 
-def _available(name: str) -> bool:
-    module = COMMANDS[name].split(":")[0]
-    return importlib.util.find_spec(module) is not None
+@dataclass
+class Settings:
+    """What the group's options give every subcommand (ctx.obj)."""
+
+    redis_url: str
+
+    @property
+    def redis_display(self) -> str:
+        return mask_url(self.redis_url)
+
+
+def settings(ctx: click.Context) -> Settings:
+    return ctx.find_object(Settings) or Settings(resolve_url(None))
+
+
+@contextmanager
+def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
+    """The command's Redis, closed after."""
+    conn = connect(settings(ctx).redis_url)
+    try:
+        yield conn
+    finally:
+        conn.close()
 
 
 class Concurrency(click.ParamType):
-    """Requests in flight: 'auto' (None) or a whole number of at least 1 (0 would mean
-    nothing: no request could be sent; auto is asked for by name)."""
+    """Requests in flight: 'auto' (None) or a whole number of at least 1."""
 
     name = "auto|N"
 
@@ -120,7 +149,7 @@ class Concurrency(click.ParamType):
 
 
 class JobName(click.ParamType):
-    """A job name as the ledger's check_job_name allows it: a bad one is bad usage (exit 2)."""
+    """A job name as the ledger allows it: a bad one is bad usage."""
 
     name = "NAME"
 
@@ -134,8 +163,7 @@ class JobName(click.ParamType):
 
 
 class Option(click.Option):
-    """An option whose earlier names (`old`) still work but are left out of --help: scripts
-    written against them keep running, the help shows one name."""
+    """An option whose earlier names (`old`) still work, left out of --help: scripts keep running."""
 
     def __init__(self, param_decls: Sequence[str], *, old: Sequence[str] = (), **attrs: Any) -> None:
         super().__init__([*param_decls, *old], **attrs)
@@ -149,9 +177,12 @@ class Option(click.Option):
             self.opts = shown
 
 
+def job_option(help: str = "Only this job. [default: all jobs]", **attrs: Any) -> Callable[[Any], Any]:
+    return click.option("--job", type=JobName(), default=None, metavar="NAME", help=help, **attrs)
+
+
 def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The job of a command that names one, as JOB or --job JOB (the other commands take --job):
-    either form, not two different ones. The command receives it as `job`."""
+    """The job of a command that names one, as JOB or --job JOB (either, not two different ones)."""
 
     @functools.wraps(fn)
     def command(*args: Any, job: str | None, job_option: str | None, **kwargs: Any) -> Any:
@@ -166,24 +197,63 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.argument("job", type=JobName(), required=False)(command)
 
 
-class Settings:
-    """What the group's options give every subcommand (ctx.obj)."""
+def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
+    """--extra-body's JSON object, its fields checked as a row's sampling is (ValueError says why)."""
+    from genq.producer.params import ParamError, check_params
 
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    try:
+        check_params(extra, "--extra-body", endpoint)
+    except ParamError as exc:
+        raise ValueError(str(exc)) from None
+    return extra
 
-    @property
-    def redis_display(self) -> str:
-        return mask_url(self.redis_url)
+
+def json_option(help: str) -> Callable[[Any], Any]:
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+yes_option = click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+
+
+def console() -> Console:
+    """Piped output (logs, docs, tests) gets wide lines rather than wrapped cells."""
+    return Console() if sys.stdout.isatty() else Console(width=200, no_color=True, highlight=False)
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[str]], *, right: Collection[str] = (),
+          title: str | None = None, ruled: bool = True) -> Table:
+    """Every table the CLI prints: one line per row, numbers right-aligned; not `ruled`, bare columns
+    that grep and awk split on blanks."""
+    shown = Table(title=title, show_edge=False, header_style="bold", box=box.HEAVY_HEAD if ruled else None,
+                  pad_edge=ruled)
+    for col in columns:
+        shown.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+    for row in rows:
+        shown.add_row(*row)
+    return shown
+
+
+def age(seconds: float) -> str:
+    """"45s", "12m", "3h", "2d"."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{max(0.0, seconds):.0f}s"
+
+
+def iso(at: float) -> str:
+    return datetime.fromtimestamp(at, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
-    "--redis",
-    "redis_url",
-    envvar=ENV_VAR,
-    default=None,
-    metavar="URL",
+    "--redis", "redis_url", envvar=ENV_VAR, default=None, metavar="URL",
     help=f"Redis URL, before or after the subcommand (env {ENV_VAR}; default redis://127.0.0.1:6379/0). "
     f"Forms: {FORMS}. Passwords are masked in all output; docs/operations.md has every form.",
 )
@@ -210,35 +280,8 @@ def cli(ctx: click.Context, redis_url: str | None) -> None:
     ctx.obj = Settings(checked_url(resolve_url(redis_url)))
 
 
-def settings(ctx: click.Context) -> Settings:
-    obj = ctx.find_object(Settings)
-    if obj is None:  # a subcommand invoked on its own (tests, python -m)
-        obj = Settings(resolve_url(None))
-    return obj
-
-
-@contextmanager
-def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
-    """The command's Redis, closed after. Whatever Redis says instead of answering (unreachable,
-    full, a database index it does not have, an address that is not Redis) is one line naming
-    the URL (its password masked), exit 1, not a traceback: genq.core.redisconn.describe_error."""
-    url = settings(ctx).redis_url
-    conn = connect(url)
-    try:
-        yield conn
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
-    finally:
-        conn.close()
-
-
-def console() -> Console:
-    # Piped output (logs, docs, tests) gets wide lines rather than wrapped cells.
-    return Console() if sys.stdout.isatty() else Console(width=200, no_color=True)
-
-
 def main() -> None:
     try:
         cli(prog_name="genq")
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt:  # before a subcommand runs
+        sys.exit(EXIT_INTERRUPTED)

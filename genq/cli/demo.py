@@ -1,12 +1,13 @@
-"""genq demo: the whole path on one machine, with simulated GPUs.
+"""`genq demo`: the whole path on one machine, with simulated GPUs.
 
-Starts one `genq sim` per simulated GPU and one `genq worker` per sim, enqueues
-synthetic instruction prompts, shows the monitor's live view until the queue
-is empty, then prints a summary and where the results are.
+One `genq sim` and one `genq worker` per simulated GPU, synthetic prompts enqueued, the monitor's
+live view until the queue is empty, then a summary and where the results are. Children run as
+`python -P` (genq.PYTHON): the folder they start in never shadows the installed genq.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import click
 import redis
+from rich.console import Console
 
 from genq import PYTHON
 from genq.cli import Option, settings
@@ -38,47 +40,17 @@ TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.
          "What are common misconceptions about {t}?"]
 
 
-def _answers(url: str) -> bool:
-    try:
-        conn = redis.Redis.from_url(url, socket_connect_timeout=1)
-        return bool(conn.ping())
-    except redis.RedisError:
-        return False
-
-
-def _wait_http(url: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise click.ClickException(f"simulator at {url} did not start")
-
-
-def _write_prompts(path: Path, n: int, seed: int) -> None:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            topic = rng.choice(TOPICS)
-            row = {"id": f"demo-{i:06d}",
-                   "messages": [{"role": "user", "content": rng.choice(TASKS).format(t=topic)}],
-                   "topic": topic}
-            f.write(json.dumps(row) + "\n")
-
-
 class Children:
-    """Processes the demo started; all stopped on exit, whatever happens."""
+    """The processes the demo started, each logging to LOG_DIR/NAME.log; `stop` ends them all."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(proc)
         return proc
 
@@ -93,7 +65,7 @@ class Children:
                 proc.kill()
 
 
-@click.command()
+@click.command(short_help="Run genq end to end here, with simulated GPUs.")
 @click.option("--num-gpus", "gpus", cls=Option, old=["--gpus"], type=click.IntRange(1, 16), default=4, show_default=True,
               help="Simulated GPUs: one sim server and one worker each.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True, help="Synthetic prompts to generate.")
@@ -114,52 +86,36 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
     running here. With --redis URL (or GENQ_REDIS_URL) it uses that Redis
     instead and removes the demo's job from it at the end unless --keep.
     """
-    given = _given_redis(ctx)
+    root = ctx.find_root()
+    given = settings(ctx).redis_url if root is not ctx and root.params.get("redis_url") else None
+    given = given or os.environ.get("GENQ_REDIS_URL") or None
     if keep and given is None:
         raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
     out = Path(output).resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    children = Children(logs)
-    private: LocalRedis | None = None
-    url = given
-    try:
-        if url is None:
-            private = _private_redis(logs)
-            url = private.url
-        elif not _answers(url):
-            raise click.ClickException(f"no Redis answers at {mask_url(url)}")
-        job = _run(url, out, logs, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
-                   private=private is not None, keep=keep)
+    with contextlib.ExitStack() as stack:  # the children stop before a private Redis: none sees it vanish
+        if given is None:
+            try:
+                with open(logs / "redis.log", "wb") as log:
+                    url = stack.enter_context(LocalRedis(log=log)).url
+            except RuntimeError as e:
+                raise click.ClickException(f"the demo runs a redis-server of its own: {e} (or give --redis URL)") from None
+        else:
+            url = given
+            connect(url).ping()
+        children = Children(logs)
+        stack.callback(children.stop)
+        job = _run(url, out, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
+                   private=given is None, keep=keep)
         if given is not None and not keep:
             conn = connect(url)
             control.delete_job(conn, control.find_job(conn, job))
             click.echo(f"removed the demo's job {job} from {mask_url(url)} (--keep keeps it)")
-    finally:
-        children.stop()
-        if private is not None:  # after the workers, so that none sees its Redis vanish
-            private.stop()
 
 
-def _private_redis(logs: Path) -> LocalRedis:
-    try:
-        with open(logs / "redis.log", "wb") as log:
-            return LocalRedis(log=log)
-    except RuntimeError as e:
-        raise click.ClickException(f"the demo runs a redis-server of its own: {e} (or give --redis URL)") from None
-
-
-def _given_redis(ctx: click.Context) -> str | None:
-    """The Redis URL given with --redis or GENQ_REDIS_URL, or None (the demo then runs its own)."""
-    root = ctx.find_root()
-    if root is not ctx and root.params.get("redis_url"):
-        return settings(ctx).redis_url
-    return os.environ.get("GENQ_REDIS_URL") or None
-
-
-def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_prompts: int,
-         capacity: int, mean_tokens: float, speed: float, *, private: bool, keep: bool) -> str:
-    from rich.console import Console
+def _run(url: str, out: Path, children: Children, gpus: int, n_prompts: int, capacity: int, mean_tokens: float,
+         speed: float, *, private: bool, keep: bool) -> str:
     from rich.live import Live
 
     from genq.monitor.progress import Monitor
@@ -168,9 +124,12 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     console = Console()
     genq = [*PYTHON, "-m", "genq", "--redis", url]
     job = time.strftime("demo-%Y%m%d-%H%M%S")
-    prompts_path = out / "prompts.jsonl"
-    _write_prompts(prompts_path, n_prompts, seed=7)
-
+    rng = random.Random(7)
+    with open(out / "prompts.jsonl", "w") as f:
+        for i in range(n_prompts):
+            topic = rng.choice(TOPICS)
+            f.write(json.dumps({"id": f"demo-{i:06d}", "topic": topic, "messages": [
+                {"role": "user", "content": rng.choice(TASKS).format(t=topic)}]}) + "\n")
     where = f"a private redis-server at {url}, stopped at the end" if private else mask_url(url)
     console.print(f"[bold]genq demo[/]: {n_prompts:,} prompts, {gpus} simulated GPUs "
                   f"(max_running_requests {capacity} each), Redis {where}")
@@ -186,7 +145,7 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
     for sim_url in sims:
         _wait_http(sim_url + "/health")
 
-    enqueue = subprocess.run([*genq, "enqueue", str(prompts_path), "--job", job, "--batch-size", "128",
+    enqueue = subprocess.run([*genq, "enqueue", str(out / "prompts.jsonl"), "--job", job, "--batch-size", "128",
                               "--max-tokens", str(int(mean_tokens * 8)), "--output", str(out),
                               "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}'],
                              capture_output=True, text=True)
@@ -206,36 +165,45 @@ def _run(url: str, out: Path, logs: Path, children: Children, gpus: int, n_promp
             time.sleep(0.5)
         live.update(render(mon.refresh(), mask_url(url), 0.5))
     makespan = time.monotonic() - started
-    failed_workers = [i for i, w in enumerate(workers) if w.returncode != 0]
-    if failed_workers:
-        raise click.ClickException(f"worker(s) {failed_workers} failed; see {logs}")
+    if failed := [i for i, w in enumerate(workers) if w.returncode != 0]:
+        raise click.ClickException(f"worker(s) {failed} failed; see {out / 'logs'}")
     _summary(console, conn, out, job, sims, makespan, n_prompts, hints=keep)
     return job
 
 
-def _summary(console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
+def _wait_http(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise click.ClickException(f"simulator at {url} did not start")
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url) as resp:
+        return json.loads(resp.read())
+
+
+def _summary(console: Console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
              n_prompts: int, *, hints: bool) -> None:
-    rows: list[dict] = []
-    shards_dir = Path(layout.job_root(str(out), job)) / layout.SHARDS_DIR
-    for shard in sorted(shards_dir.glob("*.jsonl")):
-        with open(shard) as f:
-            rows.extend(json.loads(line) for line in f if line.strip())
-    ids = [r["id"] for r in rows]
+    shards = sorted((Path(layout.job_root(str(out), job)) / layout.SHARDS_DIR).glob("*.jsonl"))
+    rows = [json.loads(line) for shard in shards for line in shard.read_text().splitlines() if line.strip()]
     out_tokens = sum(r["usage"]["completion_tokens"] for r in rows)
-    utilization = []
-    for sim_url in sims:
-        with urllib.request.urlopen(sim_url + "/sim/stats") as resp:
-            stats = json.loads(resp.read())
-        with urllib.request.urlopen(sim_url + "/server_info") as resp:  # the running limit, as SGLang says it
-            capacity = json.loads(resp.read())["internal_states"][0]["effective_max_running_requests_per_dp"]
-        utilization.append(stats["busy_mean_running"] / capacity)
-    dead = letters.count(conn, job)
+    # Each sim's mean running requests over its running limit, as SGLang reports that limit.
+    utilization = [_get(u + "/sim/stats")["busy_mean_running"]
+                   / _get(u + "/server_info")["internal_states"][0]["effective_max_running_requests_per_dp"]
+                   for u in sims]
     console.print()
-    console.print(f"[bold green]done[/] in {makespan:.1f}s: {plural(len(rows), 'result')} for {plural(n_prompts, 'prompt')} "
-                  f"({len(set(ids)):,} unique ids), {plural(dead, 'dead letter')}")
+    console.print(f"[bold green]done[/] in {makespan:.1f}s: {plural(len(rows), 'result')} for "
+                  f"{plural(n_prompts, 'prompt')} ({len({r['id'] for r in rows}):,} unique ids), "
+                  f"{plural(letters.count(conn, job), 'dead letter')}")
     console.print(f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
                   f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}")
-    console.print(f"  shards:   {shards_dir}  ({plural(len(list(shards_dir.glob('*.jsonl'))), 'file')})")
+    console.print(f"  shards:   {Path(layout.job_root(str(out), job)) / layout.SHARDS_DIR}  "
+                  f"({plural(len(shards), 'file')})")
     console.print(f"  manifest: {Path(layout.job_root(str(out), job)) / layout.MANIFEST_DIR}")
     console.print(f"  logs:     {out / 'logs'}")
     if rows:

@@ -1,4 +1,4 @@
-"""genq dlq: list, show, requeue and purge what genq gave up on (logic in genq.ops.dlq)."""
+"""`genq dlq`: list, show, requeue and purge what genq gave up on (the work is genq.ops.dlq's)."""
 
 from __future__ import annotations
 
@@ -6,46 +6,17 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from functools import wraps
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import click
-import redis
-from rich.console import JustifyMethod
+import msgspec
 
-from genq.cli import JobName, settings
-from genq.cli.jobset import generation_options, given_generation
-from genq.core.redisconn import connect, describe_error
+from genq.cli import EXIT_PARTLY_DONE, age, console, iso, job_option, json_option, redis_conn, table, yes_option
+from genq.cli.jobs import generation_options, given
 from genq.core.words import plural
 from genq.ops import dlq as core
 
-EXIT_SKIPPED = 3
 MESSAGE_WIDTH = 60
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _errors(func: F) -> F:
-    """DlqError and Redis errors become one clear line and exit status 1."""
-
-    @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except core.DlqError as exc:
-            raise click.ClickException(str(exc)) from None
-        except redis.RedisError as exc:
-            raise click.ClickException(describe_error(settings(click.get_current_context()).redis_url, exc)) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _conn(ctx: click.Context) -> redis.Redis:
-    return connect(settings(ctx).redis_url)
-
-
-job_option = click.option("--job", type=JobName(), default=None, metavar="NAME", help="Only this job. [default: all jobs]")
 
 
 @click.group()
@@ -65,95 +36,93 @@ def dlq() -> None:
     """
 
 
+def _scope(job: str | None, every: str = "any job") -> str:
+    return f"job {job}" if job else every
+
+
+def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:
+    """The --json shape: `at` as ISO 8601 UTC, `at_epoch` in seconds."""
+    out: dict[str, Any] = {
+        "id": entry.id, "job": entry.job, "batch": entry.batch, "attempts": entry.attempts, "kind": entry.kind,
+        "status": entry.status, "message": entry.message, "worker": entry.worker, "at": iso(entry.at),
+        "at_epoch": entry.at}
+    if entry.is_batch:
+        out.update(rq_job=entry.rq_job, prompts=entry.prompts)
+        if full:
+            out["traceback"] = entry.traceback
+    if full and entry.prompt is not None:
+        out["prompt"] = msgspec.to_builtins(entry.prompt)
+    return out
+
+
 @dlq.command("list", short_help="List dead prompts and failed batches, newest first.")
-@job_option
-@click.option("--json", "as_json", is_flag=True, help="A JSON array: one object per entry (id, job, batch, attempts, kind, status, message, worker, at as ISO 8601 UTC, at_epoch; failed batches add rq_job and prompts).")
-@click.option("--limit", type=click.IntRange(0), default=None, metavar="N", help="Show at most N entries, newest first (0: all). [default: 100 in the table, all with --json]")
+@job_option()
+@json_option("A JSON array: one object per entry (id, job, batch, attempts, kind, status, message, worker, at as "
+             "ISO 8601 UTC, at_epoch; failed batches add rq_job and prompts).")
+@click.option("--limit", type=click.IntRange(0), default=None, metavar="N",
+              help="Show at most N entries, newest first (0: all). [default: 100 in the table, all with --json]")
 @click.pass_context
-@_errors
 def list_command(ctx: click.Context, job: str | None, as_json: bool, limit: int | None) -> None:
     """List dead prompts and failed batches, newest first."""
-    found = core.entries(_conn(ctx), job)
+    with redis_conn(ctx) as conn:
+        found = core.entries(conn, job)
     shown = found if not limit and (as_json or limit == 0) else found[: limit or 100]
     if as_json:
-        click.echo(json.dumps([core.to_json(e) for e in shown], indent=2))
+        click.echo(json.dumps([_to_json(e) for e in shown], indent=2))
         return
-    scope = f"job {job}" if job else "any job"
     if not found:
-        click.echo(f"the dead-letter queue is empty ({scope})")
+        click.echo(f"the dead-letter queue is empty ({_scope(job)})")
         return
-    _table(shown)
-    kinds = Counter(e.kind for e in found)
-    summary = ", ".join(f"{kind} {n:,}" for kind, n in kinds.most_common())
+    now = time.time()
+    console().print(table(
+        ("id", "job", "batch", "attempts", "kind", "HTTP", "message", "worker", "age"),
+        ((e.id, e.job, e.batch, str(e.attempts), e.kind, str(e.status or "-"), _first_line(e.message),
+          e.worker or "-", age(now - e.at)) for e in shown),
+        right={"attempts", "HTTP", "age"}, ruled=False))
+    summary = ", ".join(f"{kind} {n:,}" for kind, n in Counter(e.kind for e in found).most_common())
     more = f" (showing the newest {len(shown):,}; --limit 0 for all)" if len(shown) < len(found) else ""
-    click.echo(f"{plural(len(found), 'entry', 'entries')} in {scope}: {summary}{more}")
+    click.echo(f"{plural(len(found), 'entry', 'entries')} in {_scope(job)}: {summary}{more}")
     click.echo("details: genq dlq show ID   retry: genq dlq requeue --all" + (f" --job {job}" if job else ""))
 
 
-def _table(rows: Sequence[core.Entry]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for name, justify in (("id", "left"), ("job", "left"), ("batch", "left"), ("attempts", "right"),
-                          ("kind", "left"), ("HTTP", "right"), ("message", "left"), ("worker", "left"),
-                          ("age", "right")):
-        table.add_column(name, justify=cast(JustifyMethod, justify), no_wrap=name != "message", overflow="fold")
-    now = time.time()
-    for e in rows:
-        table.add_row(e.id, e.job, e.batch, str(e.attempts), e.kind, str(e.status or "-"),
-                      _short(e.message), e.worker or "-", core.age(e.at, now))
-    # Not a terminal (a pipe, a file): a wide fixed width so lines are not folded at 80.
-    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False, soft_wrap=False)
-    console.print(table)
-
-
-def _short(message: str) -> str:
+def _first_line(message: str) -> str:
     line = message.strip().splitlines()[0] if message.strip() else ""
     return line if len(line) <= MESSAGE_WIDTH else line[: MESSAGE_WIDTH - 1] + "…"
 
 
 @dlq.command(short_help="Everything about one entry (prompt, full message, traceback).")
 @click.argument("entry_id", metavar="ID")
-@job_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON object, with the prompt and (failed batches) the traceback.")
+@job_option()
+@json_option("One JSON object, with the prompt and (failed batches) the traceback.")
 @click.pass_context
-@_errors
 def show(ctx: click.Context, entry_id: str, job: str | None, as_json: bool) -> None:
     """Everything about one entry: the prompt and the server's full message, or a failed batch's traceback.
 
     ID is a prompt id, or batch:<batch id> for a failed batch.
     """
-    (entry,) = core.find(_conn(ctx), [entry_id], job, traceback=True)
+    with redis_conn(ctx) as conn:
+        (entry,) = core.find(conn, [entry_id], job, traceback=True)
     if as_json:
-        click.echo(json.dumps(core.to_json(entry, full=True), indent=2))
+        click.echo(json.dumps(_to_json(entry, full=True), indent=2))
         return
     fields: list[tuple[str, Any]] = [
         ("id", entry.id), ("job", entry.job), ("batch", entry.batch), ("kind", entry.kind),
         ("HTTP status", entry.status), ("attempts", entry.attempts), ("worker", entry.worker or "-"),
-        ("at", f"{core.iso(entry.at)} ({core.age(entry.at)} ago)"),
-    ]
+        ("at", f"{iso(entry.at)} ({age(time.time() - entry.at)} ago)")]
     if entry.is_batch:
-        fields += [("RQ job", entry.rq_job), ("prompts", entry.prompts if entry.prompts is not None else "(batch record gone)")]
+        fields += [("RQ job", entry.rq_job),
+                   ("prompts", entry.prompts if entry.prompts is not None else "(batch record gone)")]
     for name, value in fields:
         if value is not None:
             click.echo(f"{name + ':':<13}{value}")
-    click.echo("message:")
-    click.echo(_indent(entry.message))
-    if entry.prompt is not None:
-        click.echo("prompt:")
-        click.echo(_indent(json.dumps(_prompt_view(entry), indent=2, ensure_ascii=False)))
+    click.echo("message:\n" + _indent(entry.message))
+    if (p := entry.prompt) is not None:
+        view = {"index": p.index, "messages": p.messages, "prompt": p.prompt, "sampling": p.sampling,
+                "metadata": p.metadata or None, "custom_id": p.custom_id}
+        shown = {k: v for k, v in view.items() if v is not None}
+        click.echo("prompt:\n" + _indent(json.dumps(shown, indent=2, ensure_ascii=False)))
     if entry.is_batch:
-        click.echo("traceback:")
-        click.echo(_indent(entry.traceback or "(RQ stored none)"))
-
-
-def _prompt_view(entry: core.Entry) -> dict[str, Any]:
-    p = entry.prompt
-    assert p is not None
-    view = {"index": p.index, "messages": p.messages, "prompt": p.prompt, "sampling": p.sampling,
-            "metadata": p.metadata or None, "custom_id": p.custom_id}
-    return {k: v for k, v in view.items() if v is not None}
+        click.echo("traceback:\n" + _indent(entry.traceback or "(RQ stored none)"))
 
 
 def _indent(text: str) -> str:
@@ -162,95 +131,84 @@ def _indent(text: str) -> str:
 
 @dlq.command(short_help="Queue dead prompts and failed batches again.")
 @click.argument("ids", nargs=-1, metavar="[ID]...")
-@job_option
+@job_option()
 @click.option("--all", "all_", is_flag=True, help="Every entry (of --job, or of all jobs).")
 @generation_options
 @click.pass_context
-@_errors
 def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: bool, max_tokens: int | None,
-            temperature: float | None, top_p: float | None, extra_body: str | None) -> None:
+            temperature: float | None, top_p: float | None, extra_body: dict[str, Any] | None) -> None:
     """Queue dead prompts again (as new batches) and failed batches (as new RQ jobs).
 
-    \b
-    Dead prompts go into new batches of the job (its batch size), with their
-    attempts reset; each letter leaves the dead-letter queue in the same
-    transaction that queues it, so none is lost or queued twice. A prompt
-    whose original batch has not finished yet is skipped (its batch could
-    still regenerate it): requeue it after that batch completes.
-    Failed batches get a fresh RQ job and leave RQ's failed
-    registry; prompts they already finished are not regenerated.
-
-    Requeued prompts are sent with the job's current settings (`genq jobs set`,
-    `genq jobs show`); --max-tokens, --temperature, --top-p or --extra-body
-    override them for these prompts only (kept in each prompt's own sampling,
-    as a row's "sampling" is). Not for failed batches: change the job's settings.
+    Each letter leaves the dead-letter queue in the transaction that queues it: none is lost or
+    queued twice. A prompt whose batch has not finished yet is skipped (that batch could still
+    regenerate it); a failed batch's finished prompts are not generated again. Prompts are sent
+    with the job's current settings; --max-tokens, --temperature, --top-p or --extra-body
+    override them for these prompts only (not for failed batches: use `genq jobs set`).
 
     Exit status: 0 all requeued; 3 some entries were skipped (each is named);
     1 an unknown job or id (nothing was requeued).
     """
     if all_ == bool(ids):
         raise click.UsageError("give either --all or one or more IDs")
-    override = given_generation(max_tokens, temperature, top_p, extra_body)
-    conn = _conn(ctx)
-    chosen = core.entries(conn, job) if all_ else core.find(conn, ids, job)
-    if not chosen:
-        click.echo(f"nothing to requeue: the dead-letter queue is empty ({f'job {job}' if job else 'any job'})")
-        return
-    if override and any(e.is_batch for e in chosen):
-        raise click.UsageError("--max-tokens/--temperature/--top-p/--extra-body apply to dead prompts, not to "
-                               "failed batches: change the job's settings with `genq jobs set` instead")
-    report = core.requeue(conn, chosen, override=override)
+    override = given(max_tokens=max_tokens, temperature=temperature, top_p=top_p, extra_body=extra_body)
+    with redis_conn(ctx) as conn:
+        chosen = core.entries(conn, job) if all_ else core.find(conn, ids, job)
+        if not chosen:
+            click.echo(f"nothing to requeue: the dead-letter queue is empty ({_scope(job)})")
+            return
+        if override and any(e.is_batch for e in chosen):
+            raise click.UsageError("--max-tokens/--temperature/--top-p/--extra-body apply to dead prompts, not to "
+                                   "failed batches: change the job's settings with `genq jobs set` instead")
+        report = core.requeue(conn, chosen, override=override)
     for name, batch_ids in report.new_batches.items():
         click.echo(f"job {name}: requeued {plural(report.prompts[name], 'prompt')} as "
-                   f"{plural(len(batch_ids), 'new batch', 'new batches')}: "
-                   f"{', '.join(batch_ids)}")
+                   f"{plural(len(batch_ids), 'new batch', 'new batches')}: {', '.join(batch_ids)}")
     for name, batch_id, size in report.batches:
         click.echo(f"job {name}: requeued failed batch {batch_id} ({plural(size, 'prompt')}) as a new RQ job")
     if not report.new_batches and not report.batches:
         click.echo("nothing was requeued")
-    for entry_id, why in report.skipped:
-        click.echo(f"skipped {entry_id}: {why}", err=True)
-    if report.skipped:
-        sys.exit(EXIT_SKIPPED)
+    _skipped("skipped", report.skipped)
+
+
+def _skipped(verb: str, entries: list[tuple[str, str]]) -> None:
+    """Each entry left as it was, named with why: exit 3 (partly done)."""
+    for entry_id, why in entries:
+        click.echo(f"{verb} {entry_id}: {why}", err=True)
+    if entries:
+        sys.exit(EXIT_PARTLY_DONE)
 
 
 @dlq.command(short_help="Forget dead prompts and failed batches (asks first).")
-@job_option
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@job_option()
+@yes_option
 @click.pass_context
-@_errors
 def purge(ctx: click.Context, job: str | None, yes: bool) -> None:
     """Forget every dead prompt and failed batch (of --job, or of all jobs).
 
+    Purged prompts are neither retried nor counted (enqueueing the same rows again queues them
+    anew; the job's stats count them "purged"); so are a failed batch's unfinished prompts. A
+    prompt whose batch has not finished, and a failed batch with finished prompts, are kept
+    (and named): requeue those.
+
     \b
-    Purged prompts are neither retried nor counted: they leave the monitor's
-    "failed", the job's total and its id index (enqueueing the same rows again
-    queues them anew); the job's stats keep a "purged" count. A failed batch's
-    unfinished prompts are forgotten the same way. Keep a record first:
+    Keep a record first:
       genq dlq list --job NAME --json > dead-letters.json
-      genq export --job NAME --to out.jsonl --format openai-batch   # + out.errors.jsonl
-    A prompt whose batch has not finished yet, and a failed batch that already
-    finished some prompts, are kept (and named): requeue those instead.
     """
-    conn = _conn(ctx)
-    chosen = core.entries(conn, job)
-    scope = f"job {job}" if job else "all jobs"
-    if not chosen:
-        click.echo(f"nothing to purge: the dead-letter queue is empty ({scope})")
-        return
-    prompts = sum(1 for e in chosen if not e.is_batch)
-    batches = len(chosen) - prompts
-    what = plural(prompts, "dead prompt") + (f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
-    if not yes:
-        click.confirm(f"Purge {what} of {scope}? They will not be retried or counted", abort=True)
-    report = core.purge(conn, chosen)
+    with redis_conn(ctx) as conn:
+        chosen = core.entries(conn, job)
+        if not chosen:
+            click.echo(f"nothing to purge: the dead-letter queue is empty ({_scope(job, 'all jobs')})")
+            return
+        batches = sum(1 for e in chosen if e.is_batch)
+        what = plural(len(chosen) - batches, "dead prompt") + (
+            f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
+        if not yes:
+            click.confirm(f"Purge {what} of {_scope(job, 'all jobs')}? They will not be retried or counted", abort=True)
+        report = core.purge(conn, chosen)
     for name, n in report.letters.items():
         click.echo(f"job {name}: purged {plural(n, 'dead prompt')}")
     for name, batch_id, forgotten in report.batches:
         click.echo(f"job {name}: purged failed batch {batch_id} ({plural(forgotten, 'unfinished prompt')} forgotten)")
     if not report.letters and not report.batches:
         click.echo("nothing was purged")
-    for entry_id, why in report.kept:
-        click.echo(f"kept {entry_id}: {why}", err=True)
-    if report.kept:
-        sys.exit(EXIT_SKIPPED)
+    _skipped("kept", report.kept)

@@ -8,20 +8,24 @@ from collections.abc import Iterator
 import click
 import redis
 
+from genq.cli import EXIT_PARTLY_DONE
 from genq.core.queueing import ID_NEW, ID_SAME, lookup_ids
 from genq.core.records import JobConfig, Rejected
 from genq.core.words import plural
+from genq.ops.control import job_rows
+from genq.output import truth
+from genq.output.sink import open_store
+from genq.producer.enqueue import revives
 from genq.producer.rows import Row, claim_digest
 
-EXIT_REJECTED = 3
 SHOWN = 10  # reasons printed
 CHUNK = 1000  # ids looked up in Redis per round trip
 
 
 def dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-            rows: Iterator[Row | Rejected], state: str, closed: str | None = None) -> int:
+            rows: Iterator[Row | Rejected], closed: str | None = None) -> int:
     """The exit status a real enqueue would have (0, 1 nothing valid or refused, 3 some lines rejected),
-    `state` saying what the job's name stands for now and `closed` why new prompts would be refused;
+    saying what the job's name stands for now and `closed` why new prompts would be refused;
     with its rules: a repeated line (same id, same content) is skipped, the same id with other
     content is rejected; an id already queued with the same content is skipped, with other
     content rejected."""
@@ -64,7 +68,7 @@ def dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
         click.echo(f"  rejected line {r.line}: {r.reason}", err=True)
     if len(rejected) > SHOWN:
         click.echo(f"  ... and {plural(len(rejected) - SHOWN, 'more line')}", err=True)
-    click.echo(f"dry run: job {config.name} ({state}): {plural(new, 'prompt')} would be queued in "
+    click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(new, 'prompt')} would be queued in "
                f"{plural(batches, 'batch', 'batches')} of up to {config.batch_size:,} from {input_uri}"
                + (f"; {plural(known, 'prompt')} already queued or done would be skipped" if known else "")
                + (f"; {plural(repeated, 'repeated line')} would be skipped" if repeated else "")
@@ -75,9 +79,28 @@ def dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
         return 1
     if not seen:
         return 1
-    return EXIT_REJECTED if rejected else 0
+    return EXIT_PARTLY_DONE if rejected else 0
 
 
 def _other_content(row: Row, where: str) -> Rejected:
     return Rejected(line=row.prompt.index + 1, text="",
                     reason=f"duplicate id {row.prompt.id!r} with different content ({where})")
+
+
+def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
+    """What the job's name stands for now, as --dry-run says it."""
+    if not create:
+        row = job_rows(conn, [config.name])[0]
+        return f"an existing job, {row.state}, {plural(row.total, 'prompt')}; its settings agree"
+    store = open_store(config.output, config.s3_endpoint_url)
+    try:
+        on_disk = truth.read_job(store, config.name)
+    except Exception as exc:  # the output unreachable: the real enqueue stops on it, saying so
+        return f"a new job, unless {config.output} (unreadable from here: {type(exc).__name__}) holds it"
+    if on_disk is None:
+        return "a new job"
+    if revives(on_disk, config):
+        return (f"not in Redis, but {truth.job_uri(store, config.name)} holds it: it would be created again from "
+                "there, its written batches counted as done (below, prompts are counted against Redis alone)")
+    return (f"a new job; {truth.job_uri(store, config.name)} holds an earlier job of this name "
+            f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")

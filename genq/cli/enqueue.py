@@ -1,12 +1,8 @@
-"""genq enqueue: read prompts, check them and the job's settings, queue batches.
-
-Nothing is written to Redis until at least one line is queued: the job's config
-is stored in the transaction of its first batches (genq.producer.enqueue).
-"""
+"""`genq enqueue`: read prompts, check them and the job's settings, queue batches. Nothing is
+written to Redis until a line is queued: the job's config goes in with its first batches."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,9 +11,9 @@ from collections.abc import Iterator
 import click
 import redis
 
-from genq.cli import JobName, settings
+from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, settings
 from genq.cli.readprogress import ReadProgress
-from genq.core.ledger.jobs import check_job_name, counts
+from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
@@ -27,14 +23,9 @@ from genq.core.words import plural
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
 from genq.producer.meter import Meter
-from genq.producer.params import ParamError, check_params
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
 from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
-
-EXIT_REJECTED = 3
-EXIT_INTERRUPTED = 130
-SHOWN_REJECTS = SHOWN  # reasons printed; the rejects file has them all
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -82,9 +73,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
             priority: int | None, weight: float | None, add_to_finished: bool, **options: object) -> None:
     """Queue the prompts in INPUT as batches of job JOB.
 
-    INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or
-    s3://bucket/key (streamed; credentials and endpoint from the standard AWS
-    chain, or --s3-endpoint-url). Parquet rows are mapped with --messages-column
+    INPUT is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), a local path or s3://bucket/key
+    (streamed; AWS credentials, or --s3-endpoint-url). Parquet columns map with --messages-column
     or --prompt-column and --id-column; other columns become metadata.
 
     \b
@@ -92,34 +82,24 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
       {"id": "a1", "messages": [{"role": "user", "content": "..."}]}
       {"id": "a2", "prompt": "...", "sampling": {"temperature": 0.2}}
       {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
-    "id" is optional (a stable hash of the content is used); "sampling" overrides
-    the job's request parameters for that row; any other field is metadata,
-    carried through to the result. With --endpoint chat (the default) a
-    "prompt" row (or an OpenAI Batch /v1/completions row) is sent as one user
-    message; with --endpoint completions a "messages" row is rejected.
-    Settings and "sampling" are checked here (ranges, types, known fields).
+    "id" is optional (a stable hash of the content is used); "sampling" overrides the job's
+    request parameters for that row; any other field is metadata, carried to the result. With
+    --endpoint chat a "prompt" row is sent as one user message; with --endpoint completions a
+    "messages" row is rejected. Settings and "sampling" are checked here.
 
-    Re-running is safe: ids already queued or done are skipped and counted.
-    The job's settings are stored with its first queued batch; later enqueues
-    into the same job must not contradict them. New prompts from another
-    input for a finished job (done or partial) are refused unless --add: use
-    a new --job name. Nothing is created when
-    nothing is queued (missing or empty input, no valid line).
+    Re-running is safe: ids already queued or done are skipped and counted. Later enqueues into
+    a job must not contradict its settings; new prompts from another input for a finished job
+    are refused unless --add. Nothing is created when nothing is queued.
 
     \b
-    Exit status: 0 every line queued or skipped; 3 some lines were rejected
-    (each reported with its line number and written to the rejects file; the
-    valid lines were queued); 1 nothing was queued (unreadable, empty or
-    wholly invalid input, bad --extra-body, settings that contradict the job,
-    Redis unreachable), or Redis failed part way (full: the error says how many
-    prompts the job holds, and the same command again queues the rest); 2 bad
-    usage (unknown option, value out of range); 130 interrupted (Ctrl-C: it
-    says how many prompts the job holds; the same command again queues the
-    rest).
+    Exit status: 0 every line queued or skipped; 3 some lines were rejected (each named, and
+    written to the rejects file; the valid ones were queued); 1 nothing was queued (unreadable,
+    empty or wholly invalid input, bad --extra-body, settings that contradict the job, Redis
+    unreachable), or Redis failed part way (the error says how many prompts the job holds: the
+    same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C: as Redis failing).
     """
     url = settings(ctx).redis_url
     try:
-        check_job_name(job)
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
@@ -129,11 +109,12 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         config, create = _job_config(conn, job, given)
         closed = None if create or add_to_finished else _finished(conn, job, config, input_uri)
         meter = Meter()
-        rows = open_rows(input_uri, s3_endpoint_url=config.s3_endpoint_url, columns=columns, meter=meter)
+        rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url, columns=columns,
+                         meter=meter)
         if dry_run:
             from genq.cli.dryrun import dry_run as check_only
 
-            sys.exit(check_only(conn, config, create, input_uri, rows, _name_state(conn, config, create), closed))
+            sys.exit(check_only(conn, config, create, input_uri, rows, closed))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
             summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter, closed)
@@ -149,17 +130,15 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
-    except KeyboardInterrupt:
-        held = _held_so_far(url, job, "to queue the rest")
-        click.echo(f"\ninterrupted{held or ': nothing was queued'}", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:  # the group says "interrupted" and exits 130; this adds what the job holds
+        raise KeyboardInterrupt(_held_so_far(url, job, "to queue the rest") or ": nothing was queued") from None
     if summary.read == 0:
         rejects.discard()
         _nothing_valid(summary, rejects, input_uri)
     rejects.close()
     _report(summary, rejects)
     if summary.rejected:
-        sys.exit(EXIT_REJECTED)
+        sys.exit(EXIT_PARTLY_DONE)
 
 
 def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
@@ -179,17 +158,7 @@ def _given_settings(options: dict[str, object]) -> dict[str, object]:
     """The config options given on the command line, checked and normalised (no Redis needed)."""
     given = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
     if "extra_body" in given:
-        try:
-            extra = json.loads(str(given["extra_body"]))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object")
-        try:
-            check_params(extra, "--extra-body", given.get("endpoint"))  # type: ignore[arg-type]
-        except ParamError as exc:
-            raise ValueError(str(exc)) from None
-        given["extra_body"] = extra
+        given["extra_body"] = extra_body(str(given["extra_body"]), given.get("endpoint"))  # type: ignore[arg-type]
     if "output" in given and "://" not in str(given["output"]):
         given["output"] = os.path.abspath(str(given["output"]))
     return given
@@ -249,31 +218,6 @@ def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) ->
             f"the same output. Give a new --job name for a new job, or --add to add them to {job}")
 
 
-def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
-    """What the job's name stands for now, as --dry-run says it."""
-    if not create:
-        from genq.ops.control import job_rows
-
-        row = job_rows(conn, [config.name])[0]
-        return f"an existing job, {row.state}, {plural(row.total, 'prompt')}; its settings agree"
-    from genq.output import truth
-    from genq.output.sink import open_store
-    from genq.producer.enqueue import revives
-
-    store = open_store(config.output, config.s3_endpoint_url)
-    try:
-        on_disk = truth.read_job(store, config.name)
-    except Exception as exc:  # the output unreachable: the real enqueue stops on it, saying so
-        return f"a new job, unless {config.output} (unreadable from here: {type(exc).__name__}) holds it"
-    if on_disk is None:
-        return "a new job"
-    if revives(on_disk, config):
-        return (f"not in Redis, but {truth.job_uri(store, config.name)} holds it: it would be created again from "
-                "there, its written batches counted as done (below, prompts are counted against Redis alone)")
-    return (f"a new job; {truth.job_uri(store, config.name)} holds an earlier job of this name "
-            f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")
-
-
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
          rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter,
          closed: str | None) -> EnqueueSummary:
@@ -324,7 +268,7 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.converted:
         click.echo(f"  {summary.converted:,} 'prompt' rows sent as one user message each "
                    "(--endpoint chat takes messages)")
-    if summary.rebuilt or summary.recovered_batches:  # the output is the truth (#31, docs/recovery.md)
+    if summary.rebuilt or summary.recovered_batches:  # the output is the truth (docs/recovery.md)
         click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
                    f"{plural(summary.recovered_batches, 'batch', 'batches')} already written there counted as done")
     if summary.note:
@@ -343,7 +287,7 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 
-def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN_REJECTS) -> None:
+def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN) -> None:
     for item in rejects.first[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
     if rejects.count > limit:

@@ -8,20 +8,20 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import JobName, Option, redis_conn, settings
+from genq.cli import EXIT_PARTLY_DONE, JobName, Option, redis_conn, settings
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
+from genq.core.ledger.jobs import JobCounts
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Prompt
 from genq.core.redisconn import mask_url
 from genq.core.words import plural
+from genq.ops.dlq import failed_batches
 from genq.output import export as exporting
 from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
 from genq.output.formats import FORMATS, format_for
 from genq.producer.batchinput import read_prompts
-
-EXIT_PARTLY_DONE = 3  # the job has batches without shards yet: they are not in the file
 
 
 @click.command(short_help="Merge a job's shards into one JSONL, Parquet or Batch file.")
@@ -80,7 +80,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
 
                 raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
             raise
-        partial = _report(summary, fmt, _status(conn, job, config is not None))
+        partial = _report(summary, fmt, ledger_jobs.counts(conn, job) if config is not None else None)
     if partial:
         sys.exit(EXIT_PARTLY_DONE)
 
@@ -96,14 +96,12 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     (so that every input id lands in the output or the errors file)."""
     letters = ledger_letters.read_all(conn, job, DeadLetter)
     dead = {d.id for d in letters}
-    from genq.ops.dlq import failed_batches
-
+    config = load_config(conn, job)
     for entry in failed_batches(conn, [job]):
         batch = load_batch(conn, job, entry.batch)
         if batch is None:
             continue
         done = ledger_jobs.result_ids(conn, job, entry.batch)
-        config = load_config(conn, job)
         try:
             prompts: dict[str, Prompt | None] = {p.id: p for p in read_prompts(batch, config)} if config else {}
         except Exception:  # its input is gone or unreadable: the letters carry the ids alone
@@ -117,14 +115,7 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     return letters
 
 
-def _status(conn: redis.Redis, job: str, known: bool) -> dict[str, int]:
-    if not known:
-        return {}
-    counts = ledger_jobs.counts(conn, job)
-    return {"total": counts.total, "batches": counts.batches_total, "done": counts.done, "dead": counts.dead}
-
-
-def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> bool:
+def _report(s: ExportSummary, fmt: str, status: JobCounts | None) -> bool:
     """Says what was written; True when the job is not finished (the export is partial)."""
     click.echo(f"wrote {plural(s.records, 'record')} ({_size(s.bytes)}, {s.bytes:,} bytes) to {s.path} "
                f"from {plural(s.shards, 'shard')}")
@@ -134,25 +125,25 @@ def _report(s: ExportSummary, fmt: str, status: dict[str, int]) -> bool:
         click.echo(f"  wrote {s.errors:,} error lines to {s.errors_path}")
     if s.skipped_errors:
         click.echo(f"  left out {s.skipped_errors:,} dead letters whose id also has a result")
-    if not status:
+    if status is None:
         return False
-    partial = status["done"] < status["batches"]
+    partial = status.done < status.batches_total
     if partial:
-        click.echo(f"  note: job has {plural(status['batches'], 'batch', 'batches')}, {status['done']:,} with shards written: "
+        click.echo(f"  note: job has {plural(status.batches_total, 'batch', 'batches')}, {status.done:,} with shards written: "
                    f"the rest are not in this export yet (exit {EXIT_PARTLY_DONE}: partly done)", err=True)
-    if status["dead"] and not FORMATS[fmt].errors_file:
-        click.echo(f"  note: {status['dead']:,} prompts are in the dead-letter queue, not in this export "
+    if status.dead and not FORMATS[fmt].errors_file:
+        click.echo(f"  note: {status.dead:,} prompts are in the dead-letter queue, not in this export "
                    "(see `genq dlq`)", err=True)
-    missing = status["total"] - s.records - s.errors
+    missing = status.total - s.records - s.errors
     if FORMATS[fmt].errors_file and missing > 0:
-        click.echo(f"  note: {missing:,} of {status['total']:,} prompts are in neither file (not finished yet)",
+        click.echo(f"  note: {missing:,} of {status.total:,} prompts are in neither file (not finished yet)",
                    err=True)
     return partial
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
+        n /= 1024
+    return f"{n:.1f} GiB"

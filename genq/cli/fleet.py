@@ -1,13 +1,11 @@
-"""Operator commands about workers: genq workers, drain, concurrency.
-
-They only read and write Redis (see genq.ops.control); workers pick changes up
-within about a second, wherever they run.
-"""
+"""`genq workers`, `genq drain` and `genq concurrency`: the fleet, and steering it (genq.ops.control)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import click
@@ -19,9 +17,10 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from genq.cli import Concurrency, console, redis_conn
+from genq.cli import Concurrency, age, console, json_option, redis_conn, table
 from genq.core import decodebound
 from genq.core.health import NO_HEARTBEAT
+from genq.core.ledger import fleet as ledger_fleet
 from genq.core.queueing import list_jobs
 from genq.core.refusals import redis_note_of
 from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
@@ -30,25 +29,15 @@ from genq.ops import control
 from genq.worker.idle import IDLE_BEAT_S, IDLE_TTL_S
 from genq.worker.models import servable_jobs
 
-# ---------------------------------------------------------------- fleet view
-
-
-def _age(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
-
 
 def _heartbeat(row: control.WorkerRow) -> str:
     """How long ago it beat, beside how often it beats when that is not every second: an idle
     worker beats every 20 s, so 16 s is on time for it (lost is 15 s late for a busy one, 60 s
     for an idle one: the key it renews expires)."""
-    age = row.heartbeat_age_s
-    if age is None:
+    seconds = row.heartbeat_age_s
+    if seconds is None:
         return "none" if row.state == control.LOST else "-"
-    return _age(age) + (f" (every {IDLE_BEAT_S:.0f}s)" if row.state == "idle" else "")
+    return age(seconds) + (f" (every {IDLE_BEAT_S:.0f}s)" if row.state == "idle" else "")
 
 
 def _batches(row: control.WorkerRow, limit: int = 3) -> str:
@@ -94,59 +83,51 @@ ALWAYS = 3
 RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
 
 
-def _table(cells: list[dict[str, str]], columns: list[str], title: str | None) -> Table:
-    table = Table(title=title, show_edge=False, header_style="bold")
-    for col in COLUMNS:
-        if col in columns:
-            # One line per worker; a long note (a connection error) is cut: --json has it whole.
-            table.add_column(col, justify="right" if col in RIGHT else "left", no_wrap=True,
-                             overflow="ellipsis", max_width=60 if col == "note" else None,
-                             min_width=max([len(col)] + [len(Text.from_markup(c[col])) for c in cells])
-                             if COLUMNS.index(col) < ALWAYS else None)
-    for c in cells:
-        table.add_row(*(c[col] for col in COLUMNS if col in columns))
-    return table
-
-
-def workers_table(rows: list[control.WorkerRow], width: int, title: str | None = None,
-                  serves: dict[str, list[str]] | None = None,
-                  judged: dict[str, decodebound.Verdict] | None = None) -> tuple[Table, list[str]]:
-    """The fleet as a table that fits `width` columns, and the columns left out for it."""
-    cells = [_cells(r, serves or {}, judged or {}) for r in rows]
-    shown = list(COLUMNS[:ALWAYS])
-    for col in COLUMNS[ALWAYS:]:
-        if not any(c[col] for c in cells):
-            continue  # nothing to show (no worker has a note): not a column left out
-        if _natural_width(_table(cells, [*shown, col], title)) <= width:
-            shown.append(col)
-    return _table(cells, shown, title), [c for c in COLUMNS if c not in shown and any(cell[c] for cell in cells)]
-
-
-def _natural_width(table: Table) -> int:
-    return Measurement.get(_MEASURING, _MEASURING.options, table).maximum
+def _table(cells: list[dict[str, str]], columns: list[str]) -> Table:
+    shown = [col for col in COLUMNS if col in columns]
+    fleet = table(shown, ([c[col] for col in shown] for c in cells), right=RIGHT)
+    for column in fleet.columns:
+        header = str(column.header)
+        column.overflow = "ellipsis"
+        if header == "note":  # a long note (a connection error) is cut: --json has it whole
+            column.max_width = 60
+        if COLUMNS.index(header) < ALWAYS:
+            column.min_width = max([len(header)] + [len(Text.from_markup(c[header])) for c in cells])
+    return fleet
 
 
 _MEASURING = Console(width=10_000)
 
 
 def print_workers(out: Console, rows: list[control.WorkerRow], serves: dict[str, list[str]]) -> None:
-    """`genq workers` as a person reads it on `out` (its width decides the columns): the table,
+    """`genq workers` as a person reads it on `out`: the table with the columns that fit its width,
     the count by state, the decode-bound lines, each lost worker by name, the columns left out."""
     statuses = {r.name: r.status for r in rows if r.status is not None}
     judged = decodebound.judge(statuses)
-    table, left_out = workers_table(rows, out.width, serves=serves, judged=judged)
-    out.print(table)
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.state] = counts.get(r.state, 0) + 1
+    cells = [_cells(r, serves, judged) for r in rows]
+    shown = list(COLUMNS[:ALWAYS])
+    for col in COLUMNS[ALWAYS:]:  # a column no worker has anything in is not one left out
+        wider = _table(cells, [*shown, col])
+        if any(c[col] for c in cells) and Measurement.get(_MEASURING, _MEASURING.options, wider).maximum <= out.width:
+            shown.append(col)
+    out.print(_table(cells, shown))
+    counts = Counter(r.state for r in rows)
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
     out.print(f"{plural(len(rows), 'worker')}: {summary}; {fleet_tok_per_s(rows):,.0f} tok/s in all")
-    for line in bound_lines(judged, decodebound.working(statuses)):
+    for name, v in sorted(judged.items()):  # what caps each GPU's batch and the fix, a slow GPU, a missing figure
+        if v.slow:
+            out.print(f"{name}: much slower than its peers: {v.slow}", markup=False, highlight=False)
+        if v.cap is not None:
+            out.print(f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""),
+                      markup=False, highlight=False)
+        if v.bound.unknown and v.bound.tok_per_s is None:
+            out.print(f"{name}: bound {v.bound.unknown}", markup=False, highlight=False)
+    if line := decodebound.fleet_line(decodebound.working(statuses), judged):
         out.print(line, markup=False, highlight=False)
     for r in rows:
         if r.state == control.LOST:
             out.print(f"[bold red]lost[/]: {r.name} ({r.note})")
-    if left_out:
+    if left_out := [c for c in COLUMNS if c not in shown and any(cell[c] for cell in cells)]:
         out.print(f"not shown at {out.width} columns: {', '.join(left_out)} (a wider terminal, or --json)")
 
 
@@ -158,21 +139,6 @@ def _bound_cell(v: decodebound.Verdict | None) -> str:
     if b.tok_per_s is None or b.share is None:
         return "?"
     return f"{'[red]' if v.slow else ''}{b.share:.0%} of {b.tok_per_s:,.0f}{'[/]' if v.slow else ''}"
-
-
-def bound_lines(judged: dict[str, decodebound.Verdict], fleet: dict[str, decodebound.GpuFigures]) -> list[str]:
-    """Below the table: per GPU, what caps its batch and the fix, a slow GPU, a missing figure; the fleet's line."""
-    lines = []
-    for name, v in sorted(judged.items()):
-        if v.slow:
-            lines.append(f"{name}: much slower than its peers: {v.slow}")
-        if v.cap is not None:
-            lines.append(f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""))
-        if v.bound.unknown and v.bound.tok_per_s is None:
-            lines.append(f"{name}: bound {v.bound.unknown}")
-    if line := decodebound.fleet_line(fleet, judged):
-        lines.append(line)
-    return lines
 
 
 def fleet_tok_per_s(rows: list[control.WorkerRow]) -> float:
@@ -216,7 +182,7 @@ WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and
 
 
 @click.command(help=WORKERS_HELP, short_help="The fleet: each worker's state, load, tok/s and heartbeat.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON array of workers (machine-readable).")
+@json_option("One JSON array of workers (machine-readable).")
 @click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
 @click.pass_context
 def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
@@ -225,7 +191,8 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
         if note := redis_note_of(conn):  # refusing writes: its workers' heartbeats lapse, they are not dead
             click.echo(f"warning: {note.text}", err=True)
         if prune:
-            gone = control.forget(conn, [r.name for r in rows if not r.live])
+            gone = [r.name for r in rows if not r.live]
+            ledger_fleet.forget_workers(conn, gone)
             rows = [r for r in rows if r.live]
             if gone and not as_json:
                 click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
@@ -243,25 +210,17 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     print_workers(console(), rows, serves)
 
 
-# ---------------------------------------------------------------- drain / concurrency
-
-
 def _selector_options(fn: Callable) -> Callable:
     fn = click.option("--all", "everyone", is_flag=True, help="Every live worker.")(fn)
     fn = click.option("--host", default=None, help="Every live worker on this host.")(fn)
-    fn = click.option("--worker", "names", multiple=True, metavar="NAME",
-                      help="A worker by name (see `genq workers`); repeatable.")(fn)
-    return fn
+    return click.option("--worker", "names", multiple=True, metavar="NAME",
+                        help="A worker by name (see `genq workers`); repeatable.")(fn)
 
 
 def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyone: bool) -> list[control.WorkerRow]:
-    given = sum([bool(names), host is not None, everyone])
-    if given != 1:
+    if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
-    try:
-        chosen = control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)
-    except control.NoMatch as exc:
-        raise click.ClickException(str(exc)) from None
+    chosen = control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)
     if not chosen:
         raise click.ClickException("no live workers")
     return chosen
@@ -292,49 +251,30 @@ def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone
 
 
 def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) -> bool:
+    """Until every named worker has stopped (True) or `timeout` has passed: a live table in a
+    terminal, else a line whenever what they hold changes."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    tty = sys.stdout.isatty()
-    last_line = ""
-
-    def snapshot() -> list[control.WorkerRow]:
-        rows = {r.name: r for r in control.fleet(conn)}
-        return [rows.get(n) or control.WorkerRow(n, None, time.time()) for n in names]
-
-    def table(rows: list[control.WorkerRow]) -> Table:
-        t = Table(show_edge=False, header_style="bold", title="draining")
-        for col in ("worker", "state", "batches held", "in flight", "queued"):
-            t.add_column(col, no_wrap=True)
-        for r in rows:
-            t.add_row(r.name, r.state, _batches(r, 4), str(r.in_flight) if r.live else "",
-                      str(r.queued) if r.live else "")
-        return t
-
-    live = Live(table(snapshot()), console=console(), auto_refresh=False) if tty else None
-    try:
-        if live:
-            live.start()
+    live = Live(console=console(), auto_refresh=False) if sys.stdout.isatty() else None
+    said = ""
+    with live or contextlib.nullcontext():
         while True:
-            rows = snapshot()
-            left = [r for r in rows if r.live]
+            now = {r.name: r for r in control.fleet(conn)}
+            rows = [now.get(n) or control.WorkerRow(n, None, time.time()) for n in names]
             if live:
-                live.update(table(rows), refresh=True)
-            else:
-                line = "; ".join(
-                    f"{r.name} {r.state}" + (f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}"
-                                             if r.live else "")
-                    for r in rows)
-                if line != last_line:
-                    click.echo(line)
-                    last_line = line
-            if not left:
+                live.update(table(("worker", "state", "batches held", "in flight", "queued"),
+                                  ((r.name, r.state, _batches(r, 4), str(r.in_flight) if r.live else "",
+                                    str(r.queued) if r.live else "") for r in rows), title="draining"), refresh=True)
+            elif (line := "; ".join(f"{r.name} {r.state}" + (
+                    f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "")
+                    for r in rows)) != said:
+                click.echo(line)
+                said = line
+            if not any(r.live for r in rows):
                 click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
                 return True
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(1.0)
-    finally:
-        if live:
-            live.stop()
 
 
 @click.command(short_help="Cap the requests in flight per worker, live (or auto).")

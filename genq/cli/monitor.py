@@ -52,26 +52,15 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
 
     \b
     JSON (--json, --progress-file): with --job, or when exactly one job exists,
-    one object; otherwise an object keyed by job name, each value the same
-    object ({} when there are no jobs). Fields include total, completed,
-    failed, in_flight, queued, rate_per_sec, output_tokens_per_sec,
-    eta_hours, eta_low_hours, eta_high_hours, eta_state, elapsed_hours,
-    total_input_tokens, total_output_tokens, avg_output_tokens, status
-    (queued | running | paused | writing | done: done once every shard is
-    written), percent_completed and percent_failed, queued_batches (the
-    job's batches in RQ's queue), held_batches, other_batches (neither
-    written, held nor queued), rq_queued (RQ's whole queue), s3_uploaded and
-    s3_bytes (shards written and their bytes), worker_details (with
-    bottleneck_codes); --json adds eta_s, eta_low_s
-    and eta_high_s in unrounded seconds (null while there is no honest
-    estimate: eta_state "warming up", "paused" or "stalled").
+    one object; otherwise an object keyed by job name ({} when there are no
+    jobs). Its fields (total, completed, failed, status, eta_hours, worker_details,
+    ...) are listed in docs/monitoring.md; --json adds eta_s, eta_low_s and
+    eta_high_s in unrounded seconds (null while there is no honest estimate).
 
     \b
-    The ETA comes from remaining work and recent throughput: output lengths
-    are fitted to the finished completions and the running ones (a running
-    request will be at least as long as it is now), so the long tail is
-    counted before it finishes; the job's drain (its longest last requests)
-    is added; the range is a central 90% (docs/monitoring.md).
+    The ETA: output lengths fitted to the finished completions and the running
+    ones (each at least as long as it is now), the remaining work at the
+    measured speed, plus the job's drain; its range is a central 90%.
     """
     s = settings(ctx)
     if once and (listen or web_listen):
@@ -87,7 +76,12 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     except (redis.RedisError, OSError) as exc:
         if refusal(exc) is None:  # a Redis refusing writes (MISCONF refuses PING) still answers reads
             raise click.ClickException(describe_error(s.redis_url, exc)) from None
-    mon = Monitor(conn, job, window_s=rate_window, once=once)
+    history = None
+    if web_listen:
+        from genq.monitor.webapp import History
+
+        history = History()
+    mon = Monitor(conn, job, window_s=rate_window, once=once, on_refresh=history.record if history else None)
     if listen:
         from genq.monitor.exporter import serve
 
@@ -98,17 +92,15 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(str(exc)) from None
         except OSError as exc:
             raise click.ClickException(f"--metrics {listen}: {exc}") from None
-        click.echo(f"genq monitor: Prometheus metrics on http://{listen if not listen.startswith(':') else '0.0.0.0' + listen}/metrics",
-                   err=True)
-    if web_listen:
+        click.echo(f"genq monitor: Prometheus metrics on http://{_shown(listen)}/metrics", err=True)
+    if web_listen and history is not None:
         from genq.monitor.webapp import serve_web
 
         try:
-            serve_web(mon, web_listen, interval, token if web_control else None, web_hosts)
+            serve_web(mon, history, web_listen, interval, token if web_control else None, web_hosts)
         except (ValueError, OSError) as exc:
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
-        shown = web_listen if not web_listen.startswith(":") else "0.0.0.0" + web_listen
-        click.echo(f"genq monitor: live page on http://{shown}/"
+        click.echo(f"genq monitor: live page on http://{_shown(web_listen)}/"
                    f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
     try:
         if once:
@@ -123,6 +115,10 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         raise click.ClickException(f"--progress-file {progress_file}: {exc}") from None
     except KeyboardInterrupt:
         pass
+
+
+def _shown(listen: str) -> str:
+    return "0.0.0.0" + listen if listen.startswith(":") else listen
 
 
 def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float | None,

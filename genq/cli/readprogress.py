@@ -1,21 +1,13 @@
-"""enqueue's progress line: prompts read and their rate, and for an input whose size is known
-the percent queued and an ETA (genq.producer.meter: bytes of a JSONL file, compressed bytes of a
-.gz one, rows of a Parquet file's metadata; local or on S3)."""
+"""enqueue's progress line: prompts read and their rate, and for an input whose size is known the
+percent queued and an ETA (genq.producer.meter: bytes of a JSONL file, compressed bytes of a .gz
+one, rows of a Parquet file's metadata; local or on S3)."""
 
 from __future__ import annotations
 
 import time
 
+from genq.monitor.view import duration
 from genq.producer.meter import Meter
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 90:
-        return f"{seconds}s"
-    if seconds < 90 * 60:
-        return f"{seconds // 60}m {seconds % 60:02d}s"
-    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
 
 
 class ReadProgress:
@@ -28,7 +20,7 @@ class ReadProgress:
         text = f"read {read:,} prompts ({read / elapsed:,.0f}/s), queued {queued:,}"
         fraction = self.meter.fraction()
         if fraction is not None:
-            eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
-            text += f" · {100 * fraction:.1f}% of {self.meter.of_what()}" + (
-                f", ETA {_duration(eta)}" if eta is not None else "")
+            text += f" · {100 * fraction:.1f}% of {self.meter.of_what()}"
+            if fraction > 0:
+                text += f", ETA {duration(elapsed * (1 - fraction) / fraction)}"
         return text

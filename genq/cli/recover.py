@@ -1,4 +1,4 @@
-"""genq recover: rebuild a job's ledger in Redis from its written output (docs/recovery.md)."""
+"""`genq recover`: a job's ledger in Redis rebuilt from its written output (docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,9 @@ import os
 import sys
 
 import click
-import redis
 
-from genq.cli import settings
-from genq.cli.enqueue import EXIT_REJECTED, reference_uri
-from genq.core.ledger.jobs import check_job_name
-from genq.core.redisconn import connect, describe_error
+from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn
+from genq.cli.enqueue import reference_uri
 from genq.core.words import plural
 from genq.ops import recover as recovering
 from genq.producer.enqueue import Enqueuer
@@ -21,7 +18,7 @@ from genq.producer.sources import SourceError, default_rejects_path, open_rows
 
 
 @click.command(short_help="Rebuild a job's ledger in Redis from its written output.")
-@click.option("--job", required=True, help="The job to recover.")
+@click.option("--job", type=JobName(), required=True, help="The job to recover.")
 @click.option("--output", default=None, metavar="OUTPUT",
               help="Where the job wrote its shards (a directory or s3://bucket/prefix); needed when Redis no "
                    "longer knows the job. [default: the job's, from Redis]")
@@ -34,46 +31,42 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
             s3_endpoint_url: str | None) -> None:
     """Bring JOB's ledger in Redis up to its output, after Redis lost it or its recent writes.
 
-    The output is the truth: every batch whose shard and marker are written (for this
-    life of the job) is marked done with its counts, tokens and dead letters; when Redis
-    has no trace of the job it is created again from OUTPUT/JOB/job.json (its settings and
-    incarnation), dropping what workers wrote into the emptied Redis meanwhile. Then the
-    input is read again and only prompts with no written outcome are queued. Running
-    workers take them; nothing written is generated again.
+    The output is the truth: every batch written for this life of the job is marked done from
+    its marker; a job Redis lost is created again from OUTPUT/JOB/job.json. Then only the
+    input's prompts with no written outcome are queued: nothing written is generated again.
 
     \b
     Exit status: 0 recovered; 1 nothing to recover from (no job.json), an unreadable
     input or output, Redis unreachable; 3 some input lines were rejected.
     """
-    url = settings(ctx).redis_url
-    try:
-        check_job_name(job)
-        conn = connect(url)
-        if output and "://" not in output:
-            output = os.path.abspath(output)
-        found = recovering.recover(conn, job, output, s3_endpoint_url)
-        config = found.config
-        if found.rebuilt:
-            click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
-                       f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it without its config")
-        click.echo(f"job {job}: {plural(len(found.adopted), 'batch', 'batches')} written in the output marked done from their markers")
-        sources = list(inputs) or found.record.inputs
-        if not sources:
-            click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
-                       "again (give --input)", err=True)
-        rejected = 0
-        for source in sources:
-            rejects = RejectsFile(os.path.abspath(default_rejects_path(source, config.output, job)))
-            rows = open_rows(source, s3_endpoint_url=config.s3_endpoint_url)
-            summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference_uri(source, None),
-                               input_uri=source if is_s3(source) else os.path.abspath(source)).run(rows)
-            rejects.close()
-            rejected += summary.rejected
-            click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
-                       f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already written or queued")
-    except (LookupError, ValueError, SourceError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc)) from None
+    if output and "://" not in output:
+        output = os.path.abspath(output)
+    with redis_conn(ctx) as conn:
+        try:
+            rejected = 0
+            found = recovering.recover(conn, job, output, s3_endpoint_url)
+            config = found.config
+            if found.rebuilt:
+                click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
+                           f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it "
+                           "without its config")
+            click.echo(f"job {job}: {plural(len(found.adopted), 'batch', 'batches')} written in the output marked done "
+                       "from their markers")
+            sources = list(inputs) or found.record.inputs
+            if not sources:
+                click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
+                           "again (give --input)", err=True)
+            for source in sources:
+                rejects = RejectsFile(os.path.abspath(default_rejects_path(source, config.output, job)))
+                rows = open_rows(source, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
+                summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference_uri(source, None),
+                                   input_uri=source if is_s3(source) else os.path.abspath(source)).run(rows)
+                rejects.close()
+                rejected += summary.rejected
+                click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
+                           f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already "
+                           "written or queued")
+        except (ValueError, SourceError) as exc:
+            raise click.ClickException(str(exc)) from None
     if rejected:
-        sys.exit(EXIT_REJECTED)
+        sys.exit(EXIT_PARTLY_DONE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 from typing import Any
 
 import click
@@ -56,14 +57,10 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
             click.echo(json.dumps(fate[name], indent=2))
 
 
-def _plain(record: Any) -> Any:
-    return msgspec.to_builtins(record)
-
-
 def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
     letter = letters.read_some(conn, job, [prompt_id], DeadLetter)[0]
     if letter is not None:
-        return {"state": "dead-lettered", "batch": letter.batch, "letter": _plain(letter),
+        return {"state": "dead-lettered", "batch": letter.batch, "letter": msgspec.to_builtins(letter),
                 "why": f"{letter.kind} after {letter.attempts} attempt(s): {letter.message}"}
     if not ledger_jobs.knows_prompt(conn, job, prompt_id):
         return None
@@ -78,7 +75,7 @@ def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
 def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[str, Any]:
     result, claim, lease, paused = prompt_state(conn, job, batch, prompt_id)
     if result is not None:
-        return {"state": "done", "batch": batch, "record": _plain(unpack(result, Result)),
+        return {"state": "done", "batch": batch, "record": msgspec.to_builtins(unpack(result, Result)),
                 "why": "its result is in Redis; the batch's shard is written when the whole batch is done"}
     if claim is not None:  # a claim is taken just before the send: it covers the next prompts too
         return {"state": "sending", "batch": batch, "holder": claim.decode(),
@@ -110,20 +107,13 @@ def _lines(uri: str, endpoint: str | None) -> list[bytes]:
     if uri.startswith("s3://"):
         from genq.output import s3
 
-        stream = s3.open_stream(uri, endpoint)
-        try:
-            data = stream.read()
-        finally:
-            stream.close()
+        data = s3.read_object(uri, endpoint)
     else:
         try:
-            with open(uri, "rb") as f:
-                data = f.read()
+            data = Path(uri).read_bytes()
         except FileNotFoundError:
             return []
-    if uri.endswith(".gz"):
-        data = gzip.decompress(data)
-    return data.splitlines()
+    return (gzip.decompress(data) if uri.endswith(".gz") else data).splitlines()
 
 
 def _job_and_id(ctx: click.Context, words: tuple[str, ...], job_option: str | None) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""genq worker: drive one local inference server from the queue, or (--gpus) one per GPU."""
+"""`genq worker`: drive one inference server from the queue, or (--gpus) one per GPU of this machine."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import click
 from click.core import ParameterSource
 
 from genq.cli import Concurrency, settings
-from genq.core.prefetch import DEFAULT_PREFETCH
-from genq.core.timings import LOST_BATCH_BACK_S
-from genq.worker.options import WorkerOptions, name_problem, server_url_problem
+from genq.worker.options import DEFAULT_PREFETCH, WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
@@ -22,8 +20,8 @@ BURST_SERVER_WAIT_S = 30.0  # --burst --server: how long a server that does not 
 
 
 class ByteSize(click.ParamType):
-    """A size in bytes (or bytes/s): 54GB, 1.79TB/s, 1790GB/s, 48GiB, or a plain number of bytes.
-    Decimal units as vendors rate bandwidth; KiB..TiB binary."""
+    """A size in bytes (or bytes/s): 54GB, 1.79TB/s, 48GiB, or a plain number; decimal units as
+    vendors rate bandwidth, KiB..TiB binary."""
 
     name = "SIZE"
     UNITS = {"": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -46,14 +44,6 @@ class ByteSize(click.ParamType):
         if size <= 0:
             self.fail(f"{value!r} is not a size above 0", param, ctx)
         return size
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def _checked_server(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -80,7 +70,7 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--host", default=None, help="Host name to report. [default: this machine's]")
 @click.option("--concurrency", type=Concurrency(), default="auto", show_default=True, help="Requests in flight: 'auto' follows the server's capacity and metrics; a number caps it. Change it live with `genq concurrency`.")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
-@click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULT_PREFETCH, show_default=True, help="Batches held at once, at least (RQ work loops): the next batch fills slots while one drains; more are taken while held batches drain long tails.")
+@click.option("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULT_PREFETCH, show_default=True, help="Batches held at once, at least: the next batch fills slots while one drains; more are taken while held batches drain long tails.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Stream responses (stall detection and live token counts for the ETA).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before the dead-letter queue. [default: the job's, 5]")
 @click.option("--request-timeout", type=click.FloatRange(1), default=DEFAULTS.request_timeout, show_default=True, help="Seconds one request may take (a 32K-token thinking completion fits).")
@@ -89,7 +79,7 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--server-crash-limit", type=click.IntRange(1, 100), default=DEFAULTS.server_crash_limit, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
 @click.option("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help=f"First retry delay in seconds; doubles per attempt (with jitter), capped at {DEFAULTS.retry_backoff_max:.0f}.")
-@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=DEFAULTS.job_monitoring_interval, show_default=True, help=f"RQ's job heartbeat of a running batch (RQ itself would call a killed worker's batch abandoned after this + 60 s; genq's reconciler queues it again within about {LOST_BATCH_BACK_S:.0f} s of the kill: see genq workers --help).")
+@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=None, hidden=True, help="No effect: RQ runs no job of genq's (the engine takes batches itself); accepted so older command lines run.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info", show_default=True, help="Least severe log lines shown (any case: INFO or info).")
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
@@ -109,7 +99,8 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
         --launch "python -m sglang.launch_server --model-path M --port {port} --enable-metrics"
     GPU i of the list gets port --base-port + i and worker name HOST.gpuN.
     """
-    setup_logging(log_level)
+    logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
         if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
             raise click.UsageError(problem)
@@ -134,6 +125,7 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
         # A burst worker is run to empty a queue against a server that is up: a dead port (a typo,
         # a server that died) is said, finally, in seconds, not after the 30 minutes a model may load.
         options["server_start_timeout"] = BURST_SERVER_WAIT_S
+    options.pop("job_monitoring_interval")
     opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)
     raise SystemExit(asyncio.run(run_engine(opts)))
 

@@ -279,26 +279,50 @@ def nvml_words(g: GpuSample | None) -> str | None:
 TALLIED_JOBS = 20  # a worker keeps the tallies of its last jobs
 
 
-def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], f: GpuFigures, dt: float) -> None:
-    """Books dt seconds of one GPU to the jobs it ran, in proportion to their requests in flight."""
+def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], s: WorkerStatus, dt: float) -> None:
+    """Books dt seconds of one worker's GPU to the jobs it ran, in proportion to their requests in flight.
+    Of a server other workers share, this worker books its part (server_part): the workers of one
+    server together book its speed and its bound once."""
     total = sum(in_flight.values())
     if total <= 0 or dt <= 0:
         return
+    f = figures_of(s)
     b = bound(f)
+    part = server_part(s)
+    # The server's counter is the whole server's speed; a worker's own answers are its part already.
+    made = None if f.tok_per_s is None else f.tok_per_s * (part if s.tok_per_s_from == "server" else 1.0)
     for job, n in in_flight.items():
-        part = dt * n / total
+        seconds = dt * n / total
         t = tallies.pop(job, None) or Tally()
-        t.busy_s += part
-        if b.tok_per_s is not None and f.tok_per_s is not None:
-            t.made += f.tok_per_s * part
-            t.bound += b.tok_per_s * part
+        t.busy_s += seconds
+        if b.tok_per_s is not None and made is not None:
+            t.made += made * seconds
+            t.bound += b.tok_per_s * part * seconds
         tallies[job] = t  # the most recent last
     while len(tallies) > TALLIED_JOBS:
         tallies.pop(next(iter(tallies)))
 
 
-def job_line(tallies: dict[str, Tally]) -> str | None:
-    """The summary of a job from its workers' tallies: "fleet at N % of its bandwidth bound; k slowest ..."."""
+def server_part(s: WorkerStatus) -> float:
+    """The worker's part of its server's work: its sequences in flight over those the server runs and
+    queues (1 when it holds them all, or more: the server's figures are up to a look old)."""
+    held = (s.server_running or 0.0) + (s.server_waiting or 0.0)
+    return 1.0 if held <= s.sequences else s.sequences / held
+
+
+def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
+    """The summary of a job from its workers' tallies, one GPU per server (its workers' tallies summed,
+    named by the first): "fleet at N % of its bandwidth bound; k slowest ..."."""
+    tallies: dict[str, Tally] = {}
+    names: dict[str, str] = {}
+    for s in sorted(statuses, key=lambda s: s.name):
+        if (t := s.bound_tally.get(job)) is None:
+            continue
+        name = names.setdefault(s.server, s.name)
+        gpu = tallies.setdefault(name, Tally())
+        gpu.busy_s += t.busy_s
+        gpu.made += t.made
+        gpu.bound += t.bound
     known = {n: t for n, t in tallies.items() if t.bound > 0}
     if not known:
         return None

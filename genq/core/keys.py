@@ -9,6 +9,11 @@ from __future__ import annotations
 import re
 
 QUEUE = "genq"  # the RQ queue every batch job goes to (`rq info` shows it)
+# RQ's own keys of that queue, as RQ 2.x names them (tests/test_scripts.py checks them against RQ):
+# the engine takes batches with TAKE, and must write where `rq info` reads.
+RQ_QUEUE = f"rq:queue:{QUEUE}"
+RQ_STARTED = f"rq:wip:{QUEUE}"  # StartedJobRegistry: "RQID:EXECUTION" -> expiry (+inf: genq's ledger decides)
+RQ_SUSPENDED = "rq:suspended"  # `rq suspend`
 
 JOBS = "genq:jobs"  # set of job names
 PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
@@ -17,6 +22,7 @@ WAKE = "genq:wake"  # pub/sub channel: prompts were given back, idle workers loo
 # A WAKE message that says an operator changed a control (drain, pause, cap): idle workers read
 # theirs at once rather than at their next idle beat (worker/idle.py). Any other message is work.
 WAKE_CONTROL = b"control"
+WAKE_QUEUED = b"queued"  # a WAKE message that says batches were queued: engines wanting one TAKE now
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -155,26 +161,6 @@ def engine_alive(instance: str) -> str:
     return f"genq:engine:{instance}:alive"
 
 
-def engine_model(instance: str) -> str:
-    """The model an engine's server serves, for its RQ loops (a string; absent: unknown)."""
-    return f"genq:engine:{instance}:model"
-
-
-def engine_unwritten(instance: str) -> str:
-    """Set of the jobs whose shards an engine cannot write now (a full disk, S3 down): its RQ loops
-    put their batches back; gone once one is written, or with the engine (a lease's TTL)."""
-    return f"genq:engine:{instance}:unwritten"
-
-
-def engine_refused(instance: str) -> str:
-    """Set of the jobs an engine (its loops included) has said it will not serve: said once."""
-    return f"genq:engine:{instance}:refused"
-
-
-def engine_inbox(instance: str) -> str:
-    return f"genq:engine:{instance}:inbox"
-
-
 def job_leases(job: str) -> str:
     """Hash: batch id -> the current lease ("TOKEN INSTANCE"): who is driving the batch now."""
     return f"{_job(job)}:leases"
@@ -183,13 +169,6 @@ def job_leases(job: str) -> str:
 def job_transport(job: str) -> str:
     """Hash: batch id -> id of the RQ job that carries the batch now (queued or held)."""
     return f"{_job(job)}:transport"
-
-
-def lease_reply(token: str) -> str:
-    """List the engine pushes "done" or "released" to, for the RQ loop holding one lease.
-
-    A token per delivery, not per RQ job id: an RQ retry reuses the job id."""
-    return f"genq:lease:{token}:reply"
 
 
 RECONCILE_LOCK = "genq:reconcile:lock"  # one reconciler pass at a time across the fleet

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import redis
 from redis.client import Pipeline
-from rq import Queue, suspension
+from rq import Queue, Worker, suspension
+from rq.exceptions import InvalidJobOperation
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
@@ -33,7 +34,8 @@ from genq.core.records import BatchSource, JobConfig, Prompt, pack, unpack
 # (genq/core/scripts/lookup_ids.lua).
 ID_NEW, ID_SAME, ID_OTHER = "0", "1", "2"
 
-RUN_BATCH = "genq.worker.rqjob.run_batch"
+RUN_BATCH = "genq.worker.intake.run_batch"  # what a stock RQ worker would run: it refuses (worker/intake.py)
+OLD_RUN_BATCH = "genq.worker.rqjob.run_batch"  # RQ jobs queued by genq before the engine took batches itself
 DESCRIPTION = "genq batch "  # + "JOB/BATCH (N prompts)": what `rq info` shows, and what the monitor reads
 
 
@@ -41,7 +43,7 @@ def carried(rq_job: Job | None) -> tuple[str, str] | None:
     """(job, batch id) of a genq batch's RQ job; None for anything else (another app's, or undecodable:
     the JSON serializer never unpickles)."""
     try:
-        if rq_job is None or rq_job.func_name != RUN_BATCH or len(rq_job.args) < 2:
+        if rq_job is None or rq_job.func_name not in (RUN_BATCH, OLD_RUN_BATCH) or len(rq_job.args) < 2:
             return None
         return str(rq_job.args[0]), str(rq_job.args[1])
     except Exception:  # not JSON: not ours to read
@@ -68,19 +70,29 @@ def fetch_rq_job(conn: redis.Redis | Pipeline, rq_id: str) -> Job:
     return Job.fetch(rq_id, connection=conn, serializer=JSONSerializer)
 
 
+def rq_worker(conn: redis.Redis, name: str) -> Worker:
+    """An engine as `rq info` lists it: an RQ worker of genq's queue, registered and heartbeaten by
+    the engine itself (worker/intake.py), never run."""
+    return Worker([rq_queue(conn)], name=name, connection=conn, serializer=JSONSerializer)
+
+
 def failed_registry(conn: redis.Redis) -> FailedJobRegistry:
     """RQ's failed registry of genq's queue: batches whose RQ job failed (genq dlq)."""
     return FailedJobRegistry(queue=rq_queue(conn))
 
 
 def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True) -> None:
-    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind)."""
-    rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
+    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind). A
+    job whose hash went meanwhile (RELEASE takes a done batch's RQ job out of RQ) needs only that."""
+    try:
+        rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
+    except InvalidJobOperation:
+        pipe.delete(rq_job.key)
     pipe.delete(RqResult.get_key(rq_job.id))
 
 
 def suspend_loops(conn: redis.Redis, suspended: bool = True) -> None:
-    """As `rq suspend` (`rq resume`, suspended=False): RQ work loops, genq's or stock, take no new batch."""
+    """As `rq suspend` (`rq resume`, suspended=False): no engine (TAKE) and no stock RQ worker takes a new batch."""
     (suspension.suspend if suspended else suspension.resume)(conn)
 
 
@@ -178,6 +190,7 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
     rq_jobs = queue.enqueue_many(datas, pipeline=pipe)
     for (job, bid, _), rq_job in zip(refs, rq_jobs):
         pipe.hset(keys.job_transport(job), bid, rq_job.id)
+    pipe.publish(keys.WAKE, keys.WAKE_QUEUED)  # idle engines take them now (worker/intake.py)
     return [j.id for j in rq_jobs]
 
 

@@ -1,6 +1,6 @@
 """Redis connections and URL masking (URLs may carry passwords and TLS).
 
-Every genq process (commands, workers, their RQ loops) makes its connections here, so every
+Every genq process (commands, workers, sims aside) makes its connections here, so every
 URL form works the same everywhere:
 
     redis://[[user]:password@]host[:6379][/db][?option=value...]

@@ -11,27 +11,22 @@ beside that loop.
 from __future__ import annotations
 
 BEAT_S = 1.0  # an engine's heartbeat: alive key, status, lease checks
-# No beat this long: the engine's alive key is gone and its RQ loops give its batches up (whole seconds:
-# it is a key TTL, as STATUS_TTL_S is).
+# No beat this long: the engine's alive key is gone and the reconciler queues its batches again (whole
+# seconds: it is a key TTL, as STATUS_TTL_S is).
 LEASE_TIMEOUT_S = 10
 # A sender frozen this long (SIGSTOP, a stalled host) sends nothing more until a beat has checked its
 # leases: shorter than the lease timeout, so it stops before another engine can have its batches.
 LEASE_CHECK_STALE_S = 0.8 * LEASE_TIMEOUT_S
-# After Redis was unreachable, an RQ loop waits this long for its engine's next beat before giving up the
-# batch: the alive key may have expired while nobody could write it.
-ENGINE_GRACE_S = LEASE_TIMEOUT_S
 # The fleet view calls a worker lost when its status record (renewed each beat) is this old.
 STATUS_TTL_S = LEASE_TIMEOUT_S * 3 // 2
-# An RQ loop waiting on its engine's reply looks at the alive key this often.
-REPLY_POLL_S = LEASE_TIMEOUT_S / 5
 # The reconciler's pass (stranded batches, a lost holder's batches queued again) ...
 RECONCILE_EVERY_S = LEASE_TIMEOUT_S
-# ... and a batch must look stranded in two passes this far apart before it is queued again: an RQ job
-# between BLMOVE and "started" looks stranded for a moment.
+# ... and a batch must look stranded in two passes this far apart before it is queued again: a pass reads
+# the queue, the leases and RQ's jobs one after another, so a batch taken meanwhile can look stranded once.
 STRANDED_CONFIRM_S = 0.4 * LEASE_TIMEOUT_S
 # How long after a kill its batches are running elsewhere, at most: the alive key expires; the next
 # reconciler pass may be a period away and sees them stranded; the one after confirms it and queues
-# them again, and the next free RQ loop takes them (docs/operations.md measured 32-36 s).
+# them again, and an engine with room takes them (docs/operations.md measured 32-36 s).
 LOST_BATCH_BACK_S = LEASE_TIMEOUT_S + 3 * RECONCILE_EVERY_S
 
 
@@ -40,7 +35,6 @@ def check() -> None:
     rules = [
         (BEAT_S * 3 <= LEASE_TIMEOUT_S, "a lease must survive two missed beats"),
         (LEASE_CHECK_STALE_S < LEASE_TIMEOUT_S, "a frozen sender must stop before its lease can pass on"),
-        (REPLY_POLL_S < LEASE_TIMEOUT_S, "an RQ loop must notice a dead engine within one lease"),
         (STATUS_TTL_S > LEASE_TIMEOUT_S, "a worker is shown lost only once its leases have lapsed"),
         (STRANDED_CONFIRM_S < RECONCILE_EVERY_S, "two passes must be able to confirm a stranded batch"),
     ]

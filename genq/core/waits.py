@@ -1,8 +1,29 @@
-"""Waiting for an asyncio event with a timeout, in a task that must stay stoppable."""
+"""Waiting in a task that must stay stoppable: for an asyncio event with a timeout, and for
+Redis to answer again."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis
+
+log = logging.getLogger("genq.worker")
+T = TypeVar("T")
+
+
+async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T:
+    """Redis errors (a restart, a dropped connection) are waited out, never lost."""
+    backoff = 0.5
+    while True:
+        try:
+            return await action()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("%s: %s; retrying in %.1fs", what, exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10)
 
 
 async def wait_event(event: asyncio.Event, seconds: float | None) -> bool:

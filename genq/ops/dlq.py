@@ -1,23 +1,14 @@
-"""The dead-letter queue: prompts genq gave up on, and batches RQ gave up on.
+"""The dead-letter queue: prompts genq gave up on, and batches RQ gave up on, in one view.
 
-Two sources, one view (an Entry each):
-- keys.job_dlq(job), prompt id -> DeadLetter, written by the worker engine when a
-  prompt fails for good (a 400, or its attempts ran out).
-- RQ's FailedJobRegistry of keys.QUEUE: batch jobs whose RQ job failed (the engine
-  holding them was lost, or a plain `rq worker` ran them). This is the transport
-  failing, not the batch: the ledger's reconciler (genq.core.ledger) queues such a
-  batch again within seconds of a worker running. Shown with kind "batch_failed"
-  and id "batch:<batch id>" meanwhile, so that it can also be purged.
+A dead prompt is a DeadLetter in keys.job_dlq(job), written by a worker when the prompt fails for
+good. A failed batch is an RQ job of the genq queue in RQ's FailedJobRegistry (the worker holding it
+was lost): the ledger's reconciler queues it again within seconds, and meanwhile it shows here as
+kind batch_failed with id "batch:<batch id>", so that it can be requeued or purged too.
 
-Requeue and purge are MULTI transactions guarded by WATCH: a crash leaves each
-letter either untouched or fully moved, and two operators running the same
-command never requeue a letter twice.
-
-A letter is only requeued or purged once its original batch can never run again
-(the batch record is deleted when its shard is written). While the batch record
-exists the batch may still be leased, and a re-leased batch regenerates every
-prompt that has neither a result nor a letter: moving the letter elsewhere then
-would produce that prompt twice.
+Requeue and purge are MULTI transactions under WATCH: a crash leaves each letter untouched or wholly
+moved, and two operators never requeue a letter twice. A letter moves only once its batch can never
+run again (its record is deleted when its shard is written): a batch leased again regenerates every
+prompt with neither a result nor a letter, so moving the letter earlier would produce it twice.
 """
 
 from __future__ import annotations
@@ -25,9 +16,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 import redis
@@ -50,6 +40,7 @@ from genq.core.queueing import (
     write_batches,
 )
 from genq.core.records import DeadLetter, ErrorKind, JobConfig
+from genq.ops import Refused
 from genq.ops.settings import with_override
 from genq.output import truth
 from genq.output.sink import open_store
@@ -59,20 +50,15 @@ log = logging.getLogger("genq.dlq")
 BATCH_PREFIX = "batch:"
 BATCH_FAILED: ErrorKind = "batch_failed"
 CHUNK = 2000  # letters per transaction: keeps one MULTI a sensible size
-T = TypeVar("T")
-
-
-class DlqError(Exception):
-    """A problem the operator can fix (unknown job or id); the CLI prints it and exits 1."""
+GONE = "no longer in RQ's failed registry (requeued or purged meanwhile)"
 
 
 class Entry(DeadLetter, omit_defaults=True):
-    """One line of the dead-letter view: a dead prompt (a DeadLetter as stored), or a failed
-    batch (id "batch:<batch id>", kind batch_failed, and the fields below)."""
+    """A dead prompt as stored, or a failed batch (kind batch_failed, with the fields below)."""
 
-    rq_job: str | None = None  # failed batches: RQ's job id
-    prompts: int | None = None  # failed batches: prompts in the batch
-    traceback: str | None = None  # failed batches: the last run's traceback
+    rq_job: str | None = None  # RQ's job id
+    prompts: int | None = None  # prompts in the batch
+    traceback: str | None = None  # the last run's traceback
 
     @property
     def is_batch(self) -> bool:
@@ -92,9 +78,6 @@ class PurgeReport(msgspec.Struct):
     kept: list[tuple[str, str]] = []  # (entry id, why)
 
 
-# ------------------------------------------------------------------ reading
-
-
 def jobs_for(conn: redis.Redis, job: str | None) -> list[str]:
     """The jobs a command covers: the named one (which must exist) or all."""
     known = list_jobs(conn)
@@ -102,7 +85,7 @@ def jobs_for(conn: redis.Redis, job: str | None) -> list[str]:
         return known
     if job not in known:
         hint = f"known jobs: {', '.join(known)}" if known else "this Redis database has no genq jobs"
-        raise DlqError(f"unknown job {job!r} ({hint})")
+        raise Refused(f"unknown job {job!r} ({hint})")
     return [job]
 
 
@@ -111,11 +94,10 @@ def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
 
 
 def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = False) -> list[Entry]:
-    """Batch jobs of the genq queue in RQ's failed registry, for the given jobs."""
+    """The given jobs' batches in RQ's failed registry."""
     wanted = set(jobs)
-    registry = failed_registry(conn)
-    entries = []
-    for rq_job in fetch_rq_jobs(conn, registry.get_job_ids()):
+    found = []
+    for rq_job in fetch_rq_jobs(conn, failed_registry(conn).get_job_ids()):
         ref = carried(rq_job)
         if rq_job is None or ref is None or ref[0] not in wanted:
             continue
@@ -125,27 +107,21 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
         last = next((line.strip() for line in reversed(exc.splitlines()) if line.strip()), "")
         batch = load_batch(conn, job, batch_id)
         if batch is None and ledger_jobs.batch_done(conn, job, batch_id):
-            # RQ can mark a finished job failed after the fact (rq#2424): say so.
-            last = f"batch already complete (RQ recorded a failure afterwards): {last}"
+            last = f"batch already complete (RQ recorded a failure afterwards): {last}"  # RQ can, after the fact
         ended = rq_job.ended_at or (result.created_at if result is not None else None)
-        entries.append(Entry(
-            id=BATCH_PREFIX + batch_id, job=job, batch=batch_id,
-            attempts=1,
-            kind=BATCH_FAILED, message=last or "(RQ stored no exception)",
-            worker=rq_job.worker_name or "", at=ended.timestamp() if ended else 0.0,
-            rq_job=rq_job.id, prompts=batch.count if batch else None,
-            traceback=exc if traceback else None,
-        ))
-    return entries
+        found.append(Entry(
+            id=BATCH_PREFIX + batch_id, job=job, batch=batch_id, attempts=1, kind=BATCH_FAILED,
+            message=last or "(RQ stored no exception)", worker=rq_job.worker_name or "",
+            at=ended.timestamp() if ended else 0.0, rq_job=rq_job.id, prompts=batch.count if batch else None,
+            traceback=exc if traceback else None))
+    return found
 
 
 def entries(conn: redis.Redis, job: str | None, *, traceback: bool = False) -> list[Entry]:
     """Everything in the dead-letter view of one job or all, newest first."""
     jobs = jobs_for(conn, job)
-    found = [e for j in jobs for e in dead_letters(conn, j)]
-    found += failed_batches(conn, jobs, traceback=traceback)
-    found.sort(key=lambda e: (-e.at, e.job, e.id))
-    return found
+    found = [e for j in jobs for e in dead_letters(conn, j)] + failed_batches(conn, jobs, traceback=traceback)
+    return sorted(found, key=lambda e: (-e.at, e.job, e.id))
 
 
 def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: bool = False) -> list[Entry]:
@@ -153,8 +129,8 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
     jobs = jobs_for(conn, job)
     matches: dict[str, list[Entry]] = {i: [] for i in ids}
     prompt_ids = [i for i in matches if not i.startswith(BATCH_PREFIX)]
-    if prompt_ids:
-        for j in jobs:
+    for j in jobs:
+        if prompt_ids:
             for pid, letter in zip(prompt_ids, letters.read_some(conn, j, prompt_ids, Entry)):
                 if letter is not None:
                     matches[pid].append(letter)
@@ -162,45 +138,57 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
         for entry in failed_batches(conn, jobs, traceback=traceback):
             if entry.id in matches:
                 matches[entry.id].append(entry)
-    scope = f"job {job!r}" if job else "any job"
-    missing = [i for i, found in matches.items() if not found]
-    if missing:
-        raise DlqError(
-            f"no dead letter or failed batch with id {', '.join(map(repr, missing))} in {scope} "
-            "(see `genq dlq list`; failed batches are named batch:<batch id>)"
-        )
+    if missing := [i for i, found in matches.items() if not found]:
+        raise Refused(f"no dead letter or failed batch with id {', '.join(map(repr, missing))} in "
+                      f"{f'job {job!r}' if job else 'any job'} (see `genq dlq list`; failed batches are named "
+                      "batch:<batch id>)")
     for i, found in matches.items():
         if len(found) > 1:
-            raise DlqError(f"id {i!r} is in several jobs ({', '.join(e.job for e in found)}): add --job")
+            raise Refused(f"id {i!r} is in several jobs ({', '.join(e.job for e in found)}): add --job")
     return [found[0] for found in matches.values()]
 
 
-# ------------------------------------------------------------------ requeue
+def _by_job(chosen: Sequence[Entry]) -> dict[str, list[str]]:
+    """The dead prompts' ids, per job."""
+    by_job: dict[str, list[str]] = {}
+    for entry in chosen:
+        if not entry.is_batch:
+            by_job.setdefault(entry.job, []).append(entry.id)
+    return by_job
+
+
+def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
+    """Letters (still in the DLQ) whose batch can never run again, and why the others are not."""
+    found = [letter for letter in letters.read_some(pipe, job, ids, DeadLetter) if letter is not None]
+    present = {letter.id for letter in found}
+    skipped = [(i, "no longer in the dead-letter queue (requeued or purged meanwhile)") for i in ids if i not in present]
+    live = {b for b in {letter.batch for letter in found} if ledger_jobs.batch_exists(pipe, job, b)}
+    movable = []
+    for letter in found:
+        if letter.batch in live:
+            skipped.append((letter.id, f"its batch {letter.batch} has not finished (still held by a worker, queued, "
+                                       f"or failed in RQ); {verb} it once that batch completes"))
+        elif verb == "requeue" and letter.prompt is None:
+            skipped.append((letter.id, "the letter does not carry its prompt; re-enqueue it from the input"))
+        else:
+            movable.append(letter)
+    return movable, skipped
 
 
 def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> RequeueReport:
-    """Put dead prompts back as new batches and failed batches back on the queue. Prompts run with
-    the job's current settings; `override` (request fields) goes into each prompt's own sampling."""
+    """Dead prompts back as new batches (with the job's current settings; `override`, request
+    fields, goes into each prompt's own sampling), failed batches back on the queue."""
     report = RequeueReport(prompts={}, new_batches={}, batches=[], skipped=[])
-    by_job: dict[str, list[str]] = {}
     for entry in chosen:
         if entry.is_batch:
             _requeue_batch(conn, entry, report)
-        else:
-            by_job.setdefault(entry.job, []).append(entry.id)
-    for job, ids in by_job.items():
+    for job, ids in _by_job(chosen).items():
         config = load_config(conn, job)
         if config is None:
-            raise DlqError(f"job {job!r} has no stored config; cannot size its new batches")
+            raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         for start in range(0, len(ids), CHUNK):
             _requeue_letters(conn, config, ids[start:start + CHUNK], report, override or {})
     return report
-
-
-def _atomically(conn: redis.Redis, watched: Sequence[str], body: Callable[[Any], T]) -> T:
-    """Run body(pipe) with `watched` (keys of RQ's) under WATCH, again from the start whenever one
-    of them changes before its MULTI executes (a concurrent requeue or purge of the same batch)."""
-    return conn.transaction(body, *watched, value_from_callable=True)
 
 
 def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], report: RequeueReport,
@@ -212,7 +200,7 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
         prompts = sorted((with_override(letter.prompt, override) for letter in found if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
-        batches = new_batches(conn, job, prompts, config.batch_size)  # ids come from INCRBY: gaps are harmless
+        batches = new_batches(conn, job, prompts, config.batch_size)  # ids from INCRBY: gaps are harmless
         if found:
             _record_requeue(config, run, [b.id for b in batches], [letter.id for letter in found])
         pipe.multi()
@@ -229,44 +217,20 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
 
 
 def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[str]) -> None:
-    """OUTPUT/JOB/enqueues/RUN.json names a requeue's batches and letters before they are queued,
-    so a Redis that loses them requeues the letters again (genq.producer.enqueue.queue_lost).
-    An output unreachable from here costs only that."""
+    """OUTPUT/JOB/enqueues/RUN.json names a requeue's batches and letters before they are queued, so
+    a Redis that loses them requeues the letters again (genq.producer.enqueue.queue_lost)."""
     record = EnqueueRecord(incarnation=config.incarnation, input="", batches=truth.batch_ranges(batches),
                            prompts=len(ids), letters=ids)
     try:
         truth.write_enqueue(open_store(config.output, config.s3_endpoint_url), config.name, run, record)
-    except Exception as exc:  # OSError, botocore's errors
+    except Exception as exc:  # OSError, botocore's errors: the output unreachable costs only that
         log.warning("job %s: cannot record the requeue in its output %s (%s): a Redis restored from before "
                     "it would not requeue these letters again", config.name, config.output, exc)
 
 
-def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
-    """Letters (still in the DLQ) whose batch can never run again, and why the others are not."""
-    found = [letter for letter in letters.read_some(pipe, job, ids, DeadLetter) if letter is not None]
-    gone = set(ids) - {letter.id for letter in found}
-    skipped = [(i, "no longer in the dead-letter queue (requeued or purged meanwhile)") for i in ids if i in gone]
-    batch_ids = sorted({letter.batch for letter in found})
-    live = {b for b in batch_ids if ledger_jobs.batch_exists(pipe, job, b)}
-    movable = []
-    for letter in found:
-        if letter.batch in live:
-            skipped.append((letter.id, f"its batch {letter.batch} has not finished (still held by a worker, queued, "
-                                       f"or failed in RQ); {verb} it once that batch completes"))
-        elif verb == "requeue" and letter.prompt is None:
-            skipped.append((letter.id, "the letter does not carry its prompt; re-enqueue it from the input"))
-        else:
-            movable.append(letter)
-    return movable, skipped
-
-
 def _requeue_batch(conn: redis.Redis, entry: Entry, report: RequeueReport) -> None:
-    """Enqueue a fresh RQ job for the batch and delete the failed one, in one MULTI.
-
-    Not FailedJobRegistry.requeue: that ZREMs, saves and enqueues in separate
-    steps (a crash between them leaves the batch in no registry at all). `rq info`
-    shows one queued job and one failed job fewer, which is the truth.
-    """
+    """A fresh RQ job for the batch and the failed one deleted, in one MULTI (not RQ's own requeue,
+    whose separate steps can leave the batch in no registry): `rq info` tells the truth."""
     registry = failed_registry(conn)
 
     def move(pipe: Any) -> bool:
@@ -275,35 +239,24 @@ def _requeue_batch(conn: redis.Redis, entry: Entry, report: RequeueReport) -> No
         old = fetch_rq_job(conn, str(entry.rq_job))
         pipe.multi()
         enqueue_batch_jobs(pipe, conn, [(entry.job, entry.batch, entry.prompts or 0)])
-        delete_rq_job(pipe, old)  # also removes it from the failed registry
+        delete_rq_job(pipe, old)  # also out of the failed registry
         return True
 
-    if _atomically(conn, [registry.key], move):
+    if conn.transaction(move, registry.key, value_from_callable=True):
         report.batches.append((entry.job, entry.batch, entry.prompts or 0))
     else:
-        report.skipped.append((entry.id, "no longer in RQ's failed registry (requeued or purged meanwhile)"))
-
-
-# ------------------------------------------------------------------ purge
+        report.skipped.append((entry.id, GONE))
 
 
 def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
-    """Forget dead prompts and failed batches: no retry, and out of every count.
-
-    A purged prompt leaves the DLQ (the monitor's "failed"), the job's total and
-    its id index (so enqueueing the same row again queues it anew); the job
-    stats' "purged" field counts them. Failed batches go first: once their
-    record is gone, their own dead letters can be purged in the same run.
-    """
+    """Forget dead prompts and failed batches: no retry, and out of every count (the DLQ, the job's
+    total and id index, so the same row enqueued again is queued anew; stats count them "purged").
+    Failed batches go first: their own dead letters can then be purged in the same run."""
     report = PurgeReport(letters={}, batches=[], kept=[])
-    by_job: dict[str, list[str]] = {}
     for entry in chosen:
         if entry.is_batch:
             _purge_batch(conn, entry, report)
-    for entry in chosen:
-        if not entry.is_batch:
-            by_job.setdefault(entry.job, []).append(entry.id)
-    for job, ids in by_job.items():
+    for job, ids in _by_job(chosen).items():
         for start in range(0, len(ids), CHUNK):
             _purge_letters(conn, job, ids[start:start + CHUNK], report)
     return report
@@ -330,18 +283,15 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
 
     def forget(pipe: Any) -> str | list[str]:
         if pipe.zscore(registry.key, entry.rq_job) is None:
-            return "no longer in RQ's failed registry (requeued or purged meanwhile)"
-        finished = ledger_jobs.result_count(pipe, job, batch_id)
-        if finished:
-            # Those results are counted as done but are in no shard yet: purging would
-            # throw away finished work and leave the counters wrong. Requeue finishes it.
+            return GONE
+        if finished := ledger_jobs.result_count(pipe, job, batch_id):
+            # Counted as done but in no shard yet: purging would lose finished work. Requeue finishes it.
             return (f"{finished} of its prompts finished but are not in a shard yet; "
                     f"`genq dlq requeue --job {job} {entry.id}` completes it without regenerating them")
         batch = load_batch(pipe, job, batch_id)
         ids = batch_records.ids(batch) if batch else []
-        dead = letters.read_some(pipe, job, ids, DeadLetter)
-        # Its dead letters stay letters (purged below with the others); the rest is forgotten.
-        unfinished = [i for i, d in zip(ids, dead) if d is None]
+        # Its dead letters stay letters (purged with the others); the rest is forgotten.
+        unfinished = [i for i, d in zip(ids, letters.read_some(pipe, job, ids, DeadLetter)) if d is None]
         old = fetch_rq_job(conn, str(entry.rq_job))
         pipe.multi()
         delete_rq_job(pipe, old)
@@ -358,8 +308,8 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
 
 
 def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
-    """A purged batch leaves the enqueue records that name it: it is gone on purpose, not lost
-    with Redis, and its forgotten prompts are not queued again (genq.producer.enqueue.queue_lost)."""
+    """A purged batch leaves the enqueue records that name it: it is gone on purpose, not lost with
+    Redis, and its forgotten prompts are not queued again (genq.producer.enqueue.queue_lost)."""
     config = load_config(conn, job)
     if config is None:
         return
@@ -373,38 +323,3 @@ def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
     except Exception as exc:  # OSError, botocore's errors
         log.warning("job %s: cannot take purged batch %s out of the enqueue records in %s (%s): a worker "
                     "would queue its prompts again", job, batch, config.output, exc)
-
-
-# ------------------------------------------------------------------ helpers
-
-
-
-
-def iso(at: float) -> str:
-    return datetime.fromtimestamp(at, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def age(at: float, now: float | None = None) -> str:
-    seconds = max(0.0, (now or time.time()) - at)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
-
-
-def to_json(entry: Entry, *, full: bool = False) -> dict[str, Any]:
-    """The --json shape: the id at top level, `at` as ISO 8601 UTC and `at_epoch` in seconds."""
-    out: dict[str, Any] = {
-        "id": entry.id, "job": entry.job, "batch": entry.batch, "attempts": entry.attempts,
-        "kind": entry.kind, "status": entry.status, "message": entry.message, "worker": entry.worker,
-        "at": iso(entry.at), "at_epoch": entry.at,
-    }
-    if entry.is_batch:
-        out["rq_job"] = entry.rq_job
-        out["prompts"] = entry.prompts
-    if full:
-        if entry.prompt is not None:
-            out["prompt"] = msgspec.to_builtins(entry.prompt)
-        if entry.is_batch:
-            out["traceback"] = entry.traceback
-    return out

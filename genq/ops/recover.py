@@ -1,20 +1,12 @@
-"""A job's ledger rebuilt from its output (#31): what is written is done, whatever Redis says.
+"""A job's ledger brought up to its output: what is written is done, whatever Redis says.
 
-Three ways a ledger falls behind its output, one answer (ADOPT, per written batch:
-genq/core/scripts/adopt.lua):
-- Redis lost the job (restarted empty, FLUSHALL): `genq recover` or the same `genq enqueue`
-  finds OUTPUT/JOB/job.json, takes the job's config and incarnation from it, drops what
-  Redis holds of the job (orphans written by workers into the empty Redis) and adopts every
-  marker of that incarnation; then only prompts with no written outcome are queued again.
-- Redis lost its recent writes (a snapshot restored, a failover to a lagging replica): a
-  batch written since looks unfinished. A worker about to drive it, a worker whose shard
-  write finds the marker there, and every worker's maintenance (after a Redis restart, and
-  once a minute) adopt it from its marker instead of generating it again.
-- A second writer with other bytes: the first marker stands (genq.output.truth).
-
-ADOPT marks the batch done with the marker's ShardInfo exactly as RELEASE would, and sets
-the counters to what the shard holds: what Redis had counted for the batch's stored results
-is taken back, the marker's tally counted instead, so the monitor's figures equal the output.
+Redis lost the job (restarted empty, flushed): `genq recover` or the same `genq enqueue` takes the
+job's config and incarnation from OUTPUT/JOB/job.json, drops what Redis holds of the job without its
+config, and adopts every marker of that incarnation; only prompts with no written outcome are queued
+again. Redis lost recent writes (a snapshot restored, a lagging replica): workers adopt each written
+batch from its marker (before driving it, on finding its marker, and in maintenance) instead of
+generating it again. ADOPT (genq/core/scripts/adopt.lua) marks the batch done as RELEASE would and
+sets the counters to the marker's tally, so the monitor's figures equal the output.
 """
 
 from __future__ import annotations
@@ -33,16 +25,18 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import JobConfig
 from genq.core.words import plural
+from genq.ops import Refused
 from genq.ops.settings import settings_from_output
 from genq.output import truth
 from genq.output.sink import open_store
 
 log = logging.getLogger("genq.recover")
 
-def adopt(conn: redis.Redis, job: str, marker: ShardMarker, token: str = "") -> bool:
+
+def adopt(conn: redis.Redis, job: str, marker: ShardMarker) -> bool:
     """Mark a written batch done from its marker: False if it was done already, or the job in
     Redis is not the life that wrote it."""
-    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker), token)) == 1
+    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker))) == 1
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
@@ -77,8 +71,7 @@ class Recovery:
 
 def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url: str | None = None) -> Recovery:
     """The job's ledger brought up to its output: created again from OUTPUT/JOB/job.json when
-    Redis has no config for it (output: where to look then), else caught up. Raises
-    LookupError when neither Redis nor the output knows the job."""
+    Redis has no config for it (output: where to look then), else caught up."""
     config = load_config(conn, job)
     if config is not None:
         store = open_store(config.output, config.s3_endpoint_url)
@@ -87,10 +80,10 @@ def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url
         record = truth.read_job(store, job) or JobRecord(config=config)
         return Recovery(config=config, record=record, adopted=adopted, rebuilt=False)
     if output is None:
-        raise LookupError(f"job {job!r} is not in Redis: give the output it wrote to (--output)")
+        raise Refused(f"job {job!r} is not in Redis: give the output it wrote to (--output)")
     on_disk = truth.read_job(open_store(output, endpoint_url), job)
     if on_disk is None:
-        raise LookupError(f"job {job!r} is not in Redis and {output}/{job}/job.json does not exist: "
+        raise Refused(f"job {job!r} is not in Redis and {output}/{job}/job.json does not exist: "
                           "nothing to recover it from")
     return rebuild(conn, on_disk)
 
@@ -122,11 +115,10 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
 
 
 class OutputWatch:
-    """Every worker's look at its jobs' outputs (run from its maintenance loop): at its start,
-    after Redis restarted (its run_id changed) and once a minute, batches written but not done
-    in Redis are adopted, and enqueues whose batches Redis lost are queued again (`queue_lost`:
-    genq.producer.enqueue.queue_lost, given by the worker); a job that vanished from Redis while
-    its output remains is named, with the command that brings it back."""
+    """A worker's look at its jobs' outputs, from its maintenance loop: at its start, after Redis
+    restarted (its run_id changed) and once a minute, batches written but not done in Redis are
+    adopted and enqueues whose batches Redis lost are queued again (`queue_lost`); a job gone from
+    Redis while its output remains is named, with the command that brings it back."""
 
     EVERY_S = 60.0
 

@@ -1,13 +1,9 @@
-"""A job's generation settings fixed in place, and a blocked job's way back (docs/settings.md).
+"""A job's generation settings changed in place, and a blocked job's way back (docs/settings.md).
 
-`genq jobs set JOB --max-tokens 1024 ...` stores a new settings version in the job's config
-(JobConfig.settings_version, with the change in settings_history); workers apply it to every
-prompt not yet sent within a second (worker/parking.py) and each Result records the version it
-ran under. The new config is written to OUTPUT/JOB/job.json before Redis: the output is the
-durable truth of the job's current settings, and whatever brings a job back from it (genq
-recover, the same enqueue, a worker catching up after Redis lost writes) takes them from there.
-`genq resume --job JOB` lifts a block (JobBlock, set by a worker's preflight or brake) and
-queues the batches its workers parked.
+`genq jobs set` stores the next settings version in the job's config; workers send every prompt not
+yet sent with it within a second, and each Result records its version. OUTPUT/JOB/job.json is
+written before Redis: the output is the durable truth of the job's settings, and whatever brings a
+job back from it (recover, the same enqueue, a worker catching up) takes them from there.
 """
 
 from __future__ import annotations
@@ -22,9 +18,11 @@ import redis
 from genq.core.durable import JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
+from genq.core.ledger.parked import unqueue as unqueue  # the job's queued batches out of RQ's queue: pausing
 from genq.core.order import order_queue
 from genq.core.queueing import list_jobs
 from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange
+from genq.ops import Refused
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -33,22 +31,19 @@ from genq.output.sink import open_store
 SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_attempts", "brake")
 
 
-class SettingsError(ValueError):
-    """The operator asked for something that cannot be done; the message says what and why."""
-
-
 def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str | None = None) -> JobConfig:
     """Store `changes` as the job's next settings version; returns the new config. A change that
     changes nothing is refused, so every version in the history differs from the one before."""
     unknown = sorted(set(changes) - set(SETTABLE))
     if unknown:
-        raise SettingsError(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
+        raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
+
     def change(config: JobConfig | None) -> JobConfig:
         if config is None:
-            raise SettingsError(f"no job named {job!r} (or it has no stored settings)")
+            raise Refused(f"no job named {job!r} (or it has no stored settings)")
         differing = {k: v for k, v in changes.items() if getattr(config, k) != v}
         if not differing:
-            raise SettingsError(f"job {job!r} has these settings already (version {config.settings_version})")
+            raise Refused(f"job {job!r} has these settings already (version {config.settings_version})")
         version = config.settings_version + 1
         entry = SettingsChange(version=version, at=time.time(), changed=differing,
                                previous={k: getattr(config, k) for k in differing}, note=note)
@@ -62,7 +57,7 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
 
 def write_settings(conn: redis.Redis, config: JobConfig) -> None:
     """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), replaced whole;
-    SettingsError where the output cannot be written from here."""
+    Refused where the output cannot be written from here."""
     store = open_store(config.output, config.s3_endpoint_url)
     try:
         record = truth.read_job(store, config.name)
@@ -72,9 +67,9 @@ def write_settings(conn: redis.Redis, config: JobConfig) -> None:
     except redis.RedisError:
         raise
     except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
-        raise SettingsError(f"cannot write {truth.job_uri(store, config.name)} ({type(exc).__name__}: {exc}): the "
-                            "job's settings are kept there first, so nothing was changed; run this where the "
-                            "output is reachable") from None
+        raise Refused(f"cannot write {truth.job_uri(store, config.name)} ({type(exc).__name__}: {exc}): the "
+                      "job's settings are kept there first, so nothing was changed; run this where the "
+                      "output is reachable") from None
 
 
 def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
@@ -110,36 +105,19 @@ def with_override(prompt: Prompt, override: dict[str, Any]) -> Prompt:
     return msgspec.structs.replace(prompt, sampling={**(prompt.sampling or {}), **override})
 
 
-def block_of(conn: redis.Redis, job: str) -> JobBlock | None:
-    return ledger_jobs.block_of(conn, job)
-
-
-def blocks_of(conn: redis.Redis, jobs: list[str]) -> dict[str, JobBlock]:
-    return ledger_jobs.blocks_of(conn, jobs)
-
 
 def unblock(conn: redis.Redis, job: str) -> int:
     """Lift the job's block and pause, and queue its parked batches again; how many were queued."""
     ledger_jobs.lift_block(conn, job)
-    queued = requeue_parked(conn, job)
+    queued = parked.requeue_parked(conn, job)
     if queued:
         order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     return queued
 
 
 def blocked_jobs(conn: redis.Redis) -> list[str]:
-    jobs = list_jobs(conn)
-    return sorted(blocks_of(conn, jobs))
+    return sorted(ledger_jobs.blocks_of(conn, list_jobs(conn)))
 
-
-def unqueue(conn: redis.Redis, job: str) -> int:
-    """Take the blocked job's batches out of RQ's queue (genq.core.ledger.parked.unqueue); how many."""
-    return parked.unqueue(conn, job)
-
-
-def requeue_parked(conn: redis.Redis, job: str) -> int:
-    """Queue every parked batch of `job` again (genq.core.ledger.parked.requeue_parked); how many."""
-    return parked.requeue_parked(conn, job)
 
 
 def describe_block(job: str, block: JobBlock) -> str:

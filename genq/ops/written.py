@@ -1,6 +1,5 @@
-"""The worker's side of "the output is the truth" (#31): one call each where a worker is about
-to drive a batch, or finds its shard's marker there already (genq.ops.recover explains ADOPT, genq/core/scripts/adopt.lua).
-"""
+"""The worker's side of "the output is the truth": a batch whose shard this life of the job wrote
+is done from its marker (ADOPT, genq.ops.recover), before it is driven or when its shard is found there."""
 
 from __future__ import annotations
 
@@ -27,17 +26,17 @@ def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
     return marker if marker is not None and marker.incarnation == config.incarnation else None
 
 
-async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker, token: str) -> bool:
+async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:
     """Mark the batch done from its marker (False: it was done already)."""
     adopted = await scripts.evaluate(conn, scripts.ADOPT,
-                                     scripts.adopt_call(ref.job, marker, truth.shard_info(marker), token)) == 1
+                                     scripts.adopt_call(ref.job, marker, truth.shard_info(marker))) == 1
     if adopted:
         log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
                     "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)
     return adopted
 
 
-async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRef, token: str) -> bool:
+async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRef) -> bool:
     """Before sending a batch's prompts: True if the output holds its shard for this life of the
     job, which is then the batch's outcome (marked done in Redis; nothing is sent)."""
     try:
@@ -47,7 +46,7 @@ async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRe
         return False
     if marker is None:
         return False
-    await adopt_marker(conn, ref, marker, token)
+    await adopt_marker(conn, ref, marker)
     return True
 
 

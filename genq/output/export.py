@@ -1,19 +1,11 @@
-"""Merge a job's finished shards into one file: JSONL, Parquet or OpenAI Batch output.
+"""Merge a job's finished shards into one file, in one of genq.output.formats.
 
-Which shards: those named by the manifest markers (OUTPUT/JOB/manifest/*.json,
-see genq.output.layout), never a bare listing of shards/: a shard without
-a marker may be half written. Each shard is checked against its marker (bytes
-and record count) before anything is exported.
-
-How: shards are read once (S3 objects and .gz shards are spooled, uncompressed,
-to a temporary folder beside the destination), remembering for each record its
-id, input index and place in the spool; ids seen before are dropped (the first
-copy wins: shards are read in the order of their last outcome, ShardInfo.at, the
-first result of a prompt first); the kept records are then sorted (input order: by
-Result.index) and copied out. Memory holds one small tuple per record, never
-the records themselves.
-
-Formats: genq.output.formats.
+Only the shards named by manifest markers are read (a shard without one may be half written), each
+checked against its marker (bytes and records) before anything is exported. Shards are read once:
+S3 objects and .gz shards are spooled, uncompressed, to a temporary folder beside the destination;
+each record's id, input index and place in the spool are kept, never the record. An id seen before
+is dropped: shards are read in the order of their last outcome (ShardInfo.at), so a prompt's first
+result wins. The kept records are then sorted (by input index, or by batch) and copied out.
 """
 
 from __future__ import annotations
@@ -24,22 +16,23 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import msgspec
 
-from genq.core.records import DeadLetter, Result, ShardInfo
+from genq.core.records import DeadLetter, ShardInfo
+from genq.output import layout
 from genq.output.formats import FORMATS, openai_error_line
-from genq.output.layout import MANIFEST_DIR, SHARDS_DIR, job_root
-from genq.output.local import write_atomic
+from genq.output.local import LocalStore, write_atomic
+from genq.output.sink import open_store
+from genq.output.truth import Store
 
 ORDERS = ("input", "batch")
 DOWNLOAD_THREADS = 8
 
 _json = msgspec.json.Encoder()
-_result_decoder = msgspec.json.Decoder(Result)
 _info_decoder = msgspec.json.Decoder(ShardInfo)
 
 
@@ -55,11 +48,6 @@ class _Key(msgspec.Struct):
 
 
 _key_decoder = msgspec.json.Decoder(_Key)
-
-
-class ShardRef(NamedTuple):
-    info: ShardInfo
-    location: str  # where the shard is read from (resolved beside its marker)
 
 
 class Entry(NamedTuple):
@@ -79,54 +67,79 @@ class ExportSummary:
     errors_path: str | None = None
     errors: int = 0
     skipped_errors: int = 0  # dead letters whose id also has a result
-    notes: list[str] = field(default_factory=list)
 
 
-# ------------------------------------------------------------------ manifest
+def export(*, output: str, job: str, dest: str, fmt: str = "jsonl", order: str = "input",
+           letters: list[DeadLetter] | None = None, errors_path: str | None = None, endpoint_url: str | None = None,
+           dest_endpoint_url: str | None = None, incarnation: str | None = None) -> ExportSummary:
+    """Merge the job's shards under `output` into `dest`; with `incarnation`, only that life's (and those
+    of a genq that wrote none). `letters` (the job's dead letters) go to `errors_path` when the format
+    has an errors file."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r} (use {', '.join(FORMATS)})")
+    if order not in ORDERS:
+        raise ExportError(f"unknown order {order!r} (use {', '.join(ORDERS)})")
+    store = open_store(output, endpoint_url)
+    shards = _shards(store, job, incarnation)
+    summary = ExportSummary(path=dest, shards=len(shards))
+    spool_parent = None if dest.startswith("s3://") else Path(dest).resolve().parent
+    if spool_parent is not None:
+        spool_parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".genq-export-", dir=spool_parent) as spool:
+        paths, kept, summary.duplicates = _scan(store, shards, Path(spool))
+        entries = list(kept.values())
+        if order == "input":
+            entries.sort()  # (index, shard, offset): input order, ties in the order written
+        else:
+            entries.sort(key=lambda e: (shards[e.shard][0].batch, e.offset))
+        write = FORMATS[fmt].write
+        summary.records, summary.bytes = _write(dest, lambda out: write(_lines(paths, entries), out), dest_endpoint_url)
+    if FORMATS[fmt].errors_file:
+        chosen = [d for d in letters or [] if d.id not in kept]
+        summary.skipped_errors = len(letters or []) - len(chosen)
+        index = {"input": lambda d: (d.prompt.index if d.prompt else -1, d.batch, d.id),
+                 "batch": lambda d: (d.batch, d.prompt.index if d.prompt else -1, d.id)}[order]
+        lines = [_json.encode(openai_error_line(d)) + b"\n" for d in sorted(chosen, key=index)]
+        summary.errors_path = errors_path or _errors_path(dest)
+        summary.errors, _ = _write(summary.errors_path, lambda out: FORMATS["jsonl"].write(lines, out), dest_endpoint_url)
+    return summary
 
 
-def list_shards(output: str, job: str, endpoint_url: str | None = None,
-                incarnation: str | None = None) -> list[ShardRef]:
-    """The shards named by the job's manifest markers, the first written first (a prompt
-    generated twice, by a genq before #31, is exported once: its first result). With
-    `incarnation`, only the markers of that life of the job (and of a genq that wrote none):
-    another life of the name may have used the folder with other settings."""
-    root = job_root(output, job)
-    if output.startswith("s3://"):
-        from genq.output import s3
+def default_file_name(job: str, fmt: str) -> str:
+    return job + FORMATS[fmt].file_suffix
 
-        prefix = f"{root}/{MANIFEST_DIR}/"
-        bucket, _ = s3.parse_uri(root)
-        markers = [f"s3://{bucket}/{key}" for key, _ in s3.list_keys(prefix, endpoint_url) if key.endswith(".json")]
-        with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
-            raws = list(pool.map(lambda uri: s3.read_object(uri, endpoint_url), markers))
-    else:
-        folder = Path(root) / MANIFEST_DIR
-        paths = sorted(p for p in folder.glob("*.json") if not p.name.startswith("."))
-        markers = [str(p) for p in paths]
-        raws = [p.read_bytes() for p in paths]
-    if not markers:
-        raise ExportError(f"no shards to export: {root}/{MANIFEST_DIR}/ is empty or missing "
-                          f"(no batch of job {job!r} has finished there yet, or the output is elsewhere: see --from)")
-    refs = []
-    for marker, raw in zip(markers, raws):
+
+def _errors_path(path: str) -> str:
+    """results.jsonl -> results.errors.jsonl (OpenAI Batch errors beside the output)."""
+    for suffix in (".jsonl", ".json"):
+        if path.endswith(suffix):
+            return path.removesuffix(suffix) + ".errors.jsonl"
+    return path + ".errors.jsonl"
+
+
+def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[ShardInfo, str]]:
+    """(marker, the shard's path in the store) of each marker in the job's manifest, the first written
+    first. The shard is looked for beside its marker, not at info.uri: an output copied elsewhere
+    still exports."""
+    manifest = f"{job}/{layout.MANIFEST_DIR}"
+    names = [n for n in store.names(manifest) if layout.batch_of_marker(n)]
+    if not names:
+        raise ExportError(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
+                          f"{job!r} has finished there yet, or the output is elsewhere: see --from)")
+    with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
+        raws = list(pool.map(lambda n: store.read(f"{manifest}/{n}") or b"", names))
+    shards = []
+    for name, raw in zip(names, raws):
         try:
             info = _info_decoder.decode(raw)
         except msgspec.DecodeError as exc:
-            raise ExportError(f"manifest marker {marker} is not a ShardInfo: {exc}") from None
-        # Resolve the shard beside its marker rather than trusting info.uri: an
-        # output folder or bucket that was copied elsewhere still exports.
-        name = info.uri.rstrip("/").rsplit("/", 1)[-1]
-        refs.append(ShardRef(info, f"{root}/{SHARDS_DIR}/{name}"))
-    refs = [r for r in refs if incarnation is None or r.info.incarnation in ("", incarnation)]
-    if not refs:
-        raise ExportError(f"no shards of this life of job {job!r} (incarnation {incarnation}) in {root}/{MANIFEST_DIR}/: "
-                          "the markers there are of an earlier job of that name")
-    refs.sort(key=lambda r: (r.info.at, r.info.batch))
-    return refs
-
-
-# ------------------------------------------------------------------ first pass
+            raise ExportError(f"manifest marker {store.uri(f'{manifest}/{name}')} is not a ShardInfo: {exc}") from None
+        if incarnation is None or info.incarnation in ("", incarnation):
+            shards.append((info, f"{job}/{layout.SHARDS_DIR}/{info.uri.rstrip('/').rsplit('/', 1)[-1]}"))
+    if not shards:
+        raise ExportError(f"no shards of this life of job {job!r} (incarnation {incarnation}) in "
+                          f"{store.uri(manifest)}/: the markers there are of an earlier job of that name")
+    return sorted(shards, key=lambda s: (s[0].at, s[0].batch))
 
 
 class _Counting:
@@ -140,93 +153,68 @@ class _Counting:
         self.count += len(data)
         return data
 
-    def close(self) -> None:
-        self.stream.close()
 
-
-def _materialize(ref: ShardRef, spool: Path, number: int, endpoint_url: str | None) -> tuple[str, int]:
-    """A local, uncompressed copy of the shard (the shard itself when it already is one),
-    and its stored size in bytes."""
-    gz = ref.location.endswith(".gz")
-    if not ref.location.startswith("s3://") and not gz:
-        path = Path(ref.location)
-        if not path.is_file():
-            raise ExportError(f"shard {ref.location} named by the manifest is missing")
-        return str(path), path.stat().st_size
-    if ref.location.startswith("s3://"):
+def _local_copy(store: Store, rel: str, spool: Path, number: int) -> tuple[str, int]:
+    """A local, uncompressed copy of the shard (the shard itself when it is one already), and its
+    stored size in bytes."""
+    uri, gz = store.uri(rel), rel.endswith(".gz")
+    if isinstance(store, LocalStore) and not gz:
+        if not Path(uri).is_file():
+            raise ExportError(f"shard {uri} named by the manifest is missing")
+        return uri, Path(uri).stat().st_size
+    try:
+        source = store.open(rel)
+    except FileNotFoundError:
+        raise ExportError(f"shard {uri} named by the manifest is missing") from None
+    except Exception as exc:
+        if not type(exc).__module__.startswith("botocore"):
+            raise
         from genq.output import s3
 
-        try:
-            source: BinaryIO = s3.open_stream(ref.location, endpoint_url)
-        except Exception as exc:
-            raise ExportError(f"cannot read shard {s3.describe(exc, ref.location)}") from None
-    else:
-        if not Path(ref.location).is_file():
-            raise ExportError(f"shard {ref.location} named by the manifest is missing")
-        source = open(ref.location, "rb")
-    counting = _Counting(source)
-    target = spool / f"{number:08d}.jsonl"
+        raise ExportError(f"cannot read shard {s3.describe(exc, uri)}") from None
+    counting, target = _Counting(source), spool / f"{number:08d}.jsonl"
     try:
-        reader: Any = gzip.GzipFile(fileobj=counting, mode="rb") if gz else counting  # type: ignore[call-overload]
-        with open(target, "wb") as out:
+        with source, open(target, "wb") as out:
+            reader: Any = gzip.GzipFile(fileobj=counting, mode="rb") if gz else counting  # type: ignore[call-overload]
             shutil.copyfileobj(reader, out, 1 << 20)
-        if reader is not counting:
-            reader.close()
     except (OSError, EOFError) as exc:
-        raise ExportError(f"shard {ref.location} is unreadable: {exc}") from None
-    finally:
-        counting.close()
+        raise ExportError(f"shard {uri} is unreadable: {exc}") from None
     return str(target), counting.count
 
 
-def scan(refs: list[ShardRef], spool: Path, endpoint_url: str | None = None,
-         on_shard: Callable[[int], None] | None = None) -> tuple[list[str], dict[str, Entry], int]:
-    """Read every shard once: (local paths, id -> first Entry, duplicates dropped)."""
+def _scan(store: Store, shards: list[tuple[ShardInfo, str]], spool: Path) -> tuple[list[str], dict[str, Entry], int]:
+    """Read every shard once: (local paths, id -> its first Entry, duplicates dropped)."""
     paths: list[str] = []
     kept: dict[str, Entry] = {}
     duplicates = 0
     with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
-        local = pool.map(lambda item: _materialize(item[1], spool, item[0], endpoint_url), enumerate(refs))
-        for number, (ref, (path, stored)) in enumerate(zip(refs, local)):
-            if stored != ref.info.bytes:
-                raise ExportError(f"shard {ref.location} is {stored:,} bytes but its manifest marker says "
-                                  f"{ref.info.bytes:,}: it was changed or truncated after it was written")
-            count = 0
-            offset = 0
+        copies = pool.map(lambda n: _local_copy(store, shards[n][1], spool, n), range(len(shards)))
+        for number, ((info, rel), (path, stored)) in enumerate(zip(shards, copies)):
+            uri = store.uri(rel)
+            if stored != info.bytes:
+                raise ExportError(f"shard {uri} is {stored:,} bytes but its manifest marker says "
+                                  f"{info.bytes:,}: it was changed or truncated after it was written")
+            count = offset = 0
             with open(path, "rb") as f:
                 for line in f:
-                    length = len(line)
                     if line.strip():
                         count += 1
                         try:
                             key = _key_decoder.decode(line)
                         except msgspec.DecodeError as exc:
-                            raise ExportError(f"shard {ref.location} record {count}: {exc}") from None
+                            raise ExportError(f"shard {uri} record {count}: {exc}") from None
                         if key.id in kept:
                             duplicates += 1
                         else:
-                            kept[key.id] = Entry(key.index, number, offset, length)
-                    offset += length
-            if count != ref.info.records:
-                raise ExportError(f"shard {ref.location} has {count:,} records but its manifest marker says "
-                                  f"{ref.info.records:,}")
+                            kept[key.id] = Entry(key.index, number, offset, len(line))
+                    offset += len(line)
+            if count != info.records:
+                raise ExportError(f"shard {uri} has {count:,} records but its manifest marker says {info.records:,}")
             paths.append(path)
-            if on_shard:
-                on_shard(number + 1)
     return paths, kept, duplicates
 
 
-def ordered(kept: dict[str, Entry], order: str, refs: list[ShardRef]) -> list[Entry]:
-    entries = list(kept.values())
-    if order == "input":
-        entries.sort()  # (index, shard, offset): input order, ties in the order written
-    else:
-        batch_of = [r.info.batch for r in refs]
-        entries.sort(key=lambda e: (batch_of[e.shard], e.offset))
-    return entries
-
-
-def read_records(paths: list[str], entries: Iterable[Entry], open_files: int = 64) -> Iterator[bytes]:
+def _lines(paths: list[str], entries: Iterable[Entry], open_files: int = 64) -> Iterator[bytes]:
     """The raw lines of the entries, in the given order (a few files kept open)."""
     handles: OrderedDict[int, BinaryIO] = OrderedDict()
     try:
@@ -236,8 +224,7 @@ def read_records(paths: list[str], entries: Iterable[Entry], open_files: int = 6
                 if len(handles) >= open_files:
                     handles.popitem(last=False)[1].close()
                 f = handles[entry.shard] = open(paths[entry.shard], "rb")
-            else:
-                handles.move_to_end(entry.shard)
+            handles.move_to_end(entry.shard)
             f.seek(entry.offset)
             line = f.read(entry.length)
             yield line if line.endswith(b"\n") else line + b"\n"
@@ -246,91 +233,16 @@ def read_records(paths: list[str], entries: Iterable[Entry], open_files: int = 6
             f.close()
 
 
-# ------------------------------------------------------------------ writers
-
-
-def letter_order(letters: list[DeadLetter], order: str) -> list[DeadLetter]:
-    if order == "input":
-        return sorted(letters, key=lambda d: (d.prompt.index if d.prompt else -1, d.batch, d.id))
-    return sorted(letters, key=lambda d: (d.batch, d.prompt.index if d.prompt else -1, d.id))
-
-
-# ------------------------------------------------------------------ the whole export
-
-
-def default_file_name(job: str, fmt: str) -> str:
-    return job + FORMATS[fmt].file_suffix
-
-
-def errors_path_for(path: str) -> str:
-    """results.jsonl -> results.errors.jsonl (OpenAI Batch errors beside the output)."""
-    for suffix in (".jsonl", ".json"):
-        if path.endswith(suffix):
-            return path[: -len(suffix)] + ".errors.jsonl"
-    return path + ".errors.jsonl"
-
-
-def _atomic_local(path: str, write: Callable[[BinaryIO], Any]) -> tuple[Any, int]:
-    """Write through a temporary file in the same folder, then rename: a reader never
-    sees half an export. Returns what write returned and the file's size."""
-    value = write_atomic(path, write)
-    return value, Path(path).stat().st_size
-
-
-def write_output(dest: str, write: Callable[[BinaryIO], Any], endpoint_url: str | None = None) -> tuple[Any, int]:
-    """Write to a local path, or to s3:// through a local temporary file."""
+def _write(dest: str, write: Callable[[BinaryIO], int], endpoint_url: str | None) -> tuple[int, int]:
+    """Write whole (a reader never sees half an export) to a local path, or to s3:// through a local
+    temporary file; what `write` returned and the size written."""
     if not dest.startswith("s3://"):
-        return _atomic_local(dest, write)
+        return write_atomic(dest, write), Path(dest).stat().st_size
     from genq.output import s3
 
     with tempfile.TemporaryDirectory(prefix="genq-export-") as folder:
         local = str(Path(folder) / "upload")
-        value, size = _atomic_local(local, write)
+        value = write_atomic(local, write)
+        size = Path(local).stat().st_size
         s3.upload_file(local, dest, endpoint_url)
     return value, size
-
-
-def export(
-    *,
-    output: str,
-    job: str,
-    dest: str,
-    fmt: str = "jsonl",
-    order: str = "input",
-    letters: list[DeadLetter] | None = None,
-    errors_path: str | None = None,
-    endpoint_url: str | None = None,
-    dest_endpoint_url: str | None = None,
-    incarnation: str | None = None,
-) -> ExportSummary:
-    """Merge the job's shards under `output` into `dest`. `letters` (the job's dead
-    letters) are written to `errors_path` for the openai-batch format."""
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown format {fmt!r} (use {', '.join(FORMATS)})")
-    if order not in ORDERS:
-        raise ExportError(f"unknown order {order!r} (use {', '.join(ORDERS)})")
-    refs = list_shards(output, job, endpoint_url, incarnation)
-    summary = ExportSummary(path=dest, shards=len(refs))
-    spool_parent = None if dest.startswith("s3://") else Path(dest).resolve().parent
-    if spool_parent is not None:
-        spool_parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".genq-export-", dir=spool_parent) as spool:
-        paths, kept, summary.duplicates = scan(refs, Path(spool), endpoint_url)
-        entries = ordered(kept, order, refs)
-        writer = FORMATS[fmt].write
-        summary.records, summary.bytes = write_output(
-            dest, lambda out: writer(read_records(paths, entries), out), dest_endpoint_url)
-    if FORMATS[fmt].errors_file:
-        errors_path = errors_path or errors_path_for(dest)
-        chosen = [d for d in (letters or []) if d.id not in kept]
-        summary.skipped_errors = len(letters or []) - len(chosen)
-        chosen = letter_order(chosen, order)
-
-        def write_errors(out: BinaryIO) -> int:
-            for letter in chosen:
-                out.write(_json.encode(openai_error_line(letter)) + b"\n")
-            return len(chosen)
-
-        summary.errors, _ = write_output(errors_path, write_errors, dest_endpoint_url)
-        summary.errors_path = errors_path
-    return summary

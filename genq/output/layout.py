@@ -1,25 +1,22 @@
-"""The one definition of where a job's output goes (a local directory or s3://bucket/prefix).
+"""Where a job's output goes (a local directory or s3://bucket/prefix):
 
-    OUTPUT/JOB/shards/BATCH.jsonl[.gz]   one shard per batch: its results, one JSON object a line,
-                                         sorted by input index
-    OUTPUT/JOB/manifest/BATCH.json       a marker written after its shard: ShardMarker JSON
-                                         {batch, uri, records, bytes, at, incarnation, ...}
-    OUTPUT/JOB/job.json                  the job as created (durable.JobRecord), written
-                                         before its first batch is queued
+    OUTPUT/JOB/shards/BATCH.jsonl[.gz]   a batch's results, one JSON object a line, by input index
+    OUTPUT/JOB/manifest/BATCH.json       its marker (durable.ShardMarker), created after the shard
+    OUTPUT/JOB/job.json                  the job (durable.JobRecord), before its first batch is queued
+    OUTPUT/JOB/enqueues/RUN.json         what one enqueue queued (durable.EnqueueRecord)
 
-A reader lists manifest/ and reads only the shards named there: a shard without a
-marker may still be being written. The marker is the commit: it is created once and
-never replaced (genq.output.truth), and names the shard it describes. Batch numbers
-are never reused in a job's folder (JobRecord.reserved survives a Redis loss and a
-job deleted and created again), so a name is one batch of one job's life. A shard
-whose name holds other bytes is never overwritten: the second writer's copy goes
-under an alternative name (alt_shard_name) and the first marker decides which counts.
+A reader lists manifest/ and reads only the shards named there: a shard without a marker may still
+be being written. The marker is the commit (genq.output.truth). Batch numbers are never reused in a
+job's folder, so a name is one batch of one job's life; a shard whose name holds other bytes is
+never overwritten, the second writer's copy goes under alt_shard_name.
 """
 
 from __future__ import annotations
 
 SHARDS_DIR = "shards"
 MANIFEST_DIR = "manifest"
+ENQUEUES_DIR = "enqueues"
+JOB_FILE = "job.json"
 
 
 def shard_name(batch_id: str, compression: str) -> str:
@@ -27,7 +24,6 @@ def shard_name(batch_id: str, compression: str) -> str:
 
 
 def alt_shard_name(batch_id: str, compression: str, tag: str) -> str:
-    """Where a batch's shard goes when its usual name already holds other bytes."""
     return shard_name(f"{batch_id}.{tag}", compression)
 
 
@@ -36,13 +32,10 @@ def marker_name(batch_id: str) -> str:
 
 
 def batch_of_marker(name: str) -> str | None:
-    """The batch id a manifest file name stands for; None for what is not a marker."""
+    """The batch a manifest file name stands for; None for what is not a marker."""
     if name.startswith(".") or not name.endswith(".json"):
         return None
-    return name[: -len(".json")]
-
-
-JOB_FILE = "job.json"
+    return name.removesuffix(".json")
 
 
 def join(*parts: str) -> str:
@@ -52,15 +45,3 @@ def join(*parts: str) -> str:
 
 def job_root(output: str, job: str) -> str:
     return f"{output.rstrip('/')}/{job}"
-
-
-def shard_path(output: str, job: str, batch_id: str, compression: str) -> str:
-    return f"{job_root(output, job)}/{SHARDS_DIR}/{shard_name(batch_id, compression)}"
-
-
-def marker_path(output: str, job: str, batch_id: str) -> str:
-    return f"{job_root(output, job)}/{MANIFEST_DIR}/{marker_name(batch_id)}"
-
-
-def job_file_path(output: str, job: str) -> str:
-    return f"{job_root(output, job)}/{JOB_FILE}"

@@ -1,26 +1,18 @@
-"""Shards on a local (or shared) filesystem, and the one atomic file write genq uses.
-
-Layout: genq.output.layout. Every file is written beside its target and renamed (or, to be
-created only once, hard-linked) into place, so a reader never sees half a shard, marker,
-export or progress file.
-"""
+"""A local (or shared) output folder as a Store, and the one atomic file write genq uses: every file
+is written beside its target and renamed (or, to be created once, hard-linked) into place, so a
+reader never sees half a shard, marker, export or progress file."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from genq.core.records import ShardInfo
-from genq.output import truth
-
 
 def _umask() -> int:
-    """The process's umask (read from /proc where it can be, which changes nothing; else set
-    and set back at once, at import, before any thread writes a file)."""
+    """The process's umask, read from /proc (which changes nothing) where it can be."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -28,36 +20,38 @@ def _umask() -> int:
                     return int(line.split()[1], 8)
     except OSError:
         pass
-    mask = os.umask(0o022)
+    mask = os.umask(0o022)  # set and set back at import, before any thread writes a file
     os.umask(mask)
     return mask
 
 
-# What open() would give a new file: 0644 under the usual umask 022. mkstemp's temporary
-# files are 0600, which the rename would carry into place, and teammates could not read the
-# shards, markers, job.json and exports.
+# What open() would give a new file (0644 under umask 022): mkstemp's files are 0600, which the
+# rename would carry into place, and teammates could not read the shards and exports.
 FILE_MODE = 0o666 & ~_umask()
 
 
-def _temporary(target: Path) -> tuple[int, str]:
-    """A new file beside `target` (renamed or linked into place), with FILE_MODE."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.fchmod(fd, FILE_MODE)
-    return fd, tmp
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
-    """Write `data` (bytes, or a function that writes to the open file and returns a value)
-    to a temporary file in the target's folder, fsync, then rename it into place."""
-    target = Path(path)
+def _write_temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> tuple[str, Any]:
+    """A finished, fsynced file beside `target` with FILE_MODE: its name, and what writing returned."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temporary(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as out:
             value = out.write(data) if isinstance(data, bytes) else data(out)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp, value
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
+    """Write `data` (bytes, or a function that writes to the open file and returns a value) whole,
+    replacing what is at `path`; returns what the function returned."""
+    tmp, value = _write_temporary(Path(path), data)
+    try:
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -65,18 +59,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO]
 
 
 def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
-    """Write `data` at `path` only if nothing is there (whole or not at all, like write_atomic):
-    False when something is. A hard link of the finished temporary file is the one step that
-    both creates and fails if the name exists."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temporary(target)
+    """Write `data` whole at `path` only if nothing is there (False when something is): a hard link
+    is the one step that both creates and fails if the name exists."""
+    tmp, _ = _write_temporary(Path(path), data)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.link(tmp, target)
+        os.link(tmp, path)
         return True
     except FileExistsError:
         return False
@@ -85,7 +72,7 @@ def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
 
 
 class LocalStore:
-    """A local (or shared) output folder as a truth.Store."""
+    """A job output folder's files by path relative to it (truth.Store)."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -111,16 +98,5 @@ class LocalStore:
         except FileNotFoundError:
             return []
 
-
-class LocalSink:
-    def __init__(self, root: str, compression: str = "none", incarnation: str = "") -> None:
-        self.root = root
-        self.compression = compression
-        self.incarnation = incarnation
-        self.store = LocalStore(root)
-
-    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None,
-                    outcome: truth.Outcome | None = None) -> ShardInfo:
-        """The shard, then its marker (created once: truth.commit_shard; raises truth.AlreadyWritten)."""
-        return truth.commit_shard(self.store, job, batch_id, data, records, time.time() if at is None else at,
-                                  compression=self.compression, incarnation=self.incarnation, outcome=outcome)
+    def open(self, rel: str) -> BinaryIO:
+        return open(self.uri(rel), "rb")

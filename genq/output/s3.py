@@ -1,22 +1,9 @@
-"""S3 for genq: the shard sink, streaming and seekable readers, and cheap clients.
+"""S3 for genq: an output prefix as a Store, streaming and seekable readers of inputs, cheap clients.
 
-Layout under a job's s3://bucket/prefix output (the same as genq.output.local.LocalSink):
-  PREFIX/JOB/shards/BATCH.jsonl[.gz]   the batch's results, one JSON object a line,
-                                       sorted by input index
-  PREFIX/JOB/manifest/BATCH.json       a marker written after its shard succeeded:
-                                       ShardInfo JSON {batch, uri, records, bytes, at}
-A reader (a training job, `genq export`) lists PREFIX/JOB/manifest/ and reads only
-the shards named there: a shard without a marker may still be being written, or
-be an orphan of an attempt that failed between the two uploads. Keys depend only
-on the batch id; a marker is created once (a conditional PUT) and a shard is never
-overwritten with other bytes (genq.output.truth).
-
-Credentials and endpoint follow boto3's standard chain (env, profile, instance
-role; AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3); a job's --s3-endpoint-url wins
-when set. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune botocore's retries (default:
-standard mode, 5 attempts); past those, the worker keeps the batch's results in
-Redis and retries the whole shard with its own backoff, acknowledging the batch
-only after both uploads succeeded.
+Credentials and endpoint follow boto3's chain (env, profile, instance role; AWS_ENDPOINT_URL /
+AWS_ENDPOINT_URL_S3); a job's --s3-endpoint-url wins when set. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune
+botocore's retries (default: standard mode, 5 attempts); past those, the worker keeps the batch's
+results in Redis and retries the whole shard with its own backoff.
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from genq.core.records import ShardInfo
-from genq.output import layout, truth
+from genq.output import layout
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +38,7 @@ _STREAM_ERRORS = (
 )
 STREAM_RESUMES = 8  # reopen attempts for a broken GET (about 40 s of backoff) before giving up
 RESUME_RESET_BYTES = 64 << 20  # progress after which the resume budget is full again
+_MISSING = ("NoSuchKey", "404", "NotFound")
 
 
 class S3UriError(ValueError):
@@ -68,46 +55,23 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def join_key(*parts: str) -> str:
-    return layout.join(*parts)
-
-
 def client(endpoint_url: str | None = None) -> Any:
-    """One boto3 S3 client per (process, endpoint).
-
-    Creating a client costs tens of milliseconds and reads config files, so it
-    is done once. Low-level clients are thread-safe (sessions are not: each
-    client gets its own session, made under a lock); the pid in the key keeps a
-    forked child from reusing its parent's connection pool.
-    """
-    endpoint_url = endpoint_url or None
-    key = (os.getpid(), endpoint_url)
-    found = _clients.get(key)
-    if found is not None:
-        return found
+    """One boto3 S3 client per (process, endpoint): making one costs tens of milliseconds. Clients are
+    thread-safe, sessions are not (one each, made under a lock); the pid keeps a forked child off its
+    parent's connection pool."""
+    key = (os.getpid(), endpoint_url or None)
     with _clients_lock:
-        found = _clients.get(key)
-        if found is None:
-            found = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=_config(endpoint_url))
-            _clients[key] = found
-        return found
-
-
-def _config(endpoint_url: str | None) -> Config:
-    retries = {
-        "mode": os.environ.get("AWS_RETRY_MODE") or "standard",
-        "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5),
-    }
-    options: dict[str, Any] = {
-        "retries": retries,
-        "connect_timeout": 10,
-        "read_timeout": 120,
-        "max_pool_connections": 32,
-    }
-    if endpoint_url:
-        # S3-compatible stores (MinIO, Ceph, moto) usually want path-style addressing.
-        options["s3"] = {"addressing_style": "path"}
-    return Config(**options)
+        if key not in _clients:
+            options: dict[str, Any] = {
+                "retries": {"mode": os.environ.get("AWS_RETRY_MODE") or "standard",
+                            "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)},
+                "connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 32,
+            }
+            if endpoint_url:
+                options["s3"] = {"addressing_style": "path"}  # S3-compatible stores (MinIO, Ceph, moto) want it
+            _clients[key] = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None,
+                                                           config=Config(**options))
+        return _clients[key]
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -119,7 +83,7 @@ def error_code(exc: BaseException) -> str | None:
 def describe(exc: BaseException, uri: str) -> str:
     """A one-line reason that names the object, for CLI errors."""
     code = error_code(exc)
-    if code in ("NoSuchKey", "404", "NotFound"):
+    if code in _MISSING:
         return f"{uri}: no such object"
     if code == "NoSuchBucket":
         return f"{uri}: no such bucket"
@@ -131,16 +95,16 @@ def describe(exc: BaseException, uri: str) -> str:
 
 
 class S3Store:
-    """An s3://bucket/prefix output as a truth.Store; create() is a conditional PUT
-    (If-None-Match: *), so a marker is created once even with two writers."""
+    """An s3://bucket/prefix output as a truth.Store; create() is a conditional PUT (If-None-Match: *),
+    so a marker is created once even with two writers."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
-        self.uri_root = uri.rstrip("/")
+        self.uri_root = uri.rstrip("/")  # parsed when used: building a sink never raises
         self.endpoint_url = endpoint_url
 
     def _key(self, rel: str) -> tuple[str, str]:
         bucket, prefix = parse_uri(self.uri_root)
-        return bucket, join_key(prefix, rel)
+        return bucket, layout.join(prefix, rel)
 
     def uri(self, rel: str) -> str:
         bucket, key = self._key(rel)
@@ -151,15 +115,13 @@ class S3Store:
         try:
             return client(self.endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
         except botocore.exceptions.ClientError as exc:
-            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if error_code(exc) in _MISSING:
                 return None
             raise
 
     def create(self, rel: str, data: bytes) -> bool:
-        bucket, key = self._key(rel)
         try:
-            client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*",
-                                                 ContentType=_content_type(rel))
+            self._put(rel, data, IfNoneMatch="*")
             return True
         except botocore.exceptions.ClientError as exc:
             if error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
@@ -167,204 +129,130 @@ class S3Store:
             raise
 
     def put(self, rel: str, data: bytes) -> None:
+        self._put(rel, data)
+
+    def _put(self, rel: str, data: bytes, **conditions: str) -> None:
+        # No Content-Encoding for .gz: clients would unzip on download, and the size would no longer
+        # match the marker's byte count.
+        kind = "application/gzip" if rel.endswith(".gz") else "application/json" if rel.endswith(".json") \
+            else "application/x-ndjson"
         bucket, key = self._key(rel)
-        client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, ContentType=_content_type(rel))
+        client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, ContentType=kind, **conditions)
 
     def names(self, rel_dir: str) -> list[str]:
         base = self._key(rel_dir)[1] + "/"
         return [key[len(base):] for key, _ in list_keys(self.uri(rel_dir) + "/", self.endpoint_url)
                 if "/" not in key[len(base):]]
 
-
-def _content_type(rel: str) -> str:
-    # No Content-Encoding for .gz: clients would then unzip on download and the stored
-    # size would no longer match the marker's byte count.
-    if rel.endswith(".gz"):
-        return "application/gzip"
-    return "application/json" if rel.endswith(".json") else "application/x-ndjson"
+    def open(self, rel: str) -> io.BufferedReader:
+        return open_stream(self.uri(rel), self.endpoint_url)
 
 
-class S3Sink:
-    """Writes each batch's shard, then its manifest marker (see the module docstring)."""
+class ObjectReader(io.RawIOBase):
+    """An S3 object read by one streaming GET (window None) or by ranged GETs of `window` bytes, which
+    can seek (Parquet's footer is at the end). Every GET is pinned to the object's ETag, so two versions
+    of it are never mixed, and a body that breaks is resumed where it left off (backoff 0.5 s .. 8 s):
+    a many-GB input survives a network blip."""
 
-    def __init__(self, uri: str, compression: str = "none", endpoint_url: str | None = None,
-                 incarnation: str = "") -> None:
-        # Nothing here may raise: the engine builds the sink outside its retry
-        # loop. A bad URI or endpoint fails in write_shard, where the engine logs
-        # it and retries (keeping the batch's results in Redis).
-        self.uri = uri.rstrip("/")
-        self.compression = compression
-        self.endpoint_url = endpoint_url
-        self.incarnation = incarnation
-        self.store = S3Store(self.uri, endpoint_url)
-
-    @property
-    def bucket(self) -> str:
-        return parse_uri(self.uri)[0]
-
-    @property
-    def prefix(self) -> str:
-        return parse_uri(self.uri)[1]
-
-    def shard_key(self, job: str, batch_id: str) -> str:
-        return join_key(self.prefix, job, layout.SHARDS_DIR, layout.shard_name(batch_id, self.compression))
-
-    def marker_key(self, job: str, batch_id: str) -> str:
-        return join_key(self.prefix, job, layout.MANIFEST_DIR, layout.marker_name(batch_id))
-
-    def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None,
-                    outcome: truth.Outcome | None = None) -> ShardInfo:
-        """The shard, then its marker (created once: truth.commit_shard; raises truth.AlreadyWritten)."""
-        return truth.commit_shard(self.store, job, batch_id, data, records, time.time() if at is None else at,
-                                  compression=self.compression, incarnation=self.incarnation, outcome=outcome)
-
-
-class ObjectStream(io.RawIOBase):
-    """A GET streamed front to back; a connection that breaks mid-body is
-    resumed with a Range request pinned to the first ETag, so a many-GB input
-    survives a network blip and never mixes two versions of the object."""
-
-    def __init__(self, s3: Any, bucket: str, key: str) -> None:
+    def __init__(self, s3: Any, bucket: str, key: str, window: int | None = None) -> None:
         super().__init__()
-        self.s3, self.bucket, self.key = s3, bucket, key
-        self.pos = 0
-        self.etag: str | None = None
-        self.size = 0
-        self.resumes = 0
-        self._resumed_at = 0
-        self._body = self._open()
-
-    def _open(self) -> Any:
-        kwargs: dict[str, Any] = {}
-        if self.pos:
-            kwargs["Range"] = f"bytes={self.pos}-"
-        if self.etag:
-            kwargs["IfMatch"] = self.etag
-        resp = self.s3.get_object(Bucket=self.bucket, Key=self.key, **kwargs)
-        if self.etag is None:
-            self.etag = resp.get("ETag")
-            self.size = int(resp["ContentLength"])
-        return resp["Body"]
+        self.s3, self.bucket, self.key, self.window = s3, bucket, key, window
+        head = s3.head_object(Bucket=bucket, Key=key)
+        self.size, self.etag = int(head["ContentLength"]), head.get("ETag")
+        self.pos = self.resumes = self._resumed_at = self._until = 0
+        self._body: Any = None
 
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return self.window is not None
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        pos = max(0, offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence])
+        if pos != self.pos:
+            self._drop()
+            self.pos = pos
+        return pos
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        while True:
+        while self.pos < self.size:
             try:
+                if self._body is None:
+                    self._body = self._open()
                 data = self._body.read(len(view))
             except _STREAM_ERRORS as exc:
                 self._resume(exc)
                 continue
-            if not data and self.pos < self.size:
-                self._resume(EOFError(f"body ended at byte {self.pos:,} of {self.size:,}"))
+            if not data:  # this GET's range is read, or its body ended early
+                early = self.pos < self._until
+                self._drop()
+                if early:
+                    self._resume(EOFError(f"body ended at byte {self.pos:,} of {self.size:,}"))
                 continue
             view[: len(data)] = data
             self.pos += len(data)
             if self.resumes and self.pos - self._resumed_at > RESUME_RESET_BYTES:
                 self.resumes = 0  # a long object may meet several blips over hours
             return len(data)
+        return 0
+
+    def _open(self) -> Any:
+        self._until = self.size if self.window is None else min(self.size, self.pos + self.window)
+        pinned = {"IfMatch": self.etag} if self.etag else {}
+        return self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-{self._until - 1}",
+                                  **pinned)["Body"]
 
     def _resume(self, exc: BaseException) -> None:
-        """Reopen at self.pos; the endpoint may be down for a while (backoff 0.5 s .. 8 s)."""
-        try:
-            self._body.close()
-        except Exception:  # the connection is already broken
-            pass
-        while True:
-            self.resumes += 1
-            if self.resumes > STREAM_RESUMES:
-                raise OSError(f"s3://{self.bucket}/{self.key}: reading failed at byte {self.pos:,} "
-                              f"after {STREAM_RESUMES} resumes: {exc}") from exc
-            log.warning("s3://%s/%s: %s at byte %s; resuming", self.bucket, self.key, exc, f"{self.pos:,}")
-            time.sleep(min(0.5 * 2 ** (self.resumes - 1), 8))
-            try:
-                self._body = self._open()
-                self._resumed_at = self.pos
-                return
-            except _STREAM_ERRORS as again:
-                exc = again
+        self._drop()
+        self.resumes += 1
+        if self.resumes > STREAM_RESUMES:
+            raise OSError(f"s3://{self.bucket}/{self.key}: reading failed at byte {self.pos:,} "
+                          f"after {STREAM_RESUMES} resumes: {exc}") from exc
+        log.warning("s3://%s/%s: %s at byte %s; resuming", self.bucket, self.key, exc, f"{self.pos:,}")
+        time.sleep(min(0.5 * 2 ** (self.resumes - 1), 8))
+        self._resumed_at = self.pos
 
-    def close(self) -> None:
-        if not self.closed:
+    def _drop(self) -> None:
+        if self._body is not None:
             try:
                 self._body.close()
-            finally:
-                super().close()
+            except Exception:  # the connection is already broken
+                pass
+            self._body = None
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
 
 
 def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20) -> io.BufferedReader:
     """A buffered, forward-only reader of an S3 object. Raises botocore errors (see describe)."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(ObjectStream(client(endpoint_url), bucket, key), buffer_size=buffer_size)
-
-
-class RangeFile(io.RawIOBase):
-    """A seekable S3 object read with ranged GETs (for Parquet, whose footer is at the end)."""
-
-    def __init__(self, s3: Any, bucket: str, key: str) -> None:
-        super().__init__()
-        self.s3, self.bucket, self.key = s3, bucket, key
-        head = s3.head_object(Bucket=bucket, Key=key)
-        self.size = int(head["ContentLength"])
-        self.etag = head.get("ETag")
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        want = min(len(view), self.size - self.pos)
-        if want <= 0:
-            return 0
-        data = self._get(self.pos, self.pos + want - 1)
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-    def _get(self, first: int, last: int) -> bytes:
-        for attempt in range(STREAM_RESUMES + 1):
-            try:
-                kwargs = {"IfMatch": self.etag} if self.etag else {}
-                resp = self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={first}-{last}", **kwargs)
-                return resp["Body"].read()
-            except _STREAM_ERRORS as exc:
-                if attempt == STREAM_RESUMES:
-                    raise OSError(f"s3://{self.bucket}/{self.key}: ranged read failed: {exc}") from exc
-                time.sleep(min(0.5 * 2 ** attempt, 8))
-        raise AssertionError("unreachable")
+    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key), buffer_size=buffer_size)
 
 
 def open_seekable(uri: str, endpoint_url: str | None = None, buffer_size: int = 8 << 20) -> io.BufferedReader:
     """A seekable reader with an 8 MiB read-ahead: small reads share one GET."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(RangeFile(client(endpoint_url), bucket, key), buffer_size=buffer_size)
+    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key, window=buffer_size),
+                             buffer_size=buffer_size)
 
 
 def list_keys(uri: str, endpoint_url: str | None = None) -> Iterator[tuple[str, int]]:
     """(key, size) of every object under an s3:// prefix, in key order."""
     bucket, prefix = parse_uri(uri)
-    paginator = client(endpoint_url).get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+    for page in client(endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Contents", []):
             yield item["Key"], int(item["Size"])
 
 
 def read_object(uri: str, endpoint_url: str | None = None) -> bytes:
-    """A small object (a manifest marker) in one GET."""
+    """A small object (a shard, a marker) in one GET."""
     bucket, key = parse_uri(uri)
     return client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
 

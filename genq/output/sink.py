@@ -1,44 +1,49 @@
-"""Where a batch's shard goes: the sink for a job's output, and the shard's bytes."""
+"""Where a batch's shard goes: one Sink for local and S3 outputs (a truth.Store under it), and the
+shard's bytes."""
 
 from __future__ import annotations
 
 import gzip
-from typing import Protocol
+import time
 
 import msgspec
 
 from genq.core.records import JobConfig, Result, ShardInfo
-from genq.output.local import LocalSink, LocalStore
-from genq.output.truth import Outcome, Store
+from genq.output import truth
+from genq.output.local import LocalStore
 
 _encoder = msgspec.json.Encoder()
 
 
-class Sink(Protocol):
+class Sink:
+    """Writes a job's shards into its output. Building one never raises: a bad URI or endpoint fails in
+    write_shard, where the engine logs it and retries, keeping the batch's results in Redis."""
+
+    def __init__(self, store: truth.Store, compression: str = "none", incarnation: str = "") -> None:
+        self.store = store
+        self.compression = compression
+        self.incarnation = incarnation
+
     def write_shard(self, job: str, batch_id: str, data: bytes, records: int, at: float | None = None,
-                    outcome: Outcome | None = None) -> ShardInfo: ...
+                    outcome: truth.Outcome | None = None) -> ShardInfo:
+        """The shard, then its marker (created once: truth.commit_shard; raises truth.AlreadyWritten)."""
+        return truth.commit_shard(self.store, job, batch_id, data, records, time.time() if at is None else at,
+                                  compression=self.compression, incarnation=self.incarnation, outcome=outcome)
 
 
 def shard_bytes(results: list[Result], compression: str) -> bytes:
-    ordered = sorted(results, key=lambda r: r.index)
-    data = b"".join(_encoder.encode(r) + b"\n" for r in ordered)
-    # mtime=0: the same results give byte-identical shards.
-    return gzip.compress(data, mtime=0) if compression == "gzip" else data
+    data = b"".join(_encoder.encode(r) + b"\n" for r in sorted(results, key=lambda r: r.index))
+    return gzip.compress(data, mtime=0) if compression == "gzip" else data  # mtime=0: same results, same bytes
 
 
 def open_sink(config: JobConfig) -> Sink:
-    if config.output.startswith("s3://"):
-        from genq.output.s3 import S3Sink  # boto3 is only imported when a job writes to S3
-
-        return S3Sink(config.output, compression=config.compression, endpoint_url=config.s3_endpoint_url,
-                      incarnation=config.incarnation)
-    return LocalSink(config.output, compression=config.compression, incarnation=config.incarnation)
+    return Sink(open_store(config.output, config.s3_endpoint_url), config.compression, config.incarnation)
 
 
-def open_store(output: str, endpoint_url: str | None = None) -> Store:
+def open_store(output: str, endpoint_url: str | None = None) -> truth.Store:
     """A job output (a folder or s3://bucket/prefix) as a truth.Store."""
     if output.startswith("s3://"):
-        from genq.output.s3 import S3Store
+        from genq.output.s3 import S3Store  # boto3 only when an output is on S3
 
         return S3Store(output, endpoint_url)
     return LocalStore(output)

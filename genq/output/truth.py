@@ -1,20 +1,16 @@
-"""The output as the durable truth of a job (#31): what is written there was generated,
-whatever Redis says or forgets.
+"""The output is the durable truth of a job: what is written there was generated, whatever Redis
+says or forgets (docs/recovery.md).
 
-- OUTPUT/JOB/job.json (durable.JobRecord) is written before the job's first batch is
-  queued: the job's settings and incarnation, its inputs, and the batch numbers that may
-  be in use (raised before any batch above them is queued). `genq jobs set` replaces its
-  settings before Redis's (genq.ops.settings): they are the job's current ones.
-- A shard's marker (durable.ShardMarker) is the commit of a batch: created once, never
-  replaced, and it names the shard it describes. It carries what rebuilding the ledger
-  needs without reading the shard: the incarnation, each outcome's content digest, the
-  dead letters (with their prompt, so `genq dlq requeue` works after a rebuild), per-worker
-  results and tokens, the length histogram.
-- A shard is never overwritten with other bytes (fewer or other records): the second
-  writer's copy goes under another name and the marker decides (genq.output.layout).
-
-Local folders and s3:// prefixes are both a Store: small objects read, created only if
-absent, or replaced.
+- job.json (durable.JobRecord) is written before the job's first batch is queued: its settings and
+  incarnation, its inputs, and the batch numbers that may be in use (raised before any batch above
+  them is queued). `genq jobs set` replaces its settings before Redis's: they are the current ones.
+- A shard's marker (durable.ShardMarker) is the commit of a batch: created once, never replaced,
+  naming the shard it describes, and carrying what rebuilding the ledger needs without reading the
+  shard (incarnation, each outcome's content digest, the dead letters with their prompts, per-worker
+  tallies, the length histogram).
+- A shard is never overwritten with other bytes: the second writer's copy goes under another name
+  and the marker decides which counts.
+- enqueues/RUN.json (durable.EnqueueRecord) names the batches of one enqueue before they are queued.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import hashlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import msgspec
 
@@ -34,14 +30,12 @@ from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo
 from genq.output import layout
 
 READ_THREADS = 8
-# Batch numbers reserved in job.json at a time: one write of job.json per this many batches.
-RESERVE_STEP = 1024
+RESERVE_STEP = 1024  # batch numbers reserved in job.json at a time: one write per this many batches
 
 _json = msgspec.json.Encoder()
 _marker_decoder = msgspec.json.Decoder(ShardMarker)
 _job_decoder = msgspec.json.Decoder(JobRecord)
 _enqueue_decoder = msgspec.json.Decoder(EnqueueRecord)
-ENQUEUES_DIR = "enqueues"
 
 
 class Store(Protocol):
@@ -52,6 +46,7 @@ class Store(Protocol):
     def create(self, rel: str, data: bytes) -> bool: ...  # False: something is there already
     def put(self, rel: str, data: bytes) -> None: ...
     def names(self, rel_dir: str) -> list[str]: ...  # file names directly under rel_dir
+    def open(self, rel: str) -> BinaryIO: ...  # a stream of a large object (a shard)
 
 
 class AlreadyWritten(Exception):
@@ -66,7 +61,7 @@ class AlreadyWritten(Exception):
 class Outcome:
     """What a batch's marker says beyond its ShardInfo (durable.ShardMarker's fields)."""
 
-    prompts: int = 0  # the batch's prompt count (ShardInfo.prompts)
+    prompts: int = 0  # the batch's prompt count
     digests: dict[str, str] = field(default_factory=dict)
     letters: list[DeadLetter] = field(default_factory=list)
     tally: dict[str, list[int]] = field(default_factory=dict)
@@ -76,7 +71,7 @@ class Outcome:
 def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes],
                prompts: int) -> Outcome:
     """A batch's outcome for its marker; digests: prompt id -> 8-byte content digest
-    (producer.rows.claim_digest) for the prompts known; prompts: the batch's prompt count."""
+    (producer.rows.claim_digest) of the prompts known; prompts: the batch's prompt count."""
     out = Outcome(prompts=prompts, letters=list(letters))
     for r in results:
         counts = out.tally.setdefault(r.worker, [0, 0, 0])
@@ -99,20 +94,11 @@ def shard_info(marker: ShardMarker) -> ShardInfo:
                      prompts=marker.prompts, letters=marker.letters, incarnation=marker.incarnation)
 
 
-def result_ids(marker: ShardMarker) -> set[str]:
-    dead = {d.id for d in marker.dead_letters}
-    return {i for i in marker.digests if i not in dead}
-
-
-# ------------------------------------------------------------------ shards
-
-
 def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, at: float, *,
                  compression: str, incarnation: str, outcome: Outcome | None) -> ShardInfo:
-    """Write a batch's shard, then create its marker; the ShardInfo for the ledger.
-
-    Raises AlreadyWritten when the batch's marker exists for other bytes: that shard stands
-    (genq.ops.recover adopts it). The same bytes written again are a no-op."""
+    """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes
+    written again are a no-op; raises AlreadyWritten when the marker is of other bytes (that shard
+    stands: genq.ops.recover adopts it)."""
     sha = hashlib.sha256(data).hexdigest()
     marker_at = marker_rel(job, batch)
     existing = read_marker(store, marker_at)
@@ -146,10 +132,6 @@ def marker_rel(job: str, batch: str) -> str:
     return f"{job}/{layout.MANIFEST_DIR}/{layout.marker_name(batch)}"
 
 
-def job_uri(store: Store, job: str) -> str:
-    return store.uri(f"{job}/{layout.JOB_FILE}")
-
-
 def read_marker(store: Store, rel: str) -> ShardMarker | None:
     raw = store.read(rel)
     return _marker_decoder.decode(raw) if raw else None
@@ -168,12 +150,13 @@ def read_markers(store: Store, job: str, batches: Iterable[str]) -> list[ShardMa
 
 
 def of_life(markers: Iterable[ShardMarker], config: JobConfig) -> list[ShardMarker]:
-    """The markers written by this life of the job (another life of the name may have
-    used the same folder with other settings: those results are not this job's)."""
+    """The markers of this life of the job (another life of the name may have used the same folder
+    with other settings: those results are not this job's)."""
     return [m for m in markers if m.incarnation == config.incarnation]
 
 
-# ------------------------------------------------------------------ job.json
+def job_uri(store: Store, job: str) -> str:
+    return store.uri(f"{job}/{layout.JOB_FILE}")
 
 
 def read_job(store: Store, job: str) -> JobRecord | None:
@@ -197,11 +180,11 @@ def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | No
 
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
-    """job.json saying batch numbers up to at least `upto` may be in use (written before
-    they are queued); returns the record as written. Never lowers what is there."""
+    """job.json saying batch numbers up to at least `upto` may be in use (written before they are
+    queued), as written. Never lowers what is there, nor writes older settings over newer ones
+    (`genq jobs set` during this enqueue)."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
-        # Settings newer on disk (`genq jobs set` during this enqueue) stay: an enqueue never writes older ones.
         config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
         record = msgspec.structs.replace(record, config=config, reserved=max(record.reserved, on_disk.reserved),
                                          inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
@@ -210,9 +193,6 @@ def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     record = msgspec.structs.replace(record, reserved=max(record.reserved, upto))
     write_job(store, record)
     return record
-
-
-# ------------------------------------------------------------------ enqueues
 
 
 def batch_ranges(batches: Iterable[str]) -> list[list[int]]:
@@ -231,16 +211,14 @@ def recorded_batches(record: EnqueueRecord) -> list[str]:
 
 
 def write_enqueue(store: Store, job: str, run: str, record: EnqueueRecord) -> None:
-    """OUTPUT/JOB/enqueues/RUN.json: one enqueue's batches, before they are queued."""
-    store.put(f"{job}/{ENQUEUES_DIR}/{run}.json", _json.encode(record) + b"\n")
+    store.put(f"{job}/{layout.ENQUEUES_DIR}/{run}.json", _json.encode(record) + b"\n")
 
 
 def read_enqueues(store: Store, job: str) -> dict[str, EnqueueRecord]:
     """Every enqueue record of the job's folder, by run."""
-    names = [n for n in store.names(f"{job}/{ENQUEUES_DIR}") if n.endswith(".json")]
     out = {}
-    for name in sorted(names):
-        raw = store.read(f"{job}/{ENQUEUES_DIR}/{name}")
+    for name in sorted(store.names(f"{job}/{layout.ENQUEUES_DIR}")):
+        raw = store.read(f"{job}/{layout.ENQUEUES_DIR}/{name}") if name.endswith(".json") else None
         if raw:
             out[name.removesuffix(".json")] = _enqueue_decoder.decode(raw)
     return out

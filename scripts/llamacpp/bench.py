@@ -46,7 +46,7 @@ loopback port (parts in runs.py). Exits 1 if any check below fails.
      flight) and for the bare client, per round; target: median over rounds of
      (genq's cost - the bare client's cost) <= 0.05. Also printed: the same costs in
      occupancy (server-normalised) terms, and the client's CPU
-     ms per request (the genq worker and its RQ loops; the bare client's process),
+     ms per request (the genq worker; the bare client's process),
      which hardly depends on the load: the extra CPU a streamed request costs the
      client (stream minus no-stream run of the same round, per request; genq's
      start-up cancels out), genq against the bare client.

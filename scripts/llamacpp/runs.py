@@ -227,7 +227,7 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
                            "load": load(), "tok_s": p.output_tokens_per_sec,
                            # The estimator's inputs: one decoding request's speed, the fitted mean length.
                            "per_request_tok_s": report.speed.per_request if report.speed else None,
-                           # How a request's speed depends on the count decoding (monitor/speedcurve.py).
+                           # How a request's speed depends on the count decoding (monitor/rates.py).
                            "overhead": report.speed.overhead if report.speed else None,
                            "decoding": report.speed.decoding if report.speed else None,
                            "fit_mean": report.estimate.model.mean() if report.estimate.model else None,
@@ -272,7 +272,7 @@ def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *w
     proc = _worker(stack, worker_args, log)
     points = watch_eta(stack, name, proc, total) if eta else []
     proc.wait(timeout=1800)
-    worker_cpu = cpu_s(resource.RUSAGE_CHILDREN) - cpu0  # the worker and its RQ loops
+    worker_cpu = cpu_s(resource.RUSAGE_CHILDREN) - cpu0  # the worker
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     rows = [json.loads(line) for shard in sorted((out / name / "shards").glob("*.jsonl"))

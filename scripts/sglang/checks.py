@@ -248,10 +248,12 @@ def run_all(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int
     """Every check; pause and drain and the killed worker on jobs of n prompts of max_tokens, sized
     so that the job outlasts the pause and the kill on the server at hand (a GPU ends 48 short
     prompts within a second)."""
+    import bound_check  # scripts/sglang/, on sys.path as this module is: the decode bound's figures
+
     out: dict[str, Any] = {}
     sized = (n, max_tokens)
     for name, check, extra in (("fidelity", fidelity, ()), ("pause and drain", pause_drain, sized),
-                               ("killed", killed, sized)):
+                               ("killed", killed, sized), ("bound", bound_check.check, ())):
         try:
             out[name] = check(stack, work, problems, *extra)
         except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check; the next still run

@@ -35,7 +35,7 @@ export PATH=/tmp/gbin:$PATH PYTHONPATH=/tmp/site312 PYTHONUNBUFFERED=1 HF_HUB_OF
 redis-server --version || { el "redis-server does not run"; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python3 -c "
-import vllm, torch, genq.worker.rqjob, msgspec, rq
+import vllm, torch, genq.worker.intake, msgspec, rq
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda, 'msgspec', msgspec.__version__, 'rq', rq.__version__)
 from genq.worker.telemetry import GpuProbe
 for index in (0, 7):

@@ -3,16 +3,16 @@
 A batch of a job is, at any moment, exactly one of:
 - done: in keys.job_done (its shard and manifest marker are written);
 - carried: not done, and keys.job_transport names a live RQ job for it (queued in
-  `genq`, or started by an RQ loop whose engine heartbeats);
+  `genq`, or started by an engine that heartbeats and holds its lease: TAKE);
 - stranded: anything else (the RQ job failed, finished early, was deleted, was lost
   in a Redis restart, or was queued by genq 0.1 as a pickle). The reconciler finds
   these and queues them again, so an unknown bug in this class costs a delay, not
   a job.
 
-A **lease** is one delivery of a batch to one worker engine: a random token that the
-RQ loop and the engine share. Acquiring a lease records it as the batch's
-current one (keys.job_leases); an engine whose lease is no longer current (a frozen
-worker woke up, RQ delivered the batch twice) stops sending that batch's prompts.
+A **lease** is one delivery of a batch to one worker engine: a random token the engine
+draws when it takes the batch off RQ's queue (TAKE), recorded as the batch's current one
+(keys.job_leases); an engine whose lease is no longer current (a frozen worker woke up, the
+batch was queued again and taken by another) stops sending that batch's prompts.
 A second holder is harmless anyway: each prompt's outcome is written once (first
 writer wins, a result and a dead letter exclude each other: worker/results.py), the
 shard is built from what Redis recorded (every writer writes the same bytes), and
@@ -45,7 +45,6 @@ from rq.registry import FailedJobRegistry
 
 from genq.core import keys
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
-from genq.core.scripts import REPLY_TTL_S
 from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
 log = logging.getLogger("genq.ledger")
@@ -63,21 +62,9 @@ def lease_token(value: bytes | str | None) -> str | None:
     return _lease_parts(value)[0]
 
 
-def push_reply(pipe: redis.client.Pipeline, token: str, word: bytes) -> None:
-    pipe.rpush(keys.lease_reply(token), word)
-    pipe.expire(keys.lease_reply(token), REPLY_TTL_S)
-
-
 def lease_holder(value: bytes | str | None) -> str | None:
     """The engine instance named by a lease value."""
     return _lease_parts(value)[1]
-
-
-def engine_of(rq_worker_name: str | None) -> str | None:
-    """genq's RQ loops are named ENGINE_INSTANCE.xxxx: the engine whose heartbeat counts."""
-    if not rq_worker_name or "." not in rq_worker_name:
-        return None
-    return rq_worker_name.rsplit(".", 1)[0]
 
 
 @dataclass
@@ -87,7 +74,8 @@ class Outlook:
     pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
     # RQ jobs of done batches still "started" in RQ: their loops are returning (a moment), or
-    # died running them (an RQ loop that crashed on a Redis outage); cleared once seen in two passes.
+    # died running them (a stock RQ worker, or genq before the engine took batches itself); cleared once
+    # seen in two passes.
     finishing: int = 0
 
     @property
@@ -141,7 +129,7 @@ class Reconciler:
         return outlook
 
     def _clear_done_started(self, now: float) -> int:
-        """RQ jobs left "started" for batches the ledger has done (an RQ loop that died before
+        """RQ jobs left "started" for batches the ledger has done (a worker that died before
         its job function returned) leave RQ's started registry, so `rq info` tells the truth;
         how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
         intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
@@ -157,10 +145,10 @@ class Reconciler:
             first = seen[rq_id] = self._done_started.get(rq_id, now)
             if now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
-                    _forget_rq_job(pipe, rq_id, executions[rq_id])
+                    forget_rq_job(pipe, rq_id, executions[rq_id])
                     pipe.execute()
                 del seen[rq_id]
-                where = "started by an RQ loop that died running it" if executions[rq_id] else "in RQ's intermediate list"
+                where = "started by a worker that died running it" if executions[rq_id] else "in RQ's intermediate list"
                 log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
                          rq_id, *carried_batch, where)
         self._done_started = seen
@@ -174,7 +162,7 @@ class Reconciler:
         failed = FailedJobRegistry(queue=rq_queue(self.conn))
         for rq_id, carried_batch in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
             with self.conn.pipeline(transaction=True) as pipe:
-                _forget_rq_job(pipe, rq_id)
+                forget_rq_job(pipe, rq_id)
                 pipe.execute()
             log.info("RQ job %s of done batch %s/%s had failed after its batch was handed over; "
                      "removed it from RQ's failed registry", rq_id, *carried_batch)
@@ -237,13 +225,14 @@ class Reconciler:
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
         """Whether each batch's RQ job carries it: queued in RQ's queue, or started by a loop
-        whose engine heartbeats and holds the batch's lease (an RQ loop that died before handing
+        whose engine heartbeats and holds the batch's lease (a worker that died before handing
         the batch over leaves it "started" for an engine that never got it)."""
         # A job in RQ's queue will be taken: live, whatever else it says (and not worth
         # fetching: early in a big job nearly every pending batch is there).
         known = [i for i in rq_ids if i and i.encode() not in queued]
         jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
-        engines = {engine_of(j.worker_name) for j in jobs.values() if j.get_status(refresh=False) == "started"}
+        # TAKE names the engine instance that took the batch as the RQ job's worker.
+        engines = {j.worker_name for j in jobs.values() if j.get_status(refresh=False) == "started"}
         engines.discard(None)
         alive = {}
         if engines:
@@ -260,7 +249,7 @@ class Reconciler:
                 continue
             status = job.get_status(refresh=False)
             if status == "started":
-                engine = engine_of(job.worker_name) or ""
+                engine = job.worker_name or ""
                 out.append(alive.get(engine) is not None and holder == engine)
             else:  # "queued" but not in the queue (lost from it) is stranded too
                 out.append(status in ("scheduled", "deferred"))
@@ -285,7 +274,7 @@ class Reconciler:
                 pipe.multi()
                 enqueue_batch_jobs(pipe, self.conn, [(job, batch, 0)], at_front=True)
                 if stale_rq_id:
-                    _forget_rq_job(pipe, stale_rq_id, executions)
+                    forget_rq_job(pipe, stale_rq_id, executions)
                 pipe.hincrby(keys.job_stats(job), "redeliveries", 1)
                 pipe.execute()
             except WatchError:
@@ -294,7 +283,7 @@ class Reconciler:
         return True
 
 
-def _forget_rq_job(pipe: Pipeline, rq_id: str, executions: list[bytes] | None = None) -> None:
+def forget_rq_job(pipe: Pipeline, rq_id: str, executions: list[bytes] | None = None) -> None:
     """Take an RQ job out of RQ altogether, once the ledger has no use for it: its failed
     registry, its intermediate list, its started registry (`executions`: the job's entries
     there) and its hash. What `rq info` shows then matches the ledger."""

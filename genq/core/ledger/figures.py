@@ -1,37 +1,204 @@
-"""What the monitor reads of a job, each read one round trip however many workers and batches:
-the job's counters of record, each worker's counters and in-flight record for it, and which of
-its batches are held (genq.monitor.snapshot turns these into a JobSnapshot and says which
-counter is the truth of what).
+"""A job's figures as the monitor and `genq jobs` read them, each read one round trip however many
+workers and batches, and which counter is the truth of what.
+
+total: the job's stats "total". completed: the sum of its workers' "done" counters. failed: its
+dead letters now. Tokens: sums of the workers' counters. Running requests and their tokens: the
+workers' InFlight records (TTL 5 s). Worker health: their WorkerStatus records (TTL 15 s); a worker
+in keys.WORKERS whose status expired is "lost".
+
+Batches: written = keys.job_done; held = named by a live worker's status, or leased by a live
+engine, while their record exists; queued = this job's batches in RQ's queue (what `rq info`
+counts, genq.monitor.rqqueue); any other is "elsewhere" (retrying, failed in RQ, orphaned), never
+called queued. Shards: their count and the totals RELEASE keeps in the job's stats. A refresh reads
+per-batch records only of batches live workers hold, so its cost grows with the fleet, not the job.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import redis
 
-from genq.core import keys, scripts
-from genq.core.ledger import jobs
-from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, unpack
+from genq.core import keys, ledger, scripts
+from genq.core.ledger import fleet, jobs
+from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
+from genq.core.state import JobStatus, job_status
+
+HELD_READ_LIMIT = 2_000  # held batches looked at per refresh: bounded by the fleet, never by the job
 
 
 @dataclass
-class JobFacts:
+class WorkerCounters:
+    """One worker's counters for one job (keys.worker_stats)."""
+
+    done: int = 0
+    failed: int = 0
+    in_tok: int = 0
+    out_tok: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+    @classmethod
+    def of(cls, raw: dict[bytes, bytes]) -> WorkerCounters:
+        def at(name: bytes) -> float | None:
+            return float(raw[name]) if raw.get(name) else None
+
+        def n(name: bytes) -> int:
+            return int(raw.get(name) or 0)
+
+        return cls(n(b"done"), n(b"failed"), n(b"in_tok"), n(b"out_tok"), at(b"first_at"), at(b"last_at"))
+
+
+@dataclass
+class WorkerView:
+    name: str
+    status: WorkerStatus | None  # None: the status key expired (lost) or never written
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+    inflight: InFlight | None = None  # this job's running requests on this worker
+    held_unfinished: list[int] = field(default_factory=list)  # per batch of this job it holds, oldest first
+
+    @property
+    def live_status(self) -> WorkerStatus | None:
+        """Its status while it runs (None when stopped or lost)."""
+        return self.status if self.status is not None and self.status.state != "stopped" else None
+
+    @property
+    def live(self) -> bool:
+        return self.live_status is not None
+
+    @property
+    def state(self) -> str:
+        return "lost" if self.status is None else self.status.state
+
+    @property
+    def running_tokens(self) -> list[int]:
+        return list(self.inflight.tokens) if self.inflight is not None else []
+
+    @property
+    def decoding(self) -> int:
+        """This job's requests the server decodes: in flight with a token made (one without waits in
+        the server's queue or its prefill), at most its capacity."""
+        n = sum(1 for t in self.running_tokens if t > 0)
+        cap = self.status.server_capacity if self.status is not None else None
+        return min(n, cap) if cap else n
+
+    @property
+    def slots(self) -> int:
+        """Requests it can decode at once: its in-flight target, at most its server's capacity (both in
+        sequences), over the samples each request asks for."""
+        s = self.live_status
+        if s is None:
+            return 0
+        target = s.concurrency_target or s.in_flight
+        slots = min(target, s.server_capacity) if s.server_capacity else target
+        if s.sequences > s.in_flight > 0:  # requests of n samples: each takes n of the sequences
+            slots = max(1, slots * s.in_flight // s.sequences)
+        return slots
+
+
+@dataclass
+class JobSnapshot:
+    job: str
+    at: float
     config: JobConfig | None
-    stats: dict[bytes, bytes]  # the job's stats hash, shard totals included
-    batches: int  # batches written
-    done: int  # batches whose shard is written
-    dead: int  # dead letters
-    hist: dict[int, int]  # completion length bucket -> count
-    workers: set[str]  # workers with counters for the job
-    paused: bool  # the job, or the whole fleet
+    total: int
+    created_at: float | None
+    batches_total: int
+    batches_done: int
+    batches_held: int  # by live workers, not yet written
+    completed: int
+    failed: int
+    in_tokens: int
+    out_tokens: int
+    hist: dict[int, int]
+    workers: list[WorkerView]
+    paused: bool  # this job or every job
     shards: int
-    block: JobBlock | None
-    schedule: JobSchedule
+    shard_bytes: int
+    shard_records: int
+    batches_queued: int = 0  # this job's batches in RQ's queue
+    rq_queued: int = 0  # every batch in RQ's queue, all jobs (`rq info`)
+    blocked: JobBlock | None = None  # why the job's settings stopped it (docs/settings.md)
+    schedule: JobSchedule = field(default_factory=JobSchedule)  # docs/scheduling.md
+    fleet_running: int = 0  # requests in flight on the live workers, every job's
+
+    @property
+    def live(self) -> list[WorkerView]:
+        return [w for w in self.workers if w.live]
+
+    @property
+    def running_tokens(self) -> list[int]:
+        return [t for w in self.live for t in w.running_tokens]
+
+    @property
+    def in_flight(self) -> int:
+        # In-flight records live 5 s after a request ends: never more than what is left.
+        return min(len(self.running_tokens), max(0, self.total - self.completed - self.failed))
+
+    @property
+    def share(self) -> float:
+        """Its part of the fleet's requests in flight, both as of the workers' last beats (in_flight,
+        capped at what is left, would read a job alone below 1 near its end)."""
+        return min(1.0, len(self.running_tokens) / self.fleet_running) if self.fleet_running else 0.0
+
+    @property
+    def queued(self) -> int:
+        """Prompts not started anywhere: in RQ's queue, held by a worker, or elsewhere."""
+        return max(0, self.total - self.completed - self.failed - self.in_flight)
+
+    @property
+    def held(self) -> int:
+        """Of those, the prompts in batches live workers hold (counted from the batches: a paused worker
+        empties its ready list)."""
+        return min(self.queued, sum(max(0, sum(w.held_unfinished) - len(w.running_tokens)) for w in self.live))
+
+    @property
+    def other_batches(self) -> int:
+        """Batches neither written, held nor queued: retrying, failed in RQ, or orphaned."""
+        return max(0, self.batches_total - self.batches_done - self.batches_held - self.batches_queued)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens produced so far, finished or not: the smooth quantity a rate is read from."""
+        return self.out_tokens + sum(self.running_tokens)
+
+    @property
+    def decoding(self) -> int:
+        return sum(w.decoding for w in self.live)
+
+    @property
+    def slots(self) -> int:
+        return sum(w.slots for w in self.live)
+
+    @property
+    def first_at(self) -> float | None:
+        return min((w.counters.first_at for w in self.workers if w.counters.first_at), default=None)
+
+    @property
+    def last_at(self) -> float | None:
+        return max((w.counters.last_at for w in self.workers if w.counters.last_at), default=None)
+
+    @property
+    def is_done(self) -> bool:
+        return self.total > 0 and self.completed + self.failed >= self.total
+
+    @property
+    def status(self) -> JobStatus:
+        finished = self.completed + self.failed
+        return job_status(total=self.total, finished=finished, batches=self.batches_total,
+                          batches_done=self.batches_done, paused=self.paused,
+                          started=finished > 0 or self.in_flight > 0, failed=self.failed,
+                          blocked=self.blocked is not None)
 
 
-def job_facts(conn: redis.Redis, job: str) -> JobFacts | None:
-    """The job's counters of record; None when Redis has no such job."""
+def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
+             queued: int = 0, rq_queued: int = 0, now: float | None = None) -> JobSnapshot | None:
+    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses, read once for
+    every job of a refresh (read here when not given); queued and rq_queued: RQ's counts of the job's
+    batches and of every batch (genq.monitor.rqqueue)."""
+    if workers is None:
+        workers = fleet.statuses(conn)
     with conn.pipeline(transaction=False) as pipe:
         pipe.get(keys.job_config(job))
         pipe.hgetall(keys.job_stats(job))
@@ -40,40 +207,82 @@ def job_facts(conn: redis.Redis, job: str) -> JobFacts | None:
         pipe.hlen(keys.job_dlq(job))
         pipe.hgetall(keys.job_hist(job))
         pipe.smembers(keys.job_workers(job))
-        pipe.exists(keys.job_paused(job))
-        pipe.exists(keys.PAUSED)
+        pipe.exists(keys.job_paused(job), keys.PAUSED)
         pipe.hlen(keys.job_shards(job))
         pipe.sismember(keys.JOBS, job)
         pipe.get(keys.job_blocked(job))
         pipe.get(keys.job_schedule(job))
-        (raw_config, stats, n_batches, n_done, n_dlq, hist, workers, paused, paused_all, shards, known,
-         raw_block, raw_schedule) = pipe.execute()
+        (raw_config, stats, n_batches, n_done, n_dlq, hist, members, paused, shards, known, raw_block,
+         raw_schedule) = pipe.execute()
     if raw_config is None and not stats and not known:
         return None
     if shards and scripts.SHARD_RECORDS.encode() not in stats:
         # Shards written by a genq that kept no totals: count them once, and keep the totals.
         scripts.evaluate(conn, scripts.COUNT_SHARDS, scripts.count_shards_call(job))
         stats = jobs.job_stats(conn, job)
-    return JobFacts(
-        config=unpack(raw_config, JobConfig) if raw_config else None,
-        stats=stats,
-        batches=int(n_batches), done=int(n_done), dead=int(n_dlq),
-        hist={int(b): int(n) for b, n in hist.items()},
-        workers={w.decode() for w in workers}, paused=bool(paused) or bool(paused_all), shards=int(shards),
-        block=unpack(raw_block, JobBlock) if raw_block else None, schedule=jobs.schedule_of(raw_schedule),
-    )
-
-
-def worker_figures(conn: redis.Redis, job: str, names: list[str]) -> list[tuple[dict[bytes, bytes], InFlight | None]]:
-    """Each worker's counters for the job (done, failed, in_tok, out_tok, first_at, last_at) and
-    its InFlight record for it (None: not working on it now)."""
+    config = unpack(raw_config, JobConfig) if raw_config else None
+    members = {w.decode() for w in members}
+    names = sorted(set(workers) | members)
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.hgetall(keys.worker_stats(job, name))
             pipe.get(keys.job_inflight(job, name))
         replies = pipe.execute()
-    return [(replies[2 * i], unpack(raw, InFlight) if (raw := replies[2 * i + 1]) else None)
-            for i in range(len(names))]
+    views: list[WorkerView] = []
+    for i, name in enumerate(names):
+        status, raw_inflight = workers.get(name), replies[2 * i + 1]
+        # Shown for this job: it has counters here, or it is working on it, or it is alive.
+        if name in members or raw_inflight is not None or (status is not None and status.state != "stopped"):
+            views.append(WorkerView(name, status, WorkerCounters.of(replies[2 * i]),
+                                    unpack(raw_inflight, InFlight) if raw_inflight else None))
+    created = stats.get(b"created_at")
+    return JobSnapshot(
+        job=job, at=now if now is not None else time.time(), config=config,
+        total=int(stats.get(b"total") or 0), created_at=float(created) if created else None,
+        batches_total=int(n_batches), batches_done=int(n_done),
+        batches_held=_held_batches(conn, job, views, config.batch_size if config else 0),
+        batches_queued=queued, rq_queued=rq_queued,
+        completed=sum(v.counters.done for v in views), failed=int(n_dlq),
+        in_tokens=sum(v.counters.in_tok for v in views), out_tokens=sum(v.counters.out_tok for v in views),
+        hist={int(b): int(n) for b, n in hist.items()}, workers=views, paused=bool(paused), shards=int(shards),
+        shard_bytes=int(stats.get(scripts.SHARD_BYTES.encode()) or 0),
+        shard_records=int(stats.get(scripts.SHARD_RECORDS.encode()) or 0),
+        blocked=unpack(raw_block, JobBlock) if raw_block else None, schedule=jobs.schedule_of(raw_schedule),
+        fleet_running=sum(s.in_flight for s in workers.values() if s is not None and s.state != "stopped"),
+    )
+
+
+def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
+    """The job's batches live workers hold; fills each view's held_unfinished.
+
+    A batch a live worker's status names counts while its record exists (it is deleted once its shard
+    is written); its unfinished prompts are the job's batch size less its stored results (exact for all
+    but an enqueue's last batch). A batch a live engine has leased and no status names yet (one is
+    published a second) is held too; a lease of an engine that stopped beating is not.
+    """
+    asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
+            for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
+    with conn.pipeline(transaction=False) as pipe:
+        for _, bid in asks:
+            pipe.exists(keys.batch(job, bid))
+            pipe.hlen(keys.batch_results(job, bid))
+        pipe.hgetall(keys.job_leases(job))
+        *replies, leases = pipe.execute()
+    for i, (view, _) in enumerate(asks):
+        if replies[2 * i]:
+            view.held_unfinished.append(max(0, batch_size - int(replies[2 * i + 1])))
+    held = sum(len(v.held_unfinished) for v in views)
+    named = {bid for _, bid in asks}
+    unnamed = [(bid.decode(), holder) for bid, value in leases.items()
+               if (holder := ledger.lease_holder(value)) and bid.decode() not in named][:HELD_READ_LIMIT]
+    if not unnamed:
+        return held
+    with conn.pipeline(transaction=False) as pipe:
+        for bid, holder in unnamed:
+            pipe.exists(keys.engine_alive(holder))
+            pipe.exists(keys.batch(job, bid))
+        alive = pipe.execute()
+    return held + sum(1 for i in range(len(unnamed)) if alive[2 * i] and alive[2 * i + 1])
 
 
 @dataclass
@@ -101,33 +310,6 @@ def job_totals(conn: redis.Redis, job: str, fleet: list[str]) -> JobTotals:
     return JobTotals(stats=stats, dead=int(dead), batches_done=int(batches_done),
                      done=sum(int(v or 0) for v in rest[: len(workers)]),
                      inflight={w: unpack(raw, InFlight) for w, raw in zip(fleet, rest[len(workers):]) if raw})
-
-
-def held_progress(conn: redis.Redis, job: str, batch_ids: list[str]) -> tuple[list[int | None], dict[str, str]]:
-    """For each batch: how many results it has stored, None once its record is gone (written or
-    deleted); and the job's current leases (batch -> "TOKEN INSTANCE": only batches in progress,
-    so bounded by the fleet)."""
-    with conn.pipeline(transaction=False) as pipe:
-        for bid in batch_ids:
-            pipe.exists(keys.batch(job, bid))
-            pipe.hlen(keys.batch_results(job, bid))
-        pipe.hgetall(keys.job_leases(job))
-        *replies, leases = pipe.execute()
-    stored = [int(replies[2 * i + 1]) if replies[2 * i] else None for i in range(len(batch_ids))]
-    return stored, {b.decode(): v.decode() for b, v in leases.items()}
-
-
-def live_held(conn: redis.Redis, job: str, leased: list[tuple[str, str]]) -> int:
-    """Of these (batch, holder engine) pairs, how many batches still have their record and a
-    holder that is alive."""
-    if not leased:
-        return 0
-    with conn.pipeline(transaction=False) as pipe:
-        for bid, holder in leased:
-            pipe.exists(keys.engine_alive(holder))
-            pipe.exists(keys.batch(job, bid))
-        replies = pipe.execute()
-    return sum(1 for i in range(len(leased)) if replies[2 * i] and replies[2 * i + 1])
 
 
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str

@@ -77,24 +77,6 @@ def stage_alive(pipe: AnyPipeline, instance: str, name: str, ttl: int) -> None:
     pipe.set(keys.engine_alive(instance), name, ex=ttl)
 
 
-def stage_unwritten(pipe: AnyPipeline, instance: str, jobs: frozenset[str], said: frozenset[str], ttl: int
-                    ) -> frozenset[str]:
-    """The jobs whose shards the engine cannot write now, for its RQ loops (renewed while any, cleared
-    once); returns what Redis will hold, to pass as `said` next time."""
-    if jobs:
-        pipe.delete(keys.engine_unwritten(instance))
-        pipe.sadd(keys.engine_unwritten(instance), *jobs)
-        pipe.expire(keys.engine_unwritten(instance), ttl)
-    elif said:
-        pipe.delete(keys.engine_unwritten(instance))
-    return jobs
-
-
-def unwritten_here(conn: redis.Redis, instance: str, job: str) -> bool:
-    """Whether the engine cannot write this job's shards now (stage_unwritten)."""
-    return bool(conn.sismember(keys.engine_unwritten(instance), job))
-
-
 def stage_status(pipe: AnyPipeline, status: WorkerStatus, ttl: int | None) -> None:
     """The worker's status; ttl None keeps it (a clean exit's, so the fleet view tells stopped from lost)."""
     pipe.set(keys.worker_status(status.name), pack(status), ex=ttl)
@@ -170,6 +152,11 @@ def listen_for_wakes(pubsub: Any) -> None:
     pubsub.subscribe(keys.WAKE)
 
 
+def is_queued_wake(data: Any) -> bool:
+    """Whether a wake-up message says batches were queued (genq.core.queueing)."""
+    return data == keys.WAKE_QUEUED
+
+
 def is_control_wake(data: Any) -> bool:
     """Whether a wake-up message says a control changed (else: work to look at)."""
     return data == keys.WAKE_CONTROL
@@ -186,35 +173,3 @@ async def server_decode(conn: aioredis.Redis, server: str, model: str) -> Server
 
 def stage_server_decode(pipe: AnyPipeline, server: str, model: str, figures: ServerDecode, ttl: int) -> None:
     pipe.set(keys.server_decode(server, model), pack(figures), ex=ttl)
-
-
-async def publish_model(conn: aioredis.Redis, instance: str, model: str | None, ttl: int) -> None:
-    """The model the engine's server serves, for its RQ loops (None: unknown)."""
-    if model is None:
-        await conn.delete(keys.engine_model(instance))
-    else:
-        await conn.set(keys.engine_model(instance), model, ex=ttl)
-
-
-def engine_model(conn: redis.Redis, instance: str) -> str | None:
-    raw = conn.get(keys.engine_model(instance))
-    return raw.decode() if raw is not None else None
-
-
-def first_refusal(conn: redis.Redis, instance: str, job: str, ttl: int) -> bool:
-    """Record that the engine (its loops included) turned the job away; True the first time,
-    so that it is said once."""
-    with conn.pipeline(transaction=True) as pipe:
-        pipe.sadd(keys.engine_refused(instance), job)
-        pipe.expire(keys.engine_refused(instance), ttl)
-        first, _ = pipe.execute()
-    return bool(first)
-
-
-async def first_refusal_async(conn: aioredis.Redis, instance: str, job: str, ttl: int) -> bool:
-    """first_refusal, from the engine's event loop."""
-    async with conn.pipeline(transaction=True) as pipe:
-        pipe.sadd(keys.engine_refused(instance), job)
-        pipe.expire(keys.engine_refused(instance), ttl)
-        first, _ = await pipe.execute()
-    return bool(first)

@@ -126,7 +126,7 @@ def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | Non
 
 @dataclass
 class JobCounts:
-    """A job's counters of record (genq.monitor.snapshot says which is the truth of what)."""
+    """A job's counters of record (genq.core.ledger.figures says which is the truth of what)."""
 
     total: int  # prompts enqueued (less those purged)
     batches_total: int  # batches written (the ledger's list)

@@ -1,6 +1,6 @@
-"""The engine's side of a lease (worker/leases.py drives it): deliveries from its RQ loops
-through its inbox, what Redis recorded of a delivered batch, the lease check after each beat,
-and the hand-back (genq.core.ledger's module docstring defines the terms).
+"""The engine's side of a lease (worker/batches.py drives it): what Redis recorded of a taken
+batch, the lease check after each beat, and the hand-back (genq.core.ledger's module docstring
+defines the terms).
 """
 
 from __future__ import annotations
@@ -14,21 +14,10 @@ from redis.client import Pipeline
 from redis.exceptions import WatchError
 
 from genq.core import keys
-from genq.core.ledger import lease_token
+from genq.core.ledger import forget_rq_job, lease_token
 from genq.core.queueing import enqueue_batch_jobs
 from genq.core.records import BatchRef, JobConfig, pack, unpack
-
-
-async def next_delivery(conn: aioredis.Redis, instance: str, timeout: float) -> bytes | None:
-    """The next (token, job, batch, rq job) an RQ loop put in the engine's inbox, packed; waits up
-    to `timeout` s (BLPOP: give it a connection of its own)."""
-    item = await conn.blpop([keys.engine_inbox(instance)], timeout=timeout)
-    return item[1] if item is not None else None
-
-
-async def late_delivery(conn: aioredis.Redis, instance: str) -> bytes | None:
-    """A delivery still in the inbox (a loop took it just before it was told to stop), without waiting."""
-    return await conn.lpop(keys.engine_inbox(instance))
+from genq.core.scripts import RQ_EXECUTION
 
 
 async def config_now(conn: aioredis.Redis, job: str) -> JobConfig | None:
@@ -112,14 +101,17 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
 def end_lease_if_ours(conn: redis.Redis, ref: BatchRef, token: str,
                       along: Callable[[Pipeline], object]) -> bool:
     """End the lease `token` of the batch, with `along`'s writes in the same transaction (WATCH
-    on its lease and the job's done set); False, writing nothing, if the batch is done or that
-    lease is no longer its current one."""
+    on its lease and the job's done set); the RQ job that carried it leaves RQ. False, writing
+    nothing, if the batch is done or that lease is no longer its current one."""
     def attempt(pipe: Pipeline) -> bool:
         if pipe.sismember(keys.job_done(ref.job), ref.batch):
             return False
         if lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
             return False
+        rq_id = pipe.hget(keys.job_transport(ref.job), ref.batch)
         pipe.multi()
+        if rq_id is not None:
+            forget_rq_job(pipe, rq_id.decode(), [f"{rq_id.decode()}:{RQ_EXECUTION}".encode()])
         along(pipe)
         pipe.hdel(keys.job_leases(ref.job), ref.batch)
         return True

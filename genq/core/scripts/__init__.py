@@ -48,9 +48,11 @@ def load(name: str, _within: tuple[str, ...] = ()) -> str:
     return _INCLUDE.sub(lambda m: load("_" + m.group(1), (*_within, name)), text)
 
 
-REPLY_TTL_S = 24 * 3600  # how long a lease's reply list lives (RELEASE, ADOPT, ledger.push_reply)
-TOKEN_SLOT = "{token}"  # where RELEASE and ADOPT put a token into keys.lease_reply's template
-RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix (QUEUE_HEAD reads a job's description there)
+RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix (TAKE and QUEUE_HEAD read a job's description there)
+# The execution id of every entry genq writes in RQ's started registry ("RQID:genq"): RQ 2.x names
+# an entry by job and execution; genq's engine is the execution, and one RQ job runs once.
+RQ_EXECUTION = "genq"
+JOB_SLOT, BATCH_SLOT = "{job}", "{batch}"  # where TAKE puts names into key templates
 # Running totals of the written shards, in keys.job_stats: kept by RELEASE and ADOPT in the call
 # that records a shard, so they always equal the sums over keys.job_shards, and the monitor reads
 # them instead of every ShardInfo (a refresh does not grow with the number of batches). The Lua
@@ -61,6 +63,15 @@ SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
 # --------------------------------------------------------------------------- the ledger
 
 ACQUIRE = load("acquire")
+TAKE = load("take")
+TAKE_SCAN = 500  # queued RQ jobs TAKE looks at, at most, for one of a job it may run
+
+
+def take_call(instance: str, token: str, now: str, skip: Iterable[str]) -> Call:
+    templates = [keys.job_done(JOB_SLOT), keys.batch(JOB_SLOT, BATCH_SLOT), keys.job_transport(JOB_SLOT),
+                 keys.job_leases(JOB_SLOT)]
+    return ([keys.RQ_QUEUE, keys.RQ_STARTED, keys.RQ_SUSPENDED],
+            [instance, token, now, TAKE_SCAN, RQ_EXECUTION, RQ_JOB_PREFIX, *templates, *skip])
 
 
 def acquire_call(ref: BatchRef, token: str, instance: str, rq_id: str) -> Call:
@@ -78,32 +89,31 @@ def count_shards_call(job: str) -> Call:
 RELEASE = load("release")
 
 
-def release_call(ref: BatchRef, info: ShardInfo, token: str, incarnation: str) -> Call:
+def release_call(ref: BatchRef, info: ShardInfo, incarnation: str) -> Call:
     """For a written shard (bench/footprint.py drives it too)."""
     script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
                    keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
                    keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
-                   keys.batch_tries(ref.job, ref.batch)]
-    args = [ref.batch, pack(info), REPLY_TTL_S, token, keys.lease_reply(TOKEN_SLOT),
-            info.records, info.bytes, incarnation]
+                   keys.batch_tries(ref.job, ref.batch), keys.RQ_STARTED]
+    args = [ref.batch, pack(info), info.records, info.bytes, incarnation, RQ_JOB_PREFIX, RQ_EXECUTION]
     return script_keys, args
 
 
 ADOPT = load("adopt")
 
 
-def adopt_call(job: str, marker: ShardMarker, info: ShardInfo, token: str = "") -> Call:
+def adopt_call(job: str, marker: ShardMarker, info: ShardInfo) -> Call:
     """For one written batch; info: the marker's ShardInfo (genq.output.truth.shard_info)."""
     b = marker.batch
     script_keys = [keys.job_done(job), keys.job_shards(job), keys.batch_results(job, b), keys.batch(job, b),
                    keys.job_leases(job), keys.job_transport(job), keys.job_stats(job), keys.batch_claims(job, b),
                    keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.job_batches(job),
-                   keys.job_ids(job), keys.job_config(job), keys.batch_tries(job, b)]
+                   keys.job_ids(job), keys.job_config(job), keys.batch_tries(job, b), keys.RQ_STARTED]
     # Hex, as the digests: Redis's cmsgpack cannot read msgpack bin (a letter's packed bytes).
     letters = [[d.id, pack(d).hex(), d.worker] for d in marker.dead_letters]
-    args = [b, pack(info), REPLY_TTL_S, keys.lease_reply(TOKEN_SLOT), marker.records, marker.bytes,
+    args = [b, pack(info), RQ_JOB_PREFIX, RQ_EXECUTION, marker.records, marker.bytes,
             keys.worker_stats(job, ""), pack(marker.tally), pack(marker.hist), pack(letters), pack(marker.digests),
-            batch_number(b), token, marker.incarnation]
+            batch_number(b), marker.incarnation]
     return script_keys, args
 
 
@@ -142,13 +152,6 @@ FLEET_SHARE = load("fleet_share")
 def fleet_share_call(instance: str, fresh_s: int, mine: dict[str, int]) -> Call:
     """This engine's prompts per job (claimed or in flight; 0: none now)."""
     return [keys.job_share(job) for job in mine], [instance, fresh_s, *mine.values()]
-
-
-PUT_BACK = load("put_back")
-
-
-def put_back_call(intermediate_key: str, queue_key: str, rq_id: str) -> Call:
-    return [intermediate_key, queue_key], [rq_id]
 
 
 # --------------------------------------------------------------------------- outcomes and claims

@@ -16,10 +16,11 @@
 -- KEYS[13] = the job's ids (keys.job_ids)
 -- KEYS[14] = the job's config (keys.job_config)
 -- KEYS[15] = the batch's lost tries (keys.batch_tries)
+-- KEYS[16] = RQ's started registry of genq's queue
 -- ARGV[1] = batch id
 -- ARGV[2] = ShardInfo (msgpack)
--- ARGV[3] = reply TTL, seconds
--- ARGV[4] = keys.lease_reply(TOKEN_SLOT): the reply list's name, '{token}' where a token goes
+-- ARGV[3] = RQ's job hash prefix (scripts.RQ_JOB_PREFIX)
+-- ARGV[4] = RQ's execution id of genq's started entries (scripts.RQ_EXECUTION)
 -- ARGV[5] = the shard's records
 -- ARGV[6] = the shard's bytes
 -- ARGV[7] = the worker-stats key prefix (keys.worker_stats(job, ""))
@@ -28,13 +29,12 @@
 -- ARGV[10] = dead letters [[id, letter hex, worker]] (msgpack)
 -- ARGV[11] = digests {id: hex} (msgpack)
 -- ARGV[12] = the batch's number (its score in keys.job_batches)
--- ARGV[13] = a token to tell "done" besides the current lease's ('': none)
--- ARGV[14] = the incarnation that wrote the shard
+-- ARGV[13] = the incarnation that wrote the shard
 -- Returns 0 (done already), 1 (adopted), 'gone' (the job is not in Redis as the life that wrote the shard).
 -- #include publish_shard
 -- #include incarnation
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
-if not incarnation_ok(KEYS[14], ARGV[14]) then return 'gone' end
+if not incarnation_ok(KEYS[14], ARGV[13]) then return 'gone' end
 local function wstats(worker) return ARGV[7] .. worker end
 -- What Redis counted for the results it stores of this batch is taken back ...
 local stored = redis.call('HGETALL', KEYS[3])
@@ -79,6 +79,6 @@ if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARG
   redis.call('HINCRBY', KEYS[7], 'batches', 1)
 end
 publish_shard({done = KEYS[1], shards = KEYS[2], results = KEYS[3], record = KEYS[4], leases = KEYS[5],
-               transport = KEYS[6], stats = KEYS[7], claims = KEYS[8], tries = KEYS[15]},
-              ARGV[1], ARGV[2], ARGV[3], ARGV[5], ARGV[6], ARGV[13], ARGV[4])
+               transport = KEYS[6], stats = KEYS[7], claims = KEYS[8], tries = KEYS[15], started = KEYS[16]},
+              ARGV[1], ARGV[2], ARGV[5], ARGV[6], ARGV[3], ARGV[4])
 return 1

@@ -1,7 +1,6 @@
 -- RELEASE: mark a batch done with its written shard (worker/completion.py), once. Adds the
--- shard to the job's running totals; the work horses of the current lease and of the releasing
--- one (a holder whose lease was superseded can still be the one that finishes) are told "done".
--- Never for a shard that is not every result Redis holds.
+-- shard to the job's running totals; the RQ job that carried it leaves RQ. Never for a shard
+-- that is not every result Redis holds.
 -- KEYS[1] = the job's done batches (keys.job_done)
 -- KEYS[2] = the job's shards (keys.job_shards)
 -- KEYS[3] = the batch's results (keys.batch_results)
@@ -14,22 +13,22 @@
 -- KEYS[10] = the batch's lost tries (keys.batch_tries)
 -- ARGV[1] = batch id
 -- ARGV[2] = ShardInfo (msgpack)
--- ARGV[3] = reply TTL, seconds
--- ARGV[4] = the releasing lease's token
--- ARGV[5] = keys.lease_reply(TOKEN_SLOT): the reply list's name, '{token}' where a token goes
--- ARGV[6] = the shard's records
--- ARGV[7] = the shard's bytes
--- ARGV[8] = the job's incarnation
+-- KEYS[11] = RQ's started registry of genq's queue
+-- ARGV[3] = the shard's records
+-- ARGV[4] = the shard's bytes
+-- ARGV[5] = the job's incarnation
+-- ARGV[6] = RQ's job hash prefix (scripts.RQ_JOB_PREFIX)
+-- ARGV[7] = RQ's execution id of genq's started entries (scripts.RQ_EXECUTION)
 -- Returns 0 (done already), 1 (released now), 'gone' (another incarnation of the job, or none),
 -- 'short' (Redis holds other results than the shard: lost or rolled back meanwhile).
 -- #include publish_shard
 -- #include incarnation
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end
-if not incarnation_ok(KEYS[9], ARGV[8]) then return 'gone' end
-if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[6]) then return 'short' end
+if not incarnation_ok(KEYS[9], ARGV[5]) then return 'gone' end
+if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[3]) then return 'short' end
 -- Totals not kept yet (a job's first shard, or a job of an older genq): publish_shard counts what
 -- is there before this shard (nothing, for a new job), then adds this one.
 publish_shard({done = KEYS[1], shards = KEYS[2], results = KEYS[3], record = KEYS[4], leases = KEYS[5],
-               transport = KEYS[6], stats = KEYS[7], claims = KEYS[8], tries = KEYS[10]},
-              ARGV[1], ARGV[2], ARGV[3], ARGV[6], ARGV[7], ARGV[4], ARGV[5])
+               transport = KEYS[6], stats = KEYS[7], claims = KEYS[8], tries = KEYS[10], started = KEYS[11]},
+              ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6], ARGV[7])
 return 1

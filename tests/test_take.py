@@ -1,0 +1,108 @@
+"""TAKE (genq/core/scripts/take.lua), what an engine's intake runs: against the real test Redis,
+with batches queued the way `genq enqueue` queues them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from rq.registry import StartedJobRegistry
+from rq.suspension import resume, suspend
+
+from genq.core import keys, scripts
+from genq.core.ledger import lease_holder, lease_token
+from genq.core.queueing import enqueue_batch_jobs, fetch_rq_job, new_batches, rq_queue, save_config, write_batches
+from genq.core.records import JobConfig, Prompt
+
+
+def queue(conn: redis.Redis, job: str, n: int) -> list[str]:
+    """n batches of one prompt each for `job`, queued as enqueue queues them; their ids."""
+    save_config(conn, JobConfig(name=job, output="/nowhere", incarnation="i-" + job))
+    made = new_batches(conn, job, [Prompt(id=f"{job}-{i}", index=i, messages=[{"role": "user", "content": "x"}])
+                                   for i in range(n)], 1)
+    with conn.pipeline(transaction=True) as pipe:
+        write_batches(pipe, conn, made, {})
+        pipe.execute()
+    return [b.id for b in made]
+
+
+def take(conn: redis.Redis, instance: str = "e1.aaaa", skip: tuple[str, ...] = ()) -> tuple[str, str, str] | None:
+    token = f"tok-{time.monotonic_ns()}"
+    got = scripts.evaluate(conn, scripts.TAKE, scripts.take_call(instance, token, "2026-12-06T00:00:00Z", skip))
+    if got is None:
+        return None
+    job, batch, rq_id = (part.decode() for part in got)
+    assert lease_token(conn.hget(keys.job_leases(job), batch)) == token
+    return job, batch, rq_id
+
+
+def test_the_first_queued_batch_is_started_by_the_engine_and_leased_to_it(rconn: redis.Redis) -> None:
+    first, second = queue(rconn, "a", 2)
+    job, batch, rq_id = take(rconn)  # type: ignore[misc]
+    assert (job, batch) == ("a", first)
+    assert lease_holder(rconn.hget(keys.job_leases("a"), first)) == "e1.aaaa"
+    assert rconn.hget(keys.job_transport("a"), first).decode() == rq_id
+    rq_job = fetch_rq_job(rconn, rq_id)
+    assert (rq_job.get_status(), rq_job.worker_name) == ("started", "e1.aaaa")
+    registry = StartedJobRegistry(queue=rq_queue(rconn))
+    assert registry.get_job_ids(cleanup=True) == [rq_id]  # RQ's own cleanup keeps it: no expiry
+    assert rq_queue(rconn).count == 1 and take(rconn)[1] == second  # type: ignore[index]
+    assert take(rconn) is None
+
+
+def test_the_jobs_it_is_told_to_leave_stay_queued_in_their_order(rconn: redis.Redis) -> None:
+    queue(rconn, "other", 2)
+    (mine,) = queue(rconn, "mine", 1)
+    assert take(rconn, skip=("other",))[:2] == ("mine", mine)  # type: ignore[index]
+    assert take(rconn, skip=("other",)) is None
+    assert rq_queue(rconn).count == 2 and not rconn.hlen(keys.job_leases("other"))
+
+
+def test_rq_jobs_of_done_deleted_or_superseded_batches_leave_rq_as_they_are_met(rconn: redis.Redis) -> None:
+    done, deleted, superseded, live = queue(rconn, "a", 4)
+    rconn.sadd(keys.job_done("a"), done)
+    rconn.delete(keys.batch("a", deleted))
+    old = rconn.hget(keys.job_transport("a"), superseded).decode()
+    with rconn.pipeline(transaction=True) as pipe:  # queued again: the newer RQ job carries it
+        enqueue_batch_jobs(pipe, rconn, [("a", superseded, 1)])
+        pipe.execute()
+    stale = [rconn.hget(keys.job_transport("a"), b).decode() for b in (done, deleted)] + [old]
+    assert take(rconn)[1] == live  # type: ignore[index]
+    assert take(rconn)[1] == superseded  # type: ignore[index]  # by its newer RQ job
+    assert take(rconn) is None and rq_queue(rconn).count == 0
+    assert not any(rconn.exists(scripts.RQ_JOB_PREFIX + rq_id) for rq_id in stale)
+
+
+def test_nothing_is_taken_while_rq_is_suspended(rconn: redis.Redis) -> None:
+    queue(rconn, "a", 1)
+    suspend(rconn)
+    assert take(rconn) is None
+    resume(rconn)
+    assert take(rconn) is not None
+
+
+def test_release_takes_the_batch_rq_job_out_of_rq(rconn: redis.Redis) -> None:
+    from genq.core.records import BatchRef, ShardInfo
+
+    (batch,) = queue(rconn, "a", 1)
+    _, _, rq_id = take(rconn)  # type: ignore[misc]
+    info = ShardInfo(batch=batch, uri="u", records=0, bytes=0, at=1.0)
+    assert scripts.evaluate(rconn, scripts.RELEASE, scripts.release_call(BatchRef("a", batch), info, "i-a")) == 1
+    assert not rconn.exists(scripts.RQ_JOB_PREFIX + rq_id)
+    assert StartedJobRegistry(queue=rq_queue(rconn)).count == 0
+
+
+@pytest.mark.parametrize("job", ["a.b-c_1", "x" * 64])
+def test_any_valid_job_name_is_read_back_from_the_rq_jobs_description(rconn: redis.Redis, job: str) -> None:
+    (batch,) = queue(rconn, job, 1)
+    assert take(rconn)[:2] == (job, batch)  # type: ignore[index]
+
+
+def test_an_rq_job_of_another_app_is_left_alone(rconn: redis.Redis) -> None:
+    other = rq_queue(rconn).enqueue("os.getcwd")
+    (batch,) = queue(rconn, "a", 1)
+    assert take(rconn)[1] == batch  # type: ignore[index]
+    assert rq_queue(rconn).job_ids == [other.id]
+
+

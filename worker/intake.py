@@ -1,0 +1,183 @@
+"""The engine takes its batches off RQ's queue itself: one script (TAKE) moves a batch's RQ job
+to RQ's started registry under this engine's name and leases the batch, in one step. No process
+stands between the queue and the engine, so no batch is ever between two owners.
+
+When to take one: while fewer than --prefetch batches are held, and beyond that while the
+prompts not yet sent fall below (prefetch - 1) batches' worth (held batches drain their long
+tails: genq.core.prefetch), or when the queue's next batch outranks what is waiting here
+(worker/shares.py). Nothing is taken while draining, paused, stopping or while the server is down.
+
+Which: the first queued batch whose job this engine may run. Jobs of another model (a pinned
+model its server does not serve) and jobs whose shards cannot be written here now are left in
+the queue for other engines (TAKE's skip list).
+
+`rq info` stays truthful: the engine is registered as an RQ worker named by its instance, each
+batch it holds is an RQ job "started" by it; RELEASE and the hand-back take the RQ job out of RQ.
+A stock `rq worker` on genq's queue fails each batch at once (run_batch), and the reconciler
+queues it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from genq.core import scripts
+from genq.core.queueing import list_jobs, load_configs, rq_worker
+from genq.core.records import BatchRef
+from genq.core.waits import retrying, wait_event
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import Flags, Holdings
+from genq.worker.models import AUTO, ModelGate, serves
+from genq.worker.options import WorkerOptions
+from genq.worker.shares import Shares
+
+log = logging.getLogger("genq.worker")
+
+BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often...
+# ...or this often once nothing was found for a while: every queueing publishes a wake that ends the
+# wait at once (genq.core.queueing), so this only covers a wake lost while the listener reconnects.
+IDLE_POLL_S = 30.0
+FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
+RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
+RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
+MAX_EXTRA = 14  # batches taken beyond --prefetch while held ones drain their long tails
+
+
+def run_batch(job: str, batch_id: str) -> None:
+    """What a stock RQ worker runs for a genq batch: genq's engine takes batches itself (TAKE)."""
+    raise RuntimeError(f"batch {job}/{batch_id}: genq batches are run by `genq worker`, not by a stock RQ worker")
+
+
+class Intake:
+    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, opts: WorkerOptions, instance: str,
+                 flags: Flags, held: Holdings, dispatcher: Dispatcher, shares: Shares, models: ModelGate,
+                 queued: asyncio.Event,
+                 acquire: Callable[[str, BatchRef, str], Awaitable[None]]) -> None:
+        self.conn = conn
+        self.sync_conn = sync_conn
+        self.opts = opts
+        self.instance = instance
+        self.flags = flags
+        self.held = held
+        self.dispatcher = dispatcher
+        self.shares = shares
+        self.models = models  # which jobs this engine's server may run, and saying so once (worker/models.py)
+        self.queued = queued  # set by the wake listener when batches are queued (genq.core.queueing)
+        self.acquire = acquire  # the lease desk's: loads the batch and hands its prompts to dispatch
+        self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
+        self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
+        self._foreign_at = float("-inf")
+        self._take = conn.register_script(scripts.TAKE)
+        self._rq = rq_worker(sync_conn, instance)
+
+    def wants_batch(self) -> bool:
+        if not self.flags.accepting:
+            return False
+        base, held = self.opts.loops, len(self.held)
+        if held < base:
+            return True
+        if self.flags.paused_all or held >= base + MAX_EXTRA:
+            return False  # parked prompts are not work: no more batches for them
+        # The queue's next batch outranks what waits here (worker/shares.py): take it now, not
+        # after a held batch's long tail.
+        if self.shares.wants_head(self.dispatcher.todo.by_job(), max(1, self.dispatcher.controller.target // 2)):
+            return True
+        # Keep (prefetch - 1) batches' worth of prompts unsent, counted in prompts: with heavy-tailed
+        # lengths several held batches can be in their tails at once.
+        size = max((h.config.batch_size for h in self.held.values()), default=0)
+        return self.unsent() < (base - 1) * size
+
+    def unsent(self) -> int:
+        """Prompts held here without an outcome and not in flight (a batch just taken counts in
+        full before its prompts reach the dispatcher: the preflight may hold them a moment)."""
+        return sum(len(h.unfinished) for h in self.held.values() if not h.dropped) - len(self.dispatcher.running)
+
+    async def run(self) -> None:
+        # Redis away or refusing writes (full, a replica) at the start: waited out, as every write is.
+        await retrying(lambda: asyncio.to_thread(self._rq_birth), "registering in rq info")
+        beat_at = time.monotonic()
+        quiet_since = time.monotonic()
+        try:
+            while True:
+                if time.monotonic() - beat_at >= RQ_BEAT_S:
+                    try:
+                        await asyncio.to_thread(self._rq_beat)
+                        beat_at = time.monotonic()
+                    except (redis.RedisError, OSError) as exc:
+                        log.debug("rq info heartbeat: %s", exc)
+                if not self.wants_batch():
+                    await self._wait(BUSY_POLL_S)
+                    continue
+                try:
+                    taken = await self.take()
+                except (redis.RedisError, OSError) as exc:
+                    log.debug("taking a batch: %s", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                self.exhausted = not taken
+                if taken:
+                    quiet_since = time.monotonic()
+                    continue
+                idle = time.monotonic() - quiet_since > 10 * BUSY_POLL_S
+                await self._wait(IDLE_POLL_S if idle else BUSY_POLL_S)
+        finally:
+            try:
+                await asyncio.to_thread(self._rq.register_death)
+            except (redis.RedisError, OSError):
+                pass  # its key lapses within RQ_TTL_S
+
+    async def take(self) -> bool:
+        """TAKE one batch this engine may run, and load it; False if the queue has none."""
+        await self._refresh_foreign()
+        token = uuid.uuid4().hex
+        skip = sorted(self.foreign | self.flags.unwritten_jobs())
+        script_keys, args = scripts.take_call(self.instance, token, _rq_now(), skip)
+        got = await self._take(keys=script_keys, args=args)
+        if not got:
+            return False
+        job, batch, rq_id = (part.decode() for part in got)
+        # Leased to this live engine now: no one else takes it, so its load is waited through (Redis away).
+        await retrying(lambda: self.acquire(token, BatchRef(job, batch), rq_id), f"loading batch {job}/{batch}")
+        return True
+
+    async def _refresh_foreign(self) -> None:
+        """Jobs whose model is pinned to one this server does not serve (`auto` ones are pinned by
+        the first engine to take one of their batches: worker/models.py)."""
+        if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
+            return
+        model = self.models.server_model()
+        jobs = await asyncio.to_thread(list_jobs, self.sync_conn)
+        configs = await asyncio.to_thread(load_configs, self.sync_conn, jobs)
+        foreign = {job: config.model for job, config in zip(jobs, configs, strict=True)
+                   if config is not None and config.model != AUTO and not serves(config.model, model)}
+        self.foreign = set(foreign)
+        self._foreign_at = time.monotonic()
+        for job, job_model in foreign.items():
+            await self.models.refuse(job, job_model)
+
+    def _rq_birth(self) -> None:
+        try:
+            self._rq.register_birth()
+        except ValueError:  # "an active worker named ..." : a try before this one got that far
+            pass
+        self._rq_beat()
+
+    def _rq_beat(self) -> None:
+        self._rq.set_state("busy" if self.held else "idle")
+        self._rq.heartbeat(RQ_TTL_S)
+
+    async def _wait(self, seconds: float) -> None:
+        await wait_event(self.queued, seconds)
+        self.queued.clear()
+
+
+def _rq_now() -> str:
+    """Now as RQ writes its timestamps (rq.utils.utcformat)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
