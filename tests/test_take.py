@@ -106,3 +106,14 @@ def test_an_rq_job_of_another_app_is_left_alone(rconn: redis.Redis) -> None:
     assert rq_queue(rconn).job_ids == [other.id]
 
 
+
+
+def test_a_take_sent_again_answers_what_the_first_took_and_leases_nothing_more(rconn: redis.Redis) -> None:
+    """A TAKE whose answer was lost (a dropped connection, a Sentinel failover that resends an
+    unconfirmed write) is sent again with its token: it must not lease a second batch that the
+    engine would never hear of (leased to a live engine, nobody else would ever take it)."""
+    first, _ = queue(rconn, "a", 2)
+    call = scripts.take_call("e1.aaaa", "tok-once", "2026-12-06T00:00:00Z", ())
+    answers = [scripts.evaluate(rconn, scripts.TAKE, call) for _ in range(2)]
+    assert answers[0] == answers[1] and answers[0][1].decode() == first
+    assert rconn.hlen(keys.job_leases("a")) == 1 and rq_queue(rconn).count == 1

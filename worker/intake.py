@@ -115,12 +115,7 @@ class Intake:
                 if not self.wants_batch():
                     await self._wait(BUSY_POLL_S)
                     continue
-                try:
-                    taken = await self.take()
-                except (redis.RedisError, OSError) as exc:
-                    log.debug("taking a batch: %s", exc)
-                    await asyncio.sleep(1.0)
-                    continue
+                taken = await self.take()
                 self.exhausted = not taken
                 if taken:
                     quiet_since = time.monotonic()
@@ -134,12 +129,16 @@ class Intake:
                 pass  # its key lapses within RQ_TTL_S
 
     async def take(self) -> bool:
-        """TAKE one batch this engine may run, and load it; False if the queue has none."""
-        await self._refresh_foreign()
+        """TAKE one batch this engine may run, and load it; False if the queue has none.
+
+        A TAKE whose answer was lost (the connection dropped, Redis failed over) is sent again
+        with the same token, and answers the batch the first one took if it landed: a batch
+        leased to this live engine and never loaded would be stuck, since nobody else takes it."""
+        await retrying(self._refresh_foreign, "reading the jobs")
         token = uuid.uuid4().hex
         skip = sorted(self.foreign | self.flags.unwritten_jobs())
         script_keys, args = scripts.take_call(self.instance, token, _rq_now(), skip)
-        got = await self._take(keys=script_keys, args=args)
+        got = await retrying(lambda: self._take(keys=script_keys, args=args), "taking a batch")
         if not got:
             return False
         job, batch, rq_id = (part.decode() for part in got)

@@ -161,6 +161,11 @@ def engine_alive(instance: str) -> str:
     return f"genq:engine:{instance}:alive"
 
 
+def engine_took(instance: str) -> str:
+    """"TOKEN JOB BATCH RQID": the batch an engine's last TAKE leased (a resent TAKE answers it again)."""
+    return f"genq:engine:{instance}:took"
+
+
 def job_leases(job: str) -> str:
     """Hash: batch id -> the current lease ("TOKEN INSTANCE"): who is driving the batch now."""
     return f"{_job(job)}:leases"

@@ -1,10 +1,11 @@
 -- TAKE: an engine takes the first batch of RQ's queue that it may run, and leases it: the RQ job
 -- leaves the queue for RQ's started registry under this engine's name (what `rq info` shows),
--- and the lease is the batch's current one (as ACQUIRE). Batches of the jobs in ARGV[6..] are
+-- and the lease is the batch's current one (as ACQUIRE). Batches of the jobs in ARGV[12..] are
 -- left where they are (another model's, or shards that cannot be written here now).
 -- KEYS[1] = RQ's queue (rq:queue:genq)
 -- KEYS[2] = RQ's started registry of that queue
 -- KEYS[3] = RQ's suspension flag (`rq suspend`, `genq pause`)
+-- KEYS[4] = what this engine took last (keys.engine_took): "TOKEN JOB BATCH RQID"
 -- ARGV[1] = engine instance (its RQ worker name)
 -- ARGV[2] = lease token
 -- ARGV[3] = now, as RQ writes it (started_at)
@@ -13,14 +14,23 @@
 -- ARGV[6] = RQ's job hash prefix (scripts.RQ_JOB_PREFIX)
 -- ARGV[7..10] = keys.job_done, keys.batch, keys.job_transport, keys.job_leases with '{job}' and
 --              '{batch}' where the names go (keys.py stays their one definition)
--- ARGV[11..] = jobs to leave in the queue
+-- ARGV[11] = how long KEYS[4] is kept, seconds
+-- ARGV[12..] = jobs to leave in the queue
 -- Returns {job, batch, rq job id} of the batch leased, or nil (nothing to take).
 -- RQ jobs of done batches, or of batches with no record, or superseded by a newer RQ job of the
 -- same batch (keys.job_transport), leave the queue and RQ as they are met.
+-- The same call sent again (a write a failing-over Redis did not confirm is resent: genq.core.
+-- redisconn) answers what the first took, if that landed, rather than leasing a second batch
+-- that the engine would never hear of.
 -- #include lease
+local last = redis.call('GET', KEYS[4])
+if last then
+  local token, job, batch, id = string.match(last, '^(%S+) (%S+) (%S+) (%S+)$')
+  if token == ARGV[2] then return {job, batch, id} end
+end
 if redis.call('EXISTS', KEYS[3]) == 1 then return nil end
 local skip = {}
-for i = 11, #ARGV do skip[ARGV[i]] = true end
+for i = 12, #ARGV do skip[ARGV[i]] = true end
 local function key(template, job, batch)
   return (string.gsub(string.gsub(template, '{job}', function() return job end), '{batch}',
                       function() return batch end))
@@ -44,6 +54,7 @@ for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1)) do
     if leased == 'ok' then
       redis.call('ZADD', KEYS[2], '+inf', id .. ':' .. ARGV[5])
       redis.call('HSET', hash, 'status', 'started', 'started_at', ARGV[3], 'worker_name', ARGV[1])
+      redis.call('SET', KEYS[4], ARGV[2] .. ' ' .. job .. ' ' .. batch .. ' ' .. id, 'EX', tonumber(ARGV[11]))
       return {job, batch, id}
     end
     redis.call('DEL', hash)
