@@ -271,7 +271,11 @@ class Proc:
         self.popen.wait(timeout=10)
 
     def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout=timeout)
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # say what it was doing
+            raise AssertionError(f"{self.log_path.stem} did not exit within {timeout:.0f}s; its log ends:\n"
+                                 f"{self.log()[-6000:]}") from None
 
     def stop(self) -> None:
         # Children that started sessions of their own (a fleet's servers) are outside the

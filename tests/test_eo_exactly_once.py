@@ -209,7 +209,7 @@ def test_a_job_deleted_and_enqueued_again_under_its_name_gets_nothing_of_the_old
     for w in workers:
         w.signal(signal.SIGTERM)
     for w in workers:
-        assert w.wait(timeout=60) == 0, w.log()
+        assert w.wait(timeout=120) == 0, w.log()
     assert _files(first_out) == before, "the deleted job's output changed after the delete"
     found = audit(rconn, "again", second_out, ids)
     generated = sim_stats(server)["generated_by_key"]
