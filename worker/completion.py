@@ -114,7 +114,7 @@ class Completer:
                     info: ShardInfo = await loop.run_in_executor(
                         self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
                     break
-                except AlreadyWritten as written:  # the output's shard of this batch stands (#31)
+                except AlreadyWritten as written:  # the output's shard of this batch stands
                     adopting = functools.partial(adopt_marker, self.conn, ref, written.marker)
                     return int(await retrying(adopting, f"adopting batch {ref}"))
                 except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying

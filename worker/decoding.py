@@ -3,7 +3,7 @@
 A server's step makes one token for every running sequence. On a GPU a step costs
 about the same at 1 or 100 sequences (decode is memory-bound); on a CPU, or a GPU
 at large batches, it costs more the more there are, so the last requests of a job
-speed up as the batch drains (issue #27: vLLM on CPU drained 141 requests in 26 s
+speed up as the batch drains (vLLM on CPU drained 141 requests in 26 s
 where a constant speed said 47). The monitor's ETA needs that curve and no engine
 reports it, so each worker measures it from what it streams: while `d` of its
 sequences are decoding (between a request's first token and its end), the
@@ -14,7 +14,7 @@ Each bin is kept twice: while any of the worker's requests waits for its first
 token (the server queues or prefills it, and a prefill rides in the same steps as
 the decodes) and while none does ("clean"), as in the drain at the end of a job,
 once there is nothing left to send. On vLLM on CPU the drain's first seconds ran
-15-20 % faster than the bulk at the same count (#27): the monitor compares the two.
+15-20 % faster than the bulk at the same count: the monitor compares the two.
 
 Streamed requests only (a whole answer says nothing until it ends). The first
 chunk's tokens come from the prefill and are not counted; its time is. The figures

@@ -44,7 +44,7 @@ log = logging.getLogger("genq.worker")
 # Prompts claimed beyond the free slots, so a slot that frees is refilled without a
 # round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
 # Claimed in groups of a quarter of the in-flight target (at least CLAIM_AHEAD_MIN): one
-# CLAIM call covers a dozen prompts or so, not one (issue #29: Redis commands per prompt).
+# CLAIM call covers a dozen prompts or so, not one (Redis commands per prompt).
 # The next group is claimed, window full or not, once those claimed ahead are down to half
 # a group (claim_step): those are the slack while its call is out. At most claim_ahead +
 # claim_step sequences are claimed beyond the free slots (a prompt asking for n samples is n).

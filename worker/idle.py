@@ -2,9 +2,8 @@
 
 A worker that holds nothing, runs nothing and has borrowed nothing for IDLE_AFTER_S
 is idle. A fleet of hundreds keeps some idle (a job's end, a queue run dry, spare GPUs),
-and each used to issue 11-13 Redis commands a second: a heartbeat and a control read
-every second, an inbox pop and RQ pops timing out every one to three seconds, a look
-at every job's leases for prompts to steal every two. Idle, a worker:
+and each must cost Redis next to nothing (0.60 commands a second, 2026-12-06,
+docs/sizing.md). Idle, a worker:
 
 * picks up new batches the moment they are queued: every enqueue publishes a WAKE that
   says so (genq.core.queueing), and the intake takes one then (worker/intake.py), else

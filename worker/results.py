@@ -28,7 +28,7 @@ from genq.core.words import plural
 log = logging.getLogger("genq.worker")
 
 # Outcomes are written in groups: the first one of a group waits this long for others, so one
-# RECORD call covers many prompts (issue #29: Redis commands per prompt). Nothing waits for a
+# RECORD call covers many prompts (Redis commands per prompt). Nothing waits for a
 # record but the batch's end: a few ms there cost nothing.
 RECORD_LINGER_S = 0.005
 

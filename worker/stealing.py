@@ -120,7 +120,7 @@ class Stealer:
             ids = await self.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)], free)
             if not ids:
                 continue
-            if await adopt_if_written(self.conn, config, ref):  # written already: Redis lost that (#31)
+            if await adopt_if_written(self.conn, config, ref):  # written already: Redis lost that
                 continue
             if ref in self.held:  # leased to this engine meanwhile: its own lease sends them
                 await self.claims.unclaim(self.held[ref], ids)

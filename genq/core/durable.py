@@ -11,7 +11,7 @@ from genq.core.records import DeadLetter, JobConfig, ShardInfo
 
 class ShardMarker(ShardInfo):
     """A shard's marker on disk (OUTPUT/JOB/manifest/BATCH.json): its ShardInfo plus what
-    rebuilding the job's ledger from the output needs (#31), without reading the shard.
+    rebuilding the job's ledger from the output needs, without reading the shard.
     Redis keeps only the ShardInfo (keys.job_shards); the rest lives in the output."""
 
     sha256: str = ""  # of the shard's bytes: a second writer with other bytes is told apart

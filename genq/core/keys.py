@@ -44,7 +44,7 @@ def job_config(job: str) -> str:
 
 
 def job_ids(job: str) -> str:
-    """Hash: prompt id -> content digest (8 bytes; 16 hex characters before #15), for idempotent enqueue."""
+    """Hash: prompt id -> content digest (8 bytes), for idempotent enqueue."""
     return f"{_job(job)}:ids"
 
 

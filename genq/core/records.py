@@ -45,8 +45,8 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     created_at: float = 0.0
     # Which life of this job name this is: a random token drawn when the job is created. A job
     # deleted and enqueued again under the same name is a new incarnation; everything a worker
-    # caches, claims, records or writes for a job is checked against it (exactly-once, #30), and
-    # the output records it so that a ledger lost with Redis can be told apart and rebuilt (#31).
+    # caches, claims, records or writes for a job is checked against it (exactly-once), and
+    # the output records it so that a ledger lost with Redis can be told apart and rebuilt.
     incarnation: str = ""
     # Which version of the generation settings this is (1 as enqueued; `genq jobs set` adds one
     # each time) and what changed when (docs/settings.md). Results record the version they ran under.
@@ -406,8 +406,8 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     records: int
     bytes: int
     at: float
-    # The batch's prompt count and its dead letters when the shard was written (0: a genq before
-    # #30). A shard is written only when every prompt has an outcome: records + letters == prompts.
+    # The batch's prompt count and its dead letters when the shard was written (0: written by an
+    # older genq). A shard is written only when every prompt has an outcome: records + letters == prompts.
     prompts: int = 0
     letters: int = 0
-    incarnation: str = ""  # JobConfig.incarnation of the job that wrote it (#31)
+    incarnation: str = ""  # JobConfig.incarnation of the job that wrote it

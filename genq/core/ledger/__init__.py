@@ -133,7 +133,7 @@ class Reconciler:
         its job function returned) leave RQ's started registry, so `rq info` tells the truth;
         how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
         intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
-        its batch was written since, #31)."""
+        its batch was written since)."""
         queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
         for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
@@ -170,7 +170,7 @@ class Reconciler:
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, tuple[str, str]]]:
         """The genq batch jobs among these RQ job ids whose batch the ledger has done, or does
         not have at all while it has the job: a batch lost with Redis (restarted empty,
-        flushed) whose prompts were queued again under other numbers (#31, genq recover)."""
+        flushed) whose prompts were queued again under other numbers (genq recover)."""
         batch_jobs = [(rq_id, c) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
                       if (c := carried(job)) is not None]
         with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
