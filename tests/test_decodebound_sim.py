@@ -98,12 +98,14 @@ def test_half_speed_gpu_flagged_shares_and_speed_follow_the_server(tmp_path: Pat
             status = unpack(rconn.get(keys.worker_status(name)), WorkerStatus)
             assert status.tok_per_s_from == "server"
             assert abs(status.tok_per_s - server_rate) <= 0.1 * server_rate, (name, status.tok_per_s, server_rate)
-            # The share the sim's own figures give: its speed over running x bandwidth / (weights + KV in use).
-            kv = now["sglang:token_usage"] * kv_pool
-            sim_share = server_rate / (now["sglang:num_running_reqs"] * BANDWIDTH / (weight + kv))
+            # The share the sim's own figures give: its speed over running x bandwidth / (weights + KV in
+            # use), with the running count and KV use at either end of the window (the worker read them
+            # at its beat, between the two: on a loaded machine the count moves by a few meanwhile).
+            shares = [server_rate / (r["sglang:num_running_reqs"] * BANDWIDTH / (weight + r["sglang:token_usage"] * kv_pool))
+                      for r in (then, now)]
             shown = workers_json(redis_url)[name]["bound"]
             assert shown is not None and shown["bound"]["share"] is not None, shown
-            assert abs(shown["bound"]["share"] - sim_share) <= 0.1 * sim_share, (name, shown, sim_share)
+            assert 0.9 * min(shares) <= shown["bound"]["share"] <= 1.1 * max(shares), (name, shown, shares)
             checked += 1
     rows = workers_json(redis_url)
     assert rows["slow"]["bound"]["slow"], rows["slow"]["bound"]
