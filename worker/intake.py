@@ -4,7 +4,7 @@ stands between the queue and the engine, so no batch is ever between two owners.
 
 When to take one: while fewer than --prefetch batches are held, and beyond that while the
 prompts not yet sent fall below (prefetch - 1) batches' worth (held batches drain their long
-tails: genq.core.prefetch), or when the queue's next batch outranks what is waiting here
+tails: wants_batch), or when the queue's next batch outranks what is waiting here
 (worker/shares.py). Nothing is taken while draining, paused, stopping or while the server is down.
 
 Which: the first queued batch whose job this engine may run. Jobs of another model (a pinned
@@ -59,7 +59,7 @@ class Intake:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, opts: WorkerOptions, instance: str,
                  flags: Flags, held: Holdings, dispatcher: Dispatcher, shares: Shares, models: ModelGate,
                  queued: asyncio.Event,
-                 acquire: Callable[[str, BatchRef, str], Awaitable[None]]) -> None:
+                 load: Callable[[str, BatchRef, str], Awaitable[None]]) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.opts = opts
@@ -70,7 +70,7 @@ class Intake:
         self.shares = shares
         self.models = models  # which jobs this engine's server may run, and saying so once (worker/models.py)
         self.queued = queued  # set by the wake listener when batches are queued (genq.core.queueing)
-        self.acquire = acquire  # the lease desk's: loads the batch and hands its prompts to dispatch
+        self.load = load  # Batches.load: reads the batch and hands its prompts to dispatch (worker/batches.py)
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
         self._foreign_at = float("-inf")
@@ -143,7 +143,7 @@ class Intake:
             return False
         job, batch, rq_id = (part.decode() for part in got)
         # Leased to this live engine now: no one else takes it, so its load is waited through (Redis away).
-        await retrying(lambda: self.acquire(token, BatchRef(job, batch), rq_id), f"loading batch {job}/{batch}")
+        await retrying(lambda: self.load(token, BatchRef(job, batch), rq_id), f"loading batch {job}/{batch}")
         return True
 
     async def _refresh_foreign(self) -> None:
@@ -152,14 +152,17 @@ class Intake:
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
         model = self.models.server_model()
-        jobs = await asyncio.to_thread(list_jobs, self.sync_conn)
-        configs = await asyncio.to_thread(load_configs, self.sync_conn, jobs)
+        jobs, configs = await asyncio.to_thread(self._jobs_and_configs)
         foreign = {job: config.model for job, config in zip(jobs, configs, strict=True)
                    if config is not None and config.model != AUTO and not serves(config.model, model)}
         self.foreign = set(foreign)
         self._foreign_at = time.monotonic()
         for job, job_model in foreign.items():
             await self.models.refuse(job, job_model)
+
+    def _jobs_and_configs(self) -> tuple[list[str], list]:
+        jobs = list_jobs(self.sync_conn)
+        return jobs, load_configs(self.sync_conn, jobs)
 
     def _rq_birth(self) -> None:
         try:
