@@ -17,7 +17,6 @@ from genq.sim.config import SimConfig
 
 if TYPE_CHECKING:
     from genq.sim.engine import Engine
-    from genq.sim.stepped import SteppedEngine
 
 FLAVORS = ("sglang", "vllm", "llamacpp")
 VERSION = "0.0.0-genq-sim"
@@ -204,14 +203,14 @@ def llamacpp_slots(cfg: SimConfig, engine: Engine) -> list[dict[str, Any]]:
 # ---- metrics -----------------------------------------------------------------
 
 
-def metrics_page(cfg: SimConfig, eng: SteppedEngine) -> str:
+def metrics_page(cfg: SimConfig, eng: Engine) -> str:
     if cfg.flavor == "llamacpp":
         return _llamacpp_metrics(eng)
     label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     usage = eng.used_tokens / cfg.max_total_num_tokens
     if cfg.flavor == "vllm":
         # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire.
-        # The scheduler's counts as its last step left them (genq/sim/stepped.py); none deferred.
+        # The scheduler's counts as its last step left them (Engine.stepped_running); none deferred.
         labels = f'{{engine="0",model_name="{label}"}}'
         gauges = [
             ("vllm:num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
