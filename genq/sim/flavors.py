@@ -31,19 +31,26 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 # ---- errors ------------------------------------------------------------------
 
 
-def error_response(flavor: str, status: int, message: str, err_type: str | None = None,
-                   **extra: Any) -> web.Response:
+def error_body(flavor: str, status: int, message: str, err_type: str | None = None, **extra: Any) -> dict[str, Any]:
     """The engine's error body: SGLang's is flat, vLLM and llama.cpp nest it under "error"."""
     if flavor == "sglang":
-        body: dict[str, Any] = {"object": "error", "message": message, "type": err_type or "BadRequestError",
-                                "param": None, "code": status}
-    elif flavor == "vllm":
-        body = {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
+        return {"object": "error", "message": message, "type": err_type or "BadRequestError", "param": None,
+                "code": status}
+    if flavor == "vllm":
+        return {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
                           "code": status}}
-    else:  # llama.cpp: format_error_response() in tools/server/server-common.cpp
-        body = {"error": {"code": status, "message": message, "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"),
-                          **extra}}
-    return json_response(body, status)
+    # llama.cpp: format_error_response() in tools/server/server-common.cpp
+    return {"error": {"code": status, "message": message, "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"),
+                      **extra}}
+
+
+def error_response(flavor: str, status: int, message: str, err_type: str | None = None,
+                   **extra: Any) -> web.Response:
+    return json_response(error_body(flavor, status, message, err_type, **extra), status)
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + _encode(data) + b"\n\n"
 
 
 def stream_error(flavor: str, message: str) -> bytes:
@@ -59,13 +66,10 @@ def stream_error(flavor: str, message: str) -> bytes:
     (tools/server/server-context.cpp, handle_completions_impl).
     """
     if flavor == "sglang":
-        event: dict[str, Any] = {"error": {"object": "error", "message": message, "type": "BadRequestError",
-                                           "param": None, "code": 400}}
-    elif flavor == "vllm":
-        event = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
-    else:
-        return b"data: " + _encode({"error": {"code": 500, "message": message, "type": "server_error"}}) + b"\n\n"
-    return b"data: " + _encode(event) + b"\n\ndata: [DONE]\n\n"
+        return sse({"error": error_body(flavor, 400, message)}) + b"data: [DONE]\n\n"
+    if flavor == "vllm":
+        return sse(error_body(flavor, 500, message, "InternalServerError")) + b"data: [DONE]\n\n"
+    return sse(error_body(flavor, 500, message))
 
 
 _LLAMACPP_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
@@ -204,66 +208,58 @@ def llamacpp_slots(cfg: SimConfig, engine: Engine) -> list[dict[str, Any]]:
 
 
 def metrics_page(cfg: SimConfig, eng: Engine) -> str:
-    if cfg.flavor == "llamacpp":
-        return _llamacpp_metrics(eng)
-    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """/metrics in the engine's names: (kind, name, help, value) rows, rendered alike."""
     usage = eng.used_tokens / cfg.max_total_num_tokens
-    if cfg.flavor == "vllm":
-        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire.
-        # The scheduler's counts as its last step left them (Engine.stepped_running); none deferred.
-        labels = f'{{engine="0",model_name="{label}"}}'
-        gauges = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+    if cfg.flavor == "llamacpp":
+        # server_task_result_metrics in tools/server/server-task.cpp: no labels, integer values.
+        rows: list[tuple[str, str, str, Any]] = [
+            ("counter", "llamacpp:prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+            ("counter", "llamacpp:tokens_predicted_total", "Number of generation tokens processed",
+             eng.generation_tokens_total),
+            ("gauge", "llamacpp:requests_processing", "Number of requests processing", eng.num_running),
+            ("gauge", "llamacpp:requests_deferred", "Number of requests deferred", eng.num_waiting),
         ]
-        by_reason = [("capacity", eng.stepped_waiting), ("deferred", 0)]
-        counters = [
-            ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
-            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
-            ("vllm:generation_tokens_total", "Number of generation tokens processed.", eng.generation_tokens_total),
+        return "".join(f"# HELP {name} {text}\n# TYPE {name} {kind}\n{name} {value}\n" for kind, name, text, value in rows)
+    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if cfg.flavor == "vllm":
+        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire. The
+        # scheduler's counts as its last step left them (Engine.stepped_running); none deferred.
+        labels = f'engine="0",model_name="{label}"'
+        rows = [
+            ("gauge", "vllm:num_requests_running", "Number of requests in model execution batches.",
+             eng.stepped_running),
+            ("gauge", "vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
+            ("gauge", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("counter", "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+            ("counter", "vllm:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+            ("counter", "vllm:generation_tokens_total", "Number of generation tokens processed.",
+             eng.generation_tokens_total),
         ]
     else:
         # python/sglang/srt/metrics/collector.py
-        labels = f'{{model_name="{label}"}}'
-        gauges = [
-            ("sglang:num_running_reqs", "The number of running requests.", eng.num_running),
-            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
-            ("sglang:num_used_tokens", "The number of used tokens.", eng.used_tokens),
-            ("sglang:token_usage", "The token usage.", usage),
-            ("sglang:gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+        labels = f'model_name="{label}"'
+        rows = [
+            ("gauge", "sglang:num_running_reqs", "The number of running requests.", eng.num_running),
+            ("gauge", "sglang:num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
+            ("gauge", "sglang:num_used_tokens", "The number of used tokens.", eng.used_tokens),
+            ("gauge", "sglang:token_usage", "The token usage.", usage),
+            ("gauge", "sglang:gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
             # 0.5.23 has this gauge (no retraction counter); the sim never retracts.
-            ("sglang:num_retracted_reqs", "The number of retracted requests.", 0),
+            ("gauge", "sglang:num_retracted_reqs", "The number of retracted requests.", 0),
+            ("counter", "sglang:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+            ("counter", "sglang:generation_tokens_total", "Number of generation tokens processed.",
+             eng.generation_tokens_total),
+            ("counter", "sglang:num_requests_total", "Number of requests processed.", eng.num_requests_total),
+            ("counter", "sglang:num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total),
         ]
-        counters = [
-            ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
-            ("sglang:generation_tokens_total", "Number of generation tokens processed.", eng.generation_tokens_total),
-            ("sglang:num_requests_total", "Number of requests processed.", eng.num_requests_total),
-            ("sglang:num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total),
-        ]
-    lines: list[str] = []
-    for kind, items in (("gauge", gauges), ("counter", counters)):
-        for name, help_text, value in items:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+    page = "".join(f"# HELP {name} {text}\n# TYPE {name} {kind}\n{name}{{{labels}}} {float(value)}\n"
+                   for kind, name, text, value in rows)
     if cfg.flavor == "vllm":
         name = "vllm:num_requests_waiting_by_reason"
-        lines += [f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
-                  "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
-                  "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
-                  f"# TYPE {name} gauge"]
-        lines += [f'{name}{labels[:-1]},reason="{reason}"}} {float(n)}' for reason, n in by_reason]
-    return "\n".join(lines) + "\n"
-
-
-def _llamacpp_metrics(eng: Engine) -> str:
-    """server_task_result_metrics in tools/server/server-task.cpp: no labels."""
-    items = [
-        ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
-        ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
-        ("gauge", "requests_processing", "Number of requests processing", eng.num_running),
-        ("gauge", "requests_deferred", "Number of requests deferred", eng.num_waiting),
-    ]
-    lines: list[str] = []
-    for kind, name, help_text, value in items:
-        lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {value}"]
-    return "\n".join(lines) + "\n"
+        page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+                 "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
+                 "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n"
+                 f"# TYPE {name} gauge\n"
+                 f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
+                 f'{name}{{{labels},reason="deferred"}} 0.0\n')
+    return page
