@@ -62,7 +62,6 @@ class Stats:
     aborted: int = 0
     # Generation requests received, answered or refused (a 400 too): "no request was sent" is testable.
     requests: int = 0
-    rejected: int = 0  # of them answered with a 4xx before generating
     first_admit: float | None = None
     last_finish: float | None = None
     # Engine steps, request-steps (sum of the batch size over steps), and steps that ran with a free
@@ -98,16 +97,13 @@ class Stats:
         return {
             "elapsed_s": elapsed,
             "mean_running": per(self.running_integral, elapsed),
-            "mean_waiting": per(self.waiting_integral, elapsed),
             "busy_s": busy,
             "busy_mean_running": per(self.running_integral, busy),
             "busy_mean_waiting": per(self.waiting_integral, busy),
-            "busy_gen_throughput": per(self.generated_tokens, busy),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "finished_requests": self.finished,
             "generation_requests": self.requests,
-            "rejected_requests": self.rejected,
             "aborted_requests": self.aborted,
             "first_admit_s": since_start(self.first_admit, self.start),
             "last_finish_s": since_start(self.last_finish, self.start),

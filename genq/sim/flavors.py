@@ -156,7 +156,6 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
               "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
     return {
         "model_path": cfg.model_path,
-        "tokenizer_path": cfg.model_path,
         "served_model_name": cfg.model_name,
         "host": cfg.host,
         "port": cfg.port,
@@ -166,12 +165,6 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
         "max_queued_requests": cfg.max_queued_requests,
         "max_total_num_tokens": cfg.max_total_num_tokens,
         "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1,
-        "chunked_prefill_size": 8192,
-        "schedule_policy": "fcfs",
-        "tp_size": 1,
-        "dp_size": 1,
-        "enable_metrics": True,
-        "reasoning_parser": "qwen3",
         "version": VERSION,
         "internal_states": [
             {

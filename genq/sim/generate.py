@@ -86,7 +86,6 @@ class Generation:
         self.engine.stats.requests += 1
         job = self._parse(raw, chat)
         if isinstance(job, web.Response):
-            self.engine.stats.rejected += 1
             return job
         cfg, body = self.config, job.body
 
