@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from genq import PYTHON
 from genq.core.redisconn import ENV_VAR, mask_url
-from genq.worker.supervisor import EngineSupervisor, HealthTimeouts, RestartPolicy, ServerSpec, ServerSupervisor
+from genq.worker.supervisor import EngineSupervisor, HealthTimeouts, ServerSupervisor
 
 log = logging.getLogger("genq.fleet")
 
@@ -110,14 +110,17 @@ def nvml_gpu_count() -> int:
 
 
 def parse_gpus(spec: str) -> list[int]:
-    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices."""
+    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver)."""
     spec = spec.strip()
+    try:
+        count: int | None = nvml_gpu_count()
+        why = ""
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
+        count, why = None, f"{type(exc).__name__}: {exc}"
     if spec.lower() == "all":
-        try:
-            count = nvml_gpu_count()
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
-            raise FleetError(f"--gpus all: cannot list this machine's GPUs through NVML "
-                             f"({type(exc).__name__}: {exc}); pass an explicit list such as --gpus 0,1") from None
+        if count is None:
+            raise FleetError(f"--gpus all: cannot list this machine's GPUs through NVML ({why}); pass an explicit "
+                             "list such as --gpus 0,1")
         if count == 0:
             raise FleetError("--gpus all: NVML sees no GPU on this machine; pass an explicit list such as --gpus 0")
         return list(range(count))
@@ -129,12 +132,7 @@ def parse_gpus(spec: str) -> list[int]:
         if int(part) in gpus:
             raise FleetError(f"--gpus {spec!r}: GPU {part} is listed twice")
         gpus.append(int(part))
-    try:
-        count = nvml_gpu_count()
-    except Exception:
-        return gpus  # no driver here (CPU box, simulator): trust the list
-    missing = [g for g in gpus if g >= count]
-    if missing:
+    if count is not None and (missing := [g for g in gpus if g >= count]):
         raise FleetError(f"--gpus {spec!r}: NVML sees {count} GPU(s) (0-{count - 1}); no GPU {missing[0]}")
     return gpus
 
@@ -183,7 +181,7 @@ def plan(opts: FleetOptions) -> list[Slot]:
             # The Redis URL travels in the environment, not argv: `ps` must not show a password.
             env={ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
             log_path=opts.log_dir / f"worker-gpu{gpu}.log", pid_path=opts.log_dir / f"worker-gpu{gpu}.pid",
-            policy=RestartPolicy(max_restarts=opts.max_restarts),
+            max_restarts=opts.max_restarts,
         )
         server = None
         if opts.launch is not None:
@@ -191,10 +189,9 @@ def plan(opts: FleetOptions) -> list[Slot]:
             env = {"CUDA_VISIBLE_DEVICES": str(gpu),
                    "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
             server = ServerSupervisor(
-                ServerSpec(gpu=gpu, port=port, argv=launch_argv(opts.launch, port=port, gpu=gpu), url=url,
-                           log_path=opts.log_dir / f"server-gpu{gpu}.log",
-                           pid_path=opts.log_dir / f"server-gpu{gpu}.pid", env=env),
-                RestartPolicy(max_restarts=opts.max_restarts), opts.health,
+                gpu, port, url, launch_argv(opts.launch, port=port, gpu=gpu), env,
+                opts.log_dir / f"server-gpu{gpu}.log", opts.log_dir / f"server-gpu{gpu}.pid",
+                opts.max_restarts, opts.health,
             )
         slots.append(Slot(gpu, url, engine, server))
     return slots
@@ -205,7 +202,7 @@ def check_ports_free(slots: list[Slot]) -> None:
     for slot in slots:
         if slot.server is None:
             continue
-        host, port = urlsplit(slot.url).hostname or "127.0.0.1", slot.server.spec.port
+        host, port = urlsplit(slot.url).hostname or "127.0.0.1", slot.server.port
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 pass

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -40,28 +40,12 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
-@dataclass
-class RestartPolicy:
-    """Exponential backoff between restarts and a limit on restarts in a row.
-
-    A process that stayed up for `stable_after` seconds has its count reset: the
-    limit is for crash loops, not for a server that fails once a day.
-    """
-
-    max_restarts: int = 10
-    first_delay: float = 1.0
-    max_delay: float = 60.0
-    stable_after: float = 600.0
-    restarts: int = 0
-
-    def next_delay(self, ran_for: float) -> float | None:
-        """Seconds to wait before the next start, or None when the limit is reached."""
-        if ran_for >= self.stable_after:
-            self.restarts = 0
-        self.restarts += 1
-        if self.restarts > self.max_restarts:
-            return None
-        return min(self.max_delay, self.first_delay * 2 ** (self.restarts - 1))
+# Restarts: exponential backoff, and a limit on restarts in a row. A child that stayed up for
+# STABLE_AFTER seconds has its count reset: the limit is for crash loops, not for a server that
+# fails once a day.
+FIRST_DELAY = 1.0
+MAX_DELAY = 60.0
+STABLE_AFTER = 600.0
 
 
 @dataclass
@@ -77,13 +61,14 @@ class Supervisor:
     """Starts a child, waits for its end, starts it again; subclasses say how one run goes."""
 
     def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
-                 policy: RestartPolicy) -> None:
+                 max_restarts: int) -> None:
         self.label = label
         self.argv = argv
         self.env = env
         self.log_path = log_path
         self.pid_path = pid_path
-        self.policy = policy
+        self.max_restarts = max_restarts
+        self.restarts = 0  # in a row
         self.proc: asyncio.subprocess.Process | None = None
         self.failure: str | None = None  # why it gave up
         self.starts = 0
@@ -98,14 +83,16 @@ class Supervisor:
                 why = await self._run_once()
                 if why is None or self._stop.is_set():
                     return
-                delay = self.policy.next_delay(time.monotonic() - started)
-                if delay is None:
-                    self.failure = f"{why}; gave up after {plural(self.policy.max_restarts, 'restart')} " \
-                                   f"(log: {self.log_path})"
+                if time.monotonic() - started >= STABLE_AFTER:
+                    self.restarts = 0
+                self.restarts += 1
+                if self.restarts > self.max_restarts:
+                    self.failure = f"{why}; gave up after {plural(self.max_restarts, 'restart')} (log: {self.log_path})"
                     log.error("%s: %s", self.label, self.failure)
                     return
-                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why, self.policy.restarts,
-                            self.policy.max_restarts, delay, self.log_path)
+                delay = min(MAX_DELAY, FIRST_DELAY * 2 ** (self.restarts - 1))
+                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why, self.restarts,
+                            self.max_restarts, delay, self.log_path)
                 if await wait_event(self._stop, delay):
                     return
         finally:
@@ -143,8 +130,8 @@ class EngineSupervisor(Supervisor):
     (drained, --burst, stopped)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
-                 policy: RestartPolicy) -> None:
-        super().__init__(f"worker {name}", argv, env, log_path, pid_path, policy)
+                 max_restarts: int) -> None:
+        super().__init__(f"worker {name}", argv, env, log_path, pid_path, max_restarts)
         self.name = name
         self.rc = 0  # the child's last exit status (0 also when our own stop signal ended it)
 
@@ -207,17 +194,6 @@ class EngineSupervisor(Supervisor):
                     pass  # our terminal went away: the log file still has it
 
 
-@dataclass
-class ServerSpec:
-    gpu: int
-    port: int
-    argv: list[str]  # already split and substituted
-    url: str  # the server's base URL, for /health
-    log_path: Path
-    pid_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-
-
 def last_words(log_path: Path, limit: int = 240) -> str:
     """The last line a server wrote in its log since its latest start (why it exited, mostly)."""
     try:
@@ -235,10 +211,12 @@ class ServerSupervisor(Supervisor):
     """Keeps one GPU's inference server running: restarted when it exits, never answers /health
     within timeouts.start, or stops answering it for timeouts.unhealthy. Its output goes to its log."""
 
-    def __init__(self, spec: ServerSpec, policy: RestartPolicy, timeouts: HealthTimeouts) -> None:
-        super().__init__(f"server gpu{spec.gpu} (port {spec.port})", spec.argv, spec.env, spec.log_path,
-                         spec.pid_path, policy)
-        self.spec = spec
+    def __init__(self, gpu: int, port: int, url: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 pid_path: Path, max_restarts: int, timeouts: HealthTimeouts) -> None:
+        super().__init__(f"server gpu{gpu} (port {port})", argv, env, log_path, pid_path, max_restarts)
+        self.gpu = gpu
+        self.port = port
+        self.url = url  # the server's base URL, for /health
         self.timeouts = timeouts
         self.guard: asyncio.subprocess.Process | None = None  # ends proc's group if the fleet dies
         self._last_pid: int | None = None
@@ -253,7 +231,7 @@ class ServerSupervisor(Supervisor):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            logf.write(f"\n=== genq: start #{self.starts} of the server for GPU {self.spec.gpu} at {stamp}: "
+            logf.write(f"\n=== genq: start #{self.starts} of the server for GPU {self.gpu} at {stamp}: "
                        f"{' '.join(self.argv)}\n".encode())
             logf.flush()
             try:
@@ -281,7 +259,7 @@ class ServerSupervisor(Supervisor):
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
         try:
-            async with session.get(self.spec.url.rstrip("/") + "/health") as resp:
+            async with session.get(self.url.rstrip("/") + "/health") as resp:
                 await resp.read()
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
