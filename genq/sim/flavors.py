@@ -1,8 +1,8 @@
 """What differs between the engines the simulator plays: SGLang, vLLM, llama.cpp.
 
-Endpoints, metric names, error bodies and context-length checks, each copied
-from the engine's sources (docs/engines.md names the files). Everything the
-three share (OpenAI chat/completions shapes, streaming) is in genq/sim/reply.py.
+Info endpoints, metric names, error bodies and context-length checks, each copied
+from the engine's sources (docs/engines.md names the files). The chat/completions
+shapes the three share are in genq/sim/reply.py, their streaming in generate.py.
 """
 
 from __future__ import annotations
@@ -54,17 +54,10 @@ def sse(data: Any) -> bytes:
 
 
 def stream_error(flavor: str, message: str) -> bytes:
-    """What the engine writes on an HTTP 200 stream when a request fails after output
-    began: an SSE event holding the error, then (SGLang, vLLM) [DONE].
-
-    SGLang: serving_chat.py/serving_completions.py catch the exception inside the
-    stream generator and send create_streaming_error_response(str(e)), whose defaults
-    make it type "BadRequestError", code 400, whatever went wrong. vLLM: a request the
-    engine finishes with "error" raises GenerationError, sent as InternalServerError,
-    code 500 (entrypoints/openai/engine/serving.py). llama.cpp: format_error(...) of a
-    server_error (code 500), and the stream ends without [DONE]
-    (tools/server/server-context.cpp, handle_completions_impl).
-    """
+    """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began.
+    SGLang's create_streaming_error_response() makes any failure BadRequestError/400, then [DONE];
+    vLLM sends its GenerationError as InternalServerError/500, then [DONE]; llama.cpp a server_error
+    (500) and no [DONE]."""
     if flavor == "sglang":
         return sse({"error": error_body(flavor, 400, message)}) + b"data: [DONE]\n\n"
     if flavor == "vllm":
@@ -84,9 +77,8 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
     """The engine's answer to a prompt against its context: a 400, or the most tokens
     the request may generate. ctx_given: SGLang was started with --context-length."""
     if flavor == "llamacpp":
-        # tools/server/server-context.cpp: checked against the slot's context when the
-        # request gets a slot; max_tokens past the end is no error, the slot stops at
-        # the end of its context (finish_reason "length").
+        # Checked against the slot's context; max_tokens past its end is no error, the slot
+        # stops there (finish_reason "length").
         if n_prompt >= ctx:
             return error_response(
                 flavor, 400,
@@ -94,12 +86,9 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
                 "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
     if flavor == "vllm":
-        # vLLM 0.32: max_tokens over the context is refused first (renderers/params.py
-        # TokenizeParams.__post_init__), then a prompt over it (_token_len_check: the chat
-        # tokenizer cuts the prompt at context + 1 tokens, hence "at least"); a prompt that
-        # fits gets max_tokens cut to what the context leaves (get_max_tokens in
-        # entrypoints/serve/utils/api_utils.py), no error; none left is SamplingParams' 400.
-        # VLLMValidationError's str() (vllm/exceptions.py) ends "(parameter=..., value=...)".
+        # vLLM 0.32 refuses max_tokens over the context first, then a prompt over it ("at least":
+        # its chat tokenizer cuts at context + 1), then a prompt that leaves no room; else max_tokens
+        # is cut to fit. Its messages end as VLLMValidationError's str(): "(parameter=..., value=...)".
         if max_new is not None and max_new > ctx:
             return error_response(flavor, 400, f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. "
                                                f"Please request fewer output tokens. (parameter=max_tokens, "
@@ -114,9 +103,8 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
             return error_response(flavor, 400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
                                   param="max_tokens")
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
-    # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py. With
-    # --context-length, _validate_request refuses max_tokens over it before the prompt is
-    # tokenized (0.5.23's message, its missing space included).
+    # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
+    # tokenized (its message's missing space included).
     if ctx_given and max_new is not None and max_new > ctx:
         return bad_request(flavor, f"max_completion_tokens is too large: {max_new}."
                                    f"This model supports at most {ctx} completion tokens.")
@@ -144,7 +132,7 @@ def model_card(cfg: SimConfig) -> dict[str, Any]:
         "id": cfg.model_path if flavor == "llamacpp" else cfg.model_name,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": {"sglang": "sglang", "vllm": "vllm", "llamacpp": "llamacpp"}[flavor],
+        "owned_by": flavor,
         "root": cfg.model_path,
         "max_model_len": cfg.context_length,
     }
