@@ -137,21 +137,28 @@ class Reply:
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None, tokens: int | None,
               logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> dict[str, Any]:
-        """One stream chunk; delta None is the finish chunk (empty delta/text). SGLang's chunks
-        without a count (its role and finish chunks) have no usage key."""
+        """One stream chunk; delta None is the finish chunk (empty delta/text)."""
         if self.chat:
             if self.sglang:
                 delta = {"reasoning_content": None, **(delta or {})}
             choice: dict[str, Any] = {"index": self.index, "delta": delta or {}, "logprobs": logprobs}
         else:
             choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
-        out = self.usage_chunk(tokens, chunk_id or self.chunk_id)
-        out["choices"] = [{**choice, "finish_reason": finish, **self.stop_field(finish)}]
-        if self.sglang and tokens is None:
-            del out["usage"]
+        choice["finish_reason"] = finish
+        choice.update(self.stop_field(finish))
+        out = {
+            "id": chunk_id or self.chunk_id or self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+        }
+        # SGLang's chunks without a count (its role and finish chunks) have no usage key.
+        if tokens is not None or not self.sglang:
+            out["usage"] = None if tokens is None else self.usage(tokens)
         return out
 
-    def usage_chunk(self, tokens: int | None, chunk_id: str | None = None) -> dict[str, Any]:
+    def usage_chunk(self, tokens: int, chunk_id: str | None = None) -> dict[str, Any]:
         """The last chunk: the request's usage (tokens: over all its choices), no choices."""
         return {
             "id": chunk_id or self.rid,
@@ -159,7 +166,7 @@ class Reply:
             "created": int(time.time()),
             "model": self.model,
             "choices": [],
-            "usage": None if tokens is None else self.usage(tokens),
+            "usage": self.usage(tokens),
         }
 
 
