@@ -146,7 +146,7 @@ class Reply:
             choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
         choice["finish_reason"] = finish
         choice.update(self.stop_field(finish))
-        out = {
+        out: dict[str, Any] = {
             "id": chunk_id or self.chunk_id or self.rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
