@@ -11,7 +11,6 @@ import struct
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -26,8 +25,6 @@ from genq.sim.protocol import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
-    chat_prompt_tokens,
-    completion_prompt_tokens,
     validate,
 )
 from genq.sim.reply import WORDS, Reply, full_answer
@@ -164,19 +161,11 @@ class Generation:
             body = _chat_decoder.decode(raw) if chat else _completion_decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return flavors.bad_request(flavor, str(exc))
-        if isinstance(body, ChatRequest):
-            if not body.messages:
-                return flavors.bad_request(flavor, "messages: Field required (a non-empty list).")
-            source: Any = body.messages
-            n_prompt = chat_prompt_tokens(body.messages)
-            max_new = body.max_new_tokens()
-        else:
-            source = body.prompt
-            counted = completion_prompt_tokens(body.prompt)
-            if counted is None:
-                return flavors.bad_request(flavor, "prompt must be a string or a list of token ids in genq sim.")
-            n_prompt = counted
-            max_new = 16 if body.max_tokens is None else body.max_tokens
+        prompt = body.counted_prompt()
+        if isinstance(prompt, str):
+            return flavors.bad_request(flavor, prompt)
+        source, n_prompt = prompt
+        max_new = body.max_new_tokens()
         problem = validate(body, max_new, flavor)
         if problem:
             return flavors.bad_request(flavor, problem)
