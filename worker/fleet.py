@@ -8,11 +8,11 @@
 
 Each engine is its own child process, so one GPU's crash does not take the others;
 an engine that exits with an error is restarted (backoff, limit), one that exits 0
-(drained, --burst, stopped) is not. GPU number i of the list gets port base_port + i
-(its position in the list, not its GPU index). Ctrl-C/SIGTERM is forwarded to every
-engine, which finishes its held batches (--grace-period) and exits; servers are
-stopped after their engine. A second signal makes the engines stop at once; a
-third kills everything.
+(drained, --burst, stopped) is not (worker/supervisor.py). GPU number i of the list
+gets port base_port + i (its position in the list, not its GPU index). Ctrl-C/SIGTERM
+is forwarded to every engine, which finishes its held batches (--grace-period) and
+exits; servers are stopped after their engine. A second signal makes the engines stop
+at once; a third kills everything.
 """
 
 from __future__ import annotations
@@ -21,33 +21,24 @@ import asyncio
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import string
-import sys
-import time
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from genq import PYTHON
 from genq.core.redisconn import ENV_VAR, mask_url
-from genq.core.words import plural
-from genq.worker.launchcheck import launch_problem
-from genq.worker.supervisor import (
-    HealthTimeouts,
-    RestartPolicy,
-    ServerSpec,
-    ServerSupervisor,
-    preexec_die_with_parent,
-    remove_pid_file,
-    signal_group,
-    sleep_unless,
-)
+from genq.worker.supervisor import EngineSupervisor, HealthTimeouts, ServerSupervisor
 
 log = logging.getLogger("genq.fleet")
 
 FIELDS = ("port", "gpu")  # the only substitutions in --launch and --server-url
+HAS_MODULE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+STAND_IN = "without the server installed here, `--launch \"genq sim --port {port}\"` stands in for one (docs/fleet.md)"
 
 
 class FleetError(Exception):
@@ -65,16 +56,10 @@ def check_template(text: str, option: str) -> None:
         raise FleetError(f"{option}: {exc} in {text!r}; only {{port}} and {{gpu}} are substituted "
                          "(write a literal brace as {{ or }})") from None
     for _literal, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if name not in FIELDS or spec or conversion:
+        if name is not None and (name not in FIELDS or spec or conversion):
             shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
             raise FleetError(f"{option}: {shown} is not a substitution genq knows; only {{port}} and {{gpu}} "
                              f"are substituted (write a literal brace as {{{{ or }}}}), in {text!r}")
-
-
-def expand(text: str, *, port: int, gpu: int) -> str:
-    return text.format(port=port, gpu=gpu)
 
 
 def launch_argv(command: str, *, port: int, gpu: int) -> list[str]:
@@ -87,7 +72,30 @@ def launch_argv(command: str, *, port: int, gpu: int) -> list[str]:
         raise FleetError("--launch is empty")
     for word in words:
         check_template(word, "--launch")
-    return [expand(w, port=port, gpu=gpu) for w in words]
+    return [w.format(port=port, gpu=gpu) for w in words]
+
+
+def launch_problem(argv: list[str]) -> str | None:
+    """Why argv cannot run on this machine, or None: a program not on PATH, or `python -m PACKAGE`
+    where that python has no PACKAGE (looked up without importing it: no CUDA is touched). Said
+    once, before anything starts, rather than after --max-restarts failed starts per GPU."""
+    program = argv[0]
+    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    if found is None:
+        return None if os.sep in program else (f"--launch: {program!r} is not a command on this machine's PATH; "
+                                               f"{STAND_IN}")
+    if not os.path.basename(found).startswith("python") or len(argv) < 3 or argv[1] != "-m":
+        return None
+    package = argv[2].split(".")[0]
+    try:
+        rc = subprocess.run([found, "-c", HAS_MODULE, package], capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # the launch itself will say what is wrong
+    if rc != 3:
+        return None
+    return (f"--launch: {found} has no module {package!r} (`{' '.join(argv[:3])}` cannot start): install it into "
+            f"that python, or name the python that has it (--launch \"/path/to/venv/bin/python -m {argv[2]} ...\"); "
+            f"{STAND_IN}")
 
 
 def nvml_gpu_count() -> int:
@@ -102,14 +110,17 @@ def nvml_gpu_count() -> int:
 
 
 def parse_gpus(spec: str) -> list[int]:
-    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices."""
+    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver)."""
     spec = spec.strip()
+    try:
+        count: int | None = nvml_gpu_count()
+        why = ""
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
+        count, why = None, f"{type(exc).__name__}: {exc}"
     if spec.lower() == "all":
-        try:
-            count = nvml_gpu_count()
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
-            raise FleetError(f"--gpus all: cannot list this machine's GPUs through NVML "
-                             f"({type(exc).__name__}: {exc}); pass an explicit list such as --gpus 0,1") from None
+        if count is None:
+            raise FleetError(f"--gpus all: cannot list this machine's GPUs through NVML ({why}); pass an explicit "
+                             "list such as --gpus 0,1")
         if count == 0:
             raise FleetError("--gpus all: NVML sees no GPU on this machine; pass an explicit list such as --gpus 0")
         return list(range(count))
@@ -121,12 +132,7 @@ def parse_gpus(spec: str) -> list[int]:
         if int(part) in gpus:
             raise FleetError(f"--gpus {spec!r}: GPU {part} is listed twice")
         gpus.append(int(part))
-    try:
-        count = nvml_gpu_count()
-    except Exception:
-        return gpus  # no driver here (CPU box, simulator): trust the list
-    missing = [g for g in gpus if g >= count]
-    if missing:
+    if count is not None and (missing := [g for g in gpus if g >= count]):
         raise FleetError(f"--gpus {spec!r}: NVML sees {count} GPU(s) (0-{count - 1}); no GPU {missing[0]}")
     return gpus
 
@@ -148,11 +154,8 @@ class FleetOptions:
 
 @dataclass
 class Slot:
-    position: int
     gpu: int
-    port: int
     url: str
-    name: str
     engine: EngineSupervisor
     server: ServerSupervisor | None = None
 
@@ -169,7 +172,7 @@ def plan(opts: FleetOptions) -> list[Slot]:
     slots = []
     for position, gpu in enumerate(opts.gpus):
         port = opts.base_port + position
-        url = expand(opts.server_url, port=port, gpu=gpu)
+        url = opts.server_url.format(port=port, gpu=gpu)
         name = f"{opts.name_prefix or opts.host}.gpu{gpu}"
         argv = [*PYTHON, "-m", "genq", "worker", "--server", url, "--gpu", str(gpu), "--name", name,
                 "--host", opts.host, *opts.engine_args]
@@ -178,20 +181,19 @@ def plan(opts: FleetOptions) -> list[Slot]:
             # The Redis URL travels in the environment, not argv: `ps` must not show a password.
             env={ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
             log_path=opts.log_dir / f"worker-gpu{gpu}.log", pid_path=opts.log_dir / f"worker-gpu{gpu}.pid",
-            policy=RestartPolicy(max_restarts=opts.max_restarts),
+            max_restarts=opts.max_restarts,
         )
         server = None
         if opts.launch is not None:
-            env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
             # CUDA's default order (fastest first) may differ from nvidia-smi/NVML's; make them agree.
-            env.setdefault("CUDA_DEVICE_ORDER", os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID"))
+            env = {"CUDA_VISIBLE_DEVICES": str(gpu),
+                   "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
             server = ServerSupervisor(
-                ServerSpec(gpu=gpu, port=port, argv=launch_argv(opts.launch, port=port, gpu=gpu), url=url,
-                           log_path=opts.log_dir / f"server-gpu{gpu}.log",
-                           pid_path=opts.log_dir / f"server-gpu{gpu}.pid", env=env),
-                RestartPolicy(max_restarts=opts.max_restarts), opts.health,
+                gpu, port, url, launch_argv(opts.launch, port=port, gpu=gpu), env,
+                opts.log_dir / f"server-gpu{gpu}.log", opts.log_dir / f"server-gpu{gpu}.pid",
+                opts.max_restarts, opts.health,
             )
-        slots.append(Slot(position, gpu, port, url, name, engine, server))
+        slots.append(Slot(gpu, url, engine, server))
     return slots
 
 
@@ -200,114 +202,14 @@ def check_ports_free(slots: list[Slot]) -> None:
     for slot in slots:
         if slot.server is None:
             continue
-        parts = urlsplit(slot.url)
-        host = parts.hostname or "127.0.0.1"
+        host, port = urlsplit(slot.url).hostname or "127.0.0.1", slot.server.port
         try:
-            with socket.create_connection((host, slot.port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 pass
         except OSError:
             continue
-        raise FleetError(f"port {slot.port} (GPU {slot.gpu}) already accepts connections at {host}; "
+        raise FleetError(f"port {port} (GPU {slot.gpu}) already accepts connections at {host}; "
                          "stop what listens there or pick another --base-port")
-
-
-# ---------------------------------------------------------------- engines
-
-
-class EngineSupervisor:
-    """Runs one `genq worker --server ... --gpu N` child; restarts it when it fails."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
-                 policy: RestartPolicy) -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.log_path = log_path
-        self.pid_path = pid_path
-        self.policy = policy
-        self.proc: asyncio.subprocess.Process | None = None
-        self.stopping = False
-        self.failure: str | None = None
-        self.starts = 0
-        self._stop = asyncio.Event()
-
-    def stop(self, level: int = 1) -> None:
-        """1: drain (SIGTERM); 2: stop now (a second SIGTERM); 3+: SIGKILL."""
-        self.stopping = True
-        self._stop.set()
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        if level >= 3:
-            signal_group(self.proc.pid, signal.SIGKILL)
-        else:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    async def run(self) -> int:
-        """The child's last exit status (0: exited normally, not restarted)."""
-        while True:
-            if self.stopping:
-                return 0
-            started = time.monotonic()
-            self.starts += 1
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True,
-                # The fleet killed outright: engines still drain (SIGTERM), never run unsupervised.
-                preexec_fn=preexec_die_with_parent(signal.SIGTERM), limit=1 << 20,
-            )
-            self.pid_path.parent.mkdir(parents=True, exist_ok=True)
-            self.pid_path.write_text(f"{self.proc.pid}\n")
-            log.info("worker %s: started pid %d%s", self.name, self.proc.pid,
-                     f" (start #{self.starts})" if self.starts > 1 else "")
-            if self.stopping:  # stop() came while it was being spawned
-                self.proc.send_signal(signal.SIGTERM)
-            assert self.proc.stdout is not None  # started with stdout=PIPE
-            pump = asyncio.create_task(self._pump(self.proc.stdout))
-            rc = await self.proc.wait()
-            await pump
-            remove_pid_file(self.pid_path, self.proc.pid)
-            if rc == 0:
-                log.info("worker %s: exited normally (drained, burst or stopped); not restarted", self.name)
-                return 0
-            if self.stopping:
-                if rc in (-signal.SIGTERM, -signal.SIGKILL):
-                    # Killed by our own signal before it installed its handlers
-                    # (still waiting for its server): it held nothing.
-                    log.info("worker %s: stopped (it had not started work)", self.name)
-                    return 0
-                log.info("worker %s: exited with status %s while stopping", self.name, rc)
-                return rc
-            delay = self.policy.next_delay(time.monotonic() - started)
-            if delay is None:
-                self.failure = f"exited with status {rc}; gave up after {plural(self.policy.max_restarts, 'restart')}"
-                log.error("worker %s: %s (log: %s)", self.name, self.failure, self.log_path)
-                return rc
-            log.warning("worker %s: exited with status %s; restart %d/%d in %.0fs", self.name, rc,
-                        self.policy.restarts, self.policy.max_restarts, delay)
-            if await sleep_unless(self._stop, delay):
-                return rc
-
-    async def _pump(self, stream: asyncio.StreamReader) -> None:
-        """Copy the child's output to its log file and, prefixed with its name, to our stderr."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
-            while True:
-                try:
-                    line = await stream.readline()
-                except ValueError:  # a line over the limit: pass it on in pieces
-                    line = await stream.read(1 << 16)
-                if not line:
-                    return
-                logf.write(line)
-                logf.flush()
-                try:
-                    sys.stderr.write(f"{self.name} | {line.decode(errors='replace')}")
-                    sys.stderr.flush()
-                except (OSError, ValueError):
-                    pass  # our terminal went away: the log file still has it
 
 
 # ---------------------------------------------------------------- the fleet
@@ -322,13 +224,18 @@ class Fleet:
     async def run(self) -> int:
         if self.opts.launch is not None:
             check_ports_free(self.slots)
-        self.opts.log_dir.mkdir(parents=True, exist_ok=True)
-        self._announce()
+        o = self.opts
+        o.log_dir.mkdir(parents=True, exist_ok=True)
+        log.info("fleet on %s: %d GPU(s), redis %s, logs in %s", o.host, len(self.slots), mask_url(o.redis_url),
+                 o.log_dir)
+        for s in self.slots:
+            launched = f"; launched: {' '.join(s.server.argv)}" if s.server else ""
+            log.info("  gpu%d -> worker %s, server %s%s", s.gpu, s.engine.name, s.url, launched)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         results = await asyncio.gather(*(self._run_slot(s) for s in self.slots))
-        failed = [s.name for s, ok in zip(self.slots, results) if not ok]
+        failed = [s.engine.name for s, ok in zip(self.slots, results) if not ok]
         if failed:
             log.error("fleet: %d of %d worker(s) ended in failure: %s", len(failed), len(self.slots),
                       ", ".join(failed))
@@ -336,46 +243,37 @@ class Fleet:
         log.info("fleet: all %d worker(s) have exited", len(self.slots))
         return 0
 
-    def _announce(self) -> None:
-        o = self.opts
-        log.info("fleet on %s: %d GPU(s), redis %s, logs in %s", o.host, len(self.slots), mask_url(o.redis_url),
-                 o.log_dir)
-        for s in self.slots:
-            launched = f"; launched: {' '.join(s.server.spec.argv)}" if s.server else ""
-            log.info("  gpu%d -> worker %s, server %s%s", s.gpu, s.name, s.url, launched)
-
     def _on_signal(self, sig: int) -> None:
         self.signals += 1
+        name = signal.Signals(sig).name
         if self.signals == 1:
             log.info("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop "
-                     "after their worker. Send again to stop the workers now, a third time to kill everything.",
-                     signal.Signals(sig).name)
+                     "after their worker. Send again to stop the workers now, a third time to kill everything.", name)
         elif self.signals == 2:
-            log.info("%s again: workers stop now, handing unfinished batches back", signal.Signals(sig).name)
+            log.info("%s again: workers stop now, handing unfinished batches back", name)
         else:
-            log.info("%s a third time: killing workers and servers", signal.Signals(sig).name)
+            log.info("%s a third time: killing workers and servers", name)
         for slot in self.slots:
             slot.engine.stop(self.signals)
             if self.signals >= 3 and slot.server is not None:
-                slot.server.timeouts.stop = 0.1  # no more patience
-                slot.server.stop()
+                slot.server.stop(self.signals)
 
     async def _run_slot(self, slot: Slot) -> bool:
         engine_task = asyncio.create_task(slot.engine.run())
         if slot.server is None:
-            rc = await engine_task
-            return rc == 0 and slot.engine.failure is None
+            await engine_task
+            return slot.engine.ok
         server_task = asyncio.create_task(slot.server.run())
         await asyncio.wait({engine_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
         if server_task.done() and not engine_task.done():
             log.error("gpu%d: its server cannot be kept running (%s); stopping worker %s (held batches go back "
                       "to the queue after its --server-down-timeout/--grace-period)", slot.gpu,
-                      slot.server.failure, slot.name)
+                      slot.server.failure, slot.engine.name)
             slot.engine.stop(1)
-        rc = await engine_task
+        await engine_task
         slot.server.stop()  # its worker is gone: free the GPU
         await server_task
-        return rc == 0 and slot.engine.failure is None and slot.server.failure is None
+        return slot.engine.ok and slot.server.failure is None
 
 
 async def run_fleet(opts: FleetOptions) -> int:

@@ -1,11 +1,11 @@
 """The guard of one launched server's process group: the group dies with the fleet, however the fleet dies.
 
-PR_SET_PDEATHSIG reaches only the process the fleet started. A server started through a shell
-(`bash -c 'server --port {port}; echo exited'`) is the shell's child: it outlived a fleet killed
-with SIGKILL, holding its port and GPU. So the fleet starts this guard beside each server, in a
-session of its own, reading a pipe from the fleet. The fleet writes "done" once the group is gone;
-the pipe ending without it means the fleet died (any death closes its end): the guard then sends
-SIGTERM to the whole group, and SIGKILL to what is left of it after the stop timeout.
+PR_SET_PDEATHSIG reaches only the process the fleet started, not a server started through a
+shell (`bash -c 'server --port {port}; echo exited'`), which outlived a fleet killed with SIGKILL
+holding its port and GPU. So the fleet starts this guard beside each server, in a session of its
+own, reading a pipe from the fleet. The fleet writes "done" once the group is gone; the pipe
+ending without it means the fleet died (any death closes its end): the guard then sends SIGTERM
+to the whole group, and SIGKILL to what is left of it after the stop timeout.
 
     python -m genq.worker.launchguard PGID STOP_SECONDS
 """
@@ -17,29 +17,15 @@ import signal
 import sys
 import time
 
-DONE = b"done\n"
-
-
-def alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def end_group(pgid: int, stop_s: float) -> None:
     """SIGTERM to the group, SIGKILL to what is left after stop_s."""
+    deadline = time.monotonic() + stop_s
     try:
         os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + stop_s
-    while alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            os.killpg(pgid, 0)  # ProcessLookupError once the group is gone
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
@@ -52,10 +38,9 @@ def main(argv: list[str]) -> int:
     said = b""
     while chunk := os.read(sys.stdin.fileno(), 64):
         said += chunk
-    if said == DONE:
-        return 0
-    print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
-    end_group(pgid, stop_s)
+    if said != b"done\n":
+        print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
+        end_group(pgid, stop_s)
     return 0
 
 

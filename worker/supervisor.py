@@ -1,14 +1,13 @@
-"""Child processes the fleet keeps alive: restart policy, process groups, and the
-supervised inference server of one GPU (start, wait for /health, restart when it
-exits or stops answering).
+"""The fleet's children, kept alive: a GPU's `genq worker` engine and (with --launch) its server.
 
-Every child runs in its own session (process group) so that (1) a terminal's Ctrl-C
-reaches only the fleet, which decides the order of shutdown (engines drain first,
-servers stop last), and (2) stopping a server also stops the processes it spawned
-(SGLang's scheduler and detokenizer) by signalling the whole group. Each child also
-gets PR_SET_PDEATHSIG, and each server's group a guard (worker/launchguard.py) that
-ends it when the fleet dies, so a fleet killed with SIGKILL leaves no server holding
-its port or GPU memory, even one started through a shell.
+One restart loop serves both (Supervisor.run): exponential backoff, a limit on restarts in a
+row. Every child runs in its own session (process group) so that (1) a terminal's Ctrl-C
+reaches only the fleet, which decides the order of shutdown (engines drain first, servers
+stop last), and (2) stopping a server also stops the processes it spawned (SGLang's scheduler
+and detokenizer) by signalling the whole group. Each child gets PR_SET_PDEATHSIG, and each
+server's group a guard (worker/launchguard.py) that ends it when the fleet dies, so a fleet
+killed with SIGKILL leaves no server holding its port or GPU memory, even one started
+through a shell.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import aiohttp
 
@@ -32,19 +31,6 @@ from genq.worker.server import HEALTH_TIMEOUT_S
 
 log = logging.getLogger("genq.fleet")
 
-def preexec_die_with_parent(sig: int) -> Callable[[], None]:
-    """A preexec_fn: the child gets `sig` when the fleet process dies (Linux; no-op elsewhere)."""
-    return lambda: ask_for_signal_on_parent_death(sig)
-
-
-def remove_pid_file(path: Path, pid: int | None) -> None:
-    """Remove a pid file only if it still names our process (another fleet may share the directory)."""
-    try:
-        if pid is not None and path.read_text().strip() == str(pid):
-            path.unlink()
-    except (FileNotFoundError, ValueError):
-        pass
-
 
 def signal_group(pid: int, sig: int) -> None:
     """Signal a child's whole process group (it leads its own session)."""
@@ -54,49 +40,158 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
-@dataclass
-class RestartPolicy:
-    """Exponential backoff between restarts and a limit on restarts in a row.
-
-    A process that stayed up (and, for a server, healthy) for `stable_after`
-    seconds has its count reset: the limit is for crash loops, not for a
-    server that fails once a day.
-    """
-
-    max_restarts: int = 10
-    first_delay: float = 1.0
-    max_delay: float = 60.0
-    stable_after: float = 600.0
-    restarts: int = 0
-
-    def next_delay(self, ran_for: float) -> float | None:
-        """Seconds to wait before the next start, or None when the limit is reached."""
-        if ran_for >= self.stable_after:
-            self.restarts = 0
-        self.restarts += 1
-        if self.restarts > self.max_restarts:
-            return None
-        return min(self.max_delay, self.first_delay * 2 ** (self.restarts - 1))
-
-
-async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
-    """Sleep, waking early when `event` is set; True when it was set (core/waits.py: a stop is not swallowed)."""
-    return await wait_event(event, seconds)
-
-
-class LaunchError(Exception):
-    """The server command cannot be run at all (not found, not executable): not worth retrying."""
+# Restarts: exponential backoff, and a limit on restarts in a row. A child that stayed up for
+# STABLE_AFTER seconds has its count reset: the limit is for crash loops, not for a server that
+# fails once a day.
+FIRST_DELAY = 1.0
+MAX_DELAY = 60.0
+STABLE_AFTER = 600.0
 
 
 @dataclass
-class ServerSpec:
-    gpu: int
-    port: int
-    argv: list[str]  # already split and substituted
-    url: str  # the server's base URL, for /health
-    log_path: Path
-    pid_path: Path
-    env: dict[str, str] = field(default_factory=dict)
+class HealthTimeouts:
+    start: float = 1800.0  # a big model can take many minutes to load
+    unhealthy: float = 60.0  # /health failing this long (after having answered) -> restart
+    interval: float = 5.0  # between health checks while healthy
+    probe: float = HEALTH_TIMEOUT_S  # one /health request: the engine's own verdict (worker/server.py)
+    stop: float = 30.0  # SIGTERM -> SIGKILL
+
+
+class Supervisor:
+    """Starts a child, waits for its end, starts it again; subclasses say how one run goes."""
+
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
+                 max_restarts: int) -> None:
+        self.label = label
+        self.argv = argv
+        self.env = env
+        self.log_path = log_path
+        self.pid_path = pid_path
+        self.max_restarts = max_restarts
+        self.restarts = 0  # in a row
+        self.proc: asyncio.subprocess.Process | None = None
+        self.failure: str | None = None  # why it gave up
+        self.starts = 0
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        """Start, watch, restart; returns once stopped, ended for good or given up (self.failure says why)."""
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                self.starts += 1
+                why = await self._run_once()
+                if why is None or self._stop.is_set():
+                    return
+                if time.monotonic() - started >= STABLE_AFTER:
+                    self.restarts = 0
+                self.restarts += 1
+                if self.restarts > self.max_restarts:
+                    self.failure = f"{why}; gave up after {plural(self.max_restarts, 'restart')} (log: {self.log_path})"
+                    log.error("%s: %s", self.label, self.failure)
+                    return
+                delay = min(MAX_DELAY, FIRST_DELAY * 2 ** (self.restarts - 1))
+                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why, self.restarts,
+                            self.max_restarts, delay, self.log_path)
+                if await wait_event(self._stop, delay):
+                    return
+        finally:
+            await self._cleanup()
+
+    async def _run_once(self) -> str | None:
+        """Run the child once; why it must be restarted, or None: it ended for good."""
+        raise NotImplementedError
+
+    async def _cleanup(self) -> None:
+        """What run() leaves behind it."""
+
+    async def _spawn(self, stdout: int | IO[bytes]) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20,
+            # The fleet killed outright: the child gets SIGTERM (an engine still drains).
+            preexec_fn=lambda: ask_for_signal_on_parent_death(signal.SIGTERM),
+        )
+        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_path.write_text(f"{proc.pid}\n")
+        return proc
+
+    def _remove_pid_file(self, pid: int) -> None:
+        """Only if it still names our process (another fleet may share the directory)."""
+        try:
+            if self.pid_path.read_text().strip() == str(pid):
+                self.pid_path.unlink()
+        except (FileNotFoundError, ValueError):
+            pass
+
+
+class EngineSupervisor(Supervisor):
+    """One `genq worker --server ... --gpu N` child; restarted when it fails, not when it exits 0
+    (drained, --burst, stopped)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
+                 max_restarts: int) -> None:
+        super().__init__(f"worker {name}", argv, env, log_path, pid_path, max_restarts)
+        self.name = name
+        self.rc = 0  # the child's last exit status (0 also when our own stop signal ended it)
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and self.failure is None
+
+    def stop(self, level: int = 1) -> None:
+        """1: drain (SIGTERM); 2: stop now (a second SIGTERM); 3+: SIGKILL."""
+        self._stop.set()
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        if level >= 3:
+            signal_group(self.proc.pid, signal.SIGKILL)
+        else:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    async def _run_once(self) -> str | None:
+        self.proc = proc = await self._spawn(asyncio.subprocess.PIPE)
+        log.info("%s: started pid %d%s", self.label, proc.pid, f" (start #{self.starts})" if self.starts > 1 else "")
+        if self._stop.is_set():  # stop() came while it was being spawned
+            proc.send_signal(signal.SIGTERM)
+        assert proc.stdout is not None  # started with stdout=PIPE
+        pump = asyncio.create_task(self._pump(proc.stdout))
+        self.rc = await proc.wait()
+        await pump
+        self._remove_pid_file(proc.pid)
+        if self.rc == 0:
+            log.info("%s: exited normally (drained, burst or stopped); not restarted", self.label)
+        elif not self._stop.is_set():
+            return f"exited with status {self.rc}"
+        elif self.rc in (-signal.SIGTERM, -signal.SIGKILL):
+            # Killed by our own signal before it installed its handlers (still waiting for its server): it held nothing.
+            log.info("%s: stopped (it had not started work)", self.label)
+            self.rc = 0
+        else:
+            log.info("%s: exited with status %s while stopping", self.label, self.rc)
+        return None
+
+    async def _pump(self, stream: asyncio.StreamReader) -> None:
+        """Copy the child's output to its log file and, prefixed with its name, to our stderr."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            while True:
+                try:
+                    line = await stream.readline()
+                except ValueError:  # a line over the limit: pass it on in pieces
+                    line = await stream.read(1 << 16)
+                if not line:
+                    return
+                logf.write(line)
+                logf.flush()
+                try:
+                    sys.stderr.write(f"{self.name} | {line.decode(errors='replace')}")
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass  # our terminal went away: the log file still has it
 
 
 def last_words(log_path: Path, limit: int = 240) -> str:
@@ -112,156 +207,105 @@ def last_words(log_path: Path, limit: int = 240) -> str:
     return said if len(said) <= limit else said[:limit] + "..."
 
 
-@dataclass
-class HealthTimeouts:
-    start: float = 1800.0  # a big model can take many minutes to load
-    unhealthy: float = 60.0  # /health failing this long (after having answered) -> restart
-    interval: float = 5.0  # between health checks while healthy
-    probe: float = HEALTH_TIMEOUT_S  # one /health request: the engine's own verdict (worker/server.py)
-    stop: float = 30.0  # SIGTERM -> SIGKILL
+class ServerSupervisor(Supervisor):
+    """Keeps one GPU's inference server running: restarted when it exits, never answers /health
+    within timeouts.start, or stops answering it for timeouts.unhealthy. Its output goes to its log."""
 
-
-class ServerSupervisor:
-    """Keeps one GPU's inference server running; its output goes to spec.log_path."""
-
-    def __init__(self, spec: ServerSpec, policy: RestartPolicy, timeouts: HealthTimeouts) -> None:
-        self.spec = spec
-        self.policy = policy
+    def __init__(self, gpu: int, port: int, url: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 pid_path: Path, max_restarts: int, timeouts: HealthTimeouts) -> None:
+        super().__init__(f"server gpu{gpu} (port {port})", argv, env, log_path, pid_path, max_restarts)
+        self.gpu = gpu
+        self.port = port
+        self.url = url  # the server's base URL, for /health
         self.timeouts = timeouts
-        self.proc: asyncio.subprocess.Process | None = None
         self.guard: asyncio.subprocess.Process | None = None  # ends proc's group if the fleet dies
-        self.state = "stopped"  # starting | healthy | unhealthy | stopped | failed
-        self.starts = 0
-        self.failure: str | None = None  # why it gave up
         self._last_pid: int | None = None
-        self._stop = asyncio.Event()
-        self.healthy_event = asyncio.Event()
 
-    @property
-    def label(self) -> str:
-        return f"server gpu{self.spec.gpu} (port {self.spec.port})"
-
-    def stop(self) -> None:
+    def stop(self, level: int = 1) -> None:
+        """Stop it (SIGTERM to its group, SIGKILL after timeouts.stop); 3+: with no more patience."""
+        if level >= 3:
+            self.timeouts.stop = 0.1
         self._stop.set()
 
-    async def run(self) -> None:
-        """Start, watch, restart; returns once stopped or given up (self.failure says why)."""
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeouts.probe))
-        try:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                try:
-                    await self._start()
-                except LaunchError as exc:
-                    self.failure = str(exc)
-                    log.error("%s: %s", self.label, exc)
-                    break
-                why = await self._watch(session)
-                await self._kill()
-                if self._stop.is_set():
-                    break
-                delay = self.policy.next_delay(time.monotonic() - started)
-                if delay is None:
-                    self.failure = (f"{why}; gave up after {plural(self.policy.max_restarts, 'restart')} "
-                                    f"(log: {self.spec.log_path})")
-                    log.error("%s: %s", self.label, self.failure)
-                    break
-                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why,
-                            self.policy.restarts, self.policy.max_restarts, delay, self.spec.log_path)
-                if await sleep_unless(self._stop, delay):
-                    break
-        finally:
-            await self._kill()
-            await session.close()
-            self.state = "failed" if self.failure else "stopped"
-            remove_pid_file(self.spec.pid_path, self._last_pid)
-
-    async def _start(self) -> None:
-        self.starts += 1
-        self.state = "starting"
-        self.healthy_event.clear()
-        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spec.log_path, "ab") as logf:
+    async def _run_once(self) -> str | None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            logf.write(f"\n=== genq: start #{self.starts} of the server for GPU {self.spec.gpu} at {stamp}: "
-                       f"{' '.join(self.spec.argv)}\n".encode())
+            logf.write(f"\n=== genq: start #{self.starts} of the server for GPU {self.gpu} at {stamp}: "
+                       f"{' '.join(self.argv)}\n".encode())
             logf.flush()
             try:
-                self.proc = await asyncio.create_subprocess_exec(
-                    *self.spec.argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=asyncio.subprocess.STDOUT,
-                    env={**os.environ, **self.spec.env}, start_new_session=True,
-                    preexec_fn=preexec_die_with_parent(signal.SIGTERM),
-                )
+                self.proc = await self._spawn(logf)
             except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
-                raise LaunchError(f"cannot run {self.spec.argv[0]!r}: {exc.strerror or exc}") from None
+                # Not worth retrying: the command cannot be run at all.
+                self.failure = f"cannot run {self.argv[0]!r}: {exc.strerror or exc}"
+                log.error("%s: %s", self.label, self.failure)
+                return None
             self.guard = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "genq.worker.launchguard", str(self.proc.pid), str(self.timeouts.stop),
                 stdin=asyncio.subprocess.PIPE, stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             )
-        self.spec.pid_path.parent.mkdir(parents=True, exist_ok=True)
-        self.spec.pid_path.write_text(f"{self.proc.pid}\n")
         self._last_pid = self.proc.pid
-        log.info("%s: started pid %d (log %s)", self.label, self.proc.pid, self.spec.log_path)
+        log.info("%s: started pid %d (log %s)", self.label, self.proc.pid, self.log_path)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeouts.probe)) as session:
+            why = await self._watch(self.proc, session)
+        await self._kill()
+        return why
+
+    async def _cleanup(self) -> None:
+        await self._kill()
+        if self._last_pid is not None:
+            self._remove_pid_file(self._last_pid)
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
         try:
-            async with session.get(self.spec.url.rstrip("/") + "/health") as resp:
+            async with session.get(self.url.rstrip("/") + "/health") as resp:
                 await resp.read()
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
-    async def _wait_exit_or_stop(self, seconds: float) -> bool:
+    async def _exit_or_stop(self, proc: asyncio.subprocess.Process, seconds: float) -> bool:
         """Wait up to `seconds`; True if the process exited or a stop was asked."""
-        assert self.proc is not None
-        waiters = [asyncio.ensure_future(self.proc.wait()), asyncio.ensure_future(self._stop.wait())]
+        waiters = [asyncio.ensure_future(proc.wait()), asyncio.ensure_future(self._stop.wait())]
         done, pending = await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         for w in pending:
             w.cancel()
         return bool(done)
 
-    async def _watch(self, session: aiohttp.ClientSession) -> str:
-        """Return why the server must be restarted (or "stop requested")."""
-        assert self.proc is not None
+    async def _watch(self, proc: asyncio.subprocess.Process, session: aiohttp.ClientSession) -> str:
+        """Why the server must be restarted (or "stop requested")."""
         t = self.timeouts
         started = time.monotonic()
+        healthy = ever_healthy = False
         bad_since: float | None = None
-        ever_healthy = False
         while True:
-            interval = t.interval if self.state == "healthy" else min(1.0, t.interval)
-            if await self._wait_exit_or_stop(interval):
+            if await self._exit_or_stop(proc, t.interval if healthy else min(1.0, t.interval)):
                 if self._stop.is_set():
                     return "stop requested"
-                rc = self.proc.returncode
-                said = last_words(self.spec.log_path) if rc and rc > 0 else ""  # killed by a signal: it said nothing
+                rc = proc.returncode
+                said = last_words(self.log_path) if rc and rc > 0 else ""  # killed by a signal: it said nothing
                 return f"exited with status {rc}" + (f" (its log ends: {said})" if said else "")
-            ok = await self._healthy(session)
             now = time.monotonic()
-            if ok:
-                if self.state != "healthy":
-                    log.info("%s: healthy%s", self.label,
-                             f" after {now - started:.1f}s" if not ever_healthy else " again")
-                self.state, bad_since, ever_healthy = "healthy", None, True
-                self.healthy_event.set()
-                continue
-            if not ever_healthy:
+            if await self._healthy(session):
+                if not healthy:
+                    log.info("%s: healthy%s", self.label, " again" if ever_healthy else f" after {now - started:.1f}s")
+                healthy = ever_healthy = True
+                bad_since = None
+            elif not ever_healthy:
                 if now - started > t.start:
                     return f"no healthy answer on /health within {t.start:.0f}s of start"
-                continue
-            if bad_since is None:
-                bad_since = now
-                self.state = "unhealthy"
-                self.healthy_event.clear()
+            elif bad_since is None:
+                bad_since, healthy = now, False
                 log.warning("%s: /health is failing", self.label)
             elif now - bad_since >= t.unhealthy:
                 return f"/health failing for {now - bad_since:.0f}s"
 
     async def _kill(self) -> None:
-        proc = self.proc
+        """SIGTERM to the group, SIGKILL to what is left after timeouts.stop; then release the guard."""
+        proc, self.proc = self.proc, None
         if proc is None:
             return
-        self.proc = None
-        self.healthy_event.clear()
         signal_group(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), self.timeouts.stop)
@@ -270,10 +314,7 @@ class ServerSupervisor:
         # SIGKILL what is left of the group (the leader, or children it left behind holding the GPU).
         signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
-        await self._release_guard()
-
-    async def _release_guard(self) -> None:
-        """The group is gone: its guard leaves without signalling (its number may be another's soon)."""
+        # The group is gone: its guard leaves without signalling (its number may be another's soon).
         guard, self.guard = self.guard, None
         if guard is None or guard.stdin is None:
             return

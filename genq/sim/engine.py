@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from genq.sim.config import SimConfig
@@ -19,75 +20,57 @@ class QueueFull(Exception):
     """The waiting queue holds max_queued_requests requests already."""
 
 
+@dataclass(slots=True, eq=False)
 class SimRequest:
-    """One generation in the engine. Plain slotted class: the engine touches these
-    on every step, so attribute access must be cheap."""
+    """One generation in the engine (slotted and hashed by identity: the engine keys its
+    queues by it and touches it on every step)."""
 
-    __slots__ = (
-        "key",
-        "prompt_tokens",
-        "target",
-        "natural_finish",
-        "stream",
-        "generated",
-        "finish_reason",
-        "dropped",
-        "hang_at",
-        "drop_at",
-        "waiter",
-    )
+    key: str
+    prompt_tokens: int
+    natural_tokens: int
+    max_new_tokens: int
+    stream: bool
+    generated: int = 0
+    # None while in flight; "stop" | "length" | "abort" once done.
+    finish_reason: str | None = None
+    # True when the connection must be reset (reset fault, outage).
+    dropped: bool = False
+    # Token counts at which a hang / a connection drop strikes (faults).
+    hang_at: int | None = None
+    drop_at: int | None = None
+    waiter: asyncio.Future[None] | None = None
+    target: int = field(init=False)
+    # "stop" when the model ends on its own, "length" when max_tokens cuts it.
+    natural_finish: str = field(init=False)
 
-    def __init__(
-        self,
-        key: str,
-        prompt_tokens: int,
-        natural_tokens: int,
-        max_new_tokens: int,
-        stream: bool,
-    ) -> None:
-        self.key = key
-        self.prompt_tokens = prompt_tokens
-        self.target = min(natural_tokens, max_new_tokens)
-        # "stop" when the model ends on its own, "length" when max_tokens cuts it.
-        self.natural_finish = "stop" if natural_tokens <= max_new_tokens else "length"
-        self.stream = stream
-        self.generated = 0
-        # None while in flight; "stop" | "length" | "abort" once done.
-        self.finish_reason: str | None = None
-        # True when the connection must be reset (reset fault, outage).
-        self.dropped = False
-        # Token counts at which a hang / a connection drop strikes (faults);
-        # the server sets them after construction, from self.target.
-        self.hang_at: int | None = None
-        self.drop_at: int | None = None
-        self.waiter: asyncio.Future[None] | None = None
+    def __post_init__(self) -> None:
+        self.target = min(self.natural_tokens, self.max_new_tokens)
+        self.natural_finish = "stop" if self.natural_tokens <= self.max_new_tokens else "length"
 
 
+@dataclass
 class Stats:
     """Figures since start or the last reset; time integrals give time-weighted means."""
 
-    def __init__(self, now: float) -> None:
-        self.start = now
-        self.last_change = now
-        self.running_integral = 0.0
-        self.waiting_integral = 0.0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.finished = 0
-        self.aborted = 0
-        # Generation requests received, answered or refused (a 400 too): "no request was sent" is testable.
-        self.requests = 0
-        self.rejected = 0  # of them answered with a 4xx before generating
-        self.first_admit: float | None = None
-        # Engine steps, request-steps (sum of the batch size over steps), and steps
-        # that ran with a free slot while a request waited (continuous batching: 0
-        # unless the KV budget held it back): counts a test can assert on, not times.
-        self.steps = 0
-        self.request_steps = 0
-        self.starved_steps = 0
-        self.last_finish: float | None = None
-        # prompt_key -> number of complete generations (aborts excluded).
-        self.generated_by_key: dict[str, int] = {}
+    start: float
+    last_change: float
+    running_integral: float = 0.0
+    waiting_integral: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    # Generation requests received, answered or refused (a 400 too): "no request was sent" is testable.
+    requests: int = 0
+    first_admit: float | None = None
+    last_finish: float | None = None
+    # Engine steps, request-steps (sum of the batch size over steps), and steps that ran with a free
+    # slot while a request waited (0 unless the KV budget held it back): counts, not times.
+    steps: int = 0
+    request_steps: int = 0
+    starved_steps: int = 0
+    # prompt_key -> number of complete generations (aborts excluded).
+    generated_by_key: dict[str, int] = field(default_factory=dict)
 
     def account(self, now: float, running: int, waiting: int) -> None:
         dt = now - self.last_change
@@ -103,25 +86,30 @@ class Stats:
         if self.first_admit is not None:
             end = now if (running or waiting or self.last_finish is None) else self.last_finish
             busy = max(end - self.first_admit, 0.0)
+
+        def per(value: float, span: float) -> float:
+            return value / span if span > 0 else 0.0
+
+        def since_start(t: float | None, clock: float) -> float | None:
+            return None if t is None else t - clock
+
+        wall = now - time.time()
         return {
             "elapsed_s": elapsed,
-            "mean_running": self.running_integral / elapsed if elapsed > 0 else 0.0,
-            "mean_waiting": self.waiting_integral / elapsed if elapsed > 0 else 0.0,
+            "mean_running": per(self.running_integral, elapsed),
             "busy_s": busy,
-            "busy_mean_running": self.running_integral / busy if busy > 0 else 0.0,
-            "busy_mean_waiting": self.waiting_integral / busy if busy > 0 else 0.0,
-            "busy_gen_throughput": self.generated_tokens / busy if busy > 0 else 0.0,
+            "busy_mean_running": per(self.running_integral, busy),
+            "busy_mean_waiting": per(self.waiting_integral, busy),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "finished_requests": self.finished,
             "generation_requests": self.requests,
-            "rejected_requests": self.rejected,
             "aborted_requests": self.aborted,
-            "first_admit_s": None if self.first_admit is None else self.first_admit - self.start,
-            "last_finish_s": None if self.last_finish is None else self.last_finish - self.start,
+            "first_admit_s": since_start(self.first_admit, self.start),
+            "last_finish_s": since_start(self.last_finish, self.start),
             # The same two instants on the wall clock, to compare servers (a fleet's makespan).
-            "first_admit_at": None if self.first_admit is None else self.first_admit + time.time() - now,
-            "last_finish_at": None if self.last_finish is None else self.last_finish + time.time() - now,
+            "first_admit_at": since_start(self.first_admit, wall),
+            "last_finish_at": since_start(self.last_finish, wall),
             "num_running": running,
             "num_waiting": waiting,
             "generated_by_key": self.generated_by_key,
@@ -141,7 +129,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         now = time.monotonic()
-        self.stats = Stats(now)
+        self.stats = Stats(now, now)
         # Prometheus counters: monotonic since start, never reset.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -150,6 +138,12 @@ class Engine:
         self.last_gen_throughput = 0.0
         self._tp_since = now
         self._tp_tokens = 0
+        # The counts as vLLM's scheduler reports them: make_stats() runs after the step's finished
+        # requests left and before the step's arrivals join the queue (vllm/v1/core/sched/scheduler.py,
+        # 0.32), so waiting counts only those the step's admission left out.
+        self.stepped_running = 0
+        self.stepped_waiting = 0
+        self._left_out = 0
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -182,7 +176,7 @@ class Engine:
             free = max(self.config.max_running_requests - len(self._running), 0)
             if len(self._waiting) >= limit + free:
                 raise QueueFull
-        self._account(time.monotonic())
+        self._account()
         self._waiting[req] = None
         self._wakeup.set()
 
@@ -197,8 +191,7 @@ class Engine:
         """Stop req wherever it is (client gone, reset fault, outage); idempotent."""
         if req.finish_reason is not None:
             return
-        now = time.monotonic()
-        self._account(now)
+        self._account()
         if req in self._running:
             del self._running[req]
             self.used_tokens -= req.prompt_tokens + req.generated
@@ -221,16 +214,18 @@ class Engine:
     # ---- statistics ------------------------------------------------------
 
     def reset_stats(self) -> None:
-        self.stats = Stats(time.monotonic())
+        now = time.monotonic()
+        self.stats = Stats(now, now)
 
     def stats_snapshot(self) -> dict[str, Any]:
-        now = time.monotonic()
-        self._account(now)
+        now = self._account()
         return self.stats.snapshot(now, len(self._running), len(self._waiting))
 
-    def _account(self, now: float) -> None:
-        # Called before every change of the running/waiting counts.
+    def _account(self) -> float:
+        """Called before every change of the running/waiting counts; returns the time."""
+        now = time.monotonic()
         self.stats.account(now, len(self._running), len(self._waiting))
+        return now
 
     # ---- scheduler loop --------------------------------------------------
 
@@ -266,10 +261,10 @@ class Engine:
                 await self._wakeup.wait()
 
     def _admit(self) -> int | None:
+        """Admit what fits; returns the prompt tokens admitted (this step prefills them), None: none."""
         cfg = self.config
-        now = time.monotonic()
-        self._account(now)
-        admitted: int | None = None  # the prompt tokens admitted: this step prefills them
+        now = self._account()
+        admitted: int | None = None
         while self._waiting and len(self._running) < cfg.max_running_requests:
             req = next(iter(self._waiting))
             # An empty batch always takes the head request, so no prompt can block
@@ -286,13 +281,13 @@ class Engine:
             admitted = (admitted or 0) + req.prompt_tokens
             if self.stats.first_admit is None:
                 self.stats.first_admit = now
+        self._left_out = len(self._waiting)
         return admitted
 
     def _step(self) -> bool:
         """Advance every running request by one step; True if anything changed."""
         tps = self.config.tokens_per_step
-        now = time.monotonic()
-        self._account(now)
+        now = self._account()
         produced = 0
         ended = 0
         for req in list(self._running):
@@ -319,6 +314,8 @@ class Engine:
         if now - self._tp_since >= 1.0:
             self.last_gen_throughput = (self.generation_tokens_total - self._tp_tokens) / (now - self._tp_since)
             self._tp_since, self._tp_tokens = now, self.generation_tokens_total
+        self.stepped_running = len(self._running)
+        self.stepped_waiting = min(self._left_out, len(self._waiting))  # less any aborted meanwhile
         return produced > 0 or ended > 0
 
     def _finish(self, req: SimRequest, now: float) -> None:

@@ -26,7 +26,9 @@ class Fault(enum.Enum):
     STREAM_ERROR = "stream_error"
 
 
-_RATES = ("error_rate", "reset_rate", "hang_rate", "stream_error_rate")
+# Each rate switch and its fault, in the order a draw tries them.
+_RATES = {"error_rate": Fault.ERROR, "reset_rate": Fault.RESET, "hang_rate": Fault.HANG,
+          "stream_error_rate": Fault.STREAM_ERROR}
 
 
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,10 +47,7 @@ class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class FaultInjector:
     def __init__(self, config: SimConfig) -> None:
-        self.error_rate = config.error_rate
-        self.reset_rate = config.reset_rate
-        self.hang_rate = config.hang_rate
-        self.stream_error_rate = config.stream_error_rate
+        self.rates = {name: float(getattr(config, name)) for name in _RATES}
         self._seed = config.seed
         self._attempts: dict[str, int] = {}
         self._outage_until = 0.0
@@ -56,54 +55,35 @@ class FaultInjector:
     def draw(self, key: str) -> tuple[Fault, float]:
         """The fault for the next request of this prompt, and where in the output
         (fraction in [0, 1)) it strikes."""
-        if not (self.error_rate or self.reset_rate or self.hang_rate or self.stream_error_rate):
+        if not any(self.rates.values()):
             return Fault.NONE, 0.0
         attempt = self._attempts.get(key, 0)
         self._attempts[key] = attempt + 1
         rng = random.Random(f"{key}:{self._seed}:{attempt}")
         u, where = rng.random(), rng.random()
-        if u < self.error_rate:
-            return Fault.ERROR, where
-        if u < self.error_rate + self.reset_rate:
-            return Fault.RESET, where
-        if u < self.error_rate + self.reset_rate + self.hang_rate:
-            return Fault.HANG, where
-        if u < self.error_rate + self.reset_rate + self.hang_rate + self.stream_error_rate:
-            return Fault.STREAM_ERROR, where
+        bound = 0.0
+        for name, fault in _RATES.items():
+            bound += self.rates[name]
+            if u < bound:
+                return fault, where
         return Fault.NONE, where
 
     def apply(self, update: FaultUpdate) -> None:
-        """Change the rate switches (all or none); the caller handles outage_for and
-        stop_listening."""
-        rates = {
-            name: value
-            for name in _RATES
-            if (value := getattr(update, name)) is not None
-        }
+        """Change the rate switches (all or none); the caller handles outage_for and stop_listening."""
+        rates = {name: value for name in _RATES if (value := getattr(update, name)) is not None}
         for name, value in rates.items():
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if update.outage_for is not None and update.outage_for < 0:
             raise ValueError(f"outage_for must be >= 0, got {update.outage_for}")
-        for name, value in rates.items():
-            setattr(self, name, value)
+        self.rates.update(rates)
 
     def start_outage(self, duration: float) -> None:
         self._outage_until = time.monotonic() + duration
-
-    def outage_remaining(self) -> float:
-        return max(self._outage_until - time.monotonic(), 0.0)
 
     def in_outage(self) -> bool:
         return self._outage_until > time.monotonic()
 
     def snapshot(self) -> dict[str, float | bool]:
-        remaining = self.outage_remaining()
-        return {
-            "error_rate": self.error_rate,
-            "reset_rate": self.reset_rate,
-            "hang_rate": self.hang_rate,
-            "stream_error_rate": self.stream_error_rate,
-            "outage": remaining > 0,
-            "outage_remaining_s": remaining,
-        }
+        remaining = max(self._outage_until - time.monotonic(), 0.0)
+        return {**self.rates, "outage": remaining > 0, "outage_remaining_s": remaining}

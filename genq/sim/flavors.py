@@ -1,8 +1,8 @@
 """What differs between the engines the simulator plays: SGLang, vLLM, llama.cpp.
 
-Endpoints, metric names, error bodies and context-length checks, each copied
-from the engine's sources (docs/engines.md names the files). Everything the
-three share (OpenAI chat/completions shapes, streaming) is in genq/sim/reply.py.
+Info endpoints, metric names, error bodies and context-length checks, each copied
+from the engine's sources (docs/engines.md names the files). The chat/completions
+shapes the three share are in genq/sim/reply.py, their streaming in generate.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from genq.sim.config import SimConfig
 
 if TYPE_CHECKING:
     from genq.sim.engine import Engine
-    from genq.sim.stepped import SteppedEngine
 
 FLAVORS = ("sglang", "vllm", "llamacpp")
 VERSION = "0.0.0-genq-sim"
@@ -32,41 +31,38 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 # ---- errors ------------------------------------------------------------------
 
 
-def error_response(flavor: str, status: int, message: str, err_type: str | None = None,
-                   **extra: Any) -> web.Response:
+def error_body(flavor: str, status: int, message: str, err_type: str | None = None, **extra: Any) -> dict[str, Any]:
     """The engine's error body: SGLang's is flat, vLLM and llama.cpp nest it under "error"."""
     if flavor == "sglang":
-        body: dict[str, Any] = {"object": "error", "message": message, "type": err_type or "BadRequestError",
-                                "param": None, "code": status}
-    elif flavor == "vllm":
-        body = {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
+        return {"object": "error", "message": message, "type": err_type or "BadRequestError", "param": None,
+                "code": status}
+    if flavor == "vllm":
+        return {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
                           "code": status}}
-    else:  # llama.cpp: format_error_response() in tools/server/server-common.cpp
-        body = {"error": {"code": status, "message": message, "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"),
-                          **extra}}
-    return json_response(body, status)
+    # llama.cpp: format_error_response() in tools/server/server-common.cpp
+    return {"error": {"code": status, "message": message, "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"),
+                      **extra}}
+
+
+def error_response(flavor: str, status: int, message: str, err_type: str | None = None,
+                   **extra: Any) -> web.Response:
+    return json_response(error_body(flavor, status, message, err_type, **extra), status)
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + _encode(data) + b"\n\n"
 
 
 def stream_error(flavor: str, message: str) -> bytes:
-    """What the engine writes on an HTTP 200 stream when a request fails after output
-    began: an SSE event holding the error, then (SGLang, vLLM) [DONE].
-
-    SGLang: serving_chat.py/serving_completions.py catch the exception inside the
-    stream generator and send create_streaming_error_response(str(e)), whose defaults
-    make it type "BadRequestError", code 400, whatever went wrong. vLLM: a request the
-    engine finishes with "error" raises GenerationError, sent as InternalServerError,
-    code 500 (entrypoints/openai/engine/serving.py). llama.cpp: format_error(...) of a
-    server_error (code 500), and the stream ends without [DONE]
-    (tools/server/server-context.cpp, handle_completions_impl).
-    """
+    """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began.
+    SGLang's create_streaming_error_response() makes any failure BadRequestError/400, then [DONE];
+    vLLM sends its GenerationError as InternalServerError/500, then [DONE]; llama.cpp a server_error
+    (500) and no [DONE]."""
     if flavor == "sglang":
-        event: dict[str, Any] = {"error": {"object": "error", "message": message, "type": "BadRequestError",
-                                           "param": None, "code": 400}}
-    elif flavor == "vllm":
-        event = {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
-    else:
-        return b"data: " + _encode({"error": {"code": 500, "message": message, "type": "server_error"}}) + b"\n\n"
-    return b"data: " + _encode(event) + b"\n\ndata: [DONE]\n\n"
+        return sse({"error": error_body(flavor, 400, message)}) + b"data: [DONE]\n\n"
+    if flavor == "vllm":
+        return sse(error_body(flavor, 500, message, "InternalServerError")) + b"data: [DONE]\n\n"
+    return sse(error_body(flavor, 500, message))
 
 
 _LLAMACPP_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
@@ -81,9 +77,8 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
     """The engine's answer to a prompt against its context: a 400, or the most tokens
     the request may generate. ctx_given: SGLang was started with --context-length."""
     if flavor == "llamacpp":
-        # tools/server/server-context.cpp: checked against the slot's context when the
-        # request gets a slot; max_tokens past the end is no error, the slot stops at
-        # the end of its context (finish_reason "length").
+        # Checked against the slot's context; max_tokens past its end is no error, the slot
+        # stops there (finish_reason "length").
         if n_prompt >= ctx:
             return error_response(
                 flavor, 400,
@@ -91,12 +86,9 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
                 "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
     if flavor == "vllm":
-        # vLLM 0.32: max_tokens over the context is refused first (renderers/params.py
-        # TokenizeParams.__post_init__), then a prompt over it (_token_len_check: the chat
-        # tokenizer cuts the prompt at context + 1 tokens, hence "at least"); a prompt that
-        # fits gets max_tokens cut to what the context leaves (get_max_tokens in
-        # entrypoints/serve/utils/api_utils.py), no error; none left is SamplingParams' 400.
-        # VLLMValidationError's str() (vllm/exceptions.py) ends "(parameter=..., value=...)".
+        # vLLM 0.32 refuses max_tokens over the context first, then a prompt over it ("at least":
+        # its chat tokenizer cuts at context + 1), then a prompt that leaves no room; else max_tokens
+        # is cut to fit. Its messages end as VLLMValidationError's str(): "(parameter=..., value=...)".
         if max_new is not None and max_new > ctx:
             return error_response(flavor, 400, f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. "
                                                f"Please request fewer output tokens. (parameter=max_tokens, "
@@ -111,9 +103,8 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
             return error_response(flavor, 400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
                                   param="max_tokens")
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
-    # SGLang: entrypoints/openai/serving_chat.py and managers/tokenizer_manager.py. With
-    # --context-length, _validate_request refuses max_tokens over it before the prompt is
-    # tokenized (0.5.23's message, its missing space included).
+    # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
+    # tokenized (its message's missing space included).
     if ctx_given and max_new is not None and max_new > ctx:
         return bad_request(flavor, f"max_completion_tokens is too large: {max_new}."
                                    f"This model supports at most {ctx} completion tokens.")
@@ -141,7 +132,7 @@ def model_card(cfg: SimConfig) -> dict[str, Any]:
         "id": cfg.model_path if flavor == "llamacpp" else cfg.model_name,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": {"sglang": "sglang", "vllm": "vllm", "llamacpp": "llamacpp"}[flavor],
+        "owned_by": flavor,
         "root": cfg.model_path,
         "max_model_len": cfg.context_length,
     }
@@ -153,7 +144,6 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
               "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
     return {
         "model_path": cfg.model_path,
-        "tokenizer_path": cfg.model_path,
         "served_model_name": cfg.model_name,
         "host": cfg.host,
         "port": cfg.port,
@@ -163,12 +153,6 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
         "max_queued_requests": cfg.max_queued_requests,
         "max_total_num_tokens": cfg.max_total_num_tokens,
         "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1,
-        "chunked_prefill_size": 8192,
-        "schedule_policy": "fcfs",
-        "tp_size": 1,
-        "dp_size": 1,
-        "enable_metrics": True,
-        "reasoning_parser": "qwen3",
         "version": VERSION,
         "internal_states": [
             {
@@ -204,67 +188,59 @@ def llamacpp_slots(cfg: SimConfig, engine: Engine) -> list[dict[str, Any]]:
 # ---- metrics -----------------------------------------------------------------
 
 
-def metrics_page(cfg: SimConfig, eng: SteppedEngine) -> str:
-    if cfg.flavor == "llamacpp":
-        return _llamacpp_metrics(eng)
-    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def metrics_page(cfg: SimConfig, eng: Engine) -> str:
+    """/metrics in the engine's names: (kind, name, help, value) rows, rendered alike."""
     usage = eng.used_tokens / cfg.max_total_num_tokens
-    if cfg.flavor == "vllm":
-        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire.
-        # The scheduler's counts as its last step left them (genq/sim/stepped.py); none deferred.
-        labels = f'{{engine="0",model_name="{label}"}}'
-        gauges = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+    if cfg.flavor == "llamacpp":
+        # server_task_result_metrics in tools/server/server-task.cpp: no labels, integer values.
+        rows: list[tuple[str, str, str, Any]] = [
+            ("counter", "llamacpp:prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+            ("counter", "llamacpp:tokens_predicted_total", "Number of generation tokens processed",
+             eng.generation_tokens_total),
+            ("gauge", "llamacpp:requests_processing", "Number of requests processing", eng.num_running),
+            ("gauge", "llamacpp:requests_deferred", "Number of requests deferred", eng.num_waiting),
         ]
-        by_reason = [("capacity", eng.stepped_waiting), ("deferred", 0)]
-        counters = [
-            ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
-            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
-            ("vllm:generation_tokens_total", "Number of generation tokens processed.", eng.generation_tokens_total),
+        return "".join(f"# HELP {name} {text}\n# TYPE {name} {kind}\n{name} {value}\n" for kind, name, text, value in rows)
+    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if cfg.flavor == "vllm":
+        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire. The
+        # scheduler's counts as its last step left them (Engine.stepped_running); none deferred.
+        labels = f'engine="0",model_name="{label}"'
+        rows = [
+            ("gauge", "vllm:num_requests_running", "Number of requests in model execution batches.",
+             eng.stepped_running),
+            ("gauge", "vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
+            ("gauge", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("counter", "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+            ("counter", "vllm:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+            ("counter", "vllm:generation_tokens_total", "Number of generation tokens processed.",
+             eng.generation_tokens_total),
         ]
     else:
         # python/sglang/srt/metrics/collector.py
-        labels = f'{{model_name="{label}"}}'
-        gauges = [
-            ("sglang:num_running_reqs", "The number of running requests.", eng.num_running),
-            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
-            ("sglang:num_used_tokens", "The number of used tokens.", eng.used_tokens),
-            ("sglang:token_usage", "The token usage.", usage),
-            ("sglang:gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+        labels = f'model_name="{label}"'
+        rows = [
+            ("gauge", "sglang:num_running_reqs", "The number of running requests.", eng.num_running),
+            ("gauge", "sglang:num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
+            ("gauge", "sglang:num_used_tokens", "The number of used tokens.", eng.used_tokens),
+            ("gauge", "sglang:token_usage", "The token usage.", usage),
+            ("gauge", "sglang:gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
             # 0.5.23 has this gauge (no retraction counter); the sim never retracts.
-            ("sglang:num_retracted_reqs", "The number of retracted requests.", 0),
+            ("gauge", "sglang:num_retracted_reqs", "The number of retracted requests.", 0),
+            ("counter", "sglang:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+            ("counter", "sglang:generation_tokens_total", "Number of generation tokens processed.",
+             eng.generation_tokens_total),
+            ("counter", "sglang:num_requests_total", "Number of requests processed.", eng.num_requests_total),
+            ("counter", "sglang:num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total),
         ]
-        counters = [
-            ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
-            ("sglang:generation_tokens_total", "Number of generation tokens processed.", eng.generation_tokens_total),
-            ("sglang:num_requests_total", "Number of requests processed.", eng.num_requests_total),
-            ("sglang:num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total),
-        ]
-    lines: list[str] = []
-    for kind, items in (("gauge", gauges), ("counter", counters)):
-        for name, help_text, value in items:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+    page = "".join(f"# HELP {name} {text}\n# TYPE {name} {kind}\n{name}{{{labels}}} {float(value)}\n"
+                   for kind, name, text, value in rows)
     if cfg.flavor == "vllm":
         name = "vllm:num_requests_waiting_by_reason"
-        lines += [f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
-                  "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
-                  "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
-                  f"# TYPE {name} gauge"]
-        lines += [f'{name}{labels[:-1]},reason="{reason}"}} {float(n)}' for reason, n in by_reason]
-    return "\n".join(lines) + "\n"
-
-
-def _llamacpp_metrics(eng: Engine) -> str:
-    """server_task_result_metrics in tools/server/server-task.cpp: no labels."""
-    items = [
-        ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
-        ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
-        ("gauge", "requests_processing", "Number of requests processing", eng.num_running),
-        ("gauge", "requests_deferred", "Number of requests deferred", eng.num_waiting),
-    ]
-    lines: list[str] = []
-    for kind, name, help_text, value in items:
-        lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {value}"]
-    return "\n".join(lines) + "\n"
+        page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+                 "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
+                 "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n"
+                 f"# TYPE {name} gauge\n"
+                 f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
+                 f'{name}{{{labels},reason="deferred"}} 0.0\n')
+    return page

@@ -56,6 +56,12 @@ class ChatRequest(_Sampling, kw_only=True):
         # SGLang: max_completion_tokens wins over the deprecated max_tokens.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def counted_prompt(self) -> tuple[Any, int] | str:
+        """(what the prompt key hashes, its tokens), or why the sim refuses it."""
+        if not self.messages:
+            return "messages: Field required (a non-empty list)."
+        return self.messages, chat_prompt_tokens(self.messages)
+
     def thinking(self) -> bool:
         return bool((self.chat_template_kwargs or {}).get("enable_thinking"))
 
@@ -67,6 +73,18 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
+
+    def counted_prompt(self) -> tuple[Any, int] | str:
+        """(what the prompt key hashes, its tokens), or why the sim refuses it: a batch of prompts,
+        which SGLang answers with several choices, is not served."""
+        if isinstance(self.prompt, str):
+            return self.prompt, _text_tokens(self.prompt)
+        if isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) for t in self.prompt):
+            return self.prompt, len(self.prompt)
+        return "prompt must be a string or a list of token ids in genq sim."
 
 
 def _text_tokens(text: str) -> int:
@@ -83,16 +101,6 @@ def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
             content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
         total += _text_tokens(content if isinstance(content, str) else "")
     return total
-
-
-def completion_prompt_tokens(prompt: Any) -> int | None:
-    """Tokens of a text or token-id prompt; None for what the sim does not serve
-    (batched prompts, which SGLang answers with several choices)."""
-    if isinstance(prompt, str):
-        return _text_tokens(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    return None
 
 
 def validate(body: _Sampling, max_new_tokens: int | None, flavor: str) -> str | None:

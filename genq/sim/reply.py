@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 
 from genq.sim.engine import SimRequest
-from genq.sim.protocol import ChatRequest, CompletionRequest
 
 # Reported as matched_stop of a natural stop: Qwen's <|im_end|> token id, what
 # SGLang reports when generation ends on EOS.
@@ -22,20 +21,6 @@ EOS_TOKEN_ID = 151645
 WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
 
 _encode = msgspec.json.encode
-
-
-def sse(data: Any) -> bytes:
-    return b"data: " + _encode(data) + b"\n\n"
-
-
-@dataclass(slots=True)
-class Job:
-    """A request that passed validation."""
-
-    body: ChatRequest | CompletionRequest
-    key: str
-    prompt_tokens: int
-    max_new_tokens: int
 
 
 @dataclass(slots=True)
@@ -119,31 +104,16 @@ class Reply:
     def choice(self, req: SimRequest) -> dict[str, Any]:
         """This choice of a whole (non-streamed) answer."""
         reasoning, content = self.pieces(0, req.generated)
-        stop = self.stop_field(req.finish_reason)
-        if self.chat and self.sglang and not self.tool:  # SGLang's message has no tool_calls key then
-            message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-            return {"index": self.index, "message": message, "logprobs": self.logprobs(0, req.generated),
-                    "finish_reason": self.finish(req.finish_reason), **stop}
-        if self.chat:
-            return {
-                "index": self.index,
-                "message": {
-                    "role": "assistant",
-                    "content": content,
-                    "reasoning_content": reasoning or None,
-                    "tool_calls": [self.call(req.generated)] if self.tool else None,
-                },
-                "logprobs": self.logprobs(0, req.generated),
-                "finish_reason": self.finish(req.finish_reason),
-                **stop,
-            }
-        return {
-            "index": self.index,
-            "text": reasoning + content,
-            "logprobs": self.logprobs(0, req.generated),
-            "finish_reason": req.finish_reason,
-            **stop,
-        }
+        if not self.chat:
+            body: dict[str, Any] = {"index": self.index, "text": reasoning + content}
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            if self.tool or not self.sglang:  # SGLang's message has no tool_calls key without a call
+                message["tool_calls"] = [self.call(req.generated)] if self.tool else None
+            body = {"index": self.index, "message": message}
+        finish = self.finish(req.finish_reason) if self.chat else req.finish_reason
+        return {**body, "logprobs": self.logprobs(0, req.generated), "finish_reason": finish,
+                **self.stop_field(req.finish_reason)}
 
     def stop_field(self, finish: str | None) -> dict[str, Any]:
         """What stopped the choice: SGLang's matched_stop names the EOS token; vLLM's stop_reason
@@ -167,8 +137,7 @@ class Reply:
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None, tokens: int | None,
               logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> dict[str, Any]:
-        """One stream chunk; delta None is the finish chunk (empty delta/text). SGLang's chunks
-        without a count (its role and finish chunks) have no usage key."""
+        """One stream chunk; delta None is the finish chunk (empty delta/text)."""
         if self.chat:
             if self.sglang:
                 delta = {"reasoning_content": None, **(delta or {})}
@@ -177,16 +146,16 @@ class Reply:
             choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
         choice["finish_reason"] = finish
         choice.update(self.stop_field(finish))
-        out = {
+        out: dict[str, Any] = {
             "id": chunk_id or self.chunk_id or self.rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
-            "usage": None if tokens is None else self.usage(tokens),
         }
-        if self.sglang and tokens is None:
-            del out["usage"]
+        # SGLang's chunks without a count (its role and finish chunks) have no usage key.
+        if tokens is not None or not self.sglang:
+            out["usage"] = None if tokens is None else self.usage(tokens)
         return out
 
     def usage_chunk(self, tokens: int, chunk_id: str | None = None) -> dict[str, Any]:
