@@ -25,12 +25,8 @@ from genq.ops.settings import describe_block, set_settings
 def jobs(ctx: click.Context, as_json: bool) -> None:
     """Jobs with priority, share of the fleet, prompts total/done/failed, batches and paused state.
 
-    share is the job's part of the requests running on the fleet now; priority (and
-    weight, when not 1) decide it: docs/scheduling.md.
-
-    done sums the workers' counters, failed is the dead-letter queue's size
-    (`genq dlq`), remaining = total - done - failed. `genq jobs delete JOB`
-    removes a job from Redis.
+    share is the job's part of the requests running on the fleet now, which priority and weight
+    decide (docs/scheduling.md); failed is the dead-letter queue's size (`genq dlq`).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -225,7 +221,8 @@ def pause(ctx: click.Context, job: str | None) -> None:
 @job_option("Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:
-    """Undo `genq pause` (global, or one job's)."""
+    """Undo `genq pause` (global, or one job's); with --job, also lift the job's block
+    (docs/settings.md) and queue the batches its workers parked."""
     with redis_conn(ctx) as conn:
         jobs_named(conn, job)
         queued = control.resume(conn, job)
