@@ -86,15 +86,13 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     "messages" row is rejected. Settings and "sampling" are checked here.
 
     Re-running is safe: ids already queued or done are skipped and counted. Later enqueues into
-    a job must not contradict its settings; new prompts from another input for a finished job
-    are refused unless --add. Nothing is created when nothing is queued.
+    a job must not contradict its settings. Nothing is created when nothing is queued.
 
     \b
     Exit status: 0 every line queued or skipped; 3 some lines were rejected (each named, and
     written to the rejects file; the valid ones were queued); 1 nothing was queued (unreadable,
-    empty or wholly invalid input, bad --extra-body, settings that contradict the job, Redis
-    unreachable), or Redis failed part way (the error says how many prompts the job holds: the
-    same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C: as Redis failing).
+    empty or invalid input, settings that contradict the job, Redis unreachable), or Redis failed
+    part way (the same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C).
     """
     url = settings(ctx).redis_url
     try:

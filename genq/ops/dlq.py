@@ -38,9 +38,8 @@ from genq.core.queueing import (
     new_batches,
     write_batches,
 )
-from genq.core.records import DeadLetter, ErrorKind, JobConfig
+from genq.core.records import DeadLetter, ErrorKind, JobConfig, Prompt
 from genq.ops import Refused, jobs_named
-from genq.ops.settings import with_override
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -187,7 +186,8 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         found, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
-        prompts = sorted((with_override(letter.prompt, override) for letter in found if letter.prompt is not None),
+        # `override` goes over each prompt's own sampling, which wins over the job's settings.
+        prompts = sorted((_with_sampling(letter.prompt, override) for letter in found if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
         batches = new_batches(conn, job, prompts, config.batch_size)  # ids from INCRBY: gaps are harmless
         if found:
@@ -203,6 +203,12 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
     if moved:
         report.prompts[job] = report.prompts.get(job, 0) + len(moved)
         report.new_batches.setdefault(job, []).extend(batch_ids)
+
+
+def _with_sampling(prompt: Prompt, override: dict[str, Any]) -> Prompt:
+    if not override:
+        return prompt
+    return msgspec.structs.replace(prompt, sampling={**(prompt.sampling or {}), **override})
 
 
 def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[str]) -> None:
