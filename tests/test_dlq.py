@@ -296,7 +296,7 @@ def test_unknown_job_or_id_is_a_clear_error(redis_url, tmp_path):
     enqueue(redis_url, src, "real", tmp_path / "out")
     for args in (["list"], ["show", "p00001"], ["requeue", "--all"], ["purge", "--yes"]):
         proc = run_genq("dlq", *args, "--job", "nope", redis_url=redis_url, check=False)
-        assert proc.returncode == 1 and "unknown job 'nope' (known jobs: real)" in proc.stderr, (args, proc.stderr)
+        assert proc.returncode == 1 and "no job named 'nope' (known jobs: real)" in proc.stderr, (args, proc.stderr)
     for args in (["show", "p00099"], ["requeue", "p00099", "p00000"], ["show", "batch:b0000042"]):
         proc = run_genq("dlq", *args, redis_url=redis_url, check=False)
         assert proc.returncode == 1 and "no dead letter or failed batch with id" in proc.stderr, (args, proc.stderr)

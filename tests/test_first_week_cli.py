@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socketserver
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -318,3 +320,12 @@ def test_dry_run_says_a_job_redis_lost_would_be_created_again_from_its_output(re
     assert "a new job" not in dry.stdout and rconn.keys("*") == [], dry.stdout
     again = run_genq("enqueue", str(src), *common, redis_url=redis_url)
     assert "job created again from its output" in again.stdout, again.stdout
+
+
+def test_demo_takes_the_redis_given_after_the_subcommand(tmp_path):
+    """`genq demo --redis URL` (README) uses that Redis, as `genq --redis URL demo` does: --keep is
+    allowed with it, and a Redis that does not answer is said (exit 1), not the private one used."""
+    env = {k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}
+    proc = subprocess.run([sys.executable, "-m", "genq", "demo", "--redis", "redis://127.0.0.1:1/0", "--keep",
+                           "--output", str(tmp_path / "d")], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "--keep needs" not in proc.stderr, proc.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import json
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -24,7 +23,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, mask_url, parse, resolve_url
+from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, parse, resolve_url
 from genq.ops import Refused
 
 EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an export is partial
@@ -52,19 +51,13 @@ COMMANDS: dict[str, str] = {
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(n for n in COMMANDS if importlib.util.find_spec(COMMANDS[n].split(":")[0]) is not None)
+        return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name].split(":")
-        try:
-            command = getattr(importlib.import_module(module), attr)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:
-                return None
-            raise
-        return _with_redis_option(command)
+        return _with_redis_option(getattr(importlib.import_module(module), attr))
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -80,7 +73,7 @@ class LazyGroup(click.Group):
 
 def _set_redis(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value is not None:  # given after the subcommand: it wins over the group's (and the env's)
-        ctx.ensure_object(Settings).redis_url = checked_url(value)
+        ctx.obj = Settings(checked_url(value), given=True)
 
 
 def _with_redis_option(command: click.Command) -> click.Command:
@@ -111,10 +104,7 @@ class Settings:
     """What the group's options give every subcommand (ctx.obj)."""
 
     redis_url: str
-
-    @property
-    def redis_display(self) -> str:
-        return mask_url(self.redis_url)
+    given: bool = False  # by --redis or GENQ_REDIS_URL, not the default
 
 
 def settings(ctx: click.Context) -> Settings:
@@ -277,7 +267,7 @@ def cli(ctx: click.Context, redis_url: str | None) -> None:
       3    partly done: some input lines or DLQ entries were skipped (each one named)
       130  interrupted (Ctrl-C)
     """
-    ctx.obj = Settings(checked_url(resolve_url(redis_url)))
+    ctx.obj = Settings(checked_url(resolve_url(redis_url)), given=bool(redis_url))
 
 
 def main() -> None:

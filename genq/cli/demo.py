@@ -33,47 +33,26 @@ from genq.ops import control
 from genq.output import layout
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "TCP congestion control",
-          "Bayesian inference", "sourdough baking", "the Krebs cycle", "compiler optimisations",
-          "plate tectonics", "options pricing", "garbage collection", "the Silk Road"]
+          "Bayesian inference", "sourdough baking", "the Krebs cycle", "plate tectonics"]
 TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.",
-         "Summarise the main debates about {t}.", "Give a step-by-step example involving {t}.",
          "What are common misconceptions about {t}?"]
 
 
-class Children:
-    """The processes the demo started, each logging to LOG_DIR/NAME.log; `stop` ends them all."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.procs.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 @click.command(short_help="Run genq end to end here, with simulated GPUs.")
-@click.option("--num-gpus", "gpus", cls=Option, old=["--gpus"], type=click.IntRange(1, 16), default=4, show_default=True,
-              help="Simulated GPUs: one sim server and one worker each.")
-@click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True, help="Synthetic prompts to generate.")
-@click.option("--output", type=click.Path(file_okay=False), default="demo-out", show_default=True, help="Where prompts, shards and logs go.")
-@click.option("--max-running-requests", type=click.IntRange(1), default=37, show_default=True, help="Each simulated server's capacity.")
-@click.option("--mean-output-tokens", type=click.FloatRange(1), default=600, show_default=True, help="Mean of the heavy-tailed (lognormal) output lengths.")
-@click.option("--speed", type=click.FloatRange(0.1), default=1.0, show_default=True, help="Time compression: higher finishes sooner.")
-@click.option("--keep", is_flag=True, help="With --redis: keep the demo's job in that Redis afterwards (to try `genq monitor`, `genq export`).")
+@click.option("--num-gpus", "gpus", cls=Option, old=["--gpus"], type=click.IntRange(1, 16), default=4,
+              show_default=True, help="Simulated GPUs: one sim server and one worker each.")
+@click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True,
+              help="Synthetic prompts to generate.")
+@click.option("--output", type=click.Path(file_okay=False), default="demo-out", show_default=True,
+              help="Where prompts, shards and logs go.")
+@click.option("--max-running-requests", type=click.IntRange(1), default=37, show_default=True,
+              help="Each simulated server's capacity.")
+@click.option("--mean-output-tokens", type=click.FloatRange(1), default=600, show_default=True,
+              help="Mean of the heavy-tailed (lognormal) output lengths.")
+@click.option("--speed", type=click.FloatRange(0.1), default=1.0, show_default=True,
+              help="Time compression: higher finishes sooner.")
+@click.option("--keep", is_flag=True,
+              help="With --redis: keep the demo's job in that Redis afterwards (to try `genq monitor`, `genq export`).")
 @click.pass_context
 def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running_requests: int,
          mean_output_tokens: float, speed: float, keep: bool) -> None:
@@ -82,30 +61,27 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
     Enqueues synthetic prompts, starts one SGLang-compatible simulator and one
     worker per simulated GPU, shows live progress, and leaves one result per
     prompt under --output. Runs on a private redis-server of its own (started
-    and stopped by the demo; nothing kept), so it never touches a Redis already
-    running here. With --redis URL (or GENQ_REDIS_URL) it uses that Redis
-    instead and removes the demo's job from it at the end unless --keep.
+    and stopped by the demo), so it never touches a Redis already running here.
+    With --redis URL (or GENQ_REDIS_URL) it uses that Redis instead and removes
+    the demo's job from it at the end unless --keep.
     """
-    root = ctx.find_root()
-    given = settings(ctx).redis_url if root is not ctx and root.params.get("redis_url") else None
-    given = given or os.environ.get("GENQ_REDIS_URL") or None
+    given = settings(ctx).redis_url if settings(ctx).given else None
     if keep and given is None:
         raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
     out = Path(output).resolve()
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:  # the children stop before a private Redis: none sees it vanish
         if given is None:
             try:
-                with open(logs / "redis.log", "wb") as log:
+                with open(out / "logs" / "redis.log", "wb") as log:
                     url = stack.enter_context(LocalRedis(log=log)).url
             except RuntimeError as e:
                 raise click.ClickException(f"the demo runs a redis-server of its own: {e} (or give --redis URL)") from None
         else:
             url = given
             connect(url).ping()
-        children = Children(logs)
-        stack.callback(children.stop)
+        children: list[subprocess.Popen] = []
+        stack.callback(_stop, children)
         job = _run(url, out, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
                    private=given is None, keep=keep)
         if given is not None and not keep:
@@ -114,8 +90,29 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
             click.echo(f"removed the demo's job {job} from {mask_url(url)} (--keep keeps it)")
 
 
-def _run(url: str, out: Path, children: Children, gpus: int, n_prompts: int, capacity: int, mean_tokens: float,
-         speed: float, *, private: bool, keep: bool) -> str:
+def _start(children: list[subprocess.Popen], log_dir: Path, name: str, args: list[str]) -> subprocess.Popen:
+    """A child in a session of its own, logging to LOG_DIR/NAME.log."""
+    with open(log_dir / f"{name}.log", "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    children.append(proc)
+    return proc
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    """SIGTERM to every child still running, then 15 s for each before it is killed."""
+    for proc in children:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in children:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run(url: str, out: Path, children: list[subprocess.Popen], gpus: int, n_prompts: int, capacity: int,
+         mean_tokens: float, speed: float, *, private: bool, keep: bool) -> str:
     from rich.live import Live
 
     from genq.monitor.progress import Monitor
@@ -133,17 +130,15 @@ def _run(url: str, out: Path, children: Children, gpus: int, n_prompts: int, cap
     where = f"a private redis-server at {url}, stopped at the end" if private else mask_url(url)
     console.print(f"[bold]genq demo[/]: {n_prompts:,} prompts, {gpus} simulated GPUs "
                   f"(max_running_requests {capacity} each), Redis {where}")
-    sims = []
-    for gpu in range(gpus):
-        port = free_port()
-        children.start(f"sim-gpu{gpu}", [
-            *PYTHON, "-m", "genq", "sim", "--port", str(port), "--max-running-requests", str(capacity),
+    sims = [f"http://127.0.0.1:{free_port()}" for _ in range(gpus)]
+    for gpu, sim in enumerate(sims):
+        _start(children, out / "logs", f"sim-gpu{gpu}", [
+            *PYTHON, "-m", "genq", "sim", "--port", sim.rsplit(":", 1)[1], "--max-running-requests", str(capacity),
             "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
             "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
             "--tokens-per-step", "16"])
-        sims.append(f"http://127.0.0.1:{port}")
-    for sim_url in sims:
-        _wait_http(sim_url + "/health")
+    for sim in sims:
+        _wait_http(sim + "/health")
 
     enqueue = subprocess.run([*genq, "enqueue", str(out / "prompts.jsonl"), "--job", job, "--batch-size", "128",
                               "--max-tokens", str(int(mean_tokens * 8)), "--output", str(out),
@@ -154,9 +149,9 @@ def _run(url: str, out: Path, children: Children, gpus: int, n_prompts: int, cap
         raise click.ClickException(f"enqueue failed:\n{enqueue.stderr}")
 
     started = time.monotonic()
-    workers = [children.start(f"worker-gpu{gpu}", [*genq, "worker", "--server", sim_url, "--burst",
-                                                   "--name", f"demo.gpu{gpu}"])
-               for gpu, sim_url in enumerate(sims)]
+    workers = [_start(children, out / "logs", f"worker-gpu{gpu}",
+                      [*genq, "worker", "--server", sim, "--burst", "--name", f"demo.gpu{gpu}"])
+               for gpu, sim in enumerate(sims)]
     conn = connect(url)
     mon = Monitor(conn, job)
     with Live(console=console, refresh_per_second=2, transient=False) as live:
@@ -189,7 +184,8 @@ def _get(url: str) -> dict:
 
 def _summary(console: Console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
              n_prompts: int, *, hints: bool) -> None:
-    shards = sorted((Path(layout.job_root(str(out), job)) / layout.SHARDS_DIR).glob("*.jsonl"))
+    root = Path(layout.job_root(str(out), job))
+    shards = sorted((root / layout.SHARDS_DIR).glob("*.jsonl"))
     rows = [json.loads(line) for shard in shards for line in shard.read_text().splitlines() if line.strip()]
     out_tokens = sum(r["usage"]["completion_tokens"] for r in rows)
     # Each sim's mean running requests over its running limit, as SGLang reports that limit.
@@ -202,9 +198,8 @@ def _summary(console: Console, conn: redis.Redis, out: Path, job: str, sims: lis
                   f"{plural(letters.count(conn, job), 'dead letter')}")
     console.print(f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
                   f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}")
-    console.print(f"  shards:   {Path(layout.job_root(str(out), job)) / layout.SHARDS_DIR}  "
-                  f"({plural(len(shards), 'file')})")
-    console.print(f"  manifest: {Path(layout.job_root(str(out), job)) / layout.MANIFEST_DIR}")
+    console.print(f"  shards:   {root / layout.SHARDS_DIR}  ({plural(len(shards), 'file')})")
+    console.print(f"  manifest: {root / layout.MANIFEST_DIR}")
     console.print(f"  logs:     {out / 'logs'}")
     if rows:
         sample = {k: rows[0][k] for k in ("id", "finish_reason", "usage", "worker", "attempts")}

@@ -6,10 +6,12 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import click
 import msgspec
+import redis
 
 from genq.cli import EXIT_PARTLY_DONE, age, console, iso, job_option, json_option, redis_conn, table, yes_option
 from genq.cli.jobs import generation_options, given
@@ -36,8 +38,16 @@ def dlq() -> None:
     """
 
 
-def _scope(job: str | None, every: str = "any job") -> str:
-    return f"job {job}" if job else every
+def _scope(job: str | None) -> str:
+    return f"job {job}" if job else "any job"
+
+
+def _chosen(conn: redis.Redis, verb: str, job: str | None, ids: Sequence[str] = ()) -> list[core.Entry]:
+    """The entries with these ids, or (none given) all of the job's or all jobs': said when there are none."""
+    chosen = core.find(conn, ids, job) if ids else core.entries(conn, job)
+    if not chosen:
+        click.echo(f"nothing to {verb}: the dead-letter queue is empty ({_scope(job)})")
+    return chosen
 
 
 def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:
@@ -152,9 +162,7 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
         raise click.UsageError("give either --all or one or more IDs")
     override = given(max_tokens=max_tokens, temperature=temperature, top_p=top_p, extra_body=extra_body)
     with redis_conn(ctx) as conn:
-        chosen = core.entries(conn, job) if all_ else core.find(conn, ids, job)
-        if not chosen:
-            click.echo(f"nothing to requeue: the dead-letter queue is empty ({_scope(job)})")
+        if not (chosen := _chosen(conn, "requeue", job, ids)):
             return
         if override and any(e.is_batch for e in chosen):
             raise click.UsageError("--max-tokens/--temperature/--top-p/--extra-body apply to dead prompts, not to "
@@ -195,15 +203,13 @@ def purge(ctx: click.Context, job: str | None, yes: bool) -> None:
       genq dlq list --job NAME --json > dead-letters.json
     """
     with redis_conn(ctx) as conn:
-        chosen = core.entries(conn, job)
-        if not chosen:
-            click.echo(f"nothing to purge: the dead-letter queue is empty ({_scope(job, 'all jobs')})")
+        if not (chosen := _chosen(conn, "purge", job)):
             return
         batches = sum(1 for e in chosen if e.is_batch)
         what = plural(len(chosen) - batches, "dead prompt") + (
             f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
         if not yes:
-            click.confirm(f"Purge {what} of {_scope(job, 'all jobs')}? They will not be retried or counted", abort=True)
+            click.confirm(f"Purge {what} of {f'job {job}' if job else 'all jobs'}? They will not be retried or counted", abort=True)
         report = core.purge(conn, chosen)
     for name, n in report.letters.items():
         click.echo(f"job {name}: purged {plural(n, 'dead prompt')}")

@@ -12,7 +12,6 @@ import click
 import redis
 
 from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, settings
-from genq.cli.readprogress import ReadProgress
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
@@ -20,6 +19,7 @@ from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
 from genq.core.refusals import redis_note_of
 from genq.core.words import plural
+from genq.monitor.view import duration
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
 from genq.producer.files import is_s3
 from genq.producer.meter import Meter
@@ -52,9 +52,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where rejected lines are written. [default: OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl; "
               "./genq-rejects/JOB/NAME.rejects.jsonl for s3:// output]")
 @click.option("--input-by-reference/--input-inline", "by_reference", default=None,
-              help="By reference: Redis holds each batch's line range of INPUT, not its prompts, and workers read "
-                   "that range themselves (a ranged GET on S3; for a local path, every worker must be able to read "
-                   "it at the same absolute path). Needs uncompressed JSONL. Inline: the prompts go into Redis, "
+              help="By reference: Redis holds each batch's line range of INPUT (uncompressed JSONL), which workers "
+                   "read themselves (a local path at the same absolute path). Inline: the prompts go into Redis, "
                    "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
 @click.option("--priority", type=int, default=None,
               help="Scheduling priority, higher first: no worker starts a lower-priority prompt while one of this job "
@@ -62,9 +61,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
 @click.option("--add", "add_to_finished", is_flag=True,
-              help="Add the new prompts of INPUT to JOB even though it is finished (done or partial): it runs "
-                   "again and writes into the same output. Without it, new prompts for a finished job from an "
-                   "input other than its own are refused.")
+              help="Add INPUT's new prompts to JOB though it is finished (done or partial): it runs again into the "
+                   "same output. Without it they are refused unless INPUT is one of the job's own inputs.")
 @click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
               "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
@@ -88,15 +86,13 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     "messages" row is rejected. Settings and "sampling" are checked here.
 
     Re-running is safe: ids already queued or done are skipped and counted. Later enqueues into
-    a job must not contradict its settings; new prompts from another input for a finished job
-    are refused unless --add. Nothing is created when nothing is queued.
+    a job must not contradict its settings. Nothing is created when nothing is queued.
 
     \b
     Exit status: 0 every line queued or skipped; 3 some lines were rejected (each named, and
     written to the rejects file; the valid ones were queued); 1 nothing was queued (unreadable,
-    empty or wholly invalid input, bad --extra-body, settings that contradict the job, Redis
-    unreachable), or Redis failed part way (the error says how many prompts the job holds: the
-    same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C: as Redis failing).
+    empty or invalid input, settings that contradict the job, Redis unreachable), or Redis failed
+    part way (the same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C).
     """
     url = settings(ctx).redis_url
     try:
@@ -223,11 +219,19 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
          closed: str | None) -> EnqueueSummary:
     started = time.monotonic()
     show_progress = sys.stderr.isatty()
-    reading = ReadProgress(meter)
 
     def progress(summary: EnqueueSummary) -> None:
-        if show_progress:
-            click.echo(f"\r  {reading.line(summary.read, summary.enqueued)}", err=True, nl=False)
+        """Prompts read and their rate; for an input of known size (genq.producer.meter) the percent
+        read and an ETA."""
+        if not show_progress:
+            return
+        elapsed = max(time.monotonic() - started, 1e-9)
+        line = f"read {summary.read:,} prompts ({summary.read / elapsed:,.0f}/s), queued {summary.enqueued:,}"
+        if (fraction := meter.fraction()) is not None:
+            line += f" · {100 * fraction:.1f}% of {meter.of_what()}"
+            if fraction > 0:
+                line += f", ETA {duration(elapsed * (1 - fraction) / fraction)}"
+        click.echo(f"\r  {line}", err=True, nl=False)
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
                         input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri), closed=closed)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -12,7 +10,6 @@ import click
 import msgspec
 import redis
 from rich.console import Console
-from rich.live import Live
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
@@ -23,7 +20,7 @@ from genq.core.health import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.queueing import list_jobs
 from genq.core.refusals import redis_note_of
-from genq.core.timings import LEASE_TIMEOUT_S, LOST_BATCH_BACK_S, RECONCILE_EVERY_S
+from genq.core.timings import LOST_BATCH_BACK_S
 from genq.core.words import plural
 from genq.ops import control
 from genq.worker.idle import IDLE_BEAT_S, IDLE_TTL_S
@@ -158,26 +155,14 @@ def fleet_tok_per_s(rows: list[control.WorkerRow]) -> float:
 WORKERS_HELP = f"""The fleet: every worker with its host, GPU, server, state and load.
 
     \b
-    States: busy, idle, paused, draining, server_down (its server is not
-    answering /health; it holds its batches and takes no new ones), stopped
-    (exited cleanly), lost ({NO_HEARTBEAT}: killed or unreachable). A
-    lost worker's batches run elsewhere within about {LOST_BATCH_BACK_S:.0f} s of
-    its death: its engine's liveness key lapses after {LEASE_TIMEOUT_S:.0f} s and the
-    reconciler every worker runs every {RECONCILE_EVERY_S:.0f} s queues them again
-    (docs/operations.md has the measurement).
-    "in flight" is requests running / the worker's current target (and
-    "limit N" under `genq concurrency N`); "capacity" is what its server runs
-    at once (vLLM's max_num_seqs, 128 by default; ? until it is known).
-    "heartbeat" is how long ago it last beat: every second when busy, every
-    {IDLE_BEAT_S:.0f} s when idle (so an idle worker is lost only after {IDLE_TTL_S} s). "tok/s" is
-    the server's own generation counter over 5 s (the answers' tokens over
-    30 s where it has none). "of bound" is that speed against the GPU's decode
-    bound, running x memory bandwidth / (weight + KV bytes read a step), with
-    what caps each GPU's batch and the server flag that lifts it below the
-    table (docs/monitoring.md).
-    Columns that do not fit the terminal are named under the table; --json
-    has them all (server_capacity, concurrency_limit: null is auto; "cap" is
-    the old name of concurrency_limit).
+    States: busy, idle, paused, draining, server_down (its server fails
+    /health), stopped (exited cleanly), lost ({NO_HEARTBEAT}; its batches
+    run elsewhere within about {LOST_BATCH_BACK_S:.0f} s). "in flight" is running/target
+    ("limit N" under `genq concurrency N`); "capacity" is what its server runs
+    at once; "heartbeat" is how long ago it beat (an idle worker beats every
+    {IDLE_BEAT_S:.0f} s, lost after {IDLE_TTL_S} s); "of bound" is its tok/s against the GPU's
+    decode bound (docs/monitoring.md). Columns that do not fit the terminal
+    are named under the table; --json has every field (docs/fleet.md).
     """
 
 
@@ -217,12 +202,16 @@ def _selector_options(fn: Callable) -> Callable:
                         help="A worker by name (see `genq workers`); repeatable.")(fn)
 
 
-def _select(conn: redis.Redis, names: tuple[str, ...], host: str | None, everyone: bool) -> list[control.WorkerRow]:
+def _steer(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, **change: object) -> list[str]:
+    """Change the Control record of the live workers named by --worker, --host or --all: their names."""
     if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
-    chosen = control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)
-    if not chosen:
-        raise click.ClickException("no live workers")
+    with redis_conn(ctx) as conn:
+        chosen = [r.name for r in control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)]
+        if not chosen:
+            raise click.ClickException("no live workers")
+        for name in chosen:
+            control.update_control(conn, name, **change)  # type: ignore[arg-type]
     return chosen
 
 
@@ -239,42 +228,33 @@ def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone
     A drained worker started by `genq worker --gpus` is not restarted; its
     server is stopped once the worker has exited.
     """
-    with redis_conn(ctx) as conn:
-        chosen = _select(conn, names, host, everyone)
-        for row in chosen:
-            control.update_control(conn, row.name, drain=True)
-        click.echo(f"draining {len(chosen)} worker(s): {', '.join(r.name for r in chosen)}")
-        if wait:
-            ok = _wait_stopped(conn, [r.name for r in chosen], timeout)
-            if not ok:
+    chosen = _steer(ctx, names, host, everyone, drain=True)
+    click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
+    if wait:
+        with redis_conn(ctx) as conn:
+            if not _wait_stopped(conn, chosen, timeout):
                 raise click.ClickException(f"still running after {timeout:.0f}s (they keep draining)")
 
 
 def _wait_stopped(conn: redis.Redis, names: list[str], timeout: float | None) -> bool:
-    """Until every named worker has stopped (True) or `timeout` has passed: a live table in a
-    terminal, else a line whenever what they hold changes."""
+    """Until every named worker has stopped (True) or `timeout` has passed: a line whenever what
+    they hold changes."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    live = Live(console=console(), auto_refresh=False) if sys.stdout.isatty() else None
     said = ""
-    with live or contextlib.nullcontext():
-        while True:
-            now = {r.name: r for r in control.fleet(conn)}
-            rows = [now.get(n) or control.WorkerRow(n, None, time.time()) for n in names]
-            if live:
-                live.update(table(("worker", "state", "batches held", "in flight", "queued"),
-                                  ((r.name, r.state, _batches(r, 4), str(r.in_flight) if r.live else "",
-                                    str(r.queued) if r.live else "") for r in rows), title="draining"), refresh=True)
-            elif (line := "; ".join(f"{r.name} {r.state}" + (
-                    f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "")
-                    for r in rows)) != said:
-                click.echo(line)
-                said = line
-            if not any(r.live for r in rows):
-                click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
-                return True
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(1.0)
+    while True:
+        now = {r.name: r for r in control.fleet(conn)}
+        rows = [now.get(n) or control.WorkerRow(n, None, time.time()) for n in names]
+        line = "; ".join(f"{r.name} {r.state}" + (
+            f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "") for r in rows)
+        if line != said:
+            click.echo(line)
+            said = line
+        if not any(r.live for r in rows):
+            click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
+            return True
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
 
 
 @click.command(short_help="Cap the requests in flight per worker, live (or auto).")
@@ -288,9 +268,6 @@ def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, ev
     The worker keeps its automatic target below the cap; `genq workers` shows
     "in flight" as running/target and "limit N", beside the server's capacity.
     """
-    with redis_conn(ctx) as conn:
-        chosen = _select(conn, names, host, everyone)
-        for row in chosen:
-            control.update_control(conn, row.name, concurrency=value)
+    chosen = _steer(ctx, names, host, everyone, concurrency=value)
     click.echo(f"concurrency {'auto' if value is None else f'cap {value}'} for {len(chosen)} worker(s): "
-               f"{', '.join(r.name for r in chosen)}")
+               f"{', '.join(chosen)}")

@@ -9,21 +9,14 @@ from typing import Any
 
 import click
 import msgspec
-import redis
 
 from genq.cli import console, extra_body, iso, job_argument, job_option, json_option, redis_conn, table, yes_option
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.words import plural
-from genq.ops import Refused, control
+from genq.ops import Refused, control, jobs_named
 from genq.ops.settings import describe_block, set_settings
-
-
-def _known(conn: redis.Redis, job: str) -> None:
-    jobs = list_jobs(conn)
-    if job not in jobs:
-        raise Refused(f"no job named {job!r}; jobs: {', '.join(jobs) or 'none'}")
 
 
 @click.group(invoke_without_command=True, short_help="The jobs, their state and counts; show, set or delete one.")
@@ -32,12 +25,8 @@ def _known(conn: redis.Redis, job: str) -> None:
 def jobs(ctx: click.Context, as_json: bool) -> None:
     """Jobs with priority, share of the fleet, prompts total/done/failed, batches and paused state.
 
-    share is the job's part of the requests running on the fleet now; priority (and
-    weight, when not 1) decide it: docs/scheduling.md.
-
-    done sums the workers' counters, failed is the dead-letter queue's size
-    (`genq dlq`), remaining = total - done - failed. `genq jobs delete JOB`
-    removes a job from Redis.
+    share is the job's part of the requests running on the fleet now, which priority and weight
+    decide (docs/scheduling.md); failed is the dead-letter queue's size (`genq dlq`).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -78,11 +67,10 @@ def _floor_percent(part: int, whole: int) -> str:
 def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
     """JOB's settings, their version history, its state and why it is blocked."""
     with redis_conn(ctx) as conn:
-        rows = control.job_rows(conn, [job]) if job in list_jobs(conn) else []
+        (row,) = control.job_rows(conn, jobs_named(conn, job))
         config = load_config(conn, job)
-    if not rows or config is None:
-        raise click.ClickException(f"no job named {job!r}")
-    row = rows[0]
+    if config is None:
+        raise Refused(f"job {job!r} has no stored settings")
     if as_json:
         click.echo(msgspec.json.encode({"config": config, "row": row}).decode())
         return
@@ -158,8 +146,7 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
         raise click.UsageError("name at least one setting to change (see --help)")
     with redis_conn(ctx) as conn:
         if priority is not None or weight is not None:
-            if job not in list_jobs(conn):
-                raise Refused(f"no job named {job!r}")
+            jobs_named(conn, job)
             sched = set_schedule(conn, job, priority, weight)
             click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
         if not changes:
@@ -188,7 +175,7 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
     with redis_conn(ctx) as conn:
         found = control.find_job(conn, job)
         if not found.keys and not found.rq_jobs:
-            _known(conn, job)
+            jobs_named(conn, job)
         if found.holders and not force:
             raise click.ClickException(
                 f"live workers hold batches of job {job!r}: {', '.join(found.holders)}. Drain them "
@@ -223,8 +210,7 @@ def pause(ctx: click.Context, job: str | None) -> None:
     Workers notice within a second. `genq resume` undoes it.
     """
     with redis_conn(ctx) as conn:
-        if job is not None:
-            _known(conn, job)
+        jobs_named(conn, job)
         control.pause(conn, job)
     click.echo(f"paused {f'job {job}' if job else 'all jobs'}: workers send no new requests from now (in-flight ones "
                f"finish, batches stay held){'' if job else '; RQ workers suspended (rq suspend)'}. "
@@ -235,10 +221,10 @@ def pause(ctx: click.Context, job: str | None) -> None:
 @job_option("Resume only this job. [default: lift the global pause]")
 @click.pass_context
 def resume(ctx: click.Context, job: str | None) -> None:
-    """Undo `genq pause` (global, or one job's)."""
+    """Undo `genq pause` (global, or one job's); with --job, also lift the job's block
+    (docs/settings.md) and queue the batches its workers parked."""
     with redis_conn(ctx) as conn:
-        if job is not None:
-            _known(conn, job)
+        jobs_named(conn, job)
         queued = control.resume(conn, job)
         still = sorted(ledger_jobs.paused_jobs(conn, list_jobs(conn)))
         paused_all = ledger_jobs.paused_all(conn)

@@ -11,7 +11,7 @@ import click
 import redis
 
 from genq.cli import JobName, Option, settings
-from genq.core.redisconn import connect, describe_error
+from genq.core.redisconn import connect, describe_error, mask_url
 from genq.core.refusals import refusal
 from genq.core.state import FINISHED_STATUSES
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
@@ -50,17 +50,10 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             web_hosts: tuple[str, ...], until_done: bool) -> None:
     """Show job progress: totals, rates, tokens, an ETA with its range, and each worker.
 
-    \b
-    JSON (--json, --progress-file): with --job, or when exactly one job exists,
-    one object; otherwise an object keyed by job name ({} when there are no
-    jobs). Its fields (total, completed, failed, status, eta_hours, worker_details,
-    ...) are listed in docs/monitoring.md; --json adds eta_s, eta_low_s and
-    eta_high_s in unrounded seconds (null while there is no honest estimate).
-
-    \b
-    The ETA: output lengths fitted to the finished completions and the running
-    ones (each at least as long as it is now), the remaining work at the
-    measured speed, plus the job's drain; its range is a central 90%.
+    JSON (--json, --progress-file): one object with --job or when exactly one job
+    exists, else an object keyed by job name; its fields are in docs/monitoring.md
+    (--json adds eta_s, eta_low_s, eta_high_s in seconds, null without an honest
+    estimate). The ETA's range is a central 90% (docs/monitoring.md says how).
     """
     s = settings(ctx)
     if once and (listen or web_listen):
@@ -102,15 +95,13 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
         click.echo(f"genq monitor: live page on http://{_shown(web_listen)}/"
                    f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
-    try:
+    try:  # what Redis says instead of answering is the genq group's to print
         if once:
-            _emit(mon, as_json, progress_file, s.redis_display, None, live=None)
+            _emit(mon, as_json, progress_file, mask_url(s.redis_url), None, live=None)
             return
-        _loop(mon, as_json, progress_file, s.redis_display, interval, until_done)
+        _loop(mon, as_json, progress_file, mask_url(s.redis_url), interval, until_done)
     except JobNotFound as exc:
         raise click.ClickException(str(exc)) from None
-    except redis.RedisError as exc:
-        raise click.ClickException(describe_error(s.redis_url, exc)) from None
     except OSError as exc:  # the progress file cannot be written
         raise click.ClickException(f"--progress-file {progress_file}: {exc}") from None
     except KeyboardInterrupt:

@@ -17,7 +17,7 @@ import click
 import msgspec
 import redis
 
-from genq.cli import JobName, redis_conn
+from genq.cli import JobName, json_option, redis_conn
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
@@ -30,7 +30,7 @@ from genq.core.records import DeadLetter, Result, ShardInfo, unpack
 @click.argument("words", nargs=-1, metavar="JOB ID")
 @click.option("--job", "job_option", type=JobName(), default=None, metavar="JOB",
               help="The job, as an option: genq status --job JOB ID.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object: {state, batch, record | letter | holder}.")
+@json_option("One JSON object: {state, batch, record | letter | holder}.")
 @click.pass_context
 def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, as_json: bool) -> None:
     """The fate of prompt ID of JOB: queued, held, sending, done (with its record) or

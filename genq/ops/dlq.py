@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -33,15 +33,13 @@ from genq.core.queueing import (
     failed_registry,
     fetch_rq_job,
     fetch_rq_jobs,
-    list_jobs,
     load_batch,
     load_config,
     new_batches,
     write_batches,
 )
-from genq.core.records import DeadLetter, ErrorKind, JobConfig
-from genq.ops import Refused
-from genq.ops.settings import with_override
+from genq.core.records import DeadLetter, ErrorKind, JobConfig, Prompt
+from genq.ops import Refused, jobs_named
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -78,17 +76,6 @@ class PurgeReport(msgspec.Struct):
     kept: list[tuple[str, str]] = []  # (entry id, why)
 
 
-def jobs_for(conn: redis.Redis, job: str | None) -> list[str]:
-    """The jobs a command covers: the named one (which must exist) or all."""
-    known = list_jobs(conn)
-    if job is None:
-        return known
-    if job not in known:
-        hint = f"known jobs: {', '.join(known)}" if known else "this Redis database has no genq jobs"
-        raise Refused(f"unknown job {job!r} ({hint})")
-    return [job]
-
-
 def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
     return letters.read_all(conn, job, Entry)
 
@@ -119,14 +106,14 @@ def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = 
 
 def entries(conn: redis.Redis, job: str | None, *, traceback: bool = False) -> list[Entry]:
     """Everything in the dead-letter view of one job or all, newest first."""
-    jobs = jobs_for(conn, job)
+    jobs = jobs_named(conn, job)
     found = [e for j in jobs for e in dead_letters(conn, j)] + failed_batches(conn, jobs, traceback=traceback)
     return sorted(found, key=lambda e: (-e.at, e.job, e.id))
 
 
 def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: bool = False) -> list[Entry]:
     """The entries with these ids; every id must name exactly one entry."""
-    jobs = jobs_for(conn, job)
+    jobs = jobs_named(conn, job)
     matches: dict[str, list[Entry]] = {i: [] for i in ids}
     prompt_ids = [i for i in matches if not i.startswith(BATCH_PREFIX)]
     for j in jobs:
@@ -148,13 +135,15 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
     return [found[0] for found in matches.values()]
 
 
-def _by_job(chosen: Sequence[Entry]) -> dict[str, list[str]]:
-    """The dead prompts' ids, per job."""
+def _letter_chunks(chosen: Sequence[Entry]) -> Iterator[tuple[str, list[str]]]:
+    """The dead prompts' ids, per job, CHUNK at a time."""
     by_job: dict[str, list[str]] = {}
     for entry in chosen:
         if not entry.is_batch:
             by_job.setdefault(entry.job, []).append(entry.id)
-    return by_job
+    for job, ids in by_job.items():
+        for start in range(0, len(ids), CHUNK):
+            yield job, ids[start:start + CHUNK]
 
 
 def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadLetter], list[tuple[str, str]]]:
@@ -182,12 +171,11 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
     for entry in chosen:
         if entry.is_batch:
             _requeue_batch(conn, entry, report)
-    for job, ids in _by_job(chosen).items():
+    for job, ids in _letter_chunks(chosen):
         config = load_config(conn, job)
         if config is None:
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
-        for start in range(0, len(ids), CHUNK):
-            _requeue_letters(conn, config, ids[start:start + CHUNK], report, override or {})
+        _requeue_letters(conn, config, ids, report, override or {})
     return report
 
 
@@ -198,7 +186,8 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
     def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
         found, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
-        prompts = sorted((with_override(letter.prompt, override) for letter in found if letter.prompt is not None),
+        # `override` goes over each prompt's own sampling, which wins over the job's settings.
+        prompts = sorted((_with_sampling(letter.prompt, override) for letter in found if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
         batches = new_batches(conn, job, prompts, config.batch_size)  # ids from INCRBY: gaps are harmless
         if found:
@@ -214,6 +203,12 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
     if moved:
         report.prompts[job] = report.prompts.get(job, 0) + len(moved)
         report.new_batches.setdefault(job, []).extend(batch_ids)
+
+
+def _with_sampling(prompt: Prompt, override: dict[str, Any]) -> Prompt:
+    if not override:
+        return prompt
+    return msgspec.structs.replace(prompt, sampling={**(prompt.sampling or {}), **override})
 
 
 def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[str]) -> None:
@@ -256,9 +251,8 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
     for entry in chosen:
         if entry.is_batch:
             _purge_batch(conn, entry, report)
-    for job, ids in _by_job(chosen).items():
-        for start in range(0, len(ids), CHUNK):
-            _purge_letters(conn, job, ids[start:start + CHUNK], report)
+    for job, ids in _letter_chunks(chosen):
+        _purge_letters(conn, job, ids, report)
     return report
 
 

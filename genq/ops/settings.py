@@ -21,7 +21,7 @@ from genq.core.ledger import parked
 from genq.core.ledger.parked import unqueue as unqueue  # the job's queued batches out of RQ's queue: pausing
 from genq.core.order import order_queue
 from genq.core.queueing import list_jobs
-from genq.core.records import JobBlock, JobConfig, Prompt, SettingsChange
+from genq.core.records import JobBlock, JobConfig, SettingsChange
 from genq.ops import Refused
 from genq.output import truth
 from genq.output.sink import open_store
@@ -97,15 +97,6 @@ class _Current(Exception):
     """Redis has the latest settings already (or lost the job meanwhile): nothing to store."""
 
 
-def with_override(prompt: Prompt, override: dict[str, Any]) -> Prompt:
-    """The prompt with `override` over its own sampling (`genq dlq requeue --max-tokens N`: a row's
-    sampling wins over the job's settings in every request)."""
-    if not override:
-        return prompt
-    return msgspec.structs.replace(prompt, sampling={**(prompt.sampling or {}), **override})
-
-
-
 def unblock(conn: redis.Redis, job: str) -> int:
     """Lift the job's block and pause, and queue its parked batches again; how many were queued."""
     ledger_jobs.lift_block(conn, job)
@@ -117,7 +108,6 @@ def unblock(conn: redis.Redis, job: str) -> int:
 
 def blocked_jobs(conn: redis.Redis) -> list[str]:
     return sorted(ledger_jobs.blocks_of(conn, list_jobs(conn)))
-
 
 
 def describe_block(job: str, block: JobBlock) -> str:
