@@ -14,8 +14,8 @@ from collections.abc import Iterable
 
 from genq.core import batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Prompt
-from genq.producer.files import is_s3
 from genq.producer.rows import Row, parse_line
+from genq.producer.sources import is_s3
 
 
 class InputChanged(Exception):
@@ -62,24 +62,25 @@ def describe(ref: InputRange) -> str:
 
 def _read_range(ref: InputRange, endpoint_url: str | None) -> bytes:
     want = ref.end - ref.start
-    if is_s3(ref.uri):
-        from genq.output import s3
+    try:
+        if is_s3(ref.uri):
+            from genq.output import s3
 
-        bucket, key = s3.parse_uri(ref.uri)
-        try:
-            resp = s3.client(endpoint_url).get_object(Bucket=bucket, Key=key, Range=f"bytes={ref.start}-{ref.end - 1}")
-            data = resp["Body"].read()
-        except Exception as exc:
-            if s3.error_code(exc) in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "InvalidRange", "416"):
-                raise InputChanged(f"input {describe(ref)} is gone: {s3.describe(exc, ref.uri)}") from None
-            raise
-    else:
-        try:
+            data = s3.read_object(ref.uri, endpoint_url, (ref.start, ref.end))
+        else:
             with open(ref.uri, "rb") as f:
                 f.seek(ref.start)
                 data = f.read(want)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise InputChanged(f"input {describe(ref)} is gone: {exc}") from None
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        raise InputChanged(f"input {describe(ref)} is gone: {exc}") from None
+    except Exception as exc:
+        if not is_s3(ref.uri):
+            raise
+        from genq.output import s3
+
+        if s3.error_code(exc) in (*s3.MISSING, "NoSuchBucket", "InvalidRange", "416"):
+            raise InputChanged(f"input {describe(ref)} is gone: {s3.describe(exc, ref.uri)}") from None
+        raise
     if len(data) != want:
         raise InputChanged(f"input {describe(ref)} changed: only {len(data):,} of {want:,} bytes are left")
     return data
