@@ -218,12 +218,12 @@ def _lines(paths: list[str], entries: Iterable[Entry]) -> Iterator[bytes]:
 def _write(dest: str, write: Callable[[BinaryIO], int], endpoint_url: str | None) -> tuple[int, int]:
     """Write whole (a reader never sees half an export) to a local path, or to s3:// through a local
     temporary file; what `write` returned and the size written."""
-    with tempfile.TemporaryDirectory(prefix="genq-export-") as folder:
-        local = str(Path(folder) / "upload") if dest.startswith("s3://") else dest
-        value = write_atomic(local, write)
-        size = Path(local).stat().st_size
-        if local != dest:
-            from genq.output import s3
+    if not dest.startswith("s3://"):
+        return write_atomic(dest, write), Path(dest).stat().st_size
+    from genq.output import s3
 
-            s3.upload_file(local, dest, endpoint_url)
-    return value, size
+    with tempfile.TemporaryDirectory(prefix="genq-export-") as folder:
+        local = str(Path(folder) / "upload")
+        value = write_atomic(local, write)
+        s3.upload_file(local, dest, endpoint_url)
+        return value, Path(local).stat().st_size

@@ -8,10 +8,10 @@ results in Redis and retries the whole shard with its own backoff.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -20,9 +20,6 @@ import botocore.exceptions
 from botocore.config import Config
 
 log = logging.getLogger(__name__)
-
-_clients: dict[tuple[int, str | None], Any] = {}
-_clients_lock = threading.Lock()
 
 # Errors while reading a response body: the connection broke, not the request.
 _STREAM_ERRORS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ResponseStreamingError,
@@ -48,21 +45,21 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 def client(endpoint_url: str | None = None) -> Any:
     """One boto3 S3 client per (process, endpoint): making one costs tens of milliseconds. Clients are
-    thread-safe, sessions are not (one each, made under a lock); the pid keeps a forked child off its
+    thread-safe (a session is not: each client gets its own); the pid keeps a forked child off its
     parent's connection pool."""
-    key = (os.getpid(), endpoint_url or None)
-    with _clients_lock:
-        if key not in _clients:
-            options: dict[str, Any] = {
-                "retries": {"mode": os.environ.get("AWS_RETRY_MODE") or "standard",
-                            "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)},
-                "connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 32,
-            }
-            if endpoint_url:
-                options["s3"] = {"addressing_style": "path"}  # S3-compatible stores (MinIO, Ceph, moto) want it
-            _clients[key] = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None,
-                                                           config=Config(**options))
-        return _clients[key]
+    return _client(os.getpid(), endpoint_url or None)
+
+
+@functools.cache
+def _client(pid: int, endpoint_url: str | None) -> Any:
+    options: dict[str, Any] = {
+        "retries": {"mode": os.environ.get("AWS_RETRY_MODE") or "standard",
+                    "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)},
+        "connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 32,
+    }
+    if endpoint_url:
+        options["s3"] = {"addressing_style": "path"}  # S3-compatible stores (MinIO, Ceph, moto) want it
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=Config(**options))
 
 
 def error_code(exc: BaseException) -> str | None:
