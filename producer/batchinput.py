@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 from collections.abc import Iterable
 
 from genq.core import batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Prompt
-from genq.producer.rows import Row, parse_line
-from genq.producer.sources import is_s3
+from genq.producer.rows import Row
+from genq.producer.sources import is_s3, jsonl_rows
 
 
 class InputChanged(Exception):
@@ -41,11 +42,8 @@ def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
         return batches.inline_prompts(source)
     wanted = set(batches.ids(source))
     rows = []
-    lines = _read_range(ref, config.s3_endpoint_url).split(b"\n")  # as enqueue read them: on \n only
-    if lines and not lines[-1]:
-        lines.pop()
-    for line_no, raw in enumerate(lines, start=ref.first_line):
-        row = parse_line(line_no, raw, config.endpoint)
+    lines = io.BytesIO(_read_range(ref, config.s3_endpoint_url))  # as enqueue read them: on \n only
+    for row in jsonl_rows(lines, config.endpoint, first_line=ref.first_line):
         if isinstance(row, Row) and row.prompt.id in wanted:
             wanted.discard(row.prompt.id)  # the first line with an id is the one queued
             rows.append(row)

@@ -67,10 +67,11 @@ def open_rows(uri: str, *, endpoint: Endpoint, s3_endpoint_url: str | None = Non
     return jsonl_rows(open_lines(uri, s3_endpoint_url=s3_endpoint_url, meter=meter), endpoint, meter)
 
 
-def jsonl_rows(lines: Iterable[bytes], endpoint: Endpoint, meter: Meter | None = None) -> Iterator[Row | Rejected]:
+def jsonl_rows(lines: Iterable[bytes], endpoint: Endpoint, meter: Meter | None = None,
+               first_line: int = 1) -> Iterator[Row | Rejected]:
     """The rows of JSONL lines (newlines included); blank lines are skipped."""
     meter = meter or Meter()
-    for line_no, raw in enumerate(lines, start=1):
+    for line_no, raw in enumerate(lines, start=first_line):
         row = parse_line(line_no, raw, endpoint, meter.done)
         meter.done += len(raw)
         if row is not None:
