@@ -12,6 +12,7 @@ import functools
 import io
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ import botocore.exceptions
 from botocore.config import Config
 
 log = logging.getLogger(__name__)
+_clients_lock = threading.Lock()
 
 # Errors while reading a response body: the connection broke, not the request.
 _STREAM_ERRORS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ResponseStreamingError,
@@ -45,9 +47,10 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 def client(endpoint_url: str | None = None) -> Any:
     """One boto3 S3 client per (process, endpoint): making one costs tens of milliseconds. Clients are
-    thread-safe (a session is not: each client gets its own); the pid keeps a forked child off its
+    thread-safe, sessions are not (one each, made under a lock); the pid keeps a forked child off its
     parent's connection pool."""
-    return _client(os.getpid(), endpoint_url or None)
+    with _clients_lock:
+        return _client(os.getpid(), endpoint_url or None)
 
 
 @functools.cache
