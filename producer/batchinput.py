@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 from collections.abc import Iterable
 
 from genq.core import batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Prompt
-from genq.producer.files import is_s3
-from genq.producer.rows import Row, parse_line
+from genq.producer.rows import Row
+from genq.producer.sources import is_s3, jsonl_rows
 
 
 class InputChanged(Exception):
@@ -41,11 +42,8 @@ def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
         return batches.inline_prompts(source)
     wanted = set(batches.ids(source))
     rows = []
-    lines = _read_range(ref, config.s3_endpoint_url).split(b"\n")  # as enqueue read them: on \n only
-    if lines and not lines[-1]:
-        lines.pop()
-    for line_no, raw in enumerate(lines, start=ref.first_line):
-        row = parse_line(line_no, raw, config.endpoint)
+    lines = io.BytesIO(_read_range(ref, config.s3_endpoint_url))  # as enqueue read them: on \n only
+    for row in jsonl_rows(lines, config.endpoint, first_line=ref.first_line):
         if isinstance(row, Row) and row.prompt.id in wanted:
             wanted.discard(row.prompt.id)  # the first line with an id is the one queued
             rows.append(row)
@@ -62,24 +60,25 @@ def describe(ref: InputRange) -> str:
 
 def _read_range(ref: InputRange, endpoint_url: str | None) -> bytes:
     want = ref.end - ref.start
-    if is_s3(ref.uri):
-        from genq.output import s3
+    try:
+        if is_s3(ref.uri):
+            from genq.output import s3
 
-        bucket, key = s3.parse_uri(ref.uri)
-        try:
-            resp = s3.client(endpoint_url).get_object(Bucket=bucket, Key=key, Range=f"bytes={ref.start}-{ref.end - 1}")
-            data = resp["Body"].read()
-        except Exception as exc:
-            if s3.error_code(exc) in ("NoSuchKey", "404", "NotFound", "NoSuchBucket", "InvalidRange", "416"):
-                raise InputChanged(f"input {describe(ref)} is gone: {s3.describe(exc, ref.uri)}") from None
-            raise
-    else:
-        try:
+            data = s3.read_object(ref.uri, endpoint_url, (ref.start, ref.end))
+        else:
             with open(ref.uri, "rb") as f:
                 f.seek(ref.start)
                 data = f.read(want)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise InputChanged(f"input {describe(ref)} is gone: {exc}") from None
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        raise InputChanged(f"input {describe(ref)} is gone: {exc}") from None
+    except Exception as exc:
+        if not is_s3(ref.uri):
+            raise
+        from genq.output import s3
+
+        if s3.error_code(exc) in (*s3.MISSING, "NoSuchBucket", "InvalidRange", "416"):
+            raise InputChanged(f"input {describe(ref)} is gone: {s3.describe(exc, ref.uri)}") from None
+        raise
     if len(data) != want:
         raise InputChanged(f"input {describe(ref)} changed: only {len(data):,} of {want:,} bytes are left")
     return data

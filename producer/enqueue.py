@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from itertools import islice
+from typing import TypeVar
 
 import msgspec
 import redis
@@ -108,8 +109,7 @@ class Enqueuer:
         `meter` (the one `rows` advance) is told how many rows are handed on."""
         self._reach_output(self._from_output)
         meter, read = meter or Meter(), 0
-        # The position is taken in the reading thread right after the chunk's last row.
-        for items, position in _read_ahead(_chunks(rows, READ_CHUNK), lambda chunk: (chunk, meter.position())):
+        for items, position in _read_ahead(_chunks(rows, meter)):
             read += len(items)
             meter.read_upto(read, position)
             for item in items:
@@ -346,29 +346,21 @@ def _conflict(row: Row, where: str) -> Rejected:
                     text=row.text())
 
 
-def _read_ahead(chunks: Iterator[T], prepare: Callable[[T], Any]) -> Iterator[Any]:
-    """prepare(chunk) for each chunk, read and computed in a thread at most READ_AHEAD chunks ahead of
-    the consumer; its exceptions are raised here, and it stops when the consumer does."""
-    def step() -> Any:
-        chunk = next(chunks, None)
-        return None if chunk is None else prepare(chunk)
-
+def _read_ahead(chunks: Iterator[T]) -> Iterator[T]:
+    """The chunks, each read in a thread at most READ_AHEAD chunks ahead of the consumer; its
+    exceptions are raised here, and it stops when the consumer does."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="genq-enqueue-read")
     try:
-        ahead = deque(pool.submit(step) for _ in range(READ_AHEAD))
-        while (value := ahead.popleft().result()) is not None:
-            ahead.append(pool.submit(step))
-            yield value
+        ahead = deque(pool.submit(next, chunks, None) for _ in range(READ_AHEAD))
+        while (chunk := ahead.popleft().result()) is not None:
+            ahead.append(pool.submit(next, chunks, None))
+            yield chunk
     finally:
         pool.shutdown(cancel_futures=True)
 
 
-def _chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
-    chunk: list[T] = []
-    for row in rows:
-        chunk.append(row)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def _chunks(rows: Iterable[Row | Rejected], meter: Meter) -> Iterator[tuple[list[Row | Rejected], int]]:
+    """READ_CHUNK rows at a time, each chunk with the meter's position right after its last row."""
+    rows = iter(rows)
+    while chunk := list(islice(rows, READ_CHUNK)):
+        yield chunk, meter.position()

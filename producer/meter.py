@@ -12,44 +12,31 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import BinaryIO
 
 
 class Meter:
     def __init__(self) -> None:
         self.total = 0  # bytes (a .gz input: compressed) or rows; 0: not known
-        self.rows = False  # total counts rows, not bytes
-        self.compressed = False
-        self.done = 0  # of total: bytes parsed, or rows read
+        self.unit = "MiB"  # what total counts, as shown: "MiB", "MiB compressed" or "rows"
+        self.done = 0  # the reader's count: bytes parsed, or rows read
         self.settled = 0.0  # of total: where the rows handed on end
-        self._raw: Any = None  # a .gz input's stream: its position is the compressed bytes read
+        self.position: Callable[[], int] = lambda: self.done  # where the reader is, in units of total
         self._marks: deque[tuple[int, int]] = deque([(0, 0)])  # (rows read in all, position after them)
 
     def of_stream(self, stream: BinaryIO, *, compressed: bool) -> None:
         """A JSONL input's binary stream (a local file, or genq.output.s3's object stream)."""
-        raw = getattr(stream, "raw", stream)
-        size = getattr(raw, "size", None)  # an S3 object: its ContentLength
-        if size is None:
-            try:
-                size = os.fstat(stream.fileno()).st_size
-            except (OSError, AttributeError, ValueError):
-                size = 0
-        self.total, self.compressed = int(size), compressed
-        self._raw = raw if compressed else None
+        size = getattr(getattr(stream, "raw", None), "size", None)  # an S3 object: its ContentLength
+        try:
+            self.total = int(size if size is not None else os.fstat(stream.fileno()).st_size)
+        except (OSError, ValueError):
+            self.total = 0
+        if compressed:
+            self.unit, self.position = "MiB compressed", lambda: _tell(stream, self.total)
 
     def of_rows(self, rows: int) -> None:
-        self.total, self.rows = rows, True
-
-    def position(self) -> int:
-        if self._raw is None:
-            return self.done
-        pos = getattr(self._raw, "pos", None)  # an S3 object stream
-        if pos is None:
-            try:
-                pos = self._raw.tell()
-            except (OSError, ValueError):  # closed: read to the end
-                pos = self.total
-        return int(pos)
+        self.total, self.unit = rows, "rows"
 
     def read_upto(self, rows: int, position: int) -> None:
         """`rows` rows (rejected ones included) were read in all, ending at `position`."""
@@ -76,6 +63,12 @@ class Meter:
 
     def of_what(self) -> str:
         """'12.3 MiB', '4.1 MiB compressed' or '654,676 rows'."""
-        if self.rows:
-            return f"{self.total:,} rows"
-        return f"{self.total / 2**20:,.1f} MiB" + (" compressed" if self.compressed else "")
+        return f"{self.total:,} rows" if self.unit == "rows" else f"{self.total / 2**20:,.1f} {self.unit}"
+
+
+def _tell(stream: BinaryIO, end: int) -> int:
+    """The compressed bytes a stream has given (its end once it is closed: read to the end)."""
+    try:
+        return stream.tell()
+    except (OSError, ValueError):
+        return end

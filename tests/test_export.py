@@ -243,3 +243,15 @@ def test_openai_batch_lines_for_completions_and_errors_without_an_http_answer():
     line = openai_error_line(sse)
     assert line["response"]["status_code"] == 500 and line["error"] is None
     assert line["response"]["body"]["error"]["type"] == "server_error"
+
+
+def test_parquet_request_named_columns_that_are_not_the_mapped_ones_are_metadata(tmp_path):
+    """A "prompt" column beside --prompt-column text is data like any other column: it goes to the
+    row's metadata, not away."""
+    from genq.producer.sources import ColumnMap, open_rows
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": ["say hi"], "prompt": ["an older prompt"], "messages": ["[]"], "n": [1]}), path)
+    (row,) = open_rows(str(path), endpoint="completions", columns=ColumnMap(prompt="text"))
+    assert row.prompt.prompt == "say hi"
+    assert row.prompt.metadata == {"prompt": "an older prompt", "messages": "[]", "n": 1}

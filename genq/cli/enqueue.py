@@ -21,11 +21,10 @@ from genq.core.refusals import redis_note_of
 from genq.core.words import plural
 from genq.monitor.view import duration
 from genq.producer.enqueue import Enqueuer, EnqueueSummary
-from genq.producer.files import is_s3
 from genq.producer.meter import Meter
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, open_rows
+from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, is_s3, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",

@@ -12,9 +12,8 @@ from genq.cli.enqueue import reference_uri
 from genq.core.words import plural
 from genq.ops import recover as recovering
 from genq.producer.enqueue import Enqueuer
-from genq.producer.files import is_s3
 from genq.producer.rejects import RejectsFile
-from genq.producer.sources import SourceError, default_rejects_path, open_rows
+from genq.producer.sources import SourceError, default_rejects_path, is_s3, open_rows
 
 
 @click.command(short_help="Rebuild a job's ledger in Redis from its written output.")

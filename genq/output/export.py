@@ -10,15 +10,14 @@ result wins. The kept records are then sorted (by input index, or by batch) and 
 
 from __future__ import annotations
 
-import gzip
-import shutil
 import tempfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import msgspec
 
@@ -31,6 +30,7 @@ from genq.output.truth import Store
 
 ORDERS = ("input", "batch")
 DOWNLOAD_THREADS = 8
+OPEN_FILES = 64  # spooled shards kept open while the records are copied out
 
 _json = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(ShardInfo)
@@ -72,13 +72,9 @@ class ExportSummary:
 def export(*, output: str, job: str, dest: str, fmt: str = "jsonl", order: str = "input",
            letters: list[DeadLetter] | None = None, errors_path: str | None = None, endpoint_url: str | None = None,
            dest_endpoint_url: str | None = None, incarnation: str | None = None) -> ExportSummary:
-    """Merge the job's shards under `output` into `dest`; with `incarnation`, only that life's (and those
-    of a genq that wrote none). `letters` (the job's dead letters) go to `errors_path` when the format
-    has an errors file."""
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown format {fmt!r} (use {', '.join(FORMATS)})")
-    if order not in ORDERS:
-        raise ExportError(f"unknown order {order!r} (use {', '.join(ORDERS)})")
+    """Merge the job's shards under `output` into `dest` (fmt and order as the CLI's choices allow);
+    with `incarnation`, only that life's (and those of a genq that wrote none). `letters` (the job's
+    dead letters) go to `errors_path` when the format has an errors file."""
     store = open_store(output, endpoint_url)
     shards = _shards(store, job, incarnation)
     summary = ExportSummary(path=dest, shards=len(shards))
@@ -97,9 +93,12 @@ def export(*, output: str, job: str, dest: str, fmt: str = "jsonl", order: str =
     if FORMATS[fmt].errors_file:
         chosen = [d for d in letters or [] if d.id not in kept]
         summary.skipped_errors = len(letters or []) - len(chosen)
-        index = {"input": lambda d: (d.prompt.index if d.prompt else -1, d.batch, d.id),
-                 "batch": lambda d: (d.batch, d.prompt.index if d.prompt else -1, d.id)}[order]
-        lines = [_json.encode(openai_error_line(d)) + b"\n" for d in sorted(chosen, key=index)]
+
+        def index(d: DeadLetter) -> int:
+            return d.prompt.index if d.prompt else -1
+
+        chosen.sort(key=lambda d: (index(d), d.batch, d.id) if order == "input" else (d.batch, index(d), d.id))
+        lines = [_json.encode(openai_error_line(d)) + b"\n" for d in chosen]
         summary.errors_path = errors_path or _errors_path(dest)
         summary.errors, _ = _write(summary.errors_path, lambda out: FORMATS["jsonl"].write(lines, out), dest_endpoint_url)
     return summary
@@ -111,10 +110,7 @@ def default_file_name(job: str, fmt: str) -> str:
 
 def _errors_path(path: str) -> str:
     """results.jsonl -> results.errors.jsonl (OpenAI Batch errors beside the output)."""
-    for suffix in (".jsonl", ".json"):
-        if path.endswith(suffix):
-            return path.removesuffix(suffix) + ".errors.jsonl"
-    return path + ".errors.jsonl"
+    return path.removesuffix(".jsonl" if path.endswith(".jsonl") else ".json") + ".errors.jsonl"
 
 
 def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[ShardInfo, str]]:
@@ -142,44 +138,30 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
     return sorted(shards, key=lambda s: (s[0].at, s[0].batch))
 
 
-class _Counting:
-    """Counts the raw (maybe compressed) bytes read through it."""
-
-    def __init__(self, stream: BinaryIO) -> None:
-        self.stream, self.count = stream, 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.stream.read(n)
-        self.count += len(data)
-        return data
-
-
 def _local_copy(store: Store, rel: str, spool: Path, number: int) -> tuple[str, int]:
     """A local, uncompressed copy of the shard (the shard itself when it is one already), and its
     stored size in bytes."""
     uri, gz = store.uri(rel), rel.endswith(".gz")
-    if isinstance(store, LocalStore) and not gz:
-        if not Path(uri).is_file():
-            raise ExportError(f"shard {uri} named by the manifest is missing")
+    if isinstance(store, LocalStore) and not gz and Path(uri).is_file():
         return uri, Path(uri).stat().st_size
+    target, size = spool / f"{number:08d}.jsonl", 0
+    unzip = zlib.decompressobj(wbits=31) if gz else None
     try:
-        source = store.open(rel)
+        with store.open(rel) as source, open(target, "wb") as out:
+            while chunk := source.read(1 << 20):
+                size += len(chunk)
+                out.write(unzip.decompress(chunk) if unzip else chunk)
     except FileNotFoundError:
         raise ExportError(f"shard {uri} named by the manifest is missing") from None
-    except Exception as exc:
-        if not type(exc).__module__.startswith("botocore"):
-            raise
-        from genq.output import s3
-
-        raise ExportError(f"cannot read shard {s3.describe(exc, uri)}") from None
-    counting, target = _Counting(source), spool / f"{number:08d}.jsonl"
-    try:
-        with source, open(target, "wb") as out:
-            reader: Any = gzip.GzipFile(fileobj=counting, mode="rb") if gz else counting  # type: ignore[call-overload]
-            shutil.copyfileobj(reader, out, 1 << 20)
-    except (OSError, EOFError) as exc:
+    except (OSError, zlib.error) as exc:
         raise ExportError(f"shard {uri} is unreadable: {exc}") from None
-    return str(target), counting.count
+    except Exception as exc:
+        from genq.output import s3  # a store.open of an S3 shard: boto3 is loaded
+
+        if not s3.is_s3_error(exc):
+            raise
+        raise ExportError(f"cannot read shard {s3.describe(exc, uri)}") from None
+    return str(target), size
 
 
 def _scan(store: Store, shards: list[tuple[ShardInfo, str]], spool: Path) -> tuple[list[str], dict[str, Entry], int]:
@@ -214,14 +196,14 @@ def _scan(store: Store, shards: list[tuple[ShardInfo, str]], spool: Path) -> tup
     return paths, kept, duplicates
 
 
-def _lines(paths: list[str], entries: Iterable[Entry], open_files: int = 64) -> Iterator[bytes]:
-    """The raw lines of the entries, in the given order (a few files kept open)."""
+def _lines(paths: list[str], entries: Iterable[Entry]) -> Iterator[bytes]:
+    """The raw lines of the entries, in the given order (the OPEN_FILES last used kept open)."""
     handles: OrderedDict[int, BinaryIO] = OrderedDict()
     try:
         for entry in entries:
             f = handles.get(entry.shard)
             if f is None:
-                if len(handles) >= open_files:
+                if len(handles) >= OPEN_FILES:
                     handles.popitem(last=False)[1].close()
                 f = handles[entry.shard] = open(paths[entry.shard], "rb")
             handles.move_to_end(entry.shard)
@@ -243,6 +225,5 @@ def _write(dest: str, write: Callable[[BinaryIO], int], endpoint_url: str | None
     with tempfile.TemporaryDirectory(prefix="genq-export-") as folder:
         local = str(Path(folder) / "upload")
         value = write_atomic(local, write)
-        size = Path(local).stat().st_size
         s3.upload_file(local, dest, endpoint_url)
-    return value, size
+        return value, Path(local).stat().st_size

@@ -23,81 +23,56 @@ _json = msgspec.json.Encoder()
 _result_decoder = msgspec.json.Decoder(Result)
 
 
-def _json_or_none(value: Any) -> str | None:
-    return None if value is None else _json.encode(value).decode()
+# One fixed schema, a column's name and kind: an Arrow type, "usage" (an int64 of Result.usage),
+# "json" (a JSON string: metadata, logprobs, matched_stop and tool_calls have keys that differ from row
+# to row), "messages" (a list of {role, content}, non-string content as its JSON) or "choices" (every
+# sample when n > 1; the columns before it are choice 0's). The JSONL export keeps every field as it is.
+_CHOICE_COLUMNS = {"index": "int64", "completion": "string", "reasoning_content": "string",
+                   "finish_reason": "string", "completion_tokens": "int64", "logprobs": "json",
+                   "matched_stop": "json", "tool_calls": "json"}
+PARQUET_COLUMNS = {
+    "id": "string", "custom_id": "string", "index": "int64", "job": "string", "batch": "string",
+    "messages": "messages", "prompt": "string", "completion": "string", "reasoning_content": "string",
+    "finish_reason": "string", "prompt_tokens": "usage", "completion_tokens": "usage", "reasoning_tokens": "usage",
+    "model": "string", "worker": "string", "attempts": "int32", "latency_s": "float64", "response_id": "string",
+    "finished_at": "float64", "metadata": "json", "choices": "choices", "logprobs": "json",
+    "matched_stop": "json", "tool_calls": "json",
+}
 
 
-def _stop_json(value: Any) -> str | None:
-    """matched_stop: "null" when stop was set and the server named nothing, null when not set."""
-    return None if value is msgspec.UNSET else _json.encode(value).decode()
+def _cells(obj: Result | Choice, columns: dict[str, str]) -> dict[str, Any]:
+    return {name: _cell(obj, name, kind) for name, kind in columns.items()}
+
+
+def _cell(obj: Any, name: str, kind: str) -> Any:
+    if kind == "usage":
+        return getattr(obj.usage, name)
+    value = getattr(obj, name)
+    if kind == "json":  # matched_stop: "null" when stop was set and the server named nothing, null when not set
+        absent = msgspec.UNSET if name == "matched_stop" else None
+        return None if value is absent or (name == "metadata" and not value) else _json.encode(value).decode()
+    if kind == "messages" and value is not None:
+        return [{"role": m.get("role"), "content": _text(m.get("content"))} for m in value]
+    if kind == "choices" and value is not None:
+        return [_cells(c, _CHOICE_COLUMNS) for c in value]
+    return value
 
 
 def _text(value: Any) -> str | None:
     return value if value is None or isinstance(value, str) else _json.encode(value).decode()  # multimodal parts
 
 
-def _field(name: str) -> Callable[[Any], Any]:
-    return lambda r: getattr(r, name)
-
-
-def _usage(name: str) -> Callable[[Result], Any]:
-    return lambda r: getattr(r.usage, name)
-
-
-_CHOICE_COLUMNS: list[tuple[str, str, Callable[[Choice], Any]]] = [
-    ("index", "int64", _field("index")),
-    ("completion", "string", _field("completion")),
-    ("reasoning_content", "string", _field("reasoning_content")),
-    ("finish_reason", "string", _field("finish_reason")),
-    ("completion_tokens", "int64", _field("completion_tokens")),
-    ("logprobs", "string", lambda c: _json_or_none(c.logprobs)),
-    ("matched_stop", "string", lambda c: _stop_json(c.matched_stop)),
-    ("tool_calls", "string", lambda c: _json_or_none(c.tool_calls)),
-]
-
-# One fixed schema: a column's type ("messages" and "choices" are lists of structs) and its value.
-# messages hold non-string content as its JSON; metadata, logprobs, matched_stop and tool_calls are
-# JSON strings (their keys differ from row to row); choices: every sample when n > 1 (the columns
-# above it are choice 0's). The JSONL export keeps every field as it is.
-PARQUET_COLUMNS: list[tuple[str, str, Callable[[Result], Any]]] = [
-    ("id", "string", _field("id")),
-    ("custom_id", "string", _field("custom_id")),
-    ("index", "int64", _field("index")),
-    ("job", "string", _field("job")),
-    ("batch", "string", _field("batch")),
-    ("messages", "messages", lambda r: None if r.messages is None else [
-        {"role": m.get("role"), "content": _text(m.get("content"))} for m in r.messages]),
-    ("prompt", "string", _field("prompt")),
-    ("completion", "string", _field("completion")),
-    ("reasoning_content", "string", _field("reasoning_content")),
-    ("finish_reason", "string", _field("finish_reason")),
-    ("prompt_tokens", "int64", _usage("prompt_tokens")),
-    ("completion_tokens", "int64", _usage("completion_tokens")),
-    ("reasoning_tokens", "int64", _usage("reasoning_tokens")),
-    ("model", "string", _field("model")),
-    ("worker", "string", _field("worker")),
-    ("attempts", "int32", _field("attempts")),
-    ("latency_s", "float64", _field("latency_s")),
-    ("response_id", "string", _field("response_id")),
-    ("finished_at", "float64", _field("finished_at")),
-    ("metadata", "string", lambda r: _json.encode(r.metadata).decode() if r.metadata else None),
-    ("choices", "choices", lambda r: None if r.choices is None else [
-        {name: value(c) for name, _, value in _CHOICE_COLUMNS} for c in r.choices]),
-    ("logprobs", "string", lambda r: _json_or_none(r.logprobs)),
-    ("matched_stop", "string", lambda r: _stop_json(r.matched_stop)),
-    ("tool_calls", "string", lambda r: _json_or_none(r.tool_calls)),
-]
-
-
 def parquet_schema() -> Any:
     import pyarrow as pa
 
-    def struct(columns: list[tuple[str, str, Any]]) -> Any:
-        return pa.struct([(name, getattr(pa, kind)()) for name, kind, _ in columns])
+    def arrow(kind: str) -> Any:
+        if kind == "messages":
+            return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+        if kind == "choices":
+            return pa.list_(pa.struct([(name, arrow(k)) for name, k in _CHOICE_COLUMNS.items()]))
+        return getattr(pa, {"json": "string", "usage": "int64"}.get(kind, kind))()
 
-    lists = {"messages": pa.list_(struct([("role", "string", None), ("content", "string", None)])),
-             "choices": pa.list_(struct(_CHOICE_COLUMNS))}
-    return pa.schema([(name, lists[kind] if kind in lists else getattr(pa, kind)()) for name, kind, _ in PARQUET_COLUMNS])
+    return pa.schema([(name, arrow(kind)) for name, kind in PARQUET_COLUMNS.items()])
 
 
 def write_jsonl(lines: Iterable[bytes], out: BinaryIO) -> int:
@@ -117,7 +92,7 @@ def write_parquet(lines: Iterable[bytes], out: BinaryIO) -> int:
     with pq.ParquetWriter(out, schema, compression="zstd") as writer:
         for line in lines:
             r = _result_decoder.decode(line)
-            rows.append({name: value(r) for name, _, value in PARQUET_COLUMNS})
+            rows.append(_cells(r, PARQUET_COLUMNS))
             count += 1
             if len(rows) >= PARQUET_ROWS_PER_GROUP:
                 writer.write_table(pa.Table.from_pylist(rows, schema=schema))

@@ -4,11 +4,12 @@
     OUTPUT/JOB/manifest/BATCH.json       its marker (durable.ShardMarker), created after the shard
     OUTPUT/JOB/job.json                  the job (durable.JobRecord), before its first batch is queued
     OUTPUT/JOB/enqueues/RUN.json         what one enqueue queued (durable.EnqueueRecord)
+    OUTPUT/JOB/rejects/NAME.rejects.jsonl  the lines enqueue rejected from input NAME
 
 A reader lists manifest/ and reads only the shards named there: a shard without a marker may still
 be being written. The marker is the commit (genq.output.truth). Batch numbers are never reused in a
 job's folder, so a name is one batch of one job's life; a shard whose name holds other bytes is
-never overwritten, the second writer's copy goes under alt_shard_name.
+never overwritten, the second writer's copy gets a tag in its name.
 """
 
 from __future__ import annotations
@@ -16,19 +17,13 @@ from __future__ import annotations
 SHARDS_DIR = "shards"
 MANIFEST_DIR = "manifest"
 ENQUEUES_DIR = "enqueues"
+REJECTS_DIR = "rejects"
 JOB_FILE = "job.json"
 
 
-def shard_name(batch_id: str, compression: str) -> str:
-    return f"{batch_id}.jsonl.gz" if compression == "gzip" else f"{batch_id}.jsonl"
-
-
-def alt_shard_name(batch_id: str, compression: str, tag: str) -> str:
-    return shard_name(f"{batch_id}.{tag}", compression)
-
-
-def marker_name(batch_id: str) -> str:
-    return f"{batch_id}.json"
+def shard_name(batch_id: str, compression: str, tag: str = "") -> str:
+    name = f"{batch_id}.{tag}" if tag else batch_id
+    return f"{name}.jsonl.gz" if compression == "gzip" else f"{name}.jsonl"
 
 
 def batch_of_marker(name: str) -> str | None:
@@ -36,11 +31,6 @@ def batch_of_marker(name: str) -> str | None:
     if name.startswith(".") or not name.endswith(".json"):
         return None
     return name.removesuffix(".json")
-
-
-def join(*parts: str) -> str:
-    """Path or key parts joined with '/', without doubled or trailing separators."""
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
 def job_root(output: str, job: str) -> str:

@@ -10,27 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-
-def _umask() -> int:
-    """The process's umask, read from /proc (which changes nothing) where it can be."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # set and set back at import, before any thread writes a file
-    os.umask(mask)
-    return mask
-
-
+_UMASK = os.umask(0o022)  # read by setting it: set back at once, at import, before any file is written
+os.umask(_UMASK)
 # What open() would give a new file (0644 under umask 022): mkstemp's files are 0600, which the
 # rename would carry into place, and teammates could not read the shards and exports.
-FILE_MODE = 0o666 & ~_umask()
+FILE_MODE = 0o666 & ~_UMASK
 
 
-def _write_temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> tuple[str, Any]:
+def _temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> tuple[str, Any]:
     """A finished, fsynced file beside `target` with FILE_MODE: its name, and what writing returned."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -49,7 +36,7 @@ def _write_temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> t
 def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
     """Write `data` (bytes, or a function that writes to the open file and returns a value) whole,
     replacing what is at `path`; returns what the function returned."""
-    tmp, value = _write_temporary(Path(path), data)
+    tmp, value = _temporary(Path(path), data)
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -61,7 +48,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO]
 def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
     """Write `data` whole at `path` only if nothing is there (False when something is): a hard link
     is the one step that both creates and fails if the name exists."""
-    tmp, _ = _write_temporary(Path(path), data)
+    tmp, _ = _temporary(Path(path), data)
     try:
         os.link(tmp, path)
         return True

@@ -1,4 +1,4 @@
-"""S3 for genq: an output prefix as a Store, streaming and seekable readers of inputs, cheap clients.
+"""S3 for genq: an output prefix as a Store, resumable readers of inputs, one client per endpoint.
 
 Credentials and endpoint follow boto3's chain (env, profile, instance role; AWS_ENDPOINT_URL /
 AWS_ENDPOINT_URL_S3); a job's --s3-endpoint-url wins when set. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune
@@ -8,37 +8,29 @@ results in Redis and retries the whole shard with its own backoff.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from genq.output import layout
-
 log = logging.getLogger(__name__)
-
-_clients: dict[tuple[int, str | None], Any] = {}
 _clients_lock = threading.Lock()
 
 # Errors while reading a response body: the connection broke, not the request.
-_STREAM_ERRORS = (
-    botocore.exceptions.ReadTimeoutError,
-    botocore.exceptions.ResponseStreamingError,
-    botocore.exceptions.IncompleteReadError,
-    botocore.exceptions.ConnectionError,
-    ConnectionError,
-    TimeoutError,
-)
+_STREAM_ERRORS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ResponseStreamingError,
+                  botocore.exceptions.IncompleteReadError, botocore.exceptions.ConnectionError,
+                  ConnectionError, TimeoutError)
 STREAM_RESUMES = 8  # reopen attempts for a broken GET (about 40 s of backoff) before giving up
 RESUME_RESET_BYTES = 64 << 20  # progress after which the resume budget is full again
-_MISSING = ("NoSuchKey", "404", "NotFound")
+MISSING = ("NoSuchKey", "404", "NotFound")
+CHANGED = ("PreconditionFailed", "412")
 
 
 class S3UriError(ValueError):
@@ -47,11 +39,9 @@ class S3UriError(ValueError):
 
 def parse_uri(uri: str) -> tuple[str, str]:
     """s3://bucket/some/key -> ("bucket", "some/key"); the key may be empty."""
-    if not uri.startswith("s3://"):
-        raise S3UriError(f"not an s3:// URI: {uri!r}")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not bucket:
-        raise S3UriError(f"no bucket in {uri!r}: expected s3://bucket/key")
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if not uri.startswith("s3://") or not bucket:
+        raise S3UriError(f"not an s3://bucket/key URI: {uri!r}")
     return bucket, key
 
 
@@ -59,19 +49,20 @@ def client(endpoint_url: str | None = None) -> Any:
     """One boto3 S3 client per (process, endpoint): making one costs tens of milliseconds. Clients are
     thread-safe, sessions are not (one each, made under a lock); the pid keeps a forked child off its
     parent's connection pool."""
-    key = (os.getpid(), endpoint_url or None)
     with _clients_lock:
-        if key not in _clients:
-            options: dict[str, Any] = {
-                "retries": {"mode": os.environ.get("AWS_RETRY_MODE") or "standard",
-                            "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)},
-                "connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 32,
-            }
-            if endpoint_url:
-                options["s3"] = {"addressing_style": "path"}  # S3-compatible stores (MinIO, Ceph, moto) want it
-            _clients[key] = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None,
-                                                           config=Config(**options))
-        return _clients[key]
+        return _client(os.getpid(), endpoint_url or None)
+
+
+@functools.cache
+def _client(pid: int, endpoint_url: str | None) -> Any:
+    options: dict[str, Any] = {
+        "retries": {"mode": os.environ.get("AWS_RETRY_MODE") or "standard",
+                    "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)},
+        "connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 32,
+    }
+    if endpoint_url:
+        options["s3"] = {"addressing_style": "path"}  # S3-compatible stores (MinIO, Ceph, moto) want it
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=Config(**options))
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -80,18 +71,23 @@ def error_code(exc: BaseException) -> str | None:
     return None
 
 
+def is_s3_error(exc: BaseException) -> bool:
+    """An error of botocore's (the request failed), not of genq's."""
+    return isinstance(exc, S3UriError) or type(exc).__module__.startswith("botocore")
+
+
 def describe(exc: BaseException, uri: str) -> str:
     """A one-line reason that names the object, for CLI errors."""
     code = error_code(exc)
-    if code in _MISSING:
-        return f"{uri}: no such object"
     if code == "NoSuchBucket":
         return f"{uri}: no such bucket"
+    if code in MISSING:
+        return f"{uri}: no such object"
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return f"{uri}: access denied ({code}); check the AWS credentials"
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
         return f"{uri}: no AWS credentials found (env AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or a role)"
-    return f"{uri}: {type(exc).__name__}: {exc}"
+    return f"{uri}: {exc}" if isinstance(exc, S3UriError) else f"{uri}: {type(exc).__name__}: {exc}"
 
 
 class S3Store:
@@ -102,20 +98,14 @@ class S3Store:
         self.uri_root = uri.rstrip("/")  # parsed when used: building a sink never raises
         self.endpoint_url = endpoint_url
 
-    def _key(self, rel: str) -> tuple[str, str]:
-        bucket, prefix = parse_uri(self.uri_root)
-        return bucket, layout.join(prefix, rel)
-
     def uri(self, rel: str) -> str:
-        bucket, key = self._key(rel)
-        return f"s3://{bucket}/{key}"
+        return f"{self.uri_root}/{rel}"
 
     def read(self, rel: str) -> bytes | None:
-        bucket, key = self._key(rel)
         try:
-            return client(self.endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
+            return read_object(self.uri(rel), self.endpoint_url)
         except botocore.exceptions.ClientError as exc:
-            if error_code(exc) in _MISSING:
+            if error_code(exc) in MISSING:
                 return None
             raise
 
@@ -124,7 +114,7 @@ class S3Store:
             self._put(rel, data, IfNoneMatch="*")
             return True
         except botocore.exceptions.ClientError as exc:
-            if error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+            if error_code(exc) in (*CHANGED, "ConditionalRequestConflict", "409"):
                 return False
             raise
 
@@ -136,13 +126,15 @@ class S3Store:
         # match the marker's byte count.
         kind = "application/gzip" if rel.endswith(".gz") else "application/json" if rel.endswith(".json") \
             else "application/x-ndjson"
-        bucket, key = self._key(rel)
+        bucket, key = parse_uri(self.uri(rel))
         client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, ContentType=kind, **conditions)
 
     def names(self, rel_dir: str) -> list[str]:
-        base = self._key(rel_dir)[1] + "/"
-        return [key[len(base):] for key, _ in list_keys(self.uri(rel_dir) + "/", self.endpoint_url)
-                if "/" not in key[len(base):]]
+        bucket, prefix = parse_uri(self.uri(rel_dir) + "/")
+        found = []
+        for page in client(self.endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            found += [item["Key"][len(prefix):] for item in page.get("Contents", [])]
+        return [name for name in found if "/" not in name]
 
     def open(self, rel: str) -> io.BufferedReader:
         return open_stream(self.uri(rel), self.endpoint_url)
@@ -183,7 +175,10 @@ class ObjectReader(io.RawIOBase):
         while self.pos < self.size:
             try:
                 if self._body is None:
-                    self._body = self._open()
+                    self._until = self.size if self.window is None else min(self.size, self.pos + self.window)
+                    pinned = {"IfMatch": self.etag} if self.etag else {}
+                    self._body = self.s3.get_object(Bucket=self.bucket, Key=self.key, **pinned,
+                                                    Range=f"bytes={self.pos}-{self._until - 1}")["Body"]
                 data = self._body.read(len(view))
             except _STREAM_ERRORS as exc:
                 self._resume(exc)
@@ -200,12 +195,6 @@ class ObjectReader(io.RawIOBase):
                 self.resumes = 0  # a long object may meet several blips over hours
             return len(data)
         return 0
-
-    def _open(self) -> Any:
-        self._until = self.size if self.window is None else min(self.size, self.pos + self.window)
-        pinned = {"IfMatch": self.etag} if self.etag else {}
-        return self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.pos}-{self._until - 1}",
-                                  **pinned)["Body"]
 
     def _resume(self, exc: BaseException) -> None:
         self._drop()
@@ -230,31 +219,21 @@ class ObjectReader(io.RawIOBase):
         super().close()
 
 
-def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20) -> io.BufferedReader:
-    """A buffered, forward-only reader of an S3 object. Raises botocore errors (see describe)."""
+def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20, *,
+                seekable: bool = False) -> io.BufferedReader:
+    """A buffered reader of an S3 object: forward-only, or seekable with a read-ahead of buffer_size
+    (8 MiB: a Parquet reader's small reads share one GET). Raises botocore errors (see describe)."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key), buffer_size=buffer_size)
+    buffer_size = 8 << 20 if seekable else buffer_size
+    reader = ObjectReader(client(endpoint_url), bucket, key, window=buffer_size if seekable else None)
+    return io.BufferedReader(reader, buffer_size=buffer_size)
 
 
-def open_seekable(uri: str, endpoint_url: str | None = None, buffer_size: int = 8 << 20) -> io.BufferedReader:
-    """A seekable reader with an 8 MiB read-ahead: small reads share one GET."""
+def read_object(uri: str, endpoint_url: str | None = None, byte_range: tuple[int, int] | None = None) -> bytes:
+    """A small object (a shard, a marker), or bytes [start, end) of one, in one GET."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key, window=buffer_size),
-                             buffer_size=buffer_size)
-
-
-def list_keys(uri: str, endpoint_url: str | None = None) -> Iterator[tuple[str, int]]:
-    """(key, size) of every object under an s3:// prefix, in key order."""
-    bucket, prefix = parse_uri(uri)
-    for page in client(endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for item in page.get("Contents", []):
-            yield item["Key"], int(item["Size"])
-
-
-def read_object(uri: str, endpoint_url: str | None = None) -> bytes:
-    """A small object (a shard, a marker) in one GET."""
-    bucket, key = parse_uri(uri)
-    return client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
+    ranged = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
+    return client(endpoint_url).get_object(Bucket=bucket, Key=key, **ranged)["Body"].read()
 
 
 def upload_file(path: str, uri: str, endpoint_url: str | None = None) -> None:

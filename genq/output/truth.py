@@ -107,7 +107,7 @@ def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, 
     shard_rel = f"{job}/{layout.SHARDS_DIR}/{layout.shard_name(batch, compression)}"
     if not store.create(shard_rel, data) and store.read(shard_rel) != data:
         # Another writer's bytes, with no marker yet (or never): leave them, write ours beside.
-        shard_rel = f"{job}/{layout.SHARDS_DIR}/{layout.alt_shard_name(batch, compression, sha[:12])}"
+        shard_rel = f"{job}/{layout.SHARDS_DIR}/{layout.shard_name(batch, compression, sha[:12])}"
         store.put(shard_rel, data)
     outcome = outcome or Outcome()
     marker = ShardMarker(batch=batch, uri=store.uri(shard_rel), records=records, bytes=len(data), at=at,
@@ -129,7 +129,7 @@ def _same_or_raise(existing: ShardMarker, sha: str, data: bytes, records: int) -
 
 
 def marker_rel(job: str, batch: str) -> str:
-    return f"{job}/{layout.MANIFEST_DIR}/{layout.marker_name(batch)}"
+    return f"{job}/{layout.MANIFEST_DIR}/{batch}.json"
 
 
 def read_marker(store: Store, rel: str) -> ShardMarker | None:
