@@ -1,18 +1,11 @@
-"""A Redis that answers but will not take genq's writes, and one that would drop genq's keys.
+"""A Redis that answers but will not take genq's writes, and one that would drop genq's keys
+(docs/operations.md, "When Redis refuses writes").
 
-Three refusals a run of days meets, each waited out like an outage (results kept in memory,
-nothing new sent, nothing lost or generated twice once Redis takes writes again) and each named
-with what fixes it:
-
-    full      at its maxmemory under noeviction: "OOM ..." (inside MULTI every command, reads too)
-    no disk   its last RDB snapshot or AOF write failed (a full disk): "MISCONF ..."
-    replica   this address is a read-only replica now (after a failover): "READONLY ..."
-
-And the policy: genq's working state (leases, claims, outcomes not yet written) must never be
-evicted, so Redis needs `maxmemory-policy noeviction`. Under another policy a Redis that fills
-deletes keys, the ones with a lifetime first under volatile-* (ElastiCache's default is
-volatile-lru), and those are the engines' alive keys: their prompts would look abandoned and be
-sent again. docs/operations.md, "When Redis refuses writes".
+Three refusals, each waited out like an outage and named with what fixes it: full (maxmemory under
+noeviction: "OOM ..."), no disk (its last RDB or AOF write failed: "MISCONF ..."), replica (read-only
+after a failover: "READONLY ..."). And the policy: genq's working state must never be evicted, so
+Redis needs `maxmemory-policy noeviction`; under volatile-* the engines' alive keys go first and
+their prompts would be sent again.
 """
 
 from __future__ import annotations
@@ -84,12 +77,14 @@ def redis_note(info: dict[str, Any]) -> RedisNote | None:
     if text("rdb_last_bgsave_status", "ok") != "ok" or text("aof_last_write_status", "ok") != "ok":
         return RedisNote("no_disk", f"{NO_DISK}: {_REFUSALS[1][3]}; the workers wait")
     if maxmemory and used > maxmemory:
-        return RedisNote("full", f"{FULL}: it uses {used:,} bytes, over its maxmemory of {maxmemory:,}, and refuses writes; "
-                         f"the workers wait for room (raise its maxmemory or free memory)")
+        return RedisNote("full", f"{FULL}: it uses {used:,} bytes, over its maxmemory of {maxmemory:,}, and "
+                         f"refuses writes; the workers wait for room (raise its maxmemory or free memory)")
     policy = text("maxmemory_policy", SAFE_POLICY)
     if policy != SAFE_POLICY and maxmemory:  # maxmemory 0: no limit, nothing is ever evicted
-        return RedisNote("evicting_policy", f"Redis's maxmemory-policy {policy} lets it delete genq's keys when it fills (leases, claims, "
-                         f"outcomes not yet written: prompts would be sent again); set maxmemory-policy {SAFE_POLICY}")
+        return RedisNote("evicting_policy",
+                         f"Redis's maxmemory-policy {policy} lets it delete genq's keys when it fills (leases, "
+                         f"claims, outcomes not yet written: prompts would be sent again); "
+                         f"set maxmemory-policy {SAFE_POLICY}")
     return None
 
 
