@@ -3,11 +3,10 @@ its JSON, Prometheus and the web page)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 JobStatus = Literal["empty", "queued", "running", "paused", "blocked", "writing", "partial", "done"]
-JOB_STATUSES: tuple[JobStatus, ...] = ("empty", "queued", "running", "paused", "blocked", "writing", "partial",
-                                       "done")
+JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
 # Nothing more will happen without an operator: `genq monitor --until-done` stops at these.
 FINISHED_STATUSES: tuple[JobStatus, ...] = ("partial", "done")
 
