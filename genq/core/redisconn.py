@@ -189,13 +189,10 @@ def _sentinel_target(url: str, parts: _Parts) -> Target:
         raise _bad(url, str(exc)) from None
     extra.pop("host", None)
     master: dict[str, Any] = {**_defaults("redis"), **extra}
-    if parts.user is not None:
-        if parts.password is None:
-            master["password"] = parts.user
-        else:
-            master["password"] = parts.password
-            if parts.user:
-                master["username"] = parts.user
+    if parts.user is not None:  # a lone userinfo is the password, as redis-py reads it
+        master["password"] = parts.user if parts.password is None else parts.password
+        if parts.password is not None and parts.user:
+            master["username"] = parts.user
     sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S}
     if sentinel_password:
         sentinel_kwargs["password"] = sentinel_password

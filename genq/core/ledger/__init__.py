@@ -33,6 +33,7 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
+from genq.core.ledger.jobs import pending_batches
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
@@ -185,11 +186,7 @@ class Reconciler:
     def _pending_of(self, job: str) -> list[str]:
         if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
             return []  # blocked or paused (worker/parking.py): its batches wait, parked, for `genq resume --job`
-        with self.conn.pipeline(transaction=False) as pipe:
-            pipe.zrange(keys.job_batches(job), 0, -1)
-            pipe.smembers(keys.job_done(job))
-            all_batches, done = pipe.execute()
-        return [b.decode() for b in all_batches if b not in done]
+        return pending_batches(self.conn, job)
 
     def _queued_ids(self) -> set[bytes]:
         """Ids in RQ's queue (not its intermediate list: a job left there by a dead loop is stranded)."""

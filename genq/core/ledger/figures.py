@@ -36,13 +36,9 @@ class WorkerCounters:
 
     @classmethod
     def of(cls, raw: dict[bytes, bytes]) -> WorkerCounters:
-        def at(name: bytes) -> float | None:
-            return float(raw[name]) if raw.get(name) else None
-
-        def n(name: bytes) -> int:
-            return int(raw.get(name) or 0)
-
-        return cls(n(b"done"), n(b"failed"), n(b"in_tok"), n(b"out_tok"), at(b"first_at"), at(b"last_at"))
+        counts = [int(raw.get(name) or 0) for name in (b"done", b"failed", b"in_tok", b"out_tok")]
+        times = [float(raw[name]) if raw.get(name) else None for name in (b"first_at", b"last_at")]
+        return cls(*counts, *times)
 
 
 @dataclass

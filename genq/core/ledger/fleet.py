@@ -1,10 +1,6 @@
-"""The fleet's records in Redis: who the workers are, the status each publishes, the controls an
-operator gives them, what each has in flight per job, the wake-up channel, and what genq keeps
-of a server (its decode figures, its model). Written by a worker's heartbeat, read by the
-operator's commands and the monitor; only the ledger names their keys.
-
-A beat's writes are staged on the caller's pipeline (sync or asyncio: `stage_*` only queue
-commands), so a beat stays one round trip.
+"""The fleet's records in Redis: the workers, the status each publishes, the controls an operator
+gives them, what each has in flight per job, the wake-up channel, and what genq keeps of a server.
+A beat's writes are staged on the caller's pipeline (`stage_*` only queue commands): one round trip.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from genq.core.ledger.jobs import change_record
 from genq.core.records import Control, InFlight, WorkerStatus, pack, unpack
 
 AnyPipeline = Any  # a redis-py pipeline, sync or asyncio: stage_* only queue commands on it
+
 
 # --------------------------------------------------------------------------- statuses
 def worker_names(conn: redis.Redis) -> list[str]:

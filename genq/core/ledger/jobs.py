@@ -1,9 +1,7 @@
-"""A job's own records in Redis, named for what they say: the job list and its name rule, the
-pause flags (the whole fleet's and one job's), a job's block and schedule, its counts, its batch
-numbering, and every key it has (`genq jobs delete`, `genq recover`). The other modules ask these
-functions; only the ledger builds a key (docs/architecture.md, "The scripts and the ledger's
-boundary"). Batches and their RQ jobs are genq.core.queueing's; dead letters are
-genq.core.ledger.letters'; workers genq.core.ledger.fleet's.
+"""A job's own records in Redis, named for what they say: the pause flags (the fleet's and one job's),
+a job's block, schedule and settings, its counts, its batch numbering, and every key it has (`genq
+jobs delete`, `genq recover`). Batches and their RQ jobs are genq.core.queueing's, dead letters
+genq.core.ledger.letters', workers genq.core.ledger.fleet's.
 """
 
 from __future__ import annotations
@@ -152,9 +150,12 @@ def all_batches(conn: redis.Redis, job: str) -> set[str]:
 
 
 def pending_batches(conn: redis.Redis, job: str) -> list[str]:
-    """The job's batches not done, in order."""
-    done = done_batches(conn, job)
-    return [b for raw in conn.zrange(keys.job_batches(job), 0, -1) if (b := raw.decode()) not in done]
+    """The job's batches not done, in order (one round trip)."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.zrange(keys.job_batches(job), 0, -1)
+        pipe.smembers(keys.job_done(job))
+        listed, done = pipe.execute()
+    return [b.decode() for b in listed if b not in done]
 
 
 def knows_prompt(conn: redis.Redis, job: str, prompt_id: str) -> bool:
