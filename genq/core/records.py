@@ -3,6 +3,7 @@ decoded only at the edges (Redis calls, HTTP bodies, files) with pack and unpack
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any, Literal
 
@@ -358,6 +359,17 @@ def unpack(data: bytes, typ: type) -> Any:
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 
+def length_bucket(tokens: int) -> int:
+    """A completion's bucket in the output-length histograms (keys.job_hist, ShardMarker.hist): log-spaced,
+    4 per doubling of its length in tokens."""
+    return int(round(4 * math.log2(tokens + 1)))
+
+
+def bucket_bounds(bucket: int) -> tuple[float, float]:
+    """Token range a bucket stands for (inverse of length_bucket)."""
+    return 2 ** ((bucket - 0.5) / 4) - 1, 2 ** ((bucket + 0.5) / 4) - 1
+
+
 class ShardInfo(msgspec.Struct, omit_defaults=True):
     """A written shard: one line of the manifest."""
 
@@ -385,7 +397,7 @@ class ShardMarker(ShardInfo):
     digests: dict[str, str] = {}  # every prompt of the batch with an outcome -> content digest (hex)
     dead_letters: list[DeadLetter] = []  # the batch's dead letters (with their prompt: requeue needs it)
     tally: dict[str, list[int]] = {}  # worker -> [results, input tokens, output tokens] in the shard
-    hist: dict[int, int] = {}  # output-length bucket (genq.core.histogram) -> results in the shard
+    hist: dict[int, int] = {}  # output-length bucket (length_bucket) -> results in the shard
 
 
 class JobRecord(msgspec.Struct, omit_defaults=True):
