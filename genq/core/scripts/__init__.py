@@ -58,8 +58,7 @@ def lua_list(items: Iterable[bytes | str | int]) -> bytes:
 
 
 def load(name: str, _within: tuple[str, ...] = ()) -> str:
-    """NAME.lua with its `-- #include` lines expanded (a piece included twice is an error:
-    Lua would define its functions twice, the second silently winning)."""
+    """NAME.lua with its `-- #include` lines expanded (a piece may include another; a circle is an error)."""
     if name in _within:
         raise ValueError(f"Lua include circle: {' -> '.join((*_within, name))}")
     text = (HERE / f"{name}.lua").read_text()
