@@ -86,7 +86,7 @@ class Filler:
         self._rng.seed(self.seed)
         self._record = self.conn.register_script(scripts.RECORD)
         self._release = self.conn.register_script(scripts.RELEASE)
-        self._acquire = self.conn.register_script(scripts.ACQUIRE)
+        self._take = self.conn.register_script(scripts.TAKE)
         save_config(self.conn, JobConfig(name=self.job, output="/nonexistent/footprint",
                                          batch_size=self.batch_size, created_at=time.time()))
 
@@ -123,17 +123,15 @@ class Filler:
         return made
 
     def lease(self, batches: list[Batch], instance: str) -> None:
-        """An engine takes them: RQ moves each RQ job out of the queue, ACQUIRE records the lease."""
-        queue_key = rq_queue(self.conn).key
+        """An engine takes them, as its intake does: one TAKE each, off the head of RQ's queue."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
         with self.conn.pipeline(transaction=False) as pipe:
             for b in batches:
-                rq_id = self.conn.hget(keys.job_transport(self.job), b.id)
-                self._rq_ids[b.id] = rq_id.decode() if rq_id else ""
-                pipe.lrem(queue_key, 0, rq_id)
-                script_keys, args = scripts.acquire_call(BatchRef(self.job, b.id), f"tok-{b.id}", instance,
-                                                         rq_id.decode() if rq_id else "")
-                self._acquire(keys=script_keys, args=args, client=pipe)
-            pipe.execute()
+                script_keys, args = scripts.take_call(instance, f"tok-{b.id}", now, [])
+                self._take(keys=script_keys, args=args, client=pipe)
+            for got in pipe.execute():
+                if got:
+                    self._rq_ids[got[1].decode()] = got[2].decode()
 
     def results(self, batch: Batch, prompts: list[Prompt], worker: str) -> list[Result]:
         text = self._text(self.completion_chars)

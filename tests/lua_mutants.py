@@ -88,6 +88,7 @@ def model_plants() -> int:
     found for it; exits 1 if the model misses one."""
     from hypothesis import settings
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the checkout
     from tests.test_ledger_model import MODEL, Broken, run_model
 
     missed = []

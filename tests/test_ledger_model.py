@@ -1,9 +1,10 @@
 """The ledger protocol (docs/exactly-once.md, "The protocol") driven by a rule-based state machine.
 
 The real scripts run against the harness's private Redis; the engines are this module's: each does
-what a worker engine does at the ledger's boundary, one script call a step (acquire, claim, record,
-write the shard, release, the lease check after a beat), and the world around them misbehaves: an
-engine crashes (its lease lapses), freezes and wakes with an old lease, Redis is restored from a
+what a worker engine does at the ledger's boundary, one script call a step (TAKE from RQ's queue,
+claim, record, write the shard, release, the lease check after a beat), and the world around them
+misbehaves: an engine crashes (its lease lapses; the reconciler queues its batches again), freezes
+and wakes with an old lease, a batch is queued again while its holder is slow, Redis is restored from a
 snapshot (DUMP/RESTORE of every key) taken some steps before, a second enqueue comes into the job,
 the job is deleted and created again, dead letters are requeued, `jobs set` changes the settings.
 After every step the invariants are checked; at the end every batch is driven to its shard and the
@@ -38,8 +39,9 @@ from hypothesis.stateful import (
 )
 
 from genq.core import keys, scripts
+from genq.core import ledger as ledger_mod
+from genq.core.ledger import Reconciler, lease_token
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger import lease_token
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardInfo, Usage, unpack
 from genq.core.state import job_status
@@ -56,7 +58,7 @@ from tests.conftest import REDIS_URL
 
 JOB = "m"
 ENGINES = ("e0", "e1", "e2")
-LEDGER_SCRIPTS = ("ACQUIRE", "CLAIM", "RECORD", "RELEASE", "UNCLAIM")
+LEDGER_SCRIPTS = ("TAKE", "CLAIM", "RECORD", "RELEASE", "UNCLAIM")
 # Bounded for `make test-fast` on 2 busy cores; derandomized, with no example database, so CI
 # runs the same examples every time.
 MODEL = settings(max_examples=60, stateful_step_count=25, derandomize=True, database=None, deadline=None,
@@ -224,28 +226,45 @@ class World:
     def run(self, name: str, call: scripts.Call):
         return scripts.evaluate(self.conn, self.lua[name], call)
 
-    def acquire(self, engine: Engine, pick: int) -> None:
-        """A delivery of one of the job's unfinished batches (RQ delivering it, or delivering it
-        again after the reconciler found it stranded)."""
-        pending = ledger_jobs.pending_batches(self.conn, JOB)
-        if pending:
-            self.deliver(engine, pending[pick % len(pending)])
-
-    def deliver(self, engine: Engine, batch: str) -> None:
-        """RQ delivers the batch to the engine: the output is looked at first."""
+    def take(self, engine: Engine) -> None:
+        """The engine's intake: TAKE the first queued batch, then load it; the output is looked at first."""
         config = self.config()
-        if batch in engine.holds or config is None:
+        if config is None:
             return
+        token = secrets.token_hex(4)
+        got = self.run("TAKE", scripts.take_call(engine.instance, token, "2026-12-06T00:00:00.000000Z", []))
+        if not got:
+            return
+        batch = got[1].decode()
         marker = truth.read_marker(self.store, truth.marker_rel(JOB, batch))
         if marker is not None and marker.incarnation == config.incarnation:
             recover.adopt(self.conn, JOB, marker)
             return
-        token = secrets.token_hex(4)
-        answer = self.run("ACQUIRE", scripts.acquire_call(BatchRef(JOB, batch), token, engine.instance, "rq"))
         source = load_batch(self.conn, JOB, batch)
-        if answer != b"ok" or source is None:
+        if source is None:
+            return
+        hold = engine.holds.get(batch)
+        if hold is not None and hold.config.incarnation == config.incarnation:
+            hold.token = token  # taken again while held: the newest lease drives it (worker/batches.py)
             return
         engine.holds[batch] = Hold(token=token, config=config, prompts=read_prompts(source, config))
+
+    def reconcile(self) -> None:
+        """A worker's maintenance: batches whose RQ job no live engine carries are queued again
+        (confirmed at first sight here; the worker waits STRANDED_CONFIRM_S)."""
+        saved = ledger_mod.STRANDED_CONFIRM_S
+        ledger_mod.STRANDED_CONFIRM_S = 0
+        try:
+            Reconciler(self.conn, "model").pass_once(force=True)
+        finally:
+            ledger_mod.STRANDED_CONFIRM_S = saved
+
+    def deliver(self, engine: Engine, batch: str) -> None:
+        """The batch queued again while its holder is slow (the reconciler saw its alive key lapse),
+        and taken by `engine`."""
+        current = self.conn.hget(keys.job_transport(JOB), batch)
+        if Reconciler(self.conn, "model")._requeue(JOB, batch, current.decode() if current else None):
+            self.take(engine)
 
     def claim(self, engine: Engine, batch: str) -> None:
         """CLAIM every prompt not in flight here, and generate the ones granted."""
@@ -428,8 +447,8 @@ class World:
                 if hold.written is not None:
                     self.release(engine, batch)
         steady = self.engines[ENGINES[2]]  # no rule drives it: a worker started for the end
-        for pick in range(len(ledger_jobs.pending_batches(self.conn, JOB))):
-            self.acquire(steady, pick)
+        for batch in ledger_jobs.pending_batches(self.conn, JOB):
+            self.deliver(steady, batch)
         for batch in list(steady.holds):
             for _ in range(2):
                 if batch in steady.holds:
@@ -444,7 +463,7 @@ class World:
             pending = ledger_jobs.pending_batches(self.conn, JOB)
             if not pending:
                 break
-            self.acquire(steady, 0)
+            self.deliver(steady, pending[0])
             for batch in list(steady.holds):
                 for _ in range(8):
                     if batch in steady.holds:
@@ -491,7 +510,7 @@ class LedgerModel(RuleBasedStateMachine):
         stranded while engine 0 was slow); or engine 0 sent its prompts; or engine 0 wrote the
         shard and Redis was then restored from before its outcomes were recorded."""
         first = self._engine(0)
-        self.world.acquire(first, 0)
+        self.world.take(first)
         self.world.take_snapshot()
         for batch in list(first.holds):
             if opening == "delivered twice":
@@ -519,7 +538,7 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(i=st.integers(0, 1), pick=st.integers(0, 3), letter=st.booleans())
     def work(self, i: int, pick: int, letter: bool) -> None:
         """Engine i's next step with a batch it holds (claim and send, record, write, release), or,
-        holding none, a delivery of one of the job's unfinished batches."""
+        holding none, a TAKE from the queue."""
         engine = self._engine(i)
         if engine.frozen:
             return
@@ -527,7 +546,7 @@ class LedgerModel(RuleBasedStateMachine):
             held = sorted(engine.holds)
             self.world.work(engine, held[pick % len(held)], letter)
         else:
-            self.world.acquire(engine, pick)
+            self.world.take(engine)
 
     @rule(i=st.integers(0, 1), event=st.sampled_from(["beat", "crash", "freeze or wake"]))
     def engine(self, i: int, event: str) -> None:
@@ -547,12 +566,15 @@ class LedgerModel(RuleBasedStateMachine):
         """Redis restored from a snapshot taken `back` steps ago (or at the start): everything after it lost."""
         self.world.restore(back)
 
-    @rule(what=st.sampled_from(["compare", "enqueue", "requeue letters", "jobs set", "delete and create again"]),
+    @rule(what=st.sampled_from(["compare", "reconcile", "enqueue", "requeue letters", "jobs set",
+                                "delete and create again"]),
           n=st.integers(1, 3))
     def around(self, what: str, n: int) -> None:
         """A worker's comparison of Redis with the output (its start, its maintenance), or an operator's command."""
         if what == "compare":
             self.world.compare()
+        elif what == "reconcile":
+            self.world.reconcile()
         elif what == "enqueue":
             self.world.enqueue(n)
         elif what == "requeue letters":
@@ -602,10 +624,11 @@ def _world(tmp_path: Path) -> World:
     return world
 
 
-def _finish(world: World, batch_pick: int, *, letter: bool = False) -> None:
-    """One engine takes a batch and drives it to its release (its first outcome a dead letter if `letter`)."""
+def _finish(world: World, *, letter: bool = False) -> None:
+    """One engine takes the queue's first batch and drives it to its release (its first outcome a
+    dead letter if `letter`)."""
     engine = world.engines[ENGINES[1]]
-    world.acquire(engine, batch_pick)
+    world.take(engine)
     for _ in range(8):
         for batch in list(engine.holds):
             world.work(engine, batch, letter)
@@ -616,10 +639,11 @@ def test_an_enqueue_that_redis_lost_is_queued_again(tmp_path: Path) -> None:
     batches was written meanwhile: the written one is adopted, the rest queued again from the
     input its record names; the job is done only with an outcome for every prompt of both."""
     world = _world(tmp_path)
-    _finish(world, 0)
+    _finish(world)
     world.take_snapshot()
     world.enqueue(4)  # b..3 and b..4 above the reserved numbers
-    _finish(world, 1)  # the second enqueue's first batch written and released
+    _finish(world)  # the first enqueue's second batch
+    _finish(world)  # the second enqueue's first batch written and released
     world.restore()
     assert world.status() == "running" and ledger_jobs.counts(world.conn, JOB).total == 3
     world.drain()
@@ -632,12 +656,12 @@ def test_letters_requeued_and_written_then_lost_with_redis_end_the_job(tmp_path:
     requeue's batch is adopted from its marker, its prompts counted once (they were letters),
     and the job ends done instead of running for good."""
     world = _world(tmp_path)
-    _finish(world, 0, letter=True)
-    _finish(world, 0)
+    _finish(world, letter=True)
+    _finish(world)
     assert world.status() == "partial"
     world.take_snapshot()
     world.requeue_letters()
-    _finish(world, 0)
+    _finish(world)
     assert world.status() == "done"
     world.restore()
     world.drain()
@@ -649,8 +673,8 @@ def test_a_requeue_that_redis_lost_is_done_again(tmp_path: Path) -> None:
     written): the letters are back in the DLQ, and the requeue's record in the output has them
     requeued again: the job ends done, not partial."""
     world = _world(tmp_path)
-    _finish(world, 0, letter=True)
-    _finish(world, 0)
+    _finish(world, letter=True)
+    _finish(world)
     world.take_snapshot()
     world.requeue_letters()
     world.restore()
@@ -673,7 +697,7 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
 
     world = _world(tmp_path)
     engine = world.engines[ENGINES[1]]
-    world.acquire(engine, 0)
+    world.take(engine)
     (batch, hold), = engine.holds.items()
     for _ in range(4):  # claim and record every prompt; no shard yet
         if world.missing(batch, hold) or hold.inflight:

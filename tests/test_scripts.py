@@ -15,7 +15,6 @@ from genq.core.records import BatchRef, DeadLetter, ShardInfo
 SCRIPTS = sorted(p.stem for p in scripts.HERE.glob("*.lua") if not p.stem.startswith("_"))
 REF = BatchRef("j", "b0000001")
 CALLS = {
-    "acquire": scripts.acquire_call(REF, "tok", "inst", "rq1"),
     "count_shards": scripts.count_shards_call("j"),
     "release": scripts.release_call(REF, ShardInfo(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0), ""),
     "adopt": scripts.adopt_call("j", ShardMarker(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0, dead_letters=[

@@ -77,7 +77,6 @@ SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
 
 # --------------------------------------------------------------------------- the ledger
 
-ACQUIRE = load("acquire")
 TAKE = load("take")
 TAKE_SCAN = 500  # queued RQ jobs TAKE looks at, at most, for one of a job it may run
 TAKE_KEPT_S = 600  # what an engine took last is kept this long (a resent TAKE answers it again)
@@ -88,11 +87,6 @@ def take_call(instance: str, token: str, now: str, skip: Iterable[str]) -> Call:
                  keys.job_leases(JOB_SLOT)]
     return ([keys.RQ_QUEUE, keys.RQ_STARTED, keys.RQ_SUSPENDED, keys.engine_took(instance)],
             [instance, token, now, TAKE_SCAN, RQ_EXECUTION, RQ_JOB_PREFIX, *templates, TAKE_KEPT_S, *skip])
-
-
-def acquire_call(ref: BatchRef, token: str, instance: str, rq_id: str) -> Call:
-    return ([keys.job_done(ref.job), keys.job_leases(ref.job), keys.job_transport(ref.job),
-             keys.batch(ref.job, ref.batch)], [ref.batch, token, instance, rq_id])
 
 
 COUNT_SHARDS = load("count_shards")

@@ -1,6 +1,6 @@
 -- TAKE: an engine takes the first batch of RQ's queue that it may run, and leases it: the RQ job
 -- leaves the queue for RQ's started registry under this engine's name (what `rq info` shows),
--- and the lease is the batch's current one (as ACQUIRE). Batches of the jobs in ARGV[12..] are
+-- and the lease is the batch's current one. Batches of the jobs in ARGV[12..] are
 -- left where they are (another model's, or shards that cannot be written here now).
 -- KEYS[1] = RQ's queue (rq:queue:genq)
 -- KEYS[2] = RQ's started registry of that queue
@@ -22,7 +22,16 @@
 -- The same call sent again (a write a failing-over Redis did not confirm is resent: genq.core.
 -- redisconn) answers what the first took, if that landed, rather than leasing a second batch
 -- that the engine would never hear of.
--- #include lease
+-- The lease: 'done' (in `done`), 'gone' (no `record`: the job was deleted), or 'ok': "TOKEN
+-- INSTANCE" is now the batch's current lease (`leases`), whatever was, and `rq_id` the RQ job
+-- that carries it (`transport`).
+local function lease(done, leases, transport, record, batch, token, instance, rq_id)
+  if redis.call('SISMEMBER', done, batch) == 1 then return 'done' end
+  if redis.call('EXISTS', record) == 0 then return 'gone' end
+  redis.call('HSET', leases, batch, token .. ' ' .. instance)
+  redis.call('HSET', transport, batch, rq_id)
+  return 'ok'
+end
 local last = redis.call('GET', KEYS[4])
 if last then
   local token, job, batch, id = string.match(last, '^(%S+) (%S+) (%S+) (%S+)$')
