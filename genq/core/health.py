@@ -1,8 +1,5 @@
-"""Per-worker efficiency: slot use and what holds a GPU back, from its WorkerStatus.
-
-A bottleneck is a (code, text) pair: the code is one of a fixed set (CODES), fit
-for a Prometheus label or a chart's legend, whose values never grow with time;
-the text carries the numbers, for people (terminal view, web page, JSON).
+"""Per-worker efficiency: slot use and what holds a GPU back, from its WorkerStatus. A bottleneck
+is (code, text): a code of a fixed set (CODES, fit for a Prometheus label), and the numbers for people.
 """
 
 from __future__ import annotations

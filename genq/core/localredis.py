@@ -1,9 +1,6 @@
-"""A redis-server of genq's own on a free loopback port: the demo's, the tests', the benchmarks'.
-
-One definition, so that every caller gets the same promises: it listens on 127.0.0.1 only, on a
-port nobody else holds, keeps nothing on disk (no RDB, no AOF) in a temporary folder removed at
-stop, and runs in a session of its own (a Ctrl-C meant for the caller does not kill it first).
-A Redis that genq did not start is never touched.
+"""A redis-server of genq's own on a free loopback port (the demo's, the tests', the benchmarks'):
+127.0.0.1 only, nothing kept on disk, its temporary folder removed at stop, in a session of its own
+(a Ctrl-C meant for the caller does not kill it first). A Redis genq did not start is never touched.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ def free_port() -> int:
 
 class LocalRedis:
     """Starts at construction and answers PING before it returns; `stop()` (or `with`) ends it.
-
-    `extra` are redis-server arguments appended to the defaults (e.g. "--maxmemory", "1mb");
-    `log` takes its output (discarded by default)."""
+    `extra`: redis-server arguments after the defaults (e.g. "--maxmemory", "1mb"); `log`: its output."""
 
     def __init__(self, *extra: str, db: int = 0, log: IO[bytes] | int = subprocess.DEVNULL,
                  start_timeout_s: float = 10.0) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import os
-import signal
 
 PR_SET_PDEATHSIG = 1
 
@@ -15,10 +13,3 @@ def ask_for_signal_on_parent_death(sig: int) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
         pass  # not Linux: the callers say what notices a lost parent there
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
-    """`sig` when the parent dies, and leave now if it already has (it may have died before the prctl)."""
-    ask_for_signal_on_parent_death(sig)
-    if os.getppid() != parent_pid:
-        os._exit(1)

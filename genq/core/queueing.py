@@ -1,14 +1,10 @@
 """Batches in Redis and their RQ jobs: the only code that creates either.
 
-A batch's record (records.BatchSource: its prompts compressed, or a reference to the
-input lines that hold them; genq.core.batches) lives under keys.batch(); the RQ job that
-carries it holds only (job name, batch id), JSON-serialized (no pickle: whoever can
-write Redis must not be able to make a worker unpickle arbitrary bytes).
-
-RQ is the transport, genq's ledger the truth (genq.core.ledger): every RQ job of a
-batch is recorded in keys.job_transport in the same transaction that enqueues it,
-and RQ's own retries are not used: a batch whose RQ job fails or vanishes is put
-back by the reconciler, so worker failures never count against a batch.
+A batch's record (records.BatchSource) lives under keys.batch(); the RQ job that carries it holds
+only (job name, batch id), JSON-serialized (no pickle: whoever can write Redis must not be able to
+make a worker unpickle bytes). RQ is the transport, the ledger the truth (genq.core.ledger): every
+RQ job of a batch is recorded in keys.job_transport in the transaction that enqueues it, and RQ's
+retries are not used: the reconciler puts back a batch whose RQ job failed or vanished.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ from genq.core import keys, scripts
 from genq.core.batches import batch_id, batch_number
 from genq.core.records import BatchSource, JobConfig, Prompt, pack, unpack
 
-# keys.job_ids maps each queued id to its content digest: LOOKUP_IDS answers one of these per id
-# (genq/core/scripts/lookup_ids.lua).
+# LOOKUP_IDS's answer per id against keys.job_ids: new, queued with the same content, with other content.
 ID_NEW, ID_SAME, ID_OTHER = "0", "1", "2"
 
 RUN_BATCH = "genq.worker.intake.run_batch"  # what a stock RQ worker would run: it refuses (worker/intake.py)
@@ -50,11 +45,18 @@ def carried(rq_job: Job | None) -> tuple[str, str] | None:
         return None
 
 
-def job_in_description(text: str) -> str | None:
-    """The genq job named by an RQ job's description (one HGET, not the whole job); None if not genq's."""
-    if not text.startswith(DESCRIPTION) or "/" not in text:
+def batch_of_description(description: bytes | str | None) -> tuple[str, str] | None:
+    """(job, batch) from an RQ job's description (one HGET, not the whole job); None if not genq's."""
+    text = description.decode() if isinstance(description, bytes) else description or ""
+    if not text.startswith(DESCRIPTION):
         return None
-    return text[len(DESCRIPTION):].split("/", 1)[0]
+    job, _, batch = text[len(DESCRIPTION):].split(" ", 1)[0].partition("/")
+    return (job, batch) if job and batch else None
+
+
+def job_in_description(text: str) -> str | None:
+    found = batch_of_description(text)
+    return found[0] if found else None
 
 
 def rq_queue(conn: redis.Redis) -> Queue:
@@ -130,11 +132,6 @@ def load_batch(conn: redis.Redis, job: str, batch_id: str) -> BatchSource | None
     return batch_records.decode(raw) if raw else None
 
 
-def allocate_batch_ids(conn: redis.Redis, job: str, count: int) -> list[str]:
-    last = conn.incrby(keys.job_batch_seq(job), count)
-    return [batch_id(n) for n in range(last - count + 1, last + 1)]
-
-
 def write_batches(
     pipe: Pipeline,
     conn: redis.Redis,
@@ -143,12 +140,9 @@ def write_batches(
     *,
     count_total: bool = True,
 ) -> None:
-    """Queue new batches in `pipe` (a MULTI pipeline): records, ids, RQ jobs.
-
-    digests (id -> content digest, 8 bytes) are the ids the batches claim in keys.job_ids, all
-    written in the same transaction so a crash never leaves ids marked as queued
-    without a job that will run them.
-    """
+    """Queue new batches in `pipe` (a MULTI pipeline): records, ids, RQ jobs. digests (id -> 8-byte
+    content digest) are the ids they claim in keys.job_ids: in the same transaction, so no id is
+    marked queued without a job that will run it."""
     for batch in batches:
         pipe.set(keys.batch(batch.job, batch.id), pack(batch))
         pipe.zadd(keys.job_batches(batch.job), {batch.id: batch_number(batch.id)})
@@ -197,6 +191,7 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
 def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int) -> list[BatchSource]:
     """Split prompts into inline batches with freshly allocated ids (not yet written)."""
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    ids = allocate_batch_ids(conn, job, len(chunks)) if chunks else []
+    last = conn.incrby(keys.job_batch_seq(job), len(chunks)) if chunks else 0
     created = time.time()
-    return [batch_records.inline(job, bid, chunk, created) for bid, chunk in zip(ids, chunks)]
+    return [batch_records.inline(job, batch_id(last - len(chunks) + n), chunk, created)
+            for n, chunk in enumerate(chunks, 1)]

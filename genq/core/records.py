@@ -1,13 +1,10 @@
-"""Every record that crosses Redis, HTTP or disk, defined once as a msgspec Struct.
-
-Encode and decode only at the edges (Redis calls, HTTP bodies, files) with the
-helpers at the bottom of this module.
-"""
+"""Every record that crosses Redis, HTTP or disk, defined once as a msgspec Struct; encoded and
+decoded only at the edges (Redis calls, HTTP bodies, files) with pack and unpack."""
 
 from __future__ import annotations
 
+import math
 import secrets
-import time
 from typing import Any, Literal
 
 import msgspec
@@ -43,23 +40,17 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     compression: Literal["none", "gzip"] = "none"
     s3_endpoint_url: str | None = None
     created_at: float = 0.0
-    # Which life of this job name this is: a random token drawn when the job is created. A job
-    # deleted and enqueued again under the same name is a new incarnation; everything a worker
-    # caches, claims, records or writes for a job is checked against it (exactly-once), and
-    # the output records it so that a ledger lost with Redis can be told apart and rebuilt.
+    # The life of this job name (new_incarnation): a job deleted and enqueued again under the same
+    # name is a new one; every claim, record and write for a job is checked against it.
     incarnation: str = ""
-    # Which version of the generation settings this is (1 as enqueued; `genq jobs set` adds one
-    # each time) and what changed when (docs/settings.md). Results record the version they ran under.
+    # 1 as enqueued, +1 per `genq jobs set` (docs/settings.md); results record the version they ran under.
     settings_version: int = 1
     settings_history: list[SettingsChange] = []
-    # False: the brake (worker/brake.py) never blocks this job; failing prompts are dead-lettered one by
-    # one (`genq jobs set JOB --no-brake`, for a job whose prompts really do fail on their own).
-    brake: bool = True
+    brake: bool = True  # False (--no-brake): failing prompts are dead-lettered one by one, never a block
 
 
 class JobSchedule(msgspec.Struct, omit_defaults=True):
-    """How a job shares the fleet (keys.job_schedule; docs/scheduling.md). Not a generation setting:
-    nothing of it is sent with a request, so changing it is no settings version and resets no brake."""
+    """How a job shares the fleet (docs/scheduling.md); not a generation setting (no settings version)."""
 
     priority: int = 0  # higher first: no worker claims a lower-priority prompt while one of this waits
     weight: float = 1.0  # among jobs of equal priority: prompts claimed in proportion to it
@@ -67,8 +58,8 @@ class JobSchedule(msgspec.Struct, omit_defaults=True):
 
 
 class JobBlock(msgspec.Struct, omit_defaults=True):
-    """Why a job is blocked (keys.job_blocked): its settings cannot work against its server, so its
-    prompts stay queued instead of being dead-lettered one by one (docs/settings.md)."""
+    """Why a job is blocked: its settings cannot work against its server, so its prompts stay queued
+    instead of being dead-lettered one by one (docs/settings.md)."""
 
     reason: Literal["preflight", "brake"]
     message: str  # the server's own message (brake) or what the preflight found
@@ -92,9 +83,7 @@ class Prompt(msgspec.Struct, omit_defaults=True):
     index: int  # position in the input (0-based line number), for ordered export
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
-    # Per-row request parameters that override the job's (a row's `sampling`
-    # object, or an OpenAI Batch line's body minus messages).
-    sampling: dict[str, Any] | None = None
+    sampling: dict[str, Any] | None = None  # the row's overrides of the job's request parameters
     metadata: dict[str, Any] = {}
     custom_id: str | None = None  # OpenAI Batch input: echoed back on export
 
@@ -122,13 +111,8 @@ class InputRange(msgspec.Struct, array_like=True, frozen=True):
 
 
 class BatchSource(msgspec.Struct, array_like=True):
-    """The record under keys.batch(): its existence means "this batch is pending".
-
-    Either the prompts themselves (inline: zstd-compressed msgpack) or a reference to
-    the lines of the input that hold them (by reference: the workers read that range).
-    ids (zstd-compressed msgpack list) are kept in both cases: completion, the DLQ and
-    resumption need them without reading any input. genq.core.batches packs and unpacks it.
-    """
+    """A pending batch (keys.batch; genq.core.batches packs it): its prompts (zstd-compressed msgpack)
+    or the input range that holds them, and always its ids (compressed), read without any input."""
 
     job: str
     id: str
@@ -151,9 +135,7 @@ class Choice(msgspec.Struct, omit_defaults=True):
     index: int
     completion: str
     finish_reason: str | None
-    # This sample's own length, when the server said it (streamed answers do, per index,
-    # with continuous usage stats); None when it gave only the request's total (non-streamed).
-    completion_tokens: int | None = None
+    completion_tokens: int | None = None  # this sample's own length, where the server said it (streamed)
     reasoning_content: str | None = None
     logprobs: dict[str, Any] | None = None  # as Result.logprobs
     matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET  # as Result.matched_stop
@@ -188,17 +170,12 @@ class Result(msgspec.Struct, omit_defaults=True):
     finished_at: float = 0.0
     settings_version: int = 0  # JobConfig.settings_version the request was sent with (0: before versions)
     choices: list[Choice] | None = None  # n > 1 only
-    # The server's logprobs object of the choice, only when the request asked for logprobs:
-    # chat {"content": [{token, logprob, bytes, top_logprobs}]}, completions {"tokens",
-    # "token_logprobs", "top_logprobs", "text_offset"}; a stream's pieces concatenated.
+    # The server's logprobs of the choice, only when asked for (a stream's pieces concatenated).
     logprobs: dict[str, Any] | None = None
-    # What stopped generation, only when the request set stop or stop_token_ids: SGLang's
-    # matched_stop, vLLM's stop_reason (the stop string or the token id). null: set, but the
-    # server named nothing (vLLM at end-of-sequence, or a length cut: finish_reason tells
-    # which); absent: not set, so not recorded.
+    # What stopped generation, only when the request set stop or stop_token_ids (SGLang's matched_stop,
+    # vLLM's stop_reason); null: the server named nothing; absent: not set. docs/fidelity.md.
     matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET
-    # The calls the model made when the request offered tools: OpenAI's message.tool_calls,
-    # [{"id", "type": "function", "function": {"name", "arguments"}}]; a stream's pieces merged.
+    # OpenAI's message.tool_calls when the request offered tools (a stream's pieces merged).
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -252,11 +229,8 @@ class Rejected(msgspec.Struct, omit_defaults=True):
 
 
 class InFlight(msgspec.Struct):
-    """A worker's running requests for one job, published about once a second.
-
-    tokens holds, per running request, the completion tokens produced so far:
-    a lower bound on its final length (a censored observation) for the ETA.
-    """
+    """A worker's running requests for one job, published about once a second; tokens: each one's
+    completion tokens so far (a lower bound on its final length, for the ETA)."""
 
     worker: str
     job: str
@@ -331,9 +305,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     concurrency_limit: int | None = None  # --concurrency N (a cap), None for auto
     server_capacity: int | None = None
     in_flight: int = 0
-    # Sequences those requests are on the server: more than in_flight when requests ask for
-    # n > 1 samples (SGLang and vLLM run each choice as a sequence); 0 from older workers.
-    sequences: int = 0
+    sequences: int = 0  # those requests' sequences on the server: more than in_flight for n > 1 samples
     queued: int = 0
     batches: list[BatchRef] = []
     prefetch: int = 2  # genq worker --prefetch: batches held at least while the queue lasts
@@ -347,27 +319,20 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     gpu_sample: GpuSample | None = None
     gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
     note: str | None = None  # why the server is down, or what the worker waits for
-    # Failed request attempts per job (errors is the worker's total since it started): the
-    # monitor's per-job table shows these, so one job's errors do not show on the next.
-    job_errors: dict[str, int] = {}
+    job_errors: dict[str, int] = {}  # failed request attempts per job (errors: the worker's total)
     model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
-    # Its streamed requests' speed against how many decoded at once (worker/decoding.py): the
-    # monitor's ETA lets a request speed up as the batch drains where these say it does.
-    decode: list[DecodeBin] = []
-    # Measured per-request speed (worker/tail.py): seconds per output token of one request, and the
-    # mean output tokens of its requests (moving averages over its recent completions).
+    decode: list[DecodeBin] = []  # its requests' speed against how many decoded at once (worker/decoding.py)
+    # Moving averages over its recent completions (worker/tail.py): seconds per output token of one
+    # request, and mean output tokens per request.
     token_s: float | None = None
     mean_tokens: float | None = None
-    # Where tok_per_s comes from: "server" (its generation-token counter, over the last few seconds) or
-    # "answers" (the tokens of the requests that ended, over 30 s: a server without that counter).
+    # tok_per_s from "server" (its generation-token counter) or "answers" (ended requests, over 30 s).
     tok_per_s_from: str | None = None
-    # The server's mean running count and KV usage over the readings of that window: its speed's batch.
+    # The server's mean running count and KV usage over that window.
     window_running: float | None = None
     window_token_usage: float | None = None
-    # What the decode bound needs beyond the figures above (genq.core.decodebound).
-    hardware: Hardware | None = None
-    # Per job, its part of this GPU's decode against the bound so far: the job's end summary.
-    bound_tally: dict[str, Tally] = {}
+    hardware: Hardware | None = None  # what the decode bound needs beyond the above (genq.core.decodebound)
+    bound_tally: dict[str, Tally] = {}  # per job, its part of this GPU's decode against the bound so far
 
 
 class Control(msgspec.Struct, omit_defaults=True):
@@ -394,8 +359,15 @@ def unpack(data: bytes, typ: type) -> Any:
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 
-def now() -> float:
-    return time.time()
+def length_bucket(tokens: int) -> int:
+    """A completion's bucket in the output-length histograms (keys.job_hist, ShardMarker.hist): log-spaced,
+    4 per doubling of its length in tokens."""
+    return int(round(4 * math.log2(tokens + 1)))
+
+
+def bucket_bounds(bucket: int) -> tuple[float, float]:
+    """Token range a bucket stands for (inverse of length_bucket)."""
+    return 2 ** ((bucket - 0.5) / 4) - 1, 2 ** ((bucket + 0.5) / 4) - 1
 
 
 class ShardInfo(msgspec.Struct, omit_defaults=True):
@@ -406,8 +378,48 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     records: int
     bytes: int
     at: float
-    # The batch's prompt count and its dead letters when the shard was written (0: written by an
-    # older genq). A shard is written only when every prompt has an outcome: records + letters == prompts.
+    # A shard is written once every prompt has an outcome: records + letters == prompts (0: an older genq).
     prompts: int = 0
     letters: int = 0
     incarnation: str = ""  # JobConfig.incarnation of the job that wrote it
+
+
+# --------------------------------------------------------------------------- the output's own records
+# What lies beside the shards so that a ledger lost with Redis can be rebuilt from the output alone
+# (docs/recovery.md).
+
+
+class ShardMarker(ShardInfo):
+    """A shard's marker (OUTPUT/JOB/manifest/BATCH.json): its ShardInfo plus what rebuilding the
+    ledger needs without reading the shard (Redis keeps only the ShardInfo)."""
+
+    sha256: str = ""  # of the shard's bytes: a second writer with other bytes is told apart
+    digests: dict[str, str] = {}  # every prompt of the batch with an outcome -> content digest (hex)
+    dead_letters: list[DeadLetter] = []  # the batch's dead letters (with their prompt: requeue needs it)
+    tally: dict[str, list[int]] = {}  # worker -> [results, input tokens, output tokens] in the shard
+    hist: dict[int, int] = {}  # output-length bucket (length_bucket) -> results in the shard
+
+
+class JobRecord(msgspec.Struct, omit_defaults=True):
+    """OUTPUT/JOB/job.json: the job as created, at its current settings (`genq jobs set` writes them
+    here first), for genq recover."""
+
+    config: JobConfig
+    inputs: list[str] = []  # what was enqueued (absolute paths or s3:// URIs)
+    # Batch numbers up to this one may be in use: written before any batch above it is queued, so a
+    # counter lost with Redis restarts above it (no shard name is ever reused).
+    reserved: int = 0
+    # Set by `genq jobs delete`: the name's next enqueue starts a new job (`genq recover` clears it).
+    deleted_at: float | None = None
+
+
+class EnqueueRecord(msgspec.Struct, omit_defaults=True):
+    """OUTPUT/JOB/enqueues/RUN.json: what one `genq enqueue` (or `genq dlq requeue`) brought in,
+    written before its batches are queued, so a Redis that lost them is found out and they are queued
+    again (genq.producer.enqueue.queue_lost)."""
+
+    incarnation: str
+    input: str  # the input read (absolute path or s3:// URI)
+    batches: list[list[int]] = []  # the batches it queued: [first, last] number ranges
+    prompts: int = 0  # the prompts in them
+    letters: list[str] = []  # a requeue's: the dead letters it moved into those batches

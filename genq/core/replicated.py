@@ -1,22 +1,13 @@
 """Clients whose writes are on a replica before they return (Redis WAIT): Sentinel URLs use them.
 
-Redis replicates asynchronously. When Sentinel fails a master over, whatever the old master
-took after its replica stopped copying is gone: with SENTINEL FAILOVER the old master goes on
-taking writes until Sentinel turns it into a replica, and in a test a whole 400-prompt job ran
-in that window (its shards written, the new master knowing 3 batches of 16 done). So on a
-Sentinel URL each write (a command, a script, a pipeline) is followed on the same connection
-by WAIT for every replica the master streams to (INFO replication's online replicas, read at
-most once a second per connection), at least ?wait_replicas=N of them (default 1): Sentinel
-may promote any of them, a lagging one too (with two replicas, WAIT 1 was met by the one in
-sync while the preferred one lagged; it was promoted and the job's done count went back from
-1,011 to 614, 2026-12-06). A write not confirmed by that many within WAIT_TIMEOUT_MS is logged
-and raises ReplicaLag, a ConnectionError, so redis-py's retry, and genq's own above it, send it
-again (to the master Sentinel names by then; the old master's copy is discarded when it becomes
-a replica). genq's writes are already safe to repeat: they are retried after any lost connection.
-
-The price: one round trip more per write, writes as slow as the slowest replica, and no writes
-while a replica the master counts as online does not confirm them (a Sentinel URL with
-?wait_replicas=0 turns this off and accepts losing the last writes).
+Redis replicates asynchronously, so a failover loses what the old master took after its replicas
+stopped copying (a whole job can run in that window). On a Sentinel URL each write (a command, a
+script, a pipeline) is followed on its connection by WAIT for every replica the master streams to
+(INFO replication's online ones, counted at most once a second per connection), at least
+?wait_replicas=N (default 1): Sentinel may promote any of them, a lagging one too. A write not
+confirmed within WAIT_TIMEOUT_MS raises ReplicaLag, a ConnectionError, so it is retried (on the
+master Sentinel names by then); genq's writes are safe to repeat. The price: a round trip more per
+write, writes as slow as the slowest replica; ?wait_replicas=0 turns it off.
 """
 
 from __future__ import annotations
@@ -55,13 +46,8 @@ def _is_write(name: Any) -> bool:
     return text.split(b" ")[0].upper() not in READS
 
 
-def _check(conn: Any, acked: Any, want: int) -> None:
-    if int(acked) < want:
-        conn.genq_replicas = None  # counted again before the next write: one may have left
-        message = (f"{acked} of {want} replica(s) confirmed a write within {WAIT_TIMEOUT_MS} ms (one lags, or the "
-                   "master is failing over): it is sent again, to the master Sentinel names")
-        log.warning("%s", message)
-        raise ReplicaLag(message)
+def _writes(commands: Any) -> bool:
+    return any(_is_write(args[0]) for args, _options in commands)
 
 
 def online_replicas(info: Any) -> int:
@@ -74,15 +60,20 @@ def _stale(conn: Any) -> bool:
     return counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S
 
 
-def _wanted(conn: Any, least: int) -> int:
-    return max(least, conn.genq_replicas[1])
+def _check(conn: Any, acked: Any, want: int) -> None:
+    if int(acked) < want:
+        conn.genq_replicas = None  # counted again before the next write: one may have left
+        message = (f"{acked} of {want} replica(s) confirmed a write within {WAIT_TIMEOUT_MS} ms (one lags, or the "
+                   "master is failing over): it is sent again, to the master Sentinel names")
+        log.warning("%s", message)
+        raise ReplicaLag(message)
 
 
 def _wait(conn: Any, least: int) -> None:
     if _stale(conn):
         conn.send_command("INFO", "replication")
         conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
-    want = _wanted(conn, least)
+    want = max(least, conn.genq_replicas[1])
     conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
     _check(conn, conn.read_response(), want)
 
@@ -91,13 +82,9 @@ async def _wait_async(conn: Any, least: int) -> None:
     if _stale(conn):
         await conn.send_command("INFO", "replication")
         conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
-    want = _wanted(conn, least)
+    want = max(least, conn.genq_replicas[1])
     await conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
     _check(conn, await conn.read_response(), want)
-
-
-def _writes(commands: Any) -> bool:
-    return any(_is_write(args[0]) for args, _options in commands)
 
 
 class ReplicatedPipeline(redis.client.Pipeline):
@@ -116,21 +103,6 @@ class ReplicatedPipeline(redis.client.Pipeline):
         return result
 
 
-class ReplicatedRedis(redis.Redis):
-    wait_replicas = 1
-
-    def _send_command_parse_response(self, conn: Any, command_name: Any, *args: Any, **options: Any) -> Any:
-        result = super()._send_command_parse_response(conn, command_name, *args, **options)
-        if _is_write(command_name):
-            _wait(conn, self.wait_replicas)
-        return result
-
-    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
-        pipe = ReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.wait_replicas = self.wait_replicas
-        return pipe
-
-
 class AsyncReplicatedPipeline(aioclient.Pipeline):
     wait_replicas = 1
 
@@ -145,6 +117,21 @@ class AsyncReplicatedPipeline(aioclient.Pipeline):
         if _writes(commands):
             await _wait_async(connection, self.wait_replicas)
         return result
+
+
+class ReplicatedRedis(redis.Redis):
+    wait_replicas = 1
+
+    def _send_command_parse_response(self, conn: Any, command_name: Any, *args: Any, **options: Any) -> Any:
+        result = super()._send_command_parse_response(conn, command_name, *args, **options)
+        if _is_write(command_name):
+            _wait(conn, self.wait_replicas)
+        return result
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = ReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.wait_replicas = self.wait_replicas
+        return pipe
 
 
 class AsyncReplicatedRedis(aioredis.Redis):

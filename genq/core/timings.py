@@ -1,32 +1,27 @@
 """The timings of a batch's life, defined once: one lease timeout, the rest derived from it.
 
-An engine holds batches under leases and proves it is alive by beating every BEAT_S: each beat renews
-its alive key (keys.engine_alive), which expires LEASE_TIMEOUT_S after the last one. Everything else
-that decides when a holder counts as gone is a multiple of that timeout, so changing it keeps the
-order below; `check()` states the order and runs at import. docs/exactly-once.md says why each
-inequality matters. Timings that only pace one loop (idle pace, GPU sampling, the monitor) stay
-beside that loop.
+An engine beats every BEAT_S, renewing its alive key (keys.engine_alive), which expires
+LEASE_TIMEOUT_S after the last beat. Everything that decides when a holder counts as gone is a
+multiple of that timeout; `check()` states their order and runs at import (docs/exactly-once.md
+says why each inequality matters). Timings that only pace one loop stay beside that loop.
 """
 
 from __future__ import annotations
 
 BEAT_S = 1.0  # an engine's heartbeat: alive key, status, lease checks
-# No beat this long: the engine's alive key is gone and the reconciler queues its batches again (whole
-# seconds: it is a key TTL, as STATUS_TTL_S is).
+# No beat this long: the engine's alive key is gone, its batches are queued again (a key TTL: whole seconds).
 LEASE_TIMEOUT_S = 10
-# A sender frozen this long (SIGSTOP, a stalled host) sends nothing more until a beat has checked its
-# leases: shorter than the lease timeout, so it stops before another engine can have its batches.
+# A sender frozen this long (SIGSTOP, a stalled host) sends nothing until a beat has checked its leases.
 LEASE_CHECK_STALE_S = 0.8 * LEASE_TIMEOUT_S
 # The fleet view calls a worker lost when its status record (renewed each beat) is this old.
 STATUS_TTL_S = LEASE_TIMEOUT_S * 3 // 2
 # The reconciler's pass (stranded batches, a lost holder's batches queued again) ...
 RECONCILE_EVERY_S = LEASE_TIMEOUT_S
-# ... and a batch must look stranded in two passes this far apart before it is queued again: a pass reads
-# the queue, the leases and RQ's jobs one after another, so a batch taken meanwhile can look stranded once.
+# ... and a batch must look stranded in two passes this far apart before it is queued again (a pass's reads
+# are not one snapshot: a batch taken meanwhile can look stranded once).
 STRANDED_CONFIRM_S = 0.4 * LEASE_TIMEOUT_S
-# How long after a kill its batches are running elsewhere, at most: the alive key expires; the next
-# reconciler pass may be a period away and sees them stranded; the one after confirms it and queues
-# them again, and an engine with room takes them (docs/operations.md measured 32-36 s).
+# How long after a kill its batches run elsewhere, at most: the alive key expires, a pass may be a period
+# away, the next confirms it and queues them again (docs/operations.md measured 32-36 s).
 LOST_BATCH_BACK_S = LEASE_TIMEOUT_S + 3 * RECONCILE_EVERY_S
 
 

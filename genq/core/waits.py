@@ -27,14 +27,9 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 
 
 async def wait_event(event: asyncio.Event, seconds: float | None) -> bool:
-    """Whether `event` was set within `seconds`.
-
-    Not asyncio.wait_for: on Python 3.11, a cancel that lands in the loop turn in which the
-    event is set is swallowed there (wait_for returns the result instead of raising), so a
-    task looping on it cannot be stopped, and the engine's TaskGroup waits for it for ever
-    (a --burst worker hung at its exit while WAKE messages came in). asyncio.timeout tells
-    its own cancel from anyone else's.
-    """
+    """Whether `event` was set within `seconds`. Not asyncio.wait_for: on Python 3.11 it swallows a
+    cancel that lands in the turn the event is set, so a task looping on it cannot be stopped;
+    asyncio.timeout tells its own cancel from anyone else's."""
     if event.is_set():
         return True
     try:

@@ -2,32 +2,21 @@
 
 A batch of a job is, at any moment, exactly one of:
 - done: in keys.job_done (its shard and manifest marker are written);
-- carried: not done, and keys.job_transport names a live RQ job for it (queued in
-  `genq`, or started by an engine that heartbeats and holds its lease: TAKE);
-- stranded: anything else (the RQ job failed, finished early, was deleted, was lost
-  in a Redis restart, or was queued by genq 0.1 as a pickle). The reconciler finds
-  these and queues them again, so an unknown bug in this class costs a delay, not
-  a job.
+- carried: not done, and keys.job_transport names a live RQ job for it (queued in `genq`, or
+  started by an engine that heartbeats and holds its lease);
+- stranded: anything else (its RQ job failed, vanished, or was pickled by genq 0.1). The
+  reconciler queues these again, so a bug here costs a delay, not a job.
 
-A **lease** is one delivery of a batch to one worker engine: a random token the engine
-draws when it takes the batch off RQ's queue (TAKE), recorded as the batch's current one
-(keys.job_leases); an engine whose lease is no longer current (a frozen worker woke up, the
-batch was queued again and taken by another) stops sending that batch's prompts.
-A second holder is harmless anyway: each prompt's outcome is written once (first
-writer wins, a result and a dead letter exclude each other: worker/results.py), the
-shard is built from what Redis recorded (every writer writes the same bytes), and
-releasing a batch is conditional and idempotent (RELEASE: genq/core/scripts/release.lua).
+A **lease** is one delivery of a batch to one engine: a random token drawn at TAKE, recorded in
+keys.job_leases; an engine whose lease is no longer current stops sending the batch's prompts. A
+second holder is harmless anyway: each prompt's outcome is written once, the shard is built from
+what Redis recorded, and RELEASE is conditional and idempotent.
 
-A job's **incarnation** (JobConfig.incarnation) is the life of its name: a job deleted and
-enqueued again under the same name is a new one. Every script that writes for a job
-(RECORD, the claim scripts, RELEASE, ADOPT: genq/core/scripts/) is given the incarnation its
-caller works for and refuses to write for another one (scripts/_incarnation.lua), so nothing
-of a deleted job lands in its successor.
+A job's **incarnation** (JobConfig.incarnation) is the life of its name: every script that writes
+for a job refuses to write for another incarnation than its caller's (scripts/_incarnation.lua).
 
-This module is the protocol; the package's other modules are every read and write the rest of
-genq makes of a key, named for what they do (docs/architecture.md, "The scripts and the ledger's
-boundary"): jobs (a job's own records), fleet (workers and servers), letters (dead letters),
-leasing (the engine's side of a lease), parked (paused jobs' batches), figures (the monitor's reads).
+This module is the protocol; the package's other modules are every read and write the rest of genq
+makes of a key, named for what they do (docs/architecture.md, "The scripts and the ledger's boundary").
 """
 
 from __future__ import annotations
@@ -44,27 +33,23 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
+from genq.core.ledger.jobs import pending_batches
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
 log = logging.getLogger("genq.ledger")
 
-def _lease_parts(value: bytes | str | None) -> tuple[str | None, str | None]:
-    """A lease value ("TOKEN INSTANCE") as (token, engine instance)."""
-    if value is None:
-        return None, None
-    text = value.decode() if isinstance(value, bytes) else value
-    token, _, instance = text.partition(" ")
-    return token, instance or None
-
 
 def lease_token(value: bytes | str | None) -> str | None:
-    return _lease_parts(value)[0]
+    """The token of a lease value ("TOKEN INSTANCE")."""
+    text = value.decode() if isinstance(value, bytes) else value
+    return None if text is None else text.partition(" ")[0]
 
 
 def lease_holder(value: bytes | str | None) -> str | None:
-    """The engine instance named by a lease value."""
-    return _lease_parts(value)[1]
+    """The engine instance of a lease value ("TOKEN INSTANCE")."""
+    text = value.decode() if isinstance(value, bytes) else value
+    return (text or "").partition(" ")[2] or None
 
 
 @dataclass
@@ -73,9 +58,7 @@ class Outlook:
 
     pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
-    # RQ jobs of done batches still "started" in RQ: their loops are returning (a moment), or
-    # died running them (a stock RQ worker, or genq before the engine took batches itself); cleared once
-    # seen in two passes.
+    # RQ jobs of done batches still "started" in RQ (their loops return, or died): cleared once seen twice.
     finishing: int = 0
 
     @property
@@ -84,11 +67,8 @@ class Outlook:
 
 
 class Reconciler:
-    """Finds stranded batches and queues them again (see the module docstring).
-
-    Kept by each worker; a fleet-wide lock makes one pass at a time do the work.
-    Remembers what looked stranded in its last pass to confirm it in the next.
-    """
+    """Finds stranded batches and queues them again. Kept by each worker; a fleet-wide lock makes one
+    pass at a time do the work; what looked stranded in one pass is confirmed in the next."""
 
     def __init__(self, conn: redis.Redis, owner: str) -> None:
         self.conn = conn
@@ -129,11 +109,9 @@ class Reconciler:
         return outlook
 
     def _clear_done_started(self, now: float) -> int:
-        """RQ jobs left "started" for batches the ledger has done (a worker that died before
-        its job function returned) leave RQ's started registry, so `rq info` tells the truth;
-        how many are still waiting for confirmation. Likewise RQ jobs of done batches in RQ's
-        intermediate list (a Redis restored from a snapshot taken while a loop was taking one:
-        its batch was written since)."""
+        """RQ jobs of done batches left in RQ's started registry or intermediate list (their worker
+        died, or a snapshot was restored) leave them, so `rq info` tells the truth; how many still
+        wait for confirmation."""
         queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
         for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
@@ -155,10 +133,8 @@ class Reconciler:
         return len(seen)
 
     def _clear_done_failed(self) -> None:
-        """RQ jobs that failed for batches the ledger has done (a job function that gave up on a
-        frozen engine which then finished the batch; RQ's rq#2424) leave RQ's
-        failed registry: the batch is complete, and `rq info` and `genq dlq` must not show it
-        as failed. A done batch never runs again, so one pass is enough."""
+        """RQ jobs of done batches leave RQ's failed registry: `rq info` and `genq dlq` must not show a
+        complete batch as failed (a done batch never runs again: one pass is enough)."""
         failed = FailedJobRegistry(queue=rq_queue(self.conn))
         for rq_id, carried_batch in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
             with self.conn.pipeline(transaction=True) as pipe:
@@ -168,9 +144,8 @@ class Reconciler:
                      "removed it from RQ's failed registry", rq_id, *carried_batch)
 
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, tuple[str, str]]]:
-        """The genq batch jobs among these RQ job ids whose batch the ledger has done, or does
-        not have at all while it has the job: a batch lost with Redis (restarted empty,
-        flushed) whose prompts were queued again under other numbers (genq recover)."""
+        """(RQ id, its batch) of these RQ jobs whose batch is done, or unknown to a job the ledger has
+        (lost with Redis and queued again under other numbers by genq recover)."""
         batch_jobs = [(rq_id, c) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
                       if (c := carried(job)) is not None]
         with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
@@ -211,55 +186,38 @@ class Reconciler:
     def _pending_of(self, job: str) -> list[str]:
         if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
             return []  # blocked or paused (worker/parking.py): its batches wait, parked, for `genq resume --job`
-        with self.conn.pipeline(transaction=False) as pipe:
-            pipe.zrange(keys.job_batches(job), 0, -1)
-            pipe.smembers(keys.job_done(job))
-            all_batches, done = pipe.execute()
-        return [b.decode() for b in all_batches if b not in done]
+        return pending_batches(self.conn, job)
 
     def _queued_ids(self) -> set[bytes]:
-        """Ids in RQ's queue. Not its intermediate list: a job a loop moved there and then died
-        with stays "queued" there until RQ's own cleanup, which only running loops do (a burst
-        worker's have left); seen there in two passes, it is stranded like any other."""
+        """Ids in RQ's queue (not its intermediate list: a job left there by a dead loop is stranded)."""
         return set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
-        """Whether each batch's RQ job carries it: queued in RQ's queue, or started by a loop
-        whose engine heartbeats and holds the batch's lease (a worker that died before handing
-        the batch over leaves it "started" for an engine that never got it)."""
-        # A job in RQ's queue will be taken: live, whatever else it says (and not worth
-        # fetching: early in a big job nearly every pending batch is there).
+        """Whether each batch's RQ job carries it: in RQ's queue (not worth fetching), or started by
+        an engine that heartbeats and holds the batch's lease."""
         known = [i for i in rq_ids if i and i.encode() not in queued]
         jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
         # TAKE names the engine instance that took the batch as the RQ job's worker.
-        engines = {j.worker_name for j in jobs.values() if j.get_status(refresh=False) == "started"}
-        engines.discard(None)
-        alive = {}
-        if engines:
-            names = sorted(e for e in engines if e)
-            alive = dict(zip(names, self.conn.mget([keys.engine_alive(e) for e in names])))
-        out = []
-        for rq_id, holder in zip(rq_ids, holders):
+        engines = sorted({j.worker_name for j in jobs.values()
+                          if j.worker_name and j.get_status(refresh=False) == "started"})
+        alive = dict(zip(engines, self.conn.mget([keys.engine_alive(e) for e in engines]))) if engines else {}
+
+        def live(rq_id: str | None, holder: str | None) -> bool:
             if rq_id and rq_id.encode() in queued:
-                out.append(True)
-                continue
+                return True
             job = jobs.get(rq_id) if rq_id else None
-            if job is None or rq_id is None:
-                out.append(False)
-                continue
+            if job is None:
+                return False
             status = job.get_status(refresh=False)
             if status == "started":
-                engine = job.worker_name or ""
-                out.append(alive.get(engine) is not None and holder == engine)
-            else:  # "queued" but not in the queue (lost from it) is stranded too
-                out.append(status in ("scheduled", "deferred"))
-        return out
+                return alive.get(job.worker_name or "") is not None and holder == job.worker_name
+            return status in ("scheduled", "deferred")  # "queued" but not in the queue: lost from it
+
+        return [live(rq_id, holder) for rq_id, holder in zip(rq_ids, holders)]
 
     def _requeue(self, job: str, batch: str, stale_rq_id: str | None) -> bool:
-        """Queue the batch again if it is still stranded with the same transport. The stale RQ
-        job leaves RQ altogether (failed, started and intermediate registries, its hash): the
-        ledger superseded it, a transport failure is not the batch's, and `rq info` must not
-        go on showing a dead loop's job as started or a redelivered batch as failed."""
+        """Queue the batch again if it is still stranded with the same transport; the stale RQ job
+        leaves RQ altogether (forget_rq_job)."""
         started = rq_queue(self.conn).started_job_registry
         with self.conn.pipeline(transaction=True) as pipe:
             try:
@@ -284,9 +242,8 @@ class Reconciler:
 
 
 def forget_rq_job(pipe: Pipeline, rq_id: str, executions: list[bytes] | None = None) -> None:
-    """Take an RQ job out of RQ altogether, once the ledger has no use for it: its failed
-    registry, its intermediate list, its started registry (`executions`: the job's entries
-    there) and its hash. What `rq info` shows then matches the ledger."""
+    """Take an RQ job the ledger has no use for out of RQ's failed registry, intermediate list, started
+    registry (`executions`: its entries there) and its hash, so `rq info` matches the ledger."""
     queue = rq_queue(pipe)
     pipe.zrem(FailedJobRegistry(queue=queue).key, rq_id)
     pipe.lrem(queue.intermediate_queue_key, 0, rq_id)

@@ -1,31 +1,56 @@
-"""A job's figures as the monitor and `genq jobs` read them, each read one round trip however many
-workers and batches, and which counter is the truth of what.
+"""A job's figures as the monitor and `genq jobs` read them, in round trips that grow with the
+fleet, never with the job, and which counter is the truth of what.
 
-total: the job's stats "total". completed: the sum of its workers' "done" counters. failed: its
-dead letters now. Tokens: sums of the workers' counters. Running requests and their tokens: the
-workers' InFlight records (TTL 5 s). Worker health: their WorkerStatus records (TTL 15 s); a worker
-in keys.WORKERS whose status expired is "lost".
-
-Batches: written = keys.job_done; held = named by a live worker's status, or leased by a live
-engine, while their record exists; queued = this job's batches in RQ's queue (what `rq info`
-counts, genq.monitor.rqqueue); any other is "elsewhere" (retrying, failed in RQ, orphaned), never
-called queued. Shards: their count and the totals RELEASE keeps in the job's stats. A refresh reads
-per-batch records only of batches live workers hold, so its cost grows with the fleet, not the job.
+total: the job's stats "total"; completed and tokens: sums of its workers' counters; failed: its
+dead letters. Running requests: the workers' InFlight records (TTL 5 s); health: their WorkerStatus
+(a worker whose status expired is "lost"). Batches: written = keys.job_done; held = named by a live
+worker's status, or leased by a live engine, while their record exists; queued = in RQ's queue;
+any other is "elsewhere" (retrying, failed in RQ, orphaned), never called queued.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import redis
 
 from genq.core import keys, ledger, scripts
 from genq.core.ledger import fleet, jobs
 from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
-from genq.core.state import JobStatus, job_status
 
 HELD_READ_LIMIT = 2_000  # held batches looked at per refresh: bounded by the fleet, never by the job
+
+# A job's status: one vocabulary and one rule for every view (`genq jobs`, the monitor, its JSON,
+# Prometheus and the web page).
+JobStatus = Literal["empty", "queued", "running", "paused", "blocked", "writing", "partial", "done"]
+JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
+# Nothing more will happen without an operator: `genq monitor --until-done` stops at these.
+FINISHED_STATUSES: tuple[JobStatus, ...] = ("partial", "done")
+
+
+def job_status(*, total: int, finished: int, batches: int, batches_done: int, paused: bool,
+               started: bool, failed: int = 0, blocked: bool = False) -> JobStatus:
+    """finished = results + dead letters (failed of them); started = anything finished, in
+    flight or held.
+
+    "done" only once every batch's shard is written (a script that exports on "done" gets
+    every batch) and no prompt failed: a job with dead letters ends "partial" (see `genq dlq`),
+    never "done". "writing" while the last shards are written. "blocked": its settings failed
+    against the server (the preflight or the brake, docs/settings.md); its prompts wait.
+    """
+    if total == 0:
+        return "empty"
+    if blocked:
+        return "blocked"
+    if finished >= total:
+        if batches_done < batches:
+            return "writing"
+        return "partial" if failed else "done"
+    if paused:
+        return "paused"
+    return "running" if started else "queued"
 
 
 @dataclass
@@ -41,13 +66,9 @@ class WorkerCounters:
 
     @classmethod
     def of(cls, raw: dict[bytes, bytes]) -> WorkerCounters:
-        def at(name: bytes) -> float | None:
-            return float(raw[name]) if raw.get(name) else None
-
-        def n(name: bytes) -> int:
-            return int(raw.get(name) or 0)
-
-        return cls(n(b"done"), n(b"failed"), n(b"in_tok"), n(b"out_tok"), at(b"first_at"), at(b"last_at"))
+        counts = [int(raw.get(name) or 0) for name in (b"done", b"failed", b"in_tok", b"out_tok")]
+        times = [float(raw[name]) if raw.get(name) else None for name in (b"first_at", b"last_at")]
+        return cls(*counts, *times)
 
 
 @dataclass
@@ -77,16 +98,15 @@ class WorkerView:
 
     @property
     def decoding(self) -> int:
-        """This job's requests the server decodes: in flight with a token made (one without waits in
-        the server's queue or its prefill), at most its capacity."""
+        """This job's requests the server decodes (in flight with a token made), at most its capacity."""
         n = sum(1 for t in self.running_tokens if t > 0)
         cap = self.status.server_capacity if self.status is not None else None
         return min(n, cap) if cap else n
 
     @property
     def slots(self) -> int:
-        """Requests it can decode at once: its in-flight target, at most its server's capacity (both in
-        sequences), over the samples each request asks for."""
+        """Requests it can decode at once: its in-flight target, at most its server's capacity (both
+        in sequences), over the samples each request asks for."""
         s = self.live_status
         if s is None:
             return 0
@@ -138,8 +158,7 @@ class JobSnapshot:
 
     @property
     def share(self) -> float:
-        """Its part of the fleet's requests in flight, both as of the workers' last beats (in_flight,
-        capped at what is left, would read a job alone below 1 near its end)."""
+        """Its part of the fleet's requests in flight as of the workers' last beats."""
         return min(1.0, len(self.running_tokens) / self.fleet_running) if self.fleet_running else 0.0
 
     @property
@@ -149,8 +168,7 @@ class JobSnapshot:
 
     @property
     def held(self) -> int:
-        """Of those, the prompts in batches live workers hold (counted from the batches: a paused worker
-        empties its ready list)."""
+        """Of those, the prompts in batches live workers hold (counted from the batches)."""
         return min(self.queued, sum(max(0, sum(w.held_unfinished) - len(w.running_tokens)) for w in self.live))
 
     @property
@@ -194,9 +212,8 @@ class JobSnapshot:
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
              queued: int = 0, rq_queued: int = 0, now: float | None = None) -> JobSnapshot | None:
-    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses, read once for
-    every job of a refresh (read here when not given); queued and rq_queued: RQ's counts of the job's
-    batches and of every batch (genq.monitor.rqqueue)."""
+    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses (read once per
+    refresh); queued and rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
     if workers is None:
         workers = fleet.statuses(conn)
     with conn.pipeline(transaction=False) as pipe:
@@ -253,13 +270,9 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
 
 
 def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
-    """The job's batches live workers hold; fills each view's held_unfinished.
-
-    A batch a live worker's status names counts while its record exists (it is deleted once its shard
-    is written); its unfinished prompts are the job's batch size less its stored results (exact for all
-    but an enqueue's last batch). A batch a live engine has leased and no status names yet (one is
-    published a second) is held too; a lease of an engine that stopped beating is not.
-    """
+    """The job's batches live workers hold; fills each view's held_unfinished (the batch size less
+    its stored results). A batch counts while its record exists, named by a live worker's status or
+    leased by a live engine that no status names yet."""
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
             for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
     with conn.pipeline(transaction=False) as pipe:

@@ -1,10 +1,6 @@
-"""The fleet's records in Redis: who the workers are, the status each publishes, the controls an
-operator gives them, what each has in flight per job, the wake-up channel, and what genq keeps
-of a server (its decode figures, its model). Written by a worker's heartbeat, read by the
-operator's commands and the monitor; only the ledger names their keys.
-
-A beat's writes are staged on the caller's pipeline (sync or asyncio: `stage_*` only queue
-commands), so a beat stays one round trip.
+"""The fleet's records in Redis: the workers, the status each publishes, the controls an operator
+gives them, what each has in flight per job, the wake-up channel, and what genq keeps of a server.
+A beat's writes are staged on the caller's pipeline (`stage_*` only queue commands): one round trip.
 """
 
 from __future__ import annotations
@@ -15,17 +11,16 @@ from typing import Any
 import msgspec
 import redis
 import redis.asyncio as aioredis
-from redis.client import Pipeline
 
 from genq.core import keys
 from genq.core.decodefigures import ServerDecode
+from genq.core.ledger.jobs import change_record
 from genq.core.records import Control, InFlight, WorkerStatus, pack, unpack
 
 AnyPipeline = Any  # a redis-py pipeline, sync or asyncio: stage_* only queue commands on it
 
+
 # --------------------------------------------------------------------------- statuses
-
-
 def worker_names(conn: redis.Redis) -> list[str]:
     """Every worker that ever heartbeated (until `genq workers forget`), sorted."""
     return sorted(n.decode() for n in conn.smembers(keys.WORKERS))
@@ -70,8 +65,6 @@ def forget_workers(conn: redis.Redis, names: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- a beat's writes
-
-
 def stage_alive(pipe: AnyPipeline, instance: str, name: str, ttl: int) -> None:
     """The engine instance is alive for `ttl` s more (claims and leases count while it is)."""
     pipe.set(keys.engine_alive(instance), name, ex=ttl)
@@ -103,8 +96,6 @@ async def stopped(conn: aioredis.Redis, instance: str, name: str) -> None:
 
 
 # --------------------------------------------------------------------------- controls
-
-
 async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tuple[Control, bool, set[str]]:
     """What the operator asks of this worker now: its Control, the fleet-wide pause, which of
     `jobs` are paused; one round trip."""
@@ -120,24 +111,15 @@ async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tup
 
 def change_control(conn: redis.Redis, name: str, change: Callable[[Control], None]) -> Control:
     """Apply change() to the worker's stored Control under WATCH (a concurrent drain and cap both stick)."""
-    key = keys.worker_control(name)
-    result: list[Control] = []
-
-    def store(pipe: Pipeline) -> None:
-        raw = pipe.get(key)
-        control = unpack(raw, Control) if raw else Control()
+    def changed(control: Control) -> Control:
         change(control)
-        pipe.multi()
-        pipe.set(key, pack(control))
-        result[:] = [control]
+        return control
 
-    conn.transaction(store, key)
-    return result[0]
+    return change_record(conn, keys.worker_control(name), lambda raw: unpack(raw, Control) if raw else Control(),
+                         changed)
 
 
 # --------------------------------------------------------------------------- the wake-up channel
-
-
 def tell_idle_workers(conn: redis.Redis) -> None:
     """An operator changed a control: idle workers read theirs now, not at their next idle beat."""
     conn.publish(keys.WAKE, keys.WAKE_CONTROL)
@@ -163,8 +145,6 @@ def is_control_wake(data: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- a server
-
-
 async def server_decode(conn: aioredis.Redis, server: str, model: str) -> ServerDecode | None:
     """A server's decode figures as its last worker left them (worker/decoding.py)."""
     raw = await conn.get(keys.server_decode(server, model))

@@ -1,8 +1,6 @@
-"""What an engine reads and writes, from its event loop, of the jobs whose batches it holds:
-their block and pause flags, their settings (worker/parking.py), and the leases other engines
-hold with their jobs' priorities (worker/stealing.py), their schedules (worker/shares.py, staged
-on the caller's pipeline with its scripts); one round trip each.
-"""
+"""What an engine reads and writes, from its event loop, of the jobs whose batches it holds: block and
+pause flags and settings (worker/parking.py), other engines' leases and their jobs' priorities
+(worker/stealing.py), schedules (worker/shares.py); one round trip each."""
 
 from __future__ import annotations
 
@@ -55,9 +53,10 @@ async def job_names(conn: aioredis.Redis) -> list[str]:
     return [j.decode() for j in await conn.smembers(keys.JOBS)]
 
 
-async def leases_and_configs(conn: aioredis.Redis, jobs: list[str]) -> list[tuple[JobConfig | None, dict[str, str | None]]]:
-    """For each job, in order: its settings as they are now (None: deleted, or written by an
-    incompatible genq) and its leased batches, each with its holder (an engine instance)."""
+async def leases_and_configs(conn: aioredis.Redis, jobs: list[str]
+                             ) -> list[tuple[JobConfig | None, dict[str, str | None]]]:
+    """For each job, in order: its settings now (None: deleted, or written by an incompatible genq)
+    and its leased batches, each with its holder (an engine instance)."""
     async with conn.pipeline(transaction=False) as pipe:
         for job in jobs:
             pipe.hgetall(keys.job_leases(job))
@@ -85,8 +84,7 @@ async def unpaused_priorities(conn: aioredis.Redis, jobs: list[str]) -> dict[str
 
 
 def stage_schedules(pipe: Any, jobs: list[str]) -> None:
-    """Queue the read of these jobs' schedules, packed, in order, on an asyncio pipeline (one MGET;
-    schedule_of reads each)."""
+    """Queue the read of these jobs' packed schedules on an asyncio pipeline (one MGET; schedule_of reads each)."""
     pipe.mget([keys.job_schedule(j) for j in jobs])
 
 

@@ -1,9 +1,7 @@
-"""A job's own records in Redis, named for what they say: the job list and its name rule, the
-pause flags (the whole fleet's and one job's), a job's block and schedule, its counts, its batch
-numbering, and every key it has (`genq jobs delete`, `genq recover`). The other modules ask these
-functions; only the ledger builds a key (docs/architecture.md, "The scripts and the ledger's
-boundary"). Batches and their RQ jobs are genq.core.queueing's; dead letters are
-genq.core.ledger.letters'; workers genq.core.ledger.fleet's.
+"""A job's own records in Redis, named for what they say: the pause flags (the fleet's and one job's),
+a job's block, schedule and settings, its counts, its batch numbering, and every key it has (`genq
+jobs delete`, `genq recover`). Batches and their RQ jobs are genq.core.queueing's, dead letters
+genq.core.ledger.letters', workers genq.core.ledger.fleet's.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from redis.client import Pipeline
@@ -19,9 +18,11 @@ from genq.core import keys
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
 from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
 
+R = TypeVar("R")
+T = TypeVar("T")
+
+
 # --------------------------------------------------------------------------- pause flags
-
-
 def pause_all(conn: redis.Redis) -> None:
     """`genq pause`: no worker sends a new request of any job (the flag holds when it was set)."""
     conn.set(keys.PAUSED, repr(time.time()))
@@ -53,8 +54,6 @@ def paused_jobs(conn: redis.Redis, jobs: Iterable[str]) -> set[str]:
 
 
 # --------------------------------------------------------------------------- blocks
-
-
 def block_of(conn: redis.Redis, job: str) -> JobBlock | None:
     raw = conn.get(keys.job_blocked(job))
     return unpack(raw, JobBlock) if raw else None
@@ -72,9 +71,7 @@ def lift_block(conn: redis.Redis, job: str) -> None:
     conn.delete(keys.job_blocked(job), keys.job_paused(job))
 
 
-# --------------------------------------------------------------------------- schedule
-
-
+# --------------------------------------------------------------------------- schedule and settings
 def schedule_of(raw: bytes | None) -> JobSchedule:
     return unpack(raw, JobSchedule) if raw else JobSchedule()
 
@@ -86,44 +83,28 @@ def schedules(conn: redis.Redis, jobs: Iterable[str]) -> dict[str, JobSchedule]:
     return {job: schedule_of(raw) for job, raw in zip(jobs, conn.mget([keys.job_schedule(j) for j in jobs]))}
 
 
-def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule], JobSchedule]) -> JobSchedule:
-    """Store change(the stored schedule) as the job's schedule, under WATCH; the new schedule."""
-    key = keys.job_schedule(job)
-    result: list[JobSchedule] = []
-
-    def store(pipe: Pipeline) -> None:
-        new = change(schedule_of(pipe.get(key)))
+def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T]) -> T:
+    """Store change(read(the stored bytes)) under `key`, packed, under WATCH (again from the start if
+    the key changes meanwhile); the new record. `change` may raise to store nothing."""
+    def store(pipe: Pipeline) -> T:
+        new = change(read(pipe.get(key)))
         pipe.multi()
         pipe.set(key, pack(new))
-        result[:] = [new]
+        return new
 
-    conn.transaction(store, key)
-    return result[0]
+    return conn.transaction(store, key, value_from_callable=True)
 
 
-# --------------------------------------------------------------------------- settings
+def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule], JobSchedule]) -> JobSchedule:
+    return change_record(conn, keys.job_schedule(job), schedule_of, change)
 
 
 def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | None], JobConfig]) -> JobConfig:
-    """Store change(the stored config) as the job's config, under WATCH (`genq jobs set`); the
-    new config. `change` may raise to store nothing."""
-    key = keys.job_config(job)
-    result: list[JobConfig] = []
-
-    def store(pipe: Pipeline) -> None:
-        raw = pipe.get(key)
-        new = change(unpack(raw, JobConfig) if raw is not None else None)
-        pipe.multi()
-        pipe.set(key, pack(new))
-        result[:] = [new]
-
-    conn.transaction(store, key)
-    return result[0]
+    """`genq jobs set`: store change(the stored config, None if none) as the job's config."""
+    return change_record(conn, keys.job_config(job), lambda raw: unpack(raw, JobConfig) if raw else None, change)
 
 
 # --------------------------------------------------------------------------- counts
-
-
 @dataclass
 class JobCounts:
     """A job's counters of record (genq.core.ledger.figures says which is the truth of what)."""
@@ -169,9 +150,12 @@ def all_batches(conn: redis.Redis, job: str) -> set[str]:
 
 
 def pending_batches(conn: redis.Redis, job: str) -> list[str]:
-    """The job's batches not done, in order."""
-    done = done_batches(conn, job)
-    return [b for raw in conn.zrange(keys.job_batches(job), 0, -1) if (b := raw.decode()) not in done]
+    """The job's batches not done, in order (one round trip)."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.zrange(keys.job_batches(job), 0, -1)
+        pipe.smembers(keys.job_done(job))
+        listed, done = pipe.execute()
+    return [b.decode() for b in listed if b not in done]
 
 
 def knows_prompt(conn: redis.Redis, job: str, prompt_id: str) -> bool:
@@ -185,8 +169,6 @@ def shard_infos(conn: redis.Redis, job: str) -> list[bytes]:
 
 
 # --------------------------------------------------------------------------- numbering and creation
-
-
 def watch_enqueue(pipe: Pipeline, job: str) -> None:
     """WATCH what an enqueue reads before it writes: the id index, the batch numbering, the config."""
     pipe.watch(keys.job_ids(job), keys.job_batch_seq(job), keys.job_config(job))
@@ -202,8 +184,6 @@ def stage_last_batch_number(pipe: Pipeline, job: str, number: int) -> None:
 
 
 # --------------------------------------------------------------------------- every key of a job
-
-
 def job_keys_shown(job: str) -> str:
     """How `genq jobs delete` names a job's keys to the operator (a glob)."""
     return keys.job_keys_pattern(job)
@@ -222,8 +202,6 @@ def stage_forget_job(pipe: Pipeline, job: str, job_keys: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- a batch's state
-
-
 def batch_exists(conn: redis.Redis, job: str, batch: str) -> bool:
     """Whether the batch's record is stored: it is deleted once its shard is written (or with its job)."""
     return bool(conn.exists(keys.batch(job, batch)))

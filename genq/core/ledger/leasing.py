@@ -1,7 +1,5 @@
-"""The engine's side of a lease (worker/batches.py drives it): what Redis recorded of a taken
-batch, the lease check after each beat, and the hand-back (genq.core.ledger's module docstring
-defines the terms).
-"""
+"""The engine's side of a lease (worker/batches.py drives it): what Redis recorded of a taken batch,
+the lease check after each beat, and the hand-back (genq.core.ledger defines the terms)."""
 
 from __future__ import annotations
 
@@ -32,18 +30,13 @@ async def batch_record(conn: aioredis.Redis, ref: BatchRef) -> bytes | None:
 
 
 async def finished_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> set[str]:
-    """Of the batch's prompt ids, those with an outcome recorded: a result or a dead letter."""
-    async with conn.pipeline(transaction=True) as pipe:
-        pipe.hkeys(keys.batch_results(ref.job, ref.batch))
-        pipe.hmget(keys.job_dlq(ref.job), ids)
-        stored, dead = await pipe.execute()
-    return {k.decode() for k in stored} | {i for i, d in zip(ids, dead) if d is not None}
+    """outcome_ids read in one transaction (what a batch just taken has left to send)."""
+    return await outcome_ids(conn, ref, ids, transaction=True)
 
 
-async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> set[str]:
-    """Of these prompt ids, those with an outcome recorded (a result or a dead letter), read by
-    id: one round trip, no transaction (a tail's look at what it holds back)."""
-    async with conn.pipeline(transaction=False) as pipe:
+async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str], *, transaction: bool = False) -> set[str]:
+    """Of these prompt ids of the batch, those with an outcome recorded (a result or a dead letter)."""
+    async with conn.pipeline(transaction=transaction) as pipe:
         pipe.hmget(keys.batch_results(ref.job, ref.batch), ids)
         pipe.hmget(keys.job_dlq(ref.job), ids)
         results, letters = await pipe.execute()
@@ -57,10 +50,9 @@ async def claim_owners(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> l
 
 async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]
                           ) -> tuple[bool, bytes | None, bytes | int | None, list[bytes], list[bytes | None] | None]:
-    """What the batch's shard is built from, read in one transaction: whether it is done, its
-    job's settings (packed), the batch record (given `ids`, the prompts are in memory already:
-    only whether it is still there), its stored results (packed), and the letters of `ids`
-    (None without ids: letters_of, once the record names them)."""
+    """What the batch's shard is built from, in one transaction: whether it is done, its job's settings,
+    the batch record (given `ids`: only whether it is still there), its stored results, and the letters
+    of `ids` (None without ids: letters_of, once the record names them); all packed."""
     async with conn.pipeline(transaction=True) as pipe:
         pipe.sismember(keys.job_done(ref.job), ref.batch)
         pipe.get(keys.job_config(ref.job))
@@ -81,8 +73,8 @@ async def letters_of(conn: aioredis.Redis, job: str, ids: list[str]) -> list[byt
 
 
 async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
-    """For each batch: its job's incarnation now (None: deleted), whether it is done, and the
-    token of its current lease; one round trip."""
+    """For each batch: its job's incarnation now (None: deleted), whether it is done, and the token
+    of its current lease; one round trip."""
     jobs = sorted({r.job for r in refs})
     async with conn.pipeline(transaction=False) as pipe:
         for job in jobs:
@@ -100,13 +92,11 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
 
 def end_lease_if_ours(conn: redis.Redis, ref: BatchRef, token: str,
                       along: Callable[[Pipeline], object]) -> bool:
-    """End the lease `token` of the batch, with `along`'s writes in the same transaction (WATCH
-    on its lease and the job's done set); the RQ job that carried it leaves RQ. False, writing
-    nothing, if the batch is done or that lease is no longer its current one."""
+    """End the lease `token` of the batch, with `along`'s writes in the same transaction, and its RQ
+    job leaves RQ. False, writing nothing, if the batch is done or that lease is no longer current."""
     def attempt(pipe: Pipeline) -> bool:
-        if pipe.sismember(keys.job_done(ref.job), ref.batch):
-            return False
-        if lease_token(pipe.hget(keys.job_leases(ref.job), ref.batch)) != token:
+        lease = pipe.hget(keys.job_leases(ref.job), ref.batch)
+        if lease_token(lease) != token or pipe.sismember(keys.job_done(ref.job), ref.batch):
             return False
         rq_id = pipe.hget(keys.job_transport(ref.job), ref.batch)
         pipe.multi()
@@ -127,9 +117,8 @@ def hand_back(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
 
 
 async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tuple[JobConfig | None, bool]:
-    """The job's settings with the model `auto` replaced by `model` in the stored config, unless
-    another engine resolved it first (then its model stays); and whether this call pinned it.
-    (None, False) if the job is gone."""
+    """The job's settings with the model `auto` replaced by `model` in the stored config unless another
+    engine resolved it first, and whether this call pinned it; (None, False) if the job is gone."""
     key = keys.job_config(job)
     async with conn.pipeline(transaction=True) as pipe:
         while True:

@@ -1,8 +1,6 @@
-"""Dead letters: a job's prompts that failed for good, one DeadLetter per prompt id, written by
-RECORD (genq/core/scripts/record.lua) and read or moved here (`genq dlq`, the monitor, export).
-A change to them runs under WATCH of the job's letters (transaction), so a concurrent requeue or
-purge of the same letters starts it over.
-"""
+"""Dead letters: a job's prompts that failed for good, one DeadLetter per prompt id, written by RECORD
+and read or moved here (`genq dlq`, the monitor, export). A change to them runs under WATCH of the
+job's letters (transaction): a concurrent requeue or purge of the same letters starts it over."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def count(conn: redis.Redis, job: str) -> int:
 
 
 def scan_raw(conn: redis.Redis, job: str, step: int = 500) -> Iterator[bytes]:
-    """Every letter of the job, packed; HSCAN rather than HGETALL: a huge DLQ is read in steps
-    without blocking Redis."""
+    """Every letter of the job, packed; HSCAN: a huge DLQ is read in steps without blocking Redis."""
     return (raw for _, raw in conn.hscan_iter(keys.job_dlq(job), count=step))
 
 
@@ -43,9 +40,8 @@ def read_some(conn: redis.Redis, job: str, ids: Sequence[str], as_type: type[L])
 
 def transaction(conn: redis.Redis, job: str, body: Callable[[Any], T], *, batch: str | None = None,
                 also: Iterable[str] = ()) -> T:
-    """Run body(pipe) with the job's letters (and `batch`'s stored results; `also`: keys of RQ's,
-    from genq.core.queueing) under WATCH, again from the start whenever one of them changes
-    before its MULTI executes."""
+    """Run body(pipe) with the job's letters (and `batch`'s stored results; `also`: RQ's keys) under
+    WATCH, again whenever one of them changes before its MULTI executes."""
     watched = [*also, keys.job_dlq(job), *([keys.batch_results(job, batch)] if batch is not None else [])]
     return conn.transaction(body, *watched, value_from_callable=True)
 

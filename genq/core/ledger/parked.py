@@ -1,7 +1,6 @@
-"""Parked batches: a paused or blocked job's batches that no RQ job carries (worker/parking.py
-parks the held ones; unqueue takes the queued ones out of RQ's queue), and their way back
-(`genq resume --job`). Not stranded: the reconciler leaves a paused or blocked job's batches be.
-"""
+"""Parked batches: a paused or blocked job's batches that no RQ job carries (worker/parking.py parks
+the held ones, unqueue the queued ones), and their way back (`genq resume --job`). The reconciler
+leaves them be."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from genq.core.records import BatchRef
 
 
 def unqueue(conn: redis.Redis, job: str) -> int:
-    """Take the blocked job's batches out of RQ's queue (they are parked like the held ones: no RQ
-    job carries them, `genq resume --job` queues them again), so that workers do not take them one
-    by one only to park them, and other jobs' batches behind them are not kept waiting. How many."""
+    """Park the job's queued batches: out of RQ's queue, so that workers do not take them one by one
+    only to park them, nor keep other jobs' batches waiting behind them. How many."""
     queue = rq_queue(conn)
     ids = queue.get_job_ids()
     found = {j.id: j for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job}
@@ -35,9 +33,8 @@ def unqueue(conn: redis.Redis, job: str) -> int:
         for (rq_id, batch), carrier in zip(gone, carriers):
             if carrier is not None and carrier.decode() == rq_id:
                 pipe.hdel(keys.job_transport(job), batch)
-        # Out of the queue, such a job is in no registry of RQ's: its keys go. RQ's own delete would
-        # first ask Redis for its status seven times, one round trip each: `genq pause --job` of a
-        # job with 1,250 queued batches took 17 s of its 18 s in them (2026-12-06).
+        # Out of the queue, such a job is in no registry of RQ's: its keys go (not RQ's delete, which
+        # asks Redis for its status seven times, a round trip each).
         for rq_id, _ in gone:
             rq_job = found[rq_id]
             pipe.delete(rq_job.key, rq_job.dependents_key, rq_job.dependencies_key, RqResult.get_key(rq_id))
@@ -46,9 +43,8 @@ def unqueue(conn: redis.Redis, job: str) -> int:
 
 
 def requeue_parked(conn: redis.Redis, job: str) -> int:
-    """Queue every batch of `job` that is not done and that no RQ job carries (a blocked job's
-    workers parked it: worker/parking.py). WATCH on the transport makes a reconciler or a second
-    resume that queues one meanwhile start this over, so none is queued twice."""
+    """Queue every batch of `job` not done that no RQ job carries; WATCH on the transport starts this
+    over if another resume or a reconciler queues one meanwhile, so none is queued twice."""
     transport = keys.job_transport(job)
 
     def queue(pipe: redis.client.Pipeline) -> int:

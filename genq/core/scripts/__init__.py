@@ -1,16 +1,10 @@
-"""Every Lua script of genq, loaded once from the .lua files beside this module, and each
-script's KEYS and ARGV built in one function next to it (docs/architecture.md, "The scripts and
-the ledger's boundary").
+"""Every Lua script of genq, loaded once from the .lua files beside this module, and each script's
+KEYS and ARGV built in one `*_call` function next to it (docs/architecture.md, "The scripts and the
+ledger's boundary").
 
-Each NAME.lua starts with its header: what it does, each KEYS[i] and ARGV[i] by name, what it
-returns. A line `-- #include PIECE` is replaced by _PIECE.lua (Lua shared by several scripts:
-the incarnation check, the running shard totals, the claim helpers, the end that RELEASE and
-ADOPT share once a shard makes its batch done); a piece may include another. The scripts are plain strings: callers register them on their own connection
-(redis-py's register_script: EVALSHA, loaded again after a Redis restart).
-
-A `*_call` function takes typed arguments and returns (keys, args) for its script, so a
-script's KEYS are named in its header and built here, nowhere else. Lists of many values go
-in one argument (lua_list): one argument holding them all costs one encoding, not one each.
+Each NAME.lua's header names what it does, each KEYS[i] and ARGV[i], and what it returns. A line
+`-- #include PIECE` is replaced by _PIECE.lua (Lua shared by several scripts). The scripts are
+plain strings: callers register them on their own connection (EVALSHA, reloaded after a restart).
 """
 
 from __future__ import annotations
@@ -22,10 +16,7 @@ from typing import Any
 
 from genq.core import keys
 from genq.core.batches import batch_number
-from genq.core.durable import ShardMarker
-from genq.core.histogram import length_bucket
-from genq.core.luapack import lua_list
-from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, pack, without_prompt
+from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, length_bucket, pack, without_prompt
 
 HERE = Path(__file__).resolve().parent
 _INCLUDE = re.compile(r"^-- #include (\w+)$", re.MULTILINE)
@@ -39,9 +30,35 @@ def evaluate(conn: Any, script: str, call: Call) -> Any:
     return conn.eval(script, len(script_keys), *script_keys, *args)
 
 
+def lua_list(items: Iterable[bytes | str | int]) -> bytes:
+    """Many values in one script argument (one encoding, not one each): a msgpack array of str for
+    cmsgpack.unpack. Never msgpack bin, which cmsgpack cannot read: ints go as their decimal text."""
+    body = bytearray()
+    count = 0
+    for item in items:
+        raw = item if isinstance(item, bytes) else str(item).encode()
+        size = len(raw)
+        if size < 32:
+            body.append(0xA0 | size)
+        elif size < 0x100:
+            body += b"\xd9" + size.to_bytes(1, "big")
+        elif size < 0x10000:
+            body += b"\xda" + size.to_bytes(2, "big")
+        else:
+            body += b"\xdb" + size.to_bytes(4, "big")
+        body += raw
+        count += 1
+    if count < 16:
+        head = bytes([0x90 | count])
+    elif count < 0x10000:
+        head = b"\xdc" + count.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + count.to_bytes(4, "big")
+    return head + bytes(body)
+
+
 def load(name: str, _within: tuple[str, ...] = ()) -> str:
-    """NAME.lua with its `-- #include` lines expanded (a piece included twice is an error:
-    Lua would define its functions twice, the second silently winning)."""
+    """NAME.lua with its `-- #include` lines expanded (a piece may include another; a circle is an error)."""
     if name in _within:
         raise ValueError(f"Lua include circle: {' -> '.join((*_within, name))}")
     text = (HERE / f"{name}.lua").read_text()
@@ -53,10 +70,8 @@ RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix (TAKE and QUEUE_HEAD read a jo
 # an entry by job and execution; genq's engine is the execution, and one RQ job runs once.
 RQ_EXECUTION = "genq"
 JOB_SLOT, BATCH_SLOT = "{job}", "{batch}"  # where TAKE puts names into key templates
-# Running totals of the written shards, in keys.job_stats: kept by RELEASE and ADOPT in the call
-# that records a shard, so they always equal the sums over keys.job_shards, and the monitor reads
-# them instead of every ShardInfo (a refresh does not grow with the number of batches). The Lua
-# writes these names itself (_shard_totals.lua, release.lua, adopt.lua; tests/test_scripts.py).
+# Running totals of the written shards in keys.job_stats, kept by RELEASE and ADOPT as they record a
+# shard, so the monitor reads two fields, not every ShardInfo. The Lua names them itself (_shard_totals.lua).
 SHARD_RECORDS = "shard_records"  # sum of ShardInfo.records
 SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
 
