@@ -219,7 +219,7 @@ class Batches:
         while any(t.batch in held for t in self.dispatcher.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()
-        if self.stealer.borrowed:
+        if self.held.borrowed:
             await retrying(functools.partial(self.stealer.give_back, why), "giving borrowed prompts back")
         given = []
         for h in held:

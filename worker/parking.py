@@ -11,6 +11,11 @@ the parked batches again.
 
 Settings fixed in place (`genq jobs set`, a new JobConfig.settings_version) reach the batches an
 engine holds within a second, and every batch that arrives is checked against the stored version.
+
+The preflight blocks a job whose settings can never fit its server before any request: a prompt
+has at least one token, so max_tokens at or over the context never fits (SGLang answers every
+request 400, vLLM too over the context, llama.cpp cuts every completion at its slot's end).
+Below the context a too-long prompt is its own failure: the brake's case (worker/brake.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import redis
@@ -28,27 +33,39 @@ import redis.asyncio as aioredis
 from genq.core.ledger import holding
 from genq.core.ledger.parked import end_lease_parked
 from genq.core.records import JobBlock, JobConfig, Prompt
-from genq.core.waits import retrying
+from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
 from genq.ops.settings import unqueue
-from genq.worker.brake import Brake
 from genq.worker.claims import Claims
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.preflight import preflight
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerInfo
 from genq.worker.stealing import Stealer
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
 CHECK_EVERY_S = 1.0
 
 
+def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
+    """Why `config` can never work against `server` (its context: worker/engines/), or None."""
+    if server is None or not server.context_length:
+        return None  # the server says nothing about its context: the brake is the safeguard
+    context = server.context_length
+    if config.max_tokens < context:
+        return None
+    return (f"max_tokens {config.max_tokens} (settings version {config.settings_version}) is not below "
+            f"{server.engine.context_where} of {context} tokens on this {server.flavor} server: no prompt can fit "
+            f"(prompt + max_tokens must fit in the context). Lower it with `genq jobs set {config.name} "
+            f"--max-tokens N` (N < {context}), then `genq resume --job {config.name}`.")
+
+
 class Parking:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
                  dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
-                 server: Callable[[], ServerInfo | None], reread: Callable[[], Awaitable[ServerInfo | None]]) -> None:
+                 watch: ServerWatch) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
@@ -58,9 +75,8 @@ class Parking:
         self.stealer = stealer
         self.claims = claims
         self.writer = writer
-        self.server = server  # what the server said about itself (ServerWatch.info)
-        self.reread = reread  # ... read again now (ServerWatch.reread)
-        self.brake = Brake(worker, dispatcher._dead, self.block)
+        self.watch = watch  # what the server says about itself (its context, for the preflight)
+        self.brake = dispatcher.brake  # its trips block their job here
         self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
@@ -103,9 +119,9 @@ class Parking:
             self.flags.paused_jobs.add(job)
             await self.park_job(job, quiet=True, cancel=False)
             return
-        problem = preflight(held.config, self.server())
+        problem = preflight(held.config, self.watch.info)
         if problem is not None:  # judged by what the server says now, not before a restart
-            problem = preflight(held.config, await self.reread())
+            problem = preflight(held.config, await self.watch.reread())
         if problem is not None:
             log.error("job %s blocked before any request (preflight): %s", job, problem)
             self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
@@ -160,7 +176,7 @@ class Parking:
         Blocked: its requests in flight are cancelled (nothing recorded); paused (`cancel` False):
         they finish and are recorded, and nothing more of the job is sent."""
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
-        borrowed = [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
+        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         for batch in mine + borrowed:
             self.dispatcher.drop(batch, cancel=cancel)
         while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
@@ -168,7 +184,7 @@ class Parking:
         await self.writer.wait_idle()  # what was recorded before is written: it stays
         for b in borrowed:
             await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
-            self.stealer.borrowed.pop(b.ref, None)
+            self.held.borrowed.pop(b.ref, None)
         parked = []
         for h in mine:
             if h.completing:
@@ -189,7 +205,7 @@ class Parking:
     def _settings(self, job: str, stored: JobConfig) -> None:
         """A newer settings version of a job this engine holds: every unsent prompt gets it."""
         batches = [h for h in self.held.values() if h.ref.job == job]
-        batches += [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
+        batches += [b for ref, b in self.held.borrowed.items() if ref.job == job]
         stale = [h for h in batches if h.config.incarnation == stored.incarnation
                  and h.config.settings_version < stored.settings_version]
         if not stale:
@@ -200,7 +216,7 @@ class Parking:
         self.brake.reset(job)
         log.info("job %s: settings version %d from now on (%s held here)", job, stored.settings_version,
                  plural(len(stale), "batch", "batches"))
-        problem = preflight(stored, self.server())
+        problem = preflight(stored, self.watch.info)
         if problem is not None and job not in self.brake.blocked:
             log.error("job %s blocked (preflight of its new settings): %s", job, problem)
             self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
@@ -208,7 +224,11 @@ class Parking:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(CHECK_EVERY_S)
+            await wait_event(self.brake.tripped, CHECK_EVERY_S)
+            self.brake.tripped.clear()
+            for job, record in self.brake.trips.items():
+                self.block(job, record)
+            self.brake.trips.clear()
             try:
                 await self.check()
             except (redis.RedisError, OSError) as exc:
@@ -216,8 +236,8 @@ class Parking:
             self.brake.judge_all()
 
     async def check(self) -> None:
-        park_paused(self)
-        jobs = sorted(self.held.jobs() | {r.job for r in self.stealer.borrowed} | self.brake.blocked)
+        self.park_paused()
+        jobs = sorted(self.held.all_jobs() | self.brake.blocked)
         if not jobs:
             return
         for job, (blocked, config) in zip(jobs, await holding.blocks_and_configs(self.conn, jobs)):
@@ -228,27 +248,16 @@ class Parking:
             if config is not None:
                 self._settings(job, config)
 
+    def park_paused(self) -> None:
+        """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
+        their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
+        holding = self.held.all_jobs()
+        for job in (self.flags.paused_jobs & holding) - self.brake.blocked - self.pausing:
+            self.pausing.add(job)
+            self._spawn(self._park_paused(job))
 
-def park_paused(parking: Parking) -> None:
-    """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
-    their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
-    holding = parking.held.jobs() | {r.job for r in parking.stealer.borrowed}
-    for job in (parking.flags.paused_jobs & holding) - parking.brake.blocked - parking.pausing:
-        parking.pausing.add(job)
-
-        async def park(job: str = job) -> None:
-            try:
-                await parking.park_job(job, cancel=False)
-            finally:
-                parking.pausing.discard(job)
-
-        parking._spawn(park())
-
-
-def parking_of(engine: Any) -> Parking:
-    """The engine's (worker/engine.py)."""
-    parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
-                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info, engine.watch.reread)
-    engine.dispatcher.brake = parking.brake
-    return parking
-
+    async def _park_paused(self, job: str) -> None:
+        try:
+            await self.park_job(job, cancel=False)
+        finally:
+            self.pausing.discard(job)
