@@ -83,10 +83,10 @@ class Engine:
         self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
                                               lambda why: self.batches.hand_back_all(why),
                                               lambda note: self.heartbeat.beat(state="server_down", note=note))
-        self.parking = Parking(self.redis, self.sync_redis, self.name, self.flags, self.held, self.dispatcher,
-                               self.stealer, self.claims, self.writer, self.watch)
         self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher, self.claims,
-                               self.writer, Completer(self.redis, self.flags), self.stealer, models, self.parking.admit)
+                                        self.writer, Completer(self.redis, self.flags), self.stealer, models)
+        self.parking = Parking(self.redis, self.sync_redis, self.name, self.flags, self.held, self.batches,
+                               self.dispatcher.brake, self.stealer, self.watch)
         self.tail = TailWatch(self.redis, self.name, queue_key, self.flags, self.dispatcher,
                               self.held.active)
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
@@ -135,7 +135,7 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
                     self.watch.recovery_loop(), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
-                    self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
+                    self.stealer.run(), self.parking.run(), self.parking.admit(), self.shares.run(), self.tail.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
                     task.cancel()

@@ -21,7 +21,6 @@ Below the context a too-long prompt is its own failure: the brake's case (worker
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Coroutine
@@ -31,15 +30,13 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core.ledger import holding
-from genq.core.ledger.parked import end_lease_parked
 from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
 from genq.ops.settings import unqueue
-from genq.worker.claims import Claims
-from genq.worker.dispatch import Dispatcher
+from genq.worker.batches import Batches
+from genq.worker.brake import Brake
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.results import ResultWriter
 from genq.worker.server import ServerInfo
 from genq.worker.stealing import Stealer
 from genq.worker.watch import ServerWatch
@@ -64,19 +61,16 @@ def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
 
 class Parking:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
-                 dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
-                 watch: ServerWatch) -> None:
+                 batches: Batches, brake: Brake, stealer: Stealer, watch: ServerWatch) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
         self.flags = flags
         self.held = held
-        self.dispatcher = dispatcher
-        self.stealer = stealer
-        self.claims = claims
-        self.writer = writer
+        self.batches = batches  # admitted batches are sent, parked ones let go, by their owner
+        self.brake = brake  # the dispatcher's: its trips block their job here
+        self.stealer = stealer  # its cache of other engines' batches goes with old settings
         self.watch = watch  # what the server says about itself (its context, for the preflight)
-        self.brake = dispatcher.brake  # its trips block their job here
         self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
@@ -95,10 +89,12 @@ class Parking:
 
     # ---------------------------------------------------------------- arriving batches
 
-    def admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """Batches' admit: a loaded batch is sent only if its job is not blocked, with the
-        job's current settings, and past the preflight."""
-        self._spawn(self._admit(held, prompts))
+    async def admit(self) -> None:
+        """Each loaded batch (Batches.arrived) is sent only if its job is not blocked or paused, with
+        the job's current settings, and past the preflight."""
+        while True:
+            held, prompts = await self.batches.arrived.get()
+            self._spawn(self._admit(held, prompts))
 
     async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         job = held.ref.job
@@ -127,7 +123,7 @@ class Parking:
             self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
                                      settings_version=held.config.settings_version))
             return
-        self.stealer.lease_arrived(held, prompts)
+        self.batches.send(held, prompts)
 
     # ---------------------------------------------------------------- blocking
 
@@ -172,33 +168,14 @@ class Parking:
         self.flags.paused_jobs.discard(job)
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
-        """Stop the job's held and borrowed batches here and end their leases without an RQ job.
-        Blocked: its requests in flight are cancelled (nothing recorded); paused (`cancel` False):
-        they finish and are recorded, and nothing more of the job is sent."""
-        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
-        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
-        for batch in mine + borrowed:
-            self.dispatcher.drop(batch, cancel=cancel)
-        while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.writer.wait_idle()  # what was recorded before is written: it stays
-        for b in borrowed:
-            await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
-            self.held.borrowed.pop(b.ref, None)
-        parked = []
-        for h in mine:
-            if h.completing:
-                continue  # the flush finished it
-            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if await asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token):
-                parked.append(str(h.ref))
-            self.held.pop(h.ref, None)
+        """Park what this engine holds of the job (Batches.park): blocked, its requests in flight are
+        cancelled; paused (`cancel` False), they finish and are recorded."""
+        parked = await self.batches.park(job, cancel=cancel)
         self.parked += len(parked)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
-        self.dispatcher.wake.set()
 
     # ---------------------------------------------------------------- settings and flags, every second
 

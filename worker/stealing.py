@@ -189,12 +189,6 @@ class Stealer:
         for ref in [r for r, b in self.held.borrowed.items() if not b.unfinished or b.dropped]:
             self.held.borrowed.pop(ref)
 
-    def lease_arrived(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """A batch leased to this engine: what it had borrowed of it is the lease's now, already on its way."""
-        borrowed = self.held.borrowed.pop(held.ref, None)
-        adopted = set() if borrowed is None else self.dispatcher.todo.adopt(borrowed, held, iter(self.dispatcher.running))
-        self.dispatcher.todo.add(held, [p for p in prompts if p.id not in adopted])
-
     async def give_back(self, why: str) -> None:
         """Borrowed prompts go back to their holders: nothing more is sent, what was recorded
         is written, then the claims go."""
