@@ -103,9 +103,6 @@ class Heartbeat:
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
-        # The operator's pauses as last read from Redis: what the log compares with. flags.paused_jobs
-        # also holds the jobs this engine's brake blocked, which no operator paused or resumed.
-        self._paused_read: tuple[bool, set[str]] = (False, set())
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
 
@@ -261,10 +258,8 @@ class Heartbeat:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
             changed = True
-        if (paused, paused_jobs) != self._paused_read:
-            _log_pause_change(*self._paused_read, paused, paused_jobs)
-            self._paused_read = (paused, paused_jobs)
         if paused != f.paused_all or paused_jobs != f.paused_jobs:
+            _log_pause_change(f.paused_all, f.paused_jobs, paused, paused_jobs)
             f.paused_all, f.paused_jobs = paused, paused_jobs
             changed = True
         self.dispatcher.wake.set()

@@ -46,23 +46,24 @@ class Task:
 
 @dataclass
 class Flags:
-    """Engine-wide switches the operator or the server flip; read by every part."""
+    """Engine-wide switches, read by every part; each is written by one part only, named here."""
 
+    # The operator's controls, as the heartbeat last read them (worker/heartbeat.py).
     paused_all: bool = False
     paused_jobs: set[str] = field(default_factory=set)
     draining: bool = False
-    stop_requested: int = 0  # SIGTERM/SIGINT received
+    stop_requested: int = 0  # signals received (worker/engine.py)
+    # The server (worker/watch.py): down since (monotonic), outages since the start, what it waits on.
     server_down_since: float | None = None
-    outages: int = 0  # times the server went down since the engine started
-    # When the heartbeat last beat and checked the leases (monotonic). A gap longer than a
-    # lease survives (a frozen process) stops dispatch until the leases are checked again.
-    last_beat: float = field(default_factory=time.monotonic)
+    outages: int = 0
     server_note: str | None = None
-    # Batches whose shard cannot be written now (disk full, S3 down), and why: their results stay in
-    # Redis while the write is retried, and nothing new of their jobs is taken or stolen meanwhile.
+    # When the heartbeat last checked the leases (monotonic): a longer gap than a lease survives (a
+    # frozen process) stops dispatch until they are checked again.
+    last_beat: float = field(default_factory=time.monotonic)
+    # Batches whose shard cannot be written now (disk full, S3 down), and why (worker/completion.py):
+    # their results stay in Redis while the write is retried; nothing new of their jobs is taken.
     unwritten: dict[BatchRef, str] = field(default_factory=dict)
-    # The end of the queue, and a faster worker would finish this engine's next prompt first
-    # (worker/tail.py): claim and take nothing new; faster workers take what is held here.
+    # The end of the queue, faster workers finish this engine's unsent prompts first (worker/tail.py).
     hold_back: bool = False
 
     @property

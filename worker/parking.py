@@ -112,7 +112,6 @@ class Parking:
             await self.park_job(job, quiet=True)
             return
         if paused:  # `genq pause --job`: parked, its slots go to other jobs
-            self.flags.paused_jobs.add(job)
             await self.park_job(job, quiet=True, cancel=False)
             return
         problem = preflight(held.config, self.watch.info)
@@ -130,7 +129,6 @@ class Parking:
     def block(self, job: str, record: JobBlock) -> None:
         """Block `job` (the first reason stored wins) and park what this engine holds of it."""
         self.brake.blocked.add(job)
-        self.flags.paused_jobs.add(job)  # dispatch parks the job's prompts at once
         self._storing.add(job)
         self._blocked_at[job] = time.monotonic()
         self._spawn(self._block(job, record))
@@ -154,18 +152,16 @@ class Parking:
         if job not in self.brake.blocked:
             log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
             self.brake.blocked.add(job)
-            self.flags.paused_jobs.add(job)
             self._spawn(self.park_job(job))
 
     def _lifted(self, job: str) -> bool:
         """Redis says `job` is not blocked, and that is news (not a read from before our own block landed)."""
         recent = time.monotonic() - self._blocked_at.get(job, float("-inf")) < 3 * CHECK_EVERY_S
-        return job in self.brake.blocked and job not in self._storing and not recent
+        return job in self.brake.blocked and job not in self._storing and job not in self.brake.trips and not recent
 
     def _resumed(self, job: str) -> None:
         log.info("job %s is no longer blocked: taking its batches again", job)
         self.brake.clear(job)
-        self.flags.paused_jobs.discard(job)
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
         """Park what this engine holds of the job (Batches.park): blocked, its requests in flight are
