@@ -40,7 +40,6 @@ from genq.worker.held import HeldBatch, Holdings
 from genq.worker.idle import wake_fleet
 from genq.worker.models import ModelGate
 from genq.worker.results import ResultWriter
-from genq.worker.stealing import Stealer
 
 log = logging.getLogger("genq.worker")
 
@@ -50,7 +49,7 @@ LOAD_TRIES = 4  # reads of a batch's input (S3, a shared path) before the batch 
 class Batches:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, held: Holdings,
                  dispatcher: Dispatcher, claims: Claims, writer: ResultWriter, completer: Completer,
-                 stealer: Stealer, models: ModelGate) -> None:
+                 models: ModelGate) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
         self.worker = worker
@@ -59,7 +58,6 @@ class Batches:
         self.claims = claims
         self.writer = writer
         self.completer = completer
-        self.stealer = stealer  # borrowed prompts end here too (worker/stealing.py)
         self.models = models  # turns away other models' jobs, pins `auto` ones (worker/models.py)
         # Loaded batches and their unfinished prompts: parking admits them (blocked jobs, the preflight).
         self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()
@@ -146,9 +144,14 @@ class Batches:
 
     def on_written(self, job: str, batch: str, ids: list[str]) -> None:
         """Outcomes recorded, by this engine or (lent prompts) another one."""
-        held = self.held.get(BatchRef(job, batch))
-        if held is None:
-            self.stealer.written(BatchRef(job, batch), ids)
+        ref = BatchRef(job, batch)
+        held = self.held.get(ref)
+        if held is None:  # borrowed prompts (worker/stealing.py): their holder writes the shard
+            borrowed = self.held.borrowed.get(ref)
+            if borrowed is not None:
+                borrowed.unfinished.difference_update(ids)
+                if not borrowed.unfinished:
+                    self.held.borrowed.pop(ref)
             return
         held.unfinished.difference_update(ids)
         if not held.unfinished and not held.completing and not held.dropped:
@@ -225,17 +228,26 @@ class Batches:
     async def hand_back_all(self, why: str) -> None:
         """Give every held batch back to the queue, and borrowed prompts to their holders; what
         finished stays finished."""
-        borrowed = list(self.held.borrowed.values())
-        if borrowed:
-            log.info("%s: giving %s back to their holders", why,
-                     plural(sum(len(b.unfinished) for b in borrowed), "borrowed prompt"))
-        given = await self._let_go([h for h in self.held.values() if not h.completing], borrowed, cancel=True,
-                                   end=lambda h: self.hand_back(h.ref, h.token))
-        if borrowed:
-            await wake_fleet(self.conn)  # unclaimed prompts: an idle worker may take them now
+        await self.give_back_borrowed(why)
+        given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
+                                   end=self.hand_back_held)
         self.handed_back += len(given)
         if given:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
+
+    async def give_back_borrowed(self, why: str) -> None:
+        """Borrowed prompts go back to their holders: nothing more is sent, what was recorded is
+        written, then the claims go, and idle workers hear of them."""
+        borrowed = list(self.held.borrowed.values())
+        if not borrowed:
+            return
+        log.info("%s: giving %s back to their holders", why,
+                 plural(sum(len(b.unfinished) for b in borrowed), "borrowed prompt"))
+        await self._let_go([], borrowed, cancel=True, end=self.hand_back_held)
+        await wake_fleet(self.conn)
+
+    async def hand_back_held(self, held: HeldBatch) -> bool:
+        return await self.hand_back(held.ref, held.token)
 
     async def park(self, job: str, *, cancel: bool) -> list[str]:
         """Park the job's batches: their leases end with no RQ job carrying them (`genq resume --job`

@@ -70,25 +70,24 @@ class Engine:
         self.writer = ResultWriter(self.redis, self.name, written)
         self.claims = Claims(self.redis, self.instance)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
-        self.shares = Shares(self.redis, queue_key, self.instance,
-                             self.held.all_jobs,
+        self.shares = Shares(self.redis, queue_key, self.instance, self.held.all_jobs,
                              lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
-        self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
-                                     self.rates, Todo(self.claims, written, plan=self.shares.plan),
-                                     lambda: self.watch.is_down(), lambda: self.watch.info.model if self.watch.info else None)
+        self.dispatcher: Dispatcher = Dispatcher(
+            opts, self.name, self.client, self.controller, self.writer, self.flags, self.rates,
+            Todo(self.claims, written, plan=self.shares.plan),
+            lambda: self.watch.is_down(), lambda: self.watch.info.model if self.watch.info else None)
         models = ModelGate(self.redis, self.instance, self.dispatcher.server_model)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
+        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher,
+                                        self.claims, self.writer, Completer(self.redis, self.flags), models)
         self.stealer = Stealer(self.redis, queue_key, self.instance, self.flags, self.held, self.dispatcher,
-                               self.controller, self.claims, self.writer.wait_idle, models.servable_config, self.pace)
+                               self.controller, self.claims, self.batches, models.servable_config, self.pace)
         self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                              lambda why: self.batches.hand_back_all(why),
+                                              self.batches.hand_back_all,
                                               lambda note: self.heartbeat.beat(state="server_down", note=note))
-        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher, self.claims,
-                                        self.writer, Completer(self.redis, self.flags), self.stealer, models)
         self.parking = Parking(self.redis, self.sync_redis, self.name, self.flags, self.held, self.batches,
                                self.dispatcher.brake, self.stealer, self.watch)
-        self.tail = TailWatch(self.redis, self.name, queue_key, self.flags, self.dispatcher,
-                              self.held.active)
+        self.tail = TailWatch(self.redis, self.name, queue_key, self.flags, self.dispatcher, self.held.active)
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
                                               GpuProbe(opts.gpu), self.batches.check_leases, self.pace)

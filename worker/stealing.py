@@ -9,7 +9,6 @@ too. The prompts are "borrowed": sent and recorded here; the holder writes the s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -26,11 +25,12 @@ from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
+from genq.worker.batches import Batches
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.idle import IdlePace, wake_fleet
+from genq.worker.idle import IdlePace
 
 log = logging.getLogger("genq.worker")
 
@@ -42,8 +42,7 @@ BATCHES_CACHED = 64
 
 class Stealer:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
-                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims,
-                 flushed: Callable[[], Awaitable[None]],
+                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims, batches: Batches,
                  job_config: Callable[[str], Awaitable[JobConfig | None]], pace: IdlePace) -> None:
         self.conn = conn
         self.queue_key = queue_key
@@ -53,7 +52,7 @@ class Stealer:
         self.dispatcher = dispatcher
         self.controller = controller
         self.claims = claims
-        self.flushed = flushed  # waits until every outcome recorded here is written to Redis
+        self.batches = batches  # borrowed prompts go back through their holder's Batches
         self.taken = 0  # prompts taken since start
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
@@ -85,7 +84,7 @@ class Stealer:
         the queue has batches)."""
         self._forget_finished()
         if self.flags.server_down_since is not None and self.held.borrowed:
-            await self.give_back("this worker's server is down")  # the holders need not wait for it
+            await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
         if (free <= 0 or not self.flags.accepting or self.flags.paused_all or self.flags.hold_back
@@ -179,37 +178,6 @@ class Stealer:
 
     # ---------------------------------------------------------------- borrowed prompts
 
-    def written(self, ref: BatchRef, ids: list[str]) -> None:
-        borrowed = self.held.borrowed.get(ref)
-        if borrowed is not None:
-            borrowed.unfinished.difference_update(ids)
-            self._forget_finished()
-
     def _forget_finished(self) -> None:
         for ref in [r for r, b in self.held.borrowed.items() if not b.unfinished or b.dropped]:
             self.held.borrowed.pop(ref)
-
-    async def give_back(self, why: str) -> None:
-        """Borrowed prompts go back to their holders: nothing more is sent, what was recorded
-        is written, then the claims go."""
-        log.info("%s: giving %s back to their holders", why,
-                 plural(sum(len(b.unfinished) for b in self.held.borrowed.values()), "borrowed prompt"))
-        self.stop_borrowed()
-        while any(t.batch.borrowed for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.flushed()
-        await self.release_borrowed()
-
-    def stop_borrowed(self) -> None:
-        """Send no borrowed prompt more (server down, stopping); release_borrowed() then lets them go."""
-        for borrowed in self.held.borrowed.values():
-            self.dispatcher.drop(borrowed, cancel=True)
-
-    async def release_borrowed(self) -> None:
-        """Once what was recorded is written: drop the claims, the holders send the rest."""
-        given = bool(self.held.borrowed)
-        for ref, borrowed in list(self.held.borrowed.items()):
-            await self.claims.unclaim(borrowed)
-            self.held.borrowed.pop(ref, None)
-        if given:
-            await wake_fleet(self.conn)  # unclaimed prompts: an idle worker may take them now
