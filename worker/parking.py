@@ -1,6 +1,6 @@
 """What an engine does with a blocked job, and with a job whose settings changed.
 
-A blocked job (worker/brake.py, worker/preflight.py) is a paused job with a reason:
+A blocked job (worker/brake.py, the preflight below) is a paused job with a reason:
 keys.job_paused and keys.job_blocked (a JobBlock). Every engine that holds its batches
 **parks** them: it stops sending, cancels their requests in flight (nothing is recorded for
 them), drops its claims, and ends the lease with no RQ job carrying the batch (keys.job_leases
