@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches
+from genq.core import batches as batch_records
 from genq.core.ledger import holding, leasing
 from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
@@ -163,7 +163,7 @@ class Stealer:
             loaded = None
             if raw is not None:
                 try:
-                    loaded = await load_prompts(batches.decode(raw), config)
+                    loaded = await load_prompts(batch_records.decode(raw), config)
                 except Exception as exc:  # unreadable or changed input: its holder deals with it
                     log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
