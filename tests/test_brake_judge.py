@@ -14,10 +14,13 @@ TOO_LONG = "The input ({n} tokens) is longer than the model's context length (20
 class Judged:
     def __init__(self) -> None:
         self.dead: list[str] = []
-        self.blocks: list[tuple[str, object]] = []
-        self.brake = Brake("w", lambda task, failure: self.dead.append(task.prompt.id),
-                           lambda job, record: self.blocks.append((job, record)))
+        self.brake = Brake("w", lambda task, failure: self.dead.append(task.prompt.id))
         self.batch = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp"), 1000, set())
+
+    @property
+    def blocks(self) -> list[tuple[str, object]]:
+        """The blocks the brake tripped (parking takes them from `trips`)."""
+        return list(self.brake.trips.items())
 
     def task(self, i: int) -> Task:
         return Task(Prompt(id=f"p{i}", index=i), self.batch)

@@ -11,9 +11,10 @@ import pytest
 
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
-from genq.worker.held import Flags, HeldBatch, RateWindow, Task
+from genq.worker.held import Flags, HeldBatch, RateWindow
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion
+from genq.worker.todo import Todo
 
 TARGET = 8
 
@@ -36,25 +37,23 @@ class Server:
         self.waiting[prompt].set_result(None)
 
 
-class Backlog:
-    """Held prompts not claimed yet; each CLAIM call is recorded with what was in flight then."""
+class Claims:
+    """CLAIM claims every prompt asked for; each call is recorded with what was in flight then."""
 
-    def __init__(self, held: HeldBatch, n: int) -> None:
-        self.held = held
-        self.waiting = {held: [Task(Prompt(id=f"p{i}", index=i, prompt=f"p{i}"), held) for i in range(n)]}
+    def __init__(self) -> None:
         self.calls: list[tuple[int, int]] = []  # (prompts asked for, sequences in flight)
         self.in_flight = lambda: 0
 
-    def __len__(self) -> int:
-        return sum(len(t) for t in self.waiting.values())
+    async def claim(self, held: HeldBatch, ids: list[str]) -> tuple[str, dict[int, int]]:
+        self.calls.append((len(ids), self.in_flight()))
+        return "c" * len(ids), {}
 
-    async def claim(self, n: int, skip_jobs: set[str], plan: object = None) -> list[Task]:
-        self.calls.append((n, self.in_flight()))
-        tasks = self.waiting[self.held]
-        taken, self.waiting[self.held] = tasks[:n], tasks[n:]
-        if not self.waiting[self.held]:
-            self.waiting = {}
-        return taken
+
+def todo_of(held: HeldBatch, n: int, claims: Claims) -> Todo:
+    """The held batch's n prompts, none claimed yet."""
+    todo = Todo(claims, lambda *a: None)  # type: ignore[arg-type]
+    todo.add(held, [Prompt(id=f"p{i}", index=i, prompt=f"p{i}") for i in range(n)])
+    return todo
 
 
 async def settle() -> None:
@@ -70,16 +69,16 @@ def test_claims_are_taken_ahead_while_the_window_is_full():
     that a request could be sent now), so the prompts claimed ahead ran out every few ends and
     the next request waited for a CLAIM."""
     held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m"), 40, set())
-    backlog = Backlog(held, 40)
+    claims = Claims()
     server = Server()
     group, slack = claim_ahead(TARGET), claim_step(TARGET)
 
     async def go() -> None:
         d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
                        SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
-                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), backlog,  # type: ignore[arg-type]
+                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), todo_of(held, 40, claims),  # type: ignore[arg-type]
                        lambda: asyncio.sleep(0, False), lambda: "m")
-        backlog.in_flight = lambda: d.running.sequences
+        claims.in_flight = lambda: d.running.sequences
         runner = asyncio.create_task(d.run())
         d.wake.set()
         await settle()
@@ -88,9 +87,9 @@ def test_claims_are_taken_ahead_while_the_window_is_full():
             server.end()
             await settle()
             assert d.running.sequences == TARGET  # refilled at once
-            assert slack <= len(d.todo.ready) <= group + slack, backlog.calls  # and claimed ahead again
+            assert slack <= len(d.todo.ready) <= group + slack, claims.calls  # and claimed ahead again
         # After the first, each claim a whole group, taken with the window full.
-        assert backlog.calls[1:] == [(group, TARGET)] * 4, backlog.calls
+        assert claims.calls[1:] == [(group, TARGET)] * 4, claims.calls
         runner.cancel()
         for aio in list(d.running.values()):
             aio.cancel()
@@ -108,7 +107,7 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
     A prompt of more sequences than the target (n = 16) is still sent, one at a time."""
     config = JobConfig(name="j", output="/tmp", model="m", extra_body={"n": n})
     held = HeldBatch(BatchRef("j", "b0000001"), "t", config, 40, set())
-    backlog = Backlog(held, 40)
+    claims = Claims()
     server = Server(n)
     bound = max(n, TARGET + claim_ahead(TARGET) + claim_step(TARGET))  # sequences in flight + claimed ahead
     window = -(-TARGET // n) * n  # whole prompts up to the target: 2 of 4, or 1 of 16
@@ -116,15 +115,15 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
     async def go() -> None:
         d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
                        SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
-                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), backlog,  # type: ignore[arg-type]
+                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), todo_of(held, 40, claims),  # type: ignore[arg-type]
                        lambda: asyncio.sleep(0, False), lambda: "m")
         runner = asyncio.create_task(d.run())
         d.wake.set()
         await settle()
         for _ in range(6):
-            assert d.running.sequences == window, backlog.calls
+            assert d.running.sequences == window, claims.calls
             held_here = d.running.sequences + n * (len(d.todo.ready) + len(d.todo.suspects))
-            assert held_here <= bound, (held_here, backlog.calls)
+            assert held_here <= bound, (held_here, claims.calls)
             server.end()
             await settle()
         runner.cancel()

@@ -142,7 +142,7 @@ def test_a_stealer_woken_as_it_is_stopped_stops():
     asyncio.wait_for on Python 3.11 swallowed such a cancel (it returned the result), the stealer
     napped on, and the engine's TaskGroup waited for it for ever: a --burst worker that had said
     'every batch of every job is done; exiting' ran on (seen in bench/fleet_scale.py's real run)."""
-    pace = IdlePace(Holdings(), SimpleNamespace(running={}, unsent=0), lambda: ())
+    pace = IdlePace(Holdings(), SimpleNamespace(running={}, unsent=0))
 
     async def go() -> bool:
         async def stealer() -> None:
@@ -168,7 +168,7 @@ def test_a_stealer_woken_early_waits_without_holding_the_loop():
     set, returned at once, without yielding), so the dispatcher sat still for up to a second
     each time a busy engine heard its own WAKE (announce) with the window full: requests ended
     at the server were read late and the next ones started late (test_fidelity's n-samples test)."""
-    pace = IdlePace(Holdings(), SimpleNamespace(running={"busy": 1}, unsent=0), lambda: ())
+    pace = IdlePace(Holdings(), SimpleNamespace(running={"busy": 1}, unsent=0))
 
     async def go() -> list[str]:
         order: list[str] = []

@@ -17,7 +17,7 @@ def test_an_engine_going_idle_is_never_without_a_live_heartbeat(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(idle.time, "monotonic", lambda: clock[0])
     dispatcher = SimpleNamespace(running={"request": 1}, unsent=0)
-    pace = IdlePace(Holdings(), dispatcher, lambda: ())
+    pace = IdlePace(Holdings(), dispatcher)
     alive_until = status_until = 0.0
     beats = []
     # The heartbeat's loop (worker/heartbeat.py): each second beat_due(), and a beat writes the

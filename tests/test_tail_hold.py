@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from genq.core import keys
 from genq.core.records import BatchRef, JobConfig, Prompt, WorkerStatus, pack
-from genq.worker.claims import Backlog, Claims
+from genq.worker.claims import Claims
 from genq.worker.held import HeldBatch, Task
 from genq.worker.tail import hold_back
 from genq.worker.todo import Todo
@@ -53,14 +53,13 @@ def test_holding_back_gives_back_the_prompts_claimed_ahead(redis_url):
         try:
             await conn.set(keys.job_config(job), pack(config))
             await conn.hset(keys.batch_claims(job, ref.batch), mapping={f"p{i}": "me tok" for i in (0, 1, 2, 4)})
-            backlog = Backlog(Claims(conn, "me"), lambda *a: None)
-            todo = Todo(backlog, lambda: None)
-            backlog.add(own, [Task(prompts[5], own)])  # not claimed yet
+            todo = Todo(Claims(conn, "me"), lambda *a: None)
+            todo.add(own, [prompts[5]])  # not claimed yet
             todo.ready.extend([Task(prompts[0], own), Task(prompts[1], own), Task(prompts[2], own, attempts=1),
                                Task(prompts[3], other), Task(prompts[4], own)])
             back = await todo.give_back_ready()
             claims = {k.decode() for k in await conn.hkeys(keys.batch_claims(job, ref.batch))}
-            return (back, [t.prompt.id for t in todo.ready], [t.prompt.id for t in backlog.waiting[own]], claims)
+            return (back, [t.prompt.id for t in todo.ready], [t.prompt.id for t in todo.waiting[own]], claims)
         finally:
             await conn.aclose()
 

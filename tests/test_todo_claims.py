@@ -16,33 +16,29 @@ def held_batch(job: str) -> HeldBatch:
     return HeldBatch(BatchRef(job, "b0000001"), "t", JobConfig(name=job, output="/tmp", model="m"), 4, set())
 
 
-class SlowBacklog:
+class SlowClaims:
     """A CLAIM call that answers once the test lets it."""
 
-    def __init__(self, tasks: list[Task]) -> None:
-        self.tasks = tasks
+    def __init__(self) -> None:
         self.answer = asyncio.Event()
 
-    def drop(self, held: HeldBatch) -> None:
-        pass
-
-    async def claim(self, n: int, skip_jobs: set[str], plan: object = None) -> list[Task]:
+    async def claim(self, held: HeldBatch, ids: list[str]) -> tuple[str, dict[int, int]]:
         await self.answer.wait()
-        return self.tasks
+        return "c" * len(ids), {}
 
 
 def test_a_batch_let_go_during_a_claim_keeps_the_prompts_that_claim_took():
     kept, parked = held_batch("pb"), held_batch("pa")
-    claimed = [Task(Prompt(id=f"p{i}", index=i, prompt="x"), kept) for i in range(4)]
-    backlog = SlowBacklog(claimed)
+    claims = SlowClaims()
 
     async def go() -> list[str]:
-        todo = Todo(backlog, lambda: None)  # type: ignore[arg-type]
+        todo = Todo(claims, lambda *a: None)  # type: ignore[arg-type]
+        todo.add(kept, [Prompt(id=f"p{i}", index=i, prompt="x") for i in range(4)])
         todo.ready.append(Task(Prompt(id="a0", index=0, prompt="x"), parked))
         call = asyncio.create_task(todo.claim(4, set()))
         await asyncio.sleep(0)  # the CLAIM call is out
         assert todo.remove_batch(parked) == ["a0"]  # the paused job's batch is parked meanwhile
-        backlog.answer.set()
+        claims.answer.set()
         await call
         return [t.prompt.id for t in todo.claimed()]
 

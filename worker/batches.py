@@ -1,10 +1,12 @@
 """The life of every batch this engine holds, from the moment the intake took it (TAKE,
 worker/intake.py) to its end; one owner, `Batches`.
 
-    taken --load--> sending --every prompt has an outcome--> completing --shard written, RELEASE--> done
-      |                |   \\--outcomes lost from Redis: back to sending for those (a rollback)
-      |                |--lease no longer ours (done elsewhere, leased again, job gone)--> let go
-      |                |--handed back (stopping, server gone or changed model, input unreadable)--> queued
+    taken --load--> arrived --admitted (worker/parking.py)--> sending --every prompt has an outcome-->
+      completing --shard written, RELEASE--> done
+      |  sending <--outcomes lost from Redis (a rollback)-- completing
+      |--lease no longer ours (done elsewhere, leased again, job gone)--> let go
+      |--handed back (stopping, server gone or changed model, input unreadable)--> queued
+      |--its job blocked or paused--> parked (its lease ended, no RQ job: `genq resume --job` queues it)
       |--another model's job, or written already (ADOPT)--> queued / done
 
 A held batch is a `HeldBatch` (worker/held.py) in `held`; `completing` and `dropped` are its
@@ -18,13 +20,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches
 from genq.core.ledger import leasing
+from genq.core.ledger.parked import end_lease_parked
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
@@ -34,9 +37,9 @@ from genq.worker.claims import Claims
 from genq.worker.completion import Completer
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import HeldBatch, Holdings
+from genq.worker.idle import wake_fleet
 from genq.worker.models import ModelGate
 from genq.worker.results import ResultWriter
-from genq.worker.stealing import Stealer
 
 log = logging.getLogger("genq.worker")
 
@@ -46,8 +49,7 @@ LOAD_TRIES = 4  # reads of a batch's input (S3, a shared path) before the batch 
 class Batches:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, held: Holdings,
                  dispatcher: Dispatcher, claims: Claims, writer: ResultWriter, completer: Completer,
-                 stealer: Stealer, models: ModelGate,
-                 admit: Callable[[HeldBatch, list[Prompt]], None]) -> None:
+                 models: ModelGate) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
         self.worker = worker
@@ -56,9 +58,9 @@ class Batches:
         self.claims = claims
         self.writer = writer
         self.completer = completer
-        self.stealer = stealer  # borrowed prompts end here too (worker/stealing.py)
         self.models = models  # turns away other models' jobs, pins `auto` ones (worker/models.py)
-        self.admit = admit  # the preflight and blocked jobs decide when its prompts are sent (worker/parking.py)
+        # Loaded batches and their unfinished prompts: parking admits them (blocked jobs, the preflight).
+        self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()
         self.completed = 0
         self.handed_back = 0
         self.completions: set[asyncio.Task[None]] = set()
@@ -114,7 +116,14 @@ class Batches:
                                                 kind="input_changed", message=changed, worker=self.worker,
                                                 at=time.time()), config.incarnation)
             return
-        self.admit(held, [p for p in prompts if p.id in unfinished])
+        self.arrived.put_nowait((held, [p for p in prompts if p.id in unfinished]))
+
+    def send(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        """An admitted batch's prompts go to dispatch; what this engine had borrowed of it is the lease's
+        now, already on its way."""
+        borrowed = self.held.borrowed.pop(held.ref, None)
+        adopted = set() if borrowed is None else self.dispatcher.todo.adopt(borrowed, held, iter(self.dispatcher.running))
+        self.dispatcher.todo.add(held, [p for p in prompts if p.id not in adopted])
 
     async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
         """The batch's prompts; a failing read is tried a few times (a blip) before it is given up."""
@@ -135,9 +144,14 @@ class Batches:
 
     def on_written(self, job: str, batch: str, ids: list[str]) -> None:
         """Outcomes recorded, by this engine or (lent prompts) another one."""
-        held = self.held.get(BatchRef(job, batch))
-        if held is None:
-            self.stealer.written(BatchRef(job, batch), ids)
+        ref = BatchRef(job, batch)
+        held = self.held.get(ref)
+        if held is None:  # borrowed prompts (worker/stealing.py): their holder writes the shard
+            borrowed = self.held.borrowed.get(ref)
+            if borrowed is not None:
+                borrowed.unfinished.difference_update(ids)
+                if not borrowed.unfinished:
+                    self.held.borrowed.pop(ref)
             return
         held.unfinished.difference_update(ids)
         if not held.unfinished and not held.completing and not held.dropped:
@@ -212,23 +226,57 @@ class Batches:
         return await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
 
     async def hand_back_all(self, why: str) -> None:
-        """Give every held batch back to the queue; what finished stays finished."""
-        held = [h for h in self.held.values() if not h.completing]
-        for h in held:
-            self.dispatcher.drop(h, cancel=True)
-        while any(t.batch in held for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.writer.wait_idle()
-        if self.stealer.borrowed:
-            await retrying(functools.partial(self.stealer.give_back, why), "giving borrowed prompts back")
-        given = []
-        for h in held:
-            if h.completing:
-                continue  # the flush above finished it
-            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if await retrying(functools.partial(self.hand_back, h.ref, h.token), f"handing back {h.ref}"):
-                given.append(str(h.ref))
-            self.held.pop(h.ref, None)
+        """Give every held batch back to the queue, and borrowed prompts to their holders; what
+        finished stays finished."""
+        await self.give_back_borrowed(why)
+        given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
+                                   end=self.hand_back_held)
         self.handed_back += len(given)
         if given:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
+
+    async def give_back_borrowed(self, why: str) -> None:
+        """Borrowed prompts go back to their holders: nothing more is sent, what was recorded is
+        written, then the claims go, and idle workers hear of them."""
+        borrowed = list(self.held.borrowed.values())
+        if not borrowed:
+            return
+        log.info("%s: giving %s back to their holders", why,
+                 plural(sum(len(b.unfinished) for b in borrowed), "borrowed prompt"))
+        await self._let_go([], borrowed, cancel=True, end=self.hand_back_held)
+        await wake_fleet(self.conn)
+
+    async def hand_back_held(self, held: HeldBatch) -> bool:
+        return await self.hand_back(held.ref, held.token)
+
+    async def park(self, job: str, *, cancel: bool) -> list[str]:
+        """Park the job's batches: their leases end with no RQ job carrying them (`genq resume --job`
+        queues them again), borrowed prompts of it go back. Blocked (`cancel`), its requests in flight
+        are cancelled (nothing recorded); paused, they finish and are recorded. The batches parked."""
+        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
+        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
+        return await self._let_go(mine, borrowed, cancel=cancel,
+                                  end=lambda h: asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token))
+
+    async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
+                      end: Callable[[HeldBatch], Awaitable[bool]]) -> list[str]:
+        """Send nothing more of these batches (with `cancel`, stop their requests in flight too), write
+        what was recorded, drop their claims and end each lease by `end`; the batches whose lease it ended."""
+        for batch in mine + borrowed:
+            self.dispatcher.drop(batch, cancel=cancel)
+        while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
+            await asyncio.sleep(0.05)
+        await self.writer.wait_idle()  # what was recorded is written: it stays
+        for b in borrowed:
+            await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
+            self.held.borrowed.pop(b.ref, None)
+        ended = []
+        for h in mine:
+            if h.completing:
+                continue  # the flush above finished it
+            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
+            if await retrying(functools.partial(end, h), f"ending the lease of {h.ref}"):
+                ended.append(str(h.ref))
+            self.held.pop(h.ref, None)
+        self.dispatcher.wake.set()
+        return ended

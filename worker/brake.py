@@ -1,29 +1,20 @@
 """The brake: a job whose requests keep failing the same way stops; its prompts wait.
 
-A wrong setting (`--max-tokens 4096` against a 2,048-token context) makes every request of
-a job fail with the same 400. Dead-lettering them one by one burns the whole job in minutes,
-so each engine judges a job's non-retryable failures against its recent outcomes first:
+A wrong setting (max_tokens over the context) fails every request of a job with the same 400;
+dead-lettering them one by one would burn the whole job. So each engine keeps a job's last WINDOW
+outcomes (a result, or a non-retryable failure under its signature: status and message with the
+numbers blanked) and holds a failure back while its signature is most of the window. A full
+window mostly one signature, from at least TRIP_PROMPTS prompts, trips: the job is blocked
+(keys.job_blocked) and the held prompts stay unfinished for a resume. Otherwise held failures are
+dead-lettered once other outcomes outnumber them, or after HOLD_S.
 
-- Every outcome of a job on this engine joins the job's window (the last WINDOW): a result,
-  or a non-retryable failure under its signature (HTTP status and the server's message with
-  its numbers blanked: "The input (N tokens) is longer than ...", whatever the prompt).
-- A non-retryable failure is held back, not dead-lettered at once, while its signature is the
-  majority of the window. Once the window is full (WINDOW outcomes: a 400 comes back at once
-  while a good request takes its generation time, so the first outcomes of any job are its
-  failures) and most of it is one signature from at least TRIP_PROMPTS different prompts, the
-  brake trips: the job is blocked (keys.job_blocked, with the server's message and the counts)
-  and the held prompts stay unfinished, queued for a resume.
-- Otherwise the held failures go to the dead-letter queue as before, as soon as other
-  outcomes outnumber them or after HOLD_S: a too-long prompt among good ones is dead-lettered
-  on its own, and the job goes on.
-
-The preflight (worker/preflight.py) blocks a job whose settings can never fit before any of
-its requests is sent; parking (worker/parking.py) is what every engine does with a blocked
-job's batches. docs/settings.md tells the whole story.
+The preflight blocks a job whose settings can never fit before any of its requests is sent;
+parking (worker/parking.py) is what every engine does with a blocked job. docs/settings.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -66,19 +57,17 @@ class JobWindow:
 
 
 class Brake:
-    """Judges each job's outcomes on this engine; blocks a job through `block(job, record, failure)`.
+    """Judges each job's outcomes on this engine. `dead(task, failure)` dead-letters a prompt (the
+    dispatcher's); a trip adds the job's block to `trips` and sets `tripped`: parking stores it and
+    parks the job (worker/parking.py). The job counts as blocked here until `clear`."""
 
-    dead(task, failure) is the dispatcher's way to dead-letter a prompt; block is parking's
-    (called at most once per trip, the job then counts as blocked here until `clear`).
-    """
-
-    def __init__(self, worker: str, dead: Callable[[Task, Failure], None],
-                 block: Callable[[str, JobBlock], None]) -> None:
+    def __init__(self, worker: str, dead: Callable[[Task, Failure], None]) -> None:
         self.worker = worker
         self.dead = dead
-        self.block = block
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
+        self.trips: dict[str, JobBlock] = {}  # blocks tripped here, not yet taken by parking
+        self.tripped = asyncio.Event()
 
     def succeeded(self, task: Task) -> None:
         job = task.batch.ref.job
@@ -145,7 +134,8 @@ class Brake:
                   job, failures, n, prompts, example.failure.kind,
                   f" {example.failure.status}" if example.failure.status else "", example.failure.message,
                   kept, job, job)
-        self.block(job, record)
+        self.trips[job] = record
+        self.tripped.set()
 
     def clear(self, job: str) -> None:
         """The job runs again (resumed): its old outcomes are no evidence."""

@@ -1,17 +1,10 @@
 """A batch whose every prompt has an outcome: its shard, its marker, then its release.
 
-The shard invariant: a shard is written only when Redis holds an outcome (a result or a
-dead letter) for every prompt of the batch, and holds them for this incarnation of the
-job. Outcomes lost from Redis (a rollback, a restart from an older snapshot) send the
-batch back to work for those prompts; it is never written short and never marked done
-(RELEASE checks again, in the same call that marks it).
-
-The shard is built from what Redis recorded, never from this engine's memory: with
-outcomes written once (first writer wins), every holder of the batch builds the same
-bytes, so a late second writer overwrites a shard with itself. The release (ledger
-RELEASE) happens once; a holder that finds the batch done drops it quietly.
-Encoding and uploads run on their own threads, never on the event loop or in the
-pool the heartbeat uses.
+A shard is written only when Redis holds an outcome for every prompt of the batch, for this
+incarnation of the job; outcomes lost from Redis (a rollback) send the batch back to work for
+those, and RELEASE checks again as it marks the batch done. The shard is built from what Redis
+recorded, never from memory: every holder builds the same bytes. Encoding and uploads run on
+threads of their own, never on the event loop.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Dispatch: one in-flight window over the prompts of every held batch.
 
-Keeps `controller.target` requests in flight; retries failed attempts with capped
-exponential backoff; sends dead letters. A failure while the server is down counts
-no attempt (circuit breaker, worker/watch.py) but marks every prompt that was in
-flight. A prompt in flight during two crashes is a suspect: suspects go back one at a
-time, so a prompt that takes the server down again and again is found and
-dead-lettered as `server_crash` after `--server-crash-limit` crashes, while the
-prompts that merely kept it company are not (and a one-off outage slows nothing).
-
-A prompt whose retryable failures (5xx, resets, timeouts) reach its attempts is dead-lettered
-only on evidence that it is the prompt: before its last request went out, the server had answered
-normally a request sent after this prompt first failed. A server that fails everything (500s
-while its /health says 200) gives no such evidence, nor does a fault that ended while the last
-request was out: its prompts keep being retried, at the longest backoff, until that evidence.
+Keeps `controller.target` sequences in flight, retries failures with capped exponential backoff,
+and dead-letters. A failure while the server is down counts no attempt (worker/watch.py) but marks
+the prompts in flight; one in flight during two crashes is a suspect, sent alone, and dead-lettered
+as `server_crash` after --server-crash-limit crashes. A retryable failure is dead-lettered at its
+last attempt only on evidence against the prompt: the server answered normally a request sent
+after it first failed (a server failing everything gives none, and its prompts keep being retried).
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
-from genq.worker.claims import Backlog
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import Flags, HeldBatch, RateWindow, Task
 from genq.worker.options import WorkerOptions
@@ -41,17 +33,12 @@ from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
-# Prompts claimed beyond the free slots, so a slot that frees is refilled without a
-# round trip to Redis; the rest of a batch stays unclaimed for engines with idle slots.
-# Claimed in groups of a quarter of the in-flight target (at least CLAIM_AHEAD_MIN): one
-# CLAIM call covers a dozen prompts or so, not one (Redis commands per prompt).
-# The next group is claimed, window full or not, once those claimed ahead are down to half
-# a group (claim_step): those are the slack while its call is out. At most claim_ahead +
-# claim_step sequences are claimed beyond the free slots (a prompt asking for n samples is n).
+# Prompts are claimed ahead of the free slots in groups of a quarter of the target (one CLAIM call
+# per dozen prompts, not per prompt), the next group once half a group is left (claim_step), so a
+# freed slot never waits on Redis; the rest of a batch stays unclaimed for idle engines.
 CLAIM_AHEAD_MIN = 2
-# Nothing answered for this long: the server is checked before the next request. A restart while
-# nothing is in flight fails nothing, and no server restarts in less (a process start: genq sim
-# restarted in 0.5 s on an idle machine, 2026-12-06; real servers load a model for tens of seconds).
+# Nothing answered this long: the server is checked before the next request (a restart while
+# nothing is in flight fails nothing; genq sim restarts in 0.5 s, real servers in tens of seconds).
 IDLE_CHECK_S = 0.25
 
 
@@ -78,7 +65,7 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 class Dispatcher:
     def __init__(self, opts: WorkerOptions, name: str, client: ServerClient, controller: ConcurrencyController,
-                 writer: ResultWriter, flags: Flags, rates: RateWindow, backlog: Backlog,
+                 writer: ResultWriter, flags: Flags, rates: RateWindow, todo: Todo,
                  server_is_down: Callable[[], Awaitable[bool]], model: Callable[[], str | None]) -> None:
         self.opts = opts
         self.name = name
@@ -93,9 +80,9 @@ class Dispatcher:
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.observed = time.monotonic()  # when the server last answered anything, or was checked
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
-        self.brake: Brake | None = None  # worker/brake.py: judges non-retryable failures first
-        self.wake = asyncio.Event()
-        self.todo = Todo(backlog, self.wake.set)
+        self.brake = Brake(name, self._dead)  # judges non-retryable failures first
+        self.todo = todo
+        self.wake = todo.wake  # set by whatever may have made a prompt sendable
 
     # ---------------------------------------------------------------- what is held
 
@@ -141,20 +128,24 @@ class Dispatcher:
             while self.todo.delayed and self.todo.delayed[0][0] <= now:
                 due = heapq.heappop(self.todo.delayed)[2]
                 (self.todo.suspects if self._suspect(due) else self.todo.ready).appendleft(due)
-            for job in [j for j in self.todo.parked if j not in self.flags.paused_jobs]:
+            for job in [j for j in self.todo.parked if j not in self._stopped_jobs()]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
-            if self._open() and not self.flags.hold_back and self.todo.backlog.waiting and (want := self._to_claim()):
-                await self.todo.claim(want, self.flags.paused_jobs)
+            if self._open() and not self.flags.hold_back and self.todo.waiting and (want := self._to_claim()):
+                await self.todo.claim(want, self._stopped_jobs())
             if (self.todo.ready and not self.running and self._open()
                     and time.monotonic() - self.observed > IDLE_CHECK_S):
                 await self._check(gate=True)  # a restart while nothing was in flight showed no failure
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
+    def _stopped_jobs(self) -> set[str]:
+        """Jobs none of whose prompts is sent: paused, or blocked (by the brake here, or anywhere)."""
+        return self.flags.paused_jobs | self.brake.blocked
+
     def _to_claim(self) -> int:
         """Prompts to claim now (0: not yet), by the rule in the note above claim_ahead."""
-        held, tasks = next(iter(self.todo.backlog.waiting.items()))
+        held, tasks = next(iter(self.todo.waiting.items()))
         return to_claim(self.controller.target, self.running.sequences, len(self.todo.ready),
                         len(self.todo.suspects), samples(held.config, tasks[0].prompt) if tasks else 1)
 
@@ -171,7 +162,7 @@ class Dispatcher:
             if task.batch.dropped:
                 self.todo.let_go(task)
                 continue
-            if task.batch.ref.job in self.flags.paused_jobs:
+            if task.batch.ref.job in self._stopped_jobs():
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
             task.progress = Progress(meter=self.running.meter, sequences=samples(task.batch.config, task.prompt))
@@ -210,7 +201,7 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
-            if self.todo.backlog.waiting and not self.flags.hold_back and self._to_claim():
+            if self.todo.waiting and not self.flags.hold_back and self._to_claim():
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 
@@ -233,8 +224,7 @@ class Dispatcher:
         self.writer.add_result(result, sent.incarnation)
         self.answered = max(self.answered, task.progress.started)
         self.rates.add(c.usage.completion_tokens, latency)
-        if self.brake is not None:
-            self.brake.succeeded(task)
+        self.brake.succeeded(task)
         return None
 
     def _suspect(self, task: Task) -> bool:
@@ -283,7 +273,7 @@ class Dispatcher:
                       "" if task.attempts < max_attempts else " (the server had answered nothing sent since it "
                       "first failed: no evidence it is the prompt's fault)")
             return
-        if not failure.retryable and self.brake is not None and self.brake.failed(task, failure):
+        if not failure.retryable and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self._dead(task, failure)
 

@@ -1,18 +1,12 @@
 """The worker engine: one process per GPU, one in-flight window over every batch it holds.
 
-    RQ's queue --TAKE--> Intake (intake.py) --> Batches (batches.py) --prompts--> Dispatcher (dispatch.py) --> server
-                                                   |  (a batch's life, one owner)                  |
-                                                   <-- batch complete <-- ResultWriter (results.py)
+    RQ's queue --TAKE--> Intake --> Batches (a batch's life) --prompts--> Dispatcher --> server
+                                      ^--- batch complete <--- ResultWriter <---'
 
-The engine only wires its parts together and runs their loops in one TaskGroup (a
-crash in any of them stops the worker loudly); ServerWatch (watch.py) keeps the
-server's health and the watchdog, Heartbeat (heartbeat.py) liveness and operator
-control, the ledger's Reconciler (genq.core.ledger) puts stranded batches back.
-
-Shutdown has one path: stop taking batches; finish held ones for up to --grace-period (a
-second signal: at once); hand the rest back in Redis. Told to stop now (a second signal, the
-grace period over) it stops within seconds whatever Redis does: once Redis does not answer,
-what it still holds is left unrecorded, and its leases lapse (stopping.py).
+The engine builds its parts and runs their loops in one TaskGroup (a crash in any stops the
+worker loudly). Shutdown has one path: take nothing more; finish held batches for up to
+--grace-period; hand the rest back. Told to stop now (a second signal, the grace period over) it
+stops within seconds whatever Redis does (worker/stopping.py).
 """
 
 from __future__ import annotations
@@ -26,21 +20,25 @@ import uuid
 import redis
 
 from genq.core.ledger import Reconciler
+from genq.core.queueing import rq_queue
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
+from genq.core.timings import RECONCILE_EVERY_S
 from genq.core.words import plural
+from genq.ops.recover import OutputWatch
+from genq.ops.settings import blocked_jobs
+from genq.producer.enqueue import queue_lost
 from genq.worker.batches import Batches
-from genq.worker.claims import Backlog, Claims
+from genq.worker.claims import Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Flags, Holdings, RateWindow
-from genq.worker.idle import WakeListener
+from genq.worker.idle import IdlePace, WakeListener
 from genq.worker.intake import Intake
-from genq.worker.maintenance import Maintenance
 from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
-from genq.worker.parking import parking_of
+from genq.worker.parking import Parking
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
 from genq.worker.shares import Shares
@@ -48,6 +46,7 @@ from genq.worker.stealing import Stealer
 from genq.worker.stopping import StopNow
 from genq.worker.tail import TailWatch
 from genq.worker.telemetry import GpuProbe
+from genq.worker.todo import Todo
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
@@ -66,37 +65,38 @@ class Engine:
         self.rates = RateWindow()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
+        queue_key = rq_queue(self.sync_redis).key
         written = lambda *outcomes: self.batches.on_written(*outcomes)  # noqa: E731 (Batches comes later)
         self.writer = ResultWriter(self.redis, self.name, written)
         self.claims = Claims(self.redis, self.instance)
-        self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.flags,
-                                     self.rates, Backlog(self.claims, written), lambda: self.watch.is_down(),
-                                     lambda: self.watch.info.model if self.watch.info else None)
-        models = ModelGate(self.redis, self.instance, self.dispatcher.server_model)
-        self.stealer = Stealer(self.redis, Stealer.queue_key_of(self.sync_redis), self.instance, self.flags, self.held,
-                               self.dispatcher, self.controller, self.claims, self.writer.wait_idle,
-                               models.servable_config)
-        self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                              lambda why: self.batches.hand_back_all(why),
-                                              lambda note: self.heartbeat.beat(state="server_down", note=note))
-        self.parking = parking_of(self)  # the preflight, the brake and blocked jobs (worker/parking.py)
-        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher, self.claims,
-                               self.writer, Completer(self.redis, self.flags), self.stealer, models, self.parking.admit)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
-        self.shares = Shares(self.redis, self.stealer.queue_key, self.instance,
-                             lambda: self.held.jobs() | {r.job for r in self.stealer.borrowed},
+        self.shares = Shares(self.redis, queue_key, self.instance, self.held.all_jobs,
                              lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
-        self.dispatcher.todo.plan = self.shares.plan
-        self.tail = TailWatch(self.redis, self.name, self.stealer.queue_key, self.flags, self.dispatcher,
-                              lambda: bool(self.held or self.stealer.borrowed))
+        self.dispatcher: Dispatcher = Dispatcher(
+            opts, self.name, self.client, self.controller, self.writer, self.flags, self.rates,
+            Todo(self.claims, written, plan=self.shares.plan),
+            lambda: self.watch.is_down(), lambda: self.watch.info.model if self.watch.info else None)
+        models = ModelGate(self.redis, self.instance, self.dispatcher.server_model)
+        self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
+        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher,
+                                        self.claims, self.writer, Completer(self.redis, self.flags), models)
+        self.stealer = Stealer(self.redis, queue_key, self.instance, self.flags, self.held, self.dispatcher,
+                               self.controller, self.claims, self.batches, models.servable_config, self.pace)
+        self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
+                                              self.batches.hand_back_all,
+                                              lambda note: self.heartbeat.beat(state="server_down", note=note))
+        self.parking = Parking(self.redis, self.sync_redis, self.name, self.flags, self.held, self.batches,
+                               self.dispatcher.brake, self.stealer, self.watch)
+        self.tail = TailWatch(self.redis, self.name, queue_key, self.flags, self.dispatcher, self.held.active)
         self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
                                               self.held, self.dispatcher, self.watch, self.controller, self.rates,
-                                              GpuProbe(opts.gpu), self.batches.check_leases, self.stealer.pace)
+                                              GpuProbe(opts.gpu), self.batches.check_leases, self.pace)
         self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.flags, self.held,
-                             self.dispatcher, self.shares, models, self.stealer.pace.queued, self.batches.load)
-        self.maintenance = Maintenance(self.sync_redis, Reconciler(self.sync_redis, self.instance), self.stealer.pace)
+                             self.dispatcher, self.shares, models, self.pace.queued, self.batches.load)
+        self.reconciler = Reconciler(self.sync_redis, self.instance)
+        self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
-        self.wake_listener = WakeListener(opts.redis_url, self.stealer.pace, asyncio.get_running_loop())
+        self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
 
@@ -127,14 +127,14 @@ class Engine:
             mask_url(self.opts.redis_url),
         )
         await self.heartbeat.first_beat()
-        await asyncio.to_thread(self.maintenance.reconciler.drop_legacy_jobs)
+        await asyncio.to_thread(self.reconciler.drop_legacy_jobs)
         self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/idle.py)
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
-                    self.watch.recovery_loop(), self.watch.metrics_loop(), self.heartbeat.run(), self.maintenance.run(),
-                    self.stealer.run(), self.parking.run(), self.shares.run(), self.tail.run())]
+                    self.watch.recovery_loop(), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
+                    self.stealer.run(), self.parking.run(), self.parking.admit(), self.shares.run(), self.tail.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
                     task.cancel()
@@ -151,7 +151,7 @@ class Engine:
     async def _until_finished(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            idle = (not self.held and not self.stealer.borrowed and not self.dispatcher.running
+            idle = (not self.held.active() and not self.dispatcher.running
                     and self.writer.pending == 0)
             if self.flags.stop_requested >= 2:
                 await self.batches.hand_back_all("stopping now")
@@ -159,8 +159,34 @@ class Engine:
             if (self.flags.draining or self.flags.stop_requested) and idle:
                 return
             if self.opts.burst and self.intake.exhausted and idle:
-                if await self.maintenance.burst_done():
+                if await self._burst_done():
                     return
+
+    async def maintain(self) -> None:
+        """Every worker takes its turn at the ledger's reconciler (one pass at a time across the fleet):
+        stranded batches queued again, decided from engine heartbeats' TTLs, never from clocks."""
+        pace = self.pace
+        while True:
+            await asyncio.sleep(pace.maintenance_every(RECONCILE_EVERY_S))
+            try:
+                await asyncio.to_thread(self.outputs.pass_once)
+                outlook = await asyncio.to_thread(self.reconciler.pass_once)
+                pace.open_work = bool(outlook.unfinished or outlook.finishing)
+            except (redis.RedisError, OSError) as exc:
+                log.debug("maintenance skipped: %s", exc)
+
+    async def _burst_done(self) -> bool:
+        """--burst leaves once the ledger says every batch of every job is done (not while batches
+        are queued again: stranded, or handed back by others)."""
+        await asyncio.to_thread(self.outputs.pass_once)
+        outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
+        if outlook.unfinished or outlook.finishing:
+            await asyncio.sleep(1.0)
+            return False
+        blocked = await asyncio.to_thread(blocked_jobs, self.sync_redis)  # they wait: docs/settings.md
+        log.info("burst: every batch of every job is done%s; exiting",
+                 f" but those of blocked jobs ({', '.join(blocked)}: genq jobs show JOB)" if blocked else "")
+        return True
 
     def _on_signal(self, sig: int) -> None:
         self.flags.stop_requested += 1
@@ -182,7 +208,7 @@ class Engine:
 
     async def _shutdown(self) -> None:
         """Hand back what is held, and flush what is recorded (see the module docstring)."""
-        if self.held or self.stealer.borrowed:
+        if self.held or self.held.borrowed:
             await self.batches.hand_back_all("stopping")
         if self.batches.completions:  # shards being written: their release answers their leases
             await asyncio.wait(self.batches.completions, timeout=60)

@@ -1,9 +1,6 @@
-"""The engine's heartbeat: it is alive, what it holds, how fast it goes; and what the
-operator asks of it (drain, live concurrency cap, pause).
-
-Liveness must not depend on anything slow: GPU figures come from a sampler thread of
-their own (NVML calls can block), shards are encoded and uploaded on their own
-threads (worker/completion.py), so a beat is a few Redis writes once a second.
+"""The engine's heartbeat: it is alive, what it holds, how fast it goes; and what the operator asks
+of it (drain, live concurrency cap, pause). A beat is a few Redis writes a second: GPU figures come
+from a sampler thread (NVML can block), shards are written on threads of their own.
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
                  flags: Flags, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
                  controller: ConcurrencyController, rates: RateWindow, gpu: GpuProbe,
-                 on_beat: Callable[[], Awaitable[None]], pace: IdlePace | None = None) -> None:
+                 on_beat: Callable[[], Awaitable[None]], pace: IdlePace) -> None:
         self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.opts = opts
         self.name = name
@@ -106,9 +103,6 @@ class Heartbeat:
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
-        # The operator's pauses as last read from Redis: what the log compares with. flags.paused_jobs
-        # also holds the jobs this engine's brake blocked, which no operator paused or resumed.
-        self._paused_read: tuple[bool, set[str]] = (False, set())
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
 
@@ -143,22 +137,21 @@ class Heartbeat:
     async def run(self) -> None:
         tick = time.monotonic()
         while True:
-            await (self.pace.tick(BEAT_S) if self.pace is not None else asyncio.sleep(BEAT_S))
+            await self.pace.tick(BEAT_S)
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             now, last_tick = time.monotonic(), tick
             tick = now
             if now - last_tick > LEASE_TIMEOUT_S:
                 log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
                             now - last_tick)
-            if self.pace is not None and not self.pace.beat_due():
+            if not self.pace.beat_due():
                 continue
             try:
                 await self.beat()
-                if await self.read_control() and self.pace is not None:
+                if await self.read_control():
                     self.pace.beat_now.set()  # an idle engine's next beat is 20 s away: show the change in 1 s
                 await self.on_beat()
-                if self.pace is not None:
-                    await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
+                await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.flags.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
                 self.outage.answered()
@@ -230,11 +223,10 @@ class Heartbeat:
         pace = self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             if status.state != "stopped":
-                fleet.stage_alive(pipe, self.instance, self.name, pace.ttl(LEASE_TIMEOUT_S) if pace else LEASE_TIMEOUT_S)
+                fleet.stage_alive(pipe, self.instance, self.name, pace.ttl(LEASE_TIMEOUT_S))
             # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
-            fleet.stage_status(pipe, status,
-                               None if status.state == "stopped" else pace.ttl(STATUS_TTL_S) if pace else STATUS_TTL_S)
-            if pace is None or pace.workers_set_due():
+            fleet.stage_status(pipe, status, None if status.state == "stopped" else pace.ttl(STATUS_TTL_S))
+            if pace.workers_set_due():
                 fleet.stage_member(pipe, self.name)
             jobs = set(by_job) | set(queued) | self.held.jobs()
             for job in jobs:
@@ -247,9 +239,7 @@ class Heartbeat:
                 fleet.stage_no_inflight(pipe, job, self.name)
             if self._figures_of is not None:
                 decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
-            # Raised as Redis said it: redis-py 6's asyncio pipeline rewrites a failed command's
-            # error to "... caused error: {exception.args}", losing the words that tell a full
-            # Redis or a failing disk from a bug (genq.core.refusals).
+            # Raised as Redis said it (redis-py's pipeline rewrites the words that tell a full Redis).
             for answer in await pipe.execute(raise_on_error=False):
                 if isinstance(answer, Exception):
                     raise answer
@@ -268,10 +258,8 @@ class Heartbeat:
             self.controller.set_cap(control.concurrency)
             log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
             changed = True
-        if (paused, paused_jobs) != self._paused_read:
-            _log_pause_change(*self._paused_read, paused, paused_jobs)
-            self._paused_read = (paused, paused_jobs)
         if paused != f.paused_all or paused_jobs != f.paused_jobs:
+            _log_pause_change(f.paused_all, f.paused_jobs, paused, paused_jobs)
             f.paused_all, f.paused_jobs = paused, paused_jobs
             changed = True
         self.dispatcher.wake.set()

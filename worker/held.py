@@ -1,8 +1,4 @@
-"""What an engine holds: leased batches and the prompts of them it is driving.
-
-Shared by the engine's parts (leases, dispatch, completion, heartbeat); none of them
-owns the others, so the state they all read lives here.
-"""
+"""What an engine holds: leased batches and the prompts of them it is driving."""
 
 from __future__ import annotations
 
@@ -50,26 +46,24 @@ class Task:
 
 @dataclass
 class Flags:
-    """Engine-wide switches the operator or the server flip; read by every part."""
+    """Engine-wide switches, read by every part; each is written by one part only, named here."""
 
+    # The operator's controls, as the heartbeat last read them (worker/heartbeat.py).
     paused_all: bool = False
     paused_jobs: set[str] = field(default_factory=set)
     draining: bool = False
-    stop_requested: int = 0  # SIGTERM/SIGINT received
+    stop_requested: int = 0  # signals received (worker/engine.py)
+    # The server (worker/watch.py): down since (monotonic), outages since the start, what it waits on.
     server_down_since: float | None = None
-    outages: int = 0  # times the server went down since the engine started
-    # When the heartbeat last beat and checked the leases (monotonic). A gap longer than a
-    # lease survives (a frozen process) stops dispatch until the leases are checked again.
-    last_beat: float = field(default_factory=time.monotonic)
+    outages: int = 0
     server_note: str | None = None
-    # Batches whose shard cannot be written now (a full disk, S3 down, past boto3's own retries),
-    # and why: their results stay in Redis while the write is retried (worker/completion.py), the
-    # status says so, and no new batch of their jobs is taken (worker/models.py) nor their prompts
-    # stolen until one is written: what is generated meanwhile would only pile up in Redis, at risk
-    # there, instead of in the output. Other jobs, written elsewhere, go on.
+    # When the heartbeat last checked the leases (monotonic): a longer gap than a lease survives (a
+    # frozen process) stops dispatch until they are checked again.
+    last_beat: float = field(default_factory=time.monotonic)
+    # Batches whose shard cannot be written now (disk full, S3 down), and why (worker/completion.py):
+    # their results stay in Redis while the write is retried; nothing new of their jobs is taken.
     unwritten: dict[BatchRef, str] = field(default_factory=dict)
-    # The end of the queue, and a faster worker would finish this engine's next prompt first
-    # (worker/tail.py): claim and take nothing new; faster workers take what is held here.
+    # The end of the queue, faster workers finish this engine's unsent prompts first (worker/tail.py).
     hold_back: bool = False
 
     @property
@@ -92,15 +86,28 @@ class Flags:
 
 
 class Holdings(dict[BatchRef, HeldBatch]):
-    """The batches an engine holds now, by (job, batch)."""
+    """The batches an engine holds now (leased), by (job, batch); and those it borrowed prompts of
+    (worker/stealing.py: no lease, so it sends and records them but never writes their shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.borrowed: dict[BatchRef, HeldBatch] = {}
 
     def jobs(self) -> set[str]:
+        """The jobs of the leased batches."""
         return {ref.job for ref in self}
 
+    def all_jobs(self) -> set[str]:
+        """The jobs this engine holds or borrowed prompts of."""
+        return self.jobs() | {ref.job for ref in self.borrowed}
 
-# The server's generation counter is read every second (its /metrics); its rate over this window is
-# the speed shown: it follows the server within seconds, where tokens counted as answers end come in
-# waves (on vLLM, 0 to 546 tok/s at a steady 500 over a 30 s window, 2026-12).
+    def active(self) -> bool:
+        """Whether it holds or borrowed anything."""
+        return bool(self or self.borrowed)
+
+
+# The speed shown is the server's generation counter's rate over this window: answers' tokens come
+# in waves (vLLM: 0 to 546 tok/s at a steady 500, 2026-12).
 COUNTER_WINDOW_S = 5.0
 COUNTER_STALE_S = 10.0  # no reading this long (server down, metrics off): fall back to the answers
 

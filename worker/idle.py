@@ -1,24 +1,11 @@
-"""An idle worker waits instead of polling.
+"""An idle worker waits instead of polling: under one Redis command a second (0.60, 2026-12-06).
 
-A worker that holds nothing, runs nothing and has borrowed nothing for IDLE_AFTER_S
-is idle. A fleet of hundreds keeps some idle (a job's end, a queue run dry, spare GPUs),
-and each must cost Redis next to nothing (0.60 commands a second, 2026-12-06,
-docs/sizing.md). Idle, a worker:
-
-* picks up new batches the moment they are queued: every enqueue publishes a WAKE that
-  says so (genq.core.queueing), and the intake takes one then (worker/intake.py), else
-  it looks every IDLE_POLL_S;
-* beats every IDLE_BEAT_S instead of every second, with keys that live IDLE_TTL_S,
-  and reads its control record (drain, pause, cap) at the same beat;
-* looks for prompts to steal when woken, at most every WOKEN_LOOK_S, and otherwise
-  every IDLE_LOOK_S (prompts claimed by an engine that froze). WAKE is published by
-  busy engines holding prompts not yet sent, every ANNOUNCE_EVERY_S (at a job's end,
-  once the queue is empty, those are what an idle worker takes), and when borrowed
-  prompts are given back; a fleet with nothing to do publishes nothing;
-* takes its turn at the fleet's reconciler every IDLE_MAINTENANCE_S.
-
-The first sign of work (a batch taken, a borrowed prompt) ends the idle pace
-at the next one-second tick of the heartbeat: nothing waits for a long sleep.
+Idle (nothing held, running or borrowed for IDLE_AFTER_S, and no open work in the ledger), a
+worker beats every IDLE_BEAT_S with keys that live IDLE_TTL_S, looks for prompts to steal every
+IDLE_LOOK_S, and takes its turn at the reconciler every IDLE_MAINTENANCE_S. A WAKE message
+(genq:wake) ends its waits: every enqueue publishes one (the intake takes a batch then), busy
+engines holding unsent prompts at the end of the queue every ANNOUNCE_EVERY_S, an operator's
+control change (the next beat then reads it). The first sign of work ends the idle pace.
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sized
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -56,21 +43,18 @@ ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) th
 class IdlePace:
     """Whether the engine is idle, and the pace of its loops accordingly (heartbeat, stealer, maintenance)."""
 
-    def __init__(self, held: Holdings, dispatcher: Dispatcher, borrowed: Callable[[], Sized],
-                 queue_key: str = "") -> None:
+    def __init__(self, held: Holdings, dispatcher: Dispatcher, queue_key: str = "") -> None:
         self.queue_key = queue_key  # RQ's queue list: announce() speaks once it is empty
         self.held = held
         self.dispatcher = dispatcher
-        self.borrowed = borrowed
         self.busy_at = time.monotonic()
         self.last_beat = 0.0
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
         self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
         self.queued = asyncio.Event()  # a WAKE message that says batches were queued (worker/intake.py)
-        # Set by maintenance after each reconciler pass: some job has a batch not done (held by
-        # others, or stranded). No idle pace then: stranded batches, a frozen holder's prompts and
-        # RQ entries of done batches must be found within seconds, not minutes.
+        # Some job has a batch not done (the reconciler's last pass): no idle pace, so stranded
+        # batches and a frozen holder's prompts are found within seconds.
         self.open_work = False
         self.announced_at = 0.0
         self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
@@ -78,7 +62,7 @@ class IdlePace:
     def idle(self) -> bool:
         d = self.dispatcher
         now = time.monotonic()
-        if self.open_work or self.held or d.running or d.unsent or len(self.borrowed()):
+        if self.open_work or self.held.active() or d.running or d.unsent:
             self.busy_at = now
             return False
         return now - self.busy_at >= IDLE_AFTER_S
@@ -130,9 +114,8 @@ class IdlePace:
             if left <= 0:
                 return False
             if self.woken.is_set():
-                # Woken too soon after the last look: sleep out the rest. Waiting on the event,
-                # set already, returns without yielding: this loop spun and held the engine's
-                # other tasks (the dispatcher's window) still for up to WOKEN_LOOK_S.
+                # Woken too soon after the last look: sleep out the rest (waiting on the set event
+                # would return without yielding, and spin).
                 await asyncio.sleep(min(left, start + WOKEN_LOOK_S - now))
             else:
                 await wait_event(self.woken, min(left, 1.0))
@@ -159,13 +142,9 @@ class IdlePace:
 
 
 class WakeListener:
-    """Sets the pace's `woken` on each WAKE message (genq:wake), or its `beat_now` on one that
-    says an operator changed a control (fleet.is_control_wake: a drain or pause seen within a
-    second, not at the next idle beat), from a thread of its own: a blocking read
-    of at most a second at a time, so a stop never waits on a read. (The asyncio pubsub read
-    this replaces, cancelled in the engine's task group, hung a --burst worker's exit.) No
-    health-check PINGs on its connection: an idle worker's Redis commands stay under one a
-    second; a lost connection shows as an error on the next read, and it subscribes again."""
+    """Sets the pace's `queued`, `beat_now` (an operator's control changed) or `woken` on each WAKE
+    message, from a thread of its own reading at most a second at a time, so a stop never waits on a
+    read. No health-check PINGs: a lost connection shows on the next read, and it subscribes again."""
 
     def __init__(self, redis_url: str, pace: IdlePace, loop: asyncio.AbstractEventLoop) -> None:
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily

@@ -1,20 +1,13 @@
-"""The engine takes its batches off RQ's queue itself: one script (TAKE) moves a batch's RQ job
-to RQ's started registry under this engine's name and leases the batch, in one step. No process
-stands between the queue and the engine, so no batch is ever between two owners.
+"""The engine takes its batches off RQ's queue itself: one script (TAKE) moves a batch's RQ job to
+RQ's started registry under this engine's name and leases the batch, so no batch is ever between
+two owners, and `rq info` stays truthful (the engine is registered as an RQ worker).
 
-When to take one: while fewer than --prefetch batches are held, and beyond that while the
-prompts not yet sent fall below (prefetch - 1) batches' worth (held batches drain their long
-tails: wants_batch), or when the queue's next batch outranks what is waiting here
-(worker/shares.py). Nothing is taken while draining, paused, stopping or while the server is down.
-
-Which: the first queued batch whose job this engine may run. Jobs of another model (a pinned
-model its server does not serve) and jobs whose shards cannot be written here now are left in
-the queue for other engines (TAKE's skip list).
-
-`rq info` stays truthful: the engine is registered as an RQ worker named by its instance, each
-batch it holds is an RQ job "started" by it; RELEASE and the hand-back take the RQ job out of RQ.
-A stock `rq worker` on genq's queue fails each batch at once (run_batch), and the reconciler
-queues it again.
+When: while fewer than --prefetch batches are held; beyond that while the unsent prompts are under
+(prefetch - 1) batches' worth (held batches drain their long tails), or when the queue's next batch
+outranks what waits here (worker/shares.py). Never while draining, paused, stopping or server down.
+Which: the first queued batch this engine may run; other models' jobs and jobs whose shards cannot
+be written here now stay queued for others (TAKE's skip list). A stock `rq worker` fails each batch
+at once (run_batch) and the reconciler queues it again.
 """
 
 from __future__ import annotations
@@ -40,10 +33,8 @@ from genq.worker.shares import Shares
 
 log = logging.getLogger("genq.worker")
 
-BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often...
-# ...or this often once nothing was found for a while: every queueing publishes a wake that ends the
-# wait at once (genq.core.queueing), so this only covers a wake lost while the listener reconnects.
-IDLE_POLL_S = 30.0
+BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often,
+IDLE_POLL_S = 30.0  # or this often after a while: every queueing publishes a WAKE that ends the wait
 FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
 RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this

@@ -1,15 +1,9 @@
 """A job is for one model: which jobs this engine's server can serve, and `--model auto`.
 
-A job's model is its settings' `model`. `auto` is resolved by the first engine that takes one
-of its batches: the model its server lists (/v1/models) is written into the job's settings
-then, first writer wins (a WATCH/MULTI on the settings), and every engine reads it from there.
-
-An engine whose server serves another model takes nothing of such a job:
-- its intake leaves the job's batches in RQ's queue (TAKE's skip list: worker/intake.py);
-- its lease desk hands back a batch it got anyway (a race with the pinning);
-- its stealer takes no prompts of it (servable_config).
-It says so once per job in its log. One RQ queue serves every model: a fleet serving two
-models runs two jobs at once, each on its own model's GPUs (docs/fidelity.md).
+`auto` is resolved by the first engine that takes one of the job's batches: its server's model is
+written into the job's settings (first writer wins) and every engine reads it there. An engine
+whose server serves another model leaves such a job's batches queued (TAKE's skip list), hands back
+one it got anyway, and steals none of its prompts, and says so once per job.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What an engine does with a blocked job, and with a job whose settings changed.
 
-A blocked job (worker/brake.py, worker/preflight.py) is a paused job with a reason:
+A blocked job (worker/brake.py, the preflight below) is a paused job with a reason:
 keys.job_paused and keys.job_blocked (a JobBlock). Every engine that holds its batches
 **parks** them: it stops sending, cancels their requests in flight (nothing is recorded for
 them), drops its claims, and ends the lease with no RQ job carrying the batch (keys.job_leases
@@ -11,56 +11,66 @@ the parked batches again.
 
 Settings fixed in place (`genq jobs set`, a new JobConfig.settings_version) reach the batches an
 engine holds within a second, and every batch that arrives is checked against the stored version.
+
+The preflight blocks a job whose settings can never fit its server before any request: a prompt
+has at least one token, so max_tokens at or over the context never fits (SGLang answers every
+request 400, vLLM too over the context, llama.cpp cuts every completion at its slot's end).
+Below the context a too-long prompt is its own failure: the brake's case (worker/brake.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
 from genq.core.ledger import holding
-from genq.core.ledger.parked import end_lease_parked
 from genq.core.records import JobBlock, JobConfig, Prompt
-from genq.core.waits import retrying
+from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
 from genq.ops.settings import unqueue
+from genq.worker.batches import Batches
 from genq.worker.brake import Brake
-from genq.worker.claims import Claims
-from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.preflight import preflight
-from genq.worker.results import ResultWriter
 from genq.worker.server import ServerInfo
 from genq.worker.stealing import Stealer
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
 CHECK_EVERY_S = 1.0
 
 
+def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
+    """Why `config` can never work against `server` (its context: worker/engines/), or None."""
+    if server is None or not server.context_length:
+        return None  # the server says nothing about its context: the brake is the safeguard
+    context = server.context_length
+    if config.max_tokens < context:
+        return None
+    return (f"max_tokens {config.max_tokens} (settings version {config.settings_version}) is not below "
+            f"{server.engine.context_where} of {context} tokens on this {server.flavor} server: no prompt can fit "
+            f"(prompt + max_tokens must fit in the context). Lower it with `genq jobs set {config.name} "
+            f"--max-tokens N` (N < {context}), then `genq resume --job {config.name}`.")
+
+
 class Parking:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
-                 dispatcher: Dispatcher, stealer: Stealer, claims: Claims, writer: ResultWriter,
-                 server: Callable[[], ServerInfo | None], reread: Callable[[], Awaitable[ServerInfo | None]]) -> None:
+                 batches: Batches, brake: Brake, stealer: Stealer, watch: ServerWatch) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
         self.flags = flags
         self.held = held
-        self.dispatcher = dispatcher
-        self.stealer = stealer
-        self.claims = claims
-        self.writer = writer
-        self.server = server  # what the server said about itself (ServerWatch.info)
-        self.reread = reread  # ... read again now (ServerWatch.reread)
-        self.brake = Brake(worker, dispatcher._dead, self.block)
+        self.batches = batches  # admitted batches are sent, parked ones let go, by their owner
+        self.brake = brake  # the dispatcher's: its trips block their job here
+        self.stealer = stealer  # its cache of other engines' batches goes with old settings
+        self.watch = watch  # what the server says about itself (its context, for the preflight)
         self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
@@ -79,10 +89,12 @@ class Parking:
 
     # ---------------------------------------------------------------- arriving batches
 
-    def admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """Batches' admit: a loaded batch is sent only if its job is not blocked, with the
-        job's current settings, and past the preflight."""
-        self._spawn(self._admit(held, prompts))
+    async def admit(self) -> None:
+        """Each loaded batch (Batches.arrived) is sent only if its job is not blocked or paused, with
+        the job's current settings, and past the preflight."""
+        while True:
+            held, prompts = await self.batches.arrived.get()
+            self._spawn(self._admit(held, prompts))
 
     async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         job = held.ref.job
@@ -100,25 +112,23 @@ class Parking:
             await self.park_job(job, quiet=True)
             return
         if paused:  # `genq pause --job`: parked, its slots go to other jobs
-            self.flags.paused_jobs.add(job)
             await self.park_job(job, quiet=True, cancel=False)
             return
-        problem = preflight(held.config, self.server())
+        problem = preflight(held.config, self.watch.info)
         if problem is not None:  # judged by what the server says now, not before a restart
-            problem = preflight(held.config, await self.reread())
+            problem = preflight(held.config, await self.watch.reread())
         if problem is not None:
             log.error("job %s blocked before any request (preflight): %s", job, problem)
             self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
                                      settings_version=held.config.settings_version))
             return
-        self.stealer.lease_arrived(held, prompts)
+        self.batches.send(held, prompts)
 
     # ---------------------------------------------------------------- blocking
 
     def block(self, job: str, record: JobBlock) -> None:
         """Block `job` (the first reason stored wins) and park what this engine holds of it."""
         self.brake.blocked.add(job)
-        self.flags.paused_jobs.add(job)  # dispatch parks the job's prompts at once
         self._storing.add(job)
         self._blocked_at[job] = time.monotonic()
         self._spawn(self._block(job, record))
@@ -142,54 +152,33 @@ class Parking:
         if job not in self.brake.blocked:
             log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
             self.brake.blocked.add(job)
-            self.flags.paused_jobs.add(job)
             self._spawn(self.park_job(job))
 
     def _lifted(self, job: str) -> bool:
         """Redis says `job` is not blocked, and that is news (not a read from before our own block landed)."""
         recent = time.monotonic() - self._blocked_at.get(job, float("-inf")) < 3 * CHECK_EVERY_S
-        return job in self.brake.blocked and job not in self._storing and not recent
+        return job in self.brake.blocked and job not in self._storing and job not in self.brake.trips and not recent
 
     def _resumed(self, job: str) -> None:
         log.info("job %s is no longer blocked: taking its batches again", job)
         self.brake.clear(job)
-        self.flags.paused_jobs.discard(job)
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
-        """Stop the job's held and borrowed batches here and end their leases without an RQ job.
-        Blocked: its requests in flight are cancelled (nothing recorded); paused (`cancel` False):
-        they finish and are recorded, and nothing more of the job is sent."""
-        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
-        borrowed = [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
-        for batch in mine + borrowed:
-            self.dispatcher.drop(batch, cancel=cancel)
-        while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.writer.wait_idle()  # what was recorded before is written: it stays
-        for b in borrowed:
-            await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
-            self.stealer.borrowed.pop(b.ref, None)
-        parked = []
-        for h in mine:
-            if h.completing:
-                continue  # the flush finished it
-            await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if await asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token):
-                parked.append(str(h.ref))
-            self.held.pop(h.ref, None)
+        """Park what this engine holds of the job (Batches.park): blocked, its requests in flight are
+        cancelled; paused (`cancel` False), they finish and are recorded."""
+        parked = await self.batches.park(job, cancel=cancel)
         self.parked += len(parked)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
-        self.dispatcher.wake.set()
 
     # ---------------------------------------------------------------- settings and flags, every second
 
     def _settings(self, job: str, stored: JobConfig) -> None:
         """A newer settings version of a job this engine holds: every unsent prompt gets it."""
         batches = [h for h in self.held.values() if h.ref.job == job]
-        batches += [b for ref, b in self.stealer.borrowed.items() if ref.job == job]
+        batches += [b for ref, b in self.held.borrowed.items() if ref.job == job]
         stale = [h for h in batches if h.config.incarnation == stored.incarnation
                  and h.config.settings_version < stored.settings_version]
         if not stale:
@@ -200,7 +189,7 @@ class Parking:
         self.brake.reset(job)
         log.info("job %s: settings version %d from now on (%s held here)", job, stored.settings_version,
                  plural(len(stale), "batch", "batches"))
-        problem = preflight(stored, self.server())
+        problem = preflight(stored, self.watch.info)
         if problem is not None and job not in self.brake.blocked:
             log.error("job %s blocked (preflight of its new settings): %s", job, problem)
             self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
@@ -208,7 +197,11 @@ class Parking:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(CHECK_EVERY_S)
+            await wait_event(self.brake.tripped, CHECK_EVERY_S)
+            self.brake.tripped.clear()
+            for job, record in self.brake.trips.items():
+                self.block(job, record)
+            self.brake.trips.clear()
             try:
                 await self.check()
             except (redis.RedisError, OSError) as exc:
@@ -216,8 +209,8 @@ class Parking:
             self.brake.judge_all()
 
     async def check(self) -> None:
-        park_paused(self)
-        jobs = sorted(self.held.jobs() | {r.job for r in self.stealer.borrowed} | self.brake.blocked)
+        self.park_paused()
+        jobs = sorted(self.held.all_jobs() | self.brake.blocked)
         if not jobs:
             return
         for job, (blocked, config) in zip(jobs, await holding.blocks_and_configs(self.conn, jobs)):
@@ -228,27 +221,16 @@ class Parking:
             if config is not None:
                 self._settings(job, config)
 
+    def park_paused(self) -> None:
+        """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
+        their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
+        holding = self.held.all_jobs()
+        for job in (self.flags.paused_jobs & holding) - self.brake.blocked - self.pausing:
+            self.pausing.add(job)
+            self._spawn(self._park_paused(job))
 
-def park_paused(parking: Parking) -> None:
-    """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
-    their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
-    holding = parking.held.jobs() | {r.job for r in parking.stealer.borrowed}
-    for job in (parking.flags.paused_jobs & holding) - parking.brake.blocked - parking.pausing:
-        parking.pausing.add(job)
-
-        async def park(job: str = job) -> None:
-            try:
-                await parking.park_job(job, cancel=False)
-            finally:
-                parking.pausing.discard(job)
-
-        parking._spawn(park())
-
-
-def parking_of(engine: Any) -> Parking:
-    """The engine's (worker/engine.py)."""
-    parking = Parking(engine.redis, engine.sync_redis, engine.name, engine.flags, engine.held, engine.dispatcher,
-                      engine.stealer, engine.claims, engine.writer, lambda: engine.watch.info, engine.watch.reread)
-    engine.dispatcher.brake = parking.brake
-    return parking
-
+    async def _park_paused(self, job: str) -> None:
+        try:
+            await self.park_job(job, cancel=False)
+        finally:
+            self.pausing.discard(job)

@@ -1,12 +1,8 @@
 """Group commit of results and dead letters to Redis.
 
-Each result is written and counted in the same Lua call (RECORD: genq/core/scripts/record.lua),
-so the counters the monitor reads always equal the results stored, even when a batch
-is re-run after a crash or two workers race on the same batch. A result is stored
-without its copy of the prompt (records.without_prompt): the batch holds the prompt,
-and the shard joins them again (worker/completion.py). Outcomes are written only for the
-job's incarnation they were generated for (genq.core.ledger): a deleted job's late
-results are dropped, never attached to the prompts of a new job of the same name.
+Each outcome is written and counted in one Lua call (RECORD), first writer wins, only for the
+job's incarnation it was generated for; so the monitor's counters equal the results stored.
+A result is stored without its prompt: the shard joins them again (worker/completion.py).
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ from genq.core.words import plural
 
 log = logging.getLogger("genq.worker")
 
-# Outcomes are written in groups: the first one of a group waits this long for others, so one
-# RECORD call covers many prompts (Redis commands per prompt). Nothing waits for a
-# record but the batch's end: a few ms there cost nothing.
+# The first outcome of a group waits this long for others: one RECORD call covers many prompts.
 RECORD_LINGER_S = 0.005
 
 

@@ -1,19 +1,12 @@
 """An engine's side of priorities and fair share (docs/scheduling.md, genq.core.order).
 
-Which held prompts are claimed next (worker/claims.py Backlog.claim asks `plan`): the highest
-priority first, as many as it has waiting; among jobs of equal priority, each claim goes to the
-job with the fewest prompts on the whole fleet now (claimed or in flight, over its weight).
-The share is the fleet's, not this engine's: a job's batches reach the engines unevenly (whole
-batches, taken whenever a loop is free), and an engine that splits its own slots evenly gives a
-job held on one engine of two a quarter of the fleet once the other has none of it left
-(tests/test_scheduling.py: 44 against 29 prompts/s). Counted that way, the engine that still
-holds such a job gives it its slots while the others run the rest. Nothing in flight is
-stopped: slots move over as requests finish.
-
-Every second while it holds anything, the engine publishes its own count per job and reads the
-other engines' (FLEET_SHARE, keys.job_share), reads the schedules of the jobs it holds, and
-what the queue's next batch is (`head`): RqLoops takes one more batch when that is of a job with
-higher priority than any it has waiting, or of equal priority and a job it has nothing of waiting.
+Which held prompts are claimed next (`plan`): the highest priority first; among equal priorities,
+each claim to the job with the fewest prompts claimed or in flight on the whole fleet over its
+weight. The fleet's share, not this engine's: batches reach engines unevenly, and an even split per
+engine starved a job held on one engine of two (tests/test_scheduling.py). Nothing in flight is
+stopped: slots move over as requests end. Every second while it holds anything, the engine
+publishes its counts per job, reads the others' (FLEET_SHARE), the held jobs' schedules and the
+queue's next batch (`head`, for the intake's `wants_head`).
 """
 
 from __future__ import annotations

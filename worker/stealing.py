@@ -1,20 +1,14 @@
-"""The end of a job on a fleet: an engine with idle slots takes unsent prompts from
-batches other engines hold.
+"""The end of a job on a fleet: an engine with idle slots takes unsent prompts of batches other
+engines hold.
 
-While the queue has batches, RQ hands them out and nothing is taken. Once it is empty,
-an engine whose slots are not all busy looks at every leased batch it does not hold
-and claims (worker/claims.py) up to its free slots from the back of one, the holder
-sending from the front: at the end of a job every free slot takes the next prompt, as
-with one shared queue, and a worker that joins late gets work within seconds. Prompts
-claimed by an engine that stopped beating (frozen, killed) are taken too.
-
-The taken prompts are "borrowed": sent and recorded here, but the batch's shard is
-written by its holder once every outcome is recorded (it sees ours in its lent check).
+Only once RQ's queue is empty: an engine with free slots claims (worker/claims.py) up to that many
+from the back of another engine's batch while its holder sends from the front, so every free slot
+takes the next prompt as from one shared queue; claims of an engine that stopped beating are taken
+too. The prompts are "borrowed": sent and recorded here; the holder writes the shard.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -24,36 +18,32 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches
+from genq.core import batches as batch_records
 from genq.core.ledger import holding, leasing
-from genq.core.queueing import rq_queue
 from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
+from genq.worker.batches import Batches
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Flags, HeldBatch, Holdings
-from genq.worker.idle import IdlePace, wake_fleet
+from genq.worker.idle import IdlePace
 
 log = logging.getLogger("genq.worker")
 
 STEAL_EVERY_S = 0.5  # while the queue has batches: a look at its length (one LLEN)
-# After a take, or while every slot is busy (no Redis read): a slot that frees at the end of the
-# queue takes its next prompt within this, not after a pass's wait (at 0.5 s, a fast server of
-# 0.8 s requests ran a third of its slots idle once its own batches were sent).
-STEAL_AGAIN_S = 0.1
+STEAL_AGAIN_S = 0.1  # after a take, or while every slot is busy: a freed slot waits at most this
 STEAL_IDLE_MAX_S = 2.0  # the longest wait between looks while there is nothing to take
 BATCHES_CACHED = 64
 
 
 class Stealer:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
-                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims,
-                 flushed: Callable[[], Awaitable[None]],
-                 job_config: Callable[[str], Awaitable[JobConfig | None]]) -> None:
+                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims, batches: Batches,
+                 job_config: Callable[[str], Awaitable[JobConfig | None]], pace: IdlePace) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
@@ -62,18 +52,13 @@ class Stealer:
         self.dispatcher = dispatcher
         self.controller = controller
         self.claims = claims
-        self.flushed = flushed  # waits until every outcome recorded here is written to Redis
-        self.borrowed: dict[BatchRef, HeldBatch] = {}
+        self.batches = batches  # borrowed prompts go back through their holder's Batches
         self.taken = 0  # prompts taken since start
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
         self._batches: OrderedDict[tuple[BatchRef, str], list[Prompt] | None] = OrderedDict()
         self.job_config = job_config  # the job's settings if this engine may take its prompts (worker/models.py)
-        self.pace = IdlePace(held, dispatcher, lambda: self.borrowed, queue_key)  # the engine's idleness (worker/idle.py)
-
-    @staticmethod
-    def queue_key_of(conn: redis.Redis) -> str:
-        return rq_queue(conn).key
+        self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
 
     async def run(self) -> None:
         wait = STEAL_EVERY_S
@@ -98,8 +83,8 @@ class Stealer:
         """Take up to the free slots' worth of prompts; how many were taken (None: not looked,
         the queue has batches)."""
         self._forget_finished()
-        if self.flags.server_down_since is not None and self.borrowed:
-            await self.give_back("this worker's server is down")  # the holders need not wait for it
+        if self.flags.server_down_since is not None and self.held.borrowed:
+            await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
         if (free <= 0 or not self.flags.accepting or self.flags.paused_all or self.flags.hold_back
@@ -135,11 +120,11 @@ class Stealer:
         return took
 
     def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int]) -> None:
-        borrowed = self.borrowed.get(ref)
+        borrowed = self.held.borrowed.get(ref)
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
             self.dispatcher.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
-            borrowed = self.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
+            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
                                                       unfinished=set(), borrowed=True)
         borrowed.unfinished |= set(ids)
         log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
@@ -178,7 +163,7 @@ class Stealer:
             loaded = None
             if raw is not None:
                 try:
-                    loaded = await load_prompts(batches.decode(raw), config)
+                    loaded = await load_prompts(batch_records.decode(raw), config)
                 except Exception as exc:  # unreadable or changed input: its holder deals with it
                     log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
@@ -193,43 +178,6 @@ class Stealer:
 
     # ---------------------------------------------------------------- borrowed prompts
 
-    def written(self, ref: BatchRef, ids: list[str]) -> None:
-        borrowed = self.borrowed.get(ref)
-        if borrowed is not None:
-            borrowed.unfinished.difference_update(ids)
-            self._forget_finished()
-
     def _forget_finished(self) -> None:
-        for ref in [r for r, b in self.borrowed.items() if not b.unfinished or b.dropped]:
-            self.borrowed.pop(ref)
-
-    def lease_arrived(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """A batch leased to this engine: what it had borrowed of it is the lease's now, already on its way."""
-        borrowed = self.borrowed.pop(held.ref, None)
-        adopted = set() if borrowed is None else self.dispatcher.todo.adopt(borrowed, held, iter(self.dispatcher.running))
-        self.dispatcher.todo.add(held, [p for p in prompts if p.id not in adopted])
-
-    async def give_back(self, why: str) -> None:
-        """Borrowed prompts go back to their holders: nothing more is sent, what was recorded
-        is written, then the claims go."""
-        log.info("%s: giving %s back to their holders", why,
-                 plural(sum(len(b.unfinished) for b in self.borrowed.values()), "borrowed prompt"))
-        self.stop_borrowed()
-        while any(t.batch.borrowed for t in self.dispatcher.running):
-            await asyncio.sleep(0.05)
-        await self.flushed()
-        await self.release_borrowed()
-
-    def stop_borrowed(self) -> None:
-        """Send no borrowed prompt more (server down, stopping); release_borrowed() then lets them go."""
-        for borrowed in self.borrowed.values():
-            self.dispatcher.drop(borrowed, cancel=True)
-
-    async def release_borrowed(self) -> None:
-        """Once what was recorded is written: drop the claims, the holders send the rest."""
-        given = bool(self.borrowed)
-        for ref, borrowed in list(self.borrowed.items()):
-            await self.claims.unclaim(borrowed)
-            self.borrowed.pop(ref, None)
-        if given:
-            await wake_fleet(self.conn)  # unclaimed prompts: an idle worker may take them now
+        for ref in [r for r, b in self.held.borrowed.items() if not b.unfinished or b.dropped]:
+            self.held.borrowed.pop(ref)

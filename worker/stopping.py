@@ -1,10 +1,8 @@
-"""Stopping now: a worker told to stop now (a second signal, its grace period over) stops
-within seconds, whatever its Redis does.
+"""Stopping now: told to stop now, a worker stops within seconds whatever its Redis does.
 
-The engine's shutdown (worker/engine.py) hands held batches back, in Redis. Told to stop now, it goes on only while Redis answers a PING; once Redis does
-not (stopped, frozen, cut off), the worker stops without it. Nothing is lost: what it holds
-and has not recorded is simply not recorded; its leases lapse and the reconcilers put its
-batches back for other workers once Redis is back (docs/exactly-once.md).
+The shutdown (worker/engine.py) goes on only while Redis answers a PING; once it does not, the
+worker stops without it: what it holds is not recorded, its leases lapse, and the reconcilers
+queue its batches again once Redis is back (docs/exactly-once.md).
 """
 
 from __future__ import annotations

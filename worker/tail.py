@@ -1,33 +1,16 @@
 """The tail on the fastest GPUs: at the end of the queue, a prompt starts where it finishes first.
 
-While RQ's queue has batches every slot takes work. Once it is empty, the prompts still unsent
-(held by the workers, not yet claimed: worker/claims.py) are the last to start. A prompt started
-now on this worker ends after L_me (its expected request time: the mean output tokens times its
-measured seconds per output token per request). A faster worker v (L_v < L_me) frees r_v =
-slots_v / L_v slots a second; it can start a prompt and still finish it before L_me for as long as
-L_me - L_v lasts. So when the unsent prompts of the whole fleet, U, are no more than
+Once RQ's queue is empty, the fleet's unsent prompts U are the last to start. Started here, one
+ends after L_me (mean output tokens x this worker's seconds per token per request); a worker v
+faster by at least MARGIN frees slots_v / L_v slots a second and finishes a prompt before L_me
+for L_me - L_v. While U <= SPREAD x sum_v slots_v / L_v x (L_me - L_v), every unsent prompt ends
+sooner elsewhere: this worker holds back (Flags.hold_back), claims nothing and steals nothing,
+gives back the prompts it claimed ahead (Todo.give_back_ready), and the faster workers take them
+(worker/stealing.py). The fastest worker never holds back; a hold lasts a few request times at
+most. A server down past DOWN_GRACE_S makes its worker the slowest: it gives back every claim.
 
-    SPREAD * sum over faster live workers v of  r_v * (L_me - L_v)
-
-every one of them finishes sooner elsewhere (SPREAD: heavy tails), and this worker holds back (Flags.hold_back): it claims
-nothing more of its own batches and takes nothing of others'; the faster workers take its unsent
-prompts as their slots free (worker/stealing.py). Requests in flight go on. A worker counts as
-faster only if it is at least MARGIN faster, so an even fleet never holds back on noise; the
-fastest worker never holds back, so the fleet always makes progress.
-
-Every worker's speed is in its heartbeat (WorkerStatus.token_s, mean_tokens). Read once a second
-while this engine holds something and the queue is empty: the workers' records, one MGET; every
-NEAR_EVERY_S once the unsent prompts are within NEAR times the line, so that the hold comes when
-they cross it, not up to two seconds after. A beat's `queued` is up to a beat old, and at the end
-of a job the fleet sends ~60 prompts a second: each other worker's is taken less what it sent
-since (r_v x the beat's age), this worker's own is counted live. Holding back, the engine gives
-back the prompts it claimed ahead and has not sent (worker/todo.py give_back_ready): sent, they
-were the slow GPU's last and longest requests; unclaimed, the faster workers take them.
-A worker whose server is down past DOWN_GRACE_S is the slowest of all: it holds back and gives
-back every prompt it claimed (retries too, not its crash suspects) until its server answers.
-(bench/fleet_tail.py --trace, 2026-12-03: before this, the slow server got its last prompt 1.2-1.6 s
-after the unsent prompts fell to the line, with ~1 fast slots' worth of them left: a hold at k = 1,
-which the model in bench/tail_model.py finds worth nothing.)
+Speeds come from the heartbeats (WorkerStatus.token_s, mean_tokens), read once a second (every
+NEAR_EVERY_S near the line); another worker's `queued` is taken less what it sent since its beat.
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 
-from genq.core.ledger import fleet, leasing
+from genq.core.ledger import fleet
 from genq.core.records import WorkerStatus
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.worker.dispatch import Dispatcher
@@ -127,7 +110,7 @@ class TailWatch:
             hold = down or self._bounded(hold, active)
             if hold:
                 try:
-                    await self.prune()
+                    await self.dispatcher.todo.prune()
                 except (redis.RedisError, OSError) as exc:
                     log.debug("tail prune skipped: %s", exc)
             if hold != self.flags.hold_back:
@@ -176,22 +159,6 @@ class TailWatch:
             self._given_up, self._since = True, None
             return False
         return True
-
-    async def prune(self) -> None:
-        """Held prompts that faster workers took and finished: this engine learns it when it claims
-        them (CLAIM answers "finished"), and holding back it claims nothing, so it looks (read only):
-        their batch may be complete now."""
-        backlog = self.dispatcher.todo.backlog
-        for held, tasks in list(backlog.waiting.items()):
-            if held.dropped or not tasks:
-                continue
-            ids = [t.prompt.id for t in tasks]
-            done = await leasing.outcome_ids(self.conn, held.ref, ids)
-            if done:
-                kept = [t for t in tasks if t.prompt.id not in done]
-                tasks.clear()
-                tasks.extend(kept)
-                backlog.on_finished(held.ref.job, held.ref.batch, sorted(done))
 
     async def decide(self) -> bool:
         self._near = False

@@ -1,9 +1,6 @@
-"""What an engine has to send: claimed prompts in order, retries, crash suspects, paused
-jobs' prompts, and the backlog of held prompts not claimed yet (worker/claims.py).
-
-The dispatcher (worker/dispatch.py) takes from here; leases, stealing and the lease
-check put prompts in and take them out.
-"""
+"""What an engine has to send: the backlog of held prompts not claimed yet (claimed a few at a
+time as slots free: worker/claims.py), claimed prompts in order, retries, crash suspects, paused
+jobs' prompts, and the prompts of its batches another engine took ("lent")."""
 
 from __future__ import annotations
 
@@ -13,69 +10,177 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import redis
 
 from genq.core.records import Prompt
 from genq.core.refusals import in_words
 from genq.core.words import plural
-from genq.worker.claims import Backlog
+from genq.worker.claims import Claims
 from genq.worker.held import HeldBatch, Task
 
 log = logging.getLogger("genq.worker")
 
 CLAIM_NOTE_EVERY_S = 10.0  # while claims fail (Redis away), say so this often
 
+# Which jobs' prompts are claimed first: (waiting per job, n) -> [(job, k)] (worker/shares.py Shares.plan).
+Plan = Callable[[dict[str, int], int], list[tuple[str, int]]]
+
 
 class Todo:
-    def __init__(self, backlog: Backlog, wake: Callable[[], None]) -> None:
-        self.backlog = backlog  # held prompts not claimed yet: claimed a few at a time, as slots free
-        self.wake = wake
+    def __init__(self, claims: Claims, finished: Callable[[str, str, list[str]], None],
+                 plan: Plan | None = None) -> None:
+        self.claims = claims
+        self.finished = finished  # (job, batch, ids) whose outcome another engine recorded
+        self.wake = asyncio.Event()  # set when there may be something to send (the dispatcher waits on it)
+        self.plan = plan  # None: the oldest batch first
+        self.waiting: dict[HeldBatch, deque[Task]] = {}  # the backlog: held prompts no engine claimed yet
+        self.lent: dict[HeldBatch, dict[str, Task]] = {}  # prompts of held batches another engine took
         self.ready: deque[Task] = deque()
         self.suspects: deque[Task] = deque()  # crash suspects: sent one at a time
         self.parked: dict[str, list[Task]] = {}  # prompts of paused jobs, by job
         self.delayed: list[tuple[float, int, Task]] = []  # retries: (due, seq, task)
         self._seq = itertools.count()
-        # Claimed prompts of let-go batches that will not be sent here: their claims go.
-        self._let_go: dict[HeldBatch, set[str]] = {}
+        self._let_go: dict[HeldBatch, set[str]] = {}  # claimed prompts of let-go batches: their claims go
         self._next_claim_note = 0.0
-        # Which jobs' prompts are claimed first (worker/shares.py Shares.plan); None: oldest batch first.
-        self.plan: Callable[[dict[str, int], int], list[tuple[str, int]]] | None = None
 
     def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         """A leased batch's prompts: claimed as slots free."""
-        self.backlog.add(held, [Task(p, held) for p in prompts])
-        self.wake()
+        self.waiting.setdefault(held, deque()).extend(Task(p, held) for p in prompts)
+        self.wake.set()
 
     def add_claimed(self, held: HeldBatch, prompts: list[Prompt], lost: dict[str, int]) -> None:
         """Prompts already claimed (taken from another engine's batch), with the tries each had lost: sent next."""
         self.ready.extend(Task(p, held, lost=lost.get(p.id, 0)) for p in prompts)
-        self.wake()
+        self.wake.set()
 
-    def send_soon(self, tasks: list[Task]) -> None:
-        """Claimed prompts (lent ones that came back): sent next."""
-        self.ready.extendleft(reversed(tasks))
-        self.wake()
+    # ---------------------------------------------------------------- claiming
 
     async def claim(self, n: int, skip_jobs: set[str]) -> None:
-        """Claim up to n prompts of the backlog into `ready` (Redis away: again in a second)."""
+        """Claim up to n prompts of the backlog into `ready`, each job's oldest batch first, as many
+        of each job as `plan` says (Redis away: again in a second)."""
+        for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
+            self.waiting.pop(held, None)
+        eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
+        waiting: dict[str, int] = {}
+        for held, tasks in eligible:
+            waiting[held.ref.job] = waiting.get(held.ref.job, 0) + len(tasks)
+        quota = self.plan(waiting, n) if self.plan is not None else [(j, n) for j in waiting]
+        claimed: list[Task] = []
         try:
-            claimed = await self.backlog.claim(n, skip_jobs, self.plan)
+            for job, k in quota:
+                for held, tasks in eligible:
+                    if held.ref.job == job and k > 0 and tasks:
+                        k -= await self._claim_from(held, tasks, min(k, n - len(claimed)), claimed)
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
                 log.warning("cannot claim prompts (%s); trying again shortly", in_words(exc))
                 self._next_claim_note = time.monotonic() + CLAIM_NOTE_EVERY_S
-            asyncio.get_running_loop().call_later(1.0, self.wake)
+            asyncio.get_running_loop().call_later(1.0, self.wake.set)
             return
         self.ready.extend(claimed)
 
+    async def _claim_from(self, held: HeldBatch, tasks: deque[Task], k: int, out: list[Task]) -> int:
+        """Claim k prompts of one batch into out; how many were taken from its backlog."""
+        if k <= 0:
+            return 0
+        chunk = [tasks.popleft() for _ in range(min(k, len(tasks)))]
+        try:
+            out += await self._sort(held, chunk)
+        except BaseException:  # Redis away, or cancelled: keep every prompt (a claim of ours is re-claimable)
+            tasks.extendleft(reversed(chunk))
+            for task in reversed(out):
+                self.waiting.setdefault(task.batch, deque()).appendleft(task)
+            out.clear()
+            raise
+        if not tasks:
+            self.waiting.pop(held, None)
+        return len(chunk)
+
+    async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
+        """CLAIM the chunk: those claimed are returned, those another engine holds are lent, those
+        finished elsewhere are told (`finished`)."""
+        claimed = await self.claims.claim(held, [t.prompt.id for t in chunk])
+        if claimed is None:  # done elsewhere: the lease check drops the batch
+            return []
+        answer, lost_tries = claimed
+        if not answer:  # not this lease's to send now: waiting again until the lease check decides
+            lent_now = self.lent.get(held, {})
+            self.waiting.setdefault(held, deque()).extendleft(reversed([t for t in chunk
+                                                                        if t.prompt.id not in lent_now]))
+            return []
+        mine, finished = [], []
+        lent = self.lent.setdefault(held, {})
+        for position, (task, letter) in enumerate(zip(chunk, answer)):
+            task.lost = lost_tries.get(position, task.lost)
+            if letter == "t":
+                lent[task.prompt.id] = task
+                continue
+            lent.pop(task.prompt.id, None)
+            if letter == "c":
+                mine.append(task)
+            else:
+                finished.append(task.prompt.id)
+        if not lent:
+            self.lent.pop(held, None)
+        if finished:
+            self.finished(held.ref.job, held.ref.batch, finished)
+        return mine
+
+    async def check_claims(self) -> None:
+        """After each heartbeat: claims lost while frozen, and lent prompts that came back."""
+        await self.verify_claims()
+        back: list[Task] = []
+        for held, lent in list(self.lent.items()):
+            if held.dropped:
+                self.lent.pop(held)
+                continue
+            got = await self._sort(held, list(lent.values()))  # what stays lent is lent again
+            for task in got:
+                lent.pop(task.prompt.id, None)
+            back += got
+        self.ready.extendleft(reversed(back))
+        self.wake.set()
+
+    async def verify_claims(self) -> None:
+        """Claimed prompts another engine took meanwhile (this one was frozen and looked dead):
+        lent if the batch is ours, forgotten if borrowed."""
+        by_batch: dict[HeldBatch, list[Task]] = {}
+        for task in self.claimed():
+            by_batch.setdefault(task.batch, []).append(task)
+        lost: set[Task] = set()
+        for held, tasks in by_batch.items():
+            mine = await self.claims.mine(held.ref, [t.prompt.id for t in tasks])
+            lost.update(t for t, ok in zip(tasks, mine) if not ok)
+        if not lost:
+            return
+        log.info("%s taken by other engines meanwhile: not sending them",
+                 plural(len(lost), "claimed prompt was", "claimed prompts were"))
+        self._remove(lambda t: t in lost)
+        for task in lost:
+            if task.batch.borrowed:
+                task.batch.unfinished.discard(task.prompt.id)
+            else:
+                self.lent.setdefault(task.batch, {})[task.prompt.id] = task
+
+    async def prune(self) -> None:
+        """Held back (worker/tail.py), this engine claims nothing, so it does not hear of backlog
+        prompts that faster engines took and finished: it looks (read only), their batch may be complete."""
+        for held, tasks in list(self.waiting.items()):
+            if held.dropped or not tasks:
+                continue
+            done = await self.claims.finished_ids(held.ref, [t.prompt.id for t in tasks])
+            if done:
+                kept = [t for t in tasks if t.prompt.id not in done]
+                tasks.clear()
+                tasks.extend(kept)
+                self.finished(held.ref.job, held.ref.batch, sorted(done))
+
     async def give_back_ready(self, server_down: bool = False) -> int:
-        """Holding back (worker/tail.py): the claimed prompts of this engine's own batches that were
-        never sent go back to the front of the backlog and their claims are dropped, so that faster
-        engines take them (worker/stealing.py); claimed again here if the hold ends first. Those
-        that failed before or were borrowed stay, unless the server is down: then every one goes,
-        retries too, but the crash suspects (sent alone here, to find the prompt that crashes it).
+        """Holding back (worker/tail.py): this engine's own claimed prompts never sent go back to the
+        front of the backlog and their claims go, so faster engines take them. Retried and borrowed
+        ones stay, unless the server is down: then every one goes but the crash suspects.
         Returns how many went back."""
         mine = [t for t in itertools.chain(self.ready, (d[2] for d in self.delayed) if server_down else ())
                 if not t.batch.borrowed and not t.batch.dropped]
@@ -88,42 +193,35 @@ class Todo:
         for task in back:
             by_batch.setdefault(task.batch, []).append(task)
         for held, tasks in by_batch.items():
-            self.backlog.waiting.setdefault(held, deque()).extendleft(reversed(tasks))
+            self.waiting.setdefault(held, deque()).extendleft(reversed(tasks))
         for held, tasks in by_batch.items():
-            await self.backlog.claims.unclaim(held, [t.prompt.id for t in tasks])
+            await self.claims.unclaim(held, [t.prompt.id for t in tasks])
         return len(back)
+
+    # ---------------------------------------------------------------- letting go
 
     def let_go(self, task: Task) -> None:
         """A claimed prompt of a let-go batch (done or leased elsewhere, handed back) that will not
         be sent (again) here: its claim goes at the dispatcher's next turn (release_let_go)."""
         self._let_go.setdefault(task.batch, set()).add(task.prompt.id)
-        self.wake()
+        self.wake.set()
 
     async def release_let_go(self) -> None:
         pending, self._let_go = self._let_go, {}
         for held, ids in pending.items():
             try:
-                await self.backlog.claims.unclaim(held, ids)
+                await self.claims.unclaim(held, ids)
             except (redis.RedisError, OSError):  # Redis away: again shortly
                 self._let_go.setdefault(held, set()).update(ids)
-                asyncio.get_running_loop().call_later(1.0, self.wake)
+                asyncio.get_running_loop().call_later(1.0, self.wake.set)
 
-    def retry_at(self, due: float, task: Task) -> None:
-        heapq.heappush(self.delayed, (due, next(self._seq), task))
-
-    def claimed(self) -> Iterator[Task]:
-        """Prompts this engine claimed and has not sent (or will send again)."""
-        yield from itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed),
-                                   *self.parked.values())
-
-    def __len__(self) -> int:
-        return len(self.ready) + len(self.delayed) + len(self.suspects) + len(self.backlog)
-
-    def by_job(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), self.backlog.tasks()):
-            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
-        return out
+    def remove_batch(self, held: HeldBatch) -> list[str]:
+        """Forget the batch's unsent prompts; the ids that were claimed here (their claims can go)."""
+        self.waiting.pop(held, None)
+        self.lent.pop(held, None)
+        unsent = [t.prompt.id for t in self.claimed() if t.batch is held]
+        self._remove(lambda t: t.batch is held)
+        return unsent
 
     def adopt(self, borrowed: HeldBatch, held: HeldBatch, running: Iterator[Task]) -> set[str]:
         """This engine now leases a batch it had borrowed prompts of: they become the batch's."""
@@ -135,38 +233,27 @@ class Todo:
         borrowed.dropped = True
         return adopted
 
-    def remove_batch(self, held: HeldBatch) -> list[str]:
-        """Forget the batch's unsent prompts; the ids that were claimed here (their claims can go)."""
-        self.backlog.drop(held)
-        unsent = [t.prompt.id for t in self.claimed() if t.batch is held]
-        self._remove(lambda t: t.batch is held)
-        return unsent
+    # ---------------------------------------------------------------- counts
 
-    async def check_claims(self) -> None:
-        """After each heartbeat: claims lost while frozen, and lent prompts that came back."""
-        await self.verify_claims()
-        self.send_soon(await self.backlog.recheck())
+    def retry_at(self, due: float, task: Task) -> None:
+        heapq.heappush(self.delayed, (due, next(self._seq), task))
 
-    async def verify_claims(self) -> None:
-        """Claimed prompts another engine took meanwhile (this one was frozen and looked
-        dead): lent if the batch is ours, forgotten if borrowed."""
-        by_batch: dict[HeldBatch, list[Task]] = {}
-        for task in self.claimed():
-            by_batch.setdefault(task.batch, []).append(task)
-        lost: set[Task] = set()
-        for held, tasks in by_batch.items():
-            mine = await self.backlog.claims.mine(held.ref, [t.prompt.id for t in tasks])
-            lost.update(t for t, ok in zip(tasks, mine) if not ok)
-        if not lost:
-            return
-        log.info("%s taken by other engines meanwhile: not sending them",
-                 plural(len(lost), "claimed prompt was", "claimed prompts were"))
-        self._remove(lambda t: t in lost)
-        for task in lost:
-            if task.batch.borrowed:
-                task.batch.unfinished.discard(task.prompt.id)
-            else:
-                self.backlog.lend(task)
+    def claimed(self) -> Iterator[Task]:
+        """Prompts this engine claimed and has not sent (or will send again)."""
+        yield from itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), *self.parked.values())
+
+    def backlog(self) -> Iterable[Task]:
+        for tasks in self.waiting.values():
+            yield from tasks
+
+    def __len__(self) -> int:
+        return len(self.ready) + len(self.delayed) + len(self.suspects) + sum(len(t) for t in self.waiting.values())
+
+    def by_job(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), self.backlog()):
+            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
+        return out
 
     def _remove(self, gone: Callable[[Task], bool]) -> None:
         # In place: a coroutine may hold these lists across an await (a CLAIM call's answer is
