@@ -60,7 +60,7 @@ class GenqCollector(Collector):
             return
         yield _gauge("genq_monitor_redis_up", "1 when the last scrape could read Redis", [], [([], 1.0)])
         yield _gauge("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)", [],
-                     [([], float(self.monitor.rq_queued))])
+                     [([], float(self.monitor.queue.total))])
         note = self.monitor.redis_note
         yield _one_of("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
                       "maxmemory-policy would evict genq's keys (evicting_policy)", [], "reason", NOTE_REASONS,

@@ -86,8 +86,7 @@ class LengthModel:
     mu: float
     sigma: float
     cap: int | None = None
-    finished: int = 0  # observations fitted: finished completions
-    censored: int = 0  # and running ones
+    finished: int = 0  # finished completions fitted
 
     def mean_rel_se(self) -> float:
         """The fitted mean's relative standard error by the delta method: ln mean = mu + sigma^2 / 2,
@@ -206,7 +205,7 @@ def fit_lengths(data: LengthData) -> LengthModel | None:
 
     best = _nelder_mead(bounded, start, (0.5, 0.3))
     mu, log_s = best
-    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, finished=count, censored=sum(n for _, n in censored))
+    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, finished=count)
 
 
 def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,

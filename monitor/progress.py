@@ -155,10 +155,6 @@ class Monitor:
         self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting (genq.core.refusals)
 
     @property
-    def rq_queued(self) -> int:
-        return self.queue.total
-
-    @property
     def single(self) -> bool:
         """Whether output is one object (one job asked for or present) rather than keyed by job."""
         return self.job is not None or len(self.last) == 1
