@@ -1,30 +1,18 @@
 """How long the rest of a job will take, in closed form (pure: no Redis, no clock).
 
-The work left. Averaging finished lengths counts the short ones first (they finish first). A
-lognormal is fitted to everything known about output lengths (monitor/lengths.py: the finished
-ones, the running ones as "at least this long", the cap), and the work left is its expectation:
-prompts not started times the expected length, plus each running request's expected remainder
-given its length so far.
-
-The time. While prompts are left to start the fleet is full and makes the job's measured
-tokens/s. Once the last one has started the job drains: its last requests run with slots idle
-beside them, and it ends with the longest of them. So
-
     ETA = (work left - work of the drain) / measured tokens/s  +  time of the drain
 
-The drain is of the requests running when the last prompt starts. With more prompts left than
-run at once, those are a steady fleet's running requests: as many as run now, each with the
-length-biased remainder of a renewal process (tail E[(L - r)+] / E[L], mean E[L^2] / 2 E[L]),
-and the requests running now, if still running by then. With fewer left, the drain is now: the
-running requests' remainders and the prompts left, each a fresh length. The drain's length is the
-expected longest of those remainders, its distribution the product of theirs (a 1-D integral).
-A request decodes it at the measured per-request speed; on a server whose step costs
-a + b x (requests decoding) (a CPU: monitor/rates.py fits a/b from the workers' figures) the
-last requests run faster as the others end, and the drain takes (a M + b W) for M steps and W
-tokens, and faster still for what admitting new prompts cost the bulk (PREFILL_COST).
-
-The range: the bulk's time spread by the speed's and the mean length's standard errors, the
-drain's by the 5th and 95th percentiles of its longest remainder.
+The work left is the expectation under a lognormal fitted to every known output length (lengths.py:
+finished, running as "at least this long", the cap): prompts not started times the mean, plus each
+running request's expected remainder. While prompts are left to start the fleet is full and makes
+the measured tokens/s. The drain is the requests running when the last prompt starts (a steady
+fleet's: as many as decode now, each with the length-biased remainder E[(L - r)+] / E[L]; or, with
+fewer prompts left than run at once, the running ones and the prompts left); it lasts as long as
+the longest of their remainders (its distribution is the product of theirs), decoded at one
+request's measured speed. On a server whose step costs a + b d for d decoding (a CPU; rates.py fits
+a/b) the last requests run faster as the others end, and faster still without the prefills the
+bulk paid for (PREFILL_COST). The 90 % range: the bulk spread by the speed's and the mean length's
+standard errors, the drain by the 5th and 95th percentiles of its longest remainder.
 """
 
 from __future__ import annotations

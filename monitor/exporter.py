@@ -25,14 +25,12 @@ from genq.core.health import CODES
 from genq.core.records import GpuSample
 from genq.core.refusals import NOTE_REASONS
 from genq.core.state import JOB_STATUSES
-from genq.monitor.progress import JobReport, Monitor, WorkerReport
+from genq.monitor.progress import DOWN, ETA_STATES, WORKER_STATES, JobReport, Monitor, WorkerReport
 
 log = logging.getLogger("genq.monitor")
 
 FORGET_AFTER_S = 600.0
 BLOCK_REASONS = ("preflight", "brake")  # JobBlock.reason: a fixed set, so no series appears with time
-ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
-WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 
 
 def parse_listen(value: str, option: str = "--metrics") -> tuple[str, int]:
@@ -62,7 +60,7 @@ class GenqCollector(Collector):
             return
         yield _gauge("genq_monitor_redis_up", "1 when the last scrape could read Redis", [], [([], 1.0)])
         yield _gauge("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)", [],
-                     [([], float(self.monitor.rq_queued))])
+                     [([], float(self.monitor.queue.total))])
         note = self.monitor.redis_note
         yield _one_of("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
                       "maxmemory-policy would evict genq's keys (evicting_policy)", [], "reason", NOTE_REASONS,
@@ -75,7 +73,7 @@ class GenqCollector(Collector):
         now = self.clock()
         shown: set[str] = set()
         for w in fleet:
-            if w.state not in ("stopped", "lost", "gone"):
+            if w.state not in DOWN:
                 self.down_since.pop(w.name, None)
                 shown.add(w.name)
                 continue

@@ -31,34 +31,20 @@ def norm_cdf(x: float) -> float:
 
 
 def log_q(x: float) -> float:
-    """log P(N(0,1) >= x), accurate far into the upper tail."""
-    if x == -math.inf:
-        return 0.0
-    if x == math.inf:
-        return -math.inf
-    if x < 25.0:
-        q = 0.5 * math.erfc(x / SQRT2)
-        return math.log(q) if q > 0 else -math.inf
-    # Mills-ratio expansion: erfc underflows out here.
-    x2 = x * x
-    return -x2 / 2 - math.log(x * math.sqrt(2 * math.pi)) + math.log1p(-1 / x2 + 3 / (x2 * x2))
+    """log P(N(0,1) >= x); -inf beyond x = 38, where erfc underflows (no length the fit believes in)."""
+    q = norm_cdf(-x)
+    return math.log(q) if q > 0 else -math.inf
 
 
 def log_interval(lo: float, hi: float) -> float:
-    """log P(lo <= N(0,1) < hi) without cancellation in either tail."""
-    if hi <= lo:
-        return -math.inf
-    if lo > 0:  # both in the upper tail: Q(lo) - Q(hi)
-        a, b = log_q(lo), log_q(hi)
-    elif hi < 0:  # both in the lower tail: mirror it
-        a, b = log_q(-hi), log_q(-lo)
+    """log P(lo <= N(0,1) < hi), each tail taken from its own side (no 1 - 1 cancellation)."""
+    if lo > 0:
+        p = norm_cdf(-lo) - norm_cdf(-hi)
+    elif hi < 0:
+        p = norm_cdf(hi) - norm_cdf(lo)
     else:
-        p = 1.0 - 0.5 * math.erfc(hi / SQRT2) - 0.5 * math.erfc(-lo / SQRT2)
-        return math.log(p) if p > 0 else -math.inf
-    if a == -math.inf:
-        return -math.inf
-    d = b - a
-    return a + math.log1p(-math.exp(d)) if d < 0 else -math.inf
+        p = 1.0 - norm_cdf(-hi) - norm_cdf(lo)
+    return math.log(p) if p > 0 else -math.inf
 
 
 def bucket_log_bounds(bucket: int) -> tuple[float, float]:
@@ -86,8 +72,7 @@ class LengthModel:
     mu: float
     sigma: float
     cap: int | None = None
-    finished: int = 0  # observations fitted: finished completions
-    censored: int = 0  # and running ones
+    finished: int = 0  # finished completions fitted
 
     def mean_rel_se(self) -> float:
         """The fitted mean's relative standard error by the delta method: ln mean = mu + sigma^2 / 2,
@@ -206,7 +191,7 @@ def fit_lengths(data: LengthData) -> LengthModel | None:
 
     best = _nelder_mead(bounded, start, (0.5, 0.3))
     mu, log_s = best
-    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, finished=count, censored=sum(n for _, n in censored))
+    return LengthModel(mu=mu, sigma=math.exp(log_s), cap=cap, finished=count)
 
 
 def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,

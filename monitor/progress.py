@@ -9,7 +9,6 @@ measures what `genq monitor --json` prints.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -35,12 +34,14 @@ from genq.monitor.rqqueue import QueueMirror
 from genq.ops.settings import describe_block
 
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds: --json only
+ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
+WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
+DOWN = ("lost", "gone", "stopped")  # a worker's row without figures of now ("gone": lost once its job is done)
 
 
 class WorkerReport(msgspec.Struct):
     name: str
-    # Its state; "lost" when its heartbeat expired while the job is unfinished, "gone" after it is done.
-    state: str
+    state: str  # WORKER_STATES, or "gone": lost while its job is done
     host: str | None = None
     in_flight: int = 0  # requests in flight (all jobs)
     concurrency_target: int = 0
@@ -83,7 +84,7 @@ class JobProgress(msgspec.Struct):
     eta_hours: float | None
     eta_low_hours: float | None
     eta_high_hours: float | None
-    eta_state: str  # warming up | estimating | steady | done | paused | stalled
+    eta_state: str  # ETA_STATES
     eta_note: str
     eta_s: float | None
     eta_low_s: float | None
@@ -154,10 +155,6 @@ class Monitor:
         self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting (genq.core.refusals)
 
     @property
-    def rq_queued(self) -> int:
-        return self.queue.total
-
-    @property
     def single(self) -> bool:
         """Whether output is one object (one job asked for or present) rather than keyed by job."""
         return self.job is not None or len(self.last) == 1
@@ -175,6 +172,7 @@ class Monitor:
             self.redis_note = redis_note_of(self.conn)
             statuses = fleet.statuses(self.conn)
             self.queue.refresh(self.conn)
+            judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
             reports = []
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
                 snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0), rq_queued=self.queue.total)
@@ -182,9 +180,8 @@ class Monitor:
                     if self.job is not None:
                         raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
                     continue
-                reports.append(self._report(snap))
+                reports.append(self._report(snap, judged))
             now = time.time()
-            judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
             self.fleet = [worker_report(WorkerView(name, status), now, bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last, self.last_at = reports, time.monotonic()
@@ -192,7 +189,7 @@ class Monitor:
                 self.on_refresh(reports)
             return reports
 
-    def _report(self, snap: JobSnapshot) -> JobReport:
+    def _report(self, snap: JobSnapshot, judged: dict[str, Verdict]) -> JobReport:
         if self.once:
             speed, prompts_rate = once_speed(snap)
         else:
@@ -207,7 +204,7 @@ class Monitor:
             unsent=sum(w.inflight.queued for w in workers if w.inflight is not None))
         if snap.is_done:
             est.state = "done"
-        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate), speed)
+        return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate, judged), speed)
 
 
 def works_on(w: WorkerView) -> bool:
@@ -247,7 +244,8 @@ def _pct(n: int, total: int) -> float:
     return round(100.0 * n / total, 2) if total else 0.0
 
 
-def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None) -> JobProgress:
+def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None,
+                   judged: dict[str, Verdict]) -> JobProgress:
     # Elapsed runs from the first request sent, or from creation once a worker works on the job (a job
     # no worker has touched has not started), to now, or to the last result once done.
     started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
@@ -261,7 +259,6 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         prompts_rate = snap.completed / elapsed if elapsed > 0 else None
         tok_s = snap.out_tokens / elapsed if elapsed > 0 else None
     tail = tail_note(snap)
-    judged = decodebound.judge({s.name: s for s in statuses if s.state != "stopped"})
     return JobProgress(
         job=snap.job, status=snap.status, updated_at=round(snap.at, 3),
         total=snap.total, completed=snap.completed, failed=snap.failed, in_flight=snap.in_flight,
@@ -293,56 +290,41 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
 
 def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False,
                   job: str | None = None, bound: Verdict | None = None) -> WorkerReport:
-    """A worker's row: in a job's table (`job` given) with its figures for that job."""
+    """A worker's row: in a job's table (`job` given) with its figures for that job. A stopped worker
+    keeps only what it was; a lost one, or a gone one, only its counts for the job."""
     s = w.status
     # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
-    found = [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
+    found = [] if s is None and job_done else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
     # A done job has nothing in flight: a worker's InFlight record can be a beat older than its last result.
-    report = WorkerReport(name=w.name, state=w.state, job_in_flight=0 if job_done else len(w.running_tokens),
-                          job_completed=w.counters.done, job_failed=w.counters.failed,
-                          job_output_tokens=w.counters.out_tok, bottlenecks=[text for _, text in found],
-                          bottleneck_codes=[code for code, _ in found], bound=bound)
-    if s is None:
-        return msgspec.structs.replace(report, state="gone", bottlenecks=[], bottleneck_codes=[]) if job_done else report
-    kept = dict(host=s.host, concurrency_target=s.concurrency_target, concurrency_limit=s.concurrency_limit,
-                server_capacity=s.server_capacity, gpu_note=s.gpu_note,
-                errors=s.errors if job is None else s.job_errors.get(job, 0),
-                heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
-    if s.state == "stopped":  # its last rates, slots and GPU figures are not figures of now
-        return msgspec.structs.replace(report, **kept)
-    util = slot_utilization(s)
-    return msgspec.structs.replace(
-        report, **kept, in_flight=s.in_flight, server_running=s.server_running, server_waiting=s.server_waiting,
-        slot_utilization=_round(util, 3), kv_cache_usage=s.server_token_usage,
-        tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)
+    row: dict[str, Any] = dict(
+        name=w.name, state="gone" if s is None and job_done else w.state,
+        job_in_flight=0 if job_done else len(w.running_tokens), job_completed=w.counters.done,
+        job_failed=w.counters.failed, job_output_tokens=w.counters.out_tok, bound=bound,
+        bottlenecks=[text for _, text in found], bottleneck_codes=[code for code, _ in found])
+    if s is not None:
+        row.update(host=s.host, concurrency_target=s.concurrency_target, concurrency_limit=s.concurrency_limit,
+                   server_capacity=s.server_capacity, gpu_note=s.gpu_note,
+                   errors=s.errors if job is None else s.job_errors.get(job, 0),
+                   heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
+    if s is not None and s.state != "stopped":  # a stopped one's last rates, slots and GPU are not of now
+        row.update(in_flight=s.in_flight, server_running=s.server_running, server_waiting=s.server_waiting,
+                   slot_utilization=_round(slot_utilization(s), 3), kv_cache_usage=s.server_token_usage,
+                   tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)
+    return WorkerReport(**row)
 
 
 # ---------------------------------------------------------------- output
 
 
-def finite(obj: Any) -> Any:
-    """NaN and infinities as null: JSON has neither."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def as_dict(p: JobProgress, *, for_json: bool) -> dict[str, Any]:
-    d = msgspec.to_builtins(p)
-    for k in () if for_json else JSON_ONLY:
-        d.pop(k, None)
-    return finite(d)
-
-
 def document(reports: list[JobReport], single: bool, *, for_json: bool) -> Any:
-    """One job: its object. Several (no --job): an object keyed by job name. None: {}."""
+    """One job: its record. Several (no --job): keyed by job name. None: {}. The ETA in unrounded
+    seconds only for --json (the progress file has its hours). msgspec writes NaN as null."""
+    def one(p: JobProgress) -> Any:
+        return p if for_json else {k: v for k, v in msgspec.to_builtins(p).items() if k not in JSON_ONLY}
+
     if single and len(reports) == 1:
-        return as_dict(reports[0].progress, for_json=for_json)
-    return {r.progress.job: as_dict(r.progress, for_json=for_json) for r in reports}
+        return one(reports[0].progress)
+    return {r.progress.job: one(r.progress) for r in reports}
 
 
 encode = msgspec.json.Encoder().encode

@@ -1,25 +1,17 @@
 """Decode speed from what the monitor saw, not from the time since the job began.
 
-A live monitor keeps its own samples and reads the job's tokens/s as the slope of the output tokens
-generated so far (finished completions plus the running ones' tokens: a smooth curve, where a long
-completion does not land in one lump) over a recent window; deltas, so work done before the monitor
-started (a resumed run) never inflates it. Over the request-seconds spent decoding in the same window
-it is one request's speed; the fleet's is that times the requests decoding (their mean over the
-window, slots idle behind batches' tails included), scaled by the live workers' slots now over their
-mean (a worker joining or leaving changes the forecast at once).
+A live monitor keeps its own samples of the output tokens generated so far (finished plus the running
+ones' tokens: a smooth curve) and reads deltas over a recent window, so work done before it started
+never counts. Over the request-seconds spent decoding that is one request's speed; the fleet's is that
+times the requests decoding, scaled by the live workers' slots now over their mean (a worker joining
+or leaving changes the forecast at once). `genq monitor --once` has no samples: it takes the workers'
+tokens since their first result, or their last-30-s rates, and says it is less certain.
 
-`genq monitor --once` has no samples: it takes the workers' tokens since their first result (when no
-restart came since) or their own last-30-s rates, leaves one request's speed to the ETA (tokens/s
-over the requests running), and says it is less certain.
-
-How a request's speed depends on d, the requests its server decodes at once: a step makes one token
-for each of them and costs about a + b*d, so the time a request waits per token is a line in d. The
-workers publish request-seconds and tokens per bin of d (WorkerStatus.decode); their fit, weighted by
-tokens, gives the overhead a/b in sequences: large on a GPU (memory-bound: the speed hardly depends on
-d), small on a CPU (compute-bound: a request alone runs many times faster). Bins booked with no
-request waiting for its first token (DecodeBin.clean) are fitted first: prefills beside a few decoding
-requests read them slow and flatten the line. Too few bins, too narrow a spread of d, or a line that
-does not rise: None, a speed that does not depend on d.
+A server's step makes a token for each of its d decoding requests and costs about a + b d: the
+workers' decode bins (WorkerStatus.decode) fitted by tokens give the overhead a/b, large on a GPU
+(memory-bound) and small on a CPU (compute-bound). Bins booked with no request awaiting its first
+token (DecodeBin.clean) are fitted first: prefills read the few-request bins slow and flatten the
+line. Too few bins, too narrow a spread of d, or a line that does not rise: None, no dependence.
 """
 
 from __future__ import annotations

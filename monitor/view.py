@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from rich.console import Group, JustifyMethod, RenderableType
 from rich.panel import Panel
@@ -12,9 +12,7 @@ from rich.text import Text
 
 from genq.core.health import NO_HEARTBEAT
 from genq.core.words import plural
-
-if TYPE_CHECKING:
-    from genq.monitor.progress import JobReport, WorkerReport
+from genq.monitor.progress import DOWN, JobReport, WorkerReport
 
 STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red", "partial": "yellow", "writing": "green",
                 "done": "bold green"}
@@ -146,7 +144,7 @@ def worker_table(workers: list[WorkerReport]) -> Table:
                      min_width=len(col) if col in ("worker", "state", "slots", "tok/s", "done") else None)
     gpu_any = any(w.gpu is not None for w in workers)
     for w in sorted(workers, key=lambda w: (w.state == "lost", w.name)):
-        if w.state in ("lost", "gone", "stopped", "server_down"):  # no figures of a server it does not have
+        if w.state in (*DOWN, "server_down"):  # no figures of a server it does not have
             t.add_row(w.name, Text(w.state.replace("_", " "), STATE_STYLE[w.state]), "", "", "", "", "",
                       f"{w.job_completed:,}", "", "")
             continue
@@ -190,7 +188,7 @@ def bottleneck_lines(workers: list[WorkerReport]) -> list[RenderableType]:
     lines: list[RenderableType] = []
     lost = [w.name for w in workers if w.state == "lost"]
     for w in workers:
-        if w.state in ("lost", "gone", "stopped"):
+        if w.state in DOWN:
             continue
         for b in w.bottlenecks:
             lines.append(Text.assemble(("bottleneck ", "bold yellow"), (w.name, "bold"), f": {b}"))

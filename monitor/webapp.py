@@ -36,7 +36,7 @@ from genq.core.ledger import letters
 from genq.core.records import DeadLetter, unpack
 from genq.monitor.exporter import parse_listen
 from genq.monitor.lengths import bucket_log_bounds, length_bucket, norm_cdf
-from genq.monitor.progress import JobReport, Monitor, as_dict, encode, finite
+from genq.monitor.progress import DOWN, JobReport, Monitor, encode
 
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
@@ -68,7 +68,7 @@ class History:
                 p = r.progress
                 point = {"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
                          "workers": {w.name: {f: getattr(w, f) for f in WORKER_FIELDS}
-                                     for w in p.worker_details if w.state not in ("lost", "gone", "stopped")}}
+                                     for w in p.worker_details if w.state not in DOWN}}
                 ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
                 if ring and ring[-1]["t"] >= point["t"]:
                     continue  # a second reader of the same refresh
@@ -198,12 +198,12 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
             dlq = await loop.run_in_executor(None, dead_letters, job)
             body.update(
                 job=job,
-                progress=as_dict(chosen.progress, for_json=True),
+                progress=chosen.progress,
                 history=history.columns(job),
                 lengths=length_histogram(chosen),
                 dead_letters=dlq,
             )
-        return web.json_response(body, dumps=lambda obj: encode(finite(obj)).decode())
+        return web.json_response(body, dumps=lambda obj: encode(obj).decode())
 
     app.router.add_get("/", index)
     app.router.add_get("/api/state", state)

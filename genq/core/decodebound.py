@@ -89,9 +89,10 @@ def bound(f: GpuFigures) -> Bound:
         missing.append("model weight bytes (give them with genq worker --model-bytes, e.g. 54GB)")
     if not f.running:
         missing.append("running requests (the server's metrics)")
-    if missing or hw.bandwidth is None or hw.weight_bytes is None or not f.running:
+    if hw.bandwidth is None or hw.weight_bytes is None or not f.running:
         return Bound(unknown="unknown: " + "; ".join(missing))
-    kv = kv_read_bytes(f)
+    # The KV bytes a step reads: the KV cache in use.
+    kv = None if hw.kv_pool_bytes is None or f.token_usage is None else f.token_usage * hw.kv_pool_bytes
     step = hw.weight_bytes + (kv or 0.0)
     top = f.running * hw.bandwidth / step
     share = None if f.tok_per_s is None else f.tok_per_s / top
@@ -100,26 +101,17 @@ def bound(f: GpuFigures) -> Bound:
                                                      "is a ceiling; the server does not publish its KV cache size)")
 
 
-def kv_read_bytes(f: GpuFigures) -> float | None:
-    """KV bytes a decode step reads: the KV cache in use."""
-    if f.hw.kv_pool_bytes is None or f.token_usage is None:
-        return None
-    return f.token_usage * f.hw.kv_pool_bytes
-
-
-def kv_holds(f: GpuFigures) -> float | None:
-    """Requests the KV cache holds at the running requests' mean context now (prompt + output so far):
-    running / usage."""
-    if not f.running or not f.token_usage:
-        return None
-    return f.running / f.token_usage
-
-
-def mean_context(f: GpuFigures) -> float | None:
-    """Tokens per running request in the KV cache (prompt + output so far), where the capacity is known."""
-    if not f.running or f.token_usage is None or not f.hw.token_capacity:
-        return None
-    return f.token_usage * f.hw.token_capacity / f.running
+# The server flags that lift each cap, by engine ("" for any other).
+KV_ADVICE = {
+    "sglang": "more KV cache: --mem-fraction-static (e.g. 0.9), --kv-cache-dtype fp8_e4m3; a hybrid "
+              "(Mamba) model: --mamba-scheduler-strategy no_buffer",
+    "vllm": "more KV cache: --gpu-memory-utilization (e.g. 0.95), --kv-cache-dtype fp8",
+    "": "more KV cache (a larger context per slot, or a smaller KV dtype)",
+}
+LIMIT_FLAG = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs", "llamacpp": "-np (with -c grown alike)",
+              "": "the running limit"}
+PREFILL_ADVICE = {"sglang": "a larger --chunked-prefill-size admits more prompts a step",
+                  "vllm": "a larger --max-num-batched-tokens admits more prompts a step", "": ""}
 
 
 def batch_cap(f: GpuFigures) -> Cap | None:
@@ -127,53 +119,35 @@ def batch_cap(f: GpuFigures) -> Cap | None:
     running = f.running or 0.0
     if f.in_flight == 0 and not running:
         return None
-    holds, ctx = kv_holds(f), mean_context(f)
+    engine = f.hw.engine if f.hw.engine in LIMIT_FLAG else ""
+    # What the KV cache holds at the running requests' mean context now (prompt + output so far).
+    holds = running / f.token_usage if running and f.token_usage else None
+    ctx = f.token_usage * f.hw.token_capacity / running if running and f.token_usage and f.hw.token_capacity else None
     at = f" at {ctx:,.0f} tokens a request" if ctx else ""
     limit = f.running_limit
     if f.token_usage is not None and f.token_usage >= KV_FULL:
         return Cap("kv_cache", f"KV cache {f.token_usage:.0%} full with {running:.0f} running: it holds "
-                               f"~{holds or running:.0f}{at}", _kv_advice(f.hw.engine or ""))
+                               f"~{holds or running:.0f}{at}", KV_ADVICE.get(engine, KV_ADVICE[""]))
     if limit and running >= AT_LIMIT * limit:
         if holds is not None and holds >= ROOM * limit:
             return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}, where its KV "
-                                        f"cache would hold ~{holds:.0f}{at}", _limit_advice((f.hw.engine or ""), holds))
+                                        f"cache would hold ~{holds:.0f}{at}", f"raise {LIMIT_FLAG[engine]} to ~{int(holds)}")
         return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}", "")
     if f.waiting:
         return Cap("prefill", f"{f.waiting:.0f} waiting in the server's queue with {running:.0f} running "
                               f"(limit {limit or '?'}): admission (prefill) is slower than the answers end",
-                   _prefill_advice(f.hw.engine or ""))
+                   PREFILL_ADVICE.get(engine, ""))
     if f.queued > 0 and f.in_flight >= f.target:
-        own = f"genq's cap {f.cap}" if f.cap and f.cap <= f.target else f"genq's in-flight target {f.target}"
-        advice = ("raise it with `genq concurrency`" if f.cap and f.cap <= f.target
-                  else "genq's controller grows it while the server's queue stays empty")
+        if f.cap and f.cap <= f.target:
+            own, advice = f"genq's cap {f.cap}", "raise it with `genq concurrency`"
+        else:
+            own, advice = f"genq's in-flight target {f.target}", "genq's controller grows it while the server's queue stays empty"
         return Cap("genq_target", f"{own}: the server's queue is empty while the worker holds {f.queued} prompts",
                    advice)
     if f.queued == 0:
         return Cap("nothing_to_send", f"{running:.0f} running and nothing more to send (the job's tail, or "
                                       "its queue is empty)", "more batches per worker: genq worker --prefetch")
     return None
-
-
-def _kv_advice(engine: str) -> str:
-    if engine == "sglang":
-        return ("more KV cache: --mem-fraction-static (e.g. 0.9), --kv-cache-dtype fp8_e4m3; a hybrid "
-                "(Mamba) model: --mamba-scheduler-strategy no_buffer")
-    if engine == "vllm":
-        return "more KV cache: --gpu-memory-utilization (e.g. 0.95), --kv-cache-dtype fp8"
-    return "more KV cache (a larger context per slot, or a smaller KV dtype)"
-
-
-def _limit_advice(engine: str, holds: float) -> str:
-    flag = {"sglang": "--max-running-requests", "vllm": "--max-num-seqs", "llamacpp": "-np (with -c grown alike)"}
-    return f"raise {flag.get(engine, 'the running limit')} to ~{int(holds)}"
-
-
-def _prefill_advice(engine: str) -> str:
-    if engine == "sglang":
-        return "a larger --chunked-prefill-size admits more prompts a step"
-    if engine == "vllm":
-        return "a larger --max-num-batched-tokens admits more prompts a step"
-    return ""
 
 
 def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -> dict[str, str]:
@@ -187,52 +161,48 @@ def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -
         others = [s for n, s in shares.items() if n != name]
         if others and share < SLOWER * statistics.median(others):
             out[name] = f"at {share:.0%} of its bound where its peers are at {statistics.median(others):.0%}"
-    speeds = {n: f for n, f in fleet.items() if n not in shares and f.running and f.tok_per_s}
-    for name, f in speeds.items():
-        assert f.running and f.tok_per_s
-        mine = f.tok_per_s / f.running
-        peers = [g.tok_per_s / g.running for n, g in speeds.items()
-                 if n != name and g.running and g.tok_per_s and abs(g.running - f.running) <= SAME_BATCH * f.running]
+    speeds = {n: f.tok_per_s / f.running for n, f in fleet.items() if n not in shares and f.running and f.tok_per_s}
+    for name, mine in speeds.items():
+        running = fleet[name].running or 0.0
+        peers = [v for n, v in speeds.items() if n != name and abs((fleet[n].running or 0.0) - running) <= SAME_BATCH * running]
         if peers and mine < SLOWER * statistics.median(peers):
-            out[name] = (f"{mine:.1f} tok/s a request at {f.running:.0f} running where its peers make "
-                         f"{statistics.median(peers):.1f}")
+            out[name] = f"{mine:.1f} tok/s a request at {running:.0f} running where its peers make {statistics.median(peers):.1f}"
     return out
 
 
-def fleet_line(fleet: dict[str, GpuFigures], verdicts: dict[str, Verdict]) -> str | None:
-    """One line for a fleet: "fleet at N % of its bandwidth bound; GPU k slowest ..."; None with no bound."""
-    known = {n: v.bound for n, v in verdicts.items() if v.bound.tok_per_s and v.bound.share is not None}
+def summary(parts: dict[str, tuple[float, float]], gpus: int, over: str = "") -> str | None:
+    """One line for a fleet from each GPU's (tokens made, tokens its bound allowed): "fleet at N % of
+    its bandwidth bound; k slowest at M %; k much slower than its peers (...)"; None with no bound."""
+    known = {n: (made, top) for n, (made, top) in parts.items() if top > 0}
     if not known:
         return None
-    made = sum(fleet[n].tok_per_s or 0.0 for n in known)
-    top = sum(b.tok_per_s or 0.0 for b in known.values())
-    words = [f"fleet at {made / top:.0%} of its bandwidth bound ({made:,.0f} of {top:,.0f} tok/s"
-             + (f", {len(known)} of {len(fleet)} GPUs with a bound)" if len(known) < len(fleet) else ")")]
-    if len(known) > 1:
-        low = min(known, key=lambda n: known[n].share or 0.0)
-        words.append(f"{low} slowest at {known[low].share:.0%}")
-    flagged = {n: v.slow for n, v in verdicts.items() if v.slow}
-    if flagged:
-        words.append("much slower than peers: " + "; ".join(f"{n} {why}" for n, why in sorted(flagged.items())))
+    made, top = sum(m for m, _ in known.values()), sum(t for _, t in known.values())
+    words = [f"fleet at {made / top:.0%} of its bandwidth bound{over}"
+             + (f" ({len(known)} of {gpus} GPUs with a bound)" if len(known) < gpus else "")]
+    shares = {n: m / t for n, (m, t) in known.items()}
+    if len(shares) > 1:
+        low = min(shares, key=shares.__getitem__)
+        words.append(f"{low} slowest at {shares[low]:.0%}")
+        for n, share in sorted(shares.items()):
+            others = statistics.median(v for m, v in shares.items() if m != n)
+            if share < SLOWER * others:
+                words.append(f"{n} much slower than its peers ({share:.0%} against {others:.0%})")
     return "; ".join(words)
 
 
-def per_gpu_words(f: GpuFigures, b: Bound | None = None) -> str:
-    """A short cell: "62 % of 1,226 tok/s" or "unknown: ..."."""
-    b = b if b is not None else bound(f)
-    if b.tok_per_s is None:
-        return b.unknown or "unknown"
-    shown = f"{b.share:.0%} of {b.tok_per_s:,.0f}" if b.share is not None else f"bound {b.tok_per_s:,.0f}"
-    return shown + ("" if b.kv_bytes is not None else " (no KV)")
+def fleet_line(fleet: dict[str, GpuFigures], verdicts: dict[str, Verdict]) -> str | None:
+    """The summary of a fleet now, from the GPUs with a bound."""
+    return summary({n: (fleet[n].tok_per_s or 0.0, v.bound.tok_per_s or 0.0)
+                    for n, v in verdicts.items() if v.bound.share is not None}, len(fleet))
 
 
 def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | None = None) -> dict[str, Verdict]:
     """Each GPU's verdict; a GPU is compared with its peers, those serving the same model."""
+    model_of = model_of or {}
     bounds = {n: bound(f) for n, f in fleet.items()}
     flagged: dict[str, str] = {}
-    groups = {(model_of or {}).get(n) for n in fleet}
-    for model in groups:
-        peers = {n: f for n, f in fleet.items() if (model_of or {}).get(n) == model}
+    for model in {model_of.get(n) for n in fleet}:
+        peers = {n: f for n, f in fleet.items() if model_of.get(n) == model}
         flagged.update(slow(peers, {n: bounds[n] for n in peers}))
     return {n: Verdict(bound=bounds[n], cap=batch_cap(f), slow=flagged.get(n)) for n, f in fleet.items()}
 
@@ -281,14 +251,15 @@ TALLIED_JOBS = 20  # a worker keeps the tallies of its last jobs
 
 def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], s: WorkerStatus, dt: float) -> None:
     """Books dt seconds of one worker's GPU to the jobs it ran, in proportion to their requests in flight.
-    Of a server other workers share, this worker books its part (server_part): the workers of one
-    server together book its speed and its bound once."""
+    Of a server other workers share, this worker books its part, its sequences in flight over those the
+    server runs and queues: the workers of one server together book its speed and its bound once."""
     total = sum(in_flight.values())
     if total <= 0 or dt <= 0:
         return
     f = figures_of(s)
     b = bound(f)
-    part = server_part(s)
+    held = (s.server_running or 0.0) + (s.server_waiting or 0.0)  # up to a look old: may be fewer than its own
+    part = 1.0 if held <= s.sequences else s.sequences / held
     # The server's counter is the whole server's speed; a worker's own answers are its part already.
     made = None if f.tok_per_s is None else f.tok_per_s * (part if s.tok_per_s_from == "server" else 1.0)
     for job, n in in_flight.items():
@@ -303,38 +274,14 @@ def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], s: WorkerSta
         tallies.pop(next(iter(tallies)))
 
 
-def server_part(s: WorkerStatus) -> float:
-    """The worker's part of its server's work: its sequences in flight over those the server runs and
-    queues (1 when it holds them all, or more: the server's figures are up to a look old)."""
-    held = (s.server_running or 0.0) + (s.server_waiting or 0.0)
-    return 1.0 if held <= s.sequences else s.sequences / held
-
-
 def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
     """The summary of a job from its workers' tallies, one GPU per server (its workers' tallies summed,
-    named by the first): "fleet at N % of its bandwidth bound; k slowest ..."."""
-    tallies: dict[str, Tally] = {}
+    named by the first)."""
+    parts: dict[str, tuple[float, float]] = {}
     names: dict[str, str] = {}
     for s in sorted(statuses, key=lambda s: s.name):
-        if (t := s.bound_tally.get(job)) is None:
-            continue
-        name = names.setdefault(s.server, s.name)
-        gpu = tallies.setdefault(name, Tally())
-        gpu.busy_s += t.busy_s
-        gpu.made += t.made
-        gpu.bound += t.bound
-    known = {n: t for n, t in tallies.items() if t.bound > 0}
-    if not known:
-        return None
-    made, top = sum(t.made for t in known.values()), sum(t.bound for t in known.values())
-    words = [f"fleet at {made / top:.0%} of its bandwidth bound over the job"
-             + (f" ({len(known)} of {len(tallies)} GPUs with a bound)" if len(known) < len(tallies) else "")]
-    shares = {n: t.made / t.bound for n, t in known.items()}
-    if len(shares) > 1:
-        low = min(shares, key=shares.__getitem__)
-        words.append(f"{low} slowest at {shares[low]:.0%}")
-        for n, share in sorted(shares.items()):
-            others = [v for m, v in shares.items() if m != n]
-            if share < SLOWER * statistics.median(others):
-                words.append(f"{n} much slower than its peers ({share:.0%} against {statistics.median(others):.0%})")
-    return "; ".join(words)
+        if (t := s.bound_tally.get(job)) is not None:
+            name = names.setdefault(s.server, s.name)
+            made, top = parts.get(name, (0.0, 0.0))
+            parts[name] = (made + t.made, top + t.bound)
+    return summary(parts, len(parts), " over the job")
