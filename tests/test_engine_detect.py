@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from genq.worker.engines import Detected, detect
-from genq.worker.engines.metrics import metrics_from_text
+from genq.worker.engines import Detected, detect, metrics_from_text
 
 SGLANG_INFO = {"max_running_requests": 48, "context_length": 4096}
 PROPS = {"total_slots": 4, "default_generation_settings": {"n_ctx": 1024}}

@@ -42,8 +42,8 @@ from __future__ import annotations
 import math
 
 # Where a server that does not tell its capacity (vLLM) starts, then follows /metrics.
-from genq.worker.engines.base import CAPACITY_START as UNKNOWN_CAPACITY_START
-from genq.worker.engines.metrics import Metrics
+from genq.worker.engines import CAPACITY_START as UNKNOWN_CAPACITY_START
+from genq.worker.engines import Metrics
 
 MAX_TARGET = 100_000
 KV_PRESSURE = 0.9  # token usage above which idle slots are the KV cache's doing, not ours

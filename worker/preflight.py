@@ -1,6 +1,6 @@
 """The preflight: a job's settings against what its server says about itself, before any request.
 
-The context a request may fill is what each engine reports (worker/engines/, worker/server.py discover):
+The context a request may fill is what each engine reports (worker/engines.py, worker/server.py discover):
 SGLang's /get_server_info `context_length`, vLLM's /v1/models `max_model_len`, llama.cpp's
 /props `default_generation_settings.n_ctx` (per slot: llama-server splits `-c` over `-np`).
 A prompt has at least one token, so max_tokens alone >= the context never fits: SGLang answers

@@ -1,10 +1,8 @@
 """HTTP client for one inference server: SGLang, vLLM, llama.cpp's llama-server, or `genq sim`.
 
 Speaks only the public API: /health, /v1/models, what each engine serves of its own
-(worker/engines/: SGLang's /get_server_info, llama.cpp's /props, the metric names),
-/metrics, and the OpenAI-compatible generation endpoints, streamed so the worker sees
-tokens as they come (stall detection, in-flight lengths for the ETA). What each engine
-serves, and where in its sources, is in docs/engines.md.
+(worker/engines.py), /metrics, and the OpenAI-compatible generation endpoints, streamed so the
+worker sees tokens as they come (stall detection, in-flight lengths for the ETA).
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ import msgspec
 from yarl import URL
 
 from genq.core.records import Hardware, JobConfig, Prompt
-from genq.worker.engines import Engine, detect
-from genq.worker.engines.metrics import Metrics, metrics_from_text
-from genq.worker.http1 import Http1Pool, NoResponse, Sink
+from genq.worker.engines import Engine, Metrics, detect, metrics_from_text
+from genq.worker.http1 import Http1Pool, NoResponse
 from genq.worker.stream import StreamSink
 from genq.worker.wire import Completion, Failure, Progress, connection_failure, http_failure, parse_completion_bytes
 
@@ -51,10 +48,7 @@ class ServerInfo:
         """"sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)."""
         return self.engine.name
 
-    @property
-    def kind(self) -> str:
-        """The flavor, as the worker's start-up line names it."""
-        return self.flavor
+    kind = flavor  # as the worker's start-up line names it
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
@@ -165,9 +159,9 @@ class ServerClient:
                     reuse: bool) -> Completion | Failure:
         """One try. Raises NoResponse only when a pooled connection ended before any response byte."""
         model = body.get("model", "")
-        answer = _Answer(bool(body.get("stream")), model, progress)
+        stream = StreamSink(model, progress) if body.get("stream") else None
         try:
-            status = await self._pool.post(path, data, answer.sink_for, reuse=reuse)
+            status, raw = await self._pool.post(path, data, stream, reuse=reuse)
         except NoResponse as exc:
             if exc.reused:
                 raise
@@ -177,29 +171,8 @@ class ServerClient:
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
         if status != 200:
-            return http_failure(status, b"".join(answer.parts))
-        if answer.stream is not None:
-            return answer.stream.outcome()
+            return http_failure(status, raw)
+        if stream is not None:
+            return stream.outcome()
         progress.first_byte = progress.last_activity = time.monotonic()
-        return parse_completion_bytes(b"".join(answer.parts), model)
-
-
-class _Answer:
-    """Where a response's body goes: a stream's events to the stream's state, else its bytes."""
-
-    __slots__ = ("streamed", "model", "progress", "parts", "stream")
-
-    def __init__(self, streamed: bool, model: str, progress: Progress) -> None:
-        self.streamed, self.model, self.progress = streamed, model, progress
-        self.parts: list[bytes] = []
-        self.stream: StreamSink | None = None
-
-    def sink_for(self, status: int) -> Sink:
-        if status == 200 and self.streamed:
-            self.stream = StreamSink(self.model, self.progress)
-            return self.stream
-        return self._keep
-
-    def _keep(self, piece: bytes) -> bool:
-        self.parts.append(piece)
-        return False
+        return parse_completion_bytes(raw, model)

@@ -24,7 +24,7 @@ from dataclasses import replace
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
-from genq.worker.engines.metrics import Metrics
+from genq.worker.engines import Metrics
 from genq.worker.held import Flags
 from genq.worker.options import WorkerOptions
 from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
