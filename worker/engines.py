@@ -29,21 +29,13 @@ CAPACITY_START = 64
 GIB = 2**30  # SGLang's "GB" in memory_usage: bytes / (1 << 30)
 
 
-class Told(msgspec.Struct, frozen=True):
-    """What a server's own endpoint says about itself (None: it does not say)."""
-
-    capacity: int | None = None  # requests it runs at once
-    context_length: int | None = None  # per request (llama.cpp: per slot)
-    memory: Hardware = Hardware()  # its weight and KV cache sizes, where it says (SGLang)
-
-
 @dataclass(frozen=True, eq=False)
 class Engine:
     """One kind of inference server; the defaults are a plain OpenAI-compatible server's."""
 
     name: str  # the flavor: ServerInfo.flavor, logs and messages
     # What its own endpoint says, or None when the server is not this engine.
-    probe: Callable[[GetJson], Awaitable[Told | None]] | None = None
+    probe: Callable[[GetJson], Awaitable[ServerInfo | None]] | None = None
     metric_prefix: bytes | None = None  # on /metrics: the server publishes names genq reads
     named_by_metrics: bool = False  # no endpoint of its own: its metric prefix names it
     # A Metrics field -> this engine's names for it, newer first; `name{label}` counts only the
@@ -55,13 +47,31 @@ class Engine:
         return f"<engine {self.name}>"
 
 
-async def _sglang_probe(get_json: GetJson) -> Told | None:
+class ServerInfo(msgspec.Struct, frozen=True):
+    """Which engine a server is and what it tells of itself (None: it does not tell)."""
+
+    engine: Engine
+    capacity: int | None = None  # requests it runs at once (None: learned from /metrics, if any)
+    context_length: int | None = None  # per request (llama.cpp: per slot)
+    has_metrics: bool = False  # /metrics carries names of an engine genq knows
+    memory: Hardware = Hardware()  # its weight and KV cache sizes where it tells (genq.core.decodebound)
+    model: str | None = None  # as /v1/models names it (worker/server.py)
+
+    @property
+    def flavor(self) -> str:
+        """"sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)."""
+        return self.engine.name
+
+    kind = flavor  # as the worker's start-up line names it
+
+
+async def _sglang_probe(get_json: GetJson) -> ServerInfo | None:
     """/server_info (older /get_server_info, which logs a deprecation warning at each call)."""
     for path in ("/server_info", "/get_server_info"):
         info = await get_json(path)
         if isinstance(info, dict):
-            return Told(capacity=capacity_from_info(info), context_length=info.get("context_length"),
-                        memory=memory_from_info(info))
+            return ServerInfo(SGLANG, capacity=capacity_from_info(info), context_length=info.get("context_length"),
+                              memory=memory_from_info(info))
     return None
 
 
@@ -95,7 +105,7 @@ def memory_from_info(info: dict[str, Any]) -> Hardware:
                     token_capacity=None if tokens is None else int(tokens))
 
 
-async def _llamacpp_probe(get_json: GetJson) -> Told | None:
+async def _llamacpp_probe(get_json: GetJson) -> ServerInfo | None:
     """/props: `total_slots` (-np) and each slot's `n_ctx`; /slots (only with --slots) counts them
     when /props does not."""
     props = await get_json("/props")
@@ -107,7 +117,7 @@ async def _llamacpp_probe(get_json: GetJson) -> Told | None:
     if capacity is None:
         listed = await get_json("/slots")
         capacity = len(listed) if isinstance(listed, list) and listed else None
-    return Told(capacity=capacity, context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None)
+    return ServerInfo(LLAMACPP, capacity=capacity, context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None)
 
 
 SGLANG = Engine("sglang", _sglang_probe, b"sglang:", metrics={
@@ -134,28 +144,18 @@ OPENAI = Engine("openai-compatible")
 ENGINES: tuple[Engine, ...] = (SGLANG, VLLM, LLAMACPP, OPENAI)
 
 
-class Detected(msgspec.Struct, frozen=True):
-    engine: Engine
-    capacity: int | None  # as its own endpoint tells (None: learned from /metrics, if any)
-    context_length: int | None  # as its own endpoint tells
-    has_metrics: bool  # /metrics carries names of an engine genq knows
-    memory: Hardware = Hardware()  # as its own endpoint tells
-
-
-async def detect(get_json: GetJson, get: Get) -> Detected:
-    """Which engine the server is, and what it tells of itself."""
-    found, told = OPENAI, Told()
+async def detect(get_json: GetJson, get: Get) -> ServerInfo:
+    """Which engine the server is, and what its own endpoints tell of it."""
+    found = None
     for engine in ENGINES:
-        said = await engine.probe(get_json) if engine.probe else None
-        if said is not None:
-            found, told = engine, said
+        found = await engine.probe(get_json) if engine.probe else None
+        if found is not None:
             break
     status, page = await get("/metrics")
     seen = [e for e in ENGINES if e.metric_prefix and status == 200 and e.metric_prefix in page]
-    if found is OPENAI:
-        found = next((e for e in seen if e.named_by_metrics), OPENAI)
-    return Detected(engine=found, capacity=told.capacity, context_length=told.context_length,
-                    has_metrics=bool(seen), memory=told.memory)
+    if found is None:
+        found = ServerInfo(next((e for e in seen if e.named_by_metrics), OPENAI))
+    return msgspec.structs.replace(found, has_metrics=bool(seen))
 
 
 @dataclass

@@ -135,7 +135,10 @@ class Http1Pool:
 
     def __init__(self, base: URL, limit: int) -> None:
         self.host, self.port = base.host or "127.0.0.1", base.port or 80  # yarl: 443 for https:// without one
-        self.tls = _tls() if base.scheme == "https" else None
+        # https: the certificate checked against the system's trust store (or SSL_CERT_FILE) and the host.
+        self.tls = ssl.create_default_context() if base.scheme == "https" else None
+        if self.tls is not None:
+            self.tls.set_alpn_protocols(["http/1.1"])
         self.prefix = base.path.rstrip("/")
         self.limit = limit  # idle connections kept
         self.idle: list[_Conn] = []
@@ -194,11 +197,3 @@ class Http1Pool:
         else:
             conn.close()
         return status, b"".join(conn.body)
-
-
-def _tls() -> ssl.SSLContext:
-    """The certificate checked against the default trust store (the system's, or SSL_CERT_FILE)
-    and the URL's host, as curl and aiohttp do."""
-    context = ssl.create_default_context()
-    context.set_alpn_protocols(["http/1.1"])
-    return context

@@ -8,14 +8,13 @@ worker sees tokens as they come (stall detection, in-flight lengths for the ETA)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from yarl import URL
 
-from genq.core.records import Hardware, JobConfig, Prompt
-from genq.worker.engines import Engine, Metrics, detect, metrics_from_text
+from genq.core.records import JobConfig, Prompt
+from genq.worker.engines import Metrics, ServerInfo, detect, metrics_from_text
 from genq.worker.http1 import Http1Pool, NoResponse
 from genq.worker.stream import StreamSink
 from genq.worker.wire import Completion, Failure, Progress, connection_failure, http_failure, parse_completion_bytes
@@ -32,23 +31,6 @@ HEALTH_TIMEOUT_S = 30.0
 
 class ServerUnavailable(Exception):
     """The server is not answering (refused, reset, 503 from /health)."""
-
-
-@dataclass
-class ServerInfo:
-    model: str | None
-    capacity: int | None  # requests the server runs at once, when it tells (SGLang, llama.cpp)
-    context_length: int | None  # per request (llama.cpp: per slot)
-    engine: Engine  # which server it is (worker/engines/): what genq knows of it
-    has_metrics: bool
-    memory: Hardware = Hardware()  # its weight and KV sizes where it publishes them (genq.core.decodebound)
-
-    @property
-    def flavor(self) -> str:
-        """"sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)."""
-        return self.engine.name
-
-    kind = flavor  # as the worker's start-up line names it
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
@@ -68,11 +50,9 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
         body["messages"] = prompt.messages
     else:
         body["prompt"] = prompt.prompt
+    body["stream"] = stream
     if stream:
-        body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    else:
-        body["stream"] = False
     return body
 
 
@@ -109,7 +89,7 @@ class ServerClient:
         return status == 200
 
     async def discover(self) -> ServerInfo:
-        """Model name, flavor and capacity. Raises ServerUnavailable if the server is not up."""
+        """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
@@ -129,8 +109,7 @@ class ServerClient:
         context = found.context_length
         if context is None and isinstance(model_len, int) and model_len > 0:
             context = model_len
-        return ServerInfo(model=model, capacity=found.capacity, context_length=context, engine=found.engine,
-                          has_metrics=found.has_metrics, memory=memory)
+        return msgspec.structs.replace(found, model=model, context_length=context, memory=memory)
 
     async def metrics(self) -> Metrics | None:
         try:

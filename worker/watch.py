@@ -15,7 +15,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+
+import msgspec
 
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
@@ -107,10 +108,10 @@ class ServerWatch:
         return change
 
     def _adopt(self, info: ServerInfo) -> None:
-        """What the server says now; what it did not say this time (an endpoint that failed) is kept."""
-        if self.info is not None:
-            info = replace(info, model=info.model or self.info.model,
-                           context_length=info.context_length or self.info.context_length)
+        """What the server says now; a context it did not tell this time (an endpoint failed) is kept.
+        (A model it did not name is a change, never adopted.)"""
+        if self.info is not None and info.context_length is None:
+            info = msgspec.structs.replace(info, context_length=self.info.context_length)
         self.info = info
 
     def _change(self, info: ServerInfo) -> str | None:
