@@ -34,10 +34,10 @@ class Engine:
     """One kind of inference server; the defaults are a plain OpenAI-compatible server's."""
 
     name: str  # the flavor: ServerInfo.flavor, logs and messages
-    # What its own endpoint says, or None when the server is not this engine.
+    # What its own endpoint says, or None when the server is not this engine. An engine without
+    # one is told by its metric prefix on /metrics.
     probe: Callable[[GetJson], Awaitable[ServerInfo | None]] | None = None
     metric_prefix: bytes | None = None  # on /metrics: the server publishes names genq reads
-    named_by_metrics: bool = False  # no endpoint of its own: its metric prefix names it
     # A Metrics field -> this engine's names for it, newer first; `name{label}` counts only the
     # series with that label.
     metrics: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -127,7 +127,7 @@ SGLANG = Engine("sglang", _sglang_probe, b"sglang:", metrics={
     "retractions_total": ("sglang:num_retracted_requests_total",),  # some versions; not 0.5.23
     "generated_total": ("sglang:generation_tokens_total",)})
 # vLLM: no endpoint of its own, its metrics always on; max_num_seqs is learned (worker/controller.py).
-VLLM = Engine("vllm", None, b"vllm:", named_by_metrics=True, metrics={
+VLLM = Engine("vllm", None, b"vllm:", metrics={
     "running": ("vllm:num_requests_running",), "waiting": ("vllm:num_requests_waiting",),
     # reason="capacity", apart from those deferred for LoRA budget, KV transfer or a blocked status
     "waiting_capacity": ('vllm:num_requests_waiting_by_reason{reason="capacity"}',),
@@ -154,7 +154,7 @@ async def detect(get_json: GetJson, get: Get) -> ServerInfo:
     status, page = await get("/metrics")
     seen = [e for e in ENGINES if e.metric_prefix and status == 200 and e.metric_prefix in page]
     if found is None:
-        found = ServerInfo(next((e for e in seen if e.named_by_metrics), OPENAI))
+        found = ServerInfo(next((e for e in seen if e.probe is None), OPENAI))
     return msgspec.structs.replace(found, has_metrics=bool(seen))
 
 

@@ -22,10 +22,8 @@ from genq.worker.wire import Completion, Failure, Progress, connection_failure, 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
-# How long a health check waits for the server's verdict. SGLang's /health runs a
-# one-token generation and itself answers 503 if its scheduler says nothing for 20 s
-# (SGLANG_HEALTH_CHECK_TIMEOUT): a client that gives up sooner reads a live, busy server
-# as down, and the worker then cancels every request in flight as a crash.
+# How long a health check waits: SGLang's /health runs a one-token generation and answers 503
+# itself after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT); giving up sooner reads a busy server as down.
 HEALTH_TIMEOUT_S = 30.0
 
 

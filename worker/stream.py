@@ -114,14 +114,13 @@ class _StreamState:
             if usage is not None and usage.completion_tokens is not None:
                 state.tokens = usage.completion_tokens
         if usage is not None:
-            if not event.choices:
-                self.total_seen = True
-            if self.total_seen or not event.choices or len(self.choices) <= 1:
+            self.total_seen = self.total_seen or not event.choices
+            whole = self.total_seen or len(self.choices) <= 1  # the request's count, not one choice's
+            if whole:
                 self.usage = usage
             elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
                 self.usage = WireUsage(prompt_tokens=usage.prompt_tokens)
-            progress.advance((usage.completion_tokens or 0) if self.total_seen or len(self.choices) <= 1
-                             else sum(s.tokens or 0 for s in self.choices.values()))
+            progress.advance((usage.completion_tokens or 0) if whole else sum(s.tokens or 0 for s in self.choices.values()))
         elif self.usage is None:
             progress.advance(progress.tokens + 1)  # no usage stats: count events
         return None
