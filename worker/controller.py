@@ -68,6 +68,11 @@ class ConcurrencyController:
         return self.live_cap or self.start_cap
 
     @property
+    def auto(self) -> int:
+        """The automatic target, before any cap."""
+        return self._auto
+
+    @property
     def slots(self) -> int | None:
         """The server's capacity: as it tells (SGLang, llama.cpp), else as learned (vLLM)."""
         return self.capacity or self.learned
