@@ -29,7 +29,7 @@ from genq.worker.controller import (
     ConcurrencyController,
     headroom,
 )
-from genq.worker.engines.metrics import Metrics, metrics_from_text
+from genq.worker.engines import Metrics, metrics_from_text
 from tests.conftest import run_genq, wait_until, write_prompts
 
 

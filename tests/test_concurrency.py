@@ -17,8 +17,7 @@ from pathlib import Path
 from genq.core import keys
 from genq.core.records import Control, WorkerStatus, pack, unpack
 from genq.worker.controller import GENTLE_CHECKS, UNKNOWN_CAPACITY_START, ConcurrencyController, headroom
-from genq.worker.engines.metrics import Metrics, metrics_from_text
-from genq.worker.engines.sglang import capacity_from_info
+from genq.worker.engines import Metrics, capacity_from_info, metrics_from_text
 from tests.conftest import read_results, run_genq, sim_stats, write_prompts
 
 # ---------------------------------------------------------------- controller, pure unit

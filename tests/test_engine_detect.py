@@ -13,14 +13,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from genq.worker.engines import Detected, detect
-from genq.worker.engines.metrics import metrics_from_text
+from genq.worker.engines import ServerInfo, detect, metrics_from_text
 
 SGLANG_INFO = {"max_running_requests": 48, "context_length": 4096}
 PROPS = {"total_slots": 4, "default_generation_settings": {"n_ctx": 1024}}
 
 
-def detected(answers: dict[str, Any], page: bytes | None = None) -> tuple[Detected, list[str]]:
+def detected(answers: dict[str, Any], page: bytes | None = None) -> tuple[ServerInfo, list[str]]:
     """What detect makes of a server answering `answers` (path -> JSON) and `page` on /metrics."""
     asked: list[str] = []
 

@@ -19,7 +19,7 @@ import aiohttp
 
 from genq.sim.config import SimConfig
 from genq.sim.serve import RunningSim, start
-from genq.worker.engines.metrics import metrics_from_text
+from genq.worker.engines import metrics_from_text
 from genq.worker.server import Completion, Failure, Progress, ServerClient
 from tests.conftest import read_results, run_genq, sim_stats, write_prompts
 

@@ -50,16 +50,7 @@ class Scripted:
 
 
 async def post(pool: Http1Pool, reuse: bool = True) -> tuple[int, bytes]:
-    parts: list[bytes] = []
-
-    def sink_for(status: int):
-        def sink(piece: bytes) -> bool:
-            parts.append(piece)
-            return False
-        return sink
-
-    status = await pool.post("/v1/chat/completions", b'{"x": 1}', sink_for, reuse=reuse)
-    return status, b"".join(parts)
+    return await pool.post("/v1/chat/completions", b'{"x": 1}', reuse=reuse)
 
 
 def run(answers: list[bytes], go, close_after: bool = False, step: int = 1) -> Scripted:
@@ -157,7 +148,7 @@ def test_a_sink_that_has_enough_gets_no_more_and_the_connection_is_not_reused(st
         return b"".join(parts).endswith(b"STOP")
 
     async def go(pool: Http1Pool) -> None:
-        assert await pool.post("/v1/completions", b"{}", lambda status: sink) == 200
+        assert await pool.post("/v1/completions", b"{}", sink) == (200, b"")
         assert b"".join(parts) == b"aSTOP", "nothing after the sink said enough"
         assert not pool.idle
 

@@ -29,9 +29,8 @@ def samples(config: JobConfig, prompt: Prompt) -> int:
 
 
 class Running(dict[Task, "asyncio.Task[None]"]):
-    """The requests in flight, and the sequences they are on the server: a request for n
-    samples is n (SGLang and vLLM schedule each choice as a sequence of its own), and the
-    in-flight target counts what the server runs."""
+    """The requests in flight, and the sequences they are on the server (the in-flight target's
+    unit): a request for n samples is n, SGLang and vLLM schedule each choice as its own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,14 +94,10 @@ UNSENT_MAX = 4
 
 def one_per_token(logprobs: dict[str, Any] | None, tokens: int | None, finish_reason: str | None, *,
                   chat: bool) -> dict[str, Any] | None:
-    """A choice's logprobs with one entry per generated token (docs/engines.md, "Logprobs").
-
-    SGLang's chat stream (0.5.23) attaches logprobs to the next chunk it sends: the last tokens of
-    an answer that decode to no text (its end-of-sequence token; the first bytes of a character
-    cut by max_tokens) are counted in its usage and never sent. Those entries, at most UNSENT_MAX,
-    are recorded as nulls at the end (no figure is made up); an answer that is the end-of-sequence
-    token alone, whose stream held no logprobs at all, is a valid answer with one null entry.
-    None: the server sent none for a choice that needed more (it ignored the request)."""
+    """A choice's logprobs with one entry per generated token (docs/engines.md, "Logprobs"): the
+    trailing tokens SGLang's chat stream counts and never sends, at most UNSENT_MAX, are null entries
+    (no figure made up). None: the server sent none for a choice that needed more (it ignored the
+    request)."""
     have = 0 if logprobs is None else len(logprobs.get("content" if chat else "token_logprobs") or ())
     unsent = 0 if tokens is None else tokens - have
     if not 0 < unsent <= UNSENT_MAX or (logprobs is None and finish_reason not in ("stop", "tool_calls")):

@@ -1,63 +1,38 @@
-"""How many requests one worker keeps in flight against its server.
+"""How many requests one worker keeps in flight against its server: the server's capacity (its
+`slots`, told or learned) plus a small waiting queue, so each freed slot is refilled in the
+server's next step. Then, looking at its /metrics once a second:
 
-Start from the server's own capacity (SGLang's max running requests) plus a small
-waiting queue, so every slot is busy from the first second and a freed slot is
-refilled in the server's next step. Then follow the server's /metrics, once a
-second:
+- raise while slots sit idle (running below capacity, nothing waiting) and prompts are held back;
+- lower, by a tenth, when the server retracts or preempts requests (its KV cache is what limits),
+  and raise only gently for a while after;
+- lower when its queue keeps growing past the headroom and what our own raises put there: only a
+  queue of other clients lowers the target (a raise is kept, filling that queue is its point).
 
-- raise when slots sit idle (running below capacity, nothing waiting) while the
-  worker holds prompts back;
-- lower when the KV cache is what limits (the server retracts or preempts
-  running requests), multiplicatively, and raise only gently for a while after;
-- lower when the server's waiting queue keeps growing past what refilling needs:
-  the headroom, and what the worker's own raises found it needs (its target less
-  the slots). A raise is kept: the queue it fills is its point (answers of one
-  length end together, and a queue of one headroom refills few of their slots at
-  once), and lowering it below what is in flight would leave more in flight than
-  the target says until they are answered. Only a queue beyond that, of other
-  clients or another worker on the server, lowers the target.
-
-A server without a capacity endpoint (vLLM, or one genq does not recognise)
-starts at a guess and grows while it runs all it is sent and nothing waits. While
-requests wait for capacity (vLLM: num_requests_waiting_by_reason{reason="capacity"},
-else the waiting count) and the KV cache is not full, the server runs as many as
-its slots allow, less the requests that finished in its last step: vLLM reports
-running after removing those, before admitting the next ones. So the capacity is
-the highest running count seen while requests wait ("learned"), taken once no
-higher count came for LEARN_LOOKS looks (a server that is still admitting, e.g.
-vLLM within its token budget per step, shows a rising count); a higher one later
-raises it. The controller looks four times a second while it learns, so a step
-in which nothing finished is soon seen. Once learned, the target drops at once to
-the capacity plus the small refill headroom: no more than that waits in the
-server. Whatever runs fits: a running count above the learned capacity raises it
-at once. `slots` is the one notion of
-server capacity (told or learned) that the worker publishes
-(WorkerStatus.server_capacity) and the monitor shows.
-A number from the command line caps the target; `genq concurrency` sets a live
-cap (Control.concurrency) that replaces it until set back to auto.
+A server that does not tell its capacity (vLLM) starts at a guess and grows. While requests wait
+for a slot and the KV cache is not full, it runs all its slots less those freed in its last step
+(vLLM reports running before admitting the next): the capacity is the highest running count seen
+while requests wait, once no higher came for LEARN_LOOKS looks (four a second while learning);
+the target then drops to it plus the headroom. A running count above it raises it at once.
+A number from the command line caps the target; `genq concurrency` sets a live cap instead.
 """
 
 from __future__ import annotations
 
 import math
 
-# Where a server that does not tell its capacity (vLLM) starts, then follows /metrics.
-from genq.worker.engines.base import CAPACITY_START as UNKNOWN_CAPACITY_START
-from genq.worker.engines.metrics import Metrics
+from genq.worker.engines import CAPACITY_START as UNKNOWN_CAPACITY_START
+from genq.worker.engines import Metrics
 
 MAX_TARGET = 100_000
 KV_PRESSURE = 0.9  # token usage above which idle slots are the KV cache's doing, not ours
 QUEUE_RUNAWAY_CHECKS = 3  # observations in a row with too long a queue before lowering
 GENTLE_CHECKS = 30  # observations after a KV-pressure cut during which raises are small
-# Looks with requests waiting and no higher running count before the highest is taken as
-# the capacity: while a server ramps up (vLLM admits by a token budget per step) requests
-# wait although slots are free, but the running count still rises.
+# Looks with requests waiting and no higher running count before the highest is the capacity:
+# while a server ramps up (vLLM admits by a token budget per step) the count still rises.
 LEARN_LOOKS = 3
 LOOK_S = 1.0  # between looks at /metrics
 LEARN_LOOK_S = 0.25  # while the capacity is being learned: a step with no finish is soon seen
-# Looks after the last rise of the learned capacity during which the controller still
-# looks at LEARN_LOOK_S (a count one or two below the capacity is the common sample).
-SETTLE_LOOKS = 40
+SETTLE_LOOKS = 40  # looks at LEARN_LOOK_S after the learned capacity rose (most counts are a bit below)
 
 
 def headroom(capacity: int) -> int:
@@ -93,14 +68,14 @@ class ConcurrencyController:
         return self.live_cap or self.start_cap
 
     @property
-    def slots(self) -> int | None:
-        """The server's capacity: as it tells (SGLang, llama.cpp), else as learned (vLLM)."""
-        return self.capacity or self.learned
-
-    @property
     def auto(self) -> int:
         """The automatic target, before any cap."""
         return self._auto
+
+    @property
+    def slots(self) -> int | None:
+        """The server's capacity: as it tells (SGLang, llama.cpp), else as learned (vLLM)."""
+        return self.capacity or self.learned
 
     def set_cap(self, cap: int | None) -> None:
         """A live limit from `genq concurrency`; None or 0 removes it (back to auto,
@@ -237,11 +212,7 @@ class ConcurrencyController:
 
     def _retracting(self, m: Metrics) -> bool:
         """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""
-        more = False
-        if m.retractions_total is not None:
-            last = self._last_retractions
-            self._last_retractions = m.retractions_total
-            more = last is not None and m.retractions_total > last
-        elif m.retracted is not None:
-            more = m.retracted > 0
-        return more
+        if m.retractions_total is None:
+            return m.retracted is not None and m.retracted > 0
+        last, self._last_retractions = self._last_retractions, m.retractions_total
+        return last is not None and m.retractions_total > last

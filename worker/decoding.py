@@ -1,33 +1,16 @@
 """How fast one request decodes against how many decode at once, as this worker sees it.
 
-A server's step makes one token for every running sequence. On a GPU a step costs
-about the same at 1 or 100 sequences (decode is memory-bound); on a CPU, or a GPU
-at large batches, it costs more the more there are, so the last requests of a job
-speed up as the batch drains (vLLM on CPU drained 141 requests in 26 s
-where a constant speed said 47). The monitor's ETA needs that curve and no engine
-reports it, so each worker measures it from what it streams: while `d` of its
-sequences are decoding (between a request's first token and its end), the
-request-seconds spent and the tokens received are added to d's bin. A bin's
-tokens over its request-seconds is one request's speed at d.
-
-Each bin is kept twice: while any of the worker's requests waits for its first
-token (the server queues or prefills it, and a prefill rides in the same steps as
-the decodes) and while none does ("clean"), as in the drain at the end of a job,
-once there is nothing left to send. On vLLM on CPU the drain's first seconds ran
-15-20 % faster than the bulk at the same count: the monitor compares the two.
-
-Streamed requests only (a whole answer says nothing until it ends). The first
-chunk's tokens come from the prefill and are not counted; its time is. The figures
-are halved every HALF_LIFE_S so that they follow a server whose speed changes;
-published in WorkerStatus.decode as DecodeBin (a few dozen), and fitted by the
-monitor (monitor/rates.py).
-
-A job on a fresh worker runs at its server's capacity until its queue runs out: what
-its last requests will do is only seen when it drains, too late for its ETA. So the
-figures outlive the worker: each beat that booked tokens stores them for its server
-and model (ServerDecode, kept by the ledger: genq.core.ledger.fleet), and a worker that starts on that server
-begins from them (decayed by their age). The first job a server ever runs has no
-drain behind it: its ETA takes a speed that does not depend on the count until then.
+A server's step makes a token for every running sequence; on a GPU it costs about the same at 1 or
+100 (decode is memory-bound), on a CPU or at large batches more the more there are, so a job's last
+requests speed up as the batch drains (vLLM on CPU drained 141 requests in 26 s where a constant
+speed said 47). The monitor's ETA needs that curve and no engine reports it, so each worker
+measures it: while `d` of its sequences decode (first token to end), the request-seconds and the
+streamed tokens go to d's bin, kept apart for while some request waits for its first token (its
+prefill rides in the same steps) and while none does ("clean", as in a drain: on vLLM on CPU 15-20 %
+faster). The first chunk's tokens come from the prefill and are not counted. Figures halve every
+HALF_LIFE_S; published as WorkerStatus.decode, fitted by the monitor (monitor/rates.py), and stored
+per server and model (ServerDecode, genq.core.ledger.fleet) so a worker starting on that server
+begins from them: a fresh job's drain is otherwise seen only when it is too late for its ETA.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The worker's HTTP/1.1 client: keep-alive connections to one inference server, http:// or https://.
 
-It does what the worker needs and nothing more: a body of known length out; the answer by
-Content-Length, chunked, or to the connection's close, parsed by llhttp (httptools) as each piece
-arrives and fed to the caller's sink; what is not HTTP is a ValueError at once. Why not aiohttp:
-against a server that answers at once, CPU a request is 47-64 us here and 158-175 us for a bare
-aiohttp loop, and a whole worker on aiohttp costs 80-100 % more (2026-12-06, docs/performance.md
+A body of known length out; the answer by Content-Length, chunked, or to the connection's close,
+parsed by llhttp (httptools) as each piece arrives; what is not HTTP is a ValueError at once. Why
+not aiohttp: a whole worker on it costs 80-100 % more CPU a request (2026-12-06, docs/performance.md
 "Worker overhead").
 
 Only a request that got no response byte on a reused connection may be sent again (the caller
@@ -23,7 +21,7 @@ from yarl import URL
 
 CONNECT_TIMEOUT_S = 10.0  # TCP and TLS handshakes: a server that takes longer is down
 
-# Feeds the body's bytes as they come; True: enough read (the connection is not reused).
+# Fed a 200 answer's body as it comes; True: enough read (the connection is not reused).
 Sink = Callable[[bytes], bool]
 
 
@@ -42,8 +40,9 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.answer: asyncio.Future[tuple[int, bool]] | None = None  # the request in flight's
-        self.sink_for: Callable[[int], Sink] = lambda status: lambda body: True
+        self.stream: Sink | None = None  # where a 200 answer's body goes; others are kept in `body`
         self.sink: Sink | None = None
+        self.body: list[bytes] = []
         self.status = 0
         self.got = False  # a byte of this answer came
         self.framed = False  # by Content-Length or chunked; else the body runs to the close
@@ -52,12 +51,16 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def send(self, request: bytes, sink_for: Callable[[int], Sink]) -> asyncio.Future[tuple[int, bool]]:
+    def send(self, request: bytes, stream: Sink | None) -> asyncio.Future[tuple[int, bool]]:
         """(status, whether the connection can carry another) once the answer is read."""
         assert self.transport is not None
-        self.answer, self.sink_for, self.sink, self.got = self.loop.create_future(), sink_for, None, False
+        self.answer, self.stream, self.sink, self.got, self.body = self.loop.create_future(), stream, None, False, []
         self.transport.write(request)
         return self.answer
+
+    def keep_body(self, piece: bytes) -> bool:
+        self.body.append(piece)
+        return False
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None or self.answer.done():  # bytes nobody asked for: not to be reused
@@ -84,7 +87,7 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         if self.status >= 200:  # not 100 Continue and the like: the answer's own
             self.keep = self.parser.should_keep_alive()
-            self.sink = self.sink_for(self.status)
+            self.sink = self.stream if self.status == 200 and self.stream is not None else self.keep_body
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None and self.sink(body):
@@ -132,7 +135,10 @@ class Http1Pool:
 
     def __init__(self, base: URL, limit: int) -> None:
         self.host, self.port = base.host or "127.0.0.1", base.port or 80  # yarl: 443 for https:// without one
-        self.tls = _tls() if base.scheme == "https" else None
+        # https: the certificate checked against the system's trust store (or SSL_CERT_FILE) and the host.
+        self.tls = ssl.create_default_context() if base.scheme == "https" else None
+        if self.tls is not None:
+            self.tls.set_alpn_protocols(["http/1.1"])
         self.prefix = base.path.rstrip("/")
         self.limit = limit  # idle connections kept
         self.idle: list[_Conn] = []
@@ -156,24 +162,20 @@ class Http1Pool:
         """(status, body) of a GET on a connection of its own, closed after: a pooled one may be
         one the server is about to close (llama.cpp a moment after each stream), and a health
         check lost that way reads a live server as down."""
-        parts: list[bytes] = []
-
-        def keep(piece: bytes) -> bool:
-            parts.append(piece)
-            return False
-
         async with asyncio.timeout(timeout):
             conn = await self._connect()
             try:
                 status, _ = await conn.send(b"GET " + (self.prefix + path).encode() + b" HTTP/1.1" + self._get_head,
-                                            lambda status: keep)
+                                            None)
             finally:
                 conn.close()
-        return status, b"".join(parts)
+        return status, b"".join(conn.body)
 
-    async def post(self, path: str, data: bytes, sink_for: Callable[[int], Sink], *, reuse: bool = True) -> int:
-        """The status; the body went to sink_for(status). Raises NoResponse, or OSError, before
-        the response; once it has begun, ConnectionError if the body is cut short."""
+    async def post(self, path: str, data: bytes, stream: Sink | None = None, *,
+                   reuse: bool = True) -> tuple[int, bytes]:
+        """(status, body); a 200 answer's body goes to `stream` instead, when there is one. Raises
+        NoResponse, or OSError, before the response; once it has begun, ConnectionError if the body
+        is cut short."""
         conn = None
         while reuse and self.idle:
             if not (pooled := self.idle.pop()).closed:
@@ -184,7 +186,7 @@ class Http1Pool:
             conn = await self._connect()
         try:
             status, keep = await conn.send(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head
-                                           + str(len(data)).encode() + b"\r\n\r\n" + data, sink_for)
+                                           + str(len(data)).encode() + b"\r\n\r\n" + data, stream)
         except BaseException as exc:  # cut short, cancelled: the connection is in an unknown state
             conn.close()
             if isinstance(exc, NoResponse):
@@ -194,12 +196,4 @@ class Http1Pool:
             self.idle.append(conn)
         else:
             conn.close()
-        return status
-
-
-def _tls() -> ssl.SSLContext:
-    """The certificate checked against the default trust store (the system's, or SSL_CERT_FILE)
-    and the URL's host, as curl and aiohttp do."""
-    context = ssl.create_default_context()
-    context.set_alpn_protocols(["http/1.1"])
-    return context
+        return status, b"".join(conn.body)

@@ -1,60 +1,34 @@
 """HTTP client for one inference server: SGLang, vLLM, llama.cpp's llama-server, or `genq sim`.
 
 Speaks only the public API: /health, /v1/models, what each engine serves of its own
-(worker/engines/: SGLang's /get_server_info, llama.cpp's /props, the metric names),
-/metrics, and the OpenAI-compatible generation endpoints, streamed so the worker sees
-tokens as they come (stall detection, in-flight lengths for the ETA). What each engine
-serves, and where in its sources, is in docs/engines.md.
+(worker/engines.py), /metrics, and the OpenAI-compatible generation endpoints, streamed so the
+worker sees tokens as they come (stall detection, in-flight lengths for the ETA).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from yarl import URL
 
-from genq.core.records import Hardware, JobConfig, Prompt
-from genq.worker.engines import Engine, detect
-from genq.worker.engines.metrics import Metrics, metrics_from_text
-from genq.worker.http1 import Http1Pool, NoResponse, Sink
+from genq.core.records import JobConfig, Prompt
+from genq.worker.engines import Metrics, ServerInfo, detect, metrics_from_text
+from genq.worker.http1 import Http1Pool, NoResponse
 from genq.worker.stream import StreamSink
 from genq.worker.wire import Completion, Failure, Progress, connection_failure, http_failure, parse_completion_bytes
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
-# How long a health check waits for the server's verdict. SGLang's /health runs a
-# one-token generation and itself answers 503 if its scheduler says nothing for 20 s
-# (SGLANG_HEALTH_CHECK_TIMEOUT): a client that gives up sooner reads a live, busy server
-# as down, and the worker then cancels every request in flight as a crash.
+# How long a health check waits: SGLang's /health runs a one-token generation and answers 503
+# itself after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT); giving up sooner reads a busy server as down.
 HEALTH_TIMEOUT_S = 30.0
 
 
 class ServerUnavailable(Exception):
     """The server is not answering (refused, reset, 503 from /health)."""
-
-
-@dataclass
-class ServerInfo:
-    model: str | None
-    capacity: int | None  # requests the server runs at once, when it tells (SGLang, llama.cpp)
-    context_length: int | None  # per request (llama.cpp: per slot)
-    engine: Engine  # which server it is (worker/engines/): what genq knows of it
-    has_metrics: bool
-    memory: Hardware = Hardware()  # its weight and KV sizes where it publishes them (genq.core.decodebound)
-
-    @property
-    def flavor(self) -> str:
-        """"sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)."""
-        return self.engine.name
-
-    @property
-    def kind(self) -> str:
-        """The flavor, as the worker's start-up line names it."""
-        return self.flavor
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
@@ -74,11 +48,9 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
         body["messages"] = prompt.messages
     else:
         body["prompt"] = prompt.prompt
+    body["stream"] = stream
     if stream:
-        body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    else:
-        body["stream"] = False
     return body
 
 
@@ -115,7 +87,7 @@ class ServerClient:
         return status == 200
 
     async def discover(self) -> ServerInfo:
-        """Model name, flavor and capacity. Raises ServerUnavailable if the server is not up."""
+        """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
@@ -135,8 +107,7 @@ class ServerClient:
         context = found.context_length
         if context is None and isinstance(model_len, int) and model_len > 0:
             context = model_len
-        return ServerInfo(model=model, capacity=found.capacity, context_length=context, engine=found.engine,
-                          has_metrics=found.has_metrics, memory=memory)
+        return msgspec.structs.replace(found, model=model, context_length=context, memory=memory)
 
     async def metrics(self) -> Metrics | None:
         try:
@@ -165,9 +136,9 @@ class ServerClient:
                     reuse: bool) -> Completion | Failure:
         """One try. Raises NoResponse only when a pooled connection ended before any response byte."""
         model = body.get("model", "")
-        answer = _Answer(bool(body.get("stream")), model, progress)
+        stream = StreamSink(model, progress) if body.get("stream") else None
         try:
-            status = await self._pool.post(path, data, answer.sink_for, reuse=reuse)
+            status, raw = await self._pool.post(path, data, stream, reuse=reuse)
         except NoResponse as exc:
             if exc.reused:
                 raise
@@ -177,29 +148,8 @@ class ServerClient:
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
         if status != 200:
-            return http_failure(status, b"".join(answer.parts))
-        if answer.stream is not None:
-            return answer.stream.outcome()
+            return http_failure(status, raw)
+        if stream is not None:
+            return stream.outcome()
         progress.first_byte = progress.last_activity = time.monotonic()
-        return parse_completion_bytes(b"".join(answer.parts), model)
-
-
-class _Answer:
-    """Where a response's body goes: a stream's events to the stream's state, else its bytes."""
-
-    __slots__ = ("streamed", "model", "progress", "parts", "stream")
-
-    def __init__(self, streamed: bool, model: str, progress: Progress) -> None:
-        self.streamed, self.model, self.progress = streamed, model, progress
-        self.parts: list[bytes] = []
-        self.stream: StreamSink | None = None
-
-    def sink_for(self, status: int) -> Sink:
-        if status == 200 and self.streamed:
-            self.stream = StreamSink(self.model, self.progress)
-            return self.stream
-        return self._keep
-
-    def _keep(self, piece: bytes) -> bool:
-        self.parts.append(piece)
-        return False
+        return parse_completion_bytes(raw, model)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from genq.core.records import Choice
-from genq.worker.wire import Completion, Failure, Progress, WireUsage, decode_answer, event_failure, stop_of, usage_of
+from genq.worker.wire import Completion, Failure, Progress, WireUsage, decode_answer, event_failure, usage_of
 
 
 class _ChoiceState:
@@ -47,15 +47,12 @@ class _ChoiceState:
     def add_logprobs(self, piece: dict[str, Any]) -> None:
         """A chunk's logprobs: its lists (chat's content; completions' tokens, token_logprobs,
         top_logprobs, text_offset) extend what came before."""
-        if self.logprobs is None:
-            self.logprobs = {k: list(v) if isinstance(v, list) else v for k, v in piece.items()}
-            return
+        have = self.logprobs = self.logprobs or {}
         for key, value in piece.items():
-            have = self.logprobs.get(key)
-            if isinstance(value, list) and isinstance(have, list):
-                have.extend(value)
-            elif value is not None:
-                self.logprobs[key] = list(value) if isinstance(value, list) else value
+            if isinstance(value, list) and isinstance(have.get(key), list):
+                have[key].extend(value)
+            elif value is not None or key not in have:
+                have[key] = list(value) if isinstance(value, list) else value
 
     def choice(self, index: int) -> Choice:
         return Choice(index=index, completion="".join(self.text), finish_reason=self.finish_reason,
@@ -111,20 +108,19 @@ class _StreamState:
                 state.text.append(wire.text)
             if wire.finish_reason:
                 state.finish_reason = wire.finish_reason
-                state.matched_stop = stop_of(wire)
+                state.matched_stop = wire.stop
             if wire.logprobs:
                 state.add_logprobs(wire.logprobs)
             if usage is not None and usage.completion_tokens is not None:
                 state.tokens = usage.completion_tokens
         if usage is not None:
-            if not event.choices:
-                self.total_seen = True
-            if self.total_seen or not event.choices or len(self.choices) <= 1:
+            self.total_seen = self.total_seen or not event.choices
+            whole = self.total_seen or len(self.choices) <= 1  # the request's count, not one choice's
+            if whole:
                 self.usage = usage
             elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
                 self.usage = WireUsage(prompt_tokens=usage.prompt_tokens)
-            progress.advance((usage.completion_tokens or 0) if self.total_seen or len(self.choices) <= 1
-                             else sum(s.tokens or 0 for s in self.choices.values()))
+            progress.advance((usage.completion_tokens or 0) if whole else sum(s.tokens or 0 for s in self.choices.values()))
         elif self.usage is None:
             progress.advance(progress.tokens + 1)  # no usage stats: count events
         return None

@@ -8,7 +8,8 @@ rated figure), checked against SPECS, the vendors' rated figures.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from genq.worker.server import ServerInfo
 
 log = logging.getLogger("genq.worker")
+T = TypeVar("T")
 
 # Rated memory bandwidth, bytes/s, by a piece of NVML's device name (most specific first), from
 # NVIDIA's datasheets (2026-12): H100 SXM5 / PCIe / NVL, H200 SXM, B200, RTX PRO 6000 Blackwell,
@@ -69,8 +71,10 @@ class GpuProbe:
             if index >= count:
                 self.note = f"no GPU {index}: NVML sees {count} GPU(s)"
             else:
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                self.bandwidth, self.bandwidth_from = read_bandwidth(self._handle)
+                self._handle = h = pynvml.nvmlDeviceGetHandleByIndex(index)
+                bus = _optional(lambda: int(pynvml.nvmlDeviceGetMemoryBusWidth(h)))  # older drivers: none
+                clock = _optional(lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)))
+                self.bandwidth, self.bandwidth_from = checked_bandwidth(_name(h), bus, clock)
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
             self.note = f"no GPU telemetry: {type(exc).__name__}: {exc}"
         if self.note:
@@ -85,46 +89,37 @@ class GpuProbe:
         try:
             util = pynvml.nvmlDeviceGetUtilizationRates(h)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            name = pynvml.nvmlDeviceGetName(h)
-            sample = GpuSample(
-                index=self.index or 0,
-                name=name.decode() if isinstance(name, bytes) else str(name),
-                utilization_pct=float(util.gpu),
-                memory_used_mib=mem.used / 2**20,
-                memory_total_mib=mem.total / 2**20,
-            )
+            sample = GpuSample(index=self.index or 0, name=_name(h), utilization_pct=float(util.gpu),
+                               memory_used_mib=mem.used / 2**20, memory_total_mib=mem.total / 2**20)
         except Exception as exc:
             self.note = f"GPU telemetry failed: {type(exc).__name__}: {exc}"
             return None
-        # Optional figures: some boards (and MIG slices) do not report them.
-        for attr, read in (
-            ("power_w", lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
-            ("sm_clock_mhz", lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))),
-            ("temperature_c", lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))),
-            ("max_sm_clock_mhz", lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))),
-            ("mem_clock_mhz", lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM))),
-            ("power_limit_w", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
-            ("throttled", lambda: throttle_reasons(_clock_reasons(h))),
-        ):
-            try:
-                setattr(sample, attr, read())
-            except Exception:
-                pass
+        # Some boards (and MIG slices) do not report these.
+        read_reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        sample.power_w = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
+        sample.sm_clock_mhz = _optional(lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)))
+        sample.temperature_c = _optional(lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)))
+        sample.max_sm_clock_mhz = _optional(lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)))
+        sample.mem_clock_mhz = _optional(lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)))
+        sample.power_limit_w = _optional(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)
+        sample.throttled = _optional(lambda: throttle_reasons(int(read_reasons(h))))
         return sample
 
 
-def read_bandwidth(handle: object) -> tuple[float | None, str]:
+def _name(handle: object) -> str:
     import pynvml
 
     name = pynvml.nvmlDeviceGetName(handle)
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    bus = clock = None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _optional(read: Callable[[], T]) -> T | None:
+    """What an NVML call NVML may not support answers; None where it fails."""
     try:
-        bus = int(pynvml.nvmlDeviceGetMemoryBusWidth(handle))
-        clock = float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
+        return read()
     except Exception:
-        pass  # older drivers: no bus width
-    return checked_bandwidth(name, bus, clock)
+        return None
 
 
 # NVML's clock-event (throttle) reason bits that slow a GPU down (nvml.h), named as nvidia-smi does.
@@ -134,14 +129,6 @@ THROTTLES = ((0x2, "applications clocks"), (0x4, "power cap"), (0x8, "hw slowdow
 
 def throttle_reasons(mask: int) -> list[str]:
     return [name for bit, name in THROTTLES if mask & bit]
-
-
-def _clock_reasons(handle: object) -> int:
-    import pynvml
-
-    read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
-    return int(read(handle))
 
 
 def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> Hardware:

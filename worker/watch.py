@@ -1,16 +1,12 @@
 """The server as the engine sees it: up or down, its metrics, and requests that stall.
 
-- Circuit breaker: after a failed request one check runs (single flight): /health and
-  what the server says about itself. Down, or not the server it was (another model, a
-  smaller context: restarted with other settings), the engine stops sending, counts no
-  attempt, polls until it answers as it was, and after --server-down-timeout hands its
-  batches back for other GPUs (another model: at once; a smaller context: then taken as
-  it is). Past a short grace its unsent prompts go to other workers (worker/tail.py).
-- A server that stops answering while it holds requests (no output from any of them
-  for a while) is health-checked during generation, not only after a request fails.
-- Watchdog: a request with no output for --stall-timeout is cancelled and retried.
-  Time spent waiting in the server's queue before the first byte is not a stall,
-  unless the server says nothing is waiting (then the request is stuck).
+- Breaker: after a failed request, one check (single flight) of /health and what the server says
+  of itself. Down, or not the server it was (another model, a smaller context), the engine stops
+  sending, counts no attempt, and polls until it answers as it was; after --server-down-timeout
+  it hands its batches back (another model: at once; a smaller context is then taken as it is).
+- A server silent while it holds requests is health-checked then, not only after a failure.
+- Watchdog: a request with no output for --stall-timeout is cancelled and retried; before its
+  first byte it waits in the server's queue, not a stall, unless the server says none waits.
 """
 
 from __future__ import annotations
@@ -19,12 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+
+import msgspec
 
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
-from genq.worker.engines.metrics import Metrics
+from genq.worker.engines import Metrics
 from genq.worker.held import Flags
 from genq.worker.options import WorkerOptions
 from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
@@ -54,8 +51,6 @@ class ServerWatch:
         self._check: asyncio.Future[str | None] | None = None
         self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
 
-    # ---------------------------------------------------------------- start
-
     async def wait_for_server(self) -> ServerInfo | None:
         """The server's info once it answers; None if stopped while waiting. Raises
         ServerStartTimeout after --server-start-timeout."""
@@ -79,8 +74,6 @@ class ServerWatch:
                 delay = min(delay * 2, 5.0)
         return None
 
-    # ---------------------------------------------------------------- down / up
-
     async def is_down(self) -> bool:
         """Single-flight check after a failure (many failures, one probe): the server is down, or
         is not the one this engine knew (restarted with another model or a smaller context)."""
@@ -98,14 +91,13 @@ class ServerWatch:
         return why is not None
 
     async def reread(self) -> ServerInfo | None:
-        """What the server says about itself now: a preflight about to block a job reads it again (the
-        server may have restarted with a larger context since this engine last looked)."""
+        """What the server says about itself now (a preflight about to block a job asks: it may have
+        restarted with a larger context)."""
         await self.is_down()
         return self.info
 
     async def _verify(self) -> str | None:
-        """Why nothing can be sent to the server now, or None: what it says about itself is read
-        again, so a restart that changed it is noticed before the next request."""
+        """Why nothing can be sent to the server now, or None (what it says of itself is adopted)."""
         try:
             info = await self.client.discover()
         except ServerUnavailable:
@@ -116,16 +108,15 @@ class ServerWatch:
         return change
 
     def _adopt(self, info: ServerInfo) -> None:
-        """What the server says now; what it did not say this time (an endpoint that failed) is kept."""
-        if self.info is not None:
-            info = replace(info, model=info.model or self.info.model,
-                           context_length=info.context_length or self.info.context_length)
+        """What the server says now; a context it did not tell this time (an endpoint failed) is kept.
+        (A model it did not name is a change, never adopted.)"""
+        if self.info is not None and info.context_length is None:
+            info = msgspec.structs.replace(info, context_length=self.info.context_length)
         self.info = info
 
     def _change(self, info: ServerInfo) -> str | None:
-        """How the server differs from the one this engine sends to in a way its prompts must not
-        meet: another model (its answers are not the job's), a smaller context (the prompts that
-        ran fail: the server's fault, not theirs). None if it is the same for them."""
+        """How the server differs in a way its prompts must not meet: another model (its answers are
+        not the job's), a smaller context (prompts that ran would fail). None: the same for them."""
         old = self.info
         if old is None:
             return None
@@ -172,13 +163,11 @@ class ServerWatch:
                 continue
             change = self._change(info)
             if change is not None and change.startswith("it serves model"):
-                # Its held prompts are for a model it no longer serves: back to the queue for a server
-                # of theirs; the intake takes jobs of its new model from now on.
+                # Its held prompts are for another model: back to the queue for a server of theirs.
                 log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
                 await self.hand_back_all(f"server now serves {info.model}")
             elif change is not None and down_for <= self.opts.server_down_timeout:
-                # A smaller context for a while (a restart with other settings): the server is not fit
-                # for the prompts that ran here; they wait, or go to other workers (worker/tail.py).
+                # A smaller context: its prompts wait, or go to other workers (worker/tail.py).
                 note = f"{change}: waiting for it as it was (--server-down-timeout)"
                 if note != self.flags.server_note:
                     log.warning("server %s: %s", self.opts.server_url, note)
@@ -196,8 +185,6 @@ class ServerWatch:
             self.flags.server_note = None
             self.dispatcher.wake.set()
             return
-
-    # ---------------------------------------------------------------- loops
 
     async def metrics_loop(self) -> None:
         while True:
@@ -224,8 +211,6 @@ class ServerWatch:
             queue_empty = self.metrics is not None and not self.metrics.waiting
             for task, aio in list(running.items()):
                 p = task.progress
-                # Before the first byte the request waits in the server's queue: not a stall,
-                # unless the server says nothing waits (then it is stuck).
                 waiting_in_server = p.first_byte is None and not queue_empty
                 if now - p.started > self.opts.request_timeout:
                     task.cancel_reason = f"request exceeded {self.opts.request_timeout:.0f}s (request timeout)"
