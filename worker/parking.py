@@ -47,7 +47,7 @@ CHECK_EVERY_S = 1.0
 
 
 def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
-    """Why `config` can never work against `server` (its context: worker/engines/), or None."""
+    """Why `config` can never work against `server` (its context: worker/engines.py), or None."""
     if server is None or not server.context_length:
         return None  # the server says nothing about its context: the brake is the safeguard
     context = server.context_length
