@@ -289,12 +289,11 @@ class Enqueuer:
 
 
 def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
-    """The prompts queued again because Redis lost batches of this life of the job (a snapshot restored,
-    a lagging replica promoted): an enqueue record (OUTPUT/JOB/enqueues/) naming batches that neither
-    Redis nor the output knows has its input read again, and a requeue's letters are requeued again;
-    the record then names what stands for them. An enqueue running now may look so for the moment
-    between its record and its transaction: reading its input again then queues nothing. Every
-    worker's start and maintenance runs it (genq.ops.recover.OutputWatch)."""
+    """Queue again what Redis lost of this life of the job (a snapshot restored, a lagging replica
+    promoted); returns the prompts queued. An enqueue record naming batches neither Redis nor the
+    output knows has its input read again (a requeue's record: its letters requeued), then names
+    what stands for them. An enqueue between its record and its transaction looks the same: reading
+    its input again queues nothing. Run by genq.ops.recover.OutputWatch."""
     store = open_store(config.output, config.s3_endpoint_url)
     records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
                if r.incarnation == config.incarnation}

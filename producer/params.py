@@ -1,11 +1,10 @@
 """The request fields a job (--extra-body) or a row (sampling, an OpenAI Batch body) may set: one table,
-checked once at enqueue with the job's endpoint known.
+checked once at enqueue with the job's endpoint known: a bad value is one error naming the option or
+the line, not a dead letter for every prompt hours into a run.
 
-A bad value would otherwise reach the server with every prompt and dead-letter each one hours into
-a run; here it is one error naming the option or the line. Known: OpenAI's chat/completions fields,
-SGLang's extras (/work/shared/notes/sglang-api.md) and vLLM's common ones. Fields genq sets itself
-cannot be overridden, and fields whose answer genq would not record are refused (docs/fidelity.md
-says where every accepted field's answer lands in the record).
+Known: OpenAI's chat/completions fields, SGLang's extras (../shared/notes/sglang-api.md) and vLLM's
+common ones. Fields genq sets itself cannot be overridden; fields whose answer genq would not record
+are refused (docs/fidelity.md says where each accepted field's answer lands in the record).
 """
 
 from __future__ import annotations

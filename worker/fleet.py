@@ -6,13 +6,9 @@
       ├─ server gpu1   (port 30001)
       └─ genq worker --server http://127.0.0.1:30001 --gpu 1 --name HOST.gpu1 ...
 
-Each engine is its own child process, so one GPU's crash does not take the others;
-an engine that exits with an error is restarted (backoff, limit), one that exits 0
-(drained, --burst, stopped) is not (worker/supervisor.py). GPU number i of the list
-gets port base_port + i (its position in the list, not its GPU index). Ctrl-C/SIGTERM
-is forwarded to every engine, which finishes its held batches (--grace-period) and
-exits; servers are stopped after their engine. A second signal makes the engines stop
-at once; a third kills everything.
+Each engine is its own child process, so one GPU's crash does not take the others; restarts
+are worker/supervisor.py's, the signal ladder (drain, stop now, kill) is Fleet._on_signal's.
+GPU number i of the list gets port base_port + i (its position in the list, not its GPU index).
 """
 
 from __future__ import annotations

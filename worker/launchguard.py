@@ -1,11 +1,9 @@
 """The guard of one launched server's process group: the group dies with the fleet, however the fleet dies.
 
 PR_SET_PDEATHSIG reaches only the process the fleet started, not a server started through a
-shell (`bash -c 'server --port {port}; echo exited'`), which outlived a fleet killed with SIGKILL
-holding its port and GPU. So the fleet starts this guard beside each server, in a session of its
-own, reading a pipe from the fleet. The fleet writes "done" once the group is gone; the pipe
-ending without it means the fleet died (any death closes its end): the guard then sends SIGTERM
-to the whole group, and SIGKILL to what is left of it after the stop timeout.
+shell (`bash -c 'server ...; echo exited'`). The guard runs beside each server in a session of
+its own, reading a pipe from the fleet: "done" means the group is gone; the pipe ending without
+it means the fleet died, and the guard sends SIGTERM to the group, SIGKILL after the stop timeout.
 
     python -m genq.worker.launchguard PGID STOP_SECONDS
 """

@@ -1,13 +1,10 @@
 """The fleet's children, kept alive: a GPU's `genq worker` engine and (with --launch) its server.
 
 One restart loop serves both (Supervisor.run): exponential backoff, a limit on restarts in a
-row. Every child runs in its own session (process group) so that (1) a terminal's Ctrl-C
-reaches only the fleet, which decides the order of shutdown (engines drain first, servers
-stop last), and (2) stopping a server also stops the processes it spawned (SGLang's scheduler
-and detokenizer) by signalling the whole group. Each child gets PR_SET_PDEATHSIG, and each
-server's group a guard (worker/launchguard.py) that ends it when the fleet dies, so a fleet
-killed with SIGKILL leaves no server holding its port or GPU memory, even one started
-through a shell.
+row. Every child leads its own session: a terminal's Ctrl-C reaches only the fleet, which stops
+engines first and servers last, and signalling a server's group also stops what it spawned
+(SGLang's scheduler and detokenizer). PR_SET_PDEATHSIG on each child and a guard on each
+server's group (worker/launchguard.py) end them when the fleet dies, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
-# Restarts: exponential backoff, and a limit on restarts in a row. A child that stayed up for
-# STABLE_AFTER seconds has its count reset: the limit is for crash loops, not for a server that
-# fails once a day.
+# A child that stayed up STABLE_AFTER seconds has its restart count reset: the limit is for
+# crash loops, not for a server that fails once a day.
 FIRST_DELAY = 1.0
 MAX_DELAY = 60.0
 STABLE_AFTER = 600.0
@@ -167,7 +163,7 @@ class EngineSupervisor(Supervisor):
         elif not self._stop.is_set():
             return f"exited with status {self.rc}"
         elif self.rc in (-signal.SIGTERM, -signal.SIGKILL):
-            # Killed by our own signal before it installed its handlers (still waiting for its server): it held nothing.
+            # Our signal arrived before it installed its handlers: it held nothing.
             log.info("%s: stopped (it had not started work)", self.label)
             self.rc = 0
         else:

@@ -25,10 +25,9 @@ CHUNK = 1000  # ids looked up in Redis per round trip
 def dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             rows: Iterator[Row | Rejected], closed: str | None = None) -> int:
     """The exit status a real enqueue would have (0, 1 nothing valid or refused, 3 some lines rejected),
-    saying what the job's name stands for now and `closed` why new prompts would be refused;
-    with its rules: a repeated line (same id, same content) is skipped, the same id with other
-    content is rejected; an id already queued with the same content is skipped, with other
-    content rejected."""
+    saying what the job's name stands for now and `closed` why new prompts would be refused. As
+    enqueue: an id repeated in the input or already queued is skipped with the same content,
+    rejected with other content."""
     seen: dict[str, bytes] = {}
     rejected: list[Rejected] = []
     pending: list[tuple[Row, bytes]] = []

@@ -28,9 +28,8 @@ from genq.worker.models import servable_jobs
 
 
 def _heartbeat(row: control.WorkerRow) -> str:
-    """How long ago it beat, beside how often it beats when that is not every second: an idle
-    worker beats every 20 s, so 16 s is on time for it (lost is 15 s late for a busy one, 60 s
-    for an idle one: the key it renews expires)."""
+    """How long ago it beat; for an idle worker also how often it beats (IDLE_BEAT_S), so that a
+    16 s gap reads as on time."""
     seconds = row.heartbeat_age_s
     if seconds is None:
         return "none" if row.state == control.LOST else "-"

@@ -122,8 +122,8 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     if not options["burst"]:
         options["server_start_timeout"] = None  # a long-lived worker waits for its server, saying so
     elif ctx.get_parameter_source("server_start_timeout") is ParameterSource.DEFAULT:
-        # A burst worker is run to empty a queue against a server that is up: a dead port (a typo,
-        # a server that died) is said, finally, in seconds, not after the 30 minutes a model may load.
+        # A burst worker expects its server up: a dead port (a typo, a dead server) fails in
+        # seconds, not after the 30 minutes a model may take to load.
         options["server_start_timeout"] = BURST_SERVER_WAIT_S
     options.pop("job_monitoring_interval")
     opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)

@@ -1,11 +1,10 @@
 """Merge a job's finished shards into one file, in one of genq.output.formats.
 
-Only the shards named by manifest markers are read (a shard without one may be half written), each
-checked against its marker (bytes and records) before anything is exported. Shards are read once:
-S3 objects and .gz shards are spooled, uncompressed, to a temporary folder beside the destination;
-each record's id, input index and place in the spool are kept, never the record. An id seen before
-is dropped: shards are read in the order of their last outcome (ShardInfo.at), so a prompt's first
-result wins. The kept records are then sorted (by input index, or by batch) and copied out.
+Only shards named by manifest markers are read (a shard without one may be half written), each
+checked against its marker (bytes, records) before anything is exported. Each shard is read once:
+S3 and .gz shards are spooled uncompressed beside the destination, and only each record's id, input
+index and spool offset are kept. Shards go in the order of their last outcome (ShardInfo.at) and a
+repeated id is dropped, so a prompt's first result wins; the rest is sorted and copied out.
 """
 
 from __future__ import annotations

@@ -27,8 +27,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     max_queued_requests: int | None = None
 
     # What /server_info's memory_usage reports (GB: bytes / 2^30): the weights, and the KV cache as
-    # max_total_num_tokens x this per token (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x K and V
-    # x 2 bytes = 128 KiB).
+    # max_total_num_tokens x this (Llama-3-8B bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B = 128 KiB).
     weight_gb: float = 15.3
     kv_bytes_per_token: int = 131072
     # SGLang only, as its command line would say (0.5.23, tests/recordings/sglang-0.5.23/):
@@ -74,9 +73,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # A request whose body contains this text starts such an outage, every time it is sent: a
     # prompt that crashes its server.
     crash_marker: str | None = None
-    # llama.cpp only: after a streamed response the server stops reading the connection and
-    # closes it this many seconds later, although the response said Keep-Alive. A request sent
-    # on it meanwhile is lost with it.
+    # llama.cpp only: after a streamed response the server stops reading the connection and closes
+    # it this many seconds later, despite its Keep-Alive header; a request sent on it meanwhile is lost.
     stream_close_delay: float = 0.1
 
     @property

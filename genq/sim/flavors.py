@@ -54,10 +54,8 @@ def sse(data: Any) -> bytes:
 
 
 def stream_error(flavor: str, message: str) -> bytes:
-    """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began.
-    SGLang's create_streaming_error_response() makes any failure BadRequestError/400, then [DONE];
-    vLLM sends its GenerationError as InternalServerError/500, then [DONE]; llama.cpp a server_error
-    (500) and no [DONE]."""
+    """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began
+    (SGLang's create_streaming_error_response() makes any failure a 400; vLLM's GenerationError a 500)."""
     if flavor == "sglang":
         return sse({"error": error_body(flavor, 400, message)}) + b"data: [DONE]\n\n"
     if flavor == "vllm":
@@ -86,9 +84,8 @@ def context_check(flavor: str, n_prompt: int, max_new: int | None, ctx: int,
                 "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
         return ctx - n_prompt if max_new is None else min(max_new, ctx - n_prompt)
     if flavor == "vllm":
-        # vLLM 0.32 refuses max_tokens over the context first, then a prompt over it ("at least":
-        # its chat tokenizer cuts at context + 1), then a prompt that leaves no room; else max_tokens
-        # is cut to fit. Its messages end as VLLMValidationError's str(): "(parameter=..., value=...)".
+        # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
+        # "(parameter=..., value=...)" tail is VLLMValidationError's str().
         if max_new is not None and max_new > ctx:
             return error_response(flavor, 400, f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. "
                                                f"Please request fewer output tokens. (parameter=max_tokens, "

@@ -99,15 +99,13 @@ class Generation:
         reqs = [SimRequest(job.key, job.prompt_tokens, natural, job.max_new_tokens, body.stream)
                 for natural in naturals]
         req = reqs[0]
-        # Faults strike at a token count inside the output, so a stream shows some
-        # output first; where == 0 strikes before the first token.
+        # Faults strike at a token count inside the output; where == 0: before the first token.
         if fault is Fault.HANG:
             req.hang_at = int(where * req.target)
         elif fault is Fault.RESET:
             req.drop_at = int(where * req.target)
         elif fault is Fault.STREAM_ERROR:
-            # The engine aborts the request after at least one token (a request of one
-            # token finishes first): "mid-stream".
+            # After at least one token: "mid-stream" (a one-token request finishes first).
             req.drop_at = 1 + int(where * (req.target - 1))
         failing = fault is Fault.STREAM_ERROR
         submitted: list[SimRequest] = []

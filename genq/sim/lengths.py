@@ -1,9 +1,8 @@
 """Deterministic prompt keys and heavy-tailed output lengths.
 
-The simulator must give the same prompt the same output length on every run and
-every server, so that tests can compare runs and a retried request costs what the
-first try cost. Lengths are lognormal: most answers are short, a few are very long,
-which is what makes batch scheduling interesting.
+The same prompt gets the same output length on every run and every server, so tests
+can compare runs and a retry costs what the first try cost. Lengths are lognormal:
+most answers are short, a few very long, as with real models.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ def prompt_key(messages_or_prompt: Any) -> str:
 
 
 def choice_key(key: str, index: int) -> str:
-    """The key of a request's choice `index`: the prompt's own for the first (so n=1 answers
-    are what they always were), a key of its own for each other sample."""
+    """The key of a request's choice `index`: the prompt's own for the first (an n=1 answer
+    matches the first sample of n>1), a key of its own for each other sample."""
     return key if index == 0 else prompt_key([key, index])
 
 
