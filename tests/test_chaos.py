@@ -22,7 +22,7 @@ from genq.core import keys
 from genq.core.queueing import rq_queue
 from genq.core.records import DeadLetter
 from tests.audit import audit as shared_audit
-from tests.conftest import enqueue, free_port, post_json, read_results, run_genq, wait_until, write_prompts
+from tests.conftest import enqueue, post_json, read_results, restart_port, run_genq, wait_until, write_prompts
 
 FAST = dict(mean_output_tokens=120, output_sigma=1.0, tokens_per_step=16, step_ms_base=5)
 
@@ -143,7 +143,7 @@ def test_whole_worker_killed_is_recovered_by_rq_and_nothing_duplicates(redis_url
 
 def test_worker_survives_redis_restart(sim, procs, tmp_path):
     """A private Redis with appendonly, restarted mid-run: nothing lost, the worker carries on."""
-    port = free_port()
+    port = restart_port()
     data = tmp_path / "redis"
     data.mkdir()
     args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
