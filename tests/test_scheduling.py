@@ -139,9 +139,13 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
 
     Measured as prompts finished a second once both jobs' shares have settled, until the second job
     has nothing left to start (rates_while_both_run): after that its last requests drain alone and
-    the first job fills the slots they free, as any work-conserving scheduler does. The share is
-    the fleet's (worker/shares.py): kept per worker, the worker given fewer of the second job's
-    batches ran out first and ran the first job alone (44 against 29 prompts/s)."""
+    the first job fills the slots they free, as any work-conserving scheduler does. Under load each
+    job's share of the running requests swings between ~0.2 and ~0.8 every few seconds (load 12 on 2
+    cores, 2026-12-06); the second job stays at 6 batches all the same: the queue puts a later job's
+    batches first until it has been given as many as the first (interleave), and 12 took every batch
+    the workers held (39.6 against 18.7 prompts/s). The share is the fleet's (worker/shares.py):
+    kept per worker, the worker given fewer of the second job's batches ran out first and ran the
+    first job alone (44 against 29 prompts/s)."""
     servers = [sim(**SERVER), sim(**SERVER)]
     a_ids, out = enqueue(tmp_path, "aa", 3000, "--batch-size", "100", "--max-tokens", "2000")
     workers = [worker(url, "--burst", name=f"w{i}") for i, url in enumerate(servers)]
