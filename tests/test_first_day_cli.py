@@ -162,7 +162,9 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
                 return s
         return None
 
-    found = wait_until(sending_batch, 60, "a prompt being sent, its batch held")
+    # A look is eight CLI runs (seconds each on a loaded machine); the state it waits for lasts the first
+    # batch's four requests, 160 s.
+    found = wait_until(sending_batch, 150, "a prompt being sent, its batch held")
     # One request at a time (40 s each): none done yet; those not claimed wait in the worker holding the batch.
     assert set(found.values()) <= {"sending", "held"}, found
     engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
