@@ -55,9 +55,9 @@ def started(conn, job: str) -> int:
     return p.completed + p.failed + p.in_flight
 
 
-def rates_while_both_run(conn, first: str, second: str, slots: int) -> tuple[float, float, float]:
-    """Prompts/s finished of each job, from once the second has finished `slots` prompts (both jobs'
-    shares settled) until it has nothing left to start: (first, second, seconds measured).
+class BothRunning:
+    """Prompts/s finished of each of two jobs, from once the second has finished `slots` prompts (both
+    jobs' shares settled: made at that moment) until it has nothing left to start (`rates()`).
 
     Finished prompts are counted as recorded (the counters of record, current to the write);
     prompts in flight are known only from the workers' last beats, up to a beat or more late under
@@ -66,13 +66,20 @@ def rates_while_both_run(conn, first: str, second: str, slots: int) -> tuple[flo
     (32.6 against 42.3 prompts/s on a loaded 2-core machine, 2026-12-06).
     Until the second job's last prompt starts, its finished prompts are those started a request's
     time before, at the same settled shares."""
-    wait_until(lambda: done_count(conn, second) >= slots, 60, f"{second}: {slots} prompts finished")
-    t0, (a0, b0) = time.monotonic(), finished_counts(conn, first, second)
-    wait_until(lambda: progress(conn, second).queued == 0, 180, f"{second} with nothing left to start",
-               interval=0.2)
-    span, (a1, b1) = time.monotonic() - t0, finished_counts(conn, first, second)
-    assert not finished(conn, first), "the first job ended first: nothing was measured"
-    return (a1 - a0) / span, (b1 - b0) / span, span
+
+    def __init__(self, conn, first: str, second: str, slots: int) -> None:
+        self.conn, self.first, self.second = conn, first, second
+        wait_until(lambda: done_count(conn, second) >= slots, 60, f"{second}: {slots} prompts finished")
+        self.t0, self.counts = time.monotonic(), finished_counts(conn, first, second)
+
+    def rates(self) -> tuple[float, float, float]:
+        """(first, second, seconds measured)."""
+        wait_until(lambda: progress(self.conn, self.second).queued == 0, 180,
+                   f"{self.second} with nothing left to start", interval=0.2)
+        span, (a1, b1) = time.monotonic() - self.t0, finished_counts(self.conn, self.first, self.second)
+        assert not finished(self.conn, self.first), "the first job ended first: nothing was measured"
+        a0, b0 = self.counts
+        return (a1 - a0) / span, (b1 - b0) / span, span
 
 
 def finished_counts(conn, *jobs: str) -> tuple[int, ...]:
@@ -138,7 +145,7 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
     """#26: equal priority, queued 10 s apart: equal prompt rates (within 20%) while both compete.
 
     Measured as prompts finished a second once both jobs' shares have settled, until the second job
-    has nothing left to start (rates_while_both_run): after that its last requests drain alone and
+    has nothing left to start (BothRunning): after that its last requests drain alone and
     the first job fills the slots they free, as any work-conserving scheduler does. Under load each
     job's share of the running requests swings between ~0.2 and ~0.8 every few seconds (load 12 on 2
     cores, 2026-12-06); the second job stays at 6 batches all the same: the queue puts a later job's
@@ -155,7 +162,7 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
     queued_at = time.monotonic()
     wait_until(lambda: started(rconn, "bb") > 0, 15, "the second job's first prompt started", interval=0.05)
     print(f"second job: first prompt started {time.monotonic() - queued_at:.1f}s after being queued")
-    wait_until(lambda: done_count(rconn, "bb") > 0, 60, "the second job under way")
+    window = BothRunning(rconn, "aa", "bb", slots=2 * SERVER["max_running_requests"])
     # genq jobs and the monitor show each job's priority and its share of the fleet now.
     wait_until(lambda: all(0.25 < r["share"] < 0.75 for r in json.loads(run_genq(
         "jobs", "--json", redis_url=redis_url).stdout)), 60, "both jobs sharing the fleet in `genq jobs`")
@@ -165,7 +172,7 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
                                                         redis_url=redis_url).stdout))["share"] > 0 and s,
                        30, "the monitor showing the second job's share")
     assert shown["priority"] == 0 and 0 < shown["share"] <= 1, shown
-    rate_a, rate_b, span = rates_while_both_run(rconn, "aa", "bb", slots=2 * SERVER["max_running_requests"])
+    rate_a, rate_b, span = window.rates()
     print(f"over {span:.1f}s: first job {rate_a:.1f} prompts/s finished, second {rate_b:.1f}")
     assert abs(rate_a - rate_b) <= 0.2 * max(rate_a, rate_b), f"prompts/s: first {rate_a:.1f}, second {rate_b:.1f}"
     wait_until(lambda: finished(rconn, "bb"), 180, "the second job done")
@@ -187,7 +194,7 @@ def test_a_job_held_by_one_worker_of_two_gets_half_the_fleet(redis_url, rconn, s
     time.sleep(2)
     b_ids, _ = enqueue(tmp_path, "jb", 400, "--batch-size", "400", "--max-tokens", "2000", start=10_000)
     wait_until(lambda: started(rconn, "jb") > 0, 15, "the second job's first prompt started", interval=0.05)
-    rate_a, rate_b, span = rates_while_both_run(rconn, "ja", "jb", slots=2 * SERVER["max_running_requests"])
+    rate_a, rate_b, span = BothRunning(rconn, "ja", "jb", slots=2 * SERVER["max_running_requests"]).rates()
     print(f"over {span:.1f}s: first job {rate_a:.1f} prompts/s finished, second (one batch) {rate_b:.1f}")
     assert abs(rate_a - rate_b) <= 0.2 * max(rate_a, rate_b), f"prompts/s: first {rate_a:.1f}, second {rate_b:.1f}"
     for w in workers:
