@@ -36,12 +36,14 @@ demo: $(BIN)/genq
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
+# loadgroup: tests marked with one xdist_group run in one process (to share a module's fixture); the
+# rest go one by one to whichever process is free, in tests/tiers.py's order.
 test: $(VENV)/.test-extras check
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The fast tier: every test that starts no process (tests/tiers.py marks and guards the tiers).
 test-fast: $(VENV)/.test-extras check
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m fast
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m fast
 
 # The house rules, measured: lint with import order, types, layers/sizes/circles.
 check: $(VENV)/.test-extras

@@ -10,8 +10,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,22 @@ pytest_plugins = ["tests.tiers"]  # the fast and end-to-end tiers
 _PRIVATE = LocalRedis()
 atexit.register(_PRIVATE.stop)
 REDIS_URL = _PRIVATE.url
+
+
+def restart_port() -> int:
+    """A free loopback port for a server a test stops and starts again on it (an outage): below Linux's
+    ephemeral range (32768-60999 by default), where free_port() (bind to port 0) and outgoing
+    connections take theirs, so no other test's server or connection takes it while it is down."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(100):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def wait_http(url: str, timeout: float = 15.0, want: int | None = 200) -> None:

@@ -21,7 +21,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, restart_port
 
 # Fake credentials and a region for boto3; short botocore retries so an outage
 # shows up in the worker's log quickly (the worker retries the shard itself).
@@ -114,7 +114,7 @@ def s3_env(monkeypatch) -> dict[str, str]:
 @pytest.fixture
 def moto(s3_env, tmp_path: Path) -> Iterator[MotoServer]:
     """A running moto S3 server on a free loopback port, stopped after the test."""
-    server = MotoServer(free_port(), tmp_path / "moto.log")
+    server = MotoServer(restart_port(), tmp_path / "moto.log")
     server.start()
     yield server
     server.stop()

@@ -24,7 +24,8 @@ import yaml
 from genq.core.localredis import free_port
 from tests.conftest import ROOT, read_results, wait_http, wait_until, write_prompts
 
-pytestmark = pytest.mark.e2e
+# One process runs both tests (make test: --dist loadgroup), so the image is built once.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("deploy-image")]
 
 
 def copied_layout(dest: Path) -> Path:

@@ -28,9 +28,9 @@ from genq.core.queueing import rq_queue
 from genq.sim.lengths import prompt_key
 from tests.audit import audit
 from tests.conftest import (
-    free_port,
     genq_cmd,
     post_json,
+    restart_port,
     run_genq,
     sim_stats,
     wait_until,
@@ -62,7 +62,7 @@ class OwnRedis:
 
     def __init__(self, procs, tmp_path: Path, *, appendonly: bool = True) -> None:
         self.procs = procs
-        self.port = free_port()
+        self.port = restart_port()
         data = tmp_path / f"redis-{self.port}"
         data.mkdir()
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if appendonly else ["--appendonly", "no"]

@@ -143,7 +143,7 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
     write_prompts(tmp_path / "p.jsonl", 8)
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400",
              "--output", str(tmp_path / "out"))
-    url = sim(max_running_requests=1, step_ms_base=200, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=200,
+    url = sim(max_running_requests=1, step_ms_base=1000, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=200,
               output_sigma=0.1)
     worker(url, "--concurrency", "1", "--name", "slow-w")
 
@@ -162,8 +162,10 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
                 return s
         return None
 
-    found = wait_until(sending_batch, 60, "a prompt being sent, its batch held")
-    # One request at a time (40 s each): none done yet; those not claimed wait in the worker holding the batch.
+    # A look is eight CLI runs, seconds each on a loaded machine (at 40 s a request, one was done by the
+    # end of a look at load 11): the state it waits for lasts the first request's 200 s.
+    found = wait_until(sending_batch, 150, "a prompt being sent, its batch held")
+    # One request at a time (200 s each): none done yet; those not claimed wait in the worker holding the batch.
     assert set(found.values()) <= {"sending", "held"}, found
     engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
                         .stdout)["holder"]

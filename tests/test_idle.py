@@ -34,6 +34,17 @@ def idle_worker(rconn, sim, worker):
     return proc
 
 
+def asleep(rconn, *names: str) -> None:
+    """Waits until each worker's heartbeat has been quiet 5 s (busy, it beats every second): the idle
+    pace, its heartbeat and its stealer asleep until woken."""
+    def quiet(name: str) -> bool:
+        raw = rconn.get(keys.worker_status(name))
+        return raw is not None and time.time() - unpack(raw, WorkerStatus).heartbeat_at > 5
+
+    wait_until(lambda: all(quiet(n) for n in names), timeout=IDLE_AFTER_S + IDLE_BEAT_S + 30, interval=0.2,
+               what=f"the idle pace of {', '.join(names)} (heartbeats spaced out)")
+
+
 def test_an_idle_worker_issues_under_one_redis_command_a_second(redis_url, rconn, sim, worker):
     proc = idle_worker(rconn, sim, worker)
     rconn.config_resetstat()
@@ -53,7 +64,7 @@ def test_an_idle_worker_issues_under_one_redis_command_a_second(redis_url, rconn
 
 def test_an_idle_worker_takes_a_job_enqueued_while_it_waits_within_2s(redis_url, rconn, sim, worker, tmp_path):
     idle_worker(rconn, sim, worker)
-    time.sleep(IDLE_BEAT_S)  # well into the idle pace: its heartbeat is asleep
+    asleep(rconn, "idler")
     src = tmp_path / "prompts.jsonl"
     write_prompts(src, 20)
     run_genq("enqueue", str(src), "--job", "wake", "--batch-size", "10", "--max-tokens", "16",
@@ -100,7 +111,7 @@ def test_an_idle_worker_takes_stealable_prompts_within_3s_of_their_lease(redis_u
     for name in ("wa", "wb"):
         worker(sim(**slow), "--name", name)
     wait_until(lambda: all(rconn.get(keys.worker_status(n)) for n in ("wa", "wb")), timeout=30, what="heartbeats")
-    time.sleep(IDLE_AFTER_S + 3 + IDLE_BEAT_S)  # well into the idle pace: heartbeats and stealers asleep
+    asleep(rconn, "wa", "wb")
     assert rconn.pubsub_numsub(keys.WAKE) == [(keys.WAKE.encode(), 2)], "both idle workers listen for WAKE"
     src = tmp_path / "prompts.jsonl"
     write_prompts(src, 60)

@@ -125,8 +125,11 @@ def test_s3_outage_mid_run_acknowledges_only_uploaded_batches(moto, redis_url, r
     ids, data = prompt_lines(96)
     src = tmp_path / "prompts.jsonl"
     src.write_bytes(data)
+    # ~0.5 s a request, 12 rounds of 8: S3 goes down with most of the job left even when this process,
+    # slowed by load, takes seconds to list the bucket and stop the server (at 0.15 s a request the
+    # worker had finished all 12 batches by then, at load 11 on 2 cores).
     server = sim(max_running_requests=8, mean_output_tokens=160, output_sigma=0.3, tokens_per_step=16,
-                 step_ms_base=15)
+                 step_ms_base=50)
     run_genq("enqueue", str(src), "--job", "outage", "--batch-size", "8", "--max-tokens", "400",
              "--output", f"s3://{BUCKET}/out", "--s3-endpoint-url", moto.url, redis_url=redis_url)
     all_batches = {b.decode() for b in rconn.zrange(keys.job_batches("outage"), 0, -1)}

@@ -30,6 +30,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fast)
         else:
             item.add_marker(pytest.mark.e2e)
+    # End-to-end tests first, the fast ones last: xdist hands tests out in this order as processes free
+    # up, so the many short tests fill in while the last long ones end, and the processes finish together.
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 @pytest.fixture(autouse=True)
