@@ -206,9 +206,7 @@ class Enqueuer:
                     if taking and self._closed is not None and not self._create:
                         pipe.reset()
                         raise JobClosed(self._closed)
-                    if not taking:
-                        pipe.unwatch()
-                    batches = self._queue(pipe, taking) if taking else 0
+                    batches = self._queue(pipe, taking) if taking else 0  # leaving the pipeline unwatches
                     break
                 except redis.WatchError:
                     continue  # another enqueue (or a DLQ requeue) wrote meanwhile: look again
