@@ -11,12 +11,14 @@ The output is the durable truth: before a batch is queued, OUTPUT/JOB/job.json r
 and OUTPUT/JOB/enqueues/RUN.json names it (genq.output.truth), so what Redis loses is found there.
 
 Memory is bounded whatever the input's size: rows are read a chunk at a time, the dedupe lives in
-Redis, and only the rows of the group being queued are held.
+Redis, and only the rows of the group being queued are held. A dry run (`genq enqueue --dry-run`)
+goes the same way writing nothing: its claims are held in memory instead.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -80,12 +82,15 @@ class EnqueueSummary:
 
 class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
-                 reference: str | None = None, input_uri: str | None = None, closed: str | None = None) -> None:
+                 reference: str | None = None, input_uri: str | None = None, closed: str | None = None,
+                 dry_run: bool = False) -> None:
         """create: the job has no stored config yet (it is stored with the first batches).
         rejects: where rejected lines go as they are found (the caller closes or discards it).
         reference: the input as workers read it (s3://... or an absolute path), to queue batches by
         reference; None stores the prompts inline. input_uri: recorded in job.json for `genq recover`.
-        closed: the job is finished: JobClosed(closed) is raised before a new prompt is queued."""
+        closed: the job is finished: JobClosed(closed) is raised before a new prompt is queued.
+        dry_run: check and count as for real, writing nothing (neither Redis nor the output is written,
+        nor the output read: prompts are counted against Redis alone)."""
         self.conn = conn
         self.rejects = rejects
         self.config = config
@@ -101,13 +106,15 @@ class Enqueuer:
         self._run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"  # enqueues/RUN.json
         self._queued: list[str] = []
         self._prompts = 0
+        self._dry_claims: dict[str, bytes] | None = {} if dry_run else None  # id -> digest, claimed in memory
 
     def run(self, rows: Iterable[Row | Rejected], on_progress: Callable[[EnqueueSummary], None] | None = None,
             meter: Meter | None = None) -> EnqueueSummary:
         """Queue `rows`. They are read (parsed, checked, digested) in a thread of their own, a chunk ahead
         of the one being queued, so Redis's replies and zstd (which release the GIL) overlap the parsing.
         `meter` (the one `rows` advance) is told how many rows are handed on."""
-        self._reach_output(self._from_output)
+        if self._dry_claims is None:
+            self._reach_output(self._from_output)
         meter, read = meter or Meter(), 0
         for items, position in _read_ahead(_chunks(rows, meter)):
             read += len(items)
@@ -188,48 +195,63 @@ class Enqueuer:
     def _commit(self, group: list[Row], final: bool) -> list[Row]:
         """Claim the new ids of `group` and queue their batches in one transaction; return the rows held back."""
         group = self._unique(group)
-        job, size = self.config.name, self.config.batch_size
+        size = self.config.batch_size
         with self.conn.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    ledger_jobs.watch_enqueue(pipe, job)
-                    if self._create:
-                        self._check_created_meanwhile(pipe)
-                    known = lookup_ids(pipe, job, [(row.prompt.id, row.digest) for row in group])
+                    known = self._lookup(pipe, group)
                     fresh = [row for row, k in zip(group, known) if k == ID_NEW]
                     keep = len(fresh) if final else len(fresh) - len(fresh) % size
                     taking, held = fresh[:keep], fresh[keep:]
-                    batches: list[BatchSource] = []
                     if taking and self._closed is not None and not self._create:
                         pipe.reset()
                         raise JobClosed(self._closed)
-                    if not taking:
-                        pipe.unwatch()
-                        break
-                    batches = self._batches(pipe, taking)
-                    self._reserve(batches[-1].id)
-                    self._record_enqueue([b.id for b in batches], len(taking))
-                    pipe.multi()
-                    if self._create:
-                        stage_config(pipe, self.config)
-                    ledger_jobs.stage_last_batch_number(pipe, job, batch_number(batches[-1].id))
-                    write_batches(pipe, self.conn, batches, {row.prompt.id: row.digest for row in taking})
-                    pipe.execute()
+                    batches = self._queue(pipe, taking) if taking else 0  # leaving the pipeline unwatches
                     break
                 except redis.WatchError:
                     continue  # another enqueue (or a DLQ requeue) wrote meanwhile: look again
-        self._queued += [b.id for b in batches]
         self._prompts += len(taking)
         if batches and self._create:
             self._create = False
             self.summary.created = True
         self.summary.enqueued += len(taking)
-        self.summary.batches += len(batches)
+        self.summary.batches += batches
         self.summary.skipped_existing += known.count(ID_SAME)
         for row, k in zip(group, known):
             if k == ID_OTHER:
                 self._reject(_conflict(row, "queued earlier: farther up this input or in an earlier enqueue of this job"))
         return held
+
+    def _lookup(self, pipe: redis.client.Pipeline, group: list[Row]) -> str:
+        """ID_NEW, ID_SAME or ID_OTHER for each row, under WATCH of what the transaction depends on."""
+        digests = [(row.prompt.id, row.digest) for row in group]
+        if self._dry_claims is None:
+            ledger_jobs.watch_enqueue(pipe, self.config.name)
+            if self._create:
+                self._check_created_meanwhile(pipe)
+            return lookup_ids(pipe, self.config.name, digests)
+        answers = list(lookup_ids(self.conn, self.config.name, digests))
+        for i, (id_, digest) in enumerate(digests):
+            if (claim := self._dry_claims.get(id_)) is not None:
+                answers[i] = ID_SAME if claim == digest else ID_OTHER
+        return "".join(answers)
+
+    def _queue(self, pipe: redis.client.Pipeline, rows: list[Row]) -> int:
+        """Claim the rows' ids and queue their batches (under WATCH, from `_lookup`); how many batches."""
+        if self._dry_claims is not None:
+            self._dry_claims.update((row.prompt.id, row.digest) for row in rows)
+            return -(-len(rows) // self.config.batch_size)
+        batches = self._batches(pipe, rows)
+        self._reserve(batches[-1].id)
+        self._record_enqueue([b.id for b in batches], len(rows))
+        pipe.multi()
+        if self._create:
+            stage_config(pipe, self.config)
+        ledger_jobs.stage_last_batch_number(pipe, self.config.name, batch_number(batches[-1].id))
+        write_batches(pipe, self.conn, batches, {row.prompt.id: row.digest for row in rows})
+        pipe.execute()
+        self._queued += [b.id for b in batches]
+        return len(batches)
 
     def _reserve(self, last_batch: str) -> None:
         """job.json says the batch numbers about to be queued may be in use, before they are."""
@@ -310,10 +332,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
             back = [e for e in dlq.dead_letters(conn, config.name) if e.id in wanted]
             again = sum(dlq.requeue(conn, back).prompts.values()) if back else 0
         elif record.input:
-            rejects = RejectsFile(default_rejects_path(record.input, config.output, config.name))
-            rows = open_rows(record.input, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
-            again = Enqueuer(conn, config, create=False, rejects=rejects, input_uri=record.input).run(rows).enqueued
-            rejects.close()
+            again = enqueue_again(conn, config, record.input).enqueued
         else:
             log.error("job %s: Redis lost batches %s of an enqueue whose input is not recorded; enqueue it again",
                       config.name, ", ".join(lost[:8]))
@@ -325,6 +344,16 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
                     "with neither an outcome nor a batch again", config.name, len(lost),
                     f"the enqueue of {record.input}" if record.input else "a requeue of dead letters", again)
     return queued
+
+
+def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, reference: str | None = None) -> EnqueueSummary:
+    """What the job does not hold of one of its inputs (`located`), queued again; rejects go to the
+    input's default rejects file."""
+    rejects = RejectsFile(os.path.abspath(default_rejects_path(input_uri, config.output, config.name)))
+    rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
+    summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference, input_uri=input_uri).run(rows)
+    rejects.close()
+    return summary
 
 
 def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:

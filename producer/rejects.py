@@ -4,7 +4,8 @@ Rejects arrive nearly in line order (parse errors as lines are read, duplicate i
 later); the enqueuer says which line it has checked up to (`release`) and the rejects below it are
 written then, so the file comes out sorted by line. It is written as PATH.partial and renamed at the
 end; `discard` (nothing was queued) removes it and the folders it made. A file that cannot be
-written is reported, not fatal: the rejects are still counted and the first few shown.
+written is reported, not fatal: the rejects are still counted and the first few shown. With no
+path (a dry run) nothing is written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _encoder = msgspec.json.Encoder()
 
 
 class RejectsFile:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None) -> None:
         self.path = path
         self.count = 0
         self.first: list[Rejected] = []  # the SHOWN lowest lines
@@ -32,7 +33,7 @@ class RejectsFile:
         self._held: list[tuple[int, int, Rejected]] = []  # a heap by line
         self._out: BinaryIO | None = None
         self._made: list[Path] = []  # the folders this created, deepest first
-        self._partial = path + ".partial"
+        self._partial = f"{path}.partial"
 
     def add(self, rejected: Rejected) -> None:
         self.count += 1
@@ -46,7 +47,7 @@ class RejectsFile:
     def close(self) -> None:
         """Write what is held and move the file into place."""
         self.release(None)
-        if self._out is not None:
+        if self._out is not None and self.path is not None:
             self._out.close()
             self._out = None
             try:
@@ -59,7 +60,7 @@ class RejectsFile:
         if self._out is not None:
             self._out.close()
             self._out = None
-        Path(self._partial).unlink(missing_ok=True)
+            Path(self._partial).unlink(missing_ok=True)
         for folder in self._made:
             try:
                 folder.rmdir()
@@ -69,7 +70,7 @@ class RejectsFile:
     def _write(self, rejected: Rejected) -> None:
         if len(self.first) < SHOWN:
             self.first.append(rejected)
-        if self.error is not None:
+        if self.error is not None or self.path is None:
             return
         try:
             if self._out is None:

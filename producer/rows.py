@@ -83,7 +83,8 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]
     if not isinstance(obj, dict):
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     if "custom_id" in obj and "body" in obj:
-        prompt, where = _openai_batch_row(line_no, obj), "OpenAI Batch 'body'"
+        prompt, where = _plain_row(line_no, _openai_batch_row(obj)), "OpenAI Batch 'body'"
+        prompt.custom_id = prompt.id
     else:
         prompt, where = _plain_row(line_no, obj), "'sampling'"
     if prompt.sampling is not None:
@@ -119,7 +120,8 @@ def _plain_row(line_no: int, obj: dict[str, Any]) -> Prompt:
     return prompt
 
 
-def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
+def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI Batch line as the plain row it stands for, checked as one from there on."""
     custom_id = obj["custom_id"]
     if not isinstance(custom_id, str) or not custom_id:
         raise RowError("'custom_id' must be a non-empty string")
@@ -133,16 +135,10 @@ def _openai_batch_row(line_no: int, obj: dict[str, Any]) -> Prompt:
     body = obj["body"]
     if not isinstance(body, dict):
         raise RowError("OpenAI Batch 'body' must be an object")
-    value: Any = body.get(field)
-    if field == "messages":
-        if value is None:
-            raise RowError("OpenAI Batch body has no 'messages'")
-        _check_messages(value)
-    elif not isinstance(value, str) or not value:
-        raise RowError("OpenAI Batch body for /v1/completions needs a non-empty string 'prompt'")
-    return Prompt(id=custom_id, index=line_no - 1, custom_id=custom_id,
-                  messages=value if field == "messages" else None, prompt=value if field == "prompt" else None,
-                  sampling={k: v for k, v in body.items() if k not in _BODY_FIELDS_IGNORED} or None)
+    if body.get(field) is None:
+        raise RowError(f"OpenAI Batch body for {url} has no {field!r}")
+    return {"id": custom_id, field: body[field],
+            "sampling": {k: v for k, v in body.items() if k not in _BODY_FIELDS_IGNORED}}
 
 
 def _check_messages(messages: Any) -> None:

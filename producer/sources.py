@@ -123,6 +123,11 @@ def _open(uri: str, s3_endpoint_url: str | None, seekable: bool = False) -> Bina
     return open(uri, "rb")
 
 
+def located(uri: str) -> str:
+    """The input as every machine names it: an s3:// URI as given, a local path made absolute."""
+    return uri if is_s3(uri) else os.path.abspath(uri)
+
+
 def default_rejects_path(uri: str, output: str, job: str) -> str:
     """OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl, never beside the input (its folder
     may be read-only or somebody else's); for an s3:// output, ./genq-rejects/JOB/NAME.rejects.jsonl."""

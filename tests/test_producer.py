@@ -149,6 +149,29 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
     assert summary.enqueued == n - n // 10 - 1
 
 
+def test_a_dry_run_counts_what_the_real_enqueue_then_does_and_writes_nothing(rconn, tmp_path):
+    """The dry run is the real enqueue with its claims held in memory: a repeat or an other-content
+    line of an id far up the input (groups apart) is counted as the real run counts it."""
+    from genq.core.records import JobConfig
+    from genq.producer.enqueue import Enqueuer
+    from genq.producer.rejects import RejectsFile
+    from genq.producer.sources import jsonl_rows
+
+    lines = [json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}).encode() + b"\n" for i in range(100)]
+    lines += [lines[0], lines[1], json.dumps({"id": "p2", "prompt": "other"}).encode() + b"\n", b"{bad\n"]
+    config = JobConfig(name="same", output=str(tmp_path / "out"), batch_size=3)
+
+    def summary(dry_run: bool) -> tuple[int, ...]:
+        rejects = RejectsFile(None if dry_run else str(tmp_path / "rejects.jsonl"))
+        got = Enqueuer(rconn, config, create=True, rejects=rejects, dry_run=dry_run).run(jsonl_rows(lines, config.endpoint))
+        rejects.close()
+        return got.enqueued, got.batches, got.skipped_existing, got.skipped_duplicate, got.rejected
+
+    dry = summary(dry_run=True)
+    assert rconn.dbsize() == 0 and not (tmp_path / "out").exists()
+    assert dry == summary(dry_run=False) == (100, 34, 2, 0, 2)
+
+
 def test_dry_run_checks_rows_for_the_jobs_endpoint_as_the_real_enqueue_does(redis_url, tmp_path):
     """A 'prompt' row in a chat job is queued as one user message: a dry run of the same input again
     finds it queued (same content), and a 'messages' row for a completions job is rejected in the

@@ -18,13 +18,17 @@ from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
 from genq.core.redisconn import connect, describe_error
 from genq.core.refusals import redis_note_of
+from genq.core.state import FINISHED_STATUSES
 from genq.core.words import plural
 from genq.monitor.view import duration
-from genq.producer.enqueue import Enqueuer, EnqueueSummary
+from genq.ops.control import job_rows
+from genq.output import truth
+from genq.output.sink import open_store
+from genq.producer.enqueue import Enqueuer, EnqueueSummary, revives
 from genq.producer.meter import Meter
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, is_s3, open_rows
+from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, is_s3, located, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -107,9 +111,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url, columns=columns,
                          meter=meter)
         if dry_run:
-            from genq.cli.dryrun import dry_run as check_only
-
-            sys.exit(check_only(conn, config, create, input_uri, rows, closed))
+            sys.exit(_dry_run(conn, config, create, input_uri, rows, reference, meter, closed))
         rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
         try:
             summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter, closed)
@@ -187,18 +189,13 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
         raise ValueError(f"--input-by-reference needs an uncompressed JSONL input (workers read byte ranges of it); "
                          f"{input_uri} is {'Parquet' if is_parquet(input_uri) else 'gzip-compressed'}: "
                          "use --input-inline, or decompress it")
-    return input_uri if is_s3(input_uri) else os.path.abspath(input_uri)
+    return located(input_uri)
 
 
 def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) -> str | None:
     """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not
     one of its own inputs (None: not refused). Its own input again is the same command again: after
     `genq dlq purge`, or an input fixed in place, it queues what the job does not hold."""
-    from genq.core.state import FINISHED_STATUSES
-    from genq.ops.control import job_rows
-    from genq.output import truth
-    from genq.output.sink import open_store
-
     row = job_rows(conn, [job])[0]
     if row.state not in FINISHED_STATUSES:
         return None
@@ -206,7 +203,7 @@ def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) ->
         record = truth.read_job(open_store(config.output, config.s3_endpoint_url), job)
     except Exception:  # the output unreachable: the enqueue stops on it, saying so
         record = None
-    if record is not None and (input_uri if is_s3(input_uri) else os.path.abspath(input_uri)) in record.inputs:
+    if record is not None and located(input_uri) in record.inputs:
         return None
     return (f"job {job} is {row.state} ({plural(row.total, 'prompt')}, output {config.output}) and {input_uri}, "
             f"not one of its inputs, has prompts it does not hold: adding them would run it again, writing into "
@@ -233,7 +230,7 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
         click.echo(f"\r  {line}", err=True, nl=False)
 
     enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
-                        input_uri=input_uri if is_s3(input_uri) else os.path.abspath(input_uri), closed=closed)
+                        input_uri=located(input_uri), closed=closed)
     summary = enqueuer.run(rows, on_progress=progress, meter=meter)
     if show_progress:
         click.echo("", err=True)
@@ -245,6 +242,47 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
             f"from {input_uri} in {time.monotonic() - started:.1f}s"
         )
     return summary
+
+
+def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str, rows: Iterator[Row | Rejected],
+             reference: str | None, meter: Meter, closed: str | None) -> int:
+    """`--dry-run`: the real enqueue's checks and counts (genq.producer.enqueue), nothing written; the
+    exit status the real one would have, and `closed` said as the reason it would be refused."""
+    rejects = RejectsFile(None)
+    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference, dry_run=True).run(rows, meter=meter)
+    _show_reasons(rejects, None)
+    click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(summary.enqueued, 'prompt')} "
+               f"would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} from {input_uri}"
+               + (f"; {plural(summary.skipped_existing, 'prompt')} already queued or done would be skipped"
+                  if summary.skipped_existing else "")
+               + (f"; {plural(summary.skipped_duplicate, 'repeated line')} would be skipped" if summary.skipped_duplicate else "")
+               + (f"; {plural(summary.rejected, 'line')} rejected" if summary.rejected else "")
+               + ". Nothing was written.")
+    if closed is not None and summary.enqueued:
+        click.echo(f"the real enqueue would be refused: {closed}", err=True)
+        return 1
+    if not summary.read:
+        return 1
+    return EXIT_PARTLY_DONE if summary.rejected else 0
+
+
+def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
+    """What the job's name stands for now, as --dry-run says it."""
+    if not create:
+        row = job_rows(conn, [config.name])[0]
+        return f"an existing job, {row.state}, {plural(row.total, 'prompt')}; its settings agree"
+    store = open_store(config.output, config.s3_endpoint_url)
+    try:
+        on_disk = truth.read_job(store, config.name)
+    except Exception as exc:  # the output unreachable: the real enqueue stops on it, saying so
+        return f"a new job, unless {config.output} (unreadable from here: {type(exc).__name__}) holds it"
+    if on_disk is None:
+        return "a new job"
+    if revives(on_disk, config):
+        return (f"not in Redis, but {truth.job_uri(store, config.name)} holds it: it would be created again from "
+                "there, its written batches counted as done (below, prompts are counted against Redis alone)")
+    return (f"a new job; {truth.job_uri(store, config.name)} holds an earlier job of this name "
+            f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")
 
 
 def _emptiness(input_uri: str) -> str:

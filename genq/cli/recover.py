@@ -11,9 +11,8 @@ from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn
 from genq.cli.enqueue import reference_uri
 from genq.core.words import plural
 from genq.ops import recover as recovering
-from genq.producer.enqueue import Enqueuer
-from genq.producer.rejects import RejectsFile
-from genq.producer.sources import SourceError, default_rejects_path, is_s3, open_rows
+from genq.producer.enqueue import enqueue_again
+from genq.producer.sources import SourceError, located
 
 
 @click.command(short_help="Rebuild a job's ledger in Redis from its written output.")
@@ -56,11 +55,7 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
                 click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
                            "again (give --input)", err=True)
             for source in sources:
-                rejects = RejectsFile(os.path.abspath(default_rejects_path(source, config.output, job)))
-                rows = open_rows(source, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
-                summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference_uri(source, None),
-                                   input_uri=source if is_s3(source) else os.path.abspath(source)).run(rows)
-                rejects.close()
+                summary = enqueue_again(conn, config, located(source), reference_uri(source, None))
                 rejected += summary.rejected
                 click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
                            f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already "
