@@ -22,9 +22,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from genq.core.decodebound import CAPS
 from genq.core.health import CODES
+from genq.core.ledger.figures import JOB_STATUSES
 from genq.core.records import GpuSample
-from genq.core.refusals import NOTE_REASONS
-from genq.core.state import JOB_STATUSES
+from genq.core.redisconn import NOTE_REASONS
 from genq.monitor.progress import DOWN, ETA_STATES, WORKER_STATES, JobReport, Monitor, WorkerReport
 
 log = logging.getLogger("genq.monitor")

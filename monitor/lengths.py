@@ -1,7 +1,7 @@
 """Output lengths: a lognormal fitted to censored observations (pure; no Redis, no clock).
 
 What is known of a job's output lengths: the finished ones, binned in its log-spaced histogram
-(genq.core.histogram.length_bucket: interval-censored); the running ones, at least as long as their
+(genq.core.records.length_bucket: interval-censored); the running ones, at least as long as their
 tokens so far (right-censored); and max_tokens, which cuts every one. fit_lengths() fits
 ln(L + 1) ~ Normal(mu, sigma) by maximum likelihood over all three, so the long completions that
 have started pull the estimate up as they should (the finished ones alone are the short ones).
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from genq.core.histogram import length_bucket
+from genq.core.records import length_bucket
 
 LN2 = math.log(2.0)
 SQRT2 = math.sqrt(2.0)

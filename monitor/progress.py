@@ -22,11 +22,10 @@ from genq.core import decodebound
 from genq.core.decodebound import Verdict
 from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
-from genq.core.ledger.figures import JobSnapshot, WorkerView, read_job
+from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample
-from genq.core.refusals import RedisNote, redis_note_of
-from genq.core.state import JobStatus
+from genq.core.redisconn import RedisNote, redis_note_of
 from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, estimate
 from genq.monitor.rates import RateTracker, once_speed
@@ -68,7 +67,7 @@ class WorkerReport(msgspec.Struct):
 
 class JobProgress(msgspec.Struct):
     job: str
-    status: JobStatus  # genq.core.state: writing = every prompt finished, shards still being written
+    status: JobStatus  # genq.core.ledger.figures: writing = every prompt finished, shards still being written
     updated_at: float
     total: int
     completed: int
@@ -152,7 +151,7 @@ class Monitor:
         self.last_at = 0.0  # time.monotonic() of the last refresh
         self.queue = QueueMirror()  # RQ's queue by genq job, read at its ends between refreshes
         self.fleet: list[WorkerReport] = []  # every worker in genq:workers, whatever job it works on
-        self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting (genq.core.refusals)
+        self.redis_note: RedisNote | None = None  # Redis refusing writes, or evicting (genq.core.redisconn)
 
     @property
     def single(self) -> bool:

@@ -17,7 +17,7 @@ from itertools import islice
 import redis
 
 from genq.core.queueing import job_in_description, rq_queue
-from genq.core.refusals import refusal
+from genq.core.redisconn import refusal
 
 QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts come from the first ones
 WINDOW = 64  # ids read at each end of the list per refresh (more when more were appended)

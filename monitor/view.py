@@ -69,7 +69,7 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None,
     if gpu_note:
         notes.append(Text(f"GPU: {gpu_note}", style="dim"))
     parts.extend(notes)
-    if redis_note:  # Redis refusing writes, or evicting genq's keys (genq.core.refusals)
+    if redis_note:  # Redis refusing writes, or evicting genq's keys (genq.core.redisconn)
         parts.append(Text(f"warning: {redis_note}", style="bold yellow"))
     rq = reports[0].progress.rq_queued
     footer = f"redis {redis_display} · RQ queue genq: {plural(rq, 'batch', 'batches')} (all jobs)"

@@ -33,10 +33,9 @@ import redis
 
 from genq.core import batches as batch_records
 from genq.core.batches import batch_id, batch_number
-from genq.core.durable import EnqueueRecord, JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, stage_config, write_batches
-from genq.core.records import BatchSource, InputRange, JobConfig, Rejected
+from genq.core.records import BatchSource, EnqueueRecord, InputRange, JobConfig, JobRecord, Rejected
 from genq.ops import dlq, recover
 from genq.output import truth
 from genq.output.sink import open_store

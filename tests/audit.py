@@ -227,7 +227,7 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
             problems.append(f"monitor says {what}={reported} but {stored} stored")
     if not failed_batches and mon.get("batches_done") != mon.get("batches_total"):
         problems.append(f"monitor says batches {mon.get('batches_done')}/{mon.get('batches_total')} done")
-    # genq.core.state: a job with nothing in it is empty; one with dead letters ends partial, never done
+    # genq.core.ledger.figures: a job with nothing in it is empty; one with dead letters ends partial, never done
     finished_status = ("partial" if letters else "done") if ids else "empty"
     if not failed_batches and mon.get("status") != finished_status:
         problems.append(f"monitor says status={mon.get('status')!r}, not {finished_status!r}")

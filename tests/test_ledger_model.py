@@ -42,9 +42,9 @@ from genq.core import keys, scripts
 from genq.core import ledger as ledger_mod
 from genq.core.ledger import Reconciler, lease_token
 from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger.figures import job_status
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardInfo, Usage, unpack
-from genq.core.state import job_status
 from genq.ops import control, dlq, recover
 from genq.ops.settings import set_settings
 from genq.ops.written import outcome_for

@@ -16,7 +16,7 @@ from genq.core.decodebound import CAPS
 from genq.core.health import CODES
 from genq.core.queueing import save_config  # noqa: E402
 from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
-from genq.core.refusals import NOTE_REASONS
+from genq.core.redisconn import NOTE_REASONS
 from genq.monitor.exporter import BLOCK_REASONS, ETA_STATES, JOB_STATUSES, WORKER_STATES, make_registry, parse_listen  # noqa: E402
 from genq.monitor.progress import Monitor  # noqa: E402
 from tests.conftest import free_port, genq_cmd, read_results, run_genq, wait_http, wait_until, write_prompts

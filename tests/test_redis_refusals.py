@@ -1,6 +1,6 @@
 """A Redis that answers but refuses genq's writes, and one whose policy would evict genq's keys.
 
-Three refusals a run of days meets (genq.core.refusals): Redis full at its maxmemory under
+Three refusals a run of days meets (genq.core.redisconn): Redis full at its maxmemory under
 noeviction ("OOM command not allowed when used memory > 'maxmemory'"; inside MULTI it refuses
 reads too), Redis unable to save its snapshot, as with a full disk ("MISCONF ...": it refuses
 writes and PING), and an address that is a read-only replica now ("READONLY ..."). Each is
@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from genq.core import keys
 from genq.core.localredis import LocalRedis
-from genq.core.refusals import NO_DISK, NOTE_REASONS, REPLICA
+from genq.core.redisconn import NO_DISK, NOTE_REASONS, REPLICA
 from genq.core.timings import LEASE_TIMEOUT_S
 from genq.monitor.exporter import make_registry
 from genq.monitor.progress import Monitor

@@ -14,9 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from genq.core import keys
-from genq.core.durable import JobRecord
 from genq.core.queueing import load_config
-from genq.core.records import ShardInfo, unpack
+from genq.core.records import JobRecord, ShardInfo, unpack
 from tests.conftest import batch_prompts, run_genq, wait_until
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 

@@ -9,8 +9,7 @@ import re
 import pytest
 
 from genq.core import scripts
-from genq.core.durable import ShardMarker
-from genq.core.records import BatchRef, DeadLetter, ShardInfo
+from genq.core.records import BatchRef, DeadLetter, ShardInfo, ShardMarker
 
 SCRIPTS = sorted(p.stem for p in scripts.HERE.glob("*.lua") if not p.stem.startswith("_"))
 REF = BatchRef("j", "b0000001")

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from genq.core import batches, scripts
-from genq.core.durable import ShardMarker
 from genq.core.ledger import leasing
-from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, unpack, with_prompt
+from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, ShardMarker, unpack, with_prompt
 from genq.core.waits import retrying
 from genq.ops.written import adopt_marker, outcome_for, written_marker
 from genq.output.sink import open_sink, shard_bytes

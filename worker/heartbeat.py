@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from genq.core import decodebound
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
-from genq.core.refusals import redis_note, refusal, trouble
+from genq.core.redisconn import redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.controller import ConcurrencyController
@@ -56,7 +56,7 @@ class GpuSampler:
 
 
 class RedisOutage:
-    """A run of failed beats: Redis away or refusing writes (genq.core.refusals), said in the log
+    """A run of failed beats: Redis away or refusing writes (genq.core.redisconn), said in the log
     when it starts, every REDIS_NOTE_EVERY_S while it lasts, and when it ends."""
 
     def __init__(self) -> None:
@@ -118,7 +118,7 @@ class Heartbeat:
     async def first_beat(self) -> None:
         """The start's beat, waited for like every other: Redis can be full (or restarting) while a
         worker starts, and nothing is held yet that would need it sooner. Says first what Redis's
-        settings mean for genq (genq.core.refusals)."""
+        settings mean for genq (genq.core.redisconn)."""
         try:
             if note := redis_note(await self.conn.info()):
                 log.warning("%s", note.text)

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from genq.core.records import DeadLetter, Result
-from genq.core.refusals import in_words
+from genq.core.redisconn import in_words
 from genq.core.scripts import RECORD, record_call
 from genq.core.words import plural
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 import redis
 
 from genq.core.records import Prompt
-from genq.core.refusals import in_words
+from genq.core.redisconn import in_words
 from genq.core.words import plural
 from genq.worker.claims import Claims
 from genq.worker.held import HeldBatch, Task

@@ -12,13 +12,12 @@ import click
 import redis
 
 from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, settings
+from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, Rejected, new_incarnation
-from genq.core.redisconn import connect, describe_error
-from genq.core.refusals import redis_note_of
-from genq.core.state import FINISHED_STATUSES
+from genq.core.redisconn import connect, describe_error, redis_note_of
 from genq.core.words import plural
 from genq.monitor.view import duration
 from genq.ops.control import job_rows

@@ -19,7 +19,7 @@ from genq.core import decodebound
 from genq.core.health import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.queueing import list_jobs
-from genq.core.refusals import redis_note_of
+from genq.core.redisconn import redis_note_of
 from genq.core.timings import LOST_BATCH_BACK_S
 from genq.core.words import plural
 from genq.ops import control

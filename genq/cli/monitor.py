@@ -11,9 +11,8 @@ import click
 import redis
 
 from genq.cli import JobName, Option, settings
-from genq.core.redisconn import connect, describe_error, mask_url
-from genq.core.refusals import refusal
-from genq.core.state import FINISHED_STATUSES
+from genq.core.ledger.figures import FINISHED_STATUSES
+from genq.core.redisconn import connect, describe_error, mask_url, refusal
 from genq.monitor.progress import JobNotFound, Monitor, document, encode
 from genq.output.local import write_atomic
 

@@ -16,11 +16,10 @@ from genq.core.health import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
-from genq.core.ledger.figures import job_totals
+from genq.core.ledger.figures import JobStatus, job_status, job_totals
 from genq.core.order import schedules
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
-from genq.core.state import JobStatus, job_status
 from genq.ops import Refused
 from genq.ops.settings import unblock
 from genq.output import truth

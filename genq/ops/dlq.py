@@ -23,7 +23,6 @@ import msgspec
 import redis
 
 from genq.core import batches as batch_records
-from genq.core.durable import EnqueueRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.queueing import (
@@ -38,7 +37,7 @@ from genq.core.queueing import (
     new_batches,
     write_batches,
 )
-from genq.core.records import DeadLetter, ErrorKind, JobConfig, Prompt
+from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig, Prompt
 from genq.ops import Refused, jobs_named
 from genq.output import truth
 from genq.output.sink import open_store

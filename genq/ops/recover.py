@@ -20,10 +20,9 @@ import msgspec
 import redis
 
 from genq.core import scripts
-from genq.core.durable import JobRecord, ShardMarker
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
-from genq.core.records import JobConfig
+from genq.core.records import JobConfig, JobRecord, ShardMarker
 from genq.core.words import plural
 from genq.ops import Refused
 from genq.ops.settings import settings_from_output

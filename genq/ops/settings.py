@@ -15,13 +15,12 @@ from typing import Any
 import msgspec
 import redis
 
-from genq.core.durable import JobRecord
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
 from genq.core.ledger.parked import unqueue as unqueue  # the job's queued batches out of RQ's queue: pausing
 from genq.core.order import order_queue
 from genq.core.queueing import list_jobs
-from genq.core.records import JobBlock, JobConfig, SettingsChange
+from genq.core.records import JobBlock, JobConfig, JobRecord, SettingsChange
 from genq.ops import Refused
 from genq.output import truth
 from genq.output.sink import open_store

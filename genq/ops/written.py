@@ -10,8 +10,7 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from genq.core import scripts
-from genq.core.durable import ShardMarker
-from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result
+from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardMarker
 from genq.output import truth
 from genq.output.sink import open_store
 from genq.producer.rows import claim_digest

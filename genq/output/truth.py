@@ -24,9 +24,16 @@ from typing import BinaryIO, Protocol
 import msgspec
 
 from genq.core.batches import batch_id, batch_number
-from genq.core.durable import EnqueueRecord, JobRecord, ShardMarker
-from genq.core.histogram import length_bucket
-from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo
+from genq.core.records import (
+    DeadLetter,
+    EnqueueRecord,
+    JobConfig,
+    JobRecord,
+    Result,
+    ShardInfo,
+    ShardMarker,
+    length_bucket,
+)
 from genq.output import layout
 
 READ_THREADS = 8

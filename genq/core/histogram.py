@@ -1,1 +1,0 @@
-from genq.core.records import bucket_bounds, length_bucket  # noqa: F401  (moved to records)
