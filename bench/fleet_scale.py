@@ -9,7 +9,7 @@ nothing on disk, stopped at the end):
    after the enqueue: commands per prompt, by command, and Redis CPU per prompt.
 2. fleet: --fleet lightweight workers (threads of this process, no server, no RQ
    loops) doing what a worker does in Redis for each batch, with genq's own scripts:
-   the lease (the ledger's ACQUIRE, and an LREM standing for RQ's BLMOVE), the claims
+   the lease (TAKE: the queue's head, as the engine's intake takes it), the claims
    (worker/claims.py's CLAIM, --claim-chunk prompts a call), the results
    (worker/results.py's RECORD, --record-chunk a call), the release (the ledger's
    RELEASE), and its busy heartbeat once per simulated second (a worker making
@@ -127,20 +127,26 @@ class Probe:
         return sorted(json.loads(out))
 
 
-def fleet_worker(url: str, job: str, name: str, batches: list, a: argparse.Namespace, filler: Filler) -> None:
+def fleet_worker(url: str, job: str, name: str, count: int, by_id: dict, a: argparse.Namespace,
+                 filler: Filler) -> None:
     conn = redis.Redis.from_url(url)
     claim = conn.register_script(scripts.CLAIM)
     record = conn.register_script(scripts.RECORD)
     instance = f"{name}.eng"
     beats_per_batch = max(1, round(a.batch_size / a.prompts_per_s))
-    for batch in batches:
-        filler.lease([batch], instance)  # ACQUIRE (and the LREM standing for RQ's pop)
+    for _ in range(count):
+        taken = filler.lease(1, instance)  # TAKE: whichever batch heads the queue
+        if not taken:
+            return
+        (batch_id, token), = taken
+        batch = by_id[batch_id]
         ref = BatchRef(job, batch.id)
         ids = [p.id for p in batch.prompts]
         for i in range(0, len(ids), a.claim_chunk):
             # the worker's own keys and arguments (the job's incarnation is "")
-            script_keys, args = scripts.claim_call(ref, instance, "", f"tok-{batch.id}", ids[i:i + a.claim_chunk])
-            claim(keys=script_keys, args=args)
+            script_keys, args = scripts.claim_call(ref, instance, "", token, ids[i:i + a.claim_chunk])
+            granted = claim(keys=script_keys, args=args)
+            assert granted not in (b"done", b"stale"), f"CLAIM of {ref} answered {granted!r}: the bench lost its lease"
         for i in range(0, len(batch.prompts), a.record_chunk):
             results = filler.results(batch, batch.prompts[i:i + a.record_chunk], name)
             script_keys, args = scripts.record_call(job, batch.id, name, repr(time.time()), results, [], "")
@@ -177,8 +183,8 @@ def fleet_run(a: argparse.Namespace, work: Path) -> tuple[RedisCounters, float, 
         probe = Probe(r.url, work)
         time.sleep(0.5)
         started = time.monotonic()
-        threads = [threading.Thread(target=fleet_worker, args=(r.url, "fleet", f"f{i:03d}",
-                                                                 batches[i * per_worker:(i + 1) * per_worker], a, filler))
+        by_id = {b.id: b for b in batches}
+        threads = [threading.Thread(target=fleet_worker, args=(r.url, "fleet", f"f{i:03d}", per_worker, by_id, a, filler))
                    for i in range(a.fleet)]
         for t in threads:
             t.start()

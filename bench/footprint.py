@@ -2,7 +2,7 @@
 
 Fills private redis-servers (started here on free loopback ports, never 6379, stopped at the end)
 through genq's own code paths: batches queued by core.queueing.write_batches (records, ids, RQ
-jobs), leases taken by the ledger's ACQUIRE, outcomes committed by worker/results.py's
+jobs), leases taken by the engine's TAKE, outcomes committed by worker/results.py's
 RECORD (the worker's exact arguments, scripts.record_call), batches finished by the
 ledger's RELEASE (scripts.release_call; no shard file: only Redis is measured). Workers are
 their heartbeat records as a live worker writes them. Then it reports:
@@ -34,6 +34,7 @@ import gc
 import random
 import statistics
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import redis
@@ -122,16 +123,22 @@ class Filler:
             made.extend(batches)
         return made
 
-    def lease(self, batches: list[Batch], instance: str) -> None:
-        """An engine takes them, as its intake does: one TAKE each, off the head of RQ's queue."""
+    def lease(self, count: int, instance: str) -> list[tuple[str, str]]:
+        """An engine takes `count` batches, as its intake does: one TAKE each, off the head of RQ's
+        queue. Returns (batch id, lease token) of each taken."""
         now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+        tokens = [uuid.uuid4().hex for _ in range(count)]
         with self.conn.pipeline(transaction=False) as pipe:
-            for b in batches:
-                script_keys, args = scripts.take_call(instance, f"tok-{b.id}", now, [])
+            for token in tokens:
+                script_keys, args = scripts.take_call(instance, token, now, [])
                 self._take(keys=script_keys, args=args, client=pipe)
-            for got in pipe.execute():
-                if got:
-                    self._rq_ids[got[1].decode()] = got[2].decode()
+            answers = pipe.execute()
+        taken = []
+        for token, got in zip(tokens, answers):
+            if got:
+                self._rq_ids[got[1].decode()] = got[2].decode()
+                taken.append((got[1].decode(), token))
+        return taken
 
     def results(self, batch: Batch, prompts: list[Prompt], worker: str) -> list[Result]:
         text = self._text(self.completion_chars)
@@ -171,7 +178,7 @@ class Filler:
     def finish(self, batches: list[Batch], worker: str, chunk: int = 32) -> None:
         for start in range(0, len(batches), chunk):
             part = batches[start:start + chunk]
-            self.lease(part, f"{worker}.eng")
+            self.lease(len(part), f"{worker}.eng")
             self.commit(part, worker)
             self.release(part, self.prompt_chars + self.completion_chars + 300)
 
@@ -228,7 +235,7 @@ def measure_footprint(n_prompts: int = 20_480, *, prompt_chars: int = 400, compl
         fill = Filler(r.conn, "fp", prompt_chars=prompt_chars, completion_chars=completion_chars, batch_size=batch_size)
         batches = fill.queue(n_batches)
         queued = r.used_memory()
-        fill.lease(batches, "fp-w.eng")
+        fill.lease(len(batches), "fp-w.eng")
         fill.commit(batches, "fp-w")
         in_flight = r.used_memory()
         fill.release(batches, prompt_chars + completion_chars + 300)
@@ -260,7 +267,7 @@ def fill_mid_job(conn: redis.Redis, n_prompts: int, *, chars: int = 16, batch_si
     held = batches[n_done:n_done + WORKERS * HELD_PER_WORKER]
     for w in range(WORKERS):
         mine = held[w * HELD_PER_WORKER:(w + 1) * HELD_PER_WORKER]
-        fill.lease(mine, f"w{w}.eng")
+        fill.lease(len(mine), f"w{w}.eng")
         fill.commit(mine, f"w{w}", share=0.5)
         fill.heartbeat(f"w{w}", mine)
     return n_batches
