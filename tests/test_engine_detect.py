@@ -1,4 +1,4 @@
-"""Which engine a server is (worker/engines/ `detect`), from its answers alone, without a server.
+"""Which engine a server is (worker/engines.py `detect`), from its answers alone, without a server.
 
 The order is what tells the engines apart: an endpoint of the engine's own (SGLang's
 /server_info, llama.cpp's /props) before the metric prefixes on /metrics (vLLM's), and
