@@ -22,9 +22,9 @@ from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
 from genq.worker.dispatch import Dispatcher
 from genq.worker.engines import Metrics
-from genq.worker.held import Flags
 from genq.worker.options import WorkerOptions
-from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
+from genq.worker.server import ServerClient, ServerInfo, ServerState, ServerUnavailable
+from genq.worker.stopping import StopNow
 
 log = logging.getLogger("genq.worker")
 
@@ -36,13 +36,14 @@ class ServerStartTimeout(Exception):
 
 
 class ServerWatch:
-    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, flags: Flags,
-                 dispatcher: Dispatcher, hand_back_all: Callable[[str], Awaitable[None]],
+    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, state: ServerState,
+                 stopping: StopNow, dispatcher: Dispatcher, hand_back_all: Callable[[str], Awaitable[None]],
                  on_waiting: Callable[[str], Awaitable[None]]) -> None:
         self.opts = opts
         self.client = client
         self.controller = controller
-        self.flags = flags
+        self.state = state  # written here only
+        self.stopping = stopping
         self.dispatcher = dispatcher
         self.hand_back_all = hand_back_all
         self.on_waiting = on_waiting
@@ -56,7 +57,7 @@ class ServerWatch:
         ServerStartTimeout after --server-start-timeout."""
         started = time.monotonic()
         delay, next_note = 0.5, 0.0
-        while not self.flags.stop_requested:
+        while not self.stopping.requested:
             try:
                 self.info = await self.client.discover()
                 return self.info
@@ -77,7 +78,7 @@ class ServerWatch:
     async def is_down(self) -> bool:
         """Single-flight check after a failure (many failures, one probe): the server is down, or
         is not the one this engine knew (restarted with another model or a smaller context)."""
-        if self.flags.server_down_since is not None:
+        if self.state.down:
             return True
         if self._check is None:
             self._check = asyncio.ensure_future(self._verify())
@@ -86,7 +87,7 @@ class ServerWatch:
         finally:
             if self._check is not None and self._check.done():
                 self._check = None
-        if why is not None and self.flags.server_down_since is None:
+        if why is not None and not self.state.down:
             self._went_down(why)
         return why is not None
 
@@ -129,9 +130,9 @@ class ServerWatch:
         return None
 
     def _went_down(self, why: str) -> None:
-        self.flags.server_down_since = time.monotonic()
-        self.flags.server_note = why
-        self.flags.outages += 1
+        self.state.down_since = time.monotonic()
+        self.state.note = why
+        self.state.outages += 1
         self.metrics = None  # what a server that is gone said last is not what it does now
         in_flight = list(self.dispatcher.running)
         for task in in_flight:
@@ -152,14 +153,14 @@ class ServerWatch:
         while True:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 5.0)
-            down_for = time.monotonic() - (self.flags.server_down_since or time.monotonic())
+            down_for = time.monotonic() - (self.state.down_since or time.monotonic())
             if down_for > self.opts.server_down_timeout and not handed_back:
                 handed_back = True
                 await self.hand_back_all(f"server down for {down_for:.0f}s")
             try:
                 info = await self.client.discover()
             except ServerUnavailable as exc:
-                self.flags.server_note = str(exc)
+                self.state.note = str(exc)
                 continue
             change = self._change(info)
             if change is not None and change.startswith("it serves model"):
@@ -169,9 +170,9 @@ class ServerWatch:
             elif change is not None and down_for <= self.opts.server_down_timeout:
                 # A smaller context: its prompts wait, or go to other workers (worker/tail.py).
                 note = f"{change}: waiting for it as it was (--server-down-timeout)"
-                if note != self.flags.server_note:
+                if note != self.state.note:
                     log.warning("server %s: %s", self.opts.server_url, note)
-                self.flags.server_note = note
+                self.state.note = note
                 continue
             elif change is not None:
                 log.warning("server %s: %s for %.0fs: taken as it is", self.opts.server_url, change, down_for)
@@ -181,15 +182,15 @@ class ServerWatch:
                 self.info = info  # another model, or a smaller context taken as it is now
             self.controller.set_capacity(info.capacity)
             log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
-            self.flags.server_down_since = None
-            self.flags.server_note = None
+            self.state.down_since = None
+            self.state.note = None
             self.dispatcher.wake.set()
             return
 
     async def metrics_loop(self) -> None:
         while True:
             await asyncio.sleep(self.controller.look_interval_s)  # faster while it learns a capacity
-            if self.flags.server_down_since is not None or self.info is None or not self.info.has_metrics:
+            if self.state.down or self.info is None or not self.info.has_metrics:
                 continue
             m = await self.client.metrics()
             if m is None:
@@ -219,7 +220,7 @@ class ServerWatch:
                 else:
                     continue
                 aio.cancel()
-            if running and self.flags.server_down_since is None:
+            if running and not self.state.down:
                 latest = max(t.progress.last_activity for t in running)
                 if now - latest > SILENT_PROBE_S and not await self.client.healthy():
                     self._went_down(f"no output from {plural(len(running), 'request')} for {now - latest:.0f}s "
