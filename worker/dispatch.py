@@ -15,7 +15,6 @@ import heapq
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
@@ -28,9 +27,10 @@ from genq.worker.controls import Controls
 from genq.worker.held import HeldBatch, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.results import ResultWriter
-from genq.worker.server import Completion, Failure, Progress, ServerClient, ServerState, build_body
+from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
 from genq.worker.stopping import StopNow
 from genq.worker.todo import Todo
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -66,21 +66,19 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 class Dispatcher:
     def __init__(self, opts: WorkerOptions, name: str, client: ServerClient, controller: ConcurrencyController,
-                 writer: ResultWriter, server: ServerState, controls: Controls, stopping: StopNow, rates: RateWindow, todo: Todo,
-                 server_is_down: Callable[[], Awaitable[bool]], model: Callable[[], str | None]) -> None:
+                 writer: ResultWriter, watch: ServerWatch, controls: Controls, stopping: StopNow, rates: RateWindow,
+                 todo: Todo, running: Running) -> None:
         self.opts = opts
         self.name = name
         self.client = client
         self.controller = controller
         self.writer = writer
-        self.server = server
+        self.watch = watch
         self.controls = controls
         self.stopping = stopping
         self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (set by worker/tail.py)
         self.rates = rates
-        self.server_is_down = server_is_down
-        self.server_model = model
-        self.running = Running()
+        self.running = running
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.observed = time.monotonic()  # when the server last answered anything, or was checked
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
@@ -106,13 +104,6 @@ class Dispatcher:
     def unsent(self) -> int:
         return len(self.todo)
 
-    def cancel_all(self, reason: str | None = None) -> None:
-        """Stop every request in flight. With a reason, each ends as a failure with it
-        (and is retried by the failure policy); without, nothing is recorded or counted."""
-        for task, aio in list(self.running.items()):
-            task.cancel_reason = reason
-            aio.cancel()
-
     # ---------------------------------------------------------------- the loop
 
     def _can_send(self) -> bool:
@@ -120,7 +111,7 @@ class Dispatcher:
 
     def _open(self) -> bool:
         """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
-        return (not self.server.down and not self.verifying and not self.controls.paused_all
+        return (not self.watch.down and not self.verifying and not self.controls.paused_all
                 and self.stopping.requested < 2 and self.controls.leases_fresh())
 
     async def run(self) -> None:
@@ -212,7 +203,7 @@ class Dispatcher:
     def _model(self, config: JobConfig) -> str:
         if config.model != "auto":
             return config.model
-        return self.server_model() or "default"
+        return self.watch.model or "default"
 
     # ---------------------------------------------------------------- outcomes
 
@@ -234,12 +225,6 @@ class Dispatcher:
     def _suspect(self, task: Task) -> bool:
         return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))
 
-    def crashed(self, task: Task) -> None:
-        """The server went down with this prompt in flight: one more crash, once per outage."""
-        if task.last_outage != self.server.outages:
-            task.last_outage = self.server.outages
-            task.crashes += 1
-
     async def _failed(self, task: Task, failure: Failure) -> None:
         held = task.batch
         if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
@@ -251,7 +236,7 @@ class Dispatcher:
             return
         if failure.kind in ("connection", "timeout", "server_error") and await self._check(failure.kind == "connection"):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
-            self.crashed(task)
+            task.crashed(self.watch.outages)
             if task.crashes >= self.opts.server_crash_limit:
                 self._dead(task, Failure(
                     "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
@@ -287,7 +272,7 @@ class Dispatcher:
         another model's answer must never be recorded."""
         self.verifying += gate
         try:
-            return await self.server_is_down()
+            return await self.watch.is_down()
         finally:
             self.verifying -= gate
             self.observed = time.monotonic()

@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -21,11 +20,9 @@ from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, Worker
 from genq.core.refusals import redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
-from genq.worker.completion import Completer
-from genq.worker.controller import ConcurrencyController
+from genq.worker.batches import Batches
 from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Holdings, RateWindow
 from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
 from genq.worker.stopping import StopNow
@@ -84,9 +81,8 @@ class RedisOutage:
 
 class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
-                 controls: Controls, stopping: StopNow, completer: Completer, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
-                 controller: ConcurrencyController, rates: RateWindow, gpu: GpuProbe,
-                 on_beat: Callable[[], Awaitable[None]], pace: IdlePace) -> None:
+                 controls: Controls, stopping: StopNow, batches: Batches, dispatcher: Dispatcher, watch: ServerWatch,
+                 gpu: GpuProbe, pace: IdlePace) -> None:
         self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.opts = opts
         self.name = name
@@ -95,15 +91,14 @@ class Heartbeat:
         self.conn = conn
         self.controls = controls  # written here only
         self.stopping = stopping
-        self.completer = completer
-        self.held = held
+        self.batches = batches  # what is held; after each beat, its lease check
+        self.held = batches.held
         self.dispatcher = dispatcher
         self.watch = watch
-        self.controller = controller
-        self.rates = rates
+        self.controller = dispatcher.controller
+        self.rates = dispatcher.rates
         self.gpu = gpu
         self.sampler = GpuSampler(gpu)
-        self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
@@ -155,7 +150,7 @@ class Heartbeat:
                 await self.beat()
                 if await self.read_control():
                     self.pace.beat_now.set()  # an idle engine's next beat is 20 s away: show the change in 1 s
-                await self.on_beat()
+                await self.batches.check_leases()
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.controls.leases_checked()
                 self.dispatcher.wake.set()
@@ -165,7 +160,7 @@ class Heartbeat:
 
     def state(self) -> WorkerState:
         c = self.controls
-        if self.watch.state.down:
+        if self.watch.down:
             return "server_down"
         if c.draining or self.stopping.requested:
             return "draining"
@@ -201,7 +196,7 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.state.note or self.completer.note(),
+            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.completer.note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),

@@ -36,11 +36,17 @@ class Task:
     attempts: int = 0  # failed requests here: max_attempts counts these
     lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
     crashes: int = 0  # server crashes while this prompt was in flight
-    last_outage: int = 0  # the outage (ServerState.outages) last counted for it
+    last_outage: int = 0  # the outage (ServerWatch.outages) last counted for it
     failing_since: float | None = None  # when its first failed request here was sent (monotonic)
     answered_before: float = 0.0  # Dispatcher.answered when its latest request was sent
     progress: Progress = field(default_factory=Progress)
     cancel_reason: str | None = None
+
+    def crashed(self, outage: int) -> None:
+        """The server went down with this prompt in flight: one more crash, once per outage."""
+        if self.last_outage != outage:
+            self.last_outage = outage
+            self.crashes += 1
 
 
 class Holdings(dict[BatchRef, HeldBatch]):

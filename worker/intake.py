@@ -31,9 +31,9 @@ from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Holdings
 from genq.worker.models import AUTO, ModelGate, serves
 from genq.worker.options import WorkerOptions
-from genq.worker.server import ServerState
 from genq.worker.shares import Shares
 from genq.worker.stopping import StopNow
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -52,7 +52,7 @@ def run_batch(job: str, batch_id: str) -> None:
 
 class Intake:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, opts: WorkerOptions, instance: str,
-                 controls: Controls, server: ServerState, stopping: StopNow, completer: Completer,
+                 controls: Controls, watch: ServerWatch, stopping: StopNow, completer: Completer,
                  held: Holdings, dispatcher: Dispatcher, shares: Shares, models: ModelGate,
                  queued: asyncio.Event,
                  load: Callable[[str, BatchRef, str], Awaitable[None]]) -> None:
@@ -61,7 +61,7 @@ class Intake:
         self.opts = opts
         self.instance = instance
         self.controls = controls
-        self.server = server
+        self.watch = watch
         self.stopping = stopping
         self.completer = completer  # nothing new of a job whose shards cannot be written now
         self.held = held
@@ -79,7 +79,7 @@ class Intake:
     def accepting(self) -> bool:
         """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
         c = self.controls
-        return not (c.draining or c.paused_all or self.stopping.requested or self.server.down)
+        return not (c.draining or c.paused_all or self.stopping.requested or self.watch.down)
 
     def wants_batch(self) -> bool:
         if not self.accepting():
@@ -155,7 +155,7 @@ class Intake:
         the first engine to take one of their batches: worker/models.py)."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
-        model = self.models.server_model()
+        model = self.watch.model
         jobs, configs = await asyncio.to_thread(self._jobs_and_configs)
         foreign = {job: config.model for job, config in zip(jobs, configs, strict=True)
                    if config is not None and config.model != AUTO and not serves(config.model, model)}

@@ -27,19 +27,6 @@ _json_encode = msgspec.json.Encoder().encode
 HEALTH_TIMEOUT_S = 30.0
 
 
-class ServerState:
-    """Whether the server is down, as its watch (worker/watch.py) alone decides; the rest reads it."""
-
-    def __init__(self) -> None:
-        self.down_since: float | None = None  # monotonic
-        self.outages = 0  # since the start: a prompt in flight through two is a suspect (worker/dispatch.py)
-        self.note: str | None = None  # what the worker waits on: the server's last answer, or its change
-
-    @property
-    def down(self) -> bool:
-        return self.down_since is not None
-
-
 class ServerUnavailable(Exception):
     """The server is not answering (refused, reset, 503 from /health)."""
 

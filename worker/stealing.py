@@ -85,7 +85,7 @@ class Stealer:
         """Take up to the free slots' worth of prompts; how many were taken (None: not looked,
         the queue has batches)."""
         self._forget_finished()
-        if self.dispatcher.server.down and self.held.borrowed:
+        if self.dispatcher.watch.down and self.held.borrowed:
             await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()

@@ -28,7 +28,7 @@ from genq.core.ledger import fleet
 from genq.core.records import WorkerStatus
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.worker.dispatch import Dispatcher
-from genq.worker.server import ServerState
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -82,12 +82,12 @@ def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
 
 
 class TailWatch:
-    def __init__(self, conn: aioredis.Redis, name: str, queue_key: str, server: ServerState, dispatcher: Dispatcher,
+    def __init__(self, conn: aioredis.Redis, name: str, queue_key: str, watch: ServerWatch, dispatcher: Dispatcher,
                  active: Callable[[], bool]) -> None:
         self.conn = conn
         self.name = name
         self.queue_key = queue_key
-        self.server = server
+        self.watch = watch
         self.dispatcher = dispatcher
         self.active = active  # whether this engine holds or borrows anything (idle: nothing is read)
         self.held_back = 0  # times this engine began holding back
@@ -127,7 +127,7 @@ class TailWatch:
 
     def _server_gone(self) -> bool:
         """The server is down past DOWN_GRACE_S: its prompts are better sent anywhere else."""
-        since = self.server.down_since
+        since = self.watch.down_since
         return since is not None and time.monotonic() - since > DOWN_GRACE_S
 
     async def give_back_ready(self, server_down: bool = False) -> None:
