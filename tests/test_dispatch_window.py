@@ -4,14 +4,14 @@ a Redis that answer when the test says: which request ends, and what a CLAIM cal
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
+from genq.worker.answers import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
-from genq.worker.held import Flags, HeldBatch, RateWindow
+from genq.worker.held import HeldBatch, RateWindow
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion
 from genq.worker.todo import Todo
@@ -56,6 +56,16 @@ def todo_of(held: HeldBatch, n: int, claims: Claims) -> Todo:
     return todo
 
 
+def server_up() -> SimpleNamespace:
+    """The watch of a server that is up and serves model m."""
+    return SimpleNamespace(down=False, outages=0, model="m", is_down=lambda: asyncio.sleep(0, False))
+
+
+def fresh_controls() -> SimpleNamespace:
+    """Nothing paused, and the leases just checked."""
+    return SimpleNamespace(paused_all=False, paused_jobs=set(), leases_fresh=lambda: True)
+
+
 async def settle() -> None:
     """Lets the dispatcher act on what just happened: no real I/O here, so a few loop turns."""
     for _ in range(20):
@@ -76,8 +86,8 @@ def test_claims_are_taken_ahead_while_the_window_is_full():
     async def go() -> None:
         d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
                        SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
-                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), todo_of(held, 40, claims),  # type: ignore[arg-type]
-                       lambda: asyncio.sleep(0, False), lambda: "m")
+                       server_up(), fresh_controls(), SimpleNamespace(requested=0), RateWindow(),  # type: ignore[arg-type]
+                       todo_of(held, 40, claims), Running())
         claims.in_flight = lambda: d.running.sequences
         runner = asyncio.create_task(d.run())
         d.wake.set()
@@ -115,8 +125,8 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
     async def go() -> None:
         d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
                        SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
-                       Flags(last_beat=time.monotonic() + 3600), RateWindow(), todo_of(held, 40, claims),  # type: ignore[arg-type]
-                       lambda: asyncio.sleep(0, False), lambda: "m")
+                       server_up(), fresh_controls(), SimpleNamespace(requested=0), RateWindow(),  # type: ignore[arg-type]
+                       todo_of(held, 40, claims), Running())
         runner = asyncio.create_task(d.run())
         d.wake.set()
         await settle()

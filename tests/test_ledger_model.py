@@ -693,7 +693,7 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
     import redis.asyncio as aioredis
 
     from genq.worker import completion
-    from genq.worker.held import Flags, HeldBatch
+    from genq.worker.held import HeldBatch
 
     world = _world(tmp_path)
     engine = world.engines[ENGINES[1]]
@@ -723,7 +723,7 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
 
     async def complete() -> completion.Finished:
         conn = aioredis.Redis.from_url(REDIS_URL)
-        completer = completion.Completer(conn, Flags())
+        completer = completion.Completer(conn)
         try:
             return await completer.complete(held)
         finally:

@@ -44,6 +44,13 @@ class Running(dict[Task, "asyncio.Task[None]"]):
             self.meter.sent(task.progress)
         super().__setitem__(task, aio)
 
+    def cancel_all(self, reason: str | None = None) -> None:
+        """Stop every request. With a reason, each ends as a failure with it (and is retried by the
+        failure policy); without, nothing is recorded or counted."""
+        for task, aio in list(self.items()):
+            task.cancel_reason = reason
+            aio.cancel()
+
     def pop(self, task: Task, default: Any = None) -> Any:
         if task in self:
             self.sequences -= task.progress.sequences

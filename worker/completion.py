@@ -19,12 +19,13 @@ import redis.asyncio as aioredis
 
 from genq.core import batches, scripts
 from genq.core.ledger import leasing
-from genq.core.records import DeadLetter, JobConfig, Result, ShardInfo, ShardMarker, unpack, with_prompt
+from genq.core.records import BatchRef, DeadLetter, JobConfig, Result, ShardInfo, ShardMarker, unpack, with_prompt
 from genq.core.waits import retrying
+from genq.core.words import plural
 from genq.ops.written import adopt_marker, outcome_for, written_marker
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
-from genq.worker.held import Flags, HeldBatch
+from genq.worker.held import HeldBatch
 
 log = logging.getLogger("genq.worker")
 
@@ -51,11 +52,25 @@ class _Recorded:
 
 
 class Completer:
-    def __init__(self, conn: aioredis.Redis, flags: Flags) -> None:
+    def __init__(self, conn: aioredis.Redis) -> None:
         self.conn = conn
-        self.flags = flags
+        # Batches whose shard cannot be written now (disk full, S3 down), and why: their results stay
+        # in Redis while the write is retried; nothing new of their jobs is taken (worker/intake.py).
+        self.unwritten: dict[BatchRef, str] = {}
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
+
+    def unwritten_jobs(self) -> frozenset[str]:
+        return frozenset(ref.job for ref in self.unwritten)
+
+    def note(self) -> str | None:
+        """What the worker's status says of shards it cannot write, if any."""
+        if not self.unwritten:
+            return None
+        why = next(reversed(self.unwritten.values()))
+        # The cause first: `genq workers` cuts a note at 60 characters.
+        return (f"cannot write shards: {why} ({plural(len(self.unwritten), 'batch', 'batches')}; "
+                "their results stay in Redis, retrying; taking no new batch of their jobs)")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -110,13 +125,13 @@ class Completer:
                     adopting = functools.partial(adopt_marker, self.conn, ref, written.marker)
                     return int(await retrying(adopting, f"adopting batch {ref}"))
                 except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
-                    self.flags.unwritten[ref] = str(exc) or type(exc).__name__
+                    self.unwritten[ref] = str(exc) or type(exc).__name__
                     log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
                                 ref, type(exc).__name__, exc, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 60)
         finally:
-            self.flags.unwritten.pop(ref, None)
+            self.unwritten.pop(ref, None)
         script_keys, args = scripts.release_call(ref, info, held.config.incarnation)
         answer = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)

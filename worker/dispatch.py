@@ -15,21 +15,22 @@ import heapq
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from genq.core.records import DeadLetter, JobConfig
-from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
 from genq.worker.controller import ConcurrencyController
-from genq.worker.held import Flags, HeldBatch, RateWindow, Task
+from genq.worker.controls import Controls
+from genq.worker.held import HeldBatch, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.results import ResultWriter
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
+from genq.worker.stopping import StopNow
 from genq.worker.todo import Todo
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -65,18 +66,19 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 class Dispatcher:
     def __init__(self, opts: WorkerOptions, name: str, client: ServerClient, controller: ConcurrencyController,
-                 writer: ResultWriter, flags: Flags, rates: RateWindow, todo: Todo,
-                 server_is_down: Callable[[], Awaitable[bool]], model: Callable[[], str | None]) -> None:
+                 writer: ResultWriter, watch: ServerWatch, controls: Controls, stopping: StopNow, rates: RateWindow,
+                 todo: Todo, running: Running) -> None:
         self.opts = opts
         self.name = name
         self.client = client
         self.controller = controller
         self.writer = writer
-        self.flags = flags
+        self.watch = watch
+        self.controls = controls
+        self.stopping = stopping
+        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (set by worker/tail.py)
         self.rates = rates
-        self.server_is_down = server_is_down
-        self.server_model = model
-        self.running = Running()
+        self.running = running
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.observed = time.monotonic()  # when the server last answered anything, or was checked
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
@@ -102,13 +104,6 @@ class Dispatcher:
     def unsent(self) -> int:
         return len(self.todo)
 
-    def cancel_all(self, reason: str | None = None) -> None:
-        """Stop every request in flight. With a reason, each ends as a failure with it
-        (and is retried by the failure policy); without, nothing is recorded or counted."""
-        for task, aio in list(self.running.items()):
-            task.cancel_reason = reason
-            aio.cancel()
-
     # ---------------------------------------------------------------- the loop
 
     def _can_send(self) -> bool:
@@ -116,8 +111,8 @@ class Dispatcher:
 
     def _open(self) -> bool:
         """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
-        return (self.flags.server_down_since is None and not self.verifying and not self.flags.paused_all
-                and self.flags.stop_requested < 2 and time.monotonic() - self.flags.last_beat < LEASE_CHECK_STALE_S)
+        return (not self.watch.down and not self.verifying and not self.controls.paused_all
+                and self.stopping.requested < 2 and self.controls.leases_fresh())
 
     async def run(self) -> None:
         while True:
@@ -131,7 +126,7 @@ class Dispatcher:
             for job in [j for j in self.todo.parked if j not in self._stopped_jobs()]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
-            if self._open() and not self.flags.hold_back and self.todo.waiting and (want := self._to_claim()):
+            if self._open() and not self.hold_back and self.todo.waiting and (want := self._to_claim()):
                 await self.todo.claim(want, self._stopped_jobs())
             if (self.todo.ready and not self.running and self._open()
                     and time.monotonic() - self.observed > IDLE_CHECK_S):
@@ -141,7 +136,7 @@ class Dispatcher:
 
     def _stopped_jobs(self) -> set[str]:
         """Jobs none of whose prompts is sent: paused, or blocked (by the brake here, or anywhere)."""
-        return self.flags.paused_jobs | self.brake.blocked
+        return self.controls.paused_jobs | self.brake.blocked
 
     def _to_claim(self) -> int:
         """Prompts to claim now (0: not yet), by the rule in the note above claim_ahead."""
@@ -201,14 +196,14 @@ class Dispatcher:
             task = self._take()
             if task is not None:
                 self.running[task] = me
-            if self.todo.waiting and not self.flags.hold_back and self._to_claim():
+            if self.todo.waiting and not self.hold_back and self._to_claim():
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 
     def _model(self, config: JobConfig) -> str:
         if config.model != "auto":
             return config.model
-        return self.server_model() or "default"
+        return self.watch.model or "default"
 
     # ---------------------------------------------------------------- outcomes
 
@@ -230,12 +225,6 @@ class Dispatcher:
     def _suspect(self, task: Task) -> bool:
         return task.crashes >= max(1, min(2, self.opts.server_crash_limit - 1))
 
-    def crashed(self, task: Task) -> None:
-        """The server went down with this prompt in flight: one more crash, once per outage."""
-        if task.last_outage != self.flags.outages:
-            task.last_outage = self.flags.outages
-            task.crashes += 1
-
     async def _failed(self, task: Task, failure: Failure) -> None:
         held = task.batch
         if held.dropped:  # let go meanwhile (done or leased elsewhere, handed back): not sent again here
@@ -247,7 +236,7 @@ class Dispatcher:
             return
         if failure.kind in ("connection", "timeout", "server_error") and await self._check(failure.kind == "connection"):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
-            self.crashed(task)
+            task.crashed(self.watch.outages)
             if task.crashes >= self.opts.server_crash_limit:
                 self._dead(task, Failure(
                     "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
@@ -283,7 +272,7 @@ class Dispatcher:
         another model's answer must never be recorded."""
         self.verifying += gate
         try:
-            return await self.server_is_down()
+            return await self.watch.is_down()
         finally:
             self.verifying -= gate
             self.observed = time.monotonic()

@@ -12,6 +12,7 @@ stops within seconds whatever Redis does (worker/stopping.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -27,13 +28,15 @@ from genq.core.words import plural
 from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
+from genq.worker.answers import Running
 from genq.worker.batches import Batches
 from genq.worker.claims import Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
+from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
 from genq.worker.heartbeat import Heartbeat
-from genq.worker.held import Flags, Holdings, RateWindow
+from genq.worker.held import Holdings, RateWindow
 from genq.worker.idle import IdlePace, WakeListener
 from genq.worker.intake import Intake
 from genq.worker.models import ModelGate
@@ -60,42 +63,41 @@ class Engine:
         self.instance = f"{self.name}.{uuid.uuid4().hex[:8]}"
         self.redis = connect_async(opts.redis_url)
         self.sync_redis = connect(opts.redis_url)
-        self.flags = Flags()
         self.held = Holdings()
         self.rates = RateWindow()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
+        self.controls = Controls(self.redis, self.name, self.controller)
         queue_key = rq_queue(self.sync_redis).key
         written = lambda *outcomes: self.batches.on_written(*outcomes)  # noqa: E731 (Batches comes later)
         self.writer = ResultWriter(self.redis, self.name, written)
+        self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.claims = Claims(self.redis, self.instance)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, queue_key, self.instance, self.held.all_jobs,
                              lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
-        self.dispatcher: Dispatcher = Dispatcher(
-            opts, self.name, self.client, self.controller, self.writer, self.flags, self.rates,
-            Todo(self.claims, written, plan=self.shares.plan),
-            lambda: self.watch.is_down(), lambda: self.watch.info.model if self.watch.info else None)
-        models = ModelGate(self.redis, self.instance, self.dispatcher.server_model)
+        todo, running = Todo(self.claims, written, plan=self.shares.plan), Running()
+        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, running, todo)
+        self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.watch,
+                                     self.controls, self.stopping, self.rates, todo, running)
+        models = ModelGate(self.redis, self.instance, self.watch)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
+        completer = Completer(self.redis)
         self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher,
-                                        self.claims, self.writer, Completer(self.redis, self.flags), models)
-        self.stealer = Stealer(self.redis, queue_key, self.instance, self.flags, self.held, self.dispatcher,
-                               self.controller, self.claims, self.batches, models.servable_config, self.pace)
-        self.watch: ServerWatch = ServerWatch(opts, self.client, self.controller, self.flags, self.dispatcher,
-                                              self.batches.hand_back_all,
-                                              lambda note: self.heartbeat.beat(state="server_down", note=note))
-        self.parking = Parking(self.redis, self.sync_redis, self.name, self.flags, self.held, self.batches,
+                                        self.claims, self.writer, completer, models)
+        self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.controls, self.watch,
+                             self.stopping, completer, self.held, self.dispatcher, self.shares, models,
+                             self.pace.queued, self.batches.load)
+        self.stealer = Stealer(self.redis, queue_key, self.instance, self.controls, self.intake, self.held,
+                               self.dispatcher, self.controller, self.claims, self.batches, models.servable_config,
+                               self.pace)
+        self.parking = Parking(self.redis, self.sync_redis, self.name, self.controls, self.held, self.batches,
                                self.dispatcher.brake, self.stealer, self.watch)
-        self.tail = TailWatch(self.redis, self.name, queue_key, self.flags, self.dispatcher, self.held.active)
-        self.heartbeat: Heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.flags,
-                                              self.held, self.dispatcher, self.watch, self.controller, self.rates,
-                                              GpuProbe(opts.gpu), self.batches.check_leases, self.pace)
-        self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.flags, self.held,
-                             self.dispatcher, self.shares, models, self.pace.queued, self.batches.load)
+        self.tail = TailWatch(self.redis, self.name, queue_key, self.watch, self.dispatcher, self.held.active)
+        self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.controls, self.stopping,
+                                   self.batches, self.dispatcher, self.watch, GpuProbe(opts.gpu), self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)
         self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output
-        self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())
 
     # ---------------------------------------------------------------- run
@@ -109,7 +111,7 @@ class Engine:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            server = await self.watch.wait_for_server()
+            server = await self.watch.wait_for_server(functools.partial(self.heartbeat.beat, "server_down"))
         except ServerStartTimeout as exc:
             await self.heartbeat.stopped()
             await self._close()
@@ -133,7 +135,7 @@ class Engine:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
-                    self.watch.recovery_loop(), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
+                    self.watch.recovery_loop(self.batches.hand_back_all), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
                     self.stealer.run(), self.parking.run(), self.parking.admit(), self.shares.run(), self.tail.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
@@ -153,10 +155,10 @@ class Engine:
             await asyncio.sleep(0.2)
             idle = (not self.held.active() and not self.dispatcher.running
                     and self.writer.pending == 0)
-            if self.flags.stop_requested >= 2:
+            if self.stopping.requested >= 2:
                 await self.batches.hand_back_all("stopping now")
                 return
-            if (self.flags.draining or self.flags.stop_requested) and idle:
+            if (self.controls.draining or self.stopping.requested) and idle:
                 return
             if self.opts.burst and self.intake.exhausted and idle:
                 if await self._burst_done():
@@ -189,8 +191,8 @@ class Engine:
         return True
 
     def _on_signal(self, sig: int) -> None:
-        self.flags.stop_requested += 1
-        if self.flags.stop_requested == 1:
+        if not self.stopping.requested:
+            self.stopping.finish()
             log.info("%s: finishing held batches (up to %.0fs), then exiting; send again to stop now",
                      signal.Signals(sig).name, self.opts.grace_period)
             asyncio.get_running_loop().call_later(self.opts.grace_period, self._grace_expired)
@@ -201,9 +203,8 @@ class Engine:
     def _grace_expired(self) -> None:
         """Still here: stop as a second signal would (held batches go back; a shutdown that waits on
         Redis waits only while Redis answers)."""
-        if self.flags.stop_requested < 2:
+        if self.stopping.requested < 2:
             log.info("grace period over: %s", "handing back unfinished batches" if self.held else "stopping now")
-            self.flags.stop_requested = 2
         self.stopping.start()
 
     async def _shutdown(self) -> None:

@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -21,11 +20,12 @@ from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, Worker
 from genq.core.redisconn import redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
-from genq.worker.controller import ConcurrencyController
+from genq.worker.batches import Batches
+from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Flags, Holdings, RateWindow
 from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
+from genq.worker.stopping import StopNow
 from genq.worker.telemetry import GpuProbe, hardware
 from genq.worker.watch import ServerWatch
 
@@ -81,24 +81,24 @@ class RedisOutage:
 
 class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
-                 flags: Flags, held: Holdings, dispatcher: Dispatcher, watch: ServerWatch,
-                 controller: ConcurrencyController, rates: RateWindow, gpu: GpuProbe,
-                 on_beat: Callable[[], Awaitable[None]], pace: IdlePace) -> None:
+                 controls: Controls, stopping: StopNow, batches: Batches, dispatcher: Dispatcher, watch: ServerWatch,
+                 gpu: GpuProbe, pace: IdlePace) -> None:
         self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.opts = opts
         self.name = name
         self.host = host
         self.instance = instance
         self.conn = conn
-        self.flags = flags
-        self.held = held
+        self.controls = controls  # written here only
+        self.stopping = stopping
+        self.batches = batches  # what is held; after each beat, its lease check
+        self.held = batches.held
         self.dispatcher = dispatcher
         self.watch = watch
-        self.controller = controller
-        self.rates = rates
+        self.controller = dispatcher.controller
+        self.rates = dispatcher.rates
         self.gpu = gpu
         self.sampler = GpuSampler(gpu)
-        self.on_beat = on_beat  # after each beat: the lease check
         self.started_at = time.time()
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
@@ -124,7 +124,7 @@ class Heartbeat:
                 log.warning("%s", note.text)
         except (redis.RedisError, OSError):
             pass  # INFO not allowed (renamed in some managed Redis), or Redis away: the beat below waits
-        while not self.flags.stop_requested:
+        while not self.stopping.requested:
             try:
                 await self.beat()
             except (redis.RedisError, OSError) as exc:
@@ -150,21 +150,21 @@ class Heartbeat:
                 await self.beat()
                 if await self.read_control():
                     self.pace.beat_now.set()  # an idle engine's next beat is 20 s away: show the change in 1 s
-                await self.on_beat()
+                await self.batches.check_leases()
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
-                self.flags.last_beat = time.monotonic()
+                self.controls.leases_checked()
                 self.dispatcher.wake.set()
                 self.outage.answered()
             except (redis.RedisError, OSError) as exc:
                 self.outage.failed(exc)
 
     def state(self) -> WorkerState:
-        f = self.flags
-        if f.server_down_since is not None:
+        c = self.controls
+        if self.watch.down:
             return "server_down"
-        if f.draining or f.stop_requested:
+        if c.draining or self.stopping.requested:
             return "draining"
-        if f.paused_all or (self.held and self.held.jobs() <= f.paused_jobs):
+        if c.paused_all or (self.held and self.held.jobs() <= c.paused_jobs):
             return "paused"
         return "busy" if self.held or self.dispatcher.running else "idle"
 
@@ -196,7 +196,7 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.flags.note,
+            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.completer.note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
@@ -247,21 +247,7 @@ class Heartbeat:
 
     async def read_control(self) -> bool:
         """Applies the operator's controls; True if one changed (the status just written is stale)."""
-        jobs = sorted(self.held.jobs() | set(self.dispatcher.todo.parked))
-        control, paused, paused_jobs = await fleet.read_controls(self.conn, self.name, jobs)
-        f = self.flags
-        changed = False
-        if control.drain and not f.draining:
-            log.info("drain requested: finishing held batches, taking no new ones")
-            f.draining = changed = True
-        if (control.concurrency or None) != self.controller.live_cap:
-            self.controller.set_cap(control.concurrency)
-            log.info("concurrency cap now %s (target %d)", control.concurrency or "auto", self.controller.target)
-            changed = True
-        if paused != f.paused_all or paused_jobs != f.paused_jobs:
-            _log_pause_change(f.paused_all, f.paused_jobs, paused, paused_jobs)
-            f.paused_all, f.paused_jobs = paused, paused_jobs
-            changed = True
+        changed = await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked)))
         self.dispatcher.wake.set()
         return changed
 
@@ -284,14 +270,3 @@ class Heartbeat:
         await fleet.stopped(self.conn, self.instance, self.name)
         await self.beat(state="stopped")
 
-
-def _log_pause_change(was_all: bool, was: set[str], now_all: bool, now: set[str]) -> None:
-    """Says what the operator changed since the last read: "paused: a" and "resumed: a" (not the
-    whole set: an empty one read as "none"). A paused job's batches stay parked here until `genq
-    resume` queues them again, so a job that leaves the set read was resumed (or deleted)."""
-    if now_all != was_all:
-        log.info("%s all jobs", "paused:" if now_all else "resumed:")
-    if now - was:
-        log.info("paused: %s", ", ".join(sorted(now - was)))
-    if was - now:
-        log.info("resumed: %s", ", ".join(sorted(was - now)))

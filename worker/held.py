@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 
 from genq.core.records import BatchRef, JobConfig, Prompt
-from genq.core.words import plural
 from genq.worker.server import Progress
 
 SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-request speed
@@ -37,52 +36,17 @@ class Task:
     attempts: int = 0  # failed requests here: max_attempts counts these
     lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
     crashes: int = 0  # server crashes while this prompt was in flight
-    last_outage: int = 0  # the outage (Flags.outages) last counted for it
+    last_outage: int = 0  # the outage (ServerWatch.outages) last counted for it
     failing_since: float | None = None  # when its first failed request here was sent (monotonic)
     answered_before: float = 0.0  # Dispatcher.answered when its latest request was sent
     progress: Progress = field(default_factory=Progress)
     cancel_reason: str | None = None
 
-
-@dataclass
-class Flags:
-    """Engine-wide switches, read by every part; each is written by one part only, named here."""
-
-    # The operator's controls, as the heartbeat last read them (worker/heartbeat.py).
-    paused_all: bool = False
-    paused_jobs: set[str] = field(default_factory=set)
-    draining: bool = False
-    stop_requested: int = 0  # signals received (worker/engine.py)
-    # The server (worker/watch.py): down since (monotonic), outages since the start, what it waits on.
-    server_down_since: float | None = None
-    outages: int = 0
-    server_note: str | None = None
-    # When the heartbeat last checked the leases (monotonic): a longer gap than a lease survives (a
-    # frozen process) stops dispatch until they are checked again.
-    last_beat: float = field(default_factory=time.monotonic)
-    # Batches whose shard cannot be written now (disk full, S3 down), and why (worker/completion.py):
-    # their results stay in Redis while the write is retried; nothing new of their jobs is taken.
-    unwritten: dict[BatchRef, str] = field(default_factory=dict)
-    # The end of the queue, faster workers finish this engine's unsent prompts first (worker/tail.py).
-    hold_back: bool = False
-
-    @property
-    def note(self) -> str | None:
-        """What the worker's status says it waits on, if anything."""
-        if self.server_note or not self.unwritten:
-            return self.server_note
-        why = next(reversed(self.unwritten.values()))
-        # The cause first: `genq workers` cuts a note at 60 characters.
-        return (f"cannot write shards: {why} ({plural(len(self.unwritten), 'batch', 'batches')}; "
-                "their results stay in Redis, retrying; taking no new batch of their jobs)")
-
-    @property
-    def accepting(self) -> bool:
-        """Whether the engine takes new batches (worker/intake.py)."""
-        return not (self.draining or self.stop_requested or self.paused_all or self.server_down_since is not None)
-
-    def unwritten_jobs(self) -> frozenset[str]:
-        return frozenset(ref.job for ref in self.unwritten)
+    def crashed(self, outage: int) -> None:
+        """The server went down with this prompt in flight: one more crash, once per outage."""
+        if self.last_outage != outage:
+            self.last_outage = outage
+            self.crashes += 1
 
 
 class Holdings(dict[BatchRef, HeldBatch]):

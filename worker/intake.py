@@ -25,11 +25,15 @@ from genq.core import scripts
 from genq.core.queueing import list_jobs, load_configs, rq_worker
 from genq.core.records import BatchRef
 from genq.core.waits import retrying, wait_event
+from genq.worker.completion import Completer
+from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Flags, Holdings
+from genq.worker.held import Holdings
 from genq.worker.models import AUTO, ModelGate, serves
 from genq.worker.options import WorkerOptions
 from genq.worker.shares import Shares
+from genq.worker.stopping import StopNow
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -48,14 +52,18 @@ def run_batch(job: str, batch_id: str) -> None:
 
 class Intake:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, opts: WorkerOptions, instance: str,
-                 flags: Flags, held: Holdings, dispatcher: Dispatcher, shares: Shares, models: ModelGate,
+                 controls: Controls, watch: ServerWatch, stopping: StopNow, completer: Completer,
+                 held: Holdings, dispatcher: Dispatcher, shares: Shares, models: ModelGate,
                  queued: asyncio.Event,
                  load: Callable[[str, BatchRef, str], Awaitable[None]]) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.opts = opts
         self.instance = instance
-        self.flags = flags
+        self.controls = controls
+        self.watch = watch
+        self.stopping = stopping
+        self.completer = completer  # nothing new of a job whose shards cannot be written now
         self.held = held
         self.dispatcher = dispatcher
         self.shares = shares
@@ -68,13 +76,18 @@ class Intake:
         self._take = conn.register_script(scripts.TAKE)
         self._rq = rq_worker(sync_conn, instance)
 
+    def accepting(self) -> bool:
+        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
+        c = self.controls
+        return not (c.draining or c.paused_all or self.stopping.requested or self.watch.down)
+
     def wants_batch(self) -> bool:
-        if not self.flags.accepting:
+        if not self.accepting():
             return False
         base, held = self.opts.loops, len(self.held)
         if held < base:
             return True
-        if self.flags.paused_all or held >= base + MAX_EXTRA:
+        if held >= base + MAX_EXTRA:
             return False  # parked prompts are not work: no more batches for them
         # The queue's next batch outranks what waits here (worker/shares.py): take it now, not
         # after a held batch's long tail.
@@ -127,7 +140,7 @@ class Intake:
         leased to this live engine and never loaded would be stuck, since nobody else takes it."""
         await retrying(self._refresh_foreign, "reading the jobs")
         token = uuid.uuid4().hex
-        skip = sorted(self.foreign | self.flags.unwritten_jobs())
+        skip = sorted(self.foreign | self.completer.unwritten_jobs())
         script_keys, args = scripts.take_call(self.instance, token, _rq_now(), skip)
         got = await retrying(lambda: self._take(keys=script_keys, args=args), "taking a batch")
         if not got:
@@ -142,7 +155,7 @@ class Intake:
         the first engine to take one of their batches: worker/models.py)."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
-        model = self.models.server_model()
+        model = self.watch.model
         jobs, configs = await asyncio.to_thread(self._jobs_and_configs)
         foreign = {job: config.model for job, config in zip(jobs, configs, strict=True)
                    if config is not None and config.model != AUTO and not serves(config.model, model)}

@@ -9,7 +9,6 @@ one it got anyway, and steals none of its prompts, and says so once per job.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -17,6 +16,7 @@ import redis.asyncio as aioredis
 from genq.core.ledger import leasing
 from genq.core.queueing import load_configs
 from genq.core.records import JobConfig
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -47,16 +47,16 @@ async def pin_model(conn: aioredis.Redis, job: str, model: str) -> JobConfig | N
 class ModelGate:
     """This engine's side: pins `auto` jobs and turns away other models' jobs."""
 
-    def __init__(self, conn: aioredis.Redis, instance: str, server_model: Callable[[], str | None]) -> None:
+    def __init__(self, conn: aioredis.Redis, instance: str, watch: ServerWatch) -> None:
         self.conn = conn
         self.instance = instance
-        self.server_model = server_model
+        self.watch = watch  # the model its server serves
         self._told: set[str] = set()  # jobs whose refusal was logged
 
     async def admit(self, config: JobConfig) -> JobConfig | None:
         """The job's settings to run it with (`auto` pinned to this server's model), or None
         when it is another model's job."""
-        model = self.server_model()
+        model = self.watch.model
         if config.model == AUTO and model is not None:
             pinned = await pin_model(self.conn, config.name, model)
             if pinned is None:
@@ -70,13 +70,13 @@ class ModelGate:
     async def refuse(self, job: str, job_model: str) -> None:
         if job not in self._told:
             self._told.add(job)
-            log.warning(_refusal(job, job_model, self.server_model()))
+            log.warning(_refusal(job, job_model, self.watch.model))
 
     async def servable_config(self, job: str) -> JobConfig | None:
         """The job's settings now if this engine may take its prompts (the stealer's view), else None.
         An `auto` job is not pinned here: its batches' holders have pinned it already."""
         found = await leasing.config_now(self.conn, job)
-        if found is None or not serves(found.model, self.server_model()):
+        if found is None or not serves(found.model, self.watch.model):
             if found is not None:
                 await self.refuse(job, found.model)
             return None

@@ -36,7 +36,8 @@ from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.batches import Batches
 from genq.worker.brake import Brake
-from genq.worker.held import Flags, HeldBatch, Holdings
+from genq.worker.controls import Controls
+from genq.worker.held import HeldBatch, Holdings
 from genq.worker.server import ServerInfo
 from genq.worker.stealing import Stealer
 from genq.worker.watch import ServerWatch
@@ -60,12 +61,12 @@ def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
 
 
 class Parking:
-    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, flags: Flags, held: Holdings,
+    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, controls: Controls, held: Holdings,
                  batches: Batches, brake: Brake, stealer: Stealer, watch: ServerWatch) -> None:
         self.conn = conn
         self.sync_conn = sync_conn
         self.worker = worker
-        self.flags = flags
+        self.controls = controls  # the operator's pauses
         self.held = held
         self.batches = batches  # admitted batches are sent, parked ones let go, by their owner
         self.brake = brake  # the dispatcher's: its trips block their job here
@@ -173,7 +174,7 @@ class Parking:
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
 
-    # ---------------------------------------------------------------- settings and flags, every second
+    # ---------------------------------------------------------------- settings and pauses, every second
 
     def _settings(self, job: str, stored: JobConfig) -> None:
         """A newer settings version of a job this engine holds: every unsent prompt gets it."""
@@ -225,7 +226,7 @@ class Parking:
         """Jobs paused (`genq pause --job`, read by the heartbeat) that this engine holds: parked once
         their requests in flight are done, so their slots go to other jobs at once (docs/scheduling.md)."""
         holding = self.held.all_jobs()
-        for job in (self.flags.paused_jobs & holding) - self.brake.blocked - self.pausing:
+        for job in (self.controls.paused_jobs & holding) - self.brake.blocked - self.pausing:
             self.pausing.add(job)
             self._spawn(self._park_paused(job))
 

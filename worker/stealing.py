@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -21,16 +20,17 @@ import redis.asyncio as aioredis
 from genq.core import batches as batch_records
 from genq.core.ledger import holding, leasing
 from genq.core.records import BatchRef, JobConfig, Prompt
-from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.batches import Batches
 from genq.worker.claims import Claims
 from genq.worker.controller import ConcurrencyController
+from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Flags, HeldBatch, Holdings
+from genq.worker.held import HeldBatch, Holdings
 from genq.worker.idle import IdlePace
+from genq.worker.intake import Intake
 
 log = logging.getLogger("genq.worker")
 
@@ -41,13 +41,15 @@ BATCHES_CACHED = 64
 
 
 class Stealer:
-    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, flags: Flags, held: Holdings,
+    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, controls: Controls, intake: Intake,
+                 held: Holdings,
                  dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims, batches: Batches,
                  job_config: Callable[[str], Awaitable[JobConfig | None]], pace: IdlePace) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
-        self.flags = flags
+        self.controls = controls
+        self.intake = intake  # whether the engine takes new work now
         self.held = held
         self.dispatcher = dispatcher
         self.controller = controller
@@ -64,8 +66,8 @@ class Stealer:
         wait = STEAL_EVERY_S
         while True:
             woken = await self.pace.nap(wait)  # idle: until woken, or IDLE_LOOK_S
-            if woken and time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S:
-                await self.pace.fresh_beat(lambda: self.flags.last_beat)  # idle: its last lease check is old
+            if woken and not self.controls.leases_fresh():
+                await self.pace.fresh_beat(lambda: self.controls.last_beat)  # idle: its last lease check is old
             try:
                 took = await self.pass_once()
             except (redis.RedisError, OSError) as exc:
@@ -83,20 +85,19 @@ class Stealer:
         """Take up to the free slots' worth of prompts; how many were taken (None: not looked,
         the queue has batches)."""
         self._forget_finished()
-        if self.flags.server_down_since is not None and self.held.borrowed:
+        if self.dispatcher.watch.down and self.held.borrowed:
             await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if (free <= 0 or not self.flags.accepting or self.flags.paused_all or self.flags.hold_back
-                or time.monotonic() - self.flags.last_beat > LEASE_CHECK_STALE_S):
+        if free <= 0 or not self.intake.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
             return 0
         if await self.conn.llen(self.queue_key):
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
         took = 0
-        unwritten = self.flags.unwritten_jobs()
+        unwritten = self.batches.completer.unwritten_jobs()
         for ref, holder, config in await self._leased_elsewhere():
             if ref.job in unwritten:
-                continue  # its shards cannot be written here now (worker/held.py)
+                continue  # its shards cannot be written here now (worker/completion.py)
             if await self.job_config(ref.job) is None:
                 continue  # another model's job (worker/models.py)
             prompts = await self._batch(ref, config)
@@ -133,7 +134,7 @@ class Stealer:
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
         """Batches other engines hold, with their job's settings as they are now (read each pass:
         a job deleted and enqueued again under its name is another incarnation)."""
-        jobs = [j for j in await holding.job_names(self.conn) if j not in self.flags.paused_jobs]
+        jobs = [j for j in await holding.job_names(self.conn) if j not in self.controls.paused_jobs]
         out = []
         for job, (config, leases) in zip(jobs, await holding.leases_and_configs(self.conn, jobs)):
             if config is None:

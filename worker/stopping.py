@@ -43,10 +43,17 @@ class StopNow:
         self.worker = worker
         self.held = held
         self.writer = writer
+        self.requested = 0  # 1: finish what is held, then exit; 2: stop now (a second signal, the grace over)
         self.since: float | None = None  # monotonic: when the worker was told to stop now
         self.without_redis = False  # the shutdown was given up: Redis did not answer, or took too long
 
+    def finish(self) -> None:
+        """Finish what is held, then exit."""
+        self.requested = max(self.requested, 1)
+
     def start(self) -> None:
+        """Stop now."""
+        self.requested = 2
         if self.since is None:
             self.since = time.monotonic()
 

@@ -4,7 +4,7 @@ Once RQ's queue is empty, the fleet's unsent prompts U are the last to start. St
 ends after L_me (mean output tokens x this worker's seconds per token per request); a worker v
 faster by at least MARGIN frees slots_v / L_v slots a second and finishes a prompt before L_me
 for L_me - L_v. While U <= SPREAD x sum_v slots_v / L_v x (L_me - L_v), every unsent prompt ends
-sooner elsewhere: this worker holds back (Flags.hold_back), claims nothing and steals nothing,
+sooner elsewhere: this worker holds back (Dispatcher.hold_back), claims nothing and steals nothing,
 gives back the prompts it claimed ahead (Todo.give_back_ready), and the faster workers take them
 (worker/stealing.py). The fastest worker never holds back; a hold lasts a few request times at
 most. A server down past DOWN_GRACE_S makes its worker the slowest: it gives back every claim.
@@ -28,7 +28,7 @@ from genq.core.ledger import fleet
 from genq.core.records import WorkerStatus
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Flags
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -82,12 +82,12 @@ def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
 
 
 class TailWatch:
-    def __init__(self, conn: aioredis.Redis, name: str, queue_key: str, flags: Flags, dispatcher: Dispatcher,
+    def __init__(self, conn: aioredis.Redis, name: str, queue_key: str, watch: ServerWatch, dispatcher: Dispatcher,
                  active: Callable[[], bool]) -> None:
         self.conn = conn
         self.name = name
         self.queue_key = queue_key
-        self.flags = flags
+        self.watch = watch
         self.dispatcher = dispatcher
         self.active = active  # whether this engine holds or borrows anything (idle: nothing is read)
         self.held_back = 0  # times this engine began holding back
@@ -98,7 +98,7 @@ class TailWatch:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(NEAR_EVERY_S if self._near and not self.flags.hold_back else EVERY_S)
+            await asyncio.sleep(NEAR_EVERY_S if self._near and not self.dispatcher.hold_back else EVERY_S)
             active = self.active()
             self._near = self._near and active and not self._given_up
             down = self._server_gone()
@@ -113,12 +113,12 @@ class TailWatch:
                     await self.dispatcher.todo.prune()
                 except (redis.RedisError, OSError) as exc:
                     log.debug("tail prune skipped: %s", exc)
-            if hold != self.flags.hold_back:
+            if hold != self.dispatcher.hold_back:
                 if not down:
                     log.info("end of the queue: %s", "faster workers finish the unsent prompts sooner; starting "
                              "none here" if hold else "starting prompts here again")
                 self.held_back += hold
-                self.flags.hold_back = hold
+                self.dispatcher.hold_back = hold
                 self.dispatcher.wake.set()
                 if hold and not down:
                     await self.give_back_ready()
@@ -127,7 +127,7 @@ class TailWatch:
 
     def _server_gone(self) -> bool:
         """The server is down past DOWN_GRACE_S: its prompts are better sent anywhere else."""
-        since = self.flags.server_down_since
+        since = self.watch.down_since
         return since is not None and time.monotonic() - since > DOWN_GRACE_S
 
     async def give_back_ready(self, server_down: bool = False) -> None:

@@ -19,12 +19,13 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from genq.core.words import plural
+from genq.worker.answers import Running
 from genq.worker.controller import ConcurrencyController
-from genq.worker.dispatch import Dispatcher
 from genq.worker.engines import Metrics
-from genq.worker.held import Flags
 from genq.worker.options import WorkerOptions
 from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
+from genq.worker.stopping import StopNow
+from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
@@ -36,27 +37,38 @@ class ServerStartTimeout(Exception):
 
 
 class ServerWatch:
-    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, flags: Flags,
-                 dispatcher: Dispatcher, hand_back_all: Callable[[str], Awaitable[None]],
-                 on_waiting: Callable[[str], Awaitable[None]]) -> None:
+    """Whether the server is up, as this watch alone decides (every other part reads it)."""
+
+    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
+                 stopping: StopNow, running: Running, todo: Todo) -> None:
         self.opts = opts
         self.client = client
         self.controller = controller
-        self.flags = flags
-        self.dispatcher = dispatcher
-        self.hand_back_all = hand_back_all
-        self.on_waiting = on_waiting
+        self.stopping = stopping
+        self.running = running  # the dispatcher's requests in flight
+        self.todo = todo  # the dispatcher's prompts not sent yet; its `wake` wakes the dispatcher
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
+        self.down_since: float | None = None  # monotonic
+        self.outages = 0  # since the start: a prompt in flight through two is a suspect (worker/dispatch.py)
+        self.note: str | None = None  # what the worker waits on: the server's last answer, or its change
         self._check: asyncio.Future[str | None] | None = None
         self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
 
-    async def wait_for_server(self) -> ServerInfo | None:
-        """The server's info once it answers; None if stopped while waiting. Raises
-        ServerStartTimeout after --server-start-timeout."""
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    @property
+    def model(self) -> str | None:
+        return self.info.model if self.info else None
+
+    async def wait_for_server(self, on_waiting: Callable[[str], Awaitable[None]]) -> ServerInfo | None:
+        """The server's info once it answers, saying why it waits through `on_waiting`; None if
+        stopped while waiting. Raises ServerStartTimeout after --server-start-timeout."""
         started = time.monotonic()
         delay, next_note = 0.5, 0.0
-        while not self.flags.stop_requested:
+        while not self.stopping.requested:
             try:
                 self.info = await self.client.discover()
                 return self.info
@@ -69,7 +81,7 @@ class ServerWatch:
                 if waited >= next_note:
                     log.warning("waiting for server %s (%.0fs so far): %s", self.opts.server_url, waited, exc)
                     next_note = max(10.0, next_note * 2)
-                await self.on_waiting(str(exc))
+                await on_waiting(str(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         return None
@@ -77,7 +89,7 @@ class ServerWatch:
     async def is_down(self) -> bool:
         """Single-flight check after a failure (many failures, one probe): the server is down, or
         is not the one this engine knew (restarted with another model or a smaller context)."""
-        if self.flags.server_down_since is not None:
+        if self.down:
             return True
         if self._check is None:
             self._check = asyncio.ensure_future(self._verify())
@@ -86,7 +98,7 @@ class ServerWatch:
         finally:
             if self._check is not None and self._check.done():
                 self._check = None
-        if why is not None and self.flags.server_down_since is None:
+        if why is not None and not self.down:
             self._went_down(why)
         return why is not None
 
@@ -129,49 +141,51 @@ class ServerWatch:
         return None
 
     def _went_down(self, why: str) -> None:
-        self.flags.server_down_since = time.monotonic()
-        self.flags.server_note = why
-        self.flags.outages += 1
+        self.down_since = time.monotonic()
+        self.note = why
+        self.outages += 1
         self.metrics = None  # what a server that is gone said last is not what it does now
-        in_flight = list(self.dispatcher.running)
+        in_flight = list(self.running)
         for task in in_flight:
-            self.dispatcher.crashed(task)
+            task.crashed(self.outages)
         log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
                     "%d in flight counted a server crash)", self.opts.server_url, why, len(in_flight))
-        self.dispatcher.cancel_all(f"server down: {why}")
+        self.running.cancel_all(f"server down: {why}")
         self._down.set()
 
-    async def recovery_loop(self) -> None:
+    async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
+        """Polls a server that went down until it answers as it was; past --server-down-timeout (or
+        serving another model) what is held goes back through `hand_back_all`."""
         while True:
             await self._down.wait()
-            await self._await_recovery()
+            await self._await_recovery(hand_back_all)
             self._down.clear()
 
-    async def _await_recovery(self) -> None:
+    async def _await_recovery(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
         delay, handed_back = 0.5, False
         while True:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 5.0)
-            down_for = time.monotonic() - (self.flags.server_down_since or time.monotonic())
+            down_for = time.monotonic() - (self.down_since or time.monotonic())
             if down_for > self.opts.server_down_timeout and not handed_back:
                 handed_back = True
-                await self.hand_back_all(f"server down for {down_for:.0f}s")
+                await hand_back_all(f"server down for {down_for:.0f}s")
             try:
                 info = await self.client.discover()
             except ServerUnavailable as exc:
-                self.flags.server_note = str(exc)
+                self.note = str(exc)
                 continue
             change = self._change(info)
             if change is not None and change.startswith("it serves model"):
                 # Its held prompts are for another model: back to the queue for a server of theirs.
                 log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
-                await self.hand_back_all(f"server now serves {info.model}")
+                await hand_back_all(f"server now serves {info.model}")
             elif change is not None and down_for <= self.opts.server_down_timeout:
                 # A smaller context: its prompts wait, or go to other workers (worker/tail.py).
                 note = f"{change}: waiting for it as it was (--server-down-timeout)"
-                if note != self.flags.server_note:
+                if note != self.note:
                     log.warning("server %s: %s", self.opts.server_url, note)
-                self.flags.server_note = note
+                self.note = note
                 continue
             elif change is not None:
                 log.warning("server %s: %s for %.0fs: taken as it is", self.opts.server_url, change, down_for)
@@ -181,25 +195,25 @@ class ServerWatch:
                 self.info = info  # another model, or a smaller context taken as it is now
             self.controller.set_capacity(info.capacity)
             log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
-            self.flags.server_down_since = None
-            self.flags.server_note = None
-            self.dispatcher.wake.set()
+            self.down_since = None
+            self.note = None
+            self.todo.wake.set()
             return
 
     async def metrics_loop(self) -> None:
         while True:
             await asyncio.sleep(self.controller.look_interval_s)  # faster while it learns a capacity
-            if self.flags.server_down_since is not None or self.info is None or not self.info.has_metrics:
+            if self.down or self.info is None or not self.info.has_metrics:
                 continue
             m = await self.client.metrics()
             if m is None:
                 continue
             self.metrics = m
             before = self.controller.target
-            self.controller.observe(m, self.dispatcher.running.sequences, self.dispatcher.unsent)
+            self.controller.observe(m, self.running.sequences, len(self.todo))
             if self.controller.target != before:
                 log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
-                self.dispatcher.wake.set()
+                self.todo.wake.set()
 
     async def watchdog(self) -> None:
         """Cancel requests that stalled or ran too long (one timer for all, not one each);
@@ -207,7 +221,7 @@ class ServerWatch:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            running = self.dispatcher.running
+            running = self.running
             queue_empty = self.metrics is not None and not self.metrics.waiting
             for task, aio in list(running.items()):
                 p = task.progress
@@ -219,7 +233,7 @@ class ServerWatch:
                 else:
                     continue
                 aio.cancel()
-            if running and self.flags.server_down_since is None:
+            if running and not self.down:
                 latest = max(t.progress.last_activity for t in running)
                 if now - latest > SILENT_PROBE_S and not await self.client.healthy():
                     self._went_down(f"no output from {plural(len(running), 'request')} for {now - latest:.0f}s "
