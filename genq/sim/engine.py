@@ -80,36 +80,29 @@ class Stats:
 
     def snapshot(self, now: float, running: int, waiting: int) -> dict[str, Any]:
         elapsed = now - self.start
-        # The busy window runs from the first admission to the last finish (or
-        # now while work remains); means over it ignore idle time around a batch.
+        # The busy window runs from the first admission to the last finish (or now while work remains):
+        # its means ignore idle time around a batch.
         busy = 0.0
         if self.first_admit is not None:
             end = now if (running or waiting or self.last_finish is None) else self.last_finish
             busy = max(end - self.first_admit, 0.0)
-
-        def per(value: float, span: float) -> float:
-            return value / span if span > 0 else 0.0
-
-        def since_start(t: float | None, clock: float) -> float | None:
-            return None if t is None else t - clock
-
-        wall = now - time.time()
+        wall = now - time.time()  # the two instants also on the wall clock, to compare servers (a fleet's makespan)
+        first, last = self.first_admit, self.last_finish
         return {
             "elapsed_s": elapsed,
-            "mean_running": per(self.running_integral, elapsed),
+            "mean_running": self.running_integral / elapsed if elapsed > 0 else 0.0,
             "busy_s": busy,
-            "busy_mean_running": per(self.running_integral, busy),
-            "busy_mean_waiting": per(self.waiting_integral, busy),
+            "busy_mean_running": self.running_integral / busy if busy > 0 else 0.0,
+            "busy_mean_waiting": self.waiting_integral / busy if busy > 0 else 0.0,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "finished_requests": self.finished,
             "generation_requests": self.requests,
             "aborted_requests": self.aborted,
-            "first_admit_s": since_start(self.first_admit, self.start),
-            "last_finish_s": since_start(self.last_finish, self.start),
-            # The same two instants on the wall clock, to compare servers (a fleet's makespan).
-            "first_admit_at": since_start(self.first_admit, wall),
-            "last_finish_at": since_start(self.last_finish, wall),
+            "first_admit_s": None if first is None else first - self.start,
+            "last_finish_s": None if last is None else last - self.start,
+            "first_admit_at": None if first is None else first - wall,
+            "last_finish_at": None if last is None else last - wall,
             "num_running": running,
             "num_waiting": waiting,
             "generated_by_key": self.generated_by_key,
