@@ -1,10 +1,6 @@
-"""A batch's prompts, wherever they are: the one place a batch record becomes prompts.
-
-Inline batches decompress (genq.core.batches). By-reference batches read their byte range of the
-input (a ranged GET on S3, or a seek in a file every worker can read), parse those lines as enqueue
-did and check the range digest: a line missing, changed or moved raises InputChanged, and the worker
-dead-letters the whole batch rather than send anything read from the wrong lines.
-"""
+"""A batch record becomes prompts here: inline ones decompress; by-reference ones read their byte range
+of the input, parse it as enqueue did and check its digest. A line missing, changed or moved raises
+InputChanged: the batch is dead-lettered rather than anything sent from the wrong lines."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""How much of an input is queued: what enqueue's percent and ETA are made of.
-
-The percent is of the rows handed on (queued, skipped or rejected), not of the rows read: the reading
-thread runs up to two chunks (16K rows) ahead of what is queued. The reader notes its position after
-each chunk (read_upto); the enqueuer says how many rows are handed on (settle), and their position
-is interpolated between the marks. Positions: the end of the last line parsed of an uncompressed
-JSONL input; the compressed bytes read of a .gz one (its size unpacked is not known before the end);
-the rows read of a Parquet one, of the count in its footer.
-"""
+"""How much of an input is queued (enqueue's percent and ETA): of the rows handed on, not of those read,
+which run up to two chunks ahead. The reader marks its position after each chunk (read_upto), the
+enqueuer says how many rows are handed on (settle), interpolated between marks. Positions are bytes
+parsed (JSONL), compressed bytes read (.gz: its unpacked size is unknown) or rows (Parquet's footer)."""
 
 from __future__ import annotations
 

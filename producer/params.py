@@ -1,11 +1,7 @@
-"""The request fields a job (--extra-body) or a row (sampling, an OpenAI Batch body) may set: one table,
-checked once at enqueue with the job's endpoint known: a bad value is one error naming the option or
-the line, not a dead letter for every prompt hours into a run.
-
-Known: OpenAI's chat/completions fields, SGLang's extras (../shared/notes/sglang-api.md) and vLLM's
-common ones. Fields genq sets itself cannot be overridden; fields whose answer genq would not record
-are refused (docs/fidelity.md says where each accepted field's answer lands in the record).
-"""
+"""The request fields a job (--extra-body) or a row (sampling, an OpenAI Batch body) may set, checked
+once at enqueue with the endpoint known: a bad value is one error naming the option or line, not a
+dead letter for every prompt hours into a run. Fields genq sets cannot be overridden; fields whose
+answer genq would not record are refused (docs/fidelity.md: where each accepted one lands)."""
 
 from __future__ import annotations
 
@@ -158,8 +154,7 @@ def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
 
 
 def _check_for_endpoint(params: dict[str, Any], endpoint: str, where: str) -> None:
-    """logprobs is true/false for chat and a count for completions; top_logprobs needs logprobs true;
-    one endpoint's fields are refused on the other."""
+    """logprobs: true/false for chat, a count for completions; one endpoint's fields refused on the other."""
     logprobs = params.get("logprobs")
     if endpoint == "chat":
         for name, hint in COMPLETIONS_ONLY.items():

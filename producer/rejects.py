@@ -1,12 +1,7 @@
-"""The rejects file, written as rejects are found: the producer never holds them all.
-
-Rejects arrive nearly in line order (parse errors as lines are read, duplicate ids up to one group
-later); the enqueuer says which line it has checked up to (`release`) and the rejects below it are
-written then, so the file comes out sorted by line. It is written as PATH.partial and renamed at the
-end; `discard` (nothing was queued) removes it and the folders it made. A file that cannot be
-written is reported, not fatal: the rejects are still counted and the first few shown. With no
-path (a dry run) nothing is written.
-"""
+"""The rejects file, written as rejects are found (never all held), sorted by line: rejects below the
+line the enqueuer has checked up to (`release`) are written then. Written as PATH.partial, renamed
+at the end; `discard` removes it and the folders it made. A write error is reported, not fatal;
+no path (a dry run): nothing written."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""One input row becomes the Prompt the job's endpoint takes, or a reject saying exactly why: the one
-check every reader (JSONL, Parquet, a by-reference batch read back) goes through.
-
-Accepted rows (one JSON object a line):
-  {"id": ..., "messages": [...], "sampling": {...}, ...metadata}
-  {"id": ..., "prompt": "...", ...}
-  OpenAI Batch: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}
-
-/v1/chat/completions takes only messages: a plain prompt becomes one user message (the stored Prompt
-is what is sent). /v1/completions takes only a prompt: messages cannot be flattened without the
-model's chat template, so such a row is refused. Request fields are checked with the endpoint known
-(genq.producer.params).
-"""
+"""One input row becomes the Prompt its job's endpoint takes, or a reject saying why: the one check
+every reader (JSONL, Parquet, a by-reference batch read back) goes through. Rows are
+{"id", "messages" | "prompt", "sampling", ...metadata} or OpenAI Batch lines. Chat sends a prompt as
+one user message (the stored Prompt is what is sent); completions refuses messages, which only the
+model's chat template could flatten."""
 
 from __future__ import annotations
 
@@ -28,9 +20,9 @@ OPENAI_BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "pro
 _BODY_FIELDS_IGNORED = {"model", "stream", "stream_options", "messages", "prompt"}  # the job decides them
 _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
 
-_decoder = msgspec.json.Decoder()
+json_decoder = msgspec.json.Decoder()
 _canonical = msgspec.json.Encoder(order="sorted")
-_fallback = msgspec.json.Encoder(enc_hook=str)  # Parquet values JSON has no type for (dates, bytes)
+lenient_encoder = msgspec.json.Encoder(enc_hook=str)  # Parquet values JSON has no type for (dates, bytes)
 
 
 class RowError(ValueError):
@@ -38,22 +30,20 @@ class RowError(ValueError):
 
 
 class Row(NamedTuple):
-    """A valid row and where it came from, kept in case it is rejected later (a duplicate id).
-    source: the raw JSONL line or the Parquet row; start/end: a JSONL line's byte range in the
-    uncompressed input (for by-reference batches), -1 when there is none."""
+    """A valid row and its source (the JSONL line or Parquet row), kept for a later reject (a duplicate id)."""
 
     prompt: Prompt
     source: bytes | dict[str, Any]
     digest: bytes  # claim_digest of the prompt as it is sent
     converted: bool = False  # a 'prompt' row sent as one user message
-    start: int = -1
+    start: int = -1  # a JSONL line's byte range in the uncompressed input (by-reference batches); -1: none
     end: int = -1
 
     def text(self) -> str:
         """The whole line, for the rejects file."""
         if isinstance(self.source, bytes):
             return self.source.decode("utf-8", errors="replace")
-        return _fallback.encode(self.source).decode()
+        return lenient_encoder.encode(self.source).decode()
 
 
 def claim_digest(prompt: Prompt) -> bytes:
@@ -69,7 +59,7 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     if not stripped:
         return None
     try:
-        prompt, converted = to_prompt(line_no, _decoder.decode(stripped), endpoint)
+        prompt, converted = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
     except msgspec.DecodeError as exc:
         return rejected(line_no, f"invalid JSON: {exc}", raw)
     except RowError as exc:

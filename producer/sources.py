@@ -1,13 +1,7 @@
-"""Where input rows come from: JSONL (plain or .gz) and Parquet, local or on S3, each row checked by
-genq.producer.rows; a bad row is reported with its 1-based line (JSONL) or row (Parquet) number.
-Nothing is read whole: JSONL streams line by line, S3 objects stream (resuming after a broken
-connection), Parquet is read a record batch at a time.
-
-Parquet: --messages-column COL (a list of {role, content} structs, or a JSON string of one) or
---prompt-column COL carries the request, --id-column COL the id; without them, columns named
-"messages", "prompt" and "id" do. Every other column is metadata, as extra fields of a JSONL line
-are, and so is a "messages", "prompt" or "id" column that is not the mapped one.
-"""
+"""Input rows from JSONL (plain or .gz) or Parquet, local or on S3, streamed (never read whole) and
+each checked by rows.py; a bad row is named by its 1-based line or row. Parquet's request is in the
+columns --messages-column / --prompt-column / --id-column name (default: "messages", "prompt", "id");
+every other column is metadata, as a JSONL line's extra fields are."""
 
 from __future__ import annotations
 
@@ -23,14 +17,20 @@ import msgspec
 from genq.core.records import Endpoint, Rejected
 from genq.output import layout
 from genq.producer.meter import Meter
-from genq.producer.rows import Row, RowError, claim_digest, parse_line, rejected, to_prompt
+from genq.producer.rows import (
+    Row,
+    RowError,
+    claim_digest,
+    json_decoder,
+    lenient_encoder,
+    parse_line,
+    rejected,
+    to_prompt,
+)
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PARQUET_BATCH_ROWS = 1024
 _REQUEST_COLUMNS = ("messages", "prompt", "id")
-
-_fallback = msgspec.json.Encoder(enc_hook=str)  # Parquet values JSON has no type for (dates, bytes)
-_decoder = msgspec.json.Decoder()
 
 
 class SourceError(Exception):
@@ -205,7 +205,7 @@ def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoi
         messages = row.get("messages")
         if isinstance(messages, str):
             try:
-                row["messages"] = _decoder.decode(messages)
+                row["messages"] = json_decoder.decode(messages)
             except msgspec.DecodeError as exc:
                 raise RowError(f"'messages' is a string but not JSON: {exc}") from None
         elif messages is not None:
@@ -214,7 +214,7 @@ def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoi
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
         prompt, converted = to_prompt(row_no, row, endpoint)
     except RowError as exc:
-        return rejected(row_no, str(exc), _fallback.encode(row))
+        return rejected(row_no, str(exc), lenient_encoder.encode(row))
     prompt.metadata = {**(prompt.metadata or {}), **aside}
     return Row(prompt, row, claim_digest(prompt), converted)
 

@@ -146,13 +146,7 @@ class Reply:
             choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
         choice["finish_reason"] = finish
         choice.update(self.stop_field(finish))
-        out: dict[str, Any] = {
-            "id": chunk_id or self.chunk_id or self.rid,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [choice],
-        }
+        out = self._head(chunk_id or self.chunk_id or self.rid, [choice])
         # SGLang's chunks without a count (its role and finish chunks) have no usage key.
         if tokens is not None or not self.sglang:
             out["usage"] = None if tokens is None else self.usage(tokens)
@@ -160,14 +154,11 @@ class Reply:
 
     def usage_chunk(self, tokens: int, chunk_id: str | None = None) -> dict[str, Any]:
         """The last chunk: the request's usage (tokens: over all its choices), no choices."""
-        return {
-            "id": chunk_id or self.rid,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(tokens),
-        }
+        return {**self._head(chunk_id or self.rid, []), "usage": self.usage(tokens)}
+
+    def _head(self, chunk_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": chunk_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices}
 
 
 def full_answer(replies: list[Reply], reqs: list[SimRequest]) -> dict[str, Any]:
