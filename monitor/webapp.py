@@ -34,8 +34,8 @@ from aiohttp import web
 
 from genq.core.ledger import letters
 from genq.core.records import DeadLetter, unpack
+from genq.monitor.eta import bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.exporter import parse_listen
-from genq.monitor.lengths import bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.progress import DOWN, JobReport, Monitor, encode
 
 log = logging.getLogger("genq.monitor")

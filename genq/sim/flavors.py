@@ -1,6 +1,6 @@
 """What differs between the engines the simulator plays (SGLang, vLLM, llama.cpp): info endpoints,
 metric names, error bodies and context checks, each copied from the engine's sources (docs/engines.md).
-The answers' shapes they share are in reply.py, their streaming in serve.py."""
+The answers' shapes they share are in protocol.py, their streaming in serve.py."""
 
 from __future__ import annotations
 

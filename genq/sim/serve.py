@@ -28,8 +28,7 @@ from genq.sim.config import SimConfig
 from genq.sim.engine import Engine, QueueFull, SimRequest
 from genq.sim.flavors import bad_request, error_response, json_response, sse
 from genq.sim.lengths import choice_key, output_length, prompt_key
-from genq.sim.protocol import ChatRequest, CompletionRequest, StreamOptions, validate
-from genq.sim.reply import WORDS, Reply, full_answer
+from genq.sim.protocol import WORDS, ChatRequest, CompletionRequest, Reply, StreamOptions, full_answer, validate
 
 # Each rate switch and its fault, in the order a draw tries them. stream_error: some output, then the
 # engine's SSE error event (a whole answer: a 500), as SGLang and vLLM report an internal error.
