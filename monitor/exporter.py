@@ -1,14 +1,8 @@
-"""Prometheus metrics for `genq monitor --metrics [HOST]:PORT`: the monitor's records as metric families.
-
-Every scrape reads through the same Monitor as the view (one set of throughput samples, one ETA),
-its reports cached for one refresh interval, so a second scraper does not recompute the ETA. Label
-values never grow with time: jobs and workers are names; states, reasons and bottlenecks are fixed
-sets of codes, each exported with 0 or 1. A stopped or lost worker is exported as down without its
-last figures, and not at all once down for FORGET_AFTER_S (genq:workers keeps every name that ever
-heartbeated; Prometheus must not).
-
-The genq job is the `job` label: scrape with `honor_labels: true`, else Prometheus renames it
-`exported_job` (docs/monitoring.md). dashboards/grafana-genq.json is built on these names.
+"""Prometheus metrics for `genq monitor --metrics [HOST]:PORT`: the monitor's records as metric families,
+read through the same Monitor as every view (reports cached one interval: a second scraper does not
+recompute the ETA). Label values never grow with time: states, reasons and bottlenecks are fixed code
+sets, each exported 0 or 1; a down worker is exported as down without figures, then not at all after
+FORGET_AFTER_S. The genq job is the `job` label (scrape with honor_labels: true; docs/monitoring.md).
 """
 
 from __future__ import annotations

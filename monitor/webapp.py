@@ -1,17 +1,10 @@
 """`genq monitor --web HOST:PORT`: one live page with plots, served by the monitor process.
 
-The page (monitor/web/) polls api/state, which answers from the same Monitor as the terminal view,
-the JSON lines and the exporter: its numbers are `genq monitor --json`'s. Its time series are the
-monitor's own, kept in memory (History: a restarted monitor starts its plots afresh; Prometheus
-keeps the long history). The charting library (uPlot, MIT) ships inside the package, so the page
-works on an air-gapped cluster; its URLs are relative, so it works through a port forward or under
-a reverse proxy's path prefix. Read-only unless started with control enabled and a token: then
-pause, resume and drain are POSTs to api/control carrying the token in X-Genq-Token.
-
-Only requests naming this server answer: a Host that is an address, a loopback name, the name it
-was bound to, this machine's name or one given with --web-allow-host. Any other is what a
-DNS-rebinding page sends (its own domain, resolved to this address): 403, nothing read. Every
-answer carries a Content-Security-Policy allowing only this server's own files, and nosniff.
+The page (monitor/web/, uPlot inside: no CDN, relative URLs) polls api/state, answered from the same
+Monitor as every view, so its numbers are `--json`'s; its time series live in memory (History).
+Controls (pause, resume, drain) only with a token, sent in X-Genq-Token. Only a Host naming this
+server is answered (an address, a loopback name, the bound name, this machine's, --web-allow-host):
+any other is a DNS-rebinding page's, answered 403. Every answer carries a same-origin CSP and nosniff.
 """
 
 from __future__ import annotations
@@ -123,23 +116,17 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
         return {"buckets": [], "tokens": [], "finished": [], "running": [], "fitted": []}
     buckets = list(range(min(keys), max(keys) + 1))
     n = sum(finished.values())
-    fitted: list[float | None] = []
-    for b in buckets:
+
+    def fitted(b: int) -> float | None:
         if model is None or n == 0:
-            fitted.append(None)
-            continue
+            return None
         lo, hi = bucket_log_bounds(b)
-        p = norm_cdf((hi - model.mu) / model.sigma) - norm_cdf((lo - model.mu) / model.sigma)
-        fitted.append(round(n * p, 3))
-    return {
-        "buckets": buckets,
-        "tokens": [round(2 ** (b / 4) - 1) for b in buckets],
-        "finished": [finished.get(b, 0) for b in buckets],
-        "running": [running.get(b, 0) for b in buckets],
-        "fitted": fitted,
-        "mu": None if model is None else model.mu,
-        "sigma": None if model is None else model.sigma,
-    }
+        return round(n * (norm_cdf((hi - model.mu) / model.sigma) - norm_cdf((lo - model.mu) / model.sigma)), 3)
+
+    return {"buckets": buckets, "tokens": [round(2 ** (b / 4) - 1) for b in buckets],
+            "finished": [finished.get(b, 0) for b in buckets], "running": [running.get(b, 0) for b in buckets],
+            "fitted": [fitted(b) for b in buckets], "mu": None if model is None else model.mu,
+            "sigma": None if model is None else model.sigma}
 
 
 # Without ?job= the page follows the job a user is watching: one that runs (the most requests in
