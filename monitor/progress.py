@@ -1,11 +1,7 @@
-"""The monitor's one record per job (JobProgress), from one read of Redis, that every view renders:
-`--json` and the progress file as they are, the terminal view (view.py), the web page (webapp.py)
-and Prometheus (exporter.py).
-
-Monitor.refresh() is the one path: read Redis (genq.core.ledger.figures), add a throughput sample (rates.py),
-estimate the time left (eta.py), fill the record. bench/eta_bench.py calls the same Monitor, so it
-measures what `genq monitor --json` prints.
-"""
+"""The monitor's one record per job (JobProgress) that every view renders: `--json` and the progress
+file as it is, the terminal (view.py), the web page (webapp.py), Prometheus (exporter.py). One path
+fills it, Monitor.refresh(): one read of Redis, a throughput sample (rates.py), the ETA (eta.py);
+bench/eta_bench.py measures the same Monitor."""
 
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Decode speed from what the monitor saw, not from the time since the job began.
 
-A live monitor keeps its own samples of the output tokens generated so far (finished plus the running
-ones' tokens: a smooth curve) and reads deltas over a recent window, so work done before it started
-never counts. Over the request-seconds spent decoding that is one request's speed; the fleet's is that
-times the requests decoding, scaled by the live workers' slots now over their mean (a worker joining
-or leaving changes the forecast at once). `genq monitor --once` has no samples: it takes the workers'
-tokens since their first result, or their last-30-s rates, and says it is less certain.
+A live monitor samples the output tokens so far (finished plus running: a smooth curve) and reads
+deltas over a recent window, so work before it started never counts. Over the request-seconds spent
+decoding that is one request's speed; the fleet's is that times the requests decoding, scaled by the
+live workers' slots now over their mean. `--once` has no samples: it takes the workers' own rates.
 
-A server's step makes a token for each of its d decoding requests and costs about a + b d: the
-workers' decode bins (WorkerStatus.decode) fitted by tokens give the overhead a/b, large on a GPU
-(memory-bound) and small on a CPU (compute-bound). Bins booked with no request awaiting its first
-token (DecodeBin.clean) are fitted first: prefills read the few-request bins slow and flatten the
-line. Too few bins, too narrow a spread of d, or a line that does not rise: None, no dependence.
+A server's step costs about a + b d for d decoding: the workers' decode bins fitted by tokens give the
+overhead a/b (large on a GPU, small on a CPU), clean bins (no prefill in them) first. Too few bins,
+too narrow a spread of d, or a line that does not rise: None, no dependence.
 """
 
 from __future__ import annotations
@@ -66,13 +62,9 @@ class RateTracker:
             self.samples.popleft()
 
     def _aligned(self, snap: JobSnapshot) -> Sample:
-        """A sample as of the workers' in-flight records, not as of this read.
-
-        A worker publishes its running requests once a second and its finished tokens as results come
-        in: added as read, a request that finished after the publish counts twice. So each worker's
-        finished tokens are taken back to its publish time (interpolated between this read and the
-        previous one), and the sample is dated at the mean publish time.
-        """
+        """A sample as of the workers' in-flight records (published once a second), not of this read: each
+        worker's finished tokens are interpolated back to its publish time, else a request finished since
+        would count twice; the sample is dated at the mean publish time."""
         generated = 0.0
         stamps: list[float] = []
         for w in snap.workers:
@@ -94,12 +86,9 @@ class RateTracker:
                       workers=sum(1 for w in snap.live if w.decoding), slots=snap.slots)
 
     def speed(self) -> Speed | None:
-        """One decoding request's speed = tokens generated / request-seconds decoding, over the window.
-
-        A ratio of sums, so idle stretches (before the first worker, a pause) count in neither. The
-        requests decoding over an interval are those published at its end; an interval that starts with
-        none known to decode may end with tokens made before it, and is left out.
-        """
+        """One decoding request's speed = tokens generated / request-seconds decoding, over the window: a
+        ratio of sums, so idle stretches count in neither. An interval starting with none known to decode
+        is left out (it may end with tokens made before it)."""
         pts = list(self.samples)
         if len(pts) < 2:
             return None

@@ -1,4 +1,4 @@
-"""All simulator knobs in one place; the CLI exposes one option per field."""
+"""All simulator knobs in one place; `genq sim` has one option per field, whose help says what it does."""
 
 from __future__ import annotations
 
@@ -6,15 +6,11 @@ import msgspec
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
-    """Settings of one simulated server.
+    """Settings of one simulated server. Time is compressed: one engine step stands for one decode
+    iteration but advances every running request by tokens_per_step tokens, so that a test generating
+    thousands of tokens finishes in seconds."""
 
-    Time is compressed: one engine step stands for one decode iteration of a real
-    server but advances every running request by tokens_per_step tokens, so that
-    a test generating thousands of tokens finishes in seconds.
-    """
-
-    # Which engine to play: "sglang", "vllm" or "llamacpp" (genq/sim/flavors.py).
-    flavor: str = "sglang"
+    flavor: str = "sglang"  # the engine played: "sglang", "vllm" or "llamacpp" (flavors.py)
     host: str = "127.0.0.1"
     port: int = 30000
     model_path: str = "genq-sim/Sim-8B"
@@ -30,51 +26,42 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # max_total_num_tokens x this (Llama-3-8B bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B = 128 KiB).
     weight_gb: float = 15.3
     kv_bytes_per_token: int = 131072
-    # SGLang only, as its command line would say (0.5.23, tests/recordings/sglang-0.5.23/):
-    # - tool_call_parser: without one a request's `tools` are ignored; with one the answer calls the first tool.
-    # - args_given: started with --max-running-requests and --context-length. Only then does /server_info
-    #   show them at the top level (else null), and max_tokens over the context gets the "max_completion_tokens
-    #   is too large" 400 before the prompt is looked at.
+    # SGLang only, as its command line would say (0.5.23, tests/recordings/sglang-0.5.23/): without a
+    # tool_call_parser `tools` are ignored; args_given: started with --max-running-requests and
+    # --context-length, so /server_info shows them (else null) and max_tokens over the context gets the
+    # "max_completion_tokens is too large" 400 before the prompt is looked at.
     tool_call_parser: str | None = None
     args_given: bool = False
 
-    # Step timing. A fixed cost dominates, as in memory-bound decode, so
-    # throughput grows with the batch size. Both 0: an (almost) instant server.
+    # A step costs step_ms_base + step_ms_per_req per running request (+ prefill_cost of that per prompt
+    # token admitted: vLLM on CPU, about a half, docs/vllm.md): throughput grows with the batch, as in
+    # memory-bound decode. Both 0: an (almost) instant server.
     step_ms_base: float = 20.0
     step_ms_per_req: float = 0.05
     tokens_per_step: int = 16
-    # A prompt's prefill runs in the step that admits it: each of its tokens costs this fraction of
-    # what a running request's token costs (vLLM on CPU: about a half, docs/vllm.md, 2026-12-05).
     prefill_cost: float = 0.5
 
-    # Output lengths: lognormal per prompt (genq/sim/lengths.py); thinking_fraction of it is
-    # reasoning when enable_thinking is set.
+    # Output lengths: lognormal per prompt (lengths.py); thinking_fraction of it is reasoning with enable_thinking.
     mean_output_tokens: float = 256.0
     output_sigma: float = 1.0
     thinking_fraction: float = 0.3
     seed: int = 0
 
-    # Seconds during which the port is open but /health and generation answer 503.
-    startup_delay: float = 0.0
-    # Seconds /health takes to answer (SGLang's generates one token: a second at least, up to
-    # 20 s, its SGLANG_HEALTH_CHECK_TIMEOUT, when the scheduler is busy or stalled).
-    health_delay: float = 0.0
+    startup_delay: float = 0.0  # seconds the port is open but /health and generation answer 503
+    health_delay: float = 0.0  # seconds /health takes (SGLang's: 1 s at least, 20 s when its scheduler is busy)
 
-    # Fault switches (also settable at run time through POST /sim/faults); stream_error: some
-    # output, then the flavor's SSE error event.
+    # Fault switches (also POST /sim/faults). An outage (every request in flight dropped, the next ones
+    # reset) at outage_at seconds (None: none) lasting outage_for, or whenever a body contains
+    # crash_marker (a prompt that crashes its server).
     error_rate: float = 0.0
     reset_rate: float = 0.0
     hang_rate: float = 0.0
     stream_error_rate: float = 0.0
-    # An outage (every request in flight dropped, the next ones reset) at outage_at seconds after
-    # start (None: none), lasting outage_for seconds.
     outage_at: float | None = None
     outage_for: float = 5.0
-    # A request whose body contains this text starts such an outage, every time it is sent: a
-    # prompt that crashes its server.
     crash_marker: str | None = None
-    # llama.cpp only: after a streamed response the server stops reading the connection and closes
-    # it this many seconds later, despite its Keep-Alive header; a request sent on it meanwhile is lost.
+    # llama.cpp only: after a stream the server stops reading the connection and closes it this many
+    # seconds later, despite its Keep-Alive header; a request sent on it meanwhile is lost.
     stream_close_delay: float = 0.1
 
     @property
