@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from genq.core.localredis import LocalRedis, free_port
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.tiers"]  # the fast and end-to-end tiers
@@ -157,8 +158,7 @@ def genq_cmd(*args: str, redis_url: str = REDIS_URL) -> list[str]:
 
 def run_genq(*args: str, redis_url: str = REDIS_URL, timeout: float = 120, check: bool = True,
              cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(genq_cmd(*args, redis_url=redis_url), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or WORKDIR)
+    proc = zygote.run(genq_cmd(*args, redis_url=redis_url), timeout=timeout, cwd=cwd or WORKDIR)
     if check and proc.returncode != 0:
         raise AssertionError(f"genq {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -261,9 +261,12 @@ class Proc:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                      start_new_session=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if zygote.wanted(args):
+            self.popen = zygote.Forked(args, cwd=cwd, env=env, stdout=str(log_path), session=True)
+        else:
+            self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                          start_new_session=True)
 
     @property
     def pid(self) -> int:

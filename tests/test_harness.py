@@ -22,6 +22,7 @@ import redis
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
+from tests import zygote
 from tests.conftest import ROOT, genq_cmd, wait_until
 
 HOST = "127.0.0.1"
@@ -118,3 +119,15 @@ def test_demo_on_a_given_redis_removes_its_job_afterwards(redis_url, rconn, tmp_
     assert "removed the demo's job" in proc.stdout
     assert not list(rconn.scan_iter(match="genq:job:*")) and not rconn.smembers(keys.JOBS)
     assert rq_queue(rconn).count == 0 and not list(rconn.scan_iter(match="rq:job:*"))
+
+
+def test_a_genq_forked_by_the_tests_answers_as_a_fresh_interpreter_does(redis_url, tmp_path):
+    """tests/zygote.py forks genq commands from one interpreter that imported genq: each must
+    answer exactly as `python -m genq` started afresh does (output, errors, exit code)."""
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "prompt": "x"}\nnot json\n')
+    for args in (["jobs", "list"], ["enqueue", str(tmp_path / "bad.jsonl"), "--job", "j", "--dry-run"],
+                 ["enqueue", str(tmp_path / "missing.jsonl"), "--job", "j"], ["--help"], ["no-such-command"]):
+        fresh = zygote.run(genq_cmd(*args, redis_url=redis_url), cwd=tmp_path, timeout=120, fork=False)
+        forked = zygote.run(genq_cmd(*args, redis_url=redis_url), cwd=tmp_path, timeout=120, fork=True)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == 2 and "no-such-command" in fresh.stderr
