@@ -3,7 +3,7 @@
 A genq process spends 0.4-0.9 s of CPU importing (aiohttp, redis, rq, msgspec) before it does
 anything, and the suite starts about a thousand of them on two cores. A zygote imports genq once;
 each command is a fork of it that runs `genq` exactly as `python -m genq` would (runpy, the same
-argv, environment, working directory and files 0-2, a new session if asked, the interpreter's own
+argv, environment, working directory, umask and files 0-2, a new session if asked, the interpreter's own
 exit), so the test sees a real process: a pid to signal, a log, an exit code. GENQ_TEST_FORK=0
 starts every command as a fresh interpreter instead.
 
@@ -98,6 +98,7 @@ def _become(request: dict) -> None:
         if request["session"]:
             os.setsid()
         os.chdir(request["cwd"])
+        os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(request["env"])
         stdin = os.open(os.devnull, os.O_RDONLY)
@@ -161,8 +162,10 @@ class _Zygote:
         with self.lock:
             self.next_id += 1
             rid = str(self.next_id)
+            umask = os.umask(0o022)  # read it: the only way is to set it
+            os.umask(umask)
             request = {"id": rid, "argv": argv, "cwd": str(cwd), "env": env, "stdout": stdout,
-                       "stderr": stderr, "session": session}
+                       "stderr": stderr, "session": session, "umask": umask}
             self.popen.stdin.write(json.dumps(request).encode() + b"\n")
             self.popen.stdin.flush()
         with self.changed:
