@@ -81,8 +81,11 @@ MEDIUM = dict(mean_output_tokens=100, output_sigma=0.3, tokens_per_step=8, step_
 
 
 def restart(sim, url: str, **options) -> None:
-    """The server process killed and another started on its port, with these options."""
+    """The server process killed and another started on its port, with these options. Down for
+    half a second, as long as genq sim's own start takes (a real server takes tens of seconds): the
+    tests fork their sims from a warm interpreter (tests/zygote.py), quicker than any restart."""
     sim.procs[url].kill_tree()
+    time.sleep(0.5)
     sim(port=int(url.rsplit(":", 1)[1]), **options)
 
 
