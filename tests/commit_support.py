@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import redis
 
 from genq.core import keys
 from genq.core.records import DeadLetter, Prompt, Result, Usage, unpack
 from genq.core.redisconn import connect_async
-from genq.worker.results import ResultWriter
+from genq.worker.batches import ResultWriter
 
 JOB, BATCH = "cj", "b0000001"
 INCARNATION = "c0ffee"  # the job's life the writes are for (RECORD refuses any other)
@@ -60,7 +61,7 @@ async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], paus
         written.extend(ids)
 
     conn = connect_async(url)
-    writer = ResultWriter(conn, worker, on_written)
+    writer = ResultWriter(conn, worker, SimpleNamespace(on_written=on_written))
     assert writer.last_error is None and writer.pending == 0
     task = asyncio.create_task(writer.run())
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import redis
 
@@ -21,7 +22,7 @@ from genq.core.queueing import enqueue_batch_jobs, rq_queue, save_config
 from genq.core.records import BatchRef, JobConfig, Result, ShardInfo, Usage, pack, unpack
 from genq.core.redisconn import connect_async
 from genq.monitor.rqqueue import QueueMirror
-from genq.worker.results import ResultWriter
+from genq.worker.batches import ResultWriter
 from tests.audit import audit
 from tests.conftest import read_results, run_genq, write_prompts
 
@@ -32,7 +33,7 @@ def _commit(redis_url: str, result: Result) -> None:
     async def go() -> None:
         conn = connect_async(redis_url)
         config = await conn.get(keys.job_config(result.job))
-        writer = ResultWriter(conn, "lost-worker", lambda *_: None)
+        writer = ResultWriter(conn, "lost-worker", SimpleNamespace(on_written=lambda *_: None))
         task = asyncio.create_task(writer.run())
         writer.add_result(result, unpack(config, JobConfig).incarnation)
         await writer.wait_idle()

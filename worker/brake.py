@@ -19,10 +19,10 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from genq.core.records import JobBlock
+from genq.worker.batches import ResultWriter
 from genq.worker.held import Task
 from genq.worker.server import Failure
 
@@ -57,13 +57,12 @@ class JobWindow:
 
 
 class Brake:
-    """Judges each job's outcomes on this engine. `dead(task, failure)` dead-letters a prompt (the
-    dispatcher's); a trip adds the job's block to `trips` and sets `tripped`: parking stores it and
+    """Judges each job's outcomes on this engine; `writer.dead(task, failure)` dead-letters a prompt. A trip adds the job's block to `trips` and sets `tripped`: parking stores it and
     parks the job (worker/parking.py). The job counts as blocked here until `clear`."""
 
-    def __init__(self, worker: str, dead: Callable[[Task, Failure], None]) -> None:
+    def __init__(self, worker: str, writer: ResultWriter) -> None:
         self.worker = worker
-        self.dead = dead
+        self.writer = writer
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
         self.trips: dict[str, JobBlock] = {}  # blocks tripped here, not yet taken by parking
@@ -112,7 +111,7 @@ class Brake:
             if 2 * counts.get(held.signature, 0) > n and now - held.since < HOLD_S:
                 keep.append(held)
             else:
-                self.dead(held.task, held.failure)
+                self.writer.dead(held.task, held.failure)
         window.held = keep
 
     def judge_all(self) -> None:
@@ -147,4 +146,4 @@ class Brake:
         window = self.windows.pop(job, None)
         if window is not None:
             for held in window.held:  # judged under the old settings: dead-lettered as they would have been
-                self.dead(held.task, held.failure)
+                self.writer.dead(held.task, held.failure)

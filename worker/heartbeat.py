@@ -12,7 +12,6 @@ import threading
 import time
 
 import redis
-import redis.asyncio as aioredis
 
 from genq.core import decodebound
 from genq.core.ledger import fleet
@@ -21,13 +20,10 @@ from genq.core.redisconn import redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.batches import Batches
-from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
 from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
-from genq.worker.stopping import StopNow
 from genq.worker.telemetry import GpuProbe, hardware
-from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -80,25 +76,24 @@ class RedisOutage:
 
 
 class Heartbeat:
-    def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
-                 controls: Controls, stopping: StopNow, batches: Batches, dispatcher: Dispatcher, watch: ServerWatch,
-                 gpu: GpuProbe, pace: IdlePace) -> None:
-        self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
+    def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, batches: Batches,
+                 dispatcher: Dispatcher, pace: IdlePace) -> None:
         self.opts = opts
         self.name = name
         self.host = host
         self.instance = instance
-        self.conn = conn
-        self.controls = controls  # written here only
-        self.stopping = stopping
+        self.conn = batches.conn
         self.batches = batches  # what is held; after each beat, its lease check
         self.held = batches.held
         self.dispatcher = dispatcher
-        self.watch = watch
+        self.controls = dispatcher.controls  # written here only
+        self.stopping = dispatcher.stopping
+        self.watch = dispatcher.watch
         self.controller = dispatcher.controller
         self.rates = dispatcher.rates
-        self.gpu = gpu
-        self.sampler = GpuSampler(gpu)
+        self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
+        self.gpu = GpuProbe(opts.gpu)
+        self.sampler = GpuSampler(self.gpu)
         self.started_at = time.time()
         self.outage = RedisOutage()
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
@@ -196,7 +191,7 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.completer.note(),
+            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),

@@ -27,7 +27,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from genq.core.ledger import holding
 from genq.core.records import JobBlock, JobConfig, Prompt
@@ -35,12 +34,10 @@ from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
 from genq.ops.settings import unqueue
 from genq.worker.batches import Batches
-from genq.worker.brake import Brake
-from genq.worker.controls import Controls
-from genq.worker.held import HeldBatch, Holdings
+from genq.worker.dispatch import Dispatcher
+from genq.worker.held import HeldBatch
 from genq.worker.server import ServerInfo
 from genq.worker.stealing import Stealer
-from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -61,18 +58,16 @@ def preflight(config: JobConfig, server: ServerInfo | None) -> str | None:
 
 
 class Parking:
-    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, controls: Controls, held: Holdings,
-                 batches: Batches, brake: Brake, stealer: Stealer, watch: ServerWatch) -> None:
-        self.conn = conn
-        self.sync_conn = sync_conn
-        self.worker = worker
-        self.controls = controls  # the operator's pauses
-        self.held = held
+    def __init__(self, batches: Batches, dispatcher: Dispatcher, stealer: Stealer) -> None:
+        self.conn = batches.conn
+        self.sync_conn = batches.sync_conn
+        self.worker = batches.worker
+        self.held = batches.held
         self.batches = batches  # admitted batches are sent, parked ones let go, by their owner
-        self.brake = brake  # the dispatcher's: its trips block their job here
+        self.controls = dispatcher.controls  # the operator's pauses
+        self.brake = dispatcher.brake  # its trips block their job here
+        self.watch = dispatcher.watch  # what the server says about itself (its context, for the preflight)
         self.stealer = stealer  # its cache of other engines' batches goes with old settings
-        self.watch = watch  # what the server says about itself (its context, for the preflight)
-        self.parked = 0  # batches parked since start
         self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
         self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -168,7 +163,6 @@ class Parking:
         """Park what this engine holds of the job (Batches.park): blocked, its requests in flight are
         cancelled; paused (`cancel` False), they finish and are recorded."""
         parked = await self.batches.park(job, cancel=cancel)
-        self.parked += len(parked)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",

@@ -17,8 +17,7 @@ import redis
 from genq.core.records import Prompt
 from genq.core.redisconn import in_words
 from genq.core.words import plural
-from genq.worker.claims import Claims
-from genq.worker.held import HeldBatch, Task
+from genq.worker.held import Claims, HeldBatch, Task
 
 log = logging.getLogger("genq.worker")
 
@@ -29,12 +28,10 @@ Plan = Callable[[dict[str, int], int], list[tuple[str, int]]]
 
 
 class Todo:
-    def __init__(self, claims: Claims, finished: Callable[[str, str, list[str]], None],
-                 plan: Plan | None = None) -> None:
+    def __init__(self, claims: Claims, finished: Callable[[str, str, list[str]], None]) -> None:
         self.claims = claims
         self.finished = finished  # (job, batch, ids) whose outcome another engine recorded
         self.wake = asyncio.Event()  # set when there may be something to send (the dispatcher waits on it)
-        self.plan = plan  # None: the oldest batch first
         self.waiting: dict[HeldBatch, deque[Task]] = {}  # the backlog: held prompts no engine claimed yet
         self.lent: dict[HeldBatch, dict[str, Task]] = {}  # prompts of held batches another engine took
         self.ready: deque[Task] = deque()
@@ -57,16 +54,16 @@ class Todo:
 
     # ---------------------------------------------------------------- claiming
 
-    async def claim(self, n: int, skip_jobs: set[str]) -> None:
+    async def claim(self, n: int, skip_jobs: set[str], plan: Plan | None = None) -> None:
         """Claim up to n prompts of the backlog into `ready`, each job's oldest batch first, as many
-        of each job as `plan` says (Redis away: again in a second)."""
+        of each job as `plan` says (None: the oldest batch first; Redis away: again in a second)."""
         for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
             self.waiting.pop(held, None)
         eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
         waiting: dict[str, int] = {}
         for held, tasks in eligible:
             waiting[held.ref.job] = waiting.get(held.ref.job, 0) + len(tasks)
-        quota = self.plan(waiting, n) if self.plan is not None else [(j, n) for j in waiting]
+        quota = plan(waiting, n) if plan is not None else [(j, n) for j in waiting]
         claimed: list[Task] = []
         try:
             for job, k in quota:
