@@ -12,7 +12,7 @@ import redis
 from genq.core import keys
 from genq.core.records import DeadLetter, Prompt, Result, Usage, unpack
 from genq.core.redisconn import connect_async
-from genq.worker.batches import ResultWriter
+from genq.worker.results import ResultWriter
 
 JOB, BATCH = "cj", "b0000001"
 INCARNATION = "c0ffee"  # the job's life the writes are for (RECORD refuses any other)

@@ -1,4 +1,4 @@
-"""The brake's verdicts (worker/brake.py), outcome by outcome: which failures are dead-lettered
+"""The brake's verdicts (worker/gate.py), outcome by outcome: which failures are dead-lettered
 alone and when a job is blocked. The end-to-end runs are in tests/test_brake.py."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from genq.core.records import BatchRef, JobConfig, Prompt
-from genq.worker.brake import HOLD_S, TRIP_PROMPTS, WINDOW, Brake, signature
+from genq.worker.gate import HOLD_S, TRIP_PROMPTS, WINDOW, Brake, signature
 from genq.worker.held import HeldBatch, Task
 from genq.worker.server import Failure
 

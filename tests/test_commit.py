@@ -22,7 +22,7 @@ from genq.core import keys
 from genq.core.queueing import save_config
 from genq.core.records import JobConfig, Result, bucket_bounds, length_bucket, unpack
 from genq.core.redisconn import connect_async
-from genq.worker.batches import ResultWriter
+from genq.worker.results import ResultWriter
 from tests.commit_support import BATCH, INCARNATION, JOB, Stored, commit, letter, result, stored_by
 
 

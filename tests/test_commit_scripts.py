@@ -13,7 +13,7 @@ from genq.core import keys
 from genq.core.queueing import save_config
 from genq.core.records import JobConfig
 from genq.core.redisconn import connect_async
-from genq.worker.batches import ResultWriter
+from genq.worker.results import ResultWriter
 from tests.commit_support import INCARNATION, JOB, result, stored_by
 
 

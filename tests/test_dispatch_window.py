@@ -68,7 +68,7 @@ def fresh_controls() -> SimpleNamespace:
 
 def dispatcher(server: Server, todo: Todo) -> Dispatcher:
     """A dispatcher of TARGET slots over `todo`, recording nothing, braking nothing."""
-    batches = SimpleNamespace(todo=todo, running=Running(), writer=SimpleNamespace(
+    batches = SimpleNamespace(todo=todo, running=Running(), dead=None, writer=SimpleNamespace(
         worker="w", add_result=lambda result, incarnation: None))
     return Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), server,  # type: ignore[arg-type]
                       SimpleNamespace(target=TARGET), batches, server_up(), fresh_controls(),  # type: ignore[arg-type]

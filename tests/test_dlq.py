@@ -24,7 +24,7 @@ from genq.core import keys
 from genq.core.queueing import rq_queue
 from genq.core.records import JobConfig, Result, Usage, unpack
 from genq.core.redisconn import connect_async
-from genq.worker.batches import ResultWriter
+from genq.worker.results import ResultWriter
 from tests.audit import audit
 from tests.conftest import ROOT, read_results, run_genq, sim_stats, wait_until
 

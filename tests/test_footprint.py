@@ -22,7 +22,7 @@ from genq.core.queueing import enqueue_batch_jobs, rq_queue, save_config
 from genq.core.records import BatchRef, JobConfig, Result, ShardInfo, Usage, pack, unpack
 from genq.core.redisconn import connect_async
 from genq.monitor.rqqueue import QueueMirror
-from genq.worker.batches import ResultWriter
+from genq.worker.results import ResultWriter
 from tests.audit import audit
 from tests.conftest import read_results, run_genq, write_prompts
 

@@ -1,7 +1,7 @@
 """The life of every batch this engine holds, from the moment the intake took it (TAKE,
 worker/intake.py) to its end; one owner, `Batches`.
 
-    taken --load--> arrived --admitted (worker/parking.py)--> sending --every prompt has an outcome-->
+    taken --load--> arrived --admitted (worker/gate.py)--> sending --every prompt has an outcome-->
       completing --shard written, RELEASE--> done
       |  sending <--outcomes lost from Redis (a rollback)-- completing
       |--lease no longer ours (done elsewhere, leased again, job gone)--> let go
@@ -26,12 +26,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 from genq.core import batches, scripts
 from genq.core.ledger import fleet, leasing
@@ -48,7 +46,6 @@ from genq.core.records import (
     unpack,
     with_prompt,
 )
-from genq.core.redisconn import in_words
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, written_marker
@@ -57,6 +54,7 @@ from genq.output.truth import AlreadyWritten
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.answers import Running
 from genq.worker.held import Claims, HeldBatch, Holdings, Task
+from genq.worker.results import ResultWriter
 from genq.worker.server import Failure
 from genq.worker.todo import Todo
 
@@ -65,7 +63,6 @@ log = logging.getLogger("genq.worker")
 LOAD_TRIES = 4  # reads of a batch's input (S3, a shared path) before the batch is handed back
 SHARD_THREADS = 4
 SHORT_TRIES = 3  # RELEASE refusing a shard that is not every stored result, this often in a row: let go
-RECORD_LINGER_S = 0.005  # the first outcome of a group waits this long for others: one RECORD for many
 
 
 class Batches:
@@ -77,7 +74,7 @@ class Batches:
         self.held = held
         self.running = running
         self.claims = Claims(conn, instance)
-        self.writer = ResultWriter(conn, worker, self)
+        self.writer = ResultWriter(conn, worker, self)  # tells on_written
         self.todo = Todo(self.claims, self.on_written)  # the prompts not sent yet (worker/todo.py)
         # Loaded batches and their unfinished prompts: parking admits them (blocked jobs, the preflight).
         self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()
@@ -160,6 +157,17 @@ class Batches:
         borrowed = self.held.borrowed.pop(held.ref, None)
         adopted = set() if borrowed is None else self.todo.adopt(borrowed, held, iter(self.running))
         self.todo.add(held, [p for p in prompts if p.id not in adopted])
+
+    def dead(self, task: Task, failure: Failure) -> None:
+        """The prompt goes to the dead-letter queue."""
+        held, attempts = task.batch, task.lost + task.attempts
+        log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s", held.ref.job,
+                    task.prompt.id, attempts, failure.kind, f" {failure.status}" if failure.status else "",
+                    failure.message)
+        self.writer.add_dead(DeadLetter(
+            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=attempts, kind=failure.kind,
+            message=failure.message, worker=self.worker, at=time.time(), status=failure.status, prompt=task.prompt,
+        ), held.config.incarnation)
 
     def drop(self, held: HeldBatch, *, cancel: bool) -> list[str]:
         """Send nothing more of this batch; with `cancel`, stop its requests in flight too (their prompts
@@ -418,113 +426,3 @@ class _Recorded:
     letters: list[DeadLetter]
     size: int  # the batch's prompt count
     missing: set[str]  # prompts of the batch with no outcome in Redis
-
-
-@dataclass
-class _Pending:
-    incarnation: str  # the job's incarnation the outcomes were generated for
-    results: list[Result] = field(default_factory=list)
-    dead: list[DeadLetter] = field(default_factory=list)
-
-
-class ResultWriter:
-    """Group commit: outcomes are buffered and written, each RECORD call a batch's group, as soon as the
-    previous write is done; `batches.on_written` hears of each group once it is durable."""
-
-    def __init__(self, conn: aioredis.Redis, worker: str, batches: Any) -> None:
-        self.conn = conn
-        self.worker = worker
-        self.batches = batches
-        self._buffer: dict[tuple[str, str, str], _Pending] = {}  # by (job, batch, incarnation)
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._script = conn.register_script(scripts.RECORD)
-        self.last_error: str | None = None
-
-    def add_result(self, result: Result, incarnation: str) -> None:
-        self._slot(result.job, result.batch, incarnation).results.append(result)
-
-    def add_dead(self, letter: DeadLetter, incarnation: str) -> None:
-        self._slot(letter.job, letter.batch, incarnation).dead.append(letter)
-
-    def dead(self, task: Task, failure: Failure) -> None:
-        """The prompt goes to the dead-letter queue."""
-        held, attempts = task.batch, task.lost + task.attempts
-        log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s", held.ref.job,
-                    task.prompt.id, attempts, failure.kind, f" {failure.status}" if failure.status else "",
-                    failure.message)
-        self.add_dead(DeadLetter(
-            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=attempts, kind=failure.kind,
-            message=failure.message, worker=self.worker, at=time.time(), status=failure.status, prompt=task.prompt,
-        ), held.config.incarnation)
-
-    def _slot(self, job: str, batch: str, incarnation: str) -> _Pending:
-        self._idle.clear()
-        self._wake.set()
-        return self._buffer.setdefault((job, batch, incarnation), _Pending(incarnation))
-
-    @property
-    def pending(self) -> int:
-        return sum(len(p.results) + len(p.dead) for p in self._buffer.values())
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
-
-    async def run(self) -> None:
-        backoff = 0.2
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(RECORD_LINGER_S)
-            self._wake.clear()
-            taking, self._buffer = self._buffer, {}
-            try:
-                await self._write(taking)
-            except (redis.RedisError, OSError) as exc:
-                # Keep everything in memory and try again: results are never dropped.
-                self.last_error = in_words(exc)
-                log.warning("cannot write results to Redis (%s); %d kept in memory, retrying in %.1fs",
-                            self.last_error, sum(len(p.results) + len(p.dead) for p in taking.values()), backoff)
-                for key, pending in taking.items():
-                    slot = self._buffer.setdefault(key, _Pending(pending.incarnation))
-                    slot.results[:0] = pending.results
-                    slot.dead[:0] = pending.dead
-                self._wake.set()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-                continue
-            backoff = 0.2
-            self.last_error = None
-            if not self._buffer:
-                self._idle.set()
-
-    async def _write(self, groups: dict[tuple[str, str, str], _Pending]) -> None:
-        now = repr(time.time())
-        calls = [scripts.record_call(job, batch, self.worker, now, g.results, g.dead, g.incarnation)
-                 for (job, batch, _), g in groups.items()]
-        if len(calls) == 1:  # the common case: one call, no pipeline (redis-py's adds a SCRIPT EXISTS to each)
-            answers = [await self._script(*calls[0])]
-        else:
-            answers = await self._pipelined(calls)
-        for ((job, batch, _), g), (added, _) in zip(groups.items(), answers):
-            if added == -2:
-                log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",
-                         job, batch, plural(len(g.results) + len(g.dead), "outcome"))
-                continue
-            self.batches.on_written(job, batch, [r.id for r in g.results] + [d.id for d in g.dead])
-
-    async def _pipelined(self, calls: list[tuple[list[str], list]]) -> list:
-        """Several batches' calls in one round trip, by EVALSHA; once more after loading the script
-        if Redis lost it (a restart): RECORD is safe to run twice (first writer wins)."""
-        for _ in range(2):
-            async with self.conn.pipeline(transaction=False) as pipe:
-                for script_keys, args in calls:
-                    pipe.evalsha(self._script.sha, len(script_keys), *script_keys, *args)
-                answers = await pipe.execute(raise_on_error=False)
-            if not any(isinstance(a, NoScriptError) for a in answers):
-                for answer in answers:
-                    if isinstance(answer, Exception):
-                        raise answer
-                return answers
-            await self.conn.script_load(scripts.RECORD)
-        raise NoScriptError("RECORD could not be loaded")

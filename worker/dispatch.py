@@ -22,9 +22,8 @@ from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.answers import result_of, samples
 from genq.worker.batches import Batches
-from genq.worker.brake import Brake
 from genq.worker.controller import ConcurrencyController
-from genq.worker.controls import Controls
+from genq.worker.gate import Brake, Controls
 from genq.worker.held import RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
@@ -70,13 +69,14 @@ class Dispatcher:
         self.opts = opts
         self.client = client
         self.controller = controller
+        self.batches = batches  # dead-letters a prompt
         self.writer = batches.writer
         self.todo = batches.todo
         self.running = batches.running
         self.watch = watch
         self.controls = controls
         self.stopping = stopping
-        self.brake = brake  # judges non-retryable failures first (worker/brake.py)
+        self.brake = brake  # judges non-retryable failures first (worker/gate.py)
         self.shares = shares  # which job's prompts are claimed next (worker/shares.py)
         self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
         self.rates = RateWindow()
@@ -223,7 +223,7 @@ class Dispatcher:
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             task.crashed(self.watch.outages)
             if task.crashes >= self.opts.server_crash_limit:
-                self.writer.dead(task, Failure(
+                self.batches.dead(task, Failure(
                     "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
                     f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
                 return
@@ -249,7 +249,7 @@ class Dispatcher:
             return
         if not failure.retryable and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
-        self.writer.dead(task, failure)
+        self.batches.dead(task, failure)
 
     async def _check(self, gate: bool) -> bool:
         """The watch's check (is the server down, or not the one it was?). With `gate` (after a connection

@@ -30,17 +30,15 @@ from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
 from genq.worker.answers import Running
 from genq.worker.batches import Batches
-from genq.worker.brake import Brake
 from genq.worker.controller import ConcurrencyController
-from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
+from genq.worker.gate import Brake, Controls, Parking
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Holdings
 from genq.worker.idle import IdlePace, WakeListener
 from genq.worker.intake import Intake
 from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
-from genq.worker.parking import Parking
 from genq.worker.server import ServerClient
 from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
@@ -71,14 +69,14 @@ class Engine:
         models = ModelGate(self.redis, self.instance, self.watch)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, queue_key, self.instance, self.batches)
-        brake = Brake(self.name, self.writer)
+        brake = Brake(self.name, self.batches)
         self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.controls,
                                      self.stopping, brake, self.shares)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
         self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
         self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, self.intake,
                                models, self.pace)
-        self.parking = Parking(self.batches, self.dispatcher, self.stealer)
+        self.parking = Parking(self.batches, self.controls, brake, self.watch)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.batches, self.dispatcher, self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)
         self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output

@@ -48,7 +48,7 @@ class Task:
     prompt: Prompt
     batch: HeldBatch
     attempts: int = 0  # failed requests here: max_attempts counts these
-    lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
+    lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/held.py)
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (ServerWatch.outages) last counted for it
     failing_since: float | None = None  # when its first failed request here was sent (monotonic)
@@ -162,7 +162,7 @@ class RateWindow:
             self._events[-1][2] += tokens
         else:
             self._events.append([second, 1, tokens])
-        if latency_s is not None and tokens > 0:  # per-request speed (worker/tail.py)
+        if latency_s is not None and tokens > 0:  # per-request speed (worker/stealing.py)
             a = SPEED_ALPHA
             per_token = latency_s / tokens
             self.token_s = per_token if self.token_s is None else (1 - a) * self.token_s + a * per_token

@@ -112,7 +112,7 @@ class Stealer:
         self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
-        self._batches: OrderedDict[tuple[BatchRef, str], list[Prompt] | None] = OrderedDict()
+        self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
         self._hold_since: float | None = None  # monotonic: when this hold began
         self._hold_limit_s = HOLD_MIN_S
         self._given_up = False  # held back past its limit: not again while this engine holds anything
@@ -211,7 +211,7 @@ class Stealer:
         return found
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
-        cached = (ref, config.incarnation)
+        cached = (ref, config.incarnation, config.settings_version)  # new settings: read again
         if cached not in self._batches:
             raw = await leasing.batch_record(self.conn, ref)
             loaded = None
@@ -224,11 +224,6 @@ class Stealer:
             while len(self._batches) > BATCHES_CACHED:
                 self._batches.popitem(last=False)
         return self._batches[cached]
-
-    def forget_batches(self, job: str) -> None:
-        """The job's settings changed (worker/parking.py): batches cached with the old ones go."""
-        for cached in [c for c in self._batches if c[0].job == job]:
-            self._batches.pop(cached)
 
     # ---------------------------------------------------------------- holding back
 

@@ -20,8 +20,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core.words import plural
-from genq.worker.batches import ResultWriter
 from genq.worker.held import Holdings
+from genq.worker.results import ResultWriter
 
 log = logging.getLogger("genq.worker")
 

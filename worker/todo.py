@@ -1,5 +1,5 @@
 """What an engine has to send: the backlog of held prompts not claimed yet (claimed a few at a
-time as slots free: worker/claims.py), claimed prompts in order, retries, crash suspects, paused
+time as slots free: worker/held.py), claimed prompts in order, retries, crash suspects, paused
 jobs' prompts, and the prompts of its batches another engine took ("lent")."""
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Todo:
                 self.lent.setdefault(task.batch, {})[task.prompt.id] = task
 
     async def prune(self) -> None:
-        """Held back (worker/tail.py), this engine claims nothing, so it does not hear of backlog
+        """Held back (worker/stealing.py), this engine claims nothing, so it does not hear of backlog
         prompts that faster engines took and finished: it looks (read only), their batch may be complete."""
         for held, tasks in list(self.waiting.items()):
             if held.dropped or not tasks:
@@ -175,7 +175,7 @@ class Todo:
                 self.finished(held.ref.job, held.ref.batch, sorted(done))
 
     async def give_back_ready(self, server_down: bool = False) -> int:
-        """Holding back (worker/tail.py): this engine's own claimed prompts never sent go back to the
+        """Holding back (worker/stealing.py): this engine's own claimed prompts never sent go back to the
         front of the backlog and their claims go, so faster engines take them. Retried and borrowed
         ones stay, unless the server is down: then every one goes but the crash suspects.
         Returns how many went back."""
