@@ -51,30 +51,6 @@ class GpuSampler:
         self._stop.set()
 
 
-class RedisOutage:
-    """A run of failed beats: Redis away or refusing writes (genq.core.redisconn), said in the log
-    when it starts, every REDIS_NOTE_EVERY_S while it lasts, and when it ends."""
-
-    def __init__(self) -> None:
-        self.since: float | None = None  # monotonic: the first beat that failed, while they fail
-        self._next_note = 0.0  # seconds into the run when the next warning is due
-
-    def failed(self, exc: BaseException) -> None:
-        if self.since is None:
-            self.since, self._next_note = time.monotonic(), 0.0
-        down_for = time.monotonic() - self.since
-        if down_for >= self._next_note:  # not every second: the log of a long outage stays readable
-            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
-            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
-                        "answers", trouble(exc), down_for, why)
-            self._next_note = down_for + REDIS_NOTE_EVERY_S
-
-    def answered(self) -> None:
-        if self.since is not None:
-            log.info("Redis answers again after %.0fs; leases checked, sending again", time.monotonic() - self.since)
-            self.since = None
-
-
 class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, batches: Batches,
                  dispatcher: Dispatcher, pace: IdlePace) -> None:
@@ -95,7 +71,8 @@ class Heartbeat:
         self.gpu = GpuProbe(opts.gpu)
         self.sampler = GpuSampler(self.gpu)
         self.started_at = time.time()
-        self.outage = RedisOutage()
+        self.outage_since: float | None = None  # monotonic: the first beat that failed, while they fail
+        self._next_note = 0.0  # seconds into the outage when the next warning is due
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
@@ -123,10 +100,10 @@ class Heartbeat:
             try:
                 await self.beat()
             except (redis.RedisError, OSError) as exc:
-                self.outage.failed(exc)
+                self._failed(exc)
                 await asyncio.sleep(BEAT_S)
                 continue
-            self.outage.answered()
+            self._answered()
             return
 
     async def run(self) -> None:
@@ -149,9 +126,26 @@ class Heartbeat:
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.controls.leases_checked()
                 self.dispatcher.wake.set()
-                self.outage.answered()
+                self._answered()
             except (redis.RedisError, OSError) as exc:
-                self.outage.failed(exc)
+                self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """A beat failed: Redis away or refusing writes (genq.core.redisconn), said when it starts and
+        every REDIS_NOTE_EVERY_S while it lasts (the log of a long outage stays readable)."""
+        if self.outage_since is None:
+            self.outage_since, self._next_note = time.monotonic(), 0.0
+        down_for = time.monotonic() - self.outage_since
+        if down_for >= self._next_note:
+            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
+                        "answers", trouble(exc), down_for, why)
+            self._next_note = down_for + REDIS_NOTE_EVERY_S
+
+    def _answered(self) -> None:
+        if self.outage_since is not None:
+            log.info("Redis answers again after %.0fs; leases checked, sending again", time.monotonic() - self.outage_since)
+            self.outage_since = None
 
     def state(self) -> WorkerState:
         c = self.controls

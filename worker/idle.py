@@ -14,7 +14,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -26,6 +25,7 @@ from genq.core.waits import wait_event
 
 if TYPE_CHECKING:
     from genq.worker.dispatch import Dispatcher
+    from genq.worker.gate import Controls
     from genq.worker.held import Holdings
 
 log = logging.getLogger("genq.worker")
@@ -120,14 +120,13 @@ class IdlePace:
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
-    async def fresh_beat(self, last_beat: Callable[[], float], within: float = 3.0) -> None:
+    async def fresh_beat(self, controls: Controls, within: float = 3.0) -> None:
         """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
-        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than the
-        dispatcher's LEASE_CHECK_STALE_S."""
-        before = last_beat()
+        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than LEASE_CHECK_STALE_S."""
+        before = controls.last_beat
         self.beat_now.set()
         deadline = time.monotonic() + within
-        while last_beat() == before and time.monotonic() < deadline:
+        while controls.last_beat == before and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def announce(self, conn: aioredis.Redis) -> None:

@@ -123,7 +123,7 @@ class Stealer:
         while True:
             woken = await self.pace.nap(min(wait, max(0.0, tail_at - time.monotonic())))
             if woken and not self.controls.leases_fresh():
-                await self.pace.fresh_beat(lambda: self.controls.last_beat)  # idle: its last lease check is old
+                await self.pace.fresh_beat(self.controls)  # idle: its last lease check is old
             if time.monotonic() >= tail_at:
                 await self.tail()
                 tail_at = time.monotonic() + (TAIL_NEAR_EVERY_S if self._near and not self.dispatcher.hold_back

@@ -9,8 +9,8 @@ import heapq
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 
 import redis
 
@@ -239,18 +239,13 @@ class Todo:
         """Prompts this engine claimed and has not sent (or will send again)."""
         yield from itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), *self.parked.values())
 
-    def backlog(self) -> Iterable[Task]:
-        for tasks in self.waiting.values():
-            yield from tasks
-
     def __len__(self) -> int:
         return len(self.ready) + len(self.delayed) + len(self.suspects) + sum(len(t) for t in self.waiting.values())
 
     def by_job(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), self.backlog()):
-            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
-        return out
+        """Prompts not sent, per job (parked ones aside)."""
+        return Counter(t.batch.ref.job for t in itertools.chain(
+            self.ready, self.suspects, (d[2] for d in self.delayed), *self.waiting.values()))
 
     def _remove(self, gone: Callable[[Task], bool]) -> None:
         # In place: a coroutine may hold these lists across an await (a CLAIM call's answer is
