@@ -100,23 +100,24 @@ class IdlePace:
     def maintenance_every(self, busy_s: float) -> float:
         return IDLE_MAINTENANCE_S if self.idle() else busy_s
 
-    async def nap(self, seconds: float) -> bool:
-        """The stealer's wait between looks: `seconds`, or IDLE_LOOK_S while idle; a WAKE
-        message (also one that came during the last look) ends it early: then True. Checks
-        once a second whether the engine is still idle (no Redis)."""
+    async def nap(self, seconds: float, looked: float | None = None) -> bool:
+        """The stealer's wait: `seconds`, or while idle until IDLE_LOOK_S after its last look (`looked`,
+        monotonic); a WAKE message (also one that came during that look) ends it early, WOKEN_LOOK_S
+        after the look at the soonest (None: now): then True. Checks once a second whether still idle."""
         start = time.monotonic()
+        looked = start if looked is None else looked
         while True:
             now = time.monotonic()
-            if self.woken.is_set() and now - start >= WOKEN_LOOK_S:
+            if self.woken.is_set() and now - looked >= WOKEN_LOOK_S:
                 self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
                 return True
-            left = start + (IDLE_LOOK_S if self.idle() else seconds) - now
+            left = (looked + IDLE_LOOK_S if self.idle() else start + seconds) - now
             if left <= 0:
                 return False
             if self.woken.is_set():
                 # Woken too soon after the last look: sleep out the rest (waiting on the set event
                 # would return without yielding, and spin).
-                await asyncio.sleep(min(left, start + WOKEN_LOOK_S - now))
+                await asyncio.sleep(min(left, looked + WOKEN_LOOK_S - now))
             else:
                 await wait_event(self.woken, min(left, 1.0))
 

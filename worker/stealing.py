@@ -119,15 +119,17 @@ class Stealer:
         self._near = False  # the unsent prompts near the line at the last look: look again soon
 
     async def run(self) -> None:
-        wait, tail_at = STEAL_EVERY_S, 0.0
+        wait, looked, tail_at = STEAL_EVERY_S, 0.0, 0.0
         while True:
-            woken = await self.pace.nap(min(wait, max(0.0, tail_at - time.monotonic())))
+            woken = await self.pace.nap(max(0.0, min(looked + wait, tail_at) - time.monotonic()), looked)
             if woken and not self.controls.leases_fresh():
                 await self.pace.fresh_beat(self.controls)  # idle: its last lease check is old
             if time.monotonic() >= tail_at:
                 await self.tail()
                 tail_at = time.monotonic() + (TAIL_NEAR_EVERY_S if self._near and not self.dispatcher.hold_back
                                               else TAIL_EVERY_S)
+            if not woken and time.monotonic() < looked + wait:
+                continue
             try:
                 took = await self.pass_once()
             except (redis.RedisError, OSError) as exc:
@@ -136,6 +138,7 @@ class Stealer:
             # Soon again after a take or while the slots are full; while nothing is found, less often.
             wait = (STEAL_AGAIN_S if took or self.free_slots() <= 0 else STEAL_EVERY_S if took is None
                     else min(wait * 2, STEAL_IDLE_MAX_S))
+            looked = time.monotonic()
 
     def free_slots(self) -> int:
         d = self.dispatcher
