@@ -34,18 +34,7 @@ import redis.asyncio as aioredis
 from genq.core import batches, scripts
 from genq.core.ledger import fleet, leasing
 from genq.core.ledger.parked import end_lease_parked
-from genq.core.records import (
-    BatchRef,
-    BatchSource,
-    DeadLetter,
-    JobConfig,
-    Prompt,
-    Result,
-    ShardInfo,
-    ShardMarker,
-    unpack,
-    with_prompt,
-)
+from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardMarker, unpack, with_prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, written_marker
@@ -138,7 +127,7 @@ class Batches:
             return
         self.arrived.put_nowait((held, [p for p in prompts if p.id in unfinished]))
 
-    async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
+    async def _read(self, source: batches.BatchSource, config: JobConfig) -> list[Prompt]:
         """The batch's prompts; a failing read is tried a few times (a blip) before it is given up."""
         for attempt in range(LOAD_TRIES - 1):
             try:
@@ -265,7 +254,7 @@ class Batches:
         try:
             while True:
                 try:
-                    info: ShardInfo = await loop.run_in_executor(
+                    info = await loop.run_in_executor(
                         self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
                     break
                 except AlreadyWritten as written:  # the output's shard of this batch stands

@@ -120,8 +120,10 @@ class Heartbeat:
                 continue
             try:
                 await self.beat()
-                if await self.read_control():
-                    self.pace.beat_now.set()  # an idle engine's next beat is 20 s away: show the change in 1 s
+                # The operator's controls; one changed: the status just written is stale, and an idle
+                # engine's next beat is 20 s away: the change shows in 1 s.
+                if await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
+                    self.pace.beat_now.set()
                 await self.batches.check_leases()
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.controls.leases_checked()
@@ -233,12 +235,6 @@ class Heartbeat:
                 if isinstance(answer, Exception):
                     raise answer
         self._inflight_jobs = jobs
-
-    async def read_control(self) -> bool:
-        """Applies the operator's controls; True if one changed (the status just written is stale)."""
-        changed = await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked)))
-        self.dispatcher.wake.set()
-        return changed
 
     async def check_name_free(self) -> None:
         """Refuse to run twice under one name; a crashed predecessor's record is fine."""
