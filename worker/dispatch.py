@@ -89,6 +89,10 @@ class Dispatcher:
     def unsent(self) -> int:
         return len(self.todo)
 
+    def accepting(self) -> bool:
+        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
+        return not (self.controls.draining or self.controls.paused_all or self.stopping.requested or self.watch.down)
+
     # ---------------------------------------------------------------- the loop
 
     def _can_send(self) -> bool:

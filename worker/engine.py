@@ -74,8 +74,7 @@ class Engine:
                                      self.stopping, brake, self.shares)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
         self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
-        self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, self.intake,
-                               models, self.pace)
+        self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
         self.parking = Parking(self.batches, self.controls, brake, self.watch)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.batches, self.dispatcher, self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)

@@ -55,7 +55,7 @@ class Intake:
         self.instance = instance
         self.batches = batches  # loads what is taken; nothing new of a job whose shards cannot be written now
         self.held = batches.held
-        self.dispatcher = dispatcher  # the window, and what stops the engine taking work (accepting)
+        self.dispatcher = dispatcher  # the window, and whether the engine takes new work
         self.shares = shares
         self.models = models  # which jobs this engine's server may run, and saying so once (worker/models.py)
         self.queued = pace.queued  # set by the wake listener when batches are queued (genq.core.queueing)
@@ -65,13 +65,8 @@ class Intake:
         self._take = self.conn.register_script(scripts.TAKE)
         self._rq = rq_worker(self.sync_conn, instance)
 
-    def accepting(self) -> bool:
-        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
-        d = self.dispatcher
-        return not (d.controls.draining or d.controls.paused_all or d.stopping.requested or d.watch.down)
-
     def wants_batch(self) -> bool:
-        if not self.accepting():
+        if not self.dispatcher.accepting():
             return False
         base, held = self.opts.loops, len(self.held)
         if held < base:

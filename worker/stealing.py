@@ -39,7 +39,6 @@ from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import HeldBatch
 from genq.worker.idle import IdlePace
-from genq.worker.intake import Intake
 from genq.worker.models import ModelGate
 
 log = logging.getLogger("genq.worker")
@@ -98,7 +97,7 @@ def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
 
 class Stealer:
     def __init__(self, name: str, instance: str, queue_key: str, batches: Batches, dispatcher: Dispatcher,
-                 intake: Intake, models: ModelGate, pace: IdlePace) -> None:
+                 models: ModelGate, pace: IdlePace) -> None:
         self.conn = batches.conn
         self.name = name
         self.instance = instance
@@ -107,7 +106,6 @@ class Stealer:
         self.held = batches.held
         self.dispatcher = dispatcher
         self.controls = dispatcher.controls
-        self.intake = intake  # whether the engine takes new work now
         self.models = models  # whether this engine may take a job's prompts (worker/models.py)
         self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
@@ -155,7 +153,7 @@ class Stealer:
             await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if free <= 0 or not self.intake.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
+        if free <= 0 or not self.dispatcher.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
             return 0
         if await self.conn.llen(self.queue_key):
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
