@@ -10,7 +10,7 @@ nothing on disk, stopped at the end):
 2. fleet: --fleet lightweight workers (threads of this process, no server, no RQ
    loops) doing what a worker does in Redis for each batch, with genq's own scripts:
    the lease (TAKE: the queue's head, as the engine's intake takes it), the claims
-   (worker/claims.py's CLAIM, --claim-chunk prompts a call), the results
+   (worker/held.py's CLAIM, --claim-chunk prompts a call), the results
    (worker/results.py's RECORD, --record-chunk a call), the release (the ledger's
    RELEASE), and its busy heartbeat once per simulated second (a worker making
    --prompts-per-s prompts a second: the heartbeat's status, liveness and in-flight

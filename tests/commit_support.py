@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import redis
 
@@ -60,7 +61,7 @@ async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], paus
         written.extend(ids)
 
     conn = connect_async(url)
-    writer = ResultWriter(conn, worker, on_written)
+    writer = ResultWriter(conn, worker, SimpleNamespace(on_written=on_written))
     assert writer.last_error is None and writer.pending == 0
     task = asyncio.create_task(writer.run())
     try:

@@ -1,6 +1,6 @@
 """`attempts` in a record counts every try, tries lost with a killed worker too (#28).
 
-A worker killed with SIGKILL mid-run leaves its claims (worker/claims.py) in Redis: the prompts it
+A worker killed with SIGKILL mid-run leaves its claims (worker/held.py) in Redis: the prompts it
 was sending, and at most CLAIM_AHEAD it was about to send. The engine that takes such a prompt
 over counts that claim as a lost try, so its record says attempts >= 2; every other prompt says 1.
 """

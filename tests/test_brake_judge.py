@@ -1,10 +1,12 @@
-"""The brake's verdicts (worker/brake.py), outcome by outcome: which failures are dead-lettered
+"""The brake's verdicts (worker/gate.py), outcome by outcome: which failures are dead-lettered
 alone and when a job is blocked. The end-to-end runs are in tests/test_brake.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from genq.core.records import BatchRef, JobConfig, Prompt
-from genq.worker.brake import HOLD_S, TRIP_PROMPTS, WINDOW, Brake, signature
+from genq.worker.gate import HOLD_S, TRIP_PROMPTS, WINDOW, Brake, signature
 from genq.worker.held import HeldBatch, Task
 from genq.worker.server import Failure
 
@@ -14,7 +16,7 @@ TOO_LONG = "The input ({n} tokens) is longer than the model's context length (20
 class Judged:
     def __init__(self) -> None:
         self.dead: list[str] = []
-        self.brake = Brake("w", lambda task, failure: self.dead.append(task.prompt.id))
+        self.brake = Brake("w", SimpleNamespace(dead=lambda task, failure: self.dead.append(task.prompt.id)))  # type: ignore[arg-type]
         self.batch = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp"), 1000, set())
 
     @property

@@ -4,6 +4,7 @@ job's life that is over (the two gaps `make mutation` showed in tests/test_commi
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -27,7 +28,8 @@ async def _write(url: str, *rounds: list[tuple[str, str]], incarnation: str = IN
     after each round. Returns what the writer reported written, in order."""
     told: list[tuple[str, str, list[str]]] = []
     conn = connect_async(url)
-    writer = ResultWriter(conn, "w1", lambda job, batch, ids: told.append((job, batch, sorted(ids))))
+    written = SimpleNamespace(on_written=lambda job, batch, ids: told.append((job, batch, sorted(ids))))
+    writer = ResultWriter(conn, "w1", written)
     task = asyncio.create_task(writer.run())
     try:
         for outcomes in rounds:

@@ -11,7 +11,7 @@ import pytest
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
 from genq.worker.answers import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
-from genq.worker.held import HeldBatch, RateWindow
+from genq.worker.held import HeldBatch
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion
 from genq.worker.todo import Todo
@@ -66,6 +66,16 @@ def fresh_controls() -> SimpleNamespace:
     return SimpleNamespace(paused_all=False, paused_jobs=set(), leases_fresh=lambda: True)
 
 
+def dispatcher(server: Server, todo: Todo) -> Dispatcher:
+    """A dispatcher of TARGET slots over `todo`, recording nothing, braking nothing."""
+    batches = SimpleNamespace(todo=todo, running=Running(), dead=None, writer=SimpleNamespace(
+        worker="w", add_result=lambda result, incarnation: None))
+    return Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), server,  # type: ignore[arg-type]
+                      SimpleNamespace(target=TARGET), batches, server_up(), fresh_controls(),  # type: ignore[arg-type]
+                      SimpleNamespace(requested=0), SimpleNamespace(blocked=set(), succeeded=lambda task: None),
+                      SimpleNamespace(plan=None))
+
+
 async def settle() -> None:
     """Lets the dispatcher act on what just happened: no real I/O here, so a few loop turns."""
     for _ in range(20):
@@ -84,10 +94,7 @@ def test_claims_are_taken_ahead_while_the_window_is_full():
     group, slack = claim_ahead(TARGET), claim_step(TARGET)
 
     async def go() -> None:
-        d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
-                       SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
-                       server_up(), fresh_controls(), SimpleNamespace(requested=0), RateWindow(),  # type: ignore[arg-type]
-                       todo_of(held, 40, claims), Running())
+        d = dispatcher(server, todo_of(held, 40, claims))
         claims.in_flight = lambda: d.running.sequences
         runner = asyncio.create_task(d.run())
         d.wake.set()
@@ -123,10 +130,7 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
     window = -(-TARGET // n) * n  # whole prompts up to the target: 2 of 4, or 1 of 16
 
     async def go() -> None:
-        d = Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), "w", server,
-                       SimpleNamespace(target=TARGET), SimpleNamespace(add_result=lambda result, incarnation: None),
-                       server_up(), fresh_controls(), SimpleNamespace(requested=0), RateWindow(),  # type: ignore[arg-type]
-                       todo_of(held, 40, claims), Running())
+        d = dispatcher(server, todo_of(held, 40, claims))
         runner = asyncio.create_task(d.run())
         d.wake.set()
         await settle()

@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
@@ -215,7 +216,7 @@ def record_partial_result(redis_url: str, job: str, batch: str, prompt_id: str) 
     async def go() -> None:
         conn = connect_async(redis_url)
         config = unpack(await conn.get(keys.job_config(job)), JobConfig)  # RECORD writes for this incarnation only
-        writer = ResultWriter(conn, "lost-worker", lambda *_: None)
+        writer = ResultWriter(conn, "lost-worker", SimpleNamespace(on_written=lambda *_: None))
         task = asyncio.create_task(writer.run())
         writer.add_result(Result(
             id=prompt_id, job=job, batch=batch, index=0, completion="finished before the crash",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import redis
 
@@ -32,7 +33,7 @@ def _commit(redis_url: str, result: Result) -> None:
     async def go() -> None:
         conn = connect_async(redis_url)
         config = await conn.get(keys.job_config(result.job))
-        writer = ResultWriter(conn, "lost-worker", lambda *_: None)
+        writer = ResultWriter(conn, "lost-worker", SimpleNamespace(on_written=lambda *_: None))
         task = asyncio.create_task(writer.run())
         writer.add_result(result, unpack(config, JobConfig).incarnation)
         await writer.wait_idle()

@@ -685,15 +685,16 @@ def test_a_requeue_that_redis_lost_is_done_again(tmp_path: Path) -> None:
 
 def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_release(tmp_path: Path,
                                                                                       monkeypatch) -> None:
-    """The worker's Completer (worker/completion.py), not the model's engine: Redis loses an outcome
+    """The worker's Batches.write_and_release (worker/batches.py), not the model's engine: Redis loses an outcome
     between the shard being written and RELEASE (a rollback), so RELEASE answers 'short'. The written
     shard is the batch's outcome: the batch is marked done from its marker and nothing is sent again."""
     import asyncio
 
     import redis.asyncio as aioredis
 
-    from genq.worker import completion
-    from genq.worker.held import HeldBatch
+    from genq.worker import batches
+    from genq.worker.answers import Running
+    from genq.worker.held import HeldBatch, Holdings
 
     world = _world(tmp_path)
     engine = world.engines[ENGINES[1]]
@@ -704,7 +705,7 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
             world.work(engine, batch)
     assert not world.missing(batch, hold)
     lost = hold.prompts[0].id
-    real_open_sink = completion.open_sink
+    real_open_sink = batches.open_sink
 
     class RolledBack:
         """The shard written, then Redis rolled back to before one of its outcomes."""
@@ -717,19 +718,19 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
             world.conn.hdel(keys.batch_results(JOB, batch), lost)
             return info
 
-    monkeypatch.setattr(completion, "open_sink", RolledBack)
+    monkeypatch.setattr(batches, "open_sink", RolledBack)
     held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, size=len(hold.prompts),
                      unfinished=set(), prompts=hold.prompts)
 
-    async def complete() -> completion.Finished:
+    async def complete() -> set[str]:
         conn = aioredis.Redis.from_url(REDIS_URL)
-        completer = completion.Completer(conn)
+        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
         try:
-            return await completer.complete(held)
+            return await owner.write_and_release(held)
         finally:
-            completer.close()
+            owner.close()
             await conn.aclose()
 
-    finished = asyncio.run(complete())
-    assert not finished.missing, f"{sorted(finished.missing)} would be generated again: their shard is written"
+    missing = asyncio.run(complete())
+    assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
     assert world.conn.sismember(keys.job_done(JOB), batch)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,7 +23,7 @@ from genq.core.records import JobSchedule, WorkerStatus
 from genq.monitor.progress import JobProgress, Monitor
 from genq.ops.control import job_rows
 from genq.worker.shares import Shares
-from genq.worker.tail import hold_back
+from genq.worker.stealing import hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
 from tests.test_exactly_once import check, enqueue
 
@@ -236,7 +237,7 @@ def test_pausing_a_job_gives_its_slots_to_the_other(redis_url, rconn, sim, worke
 
 def test_each_claim_goes_to_the_job_with_the_fewest_on_the_fleet():
     """worker/shares.py: the other engines' counts (read each second) count with this engine's."""
-    shares = Shares(aioredis.Redis(), "q", "me", set, list)
+    shares = Shares(aioredis.Redis(), "q", "me", SimpleNamespace(running=[], todo=SimpleNamespace(ready=[])))  # type: ignore[arg-type]
     shares.others = {"a": 16}  # the other engine runs only a: b, held here alone, gets every slot here
     assert shares.plan({"a": 50, "b": 50}, 16) == [("b", 16)]
     shares.others = {"a": 10, "b": 4}
@@ -252,7 +253,7 @@ def _status(name: str, token_s: float, queued: int, slots: int = 16) -> WorkerSt
 
 
 def test_only_a_slower_worker_holds_back_and_only_at_the_end():
-    """worker/tail.py: three workers at 3 ms/token, one at 6 ms/token, 16 slots each."""
+    """worker/stealing.py: three workers at 3 ms/token, one at 6 ms/token, 16 slots each."""
     fast = [_status(f"f{i}", 0.003, 0) for i in range(3)]
     slow = _status("slow", 0.006, 10)
     assert hold_back(slow, fast)  # 10 unsent: the fast ones start them all and finish first

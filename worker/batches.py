@@ -1,7 +1,7 @@
 """The life of every batch this engine holds, from the moment the intake took it (TAKE,
 worker/intake.py) to its end; one owner, `Batches`.
 
-    taken --load--> arrived --admitted (worker/parking.py)--> sending --every prompt has an outcome-->
+    taken --load--> arrived --admitted (worker/gate.py)--> sending --every prompt has an outcome-->
       completing --shard written, RELEASE--> done
       |  sending <--outcomes lost from Redis (a rollback)-- completing
       |--lease no longer ours (done elsewhere, leased again, job gone)--> let go
@@ -9,9 +9,13 @@ worker/intake.py) to its end; one owner, `Batches`.
       |--its job blocked or paused--> parked (its lease ended, no RQ job: `genq resume --job` queues it)
       |--another model's job, or written already (ADOPT)--> queued / done
 
-A held batch is a `HeldBatch` (worker/held.py) in `held`; `completing` and `dropped` are its
-state past sending. The lease rules are the ledger's (genq.core.ledger, docs/exactly-once.md):
-the newest lease drives a batch, and one that is no longer this engine's sends nothing more.
+A held batch is a `HeldBatch` (worker/held.py) in `held`. The lease rules are the ledger's
+(genq.core.ledger, docs/exactly-once.md): the newest lease drives a batch, and one that is no
+longer this engine's sends nothing more. Outcomes are committed in groups by RECORD (first writer
+wins, counted, only for the job's incarnation they were generated for: `ResultWriter`). A shard
+is built from what Redis recorded, never from memory (every holder builds the same bytes), only
+once Redis holds an outcome for every prompt; RELEASE checks again as it marks the batch done.
+Encoding and uploads run on threads of their own, never on the event loop.
 """
 
 from __future__ import annotations
@@ -21,68 +25,74 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches
-from genq.core.ledger import leasing
+from genq.core import batches, scripts
+from genq.core.ledger import fleet, leasing
 from genq.core.ledger.parked import end_lease_parked
-from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt
+from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardMarker, unpack, with_prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
-from genq.ops.written import adopt_if_written
+from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, written_marker
+from genq.output.sink import open_sink, shard_bytes
+from genq.output.truth import AlreadyWritten
 from genq.producer.batchinput import InputChanged, load_prompts
-from genq.worker.claims import Claims
-from genq.worker.completion import Completer
-from genq.worker.dispatch import Dispatcher
-from genq.worker.held import HeldBatch, Holdings
-from genq.worker.idle import wake_fleet
-from genq.worker.models import ModelGate
+from genq.worker.answers import Running
+from genq.worker.held import Claims, HeldBatch, Holdings, Task
 from genq.worker.results import ResultWriter
+from genq.worker.server import Failure
+from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
 LOAD_TRIES = 4  # reads of a batch's input (S3, a shared path) before the batch is handed back
+SHARD_THREADS = 4
+SHORT_TRIES = 3  # RELEASE refusing a shard that is not every stored result, this often in a row: let go
 
 
 class Batches:
-    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, held: Holdings,
-                 dispatcher: Dispatcher, claims: Claims, writer: ResultWriter, completer: Completer,
-                 models: ModelGate) -> None:
+    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, instance: str, held: Holdings,
+                 running: Running) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
         self.worker = worker
         self.held = held
-        self.dispatcher = dispatcher
-        self.claims = claims
-        self.writer = writer
-        self.completer = completer
-        self.models = models  # turns away other models' jobs, pins `auto` ones (worker/models.py)
+        self.running = running
+        self.claims = Claims(conn, instance)
+        self.writer = ResultWriter(conn, worker, self)  # tells on_written
+        self.todo = Todo(self.claims, self.on_written)  # the prompts not sent yet (worker/todo.py)
         # Loaded batches and their unfinished prompts: parking admits them (blocked jobs, the preflight).
         self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()
         self.completed = 0
         self.handed_back = 0
         self.completions: set[asyncio.Task[None]] = set()
+        # Batches whose shard cannot be written now (disk full, S3 down), and why: their results stay
+        # in Redis while the write is retried; nothing new of their jobs is taken (worker/intake.py).
+        self.unwritten: dict[BatchRef, str] = {}
+        self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
+        self._release = conn.register_script(scripts.RELEASE)
 
     # ---------------------------------------------------------------- taken
 
-    async def load(self, token: str, ref: BatchRef, rq_id: str) -> None:
-        """A batch TAKE leased to this engine under `token`: what Redis recorded of it is not sent again."""
-        config = await leasing.config_now(self.conn, ref.job)  # never kept by name: a job's life is its own
+    def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
+        """A batch taken again while held (queued twice): True if `token` now drives it, the newest lease."""
         current = self.held.get(ref)
-        if current is not None and not current.dropped:
-            if config is not None and current.config.incarnation == config.incarnation:
-                log.debug("batch %s taken again; lease %s replaces %s", ref, token, current.token)
-                current.token = token  # queued twice: one lease drives it, the newest
-                return
-            current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
-        if config is not None:
-            admitted = await self.models.admit(config)
-            if admitted is None:  # another model's job: back to the queue for a server of that model
-                await self.hand_back(ref, token)
-                return
-            config = admitted
+        if current is None or current.dropped:
+            return False
+        if config is not None and current.config.incarnation == config.incarnation:
+            log.debug("batch %s taken again; lease %s replaces %s", ref, token, current.token)
+            current.token = token
+            return True
+        current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
+        return False
+
+    async def load(self, token: str, ref: BatchRef, config: JobConfig | None) -> None:
+        """A batch TAKE leased to this engine under `token`, with its job's settings now (None: the job
+        is gone, and its lease with it): what Redis recorded of it is not sent again."""
         raw = await leasing.batch_record(self.conn, ref)
         if config is None or raw is None:
             return  # the job was deleted meanwhile: its lease goes with it
@@ -103,8 +113,7 @@ class Batches:
             log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
             await self.hand_back(ref, token)
             return
-        held = HeldBatch(ref, token, config, size=len(ids), unfinished=unfinished, prompts=prompts)
-        self.held[ref] = held
+        held = self.held[ref] = HeldBatch(ref, token, config, size=len(ids), unfinished=unfinished, prompts=prompts)
         if finished:
             log.info("batch %s: %d of %s already done, not regenerating them", ref, len(finished),
                      plural(len(ids), "prompt"))
@@ -118,27 +127,47 @@ class Batches:
             return
         self.arrived.put_nowait((held, [p for p in prompts if p.id in unfinished]))
 
-    def send(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """An admitted batch's prompts go to dispatch; what this engine had borrowed of it is the lease's
-        now, already on its way."""
-        borrowed = self.held.borrowed.pop(held.ref, None)
-        adopted = set() if borrowed is None else self.dispatcher.todo.adopt(borrowed, held, iter(self.dispatcher.running))
-        self.dispatcher.todo.add(held, [p for p in prompts if p.id not in adopted])
-
-    async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
+    async def _read(self, source: batches.BatchSource, config: JobConfig) -> list[Prompt]:
         """The batch's prompts; a failing read is tried a few times (a blip) before it is given up."""
-        for attempt in range(LOAD_TRIES):
+        for attempt in range(LOAD_TRIES - 1):
             try:
                 return await load_prompts(source, config)
             except InputChanged:
                 raise
             except Exception as exc:
-                if attempt == LOAD_TRIES - 1:
-                    raise
                 log.warning("batch %s/%s: reading its input failed (%s: %s); retrying", source.job, source.id,
                             type(exc).__name__, exc)
                 await asyncio.sleep(min(0.5 * 2 ** attempt, 8))
-        raise AssertionError("unreachable")
+        return await load_prompts(source, config)
+
+    def send(self, held: HeldBatch, prompts: list[Prompt]) -> None:
+        """An admitted batch's prompts go to dispatch; what this engine had borrowed of it is the lease's
+        now, already on its way."""
+        borrowed = self.held.borrowed.pop(held.ref, None)
+        adopted = set() if borrowed is None else self.todo.adopt(borrowed, held, iter(self.running))
+        self.todo.add(held, [p for p in prompts if p.id not in adopted])
+
+    def dead(self, task: Task, failure: Failure) -> None:
+        """The prompt goes to the dead-letter queue."""
+        held, attempts = task.batch, task.lost + task.attempts
+        log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s", held.ref.job,
+                    task.prompt.id, attempts, failure.kind, f" {failure.status}" if failure.status else "",
+                    failure.message)
+        self.writer.add_dead(DeadLetter(
+            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=attempts, kind=failure.kind,
+            message=failure.message, worker=self.worker, at=time.time(), status=failure.status, prompt=task.prompt,
+        ), held.config.incarnation)
+
+    def drop(self, held: HeldBatch, *, cancel: bool) -> list[str]:
+        """Send nothing more of this batch; with `cancel`, stop its requests in flight too (their prompts
+        stay unfinished: nothing is recorded or counted). The ids claimed here and not sent: their claims can go."""
+        held.dropped = True
+        unsent = self.todo.remove_batch(held)
+        if cancel:
+            for task, aio in list(self.running.items()):
+                if task.batch is held:
+                    aio.cancel()
+        return unsent
 
     # ---------------------------------------------------------------- sending -> completing -> done
 
@@ -161,27 +190,124 @@ class Batches:
             task.add_done_callback(self.completions.discard)
 
     async def _complete(self, held: HeldBatch) -> None:
-        finished = await self.completer.complete(held)
-        if finished.missing:
-            await self._redo(held, finished.missing)
+        missing = await self.write_and_release(held)
+        if not missing:
+            self.held.pop(held.ref, None)
+            self.todo.wake.set()
             return
-        if finished.released:
-            self.completed += 1
-        self.held.pop(held.ref, None)
-        self.dispatcher.wake.set()
-
-    async def _redo(self, held: HeldBatch, missing: set[str]) -> None:
-        """Outcomes lost from Redis (a rollback): the batch goes back to work for those prompts."""
+        # Outcomes lost from Redis (a rollback): the batch goes back to work for those prompts.
         log.warning("batch %s: %s no outcome in Redis (lost from it?): sending again",
                     held.ref, plural(len(missing), "prompt has", "prompts have"))
         held.completing = False
         if not held.prompts:  # its input could not be read: the next delivery dead-letters them again
-            self.dispatcher.drop(held, cancel=True)
+            self.drop(held, cancel=True)
             await retrying(functools.partial(self.hand_back, held.ref, held.token), f"handing back {held.ref}")
             self.held.pop(held.ref, None)
             return
         held.unfinished |= missing
-        self.dispatcher.todo.add(held, [p for p in held.prompts if p.id in missing])
+        self.todo.add(held, [p for p in held.prompts if p.id in missing])
+
+    async def write_and_release(self, held: HeldBatch) -> set[str]:
+        """Write the shard and release the batch if Redis holds every prompt's outcome; else the prompts
+        without one (nothing is written). Released here counts in `completed`; done by another holder,
+        or of a job gone, it is let go."""
+        ref = held.ref
+        for _ in range(SHORT_TRIES):
+            recorded = await retrying(lambda: self._recorded(held), f"reading batch {ref}")
+            if recorded is None:
+                return set()
+            if recorded.missing:
+                return recorded.missing
+            released = await self._write(held, recorded)
+            if released != "short":
+                self.completed += released == 1
+                return set()
+            # Redis lost outcomes after they were read (a rollback): the shard just written is the
+            # batch's outcome, as any written shard is, and none of its prompts is generated again.
+            marker = await self._written_marker(held)
+            if marker is not None:
+                adopting = functools.partial(adopt_marker, self.conn, ref, marker)
+                self.completed += bool(await retrying(adopting, f"adopting batch {ref}"))
+                return set()
+            log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
+        # Never marked done short: the batch is let go, and the reconciler queues it again.
+        log.error("batch %s: Redis never held exactly the shard's results; letting the batch go", ref)
+        return set()
+
+    async def _written_marker(self, held: HeldBatch) -> ShardMarker | None:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config, held.ref)
+        except Exception as exc:  # the output unreachable now: read Redis again instead
+            log.warning("batch %s: cannot read its marker (%s: %s)", held.ref, type(exc).__name__, exc)
+            return None
+
+    async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
+        """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
+        ref, results, letters = held.ref, recorded.results, recorded.letters
+        # The shard's time is the last outcome's: the same for every writer.
+        at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
+        outcome = outcome_for(held.prompts, results, letters, recorded.size)
+        sink = open_sink(held.config)
+        backoff = 1.0
+        try:
+            while True:
+                try:
+                    info = await loop.run_in_executor(
+                        self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
+                    break
+                except AlreadyWritten as written:  # the output's shard of this batch stands
+                    adopting = functools.partial(adopt_marker, self.conn, ref, written.marker)
+                    return int(await retrying(adopting, f"adopting batch {ref}"))
+                except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
+                    self.unwritten[ref] = str(exc) or type(exc).__name__
+                    log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
+                                ref, type(exc).__name__, exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 60)
+        finally:
+            self.unwritten.pop(ref, None)
+        call = scripts.release_call(ref, info, held.config.incarnation)
+        answer = await retrying(lambda: self._release(*call), f"releasing batch {ref}")
+        return answer.decode() if isinstance(answer, bytes) else int(answer)
+
+    async def _recorded(self, held: HeldBatch) -> _Recorded | None:
+        """Everything recorded for the batch, read in one transaction; None once it is done, or its job
+        is gone or another incarnation. Results are stored without their prompt (records.without_prompt):
+        each is joined here with its prompt from the batch held, so the shard's line is what it was."""
+        ref = held.ref
+        by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
+        done, raw_config, raw_batch, raw_results, stored_letters = await leasing.stored_outcomes(
+            self.conn, ref, list(by_id))
+        if done or not raw_batch or not raw_config:
+            return None
+        if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
+            return None  # the job was deleted and enqueued again: nothing of this one is written
+        # the record itself only when the prompts were not in memory (else: whether it is there)
+        ids = batches.ids(batches.decode(raw_batch)) if isinstance(raw_batch, bytes) else list(by_id)
+        letters_raw = stored_letters if stored_letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
+        wanted = set(ids)
+        results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
+                   for r in (unpack(v, Result) for v in raw_results) if r.id in wanted]
+        letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
+        missing = wanted - {r.id for r in results} - {d.id for d in letters}
+        return _Recorded(results, letters, size=len(ids), missing=missing)
+
+    def unwritten_jobs(self) -> frozenset[str]:
+        return frozenset(ref.job for ref in self.unwritten)
+
+    def unwritten_note(self) -> str | None:
+        """What the worker's status says of shards it cannot write, if any."""
+        if not self.unwritten:
+            return None
+        why = next(reversed(self.unwritten.values()))
+        # The cause first: `genq workers` cuts a note at 60 characters.
+        return (f"cannot write shards: {why} ({plural(len(self.unwritten), 'batch', 'batches')}; "
+                "their results stay in Redis, retrying; taking no new batch of their jobs)")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- let go
 
@@ -194,10 +320,10 @@ class Batches:
                 log.info("batch %s %s elsewhere: dropping it here", held.ref,
                          "was completed" if why == "done" else "was leased again")
             # Requests in flight finish (first writer wins), unless nothing of them may be recorded.
-            unsent = self.dispatcher.drop(held, cancel=why == "gone")
+            unsent = self.drop(held, cancel=why == "gone")
             self.held.pop(held.ref, None)
             await self.claims.unclaim(held, unsent)
-        await self.dispatcher.todo.check_claims()
+        await self.todo.check_claims()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:
                 self.on_written(held.ref.job, held.ref.batch, [])
@@ -218,19 +344,20 @@ class Batches:
                 lost.append((h, "superseded"))
         return lost
 
-    # ---------------------------------------------------------------- handed back
-
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again (front of the queue); False if it was done or no longer ours
         (then there is nothing to give back)."""
         return await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
+
+    async def _hand_back_held(self, held: HeldBatch) -> bool:
+        return await self.hand_back(held.ref, held.token)
 
     async def hand_back_all(self, why: str) -> None:
         """Give every held batch back to the queue, and borrowed prompts to their holders; what
         finished stays finished."""
         await self.give_back_borrowed(why)
         given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
-                                   end=self.hand_back_held)
+                                   end=self._hand_back_held)
         self.handed_back += len(given)
         if given:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
@@ -243,11 +370,11 @@ class Batches:
             return
         log.info("%s: giving %s back to their holders", why,
                  plural(sum(len(b.unfinished) for b in borrowed), "borrowed prompt"))
-        await self._let_go([], borrowed, cancel=True, end=self.hand_back_held)
-        await wake_fleet(self.conn)
-
-    async def hand_back_held(self, held: HeldBatch) -> bool:
-        return await self.hand_back(held.ref, held.token)
+        await self._let_go([], borrowed, cancel=True, end=self._hand_back_held)
+        try:
+            await fleet.wake_for_work(self.conn)
+        except (redis.RedisError, OSError) as exc:
+            log.debug("wake-up not sent: %s", exc)
 
     async def park(self, job: str, *, cancel: bool) -> list[str]:
         """Park the job's batches: their leases end with no RQ job carrying them (`genq resume --job`
@@ -263,8 +390,8 @@ class Batches:
         """Send nothing more of these batches (with `cancel`, stop their requests in flight too), write
         what was recorded, drop their claims and end each lease by `end`; the batches whose lease it ended."""
         for batch in mine + borrowed:
-            self.dispatcher.drop(batch, cancel=cancel)
-        while any(t.batch in mine or t.batch in borrowed for t in self.dispatcher.running):
+            self.drop(batch, cancel=cancel)
+        while any(t.batch in mine or t.batch in borrowed for t in self.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()  # what was recorded is written: it stays
         for b in borrowed:
@@ -278,5 +405,13 @@ class Batches:
             if await retrying(functools.partial(end, h), f"ending the lease of {h.ref}"):
                 ended.append(str(h.ref))
             self.held.pop(h.ref, None)
-        self.dispatcher.wake.set()
+        self.todo.wake.set()
         return ended
+
+
+@dataclass
+class _Recorded:
+    results: list[Result]
+    letters: list[DeadLetter]
+    size: int  # the batch's prompt count
+    missing: set[str]  # prompts of the batch with no outcome in Redis

@@ -17,19 +17,18 @@ import random
 import time
 from typing import Any
 
-from genq.core.records import DeadLetter, JobConfig
+from genq.core.records import JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
-from genq.worker.answers import Running, result_of, samples
-from genq.worker.brake import Brake
+from genq.worker.answers import result_of, samples
+from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
-from genq.worker.controls import Controls
-from genq.worker.held import HeldBatch, RateWindow, Task
+from genq.worker.gate import Brake, Controls
+from genq.worker.held import RateWindow, Task
 from genq.worker.options import WorkerOptions
-from genq.worker.results import ResultWriter
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
+from genq.worker.shares import Shares
 from genq.worker.stopping import StopNow
-from genq.worker.todo import Todo
 from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
@@ -65,44 +64,34 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 
 class Dispatcher:
-    def __init__(self, opts: WorkerOptions, name: str, client: ServerClient, controller: ConcurrencyController,
-                 writer: ResultWriter, watch: ServerWatch, controls: Controls, stopping: StopNow, rates: RateWindow,
-                 todo: Todo, running: Running) -> None:
+    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, batches: Batches,
+                 watch: ServerWatch, controls: Controls, stopping: StopNow, brake: Brake, shares: Shares) -> None:
         self.opts = opts
-        self.name = name
         self.client = client
         self.controller = controller
-        self.writer = writer
+        self.batches = batches  # dead-letters a prompt
+        self.writer = batches.writer
+        self.todo = batches.todo
+        self.running = batches.running
         self.watch = watch
         self.controls = controls
         self.stopping = stopping
-        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (set by worker/tail.py)
-        self.rates = rates
-        self.running = running
+        self.brake = brake  # judges non-retryable failures first (worker/gate.py)
+        self.shares = shares  # which job's prompts are claimed next (worker/shares.py)
+        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
+        self.rates = RateWindow()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.observed = time.monotonic()  # when the server last answered anything, or was checked
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
-        self.brake = Brake(name, self._dead)  # judges non-retryable failures first
-        self.todo = todo
-        self.wake = todo.wake  # set by whatever may have made a prompt sendable
-
-    # ---------------------------------------------------------------- what is held
-
-    def drop(self, held: HeldBatch, *, cancel: bool) -> list[str]:
-        """Send nothing more of this batch; with `cancel`, stop its requests in flight too
-        (their prompts stay unfinished: nothing is recorded or counted). Returns the ids
-        that were claimed here and not sent: their claims can go."""
-        held.dropped = True
-        unsent = self.todo.remove_batch(held)
-        if cancel:
-            for task, aio in list(self.running.items()):
-                if task.batch is held:
-                    aio.cancel()
-        return unsent
+        self.wake = self.todo.wake  # set by whatever may have made a prompt sendable
 
     @property
     def unsent(self) -> int:
         return len(self.todo)
+
+    def accepting(self) -> bool:
+        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
+        return not (self.controls.draining or self.controls.paused_all or self.stopping.requested or self.watch.down)
 
     # ---------------------------------------------------------------- the loop
 
@@ -127,7 +116,7 @@ class Dispatcher:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
             if self._open() and not self.hold_back and self.todo.waiting and (want := self._to_claim()):
-                await self.todo.claim(want, self._stopped_jobs())
+                await self.todo.claim(want, self._stopped_jobs(), self.shares.plan)
             if (self.todo.ready and not self.running and self._open()
                     and time.monotonic() - self.observed > IDLE_CHECK_S):
                 await self._check(gate=True)  # a restart while nothing was in flight showed no failure
@@ -211,7 +200,7 @@ class Dispatcher:
         """Records the answer, or returns why it is not what the request asked for (answers.py)."""
         held = task.batch
         latency = time.monotonic() - task.progress.started
-        result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.name,
+        result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.writer.worker,
                            attempts=task.lost + task.attempts + 1, latency_s=latency,
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
@@ -238,7 +227,7 @@ class Dispatcher:
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             task.crashed(self.watch.outages)
             if task.crashes >= self.opts.server_crash_limit:
-                self._dead(task, Failure(
+                self.batches.dead(task, Failure(
                     "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
                     f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
                 return
@@ -264,7 +253,7 @@ class Dispatcher:
             return
         if not failure.retryable and self.brake.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
-        self._dead(task, failure)
+        self.batches.dead(task, failure)
 
     async def _check(self, gate: bool) -> bool:
         """The watch's check (is the server down, or not the one it was?). With `gate` (after a connection
@@ -277,13 +266,3 @@ class Dispatcher:
             self.verifying -= gate
             self.observed = time.monotonic()
             self.wake.set()
-
-    def _dead(self, task: Task, failure: Failure) -> None:
-        held = task.batch
-        log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s",
-                    held.ref.job, task.prompt.id, task.lost + task.attempts, failure.kind,
-                    f" {failure.status}" if failure.status else "", failure.message)
-        self.writer.add_dead(DeadLetter(
-            id=task.prompt.id, job=held.ref.job, batch=held.ref.batch, attempts=task.lost + task.attempts, kind=failure.kind,
-            message=failure.message, worker=self.name, at=time.time(), status=failure.status, prompt=task.prompt,
-        ), held.config.incarnation)

@@ -30,26 +30,19 @@ from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
 from genq.worker.answers import Running
 from genq.worker.batches import Batches
-from genq.worker.claims import Claims
-from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
-from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
+from genq.worker.gate import Brake, Controls, Parking
 from genq.worker.heartbeat import Heartbeat
-from genq.worker.held import Holdings, RateWindow
+from genq.worker.held import Holdings
 from genq.worker.idle import IdlePace, WakeListener
 from genq.worker.intake import Intake
 from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
-from genq.worker.parking import Parking
-from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
 from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
 from genq.worker.stopping import StopNow
-from genq.worker.tail import TailWatch
-from genq.worker.telemetry import GpuProbe
-from genq.worker.todo import Todo
 from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
@@ -64,38 +57,26 @@ class Engine:
         self.redis = connect_async(opts.redis_url)
         self.sync_redis = connect(opts.redis_url)
         self.held = Holdings()
-        self.rates = RateWindow()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
         self.controls = Controls(self.redis, self.name, self.controller)
         queue_key = rq_queue(self.sync_redis).key
-        written = lambda *outcomes: self.batches.on_written(*outcomes)  # noqa: E731 (Batches comes later)
-        self.writer = ResultWriter(self.redis, self.name, written)
+        self.batches = Batches(self.redis, self.sync_redis, self.name, self.instance, self.held, Running())
+        self.writer = self.batches.writer
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
-        self.claims = Claims(self.redis, self.instance)
-        # Priorities and fair share: which held prompts go first, and when to take one more batch.
-        self.shares = Shares(self.redis, queue_key, self.instance, self.held.all_jobs,
-                             lambda: [*self.dispatcher.running, *self.dispatcher.todo.ready])
-        todo, running = Todo(self.claims, written, plan=self.shares.plan), Running()
-        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, running, todo)
-        self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.watch,
-                                     self.controls, self.stopping, self.rates, todo, running)
+        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches.running,
+                                 self.batches.todo)
         models = ModelGate(self.redis, self.instance, self.watch)
+        # Priorities and fair share: which held prompts go first, and when to take one more batch.
+        self.shares = Shares(self.redis, queue_key, self.instance, self.batches)
+        brake = Brake(self.name, self.batches)
+        self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.controls,
+                                     self.stopping, brake, self.shares)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
-        completer = Completer(self.redis)
-        self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher,
-                                        self.claims, self.writer, completer, models)
-        self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.controls, self.watch,
-                             self.stopping, completer, self.held, self.dispatcher, self.shares, models,
-                             self.pace.queued, self.batches.load)
-        self.stealer = Stealer(self.redis, queue_key, self.instance, self.controls, self.intake, self.held,
-                               self.dispatcher, self.controller, self.claims, self.batches, models.servable_config,
-                               self.pace)
-        self.parking = Parking(self.redis, self.sync_redis, self.name, self.controls, self.held, self.batches,
-                               self.dispatcher.brake, self.stealer, self.watch)
-        self.tail = TailWatch(self.redis, self.name, queue_key, self.watch, self.dispatcher, self.held.active)
-        self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.redis, self.controls, self.stopping,
-                                   self.batches, self.dispatcher, self.watch, GpuProbe(opts.gpu), self.pace)
+        self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
+        self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
+        self.parking = Parking(self.batches, self.controls, brake, self.watch)
+        self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.batches, self.dispatcher, self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)
         self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output
         self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())
@@ -136,7 +117,7 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
                     self.watch.recovery_loop(self.batches.hand_back_all), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
-                    self.stealer.run(), self.parking.run(), self.parking.admit(), self.shares.run(), self.tail.run())]
+                    self.stealer.run(), self.parking.run(), self.parking.admit(), self.shares.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
                     task.cancel()
@@ -224,7 +205,7 @@ class Engine:
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.wake_listener.stop)
-        self.batches.completer.close()
+        self.batches.close()
         await self.client.close()
         await self.redis.aclose()
         self.sync_redis.close()

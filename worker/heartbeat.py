@@ -12,7 +12,6 @@ import threading
 import time
 
 import redis
-import redis.asyncio as aioredis
 
 from genq.core import decodebound
 from genq.core.ledger import fleet
@@ -21,13 +20,10 @@ from genq.core.redisconn import redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.worker import decoding
 from genq.worker.batches import Batches
-from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
 from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
-from genq.worker.stopping import StopNow
 from genq.worker.telemetry import GpuProbe, hardware
-from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -55,52 +51,28 @@ class GpuSampler:
         self._stop.set()
 
 
-class RedisOutage:
-    """A run of failed beats: Redis away or refusing writes (genq.core.redisconn), said in the log
-    when it starts, every REDIS_NOTE_EVERY_S while it lasts, and when it ends."""
-
-    def __init__(self) -> None:
-        self.since: float | None = None  # monotonic: the first beat that failed, while they fail
-        self._next_note = 0.0  # seconds into the run when the next warning is due
-
-    def failed(self, exc: BaseException) -> None:
-        if self.since is None:
-            self.since, self._next_note = time.monotonic(), 0.0
-        down_for = time.monotonic() - self.since
-        if down_for >= self._next_note:  # not every second: the log of a long outage stays readable
-            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
-            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
-                        "answers", trouble(exc), down_for, why)
-            self._next_note = down_for + REDIS_NOTE_EVERY_S
-
-    def answered(self) -> None:
-        if self.since is not None:
-            log.info("Redis answers again after %.0fs; leases checked, sending again", time.monotonic() - self.since)
-            self.since = None
-
-
 class Heartbeat:
-    def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, conn: aioredis.Redis,
-                 controls: Controls, stopping: StopNow, batches: Batches, dispatcher: Dispatcher, watch: ServerWatch,
-                 gpu: GpuProbe, pace: IdlePace) -> None:
-        self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
+    def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, batches: Batches,
+                 dispatcher: Dispatcher, pace: IdlePace) -> None:
         self.opts = opts
         self.name = name
         self.host = host
         self.instance = instance
-        self.conn = conn
-        self.controls = controls  # written here only
-        self.stopping = stopping
+        self.conn = batches.conn
         self.batches = batches  # what is held; after each beat, its lease check
         self.held = batches.held
         self.dispatcher = dispatcher
-        self.watch = watch
+        self.controls = dispatcher.controls  # written here only
+        self.stopping = dispatcher.stopping
+        self.watch = dispatcher.watch
         self.controller = dispatcher.controller
         self.rates = dispatcher.rates
-        self.gpu = gpu
-        self.sampler = GpuSampler(gpu)
+        self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
+        self.gpu = GpuProbe(opts.gpu)
+        self.sampler = GpuSampler(self.gpu)
         self.started_at = time.time()
-        self.outage = RedisOutage()
+        self.outage_since: float | None = None  # monotonic: the first beat that failed, while they fail
+        self._next_note = 0.0  # seconds into the outage when the next warning is due
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
@@ -128,10 +100,10 @@ class Heartbeat:
             try:
                 await self.beat()
             except (redis.RedisError, OSError) as exc:
-                self.outage.failed(exc)
+                self._failed(exc)
                 await asyncio.sleep(BEAT_S)
                 continue
-            self.outage.answered()
+            self._answered()
             return
 
     async def run(self) -> None:
@@ -148,15 +120,34 @@ class Heartbeat:
                 continue
             try:
                 await self.beat()
-                if await self.read_control():
-                    self.pace.beat_now.set()  # an idle engine's next beat is 20 s away: show the change in 1 s
+                # The operator's controls; one changed: the status just written is stale, and an idle
+                # engine's next beat is 20 s away: the change shows in 1 s.
+                if await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
+                    self.pace.beat_now.set()
                 await self.batches.check_leases()
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.controls.leases_checked()
                 self.dispatcher.wake.set()
-                self.outage.answered()
+                self._answered()
             except (redis.RedisError, OSError) as exc:
-                self.outage.failed(exc)
+                self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """A beat failed: Redis away or refusing writes (genq.core.redisconn), said when it starts and
+        every REDIS_NOTE_EVERY_S while it lasts (the log of a long outage stays readable)."""
+        if self.outage_since is None:
+            self.outage_since, self._next_note = time.monotonic(), 0.0
+        down_for = time.monotonic() - self.outage_since
+        if down_for >= self._next_note:
+            why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
+            log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
+                        "answers", trouble(exc), down_for, why)
+            self._next_note = down_for + REDIS_NOTE_EVERY_S
+
+    def _answered(self) -> None:
+        if self.outage_since is not None:
+            log.info("Redis answers again after %.0fs; leases checked, sending again", time.monotonic() - self.outage_since)
+            self.outage_since = None
 
     def state(self) -> WorkerState:
         c = self.controls
@@ -196,7 +187,7 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.completer.note(),
+            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
@@ -244,12 +235,6 @@ class Heartbeat:
                 if isinstance(answer, Exception):
                     raise answer
         self._inflight_jobs = jobs
-
-    async def read_control(self) -> bool:
-        """Applies the operator's controls; True if one changed (the status just written is stale)."""
-        changed = await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked)))
-        self.dispatcher.wake.set()
-        return changed
 
     async def check_name_free(self) -> None:
         """Refuse to run twice under one name; a crashed predecessor's record is fine."""

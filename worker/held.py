@@ -1,10 +1,24 @@
-"""What an engine holds: leased batches and the prompts of them it is driving."""
+"""What an engine holds: leased batches, the prompts of them it is driving, and its claims on them.
+
+A batch has one lease (its holder), but each prompt is claimed (keys.batch_claims) by the engine
+about to send it, as "INSTANCE TOKEN": the holder claims a few ahead of its free slots, the rest
+stays unclaimed for idle engines to take from the back (worker/stealing.py). A claim counts while
+its lease is the batch's current one and its engine beats; an outcome ends it (RECORD), RELEASE
+drops them all. Taking over a dead engine's claim is a try lost (Task.lost). Claims keep two live
+engines off one prompt; exactly once is RECORD's (first writer wins).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+import redis.asyncio as aioredis
+
+from genq.core import scripts
+from genq.core.ledger import leasing
 from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.worker.server import Progress
 
@@ -34,7 +48,7 @@ class Task:
     prompt: Prompt
     batch: HeldBatch
     attempts: int = 0  # failed requests here: max_attempts counts these
-    lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/claims.py)
+    lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/held.py)
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (ServerWatch.outages) last counted for it
     failing_since: float | None = None  # when its first failed request here was sent (monotonic)
@@ -68,6 +82,50 @@ class Holdings(dict[BatchRef, HeldBatch]):
     def active(self) -> bool:
         """Whether it holds or borrowed anything."""
         return bool(self or self.borrowed)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Claims:
+    """The claim scripts, for one engine instance."""
+
+    def __init__(self, conn: aioredis.Redis, instance: str) -> None:
+        self.conn = conn
+        self.instance = instance
+        self._claim = conn.register_script(scripts.CLAIM)
+        self._steal = conn.register_script(scripts.STEAL)
+        self._unclaim = conn.register_script(scripts.UNCLAIM)
+
+    async def claim(self, held: HeldBatch, ids: list[str]) -> tuple[str, dict[int, int]] | None:
+        """One letter per id (see CLAIM) and the tries lost on claimed ones, by position; None once
+        the batch is done; "" if this lease does not drive the batch now (the lease check tells why)."""
+        if not ids:
+            return "", {}
+        answer = await self._claim(*scripts.claim_call(held.ref, self.instance, held.config.incarnation,
+                                                       held.token, ids))
+        if not isinstance(answer, list):
+            return None if _text(answer) == "done" else ("", {})
+        lost = answer[1:]
+        return _text(answer[0]), {int(lost[i]) - 1: int(lost[i + 1]) for i in range(0, len(lost), 2)}
+
+    async def steal(self, ref: BatchRef, incarnation: str, holder: str, ids_back_first: list[str],
+                    n: int) -> dict[str, int]:
+        """The ids claimed, each with the tries it had lost."""
+        answer = await self._steal(*scripts.steal_call(ref, self.instance, incarnation, holder, ids_back_first, n))
+        return {_text(i): int(lost) for i, lost in zip(answer[0], answer[1])} if answer else {}
+
+    async def unclaim(self, held: HeldBatch, ids: Iterable[str] = ()) -> None:
+        await self._unclaim(*scripts.unclaim_call(held.ref, self.instance, held.config.incarnation, ids))
+
+    async def finished_ids(self, ref: BatchRef, ids: list[str]) -> set[str]:
+        """Of these prompts, those with an outcome recorded (read only)."""
+        return set(await leasing.outcome_ids(self.conn, ref, ids))
+
+    async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
+        owners = await leasing.claim_owners(self.conn, ref, ids)
+        return [o is not None and _text(o).partition(" ")[0] == self.instance for o in owners]
 
 
 # The speed shown is the server's generation counter's rate over this window: answers' tokens come
@@ -104,7 +162,7 @@ class RateWindow:
             self._events[-1][2] += tokens
         else:
             self._events.append([second, 1, tokens])
-        if latency_s is not None and tokens > 0:  # per-request speed (worker/tail.py)
+        if latency_s is not None and tokens > 0:  # per-request speed (worker/stealing.py)
             a = SPEED_ALPHA
             per_token = latency_s / tokens
             self.token_s = per_token if self.token_s is None else (1 - a) * self.token_s + a * per_token

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -26,6 +25,7 @@ from genq.core.waits import wait_event
 
 if TYPE_CHECKING:
     from genq.worker.dispatch import Dispatcher
+    from genq.worker.gate import Controls
     from genq.worker.held import Holdings
 
 log = logging.getLogger("genq.worker")
@@ -100,34 +100,34 @@ class IdlePace:
     def maintenance_every(self, busy_s: float) -> float:
         return IDLE_MAINTENANCE_S if self.idle() else busy_s
 
-    async def nap(self, seconds: float) -> bool:
-        """The stealer's wait between looks: `seconds`, or IDLE_LOOK_S while idle; a WAKE
-        message (also one that came during the last look) ends it early: then True. Checks
-        once a second whether the engine is still idle (no Redis)."""
+    async def nap(self, seconds: float, looked: float | None = None) -> bool:
+        """The stealer's wait: `seconds`, or while idle until IDLE_LOOK_S after its last look (`looked`,
+        monotonic); a WAKE message (also one that came during that look) ends it early, WOKEN_LOOK_S
+        after the look at the soonest (None: now): then True. Checks once a second whether still idle."""
         start = time.monotonic()
+        looked = start if looked is None else looked
         while True:
             now = time.monotonic()
-            if self.woken.is_set() and now - start >= WOKEN_LOOK_S:
+            if self.woken.is_set() and now - looked >= WOKEN_LOOK_S:
                 self.woken.clear()  # many holders may call: one look a WOKEN_LOOK_S at most
                 return True
-            left = start + (IDLE_LOOK_S if self.idle() else seconds) - now
+            left = (looked + IDLE_LOOK_S if self.idle() else start + seconds) - now
             if left <= 0:
                 return False
             if self.woken.is_set():
                 # Woken too soon after the last look: sleep out the rest (waiting on the set event
                 # would return without yielding, and spin).
-                await asyncio.sleep(min(left, start + WOKEN_LOOK_S - now))
+                await asyncio.sleep(min(left, looked + WOKEN_LOOK_S - now))
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
-    async def fresh_beat(self, last_beat: Callable[[], float], within: float = 3.0) -> None:
+    async def fresh_beat(self, controls: Controls, within: float = 3.0) -> None:
         """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
-        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than the
-        dispatcher's LEASE_CHECK_STALE_S."""
-        before = last_beat()
+        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than LEASE_CHECK_STALE_S."""
+        before = controls.last_beat
         self.beat_now.set()
         deadline = time.monotonic() + within
-        while last_beat() == before and time.monotonic() < deadline:
+        while controls.last_beat == before and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def announce(self, conn: aioredis.Redis) -> None:

@@ -16,24 +16,20 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 import redis
-import redis.asyncio as aioredis
 
 from genq.core import scripts
+from genq.core.ledger import leasing
 from genq.core.queueing import list_jobs, load_configs, rq_worker
 from genq.core.records import BatchRef
 from genq.core.waits import retrying, wait_event
-from genq.worker.completion import Completer
-from genq.worker.controls import Controls
+from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import Holdings
+from genq.worker.idle import IdlePace
 from genq.worker.models import AUTO, ModelGate, serves
 from genq.worker.options import WorkerOptions
 from genq.worker.shares import Shares
-from genq.worker.stopping import StopNow
-from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -51,38 +47,26 @@ def run_batch(job: str, batch_id: str) -> None:
 
 
 class Intake:
-    def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, opts: WorkerOptions, instance: str,
-                 controls: Controls, watch: ServerWatch, stopping: StopNow, completer: Completer,
-                 held: Holdings, dispatcher: Dispatcher, shares: Shares, models: ModelGate,
-                 queued: asyncio.Event,
-                 load: Callable[[str, BatchRef, str], Awaitable[None]]) -> None:
-        self.conn = conn
-        self.sync_conn = sync_conn
+    def __init__(self, opts: WorkerOptions, instance: str, batches: Batches, dispatcher: Dispatcher, shares: Shares,
+                 models: ModelGate, pace: IdlePace) -> None:
+        self.conn = batches.conn
+        self.sync_conn = batches.sync_conn
         self.opts = opts
         self.instance = instance
-        self.controls = controls
-        self.watch = watch
-        self.stopping = stopping
-        self.completer = completer  # nothing new of a job whose shards cannot be written now
-        self.held = held
-        self.dispatcher = dispatcher
+        self.batches = batches  # loads what is taken; nothing new of a job whose shards cannot be written now
+        self.held = batches.held
+        self.dispatcher = dispatcher  # the window, and whether the engine takes new work
         self.shares = shares
         self.models = models  # which jobs this engine's server may run, and saying so once (worker/models.py)
-        self.queued = queued  # set by the wake listener when batches are queued (genq.core.queueing)
-        self.load = load  # Batches.load: reads the batch and hands its prompts to dispatch (worker/batches.py)
+        self.queued = pace.queued  # set by the wake listener when batches are queued (genq.core.queueing)
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
         self._foreign_at = float("-inf")
-        self._take = conn.register_script(scripts.TAKE)
-        self._rq = rq_worker(sync_conn, instance)
-
-    def accepting(self) -> bool:
-        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
-        c = self.controls
-        return not (c.draining or c.paused_all or self.stopping.requested or self.watch.down)
+        self._take = self.conn.register_script(scripts.TAKE)
+        self._rq = rq_worker(self.sync_conn, instance)
 
     def wants_batch(self) -> bool:
-        if not self.accepting():
+        if not self.dispatcher.accepting():
             return False
         base, held = self.opts.loops, len(self.held)
         if held < base:
@@ -140,22 +124,33 @@ class Intake:
         leased to this live engine and never loaded would be stuck, since nobody else takes it."""
         await retrying(self._refresh_foreign, "reading the jobs")
         token = uuid.uuid4().hex
-        skip = sorted(self.foreign | self.completer.unwritten_jobs())
+        skip = sorted(self.foreign | self.batches.unwritten_jobs())
         script_keys, args = scripts.take_call(self.instance, token, _rq_now(), skip)
         got = await retrying(lambda: self._take(keys=script_keys, args=args), "taking a batch")
         if not got:
             return False
-        job, batch, rq_id = (part.decode() for part in got)
+        ref = BatchRef(got[0].decode(), got[1].decode())
         # Leased to this live engine now: no one else takes it, so its load is waited through (Redis away).
-        await retrying(lambda: self.load(token, BatchRef(job, batch), rq_id), f"loading batch {job}/{batch}")
+        await retrying(lambda: self._load(token, ref), f"loading batch {ref}")
         return True
+
+    async def _load(self, token: str, ref: BatchRef) -> None:
+        config = await leasing.config_now(self.conn, ref.job)  # never kept by name: a job's life is its own
+        if self.batches.renewed(ref, token, config):
+            return
+        if config is not None:
+            config = await self.models.admit(config)  # `auto` pinned to this server's model
+            if config is None:  # another model's job: back to the queue for a server of that model
+                await self.batches.hand_back(ref, token)
+                return
+        await self.batches.load(token, ref, config)
 
     async def _refresh_foreign(self) -> None:
         """Jobs whose model is pinned to one this server does not serve (`auto` ones are pinned by
         the first engine to take one of their batches: worker/models.py)."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
-        model = self.watch.model
+        model = self.dispatcher.watch.model
         jobs, configs = await asyncio.to_thread(self._jobs_and_configs)
         foreign = {job: config.model for job, config in zip(jobs, configs, strict=True)
                    if config is not None and config.model != AUTO and not serves(config.model, model)}

@@ -2,7 +2,8 @@
 
 Each outcome is written and counted in one Lua call (RECORD), first writer wins, only for the
 job's incarnation it was generated for; so the monitor's counters equal the results stored.
-A result is stored without its prompt: the shard joins them again (worker/completion.py).
+A result is stored without its prompt: the shard joins them again (worker/batches.py). Its own
+module: `make mutation` mutates it (docs/mutation.md).
 """
 
 from __future__ import annotations
@@ -10,44 +11,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
+from genq.core import scripts
 from genq.core.records import DeadLetter, Result
 from genq.core.redisconn import in_words
-from genq.core.scripts import RECORD, record_call
 from genq.core.words import plural
 
 log = logging.getLogger("genq.worker")
 
-# The first outcome of a group waits this long for others: one RECORD call covers many prompts.
-RECORD_LINGER_S = 0.005
+RECORD_LINGER_S = 0.005  # the first outcome of a group waits this long for others: one RECORD for many
 
 
 @dataclass
 class _Pending:
-    job: str
-    batch: str
     incarnation: str  # the job's incarnation the outcomes were generated for
-    results: list[Result]
-    dead: list[DeadLetter]
+    results: list[Result] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)
 
 
 class ResultWriter:
-    """Buffers records and writes them as soon as the previous write is done."""
+    """Group commit: outcomes are buffered and written, each RECORD call a batch's group, as soon as the
+    previous write is done; `batches.on_written` hears of each group once it is durable."""
 
-    def __init__(self, conn: aioredis.Redis, worker: str, on_written) -> None:
+    def __init__(self, conn: aioredis.Redis, worker: str, batches: Any) -> None:
         self.conn = conn
         self.worker = worker
-        self.on_written = on_written  # callback(job, batch, [ids]) after a durable write
-        self._buffer: dict[tuple[str, str, str], _Pending] = {}
+        self.batches = batches
+        self._buffer: dict[tuple[str, str, str], _Pending] = {}  # by (job, batch, incarnation)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._script = conn.register_script(RECORD)
+        self._script = conn.register_script(scripts.RECORD)
         self.last_error: str | None = None
 
     def add_result(self, result: Result, incarnation: str) -> None:
@@ -59,10 +59,7 @@ class ResultWriter:
     def _slot(self, job: str, batch: str, incarnation: str) -> _Pending:
         self._idle.clear()
         self._wake.set()
-        slot = self._buffer.get((job, batch, incarnation))
-        if slot is None:
-            slot = self._buffer[(job, batch, incarnation)] = _Pending(job, batch, incarnation, [], [])
-        return slot
+        return self._buffer.setdefault((job, batch, incarnation), _Pending(incarnation))
 
     @property
     def pending(self) -> int:
@@ -79,14 +76,14 @@ class ResultWriter:
             self._wake.clear()
             taking, self._buffer = self._buffer, {}
             try:
-                await self._write(list(taking.values()))
+                await self._write(taking)
             except (redis.RedisError, OSError) as exc:
                 # Keep everything in memory and try again: results are never dropped.
                 self.last_error = in_words(exc)
                 log.warning("cannot write results to Redis (%s); %d kept in memory, retrying in %.1fs",
                             self.last_error, sum(len(p.results) + len(p.dead) for p in taking.values()), backoff)
                 for key, pending in taking.items():
-                    slot = self._buffer.setdefault(key, _Pending(pending.job, pending.batch, pending.incarnation, [], []))
+                    slot = self._buffer.setdefault(key, _Pending(pending.incarnation))
                     slot.results[:0] = pending.results
                     slot.dead[:0] = pending.dead
                 self._wake.set()
@@ -98,20 +95,20 @@ class ResultWriter:
             if not self._buffer:
                 self._idle.set()
 
-    async def _write(self, groups: list[_Pending]) -> None:
+    async def _write(self, groups: dict[tuple[str, str, str], _Pending]) -> None:
         now = repr(time.time())
-        calls = [record_call(g.job, g.batch, self.worker, now, g.results, g.dead, g.incarnation) for g in groups]
+        calls = [scripts.record_call(job, batch, self.worker, now, g.results, g.dead, g.incarnation)
+                 for (job, batch, _), g in groups.items()]
         if len(calls) == 1:  # the common case: one call, no pipeline (redis-py's adds a SCRIPT EXISTS to each)
-            answers = [await self._script(keys=calls[0][0], args=calls[0][1])]
+            answers = [await self._script(*calls[0])]
         else:
             answers = await self._pipelined(calls)
-        for group, (added, _) in zip(groups, answers):
+        for ((job, batch, _), g), (added, _) in zip(groups.items(), answers):
             if added == -2:
                 log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",
-                         group.job, group.batch, plural(len(group.results) + len(group.dead), "outcome"))
+                         job, batch, plural(len(g.results) + len(g.dead), "outcome"))
                 continue
-            self.on_written(group.job, group.batch,
-                            [r.id for r in group.results] + [d.id for d in group.dead])
+            self.batches.on_written(job, batch, [r.id for r in g.results] + [d.id for d in g.dead])
 
     async def _pipelined(self, calls: list[tuple[list[str], list]]) -> list:
         """Several batches' calls in one round trip, by EVALSHA; once more after loading the script
@@ -126,6 +123,5 @@ class ResultWriter:
                     if isinstance(answer, Exception):
                         raise answer
                 return answers
-            await self.conn.script_load(RECORD)
+            await self.conn.script_load(scripts.RECORD)
         raise NoScriptError("RECORD could not be loaded")
-

@@ -12,8 +12,10 @@ queue's next batch (`head`, for the intake's `wants_head`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Iterable
 
 import redis
 import redis.asyncio as aioredis
@@ -22,6 +24,7 @@ from genq.core import scripts
 from genq.core.ledger import holding
 from genq.core.order import batch_of_description, schedule_of
 from genq.core.records import JobSchedule
+from genq.worker.batches import Batches
 from genq.worker.held import Task
 
 log = logging.getLogger("genq.worker")
@@ -32,26 +35,25 @@ FRESH_S = 3
 
 
 def by_job(tasks: Iterable[Task]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for task in tasks:
-        out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
-    return out
+    return Counter(task.batch.ref.job for task in tasks)
 
 
 class Shares:
-    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, jobs: Callable[[], set[str]],
-                 mine: Callable[[], Iterable[Task]]) -> None:
+    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, batches: Batches) -> None:
         self.conn = conn
         self.queue_key = queue_key
         self.instance = instance
-        self.jobs = jobs  # the jobs this engine holds or borrows prompts of now
-        self.mine = mine  # this engine's prompts claimed or in flight
+        self.batches = batches  # what this engine holds, claimed and runs
         self.sched: dict[str, JobSchedule] = {}
         self.head: str | None = None  # the job of the queue's next batch (None: empty, or not read)
         self.others: dict[str, int] = {}  # prompts per job claimed or in flight on the fleet's other engines
         self._published: set[str] = set()  # jobs this engine's count is published for
         self._head = conn.register_script(scripts.QUEUE_HEAD)
         self._share = conn.register_script(scripts.FLEET_SHARE)
+
+    def _mine(self) -> dict[str, int]:
+        """This engine's prompts claimed or in flight, per job."""
+        return by_job(itertools.chain(self.batches.running, self.batches.todo.ready))
 
     def priority(self, job: str) -> int:
         return self.sched.get(job, JobSchedule()).priority
@@ -62,7 +64,7 @@ class Shares:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_EVERY_S)
-            jobs = sorted(self.jobs())
+            jobs = sorted(self.batches.held.all_jobs())
             if not jobs and not self._published:
                 self.head = None
                 continue  # idle: nothing read (worker/idle.py)
@@ -72,7 +74,7 @@ class Shares:
                 log.debug("schedules not read: %s", exc)
 
     async def refresh(self, jobs: list[str]) -> None:
-        counts = by_job(self.mine())
+        counts = self._mine()
         # Jobs left since the last refresh publish 0: their entries go now, not FRESH_S later.
         mine = {job: counts.get(job, 0) for job in sorted(set(jobs) | self._published)}
         async with self.conn.pipeline(transaction=False) as pipe:
@@ -113,7 +115,7 @@ class Shares:
         """How many of n claims go to each job with prompts waiting, in the order to claim them:
         by priority, then each to the job with the fewest on the fleet over its weight."""
         out: dict[str, int] = {}
-        load = by_job(self.mine())
+        load = self._mine()
         for job, count in self.others.items():
             load[job] = load.get(job, 0) + count
         for priority in sorted({self.priority(j) for j in waiting}, reverse=True):

@@ -1,36 +1,45 @@
-"""The end of a job on a fleet: an engine with idle slots takes unsent prompts of batches other
-engines hold.
+"""The end of the queue on a fleet: idle slots take unsent prompts of batches other engines hold, and
+a slow engine leaves the last prompts to faster ones. One loop, `Stealer.run`.
 
-Only once RQ's queue is empty: an engine with free slots claims (worker/claims.py) up to that many
-from the back of another engine's batch while its holder sends from the front, so every free slot
-takes the next prompt as from one shared queue; claims of an engine that stopped beating are taken
-too. The prompts are "borrowed": sent and recorded here; the holder writes the shard.
+Stealing: only once RQ's queue is empty, an engine with free slots claims (worker/held.py) up to that
+many from the back of another engine's batch while its holder sends from the front, so every free
+slot takes the next prompt as from one shared queue; claims of an engine that stopped beating are
+taken too. The prompts are "borrowed": sent and recorded here; the holder writes the shard.
+
+Holding back: once RQ's queue is empty, the fleet's unsent prompts U are the last to start. Started
+here, one ends after L_me (mean output tokens x this worker's seconds per token per request); a
+worker v faster by at least MARGIN frees slots_v / L_v slots a second and finishes a prompt before
+L_me for L_me - L_v. While U <= SPREAD x sum_v slots_v / L_v x (L_me - L_v), every unsent prompt ends
+sooner elsewhere: this worker holds back (Dispatcher.hold_back), claims nothing and steals nothing,
+gives back the prompts it claimed ahead (Todo.give_back_ready), and the faster workers take them.
+The fastest worker never holds back; a hold lasts a few request times at most. A server down past
+DOWN_GRACE_S makes its worker the slowest: it gives back every claim. Speeds come from the
+heartbeats (WorkerStatus.token_s, mean_tokens); another worker's `queued` is taken less what it
+sent since its beat.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 
+import msgspec
 import redis
-import redis.asyncio as aioredis
 
 from genq.core import batches as batch_records
-from genq.core.ledger import holding, leasing
-from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.ledger import fleet, holding, leasing
+from genq.core.records import BatchRef, JobConfig, Prompt, WorkerStatus
+from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
 from genq.worker.batches import Batches
-from genq.worker.claims import Claims
-from genq.worker.controller import ConcurrencyController
-from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
-from genq.worker.held import HeldBatch, Holdings
+from genq.worker.held import HeldBatch
 from genq.worker.idle import IdlePace
-from genq.worker.intake import Intake
+from genq.worker.models import ModelGate
 
 log = logging.getLogger("genq.worker")
 
@@ -38,36 +47,87 @@ STEAL_EVERY_S = 0.5  # while the queue has batches: a look at its length (one LL
 STEAL_AGAIN_S = 0.1  # after a take, or while every slot is busy: a freed slot waits at most this
 STEAL_IDLE_MAX_S = 2.0  # the longest wait between looks while there is nothing to take
 BATCHES_CACHED = 64
+TAIL_EVERY_S = 1.0  # the hold decided this often,
+TAIL_NEAR_EVERY_S = 0.2  # or this often while the unsent prompts are within NEAR x the line
+NEAR = 2.0
+MARGIN = 0.15  # a worker is faster when its requests take at most 85% of this one's
+WORKING = ("busy", "idle")
+# Output lengths are heavy-tailed: what ends a job is a long request started on a slow GPU, not
+# an average one. The expected gap (L_me - L_v) is widened by this much.
+SPREAD = 3.0
+HOLD_MIN_S = 5.0  # a hold lasts at most this, or HOLD_REQUESTS of this worker's mean request time
+HOLD_REQUESTS = 3.0
+# A server down this long holds back as the slowest of workers: its prompts go to the others, as
+# soon as a lost worker's would (its leases lapse after LEASE_TIMEOUT_S).
+DOWN_GRACE_S = LEASE_TIMEOUT_S
+
+
+def unsent_now(w: WorkerStatus, now: float) -> float:
+    """w's unsent prompts now: its beat's count less what it sent since, at r_w = slots / L_w
+    (a busy worker's requests end, and it sends the next, at that rate)."""
+    if w.state != "busy" or not w.token_s or not w.mean_tokens or not w.concurrency_target or not w.in_flight:
+        return w.queued
+    age = min(max(0.0, now - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
+    return max(0.0, w.queued - age * w.concurrency_target / (w.mean_tokens * w.token_s))
+
+
+def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> tuple[float, float]:
+    """(the fleet's unsent prompts now, the line under which `me` holds back; 0: never)."""
+    tokens = [w.mean_tokens for w in (me, *others) if w.mean_tokens]
+    now = time.time() if now is None else now
+    unsent = me.queued + sum(unsent_now(w, now) for w in others)
+    if not me.token_s or not tokens:
+        return unsent, 0.0  # nothing measured yet
+    mean = sum(tokens) / len(tokens)
+    mine = mean * me.token_s
+    faster = 0.0
+    for w in others:
+        if w.state in WORKING and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
+            theirs = mean * w.token_s
+            faster += w.concurrency_target / theirs * (mine - theirs)
+    return unsent, faster * SPREAD
+
+
+def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> bool:
+    """Whether `me` should start nothing new: the unsent prompts of the fleet all finish sooner
+    on faster workers (see the module docstring). `me.queued` is taken as of now."""
+    unsent, line = tail_line(me, others, now)
+    return 0 < unsent <= line
 
 
 class Stealer:
-    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, controls: Controls, intake: Intake,
-                 held: Holdings,
-                 dispatcher: Dispatcher, controller: ConcurrencyController, claims: Claims, batches: Batches,
-                 job_config: Callable[[str], Awaitable[JobConfig | None]], pace: IdlePace) -> None:
-        self.conn = conn
-        self.queue_key = queue_key
+    def __init__(self, name: str, instance: str, queue_key: str, batches: Batches, dispatcher: Dispatcher,
+                 models: ModelGate, pace: IdlePace) -> None:
+        self.conn = batches.conn
+        self.name = name
         self.instance = instance
-        self.controls = controls
-        self.intake = intake  # whether the engine takes new work now
-        self.held = held
+        self.queue_key = queue_key
+        self.batches = batches  # borrowed prompts are held, sent and given back through it
+        self.held = batches.held
         self.dispatcher = dispatcher
-        self.controller = controller
-        self.claims = claims
-        self.batches = batches  # borrowed prompts go back through their holder's Batches
-        self.taken = 0  # prompts taken since start
+        self.controls = dispatcher.controls
+        self.models = models  # whether this engine may take a job's prompts (worker/models.py)
+        self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
-        self._batches: OrderedDict[tuple[BatchRef, str], list[Prompt] | None] = OrderedDict()
-        self.job_config = job_config  # the job's settings if this engine may take its prompts (worker/models.py)
-        self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
+        self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
+        self._hold_since: float | None = None  # monotonic: when this hold began
+        self._hold_limit_s = HOLD_MIN_S
+        self._given_up = False  # held back past its limit: not again while this engine holds anything
+        self._near = False  # the unsent prompts near the line at the last look: look again soon
 
     async def run(self) -> None:
-        wait = STEAL_EVERY_S
+        wait, looked, tail_at = STEAL_EVERY_S, 0.0, 0.0
         while True:
-            woken = await self.pace.nap(wait)  # idle: until woken, or IDLE_LOOK_S
+            woken = await self.pace.nap(max(0.0, min(looked + wait, tail_at) - time.monotonic()), looked)
             if woken and not self.controls.leases_fresh():
-                await self.pace.fresh_beat(lambda: self.controls.last_beat)  # idle: its last lease check is old
+                await self.pace.fresh_beat(self.controls)  # idle: its last lease check is old
+            if time.monotonic() >= tail_at:
+                await self.tail()
+                tail_at = time.monotonic() + (TAIL_NEAR_EVERY_S if self._near and not self.dispatcher.hold_back
+                                              else TAIL_EVERY_S)
+            if not woken and time.monotonic() < looked + wait:
+                continue
             try:
                 took = await self.pass_once()
             except (redis.RedisError, OSError) as exc:
@@ -76,89 +136,83 @@ class Stealer:
             # Soon again after a take or while the slots are full; while nothing is found, less often.
             wait = (STEAL_AGAIN_S if took or self.free_slots() <= 0 else STEAL_EVERY_S if took is None
                     else min(wait * 2, STEAL_IDLE_MAX_S))
+            looked = time.monotonic()
 
     def free_slots(self) -> int:
         d = self.dispatcher
-        return self.controller.target - d.running.sequences - d.unsent
+        return d.controller.target - d.running.sequences - d.unsent
+
+    # ---------------------------------------------------------------- stealing
 
     async def pass_once(self) -> int | None:
         """Take up to the free slots' worth of prompts; how many were taken (None: not looked,
         the queue has batches)."""
-        self._forget_finished()
+        for ref in [r for r, b in self.held.borrowed.items() if not b.unfinished or b.dropped]:
+            self.held.borrowed.pop(ref)
         if self.dispatcher.watch.down and self.held.borrowed:
             await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if free <= 0 or not self.intake.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
+        if free <= 0 or not self.dispatcher.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
             return 0
         if await self.conn.llen(self.queue_key):
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
         took = 0
-        unwritten = self.batches.completer.unwritten_jobs()
+        unwritten = self.batches.unwritten_jobs()
         for ref, holder, config in await self._leased_elsewhere():
-            if ref.job in unwritten:
-                continue  # its shards cannot be written here now (worker/completion.py)
-            if await self.job_config(ref.job) is None:
-                continue  # another model's job (worker/models.py)
+            if ref.job in unwritten or await self.models.servable_config(ref.job) is None:
+                continue  # its shards cannot be written here now, or another model's job
             prompts = await self._batch(ref, config)
             if prompts is None:
                 continue
-            ids = await self.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)], free)
-            if not ids:
-                continue
-            if await adopt_if_written(self.conn, config, ref):  # written already: Redis lost that
+            ids = await self.batches.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)],
+                                                  free)
+            if not ids or await adopt_if_written(self.conn, config, ref):  # written already: Redis lost that
                 continue
             if ref in self.held:  # leased to this engine meanwhile: its own lease sends them
-                await self.claims.unclaim(self.held[ref], ids)
+                await self.batches.claims.unclaim(self.held[ref], ids)
                 continue
             took += len(ids)
             free -= len(ids)
             self._lend_here(ref, config, prompts, ids)
             if free <= 0:
                 break
-        if took:
-            self.taken += took
         return took
 
     def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int]) -> None:
         borrowed = self.held.borrowed.get(ref)
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
-            self.dispatcher.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
+            self.batches.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
             borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
-                                                      unfinished=set(), borrowed=True)
+                                                          unfinished=set(), borrowed=True)
         borrowed.unfinished |= set(ids)
         log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
-        self.dispatcher.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
+        self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
-        """Batches other engines hold, with their job's settings as they are now (read each pass:
-        a job deleted and enqueued again under its name is another incarnation)."""
+        """Batches other engines hold, with their job's settings as they are now (read each pass: a job
+        deleted and enqueued again under its name is another incarnation); the highest priority first,
+        paused jobs left out (their holders park them), holders mixed (idle engines spread over them)."""
         jobs = [j for j in await holding.job_names(self.conn) if j not in self.controls.paused_jobs]
-        out = []
+        found = []
         for job, (config, leases) in zip(jobs, await holding.leases_and_configs(self.conn, jobs)):
             if config is None:
                 continue
             for batch, holder in leases.items():
                 ref = BatchRef(job, batch)
                 if holder and holder != self.instance and ref not in self.held:
-                    out.append((ref, holder, config))
-        return await self._by_priority(out)
-
-    async def _by_priority(self, found: list[tuple[BatchRef, str, JobConfig]]) -> list[tuple[BatchRef, str, JobConfig]]:
-        """The highest priority first, paused jobs left out (their holders park them), holders mixed
-        (idle engines spread over them). Read only for jobs with batches to take: an idle fleet reads nothing."""
-        jobs = sorted({ref.job for ref, _, _ in found})
-        if not jobs:
-            return []
-        priority = await holding.unpaused_priorities(self.conn, jobs)
-        out = [f for f in found if f[0].job in priority]
-        random.shuffle(out)
-        out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
-        return out
+                    found.append((ref, holder, config))
+        if not found:
+            return []  # read only for jobs with batches to take: an idle fleet reads nothing
+        priority = await holding.unpaused_priorities(self.conn, sorted({ref.job for ref, _, _ in found}))
+        found = [f for f in found if f[0].job in priority]
+        random.shuffle(found)
+        found.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
+        return found
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
-        cached = (ref, config.incarnation)
+        cached = (ref, config.incarnation, config.settings_version)  # new settings: read again
         if cached not in self._batches:
             raw = await leasing.batch_record(self.conn, ref)
             loaded = None
@@ -172,13 +226,77 @@ class Stealer:
                 self._batches.popitem(last=False)
         return self._batches[cached]
 
-    def forget_batches(self, job: str) -> None:
-        """The job's settings changed (worker/parking.py): batches cached with the old ones go."""
-        for cached in [c for c in self._batches if c[0].job == job]:
-            self._batches.pop(cached)
+    # ---------------------------------------------------------------- holding back
 
-    # ---------------------------------------------------------------- borrowed prompts
+    async def tail(self) -> None:
+        """Decide the hold (see the module docstring) and act on it."""
+        d = self.dispatcher
+        active = self.held.active()
+        self._near = self._near and active and not self._given_up
+        since = d.watch.down_since  # down past DOWN_GRACE_S: its prompts are better sent anywhere else
+        down = since is not None and time.monotonic() - since > DOWN_GRACE_S
+        try:
+            hold = down or (active and not self._given_up and await self._decide())
+        except (redis.RedisError, OSError) as exc:
+            log.debug("tail check skipped: %s", exc)
+            hold = False
+        hold = down or self._bounded(hold, active)
+        if hold:  # claiming nothing, it hears of no backlog prompt faster engines finished: it looks
+            try:
+                await d.todo.prune()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("tail prune skipped: %s", exc)
+        began = hold and not d.hold_back
+        if hold != d.hold_back:
+            if not down:
+                log.info("end of the queue: %s", "faster workers finish the unsent prompts sooner; starting "
+                         "none here" if hold else "starting prompts here again")
+            d.hold_back = hold
+            d.wake.set()
+        if down or began:  # down: every round, what was in flight when it went down comes back claimed
+            try:
+                back = await d.todo.give_back_ready(server_down=down)
+            except (redis.RedisError, OSError) as exc:  # still claimed here: sent here once the hold ends
+                log.debug("claimed prompts not given back: %s", exc)
+                return
+            if back and down:
+                log.info("server down: %d claimed prompts left to other workers (they take them once the "
+                         "queue is empty; claimed again here if it comes back first)", back)
+            elif back:
+                log.info("end of the queue: %d claimed prompts not sent here, left to the faster workers", back)
 
-    def _forget_finished(self) -> None:
-        for ref in [r for r, b in self.held.borrowed.items() if not b.unfinished or b.dropped]:
-            self.held.borrowed.pop(ref)
+    def _bounded(self, hold: bool, active: bool) -> bool:
+        """A hold lasts at most a few of this worker's request times: if the faster workers have
+        not taken the prompts by then (another model's, paused, gone), this one sends them."""
+        if not active:
+            self._given_up = False
+        if not hold:
+            self._hold_since = None
+            return False
+        now = time.monotonic()
+        if self._hold_since is None:
+            self._hold_since = now
+        if now - self._hold_since > self._hold_limit_s:
+            log.info("end of the queue: held back %.0fs and the faster workers took nothing; sending here",
+                     now - self._hold_since)
+            self._given_up, self._hold_since = True, None
+            return False
+        return True
+
+    async def _decide(self) -> bool:
+        self._near = False
+        if await self.conn.llen(self.queue_key):
+            return False
+        names = await fleet.names_async(self.conn)
+        if len(names) < 2:
+            return False
+        statuses = await fleet.live_statuses(self.conn, names)
+        me = next((s for s in statuses if s.name == self.name), None)
+        if me is None:
+            return False
+        if me.token_s and me.mean_tokens:
+            self._hold_limit_s = max(HOLD_MIN_S, HOLD_REQUESTS * me.token_s * me.mean_tokens)
+        me = msgspec.structs.replace(me, queued=self.dispatcher.unsent)  # its own count, live
+        unsent, line = tail_line(me, [s for s in statuses if s.name != self.name])
+        self._near = 0 < unsent <= NEAR * line  # nothing unsent, or no faster worker (line 0): not near
+        return 0 < unsent <= line

@@ -1,5 +1,5 @@
 """What an engine has to send: the backlog of held prompts not claimed yet (claimed a few at a
-time as slots free: worker/claims.py), claimed prompts in order, retries, crash suspects, paused
+time as slots free: worker/held.py), claimed prompts in order, retries, crash suspects, paused
 jobs' prompts, and the prompts of its batches another engine took ("lent")."""
 
 from __future__ import annotations
@@ -9,16 +9,15 @@ import heapq
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 
 import redis
 
 from genq.core.records import Prompt
 from genq.core.redisconn import in_words
 from genq.core.words import plural
-from genq.worker.claims import Claims
-from genq.worker.held import HeldBatch, Task
+from genq.worker.held import Claims, HeldBatch, Task
 
 log = logging.getLogger("genq.worker")
 
@@ -29,12 +28,10 @@ Plan = Callable[[dict[str, int], int], list[tuple[str, int]]]
 
 
 class Todo:
-    def __init__(self, claims: Claims, finished: Callable[[str, str, list[str]], None],
-                 plan: Plan | None = None) -> None:
+    def __init__(self, claims: Claims, finished: Callable[[str, str, list[str]], None]) -> None:
         self.claims = claims
         self.finished = finished  # (job, batch, ids) whose outcome another engine recorded
         self.wake = asyncio.Event()  # set when there may be something to send (the dispatcher waits on it)
-        self.plan = plan  # None: the oldest batch first
         self.waiting: dict[HeldBatch, deque[Task]] = {}  # the backlog: held prompts no engine claimed yet
         self.lent: dict[HeldBatch, dict[str, Task]] = {}  # prompts of held batches another engine took
         self.ready: deque[Task] = deque()
@@ -57,16 +54,16 @@ class Todo:
 
     # ---------------------------------------------------------------- claiming
 
-    async def claim(self, n: int, skip_jobs: set[str]) -> None:
+    async def claim(self, n: int, skip_jobs: set[str], plan: Plan | None = None) -> None:
         """Claim up to n prompts of the backlog into `ready`, each job's oldest batch first, as many
-        of each job as `plan` says (Redis away: again in a second)."""
+        of each job as `plan` says (None: the oldest batch first; Redis away: again in a second)."""
         for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
             self.waiting.pop(held, None)
         eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
         waiting: dict[str, int] = {}
         for held, tasks in eligible:
             waiting[held.ref.job] = waiting.get(held.ref.job, 0) + len(tasks)
-        quota = self.plan(waiting, n) if self.plan is not None else [(j, n) for j in waiting]
+        quota = plan(waiting, n) if plan is not None else [(j, n) for j in waiting]
         claimed: list[Task] = []
         try:
             for job, k in quota:
@@ -165,7 +162,7 @@ class Todo:
                 self.lent.setdefault(task.batch, {})[task.prompt.id] = task
 
     async def prune(self) -> None:
-        """Held back (worker/tail.py), this engine claims nothing, so it does not hear of backlog
+        """Held back (worker/stealing.py), this engine claims nothing, so it does not hear of backlog
         prompts that faster engines took and finished: it looks (read only), their batch may be complete."""
         for held, tasks in list(self.waiting.items()):
             if held.dropped or not tasks:
@@ -178,7 +175,7 @@ class Todo:
                 self.finished(held.ref.job, held.ref.batch, sorted(done))
 
     async def give_back_ready(self, server_down: bool = False) -> int:
-        """Holding back (worker/tail.py): this engine's own claimed prompts never sent go back to the
+        """Holding back (worker/stealing.py): this engine's own claimed prompts never sent go back to the
         front of the backlog and their claims go, so faster engines take them. Retried and borrowed
         ones stay, unless the server is down: then every one goes but the crash suspects.
         Returns how many went back."""
@@ -242,18 +239,13 @@ class Todo:
         """Prompts this engine claimed and has not sent (or will send again)."""
         yield from itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), *self.parked.values())
 
-    def backlog(self) -> Iterable[Task]:
-        for tasks in self.waiting.values():
-            yield from tasks
-
     def __len__(self) -> int:
         return len(self.ready) + len(self.delayed) + len(self.suspects) + sum(len(t) for t in self.waiting.values())
 
     def by_job(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for task in itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), self.backlog()):
-            out[task.batch.ref.job] = out.get(task.batch.ref.job, 0) + 1
-        return out
+        """Prompts not sent, per job (parked ones aside)."""
+        return Counter(t.batch.ref.job for t in itertools.chain(
+            self.ready, self.suspects, (d[2] for d in self.delayed), *self.waiting.values()))
 
     def _remove(self, gone: Callable[[Task], bool]) -> None:
         # In place: a coroutine may hold these lists across an await (a CLAIM call's answer is

@@ -181,7 +181,7 @@ class ServerWatch:
                 log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
                 await hand_back_all(f"server now serves {info.model}")
             elif change is not None and down_for <= self.opts.server_down_timeout:
-                # A smaller context: its prompts wait, or go to other workers (worker/tail.py).
+                # A smaller context: its prompts wait, or go to other workers (worker/stealing.py).
                 note = f"{change}: waiting for it as it was (--server-down-timeout)"
                 if note != self.note:
                     log.warning("server %s: %s", self.opts.server_url, note)

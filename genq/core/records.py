@@ -322,7 +322,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     job_errors: dict[str, int] = {}  # failed request attempts per job (errors: the worker's total)
     model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
     decode: list[DecodeBin] = []  # its requests' speed against how many decoded at once (worker/decoding.py)
-    # Moving averages over its recent completions (worker/tail.py): seconds per output token of one
+    # Moving averages over its recent completions (worker/stealing.py): seconds per output token of one
     # request, and mean output tokens per request.
     token_s: float | None = None
     mean_tokens: float | None = None

@@ -185,7 +185,7 @@ class Reconciler:
 
     def _pending_of(self, job: str) -> list[str]:
         if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
-            return []  # blocked or paused (worker/parking.py): its batches wait, parked, for `genq resume --job`
+            return []  # blocked or paused (worker/gate.py): its batches wait, parked, for `genq resume --job`
         return pending_batches(self.conn, job)
 
     def _queued_ids(self) -> set[bytes]:

@@ -1,5 +1,5 @@
 """What an engine reads and writes, from its event loop, of the jobs whose batches it holds: block and
-pause flags and settings (worker/parking.py), other engines' leases and their jobs' priorities
+pause flags and settings (worker/gate.py), other engines' leases and their jobs' priorities
 (worker/stealing.py), schedules (worker/shares.py); one round trip each."""
 
 from __future__ import annotations

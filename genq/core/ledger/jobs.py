@@ -37,7 +37,7 @@ def paused_all(conn: redis.Redis) -> bool:
 
 
 def pause_job(conn: redis.Redis, job: str) -> None:
-    """`genq pause --job`: this job's prompts are not sent (its batches are parked: worker/parking.py)."""
+    """`genq pause --job`: this job's prompts are not sent (its batches are parked: worker/gate.py)."""
     conn.set(keys.job_paused(job), repr(time.time()))
 
 

@@ -1,4 +1,4 @@
-"""Parked batches: a paused or blocked job's batches that no RQ job carries (worker/parking.py parks
+"""Parked batches: a paused or blocked job's batches that no RQ job carries (worker/gate.py parks
 the held ones, unqueue the queued ones), and their way back (`genq resume --job`). The reconciler
 leaves them be."""
 

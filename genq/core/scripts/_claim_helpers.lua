@@ -1,5 +1,5 @@
 -- A piece of the claim scripts (claim, steal): `-- #include claim_helpers`.
--- A claim is "INSTANCE TOKEN" (worker/claims.py): it counts while TOKEN is the batch's current
+-- A claim is "INSTANCE TOKEN" (worker/held.py): it counts while TOKEN is the batch's current
 -- lease and INSTANCE's engine beats (its alive key ARGV[3] .. INSTANCE .. ARGV[4] exists).
 -- KEYS[1] = the batch's claims (keys.batch_claims)
 -- KEYS[2] = the batch's results (keys.batch_results)

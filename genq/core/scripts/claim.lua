@@ -1,4 +1,4 @@
--- CLAIM: claim prompts of a held batch to send them (worker/claims.py). A fixed handful of
+-- CLAIM: claim prompts of a held batch to send them (worker/held.py). A fixed handful of
 -- commands a call, whatever its number of ids (issue #29): outcomes and claims read with one
 -- HMGET per hash, the claims written with one HSET, each other live owner's alive key read
 -- once; only a take-over of a void claim touches the tries hash (ux's lost tries).

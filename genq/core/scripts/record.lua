@@ -76,7 +76,7 @@ for i = 1, #ds, 2 do
 end
 each_chunk(results, 2, function(...) redis.call('HSET', KEYS[1], ...) end)
 each_chunk(letters, 2, function(...) redis.call('HSET', KEYS[5], ...) end)
--- Every prompt written here has its outcome now: its claim (worker/claims.py) is over.
+-- Every prompt written here has its outcome now: its claim (worker/held.py) is over.
 each_chunk(ids, 1, function(...) redis.call('HDEL', KEYS[7], ...) end)
 for _, bucket in ipairs(bucket_order) do redis.call('HINCRBY', KEYS[4], bucket, buckets[bucket]) end
 if added > 0 or dead > 0 then

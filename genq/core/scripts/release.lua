@@ -1,4 +1,4 @@
--- RELEASE: mark a batch done with its written shard (worker/completion.py), once. Adds the
+-- RELEASE: mark a batch done with its written shard (worker/batches.py), once. Adds the
 -- shard to the job's running totals; the RQ job that carried it leaves RQ. Never for a shard
 -- that is not every result Redis holds.
 -- KEYS[1] = the job's done batches (keys.job_done)

@@ -1,4 +1,4 @@
--- UNCLAIM: drop claims of mine in a batch (worker/claims.py).
+-- UNCLAIM: drop claims of mine in a batch (worker/held.py).
 -- KEYS[1] = the batch's claims (keys.batch_claims)
 -- KEYS[2] = the job's config (keys.job_config)
 -- ARGV[1] = me (this engine instance)
