@@ -12,8 +12,7 @@ import pytest
 from yarl import URL
 
 from genq.worker.http1 import Http1Pool, NoResponse
-from genq.worker.server import ServerClient
-from genq.worker.wire import Completion, Failure, Progress
+from genq.worker.server import Completion, Failure, Progress, ServerClient
 
 OK_JSON = b'{"a": 1}'
 
@@ -207,7 +206,7 @@ def test_an_https_server_is_spoken_to_over_tls_verified_against_the_trust_store(
             assert await client.healthy()
             for _ in range(2):
                 outcome = await client.generate("chat", {"model": "m", "stream": False}, Progress())
-                assert isinstance(outcome, Completion) and outcome.text == "hi", outcome
+                assert isinstance(outcome, Completion) and outcome.choices[0].completion == "hi", outcome
         finally:
             await client.close()
             server.close()

@@ -38,8 +38,8 @@ from genq.worker.completion import Completer
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import HeldBatch, Holdings
 from genq.worker.idle import wake_fleet
-from genq.worker.models import ModelGate
 from genq.worker.results import ResultWriter
+from genq.worker.watch import ModelGate
 
 log = logging.getLogger("genq.worker")
 
@@ -58,7 +58,7 @@ class Batches:
         self.claims = claims
         self.writer = writer
         self.completer = completer
-        self.models = models  # turns away other models' jobs, pins `auto` ones (worker/models.py)
+        self.models = models  # turns away other models' jobs, pins `auto` ones (worker/watch.py)
         # Loaded batches and their unfinished prompts: parking admits them (blocked jobs, the preflight).
         self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()
         self.completed = 0

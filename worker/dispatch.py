@@ -20,14 +20,14 @@ from typing import Any
 from genq.core.records import DeadLetter, JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
-from genq.worker.answers import Running, result_of, samples
 from genq.worker.brake import Brake
 from genq.worker.controller import ConcurrencyController
 from genq.worker.controls import Controls
+from genq.worker.decoding import Running
 from genq.worker.held import HeldBatch, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.results import ResultWriter
-from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
+from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
 from genq.worker.stopping import StopNow
 from genq.worker.todo import Todo
 from genq.worker.watch import ServerWatch

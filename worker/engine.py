@@ -28,18 +28,17 @@ from genq.core.words import plural
 from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
-from genq.worker.answers import Running
 from genq.worker.batches import Batches
 from genq.worker.claims import Claims
 from genq.worker.completion import Completer
 from genq.worker.controller import ConcurrencyController
 from genq.worker.controls import Controls
+from genq.worker.decoding import Running
 from genq.worker.dispatch import Dispatcher
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Holdings, RateWindow
 from genq.worker.idle import IdlePace, WakeListener
 from genq.worker.intake import Intake
-from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.parking import Parking
 from genq.worker.results import ResultWriter
@@ -50,7 +49,7 @@ from genq.worker.stopping import StopNow
 from genq.worker.tail import TailWatch
 from genq.worker.telemetry import GpuProbe
 from genq.worker.todo import Todo
-from genq.worker.watch import ServerStartTimeout, ServerWatch
+from genq.worker.watch import ModelGate, ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -80,7 +79,7 @@ class Engine:
         self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, running, todo)
         self.dispatcher = Dispatcher(opts, self.name, self.client, self.controller, self.writer, self.watch,
                                      self.controls, self.stopping, self.rates, todo, running)
-        models = ModelGate(self.redis, self.instance, self.watch)
+        models = ModelGate(self.redis, self.watch)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
         completer = Completer(self.redis)
         self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher,
@@ -124,7 +123,7 @@ class Engine:
         self.controller.set_capacity(server.capacity)
         log.info(
             "worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s",
-            self.name, self.opts.server_url, server.kind, server.model, server.capacity or "unknown",
+            self.name, self.opts.server_url, server.flavor, server.model, server.capacity or "unknown",
             self.controller.target, f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
             mask_url(self.opts.redis_url),
         )

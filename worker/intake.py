@@ -29,11 +29,10 @@ from genq.worker.completion import Completer
 from genq.worker.controls import Controls
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import Holdings
-from genq.worker.models import AUTO, ModelGate, serves
 from genq.worker.options import WorkerOptions
 from genq.worker.shares import Shares
 from genq.worker.stopping import StopNow
-from genq.worker.watch import ServerWatch
+from genq.worker.watch import AUTO, ModelGate, ServerWatch, serves
 
 log = logging.getLogger("genq.worker")
 
@@ -67,7 +66,7 @@ class Intake:
         self.held = held
         self.dispatcher = dispatcher
         self.shares = shares
-        self.models = models  # which jobs this engine's server may run, and saying so once (worker/models.py)
+        self.models = models  # which jobs this engine's server may run, and saying so once (worker/watch.py)
         self.queued = queued  # set by the wake listener when batches are queued (genq.core.queueing)
         self.load = load  # Batches.load: reads the batch and hands its prompts to dispatch (worker/batches.py)
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
@@ -152,7 +151,7 @@ class Intake:
 
     async def _refresh_foreign(self) -> None:
         """Jobs whose model is pinned to one this server does not serve (`auto` ones are pinned by
-        the first engine to take one of their batches: worker/models.py)."""
+        the first engine to take one of their batches: worker/watch.py)."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
         model = self.watch.model

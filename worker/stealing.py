@@ -59,7 +59,7 @@ class Stealer:
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
         self._batches: OrderedDict[tuple[BatchRef, str], list[Prompt] | None] = OrderedDict()
-        self.job_config = job_config  # the job's settings if this engine may take its prompts (worker/models.py)
+        self.job_config = job_config  # the job's settings if this engine may take its prompts (worker/watch.py)
         self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
 
     async def run(self) -> None:
@@ -99,7 +99,7 @@ class Stealer:
             if ref.job in unwritten:
                 continue  # its shards cannot be written here now (worker/completion.py)
             if await self.job_config(ref.job) is None:
-                continue  # another model's job (worker/models.py)
+                continue  # another model's job (worker/watch.py)
             prompts = await self._batch(ref, config)
             if prompts is None:
                 continue
