@@ -19,7 +19,7 @@ from yarl import URL
 
 from genq.core.records import Choice, ErrorKind, JobConfig, Prompt, Result, Usage
 from genq.worker.engines import Metrics, ServerInfo, detect, metrics_from_text
-from genq.worker.http1 import Http1Pool, NoResponse
+from genq.worker.http1 import Http1Pool
 
 # SGLang's /health runs a one-token generation and answers 503 itself after 20 s: giving up
 # sooner reads a busy server as down.
@@ -116,15 +116,14 @@ def samples(config: JobConfig, prompt: Prompt) -> int:
 class ServerClient:
     def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
-        self._pool = Http1Pool(URL(self.base_url), connections)
-        self.reconnects = 0  # requests sent again after their reused connection was dead
+        self.pool = Http1Pool(URL(self.base_url), connections)
 
     async def close(self) -> None:
-        self._pool.close()
+        self.pool.close()
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
-            return await self._pool.get(path, timeout)
+            return await self.pool.get(path, timeout)
         except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
@@ -172,27 +171,13 @@ class ServerClient:
         return m
 
     async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
-        """The request's outcome. Sent again once, on a new connection, only if a pooled one ended
-        before any response byte: it never reached the server (llama.cpp closes after each stream)."""
+        """The request's outcome."""
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        data = _json_encode(body)
-        try:
-            return await self._post(path, data, body, progress, reuse=True)
-        except NoResponse:
-            self.reconnects += 1
-            return await self._post(path, data, body, progress, reuse=False)
-
-    async def _post(self, path: str, data: bytes, body: dict[str, Any], progress: Progress, *,
-                    reuse: bool) -> Completion | Failure:
         model = body.get("model", "")
         stream = StreamSink(model, progress) if body.get("stream") else None
         try:
-            status, raw = await self._pool.post(path, data, stream, reuse=reuse)
-        except NoResponse as exc:
-            if exc.reused:
-                raise
-            return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
-        except OSError as exc:  # refused, reset, cut short, the connect timeout
+            status, raw = await self.pool.post(path, _json_encode(body), stream)
+        except OSError as exc:  # refused, reset, cut short, the connect timeout, no answer
             return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
