@@ -109,29 +109,23 @@ class ConcurrencyController:
         waiting = m.waiting or 0.0
         # Waiting for a slot (vLLM tells it apart from requests deferred for other reasons).
         queued = waiting if m.waiting_capacity is None else m.waiting_capacity
-        growing = waiting > self._last_waiting
-        self._last_waiting = waiting
-        # Running still rising: the server is admitting (ramping up), not full.
-        ramping = running > self._last_running
-        self._last_running = running
+        growing, self._last_waiting = waiting > self._last_waiting, waiting
+        ramping, self._last_running = running > self._last_running, running  # admitting, not full
         retracting = self._retracting(m)
         kv_pressure = m.kv_usage is not None and m.kv_usage >= KV_PRESSURE
         if self.capacity is None and not kv_pressure and not retracting:
-            if queued > 0:
-                # Requests wait although memory is free: a slot limit. The most that
-                # runs, once no more come, is the capacity.
-                self._learn(int(running))
-            elif self.learned is not None and running > self.learned:
-                # Whatever runs fits: a count above the learned one raises it at once.
+            if queued > 0:  # requests wait with memory free: a slot limit, the most that runs
+                if int(running) > self._seen_max:
+                    self._seen_max, self._since_rise = int(running), 0
+                self._since_rise += 1
+                if self._since_rise >= LEARN_LOOKS and self._seen_max > (self.learned or 0):
+                    self._commit(self._seen_max)
+            elif self.learned is not None and running > self.learned:  # whatever runs fits
                 self._seen_max = int(running)
                 self._commit(int(running))
         capacity = self.capacity or self.learned
-        if self._gentle:
-            self._gentle -= 1
-
-        if retracting:
-            # The KV cache cannot hold what runs: more requests in flight only means
-            # more retracted work. Cut to what the server holds, less a tenth.
+        self._gentle = max(0, self._gentle - 1)
+        if retracting:  # the KV cache cannot hold what runs: cut to what the server holds, less a tenth
             self.auto = max(1, min(self.auto, int(running + waiting)) - max(1, self.auto // 10))
             self.reason = "lowered: KV cache full (server retracting requests)"
             self._gentle = GENTLE_CHECKS
@@ -148,9 +142,7 @@ class ConcurrencyController:
                 step = max(1, int(capacity - running))
             elif running + waiting >= 0.9 * self.target:
                 step = max(1, self.auto // 2)  # unknown capacity: grow fast to find it
-            else:
-                # What was sent has not all reached the server yet: its figures say
-                # nothing of idle slots. Look again before sending more.
+            else:  # what was sent has not all reached the server yet: look again before sending more
                 return
             ceiling = 2 * capacity + headroom(capacity) if capacity else MAX_TARGET
             if self.auto < ceiling:
@@ -168,8 +160,7 @@ class ConcurrencyController:
         if (waiting > queue_limit and (growing or self._queue_high) and not settling
                 and self.auto > base + room):
             self._queue_high += 1
-            if self._queue_high >= QUEUE_RUNAWAY_CHECKS:
-                # The queue grows past what refilling slots needs: hold less.
+            if self._queue_high >= QUEUE_RUNAWAY_CHECKS:  # past what refilling slots needs: hold less
                 self.auto = max(1, base + room)
                 self.reason = "lowered: server queue growing"
                 self._queue_high = 0
@@ -177,18 +168,10 @@ class ConcurrencyController:
         else:
             self._queue_high = 0
 
-    def _learn(self, running: int) -> None:
-        if running > self._seen_max:
-            self._seen_max, self._since_rise = running, 0
-        self._since_rise += 1
-        if self._since_rise >= LEARN_LOOKS and self._seen_max > (self.learned or 0):
-            self._commit(self._seen_max)
-
     def _commit(self, capacity: int) -> None:
         self.learned = capacity
         self._since_learned = 0
-        # Known now: the refill headroom waits in the server, no more (that would only
-        # wait there), no less (a freed slot would idle until the next request arrives).
+        # The refill headroom waits in the server: more would only wait, less would idle a freed slot.
         limit = capacity + headroom(capacity)
         verb = "lowered" if self.auto > limit else "raised" if self.auto < limit else "kept"
         self.auto = limit

@@ -1,16 +1,14 @@
 """The server as the engine sees it: up or down, what it says of itself, its model, stalled requests.
 
-- After a failed request one check (single flight) of /health and what the server says of itself.
-  Down, or not the server it was (another model, a smaller context), the engine sends nothing,
-  counts no attempt, and polls until it answers as it was; after --server-down-timeout it hands
-  its batches back (another model: at once; a smaller context is then taken as it is).
-- A server silent while it holds requests is health-checked then, not only after a failure.
+- After a failed request (or while silent holding requests) one check of /health and what it says
+  of itself. Down, or another model or a smaller context: the engine sends nothing, counts no
+  attempt, and polls until it answers as it was; after --server-down-timeout it hands its batches
+  back (another model: at once; a smaller context is then taken as it is).
 - Watchdog: a request with no output for --stall-timeout is cancelled and retried; before its first
   byte it waits in the server's queue, not a stall, unless the server says none waits.
-- A job is for one model: `--model auto` is pinned to the model of the first server that takes one of
-  its batches (first writer wins, in its settings); an engine whose server serves another model
-  leaves the job's batches queued, hands back one it got anyway, steals none of its prompts, and
-  says so once per job.
+- A job is for one model: `--model auto` is pinned to the first taker's server's (first writer wins);
+  an engine whose server serves another leaves its batches queued, hands back one it got anyway,
+  steals none of its prompts, and says so once per job.
 """
 
 from __future__ import annotations
