@@ -325,7 +325,7 @@ def test_sim_metrics_page_is_understood(sim):
             await client.close()
 
     info, m = asyncio.run(look())
-    assert info.capacity == 6 and info.has_metrics and info.kind == "sglang"
+    assert info.capacity == 6 and info.has_metrics and info.flavor == "sglang"
     assert (m.running, m.waiting) == (0.0, 0.0) and m.kv_usage is not None
 
 
@@ -333,12 +333,12 @@ def test_sim_metrics_page_is_understood(sim):
 
 
 def feed_all(events: list[bytes]):
-    from genq.worker.server import Progress
-    from genq.worker.stream import _StreamState
+    from genq.worker.server import Progress, StreamSink
 
-    state, progress = _StreamState("m"), Progress()
+    progress = Progress()
+    state = StreamSink("m", progress)
     for payload in events:
-        failure = state.feed(payload, progress)
+        failure = state.feed(payload)
         if failure is not None:
             return failure, progress
         if state.done:
@@ -360,14 +360,15 @@ def test_stream_events_are_read_like_sglang_and_vllm_send_them():
         ev(choices=[{"index": 0, "delta": {}, "finish_reason": "stop", "matched_stop": 151645}], usage=usage),
         b"[DONE]",
     ])
-    assert (done.text, done.reasoning, done.finish_reason) == ("Hi", "think more ", "stop")
+    first = done.choices[0]
+    assert (first.completion, first.reasoning_content, first.finish_reason) == ("Hi", "think more ", "stop")
     assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.reasoning_tokens) == (5, 3, 1)
     assert (done.model, done.response_id, progress.tokens) == ("served", "r1", 3)
     # Without usage stats the events are counted; a field of another type takes the generic path.
     done, progress = feed_all([ev(choices=[{"delta": {"content": "a"}}]),
                                ev(choices=[{"delta": {"content": ["odd", "parts"]}, "finish_reason": "length"}]),
                                ev(choices=[{"delta": {"content": "b"}}]), b"[DONE]"])
-    assert (done.text, done.finish_reason, progress.tokens) == ("ab", "length", 3)
+    assert (done.choices[0].completion, done.choices[0].finish_reason, progress.tokens) == ("ab", "length", 3)
     failure, _ = feed_all([ev(choices=[{"delta": {"content": "a"}}]),
                            json.dumps({"error": {"message": "boom", "code": 500}}).encode()])
     assert (failure.kind, failure.message, failure.status) == ("server_error", "boom", 500)
@@ -391,10 +392,12 @@ def test_whole_answers_typed_and_generic():
                                                 "completion_tokens_details": {"reasoning_tokens": 4}}}
     c = parse_completion_bytes(json.dumps(sglang).encode(), "m")
     assert isinstance(c, Completion)
-    assert (c.text, c.reasoning, c.finish_reason, c.model, c.response_id) == ("Hello", "hmm", "length", "served", "c1")
+    first = c.choices[0]
+    assert (first.completion, first.reasoning_content, first.finish_reason, c.model, c.response_id) == \
+        ("Hello", "hmm", "length", "served", "c1")
     assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.reasoning_tokens) == (7, 9, 4)
     text = {"id": "c2", "choices": [{"index": 0, "text": "plain", "finish_reason": "stop"}]}
-    assert parse_completion_bytes(json.dumps(text).encode(), "m").text == "plain"
+    assert parse_completion_bytes(json.dumps(text).encode(), "m").choices[0].completion == "plain"
     flat_error = {"object": "error", "message": "The input (9 tokens) is longer than...", "type": "BadRequestError",
                   "param": None, "code": 400}
     f = parse_completion_bytes(json.dumps(flat_error).encode(), "m")

@@ -11,7 +11,7 @@ import pytest
 from genq.core.decodefigures import DecodeBin
 from genq.monitor.rates import fit_overhead
 from genq.worker.decoding import HALF_LIFE_S, DecodeMeter
-from genq.worker.wire import Progress
+from genq.worker.server import Progress
 
 
 class Clock:

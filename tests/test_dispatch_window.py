@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
-from genq.worker.answers import Running
+from genq.worker.decoding import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
 from genq.worker.held import HeldBatch
 from genq.worker.options import WorkerOptions

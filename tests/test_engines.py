@@ -182,12 +182,12 @@ async def test_a_dead_reused_connection_costs_no_failure(sim: RunningSim, http) 
         for i in range(3):
             outcomes.append(await client.generate("chat", chat(f"again {i}", max_tokens=8), Progress()))
         assert all(isinstance(o, Completion) for o in outcomes), outcomes
-        assert client.reconnects >= 1, "the second request went out on the dead connection"
+        assert client.pool.reconnects >= 1, "the second request went out on the dead connection"
         # Failures on a fresh connection still count: nothing listens there.
         await client.close()
         client = ServerClient("http://127.0.0.1:9")
         outcome = await client.generate("chat", chat(), Progress())
-        assert isinstance(outcome, Failure) and outcome.kind == "connection" and client.reconnects == 0
+        assert isinstance(outcome, Failure) and outcome.kind == "connection" and client.pool.reconnects == 0
     finally:
         await client.close()
 

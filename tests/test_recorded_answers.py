@@ -13,10 +13,15 @@ import msgspec
 import pytest
 
 from genq.core.records import Prompt, Result
-from genq.worker.answers import UNSENT_MAX, one_per_token, result_of
-from genq.worker.server import Progress
-from genq.worker.stream import _StreamState
-from genq.worker.wire import Completion, parse_completion_bytes
+from genq.worker.server import (
+    UNSENT_MAX,
+    Completion,
+    Progress,
+    StreamSink,
+    one_per_token,
+    parse_completion_bytes,
+    result_of,
+)
 
 RECORDED = Path(__file__).parent / "recordings" / "sglang-0.5.23"
 NAMES = sorted(p.stem for p in RECORDED.glob("*logprobs_eos*.json")) + \
@@ -27,10 +32,9 @@ def record_of(name: str) -> Result:
     recorded = json.loads((RECORDED / f"{name}.json").read_text())
     completion: Any
     if "events" in recorded:
-        state = _StreamState("m")
+        state = StreamSink("m", Progress())
         for event in recorded["events"]:
-            assert state.feed(event.encode() if isinstance(event, str) else json.dumps(event).encode(),
-                              Progress()) is None
+            assert state.feed(event.encode() if isinstance(event, str) else json.dumps(event).encode()) is None
         completion = state.completion()
     else:
         completion = parse_completion_bytes(json.dumps(recorded["body"]).encode(), "m")

@@ -1,6 +1,6 @@
 """`genq sim --flavor sglang` against real SGLang 0.5.23's recorded answers (tests/recordings/sglang-0.5.23/,
 written by scripts/sglang/record.py from the server `make test-sglang` starts): the same request sent to
-the sim must come back in the same shape, wherever genq reads it (worker/wire.py, worker/stream.py,
+the sim must come back in the same shape, wherever genq reads it (worker/server.py,
 worker/engines.py): chunk by chunk per choice, which delta keys, how many logprob entries, the
 finish and what stopped it, where usage is, the ids; the status and error text; the info endpoints.
 

@@ -41,7 +41,7 @@ from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, writte
 from genq.output.sink import open_sink, shard_bytes
 from genq.output.truth import AlreadyWritten
 from genq.producer.batchinput import InputChanged, load_prompts
-from genq.worker.answers import Running
+from genq.worker.decoding import Running
 from genq.worker.held import Claims, HeldBatch, Holdings, Task
 from genq.worker.results import ResultWriter
 from genq.worker.server import Failure

@@ -1,19 +1,14 @@
-"""How many requests one worker keeps in flight against its server: the server's capacity (its
-`slots`, told or learned) plus a small waiting queue, so each freed slot is refilled in the
-server's next step. Then, looking at its /metrics once a second:
+"""How many sequences one worker keeps in flight: the server's capacity (told, or learned from its
+/metrics) plus a small headroom waiting in its queue, so a freed slot is refilled in its next step.
 
-- raise while slots sit idle (running below capacity, nothing waiting) and prompts are held back;
-- lower, by a tenth, when the server retracts or preempts requests (its KV cache is what limits),
-  and raise only gently for a while after;
-- lower when its queue keeps growing past the headroom and what our own raises put there: only a
-  queue of other clients lowers the target (a raise is kept, filling that queue is its point).
-
-A server that does not tell its capacity (vLLM) starts at a guess and grows. While requests wait
-for a slot and the KV cache is not full, it runs all its slots less those freed in its last step
-(vLLM reports running before admitting the next): the capacity is the highest running count seen
-while requests wait, once no higher came for LEARN_LOOKS looks (four a second while learning);
-the target then drops to it plus the headroom. A running count above it raises it at once.
-A number from the command line caps the target; `genq concurrency` sets a live cap instead.
+Once a look at /metrics: raise while slots idle and prompts are held back; cut by a tenth when the
+server retracts or preempts (its KV cache is the limit), then raise only gently for a while; lower
+when its queue keeps growing past the headroom and our own raises (only other clients' queue lowers
+it). A server that does not tell its capacity (vLLM) starts at a guess: while requests wait for a
+slot with the KV cache not full, the highest running count seen is the capacity once no higher came
+for LEARN_LOOKS looks, and a higher count later raises it at once (vLLM reports running before
+admitting the next, so most counts are a bit below). --concurrency caps the target; `genq
+concurrency` sets a live cap instead.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ class ConcurrencyController:
         self.learned: int | None = None  # capacity read off /metrics when the server does not tell
         self.start_cap = cap if cap and cap > 0 else None  # --concurrency N
         self.live_cap: int | None = None  # genq concurrency N (None: none set)
-        self._auto = capacity + headroom(capacity) if capacity else UNKNOWN_CAPACITY_START
+        self.auto = capacity + headroom(capacity) if capacity else UNKNOWN_CAPACITY_START  # before any cap
         self._last_retractions: float | None = None
         self._queue_high = 0
         self._last_waiting = 0.0
@@ -60,17 +55,10 @@ class ConcurrencyController:
         self.target = 1
         self._update()
 
-    # ---------------------------------------------------------------- settings
-
     @property
     def cap(self) -> int | None:
         """The cap in force: the live one, else the command line's."""
         return self.live_cap or self.start_cap
-
-    @property
-    def auto(self) -> int:
-        """The automatic target, before any cap."""
-        return self._auto
 
     @property
     def slots(self) -> int | None:
@@ -102,16 +90,14 @@ class ConcurrencyController:
             self.reason = "server rediscovered: learning its capacity again"
         elif capacity and capacity != self.capacity:
             self.capacity = capacity
-            self._auto = capacity + headroom(capacity)
+            self.auto = capacity + headroom(capacity)
             self.reason = "from server capacity"
             self._update()
 
     def _update(self) -> None:
         # A plain attribute, not a property: the dispatcher reads it per request.
-        self._auto = max(1, min(self._auto, MAX_TARGET))
-        self.target = max(1, min(self._auto, self.cap or MAX_TARGET))
-
-    # ---------------------------------------------------------------- metrics
+        self.auto = max(1, min(self.auto, MAX_TARGET))
+        self.target = max(1, min(self.auto, self.cap or MAX_TARGET))
 
     def observe(self, m: Metrics, in_flight: int, backlog: int) -> None:
         """One look at the server's metrics; in_flight is ours, backlog the prompts we hold unsent."""
@@ -123,52 +109,44 @@ class ConcurrencyController:
         waiting = m.waiting or 0.0
         # Waiting for a slot (vLLM tells it apart from requests deferred for other reasons).
         queued = waiting if m.waiting_capacity is None else m.waiting_capacity
-        growing = waiting > self._last_waiting
-        self._last_waiting = waiting
-        # Running still rising: the server is admitting (ramping up), not full.
-        ramping = running > self._last_running
-        self._last_running = running
+        growing, self._last_waiting = waiting > self._last_waiting, waiting
+        ramping, self._last_running = running > self._last_running, running  # admitting, not full
         retracting = self._retracting(m)
         kv_pressure = m.kv_usage is not None and m.kv_usage >= KV_PRESSURE
         if self.capacity is None and not kv_pressure and not retracting:
-            if queued > 0:
-                # Requests wait although memory is free: a slot limit. The most that
-                # runs, once no more come, is the capacity.
-                self._learn(int(running))
-            elif self.learned is not None and running > self.learned:
-                # Whatever runs fits: a count above the learned one raises it at once.
+            if queued > 0:  # requests wait with memory free: a slot limit, the most that runs
+                if int(running) > self._seen_max:
+                    self._seen_max, self._since_rise = int(running), 0
+                self._since_rise += 1
+                if self._since_rise >= LEARN_LOOKS and self._seen_max > (self.learned or 0):
+                    self._commit(self._seen_max)
+            elif self.learned is not None and running > self.learned:  # whatever runs fits
                 self._seen_max = int(running)
                 self._commit(int(running))
         capacity = self.capacity or self.learned
-        if self._gentle:
-            self._gentle -= 1
-
-        if retracting:
-            # The KV cache cannot hold what runs: more requests in flight only means
-            # more retracted work. Cut to what the server holds, less a tenth.
-            self._auto = max(1, min(self._auto, int(running + waiting)) - max(1, self._auto // 10))
+        self._gentle = max(0, self._gentle - 1)
+        if retracting:  # the KV cache cannot hold what runs: cut to what the server holds, less a tenth
+            self.auto = max(1, min(self.auto, int(running + waiting)) - max(1, self.auto // 10))
             self.reason = "lowered: KV cache full (server retracting requests)"
             self._gentle = GENTLE_CHECKS
             self._queue_high = 0
             self._update()
             return
 
-        limited = backlog > 0 and in_flight >= self.target and (self.cap is None or self._auto < self.cap)
+        limited = backlog > 0 and in_flight >= self.target and (self.cap is None or self.auto < self.cap)
         if waiting == 0 and limited and not kv_pressure and (capacity is None or running < capacity):
             # Slots idle while we hold prompts back: feed the server more.
             if self._gentle:
-                step = max(1, self._auto // 20)
+                step = max(1, self.auto // 20)
             elif capacity:
                 step = max(1, int(capacity - running))
             elif running + waiting >= 0.9 * self.target:
-                step = max(1, self._auto // 2)  # unknown capacity: grow fast to find it
-            else:
-                # What was sent has not all reached the server yet: its figures say
-                # nothing of idle slots. Look again before sending more.
+                step = max(1, self.auto // 2)  # unknown capacity: grow fast to find it
+            else:  # what was sent has not all reached the server yet: look again before sending more
                 return
             ceiling = 2 * capacity + headroom(capacity) if capacity else MAX_TARGET
-            if self._auto < ceiling:
-                self._auto = min(ceiling, self._auto + step)
+            if self.auto < ceiling:
+                self.auto = min(ceiling, self.auto + step)
                 self.reason = "raised: server slots idle"
                 self._update()
             self._queue_high = 0
@@ -177,35 +155,26 @@ class ConcurrencyController:
         base = capacity or int(running)
         room = headroom(max(base, 1))
         # Ours (once the capacity is known: before, what runs is no base for it) and a headroom more.
-        queue_limit = (max(self._auto - base, room) if capacity else room) + room
+        queue_limit = (max(self.auto - base, room) if capacity else room) + room
         settling = capacity is None and ramping  # what runs is no capacity yet
         if (waiting > queue_limit and (growing or self._queue_high) and not settling
-                and self._auto > base + room):
+                and self.auto > base + room):
             self._queue_high += 1
-            if self._queue_high >= QUEUE_RUNAWAY_CHECKS:
-                # The queue grows past what refilling slots needs: hold less.
-                self._auto = max(1, base + room)
+            if self._queue_high >= QUEUE_RUNAWAY_CHECKS:  # past what refilling slots needs: hold less
+                self.auto = max(1, base + room)
                 self.reason = "lowered: server queue growing"
                 self._queue_high = 0
                 self._update()
         else:
             self._queue_high = 0
 
-    def _learn(self, running: int) -> None:
-        if running > self._seen_max:
-            self._seen_max, self._since_rise = running, 0
-        self._since_rise += 1
-        if self._since_rise >= LEARN_LOOKS and self._seen_max > (self.learned or 0):
-            self._commit(self._seen_max)
-
     def _commit(self, capacity: int) -> None:
         self.learned = capacity
         self._since_learned = 0
-        # Known now: the refill headroom waits in the server, no more (that would only
-        # wait there), no less (a freed slot would idle until the next request arrives).
+        # The refill headroom waits in the server: more would only wait, less would idle a freed slot.
         limit = capacity + headroom(capacity)
-        verb = "lowered" if self._auto > limit else "raised" if self._auto < limit else "kept"
-        self._auto = limit
+        verb = "lowered" if self.auto > limit else "raised" if self.auto < limit else "kept"
+        self.auto = limit
         self.reason = f"{verb}: learned server capacity {capacity}"
         self._queue_high = 0
         self._update()

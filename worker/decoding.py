@@ -1,24 +1,22 @@
-"""How fast one request decodes against how many decode at once, as this worker sees it.
+"""The requests in flight, and how fast one decodes against how many decode at once.
 
-A server's step makes a token for every running sequence; on a GPU it costs about the same at 1 or
-100 (decode is memory-bound), on a CPU or at large batches more the more there are, so a job's last
-requests speed up as the batch drains (vLLM on CPU drained 141 requests in 26 s where a constant
-speed said 47). The monitor's ETA needs that curve and no engine reports it, so each worker
-measures it: while `d` of its sequences decode (first token to end), the request-seconds and the
-streamed tokens go to d's bin, kept apart for while some request waits for its first token (its
-prefill rides in the same steps) and while none does ("clean", as in a drain: on vLLM on CPU 15-20 %
-faster). The first chunk's tokens come from the prefill and are not counted. Figures halve every
-HALF_LIFE_S; published as WorkerStatus.decode, fitted by the monitor (monitor/rates.py), and stored
-per server and model (ServerDecode, genq.core.ledger.fleet) so a worker starting on that server
-begins from them: a fresh job's drain is otherwise seen only when it is too late for its ETA.
+A server's step makes a token for every running sequence: on a GPU about as fast at 1 as at 100,
+on a CPU or at large batches slower the more there are, so a job's last requests speed up as it
+drains, and the monitor's ETA needs that curve (no engine reports it). While `d` sequences decode
+(first token to end), the request-seconds and streamed tokens go to d's bin, kept apart for while
+some request waits for its first token (its prefill shares the steps) and while none does
+("clean", as in a drain). A first chunk's tokens are the prefill's, not counted. Figures halve
+every HALF_LIFE_S; published as WorkerStatus.decode, fitted by the monitor (monitor/rates.py), and
+stored per server and model so a worker starting there begins from them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from genq.core.decodefigures import DecodeBin, ServerDecode
 from genq.core.ledger import fleet
@@ -27,12 +25,41 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
     from redis.asyncio.client import Pipeline
 
-    from genq.worker.wire import Progress
+    from genq.worker.held import Task
+    from genq.worker.server import Progress
 
 HALF_LIFE_S = 3600.0  # the figures of an hour ago weigh half of this minute's
 STORED_TTL_S = 7 * 86400  # a server's stored figures are dropped after a week unused
 BINS_PER_OCTAVE = 4  # published bins: exact counts up to 4, then four a doubling
 MIN_BUSY_S = 0.05  # a bin with less than this many request-seconds is not published
+
+
+class Running(dict["Task", "asyncio.Task[None]"]):
+    """The requests in flight and the sequences they are on the server (the in-flight target's
+    unit: SGLang and vLLM schedule each of a request's n choices as its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequences = 0
+        self.meter = DecodeMeter()
+
+    def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
+        if task not in self:
+            self.sequences += task.progress.sequences
+            self.meter.sent(task.progress)
+        super().__setitem__(task, aio)
+
+    def pop(self, task: Task, default: Any = None) -> Any:
+        if task in self:
+            self.sequences -= task.progress.sequences
+            self.meter.ended(task.progress)
+        return super().pop(task, default)
+
+    def cancel_all(self, reason: str) -> None:
+        """Stop every request; each ends as a failure with `reason` (retried by the failure policy)."""
+        for task, aio in list(self.items()):
+            task.cancel_reason = reason
+            aio.cancel()
 
 
 class DecodeMeter:

@@ -20,13 +20,12 @@ from typing import Any
 from genq.core.records import JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
-from genq.worker.answers import result_of, samples
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
 from genq.worker.gate import Brake, Controls
 from genq.worker.held import RateWindow, Task
 from genq.worker.options import WorkerOptions
-from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body
+from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
 from genq.worker.shares import Shares
 from genq.worker.stopping import StopNow
 from genq.worker.watch import ServerWatch

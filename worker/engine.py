@@ -28,22 +28,21 @@ from genq.core.words import plural
 from genq.ops.recover import OutputWatch
 from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
-from genq.worker.answers import Running
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
+from genq.worker.decoding import Running
 from genq.worker.dispatch import Dispatcher
 from genq.worker.gate import Brake, Controls, Parking
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Holdings
 from genq.worker.idle import IdlePace, WakeListener
 from genq.worker.intake import Intake
-from genq.worker.models import ModelGate
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.server import ServerClient
 from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
 from genq.worker.stopping import StopNow
-from genq.worker.watch import ServerStartTimeout, ServerWatch
+from genq.worker.watch import ModelGate, ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -66,7 +65,7 @@ class Engine:
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches.running,
                                  self.batches.todo)
-        models = ModelGate(self.redis, self.instance, self.watch)
+        models = ModelGate(self.redis, self.watch)
         # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, queue_key, self.instance, self.batches)
         brake = Brake(self.name, self.batches)
@@ -105,7 +104,7 @@ class Engine:
         self.controller.set_capacity(server.capacity)
         log.info(
             "worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s",
-            self.name, self.opts.server_url, server.kind, server.model, server.capacity or "unknown",
+            self.name, self.opts.server_url, server.flavor, server.model, server.capacity or "unknown",
             self.controller.target, f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
             mask_url(self.opts.redis_url),
         )

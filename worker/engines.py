@@ -1,9 +1,8 @@
 """The inference servers genq knows, as a table of their differences, and how a server is told apart.
 
-Each Engine row says how to tell the server (`probe`: its own endpoint, or its metric prefix), what
-it tells of itself (capacity, context, memory), and its Prometheus names for each figure the
-concurrency controller reads. Answers and errors are read alike for all (worker/wire.py). Where in
-each engine's sources every fact comes from: docs/engines.md.
+A row says how to tell the engine (`probe`: its own endpoint; else its metric prefix on /metrics),
+what it tells of itself, and its Prometheus names for each figure the controller reads. Where in
+each engine's sources each fact comes from: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -16,35 +15,25 @@ import msgspec
 
 from genq.core.records import Hardware
 
-# The JSON answer of a GET on the server, or None when it has no such endpoint (worker/server.py).
-GetJson = Callable[[str], Awaitable[Any]]
-# (status, body) of a GET on the server.
-Get = Callable[[str], Awaitable[tuple[int, bytes]]]
+GetJson = Callable[[str], Awaitable[Any]]  # a GET's JSON answer, None when there is no such endpoint
+Get = Callable[[str], Awaitable[tuple[int, bytes]]]  # a GET's (status, body)
 
-# Where the controller starts when the server does not tell its capacity (vLLM, or one genq does
-# not recognise), then follows /metrics. vLLM's default max_num_seqs is 128 on CPU, 256 on most
-# GPUs, 1024 on H100/H200/B200: growing by half per look reaches any of them within seconds.
+# Where the controller starts when the server does not tell its capacity (vLLM's max_num_seqs is
+# 128 on CPU, 256 on most GPUs, 1024 on H100/H200/B200: growing by half a look reaches any soon).
 CAPACITY_START = 64
-
-GIB = 2**30  # SGLang's "GB" in memory_usage: bytes / (1 << 30)
+GIB = 2**30  # SGLang's "GB" in memory_usage
 
 
 @dataclass(frozen=True, eq=False)
 class Engine:
     """One kind of inference server; the defaults are a plain OpenAI-compatible server's."""
 
-    name: str  # the flavor: ServerInfo.flavor, logs and messages
-    # What its own endpoint says, or None when the server is not this engine. An engine without
-    # one is told by its metric prefix on /metrics.
-    probe: Callable[[GetJson], Awaitable[ServerInfo | None]] | None = None
-    metric_prefix: bytes | None = None  # on /metrics: the server publishes names genq reads
-    # A Metrics field -> this engine's names for it, newer first; `name{label}` counts only the
-    # series with that label.
+    name: str  # ServerInfo.flavor
+    probe: Callable[[GetJson], Awaitable[ServerInfo | None]] | None = None  # None: not this engine
+    metric_prefix: bytes | None = None
+    # A Metrics field -> this engine's names for it, newer first; `name{label}` counts only that label's series.
     metrics: dict[str, tuple[str, ...]] = field(default_factory=dict)
     context_where: str = "the model's context"  # what its reported context is, for the preflight
-
-    def __repr__(self) -> str:
-        return f"<engine {self.name}>"
 
 
 class ServerInfo(msgspec.Struct, frozen=True):
@@ -54,32 +43,29 @@ class ServerInfo(msgspec.Struct, frozen=True):
     capacity: int | None = None  # requests it runs at once (None: learned from /metrics, if any)
     context_length: int | None = None  # per request (llama.cpp: per slot)
     has_metrics: bool = False  # /metrics carries names of an engine genq knows
-    memory: Hardware = Hardware()  # its weight and KV cache sizes where it tells (genq.core.decodebound)
-    model: str | None = None  # as /v1/models names it (worker/server.py)
+    memory: Hardware = Hardware()  # weight and KV cache sizes where it tells (genq.core.decodebound)
+    model: str | None = None  # as /v1/models names it
 
     @property
     def flavor(self) -> str:
-        """"sglang" | "vllm" | "llamacpp" | "openai-compatible" (none of those recognised)."""
+        """"sglang" | "vllm" | "llamacpp" | "openai-compatible"."""
         return self.engine.name
-
-    kind = flavor  # as the worker's start-up line names it
 
 
 async def _sglang_probe(get_json: GetJson) -> ServerInfo | None:
-    """/server_info (older /get_server_info, which logs a deprecation warning at each call)."""
+    """/server_info (the older /get_server_info logs a deprecation warning at each call)."""
     for path in ("/server_info", "/get_server_info"):
-        info = await get_json(path)
-        if isinstance(info, dict):
+        if isinstance(info := await get_json(path), dict):
             return ServerInfo(SGLANG, capacity=capacity_from_info(info), context_length=info.get("context_length"),
                               memory=memory_from_info(info))
     return None
 
 
 def capacity_from_info(info: dict[str, Any]) -> int | None:
-    """SGLang's running-request limit over its DP ranks: the effective one per rank (the top-level
+    """SGLang's running-request limit summed over its DP ranks' effective ones (the top-level
     max_running_requests is null unless given on its command line)."""
-    states = info.get("internal_states") or []
-    effective = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
+    effective = [s.get("effective_max_running_requests_per_dp") for s in info.get("internal_states") or []
+                 if isinstance(s, dict)]
     counts: list[int] = [v for v in effective if isinstance(v, int) and v > 0]
     if counts and len(counts) == len(effective):
         return sum(counts)
@@ -94,9 +80,8 @@ def memory_from_info(info: dict[str, Any]) -> Hardware:
 
     def per_rank(key: str) -> float | None:
         values = [u.get(key) for u in usage]
-        if not values or not all(isinstance(v, (int, float)) and v > 0 for v in values):
-            return None
-        return sum(values) / len(values)
+        ok = values and all(isinstance(v, (int, float)) and v > 0 for v in values)
+        return sum(values) / len(values) if ok else None
 
     weight, kv, tokens = per_rank("weight"), per_rank("kvcache"), per_rank("token_capacity")
     return Hardware(weight_bytes=None if weight is None else weight * GIB,
@@ -126,21 +111,18 @@ SGLANG = Engine("sglang", _sglang_probe, b"sglang:", metrics={
     "retracted": ("sglang:num_retracted_reqs",),  # a gauge, with a pid label in 0.5.23
     "retractions_total": ("sglang:num_retracted_requests_total",),  # some versions; not 0.5.23
     "generated_total": ("sglang:generation_tokens_total",)})
-# vLLM: no endpoint of its own, its metrics always on; max_num_seqs is learned (worker/controller.py).
-VLLM = Engine("vllm", None, b"vllm:", metrics={
+VLLM = Engine("vllm", None, b"vllm:", metrics={  # no endpoint of its own; max_num_seqs is learned
     "running": ("vllm:num_requests_running",), "waiting": ("vllm:num_requests_waiting",),
     # reason="capacity", apart from those deferred for LoRA budget, KV transfer or a blocked status
     "waiting_capacity": ('vllm:num_requests_waiting_by_reason{reason="capacity"}',),
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "retractions_total": ("vllm:num_preemptions_total",), "generated_total": ("vllm:generation_tokens_total",)})
-# llama.cpp: no KV usage (each slot owns a share of the context), no preemption.
-LLAMACPP = Engine("llamacpp", _llamacpp_probe, b"llamacpp:", metrics={
+LLAMACPP = Engine("llamacpp", _llamacpp_probe, b"llamacpp:", metrics={  # no KV usage, no preemption
     "running": ("llamacpp:requests_processing",), "waiting": ("llamacpp:requests_deferred",),
     "generated_total": ("llamacpp:tokens_predicted_total",)}, context_where="each slot's context (/props n_ctx)")
 OPENAI = Engine("openai-compatible")
-
-# In the order tried: the engines with an endpoint of their own, then those their metrics name. The
-# same order ranks the metric names read: a page has one engine's names, so ties never come.
+# In the order tried: those with an endpoint of their own, then those their metrics name. The same
+# order ranks the metric names read (a page has one engine's names, so ties never come).
 ENGINES: tuple[Engine, ...] = (SGLANG, VLLM, LLAMACPP, OPENAI)
 
 
@@ -148,8 +130,7 @@ async def detect(get_json: GetJson, get: Get) -> ServerInfo:
     """Which engine the server is, and what its own endpoints tell of it."""
     found = None
     for engine in ENGINES:
-        found = await engine.probe(get_json) if engine.probe else None
-        if found is not None:
+        if engine.probe and (found := await engine.probe(get_json)) is not None:
             break
     status, page = await get("/metrics")
     seen = [e for e in ENGINES if e.metric_prefix and status == 200 and e.metric_prefix in page]
@@ -168,17 +149,16 @@ class Metrics:
     kv_usage: float | None = None  # fraction 0..1: the fullest rank, the one that retracts
     retracted: float | None = None  # gauge: requests retracted lately
     retractions_total: float | None = None  # counter: requests retracted/preempted since start
-    generated_total: float | None = None  # counter: output tokens the server made since it started
+    generated_total: float | None = None  # counter: output tokens made since the server started
     at: float = 0.0  # when the page was read (time.monotonic())
 
 
-# Metrics field -> every engine's names for it, in ENGINES' order.
 _NAMES = {f: tuple(n for e in ENGINES for n in e.metrics.get(f, ())) for f in Metrics.__dataclass_fields__ if f != "at"}
 _WANTED = {n.split("{")[0] for names in _NAMES.values() for n in names}
 
 
 def metrics_from_text(text: str) -> Metrics:
-    """The figures from a Prometheus text page: each name's series (one per DP/TP rank) summed, KV
+    """The figures of a Prometheus text page: each name's series (one per DP/TP rank) summed, KV
     usage the highest; the first name found wins."""
     series: dict[str, list[tuple[str, float]]] = {}
     for line in text.splitlines():
@@ -194,8 +174,7 @@ def metrics_from_text(text: str) -> Metrics:
     for key, names in _NAMES.items():
         for wanted in names:
             name, _, label = wanted.partition("{")
-            values = [v for labels, v in series.get(name, ()) if label.rstrip("}") in labels]
-            if values:
+            if values := [v for labels, v in series.get(name, ()) if label.rstrip("}") in labels]:
                 setattr(figures, key, max(values) if key == "kv_usage" else sum(values))
                 break
     return figures

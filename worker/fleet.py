@@ -1,14 +1,12 @@
-"""`genq worker --gpus`: one worker engine per GPU of this machine, from one command.
+"""`genq worker --gpus`: one worker engine per GPU of this machine and (--launch) its server, kept alive.
 
-    fleet (this process)
-      ├─ server gpu0   (optional, --launch; own session, CUDA_VISIBLE_DEVICES=0)
-      ├─ genq worker --server http://127.0.0.1:30000 --gpu 0 --name HOST.gpu0 ...
-      ├─ server gpu1   (port 30001)
-      └─ genq worker --server http://127.0.0.1:30001 --gpu 1 --name HOST.gpu1 ...
-
-Each engine is its own child process, so one GPU's crash does not take the others; restarts
-are worker/supervisor.py's, the signal ladder (drain, stop now, kill) is Fleet._on_signal's.
-GPU number i of the list gets port base_port + i (its position in the list, not its GPU index).
+Each child is a process of its own (one GPU's crash takes no other) leading its own session: a
+terminal's Ctrl-C reaches only the fleet, which stops engines first and servers last, and
+signalling a server's group stops what it spawned (SGLang's scheduler and detokenizer). A child
+that fails is started again after 1 s, doubling to 60 s, and given up after --max-restarts in a
+row (STABLE_AFTER up resets the count). PR_SET_PDEATHSIG on each child and a guard beside each
+server's group (`guard`) end them when the fleet dies, even by SIGKILL. GPU number i of the list
+gets port base_port + i (its position in the list, not its GPU index).
 """
 
 from __future__ import annotations
@@ -22,115 +20,38 @@ import signal
 import socket
 import string
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlsplit
 
 from genq import PYTHON
+from genq.core.parentdeath import ask_for_signal_on_parent_death
 from genq.core.redisconn import ENV_VAR, mask_url
-from genq.worker.supervisor import EngineSupervisor, HealthTimeouts, ServerSupervisor
+from genq.core.waits import wait_event
+from genq.core.words import plural
+from genq.worker.server import ServerClient
 
 log = logging.getLogger("genq.fleet")
 
 FIELDS = ("port", "gpu")  # the only substitutions in --launch and --server-url
 HAS_MODULE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
 STAND_IN = "without the server installed here, `--launch \"genq sim --port {port}\"` stands in for one (docs/fleet.md)"
+STABLE_AFTER = 600.0  # the restart limit is for crash loops, not for a server that fails once a day
 
 
 class FleetError(Exception):
     """A setting that cannot work; the message names it and says what to do."""
 
 
-# ---------------------------------------------------------------- settings
-
-
-def check_template(text: str, option: str) -> None:
-    """Allow only {port} and {gpu}; literal braces are written {{ and }}."""
-    try:
-        parsed = list(string.Formatter().parse(text))
-    except ValueError as exc:
-        raise FleetError(f"{option}: {exc} in {text!r}; only {{port}} and {{gpu}} are substituted "
-                         "(write a literal brace as {{ or }})") from None
-    for _literal, name, spec, conversion in parsed:
-        if name is not None and (name not in FIELDS or spec or conversion):
-            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
-            raise FleetError(f"{option}: {shown} is not a substitution genq knows; only {{port}} and {{gpu}} "
-                             f"are substituted (write a literal brace as {{{{ or }}}}), in {text!r}")
-
-
-def launch_argv(command: str, *, port: int, gpu: int) -> list[str]:
-    """Split like a POSIX shell (no shell runs it), then substitute in each word."""
-    try:
-        words = shlex.split(command)
-    except ValueError as exc:
-        raise FleetError(f"--launch: cannot split {command!r}: {exc}") from None
-    if not words:
-        raise FleetError("--launch is empty")
-    for word in words:
-        check_template(word, "--launch")
-    return [w.format(port=port, gpu=gpu) for w in words]
-
-
-def launch_problem(argv: list[str]) -> str | None:
-    """Why argv cannot run on this machine, or None: a program not on PATH, or `python -m PACKAGE`
-    where that python has no PACKAGE (looked up without importing it: no CUDA is touched). Said
-    once, before anything starts, rather than after --max-restarts failed starts per GPU."""
-    program = argv[0]
-    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
-    if found is None:
-        return None if os.sep in program else (f"--launch: {program!r} is not a command on this machine's PATH; "
-                                               f"{STAND_IN}")
-    if not os.path.basename(found).startswith("python") or len(argv) < 3 or argv[1] != "-m":
-        return None
-    package = argv[2].split(".")[0]
-    try:
-        rc = subprocess.run([found, "-c", HAS_MODULE, package], capture_output=True, timeout=60).returncode
-    except (OSError, subprocess.TimeoutExpired):
-        return None  # the launch itself will say what is wrong
-    if rc != 3:
-        return None
-    return (f"--launch: {found} has no module {package!r} (`{' '.join(argv[:3])}` cannot start): install it into "
-            f"that python, or name the python that has it (--launch \"/path/to/venv/bin/python -m {argv[2]} ...\"); "
-            f"{STAND_IN}")
-
-
-def nvml_gpu_count() -> int:
-    """GPUs NVML sees (nvidia-smi numbering); raises with NVML's reason when there is none."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def parse_gpus(spec: str) -> list[int]:
-    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver)."""
-    spec = spec.strip()
-    try:
-        count: int | None = nvml_gpu_count()
-        why = ""
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
-        count, why = None, f"{type(exc).__name__}: {exc}"
-    if spec.lower() == "all":
-        if count is None:
-            raise FleetError(f"--gpus all: cannot list this machine's GPUs through NVML ({why}); pass an explicit "
-                             "list such as --gpus 0,1")
-        if count == 0:
-            raise FleetError("--gpus all: NVML sees no GPU on this machine; pass an explicit list such as --gpus 0")
-        return list(range(count))
-    gpus: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part.isdigit():
-            raise FleetError(f"--gpus {spec!r}: {part!r} is not a GPU index; use 'all' or a list such as 0,1,5")
-        if int(part) in gpus:
-            raise FleetError(f"--gpus {spec!r}: GPU {part} is listed twice")
-        gpus.append(int(part))
-    if count is not None and (missing := [g for g in gpus if g >= count]):
-        raise FleetError(f"--gpus {spec!r}: NVML sees {count} GPU(s) (0-{count - 1}); no GPU {missing[0]}")
-    return gpus
+@dataclass
+class HealthTimeouts:
+    start: float = 1800.0  # a big model can take many minutes to load
+    unhealthy: float = 60.0  # /health failing this long, after it answered once: restarted
+    interval: float = 5.0  # between health checks while healthy
+    stop: float = 30.0  # SIGTERM -> SIGKILL
 
 
 @dataclass
@@ -148,18 +69,356 @@ class FleetOptions:
     health: HealthTimeouts = field(default_factory=HealthTimeouts)
 
 
+# ---------------------------------------------------------------- settings, checked before anything starts
+
+
+def check_template(text: str, option: str) -> None:
+    """Allow only {port} and {gpu}; literal braces are written {{ and }}."""
+    rule = "only {port} and {gpu} are substituted (write a literal brace as {{ or }})"
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise FleetError(f"{option}: {exc} in {text!r}; {rule}") from None
+    for _literal, name, spec, conversion in parsed:
+        if name is not None and (name not in FIELDS or spec or conversion):
+            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise FleetError(f"{option}: {shown} is not a substitution genq knows; {rule}, in {text!r}")
+
+
+def launch_argv(command: str, *, port: int, gpu: int) -> list[str]:
+    """Split like a POSIX shell (no shell runs it), then substitute in each word."""
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        raise FleetError(f"--launch: cannot split {command!r}: {exc}") from None
+    if not words:
+        raise FleetError("--launch is empty")
+    for word in words:
+        check_template(word, "--launch")
+    return [w.format(port=port, gpu=gpu) for w in words]
+
+
+def launch_problem(argv: list[str]) -> str | None:
+    """Why argv cannot run here, or None: a program not on PATH, or `python -m PACKAGE` where that
+    python has no PACKAGE (looked up without importing it: no CUDA is touched). Said once, not
+    after --max-restarts failed starts per GPU."""
+    program = argv[0]
+    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    if found is None:
+        return None if os.sep in program else f"--launch: {program!r} is not a command on this machine's PATH; {STAND_IN}"
+    if not os.path.basename(found).startswith("python") or len(argv) < 3 or argv[1] != "-m":
+        return None
+    package = argv[2].split(".")[0]
+    try:
+        if subprocess.run([found, "-c", HAS_MODULE, package], capture_output=True, timeout=60).returncode != 3:
+            return None
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # the launch itself will say what is wrong
+    return (f"--launch: {found} has no module {package!r} (`{' '.join(argv[:3])}` cannot start): install it into "
+            f"that python, or name the python that has it (--launch \"/path/to/venv/bin/python -m {argv[2]} ...\"); "
+            f"{STAND_IN}")
+
+
+def parse_gpus(spec: str) -> list[int]:
+    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver)."""
+    spec = spec.strip()
+    count: int | None = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
+        why = f"{type(exc).__name__}: {exc}"
+    if spec.lower() == "all":
+        if count is None:
+            raise FleetError(f"--gpus all: cannot list this machine's GPUs through NVML ({why}); pass an explicit "
+                             "list such as --gpus 0,1")
+        if count == 0:
+            raise FleetError("--gpus all: NVML sees no GPU on this machine; pass an explicit list such as --gpus 0")
+        return list(range(count))
+    gpus: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part.isdigit():
+            raise FleetError(f"--gpus {spec!r}: {part!r} is not a GPU index; use 'all' or a list such as 0,1,5")
+        if int(part) in gpus:
+            raise FleetError(f"--gpus {spec!r}: GPU {part} is listed twice")
+        gpus.append(int(part))
+    if count is not None and (missing := [g for g in gpus if g >= count]):
+        raise FleetError(f"--gpus {spec!r}: NVML sees {count} GPU(s) (0-{count - 1}); no GPU {missing[0]}")
+    return gpus
+
+
+# ---------------------------------------------------------------- one child, kept running
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal a child's whole process group (it leads its own session)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Child:
+    """A GPU's `genq worker`, restarted when it fails (not when it exits 0: drained, --burst,
+    stopped); or, with `health`, its server, restarted when it exits, never answers /health within
+    health.start, or stops answering it for health.unhealthy (its output goes to its log only)."""
+
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
+                 max_restarts: int, health: HealthTimeouts | None = None, url: str = "") -> None:
+        self.label, self.argv, self.env, self.log_path, self.pid_path = label, argv, env, log_path, pid_path
+        self.name = label.removeprefix("worker ")
+        self.max_restarts = max_restarts
+        self.health = health
+        self.url = url  # a server's, for /health
+        self.restarts = self.starts = 0  # restarts in a row; starts in all
+        self.rc = 0  # an engine's last exit status (0 also when our own stop signal ended it)
+        self.failure: str | None = None  # why it was given up
+        self.proc: asyncio.subprocess.Process | None = None
+        self.guard: asyncio.subprocess.Process | None = None  # ends a server's group if the fleet dies
+        self.pid: int | None = None  # the last one started
+        self._stop = asyncio.Event()
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and self.failure is None
+
+    async def run(self) -> None:
+        """Start, watch, restart; returns once stopped, ended for good or given up (self.failure says why)."""
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                self.starts += 1
+                why = await (self._server_once() if self.health else self._engine_once())
+                if why is None or self._stop.is_set():
+                    return
+                self.restarts = 1 if time.monotonic() - started >= STABLE_AFTER else self.restarts + 1
+                if self.restarts > self.max_restarts:
+                    self.failure = f"{why}; gave up after {plural(self.max_restarts, 'restart')} (log: {self.log_path})"
+                    log.error("%s: %s", self.label, self.failure)
+                    return
+                delay = min(60.0, 2.0 ** (self.restarts - 1))
+                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why, self.restarts,
+                            self.max_restarts, delay, self.log_path)
+                if await wait_event(self._stop, delay):
+                    return
+        finally:
+            await self._kill()
+            self._forget_pid()
+
+    def _forget_pid(self) -> None:
+        """Its pid file goes, if it still names ours (another fleet may share the directory)."""
+        try:
+            if self.pid is not None and self.pid_path.read_text().strip() == str(self.pid):
+                self.pid_path.unlink()
+        except (FileNotFoundError, ValueError):
+            pass
+
+    def stop(self, level: int = 1) -> None:
+        """1: drain (an engine gets SIGTERM; a server's group SIGTERM, SIGKILL after health.stop);
+        2: an engine stops now (a second SIGTERM); 3+: SIGKILL, no more patience."""
+        self._stop.set()
+        if self.health is not None:
+            if level >= 3:
+                self.health.stop = 0.1
+        elif self.proc is not None and self.proc.returncode is None:
+            if level >= 3:
+                signal_group(self.proc.pid, signal.SIGKILL)
+            else:
+                try:
+                    self.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    async def _spawn(self, stdout: int | IO[bytes]) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20,
+            # The fleet killed outright: the child gets SIGTERM (an engine still drains).
+            preexec_fn=lambda: ask_for_signal_on_parent_death(signal.SIGTERM),
+        )
+        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_path.write_text(f"{proc.pid}\n")
+        self.pid = proc.pid
+        return proc
+
+    async def _engine_once(self) -> str | None:
+        """Why it must be started again, or None: it ended for good."""
+        self.proc = proc = await self._spawn(asyncio.subprocess.PIPE)
+        log.info("%s: started pid %d%s", self.label, proc.pid, f" (start #{self.starts})" if self.starts > 1 else "")
+        if self._stop.is_set():  # stop() came while it was being spawned
+            proc.send_signal(signal.SIGTERM)
+        assert proc.stdout is not None
+        pump = asyncio.create_task(self._pump(proc.stdout))
+        self.rc = await proc.wait()
+        await pump
+        self._forget_pid()
+        if self.rc == 0:
+            log.info("%s: exited normally (drained, burst or stopped); not restarted", self.label)
+        elif not self._stop.is_set():
+            return f"exited with status {self.rc}"
+        elif self.rc in (-signal.SIGTERM, -signal.SIGKILL):  # our signal came before its handlers: it held nothing
+            log.info("%s: stopped (it had not started work)", self.label)
+            self.rc = 0
+        else:
+            log.info("%s: exited with status %s while stopping", self.label, self.rc)
+        return None
+
+    async def _pump(self, stream: asyncio.StreamReader) -> None:
+        """The engine's output to its log file and, prefixed with its name, to our stderr."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            while True:
+                try:
+                    line = await stream.readline()
+                except ValueError:  # a line over the limit: pass it on in pieces
+                    line = await stream.read(1 << 16)
+                if not line:
+                    return
+                logf.write(line)
+                logf.flush()
+                try:
+                    sys.stderr.write(f"{self.name} | {line.decode(errors='replace')}")
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass  # our terminal went away: the log file still has it
+
+    async def _server_once(self) -> str | None:
+        assert self.health is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n=== genq: start #{self.starts} of the {self.label} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                       f"{' '.join(self.argv)}\n".encode())
+            logf.flush()
+            try:
+                self.proc = proc = await self._spawn(logf)
+            except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:  # not worth retrying
+                self.failure = f"cannot run {self.argv[0]!r}: {exc.strerror or exc}"
+                log.error("%s: %s", self.label, self.failure)
+                return None
+            self.guard = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "genq.worker.fleet", str(proc.pid), str(self.health.stop),
+                stdin=asyncio.subprocess.PIPE, stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        log.info("%s: started pid %d (log %s)", self.label, proc.pid, self.log_path)
+        client = ServerClient(self.url)
+        try:
+            return await self._watch(proc, client, self.health)
+        finally:
+            await client.close()
+            await self._kill()
+
+    async def _watch(self, proc: asyncio.subprocess.Process, client: ServerClient, t: HealthTimeouts) -> str:
+        """Why the server must be started again (or "stop requested")."""
+        started = time.monotonic()
+        healthy = ever_healthy = False
+        bad_since: float | None = None
+        while True:
+            waiters = [asyncio.ensure_future(proc.wait()), asyncio.ensure_future(self._stop.wait())]
+            done, pending = await asyncio.wait(waiters, timeout=t.interval if healthy else min(1.0, t.interval),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+            if done:
+                if self._stop.is_set():
+                    return "stop requested"
+                said = last_words(self.log_path) if proc.returncode and proc.returncode > 0 else ""  # a signal says nothing
+                return f"exited with status {proc.returncode}" + (f" (its log ends: {said})" if said else "")
+            now = time.monotonic()
+            if await client.healthy():
+                if not healthy:
+                    log.info("%s: healthy%s", self.label, " again" if ever_healthy else f" after {now - started:.1f}s")
+                healthy = ever_healthy = True
+                bad_since = None
+            elif not ever_healthy:
+                if now - started > t.start:
+                    return f"no healthy answer on /health within {t.start:.0f}s of start"
+            elif bad_since is None:
+                bad_since, healthy = now, False
+                log.warning("%s: /health is failing", self.label)
+            elif now - bad_since >= t.unhealthy:
+                return f"/health failing for {now - bad_since:.0f}s"
+
+    async def _kill(self) -> None:
+        """SIGTERM to a server's group, SIGKILL to what is left after health.stop (the leader, or
+        children it left holding the GPU); then its guard leaves without signalling."""
+        proc, self.proc = self.proc, None
+        if proc is None or self.health is None:
+            return
+        signal_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.health.stop)
+        except TimeoutError:
+            log.warning("%s: did not stop within %.0fs of SIGTERM; killing it", self.label, self.health.stop)
+        signal_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        guard, self.guard = self.guard, None
+        if guard is not None and guard.stdin is not None:
+            try:
+                guard.stdin.write(b"done\n")
+                await guard.stdin.drain()
+                guard.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            await guard.wait()
+
+
+def last_words(log_path: Path, limit: int = 240) -> str:
+    """The last line a server wrote in its log since its latest start (why it exited, mostly)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.rsplit("=== genq: start", 1)[-1].splitlines()[1:]]
+    said = next((line for line in reversed(lines) if line), "")
+    return said if len(said) <= limit else said[:limit] + "..."
+
+
+def guard(pgid: int, stop_s: float) -> None:
+    """Beside a server, in a session of its own, reading a pipe from the fleet: "done" means the
+    group is gone; the pipe ending without it means the fleet died: SIGTERM to the group, SIGKILL
+    after stop_s. (PR_SET_PDEATHSIG reaches only the process the fleet started, not a server
+    started through a shell: `bash -c 'server ...; echo exited'`.)"""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # only the pipe ends the guard
+        signal.signal(sig, signal.SIG_IGN)
+    said = b""
+    while chunk := os.read(sys.stdin.fileno(), 64):
+        said += chunk
+    if said == b"done\n":
+        return
+    print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + stop_s
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            os.killpg(pgid, 0)  # ProcessLookupError once the group is gone
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------- the fleet
+
+
 @dataclass
 class Slot:
     gpu: int
+    port: int
     url: str
-    engine: EngineSupervisor
-    server: ServerSupervisor | None = None
+    engine: Child
+    server: Child | None = None
 
 
 def plan(opts: FleetOptions) -> list[Slot]:
     """One slot per GPU: its port, server URL, worker name and (optional) server command."""
     check_template(opts.server_url, "--server-url")
-    if opts.launch is not None:  # fail on a bad template, or a command that cannot run here, before starting anything
+    if opts.launch is not None:  # a bad template, or a command that cannot run here, before starting anything
         if problem := launch_problem(launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0)):
             raise FleetError(problem)
     last = opts.base_port + len(opts.gpus) - 1
@@ -167,38 +426,31 @@ def plan(opts: FleetOptions) -> list[Slot]:
         raise FleetError(f"--base-port {opts.base_port} with {len(opts.gpus)} GPU(s) needs ports up to {last}")
     slots = []
     for position, gpu in enumerate(opts.gpus):
-        port = opts.base_port + position
+        port, logs = opts.base_port + position, opts.log_dir
         url = opts.server_url.format(port=port, gpu=gpu)
         name = f"{opts.name_prefix or opts.host}.gpu{gpu}"
         argv = [*PYTHON, "-m", "genq", "worker", "--server", url, "--gpu", str(gpu), "--name", name,
                 "--host", opts.host, *opts.engine_args]
-        engine = EngineSupervisor(
-            name=name, argv=argv,
-            # The Redis URL travels in the environment, not argv: `ps` must not show a password.
-            env={ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
-            log_path=opts.log_dir / f"worker-gpu{gpu}.log", pid_path=opts.log_dir / f"worker-gpu{gpu}.pid",
-            max_restarts=opts.max_restarts,
-        )
+        # The Redis URL travels in the environment, not argv: `ps` must not show a password.
+        engine = Child(f"worker {name}", argv, {ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
+                       logs / f"worker-gpu{gpu}.log", logs / f"worker-gpu{gpu}.pid", opts.max_restarts)
         server = None
         if opts.launch is not None:
             # CUDA's default order (fastest first) may differ from nvidia-smi/NVML's; make them agree.
-            env = {"CUDA_VISIBLE_DEVICES": str(gpu),
-                   "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
-            server = ServerSupervisor(
-                gpu, port, url, launch_argv(opts.launch, port=port, gpu=gpu), env,
-                opts.log_dir / f"server-gpu{gpu}.log", opts.log_dir / f"server-gpu{gpu}.pid",
-                opts.max_restarts, opts.health,
-            )
-        slots.append(Slot(gpu, url, engine, server))
+            env = {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
+            server = Child(f"server gpu{gpu} (port {port})", launch_argv(opts.launch, port=port, gpu=gpu), env,
+                           logs / f"server-gpu{gpu}.log", logs / f"server-gpu{gpu}.pid", opts.max_restarts,
+                           opts.health, url)
+        slots.append(Slot(gpu, port, url, engine, server))
     return slots
 
 
-def check_ports_free(slots: list[Slot]) -> None:
-    """A launched server's port must be free, or /health would be answered by a stranger."""
-    for slot in slots:
+async def run_fleet(opts: FleetOptions) -> int:
+    slots = plan(opts)
+    for slot in slots:  # a launched server's port must be free, or /health would be answered by a stranger
         if slot.server is None:
             continue
-        host, port = urlsplit(slot.url).hostname or "127.0.0.1", slot.server.port
+        host, port = urlsplit(slot.url).hostname or "127.0.0.1", slot.port
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 pass
@@ -206,71 +458,56 @@ def check_ports_free(slots: list[Slot]) -> None:
             continue
         raise FleetError(f"port {port} (GPU {slot.gpu}) already accepts connections at {host}; "
                          "stop what listens there or pick another --base-port")
+    opts.log_dir.mkdir(parents=True, exist_ok=True)
+    log.info("fleet on %s: %d GPU(s), redis %s, logs in %s", opts.host, len(slots), mask_url(opts.redis_url),
+             opts.log_dir)
+    for s in slots:
+        launched = f"; launched: {' '.join(s.server.argv)}" if s.server else ""
+        log.info("  gpu%d -> %s, server %s%s", s.gpu, s.engine.label, s.url, launched)
+    signals = 0
 
-
-# ---------------------------------------------------------------- the fleet
-
-
-class Fleet:
-    def __init__(self, opts: FleetOptions) -> None:
-        self.opts = opts
-        self.slots = plan(opts)
-        self.signals = 0
-
-    async def run(self) -> int:
-        if self.opts.launch is not None:
-            check_ports_free(self.slots)
-        o = self.opts
-        o.log_dir.mkdir(parents=True, exist_ok=True)
-        log.info("fleet on %s: %d GPU(s), redis %s, logs in %s", o.host, len(self.slots), mask_url(o.redis_url),
-                 o.log_dir)
-        for s in self.slots:
-            launched = f"; launched: {' '.join(s.server.argv)}" if s.server else ""
-            log.info("  gpu%d -> worker %s, server %s%s", s.gpu, s.engine.name, s.url, launched)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        results = await asyncio.gather(*(self._run_slot(s) for s in self.slots))
-        failed = [s.engine.name for s, ok in zip(self.slots, results) if not ok]
-        if failed:
-            log.error("fleet: %d of %d worker(s) ended in failure: %s", len(failed), len(self.slots),
-                      ", ".join(failed))
-            return 1
-        log.info("fleet: all %d worker(s) have exited", len(self.slots))
-        return 0
-
-    def _on_signal(self, sig: int) -> None:
-        self.signals += 1
+    def on_signal(sig: int) -> None:
+        nonlocal signals
+        signals += 1
         name = signal.Signals(sig).name
-        if self.signals == 1:
+        if signals == 1:
             log.info("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop "
                      "after their worker. Send again to stop the workers now, a third time to kill everything.", name)
-        elif self.signals == 2:
-            log.info("%s again: workers stop now, handing unfinished batches back", name)
         else:
-            log.info("%s a third time: killing workers and servers", name)
-        for slot in self.slots:
-            slot.engine.stop(self.signals)
-            if self.signals >= 3 and slot.server is not None:
-                slot.server.stop(self.signals)
+            log.info("%s again: workers stop now, handing unfinished batches back" if signals == 2 else
+                     "%s a third time: killing workers and servers", name)
+        for slot in slots:
+            slot.engine.stop(signals)
+            if signals >= 3 and slot.server is not None:
+                slot.server.stop(signals)
 
-    async def _run_slot(self, slot: Slot) -> bool:
-        engine_task = asyncio.create_task(slot.engine.run())
+    async def run_slot(slot: Slot) -> bool:
+        engine = asyncio.create_task(slot.engine.run())
         if slot.server is None:
-            await engine_task
+            await engine
             return slot.engine.ok
-        server_task = asyncio.create_task(slot.server.run())
-        await asyncio.wait({engine_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
-        if server_task.done() and not engine_task.done():
-            log.error("gpu%d: its server cannot be kept running (%s); stopping worker %s (held batches go back "
-                      "to the queue after its --server-down-timeout/--grace-period)", slot.gpu,
-                      slot.server.failure, slot.engine.name)
+        server = asyncio.create_task(slot.server.run())
+        await asyncio.wait({engine, server}, return_when=asyncio.FIRST_COMPLETED)
+        if server.done() and not engine.done():
+            log.error("gpu%d: its server cannot be kept running (%s); stopping %s (held batches go back to the "
+                      "queue after its --server-down-timeout/--grace-period)", slot.gpu, slot.server.failure,
+                      slot.engine.label)
             slot.engine.stop(1)
-        await engine_task
+        await engine
         slot.server.stop()  # its worker is gone: free the GPU
-        await server_task
-        return slot.engine.ok and slot.server.failure is None
+        await server
+        return slot.engine.ok and slot.server.ok
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    results = await asyncio.gather(*(run_slot(s) for s in slots))
+    if failed := [s.engine.name for s, ok in zip(slots, results, strict=True) if not ok]:
+        log.error("fleet: %d of %d worker(s) ended in failure: %s", len(failed), len(slots), ", ".join(failed))
+        return 1
+    log.info("fleet: all %d worker(s) have exited", len(slots))
+    return 0
 
 
-async def run_fleet(opts: FleetOptions) -> int:
-    return await Fleet(opts).run()
+if __name__ == "__main__":  # the guard: python -m genq.worker.fleet PGID STOP_SECONDS
+    guard(int(sys.argv[1]), float(sys.argv[2]))

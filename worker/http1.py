@@ -1,13 +1,11 @@
 """The worker's HTTP/1.1 client: keep-alive connections to one inference server, http:// or https://.
 
 A body of known length out; the answer by Content-Length, chunked, or to the connection's close,
-parsed by llhttp (httptools) as each piece arrives; what is not HTTP is a ValueError at once. Why
-not aiohttp: a whole worker on it costs 80-100 % more CPU a request (2026-12-06, docs/performance.md
-"Worker overhead").
-
-Only a request that got no response byte on a reused connection may be sent again (the caller
-does: a server closes idle keep-alive connections, llama.cpp after each stream); once a response
-byte came, every outcome is the request's.
+parsed by llhttp (httptools) as each piece arrives; what is not HTTP is a ValueError at once. Not
+aiohttp: a worker on it costs 80-100 % more CPU a request (docs/performance.md, "Worker overhead").
+A request that got no response byte on a reused connection never reached the server (it closes
+idle keep-alive connections, llama.cpp after each stream): it is sent again once on a new one. Once
+a response byte came, every outcome is the request's.
 """
 
 from __future__ import annotations
@@ -20,19 +18,18 @@ import httptools
 from yarl import URL
 
 CONNECT_TIMEOUT_S = 10.0  # TCP and TLS handshakes: a server that takes longer is down
+_FRAMING = (b"content-length", b"transfer-encoding")
 
 # Fed a 200 answer's body as it comes; True: enough read (the connection is not reused).
 Sink = Callable[[bytes], bool]
 
 
 class NoResponse(ConnectionError):
-    """The connection ended before any byte of the response; `reused`: it came from the pool."""
-
-    reused = False
+    """The connection ended before any byte of the response."""
 
 
 class _Conn(asyncio.Protocol):
-    """One connection; llhttp (httptools) parses what comes and feeds the body to the sink."""
+    """One connection; llhttp parses what comes and feeds the body to the sink."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -69,8 +66,7 @@ class _Conn(asyncio.Protocol):
         self.got = True
         try:
             self.parser.feed_data(data)
-        except Exception as exc:
-            # A sink's own error goes up as it was; llhttp's as a ValueError (not HTTP).
+        except Exception as exc:  # a sink's own error goes up as it was; llhttp's as a ValueError
             cause = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else None
             self._end(exc=cause if cause is not None else ValueError(f"{exc} ({bytes(data[:40])!r})"))
 
@@ -127,9 +123,6 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
-_FRAMING = (b"content-length", b"transfer-encoding")
-
-
 class Http1Pool:
     """Keep-alive connections to one server, each carrying one request at a time."""
 
@@ -142,9 +135,9 @@ class Http1Pool:
         self.prefix = base.path.rstrip("/")
         self.limit = limit  # idle connections kept
         self.idle: list[_Conn] = []
+        self.reconnects = 0  # requests sent again after their reused connection was dead
         host = base.host_port_subcomponent  # the URI's authority: "[::1]:30000", no ":80"
-        self._head = (f"\r\nHost: {host}\r\nContent-Type: application/json\r\nAccept: */*\r\n"
-                      "Content-Length: ").encode()
+        self._head = f"\r\nHost: {host}\r\nContent-Type: application/json\r\nAccept: */*\r\nContent-Length: ".encode()
         self._get_head = f"\r\nHost: {host}\r\nAccept: */*\r\nConnection: close\r\n\r\n".encode()
 
     def close(self) -> None:
@@ -159,9 +152,8 @@ class Http1Pool:
         return conn
 
     async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        """(status, body) of a GET on a connection of its own, closed after: a pooled one may be
-        one the server is about to close (llama.cpp a moment after each stream), and a health
-        check lost that way reads a live server as down."""
+        """(status, body) of a GET on a connection of its own, closed after: a pooled one may be one
+        the server is about to close, and a health check lost that way reads a live server as down."""
         async with asyncio.timeout(timeout):
             conn = await self._connect()
             try:
@@ -171,26 +163,28 @@ class Http1Pool:
                 conn.close()
         return status, b"".join(conn.body)
 
-    async def post(self, path: str, data: bytes, stream: Sink | None = None, *,
-                   reuse: bool = True) -> tuple[int, bytes]:
+    async def post(self, path: str, data: bytes, stream: Sink | None = None) -> tuple[int, bytes]:
         """(status, body); a 200 answer's body goes to `stream` instead, when there is one. Raises
         NoResponse, or OSError, before the response; once it has begun, ConnectionError if the body
         is cut short."""
+        request = b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head + str(len(data)).encode() \
+            + b"\r\n\r\n" + data
         conn = None
-        while reuse and self.idle:
+        while self.idle and conn is None:
             if not (pooled := self.idle.pop()).closed:
                 conn = pooled
-                break
-        reused = conn is not None
-        if conn is None:
-            conn = await self._connect()
+        if conn is not None:
+            try:
+                return await self._send(conn, request, stream)
+            except NoResponse:
+                self.reconnects += 1
+        return await self._send(await self._connect(), request, stream)
+
+    async def _send(self, conn: _Conn, request: bytes, stream: Sink | None) -> tuple[int, bytes]:
         try:
-            status, keep = await conn.send(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head
-                                           + str(len(data)).encode() + b"\r\n\r\n" + data, stream)
-        except BaseException as exc:  # cut short, cancelled: the connection is in an unknown state
+            status, keep = await conn.send(request, stream)
+        except BaseException:  # cut short, cancelled: the connection is in an unknown state
             conn.close()
-            if isinstance(exc, NoResponse):
-                exc.reused = reused
             raise
         if keep and not conn.closed and len(self.idle) < self.limit:
             self.idle.append(conn)

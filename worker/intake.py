@@ -27,9 +27,9 @@ from genq.core.waits import retrying, wait_event
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
 from genq.worker.idle import IdlePace
-from genq.worker.models import AUTO, ModelGate, serves
 from genq.worker.options import WorkerOptions
 from genq.worker.shares import Shares
+from genq.worker.watch import AUTO, ModelGate, serves
 
 log = logging.getLogger("genq.worker")
 
@@ -57,7 +57,7 @@ class Intake:
         self.held = batches.held
         self.dispatcher = dispatcher  # the window, and whether the engine takes new work
         self.shares = shares
-        self.models = models  # which jobs this engine's server may run, and saying so once (worker/models.py)
+        self.models = models  # which jobs this engine's server may run, and saying so once (worker/watch.py)
         self.queued = pace.queued  # set by the wake listener when batches are queued (genq.core.queueing)
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
@@ -147,7 +147,7 @@ class Intake:
 
     async def _refresh_foreign(self) -> None:
         """Jobs whose model is pinned to one this server does not serve (`auto` ones are pinned by
-        the first engine to take one of their batches: worker/models.py)."""
+        the first engine to take one of their batches: worker/watch.py)."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
         model = self.dispatcher.watch.model

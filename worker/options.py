@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 DEFAULT_PREFETCH = 2  # genq worker --prefetch: batches held at least (the current one and the next)
 
@@ -39,10 +40,8 @@ def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
 
 
 def server_url_problem(url: str) -> str | None:
-    """Why `url` cannot be a server's address (a usage error, said before anything starts), or None.
-    Without http:// an address such as 127.0.0.1:30000 would be taken for a scheme and a path."""
-    from urllib.parse import urlsplit
-
+    """Why `url` cannot be a server's address, or None (without http://, 127.0.0.1:30000 would be
+    taken for a scheme and a path)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         return f"{url!r} has no http:// or https:// in front: give e.g. http://{url.split('://')[-1]}"
@@ -55,8 +54,7 @@ def server_url_problem(url: str) -> str | None:
     return None
 
 
-# A worker's name is its RQ worker's name (`rq info`); RQ names a worker's Redis connection after it,
-# and Redis refuses a client name with a space or a character outside printable ASCII.
+# A worker's name names its Redis connection (RQ's doing): Redis refuses a space or non-printable ASCII.
 NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
 
 

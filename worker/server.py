@@ -1,34 +1,88 @@
-"""HTTP client for one inference server: SGLang, vLLM, llama.cpp's llama-server, or `genq sim`.
+"""One request's path: to an inference server (SGLang, vLLM, llama.cpp, `genq sim`) and back as the record.
 
-Speaks only the public API: /health, /v1/models, what each engine serves of its own
-(worker/engines.py), /metrics, and the OpenAI-compatible generation endpoints, streamed so the
-worker sees tokens as they come (stall detection, in-flight lengths for the ETA).
+Only the public API: /health, /v1/models, each engine's own endpoint (worker/engines.py), /metrics, and
+the OpenAI generation endpoints, streamed so the worker sees tokens as they come (stalls, the ETA).
+The engines share OpenAI's shapes, each with its own error layout (docs/engines.md, "Errors"): one
+tolerant reader decodes them all. A request for n samples comes back with n choices or is a failure,
+and a record keeps only what its request asked for (docs/fidelity.md).
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 from yarl import URL
 
-from genq.core.records import JobConfig, Prompt
+from genq.core.records import Choice, ErrorKind, JobConfig, Prompt, Result, Usage
 from genq.worker.engines import Metrics, ServerInfo, detect, metrics_from_text
-from genq.worker.http1 import Http1Pool, NoResponse
-from genq.worker.stream import StreamSink
-from genq.worker.wire import Completion, Failure, Progress, connection_failure, http_failure, parse_completion_bytes
+from genq.worker.http1 import Http1Pool
+
+# SGLang's /health runs a one-token generation and answers 503 itself after 20 s: giving up
+# sooner reads a busy server as down.
+HEALTH_TIMEOUT_S = 30.0
+STOP_FIELDS = ("stop", "stop_token_ids")  # Result.matched_stop is kept only when one was set
+# The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
+# decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
+UNSENT_MAX = 4
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
-# How long a health check waits: SGLang's /health runs a one-token generation and answers 503
-# itself after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT); giving up sooner reads a busy server as down.
-HEALTH_TIMEOUT_S = 30.0
-
 
 class ServerUnavailable(Exception):
     """The server is not answering (refused, reset, 503 from /health)."""
+
+
+class Meter(Protocol):
+    """What books a stream's tokens (worker/decoding.py)."""
+
+    def advance(self, progress: Progress, tokens: int) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Live state of one request, read by the watchdog, the decode meter and the in-flight report."""
+
+    started: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)
+    tokens: int = 0
+    # None until the body's first byte: till then it waits in the server's queue, not a stall.
+    first_byte: float | None = None
+    meter: Meter | None = None
+    sequences: int = 1  # its n: each sample is a sequence on the server
+    decoding: bool = False  # it has its first token
+    waiting: bool = False  # sent, no token yet: queued or prefilling
+
+    def advance(self, tokens: int) -> None:
+        if self.meter is None:
+            self.tokens = tokens
+        else:
+            self.meter.advance(self, tokens)
+
+
+@dataclass
+class Failure:
+    kind: ErrorKind
+    message: str
+    status: int | None = None
+    retryable: bool = True
+
+
+@dataclass
+class Completion:
+    """A whole answer: every choice in index order."""
+
+    choices: list[Choice]
+    usage: Usage
+    model: str
+    response_id: str | None
+
+
+# ---------------------------------------------------------------- the client
 
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
@@ -40,8 +94,7 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
     body.update(config.extra_body)
     if prompt.sampling:
         body.update(prompt.sampling)
-        # OpenAI Batch bodies may say max_completion_tokens; SGLang honours both,
-        # but the row's value must win over the job's max_tokens.
+        # An OpenAI Batch row's max_completion_tokens wins over the job's max_tokens.
         if "max_completion_tokens" in prompt.sampling and "max_tokens" not in prompt.sampling:
             body.pop("max_tokens", None)
     if prompt.messages is not None:
@@ -54,60 +107,57 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
     return body
 
 
+def samples(config: JobConfig, prompt: Prompt) -> int:
+    """The request's n: how many sequences it is on the server."""
+    n = (prompt.sampling or {}).get("n", config.extra_body.get("n", 1))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 class ServerClient:
     def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
-        self._pool = Http1Pool(URL(self.base_url), connections)
-        self.reconnects = 0  # requests sent again after their reused connection was dead
+        self.pool = Http1Pool(URL(self.base_url), connections)
 
     async def close(self) -> None:
-        self._pool.close()
+        self.pool.close()
 
     async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
-            return await self._pool.get(path, timeout)
+            return await self.pool.get(path, timeout)
         except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def _get_json(self, path: str) -> Any:
         """The JSON answer of a GET, or None if the server has no such endpoint."""
         status, body = await self._get(path)
-        if status != 200:
-            return None
         try:
-            return _json_decode(body)
+            return _json_decode(body) if status == 200 else None
         except msgspec.DecodeError:
             return None
 
     async def healthy(self) -> bool:
         try:
-            status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
+            return (await self._get("/health", HEALTH_TIMEOUT_S))[0] == 200
         except ServerUnavailable:
             return False
-        return status == 200
 
     async def discover(self) -> ServerInfo:
         """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
-        model = model_len = size = None
         models = await self._get_json("/v1/models")
-        if isinstance(models, dict):
-            data = models.get("data") or []
-            if data and isinstance(data[0], dict):
-                model = data[0].get("id")
-                model_len = data[0].get("max_model_len")  # vLLM and SGLang list the context here
-                meta = data[0].get("meta")  # llama.cpp: the model file's bytes, its weights
-                size = meta.get("size") if isinstance(meta, dict) else None
+        listed = (models.get("data") or [None])[0] if isinstance(models, dict) else None
+        listed = listed if isinstance(listed, dict) else {}
         found = await detect(self._get_json, self._get)
-        memory = found.memory
-        if memory.weight_bytes is None and isinstance(size, (int, float)) and size > 0:
+        memory, context = found.memory, found.context_length
+        meta = listed.get("meta")
+        size = meta.get("size") if isinstance(meta, dict) else None
+        if memory.weight_bytes is None and isinstance(size, (int, float)) and size > 0:  # llama.cpp: its weights
             memory = msgspec.structs.replace(memory, weight_bytes=float(size), weight_from="/v1/models meta.size")
-        context = found.context_length
-        if context is None and isinstance(model_len, int) and model_len > 0:
-            context = model_len
-        return msgspec.structs.replace(found, model=model, context_length=context, memory=memory)
+        if context is None and isinstance(model_len := listed.get("max_model_len"), int) and model_len > 0:
+            context = model_len  # vLLM and SGLang list the context here
+        return msgspec.structs.replace(found, model=listed.get("id"), context_length=context, memory=memory)
 
     async def metrics(self) -> Metrics | None:
         try:
@@ -121,30 +171,14 @@ class ServerClient:
         return m
 
     async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
-        """The request's outcome. Sent again once, on a new connection, only if a pooled one ended
-        before any response byte: the server had closed it (llama.cpp does after every stream), so
-        the request never reached it, and no attempt counts."""
+        """The request's outcome."""
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        data = _json_encode(body)
-        try:
-            return await self._post(path, data, body, progress, reuse=True)
-        except NoResponse:
-            self.reconnects += 1
-            return await self._post(path, data, body, progress, reuse=False)
-
-    async def _post(self, path: str, data: bytes, body: dict[str, Any], progress: Progress, *,
-                    reuse: bool) -> Completion | Failure:
-        """One try. Raises NoResponse only when a pooled connection ended before any response byte."""
         model = body.get("model", "")
         stream = StreamSink(model, progress) if body.get("stream") else None
         try:
-            status, raw = await self._pool.post(path, data, stream, reuse=reuse)
-        except NoResponse as exc:
-            if exc.reused:
-                raise
-            return connection_failure(exc)
-        except OSError as exc:  # refused, reset, cut short, the connect timeout
-            return connection_failure(exc)
+            status, raw = await self.pool.post(path, _json_encode(body), stream)
+        except OSError as exc:  # refused, reset, cut short, the connect timeout, no answer
+            return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
         if status != 200:
@@ -153,3 +187,351 @@ class ServerClient:
             return stream.outcome()
         progress.first_byte = progress.last_activity = time.monotonic()
         return parse_completion_bytes(raw, model)
+
+
+# ---------------------------------------------------------------- answers, decoded
+# Typed views: decoding straight into these is several times cheaper than into dicts, which
+# matters at thousands of stream events a second.
+
+
+class WireUsage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+
+class _WireMessage(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name
+    # Whole calls in an answer; in a stream, pieces: {"index", "id"?, "function": {"name"?, "arguments"}}.
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _WireChoice(msgspec.Struct):
+    index: int = 0
+    delta: _WireMessage | None = None
+    message: _WireMessage | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+    matched_stop: int | str | None = None  # SGLang
+    stop_reason: int | str | None = None  # vLLM's name
+
+    @property
+    def stop(self) -> int | str | None:
+        return self.matched_stop if self.matched_stop is not None else self.stop_reason
+
+
+class _WireAnswer(msgspec.Struct):
+    """A response, one stream chunk, or an error body."""
+
+    id: str | None = None
+    model: str | None = None
+    object: str | None = None
+    choices: list[_WireChoice] | None = None
+    usage: WireUsage | None = None
+    error: Any = None  # nested error bodies (vLLM, llama.cpp, SGLang's stream events)
+    message: Any = None  # flat error bodies (SGLang): {"object": "error", "message", "code", ...}
+    code: Any = None
+
+
+_answer_decode = msgspec.json.Decoder(_WireAnswer).decode
+_PATH_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+
+
+def decode_answer(raw: bytes) -> _WireAnswer | Failure:
+    """A response or stream event (a flat error body read as a nested one); a protocol Failure if
+    it is not a JSON object. A field of another type is taken as absent, a list item of another
+    type left out, so odd servers are still understood."""
+    try:
+        try:
+            answer = _answer_decode(raw)
+        except msgspec.ValidationError:
+            body = _json_decode(raw)
+            while True:
+                try:
+                    answer = msgspec.convert(body, _WireAnswer)
+                    break
+                except msgspec.ValidationError as exc:
+                    where = str(exc).rpartition(" - at `$")[2]
+                    steps: list[Any] = [int(i) if i else k for k, i in _PATH_STEP.findall(where)]
+                    if not steps:
+                        return Failure("protocol", f"answer is not a JSON object: {raw[:200]!r}")
+                    parent = body
+                    for step in steps[:-1]:
+                        parent = parent[step]
+                    del parent[steps[-1]]
+    except msgspec.DecodeError as exc:
+        return Failure("protocol", f"unparsable answer: {exc} ({raw[:200]!r})")
+    if answer.error is None and answer.object == "error":
+        answer.error = {"message": answer.message, "code": answer.code}
+    return answer
+
+
+def _failure(status: int | None, message: str, mid_stream: bool = False) -> Failure:
+    if status in (400, 413, 422) and not mid_stream:
+        return Failure("bad_request", message, status, retryable=False)
+    return Failure("server_error", message, status)
+
+
+def http_failure(status: int, raw: bytes) -> Failure:
+    """A non-200 answer: judged by its HTTP status, told by its error's message."""
+    answer = decode_answer(raw)
+    error = answer.error if isinstance(answer, _WireAnswer) else None
+    if isinstance(error, dict) and error.get("message"):
+        return _failure(status, str(error["message"]))
+    return _failure(status, error if isinstance(error, str) else raw[:500].decode("utf-8", "replace") or "(empty body)")
+
+
+def event_failure(err: Any, mid_stream: bool = False) -> Failure:
+    """The failure an error body names. Mid-stream (the request ran) it is a server_error to retry
+    whatever its code: SGLang sends any exception in a running stream with its blanket code 400."""
+    if not isinstance(err, dict):
+        return _failure(None, str(err))
+    code = err.get("code")
+    return _failure(code if isinstance(code, int) else None, str(err.get("message") or err), mid_stream)
+
+
+def usage_of(raw: WireUsage | None) -> Usage:
+    if raw is None:
+        return Usage()
+    reasoning = raw.reasoning_tokens
+    if reasoning is None and raw.completion_tokens_details:
+        reasoning = raw.completion_tokens_details.get("reasoning_tokens")
+    return Usage(prompt_tokens=raw.prompt_tokens or 0, completion_tokens=raw.completion_tokens or 0,
+                 reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None)
+
+
+def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
+    """A non-streamed answer."""
+    answer = decode_answer(raw)
+    if isinstance(answer, Failure):
+        return answer
+    if answer.error is not None:
+        return event_failure(answer.error)
+    if not answer.choices:
+        return Failure("protocol", "response has no choices")
+    usage = usage_of(answer.usage)
+    choices = []
+    for wire in sorted(answer.choices, key=lambda c: c.index):
+        message = wire.message or _WireMessage(content=wire.text)
+        choices.append(Choice(index=wire.index, completion=message.content or "", finish_reason=wire.finish_reason,
+                              reasoning_content=message.reasoning_content or message.reasoning,
+                              logprobs=wire.logprobs, matched_stop=wire.stop,
+                              tool_calls=message.tool_calls or None))  # vLLM answers [] without a call
+    if len(choices) == 1:  # a whole answer's usage is the request's: one choice has it all
+        choices[0].completion_tokens = usage.completion_tokens
+    return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
+
+
+# ---------------------------------------------------------------- a stream, event by event
+# n > 1 samples stream interleaved, one choice per chunk with its `index` (docs/fidelity.md names
+# SGLang's and vLLM's lines). With continuous usage stats a chunk's usage counts its own choice's
+# tokens; the last chunk (no choices) has the request's total.
+
+
+class _ChoiceState:
+    __slots__ = ("text", "reasoning", "finish_reason", "tokens", "logprobs", "matched_stop", "tool_calls")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason: str | None = None
+        self.tokens: int | None = None  # the last per-choice usage seen
+        self.logprobs: dict[str, Any] | None = None
+        self.matched_stop: int | str | None = None
+        self.tool_calls: dict[int, dict[str, Any]] = {}  # by the call's index
+
+    def add(self, wire: _WireChoice) -> None:
+        delta = wire.delta
+        if delta is not None:
+            if delta.content:
+                self.text.append(delta.content)
+            if piece := delta.reasoning_content or delta.reasoning:
+                self.reasoning.append(piece)
+            # A call comes in pieces by index: the first names id, type and function, the rest
+            # carry more of its arguments (OpenAI's shape; SGLang and vLLM send it).
+            for part in delta.tool_calls or ():
+                index = part.get("index", len(self.tool_calls))
+                call = self.tool_calls.setdefault(index if isinstance(index, int) else 0, {
+                    "id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+                for key in ("id", "type"):
+                    if part.get(key):
+                        call[key] = part[key]
+                function = part.get("function")
+                if isinstance(function, dict):
+                    if function.get("name"):
+                        call["function"]["name"] = function["name"]
+                    if isinstance(function.get("arguments"), str):
+                        call["function"]["arguments"] += function["arguments"]
+        elif wire.text:
+            self.text.append(wire.text)
+        if wire.finish_reason:
+            self.finish_reason, self.matched_stop = wire.finish_reason, wire.stop
+        if wire.logprobs:  # a chunk's lists extend what came before
+            have = self.logprobs = self.logprobs or {}
+            for key, value in wire.logprobs.items():
+                if isinstance(value, list) and isinstance(have.get(key), list):
+                    have[key].extend(value)
+                elif value is not None or key not in have:
+                    have[key] = list(value) if isinstance(value, list) else value
+
+    def choice(self, index: int) -> Choice:
+        return Choice(index=index, completion="".join(self.text), finish_reason=self.finish_reason,
+                      completion_tokens=self.tokens, reasoning_content="".join(self.reasoning) or None,
+                      logprobs=self.logprobs, matched_stop=self.matched_stop,
+                      tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)] or None)
+
+
+class StreamSink:
+    """A stream's body as it comes, in pieces of any size: split into `data:` events, each fed to
+    the answer so far. Called with each piece; True once a failure ends the reading."""
+
+    __slots__ = ("progress", "rest", "failure", "choices", "usage", "total_seen", "response_id", "model", "done",
+                 "events")
+
+    def __init__(self, model: str, progress: Progress) -> None:
+        self.progress = progress
+        self.rest = b""  # the unfinished last line
+        self.failure: Failure | None = None
+        self.choices: dict[int, _ChoiceState] = {}
+        self.usage: WireUsage | None = None
+        self.total_seen = False  # usage came on a chunk without choices: the request's total
+        self.response_id: str | None = None
+        self.model = model
+        self.done = False
+        self.events = 0
+
+    def __call__(self, chunk: bytes) -> bool:
+        progress = self.progress
+        now = progress.last_activity = time.monotonic()
+        if progress.first_byte is None:
+            progress.first_byte = now
+        if self.done:  # read on to the body's end: a body left unread costs the connection
+            return False
+        lines = (self.rest + chunk if self.rest else chunk).split(b"\n")
+        self.rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                if (failure := self.feed(line[5:].strip())) is not None:
+                    self.failure = failure
+                    return True
+                if self.done:
+                    break
+        return False
+
+    def outcome(self) -> Completion | Failure:
+        """Once the body has ended (or a failure stopped the reading)."""
+        if self.failure is None and not self.done and self.rest.startswith(b"data:"):
+            self.failure = self.feed(self.rest[5:].strip())
+        if self.failure is not None:
+            return self.failure
+        return self.completion() if self.done else Failure("connection", "stream ended before [DONE]")
+
+    def feed(self, payload: bytes) -> Failure | None:
+        progress = self.progress
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        event = decode_answer(payload)
+        if isinstance(event, Failure):
+            return Failure("protocol", f"stream event is not a JSON object: {payload[:200]!r}")
+        if event.error is not None:  # the engines report errors in a running stream this way, on HTTP 200
+            return event_failure(event.error, mid_stream=self.events > 0)
+        self.events += 1
+        self.response_id = self.response_id or event.id
+        self.model = event.model or self.model
+        usage = event.usage
+        for wire in event.choices or ():
+            state = self.choices.get(wire.index) or self.choices.setdefault(wire.index, _ChoiceState())
+            state.add(wire)
+            if usage is not None and usage.completion_tokens is not None:
+                state.tokens = usage.completion_tokens
+        if usage is not None:
+            self.total_seen = self.total_seen or not event.choices
+            whole = self.total_seen or len(self.choices) <= 1  # the request's count, not one choice's
+            if whole:
+                self.usage = usage
+            elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
+                self.usage = WireUsage(prompt_tokens=usage.prompt_tokens)
+            progress.advance((usage.completion_tokens or 0) if whole else sum(s.tokens or 0 for s in self.choices.values()))
+        elif self.usage is None:
+            progress.advance(progress.tokens + 1)  # no usage stats: count events
+        return None
+
+    def completion(self) -> Completion:
+        choices = [self.choices.get(i, _ChoiceState()).choice(i) for i in sorted(self.choices) or [0]]
+        usage = usage_of(self.usage)
+        if not self.total_seen and len(choices) > 1:  # no total from the server: the choices' sum
+            usage.completion_tokens = sum(c.completion_tokens or 0 for c in choices)
+        elif len(choices) > 1:
+            # SGLang's chat stream sends no chunk for a choice's end-of-sequence token, which its
+            # total counts: a total above the choices' counts by the number that stopped is theirs.
+            stopped = [c for c in choices if c.finish_reason in ("stop", "tool_calls")]
+            if stopped and usage.completion_tokens - sum(c.completion_tokens or 0 for c in choices) == len(stopped):
+                for c in stopped:
+                    c.completion_tokens = (c.completion_tokens or 0) + 1
+        if len(choices) == 1 and (choices[0].completion_tokens is None or self.total_seen):
+            choices[0].completion_tokens = usage.completion_tokens
+        return Completion(choices=choices, usage=usage, model=self.model, response_id=self.response_id)
+
+
+# ---------------------------------------------------------------- the record
+
+
+def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, batch: str, worker: str,
+              attempts: int, latency_s: float, settings_version: int = 0) -> Result | Failure:
+    """The record of an answer; a non-retryable Failure when it lacks a choice or logprobs asked for
+    (a record with fewer samples than asked would pass unnoticed into training data)."""
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and n > 1 else 1
+    indexes = [choice.index for choice in c.choices]
+    if indexes != list(range(n)):
+        return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
+                       f"indexes {indexes}", retryable=False)
+    asked_stop = any(body.get(name) for name in STOP_FIELDS)
+    # Chat asks with true; completions with a count of alternatives, 0 included.
+    asked_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
+    for choice in c.choices:
+        if not asked_stop:
+            choice.matched_stop = msgspec.UNSET  # absent: not asked; null: asked, the server named none
+        if not asked_logprobs:
+            choice.logprobs = None
+            continue
+        tokens = choice.completion_tokens if choice.completion_tokens is not None else \
+            c.usage.completion_tokens if n == 1 else None
+        logprobs = one_per_token(choice.logprobs, tokens, choice.finish_reason, chat="messages" in body)
+        if logprobs is None:
+            return Failure("protocol", f"the request asked for logprobs; the server's choice {choice.index} has none",
+                           retryable=False)
+        choice.logprobs = logprobs
+    first = c.choices[0]
+    return Result(
+        id=prompt.id, job=job, batch=batch, index=prompt.index,
+        completion=first.completion, reasoning_content=first.reasoning_content, finish_reason=first.finish_reason,
+        usage=c.usage, model=c.model, worker=worker, attempts=attempts, latency_s=round(latency_s, 3),
+        # Without its prompt, as Redis keeps it (records.without_prompt): the shard joins them again.
+        response_id=c.response_id, finished_at=time.time(),
+        choices=c.choices if n > 1 else None, logprobs=first.logprobs, matched_stop=first.matched_stop,
+        tool_calls=first.tool_calls, settings_version=settings_version,
+    )
+
+
+def one_per_token(logprobs: dict[str, Any] | None, tokens: int | None, finish_reason: str | None, *,
+                  chat: bool) -> dict[str, Any] | None:
+    """A choice's logprobs with one entry per generated token (docs/engines.md, "Logprobs"): the up
+    to UNSENT_MAX trailing tokens SGLang's chat stream counts and never sends are null entries (no
+    figure made up). None: the server sent none where more were needed (it ignored the request)."""
+    have = 0 if logprobs is None else len(logprobs.get("content" if chat else "token_logprobs") or ())
+    unsent = 0 if tokens is None else tokens - have
+    if not 0 < unsent <= UNSENT_MAX or (logprobs is None and finish_reason not in ("stop", "tool_calls")):
+        return logprobs
+    if chat:
+        entry = {"token": None, "logprob": None, "bytes": None, "top_logprobs": None}
+        return {**(logprobs or {}), "content": [*((logprobs or {}).get("content") or ()), *[entry] * unsent]}
+    if logprobs is None:
+        return {k: [None] * unsent for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    # Each per-token list grows (top_logprobs is null, not a list, when no alternatives were asked).
+    return {k: [*v, *[None] * unsent] if isinstance(v, list) and len(v) == have else v for k, v in logprobs.items()}

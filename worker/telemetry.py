@@ -1,8 +1,8 @@
-"""GPU figures from NVML (nvidia-ml-py). Where there is no GPU or no driver, say so once.
+"""GPU figures from NVML (nvidia-ml-py); where there is no GPU or no driver, a note that says so.
 
 The memory bandwidth, for the decode bound (genq.core.decodebound), is read once: bus width x the
-maximum memory clock x 2 (NVML reports GDDR and HBM clocks so that two transfers a clock give the
-rated figure), checked against SPECS, the vendors' rated figures.
+maximum memory clock x 2 (two transfers a clock, as NVML reports GDDR and HBM clocks), checked
+against SPECS, the vendors' rated figures.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def checked_bandwidth(name: str, bus_bits: int | None, max_mem_clock_mhz: float 
 
 
 class GpuProbe:
+    """One GPU's figures; `note` says why there are none."""
+
     def __init__(self, index: int | None) -> None:
         self.index = index
         self.note: str | None = None
@@ -94,16 +96,18 @@ class GpuProbe:
         except Exception as exc:
             self.note = f"GPU telemetry failed: {type(exc).__name__}: {exc}"
             return None
-        # Some boards (and MIG slices) do not report these.
-        read_reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        sample.power_w = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
-        sample.sm_clock_mhz = _optional(lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)))
-        sample.temperature_c = _optional(lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)))
-        sample.max_sm_clock_mhz = _optional(lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)))
-        sample.mem_clock_mhz = _optional(lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)))
-        sample.power_limit_w = _optional(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)
-        sample.throttled = _optional(lambda: throttle_reasons(int(read_reasons(h))))
+        for key, read in {  # some boards (and MIG slices) do not report these
+            "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            "sm_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            "temperature_c": lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+            "max_sm_clock_mhz": lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            "mem_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+            "power_limit_w": lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
+            "throttled": lambda: throttle_reasons(int(reasons(h))),
+        }.items():
+            setattr(sample, key, _optional(read))
         return sample
 
 
@@ -128,6 +132,7 @@ THROTTLES = ((0x2, "applications clocks"), (0x4, "power cap"), (0x8, "hw slowdow
 
 
 def throttle_reasons(mask: int) -> list[str]:
+    """The reasons a clock-event mask names."""
     return [name for bit, name in THROTTLES if mask & bit]
 
 

@@ -1,12 +1,14 @@
-"""The server as the engine sees it: up or down, its metrics, and requests that stall.
+"""The server as the engine sees it: up or down, what it says of itself, its model, stalled requests.
 
-- Breaker: after a failed request, one check (single flight) of /health and what the server says
-  of itself. Down, or not the server it was (another model, a smaller context), the engine stops
-  sending, counts no attempt, and polls until it answers as it was; after --server-down-timeout
-  it hands its batches back (another model: at once; a smaller context is then taken as it is).
-- A server silent while it holds requests is health-checked then, not only after a failure.
-- Watchdog: a request with no output for --stall-timeout is cancelled and retried; before its
-  first byte it waits in the server's queue, not a stall, unless the server says none waits.
+- After a failed request (or while silent holding requests) one check of /health and what it says
+  of itself. Down, or another model or a smaller context: the engine sends nothing, counts no
+  attempt, and polls until it answers as it was; after --server-down-timeout it hands its batches
+  back (another model: at once; a smaller context is then taken as it is).
+- Watchdog: a request with no output for --stall-timeout is cancelled and retried; before its first
+  byte it waits in the server's queue, not a stall, unless the server says none waits.
+- A job is for one model: `--model auto` is pinned to the first taker's server's (first writer wins);
+  an engine whose server serves another leaves its batches queued, hands back one it got anyway,
+  steals none of its prompts, and says so once per job.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
+import redis
+import redis.asyncio as aioredis
 
+from genq.core.ledger import leasing
+from genq.core.queueing import load_configs
+from genq.core.records import JobConfig
 from genq.core.words import plural
-from genq.worker.answers import Running
 from genq.worker.controller import ConcurrencyController
+from genq.worker.decoding import Running
 from genq.worker.engines import Metrics
 from genq.worker.options import WorkerOptions
 from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
@@ -30,6 +37,7 @@ from genq.worker.todo import Todo
 log = logging.getLogger("genq.worker")
 
 SILENT_PROBE_S = 15.0  # no output from any request in flight this long: ask /health
+AUTO = "auto"
 
 
 class ServerStartTimeout(Exception):
@@ -64,7 +72,7 @@ class ServerWatch:
         return self.info.model if self.info else None
 
     async def wait_for_server(self, on_waiting: Callable[[str], Awaitable[None]]) -> ServerInfo | None:
-        """The server's info once it answers, saying why it waits through `on_waiting`; None if
+        """The server's info once it answers (saying why it waits through `on_waiting`); None if
         stopped while waiting. Raises ServerStartTimeout after --server-start-timeout."""
         started = time.monotonic()
         delay, next_note = 0.5, 0.0
@@ -73,8 +81,7 @@ class ServerWatch:
                 self.info = await self.client.discover()
                 return self.info
             except ServerUnavailable as exc:
-                waited = time.monotonic() - started
-                limit = self.opts.server_start_timeout
+                waited, limit = time.monotonic() - started, self.opts.server_start_timeout
                 if limit is not None and waited >= limit:
                     raise ServerStartTimeout(f"server {self.opts.server_url} did not answer within {limit:.0f}s "
                                              f"(--server-start-timeout): {exc}") from None
@@ -103,7 +110,7 @@ class ServerWatch:
         return why is not None
 
     async def reread(self) -> ServerInfo | None:
-        """What the server says about itself now (a preflight about to block a job asks: it may have
+        """What the server says of itself now (a preflight about to block a job asks: it may have
         restarted with a larger context)."""
         await self.is_down()
         return self.info
@@ -114,25 +121,23 @@ class ServerWatch:
             info = await self.client.discover()
         except ServerUnavailable:
             return "health check failed"
-        change = self._change(info)
-        if change is None:
-            self._adopt(info)  # the same server (a larger context, another capacity: taken as they are)
+        if (change := self._change(info)) is None:
+            self._adopt(info)  # a larger context, another capacity: taken as they are
         return change
 
     def _adopt(self, info: ServerInfo) -> None:
-        """What the server says now; a context it did not tell this time (an endpoint failed) is kept.
-        (A model it did not name is a change, never adopted.)"""
+        """A context it did not tell this time (an endpoint failed) is kept."""
         if self.info is not None and info.context_length is None:
             info = msgspec.structs.replace(info, context_length=self.info.context_length)
         self.info = info
 
     def _change(self, info: ServerInfo) -> str | None:
         """How the server differs in a way its prompts must not meet: another model (its answers are
-        not the job's), a smaller context (prompts that ran would fail). None: the same for them."""
+        not the job's; one it does not name is not the same), a smaller context (prompts that ran would fail)."""
         old = self.info
         if old is None:
             return None
-        if old.model is not None and info.model is None:  # unconfirmed is not the same: nothing is sent yet
+        if old.model is not None and info.model is None:
             return f"it did not say which model it serves now (/v1/models; it served {old.model})"
         if info.model != old.model and old.model is not None:
             return f"it serves model {info.model} now, not {old.model}"
@@ -145,11 +150,10 @@ class ServerWatch:
         self.note = why
         self.outages += 1
         self.metrics = None  # what a server that is gone said last is not what it does now
-        in_flight = list(self.running)
-        for task in in_flight:
+        for task in self.running:
             task.crashed(self.outages)
         log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
-                    "%d in flight counted a server crash)", self.opts.server_url, why, len(in_flight))
+                    "%d in flight counted a server crash)", self.opts.server_url, why, len(self.running))
         self.running.cancel_all(f"server down: {why}")
         self._down.set()
 
@@ -162,12 +166,13 @@ class ServerWatch:
             self._down.clear()
 
     async def _await_recovery(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
-        delay, handed_back = 0.5, False
+        delay, handed_back, url = 0.5, False, self.opts.server_url
         while True:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 5.0)
             down_for = time.monotonic() - (self.down_since or time.monotonic())
-            if down_for > self.opts.server_down_timeout and not handed_back:
+            waiting = down_for <= self.opts.server_down_timeout
+            if not waiting and not handed_back:
                 handed_back = True
                 await hand_back_all(f"server down for {down_for:.0f}s")
             try:
@@ -175,28 +180,23 @@ class ServerWatch:
             except ServerUnavailable as exc:
                 self.note = str(exc)
                 continue
-            change = self._change(info)
-            if change is not None and change.startswith("it serves model"):
-                # Its held prompts are for another model: back to the queue for a server of theirs.
-                log.warning("server %s: %s; handing its batches back", self.opts.server_url, change)
+            if (change := self._change(info)) is None:
+                self._adopt(info)
+            elif change.startswith("it serves model"):  # its prompts go back to a server of their model
+                log.warning("server %s: %s; handing its batches back", url, change)
                 await hand_back_all(f"server now serves {info.model}")
-            elif change is not None and down_for <= self.opts.server_down_timeout:
-                # A smaller context: its prompts wait, or go to other workers (worker/stealing.py).
-                note = f"{change}: waiting for it as it was (--server-down-timeout)"
-                if note != self.note:
-                    log.warning("server %s: %s", self.opts.server_url, note)
+                self.info = info
+            elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/stealing.py)
+                if (note := f"{change}: waiting for it as it was (--server-down-timeout)") != self.note:
+                    log.warning("server %s: %s", url, note)
                 self.note = note
                 continue
-            elif change is not None:
-                log.warning("server %s: %s for %.0fs: taken as it is", self.opts.server_url, change, down_for)
-            if change is None:
-                self._adopt(info)
             else:
-                self.info = info  # another model, or a smaller context taken as it is now
+                log.warning("server %s: %s for %.0fs: taken as it is", url, change, down_for)
+                self.info = info
             self.controller.set_capacity(info.capacity)
-            log.info("server %s is back after %.1fs", self.opts.server_url, down_for)
-            self.down_since = None
-            self.note = None
+            log.info("server %s is back after %.1fs", url, down_for)
+            self.down_since = self.note = None
             self.todo.wake.set()
             return
 
@@ -205,8 +205,7 @@ class ServerWatch:
             await asyncio.sleep(self.controller.look_interval_s)  # faster while it learns a capacity
             if self.down or self.info is None or not self.info.has_metrics:
                 continue
-            m = await self.client.metrics()
-            if m is None:
+            if (m := await self.client.metrics()) is None:
                 continue
             self.metrics = m
             before = self.controller.target
@@ -216,25 +215,79 @@ class ServerWatch:
                 self.todo.wake.set()
 
     async def watchdog(self) -> None:
-        """Cancel requests that stalled or ran too long (one timer for all, not one each);
-        probe a server that went silent while holding requests."""
+        """Cancel requests that stalled or ran too long (one timer for all); probe a server that went
+        silent while holding requests."""
+        opts = self.opts
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            running = self.running
             queue_empty = self.metrics is not None and not self.metrics.waiting
-            for task, aio in list(running.items()):
+            for task, aio in list(self.running.items()):
                 p = task.progress
-                waiting_in_server = p.first_byte is None and not queue_empty
-                if now - p.started > self.opts.request_timeout:
-                    task.cancel_reason = f"request exceeded {self.opts.request_timeout:.0f}s (request timeout)"
-                elif now - p.last_activity > self.opts.stall_timeout and not waiting_in_server:
-                    task.cancel_reason = f"no output for {self.opts.stall_timeout:.0f}s (stall timeout)"
+                if now - p.started > opts.request_timeout:
+                    task.cancel_reason = f"request exceeded {opts.request_timeout:.0f}s (request timeout)"
+                elif now - p.last_activity > opts.stall_timeout and (p.first_byte is not None or queue_empty):
+                    task.cancel_reason = f"no output for {opts.stall_timeout:.0f}s (stall timeout)"
                 else:
                     continue
                 aio.cancel()
-            if running and not self.down:
-                latest = max(t.progress.last_activity for t in running)
+            if self.running and not self.down:
+                latest = max(t.progress.last_activity for t in self.running)
                 if now - latest > SILENT_PROBE_S and not await self.client.healthy():
-                    self._went_down(f"no output from {plural(len(running), 'request')} for {now - latest:.0f}s "
+                    self._went_down(f"no output from {plural(len(self.running), 'request')} for {now - latest:.0f}s "
                                     "and /health fails")
+
+
+def serves(job_model: str, server_model: str | None) -> bool:
+    """Whether a server serving server_model may run a job for job_model. A server that lists no
+    model cannot be told apart: it is trusted (and each record says what answered)."""
+    return job_model == AUTO or server_model is None or job_model == server_model
+
+
+class ModelGate:
+    """This engine's side of a job's model: pins `auto` jobs, turns away other models' jobs."""
+
+    def __init__(self, conn: aioredis.Redis, watch: ServerWatch) -> None:
+        self.conn = conn
+        self.watch = watch
+        self._told: set[str] = set()  # jobs whose refusal was logged
+
+    async def admit(self, config: JobConfig) -> JobConfig | None:
+        """The job's settings to run it with (`auto` pinned to this server's model), or None when
+        it is another model's job or gone."""
+        model = self.watch.model
+        if config.model == AUTO and model is not None:
+            found, pinned = await leasing.pin_model(self.conn, config.name, model, AUTO)
+            if pinned:
+                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
+                         "pinned in its settings", config.name, model)
+            if found is None:
+                return None
+            config = found
+        if serves(config.model, model):
+            return config
+        await self.refuse(config.name, config.model)
+        return None
+
+    async def refuse(self, job: str, job_model: str) -> None:
+        if job not in self._told:
+            self._told.add(job)
+            log.warning("job %s is for model %s; this worker's server serves %s: it takes none of its batches "
+                        "or prompts", job, job_model, self.watch.model)
+
+    async def servable_config(self, job: str) -> JobConfig | None:
+        """The job's settings now if this engine may take its prompts (the stealer's view; an `auto`
+        job is pinned already by its batches' holders), else None."""
+        found = await leasing.config_now(self.conn, job)
+        if found is not None and not serves(found.model, self.watch.model):
+            await self.refuse(job, found.model)
+            return None
+        return found
+
+
+def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list[str]:
+    """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
+    if not jobs:
+        return []
+    return [job for job, config in zip(jobs, load_configs(conn, jobs), strict=True)
+            if config is not None and serves(config.model, model)]

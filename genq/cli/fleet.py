@@ -24,7 +24,7 @@ from genq.core.timings import LOST_BATCH_BACK_S
 from genq.core.words import plural
 from genq.ops import control
 from genq.worker.idle import IDLE_BEAT_S, IDLE_TTL_S
-from genq.worker.models import servable_jobs
+from genq.worker.watch import servable_jobs
 
 
 def _heartbeat(row: control.WorkerRow) -> str:
@@ -180,7 +180,7 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
             rows = [r for r in rows if r.live]
             if gone and not as_json:
                 click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
-        # Which jobs each can serve: those for its server's model or `auto` (worker/models.py).
+        # Which jobs each can serve: those for its server's model or `auto` (worker/watch.py).
         jobs = list_jobs(conn)
         serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:

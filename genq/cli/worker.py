@@ -158,8 +158,7 @@ def forwarded_options(ctx: click.Context) -> list[str]:
 
 
 def _run_fleet(ctx: click.Context, fleet: dict, name: str | None, host: str | None) -> int:
-    from genq.worker.fleet import FleetError, FleetOptions, parse_gpus, run_fleet
-    from genq.worker.supervisor import HealthTimeouts
+    from genq.worker.fleet import FleetError, FleetOptions, HealthTimeouts, parse_gpus, run_fleet
 
     try:
         opts = FleetOptions(
