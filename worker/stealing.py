@@ -39,7 +39,7 @@ from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
 from genq.worker.held import HeldBatch
 from genq.worker.idle import IdlePace
-from genq.worker.models import ModelGate
+from genq.worker.watch import ModelGate
 
 log = logging.getLogger("genq.worker")
 
@@ -106,7 +106,7 @@ class Stealer:
         self.held = batches.held
         self.dispatcher = dispatcher
         self.controls = dispatcher.controls
-        self.models = models  # whether this engine may take a job's prompts (worker/models.py)
+        self.models = models  # whether this engine may take a job's prompts (worker/watch.py)
         self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
         # again under its name numbers its batches from b0000001 again, with other prompts.
