@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, settings
+from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
@@ -27,7 +27,7 @@ from genq.producer.enqueue import Enqueuer, EnqueueSummary, revives
 from genq.producer.meter import Meter
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, is_s3, located, open_rows
+from genq.producer.sources import ColumnMap, default_rejects_path, is_parquet, is_s3, located, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -96,7 +96,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     empty or invalid input, settings that contradict the job, Redis unreachable), or Redis failed
     part way (the same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C).
     """
-    url = settings(ctx).redis_url
+    url = redis_url(ctx)
     try:
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
@@ -122,7 +122,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
                 set_schedule(conn, job, priority, weight)  # and the queue in order again
             else:
                 order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
-    except (ValueError, SourceError) as exc:
+    except ValueError as exc:  # SourceError is the genq group's to print
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
@@ -317,19 +317,16 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
         click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
     if summary.skipped_duplicate:
         click.echo(f"  skipped {plural(summary.skipped_duplicate, 'repeated line')} (same id and content earlier in this input)")
-    if not summary.rejected:
-        return
-    if rejects.error is None:
-        where = f"written to {rejects.path}"
-    else:
-        where = f"NOT written ({rejects.error}; give another place with --rejects)"
-    click.echo(f"  rejected {plural(summary.rejected, 'line')}, {where}:", err=True)
-    _show_reasons(rejects, rejects.path if rejects.error is None else None)
+    if summary.rejected:
+        where = (f"written to {rejects.path}" if rejects.error is None else
+                 f"NOT written ({rejects.error}; give another place with --rejects)")
+        click.echo(f"  rejected {plural(summary.rejected, 'line')}, {where}:", err=True)
+        _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 
 def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN) -> None:
     for item in rejects.first[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
     if rejects.count > limit:
-        more = f" (see {rejects_path})" if rejects_path else ""
-        click.echo(f"    ... and {rejects.count - limit:,} more{more}", err=True)
+        click.echo(f"    ... and {rejects.count - limit:,} more" + (f" (see {rejects_path})" if rejects_path else ""),
+                   err=True)

@@ -40,11 +40,10 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
     Exit status: 0 found (whatever its state); 1 no such job or no such prompt in it.
     """
     job, prompt_id = _job_and_id(ctx, words, job_option)
-    with redis_conn(ctx) as conn:
-        if load_config(conn, job) is None:
-            raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
-        fate = find(conn, job, prompt_id)
-    if fate is None:
+    conn = redis_conn(ctx)
+    if load_config(conn, job) is None:
+        raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
+    if (fate := find(conn, job, prompt_id)) is None:
         raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
     if as_json:
         click.echo(json.dumps(fate))
