@@ -143,11 +143,9 @@ def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> s
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
-        return ""
-    if not held:
-        return ""
+        held = 0
     return (f"\njob {job} holds {plural(held, 'prompt')} now (queued: workers run them); {when}, run the same "
-            "command again: the prompts already queued are skipped, the rest queued, each prompt once")
+            "command again: the prompts already queued are skipped, the rest queued, each prompt once") if held else ""
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:
@@ -162,13 +160,11 @@ def _given_settings(options: dict[str, object]) -> dict[str, object]:
 
 def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[JobConfig, bool]:
     """The job's config and whether it is new (stored only with the first batch queued)."""
-    stored = load_config(conn, job)
-    if stored is None:
+    if (stored := load_config(conn, job)) is None:
         given.setdefault("output", os.path.abspath("out"))
         return JobConfig(name=job, created_at=time.time(), incarnation=new_incarnation(), **given), True  # type: ignore[arg-type]
-    differing = [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
-                 for k in given if getattr(stored, k) != given[k]]
-    if differing:
+    if differing := [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
+                     for k in given if getattr(stored, k) != given[k]]:
         raise ValueError(
             f"job {job!r} already exists with other settings: " + "; ".join(differing)
             + f". Leave those options out to add to it, change the job's generation settings with "
@@ -212,8 +208,7 @@ def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) ->
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
          rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter,
          closed: str | None) -> EnqueueSummary:
-    started = time.monotonic()
-    show_progress = sys.stderr.isatty()
+    started, show_progress = time.monotonic(), sys.stderr.isatty()
 
     def progress(summary: EnqueueSummary) -> None:
         """Prompts read and their rate; for an input of known size (genq.producer.meter) the percent
@@ -228,18 +223,15 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
                 line += f", ETA {duration(elapsed * (1 - fraction) / fraction)}"
         click.echo(f"\r  {line}", err=True, nl=False)
 
-    enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
-                        input_uri=located(input_uri), closed=closed)
-    summary = enqueuer.run(rows, on_progress=progress, meter=meter)
+    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference, input_uri=located(input_uri),
+                       closed=closed).run(rows, on_progress=progress, meter=meter)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
-        mode = f"by reference to {reference}" if reference else "inline"
-        click.echo(
-            f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
-            f"{plural(summary.batches, 'batch', 'batches')} ({mode}) "
-            f"from {input_uri} in {time.monotonic() - started:.1f}s"
-        )
+        click.echo(f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
+                   f"{plural(summary.batches, 'batch', 'batches')} "
+                   f"({f'by reference to {reference}' if reference else 'inline'}) "
+                   f"from {input_uri} in {time.monotonic() - started:.1f}s")
     return summary
 
 
@@ -259,10 +251,7 @@ def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
                + ". Nothing was written.")
     if closed is not None and summary.enqueued:
         click.echo(f"the real enqueue would be refused: {closed}", err=True)
-        return 1
-    if not summary.read:
-        return 1
-    return EXIT_PARTLY_DONE if summary.rejected else 0
+    return 1 if not summary.read or (closed is not None and summary.enqueued) else EXIT_PARTLY_DONE if summary.rejected else 0
 
 
 def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:

@@ -95,10 +95,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         click.echo(f"genq monitor: live page on http://{_shown(web_listen)}/"
                    f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
     try:  # what Redis says instead of answering, and JobNotFound, are the genq group's to print
-        if once:
-            _emit(mon, as_json, progress_file, mask_url(url), None, live=None)
-            return
-        _loop(mon, as_json, progress_file, mask_url(url), interval, until_done)
+        _loop(mon, as_json, progress_file, mask_url(url), None if once else interval, until_done)
     except OSError as exc:  # the progress file cannot be written
         raise click.ClickException(f"--progress-file {progress_file}: {exc}") from None
     except KeyboardInterrupt:
@@ -109,60 +106,52 @@ def _shown(listen: str) -> str:
     return "0.0.0.0" + listen if listen.startswith(":") else listen
 
 
-def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float | None,
-          live) -> list:
-    """One refresh, printed; interval None for --once."""
-    reports = mon.refresh()
-    if progress_file:
-        write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
-    if as_json:
-        if mon.redis_note:  # stdout stays the JSON document
-            click.echo(f"warning: {mon.redis_note.text}", err=True)
-        sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
-        sys.stdout.flush()
-    else:
-        from genq.monitor.view import render
-
-        view = render(reports, redis_display, interval, mon.redis_note.text if mon.redis_note else None)
-        if live is not None:
-            live.update(view, refresh=True)
-        else:
-            from rich.console import Console
-
-            console = Console()  # a pipe or a file: not squeezed into 80 columns
-            (console if console.is_terminal else Console(width=140)).print(view)
-    return reports
-
-
-def _loop(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float,
+def _loop(mon: Monitor, as_json: bool, progress_file: str | None, shown_url: str, interval: float | None,
           until_done: bool) -> None:
-    live = None
-    if not as_json:
-        from rich.console import Console
-        from rich.live import Live
+    """A refresh every `interval` seconds (None: one, --once), as JSON or the view (live in a terminal)."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
 
-        console = Console()
-        if console.is_terminal:
-            live = Live(console=console, auto_refresh=False, screen=False)
-            live.start()
+    from genq.monitor.view import render
+
+    console = Console()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and interval and not as_json else None
+    if live is not None:
+        live.start()
     try:
         while True:
             started = time.monotonic()
             try:
-                reports = _emit(mon, as_json, progress_file, redis_display, interval, live)
+                reports = mon.refresh()
             except redis.RedisError as exc:
+                if interval is None:
+                    raise
                 # A live monitor outlasts a Redis restart: say so and try again next time.
-                from rich.text import Text
-
-                message = f"cannot read Redis at {redis_display} ({type(exc).__name__}: {exc}); retrying"
+                message = f"cannot read Redis at {shown_url} ({type(exc).__name__}: {exc}); retrying"
                 if live is not None:
                     live.update(Text(message, style="bold red"), refresh=True)
                 else:
                     click.echo(message, err=True)
                 reports = []
+            else:
+                if progress_file:
+                    write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
+                if as_json:
+                    if mon.redis_note:  # stdout stays the JSON document
+                        click.echo(f"warning: {mon.redis_note.text}", err=True)
+                    sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
+                    sys.stdout.flush()
+                else:
+                    view = render(reports, shown_url, interval, mon.redis_note.text if mon.redis_note else None)
+                    if live is not None:
+                        live.update(view, refresh=True)
+                    else:  # a pipe or a file: not squeezed into 80 columns
+                        (console if console.is_terminal else Console(width=140)).print(view)
             # "done" means every shard is written too (not only every prompt finished): a script
             # that exports right after --until-done gets every batch.
-            if until_done and reports and all(r.progress.status in FINISHED_STATUSES for r in reports):
+            if interval is None or (until_done and reports and all(
+                    r.progress.status in FINISHED_STATUSES for r in reports)):
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
     finally:

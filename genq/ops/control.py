@@ -17,11 +17,10 @@ from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
 from genq.core.ledger.figures import JobStatus, job_status, job_totals
-from genq.core.order import schedules
+from genq.core.order import order_queue, schedules
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.ops import Refused
-from genq.ops.settings import unblock
 from genq.output import truth
 from genq.output.sink import open_store
 
@@ -158,13 +157,15 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:
-    """Undo a pause; with a job, also lift its block and queue its parked batches: how many."""
+    """Undo a pause; with a job, also lift its block and pause and queue its parked batches: how many."""
     queued = 0
     if job is None:
         ledger_jobs.resume_all(conn)
         suspend_loops(conn, suspended=False)
     else:
-        queued = unblock(conn, job)
+        ledger_jobs.lift_block(conn, job)
+        if queued := parked.requeue_parked(conn, job):
+            order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 
