@@ -137,21 +137,6 @@ class JobName(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-class Option(click.Option):
-    """An option whose earlier names (`old`, in the docs) still work, left out of --help."""
-
-    def __init__(self, param_decls: Sequence[str], *, old: Sequence[str] = (), **attrs: Any) -> None:
-        super().__init__([*param_decls, *old], **attrs)
-        self.old = set(old)
-
-    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        shown, self.opts = self.opts, [o for o in self.opts if o not in self.old]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = shown
-
-
 def job_option(help: str = "Only this job. [default: all jobs]", **attrs: Any) -> Callable[[Any], Any]:
     return click.option("--job", type=JobName(), default=None, metavar="NAME", help=help, **attrs)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, Option, redis_conn, redis_url
+from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn, redis_url
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
@@ -35,14 +35,15 @@ from genq.producer.batchinput import read_prompts
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
 @click.option("--errors", "errors_path", default=None, metavar="FILE",
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
-@click.option("--output", "source", cls=Option, old=["--from"], default=None, metavar="OUTPUT",
+@click.option("--from", "source_named_from", default=None, hidden=True)  # --output's first name (docs/recovery.md)
+@click.option("--output", "source", default=None, metavar="OUTPUT",
               help="Read shards from OUTPUT (a directory or s3://bucket/prefix, as enqueue's --output) instead "
                    "of the job's configured output, e.g. after copying it.")
 @click.option("--s3-endpoint-url", default=None, metavar="URL",
               help="S3-compatible endpoint for reading and writing. [default: the job's, or the AWS env/config]")
 @click.pass_context
 def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str, errors_path: str | None,
-                   source: str | None, s3_endpoint_url: str | None) -> None:
+                   source: str | None, source_named_from: str | None, s3_endpoint_url: str | None) -> None:
     """Merge JOB's finished shards into one JSONL, Parquet or OpenAI Batch file.
 
     Only shards named by the manifest (JOB/manifest/*.json) are read, each checked
@@ -57,7 +58,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
       genq export --job expansion --to ./exports/ --format parquet
       genq export --job batch1 --to out.jsonl --format openai-batch   # + out.errors.jsonl
     """
-    conn = redis_conn(ctx)
+    conn, source = redis_conn(ctx), source or source_named_from
     config = load_config(conn, job)
     if config is None and source is None:
         raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(redis_url(ctx))}; "
