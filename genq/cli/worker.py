@@ -134,11 +134,12 @@ PER_WORKER = ("server_url", "gpu", "name", "host")
 
 
 def forwarded_options(ctx: click.Context) -> list[str]:
-    """The shared options the operator gave, as arguments for each GPU's `genq worker`."""
+    """The shared options the operator gave, as arguments for each GPU's `genq worker` (--redis is
+    the fleet's own to pass, and not held in ctx.params)."""
     args: list[str] = []
     for param in ctx.command.params:
         name = param.name
-        if name in FLEET_ONLY or name in PER_WORKER or not isinstance(param, click.Option):
+        if name in FLEET_ONLY or name in PER_WORKER or name not in ctx.params or not isinstance(param, click.Option):
             continue
         if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
             continue
