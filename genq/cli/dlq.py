@@ -40,17 +40,10 @@ def _scope(job: str | None) -> str:
 
 def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:
     """The --json shape: `at` as ISO 8601 UTC, `at_epoch` in seconds."""
-    out: dict[str, Any] = {
-        "id": entry.id, "job": entry.job, "batch": entry.batch, "attempts": entry.attempts, "kind": entry.kind,
-        "status": entry.status, "message": entry.message, "worker": entry.worker, "at": iso(entry.at),
-        "at_epoch": entry.at}
-    if entry.is_batch:
-        out.update(rq_job=entry.rq_job, prompts=entry.prompts)
-        if full:
-            out["traceback"] = entry.traceback
-    if full and entry.prompt is not None:
-        out["prompt"] = msgspec.to_builtins(entry.prompt)
-    return out
+    batch = (["rq_job", "prompts"] + (["traceback"] if full else [])) if entry.is_batch else []
+    out = {k: getattr(entry, k) for k in ("id", "job", "batch", "attempts", "kind", "status", "message", "worker")}
+    out |= {"at": iso(entry.at), "at_epoch": entry.at} | {k: getattr(entry, k) for k in batch}
+    return out | ({"prompt": msgspec.to_builtins(entry.prompt)} if full and entry.prompt is not None else {})
 
 
 @dlq.command("list", short_help="List dead prompts and failed batches, newest first.")
