@@ -156,7 +156,7 @@ def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadL
 def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> RequeueReport:
     """Dead prompts back as new batches (with the job's current settings; `override`, request
     fields, goes into each prompt's own sampling), failed batches back on the queue."""
-    report = RequeueReport(prompts={}, new_batches={}, batches=[], skipped=[])
+    report = RequeueReport()
     for entry in chosen:
         if entry.is_batch:
             _requeue_batch(conn, entry, report)
@@ -230,7 +230,7 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
     """Forget dead prompts and failed batches: no retry, and out of every count (the DLQ, the job's
     total and id index, so the same row enqueued again is queued anew; stats count them "purged").
     Failed batches go first: their own dead letters can then be purged in the same run."""
-    report = PurgeReport(letters={}, batches=[], kept=[])
+    report = PurgeReport()
     for entry in chosen:
         if entry.is_batch:
             _purge_batch(conn, entry, report)
@@ -287,14 +287,12 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
 def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
     """A purged batch leaves the enqueue records that name it: it is gone on purpose, not lost with
     Redis, and its forgotten prompts are not queued again (genq.producer.enqueue.queue_lost)."""
-    config = load_config(conn, job)
-    if config is None:
+    if (config := load_config(conn, job)) is None:
         return
     try:
         store = open_store(config.output, config.s3_endpoint_url)
         for run, record in truth.read_enqueues(store, job).items():
-            named = truth.recorded_batches(record)
-            if batch in named:
+            if batch in (named := truth.recorded_batches(record)):
                 kept = truth.batch_ranges(b for b in named if b != batch)
                 truth.write_enqueue(store, job, run, msgspec.structs.replace(record, batches=kept))
     except Exception as exc:  # OSError, botocore's errors
