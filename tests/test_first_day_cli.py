@@ -190,3 +190,12 @@ def test_a_launch_that_cannot_run_here_is_said_at_once_and_a_failing_server_says
                    check=False, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "exited with status 1 (its log ends: no model M here); restart 1/1" in out.stderr, out.stderr
+
+
+def test_a_fleet_takes_redis_after_the_subcommand(tmp_path, redis_url):
+    """`genq worker --gpus ... --redis URL`: the fleet forwarded the shared options the operator gave
+    to each GPU's worker and tripped over --redis, which a subcommand takes but does not hold."""
+    out = run_genq("worker", "--gpus", "0", "--base-port", str(free_ports(1)), "--log-dir", str(tmp_path / "l"),
+                   "--launch", "nosuch-genq-server --port {port}", "--redis", redis_url, check=False, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "'nosuch-genq-server' is not a command on this machine's PATH" in out.stderr, out.stderr

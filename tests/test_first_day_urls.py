@@ -81,6 +81,13 @@ def test_redis_is_accepted_after_the_subcommand_and_wins_there(locked, tmp_path)
     assert "--redis URL" in genq("worker", "--help").stdout
 
 
+def test_an_unreachable_redis_given_after_the_subcommand_is_the_one_named():
+    # The error named the Redis before the subcommand (here the default) instead of the one tried.
+    proc = genq("workers", "--redis", "redis://:sekrit@127.0.0.1:1/0")
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in proc.stderr and "sekrit" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("userinfo", [
     PASSWORD,  # as typed: the userinfo is everything before the last '@'
     quote(PASSWORD, safe=""),  # percent-encoded

@@ -10,7 +10,7 @@ import re
 import pytest
 from rich.console import Console
 
-from genq.cli.fleet import print_workers
+from genq.cli.control import print_workers
 from genq.core.records import BatchRef, WorkerStatus
 from genq.ops.control import WorkerRow
 

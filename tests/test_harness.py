@@ -97,7 +97,7 @@ def test_the_test_suite_leaves_the_redis_on_6379_alone(sentinels):
 
 def test_demo_runs_on_a_private_redis_and_stops_it(sentinels, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}
-    args = [sys.executable, "-m", "genq", "demo", "--gpus", "1", "--prompts", "20", "--mean-output-tokens", "8",
+    args = [sys.executable, "-m", "genq", "demo", "--num-gpus", "1", "--prompts", "20", "--mean-output-tokens", "8",
             "--speed", "10", "--output", str(tmp_path / "demo")]
     proc = subprocess.run(args, cwd=tmp_path, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
                           timeout=300)
@@ -112,7 +112,7 @@ def test_demo_runs_on_a_private_redis_and_stops_it(sentinels, tmp_path):
 
 
 def test_demo_on_a_given_redis_removes_its_job_afterwards(redis_url, rconn, tmp_path):
-    proc = subprocess.run(genq_cmd("demo", "--gpus", "1", "--prompts", "10", "--mean-output-tokens", "8",
+    proc = subprocess.run(genq_cmd("demo", "--num-gpus", "1", "--prompts", "10", "--mean-output-tokens", "8",
                                    "--speed", "10", "--output", str(tmp_path / "demo"), redis_url=redis_url),
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`genq monitor --serve`: Prometheus metrics read from Redis on every scrape."""
+"""`genq monitor --metrics`: Prometheus metrics read from Redis on every scrape."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_serve_over_http_during_and_after_a_real_run(tmp_path: Path, redis_url, 
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "served", "--output", str(tmp_path / "out"),
              "--batch-size", "16")
     port = free_port()
-    mon = procs(genq_cmd("monitor", "--serve", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
+    mon = procs(genq_cmd("monitor", "--metrics", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
 
     def scrape() -> dict:
         try:
@@ -261,9 +261,9 @@ def test_listen_addresses() -> None:
     for bad in ("9108", "host:", "host:99999", ":http"):
         with pytest.raises(ValueError, match="HOST"):
             parse_listen(bad)
-    proc = run_genq("monitor", "--serve", "nonsense", check=False)
+    proc = run_genq("monitor", "--metrics", "nonsense", check=False)
     assert proc.returncode != 0 and "[HOST]:PORT" in proc.stderr
-    proc = run_genq("monitor", "--serve", ":9108", "--once", check=False)
+    proc = run_genq("monitor", "--metrics", ":9108", "--once", check=False)
     assert proc.returncode != 0 and "--once" in proc.stderr
 
 
@@ -342,7 +342,7 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "pj", "--output", str(tmp_path / "out"),
              "--batch-size", "16")
     port = free_port()
-    procs(genq_cmd("monitor", "--serve", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
+    procs(genq_cmd("monitor", "--metrics", f"127.0.0.1:{port}", "--json", "--interval", "0.5"), name="monitor")
     prom = Prometheus(procs, tmp_path, f"127.0.0.1:{port}")
     wait_until(lambda: prom.one(f'up{{job="{SCRAPE_JOB}"}}') == 1, 30, "Prometheus to scrape the monitor")
     queries = dashboard_queries("pj")

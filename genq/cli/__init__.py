@@ -1,8 +1,7 @@
 """The `genq` command: one click group, and what its subcommands share.
 
-Subcommands are imported lazily, so that `genq --help` and small commands start fast. What Redis
-says instead of answering, a request the operator can fix (genq.ops.Refused) and Ctrl-C are turned
-into one line and the README's exit status here, for every subcommand.
+Subcommands load lazily (`genq --help` starts fast). Every subcommand's Redis refusal, operator's
+mistake (genq.ops.Refused and the like) and Ctrl-C becomes one line and the README's exit status here.
 """
 
 from __future__ import annotations
@@ -11,9 +10,7 @@ import functools
 import importlib
 import json
 import sys
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,29 +21,25 @@ from rich.console import Console
 from rich.table import Table
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, parse, resolve_url
-from genq.ops import Refused
 
 EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an export is partial
 EXIT_INTERRUPTED = 130
 
-# name -> "module:attribute" of a click command
-COMMANDS: dict[str, str] = {
-    "enqueue": "genq.cli.enqueue:enqueue",
-    "worker": "genq.cli.worker:worker",
-    "monitor": "genq.cli.monitor:monitor",
-    "sim": "genq.cli.sim:sim_command",
-    "demo": "genq.cli.demo:demo",
-    "dlq": "genq.cli.dlq:dlq",
-    "pause": "genq.cli.jobs:pause",
-    "resume": "genq.cli.jobs:resume",
-    "drain": "genq.cli.fleet:drain",
-    "workers": "genq.cli.fleet:workers",
-    "concurrency": "genq.cli.fleet:concurrency",
-    "export": "genq.cli.export:export",
-    "jobs": "genq.cli.jobs:jobs",
-    "status": "genq.cli.status:status",
-    "recover": "genq.cli.recover:recover",
-}
+COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim": "sim:sim_command",
+            "demo": "demo", "dlq": "dlq", "pause": "control", "resume": "control", "jobs": "control",
+            "drain": "control", "workers": "control", "concurrency": "control", "export": "export", "status": "status",
+            "recover": "recover"}  # name -> genq.cli module[:attribute]
+
+
+def _mistake(exc: Exception) -> bool:
+    """What the operator can fix: said in one line, exit 1 (imported only when something failed)."""
+    from genq.monitor.progress import JobNotFound
+    from genq.ops import Refused
+    from genq.output.export import ExportError
+    from genq.producer.sources import SourceError
+    from genq.worker.fleet import FleetError
+
+    return isinstance(exc, (Refused, SourceError, ExportError, FleetError, JobNotFound))
 
 
 class LazyGroup(click.Group):
@@ -56,24 +49,37 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module, attr = COMMANDS[name].split(":")
-        return _with_redis_option(getattr(importlib.import_module(module), attr))
+        module, _, attr = COMMANDS[name].partition(":")
+        return _with_redis_option(getattr(importlib.import_module(f"genq.cli.{module}"), attr or name))
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt as exc:  # click would say "Aborted!" and exit 1; a command may add what it did
+        except KeyboardInterrupt as exc:  # click would say "Aborted!", exit 1; a command may add what it did
             click.echo(f"\ninterrupted{''.join(map(str, exc.args))}", err=True)
             sys.exit(EXIT_INTERRUPTED)
         except redis.RedisError as exc:  # unreachable, full, no such database, not Redis: the URL masked
-            raise click.ClickException(describe_error(settings(ctx).redis_url, exc)) from None
-        except Refused as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(describe_error(redis_url(ctx), exc)) from None
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            if _mistake(exc):
+                raise click.ClickException(str(exc)) from None
+            raise
 
 
-def _set_redis(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    if value is not None:  # given after the subcommand: it wins over the group's (and the env's)
-        ctx.obj = Settings(checked_url(value), given=True)
+class BadURL(click.ClickException):
+    exit_code = 2  # a Redis URL genq cannot use is bad usage
+
+
+def _set_redis(ctx: click.Context, param: click.Parameter | None, value: str | None) -> None:
+    """--redis (or GENQ_REDIS_URL), kept on the root context: the last one given wins."""
+    if value is not None:
+        try:
+            parse(value)
+        except BadRedisURL as exc:
+            raise BadURL(str(exc)) from None
+        ctx.find_root().obj = value
 
 
 def _with_redis_option(command: click.Command) -> click.Command:
@@ -87,38 +93,17 @@ def _with_redis_option(command: click.Command) -> click.Command:
     return command
 
 
-class BadURL(click.ClickException):
-    exit_code = 2  # a Redis URL genq cannot use is bad usage
+def redis_given(ctx: click.Context) -> str | None:
+    """The Redis URL given by --redis or GENQ_REDIS_URL, None for the default."""
+    return ctx.find_root().obj
 
 
-def checked_url(url: str) -> str:
-    try:
-        parse(url)
-    except BadRedisURL as exc:
-        raise BadURL(str(exc)) from None
-    return url
+def redis_url(ctx: click.Context) -> str:
+    return redis_given(ctx) or resolve_url(None)
 
 
-@dataclass
-class Settings:
-    """What the group's options give every subcommand (ctx.obj)."""
-
-    redis_url: str
-    given: bool = False  # by --redis or GENQ_REDIS_URL, not the default
-
-
-def settings(ctx: click.Context) -> Settings:
-    return ctx.find_object(Settings) or Settings(resolve_url(None))
-
-
-@contextmanager
-def redis_conn(ctx: click.Context) -> Iterator[redis.Redis]:
-    """The command's Redis, closed after."""
-    conn = connect(settings(ctx).redis_url)
-    try:
-        yield conn
-    finally:
-        conn.close()
+def redis_conn(ctx: click.Context) -> redis.Redis:
+    return connect(redis_url(ctx))
 
 
 class Concurrency(click.ParamType):
@@ -152,21 +137,6 @@ class JobName(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-class Option(click.Option):
-    """An option whose earlier names (`old`) still work, left out of --help: scripts keep running."""
-
-    def __init__(self, param_decls: Sequence[str], *, old: Sequence[str] = (), **attrs: Any) -> None:
-        super().__init__([*param_decls, *old], **attrs)
-        self.old = set(old)
-
-    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        shown, self.opts = self.opts, [o for o in self.opts if o not in self.old]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = shown
-
-
 def job_option(help: str = "Only this job. [default: all jobs]", **attrs: Any) -> Callable[[Any], Any]:
     return click.option("--job", type=JobName(), default=None, metavar="NAME", help=help, **attrs)
 
@@ -189,7 +159,7 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     """--extra-body's JSON object, its fields checked as a row's sampling is (ValueError says why)."""
-    from genq.producer.params import ParamError, check_params
+    from genq.producer.params import check_params
 
     try:
         extra = json.loads(text)
@@ -197,10 +167,7 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
         raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
-    try:
-        check_params(extra, "--extra-body", endpoint)
-    except ParamError as exc:
-        raise ValueError(str(exc)) from None
+    check_params(extra, "--extra-body", endpoint)  # ParamError is a ValueError
     return extra
 
 
@@ -217,11 +184,10 @@ def console() -> Console:
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[str]], *, right: Collection[str] = (),
-          title: str | None = None, ruled: bool = True) -> Table:
+          ruled: bool = True) -> Table:
     """Every table the CLI prints: one line per row, numbers right-aligned; not `ruled`, bare columns
     that grep and awk split on blanks."""
-    shown = Table(title=title, show_edge=False, header_style="bold", box=box.HEAVY_HEAD if ruled else None,
-                  pad_edge=ruled)
+    shown = Table(show_edge=False, header_style="bold", box=box.HEAVY_HEAD if ruled else None, pad_edge=ruled)
     for col in columns:
         shown.add_column(col, justify="right" if col in right else "left", no_wrap=True)
     for row in rows:
@@ -243,13 +209,12 @@ def iso(at: float) -> str:
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
-    "--redis", "redis_url", envvar=ENV_VAR, default=None, metavar="URL",
+    "--redis", "redis_url", envvar=ENV_VAR, default=None, metavar="URL", expose_value=False, callback=_set_redis,
     help=f"Redis URL, before or after the subcommand (env {ENV_VAR}; default redis://127.0.0.1:6379/0). "
     f"Forms: {FORMS}. Passwords are masked in all output; docs/operations.md has every form.",
 )
 @click.version_option(package_name="genq")
-@click.pass_context
-def cli(ctx: click.Context, redis_url: str | None) -> None:
+def cli() -> None:
     """genq: batch LLM generation over a fleet of SGLang, vLLM or llama.cpp (llama-server) servers, queued in Redis.
 
     \b
@@ -267,7 +232,6 @@ def cli(ctx: click.Context, redis_url: str | None) -> None:
       3    partly done: some input lines or DLQ entries were skipped (each one named)
       130  interrupted (Ctrl-C)
     """
-    ctx.obj = Settings(checked_url(resolve_url(redis_url)), given=bool(redis_url))
 
 
 def main() -> None:

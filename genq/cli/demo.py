@@ -24,7 +24,7 @@ import redis
 from rich.console import Console
 
 from genq import PYTHON
-from genq.cli import Option, settings
+from genq.cli import redis_given
 from genq.core.ledger import letters
 from genq.core.localredis import LocalRedis, free_port
 from genq.core.redisconn import connect, mask_url
@@ -39,7 +39,7 @@ TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.
 
 
 @click.command(short_help="Run genq end to end here, with simulated GPUs.")
-@click.option("--num-gpus", "gpus", cls=Option, old=["--gpus"], type=click.IntRange(1, 16), default=4,
+@click.option("--num-gpus", "gpus", type=click.IntRange(1, 16), default=4,
               show_default=True, help="Simulated GPUs: one sim server and one worker each.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True,
               help="Synthetic prompts to generate.")
@@ -65,7 +65,7 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
     With --redis URL (or GENQ_REDIS_URL) it uses that Redis instead and removes
     the demo's job from it at the end unless --keep.
     """
-    given = settings(ctx).redis_url if settings(ctx).given else None
+    given = redis_given(ctx)
     if keep and given is None:
         raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
     out = Path(output).resolve()
@@ -93,10 +93,9 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
 def _start(children: list[subprocess.Popen], log_dir: Path, name: str, args: list[str]) -> subprocess.Popen:
     """A child in a session of its own, logging to LOG_DIR/NAME.log."""
     with open(log_dir / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    children.append(proc)
-    return proc
+        children.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+    return children[-1]
 
 
 def _stop(children: list[subprocess.Popen]) -> None:
@@ -105,10 +104,9 @@ def _stop(children: list[subprocess.Popen]) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     for proc in children:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.kill()
 
 
 def _run(url: str, out: Path, children: list[subprocess.Popen], gpus: int, n_prompts: int, capacity: int,

@@ -6,19 +6,15 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import click
 import msgspec
-import redis
 
 from genq.cli import EXIT_PARTLY_DONE, age, console, iso, job_option, json_option, redis_conn, table, yes_option
-from genq.cli.jobs import generation_options, given
+from genq.cli.control import generation_options, given
 from genq.core.words import plural
 from genq.ops import dlq as core
-
-MESSAGE_WIDTH = 60
 
 
 @click.group()
@@ -42,27 +38,12 @@ def _scope(job: str | None) -> str:
     return f"job {job}" if job else "any job"
 
 
-def _chosen(conn: redis.Redis, verb: str, job: str | None, ids: Sequence[str] = ()) -> list[core.Entry]:
-    """The entries with these ids, or (none given) all of the job's or all jobs': said when there are none."""
-    chosen = core.find(conn, ids, job) if ids else core.entries(conn, job)
-    if not chosen:
-        click.echo(f"nothing to {verb}: the dead-letter queue is empty ({_scope(job)})")
-    return chosen
-
-
 def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:
     """The --json shape: `at` as ISO 8601 UTC, `at_epoch` in seconds."""
-    out: dict[str, Any] = {
-        "id": entry.id, "job": entry.job, "batch": entry.batch, "attempts": entry.attempts, "kind": entry.kind,
-        "status": entry.status, "message": entry.message, "worker": entry.worker, "at": iso(entry.at),
-        "at_epoch": entry.at}
-    if entry.is_batch:
-        out.update(rq_job=entry.rq_job, prompts=entry.prompts)
-        if full:
-            out["traceback"] = entry.traceback
-    if full and entry.prompt is not None:
-        out["prompt"] = msgspec.to_builtins(entry.prompt)
-    return out
+    batch = (["rq_job", "prompts"] + (["traceback"] if full else [])) if entry.is_batch else []
+    out = {k: getattr(entry, k) for k in ("id", "job", "batch", "attempts", "kind", "status", "message", "worker")}
+    out |= {"at": iso(entry.at), "at_epoch": entry.at} | {k: getattr(entry, k) for k in batch}
+    return out | ({"prompt": msgspec.to_builtins(entry.prompt)} if full and entry.prompt is not None else {})
 
 
 @dlq.command("list", short_help="List dead prompts and failed batches, newest first.")
@@ -74,8 +55,7 @@ def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:
 @click.pass_context
 def list_command(ctx: click.Context, job: str | None, as_json: bool, limit: int | None) -> None:
     """List dead prompts and failed batches, newest first."""
-    with redis_conn(ctx) as conn:
-        found = core.entries(conn, job)
+    found = core.entries(redis_conn(ctx), job)
     shown = found if not limit and (as_json or limit == 0) else found[: limit or 100]
     if as_json:
         click.echo(json.dumps([_to_json(e) for e in shown], indent=2))
@@ -84,20 +64,16 @@ def list_command(ctx: click.Context, job: str | None, as_json: bool, limit: int 
         click.echo(f"the dead-letter queue is empty ({_scope(job)})")
         return
     now = time.time()
+    lines = [(e.message.strip().splitlines() or [""])[0] for e in shown]
     console().print(table(
         ("id", "job", "batch", "attempts", "kind", "HTTP", "message", "worker", "age"),
-        ((e.id, e.job, e.batch, str(e.attempts), e.kind, str(e.status or "-"), _first_line(e.message),
-          e.worker or "-", age(now - e.at)) for e in shown),
+        ((e.id, e.job, e.batch, str(e.attempts), e.kind, str(e.status or "-"), line if len(line) <= 60 else
+          line[:59] + "…", e.worker or "-", age(now - e.at)) for e, line in zip(shown, lines)),
         right={"attempts", "HTTP", "age"}, ruled=False))
     summary = ", ".join(f"{kind} {n:,}" for kind, n in Counter(e.kind for e in found).most_common())
     more = f" (showing the newest {len(shown):,}; --limit 0 for all)" if len(shown) < len(found) else ""
     click.echo(f"{plural(len(found), 'entry', 'entries')} in {_scope(job)}: {summary}{more}")
     click.echo("details: genq dlq show ID   retry: genq dlq requeue --all" + (f" --job {job}" if job else ""))
-
-
-def _first_line(message: str) -> str:
-    line = message.strip().splitlines()[0] if message.strip() else ""
-    return line if len(line) <= MESSAGE_WIDTH else line[: MESSAGE_WIDTH - 1] + "…"
 
 
 @dlq.command(short_help="Everything about one entry (prompt, full message, traceback).")
@@ -110,8 +86,7 @@ def show(ctx: click.Context, entry_id: str, job: str | None, as_json: bool) -> N
 
     ID is a prompt id, or batch:<batch id> for a failed batch.
     """
-    with redis_conn(ctx) as conn:
-        (entry,) = core.find(conn, [entry_id], job, traceback=True)
+    (entry,) = core.find(redis_conn(ctx), [entry_id], job, traceback=True)
     if as_json:
         click.echo(json.dumps(_to_json(entry, full=True), indent=2))
         return
@@ -161,28 +136,34 @@ def requeue(ctx: click.Context, ids: tuple[str, ...], job: str | None, all_: boo
     if all_ == bool(ids):
         raise click.UsageError("give either --all or one or more IDs")
     override = given(max_tokens=max_tokens, temperature=temperature, top_p=top_p, extra_body=extra_body)
-    with redis_conn(ctx) as conn:
-        if not (chosen := _chosen(conn, "requeue", job, ids)):
-            return
-        if override and any(e.is_batch for e in chosen):
-            raise click.UsageError("--max-tokens/--temperature/--top-p/--extra-body apply to dead prompts, not to "
-                                   "failed batches: change the job's settings with `genq jobs set` instead")
-        report = core.requeue(conn, chosen, override=override)
-    for name, batch_ids in report.new_batches.items():
-        click.echo(f"job {name}: requeued {plural(report.prompts[name], 'prompt')} as "
-                   f"{plural(len(batch_ids), 'new batch', 'new batches')}: {', '.join(batch_ids)}")
-    for name, batch_id, size in report.batches:
-        click.echo(f"job {name}: requeued failed batch {batch_id} ({plural(size, 'prompt')}) as a new RQ job")
-    if not report.new_batches and not report.batches:
-        click.echo("nothing was requeued")
-    _skipped("skipped", report.skipped)
+    conn = redis_conn(ctx)
+    if not (chosen := _chosen(conn, "requeue", job, ids)):
+        return
+    if override and any(e.is_batch for e in chosen):
+        raise click.UsageError("--max-tokens/--temperature/--top-p/--extra-body apply to dead prompts, not to "
+                               "failed batches: change the job's settings with `genq jobs set` instead")
+    report = core.requeue(conn, chosen, override=override)
+    _said("requeued", [f"job {name}: requeued {plural(report.prompts[name], 'prompt')} as "
+                       f"{plural(len(batch_ids), 'new batch', 'new batches')}: {', '.join(batch_ids)}"
+                       for name, batch_ids in report.new_batches.items()]
+          + [f"job {name}: requeued failed batch {batch_id} ({plural(size, 'prompt')}) as a new RQ job"
+             for name, batch_id, size in report.batches], "skipped", report.skipped)
 
 
-def _skipped(verb: str, entries: list[tuple[str, str]]) -> None:
-    """Each entry left as it was, named with why: exit 3 (partly done)."""
-    for entry_id, why in entries:
-        click.echo(f"{verb} {entry_id}: {why}", err=True)
-    if entries:
+def _chosen(conn: Any, verb: str, job: str | None, ids: tuple[str, ...] = ()) -> list[core.Entry]:
+    """The entries with these ids, or (none given) all of the job's or all jobs': said when there are none."""
+    chosen = core.find(conn, ids, job) if ids else core.entries(conn, job)
+    if not chosen:
+        click.echo(f"nothing to {verb}: the dead-letter queue is empty ({_scope(job)})")
+    return chosen
+
+
+def _said(verb: str, done: list[str], left_verb: str, left: list[tuple[str, str]]) -> None:
+    """What was done, and each entry left as it was with why: then exit 3 (partly done)."""
+    click.echo("\n".join(done) or f"nothing was {verb}")
+    for entry_id, why in left:
+        click.echo(f"{left_verb} {entry_id}: {why}", err=True)
+    if left:
         sys.exit(EXIT_PARTLY_DONE)
 
 
@@ -202,19 +183,16 @@ def purge(ctx: click.Context, job: str | None, yes: bool) -> None:
     Keep a record first:
       genq dlq list --job NAME --json > dead-letters.json
     """
-    with redis_conn(ctx) as conn:
-        if not (chosen := _chosen(conn, "purge", job)):
-            return
-        batches = sum(1 for e in chosen if e.is_batch)
-        what = plural(len(chosen) - batches, "dead prompt") + (
-            f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
-        if not yes:
-            click.confirm(f"Purge {what} of {f'job {job}' if job else 'all jobs'}? They will not be retried or counted", abort=True)
-        report = core.purge(conn, chosen)
-    for name, n in report.letters.items():
-        click.echo(f"job {name}: purged {plural(n, 'dead prompt')}")
-    for name, batch_id, forgotten in report.batches:
-        click.echo(f"job {name}: purged failed batch {batch_id} ({plural(forgotten, 'unfinished prompt')} forgotten)")
-    if not report.letters and not report.batches:
-        click.echo("nothing was purged")
-    _skipped("kept", report.kept)
+    conn = redis_conn(ctx)
+    if not (chosen := _chosen(conn, "purge", job)):
+        return
+    batches = sum(1 for e in chosen if e.is_batch)
+    what = plural(len(chosen) - batches, "dead prompt") + (
+        f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
+    if not yes:
+        click.confirm(f"Purge {what} of {f'job {job}' if job else 'all jobs'}? They will not be retried or counted",
+                      abort=True)
+    report = core.purge(conn, chosen)
+    _said("purged", [f"job {name}: purged {plural(n, 'dead prompt')}" for name, n in report.letters.items()]
+          + [f"job {name}: purged failed batch {batch_id} ({plural(forgotten, 'unfinished prompt')} forgotten)"
+             for name, batch_id, forgotten in report.batches], "kept", report.kept)

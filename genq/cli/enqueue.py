@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, settings
+from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
@@ -27,7 +27,7 @@ from genq.producer.enqueue import Enqueuer, EnqueueSummary, revives
 from genq.producer.meter import Meter
 from genq.producer.rejects import SHOWN, RejectsFile
 from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, SourceError, default_rejects_path, is_parquet, is_s3, located, open_rows
+from genq.producer.sources import ColumnMap, default_rejects_path, is_parquet, is_s3, located, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -96,7 +96,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     empty or invalid input, settings that contradict the job, Redis unreachable), or Redis failed
     part way (the same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C).
     """
-    url = settings(ctx).redis_url
+    url = redis_url(ctx)
     try:
         given = _given_settings(options)
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
@@ -122,7 +122,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
                 set_schedule(conn, job, priority, weight)  # and the queue in order again
             else:
                 order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
-    except (ValueError, SourceError) as exc:
+    except ValueError as exc:  # SourceError is the genq group's to print
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
         raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
@@ -143,11 +143,9 @@ def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> s
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
-        return ""
-    if not held:
-        return ""
+        held = 0
     return (f"\njob {job} holds {plural(held, 'prompt')} now (queued: workers run them); {when}, run the same "
-            "command again: the prompts already queued are skipped, the rest queued, each prompt once")
+            "command again: the prompts already queued are skipped, the rest queued, each prompt once") if held else ""
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:
@@ -162,13 +160,11 @@ def _given_settings(options: dict[str, object]) -> dict[str, object]:
 
 def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[JobConfig, bool]:
     """The job's config and whether it is new (stored only with the first batch queued)."""
-    stored = load_config(conn, job)
-    if stored is None:
+    if (stored := load_config(conn, job)) is None:
         given.setdefault("output", os.path.abspath("out"))
         return JobConfig(name=job, created_at=time.time(), incarnation=new_incarnation(), **given), True  # type: ignore[arg-type]
-    differing = [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
-                 for k in given if getattr(stored, k) != given[k]]
-    if differing:
+    if differing := [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
+                     for k in given if getattr(stored, k) != given[k]]:
         raise ValueError(
             f"job {job!r} already exists with other settings: " + "; ".join(differing)
             + f". Leave those options out to add to it, change the job's generation settings with "
@@ -212,8 +208,7 @@ def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) ->
 def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
          rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter,
          closed: str | None) -> EnqueueSummary:
-    started = time.monotonic()
-    show_progress = sys.stderr.isatty()
+    started, show_progress = time.monotonic(), sys.stderr.isatty()
 
     def progress(summary: EnqueueSummary) -> None:
         """Prompts read and their rate; for an input of known size (genq.producer.meter) the percent
@@ -228,18 +223,15 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
                 line += f", ETA {duration(elapsed * (1 - fraction) / fraction)}"
         click.echo(f"\r  {line}", err=True, nl=False)
 
-    enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
-                        input_uri=located(input_uri), closed=closed)
-    summary = enqueuer.run(rows, on_progress=progress, meter=meter)
+    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference, input_uri=located(input_uri),
+                       closed=closed).run(rows, on_progress=progress, meter=meter)
     if show_progress:
         click.echo("", err=True)
     if summary.read:
-        mode = f"by reference to {reference}" if reference else "inline"
-        click.echo(
-            f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
-            f"{plural(summary.batches, 'batch', 'batches')} ({mode}) "
-            f"from {input_uri} in {time.monotonic() - started:.1f}s"
-        )
+        click.echo(f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
+                   f"{plural(summary.batches, 'batch', 'batches')} "
+                   f"({f'by reference to {reference}' if reference else 'inline'}) "
+                   f"from {input_uri} in {time.monotonic() - started:.1f}s")
     return summary
 
 
@@ -259,10 +251,7 @@ def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
                + ". Nothing was written.")
     if closed is not None and summary.enqueued:
         click.echo(f"the real enqueue would be refused: {closed}", err=True)
-        return 1
-    if not summary.read:
-        return 1
-    return EXIT_PARTLY_DONE if summary.rejected else 0
+    return 1 if not summary.read or (closed is not None and summary.enqueued) else EXIT_PARTLY_DONE if summary.rejected else 0
 
 
 def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
@@ -317,19 +306,16 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
         click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
     if summary.skipped_duplicate:
         click.echo(f"  skipped {plural(summary.skipped_duplicate, 'repeated line')} (same id and content earlier in this input)")
-    if not summary.rejected:
-        return
-    if rejects.error is None:
-        where = f"written to {rejects.path}"
-    else:
-        where = f"NOT written ({rejects.error}; give another place with --rejects)"
-    click.echo(f"  rejected {plural(summary.rejected, 'line')}, {where}:", err=True)
-    _show_reasons(rejects, rejects.path if rejects.error is None else None)
+    if summary.rejected:
+        where = (f"written to {rejects.path}" if rejects.error is None else
+                 f"NOT written ({rejects.error}; give another place with --rejects)")
+        click.echo(f"  rejected {plural(summary.rejected, 'line')}, {where}:", err=True)
+        _show_reasons(rejects, rejects.path if rejects.error is None else None)
 
 
 def _show_reasons(rejects: RejectsFile, rejects_path: str | None, limit: int = SHOWN) -> None:
     for item in rejects.first[:limit]:
         click.echo(f"    line {item.line}: {item.reason}", err=True)
     if rejects.count > limit:
-        more = f" (see {rejects_path})" if rejects_path else ""
-        click.echo(f"    ... and {rejects.count - limit:,} more{more}", err=True)
+        click.echo(f"    ... and {rejects.count - limit:,} more" + (f" (see {rejects_path})" if rejects_path else ""),
+                   err=True)

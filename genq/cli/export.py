@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, Option, redis_conn, settings
+from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn, redis_url
 from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
@@ -19,7 +19,7 @@ from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
 from genq.output import export as exporting
-from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
+from genq.output.export import ORDERS, ExportSummary, default_file_name
 from genq.output.formats import FORMATS, format_for
 from genq.producer.batchinput import read_prompts
 
@@ -35,14 +35,15 @@ from genq.producer.batchinput import read_prompts
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
 @click.option("--errors", "errors_path", default=None, metavar="FILE",
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
-@click.option("--output", "source", cls=Option, old=["--from"], default=None, metavar="OUTPUT",
+@click.option("--from", "source_named_from", default=None, hidden=True)  # --output's first name (docs/recovery.md)
+@click.option("--output", "source", default=None, metavar="OUTPUT",
               help="Read shards from OUTPUT (a directory or s3://bucket/prefix, as enqueue's --output) instead "
                    "of the job's configured output, e.g. after copying it.")
 @click.option("--s3-endpoint-url", default=None, metavar="URL",
               help="S3-compatible endpoint for reading and writing. [default: the job's, or the AWS env/config]")
 @click.pass_context
 def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str, errors_path: str | None,
-                   source: str | None, s3_endpoint_url: str | None) -> None:
+                   source: str | None, source_named_from: str | None, s3_endpoint_url: str | None) -> None:
     """Merge JOB's finished shards into one JSONL, Parquet or OpenAI Batch file.
 
     Only shards named by the manifest (JOB/manifest/*.json) are read, each checked
@@ -57,38 +58,29 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
       genq export --job expansion --to ./exports/ --format parquet
       genq export --job batch1 --to out.jsonl --format openai-batch   # + out.errors.jsonl
     """
-    url = settings(ctx).redis_url
-    with redis_conn(ctx) as conn:
-        config = load_config(conn, job)
-        if config is None and source is None:
-            raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(url)}; "
-                                       "give --output OUTPUT to export shards without it")
-        output = source or config.output  # type: ignore[union-attr]
-        endpoint = s3_endpoint_url or (config.s3_endpoint_url if config else None)
-        fmt = format_for(dest, fmt)
-        path = _destination(dest, job, fmt)
-        letters = _letters(conn, job) if FORMATS[fmt].errors_file else []
-        try:
-            summary = exporting.export(output=output, job=job, dest=path, fmt=fmt, order=order, letters=letters,
-                             errors_path=errors_path, endpoint_url=endpoint, dest_endpoint_url=endpoint,
-                             incarnation=config.incarnation if config and not source else None)
-        except ExportError as exc:
-            raise click.ClickException(str(exc)) from None
-        except Exception as exc:
-            if type(exc).__module__.startswith(("botocore", "boto3")):
-                from genq.output import s3
-
-                raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
-            raise
-        partial = _report(summary, fmt, ledger_jobs.counts(conn, job) if config is not None else None)
-    if partial:
-        sys.exit(EXIT_PARTLY_DONE)
-
-
-def _destination(dest: str, job: str, fmt: str) -> str:
+    conn, source = redis_conn(ctx), source or source_named_from
+    config = load_config(conn, job)
+    if config is None and source is None:
+        raise click.ClickException(f"no job named {job!r} in Redis at {mask_url(redis_url(ctx))}; "
+                                   "give --output OUTPUT to export shards without it")
+    output = source or config.output  # type: ignore[union-attr]
+    endpoint = s3_endpoint_url or (config.s3_endpoint_url if config else None)
+    fmt = format_for(dest, fmt)
     if dest.endswith("/") or (not dest.startswith("s3://") and Path(dest).is_dir()):
-        return dest.rstrip("/") + "/" + default_file_name(job, fmt)
-    return dest
+        dest = dest.rstrip("/") + "/" + default_file_name(job, fmt)
+    try:  # ExportError is the genq group's to print
+        summary = exporting.export(output=output, job=job, dest=dest, fmt=fmt, order=order,
+                                   letters=_letters(conn, job) if FORMATS[fmt].errors_file else [],
+                                   errors_path=errors_path, endpoint_url=endpoint, dest_endpoint_url=endpoint,
+                                   incarnation=config.incarnation if config and not source else None)
+    except Exception as exc:
+        if type(exc).__module__.startswith(("botocore", "boto3")):
+            from genq.output import s3
+
+            raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
+        raise
+    if _report(summary, fmt, ledger_jobs.counts(conn, job) if config is not None else None):
+        sys.exit(EXIT_PARTLY_DONE)
 
 
 def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
@@ -144,6 +136,6 @@ def _report(s: ExportSummary, fmt: str, status: JobCounts | None) -> bool:
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"

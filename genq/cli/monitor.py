@@ -10,10 +10,10 @@ import time
 import click
 import redis
 
-from genq.cli import JobName, Option, settings
+from genq.cli import JobName, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.redisconn import connect, describe_error, mask_url, refusal
-from genq.monitor.progress import JobNotFound, Monitor, document, encode
+from genq.monitor.progress import Monitor, document, encode
 from genq.output.local import write_atomic
 
 
@@ -28,7 +28,7 @@ from genq.output.local import write_atomic
               help="Seconds between refreshes.")
 @click.option("--rate-window", type=click.FloatRange(5), default=120.0, show_default=True,
               help="Seconds of the monitor's own samples the throughput is read from.")
-@click.option("--metrics", "listen", cls=Option, old=["--serve"], default=None, metavar="[HOST]:PORT",
+@click.option("--metrics", "listen", default=None, metavar="[HOST]:PORT",
               help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "
                    "honor_labels: true (the genq job is the `job` label). Grafana: dashboards/grafana-genq.json.")
 @click.option("--web", "web_listen", default=None, metavar="[HOST]:PORT",
@@ -54,7 +54,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     (--json adds eta_s, eta_low_s, eta_high_s in seconds, null without an honest
     estimate). The ETA's range is a central 90% (docs/monitoring.md says how).
     """
-    s = settings(ctx)
+    url = redis_url(ctx)
     if once and (listen or web_listen):
         raise click.UsageError(f"{'--metrics' if listen else '--web'} needs a running monitor; drop --once")
     token = os.environ.get("GENQ_WEB_TOKEN") or None
@@ -63,11 +63,11 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     if web_control and (token is None or len(token) < 16):
         raise click.UsageError("--web-control needs a token of 16 or more characters in GENQ_WEB_TOKEN")
     try:
-        conn = connect(s.redis_url)
+        conn = connect(url)
         conn.ping()
     except (redis.RedisError, OSError) as exc:
         if refusal(exc) is None:  # a Redis refusing writes (MISCONF refuses PING) still answers reads
-            raise click.ClickException(describe_error(s.redis_url, exc)) from None
+            raise click.ClickException(describe_error(url, exc)) from None
     history = None
     if web_listen:
         from genq.monitor.webapp import History
@@ -94,13 +94,8 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
         click.echo(f"genq monitor: live page on http://{_shown(web_listen)}/"
                    f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)
-    try:  # what Redis says instead of answering is the genq group's to print
-        if once:
-            _emit(mon, as_json, progress_file, mask_url(s.redis_url), None, live=None)
-            return
-        _loop(mon, as_json, progress_file, mask_url(s.redis_url), interval, until_done)
-    except JobNotFound as exc:
-        raise click.ClickException(str(exc)) from None
+    try:  # what Redis says instead of answering, and JobNotFound, are the genq group's to print
+        _loop(mon, as_json, progress_file, mask_url(url), None if once else interval, until_done)
     except OSError as exc:  # the progress file cannot be written
         raise click.ClickException(f"--progress-file {progress_file}: {exc}") from None
     except KeyboardInterrupt:
@@ -111,62 +106,52 @@ def _shown(listen: str) -> str:
     return "0.0.0.0" + listen if listen.startswith(":") else listen
 
 
-def _emit(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float | None,
-          live) -> list:
-    """One refresh, printed; interval None for --once."""
-    reports = mon.refresh()
-    if progress_file:
-        write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
-    if as_json:
-        if mon.redis_note:  # stdout stays the JSON document
-            click.echo(f"warning: {mon.redis_note.text}", err=True)
-        sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
-        sys.stdout.flush()
-    else:
-        from genq.monitor.view import render
-
-        view = render(reports, redis_display, interval, mon.redis_note.text if mon.redis_note else None)
-        if live is not None:
-            live.update(view, refresh=True)
-        else:
-            from rich.console import Console
-
-            console = Console()
-            if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
-                console = Console(width=140)
-            console.print(view)
-    return reports
-
-
-def _loop(mon: Monitor, as_json: bool, progress_file: str | None, redis_display: str, interval: float,
+def _loop(mon: Monitor, as_json: bool, progress_file: str | None, shown_url: str, interval: float | None,
           until_done: bool) -> None:
-    live = None
-    if not as_json:
-        from rich.console import Console
-        from rich.live import Live
+    """A refresh every `interval` seconds (None: one, --once), as JSON or the view (live in a terminal)."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
 
-        console = Console()
-        if console.is_terminal:
-            live = Live(console=console, auto_refresh=False, screen=False)
-            live.start()
+    from genq.monitor.view import render
+
+    console = Console()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and interval and not as_json else None
+    if live is not None:
+        live.start()
     try:
         while True:
             started = time.monotonic()
             try:
-                reports = _emit(mon, as_json, progress_file, redis_display, interval, live)
+                reports = mon.refresh()
             except redis.RedisError as exc:
+                if interval is None:
+                    raise
                 # A live monitor outlasts a Redis restart: say so and try again next time.
-                from rich.text import Text
-
-                message = f"cannot read Redis at {redis_display} ({type(exc).__name__}: {exc}); retrying"
+                message = f"cannot read Redis at {shown_url} ({type(exc).__name__}: {exc}); retrying"
                 if live is not None:
                     live.update(Text(message, style="bold red"), refresh=True)
                 else:
                     click.echo(message, err=True)
                 reports = []
+            else:
+                if progress_file:
+                    write_atomic(progress_file, encode(document(reports, mon.single, for_json=False)) + b"\n")
+                if as_json:
+                    if mon.redis_note:  # stdout stays the JSON document
+                        click.echo(f"warning: {mon.redis_note.text}", err=True)
+                    sys.stdout.buffer.write(encode(document(reports, mon.single, for_json=True)) + b"\n")
+                    sys.stdout.flush()
+                else:
+                    view = render(reports, shown_url, interval, mon.redis_note.text if mon.redis_note else None)
+                    if live is not None:
+                        live.update(view, refresh=True)
+                    else:  # a pipe or a file: not squeezed into 80 columns
+                        (console if console.is_terminal else Console(width=140)).print(view)
             # "done" means every shard is written too (not only every prompt finished): a script
             # that exports right after --until-done gets every batch.
-            if until_done and reports and all(r.progress.status in FINISHED_STATUSES for r in reports):
+            if interval is None or (until_done and reports and all(
+                    r.progress.status in FINISHED_STATUSES for r in reports)):
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
     finally:

@@ -12,7 +12,7 @@ from genq.cli.enqueue import reference_uri
 from genq.core.words import plural
 from genq.ops import recover as recovering
 from genq.producer.enqueue import enqueue_again
-from genq.producer.sources import SourceError, located
+from genq.producer.sources import located
 
 
 @click.command(short_help="Rebuild a job's ledger in Redis from its written output.")
@@ -39,28 +39,26 @@ def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str,
     """
     if output and "://" not in output:
         output = os.path.abspath(output)
-    with redis_conn(ctx) as conn:
-        try:
-            rejected = 0
-            found = recovering.recover(conn, job, output, s3_endpoint_url)
-            config = found.config
-            if found.rebuilt:
-                click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
-                           f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it "
-                           "without its config")
-            click.echo(f"job {job}: {plural(len(found.adopted), 'batch', 'batches')} written in the output marked done "
-                       "from their markers")
-            sources = list(inputs) or found.record.inputs
-            if not sources:
-                click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
-                           "again (give --input)", err=True)
-            for source in sources:
-                summary = enqueue_again(conn, config, located(source), reference_uri(source, None))
-                rejected += summary.rejected
-                click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
-                           f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already "
-                           "written or queued")
-        except (ValueError, SourceError) as exc:
-            raise click.ClickException(str(exc)) from None
+    try:  # an output or input that cannot be read (SourceError is the genq group's to print)
+        conn, rejected = redis_conn(ctx), 0
+        found = recovering.recover(conn, job, output, s3_endpoint_url)
+        config = found.config
+        if found.rebuilt:
+            click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
+                       f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it "
+                       "without its config")
+        click.echo(f"job {job}: {plural(len(found.adopted), 'batch', 'batches')} written in the output marked done "
+                   "from their markers")
+        if not (sources := list(inputs) or found.record.inputs):
+            click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
+                       "again (give --input)", err=True)
+        for source in sources:
+            summary = enqueue_again(conn, config, located(source), reference_uri(source, None))
+            rejected += summary.rejected
+            click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
+                       f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already "
+                       "written or queued")
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if rejected:
         sys.exit(EXIT_PARTLY_DONE)

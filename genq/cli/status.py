@@ -40,11 +40,10 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
     Exit status: 0 found (whatever its state); 1 no such job or no such prompt in it.
     """
     job, prompt_id = _job_and_id(ctx, words, job_option)
-    with redis_conn(ctx) as conn:
-        if load_config(conn, job) is None:
-            raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
-        fate = find(conn, job, prompt_id)
-    if fate is None:
+    conn = redis_conn(ctx)
+    if load_config(conn, job) is None:
+        raise click.ClickException(f"no job named {job!r} (see `genq jobs`)")
+    if (fate := find(conn, job, prompt_id)) is None:
         raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
     if as_json:
         click.echo(json.dumps(fate))
@@ -58,17 +57,14 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
 
 
 def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
-    letter = letters.read_some(conn, job, [prompt_id], DeadLetter)[0]
-    if letter is not None:
+    if (letter := letters.read_some(conn, job, [prompt_id], DeadLetter)[0]) is not None:
         return {"state": "dead-lettered", "batch": letter.batch, "letter": msgspec.to_builtins(letter),
                 "why": f"{letter.kind} after {letter.attempts} attempt(s): {letter.message}"}
     if not ledger_jobs.knows_prompt(conn, job, prompt_id):
         return None
     for batch in ledger_jobs.pending_batches(conn, job):
-        source = load_batch(conn, job, batch)
-        if source is None or prompt_id not in batch_records.ids(source):
-            continue
-        return _pending(conn, job, batch, prompt_id)
+        if (source := load_batch(conn, job, batch)) is not None and prompt_id in batch_records.ids(source):
+            return _pending(conn, job, batch, prompt_id)
     return _written(conn, job, prompt_id)
 
 
@@ -90,15 +86,12 @@ def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[st
 
 def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
     """In a written shard: the record itself, read from the shard (local or S3)."""
-    config = load_config(conn, job)
-    endpoint = config.s3_endpoint_url if config else None
+    endpoint = config.s3_endpoint_url if (config := load_config(conn, job)) else None
     for raw in ledger_jobs.shard_infos(conn, job):
         info = unpack(raw, ShardInfo)
         for line in _lines(info.uri, endpoint):
-            if prompt_id.encode() in line:
-                record = json.loads(line)
-                if record.get("id") == prompt_id:
-                    return {"state": "done", "batch": info.batch, "record": record, "why": f"written to {info.uri}"}
+            if prompt_id.encode() in line and (record := json.loads(line)).get("id") == prompt_id:
+                return {"state": "done", "batch": info.batch, "record": record, "why": f"written to {info.uri}"}
     return {"state": "done", "batch": None,
             "why": "its batch is done, but no written shard holds it (see `genq export` and docs/operations.md)"}
 
@@ -108,20 +101,16 @@ def _lines(uri: str, endpoint: str | None) -> list[bytes]:
         from genq.output import s3
 
         data = s3.read_object(uri, endpoint)
+    elif not (path := Path(uri)).exists():
+        return []
     else:
-        try:
-            data = Path(uri).read_bytes()
-        except FileNotFoundError:
-            return []
+        data = path.read_bytes()
     return (gzip.decompress(data) if uri.endswith(".gz") else data).splitlines()
 
 
 def _job_and_id(ctx: click.Context, words: tuple[str, ...], job_option: str | None) -> tuple[str, str]:
     """JOB ID, or --job JOB and ID: bad usage (exit 2) otherwise."""
-    want = 1 if job_option is not None else 2
-    if len(words) != want:
-        raise click.UsageError("give JOB and ID (or --job JOB and ID)" if want == 2 else
+    if len(words) != (1 if job_option is not None else 2):
+        raise click.UsageError("give JOB and ID (or --job JOB and ID)" if job_option is None else
                                f"with --job {job_option}, give only the prompt's ID", ctx)
-    if job_option is not None:
-        return job_option, words[0]
-    return JobName().convert(words[0], None, ctx), words[1]
+    return (job_option, words[0]) if job_option is not None else (JobName().convert(words[0], None, ctx), words[1])

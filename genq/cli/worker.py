@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from genq.cli import Concurrency, settings
+from genq.cli import Concurrency, redis_url
 from genq.worker.options import DEFAULT_PREFETCH, WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
@@ -79,7 +79,6 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--server-crash-limit", type=click.IntRange(1, 100), default=DEFAULTS.server_crash_limit, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
 @click.option("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
 @click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help=f"First retry delay in seconds; doubles per attempt (with jitter), capped at {DEFAULTS.retry_backoff_max:.0f}.")
-@click.option("--heartbeat-interval", "job_monitoring_interval", type=click.IntRange(1, 600), default=None, hidden=True, help="No effect: RQ runs no job of genq's (the engine takes batches itself); accepted so older command lines run.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info", show_default=True, help="Least severe log lines shown (any case: INFO or info).")
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
@@ -117,7 +116,6 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     if given:
         raise click.UsageError(f"{', '.join(given)} only work(s) with --gpus (use --gpus N for one GPU)")
     from genq.worker.engine import run_engine
-    from genq.worker.options import WorkerOptions
 
     if not options["burst"]:
         options["server_start_timeout"] = None  # a long-lived worker waits for its server, saying so
@@ -125,9 +123,7 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
         # A burst worker expects its server up: a dead port (a typo, a dead server) fails in
         # seconds, not after the 30 minutes a model may take to load.
         options["server_start_timeout"] = BURST_SERVER_WAIT_S
-    options.pop("job_monitoring_interval")
-    opts = WorkerOptions(redis_url=settings(ctx).redis_url, **options)
-    raise SystemExit(asyncio.run(run_engine(opts)))
+    raise SystemExit(asyncio.run(run_engine(WorkerOptions(redis_url=redis_url(ctx), **options))))
 
 
 # Options of the fleet itself (--gpus); everything else is passed to each GPU's worker.
@@ -138,11 +134,12 @@ PER_WORKER = ("server_url", "gpu", "name", "host")
 
 
 def forwarded_options(ctx: click.Context) -> list[str]:
-    """The shared options the operator gave, as arguments for each GPU's `genq worker`."""
+    """The shared options the operator gave, as arguments for each GPU's `genq worker` (--redis is
+    the fleet's own to pass, and not held in ctx.params)."""
     args: list[str] = []
     for param in ctx.command.params:
         name = param.name
-        if name in FLEET_ONLY or name in PER_WORKER or not isinstance(param, click.Option):
+        if name in FLEET_ONLY or name in PER_WORKER or name not in ctx.params or not isinstance(param, click.Option):
             continue
         if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
             continue
@@ -158,17 +155,11 @@ def forwarded_options(ctx: click.Context) -> list[str]:
 
 
 def _run_fleet(ctx: click.Context, fleet: dict, name: str | None, host: str | None) -> int:
-    from genq.worker.fleet import FleetError, FleetOptions, HealthTimeouts, parse_gpus, run_fleet
+    from genq.worker.fleet import FleetOptions, HealthTimeouts, parse_gpus, run_fleet
 
-    try:
-        opts = FleetOptions(
-            redis_url=settings(ctx).redis_url, gpus=parse_gpus(fleet["gpus"]), host=host or socket.gethostname(),
-            base_port=fleet["base_port"], server_url=fleet["server_url_template"], launch=fleet["launch"],
-            log_dir=fleet["log_dir"], name_prefix=name, engine_args=forwarded_options(ctx),
-            max_restarts=fleet["max_restarts"],
-            health=HealthTimeouts(start=fleet["server_start_timeout"], unhealthy=fleet["server_health_timeout"],
-                                  interval=fleet["health_interval"]),
-        )
-        return asyncio.run(run_fleet(opts))
-    except FleetError as exc:
-        raise click.ClickException(str(exc)) from None
+    return asyncio.run(run_fleet(FleetOptions(
+        redis_url=redis_url(ctx), gpus=parse_gpus(fleet["gpus"]), host=host or socket.gethostname(),
+        base_port=fleet["base_port"], server_url=fleet["server_url_template"], launch=fleet["launch"],
+        log_dir=fleet["log_dir"], name_prefix=name, engine_args=forwarded_options(ctx), max_restarts=fleet["max_restarts"],
+        health=HealthTimeouts(start=fleet["server_start_timeout"], unhealthy=fleet["server_health_timeout"],
+                              interval=fleet["health_interval"]))))

@@ -17,33 +17,30 @@ from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked
 from genq.core.ledger.figures import JobStatus, job_status, job_totals
-from genq.core.order import schedules
+from genq.core.order import order_queue, schedules
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.ops import Refused
-from genq.ops.settings import unblock
 from genq.output import truth
 from genq.output.sink import open_store
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
-GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record
 
 
 @dataclass(frozen=True)
 class WorkerRow:
-    """One line of `genq workers`: the worker's own record (None once its heartbeat expired: lost)
-    and what is derived from it."""
+    """One line of `genq workers`: the worker's own record (None once its heartbeat expired: lost),
+    its fields read through (these defaults while lost), and what is derived from it."""
 
     name: str
     status: WorkerStatus | None
     now: float
 
-    # Read through from the record; these while it is lost.
     _DEFAULTS: ClassVar[dict[str, Any]] = {
-        "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0,
-        "tok_per_s": 0.0, "req_per_s": 0.0, "done": 0, "errors": 0, "model": None, "server_capacity": None,
-        "concurrency_limit": None}
-    # "cap" is concurrency_limit's first name, kept for scripts that read it.
+        "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0, "tok_per_s": 0.0,
+        "req_per_s": 0.0, "done": 0, "errors": 0, "model": None, "server_capacity": None, "concurrency_limit": None,
+        "concurrency_target": 0}
+    # "cap" is concurrency_limit's first name, documented in docs/fleet.md.
     JSON_FIELDS: ClassVar[tuple[str, ...]] = (
         "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "concurrency_limit",
         "server_capacity", "cap", "queued", "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note",
@@ -60,19 +57,14 @@ class WorkerRow:
 
     @property
     def live(self) -> bool:
-        return self.state not in GONE_STATES
+        return self.state not in ("stopped", LOST)
 
     @property
     def batches(self) -> list[str]:
         return [] if self.status is None else [str(b) for b in self.status.batches]
 
-    @property
-    def target(self) -> int:
-        return 0 if self.status is None else self.status.concurrency_target
-
-    @property
-    def cap(self) -> int | None:
-        return self.concurrency_limit
+    target = property(lambda self: self.concurrency_target)
+    cap = property(lambda self: self.concurrency_limit)
 
     @property
     def heartbeat_age_s(self) -> float | None:
@@ -112,8 +104,8 @@ class JobRow(msgspec.Struct, omit_defaults=False):
 
 
 def fleet(conn: redis.Redis) -> list[WorkerRow]:
-    """Every worker that ever heartbeated, sorted by host then GPU (a status written by an
-    incompatible genq reads as None: lost)."""
+    """Every worker that ever heartbeated, by host then GPU (a status written by an incompatible
+    genq reads as None: lost)."""
     now = time.time()
     rows = [WorkerRow(name, status, now) for name, status in ledger_fleet.statuses(conn).items()]
     return sorted(rows, key=lambda r: (r.host is None, r.host or "", int(r.gpu) if (r.gpu or "").isdigit() else -1,
@@ -141,20 +133,14 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
     return [by_name[name] for name in workers]
 
 
-KEEP = object()  # update_control: leave this field as it is
+def update_control(conn: redis.Redis, name: str, **change: Any) -> Control:
+    """Set fields (drain, concurrency: None or 0 is auto) of a worker's Control record and keep the
+    others (WATCH: a concurrent drain and concurrency change both stick)."""
+    def apply(control: Control) -> None:
+        for field, value in change.items():
+            setattr(control, field, (value or None) if field == "concurrency" else value)
 
-
-def update_control(conn: redis.Redis, name: str, *, drain: bool | None = None,
-                   concurrency: object = KEEP) -> Control:
-    """Change one field of a worker's Control record and keep the other (WATCH: a concurrent drain
-    and concurrency change both stick); concurrency None or 0 is auto."""
-    def change(control: Control) -> None:
-        if drain is not None:
-            control.drain = drain
-        if concurrency is not KEEP:
-            control.concurrency = concurrency or None  # type: ignore[assignment]  # int | None, not KEEP
-
-    control = ledger_fleet.change_control(conn, name, change)
+    control = ledger_fleet.change_control(conn, name, apply)
     ledger_fleet.tell_idle_workers(conn)  # idle workers read their control every 20 s: now, instead
     return control
 
@@ -164,23 +150,22 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
     if job is None:
         ledger_jobs.pause_all(conn)
         suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
-    else:
-        # Its queued batches leave RQ's queue and its workers park what they hold: their slots
-        # go to other jobs; `resume --job` queues them all again.
-        ledger_jobs.pause_job(conn, job)
+    else:  # its queued batches leave RQ's queue and its workers park what they hold: the slots go to
+        ledger_jobs.pause_job(conn, job)  # other jobs; `resume --job` queues them all again
         parked.unqueue(conn, job)
     ledger_fleet.tell_idle_workers(conn)
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:
-    """Undo a pause; with a job, also lift its block and queue the batches its workers parked:
-    how many were queued."""
+    """Undo a pause; with a job, also lift its block and pause and queue its parked batches: how many."""
     queued = 0
     if job is None:
         ledger_jobs.resume_all(conn)
         suspend_loops(conn, suspended=False)
     else:
-        queued = unblock(conn, job)
+        ledger_jobs.lift_block(conn, job)
+        if queued := parked.requeue_parked(conn, job):
+            order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 
@@ -188,11 +173,9 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
     """Totals per job from the counters of record (genq.core.ledger.figures)."""
     names = list_jobs(conn) if names is None else list(names)
-    paused_all = ledger_jobs.paused_all(conn)
-    paused = ledger_jobs.paused_jobs(conn, names)
+    paused_all, paused = ledger_jobs.paused_all(conn), ledger_jobs.paused_jobs(conn, names)
     fleet_names = ledger_fleet.worker_names(conn)
-    blocks = ledger_jobs.blocks_of(conn, names)
-    sched = schedules(conn, names)
+    blocks, sched = ledger_jobs.blocks_of(conn, names), schedules(conn, names)
     rows = []
     for job in names:
         t = job_totals(conn, job, fleet_names)
@@ -208,8 +191,7 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
             workers=list(t.inflight), output=config.output if config else None, blocked=blocks.get(job),
             settings_version=config.settings_version if config else 1, priority=sched[job].priority,
             weight=sched[job].weight, running=sum(len(r.tokens) for r in t.inflight.values())))
-    # Every job's requests running, as the monitor counts them.
-    statuses = ledger_fleet.statuses(conn, fleet_names).values()
+    statuses = ledger_fleet.statuses(conn, fleet_names).values()  # every job's running requests, as the monitor counts
     fleet_running = sum(s.in_flight for s in statuses if s is not None and s.state != "stopped")
     for r in rows:
         r.share = min(1.0, r.running / fleet_running) if fleet_running else 0.0
@@ -223,10 +205,6 @@ class JobDeletion(msgspec.Struct):
     keys: list[str]  # genq's keys of the job (everything under genq:job:JOB:)
     rq_jobs: dict[str, list[str]]  # where the job's RQ jobs are (queued, started, failed...) -> RQ job ids
     holders: list[str]  # live workers holding its batches
-
-    @property
-    def rq_count(self) -> int:
-        return len({i for ids in self.rq_jobs.values() for i in ids})
 
 
 def mark_output_deleted(config: JobConfig) -> str | None:
@@ -243,10 +221,10 @@ def mark_output_deleted(config: JobConfig) -> str | None:
 
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:
     """The queue and every registry of RQ's that can hold one of its jobs."""
-    queue = rq_queue(conn)
-    return {"queued": queue, "started": queue.started_job_registry, "finished": queue.finished_job_registry,
-            "failed": queue.failed_job_registry, "deferred": queue.deferred_job_registry,
-            "scheduled": queue.scheduled_job_registry, "canceled": queue.canceled_job_registry}
+    q = rq_queue(conn)
+    return {"queued": q, "started": q.started_job_registry, "finished": q.finished_job_registry,
+            "failed": q.failed_job_registry, "deferred": q.deferred_job_registry,
+            "scheduled": q.scheduled_job_registry, "canceled": q.canceled_job_registry}
 
 
 def find_job(conn: redis.Redis, job: str) -> JobDeletion:
@@ -255,8 +233,7 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     for place, holder in _rq_places(conn).items():
         # cleanup=False: looking must not make RQ move jobs between registries.
         ids = holder.get_job_ids() if place == "queued" else holder.get_job_ids(cleanup=False)
-        mine = [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) is not None and c[0] == job]
-        if mine:
+        if mine := [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job]:
             rq_jobs[place] = mine
     holders = sorted(r.name for r in fleet(conn) if r.live and any(b.split("/", 1)[0] == job for b in r.batches))
     return JobDeletion(job=job, keys=ledger_jobs.find_job_keys(conn, job), rq_jobs=rq_jobs, holders=holders)
@@ -264,7 +241,6 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
 
 def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> None:
     """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name."""
-    ids = sorted({i for ids in found.rq_jobs.values() for i in ids})
     with conn.pipeline() as pipe:
         for place, holder in _rq_places(conn).items():
             mine = set(found.rq_jobs.get(place, []))
@@ -272,10 +248,9 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> 
                 for rq_id in mine:
                     holder.remove(rq_id, pipeline=pipe)
             elif mine:  # the started registry holds "job:execution" entries, the others plain job ids
-                entries = [e for e in conn.zrange(holder.key, 0, -1) if holder.parse_job_id(e.decode()) in mine]
-                if entries:
+                if entries := [e for e in conn.zrange(holder.key, 0, -1) if holder.parse_job_id(e.decode()) in mine]:
                     pipe.zrem(holder.key, *entries)
-        for rq_job in fetch_rq_jobs(conn, ids):
+        for rq_job in fetch_rq_jobs(conn, sorted({i for ids in found.rq_jobs.values() for i in ids})):
             if rq_job is not None:
                 delete_rq_job(pipe, rq_job, remove_from_queue=False)
         ledger_jobs.stage_forget_job(pipe, found.job, found.keys)

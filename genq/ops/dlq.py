@@ -1,14 +1,9 @@
-"""The dead-letter queue: prompts genq gave up on, and batches RQ gave up on, in one view.
+"""The dead-letter queue, one view of prompts genq gave up on (a DeadLetter in the job's DLQ) and
+batches RQ gave up on (its failed registry, id "batch:<batch id>": the reconciler queues them again).
 
-A dead prompt is a DeadLetter in keys.job_dlq(job), written by a worker when the prompt fails for
-good. A failed batch is an RQ job of the genq queue in RQ's FailedJobRegistry (the worker holding it
-was lost): the ledger's reconciler queues it again within seconds, and meanwhile it shows here as
-kind batch_failed with id "batch:<batch id>", so that it can be requeued or purged too.
-
-Requeue and purge are MULTI transactions under WATCH: a crash leaves each letter untouched or wholly
-moved, and two operators never requeue a letter twice. A letter moves only once its batch can never
-run again (its record is deleted when its shard is written): a batch leased again regenerates every
-prompt with neither a result nor a letter, so moving the letter earlier would produce it twice.
+Requeue and purge are MULTI under WATCH: each letter moves whole or not at all, and only once its
+batch can never run again (a batch leased again regenerates every prompt with neither a result
+nor a letter, so moving the letter earlier would produce it twice).
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -37,7 +32,7 @@ from genq.core.queueing import (
     new_batches,
     write_batches,
 )
-from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig, Prompt
+from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig
 from genq.ops import Refused, jobs_named
 from genq.output import truth
 from genq.output.sink import open_store
@@ -79,13 +74,11 @@ def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
     return letters.read_all(conn, job, Entry)
 
 
-def failed_batches(conn: redis.Redis, jobs: Iterable[str], *, traceback: bool = False) -> list[Entry]:
+def failed_batches(conn: redis.Redis, jobs: Collection[str], *, traceback: bool = False) -> list[Entry]:
     """The given jobs' batches in RQ's failed registry."""
-    wanted = set(jobs)
     found = []
     for rq_job in fetch_rq_jobs(conn, failed_registry(conn).get_job_ids()):
-        ref = carried(rq_job)
-        if rq_job is None or ref is None or ref[0] not in wanted:
+        if rq_job is None or (ref := carried(rq_job)) is None or ref[0] not in jobs:
             continue
         job, batch_id = ref
         result = rq_job.latest_result()
@@ -115,15 +108,12 @@ def find(conn: redis.Redis, ids: Sequence[str], job: str | None, *, traceback: b
     jobs = jobs_named(conn, job)
     matches: dict[str, list[Entry]] = {i: [] for i in ids}
     prompt_ids = [i for i in matches if not i.startswith(BATCH_PREFIX)]
-    for j in jobs:
-        if prompt_ids:
-            for pid, letter in zip(prompt_ids, letters.read_some(conn, j, prompt_ids, Entry)):
-                if letter is not None:
-                    matches[pid].append(letter)
+    found = [e for j in jobs if prompt_ids for e in letters.read_some(conn, j, prompt_ids, Entry) if e is not None]
     if len(prompt_ids) < len(matches):
-        for entry in failed_batches(conn, jobs, traceback=traceback):
-            if entry.id in matches:
-                matches[entry.id].append(entry)
+        found += failed_batches(conn, jobs, traceback=traceback)
+    for entry in found:
+        if entry.id in matches:
+            matches[entry.id].append(entry)
     if missing := [i for i, found in matches.items() if not found]:
         raise Refused(f"no dead letter or failed batch with id {', '.join(map(repr, missing))} in "
                       f"{f'job {job!r}' if job else 'any job'} (see `genq dlq list`; failed batches are named "
@@ -166,13 +156,12 @@ def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadL
 def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> RequeueReport:
     """Dead prompts back as new batches (with the job's current settings; `override`, request
     fields, goes into each prompt's own sampling), failed batches back on the queue."""
-    report = RequeueReport(prompts={}, new_batches={}, batches=[], skipped=[])
+    report = RequeueReport()
     for entry in chosen:
         if entry.is_batch:
             _requeue_batch(conn, entry, report)
     for job, ids in _letter_chunks(chosen):
-        config = load_config(conn, job)
-        if config is None:
+        if (config := load_config(conn, job)) is None:
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         _requeue_letters(conn, config, ids, report, override or {})
     return report
@@ -186,7 +175,8 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
         found, skipped = _movable(pipe, job, ids, "requeue")
         # A fresh Prompt carries no attempt count: the engine starts it at 0.
         # `override` goes over each prompt's own sampling, which wins over the job's settings.
-        prompts = sorted((_with_sampling(letter.prompt, override) for letter in found if letter.prompt is not None),
+        prompts = sorted((msgspec.structs.replace(letter.prompt, sampling={**(letter.prompt.sampling or {}), **override})
+                          if override else letter.prompt for letter in found if letter.prompt is not None),
                          key=lambda p: (p.index, p.id))
         batches = new_batches(conn, job, prompts, config.batch_size)  # ids from INCRBY: gaps are harmless
         if found:
@@ -202,12 +192,6 @@ def _requeue_letters(conn: redis.Redis, config: JobConfig, ids: list[str], repor
     if moved:
         report.prompts[job] = report.prompts.get(job, 0) + len(moved)
         report.new_batches.setdefault(job, []).extend(batch_ids)
-
-
-def _with_sampling(prompt: Prompt, override: dict[str, Any]) -> Prompt:
-    if not override:
-        return prompt
-    return msgspec.structs.replace(prompt, sampling={**(prompt.sampling or {}), **override})
 
 
 def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[str]) -> None:
@@ -246,7 +230,7 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> PurgeReport:
     """Forget dead prompts and failed batches: no retry, and out of every count (the DLQ, the job's
     total and id index, so the same row enqueued again is queued anew; stats count them "purged").
     Failed batches go first: their own dead letters can then be purged in the same run."""
-    report = PurgeReport(letters={}, batches=[], kept=[])
+    report = PurgeReport()
     for entry in chosen:
         if entry.is_batch:
             _purge_batch(conn, entry, report)
@@ -303,14 +287,12 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
 def _unrecord_batch(conn: redis.Redis, job: str, batch: str) -> None:
     """A purged batch leaves the enqueue records that name it: it is gone on purpose, not lost with
     Redis, and its forgotten prompts are not queued again (genq.producer.enqueue.queue_lost)."""
-    config = load_config(conn, job)
-    if config is None:
+    if (config := load_config(conn, job)) is None:
         return
     try:
         store = open_store(config.output, config.s3_endpoint_url)
         for run, record in truth.read_enqueues(store, job).items():
-            named = truth.recorded_batches(record)
-            if batch in named:
+            if batch in (named := truth.recorded_batches(record)):
                 kept = truth.batch_ranges(b for b in named if b != batch)
                 truth.write_enqueue(store, job, run, msgspec.structs.replace(record, batches=kept))
     except Exception as exc:  # OSError, botocore's errors

@@ -1,12 +1,10 @@
 """A job's ledger brought up to its output: what is written is done, whatever Redis says.
 
-Redis lost the job (restarted empty, flushed): `genq recover` or the same `genq enqueue` takes the
-job's config and incarnation from OUTPUT/JOB/job.json, drops what Redis holds of the job without its
-config, and adopts every marker of that incarnation; only prompts with no written outcome are queued
-again. Redis lost recent writes (a snapshot restored, a lagging replica): workers adopt each written
-batch from its marker (before driving it, on finding its marker, and in maintenance) instead of
-generating it again. ADOPT (genq/core/scripts/adopt.lua) marks the batch done as RELEASE would and
-sets the counters to the marker's tally, so the monitor's figures equal the output.
+Redis lost the job: `genq recover` or the same `genq enqueue` creates it again from
+OUTPUT/JOB/job.json and adopts every marker of that life; only prompts with no written outcome are
+queued again. Redis lost recent writes: workers adopt each written batch from its marker instead of
+generating it again. ADOPT (genq/core/scripts/adopt.lua) marks a batch done as RELEASE would, its
+counters set to the marker's tally, so the monitor's figures equal the output.
 """
 
 from __future__ import annotations
@@ -45,11 +43,9 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     store = open_store(config.output, config.s3_endpoint_url)
     on_disk = truth.read_job(store, config.name)
     settings_from_output(conn, config, on_disk.config if on_disk else None)
-    written = truth.marker_batches(store, config.name)
-    done = ledger_jobs.done_batches(conn, config.name)
-    markers = truth.of_life(truth.read_markers(store, config.name, written - done), config)
-    adopted = [m.batch for m in markers if adopt(conn, config.name, m)]
-    if adopted:
+    undone = truth.marker_batches(store, config.name) - ledger_jobs.done_batches(conn, config.name)
+    markers = truth.of_life(truth.read_markers(store, config.name, undone), config)
+    if adopted := [m.batch for m in markers if adopt(conn, config.name, m)]:
         log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); "
                     "marked done from their markers, not generated again: %s", config.name,
                     plural(len(adopted), "batch", "batches"),
@@ -71,29 +67,24 @@ class Recovery:
 def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url: str | None = None) -> Recovery:
     """The job's ledger brought up to its output: created again from OUTPUT/JOB/job.json when
     Redis has no config for it (output: where to look then), else caught up."""
-    config = load_config(conn, job)
-    if config is not None:
-        store = open_store(config.output, config.s3_endpoint_url)
+    if (config := load_config(conn, job)) is not None:
         adopted = catch_up(conn, config)
         config = load_config(conn, job) or config  # with the output's settings, when Redis had lost them
-        record = truth.read_job(store, job) or JobRecord(config=config)
+        record = truth.read_job(open_store(config.output, config.s3_endpoint_url), job) or JobRecord(config=config)
         return Recovery(config=config, record=record, adopted=adopted, rebuilt=False)
     if output is None:
         raise Refused(f"job {job!r} is not in Redis: give the output it wrote to (--output)")
-    on_disk = truth.read_job(open_store(output, endpoint_url), job)
-    if on_disk is None:
+    if (on_disk := truth.read_job(open_store(output, endpoint_url), job)) is None:
         raise Refused(f"job {job!r} is not in Redis and {output}/{job}/job.json does not exist: "
-                          "nothing to recover it from")
+                      "nothing to recover it from")
     return rebuild(conn, on_disk)
 
 
 def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
     """Create the job again in Redis from its job.json and adopt every marker of its life."""
-    config = record.config
-    job = config.name
+    config, job = record.config, record.config.name
     store = open_store(config.output, config.s3_endpoint_url)
-    written = truth.marker_batches(store, job)
-    markers = truth.of_life(truth.read_markers(store, job, written), config)
+    markers = truth.of_life(truth.read_markers(store, job, truth.marker_batches(store, job)), config)
     # Whatever Redis holds of the job without its config is not its ledger: results and claims
     # written into an empty Redis by workers that held batches when it was lost.
     orphans = ledger_jobs.find_job_keys(conn, job)
@@ -114,10 +105,9 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
 
 
 class OutputWatch:
-    """A worker's look at its jobs' outputs, from its maintenance loop: at its start, after Redis
-    restarted (its run_id changed) and once a minute, batches written but not done in Redis are
-    adopted and enqueues whose batches Redis lost are queued again (`queue_lost`); a job gone from
-    Redis while its output remains is named, with the command that brings it back."""
+    """A worker's look at its jobs' outputs at its start, after Redis restarted (a new run_id) and
+    once a minute: written batches adopted, enqueues whose batches Redis lost queued again
+    (`queue_lost`), a job gone from Redis while its output remains named with its way back."""
 
     EVERY_S = 60.0
 
@@ -137,8 +127,7 @@ class OutputWatch:
         self._run_id, self._last = run_id, time.monotonic()
         jobs = list_jobs(self.conn)
         for job in jobs:
-            config = load_config(self.conn, job)
-            if config is None:
+            if (config := load_config(self.conn, job)) is None:
                 continue
             self._outputs[job] = config.output
             try:

@@ -1,9 +1,7 @@
 """A job's generation settings changed in place, and a blocked job's way back (docs/settings.md).
 
-`genq jobs set` stores the next settings version in the job's config; workers send every prompt not
-yet sent with it within a second, and each Result records its version. OUTPUT/JOB/job.json is
-written before Redis: the output is the durable truth of the job's settings, and whatever brings a
-job back from it (recover, the same enqueue, a worker catching up) takes them from there.
+OUTPUT/JOB/job.json is written before Redis: the output is the durable truth of the job's settings,
+and whatever brings a job back from it (recover, the same enqueue, a worker catching up) takes them.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ import msgspec
 import redis
 
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger import parked
-from genq.core.ledger.parked import unqueue as unqueue  # the job's queued batches out of RQ's queue: pausing
-from genq.core.order import order_queue
+from genq.core.ledger.parked import unqueue as unqueue  # worker/parking.py's import
 from genq.core.queueing import list_jobs
 from genq.core.records import JobBlock, JobConfig, JobRecord, SettingsChange
 from genq.ops import Refused
@@ -33,15 +29,13 @@ SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_at
 def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str | None = None) -> JobConfig:
     """Store `changes` as the job's next settings version; returns the new config. A change that
     changes nothing is refused, so every version in the history differs from the one before."""
-    unknown = sorted(set(changes) - set(SETTABLE))
-    if unknown:
+    if unknown := sorted(set(changes) - set(SETTABLE)):
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
 
     def change(config: JobConfig | None) -> JobConfig:
         if config is None:
             raise Refused(f"no job named {job!r} (or it has no stored settings)")
-        differing = {k: v for k, v in changes.items() if getattr(config, k) != v}
-        if not differing:
+        if not (differing := {k: v for k, v in changes.items() if getattr(config, k) != v}):
             raise Refused(f"job {job!r} has these settings already (version {config.settings_version})")
         version = config.settings_version + 1
         entry = SettingsChange(version=version, at=time.time(), changed=differing,
@@ -94,15 +88,6 @@ def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfi
 
 class _Current(Exception):
     """Redis has the latest settings already (or lost the job meanwhile): nothing to store."""
-
-
-def unblock(conn: redis.Redis, job: str) -> int:
-    """Lift the job's block and pause, and queue its parked batches again; how many were queued."""
-    ledger_jobs.lift_block(conn, job)
-    queued = parked.requeue_parked(conn, job)
-    if queued:
-        order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
-    return queued
 
 
 def blocked_jobs(conn: redis.Redis) -> list[str]:

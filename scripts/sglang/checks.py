@@ -198,7 +198,7 @@ def killed(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int)
     rows = [{"id": f"k-{i}", "messages": [{"role": "user", "content": f"Kill {i}."}]} for i in range(n)]
     out = _enqueue(stack, work, job, rows, max_tokens, 12)
     log = work / f"worker-{job}.log"
-    proc = _worker(stack, log, "--heartbeat-interval", "2")
+    proc = _worker(stack, log)
     _wait(lambda: _done(out, job) >= 12, 900)  # a batch written, the next ones in flight
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -206,7 +206,7 @@ def killed(stack: Any, work: Path, problems: list[str], n: int, max_tokens: int)
     began = time.monotonic()
     # genq's reconciler queues the dead worker's batches again within about 40 s of the kill.
     while _done(out, job) < n and time.monotonic() - began < 900:
-        _worker(stack, log, "--burst", "--heartbeat-interval", "2").wait(timeout=1800)
+        _worker(stack, log, "--burst").wait(timeout=1800)
         time.sleep(5)
     found = _exactly_once(job, _records(out, job), rows, _letters(stack))
     problems += found

@@ -1,0 +1,431 @@
+"""The fleet and the jobs, seen and steered: `genq workers`, `drain`, `concurrency`, `pause`, `resume`
+and `jobs` (list, show, set, delete). The work is genq.ops.control's and genq.ops.settings'."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import click
+import msgspec
+from rich.console import Console
+from rich.measure import Measurement
+from rich.text import Text
+
+from genq.cli import (
+    Concurrency,
+    age,
+    console,
+    extra_body,
+    iso,
+    job_argument,
+    job_option,
+    json_option,
+    redis_conn,
+    table,
+    yes_option,
+)
+from genq.core import decodebound
+from genq.core.health import NO_HEARTBEAT
+from genq.core.ledger import fleet as ledger_fleet
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.order import set_schedule
+from genq.core.queueing import list_jobs, load_config
+from genq.core.redisconn import redis_note_of
+from genq.core.timings import LOST_BATCH_BACK_S
+from genq.core.words import plural
+from genq.ops import Refused, control, jobs_named
+from genq.ops.control import LOST, WorkerRow
+from genq.ops.settings import describe_block, set_settings
+from genq.worker.idle import IDLE_BEAT_S, IDLE_TTL_S
+from genq.worker.watch import servable_jobs
+
+STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow", "server_down": "red",
+          "stopped": "dim", LOST: "bold red"}
+# Most wanted first. The first three are always shown whole (a name is what an operator types into
+# --worker); the others join in this order while the table fits the terminal, and the line under it
+# names those left out (--json has every field).
+COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of bound", "done", "queued", "note",
+           "model: jobs it serves", "batches", "server", "gpu", "host")
+RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
+
+
+def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None) -> dict[str, str]:
+    live, b = r.live, v.bound if v else None
+    heartbeat = ("none" if r.state == LOST else "-") if r.heartbeat_age_s is None else (
+        age(r.heartbeat_age_s) + (f" (every {IDLE_BEAT_S:.0f}s)" if r.state == "idle" else ""))  # 16 s is on time
+    batches = f"{len(r.batches)}: {' '.join(r.batches[:3])}" + (f" +{len(r.batches) - 3}" if len(r.batches) > 3 else "")
+    red = ("[red]", "[/]") if v and v.slow else ("", "")
+    return {
+        "worker": r.name,
+        "state": f"[{STYLES[r.state]}]{r.state}[/]" if r.state in STYLES else r.state,
+        "tok/s": f"{r.tok_per_s:,.0f}" if live else "",
+        "of bound": "" if b is None else "?" if b.tok_per_s is None or b.share is None else
+                    f"{red[0]}{b.share:.0%} of {b.tok_per_s:,.0f}{red[1]}",
+        "in flight": (f"{r.in_flight}/{r.target}" + (f" limit {r.cap}" if r.cap else "")) if live else "",
+        "capacity": str(r.server_capacity or "?") if live else "",
+        "heartbeat": heartbeat,
+        "done": f"{r.done:,}" if r.state != LOST else "",
+        "queued": str(r.queued) if live else "",
+        "batches": batches if r.batches else "-" if live else "",
+        "model: jobs it serves": f"{r.model or '?'}: {', '.join(serves or []) or '-'}" if live else "",
+        "server": r.server or "", "gpu": r.gpu if r.gpu is not None else "-", "host": r.host or "?",
+        "note": r.note or "",
+    }
+
+
+def _table(cells: list[dict[str, str]], shown: list[str]):
+    fleet = table(shown, ([c[col] for col in shown] for c in cells), right=RIGHT)
+    for column in fleet.columns:
+        column.overflow = "ellipsis"
+        column.max_width = 60 if column.header == "note" else None  # a long note (a connection error) is cut
+        if (header := str(column.header)) in COLUMNS[:3]:
+            column.min_width = max([len(header)] + [len(Text.from_markup(c[header])) for c in cells])
+    return fleet
+
+
+def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[str]]) -> None:
+    """`genq workers` as a person reads it on `out`: the columns that fit its width, the count by
+    state, the decode-bound lines, each lost worker by name, the columns left out."""
+    statuses = {r.name: r.status for r in rows if r.status is not None}
+    judged = decodebound.judge(statuses)
+    cells = [_cells(r, serves.get(r.name), judged.get(r.name)) for r in rows]
+    measuring, shown = Console(width=10_000), list(COLUMNS[:3])
+    for col in COLUMNS[3:]:  # a column no worker has anything in is not one left out
+        wider = _table(cells, [c for c in COLUMNS if c in (*shown, col)])
+        if any(c[col] for c in cells) and Measurement.get(measuring, measuring.options, wider).maximum <= out.width:
+            shown.append(col)
+    out.print(_table(cells, [c for c in COLUMNS if c in shown]))
+    summary = ", ".join(f"{n} {state}" for state, n in sorted(Counter(r.state for r in rows).items()))
+    by_server = {(r.server or r.name): r.tok_per_s for r in rows  # a server's own counter counts once
+                 if r.live and r.status is not None and r.status.tok_per_s_from == "server"}
+    total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.live and (
+        r.status is None or r.status.tok_per_s_from != "server"))
+    out.print(f"{plural(len(rows), 'worker')}: {summary}; {total:,.0f} tok/s in all")
+    lines = []
+    for name, v in sorted(judged.items()):  # what caps each GPU's batch and the fix, a slow GPU, a missing figure
+        lines += [f"{name}: much slower than its peers: {v.slow}"] if v.slow else []
+        lines += [f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else "")
+                  ] if v.cap is not None else []
+        lines += [f"{name}: bound {v.bound.unknown}"] if v.bound.unknown and v.bound.tok_per_s is None else []
+    lines += [line] if (line := decodebound.fleet_line(decodebound.working(statuses), judged)) else []
+    for line in lines:
+        out.print(line, markup=False, highlight=False)
+    for r in rows:
+        if r.state == LOST:
+            out.print(f"[bold red]lost[/]: {r.name} ({r.note})")
+    if left_out := [c for c in COLUMNS if c not in shown and any(cell[c] for cell in cells)]:
+        out.print(f"not shown at {out.width} columns: {', '.join(left_out)} (a wider terminal, or --json)")
+
+
+@click.command(short_help="The fleet: each worker's state, load, tok/s and heartbeat.", help=f"""The fleet: every worker with its host, GPU, server, state and load.
+
+    \b
+    States: busy, idle, paused, draining, server_down (its server fails
+    /health), stopped (exited cleanly), lost ({NO_HEARTBEAT}; its batches
+    run elsewhere within about {LOST_BATCH_BACK_S:.0f} s). "in flight" is running/target
+    ("limit N" under `genq concurrency N`); "capacity" is what its server runs
+    at once; "heartbeat" is how long ago it beat (an idle worker beats every
+    {IDLE_BEAT_S:.0f} s, lost after {IDLE_TTL_S} s); "of bound" is its tok/s against the GPU's
+    decode bound (docs/monitoring.md). Columns that do not fit the terminal
+    are named under the table; --json has every field (docs/fleet.md).
+    """)
+@json_option("One JSON array of workers (machine-readable).")
+@click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
+@click.pass_context
+def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
+    conn = redis_conn(ctx)
+    rows = control.fleet(conn)
+    if note := redis_note_of(conn):  # refusing writes: its workers' heartbeats lapse, they are not dead
+        click.echo(f"warning: {note.text}", err=True)
+    if prune:
+        ledger_fleet.forget_workers(conn, gone := [r.name for r in rows if not r.live])
+        rows = [r for r in rows if r.live]
+        if gone and not as_json:
+            click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
+    jobs = list_jobs(conn)  # which each can serve: those for its server's model or `auto` (worker/watch.py)
+    serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
+    if as_json:
+        judged = decodebound.judge({r.name: r.status for r in rows if r.status is not None})
+        click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name), "bound": judged.get(r.name)}
+                                        for r in rows]).decode())
+    elif not rows:
+        click.echo("no workers have registered in this Redis (start one with `genq worker`)")
+    else:
+        print_workers(console(), rows, serves)
+
+
+def steering(fn: Any) -> Any:
+    """A command that changes the Control record of the live workers named by --worker, --host or --all."""
+    fn = click.option("--all", "everyone", is_flag=True, help="Every live worker.")(fn)
+    fn = click.option("--host", default=None, help="Every live worker on this host.")(fn)
+    return click.option("--worker", "names", multiple=True, metavar="NAME",
+                        help="A worker by name (see `genq workers`); repeatable.")(fn)
+
+
+def _steer(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, **change: object) -> list[str]:
+    if sum([bool(names), host is not None, everyone]) != 1:
+        raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
+    conn = redis_conn(ctx)
+    if not (chosen := [r.name for r in control.select(control.fleet(conn), workers=names, host=host,
+                                                      everyone=everyone)]):
+        raise Refused("no live workers")
+    for name in chosen:
+        control.update_control(conn, name, **change)
+    return chosen
+
+
+@click.command(short_help="Let workers finish what they hold, then exit.")
+@steering
+@click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+              help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
+@click.pass_context
+def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, wait: bool,
+          timeout: float | None) -> None:
+    """Let workers finish what they hold, then exit (0); they take no new batches.
+
+    A drained worker started by `genq worker --gpus` is not restarted; its
+    server is stopped once the worker has exited.
+    """
+    chosen = _steer(ctx, names, host, everyone, drain=True)
+    click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
+    deadline, said = None if timeout is None else time.monotonic() + timeout, ""
+    while wait:  # a line whenever what they hold changes
+        now = {r.name: r for r in control.fleet(redis_conn(ctx))}
+        rows = [now.get(n) or WorkerRow(n, None, time.time()) for n in chosen]
+        line = "; ".join(f"{r.name} {r.state}" + (
+            f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "") for r in rows)
+        if line != said:
+            click.echo(said := line)
+        if not any(r.live for r in rows):
+            click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise Refused(f"still running after {timeout:.0f}s (they keep draining)")
+        time.sleep(1.0)
+
+
+@click.command(short_help="Cap the requests in flight per worker, live (or auto).")
+@steering
+@click.argument("value", type=Concurrency())
+@click.pass_context
+def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
+                value: int | None) -> None:
+    """Cap requests in flight per worker at VALUE, live (auto: follow the server again).
+
+    The worker keeps its automatic target below the cap; `genq workers` shows
+    "in flight" as running/target and "limit N", beside the server's capacity.
+    """
+    chosen = _steer(ctx, names, host, everyone, concurrency=value)
+    click.echo(f"concurrency {'auto' if value is None else f'cap {value}'} for {len(chosen)} worker(s): "
+               f"{', '.join(chosen)}")
+
+
+@click.command(short_help="Stop sending new requests (all jobs, or --job); in-flight ones finish.")
+@job_option("Pause only this job. [default: every job]")
+@click.pass_context
+def pause(ctx: click.Context, job: str | None) -> None:
+    """Stop sending new requests; requests in flight finish, held batches are kept.
+
+    Without --job this also sets RQ's suspension flag (as `rq suspend` does),
+    so no engine, and no stock `rq worker`, takes a new batch.
+    Workers notice within a second. `genq resume` undoes it.
+    """
+    conn = redis_conn(ctx)
+    jobs_named(conn, job)
+    control.pause(conn, job)
+    click.echo(f"paused {f'job {job}' if job else 'all jobs'}: workers send no new requests from now (in-flight ones "
+               f"finish, batches stay held){'' if job else '; RQ workers suspended (rq suspend)'}. "
+               f"Undo with `genq resume{f' --job {job}' if job else ''}`.")
+
+
+@click.command(short_help="Undo genq pause (all jobs, or --job).")
+@job_option("Resume only this job. [default: lift the global pause]")
+@click.pass_context
+def resume(ctx: click.Context, job: str | None) -> None:
+    """Undo `genq pause` (global, or one job's); with --job, also lift the job's block
+    (docs/settings.md) and queue the batches its workers parked."""
+    conn = redis_conn(ctx)
+    jobs_named(conn, job)
+    queued = control.resume(conn, job)
+    click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
+               + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
+    if still := sorted(ledger_jobs.paused_jobs(conn, list_jobs(conn))):
+        click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
+    if ledger_jobs.paused_all(conn):
+        click.echo("note: everything is still paused globally (genq resume)")
+
+
+@click.group(invoke_without_command=True, short_help="The jobs, their state and counts; show, set or delete one.")
+@json_option("One JSON array of jobs.")
+@click.pass_context
+def jobs(ctx: click.Context, as_json: bool) -> None:
+    """Jobs with priority, share of the fleet, prompts total/done/failed, batches and paused state.
+
+    share is the job's part of the requests running on the fleet now, which priority and weight
+    decide (docs/scheduling.md); failed is the dead-letter queue's size (`genq dlq`).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    conn = redis_conn(ctx)
+    rows = control.job_rows(conn)
+    if as_json or not rows:
+        click.echo(msgspec.json.encode(rows).decode() if as_json else "no jobs (queue some with `genq enqueue`)")
+        return
+    out = console()
+    out.print(table(
+        ("job", "state", "priority", "share", "total", "done", "failed", "remaining", "batches", "workers", "output"),
+        ((r.name, r.state, f"{r.priority}" + (f" w{r.weight:g}" if r.weight != 1 else ""),
+          f"{100 * r.share:.0f}%" if r.running else "-", f"{r.total:,}",
+          f"{r.done:,}" + (f" ({_floor_percent(r.done, r.total)})" if r.total else ""), f"{r.failed:,}",
+          f"{r.remaining:,}", f"{r.batches_done}/{r.batches}", str(len(r.workers)), r.output or "?") for r in rows),
+        right={"priority", "share", "total", "done", "failed", "remaining"}))
+    for r in rows:
+        if r.blocked is not None:
+            out.print(describe_block(r.name, r.blocked), soft_wrap=True)
+    if ledger_jobs.paused_all(conn):
+        out.print("all jobs are paused (genq resume)")
+
+
+def _floor_percent(part: int, whole: int) -> str:
+    """Rounded down: 1,995 of 2,000 is 99.7%, never "100%" beside prompts still missing or failed."""
+    tenths = 1000 * part // whole
+    return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
+
+
+@jobs.command("show", short_help="A job's settings, their history, its state and any block.")
+@job_argument
+@json_option("The job's config, block and counts as one JSON object.")
+@click.pass_context
+def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
+    """JOB's settings, their version history, its state and why it is blocked."""
+    conn = redis_conn(ctx)
+    (row,) = control.job_rows(conn, jobs_named(conn, job))
+    if (config := load_config(conn, job)) is None:
+        raise Refused(f"job {job!r} has no stored settings")
+    if as_json:
+        click.echo(msgspec.json.encode({"config": config, "row": row}).decode())
+        return
+    click.echo(f"job {job}: {row.state}, {row.done:,} done, {row.failed:,} failed, {row.remaining:,} remaining "
+               f"of {row.total:,}; batches {row.batches_done}/{row.batches}; output {config.output}")
+    click.echo(f"priority {row.priority}, weight {row.weight:g}; {100 * row.share:.0f}% of the fleet's requests in "
+               "flight now (docs/scheduling.md)")
+    if row.blocked is not None:
+        click.echo(f"{describe_block(job, row.blocked)}\n  blocked at {iso(row.blocked.at)}")
+    sent = {k: getattr(config, k) for k in ("endpoint", "model", "max_tokens", "temperature", "top_p",
+                                             "extra_body", "max_attempts", "brake")}
+    click.echo(f"settings version {config.settings_version}: "
+               + ", ".join(f"{k} {json.dumps(v)}" for k, v in sent.items() if v is not None))
+    click.echo(f"  version 1: enqueued at {iso(config.created_at)}" if config.created_at else "  version 1: enqueued")
+    for change in config.settings_history:
+        moved = ", ".join(f"{k} {json.dumps(change.previous.get(k))} -> {json.dumps(v)}"
+                          for k, v in change.changed.items())
+        click.echo(f"  version {change.version}: {iso(change.at)}: {moved}" + (f" ({change.note})" if change.note else ""))
+
+
+def _extra_body(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
+    try:
+        return None if value is None else extra_body(value)
+    except ValueError as exc:
+        raise click.UsageError(str(exc), ctx) from None
+
+
+def generation_options(fn: Any) -> Any:
+    """The generation settings a command may change (jobs set; dlq requeue's override)."""
+    for option in reversed((
+        click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate."),
+        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling."),
+        click.option("--extra-body", metavar="JSON", callback=_extra_body,
+                     help='Extra request fields, replacing the job\'s (e.g. \'{"top_k": 20}\'; \'{}\' clears them).'),
+    )):
+        fn = option(fn)
+    return fn
+
+
+def given(**options: Any) -> dict[str, Any]:
+    """The options given (not None), by name."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+@jobs.command("set", short_help="Change a job's generation settings, priority or weight.")
+@job_argument
+@generation_options
+@click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
+@click.option("--brake/--no-brake", "brake", default=None,
+              help="--no-brake: never block this job on repeated failures; each failing prompt is "
+                   "dead-lettered on its own (for prompts that really fail on their own).")
+@click.option("--note", default=None, help="Why (kept in the settings history).")
+@click.option("--priority", type=int, default=None,
+              help="Scheduling priority, higher first (not a settings version: nothing sent changes).")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Fair-share weight among jobs of equal priority.")
+@click.pass_context
+def jobs_set(ctx: click.Context, job: str, note: str | None, priority: int | None, weight: float | None,
+             **settings: Any) -> None:
+    """Change JOB's generation settings for every prompt not yet done, or its priority and weight.
+
+    Settings become the job's next version (`genq jobs show JOB`): workers send every prompt with
+    it within a second, and each result records its version. A blocked job stays blocked until
+    `genq resume --job JOB`. --priority and --weight (docs/scheduling.md) are no settings version.
+    """
+    changes = given(**{k: settings[k] for k in ("max_tokens", "temperature", "top_p", "extra_body", "model",
+                                                 "max_attempts", "brake")})
+    if not changes and priority is None and weight is None:
+        raise click.UsageError("name at least one setting to change (see --help)")
+    conn = redis_conn(ctx)
+    if priority is not None or weight is not None:
+        jobs_named(conn, job)
+        sched = set_schedule(conn, job, priority, weight)
+        click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
+    if not changes:
+        return
+    config = set_settings(conn, job, changes, note)
+    what = ", ".join(f"{k} {json.dumps(v)}" for k, v in changes.items())
+    click.echo(f"job {job}: settings version {config.settings_version}: {what}; every prompt not yet done is "
+               "sent with it")
+    if (block := ledger_jobs.block_of(conn, job)) is not None:
+        click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
+
+
+@jobs.command("delete", short_help="Remove a job from Redis (its shards stay).")
+@job_argument
+@yes_option
+@click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
+@click.pass_context
+def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
+    """Remove job JOB from Redis: everything under genq:job:JOB:, its name, its RQ jobs.
+
+    Its written shards stay, and its job.json is marked deleted: the name's next `genq enqueue`
+    starts a new job (`genq recover --job JOB --output OUTPUT` brings this one back). Refused
+    while a live worker holds one of its batches, unless --force.
+    """
+    conn = redis_conn(ctx)
+    found = control.find_job(conn, job)
+    if not found.keys and not found.rq_jobs:
+        jobs_named(conn, job)
+    if found.holders and not force:
+        raise Refused(f"live workers hold batches of job {job!r}: {', '.join(found.holders)}. Drain them "
+                      f"(genq drain --worker NAME) or wait, or pass --force to delete anyway.")
+    kinds = Counter(key.split(":")[3] for key in found.keys)  # genq:job:JOB:batch:b0000001 -> batch
+    listing = ", ".join(kind + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
+    places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())
+    rq_count = len({i for ids in found.rq_jobs.values() for i in ids})
+    what = (f"{plural(len(found.keys), 'key')} {ledger_jobs.job_keys_shown(job)} ({listing or 'none'}), its name "
+            f"in the job list, {plural(rq_count, 'RQ job')} ({places or 'none'})")
+    if not yes and not click.confirm(f"delete job {job}: {what}?", default=False):
+        raise Refused("nothing deleted")
+    config = load_config(conn, job)
+    control.delete_job(conn, found)
+    click.echo(f"removed job {job}: {what}")
+    if config is None:
+        return
+    if problem := control.mark_output_deleted(config):
+        click.echo(f"warning: {problem}", err=True)
+    else:
+        click.echo(f"its shards stay in {config.output}/{job}; the name {job} is free for a new job "
+                   f"(`genq recover --job {job} --output {config.output}` brings this one back instead)")
