@@ -140,7 +140,8 @@ class Intake:
             return
         if config is not None:
             config = await self.models.admit(config)  # `auto` pinned to this server's model
-            if config is None:  # another model's job: back to the queue for a server of that model
+            if config is None:  # another model's job: back to the queue for a server of that model,
+                self.foreign.add(ref.job)  # and skipped from now on (the server's model changed)
                 await self.batches.hand_back(ref, token)
                 return
         await self.batches.load(token, ref, config)
