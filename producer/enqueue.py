@@ -38,7 +38,7 @@ from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_id
 from genq.core.records import BatchSource, EnqueueRecord, InputRange, JobConfig, JobRecord, Rejected
 from genq.ops import dlq, recover
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 from genq.producer.batchinput import range_digest
 from genq.producer.meter import Meter
 from genq.producer.rejects import RejectsFile

@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 
 from genq.core import keys
 from genq.core.records import DeadLetter, Result, Usage, unpack
-from genq.output.local import LocalStore
-from genq.output.sink import Sink, shard_bytes
+from genq.output.truth import LocalStore, commit_shard, shard_bytes
 from tests.audit import audit
 from tests.conftest import batch_prompts, read_results, run_genq
 
@@ -26,7 +25,8 @@ def result(pid: str, index: int, batch: str, job: str = "hand", **extra) -> Resu
 
 def write_shard(out, batch: str, results: list[Result], job: str = "hand") -> None:
     data = shard_bytes(results, "none")
-    Sink(LocalStore(str(out))).write_shard(job, batch, data, len(results))
+    commit_shard(LocalStore(str(out)), job, batch, data, len(results), 0.0, compression="none", incarnation="",
+                 outcome=None)
 
 
 def test_openai_batch_round_trip_with_a_rejected_row(redis_url, rconn, sim, worker, tmp_path):
@@ -159,7 +159,8 @@ def test_export_dedups_orders_and_reads_only_shards_in_the_manifest(redis_url, t
 def test_gzip_shards_export_the_same_records(redis_url, tmp_path):
     out = tmp_path / "out"
     results = [result(f"p{i:05d}", i, "b0000001") for i in range(6)]
-    Sink(LocalStore(str(out)), compression="gzip").write_shard("hand", "b0000001", shard_bytes(results, "gzip"), 6)
+    commit_shard(LocalStore(str(out)), "hand", "b0000001", shard_bytes(results, "gzip"), 6, 0.0, compression="gzip",
+                 incarnation="", outcome=None)
     dest = tmp_path / "g.jsonl"
     run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
     assert dest.read_bytes() == shard_bytes(results, "none")

@@ -23,8 +23,7 @@ from genq.core.records import BatchRef, DeadLetter, JobConfig, Result, ShardInfo
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_marker, outcome_for, written_marker
-from genq.output.sink import open_sink, shard_bytes
-from genq.output.truth import AlreadyWritten
+from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
 from genq.worker.held import HeldBatch
 
 log = logging.getLogger("genq.worker")
@@ -112,19 +111,21 @@ class Completer:
         at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
         loop = asyncio.get_running_loop()
         data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
-        outcome = outcome_for(held.prompts, results, letters, recorded.prompts)
-        sink = open_sink(held.config)
+        config = held.config
+        write = functools.partial(commit_shard, open_store(config.output, config.s3_endpoint_url), ref.job, ref.batch,
+                                  data, len(results), at, compression=config.compression,
+                                  incarnation=config.incarnation,
+                                  outcome=outcome_for(held.prompts, results, letters, recorded.prompts))
         backoff = 1.0
         try:
             while True:
                 try:
-                    info: ShardInfo = await loop.run_in_executor(
-                        self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
+                    info: ShardInfo = await loop.run_in_executor(self._pool, write)
                     break
                 except AlreadyWritten as written:  # the output's shard of this batch stands
                     adopting = functools.partial(adopt_marker, self.conn, ref, written.marker)
                     return int(await retrying(adopting, f"adopting batch {ref}"))
-                except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
+                except Exception as exc:  # the output's own errors (disk full, S3 down): keep trying
                     self.unwritten[ref] = str(exc) or type(exc).__name__
                     log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
                                 ref, type(exc).__name__, exc, backoff)

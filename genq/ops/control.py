@@ -23,7 +23,7 @@ from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.ops import Refused
 from genq.ops.settings import unblock
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 GONE_STATES = ("stopped", LOST)  # workers that will not act on a Control record

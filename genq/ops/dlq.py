@@ -40,7 +40,7 @@ from genq.core.queueing import (
 from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig, Prompt
 from genq.ops import Refused, jobs_named
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 log = logging.getLogger("genq.dlq")
 

@@ -23,7 +23,7 @@ from genq.core.queueing import list_jobs
 from genq.core.records import JobBlock, JobConfig, JobRecord, SettingsChange
 from genq.ops import Refused
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 # The settings `genq jobs set` may change: what is sent with each request. Not endpoint (rows were
 # fitted to it at enqueue), output, batch size or compression (written batches and shards follow them).

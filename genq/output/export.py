@@ -21,11 +21,8 @@ from typing import BinaryIO, NamedTuple
 import msgspec
 
 from genq.core.records import DeadLetter, ShardInfo
-from genq.output import layout
 from genq.output.formats import FORMATS, openai_error_line
-from genq.output.local import LocalStore, write_atomic
-from genq.output.sink import open_store
-from genq.output.truth import Store
+from genq.output.truth import MANIFEST_DIR, SHARDS_DIR, LocalStore, Store, batch_of_marker, open_store, write_atomic
 
 ORDERS = ("input", "batch")
 DOWNLOAD_THREADS = 8
@@ -116,8 +113,8 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
     """(marker, the shard's path in the store) of each marker in the job's manifest, the first written
     first. The shard is looked for beside its marker, not at info.uri: an output copied elsewhere
     still exports."""
-    manifest = f"{job}/{layout.MANIFEST_DIR}"
-    names = [n for n in store.names(manifest) if layout.batch_of_marker(n)]
+    manifest = f"{job}/{MANIFEST_DIR}"
+    names = [n for n in store.names(manifest) if batch_of_marker(n)]
     if not names:
         raise ExportError(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
                           f"{job!r} has finished there yet, or the output is elsewhere: see --from)")
@@ -130,7 +127,7 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
         except msgspec.DecodeError as exc:
             raise ExportError(f"manifest marker {store.uri(f'{manifest}/{name}')} is not a ShardInfo: {exc}") from None
         if incarnation is None or info.incarnation in ("", incarnation):
-            shards.append((info, f"{job}/{layout.SHARDS_DIR}/{info.uri.rstrip('/').rsplit('/', 1)[-1]}"))
+            shards.append((info, f"{job}/{SHARDS_DIR}/{info.uri.rstrip('/').rsplit('/', 1)[-1]}"))
     if not shards:
         raise ExportError(f"no shards of this life of job {job!r} (incarnation {incarnation}) in "
                           f"{store.uri(manifest)}/: the markers there are of an earlier job of that name")
