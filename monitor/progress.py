@@ -19,8 +19,7 @@ import msgspec
 import redis
 
 from genq.core import decodebound
-from genq.core.decodebound import Verdict
-from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
+from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
 from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
 from genq.core.queueing import list_jobs

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from genq.cli import Concurrency, age, console, json_option, redis_conn, table
 from genq.core import decodebound
-from genq.core.health import NO_HEARTBEAT
+from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.queueing import list_jobs
 from genq.core.redisconn import redis_note_of

@@ -9,8 +9,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from genq.core.decodefigures import DecodeBin
-
 Endpoint = Literal["chat", "completions"]
 
 
@@ -285,6 +283,28 @@ class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):
 
     def __str__(self) -> str:
         return f"{self.job}/{self.batch}"
+
+
+class DecodeBin(msgspec.Struct, array_like=True):
+    """One request's decode speed while about `decoding` sequences decoded at once on a worker:
+    tokens streamed over request-seconds spent decoding, decayed alike."""
+
+    decoding: float  # the mean count over the bin's request-seconds
+    busy_s: float
+    tokens: float
+    # Booked while none of the worker's requests waited for its first token: no prefill of its own
+    # in the server's steps, as in the drain at the end of a job (False: while it admitted requests).
+    clean: bool = False
+
+
+class ServerDecode(msgspec.Struct, omit_defaults=True):
+    """A server's figures kept in Redis (keys.server_decode) beyond one worker's life: the next
+    worker on that server starts from them, so a job's ETA knows how its last requests drain
+    before the job has drained once."""
+
+    at: float  # when they were written (time.time()): a reader decays them by their age
+    worker: str
+    bins: list[DecodeBin] = []
 
 
 WorkerState = Literal["starting", "busy", "idle", "paused", "draining", "server_down", "stopped"]

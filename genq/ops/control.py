@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import msgspec
 import redis
 
-from genq.core.health import NO_HEARTBEAT
+from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import parked

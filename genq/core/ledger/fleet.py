@@ -13,9 +13,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
-from genq.core.decodefigures import ServerDecode
 from genq.core.ledger.jobs import change_record
-from genq.core.records import Control, InFlight, WorkerStatus, pack, unpack
+from genq.core.records import Control, InFlight, ServerDecode, WorkerStatus, pack, unpack
 
 AnyPipeline = Any  # a redis-py pipeline, sync or asyncio: stage_* only queue commands on it
 
