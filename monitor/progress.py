@@ -59,7 +59,7 @@ class WorkerReport(msgspec.Struct):
     gpu: GpuSample | None = None
     gpu_note: str | None = None
     bottlenecks: list[str] = []  # for people: with the numbers
-    bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.health.CODES)
+    bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.decodebound.CODES)
     heartbeat_age_s: float | None = None
     bound: Verdict | None = None  # its decode bound, the share reached, what caps its batch (genq.core.decodebound)
 
