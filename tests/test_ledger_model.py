@@ -447,7 +447,7 @@ class World:
                 if hold.written is not None:
                     self.release(engine, batch)
         steady = self.engines[ENGINES[2]]  # no rule drives it: a worker started for the end
-        for batch in ledger_jobs.pending_batches(self.conn, JOB):
+        for batch in ledger_mod.pending_batches(self.conn, JOB):
             self.deliver(steady, batch)
         for batch in list(steady.holds):
             for _ in range(2):
@@ -460,7 +460,7 @@ class World:
             self.beat(engine)
         self.compare()
         for _ in range(200):
-            pending = ledger_jobs.pending_batches(self.conn, JOB)
+            pending = ledger_mod.pending_batches(self.conn, JOB)
             if not pending:
                 break
             self.deliver(steady, pending[0])

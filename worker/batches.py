@@ -26,8 +26,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches
-from genq.core.ledger import leasing
-from genq.core.ledger.parked import end_lease_parked
+from genq.core.ledger import jobs, leasing
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
@@ -69,7 +68,7 @@ class Batches:
 
     async def load(self, token: str, ref: BatchRef, rq_id: str) -> None:
         """A batch TAKE leased to this engine under `token`: what Redis recorded of it is not sent again."""
-        config = await leasing.config_now(self.conn, ref.job)  # never kept by name: a job's life is its own
+        config = (await jobs.jobs_now(self.conn, [ref.job]))[0].config  # never kept by name: a job's life is its own
         current = self.held.get(ref)
         if current is not None and not current.dropped:
             if config is not None and current.config.incarnation == config.incarnation:
@@ -90,7 +89,7 @@ class Batches:
             return
         source = batches.decode(raw)
         ids = batches.ids(source)
-        finished = await leasing.finished_ids(self.conn, ref, ids)
+        finished = await leasing.outcome_ids(self.conn, ref, ids, transaction=True)
         unfinished = {i for i in ids if i not in finished}
         prompts: list[Prompt] = []
         changed: str | None = None
@@ -223,7 +222,7 @@ class Batches:
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again (front of the queue); False if it was done or no longer ours
         (then there is nothing to give back)."""
-        return await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
+        return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
 
     async def hand_back_all(self, why: str) -> None:
         """Give every held batch back to the queue, and borrowed prompts to their holders; what
@@ -256,7 +255,7 @@ class Batches:
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         return await self._let_go(mine, borrowed, cancel=cancel,
-                                  end=lambda h: asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token))
+                                  end=lambda h: asyncio.to_thread(leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=False))
 
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       end: Callable[[HeldBatch], Awaitable[bool]]) -> list[str]:

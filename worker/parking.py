@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from genq.core.ledger import holding
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
@@ -100,10 +100,11 @@ class Parking:
     async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         job = held.ref.job
 
-        blocked, config, paused = await retrying(lambda: holding.arrival_state(self.conn, job), f"checking job {job}")
+        (now,) = await retrying(lambda: ledger_jobs.jobs_now(self.conn, [job]), f"checking job {job}")
+        config, paused = now.config, now.paused
         if config is not None:
             self._settings(job, config)
-        if blocked:
+        if now.blocked:
             self._blocked_elsewhere(job)
         elif self._lifted(job):
             self._resumed(job)
@@ -136,7 +137,7 @@ class Parking:
 
     async def _block(self, job: str, record: JobBlock) -> None:
         try:
-            await retrying(lambda: holding.block_job(self.conn, job, record), f"blocking job {job}")
+            await retrying(lambda: ledger_jobs.block_job(self.conn, job, record), f"blocking job {job}")
         finally:
             self._storing.discard(job)
         await self.park_job(job)
@@ -214,8 +215,9 @@ class Parking:
         jobs = sorted(self.held.all_jobs() | self.brake.blocked)
         if not jobs:
             return
-        for job, (blocked, config) in zip(jobs, await holding.blocks_and_configs(self.conn, jobs)):
-            if blocked:
+        for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs)):
+            config = now.config
+            if now.blocked:
                 self._blocked_elsewhere(job)
             elif self._lifted(job):
                 self._resumed(job)

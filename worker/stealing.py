@@ -18,7 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches as batch_records
-from genq.core.ledger import holding, leasing
+from genq.core.ledger import jobs, leasing
 from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
@@ -134,12 +134,13 @@ class Stealer:
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
         """Batches other engines hold, with their job's settings as they are now (read each pass:
         a job deleted and enqueued again under its name is another incarnation)."""
-        jobs = [j for j in await holding.job_names(self.conn) if j not in self.controls.paused_jobs]
+        names = [j for j in await jobs.job_names(self.conn) if j not in self.controls.paused_jobs]
         out = []
-        for job, (config, leases) in zip(jobs, await holding.leases_and_configs(self.conn, jobs)):
-            if config is None:
+        for job, now in zip(names, await jobs.jobs_now(self.conn, names, leases=True)):
+            if now.config is None:
                 continue
-            for batch, holder in leases.items():
+            config = now.config
+            for batch, holder in now.leases.items():
                 ref = BatchRef(job, batch)
                 if holder and holder != self.instance and ref not in self.held:
                     out.append((ref, holder, config))
@@ -148,10 +149,11 @@ class Stealer:
     async def _by_priority(self, found: list[tuple[BatchRef, str, JobConfig]]) -> list[tuple[BatchRef, str, JobConfig]]:
         """The highest priority first, paused jobs left out (their holders park them), holders mixed
         (idle engines spread over them). Read only for jobs with batches to take: an idle fleet reads nothing."""
-        jobs = sorted({ref.job for ref, _, _ in found})
-        if not jobs:
+        names = sorted({ref.job for ref, _, _ in found})
+        if not names:
             return []
-        priority = await holding.unpaused_priorities(self.conn, jobs)
+        priority = {job: now.schedule.priority for job, now in zip(names, await jobs.jobs_now(self.conn, names))
+                    if not now.paused}
         out = [f for f in found if f[0].job in priority]
         random.shuffle(out)
         out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md

@@ -152,7 +152,7 @@ def jobs_set(ctx: click.Context, job: str, max_tokens: int | None, temperature: 
         if not changes:
             return
         config = set_settings(conn, job, changes, note)
-        block = ledger_jobs.block_of(conn, job)
+        block = ledger_jobs.jobs_now(conn, [job])[0].blocked
     what = ", ".join(f"{k} {json.dumps(v)}" for k, v in changes.items())
     click.echo(f"job {job}: settings version {config.settings_version}: {what}; every prompt not yet done is "
                "sent with it")
@@ -226,7 +226,8 @@ def resume(ctx: click.Context, job: str | None) -> None:
     with redis_conn(ctx) as conn:
         jobs_named(conn, job)
         queued = control.resume(conn, job)
-        still = sorted(ledger_jobs.paused_jobs(conn, list_jobs(conn)))
+        names = list_jobs(conn)
+        still = sorted(j for j, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.paused)
         paused_all = ledger_jobs.paused_all(conn)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
                + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))

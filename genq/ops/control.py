@@ -15,10 +15,9 @@ import redis
 from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger import parked
+from genq.core.ledger import leasing
 from genq.core.ledger.figures import JobStatus, job_status, job_totals
-from genq.core.order import schedules
-from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
+from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.ops import Refused
 from genq.ops.settings import unblock
@@ -168,7 +167,7 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
         # Its queued batches leave RQ's queue and its workers park what they hold: their slots
         # go to other jobs; `resume --job` queues them all again.
         ledger_jobs.pause_job(conn, job)
-        parked.unqueue(conn, job)
+        leasing.unqueue(conn, job)
     ledger_fleet.tell_idle_workers(conn)
 
 
@@ -189,25 +188,24 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
     """Totals per job from the counters of record (genq.core.ledger.figures)."""
     names = list_jobs(conn) if names is None else list(names)
     paused_all = ledger_jobs.paused_all(conn)
-    paused = ledger_jobs.paused_jobs(conn, names)
     fleet_names = ledger_fleet.worker_names(conn)
-    blocks = ledger_jobs.blocks_of(conn, names)
-    sched = schedules(conn, names)
+    jobs_now = dict(zip(names, ledger_jobs.jobs_now(conn, names)))
     rows = []
     for job in names:
         t = job_totals(conn, job, fleet_names)
         total, batches = int(t.stats.get(b"total", 0)), int(t.stats.get(b"batches", 0))
-        is_paused = paused_all or job in paused
+        now = jobs_now[job]
+        is_paused = paused_all or now.paused
         state = job_status(total=total, finished=t.done + t.dead, batches=batches, batches_done=t.batches_done,
                            paused=is_paused, started=bool(t.inflight) or t.done + t.dead > 0, failed=t.dead,
-                           blocked=job in blocks)
-        config = load_config(conn, job)
+                           blocked=now.blocked is not None)
+        config = now.config
         rows.append(JobRow(
             name=job, state=state, paused=is_paused, total=total, done=t.done, failed=t.dead,
             remaining=max(0, total - t.done - t.dead), batches=batches, batches_done=t.batches_done,
-            workers=list(t.inflight), output=config.output if config else None, blocked=blocks.get(job),
-            settings_version=config.settings_version if config else 1, priority=sched[job].priority,
-            weight=sched[job].weight, running=sum(len(r.tokens) for r in t.inflight.values())))
+            workers=list(t.inflight), output=config.output if config else None, blocked=now.blocked,
+            settings_version=config.settings_version if config else 1, priority=now.schedule.priority,
+            weight=now.schedule.weight, running=sum(len(r.tokens) for r in t.inflight.values())))
     # Every job's requests running, as the monitor counts them.
     statuses = ledger_fleet.statuses(conn, fleet_names).values()
     fleet_running = sum(s.in_flight for s in statuses if s is not None and s.state != "stopped")

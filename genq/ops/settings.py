@@ -16,8 +16,8 @@ import msgspec
 import redis
 
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger import parked
-from genq.core.ledger.parked import unqueue as unqueue  # the job's queued batches out of RQ's queue: pausing
+from genq.core.ledger import leasing
+from genq.core.ledger.leasing import unqueue as unqueue  # the job's queued batches out of RQ's queue: pausing
 from genq.core.order import order_queue
 from genq.core.queueing import list_jobs
 from genq.core.records import JobBlock, JobConfig, JobRecord, SettingsChange
@@ -99,14 +99,15 @@ class _Current(Exception):
 def unblock(conn: redis.Redis, job: str) -> int:
     """Lift the job's block and pause, and queue its parked batches again; how many were queued."""
     ledger_jobs.lift_block(conn, job)
-    queued = parked.requeue_parked(conn, job)
+    queued = leasing.requeue_parked(conn, job)
     if queued:
         order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     return queued
 
 
 def blocked_jobs(conn: redis.Redis) -> list[str]:
-    return sorted(ledger_jobs.blocks_of(conn, list_jobs(conn)))
+    names = list_jobs(conn)
+    return sorted(job for job, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.blocked)
 
 
 def describe_block(job: str, block: JobBlock) -> str:
