@@ -10,6 +10,7 @@ server's group (worker/launchguard.py) end them when the fleet dies, even by SIG
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -21,12 +22,19 @@ from typing import IO
 
 import aiohttp
 
-from genq.core.parentdeath import ask_for_signal_on_parent_death
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.server import HEALTH_TIMEOUT_S
 
 log = logging.getLogger("genq.fleet")
+
+
+def _term_on_parent_death() -> None:
+    """In the child: SIGTERM when the thread that forked it dies (Linux's PR_SET_PDEATHSIG = 1)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: no such signal there
 
 
 def signal_group(pid: int, sig: int) -> None:
@@ -106,7 +114,7 @@ class Supervisor:
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20,
             # The fleet killed outright: the child gets SIGTERM (an engine still drains).
-            preexec_fn=lambda: ask_for_signal_on_parent_death(signal.SIGTERM),
+            preexec_fn=_term_on_parent_death,
         )
         self.pid_path.parent.mkdir(parents=True, exist_ok=True)
         self.pid_path.write_text(f"{proc.pid}\n")
