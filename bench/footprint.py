@@ -47,7 +47,6 @@ from genq.core.ledger.figures import read_job
 from genq.core.localredis import LocalRedis
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
-    Batch,
     BatchRef,
     InFlight,
     JobConfig,
@@ -61,6 +60,17 @@ from genq.core.records import (
 )
 from genq.monitor.rqqueue import QueueMirror
 from genq.producer.rows import claim_digest
+
+
+@dataclass
+class Batch:
+    """A batch of prompts in memory, before it is stored as a BatchSource."""
+
+    job: str
+    id: str
+    prompts: list[Prompt]
+    created_at: float = 0.0
+
 
 TARGET_RATIO = 1.5  # refresh at LARGE prompts within 1.5x the refresh at SMALL (issue #15)
 WORKERS = 8

@@ -86,15 +86,6 @@ class Prompt(msgspec.Struct, omit_defaults=True):
     custom_id: str | None = None  # OpenAI Batch input: echoed back on export
 
 
-class Batch(msgspec.Struct):
-    """A batch of prompts in memory, before it is stored as a BatchSource."""
-
-    job: str
-    id: str
-    prompts: list[Prompt]
-    created_at: float = 0.0
-
-
 class InputRange(msgspec.Struct, array_like=True, frozen=True):
     """Where a by-reference batch's prompts are: lines first_line..last_line (1-based) of
     the JSONL input at uri, bytes [start, end). digest covers (line number, line) of every

@@ -50,7 +50,7 @@ def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases:
         pipe.get(keys.job_schedule(job))
         if leases:
             pipe.hgetall(keys.job_leases(job))
-    answers = pipe.execute() if jobs else []
+    answers = pipe.execute()
 
     def decode(answers: list[Any]) -> list[JobNow]:
         out, step = [], 5 if leases else 4
