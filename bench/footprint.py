@@ -44,7 +44,6 @@ from genq.core import keys, scripts
 from genq.core.batches import inline as inline_record
 from genq.core.ledger import fleet
 from genq.core.ledger.figures import read_job
-from genq.core.localredis import LocalRedis
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
     BatchRef,
@@ -58,6 +57,7 @@ from genq.core.records import (
     pack,
     without_prompt,
 )
+from genq.core.redisconn import LocalRedis
 from genq.monitor.rqqueue import QueueMirror
 from genq.producer.rows import claim_digest
 

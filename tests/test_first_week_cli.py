@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from genq.core.localredis import LocalRedis
+from genq.core.redisconn import LocalRedis
 from tests.conftest import run_genq, write_prompts
 
 pytestmark = pytest.mark.e2e  # every test here runs the CLI

@@ -26,8 +26,7 @@ from rich.console import Console
 from genq import PYTHON
 from genq.cli import Option, settings
 from genq.core.ledger import letters
-from genq.core.localredis import LocalRedis, free_port
-from genq.core.redisconn import connect, mask_url
+from genq.core.redisconn import LocalRedis, connect, free_port, mask_url
 from genq.core.words import plural
 from genq.ops import control
 from genq.output import truth
