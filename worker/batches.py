@@ -26,7 +26,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches
-from genq.core.ledger import jobs, leasing
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger import leasing
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
@@ -68,7 +69,7 @@ class Batches:
 
     async def load(self, token: str, ref: BatchRef, rq_id: str) -> None:
         """A batch TAKE leased to this engine under `token`: what Redis recorded of it is not sent again."""
-        config = (await jobs.jobs_now(self.conn, [ref.job]))[0].config  # never kept by name: a job's life is its own
+        config = (await ledger_jobs.jobs_now(self.conn, [ref.job]))[0].config  # never kept by name: a job's life is its own
         current = self.held.get(ref)
         if current is not None and not current.dropped:
             if config is not None and current.config.incarnation == config.incarnation:

@@ -22,7 +22,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import scripts
-from genq.core.queueing import list_jobs, load_configs, rq_worker
+from genq.core.ledger.jobs import jobs_now
+from genq.core.queueing import list_jobs, rq_worker
 from genq.core.records import BatchRef
 from genq.core.waits import retrying, wait_event
 from genq.worker.completion import Completer
@@ -166,7 +167,7 @@ class Intake:
 
     def _jobs_and_configs(self) -> tuple[list[str], list]:
         jobs = list_jobs(self.sync_conn)
-        return jobs, load_configs(self.sync_conn, jobs)
+        return jobs, [now.config for now in jobs_now(self.sync_conn, jobs)]
 
     def _rq_birth(self) -> None:
         try:

@@ -13,8 +13,7 @@ import logging
 import redis
 import redis.asyncio as aioredis
 
-from genq.core.ledger import jobs
-from genq.core.queueing import load_configs
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.records import JobConfig
 from genq.worker.watch import ServerWatch
 
@@ -37,7 +36,7 @@ def serves(job_model: str, server_model: str | None) -> bool:
 async def pin_model(conn: aioredis.Redis, job: str, model: str) -> JobConfig | None:
     """The job's settings with `auto` resolved to `model`, unless another engine resolved it
     first (then its model stays). None if the job is gone."""
-    config, pinned = await jobs.pin_model(conn, job, model, AUTO)
+    config, pinned = await ledger_jobs.pin_model(conn, job, model, AUTO)
     if pinned:
         log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
                  "pinned in its settings", job, model)
@@ -75,7 +74,7 @@ class ModelGate:
     async def servable_config(self, job: str) -> JobConfig | None:
         """The job's settings now if this engine may take its prompts (the stealer's view), else None.
         An `auto` job is not pinned here: its batches' holders have pinned it already."""
-        found = (await jobs.jobs_now(self.conn, [job]))[0].config
+        found = (await ledger_jobs.jobs_now(self.conn, [job]))[0].config
         if found is None or not serves(found.model, self.watch.model):
             if found is not None:
                 await self.refuse(job, found.model)
@@ -87,5 +86,5 @@ def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list
     """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
     if not jobs:
         return []
-    return [job for job, config in zip(jobs, load_configs(conn, jobs), strict=True)
+    return [job for job, config in zip(jobs, [n.config for n in ledger_jobs.jobs_now(conn, jobs)], strict=True)
             if config is not None and serves(config.model, model)]

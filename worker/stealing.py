@@ -18,7 +18,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import batches as batch_records
-from genq.core.ledger import jobs, leasing
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger import leasing
 from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
@@ -134,9 +135,9 @@ class Stealer:
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
         """Batches other engines hold, with their job's settings as they are now (read each pass:
         a job deleted and enqueued again under its name is another incarnation)."""
-        names = [j for j in await jobs.job_names(self.conn) if j not in self.controls.paused_jobs]
+        names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.controls.paused_jobs]
         out = []
-        for job, now in zip(names, await jobs.jobs_now(self.conn, names, leases=True)):
+        for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True)):
             if now.config is None:
                 continue
             config = now.config
@@ -152,7 +153,7 @@ class Stealer:
         names = sorted({ref.job for ref, _, _ in found})
         if not names:
             return []
-        priority = {job: now.schedule.priority for job, now in zip(names, await jobs.jobs_now(self.conn, names))
+        priority = {job: now.schedule.priority for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names))
                     if not now.paused}
         out = [f for f in found if f[0].job in priority]
         random.shuffle(out)

@@ -103,12 +103,6 @@ def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
     return unpack(raw, JobConfig) if raw else None
 
 
-def load_configs(conn: redis.Redis, jobs: Sequence[str]) -> list[JobConfig | None]:
-    """Each job's config (None: no such job), in one MGET."""
-    raws = conn.mget([keys.job_config(job) for job in jobs]) if jobs else []
-    return [unpack(raw, JobConfig) if raw else None for raw in raws]
-
-
 def save_config(conn: redis.Redis, config: JobConfig) -> None:
     with conn.pipeline() as pipe:
         stage_config(pipe, config)
