@@ -19,8 +19,7 @@ from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
 from genq.output import export as exporting
-from genq.output.export import ORDERS, ExportError, ExportSummary, default_file_name
-from genq.output.formats import FORMATS, format_for
+from genq.output.export import FORMATS, ORDERS, ExportError, ExportSummary, default_file_name, format_for
 from genq.producer.batchinput import read_prompts
 
 
