@@ -41,12 +41,12 @@ import redis
 from common import conditions, table
 
 from genq.core import keys, scripts
-from genq.core.batches import inline as inline_record
 from genq.core.ledger import fleet
 from genq.core.ledger.figures import read_job
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
     BatchRef,
+    BatchSource,
     InFlight,
     JobConfig,
     Prompt,
@@ -127,7 +127,7 @@ class Filler:
                 batches.append(Batch(job=self.job, id=f"b{seq + b + 1:07d}", prompts=prompts, created_at=time.time()))
             digests = {p.id: claim_digest(p) for b in batches for p in b.prompts}
             with self.conn.pipeline(transaction=True) as pipe:
-                write_batches(pipe, self.conn, [inline_record(b.job, b.id, b.prompts, b.created_at) for b in batches],
+                write_batches(pipe, self.conn, [BatchSource.inline(b.job, b.id, b.prompts, b.created_at) for b in batches],
                               digests)
                 pipe.execute()
             made.extend(batches)

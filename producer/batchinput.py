@@ -1,6 +1,6 @@
 """A batch's prompts, wherever they are: the one place a batch record becomes prompts.
 
-Inline batches decompress (genq.core.batches). By-reference batches read their byte range of the
+Inline batches decompress (records.BatchSource.inline_prompts). By-reference batches read their byte range of the
 input (a ranged GET on S3, or a seek in a file every worker can read), parse those lines as enqueue
 did and check the range digest: a line missing, changed or moved raises InputChanged, and the worker
 dead-letters the whole batch rather than send anything read from the wrong lines.
@@ -13,7 +13,6 @@ import hashlib
 import io
 from collections.abc import Iterable
 
-from genq.core import batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Prompt
 from genq.producer.rows import Row
 from genq.producer.sources import is_s3, jsonl_rows
@@ -39,8 +38,8 @@ def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
     """The batch's prompts, in input order."""
     ref = source.ref
     if ref is None:
-        return batches.inline_prompts(source)
-    wanted = set(batches.ids(source))
+        return source.inline_prompts()
+    wanted = set(source.prompt_ids())
     rows = []
     lines = io.BytesIO(_read_range(ref, config.s3_endpoint_url))  # as enqueue read them: on \n only
     for row in jsonl_rows(lines, config.endpoint, first_line=ref.first_line):

@@ -25,10 +25,9 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
-from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt
+from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, unpack
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
@@ -88,8 +87,8 @@ class Batches:
             return  # the job was deleted meanwhile: its lease goes with it
         if await adopt_if_written(self.conn, config, ref):  # written before Redis lost it
             return
-        source = batches.decode(raw)
-        ids = batches.ids(source)
+        source = unpack(raw, BatchSource)
+        ids = source.prompt_ids()
         finished = await leasing.outcome_ids(self.conn, ref, ids, transaction=True)
         unfinished = {i for i in ids if i not in finished}
         prompts: list[Prompt] = []

@@ -17,9 +17,19 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from genq.core import batches, scripts
+from genq.core import scripts
 from genq.core.ledger import leasing
-from genq.core.records import BatchRef, DeadLetter, JobConfig, Result, ShardInfo, ShardMarker, unpack, with_prompt
+from genq.core.records import (
+    BatchRef,
+    BatchSource,
+    DeadLetter,
+    JobConfig,
+    Result,
+    ShardInfo,
+    ShardMarker,
+    unpack,
+    with_prompt,
+)
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_marker, outcome_for, written_marker
@@ -152,7 +162,7 @@ class Completer:
         if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
             return None  # the job was deleted and enqueued again: nothing of this one is written
         # the record itself only when the prompts were not in memory (else: whether it is there)
-        ids = batches.ids(batches.decode(raw_batch)) if isinstance(raw_batch, bytes) else list(by_id)
+        ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
         letters_raw = stored_letters if stored_letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
         wanted = set(ids)
         results = []

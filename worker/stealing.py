@@ -17,10 +17,9 @@ from collections.abc import Awaitable, Callable
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
-from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.records import BatchRef, BatchSource, JobConfig, Prompt, unpack
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
 from genq.producer.batchinput import load_prompts
@@ -167,7 +166,7 @@ class Stealer:
             loaded = None
             if raw is not None:
                 try:
-                    loaded = await load_prompts(batch_records.decode(raw), config)
+                    loaded = await load_prompts(unpack(raw, BatchSource), config)
                 except Exception as exc:  # unreadable or changed input: its holder deals with it
                     log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded

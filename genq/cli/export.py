@@ -9,7 +9,6 @@ import click
 import redis
 
 from genq.cli import EXIT_PARTLY_DONE, JobName, Option, redis_conn, settings
-from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.ledger.jobs import JobCounts
@@ -105,7 +104,7 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
             prompts: dict[str, Prompt | None] = {p.id: p for p in read_prompts(batch, config)} if config else {}
         except Exception:  # its input is gone or unreadable: the letters carry the ids alone
             prompts = {}
-        for prompt_id in batch_records.ids(batch):
+        for prompt_id in batch.prompt_ids():
             if prompt_id in dead or prompt_id in done:
                 continue
             letters.append(DeadLetter(id=prompt_id, job=job, batch=entry.batch, attempts=entry.attempts,

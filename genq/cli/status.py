@@ -18,7 +18,6 @@ import msgspec
 import redis
 
 from genq.cli import JobName, json_option, redis_conn
-from genq.core import batches as batch_records
 from genq.core import ledger
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
@@ -67,7 +66,7 @@ def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
         return None
     for batch in ledger.pending_batches(conn, job):
         source = load_batch(conn, job, batch)
-        if source is None or prompt_id not in batch_records.ids(source):
+        if source is None or prompt_id not in source.prompt_ids():
             continue
         return _pending(conn, job, batch, prompt_id)
     return _written(conn, job, prompt_id)

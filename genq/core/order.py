@@ -14,10 +14,9 @@ import time
 import redis
 
 from genq.core import scripts
-from genq.core.batches import batch_number
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_of_description, rq_queue
-from genq.core.records import JobSchedule
+from genq.core.records import JobSchedule, batch_number
 from genq.core.scripts import RQ_JOB_PREFIX
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
+import zstandard
 
 Endpoint = Literal["chat", "completions"]
 
@@ -100,8 +103,9 @@ class InputRange(msgspec.Struct, array_like=True, frozen=True):
 
 
 class BatchSource(msgspec.Struct, array_like=True):
-    """A pending batch (keys.batch; genq.core.batches packs it): its prompts (zstd-compressed msgpack)
-    or the input range that holds them, and always its ids (compressed), read without any input."""
+    """A pending batch (keys.batch): its prompts (zstd-compressed msgpack) or the input range that holds
+    them (genq.producer.batchinput reads it), and always its ids (compressed): what needs only the ids
+    reads no prompt."""
 
     job: str
     id: str
@@ -110,6 +114,48 @@ class BatchSource(msgspec.Struct, array_like=True):
     created_at: float = 0.0
     prompts: bytes = b""  # inline
     ref: InputRange | None = None  # by reference
+
+    @classmethod
+    def inline(cls, job: str, batch: str, prompts: Sequence[Prompt], created_at: float = 0.0) -> BatchSource:
+        return cls(job=job, id=batch, count=len(prompts), ids=_zstd().c.compress(pack([p.id for p in prompts])),
+                   created_at=created_at, prompts=_zstd().c.compress(pack(list(prompts))))
+
+    @classmethod
+    def by_reference(cls, job: str, batch: str, ids: Sequence[str], ref: InputRange,
+                     created_at: float = 0.0) -> BatchSource:
+        return cls(job=job, id=batch, count=len(ids), ids=_zstd().c.compress(pack(list(ids))),
+                   created_at=created_at, ref=ref)
+
+    def prompt_ids(self) -> list[str]:
+        return unpack(_zstd().d.decompress(self.ids), list[str])
+
+    def inline_prompts(self) -> list[Prompt]:
+        """The prompts of an inline batch (raises ValueError for a by-reference one)."""
+        if self.ref is not None:
+            raise ValueError(f"batch {self.job}/{self.id} is by reference: read it with genq.producer.batchinput")
+        return unpack(_zstd().d.decompress(self.prompts), list[Prompt])
+
+
+# The fastest level: prompts come out at 0.28 of their JSON (level 3: 0.26, at 1.6 times the time).
+ZSTD_LEVEL = 1
+_zstd_local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
+
+
+def _zstd() -> threading.local:
+    if not hasattr(_zstd_local, "c"):
+        _zstd_local.c, _zstd_local.d = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
+    return _zstd_local
+
+
+def batch_id(seq: int) -> str:
+    """The id of a job's seq-th batch."""
+    return f"b{seq:07d}"
+
+
+def batch_number(batch: str) -> int:
+    """batch_id's inverse: b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
+    digits = batch[1:].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else 0
 
 
 class Usage(msgspec.Struct, omit_defaults=True):

@@ -25,7 +25,6 @@ from typing import Any, BinaryIO, Protocol
 
 import msgspec
 
-from genq.core.batches import batch_id, batch_number
 from genq.core.records import (
     DeadLetter,
     EnqueueRecord,
@@ -34,6 +33,8 @@ from genq.core.records import (
     Result,
     ShardInfo,
     ShardMarker,
+    batch_id,
+    batch_number,
     length_bucket,
 )
 

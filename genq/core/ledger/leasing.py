@@ -18,7 +18,7 @@ from genq.core.scripts import RQ_EXECUTION
 
 
 async def batch_record(conn: aioredis.Redis, ref: BatchRef) -> bytes | None:
-    """The batch's stored record (genq.core.batches decodes it); None once released or deleted."""
+    """The batch's stored record (a packed records.BatchSource); None once released or deleted."""
     return await conn.get(keys.batch(ref.job, ref.batch))
 
 
