@@ -1,29 +1,23 @@
-"""Redis connections: every genq process (sims aside) connects here, so every URL form works alike,
-a URL's password is never shown, a Sentinel URL's writes wait for a replica, and Redis's refusals
-are named with their fix.
+"""Redis connections: every genq process (sims aside) connects here, so every URL form works alike
+and never shows its password; a Sentinel URL's writes wait for replicas; Redis's refusals are named
+with their fix; and a redis-server of genq's own (LocalRedis) for the demo, tests and benchmarks.
 
     redis://[[user]:password@]host[:6379][/db][?option=value...]
     rediss://...                                    TLS (the handshake times out like a connect)
     unix://[[user]:password@]/path/redis.sock[?db=N]
     redis+sentinel://[[user]:password@]host[:26379][,host2[:port]...]/service[/db][?sentinel_password=...]
 
-The userinfo is everything before the last '@', split at its first ':', so a password may
-hold '/', '#', '?', ':' or '@' as typed; percent-encoding (%2F, %23, %40, %3A) works too, and
-a literal '%' must be written %25.
+The userinfo is everything before the last '@', split at its first ':', so a password may hold '/',
+'#', '?', ':' or '@' as typed; percent-encoding works too, and a literal '%' is written %25.
 
-Redis replicates asynchronously: a failover loses what the old master took after its replicas
-stopped copying. So on a Sentinel URL each write (a command, a script, a pipeline) is followed on its
-connection by WAIT for every replica the master streams to (INFO replication's online ones, counted
-at most once a second a connection), at least ?wait_replicas=N (default 1; 0 turns it off). A write
-not confirmed within WAIT_TIMEOUT_MS raises ReplicaLag, a ConnectionError: genq's writes are safe to
-repeat, and the retry goes to the master Sentinel names by then.
+A failover loses what the old master took after its replicas stopped copying, so on a Sentinel URL
+each write is followed by WAIT for every online replica, at least ?wait_replicas=N (default 1; 0:
+off); a write not confirmed in WAIT_TIMEOUT_MS raises ReplicaLag, a ConnectionError: genq's writes
+are safe to repeat, on the master Sentinel names by then.
 
-Three refusals a Redis that answers may give genq's writes, each waited out like an outage and
-named with what fixes it: full (maxmemory under noeviction: "OOM ..."), no disk (its last RDB or
-AOF write failed: "MISCONF ..."), replica (read-only after a failover: "READONLY ..."). And the
-policy: genq's working state must never be evicted, so Redis needs `maxmemory-policy noeviction`;
-under volatile-* the engines' alive keys go first and their prompts would be sent again
-(docs/operations.md, "When Redis refuses writes").
+Refusals (each waited out like an outage): full (maxmemory under noeviction: "OOM"), no disk (its
+last RDB or AOF write failed: "MISCONF"), replica ("READONLY"). genq's state must never be evicted:
+Redis needs `maxmemory-policy noeviction` (docs/operations.md, "When Redis refuses writes").
 """
 
 from __future__ import annotations
