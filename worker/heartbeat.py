@@ -244,12 +244,12 @@ class Heartbeat:
 
     async def check_name_free(self) -> None:
         """Refuse to run twice under one name; a crashed predecessor's record is fine."""
-        found = await fleet.status_of(self.conn, self.name)
+        found = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if found is None or found.state == "stopped":
             return
         first = found.heartbeat_at
         await asyncio.sleep(2.5)  # a live worker heartbeats every second
-        other = await fleet.status_of(self.conn, self.name)
+        other = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if other is not None and other.heartbeat_at > first and other.state != "stopped":
             raise SystemExit(
                 f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "

@@ -164,10 +164,10 @@ class TailWatch:
         self._near = False
         if await self.conn.llen(self.queue_key):
             return False
-        names = await fleet.names_async(self.conn)
-        if len(names) < 2:
+        found = await fleet.statuses(self.conn)
+        if len(found) < 2:
             return False
-        statuses = await fleet.live_statuses(self.conn, names)
+        statuses = [s for s in found.values() if s is not None]
         mine = [s for s in statuses if s.name == self.name]
         if not mine:
             return False

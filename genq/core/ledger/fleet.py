@@ -25,33 +25,25 @@ def worker_names(conn: redis.Redis) -> list[str]:
     return sorted(n.decode() for n in conn.smembers(keys.WORKERS))
 
 
-def statuses(conn: redis.Redis, names: list[str] | None = None) -> dict[str, WorkerStatus | None]:
-    """Each worker's status (of `names`, else of every worker), None when expired (lost) or
-    written by an incompatible genq."""
-    names = worker_names(conn) if names is None else names
-    out: dict[str, WorkerStatus | None] = {}
-    for name, raw in zip(names, conn.mget([keys.worker_status(n) for n in names]) if names else []):
-        try:
-            out[name] = unpack(raw, WorkerStatus) if raw else None
-        except msgspec.DecodeError:
-            out[name] = None
-    return out
+def statuses(conn: redis.Redis | aioredis.Redis, names: list[str] | None = None) -> Any:
+    """Each worker's status (of `names`, else of every worker), None when expired (lost) or written by
+    an incompatible genq; on an asyncio client, an awaitable of it."""
+    def decode(names: list[str], raws: list[bytes | None]) -> dict[str, WorkerStatus | None]:
+        out: dict[str, WorkerStatus | None] = {}
+        for name, raw in zip(names, raws):
+            try:
+                out[name] = unpack(raw, WorkerStatus) if raw else None
+            except msgspec.DecodeError:
+                out[name] = None
+        return out
 
-
-async def names_async(conn: aioredis.Redis) -> list[str]:
-    """worker_names, from the engine's event loop."""
-    return sorted(n.decode() for n in await conn.smembers(keys.WORKERS))
-
-
-async def live_statuses(conn: aioredis.Redis, names: list[str]) -> list[WorkerStatus]:
-    """The statuses of these workers that have not expired, in order (one MGET)."""
-    raws = await conn.mget([keys.worker_status(n) for n in names])
-    return [unpack(raw, WorkerStatus) for raw in raws if raw]
-
-
-async def status_of(conn: aioredis.Redis, name: str) -> WorkerStatus | None:
-    raw = await conn.get(keys.worker_status(name))
-    return unpack(raw, WorkerStatus) if raw else None
+    if isinstance(conn, aioredis.Redis):
+        async def read() -> dict[str, WorkerStatus | None]:
+            found = sorted(n.decode() for n in await conn.smembers(keys.WORKERS)) if names is None else names
+            return decode(found, await conn.mget([keys.worker_status(n) for n in found]) if found else [])
+        return read()
+    found = worker_names(conn) if names is None else names
+    return decode(found, conn.mget([keys.worker_status(n) for n in found]) if found else [])
 
 
 def forget_workers(conn: redis.Redis, names: list[str]) -> None:
