@@ -49,8 +49,7 @@ def bench_redis_url() -> str:
 if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from genq.core.localredis import LocalRedis, free_port  # noqa: E402,F401  (free_port: for the benchmarks)
-from genq.core.redisconn import mask_url  # noqa: E402
+from genq.core.redisconn import LocalRedis, free_port, mask_url  # noqa: E402,F401  (free_port: for the benchmarks)
 
 
 def stop_process(proc: subprocess.Popen) -> None:

@@ -21,7 +21,7 @@ import time
 import redis
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from genq.core.localredis import LocalRedis  # noqa: E402
+from genq.core.redisconn import LocalRedis  # noqa: E402
 
 
 def main() -> None:

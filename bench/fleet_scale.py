@@ -43,8 +43,8 @@ from common import PY, ROOT, Sim, conditions, table, write_prompts
 from footprint import Filler
 
 from genq.core import keys, scripts
-from genq.core.localredis import LocalRedis
 from genq.core.records import BatchRef, InFlight, WorkerStatus, pack
+from genq.core.redisconn import LocalRedis
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2, max_running_requests=64)
 

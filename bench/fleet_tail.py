@@ -49,7 +49,7 @@ from typing import Any
 from common import PY, ROOT, Sim, conditions, free_port, genq, stop_process, table, write_prompts
 from fleet_trace import Trace, summary
 
-from genq.core.localredis import LocalRedis
+from genq.core.redisconn import LocalRedis
 
 SLOTS = 16
 PROMPT_SEED = 1  # write_prompts' seed for every scenario's prompts (bench/tail_model.py replays them)

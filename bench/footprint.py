@@ -41,14 +41,12 @@ import redis
 from common import conditions, table
 
 from genq.core import keys, scripts
-from genq.core.batches import inline as inline_record
 from genq.core.ledger import fleet
 from genq.core.ledger.figures import read_job
-from genq.core.localredis import LocalRedis
 from genq.core.queueing import rq_queue, save_config, write_batches
 from genq.core.records import (
-    Batch,
     BatchRef,
+    BatchSource,
     InFlight,
     JobConfig,
     Prompt,
@@ -59,8 +57,20 @@ from genq.core.records import (
     pack,
     without_prompt,
 )
+from genq.core.redisconn import LocalRedis
 from genq.monitor.rqqueue import QueueMirror
 from genq.producer.rows import claim_digest
+
+
+@dataclass
+class Batch:
+    """A batch of prompts in memory, before it is stored as a BatchSource."""
+
+    job: str
+    id: str
+    prompts: list[Prompt]
+    created_at: float = 0.0
+
 
 TARGET_RATIO = 1.5  # refresh at LARGE prompts within 1.5x the refresh at SMALL (issue #15)
 WORKERS = 8
@@ -117,7 +127,7 @@ class Filler:
                 batches.append(Batch(job=self.job, id=f"b{seq + b + 1:07d}", prompts=prompts, created_at=time.time()))
             digests = {p.id: claim_digest(p) for b in batches for p in b.prompts}
             with self.conn.pipeline(transaction=True) as pipe:
-                write_batches(pipe, self.conn, [inline_record(b.job, b.id, b.prompts, b.created_at) for b in batches],
+                write_batches(pipe, self.conn, [BatchSource.inline(b.job, b.id, b.prompts, b.created_at) for b in batches],
                               digests)
                 pipe.execute()
             made.extend(batches)

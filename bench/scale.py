@@ -42,7 +42,7 @@ import redis
 from common import PY, ROOT, conditions, free_port, table
 from footprint import measure_footprint, measure_refresh
 
-from genq.core.localredis import LocalRedis
+from genq.core.redisconn import LocalRedis
 
 TARGET_REF_BYTES = 150
 TARGET_INLINE_RATIO = 0.5

@@ -14,8 +14,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from genq.core.decodebound import CAPS
-from genq.core.health import CODES
+from genq.core.decodebound import CAPS, CODES
 from genq.core.ledger.figures import JOB_STATUSES
 from genq.core.records import GpuSample
 from genq.core.redisconn import NOTE_REASONS

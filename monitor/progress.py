@@ -15,8 +15,7 @@ import msgspec
 import redis
 
 from genq.core import decodebound
-from genq.core.decodebound import Verdict
-from genq.core.health import bottlenecks, fleet_gpu_note, slot_utilization
+from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
 from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
 from genq.core.queueing import list_jobs
@@ -56,7 +55,7 @@ class WorkerReport(msgspec.Struct):
     gpu: GpuSample | None = None
     gpu_note: str | None = None
     bottlenecks: list[str] = []  # for people: with the numbers
-    bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.health.CODES)
+    bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.decodebound.CODES)
     heartbeat_age_s: float | None = None
     bound: Verdict | None = None  # its decode bound, the share reached, what caps its batch (genq.core.decodebound)
 

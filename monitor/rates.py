@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from genq.core.decodefigures import DecodeBin
 from genq.core.ledger.figures import JobSnapshot
+from genq.core.records import DecodeBin
 from genq.monitor.eta import Speed
 
 # Relative standard error never below this: speed drifts in ways a window cannot see (other jobs,

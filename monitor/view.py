@@ -10,7 +10,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from genq.core.health import NO_HEARTBEAT
+from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.words import plural
 from genq.monitor.progress import DOWN, JobReport, WorkerReport
 

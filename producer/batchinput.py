@@ -9,7 +9,6 @@ import hashlib
 import io
 from collections.abc import Iterable
 
-from genq.core import batches
 from genq.core.records import BatchSource, InputRange, JobConfig, Prompt
 from genq.producer.rows import Row
 from genq.producer.sources import is_s3, jsonl_rows
@@ -35,8 +34,8 @@ def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
     """The batch's prompts, in input order."""
     ref = source.ref
     if ref is None:
-        return batches.inline_prompts(source)
-    wanted = set(batches.ids(source))
+        return source.inline_prompts()
+    wanted = set(source.prompt_ids())
     rows = []
     lines = io.BytesIO(_read_range(ref, config.s3_endpoint_url))  # as enqueue read them: on \n only
     for row in jsonl_rows(lines, config.endpoint, first_line=ref.first_line):

@@ -31,14 +31,21 @@ from typing import TypeVar
 import msgspec
 import redis
 
-from genq.core import batches as batch_records
-from genq.core.batches import batch_id, batch_number
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, stage_config, write_batches
-from genq.core.records import BatchSource, EnqueueRecord, InputRange, JobConfig, JobRecord, Rejected
+from genq.core.records import (
+    BatchSource,
+    EnqueueRecord,
+    InputRange,
+    JobConfig,
+    JobRecord,
+    Rejected,
+    batch_id,
+    batch_number,
+)
 from genq.ops import dlq, recover
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 from genq.producer.batchinput import range_digest
 from genq.producer.meter import Meter
 from genq.producer.rejects import RejectsFile
@@ -300,12 +307,12 @@ class Enqueuer:
         for n, i in enumerate(range(0, len(rows), size)):
             bid, part = batch_id(last + 1 + n), rows[i : i + size]
             if self.reference is None:
-                out.append(batch_records.inline(job, bid, [r.prompt for r in part], created))
+                out.append(BatchSource.inline(job, bid, [r.prompt for r in part], created))
                 continue
             ref = InputRange(uri=self.reference, start=part[0].start, end=part[-1].end,
                              first_line=part[0].prompt.index + 1, last_line=part[-1].prompt.index + 1,
                              digest=range_digest(part))
-            out.append(batch_records.by_reference(job, bid, [r.prompt.id for r in part], ref, created))
+            out.append(BatchSource.by_reference(job, bid, [r.prompt.id for r in part], ref, created))
         return out
 
 

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from genq.core.records import Endpoint, Rejected
-from genq.output import layout
+from genq.output import truth
 from genq.producer.meter import Meter
 from genq.producer.rows import (
     Row,
@@ -137,7 +137,7 @@ def default_rejects_path(uri: str, output: str, job: str) -> str:
     filename = f"{name or 'input'}.rejects.jsonl"
     if "://" in output:
         return str(Path("genq-rejects") / job / filename)
-    return str(Path(layout.job_root(output, job)) / layout.REJECTS_DIR / filename)
+    return str(Path(truth.job_root(output, job)) / truth.REJECTS_DIR / filename)
 
 
 def _columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str, str]:

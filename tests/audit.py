@@ -38,7 +38,6 @@ import msgspec
 import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from genq.core import batches as batch_records
 from genq.core import keys, scripts
 from genq.core.queueing import RUN_BATCH, fetch_rq_jobs, load_batch, rq_queue
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
@@ -150,7 +149,7 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
         if batch is None:
             problems.append(f"batch {batch_id} is expected to have failed but its record is gone")
         else:
-            held_by_failed |= set(batch_records.ids(batch))
+            held_by_failed |= set(batch.prompt_ids())
     missing = wanted - finished - set(letters)
     if lost := sorted(missing - held_by_failed):
         problems.append(f"input ids with neither a result nor a dead letter (lost): {lost[:10]} "

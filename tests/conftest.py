@@ -25,7 +25,7 @@ from typing import NamedTuple
 import pytest
 import redis
 
-from genq.core.localredis import LocalRedis, free_port
+from genq.core.redisconn import LocalRedis, free_port
 from tests import zygote
 
 ROOT = Path(__file__).resolve().parent.parent

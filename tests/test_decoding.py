@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from genq.core.decodefigures import DecodeBin
+from genq.core.records import DecodeBin
 from genq.monitor.rates import fit_overhead
 from genq.worker.decoding import HALF_LIFE_S, DecodeMeter
 from genq.worker.server import Progress

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from genq.core.localredis import free_port
+from genq.core.redisconn import free_port
 from tests.conftest import ROOT, read_results, wait_http, wait_until, write_prompts
 
 # One process runs both tests (make test: --dist loadgroup), so the image is built once.

@@ -21,8 +21,7 @@ from __future__ import annotations
 import time
 
 from genq.core import keys
-from genq.core.decodefigures import ServerDecode
-from genq.core.records import unpack
+from genq.core.records import ServerDecode, unpack
 from genq.monitor.progress import Monitor
 from tests.audit import audit
 from tests.conftest import run_genq, write_prompts

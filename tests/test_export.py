@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 
 from genq.core import keys
 from genq.core.records import DeadLetter, Result, Usage, unpack
-from genq.output.local import LocalStore
-from genq.output.sink import Sink, shard_bytes
+from genq.output.truth import LocalStore, commit_shard, shard_bytes
 from tests.audit import audit
 from tests.conftest import batch_prompts, read_results, run_genq
 
@@ -26,7 +25,8 @@ def result(pid: str, index: int, batch: str, job: str = "hand", **extra) -> Resu
 
 def write_shard(out, batch: str, results: list[Result], job: str = "hand") -> None:
     data = shard_bytes(results, "none")
-    Sink(LocalStore(str(out))).write_shard(job, batch, data, len(results))
+    commit_shard(LocalStore(str(out)), job, batch, data, len(results), 0.0, compression="none", incarnation="",
+                 outcome=None)
 
 
 def test_openai_batch_round_trip_with_a_rejected_row(redis_url, rconn, sim, worker, tmp_path):
@@ -159,7 +159,8 @@ def test_export_dedups_orders_and_reads_only_shards_in_the_manifest(redis_url, t
 def test_gzip_shards_export_the_same_records(redis_url, tmp_path):
     out = tmp_path / "out"
     results = [result(f"p{i:05d}", i, "b0000001") for i in range(6)]
-    Sink(LocalStore(str(out)), compression="gzip").write_shard("hand", "b0000001", shard_bytes(results, "gzip"), 6)
+    commit_shard(LocalStore(str(out)), "hand", "b0000001", shard_bytes(results, "gzip"), 6, 0.0, compression="gzip",
+                 incarnation="", outcome=None)
     dest = tmp_path / "g.jsonl"
     run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
     assert dest.read_bytes() == shard_bytes(results, "none")
@@ -221,7 +222,7 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
 
 def test_openai_batch_lines_for_completions_and_errors_without_an_http_answer():
     from genq.core.records import Prompt
-    from genq.output.formats import openai_error_line, openai_output_line
+    from genq.output.export import openai_error_line, openai_output_line
 
     r = Result(id="c1", job="j", batch="b0000001", index=0, completion=" world", finish_reason="stop",
                usage=Usage(prompt_tokens=3, completion_tokens=2, reasoning_tokens=1), model="m", worker="w",

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from genq.core.localredis import LocalRedis
+from genq.core.redisconn import LocalRedis
 from tests.conftest import run_genq, write_prompts
 
 pytestmark = pytest.mark.e2e  # every test here runs the CLI
@@ -72,16 +72,16 @@ def test_a_server_without_its_scheme_is_bad_usage_before_anything_is_written(ser
 
 def test_export_of_an_unfinished_job_exits_3_with_its_note(redis_url, rconn, tmp_path):
     from genq.core.queueing import load_config
-    from genq.output.local import LocalStore
-    from genq.output.sink import Sink, shard_bytes
+    from genq.output.truth import LocalStore, commit_shard, shard_bytes
     from tests.test_export import result
 
     src, out = tmp_path / "p.jsonl", tmp_path / "out"
     write_prompts(src, 20)
     run_genq("enqueue", str(src), "--job", "half", "--output", str(out), "--batch-size", "10", redis_url=redis_url)
     incarnation = load_config(rconn, "half").incarnation
-    Sink(LocalStore(str(out)), incarnation=incarnation).write_shard(
-        "half", "b0000001", shard_bytes([result(f"p{i:05d}", i, "b0000001", job="half") for i in range(10)], "none"), 10)
+    commit_shard(LocalStore(str(out)), "half", "b0000001", shard_bytes(
+        [result(f"p{i:05d}", i, "b0000001", job="half") for i in range(10)], "none"), 10, 0.0, compression="none",
+                 incarnation=incarnation, outcome=None)
     proc = run_genq("export", "--job", "half", "--to", str(tmp_path / "half.jsonl"), redis_url=redis_url, check=False)
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
     assert "wrote 10 records" in proc.stdout and "not in this export yet" in proc.stderr, proc.stderr
@@ -282,12 +282,12 @@ def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_
     both = run_genq("jobs", "show", "names", "--job", "other", redis_url=redis_url, check=False)
     assert both.returncode == 2 and "two jobs given" in both.stderr, both.stderr
 
-    from genq.output.local import LocalStore
-    from genq.output.sink import Sink, shard_bytes
+    from genq.output.truth import LocalStore, commit_shard, shard_bytes
     from tests.test_export import result
 
-    Sink(LocalStore(str(out))).write_shard("names", "b0000001", shard_bytes([result("p00000", 0, "b0000001", job="names")],
-                                                                     "none"), 1)
+    commit_shard(LocalStore(str(out)), "names", "b0000001", shard_bytes([result("p00000", 0, "b0000001", job="names")],
+                                                                        "none"), 1, 0.0, compression="none",
+                 incarnation="", outcome=None)
     for option in ("--output", "--from"):
         done = run_genq("export", "--job", "names", option, str(out), "--to", str(tmp_path / f"x{option}.jsonl"),
                         redis_url=redis_url, check=False)

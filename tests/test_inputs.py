@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from genq.core import batches, keys
+from genq.core import keys
 from genq.core.queueing import load_batch
 from tests.audit import audit
 from tests.conftest import genq_cmd, run_genq, wait_until
@@ -47,7 +47,7 @@ def test_reference_job_on_s3_reads_ranges_and_ends_with_one_result_per_prompt(mo
     assert "skipped 1 repeated line (same id" in proc.stdout
     records = batch_records(rconn, "ref")
     assert all(r.ref is not None and r.prompts == b"" for r in records), "Redis holds references, not prompts"
-    assert [batches.ids(r) for r in records] == [ids[i:i + 10] for i in range(0, 47, 10)]
+    assert [r.prompt_ids() for r in records] == [ids[i:i + 10] for i in range(0, 47, 10)]
     assert (records[1].ref.first_line, records[1].ref.last_line) == (13, 22)  # after the bad and the blank line
 
     server = sim(max_running_requests=8, **FAST_SIM)
@@ -104,7 +104,7 @@ def test_inline_batches_are_compressed(redis_url, rconn, tmp_path):
     assert "(inline)" in proc.stdout
     (record,) = batch_records(rconn, "inl")
     assert record.ref is None and record.count == 40 and len(record.prompts) < len(b"".join(rows)) / 3
-    assert [p.id for p in batches.inline_prompts(record)] == ids
+    assert [p.id for p in record.inline_prompts()] == ids
     bad = run_genq("enqueue", str(path) + ".gz", "--job", "inl2", "--input-by-reference", redis_url=redis_url,
                    check=False)
     assert bad.returncode == 1 and "needs an uncompressed JSONL input" in bad.stderr
@@ -132,7 +132,7 @@ def test_producer_killed_mid_enqueue_then_run_again_queues_each_prompt_once(redi
 
     again = run_genq(*args, redis_url=redis_url)
     assert f"skipped {partial:,} prompts already queued" in again.stdout
-    queued = [i for r in batch_records(rconn, "crash") for i in batches.ids(r)]
+    queued = [i for r in batch_records(rconn, "crash") for i in r.prompt_ids()]
     assert len(queued) == n and sorted(queued) == ids, "each prompt in exactly one batch"
     assert int(rconn.hget(keys.job_stats("crash"), "total")) == n == rconn.hlen(keys.job_ids("crash"))
     assert rconn.zcard(keys.job_batches("crash")) == int(rconn.hget(keys.job_stats("crash"), "batches"))

@@ -49,7 +49,7 @@ from genq.ops import control, dlq, recover
 from genq.ops.settings import set_settings
 from genq.ops.written import outcome_for
 from genq.output import truth
-from genq.output.sink import open_store, shard_bytes
+from genq.output.truth import open_store, shard_bytes
 from genq.producer.batchinput import read_prompts
 from genq.producer.enqueue import Enqueuer, queue_lost
 from genq.producer.rejects import RejectsFile
@@ -447,7 +447,7 @@ class World:
                 if hold.written is not None:
                     self.release(engine, batch)
         steady = self.engines[ENGINES[2]]  # no rule drives it: a worker started for the end
-        for batch in ledger_jobs.pending_batches(self.conn, JOB):
+        for batch in ledger_mod.pending_batches(self.conn, JOB):
             self.deliver(steady, batch)
         for batch in list(steady.holds):
             for _ in range(2):
@@ -460,7 +460,7 @@ class World:
             self.beat(engine)
         self.compare()
         for _ in range(200):
-            pending = ledger_jobs.pending_batches(self.conn, JOB)
+            pending = ledger_mod.pending_batches(self.conn, JOB)
             if not pending:
                 break
             self.deliver(steady, pending[0])
@@ -705,20 +705,15 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
             world.work(engine, batch)
     assert not world.missing(batch, hold)
     lost = hold.prompts[0].id
-    real_open_sink = batches.open_sink
+    real_commit = batches.commit_shard
 
-    class RolledBack:
+    def rolled_back(*args, **kwargs):
         """The shard written, then Redis rolled back to before one of its outcomes."""
+        info = real_commit(*args, **kwargs)
+        world.conn.hdel(keys.batch_results(JOB, batch), lost)
+        return info
 
-        def __init__(self, config: JobConfig) -> None:
-            self.sink = real_open_sink(config)
-
-        def write_shard(self, *args, **kwargs):
-            info = self.sink.write_shard(*args, **kwargs)
-            world.conn.hdel(keys.batch_results(JOB, batch), lost)
-            return info
-
-    monkeypatch.setattr(batches, "open_sink", RolledBack)
+    monkeypatch.setattr(batches, "commit_shard", rolled_back)
     held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, size=len(hold.prompts),
                      unfinished=set(), prompts=hold.prompts)
 

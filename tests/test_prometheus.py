@@ -12,8 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from genq.core import keys  # noqa: E402
-from genq.core.decodebound import CAPS
-from genq.core.health import CODES
+from genq.core.decodebound import CAPS, CODES
 from genq.core.queueing import save_config  # noqa: E402
 from genq.core.records import BatchRef, DeadLetter, GpuSample, InFlight, JobConfig, ShardInfo, WorkerStatus, pack  # noqa: E402
 from genq.core.redisconn import NOTE_REASONS

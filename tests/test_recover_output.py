@@ -11,9 +11,8 @@ import pytest
 
 from genq.core.records import Result, Usage
 from genq.output import truth
-from genq.output.local import LocalStore
 from genq.output.s3 import S3Store
-from genq.output.sink import shard_bytes
+from genq.output.truth import LocalStore, shard_bytes
 from tests.conftest import run_genq, write_prompts
 from tests.s3server import moto, s3_env  # noqa: F401  (fixtures)
 

@@ -25,8 +25,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from genq.core import keys
-from genq.core.localredis import LocalRedis
-from genq.core.redisconn import NO_DISK, NOTE_REASONS, REPLICA
+from genq.core.redisconn import NO_DISK, NOTE_REASONS, REPLICA, LocalRedis
 from genq.core.timings import LEASE_TIMEOUT_S
 from genq.monitor.exporter import make_registry
 from genq.monitor.progress import Monitor

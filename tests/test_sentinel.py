@@ -1,6 +1,6 @@
 """Redis Sentinel: genq through redis+sentinel:// URLs, the master failed over mid-job.
 
-genq waits for a replica to confirm each write on a Sentinel URL (genq/core/replicated.py):
+genq waits for a replica to confirm each write on a Sentinel URL (genq/core/redisconn.py):
 without that, the old master's last writes are lost in a failover (seen here: a whole job run
 on the old master after SENTINEL FAILOVER, 13 of its 16 batches unknown to the new one). So
 the killed master is restarted, as its supervisor would: until it is the new master's replica,
@@ -163,7 +163,7 @@ def test_every_command_reads_a_sentinel_url(sentinel_set):
     time.sleep(0.2)
     assert sentinel_set.direct("b").get("k") == b"v"  # replicated: this is the master the sentinel names
     # ?wait_replicas=0: no WAIT after writes (a plain client; the last writes may be lost in a failover).
-    from genq.core.replicated import ReplicatedRedis
+    from genq.core.redisconn import ReplicatedRedis
 
     assert isinstance(client, ReplicatedRedis) and not isinstance(connect(sentinel_set.url + "?wait_replicas=0"),
                                                                    ReplicatedRedis)

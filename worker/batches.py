@@ -31,15 +31,23 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from genq.core import batches, scripts
+from genq.core import scripts
 from genq.core.ledger import fleet, leasing
-from genq.core.ledger.parked import end_lease_parked
-from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardMarker, unpack, with_prompt
+from genq.core.records import (
+    BatchRef,
+    BatchSource,
+    DeadLetter,
+    JobConfig,
+    Prompt,
+    Result,
+    ShardMarker,
+    unpack,
+    with_prompt,
+)
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, written_marker
-from genq.output.sink import open_sink, shard_bytes
-from genq.output.truth import AlreadyWritten
+from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
 from genq.producer.batchinput import InputChanged, load_prompts
 from genq.worker.decoding import Running
 from genq.worker.held import Claims, HeldBatch, Holdings, Task
@@ -98,9 +106,9 @@ class Batches:
             return  # the job was deleted meanwhile: its lease goes with it
         if await adopt_if_written(self.conn, config, ref):  # written before Redis lost it
             return
-        source = batches.decode(raw)
-        ids = batches.ids(source)
-        finished = await leasing.finished_ids(self.conn, ref, ids)
+        source = unpack(raw, BatchSource)
+        ids = source.prompt_ids()
+        finished = await leasing.outcome_ids(self.conn, ref, ids, transaction=True)
         unfinished = {i for i in ids if i not in finished}
         prompts: list[Prompt] = []
         changed: str | None = None
@@ -127,7 +135,7 @@ class Batches:
             return
         self.arrived.put_nowait((held, [p for p in prompts if p.id in unfinished]))
 
-    async def _read(self, source: batches.BatchSource, config: JobConfig) -> list[Prompt]:
+    async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
         """The batch's prompts; a failing read is tried a few times (a blip) before it is given up."""
         for attempt in range(LOAD_TRIES - 1):
             try:
@@ -248,19 +256,21 @@ class Batches:
         at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
         loop = asyncio.get_running_loop()
         data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
-        outcome = outcome_for(held.prompts, results, letters, recorded.size)
-        sink = open_sink(held.config)
+        config = held.config
+        write = functools.partial(commit_shard, open_store(config.output, config.s3_endpoint_url), ref.job, ref.batch,
+                                  data, len(results), at, compression=config.compression,
+                                  incarnation=config.incarnation,
+                                  outcome=outcome_for(held.prompts, results, letters, recorded.size))
         backoff = 1.0
         try:
             while True:
                 try:
-                    info = await loop.run_in_executor(
-                        self._pool, sink.write_shard, ref.job, ref.batch, data, len(results), at, outcome)
+                    info = await loop.run_in_executor(self._pool, write)
                     break
                 except AlreadyWritten as written:  # the output's shard of this batch stands
                     adopting = functools.partial(adopt_marker, self.conn, ref, written.marker)
                     return int(await retrying(adopting, f"adopting batch {ref}"))
-                except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
+                except Exception as exc:  # the output's own errors (disk full, S3 down): keep trying
                     self.unwritten[ref] = str(exc) or type(exc).__name__
                     log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
                                 ref, type(exc).__name__, exc, backoff)
@@ -285,7 +295,7 @@ class Batches:
         if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
             return None  # the job was deleted and enqueued again: nothing of this one is written
         # the record itself only when the prompts were not in memory (else: whether it is there)
-        ids = batches.ids(batches.decode(raw_batch)) if isinstance(raw_batch, bytes) else list(by_id)
+        ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
         letters_raw = stored_letters if stored_letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
         wanted = set(ids)
         results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
@@ -347,7 +357,7 @@ class Batches:
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again (front of the queue); False if it was done or no longer ours
         (then there is nothing to give back)."""
-        return await asyncio.to_thread(leasing.hand_back, self.sync_conn, ref, token)
+        return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
 
     async def _hand_back_held(self, held: HeldBatch) -> bool:
         return await self.hand_back(held.ref, held.token)
@@ -383,7 +393,7 @@ class Batches:
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         return await self._let_go(mine, borrowed, cancel=cancel,
-                                  end=lambda h: asyncio.to_thread(end_lease_parked, self.sync_conn, h.ref, h.token))
+                                  end=lambda h: asyncio.to_thread(leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=False))
 
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       end: Callable[[HeldBatch], Awaitable[bool]]) -> list[str]:

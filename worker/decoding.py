@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from genq.core.decodefigures import DecodeBin, ServerDecode
 from genq.core.ledger import fleet
+from genq.core.records import DecodeBin, ServerDecode
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis

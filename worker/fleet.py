@@ -12,6 +12,7 @@ gets port base_port + i (its position in the list, not its GPU index).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import shlex
@@ -28,7 +29,6 @@ from typing import IO
 from urllib.parse import urlsplit
 
 from genq import PYTHON
-from genq.core.parentdeath import ask_for_signal_on_parent_death
 from genq.core.redisconn import ENV_VAR, mask_url
 from genq.core.waits import wait_event
 from genq.core.words import plural
@@ -155,6 +155,14 @@ def parse_gpus(spec: str) -> list[int]:
 # ---------------------------------------------------------------- one child, kept running
 
 
+def _term_on_parent_death() -> None:
+    """In the child: SIGTERM when the thread that forked it dies (Linux's PR_SET_PDEATHSIG = 1)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: no such signal there
+
+
 def signal_group(pid: int, sig: int) -> None:
     """Signal a child's whole process group (it leads its own session)."""
     try:
@@ -239,7 +247,7 @@ class Child:
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20,
             # The fleet killed outright: the child gets SIGTERM (an engine still drains).
-            preexec_fn=lambda: ask_for_signal_on_parent_death(signal.SIGTERM),
+            preexec_fn=_term_on_parent_death,
         )
         self.pid_path.parent.mkdir(parents=True, exist_ok=True)
         self.pid_path.write_text(f"{proc.pid}\n")

@@ -38,7 +38,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from genq.core.ledger import fleet, holding
+from genq.core.ledger import fleet
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import retrying, wait_event
@@ -276,7 +277,8 @@ class Parking:
     async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         job = held.ref.job
 
-        blocked, config, paused = await retrying(lambda: holding.arrival_state(self.conn, job), f"checking job {job}")
+        (now,) = await retrying(lambda: ledger_jobs.jobs_now(self.conn, [job]), f"checking job {job}")
+        blocked, config, paused = now.blocked, now.config, now.paused
         if config is not None:
             self._settings(job, config)
         if blocked:
@@ -312,7 +314,7 @@ class Parking:
 
     async def _block(self, job: str, record: JobBlock) -> None:
         try:
-            await retrying(lambda: holding.block_job(self.conn, job, record), f"blocking job {job}")
+            await retrying(lambda: ledger_jobs.block_job(self.conn, job, record), f"blocking job {job}")
         finally:
             self._storing.discard(job)
         await self.park_job(job)
@@ -388,8 +390,9 @@ class Parking:
         jobs = sorted(self.held.all_jobs() | self.brake.blocked)
         if not jobs:
             return
-        for job, (blocked, config) in zip(jobs, await holding.blocks_and_configs(self.conn, jobs)):
-            if blocked:
+        for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs)):
+            config = now.config
+            if now.blocked:
                 self._blocked_elsewhere(job)
             elif self._lifted(job):
                 self._resumed(job)

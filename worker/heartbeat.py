@@ -213,21 +213,12 @@ class Heartbeat:
         now = time.time()
         pace = self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
-            if status.state != "stopped":
-                fleet.stage_alive(pipe, self.instance, self.name, pace.ttl(LEASE_TIMEOUT_S))
-            # A clean exit's record is kept (no TTL) so the fleet view tells stopped from lost.
-            fleet.stage_status(pipe, status, None if status.state == "stopped" else pace.ttl(STATUS_TTL_S))
-            if pace.workers_set_due():
-                fleet.stage_member(pipe, self.name)
             jobs = set(by_job) | set(queued) | self.held.jobs()
-            for job in jobs:
-                record = InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
-                                  queued=queued.get(job, 0))
-                fleet.stage_inflight(pipe, record, INFLIGHT_TTL_S)
-            # A job this worker no longer works on has nothing of it in flight here, now: its
-            # last record (the requests running a second ago) must not outlive it by its TTL.
-            for job in self._inflight_jobs - jobs:
-                fleet.stage_no_inflight(pipe, job, self.name)
+            fleet.stage_beat(pipe, status, self.instance, pace.ttl(LEASE_TIMEOUT_S), pace.ttl(STATUS_TTL_S),
+                             member=pace.workers_set_due(), gone=self._inflight_jobs - jobs,
+                             inflight=[InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
+                                                queued=queued.get(job, 0)) for job in jobs],
+                             inflight_ttl=INFLIGHT_TTL_S)
             if self._figures_of is not None:
                 decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
             # Raised as Redis said it (redis-py's pipeline rewrites the words that tell a full Redis).
@@ -238,12 +229,12 @@ class Heartbeat:
 
     async def check_name_free(self) -> None:
         """Refuse to run twice under one name; a crashed predecessor's record is fine."""
-        found = await fleet.status_of(self.conn, self.name)
+        found = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if found is None or found.state == "stopped":
             return
         first = found.heartbeat_at
         await asyncio.sleep(2.5)  # a live worker heartbeats every second
-        other = await fleet.status_of(self.conn, self.name)
+        other = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if other is not None and other.heartbeat_at > first and other.state != "stopped":
             raise SystemExit(
                 f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "

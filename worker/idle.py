@@ -168,14 +168,13 @@ class WakeListener:
         while not self._stop.is_set():
             pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
-                fleet.listen_for_wakes(pubsub)
+                says = fleet.listen_for_wakes(pubsub)
                 self.subscribed.set()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message.get("type") == "message":
-                        data = message.get("data")
-                        event = (self.pace.beat_now if fleet.is_control_wake(data)
-                                 else self.pace.queued if fleet.is_queued_wake(data) else self.pace.woken)
+                        event = {"control": self.pace.beat_now, "queued": self.pace.queued,
+                                 "work": self.pace.woken}[says(message.get("data"))]
                         self.loop.call_soon_threadsafe(event.set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)

@@ -20,8 +20,8 @@ import uuid
 import redis
 
 from genq.core import scripts
-from genq.core.ledger import leasing
-from genq.core.queueing import list_jobs, load_configs, rq_worker
+from genq.core.ledger.jobs import jobs_now
+from genq.core.queueing import list_jobs, rq_worker
 from genq.core.records import BatchRef
 from genq.core.waits import retrying, wait_event
 from genq.worker.batches import Batches
@@ -135,7 +135,7 @@ class Intake:
         return True
 
     async def _load(self, token: str, ref: BatchRef) -> None:
-        config = await leasing.config_now(self.conn, ref.job)  # never kept by name: a job's life is its own
+        config = (await jobs_now(self.conn, [ref.job]))[0].config  # never kept by name: a job's life is its own
         if self.batches.renewed(ref, token, config):
             return
         if config is not None:
@@ -162,7 +162,7 @@ class Intake:
 
     def _jobs_and_configs(self) -> tuple[list[str], list]:
         jobs = list_jobs(self.sync_conn)
-        return jobs, load_configs(self.sync_conn, jobs)
+        return jobs, [now.config for now in jobs_now(self.sync_conn, jobs)]
 
     def _rq_birth(self) -> None:
         try:

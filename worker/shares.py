@@ -21,8 +21,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import scripts
-from genq.core.ledger import holding
-from genq.core.order import batch_of_description, schedule_of
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.queueing import batch_of_description
 from genq.core.records import JobSchedule
 from genq.worker.batches import Batches
 from genq.worker.held import Task
@@ -81,7 +81,7 @@ class Shares:
             script_keys, args = scripts.fleet_share_call(self.instance, FRESH_S, mine)
             await self._share(keys=script_keys, args=args, client=pipe)
             if jobs:
-                holding.stage_schedules(pipe, jobs)
+                ledger_jobs.stage_schedules(pipe, jobs)
                 script_keys, args = scripts.queue_head_call(self.queue_key)
                 await self._head(keys=script_keys, args=args, client=pipe)
             shared, *rest = await pipe.execute()
@@ -91,11 +91,11 @@ class Shares:
             self.head = None
             return
         raws, head = rest
-        self.sched.update({job: schedule_of(raw) for job, raw in zip(jobs, raws)})
+        self.sched.update({job: ledger_jobs.schedule_of(raw) for job, raw in zip(jobs, raws)})
         found = batch_of_description(head)
         self.head = found[0] if found else None
         if self.head is not None and self.head not in self.sched:
-            self.sched[self.head] = await holding.schedule_now(self.conn, self.head)
+            self.sched[self.head] = (await ledger_jobs.jobs_now(self.conn, [self.head]))[0].schedule
 
     def wants_head(self, waiting: dict[str, int], low: int = 1) -> bool:
         """Whether the queue's next batch should be taken now although every loop holds one:

@@ -28,9 +28,9 @@ from collections import OrderedDict
 import msgspec
 import redis
 
-from genq.core import batches as batch_records
-from genq.core.ledger import fleet, holding, leasing
-from genq.core.records import BatchRef, JobConfig, Prompt, WorkerStatus
+from genq.core.ledger import fleet, leasing
+from genq.core.ledger import jobs as ledger_jobs
+from genq.core.records import BatchRef, BatchSource, JobConfig, Prompt, WorkerStatus, unpack
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written
@@ -191,25 +191,32 @@ class Stealer:
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
-        """Batches other engines hold, with their job's settings as they are now (read each pass: a job
-        deleted and enqueued again under its name is another incarnation); the highest priority first,
-        paused jobs left out (their holders park them), holders mixed (idle engines spread over them)."""
-        jobs = [j for j in await holding.job_names(self.conn) if j not in self.controls.paused_jobs]
-        found = []
-        for job, (config, leases) in zip(jobs, await holding.leases_and_configs(self.conn, jobs)):
-            if config is None:
+        """Batches other engines hold, with their job's settings as they are now (read each pass:
+        a job deleted and enqueued again under its name is another incarnation)."""
+        names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.controls.paused_jobs]
+        out = []
+        for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True)):
+            if now.config is None:
                 continue
-            for batch, holder in leases.items():
+            config = now.config
+            for batch, holder in now.leases.items():
                 ref = BatchRef(job, batch)
                 if holder and holder != self.instance and ref not in self.held:
-                    found.append((ref, holder, config))
-        if not found:
-            return []  # read only for jobs with batches to take: an idle fleet reads nothing
-        priority = await holding.unpaused_priorities(self.conn, sorted({ref.job for ref, _, _ in found}))
-        found = [f for f in found if f[0].job in priority]
-        random.shuffle(found)
-        found.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
-        return found
+                    out.append((ref, holder, config))
+        return await self._by_priority(out)
+
+    async def _by_priority(self, found: list[tuple[BatchRef, str, JobConfig]]) -> list[tuple[BatchRef, str, JobConfig]]:
+        """The highest priority first, paused jobs left out (their holders park them), holders mixed
+        (idle engines spread over them). Read only for jobs with batches to take: an idle fleet reads nothing."""
+        names = sorted({ref.job for ref, _, _ in found})
+        if not names:
+            return []
+        priority = {job: now.schedule.priority for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names))
+                    if not now.paused}
+        out = [f for f in found if f[0].job in priority]
+        random.shuffle(out)
+        out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
+        return out
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
         cached = (ref, config.incarnation, config.settings_version)  # new settings: read again
@@ -218,7 +225,7 @@ class Stealer:
             loaded = None
             if raw is not None:
                 try:
-                    loaded = await load_prompts(batch_records.decode(raw), config)
+                    loaded = await load_prompts(unpack(raw, BatchSource), config)
                 except Exception as exc:  # unreadable or changed input: its holder deals with it
                     log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
@@ -287,10 +294,10 @@ class Stealer:
         self._near = False
         if await self.conn.llen(self.queue_key):
             return False
-        names = await fleet.names_async(self.conn)
-        if len(names) < 2:
+        found = await fleet.statuses(self.conn)
+        if len(found) < 2:
             return False
-        statuses = await fleet.live_statuses(self.conn, names)
+        statuses = [s for s in found.values() if s is not None]
         me = next((s for s in statuses if s.name == self.name), None)
         if me is None:
             return False

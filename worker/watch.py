@@ -22,8 +22,7 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 
-from genq.core.ledger import leasing
-from genq.core.queueing import load_configs
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.records import JobConfig
 from genq.core.words import plural
 from genq.worker.controller import ConcurrencyController
@@ -257,7 +256,7 @@ class ModelGate:
         it is another model's job or gone."""
         model = self.watch.model
         if config.model == AUTO and model is not None:
-            found, pinned = await leasing.pin_model(self.conn, config.name, model, AUTO)
+            found, pinned = await ledger_jobs.pin_model(self.conn, config.name, model, AUTO)
             if pinned:
                 log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
                          "pinned in its settings", config.name, model)
@@ -278,7 +277,7 @@ class ModelGate:
     async def servable_config(self, job: str) -> JobConfig | None:
         """The job's settings now if this engine may take its prompts (the stealer's view; an `auto`
         job is pinned already by its batches' holders), else None."""
-        found = await leasing.config_now(self.conn, job)
+        found = (await ledger_jobs.jobs_now(self.conn, [job]))[0].config
         if found is not None and not serves(found.model, self.watch.model):
             await self.refuse(job, found.model)
             return None
@@ -289,5 +288,5 @@ def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list
     """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
     if not jobs:
         return []
-    return [job for job, config in zip(jobs, load_configs(conn, jobs), strict=True)
+    return [job for job, config in zip(jobs, [n.config for n in ledger_jobs.jobs_now(conn, jobs)], strict=True)
             if config is not None and serves(config.model, model)]

@@ -28,7 +28,7 @@ from genq.cli import (
     yes_option,
 )
 from genq.core import decodebound
-from genq.core.health import NO_HEARTBEAT
+from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.order import set_schedule
@@ -253,7 +253,8 @@ def resume(ctx: click.Context, job: str | None) -> None:
     queued = control.resume(conn, job)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
                + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
-    if still := sorted(ledger_jobs.paused_jobs(conn, list_jobs(conn))):
+    names = list_jobs(conn)
+    if still := sorted(j for j, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.paused):
         click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
     if ledger_jobs.paused_all(conn):
         click.echo("note: everything is still paused globally (genq resume)")
@@ -388,7 +389,7 @@ def jobs_set(ctx: click.Context, job: str, note: str | None, priority: int | Non
     what = ", ".join(f"{k} {json.dumps(v)}" for k, v in changes.items())
     click.echo(f"job {job}: settings version {config.settings_version}: {what}; every prompt not yet done is "
                "sent with it")
-    if (block := ledger_jobs.block_of(conn, job)) is not None:
+    if (block := ledger_jobs.jobs_now(conn, [job])[0].blocked) is not None:
         click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
 
 

@@ -26,11 +26,10 @@ from rich.console import Console
 from genq import PYTHON
 from genq.cli import redis_given
 from genq.core.ledger import letters
-from genq.core.localredis import LocalRedis, free_port
-from genq.core.redisconn import connect, mask_url
+from genq.core.redisconn import LocalRedis, connect, free_port, mask_url
 from genq.core.words import plural
 from genq.ops import control
-from genq.output import layout
+from genq.output import truth
 
 TOPICS = ["sorting algorithms", "the French revolution", "photosynthesis", "TCP congestion control",
           "Bayesian inference", "sourdough baking", "the Krebs cycle", "plate tectonics"]
@@ -182,8 +181,8 @@ def _get(url: str) -> dict:
 
 def _summary(console: Console, conn: redis.Redis, out: Path, job: str, sims: list[str], makespan: float,
              n_prompts: int, *, hints: bool) -> None:
-    root = Path(layout.job_root(str(out), job))
-    shards = sorted((root / layout.SHARDS_DIR).glob("*.jsonl"))
+    root = Path(truth.job_root(str(out), job))
+    shards = sorted((root / truth.SHARDS_DIR).glob("*.jsonl"))
     rows = [json.loads(line) for shard in shards for line in shard.read_text().splitlines() if line.strip()]
     out_tokens = sum(r["usage"]["completion_tokens"] for r in rows)
     # Each sim's mean running requests over its running limit, as SGLang reports that limit.
@@ -196,8 +195,8 @@ def _summary(console: Console, conn: redis.Redis, out: Path, job: str, sims: lis
                   f"{plural(letters.count(conn, job), 'dead letter')}")
     console.print(f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
                   f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}")
-    console.print(f"  shards:   {root / layout.SHARDS_DIR}  ({plural(len(shards), 'file')})")
-    console.print(f"  manifest: {root / layout.MANIFEST_DIR}")
+    console.print(f"  shards:   {root / truth.SHARDS_DIR}  ({plural(len(shards), 'file')})")
+    console.print(f"  manifest: {root / truth.MANIFEST_DIR}")
     console.print(f"  logs:     {out / 'logs'}")
     if rows:
         sample = {k: rows[0][k] for k in ("id", "finish_reason", "usage", "worker", "attempts")}

@@ -22,7 +22,7 @@ from genq.core.words import plural
 from genq.monitor.view import duration
 from genq.ops.control import job_rows
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 from genq.producer.enqueue import Enqueuer, EnqueueSummary, revives
 from genq.producer.meter import Meter
 from genq.producer.rejects import SHOWN, RejectsFile

@@ -9,7 +9,6 @@ import click
 import redis
 
 from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn, redis_url
-from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.ledger.jobs import JobCounts
@@ -19,8 +18,7 @@ from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
 from genq.output import export as exporting
-from genq.output.export import ORDERS, ExportSummary, default_file_name
-from genq.output.formats import FORMATS, format_for
+from genq.output.export import FORMATS, ORDERS, ExportSummary, default_file_name, format_for
 from genq.producer.batchinput import read_prompts
 
 
@@ -98,7 +96,7 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
             prompts: dict[str, Prompt | None] = {p.id: p for p in read_prompts(batch, config)} if config else {}
         except Exception:  # its input is gone or unreadable: the letters carry the ids alone
             prompts = {}
-        for prompt_id in batch_records.ids(batch):
+        for prompt_id in batch.prompt_ids():
             if prompt_id in dead or prompt_id in done:
                 continue
             letters.append(DeadLetter(id=prompt_id, job=job, batch=entry.batch, attempts=entry.attempts,

@@ -14,7 +14,7 @@ from genq.cli import JobName, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.redisconn import connect, describe_error, mask_url, refusal
 from genq.monitor.progress import Monitor, document, encode
-from genq.output.local import write_atomic
+from genq.output.truth import write_atomic
 
 
 @click.command(short_help="A job's progress, rates, ETA and workers (live, JSON, web).")

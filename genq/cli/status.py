@@ -18,7 +18,7 @@ import msgspec
 import redis
 
 from genq.cli import JobName, json_option, redis_conn
-from genq.core import batches as batch_records
+from genq.core import ledger
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.ledger.figures import prompt_state
@@ -62,8 +62,8 @@ def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
                 "why": f"{letter.kind} after {letter.attempts} attempt(s): {letter.message}"}
     if not ledger_jobs.knows_prompt(conn, job, prompt_id):
         return None
-    for batch in ledger_jobs.pending_batches(conn, job):
-        if (source := load_batch(conn, job, batch)) is not None and prompt_id in batch_records.ids(source):
+    for batch in ledger.pending_batches(conn, job):
+        if (source := load_batch(conn, job, batch)) is not None and prompt_id in source.prompt_ids():
             return _pending(conn, job, batch, prompt_id)
     return _written(conn, job, prompt_id)
 

@@ -1,16 +1,11 @@
-"""Is a GPU as fast as its memory allows? Its decode bound, the share of it reached, what caps its
-running batch and which server flag lifts it; the GPU much slower than its peers.
+"""Is a GPU doing what its hardware allows? Its decode bound and the share of it reached, what caps
+its running batch (and the server flag that lifts it), a GPU much slower than its peers, and what
+limits each worker now (bottlenecks). Pure functions of the workers' heartbeat records.
 
-Decode is memory-bound: each step reads the weights once and the KV cache of every running
-sequence, and makes one token per running sequence. So a GPU's tokens per second are at most
-
-    running x bandwidth / (weight bytes + KV bytes read per step)
-
-The KV bytes read per step are the KV cache's bytes in use: SGLang's `sglang:token_usage` (the
-share of its pool held by running requests) x its pool's size (/server_info memory_usage.kvcache).
-Where a server does not publish its pool's size the KV reads are left out, which makes the bound a
-ceiling and the share a floor, and the figures say so. Pure functions over GpuFigures: the worker
-publishes what it read (WorkerStatus.hardware, .server_*, .window_*), the views compute from it.
+Decode is memory-bound: a step reads the weights once and the KV cache in use, and makes a token per
+running sequence, so tokens/s <= running x bandwidth / (weight bytes + KV bytes in use). The KV bytes
+are SGLang's token_usage x its pool's size; a server that does not publish the pool's size gets a
+bound without them, a ceiling, and says so.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ import statistics
 import msgspec
 
 from genq.core.records import GpuSample, Hardware, Tally, WorkerStatus
+from genq.core.timings import STATUS_TTL_S
 
 KV_FULL = 0.9  # of the KV pool in use: the server admits no more at the mean context
 AT_LIMIT = 0.95  # of the running limit in use: the limit is what caps the batch
@@ -285,3 +281,66 @@ def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
             made, top = parts.get(name, (0.0, 0.0))
             parts[name] = (made + t.made, top + t.bound)
     return summary(parts, len(parts), " over the job")
+
+
+# --------------------------------------------------------------------------- a worker's bottlenecks
+# A bottleneck is (code, text): a code of a fixed set (CODES, fit for a Prometheus label), the numbers for people.
+KV_FULL_NOW = 0.98  # of the KV cache in use now: bottlenecks() says it is full
+
+# Every code bottlenecks() can return, most important first.
+CODES = ("lost", "server_down", "waiting", "cap_below_capacity", "kv_cache_full", "target_limits", "no_prompts")
+
+Bottleneck = tuple[str, str]
+# Why a worker is shown lost: its status record, renewed every beat, has expired.
+NO_HEARTBEAT = f"no heartbeat for {STATUS_TTL_S:.0f} s"
+
+
+def slot_utilization(s: WorkerStatus) -> float | None:
+    """Share of the server's decode slots in use (server_running / server_capacity)."""
+    if s.server_running is None or not s.server_capacity:
+        return None
+    return s.server_running / s.server_capacity
+
+
+def bottlenecks(s: WorkerStatus | None) -> list[Bottleneck]:
+    """What limits this worker now as (code, text), most important first; [] when nothing does."""
+    if s is None:
+        return [("lost", f"lost: {NO_HEARTBEAT} (worker crashed, or its host or Redis link is down)")]
+    if s.state == "stopped":
+        return []
+    out: list[Bottleneck] = []
+    if s.state == "server_down":
+        out.append(("server_down", f"server down ({s.note})" if s.note else "server down"))
+    elif s.note:
+        out.append(("waiting", s.note))
+    cap, limit = s.server_capacity, s.concurrency_limit
+    capped = bool(limit and cap and limit < cap)
+    if capped:
+        out.append(("cap_below_capacity",
+                    f"concurrency cap {limit} below server capacity {cap} (genq concurrency to raise it)"))
+    if s.server_token_usage is not None and s.server_token_usage >= KV_FULL_NOW:
+        out.append(("kv_cache_full", f"KV cache full ({s.server_token_usage:.0%} of tokens in use)"))
+    if (s.server_waiting is not None and s.server_waiting == 0 and s.queued > 0
+            and s.in_flight >= s.concurrency_target and s.state == "busy" and not capped):
+        out.append(("target_limits", f"server queue empty while the worker holds {s.queued} prompts: "
+                                     f"in-flight target {s.concurrency_target} is what limits it"))
+    if s.state == "idle" and not s.batches:
+        out.append(("no_prompts", "idle: nothing to take from the queue"))
+    seen: set[str] = set()
+    unique = []
+    for code, text in out:  # the worker's own note may repeat a derived one
+        key = text.split(" (")[0].lower()
+        if code not in seen and key not in seen:
+            seen.update((code, key))
+            unique.append((code, text))
+    return unique
+
+
+def fleet_gpu_note(statuses: list[WorkerStatus]) -> str | None:
+    """One line for the whole fleet when no worker (with a status) reports GPU figures."""
+    if not statuses or any(s.gpu_sample is not None for s in statuses):
+        return None
+    notes = sorted({s.gpu_note for s in statuses if s.gpu_note})
+    if notes:
+        return "no GPU figures from any worker: " + "; ".join(notes)
+    return "no GPU figures from any worker"

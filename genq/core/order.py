@@ -14,12 +14,9 @@ import time
 import redis
 
 from genq.core import scripts
-from genq.core.batches import batch_number
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger.jobs import schedule_of as schedule_of  # where worker/shares.py reads it
-from genq.core.ledger.jobs import schedules
 from genq.core.queueing import batch_of_description, rq_queue
-from genq.core.records import JobSchedule
+from genq.core.records import JobSchedule, batch_number
 from genq.core.scripts import RQ_JOB_PREFIX
 
 
@@ -77,7 +74,8 @@ def order_queue(conn: redis.Redis) -> bool:
     jobs = sorted(queued)
     counts = ledger_jobs.batches_counted(conn, jobs)
     given = {job: max(0, n - len(queued[job])) for job, n in zip(jobs, counts)}
-    wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given, schedules(conn, jobs))
+    wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given,
+                        {j: now.schedule for j, now in zip(jobs, ledger_jobs.jobs_now(conn, jobs))})
     return bool(scripts.evaluate(conn, scripts.REORDER, scripts.reorder_call(queue.key, wanted)))
 
 

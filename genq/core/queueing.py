@@ -21,10 +21,8 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result as RqResult
 from rq.serializers import JSONSerializer
 
-from genq.core import batches as batch_records
 from genq.core import keys, scripts
-from genq.core.batches import batch_id, batch_number
-from genq.core.records import BatchSource, JobConfig, Prompt, pack, unpack
+from genq.core.records import BatchSource, JobConfig, Prompt, batch_id, batch_number, pack, unpack
 
 # LOOKUP_IDS's answer per id against keys.job_ids: new, queued with the same content, with other content.
 ID_NEW, ID_SAME, ID_OTHER = "0", "1", "2"
@@ -103,12 +101,6 @@ def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
     return unpack(raw, JobConfig) if raw else None
 
 
-def load_configs(conn: redis.Redis, jobs: Sequence[str]) -> list[JobConfig | None]:
-    """Each job's config (None: no such job), in one MGET."""
-    raws = conn.mget([keys.job_config(job) for job in jobs]) if jobs else []
-    return [unpack(raw, JobConfig) if raw else None for raw in raws]
-
-
 def save_config(conn: redis.Redis, config: JobConfig) -> None:
     with conn.pipeline() as pipe:
         stage_config(pipe, config)
@@ -127,9 +119,9 @@ def list_jobs(conn: redis.Redis) -> list[str]:
 
 
 def load_batch(conn: redis.Redis, job: str, batch_id: str) -> BatchSource | None:
-    """The batch's record (its ids: batches.ids; its prompts: genq.producer.batchinput)."""
+    """The batch's record (its ids: prompt_ids(); its prompts: genq.producer.batchinput)."""
     raw = conn.get(keys.batch(job, batch_id))
-    return batch_records.decode(raw) if raw else None
+    return unpack(raw, BatchSource) if raw else None
 
 
 def write_batches(
@@ -193,5 +185,5 @@ def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_si
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     last = conn.incrby(keys.job_batch_seq(job), len(chunks)) if chunks else 0
     created = time.time()
-    return [batch_records.inline(job, batch_id(last - len(chunks) + n), chunk, created)
+    return [BatchSource.inline(job, batch_id(last - len(chunks) + n), chunk, created)
             for n, chunk in enumerate(chunks, 1)]

@@ -1,39 +1,45 @@
-"""Redis connections, URL masking (URLs may carry passwords and TLS), and what Redis's refusals mean.
-
-Every genq process (commands, workers, sims aside) makes its connections here, so every
-URL form works the same everywhere:
+"""Redis connections: every genq process (sims aside) connects here, so every URL form works alike
+and never shows its password; a Sentinel URL's writes wait for replicas; Redis's refusals are named
+with their fix; and a redis-server of genq's own (LocalRedis) for the demo, tests and benchmarks.
 
     redis://[[user]:password@]host[:6379][/db][?option=value...]
     rediss://...                                    TLS (the handshake times out like a connect)
     unix://[[user]:password@]/path/redis.sock[?db=N]
     redis+sentinel://[[user]:password@]host[:26379][,host2[:port]...]/service[/db][?sentinel_password=...]
 
-The userinfo is everything before the last '@', split at its first ':', so a password may
-hold '/', '#', '?', ':' or '@' as typed; percent-encoding (%2F, %23, %40, %3A) works too, and
-a literal '%' must be written %25. Errors about a URL never show its password.
+The userinfo is everything before the last '@', split at its first ':', so a password may hold '/',
+'#', '?', ':' or '@' as typed; percent-encoding works too, and a literal '%' is written %25.
 
-Three refusals a Redis that answers may give genq's writes, each waited out like an outage and
-named with what fixes it: full (maxmemory under noeviction: "OOM ..."), no disk (its last RDB or
-AOF write failed: "MISCONF ..."), replica (read-only after a failover: "READONLY ..."). And the
-policy: genq's working state must never be evicted, so Redis needs `maxmemory-policy noeviction`;
-under volatile-* the engines' alive keys go first and their prompts would be sent again
-(docs/operations.md, "When Redis refuses writes").
+A failover loses what the old master took after its replicas stopped copying, so on a Sentinel URL
+each write is followed by WAIT for every online replica, at least ?wait_replicas=N (default 1; 0:
+off); a write not confirmed in WAIT_TIMEOUT_MS raises ReplicaLag, a ConnectionError: genq's writes
+are safe to repeat, on the master Sentinel names by then.
+
+Refusals (each waited out like an outage): full (maxmemory under noeviction: "OOM"), no disk (its
+last RDB or AOF write failed: "MISCONF"), replica ("READONLY"). genq's state must never be evicted:
+Redis needs `maxmemory-policy noeviction` (docs/operations.md, "When Redis refuses writes").
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 from urllib.parse import parse_qsl, quote, unquote
 
 import msgspec
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.client as aioclient
 import redis.asyncio.sentinel as aiosentinel
+import redis.client
 import redis.sentinel
-
-from genq.core.replicated import AsyncReplicatedRedis, ReplicatedRedis
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 ENV_VAR = "GENQ_REDIS_URL"
@@ -44,6 +50,7 @@ SENTINEL_PORT = 26379
 # (the OS default is minutes for a connect, and forever for a handshake with a plaintext Redis).
 CONNECT_TIMEOUT_S = 5.0
 SECRET_PARAMS = ("password", "sentinel_password")
+log = logging.getLogger("genq.redis")
 FORMS = "redis://host:6379/0, rediss://..., unix:///path/redis.sock, redis+sentinel://host:26379/service/0"
 
 
@@ -148,7 +155,7 @@ class Target:
     db: int = 0
     master_kwargs: dict[str, Any] = field(default_factory=dict)  # credentials and options for the master
     sentinel_kwargs: dict[str, Any] = field(default_factory=dict)
-    wait_replicas: int = 1  # Sentinel only: replicas that must have each write (genq/core/replicated.py)
+    wait_replicas: int = 1  # Sentinel only: replicas that must have each write (ReplicatedRedis)
 
 
 def _defaults(scheme: str) -> dict[str, Any]:
@@ -237,9 +244,12 @@ def connect(url: str) -> redis.Redis:
     target = parse(url)
     if target.sentinels:
         manager = redis.sentinel.Sentinel(target.sentinels, sentinel_kwargs=target.sentinel_kwargs)
-        client = manager.master_for(target.service, redis_class=ReplicatedRedis if target.wait_replicas else redis.Redis,
-                                    db=target.db, **target.master_kwargs)
-        client.wait_replicas = target.wait_replicas
+        pool = redis.sentinel.SentinelConnectionPool(target.service, manager, is_master=True, db=target.db,
+                                                     **target.master_kwargs)
+        if not target.wait_replicas:
+            return redis.Redis.from_pool(pool)
+        client = ReplicatedRedis(connection_pool=pool, wait_replicas=target.wait_replicas)
+        client.auto_close_connection_pool = True  # as from_pool: the client owns its pool
         return client
     extra: dict[str, Any] = {"connection_class": _TimedSSLConnection} if target.scheme == "rediss" else {}
     return redis.Redis.from_url(target.url, **_defaults(target.scheme), **extra)
@@ -250,9 +260,12 @@ def connect_async(url: str) -> aioredis.Redis:
     target = parse(url)
     if target.sentinels:
         manager = aiosentinel.Sentinel(target.sentinels, sentinel_kwargs=target.sentinel_kwargs)
-        aclient = manager.master_for(target.service, db=target.db, **target.master_kwargs,
-                                     redis_class=AsyncReplicatedRedis if target.wait_replicas else aioredis.Redis)
-        aclient.wait_replicas = target.wait_replicas
+        pool = aiosentinel.SentinelConnectionPool(target.service, manager, is_master=True, db=target.db,
+                                                  **target.master_kwargs)
+        if not target.wait_replicas:
+            return aioredis.Redis.from_pool(pool)
+        aclient = AsyncReplicatedRedis(connection_pool=pool, wait_replicas=target.wait_replicas)
+        aclient.auto_close_connection_pool = True
         return aclient
     return aioredis.Redis.from_url(target.url, **_defaults(target.scheme))
 
@@ -266,6 +279,141 @@ def describe_error(url: str, exc: Exception) -> str:
     if isinstance(exc, redis.ResponseError):  # Redis answered: it refused a command (or a script failed)
         return f"Redis at {mask_url(url)} refused a command: {why}"
     return f"cannot reach Redis at {mask_url(url)}: {why}"
+
+
+# --------------------------------------------------------------------------- WAIT after writes (Sentinel)
+WAIT_TIMEOUT_MS = 2000
+REPLICAS_EVERY_S = 1.0  # how stale a connection's count of online replicas may be
+
+# Commands that change nothing: no WAIT after them. Anything else is taken as a write.
+READS = frozenset(
+    b"GET MGET GETRANGE STRLEN EXISTS TYPE TTL PTTL KEYS SCAN DBSIZE RANDOMKEY OBJECT DUMP "
+    b"HGET HMGET HGETALL HKEYS HVALS HLEN HEXISTS HSTRLEN HSCAN HRANDFIELD "
+    b"SMEMBERS SISMEMBER SMISMEMBER SCARD SSCAN SRANDMEMBER SINTER SUNION SDIFF "
+    b"ZRANGE ZRANGEBYSCORE ZREVRANGE ZREVRANGEBYSCORE ZRANGEBYLEX ZSCORE ZMSCORE ZCARD ZCOUNT "
+    b"ZRANK ZREVRANK ZSCAN ZLEXCOUNT LRANGE LLEN LINDEX LPOS XRANGE XREVRANGE XLEN XINFO "
+    b"BITCOUNT GETBIT PFCOUNT EVALSHA_RO EVAL_RO FCALL_RO "
+    b"PING ECHO INFO TIME ROLE CLIENT SELECT WAIT COMMAND CONFIG MEMORY LASTSAVE SENTINEL".split())
+
+
+class ReplicaLag(redis.ConnectionError):
+    """No replica confirmed a write in time: the master may be failing over."""
+
+
+def _is_write(name: Any) -> bool:
+    text = name if isinstance(name, bytes) else str(name).encode()
+    return text.split(b" ")[0].upper() not in READS
+
+
+def _writes(commands: Any) -> bool:
+    return any(_is_write(args[0]) for args, _options in commands)
+
+
+def online_replicas(info: Any) -> int:
+    """The replicas a master streams to, from its INFO replication (state=online)."""
+    return (info.decode() if isinstance(info, bytes) else str(info)).count("state=online")
+
+
+def _stale(conn: Any) -> bool:
+    counted = getattr(conn, "genq_replicas", None)
+    return counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S
+
+
+def _check(conn: Any, acked: Any, want: int) -> None:
+    if int(acked) < want:
+        conn.genq_replicas = None  # counted again before the next write: one may have left
+        message = (f"{acked} of {want} replica(s) confirmed a write within {WAIT_TIMEOUT_MS} ms (one lags, or the "
+                   "master is failing over): it is sent again, to the master Sentinel names")
+        log.warning("%s", message)
+        raise ReplicaLag(message)
+
+
+def _wait(conn: Any, least: int) -> None:
+    if _stale(conn):
+        conn.send_command("INFO", "replication")
+        conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
+    want = max(least, conn.genq_replicas[1])
+    conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
+    _check(conn, conn.read_response(), want)
+
+
+async def _wait_async(conn: Any, least: int) -> None:
+    if _stale(conn):
+        await conn.send_command("INFO", "replication")
+        conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
+    want = max(least, conn.genq_replicas[1])
+    await conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
+    _check(conn, await conn.read_response(), want)
+
+
+class ReplicatedPipeline(redis.client.Pipeline):
+    def __init__(self, *args: Any, wait_replicas: int) -> None:
+        super().__init__(*args)
+        self.wait_replicas = wait_replicas
+
+    def _execute_transaction(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
+        result = super()._execute_transaction(connection, commands, raise_on_error)
+        if _writes(commands):
+            _wait(connection, self.wait_replicas)
+        return result
+
+    def _execute_pipeline(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
+        result = super()._execute_pipeline(connection, commands, raise_on_error)
+        if _writes(commands):
+            _wait(connection, self.wait_replicas)
+        return result
+
+
+class AsyncReplicatedPipeline(aioclient.Pipeline):
+    def __init__(self, *args: Any, wait_replicas: int) -> None:
+        super().__init__(*args)
+        self.wait_replicas = wait_replicas
+
+    async def _execute_transaction(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
+        result = await super()._execute_transaction(connection, commands, raise_on_error)
+        if _writes(commands):
+            await _wait_async(connection, self.wait_replicas)
+        return result
+
+    async def _execute_pipeline(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
+        result = await super()._execute_pipeline(connection, commands, raise_on_error)
+        if _writes(commands):
+            await _wait_async(connection, self.wait_replicas)
+        return result
+
+
+class ReplicatedRedis(redis.Redis):
+    """A client whose writes are on `wait_replicas` replicas (at least) before they return."""
+
+    def __init__(self, *args: Any, wait_replicas: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_replicas = wait_replicas
+
+    def _send_command_parse_response(self, conn: Any, command_name: Any, *args: Any, **options: Any) -> Any:
+        result = super()._send_command_parse_response(conn, command_name, *args, **options)
+        if _is_write(command_name):
+            _wait(conn, self.wait_replicas)
+        return result
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        return ReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint,
+                                  wait_replicas=self.wait_replicas)
+
+
+class AsyncReplicatedRedis(aioredis.Redis):
+    def __init__(self, *args: Any, wait_replicas: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_replicas = wait_replicas
+
+    async def _send_command_parse_response(self, conn: Any, command_name: Any, *args: Any, **options: Any) -> Any:
+        result = await super()._send_command_parse_response(conn, command_name, *args, **options)
+        if _is_write(command_name):
+            await _wait_async(conn, self.wait_replicas)
+        return result
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        return AsyncReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint,
+                                       wait_replicas=self.wait_replicas)
 
 
 # --------------------------------------------------------------------------- what Redis refuses
@@ -351,3 +499,64 @@ def redis_note_of(conn: redis.Redis) -> RedisNote | None:
         return redis_note(conn.info())
     except redis.ResponseError:
         return None
+
+
+# --------------------------------------------------------------------------- a Redis of genq's own
+# For the demo, the tests and the benchmarks: 127.0.0.1 only, nothing kept on disk, its folder removed
+# at stop, in a session of its own (a Ctrl-C meant for the caller does not kill it first). A Redis
+# genq did not start is never touched.
+def free_port() -> int:
+    """A loopback TCP port free at the moment of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalRedis:
+    """Starts at construction and answers PING before it returns; `stop()` (or `with`) ends it.
+    `extra`: redis-server arguments after the defaults (e.g. "--maxmemory", "1mb"); `log`: its output."""
+
+    def __init__(self, *extra: str, db: int = 0, log: IO[bytes] | int = subprocess.DEVNULL,
+                 start_timeout_s: float = 10.0) -> None:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.dir = tempfile.mkdtemp(prefix="genq-redis-")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/{db}"
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, *extra],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.conn = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + start_timeout_s
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"a private redis-server on port {self.port} did not start")
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self.conn.ping())
+        except redis.ConnectionError:
+            return False
+
+    def used_memory(self) -> int:
+        return int(self.conn.info("memory")["used_memory"])
+
+    def stop(self) -> None:
+        self.conn.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

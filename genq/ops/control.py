@@ -12,17 +12,17 @@ from typing import Any, ClassVar
 import msgspec
 import redis
 
-from genq.core.health import NO_HEARTBEAT
+from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger import parked
+from genq.core.ledger import leasing
 from genq.core.ledger.figures import JobStatus, job_status, job_totals
-from genq.core.order import order_queue, schedules
-from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
+from genq.core.order import order_queue
+from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
 from genq.ops import Refused
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 
@@ -150,9 +150,11 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
     if job is None:
         ledger_jobs.pause_all(conn)
         suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
-    else:  # its queued batches leave RQ's queue and its workers park what they hold: the slots go to
-        ledger_jobs.pause_job(conn, job)  # other jobs; `resume --job` queues them all again
-        parked.unqueue(conn, job)
+    else:
+        # Its queued batches leave RQ's queue and its workers park what they hold: their slots
+        # go to other jobs; `resume --job` queues them all again.
+        ledger_jobs.pause_job(conn, job)
+        leasing.unqueue(conn, job)
     ledger_fleet.tell_idle_workers(conn)
 
 
@@ -164,7 +166,7 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
         suspend_loops(conn, suspended=False)
     else:
         ledger_jobs.lift_block(conn, job)
-        if queued := parked.requeue_parked(conn, job):
+        if queued := leasing.requeue_parked(conn, job):
             order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)
     return queued
@@ -173,25 +175,27 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
     """Totals per job from the counters of record (genq.core.ledger.figures)."""
     names = list_jobs(conn) if names is None else list(names)
-    paused_all, paused = ledger_jobs.paused_all(conn), ledger_jobs.paused_jobs(conn, names)
+    paused_all = ledger_jobs.paused_all(conn)
     fleet_names = ledger_fleet.worker_names(conn)
-    blocks, sched = ledger_jobs.blocks_of(conn, names), schedules(conn, names)
+    jobs_now = dict(zip(names, ledger_jobs.jobs_now(conn, names)))
     rows = []
     for job in names:
         t = job_totals(conn, job, fleet_names)
         total, batches = int(t.stats.get(b"total", 0)), int(t.stats.get(b"batches", 0))
-        is_paused = paused_all or job in paused
+        now = jobs_now[job]
+        is_paused = paused_all or now.paused
         state = job_status(total=total, finished=t.done + t.dead, batches=batches, batches_done=t.batches_done,
                            paused=is_paused, started=bool(t.inflight) or t.done + t.dead > 0, failed=t.dead,
-                           blocked=job in blocks)
-        config = load_config(conn, job)
+                           blocked=now.blocked is not None)
+        config = now.config
         rows.append(JobRow(
             name=job, state=state, paused=is_paused, total=total, done=t.done, failed=t.dead,
             remaining=max(0, total - t.done - t.dead), batches=batches, batches_done=t.batches_done,
-            workers=list(t.inflight), output=config.output if config else None, blocked=blocks.get(job),
-            settings_version=config.settings_version if config else 1, priority=sched[job].priority,
-            weight=sched[job].weight, running=sum(len(r.tokens) for r in t.inflight.values())))
-    statuses = ledger_fleet.statuses(conn, fleet_names).values()  # every job's running requests, as the monitor counts
+            workers=list(t.inflight), output=config.output if config else None, blocked=now.blocked,
+            settings_version=config.settings_version if config else 1, priority=now.schedule.priority,
+            weight=now.schedule.weight, running=sum(len(r.tokens) for r in t.inflight.values())))
+    # Every job's requests running, as the monitor counts them.
+    statuses = ledger_fleet.statuses(conn, fleet_names).values()
     fleet_running = sum(s.in_flight for s in statuses if s is not None and s.state != "stopped")
     for r in rows:
         r.share = min(1.0, r.running / fleet_running) if fleet_running else 0.0

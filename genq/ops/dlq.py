@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 import redis
 
-from genq.core import batches as batch_records
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.queueing import (
@@ -35,7 +34,7 @@ from genq.core.queueing import (
 from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig
 from genq.ops import Refused, jobs_named
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 log = logging.getLogger("genq.dlq")
 
@@ -266,7 +265,7 @@ def _purge_batch(conn: redis.Redis, entry: Entry, report: PurgeReport) -> None:
             return (f"{finished} of its prompts finished but are not in a shard yet; "
                     f"`genq dlq requeue --job {job} {entry.id}` completes it without regenerating them")
         batch = load_batch(pipe, job, batch_id)
-        ids = batch_records.ids(batch) if batch else []
+        ids = batch.prompt_ids() if batch else []
         # Its dead letters stay letters (purged with the others); the rest is forgotten.
         unfinished = [i for i, d in zip(ids, letters.read_some(pipe, job, ids, DeadLetter)) if d is None]
         old = fetch_rq_job(conn, str(entry.rq_job))

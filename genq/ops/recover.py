@@ -25,7 +25,7 @@ from genq.core.words import plural
 from genq.ops import Refused
 from genq.ops.settings import settings_from_output
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 log = logging.getLogger("genq.recover")
 

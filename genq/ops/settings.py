@@ -14,12 +14,12 @@ import msgspec
 import redis
 
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger.parked import unqueue as unqueue  # worker/parking.py's import
+from genq.core.ledger.leasing import unqueue as unqueue  # worker/gate.py's import
 from genq.core.queueing import list_jobs
 from genq.core.records import JobBlock, JobConfig, JobRecord, SettingsChange
 from genq.ops import Refused
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 
 # The settings `genq jobs set` may change: what is sent with each request. Not endpoint (rows were
 # fitted to it at enqueue), output, batch size or compression (written batches and shards follow them).
@@ -91,7 +91,8 @@ class _Current(Exception):
 
 
 def blocked_jobs(conn: redis.Redis) -> list[str]:
-    return sorted(ledger_jobs.blocks_of(conn, list_jobs(conn)))
+    names = list_jobs(conn)
+    return sorted(job for job, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.blocked)
 
 
 def describe_block(job: str, block: JobBlock) -> str:

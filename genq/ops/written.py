@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from genq.core import scripts
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardMarker
 from genq.output import truth
-from genq.output.sink import open_store
+from genq.output.truth import open_store
 from genq.producer.rows import claim_digest
 
 log = logging.getLogger("genq.worker")
@@ -50,7 +50,7 @@ async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRe
 
 
 def outcome_for(prompts: Iterable[Prompt], results: list[Result], letters: list[DeadLetter],
-                size: int) -> truth.Outcome:
+                size: int) -> ShardMarker:
     """The marker's outcome of a batch of `size` prompts about to be written (digests from the
     prompts held)."""
     return truth.outcome_of(results, letters, {p.id: claim_digest(p) for p in prompts}, size)

@@ -1,29 +1,30 @@
-"""The output is the durable truth of a job: what is written there was generated, whatever Redis
-says or forgets (docs/recovery.md).
+"""A job's output, the durable truth of what was generated, whatever Redis says or forgets
+(docs/recovery.md). One Store interface, a local folder here and S3 in genq.output.s3:
 
-- job.json (durable.JobRecord) is written before the job's first batch is queued: its settings and
-  incarnation, its inputs, and the batch numbers that may be in use (raised before any batch above
-  them is queued). `genq jobs set` replaces its settings before Redis's: they are the current ones.
-- A shard's marker (durable.ShardMarker) is the commit of a batch: created once, never replaced,
-  naming the shard it describes, and carrying what rebuilding the ledger needs without reading the
-  shard (incarnation, each outcome's content digest, the dead letters with their prompts, per-worker
-  tallies, the length histogram).
-- A shard is never overwritten with other bytes: the second writer's copy goes under another name
-  and the marker decides which counts.
-- enqueues/RUN.json (durable.EnqueueRecord) names the batches of one enqueue before they are queued.
+    OUTPUT/JOB/shards/BATCH.jsonl[.gz]     a batch's results, one JSON object a line, by input index
+    OUTPUT/JOB/manifest/BATCH.json         its marker (ShardMarker): the batch's commit, created once
+    OUTPUT/JOB/job.json                    the job (JobRecord), before its first batch is queued
+    OUTPUT/JOB/enqueues/RUN.json           what one enqueue queues (EnqueueRecord), before it does
+    OUTPUT/JOB/rejects/NAME.rejects.jsonl  the lines enqueue rejected from input NAME
+
+A reader reads only the shards a marker names (one without may be half written). Batch numbers are
+never reused in a job's folder, and a shard is never overwritten with other bytes: a second writer's
+copy gets a tag in its name and the marker decides which counts.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
-from collections.abc import Iterable
+import os
+import tempfile
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import BinaryIO, Protocol
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
 
 import msgspec
 
-from genq.core.batches import batch_id, batch_number
 from genq.core.records import (
     DeadLetter,
     EnqueueRecord,
@@ -32,17 +33,16 @@ from genq.core.records import (
     Result,
     ShardInfo,
     ShardMarker,
+    batch_id,
+    batch_number,
     length_bucket,
 )
-from genq.output import layout
 
+SHARDS_DIR, MANIFEST_DIR, ENQUEUES_DIR, REJECTS_DIR, JOB_FILE = "shards", "manifest", "enqueues", "rejects", "job.json"
 READ_THREADS = 8
 RESERVE_STEP = 1024  # batch numbers reserved in job.json at a time: one write per this many batches
 
 _json = msgspec.json.Encoder()
-_marker_decoder = msgspec.json.Decoder(ShardMarker)
-_job_decoder = msgspec.json.Decoder(JobRecord)
-_enqueue_decoder = msgspec.json.Decoder(EnqueueRecord)
 
 
 class Store(Protocol):
@@ -56,6 +56,99 @@ class Store(Protocol):
     def open(self, rel: str) -> BinaryIO: ...  # a stream of a large object (a shard)
 
 
+def open_store(output: str, endpoint_url: str | None = None) -> Store:
+    """A job output (a folder or s3://bucket/prefix); never raises: a bad one fails when used."""
+    if output.startswith("s3://"):
+        from genq.output.s3 import S3Store  # boto3 only when an output is on S3
+
+        return S3Store(output, endpoint_url)
+    return LocalStore(output)
+
+
+def job_root(output: str, job: str) -> str:
+    return f"{output.rstrip('/')}/{job}"
+
+
+# --------------------------------------------------------------------------- a local folder
+_UMASK = os.umask(0o022)  # read by setting it: set back at once, at import, before any file is written
+os.umask(_UMASK)
+# mkstemp's files are 0600 and the rename would carry that into place: teammates could not read them.
+FILE_MODE = 0o666 & ~_UMASK
+
+
+def _temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> tuple[str, Any]:
+    """A finished, fsynced file beside `target` with FILE_MODE: its name, and what writing returned."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "wb") as out:
+            value = out.write(data) if isinstance(data, bytes) else data(out)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp, value
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
+    """Write `data` (bytes, or a function that writes to the open file) whole over `path`, by a rename:
+    a reader never sees half a file. Returns what the function returned."""
+    tmp, value = _temporary(Path(path), data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return value
+
+
+def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
+    """Write `data` whole at `path` only if nothing is there (False when something is): a hard link
+    is the one step that both creates and fails if the name exists."""
+    tmp, _ = _temporary(Path(path), data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+class LocalStore:
+    """A local (or shared) output folder as a Store."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def uri(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}"
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return Path(self.uri(rel)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def create(self, rel: str, data: bytes) -> bool:
+        return create_atomic(self.uri(rel), data)
+
+    def put(self, rel: str, data: bytes) -> None:
+        write_atomic(self.uri(rel), data)
+
+    def names(self, rel_dir: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.uri(rel_dir)))
+        except FileNotFoundError:
+            return []
+
+    def open(self, rel: str) -> BinaryIO:
+        return open(self.uri(rel), "rb")
+
+
+# --------------------------------------------------------------------------- shards and their markers
 class AlreadyWritten(Exception):
     """The batch's marker exists and describes other bytes: that shard is the batch's."""
 
@@ -64,22 +157,23 @@ class AlreadyWritten(Exception):
         self.marker = marker
 
 
-@dataclass
-class Outcome:
-    """What a batch's marker says beyond its ShardInfo (durable.ShardMarker's fields)."""
+def shard_bytes(results: list[Result], compression: str) -> bytes:
+    data = b"".join(_json.encode(r) + b"\n" for r in sorted(results, key=lambda r: r.index))
+    return gzip.compress(data, mtime=0) if compression == "gzip" else data  # mtime=0: same results, same bytes
 
-    prompts: int = 0  # the batch's prompt count
-    digests: dict[str, str] = field(default_factory=dict)
-    letters: list[DeadLetter] = field(default_factory=list)
-    tally: dict[str, list[int]] = field(default_factory=dict)
-    hist: dict[int, int] = field(default_factory=dict)
+
+def shard_name(batch: str, compression: str, tag: str = "") -> str:
+    name = f"{batch}.{tag}" if tag else batch
+    return f"{name}.jsonl.gz" if compression == "gzip" else f"{name}.jsonl"
 
 
 def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes],
-               prompts: int) -> Outcome:
-    """A batch's outcome for its marker; digests: prompt id -> 8-byte content digest
-    (producer.rows.claim_digest) of the prompts known; prompts: the batch's prompt count."""
-    out = Outcome(prompts=prompts, letters=list(letters))
+               prompts: int) -> ShardMarker:
+    """What a batch's marker says beyond where its shard is (commit_shard fills that in); digests:
+    prompt id -> 8-byte content digest of the prompts known; prompts: the batch's prompt count."""
+    dead = list(letters)
+    out = ShardMarker(batch="", uri="", records=0, bytes=0, at=0.0, prompts=prompts, letters=len(dead),
+                      dead_letters=dead)
     for r in results:
         counts = out.tally.setdefault(r.worker, [0, 0, 0])
         counts[0] += 1
@@ -87,40 +181,33 @@ def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests
         counts[2] += r.usage.completion_tokens
         bucket = length_bucket(r.usage.completion_tokens)
         out.hist[bucket] = out.hist.get(bucket, 0) + 1
-        if r.id in digests:
-            out.digests[r.id] = digests[r.id].hex()
-    for d in out.letters:
-        if d.id in digests:
-            out.digests[d.id] = digests[d.id].hex()
+    out.digests = {i: digests[i].hex() for i in [*(r.id for r in results), *(d.id for d in dead)] if i in digests}
     return out
 
 
 def shard_info(marker: ShardMarker) -> ShardInfo:
-    """The part of a marker Redis keeps (keys.job_shards)."""
-    return ShardInfo(batch=marker.batch, uri=marker.uri, records=marker.records, bytes=marker.bytes, at=marker.at,
-                     prompts=marker.prompts, letters=marker.letters, incarnation=marker.incarnation)
+    """The part of a marker Redis keeps (the job's shards hash)."""
+    return ShardInfo(**{name: getattr(marker, name) for name in ShardInfo.__struct_fields__})
 
 
 def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, at: float, *,
-                 compression: str, incarnation: str, outcome: Outcome | None) -> ShardInfo:
+                 compression: str, incarnation: str, outcome: ShardMarker | None) -> ShardInfo:
     """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes
-    written again are a no-op; raises AlreadyWritten when the marker is of other bytes (that shard
-    stands: genq.ops.recover adopts it)."""
+    again are a no-op; raises AlreadyWritten when the marker is of other bytes (that shard stands:
+    genq.ops.recover adopts it)."""
     sha = hashlib.sha256(data).hexdigest()
     marker_at = marker_rel(job, batch)
     existing = read_marker(store, marker_at)
     if existing is not None:
         return _same_or_raise(existing, sha, data, records)
-    shard_rel = f"{job}/{layout.SHARDS_DIR}/{layout.shard_name(batch, compression)}"
+    shard_rel = f"{job}/{SHARDS_DIR}/{shard_name(batch, compression)}"
     if not store.create(shard_rel, data) and store.read(shard_rel) != data:
         # Another writer's bytes, with no marker yet (or never): leave them, write ours beside.
-        shard_rel = f"{job}/{layout.SHARDS_DIR}/{layout.shard_name(batch, compression, sha[:12])}"
+        shard_rel = f"{job}/{SHARDS_DIR}/{shard_name(batch, compression, sha[:12])}"
         store.put(shard_rel, data)
-    outcome = outcome or Outcome()
-    marker = ShardMarker(batch=batch, uri=store.uri(shard_rel), records=records, bytes=len(data), at=at,
-                         prompts=outcome.prompts, incarnation=incarnation, sha256=sha, digests=outcome.digests,
-                         letters=len(outcome.letters), dead_letters=outcome.letters,
-                         tally=outcome.tally, hist=outcome.hist)
+    marker = msgspec.structs.replace(
+        outcome or ShardMarker(batch, "", 0, 0, 0.0), batch=batch, uri=store.uri(shard_rel), records=records,
+        bytes=len(data), at=at, incarnation=incarnation, sha256=sha)
     if not store.create(marker_at, _json.encode(marker) + b"\n"):
         raced = read_marker(store, marker_at)
         if raced is not None:
@@ -136,18 +223,22 @@ def _same_or_raise(existing: ShardMarker, sha: str, data: bytes, records: int) -
 
 
 def marker_rel(job: str, batch: str) -> str:
-    return f"{job}/{layout.MANIFEST_DIR}/{batch}.json"
+    return f"{job}/{MANIFEST_DIR}/{batch}.json"
+
+
+def batch_of_marker(name: str) -> str | None:
+    """The batch a manifest file name stands for; None for what is not a marker."""
+    return None if name.startswith(".") or not name.endswith(".json") else name.removesuffix(".json")
 
 
 def read_marker(store: Store, rel: str) -> ShardMarker | None:
     raw = store.read(rel)
-    return _marker_decoder.decode(raw) if raw else None
+    return msgspec.json.decode(raw, type=ShardMarker) if raw else None
 
 
 def marker_batches(store: Store, job: str) -> set[str]:
     """The batches with a marker in the job's manifest."""
-    found = (layout.batch_of_marker(n) for n in store.names(f"{job}/{layout.MANIFEST_DIR}"))
-    return {b for b in found if b}
+    return {b for n in store.names(f"{job}/{MANIFEST_DIR}") if (b := batch_of_marker(n))}
 
 
 def read_markers(store: Store, job: str, batches: Iterable[str]) -> list[ShardMarker]:
@@ -157,22 +248,23 @@ def read_markers(store: Store, job: str, batches: Iterable[str]) -> list[ShardMa
 
 
 def of_life(markers: Iterable[ShardMarker], config: JobConfig) -> list[ShardMarker]:
-    """The markers of this life of the job (another life of the name may have used the same folder
-    with other settings: those results are not this job's)."""
+    """The markers of this life of the job (another life of the name may have used the same folder)."""
     return [m for m in markers if m.incarnation == config.incarnation]
 
 
+# --------------------------------------------------------------------------- job.json and enqueues
 def job_uri(store: Store, job: str) -> str:
-    return store.uri(f"{job}/{layout.JOB_FILE}")
+    return store.uri(f"{job}/{JOB_FILE}")
 
 
 def read_job(store: Store, job: str) -> JobRecord | None:
-    raw = store.read(f"{job}/{layout.JOB_FILE}")
-    return _job_decoder.decode(raw) if raw else None
+    raw = store.read(f"{job}/{JOB_FILE}")
+    return msgspec.json.decode(raw, type=JobRecord) if raw else None
 
 
 def write_job(store: Store, record: JobRecord) -> None:
-    store.put(f"{record.config.name}/{layout.JOB_FILE}", _json.encode(record) + b"\n")
+    """job.json: `genq jobs set` writes the settings here before Redis: these are the current ones."""
+    store.put(f"{record.config.name}/{JOB_FILE}", _json.encode(record) + b"\n")
 
 
 def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
@@ -188,8 +280,7 @@ def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | No
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     """job.json saying batch numbers up to at least `upto` may be in use (written before they are
-    queued), as written. Never lowers what is there, nor writes older settings over newer ones
-    (`genq jobs set` during this enqueue)."""
+    queued), as written; never lowering what is there, nor writing older settings over newer ones."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
         config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
@@ -218,14 +309,14 @@ def recorded_batches(record: EnqueueRecord) -> list[str]:
 
 
 def write_enqueue(store: Store, job: str, run: str, record: EnqueueRecord) -> None:
-    store.put(f"{job}/{layout.ENQUEUES_DIR}/{run}.json", _json.encode(record) + b"\n")
+    store.put(f"{job}/{ENQUEUES_DIR}/{run}.json", _json.encode(record) + b"\n")
 
 
 def read_enqueues(store: Store, job: str) -> dict[str, EnqueueRecord]:
     """Every enqueue record of the job's folder, by run."""
     out = {}
-    for name in sorted(store.names(f"{job}/{layout.ENQUEUES_DIR}")):
-        raw = store.read(f"{job}/{layout.ENQUEUES_DIR}/{name}") if name.endswith(".json") else None
+    for name in sorted(store.names(f"{job}/{ENQUEUES_DIR}")):
+        raw = store.read(f"{job}/{ENQUEUES_DIR}/{name}") if name.endswith(".json") else None
         if raw:
-            out[name.removesuffix(".json")] = _enqueue_decoder.decode(raw)
+            out[name.removesuffix(".json")] = msgspec.json.decode(raw, type=EnqueueRecord)
     return out

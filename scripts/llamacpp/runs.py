@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from genq.core.localredis import LocalRedis, free_port
+from genq.core.redisconn import LocalRedis, free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -53,9 +53,8 @@ from runs import ROOT, flush, genq, load  # noqa: E402
 from stack import Stack  # noqa: E402
 
 from genq.core import keys  # noqa: E402
-from genq.core.localredis import free_port  # noqa: E402
 from genq.core.records import WorkerStatus, unpack  # noqa: E402
-from genq.core.redisconn import connect  # noqa: E402
+from genq.core.redisconn import connect, free_port  # noqa: E402
 
 GIB = 2**30  # SGLang's "GB" in memory_usage
 BANDWIDTH = 50e9  # bytes/s given in phase 2: a figure for a CPU's DRAM; what matters is that it is used

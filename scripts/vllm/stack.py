@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "llamacpp"))
 from runs import ROOT, cpu_s, flush, genq, load, wait_ok, watch_eta  # noqa: E402
 
-from genq.core.localredis import LocalRedis, free_port  # noqa: E402
+from genq.core.redisconn import LocalRedis, free_port  # noqa: E402
 
 CACHE = Path(os.environ.get("GENQ_VLLM_CACHE", Path.home() / ".cache" / "genq-vllm"))
 # Where each engine's install.sh (scripts/vllm/, scripts/sglang/) keeps its venv and the tiny model.

@@ -33,7 +33,6 @@ from rq.job import Job as RqJob
 from rq.registry import FailedJobRegistry
 
 from genq.core import keys
-from genq.core.ledger.jobs import pending_batches
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, list_jobs, rq_queue
 from genq.core.timings import RECONCILE_EVERY_S, STRANDED_CONFIRM_S
 
@@ -239,6 +238,15 @@ class Reconciler:
                 return False
         log.warning("batch %s/%s had no live RQ job (was %s); queued it again", job, batch, stale_rq_id or "none")
         return True
+
+
+def pending_batches(conn: redis.Redis, job: str) -> list[str]:
+    """The job's batches not done, in order (one round trip)."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.zrange(keys.job_batches(job), 0, -1)
+        pipe.smembers(keys.job_done(job))
+        listed, done = pipe.execute()
+    return [b.decode() for b in listed if b not in done]
 
 
 def forget_rq_job(pipe: Pipeline, rq_id: str, executions: list[bytes] | None = None) -> None:

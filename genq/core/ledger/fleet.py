@@ -5,7 +5,7 @@ A beat's writes are staged on the caller's pipeline (`stage_*` only queue comman
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -13,9 +13,8 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
-from genq.core.decodefigures import ServerDecode
 from genq.core.ledger.jobs import change_record
-from genq.core.records import Control, InFlight, WorkerStatus, pack, unpack
+from genq.core.records import Control, InFlight, ServerDecode, WorkerStatus, pack, unpack
 
 AnyPipeline = Any  # a redis-py pipeline, sync or asyncio: stage_* only queue commands on it
 
@@ -26,33 +25,25 @@ def worker_names(conn: redis.Redis) -> list[str]:
     return sorted(n.decode() for n in conn.smembers(keys.WORKERS))
 
 
-def statuses(conn: redis.Redis, names: list[str] | None = None) -> dict[str, WorkerStatus | None]:
-    """Each worker's status (of `names`, else of every worker), None when expired (lost) or
-    written by an incompatible genq."""
-    names = worker_names(conn) if names is None else names
-    out: dict[str, WorkerStatus | None] = {}
-    for name, raw in zip(names, conn.mget([keys.worker_status(n) for n in names]) if names else []):
-        try:
-            out[name] = unpack(raw, WorkerStatus) if raw else None
-        except msgspec.DecodeError:
-            out[name] = None
-    return out
+def statuses(conn: redis.Redis | aioredis.Redis, names: list[str] | None = None) -> Any:
+    """Each worker's status (of `names`, else of every worker), None when expired (lost) or written by
+    an incompatible genq; on an asyncio client, an awaitable of it."""
+    def decode(names: list[str], raws: list[bytes | None]) -> dict[str, WorkerStatus | None]:
+        out: dict[str, WorkerStatus | None] = {}
+        for name, raw in zip(names, raws):
+            try:
+                out[name] = unpack(raw, WorkerStatus) if raw else None
+            except msgspec.DecodeError:
+                out[name] = None
+        return out
 
-
-async def names_async(conn: aioredis.Redis) -> list[str]:
-    """worker_names, from the engine's event loop."""
-    return sorted(n.decode() for n in await conn.smembers(keys.WORKERS))
-
-
-async def live_statuses(conn: aioredis.Redis, names: list[str]) -> list[WorkerStatus]:
-    """The statuses of these workers that have not expired, in order (one MGET)."""
-    raws = await conn.mget([keys.worker_status(n) for n in names])
-    return [unpack(raw, WorkerStatus) for raw in raws if raw]
-
-
-async def status_of(conn: aioredis.Redis, name: str) -> WorkerStatus | None:
-    raw = await conn.get(keys.worker_status(name))
-    return unpack(raw, WorkerStatus) if raw else None
+    if isinstance(conn, aioredis.Redis):
+        async def read() -> dict[str, WorkerStatus | None]:
+            found = sorted(n.decode() for n in await conn.smembers(keys.WORKERS)) if names is None else names
+            return decode(found, await conn.mget([keys.worker_status(n) for n in found]) if found else [])
+        return read()
+    found = worker_names(conn) if names is None else names
+    return decode(found, conn.mget([keys.worker_status(n) for n in found]) if found else [])
 
 
 def forget_workers(conn: redis.Redis, names: list[str]) -> None:
@@ -65,26 +56,22 @@ def forget_workers(conn: redis.Redis, names: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- a beat's writes
-def stage_alive(pipe: AnyPipeline, instance: str, name: str, ttl: int) -> None:
-    """The engine instance is alive for `ttl` s more (claims and leases count while it is)."""
-    pipe.set(keys.engine_alive(instance), name, ex=ttl)
-
-
-def stage_status(pipe: AnyPipeline, status: WorkerStatus, ttl: int | None) -> None:
-    """The worker's status; ttl None keeps it (a clean exit's, so the fleet view tells stopped from lost)."""
-    pipe.set(keys.worker_status(status.name), pack(status), ex=ttl)
-
-
-def stage_member(pipe: AnyPipeline, name: str) -> None:
-    pipe.sadd(keys.WORKERS, name)
-
-
-def stage_inflight(pipe: AnyPipeline, record: InFlight, ttl: int) -> None:
-    pipe.set(keys.job_inflight(record.job, record.worker), pack(record), ex=ttl)
-
-
-def stage_no_inflight(pipe: AnyPipeline, job: str, worker: str) -> None:
-    pipe.delete(keys.job_inflight(job, worker))
+def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
+               inflight: list[InFlight], gone: Iterable[str], inflight_ttl: int) -> None:
+    """A worker's beat: its engine instance alive `ttl` s more (claims and leases count while it is),
+    its status (a stopped worker's kept, no TTL, so the fleet view tells stopped from lost), its
+    membership, its requests in flight per job, and none for the jobs it no longer works on (`gone`:
+    a record must not outlive the work by its TTL)."""
+    stopped = status.state == "stopped"
+    if not stopped:
+        pipe.set(keys.engine_alive(instance), status.name, ex=ttl)
+    pipe.set(keys.worker_status(status.name), pack(status), ex=None if stopped else status_ttl)
+    if member:
+        pipe.sadd(keys.WORKERS, status.name)
+    for record in inflight:
+        pipe.set(keys.job_inflight(record.job, record.worker), pack(record), ex=inflight_ttl)
+    for job in gone:
+        pipe.delete(keys.job_inflight(job, status.name))
 
 
 async def stopped(conn: aioredis.Redis, instance: str, name: str) -> None:
@@ -130,18 +117,11 @@ async def wake_for_work(conn: aioredis.Redis) -> None:
     await conn.publish(keys.WAKE, b"1")
 
 
-def listen_for_wakes(pubsub: Any) -> None:
+def listen_for_wakes(pubsub: Any) -> Callable[[Any], str]:
+    """Subscribe to the wake-up channel; what a message's data says: "control" (read it now), "queued"
+    (batches were queued: TAKE now) or "work" (prompts were given back)."""
     pubsub.subscribe(keys.WAKE)
-
-
-def is_queued_wake(data: Any) -> bool:
-    """Whether a wake-up message says batches were queued (genq.core.queueing)."""
-    return data == keys.WAKE_QUEUED
-
-
-def is_control_wake(data: Any) -> bool:
-    """Whether a wake-up message says a control changed (else: work to look at)."""
-    return data == keys.WAKE_CONTROL
+    return lambda data: {keys.WAKE_CONTROL: "control", keys.WAKE_QUEUED: "queued"}.get(data, "work")
 
 
 # --------------------------------------------------------------------------- a server

@@ -1,28 +1,77 @@
-"""A job's own records in Redis, named for what they say: the pause flags (the fleet's and one job's),
-a job's block, schedule and settings, its counts, its batch numbering, and every key it has (`genq
-jobs delete`, `genq recover`). Batches and their RQ jobs are genq.core.queueing's, dead letters
-genq.core.ledger.letters', workers genq.core.ledger.fleet's.
+"""A job's own records in Redis: its settings, block, pause and schedule (`jobs_now` reads them all,
+for the CLI and for engines), its counts, its batch numbering, and every key it has (`genq jobs
+delete`, `genq recover`). Batches and their RQ jobs are genq.core.queueing's, leases
+genq.core.ledger.leasing's, dead letters genq.core.ledger.letters', workers genq.core.ledger.fleet's.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+import msgspec
 import redis
+import redis.asyncio as aioredis
 from redis.client import Pipeline
+from redis.exceptions import WatchError
 
 from genq.core import keys
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
+from genq.core.ledger import lease_holder
 from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
 
 R = TypeVar("R")
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------- pause flags
+# --------------------------------------------------------------------------- what a job is now
+@dataclass
+class JobNow:
+    """A job's records as they are now (jobs_now)."""
+
+    config: JobConfig | None  # None: deleted, or written by an incompatible genq
+    blocked: JobBlock | None
+    paused: bool  # this job (not counting the fleet-wide pause)
+    schedule: JobSchedule
+    leases: dict[str, str | None] = field(default_factory=dict)  # batch -> holder (an engine); asked for only
+
+
+def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases: bool = False) -> Any:
+    """Each job's JobNow, in order, in one round trip; on an asyncio client, an awaitable of it."""
+    jobs = list(jobs)
+    pipe = conn.pipeline(transaction=False)
+    for job in jobs:
+        pipe.get(keys.job_config(job))
+        pipe.get(keys.job_blocked(job))
+        pipe.exists(keys.job_paused(job))
+        pipe.get(keys.job_schedule(job))
+        if leases:
+            pipe.hgetall(keys.job_leases(job))
+    answers = pipe.execute()
+
+    def decode(answers: list[Any]) -> list[JobNow]:
+        out, step = [], 5 if leases else 4
+        for i in range(0, len(answers), step):
+            raw_config, raw_block, paused, raw_schedule, *held = answers[i:i + step]
+            try:
+                config = unpack(raw_config, JobConfig) if raw_config else None
+            except msgspec.ValidationError:
+                config = None
+            out.append(JobNow(config, unpack(raw_block, JobBlock) if raw_block else None, bool(paused),
+                              schedule_of(raw_schedule),
+                              {b.decode(): lease_holder(v) for b, v in held[0].items()} if held else {}))
+        return out
+
+    if inspect.isawaitable(answers):
+        async def later() -> list[JobNow]:
+            return decode(await answers)
+        return later()
+    return decode(answers)
+
+
 def pause_all(conn: redis.Redis) -> None:
     """`genq pause`: no worker sends a new request of any job (the flag holds when it was set)."""
     conn.set(keys.PAUSED, repr(time.time()))
@@ -41,29 +90,12 @@ def pause_job(conn: redis.Redis, job: str) -> None:
     conn.set(keys.job_paused(job), repr(time.time()))
 
 
-def paused_jobs(conn: redis.Redis, jobs: Iterable[str]) -> set[str]:
-    """Those of `jobs` paused one by one (not counting the fleet-wide pause)."""
-    jobs = list(jobs)
-    if not jobs:
-        return set()
-    with conn.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            pipe.exists(keys.job_paused(job))
-        flags = pipe.execute()
-    return {job for job, flag in zip(jobs, flags) if flag}
-
-
-# --------------------------------------------------------------------------- blocks
-def block_of(conn: redis.Redis, job: str) -> JobBlock | None:
-    raw = conn.get(keys.job_blocked(job))
-    return unpack(raw, JobBlock) if raw else None
-
-
-def blocks_of(conn: redis.Redis, jobs: list[str]) -> dict[str, JobBlock]:
-    if not jobs:
-        return {}
-    raws = conn.mget([keys.job_blocked(j) for j in jobs])
-    return {job: unpack(raw, JobBlock) for job, raw in zip(jobs, raws) if raw}
+async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
+    """Block the job (the first reason stored wins) and pause it, in one transaction."""
+    async with conn.pipeline(transaction=True) as pipe:
+        pipe.set(keys.job_blocked(job), pack(record), nx=True)
+        pipe.set(keys.job_paused(job), repr(time.time()))
+        await pipe.execute()
 
 
 def lift_block(conn: redis.Redis, job: str) -> None:
@@ -71,16 +103,18 @@ def lift_block(conn: redis.Redis, job: str) -> None:
     conn.delete(keys.job_blocked(job), keys.job_paused(job))
 
 
-# --------------------------------------------------------------------------- schedule and settings
+async def job_names(conn: aioredis.Redis) -> list[str]:
+    """Every job the ledger knows, unordered (from an engine's event loop)."""
+    return [j.decode() for j in await conn.smembers(keys.JOBS)]
+
+
 def schedule_of(raw: bytes | None) -> JobSchedule:
     return unpack(raw, JobSchedule) if raw else JobSchedule()
 
 
-def schedules(conn: redis.Redis, jobs: Iterable[str]) -> dict[str, JobSchedule]:
-    jobs = list(jobs)
-    if not jobs:
-        return {}
-    return {job: schedule_of(raw) for job, raw in zip(jobs, conn.mget([keys.job_schedule(j) for j in jobs]))}
+def stage_schedules(pipe: Any, jobs: list[str]) -> None:
+    """Queue the read of these jobs' packed schedules on a pipeline (one MGET; schedule_of reads each)."""
+    pipe.mget([keys.job_schedule(j) for j in jobs])
 
 
 def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T]) -> T:
@@ -102,6 +136,29 @@ def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule],
 def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | None], JobConfig]) -> JobConfig:
     """`genq jobs set`: store change(the stored config, None if none) as the job's config."""
     return change_record(conn, keys.job_config(job), lambda raw: unpack(raw, JobConfig) if raw else None, change)
+
+
+async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tuple[JobConfig | None, bool]:
+    """The job's settings with the model `auto` replaced by `model` in the stored config unless another
+    engine resolved it first, and whether this call pinned it; (None, False) if the job is gone."""
+    key = keys.job_config(job)
+    async with conn.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(key)
+                raw = await pipe.get(key)
+                if raw is None:
+                    return None, False
+                config = unpack(raw, JobConfig)
+                if config.model != auto:
+                    return config, False
+                pinned = msgspec.structs.replace(config, model=model)
+                pipe.multi()
+                pipe.set(key, pack(pinned))
+                await pipe.execute()
+                return pinned, True
+            except WatchError:
+                continue
 
 
 # --------------------------------------------------------------------------- counts
@@ -147,15 +204,6 @@ def done_batches(conn: redis.Redis, job: str) -> set[str]:
 def all_batches(conn: redis.Redis, job: str) -> set[str]:
     """Every batch the ledger has of the job, done or not."""
     return {b.decode() for b in conn.zrange(keys.job_batches(job), 0, -1)}
-
-
-def pending_batches(conn: redis.Redis, job: str) -> list[str]:
-    """The job's batches not done, in order (one round trip)."""
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.zrange(keys.job_batches(job), 0, -1)
-        pipe.smembers(keys.job_done(job))
-        listed, done = pipe.execute()
-    return [b.decode() for b in listed if b not in done]
 
 
 def knows_prompt(conn: redis.Redis, job: str, prompt_id: str) -> bool:

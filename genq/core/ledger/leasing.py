@@ -1,37 +1,25 @@
-"""The engine's side of a lease (worker/batches.py drives it): what Redis recorded of a taken batch,
-the lease check after each beat, and the hand-back (genq.core.ledger defines the terms)."""
+"""A batch's lease, the engine's side (worker/batches.py drives it): what Redis recorded of a taken
+batch, the lease check after each beat, and the lease's end, handed back to the queue or parked (a
+paused or blocked job's batch that no RQ job carries until `genq resume --job`; the reconciler
+leaves those be). genq.core.ledger defines the terms."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import msgspec
 import redis
 import redis.asyncio as aioredis
 from redis.client import Pipeline
-from redis.exceptions import WatchError
+from rq.results import Result as RqResult
 
 from genq.core import keys
 from genq.core.ledger import forget_rq_job, lease_token
-from genq.core.queueing import enqueue_batch_jobs
-from genq.core.records import BatchRef, JobConfig, pack, unpack
+from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, rq_queue
+from genq.core.records import BatchRef, JobConfig, unpack
 from genq.core.scripts import RQ_EXECUTION
 
 
-async def config_now(conn: aioredis.Redis, job: str) -> JobConfig | None:
-    """A job's settings as they are now (read for every delivery, never kept by name)."""
-    raw = await conn.get(keys.job_config(job))
-    return unpack(raw, JobConfig) if raw is not None else None
-
-
 async def batch_record(conn: aioredis.Redis, ref: BatchRef) -> bytes | None:
-    """The batch's stored record (genq.core.batches decodes it); None once released or deleted."""
+    """The batch's stored record (a packed records.BatchSource); None once released or deleted."""
     return await conn.get(keys.batch(ref.job, ref.batch))
-
-
-async def finished_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> set[str]:
-    """outcome_ids read in one transaction (what a batch just taken has left to send)."""
-    return await outcome_ids(conn, ref, ids, transaction=True)
 
 
 async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str], *, transaction: bool = False) -> set[str]:
@@ -90,10 +78,10 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
             for i, ref in enumerate(refs)]
 
 
-def end_lease_if_ours(conn: redis.Redis, ref: BatchRef, token: str,
-                      along: Callable[[Pipeline], object]) -> bool:
-    """End the lease `token` of the batch, with `along`'s writes in the same transaction, and its RQ
-    job leaves RQ. False, writing nothing, if the batch is done or that lease is no longer current."""
+def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) -> bool:
+    """End the lease `token` of the batch, its RQ job out of RQ, and queue the batch again at the front
+    (`requeue`) or park it (no RQ job carries it), in one transaction. False, writing nothing, if the
+    batch is done or that lease is no longer current."""
     def attempt(pipe: Pipeline) -> bool:
         lease = pipe.hget(keys.job_leases(ref.job), ref.batch)
         if lease_token(lease) != token or pipe.sismember(keys.job_done(ref.job), ref.batch):
@@ -102,7 +90,10 @@ def end_lease_if_ours(conn: redis.Redis, ref: BatchRef, token: str,
         pipe.multi()
         if rq_id is not None:
             forget_rq_job(pipe, rq_id.decode(), [f"{rq_id.decode()}:{RQ_EXECUTION}".encode()])
-        along(pipe)
+        if requeue:
+            enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True)
+        else:
+            pipe.hdel(keys.job_transport(ref.job), ref.batch)
         pipe.hdel(keys.job_leases(ref.job), ref.batch)
         return True
 
@@ -110,30 +101,46 @@ def end_lease_if_ours(conn: redis.Redis, ref: BatchRef, token: str,
                                  value_from_callable=True))
 
 
-def hand_back(conn: redis.Redis, ref: BatchRef, token: str) -> bool:
-    """Queue the batch again at the front of the queue as its lease `token` ends (end_lease_if_ours)."""
-    return end_lease_if_ours(
-        conn, ref, token, lambda pipe: enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True))
+def unqueue(conn: redis.Redis, job: str) -> int:
+    """Park the job's queued batches: out of RQ's queue, so that workers do not take them one by one
+    only to park them, nor keep other jobs' batches waiting behind them. How many."""
+    queue = rq_queue(conn)
+    found = [(j, c[1]) for j in fetch_rq_jobs(conn, queue.get_job_ids())
+             if j is not None and (c := carried(j)) and c[0] == job]
+    if not found:
+        return 0
+    with conn.pipeline(transaction=False) as pipe:
+        for rq_job, _ in found:
+            pipe.lrem(queue.key, 0, rq_job.id)
+        removed = pipe.execute()
+    # Only what left the queue here: a loop that took one meanwhile delivers it, and its engine parks it.
+    gone = [(rq_job, batch) for (rq_job, batch), n in zip(found, removed) if n]
+    carriers = conn.hmget(keys.job_transport(job), [batch for _, batch in gone]) if gone else []
+    with conn.pipeline(transaction=True) as pipe:
+        for (rq_job, batch), carrier in zip(gone, carriers):
+            if carrier is not None and carrier.decode() == rq_job.id:
+                pipe.hdel(keys.job_transport(job), batch)
+            # Out of the queue, such a job is in no registry of RQ's: its keys go (not RQ's delete, which
+            # asks Redis for its status seven times, a round trip each).
+            pipe.delete(rq_job.key, rq_job.dependents_key, rq_job.dependencies_key, RqResult.get_key(rq_job.id))
+        pipe.execute()
+    return len(gone)
 
 
-async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tuple[JobConfig | None, bool]:
-    """The job's settings with the model `auto` replaced by `model` in the stored config unless another
-    engine resolved it first, and whether this call pinned it; (None, False) if the job is gone."""
-    key = keys.job_config(job)
-    async with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(key)
-                raw = await pipe.get(key)
-                if raw is None:
-                    return None, False
-                config = unpack(raw, JobConfig)
-                if config.model != auto:
-                    return config, False
-                pinned = msgspec.structs.replace(config, model=model)
-                pipe.multi()
-                pipe.set(key, pack(pinned))
-                await pipe.execute()
-                return pinned, True
-            except WatchError:
-                continue
+def requeue_parked(conn: redis.Redis, job: str) -> int:
+    """Queue every batch of `job` not done that no RQ job carries; WATCH on the transport starts this
+    over if another resume or a reconciler queues one meanwhile, so none is queued twice."""
+    transport = keys.job_transport(job)
+
+    def queue(pipe: Pipeline) -> int:
+        batches = [b.decode() for b in pipe.zrange(keys.job_batches(job), 0, -1)]
+        done = {b.decode() for b in pipe.smembers(keys.job_done(job))}
+        pending = [b for b in batches if b not in done]
+        carried = pipe.hmget(transport, pending) if pending else []
+        parked = [b for b, t in zip(pending, carried) if t is None and pipe.exists(keys.batch(job, b))]
+        pipe.multi()
+        if parked:
+            enqueue_batch_jobs(pipe, conn, [(job, b, 0) for b in parked], at_front=True)
+        return len(parked)
+
+    return int(conn.transaction(queue, transport, keys.job_done(job), value_from_callable=True))

@@ -15,8 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from genq.core import keys
-from genq.core.batches import batch_number
-from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, length_bucket, pack, without_prompt
+from genq.core.records import (
+    BatchRef,
+    DeadLetter,
+    Result,
+    ShardInfo,
+    ShardMarker,
+    batch_number,
+    length_bucket,
+    pack,
+    without_prompt,
+)
 
 HERE = Path(__file__).resolve().parent
 _INCLUDE = re.compile(r"^-- #include (\w+)$", re.MULTILINE)
