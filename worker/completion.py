@@ -52,8 +52,13 @@ class _Recorded:
 
 
 class Completer:
-    def __init__(self, conn: aioredis.Redis) -> None:
+    def __init__(self, conn: aioredis.Redis, backoff: float = 1.0, backoff_max: float = 60.0,
+                 wake: asyncio.Event | None = None) -> None:
         self.conn = conn
+        self._backoff = backoff, backoff_max  # a shard write's retry: worker --retry-backoff(-max)
+        # Set once a shard is written after failing: the intake (idle, every job it could take
+        # skipped) takes the job's batches again now, not at its next look up to 30 s later.
+        self.wake = wake or asyncio.Event()
         # Batches whose shard cannot be written now (disk full, S3 down), and why: their results stay
         # in Redis while the write is retried; nothing new of their jobs is taken (worker/intake.py).
         self.unwritten: dict[BatchRef, str] = {}
@@ -114,7 +119,7 @@ class Completer:
         data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
         outcome = outcome_for(held.prompts, results, letters, recorded.prompts)
         sink = open_sink(held.config)
-        backoff = 1.0
+        backoff, backoff_max = self._backoff
         try:
             while True:
                 try:
@@ -126,12 +131,13 @@ class Completer:
                     return int(await retrying(adopting, f"adopting batch {ref}"))
                 except Exception as exc:  # the sink's own errors (disk full, S3 down): keep trying
                     self.unwritten[ref] = str(exc) or type(exc).__name__
-                    log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
+                    log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.2gs",
                                 ref, type(exc).__name__, exc, backoff)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 60)
+                    backoff = min(backoff * 2, backoff_max)
         finally:
-            self.unwritten.pop(ref, None)
+            if self.unwritten.pop(ref, None) is not None:
+                self.wake.set()
         script_keys, args = scripts.release_call(ref, info, held.config.incarnation)
         answer = await retrying(lambda: self._release(keys=script_keys, args=args), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)

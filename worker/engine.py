@@ -82,7 +82,7 @@ class Engine:
                                      self.controls, self.stopping, self.rates, todo, running)
         models = ModelGate(self.redis, self.instance, self.watch)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
-        completer = Completer(self.redis)
+        completer = Completer(self.redis, opts.retry_backoff, opts.retry_backoff_max, self.pace.queued)
         self.batches: Batches = Batches(self.redis, self.sync_redis, self.name, self.held, self.dispatcher,
                                         self.claims, self.writer, completer, models)
         self.intake = Intake(self.redis, self.sync_redis, opts, self.instance, self.controls, self.watch,
