@@ -12,11 +12,13 @@ from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack
 from genq.worker.held import Holdings
-from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IdlePace
+from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, IdlePace
 from tests.conftest import run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)
-SPAN_S = 4 * IDLE_BEAT_S  # four idle beats and a whole idle maintenance turn (IDLE_MAINTENANCE_S): the average rate, not a window that happens to hold the turn
+# One whole period of every idle loop (beats and RQ beats 20 s, looks 30 s, maintenance 60 s): each
+# periodic command counted in proportion, the average rate, not a window that happens to hold a turn.
+SPAN_S = IDLE_MAINTENANCE_S
 
 
 def commands(rconn) -> int:
