@@ -110,8 +110,8 @@ def test_an_idle_worker_takes_stealable_prompts_within_3s_of_their_lease(redis_u
     prompts it has not sent, the queue empty. It says so (WAKE on genq:wake), and the other
     claims some from the back of the batch within seconds, not at its next idle look."""
     slow = dict(max_running_requests=2, mean_output_tokens=200, output_sigma=0.1, tokens_per_step=4, step_ms_base=20)
-    for name in ("wa", "wb"):
-        worker(sim(**slow), "--name", name)
+    for name in ("wa", "wb"):  # --grace-period 0: stopped at the end holding the batch, at once
+        worker(sim(**slow), "--name", name, "--grace-period", "0")
     wait_until(lambda: all(rconn.get(keys.worker_status(n)) for n in ("wa", "wb")), timeout=30, what="heartbeats")
     asleep(rconn, "wa", "wb")
     assert rconn.pubsub_numsub(keys.WAKE) == [(keys.WAKE.encode(), 2)], "both idle workers listen for WAKE"
