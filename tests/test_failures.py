@@ -172,7 +172,7 @@ def on_a_full_disk(tmp_path: Path, disk: Path, job: str, n: int, server: str, wo
     out.mkdir()
     ids, _ = enqueue(tmp_path, job, n, "--batch-size", "10", "--max-tokens", "64", out=out)
     filler = fill(disk)
-    proc = worker(server, "--burst", "--retry-backoff", "0.05")
+    proc = worker(server, "--burst", "--retry-backoff", "0.05", "--retry-backoff-max", "0.5")
     wait_until(lambda: "writing shard failed (OSError: [Errno 28] No space left on device" in proc.log(), 60,
                "a shard write failing with ENOSPC")
     return ids, out, filler, proc

@@ -12,11 +12,13 @@ from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack
 from genq.worker.held import Holdings
-from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IdlePace
+from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, IdlePace
 from tests.conftest import run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)
-SPAN_S = 4 * IDLE_BEAT_S  # four idle beats and a whole idle maintenance turn (IDLE_MAINTENANCE_S): the average rate, not a window that happens to hold the turn
+# One whole period of every idle loop (beats and RQ beats 20 s, looks 30 s, maintenance 60 s): each
+# periodic command counted in proportion, the average rate, not a window that happens to hold a turn.
+SPAN_S = IDLE_MAINTENANCE_S
 
 
 def commands(rconn) -> int:
@@ -108,8 +110,8 @@ def test_an_idle_worker_takes_stealable_prompts_within_3s_of_their_lease(redis_u
     prompts it has not sent, the queue empty. It says so (WAKE on genq:wake), and the other
     claims some from the back of the batch within seconds, not at its next idle look."""
     slow = dict(max_running_requests=2, mean_output_tokens=200, output_sigma=0.1, tokens_per_step=4, step_ms_base=20)
-    for name in ("wa", "wb"):
-        worker(sim(**slow), "--name", name)
+    for name in ("wa", "wb"):  # --grace-period 0: stopped at the end holding the batch, at once
+        worker(sim(**slow), "--name", name, "--grace-period", "0")
     wait_until(lambda: all(rconn.get(keys.worker_status(n)) for n in ("wa", "wb")), timeout=30, what="heartbeats")
     asleep(rconn, "wa", "wb")
     assert rconn.pubsub_numsub(keys.WAKE) == [(keys.WAKE.encode(), 2)], "both idle workers listen for WAKE"

@@ -137,7 +137,7 @@ def test_s3_outage_mid_run_acknowledges_only_uploaded_batches(moto, redis_url, r
     def done() -> set[str]:
         return {b.decode() for b in rconn.smembers(keys.job_done("outage"))}
 
-    proc = worker(server, "--burst", "--concurrency", "8")
+    proc = worker(server, "--burst", "--concurrency", "8", "--retry-backoff", "0.2", "--retry-backoff-max", "1")
     wait_until(lambda: len(done()) >= 2, 60, "two batches acknowledged")
     snapshot = check_manifest(moto.objects(BUCKET, "out/outage/"), "out/outage")
     moto.stop()

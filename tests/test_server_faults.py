@@ -151,7 +151,9 @@ def test_resume_reads_the_context_of_a_server_restarted_meanwhile(redis_url, rco
     wait_until(lambda: rconn.exists(keys.job_blocked("pre")), 30, "the job blocked by the preflight")
     restart(sim, url, context_length=4096, **FAST)
     run_genq("resume", "--job", "pre", redis_url=redis_url)
-    wait_until(lambda: rconn.scard(keys.job_done("pre")) == 2 or rconn.exists(keys.job_blocked("pre")), 60,
+    # Within seconds: the batches the resume queued are taken and sent, not parked again by a worker
+    # that has not read the lift yet and left for the reconciler (10 s and more later).
+    wait_until(lambda: rconn.scard(keys.job_done("pre")) == 2 or rconn.exists(keys.job_blocked("pre")), 8,
                "the job done, or blocked again")
     assert not rconn.exists(keys.job_blocked("pre")), proc.log()
     audit(rconn, "pre", out, ids)

@@ -64,7 +64,7 @@ SHORT_TRIES = 3  # RELEASE refusing a shard that is not every stored result, thi
 
 class Batches:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, instance: str, held: Holdings,
-                 running: Running) -> None:
+                 running: Running, backoff: tuple[float, float] = (1.0, 60.0)) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
         self.worker = worker
@@ -81,6 +81,10 @@ class Batches:
         # Batches whose shard cannot be written now (disk full, S3 down), and why: their results stay
         # in Redis while the write is retried; nothing new of their jobs is taken (worker/intake.py).
         self.unwritten: dict[BatchRef, str] = {}
+        self._backoff = backoff  # a shard write's retry: worker --retry-backoff, --retry-backoff-max
+        # Set once a shard is written after failing: the intake (idle, every job it could take skipped)
+        # takes the job's batches again now, not at its next look up to 30 s later.
+        self.wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
 
@@ -261,7 +265,7 @@ class Batches:
                                   data, len(results), at, compression=config.compression,
                                   incarnation=config.incarnation,
                                   outcome=outcome_for(held.prompts, results, letters, recorded.size))
-        backoff = 1.0
+        backoff, backoff_max = self._backoff
         try:
             while True:
                 try:
@@ -272,12 +276,13 @@ class Batches:
                     return int(await retrying(adopting, f"adopting batch {ref}"))
                 except Exception as exc:  # the output's own errors (disk full, S3 down): keep trying
                     self.unwritten[ref] = str(exc) or type(exc).__name__
-                    log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.0fs",
+                    log.warning("batch %s: writing shard failed (%s: %s); results stay in Redis, retrying in %.2gs",
                                 ref, type(exc).__name__, exc, backoff)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 60)
+                    backoff = min(backoff * 2, backoff_max)
         finally:
-            self.unwritten.pop(ref, None)
+            if self.unwritten.pop(ref, None) is not None:
+                self.wake.set()
         call = scripts.release_call(ref, info, held.config.incarnation)
         answer = await retrying(lambda: self._release(*call), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)

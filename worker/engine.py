@@ -60,7 +60,8 @@ class Engine:
         self.controller = ConcurrencyController(None, opts.concurrency)
         self.controls = Controls(self.redis, self.name, self.controller)
         queue_key = rq_queue(self.sync_redis).key
-        self.batches = Batches(self.redis, self.sync_redis, self.name, self.instance, self.held, Running())
+        self.batches = Batches(self.redis, self.sync_redis, self.name, self.instance, self.held, Running(),
+                               backoff=(opts.retry_backoff, opts.retry_backoff_max))
         self.writer = self.batches.writer
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
         self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches.running,
@@ -71,7 +72,7 @@ class Engine:
         brake = Brake(self.name, self.batches)
         self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.controls,
                                      self.stopping, brake, self.shares)
-        self.pace = IdlePace(self.held, self.dispatcher, queue_key)  # the engine's idleness (worker/idle.py)
+        self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.wake)  # the engine's idleness (worker/idle.py)
         self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
         self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
         self.parking = Parking(self.batches, self.controls, brake, self.watch)

@@ -250,8 +250,9 @@ class Parking:
         self.controls = controls  # the operator's pauses
         self.brake = brake  # its trips block their job here
         self.watch = watch  # what the server says about itself (its context, for the preflight)
-        self._storing: set[str] = set()  # jobs blocked here whose record is not in Redis yet
-        self._blocked_at: dict[str, float] = {}  # when this engine blocked a job (a read from before is stale)
+        # When this engine's block of a job landed in Redis (inf while it is stored): a read asked
+        # before says nothing of a lift.
+        self._landed_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.pausing: set[str] = set()  # paused jobs being parked here (park_paused)
 
@@ -277,13 +278,14 @@ class Parking:
     async def _admit(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         job = held.ref.job
 
+        asked = time.monotonic()
         (now,) = await retrying(lambda: ledger_jobs.jobs_now(self.conn, [job]), f"checking job {job}")
         blocked, config, paused = now.blocked, now.config, now.paused
         if config is not None:
             self._settings(job, config)
         if blocked:
             self._blocked_elsewhere(job)
-        elif self._lifted(job):
+        elif self._lifted(job, asked):
             self._resumed(job)
         if held.dropped or held.ref not in self.held:
             return  # handed back meanwhile (stopping)
@@ -308,15 +310,14 @@ class Parking:
     def block(self, job: str, record: JobBlock) -> None:
         """Block `job` (the first reason stored wins) and park what this engine holds of it."""
         self.brake.blocked.add(job)
-        self._storing.add(job)
-        self._blocked_at[job] = time.monotonic()
+        self._landed_at[job] = float("inf")
         self._spawn(self._block(job, record))
 
     async def _block(self, job: str, record: JobBlock) -> None:
         try:
             await retrying(lambda: ledger_jobs.block_job(self.conn, job, record), f"blocking job {job}")
         finally:
-            self._storing.discard(job)
+            self._landed_at[job] = time.monotonic()
         await self.park_job(job)
         try:
             taken = await asyncio.to_thread(unqueue, self.sync_conn, job)
@@ -333,10 +334,10 @@ class Parking:
             self.brake.blocked.add(job)
             self._spawn(self.park_job(job))
 
-    def _lifted(self, job: str) -> bool:
-        """Redis says `job` is not blocked, and that is news (not a read from before our own block landed)."""
-        recent = time.monotonic() - self._blocked_at.get(job, float("-inf")) < 3 * CHECK_EVERY_S
-        return job in self.brake.blocked and job not in self._storing and job not in self.brake.trips and not recent
+    def _lifted(self, job: str, asked: float) -> bool:
+        """Redis, read at `asked`, says `job` is not blocked, and that is news (not a read from before
+        our own block landed)."""
+        return job in self.brake.blocked and job not in self.brake.trips and asked > self._landed_at.get(job, float("-inf"))
 
     def _resumed(self, job: str) -> None:
         log.info("job %s is no longer blocked: taking its batches again", job)
@@ -390,11 +391,12 @@ class Parking:
         jobs = sorted(self.held.all_jobs() | self.brake.blocked)
         if not jobs:
             return
+        asked = time.monotonic()
         for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs)):
             config = now.config
             if now.blocked:
                 self._blocked_elsewhere(job)
-            elif self._lifted(job):
+            elif self._lifted(job, asked):
                 self._resumed(job)
             if config is not None:
                 self._settings(job, config)

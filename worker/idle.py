@@ -43,7 +43,8 @@ ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) th
 class IdlePace:
     """Whether the engine is idle, and the pace of its loops accordingly (heartbeat, stealer, maintenance)."""
 
-    def __init__(self, held: Holdings, dispatcher: Dispatcher, queue_key: str = "") -> None:
+    def __init__(self, held: Holdings, dispatcher: Dispatcher, queue_key: str = "",
+                 queued: asyncio.Event | None = None) -> None:
         self.queue_key = queue_key  # RQ's queue list: announce() speaks once it is empty
         self.held = held
         self.dispatcher = dispatcher
@@ -52,7 +53,8 @@ class IdlePace:
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
         self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
-        self.queued = asyncio.Event()  # a WAKE message that says batches were queued (worker/intake.py)
+        # A WAKE message that says batches were queued, or a shard written after failing (worker/intake.py).
+        self.queued = queued or asyncio.Event()
         # Some job has a batch not done (the reconciler's last pass): no idle pace, so stranded
         # batches and a frozen holder's prompts are found within seconds.
         self.open_work = False

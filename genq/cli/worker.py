@@ -78,7 +78,8 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--server-down-timeout", type=click.FloatRange(0), default=DEFAULTS.server_down_timeout, show_default=True, help="Seconds the server may be down before held batches go back to the queue for other GPUs.")
 @click.option("--server-crash-limit", type=click.IntRange(1, 100), default=DEFAULTS.server_crash_limit, show_default=True, help="A prompt in flight while its server went down this many times (sent alone after the second) is dead-lettered as server_crash.")
 @click.option("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, show_default=True, help="On SIGTERM/Ctrl-C: seconds to finish held batches before handing the rest back.")
-@click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help=f"First retry delay in seconds; doubles per attempt (with jitter), capped at {DEFAULTS.retry_backoff_max:.0f}.")
+@click.option("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, show_default=True, help="First retry delay in seconds, of a request and of a shard write; doubles per attempt (with jitter).")
+@click.option("--retry-backoff-max", type=click.FloatRange(0), default=DEFAULTS.retry_backoff_max, show_default=True, help="Longest retry delay in seconds.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info", show_default=True, help="Least severe log lines shown (any case: INFO or info).")
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
