@@ -17,7 +17,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -70,18 +70,19 @@ def job_root(output: str, job: str) -> str:
 
 
 # --------------------------------------------------------------------------- a local folder
-_UMASK = os.umask(0o022)  # read by setting it: set back at once, at import, before any file is written
-os.umask(_UMASK)
-# mkstemp's files are 0600 and the rename would carry that into place: teammates could not read them.
-FILE_MODE = 0o666 & ~_UMASK
-
-
 def _temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> tuple[str, Any]:
-    """A finished, fsynced file beside `target` with FILE_MODE: its name, and what writing returned."""
+    """A finished, fsynced file beside `target`, created as open() creates one (0666 less the umask
+    now: mkstemp's 0600 would travel with the rename, and teammates could not read the shards): its
+    name, and what writing returned."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    while True:
+        tmp = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:  # another writer's name: draw again
+            continue
     try:
-        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as out:
             value = out.write(data) if isinstance(data, bytes) else data(out)
             out.flush()
