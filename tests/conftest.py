@@ -279,8 +279,7 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.popen.pid, sig)
+        self.popen.send_signal(sig)  # nothing if it has exited
 
     def kill_tree(self) -> None:
         """SIGKILL the process and every descendant (as a machine crash would), at once."""

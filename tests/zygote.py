@@ -219,7 +219,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended and reaped by the zygote; its exit is on its way here
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

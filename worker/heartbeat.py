@@ -77,6 +77,10 @@ class Heartbeat:
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
+        # One beat at a time, and none after the last ("stopped"): a beat of the loop landing after it
+        # would leave a status with a TTL, and the worker read as lost once it expired.
+        self._writing = asyncio.Lock()
+        self._stopped = False
 
     async def unreachable(self) -> Exception | None:
         """Why Redis does not answer at the start (a wrong URL exits at once), or None. A Redis that
@@ -201,6 +205,12 @@ class Heartbeat:
         return status
 
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
+        async with self._writing:
+            if not self._stopped:
+                self._stopped = state == "stopped"
+                await self._beat(state, note)
+
+    async def _beat(self, state: WorkerState | None, note: str | None) -> None:
         info, meter = self.watch.info, self.dispatcher.running.meter
         if info is not None and self._figures_of is None:  # once its server is known: what was measured on it
             self._figures_of = (self.opts.server_url, info.model or "")
