@@ -30,11 +30,9 @@ demo: $(BIN)/genq
 	$(BIN)/genq demo
 	@echo "To use genq yourself: . $(VENV)/bin/activate, then follow \"Using it\" in README.md"
 
-# Two test processes on two cores (each starts its own private redis-server). Four are faster
-# (2026-12-06, 2 cores: the whole suite in 10.7 and 11.4 min at load 1-2) but each of those runs
-# had one timing test fail under the extra CPU contention: TEST_WORKERS=4 for a quick local run.
-# TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# Four test processes on two cores: the suite mostly waits on timers and servers, and every genq
+# command a test starts is forked from one warm interpreter (tests/zygote.py). TEST_WORKERS=0: one.
+TEST_WORKERS ?= 4
 
 # loadgroup: tests marked with one xdist_group run in one process (to share a module's fixture); the
 # rest go one by one to whichever process is free, in tests/tiers.py's order.
