@@ -29,6 +29,8 @@ from tests.commit_support import BATCH, INCARNATION, JOB, Stored, commit, letter
 @pytest.fixture(autouse=True)
 def job_config(rconn: redis.Redis) -> None:
     save_config(rconn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))
+    for n in range(1, 10):  # RECORD writes only for a batch the ledger has
+        rconn.set(keys.batch(JOB, f"b{n:07d}"), b"a batch record")
 
 
 def test_first_result_wins_and_is_counted_once(redis_url, rconn):
@@ -299,6 +301,7 @@ def _dump_with_the_job_config(folder) -> None:
     try:
         conn = redis.Redis.from_url(server.url)
         save_config(conn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))
+        conn.set(keys.batch(JOB, BATCH), b"a batch record")
         conn.save()
     finally:
         server.stop()

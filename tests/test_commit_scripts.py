@@ -20,6 +20,8 @@ from tests.commit_support import INCARNATION, JOB, result, stored_by
 @pytest.fixture(autouse=True)
 def job_config(rconn: redis.Redis) -> None:
     save_config(rconn, JobConfig(name=JOB, output="/nonexistent/commit", incarnation=INCARNATION))
+    for n in range(1, 10):  # RECORD writes only for a batch the ledger has
+        rconn.set(keys.batch(JOB, f"b{n:07d}"), b"a batch record")
 
 
 async def _write(url: str, *rounds: list[tuple[str, str]], incarnation: str = INCARNATION,
@@ -71,3 +73,15 @@ def test_outcomes_refused_for_another_life_of_the_job_are_not_reported_written(
     told = asyncio.run(_write(redis_url, outcomes, incarnation="a-life-before"))
     assert told == []
     assert all(rconn.hlen(keys.batch_results(JOB, batch)) == 0 for _, batch in outcomes)
+
+
+def test_outcomes_for_a_batch_the_ledger_does_not_have_are_not_written_or_counted(
+        redis_url: str, rconn: redis.Redis) -> None:
+    # Redis restarted empty and the same enqueue queued the lost batches' prompts again in other
+    # batches: a worker's late outcomes for an old batch id must not be stored or counted there (the
+    # prompts' new batches count them: they were counted twice).
+    rconn.delete(keys.batch(JOB, "b0000007"))
+    told = asyncio.run(_write(redis_url, [("p00001", "b0000007")]))
+    assert told == []
+    assert rconn.hlen(keys.batch_results(JOB, "b0000007")) == 0
+    assert not rconn.exists(keys.worker_stats(JOB, "w1")) and not rconn.exists(keys.job_hist(JOB))

@@ -193,7 +193,7 @@ def record_call(job: str, batch: str, worker: str, now: str, results: list[Resul
     args: list = [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)]
     script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
                    keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
-                   keys.job_config(job)]
+                   keys.job_config(job), keys.batch(job, batch)]
     return script_keys, args
 
 

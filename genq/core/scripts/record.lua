@@ -13,6 +13,7 @@
 -- KEYS[6] = the job's workers (keys.job_workers)
 -- KEYS[7] = the batch's claims (keys.batch_claims)
 -- KEYS[8] = the job's config (keys.job_config)
+-- KEYS[9] = the batch's record (keys.batch)
 -- ARGV[1] = batch id
 -- ARGV[2] = worker name
 -- ARGV[3] = now (epoch seconds)
@@ -20,7 +21,9 @@
 -- ARGV[5] = results, flat (lua_list): id, result (msgpack), in_tok, out_tok, length bucket, ...
 -- ARGV[6] = dead letters, flat (lua_list): id, letter (msgpack), ...
 -- ARGV[7] = first sent: when the earliest request of these outcomes was sent (the worker's first_at)
--- Returns {added, dead}; {-1, -1}: the batch is done; {-2, -2}: not the job's incarnation (nothing written).
+-- Returns {added, dead}; {-1, -1}: the batch is done; {-2, -2}: not the job's incarnation, or a batch the
+-- ledger does not have (Redis lost it and the same enqueue queued its prompts in other batches, which
+-- count them): nothing written.
 -- #include incarnation
 local CHUNK = 1000  -- fields per HMGET/HSET/HDEL (Lua's unpack has a stack limit)
 local function each_chunk(list, step, fn)
@@ -38,7 +41,7 @@ local function hmget(key, ids)
 end
 
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {-1, -1} end
-if not incarnation_ok(KEYS[8], ARGV[4]) then return {-2, -2} end
+if not incarnation_ok(KEYS[8], ARGV[4]) or redis.call('EXISTS', KEYS[9]) == 0 then return {-2, -2} end
 local rs, ds = cmsgpack.unpack(ARGV[5]), cmsgpack.unpack(ARGV[6])
 local ids = {}
 for i = 1, #rs, 5 do ids[#ids + 1] = rs[i] end
