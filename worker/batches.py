@@ -24,7 +24,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -364,15 +363,12 @@ class Batches:
         (then there is nothing to give back)."""
         return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
 
-    async def _hand_back_held(self, held: HeldBatch) -> bool:
-        return await self.hand_back(held.ref, held.token)
-
     async def hand_back_all(self, why: str) -> None:
         """Give every held batch back to the queue, and borrowed prompts to their holders; what
         finished stays finished."""
         await self.give_back_borrowed(why)
         given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
-                                   end=self._hand_back_held)
+                                   requeue=True)
         self.handed_back += len(given)
         if given:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
@@ -385,7 +381,7 @@ class Batches:
             return
         log.info("%s: giving %s back to their holders", why,
                  plural(sum(len(b.unfinished) for b in borrowed), "borrowed prompt"))
-        await self._let_go([], borrowed, cancel=True, end=self._hand_back_held)
+        await self._let_go([], borrowed, cancel=True, requeue=True)
         try:
             await fleet.wake_for_work(self.conn)
         except (redis.RedisError, OSError) as exc:
@@ -397,13 +393,13 @@ class Batches:
         are cancelled (nothing recorded); paused, they finish and are recorded. The batches parked."""
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
-        return await self._let_go(mine, borrowed, cancel=cancel,
-                                  end=lambda h: asyncio.to_thread(leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=False))
+        return await self._let_go(mine, borrowed, cancel=cancel, requeue=False)
 
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
-                      end: Callable[[HeldBatch], Awaitable[bool]]) -> list[str]:
+                      requeue: bool) -> list[str]:
         """Send nothing more of these batches (with `cancel`, stop their requests in flight too), write
-        what was recorded, drop their claims and end each lease by `end`; the batches whose lease it ended."""
+        what was recorded, drop their claims and end each lease (`requeue`: to the queue's front, else
+        parked); the batches whose lease it ended."""
         for batch in mine + borrowed:
             self.drop(batch, cancel=cancel)
         while any(t.batch in mine or t.batch in borrowed for t in self.running):
@@ -417,7 +413,8 @@ class Batches:
             if h.completing:
                 continue  # the flush above finished it
             await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if await retrying(functools.partial(end, h), f"ending the lease of {h.ref}"):
+            end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=requeue)
+            if await retrying(end, f"ending the lease of {h.ref}"):
                 ended.append(str(h.ref))
             self.held.pop(h.ref, None)
         self.todo.wake.set()
