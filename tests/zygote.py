@@ -114,12 +114,9 @@ def _become(request: dict) -> None:
         os._exit(127)
     import runpy
 
-    try:
-        runpy.run_module("genq", run_name="__main__", alter_sys=True)
-    finally:
-        # Leave as the interpreter leaves: the raised SystemExit (or exception) ends the child's
-        # main thread below, with threads joined, atexit run and files flushed.
-        pass
+    # Its SystemExit (or exception) leaves through _serve and ends this child as the interpreter
+    # ends: threads joined, atexit run, files flushed.
+    runpy.run_module("genq", run_name="__main__", alter_sys=True)
 
 
 # ---------------------------------------------------------------- the tests' side
@@ -133,6 +130,7 @@ class _Zygote:
         self.pids: dict[str, int] = {}
         self.codes: dict[str, int] = {}
         self.changed = threading.Condition()
+        self.dead = False
         threading.Thread(target=self._read, daemon=True, name="zygote").start()
         atexit.register(self.close)
 
@@ -154,8 +152,6 @@ class _Zygote:
         with self.changed:  # the zygote died: nothing will be reported again
             self.dead = True
             self.changed.notify_all()
-
-    dead = False
 
     def start(self, argv: list[str], *, cwd: str, env: dict, stdout: str, stderr: str | None,
               session: bool) -> str:
