@@ -83,7 +83,7 @@ class Batches:
         self._backoff = backoff  # a shard write's retry: worker --retry-backoff, --retry-backoff-max
         # Set once a shard is written after failing: the intake (idle, every job it could take skipped)
         # takes the job's batches again now, not at its next look up to 30 s later.
-        self.wake = asyncio.Event()
+        self.written_again = asyncio.Event()
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
 
@@ -281,7 +281,7 @@ class Batches:
                     backoff = min(backoff * 2, backoff_max)
         finally:
             if self.unwritten.pop(ref, None) is not None:
-                self.wake.set()
+                self.written_again.set()
         call = scripts.release_call(ref, info, held.config.incarnation)
         answer = await retrying(lambda: self._release(*call), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)

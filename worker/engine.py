@@ -72,7 +72,7 @@ class Engine:
         brake = Brake(self.name, self.batches)
         self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.controls,
                                      self.stopping, brake, self.shares)
-        self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.wake)  # the engine's idleness (worker/idle.py)
+        self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.written_again)  # the engine's idleness (worker/idle.py)
         self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
         self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
         self.parking = Parking(self.batches, self.controls, brake, self.watch)
