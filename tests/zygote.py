@@ -1,7 +1,7 @@
 """`python -m genq ...` for the tests, forked from one interpreter that has imported genq already.
 
 A genq process spends 0.4-0.9 s of CPU importing (aiohttp, redis, rq, msgspec) before it does
-anything, and the suite starts about a thousand of them on two cores. A zygote imports genq once;
+anything, and the suite starts about a thousand of them (2026-12-06, on two cores). A zygote imports genq once;
 each command is a fork of it that runs `genq` exactly as `python -m genq` would (runpy, the same
 argv, environment, working directory, umask and files 0-2, a new session if asked, the interpreter's own
 exit), so the test sees a real process: a pid to signal, a log, an exit code. GENQ_TEST_FORK=0
