@@ -117,3 +117,19 @@ def test_a_take_sent_again_answers_what_the_first_took_and_leases_nothing_more(r
     answers = [scripts.evaluate(rconn, scripts.TAKE, call) for _ in range(2)]
     assert answers[0] == answers[1] and answers[0][1].decode() == first
     assert rconn.hlen(keys.job_leases("a")) == 1 and rq_queue(rconn).count == 1
+
+
+def test_a_batch_taken_while_its_job_is_deleted_leaves_nothing_in_rq(rconn: redis.Redis) -> None:
+    """`genq jobs delete --force` looks first, then deletes: an engine that takes a queued batch in
+    between moves its RQ job to the started registry, where the delete did not look. The id must
+    not stay there with its hash gone (`rq info` would count it forever)."""
+    from genq.ops import control
+
+    queue(rconn, "gone", 3)
+    found = control.find_job(rconn, "gone")
+    assert len(found.rq_jobs["queued"]) == 3
+    take(rconn)  # between the look and the delete
+    control.delete_job(rconn, found)
+    registry = StartedJobRegistry(queue=rq_queue(rconn))
+    assert registry.get_job_ids(cleanup=False) == []
+    assert rq_queue(rconn).count == 0 and not rconn.keys(scripts.RQ_JOB_PREFIX + "*")

@@ -243,23 +243,27 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
     return JobDeletion(job=job, keys=ledger_jobs.find_job_keys(conn, job), rq_jobs=rq_jobs, holders=holders)
 
 
-def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True) -> None:
-    """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name."""
+def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
+               seen: frozenset[str] = frozenset()) -> None:
+    """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name.
+    An RQ job can move between places after the look (an engine takes a queued batch): each registry
+    loses every entry of any id found anywhere (`seen`: the ids of an earlier pass, whose hashes are gone)."""
+    ours = seen | {i for ids in found.rq_jobs.values() for i in ids}
     with conn.pipeline() as pipe:
         for place, holder in _rq_places(conn).items():
             mine = set(found.rq_jobs.get(place, []))
             if mine and place == "queued":
                 for rq_id in mine:
                     holder.remove(rq_id, pipeline=pipe)
-            elif mine:  # the started registry holds "job:execution" entries, the others plain job ids
-                if entries := [e for e in conn.zrange(holder.key, 0, -1) if holder.parse_job_id(e.decode()) in mine]:
+            elif place != "queued" and ours:  # the started registry holds "job:execution" entries
+                if entries := [e for e in conn.zrange(holder.key, 0, -1) if holder.parse_job_id(e.decode()) in ours]:
                     pipe.zrem(holder.key, *entries)
         for rq_job in fetch_rq_jobs(conn, sorted({i for ids in found.rq_jobs.values() for i in ids})):
             if rq_job is not None:
                 delete_rq_job(pipe, rq_job, remove_from_queue=False)
-        ledger_jobs.stage_forget_job(pipe, found.job, found.keys)
+        if again or found.keys:  # the second pass leaves the name to a job created meanwhile
+            ledger_jobs.stage_forget_job(pipe, found.job, found.keys)
         pipe.execute()
     if again:  # a batch RQ queued again or a worker wrote meanwhile would be orphaned: one more pass
         late = find_job(conn, found.job)
-        if late.keys or late.rq_jobs:
-            delete_job(conn, late, again=False)
+        delete_job(conn, late, again=False, seen=ours)
