@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 PROCESS_FIXTURES = {"procs", "sim", "worker"}
+DURATIONS = Path(__file__).with_name("durations.txt")
 # Files whose tests mostly run the CLI or a second Redis without those fixtures.
 E2E_FILES = {
     "test_control.py", "test_dlq.py", "test_export.py", "test_fidelity.py", "test_first_day_cli.py",
@@ -30,9 +32,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fast)
         else:
             item.add_marker(pytest.mark.e2e)
-    # End-to-end tests first, the fast ones last: xdist hands tests out in this order as processes free
-    # up, so the many short tests fill in while the last long ones end, and the processes finish together.
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+    # End-to-end tests first, longest first (tests/durations.txt, measured), the fast ones last: xdist
+    # hands tests out in this order as processes free up, so no long test starts near the end, the many
+    # short tests fill in while the last long ones end, and the processes finish together.
+    took = _durations()
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is None, -took.get(item.nodeid, 10.0)))
+
+
+def _durations() -> dict[str, float]:
+    if not DURATIONS.exists():
+        return {}
+    return {nodeid: float(s) for s, nodeid in (line.split(" ", 1) for line in DURATIONS.read_text().splitlines())}
+
+
+# GENQ_RECORD_DURATIONS=1 make test: write tests/durations.txt from this run (setup, call and teardown).
+_took: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("GENQ_RECORD_DURATIONS") == "1":
+        _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _took and not hasattr(session.config, "workerinput"):  # the controller, which saw every report
+        DURATIONS.write_text("".join(f"{s:.1f} {nodeid}\n" for nodeid, s in sorted(_took.items(), key=lambda x: -x[1])))
 
 
 @pytest.fixture(autouse=True)
