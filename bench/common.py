@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -45,6 +46,10 @@ def bench_redis_url() -> str:
     return server.url
 
 
+
+# A SIGTERMed benchmark unwinds as on Ctrl-C: its `finally` blocks and atexit stop the servers and
+# workers it started (the default action would leave them running, in sessions of their own).
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
     sys.path.insert(0, str(ROOT))

@@ -10,6 +10,7 @@ GENQ_BENCH_REDIS_URL names.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -28,10 +29,20 @@ def main() -> None:
         ("producer", ["producer_bench.py"] + (["--prompts", "100000"] if args.quick else [])),
     ]
     failed = []
+    running: list[subprocess.Popen] = []
+
+    def stop(*_: object) -> None:  # SIGTERM goes on to the running benchmark, which stops what it started
+        for child in running:
+            child.terminate()
+            child.wait()
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
     for name, argv in runs:
         print(f"\n===== {name}: {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
-        rc = subprocess.run([sys.executable, str(HERE / argv[0]), *argv[1:]], cwd=HERE.parent).returncode
+        running[:] = [subprocess.Popen([sys.executable, str(HERE / argv[0]), *argv[1:]], cwd=HERE.parent)]
+        rc = running[0].wait()
         print(f"===== {name}: exit {rc} after {time.monotonic() - t0:.0f}s", flush=True)
         if rc:
             failed.append(name)
