@@ -1,11 +1,8 @@
-"""The worker's HTTP/1.1 client: keep-alive connections to one inference server, http:// or https://.
+"""The worker's HTTP/1.1 client: keep-alive connections to one server, http:// or https://, parsed by
+llhttp (httptools). Not aiohttp: it costs 80-100 % more CPU a request (docs/performance.md).
 
-A body of known length out; the answer by Content-Length, chunked, or to the connection's close,
-parsed by llhttp (httptools) as each piece arrives; what is not HTTP is a ValueError at once. Not
-aiohttp: a worker on it costs 80-100 % more CPU a request (docs/performance.md, "Worker overhead").
-A request that got no response byte on a reused connection never reached the server (it closes
-idle keep-alive connections, llama.cpp after each stream): it is sent again once on a new one. Once
-a response byte came, every outcome is the request's.
+A request with no response byte on a reused connection never reached the server (idle keep-alive
+closed, llama.cpp's after each stream): it is sent once more on a new one; after a byte, never.
 """
 
 from __future__ import annotations
@@ -31,19 +28,18 @@ class NoResponse(ConnectionError):
 class _Conn(asyncio.Protocol):
     """One connection; llhttp parses what comes and feeds the body to the sink."""
 
+    transport: asyncio.Transport | None
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
+        self.loop, self.transport, self.parser = loop, None, httptools.HttpResponseParser(self)
         self.answer: asyncio.Future[tuple[int, bool]] | None = None  # the request in flight's
         self.stream: Sink | None = None  # where a 200 answer's body goes; others are kept in `body`
         self.sink: Sink | None = None
         self.body: list[bytes] = []
         self.status = 0
+        self.closed = self.keep = False
         self.got = False  # a byte of this answer came
         self.framed = False  # by Content-Length or chunked; else the body runs to the close
-        self.keep = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
