@@ -78,9 +78,11 @@ class ConcurrencyController:
             self.reason = "server rediscovered: learning its capacity again"
         elif capacity and capacity != self.capacity:
             self.capacity = capacity
-            self.auto = capacity + headroom(capacity)
-            self.reason = "from server capacity"
-            self._update()
+            self._set(capacity + headroom(capacity), "from server capacity")
+
+    def _set(self, auto: int, reason: str) -> None:
+        self.auto, self.reason, self._queue_high = auto, reason, 0
+        self._update()
 
     def _update(self) -> None:
         # A plain attribute, not a property: the dispatcher reads it per request.
@@ -108,15 +110,13 @@ class ConcurrencyController:
                     self._commit(self._seen_max)
             elif self.learned is not None and running > self.learned:  # whatever runs fits
                 self._seen_max = int(running)
-                self._commit(int(running))
+                self._commit(self._seen_max)
         capacity = self.capacity or self.learned
         self._gentle = max(0, self._gentle - 1)
         if retracting:  # the KV cache cannot hold what runs: cut to what the server holds, less a tenth
-            self.auto = max(1, min(self.auto, int(running + waiting)) - max(1, self.auto // 10))
-            self.reason = "lowered: KV cache full (server retracting requests)"
             self._gentle = GENTLE_CHECKS
-            self._queue_high = 0
-            self._update()
+            self._set(max(1, min(self.auto, int(running + waiting)) - max(1, self.auto // 10)),
+                      "lowered: KV cache full (server retracting requests)")
             return
 
         limited = backlog > 0 and in_flight >= self.target and (self.cap is None or self.auto < self.cap)
@@ -132,9 +132,7 @@ class ConcurrencyController:
                 return
             ceiling = 2 * capacity + headroom(capacity) if capacity else MAX_TARGET
             if self.auto < ceiling:
-                self.auto = min(ceiling, self.auto + step)
-                self.reason = "raised: server slots idle"
-                self._update()
+                self._set(min(ceiling, self.auto + step), "raised: server slots idle")
             self._queue_high = 0
             return
 
@@ -147,23 +145,15 @@ class ConcurrencyController:
                 and self.auto > base + room):
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:  # past what refilling slots needs: hold less
-                self.auto = max(1, base + room)
-                self.reason = "lowered: server queue growing"
-                self._queue_high = 0
-                self._update()
+                self._set(max(1, base + room), "lowered: server queue growing")
         else:
             self._queue_high = 0
 
     def _commit(self, capacity: int) -> None:
-        self.learned = capacity
-        self._since_learned = 0
         # The refill headroom waits in the server: more would only wait, less would idle a freed slot.
-        limit = capacity + headroom(capacity)
+        self.learned, self._since_learned, limit = capacity, 0, capacity + headroom(capacity)
         verb = "lowered" if self.auto > limit else "raised" if self.auto < limit else "kept"
-        self.auto = limit
-        self.reason = f"{verb}: learned server capacity {capacity}"
-        self._queue_high = 0
-        self._update()
+        self._set(limit, f"{verb}: learned server capacity {capacity}")
 
     def _retracting(self, m: Metrics) -> bool:
         """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""

@@ -10,6 +10,7 @@ group (`guard`) end them when the fleet dies, even by SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -23,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 from urllib.parse import urlsplit
 
 from genq import PYTHON
@@ -147,17 +148,13 @@ def parse_gpus(spec: str) -> list[int]:
 
 def _term_on_parent_death() -> None:
     """In the child: SIGTERM when the thread that forked it dies (Linux's PR_SET_PDEATHSIG = 1)."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux
 
 
 def signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Child:
@@ -215,10 +212,8 @@ class Child:
             if level >= 3:
                 signal_group(self.proc.pid, signal.SIGKILL)
             else:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     self.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
     async def _spawn(self, stdout: int | IO[bytes]) -> asyncio.subprocess.Process:
         self.proc = proc = await asyncio.create_subprocess_exec(
@@ -230,11 +225,9 @@ class Child:
 
     def _forget_pid(self, pid: int) -> None:
         """Its pid file goes, if it still names ours (another fleet may share the directory)."""
-        try:
+        with contextlib.suppress(FileNotFoundError, ValueError):
             if self.pid_path.read_text().strip() == str(pid):
                 self.pid_path.unlink()
-        except (FileNotFoundError, ValueError):
-            pass
 
     async def _worker_once(self) -> str | None:
         """Why it must be started again, or None: it ended for good."""
@@ -272,11 +265,9 @@ class Child:
                     return
                 logf.write(line)
                 logf.flush()
-                try:
+                with contextlib.suppress(OSError, ValueError):  # our terminal went away: the log still has it
                     sys.stderr.write(f"{self.name} | {line.decode(errors='replace')}")
                     sys.stderr.flush()
-                except (OSError, ValueError):
-                    pass  # our terminal went away: the log file still has it
 
     async def _server_once(self) -> str | None:
         assert self.health is not None
@@ -295,46 +286,39 @@ class Child:
                 sys.executable, "-m", "genq.worker.fleet", str(proc.pid), str(self.health.stop),
                 stdin=asyncio.subprocess.PIPE, stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         log.info("%s: started pid %d (log %s)", self.label, proc.pid, self.log_path)
-        client = ServerClient(self.url)
-        ended = asyncio.ensure_future(proc.wait())
-        stopped = asyncio.ensure_future(self._stop.wait())
-        try:
-            return await self._watch(client, self.health, ended, stopped)
+        client, t, started = ServerClient(self.url), self.health, time.monotonic()
+        ended, stopped = asyncio.ensure_future(proc.wait()), asyncio.ensure_future(self._stop.wait())
+        healthy = ever_healthy = False
+        bad_since: float | None = None
+        try:  # until it must be started again (or stopped)
+            while True:
+                await asyncio.wait([ended, stopped], timeout=t.interval if healthy else min(1.0, t.interval),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if stopped.done():
+                    return "stop requested"
+                if ended.done():
+                    said = last_words(self.log_path) if ended.result() > 0 else ""  # a signal says nothing
+                    return f"exited with status {ended.result()}" + (f" (its log ends: {said})" if said else "")
+                now = time.monotonic()
+                if await client.healthy():
+                    if not healthy:
+                        log.info("%s: healthy%s", self.label,
+                                 " again" if ever_healthy else f" after {now - started:.1f}s")
+                    healthy = ever_healthy = True
+                    bad_since = None
+                elif not ever_healthy:
+                    if now - started > t.start:
+                        return f"no healthy answer on /health within {t.start:.0f}s of start"
+                elif bad_since is None:
+                    bad_since, healthy = now, False
+                    log.warning("%s: /health is failing", self.label)
+                elif now - bad_since >= t.unhealthy:
+                    return f"/health failing for {now - bad_since:.0f}s"
         finally:
             ended.cancel()
             stopped.cancel()
             await client.close()
             await self._kill()
-
-    async def _watch(self, client: ServerClient, t: HealthTimeouts, ended: asyncio.Future[int],
-                     stopped: asyncio.Future[Any]) -> str:
-        """Why the server must be started again (or "stop requested")."""
-        started = time.monotonic()
-        healthy = ever_healthy = False
-        bad_since: float | None = None
-        while True:
-            await asyncio.wait([ended, stopped], timeout=t.interval if healthy else min(1.0, t.interval),
-                               return_when=asyncio.FIRST_COMPLETED)
-            if stopped.done():
-                return "stop requested"
-            if ended.done():
-                rc = ended.result()
-                said = last_words(self.log_path) if rc > 0 else ""  # a signal says nothing
-                return f"exited with status {rc}" + (f" (its log ends: {said})" if said else "")
-            now = time.monotonic()
-            if await client.healthy():
-                if not healthy:
-                    log.info("%s: healthy%s", self.label, " again" if ever_healthy else f" after {now - started:.1f}s")
-                healthy = ever_healthy = True
-                bad_since = None
-            elif not ever_healthy:
-                if now - started > t.start:
-                    return f"no healthy answer on /health within {t.start:.0f}s of start"
-            elif bad_since is None:
-                bad_since, healthy = now, False
-                log.warning("%s: /health is failing", self.label)
-            elif now - bad_since >= t.unhealthy:
-                return f"/health failing for {now - bad_since:.0f}s"
 
     async def _kill(self) -> None:
         """SIGTERM to a server's group, SIGKILL to what is left after health.stop (the leader, or
@@ -352,12 +336,10 @@ class Child:
         self._forget_pid(proc.pid)
         guard, self.guard = self.guard, None
         if guard is not None and guard.stdin is not None:
-            try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 guard.stdin.write(b"done\n")
                 await guard.stdin.drain()
                 guard.stdin.close()
-            except (BrokenPipeError, ConnectionResetError):
-                pass
             await guard.wait()
 
 
@@ -387,21 +369,19 @@ def guard(pgid: int, stop_s: float) -> None:
         return
     print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + stop_s
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
         while time.monotonic() < deadline:
             time.sleep(0.1)
             os.killpg(pgid, 0)  # ProcessLookupError once the group is gone
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def plan(opts: FleetOptions) -> list[tuple[int, str, Child, Child | None]]:
     """One (gpu, server URL, worker, launched server) per GPU, every setting checked before anything starts."""
     check_template(opts.server_url, "--server-url")
-    if opts.launch is not None and (
-            problem := launch_problem(launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0))):
+    first = launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0) if opts.launch else None
+    if first is not None and (problem := launch_problem(first)):
         raise FleetError(problem)
     last = opts.base_port + len(opts.gpus) - 1
     if not 1 <= opts.base_port or last > 65535:
@@ -418,16 +398,14 @@ def plan(opts: FleetOptions) -> list[tuple[int, str, Child, Child | None]]:
         server = None
         if opts.launch is not None:
             # CUDA's default order (fastest first) may differ from nvidia-smi/NVML's; make them agree.
-            env = {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
+            env = {"CUDA_VISIBLE_DEVICES": str(gpu),
+                   "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
             server = Child(f"server gpu{gpu} (port {port})", launch_argv(opts.launch, port=port, gpu=gpu), env,
                            logs / f"server-gpu{gpu}.log", logs / f"server-gpu{gpu}.pid", opts.max_restarts,
                            opts.health, url)
             host = urlsplit(url).hostname or "127.0.0.1"
-            try:  # a port already answering would answer /health for a stranger
+            with contextlib.suppress(OSError):  # a port already answering would answer /health for a stranger
                 socket.create_connection((host, port), timeout=0.5).close()
-            except OSError:
-                pass
-            else:
                 raise FleetError(f"port {port} (GPU {gpu}) already accepts connections at {host}; "
                                  "stop what listens there or pick another --base-port")
         slots.append((gpu, url, worker, server))

@@ -18,7 +18,7 @@ CONNECT_TIMEOUT_S = 10.0  # TCP and TLS handshakes: a server that takes longer i
 _FRAMING = (b"content-length", b"transfer-encoding")
 
 # Fed a 200 answer's body as it comes; True: enough read (the connection is not reused).
-Sink = Callable[[bytes], bool]
+Sink = Callable[[bytes], bool | None]
 
 
 class NoResponse(ConnectionError):
@@ -51,10 +51,6 @@ class _Conn(asyncio.Protocol):
         self.transport.write(request)
         return self.answer
 
-    def keep_body(self, piece: bytes) -> bool:
-        self.body.append(piece)
-        return False
-
     def data_received(self, data: bytes) -> None:
         if self.answer is None or self.answer.done():  # bytes nobody asked for: not to be reused
             self.close()
@@ -79,7 +75,7 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         if self.status >= 200:  # not 100 Continue and the like: the answer's own
             self.keep = self.parser.should_keep_alive()
-            self.sink = self.stream if self.status == 200 and self.stream is not None else self.keep_body
+            self.sink = self.stream if self.status == 200 and self.stream is not None else self.body.append
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None and self.sink(body):

@@ -136,7 +136,6 @@ class WakeListener:
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
         self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
         self.pace, self.loop = pace, loop
-        self.subscribed = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="genq-wake", daemon=True)
 
@@ -154,7 +153,6 @@ class WakeListener:
             pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
                 says = fleet.listen_for_wakes(pubsub)
-                self.subscribed.set()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message.get("type") == "message":
@@ -167,7 +165,6 @@ class WakeListener:
             except RuntimeError:  # the engine's loop is closed: it has exited
                 return
             finally:
-                self.subscribed.clear()
                 pubsub.close()
 
 

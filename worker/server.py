@@ -8,6 +8,7 @@ failure, and a record keeps only what its request asked for (docs/fidelity.md).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -76,10 +77,7 @@ class Completion:
 
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": config.max_tokens}
-    if config.temperature is not None:
-        body["temperature"] = config.temperature
-    if config.top_p is not None:
-        body["top_p"] = config.top_p
+    body.update({k: v for k, v in (("temperature", config.temperature), ("top_p", config.top_p)) if v is not None})
     body.update(config.extra_body)
     if prompt.sampling:
         body.update(prompt.sampling)
@@ -105,7 +103,7 @@ def samples(config: JobConfig, prompt: Prompt) -> int:
 class ServerClient:
     def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
-        self.pool = Http1Pool(URL(self.base_url), connections)
+        self.pool = Http1Pool(URL(self.base_url), connections)  # `connections`: idle ones kept
 
     async def close(self) -> None:
         self.pool.close()
@@ -119,16 +117,14 @@ class ServerClient:
     async def _get_json(self, path: str) -> Any:
         """The JSON answer of a GET, or None if the server has no such endpoint."""
         status, body = await self._get(path)
-        try:
+        with contextlib.suppress(msgspec.DecodeError):
             return _json_decode(body) if status == 200 else None
-        except msgspec.DecodeError:
-            return None
+        return None
 
     async def healthy(self) -> bool:
-        try:
+        with contextlib.suppress(ServerUnavailable):
             return (await self._get("/health", HEALTH_TIMEOUT_S))[0] == 200
-        except ServerUnavailable:
-            return False
+        return False
 
     async def discover(self) -> ServerInfo:
         """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
@@ -148,15 +144,13 @@ class ServerClient:
         return msgspec.structs.replace(found, model=listed.get("id"), context_length=context, memory=memory)
 
     async def metrics(self) -> Metrics | None:
-        try:
+        with contextlib.suppress(ServerUnavailable):
             status, body = await self._get("/metrics", timeout=3.0)
-        except ServerUnavailable:
-            return None
-        if status != 200:
-            return None
-        m = metrics_from_text(body.decode("utf-8", "replace"))
-        m.at = time.monotonic()
-        return m
+            if status == 200:
+                m = metrics_from_text(body.decode("utf-8", "replace"))
+                m.at = time.monotonic()
+                return m
+        return None
 
     async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
