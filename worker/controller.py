@@ -1,14 +1,9 @@
 """How many sequences one worker keeps in flight: the server's capacity (told, or learned from its
-/metrics) plus a small headroom waiting in its queue, so a freed slot is refilled in its next step.
+/metrics) plus a headroom waiting in its queue, so a freed slot is refilled in its next step.
 
-Once a look at /metrics: raise while slots idle and prompts are held back; cut by a tenth when the
-server retracts or preempts (its KV cache is the limit), then raise only gently for a while; lower
-when its queue keeps growing past the headroom and our own raises (only other clients' queue lowers
-it). A server that does not tell its capacity (vLLM) starts at a guess: while requests wait for a
-slot with the KV cache not full, the highest running count seen is the capacity once no higher came
-for LEARN_LOOKS looks, and a higher count later raises it at once (vLLM reports running before
-admitting the next, so most counts are a bit below). --concurrency caps the target; `genq
-concurrency` sets a live cap instead.
+Each look at /metrics: raise while slots idle and prompts are held back; cut by a tenth when the server
+retracts or preempts (then raise gently); lower when its queue keeps growing. An untold capacity (vLLM)
+is learned (docs/engines.md, "Capacity"). --concurrency caps the target; `genq concurrency` live.
 """
 
 from __future__ import annotations
@@ -43,21 +38,17 @@ class ConcurrencyController:
         self.live_cap: int | None = None  # genq concurrency N (None: none set)
         self.auto = capacity + headroom(capacity) if capacity else UNKNOWN_CAPACITY_START  # before any cap
         self._last_retractions: float | None = None
-        self._queue_high = 0
-        self._last_waiting = 0.0
-        self._last_running = 0.0
-        self._gentle = 0
-        self._seen_max = 0  # the highest running count seen while requests waited for capacity
-        self._since_rise = 0  # looks with requests waiting since _seen_max last rose
-        self._since_learned = 0  # looks since the learned capacity last rose
-        self._backlog = 0  # prompts held back at the last look
+        self._last_waiting = self._last_running = 0.0
+        self._queue_high = self._gentle = self._backlog = 0  # _backlog: prompts held back at the last look
+        # The highest running count seen while requests waited for a slot; looks since it rose; looks
+        # since the learned capacity rose.
+        self._seen_max = self._since_rise = self._since_learned = 0
         self.reason = "from server capacity" if capacity else "capacity unknown: starting value"
         self.target = 1
         self._update()
 
     @property
     def cap(self) -> int | None:
-        """The cap in force: the live one, else the command line's."""
         return self.live_cap or self.start_cap
 
     @property
@@ -66,33 +57,32 @@ class ConcurrencyController:
         return self.capacity or self.learned
 
     def set_cap(self, cap: int | None) -> None:
-        """A live limit from `genq concurrency`; None or 0 removes it (back to auto,
-        or to the --concurrency the worker was started with)."""
+        """A live limit from `genq concurrency`; None or 0 removes it (back to --concurrency, or auto)."""
         self.live_cap = cap if cap and cap > 0 else None
         self._update()
 
     @property
     def look_interval_s(self) -> float:
-        """How long the metrics loop waits before its next look."""
+        """Until the next look: shorter while an untold capacity is learned (while prompts are held back)
+        and SETTLE_LOOKS after it rose (a step in which nothing finished shows the exact count)."""
         if self.capacity is not None:
             return LOOK_S
-        # Unknown: learn while prompts are held back (the server can be filled); known: a
-        # while longer, for a step in which nothing finished (the exact count).
         learning = self._backlog > 0 if self.learned is None else self._since_learned < SETTLE_LOOKS
         return LEARN_LOOK_S if learning else LOOK_S
 
     def set_capacity(self, capacity: int | None) -> None:
-        """What the server tells after (re)discovery. A server that tells nothing may be
-        another one after an outage: what was learned of it is learned again."""
+        """What the server tells after (re)discovery; one that tells nothing is learned again."""
         if capacity is None and self.learned is not None:
             self.learned = None
             self._seen_max = self._since_rise = 0
             self.reason = "server rediscovered: learning its capacity again"
         elif capacity and capacity != self.capacity:
             self.capacity = capacity
-            self.auto = capacity + headroom(capacity)
-            self.reason = "from server capacity"
-            self._update()
+            self._set(capacity + headroom(capacity), "from server capacity")
+
+    def _set(self, auto: int, reason: str) -> None:
+        self.auto, self.reason, self._queue_high = auto, reason, 0
+        self._update()
 
     def _update(self) -> None:
         # A plain attribute, not a property: the dispatcher reads it per request.
@@ -103,10 +93,8 @@ class ConcurrencyController:
         """One look at the server's metrics; in_flight is ours, backlog the prompts we hold unsent."""
         if m.running is None:
             return
-        running = m.running
-        self._backlog = backlog
+        running, waiting, self._backlog = m.running, m.waiting or 0.0, backlog
         self._since_learned += 1
-        waiting = m.waiting or 0.0
         # Waiting for a slot (vLLM tells it apart from requests deferred for other reasons).
         queued = waiting if m.waiting_capacity is None else m.waiting_capacity
         growing, self._last_waiting = waiting > self._last_waiting, waiting
@@ -122,15 +110,13 @@ class ConcurrencyController:
                     self._commit(self._seen_max)
             elif self.learned is not None and running > self.learned:  # whatever runs fits
                 self._seen_max = int(running)
-                self._commit(int(running))
+                self._commit(self._seen_max)
         capacity = self.capacity or self.learned
         self._gentle = max(0, self._gentle - 1)
         if retracting:  # the KV cache cannot hold what runs: cut to what the server holds, less a tenth
-            self.auto = max(1, min(self.auto, int(running + waiting)) - max(1, self.auto // 10))
-            self.reason = "lowered: KV cache full (server retracting requests)"
             self._gentle = GENTLE_CHECKS
-            self._queue_high = 0
-            self._update()
+            self._set(max(1, min(self.auto, int(running + waiting)) - max(1, self.auto // 10)),
+                      "lowered: KV cache full (server retracting requests)")
             return
 
         limited = backlog > 0 and in_flight >= self.target and (self.cap is None or self.auto < self.cap)
@@ -146,9 +132,7 @@ class ConcurrencyController:
                 return
             ceiling = 2 * capacity + headroom(capacity) if capacity else MAX_TARGET
             if self.auto < ceiling:
-                self.auto = min(ceiling, self.auto + step)
-                self.reason = "raised: server slots idle"
-                self._update()
+                self._set(min(ceiling, self.auto + step), "raised: server slots idle")
             self._queue_high = 0
             return
 
@@ -161,23 +145,15 @@ class ConcurrencyController:
                 and self.auto > base + room):
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:  # past what refilling slots needs: hold less
-                self.auto = max(1, base + room)
-                self.reason = "lowered: server queue growing"
-                self._queue_high = 0
-                self._update()
+                self._set(max(1, base + room), "lowered: server queue growing")
         else:
             self._queue_high = 0
 
     def _commit(self, capacity: int) -> None:
-        self.learned = capacity
-        self._since_learned = 0
         # The refill headroom waits in the server: more would only wait, less would idle a freed slot.
-        limit = capacity + headroom(capacity)
+        self.learned, self._since_learned, limit = capacity, 0, capacity + headroom(capacity)
         verb = "lowered" if self.auto > limit else "raised" if self.auto < limit else "kept"
-        self.auto = limit
-        self.reason = f"{verb}: learned server capacity {capacity}"
-        self._queue_high = 0
-        self._update()
+        self._set(limit, f"{verb}: learned server capacity {capacity}")
 
     def _retracting(self, m: Metrics) -> bool:
         """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""

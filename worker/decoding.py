@@ -1,13 +1,9 @@
-"""The requests in flight, and how fast one decodes against how many decode at once.
+"""The requests in flight, and how fast one decodes against how many decode at once (the monitor's
+ETA needs that curve: a job's last requests speed up as it drains; no engine reports it).
 
-A server's step makes a token for every running sequence: on a GPU about as fast at 1 as at 100,
-on a CPU or at large batches slower the more there are, so a job's last requests speed up as it
-drains, and the monitor's ETA needs that curve (no engine reports it). While `d` sequences decode
-(first token to end), the request-seconds and streamed tokens go to d's bin, kept apart for while
-some request waits for its first token (its prefill shares the steps) and while none does
-("clean", as in a drain). A first chunk's tokens are the prefill's, not counted. Figures halve
-every HALF_LIFE_S; published as WorkerStatus.decode, fitted by the monitor (monitor/rates.py), and
-stored per server and model so a worker starting there begins from them.
+While `d` sequences decode (first token to end), request-seconds and streamed tokens go to d's bin,
+apart for while some request waits for its first token ("clean": none does). Figures halve every
+HALF_LIFE_S; published as WorkerStatus.decode (monitor/rates.py fits them), stored per server and model.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ MIN_BUSY_S = 0.05  # a bin with less than this many request-seconds is not publi
 
 
 class Running(dict["Task", "asyncio.Task[None]"]):
-    """The requests in flight and the sequences they are on the server (the in-flight target's
-    unit: SGLang and vLLM schedule each of a request's n choices as its own)."""
+    """The requests in flight and the sequences they are on the server (each of n choices is one)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,7 +51,7 @@ class Running(dict["Task", "asyncio.Task[None]"]):
         return super().pop(task, default)
 
     def cancel_all(self, reason: str) -> None:
-        """Stop every request; each ends as a failure with `reason` (retried by the failure policy)."""
+        """Stop every request; each ends as a failure with `reason`."""
         for task, aio in list(self.items()):
             task.cancel_reason = reason
             aio.cancel()
@@ -67,27 +62,21 @@ class DecodeMeter:
         self.clock = clock
         self.decoding = 0  # sequences between their first token and their end
         self.waiting = 0  # sequences sent that have no token yet
-        self._since = clock()
-        self._decayed_at = self._since
+        self._since = self._decayed_at = clock()
         self.bins: dict[tuple[int, bool], list[float]] = {}  # (decoding, clean) -> [request-seconds, tokens]
         self.news = False  # tokens booked since the figures were last stored
 
     def _account(self, now: float) -> list[float] | None:
         """Books the time since the last change to the current count; its bin (None at 0)."""
-        d = self.decoding
+        d, since, self._since = self.decoding, self._since, now
         if d <= 0:
-            self._since = now
             return None
-        key = (d, self.waiting <= 0)
-        b = self.bins.get(key)
-        if b is None:
-            b = self.bins[key] = [0.0, 0.0]
-        b[0] += d * (now - self._since)
-        self._since = now
+        b = self.bins.setdefault((d, self.waiting <= 0), [0.0, 0.0])
+        b[0] += d * (now - since)
         return b
 
     def sent(self, progress: Progress) -> None:
-        """The request was sent: until its first token it waits at the server."""
+        """Until its first token it waits at the server."""
         if not progress.decoding and not progress.waiting:
             self._account(self.clock())
             progress.waiting = True
@@ -99,7 +88,7 @@ class DecodeMeter:
             self.waiting -= progress.sequences
 
     def advance(self, progress: Progress, tokens: int) -> None:
-        """A streamed request has made `tokens` in all (what progress.tokens becomes)."""
+        """A streamed request has made `tokens` in all (a first chunk's tokens are the prefill's)."""
         if tokens <= progress.tokens:
             progress.tokens = tokens
             return
@@ -115,7 +104,7 @@ class DecodeMeter:
         progress.tokens = tokens
 
     def ended(self, progress: Progress) -> None:
-        """The request is no longer in flight (answered, failed or cancelled)."""
+        """The request is no longer in flight."""
         if progress.decoding or progress.waiting:
             self._account(self.clock())
             self._arrived(progress)
@@ -134,9 +123,7 @@ class DecodeMeter:
             b[0] *= factor
             b[1] *= factor
             key = (d if d <= BINS_PER_OCTAVE else round(BINS_PER_OCTAVE * math.log2(d)) + BINS_PER_OCTAVE * 8, clean)
-            m = merged.get(key)
-            if m is None:
-                m = merged[key] = [0.0, 0.0, 0.0]
+            m = merged.setdefault(key, [0.0, 0.0, 0.0])
             m[0] += b[0]
             m[1] += b[1]
             m[2] += d * b[0]
@@ -154,14 +141,12 @@ class DecodeMeter:
 
 
 async def load(conn: aioredis.Redis, meter: DecodeMeter, server: str, model: str) -> None:
-    """Seeds the meter from the server's stored figures, if any."""
-    stored = await fleet.server_decode(conn, server, model)
-    if stored is not None:
+    if (stored := await fleet.server_decode(conn, server, model)) is not None:
         meter.seed(stored, time.time())
 
 
 def store(pipe: Pipeline, meter: DecodeMeter, bins: list[DecodeBin], server: str, model: str, worker: str) -> None:
-    """Stores the figures (in a beat's pipeline) when tokens were booked since the last time."""
+    """Stores the figures in a beat's pipeline when tokens were booked since the last time."""
     if meter.news and bins:
         fleet.stage_server_decode(pipe, server, model, ServerDecode(at=time.time(), worker=worker, bins=bins),
                                   STORED_TTL_S)

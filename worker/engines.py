@@ -1,8 +1,5 @@
-"""The inference servers genq knows, as a table of their differences, and how a server is told apart.
-
-A row says how to tell the engine (`probe`: its own endpoint; else its metric prefix on /metrics),
-what it tells of itself, and its Prometheus names for each figure the controller reads. Where in
-each engine's sources each fact comes from: docs/engines.md.
+"""The inference servers genq knows, one row each: how to tell it (`probe`: its own endpoint; else its
+metric prefix on /metrics), what it tells of itself, its metric names. Sources: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class ServerInfo(msgspec.Struct, frozen=True):
 
     @property
     def flavor(self) -> str:
-        """"sglang" | "vllm" | "llamacpp" | "openai-compatible"."""
         return self.engine.name
 
 
@@ -62,8 +58,8 @@ async def _sglang_probe(get_json: GetJson) -> ServerInfo | None:
 
 
 def capacity_from_info(info: dict[str, Any]) -> int | None:
-    """SGLang's running-request limit summed over its DP ranks' effective ones (the top-level
-    max_running_requests is null unless given on its command line)."""
+    """SGLang's running-request limit: its DP ranks' effective ones summed, else max_running_requests
+    (null unless given on its command line)."""
     effective = [s.get("effective_max_running_requests_per_dp") for s in info.get("internal_states") or []
                  if isinstance(s, dict)]
     counts: list[int] = [v for v in effective if isinstance(v, int) and v > 0]
@@ -91,8 +87,7 @@ def memory_from_info(info: dict[str, Any]) -> Hardware:
 
 
 async def _llamacpp_probe(get_json: GetJson) -> ServerInfo | None:
-    """/props: `total_slots` (-np) and each slot's `n_ctx`; /slots (only with --slots) counts them
-    when /props does not."""
+    """/props: `total_slots` (-np), each slot's `n_ctx`; else /slots (only with --slots) counts them."""
     props = await get_json("/props")
     if not isinstance(props, dict) or "default_generation_settings" not in props:
         return None
@@ -127,7 +122,6 @@ ENGINES: tuple[Engine, ...] = (SGLANG, VLLM, LLAMACPP, OPENAI)
 
 
 async def detect(get_json: GetJson, get: Get) -> ServerInfo:
-    """Which engine the server is, and what its own endpoints tell of it."""
     found = None
     for engine in ENGINES:
         if engine.probe and (found := await engine.probe(get_json)) is not None:
@@ -158,8 +152,7 @@ _WANTED = {n.split("{")[0] for names in _NAMES.values() for n in names}
 
 
 def metrics_from_text(text: str) -> Metrics:
-    """The figures of a Prometheus text page: each name's series (one per DP/TP rank) summed, KV
-    usage the highest; the first name found wins."""
+    """A Prometheus text page's figures: each name's series (one per rank) summed, KV usage the highest."""
     series: dict[str, list[tuple[str, float]]] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]

@@ -1,17 +1,16 @@
-"""`genq worker --gpus`: one worker engine per GPU of this machine and (--launch) its server, kept alive.
+"""`genq worker --gpus`: one worker per GPU of this machine and (--launch) its server, kept alive.
 
-Each child is a process of its own (one GPU's crash takes no other) leading its own session: a
-terminal's Ctrl-C reaches only the fleet, which stops engines first and servers last, and
-signalling a server's group stops what it spawned (SGLang's scheduler and detokenizer). A child
-that fails is started again after 1 s, doubling to 60 s, and given up after --max-restarts in a
-row (STABLE_AFTER up resets the count). PR_SET_PDEATHSIG on each child and a guard beside each
-server's group (`guard`) end them when the fleet dies, even by SIGKILL. GPU number i of the list
-gets port base_port + i (its position in the list, not its GPU index).
+Each child leads a session of its own: Ctrl-C reaches only the fleet, which stops workers first and
+servers last, and a server's group signal reaches what it spawned. A failed child restarts after 1 s,
+doubling to 60 s, given up after --max-restarts in a row (STABLE_AFTER up resets the count). GPU
+number i of the list gets port base_port + i. PR_SET_PDEATHSIG and a guard beside each server's
+group (`guard`) end them when the fleet dies, even by SIGKILL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -69,9 +68,6 @@ class FleetOptions:
     health: HealthTimeouts = field(default_factory=HealthTimeouts)
 
 
-# ---------------------------------------------------------------- settings, checked before anything starts
-
-
 def check_template(text: str, option: str) -> None:
     """Allow only {port} and {gpu}; literal braces are written {{ and }}."""
     rule = "only {port} and {gpu} are substituted (write a literal brace as {{ or }})"
@@ -79,7 +75,7 @@ def check_template(text: str, option: str) -> None:
         parsed = list(string.Formatter().parse(text))
     except ValueError as exc:
         raise FleetError(f"{option}: {exc} in {text!r}; {rule}") from None
-    for _literal, name, spec, conversion in parsed:
+    for _, name, spec, conversion in parsed:
         if name is not None and (name not in FIELDS or spec or conversion):
             shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
             raise FleetError(f"{option}: {shown} is not a substitution genq knows; {rule}, in {text!r}")
@@ -99,9 +95,8 @@ def launch_argv(command: str, *, port: int, gpu: int) -> list[str]:
 
 
 def launch_problem(argv: list[str]) -> str | None:
-    """Why argv cannot run here, or None: a program not on PATH, or `python -m PACKAGE` where that
-    python has no PACKAGE (looked up without importing it: no CUDA is touched). Said once, not
-    after --max-restarts failed starts per GPU."""
+    """Why argv cannot run here (said once, not after --max-restarts per GPU): a program not on PATH, or
+    `python -m PACKAGE` where that python has no PACKAGE (found without importing it: no CUDA touched)."""
     program = argv[0]
     found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
     if found is None:
@@ -121,8 +116,7 @@ def launch_problem(argv: list[str]) -> str | None:
 
 def parse_gpus(spec: str) -> list[int]:
     """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver)."""
-    spec = spec.strip()
-    count: int | None = None
+    spec, count = spec.strip(), None
     try:
         import pynvml
 
@@ -152,43 +146,32 @@ def parse_gpus(spec: str) -> list[int]:
     return gpus
 
 
-# ---------------------------------------------------------------- one child, kept running
-
-
 def _term_on_parent_death() -> None:
     """In the child: SIGTERM when the thread that forked it dies (Linux's PR_SET_PDEATHSIG = 1)."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: no such signal there
 
 
 def signal_group(pid: int, sig: int) -> None:
-    """Signal a child's whole process group (it leads its own session)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Child:
-    """A GPU's `genq worker`, restarted when it fails (not when it exits 0: drained, --burst,
-    stopped); or, with `health`, its server, restarted when it exits, never answers /health within
-    health.start, or stops answering it for health.unhealthy (its output goes to its log only)."""
+    """A GPU's `genq worker`, restarted unless it exits 0 (drained, --burst, stopped); or, with `health`,
+    its server, restarted when it exits, never answers /health within health.start, or fails it for
+    health.unhealthy (its output goes to its log only)."""
 
     def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
                  max_restarts: int, health: HealthTimeouts | None = None, url: str = "") -> None:
         self.label, self.argv, self.env, self.log_path, self.pid_path = label, argv, env, log_path, pid_path
         self.name = label.removeprefix("worker ")
-        self.max_restarts = max_restarts
-        self.health = health
-        self.url = url  # a server's, for /health
-        self.restarts = self.starts = 0  # restarts in a row; starts in all
-        self.rc = 0  # an engine's last exit status (0 also when our own stop signal ended it)
+        self.max_restarts, self.health, self.url = max_restarts, health, url
+        self.starts = 0
+        self.rc = 0  # a worker's last exit status (0 also when our own stop signal ended it)
         self.failure: str | None = None  # why it was given up
         self.proc: asyncio.subprocess.Process | None = None
         self.guard: asyncio.subprocess.Process | None = None  # ends a server's group if the fleet dies
-        self.pid: int | None = None  # the last one started
         self._stop = asyncio.Event()
 
     @property
@@ -197,38 +180,30 @@ class Child:
 
     async def run(self) -> None:
         """Start, watch, restart; returns once stopped, ended for good or given up (self.failure says why)."""
+        restarts = 0
         try:
             while not self._stop.is_set():
                 started = time.monotonic()
                 self.starts += 1
-                why = await (self._server_once() if self.health else self._engine_once())
+                why = await (self._server_once() if self.health else self._worker_once())
                 if why is None or self._stop.is_set():
                     return
-                self.restarts = 1 if time.monotonic() - started >= STABLE_AFTER else self.restarts + 1
-                if self.restarts > self.max_restarts:
+                restarts = 1 if time.monotonic() - started >= STABLE_AFTER else restarts + 1
+                if restarts > self.max_restarts:
                     self.failure = f"{why}; gave up after {plural(self.max_restarts, 'restart')} (log: {self.log_path})"
                     log.error("%s: %s", self.label, self.failure)
                     return
-                delay = min(60.0, 2.0 ** (self.restarts - 1))
-                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why, self.restarts,
+                delay = min(60.0, 2.0 ** (restarts - 1))
+                log.warning("%s: %s; restart %d/%d in %.0fs (log: %s)", self.label, why, restarts,
                             self.max_restarts, delay, self.log_path)
                 if await wait_event(self._stop, delay):
                     return
         finally:
             await self._kill()
-            self._forget_pid()
-
-    def _forget_pid(self) -> None:
-        """Its pid file goes, if it still names ours (another fleet may share the directory)."""
-        try:
-            if self.pid is not None and self.pid_path.read_text().strip() == str(self.pid):
-                self.pid_path.unlink()
-        except (FileNotFoundError, ValueError):
-            pass
 
     def stop(self, level: int = 1) -> None:
-        """1: drain (an engine gets SIGTERM; a server's group SIGTERM, SIGKILL after health.stop);
-        2: an engine stops now (a second SIGTERM); 3+: SIGKILL, no more patience."""
+        """1: drain (a worker gets SIGTERM; a server's group SIGTERM, SIGKILL after health.stop);
+        2: a worker stops now (a second SIGTERM); 3+: SIGKILL, no more patience."""
         self._stop.set()
         if self.health is not None:
             if level >= 3:
@@ -237,26 +212,26 @@ class Child:
             if level >= 3:
                 signal_group(self.proc.pid, signal.SIGKILL)
             else:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     self.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
     async def _spawn(self, stdout: int | IO[bytes]) -> asyncio.subprocess.Process:
-        proc = await asyncio.create_subprocess_exec(
+        self.proc = proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20,
-            # The fleet killed outright: the child gets SIGTERM (an engine still drains).
-            preexec_fn=_term_on_parent_death,
-        )
+            env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20, preexec_fn=_term_on_parent_death)
         self.pid_path.parent.mkdir(parents=True, exist_ok=True)
         self.pid_path.write_text(f"{proc.pid}\n")
-        self.pid = proc.pid
         return proc
 
-    async def _engine_once(self) -> str | None:
+    def _forget_pid(self, pid: int) -> None:
+        """Its pid file goes, if it still names ours (another fleet may share the directory)."""
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if self.pid_path.read_text().strip() == str(pid):
+                self.pid_path.unlink()
+
+    async def _worker_once(self) -> str | None:
         """Why it must be started again, or None: it ended for good."""
-        self.proc = proc = await self._spawn(asyncio.subprocess.PIPE)
+        proc = await self._spawn(asyncio.subprocess.PIPE)
         log.info("%s: started pid %d%s", self.label, proc.pid, f" (start #{self.starts})" if self.starts > 1 else "")
         if self._stop.is_set():  # stop() came while it was being spawned
             proc.send_signal(signal.SIGTERM)
@@ -264,7 +239,8 @@ class Child:
         pump = asyncio.create_task(self._pump(proc.stdout))
         self.rc = await proc.wait()
         await pump
-        self._forget_pid()
+        self.proc = None
+        self._forget_pid(proc.pid)
         if self.rc == 0:
             log.info("%s: exited normally (drained, burst or stopped); not restarted", self.label)
         elif not self._stop.is_set():
@@ -277,23 +253,21 @@ class Child:
         return None
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:
-        """The engine's output to its log file and, prefixed with its name, to our stderr."""
+        """The worker's output to its log file and, prefixed with its name, to our stderr."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             while True:
                 try:
                     line = await stream.readline()
-                except ValueError:  # a line over the limit: pass it on in pieces
+                except ValueError:  # a line over the limit: passed on in pieces
                     line = await stream.read(1 << 16)
                 if not line:
                     return
                 logf.write(line)
                 logf.flush()
-                try:
+                with contextlib.suppress(OSError, ValueError):  # our terminal went away: the log still has it
                     sys.stderr.write(f"{self.name} | {line.decode(errors='replace')}")
                     sys.stderr.flush()
-                except (OSError, ValueError):
-                    pass  # our terminal went away: the log file still has it
 
     async def _server_once(self) -> str | None:
         assert self.health is not None
@@ -303,7 +277,7 @@ class Child:
                        f"{' '.join(self.argv)}\n".encode())
             logf.flush()
             try:
-                self.proc = proc = await self._spawn(logf)
+                proc = await self._spawn(logf)
             except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:  # not worth retrying
                 self.failure = f"cannot run {self.argv[0]!r}: {exc.strerror or exc}"
                 log.error("%s: %s", self.label, self.failure)
@@ -312,43 +286,39 @@ class Child:
                 sys.executable, "-m", "genq.worker.fleet", str(proc.pid), str(self.health.stop),
                 stdin=asyncio.subprocess.PIPE, stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         log.info("%s: started pid %d (log %s)", self.label, proc.pid, self.log_path)
-        client = ServerClient(self.url)
-        try:
-            return await self._watch(proc, client, self.health)
-        finally:
-            await client.close()
-            await self._kill()
-
-    async def _watch(self, proc: asyncio.subprocess.Process, client: ServerClient, t: HealthTimeouts) -> str:
-        """Why the server must be started again (or "stop requested")."""
-        started = time.monotonic()
+        client, t, started = ServerClient(self.url), self.health, time.monotonic()
+        ended, stopped = asyncio.ensure_future(proc.wait()), asyncio.ensure_future(self._stop.wait())
         healthy = ever_healthy = False
         bad_since: float | None = None
-        while True:
-            waiters = [asyncio.ensure_future(proc.wait()), asyncio.ensure_future(self._stop.wait())]
-            done, pending = await asyncio.wait(waiters, timeout=t.interval if healthy else min(1.0, t.interval),
-                                               return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
-                w.cancel()
-            if done:
-                if self._stop.is_set():
+        try:  # until it must be started again (or stopped)
+            while True:
+                await asyncio.wait([ended, stopped], timeout=t.interval if healthy else min(1.0, t.interval),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if stopped.done():
                     return "stop requested"
-                said = last_words(self.log_path) if proc.returncode and proc.returncode > 0 else ""  # a signal says nothing
-                return f"exited with status {proc.returncode}" + (f" (its log ends: {said})" if said else "")
-            now = time.monotonic()
-            if await client.healthy():
-                if not healthy:
-                    log.info("%s: healthy%s", self.label, " again" if ever_healthy else f" after {now - started:.1f}s")
-                healthy = ever_healthy = True
-                bad_since = None
-            elif not ever_healthy:
-                if now - started > t.start:
-                    return f"no healthy answer on /health within {t.start:.0f}s of start"
-            elif bad_since is None:
-                bad_since, healthy = now, False
-                log.warning("%s: /health is failing", self.label)
-            elif now - bad_since >= t.unhealthy:
-                return f"/health failing for {now - bad_since:.0f}s"
+                if ended.done():
+                    said = last_words(self.log_path) if ended.result() > 0 else ""  # a signal says nothing
+                    return f"exited with status {ended.result()}" + (f" (its log ends: {said})" if said else "")
+                now = time.monotonic()
+                if await client.healthy():
+                    if not healthy:
+                        log.info("%s: healthy%s", self.label,
+                                 " again" if ever_healthy else f" after {now - started:.1f}s")
+                    healthy = ever_healthy = True
+                    bad_since = None
+                elif not ever_healthy:
+                    if now - started > t.start:
+                        return f"no healthy answer on /health within {t.start:.0f}s of start"
+                elif bad_since is None:
+                    bad_since, healthy = now, False
+                    log.warning("%s: /health is failing", self.label)
+                elif now - bad_since >= t.unhealthy:
+                    return f"/health failing for {now - bad_since:.0f}s"
+        finally:
+            ended.cancel()
+            stopped.cancel()
+            await client.close()
+            await self._kill()
 
     async def _kill(self) -> None:
         """SIGTERM to a server's group, SIGKILL to what is left after health.stop (the leader, or
@@ -363,14 +333,13 @@ class Child:
             log.warning("%s: did not stop within %.0fs of SIGTERM; killing it", self.label, self.health.stop)
         signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
+        self._forget_pid(proc.pid)
         guard, self.guard = self.guard, None
         if guard is not None and guard.stdin is not None:
-            try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 guard.stdin.write(b"done\n")
                 await guard.stdin.drain()
                 guard.stdin.close()
-            except (BrokenPipeError, ConnectionResetError):
-                pass
             await guard.wait()
 
 
@@ -388,10 +357,9 @@ def last_words(log_path: Path, limit: int = 240) -> str:
 
 
 def guard(pgid: int, stop_s: float) -> None:
-    """Beside a server, in a session of its own, reading a pipe from the fleet: "done" means the
-    group is gone; the pipe ending without it means the fleet died: SIGTERM to the group, SIGKILL
-    after stop_s. (PR_SET_PDEATHSIG reaches only the process the fleet started, not a server
-    started through a shell: `bash -c 'server ...; echo exited'`.)"""
+    """Beside a server, in a session of its own, reading a pipe from the fleet: "done" means the group is
+    gone; the pipe ending without it means the fleet died: SIGTERM to the group, SIGKILL after stop_s.
+    (PR_SET_PDEATHSIG reaches only the process the fleet started, not a server under a shell.)"""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # only the pipe ends the guard
         signal.signal(sig, signal.SIG_IGN)
     said = b""
@@ -401,77 +369,57 @@ def guard(pgid: int, stop_s: float) -> None:
         return
     print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + stop_s
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
         while time.monotonic() < deadline:
             time.sleep(0.1)
             os.killpg(pgid, 0)  # ProcessLookupError once the group is gone
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
-# ---------------------------------------------------------------- the fleet
-
-
-@dataclass
-class Slot:
-    gpu: int
-    port: int
-    url: str
-    engine: Child
-    server: Child | None = None
-
-
-def plan(opts: FleetOptions) -> list[Slot]:
-    """One slot per GPU: its port, server URL, worker name and (optional) server command."""
+def plan(opts: FleetOptions) -> list[tuple[int, str, Child, Child | None]]:
+    """One (gpu, server URL, worker, launched server) per GPU, every setting checked before anything starts."""
     check_template(opts.server_url, "--server-url")
-    if opts.launch is not None:  # a bad template, or a command that cannot run here, before starting anything
-        if problem := launch_problem(launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0)):
-            raise FleetError(problem)
+    first = launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0) if opts.launch else None
+    if first is not None and (problem := launch_problem(first)):
+        raise FleetError(problem)
     last = opts.base_port + len(opts.gpus) - 1
     if not 1 <= opts.base_port or last > 65535:
         raise FleetError(f"--base-port {opts.base_port} with {len(opts.gpus)} GPU(s) needs ports up to {last}")
     slots = []
-    for position, gpu in enumerate(opts.gpus):
-        port, logs = opts.base_port + position, opts.log_dir
-        url = opts.server_url.format(port=port, gpu=gpu)
+    for port, gpu in enumerate(opts.gpus, opts.base_port):
+        url, logs = opts.server_url.format(port=port, gpu=gpu), opts.log_dir
         name = f"{opts.name_prefix or opts.host}.gpu{gpu}"
         argv = [*PYTHON, "-m", "genq", "worker", "--server", url, "--gpu", str(gpu), "--name", name,
                 "--host", opts.host, *opts.engine_args]
         # The Redis URL travels in the environment, not argv: `ps` must not show a password.
-        engine = Child(f"worker {name}", argv, {ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
+        worker = Child(f"worker {name}", argv, {ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
                        logs / f"worker-gpu{gpu}.log", logs / f"worker-gpu{gpu}.pid", opts.max_restarts)
         server = None
         if opts.launch is not None:
             # CUDA's default order (fastest first) may differ from nvidia-smi/NVML's; make them agree.
-            env = {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
+            env = {"CUDA_VISIBLE_DEVICES": str(gpu),
+                   "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
             server = Child(f"server gpu{gpu} (port {port})", launch_argv(opts.launch, port=port, gpu=gpu), env,
                            logs / f"server-gpu{gpu}.log", logs / f"server-gpu{gpu}.pid", opts.max_restarts,
                            opts.health, url)
-        slots.append(Slot(gpu, port, url, engine, server))
+            host = urlsplit(url).hostname or "127.0.0.1"
+            with contextlib.suppress(OSError):  # a port already answering would answer /health for a stranger
+                socket.create_connection((host, port), timeout=0.5).close()
+                raise FleetError(f"port {port} (GPU {gpu}) already accepts connections at {host}; "
+                                 "stop what listens there or pick another --base-port")
+        slots.append((gpu, url, worker, server))
     return slots
 
 
 async def run_fleet(opts: FleetOptions) -> int:
     slots = plan(opts)
-    for slot in slots:  # a launched server's port must be free, or /health would be answered by a stranger
-        if slot.server is None:
-            continue
-        host, port = urlsplit(slot.url).hostname or "127.0.0.1", slot.port
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                pass
-        except OSError:
-            continue
-        raise FleetError(f"port {port} (GPU {slot.gpu}) already accepts connections at {host}; "
-                         "stop what listens there or pick another --base-port")
     opts.log_dir.mkdir(parents=True, exist_ok=True)
     log.info("fleet on %s: %d GPU(s), redis %s, logs in %s", opts.host, len(slots), mask_url(opts.redis_url),
              opts.log_dir)
-    for s in slots:
-        launched = f"; launched: {' '.join(s.server.argv)}" if s.server else ""
-        log.info("  gpu%d -> %s, server %s%s", s.gpu, s.engine.label, s.url, launched)
+    for gpu, url, worker, server in slots:
+        log.info("  gpu%d -> %s, server %s%s", gpu, worker.label, url,
+                 f"; launched: {' '.join(server.argv)}" if server else "")
     signals = 0
 
     def on_signal(sig: int) -> None:
@@ -484,33 +432,32 @@ async def run_fleet(opts: FleetOptions) -> int:
         else:
             log.info("%s again: workers stop now, handing unfinished batches back" if signals == 2 else
                      "%s a third time: killing workers and servers", name)
-        for slot in slots:
-            slot.engine.stop(signals)
-            if signals >= 3 and slot.server is not None:
-                slot.server.stop(signals)
+        for _, _, worker, server in slots:
+            worker.stop(signals)
+            if signals >= 3 and server is not None:
+                server.stop(signals)
 
-    async def run_slot(slot: Slot) -> bool:
-        engine = asyncio.create_task(slot.engine.run())
-        if slot.server is None:
-            await engine
-            return slot.engine.ok
-        server = asyncio.create_task(slot.server.run())
-        await asyncio.wait({engine, server}, return_when=asyncio.FIRST_COMPLETED)
-        if server.done() and not engine.done():
+    async def run_slot(gpu: int, worker: Child, server: Child | None) -> bool:
+        running = asyncio.create_task(worker.run())
+        if server is None:
+            await running
+            return worker.ok
+        serving = asyncio.create_task(server.run())
+        await asyncio.wait({running, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done() and not running.done():
             log.error("gpu%d: its server cannot be kept running (%s); stopping %s (held batches go back to the "
-                      "queue after its --server-down-timeout/--grace-period)", slot.gpu, slot.server.failure,
-                      slot.engine.label)
-            slot.engine.stop(1)
-        await engine
-        slot.server.stop()  # its worker is gone: free the GPU
-        await server
-        return slot.engine.ok and slot.server.ok
+                      "queue after its --server-down-timeout/--grace-period)", gpu, server.failure, worker.label)
+            worker.stop(1)
+        await running
+        server.stop()  # its worker is gone: free the GPU
+        await serving
+        return worker.ok and server.ok
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    results = await asyncio.gather(*(run_slot(s) for s in slots))
-    if failed := [s.engine.name for s, ok in zip(slots, results, strict=True) if not ok]:
+    results = await asyncio.gather(*(run_slot(gpu, worker, server) for gpu, _, worker, server in slots))
+    if failed := [worker.name for (_, _, worker, _), ok in zip(slots, results, strict=True) if not ok]:
         log.error("fleet: %d of %d worker(s) ended in failure: %s", len(failed), len(slots), ", ".join(failed))
         return 1
     log.info("fleet: all %d worker(s) have exited", len(slots))

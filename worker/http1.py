@@ -1,11 +1,8 @@
-"""The worker's HTTP/1.1 client: keep-alive connections to one inference server, http:// or https://.
+"""The worker's HTTP/1.1 client: keep-alive connections to one server, http:// or https://, parsed by
+llhttp (httptools). Not aiohttp: it costs 80-100 % more CPU a request (docs/performance.md).
 
-A body of known length out; the answer by Content-Length, chunked, or to the connection's close,
-parsed by llhttp (httptools) as each piece arrives; what is not HTTP is a ValueError at once. Not
-aiohttp: a worker on it costs 80-100 % more CPU a request (docs/performance.md, "Worker overhead").
-A request that got no response byte on a reused connection never reached the server (it closes
-idle keep-alive connections, llama.cpp after each stream): it is sent again once on a new one. Once
-a response byte came, every outcome is the request's.
+A request with no response byte on a reused connection never reached the server (idle keep-alive
+closed, llama.cpp's after each stream): it is sent once more on a new one; after a byte, never.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ CONNECT_TIMEOUT_S = 10.0  # TCP and TLS handshakes: a server that takes longer i
 _FRAMING = (b"content-length", b"transfer-encoding")
 
 # Fed a 200 answer's body as it comes; True: enough read (the connection is not reused).
-Sink = Callable[[bytes], bool]
+Sink = Callable[[bytes], bool | None]
 
 
 class NoResponse(ConnectionError):
@@ -31,19 +28,18 @@ class NoResponse(ConnectionError):
 class _Conn(asyncio.Protocol):
     """One connection; llhttp parses what comes and feeds the body to the sink."""
 
+    transport: asyncio.Transport | None
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
+        self.loop, self.transport, self.parser = loop, None, httptools.HttpResponseParser(self)
         self.answer: asyncio.Future[tuple[int, bool]] | None = None  # the request in flight's
         self.stream: Sink | None = None  # where a 200 answer's body goes; others are kept in `body`
         self.sink: Sink | None = None
         self.body: list[bytes] = []
         self.status = 0
+        self.closed = self.keep = False
         self.got = False  # a byte of this answer came
         self.framed = False  # by Content-Length or chunked; else the body runs to the close
-        self.keep = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -54,10 +50,6 @@ class _Conn(asyncio.Protocol):
         self.answer, self.stream, self.sink, self.got, self.body = self.loop.create_future(), stream, None, False, []
         self.transport.write(request)
         return self.answer
-
-    def keep_body(self, piece: bytes) -> bool:
-        self.body.append(piece)
-        return False
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None or self.answer.done():  # bytes nobody asked for: not to be reused
@@ -83,7 +75,7 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         if self.status >= 200:  # not 100 Continue and the like: the answer's own
             self.keep = self.parser.should_keep_alive()
-            self.sink = self.stream if self.status == 200 and self.stream is not None else self.keep_body
+            self.sink = self.stream if self.status == 200 and self.stream is not None else self.body.append
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None and self.sink(body):

@@ -1,11 +1,8 @@
 """An idle worker waits instead of polling: under one Redis command a second (0.60, 2026-12-06).
 
-Idle (nothing held, running or borrowed for IDLE_AFTER_S, and no open work in the ledger), a
-worker beats every IDLE_BEAT_S with keys that live IDLE_TTL_S, looks for prompts to steal every
-IDLE_LOOK_S, and takes its turn at the reconciler every IDLE_MAINTENANCE_S. A WAKE message
-(genq:wake) ends its waits: every enqueue publishes one (the intake takes a batch then), busy
-engines holding unsent prompts at the end of the queue every ANNOUNCE_EVERY_S, an operator's
-control change (the next beat then reads it). The first sign of work ends the idle pace.
+Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work in the ledger), it beats every
+IDLE_BEAT_S, looks for prompts to steal every IDLE_LOOK_S and reconciles every IDLE_MAINTENANCE_S. A
+WAKE message (genq:wake: an enqueue, a busy worker's unsent prompts, a control change) ends its waits.
 """
 
 from __future__ import annotations
@@ -41,13 +38,11 @@ ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) th
 
 
 class IdlePace:
-    """Whether the engine is idle, and the pace of its loops accordingly (heartbeat, stealer, maintenance)."""
+    """Whether the worker is idle, and the pace of its loops accordingly (heartbeat, stealer, maintenance)."""
 
     def __init__(self, held: Holdings, dispatcher: Dispatcher, queue_key: str = "",
                  queued: asyncio.Event | None = None) -> None:
-        self.queue_key = queue_key  # RQ's queue list: announce() speaks once it is empty
-        self.held = held
-        self.dispatcher = dispatcher
+        self.queue_key, self.held, self.dispatcher = queue_key, held, dispatcher  # queue_key: RQ's queue list
         self.busy_at = time.monotonic()
         self.last_beat = 0.0
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
@@ -55,9 +50,7 @@ class IdlePace:
         self.woken = asyncio.Event()  # a WAKE message
         # A WAKE message that says batches were queued, or a shard written after failing (worker/intake.py).
         self.queued = queued or asyncio.Event()
-        # Some job has a batch not done (the reconciler's last pass): no idle pace, so stranded
-        # batches and a frozen holder's prompts are found within seconds.
-        self.open_work = False
+        self.open_work = False  # some job has a batch not done (the reconciler's last pass): not idle
         self.announced_at = 0.0
         self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
 
@@ -70,17 +63,13 @@ class IdlePace:
         return now - self.busy_at >= IDLE_AFTER_S
 
     async def tick(self, seconds: float) -> None:
-        """The heartbeat's wait between its looks: `seconds`, or less when a beat is asked for."""
         await wait_event(self.beat_now, seconds)
 
     def beat_due(self) -> bool:
-        """Called every second by the heartbeat: beat now? (always, unless idle)."""
-        now = time.monotonic()
-        asked = self.beat_now.is_set()
+        """Asked every second by the heartbeat: beat now? Beats are spaced out only after one whose keys
+        all outlive the gap (a busy beat's expire in LEASE_TIMEOUT_S)."""
+        now, asked = time.monotonic(), self.beat_now.is_set()
         self.beat_now.clear()
-        # Beats are spaced out only after one whose keys all outlive the gap: the last busy beat's
-        # expire in LEASE_TIMEOUT_S, and waiting IDLE_BEAT_S from it left an engine going idle
-        # shown lost for seconds.
         if not asked and self.idle() and self.idle_keys and now - self.last_beat < IDLE_BEAT_S:
             return False
         self.last_beat = now
@@ -103,9 +92,8 @@ class IdlePace:
         return IDLE_MAINTENANCE_S if self.idle() else busy_s
 
     async def nap(self, seconds: float, looked: float | None = None) -> bool:
-        """The stealer's wait: `seconds`, or while idle until IDLE_LOOK_S after its last look (`looked`,
-        monotonic); a WAKE message (also one that came during that look) ends it early, WOKEN_LOOK_S
-        after the look at the soonest (None: now): then True. Checks once a second whether still idle."""
+        """The stealer's wait: `seconds`, or while idle IDLE_LOOK_S after its last look (`looked`, monotonic);
+        True when a WAKE message ends it, WOKEN_LOOK_S after the look at the soonest."""
         start = time.monotonic()
         looked = start if looked is None else looked
         while True:
@@ -117,15 +105,13 @@ class IdlePace:
             if left <= 0:
                 return False
             if self.woken.is_set():
-                # Woken too soon after the last look: sleep out the rest (waiting on the set event
-                # would return without yielding, and spin).
+                # Woken too soon after the last look: sleep (waiting on the set event would spin).
                 await asyncio.sleep(min(left, looked + WOKEN_LOOK_S - now))
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
     async def fresh_beat(self, controls: Controls, within: float = 3.0) -> None:
-        """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
-        engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than LEASE_CHECK_STALE_S."""
+        """Asks the heartbeat for a beat now (its lease check included) and waits for it."""
         before = controls.last_beat
         self.beat_now.set()
         deadline = time.monotonic() + within
@@ -133,9 +119,8 @@ class IdlePace:
             await asyncio.sleep(0.05)
 
     async def announce(self, conn: aioredis.Redis) -> None:
-        """From a busy engine's heartbeat: while it holds prompts not yet sent and the queue
-        is empty (idle workers take those then), WAKE every ANNOUNCE_EVERY_S. While the queue
-        has batches, idle workers take those: no need, and no fan-out to pay."""
+        """From a busy worker's heartbeat: WAKE every ANNOUNCE_EVERY_S while it holds unsent prompts and
+        RQ's queue is empty (else idle workers take batches)."""
         now = time.monotonic()
         if self.dispatcher.unsent and now - self.announced_at >= ANNOUNCE_EVERY_S:
             self.announced_at = now
@@ -144,16 +129,13 @@ class IdlePace:
 
 
 class WakeListener:
-    """Sets the pace's `queued`, `beat_now` (an operator's control changed) or `woken` on each WAKE
-    message, from a thread of its own reading at most a second at a time, so a stop never waits on a
-    read. No health-check PINGs: a lost connection shows on the next read, and it subscribes again."""
+    """Sets the pace's `queued`, `beat_now` (a control changed) or `woken` on each WAKE message, from a
+    thread reading a second at a time: an asyncio read cancelled at exit once hung a --burst worker."""
 
     def __init__(self, redis_url: str, pace: IdlePace, loop: asyncio.AbstractEventLoop) -> None:
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
         self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
-        self.pace = pace
-        self.loop = loop
-        self.subscribed = threading.Event()
+        self.pace, self.loop = pace, loop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="genq-wake", daemon=True)
 
@@ -171,7 +153,6 @@ class WakeListener:
             pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
                 says = fleet.listen_for_wakes(pubsub)
-                self.subscribed.set()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message.get("type") == "message":
@@ -184,12 +165,11 @@ class WakeListener:
             except RuntimeError:  # the engine's loop is closed: it has exited
                 return
             finally:
-                self.subscribed.clear()
                 pubsub.close()
 
 
 async def wake_fleet(conn: aioredis.Redis) -> None:
-    """Tell idle workers there may be prompts to take (one PUBLISH; nobody listening is fine)."""
+    """Tell idle workers there may be prompts to take (one PUBLISH)."""
     try:
         await fleet.wake_for_work(conn)
     except (redis.RedisError, OSError) as exc:

@@ -1,18 +1,18 @@
-"""One request's path: to an inference server (SGLang, vLLM, llama.cpp, `genq sim`) and back as the record.
+"""One request's path to an inference server (SGLang, vLLM, llama.cpp, `genq sim`) and back as the record.
 
-Only the public API: /health, /v1/models, each engine's own endpoint (worker/engines.py), /metrics, and
-the OpenAI generation endpoints, streamed so the worker sees tokens as they come (stalls, the ETA).
-The engines share OpenAI's shapes, each with its own error layout (docs/engines.md, "Errors"): one
-tolerant reader decodes them all. A request for n samples comes back with n choices or is a failure,
-and a record keeps only what its request asked for (docs/fidelity.md).
+Only the public API (docs/engines.md): /health, /v1/models, each engine's own endpoint, /metrics, and
+OpenAI's generation endpoints, streamed so the worker sees tokens as they come. One tolerant reader
+decodes every engine's answers and errors. A request for n samples comes back with n choices or is a
+failure, and a record keeps only what its request asked for (docs/fidelity.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from yarl import URL
@@ -37,12 +37,6 @@ class ServerUnavailable(Exception):
     """The server is not answering (refused, reset, 503 from /health)."""
 
 
-class Meter(Protocol):
-    """What books a stream's tokens (worker/decoding.py)."""
-
-    def advance(self, progress: Progress, tokens: int) -> None: ...
-
-
 @dataclass
 class Progress:
     """Live state of one request, read by the watchdog, the decode meter and the in-flight report."""
@@ -50,9 +44,8 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     tokens: int = 0
-    # None until the body's first byte: till then it waits in the server's queue, not a stall.
-    first_byte: float | None = None
-    meter: Meter | None = None
+    first_byte: float | None = None  # None until the body's first byte: till then it is queued, not stalled
+    meter: Any = None  # what books a stream's tokens (worker/decoding.py DecodeMeter)
     sequences: int = 1  # its n: each sample is a sequence on the server
     decoding: bool = False  # it has its first token
     waiting: bool = False  # sent, no token yet: queued or prefilling
@@ -82,15 +75,9 @@ class Completion:
     response_id: str | None
 
 
-# ---------------------------------------------------------------- the client
-
-
 def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": config.max_tokens}
-    if config.temperature is not None:
-        body["temperature"] = config.temperature
-    if config.top_p is not None:
-        body["top_p"] = config.top_p
+    body.update({k: v for k, v in (("temperature", config.temperature), ("top_p", config.top_p)) if v is not None})
     body.update(config.extra_body)
     if prompt.sampling:
         body.update(prompt.sampling)
@@ -116,7 +103,7 @@ def samples(config: JobConfig, prompt: Prompt) -> int:
 class ServerClient:
     def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
-        self.pool = Http1Pool(URL(self.base_url), connections)
+        self.pool = Http1Pool(URL(self.base_url), connections)  # `connections`: idle ones kept
 
     async def close(self) -> None:
         self.pool.close()
@@ -130,16 +117,14 @@ class ServerClient:
     async def _get_json(self, path: str) -> Any:
         """The JSON answer of a GET, or None if the server has no such endpoint."""
         status, body = await self._get(path)
-        try:
+        with contextlib.suppress(msgspec.DecodeError):
             return _json_decode(body) if status == 200 else None
-        except msgspec.DecodeError:
-            return None
+        return None
 
     async def healthy(self) -> bool:
-        try:
+        with contextlib.suppress(ServerUnavailable):
             return (await self._get("/health", HEALTH_TIMEOUT_S))[0] == 200
-        except ServerUnavailable:
-            return False
+        return False
 
     async def discover(self) -> ServerInfo:
         """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
@@ -150,9 +135,8 @@ class ServerClient:
         listed = (models.get("data") or [None])[0] if isinstance(models, dict) else None
         listed = listed if isinstance(listed, dict) else {}
         found = await detect(self._get_json, self._get)
-        memory, context = found.memory, found.context_length
         meta = listed.get("meta")
-        size = meta.get("size") if isinstance(meta, dict) else None
+        memory, context, size = found.memory, found.context_length, meta.get("size") if isinstance(meta, dict) else None
         if memory.weight_bytes is None and isinstance(size, (int, float)) and size > 0:  # llama.cpp: its weights
             memory = msgspec.structs.replace(memory, weight_bytes=float(size), weight_from="/v1/models meta.size")
         if context is None and isinstance(model_len := listed.get("max_model_len"), int) and model_len > 0:
@@ -160,18 +144,15 @@ class ServerClient:
         return msgspec.structs.replace(found, model=listed.get("id"), context_length=context, memory=memory)
 
     async def metrics(self) -> Metrics | None:
-        try:
+        with contextlib.suppress(ServerUnavailable):
             status, body = await self._get("/metrics", timeout=3.0)
-        except ServerUnavailable:
-            return None
-        if status != 200:
-            return None
-        m = metrics_from_text(body.decode("utf-8", "replace"))
-        m.at = time.monotonic()
-        return m
+            if status == 200:
+                m = metrics_from_text(body.decode("utf-8", "replace"))
+                m.at = time.monotonic()
+                return m
+        return None
 
     async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
-        """The request's outcome."""
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         model = body.get("model", "")
         stream = StreamSink(model, progress) if body.get("stream") else None
@@ -189,9 +170,8 @@ class ServerClient:
         return parse_completion_bytes(raw, model)
 
 
-# ---------------------------------------------------------------- answers, decoded
-# Typed views: decoding straight into these is several times cheaper than into dicts, which
-# matters at thousands of stream events a second.
+# Typed views: decoding straight into these is several times cheaper than into dicts, which matters
+# at thousands of stream events a second.
 
 
 class WireUsage(msgspec.Struct):
@@ -242,9 +222,8 @@ _PATH_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
 
 
 def decode_answer(raw: bytes) -> _WireAnswer | Failure:
-    """A response or stream event (a flat error body read as a nested one); a protocol Failure if
-    it is not a JSON object. A field of another type is taken as absent, a list item of another
-    type left out, so odd servers are still understood."""
+    """A response or stream event (a flat error body read as a nested one); a protocol Failure if it is
+    not a JSON object. A field of another type is taken as absent, a list item of another type left out."""
     try:
         try:
             answer = _answer_decode(raw)
@@ -254,7 +233,7 @@ def decode_answer(raw: bytes) -> _WireAnswer | Failure:
                 try:
                     answer = msgspec.convert(body, _WireAnswer)
                     break
-                except msgspec.ValidationError as exc:
+                except msgspec.ValidationError as exc:  # drop what it names, and try again
                     where = str(exc).rpartition(" - at `$")[2]
                     steps: list[Any] = [int(i) if i else k for k, i in _PATH_STEP.findall(where)]
                     if not steps:
@@ -270,28 +249,25 @@ def decode_answer(raw: bytes) -> _WireAnswer | Failure:
     return answer
 
 
-def _failure(status: int | None, message: str, mid_stream: bool = False) -> Failure:
-    if status in (400, 413, 422) and not mid_stream:
-        return Failure("bad_request", message, status, retryable=False)
-    return Failure("server_error", message, status)
-
-
 def http_failure(status: int, raw: bytes) -> Failure:
     """A non-200 answer: judged by its HTTP status, told by its error's message."""
     answer = decode_answer(raw)
     error = answer.error if isinstance(answer, _WireAnswer) else None
     if isinstance(error, dict) and error.get("message"):
-        return _failure(status, str(error["message"]))
-    return _failure(status, error if isinstance(error, str) else raw[:500].decode("utf-8", "replace") or "(empty body)")
+        return event_failure({"message": error["message"], "code": status})
+    return event_failure({"code": status, "message": error if isinstance(error, str) else
+                          raw[:500].decode("utf-8", "replace") or "(empty body)"})
 
 
 def event_failure(err: Any, mid_stream: bool = False) -> Failure:
     """The failure an error body names. Mid-stream (the request ran) it is a server_error to retry
     whatever its code: SGLang sends any exception in a running stream with its blanket code 400."""
-    if not isinstance(err, dict):
-        return _failure(None, str(err))
-    code = err.get("code")
-    return _failure(code if isinstance(code, int) else None, str(err.get("message") or err), mid_stream)
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) else None
+    message = str(err.get("message") or err) if isinstance(err, dict) else str(err)
+    if status in (400, 413, 422) and not mid_stream:
+        return Failure("bad_request", message, status, retryable=False)
+    return Failure("server_error", message, status)
 
 
 def usage_of(raw: WireUsage | None) -> Usage:
@@ -326,23 +302,20 @@ def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
     return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
 
 
-# ---------------------------------------------------------------- a stream, event by event
-# n > 1 samples stream interleaved, one choice per chunk with its `index` (docs/fidelity.md names
-# SGLang's and vLLM's lines). With continuous usage stats a chunk's usage counts its own choice's
-# tokens; the last chunk (no choices) has the request's total.
+# A stream: n > 1 samples come interleaved, one choice per chunk with its `index` (docs/fidelity.md).
+# With continuous usage stats a chunk's usage counts its own choice's tokens; the last chunk (no
+# choices) has the request's total.
 
 
+@dataclass(slots=True)
 class _ChoiceState:
-    __slots__ = ("text", "reasoning", "finish_reason", "tokens", "logprobs", "matched_stop", "tool_calls")
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.finish_reason: str | None = None
-        self.tokens: int | None = None  # the last per-choice usage seen
-        self.logprobs: dict[str, Any] | None = None
-        self.matched_stop: int | str | None = None
-        self.tool_calls: dict[int, dict[str, Any]] = {}  # by the call's index
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    tokens: int | None = None  # the last per-choice usage seen
+    logprobs: dict[str, Any] | None = None
+    matched_stop: int | str | None = None
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by the call's index
 
     def add(self, wire: _WireChoice) -> None:
         delta = wire.delta
@@ -351,15 +324,13 @@ class _ChoiceState:
                 self.text.append(delta.content)
             if piece := delta.reasoning_content or delta.reasoning:
                 self.reasoning.append(piece)
-            # A call comes in pieces by index: the first names id, type and function, the rest
-            # carry more of its arguments (OpenAI's shape; SGLang and vLLM send it).
+            # A call comes in pieces by index: the first names id, type and function, the rest carry
+            # more of its arguments (OpenAI's shape; SGLang and vLLM send it).
             for part in delta.tool_calls or ():
                 index = part.get("index", len(self.tool_calls))
                 call = self.tool_calls.setdefault(index if isinstance(index, int) else 0, {
                     "id": None, "type": "function", "function": {"name": None, "arguments": ""}})
-                for key in ("id", "type"):
-                    if part.get(key):
-                        call[key] = part[key]
+                call.update({key: part[key] for key in ("id", "type") if part.get(key)})
                 function = part.get("function")
                 if isinstance(function, dict):
                     if function.get("name"):
@@ -386,21 +357,20 @@ class _ChoiceState:
 
 
 class StreamSink:
-    """A stream's body as it comes, in pieces of any size: split into `data:` events, each fed to
-    the answer so far. Called with each piece; True once a failure ends the reading."""
+    """A stream's body as it comes, in pieces of any size: split into `data:` events, each fed to the
+    answer so far. Called with each piece; True once a failure ends the reading."""
 
     __slots__ = ("progress", "rest", "failure", "choices", "usage", "total_seen", "response_id", "model", "done",
                  "events")
 
     def __init__(self, model: str, progress: Progress) -> None:
-        self.progress = progress
+        self.progress, self.model = progress, model
         self.rest = b""  # the unfinished last line
         self.failure: Failure | None = None
         self.choices: dict[int, _ChoiceState] = {}
         self.usage: WireUsage | None = None
         self.total_seen = False  # usage came on a chunk without choices: the request's total
         self.response_id: str | None = None
-        self.model = model
         self.done = False
         self.events = 0
 
@@ -476,9 +446,6 @@ class StreamSink:
         if len(choices) == 1 and (choices[0].completion_tokens is None or self.total_seen):
             choices[0].completion_tokens = usage.completion_tokens
         return Completion(choices=choices, usage=usage, model=self.model, response_id=self.response_id)
-
-
-# ---------------------------------------------------------------- the record
 
 
 def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, batch: str, worker: str,

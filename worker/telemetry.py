@@ -1,8 +1,7 @@
 """GPU figures from NVML (nvidia-ml-py); where there is no GPU or no driver, a note that says so.
 
-The memory bandwidth, for the decode bound (genq.core.decodebound), is read once: bus width x the
-maximum memory clock x 2 (two transfers a clock, as NVML reports GDDR and HBM clocks), checked
-against SPECS, the vendors' rated figures.
+The memory bandwidth for the decode bound (genq.core.decodebound) is read once: bus width x the maximum
+memory clock x 2 (NVML's GDDR and HBM clocks), checked against SPECS, the vendors' rated figures.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ SPEC_AGREES = 0.15  # NVML's figure within this of the rated one: they agree
 
 
 def spec_bandwidth(name: str) -> tuple[str, float] | None:
-    """The rated bandwidth of a GPU NVML names so, with the table's key; None for one not in SPECS."""
+    """(SPECS key, rated bytes/s) of a GPU NVML names so; None for one not in SPECS."""
     return next(((key, bw) for key, bw in SPECS if key in name), None)
 
 
@@ -57,13 +56,11 @@ class GpuProbe:
     """One GPU's figures; `note` says why there are none."""
 
     def __init__(self, index: int | None) -> None:
-        self.index = index
-        self.note: str | None = None
-        self._handle = None
+        self.index, self._handle = index, None
         self.bandwidth: float | None = None
         self.bandwidth_from: str | None = None
+        self.note: str | None = None if index is not None else "no GPU assigned (--gpu not given)"
         if index is None:
-            self.note = "no GPU assigned (--gpu not given)"
             return
         try:
             import pynvml
@@ -119,7 +116,7 @@ def _name(handle: object) -> str:
 
 
 def _optional(read: Callable[[], T]) -> T | None:
-    """What an NVML call NVML may not support answers; None where it fails."""
+    """An NVML call's answer; None where it fails (not every board or MIG slice supports each)."""
     try:
         return read()
     except Exception:
@@ -132,13 +129,11 @@ THROTTLES = ((0x2, "applications clocks"), (0x4, "power cap"), (0x8, "hw slowdow
 
 
 def throttle_reasons(mask: int) -> list[str]:
-    """The reasons a clock-event mask names."""
     return [name for bit, name in THROTTLES if mask & bit]
 
 
 def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> Hardware:
-    """What the decode bound needs of the GPU and its server (genq.core.decodebound): the bandwidth
-    --gpu-bandwidth gives, else NVML's; the weights --model-bytes gives, else the server's."""
+    """What the decode bound needs: --gpu-bandwidth, else NVML's; --model-bytes, else the server's weights."""
     memory = info.memory if info is not None else Hardware()
     bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
                        else (probe.bandwidth, probe.bandwidth_from or probe.note))

@@ -1,14 +1,8 @@
-"""The server as the engine sees it: up or down, what it says of itself, its model, stalled requests.
+"""The server as the worker sees it: up or down, what it says of itself, its model, stalled requests.
 
-- After a failed request (or while silent holding requests) one check of /health and what it says
-  of itself. Down, or another model or a smaller context: the engine sends nothing, counts no
-  attempt, and polls until it answers as it was; after --server-down-timeout it hands its batches
-  back (another model: at once; a smaller context is then taken as it is).
-- Watchdog: a request with no output for --stall-timeout is cancelled and retried; before its first
-  byte it waits in the server's queue, not a stall, unless the server says none waits.
-- A job is for one model: `--model auto` is pinned to the first taker's server's (first writer wins);
-  an engine whose server serves another leaves its batches queued, hands back one it got anyway,
-  steals none of its prompts, and says so once per job.
+Down (a failed /health), another model or a smaller context: nothing is sent, no attempt counted, and
+it is polled until it answers as it was; after --server-down-timeout its batches go back (another
+model: at once). A job is for one model: `--model auto` is pinned to the first taker's server's.
 """
 
 from __future__ import annotations
@@ -44,22 +38,19 @@ class ServerStartTimeout(Exception):
 
 
 class ServerWatch:
-    """Whether the server is up, as this watch alone decides (every other part reads it)."""
+    """Whether the server is up, as this watch alone decides (every other part reads it); its metrics
+    feed the controller; the watchdog cancels stalled requests."""
 
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
                  stopping: StopNow, running: Running, todo: Todo) -> None:
-        self.opts = opts
-        self.client = client
-        self.controller = controller
-        self.stopping = stopping
-        self.running = running  # the dispatcher's requests in flight
-        self.todo = todo  # the dispatcher's prompts not sent yet; its `wake` wakes the dispatcher
+        self.opts, self.client, self.controller, self.stopping = opts, client, controller, stopping
+        self.running, self.todo = running, todo  # the dispatcher's requests in flight, and prompts unsent
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
         self.down_since: float | None = None  # monotonic
         self.outages = 0  # since the start: a prompt in flight through two is a suspect (worker/dispatch.py)
         self.note: str | None = None  # what the worker waits on: the server's last answer, or its change
-        self._check: asyncio.Future[str | None] | None = None
+        self._check: asyncio.Future[ServerInfo] | None = None
         self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
 
     @property
@@ -71,8 +62,7 @@ class ServerWatch:
         return self.info.model if self.info else None
 
     async def wait_for_server(self, on_waiting: Callable[[str], Awaitable[None]]) -> ServerInfo | None:
-        """The server's info once it answers (saying why it waits through `on_waiting`); None if
-        stopped while waiting. Raises ServerStartTimeout after --server-start-timeout."""
+        """The server's info once it answers; None if stopped first. ServerStartTimeout after --server-start-timeout."""
         started = time.monotonic()
         delay, next_note = 0.5, 0.0
         while not self.stopping.requested:
@@ -93,14 +83,16 @@ class ServerWatch:
         return None
 
     async def is_down(self) -> bool:
-        """Single-flight check after a failure (many failures, one probe): the server is down, or
-        is not the one this engine knew (restarted with another model or a smaller context)."""
+        """Whether the server is down or not the one it was (another model, a smaller context): one
+        check for many failures. What else it says of itself (a larger context) is adopted."""
         if self.down:
             return True
         if self._check is None:
-            self._check = asyncio.ensure_future(self._verify())
+            self._check = asyncio.ensure_future(self.client.discover())
         try:
-            why = await asyncio.shield(self._check)
+            why = self._change(await asyncio.shield(self._check))
+        except ServerUnavailable:
+            why = "health check failed"
         finally:
             if self._check is not None and self._check.done():
                 self._check = None
@@ -109,39 +101,23 @@ class ServerWatch:
         return why is not None
 
     async def reread(self) -> ServerInfo | None:
-        """What the server says of itself now (a preflight about to block a job asks: it may have
-        restarted with a larger context)."""
+        """What the server says of itself now (a preflight about to block a job: a larger context?)."""
         await self.is_down()
         return self.info
 
-    async def _verify(self) -> str | None:
-        """Why nothing can be sent to the server now, or None (what it says of itself is adopted)."""
-        try:
-            info = await self.client.discover()
-        except ServerUnavailable:
-            return "health check failed"
-        if (change := self._change(info)) is None:
-            self._adopt(info)  # a larger context, another capacity: taken as they are
-        return change
-
-    def _adopt(self, info: ServerInfo) -> None:
-        """A context it did not tell this time (an endpoint failed) is kept."""
-        if self.info is not None and info.context_length is None:
-            info = msgspec.structs.replace(info, context_length=self.info.context_length)
-        self.info = info
-
     def _change(self, info: ServerInfo) -> str | None:
-        """How the server differs in a way its prompts must not meet: another model (its answers are
-        not the job's; one it does not name is not the same), a smaller context (prompts that ran would fail)."""
+        """How the server now differs in a way its prompts must not meet (another model, or none named; a
+        smaller context), or None: what it says is adopted (a context it did not tell this time is kept)."""
         old = self.info
-        if old is None:
-            return None
-        if old.model is not None and info.model is None:
+        if old is not None and old.model is not None and info.model is None:
             return f"it did not say which model it serves now (/v1/models; it served {old.model})"
-        if info.model != old.model and old.model is not None:
+        if old is not None and old.model is not None and info.model != old.model:
             return f"it serves model {info.model} now, not {old.model}"
-        if old.context_length and info.context_length and info.context_length < old.context_length:
+        if old is not None and old.context_length and info.context_length and info.context_length < old.context_length:
             return f"its context is {info.context_length} tokens now, not {old.context_length}"
+        if old is not None and info.context_length is None:
+            info = msgspec.structs.replace(info, context_length=old.context_length)
+        self.info = info
         return None
 
     def _went_down(self, why: str) -> None:
@@ -159,45 +135,42 @@ class ServerWatch:
     async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
         """Polls a server that went down until it answers as it was; past --server-down-timeout (or
         serving another model) what is held goes back through `hand_back_all`."""
+        url = self.opts.server_url
         while True:
             await self._down.wait()
-            await self._await_recovery(hand_back_all)
+            delay, handed_back = 0.5, False
+            while self.down:
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, 5.0)
+                down_for = time.monotonic() - (self.down_since or time.monotonic())
+                waiting = down_for <= self.opts.server_down_timeout
+                if not waiting and not handed_back:
+                    handed_back = True
+                    await hand_back_all(f"server down for {down_for:.0f}s")
+                try:
+                    info = await self.client.discover()
+                except ServerUnavailable as exc:
+                    self.note = str(exc)
+                    continue
+                if (change := self._change(info)) is None:
+                    pass
+                elif change.startswith("it serves model"):  # its prompts go back to a server of their model
+                    log.warning("server %s: %s; handing its batches back", url, change)
+                    await hand_back_all(f"server now serves {info.model}")
+                    self.info = info
+                elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/stealing.py)
+                    if (note := f"{change}: waiting for it as it was (--server-down-timeout)") != self.note:
+                        log.warning("server %s: %s", url, note)
+                    self.note = note
+                    continue
+                else:
+                    log.warning("server %s: %s for %.0fs: taken as it is", url, change, down_for)
+                    self.info = info
+                self.controller.set_capacity(info.capacity)
+                log.info("server %s is back after %.1fs", url, down_for)
+                self.down_since = self.note = None
+                self.todo.wake.set()
             self._down.clear()
-
-    async def _await_recovery(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
-        delay, handed_back, url = 0.5, False, self.opts.server_url
-        while True:
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 5.0)
-            down_for = time.monotonic() - (self.down_since or time.monotonic())
-            waiting = down_for <= self.opts.server_down_timeout
-            if not waiting and not handed_back:
-                handed_back = True
-                await hand_back_all(f"server down for {down_for:.0f}s")
-            try:
-                info = await self.client.discover()
-            except ServerUnavailable as exc:
-                self.note = str(exc)
-                continue
-            if (change := self._change(info)) is None:
-                self._adopt(info)
-            elif change.startswith("it serves model"):  # its prompts go back to a server of their model
-                log.warning("server %s: %s; handing its batches back", url, change)
-                await hand_back_all(f"server now serves {info.model}")
-                self.info = info
-            elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/stealing.py)
-                if (note := f"{change}: waiting for it as it was (--server-down-timeout)") != self.note:
-                    log.warning("server %s: %s", url, note)
-                self.note = note
-                continue
-            else:
-                log.warning("server %s: %s for %.0fs: taken as it is", url, change, down_for)
-                self.info = info
-            self.controller.set_capacity(info.capacity)
-            log.info("server %s is back after %.1fs", url, down_for)
-            self.down_since = self.note = None
-            self.todo.wake.set()
-            return
 
     async def metrics_loop(self) -> None:
         while True:
@@ -214,8 +187,7 @@ class ServerWatch:
                 self.todo.wake.set()
 
     async def watchdog(self) -> None:
-        """Cancel requests that stalled or ran too long (one timer for all); probe a server that went
-        silent while holding requests."""
+        """Cancel requests that stalled or ran too long; probe a server silent while holding requests."""
         opts = self.opts
         while True:
             await asyncio.sleep(1.0)
@@ -238,22 +210,20 @@ class ServerWatch:
 
 
 def serves(job_model: str, server_model: str | None) -> bool:
-    """Whether a server serving server_model may run a job for job_model. A server that lists no
-    model cannot be told apart: it is trusted (and each record says what answered)."""
+    """Whether a server serving server_model may run a job for job_model; one that lists no model is
+    trusted (each record says what answered)."""
     return job_model == AUTO or server_model is None or job_model == server_model
 
 
 class ModelGate:
-    """This engine's side of a job's model: pins `auto` jobs, turns away other models' jobs."""
+    """This worker's side of a job's model: pins `auto` jobs, turns away other models' jobs."""
 
     def __init__(self, conn: aioredis.Redis, watch: ServerWatch) -> None:
-        self.conn = conn
-        self.watch = watch
+        self.conn, self.watch = conn, watch
         self._told: set[str] = set()  # jobs whose refusal was logged
 
     async def admit(self, config: JobConfig) -> JobConfig | None:
-        """The job's settings to run it with (`auto` pinned to this server's model), or None when
-        it is another model's job or gone."""
+        """The job's settings (`auto` pinned to this server's model), or None: another model's job, or gone."""
         model = self.watch.model
         if config.model == AUTO and model is not None:
             found, pinned = await ledger_jobs.pin_model(self.conn, config.name, model, AUTO)
@@ -275,8 +245,7 @@ class ModelGate:
                         "or prompts", job, job_model, self.watch.model)
 
     async def servable_config(self, job: str) -> JobConfig | None:
-        """The job's settings now if this engine may take its prompts (the stealer's view; an `auto`
-        job is pinned already by its batches' holders), else None."""
+        """The job's settings now if this worker may take its prompts (the stealer's view), else None."""
         found = (await ledger_jobs.jobs_now(self.conn, [job]))[0].config
         if found is not None and not serves(found.model, self.watch.model):
             await self.refuse(job, found.model)
