@@ -159,7 +159,7 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     """--extra-body's JSON object, its fields checked as a row's sampling is (ValueError says why)."""
-    from genq.producer.params import check_params
+    from genq.producer.rows import check_params
 
     try:
         extra = json.loads(text)

@@ -19,7 +19,7 @@ from genq.core.words import plural
 from genq.ops.dlq import failed_batches
 from genq.output import export as exporting
 from genq.output.export import FORMATS, ORDERS, ExportSummary, default_file_name, format_for
-from genq.producer.batchinput import read_prompts
+from genq.producer.sources import read_prompts
 
 
 @click.command(short_help="Merge a job's shards into one JSONL, Parquet or Batch file.")
