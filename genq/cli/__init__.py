@@ -35,11 +35,10 @@ def _mistake(exc: Exception) -> bool:
     """What the operator can fix: said in one line, exit 1 (imported only when something failed)."""
     from genq.monitor.progress import JobNotFound
     from genq.ops import Refused
-    from genq.output.export import ExportError
     from genq.producer.sources import SourceError
     from genq.worker.fleet import FleetError
 
-    return isinstance(exc, (Refused, SourceError, ExportError, FleetError, JobNotFound))
+    return isinstance(exc, (Refused, SourceError, FleetError, JobNotFound))
 
 
 class LazyGroup(click.Group):
