@@ -1,13 +1,8 @@
-"""Idempotent enqueue: checked rows in, batches and RQ jobs out.
-
-Ids already queued (or done) are skipped; an id seen before with other content is rejected, never
-replaced. Ids are claimed in the transaction that writes their batches, under WATCH of the job's
-ids, batch counter and config: two enqueues at once queue each id once, and a crash never leaves ids
-claimed without batches. The job's config goes in with its first batches. The output is the durable
-truth: job.json reserves a batch's number and enqueues/RUN.json names it before it is queued
-(genq.output.truth), so what Redis loses is found there. Memory is bounded: rows are read a chunk
-at a time and the dedupe lives in Redis. A dry run goes the same way, its claims held in memory.
-"""
+"""Idempotent enqueue: checked rows in, batches and RQ jobs out. Ids are claimed in the transaction
+that writes their batches, under WATCH of the job's ids, batch counter and config: each id is queued
+once, also with two enqueues at once or a crash; an id seen before with other content is rejected.
+The output is the durable truth: job.json reserves a batch's number and enqueues/RUN.json names it
+before it is queued, so what Redis loses is found there (queue_lost)."""
 
 from __future__ import annotations
 
@@ -65,9 +60,8 @@ class JobClosed(ValueError):
 
 
 class RejectsFile:
-    """Rejects written as they are found, sorted by line: those below the line the enqueuer has checked
-    up to (`release`) are written then, to PATH.partial, renamed at `close`; `discard` removes it and
-    the folders it made. A write error is kept, not raised; no path (a dry run): nothing written."""
+    """Rejects written as found (never all held), sorted by line, to PATH.partial, renamed at `close`;
+    `discard` removes it and the folders it made. A write error is kept, not raised."""
 
     def __init__(self, path: str | None) -> None:
         self.path, self.count = path, 0
@@ -141,9 +135,8 @@ class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
                  reference: str | None = None, input_uri: str | None = None, closed: str | None = None,
                  dry_run: bool = False) -> None:
-        """create: the job has no stored config yet. reference: the input as workers read it, to queue
-        batches by reference (None: inline). input_uri: recorded in job.json for `genq recover`.
-        closed: the job is finished: JobClosed(closed) is raised before a new prompt is queued."""
+        """reference: the input as workers read it (None: batches inline). closed: the job is finished:
+        JobClosed(closed) is raised before a new prompt is queued. dry_run: claims held in memory."""
         self.conn, self.config, self.rejects, self.reference = conn, config, rejects, reference
         self.summary = EnqueueSummary()
         self._create, self._closed = create, closed
@@ -158,8 +151,7 @@ class Enqueuer:
 
     def run(self, rows: Iterable[Row | Rejected], on_progress: Callable[[EnqueueSummary], None] | None = None,
             meter: Meter | None = None) -> EnqueueSummary:
-        """Queue `rows`, read (parsed, checked, digested) in a thread a chunk ahead, so Redis's replies
-        and zstd (which release the GIL) overlap the parsing; `meter` is told how many are handed on."""
+        """Queue `rows`, read in a thread a chunk ahead: Redis's replies and zstd overlap the parsing."""
         if self._dry_claims is None:
             self._reach_output(self._from_output)
         meter, read, summary = meter or Meter(), 0, self.summary
@@ -191,8 +183,8 @@ class Enqueuer:
         return summary
 
     def _from_output(self) -> None:
-        """Batches written in the output that Redis does not count as done are adopted first, and a job
-        gone from Redis whose job.json has the same settings is created again from there."""
+        """Adopt batches written in the output that Redis does not count as done; a job gone from Redis
+        whose job.json has the same settings is created again from there."""
         on_disk, config = truth.read_job(self._store, self.config.name), self.config
         if not self._create:
             self.summary.recovered_batches = len(recover.catch_up(self.conn, config))
@@ -282,8 +274,7 @@ class Enqueuer:
         return "".join(answers)
 
     def _queue(self, pipe: redis.client.Pipeline, rows: list[Row]) -> int:
-        """Claim the rows' ids and queue their batches (under WATCH, from `_lookup`); how many batches.
-        job.json reserves their numbers and enqueues/RUN.json names them first (queue_lost)."""
+        """Claim the rows' ids and queue their batches (under WATCH, from `_lookup`); how many batches."""
         if self._dry_claims is not None:
             self._dry_claims.update((row.prompt.id, row.digest) for row in rows)
             return -(-len(rows) // self.config.batch_size)
@@ -337,10 +328,9 @@ class Enqueuer:
 
 
 def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
-    """Queue again what Redis lost of this life of the job (a snapshot restored, a lagging replica
-    promoted); the prompts queued. An enqueue record naming batches neither Redis nor the output knows
-    has its input read again (a requeue's record: its letters requeued), then names what stands for
-    them. Run by genq.ops.recover.OutputWatch."""
+    """Queue again what Redis lost of this life of the job (an older snapshot restored): an enqueue
+    record naming batches neither Redis nor the output knows has its input read again (a requeue's: its
+    letters requeued). The prompts queued; run by genq.ops.recover.OutputWatch."""
     store = open_store(config.output, config.s3_endpoint_url)
     records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
                if r.incarnation == config.incarnation}
@@ -371,8 +361,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
 
 
 def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, reference: str | None = None) -> EnqueueSummary:
-    """What the job does not hold of one of its inputs (`located`), queued again; rejects go to the
-    input's default rejects file."""
+    """What the job does not hold of one of its inputs (`located`), queued again."""
     rejects = RejectsFile(os.path.abspath(default_rejects_path(input_uri, config.output, config.name)))
     rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
     summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference, input_uri=input_uri).run(rows)
@@ -399,8 +388,7 @@ def _conflict(row: Row, where: str) -> Rejected:
 
 
 def _read_ahead(chunks: Iterator[T]) -> Iterator[T]:
-    """The chunks, each read in a thread at most READ_AHEAD chunks ahead of the consumer; its
-    exceptions are raised here, and it stops when the consumer does."""
+    """The chunks, read in a thread at most READ_AHEAD ahead; its exceptions are raised here."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="genq-enqueue-read")
     try:
         ahead = deque(pool.submit(next, chunks, None) for _ in range(READ_AHEAD))

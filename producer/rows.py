@@ -48,7 +48,7 @@ CHAT_TEMPLATE_ARGS = ("enable_thinking", "thinking")
 
 
 class RowError(ValueError):
-    """A row, or a set of request fields, that cannot be queued; ParamError names the latter."""
+    """A row, or a set of request fields (ParamError), that cannot be queued."""
 
 
 ParamError = RowError
@@ -105,21 +105,15 @@ KNOWN: dict[str, Check] = {
                      "structured_outputs"], _of(dict, what="an object")),
     "max_tokens": _INT_FROM_1, "max_completion_tokens": _INT_FROM_1, "n": _INT_FROM_1,
     "truncate_prompt_tokens": _INT_FROM_1, "seed": _INT, "priority": _INT,
-    "temperature": _number(0),
-    "top_p": _number(0, 1, low_open=True),
+    "temperature": _number(0), "top_p": _number(0, 1, low_open=True), "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2), "min_p": _number(0, 1), "repetition_penalty": _number(0, low_open=True),
+    "length_penalty": _number(), "top_logprobs": _number(0, 20, integer=True), "top_k": _number(-1, integer=True),
+    "min_tokens": _number(0, integer=True),
     "stop": lambda v: None if isinstance(v, str) else _of(str, what="a string or a list of strings", items=True)(v),
-    "frequency_penalty": _number(-2, 2),
-    "presence_penalty": _number(-2, 2),
     "logprobs": _of(bool, int, what="true/false (chat) or an integer (completions)"),
-    "top_logprobs": _number(0, 20, integer=True),
     "tools": _of(dict, what="a list of tool objects", items=True),
     "tool_choice": _of(str, dict, what="a string or an object"),
-    "top_k": _number(-1, integer=True),
-    "min_p": _number(0, 1),
-    "repetition_penalty": _number(0, low_open=True),
-    "min_tokens": _number(0, integer=True),
     "stop_token_ids": _of(int, what="a list of integers", items=True),
-    "length_penalty": _number(),
     "guided_json": lambda v: None,
     "guided_choice": _of(str, what="a list of strings", items=True),
 }
@@ -172,9 +166,8 @@ class Row(NamedTuple):
     end: int = -1
 
     def text(self) -> str:
-        if isinstance(self.source, bytes):
-            return self.source.decode("utf-8", errors="replace")
-        return lenient_encoder.encode(self.source).decode()
+        source = self.source if isinstance(self.source, bytes) else lenient_encoder.encode(self.source)
+        return source.decode("utf-8", errors="replace")
 
 
 def claim_digest(prompt: Prompt) -> bytes:

@@ -52,9 +52,8 @@ class ColumnMap(NamedTuple):
 
 
 class Meter:
-    """How much of an input is queued (enqueue's percent and ETA): of the rows handed on, not of those
-    read (up to two chunks ahead), interpolated between the reader's marks. Positions are bytes parsed
-    (JSONL), compressed bytes read (.gz: its unpacked size is unknown) or rows (Parquet's footer)."""
+    """How much of an input is queued (enqueue's percent and ETA): of the rows handed on, not of those read
+    ahead, interpolated between the reader's marks: bytes parsed, compressed bytes read (.gz) or rows."""
 
     def __init__(self) -> None:
         self.total, self.unit = 0, "MiB"  # 0: not known; unit: "MiB", "MiB compressed" or "rows"
@@ -120,8 +119,8 @@ def located(uri: str) -> str:
 
 
 def default_rejects_path(uri: str, output: str, job: str) -> str:
-    """OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl, never beside the input (its folder
-    may be read-only); for an s3:// output, ./genq-rejects/JOB/NAME.rejects.jsonl."""
+    """OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl (never beside the input: its folder may be
+    read-only); for an s3:// output, ./genq-rejects/JOB/NAME.rejects.jsonl."""
     name = uri.rsplit("/", 1)[-1]
     for suffix in (".gz", ".jsonl", ".json", *PARQUET_SUFFIXES):
         name = name.removesuffix(suffix)
@@ -133,8 +132,7 @@ def default_rejects_path(uri: str, output: str, job: str) -> str:
 
 def open_rows(uri: str, *, endpoint: Endpoint, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap(),
               meter: Meter | None = None) -> Iterator[Row | Rejected]:
-    """The prompts (or rejects) of INPUT in input order, `meter` kept up to date; opening errors (no
-    such file, bucket or column) are raised here."""
+    """The prompts (or rejects) of INPUT in input order; opening errors (no such file, column) raised here."""
     meter = meter or Meter()
     if is_parquet(uri):
         return _parquet_rows(uri, columns, endpoint, s3_endpoint_url, meter)
@@ -206,15 +204,12 @@ def _columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str, str]:
             raise SourceError(f"{option} {name!r}: no such column in {uri} (columns: {listing})")
     if columns.messages and columns.prompt:
         raise SourceError("give --messages-column or --prompt-column, not both")
-    mapping = {}
-    if columns.messages or columns.prompt:
-        mapping = {"messages": columns.messages} if columns.messages else {"prompt": str(columns.prompt)}
-    elif "messages" in names or "prompt" in names:
-        field = "messages" if "messages" in names else "prompt"
-        mapping = {field: field}
-    elif not {"custom_id", "body"} <= set(names):  # OpenAI Batch rows stored as Parquet go through as they are
+    field = "messages" if columns.messages or (not columns.prompt and "messages" in names) else "prompt"
+    column = getattr(columns, field) or (field if field in names else None)
+    if column is None and not {"custom_id", "body"} <= set(names):  # OpenAI Batch rows go through as they are
         raise SourceError(f"{uri} has no 'messages' or 'prompt' column (columns: {listing}); "
                           "name the one to use with --messages-column or --prompt-column")
+    mapping = {field: column} if column else {}
     if columns.id or "id" in names:
         mapping["id"] = columns.id or "id"
     return mapping
@@ -290,14 +285,12 @@ def range_digest(rows: Iterable[Row]) -> str:
 
 
 async def load_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
-    """read_prompts off the event loop. Raises InputChanged (dead-letter the batch) or, for a transient
-    failure (S3 unreachable, a disk error), the underlying error (try again later)."""
+    """read_prompts off the event loop: InputChanged dead-letters the batch, other errors are transient."""
     return await asyncio.to_thread(read_prompts, source, config)
 
 
 def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
-    """The batch's prompts, in input order: inline ones decompressed, by-reference ones read from their
-    byte range of the input and parsed as enqueue did."""
+    """The batch's prompts: inline ones decompressed, by-reference ones read back and parsed as enqueue did."""
     if (ref := source.ref) is None:
         return source.inline_prompts()
     wanted, rows = set(source.prompt_ids()), []

@@ -1,10 +1,6 @@
-"""S3 for genq: an output prefix as a Store, resumable readers of inputs, one client per endpoint.
-
-Credentials and endpoint follow boto3's chain (env, profile, instance role; AWS_ENDPOINT_URL /
-AWS_ENDPOINT_URL_S3); a job's --s3-endpoint-url wins when set. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune
-botocore's retries (default: standard mode, 5 attempts); past those, the worker keeps the batch's
-results in Redis and retries the whole shard with its own backoff.
-"""
+"""S3: an output prefix as a Store, resumable readers of inputs, one client per endpoint. Credentials and
+endpoint follow boto3's chain (a job's --s3-endpoint-url wins); AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune
+botocore's retries (default: standard, 5 attempts); past those the worker retries the whole shard."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""A job's output, the durable truth of what was generated, whatever Redis says or forgets
-(docs/recovery.md). One Store interface, a local folder here and S3 in genq.output.s3:
-
-    OUTPUT/JOB/shards/BATCH.jsonl[.gz]     a batch's results, one JSON object a line, by input index
-    OUTPUT/JOB/manifest/BATCH.json         its marker (ShardMarker): the batch's commit, created once
-    OUTPUT/JOB/job.json                    the job (JobRecord), before its first batch is queued
-    OUTPUT/JOB/enqueues/RUN.json           what one enqueue queues (EnqueueRecord), before it does
-    OUTPUT/JOB/rejects/NAME.rejects.jsonl  the lines enqueue rejected from input NAME
-
-A reader reads only the shards a marker names (one without may be half written). Batch numbers are
-never reused in a job's folder, and a shard is never overwritten with other bytes: a second writer's
-copy gets a tag in its name and the marker decides which counts.
-"""
+"""A job's output, the durable truth of what was generated whatever Redis forgets (docs/recovery.md):
+OUTPUT/JOB/shards/BATCH.jsonl[.gz], their markers manifest/BATCH.json (created once: the batch's commit),
+job.json, enqueues/RUN.json and rejects/; a local folder here, S3 in genq.output.s3. Readers read only
+the shards a marker names; batch numbers are never reused, and a shard never overwritten with other bytes."""
 
 from __future__ import annotations
 
@@ -142,8 +133,8 @@ def shard_bytes(results: list[Result], compression: str) -> bytes:
 
 def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes],
                prompts: int) -> ShardMarker:
-    """What a batch's marker says beyond where its shard is (commit_shard fills that in); digests:
-    prompt id -> 8-byte content digest of the prompts known; prompts: the batch's prompt count."""
+    """A batch's marker but for where its shard is (commit_shard fills that in); digests: prompt id ->
+    8-byte content digest of the prompts known."""
     dead = list(letters)
     out = ShardMarker(batch="", uri="", records=0, bytes=0, at=0.0, prompts=prompts, letters=len(dead),
                       dead_letters=dead)
@@ -159,15 +150,13 @@ def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests
 
 
 def shard_info(marker: ShardMarker) -> ShardInfo:
-    """The part of a marker Redis keeps (the job's shards hash)."""
     return ShardInfo(**{name: getattr(marker, name) for name in ShardInfo.__struct_fields__})
 
 
 def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, at: float, *,
                  compression: str, incarnation: str, outcome: ShardMarker | None) -> ShardInfo:
-    """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes
-    again are a no-op; raises AlreadyWritten when the marker is of other bytes (that shard stands:
-    genq.ops.recover adopts it)."""
+    """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes again
+    are a no-op; AlreadyWritten when the marker is of other bytes (that shard stands: recover adopts it)."""
     sha, suffix = hashlib.sha256(data).hexdigest(), ".jsonl.gz" if compression == "gzip" else ".jsonl"
     marker_at, shard_rel = marker_rel(job, batch), f"{job}/{SHARDS_DIR}/{batch}{suffix}"
     marker = read_marker(store, marker_at)
@@ -233,8 +222,8 @@ def write_job(store: Store, record: JobRecord) -> None:
 
 
 def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
-    """job.json says the job was deleted at `at` (None: it lives again); False when there is none
-    (or it is of another life than `incarnation`, when given)."""
+    """job.json says the job was deleted at `at` (None: it lives again); False when there is none (of
+    `incarnation`, when given)."""
     on_disk = read_job(store, job)
     if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
         return False
@@ -244,8 +233,8 @@ def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | No
 
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
-    """job.json saying batch numbers up to at least `upto` may be in use (written before they are
-    queued), as written; never lowering what is there, nor writing older settings over newer ones."""
+    """job.json saying batch numbers up to `upto` may be in use (before they are queued), as written;
+    never lowering what is there, nor writing older settings over newer ones."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
         config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
@@ -278,7 +267,6 @@ def write_enqueue(store: Store, job: str, run: str, record: EnqueueRecord) -> No
 
 
 def read_enqueues(store: Store, job: str) -> dict[str, EnqueueRecord]:
-    """Every enqueue record of the job's folder, by run."""
     names = [n for n in store.names(f"{job}/{ENQUEUES_DIR}") if n.endswith(".json")]
     raws = {n.removesuffix(".json"): store.read(f"{job}/{ENQUEUES_DIR}/{n}") for n in sorted(names)}
     return {run: msgspec.json.decode(raw, type=EnqueueRecord) for run, raw in raws.items() if raw}
