@@ -153,9 +153,6 @@ class ObjectReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.pos
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         pos = max(0, offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence])
         if pos != self.pos:
