@@ -1,18 +1,18 @@
-"""One input row becomes the Prompt its job's endpoint takes, or a reject saying why: the one check
-every reader (JSONL, Parquet, a by-reference batch read back) goes through. Rows are
-{"id", "messages" | "prompt", "sampling", ...metadata} or OpenAI Batch lines. Chat sends a prompt as
-one user message (the stored Prompt is what is sent); completions refuses messages, which only the
-model's chat template could flatten."""
+"""One input row becomes the Prompt its job's endpoint takes, or a reject naming its line and why;
+and the request fields a job (--extra-body) or a row may set, checked at enqueue with the endpoint
+known (docs/fidelity.md: where each accepted one lands). Every reader goes through here."""
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import json
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
 
 from genq.core.records import Endpoint, Prompt, Rejected
-from genq.producer.params import ParamError, check_params
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
@@ -24,9 +24,135 @@ json_decoder = msgspec.json.Decoder()
 _canonical = msgspec.json.Encoder(order="sorted")
 lenient_encoder = msgspec.json.Encoder(enc_hook=str)  # Parquet values JSON has no type for (dates, bytes)
 
+Check = Callable[[Any], "str | None"]  # what is wrong with a value, or None
+
+_STREAM = "the worker (genq worker --stream/--no-stream)"
+SET_BY_GENQ = {"model": "the job's --model", "messages": "the row", "prompt": "the row", "stream": _STREAM,
+               "stream_options": _STREAM}
+# A record that silently lacks what its request asked for is worse than none.
+_FUNCTIONS = "OpenAI's deprecated function calling (answered in message.function_call); use tools"
+_AUDIO = "genq records text only; audio output would be dropped"
+REFUSED = {
+    "functions": _FUNCTIONS, "function_call": _FUNCTIONS, "modalities": _AUDIO, "audio": _AUDIO,
+    "web_search_options": "genq does not record web search annotations; no self-hosted engine serves it",
+    "best_of": "SGLang ignores it and vLLM's V1 engine refuses it; ask for n samples instead",
+}
+# One endpoint's fields: the other's engines ignore them, so the record would not show them.
+_NO_TOOLS = "completions have no tool calls"
+CHAT_ONLY = {"top_logprobs": "use 'logprobs': K with --endpoint completions", "tools": _NO_TOOLS,
+             "tool_choice": _NO_TOOLS, "parallel_tool_calls": _NO_TOOLS}
+COMPLETIONS_ONLY = {"echo": "chat has no echo", "suffix": "chat has no suffix"}
+# Chat templates' switches (Qwen3's enable_thinking, DeepSeek-V3.1's thinking): the servers take them
+# inside chat_template_kwargs.
+CHAT_TEMPLATE_ARGS = ("enable_thinking", "thinking")
+
 
 class RowError(ValueError):
-    pass
+    """A row, or a set of request fields (ParamError), that cannot be queued."""
+
+
+ParamError = RowError
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, (int, float)):
+        return f"{value!r} (a number)"
+    if isinstance(value, str):
+        return f"{value[:40]!r} (a string)"
+    kinds: dict[type, str] = {dict: "an object", list: "a list"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _number(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+            integer: bool = False) -> Check:
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            return f"must be {'an integer' if integer else 'a number'}, got {_kind(value)}"
+        if low is not None and (value <= low if low_open else value < low):
+            upper = f" and <= {high:g}" if high is not None and not integer else ""
+            return f"must be {'>' if low_open else '>='} {low:g}{upper}, got {value!r}"
+        return f"must be <= {high:g}, got {value!r}" if high is not None and value > high else None
+
+    return check
+
+
+def _of(*types: type, what: str, items: bool = False) -> Check:
+    """A value of one of `types` (booleans only where bool is named); items: a list of them."""
+    def fits(v: Any) -> bool:
+        return isinstance(v, types) and (bool in types or not isinstance(v, bool))
+
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, list) and all(map(fits, value)) if items else fits(value)
+        return None if ok else f"must be {what}, got {_kind(value)}"
+
+    return check
+
+
+_INT_FROM_1, _INT = _number(1, integer=True), _number(integer=True)
+KNOWN: dict[str, Check] = {
+    **dict.fromkeys(["echo", "parallel_tool_calls", "store", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "no_stop_trim", "separate_reasoning", "stream_reasoning",
+                     "continue_final_message", "add_generation_prompt", "include_stop_str_in_output"],
+                    _of(bool, what="true or false")),
+    **dict.fromkeys(["suffix", "user", "reasoning_effort", "service_tier", "verbosity", "prompt_cache_key",
+                     "safety_identifier", "regex", "ebnf", "json_schema", "rid", "lora_path", "chat_template",
+                     "guided_regex", "guided_grammar"], _of(str, what="a string")),
+    **dict.fromkeys(["logit_bias", "response_format", "metadata", "prediction", "chat_template_kwargs",
+                     "structured_outputs"], _of(dict, what="an object")),
+    "max_tokens": _INT_FROM_1, "max_completion_tokens": _INT_FROM_1, "n": _INT_FROM_1,
+    "truncate_prompt_tokens": _INT_FROM_1, "seed": _INT, "priority": _INT,
+    "temperature": _number(0), "top_p": _number(0, 1, low_open=True), "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2), "min_p": _number(0, 1), "repetition_penalty": _number(0, low_open=True),
+    "length_penalty": _number(), "top_logprobs": _number(0, 20, integer=True), "top_k": _number(-1, integer=True),
+    "min_tokens": _number(0, integer=True),
+    "stop": lambda v: None if isinstance(v, str) else _of(str, what="a string or a list of strings", items=True)(v),
+    "logprobs": _of(bool, int, what="true/false (chat) or an integer (completions)"),
+    "tools": _of(dict, what="a list of tool objects", items=True),
+    "tool_choice": _of(str, dict, what="a string or an object"),
+    "stop_token_ids": _of(int, what="a list of integers", items=True),
+    "guided_json": lambda v: None,
+    "guided_choice": _of(str, what="a list of strings", items=True),
+}
+
+
+def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
+    """Raise ParamError naming `where` (an option or a row's field) and the first bad field; with the
+    endpoint known, its rules too (logprobs: true/false for chat, a count for completions)."""
+    if not isinstance(params, dict):
+        raise ParamError(f"{where} must be an object of request parameters, got {_kind(params)}")
+    for name, value in params.items():
+        if name in SET_BY_GENQ:
+            raise ParamError(f"{where}: {name!r} cannot be set here; it is set by {SET_BY_GENQ[name]}")
+        if name in REFUSED:
+            raise ParamError(f"{where}: {name!r} is refused: {REFUSED[name]}")
+        if name in CHAT_TEMPLATE_ARGS:
+            raise ParamError(f"{where}: {name!r} is not a request field but an argument of the model's chat template "
+                             f"(SGLang and vLLM pass it on from chat_template_kwargs): give "
+                             f"{{\"chat_template_kwargs\": {{{json.dumps(name)}: {json.dumps(value)}}}}}")
+        if name not in KNOWN:
+            close = difflib.get_close_matches(name, KNOWN, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ParamError(f"{where}: unknown request field {name!r}{hint}; known fields: {', '.join(sorted(KNOWN))}")
+        if problem := KNOWN[name](value):
+            raise ParamError(f"{where}: {name} {problem}")
+    logprobs, other = params.get("logprobs"), COMPLETIONS_ONLY if endpoint == "chat" else CHAT_ONLY
+    for name in other if endpoint else ():
+        if name in params:
+            raise ParamError(f"{where}: {name!r} is a /v1/completions field; {other[name]} (the job uses --endpoint "
+                             "chat)" if endpoint == "chat" else f"{where}: {name!r} is a chat field; {other[name]}")
+    if endpoint == "chat" and logprobs is not None and not isinstance(logprobs, bool):
+        raise ParamError(f"{where}: logprobs must be true or false for chat (use top_logprobs: K for "
+                         f"alternatives), got {_kind(logprobs)}")
+    if endpoint == "chat" and params.get("top_logprobs") is not None and logprobs is not True:
+        raise ParamError(f"{where}: top_logprobs needs logprobs: true")
+    if endpoint == "completions" and logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
+        raise ParamError(f"{where}: logprobs must be an integer 0..20 for completions (the alternatives "
+                         f"per token), got {_kind(logprobs)}")
 
 
 class Row(NamedTuple):
@@ -40,10 +166,8 @@ class Row(NamedTuple):
     end: int = -1
 
     def text(self) -> str:
-        """The whole line, for the rejects file."""
-        if isinstance(self.source, bytes):
-            return self.source.decode("utf-8", errors="replace")
-        return lenient_encoder.encode(self.source).decode()
+        source = self.source if isinstance(self.source, bytes) else lenient_encoder.encode(self.source)
+        return source.decode("utf-8", errors="replace")
 
 
 def claim_digest(prompt: Prompt) -> bytes:
@@ -55,8 +179,7 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     """None for a blank line. line_no is 1-based, as editors show it; start: the line's byte offset."""
     if len(raw) > MAX_LINE_BYTES:
         return rejected(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
-    stripped = raw.strip()
-    if not stripped:
+    if not (stripped := raw.strip()):
         return None
     try:
         prompt, converted = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
@@ -68,22 +191,18 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
 
 
 def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]:
-    """A decoded row (a JSONL line or a Parquet row) as the endpoint's Prompt, and whether it was
-    converted (a prompt sent as one user message). Raises RowError."""
+    """A decoded row as the endpoint's Prompt, and whether it was converted (a prompt sent as one user
+    message; completions refuses messages, which only the model's chat template could flatten)."""
     if not isinstance(obj, dict):
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
-    if "custom_id" in obj and "body" in obj:
-        prompt, where = _plain_row(line_no, _openai_batch_row(obj)), "OpenAI Batch 'body'"
+    batch_line = "custom_id" in obj and "body" in obj
+    prompt = _plain_row(line_no, _openai_batch_row(obj) if batch_line else obj)
+    if batch_line:
         prompt.custom_id = prompt.id
-    else:
-        prompt, where = _plain_row(line_no, obj), "'sampling'"
     if prompt.sampling is not None:
-        try:
-            check_params(prompt.sampling, where, endpoint)
-        except ParamError as exc:
-            raise RowError(str(exc)) from None
+        check_params(prompt.sampling, "OpenAI Batch 'body'" if batch_line else "'sampling'", endpoint)
     if endpoint == "completions" and prompt.messages is not None:
-        what = "OpenAI Batch url /v1/chat/completions" if prompt.custom_id is not None else "'messages'"
+        what = "OpenAI Batch url /v1/chat/completions" if batch_line else "'messages'"
         raise RowError(f"has {what} but the job uses --endpoint completions, which takes a 'prompt' string; "
                        "queue chat rows in a job with --endpoint chat")
     if endpoint == "chat" and prompt.messages is None:
@@ -93,7 +212,7 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]
 
 
 def _plain_row(line_no: int, obj: dict[str, Any]) -> Prompt:
-    messages, text = obj.get("messages"), obj.get("prompt")
+    messages, text, raw_id = obj.get("messages"), obj.get("prompt"), obj.get("id")
     if messages is not None and text is not None:
         raise RowError("has both 'messages' and 'prompt'; give one")
     if messages is None and text is None:
@@ -106,23 +225,25 @@ def _plain_row(line_no: int, obj: dict[str, Any]) -> Prompt:
     prompt = Prompt(id="", index=line_no - 1, messages=messages, prompt=text,
                     sampling=sampling if sampling != {} else None,
                     metadata={k: v for k, v in obj.items() if k not in _REQUEST_FIELDS})
-    prompt.id = _row_id(obj.get("id"), prompt)  # of the row as given: the same line keeps its id
+    # The row's id, or 16 hex characters of its content (as given: the same line keeps its id).
+    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int, type(None))):
+        raise RowError(f"'id' must be a string or an integer, got {type(raw_id).__name__}")
+    if raw_id == "":
+        raise RowError("'id' is empty")
+    prompt.id = claim_digest(prompt).hex() if raw_id is None else str(raw_id)
     return prompt
 
 
 def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI Batch line as the plain row it stands for, checked as one from there on."""
-    custom_id = obj["custom_id"]
+    custom_id, method, body = obj["custom_id"], obj.get("method", "POST"), obj["body"]
+    url = obj.get("url", "/v1/chat/completions")
     if not isinstance(custom_id, str) or not custom_id:
         raise RowError("'custom_id' must be a non-empty string")
-    method = obj.get("method", "POST")
     if method != "POST":
         raise RowError(f"OpenAI Batch 'method' must be POST, got {method!r}")
-    url = obj.get("url", "/v1/chat/completions")
-    field = OPENAI_BATCH_URLS.get(url)
-    if field is None:
+    if (field := OPENAI_BATCH_URLS.get(url)) is None:
         raise RowError(f"OpenAI Batch 'url' {url!r} is not supported (use {' or '.join(OPENAI_BATCH_URLS)})")
-    body = obj["body"]
     if not isinstance(body, dict):
         raise RowError("OpenAI Batch 'body' must be an object")
     if body.get(field) is None:
@@ -144,17 +265,6 @@ def _check_messages(messages: Any) -> None:
             raise RowError(f"messages[{i}] has no 'content'")
         if content is not None and not isinstance(content, (str, list)):
             raise RowError(f"messages[{i}].content must be a string or a list of parts")
-
-
-def _row_id(raw_id: Any, prompt: Prompt) -> str:
-    """The row's id, or 16 hex characters of its content when it has none."""
-    if raw_id is None:
-        return claim_digest(prompt).hex()
-    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
-        raise RowError(f"'id' must be a string or an integer, got {type(raw_id).__name__}")
-    if raw_id == "":
-        raise RowError("'id' is empty")
-    return str(raw_id)
 
 
 def rejected(line_no: int, reason: str, raw: bytes) -> Rejected:

@@ -383,7 +383,7 @@ def worker(procs, redis_url: str) -> callable:
 def batch_prompts(conn, job: str, batch_id: str) -> list:
     """The prompts of a queued batch, read as a worker reads them (inline or by reference)."""
     from genq.core.queueing import load_batch, load_config
-    from genq.producer.batchinput import read_prompts
+    from genq.producer.sources import read_prompts
 
     return read_prompts(load_batch(conn, job, batch_id), load_config(conn, job))
 

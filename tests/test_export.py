@@ -221,8 +221,8 @@ def test_parquet_input_with_column_mapping_runs_end_to_end(redis_url, rconn, sim
 
 
 def test_openai_batch_lines_for_completions_and_errors_without_an_http_answer():
+    from genq.cli.export import openai_error_line, openai_output_line
     from genq.core.records import Prompt
-    from genq.output.export import openai_error_line, openai_output_line
 
     r = Result(id="c1", job="j", batch="b0000001", index=0, completion=" world", finish_reason="stop",
                usage=Usage(prompt_tokens=3, completion_tokens=2, reasoning_tokens=1), model="m", worker="w",

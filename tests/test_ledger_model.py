@@ -50,10 +50,8 @@ from genq.ops.settings import set_settings
 from genq.ops.written import outcome_for
 from genq.output import truth
 from genq.output.truth import open_store, shard_bytes
-from genq.producer.batchinput import read_prompts
-from genq.producer.enqueue import Enqueuer, queue_lost
-from genq.producer.rejects import RejectsFile
-from genq.producer.sources import open_rows
+from genq.producer.enqueue import Enqueuer, RejectsFile, queue_lost
+from genq.producer.sources import open_rows, read_prompts
 from tests.conftest import REDIS_URL
 
 JOB = "m"

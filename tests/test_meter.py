@@ -1,9 +1,9 @@
 """enqueue's percent is of the rows handed on, placed between the positions the reading thread
-noted after each chunk (genq.producer.meter; the CLI's lines: tests/test_enqueue_progress.py)."""
+noted after each chunk (genq.producer.sources; the CLI's lines: tests/test_enqueue_progress.py)."""
 
 from __future__ import annotations
 
-from genq.producer.meter import Meter
+from genq.producer.sources import Meter
 
 
 def test_the_percent_is_of_the_rows_handed_on_not_of_the_rows_read():

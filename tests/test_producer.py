@@ -116,8 +116,7 @@ def test_rejects_are_written_as_they_are_found_in_line_order(rconn, tmp_path):
     until the end: an input of mostly bad lines would not fit), and still comes out sorted by
     line, a duplicate id found in Redis a group later included."""
     from genq.core.records import JobConfig
-    from genq.producer.enqueue import Enqueuer
-    from genq.producer.rejects import RejectsFile
+    from genq.producer.enqueue import Enqueuer, RejectsFile
     from genq.producer.sources import jsonl_rows
 
     n, seen_while_reading = 60_000, []
@@ -153,8 +152,7 @@ def test_a_dry_run_counts_what_the_real_enqueue_then_does_and_writes_nothing(rco
     """The dry run is the real enqueue with its claims held in memory: a repeat or an other-content
     line of an id far up the input (groups apart) is counted as the real run counts it."""
     from genq.core.records import JobConfig
-    from genq.producer.enqueue import Enqueuer
-    from genq.producer.rejects import RejectsFile
+    from genq.producer.enqueue import Enqueuer, RejectsFile
     from genq.producer.sources import jsonl_rows
 
     lines = [json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}).encode() + b"\n" for i in range(100)]

@@ -35,11 +35,10 @@ def _mistake(exc: Exception) -> bool:
     """What the operator can fix: said in one line, exit 1 (imported only when something failed)."""
     from genq.monitor.progress import JobNotFound
     from genq.ops import Refused
-    from genq.output.export import ExportError
     from genq.producer.sources import SourceError
     from genq.worker.fleet import FleetError
 
-    return isinstance(exc, (Refused, SourceError, ExportError, FleetError, JobNotFound))
+    return isinstance(exc, (Refused, SourceError, FleetError, JobNotFound))
 
 
 class LazyGroup(click.Group):
@@ -159,7 +158,7 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     """--extra-body's JSON object, its fields checked as a row's sampling is (ValueError says why)."""
-    from genq.producer.params import check_params
+    from genq.producer.rows import check_params
 
     try:
         extra = json.loads(text)

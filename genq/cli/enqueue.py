@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import click
 import redis
@@ -16,18 +16,15 @@ from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
 from genq.core.queueing import load_config
-from genq.core.records import JobConfig, Rejected, new_incarnation
+from genq.core.records import JobConfig, new_incarnation
 from genq.core.redisconn import connect, describe_error, redis_note_of
 from genq.core.words import plural
 from genq.monitor.view import duration
 from genq.ops.control import job_rows
 from genq.output import truth
 from genq.output.truth import open_store
-from genq.producer.enqueue import Enqueuer, EnqueueSummary, revives
-from genq.producer.meter import Meter
-from genq.producer.rejects import SHOWN, RejectsFile
-from genq.producer.rows import Row
-from genq.producer.sources import ColumnMap, default_rejects_path, is_parquet, is_s3, located, open_rows
+from genq.producer.enqueue import SHOWN, Enqueuer, EnqueueSummary, RejectsFile, revives
+from genq.producer.sources import ColumnMap, Meter, default_rejects_path, is_parquet, is_s3, located, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
 CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
@@ -109,14 +106,25 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         meter = Meter()
         rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url, columns=columns,
                          meter=meter)
-        if dry_run:
-            sys.exit(_dry_run(conn, config, create, input_uri, rows, reference, meter, closed))
-        rejects = RejectsFile(os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job)))
+        path = None if dry_run else os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job))
+        rejects, started = RejectsFile(path), time.monotonic()
+        enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
+                            input_uri=None if dry_run else located(input_uri), closed=None if dry_run else closed,
+                            dry_run=dry_run)
         try:
-            summary = _run(conn, config, create, input_uri, rows, reference, rejects, meter, closed)
+            summary = enqueuer.run(rows, on_progress=None if dry_run else _progress(started, meter), meter=meter)
         except BaseException:
             rejects.discard()
             raise
+        if dry_run:
+            sys.exit(_dry_run(conn, config, create, input_uri, summary, rejects, closed))
+        if sys.stderr.isatty():
+            click.echo("", err=True)
+        if summary.read:
+            click.echo(f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
+                       f"{plural(summary.batches, 'batch', 'batches')} "
+                       f"({f'by reference to {reference}' if reference else 'inline'}) "
+                       f"from {input_uri} in {time.monotonic() - started:.1f}s")
         if summary.enqueued or (not create and (priority is not None or weight is not None)):
             if priority is not None or weight is not None:
                 set_schedule(conn, job, priority, weight)  # and the queue in order again
@@ -138,8 +146,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
 
 
 def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
-    """After Redis failed part way (full, most often, with a large input) or Ctrl-C: what the job
-    holds, and how to go on. Batches are queued whole, each prompt once: the same command skips them."""
+    """After Redis failed part way (full, most often) or Ctrl-C: what the job holds, and how to go on.
+    Batches are queued whole, each prompt once: the same command skips them."""
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
@@ -178,19 +186,16 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
     plain_jsonl = not (is_parquet(input_uri) or input_uri.endswith(".gz"))
     if by_reference is None:
         by_reference = is_s3(input_uri) and plain_jsonl
-    if not by_reference:
-        return None
-    if not plain_jsonl:
+    if by_reference and not plain_jsonl:
         raise ValueError(f"--input-by-reference needs an uncompressed JSONL input (workers read byte ranges of it); "
                          f"{input_uri} is {'Parquet' if is_parquet(input_uri) else 'gzip-compressed'}: "
                          "use --input-inline, or decompress it")
-    return located(input_uri)
+    return located(input_uri) if by_reference else None
 
 
 def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) -> str | None:
-    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not
-    one of its own inputs (None: not refused). Its own input again is the same command again: after
-    `genq dlq purge`, or an input fixed in place, it queues what the job does not hold."""
+    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not one of
+    its own inputs (its own input again is the same command again: it queues what the job lacks)."""
     row = job_rows(conn, [job])[0]
     if row.state not in FINISHED_STATUSES:
         return None
@@ -205,16 +210,9 @@ def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) ->
             f"the same output. Give a new --job name for a new job, or --add to add them to {job}")
 
 
-def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
-         rows: Iterator[Row | Rejected], reference: str | None, rejects: RejectsFile, meter: Meter,
-         closed: str | None) -> EnqueueSummary:
-    started, show_progress = time.monotonic(), sys.stderr.isatty()
-
+def _progress(started: float, meter: Meter) -> Callable[[EnqueueSummary], None] | None:
+    """On a terminal: prompts read and their rate; for an input of known size the percent and an ETA."""
     def progress(summary: EnqueueSummary) -> None:
-        """Prompts read and their rate; for an input of known size (genq.producer.meter) the percent
-        read and an ETA."""
-        if not show_progress:
-            return
         elapsed = max(time.monotonic() - started, 1e-9)
         line = f"read {summary.read:,} prompts ({summary.read / elapsed:,.0f}/s), queued {summary.enqueued:,}"
         if (fraction := meter.fraction()) is not None:
@@ -223,35 +221,27 @@ def _run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
                 line += f", ETA {duration(elapsed * (1 - fraction) / fraction)}"
         click.echo(f"\r  {line}", err=True, nl=False)
 
-    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference, input_uri=located(input_uri),
-                       closed=closed).run(rows, on_progress=progress, meter=meter)
-    if show_progress:
-        click.echo("", err=True)
-    if summary.read:
-        click.echo(f"job {config.name}: queued {plural(summary.enqueued, 'prompt')} in "
-                   f"{plural(summary.batches, 'batch', 'batches')} "
-                   f"({f'by reference to {reference}' if reference else 'inline'}) "
-                   f"from {input_uri} in {time.monotonic() - started:.1f}s")
-    return summary
+    return progress if sys.stderr.isatty() else None
 
 
-def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str, rows: Iterator[Row | Rejected],
-             reference: str | None, meter: Meter, closed: str | None) -> int:
-    """`--dry-run`: the real enqueue's checks and counts (genq.producer.enqueue), nothing written; the
-    exit status the real one would have, and `closed` said as the reason it would be refused."""
-    rejects = RejectsFile(None)
-    summary = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference, dry_run=True).run(rows, meter=meter)
+def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str, summary: EnqueueSummary,
+             rejects: RejectsFile, closed: str | None) -> int:
+    """`--dry-run` says what the real enqueue would do and returns its exit status; `closed` is said as
+    the reason it would be refused."""
     _show_reasons(rejects, None)
     click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(summary.enqueued, 'prompt')} "
-               f"would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} from {input_uri}"
+               f"would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} "
+               f"from {input_uri}"
                + (f"; {plural(summary.skipped_existing, 'prompt')} already queued or done would be skipped"
                   if summary.skipped_existing else "")
-               + (f"; {plural(summary.skipped_duplicate, 'repeated line')} would be skipped" if summary.skipped_duplicate else "")
+               + (f"; {plural(summary.skipped_duplicate, 'repeated line')} would be skipped"
+                  if summary.skipped_duplicate else "")
                + (f"; {plural(summary.rejected, 'line')} rejected" if summary.rejected else "")
                + ". Nothing was written.")
     if closed is not None and summary.enqueued:
         click.echo(f"the real enqueue would be refused: {closed}", err=True)
-    return 1 if not summary.read or (closed is not None and summary.enqueued) else EXIT_PARTLY_DONE if summary.rejected else 0
+        return 1
+    return 1 if not summary.read else EXIT_PARTLY_DONE if summary.rejected else 0
 
 
 def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
@@ -273,19 +263,16 @@ def _name_state(conn: redis.Redis, config: JobConfig, create: bool) -> str:
             f"({'deleted' if on_disk.deleted_at is not None else 'other settings'}), whose shards stay")
 
 
-def _emptiness(input_uri: str) -> str:
-    """What a file with no prompt and no rejected line holds: nothing, or only blank lines."""
-    if "://" in input_uri or not os.path.isfile(input_uri):
-        return "it is empty or holds only blank lines"
-    if input_uri.endswith(".parquet"):
-        return "it has no rows"
-    return "it is empty" if os.path.getsize(input_uri) == 0 else "it holds only blank lines (whitespace)"
-
-
 def _nothing_valid(summary: EnqueueSummary, rejects: RejectsFile, input_uri: str) -> None:
     """No valid line: a plain error, and nothing written (no job, no rejects file)."""
     if not summary.rejected:
-        raise click.ClickException(f"{input_uri} has no prompts ({_emptiness(input_uri)}): nothing queued, no job created")
+        if "://" in input_uri or not os.path.isfile(input_uri):
+            what = "it is empty or holds only blank lines"
+        elif input_uri.endswith(".parquet"):
+            what = "it has no rows"
+        else:
+            what = "it is empty" if os.path.getsize(input_uri) == 0 else "it holds only blank lines (whitespace)"
+        raise click.ClickException(f"{input_uri} has no prompts ({what}): nothing queued, no job created")
     _show_reasons(rejects, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
     raise click.ClickException(
         f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing queued, "
@@ -303,9 +290,11 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
     if summary.note:
         click.echo(f"  note: {summary.note}")
     if summary.skipped_existing:
-        click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same content)")
+        click.echo(f"  skipped {plural(summary.skipped_existing, 'prompt')} already queued or done (same id, same "
+                   "content)")
     if summary.skipped_duplicate:
-        click.echo(f"  skipped {plural(summary.skipped_duplicate, 'repeated line')} (same id and content earlier in this input)")
+        click.echo(f"  skipped {plural(summary.skipped_duplicate, 'repeated line')} (same id and content earlier in "
+                   "this input)")
     if summary.rejected:
         where = (f"written to {rejects.path}" if rejects.error is None else
                  f"NOT written ({rejects.error}; give another place with --rejects)")

@@ -119,7 +119,7 @@ def list_jobs(conn: redis.Redis) -> list[str]:
 
 
 def load_batch(conn: redis.Redis, job: str, batch_id: str) -> BatchSource | None:
-    """The batch's record (its ids: prompt_ids(); its prompts: genq.producer.batchinput)."""
+    """The batch's record (its ids: prompt_ids(); its prompts: genq.producer.sources)."""
     raw = conn.get(keys.batch(job, batch_id))
     return unpack(raw, BatchSource) if raw else None
 

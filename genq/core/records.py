@@ -104,7 +104,7 @@ class InputRange(msgspec.Struct, array_like=True, frozen=True):
 
 class BatchSource(msgspec.Struct, array_like=True):
     """A pending batch (keys.batch): its prompts (zstd-compressed msgpack) or the input range that holds
-    them (genq.producer.batchinput reads it), and always its ids (compressed): what needs only the ids
+    them (genq.producer.sources reads it), and always its ids (compressed): what needs only the ids
     reads no prompt."""
 
     job: str
@@ -132,7 +132,7 @@ class BatchSource(msgspec.Struct, array_like=True):
     def inline_prompts(self) -> list[Prompt]:
         """The prompts of an inline batch (raises ValueError for a by-reference one)."""
         if self.ref is not None:
-            raise ValueError(f"batch {self.job}/{self.id} is by reference: read it with genq.producer.batchinput")
+            raise ValueError(f"batch {self.job}/{self.id} is by reference: read it with genq.producer.sources")
         return unpack(_zstd().d.decompress(self.prompts), list[Prompt])
 
 

@@ -1,13 +1,10 @@
-"""S3 for genq: an output prefix as a Store, resumable readers of inputs, one client per endpoint.
-
-Credentials and endpoint follow boto3's chain (env, profile, instance role; AWS_ENDPOINT_URL /
-AWS_ENDPOINT_URL_S3); a job's --s3-endpoint-url wins when set. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune
-botocore's retries (default: standard mode, 5 attempts); past those, the worker keeps the batch's
-results in Redis and retries the whole shard with its own backoff.
-"""
+"""S3: an output prefix as a Store, resumable readers of inputs, one client per endpoint. Credentials and
+endpoint follow boto3's chain (a job's --s3-endpoint-url wins); AWS_MAX_ATTEMPTS / AWS_RETRY_MODE tune
+botocore's retries (default: standard, 5 attempts); past those the worker retries the whole shard."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -111,21 +108,18 @@ class S3Store:
 
     def create(self, rel: str, data: bytes) -> bool:
         try:
-            self._put(rel, data, IfNoneMatch="*")
+            self.put(rel, data, IfNoneMatch="*")
             return True
         except botocore.exceptions.ClientError as exc:
             if error_code(exc) in (*CHANGED, "ConditionalRequestConflict", "409"):
                 return False
             raise
 
-    def put(self, rel: str, data: bytes) -> None:
-        self._put(rel, data)
-
-    def _put(self, rel: str, data: bytes, **conditions: str) -> None:
+    def put(self, rel: str, data: bytes, **conditions: str) -> None:
         # No Content-Encoding for .gz: clients would unzip on download, and the size would no longer
         # match the marker's byte count.
-        kind = "application/gzip" if rel.endswith(".gz") else "application/json" if rel.endswith(".json") \
-            else "application/x-ndjson"
+        kinds = {"gz": "application/gzip", "json": "application/json"}
+        kind = kinds.get(rel.rsplit(".", 1)[-1], "application/x-ndjson")
         bucket, key = parse_uri(self.uri(rel))
         client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, ContentType=kind, **conditions)
 
@@ -141,27 +135,23 @@ class S3Store:
 
 
 class ObjectReader(io.RawIOBase):
-    """An S3 object read by one streaming GET (window None) or by ranged GETs of `window` bytes, which
-    can seek (Parquet's footer is at the end). Every GET is pinned to the object's ETag, so two versions
-    of it are never mixed, and a body that breaks is resumed where it left off (backoff 0.5 s .. 8 s):
-    a many-GB input survives a network blip."""
+    """An S3 object read by GETs pinned to its ETag (two versions are never mixed); a body that breaks
+    is resumed where it left off (backoff 0.5 s .. 8 s): a many-GB input survives a network blip. A
+    seek (Parquet's footer is at the end) starts the next GET there."""
 
-    def __init__(self, s3: Any, bucket: str, key: str, window: int | None = None) -> None:
+    def __init__(self, s3: Any, bucket: str, key: str) -> None:
         super().__init__()
-        self.s3, self.bucket, self.key, self.window = s3, bucket, key, window
+        self.s3, self.bucket, self.key = s3, bucket, key
         head = s3.head_object(Bucket=bucket, Key=key)
         self.size, self.etag = int(head["ContentLength"]), head.get("ETag")
-        self.pos = self.resumes = self._resumed_at = self._until = 0
+        self.pos = self.resumes = self._resumed_at = 0
         self._body: Any = None
 
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
-        return self.window is not None
-
-    def tell(self) -> int:
-        return self.pos
+        return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         pos = max(0, offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence])
@@ -175,19 +165,15 @@ class ObjectReader(io.RawIOBase):
         while self.pos < self.size:
             try:
                 if self._body is None:
-                    self._until = self.size if self.window is None else min(self.size, self.pos + self.window)
                     pinned = {"IfMatch": self.etag} if self.etag else {}
                     self._body = self.s3.get_object(Bucket=self.bucket, Key=self.key, **pinned,
-                                                    Range=f"bytes={self.pos}-{self._until - 1}")["Body"]
+                                                    Range=f"bytes={self.pos}-{self.size - 1}")["Body"]
                 data = self._body.read(len(view))
             except _STREAM_ERRORS as exc:
                 self._resume(exc)
                 continue
-            if not data:  # this GET's range is read, or its body ended early
-                early = self.pos < self._until
-                self._drop()
-                if early:
-                    self._resume(EOFError(f"body ended at byte {self.pos:,} of {self.size:,}"))
+            if not data:
+                self._resume(EOFError(f"body ended at byte {self.pos:,} of {self.size:,}"))
                 continue
             view[: len(data)] = data
             self.pos += len(data)
@@ -208,10 +194,8 @@ class ObjectReader(io.RawIOBase):
 
     def _drop(self) -> None:
         if self._body is not None:
-            try:
+            with contextlib.suppress(Exception):  # the connection may be broken already
                 self._body.close()
-            except Exception:  # the connection is already broken
-                pass
             self._body = None
 
     def close(self) -> None:
@@ -221,12 +205,10 @@ class ObjectReader(io.RawIOBase):
 
 def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20, *,
                 seekable: bool = False) -> io.BufferedReader:
-    """A buffered reader of an S3 object: forward-only, or seekable with a read-ahead of buffer_size
-    (8 MiB: a Parquet reader's small reads share one GET). Raises botocore errors (see describe)."""
+    """A buffered reader of an S3 object (8 MiB for a seeking reader: a Parquet reader's small reads
+    share one GET). Raises botocore errors (see describe)."""
     bucket, key = parse_uri(uri)
-    buffer_size = 8 << 20 if seekable else buffer_size
-    reader = ObjectReader(client(endpoint_url), bucket, key, window=buffer_size if seekable else None)
-    return io.BufferedReader(reader, buffer_size=buffer_size)
+    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key), 8 << 20 if seekable else buffer_size)
 
 
 def read_object(uri: str, endpoint_url: str | None = None, byte_range: tuple[int, int] | None = None) -> bytes:
@@ -234,9 +216,3 @@ def read_object(uri: str, endpoint_url: str | None = None, byte_range: tuple[int
     bucket, key = parse_uri(uri)
     ranged = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
     return client(endpoint_url).get_object(Bucket=bucket, Key=key, **ranged)["Body"].read()
-
-
-def upload_file(path: str, uri: str, endpoint_url: str | None = None) -> None:
-    """Upload a local file (multipart when large), e.g. an export written locally first."""
-    bucket, key = parse_uri(uri)
-    client(endpoint_url).upload_file(path, bucket, key)

@@ -1,16 +1,7 @@
-"""A job's output, the durable truth of what was generated, whatever Redis says or forgets
-(docs/recovery.md). One Store interface, a local folder here and S3 in genq.output.s3:
-
-    OUTPUT/JOB/shards/BATCH.jsonl[.gz]     a batch's results, one JSON object a line, by input index
-    OUTPUT/JOB/manifest/BATCH.json         its marker (ShardMarker): the batch's commit, created once
-    OUTPUT/JOB/job.json                    the job (JobRecord), before its first batch is queued
-    OUTPUT/JOB/enqueues/RUN.json           what one enqueue queues (EnqueueRecord), before it does
-    OUTPUT/JOB/rejects/NAME.rejects.jsonl  the lines enqueue rejected from input NAME
-
-A reader reads only the shards a marker names (one without may be half written). Batch numbers are
-never reused in a job's folder, and a shard is never overwritten with other bytes: a second writer's
-copy gets a tag in its name and the marker decides which counts.
-"""
+"""A job's output, the durable truth of what was generated whatever Redis forgets (docs/recovery.md):
+OUTPUT/JOB/shards/BATCH.jsonl[.gz], their markers manifest/BATCH.json (created once: the batch's commit),
+job.json, enqueues/RUN.json and rejects/; a local folder here, S3 in genq.output.s3. Readers read only
+the shards a marker names; batch numbers are never reused, and a shard never overwritten with other bytes."""
 
 from __future__ import annotations
 
@@ -70,50 +61,27 @@ def job_root(output: str, job: str) -> str:
 
 
 # --------------------------------------------------------------------------- a local folder
-def _temporary(target: Path, data: bytes | Callable[[BinaryIO], Any]) -> tuple[str, Any]:
-    """A finished, fsynced file beside `target`, created as open() creates one (0666 less the umask
-    now: mkstemp's 0600 would travel with the rename, and teammates could not read the shards): its
-    name, and what writing returned."""
+def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any], *, create: bool = False) -> Any:
+    """Write `data` (bytes, or a function that writes to the open file) whole over `path` by a rename: a
+    reader never sees half a file; what the function returned. create: only if nothing is there (a hard
+    link both creates and fails if the name exists): False when something is."""
+    target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
-        except FileExistsError:  # another writer's name: draw again
-            continue
+    # Created as open() creates one (0666 less the umask; mkstemp's 0600 would travel with the rename).
+    tmp = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as out:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as out:
             value = out.write(data) if isinstance(data, bytes) else data(out)
             out.flush()
             os.fsync(out.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return tmp, value
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any]) -> Any:
-    """Write `data` (bytes, or a function that writes to the open file) whole over `path`, by a rename:
-    a reader never sees half a file. Returns what the function returned."""
-    tmp, value = _temporary(Path(path), data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return value
-
-
-def create_atomic(path: str | os.PathLike[str], data: bytes) -> bool:
-    """Write `data` whole at `path` only if nothing is there (False when something is): a hard link
-    is the one step that both creates and fails if the name exists."""
-    tmp, _ = _temporary(Path(path), data)
-    try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
+        if not create:
+            os.replace(tmp, path)
+            return value
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
     finally:
         Path(tmp).unlink(missing_ok=True)
 
@@ -134,7 +102,7 @@ class LocalStore:
             return None
 
     def create(self, rel: str, data: bytes) -> bool:
-        return create_atomic(self.uri(rel), data)
+        return bool(write_atomic(self.uri(rel), data, create=True))
 
     def put(self, rel: str, data: bytes) -> None:
         write_atomic(self.uri(rel), data)
@@ -163,15 +131,10 @@ def shard_bytes(results: list[Result], compression: str) -> bytes:
     return gzip.compress(data, mtime=0) if compression == "gzip" else data  # mtime=0: same results, same bytes
 
 
-def shard_name(batch: str, compression: str, tag: str = "") -> str:
-    name = f"{batch}.{tag}" if tag else batch
-    return f"{name}.jsonl.gz" if compression == "gzip" else f"{name}.jsonl"
-
-
 def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes],
                prompts: int) -> ShardMarker:
-    """What a batch's marker says beyond where its shard is (commit_shard fills that in); digests:
-    prompt id -> 8-byte content digest of the prompts known; prompts: the batch's prompt count."""
+    """A batch's marker but for where its shard is (commit_shard fills that in); digests: prompt id ->
+    8-byte content digest of the prompts known."""
     dead = list(letters)
     out = ShardMarker(batch="", uri="", records=0, bytes=0, at=0.0, prompts=prompts, letters=len(dead),
                       dead_letters=dead)
@@ -187,40 +150,31 @@ def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests
 
 
 def shard_info(marker: ShardMarker) -> ShardInfo:
-    """The part of a marker Redis keeps (the job's shards hash)."""
     return ShardInfo(**{name: getattr(marker, name) for name in ShardInfo.__struct_fields__})
 
 
 def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, at: float, *,
                  compression: str, incarnation: str, outcome: ShardMarker | None) -> ShardInfo:
-    """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes
-    again are a no-op; raises AlreadyWritten when the marker is of other bytes (that shard stands:
-    genq.ops.recover adopts it)."""
-    sha = hashlib.sha256(data).hexdigest()
-    marker_at = marker_rel(job, batch)
-    existing = read_marker(store, marker_at)
-    if existing is not None:
-        return _same_or_raise(existing, sha, data, records)
-    shard_rel = f"{job}/{SHARDS_DIR}/{shard_name(batch, compression)}"
-    if not store.create(shard_rel, data) and store.read(shard_rel) != data:
-        # Another writer's bytes, with no marker yet (or never): leave them, write ours beside.
-        shard_rel = f"{job}/{SHARDS_DIR}/{shard_name(batch, compression, sha[:12])}"
-        store.put(shard_rel, data)
-    marker = msgspec.structs.replace(
-        outcome or ShardMarker(batch, "", 0, 0, 0.0), batch=batch, uri=store.uri(shard_rel), records=records,
-        bytes=len(data), at=at, incarnation=incarnation, sha256=sha)
-    if not store.create(marker_at, _json.encode(marker) + b"\n"):
-        raced = read_marker(store, marker_at)
-        if raced is not None:
-            return _same_or_raise(raced, sha, data, records)
-    return shard_info(marker)
-
-
-def _same_or_raise(existing: ShardMarker, sha: str, data: bytes, records: int) -> ShardInfo:
-    same = existing.sha256 == sha if existing.sha256 else (existing.bytes, existing.records) == (len(data), records)
+    """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes again
+    are a no-op; AlreadyWritten when the marker is of other bytes (that shard stands: recover adopts it)."""
+    sha, suffix = hashlib.sha256(data).hexdigest(), ".jsonl.gz" if compression == "gzip" else ".jsonl"
+    marker_at, shard_rel = marker_rel(job, batch), f"{job}/{SHARDS_DIR}/{batch}{suffix}"
+    marker = read_marker(store, marker_at)
+    if marker is None:
+        if not store.create(shard_rel, data) and store.read(shard_rel) != data:
+            # Another writer's bytes, with no marker yet (or never): leave them, write ours beside.
+            shard_rel = f"{job}/{SHARDS_DIR}/{batch}.{sha[:12]}{suffix}"
+            store.put(shard_rel, data)
+        marker = msgspec.structs.replace(
+            outcome or ShardMarker(batch, "", 0, 0, 0.0), batch=batch, uri=store.uri(shard_rel), records=records,
+            bytes=len(data), at=at, incarnation=incarnation, sha256=sha)
+        if store.create(marker_at, _json.encode(marker) + b"\n") or (raced := read_marker(store, marker_at)) is None:
+            return shard_info(marker)
+        marker = raced
+    same = marker.sha256 == sha if marker.sha256 else (marker.bytes, marker.records) == (len(data), records)
     if not same:
-        raise AlreadyWritten(existing)
-    return shard_info(existing)
+        raise AlreadyWritten(marker)
+    return shard_info(marker)
 
 
 def marker_rel(job: str, batch: str) -> str:
@@ -238,7 +192,6 @@ def read_marker(store: Store, rel: str) -> ShardMarker | None:
 
 
 def marker_batches(store: Store, job: str) -> set[str]:
-    """The batches with a marker in the job's manifest."""
     return {b for n in store.names(f"{job}/{MANIFEST_DIR}") if (b := batch_of_marker(n))}
 
 
@@ -269,8 +222,8 @@ def write_job(store: Store, record: JobRecord) -> None:
 
 
 def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
-    """job.json says the job was deleted at `at` (None: it lives again); False when there is none
-    (or it is of another life than `incarnation`, when given)."""
+    """job.json says the job was deleted at `at` (None: it lives again); False when there is none (of
+    `incarnation`, when given)."""
     on_disk = read_job(store, job)
     if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
         return False
@@ -280,14 +233,14 @@ def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | No
 
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
-    """job.json saying batch numbers up to at least `upto` may be in use (written before they are
-    queued), as written; never lowering what is there, nor writing older settings over newer ones."""
+    """job.json saying batch numbers up to `upto` may be in use (before they are queued), as written;
+    never lowering what is there, nor writing older settings over newer ones."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
         config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
         record = msgspec.structs.replace(record, config=config, reserved=max(record.reserved, on_disk.reserved),
                                          inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
-    if record.reserved >= upto and on_disk is not None and on_disk == record:
+    if record.reserved >= upto and on_disk == record:
         return record
     record = msgspec.structs.replace(record, reserved=max(record.reserved, upto))
     write_job(store, record)
@@ -314,10 +267,6 @@ def write_enqueue(store: Store, job: str, run: str, record: EnqueueRecord) -> No
 
 
 def read_enqueues(store: Store, job: str) -> dict[str, EnqueueRecord]:
-    """Every enqueue record of the job's folder, by run."""
-    out = {}
-    for name in sorted(store.names(f"{job}/{ENQUEUES_DIR}")):
-        raw = store.read(f"{job}/{ENQUEUES_DIR}/{name}") if name.endswith(".json") else None
-        if raw:
-            out[name.removesuffix(".json")] = msgspec.json.decode(raw, type=EnqueueRecord)
-    return out
+    names = [n for n in store.names(f"{job}/{ENQUEUES_DIR}") if n.endswith(".json")]
+    raws = {n.removesuffix(".json"): store.read(f"{job}/{ENQUEUES_DIR}/{n}") for n in sorted(names)}
+    return {run: msgspec.json.decode(raw, type=EnqueueRecord) for run, raw in raws.items() if raw}
