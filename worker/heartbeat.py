@@ -62,7 +62,7 @@ class Heartbeat:
         self.batches = batches  # what is held; after each beat, its lease check
         self.held = batches.held
         self.dispatcher = dispatcher
-        self.controls = dispatcher.controls  # written here only
+        self.gate = dispatcher.gate  # its controls written here only
         self.stopping = dispatcher.stopping
         self.watch = dispatcher.watch
         self.controller = dispatcher.controller
@@ -126,11 +126,11 @@ class Heartbeat:
                 await self.beat()
                 # The operator's controls; one changed: the status just written is stale, and an idle
                 # engine's next beat is 20 s away: the change shows in 1 s.
-                if await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
+                if await self.gate.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
                     self.pace.beat_now.set()
                 await self.batches.check_leases()
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
-                self.controls.leases_checked()
+                self.gate.leases_checked()
                 self.dispatcher.wake.set()
                 self._answered()
             except (redis.RedisError, OSError) as exc:
@@ -154,7 +154,7 @@ class Heartbeat:
             self.outage_since = None
 
     def state(self) -> WorkerState:
-        c = self.controls
+        c = self.gate
         if self.watch.down:
             return "server_down"
         if c.draining or self.stopping.requested:

@@ -25,7 +25,7 @@ from genq.core.waits import wait_event
 
 if TYPE_CHECKING:
     from genq.worker.dispatch import Dispatcher
-    from genq.worker.gate import Controls
+    from genq.worker.gate import Gate
     from genq.worker.held import Holdings
 
 log = logging.getLogger("genq.worker")
@@ -123,7 +123,7 @@ class IdlePace:
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
-    async def fresh_beat(self, controls: Controls, within: float = 3.0) -> None:
+    async def fresh_beat(self, controls: Gate, within: float = 3.0) -> None:
         """Asks the heartbeat for a beat now (its lease check included) and waits for it: an idle
         engine beats every IDLE_BEAT_S, and sends nothing on a lease check older than LEASE_CHECK_STALE_S."""
         before = controls.last_beat

@@ -105,7 +105,7 @@ class Stealer:
         self.batches = batches  # borrowed prompts are held, sent and given back through it
         self.held = batches.held
         self.dispatcher = dispatcher
-        self.controls = dispatcher.controls
+        self.gate = dispatcher.gate
         self.models = models  # whether this engine may take a job's prompts (worker/watch.py)
         self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
         # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
@@ -120,8 +120,8 @@ class Stealer:
         wait, looked, tail_at = STEAL_EVERY_S, 0.0, 0.0
         while True:
             woken = await self.pace.nap(max(0.0, min(looked + wait, tail_at) - time.monotonic()), looked)
-            if woken and not self.controls.leases_fresh():
-                await self.pace.fresh_beat(self.controls)  # idle: its last lease check is old
+            if woken and not self.gate.leases_fresh():
+                await self.pace.fresh_beat(self.gate)  # idle: its last lease check is old
             if time.monotonic() >= tail_at:
                 await self.tail()
                 tail_at = time.monotonic() + (TAIL_NEAR_EVERY_S if self._near and not self.dispatcher.hold_back
@@ -153,7 +153,7 @@ class Stealer:
             await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if free <= 0 or not self.dispatcher.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
+        if free <= 0 or not self.dispatcher.accepting() or self.dispatcher.hold_back or not self.gate.leases_fresh():
             return 0
         if await self.conn.llen(self.queue_key):
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
@@ -193,7 +193,7 @@ class Stealer:
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
         """Batches other engines hold, with their job's settings as they are now (read each pass:
         a job deleted and enqueued again under its name is another incarnation)."""
-        names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.controls.paused_jobs]
+        names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.gate.paused_jobs]
         out = []
         for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True)):
             if now.config is None:
