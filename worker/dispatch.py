@@ -60,17 +60,10 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 class Dispatcher:
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, batches: Batches,
                  watch: ServerWatch, gate: Gate, stopping: StopNow, shares: Shares) -> None:
-        self.opts = opts
-        self.client = client
-        self.controller = controller
-        self.batches = batches  # dead-letters a prompt
-        self.writer = batches.writer
-        self.todo = batches.todo
-        self.running = batches.running
-        self.watch = watch
+        self.opts, self.client, self.controller, self.watch, self.stopping = opts, client, controller, watch, stopping
+        self.batches, self.writer, self.todo, self.running = batches, batches.writer, batches.todo, batches.running
         self.gate = gate  # the operator's controls, the brake, parking
-        self.stopping = stopping
-        self.shares = shares  # which job's prompts are claimed next (worker/shares.py)
+        self.shares = shares  # which job's prompts are claimed next
         self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
         self.rates = RateWindow()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
@@ -83,7 +76,7 @@ class Dispatcher:
         return len(self.todo)
 
     def accepting(self) -> bool:
-        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
+        """Whether the engine takes new work."""
         return not (self.gate.draining or self.gate.paused_all or self.stopping.requested or self.watch.down)
 
     def _open(self) -> bool:
@@ -175,7 +168,7 @@ class Dispatcher:
         return config.model if config.model != "auto" else self.watch.model or "default"
 
     def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
-        """Records the answer, or returns why it is not what the request asked for (answers.py)."""
+        """Records the answer, or returns why it is not what the request asked for."""
         held = task.batch
         latency = time.monotonic() - task.progress.started
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.writer.worker,
@@ -234,9 +227,8 @@ class Dispatcher:
         self.batches.dead(task, failure)
 
     async def _check(self, gate: bool) -> bool:
-        """The watch's check (is the server down, or not the one it was?). With `gate` (after a connection
-        failure: a restart resets every connection) nothing is sent until it says what the server is now:
-        another model's answer must never be recorded."""
+        """Is the server down, or not the one it was? With `gate` nothing is sent until it says (another
+        model's answer must never be recorded)."""
         self.verifying += gate
         try:
             return await self.watch.is_down()

@@ -1,7 +1,5 @@
-"""The engine's heartbeat: it is alive, what it holds, how fast it goes; and what the operator asks
-of it (drain, live concurrency cap, pause). A beat is a few Redis writes a second: GPU figures come
-from a sampler thread (NVML can block), shards are written on threads of their own.
-"""
+"""The engine's heartbeat: alive, what it holds, how fast it goes; then the operator's controls and
+the lease check. GPU figures come from a sampler thread (NVML can block)."""
 
 from __future__ import annotations
 
@@ -32,44 +30,20 @@ GPU_EVERY_S = 5.0
 INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
 
-class GpuSampler:
-    """Samples NVML on a daemon thread; the heartbeat reads the last sample."""
-
-    def __init__(self, probe: GpuProbe) -> None:
-        self.probe = probe
-        self.last: GpuSample | None = None
-        self._stop = threading.Event()
-        if probe.note is None:
-            threading.Thread(target=self._run, name="genq-gpu", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.last = self.probe.sample()
-            self._stop.wait(GPU_EVERY_S)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, batches: Batches,
                  dispatcher: Dispatcher, pace: IdlePace) -> None:
-        self.opts = opts
-        self.name = name
-        self.host = host
-        self.instance = instance
-        self.conn = batches.conn
-        self.batches = batches  # what is held; after each beat, its lease check
-        self.held = batches.held
-        self.dispatcher = dispatcher
-        self.gate = dispatcher.gate  # its controls written here only
-        self.stopping = dispatcher.stopping
-        self.watch = dispatcher.watch
+        self.opts, self.name, self.host, self.instance = opts, name, host, instance
+        self.conn, self.batches, self.held = batches.conn, batches, batches.held  # after each beat, its lease check
+        self.dispatcher, self.gate = dispatcher, dispatcher.gate  # the gate's controls are written here only
+        self.stopping, self.watch, self.rates = dispatcher.stopping, dispatcher.watch, dispatcher.rates
         self.controller = dispatcher.controller
-        self.rates = dispatcher.rates
         self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.gpu = GpuProbe(opts.gpu)
-        self.sampler = GpuSampler(self.gpu)
+        self.gpu_sample: GpuSample | None = None
+        self._gpu_stop = threading.Event()
+        if self.gpu.note is None:
+            threading.Thread(target=self._sample_gpu, name="genq-gpu", daemon=True).start()
         self.started_at = time.time()
         self.outage_since: float | None = None  # monotonic: the first beat that failed, while they fail
         self._next_note = 0.0  # seconds into the outage when the next warning is due
@@ -82,9 +56,14 @@ class Heartbeat:
         self._writing = asyncio.Lock()
         self._stopped = False
 
+    def _sample_gpu(self) -> None:
+        while not self._gpu_stop.is_set():
+            self.gpu_sample = self.gpu.sample()
+            self._gpu_stop.wait(GPU_EVERY_S)
+
     async def unreachable(self) -> Exception | None:
-        """Why Redis does not answer at the start (a wrong URL exits at once), or None. A Redis that
-        refuses writes answers: MISCONF refuses PING too, and first_beat waits for it."""
+        """Why Redis does not answer at the start (a wrong URL exits at once), or None; one refusing
+        writes (MISCONF refuses PING too) is waited for by first_beat."""
         try:
             await self.conn.ping()
         except (redis.RedisError, OSError) as exc:
@@ -92,9 +71,7 @@ class Heartbeat:
         return None
 
     async def first_beat(self) -> None:
-        """The start's beat, waited for like every other: Redis can be full (or restarting) while a
-        worker starts, and nothing is held yet that would need it sooner. Says first what Redis's
-        settings mean for genq (genq.core.redisconn)."""
+        """The start's beat, waited for (Redis full or restarting), after what Redis's settings mean for genq."""
         try:
             if note := redis_note(await self.conn.info()):
                 log.warning("%s", note.text)
@@ -124,8 +101,7 @@ class Heartbeat:
                 continue
             try:
                 await self.beat()
-                # The operator's controls; one changed: the status just written is stale, and an idle
-                # engine's next beat is 20 s away: the change shows in 1 s.
+                # A control changed: the status just written is stale (an idle engine's next beat is 20 s away).
                 if await self.gate.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
                     self.pace.beat_now.set()
                 await self.batches.check_leases()
@@ -137,8 +113,7 @@ class Heartbeat:
                 self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
-        """A beat failed: Redis away or refusing writes (genq.core.redisconn), said when it starts and
-        every REDIS_NOTE_EVERY_S while it lasts (the log of a long outage stays readable)."""
+        """A beat failed (Redis away or refusing writes): said at once, then every REDIS_NOTE_EVERY_S."""
         if self.outage_since is None:
             self.outage_since, self._next_note = time.monotonic(), 0.0
         down_for = time.monotonic() - self.outage_since
@@ -191,7 +166,7 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
+            gpu_sample=self.gpu_sample, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
@@ -252,7 +227,7 @@ class Heartbeat:
             )
 
     async def stopped(self) -> None:
-        self.sampler.stop()
+        self._gpu_stop.set()
         await fleet.stopped(self.conn, self.instance, self.name)
         await self.beat(state="stopped")
 
