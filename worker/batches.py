@@ -353,14 +353,14 @@ class Batches:
         while any(t.batch in mine or t.batch in borrowed for t in self.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()  # what was recorded is written: it stays
-        for b in borrowed:
-            await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
-            self.held.borrowed.pop(b.ref, None)
         ended = []
-        for h in mine:
+        for h in borrowed + mine:
             if h.completing:
                 continue  # the flush above finished it
             await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
+            if h.borrowed:
+                self.held.borrowed.pop(h.ref, None)
+                continue
             end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=requeue)
             if await retrying(end, f"ending the lease of {h.ref}"):
                 ended.append(str(h.ref))

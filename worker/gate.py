@@ -1,15 +1,7 @@
-"""Whether a job's prompts may be sent here, one object and one question (`Gate.why_not`).
-
-The operator's controls (drain, pause of all or of jobs, a live concurrency cap) as the heartbeat last
-read them; it alone writes them. The brake: a wrong setting (max_tokens over the context) fails every
-request of a job the same way, and dead-lettering them one by one would burn the job. So a job's last
-WINDOW outcomes are kept (a result, or a non-retryable failure's signature) and a failure is held back
-while its signature is most of the window; a full window mostly one signature, from TRIP_PROMPTS
-prompts or more, blocks the job. Else held failures are dead-lettered once outnumbered, or after HOLD_S.
-Parking: a blocked or paused job's batches held here stop sending (blocked: requests in flight are
-cancelled, nothing recorded), drop their claims and end their leases with no RQ job carrying them;
-`genq resume --job JOB` queues them again. New settings reach held batches within a second; the
-preflight blocks a job whose max_tokens can never fit the server's context. docs/settings.md.
+"""Whether a job's prompts may be sent here (`Gate.why_not`): the operator's controls, as the heartbeat
+last read them; the brake, which blocks a job whose requests keep failing the same way (a wrong setting
+would otherwise dead-letter the whole job, prompt by prompt); and parking, which ends the leases of a
+blocked or paused job's batches with no RQ job carrying them until `genq resume --job`. docs/settings.md.
 """
 
 from __future__ import annotations
@@ -137,8 +129,6 @@ class Gate:
         self.paused_all, self.paused_jobs = paused, paused_jobs
         return changed
 
-    # ---------------------------------------------------------------- the brake
-
     def succeeded(self, task: Task) -> None:
         window = self.windows.setdefault(task.batch.ref.job, JobWindow())
         window.outcomes.append((None, task.prompt.id))
@@ -205,8 +195,6 @@ class Gate:
         would have been."""
         for held in self.windows.pop(job, JobWindow()).held:
             self.batches.dead(held.task, held.failure)
-
-    # ---------------------------------------------------------------- parking
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 import redis
 
@@ -92,11 +93,9 @@ class Heartbeat:
         while True:
             await self.pace.tick(BEAT_S)
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
-            now, last_tick = time.monotonic(), tick
-            tick = now
-            if now - last_tick > LEASE_TIMEOUT_S:
-                log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
-                            now - last_tick)
+            last_tick, tick = tick, time.monotonic()
+            if tick - last_tick > LEASE_TIMEOUT_S:
+                log.warning("this engine was frozen for %.0fs: checking its leases before sending more", tick - last_tick)
             if not self.pace.beat_due():
                 continue
             try:
@@ -171,9 +170,7 @@ class Heartbeat:
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
         )
-        in_flight: dict[str, int] = {}
-        for task in self.dispatcher.running:
-            in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
+        in_flight = Counter(task.batch.ref.job for task in self.dispatcher.running)
         decodebound.add_tally(self.tallies, in_flight, status, now - self._tallied_at)
         self._tallied_at = now
         status.bound_tally = self.tallies
@@ -195,8 +192,7 @@ class Heartbeat:
         for task in self.dispatcher.running:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
-        now = time.time()
-        pace = self.pace
+        now, pace = time.time(), self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             jobs = set(by_job) | set(queued) | self.held.jobs()
             fleet.stage_beat(pipe, status, self.instance, pace.ttl(LEASE_TIMEOUT_S), pace.ttl(STATUS_TTL_S),
@@ -221,10 +217,8 @@ class Heartbeat:
         await asyncio.sleep(2.5)  # a live worker heartbeats every second
         other = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if other is not None and other.heartbeat_at > first and other.state != "stopped":
-            raise SystemExit(
-                f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "
-                "give this one another --name"
-            )
+            raise SystemExit(f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "
+                             "give this one another --name")
 
     async def stopped(self) -> None:
         self._gpu_stop.set()

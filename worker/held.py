@@ -1,10 +1,6 @@
-"""What an engine holds: leased batches, the prompts of them it drives, and its claims on them.
-
-Each prompt is claimed (keys.batch_claims) by the engine about to send it, "INSTANCE TOKEN": the holder
-claims a few ahead of its free slots, idle engines take the rest from the back (worker/stealing.py).
-A claim counts while its lease is the batch's current one and its engine beats; an outcome ends it
-(RECORD), RELEASE drops them all; taking over a dead engine's claim is a try lost (Task.lost). Claims
-keep two live engines off one prompt; exactly once is RECORD's (first writer wins).
+"""What an engine holds: leased batches, their prompts, and its claims (one sender per prompt: the
+holder claims a few ahead of its free slots, idle engines take the rest from the back). Claims keep two
+live engines off one prompt; exactly once is RECORD's (first writer wins).
 """
 
 from __future__ import annotations

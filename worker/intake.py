@@ -1,10 +1,6 @@
-"""The engine takes its batches off RQ's queue itself: one script (TAKE) moves a batch's RQ job to RQ's
-started registry under this engine's name and leases the batch, so no batch is ever between two owners
-and `rq info` stays truthful. When: while fewer than --prefetch batches are held; beyond that while the
-unsent prompts are under (prefetch - 1) batches' worth, or the queue's next batch outranks what waits
-here (worker/shares.py); never while draining, paused, stopping or server down. Which: the first queued
-batch this engine may run (other models' jobs and jobs whose shards cannot be written here now are
-skipped). A stock `rq worker` fails each batch at once (run_batch); the reconciler queues it again.
+"""The engine takes batches off RQ's queue itself (TAKE: the RQ job started under this engine's name
+and the batch leased in one script, so `rq info` stays truthful): while fewer than --prefetch are held,
+or (prefetch - 1) batches' worth is not left unsent, or the queue's next batch outranks what waits here.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""The end of the queue on a fleet, one loop (`Stealer.run`). Stealing: once RQ's queue is empty, free
-slots claim (worker/held.py) prompts from the back of other engines' batches while their holders send
-from the front, as from one shared queue; borrowed prompts are sent and recorded here, the holder
-writes the shard. Holding back: the fleet's U unsent prompts are the last to start; one started here
-ends after L_me (mean output tokens x this worker's s/token), on a worker v at least MARGIN faster
-after L_v. While U <= SPREAD x sum_v slots_v / L_v x (L_me - L_v), each ends sooner elsewhere: this
-worker starts nothing (Dispatcher.hold_back), gives back what it claimed ahead, and the faster ones
-take it. The fastest never holds back; a hold lasts a few request times at most; a server down past
-DOWN_GRACE_S gives back every claim. Speeds come from the heartbeats (WorkerStatus).
+"""The end of the queue on a fleet (docs/scheduling.md): once RQ's queue is empty, free slots take
+("borrow") unsent prompts from the back of other engines' batches, and a slow engine holds back while
+every unsent prompt of the fleet ends sooner on faster ones: U <= SPREAD x sum_v slots_v / L_v x
+(L_me - L_v), L the mean request time (WorkerStatus.token_s x mean_tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -192,12 +188,9 @@ class Stealer:
                 self._batches.popitem(last=False)
         return self._batches[cached]
 
-    # ---------------------------------------------------------------- holding back
-
     async def tail(self) -> None:
         """Decide the hold (see the module docstring) and act on it."""
-        d = self.dispatcher
-        active = self.held.active()
+        d, active = self.dispatcher, self.held.active()
         self._near = self._near and active and not self._given_up
         since = d.watch.down_since  # down past DOWN_GRACE_S: its prompts are better sent anywhere else
         down = since is not None and time.monotonic() - since > DOWN_GRACE_S
@@ -208,10 +201,8 @@ class Stealer:
             hold = False
         hold = down or self._bounded(hold, active)
         if hold:  # claiming nothing, it hears of no backlog prompt faster engines finished: it looks
-            try:
+            with contextlib.suppress(redis.RedisError, OSError):
                 await d.todo.prune()
-            except (redis.RedisError, OSError) as exc:
-                log.debug("tail prune skipped: %s", exc)
         began = hold and not d.hold_back
         if hold != d.hold_back:
             if not down:
@@ -232,8 +223,7 @@ class Stealer:
                 log.info("end of the queue: %d claimed prompts not sent here, left to the faster workers", back)
 
     def _bounded(self, hold: bool, active: bool) -> bool:
-        """A hold lasts at most a few of this worker's request times: if the faster workers have
-        not taken the prompts by then (another model's, paused, gone), this one sends them."""
+        """A hold lasts a few of this worker's request times at most: then this one sends them."""
         if not active:
             self._given_up = False
         if not hold:
@@ -253,12 +243,9 @@ class Stealer:
         self._near = False
         if await self.conn.llen(self.queue_key):
             return False
-        found = await fleet.statuses(self.conn)
-        if len(found) < 2:
-            return False
-        statuses = [s for s in found.values() if s is not None]
+        statuses = [s for s in (await fleet.statuses(self.conn)).values() if s is not None]
         me = next((s for s in statuses if s.name == self.name), None)
-        if me is None:
+        if me is None or len(statuses) < 2:
             return False
         if me.token_s and me.mean_tokens:
             self._hold_limit_s = max(HOLD_MIN_S, HOLD_REQUESTS * me.token_s * me.mean_tokens)
