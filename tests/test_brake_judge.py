@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from genq.core.records import BatchRef, JobConfig, Prompt
-from genq.worker.gate import HOLD_S, TRIP_PROMPTS, WINDOW, Brake, signature
+from genq.worker.gate import HOLD_S, TRIP_PROMPTS, WINDOW, Gate, signature
 from genq.worker.held import HeldBatch, Task
 from genq.worker.server import Failure
 
@@ -16,7 +16,9 @@ TOO_LONG = "The input ({n} tokens) is longer than the model's context length (20
 class Judged:
     def __init__(self) -> None:
         self.dead: list[str] = []
-        self.brake = Brake("w", SimpleNamespace(dead=lambda task, failure: self.dead.append(task.prompt.id)))  # type: ignore[arg-type]
+        batches = SimpleNamespace(dead=lambda task, failure: self.dead.append(task.prompt.id), conn=None,
+                                  sync_conn=None, worker="w", held=None)
+        self.brake = Gate(batches, None, None)  # type: ignore[arg-type]
         self.batch = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp"), 1000, set())
 
     @property

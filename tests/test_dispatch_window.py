@@ -61,9 +61,10 @@ def server_up() -> SimpleNamespace:
     return SimpleNamespace(down=False, outages=0, model="m", is_down=lambda: asyncio.sleep(0, False))
 
 
-def fresh_controls() -> SimpleNamespace:
-    """Nothing paused, and the leases just checked."""
-    return SimpleNamespace(paused_all=False, paused_jobs=set(), leases_fresh=lambda: True)
+def open_gate() -> SimpleNamespace:
+    """Nothing paused or blocked, the leases just checked, nothing braked."""
+    return SimpleNamespace(paused_all=False, leases_fresh=lambda: True, why_not=lambda job: None,
+                           succeeded=lambda task: None)
 
 
 def dispatcher(server: Server, todo: Todo) -> Dispatcher:
@@ -71,9 +72,8 @@ def dispatcher(server: Server, todo: Todo) -> Dispatcher:
     batches = SimpleNamespace(todo=todo, running=Running(), dead=None, writer=SimpleNamespace(
         worker="w", add_result=lambda result, incarnation: None))
     return Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), server,  # type: ignore[arg-type]
-                      SimpleNamespace(target=TARGET), batches, server_up(), fresh_controls(),  # type: ignore[arg-type]
-                      SimpleNamespace(requested=0), SimpleNamespace(blocked=set(), succeeded=lambda task: None),
-                      SimpleNamespace(plan=None))
+                      SimpleNamespace(target=TARGET), batches, server_up(), open_gate(),  # type: ignore[arg-type]
+                      SimpleNamespace(requested=0), SimpleNamespace(plan=None))
 
 
 async def settle() -> None:

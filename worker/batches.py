@@ -1,21 +1,14 @@
-"""The life of every batch this engine holds, from the moment the intake took it (TAKE,
-worker/intake.py) to its end; one owner, `Batches`.
+"""The life of every batch this engine holds, from TAKE (worker/intake.py) to its end; one owner, `Batches`.
 
     taken --load--> arrived --admitted (worker/gate.py)--> sending --every prompt has an outcome-->
-      completing --shard written, RELEASE--> done
-      |  sending <--outcomes lost from Redis (a rollback)-- completing
+      completing --shard written, RELEASE--> done      (outcomes lost from Redis: sending again)
       |--lease no longer ours (done elsewhere, leased again, job gone)--> let go
       |--handed back (stopping, server gone or changed model, input unreadable)--> queued
-      |--its job blocked or paused--> parked (its lease ended, no RQ job: `genq resume --job` queues it)
-      |--another model's job, or written already (ADOPT)--> queued / done
+      |--its job blocked or paused--> parked (lease ended, no RQ job: `genq resume --job` queues it)
 
-A held batch is a `HeldBatch` (worker/held.py) in `held`. The lease rules are the ledger's
-(genq.core.ledger, docs/exactly-once.md): the newest lease drives a batch, and one that is no
-longer this engine's sends nothing more. Outcomes are committed in groups by RECORD (first writer
-wins, counted, only for the job's incarnation they were generated for: `ResultWriter`). A shard
-is built from what Redis recorded, never from memory (every holder builds the same bytes), only
-once Redis holds an outcome for every prompt; RELEASE checks again as it marks the batch done.
-Encoding and uploads run on threads of their own, never on the event loop.
+The newest lease drives a batch (docs/exactly-once.md). A shard is built from what Redis recorded,
+never from memory (every holder builds the same bytes), once Redis holds every prompt's outcome;
+RELEASE checks again as it marks the batch done. Encoding and uploads run on threads of their own.
 """
 
 from __future__ import annotations
@@ -32,17 +25,7 @@ import redis.asyncio as aioredis
 
 from genq.core import scripts
 from genq.core.ledger import fleet, leasing
-from genq.core.records import (
-    BatchRef,
-    BatchSource,
-    DeadLetter,
-    JobConfig,
-    Prompt,
-    Result,
-    ShardMarker,
-    unpack,
-    with_prompt,
-)
+from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, Result, unpack, with_prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, written_marker
@@ -66,31 +49,23 @@ class Batches:
                  running: Running, backoff: tuple[float, float] = (1.0, 60.0)) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
-        self.worker = worker
-        self.held = held
-        self.running = running
+        self.worker, self.held, self.running = worker, held, running
         self.claims = Claims(conn, instance)
         self.writer = ResultWriter(conn, worker, self)  # tells on_written
-        self.todo = Todo(self.claims, self.on_written)  # the prompts not sent yet (worker/todo.py)
-        # Loaded batches and their unfinished prompts: parking admits them (blocked jobs, the preflight).
-        self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()
-        self.completed = 0
-        self.handed_back = 0
+        self.todo = Todo(self.claims, self.on_written)
+        self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()  # the gate admits them
+        self.completed = self.handed_back = 0
         self.completions: set[asyncio.Task[None]] = set()
-        # Batches whose shard cannot be written now (disk full, S3 down), and why: their results stay
-        # in Redis while the write is retried; nothing new of their jobs is taken (worker/intake.py).
+        # Shards that cannot be written now (disk full, S3 down), and why: their results stay in Redis
+        # while the write is retried; nothing new of their jobs is taken.
         self.unwritten: dict[BatchRef, str] = {}
-        self._backoff = backoff  # a shard write's retry: worker --retry-backoff, --retry-backoff-max
-        # Set once a shard is written after failing: the intake (idle, every job it could take skipped)
-        # takes the job's batches again now, not at its next look up to 30 s later.
-        self.written_again = asyncio.Event()
+        self._backoff = backoff  # worker --retry-backoff, --retry-backoff-max
+        self.written_again = asyncio.Event()  # a shard written after failing: the intake looks again now
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
 
-    # ---------------------------------------------------------------- taken
-
     def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
-        """A batch taken again while held (queued twice): True if `token` now drives it, the newest lease."""
+        """A batch taken again while held: True if `token`, the newest lease, now drives it."""
         current = self.held.get(ref)
         if current is None or current.dropped:
             return False
@@ -102,8 +77,8 @@ class Batches:
         return False
 
     async def load(self, token: str, ref: BatchRef, config: JobConfig | None) -> None:
-        """A batch TAKE leased to this engine under `token`, with its job's settings now (None: the job
-        is gone, and its lease with it): what Redis recorded of it is not sent again."""
+        """A batch TAKE leased here under `token` (`config` None: its job is gone): what Redis recorded
+        of it is not sent again."""
         raw = await leasing.batch_record(self.conn, ref)
         if config is None or raw is None:
             return  # the job was deleted meanwhile: its lease goes with it
@@ -115,7 +90,7 @@ class Batches:
         unfinished = {i for i in ids if i not in finished}
         prompts: list[Prompt] = []
         changed: str | None = None
-        try:  # every prompt, finished ones too: the shard joins each result with its prompt
+        try:  # finished ones too: the shard joins each result with its prompt
             prompts = await self._read(source, config)
         except InputChanged as exc:
             changed = (f"{exc}. To run them: restore the input (or fix it), `genq dlq purge --job {ref.job}`, "
@@ -139,7 +114,7 @@ class Batches:
         self.arrived.put_nowait((held, [p for p in prompts if p.id in unfinished]))
 
     async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
-        """The batch's prompts; a failing read is tried a few times (a blip) before it is given up."""
+        """The batch's prompts, read up to LOAD_TRIES times (a blip)."""
         for attempt in range(LOAD_TRIES - 1):
             try:
                 return await load_prompts(source, config)
@@ -152,14 +127,12 @@ class Batches:
         return await load_prompts(source, config)
 
     def send(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """An admitted batch's prompts go to dispatch; what this engine had borrowed of it is the lease's
-        now, already on its way."""
+        """An admitted batch's prompts go to dispatch; those borrowed of it before are the lease's now."""
         borrowed = self.held.borrowed.pop(held.ref, None)
         adopted = set() if borrowed is None else self.todo.adopt(borrowed, held, iter(self.running))
         self.todo.add(held, [p for p in prompts if p.id not in adopted])
 
     def dead(self, task: Task, failure: Failure) -> None:
-        """The prompt goes to the dead-letter queue."""
         held, attempts = task.batch, task.lost + task.attempts
         log.warning("prompt %s/%s to the dead-letter queue after %d attempt(s): %s%s: %s", held.ref.job,
                     task.prompt.id, attempts, failure.kind, f" {failure.status}" if failure.status else "",
@@ -170,8 +143,8 @@ class Batches:
         ), held.config.incarnation)
 
     def drop(self, held: HeldBatch, *, cancel: bool) -> list[str]:
-        """Send nothing more of this batch; with `cancel`, stop its requests in flight too (their prompts
-        stay unfinished: nothing is recorded or counted). The ids claimed here and not sent: their claims can go."""
+        """Send nothing more of this batch (`cancel`: its requests in flight stop, nothing recorded);
+        the ids claimed here and not sent."""
         held.dropped = True
         unsent = self.todo.remove_batch(held)
         if cancel:
@@ -179,8 +152,6 @@ class Batches:
                 if task.batch is held:
                     aio.cancel()
         return unsent
-
-    # ---------------------------------------------------------------- sending -> completing -> done
 
     def on_written(self, job: str, batch: str, ids: list[str]) -> None:
         """Outcomes recorded, by this engine or (lent prompts) another one."""
@@ -220,8 +191,7 @@ class Batches:
 
     async def write_and_release(self, held: HeldBatch) -> set[str]:
         """Write the shard and release the batch if Redis holds every prompt's outcome; else the prompts
-        without one (nothing is written). Released here counts in `completed`; done by another holder,
-        or of a job gone, it is let go."""
+        without one (nothing written). Done by another holder, or of a job gone: let go."""
         ref = held.ref
         for _ in range(SHORT_TRIES):
             recorded = await retrying(lambda: self._recorded(held), f"reading batch {ref}")
@@ -235,7 +205,11 @@ class Batches:
                 return set()
             # Redis lost outcomes after they were read (a rollback): the shard just written is the
             # batch's outcome, as any written shard is, and none of its prompts is generated again.
-            marker = await self._written_marker(held)
+            try:
+                marker = await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config, ref)
+            except Exception as exc:  # the output unreachable now: read Redis again instead
+                log.warning("batch %s: cannot read its marker (%s: %s)", ref, type(exc).__name__, exc)
+                marker = None
             if marker is not None:
                 adopting = functools.partial(adopt_marker, self.conn, ref, marker)
                 self.completed += bool(await retrying(adopting, f"adopting batch {ref}"))
@@ -244,13 +218,6 @@ class Batches:
         # Never marked done short: the batch is let go, and the reconciler queues it again.
         log.error("batch %s: Redis never held exactly the shard's results; letting the batch go", ref)
         return set()
-
-    async def _written_marker(self, held: HeldBatch) -> ShardMarker | None:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config, held.ref)
-        except Exception as exc:  # the output unreachable now: read Redis again instead
-            log.warning("batch %s: cannot read its marker (%s: %s)", held.ref, type(exc).__name__, exc)
-            return None
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
         """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
@@ -287,9 +254,8 @@ class Batches:
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 
     async def _recorded(self, held: HeldBatch) -> _Recorded | None:
-        """Everything recorded for the batch, read in one transaction; None once it is done, or its job
-        is gone or another incarnation. Results are stored without their prompt (records.without_prompt):
-        each is joined here with its prompt from the batch held, so the shard's line is what it was."""
+        """Everything recorded for the batch, in one transaction, each result joined with its prompt; None
+        once it is done, or its job gone (or another incarnation)."""
         ref = held.ref
         by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
         done, raw_config, raw_batch, raw_results, stored_letters = await leasing.stored_outcomes(
@@ -323,18 +289,21 @@ class Batches:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---------------------------------------------------------------- let go
-
     async def check_leases(self) -> None:
-        """After each heartbeat: let go of batches whose lease is no longer this engine's."""
-        for held, why in await self._lost():
-            if why == "gone":
+        """After each heartbeat: let go of batches whose lease is no longer this engine's (requests in
+        flight finish, first writer wins, unless the job is gone: deleted, or enqueued again)."""
+        mine = [h for h in self.held.values() if not h.dropped and not h.completing]
+        states = await leasing.lease_states(self.conn, [h.ref for h in mine]) if mine else []
+        for held, (incarnation, done, token) in zip(mine, states):
+            gone = incarnation != held.config.incarnation
+            if gone:
                 log.info("batch %s: its job was deleted (or enqueued again as a new job): dropping it", held.ref)
-            else:
+            elif done or token != held.token:
                 log.info("batch %s %s elsewhere: dropping it here", held.ref,
-                         "was completed" if why == "done" else "was leased again")
-            # Requests in flight finish (first writer wins), unless nothing of them may be recorded.
-            unsent = self.drop(held, cancel=why == "gone")
+                         "was completed" if done else "was leased again")
+            else:
+                continue
+            unsent = self.drop(held, cancel=gone)
             self.held.pop(held.ref, None)
             await self.claims.unclaim(held, unsent)
         await self.todo.check_claims()
@@ -342,30 +311,12 @@ class Batches:
             if not held.unfinished and not held.completing and not held.dropped:
                 self.on_written(held.ref.job, held.ref.batch, [])
 
-    async def _lost(self) -> list[tuple[HeldBatch, str]]:
-        """Held batches whose lease is no longer this engine's: (batch, "gone" | "done" | "superseded");
-        "gone": the job was deleted, or deleted and enqueued again (another incarnation)."""
-        refs = [h for h in self.held.values() if not h.dropped and not h.completing]
-        if not refs:
-            return []
-        lost = []
-        for h, (incarnation, done, token) in zip(refs, await leasing.lease_states(self.conn, [h.ref for h in refs])):
-            if incarnation != h.config.incarnation:
-                lost.append((h, "gone"))
-            elif done:
-                lost.append((h, "done"))
-            elif token != h.token:
-                lost.append((h, "superseded"))
-        return lost
-
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
-        """Queue the batch again (front of the queue); False if it was done or no longer ours
-        (then there is nothing to give back)."""
+        """Queue the batch again, at the front; False if it was done or no longer ours."""
         return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
 
     async def hand_back_all(self, why: str) -> None:
-        """Give every held batch back to the queue, and borrowed prompts to their holders; what
-        finished stays finished."""
+        """Every held batch back to the queue, borrowed prompts to their holders."""
         await self.give_back_borrowed(why)
         given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
                                    requeue=True)
@@ -374,8 +325,7 @@ class Batches:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def give_back_borrowed(self, why: str) -> None:
-        """Borrowed prompts go back to their holders: nothing more is sent, what was recorded is
-        written, then the claims go, and idle workers hear of them."""
+        """Borrowed prompts go back to their holders (what was recorded stays), and idle workers hear."""
         borrowed = list(self.held.borrowed.values())
         if not borrowed:
             return
@@ -388,31 +338,29 @@ class Batches:
             log.debug("wake-up not sent: %s", exc)
 
     async def park(self, job: str, *, cancel: bool) -> list[str]:
-        """Park the job's batches: their leases end with no RQ job carrying them (`genq resume --job`
-        queues them again), borrowed prompts of it go back. Blocked (`cancel`), its requests in flight
-        are cancelled (nothing recorded); paused, they finish and are recorded. The batches parked."""
+        """Park the job's batches (leases ended, no RQ job) and give its borrowed prompts back; `cancel`
+        (blocked) stops its requests in flight, else (paused) they finish. The batches parked."""
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         return await self._let_go(mine, borrowed, cancel=cancel, requeue=False)
 
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       requeue: bool) -> list[str]:
-        """Send nothing more of these batches (with `cancel`, stop their requests in flight too), write
-        what was recorded, drop their claims and end each lease (`requeue`: to the queue's front, else
-        parked); the batches whose lease it ended."""
+        """Send nothing more of these batches, write what was recorded, drop their claims and end each
+        lease (`requeue`: to the queue's front, else parked); the batches whose lease it ended."""
         for batch in mine + borrowed:
             self.drop(batch, cancel=cancel)
         while any(t.batch in mine or t.batch in borrowed for t in self.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()  # what was recorded is written: it stays
-        for b in borrowed:
-            await retrying(functools.partial(self.claims.unclaim, b), f"releasing claims of {b.ref}")
-            self.held.borrowed.pop(b.ref, None)
         ended = []
-        for h in mine:
+        for h in borrowed + mine:
             if h.completing:
                 continue  # the flush above finished it
             await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
+            if h.borrowed:
+                self.held.borrowed.pop(h.ref, None)
+                continue
             end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=requeue)
             if await retrying(end, f"ending the lease of {h.ref}"):
                 ended.append(str(h.ref))

@@ -1,11 +1,10 @@
-"""Dispatch: one in-flight window over the prompts of every held batch.
+"""Dispatch: one in-flight window of `controller.target` sequences over every held batch's prompts.
 
-Keeps `controller.target` sequences in flight, retries failures with capped exponential backoff,
-and dead-letters. A failure while the server is down counts no attempt (worker/watch.py) but marks
-the prompts in flight; one in flight during two crashes is a suspect, sent alone, and dead-lettered
-as `server_crash` after --server-crash-limit crashes. A retryable failure is dead-lettered at its
-last attempt only on evidence against the prompt: the server answered normally a request sent
-after it first failed (a server failing everything gives none, and its prompts keep being retried).
+Failures are retried with capped exponential backoff. One while the server is down counts no attempt
+but a crash for the prompts in flight: a prompt in flight during two is a suspect, sent alone, and
+dead-lettered as `server_crash` after --server-crash-limit. A retryable failure is dead-lettered at
+its last attempt only if the server answered a request sent after it first failed (evidence against
+the prompt; a server failing everything gives none).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
-from genq.worker.gate import Brake, Controls
+from genq.worker.gate import Gate
 from genq.worker.held import RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
@@ -32,9 +31,8 @@ from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
-# Prompts are claimed ahead of the free slots in groups of a quarter of the target (one CLAIM call
-# per dozen prompts, not per prompt), the next group once half a group is left (claim_step), so a
-# freed slot never waits on Redis; the rest of a batch stays unclaimed for idle engines.
+# Prompts are claimed ahead of the free slots, a quarter of the target at a time, the next group once
+# half a group is left: a freed slot never waits on Redis, and the rest stays for idle engines.
 CLAIM_AHEAD_MIN = 2
 # Nothing answered this long: the server is checked before the next request (a restart while
 # nothing is in flight fails nothing; genq sim restarts in 0.5 s, real servers in tens of seconds).
@@ -42,19 +40,16 @@ IDLE_CHECK_S = 0.25
 
 
 def claim_ahead(target: int) -> int:
-    """Prompts a CLAIM call takes (fewer when nothing is ready to send, or the batch has fewer)."""
     return max(CLAIM_AHEAD_MIN, target // 4)
 
 
 def claim_step(target: int) -> int:
-    """Prompts still claimed ahead when the next group is claimed: the slack while its call is out."""
     return max(1, claim_ahead(target) // 2)
 
 
 def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -> int:
-    """Prompts to claim: the rule counts sequences, like the window (a prompt asking for n
-    samples is n on the server); `per` is the backlog's next prompt's n, taken for each prompt
-    claimed or queued."""
+    """Prompts to claim, counted in sequences like the window (a prompt of n samples is n on the
+    server; `per`: the backlog's next prompt's n)."""
     want = target + claim_ahead(target) + claim_step(target) - in_flight - per * (ready + suspects)
     if want >= per and (want >= claim_ahead(target) or not ready):  # a whole group, or any when dry
         return want // per
@@ -64,19 +59,11 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 class Dispatcher:
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, batches: Batches,
-                 watch: ServerWatch, controls: Controls, stopping: StopNow, brake: Brake, shares: Shares) -> None:
-        self.opts = opts
-        self.client = client
-        self.controller = controller
-        self.batches = batches  # dead-letters a prompt
-        self.writer = batches.writer
-        self.todo = batches.todo
-        self.running = batches.running
-        self.watch = watch
-        self.controls = controls
-        self.stopping = stopping
-        self.brake = brake  # judges non-retryable failures first (worker/gate.py)
-        self.shares = shares  # which job's prompts are claimed next (worker/shares.py)
+                 watch: ServerWatch, gate: Gate, stopping: StopNow, shares: Shares) -> None:
+        self.opts, self.client, self.controller, self.watch, self.stopping = opts, client, controller, watch, stopping
+        self.batches, self.writer, self.todo, self.running = batches, batches.writer, batches.todo, batches.running
+        self.gate = gate  # the operator's controls, the brake, parking
+        self.shares = shares  # which job's prompts are claimed next
         self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
         self.rates = RateWindow()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
@@ -89,18 +76,13 @@ class Dispatcher:
         return len(self.todo)
 
     def accepting(self) -> bool:
-        """Whether the engine takes new work: not draining, stopping, paused, or without its server."""
-        return not (self.controls.draining or self.controls.paused_all or self.stopping.requested or self.watch.down)
-
-    # ---------------------------------------------------------------- the loop
-
-    def _can_send(self) -> bool:
-        return self._open() and self.running.sequences < self.controller.target
+        """Whether the engine takes new work."""
+        return not (self.gate.draining or self.gate.paused_all or self.stopping.requested or self.watch.down)
 
     def _open(self) -> bool:
-        """Sending and claiming allowed. Claims need no free slot: taken ahead, a freed slot never waits on Redis."""
-        return (not self.watch.down and not self.verifying and not self.controls.paused_all
-                and self.stopping.requested < 2 and self.controls.leases_fresh())
+        """Sending and claiming allowed (claims need no free slot)."""
+        return (not self.watch.down and not self.verifying and not self.gate.paused_all
+                and self.stopping.requested < 2 and self.gate.leases_fresh())
 
     async def run(self) -> None:
         while True:
@@ -111,31 +93,26 @@ class Dispatcher:
             while self.todo.delayed and self.todo.delayed[0][0] <= now:
                 due = heapq.heappop(self.todo.delayed)[2]
                 (self.todo.suspects if self._suspect(due) else self.todo.ready).appendleft(due)
-            for job in [j for j in self.todo.parked if j not in self._stopped_jobs()]:
+            for job in [j for j in self.todo.parked if not self.gate.why_not(j)]:
                 self.todo.ready.extendleft(reversed(self.todo.parked.pop(job)))
             await self.todo.release_let_go()
             if self._open() and not self.hold_back and self.todo.waiting and (want := self._to_claim()):
-                await self.todo.claim(want, self._stopped_jobs(), self.shares.plan)
+                stopped = {h.ref.job for h in self.todo.waiting if self.gate.why_not(h.ref.job)}
+                await self.todo.claim(want, stopped, self.shares.plan)
             if (self.todo.ready and not self.running and self._open()
                     and time.monotonic() - self.observed > IDLE_CHECK_S):
                 await self._check(gate=True)  # a restart while nothing was in flight showed no failure
             while (task := self._take()) is not None:
                 self.running[task] = asyncio.create_task(self._send(task))
 
-    def _stopped_jobs(self) -> set[str]:
-        """Jobs none of whose prompts is sent: paused, or blocked (by the brake here, or anywhere)."""
-        return self.controls.paused_jobs | self.brake.blocked
-
     def _to_claim(self) -> int:
-        """Prompts to claim now (0: not yet), by the rule in the note above claim_ahead."""
         held, tasks = next(iter(self.todo.waiting.items()))
         return to_claim(self.controller.target, self.running.sequences, len(self.todo.ready),
                         len(self.todo.suspects), samples(held.config, tasks[0].prompt) if tasks else 1)
 
     def _take(self) -> Task | None:
-        """The next prompt to send, if the in-flight window has room: a crash suspect
-        only when no other suspect is in flight."""
-        while self._can_send():
+        """The next prompt to send, if the window has room: a crash suspect only when none is in flight."""
+        while self._open() and self.running.sequences < self.controller.target:
             if self.todo.suspects and not any(self._suspect(t) for t in self.running):
                 task = self.todo.suspects.popleft()
             elif self.todo.ready:
@@ -145,7 +122,7 @@ class Dispatcher:
             if task.batch.dropped:
                 self.todo.let_go(task)
                 continue
-            if task.batch.ref.job in self._stopped_jobs():
+            if self.gate.why_not(task.batch.ref.job):
                 self.todo.parked.setdefault(task.batch.ref.job, []).append(task)
                 continue
             task.progress = Progress(meter=self.running.meter, sequences=samples(task.batch.config, task.prompt))
@@ -155,9 +132,8 @@ class Dispatcher:
         return None
 
     async def _send(self, task: Task | None) -> None:
-        # One asyncio task sends prompt after prompt while there are prompts ready: a
-        # task per request and a round trip through the loop would cost about half of
-        # what the HTTP request itself costs against a fast server.
+        # One asyncio task sends prompt after prompt: a task per request would cost about half of what
+        # the HTTP request costs against a fast server.
         me = asyncio.current_task()
         assert me is not None
         while task is not None:
@@ -189,14 +165,10 @@ class Dispatcher:
         self.wake.set()
 
     def _model(self, config: JobConfig) -> str:
-        if config.model != "auto":
-            return config.model
-        return self.watch.model or "default"
-
-    # ---------------------------------------------------------------- outcomes
+        return config.model if config.model != "auto" else self.watch.model or "default"
 
     def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
-        """Records the answer, or returns why it is not what the request asked for (answers.py)."""
+        """Records the answer, or returns why it is not what the request asked for."""
         held = task.batch
         latency = time.monotonic() - task.progress.started
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.writer.worker,
@@ -207,7 +179,7 @@ class Dispatcher:
         self.writer.add_result(result, sent.incarnation)
         self.answered = max(self.answered, task.progress.started)
         self.rates.add(c.usage.completion_tokens, latency)
-        self.brake.succeeded(task)
+        self.gate.succeeded(task)
         return None
 
     def _suspect(self, task: Task) -> bool:
@@ -250,14 +222,13 @@ class Dispatcher:
                       "" if task.attempts < max_attempts else " (the server had answered nothing sent since it "
                       "first failed: no evidence it is the prompt's fault)")
             return
-        if not failure.retryable and self.brake.failed(task, failure):
+        if not failure.retryable and self.gate.failed(task, failure):
             return  # held by the brake: dead-lettered once judged, or kept queued with its blocked job
         self.batches.dead(task, failure)
 
     async def _check(self, gate: bool) -> bool:
-        """The watch's check (is the server down, or not the one it was?). With `gate` (after a connection
-        failure: a restart resets every connection) nothing is sent until it says what the server is now:
-        another model's answer must never be recorded."""
+        """Is the server down, or not the one it was? With `gate` nothing is sent until it says (another
+        model's answer must never be recorded)."""
         self.verifying += gate
         try:
             return await self.watch.is_down()

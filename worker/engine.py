@@ -1,12 +1,7 @@
-"""The worker engine: one process per GPU, one in-flight window over every batch it holds.
-
-    RQ's queue --TAKE--> Intake --> Batches (a batch's life) --prompts--> Dispatcher --> server
-                                      ^--- batch complete <--- ResultWriter <---'
-
-The engine builds its parts and runs their loops in one TaskGroup (a crash in any stops the
-worker loudly). Shutdown has one path: take nothing more; finish held batches for up to
---grace-period; hand the rest back. Told to stop now (a second signal, the grace period over) it
-stops within seconds whatever Redis does (worker/stopping.py).
+"""The worker engine: one process per GPU, one in-flight window over every batch it holds. Its parts'
+loops run in one TaskGroup (a crash in any stops the worker loudly). Shutdown has one path: take
+nothing more, finish held batches for up to --grace-period, hand the rest back; told to stop now
+(a second signal, the grace over) it stops within seconds whatever Redis does (worker/stopping.py).
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
 from genq.worker.decoding import Running
 from genq.worker.dispatch import Dispatcher
-from genq.worker.gate import Brake, Controls, Parking
+from genq.worker.gate import Gate
 from genq.worker.heartbeat import Heartbeat
 from genq.worker.held import Holdings
 from genq.worker.idle import IdlePace, WakeListener
@@ -58,7 +53,6 @@ class Engine:
         self.held = Holdings()
         self.client = ServerClient(opts.server_url)
         self.controller = ConcurrencyController(None, opts.concurrency)
-        self.controls = Controls(self.redis, self.name, self.controller)
         queue_key = rq_queue(self.sync_redis).key
         self.batches = Batches(self.redis, self.sync_redis, self.name, self.instance, self.held, Running(),
                                backoff=(opts.retry_backoff, opts.retry_backoff_max))
@@ -67,21 +61,17 @@ class Engine:
         self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches.running,
                                  self.batches.todo)
         models = ModelGate(self.redis, self.watch)
-        # Priorities and fair share: which held prompts go first, and when to take one more batch.
         self.shares = Shares(self.redis, queue_key, self.instance, self.batches)
-        brake = Brake(self.name, self.batches)
-        self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.controls,
-                                     self.stopping, brake, self.shares)
-        self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.written_again)  # the engine's idleness (worker/idle.py)
+        self.gate = Gate(self.batches, self.controller, self.watch)
+        self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.gate,
+                                     self.stopping, self.shares)
+        self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.written_again)
         self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
         self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
-        self.parking = Parking(self.batches, self.controls, brake, self.watch)
         self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.batches, self.dispatcher, self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)
         self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output
         self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())
-
-    # ---------------------------------------------------------------- run
 
     async def run(self) -> int:
         if (failed := await self.heartbeat.unreachable()) is not None:
@@ -117,7 +107,7 @@ class Engine:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
                     self.watch.recovery_loop(self.batches.hand_back_all), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
-                    self.stealer.run(), self.parking.run(), self.parking.admit(), self.shares.run())]
+                    self.stealer.run(), self.gate.run(), self.gate.admit(), self.shares.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
                     task.cancel()
@@ -128,33 +118,27 @@ class Engine:
         return 0
 
     async def _finish(self) -> None:
-        await self._until_finished()
-        await self._shutdown()
-
-    async def _until_finished(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            idle = (not self.held.active() and not self.dispatcher.running
-                    and self.writer.pending == 0)
+            idle = not self.held.active() and not self.dispatcher.running and self.writer.pending == 0
             if self.stopping.requested >= 2:
                 await self.batches.hand_back_all("stopping now")
-                return
-            if (self.controls.draining or self.stopping.requested) and idle:
-                return
-            if self.opts.burst and self.intake.exhausted and idle:
-                if await self._burst_done():
-                    return
+                break
+            if (self.gate.draining or self.stopping.requested) and idle:
+                break
+            if self.opts.burst and self.intake.exhausted and idle and await self._burst_done():
+                break
+        await self._shutdown()
 
     async def maintain(self) -> None:
         """Every worker takes its turn at the ledger's reconciler (one pass at a time across the fleet):
         stranded batches queued again, decided from engine heartbeats' TTLs, never from clocks."""
-        pace = self.pace
         while True:
-            await asyncio.sleep(pace.maintenance_every(RECONCILE_EVERY_S))
+            await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
             try:
                 await asyncio.to_thread(self.outputs.pass_once)
                 outlook = await asyncio.to_thread(self.reconciler.pass_once)
-                pace.open_work = bool(outlook.unfinished or outlook.finishing)
+                self.pace.open_work = bool(outlook.unfinished or outlook.finishing)
             except (redis.RedisError, OSError) as exc:
                 log.debug("maintenance skipped: %s", exc)
 
@@ -189,7 +173,6 @@ class Engine:
         self.stopping.start()
 
     async def _shutdown(self) -> None:
-        """Hand back what is held, and flush what is recorded (see the module docstring)."""
         if self.held or self.held.borrowed:
             await self.batches.hand_back_all("stopping")
         if self.batches.completions:  # shards being written: their release answers their leases

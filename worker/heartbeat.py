@@ -1,7 +1,5 @@
-"""The engine's heartbeat: it is alive, what it holds, how fast it goes; and what the operator asks
-of it (drain, live concurrency cap, pause). A beat is a few Redis writes a second: GPU figures come
-from a sampler thread (NVML can block), shards are written on threads of their own.
-"""
+"""The engine's heartbeat: alive, what it holds, how fast it goes; then the operator's controls and
+the lease check. GPU figures come from a sampler thread (NVML can block)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 import redis
 
@@ -32,44 +31,20 @@ GPU_EVERY_S = 5.0
 INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
 
-class GpuSampler:
-    """Samples NVML on a daemon thread; the heartbeat reads the last sample."""
-
-    def __init__(self, probe: GpuProbe) -> None:
-        self.probe = probe
-        self.last: GpuSample | None = None
-        self._stop = threading.Event()
-        if probe.note is None:
-            threading.Thread(target=self._run, name="genq-gpu", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.last = self.probe.sample()
-            self._stop.wait(GPU_EVERY_S)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 class Heartbeat:
     def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, batches: Batches,
                  dispatcher: Dispatcher, pace: IdlePace) -> None:
-        self.opts = opts
-        self.name = name
-        self.host = host
-        self.instance = instance
-        self.conn = batches.conn
-        self.batches = batches  # what is held; after each beat, its lease check
-        self.held = batches.held
-        self.dispatcher = dispatcher
-        self.controls = dispatcher.controls  # written here only
-        self.stopping = dispatcher.stopping
-        self.watch = dispatcher.watch
+        self.opts, self.name, self.host, self.instance = opts, name, host, instance
+        self.conn, self.batches, self.held = batches.conn, batches, batches.held  # after each beat, its lease check
+        self.dispatcher, self.gate = dispatcher, dispatcher.gate  # the gate's controls are written here only
+        self.stopping, self.watch, self.rates = dispatcher.stopping, dispatcher.watch, dispatcher.rates
         self.controller = dispatcher.controller
-        self.rates = dispatcher.rates
         self.pace = pace  # an idle engine beats every IDLE_BEAT_S (worker/idle.py)
         self.gpu = GpuProbe(opts.gpu)
-        self.sampler = GpuSampler(self.gpu)
+        self.gpu_sample: GpuSample | None = None
+        self._gpu_stop = threading.Event()
+        if self.gpu.note is None:
+            threading.Thread(target=self._sample_gpu, name="genq-gpu", daemon=True).start()
         self.started_at = time.time()
         self.outage_since: float | None = None  # monotonic: the first beat that failed, while they fail
         self._next_note = 0.0  # seconds into the outage when the next warning is due
@@ -82,9 +57,14 @@ class Heartbeat:
         self._writing = asyncio.Lock()
         self._stopped = False
 
+    def _sample_gpu(self) -> None:
+        while not self._gpu_stop.is_set():
+            self.gpu_sample = self.gpu.sample()
+            self._gpu_stop.wait(GPU_EVERY_S)
+
     async def unreachable(self) -> Exception | None:
-        """Why Redis does not answer at the start (a wrong URL exits at once), or None. A Redis that
-        refuses writes answers: MISCONF refuses PING too, and first_beat waits for it."""
+        """Why Redis does not answer at the start (a wrong URL exits at once), or None; one refusing
+        writes (MISCONF refuses PING too) is waited for by first_beat."""
         try:
             await self.conn.ping()
         except (redis.RedisError, OSError) as exc:
@@ -92,9 +72,7 @@ class Heartbeat:
         return None
 
     async def first_beat(self) -> None:
-        """The start's beat, waited for like every other: Redis can be full (or restarting) while a
-        worker starts, and nothing is held yet that would need it sooner. Says first what Redis's
-        settings mean for genq (genq.core.redisconn)."""
+        """The start's beat, waited for (Redis full or restarting), after what Redis's settings mean for genq."""
         try:
             if note := redis_note(await self.conn.info()):
                 log.warning("%s", note.text)
@@ -115,30 +93,26 @@ class Heartbeat:
         while True:
             await self.pace.tick(BEAT_S)
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
-            now, last_tick = time.monotonic(), tick
-            tick = now
-            if now - last_tick > LEASE_TIMEOUT_S:
-                log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
-                            now - last_tick)
+            last_tick, tick = tick, time.monotonic()
+            if tick - last_tick > LEASE_TIMEOUT_S:
+                log.warning("this engine was frozen for %.0fs: checking its leases before sending more", tick - last_tick)
             if not self.pace.beat_due():
                 continue
             try:
                 await self.beat()
-                # The operator's controls; one changed: the status just written is stale, and an idle
-                # engine's next beat is 20 s away: the change shows in 1 s.
-                if await self.controls.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
+                # A control changed: the status just written is stale (an idle engine's next beat is 20 s away).
+                if await self.gate.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
                     self.pace.beat_now.set()
                 await self.batches.check_leases()
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
-                self.controls.leases_checked()
+                self.gate.leases_checked()
                 self.dispatcher.wake.set()
                 self._answered()
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
-        """A beat failed: Redis away or refusing writes (genq.core.redisconn), said when it starts and
-        every REDIS_NOTE_EVERY_S while it lasts (the log of a long outage stays readable)."""
+        """A beat failed (Redis away or refusing writes): said at once, then every REDIS_NOTE_EVERY_S."""
         if self.outage_since is None:
             self.outage_since, self._next_note = time.monotonic(), 0.0
         down_for = time.monotonic() - self.outage_since
@@ -154,7 +128,7 @@ class Heartbeat:
             self.outage_since = None
 
     def state(self) -> WorkerState:
-        c = self.controls
+        c = self.gate
         if self.watch.down:
             return "server_down"
         if c.draining or self.stopping.requested:
@@ -191,14 +165,12 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.sampler.last, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
+            gpu_sample=self.gpu_sample, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
             token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
         )
-        in_flight: dict[str, int] = {}
-        for task in self.dispatcher.running:
-            in_flight[task.batch.ref.job] = in_flight.get(task.batch.ref.job, 0) + 1
+        in_flight = Counter(task.batch.ref.job for task in self.dispatcher.running)
         decodebound.add_tally(self.tallies, in_flight, status, now - self._tallied_at)
         self._tallied_at = now
         status.bound_tally = self.tallies
@@ -220,8 +192,7 @@ class Heartbeat:
         for task in self.dispatcher.running:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
-        now = time.time()
-        pace = self.pace
+        now, pace = time.time(), self.pace
         async with self.conn.pipeline(transaction=False) as pipe:
             jobs = set(by_job) | set(queued) | self.held.jobs()
             fleet.stage_beat(pipe, status, self.instance, pace.ttl(LEASE_TIMEOUT_S), pace.ttl(STATUS_TTL_S),
@@ -246,13 +217,11 @@ class Heartbeat:
         await asyncio.sleep(2.5)  # a live worker heartbeats every second
         other = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if other is not None and other.heartbeat_at > first and other.state != "stopped":
-            raise SystemExit(
-                f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "
-                "give this one another --name"
-            )
+            raise SystemExit(f"a worker named {self.name} is already running (host {other.host}, pid {other.pid}); "
+                             "give this one another --name")
 
     async def stopped(self) -> None:
-        self.sampler.stop()
+        self._gpu_stop.set()
         await fleet.stopped(self.conn, self.instance, self.name)
         await self.beat(state="stopped")
 

@@ -1,11 +1,6 @@
-"""What an engine holds: leased batches, the prompts of them it is driving, and its claims on them.
-
-A batch has one lease (its holder), but each prompt is claimed (keys.batch_claims) by the engine
-about to send it, as "INSTANCE TOKEN": the holder claims a few ahead of its free slots, the rest
-stays unclaimed for idle engines to take from the back (worker/stealing.py). A claim counts while
-its lease is the batch's current one and its engine beats; an outcome ends it (RECORD), RELEASE
-drops them all. Taking over a dead engine's claim is a try lost (Task.lost). Claims keep two live
-engines off one prompt; exactly once is RECORD's (first writer wins).
+"""What an engine holds: leased batches, their prompts, and its claims (one sender per prompt: the
+holder claims a few ahead of its free slots, idle engines take the rest from the back). Claims keep two
+live engines off one prompt; exactly once is RECORD's (first writer wins).
 """
 
 from __future__ import annotations
@@ -34,10 +29,7 @@ class HeldBatch:
     unfinished: set[str]
     completing: bool = False
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
-    # Prompts taken from another engine's batch (worker/stealing.py): no lease, so this
-    # engine sends and records them but never writes the batch's shard.
-    borrowed: bool = False
-    # Every prompt of the batch (finished ones too): the shard joins each result with its prompt.
+    borrowed: bool = False  # prompts of another engine's batch: sent and recorded here, no shard written
     prompts: list[Prompt] = field(default_factory=list)
 
 
@@ -48,7 +40,7 @@ class Task:
     prompt: Prompt
     batch: HeldBatch
     attempts: int = 0  # failed requests here: max_attempts counts these
-    lost: int = 0  # tries lost before: claims of it that ended without an outcome (worker/held.py)
+    lost: int = 0  # tries lost before: claims of it that ended without an outcome
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (ServerWatch.outages) last counted for it
     failing_since: float | None = None  # when its first failed request here was sent (monotonic)
@@ -64,23 +56,19 @@ class Task:
 
 
 class Holdings(dict[BatchRef, HeldBatch]):
-    """The batches an engine holds now (leased), by (job, batch); and those it borrowed prompts of
-    (worker/stealing.py: no lease, so it sends and records them but never writes their shard)."""
+    """The batches an engine leases now, by (job, batch); and those it borrowed prompts of."""
 
     def __init__(self) -> None:
         super().__init__()
         self.borrowed: dict[BatchRef, HeldBatch] = {}
 
     def jobs(self) -> set[str]:
-        """The jobs of the leased batches."""
         return {ref.job for ref in self}
 
     def all_jobs(self) -> set[str]:
-        """The jobs this engine holds or borrowed prompts of."""
         return self.jobs() | {ref.job for ref in self.borrowed}
 
     def active(self) -> bool:
-        """Whether it holds or borrowed anything."""
         return bool(self or self.borrowed)
 
 
@@ -92,8 +80,7 @@ class Claims:
     """The claim scripts, for one engine instance."""
 
     def __init__(self, conn: aioredis.Redis, instance: str) -> None:
-        self.conn = conn
-        self.instance = instance
+        self.conn, self.instance = conn, instance
         self._claim = conn.register_script(scripts.CLAIM)
         self._steal = conn.register_script(scripts.STEAL)
         self._unclaim = conn.register_script(scripts.UNCLAIM)
@@ -120,7 +107,6 @@ class Claims:
         await self._unclaim(*scripts.unclaim_call(held.ref, self.instance, held.config.incarnation, ids))
 
     async def finished_ids(self, ref: BatchRef, ids: list[str]) -> set[str]:
-        """Of these prompts, those with an outcome recorded (read only)."""
         return set(await leasing.outcome_ids(self.conn, ref, ids))
 
     async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
@@ -135,8 +121,8 @@ COUNTER_STALE_S = 10.0  # no reading this long (server down, metrics off): fall 
 
 
 class RateWindow:
-    """Requests/s and completion tokens/s over the last 30 s (or since start) as answers end; and the
-    server's own tokens/s from its generation counter where it has one."""
+    """Requests/s and tokens/s over the last 30 s as answers end; the server's own tokens/s from its
+    generation counter where it has one."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -170,9 +156,8 @@ class RateWindow:
 
     def counted(self, at: float, total: float, running: float | None, usage: float | None,
                 waiting: float | None = None) -> None:
-        """A reading of the server's metrics (at `at`, monotonic): its generation-token counter, and the
-        running count and KV usage its speed over the window is to be set against; what waits, which
-        tells a server between two batches (SGLang shows 0 running while it prefills) from a stopped one."""
+        """A reading of the server's metrics (at `at`, monotonic): its generation counter, running count,
+        KV usage, and what waits (SGLang shows 0 running while it prefills: not stopped)."""
         s = self._counter
         if s and at <= s[-1][0]:
             return  # the same reading again
@@ -184,8 +169,8 @@ class RateWindow:
             s.pop(0)  # the oldest kept is the latest at least a window old
 
     def server_window(self) -> tuple[float, float | None, float | None] | None:
-        """The server's output tokens/s by its own counter over the last COUNTER_WINDOW_S, with the mean
-        running count and KV usage over the same readings; None without two fresh readings."""
+        """The server's tokens/s by its counter over COUNTER_WINDOW_S, with the mean running count and KV
+        usage over the same readings; None without two fresh readings."""
         s = self._counter
         if len(s) < 2 or time.monotonic() - s[-1][0] > COUNTER_STALE_S:
             return None

@@ -22,7 +22,7 @@ from genq.core.waits import wait_event
 
 if TYPE_CHECKING:
     from genq.worker.dispatch import Dispatcher
-    from genq.worker.gate import Controls
+    from genq.worker.gate import Gate
     from genq.worker.held import Holdings
 
 log = logging.getLogger("genq.worker")
@@ -110,7 +110,7 @@ class IdlePace:
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
-    async def fresh_beat(self, controls: Controls, within: float = 3.0) -> None:
+    async def fresh_beat(self, controls: Gate, within: float = 3.0) -> None:
         """Asks the heartbeat for a beat now (its lease check included) and waits for it."""
         before = controls.last_beat
         self.beat_now.set()

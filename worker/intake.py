@@ -1,13 +1,6 @@
-"""The engine takes its batches off RQ's queue itself: one script (TAKE) moves a batch's RQ job to
-RQ's started registry under this engine's name and leases the batch, so no batch is ever between
-two owners, and `rq info` stays truthful (the engine is registered as an RQ worker).
-
-When: while fewer than --prefetch batches are held; beyond that while the unsent prompts are under
-(prefetch - 1) batches' worth (held batches drain their long tails), or when the queue's next batch
-outranks what waits here (worker/shares.py). Never while draining, paused, stopping or server down.
-Which: the first queued batch this engine may run; other models' jobs and jobs whose shards cannot
-be written here now stay queued for others (TAKE's skip list). A stock `rq worker` fails each batch
-at once (run_batch) and the reconciler queues it again.
+"""The engine takes batches off RQ's queue itself (TAKE: the RQ job started under this engine's name
+and the batch leased in one script, so `rq info` stays truthful): while fewer than --prefetch are held,
+or (prefetch - 1) batches' worth is not left unsent, or the queue's next batch outranks what waits here.
 """
 
 from __future__ import annotations
@@ -20,8 +13,8 @@ import uuid
 import redis
 
 from genq.core import scripts
-from genq.core.ledger.jobs import jobs_now
-from genq.core.queueing import list_jobs, rq_worker
+from genq.core.ledger.jobs import job_names, jobs_now
+from genq.core.queueing import rq_worker
 from genq.core.records import BatchRef
 from genq.core.waits import retrying, wait_event
 from genq.worker.batches import Batches
@@ -49,16 +42,11 @@ def run_batch(job: str, batch_id: str) -> None:
 class Intake:
     def __init__(self, opts: WorkerOptions, instance: str, batches: Batches, dispatcher: Dispatcher, shares: Shares,
                  models: ModelGate, pace: IdlePace) -> None:
-        self.conn = batches.conn
-        self.sync_conn = batches.sync_conn
-        self.opts = opts
-        self.instance = instance
-        self.batches = batches  # loads what is taken; nothing new of a job whose shards cannot be written now
-        self.held = batches.held
-        self.dispatcher = dispatcher  # the window, and whether the engine takes new work
-        self.shares = shares
-        self.models = models  # which jobs this engine's server may run, and saying so once (worker/watch.py)
-        self.queued = pace.queued  # set by the wake listener when batches are queued (genq.core.queueing)
+        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, instance
+        self.batches, self.held = batches, batches.held  # loads what is taken
+        self.dispatcher, self.shares = dispatcher, shares  # whether the engine takes new work; priorities
+        self.models = models  # which jobs this engine's server may run (worker/watch.py)
+        self.queued = pace.queued  # set by the wake listener when batches are queued
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
         self._foreign_at = float("-inf")
@@ -73,19 +61,13 @@ class Intake:
             return True
         if held >= base + MAX_EXTRA:
             return False  # parked prompts are not work: no more batches for them
-        # The queue's next batch outranks what waits here (worker/shares.py): take it now, not
-        # after a held batch's long tail.
         if self.shares.wants_head(self.dispatcher.todo.by_job(), max(1, self.dispatcher.controller.target // 2)):
-            return True
-        # Keep (prefetch - 1) batches' worth of prompts unsent, counted in prompts: with heavy-tailed
-        # lengths several held batches can be in their tails at once.
+            return True  # the queue's next batch outranks what waits here: not after a held batch's long tail
+        # (prefetch - 1) batches' worth unsent, counted in prompts without an outcome and not in flight
+        # (several held batches can be in their heavy tails at once).
         size = max((h.config.batch_size for h in self.held.values()), default=0)
-        return self.unsent() < (base - 1) * size
-
-    def unsent(self) -> int:
-        """Prompts held here without an outcome and not in flight (a batch just taken counts in
-        full before its prompts reach the dispatcher: the preflight may hold them a moment)."""
-        return sum(len(h.unfinished) for h in self.held.values() if not h.dropped) - len(self.dispatcher.running)
+        unsent = sum(len(h.unfinished) for h in self.held.values() if not h.dropped) - len(self.dispatcher.running)
+        return unsent < (base - 1) * size
 
     async def run(self) -> None:
         # Redis away or refusing writes (full, a replica) at the start: waited out, as every write is.
@@ -117,11 +99,8 @@ class Intake:
                 pass  # its key lapses within RQ_TTL_S
 
     async def take(self) -> bool:
-        """TAKE one batch this engine may run, and load it; False if the queue has none.
-
-        A TAKE whose answer was lost (the connection dropped, Redis failed over) is sent again
-        with the same token, and answers the batch the first one took if it landed: a batch
-        leased to this live engine and never loaded would be stuck, since nobody else takes it."""
+        """TAKE one batch this engine may run, and load it; False if the queue has none. A TAKE whose
+        answer was lost is sent again with the same token and answers the batch the first one took."""
         await retrying(self._refresh_foreign, "reading the jobs")
         token = uuid.uuid4().hex
         skip = sorted(self.foreign | self.batches.unwritten_jobs())
@@ -135,34 +114,27 @@ class Intake:
         return True
 
     async def _load(self, token: str, ref: BatchRef) -> None:
-        config = (await jobs_now(self.conn, [ref.job]))[0].config  # never kept by name: a job's life is its own
+        config = (await jobs_now(self.conn, [ref.job]))[0].config
         if self.batches.renewed(ref, token, config):
             return
-        if config is not None:
-            config = await self.models.admit(config)  # `auto` pinned to this server's model
-            if config is None:  # another model's job: back to the queue for a server of that model,
-                self.foreign.add(ref.job)  # and skipped from now on (the server's model changed)
-                await self.batches.hand_back(ref, token)
-                return
+        if config is not None and (config := await self.models.admit(config)) is None:  # `auto` pinned
+            self.foreign.add(ref.job)  # another model's job: back to the queue, and skipped from now on
+            await self.batches.hand_back(ref, token)
+            return
         await self.batches.load(token, ref, config)
 
     async def _refresh_foreign(self) -> None:
-        """Jobs whose model is pinned to one this server does not serve (`auto` ones are pinned by
-        the first engine to take one of their batches: worker/watch.py)."""
+        """Jobs whose model is pinned to one this server does not serve."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
         model = self.dispatcher.watch.model
-        jobs, configs = await asyncio.to_thread(self._jobs_and_configs)
-        foreign = {job: config.model for job, config in zip(jobs, configs, strict=True)
-                   if config is not None and config.model != AUTO and not serves(config.model, model)}
+        jobs = sorted(await job_names(self.conn))
+        foreign = {job: now.config.model for job, now in zip(jobs, await jobs_now(self.conn, jobs))
+                   if now.config is not None and now.config.model != AUTO and not serves(now.config.model, model)}
         self.foreign = set(foreign)
         self._foreign_at = time.monotonic()
         for job, job_model in foreign.items():
             await self.models.refuse(job, job_model)
-
-    def _jobs_and_configs(self) -> tuple[list[str], list]:
-        jobs = list_jobs(self.sync_conn)
-        return jobs, [now.config for now in jobs_now(self.sync_conn, jobs)]
 
     def _rq_birth(self) -> None:
         try:

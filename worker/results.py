@@ -1,9 +1,6 @@
-"""Group commit of results and dead letters to Redis.
-
-Each outcome is written and counted in one Lua call (RECORD), first writer wins, only for the
-job's incarnation it was generated for; so the monitor's counters equal the results stored.
-A result is stored without its prompt: the shard joins them again (worker/batches.py). Its own
-module: `make mutation` mutates it (docs/mutation.md).
+"""Group commit of results and dead letters: each written and counted in one Lua call (RECORD), first
+writer wins, only for the job incarnation it was generated for, so the counters equal what is stored.
+Its own module: `make mutation` mutates it (docs/mutation.md).
 """
 
 from __future__ import annotations
@@ -36,13 +33,11 @@ class _Pending:
 
 
 class ResultWriter:
-    """Group commit: outcomes are buffered and written, each RECORD call a batch's group, as soon as the
-    previous write is done; `batches.on_written` hears of each group once it is durable."""
+    """Outcomes buffered and written, a RECORD call per batch, once the previous write is done;
+    `batches.on_written` hears of each group once it is durable."""
 
     def __init__(self, conn: aioredis.Redis, worker: str, batches: Any) -> None:
-        self.conn = conn
-        self.worker = worker
-        self.batches = batches
+        self.conn, self.worker, self.batches = conn, worker, batches
         self._buffer: dict[tuple[str, str, str], _Pending] = {}  # by (job, batch, incarnation)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()

@@ -1,12 +1,8 @@
-"""An engine's side of priorities and fair share (docs/scheduling.md, genq.core.order).
-
-Which held prompts are claimed next (`plan`): the highest priority first; among equal priorities,
-each claim to the job with the fewest prompts claimed or in flight on the whole fleet over its
-weight. The fleet's share, not this engine's: batches reach engines unevenly, and an even split per
-engine starved a job held on one engine of two (tests/test_scheduling.py). Nothing in flight is
-stopped: slots move over as requests end. Every second while it holds anything, the engine
-publishes its counts per job, reads the others' (FLEET_SHARE), the held jobs' schedules and the
-queue's next batch (`head`, for the intake's `wants_head`).
+"""An engine's side of priorities and fair share (docs/scheduling.md): which held prompts are claimed
+next (`plan`): the highest priority first; among equals, each claim to the job with the fewest claimed
+or in flight on the whole fleet over its weight (per engine, a job held on one engine of two starved).
+Every second while it holds anything, the engine publishes its counts per job, reads the others'
+(FLEET_SHARE), the held jobs' schedules and the queue's next batch (for the intake's `wants_head`).
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Iterable
 
 import redis
 import redis.asyncio as aioredis
@@ -25,24 +20,16 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_of_description
 from genq.core.records import JobSchedule
 from genq.worker.batches import Batches
-from genq.worker.held import Task
 
 log = logging.getLogger("genq.worker")
 
 REFRESH_EVERY_S = 1.0
-# Another engine's count stops counting this long after its last refresh (it stopped, or holds nothing).
-FRESH_S = 3
-
-
-def by_job(tasks: Iterable[Task]) -> dict[str, int]:
-    return Counter(task.batch.ref.job for task in tasks)
+FRESH_S = 3  # another engine's count stops counting this long after its last refresh
 
 
 class Shares:
     def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, batches: Batches) -> None:
-        self.conn = conn
-        self.queue_key = queue_key
-        self.instance = instance
+        self.conn, self.queue_key, self.instance = conn, queue_key, instance
         self.batches = batches  # what this engine holds, claimed and runs
         self.sched: dict[str, JobSchedule] = {}
         self.head: str | None = None  # the job of the queue's next batch (None: empty, or not read)
@@ -53,7 +40,7 @@ class Shares:
 
     def _mine(self) -> dict[str, int]:
         """This engine's prompts claimed or in flight, per job."""
-        return by_job(itertools.chain(self.batches.running, self.batches.todo.ready))
+        return Counter(t.batch.ref.job for t in itertools.chain(self.batches.running, self.batches.todo.ready))
 
     def priority(self, job: str) -> int:
         return self.sched.get(job, JobSchedule()).priority
@@ -98,22 +85,17 @@ class Shares:
             self.sched[self.head] = (await ledger_jobs.jobs_now(self.conn, [self.head]))[0].schedule
 
     def wants_head(self, waiting: dict[str, int], low: int = 1) -> bool:
-        """Whether the queue's next batch should be taken now although every loop holds one:
-        it is of higher priority than anything waiting here, or of equal priority and a job with
-        fewer than `low` prompts waiting here. Taken only once a job had run dry, its next batch
-        arrived after a gap in which the other jobs took every slot that freed (the second of two
+        """Whether the queue's next batch should be taken now although --prefetch are held: it outranks
+        what waits here, or ties it with fewer than `low` waiting (taken only once dry, the second of two
         equal jobs started 38% of the prompts, tests/test_scheduling.py)."""
-        if self.head is None:
+        if self.head is None or not waiting:
             return False
-        if not waiting:
-            return False  # the ordinary rule (worker/loops.py) takes more when little is waiting
         best = max(self.priority(j) for j in waiting)
         head = self.priority(self.head)
         return head > best or (head == best and waiting.get(self.head, 0) < low)
 
     def plan(self, waiting: dict[str, int], n: int) -> list[tuple[str, int]]:
-        """How many of n claims go to each job with prompts waiting, in the order to claim them:
-        by priority, then each to the job with the fewest on the fleet over its weight."""
+        """How many of n claims go to each job with prompts waiting, in the order to claim them."""
         out: dict[str, int] = {}
         load = self._mine()
         for job, count in self.others.items():

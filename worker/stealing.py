@@ -1,25 +1,12 @@
-"""The end of the queue on a fleet: idle slots take unsent prompts of batches other engines hold, and
-a slow engine leaves the last prompts to faster ones. One loop, `Stealer.run`.
-
-Stealing: only once RQ's queue is empty, an engine with free slots claims (worker/held.py) up to that
-many from the back of another engine's batch while its holder sends from the front, so every free
-slot takes the next prompt as from one shared queue; claims of an engine that stopped beating are
-taken too. The prompts are "borrowed": sent and recorded here; the holder writes the shard.
-
-Holding back: once RQ's queue is empty, the fleet's unsent prompts U are the last to start. Started
-here, one ends after L_me (mean output tokens x this worker's seconds per token per request); a
-worker v faster by at least MARGIN frees slots_v / L_v slots a second and finishes a prompt before
-L_me for L_me - L_v. While U <= SPREAD x sum_v slots_v / L_v x (L_me - L_v), every unsent prompt ends
-sooner elsewhere: this worker holds back (Dispatcher.hold_back), claims nothing and steals nothing,
-gives back the prompts it claimed ahead (Todo.give_back_ready), and the faster workers take them.
-The fastest worker never holds back; a hold lasts a few request times at most. A server down past
-DOWN_GRACE_S makes its worker the slowest: it gives back every claim. Speeds come from the
-heartbeats (WorkerStatus.token_s, mean_tokens); another worker's `queued` is taken less what it
-sent since its beat.
+"""The end of the queue on a fleet (docs/scheduling.md): once RQ's queue is empty, free slots take
+("borrow") unsent prompts from the back of other engines' batches, and a slow engine holds back while
+every unsent prompt of the fleet ends sooner on faster ones: U <= SPREAD x sum_v slots_v / L_v x
+(L_me - L_v), L the mean request time (WorkerStatus.token_s x mean_tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -44,27 +31,21 @@ from genq.worker.watch import ModelGate
 log = logging.getLogger("genq.worker")
 
 STEAL_EVERY_S = 0.5  # while the queue has batches: a look at its length (one LLEN)
-STEAL_AGAIN_S = 0.1  # after a take, or while every slot is busy: a freed slot waits at most this
+STEAL_AGAIN_S = 0.1  # after a take, or while every slot is busy
 STEAL_IDLE_MAX_S = 2.0  # the longest wait between looks while there is nothing to take
 BATCHES_CACHED = 64
-TAIL_EVERY_S = 1.0  # the hold decided this often,
-TAIL_NEAR_EVERY_S = 0.2  # or this often while the unsent prompts are within NEAR x the line
+TAIL_EVERY_S = 1.0  # the hold decided this often, or every TAIL_NEAR_EVERY_S within NEAR x the line
+TAIL_NEAR_EVERY_S = 0.2
 NEAR = 2.0
 MARGIN = 0.15  # a worker is faster when its requests take at most 85% of this one's
-WORKING = ("busy", "idle")
-# Output lengths are heavy-tailed: what ends a job is a long request started on a slow GPU, not
-# an average one. The expected gap (L_me - L_v) is widened by this much.
-SPREAD = 3.0
+SPREAD = 3.0  # output lengths are heavy-tailed: the expected gap (L_me - L_v) widened this much
 HOLD_MIN_S = 5.0  # a hold lasts at most this, or HOLD_REQUESTS of this worker's mean request time
 HOLD_REQUESTS = 3.0
-# A server down this long holds back as the slowest of workers: its prompts go to the others, as
-# soon as a lost worker's would (its leases lapse after LEASE_TIMEOUT_S).
-DOWN_GRACE_S = LEASE_TIMEOUT_S
+DOWN_GRACE_S = LEASE_TIMEOUT_S  # a server down this long: its prompts go as a lost worker's would
 
 
 def unsent_now(w: WorkerStatus, now: float) -> float:
-    """w's unsent prompts now: its beat's count less what it sent since, at r_w = slots / L_w
-    (a busy worker's requests end, and it sends the next, at that rate)."""
+    """w's unsent prompts now: its beat's count less what it sent since, at slots / L_w."""
     if w.state != "busy" or not w.token_s or not w.mean_tokens or not w.concurrency_target or not w.in_flight:
         return w.queued
     age = min(max(0.0, now - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
@@ -72,7 +53,7 @@ def unsent_now(w: WorkerStatus, now: float) -> float:
 
 
 def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> tuple[float, float]:
-    """(the fleet's unsent prompts now, the line under which `me` holds back; 0: never)."""
+    """(the fleet's unsent prompts now, the line at or under which `me` holds back; 0: never)."""
     tokens = [w.mean_tokens for w in (me, *others) if w.mean_tokens]
     now = time.time() if now is None else now
     unsent = me.queued + sum(unsent_now(w, now) for w in others)
@@ -82,15 +63,14 @@ def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
     mine = mean * me.token_s
     faster = 0.0
     for w in others:
-        if w.state in WORKING and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
+        if w.state in ("busy", "idle") and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
             theirs = mean * w.token_s
             faster += w.concurrency_target / theirs * (mine - theirs)
     return unsent, faster * SPREAD
 
 
 def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> bool:
-    """Whether `me` should start nothing new: the unsent prompts of the fleet all finish sooner
-    on faster workers (see the module docstring). `me.queued` is taken as of now."""
+    """Whether `me` should start nothing new (`me.queued` taken as of now)."""
     unsent, line = tail_line(me, others, now)
     return 0 < unsent <= line
 
@@ -98,18 +78,12 @@ def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
 class Stealer:
     def __init__(self, name: str, instance: str, queue_key: str, batches: Batches, dispatcher: Dispatcher,
                  models: ModelGate, pace: IdlePace) -> None:
-        self.conn = batches.conn
-        self.name = name
-        self.instance = instance
-        self.queue_key = queue_key
-        self.batches = batches  # borrowed prompts are held, sent and given back through it
-        self.held = batches.held
-        self.dispatcher = dispatcher
-        self.controls = dispatcher.controls
-        self.models = models  # whether this engine may take a job's prompts (worker/watch.py)
-        self.pace = pace  # the engine's idleness: an idle stealer naps (worker/idle.py)
-        # Prompts of batches looked at, by batch and job incarnation: a job deleted and enqueued
-        # again under its name numbers its batches from b0000001 again, with other prompts.
+        self.conn, self.name, self.instance, self.queue_key = batches.conn, name, instance, queue_key
+        self.batches, self.held = batches, batches.held  # borrowed prompts are held and given back through it
+        self.dispatcher, self.gate = dispatcher, dispatcher.gate
+        self.models = models  # whether this engine may take a job's prompts
+        self.pace = pace  # an idle stealer naps (worker/idle.py)
+        # Prompts of batches looked at, by batch, job incarnation and settings version.
         self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
         self._hold_since: float | None = None  # monotonic: when this hold began
         self._hold_limit_s = HOLD_MIN_S
@@ -120,8 +94,8 @@ class Stealer:
         wait, looked, tail_at = STEAL_EVERY_S, 0.0, 0.0
         while True:
             woken = await self.pace.nap(max(0.0, min(looked + wait, tail_at) - time.monotonic()), looked)
-            if woken and not self.controls.leases_fresh():
-                await self.pace.fresh_beat(self.controls)  # idle: its last lease check is old
+            if woken and not self.gate.leases_fresh():
+                await self.pace.fresh_beat(self.gate)  # idle: its last lease check is old
             if time.monotonic() >= tail_at:
                 await self.tail()
                 tail_at = time.monotonic() + (TAIL_NEAR_EVERY_S if self._near and not self.dispatcher.hold_back
@@ -142,18 +116,15 @@ class Stealer:
         d = self.dispatcher
         return d.controller.target - d.running.sequences - d.unsent
 
-    # ---------------------------------------------------------------- stealing
-
     async def pass_once(self) -> int | None:
-        """Take up to the free slots' worth of prompts; how many were taken (None: not looked,
-        the queue has batches)."""
+        """Take up to the free slots' worth of prompts; how many (None: the queue has batches)."""
         for ref in [r for r, b in self.held.borrowed.items() if not b.unfinished or b.dropped]:
             self.held.borrowed.pop(ref)
         if self.dispatcher.watch.down and self.held.borrowed:
             await self.batches.give_back_borrowed("this worker's server is down")  # the holders need not wait for it
             return 0
         free = self.free_slots()
-        if free <= 0 or not self.dispatcher.accepting() or self.dispatcher.hold_back or not self.controls.leases_fresh():
+        if free <= 0 or not self.dispatcher.accepting() or self.dispatcher.hold_back or not self.gate.leases_fresh():
             return 0
         if await self.conn.llen(self.queue_key):
             return None  # RQ hands the queue's batches out: the end of the job is not here yet
@@ -162,8 +133,7 @@ class Stealer:
         for ref, holder, config in await self._leased_elsewhere():
             if ref.job in unwritten or await self.models.servable_config(ref.job) is None:
                 continue  # its shards cannot be written here now, or another model's job
-            prompts = await self._batch(ref, config)
-            if prompts is None:
+            if (prompts := await self._batch(ref, config)) is None:
                 continue
             ids = await self.batches.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)],
                                                   free)
@@ -191,32 +161,17 @@ class Stealer:
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
-        """Batches other engines hold, with their job's settings as they are now (read each pass:
-        a job deleted and enqueued again under its name is another incarnation)."""
-        names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.controls.paused_jobs]
-        out = []
-        for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True)):
-            if now.config is None:
-                continue
-            config = now.config
-            for batch, holder in now.leases.items():
-                ref = BatchRef(job, batch)
-                if holder and holder != self.instance and ref not in self.held:
-                    out.append((ref, holder, config))
-        return await self._by_priority(out)
-
-    async def _by_priority(self, found: list[tuple[BatchRef, str, JobConfig]]) -> list[tuple[BatchRef, str, JobConfig]]:
-        """The highest priority first, paused jobs left out (their holders park them), holders mixed
-        (idle engines spread over them). Read only for jobs with batches to take: an idle fleet reads nothing."""
-        names = sorted({ref.job for ref, _, _ in found})
-        if not names:
-            return []
-        priority = {job: now.schedule.priority for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names))
-                    if not now.paused}
-        out = [f for f in found if f[0].job in priority]
-        random.shuffle(out)
-        out.sort(key=lambda f: -priority[f[0].job])  # docs/scheduling.md
-        return out
+        """Batches other engines hold, with their job's settings now, the highest priority first
+        (docs/scheduling.md), holders mixed (idle engines spread over them), paused jobs left out."""
+        names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.gate.paused_jobs]
+        found = [(now.schedule.priority, BatchRef(job, batch), holder, now.config)
+                 for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True))
+                 if now.config is not None and not now.paused
+                 for batch, holder in now.leases.items()
+                 if holder and holder != self.instance and BatchRef(job, batch) not in self.held]
+        random.shuffle(found)
+        found.sort(key=lambda f: -f[0])
+        return [(ref, holder, config) for _, ref, holder, config in found]
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
         cached = (ref, config.incarnation, config.settings_version)  # new settings: read again
@@ -233,12 +188,9 @@ class Stealer:
                 self._batches.popitem(last=False)
         return self._batches[cached]
 
-    # ---------------------------------------------------------------- holding back
-
     async def tail(self) -> None:
         """Decide the hold (see the module docstring) and act on it."""
-        d = self.dispatcher
-        active = self.held.active()
+        d, active = self.dispatcher, self.held.active()
         self._near = self._near and active and not self._given_up
         since = d.watch.down_since  # down past DOWN_GRACE_S: its prompts are better sent anywhere else
         down = since is not None and time.monotonic() - since > DOWN_GRACE_S
@@ -249,10 +201,8 @@ class Stealer:
             hold = False
         hold = down or self._bounded(hold, active)
         if hold:  # claiming nothing, it hears of no backlog prompt faster engines finished: it looks
-            try:
+            with contextlib.suppress(redis.RedisError, OSError):
                 await d.todo.prune()
-            except (redis.RedisError, OSError) as exc:
-                log.debug("tail prune skipped: %s", exc)
         began = hold and not d.hold_back
         if hold != d.hold_back:
             if not down:
@@ -273,8 +223,7 @@ class Stealer:
                 log.info("end of the queue: %d claimed prompts not sent here, left to the faster workers", back)
 
     def _bounded(self, hold: bool, active: bool) -> bool:
-        """A hold lasts at most a few of this worker's request times: if the faster workers have
-        not taken the prompts by then (another model's, paused, gone), this one sends them."""
+        """A hold lasts a few of this worker's request times at most: then this one sends them."""
         if not active:
             self._given_up = False
         if not hold:
@@ -294,12 +243,9 @@ class Stealer:
         self._near = False
         if await self.conn.llen(self.queue_key):
             return False
-        found = await fleet.statuses(self.conn)
-        if len(found) < 2:
-            return False
-        statuses = [s for s in found.values() if s is not None]
+        statuses = [s for s in (await fleet.statuses(self.conn)).values() if s is not None]
         me = next((s for s in statuses if s.name == self.name), None)
-        if me is None:
+        if me is None or len(statuses) < 2:
             return False
         if me.token_s and me.mean_tokens:
             self._hold_limit_s = max(HOLD_MIN_S, HOLD_REQUESTS * me.token_s * me.mean_tokens)

@@ -1,7 +1,5 @@
-"""Stopping now: told to stop now, a worker stops within seconds whatever its Redis does.
-
-The shutdown (worker/engine.py) goes on only while Redis answers a PING; once it does not, the
-worker stops without it: what it holds is not recorded, its leases lapse, and the reconcilers
+"""Told to stop now, a worker stops within seconds whatever its Redis does: the shutdown goes on only
+while Redis answers a PING; else what it holds is not recorded, its leases lapse, and the reconcilers
 queue its batches again once Redis is back (docs/exactly-once.md).
 """
 
@@ -25,34 +23,26 @@ from genq.worker.results import ResultWriter
 
 log = logging.getLogger("genq.worker")
 
-# Told to stop now, the shutdown goes on while Redis answers a PING within PING_S, asked every
-# STOP_NOW_S, for up to STOP_NOW_MAX_S (a Redis that answers pings but never takes the hand-back).
+# The shutdown goes on while Redis answers a PING within PING_S, asked every STOP_NOW_S, for up to
+# STOP_NOW_MAX_S (a Redis that answers pings but never takes the hand-back).
 STOP_NOW_S = 5.0
 STOP_NOW_MAX_S = 30.0
 PING_S = 1.0
-# Stopped without Redis, the process ends itself this long after if it is still there: a thread
-# blocked on a Redis that never answers (frozen, cut off: connections have no socket timeout)
-# would hold the interpreter's exit forever.
-EXIT_BY_S = 10.0
+EXIT_BY_S = 10.0  # then the process ends itself: a thread blocked on a frozen Redis would hold its exit
 LOOK_S = 0.5  # how often the shutdown is looked at
 
 
 class StopNow:
     def __init__(self, conn: aioredis.Redis, worker: str, held: Holdings, writer: ResultWriter) -> None:
-        self.conn = conn
-        self.worker = worker
-        self.held = held
-        self.writer = writer
+        self.conn, self.worker, self.held, self.writer = conn, worker, held, writer
         self.requested = 0  # 1: finish what is held, then exit; 2: stop now (a second signal, the grace over)
         self.since: float | None = None  # monotonic: when the worker was told to stop now
         self.without_redis = False  # the shutdown was given up: Redis did not answer, or took too long
 
     def finish(self) -> None:
-        """Finish what is held, then exit."""
         self.requested = max(self.requested, 1)
 
     def start(self) -> None:
-        """Stop now."""
         self.requested = 2
         if self.since is None:
             self.since = time.monotonic()

@@ -1,6 +1,5 @@
-"""What an engine has to send: the backlog of held prompts not claimed yet (claimed a few at a
-time as slots free: worker/held.py), claimed prompts in order, retries, crash suspects, paused
-jobs' prompts, and the prompts of its batches another engine took ("lent")."""
+"""What an engine has to send: the backlog not claimed yet (claimed a few at a time as slots free),
+claimed prompts, retries, crash suspects, paused jobs' prompts, and those another engine took ("lent")."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from genq.worker.held import Claims, HeldBatch, Task
 log = logging.getLogger("genq.worker")
 
 CLAIM_NOTE_EVERY_S = 10.0  # while claims fail (Redis away), say so this often
-
-# Which jobs' prompts are claimed first: (waiting per job, n) -> [(job, k)] (worker/shares.py Shares.plan).
+# Which jobs' prompts are claimed first: (waiting per job, n) -> [(job, k)] (Shares.plan).
 Plan = Callable[[dict[str, int], int], list[tuple[str, int]]]
 
 
@@ -31,9 +29,9 @@ class Todo:
     def __init__(self, claims: Claims, finished: Callable[[str, str, list[str]], None]) -> None:
         self.claims = claims
         self.finished = finished  # (job, batch, ids) whose outcome another engine recorded
-        self.wake = asyncio.Event()  # set when there may be something to send (the dispatcher waits on it)
+        self.wake = asyncio.Event()  # there may be something to send (the dispatcher waits on it)
         self.waiting: dict[HeldBatch, deque[Task]] = {}  # the backlog: held prompts no engine claimed yet
-        self.lent: dict[HeldBatch, dict[str, Task]] = {}  # prompts of held batches another engine took
+        self.lent: dict[HeldBatch, dict[str, Task]] = {}
         self.ready: deque[Task] = deque()
         self.suspects: deque[Task] = deque()  # crash suspects: sent one at a time
         self.parked: dict[str, list[Task]] = {}  # prompts of paused jobs, by job
@@ -43,20 +41,17 @@ class Todo:
         self._next_claim_note = 0.0
 
     def add(self, held: HeldBatch, prompts: list[Prompt]) -> None:
-        """A leased batch's prompts: claimed as slots free."""
         self.waiting.setdefault(held, deque()).extend(Task(p, held) for p in prompts)
         self.wake.set()
 
     def add_claimed(self, held: HeldBatch, prompts: list[Prompt], lost: dict[str, int]) -> None:
-        """Prompts already claimed (taken from another engine's batch), with the tries each had lost: sent next."""
+        """Prompts claimed from another engine's batch, with the tries each had lost: sent next."""
         self.ready.extend(Task(p, held, lost=lost.get(p.id, 0)) for p in prompts)
         self.wake.set()
 
-    # ---------------------------------------------------------------- claiming
-
     async def claim(self, n: int, skip_jobs: set[str], plan: Plan | None = None) -> None:
-        """Claim up to n prompts of the backlog into `ready`, each job's oldest batch first, as many
-        of each job as `plan` says (None: the oldest batch first; Redis away: again in a second)."""
+        """Claim up to n prompts of the backlog into `ready`, each job's oldest batch first, as many of
+        each job as `plan` says (Redis away: again in a second)."""
         for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
             self.waiting.pop(held, None)
         eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
@@ -79,7 +74,6 @@ class Todo:
         self.ready.extend(claimed)
 
     async def _claim_from(self, held: HeldBatch, tasks: deque[Task], k: int, out: list[Task]) -> int:
-        """Claim k prompts of one batch into out; how many were taken from its backlog."""
         if k <= 0:
             return 0
         chunk = [tasks.popleft() for _ in range(min(k, len(tasks)))]
@@ -96,8 +90,7 @@ class Todo:
         return len(chunk)
 
     async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
-        """CLAIM the chunk: those claimed are returned, those another engine holds are lent, those
-        finished elsewhere are told (`finished`)."""
+        """CLAIM the chunk: those claimed returned, those another engine holds lent, finished ones told."""
         claimed = await self.claims.claim(held, [t.prompt.id for t in chunk])
         if claimed is None:  # done elsewhere: the lease check drops the batch
             return []
@@ -141,8 +134,7 @@ class Todo:
         self.wake.set()
 
     async def verify_claims(self) -> None:
-        """Claimed prompts another engine took meanwhile (this one was frozen and looked dead):
-        lent if the batch is ours, forgotten if borrowed."""
+        """Claimed prompts another engine took while this one was frozen: lent if ours, else forgotten."""
         by_batch: dict[HeldBatch, list[Task]] = {}
         for task in self.claimed():
             by_batch.setdefault(task.batch, []).append(task)
@@ -162,8 +154,8 @@ class Todo:
                 self.lent.setdefault(task.batch, {})[task.prompt.id] = task
 
     async def prune(self) -> None:
-        """Held back (worker/stealing.py), this engine claims nothing, so it does not hear of backlog
-        prompts that faster engines took and finished: it looks (read only), their batch may be complete."""
+        """Held back, this engine claims nothing and hears of no backlog prompt faster engines finished:
+        it looks (read only), their batch may be complete."""
         for held, tasks in list(self.waiting.items()):
             if held.dropped or not tasks:
                 continue
@@ -175,10 +167,8 @@ class Todo:
                 self.finished(held.ref.job, held.ref.batch, sorted(done))
 
     async def give_back_ready(self, server_down: bool = False) -> int:
-        """Holding back (worker/stealing.py): this engine's own claimed prompts never sent go back to the
-        front of the backlog and their claims go, so faster engines take them. Retried and borrowed
-        ones stay, unless the server is down: then every one goes but the crash suspects.
-        Returns how many went back."""
+        """Holding back: own claimed prompts never sent go back to the backlog's front, unclaimed, for
+        faster engines (server down: retried ones too, crash suspects aside); how many."""
         mine = [t for t in itertools.chain(self.ready, (d[2] for d in self.delayed) if server_down else ())
                 if not t.batch.borrowed and not t.batch.dropped]
         back = mine if server_down else [t for t in mine if not t.attempts and not t.crashes and not t.lost]
@@ -195,11 +185,8 @@ class Todo:
             await self.claims.unclaim(held, [t.prompt.id for t in tasks])
         return len(back)
 
-    # ---------------------------------------------------------------- letting go
-
     def let_go(self, task: Task) -> None:
-        """A claimed prompt of a let-go batch (done or leased elsewhere, handed back) that will not
-        be sent (again) here: its claim goes at the dispatcher's next turn (release_let_go)."""
+        """A claimed prompt of a let-go batch, not sent here: its claim goes at the dispatcher's next turn."""
         self._let_go.setdefault(task.batch, set()).add(task.prompt.id)
         self.wake.set()
 
@@ -230,20 +217,16 @@ class Todo:
         borrowed.dropped = True
         return adopted
 
-    # ---------------------------------------------------------------- counts
-
     def retry_at(self, due: float, task: Task) -> None:
         heapq.heappush(self.delayed, (due, next(self._seq), task))
 
     def claimed(self) -> Iterator[Task]:
-        """Prompts this engine claimed and has not sent (or will send again)."""
         yield from itertools.chain(self.ready, self.suspects, (d[2] for d in self.delayed), *self.parked.values())
 
     def __len__(self) -> int:
         return len(self.ready) + len(self.delayed) + len(self.suspects) + sum(len(t) for t in self.waiting.values())
 
     def by_job(self) -> dict[str, int]:
-        """Prompts not sent, per job (parked ones aside)."""
         return Counter(t.batch.ref.job for t in itertools.chain(
             self.ready, self.suspects, (d[2] for d in self.delayed), *self.waiting.values()))
 
