@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from genq.core.ledger.figures import JobSnapshot
 from genq.core.records import DecodeBin
@@ -84,7 +84,7 @@ class RateTracker:
         pts = list(self.samples)
         if len(pts) < 2:
             return None
-        tokens_per_s = max(_slope([p.at for p in pts], [float(p.generated) for p in pts]), 0.0)
+        tokens_per_s = max(_line([(p.at, float(p.generated), 1.0) for p in pts])[0], 0.0)
         kept = [(a, b) for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
         busy = [b.decoding * (b.at - a.at) for a, b in kept]
@@ -101,24 +101,25 @@ class RateTracker:
         span = sum(b.at - a.at for a, b in kept)
         slots_s = sum(b.slots * (b.at - a.at) for a, b in kept)
         scale = pts[-1].slots * span / slots_s if slots_s > 0 and pts[-1].slots else 1.0
-        snap = self.snap
         return Speed(per_request, rel, span, len(kept) + 1, tokens_per_s=tokens_per_s, source=source,
                      decoding=total_busy / sum(max(1, b.workers) * (b.at - a.at) for a, b in kept),
-                     overhead=None if snap is None else curve_of(snap),
-                     prompt_tokens=0.0 if snap is None else prompt_tokens(snap), running=total_busy / span * scale)
+                     running=total_busy / span * scale, **_server(self.snap))
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
         if len(pts) < 2 or pts[-1].read_at - pts[0].read_at <= 0:
             return None
-        return max(_slope([p.read_at for p in pts], [float(p.finished) for p in pts]), 0.0)
+        return max(_line([(p.read_at, float(p.finished), 1.0) for p in pts])[0], 0.0)
 
 
-def _slope(xs: list[float], ys: list[float]) -> float:
-    """The least-squares slope."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+def _line(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (x, y, weight) points; slope 0 where x is constant."""
+    w = sum(n for _, _, n in pts)
+    mx = sum(x * n for x, _, n in pts) / w
+    my = sum(y * n for _, y, n in pts) / w
+    sxx = sum(n * (x - mx) ** 2 for x, _, n in pts)
+    slope = sum(n * (x - mx) * (y - my) for x, y, n in pts) / sxx if sxx > 0 else 0.0
+    return slope, my - slope * mx
 
 
 def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
@@ -151,17 +152,16 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
     slots = [w.slots for w in snap.live if w.inflight is not None and w.slots]
     return Speed(0.0, ONCE_REL_SE, min(spans), 3, tokens_per_s=tokens,
                  source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
-                 decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap),
-                 prompt_tokens=prompt_tokens(snap)), prompts
+                 decoding=sum(slots) / len(slots) if slots else 0.0, **_server(snap)), prompts
 
 
-def prompt_tokens(snap: JobSnapshot) -> float:
-    """The job's mean prompt tokens (what each start makes its server prefill)."""
-    return snap.in_tokens / snap.completed if snap.completed else 0.0
-
-
-def curve_of(snap: JobSnapshot) -> float | None:
-    return fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode)
+def _server(snap: JobSnapshot | None) -> dict[str, Any]:
+    """What the drain's time needs of the servers: the step's overhead (the live workers' decode bins) and the
+    job's mean prompt tokens (what each start makes its server prefill)."""
+    if snap is None:
+        return {}
+    return {"overhead": fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode),
+            "prompt_tokens": snap.in_tokens / snap.completed if snap.completed else 0.0}
 
 
 def fit_overhead(bins: Iterable[DecodeBin]) -> float | None:
@@ -173,12 +173,8 @@ def fit_overhead(bins: Iterable[DecodeBin]) -> float | None:
         pts = [(b.decoding, b.busy_s / b.tokens, b.tokens) for b in bins_ if b.tokens >= MIN_TOKENS and b.busy_s > 0]
         if len(pts) < 2 or max(d for d, _, _ in pts) < MIN_SPREAD * min(d for d, _, _ in pts):
             continue
-        w = sum(n for _, _, n in pts)
-        md = sum(d * n for d, _, n in pts) / w
-        mt = sum(t * n for _, t, n in pts) / w
-        sdd = sum(n * (d - md) ** 2 for d, _, n in pts)
-        slope = sum(n * (d - md) * (t - mt) for d, t, n in pts) / sdd if sdd > 0 else 0.0
-        overhead = max(0.0, (mt - slope * md) / slope) if slope > 0 else MAX_OVERHEAD
+        slope, intercept = _line(pts)
+        overhead = max(0.0, intercept / slope) if slope > 0 else MAX_OVERHEAD
         if overhead < MAX_OVERHEAD:
             return overhead
     return None

@@ -193,13 +193,11 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
     def act(action: str, job: str | None) -> str:
         from genq.ops import control
 
-        if action == "pause":
-            control.pause(monitor.conn, job)
-        elif action == "resume":
-            control.resume(monitor.conn, job)
-        else:  # drain every live worker: they finish what they hold and exit
+        if action == "drain":  # every live worker finishes what it holds and exits
             for row in control.select(control.fleet(monitor.conn), everyone=True):
                 control.update_control(monitor.conn, row.name, drain=True)
+        else:  # pause or resume
+            getattr(control, action)(monitor.conn, job)
         return f"{action} {job or 'all'}"
 
     async def control(request: web.Request) -> web.Response:
