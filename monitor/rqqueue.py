@@ -94,11 +94,8 @@ class QueueMirror:
         self._name(conn, [i for i in self.ids if i not in known])
 
     def _forget(self, rq_id: str) -> None:
-        job = self.job_of.pop(rq_id, None)
-        if job is not None:
-            self.by_job[job] -= 1
-            if not self.by_job[job]:
-                del self.by_job[job]
+        if (job := self.job_of.pop(rq_id, None)) is not None:
+            self.by_job -= Counter([job])  # a job's count at 0 is dropped
 
     def _name(self, conn: redis.Redis, ids: list[str]) -> None:
         job_key = rq_queue(conn).job_class.key_for
