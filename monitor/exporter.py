@@ -1,7 +1,7 @@
 """Prometheus metrics for `genq monitor --metrics [HOST]:PORT`: the monitor's records as metric families,
-read through the same Monitor as every view (reports cached one interval: a second scraper does not
-recompute the ETA). Label values never grow with time: states, reasons and bottlenecks are fixed code
-sets, each exported 0 or 1; a down worker is exported as down without figures, then not at all after
+read through the same Monitor as every view (cached one interval: a second scraper does not recompute
+the ETA). Label values never grow with time: states, reasons and bottlenecks are fixed code sets, each
+exported 0 or 1; a down worker is exported as down without figures, then not at all after
 FORGET_AFTER_S. The genq job is the `job` label (scrape with honor_labels: true; docs/monitoring.md).
 """
 
@@ -25,57 +25,65 @@ log = logging.getLogger("genq.monitor")
 FORGET_AFTER_S = 600.0
 BLOCK_REASONS = ("preflight", "brake")  # JobBlock.reason: a fixed set, so no series appears with time
 
+# Each per-job gauge and the JobProgress field it shows: the one mapping from the monitor's record
+# (which `--json`, the terminal view and the web page read as it is) to Prometheus.
+JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("genq_job_prompts", "Prompts enqueued", "total"),
+    ("genq_job_prompts_completed", "Prompts with a result", "completed"),
+    ("genq_job_prompts_failed", "Prompts in the dead-letter queue", "failed"),
+    ("genq_job_prompts_in_flight", "Prompts being generated now", "in_flight"),
+    ("genq_job_prompts_queued", "Prompts not started (queued, held unsent, or elsewhere)", "queued"),
+    ("genq_job_prompts_held", "Unsent prompts in batches workers hold", "held"),
+    ("genq_job_batches", "Batches enqueued", "batches_total"),
+    ("genq_job_batches_written", "Batches whose shard is written", "batches_done"),
+    ("genq_job_batches_held", "Batches held by live workers", "held_batches"),
+    ("genq_job_batches_queued", "The job's batches in RQ's queue", "queued_batches"),
+    ("genq_job_batches_elsewhere", "Batches neither written, held nor queued (retrying, failed, orphaned)",
+     "other_batches"),
+    ("genq_job_prompts_per_second", "Prompts finished per second (recent; whole run once done)", "rate_per_sec"),
+    ("genq_job_output_tokens_per_second", "Output tokens per second (recent; whole run once done)",
+     "output_tokens_per_sec"),
+    ("genq_job_eta_seconds", "Estimated seconds until the job is done (median)", "eta_s"),
+    ("genq_job_eta_low_seconds", "Low end of the ETA's 90% range", "eta_low_s"),
+    ("genq_job_eta_high_seconds", "High end of the ETA's 90% range", "eta_high_s"),
+    ("genq_job_expected_output_tokens", "Fitted mean completion length (running ones included)",
+     "expected_output_tokens"),
+    ("genq_job_remaining_output_tokens", "Expected output tokens still to generate", "remaining_output_tokens"),
+    ("genq_job_shards", "Shards written", "shards"),
+    ("genq_job_shard_bytes", "Bytes of shards written", "s3_bytes"),
+    ("genq_job_workers", "Live workers working on the job", "workers"),
+    ("genq_job_workers_lost", "Workers of the job whose heartbeat expired", "workers_lost"),
+)
+# The same for each live worker's gauges and the WorkerReport field each shows.
+WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("genq_worker_in_flight", "Requests in flight (all jobs)", "in_flight"),
+    ("genq_worker_concurrency_target", "In-flight target", "concurrency_target"),
+    ("genq_worker_server_capacity", "Server's max running requests", "server_capacity"),
+    ("genq_worker_server_running", "Requests the server is decoding", "server_running"),
+    ("genq_worker_server_waiting", "Requests waiting in the server's queue", "server_waiting"),
+    ("genq_worker_slot_utilization_ratio", "server_running / server_capacity (0-1)", "slot_utilization"),
+    ("genq_worker_kv_cache_usage_ratio", "Share of the KV cache in use (0-1)", "kv_cache_usage"),
+    ("genq_worker_output_tokens_per_second", "Output tokens per second (the server's generation counter over 5 s; "
+     "finished answers over 30 s where it has none)", "tok_per_s"),
+    ("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", "req_per_s"),
+)
+# The same for each GPU: (metric, help, its figure from the worker's GpuSample, None when not measured).
+GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
+    ("genq_gpu_utilization_ratio", "GPU utilization (NVML, 0-1)", lambda g: g.utilization_pct / 100.0),
+    ("genq_gpu_memory_used_bytes", "GPU memory in use", lambda g: g.memory_used_mib * 2**20),
+    ("genq_gpu_memory_total_bytes", "GPU memory", lambda g: g.memory_total_mib * 2**20),
+    ("genq_gpu_power_watts", "GPU power draw", lambda g: g.power_w),
+    ("genq_gpu_temperature_celsius", "GPU temperature", lambda g: g.temperature_c),
+    ("genq_gpu_sm_clock_hertz", "GPU SM clock", lambda g: None if g.sm_clock_mhz is None else g.sm_clock_mhz * 1e6),
+)
+
 
 def parse_listen(value: str, option: str = "--metrics") -> tuple[str, int]:
     """':9108' -> ('0.0.0.0', 9108); 'host:9108' -> ('host', 9108)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{option} {value!r}: expected [HOST]:PORT, e.g. :9108 or 127.0.0.1:9108")
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)
-
-
-class GenqCollector(Collector):
-    def __init__(self, monitor: Monitor, *, max_age: float = 1.0, forget_after_s: float = FORGET_AFTER_S,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.monitor = monitor
-        self.max_age = max_age
-        self.forget_after_s = forget_after_s
-        self.clock = clock
-        self.down_since: dict[str, float] = {}  # worker -> when this exporter first saw it stopped or lost
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            reports = self.monitor.current(self.max_age)
-        except Exception as exc:  # a scrape must answer even when Redis does not
-            log.warning("scrape: %s", exc)
-            yield _gauge("genq_monitor_redis_up", "1 when the last scrape could read Redis", [], [([], 0.0)])
-            return
-        yield _gauge("genq_monitor_redis_up", "1 when the last scrape could read Redis", [], [([], 1.0)])
-        yield _gauge("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)", [],
-                     [([], float(self.monitor.queue.total))])
-        note = self.monitor.redis_note
-        yield _one_of("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
-                      "maxmemory-policy would evict genq's keys (evicting_policy)", [], "reason", NOTE_REASONS,
-                      [([], () if note is None else (note.reason,))])
-        yield from job_metrics(reports)
-        yield from worker_metrics(reports, self.monitor.fleet, self._shown(self.monitor.fleet))
-
-    def _shown(self, fleet: list[WorkerReport]) -> set[str]:
-        """Workers to export: live ones, and down ones until they have been down for forget_after_s."""
-        now = self.clock()
-        shown: set[str] = set()
-        for w in fleet:
-            if w.state not in DOWN:
-                self.down_since.pop(w.name, None)
-                shown.add(w.name)
-                continue
-            since = self.down_since.setdefault(w.name, now)
-            if w.heartbeat_age_s is not None:  # a stopped worker says when it stopped
-                since = min(since, now - w.heartbeat_age_s)
-            if now - since < self.forget_after_s:
-                shown.add(w.name)
-        return shown
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float | None]],
@@ -90,68 +98,46 @@ def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str
 
 def _one_of(name: str, doc: str, labels: list[str], label: str, codes: Iterable[str],
             rows: Iterable[tuple[list[str], Collection[str]]]) -> Metric:
-    """An enum-style family: every code exported, 1 for those that hold and 0 for the others, so a change
-    starts no new series and an alert is a plain `== 1`."""
-    codes = tuple(codes)
+    """An enum: every code exported, 1 for those that hold and 0 for the others (an alert is `== 1`)."""
     return _gauge(name, doc, [*labels, label], [([*lab, c], float(c in held)) for lab, held in rows for c in codes])
 
 
-# Each per-job gauge and the JobProgress field it shows: the one mapping from the monitor's record
-# (which `--json`, the terminal view and the web page read as it is) to Prometheus.
-JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("genq_job_prompts", "Prompts enqueued", "total"),
-    ("genq_job_prompts_completed", "Prompts with a result", "completed"),
-    ("genq_job_prompts_failed", "Prompts in the dead-letter queue", "failed"),
-    ("genq_job_prompts_in_flight", "Prompts being generated now", "in_flight"),
-    ("genq_job_prompts_queued", "Prompts not started (queued, held unsent, or elsewhere)", "queued"),
-    ("genq_job_prompts_held", "Unsent prompts in batches workers hold", "held"),
-    ("genq_job_batches", "Batches enqueued", "batches_total"),
-    ("genq_job_batches_written", "Batches whose shard is written", "batches_done"),
-    ("genq_job_batches_held", "Batches held by live workers", "held_batches"),
-    ("genq_job_batches_queued", "The job's batches in RQ's queue", "queued_batches"),
-    ("genq_job_batches_elsewhere", "Batches neither written, held nor queued (retrying, failed in RQ, orphaned)",
-     "other_batches"),
-    ("genq_job_prompts_per_second", "Prompts finished per second (recent window; whole run once done)",
-     "rate_per_sec"),
-    ("genq_job_output_tokens_per_second", "Output tokens per second (recent window; whole run once done)",
-     "output_tokens_per_sec"),
-    ("genq_job_eta_seconds", "Estimated seconds until the job is done (median)", "eta_s"),
-    ("genq_job_eta_low_seconds", "Low end of the ETA's 90% range", "eta_low_s"),
-    ("genq_job_eta_high_seconds", "High end of the ETA's 90% range", "eta_high_s"),
-    ("genq_job_expected_output_tokens", "Fitted mean completion length (running ones included)",
-     "expected_output_tokens"),
-    ("genq_job_remaining_output_tokens", "Expected output tokens still to generate", "remaining_output_tokens"),
-    ("genq_job_shards", "Shards written", "shards"),
-    ("genq_job_shard_bytes", "Bytes of shards written", "s3_bytes"),
-    ("genq_job_workers", "Live workers working on the job", "workers"),
-    ("genq_job_workers_lost", "Workers of the job whose heartbeat expired", "workers_lost"),
-)
+class GenqCollector(Collector):
+    def __init__(self, monitor: Monitor, *, max_age: float = 1.0, forget_after_s: float = FORGET_AFTER_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.monitor, self.max_age, self.forget_after_s, self.clock = monitor, max_age, forget_after_s, clock
+        self.down_since: dict[str, float] = {}  # worker -> when this exporter first saw it stopped or lost
 
+    def collect(self) -> Iterator[Metric]:
+        up: tuple[str, str, list[str]] = ("genq_monitor_redis_up", "1 when the last scrape could read Redis", [])
+        try:
+            reports = self.monitor.current(self.max_age)
+        except Exception as exc:  # a scrape must answer even when Redis does not
+            log.warning("scrape: %s", exc)
+            yield _gauge(*up, [([], 0.0)])
+            return
+        yield _gauge(*up, [([], 1.0)])
+        yield _gauge("genq_rq_queue_batches", "Batches in RQ's genq queue, every job (rq info)", [],
+                     [([], float(self.monitor.queue.total))])
+        note = self.monitor.redis_note
+        yield _one_of("genq_redis_warning", "1 while Redis refuses writes (full, no_disk, replica) or its "
+                      "maxmemory-policy would evict genq's keys (evicting_policy)", [], "reason", NOTE_REASONS,
+                      [([], () if note is None else (note.reason,))])
+        yield from job_metrics(reports)
+        yield from worker_metrics(reports, self.monitor.fleet, self._shown(self.monitor.fleet))
 
-# The same for each live worker's gauges and the WorkerReport field each shows.
-WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("genq_worker_in_flight", "Requests in flight (all jobs)", "in_flight"),
-    ("genq_worker_concurrency_target", "In-flight target", "concurrency_target"),
-    ("genq_worker_server_capacity", "Server's max running requests", "server_capacity"),
-    ("genq_worker_server_running", "Requests the server is decoding", "server_running"),
-    ("genq_worker_server_waiting", "Requests waiting in the server's queue", "server_waiting"),
-    ("genq_worker_slot_utilization_ratio", "server_running / server_capacity (0-1)", "slot_utilization"),
-    ("genq_worker_kv_cache_usage_ratio", "Share of the KV cache in use (0-1)", "kv_cache_usage"),
-    ("genq_worker_output_tokens_per_second", "Output tokens per second (the server's generation counter over 5 s; "
-     "finished answers over 30 s where it has none)", "tok_per_s"),
-    ("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", "req_per_s"),
-)
-
-
-# The same for each GPU: (metric, help, its figure from the worker's GpuSample, None when not measured).
-GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
-    ("genq_gpu_utilization_ratio", "GPU utilization (NVML, 0-1)", lambda g: g.utilization_pct / 100.0),
-    ("genq_gpu_memory_used_bytes", "GPU memory in use", lambda g: g.memory_used_mib * 2**20),
-    ("genq_gpu_memory_total_bytes", "GPU memory", lambda g: g.memory_total_mib * 2**20),
-    ("genq_gpu_power_watts", "GPU power draw", lambda g: g.power_w),
-    ("genq_gpu_temperature_celsius", "GPU temperature", lambda g: g.temperature_c),
-    ("genq_gpu_sm_clock_hertz", "GPU SM clock", lambda g: None if g.sm_clock_mhz is None else g.sm_clock_mhz * 1e6),
-)
+    def _shown(self, fleet: list[WorkerReport]) -> set[str]:
+        """Live workers, and down ones until they have been down for forget_after_s."""
+        now = self.clock()
+        for w in fleet:
+            if w.state not in DOWN:
+                self.down_since.pop(w.name, None)
+            elif w.heartbeat_age_s is not None:  # a stopped worker says when it stopped
+                self.down_since[w.name] = min(self.down_since.get(w.name, now), now - w.heartbeat_age_s)
+            else:
+                self.down_since.setdefault(w.name, now)
+        return {w.name for w in fleet
+                if w.name not in self.down_since or now - self.down_since[w.name] < self.forget_after_s}
 
 
 def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
@@ -160,10 +146,9 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
         yield _gauge(name, doc, ["job"], [([p.job], getattr(p, field)) for p in ps])
     yield _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)",
                  ["job"], [([p.job], p.tail is not None) for p in ps])
-    yield _gauge("genq_job_input_tokens", "Prompt tokens of finished prompts", ["job"],
-                 [([p.job], p.total_input_tokens) for p in ps], CounterMetricFamily)
-    yield _gauge("genq_job_output_tokens", "Completion tokens of finished prompts", ["job"],
-                 [([p.job], p.total_output_tokens) for p in ps], CounterMetricFamily)
+    for name, doc, field in (("genq_job_input_tokens", "Prompt tokens of finished prompts", "total_input_tokens"),
+                             ("genq_job_output_tokens", "Completion tokens of finished prompts", "total_output_tokens")):
+        yield _gauge(name, doc, ["job"], [([p.job], getattr(p, field)) for p in ps], CounterMetricFamily)
     yield _one_of("genq_job_status", "1 for the job's status, 0 for the others", ["job"], "status", JOB_STATUSES,
                   [([p.job], (p.status,)) for p in ps])
     yield _one_of("genq_job_eta_state", "1 for the ETA's state, 0 for the others", ["job"], "state", ETA_STATES,
@@ -200,13 +185,14 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
     # Only (job, worker) pairs with something to say: not a zero for every live worker under every job ever run.
     pairs = [([r.progress.job, w.name], w) for r in reports for w in r.progress.worker_details if w.name in shown
              and (w.job_completed or w.job_failed or w.job_output_tokens or w.job_in_flight)]
-    jw = ["job", "worker"]
-    yield _gauge("genq_job_worker_prompts_completed", "Prompts completed by the worker", jw,
-                 [(lab, w.job_completed) for lab, w in pairs], CounterMetricFamily)
-    yield _gauge("genq_job_worker_output_tokens", "Completion tokens by the worker", jw,
-                 [(lab, w.job_output_tokens) for lab, w in pairs], CounterMetricFamily)
-    yield _gauge("genq_job_worker_in_flight", "The job's requests in flight on the worker", jw,
-                 [(lab, w.job_in_flight) for lab, w in pairs])
+    for name, doc, field, kind in (
+            ("genq_job_worker_prompts_completed", "Prompts completed by the worker", "job_completed",
+             CounterMetricFamily),
+            ("genq_job_worker_output_tokens", "Completion tokens by the worker", "job_output_tokens",
+             CounterMetricFamily),
+            ("genq_job_worker_in_flight", "The job's requests in flight on the worker", "job_in_flight",
+             GaugeMetricFamily)):
+        yield _gauge(name, doc, ["job", "worker"], [(lab, getattr(w, field)) for lab, w in pairs], kind)
     gpus = [([w.name, str(w.gpu.index), w.gpu.name], w.gpu) for w in live if w.gpu is not None]
     for name, doc, value in GPU_GAUGES:
         yield _gauge(name, doc, ["worker", "gpu", "name"], [(lab, value(g)) for lab, g in gpus])

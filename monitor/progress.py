@@ -1,7 +1,6 @@
 """The monitor's one record per job (JobProgress) that every view renders: `--json` and the progress
 file as it is, the terminal (view.py), the web page (webapp.py), Prometheus (exporter.py). One path
-fills it, Monitor.refresh(): one read of Redis, a throughput sample (rates.py), the ETA (eta.py);
-bench/eta_bench.py measures the same Monitor."""
+fills it, Monitor.refresh(): one read of Redis, a throughput sample (rates.py), the ETA (eta.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +30,9 @@ JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds
 ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
 WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
 DOWN = ("lost", "gone", "stopped")  # a worker's row without figures of now ("gone": lost once its job is done)
+# Fields of JobSnapshot that JobProgress carries as they are.
+SAME = ("job", "status", "total", "completed", "failed", "in_flight", "queued", "held", "batches_total",
+        "batches_done", "other_batches", "rq_queued", "shards", "shard_records")
 
 
 class WorkerReport(msgspec.Struct):
@@ -57,12 +59,12 @@ class WorkerReport(msgspec.Struct):
     bottlenecks: list[str] = []  # for people: with the numbers
     bottleneck_codes: list[str] = []  # the same, as fixed codes (genq.core.decodebound.CODES)
     heartbeat_age_s: float | None = None
-    bound: Verdict | None = None  # its decode bound, the share reached, what caps its batch (genq.core.decodebound)
+    bound: Verdict | None = None  # its decode bound, the share reached, what caps its batch
 
 
 class JobProgress(msgspec.Struct):
     job: str
-    status: JobStatus  # genq.core.ledger.figures: writing = every prompt finished, shards still being written
+    status: JobStatus  # writing = every prompt finished, shards still being written
     updated_at: float
     total: int
     completed: int
@@ -98,15 +100,13 @@ class JobProgress(msgspec.Struct):
     rq_queued: int  # RQ's count of its `genq` queue, every job's batches (what `rq info` shows)
     shards: int
     shard_records: int
-    s3_uploaded: int  # shards written (keys.job_shards), wherever the output is
+    s3_uploaded: int  # shards written, wherever the output is
     s3_bytes: int
     workers: int  # live workers on this job
     workers_lost: int
     rate_source: str
     gpu_note: str | None
-    # Nothing left to start and its last requests hold few of the fleet's slots: throughput falls as
-    # they finish, the end of the job and not a fault (None otherwise).
-    tail: str | None
+    tail: str | None  # nothing left to start and its last requests hold few of the fleet's slots
     worker_details: list[WorkerReport]
     blocked: str | None = None  # why the job is blocked (docs/settings.md): the server's message and the counts
     blocked_reason: str | None = None  # "preflight" | "brake"
@@ -130,16 +130,11 @@ class JobNotFound(LookupError):
 
 class Monitor:
     """Keeps throughput samples per job between refreshes; thread-safe (the exporter and the page read too).
-
     `on_refresh` is called with each refresh's reports (the web page's history)."""
 
     def __init__(self, conn: redis.Redis, job: str | None = None, *, window_s: float = 120.0, once: bool = False,
                  on_refresh: Callable[[list[JobReport]], None] | None = None) -> None:
-        self.conn = conn
-        self.job = job
-        self.window_s = window_s
-        self.once = once
-        self.on_refresh = on_refresh
+        self.conn, self.job, self.window_s, self.once, self.on_refresh = conn, job, window_s, once, on_refresh
         self.trackers: dict[str, RateTracker] = {}
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
@@ -169,14 +164,13 @@ class Monitor:
             judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
             reports = []
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
-                snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0), rq_queued=self.queue.total)
-                if snap is None:
-                    if self.job is not None:
-                        raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
-                    continue
-                reports.append(self._report(snap, judged))
-            now = time.time()
-            self.fleet = [worker_report(WorkerView(name, status), now, bound=judged.get(name))
+                snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0),
+                                rq_queued=self.queue.total)
+                if snap is None and self.job is not None:
+                    raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
+                if snap is not None:
+                    reports.append(self._report(snap, judged))
+            self.fleet = [worker_report(WorkerView(name, status), time.time(), bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last, self.last_at = reports, time.monotonic()
             if self.on_refresh is not None:
@@ -234,10 +228,6 @@ def _hours(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds / 3600, 4)
 
 
-def _pct(n: int, total: int) -> float:
-    return round(100.0 * n / total, 2) if total else 0.0
-
-
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None,
                    judged: dict[str, Verdict]) -> JobProgress:
     # Elapsed runs from the first request sent, or from creation once a worker works on the job (a job
@@ -253,12 +243,10 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         prompts_rate = snap.completed / elapsed if elapsed > 0 else None
         tok_s = snap.out_tokens / elapsed if elapsed > 0 else None
     tail = tail_note(snap)
+    pct: dict[str, Any] = {f"percent{k}": round(100.0 * n / snap.total, 2) if snap.total else 0.0 for k, n in (
+        ("", snap.completed + snap.failed), ("_completed", snap.completed), ("_failed", snap.failed))}
     return JobProgress(
-        job=snap.job, status=snap.status, updated_at=round(snap.at, 3),
-        total=snap.total, completed=snap.completed, failed=snap.failed, in_flight=snap.in_flight,
-        queued=snap.queued, held=snap.held,
-        percent=_pct(snap.completed + snap.failed, snap.total), percent_completed=_pct(snap.completed, snap.total),
-        percent_failed=_pct(snap.failed, snap.total),
+        **{f: getattr(snap, f) for f in SAME}, **pct, updated_at=round(snap.at, 3),
         rate_per_sec=_round(prompts_rate, 3), output_tokens_per_sec=_round(tok_s, 1),
         eta_hours=_hours(est.eta_s), eta_low_hours=_hours(est.eta_low_s), eta_high_hours=_hours(est.eta_high_s),
         eta_state=est.state, eta_note=est.note, eta_s=est.eta_s, eta_low_s=est.eta_low_s, eta_high_s=est.eta_high_s,
@@ -267,10 +255,8 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         avg_output_tokens=round(snap.out_tokens / snap.completed, 1) if snap.completed else None,
         expected_output_tokens=_round(est.expected_output_tokens, 1),
         remaining_output_tokens=None if est.remaining_tokens is None else round(est.remaining_tokens),
-        batches_total=snap.batches_total, batches_done=snap.batches_done, queued_batches=snap.batches_queued,
-        held_batches=snap.batches_held, other_batches=snap.other_batches, rq_queued=snap.rq_queued,
-        shards=snap.shards, shard_records=snap.shard_records, s3_uploaded=snap.shards, s3_bytes=snap.shard_bytes,
-        workers=sum(1 for w in snap.live if w.inflight is not None),
+        queued_batches=snap.batches_queued, held_batches=snap.batches_held, s3_uploaded=snap.shards,
+        s3_bytes=snap.shard_bytes, workers=sum(1 for w in snap.live if w.inflight is not None),
         workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
         rate_source="" if speed is None else speed.source, gpu_note=fleet_gpu_note(statuses), tail=tail,
         worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job,
@@ -278,8 +264,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         bound_summary=decodebound.job_line(statuses, snap.job),
         blocked=None if snap.blocked is None else describe_block(snap.job, snap.blocked),
         blocked_reason=None if snap.blocked is None else snap.blocked.reason,
-        priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3),
-    )
+        priority=snap.schedule.priority, weight=snap.schedule.weight, share=round(snap.share, 3))
 
 
 def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False,
@@ -305,9 +290,6 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
                    slot_utilization=_round(slot_utilization(s), 3), kv_cache_usage=s.server_token_usage,
                    tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)
     return WorkerReport(**row)
-
-
-# ---------------------------------------------------------------- output
 
 
 def document(reports: list[JobReport], single: bool, *, for_json: bool) -> Any:

@@ -1,13 +1,9 @@
 """Decode speed from what the monitor saw, not from the time since the job began.
 
-A live monitor samples the output tokens so far (finished plus running: a smooth curve) and reads
-deltas over a recent window, so work before it started never counts. Over the request-seconds spent
-decoding that is one request's speed; the fleet's is that times the requests decoding, scaled by the
-live workers' slots now over their mean. `--once` has no samples: it takes the workers' own rates.
-
-A server's step costs about a + b d for d decoding: the workers' decode bins fitted by tokens give the
-overhead a/b (large on a GPU, small on a CPU), clean bins (no prefill in them) first. Too few bins,
-too narrow a spread of d, or a line that does not rise: None, no dependence.
+A live monitor samples the output tokens so far (finished plus running) and reads deltas over a recent
+window: one request's speed is tokens over request-seconds decoding; the fleet's is that times the
+requests decoding, scaled by the live workers' slots now over their mean. `--once` takes the workers'
+own rates. A server's step costs about a + b d for d decoding: the workers' decode bins give a/b.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from genq.core.ledger.figures import JobSnapshot
 from genq.core.records import DecodeBin
@@ -30,14 +26,13 @@ MIN_SPREAD = 1.3  # highest over lowest d among the bins fitted
 MAX_OVERHEAD = 1e6  # a flatter line is "no dependence"
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     at: float  # when `generated` and `decoding` were true (the workers' mean publish time)
     read_at: float  # when `finished` was read
     generated: int  # output tokens so far, finished and running
-    finished: int  # prompts with a result (a dead letter is no progress)
-    decoding: int  # requests being decoded (at most each server's capacity)
-    workers: int  # workers decoding any of them (a request's speed depends on its own worker's count)
+    finished: int
+    decoding: int  # requests being decoded
+    workers: int  # workers decoding any of them
     slots: int  # the live workers' slots
 
 
@@ -62,9 +57,8 @@ class RateTracker:
             self.samples.popleft()
 
     def _aligned(self, snap: JobSnapshot) -> Sample:
-        """A sample as of the workers' in-flight records (published once a second), not of this read: each
-        worker's finished tokens are interpolated back to its publish time, else a request finished since
-        would count twice; the sample is dated at the mean publish time."""
+        """A sample as of the workers' in-flight records (published once a second): each worker's finished
+        tokens interpolated back to its publish time, else a request finished since counts twice."""
         generated = 0.0
         stamps: list[float] = []
         for w in snap.workers:
@@ -81,25 +75,22 @@ class RateTracker:
                 generated += out_now
             generated += sum(w.running_tokens)
             stamps.append(at)
-        return Sample(at=sum(stamps) / len(stamps) if stamps else snap.at, read_at=snap.at,
-                      generated=round(generated), finished=snap.completed, decoding=snap.decoding,
-                      workers=sum(1 for w in snap.live if w.decoding), slots=snap.slots)
+        return Sample(sum(stamps) / len(stamps) if stamps else snap.at, snap.at, round(generated), snap.completed,
+                      snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots)
 
     def speed(self) -> Speed | None:
-        """One decoding request's speed = tokens generated / request-seconds decoding, over the window: a
-        ratio of sums, so idle stretches count in neither. An interval starting with none known to decode
-        is left out (it may end with tokens made before it)."""
+        """Tokens generated over request-seconds decoding, a ratio of sums over the window (idle stretches
+        count in neither); an interval starting with none known to decode is left out."""
         pts = list(self.samples)
         if len(pts) < 2:
             return None
-        tokens_per_s = max(_slope([p.at for p in pts], [float(p.generated) for p in pts]), 0.0)
+        tokens_per_s = max(_line([(p.at, float(p.generated), 1.0) for p in pts])[0], 0.0)
         kept = [(a, b) for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
         busy = [b.decoding * (b.at - a.at) for a, b in kept]
         total_busy = sum(busy)
         if total_busy <= 0:
-            return Speed(per_request=0.0, rel_se=1.0, span_s=0.0, samples=1, tokens_per_s=tokens_per_s,
-                         source=source)
+            return Speed(0.0, 1.0, 0.0, 1, tokens_per_s=tokens_per_s, source=source)
         made = [b.generated - a.generated for a, b in kept]
         per_request = max(0.0, sum(made) / total_busy)
         rel = 1.0
@@ -110,30 +101,30 @@ class RateTracker:
         span = sum(b.at - a.at for a, b in kept)
         slots_s = sum(b.slots * (b.at - a.at) for a, b in kept)
         scale = pts[-1].slots * span / slots_s if slots_s > 0 and pts[-1].slots else 1.0
-        snap = self.snap
-        return Speed(per_request=per_request, rel_se=rel, span_s=span, samples=len(kept) + 1,
-                     tokens_per_s=tokens_per_s, source=source,
+        return Speed(per_request, rel, span, len(kept) + 1, tokens_per_s=tokens_per_s, source=source,
                      decoding=total_busy / sum(max(1, b.workers) * (b.at - a.at) for a, b in kept),
-                     overhead=None if snap is None else curve_of(snap),
-                     prompt_tokens=0.0 if snap is None else prompt_tokens(snap), running=total_busy / span * scale)
+                     running=total_busy / span * scale, **_server(self.snap))
 
     def prompts_per_s(self) -> float | None:
         pts = list(self.samples)
         if len(pts) < 2 or pts[-1].read_at - pts[0].read_at <= 0:
             return None
-        return max(_slope([p.read_at for p in pts], [float(p.finished) for p in pts]), 0.0)
+        return max(_line([(p.read_at, float(p.finished), 1.0) for p in pts])[0], 0.0)
 
 
-def _slope(xs: list[float], ys: list[float]) -> float:
-    """The least-squares slope."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+def _line(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (x, y, weight) points; slope 0 where x is constant."""
+    w = sum(n for _, _, n in pts)
+    mx = sum(x * n for x, _, n in pts) / w
+    my = sum(y * n for _, y, n in pts) / w
+    sxx = sum(n * (x - mx) ** 2 for x, _, n in pts)
+    slope = sum(n * (x - mx) * (y - my) for x, y, n in pts) / sxx if sxx > 0 else 0.0
+    return slope, my - slope * mx
 
 
 def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
-    """(speed, prompts/s) from one snapshot, from the workers' own records: the job's tokens/s is known,
-    one request's speed is not (per_request 0: the ETA divides by the requests running)."""
+    """(speed, prompts/s) from the workers' own records: the job's tokens/s is known, one request's speed
+    is not (per_request 0: the ETA divides by the requests running)."""
     tokens = prompts = 0.0
     spans: list[float] = []
     sources: set[str] = set()
@@ -159,39 +150,31 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
         return None, None
     # The requests a worker decodes at once when full: what a request's speed was measured at.
     slots = [w.slots for w in snap.live if w.inflight is not None and w.slots]
-    return Speed(per_request=0.0, rel_se=ONCE_REL_SE, span_s=min(spans), samples=3, tokens_per_s=tokens,
+    return Speed(0.0, ONCE_REL_SE, min(spans), 3, tokens_per_s=tokens,
                  source=" + ".join(sorted(sources)) + " (--once: one look, less certain)",
-                 decoding=sum(slots) / len(slots) if slots else 0.0, overhead=curve_of(snap),
-                 prompt_tokens=prompt_tokens(snap)), prompts
+                 decoding=sum(slots) / len(slots) if slots else 0.0, **_server(snap)), prompts
 
 
-def prompt_tokens(snap: JobSnapshot) -> float:
-    """The job's mean prompt tokens (what each start makes its server prefill)."""
-    return snap.in_tokens / snap.completed if snap.completed else 0.0
-
-
-def curve_of(snap: JobSnapshot) -> float | None:
-    """The overhead a/b of the step time a + b*d, from the live workers' decode bins pooled."""
-    return fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode)
+def _server(snap: JobSnapshot | None) -> dict[str, Any]:
+    """What the drain's time needs of the servers: the step's overhead (the live workers' decode bins) and the
+    job's mean prompt tokens (what each start makes its server prefill)."""
+    if snap is None:
+        return {}
+    return {"overhead": fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode),
+            "prompt_tokens": snap.in_tokens / snap.completed if snap.completed else 0.0}
 
 
 def fit_overhead(bins: Iterable[DecodeBin]) -> float | None:
-    """a/b through the clean bins where they tell, else through all of them; None where neither does."""
+    """The overhead a/b of the step time a + b d, weighted by tokens: through the clean bins (no prefill)
+    where they tell, else through all. Too few bins, too narrow a spread of d, a line that does not
+    rise: None, no dependence."""
     every = list(bins)
-    clean = _overhead([b for b in every if b.clean])
-    return clean if clean is not None else _overhead(every)
-
-
-def _overhead(bins: list[DecodeBin]) -> float | None:
-    pts = [(b.decoding, b.busy_s / b.tokens, b.tokens) for b in bins if b.tokens >= MIN_TOKENS and b.busy_s > 0]
-    if len(pts) < 2 or max(d for d, _, _ in pts) < MIN_SPREAD * min(d for d, _, _ in pts):
-        return None
-    w = sum(n for _, _, n in pts)
-    md = sum(d * n for d, _, n in pts) / w
-    mt = sum(t * n for _, t, n in pts) / w
-    sdd = sum(n * (d - md) ** 2 for d, _, n in pts)
-    slope = sum(n * (d - md) * (t - mt) for d, t, n in pts) / sdd if sdd > 0 else 0.0
-    if slope <= 0:
-        return None
-    overhead = max(0.0, (mt - slope * md) / slope)
-    return None if overhead >= MAX_OVERHEAD else overhead
+    for bins_ in ([b for b in every if b.clean], every):
+        pts = [(b.decoding, b.busy_s / b.tokens, b.tokens) for b in bins_ if b.tokens >= MIN_TOKENS and b.busy_s > 0]
+        if len(pts) < 2 or max(d for d, _, _ in pts) < MIN_SPREAD * min(d for d, _, _ in pts):
+            continue
+        slope, intercept = _line(pts)
+        overhead = max(0.0, intercept / slope) if slope > 0 else MAX_OVERHEAD
+        if overhead < MAX_OVERHEAD:
+            return overhead
+    return None

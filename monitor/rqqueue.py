@@ -1,12 +1,10 @@
-"""RQ's queue `genq` as the monitor sees it: how many of its batches belong to each genq job.
+"""RQ's queue `genq` as the monitor sees it: how many of its batches belong to each genq job (read
+once per RQ id from its description, "genq batch JOB/BATCH (N prompts)", which never changes).
 
-RQ's job ids are random, so a batch's genq job is read from its RQ job's description ("genq batch
-JOB/BATCH (N prompts)", genq.core.queueing), which never changes. A QueueMirror kept between
-refreshes reads only the list's two ends, in one transaction: RQ pushes at either end (RPUSH, or
-LPUSH for at_front) and takes from the front (LMOVE), so the queue now is some ids pushed at the
-front + the mirror less those taken + ids appended. Anything else (an id removed in the middle, a
-tail window too short for what was appended) makes it read the whole list. Its counts are always a
-full read's, and a refresh costs what changed, not the queue's length.
+A QueueMirror kept between refreshes reads only the list's two ends: RQ pushes at either end and takes
+from the front, so the queue now is ids pushed at the front + the mirror less those taken + ids
+appended. Anything else makes it read the whole list: its counts are always a full read's, and a
+refresh costs what changed, not the queue's length (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,9 +22,8 @@ WINDOW = 64  # ids read at each end of the list per refresh (more when more were
 
 
 def _ends(conn: redis.Redis, key: str, want_tail: int) -> tuple[int, list[str], list[str]]:
-    """The list's length and both its ends, in one MULTI: one moment of the list. A full Redis refuses
-    every command inside MULTI, reads too; then without it (while it is full nothing is queued, and
-    ends that do not fit the mirror make a whole read)."""
+    """The list's length and both its ends, in one MULTI; without it where a full Redis refuses MULTI
+    (then nothing is queued, and ends that do not fit the mirror make a whole read)."""
     for transaction in (True, False):
         try:
             with conn.pipeline(transaction=transaction) as pipe:
@@ -97,14 +94,10 @@ class QueueMirror:
         self._name(conn, [i for i in self.ids if i not in known])
 
     def _forget(self, rq_id: str) -> None:
-        job = self.job_of.pop(rq_id, None)
-        if job is not None:
-            self.by_job[job] -= 1
-            if not self.by_job[job]:
-                del self.by_job[job]
+        if (job := self.job_of.pop(rq_id, None)) is not None:
+            self.by_job -= Counter([job])  # a job's count at 0 is dropped
 
     def _name(self, conn: redis.Redis, ids: list[str]) -> None:
-        """Count each id under its genq job, read from its RQ job's description."""
         job_key = rq_queue(conn).job_class.key_for
         for start in range(0, len(ids), 5000):
             chunk = ids[start:start + 5000]

@@ -13,7 +13,6 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-import math
 import socket
 import threading
 import time
@@ -27,7 +26,7 @@ from aiohttp import web
 
 from genq.core.ledger import letters
 from genq.core.records import DeadLetter, unpack
-from genq.monitor.eta import bucket_log_bounds, length_bucket, norm_cdf
+from genq.monitor.eta import LN2, bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.exporter import parse_listen
 from genq.monitor.progress import DOWN, JobReport, Monitor, encode
 
@@ -44,11 +43,15 @@ HEADERS = {
                                "form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
 }
+DLQ_READ_LIMIT = 20_000  # letters read for the breakdown; beyond, by_kind covers the first ones scanned
+# Without ?job= the page follows the job a user is watching: one that runs (the most requests in
+# flight), else one waiting for workers, else the newest; not the alphabetically first.
+FOLLOW_ORDER = ("running", "writing", "blocked", "paused", "queued", "empty")
 
 
 class History:
-    """Each job's figures at every refresh, a ring buffer per job (Monitor's on_refresh records them);
-    the page asks for a job's as columns aligned on `t`, the form uPlot draws."""
+    """Each job's figures at every refresh, a ring buffer per job (Monitor's on_refresh records them),
+    served as columns aligned on `t`, the form uPlot draws."""
 
     def __init__(self, maxlen: int = 3600) -> None:
         self.maxlen = maxlen
@@ -57,15 +60,13 @@ class History:
 
     def record(self, reports: list[JobReport]) -> None:
         with self.lock:
-            for r in reports:
-                p = r.progress
-                point = {"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
-                         "workers": {w.name: {f: getattr(w, f) for f in WORKER_FIELDS}
-                                     for w in p.worker_details if w.state not in DOWN}}
+            for p in (r.progress for r in reports):
                 ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
-                if ring and ring[-1]["t"] >= point["t"]:
+                if ring and ring[-1]["t"] >= p.updated_at:
                     continue  # a second reader of the same refresh
-                ring.append(point)
+                ring.append({"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
+                             "workers": {w.name: {f: getattr(w, f) for f in WORKER_FIELDS}
+                                         for w in p.worker_details if w.state not in DOWN}})
 
     def columns(self, job: str) -> dict[str, Any]:
         """{"t": [...], field: [...], "workers": {name: {field: [...]}}}, None where absent."""
@@ -82,14 +83,7 @@ def host_name(header: str) -> str:
     name = header.strip().lower()
     if name.startswith("["):
         return name[1:].partition("]")[0]
-    if name.count(":") == 1:
-        name = name.partition(":")[0]
-    return name.rstrip(".")
-
-
-def own_names(bound: str, allowed: tuple[str, ...] = ()) -> frozenset[str]:
-    """The host names the page answers to, besides any address."""
-    return frozenset(host_name(n) for n in (*LOOPBACK_NAMES, bound, socket.gethostname(), *allowed) if n)
+    return (name.partition(":")[0] if name.count(":") == 1 else name).rstrip(".")
 
 
 def is_own_host(header: str, names: frozenset[str]) -> bool:
@@ -102,16 +96,14 @@ def is_own_host(header: str, names: frozenset[str]) -> bool:
 
 
 def length_histogram(report: JobReport) -> dict[str, Any]:
-    """Finished lengths per log bucket, running ones (tokens so far) per bucket, and the fitted
-    lognormal's expected count of finished completions per bucket."""
+    """Finished lengths per log bucket, running ones (tokens so far; none yet says nothing) per bucket,
+    and the fitted lognormal's expected count of finished completions per bucket."""
     finished = {int(b): n for b, n in report.snapshot.hist.items()}
-    # A request with no token yet says nothing about its length.
     running = Counter(length_bucket(t) for t in report.snapshot.running_tokens if t > 0)
     model = report.estimate.model
     keys = set(finished) | set(running)
     if model is not None:  # the fit's central 99.8 %, so its tails show where nothing was seen yet
-        for z in (model.mu - 3 * model.sigma, model.mu + 3 * model.sigma):
-            keys.add(max(0, int(round(4 * z / math.log(2)))))
+        keys |= {max(0, int(round(4 * (model.mu + k * model.sigma) / LN2))) for k in (-3, 3)}
     if not keys:
         return {"buckets": [], "tokens": [], "finished": [], "running": [], "fitted": []}
     buckets = list(range(min(keys), max(keys) + 1))
@@ -125,13 +117,7 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
 
     return {"buckets": buckets, "tokens": [round(2 ** (b / 4) - 1) for b in buckets],
             "finished": [finished.get(b, 0) for b in buckets], "running": [running.get(b, 0) for b in buckets],
-            "fitted": [fitted(b) for b in buckets], "mu": None if model is None else model.mu,
-            "sigma": None if model is None else model.sigma}
-
-
-# Without ?job= the page follows the job a user is watching: one that runs (the most requests in
-# flight), else one waiting for workers, else the newest; not the alphabetically first.
-FOLLOW_ORDER = ("running", "writing", "blocked", "paused", "queued", "empty")
+            "fitted": [fitted(b) for b in buckets], "mu": model and model.mu, "sigma": model and model.sigma}
 
 
 def followed(reports: list[JobReport]) -> JobReport | None:
@@ -143,8 +129,25 @@ def followed(reports: list[JobReport]) -> JobReport | None:
     return min(reports, key=rank, default=None)
 
 
-def make_app(monitor: Monitor, history: History, interval: float, token: str | None = None,
-             names: frozenset[str] = own_names("")) -> web.Application:
+def dead_letter_summary(conn: redis.Redis, job: str, latest: int = 5) -> dict[str, Any]:
+    """The job's dead letters: how many, how many of each kind, and the newest few."""
+    found: list[DeadLetter] = []
+    for n, raw in enumerate(letters.scan_raw(conn, job, 1000)):
+        if n >= DLQ_READ_LIMIT:
+            break
+        try:
+            found.append(unpack(raw, DeadLetter))
+        except msgspec.DecodeError:
+            continue
+    by_kind = Counter(d.kind for d in found)
+    found.sort(key=lambda d: d.at, reverse=True)
+    rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
+                 attempts=d.attempts, status=d.status) for d in found[:latest]]
+    return {"total": letters.count(conn, job), "by_kind": dict(sorted(by_kind.items())), "latest": rows}
+
+
+def make_app(monitor: Monitor, history: History, interval: float, token: str | None,
+             names: frozenset[str]) -> web.Application:
     @web.middleware
     async def own_host_only(request: web.Request, handler: Any) -> web.StreamResponse:
         # No Host at all is no browser's request (aiohttp's request.host would look the machine's name up).
@@ -173,70 +176,32 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
     async def state(request: web.Request) -> web.Response:
         loop = asyncio.get_running_loop()
         reports = await loop.run_in_executor(None, monitor.current, interval)
-        names = [r.progress.job for r in reports]
+        jobs = [r.progress.job for r in reports]
         wanted = request.query.get("job")
-        if wanted is not None and wanted not in names:
-            return web.json_response({"error": f"no job named {wanted!r}", "jobs": names}, status=404)
+        if wanted is not None and wanted not in jobs:
+            return web.json_response({"error": f"no job named {wanted!r}", "jobs": jobs}, status=404)
         chosen = next((r for r in reports if r.progress.job == wanted), None) if wanted else followed(reports)
-        body: dict[str, Any] = {"jobs": names, "job": None, "interval": interval, "controls": token is not None,
+        body: dict[str, Any] = {"jobs": jobs, "job": None, "interval": interval, "controls": token is not None,
                                 "redis_note": monitor.redis_note.text if monitor.redis_note else None}
         if chosen is not None:
             job = chosen.progress.job
-            dlq = await loop.run_in_executor(None, dead_letters, job)
-            body.update(
-                job=job,
-                progress=chosen.progress,
-                history=history.columns(job),
-                lengths=length_histogram(chosen),
-                dead_letters=dlq,
-            )
+            body.update(job=job, progress=chosen.progress, history=history.columns(job),
+                        lengths=length_histogram(chosen),
+                        dead_letters=await loop.run_in_executor(None, dead_letters, job))
         return web.json_response(body, dumps=lambda obj: encode(obj).decode())
 
-    app.router.add_get("/", index)
-    app.router.add_get("/api/state", state)
-    app.router.add_static("/static/", STATIC / "static", show_index=False)
-    if token is not None:
-        app.router.add_post("/api/control", _control_handler(monitor, token))
-    return app
-
-
-DLQ_READ_LIMIT = 20_000  # letters read for the breakdown; beyond, by_kind covers the first ones scanned
-
-
-def dead_letter_summary(conn: redis.Redis, job: str, latest: int = 5) -> dict[str, Any]:
-    """The job's dead letters: how many, how many of each kind, and the newest few."""
-    by_kind: Counter[str] = Counter()
-    found: list[DeadLetter] = []
-    for n, raw in enumerate(letters.scan_raw(conn, job, 1000)):
-        if n >= DLQ_READ_LIMIT:
-            break
-        try:
-            found.append(unpack(raw, DeadLetter))
-        except msgspec.DecodeError:
-            continue
-        by_kind[found[-1].kind] += 1
-    found.sort(key=lambda d: d.at, reverse=True)
-    rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
-                 attempts=d.attempts, status=d.status) for d in found[:latest]]
-    return {"total": letters.count(conn, job), "by_kind": dict(sorted(by_kind.items())), "latest": rows}
-
-
-def _control_handler(monitor: Monitor, token: str):
-    from genq.ops import control
-
     def act(action: str, job: str | None) -> str:
-        if action == "pause":
-            control.pause(monitor.conn, job)
-        elif action == "resume":
-            control.resume(monitor.conn, job)
-        else:  # drain every live worker: they finish what they hold and exit
+        from genq.ops import control
+
+        if action == "drain":  # every live worker finishes what it holds and exits
             for row in control.select(control.fleet(monitor.conn), everyone=True):
                 control.update_control(monitor.conn, row.name, drain=True)
+        else:  # pause or resume
+            getattr(control, action)(monitor.conn, job)
         return f"{action} {job or 'all'}"
 
-    async def handler(request: web.Request) -> web.Response:
-        given = request.headers.get("X-Genq-Token", "")
-        if not hmac.compare_digest(given.encode(), token.encode()):
+    async def control(request: web.Request) -> web.Response:
+        if token is None or not hmac.compare_digest(request.headers.get("X-Genq-Token", "").encode(), token.encode()):
             return web.json_response({"error": "wrong or missing token"}, status=403)
         body = await request.json()
         action, job = body.get("action"), body.get("job") or None
@@ -246,15 +211,21 @@ def _control_handler(monitor: Monitor, token: str):
         log.warning("web control: %s (from %s)", done, request.remote)
         return web.json_response({"ok": done})
 
-    return handler
+    app.router.add_get("/", index)
+    app.router.add_get("/api/state", state)
+    app.router.add_static("/static/", STATIC / "static", show_index=False)
+    if token is not None:
+        app.router.add_post("/api/control", control)
+    return app
 
 
 def serve_web(monitor: Monitor, history: History, listen: str, interval: float, token: str | None = None,
               allow_hosts: tuple[str, ...] = ()) -> None:
     """Start the page's server in a background thread (binding here, so errors reach the caller)."""
     host, port = parse_listen(listen, "--web")
+    names = frozenset(host_name(n) for n in (*LOOPBACK_NAMES, host, socket.gethostname(), *allow_hosts) if n)
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(monitor, history, interval, token, own_names(host, allow_hosts)), access_log=None)
+    runner = web.AppRunner(make_app(monitor, history, interval, token, names), access_log=None)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, host, port).start())
     threading.Thread(target=loop.run_forever, name="genq-web", daemon=True).start()

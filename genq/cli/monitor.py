@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import click
 import redis
@@ -55,9 +56,9 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     estimate). The ETA's range is a central 90% (docs/monitoring.md says how).
     """
     url = redis_url(ctx)
+    token = os.environ.get("GENQ_WEB_TOKEN") or None
     if once and (listen or web_listen):
         raise click.UsageError(f"{'--metrics' if listen else '--web'} needs a running monitor; drop --once")
-    token = os.environ.get("GENQ_WEB_TOKEN") or None
     if (web_control or web_hosts) and not web_listen:
         raise click.UsageError(f"{'--web-control' if web_control else '--web-allow-host'} goes with --web")
     if web_control and (token is None or len(token) < 16):
@@ -70,7 +71,7 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(describe_error(url, exc)) from None
     history = None
     if web_listen:
-        from genq.monitor.webapp import History
+        from genq.monitor.webapp import History, serve_web
 
         history = History()
     mon = Monitor(conn, job, window_s=rate_window, once=once, on_refresh=history.record if history else None)
@@ -86,8 +87,6 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
             raise click.ClickException(f"--metrics {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{_shown(listen)}/metrics", err=True)
     if web_listen and history is not None:
-        from genq.monitor.webapp import serve_web
-
         try:
             serve_web(mon, history, web_listen, interval, token if web_control else None, web_hosts)
         except (ValueError, OSError) as exc:
@@ -117,9 +116,7 @@ def _loop(mon: Monitor, as_json: bool, progress_file: str | None, shown_url: str
 
     console = Console()
     live = Live(console=console, auto_refresh=False) if console.is_terminal and interval and not as_json else None
-    if live is not None:
-        live.start()
-    try:
+    with live or nullcontext():
         while True:
             started = time.monotonic()
             try:
@@ -154,6 +151,3 @@ def _loop(mon: Monitor, as_json: bool, progress_file: str | None, shown_url: str
                     r.progress.status in FINISHED_STATUSES for r in reports)):
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
-    finally:
-        if live is not None:
-            live.stop()

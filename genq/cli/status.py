@@ -1,10 +1,5 @@
-"""`genq status JOB ID`: the fate of one prompt, read from where genq keeps it.
-
-dead-lettered (the letter says why) > not in the job > in a pending batch: done (its result is
-in Redis, the shard not yet written), sending (claimed by an engine), held (its batch is
-leased by a worker, or parked while the job is paused) or queued > in a written shard (the
-record is shown).
-"""
+"""`genq status JOB ID`: the fate of one prompt, read from where genq keeps it: dead-lettered > not in
+the job > in a pending batch (done, sending, held or queued) > in a written shard (the record shown)."""
 
 from __future__ import annotations
 
@@ -49,8 +44,7 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
         click.echo(json.dumps(fate))
         return
     click.echo(f"{job} {prompt_id}: {fate['state']}" + (f" (batch {fate['batch']})" if fate.get("batch") else ""))
-    if fate.get("why"):
-        click.echo(f"  {fate['why']}")
+    click.echo(f"  {fate['why']}")
     for name in ("letter", "record"):
         if fate.get(name) is not None:
             click.echo(json.dumps(fate[name], indent=2))
@@ -101,11 +95,9 @@ def _lines(uri: str, endpoint: str | None) -> list[bytes]:
         from genq.output import s3
 
         data = s3.read_object(uri, endpoint)
-    elif not (path := Path(uri)).exists():
-        return []
     else:
-        data = path.read_bytes()
-    return (gzip.decompress(data) if uri.endswith(".gz") else data).splitlines()
+        data = Path(uri).read_bytes() if Path(uri).exists() else b""
+    return (gzip.decompress(data) if data and uri.endswith(".gz") else data).splitlines()
 
 
 def _job_and_id(ctx: click.Context, words: tuple[str, ...], job_option: str | None) -> tuple[str, str]:
