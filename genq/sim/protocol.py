@@ -1,8 +1,7 @@
-"""The OpenAI-compatible protocol as SGLang serves it, both ways: the request bodies as far as the sim
-reads them, and the answers, built from token counts, in the shapes SGLang, vLLM and llama.cpp share
-(SGLang's extras, matched_stop and reasoning_content, kept). msgspec ignores unknown fields, as SGLang
-does; a wrongly typed one is a ValidationError, answered 400 like SGLang's remapped 422.
-"""
+"""The OpenAI-compatible protocol both ways, as each engine serves it (their sources: docs/engines.md):
+the request bodies as far as the sim reads them, the engine's checks and error bodies, and the
+answers built from token counts. msgspec ignores unknown fields, as SGLang does; a wrongly typed one
+is a ValidationError, answered 400 like SGLang's remapped 422."""
 
 from __future__ import annotations
 
@@ -14,13 +13,54 @@ import msgspec
 
 from genq.sim.engine import SimRequest
 
+_encode = msgspec.json.encode
+# Reported as matched_stop of a natural stop: Qwen's <|im_end|>, what SGLang reports at EOS.
+EOS_TOKEN_ID = 151645
+# The sim's text: about four characters a "token", sliced, never generated per token.
+WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+_LLAMACPP_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
+
+
+class Refusal(Exception):
+    """An answer other than 200, in the engine's error body."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.extra = status, err_type, extra
+
+
+def error_body(flavor: str, status: int, message: str, err_type: str | None = None, **extra: Any) -> dict[str, Any]:
+    """SGLang's error body is flat; vLLM's and llama.cpp's (format_error_response()) nest it under "error"."""
+    if flavor == "sglang":
+        return {"object": "error", "message": message, "type": err_type or "BadRequestError", "param": None,
+                "code": status}
+    if flavor == "vllm":
+        return {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
+                          "code": status}}
+    return {"error": {"code": status, "message": message,
+                      "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"), **extra}}
+
+
+def stream_error(flavor: str, message: str) -> bytes:
+    """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began
+    (SGLang's create_streaming_error_response() makes any failure a 400; vLLM's GenerationError a 500)."""
+    if flavor == "sglang":
+        return sse({"error": error_body(flavor, 400, message)}) + b"data: [DONE]\n\n"
+    if flavor == "vllm":
+        return sse(error_body(flavor, 500, message, "InternalServerError")) + b"data: [DONE]\n\n"
+    return sse(error_body(flavor, 500, message))
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + _encode(data) + b"\n\n"
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class CompletionRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -28,12 +68,28 @@ class _Sampling(msgspec.Struct, kw_only=True):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # SGLang uses rid as the response id.
-    rid: str | None = None
+    rid: str | None = None  # SGLang's: the response id
     top_logprobs: int | None = None
+    prompt: Any = None  # str or token ids, kept as sent for the prompt key
+    logprobs: int | None = None  # the number of alternatives, 0 for the chosen token only
+
+    def max_new_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
+
+    def counted_prompt(self) -> tuple[Any, int]:
+        """(what the prompt key hashes, its tokens); a batch of prompts (several choices in SGLang) is not served."""
+        if isinstance(self.prompt, str):
+            return self.prompt, text_tokens(self.prompt)
+        if isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) for t in self.prompt):
+            return self.prompt, len(self.prompt)
+        raise Refusal("prompt must be a string or a list of token ids in genq sim.")
+
+    def asked_logprobs(self) -> int | None:
+        """How many alternatives per token the answer's logprobs list, or None: no logprobs."""
+        return self.logprobs
 
 
-class ChatRequest(_Sampling, kw_only=True):
+class ChatRequest(CompletionRequest, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -42,9 +98,20 @@ class ChatRequest(_Sampling, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
 
+    def max_new_tokens(self) -> int | None:
+        # SGLang: max_completion_tokens wins over the deprecated max_tokens.
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def counted_prompt(self) -> tuple[Any, int]:
+        if not self.messages:
+            raise Refusal("messages: Field required (a non-empty list).")
+        return self.messages, chat_prompt_tokens(self.messages)
+
+    def asked_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def tool_called(self) -> str | None:
-        """The function the sim's answer calls: the chosen one, else the first offered (none
-        with tool_choice "none")."""
+        """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
         if not self.tools or self.tool_choice == "none":
             return None
         if isinstance(self.tool_choice, dict):
@@ -52,95 +119,81 @@ class ChatRequest(_Sampling, kw_only=True):
         function = self.tools[0].get("function")
         return str(function.get("name")) if isinstance(function, dict) else None
 
-    def logprobs_asked(self) -> int | None:
-        """How many alternatives per token the answer's logprobs list, or None: no logprobs."""
-        return (self.top_logprobs or 0) if self.logprobs else None
 
-    def max_new_tokens(self) -> int | None:
-        # SGLang: max_completion_tokens wins over the deprecated max_tokens.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def counted_prompt(self) -> tuple[Any, int] | str:
-        """(what the prompt key hashes, its tokens), or why the sim refuses it."""
-        if not self.messages:
-            return "messages: Field required (a non-empty list)."
-        return self.messages, chat_prompt_tokens(self.messages)
-
-    def thinking(self) -> bool:
-        return bool((self.chat_template_kwargs or {}).get("enable_thinking"))
-
-
-class CompletionRequest(_Sampling, kw_only=True):
-    # str, list of str, or token ids; kept as sent for the prompt key.
-    prompt: Any = None
-    logprobs: int | None = None  # completions: the number of alternatives, 0 for the chosen token only
-
-    def logprobs_asked(self) -> int | None:
-        return self.logprobs
-
-    def max_new_tokens(self) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
-
-    def counted_prompt(self) -> tuple[Any, int] | str:
-        """(what the prompt key hashes, its tokens), or why the sim refuses it: a batch of prompts,
-        which SGLang answers with several choices, is not served."""
-        if isinstance(self.prompt, str):
-            return self.prompt, _text_tokens(self.prompt)
-        if isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) for t in self.prompt):
-            return self.prompt, len(self.prompt)
-        return "prompt must be a string or a list of token ids in genq sim."
-
-
-def _text_tokens(text: str) -> int:
+def text_tokens(text: str) -> int:
     return len(text) // 4 + 1
 
 
 def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """About four characters a token, summed over message contents (text parts of
-    multimodal contents count, other parts do not)."""
+    """About four characters a token, summed over message contents (the text parts of multimodal ones)."""
     total = 0
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-        total += _text_tokens(content if isinstance(content, str) else "")
+        total += text_tokens(content if isinstance(content, str) else "")
     return total
 
 
-def validate(body: _Sampling, max_new_tokens: int | None, flavor: str) -> str | None:
-    """SGLang's checks on sampling values; returns the error message or None."""
-    if flavor == "llamacpp" and body.n != 1:
-        # llama.cpp's oaicompat params parsing refuses any other n.
-        return "Only one completion choice is allowed"
-    if body.n < 1:
-        return f"n must be at least 1, got {body.n}."
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-        return f"top_logprobs must be between 0 and 20, got {body.top_logprobs}."
-    if isinstance(body, ChatRequest) and body.top_logprobs and not body.logprobs:
-        return "top_logprobs requires logprobs to be true."
-    if max_new_tokens is not None and max_new_tokens < 0:
-        return f"max_new_tokens must be at least 0, got {max_new_tokens}."
-    if body.temperature is not None and body.temperature < 0:
-        return f"temperature must be non-negative, got {body.temperature}."
-    if body.top_p is not None and not 0 < body.top_p <= 1:
-        return f"top_p must be in (0, 1], got {body.top_p}."
-    return None
-
-
-# Reported as matched_stop of a natural stop: Qwen's <|im_end|> token id, what
-# SGLang reports when generation ends on EOS.
-EOS_TOKEN_ID = 151645
-# The sim's text: about four characters a "token", sliced, never generated per token.
-WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
-
-_encode = msgspec.json.encode
+def check(body: CompletionRequest, n_prompt: int, max_new: int | None, flavor: str, ctx: int,
+          ctx_given: bool) -> int:
+    """The engine's checks of a request: the most tokens it may generate, or its 400 (Refusal).
+    ctx_given: SGLang was started with --context-length."""
+    for bad, message in (
+            (flavor == "llamacpp" and body.n != 1, "Only one completion choice is allowed"),
+            (body.n < 1, f"n must be at least 1, got {body.n}."),
+            (body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20,
+             f"top_logprobs must be between 0 and 20, got {body.top_logprobs}."),
+            (isinstance(body, ChatRequest) and bool(body.top_logprobs) and not body.logprobs,
+             "top_logprobs requires logprobs to be true."),
+            (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
+            (body.temperature is not None and body.temperature < 0,
+             f"temperature must be non-negative, got {body.temperature}."),
+            (body.top_p is not None and not 0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}.")):
+        if bad:
+            raise Refusal(message)
+    left = ctx - n_prompt
+    if flavor == "llamacpp":
+        # Checked against the slot's context; max_tokens past its end is no error, the slot stops there.
+        if left <= 0:
+            raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
+                          "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
+        return left if max_new is None else min(max_new, left)
+    if flavor == "vllm":
+        # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
+        # "(parameter=..., value=...)" tail is VLLMValidationError's str().
+        if max_new is not None and max_new > ctx:
+            raise Refusal(f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
+                          f"output tokens. (parameter=max_tokens, value={max_new})", param="max_tokens")
+        if left < 0:
+            raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains at "
+                          f"least {ctx + 1} input tokens, which exceeds this limit even without any output tokens. "
+                          f"Please reduce the length of the input prompt. (parameter=input_tokens, value={ctx + 1})",
+                          param="input_tokens")
+        if left == 0:
+            raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", param="max_tokens")
+        return left if max_new is None else min(max_new, left)
+    # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
+    # tokenized (its message's missing space included).
+    if ctx_given and max_new is not None and max_new > ctx:
+        raise Refusal(f"max_completion_tokens is too large: {max_new}.This model supports at most {ctx} "
+                      "completion tokens.")
+    if left <= 0:
+        raise Refusal(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
+    if max_new is not None and max_new + n_prompt >= ctx:
+        raise Refusal(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                      f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input messages "
+                      f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                      "messages or the completion to fit within the limit.")
+    return left if max_new is None else max_new  # SGLang runs a chat without a limit to the context's end
 
 
 @dataclass(slots=True)
 class Reply:
-    """Builds response bodies for one choice of a request from token counts: the text of
-    tokens [a, b) is a slice of a fixed string (rotated per choice, so that the n samples
-    of a request differ), reasoning first when thinking is on."""
+    """Builds the bodies of one choice of a request from token counts: the text of tokens [a, b) is a
+    slice of a fixed string (rotated per choice, so the n samples differ), reasoning first when thinking.
+    SGLang's shapes (tests/recordings/sglang-0.5.23/): every delta has reasoning_content, and each
+    choice's chunks carry the id of its own sub-request (chunk_id)."""
 
     text: str
     chat: bool
@@ -149,16 +202,11 @@ class Reply:
     prompt_tokens: int
     think: int  # tokens of reasoning at the start of the output (0: no thinking)
     separate: bool  # separate_reasoning: reasoning goes to reasoning_content
-    index: int = 0  # the choice's index (n > 1)
-    top_logprobs: int | None = None  # logprobs asked for, with this many alternatives; None: not asked
-    # The tool the answer calls (the request offered tools), as SGLang with a tool-call
-    # parser answers: the text, then the call; None: no call.
-    tool: str | None = None
-    # SGLang's stream shapes (recorded from 0.5.23, tests/recordings/sglang-0.5.23/): every
-    # delta has reasoning_content (null when none), and each choice's chunks carry the id of
-    # its own sub-request. chunk_id: that id (the request's rid for choice 0).
-    sglang: bool = False
-    chunk_id: str = ""
+    index: int
+    top_logprobs: int | None  # logprobs asked for, with this many alternatives; None: not asked
+    tool: str | None  # the tool the answer calls after its text (SGLang with a tool-call parser)
+    sglang: bool
+    chunk_id: str
 
     def finish(self, reason: str | None) -> str | None:
         """SGLang turns a natural stop after a tool call into "tool_calls" (serving_chat.py)."""
@@ -168,130 +216,99 @@ class Reply:
         return {"id": f"call_{self.rid[-8:]}_{self.index}", "type": "function",
                 "function": {"name": self.tool, "arguments": _encode({"tokens": tokens}).decode()}}
 
-    def tool_deltas(self, tokens: int) -> list[dict[str, Any]]:
-        """The call streamed in two pieces, as the engines send it: its name, then its arguments."""
-        if not self.tool:
-            return []
-        call = self.call(tokens)
-        head = {**call, "index": 0, "function": {"name": self.tool, "arguments": ""}}
-        return [{"tool_calls": [head]}, {"tool_calls": [{"index": 0, "function": {"arguments": call["function"]["arguments"]}}]}]
-
     def pieces(self, a: int, b: int) -> tuple[str, str]:
         """(reasoning, content) text of output tokens [a, b)."""
         think, text = self.think, self.text
         reasoning = text[4 * a : 4 * min(b, think)] if a < think else ""
         content = text[4 * max(a, think) : 4 * b] if b > think else ""
-        if not self.separate:
-            # Without a parser the raw output shows where thinking ended.
-            tag = "</think>" if think and a <= think < b else ""
-            return "", reasoning + tag + content
+        if not self.separate:  # without a parser the raw output shows where thinking ended
+            return "", reasoning + ("</think>" if think and a <= think < b else "") + content
         return reasoning, content
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": None,
-            "reasoning_tokens": min(completion_tokens, self.think),
-        }
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens, "prompt_tokens_details": None,
+                "reasoning_tokens": min(completion_tokens, self.think)}
 
     def logprobs(self, a: int, b: int) -> dict[str, Any] | None:
-        """The logprobs of output tokens [a, b) in the OpenAI shape of the endpoint, or None
-        when not asked for. Values are fake but fixed: a function of the choice and position."""
-        if self.top_logprobs is None:
+        """Logprobs of output tokens [a, b) in the endpoint's shape, None when not asked; fake values, fixed
+        by choice and position, each alternative less likely than the one before."""
+        k = self.top_logprobs
+        if k is None:
             return None
-        k, tokens = self.top_logprobs, [self.text[4 * t : 4 * t + 4] for t in range(a, b)]
-        values = [_logprob(self.index, t) for t in range(a, b)]
+        tokens = [self.text[4 * t : 4 * t + 4] for t in range(a, b)]
+        values = [-round(((self.index * 7919 + t * 104729) % 1000) / 1000 + 0.001, 4) for t in range(a, b)]
+        alts = [[(tok if i == 0 else f"{tok}~{i}", round(lp - i, 4)) for i in range(k)]
+                for tok, lp in zip(tokens, values, strict=True)]
         if self.chat:
-            return {"content": [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                 "top_logprobs": [{"token": alt, "logprob": alp, "bytes": list(alt.encode())}
-                                  for alt, alp in _alternatives(tok, lp, k)]}
-                for tok, lp in zip(tokens, values, strict=True)]}
-        return {"tokens": tokens, "token_logprobs": values,
-                "top_logprobs": [dict(_alternatives(tok, lp, k)) for tok, lp in zip(tokens, values, strict=True)]
-                if k else None,
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alt]}
+                                for tok, lp, alt in zip(tokens, values, alts, strict=True)]}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k else None,
                 "text_offset": [4 * t for t in range(a, b)]}
 
+    def stop_field(self, finish: str | None) -> dict[str, Any]:
+        """SGLang's matched_stop names the EOS token; vLLM's stop_reason is null at EOS (it names stop strings)."""
+        return {"matched_stop": EOS_TOKEN_ID if finish == "stop" else None} if self.sglang else {"stop_reason": None}
+
     def choice(self, req: SimRequest) -> dict[str, Any]:
-        """This choice of a whole (non-streamed) answer."""
+        """This choice of a whole answer."""
         reasoning, content = self.pieces(0, req.generated)
-        if not self.chat:
-            body: dict[str, Any] = {"index": self.index, "text": reasoning + content}
-        else:
+        body: dict[str, Any] = {"index": self.index, "text": reasoning + content}
+        if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
             if self.tool or not self.sglang:  # SGLang's message has no tool_calls key without a call
                 message["tool_calls"] = [self.call(req.generated)] if self.tool else None
             body = {"index": self.index, "message": message}
-        finish = self.finish(req.finish_reason) if self.chat else req.finish_reason
-        return {**body, "logprobs": self.logprobs(0, req.generated), "finish_reason": finish,
+        return {**body, "logprobs": self.logprobs(0, req.generated),
+                "finish_reason": self.finish(req.finish_reason) if self.chat else req.finish_reason,
                 **self.stop_field(req.finish_reason)}
-
-    def stop_field(self, finish: str | None) -> dict[str, Any]:
-        """What stopped the choice: SGLang's matched_stop names the EOS token; vLLM's stop_reason
-        is null at EOS (it names only stop strings and stop_token_ids)."""
-        if self.sglang:
-            return {"matched_stop": EOS_TOKEN_ID if finish == "stop" else None}
-        return {"stop_reason": None}
 
     def deltas(self, a: int, b: int) -> list[dict[str, Any]]:
         reasoning, content = self.pieces(a, b)
         if not self.chat:
             return [{"text": content}]
-        out: list[dict[str, Any]] = []
-        if reasoning:
-            out.append({"reasoning_content": reasoning})
-        if content:
-            out.append({"content": content})
-        if self.sglang:
-            out = [{"reasoning_content": None, **d} for d in out]
-        return out
+        return [{key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
 
-    def chunk(self, delta: dict[str, Any] | None, finish: str | None, tokens: int | None,
-              logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> dict[str, Any]:
-        """One stream chunk; delta None is the finish chunk (empty delta/text)."""
+    def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, tokens: int | None = None,
+              logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> bytes:
+        """One stream event; delta None is the finish chunk (empty delta or text)."""
         if self.chat:
-            if self.sglang:
-                delta = {"reasoning_content": None, **(delta or {})}
-            choice: dict[str, Any] = {"index": self.index, "delta": delta or {}, "logprobs": logprobs}
+            choice = {"index": self.index, "delta": {"reasoning_content": None, **(delta or {})} if self.sglang
+                      else delta or {}, "logprobs": logprobs}
         else:
             choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
-        choice["finish_reason"] = finish
-        choice.update(self.stop_field(finish))
-        out = self._head(chunk_id or self.chunk_id or self.rid, [choice])
-        # SGLang's chunks without a count (its role and finish chunks) have no usage key.
-        if tokens is not None or not self.sglang:
+        out = self.head(chunk_id or self.chunk_id, [{**choice, "finish_reason": finish, **self.stop_field(finish)}])
+        if tokens is not None or not self.sglang:  # SGLang's chunks without a count have no usage key
             out["usage"] = None if tokens is None else self.usage(tokens)
-        return out
+        return sse(out)
 
-    def usage_chunk(self, tokens: int, chunk_id: str | None = None) -> dict[str, Any]:
+    def finish_chunks(self, req: SimRequest, tokens: int, continuous: bool, chunk_id: str | None = None) -> bytes:
+        """A choice's last events: its tool call, if any, in two pieces (name, then arguments), then its
+        finish_reason (SGLang's chat finish chunk has no usage)."""
+        usage, out = tokens if continuous else None, b""
+        if self.tool:
+            call = self.call(tokens)
+            head = {**call, "index": 0, "function": {"name": self.tool, "arguments": ""}}
+            args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+            out = b"".join(self.chunk({"tool_calls": [c]}, None, usage, None, chunk_id) for c in (head, args))
+        usage = None if self.sglang and self.chat else usage
+        return out + self.chunk(None, self.finish(req.finish_reason), usage, None, chunk_id)
+
+    def usage_chunk(self, tokens: int, chunk_id: str) -> bytes:
         """The last chunk: the request's usage (tokens: over all its choices), no choices."""
-        return {**self._head(chunk_id or self.rid, []), "usage": self.usage(tokens)}
+        return sse({**self.head(chunk_id, []), "usage": self.usage(tokens)})
 
-    def _head(self, chunk_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def head(self, chunk_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": chunk_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": choices}
 
 
 def full_answer(replies: list[Reply], reqs: list[SimRequest]) -> dict[str, Any]:
-    """A whole answer: one choice per sample, the prompt counted once and the output tokens
-    summed (SGLang's _build_chat_response and UsageProcessor; vLLM alike)."""
+    """A whole answer: one choice per sample, the prompt counted once, the output summed (SGLang's
+    _build_chat_response and UsageProcessor; vLLM alike)."""
     first = replies[0]
-    return {
-        "id": first.rid,
-        "object": "chat.completion" if first.chat else "text_completion",
-        "created": int(time.time()),
-        "model": first.model,
-        "choices": [reply.choice(req) for reply, req in zip(replies, reqs, strict=True)],
-        "usage": first.usage(sum(req.generated for req in reqs)),
-    }
-
-
-def _logprob(index: int, position: int) -> float:
-    return -round(((index * 7919 + position * 104729) % 1000) / 1000 + 0.001, 4)
-
-
-def _alternatives(token: str, logprob: float, k: int) -> list[tuple[str, float]]:
-    """k alternatives, the chosen token first, each less likely than the one before."""
-    return [(token if i == 0 else f"{token}~{i}", round(logprob - i, 4)) for i in range(k)]
+    return {"id": first.rid, "object": "chat.completion" if first.chat else "text_completion",
+            "created": int(time.time()), "model": first.model,
+            "choices": [reply.choice(req) for reply, req in zip(replies, reqs, strict=True)],
+            "usage": first.usage(sum(req.generated for req in reqs))}

@@ -1,7 +1,7 @@
-"""The simulator's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, status codes and connection
-habits (SimConfig.flavor; their differences are in flavors.py, the sources in docs/engines.md), and
-its fault switches. aiohttp runs with handler_cancellation=True: a client hanging up on a whole
-answer cancels its handler, which frees the slot, as SGLang aborts such requests.
+"""The simulator's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, status codes, metrics and
+connection habits (SimConfig.flavor; the sources in docs/engines.md), and its fault switches. aiohttp
+runs with handler_cancellation=True: a client hanging up on a whole answer cancels its handler, which
+frees the slot, as SGLang aborts such requests.
 
 Faults are drawn per request, deterministic for a seed: the n-th request for a prompt key always
 draws the same one, whatever else arrives, and its retry (n+1) draws afresh.
@@ -19,89 +19,94 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
-from genq.sim import flavors
+from genq.sim import protocol
 from genq.sim.config import SimConfig
 from genq.sim.engine import Engine, QueueFull, SimRequest
-from genq.sim.flavors import bad_request, error_response, json_response, sse
 from genq.sim.lengths import choice_key, output_length, prompt_key
-from genq.sim.protocol import WORDS, ChatRequest, CompletionRequest, Reply, StreamOptions, full_answer, validate
+from genq.sim.protocol import ChatRequest, Refusal, Reply, StreamOptions
 
+FLAVORS = ("sglang", "vllm", "llamacpp")
+VERSION = "0.0.0-genq-sim"
 # Each rate switch and its fault, in the order a draw tries them. stream_error: some output, then the
 # engine's SSE error event (a whole answer: a 500), as SGLang and vLLM report an internal error.
 FAULTS = {"error_rate": "error", "reset_rate": "reset", "hang_rate": "hang", "stream_error_rate": "stream_error"}
 STREAM_ERROR = "Internal server error (simulated, mid-stream)"
 # cpp-httplib's header, which llama-server sends even on the streams after which it closes the connection.
 _LLAMACPP_KEEP_ALIVE = {"Connection": "Keep-Alive", "Keep-Alive": "timeout=5, max=100"}
-_chat_decoder = msgspec.json.Decoder(ChatRequest)
-_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_Rate = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of POST /sim/faults; fields left out keep their value. outage_for: an outage starting now
     (0 ends one); stop_listening: what llama-server does on SIGTERM, for good."""
 
-    error_rate: float | None = None
-    reset_rate: float | None = None
-    hang_rate: float | None = None
-    stream_error_rate: float | None = None
-    outage_for: float | None = None
+    error_rate: _Rate | None = None
+    reset_rate: _Rate | None = None
+    hang_rate: _Rate | None = None
+    stream_error_rate: _Rate | None = None
+    outage_for: Annotated[float, msgspec.Meta(ge=0)] | None = None
     stop_listening: bool | None = None
 
 
-_fault_decoder = msgspec.json.Decoder(FaultUpdate)
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(data), content_type="application/json")
 
 
 def drop_connection(request: web.Request) -> web.Response:
     """Reset the connection as a crashed server would (linger 0: an RST, no FIN); the Response is never sent."""
-    transport = request.transport
-    if transport is not None:
-        sock = transport.get_extra_info("socket")
+    if request.transport is not None:
+        sock = request.transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
+        request.transport.abort()
     return web.Response(status=500)
+
+
+async def until(event: asyncio.Event, done: Callable[[], bool]) -> None:
+    """Wait until done(), looked at again whenever the engine sets the request's event."""
+    while not done():
+        event.clear()
+        await event.wait()
 
 
 class SimServer:
     """One engine, the fault switches and the clock behind the handlers."""
 
     def __init__(self, config: SimConfig) -> None:
-        if config.flavor not in flavors.FLAVORS:
-            raise ValueError(f"flavor must be one of {', '.join(flavors.FLAVORS)}, got {config.flavor!r}")
-        self.config = config
-        self.flavor = config.flavor
+        if config.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}, got {config.flavor!r}")
+        self.config, self.flavor = config, config.flavor
         self.engine = Engine(config)
         self.rates = {name: float(getattr(config, name)) for name in FAULTS}
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
         self._outage_task: asyncio.Task[None] | None = None
         self.started_at = time.monotonic()
-        self.sites: list[web.BaseSite] = []  # set by start(): what stop_listening closes
+        self.sites: list[web.BaseSite] = []  # what stop_listening closes
         self.listening = True
         self.open_requests = 0  # generation requests being handled
         # vLLM and llama.cpp answer tools with calls (genq sim plays no parser switch for them).
         self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None
-        self._text = (WORDS * (4 * config.context_length // len(WORDS) + 1))[: 4 * config.context_length]
-
-    # ---- lifecycle and faults ----------------------------------------------
+        self._text = (protocol.WORDS * (4 * config.context_length // len(protocol.WORDS) + 1))[: 4 * config.context_length]
 
     async def on_startup(self, app: web.Application) -> None:
         self.started_at = time.monotonic()
         self.engine.start()
         if self.config.outage_at is not None:
-            self._outage_task = asyncio.get_running_loop().create_task(self._scheduled_outage())
+            self._outage_task = asyncio.get_running_loop().create_task(self._scheduled_outage(self.config.outage_at))
 
     async def on_cleanup(self, app: web.Application) -> None:
         if self._outage_task is not None:
             self._outage_task.cancel()
         await self.engine.stop()
 
-    async def _scheduled_outage(self) -> None:
-        await asyncio.sleep(self.config.outage_at or 0.0)
+    async def _scheduled_outage(self, at: float) -> None:
+        await asyncio.sleep(at)
         self.start_outage(self.config.outage_for)
 
     def start_outage(self, duration: float) -> None:
@@ -117,8 +122,7 @@ class SimServer:
         """The fault of the next request for this prompt, and where in its output (a fraction) it strikes."""
         if not any(self.rates.values()):
             return None, 0.0
-        attempt = self._attempts.get(key, 0)
-        self._attempts[key] = attempt + 1
+        attempt = self._attempts[key] = self._attempts.get(key, -1) + 1
         rng = random.Random(f"{key}:{self.config.seed}:{attempt}")
         u, where, bound = rng.random(), rng.random(), 0.0
         for name, fault in FAULTS.items():
@@ -138,6 +142,9 @@ class SimServer:
     def ready(self) -> bool:
         return time.monotonic() - self.started_at >= self.config.startup_delay
 
+    def error(self, status: int, message: str, err_type: str | None = None, **extra: Any) -> web.Response:
+        return json_response(protocol.error_body(self.flavor, status, message, err_type, **extra), status)
+
     @web.middleware
     async def gate(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if not self.listening:  # stopped: the connection just closes
@@ -146,34 +153,24 @@ class SimServer:
             return web.Response(status=503)  # never sent
         return await handler(request)
 
-    # ---- endpoints ---------------------------------------------------------
-
     async def health(self, request: web.Request) -> web.Response:
-        if self.config.health_delay:
-            await asyncio.sleep(self.config.health_delay)
+        await asyncio.sleep(self.config.health_delay)
         if self.flavor == "sglang":
             # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
             await asyncio.sleep(self.config.step_ms_base / 1000)
         ok = self.ready() and not self.in_outage()
         if self.flavor == "llamacpp":
-            return json_response({"status": "ok"}) if ok else error_response(self.flavor, 503, "Loading model",
-                                                                             "unavailable_error")
+            return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
         return web.Response(status=200 if ok else 503)
 
     async def sim_faults(self, request: web.Request) -> web.Response:
         """GET: the switches; POST: change them (FaultUpdate, all or none)."""
         if request.method == "POST":
             try:
-                update = _fault_decoder.decode(await request.read())
-                rates = {name: value for name in FAULTS if (value := getattr(update, name)) is not None}
-                for name, value in rates.items():
-                    if not 0.0 <= value <= 1.0:
-                        raise ValueError(f"{name} must be in [0, 1], got {value}")
-                if update.outage_for is not None and update.outage_for < 0:
-                    raise ValueError(f"outage_for must be >= 0, got {update.outage_for}")
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-                return bad_request(self.flavor, str(exc))
-            self.rates.update(rates)
+                update = msgspec.json.decode(await request.read(), type=FaultUpdate)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return self.error(400, str(exc))
+            self.rates.update({name: value for name in FAULTS if (value := getattr(update, name)) is not None})
             if update.outage_for is not None:
                 self.start_outage(update.outage_for)
             if update.stop_listening:
@@ -186,211 +183,247 @@ class SimServer:
         self.open_requests += 1
         try:
             return await self._answer(request, chat=request.path.endswith("/chat/completions"))
+        except Refusal as refusal:
+            return self.error(refusal.status, str(refusal), refusal.err_type, **refusal.extra)
         finally:
             self.open_requests -= 1
 
-    # ---- generation --------------------------------------------------------
-
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        cfg, flavor = self.config, self.flavor
         if self.in_outage():
             return drop_connection(request)
         if not self.ready():
-            return error_response(self.flavor, 503, "The server is not ready yet.", "ServiceUnavailableError")
+            raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
         raw = await request.read()
         self.engine.stats.requests += 1
-        parsed = self._parse(raw, chat)
-        if isinstance(parsed, web.Response):
-            return parsed
-        body, key, n_prompt, max_new = parsed
-        cfg = self.config
+        try:
+            body = msgspec.json.decode(raw, type=ChatRequest if chat else protocol.CompletionRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise Refusal(str(exc)) from None
+        source, n_prompt = body.counted_prompt()
+        max_new = protocol.check(body, n_prompt, body.max_new_tokens(), flavor, cfg.context_length, cfg.args_given)
+        key = prompt_key(source)
         fault, where = self.draw(key)
         if fault == "error":
-            return error_response(self.flavor, 500, "Internal server error (simulated)", "InternalServerError")
-        # One past the context's room: an answer cut by the context's end is "length", not a natural "stop".
-        room = cfg.context_length - n_prompt + 1
-        # One sequence per sample, each its own deterministic length, as SGLang and vLLM schedule each
-        # of the n choices as a request of its own. Faults strike the first.
-        naturals = [output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens, cfg.output_sigma, room)
-                    for i in range(body.n)]
-        reqs = [SimRequest(key, n_prompt, natural, max_new, body.stream) for natural in naturals]
-        req = reqs[0]
+            raise Refusal("Internal server error (simulated)", 500, "InternalServerError")
+        # One sequence per sample, each its own deterministic length, as SGLang and vLLM schedule the n
+        # choices; one past the context's room: an answer cut by the context's end is "length".
+        room, event = cfg.context_length - n_prompt + 1, asyncio.Event()
+        reqs = [SimRequest(key, n_prompt, output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens,
+                                                        cfg.output_sigma, room), max_new, body.stream, event=event)
+                for i in range(body.n)]
+        req = reqs[0]  # faults strike the first
         if fault == "hang":  # at a token count inside the output; where == 0: before the first token
             req.hang_at = int(where * req.target)
         elif fault == "reset":
             req.drop_at = int(where * req.target)
         elif fault == "stream_error":  # after at least one token: "mid-stream"
             req.drop_at = 1 + int(where * (req.target - 1))
-        failing = fault == "stream_error"
-        submitted: list[SimRequest] = []
-        try:
-            for each in reqs:
+        for i, each in enumerate(reqs):
+            try:
                 self.engine.submit(each)
-                submitted.append(each)
-        except QueueFull:
-            for each in submitted:
-                self.engine.abort(each)
-            return error_response(self.flavor, 503, "The request queue is full.", "ServiceUnavailableError")
+            except QueueFull:
+                for submitted in reqs[:i]:
+                    self.engine.abort(submitted)
+                raise Refusal("The request queue is full.", 503, "ServiceUnavailableError") from None
         if cfg.crash_marker and cfg.crash_marker.encode() in raw:
             self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
-
-        sglang = self.flavor == "sglang"
+        sglang, chat_body = flavor == "sglang", body if isinstance(body, ChatRequest) else None
         # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
-        prefix = "chatcmpl" if chat or self.flavor == "llamacpp" else "cmpl"
-        rid = (body.rid if sglang else None) or f"{prefix}-{uuid.uuid4().hex}"
-        chat_body = body if isinstance(body, ChatRequest) else None
+        rid = (body.rid if sglang else None) or f"{'chatcmpl' if chat or flavor == 'llamacpp' else 'cmpl'}-{uuid.uuid4().hex}"
+        thinking = chat_body is not None and bool((chat_body.chat_template_kwargs or {}).get("enable_thinking"))
         replies = [Reply(
             text=self._text[6 * i:] + self._text[:6 * i], chat=chat, rid=rid, model=body.model or cfg.model_name,
-            prompt_tokens=n_prompt,
-            think=max(1, math.ceil(natural * cfg.thinking_fraction)) if chat_body and chat_body.thinking() else 0,
-            separate=chat_body is None or chat_body.separate_reasoning, index=i, top_logprobs=body.logprobs_asked(),
+            prompt_tokens=n_prompt, think=max(1, math.ceil(each.natural_tokens * cfg.thinking_fraction)) if thinking else 0,
+            separate=chat_body is None or chat_body.separate_reasoning, index=i, top_logprobs=body.asked_logprobs(),
             tool=chat_body.tool_called() if chat_body and self._tool_calls else None, sglang=sglang,
             # SGLang runs each of n > 1 samples as a sub-request with an id of its own.
             chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,
-        ) for i, natural in enumerate(naturals)]
+        ) for i, each in enumerate(reqs)]
         try:
             if body.stream:
-                return await self._stream(request, reqs, replies, body.stream_options or StreamOptions(), failing)
-            for each in reqs:
-                while each.finish_reason is None:
-                    await self.engine.wait(each, each.generated)
-            if req.dropped and failing:
-                return error_response(self.flavor, 500, STREAM_ERROR, "InternalServerError")
+                return await self._stream(request, reqs, replies, body.stream_options or StreamOptions(),
+                                          fault == "stream_error")
+            await until(event, lambda: all(each.finish_reason for each in reqs))
+            if req.dropped and fault == "stream_error":
+                raise Refusal(STREAM_ERROR, 500, "InternalServerError")
             if any(each.dropped for each in reqs):
                 return drop_connection(request)
-            return json_response(full_answer(replies, reqs))
+            return json_response(protocol.full_answer(replies, reqs))
         finally:
-            # A no-op once finished; frees the slots of a client that went away.
-            for each in reqs:
+            for each in reqs:  # a no-op once finished; frees the slots of a client that went away
                 self.engine.abort(each)
-
-    def _parse(self, raw: bytes, chat: bool) -> tuple[ChatRequest | CompletionRequest, str, int, int] | web.Response:
-        """(body, prompt key, prompt tokens, tokens it may generate), checked as the engine does, or its 400."""
-        body: ChatRequest | CompletionRequest
-        try:
-            body = _chat_decoder.decode(raw) if chat else _completion_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return bad_request(self.flavor, str(exc))
-        prompt = body.counted_prompt()
-        if isinstance(prompt, str):
-            return bad_request(self.flavor, prompt)
-        source, n_prompt = prompt
-        max_new = body.max_new_tokens()
-        problem = validate(body, max_new, self.flavor)
-        if problem:
-            return bad_request(self.flavor, problem)
-        limit = flavors.context_check(self.flavor, n_prompt, max_new, self.config.context_length,
-                                      self.config.args_given)
-        return limit if isinstance(limit, web.Response) else (body, prompt_key(source), n_prompt, limit)
 
     async def _stream(self, request: web.Request, reqs: list[SimRequest], replies: list[Reply],
                       options: StreamOptions, failing: bool) -> web.StreamResponse:
-        continuous = options.continuous_usage_stats
-        flavor, req = self.flavor, reqs[0]
+        """Choices stream interleaved, each chunk one choice with its index. vLLM and llama.cpp send a chunk
+        a step and end each choice as it finishes; SGLang sends a chunk a token and every chat finish chunk
+        after the last output (serving_chat.py, _generate_chat_stream)."""
+        flavor, req, event, continuous = self.flavor, reqs[0], reqs[0].event, options.continuous_usage_stats
+        sglang = flavor == "sglang"
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if flavor == "llamacpp" else headers)
-        if flavor in ("llamacpp", "sglang"):
-            # llama-server answers (headers included) only with the first result, and
-            # SGLang's _handle_streaming_request awaits the stream's first chunk before
-            # it returns the response: a queued request gets no byte at all until it runs.
-            await self._any_progress([(each, 0) for each in reqs])
+        if flavor != "vllm":
+            # llama-server answers (headers included) only with the first result, and SGLang's
+            # _handle_streaming_request awaits the first chunk: a queued request gets no byte at all.
+            # vLLM's StreamingResponse sends its headers at once, its first event with the first output.
+            await until(event, lambda: any(r.generated or r.finish_reason for r in reqs))
             if req.dropped and not failing:
                 drop_connection(request)
                 return resp
-        # vLLM returns Starlette's StreamingResponse at once: headers at once, the
-        # first event (the role) only with the first output, nothing while queued.
         await resp.prepare(request)
-        # Choices stream interleaved, each chunk one choice with its index. vLLM ends each
-        # choice with its finish_reason as it finishes; SGLang sends a chunk per token (the
-        # others one per step) and every finish chunk after the last output (serving_chat.py,
-        # _generate_chat_stream).
-        sglang = flavor == "sglang"
-        sent = [0] * len(reqs)
-        finished = [False] * len(reqs)
-        last_id = replies[0].chunk_id
-        finished_early = [False] * len(reqs)  # its finish went with its last token (SGLang's completions)
+        sent, done, last_id = [0] * len(reqs), [False] * len(reqs), replies[0].chunk_id
         while True:
-            await self._any_progress([(each, sent[i]) for i, each in enumerate(reqs) if not finished[i]])
+            await until(event, lambda: any(not d and (r.generated > s or r.finish_reason)
+                                           for r, s, d in zip(reqs, sent, done, strict=True)))
             for i, (each, reply) in enumerate(zip(reqs, replies, strict=True)):
-                done = each.generated
-                if finished[i] or (done <= sent[i] and each.finish_reason is None):
+                a, b = sent[i], each.generated
+                if done[i] or (b <= a and each.finish_reason is None):
                     continue
-                if sent[i] == 0 and reply.chat:
-                    # Chat streams open with the role; completion streams start with text.
-                    await resp.write(sse(reply.chunk({"role": "assistant", "content": ""}, None,
-                                                     0 if continuous and not sglang else None)))
-                    last_id = reply.chunk_id
-                steps = [(t, t + 1) for t in range(sent[i], done)] if sglang else [(sent[i], done)] * (done > sent[i])
-                for a, b in steps:
-                    sent[i] = b
+                out = []
+                if a == 0 and reply.chat:  # chat streams open with the role, completions with text
+                    out.append(reply.chunk({"role": "assistant", "content": ""}, None,
+                                           0 if continuous and not sglang else None))
+                for x, y in [(t, t + 1) for t in range(a, b)] if sglang else [(a, b)] * (b > a):
                     # SGLang's chat stream sends nothing for the end-of-sequence token (no text, no
                     # logprob), though its usage counts it and its whole answer lists its logprob.
-                    if sglang and reply.chat and each.natural_finish == "stop" and b == each.target:
+                    if sglang and reply.chat and each.natural_finish == "stop" and y == each.target:
                         continue
-                    deltas = reply.deltas(a, b)
-                    # SGLang's completions stream ends a choice on its last token's chunk, with the
-                    # finish and (at end-of-sequence) that token's logprob; there is no finish chunk.
-                    last = sglang and not reply.chat and b == each.target and each.finish_reason is not None
-                    for d, delta in enumerate(deltas):
-                        # The step's logprobs (and SGLang's completions finish) ride on its last delta.
-                        final = d == len(deltas) - 1
-                        await resp.write(sse(reply.chunk(delta, each.finish_reason if last and final else None,
-                                                         b if continuous else None,
-                                                         reply.logprobs(a, b) if final else None)))
-                        last_id = reply.chunk_id
-                    finished_early[i] = finished_early[i] or last
+                    # SGLang's completions stream ends a choice on its last token's chunk, with the finish.
+                    last = sglang and not reply.chat and y == each.target and each.finish_reason is not None
+                    deltas = reply.deltas(x, y)
+                    out += [reply.chunk(delta, each.finish_reason if last and d == len(deltas) else None,
+                                        y if continuous else None, reply.logprobs(x, y) if d == len(deltas) else None)
+                            for d, delta in enumerate(deltas, 1)]
+                sent[i] = b
+                if out:
+                    last_id = reply.chunk_id
                 if each.finish_reason is not None:
-                    finished[i] = True
+                    done[i] = True
                     if not (sglang or each.dropped):
-                        await _finish(resp, reply, each, done, continuous)
-            if all(finished) or req.dropped:
+                        out.append(reply.finish_chunks(each, b, continuous))
+                await resp.write(b"".join(out))
+            if all(done) or req.dropped:
                 break
         if req.dropped and failing:
-            await resp.write(flavors.stream_error(flavor, STREAM_ERROR))
+            await resp.write(protocol.stream_error(flavor, STREAM_ERROR))
         elif any(each.dropped for each in reqs):
             drop_connection(request)
             return resp
         else:
-            if sglang:
-                # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
-                for each, reply, tokens, early in zip(reqs, replies, sent, finished_early, strict=True):
-                    if not early:
-                        await _finish(resp, reply, each, tokens, continuous, last_id)
+            # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
+            tail = [r.finish_chunks(each, n, continuous, last_id)
+                    for r, each, n in zip(replies, reqs, sent, strict=True) if sglang and r.chat]
             if options.include_usage:
-                await resp.write(sse(replies[0].usage_chunk(sum(sent), last_id if sglang else None)))
-            await resp.write(b"data: [DONE]\n\n")
+                tail.append(replies[0].usage_chunk(sum(sent), last_id))
+            await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
         await resp.write_eof()
         if flavor == "llamacpp" and request.transport is not None:
-            # llama-server closes the connection after a stream, whatever its
-            # Keep-Alive header said: stop reading it now, close it a moment later.
-            transport = request.transport
-            transport.pause_reading()
-            asyncio.get_running_loop().call_later(self.config.stream_close_delay, transport.close)
+            # llama-server closes the connection after a stream, whatever its Keep-Alive header
+            # said: stop reading it now, close it a moment later.
+            request.transport.pause_reading()
+            asyncio.get_running_loop().call_later(self.config.stream_close_delay, request.transport.close)
         return resp
 
-    async def _any_progress(self, waiting: list[tuple[SimRequest, int]]) -> None:
-        """Return once any of these choices has more tokens than it sent, or has finished."""
-        if len(waiting) == 1:
-            await self.engine.wait(*waiting[0])
-            return
-        if any(r.finish_reason is not None or r.generated > seen for r, seen in waiting):
-            return
-        waits = [asyncio.ensure_future(self.engine.wait(r, seen)) for r, seen in waiting]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+
+def metrics_page(cfg: SimConfig, eng: Engine) -> str:
+    """/metrics in the engine's names: (kind, name, help, value) rows, rendered alike."""
+    rows: list[tuple[str, str, str, Any]]
+    if cfg.flavor == "llamacpp":
+        # server_task_result_metrics in tools/server/server-task.cpp: no labels, integer values.
+        rows = [("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+                ("counter", "tokens_predicted_total", "Number of generation tokens processed",
+                 eng.generation_tokens_total),
+                ("gauge", "requests_processing", "Number of requests processing", eng.num_running),
+                ("gauge", "requests_deferred", "Number of requests deferred", eng.num_waiting)]
+        return "".join(f"# HELP llamacpp:{name} {text}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+                       for kind, name, text, value in rows)
+    usage = eng.used_tokens / cfg.max_total_num_tokens
+    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if cfg.flavor == "vllm":
+        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire. The
+        # scheduler's counts as its last step left them (Engine.stepped_running); none deferred.
+        labels = f'engine="0",model_name="{label}"'
+        rows = [("gauge", "num_requests_running", "Number of requests in model execution batches.",
+                 eng.stepped_running),
+                ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
+                ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+                ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+                ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+                ("counter", "generation_tokens_total", "Number of generation tokens processed.",
+                 eng.generation_tokens_total)]
+    else:
+        # python/sglang/srt/metrics/collector.py; 0.5.23 has the retracted gauge, the sim never retracts.
+        labels = f'model_name="{label}"'
+        rows = [("gauge", "num_running_reqs", "The number of running requests.", eng.num_running),
+                ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
+                ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
+                ("gauge", "token_usage", "The token usage.", usage),
+                ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+                ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
+                ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
+                ("counter", "generation_tokens_total", "Number of generation tokens processed.",
+                 eng.generation_tokens_total),
+                ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
+                ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]
+    p = cfg.flavor
+    page = "".join(f"# HELP {p}:{name} {text}\n# TYPE {p}:{name} {kind}\n{p}:{name}{{{labels}}} {float(value)}\n"
+                   for kind, name, text, value in rows)
+    if p == "vllm":
+        name = "vllm:num_requests_waiting_by_reason"
+        page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+                 "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
+                 "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n"
+                 f"# TYPE {name} gauge\n"
+                 f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
+                 f'{name}{{{labels},reason="deferred"}} 0.0\n')
+    return page
 
 
-async def _finish(resp: web.StreamResponse, reply: Reply, req: SimRequest, tokens: int, continuous: bool,
-                  chunk_id: str | None = None) -> None:
-    """A choice's last chunks: its tool call, if it makes one, then its finish_reason (SGLang's
-    chat finish chunk has no usage)."""
-    usage = tokens if continuous else None
-    for delta in reply.tool_deltas(tokens):
-        await resp.write(sse(reply.chunk(delta, None, usage, chunk_id=chunk_id)))
-    usage = None if reply.sglang and reply.chat else usage
-    await resp.write(sse(reply.chunk(None, reply.finish(req.finish_reason), usage, chunk_id=chunk_id)))
+def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any]]:
+    """GET path -> its JSON answer, for the flavor."""
+    card = {"id": cfg.model_path if cfg.flavor == "llamacpp" else cfg.model_name,  # llama.cpp: the file (--alias)
+            "object": "model", "owned_by": cfg.flavor, "root": cfg.model_path, "max_model_len": cfg.context_length}
+    answers: dict[str, Callable[[], Any]] = {
+        "/v1/models": lambda: {"object": "list", "data": [{**card, "created": int(time.time())}]},
+        "/sim/stats": engine.stats_snapshot}
+    if cfg.flavor == "sglang":
+        model = {"model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "is_generation": True}
+        answers |= {"/get_server_info": lambda: sglang_server_info(cfg, engine), "/get_model_info": lambda: model}
+        answers |= {"/server_info": answers["/get_server_info"], "/model_info": answers["/get_model_info"]}
+    elif cfg.flavor == "llamacpp":
+        # get_res_props() in tools/server/server-context.cpp (the fields a client reads); /slots (with --slots):
+        # one entry a slot, the first `running` busy.
+        props = {"default_generation_settings": {"n_ctx": cfg.context_length, "params": {"n_predict": -1}},
+                 "total_slots": cfg.max_running_requests, "model_alias": cfg.model_name, "model_path": cfg.model_path,
+                 "modalities": {"vision": False, "audio": False}, "build_info": VERSION}
+        answers |= {"/props": lambda: props, "/slots": lambda: [
+            {"id": i, "n_ctx": cfg.context_length, "speculative": False, "is_processing": i < engine.num_running}
+            for i in range(cfg.max_running_requests)]}
+    return answers
+
+
+def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
+    # memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30), from the sim's knobs.
+    memory = {"weight": cfg.weight_gb, "kvcache": round(cfg.max_total_num_tokens * cfg.kv_bytes_per_token / 2**30, 3),
+              "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
+    return {
+        "model_path": cfg.model_path,
+        "served_model_name": cfg.model_name,
+        "host": cfg.host,
+        "port": cfg.port,
+        # As given on its command line: null unless --context-length / --max-running-requests were.
+        "context_length": cfg.context_length if cfg.args_given else None,
+        "max_running_requests": cfg.max_running_requests if cfg.args_given else None,
+        "max_queued_requests": cfg.max_queued_requests,
+        "max_total_num_tokens": cfg.max_total_num_tokens,
+        "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1,
+        "version": VERSION,
+        "internal_states": [{"last_gen_throughput": engine.last_gen_throughput,
+                             "effective_max_running_requests_per_dp": cfg.max_running_requests,
+                             "memory_usage": memory}],
+        "sim": msgspec.to_builtins(cfg),  # not in SGLang: the sim's own knobs, for benchmark reports
+    }
 
 
 SIM_KEY = web.AppKey("sim", SimServer)
@@ -403,29 +436,16 @@ def make_app(config: SimConfig) -> web.Application:
     app[SIM_KEY] = sim
     app.on_startup.append(sim.on_startup)
     app.on_cleanup.append(sim.on_cleanup)
-    engine = sim.engine
-    answers: dict[str, Callable[[], object]] = {
-        "/v1/models": lambda: {"object": "list", "data": [flavors.model_card(config)]},
-        "/sim/stats": engine.stats_snapshot,
-    }
-    if config.flavor == "sglang":
-        info = lambda: flavors.sglang_server_info(config, engine)  # noqa: E731
-        model = lambda: {"model_path": config.model_path, "tokenizer_path": config.model_path,  # noqa: E731
-                         "is_generation": True}
-        answers.update({"/get_server_info": info, "/server_info": info, "/get_model_info": model,
-                        "/model_info": model})
-        app.router.add_get("/health_generate", sim.health)
-    elif config.flavor == "llamacpp":
-        answers.update({"/props": lambda: flavors.llamacpp_props(config),
-                        "/slots": lambda: flavors.llamacpp_slots(config, engine)})
-    for path, make in answers.items():
+    for path, make in info_endpoints(config, sim.engine).items():
         app.router.add_get(path, _answering(make))
+    if config.flavor == "sglang":
+        app.router.add_get("/health_generate", sim.health)
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=flavors.metrics_page(config, engine), content_type="text/plain", charset="utf-8")
+        return web.Response(text=metrics_page(config, sim.engine), content_type="text/plain", charset="utf-8")
 
     async def reset(request: web.Request) -> web.Response:
-        engine.reset_stats()
+        sim.engine.reset_stats()
         return json_response({"reset": True})
 
     app.router.add_get("/health", sim.health)
@@ -438,11 +458,13 @@ def make_app(config: SimConfig) -> web.Application:
     return app
 
 
-def _answering(make: Callable[[], object]) -> Callable:
+def _answering(make: Callable[[], Any]) -> Callable:
     async def handler(request: web.Request) -> web.Response:
         return json_response(make())
 
     return handler
+
+
 @dataclass
 class RunningSim:
     """A sim serving on a port; close() stops it."""
@@ -471,15 +493,12 @@ async def start(config: SimConfig) -> RunningSim:
 
 
 def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM; on_ready gets the base URL once listening.
-
-    The llamacpp flavor answers its first SIGTERM as llama-server does: it stops
-    listening and leaves open requests hanging; it exits once none is open (their
-    clients gave up) or on a second signal."""
+    """Serve until SIGINT or SIGTERM; on_ready gets the base URL once listening. The llamacpp flavor answers
+    its first SIGTERM as llama-server does: it stops listening and leaves open requests hanging; it exits
+    once none is open (their clients gave up) or on a second signal."""
 
     async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        stop, loop = asyncio.Event(), asyncio.get_running_loop()
         running = await start(config)
         signals = 0
 
@@ -495,12 +514,11 @@ def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
             loop.add_signal_handler(sig, on_signal)
         try:
             on_ready(running.url)
-            while not stop.is_set():
+            while not stop.is_set() and (running.sim.listening or running.sim.open_requests):
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=0.2)
                 except TimeoutError:
-                    if not running.sim.listening and running.sim.open_requests == 0:
-                        break
+                    pass
         finally:
             await running.close()
 
