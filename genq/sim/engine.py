@@ -47,9 +47,9 @@ class SimRequest:
 
 @dataclass
 class Stats:
-    """Figures since start or the last reset; the time integrals give time-weighted means. Steps,
-    request-steps (the batch summed over steps) and starved steps (a free slot while a request
-    waited: the KV budget held it back) are counts, not times."""
+    """Figures since start or the last reset, /sim/stats' fields. The time integrals give time-weighted
+    means; steps, request-steps (the batch summed over steps) and starved steps (a free slot while a
+    request waited: the KV budget held it back) are counts, not times."""
 
     start: float = field(default_factory=time.monotonic)
     last_change: float = 0.0
@@ -57,9 +57,9 @@ class Stats:
     waiting_integral: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    finished: int = 0
-    aborted: int = 0
-    requests: int = 0  # generation requests received, a 400 too: "no request was sent" is testable
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    generation_requests: int = 0  # received, a 400 too: "no request was sent" is testable
     first_admit: float | None = None
     last_finish: float | None = None
     steps: int = 0
@@ -70,32 +70,16 @@ class Stats:
     def snapshot(self, now: float, running: int, waiting: int) -> dict[str, Any]:
         elapsed, first, last = now - self.start, self.first_admit, self.last_finish
         # The busy window, first admission to last finish (or now while work remains), leaves out idle time.
-        busy = 0.0
-        if first is not None:
-            busy = max((now if running or waiting or last is None else last) - first, 0.0)
+        busy = 0.0 if first is None else max((now if running or waiting or last is None else last) - first, 0.0)
         wall = now - time.time()  # the two instants on the wall clock too, to compare servers
-        return {
-            "elapsed_s": elapsed,
-            "mean_running": self.running_integral / elapsed if elapsed > 0 else 0.0,
-            "busy_s": busy,
-            "busy_mean_running": self.running_integral / busy if busy > 0 else 0.0,
-            "busy_mean_waiting": self.waiting_integral / busy if busy > 0 else 0.0,
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "finished_requests": self.finished,
-            "generation_requests": self.requests,
-            "aborted_requests": self.aborted,
-            "first_admit_s": None if first is None else first - self.start,
-            "last_finish_s": None if last is None else last - self.start,
-            "first_admit_at": None if first is None else first - wall,
-            "last_finish_at": None if last is None else last - wall,
-            "num_running": running,
-            "num_waiting": waiting,
-            "generated_by_key": self.generated_by_key,
-            "steps": self.steps,
-            "request_steps": self.request_steps,
-            "starved_steps": self.starved_steps,
-        }
+        return {**vars(self), "elapsed_s": elapsed, "busy_s": busy, "num_running": running, "num_waiting": waiting,
+                "mean_running": self.running_integral / elapsed if elapsed > 0 else 0.0,
+                "busy_mean_running": self.running_integral / busy if busy > 0 else 0.0,
+                "busy_mean_waiting": self.waiting_integral / busy if busy > 0 else 0.0,
+                "first_admit_s": None if first is None else first - self.start,
+                "last_finish_s": None if last is None else last - self.start,
+                "first_admit_at": None if first is None else first - wall,
+                "last_finish_at": None if last is None else last - wall}
 
 
 class Engine:
@@ -116,14 +100,6 @@ class Engine:
         # The counts as vLLM 0.32's scheduler reports them: make_stats() runs after the step's finished
         # requests left and before its arrivals join the queue, so waiting counts only those left out.
         self.stepped_running = self.stepped_waiting = self._left_out = 0
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-engine")
@@ -155,7 +131,7 @@ class Engine:
             self.used_tokens -= req.prompt_tokens + req.generated
         self.waiting.pop(req, None)
         req.finish_reason, req.dropped = "abort", dropped
-        self.stats.aborted += 1
+        self.stats.aborted_requests += 1
         self.num_aborted_total += 1
         self.num_requests_total += 1
         req.event.set()
@@ -165,9 +141,6 @@ class Engine:
         """A crash: every request in flight loses its connection."""
         for req in [*self.running, *self.waiting]:
             self.abort(req, dropped=True)
-
-    def reset_stats(self) -> None:
-        self.stats = Stats()
 
     def stats_snapshot(self) -> dict[str, Any]:
         return self.stats.snapshot(self._account(), len(self.running), len(self.waiting))
@@ -237,7 +210,7 @@ class Engine:
                 del self.running[req]
                 self.used_tokens -= req.prompt_tokens + new
                 req.finish_reason = req.natural_finish
-                st.finished += 1
+                st.finished_requests += 1
                 st.last_finish = now
                 st.generated_by_key[req.key] = st.generated_by_key.get(req.key, 0) + 1
                 self.num_requests_total += 1

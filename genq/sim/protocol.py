@@ -1,7 +1,6 @@
-"""The OpenAI-compatible protocol both ways, as each engine serves it (their sources: docs/engines.md):
-the request bodies as far as the sim reads them, the engine's checks and error bodies, and the
-answers built from token counts. msgspec ignores unknown fields, as SGLang does; a wrongly typed one
-is a ValidationError, answered 400 like SGLang's remapped 422."""
+"""The OpenAI-compatible protocol both ways, as each engine serves it (sources: docs/engines.md): the request
+bodies as far as the sim reads them (unknown fields ignored, as SGLang does; a wrongly typed one a 400, like
+SGLang's remapped 422), the engine's checks and error bodies, and the answers built from token counts."""
 
 from __future__ import annotations
 
@@ -44,11 +43,10 @@ def error_body(flavor: str, status: int, message: str, err_type: str | None = No
 def stream_error(flavor: str, message: str) -> bytes:
     """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began
     (SGLang's create_streaming_error_response() makes any failure a 400; vLLM's GenerationError a 500)."""
-    if flavor == "sglang":
-        return sse({"error": error_body(flavor, 400, message)}) + b"data: [DONE]\n\n"
-    if flavor == "vllm":
-        return sse(error_body(flavor, 500, message, "InternalServerError")) + b"data: [DONE]\n\n"
-    return sse(error_body(flavor, 500, message))
+    if flavor == "llamacpp":
+        return sse(error_body(flavor, 500, message))
+    body = error_body(flavor, 400, message) if flavor == "sglang" else error_body(flavor, 500, message, "InternalServerError")
+    return sse({"error": body} if flavor == "sglang" else body) + b"data: [DONE]\n\n"
 
 
 def sse(data: Any) -> bytes:

@@ -1,15 +1,11 @@
-"""The simulator's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, status codes, metrics and
-connection habits (SimConfig.flavor; the sources in docs/engines.md), and its fault switches. aiohttp
-runs with handler_cancellation=True: a client hanging up on a whole answer cancels its handler, which
-frees the slot, as SGLang aborts such requests.
-
-Faults are drawn per request, deterministic for a seed: the n-th request for a prompt key always
-draws the same one, whatever else arrives, and its retry (n+1) draws afresh.
-"""
+"""The simulator's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, status codes, metrics and connection
+habits (SimConfig.flavor; the sources in docs/engines.md), and its fault switches. A client hanging up on a
+whole answer cancels its handler (handler_cancellation), which frees the slot, as SGLang aborts such requests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import signal
@@ -17,7 +13,7 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -26,7 +22,7 @@ from aiohttp import web
 
 from genq.sim import protocol
 from genq.sim.config import SimConfig
-from genq.sim.engine import Engine, QueueFull, SimRequest
+from genq.sim.engine import Engine, QueueFull, SimRequest, Stats
 from genq.sim.lengths import choice_key, output_length, prompt_key
 from genq.sim.protocol import ChatRequest, Refusal, Reply, StreamOptions
 
@@ -85,7 +81,6 @@ class SimServer:
         self.rates = {name: float(getattr(config, name)) for name in FAULTS}
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
-        self._outage_task: asyncio.Task[None] | None = None
         self.started_at = time.monotonic()
         self.sites: list[web.BaseSite] = []  # what stop_listening closes
         self.listening = True
@@ -94,20 +89,16 @@ class SimServer:
         self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None
         self._text = (protocol.WORDS * (4 * config.context_length // len(protocol.WORDS) + 1))[: 4 * config.context_length]
 
-    async def on_startup(self, app: web.Application) -> None:
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         self.started_at = time.monotonic()
         self.engine.start()
-        if self.config.outage_at is not None:
-            self._outage_task = asyncio.get_running_loop().create_task(self._scheduled_outage(self.config.outage_at))
-
-    async def on_cleanup(self, app: web.Application) -> None:
-        if self._outage_task is not None:
-            self._outage_task.cancel()
+        at, outage = self.config.outage_at, None
+        if at is not None:
+            outage = asyncio.get_running_loop().call_later(at, self.start_outage, self.config.outage_for)
+        yield
+        if outage is not None:
+            outage.cancel()
         await self.engine.stop()
-
-    async def _scheduled_outage(self, at: float) -> None:
-        await asyncio.sleep(at)
-        self.start_outage(self.config.outage_for)
 
     def start_outage(self, duration: float) -> None:
         """Down for `duration` seconds: every request in flight dropped, the next ones reset."""
@@ -119,7 +110,8 @@ class SimServer:
         return self._outage_until > time.monotonic()
 
     def draw(self, key: str) -> tuple[str | None, float]:
-        """The fault of the next request for this prompt, and where in its output (a fraction) it strikes."""
+        """The fault of the next request for this prompt, and where in its output (a fraction) it strikes:
+        the n-th request for a key draws the same whatever else arrives, its retry (n+1) afresh."""
         if not any(self.rates.values()):
             return None, 0.0
         attempt = self._attempts[key] = self._attempts.get(key, -1) + 1
@@ -163,7 +155,14 @@ class SimServer:
             return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
         return web.Response(status=200 if ok else 503)
 
-    async def sim_faults(self, request: web.Request) -> web.Response:
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=metrics_page(self.config, self.engine), content_type="text/plain", charset="utf-8")
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.engine.stats = Stats()
+        return json_response({"reset": True})
+
+    async def faults(self, request: web.Request) -> web.Response:
         """GET: the switches; POST: change them (FaultUpdate, all or none)."""
         if request.method == "POST":
             try:
@@ -195,7 +194,7 @@ class SimServer:
         if not self.ready():
             raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
         raw = await request.read()
-        self.engine.stats.requests += 1
+        self.engine.stats.generation_requests += 1
         try:
             body = msgspec.json.decode(raw, type=ChatRequest if chat else protocol.CompletionRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -327,54 +326,46 @@ class SimServer:
 
 
 def metrics_page(cfg: SimConfig, eng: Engine) -> str:
-    """/metrics in the engine's names: (kind, name, help, value) rows, rendered alike."""
-    rows: list[tuple[str, str, str, Any]]
-    if cfg.flavor == "llamacpp":
-        # server_task_result_metrics in tools/server/server-task.cpp: no labels, integer values.
-        rows = [("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
-                ("counter", "tokens_predicted_total", "Number of generation tokens processed",
-                 eng.generation_tokens_total),
-                ("gauge", "requests_processing", "Number of requests processing", eng.num_running),
-                ("gauge", "requests_deferred", "Number of requests deferred", eng.num_waiting)]
-        return "".join(f"# HELP llamacpp:{name} {text}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
-                       for kind, name, text, value in rows)
-    usage = eng.used_tokens / cfg.max_total_num_tokens
+    """/metrics in the engine's names: llama.cpp's server_task_result_metrics (tools/server/server-task.cpp: no
+    labels, integer values); vLLM 0.32's PrometheusStatLogger (vllm/v1/metrics/loggers.py: counters get _total on
+    the wire; the scheduler's counts as its last step left them, none deferred); SGLang's metrics/collector.py
+    (0.5.23 has the retracted gauge; the sim never retracts)."""
+    flavor, usage = cfg.flavor, eng.used_tokens / cfg.max_total_num_tokens
     label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    if cfg.flavor == "vllm":
-        # vllm/v1/metrics/loggers.py PrometheusStatLogger (0.32); counters get _total on the wire. The
-        # scheduler's counts as its last step left them (Engine.stepped_running); none deferred.
-        labels = f'engine="0",model_name="{label}"'
-        rows = [("gauge", "num_requests_running", "Number of requests in model execution batches.",
-                 eng.stepped_running),
-                ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
-                ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
-                ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
-                ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
-                ("counter", "generation_tokens_total", "Number of generation tokens processed.",
-                 eng.generation_tokens_total)]
-    else:
-        # python/sglang/srt/metrics/collector.py; 0.5.23 has the retracted gauge, the sim never retracts.
-        labels = f'model_name="{label}"'
-        rows = [("gauge", "num_running_reqs", "The number of running requests.", eng.num_running),
-                ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", eng.num_waiting),
-                ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
-                ("gauge", "token_usage", "The token usage.", usage),
-                ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
-                ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
-                ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total),
-                ("counter", "generation_tokens_total", "Number of generation tokens processed.",
-                 eng.generation_tokens_total),
-                ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
-                ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]
-    p = cfg.flavor
-    page = "".join(f"# HELP {p}:{name} {text}\n# TYPE {p}:{name} {kind}\n{p}:{name}{{{labels}}} {float(value)}\n"
-                   for kind, name, text, value in rows)
-    if p == "vllm":
+    prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total)
+    generated = ("counter", "generation_tokens_total", "Number of generation tokens processed.",
+                 eng.generation_tokens_total)
+    tables: dict[str, list[tuple[str, str, str, Any]]] = {
+        "llamacpp": [
+            ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+            ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
+            ("gauge", "requests_processing", "Number of requests processing", len(eng.running)),
+            ("gauge", "requests_deferred", "Number of requests deferred", len(eng.waiting))],
+        "vllm": [
+            ("gauge", "num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
+            ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
+            ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+            prompt, generated],
+        "sglang": [
+            ("gauge", "num_running_reqs", "The number of running requests.", len(eng.running)),
+            ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", len(eng.waiting)),
+            ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
+            ("gauge", "token_usage", "The token usage.", usage),
+            ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+            ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
+            prompt, generated,
+            ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
+            ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]}
+    labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"', "sglang": f'model_name="{label}"'}[flavor]
+    page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n{flavor}:{name}"
+                   + (f" {value}\n" if flavor == "llamacpp" else f"{{{labels}}} {float(value)}\n")
+                   for kind, name, text, value in tables[flavor])
+    if flavor == "vllm":
         name = "vllm:num_requests_waiting_by_reason"
-        page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
-                 "for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
-                 "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n"
-                 f"# TYPE {name} gauge\n"
+        page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                 "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+                 f"blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE {name} gauge\n"
                  f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
                  f'{name}{{{labels},reason="deferred"}} 0.0\n')
     return page
@@ -389,8 +380,9 @@ def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any
         "/sim/stats": engine.stats_snapshot}
     if cfg.flavor == "sglang":
         model = {"model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "is_generation": True}
-        answers |= {"/get_server_info": lambda: sglang_server_info(cfg, engine), "/get_model_info": lambda: model}
-        answers |= {"/server_info": answers["/get_server_info"], "/model_info": answers["/get_model_info"]}
+        for prefix in ("/", "/get_"):
+            answers |= {f"{prefix}server_info": lambda: sglang_server_info(cfg, engine),
+                        f"{prefix}model_info": lambda: model}
     elif cfg.flavor == "llamacpp":
         # get_res_props() in tools/server/server-context.cpp (the fields a client reads); /slots (with --slots):
         # one entry a slot, the first `running` busy.
@@ -398,32 +390,25 @@ def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any
                  "total_slots": cfg.max_running_requests, "model_alias": cfg.model_name, "model_path": cfg.model_path,
                  "modalities": {"vision": False, "audio": False}, "build_info": VERSION}
         answers |= {"/props": lambda: props, "/slots": lambda: [
-            {"id": i, "n_ctx": cfg.context_length, "speculative": False, "is_processing": i < engine.num_running}
+            {"id": i, "n_ctx": cfg.context_length, "speculative": False, "is_processing": i < len(engine.running)}
             for i in range(cfg.max_running_requests)]}
     return answers
 
 
 def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
-    # memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30), from the sim's knobs.
+    """memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30), from the sim's knobs; context_length and
+    max_running_requests as given on its command line (null unless given)."""
+    given = cfg.args_given
     memory = {"weight": cfg.weight_gb, "kvcache": round(cfg.max_total_num_tokens * cfg.kv_bytes_per_token / 2**30, 3),
               "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
-    return {
-        "model_path": cfg.model_path,
-        "served_model_name": cfg.model_name,
-        "host": cfg.host,
-        "port": cfg.port,
-        # As given on its command line: null unless --context-length / --max-running-requests were.
-        "context_length": cfg.context_length if cfg.args_given else None,
-        "max_running_requests": cfg.max_running_requests if cfg.args_given else None,
-        "max_queued_requests": cfg.max_queued_requests,
-        "max_total_num_tokens": cfg.max_total_num_tokens,
-        "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1,
-        "version": VERSION,
-        "internal_states": [{"last_gen_throughput": engine.last_gen_throughput,
-                             "effective_max_running_requests_per_dp": cfg.max_running_requests,
-                             "memory_usage": memory}],
-        "sim": msgspec.to_builtins(cfg),  # not in SGLang: the sim's own knobs, for benchmark reports
-    }
+    return {"model_path": cfg.model_path, "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
+            "context_length": cfg.context_length if given else None,
+            "max_running_requests": cfg.max_running_requests if given else None,
+            "max_queued_requests": cfg.max_queued_requests, "max_total_num_tokens": cfg.max_total_num_tokens,
+            "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1, "version": VERSION,
+            "internal_states": [{"last_gen_throughput": engine.last_gen_throughput, "memory_usage": memory,
+                                 "effective_max_running_requests_per_dp": cfg.max_running_requests}],
+            "sim": msgspec.to_builtins(cfg)}  # not in SGLang: the sim's own knobs, for benchmark reports
 
 
 SIM_KEY = web.AppKey("sim", SimServer)
@@ -434,27 +419,14 @@ def make_app(config: SimConfig) -> web.Application:
     # SGLang takes large prompts; aiohttp's 1 MiB default body limit would not.
     app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[sim.gate])
     app[SIM_KEY] = sim
-    app.on_startup.append(sim.on_startup)
-    app.on_cleanup.append(sim.on_cleanup)
-    for path, make in info_endpoints(config, sim.engine).items():
-        app.router.add_get(path, _answering(make))
+    app.cleanup_ctx.append(sim.lifetime)
+    app.add_routes([web.get(path, _answering(make)) for path, make in info_endpoints(config, sim.engine).items()])
+    app.add_routes([web.get("/health", sim.health), web.get("/metrics", sim.metrics),
+                    web.post("/v1/chat/completions", sim.generate), web.post("/v1/completions", sim.generate),
+                    web.post("/sim/reset", sim.reset), web.get("/sim/faults", sim.faults),
+                    web.post("/sim/faults", sim.faults)])
     if config.flavor == "sglang":
         app.router.add_get("/health_generate", sim.health)
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=metrics_page(config, sim.engine), content_type="text/plain", charset="utf-8")
-
-    async def reset(request: web.Request) -> web.Response:
-        sim.engine.reset_stats()
-        return json_response({"reset": True})
-
-    app.router.add_get("/health", sim.health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/chat/completions", sim.generate)
-    app.router.add_post("/v1/completions", sim.generate)
-    app.router.add_post("/sim/reset", reset)
-    app.router.add_get("/sim/faults", sim.sim_faults)
-    app.router.add_post("/sim/faults", sim.sim_faults)
     return app
 
 
@@ -500,13 +472,11 @@ def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
     async def serve() -> None:
         stop, loop = asyncio.Event(), asyncio.get_running_loop()
         running = await start(config)
-        signals = 0
+        sim = running.sim
 
         def on_signal() -> None:
-            nonlocal signals
-            signals += 1
-            if config.flavor == "llamacpp" and signals == 1:
-                loop.create_task(running.sim.stop_listening())
+            if config.flavor == "llamacpp" and sim.listening:
+                loop.create_task(sim.stop_listening())
             else:
                 stop.set()
 
@@ -514,11 +484,9 @@ def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
             loop.add_signal_handler(sig, on_signal)
         try:
             on_ready(running.url)
-            while not stop.is_set() and (running.sim.listening or running.sim.open_requests):
-                try:
+            while not stop.is_set() and (sim.listening or sim.open_requests):
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.2)
-                except TimeoutError:
-                    pass
         finally:
             await running.close()
 
