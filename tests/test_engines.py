@@ -127,16 +127,16 @@ async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession, header
     try:
         first, second = Progress(), Progress()
         running = asyncio.ensure_future(client.generate("chat", chat("first", max_tokens=400), first))
-        while len(sim.sim.engine.running) < 1:
+        while len(sim.engine.running) < 1:
             await asyncio.sleep(0.01)
         # A raw request shows whether headers come while deferred.
         raw = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat("raw", max_tokens=4)))
         waiting = asyncio.ensure_future(client.generate("chat", chat("second", max_tokens=8), second))
-        while len(sim.sim.engine.waiting) < 2:
+        while len(sim.engine.waiting) < 2:
             await asyncio.sleep(0.01)
         if headers_expected:
             await asyncio.wait([raw])  # the with_sim timeout bounds the wait
-            assert len(sim.sim.engine.waiting) == 2, "the headers came while both still waited"
+            assert len(sim.engine.waiting) == 2, "the headers came while both still waited"
         headers_while_waiting = raw.done()
         assert second.first_byte is None, "no response byte while the request waits for a slot"
         done = await running
@@ -234,7 +234,7 @@ async def test_stop_listening_leaves_open_requests_hanging(sim: RunningSim, http
     client = ServerClient(sim.url)
     try:
         pending = asyncio.ensure_future(client.generate("chat", chat(max_tokens=10_000), Progress()))
-        while len(sim.sim.engine.running) < 1:
+        while len(sim.engine.running) < 1:
             await asyncio.sleep(0.01)
         async with http.post("/sim/faults", json={"stop_listening": True}) as resp:
             assert (await resp.json())["listening"] is False

@@ -1,9 +1,6 @@
-"""Continuous-batching model of one GPU server: pure asyncio, no HTTP.
-
-One loop task plays the scheduler: each step admits waiting requests in FIFO order while there is a
-free slot (max_running_requests) and KV room (max_total_num_tokens), sleeps for the step's cost, then
-advances every running request by tokens_per_step tokens. Handlers submit SimRequests and await them.
-"""
+"""Continuous-batching model of one GPU server, no HTTP: one loop task plays the scheduler. Each step admits
+waiting requests in FIFO order while there is a free slot (max_running_requests) and KV room
+(max_total_num_tokens), sleeps for the step's cost, then advances every running request by tokens_per_step."""
 
 from __future__ import annotations
 
@@ -14,10 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genq.sim.config import SimConfig
-
-
-class QueueFull(Exception):
-    """The waiting queue holds max_queued_requests requests already."""
 
 
 @dataclass(slots=True, eq=False)
@@ -45,41 +38,15 @@ class SimRequest:
         return "stop" if self.natural_tokens <= self.max_new_tokens else "length"
 
 
-@dataclass
-class Stats:
-    """Figures since start or the last reset, /sim/stats' fields. The time integrals give time-weighted
-    means; steps, request-steps (the batch summed over steps) and starved steps (a free slot while a
-    request waited: the KV budget held it back) are counts, not times."""
-
-    start: float = field(default_factory=time.monotonic)
-    last_change: float = 0.0
-    running_integral: float = 0.0
-    waiting_integral: float = 0.0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-    generation_requests: int = 0  # received, a 400 too: "no request was sent" is testable
-    first_admit: float | None = None
-    last_finish: float | None = None
-    steps: int = 0
-    request_steps: int = 0
-    starved_steps: int = 0
-    generated_by_key: dict[str, int] = field(default_factory=dict)  # complete generations per prompt key
-
-    def snapshot(self, now: float, running: int, waiting: int) -> dict[str, Any]:
-        elapsed, first, last = now - self.start, self.first_admit, self.last_finish
-        # The busy window, first admission to last finish (or now while work remains), leaves out idle time.
-        busy = 0.0 if first is None else max((now if running or waiting or last is None else last) - first, 0.0)
-        wall = now - time.time()  # the two instants on the wall clock too, to compare servers
-        return {**vars(self), "elapsed_s": elapsed, "busy_s": busy, "num_running": running, "num_waiting": waiting,
-                "mean_running": self.running_integral / elapsed if elapsed > 0 else 0.0,
-                "busy_mean_running": self.running_integral / busy if busy > 0 else 0.0,
-                "busy_mean_waiting": self.waiting_integral / busy if busy > 0 else 0.0,
-                "first_admit_s": None if first is None else first - self.start,
-                "last_finish_s": None if last is None else last - self.start,
-                "first_admit_at": None if first is None else first - wall,
-                "last_finish_at": None if last is None else last - wall}
+def new_stats() -> dict[str, Any]:
+    """Figures since start or the last /sim/reset, /sim/stats' fields. The time integrals give time-weighted
+    means; steps, request-steps (the batch summed over steps) and starved steps (a free slot while a request
+    waited: the KV budget held it back) are counts; generation_requests counts a 400 too."""
+    now = time.monotonic()
+    return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "prompt_tokens": 0,
+            "generated_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "generation_requests": 0,
+            "first_admit": None, "last_finish": None, "steps": 0, "request_steps": 0, "starved_steps": 0,
+            "generated_by_key": {}}  # complete generations per prompt key
 
 
 class Engine:
@@ -91,7 +58,7 @@ class Engine:
         self.used_tokens = 0  # KV cache in use: prompt + generated tokens of running requests
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.stats = Stats()
+        self.stats = new_stats()
         # Prometheus counters: monotonic since start, never reset.
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.num_requests_total = self.num_aborted_total = 0
@@ -111,15 +78,16 @@ class Engine:
                 await self._task
             self._task = None
 
-    def submit(self, req: SimRequest) -> None:
-        limit = self.config.max_queued_requests
-        # Requests the next step admits into free slots are not queued.
-        if limit is not None and len(self.waiting) >= limit + max(self.config.max_running_requests
-                                                                    - len(self.running), 0):
-            raise QueueFull
+    def submit(self, req: SimRequest) -> bool:
+        """Queue req; False when max_queued_requests wait already (those the next step admits into free
+        slots are not queued)."""
+        limit, free = self.config.max_queued_requests, self.config.max_running_requests - len(self.running)
+        if limit is not None and len(self.waiting) >= limit + max(free, 0):
+            return False
         self._account()
         self.waiting[req] = None
         self._wakeup.set()
+        return True
 
     def abort(self, req: SimRequest, dropped: bool = False) -> None:
         """Stop req wherever it is (client gone, reset fault, outage); idempotent."""
@@ -131,7 +99,7 @@ class Engine:
             self.used_tokens -= req.prompt_tokens + req.generated
         self.waiting.pop(req, None)
         req.finish_reason, req.dropped = "abort", dropped
-        self.stats.aborted_requests += 1
+        self.stats["aborted_requests"] += 1
         self.num_aborted_total += 1
         self.num_requests_total += 1
         req.event.set()
@@ -143,15 +111,26 @@ class Engine:
             self.abort(req, dropped=True)
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return self.stats.snapshot(self._account(), len(self.running), len(self.waiting))
+        now, st, running, waiting = self._account(), self.stats, len(self.running), len(self.waiting)
+        elapsed, first, last, integral = now - st["start"], st["first_admit"], st["last_finish"], st["running_integral"]
+        # The busy window, first admission to last finish (or now while work remains), leaves out idle time.
+        busy = 0.0 if first is None else max((now if running or waiting or last is None else last) - first, 0.0)
+        wall = now - time.time()  # the two instants on the wall clock too, to compare servers
+        return {**st, "elapsed_s": elapsed, "busy_s": busy, "num_running": running, "num_waiting": waiting,
+                "mean_running": integral / elapsed if elapsed > 0 else 0.0,
+                "busy_mean_running": integral / busy if busy > 0 else 0.0,
+                "busy_mean_waiting": st["waiting_integral"] / busy if busy > 0 else 0.0,
+                "first_admit_s": None if first is None else first - st["start"],
+                "last_finish_s": None if last is None else last - st["start"],
+                "first_admit_at": None if first is None else first - wall,
+                "last_finish_at": None if last is None else last - wall}
 
     def _account(self) -> float:
         """Called before every change of the running/waiting counts; returns the time."""
         now, st = time.monotonic(), self.stats
-        dt = now - (st.last_change or st.start)
-        st.running_integral += len(self.running) * dt
-        st.waiting_integral += len(self.waiting) * dt
-        st.last_change = now
+        st["running_integral"] += len(self.running) * (now - st["last_change"])
+        st["waiting_integral"] += len(self.waiting) * (now - st["last_change"])
+        st["last_change"] = now
         return now
 
     async def _loop(self) -> None:
@@ -168,9 +147,9 @@ class Engine:
                 continue
             admitted = self._admit()
             st = self.stats
-            st.steps += 1
-            st.request_steps += len(self.running)
-            st.starved_steps += bool(self.waiting) and len(self.running) < cfg.max_running_requests
+            st["steps"] += 1
+            st["request_steps"] += len(self.running)
+            st["starved_steps"] += bool(self.waiting) and len(self.running) < cfg.max_running_requests
             delay = base_s + per_req_s * (len(self.running) + (admitted or 0) * prefill_cost)
             # sleep(0) still yields: in the instant mode handlers queue more, served as one batch.
             await asyncio.sleep(delay)
@@ -189,11 +168,11 @@ class Engine:
             del self.waiting[req]
             self.running[req] = None
             self.used_tokens += req.prompt_tokens
-            self.stats.prompt_tokens += req.prompt_tokens
+            self.stats["prompt_tokens"] += req.prompt_tokens
             self.prompt_tokens_total += req.prompt_tokens
             admitted = (admitted or 0) + req.prompt_tokens
-            if self.stats.first_admit is None:
-                self.stats.first_admit = now
+            if self.stats["first_admit"] is None:
+                self.stats["first_admit"] = now
         self._left_out = len(self.waiting)
         return admitted
 
@@ -210,9 +189,9 @@ class Engine:
                 del self.running[req]
                 self.used_tokens -= req.prompt_tokens + new
                 req.finish_reason = req.natural_finish
-                st.finished_requests += 1
-                st.last_finish = now
-                st.generated_by_key[req.key] = st.generated_by_key.get(req.key, 0) + 1
+                st["finished_requests"] += 1
+                st["last_finish"] = now
+                st["generated_by_key"][req.key] = st["generated_by_key"].get(req.key, 0) + 1
                 self.num_requests_total += 1
                 req.event.set()
                 ended += 1
@@ -221,7 +200,7 @@ class Engine:
                 ended += 1
             elif grew and req.stream:
                 req.event.set()
-        st.generated_tokens += produced
+        st["generated_tokens"] += produced
         self.generation_tokens_total += produced
         if now - self._tp_since >= 1.0:
             self.last_gen_throughput = (self.generation_tokens_total - self._tp_tokens) / (now - self._tp_since)

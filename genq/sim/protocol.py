@@ -58,55 +58,44 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+class Request(msgspec.Struct, kw_only=True):
+    """What the sim reads of a /v1/chat/completions or /v1/completions body."""
+
     model: str | None = None
+    messages: list[dict[str, Any]] | None = None  # chat
+    prompt: Any = None  # completions: a string or token ids, kept as sent for the prompt key
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     rid: str | None = None  # SGLang's: the response id
+    logprobs: bool | int | None = None  # chat: true or false; completions: alternatives a token (0: none)
     top_logprobs: int | None = None
-    prompt: Any = None  # str or token ids, kept as sent for the prompt key
-    logprobs: int | None = None  # the number of alternatives, 0 for the chosen token only
-
-    def max_new_tokens(self) -> int | None:
-        return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
-
-    def counted_prompt(self) -> tuple[Any, int]:
-        """(what the prompt key hashes, its tokens); a batch of prompts (several choices in SGLang) is not served."""
-        if isinstance(self.prompt, str):
-            return self.prompt, text_tokens(self.prompt)
-        if isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) for t in self.prompt):
-            return self.prompt, len(self.prompt)
-        raise Refusal("prompt must be a string or a list of token ids in genq sim.")
-
-    def asked_logprobs(self) -> int | None:
-        """How many alternatives per token the answer's logprobs list, or None: no logprobs."""
-        return self.logprobs
-
-
-class ChatRequest(CompletionRequest, kw_only=True):
-    messages: list[dict[str, Any]] | None = None
-    max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
-    logprobs: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
 
-    def max_new_tokens(self) -> int | None:
-        # SGLang: max_completion_tokens wins over the deprecated max_tokens.
-        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-
-    def counted_prompt(self) -> tuple[Any, int]:
-        if not self.messages:
-            raise Refusal("messages: Field required (a non-empty list).")
-        return self.messages, chat_prompt_tokens(self.messages)
-
-    def asked_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+    def read(self, chat: bool) -> tuple[Any, int, int | None, int | None]:
+        """(what the prompt key hashes, its tokens, the most tokens asked for, alternatives a token in the
+        answer's logprobs or None: none), or a Refusal. A batch of prompts (several choices in SGLang) is not served."""
+        if chat:
+            if not self.messages:
+                raise Refusal("messages: Field required (a non-empty list).")
+            # SGLang: max_completion_tokens wins over the deprecated max_tokens.
+            max_new = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+            return self.messages, chat_prompt_tokens(self.messages), max_new, (
+                (self.top_logprobs or 0) if self.logprobs else None)
+        max_new = 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
+        logprobs = None if self.logprobs is None else int(self.logprobs)
+        if isinstance(self.prompt, str):
+            return self.prompt, text_tokens(self.prompt), max_new, logprobs
+        if isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) for t in self.prompt):
+            return self.prompt, len(self.prompt), max_new, logprobs
+        raise Refusal("prompt must be a string or a list of token ids in genq sim.")
 
     def tool_called(self) -> str | None:
         """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
@@ -133,7 +122,7 @@ def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
     return total
 
 
-def check(body: CompletionRequest, n_prompt: int, max_new: int | None, flavor: str, ctx: int,
+def check(body: Request, chat: bool, n_prompt: int, max_new: int | None, flavor: str, ctx: int,
           ctx_given: bool) -> int:
     """The engine's checks of a request: the most tokens it may generate, or its 400 (Refusal).
     ctx_given: SGLang was started with --context-length."""
@@ -142,8 +131,8 @@ def check(body: CompletionRequest, n_prompt: int, max_new: int | None, flavor: s
             (body.n < 1, f"n must be at least 1, got {body.n}."),
             (body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20,
              f"top_logprobs must be between 0 and 20, got {body.top_logprobs}."),
-            (isinstance(body, ChatRequest) and bool(body.top_logprobs) and not body.logprobs,
-             "top_logprobs requires logprobs to be true."),
+            (chat and not isinstance(body.logprobs, bool | None), "logprobs: Input should be a valid boolean"),
+            (chat and bool(body.top_logprobs) and not body.logprobs, "top_logprobs requires logprobs to be true."),
             (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
             (body.temperature is not None and body.temperature < 0,
              f"temperature must be non-negative, got {body.temperature}."),

@@ -14,7 +14,6 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -22,9 +21,9 @@ from aiohttp import web
 
 from genq.sim import protocol
 from genq.sim.config import SimConfig
-from genq.sim.engine import Engine, QueueFull, SimRequest, Stats
+from genq.sim.engine import Engine, SimRequest, new_stats
 from genq.sim.lengths import choice_key, output_length, prompt_key
-from genq.sim.protocol import ChatRequest, Refusal, Reply, StreamOptions
+from genq.sim.protocol import Refusal, Reply, StreamOptions
 
 FLAVORS = ("sglang", "vllm", "llamacpp")
 VERSION = "0.0.0-genq-sim"
@@ -82,22 +81,35 @@ class SimServer:
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
         self.started_at = time.monotonic()
-        self.sites: list[web.BaseSite] = []  # what stop_listening closes
         self.listening = True
         self.open_requests = 0  # generation requests being handled
         # vLLM and llama.cpp answer tools with calls (genq sim plays no parser switch for them).
         self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None
         self._text = (protocol.WORDS * (4 * config.context_length // len(protocol.WORDS) + 1))[: 4 * config.context_length]
+        # SGLang takes large prompts; aiohttp's 1 MiB default body limit would not.
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self.gate])
+        app.cleanup_ctx.append(self.lifetime)
+        app.add_routes([web.get(path, _answering(make)) for path, make in info_endpoints(config, self.engine).items()])
+        app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
+                        web.post("/v1/chat/completions", self.generate), web.post("/v1/completions", self.generate),
+                        web.post("/sim/reset", self.reset), web.get("/sim/faults", self.faults),
+                        web.post("/sim/faults", self.faults)])
+        if config.flavor == "sglang":
+            app.router.add_get("/health_generate", self.health)
+        # No access log: it would cost more than the instant mode itself.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.site: web.BaseSite | None = None  # start() sets both
+        self.url = ""
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         self.started_at = time.monotonic()
         self.engine.start()
-        at, outage = self.config.outage_at, None
-        if at is not None:
-            outage = asyncio.get_running_loop().call_later(at, self.start_outage, self.config.outage_for)
+        if self.config.outage_at is not None:  # a timer left over at close is harmless
+            asyncio.get_running_loop().call_later(self.config.outage_at, self.start_outage, self.config.outage_for)
         yield
-        if outage is not None:
-            outage.cancel()
         await self.engine.stop()
 
     def start_outage(self, duration: float) -> None:
@@ -127,8 +139,8 @@ class SimServer:
         """llama-server on SIGTERM: the listening socket closes, requests in progress hang (no output, no
         answer, no close), a request on a kept-alive connection loses it; nothing moves again."""
         self.listening = False
-        for site in self.sites:
-            await site.stop()
+        if self.site is not None:
+            await self.site.stop()
         await self.engine.stop()
 
     def ready(self) -> bool:
@@ -159,7 +171,7 @@ class SimServer:
         return web.Response(text=metrics_page(self.config, self.engine), content_type="text/plain", charset="utf-8")
 
     async def reset(self, request: web.Request) -> web.Response:
-        self.engine.stats = Stats()
+        self.engine.stats = new_stats()
         return json_response({"reset": True})
 
     async def faults(self, request: web.Request) -> web.Response:
@@ -194,13 +206,13 @@ class SimServer:
         if not self.ready():
             raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
         raw = await request.read()
-        self.engine.stats.generation_requests += 1
+        self.engine.stats["generation_requests"] += 1
         try:
-            body = msgspec.json.decode(raw, type=ChatRequest if chat else protocol.CompletionRequest)
+            body = msgspec.json.decode(raw, type=protocol.Request)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise Refusal(str(exc)) from None
-        source, n_prompt = body.counted_prompt()
-        max_new = protocol.check(body, n_prompt, body.max_new_tokens(), flavor, cfg.context_length, cfg.args_given)
+        source, n_prompt, asked, logprobs = body.read(chat)
+        max_new = protocol.check(body, chat, n_prompt, asked, flavor, cfg.context_length, cfg.args_given)
         key = prompt_key(source)
         fault, where = self.draw(key)
         if fault == "error":
@@ -212,30 +224,25 @@ class SimServer:
                                                         cfg.output_sigma, room), max_new, body.stream, event=event)
                 for i in range(body.n)]
         req = reqs[0]  # faults strike the first
-        if fault == "hang":  # at a token count inside the output; where == 0: before the first token
-            req.hang_at = int(where * req.target)
-        elif fault == "reset":
-            req.drop_at = int(where * req.target)
-        elif fault == "stream_error":  # after at least one token: "mid-stream"
-            req.drop_at = 1 + int(where * (req.target - 1))
+        # At a token count inside the output (a hang at 0: before the first token); a stream error after one.
+        req.hang_at = int(where * req.target) if fault == "hang" else None
+        req.drop_at = {"reset": int(where * req.target), "stream_error": 1 + int(where * (req.target - 1))}.get(fault or "")
         for i, each in enumerate(reqs):
-            try:
-                self.engine.submit(each)
-            except QueueFull:
+            if not self.engine.submit(each):
                 for submitted in reqs[:i]:
                     self.engine.abort(submitted)
-                raise Refusal("The request queue is full.", 503, "ServiceUnavailableError") from None
+                raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
         if cfg.crash_marker and cfg.crash_marker.encode() in raw:
             self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
-        sglang, chat_body = flavor == "sglang", body if isinstance(body, ChatRequest) else None
+        sglang = flavor == "sglang"
         # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
         rid = (body.rid if sglang else None) or f"{'chatcmpl' if chat or flavor == 'llamacpp' else 'cmpl'}-{uuid.uuid4().hex}"
-        thinking = chat_body is not None and bool((chat_body.chat_template_kwargs or {}).get("enable_thinking"))
+        thinking = chat and bool((body.chat_template_kwargs or {}).get("enable_thinking"))
         replies = [Reply(
             text=self._text[6 * i:] + self._text[:6 * i], chat=chat, rid=rid, model=body.model or cfg.model_name,
             prompt_tokens=n_prompt, think=max(1, math.ceil(each.natural_tokens * cfg.thinking_fraction)) if thinking else 0,
-            separate=chat_body is None or chat_body.separate_reasoning, index=i, top_logprobs=body.asked_logprobs(),
-            tool=chat_body.tool_called() if chat_body and self._tool_calls else None, sglang=sglang,
+            separate=not chat or body.separate_reasoning, index=i, top_logprobs=logprobs,
+            tool=body.tool_called() if chat and self._tool_calls else None, sglang=sglang,
             # SGLang runs each of n > 1 samples as a sub-request with an id of its own.
             chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,
         ) for i, each in enumerate(reqs)]
@@ -411,25 +418,6 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
             "sim": msgspec.to_builtins(cfg)}  # not in SGLang: the sim's own knobs, for benchmark reports
 
 
-SIM_KEY = web.AppKey("sim", SimServer)
-
-
-def make_app(config: SimConfig) -> web.Application:
-    sim = SimServer(config)
-    # SGLang takes large prompts; aiohttp's 1 MiB default body limit would not.
-    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[sim.gate])
-    app[SIM_KEY] = sim
-    app.cleanup_ctx.append(sim.lifetime)
-    app.add_routes([web.get(path, _answering(make)) for path, make in info_endpoints(config, sim.engine).items()])
-    app.add_routes([web.get("/health", sim.health), web.get("/metrics", sim.metrics),
-                    web.post("/v1/chat/completions", sim.generate), web.post("/v1/completions", sim.generate),
-                    web.post("/sim/reset", sim.reset), web.get("/sim/faults", sim.faults),
-                    web.post("/sim/faults", sim.faults)])
-    if config.flavor == "sglang":
-        app.router.add_get("/health_generate", sim.health)
-    return app
-
-
 def _answering(make: Callable[[], Any]) -> Callable:
     async def handler(request: web.Request) -> web.Response:
         return json_response(make())
@@ -437,31 +425,18 @@ def _answering(make: Callable[[], Any]) -> Callable:
     return handler
 
 
-@dataclass
-class RunningSim:
-    """A sim serving on a port; close() stops it."""
-
-    runner: web.AppRunner
-    url: str
-
-    @property
-    def sim(self) -> SimServer:
-        return self.runner.app[SIM_KEY]
-
-    async def close(self) -> None:
-        await self.runner.cleanup()
+async def start(config: SimConfig) -> SimServer:
+    """Serve a SimServer on config.host:config.port (0: any free port); its url says where."""
+    sim = SimServer(config)
+    await sim.runner.setup()
+    sim.site = web.TCPSite(sim.runner, config.host, config.port)
+    await sim.site.start()
+    host, port = sim.runner.addresses[0][:2]
+    sim.url = f"http://{host}:{port}"
+    return sim
 
 
-async def start(config: SimConfig) -> RunningSim:
-    """Serve make_app(config) on config.host:config.port (0: any free port)."""
-    # No access log: it would cost more than the instant mode itself.
-    runner = web.AppRunner(make_app(config), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    runner.app[SIM_KEY].sites.append(site)
-    host, port = runner.addresses[0][:2]
-    return RunningSim(runner, f"http://{host}:{port}")
+RunningSim = SimServer  # what start() returns
 
 
 def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
@@ -471,8 +446,7 @@ def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
 
     async def serve() -> None:
         stop, loop = asyncio.Event(), asyncio.get_running_loop()
-        running = await start(config)
-        sim = running.sim
+        sim = await start(config)
 
         def on_signal() -> None:
             if config.flavor == "llamacpp" and sim.listening:
@@ -483,11 +457,11 @@ def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
         try:
-            on_ready(running.url)
+            on_ready(sim.url)
             while not stop.is_set() and (sim.listening or sim.open_requests):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.2)
         finally:
-            await running.close()
+            await sim.close()
 
     asyncio.run(serve())
