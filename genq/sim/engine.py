@@ -5,7 +5,6 @@ waiting requests in FIFO order while there is a free slot (max_running_requests)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +30,6 @@ class SimRequest:
     @property
     def target(self) -> int:
         return min(self.natural_tokens, self.max_new_tokens)
-
-    @property
-    def natural_finish(self) -> str:
-        """"stop" when the model ends on its own, "length" when max_tokens cuts it."""
-        return "stop" if self.natural_tokens <= self.max_new_tokens else "length"
 
 
 def new_stats() -> dict[str, Any]:
@@ -71,12 +65,9 @@ class Engine:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-engine")
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     def submit(self, req: SimRequest) -> bool:
         """Queue req; False when max_queued_requests wait already (those the next step admits into free
@@ -104,11 +95,6 @@ class Engine:
         self.num_requests_total += 1
         req.event.set()
         self._wakeup.set()  # a freed slot may let a waiting request in
-
-    def drop_all(self) -> None:
-        """A crash: every request in flight loses its connection."""
-        for req in [*self.running, *self.waiting]:
-            self.abort(req, dropped=True)
 
     def stats_snapshot(self) -> dict[str, Any]:
         now, st, running, waiting = self._account(), self.stats, len(self.running), len(self.waiting)
@@ -188,7 +174,7 @@ class Engine:
             if new >= req.target:
                 del self.running[req]
                 self.used_tokens -= req.prompt_tokens + new
-                req.finish_reason = req.natural_finish
+                req.finish_reason = "stop" if req.natural_tokens <= req.max_new_tokens else "length"
                 st["finished_requests"] += 1
                 st["last_finish"] = now
                 st["generated_by_key"][req.key] = st["generated_by_key"].get(req.key, 0) + 1

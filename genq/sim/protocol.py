@@ -175,18 +175,17 @@ def check(body: Request, chat: bool, n_prompt: int, max_new: int | None, flavor:
     return left if max_new is None else max_new  # SGLang runs a chat without a limit to the context's end
 
 
-@dataclass(slots=True)
-class Reply:
-    """Builds the bodies of one choice of a request from token counts: the text of tokens [a, b) is a
-    slice of a fixed string (rotated per choice, so the n samples differ), reasoning first when thinking.
-    SGLang's shapes (tests/recordings/sglang-0.5.23/): every delta has reasoning_content, and each
-    choice's chunks carry the id of its own sub-request (chunk_id)."""
+@dataclass(slots=True, eq=False, kw_only=True)
+class Choice(SimRequest):
+    """One choice of a request (its n samples run as requests of their own, as in SGLang and vLLM) and the
+    bodies it answers with, from token counts: the text of tokens [a, b) is a slice of a fixed string (rotated
+    per choice, so samples differ), reasoning first when thinking. SGLang's shapes (tests/recordings/sglang-0.5.23/):
+    every delta has reasoning_content, and each choice's chunks carry its own sub-request's id (chunk_id)."""
 
     text: str
     chat: bool
     rid: str
     model: str
-    prompt_tokens: int
     think: int  # tokens of reasoning at the start of the output (0: no thinking)
     separate: bool  # separate_reasoning: reasoning goes to reasoning_content
     index: int
@@ -195,9 +194,9 @@ class Reply:
     sglang: bool
     chunk_id: str
 
-    def finish(self, reason: str | None) -> str | None:
+    def finish(self) -> str | None:
         """SGLang turns a natural stop after a tool call into "tool_calls" (serving_chat.py)."""
-        return "tool_calls" if self.tool and reason == "stop" else reason
+        return "tool_calls" if self.tool and self.finish_reason == "stop" else self.finish_reason
 
     def call(self, tokens: int) -> dict[str, Any]:
         return {"id": f"call_{self.rid[-8:]}_{self.index}", "type": "function",
@@ -238,28 +237,22 @@ class Reply:
         """SGLang's matched_stop names the EOS token; vLLM's stop_reason is null at EOS (it names stop strings)."""
         return {"matched_stop": EOS_TOKEN_ID if finish == "stop" else None} if self.sglang else {"stop_reason": None}
 
-    def choice(self, req: SimRequest) -> dict[str, Any]:
+    def whole(self) -> dict[str, Any]:
         """This choice of a whole answer."""
-        reasoning, content = self.pieces(0, req.generated)
+        reasoning, content = self.pieces(0, self.generated)
         body: dict[str, Any] = {"index": self.index, "text": reasoning + content}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
             if self.tool or not self.sglang:  # SGLang's message has no tool_calls key without a call
-                message["tool_calls"] = [self.call(req.generated)] if self.tool else None
+                message["tool_calls"] = [self.call(self.generated)] if self.tool else None
             body = {"index": self.index, "message": message}
-        return {**body, "logprobs": self.logprobs(0, req.generated),
-                "finish_reason": self.finish(req.finish_reason) if self.chat else req.finish_reason,
-                **self.stop_field(req.finish_reason)}
-
-    def deltas(self, a: int, b: int) -> list[dict[str, Any]]:
-        reasoning, content = self.pieces(a, b)
-        if not self.chat:
-            return [{"text": content}]
-        return [{key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
+        return {**body, "logprobs": self.logprobs(0, self.generated),
+                "finish_reason": self.finish() if self.chat else self.finish_reason,
+                **self.stop_field(self.finish_reason)}
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, tokens: int | None = None,
               logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> bytes:
-        """One stream event; delta None is the finish chunk (empty delta or text)."""
+        """One stream event; delta None is the finish chunk (empty delta or text), no delta at all the usage chunk."""
         if self.chat:
             choice = {"index": self.index, "delta": {"reasoning_content": None, **(delta or {})} if self.sglang
                       else delta or {}, "logprobs": logprobs}
@@ -270,32 +263,26 @@ class Reply:
             out["usage"] = None if tokens is None else self.usage(tokens)
         return sse(out)
 
-    def finish_chunks(self, req: SimRequest, tokens: int, continuous: bool, chunk_id: str | None = None) -> bytes:
+    def finish_chunks(self, continuous: bool, chunk_id: str | None = None) -> bytes:
         """A choice's last events: its tool call, if any, in two pieces (name, then arguments), then its
         finish_reason (SGLang's chat finish chunk has no usage)."""
-        usage, out = tokens if continuous else None, b""
+        usage, out = self.generated if continuous else None, b""
         if self.tool:
-            call = self.call(tokens)
+            call = self.call(self.generated)
             head = {**call, "index": 0, "function": {"name": self.tool, "arguments": ""}}
             args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
             out = b"".join(self.chunk({"tool_calls": [c]}, None, usage, None, chunk_id) for c in (head, args))
-        usage = None if self.sglang and self.chat else usage
-        return out + self.chunk(None, self.finish(req.finish_reason), usage, None, chunk_id)
-
-    def usage_chunk(self, tokens: int, chunk_id: str) -> bytes:
-        """The last chunk: the request's usage (tokens: over all its choices), no choices."""
-        return sse({**self.head(chunk_id, []), "usage": self.usage(tokens)})
+        return out + self.chunk(None, self.finish(), None if self.sglang and self.chat else usage, None, chunk_id)
 
     def head(self, chunk_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": chunk_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": choices}
 
 
-def full_answer(replies: list[Reply], reqs: list[SimRequest]) -> dict[str, Any]:
+def full_answer(choices: list[Choice]) -> dict[str, Any]:
     """A whole answer: one choice per sample, the prompt counted once, the output summed (SGLang's
     _build_chat_response and UsageProcessor; vLLM alike)."""
-    first = replies[0]
+    first = choices[0]
     return {"id": first.rid, "object": "chat.completion" if first.chat else "text_completion",
-            "created": int(time.time()), "model": first.model,
-            "choices": [reply.choice(req) for reply, req in zip(replies, reqs, strict=True)],
-            "usage": first.usage(sum(req.generated for req in reqs))}
+            "created": int(time.time()), "model": first.model, "choices": [c.whole() for c in choices],
+            "usage": first.usage(sum(c.generated for c in choices))}

@@ -21,9 +21,9 @@ from aiohttp import web
 
 from genq.sim import protocol
 from genq.sim.config import SimConfig
-from genq.sim.engine import Engine, SimRequest, new_stats
+from genq.sim.engine import Engine, new_stats
 from genq.sim.lengths import choice_key, output_length, prompt_key
-from genq.sim.protocol import Refusal, Reply, StreamOptions
+from genq.sim.protocol import Choice, Refusal, StreamOptions, sse
 
 FLAVORS = ("sglang", "vllm", "llamacpp")
 VERSION = "0.0.0-genq-sim"
@@ -110,13 +110,14 @@ class SimServer:
         if self.config.outage_at is not None:  # a timer left over at close is harmless
             asyncio.get_running_loop().call_later(self.config.outage_at, self.start_outage, self.config.outage_for)
         yield
-        await self.engine.stop()
+        self.engine.stop()
 
     def start_outage(self, duration: float) -> None:
         """Down for `duration` seconds: every request in flight dropped, the next ones reset."""
         self._outage_until = time.monotonic() + duration
         if duration > 0:
-            self.engine.drop_all()
+            for choice in [*self.engine.running, *self.engine.waiting]:
+                self.engine.abort(choice, dropped=True)
 
     def in_outage(self) -> bool:
         return self._outage_until > time.monotonic()
@@ -141,10 +142,7 @@ class SimServer:
         self.listening = False
         if self.site is not None:
             await self.site.stop()
-        await self.engine.stop()
-
-    def ready(self) -> bool:
-        return time.monotonic() - self.started_at >= self.config.startup_delay
+        self.engine.stop()
 
     def error(self, status: int, message: str, err_type: str | None = None, **extra: Any) -> web.Response:
         return json_response(protocol.error_body(self.flavor, status, message, err_type, **extra), status)
@@ -158,11 +156,9 @@ class SimServer:
         return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
-        await asyncio.sleep(self.config.health_delay)
-        if self.flavor == "sglang":
-            # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
-            await asyncio.sleep(self.config.step_ms_base / 1000)
-        ok = self.ready() and not self.in_outage()
+        # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
+        await asyncio.sleep(self.config.health_delay + (self.config.step_ms_base / 1000 if self.flavor == "sglang" else 0))
+        ok = time.monotonic() - self.started_at >= self.config.startup_delay and not self.in_outage()
         if self.flavor == "llamacpp":
             return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
         return web.Response(status=200 if ok else 503)
@@ -203,7 +199,7 @@ class SimServer:
         cfg, flavor = self.config, self.flavor
         if self.in_outage():
             return drop_connection(request)
-        if not self.ready():
+        if time.monotonic() - self.started_at < self.config.startup_delay:
             raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
         raw = await request.read()
         self.engine.stats["generation_requests"] += 1
@@ -217,55 +213,52 @@ class SimServer:
         fault, where = self.draw(key)
         if fault == "error":
             raise Refusal("Internal server error (simulated)", 500, "InternalServerError")
-        # One sequence per sample, each its own deterministic length, as SGLang and vLLM schedule the n
-        # choices; one past the context's room: an answer cut by the context's end is "length".
-        room, event = cfg.context_length - n_prompt + 1, asyncio.Event()
-        reqs = [SimRequest(key, n_prompt, output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens,
-                                                        cfg.output_sigma, room), max_new, body.stream, event=event)
-                for i in range(body.n)]
-        req = reqs[0]  # faults strike the first
+        sglang, thinking = flavor == "sglang", chat and bool((body.chat_template_kwargs or {}).get("enable_thinking"))
+        # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
+        rid = (body.rid if sglang else None) or f"{'chatcmpl' if chat or flavor == 'llamacpp' else 'cmpl'}-{uuid.uuid4().hex}"
+        # Each sample its own deterministic length; one past the context's room: an answer cut there is "length".
+        lengths = [output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens, cfg.output_sigma,
+                                 cfg.context_length - n_prompt + 1) for i in range(body.n)]
+        event = asyncio.Event()
+        choices = [Choice(
+            key, n_prompt, natural, max_new, body.stream, event=event, index=i, chat=chat, rid=rid, sglang=sglang,
+            text=self._text[6 * i:] + self._text[:6 * i], model=body.model or cfg.model_name, top_logprobs=logprobs,
+            think=max(1, math.ceil(natural * cfg.thinking_fraction)) if thinking else 0,
+            separate=not chat or body.separate_reasoning, tool=body.tool_called() if chat and self._tool_calls else None,
+            chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,  # SGLang's n > 1: a sub-request id each
+        ) for i, natural in enumerate(lengths)]
+        first = choices[0]  # faults strike the first
         # At a token count inside the output (a hang at 0: before the first token); a stream error after one.
-        req.hang_at = int(where * req.target) if fault == "hang" else None
-        req.drop_at = {"reset": int(where * req.target), "stream_error": 1 + int(where * (req.target - 1))}.get(fault or "")
-        for i, each in enumerate(reqs):
-            if not self.engine.submit(each):
-                for submitted in reqs[:i]:
+        first.hang_at = int(where * first.target) if fault == "hang" else None
+        first.drop_at = {"reset": int(where * first.target),
+                         "stream_error": 1 + int(where * (first.target - 1))}.get(fault or "")
+        for i, choice in enumerate(choices):
+            if not self.engine.submit(choice):
+                for submitted in choices[:i]:
                     self.engine.abort(submitted)
                 raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
         if cfg.crash_marker and cfg.crash_marker.encode() in raw:
             self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
-        sglang = flavor == "sglang"
-        # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
-        rid = (body.rid if sglang else None) or f"{'chatcmpl' if chat or flavor == 'llamacpp' else 'cmpl'}-{uuid.uuid4().hex}"
-        thinking = chat and bool((body.chat_template_kwargs or {}).get("enable_thinking"))
-        replies = [Reply(
-            text=self._text[6 * i:] + self._text[:6 * i], chat=chat, rid=rid, model=body.model or cfg.model_name,
-            prompt_tokens=n_prompt, think=max(1, math.ceil(each.natural_tokens * cfg.thinking_fraction)) if thinking else 0,
-            separate=not chat or body.separate_reasoning, index=i, top_logprobs=logprobs,
-            tool=body.tool_called() if chat and self._tool_calls else None, sglang=sglang,
-            # SGLang runs each of n > 1 samples as a sub-request with an id of its own.
-            chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,
-        ) for i, each in enumerate(reqs)]
         try:
             if body.stream:
-                return await self._stream(request, reqs, replies, body.stream_options or StreamOptions(),
+                return await self._stream(request, choices, body.stream_options or StreamOptions(),
                                           fault == "stream_error")
-            await until(event, lambda: all(each.finish_reason for each in reqs))
-            if req.dropped and fault == "stream_error":
+            await until(event, lambda: all(choice.finish_reason for choice in choices))
+            if first.dropped and fault == "stream_error":
                 raise Refusal(STREAM_ERROR, 500, "InternalServerError")
-            if any(each.dropped for each in reqs):
+            if any(choice.dropped for choice in choices):
                 return drop_connection(request)
-            return json_response(protocol.full_answer(replies, reqs))
+            return json_response(protocol.full_answer(choices))
         finally:
-            for each in reqs:  # a no-op once finished; frees the slots of a client that went away
-                self.engine.abort(each)
+            for choice in choices:  # a no-op once finished; frees the slots of a client that went away
+                self.engine.abort(choice)
 
-    async def _stream(self, request: web.Request, reqs: list[SimRequest], replies: list[Reply],
-                      options: StreamOptions, failing: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: list[Choice], options: StreamOptions,
+                      failing: bool) -> web.StreamResponse:
         """Choices stream interleaved, each chunk one choice with its index. vLLM and llama.cpp send a chunk
         a step and end each choice as it finishes; SGLang sends a chunk a token and every chat finish chunk
         after the last output (serving_chat.py, _generate_chat_stream)."""
-        flavor, req, event, continuous = self.flavor, reqs[0], reqs[0].event, options.continuous_usage_stats
+        flavor, first, event, continuous = self.flavor, choices[0], choices[0].event, options.continuous_usage_stats
         sglang = flavor == "sglang"
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if flavor == "llamacpp" else headers)
@@ -273,55 +266,55 @@ class SimServer:
             # llama-server answers (headers included) only with the first result, and SGLang's
             # _handle_streaming_request awaits the first chunk: a queued request gets no byte at all.
             # vLLM's StreamingResponse sends its headers at once, its first event with the first output.
-            await until(event, lambda: any(r.generated or r.finish_reason for r in reqs))
-            if req.dropped and not failing:
+            await until(event, lambda: any(c.generated or c.finish_reason for c in choices))
+            if first.dropped and not failing:
                 drop_connection(request)
                 return resp
         await resp.prepare(request)
-        sent, done, last_id = [0] * len(reqs), [False] * len(reqs), replies[0].chunk_id
+        sent, done, last_id = [0] * len(choices), [False] * len(choices), first.chunk_id
         while True:
-            await until(event, lambda: any(not d and (r.generated > s or r.finish_reason)
-                                           for r, s, d in zip(reqs, sent, done, strict=True)))
-            for i, (each, reply) in enumerate(zip(reqs, replies, strict=True)):
-                a, b = sent[i], each.generated
-                if done[i] or (b <= a and each.finish_reason is None):
+            await until(event, lambda: any(not d and (c.generated > s or c.finish_reason)
+                                           for c, s, d in zip(choices, sent, done, strict=True)))
+            for i, c in enumerate(choices):
+                a, b = sent[i], c.generated
+                if done[i] or (b <= a and c.finish_reason is None):
                     continue
                 out = []
-                if a == 0 and reply.chat:  # chat streams open with the role, completions with text
-                    out.append(reply.chunk({"role": "assistant", "content": ""}, None,
-                                           0 if continuous and not sglang else None))
+                if a == 0 and c.chat:  # chat streams open with the role, completions with text
+                    out.append(c.chunk({"role": "assistant", "content": ""}, None, 0 if continuous and not sglang else None))
                 for x, y in [(t, t + 1) for t in range(a, b)] if sglang else [(a, b)] * (b > a):
                     # SGLang's chat stream sends nothing for the end-of-sequence token (no text, no
                     # logprob), though its usage counts it and its whole answer lists its logprob.
-                    if sglang and reply.chat and each.natural_finish == "stop" and y == each.target:
+                    if sglang and c.chat and c.finish_reason == "stop" and y == c.target:
                         continue
                     # SGLang's completions stream ends a choice on its last token's chunk, with the finish.
-                    last = sglang and not reply.chat and y == each.target and each.finish_reason is not None
-                    deltas = reply.deltas(x, y)
-                    out += [reply.chunk(delta, each.finish_reason if last and d == len(deltas) else None,
-                                        y if continuous else None, reply.logprobs(x, y) if d == len(deltas) else None)
+                    last = sglang and not c.chat and y == c.target and c.finish_reason is not None
+                    reasoning, content = c.pieces(x, y)
+                    deltas = [{"text": content}] if not c.chat else [
+                        {key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
+                    out += [c.chunk(delta, c.finish_reason if last and d == len(deltas) else None,
+                                    y if continuous else None, c.logprobs(x, y) if d == len(deltas) else None)
                             for d, delta in enumerate(deltas, 1)]
                 sent[i] = b
                 if out:
-                    last_id = reply.chunk_id
-                if each.finish_reason is not None:
+                    last_id = c.chunk_id
+                if c.finish_reason is not None:
                     done[i] = True
-                    if not (sglang or each.dropped):
-                        out.append(reply.finish_chunks(each, b, continuous))
+                    if not (sglang or c.dropped):
+                        out.append(c.finish_chunks(continuous))
                 await resp.write(b"".join(out))
-            if all(done) or req.dropped:
+            if all(done) or first.dropped:
                 break
-        if req.dropped and failing:
+        if first.dropped and failing:
             await resp.write(protocol.stream_error(flavor, STREAM_ERROR))
-        elif any(each.dropped for each in reqs):
+        elif any(c.dropped for c in choices):
             drop_connection(request)
             return resp
         else:
             # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
-            tail = [r.finish_chunks(each, n, continuous, last_id)
-                    for r, each, n in zip(replies, reqs, sent, strict=True) if sglang and r.chat]
+            tail = [c.finish_chunks(continuous, last_id) for c in choices if sglang and c.chat]
             if options.include_usage:
-                tail.append(replies[0].usage_chunk(sum(sent), last_id))
+                tail.append(sse({**first.head(last_id, []), "usage": first.usage(sum(sent))}))
             await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
         await resp.write_eof()
         if flavor == "llamacpp" and request.transport is not None:
@@ -414,8 +407,7 @@ def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
             "max_queued_requests": cfg.max_queued_requests, "max_total_num_tokens": cfg.max_total_num_tokens,
             "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1, "version": VERSION,
             "internal_states": [{"last_gen_throughput": engine.last_gen_throughput, "memory_usage": memory,
-                                 "effective_max_running_requests_per_dp": cfg.max_running_requests}],
-            "sim": msgspec.to_builtins(cfg)}  # not in SGLang: the sim's own knobs, for benchmark reports
+                                 "effective_max_running_requests_per_dp": cfg.max_running_requests}]}
 
 
 def _answering(make: Callable[[], Any]) -> Callable:
