@@ -79,23 +79,76 @@ class Request(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
 
-    def read(self, chat: bool) -> tuple[Any, int, int | None, int | None]:
-        """(what the prompt key hashes, its tokens, the most tokens asked for, alternatives a token in the
-        answer's logprobs or None: none), or a Refusal. A batch of prompts (several choices in SGLang) is not served."""
+    def check(self, chat: bool, flavor: str, ctx: int, ctx_given: bool) -> tuple[Any, int, int, int | None]:
+        """(what the prompt key hashes, its tokens, the most tokens it may generate, alternatives a token in the
+        answer's logprobs or None: none), or the engine's 400 (a Refusal). ctx_given: SGLang was started with
+        --context-length. A batch of prompts (several choices in SGLang) is not served."""
+        source: Any = self.prompt
+        logprobs = None if self.logprobs is None else int(self.logprobs)
+        max_new: int | None = 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
         if chat:
             if not self.messages:
                 raise Refusal("messages: Field required (a non-empty list).")
+            source, n_prompt = self.messages, chat_prompt_tokens(self.messages)
             # SGLang: max_completion_tokens wins over the deprecated max_tokens.
             max_new = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-            return self.messages, chat_prompt_tokens(self.messages), max_new, (
-                (self.top_logprobs or 0) if self.logprobs else None)
-        max_new = 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
-        logprobs = None if self.logprobs is None else int(self.logprobs)
-        if isinstance(self.prompt, str):
-            return self.prompt, text_tokens(self.prompt), max_new, logprobs
-        if isinstance(self.prompt, list) and self.prompt and all(isinstance(t, int) for t in self.prompt):
-            return self.prompt, len(self.prompt), max_new, logprobs
-        raise Refusal("prompt must be a string or a list of token ids in genq sim.")
+            logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        elif isinstance(source, str):
+            n_prompt = text_tokens(source)
+        elif isinstance(source, list) and source and all(isinstance(t, int) for t in source):
+            n_prompt = len(source)
+        else:
+            raise Refusal("prompt must be a string or a list of token ids in genq sim.")
+        return source, n_prompt, self._limit(chat, flavor, n_prompt, max_new, ctx, ctx_given), logprobs
+
+    def _limit(self, chat: bool, flavor: str, n_prompt: int, max_new: int | None, ctx: int, ctx_given: bool) -> int:
+        for bad, message in (
+                (flavor == "llamacpp" and self.n != 1, "Only one completion choice is allowed"),
+                (self.n < 1, f"n must be at least 1, got {self.n}."),
+                (self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20,
+                 f"top_logprobs must be between 0 and 20, got {self.top_logprobs}."),
+                (chat and not isinstance(self.logprobs, bool | None), "logprobs: Input should be a valid boolean"),
+                (chat and bool(self.top_logprobs) and not self.logprobs, "top_logprobs requires logprobs to be true."),
+                (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
+                (self.temperature is not None and self.temperature < 0,
+                 f"temperature must be non-negative, got {self.temperature}."),
+                (self.top_p is not None and not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")):
+            if bad:
+                raise Refusal(message)
+        left = ctx - n_prompt
+        if flavor == "llamacpp":
+            # Checked against the slot's context; max_tokens past its end is no error, the slot stops there.
+            if left <= 0:
+                raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
+                              "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
+            return left if max_new is None else min(max_new, left)
+        if flavor == "vllm":
+            # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
+            # "(parameter=..., value=...)" tail is VLLMValidationError's str().
+            if max_new is not None and max_new > ctx:
+                raise Refusal(f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
+                              f"output tokens. (parameter=max_tokens, value={max_new})", param="max_tokens")
+            if left < 0:
+                raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains at "
+                              f"least {ctx + 1} input tokens, which exceeds this limit even without any output tokens. "
+                              f"Please reduce the length of the input prompt. (parameter=input_tokens, value={ctx + 1})",
+                              param="input_tokens")
+            if left == 0:
+                raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", param="max_tokens")
+            return left if max_new is None else min(max_new, left)
+        # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
+        # tokenized (its message's missing space included).
+        if ctx_given and max_new is not None and max_new > ctx:
+            raise Refusal(f"max_completion_tokens is too large: {max_new}.This model supports at most {ctx} "
+                          "completion tokens.")
+        if left <= 0:
+            raise Refusal(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
+        if max_new is not None and max_new + n_prompt >= ctx:
+            raise Refusal(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                          f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input messages "
+                          f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                          "messages or the completion to fit within the limit.")
+        return left if max_new is None else max_new  # SGLang runs a chat without a limit to the context's end
 
     def tool_called(self) -> str | None:
         """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
@@ -121,58 +174,6 @@ def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
         total += text_tokens(content if isinstance(content, str) else "")
     return total
 
-
-def check(body: Request, chat: bool, n_prompt: int, max_new: int | None, flavor: str, ctx: int,
-          ctx_given: bool) -> int:
-    """The engine's checks of a request: the most tokens it may generate, or its 400 (Refusal).
-    ctx_given: SGLang was started with --context-length."""
-    for bad, message in (
-            (flavor == "llamacpp" and body.n != 1, "Only one completion choice is allowed"),
-            (body.n < 1, f"n must be at least 1, got {body.n}."),
-            (body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20,
-             f"top_logprobs must be between 0 and 20, got {body.top_logprobs}."),
-            (chat and not isinstance(body.logprobs, bool | None), "logprobs: Input should be a valid boolean"),
-            (chat and bool(body.top_logprobs) and not body.logprobs, "top_logprobs requires logprobs to be true."),
-            (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
-            (body.temperature is not None and body.temperature < 0,
-             f"temperature must be non-negative, got {body.temperature}."),
-            (body.top_p is not None and not 0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}.")):
-        if bad:
-            raise Refusal(message)
-    left = ctx - n_prompt
-    if flavor == "llamacpp":
-        # Checked against the slot's context; max_tokens past its end is no error, the slot stops there.
-        if left <= 0:
-            raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
-                          "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
-        return left if max_new is None else min(max_new, left)
-    if flavor == "vllm":
-        # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
-        # "(parameter=..., value=...)" tail is VLLMValidationError's str().
-        if max_new is not None and max_new > ctx:
-            raise Refusal(f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
-                          f"output tokens. (parameter=max_tokens, value={max_new})", param="max_tokens")
-        if left < 0:
-            raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains at "
-                          f"least {ctx + 1} input tokens, which exceeds this limit even without any output tokens. "
-                          f"Please reduce the length of the input prompt. (parameter=input_tokens, value={ctx + 1})",
-                          param="input_tokens")
-        if left == 0:
-            raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", param="max_tokens")
-        return left if max_new is None else min(max_new, left)
-    # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
-    # tokenized (its message's missing space included).
-    if ctx_given and max_new is not None and max_new > ctx:
-        raise Refusal(f"max_completion_tokens is too large: {max_new}.This model supports at most {ctx} "
-                      "completion tokens.")
-    if left <= 0:
-        raise Refusal(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
-    if max_new is not None and max_new + n_prompt >= ctx:
-        raise Refusal(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
-                      f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input messages "
-                      f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
-                      "messages or the completion to fit within the limit.")
-    return left if max_new is None else max_new  # SGLang runs a chat without a limit to the context's end
 
 
 @dataclass(slots=True, eq=False, kw_only=True)

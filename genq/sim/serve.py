@@ -89,7 +89,8 @@ class SimServer:
         # SGLang takes large prompts; aiohttp's 1 MiB default body limit would not.
         app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self.gate])
         app.cleanup_ctx.append(self.lifetime)
-        app.add_routes([web.get(path, _answering(make)) for path, make in info_endpoints(config, self.engine).items()])
+        self._info = info_endpoints(config, self.engine)
+        app.add_routes([web.get(path, self.info) for path in self._info])
         app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
                         web.post("/v1/chat/completions", self.generate), web.post("/v1/completions", self.generate),
                         web.post("/sim/reset", self.reset), web.get("/sim/faults", self.faults),
@@ -163,6 +164,9 @@ class SimServer:
             return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
         return web.Response(status=200 if ok else 503)
 
+    async def info(self, request: web.Request) -> web.Response:
+        return json_response(self._info[request.path]())
+
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=metrics_page(self.config, self.engine), content_type="text/plain", charset="utf-8")
 
@@ -207,8 +211,7 @@ class SimServer:
             body = msgspec.json.decode(raw, type=protocol.Request)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise Refusal(str(exc)) from None
-        source, n_prompt, asked, logprobs = body.read(chat)
-        max_new = protocol.check(body, chat, n_prompt, asked, flavor, cfg.context_length, cfg.args_given)
+        source, n_prompt, max_new, logprobs = body.check(chat, flavor, cfg.context_length, cfg.args_given)
         key = prompt_key(source)
         fault, where = self.draw(key)
         if fault == "error":
@@ -379,10 +382,22 @@ def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any
         "/v1/models": lambda: {"object": "list", "data": [{**card, "created": int(time.time())}]},
         "/sim/stats": engine.stats_snapshot}
     if cfg.flavor == "sglang":
+        # memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30); context_length and max_running_requests
+        # as given on its command line (null unless given).
+        tokens, given = cfg.max_total_num_tokens, cfg.args_given
+        memory = {"weight": cfg.weight_gb, "kvcache": round(tokens * cfg.kv_bytes_per_token / 2**30, 3),
+                  "token_capacity": tokens, "graph": 1.2}
+        info = {"model_path": cfg.model_path, "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
+                "context_length": cfg.context_length if given else None,
+                "max_running_requests": cfg.max_running_requests if given else None,
+                "max_queued_requests": cfg.max_queued_requests, "max_total_num_tokens": tokens,
+                "max_req_input_len": min(cfg.context_length, tokens) - 1, "version": VERSION}
         model = {"model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "is_generation": True}
         for prefix in ("/", "/get_"):
-            answers |= {f"{prefix}server_info": lambda: sglang_server_info(cfg, engine),
-                        f"{prefix}model_info": lambda: model}
+            answers[f"{prefix}model_info"] = lambda: model
+            answers[f"{prefix}server_info"] = lambda: {**info, "internal_states": [{
+                "last_gen_throughput": engine.last_gen_throughput, "memory_usage": memory,
+                "effective_max_running_requests_per_dp": cfg.max_running_requests}]}
     elif cfg.flavor == "llamacpp":
         # get_res_props() in tools/server/server-context.cpp (the fields a client reads); /slots (with --slots):
         # one entry a slot, the first `running` busy.
@@ -395,28 +410,6 @@ def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any
     return answers
 
 
-def sglang_server_info(cfg: SimConfig, engine: Engine) -> dict[str, Any]:
-    """memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30), from the sim's knobs; context_length and
-    max_running_requests as given on its command line (null unless given)."""
-    given = cfg.args_given
-    memory = {"weight": cfg.weight_gb, "kvcache": round(cfg.max_total_num_tokens * cfg.kv_bytes_per_token / 2**30, 3),
-              "token_capacity": cfg.max_total_num_tokens, "graph": 1.2}
-    return {"model_path": cfg.model_path, "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
-            "context_length": cfg.context_length if given else None,
-            "max_running_requests": cfg.max_running_requests if given else None,
-            "max_queued_requests": cfg.max_queued_requests, "max_total_num_tokens": cfg.max_total_num_tokens,
-            "max_req_input_len": min(cfg.context_length, cfg.max_total_num_tokens) - 1, "version": VERSION,
-            "internal_states": [{"last_gen_throughput": engine.last_gen_throughput, "memory_usage": memory,
-                                 "effective_max_running_requests_per_dp": cfg.max_running_requests}]}
-
-
-def _answering(make: Callable[[], Any]) -> Callable:
-    async def handler(request: web.Request) -> web.Response:
-        return json_response(make())
-
-    return handler
-
-
 async def start(config: SimConfig) -> SimServer:
     """Serve a SimServer on config.host:config.port (0: any free port); its url says where."""
     sim = SimServer(config)
@@ -426,9 +419,6 @@ async def start(config: SimConfig) -> SimServer:
     host, port = sim.runner.addresses[0][:2]
     sim.url = f"http://{host}:{port}"
     return sim
-
-
-RunningSim = SimServer  # what start() returns
 
 
 def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
