@@ -67,7 +67,7 @@ async def test_hang_until_client_leaves(sim: SimServer, http: aiohttp.ClientSess
     assert m["sglang:num_aborted_requests_total"] == 1
 
 
-# What each engine sends when a request fails after its stream began (genq/sim/protocol.py
+# What each engine sends when a request fails after its stream began (genq/sim/serve.py
 # stream_error names the engines' source places): an SSE event holding the error on the
 # HTTP 200 stream, after some output; SGLang's carries its blanket code 400.
 STREAM_ERRORS = {

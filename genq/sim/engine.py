@@ -82,19 +82,23 @@ class Engine:
 
     def abort(self, req: SimRequest, dropped: bool = False) -> None:
         """Stop req wherever it is (client gone, reset fault, outage); idempotent."""
-        if req.finish_reason is not None:
-            return
+        if req.finish_reason is None:
+            self._end(req, "abort")
+            req.dropped = dropped
+            self.stats["aborted_requests"] += 1
+            self.num_aborted_total += 1
+            self._wakeup.set()  # a freed slot may let a waiting request in
+
+    def _end(self, req: SimRequest, reason: str) -> None:
+        """req leaves the engine, finished ("stop" or "length") or aborted."""
         self._account()
         if req in self.running:
             del self.running[req]
             self.used_tokens -= req.prompt_tokens + req.generated
         self.waiting.pop(req, None)
-        req.finish_reason, req.dropped = "abort", dropped
-        self.stats["aborted_requests"] += 1
-        self.num_aborted_total += 1
+        req.finish_reason = reason
         self.num_requests_total += 1
         req.event.set()
-        self._wakeup.set()  # a freed slot may let a waiting request in
 
     def stats_snapshot(self) -> dict[str, Any]:
         now, st, running, waiting = self._account(), self.stats, len(self.running), len(self.waiting)
@@ -172,14 +176,10 @@ class Engine:
             self.used_tokens += new - req.generated
             grew, req.generated = new > req.generated, new
             if new >= req.target:
-                del self.running[req]
-                self.used_tokens -= req.prompt_tokens + new
-                req.finish_reason = "stop" if req.natural_tokens <= req.max_new_tokens else "length"
+                self._end(req, "stop" if req.natural_tokens <= req.max_new_tokens else "length")
                 st["finished_requests"] += 1
                 st["last_finish"] = now
                 st["generated_by_key"][req.key] = st["generated_by_key"].get(req.key, 0) + 1
-                self.num_requests_total += 1
-                req.event.set()
                 ended += 1
             elif req.drop_at is not None and new >= req.drop_at:
                 self.abort(req, dropped=True)
