@@ -61,15 +61,6 @@ def error_body(flavor: str, status: int, message: str, err_type: str | None = No
                       "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"), **extra}}
 
 
-def stream_error(flavor: str, message: str) -> bytes:
-    """The SSE event an engine sends on its HTTP 200 stream when a request fails after output began
-    (SGLang's create_streaming_error_response() makes any failure a 400; vLLM's GenerationError a 500)."""
-    if flavor == "llamacpp":
-        return sse(error_body(flavor, 500, message))
-    body = error_body(flavor, 400, message) if flavor == "sglang" else error_body(flavor, 500, message, "InternalServerError")
-    return sse({"error": body} if flavor == "sglang" else body) + b"data: [DONE]\n\n"
-
-
 def sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
@@ -115,14 +106,11 @@ class Request(msgspec.Struct, kw_only=True):
             max_new = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
             logprobs = (self.top_logprobs or 0) if self.logprobs else None
         elif isinstance(source, str):
-            n_prompt = text_tokens(source)
+            n_prompt = len(source) // 4 + 1
         elif isinstance(source, list) and source and all(isinstance(t, int) for t in source):
             n_prompt = len(source)
         else:
             raise Refusal("prompt must be a string or a list of token ids in genq sim.")
-        return source, n_prompt, self._limit(chat, flavor, n_prompt, max_new, ctx, ctx_given), logprobs
-
-    def _limit(self, chat: bool, flavor: str, n_prompt: int, max_new: int | None, ctx: int, ctx_given: bool) -> int:
         for bad, message in (
                 (flavor == "llamacpp" and self.n != 1, "Only one completion choice is allowed"),
                 (self.n < 1, f"n must be at least 1, got {self.n}."),
@@ -137,12 +125,10 @@ class Request(msgspec.Struct, kw_only=True):
             if bad:
                 raise Refusal(message)
         left = ctx - n_prompt
-        if flavor == "llamacpp":
-            # Checked against the slot's context; max_tokens past its end is no error, the slot stops there.
-            if left <= 0:
-                raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
-                              "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
-            return left if max_new is None else min(max_new, left)
+        # llama.cpp checks the slot's context; max_tokens past its end is no error, the slot stops there.
+        if flavor == "llamacpp" and left <= 0:
+            raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
+                          "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
         if flavor == "vllm":
             # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
             # "(parameter=..., value=...)" tail is VLLMValidationError's str().
@@ -156,7 +142,8 @@ class Request(msgspec.Struct, kw_only=True):
                               param="input_tokens")
             if left == 0:
                 raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", param="max_tokens")
-            return left if max_new is None else min(max_new, left)
+        if flavor != "sglang":
+            return source, n_prompt, left if max_new is None else min(max_new, left), logprobs
         # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
         # tokenized (its message's missing space included).
         if ctx_given and max_new is not None and max_new > ctx:
@@ -169,7 +156,7 @@ class Request(msgspec.Struct, kw_only=True):
                           f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input messages "
                           f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
                           "messages or the completion to fit within the limit.")
-        return left if max_new is None else max_new  # SGLang runs a chat without a limit to the context's end
+        return source, n_prompt, left if max_new is None else max_new, logprobs  # a chat may run to the context's end
 
     def tool_called(self) -> str | None:
         """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
@@ -181,10 +168,6 @@ class Request(msgspec.Struct, kw_only=True):
         return str(function.get("name")) if isinstance(function, dict) else None
 
 
-def text_tokens(text: str) -> int:
-    return len(text) // 4 + 1
-
-
 def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
     """About four characters a token, summed over message contents (the text parts of multimodal ones)."""
     total = 0
@@ -192,17 +175,15 @@ def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
         content = message.get("content")
         if isinstance(content, list):
             content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-        total += text_tokens(content if isinstance(content, str) else "")
+        total += len(content if isinstance(content, str) else "") // 4 + 1
     return total
-
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
 class Choice(SimRequest):
-    """One choice of a request (its n samples run as requests of their own, as in SGLang and vLLM) and the
-    bodies it answers with, from token counts: the text of tokens [a, b) is a slice of a fixed string (rotated
-    per choice, so samples differ), reasoning first when thinking. SGLang's shapes (tests/recordings/sglang-0.5.23/):
-    every delta has reasoning_content, and each choice's chunks carry its own sub-request's id (chunk_id)."""
+    """One of a request's n samples (each runs as a request of its own, as in SGLang and vLLM) and its bodies: the
+    text of tokens [a, b) is a slice of a fixed string (rotated per choice), reasoning first when thinking. SGLang's
+    (tests/recordings/sglang-0.5.23/): every delta has reasoning_content, each choice's chunks its own id."""
 
     text: str
     chat: bool
@@ -301,15 +282,6 @@ class Choice(SimRequest):
                 "created": int(time.time()), "model": self.model, "choices": choices}
 
 
-def full_answer(choices: list[Choice]) -> dict[str, Any]:
-    """A whole answer: one choice per sample, the prompt counted once, the output summed (SGLang's
-    _build_chat_response and UsageProcessor; vLLM alike)."""
-    first = choices[0]
-    return {"id": first.rid, "object": "chat.completion" if first.chat else "text_completion",
-            "created": int(time.time()), "model": first.model, "choices": [c.whole() for c in choices],
-            "usage": first.usage(sum(c.generated for c in choices))}
-
-
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of POST /sim/faults; fields left out keep their value. outage_for: an outage starting now
     (0 ends one); stop_listening: what llama-server does on SIGTERM, for good."""
@@ -392,9 +364,6 @@ class SimServer:
             for choice in [*self.engine.running, *self.engine.waiting]:
                 self.engine.abort(choice, dropped=True)
 
-    def in_outage(self) -> bool:
-        return self._outage_until > time.monotonic()
-
     def draw(self, key: str) -> tuple[str | None, float]:
         """The fault of the next request for this prompt, and where in its output (a fraction) it strikes:
         the n-th request for a key draws the same whatever else arrives, its retry (n+1) afresh."""
@@ -431,7 +400,7 @@ class SimServer:
     async def health(self, request: web.Request) -> web.Response:
         # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
         await asyncio.sleep(self.config.health_delay + (self.config.step_ms_base / 1000 if self.flavor == "sglang" else 0))
-        ok = time.monotonic() - self.started_at >= self.config.startup_delay and not self.in_outage()
+        ok = time.monotonic() - self.started_at >= self.config.startup_delay and self._outage_until <= time.monotonic()
         if self.flavor == "llamacpp":
             return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
         return web.Response(status=200 if ok else 503)
@@ -440,7 +409,50 @@ class SimServer:
         return json_response(self._info[request.path]())
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=metrics_page(self.config, self.engine), content_type="text/plain", charset="utf-8")
+        """/metrics in the engine's names: llama.cpp's server_task_result_metrics (tools/server/server-task.cpp: no
+        labels, integer values); vLLM 0.32's PrometheusStatLogger (vllm/v1/metrics/loggers.py: counters get _total on
+        the wire; the scheduler's counts as its last step left them, none deferred); SGLang's metrics/collector.py
+        (0.5.23 has the retracted gauge; the sim never retracts)."""
+        cfg, eng, flavor = self.config, self.engine, self.flavor
+        usage = eng.used_tokens / cfg.max_total_num_tokens
+        label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total)
+        generated = ("counter", "generation_tokens_total", "Number of generation tokens processed.",
+                     eng.generation_tokens_total)
+        tables: dict[str, list[tuple[str, str, str, Any]]] = {
+            "llamacpp": [
+                ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+                ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
+                ("gauge", "requests_processing", "Number of requests processing", len(eng.running)),
+                ("gauge", "requests_deferred", "Number of requests deferred", len(eng.waiting))],
+            "vllm": [
+                ("gauge", "num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
+                ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
+                ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+                ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+                prompt, generated],
+            "sglang": [
+                ("gauge", "num_running_reqs", "The number of running requests.", len(eng.running)),
+                ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", len(eng.waiting)),
+                ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
+                ("gauge", "token_usage", "The token usage.", usage),
+                ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+                ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
+                prompt, generated,
+                ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
+                ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]}
+        labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"', "sglang": f'model_name="{label}"'}[flavor]
+        page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n{flavor}:{name}"
+                       + (f" {value}\n" if flavor == "llamacpp" else f"{{{labels}}} {float(value)}\n")
+                       for kind, name, text, value in tables[flavor])
+        if flavor == "vllm":
+            name = "vllm:num_requests_waiting_by_reason"
+            page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                     "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+                     f"blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE {name} gauge\n"
+                     f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
+                     f'{name}{{{labels},reason="deferred"}} 0.0\n')
+        return web.Response(text=page, content_type="text/plain", charset="utf-8")
 
     async def reset(self, request: web.Request) -> web.Response:
         self.engine.stats = new_stats()
@@ -473,7 +485,7 @@ class SimServer:
 
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         cfg, flavor = self.config, self.flavor
-        if self.in_outage():
+        if self._outage_until > time.monotonic():
             return drop_connection(request)
         if time.monotonic() - self.started_at < self.config.startup_delay:
             raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
@@ -523,7 +535,10 @@ class SimServer:
                 raise Refusal(STREAM_ERROR, 500, "InternalServerError")
             if any(choice.dropped for choice in choices):
                 return drop_connection(request)
-            return json_response(full_answer(choices))
+            # The prompt counted once, the output summed (SGLang's _build_chat_response and UsageProcessor; vLLM alike).
+            return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": first.model, "choices": [c.whole() for c in choices],
+                                  "usage": first.usage(sum(c.generated for c in choices))})
         finally:
             for choice in choices:  # a no-op once finished; frees the slots of a client that went away
                 self.engine.abort(choice)
@@ -538,9 +553,8 @@ class SimServer:
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if flavor == "llamacpp" else headers)
         if flavor != "vllm":
-            # llama-server answers (headers included) only with the first result, and SGLang's
-            # _handle_streaming_request awaits the first chunk: a queued request gets no byte at all.
-            # vLLM's StreamingResponse sends its headers at once, its first event with the first output.
+            # llama-server answers (headers included) only with the first result, SGLang's _handle_streaming_request
+            # after the first chunk: no byte while queued. vLLM's StreamingResponse sends its headers at once.
             await until(event, lambda: any(c.generated or c.finish_reason for c in choices))
             if first.dropped and not failing:
                 drop_connection(request)
@@ -558,8 +572,7 @@ class SimServer:
                 if a == 0 and c.chat:  # chat streams open with the role, completions with text
                     out.append(c.chunk({"role": "assistant", "content": ""}, None, 0 if continuous and not sglang else None))
                 for x, y in [(t, t + 1) for t in range(a, b)] if sglang else [(a, b)] * (b > a):
-                    # SGLang's chat stream sends nothing for the end-of-sequence token (no text, no
-                    # logprob), though its usage counts it and its whole answer lists its logprob.
+                    # SGLang's chat stream sends nothing for the end-of-sequence token its usage counts.
                     if sglang and c.chat and c.finish_reason == "stop" and y == c.target:
                         continue
                     # SGLang's completions stream ends a choice on its last token's chunk, with the finish.
@@ -581,7 +594,10 @@ class SimServer:
             if all(done) or first.dropped:
                 break
         if first.dropped and failing:
-            await resp.write(stream_error(flavor, STREAM_ERROR))
+            # The engine's event on its HTTP 200 stream: SGLang's create_streaming_error_response() makes any
+            # failure a 400, vLLM's GenerationError a 500.
+            body = error_body(flavor, 400 if sglang else 500, STREAM_ERROR, "InternalServerError" if flavor == "vllm" else None)
+            await resp.write(sse({"error": body} if sglang else body) + (b"" if flavor == "llamacpp" else b"data: [DONE]\n\n"))
         elif any(c.dropped for c in choices):
             drop_connection(request)
             return resp
@@ -593,57 +609,10 @@ class SimServer:
             await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
         await resp.write_eof()
         if flavor == "llamacpp" and request.transport is not None:
-            # llama-server closes the connection after a stream, whatever its Keep-Alive header
-            # said: stop reading it now, close it a moment later.
+            # llama-server closes the connection after a stream, whatever its Keep-Alive header said.
             request.transport.pause_reading()
             asyncio.get_running_loop().call_later(self.config.stream_close_delay, request.transport.close)
         return resp
-
-
-def metrics_page(cfg: SimConfig, eng: Engine) -> str:
-    """/metrics in the engine's names: llama.cpp's server_task_result_metrics (tools/server/server-task.cpp: no
-    labels, integer values); vLLM 0.32's PrometheusStatLogger (vllm/v1/metrics/loggers.py: counters get _total on
-    the wire; the scheduler's counts as its last step left them, none deferred); SGLang's metrics/collector.py
-    (0.5.23 has the retracted gauge; the sim never retracts)."""
-    flavor, usage = cfg.flavor, eng.used_tokens / cfg.max_total_num_tokens
-    label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total)
-    generated = ("counter", "generation_tokens_total", "Number of generation tokens processed.",
-                 eng.generation_tokens_total)
-    tables: dict[str, list[tuple[str, str, str, Any]]] = {
-        "llamacpp": [
-            ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
-            ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
-            ("gauge", "requests_processing", "Number of requests processing", len(eng.running)),
-            ("gauge", "requests_deferred", "Number of requests deferred", len(eng.waiting))],
-        "vllm": [
-            ("gauge", "num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
-            ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
-            ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
-            ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
-            prompt, generated],
-        "sglang": [
-            ("gauge", "num_running_reqs", "The number of running requests.", len(eng.running)),
-            ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", len(eng.waiting)),
-            ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
-            ("gauge", "token_usage", "The token usage.", usage),
-            ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
-            ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
-            prompt, generated,
-            ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
-            ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]}
-    labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"', "sglang": f'model_name="{label}"'}[flavor]
-    page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n{flavor}:{name}"
-                   + (f" {value}\n" if flavor == "llamacpp" else f"{{{labels}}} {float(value)}\n")
-                   for kind, name, text, value in tables[flavor])
-    if flavor == "vllm":
-        name = "vllm:num_requests_waiting_by_reason"
-        page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
-                 "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
-                 f"blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE {name} gauge\n"
-                 f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
-                 f'{name}{{{labels},reason="deferred"}} 0.0\n')
-    return page
 
 
 def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any]]:
