@@ -8,8 +8,7 @@ import msgspec
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
-    """Settings of one simulated server. Time is compressed: one engine step stands for one decode
-    iteration but advances every running request by tokens_per_step tokens."""
+    """One simulated server. Time is compressed: an engine step (a decode iteration) makes tokens_per_step tokens."""
 
     flavor: A[str, "Engine to play: its endpoints, metric names, error bodies, queueing and connection habits."] = (
         "sglang")
@@ -32,7 +31,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     tokens_per_step: A[int, "Tokens each running request gains per step (time compression)."] = 16
     # vLLM on CPU: about a half (docs/vllm.md).
     prefill_cost: A[float, "What a prompt token of the step's prefills costs, over a running request's token (the "
-                           "step's cost grows by --step-ms-per-req x this x its prompt tokens / --tokens-per-step)."] = 0.5
+                           "step's cost grows by --step-ms-per-req x this x its prompt tokens / "
+                           "--tokens-per-step)."] = 0.5
     mean_output_tokens: A[float, "Mean of the lognormal output length, fixed per prompt."] = 256.0
     output_sigma: A[float, "Sigma of the lognormal output length (0: every prompt gets the mean)."] = 1.0
     thinking_fraction: A[float, "Share of the output that is reasoning_content when enable_thinking is set."] = 0.3

@@ -33,9 +33,8 @@ class SimRequest:
 
 
 def new_stats() -> dict[str, Any]:
-    """Figures since start or the last /sim/reset, /sim/stats' fields. The time integrals give time-weighted
-    means; steps, request-steps (the batch summed over steps) and starved steps (a free slot while a request
-    waited: the KV budget held it back) are counts; generation_requests counts a 400 too."""
+    """/sim/stats' figures since start or /sim/reset: time integrals (time-weighted means) and counts, of steps, of
+    request-steps (the batch summed), of starved steps (a slot free while one waited: the KV budget held it back)."""
     now = time.monotonic()
     return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "prompt_tokens": 0,
             "generated_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "generation_requests": 0,
@@ -51,7 +50,6 @@ class Engine:
         self.running: dict[SimRequest, None] = {}
         self.used_tokens = 0  # KV cache in use: prompt + generated tokens of running requests
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.stats = new_stats()
         # Prometheus counters: monotonic since start, never reset.
         self.prompt_tokens_total = self.generation_tokens_total = 0
@@ -62,16 +60,8 @@ class Engine:
         # requests left and before its arrivals join the queue, so waiting counts only those left out.
         self.stepped_running = self.stepped_waiting = self._left_out = 0
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-engine")
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
     def submit(self, req: SimRequest) -> bool:
-        """Queue req; False when max_queued_requests wait already (those the next step admits into free
-        slots are not queued)."""
+        """Queue req; False when max_queued_requests wait already (beyond those the next step admits)."""
         limit, free = self.config.max_queued_requests, self.config.max_running_requests - len(self.running)
         if limit is not None and len(self.waiting) >= limit + max(free, 0):
             return False
@@ -81,8 +71,8 @@ class Engine:
         return True
 
     def abort(self, req: SimRequest, dropped: bool = False) -> None:
-        """Stop req wherever it is (client gone, reset fault, outage); idempotent."""
-        if req.finish_reason is None:
+        """Stop req wherever it is (client gone, reset fault, outage); a no-op once it is out of the engine."""
+        if req in self.running or req in self.waiting:
             self._end(req, "abort")
             req.dropped = dropped
             self.stats["aborted_requests"] += 1
@@ -123,7 +113,7 @@ class Engine:
         st["last_change"] = now
         return now
 
-    async def _loop(self) -> None:
+    async def run(self) -> None:
         cfg = self.config
         base_s, per_req_s = cfg.step_ms_base / 1000.0, cfg.step_ms_per_req / 1000.0
         prefill_cost = cfg.prefill_cost / max(1, cfg.tokens_per_step)  # a prompt token's, per running request's

@@ -1,5 +1,4 @@
-"""Deterministic prompt keys and heavy-tailed output lengths: the same prompt gets the same length on every
-run and server (tests compare runs, a retry costs what the first try cost); lognormal, as real models' are."""
+"""Prompt keys and lognormal output lengths, a prompt's the same on every run and server (a retry costs the same)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def choice_key(key: str, index: int) -> str:
 
 
 def output_length(key: str, seed: int, mean_tokens: float, sigma: float, max_tokens: int) -> int:
-    """Lognormal with this mean (mu makes E[exp(N(mu, sigma^2))] the mean), in [1, max_tokens]; seeded by key
-    and seed alone, so it never depends on timing."""
-    mu = math.log(max(mean_tokens, 1e-9)) - sigma * sigma / 2
+    """Lognormal with this mean, in [1, max_tokens]; seeded by key and seed alone, never by timing."""
+    mu = math.log(max(mean_tokens, 1e-9)) - sigma * sigma / 2  # so that E[exp(N(mu, sigma^2))] is the mean
     length = int(round(random.Random(int(key, 16) ^ seed).lognormvariate(mu, sigma)))
     return max(1, min(length, max_tokens))

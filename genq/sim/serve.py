@@ -1,7 +1,6 @@
-"""The simulator's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, request checks, answers, error bodies,
-metrics and connection habits (SimConfig.flavor; the sources in docs/engines.md), and its fault switches. Unknown
-body fields are ignored, as SGLang does; a wrongly typed one is a 400, like SGLang's remapped 422. A client hanging
-up on a whole answer cancels its handler (handler_cancellation), which frees the slot, as SGLang aborts such requests."""
+"""The sim's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, checks, answers, errors, metrics and connection
+habits (SimConfig.flavor; sources: docs/engines.md), and its fault switches. Unknown body fields are ignored, a wrongly
+typed one is a 400 (SGLang's remapped 422); a client hanging up cancels its handler, which frees the slot."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from genq.sim.lengths import choice_key, output_length, prompt_key
 
 FLAVORS = ("sglang", "vllm", "llamacpp")
 VERSION = "0.0.0-genq-sim"
-# Each rate switch and its fault, in the order a draw tries them. stream_error: some output, then the
-# engine's SSE error event (a whole answer: a 500), as SGLang and vLLM report an internal error.
+# Each rate switch and its fault, in the order a draw tries them (stream_error: the engine's error after some output).
 FAULTS = {"error_rate": "error", "reset_rate": "reset", "hang_rate": "hang", "stream_error_rate": "stream_error"}
 STREAM_ERROR = "Internal server error (simulated, mid-stream)"
 # cpp-httplib's header, which llama-server sends even on the streams after which it closes the connection.
@@ -136,12 +134,13 @@ class Request(msgspec.Struct, kw_only=True):
                 raise Refusal(f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
                               f"output tokens. (parameter=max_tokens, value={max_new})", param="max_tokens")
             if left < 0:
-                raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains at "
-                              f"least {ctx + 1} input tokens, which exceeds this limit even without any output tokens. "
-                              f"Please reduce the length of the input prompt. (parameter=input_tokens, value={ctx + 1})",
-                              param="input_tokens")
+                raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains "
+                              f"at least {ctx + 1} input tokens, which exceeds this limit even without any output "
+                              "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                              f"value={ctx + 1})", param="input_tokens")
             if left == 0:
-                raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", param="max_tokens")
+                raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                              param="max_tokens")
         if flavor != "sglang":
             return source, n_prompt, left if max_new is None else min(max_new, left), logprobs
         # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
@@ -153,30 +152,24 @@ class Request(msgspec.Struct, kw_only=True):
             raise Refusal(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
         if max_new is not None and max_new + n_prompt >= ctx:
             raise Refusal(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
-                          f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input messages "
-                          f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
-                          "messages or the completion to fit within the limit.")
+                          f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input "
+                          f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in "
+                          "the input messages or the completion to fit within the limit.")
         return source, n_prompt, left if max_new is None else max_new, logprobs  # a chat may run to the context's end
 
     def tool_called(self) -> str | None:
         """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
         if not self.tools or self.tool_choice == "none":
             return None
-        if isinstance(self.tool_choice, dict):
-            return str((self.tool_choice.get("function") or {}).get("name") or "")
-        function = self.tools[0].get("function")
-        return str(function.get("name")) if isinstance(function, dict) else None
+        function = (self.tool_choice if isinstance(self.tool_choice, dict) else self.tools[0]).get("function")
+        return str(function.get("name") or "") if isinstance(function, dict) else None
 
 
 def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
     """About four characters a token, summed over message contents (the text parts of multimodal ones)."""
-    total = 0
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-        total += len(content if isinstance(content, str) else "") // 4 + 1
-    return total
+    texts = [message.get("content") for message in messages]
+    texts = [" ".join(p.get("text", "") for p in t if isinstance(p, dict)) if isinstance(t, list) else t for t in texts]
+    return sum(len(text if isinstance(text, str) else "") // 4 + 1 for text in texts)
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -231,7 +224,8 @@ class Choice(SimRequest):
                 for tok, lp in zip(tokens, values, strict=True)]
         if self.chat:
             return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alt]}
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                  for t, v in alt]}
                                 for tok, lp, alt in zip(tokens, values, alts, strict=True)]}
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k else None,
                 "text_offset": [4 * t for t in range(a, b)]}
@@ -283,8 +277,7 @@ class Choice(SimRequest):
 
 
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Body of POST /sim/faults; fields left out keep their value. outage_for: an outage starting now
-    (0 ends one); stop_listening: what llama-server does on SIGTERM, for good."""
+    """POST /sim/faults: fields left out keep their value; outage_for starts an outage (0 ends one)."""
 
     error_rate: _Rate | None = None
     reset_rate: _Rate | None = None
@@ -301,7 +294,8 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 def drop_connection(request: web.Request) -> web.Response:
     """Reset the connection as a crashed server would (linger 0: an RST, no FIN); the Response is never sent."""
     if request.transport is not None:
-        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        linger = struct.pack("ii", 1, 0)
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
         request.transport.abort()
     return web.Response(status=500)
 
@@ -324,14 +318,11 @@ class SimServer:
         self.rates = {name: float(getattr(config, name)) for name in FAULTS}
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
-        self.started_at = time.monotonic()
         self.listening = True
         self.open_requests = 0  # generation requests being handled
-        # vLLM and llama.cpp answer tools with calls (genq sim plays no parser switch for them).
-        self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None
+        self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None  # vLLM, llama.cpp: always
         self._text = (WORDS * (4 * config.context_length // len(WORDS) + 1))[: 4 * config.context_length]
-        # SGLang takes large prompts; aiohttp's 1 MiB default body limit would not.
-        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self.gate])
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self.gate])  # SGLang's large prompts
         app.cleanup_ctx.append(self.lifetime)
         self._info = info_endpoints(config, self.engine)
         app.add_routes([web.get(path, self.info) for path in self._info])
@@ -351,11 +342,11 @@ class SimServer:
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         self.started_at = time.monotonic()
-        self.engine.start()
+        self._engine = asyncio.get_running_loop().create_task(self.engine.run(), name="sim-engine")
         if self.config.outage_at is not None:  # a timer left over at close is harmless
             asyncio.get_running_loop().call_later(self.config.outage_at, self.start_outage, self.config.outage_for)
         yield
-        self.engine.stop()
+        self._engine.cancel()
 
     def start_outage(self, duration: float) -> None:
         """Down for `duration` seconds: every request in flight dropped, the next ones reset."""
@@ -384,7 +375,7 @@ class SimServer:
         self.listening = False
         if self.site is not None:
             await self.site.stop()
-        self.engine.stop()
+        self._engine.cancel()
 
     def error(self, status: int, message: str, err_type: str | None = None, **extra: Any) -> web.Response:
         return json_response(error_body(self.flavor, status, message, err_type, **extra), status)
@@ -395,11 +386,16 @@ class SimServer:
             if request.transport is not None:
                 request.transport.close()
             return web.Response(status=503)  # never sent
-        return await handler(request)
+        try:
+            return await handler(request)
+        except Refusal as refusal:
+            return self.error(refusal.status, str(refusal), refusal.err_type, **refusal.extra)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: the engine's 400
+            return self.error(400, str(exc))
 
     async def health(self, request: web.Request) -> web.Response:
         # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
-        await asyncio.sleep(self.config.health_delay + (self.config.step_ms_base / 1000 if self.flavor == "sglang" else 0))
+        await asyncio.sleep(self.config.health_delay + (self.flavor == "sglang") * self.config.step_ms_base / 1000)
         ok = time.monotonic() - self.started_at >= self.config.startup_delay and self._outage_until <= time.monotonic()
         if self.flavor == "llamacpp":
             return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
@@ -409,10 +405,9 @@ class SimServer:
         return json_response(self._info[request.path]())
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """/metrics in the engine's names: llama.cpp's server_task_result_metrics (tools/server/server-task.cpp: no
-        labels, integer values); vLLM 0.32's PrometheusStatLogger (vllm/v1/metrics/loggers.py: counters get _total on
-        the wire; the scheduler's counts as its last step left them, none deferred); SGLang's metrics/collector.py
-        (0.5.23 has the retracted gauge; the sim never retracts)."""
+        """/metrics in the engine's names: llama.cpp's server-task.cpp (no labels, integer values); vLLM 0.32's
+        v1/metrics/loggers.py (counters get _total on the wire; the counts as its last step left them, none deferred);
+        SGLang's metrics/collector.py (0.5.23 has the retracted gauge; the sim never retracts)."""
         cfg, eng, flavor = self.config, self.engine, self.flavor
         usage = eng.used_tokens / cfg.max_total_num_tokens
         label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -422,11 +417,13 @@ class SimServer:
         tables: dict[str, list[tuple[str, str, str, Any]]] = {
             "llamacpp": [
                 ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
-                ("counter", "tokens_predicted_total", "Number of generation tokens processed", eng.generation_tokens_total),
+                ("counter", "tokens_predicted_total", "Number of generation tokens processed",
+                 eng.generation_tokens_total),
                 ("gauge", "requests_processing", "Number of requests processing", len(eng.running)),
                 ("gauge", "requests_deferred", "Number of requests deferred", len(eng.waiting))],
             "vllm": [
-                ("gauge", "num_requests_running", "Number of requests in model execution batches.", eng.stepped_running),
+                ("gauge", "num_requests_running", "Number of requests in model execution batches.",
+                 eng.stepped_running),
                 ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
                 ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
                 ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
@@ -461,10 +458,7 @@ class SimServer:
     async def faults(self, request: web.Request) -> web.Response:
         """GET: the switches; POST: change them (FaultUpdate, all or none)."""
         if request.method == "POST":
-            try:
-                update = msgspec.json.decode(await request.read(), type=FaultUpdate)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                return self.error(400, str(exc))
+            update = msgspec.json.decode(await request.read(), type=FaultUpdate)
             self.rates.update({name: value for name in FAULTS if (value := getattr(update, name)) is not None})
             if update.outage_for is not None:
                 self.start_outage(update.outage_for)
@@ -478,8 +472,6 @@ class SimServer:
         self.open_requests += 1
         try:
             return await self._answer(request, chat=request.path.endswith("/chat/completions"))
-        except Refusal as refusal:
-            return self.error(refusal.status, str(refusal), refusal.err_type, **refusal.extra)
         finally:
             self.open_requests -= 1
 
@@ -491,18 +483,16 @@ class SimServer:
             raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
         raw = await request.read()
         self.engine.stats["generation_requests"] += 1
-        try:
-            body = msgspec.json.decode(raw, type=Request)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise Refusal(str(exc)) from None
+        body = msgspec.json.decode(raw, type=Request)
         source, n_prompt, max_new, logprobs = body.check(chat, flavor, cfg.context_length, cfg.args_given)
-        key = prompt_key(source)
-        fault, where = self.draw(key)
+        fault, where = self.draw(key := prompt_key(source))
         if fault == "error":
             raise Refusal("Internal server error (simulated)", 500, "InternalServerError")
         sglang, thinking = flavor == "sglang", chat and bool((body.chat_template_kwargs or {}).get("enable_thinking"))
+        tool = body.tool_called() if chat and self._tool_calls else None
         # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
-        rid = (body.rid if sglang else None) or f"{'chatcmpl' if chat or flavor == 'llamacpp' else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if chat or flavor == "llamacpp" else "cmpl"
+        rid = (body.rid if sglang else None) or f"{prefix}-{uuid.uuid4().hex}"
         # Each sample its own deterministic length; one past the context's room: an answer cut there is "length".
         lengths = [output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens, cfg.output_sigma,
                                  cfg.context_length - n_prompt + 1) for i in range(body.n)]
@@ -511,7 +501,7 @@ class SimServer:
             key, n_prompt, natural, max_new, body.stream, event=event, index=i, chat=chat, rid=rid, sglang=sglang,
             text=self._text[6 * i:] + self._text[:6 * i], model=body.model or cfg.model_name, top_logprobs=logprobs,
             think=max(1, math.ceil(natural * cfg.thinking_fraction)) if thinking else 0,
-            separate=not chat or body.separate_reasoning, tool=body.tool_called() if chat and self._tool_calls else None,
+            separate=not chat or body.separate_reasoning, tool=tool,
             chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,  # SGLang's n > 1: a sub-request id each
         ) for i, natural in enumerate(lengths)]
         first = choices[0]  # faults strike the first
@@ -519,11 +509,10 @@ class SimServer:
         first.hang_at = int(where * first.target) if fault == "hang" else None
         first.drop_at = {"reset": int(where * first.target),
                          "stream_error": 1 + int(where * (first.target - 1))}.get(fault or "")
-        for i, choice in enumerate(choices):
-            if not self.engine.submit(choice):
-                for submitted in choices[:i]:
-                    self.engine.abort(submitted)
-                raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
+        if not all(self.engine.submit(choice) for choice in choices):  # all() stops at the first refused
+            for choice in choices:
+                self.engine.abort(choice)
+            raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
         if cfg.crash_marker and cfg.crash_marker.encode() in raw:
             self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
         try:
@@ -537,7 +526,8 @@ class SimServer:
                 return drop_connection(request)
             # The prompt counted once, the output summed (SGLang's _build_chat_response and UsageProcessor; vLLM alike).
             return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": int(time.time()), "model": first.model, "choices": [c.whole() for c in choices],
+                                  "created": int(time.time()), "model": first.model,
+                                  "choices": [c.whole() for c in choices],
                                   "usage": first.usage(sum(c.generated for c in choices))})
         finally:
             for choice in choices:  # a no-op once finished; frees the slots of a client that went away
@@ -545,9 +535,8 @@ class SimServer:
 
     async def _stream(self, request: web.Request, choices: list[Choice], options: StreamOptions,
                       failing: bool) -> web.StreamResponse:
-        """Choices stream interleaved, each chunk one choice with its index. vLLM and llama.cpp send a chunk
-        a step and end each choice as it finishes; SGLang sends a chunk a token and every chat finish chunk
-        after the last output (serving_chat.py, _generate_chat_stream)."""
+        """Choices interleaved, a chunk one choice. vLLM and llama.cpp send a chunk a step and end each choice as it
+        finishes; SGLang a chunk a token and every chat finish chunk after the last output (_generate_chat_stream)."""
         flavor, first, event, continuous = self.flavor, choices[0], choices[0].event, options.continuous_usage_stats
         sglang = flavor == "sglang"
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -570,7 +559,8 @@ class SimServer:
                     continue
                 out = []
                 if a == 0 and c.chat:  # chat streams open with the role, completions with text
-                    out.append(c.chunk({"role": "assistant", "content": ""}, None, 0 if continuous and not sglang else None))
+                    out.append(c.chunk({"role": "assistant", "content": ""}, None,
+                                       0 if continuous and not sglang else None))
                 for x, y in [(t, t + 1) for t in range(a, b)] if sglang else [(a, b)] * (b > a):
                     # SGLang's chat stream sends nothing for the end-of-sequence token its usage counts.
                     if sglang and c.chat and c.finish_reason == "stop" and y == c.target:
@@ -579,7 +569,7 @@ class SimServer:
                     last = sglang and not c.chat and y == c.target and c.finish_reason is not None
                     reasoning, content = c.pieces(x, y)
                     deltas = [{"text": content}] if not c.chat else [
-                        {key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
+                        {k: v} for k, v in (("reasoning_content", reasoning), ("content", content)) if v]
                     out += [c.chunk(delta, c.finish_reason if last and d == len(deltas) else None,
                                     y if continuous else None, c.logprobs(x, y) if d == len(deltas) else None)
                             for d, delta in enumerate(deltas, 1)]
@@ -596,8 +586,10 @@ class SimServer:
         if first.dropped and failing:
             # The engine's event on its HTTP 200 stream: SGLang's create_streaming_error_response() makes any
             # failure a 400, vLLM's GenerationError a 500.
-            body = error_body(flavor, 400 if sglang else 500, STREAM_ERROR, "InternalServerError" if flavor == "vllm" else None)
-            await resp.write(sse({"error": body} if sglang else body) + (b"" if flavor == "llamacpp" else b"data: [DONE]\n\n"))
+            body = error_body(flavor, 400 if sglang else 500, STREAM_ERROR,
+                              "InternalServerError" if flavor == "vllm" else None)
+            done_event = b"" if flavor == "llamacpp" else b"data: [DONE]\n\n"
+            await resp.write(sse({"error": body} if sglang else body) + done_event)
         elif any(c.dropped for c in choices):
             drop_connection(request)
             return resp
