@@ -11,10 +11,10 @@ from typing import Any
 import aiohttp
 
 from genq.sim.config import SimConfig
-from genq.sim.serve import RunningSim, start
+from genq.sim.serve import SimServer, start
 
 REPO = Path(__file__).resolve().parents[1]
-Body = Callable[[RunningSim, aiohttp.ClientSession], Awaitable[None]]
+Body = Callable[[SimServer, aiohttp.ClientSession], Awaitable[None]]
 
 
 def with_sim(**overrides: Any) -> Callable[[Body], Callable[[], None]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from genq.sim.protocol import chat_prompt_tokens
+from genq.sim.serve import chat_prompt_tokens
 from tests.audit import audit
 from tests.conftest import run_genq, wait_until, write_prompts
 

@@ -18,12 +18,12 @@ from typing import Any
 import aiohttp
 
 from genq.sim.config import SimConfig
-from genq.sim.serve import RunningSim, start
+from genq.sim.serve import SimServer, start
 from genq.worker.engines import metrics_from_text
 from genq.worker.server import Completion, Failure, Progress, ServerClient
 from tests.conftest import read_results, run_genq, sim_stats, write_prompts
 
-Body = Callable[[RunningSim, aiohttp.ClientSession], Awaitable[None]]
+Body = Callable[[SimServer, aiohttp.ClientSession], Awaitable[None]]
 # Requests of a few hundred ms: slots stay busy long enough to see a queue.
 SLOW = dict(step_ms_base=20.0, step_ms_per_req=0.0, tokens_per_step=4, mean_output_tokens=64.0, output_sigma=0.0)
 # The held request runs about 2 s (100 steps): its queue is there while the test looks.
@@ -71,7 +71,7 @@ async def discover(url: str):
 
 
 @with_sim(flavor="llamacpp", max_running_requests=8, context_length=2048)
-async def test_llamacpp_flavor_endpoints_and_errors(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_llamacpp_flavor_endpoints_and_errors(sim: SimServer, http: aiohttp.ClientSession) -> None:
     async with http.get("/props") as resp:
         props = await resp.json()
     assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == 2048
@@ -90,7 +90,7 @@ async def test_llamacpp_flavor_endpoints_and_errors(sim: RunningSim, http: aioht
 
 
 @with_sim(flavor="vllm", max_running_requests=8, context_length=1024)
-async def test_vllm_flavor_endpoints_and_errors(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_vllm_flavor_endpoints_and_errors(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for path in ("/get_server_info", "/server_info", "/props", "/slots"):
         async with http.get(path) as resp:
             assert resp.status == 404, f"vLLM serves no {path}"
@@ -119,7 +119,7 @@ llamacpp:tokens_predicted_total 12345
 # ---------------------------------------------------------------- queueing: no byte while deferred
 
 
-async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession, headers_expected: bool = False
+async def _hold_then_second(sim: SimServer, http: aiohttp.ClientSession, headers_expected: bool = False
                             ) -> tuple[Progress, Progress, bool]:
     """With one slot: one request runs, others wait in the server's queue. Returns
     their progress and whether a waiting one had its response (headers) while waiting."""
@@ -127,16 +127,16 @@ async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession, header
     try:
         first, second = Progress(), Progress()
         running = asyncio.ensure_future(client.generate("chat", chat("first", max_tokens=400), first))
-        while sim.sim.engine.num_running < 1:
+        while len(sim.engine.running) < 1:
             await asyncio.sleep(0.01)
         # A raw request shows whether headers come while deferred.
         raw = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat("raw", max_tokens=4)))
         waiting = asyncio.ensure_future(client.generate("chat", chat("second", max_tokens=8), second))
-        while sim.sim.engine.num_waiting < 2:
+        while len(sim.engine.waiting) < 2:
             await asyncio.sleep(0.01)
         if headers_expected:
             await asyncio.wait([raw])  # the with_sim timeout bounds the wait
-            assert sim.sim.engine.num_waiting == 2, "the headers came while both still waited"
+            assert len(sim.engine.waiting) == 2, "the headers came while both still waited"
         headers_while_waiting = raw.done()
         assert second.first_byte is None, "no response byte while the request waits for a slot"
         done = await running
@@ -150,19 +150,19 @@ async def _hold_then_second(sim: RunningSim, http: aiohttp.ClientSession, header
 
 
 @with_sim(flavor="llamacpp", max_running_requests=1, **HOLD)
-async def test_llamacpp_sends_nothing_while_a_request_is_deferred(sim: RunningSim, http) -> None:
+async def test_llamacpp_sends_nothing_while_a_request_is_deferred(sim: SimServer, http) -> None:
     _, _, headers_while_waiting = await _hold_then_second(sim, http)
     assert not headers_while_waiting, "llama-server answers only with the first result"
 
 
 @with_sim(flavor="sglang", max_running_requests=1, **HOLD)
-async def test_sglang_sends_nothing_while_a_request_is_queued(sim: RunningSim, http) -> None:
+async def test_sglang_sends_nothing_while_a_request_is_queued(sim: SimServer, http) -> None:
     _, _, headers_while_waiting = await _hold_then_second(sim, http)
     assert not headers_while_waiting, "SGLang awaits a stream's first chunk before it answers"
 
 
 @with_sim(flavor="vllm", max_running_requests=1, **HOLD)
-async def test_vllm_sends_stream_headers_but_no_event_while_queued(sim: RunningSim, http) -> None:
+async def test_vllm_sends_stream_headers_but_no_event_while_queued(sim: SimServer, http) -> None:
     _, _, headers_while_waiting = await _hold_then_second(sim, http, headers_expected=True)
     # first_byte is the first event, not the headers: still None while queued (checked inside).
     assert headers_while_waiting, "vLLM's StreamingResponse sends its headers at once"
@@ -172,7 +172,7 @@ async def test_vllm_sends_stream_headers_but_no_event_while_queued(sim: RunningS
 
 
 @with_sim(flavor="llamacpp", max_running_requests=4, stream_close_delay=2.0, **SLOW)
-async def test_a_dead_reused_connection_costs_no_failure(sim: RunningSim, http) -> None:
+async def test_a_dead_reused_connection_costs_no_failure(sim: SimServer, http) -> None:
     """llama-server closes the connection after each stream while its header says
     Keep-Alive: the next request on it is lost before any response byte. The client
     sends it again on a fresh connection instead of returning a Failure."""
@@ -193,7 +193,7 @@ async def test_a_dead_reused_connection_costs_no_failure(sim: RunningSim, http) 
 
 
 @with_sim(flavor="llamacpp", max_running_requests=4, stream_close_delay=1.5, **SLOW)
-async def test_a_health_check_after_streams_ends_reads_a_live_server_as_up(sim: RunningSim, http) -> None:
+async def test_a_health_check_after_streams_ends_reads_a_live_server_as_up(sim: SimServer, http) -> None:
     """llama-server closes each connection a moment after its stream, so every pooled
     connection may be one it is about to close. A health check sent on one is lost, and
     aiohttp's one retry takes the next pooled connection: one that another stream has
@@ -215,7 +215,7 @@ async def test_a_health_check_after_streams_ends_reads_a_live_server_as_up(sim: 
 
 
 @with_sim(flavor="sglang", health_delay=7.0)
-async def test_a_busy_sglang_that_answers_its_health_check_late_is_up(sim: RunningSim, http) -> None:
+async def test_a_busy_sglang_that_answers_its_health_check_late_is_up(sim: SimServer, http) -> None:
     """SGLang's /health answers once its scheduler says anything, up to 20 s later, and
     only then says 503. A client that stopped waiting at 5 s read a live server as down
     (and the worker cancelled every request in flight as a crash). The client waits for
@@ -229,12 +229,12 @@ async def test_a_busy_sglang_that_answers_its_health_check_late_is_up(sim: Runni
 
 
 @with_sim(flavor="llamacpp", max_running_requests=2, **SLOW)
-async def test_stop_listening_leaves_open_requests_hanging(sim: RunningSim, http) -> None:
+async def test_stop_listening_leaves_open_requests_hanging(sim: SimServer, http) -> None:
     """llama-server on SIGTERM: the port closes, open requests get no answer and no close."""
     client = ServerClient(sim.url)
     try:
         pending = asyncio.ensure_future(client.generate("chat", chat(max_tokens=10_000), Progress()))
-        while sim.sim.engine.num_running < 1:
+        while len(sim.engine.running) < 1:
             await asyncio.sleep(0.01)
         async with http.post("/sim/faults", json={"stop_listening": True}) as resp:
             assert (await resp.json())["listening"] is False
@@ -342,7 +342,7 @@ def test_llamacpp_flavor_sigterm_stops_listening_and_exits_when_no_request_is_op
 
 
 @with_sim(flavor="vllm", max_running_requests=8, context_length=1024, mean_output_tokens=100_000.0, output_sigma=0.0)
-async def test_vllm_flavor_answers_the_context_as_vllm_0_32(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_vllm_flavor_answers_the_context_as_vllm_0_32(sim: SimServer, http: aiohttp.ClientSession) -> None:
     """vLLM 0.32 (renderers/params.py, entrypoints/serve/utils/api_utils.py get_max_tokens): a prompt
     over the context and max_tokens over the context are 400s with its wording; a prompt that fits
     with max_tokens that fits alone is no error: max_tokens is cut to what the context leaves."""

@@ -6,7 +6,7 @@ full, the Redis connections of a working worker dropped with CLIENT KILL. Real `
 worker` processes throughout; every test ends with the shared exactly-once audit.
 
 An SSE `error` event in the middle of a stream comes from the sim's stream_error fault, in
-each engine's own shape (genq/sim/flavors.py stream_error): SGLang's carries code 400 whatever
+each engine's own shape (genq/sim/serve.py stream_error): SGLang's carries code 400 whatever
 went wrong, vLLM's and llama.cpp's code 500, llama.cpp's stream ends without [DONE].
 """
 

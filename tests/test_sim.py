@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from genq.sim.lengths import output_length, prompt_key
-from genq.sim.serve import RunningSim
+from genq.sim.serve import SimServer
 from tests.sim_client import (
     chat,
     metrics,
@@ -44,7 +44,7 @@ def test_prompt_key_and_lengths_are_deterministic_lognormal() -> None:
 
 
 @with_sim()
-async def test_chat_non_stream_shape(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_chat_non_stream_shape(sim: SimServer, http: aiohttp.ClientSession) -> None:
     status, body = await post(http, chat("What is 2+2?", max_tokens=10_000, rid="req-1"))
     assert status == 200
     assert body["id"] == "req-1"
@@ -70,7 +70,7 @@ async def test_chat_non_stream_shape(sim: RunningSim, http: aiohttp.ClientSessio
 
 
 @with_sim(tokens_per_step=4)
-async def test_stream_shape_and_usage(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_stream_shape_and_usage(sim: SimServer, http: aiohttp.ClientSession) -> None:
     request = chat("Tell me a story", max_tokens=10_000)
     _, whole = await post(http, request)
     events = await sse_events(http, {**request, "stream": True, "stream_options": {"include_usage": True}})
@@ -107,7 +107,7 @@ async def test_stream_shape_and_usage(sim: RunningSim, http: aiohttp.ClientSessi
 
 
 @with_sim(mean_output_tokens=100.0, output_sigma=0.0, thinking_fraction=0.3)
-async def test_reasoning_split(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_reasoning_split(sim: SimServer, http: aiohttp.ClientSession) -> None:
     thinking = {"chat_template_kwargs": {"enable_thinking": True}}
     _, body = await post(http, chat("Think first", max_tokens=1000, **thinking))
     message, usage = body["choices"][0]["message"], body["usage"]
@@ -138,7 +138,7 @@ async def test_reasoning_split(sim: RunningSim, http: aiohttp.ClientSession) -> 
 
 
 @with_sim(mean_output_tokens=200.0, output_sigma=1.0)
-async def test_lengths_per_prompt_and_finish_length(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_lengths_per_prompt_and_finish_length(sim: SimServer, http: aiohttp.ClientSession) -> None:
     async def tokens(prompt: str, **extra: Any) -> tuple[int, str]:
         _, body = await post(http, chat(prompt, **extra))
         return body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
@@ -159,7 +159,7 @@ async def test_lengths_per_prompt_and_finish_length(sim: RunningSim, http: aioht
 
 
 @with_sim(max_running_requests=4, step_ms_base=10.0, tokens_per_step=8, mean_output_tokens=96.0, output_sigma=0.0)
-async def test_continuous_batching(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_continuous_batching(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await http.post("/sim/reset")
     jobs = [asyncio.create_task(post(http, chat(f"job {i}", max_tokens=1000))) for i in range(12)]
     seen_running, seen_queue = [], []
@@ -186,7 +186,7 @@ async def test_continuous_batching(sim: RunningSim, http: aiohttp.ClientSession)
 
 
 @with_sim(max_running_requests=1, max_queued_requests=1, step_ms_base=5.0, mean_output_tokens=1000.0, output_sigma=0.0)
-async def test_queue_full_503(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_queue_full_503(sim: SimServer, http: aiohttp.ClientSession) -> None:
     # 400 tokens at 16 a step: each request runs for 25 steps of 5 ms.
     jobs = [asyncio.create_task(post(http, chat(f"q{i}", max_tokens=400))) for i in range(2)]
     await wait_for_metric(http, "sglang:num_queue_reqs", 1)
@@ -196,12 +196,12 @@ async def test_queue_full_503(sim: RunningSim, http: aiohttp.ClientSession) -> N
 
 
 @with_sim(max_running_requests=1, step_ms_base=5.0, mean_output_tokens=100_000.0, output_sigma=0.0)
-async def test_client_disconnect_frees_slot(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_client_disconnect_frees_slot(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for stream in (False, True):
         hog = asyncio.create_task(post(http, chat("long", max_tokens=30_000, stream=stream)))
         await wait_for_metric(http, "sglang:num_running_reqs", 1)
-        before = sim.sim.engine.generation_tokens_total
-        while sim.sim.engine.generation_tokens_total == before:  # it is generating
+        before = sim.engine.generation_tokens_total
+        while sim.engine.generation_tokens_total == before:  # it is generating
             await asyncio.sleep(0.005)
         hog.cancel()  # closes the connection
         status, _ = await post(http, chat("short", max_tokens=5))
@@ -215,7 +215,7 @@ async def test_client_disconnect_frees_slot(sim: RunningSim, http: aiohttp.Clien
 
 
 @with_sim()
-async def test_generated_by_key_counts_and_reset(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_generated_by_key_counts_and_reset(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for content in ("a", "a", "b"):
         await post(http, chat(content, max_tokens=5))
     await post(http, {"prompt": "c", "max_tokens": 5}, "/v1/completions")
@@ -232,7 +232,7 @@ async def test_generated_by_key_counts_and_reset(sim: RunningSim, http: aiohttp.
 
 
 @with_sim(context_length=1000)
-async def test_bad_requests_get_sglang_400(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_bad_requests_get_sglang_400(sim: SimServer, http: aiohttp.ClientSession) -> None:
     status, body = await post(http, chat("x" * 4000, max_tokens=10))
     assert status == 400
     assert body == {

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from genq.sim.serve import RunningSim
+from genq.sim.serve import SimServer
 from tests.sim_client import (
     REPO,
     chat,
@@ -27,7 +27,7 @@ from tests.sim_client import (
 
 
 @with_sim(error_rate=1.0)
-async def test_error_rate_gives_500(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_error_rate_gives_500(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for _ in range(3):
         status, body = await post(http, chat("hi", max_tokens=5))
         assert status == 500
@@ -44,7 +44,7 @@ async def test_error_rate_gives_500(sim: RunningSim, http: aiohttp.ClientSession
 
 
 @with_sim(reset_rate=1.0, tokens_per_step=2, mean_output_tokens=400.0, output_sigma=0.0, seed=3)
-async def test_reset_rate_drops_connections(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_reset_rate_drops_connections(sim: SimServer, http: aiohttp.ClientSession) -> None:
     with pytest.raises(aiohttp.ClientConnectionError):
         await post(http, chat("reset me", max_tokens=1000))
     # A stream gets part of its output, then the connection is reset.
@@ -60,14 +60,14 @@ async def test_reset_rate_drops_connections(sim: RunningSim, http: aiohttp.Clien
 
 
 @with_sim(hang_rate=1.0, max_running_requests=1)
-async def test_hang_until_client_leaves(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_hang_until_client_leaves(sim: SimServer, http: aiohttp.ClientSession) -> None:
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(post(http, chat("stuck", max_tokens=1000)), timeout=0.3)
     m = await wait_for_metric(http, "sglang:num_running_reqs", 0)
     assert m["sglang:num_aborted_requests_total"] == 1
 
 
-# What each engine sends when a request fails after its stream began (genq/sim/flavors.py
+# What each engine sends when a request fails after its stream began (genq/sim/serve.py
 # stream_error names the engines' source places): an SSE event holding the error on the
 # HTTP 200 stream, after some output; SGLang's carries its blanket code 400.
 STREAM_ERRORS = {
@@ -79,7 +79,7 @@ STREAM_ERRORS = {
 }
 
 
-async def _stream_error_body(flavor: str, sim: RunningSim) -> None:
+async def _stream_error_body(flavor: str, sim: SimServer) -> None:
     # A connection per request: llama-server closes each after a stream.
     async with aiohttp.ClientSession(sim.url, connector=aiohttp.TCPConnector(force_close=True)) as http:
         await _stream_errors(flavor, http)
@@ -108,22 +108,22 @@ SE = dict(stream_error_rate=1.0, tokens_per_step=2, mean_output_tokens=400.0, ou
 
 
 @with_sim(flavor="sglang", **SE)
-async def test_stream_error_event_sglang(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_stream_error_event_sglang(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await _stream_error_body("sglang", sim)
 
 
 @with_sim(flavor="vllm", **SE)
-async def test_stream_error_event_vllm(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_stream_error_event_vllm(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await _stream_error_body("vllm", sim)
 
 
 @with_sim(flavor="llamacpp", **SE)
-async def test_stream_error_event_llamacpp(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_stream_error_event_llamacpp(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await _stream_error_body("llamacpp", sim)
 
 
 @with_sim(startup_delay=0.4)
-async def test_503_while_starting(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_503_while_starting(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for path in ("/health", "/health_generate"):
         async with http.get(path) as resp:
             assert resp.status == 503
@@ -136,7 +136,7 @@ async def test_503_while_starting(sim: RunningSim, http: aiohttp.ClientSession) 
 
 
 @with_sim(step_ms_base=5.0, mean_output_tokens=100_000.0, output_sigma=0.0)
-async def test_outage_resets_then_recovers(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_outage_resets_then_recovers(sim: SimServer, http: aiohttp.ClientSession) -> None:
     inflight = [
         asyncio.create_task(post(http, chat("long 1", max_tokens=30_000))),
         asyncio.create_task(sse_events(http, chat("long 2", max_tokens=30_000, stream=True))),
@@ -155,7 +155,7 @@ async def test_outage_resets_then_recovers(sim: RunningSim, http: aiohttp.Client
 
 
 @with_sim(outage_at=0.3, outage_for=0.4)
-async def test_scheduled_outage(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_scheduled_outage(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await health_becomes(http, 503)
     async with http.get("/sim/faults") as resp:
         state = await resp.json()
@@ -170,7 +170,7 @@ async def test_scheduled_outage(sim: RunningSim, http: aiohttp.ClientSession) ->
 
 
 @with_sim(max_running_requests=5, served_model_name="served", context_length=4096)
-async def test_info_endpoints(sim: RunningSim, http: aiohttp.ClientSession) -> None:
+async def test_info_endpoints(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for path in ("/get_server_info", "/server_info"):
         async with http.get(path) as resp:
             info = await resp.json()

@@ -1,68 +1,61 @@
-"""All simulator knobs in one place; `genq sim` has one option per field, whose help says what it does."""
+"""All simulator knobs in one place: `genq sim` has one option per field, whose help is the field's annotation."""
 
 from __future__ import annotations
+
+from typing import Annotated as A
 
 import msgspec
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
-    """Settings of one simulated server. Time is compressed: one engine step stands for one decode
-    iteration but advances every running request by tokens_per_step tokens, so that a test generating
-    thousands of tokens finishes in seconds."""
+    """One simulated server. Time is compressed: an engine step (a decode iteration) makes tokens_per_step tokens."""
 
-    flavor: str = "sglang"  # the engine played: "sglang", "vllm" or "llamacpp" (flavors.py)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    model_path: str = "genq-sim/Sim-8B"
-    served_model_name: str = ""  # empty: model_path, as in SGLang
-    context_length: int = 32768
-
-    # Scheduler capacity; max_queued_requests None: an unbounded queue (SGLang's default), else 503 when full.
-    max_running_requests: int = 37
-    max_total_num_tokens: int = 400_000
-    max_queued_requests: int | None = None
-
-    # What /server_info's memory_usage reports (GB: bytes / 2^30): the weights, and the KV cache as
-    # max_total_num_tokens x this (Llama-3-8B bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B = 128 KiB).
-    weight_gb: float = 15.3
-    kv_bytes_per_token: int = 131072
-    # SGLang only, as its command line would say (0.5.23, tests/recordings/sglang-0.5.23/): without a
-    # tool_call_parser `tools` are ignored; args_given: started with --max-running-requests and
-    # --context-length, so /server_info shows them (else null) and max_tokens over the context gets the
-    # "max_completion_tokens is too large" 400 before the prompt is looked at.
-    tool_call_parser: str | None = None
-    args_given: bool = False
-
-    # A step costs step_ms_base + step_ms_per_req per running request (+ prefill_cost of that per prompt
-    # token admitted: vLLM on CPU, about a half, docs/vllm.md): throughput grows with the batch, as in
-    # memory-bound decode. Both 0: an (almost) instant server.
-    step_ms_base: float = 20.0
-    step_ms_per_req: float = 0.05
-    tokens_per_step: int = 16
-    prefill_cost: float = 0.5
-
-    # Output lengths: lognormal per prompt (lengths.py); thinking_fraction of it is reasoning with enable_thinking.
-    mean_output_tokens: float = 256.0
-    output_sigma: float = 1.0
-    thinking_fraction: float = 0.3
-    seed: int = 0
-
-    startup_delay: float = 0.0  # seconds the port is open but /health and generation answer 503
-    health_delay: float = 0.0  # seconds /health takes (SGLang's: 1 s at least, 20 s when its scheduler is busy)
-
-    # Fault switches (also POST /sim/faults). An outage (every request in flight dropped, the next ones
-    # reset) at outage_at seconds (None: none) lasting outage_for, or whenever a body contains
-    # crash_marker (a prompt that crashes its server).
-    error_rate: float = 0.0
-    reset_rate: float = 0.0
-    hang_rate: float = 0.0
-    stream_error_rate: float = 0.0
-    outage_at: float | None = None
-    outage_for: float = 5.0
-    crash_marker: str | None = None
-    # llama.cpp only: after a stream the server stops reading the connection and closes it this many
-    # seconds later, despite its Keep-Alive header; a request sent on it meanwhile is lost.
-    stream_close_delay: float = 0.1
+    flavor: A[str, "Engine to play: its endpoints, metric names, error bodies, queueing and connection habits."] = (
+        "sglang")
+    host: A[str, "Address to listen on."] = "127.0.0.1"
+    port: A[int, "Port to listen on (0: any free port)."] = 30000
+    model_path: A[str, "Model path reported by the info endpoints."] = "genq-sim/Sim-8B"
+    served_model_name: A[str, "Model name in responses, /v1/models and metrics labels (empty: the model path)."] = ""
+    context_length: A[int, "Context length (per slot for llamacpp): a prompt, or prompt + max_tokens, over it gets the "
+                           "flavor's 400 (SGLang's, vLLM's; llama.cpp's for the prompt alone)."] = 32768
+    max_running_requests: A[int, "Most requests decoding at once; the rest wait in a FIFO queue."] = 37
+    max_total_num_tokens: A[int, "KV cache budget: prompt plus generated tokens of running requests."] = 400_000
+    weight_gb: A[float, "sglang flavor: the weights' GB (2^30 bytes) /server_info's memory_usage reports."] = 15.3
+    # Llama-3-8B bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B = 128 KiB a token.
+    kv_bytes_per_token: A[int, "sglang flavor: KV cache bytes per token; memory_usage.kvcache is this x "
+                               "--max-total-num-tokens."] = 131072
+    max_queued_requests: A[int | None, "Waiting queue limit; beyond it requests get 503 'The request queue is full.' "
+                                       "[default: unlimited]"] = None
+    step_ms_base: A[float, "Fixed cost of one engine step in ms (0 with --step-ms-per-req 0: instant server)."] = 20.0
+    step_ms_per_req: A[float, "Extra step cost in ms per running request."] = 0.05
+    tokens_per_step: A[int, "Tokens each running request gains per step (time compression)."] = 16
+    # vLLM on CPU: about a half (docs/vllm.md).
+    prefill_cost: A[float, "What a prompt token of the step's prefills costs, over a running request's token (the "
+                           "step's cost grows by --step-ms-per-req x this x its prompt tokens / "
+                           "--tokens-per-step)."] = 0.5
+    mean_output_tokens: A[float, "Mean of the lognormal output length, fixed per prompt."] = 256.0
+    output_sigma: A[float, "Sigma of the lognormal output length (0: every prompt gets the mean)."] = 1.0
+    thinking_fraction: A[float, "Share of the output that is reasoning_content when enable_thinking is set."] = 0.3
+    seed: A[int, "Seed of output lengths and fault draws."] = 0
+    startup_delay: A[float, "Seconds during which /health and generation answer 503 after start."] = 0.0
+    error_rate: A[float, "Fraction of requests answered 500 InternalServerError."] = 0.0
+    reset_rate: A[float, "Fraction of requests whose connection is reset mid-generation."] = 0.0
+    hang_rate: A[float, "Fraction of requests that stop producing output until the client leaves."] = 0.0
+    stream_error_rate: A[float, "Fraction of requests that fail after some output: a stream gets the engine's SSE "
+                                "error event and [DONE] on its HTTP 200, a whole answer a 500."] = 0.0
+    outage_at: A[float | None, "Seconds after start at which the server 'crashes': in-flight requests are reset, "
+                               "/health is 503, new requests are reset. [default: never]"] = None
+    outage_for: A[float, "Length of that outage in seconds."] = 5.0
+    crash_marker: A[str | None, "A request containing TEXT takes the server down for --outage-for seconds, every "
+                                "time. [default: none]"] = None
+    health_delay: A[float, "Seconds /health takes to answer (SGLang's takes a second or more, up to 20 s when "
+                           "busy)."] = 0.0
+    stream_close_delay: A[float, "llamacpp flavor: seconds after a streamed response at which the connection closes "
+                                 "(unread meanwhile), whatever its Keep-Alive header said."] = 0.1
+    tool_call_parser: A[str | None, "sglang flavor: as SGLang's flag; without one, `tools` are ignored and answers "
+                                    "are plain content. [default: none]"] = None
+    args_given: A[bool, "sglang flavor: play a server started with --max-running-requests and --context-length "
+                        "(/server_info shows them; max_tokens over the context gets SGLang's own 400 for it)."] = False
 
     @property
     def model_name(self) -> str:

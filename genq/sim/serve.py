@@ -1,15 +1,11 @@
-"""The simulator's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, status codes and connection
-habits (SimConfig.flavor; their differences are in flavors.py, the sources in docs/engines.md), and
-its fault switches. aiohttp runs with handler_cancellation=True: a client hanging up on a whole
-answer cancels its handler, which frees the slot, as SGLang aborts such requests.
-
-Faults are drawn per request, deterministic for a seed: the n-th request for a prompt key always
-draws the same one, whatever else arrives, and its retry (n+1) draws afresh.
-"""
+"""The sim's HTTP face: SGLang's, vLLM's or llama.cpp's endpoints, checks, answers, errors, metrics and connection
+habits (SimConfig.flavor; sources: docs/engines.md), and its fault switches. Unknown body fields are ignored, a wrongly
+typed one is a 400 (SGLang's remapped 422); a client hanging up cancels its handler, which frees the slot."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import signal
@@ -17,108 +13,354 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
-from genq.sim import flavors
 from genq.sim.config import SimConfig
-from genq.sim.engine import Engine, QueueFull, SimRequest
-from genq.sim.flavors import bad_request, error_response, json_response, sse
+from genq.sim.engine import Engine, SimRequest, new_stats
 from genq.sim.lengths import choice_key, output_length, prompt_key
-from genq.sim.protocol import WORDS, ChatRequest, CompletionRequest, Reply, StreamOptions, full_answer, validate
 
-# Each rate switch and its fault, in the order a draw tries them. stream_error: some output, then the
-# engine's SSE error event (a whole answer: a 500), as SGLang and vLLM report an internal error.
+FLAVORS = ("sglang", "vllm", "llamacpp")
+VERSION = "0.0.0-genq-sim"
+# Each rate switch and its fault, in the order a draw tries them (stream_error: the engine's error after some output).
 FAULTS = {"error_rate": "error", "reset_rate": "reset", "hang_rate": "hang", "stream_error_rate": "stream_error"}
 STREAM_ERROR = "Internal server error (simulated, mid-stream)"
 # cpp-httplib's header, which llama-server sends even on the streams after which it closes the connection.
 _LLAMACPP_KEEP_ALIVE = {"Connection": "Keep-Alive", "Keep-Alive": "timeout=5, max=100"}
-_chat_decoder = msgspec.json.Decoder(ChatRequest)
-_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_Rate = Annotated[float, msgspec.Meta(ge=0, le=1)]
+# Reported as matched_stop of a natural stop: Qwen's <|im_end|>, what SGLang reports at EOS.
+EOS_TOKEN_ID = 151645
+# The sim's text: about four characters a "token", sliced, never generated per token.
+WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+_LLAMACPP_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
+
+
+class Refusal(Exception):
+    """An answer other than 200, in the engine's error body."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.extra = status, err_type, extra
+
+
+def error_body(flavor: str, status: int, message: str, err_type: str | None = None, **extra: Any) -> dict[str, Any]:
+    """SGLang's error body is flat; vLLM's and llama.cpp's (format_error_response()) nest it under "error"."""
+    if flavor == "sglang":
+        return {"object": "error", "message": message, "type": err_type or "BadRequestError", "param": None,
+                "code": status}
+    if flavor == "vllm":
+        return {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
+                          "code": status}}
+    return {"error": {"code": status, "message": message,
+                      "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"), **extra}}
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class Request(msgspec.Struct, kw_only=True):
+    """What the sim reads of a /v1/chat/completions or /v1/completions body."""
+
+    model: str | None = None
+    messages: list[dict[str, Any]] | None = None  # chat
+    prompt: Any = None  # completions: a string or token ids, kept as sent for the prompt key
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    rid: str | None = None  # SGLang's: the response id
+    logprobs: bool | int | None = None  # chat: true or false; completions: alternatives a token (0: none)
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def check(self, chat: bool, flavor: str, ctx: int, ctx_given: bool) -> tuple[Any, int, int, int | None]:
+        """(what the prompt key hashes, its tokens, the most tokens it may generate, alternatives a token in the
+        answer's logprobs or None: none), or the engine's 400 (a Refusal). ctx_given: SGLang was started with
+        --context-length. A batch of prompts (several choices in SGLang) is not served."""
+        source: Any = self.prompt
+        logprobs = None if self.logprobs is None else int(self.logprobs)
+        max_new: int | None = 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
+        if chat:
+            if not self.messages:
+                raise Refusal("messages: Field required (a non-empty list).")
+            source, n_prompt = self.messages, chat_prompt_tokens(self.messages)
+            # SGLang: max_completion_tokens wins over the deprecated max_tokens.
+            max_new = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+            logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        elif isinstance(source, str):
+            n_prompt = len(source) // 4 + 1
+        elif isinstance(source, list) and source and all(isinstance(t, int) for t in source):
+            n_prompt = len(source)
+        else:
+            raise Refusal("prompt must be a string or a list of token ids in genq sim.")
+        for bad, message in (
+                (flavor == "llamacpp" and self.n != 1, "Only one completion choice is allowed"),
+                (self.n < 1, f"n must be at least 1, got {self.n}."),
+                (self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20,
+                 f"top_logprobs must be between 0 and 20, got {self.top_logprobs}."),
+                (chat and not isinstance(self.logprobs, bool | None), "logprobs: Input should be a valid boolean"),
+                (chat and bool(self.top_logprobs) and not self.logprobs, "top_logprobs requires logprobs to be true."),
+                (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
+                (self.temperature is not None and self.temperature < 0,
+                 f"temperature must be non-negative, got {self.temperature}."),
+                (self.top_p is not None and not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")):
+            if bad:
+                raise Refusal(message)
+        left = ctx - n_prompt
+        # llama.cpp checks the slot's context; max_tokens past its end is no error, the slot stops there.
+        if flavor == "llamacpp" and left <= 0:
+            raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
+                          "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
+        if flavor == "vllm":
+            # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
+            # "(parameter=..., value=...)" tail is VLLMValidationError's str().
+            if max_new is not None and max_new > ctx:
+                raise Refusal(f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
+                              f"output tokens. (parameter=max_tokens, value={max_new})", param="max_tokens")
+            if left < 0:
+                raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains "
+                              f"at least {ctx + 1} input tokens, which exceeds this limit even without any output "
+                              "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                              f"value={ctx + 1})", param="input_tokens")
+            if left == 0:
+                raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                              param="max_tokens")
+        if flavor != "sglang":
+            return source, n_prompt, left if max_new is None else min(max_new, left), logprobs
+        # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
+        # tokenized (its message's missing space included).
+        if ctx_given and max_new is not None and max_new > ctx:
+            raise Refusal(f"max_completion_tokens is too large: {max_new}.This model supports at most {ctx} "
+                          "completion tokens.")
+        if left <= 0:
+            raise Refusal(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
+        if max_new is not None and max_new + n_prompt >= ctx:
+            raise Refusal(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                          f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input "
+                          f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in "
+                          "the input messages or the completion to fit within the limit.")
+        return source, n_prompt, left if max_new is None else max_new, logprobs  # a chat may run to the context's end
+
+    def tool_called(self) -> str | None:
+        """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        function = (self.tool_choice if isinstance(self.tool_choice, dict) else self.tools[0]).get("function")
+        return str(function.get("name") or "") if isinstance(function, dict) else None
+
+
+def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """About four characters a token, summed over message contents (the text parts of multimodal ones)."""
+    texts = [message.get("content") for message in messages]
+    texts = [" ".join(p.get("text", "") for p in t if isinstance(p, dict)) if isinstance(t, list) else t for t in texts]
+    return sum(len(text if isinstance(text, str) else "") // 4 + 1 for text in texts)
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class Choice(SimRequest):
+    """One of a request's n samples (each runs as a request of its own, as in SGLang and vLLM) and its bodies: the
+    text of tokens [a, b) is a slice of a fixed string (rotated per choice), reasoning first when thinking. SGLang's
+    (tests/recordings/sglang-0.5.23/): every delta has reasoning_content, each choice's chunks its own id."""
+
+    text: str
+    chat: bool
+    rid: str
+    model: str
+    think: int  # tokens of reasoning at the start of the output (0: no thinking)
+    separate: bool  # separate_reasoning: reasoning goes to reasoning_content
+    index: int
+    top_logprobs: int | None  # logprobs asked for, with this many alternatives; None: not asked
+    tool: str | None  # the tool the answer calls after its text (SGLang with a tool-call parser)
+    sglang: bool
+    chunk_id: str
+
+    def finish(self) -> str | None:
+        """SGLang turns a natural stop after a tool call into "tool_calls" (serving_chat.py)."""
+        return "tool_calls" if self.tool and self.finish_reason == "stop" else self.finish_reason
+
+    def call(self, tokens: int) -> dict[str, Any]:
+        return {"id": f"call_{self.rid[-8:]}_{self.index}", "type": "function",
+                "function": {"name": self.tool, "arguments": msgspec.json.encode({"tokens": tokens}).decode()}}
+
+    def pieces(self, a: int, b: int) -> tuple[str, str]:
+        """(reasoning, content) text of output tokens [a, b)."""
+        think, text = self.think, self.text
+        reasoning = text[4 * a : 4 * min(b, think)] if a < think else ""
+        content = text[4 * max(a, think) : 4 * b] if b > think else ""
+        if not self.separate:  # without a parser the raw output shows where thinking ended
+            return "", reasoning + ("</think>" if think and a <= think < b else "") + content
+        return reasoning, content
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens, "prompt_tokens_details": None,
+                "reasoning_tokens": min(completion_tokens, self.think)}
+
+    def logprobs(self, a: int, b: int) -> dict[str, Any] | None:
+        """Logprobs of output tokens [a, b) in the endpoint's shape, None when not asked; fake values, fixed
+        by choice and position, each alternative less likely than the one before."""
+        k = self.top_logprobs
+        if k is None:
+            return None
+        tokens = [self.text[4 * t : 4 * t + 4] for t in range(a, b)]
+        values = [-round(((self.index * 7919 + t * 104729) % 1000) / 1000 + 0.001, 4) for t in range(a, b)]
+        alts = [[(tok if i == 0 else f"{tok}~{i}", round(lp - i, 4)) for i in range(k)]
+                for tok, lp in zip(tokens, values, strict=True)]
+        if self.chat:
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                  for t, v in alt]}
+                                for tok, lp, alt in zip(tokens, values, alts, strict=True)]}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k else None,
+                "text_offset": [4 * t for t in range(a, b)]}
+
+    def stop_field(self, finish: str | None) -> dict[str, Any]:
+        """SGLang's matched_stop names the EOS token; vLLM's stop_reason is null at EOS (it names stop strings)."""
+        return {"matched_stop": EOS_TOKEN_ID if finish == "stop" else None} if self.sglang else {"stop_reason": None}
+
+    def whole(self) -> dict[str, Any]:
+        """This choice of a whole answer."""
+        reasoning, content = self.pieces(0, self.generated)
+        body: dict[str, Any] = {"index": self.index, "text": reasoning + content}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+            if self.tool or not self.sglang:  # SGLang's message has no tool_calls key without a call
+                message["tool_calls"] = [self.call(self.generated)] if self.tool else None
+            body = {"index": self.index, "message": message}
+        return {**body, "logprobs": self.logprobs(0, self.generated),
+                "finish_reason": self.finish() if self.chat else self.finish_reason,
+                **self.stop_field(self.finish_reason)}
+
+    def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, tokens: int | None = None,
+              logprobs: dict[str, Any] | None = None, chunk_id: str | None = None) -> bytes:
+        """One stream event; delta None is the finish chunk (empty delta or text), no delta at all the usage chunk."""
+        if self.chat:
+            choice = {"index": self.index, "delta": {"reasoning_content": None, **(delta or {})} if self.sglang
+                      else delta or {}, "logprobs": logprobs}
+        else:
+            choice = {"index": self.index, "text": (delta or {}).get("text", ""), "logprobs": logprobs}
+        out = self.head(chunk_id or self.chunk_id, [{**choice, "finish_reason": finish, **self.stop_field(finish)}])
+        if tokens is not None or not self.sglang:  # SGLang's chunks without a count have no usage key
+            out["usage"] = None if tokens is None else self.usage(tokens)
+        return sse(out)
+
+    def finish_chunks(self, continuous: bool, chunk_id: str | None = None) -> bytes:
+        """A choice's last events: its tool call, if any, in two pieces (name, then arguments), then its
+        finish_reason (SGLang's chat finish chunk has no usage)."""
+        usage, out = self.generated if continuous else None, b""
+        if self.tool:
+            call = self.call(self.generated)
+            head = {**call, "index": 0, "function": {"name": self.tool, "arguments": ""}}
+            args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+            out = b"".join(self.chunk({"tool_calls": [c]}, None, usage, None, chunk_id) for c in (head, args))
+        return out + self.chunk(None, self.finish(), None if self.sglang and self.chat else usage, None, chunk_id)
+
+    def head(self, chunk_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": chunk_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices}
 
 
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Body of POST /sim/faults; fields left out keep their value. outage_for: an outage starting now
-    (0 ends one); stop_listening: what llama-server does on SIGTERM, for good."""
+    """POST /sim/faults: fields left out keep their value; outage_for starts an outage (0 ends one)."""
 
-    error_rate: float | None = None
-    reset_rate: float | None = None
-    hang_rate: float | None = None
-    stream_error_rate: float | None = None
-    outage_for: float | None = None
+    error_rate: _Rate | None = None
+    reset_rate: _Rate | None = None
+    hang_rate: _Rate | None = None
+    stream_error_rate: _Rate | None = None
+    outage_for: Annotated[float, msgspec.Meta(ge=0)] | None = None
     stop_listening: bool | None = None
 
 
-_fault_decoder = msgspec.json.Decoder(FaultUpdate)
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(data), content_type="application/json")
 
 
 def drop_connection(request: web.Request) -> web.Response:
     """Reset the connection as a crashed server would (linger 0: an RST, no FIN); the Response is never sent."""
-    transport = request.transport
-    if transport is not None:
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
+    if request.transport is not None:
+        linger = struct.pack("ii", 1, 0)
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        request.transport.abort()
     return web.Response(status=500)
+
+
+async def until(event: asyncio.Event, done: Callable[[], bool]) -> None:
+    """Wait until done(), looked at again whenever the engine sets the request's event."""
+    while not done():
+        event.clear()
+        await event.wait()
 
 
 class SimServer:
     """One engine, the fault switches and the clock behind the handlers."""
 
     def __init__(self, config: SimConfig) -> None:
-        if config.flavor not in flavors.FLAVORS:
-            raise ValueError(f"flavor must be one of {', '.join(flavors.FLAVORS)}, got {config.flavor!r}")
-        self.config = config
-        self.flavor = config.flavor
+        if config.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}, got {config.flavor!r}")
+        self.config, self.flavor = config, config.flavor
         self.engine = Engine(config)
         self.rates = {name: float(getattr(config, name)) for name in FAULTS}
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
-        self._outage_task: asyncio.Task[None] | None = None
-        self.started_at = time.monotonic()
-        self.sites: list[web.BaseSite] = []  # set by start(): what stop_listening closes
         self.listening = True
         self.open_requests = 0  # generation requests being handled
-        # vLLM and llama.cpp answer tools with calls (genq sim plays no parser switch for them).
-        self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None
+        self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None  # vLLM, llama.cpp: always
         self._text = (WORDS * (4 * config.context_length // len(WORDS) + 1))[: 4 * config.context_length]
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self.gate])  # SGLang's large prompts
+        app.cleanup_ctx.append(self.lifetime)
+        self._info = info_endpoints(config, self.engine)
+        app.add_routes([web.get(path, self.info) for path in self._info])
+        app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
+                        web.post("/v1/chat/completions", self.generate), web.post("/v1/completions", self.generate),
+                        web.post("/sim/reset", self.reset), web.get("/sim/faults", self.faults),
+                        web.post("/sim/faults", self.faults)])
+        if config.flavor == "sglang":
+            app.router.add_get("/health_generate", self.health)
+        # No access log: it would cost more than the instant mode itself.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.site: web.BaseSite | None = None  # start() sets both
+        self.url = ""
 
-    # ---- lifecycle and faults ----------------------------------------------
+    async def close(self) -> None:
+        await self.runner.cleanup()
 
-    async def on_startup(self, app: web.Application) -> None:
+    async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         self.started_at = time.monotonic()
-        self.engine.start()
-        if self.config.outage_at is not None:
-            self._outage_task = asyncio.get_running_loop().create_task(self._scheduled_outage())
-
-    async def on_cleanup(self, app: web.Application) -> None:
-        if self._outage_task is not None:
-            self._outage_task.cancel()
-        await self.engine.stop()
-
-    async def _scheduled_outage(self) -> None:
-        await asyncio.sleep(self.config.outage_at or 0.0)
-        self.start_outage(self.config.outage_for)
+        self._engine = asyncio.get_running_loop().create_task(self.engine.run(), name="sim-engine")
+        if self.config.outage_at is not None:  # a timer left over at close is harmless
+            asyncio.get_running_loop().call_later(self.config.outage_at, self.start_outage, self.config.outage_for)
+        yield
+        self._engine.cancel()
 
     def start_outage(self, duration: float) -> None:
         """Down for `duration` seconds: every request in flight dropped, the next ones reset."""
         self._outage_until = time.monotonic() + duration
         if duration > 0:
-            self.engine.drop_all()
-
-    def in_outage(self) -> bool:
-        return self._outage_until > time.monotonic()
+            for choice in [*self.engine.running, *self.engine.waiting]:
+                self.engine.abort(choice, dropped=True)
 
     def draw(self, key: str) -> tuple[str | None, float]:
-        """The fault of the next request for this prompt, and where in its output (a fraction) it strikes."""
+        """The fault of the next request for this prompt, and where in its output (a fraction) it strikes:
+        the n-th request for a key draws the same whatever else arrives, its retry (n+1) afresh."""
         if not any(self.rates.values()):
             return None, 0.0
-        attempt = self._attempts.get(key, 0)
-        self._attempts[key] = attempt + 1
+        attempt = self._attempts[key] = self._attempts.get(key, -1) + 1
         rng = random.Random(f"{key}:{self.config.seed}:{attempt}")
         u, where, bound = rng.random(), rng.random(), 0.0
         for name, fault in FAULTS.items():
@@ -131,12 +373,12 @@ class SimServer:
         """llama-server on SIGTERM: the listening socket closes, requests in progress hang (no output, no
         answer, no close), a request on a kept-alive connection loses it; nothing moves again."""
         self.listening = False
-        for site in self.sites:
-            await site.stop()
-        await self.engine.stop()
+        if self.site is not None:
+            await self.site.stop()
+        self._engine.cancel()
 
-    def ready(self) -> bool:
-        return time.monotonic() - self.started_at >= self.config.startup_delay
+    def error(self, status: int, message: str, err_type: str | None = None, **extra: Any) -> web.Response:
+        return json_response(error_body(self.flavor, status, message, err_type, **extra), status)
 
     @web.middleware
     async def gate(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -144,36 +386,80 @@ class SimServer:
             if request.transport is not None:
                 request.transport.close()
             return web.Response(status=503)  # never sent
-        return await handler(request)
-
-    # ---- endpoints ---------------------------------------------------------
+        try:
+            return await handler(request)
+        except Refusal as refusal:
+            return self.error(refusal.status, str(refusal), refusal.err_type, **refusal.extra)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: the engine's 400
+            return self.error(400, str(exc))
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.config.health_delay:
-            await asyncio.sleep(self.config.health_delay)
-        if self.flavor == "sglang":
-            # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
-            await asyncio.sleep(self.config.step_ms_base / 1000)
-        ok = self.ready() and not self.in_outage()
+        # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
+        await asyncio.sleep(self.config.health_delay + (self.flavor == "sglang") * self.config.step_ms_base / 1000)
+        ok = time.monotonic() - self.started_at >= self.config.startup_delay and self._outage_until <= time.monotonic()
         if self.flavor == "llamacpp":
-            return json_response({"status": "ok"}) if ok else error_response(self.flavor, 503, "Loading model",
-                                                                             "unavailable_error")
+            return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
         return web.Response(status=200 if ok else 503)
 
-    async def sim_faults(self, request: web.Request) -> web.Response:
+    async def info(self, request: web.Request) -> web.Response:
+        return json_response(self._info[request.path]())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """/metrics in the engine's names: llama.cpp's server-task.cpp (no labels, integer values); vLLM 0.32's
+        v1/metrics/loggers.py (counters get _total on the wire; the counts as its last step left them, none deferred);
+        SGLang's metrics/collector.py (0.5.23 has the retracted gauge; the sim never retracts)."""
+        cfg, eng, flavor = self.config, self.engine, self.flavor
+        usage = eng.used_tokens / cfg.max_total_num_tokens
+        label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total)
+        generated = ("counter", "generation_tokens_total", "Number of generation tokens processed.",
+                     eng.generation_tokens_total)
+        tables: dict[str, list[tuple[str, str, str, Any]]] = {
+            "llamacpp": [
+                ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+                ("counter", "tokens_predicted_total", "Number of generation tokens processed",
+                 eng.generation_tokens_total),
+                ("gauge", "requests_processing", "Number of requests processing", len(eng.running)),
+                ("gauge", "requests_deferred", "Number of requests deferred", len(eng.waiting))],
+            "vllm": [
+                ("gauge", "num_requests_running", "Number of requests in model execution batches.",
+                 eng.stepped_running),
+                ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
+                ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+                ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
+                prompt, generated],
+            "sglang": [
+                ("gauge", "num_running_reqs", "The number of running requests.", len(eng.running)),
+                ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", len(eng.waiting)),
+                ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
+                ("gauge", "token_usage", "The token usage.", usage),
+                ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
+                ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
+                prompt, generated,
+                ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
+                ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]}
+        labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"', "sglang": f'model_name="{label}"'}[flavor]
+        page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n{flavor}:{name}"
+                       + (f" {value}\n" if flavor == "llamacpp" else f"{{{labels}}} {float(value)}\n")
+                       for kind, name, text, value in tables[flavor])
+        if flavor == "vllm":
+            name = "vllm:num_requests_waiting_by_reason"
+            page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+                     "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+                     f"blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE {name} gauge\n"
+                     f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
+                     f'{name}{{{labels},reason="deferred"}} 0.0\n')
+        return web.Response(text=page, content_type="text/plain", charset="utf-8")
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.engine.stats = new_stats()
+        return json_response({"reset": True})
+
+    async def faults(self, request: web.Request) -> web.Response:
         """GET: the switches; POST: change them (FaultUpdate, all or none)."""
         if request.method == "POST":
-            try:
-                update = _fault_decoder.decode(await request.read())
-                rates = {name: value for name in FAULTS if (value := getattr(update, name)) is not None}
-                for name, value in rates.items():
-                    if not 0.0 <= value <= 1.0:
-                        raise ValueError(f"{name} must be in [0, 1], got {value}")
-                if update.outage_for is not None and update.outage_for < 0:
-                    raise ValueError(f"outage_for must be >= 0, got {update.outage_for}")
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-                return bad_request(self.flavor, str(exc))
-            self.rates.update(rates)
+            update = msgspec.json.decode(await request.read(), type=FaultUpdate)
+            self.rates.update({name: value for name in FAULTS if (value := getattr(update, name)) is not None})
             if update.outage_for is not None:
                 self.start_outage(update.outage_for)
             if update.stop_listening:
@@ -189,319 +475,208 @@ class SimServer:
         finally:
             self.open_requests -= 1
 
-    # ---- generation --------------------------------------------------------
-
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        if self.in_outage():
+        cfg, flavor = self.config, self.flavor
+        if self._outage_until > time.monotonic():
             return drop_connection(request)
-        if not self.ready():
-            return error_response(self.flavor, 503, "The server is not ready yet.", "ServiceUnavailableError")
+        if time.monotonic() - self.started_at < self.config.startup_delay:
+            raise Refusal("The server is not ready yet.", 503, "ServiceUnavailableError")
         raw = await request.read()
-        self.engine.stats.requests += 1
-        parsed = self._parse(raw, chat)
-        if isinstance(parsed, web.Response):
-            return parsed
-        body, key, n_prompt, max_new = parsed
-        cfg = self.config
-        fault, where = self.draw(key)
+        self.engine.stats["generation_requests"] += 1
+        body = msgspec.json.decode(raw, type=Request)
+        source, n_prompt, max_new, logprobs = body.check(chat, flavor, cfg.context_length, cfg.args_given)
+        fault, where = self.draw(key := prompt_key(source))
         if fault == "error":
-            return error_response(self.flavor, 500, "Internal server error (simulated)", "InternalServerError")
-        # One past the context's room: an answer cut by the context's end is "length", not a natural "stop".
-        room = cfg.context_length - n_prompt + 1
-        # One sequence per sample, each its own deterministic length, as SGLang and vLLM schedule each
-        # of the n choices as a request of its own. Faults strike the first.
-        naturals = [output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens, cfg.output_sigma, room)
-                    for i in range(body.n)]
-        reqs = [SimRequest(key, n_prompt, natural, max_new, body.stream) for natural in naturals]
-        req = reqs[0]
-        if fault == "hang":  # at a token count inside the output; where == 0: before the first token
-            req.hang_at = int(where * req.target)
-        elif fault == "reset":
-            req.drop_at = int(where * req.target)
-        elif fault == "stream_error":  # after at least one token: "mid-stream"
-            req.drop_at = 1 + int(where * (req.target - 1))
-        failing = fault == "stream_error"
-        submitted: list[SimRequest] = []
-        try:
-            for each in reqs:
-                self.engine.submit(each)
-                submitted.append(each)
-        except QueueFull:
-            for each in submitted:
-                self.engine.abort(each)
-            return error_response(self.flavor, 503, "The request queue is full.", "ServiceUnavailableError")
+            raise Refusal("Internal server error (simulated)", 500, "InternalServerError")
+        sglang, thinking = flavor == "sglang", chat and bool((body.chat_template_kwargs or {}).get("enable_thinking"))
+        tool = body.tool_called() if chat and self._tool_calls else None
+        # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
+        prefix = "chatcmpl" if chat or flavor == "llamacpp" else "cmpl"
+        rid = (body.rid if sglang else None) or f"{prefix}-{uuid.uuid4().hex}"
+        # Each sample its own deterministic length; one past the context's room: an answer cut there is "length".
+        lengths = [output_length(choice_key(key, i), cfg.seed, cfg.mean_output_tokens, cfg.output_sigma,
+                                 cfg.context_length - n_prompt + 1) for i in range(body.n)]
+        event = asyncio.Event()
+        choices = [Choice(
+            key, n_prompt, natural, max_new, body.stream, event=event, index=i, chat=chat, rid=rid, sglang=sglang,
+            text=self._text[6 * i:] + self._text[:6 * i], model=body.model or cfg.model_name, top_logprobs=logprobs,
+            think=max(1, math.ceil(natural * cfg.thinking_fraction)) if thinking else 0,
+            separate=not chat or body.separate_reasoning, tool=tool,
+            chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,  # SGLang's n > 1: a sub-request id each
+        ) for i, natural in enumerate(lengths)]
+        first = choices[0]  # faults strike the first
+        # At a token count inside the output (a hang at 0: before the first token); a stream error after one.
+        first.hang_at = int(where * first.target) if fault == "hang" else None
+        first.drop_at = {"reset": int(where * first.target),
+                         "stream_error": 1 + int(where * (first.target - 1))}.get(fault or "")
+        if not all(self.engine.submit(choice) for choice in choices):  # all() stops at the first refused
+            for choice in choices:
+                self.engine.abort(choice)
+            raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
         if cfg.crash_marker and cfg.crash_marker.encode() in raw:
             self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
-
-        sglang = self.flavor == "sglang"
-        # Only SGLang takes the client's rid as the response id; llama.cpp's ids all start with chatcmpl-.
-        prefix = "chatcmpl" if chat or self.flavor == "llamacpp" else "cmpl"
-        rid = (body.rid if sglang else None) or f"{prefix}-{uuid.uuid4().hex}"
-        chat_body = body if isinstance(body, ChatRequest) else None
-        replies = [Reply(
-            text=self._text[6 * i:] + self._text[:6 * i], chat=chat, rid=rid, model=body.model or cfg.model_name,
-            prompt_tokens=n_prompt,
-            think=max(1, math.ceil(natural * cfg.thinking_fraction)) if chat_body and chat_body.thinking() else 0,
-            separate=chat_body is None or chat_body.separate_reasoning, index=i, top_logprobs=body.logprobs_asked(),
-            tool=chat_body.tool_called() if chat_body and self._tool_calls else None, sglang=sglang,
-            # SGLang runs each of n > 1 samples as a sub-request with an id of its own.
-            chunk_id=rid if i == 0 or not sglang else uuid.uuid4().hex,
-        ) for i, natural in enumerate(naturals)]
         try:
             if body.stream:
-                return await self._stream(request, reqs, replies, body.stream_options or StreamOptions(), failing)
-            for each in reqs:
-                while each.finish_reason is None:
-                    await self.engine.wait(each, each.generated)
-            if req.dropped and failing:
-                return error_response(self.flavor, 500, STREAM_ERROR, "InternalServerError")
-            if any(each.dropped for each in reqs):
+                return await self._stream(request, choices, body.stream_options or StreamOptions(),
+                                          fault == "stream_error")
+            await until(event, lambda: all(choice.finish_reason for choice in choices))
+            if first.dropped and fault == "stream_error":
+                raise Refusal(STREAM_ERROR, 500, "InternalServerError")
+            if any(choice.dropped for choice in choices):
                 return drop_connection(request)
-            return json_response(full_answer(replies, reqs))
+            # The prompt counted once, the output summed (SGLang's _build_chat_response and UsageProcessor; vLLM alike).
+            return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": first.model,
+                                  "choices": [c.whole() for c in choices],
+                                  "usage": first.usage(sum(c.generated for c in choices))})
         finally:
-            # A no-op once finished; frees the slots of a client that went away.
-            for each in reqs:
-                self.engine.abort(each)
+            for choice in choices:  # a no-op once finished; frees the slots of a client that went away
+                self.engine.abort(choice)
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[ChatRequest | CompletionRequest, str, int, int] | web.Response:
-        """(body, prompt key, prompt tokens, tokens it may generate), checked as the engine does, or its 400."""
-        body: ChatRequest | CompletionRequest
-        try:
-            body = _chat_decoder.decode(raw) if chat else _completion_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return bad_request(self.flavor, str(exc))
-        prompt = body.counted_prompt()
-        if isinstance(prompt, str):
-            return bad_request(self.flavor, prompt)
-        source, n_prompt = prompt
-        max_new = body.max_new_tokens()
-        problem = validate(body, max_new, self.flavor)
-        if problem:
-            return bad_request(self.flavor, problem)
-        limit = flavors.context_check(self.flavor, n_prompt, max_new, self.config.context_length,
-                                      self.config.args_given)
-        return limit if isinstance(limit, web.Response) else (body, prompt_key(source), n_prompt, limit)
-
-    async def _stream(self, request: web.Request, reqs: list[SimRequest], replies: list[Reply],
-                      options: StreamOptions, failing: bool) -> web.StreamResponse:
-        continuous = options.continuous_usage_stats
-        flavor, req = self.flavor, reqs[0]
+    async def _stream(self, request: web.Request, choices: list[Choice], options: StreamOptions,
+                      failing: bool) -> web.StreamResponse:
+        """Choices interleaved, a chunk one choice. vLLM and llama.cpp send a chunk a step and end each choice as it
+        finishes; SGLang a chunk a token and every chat finish chunk after the last output (_generate_chat_stream)."""
+        flavor, first, event, continuous = self.flavor, choices[0], choices[0].event, options.continuous_usage_stats
+        sglang = flavor == "sglang"
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if flavor == "llamacpp" else headers)
-        if flavor in ("llamacpp", "sglang"):
-            # llama-server answers (headers included) only with the first result, and
-            # SGLang's _handle_streaming_request awaits the stream's first chunk before
-            # it returns the response: a queued request gets no byte at all until it runs.
-            await self._any_progress([(each, 0) for each in reqs])
-            if req.dropped and not failing:
+        if flavor != "vllm":
+            # llama-server answers (headers included) only with the first result, SGLang's _handle_streaming_request
+            # after the first chunk: no byte while queued. vLLM's StreamingResponse sends its headers at once.
+            await until(event, lambda: any(c.generated or c.finish_reason for c in choices))
+            if first.dropped and not failing:
                 drop_connection(request)
                 return resp
-        # vLLM returns Starlette's StreamingResponse at once: headers at once, the
-        # first event (the role) only with the first output, nothing while queued.
         await resp.prepare(request)
-        # Choices stream interleaved, each chunk one choice with its index. vLLM ends each
-        # choice with its finish_reason as it finishes; SGLang sends a chunk per token (the
-        # others one per step) and every finish chunk after the last output (serving_chat.py,
-        # _generate_chat_stream).
-        sglang = flavor == "sglang"
-        sent = [0] * len(reqs)
-        finished = [False] * len(reqs)
-        last_id = replies[0].chunk_id
-        finished_early = [False] * len(reqs)  # its finish went with its last token (SGLang's completions)
+        sent, done, last_id = [0] * len(choices), [False] * len(choices), first.chunk_id
         while True:
-            await self._any_progress([(each, sent[i]) for i, each in enumerate(reqs) if not finished[i]])
-            for i, (each, reply) in enumerate(zip(reqs, replies, strict=True)):
-                done = each.generated
-                if finished[i] or (done <= sent[i] and each.finish_reason is None):
+            await until(event, lambda: any(not d and (c.generated > s or c.finish_reason)
+                                           for c, s, d in zip(choices, sent, done, strict=True)))
+            for i, c in enumerate(choices):
+                a, b = sent[i], c.generated
+                if done[i] or (b <= a and c.finish_reason is None):
                     continue
-                if sent[i] == 0 and reply.chat:
-                    # Chat streams open with the role; completion streams start with text.
-                    await resp.write(sse(reply.chunk({"role": "assistant", "content": ""}, None,
-                                                     0 if continuous and not sglang else None)))
-                    last_id = reply.chunk_id
-                steps = [(t, t + 1) for t in range(sent[i], done)] if sglang else [(sent[i], done)] * (done > sent[i])
-                for a, b in steps:
-                    sent[i] = b
-                    # SGLang's chat stream sends nothing for the end-of-sequence token (no text, no
-                    # logprob), though its usage counts it and its whole answer lists its logprob.
-                    if sglang and reply.chat and each.natural_finish == "stop" and b == each.target:
+                out = []
+                if a == 0 and c.chat:  # chat streams open with the role, completions with text
+                    out.append(c.chunk({"role": "assistant", "content": ""}, None,
+                                       0 if continuous and not sglang else None))
+                for x, y in [(t, t + 1) for t in range(a, b)] if sglang else [(a, b)] * (b > a):
+                    # SGLang's chat stream sends nothing for the end-of-sequence token its usage counts.
+                    if sglang and c.chat and c.finish_reason == "stop" and y == c.target:
                         continue
-                    deltas = reply.deltas(a, b)
-                    # SGLang's completions stream ends a choice on its last token's chunk, with the
-                    # finish and (at end-of-sequence) that token's logprob; there is no finish chunk.
-                    last = sglang and not reply.chat and b == each.target and each.finish_reason is not None
-                    for d, delta in enumerate(deltas):
-                        # The step's logprobs (and SGLang's completions finish) ride on its last delta.
-                        final = d == len(deltas) - 1
-                        await resp.write(sse(reply.chunk(delta, each.finish_reason if last and final else None,
-                                                         b if continuous else None,
-                                                         reply.logprobs(a, b) if final else None)))
-                        last_id = reply.chunk_id
-                    finished_early[i] = finished_early[i] or last
-                if each.finish_reason is not None:
-                    finished[i] = True
-                    if not (sglang or each.dropped):
-                        await _finish(resp, reply, each, done, continuous)
-            if all(finished) or req.dropped:
+                    # SGLang's completions stream ends a choice on its last token's chunk, with the finish.
+                    last = sglang and not c.chat and y == c.target and c.finish_reason is not None
+                    reasoning, content = c.pieces(x, y)
+                    deltas = [{"text": content}] if not c.chat else [
+                        {k: v} for k, v in (("reasoning_content", reasoning), ("content", content)) if v]
+                    out += [c.chunk(delta, c.finish_reason if last and d == len(deltas) else None,
+                                    y if continuous else None, c.logprobs(x, y) if d == len(deltas) else None)
+                            for d, delta in enumerate(deltas, 1)]
+                sent[i] = b
+                if out:
+                    last_id = c.chunk_id
+                if c.finish_reason is not None:
+                    done[i] = True
+                    if not (sglang or c.dropped):
+                        out.append(c.finish_chunks(continuous))
+                await resp.write(b"".join(out))
+            if all(done) or first.dropped:
                 break
-        if req.dropped and failing:
-            await resp.write(flavors.stream_error(flavor, STREAM_ERROR))
-        elif any(each.dropped for each in reqs):
+        if first.dropped and failing:
+            # The engine's event on its HTTP 200 stream: SGLang's create_streaming_error_response() makes any
+            # failure a 400, vLLM's GenerationError a 500.
+            body = error_body(flavor, 400 if sglang else 500, STREAM_ERROR,
+                              "InternalServerError" if flavor == "vllm" else None)
+            done_event = b"" if flavor == "llamacpp" else b"data: [DONE]\n\n"
+            await resp.write(sse({"error": body} if sglang else body) + done_event)
+        elif any(c.dropped for c in choices):
             drop_connection(request)
             return resp
         else:
-            if sglang:
-                # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
-                for each, reply, tokens, early in zip(reqs, replies, sent, finished_early, strict=True):
-                    if not early:
-                        await _finish(resp, reply, each, tokens, continuous, last_id)
+            # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
+            tail = [c.finish_chunks(continuous, last_id) for c in choices if sglang and c.chat]
             if options.include_usage:
-                await resp.write(sse(replies[0].usage_chunk(sum(sent), last_id if sglang else None)))
-            await resp.write(b"data: [DONE]\n\n")
+                tail.append(sse({**first.head(last_id, []), "usage": first.usage(sum(sent))}))
+            await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
         await resp.write_eof()
         if flavor == "llamacpp" and request.transport is not None:
-            # llama-server closes the connection after a stream, whatever its
-            # Keep-Alive header said: stop reading it now, close it a moment later.
-            transport = request.transport
-            transport.pause_reading()
-            asyncio.get_running_loop().call_later(self.config.stream_close_delay, transport.close)
+            # llama-server closes the connection after a stream, whatever its Keep-Alive header said.
+            request.transport.pause_reading()
+            asyncio.get_running_loop().call_later(self.config.stream_close_delay, request.transport.close)
         return resp
 
-    async def _any_progress(self, waiting: list[tuple[SimRequest, int]]) -> None:
-        """Return once any of these choices has more tokens than it sent, or has finished."""
-        if len(waiting) == 1:
-            await self.engine.wait(*waiting[0])
-            return
-        if any(r.finish_reason is not None or r.generated > seen for r, seen in waiting):
-            return
-        waits = [asyncio.ensure_future(self.engine.wait(r, seen)) for r, seen in waiting]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+
+def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any]]:
+    """GET path -> its JSON answer, for the flavor."""
+    card = {"id": cfg.model_path if cfg.flavor == "llamacpp" else cfg.model_name,  # llama.cpp: the file (--alias)
+            "object": "model", "owned_by": cfg.flavor, "root": cfg.model_path, "max_model_len": cfg.context_length}
+    answers: dict[str, Callable[[], Any]] = {
+        "/v1/models": lambda: {"object": "list", "data": [{**card, "created": int(time.time())}]},
+        "/sim/stats": engine.stats_snapshot}
+    if cfg.flavor == "sglang":
+        # memory_usage as SGLang's scheduler reports it (GB: bytes / 2^30); context_length and max_running_requests
+        # as given on its command line (null unless given).
+        tokens, given = cfg.max_total_num_tokens, cfg.args_given
+        memory = {"weight": cfg.weight_gb, "kvcache": round(tokens * cfg.kv_bytes_per_token / 2**30, 3),
+                  "token_capacity": tokens, "graph": 1.2}
+        info = {"model_path": cfg.model_path, "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
+                "context_length": cfg.context_length if given else None,
+                "max_running_requests": cfg.max_running_requests if given else None,
+                "max_queued_requests": cfg.max_queued_requests, "max_total_num_tokens": tokens,
+                "max_req_input_len": min(cfg.context_length, tokens) - 1, "version": VERSION}
+        model = {"model_path": cfg.model_path, "tokenizer_path": cfg.model_path, "is_generation": True}
+        for prefix in ("/", "/get_"):
+            answers[f"{prefix}model_info"] = lambda: model
+            answers[f"{prefix}server_info"] = lambda: {**info, "internal_states": [{
+                "last_gen_throughput": engine.last_gen_throughput, "memory_usage": memory,
+                "effective_max_running_requests_per_dp": cfg.max_running_requests}]}
+    elif cfg.flavor == "llamacpp":
+        # get_res_props() in tools/server/server-context.cpp (the fields a client reads); /slots (with --slots):
+        # one entry a slot, the first `running` busy.
+        props = {"default_generation_settings": {"n_ctx": cfg.context_length, "params": {"n_predict": -1}},
+                 "total_slots": cfg.max_running_requests, "model_alias": cfg.model_name, "model_path": cfg.model_path,
+                 "modalities": {"vision": False, "audio": False}, "build_info": VERSION}
+        answers |= {"/props": lambda: props, "/slots": lambda: [
+            {"id": i, "n_ctx": cfg.context_length, "speculative": False, "is_processing": i < len(engine.running)}
+            for i in range(cfg.max_running_requests)]}
+    return answers
 
 
-async def _finish(resp: web.StreamResponse, reply: Reply, req: SimRequest, tokens: int, continuous: bool,
-                  chunk_id: str | None = None) -> None:
-    """A choice's last chunks: its tool call, if it makes one, then its finish_reason (SGLang's
-    chat finish chunk has no usage)."""
-    usage = tokens if continuous else None
-    for delta in reply.tool_deltas(tokens):
-        await resp.write(sse(reply.chunk(delta, None, usage, chunk_id=chunk_id)))
-    usage = None if reply.sglang and reply.chat else usage
-    await resp.write(sse(reply.chunk(None, reply.finish(req.finish_reason), usage, chunk_id=chunk_id)))
-
-
-SIM_KEY = web.AppKey("sim", SimServer)
-
-
-def make_app(config: SimConfig) -> web.Application:
+async def start(config: SimConfig) -> SimServer:
+    """Serve a SimServer on config.host:config.port (0: any free port); its url says where."""
     sim = SimServer(config)
-    # SGLang takes large prompts; aiohttp's 1 MiB default body limit would not.
-    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[sim.gate])
-    app[SIM_KEY] = sim
-    app.on_startup.append(sim.on_startup)
-    app.on_cleanup.append(sim.on_cleanup)
-    engine = sim.engine
-    answers: dict[str, Callable[[], object]] = {
-        "/v1/models": lambda: {"object": "list", "data": [flavors.model_card(config)]},
-        "/sim/stats": engine.stats_snapshot,
-    }
-    if config.flavor == "sglang":
-        info = lambda: flavors.sglang_server_info(config, engine)  # noqa: E731
-        model = lambda: {"model_path": config.model_path, "tokenizer_path": config.model_path,  # noqa: E731
-                         "is_generation": True}
-        answers.update({"/get_server_info": info, "/server_info": info, "/get_model_info": model,
-                        "/model_info": model})
-        app.router.add_get("/health_generate", sim.health)
-    elif config.flavor == "llamacpp":
-        answers.update({"/props": lambda: flavors.llamacpp_props(config),
-                        "/slots": lambda: flavors.llamacpp_slots(config, engine)})
-    for path, make in answers.items():
-        app.router.add_get(path, _answering(make))
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=flavors.metrics_page(config, engine), content_type="text/plain", charset="utf-8")
-
-    async def reset(request: web.Request) -> web.Response:
-        engine.reset_stats()
-        return json_response({"reset": True})
-
-    app.router.add_get("/health", sim.health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/chat/completions", sim.generate)
-    app.router.add_post("/v1/completions", sim.generate)
-    app.router.add_post("/sim/reset", reset)
-    app.router.add_get("/sim/faults", sim.sim_faults)
-    app.router.add_post("/sim/faults", sim.sim_faults)
-    return app
-
-
-def _answering(make: Callable[[], object]) -> Callable:
-    async def handler(request: web.Request) -> web.Response:
-        return json_response(make())
-
-    return handler
-@dataclass
-class RunningSim:
-    """A sim serving on a port; close() stops it."""
-
-    runner: web.AppRunner
-    url: str
-
-    @property
-    def sim(self) -> SimServer:
-        return self.runner.app[SIM_KEY]
-
-    async def close(self) -> None:
-        await self.runner.cleanup()
-
-
-async def start(config: SimConfig) -> RunningSim:
-    """Serve make_app(config) on config.host:config.port (0: any free port)."""
-    # No access log: it would cost more than the instant mode itself.
-    runner = web.AppRunner(make_app(config), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    runner.app[SIM_KEY].sites.append(site)
-    host, port = runner.addresses[0][:2]
-    return RunningSim(runner, f"http://{host}:{port}")
+    await sim.runner.setup()
+    sim.site = web.TCPSite(sim.runner, config.host, config.port)
+    await sim.site.start()
+    host, port = sim.runner.addresses[0][:2]
+    sim.url = f"http://{host}:{port}"
+    return sim
 
 
 def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM; on_ready gets the base URL once listening.
-
-    The llamacpp flavor answers its first SIGTERM as llama-server does: it stops
-    listening and leaves open requests hanging; it exits once none is open (their
-    clients gave up) or on a second signal."""
+    """Serve until SIGINT or SIGTERM; on_ready gets the base URL once listening. The llamacpp flavor answers
+    its first SIGTERM as llama-server does: it stops listening and leaves open requests hanging; it exits
+    once none is open (their clients gave up) or on a second signal."""
 
     async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        running = await start(config)
-        signals = 0
+        stop, loop = asyncio.Event(), asyncio.get_running_loop()
+        sim = await start(config)
 
         def on_signal() -> None:
-            nonlocal signals
-            signals += 1
-            if config.flavor == "llamacpp" and signals == 1:
-                loop.create_task(running.sim.stop_listening())
+            if config.flavor == "llamacpp" and sim.listening:
+                loop.create_task(sim.stop_listening())
             else:
                 stop.set()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
         try:
-            on_ready(running.url)
-            while not stop.is_set():
-                try:
+            on_ready(sim.url)
+            while not stop.is_set() and (sim.listening or sim.open_requests):
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.2)
-                except TimeoutError:
-                    if not running.sim.listening and running.sim.open_requests == 0:
-                        break
         finally:
-            await running.close()
+            await sim.close()
 
     asyncio.run(serve())
