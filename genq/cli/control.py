@@ -284,15 +284,10 @@ def _extra_body(ctx: click.Context, param: click.Parameter, value: str | None) -
 def generation_options(fn: Any) -> Any:
     """The generation settings a command may change (jobs set; dlq requeue's override)."""
     fn = click.option("--extra-body", metavar="JSON", callback=_extra_body,
-                      help="""Extra request fields, replacing the job's (e.g. '{"top_k": 20}'; '{}' clears them).""")(fn)
+                      help="""Extra request fields, replacing the job's ('{}' clears them).""")(fn)
     fn = click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling.")(fn)
     fn = click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")(fn)
     return click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate.")(fn)
-
-
-def given(**options: Any) -> dict[str, Any]:
-    """The options given (not None), by name."""
-    return {k: v for k, v in options.items() if v is not None}
 
 
 @jobs.command("set")
@@ -309,7 +304,8 @@ def given(**options: Any) -> dict[str, Any]:
 def jobs_set(job: str, note: str | None, priority: int | None, weight: float | None, **settings: Any) -> None:
     """Change a job's generation settings, priority or weight. See docs/settings.md."""
     order = ("max_tokens", "temperature", "top_p", "extra_body", "model", "max_attempts", "brake")
-    if not (changes := given(**{k: settings[k] for k in order})) and priority is None and weight is None:
+    changes = {k: settings[k] for k in order if settings[k] is not None}
+    if not changes and priority is None and weight is None:
         raise click.UsageError("name at least one setting to change (see --help)")
     conn = redis_conn()
     if priority is not None or weight is not None:

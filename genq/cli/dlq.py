@@ -12,7 +12,7 @@ import click
 import msgspec
 
 from genq.cli import EXIT_PARTLY_DONE, age, console, iso, job_option, json_option, redis_conn, table, yes_option
-from genq.cli.control import generation_options, given
+from genq.cli.control import generation_options
 from genq.core.words import plural
 from genq.ops import dlq as core
 
@@ -125,7 +125,7 @@ def requeue(ids: tuple[str, ...], job: str | None, all_: bool, **settings: Any) 
     """Queue dead prompts and failed batches again. The options apply to these prompts only."""
     if all_ == bool(ids):
         raise click.UsageError("give either --all or one or more IDs")
-    override = given(**settings)
+    override = {k: v for k, v in settings.items() if v is not None}
     conn = redis_conn()
     if not (chosen := _chosen(conn, "requeue", job, ids)):
         return

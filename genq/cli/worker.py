@@ -33,11 +33,8 @@ class ByteSize(click.ParamType):
         self.per_second = per_second
 
     def convert(self, value, param, ctx):
-        if isinstance(value, float):
-            return value
-        text = str(value).strip().upper().replace(" ", "")
-        if self.per_second and text.endswith("/S"):
-            text = text[:-2]
+        text = str(value).strip().upper().replace(" ", "")  # a float: as --gpus forwards it
+        text = text.removesuffix("/S") if self.per_second else text
         number = text.rstrip("KMGTIB")
         try:
             size = float(number) * self.UNITS[text[len(number):]]

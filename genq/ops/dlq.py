@@ -21,7 +21,7 @@ import redis
 from genq.core import queueing as q
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
-from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig
+from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind
 from genq.ops import Refused, jobs_named
 from genq.output import truth
 
@@ -153,8 +153,16 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
                               if override else d.prompt for d in found if d.prompt is not None),
                              key=lambda p: (p.index, p.id))
             batches = q.new_batches(conn, job, prompts, config.batch_size)  # ids from INCRBY: gaps are harmless
-            if found:
-                _record_requeue(config, run, [b.id for b in batches], [d.id for d in found])
+            # OUTPUT/JOB/enqueues/RUN.json names them before they are queued: a Redis that loses them
+            # requeues the letters again (genq.producer.enqueue.queue_lost).
+            record = EnqueueRecord(incarnation=config.incarnation, input="", prompts=len(found),
+                                   batches=truth.batch_ranges(b.id for b in batches), letters=[d.id for d in found])
+            try:
+                if found:
+                    truth.write_enqueue(truth.open_store(config.output, config.s3_endpoint_url), job, run, record)
+            except Exception as exc:  # OSError, botocore's errors: the output unreachable costs only that
+                log.warning("job %s: cannot record the requeue in its output %s (%s): a Redis restored from "
+                            "before it would not requeue these letters again", job, config.output, exc)
             pipe.multi()
             if found:
                 q.write_batches(pipe, conn, batches, digests={}, count_total=False)
@@ -168,18 +176,6 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             report.new_batches.setdefault(job, []).extend(batch_ids)
 
     return _each(conn, chosen, functools.partial(_move_batch, requeue=True), some)
-
-
-def _record_requeue(config: JobConfig, run: str, batches: list[str], ids: list[str]) -> None:
-    """OUTPUT/JOB/enqueues/RUN.json names a requeue's batches and letters before they are queued, so
-    a Redis that loses them requeues the letters again (genq.producer.enqueue.queue_lost)."""
-    record = EnqueueRecord(incarnation=config.incarnation, input="", batches=truth.batch_ranges(batches),
-                           prompts=len(ids), letters=ids)
-    try:
-        truth.write_enqueue(truth.open_store(config.output, config.s3_endpoint_url), config.name, run, record)
-    except Exception as exc:  # OSError, botocore's errors: the output unreachable costs only that
-        log.warning("job %s: cannot record the requeue in its output %s (%s): a Redis restored from before "
-                    "it would not requeue these letters again", config.name, config.output, exc)
 
 
 def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:
