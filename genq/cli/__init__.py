@@ -1,5 +1,5 @@
 """The `genq` command: one click group, lazily loaded subcommands, and what they share. A Redis refusal,
-an operator's mistake (genq.ops.Refused and the like) and Ctrl-C become one line and the README's exit status."""
+an operator's mistake (genq.ops.control.Refused and the like) and Ctrl-C become one line and the README's exit status."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim
 def _mistake(exc: Exception) -> bool:
     """What the operator can fix: one line, exit 1 (imported only when something failed)."""
     from genq.monitor.progress import JobNotFound
-    from genq.ops import Refused
+    from genq.ops.control import Refused
     from genq.output.export import ExportError
     from genq.producer.sources import SourceError
     from genq.worker.fleet import FleetError

@@ -23,8 +23,8 @@ from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import redis_note_of
 from genq.core.words import plural
-from genq.ops import Refused, control, jobs_named
-from genq.ops.control import LOST, SETTABLE, WorkerRow, describe_block, set_settings
+from genq.ops import control
+from genq.ops.control import LOST, SETTABLE, Refused, WorkerRow, describe_block, jobs_named, set_settings
 from genq.output import truth
 from genq.worker.idle import IDLE_BEAT_S
 from genq.worker.watch import servable_jobs
@@ -91,15 +91,13 @@ def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[st
     total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.live and (
         r.status is None or r.status.tok_per_s_from != "server"))
     out.print(f"{plural(len(rows), 'worker')}: {summary}; {total:,.0f} tok/s in all")
-    lines = []
-    for name, v in sorted(judged.items()):  # what caps each GPU's batch and the fix, a slow GPU, a missing figure
-        lines += [f"{name}: much slower than its peers: {v.slow}"] if v.slow else []
-        lines += [f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else "")
-                  ] if v.cap is not None else []
-        lines += [f"{name}: bound {v.bound.unknown}"] if v.bound.unknown and v.bound.tok_per_s is None else []
-    lines += [line] if (line := decodebound.fleet_line(decodebound.working(statuses), judged)) else []
-    for line in lines:
-        out.print(line, markup=False, highlight=False)
+    lines = [line for name, v in sorted(judged.items()) for line in (  # a slow GPU, its batch's cap, a figure missing
+        v.slow and f"{name}: much slower than its peers: {v.slow}",
+        v.cap and f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""),
+        v.bound.unknown and v.bound.tok_per_s is None and f"{name}: bound {v.bound.unknown}")]
+    for line in [*lines, decodebound.fleet_line(decodebound.working(statuses), judged)]:
+        if line:
+            out.print(line, markup=False, highlight=False)
     for r in rows:
         if r.state == LOST:
             out.print(f"[bold red]lost[/]: {r.name} ({r.note})")

@@ -22,7 +22,6 @@ from genq.core.ledger.figures import JobStatus, job_status, job_totals
 from genq.core.order import order_queue
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
-from genq.ops import Refused
 from genq.output import truth
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
@@ -34,6 +33,21 @@ _LOST = {"host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0,
 JSON_FIELDS = ("name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "concurrency_limit",
                "server_capacity", "cap", "queued", "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s",
                "note", "model")
+
+
+class Refused(Exception):
+    """What the operator asked cannot be done (an unknown job or id, a change that changes nothing):
+    the message says why and what to do; the CLI prints it in one line and exits 1."""
+
+
+def jobs_named(conn: redis.Redis, job: str | None) -> list[str]:
+    """The jobs a command covers: the named one, which must exist, or (None) all of them."""
+    known = list_jobs(conn)
+    if job is None:
+        return known
+    if job not in known:
+        raise Refused(f"no job named {job!r} (known jobs: {', '.join(known) or 'none'})")
+    return [job]
 
 
 @dataclass(frozen=True)

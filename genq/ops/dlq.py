@@ -22,7 +22,7 @@ from genq.core import queueing as q
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
 from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind
-from genq.ops import Refused, jobs_named
+from genq.ops.control import Refused, jobs_named
 from genq.output import truth
 
 log = logging.getLogger("genq.dlq")

@@ -24,8 +24,7 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, JobRecord, Prompt, Result, ShardMarker
 from genq.core.words import plural
-from genq.ops import Refused
-from genq.ops.control import settings_from_output
+from genq.ops.control import Refused, settings_from_output
 from genq.output import truth
 from genq.producer.rows import claim_digest
 
