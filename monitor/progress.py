@@ -24,7 +24,7 @@ from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, estimate
 from genq.monitor.rates import RateTracker, once_speed
 from genq.monitor.rqqueue import QueueMirror
-from genq.ops.settings import describe_block
+from genq.ops.control import describe_block
 
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds: --json only
 ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")

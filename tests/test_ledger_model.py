@@ -46,8 +46,8 @@ from genq.core.ledger.figures import job_status
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardInfo, Usage, unpack
 from genq.ops import control, dlq, recover
-from genq.ops.settings import set_settings
-from genq.ops.written import outcome_for
+from genq.ops.control import set_settings
+from genq.ops.recover import outcome_for
 from genq.output import truth
 from genq.output.truth import open_store, shard_bytes
 from genq.producer.enqueue import Enqueuer, RejectsFile, queue_lost

@@ -28,7 +28,7 @@ from genq.core.ledger import fleet, leasing
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, Result, unpack, with_prompt
 from genq.core.waits import retrying
 from genq.core.words import plural
-from genq.ops.written import adopt_if_written, adopt_marker, outcome_for, written_marker
+from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, written_marker
 from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
 from genq.producer.sources import InputChanged, load_prompts
 from genq.worker.decoding import Running

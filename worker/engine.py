@@ -20,8 +20,8 @@ from genq.core.queueing import rq_queue
 from genq.core.redisconn import connect, connect_async, describe_error, mask_url
 from genq.core.timings import RECONCILE_EVERY_S
 from genq.core.words import plural
+from genq.ops.control import blocked_jobs
 from genq.ops.recover import OutputWatch
-from genq.ops.settings import blocked_jobs
 from genq.producer.enqueue import queue_lost
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController

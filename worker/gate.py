@@ -19,11 +19,11 @@ import redis
 
 from genq.core.ledger import fleet
 from genq.core.ledger import jobs as ledger_jobs
+from genq.core.ledger.leasing import unqueue
 from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
-from genq.ops.settings import unqueue
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
 from genq.worker.held import HeldBatch, Task

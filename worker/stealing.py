@@ -20,7 +20,7 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.records import BatchRef, BatchSource, JobConfig, Prompt, WorkerStatus, unpack
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.core.words import plural
-from genq.ops.written import adopt_if_written
+from genq.ops.recover import adopt_if_written
 from genq.producer.sources import load_prompts
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher

@@ -1,8 +1,5 @@
-"""The `genq` command: one click group, and what its subcommands share.
-
-Subcommands load lazily (`genq --help` starts fast). Every subcommand's Redis refusal, operator's
-mistake (genq.ops.Refused and the like) and Ctrl-C becomes one line and the README's exit status here.
-"""
+"""The `genq` command: one click group, lazily loaded subcommands, and what they share. A Redis refusal,
+an operator's mistake (genq.ops.control.Refused and the like) and Ctrl-C become one line and the README's exit status."""
 
 from __future__ import annotations
 
@@ -32,9 +29,9 @@ COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim
 
 
 def _mistake(exc: Exception) -> bool:
-    """What the operator can fix: said in one line, exit 1 (imported only when something failed)."""
+    """What the operator can fix: one line, exit 1 (imported only when something failed)."""
     from genq.monitor.progress import JobNotFound
-    from genq.ops import Refused
+    from genq.ops.control import Refused
     from genq.producer.sources import SourceError
     from genq.worker.fleet import FleetError
 
@@ -59,10 +56,8 @@ class LazyGroup(click.Group):
             sys.exit(EXIT_INTERRUPTED)
         except redis.RedisError as exc:  # unreachable, full, no such database, not Redis: the URL masked
             raise click.ClickException(describe_error(redis_url(ctx), exc)) from None
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise
         except Exception as exc:
-            if _mistake(exc):
+            if not isinstance(exc, click.ClickException | click.exceptions.Exit | click.Abort) and _mistake(exc):
                 raise click.ClickException(str(exc)) from None
             raise
 
@@ -86,14 +81,14 @@ def _with_redis_option(command: click.Command) -> click.Command:
     if not any(p.name == "subcommand_redis" for p in command.params):
         command.params.append(click.Option(["--redis", "subcommand_redis"], metavar="URL", expose_value=False,
                                            is_eager=True, callback=_set_redis,
-                                           help="Redis URL: the same as genq --redis URL (see genq --help)."))
+                                           help="Redis URL, as genq --redis URL."))
     for sub in getattr(command, "commands", {}).values():
         _with_redis_option(sub)
     return command
 
 
 def redis_given(ctx: click.Context) -> str | None:
-    """The Redis URL given by --redis or GENQ_REDIS_URL, None for the default."""
+    """The URL of --redis or GENQ_REDIS_URL, None for the default."""
     return ctx.find_root().obj
 
 
@@ -101,31 +96,25 @@ def redis_url(ctx: click.Context) -> str:
     return redis_given(ctx) or resolve_url(None)
 
 
-def redis_conn(ctx: click.Context) -> redis.Redis:
-    return connect(redis_url(ctx))
+def redis_conn(ctx: click.Context | None = None) -> redis.Redis:
+    return connect(redis_url(ctx or click.get_current_context()))
 
 
-class Concurrency(click.ParamType):
-    """Requests in flight: 'auto' (None) or a whole number of at least 1."""
-
-    name = "auto|N"
-
-    def convert(self, value, param, ctx):
-        if value is None or str(value).lower() == "auto":
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
-        if number < 1:
-            self.fail(f"{number} is not a cap: give at least 1, or auto to follow the server", param, ctx)
-        return number
+def concurrency(value: Any) -> int | None:
+    """Requests in flight: 'auto' (None) or a whole number of at least 1 (a click type)."""
+    if value is None or str(value).lower() == "auto":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is neither 'auto' nor a whole number") from None
+    if number < 1:
+        raise ValueError(f"{number} is not a cap: give at least 1, or auto to follow the server")
+    return number
 
 
 class JobName(click.ParamType):
-    """A job name as the ledger allows it: a bad one is bad usage."""
-
-    name = "NAME"
+    name = "NAME"  # as the ledger allows it: a bad one is bad usage
 
     def convert(self, value, param, ctx):
         from genq.core.ledger.jobs import check_job_name
@@ -136,8 +125,8 @@ class JobName(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-def job_option(help: str = "Only this job. [default: all jobs]", **attrs: Any) -> Callable[[Any], Any]:
-    return click.option("--job", type=JobName(), default=None, metavar="NAME", help=help, **attrs)
+def job_option(help: str = "Only this job. [default: all jobs]") -> Callable[[Any], Any]:
+    return click.option("--job", type=JobName(), default=None, metavar="NAME", help=help)
 
 
 def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -152,7 +141,7 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, job=job or job_option, **kwargs)
 
     command = click.option("--job", "job_option", type=JobName(), default=None, metavar="JOB",
-                           help="The job, as an option (the same as JOB).")(command)
+                           help="The same as JOB.")(command)
     return click.argument("job", type=JobName(), required=False)(command)
 
 
@@ -215,13 +204,6 @@ def iso(at: float) -> str:
 @click.version_option(package_name="genq")
 def cli() -> None:
     """genq: batch LLM generation over a fleet of SGLang, vLLM or llama.cpp (llama-server) servers, queued in Redis.
-
-    \b
-    Typical run:
-      genq sim --port 30000 &                 # or a real SGLang server per GPU
-      genq enqueue prompts.jsonl --job expansion --output ./out
-      genq worker --server http://127.0.0.1:30000 --burst
-      genq monitor --job expansion
 
     \b
     Exit status (every command):

@@ -1,5 +1,5 @@
-"""The fleet and the jobs, seen and steered: `genq workers`, `drain`, `concurrency`, `pause`, `resume`
-and `jobs` (list, show, set, delete). The work is genq.ops.control's and genq.ops.settings'."""
+"""The fleet and the jobs, seen and steered: `genq workers`, `drain`, `concurrency`, `pause`, `resume` and
+`jobs` (list, show, set, delete); the work is genq.ops.control's."""
 
 from __future__ import annotations
 
@@ -14,39 +14,25 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.text import Text
 
-from genq.cli import (
-    Concurrency,
-    age,
-    console,
-    extra_body,
-    iso,
-    job_argument,
-    job_option,
-    json_option,
-    redis_conn,
-    table,
-    yes_option,
-)
+from genq import cli
+from genq.cli import age, iso, job_argument, job_option, json_option, redis_conn
 from genq.core import decodebound
-from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import redis_note_of
-from genq.core.timings import LOST_BATCH_BACK_S
 from genq.core.words import plural
-from genq.ops import Refused, control, jobs_named
-from genq.ops.control import LOST, WorkerRow
-from genq.ops.settings import describe_block, set_settings
-from genq.worker.idle import IDLE_BEAT_S, IDLE_TTL_S
+from genq.ops import control
+from genq.ops.control import LOST, SETTABLE, Refused, WorkerRow, describe_block, jobs_named, set_settings
+from genq.output import truth
+from genq.worker.idle import IDLE_BEAT_S
 from genq.worker.watch import servable_jobs
 
 STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow", "server_down": "red",
           "stopped": "dim", LOST: "bold red"}
 # Most wanted first. The first three are always shown whole (a name is what an operator types into
-# --worker); the others join in this order while the table fits the terminal, and the line under it
-# names those left out (--json has every field).
+# --worker); the others join in this order while the table fits the terminal, and a line names the rest.
 COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of bound", "done", "queued", "note",
            "model: jobs it serves", "batches", "server", "gpu", "host")
 RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
@@ -77,7 +63,8 @@ def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None
 
 
 def _table(cells: list[dict[str, str]], shown: list[str]):
-    fleet = table(shown, ([c[col] for col in shown] for c in cells), right=RIGHT)
+    fleet = cli.table([c for c in COLUMNS if c in shown], ([c[col] for col in COLUMNS if col in shown] for c in cells),
+                      right=RIGHT)
     for column in fleet.columns:
         column.overflow = "ellipsis"
         column.max_width = 60 if column.header == "note" else None  # a long note (a connection error) is cut
@@ -94,25 +81,23 @@ def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[st
     cells = [_cells(r, serves.get(r.name), judged.get(r.name)) for r in rows]
     measuring, shown = Console(width=10_000), list(COLUMNS[:3])
     for col in COLUMNS[3:]:  # a column no worker has anything in is not one left out
-        wider = _table(cells, [c for c in COLUMNS if c in (*shown, col)])
+        wider = _table(cells, [*shown, col])
         if any(c[col] for c in cells) and Measurement.get(measuring, measuring.options, wider).maximum <= out.width:
             shown.append(col)
-    out.print(_table(cells, [c for c in COLUMNS if c in shown]))
+    out.print(_table(cells, shown))
     summary = ", ".join(f"{n} {state}" for state, n in sorted(Counter(r.state for r in rows).items()))
     by_server = {(r.server or r.name): r.tok_per_s for r in rows  # a server's own counter counts once
                  if r.live and r.status is not None and r.status.tok_per_s_from == "server"}
     total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.live and (
         r.status is None or r.status.tok_per_s_from != "server"))
     out.print(f"{plural(len(rows), 'worker')}: {summary}; {total:,.0f} tok/s in all")
-    lines = []
-    for name, v in sorted(judged.items()):  # what caps each GPU's batch and the fix, a slow GPU, a missing figure
-        lines += [f"{name}: much slower than its peers: {v.slow}"] if v.slow else []
-        lines += [f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else "")
-                  ] if v.cap is not None else []
-        lines += [f"{name}: bound {v.bound.unknown}"] if v.bound.unknown and v.bound.tok_per_s is None else []
-    lines += [line] if (line := decodebound.fleet_line(decodebound.working(statuses), judged)) else []
-    for line in lines:
-        out.print(line, markup=False, highlight=False)
+    lines = [line for name, v in sorted(judged.items()) for line in (  # a slow GPU, its batch's cap, a figure missing
+        v.slow and f"{name}: much slower than its peers: {v.slow}",
+        v.cap and f"{name}: batch capped by {v.cap.text}" + (f"; fix: {v.cap.advice}" if v.cap.advice else ""),
+        v.bound.unknown and v.bound.tok_per_s is None and f"{name}: bound {v.bound.unknown}")]
+    for line in [*lines, decodebound.fleet_line(decodebound.working(statuses), judged)]:
+        if line:
+            out.print(line, markup=False, highlight=False)
     for r in rows:
         if r.state == LOST:
             out.print(f"[bold red]lost[/]: {r.name} ({r.note})")
@@ -120,23 +105,12 @@ def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[st
         out.print(f"not shown at {out.width} columns: {', '.join(left_out)} (a wider terminal, or --json)")
 
 
-@click.command(short_help="The fleet: each worker's state, load, tok/s and heartbeat.", help=f"""The fleet: every worker with its host, GPU, server, state and load.
-
-    \b
-    States: busy, idle, paused, draining, server_down (its server fails
-    /health), stopped (exited cleanly), lost ({NO_HEARTBEAT}; its batches
-    run elsewhere within about {LOST_BATCH_BACK_S:.0f} s). "in flight" is running/target
-    ("limit N" under `genq concurrency N`); "capacity" is what its server runs
-    at once; "heartbeat" is how long ago it beat (an idle worker beats every
-    {IDLE_BEAT_S:.0f} s, lost after {IDLE_TTL_S} s); "of bound" is its tok/s against the GPU's
-    decode bound (docs/monitoring.md). Columns that do not fit the terminal
-    are named under the table; --json has every field (docs/fleet.md).
-    """)
+@click.command()
 @json_option("One JSON array of workers (machine-readable).")
 @click.option("--prune", is_flag=True, help="Forget workers that are stopped or lost, then show the rest.")
-@click.pass_context
-def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
-    conn = redis_conn(ctx)
+def workers(as_json: bool, prune: bool) -> None:
+    """The fleet: each worker's state, load, tok/s and heartbeat. See docs/fleet.md."""
+    conn = redis_conn()
     rows = control.fleet(conn)
     if note := redis_note_of(conn):  # refusing writes: its workers' heartbeats lapse, they are not dead
         click.echo(f"warning: {note.text}", err=True)
@@ -154,7 +128,7 @@ def workers(ctx: click.Context, as_json: bool, prune: bool) -> None:
     elif not rows:
         click.echo("no workers have registered in this Redis (start one with `genq worker`)")
     else:
-        print_workers(console(), rows, serves)
+        print_workers(cli.console(), rows, serves)
 
 
 def steering(fn: Any) -> Any:
@@ -165,10 +139,10 @@ def steering(fn: Any) -> Any:
                         help="A worker by name (see `genq workers`); repeatable.")(fn)
 
 
-def _steer(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, **change: object) -> list[str]:
+def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: object) -> list[str]:
     if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
-    conn = redis_conn(ctx)
+    conn = redis_conn()
     if not (chosen := [r.name for r in control.select(control.fleet(conn), workers=names, host=host,
                                                       everyone=everyone)]):
         raise Refused("no live workers")
@@ -177,64 +151,45 @@ def _steer(ctx: click.Context, names: tuple[str, ...], host: str | None, everyon
     return chosen
 
 
-@click.command(short_help="Let workers finish what they hold, then exit.")
+@click.command()
 @steering
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
               help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
-@click.pass_context
-def drain(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool, wait: bool,
-          timeout: float | None) -> None:
-    """Let workers finish what they hold, then exit (0); they take no new batches.
-
-    A drained worker started by `genq worker --gpus` is not restarted; its
-    server is stopped once the worker has exited.
-    """
-    chosen = _steer(ctx, names, host, everyone, drain=True)
+def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, timeout: float | None) -> None:
+    """Let workers finish what they hold, then exit. They take no new batches."""
+    chosen = _steer(names, host, everyone, drain=True)
     click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
     deadline, said = None if timeout is None else time.monotonic() + timeout, ""
     while wait:  # a line whenever what they hold changes
-        now = {r.name: r for r in control.fleet(redis_conn(ctx))}
+        now = {r.name: r for r in control.fleet(redis_conn())}
         rows = [now.get(n) or WorkerRow(n, None, time.time()) for n in chosen]
         line = "; ".join(f"{r.name} {r.state}" + (
             f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "") for r in rows)
         if line != said:
             click.echo(said := line)
         if not any(r.live for r in rows):
-            click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
-            return
+            return click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
         if deadline is not None and time.monotonic() > deadline:
             raise Refused(f"still running after {timeout:.0f}s (they keep draining)")
         time.sleep(1.0)
 
 
-@click.command(short_help="Cap the requests in flight per worker, live (or auto).")
+@click.command()
 @steering
-@click.argument("value", type=Concurrency())
-@click.pass_context
-def concurrency(ctx: click.Context, names: tuple[str, ...], host: str | None, everyone: bool,
-                value: int | None) -> None:
-    """Cap requests in flight per worker at VALUE, live (auto: follow the server again).
-
-    The worker keeps its automatic target below the cap; `genq workers` shows
-    "in flight" as running/target and "limit N", beside the server's capacity.
-    """
-    chosen = _steer(ctx, names, host, everyone, concurrency=value)
+@click.argument("value", type=cli.concurrency)
+def concurrency(names: tuple[str, ...], host: str | None, everyone: bool, value: int | None) -> None:
+    """Cap the requests in flight per worker, live (or auto). With auto it follows the server."""
+    chosen = _steer(names, host, everyone, concurrency=value)
     click.echo(f"concurrency {'auto' if value is None else f'cap {value}'} for {len(chosen)} worker(s): "
                f"{', '.join(chosen)}")
 
 
-@click.command(short_help="Stop sending new requests (all jobs, or --job); in-flight ones finish.")
-@job_option("Pause only this job. [default: every job]")
-@click.pass_context
-def pause(ctx: click.Context, job: str | None) -> None:
-    """Stop sending new requests; requests in flight finish, held batches are kept.
-
-    Without --job this also sets RQ's suspension flag (as `rq suspend` does),
-    so no engine, and no stock `rq worker`, takes a new batch.
-    Workers notice within a second. `genq resume` undoes it.
-    """
-    conn = redis_conn(ctx)
+@click.command()
+@job_option("Pause only this job. [default: every job, and RQ's workers (rq suspend)]")
+def pause(job: str | None) -> None:
+    """Stop sending new requests (all jobs, or --job). In-flight ones finish."""
+    conn = redis_conn()
     jobs_named(conn, job)
     control.pause(conn, job)
     click.echo(f"paused {f'job {job}' if job else 'all jobs'}: workers send no new requests from now (in-flight ones "
@@ -242,13 +197,11 @@ def pause(ctx: click.Context, job: str | None) -> None:
                f"Undo with `genq resume{f' --job {job}' if job else ''}`.")
 
 
-@click.command(short_help="Undo genq pause (all jobs, or --job).")
-@job_option("Resume only this job. [default: lift the global pause]")
-@click.pass_context
-def resume(ctx: click.Context, job: str | None) -> None:
-    """Undo `genq pause` (global, or one job's); with --job, also lift the job's block
-    (docs/settings.md) and queue the batches its workers parked."""
-    conn = redis_conn(ctx)
+@click.command()
+@job_option("Resume only this job, lifting its block too. [default: lift the global pause]")
+def resume(job: str | None) -> None:
+    """Undo genq pause (all jobs, or --job). --job also lifts its block (docs/settings.md)."""
+    conn = redis_conn()
     jobs_named(conn, job)
     queued = control.resume(conn, job)
     click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
@@ -260,24 +213,19 @@ def resume(ctx: click.Context, job: str | None) -> None:
         click.echo("note: everything is still paused globally (genq resume)")
 
 
-@click.group(invoke_without_command=True, short_help="The jobs, their state and counts; show, set or delete one.")
+@click.group(invoke_without_command=True)
 @json_option("One JSON array of jobs.")
 @click.pass_context
 def jobs(ctx: click.Context, as_json: bool) -> None:
-    """Jobs with priority, share of the fleet, prompts total/done/failed, batches and paused state.
-
-    share is the job's part of the requests running on the fleet now, which priority and weight
-    decide (docs/scheduling.md); failed is the dead-letter queue's size (`genq dlq`).
-    """
+    """The jobs, their state and counts; show, set or delete one. Share: docs/scheduling.md."""
     if ctx.invoked_subcommand is not None:
         return
-    conn = redis_conn(ctx)
+    conn = redis_conn()
     rows = control.job_rows(conn)
     if as_json or not rows:
-        click.echo(msgspec.json.encode(rows).decode() if as_json else "no jobs (queue some with `genq enqueue`)")
-        return
-    out = console()
-    out.print(table(
+        return click.echo(msgspec.json.encode(rows).decode() if as_json else "no jobs (queue some with `genq enqueue`)")
+    out = cli.console()
+    out.print(cli.table(
         ("job", "state", "priority", "share", "total", "done", "failed", "remaining", "batches", "workers", "output"),
         ((r.name, r.state, f"{r.priority}" + (f" w{r.weight:g}" if r.weight != 1 else ""),
           f"{100 * r.share:.0f}%" if r.running else "-", f"{r.total:,}",
@@ -297,88 +245,67 @@ def _floor_percent(part: int, whole: int) -> str:
     return f"{tenths // 10}%" if tenths % 10 == 0 else f"{tenths / 10:.1f}%"
 
 
-@jobs.command("show", short_help="A job's settings, their history, its state and any block.")
+@jobs.command("show")
 @job_argument
 @json_option("The job's config, block and counts as one JSON object.")
-@click.pass_context
-def jobs_show(ctx: click.Context, job: str, as_json: bool) -> None:
-    """JOB's settings, their version history, its state and why it is blocked."""
-    conn = redis_conn(ctx)
+def jobs_show(job: str, as_json: bool) -> None:
+    """A job's settings, their history, its state and any block."""
+    conn = redis_conn()
     (row,) = control.job_rows(conn, jobs_named(conn, job))
     if (config := load_config(conn, job)) is None:
         raise Refused(f"job {job!r} has no stored settings")
     if as_json:
-        click.echo(msgspec.json.encode({"config": config, "row": row}).decode())
-        return
+        return click.echo(msgspec.json.encode({"config": config, "row": row}).decode())
     click.echo(f"job {job}: {row.state}, {row.done:,} done, {row.failed:,} failed, {row.remaining:,} remaining "
                f"of {row.total:,}; batches {row.batches_done}/{row.batches}; output {config.output}")
     click.echo(f"priority {row.priority}, weight {row.weight:g}; {100 * row.share:.0f}% of the fleet's requests in "
                "flight now (docs/scheduling.md)")
     if row.blocked is not None:
         click.echo(f"{describe_block(job, row.blocked)}\n  blocked at {iso(row.blocked.at)}")
-    sent = {k: getattr(config, k) for k in ("endpoint", "model", "max_tokens", "temperature", "top_p",
-                                             "extra_body", "max_attempts", "brake")}
+    sent = {k: getattr(config, k) for k in ("endpoint", *SETTABLE)}
     click.echo(f"settings version {config.settings_version}: "
                + ", ".join(f"{k} {json.dumps(v)}" for k, v in sent.items() if v is not None))
     click.echo(f"  version 1: enqueued at {iso(config.created_at)}" if config.created_at else "  version 1: enqueued")
     for change in config.settings_history:
         moved = ", ".join(f"{k} {json.dumps(change.previous.get(k))} -> {json.dumps(v)}"
                           for k, v in change.changed.items())
-        click.echo(f"  version {change.version}: {iso(change.at)}: {moved}" + (f" ({change.note})" if change.note else ""))
+        click.echo(f"  version {change.version}: {iso(change.at)}: {moved}{f' ({change.note})' if change.note else ''}")
 
 
 def _extra_body(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
     try:
-        return None if value is None else extra_body(value)
+        return None if value is None else cli.extra_body(value)
     except ValueError as exc:
         raise click.UsageError(str(exc), ctx) from None
 
 
 def generation_options(fn: Any) -> Any:
     """The generation settings a command may change (jobs set; dlq requeue's override)."""
-    for option in reversed((
-        click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate."),
-        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling."),
-        click.option("--extra-body", metavar="JSON", callback=_extra_body,
-                     help='Extra request fields, replacing the job\'s (e.g. \'{"top_k": 20}\'; \'{}\' clears them).'),
-    )):
-        fn = option(fn)
-    return fn
+    fn = click.option("--extra-body", metavar="JSON", callback=_extra_body,
+                      help="""Extra request fields, replacing the job's ('{}' clears them).""")(fn)
+    fn = click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling.")(fn)
+    fn = click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")(fn)
+    return click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate.")(fn)
 
 
-def given(**options: Any) -> dict[str, Any]:
-    """The options given (not None), by name."""
-    return {k: v for k, v in options.items() if v is not None}
-
-
-@jobs.command("set", short_help="Change a job's generation settings, priority or weight.")
+@jobs.command("set")
 @job_argument
 @generation_options
 @click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
 @click.option("--brake/--no-brake", "brake", default=None,
-              help="--no-brake: never block this job on repeated failures; each failing prompt is "
-                   "dead-lettered on its own (for prompts that really fail on their own).")
+              help="--no-brake: never block this job on repeated failures; each failing prompt is dead-lettered.")
 @click.option("--note", default=None, help="Why (kept in the settings history).")
-@click.option("--priority", type=int, default=None,
-              help="Scheduling priority, higher first (not a settings version: nothing sent changes).")
+@click.option("--priority", type=int, default=None, help="Scheduling priority, higher first (no settings version).")
 @click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority.")
-@click.pass_context
-def jobs_set(ctx: click.Context, job: str, note: str | None, priority: int | None, weight: float | None,
-             **settings: Any) -> None:
-    """Change JOB's generation settings for every prompt not yet done, or its priority and weight.
-
-    Settings become the job's next version (`genq jobs show JOB`): workers send every prompt with
-    it within a second, and each result records its version. A blocked job stays blocked until
-    `genq resume --job JOB`. --priority and --weight (docs/scheduling.md) are no settings version.
-    """
-    changes = given(**{k: settings[k] for k in ("max_tokens", "temperature", "top_p", "extra_body", "model",
-                                                 "max_attempts", "brake")})
+def jobs_set(job: str, note: str | None, priority: int | None, weight: float | None, **settings: Any) -> None:
+    """Change a job's generation settings, priority or weight. See docs/settings.md."""
+    order = ("max_tokens", "temperature", "top_p", "extra_body", "model", "max_attempts", "brake")
+    changes = {k: settings[k] for k in order if settings[k] is not None}
     if not changes and priority is None and weight is None:
         raise click.UsageError("name at least one setting to change (see --help)")
-    conn = redis_conn(ctx)
+    conn = redis_conn()
     if priority is not None or weight is not None:
         jobs_named(conn, job)
         sched = set_schedule(conn, job, priority, weight)
@@ -393,19 +320,13 @@ def jobs_set(ctx: click.Context, job: str, note: str | None, priority: int | Non
         click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
 
 
-@jobs.command("delete", short_help="Remove a job from Redis (its shards stay).")
+@jobs.command("delete")
 @job_argument
-@yes_option
+@cli.yes_option
 @click.option("--force", is_flag=True, help="Delete even while live workers hold the job's batches.")
-@click.pass_context
-def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
-    """Remove job JOB from Redis: everything under genq:job:JOB:, its name, its RQ jobs.
-
-    Its written shards stay, and its job.json is marked deleted: the name's next `genq enqueue`
-    starts a new job (`genq recover --job JOB --output OUTPUT` brings this one back). Refused
-    while a live worker holds one of its batches, unless --force.
-    """
-    conn = redis_conn(ctx)
+def jobs_delete(job: str, yes: bool, force: bool) -> None:
+    """Remove a job from Redis (its shards stay). See docs/recovery.md."""
+    conn = redis_conn()
     found = control.find_job(conn, job)
     if not found.keys and not found.rq_jobs:
         jobs_named(conn, job)
@@ -425,8 +346,12 @@ def jobs_delete(ctx: click.Context, job: str, yes: bool, force: bool) -> None:
     click.echo(f"removed job {job}: {what}")
     if config is None:
         return
-    if problem := control.mark_output_deleted(config):
-        click.echo(f"warning: {problem}", err=True)
-    else:
-        click.echo(f"its shards stay in {config.output}/{job}; the name {job} is free for a new job "
-                   f"(`genq recover --job {job} --output {config.output}` brings this one back instead)")
+    try:  # job.json marked deleted: the name's next enqueue starts a new job (genq recover still can)
+        truth.mark_deleted(truth.open_store(config.output, config.s3_endpoint_url), job, time.time(),
+                           config.incarnation)
+    except Exception as exc:  # OSError, botocore's: the output is not reachable from here
+        return click.echo(f"warning: could not mark {config.output}/{job}/job.json deleted ({type(exc).__name__}: "
+                          f"{exc}): an enqueue of the name {job} will take the old job up again from its shards",
+                          err=True)
+    click.echo(f"its shards stay in {config.output}/{job}; the name {job} is free for a new job "
+               f"(`genq recover --job {job} --output {config.output}` brings this one back instead)")

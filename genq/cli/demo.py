@@ -37,7 +37,7 @@ TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.
          "What are common misconceptions about {t}?"]
 
 
-@click.command(short_help="Run genq end to end here, with simulated GPUs.")
+@click.command()
 @click.option("--num-gpus", "gpus", type=click.IntRange(1, 16), default=4,
               show_default=True, help="Simulated GPUs: one sim server and one worker each.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True,
@@ -50,41 +50,32 @@ TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.
               help="Mean of the heavy-tailed (lognormal) output lengths.")
 @click.option("--speed", type=click.FloatRange(0.1), default=1.0, show_default=True,
               help="Time compression: higher finishes sooner.")
-@click.option("--keep", is_flag=True,
-              help="With --redis: keep the demo's job in that Redis afterwards (to try `genq monitor`, `genq export`).")
+@click.option("--keep", is_flag=True, help="With --redis: keep the demo's job in that Redis afterwards.")
 @click.pass_context
 def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running_requests: int,
          mean_output_tokens: float, speed: float, keep: bool) -> None:
-    """Run genq end to end on this machine with simulated GPUs.
-
-    Enqueues synthetic prompts, starts one SGLang-compatible simulator and one
-    worker per simulated GPU, shows live progress, and leaves one result per
-    prompt under --output. Runs on a private redis-server of its own (started
-    and stopped by the demo), so it never touches a Redis already running here.
-    With --redis URL (or GENQ_REDIS_URL) it uses that Redis instead and removes
-    the demo's job from it at the end unless --keep.
-    """
+    """Run genq end to end here, with simulated GPUs. Its Redis: a private one, or --redis URL (README)."""
     given = redis_given(ctx)
     if keep and given is None:
         raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
     out = Path(output).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:  # the children stop before a private Redis: none sees it vanish
-        if given is None:
+        url = given
+        if url is None:
             try:
                 with open(out / "logs" / "redis.log", "wb") as log:
                     url = stack.enter_context(LocalRedis(log=log)).url
             except RuntimeError as e:
-                raise click.ClickException(f"the demo runs a redis-server of its own: {e} (or give --redis URL)") from None
-        else:
-            url = given
-            connect(url).ping()
+                raise click.ClickException(f"the demo runs a redis-server of its own: {e} "
+                                           "(or give --redis URL)") from None
+        conn = connect(url)
+        conn.ping()
         children: list[subprocess.Popen] = []
         stack.callback(_stop, children)
-        job = _run(url, out, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
+        job = _run(url, conn, out, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
                    private=given is None, keep=keep)
         if given is not None and not keep:
-            conn = connect(url)
             control.delete_job(conn, control.find_job(conn, job))
             click.echo(f"removed the demo's job {job} from {mask_url(url)} (--keep keeps it)")
 
@@ -108,8 +99,8 @@ def _stop(children: list[subprocess.Popen]) -> None:
         proc.kill()
 
 
-def _run(url: str, out: Path, children: list[subprocess.Popen], gpus: int, n_prompts: int, capacity: int,
-         mean_tokens: float, speed: float, *, private: bool, keep: bool) -> str:
+def _run(url: str, conn: redis.Redis, out: Path, children: list[subprocess.Popen], gpus: int, n_prompts: int,
+         capacity: int, mean_tokens: float, speed: float, *, private: bool, keep: bool) -> str:
     from rich.live import Live
 
     from genq.monitor.progress import Monitor
@@ -136,7 +127,6 @@ def _run(url: str, out: Path, children: list[subprocess.Popen], gpus: int, n_pro
             "--tokens-per-step", "16"])
     for sim in sims:
         _wait_http(sim + "/health")
-
     enqueue = subprocess.run([*genq, "enqueue", str(out / "prompts.jsonl"), "--job", job, "--batch-size", "128",
                               "--max-tokens", str(int(mean_tokens * 8)), "--output", str(out),
                               "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}'],
@@ -144,12 +134,10 @@ def _run(url: str, out: Path, children: list[subprocess.Popen], gpus: int, n_pro
     console.print(enqueue.stdout.rstrip())
     if enqueue.returncode != 0:
         raise click.ClickException(f"enqueue failed:\n{enqueue.stderr}")
-
     started = time.monotonic()
     workers = [_start(children, out / "logs", f"worker-gpu{gpu}",
                       [*genq, "worker", "--server", sim, "--burst", "--name", f"demo.gpu{gpu}"])
                for gpu, sim in enumerate(sims)]
-    conn = connect(url)
     mon = Monitor(conn, job)
     with Live(console=console, refresh_per_second=2, transient=False) as live:
         while any(w.poll() is None for w in workers):
@@ -167,8 +155,7 @@ def _wait_http(url: str, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
+            return urllib.request.urlopen(url, timeout=1).close()
         except OSError:
             time.sleep(0.1)
     raise click.ClickException(f"simulator at {url} did not start")
@@ -189,21 +176,19 @@ def _summary(console: Console, conn: redis.Redis, out: Path, job: str, sims: lis
     utilization = [_get(u + "/sim/stats")["busy_mean_running"]
                    / _get(u + "/server_info")["internal_states"][0]["effective_max_running_requests_per_dp"]
                    for u in sims]
-    console.print()
-    console.print(f"[bold green]done[/] in {makespan:.1f}s: {plural(len(rows), 'result')} for "
-                  f"{plural(n_prompts, 'prompt')} ({len({r['id'] for r in rows}):,} unique ids), "
-                  f"{plural(letters.count(conn, job), 'dead letter')}")
-    console.print(f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
-                  f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}")
-    console.print(f"  shards:   {root / truth.SHARDS_DIR}  ({plural(len(shards), 'file')})")
-    console.print(f"  manifest: {root / truth.MANIFEST_DIR}")
-    console.print(f"  logs:     {out / 'logs'}")
+    genq = shutil.which("genq") or os.path.relpath(Path(sys.executable).with_name("genq"))
+    lines = [
+        "", f"[bold green]done[/] in {makespan:.1f}s: {plural(len(rows), 'result')} for {plural(n_prompts, 'prompt')} "
+        f"({len({r['id'] for r in rows}):,} unique ids), {plural(letters.count(conn, job), 'dead letter')}",
+        f"  output tokens {out_tokens:,} ({out_tokens / max(makespan, 1e-9):,.0f} tok/s); "
+        f"slot utilization per simulated GPU: {', '.join(f'{u:.1%}' for u in utilization)}",
+        f"  shards:   {root / truth.SHARDS_DIR}  ({plural(len(shards), 'file')})",
+        f"  manifest: {root / truth.MANIFEST_DIR}", f"  logs:     {out / 'logs'}"]
     if rows:
         sample = {k: rows[0][k] for k in ("id", "finish_reason", "usage", "worker", "attempts")}
-        console.print(f"  first result: {json.dumps(sample)}")
-    if hints:
-        genq = shutil.which("genq") or os.path.relpath(Path(sys.executable).with_name("genq"))
-        console.print(f"  next:     {genq} monitor --job {job} --once --json")
-        console.print(f"            {genq} export --job {job} --to {job}.jsonl")
-    else:
-        console.print("  next:     the walk-through in README.md, \"Using it\" (enqueue, worker, monitor, export)")
+        lines.append(f"  first result: {json.dumps(sample)}")
+    lines += [f"  next:     {genq} monitor --job {job} --once --json", f"            {genq} export --job {job} "
+              f"--to {job}.jsonl"] if hints else [
+        '  next:     the walk-through in README.md, "Using it" (enqueue, worker, monitor, export)']
+    for line in lines:
+        console.print(line)

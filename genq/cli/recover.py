@@ -1,4 +1,4 @@
-"""`genq recover`: a job's ledger in Redis rebuilt from its written output (docs/recovery.md)."""
+"""`genq recover`: a job's ledger in Redis rebuilt from its written output. See docs/recovery.md."""
 
 from __future__ import annotations
 
@@ -15,32 +15,19 @@ from genq.producer.enqueue import enqueue_again
 from genq.producer.sources import located
 
 
-@click.command(short_help="Rebuild a job's ledger in Redis from its written output.")
+@click.command()
 @click.option("--job", type=JobName(), required=True, help="The job to recover.")
 @click.option("--output", default=None, metavar="OUTPUT",
-              help="Where the job wrote its shards (a directory or s3://bucket/prefix); needed when Redis no "
-                   "longer knows the job. [default: the job's, from Redis]")
+              help="Where the job wrote its shards, when Redis no longer knows it. [default: the job's, from Redis]")
 @click.option("--input", "inputs", multiple=True, metavar="INPUT",
-              help="The job's input, to queue again the prompts with no written outcome (repeatable). "
-                   "[default: the inputs OUTPUT/JOB/job.json records]")
+              help="The job's input, to queue its prompts with no written outcome. [default: the ones job.json names]")
 @click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for an s3:// output.")
-@click.pass_context
-def recover(ctx: click.Context, job: str, output: str | None, inputs: tuple[str, ...],
-            s3_endpoint_url: str | None) -> None:
-    """Bring JOB's ledger in Redis up to its output, after Redis lost it or its recent writes.
-
-    The output is the truth: every batch written for this life of the job is marked done from
-    its marker; a job Redis lost is created again from OUTPUT/JOB/job.json. Then only the
-    input's prompts with no written outcome are queued: nothing written is generated again.
-
-    \b
-    Exit status: 0 recovered; 1 nothing to recover from (no job.json), an unreadable
-    input or output, Redis unreachable; 3 some input lines were rejected.
-    """
+def recover(job: str, output: str | None, inputs: tuple[str, ...], s3_endpoint_url: str | None) -> None:
+    """Rebuild a job's ledger in Redis from its written output. See docs/recovery.md."""
     if output and "://" not in output:
         output = os.path.abspath(output)
     try:  # an output or input that cannot be read (SourceError is the genq group's to print)
-        conn, rejected = redis_conn(ctx), 0
+        conn, rejected = redis_conn(), 0
         found = recovering.recover(conn, job, output, s3_endpoint_url)
         config = found.config
         if found.rebuilt:

@@ -1,13 +1,15 @@
-"""The fleet and the jobs as operators see and steer them: `genq workers`, `drain`, `concurrency`,
-`jobs`, `jobs delete`, `pause`, `resume`. Workers publish their WorkerStatus (TTL 15 s, kept without
-TTL once stopped) and read their Control record and the pause flags every second."""
+"""The fleet and the jobs as operators see and steer them (`genq workers`, `drain`, `concurrency`, `jobs`,
+`pause`, `resume`, `jobs set`). Workers publish a WorkerStatus (TTL 15 s) and read their Control record and
+the job's settings every second. OUTPUT/JOB/job.json is written before Redis: the output is the durable truth
+of a job's settings, and whatever brings a job back from it (recover, the same enqueue, a worker) takes them."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import redis
@@ -19,50 +21,51 @@ from genq.core.ledger import leasing
 from genq.core.ledger.figures import JobStatus, job_status, job_totals
 from genq.core.order import order_queue
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
-from genq.core.records import Control, JobBlock, JobConfig, WorkerStatus
-from genq.ops import Refused
+from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
 from genq.output import truth
-from genq.output.truth import open_store
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
+# A lost worker's fields, read through its status otherwise.
+_LOST = {"host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0, "tok_per_s": 0.0,
+         "req_per_s": 0.0, "done": 0, "errors": 0, "model": None, "server_capacity": None, "concurrency_limit": None,
+         "concurrency_target": 0}
+# `genq workers --json`; "cap" is concurrency_limit's first name, documented in docs/fleet.md.
+JSON_FIELDS = ("name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "concurrency_limit",
+               "server_capacity", "cap", "queued", "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s",
+               "note", "model")
+
+
+class Refused(Exception):
+    """What the operator asked cannot be done (an unknown job or id, a change that changes nothing):
+    the message says why and what to do; the CLI prints it in one line and exits 1."""
+
+
+def jobs_named(conn: redis.Redis, job: str | None) -> list[str]:
+    """The jobs a command covers: the named one, which must exist, or (None) all of them."""
+    known = list_jobs(conn)
+    if job is None:
+        return known
+    if job not in known:
+        raise Refused(f"no job named {job!r} (known jobs: {', '.join(known) or 'none'})")
+    return [job]
 
 
 @dataclass(frozen=True)
 class WorkerRow:
-    """One line of `genq workers`: the worker's own record (None once its heartbeat expired: lost),
-    its fields read through (these defaults while lost), and what is derived from it."""
+    """One line of `genq workers`: the worker's own record, None once its heartbeat expired (lost)."""
 
     name: str
     status: WorkerStatus | None
     now: float
 
-    _DEFAULTS: ClassVar[dict[str, Any]] = {
-        "host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0, "tok_per_s": 0.0,
-        "req_per_s": 0.0, "done": 0, "errors": 0, "model": None, "server_capacity": None, "concurrency_limit": None,
-        "concurrency_target": 0}
-    # "cap" is concurrency_limit's first name, documented in docs/fleet.md.
-    JSON_FIELDS: ClassVar[tuple[str, ...]] = (
-        "name", "state", "host", "gpu", "server", "pid", "batches", "in_flight", "target", "concurrency_limit",
-        "server_capacity", "cap", "queued", "tok_per_s", "req_per_s", "done", "errors", "heartbeat_age_s", "note",
-        "model")
-
     def __getattr__(self, field: str) -> Any:
-        if field not in self._DEFAULTS:
+        if field not in _LOST:
             raise AttributeError(field)
-        return self._DEFAULTS[field] if self.status is None else getattr(self.status, field)
+        return _LOST[field] if self.status is None else getattr(self.status, field)
 
-    @property
-    def state(self) -> str:
-        return LOST if self.status is None else self.status.state
-
-    @property
-    def live(self) -> bool:
-        return self.state not in ("stopped", LOST)
-
-    @property
-    def batches(self) -> list[str]:
-        return [] if self.status is None else [str(b) for b in self.status.batches]
-
+    state = property(lambda self: LOST if self.status is None else self.status.state)
+    live = property(lambda self: self.state not in ("stopped", LOST))
+    batches = property(lambda self: [] if self.status is None else [str(b) for b in self.status.batches])
     target = property(lambda self: self.concurrency_target)
     cap = property(lambda self: self.concurrency_limit)
 
@@ -72,17 +75,16 @@ class WorkerRow:
 
     @property
     def note(self) -> str | None:
-        s = self.status
-        if s is None:
+        if (s := self.status) is None:
             return f"{NO_HEARTBEAT}; its batches are queued again"
         return s.note or (s.gpu_note if s.state == "server_down" else None)
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.JSON_FIELDS}
+        return {name: getattr(self, name) for name in JSON_FIELDS}
 
 
 class JobRow(msgspec.Struct, omit_defaults=False):
-    """One line of `genq jobs`."""
+    """One line of `genq jobs`; share is the job's part of the fleet's running requests (0..1)."""
 
     name: str
     state: JobStatus
@@ -99,13 +101,12 @@ class JobRow(msgspec.Struct, omit_defaults=False):
     settings_version: int = 1
     priority: int = 0  # its JobSchedule (docs/scheduling.md)
     weight: float = 1.0
-    running: int = 0  # its requests running on the fleet now
-    share: float = 0.0  # of the fleet's running requests now, this job's (0..1)
+    running: int = 0
+    share: float = 0.0
 
 
 def fleet(conn: redis.Redis) -> list[WorkerRow]:
-    """Every worker that ever heartbeated, by host then GPU (a status written by an incompatible
-    genq reads as None: lost)."""
+    """Every worker that ever heartbeated, by host then GPU."""
     now = time.time()
     rows = [WorkerRow(name, status, now) for name, status in ledger_fleet.statuses(conn).items()]
     return sorted(rows, key=lambda r: (r.host is None, r.host or "", int(r.gpu) if (r.gpu or "").isdigit() else -1,
@@ -116,14 +117,11 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
            everyone: bool = False) -> list[WorkerRow]:
     """The live workers an operator named; Refused says what exists when a name matches none."""
     rows = list(rows)
-    live = [r for r in rows if r.live]
-    if everyone:
-        return live
-    if host is not None:
-        if chosen := [r for r in live if r.host == host]:
-            return chosen
-        hosts = sorted({r.host for r in live if r.host})
-        raise Refused(f"no live worker on host {host!r}; live hosts: {', '.join(hosts) or 'none'}")
+    if everyone or host is not None:
+        if not (chosen := [r for r in rows if r.live and (everyone or r.host == host)]) and host is not None:
+            hosts = sorted({r.host for r in rows if r.live and r.host})
+            raise Refused(f"no live worker on host {host!r}; live hosts: {', '.join(hosts) or 'none'}")
+        return chosen
     by_name = {r.name: r for r in rows}
     for name in workers:
         if name not in by_name:
@@ -134,8 +132,7 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
 
 
 def update_control(conn: redis.Redis, name: str, **change: Any) -> Control:
-    """Set fields (drain, concurrency: None or 0 is auto) of a worker's Control record and keep the
-    others (WATCH: a concurrent drain and concurrency change both stick)."""
+    """Set fields (drain, concurrency: None or 0 is auto) of a worker's Control record, keeping the others."""
     def apply(control: Control) -> None:
         for field, value in change.items():
             setattr(control, field, (value or None) if field == "concurrency" else value)
@@ -150,16 +147,14 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
     if job is None:
         ledger_jobs.pause_all(conn)
         suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
-    else:
-        # Its queued batches leave RQ's queue and its workers park what they hold: their slots
-        # go to other jobs; `resume --job` queues them all again.
+    else:  # its batches leave RQ's queue and its workers park theirs: their slots go to other jobs
         ledger_jobs.pause_job(conn, job)
         leasing.unqueue(conn, job)
     ledger_fleet.tell_idle_workers(conn)
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:
-    """Undo a pause; with a job, also lift its block and pause and queue its parked batches: how many."""
+    """Undo a pause; with a job, also lift its block and queue its parked batches: how many."""
     queued = 0
     if job is None:
         ledger_jobs.resume_all(conn)
@@ -175,30 +170,25 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
     """Totals per job from the counters of record (genq.core.ledger.figures)."""
     names = list_jobs(conn) if names is None else list(names)
-    paused_all = ledger_jobs.paused_all(conn)
-    fleet_names = ledger_fleet.worker_names(conn)
-    jobs_now = dict(zip(names, ledger_jobs.jobs_now(conn, names)))
+    paused_all, fleet_names = ledger_jobs.paused_all(conn), ledger_fleet.worker_names(conn)
     rows = []
-    for job in names:
-        t = job_totals(conn, job, fleet_names)
+    for job, now in zip(names, ledger_jobs.jobs_now(conn, names)):
+        t, config = job_totals(conn, job, fleet_names), now.config
         total, batches = int(t.stats.get(b"total", 0)), int(t.stats.get(b"batches", 0))
-        now = jobs_now[job]
-        is_paused = paused_all or now.paused
+        paused = paused_all or now.paused
         state = job_status(total=total, finished=t.done + t.dead, batches=batches, batches_done=t.batches_done,
-                           paused=is_paused, started=bool(t.inflight) or t.done + t.dead > 0, failed=t.dead,
+                           paused=paused, started=bool(t.inflight) or t.done + t.dead > 0, failed=t.dead,
                            blocked=now.blocked is not None)
-        config = now.config
         rows.append(JobRow(
-            name=job, state=state, paused=is_paused, total=total, done=t.done, failed=t.dead,
+            name=job, state=state, paused=paused, total=total, done=t.done, failed=t.dead,
             remaining=max(0, total - t.done - t.dead), batches=batches, batches_done=t.batches_done,
             workers=list(t.inflight), output=config.output if config else None, blocked=now.blocked,
             settings_version=config.settings_version if config else 1, priority=now.schedule.priority,
             weight=now.schedule.weight, running=sum(len(r.tokens) for r in t.inflight.values())))
-    # Every job's requests running, as the monitor counts them.
-    statuses = ledger_fleet.statuses(conn, fleet_names).values()
-    fleet_running = sum(s.in_flight for s in statuses if s is not None and s.state != "stopped")
-    for r in rows:
-        r.share = min(1.0, r.running / fleet_running) if fleet_running else 0.0
+    statuses = ledger_fleet.statuses(conn, fleet_names).values()  # every job's requests running, as the monitor's
+    if running := sum(s.in_flight for s in statuses if s is not None and s.state != "stopped"):
+        for r in rows:
+            r.share = min(1.0, r.running / running)
     return rows
 
 
@@ -206,25 +196,12 @@ class JobDeletion(msgspec.Struct):
     """What `genq jobs delete` found (and removes) of one job."""
 
     job: str
-    keys: list[str]  # genq's keys of the job (everything under genq:job:JOB:)
-    rq_jobs: dict[str, list[str]]  # where the job's RQ jobs are (queued, started, failed...) -> RQ job ids
+    keys: list[str]  # everything under genq:job:JOB:
+    rq_jobs: dict[str, list[str]]  # where its RQ jobs are (queued, started, failed...) -> RQ job ids
     holders: list[str]  # live workers holding its batches
 
 
-def mark_output_deleted(config: JobConfig) -> str | None:
-    """OUTPUT/JOB/job.json marked deleted, so the name's next enqueue starts a new job instead of
-    taking this one up again from its shards (genq recover still can). Why it could not, or None."""
-    try:
-        truth.mark_deleted(open_store(config.output, config.s3_endpoint_url), config.name, time.time(),
-                           config.incarnation)
-    except Exception as exc:  # OSError, botocore's: the output is not reachable from here
-        return (f"could not mark {config.output}/{config.name}/job.json deleted ({type(exc).__name__}: {exc}): "
-                f"an enqueue of the name {config.name} will take the old job up again from its shards")
-    return None
-
-
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:
-    """The queue and every registry of RQ's that can hold one of its jobs."""
     q = rq_queue(conn)
     return {"queued": q, "started": q.started_job_registry, "finished": q.finished_job_registry,
             "failed": q.failed_job_registry, "deferred": q.deferred_job_registry,
@@ -232,7 +209,6 @@ def _rq_places(conn: redis.Redis) -> dict[str, Any]:
 
 
 def find_job(conn: redis.Redis, job: str) -> JobDeletion:
-    """Everything of `job` in Redis: its keys, its RQ jobs by place, the live workers holding its batches."""
     rq_jobs: dict[str, list[str]] = {}
     for place, holder in _rq_places(conn).items():
         # cleanup=False: looking must not make RQ move jobs between registries.
@@ -251,13 +227,13 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
     ours = seen | {i for ids in found.rq_jobs.values() for i in ids}
     with conn.pipeline() as pipe:
         for place, holder in _rq_places(conn).items():
-            mine = set(found.rq_jobs.get(place, []))
-            if mine and place == "queued":
-                for rq_id in mine:
+            if place == "queued":
+                for rq_id in found.rq_jobs.get(place, []):
                     holder.remove(rq_id, pipeline=pipe)
-            elif place != "queued" and ours:  # the started registry holds "job:execution" entries
-                if entries := [e for e in conn.zrange(holder.key, 0, -1) if holder.parse_job_id(e.decode()) in ours]:
-                    pipe.zrem(holder.key, *entries)
+            # the started registry holds "job:execution" entries, the others plain job ids
+            elif ours and (entries := [e for e in conn.zrange(holder.key, 0, -1)
+                                       if holder.parse_job_id(e.decode()) in ours]):
+                pipe.zrem(holder.key, *entries)
         for rq_job in fetch_rq_jobs(conn, sorted({i for ids in found.rq_jobs.values() for i in ids})):
             if rq_job is not None:
                 delete_rq_job(pipe, rq_job, remove_from_queue=False)
@@ -267,3 +243,83 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
     if again:  # a batch RQ queued again or a worker wrote meanwhile would be orphaned: one more pass
         late = find_job(conn, found.job)
         delete_job(conn, late, again=False, seen=ours)
+
+
+# What `genq jobs set` may change: what is sent with each request. Not endpoint (rows were fitted to
+# it at enqueue), output, batch size or compression (written batches and shards follow them).
+SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_attempts", "brake")
+
+
+def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str | None = None) -> JobConfig:
+    """Store `changes` as the job's next settings version. A change that changes nothing is refused,
+    so every version in the history differs from the one before."""
+    if unknown := sorted(set(changes) - set(SETTABLE)):
+        raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
+
+    def change(config: JobConfig | None) -> JobConfig:
+        if config is None:
+            raise Refused(f"no job named {job!r} (or it has no stored settings)")
+        if not (differing := {k: v for k, v in changes.items() if getattr(config, k) != v}):
+            raise Refused(f"job {job!r} has these settings already (version {config.settings_version})")
+        version = config.settings_version + 1
+        entry = SettingsChange(version=version, at=time.time(), changed=differing,
+                               previous={k: getattr(config, k) for k in differing}, note=note)
+        new = msgspec.structs.replace(config, **differing, settings_version=version,
+                                      settings_history=[*config.settings_history, entry])
+        write_settings(conn, new)  # the output first: Redis may lose the change, the output keeps it
+        return new
+
+    return ledger_jobs.change_config(conn, job, change)
+
+
+def write_settings(conn: redis.Redis, config: JobConfig) -> None:
+    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept); Refused where
+    the output cannot be written from here."""
+    store = truth.open_store(config.output, config.s3_endpoint_url)
+    try:
+        record = truth.read_job(store, config.name)
+        if record is None or record.config.incarnation != config.incarnation:  # an output without job.json
+            record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
+        truth.write_job(store, msgspec.structs.replace(record, config=config))
+    except redis.RedisError:
+        raise
+    except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
+        raise Refused(f"cannot write {truth.job_uri(store, config.name)} ({type(exc).__name__}: {exc}): the "
+                      "job's settings are kept there first, so nothing was changed; run this where the "
+                      "output is reachable") from None
+
+
+def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
+    """Redis's and job.json's settings brought to the latest of the two (same life of the job): Redis
+    restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
+    if (on_disk is None or on_disk.incarnation != config.incarnation
+            or on_disk.settings_version == config.settings_version):
+        return
+    if on_disk.settings_version < config.settings_version:
+        return write_settings(conn, config)
+
+    def take(stored: JobConfig | None) -> JobConfig:
+        if (stored is None or stored.incarnation != on_disk.incarnation
+                or stored.settings_version >= on_disk.settings_version):
+            raise Refused("Redis has the latest settings already (or lost the job meanwhile): nothing to store")
+        return msgspec.structs.replace(stored, **{k: getattr(on_disk, k) for k in SETTABLE},
+                                       settings_version=on_disk.settings_version,
+                                       settings_history=on_disk.settings_history)
+
+    with contextlib.suppress(Refused):
+        ledger_jobs.change_config(conn, config.name, take)
+
+
+def blocked_jobs(conn: redis.Redis) -> list[str]:
+    names = list_jobs(conn)
+    return sorted(job for job, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.blocked)
+
+
+def describe_block(job: str, block: JobBlock) -> str:
+    """One paragraph for `genq jobs`, `genq jobs show` and the monitor."""
+    why = f"preflight by {block.worker}" if block.reason == "preflight" else (
+        f"brake on {block.worker}: {block.failures} of its last {block.outcomes} requests failed the same way "
+        f"across {block.prompts} prompts (settings version {block.settings_version}"
+        f"{f', HTTP {block.status}' if block.status else ''})")
+    return (f"job {job} is blocked ({why}): {block.message} -- its prompts stay queued; fix the settings "
+            f"(genq jobs set {job} ...), then genq resume --job {job}")

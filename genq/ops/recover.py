@@ -1,62 +1,92 @@
-"""A job's ledger brought up to its output: what is written is done, whatever Redis says.
+"""A job's ledger brought up to its output: what is written is done, whatever Redis says (docs/recovery.md).
 
-Redis lost the job: `genq recover` or the same `genq enqueue` creates it again from
-OUTPUT/JOB/job.json and adopts every marker of that life; only prompts with no written outcome are
-queued again. Redis lost recent writes: workers adopt each written batch from its marker instead of
-generating it again. ADOPT (genq/core/scripts/adopt.lua) marks a batch done as RELEASE would, its
-counters set to the marker's tally, so the monitor's figures equal the output.
+Redis lost the job: `genq recover` or the same `genq enqueue` creates it again from OUTPUT/JOB/job.json
+and adopts every marker of that life. Redis lost recent writes: workers adopt each written batch from
+its marker instead of generating it again. ADOPT (genq/core/scripts/adopt.lua) marks a batch done as
+RELEASE would, its counters set to the marker's tally, so the monitor's figures equal the output.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import redis
+import redis.asyncio as aioredis
 
 from genq.core import scripts
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
-from genq.core.records import JobConfig, JobRecord, ShardMarker
+from genq.core.records import BatchRef, DeadLetter, JobConfig, JobRecord, Prompt, Result, ShardMarker
 from genq.core.words import plural
-from genq.ops import Refused
-from genq.ops.settings import settings_from_output
+from genq.ops.control import Refused, settings_from_output
 from genq.output import truth
-from genq.output.truth import open_store
+from genq.producer.rows import claim_digest
 
 log = logging.getLogger("genq.recover")
 
 
-def adopt(conn: redis.Redis, job: str, marker: ShardMarker) -> bool:
-    """Mark a written batch done from its marker: False if it was done already, or the job in
-    Redis is not the life that wrote it."""
-    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker))) == 1
+def adopt(conn: redis.Redis | aioredis.Redis, job: str, marker: ShardMarker) -> Any:
+    """Mark a written batch done from its marker: 0 if it was done already, or the job in Redis is not the
+    life that wrote it, else 1 (awaitable on an asyncio connection)."""
+    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker)))
+
+
+def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
+    """The batch's marker in the output, if this life of the job wrote it."""
+    store = truth.open_store(config.output, config.s3_endpoint_url)
+    marker = truth.read_marker(store, truth.marker_rel(ref.job, ref.batch))
+    return marker if marker is not None and marker.incarnation == config.incarnation else None
+
+
+async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:
+    """The worker's adopt (False: it was done already)."""
+    if adopted := await adopt(conn, ref.job, marker) == 1:
+        log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
+                    "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)
+    return adopted
+
+
+async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRef) -> bool:
+    """Before sending a batch's prompts: True if the output holds its shard for this life of the job,
+    which is then the batch's outcome (marked done in Redis; nothing is sent)."""
+    try:
+        marker = await asyncio.to_thread(written_marker, config, ref)
+    except Exception as exc:  # the output unreachable now: the shard write checks again (truth.commit_shard)
+        log.warning("batch %s: cannot look for its shard in %s (%s: %s)", ref, config.output, type(exc).__name__, exc)
+        return False
+    if marker is not None:
+        await adopt_marker(conn, ref, marker)
+    return marker is not None
+
+
+def outcome_for(prompts: Iterable[Prompt], results: list[Result], letters: list[DeadLetter], size: int) -> ShardMarker:
+    """The marker's outcome of a batch of `size` prompts about to be written."""
+    return truth.outcome_of(results, letters, {p.id: claim_digest(p) for p in prompts}, size)
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
-    """Take the latest settings of Redis's and job.json's (genq.ops.settings), and adopt every batch
-    of this life of the job that the output has and the ledger does not count as done; the batches
-    adopted."""
-    store = open_store(config.output, config.s3_endpoint_url)
+    """Take the latest settings of Redis's and job.json's, and adopt every batch of this life of the
+    job that the output has and the ledger does not count as done; the batches adopted."""
+    store = truth.open_store(config.output, config.s3_endpoint_url)
     on_disk = truth.read_job(store, config.name)
     settings_from_output(conn, config, on_disk.config if on_disk else None)
     undone = truth.marker_batches(store, config.name) - ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, undone), config)
     if adopted := [m.batch for m in markers if adopt(conn, config.name, m)]:
-        log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); "
-                    "marked done from their markers, not generated again: %s", config.name,
-                    plural(len(adopted), "batch", "batches"),
+        log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); marked done from "
+                    "their markers, not generated again: %s", config.name, plural(len(adopted), "batch", "batches"),
                     config.output, ", ".join(adopted[:8]) + (" ..." if len(adopted) > 8 else ""))
     return adopted
 
 
 @dataclass
 class Recovery:
-    """What rebuilding a job's ledger from its output did."""
-
     config: JobConfig
     record: JobRecord
     adopted: list[str]  # batches marked done from their markers
@@ -65,16 +95,16 @@ class Recovery:
 
 
 def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url: str | None = None) -> Recovery:
-    """The job's ledger brought up to its output: created again from OUTPUT/JOB/job.json when
-    Redis has no config for it (output: where to look then), else caught up."""
+    """The job's ledger brought up to its output: created again from OUTPUT/JOB/job.json when Redis
+    has no config for it, else caught up."""
     if (config := load_config(conn, job)) is not None:
         adopted = catch_up(conn, config)
         config = load_config(conn, job) or config  # with the output's settings, when Redis had lost them
-        record = truth.read_job(open_store(config.output, config.s3_endpoint_url), job) or JobRecord(config=config)
-        return Recovery(config=config, record=record, adopted=adopted, rebuilt=False)
+        record = truth.read_job(truth.open_store(config.output, config.s3_endpoint_url), job)
+        return Recovery(config=config, record=record or JobRecord(config=config), adopted=adopted, rebuilt=False)
     if output is None:
         raise Refused(f"job {job!r} is not in Redis: give the output it wrote to (--output)")
-    if (on_disk := truth.read_job(open_store(output, endpoint_url), job)) is None:
+    if (on_disk := truth.read_job(truth.open_store(output, endpoint_url), job)) is None:
         raise Refused(f"job {job!r} is not in Redis and {output}/{job}/job.json does not exist: "
                       "nothing to recover it from")
     return rebuild(conn, on_disk)
@@ -83,10 +113,10 @@ def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url
 def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
     """Create the job again in Redis from its job.json and adopt every marker of its life."""
     config, job = record.config, record.config.name
-    store = open_store(config.output, config.s3_endpoint_url)
+    store = truth.open_store(config.output, config.s3_endpoint_url)
     markers = truth.of_life(truth.read_markers(store, job, truth.marker_batches(store, job)), config)
-    # Whatever Redis holds of the job without its config is not its ledger: results and claims
-    # written into an empty Redis by workers that held batches when it was lost.
+    # What Redis holds of the job without its config is not its ledger: results and claims written
+    # into an empty Redis by workers that held batches when it was lost.
     orphans = ledger_jobs.find_job_keys(conn, job)
     top = max([record.reserved, *(batch_number(m.batch) for m in markers)], default=0)
     with conn.pipeline(transaction=True) as pipe:
@@ -99,21 +129,20 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
     if record.deleted_at is not None:  # `genq jobs delete` marked it; it is asked back: it lives again
         truth.mark_deleted(store, job, None)
         record = msgspec.structs.replace(record, deleted_at=None)
-    log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted",
-                job, truth.job_uri(store, job), config.incarnation, plural(len(adopted), "written batch", "written batches"))
+    log.warning("job %s was not in Redis: created again from %s (incarnation %s), %s adopted", job,
+                truth.job_uri(store, job), config.incarnation, plural(len(adopted), "written batch", "written batches"))
     return Recovery(config=config, record=record, adopted=adopted, rebuilt=True, dropped_keys=len(orphans))
 
 
 class OutputWatch:
-    """A worker's look at its jobs' outputs at its start, after Redis restarted (a new run_id) and
-    once a minute: written batches adopted, enqueues whose batches Redis lost queued again
-    (`queue_lost`), a job gone from Redis while its output remains named with its way back."""
+    """A worker's look at its jobs' outputs at its start, after Redis restarted (a new run_id) and once a
+    minute: written batches adopted, enqueues whose batches Redis lost queued again (`queue_lost`), a
+    job gone from Redis while its output remains named with its way back."""
 
     EVERY_S = 60.0
 
     def __init__(self, conn: redis.Redis, queue_lost: Callable[[redis.Redis, JobConfig], int] | None = None) -> None:
-        self.conn = conn
-        self.queue_lost = queue_lost
+        self.conn, self.queue_lost = conn, queue_lost
         self._run_id: str | None = None
         self._last = float("-inf")  # a worker's start compares at once
         self._outputs: dict[str, str] = {}  # job -> its output, as last seen
