@@ -85,42 +85,34 @@ class Reconciler:
                     outlook.requeued.append((job, batch))
                     self._suspects.pop(key, None)
         self._suspects = {k: v for k, v in self._suspects.items() if k in seen}
-        outlook.finishing = self._clear_done_started(now)
-        self._clear_done_failed()
+        outlook.finishing = self._clear_done(now)
         return outlook
 
-    def _clear_done_started(self, now: float) -> int:
-        """RQ jobs of done batches left in RQ's started registry or intermediate list leave them, so `rq
-        info` tells the truth; how many still wait for confirmation."""
+    def _clear_done(self, now: float) -> int:
+        """RQ jobs of done batches leave RQ's failed registry, and (confirmed in a later pass) its started
+        registry and intermediate list, so `rq info` and `genq dlq` tell the truth; how many wait."""
         queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
         for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
             executions.setdefault(entry.decode().partition(":")[0], []).append(entry)
         for raw_id in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
             executions.setdefault(raw_id.decode(), [])
+        failed = {i.decode() for i in self.conn.zrange(FailedJobRegistry(queue=queue).key, 0, -1)} - set(executions)
         seen: dict[str, float] = {}
-        for rq_id, carried_batch in self._of_done_batches(list(executions)):
+        for rq_id, carried_batch in self._of_done_batches([*executions, *sorted(failed)]):
             first = seen[rq_id] = self._done_started.get(rq_id, now)
-            if now - first >= STRANDED_CONFIRM_S:
+            if rq_id in failed or now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
-                    forget_rq_job(pipe, rq_id, executions[rq_id])
+                    forget_rq_job(pipe, rq_id, executions.get(rq_id))
                     pipe.execute()
                 del seen[rq_id]
-                where = "started by a worker that died running it" if executions[rq_id] else "in RQ's intermediate list"
+                where = ("failed after its batch was handed over" if rq_id in failed
+                         else "started by a worker that died running it" if executions[rq_id]
+                         else "in RQ's intermediate list")
                 log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
                          rq_id, *carried_batch, where)
         self._done_started = seen
         return len(seen)
-
-    def _clear_done_failed(self) -> None:
-        """RQ jobs of done batches leave RQ's failed registry: `genq dlq` must not show them failed."""
-        failed = FailedJobRegistry(queue=rq_queue(self.conn))
-        for rq_id, carried_batch in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
-            with self.conn.pipeline(transaction=True) as pipe:
-                forget_rq_job(pipe, rq_id)
-                pipe.execute()
-            log.info("RQ job %s of done batch %s/%s had failed after its batch was handed over; "
-                     "removed it from RQ's failed registry", rq_id, *carried_batch)
 
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, tuple[str, str]]]:
         """(RQ id, its batch) of these RQ jobs whose batch is done, or unknown to its job (genq recover

@@ -25,22 +25,21 @@ def worker_names(conn: redis.Redis) -> list[str]:
 def statuses(conn: redis.Redis | aioredis.Redis, names: list[str] | None = None) -> Any:
     """Each worker's status (of `names`, else of all), None when expired (lost) or unreadable; on an
     asyncio client, an awaitable of it."""
-    def decode(names: list[str], raws: list[bytes | None]) -> dict[str, WorkerStatus | None]:
-        out: dict[str, WorkerStatus | None] = {}
-        for name, raw in zip(names, raws):
-            try:
-                out[name] = unpack(raw, WorkerStatus) if raw else None
-            except msgspec.DecodeError:
-                out[name] = None
-        return out
-
     if isinstance(conn, aioredis.Redis):
         async def read() -> dict[str, WorkerStatus | None]:
             found = sorted(n.decode() for n in await conn.smembers(keys.WORKERS)) if names is None else names
-            return decode(found, await conn.mget([keys.worker_status(n) for n in found]) if found else [])
+            raws = await conn.mget([keys.worker_status(n) for n in found]) if found else []
+            return dict(zip(found, map(_status, raws)))
         return read()
     found = worker_names(conn) if names is None else names
-    return decode(found, conn.mget([keys.worker_status(n) for n in found]) if found else [])
+    return dict(zip(found, map(_status, conn.mget([keys.worker_status(n) for n in found]) if found else [])))
+
+
+def _status(raw: bytes | None) -> WorkerStatus | None:
+    try:
+        return unpack(raw, WorkerStatus) if raw else None
+    except msgspec.DecodeError:  # written by an incompatible genq
+        return None
 
 
 def forget_workers(conn: redis.Redis, names: list[str]) -> None:

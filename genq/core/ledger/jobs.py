@@ -13,7 +13,6 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 from redis.client import Pipeline
-from redis.exceptions import WatchError
 
 from genq.core import keys
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
@@ -47,23 +46,23 @@ def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases:
     answers = pipe.execute()
 
     def decode(answers: list[Any]) -> list[JobNow]:
-        out, step = [], 5 if leases else 4
-        for i in range(0, len(answers), step):
-            raw_config, raw_block, paused, raw_schedule, *held = answers[i:i + step]
-            try:
-                config = unpack(raw_config, JobConfig) if raw_config else None
-            except msgspec.ValidationError:
-                config = None
-            out.append(JobNow(config, unpack(raw_block, JobBlock) if raw_block else None, bool(paused),
-                              schedule_of(raw_schedule),
-                              {b.decode(): lease_holder(v) for b, v in held[0].items()} if held else {}))
-        return out
+        step = 5 if leases else 4
+        return [JobNow(_config(a[0]), unpack(a[1], JobBlock) if a[1] else None, bool(a[2]), schedule_of(a[3]),
+                       {b.decode(): lease_holder(v) for b, v in a[4].items()} if leases else {})
+                for a in (answers[i:i + step] for i in range(0, len(answers), step))]
 
     if inspect.isawaitable(answers):
         async def later() -> list[JobNow]:
             return decode(await answers)
         return later()
     return decode(answers)
+
+
+def _config(raw: bytes | None) -> JobConfig | None:
+    try:
+        return unpack(raw, JobConfig) if raw else None
+    except msgspec.ValidationError:  # written by an incompatible genq
+        return None
 
 
 def pause_all(conn: redis.Redis) -> None:
@@ -133,23 +132,17 @@ async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tu
     """The job's config with model `auto` pinned to `model` unless another engine did first, and whether
     this call pinned it; (None, False) if the job is gone."""
     key = keys.job_config(job)
-    async with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(key)
-                raw = await pipe.get(key)
-                if raw is None:
-                    return None, False
-                config = unpack(raw, JobConfig)
-                if config.model != auto:
-                    return config, False
-                pinned = msgspec.structs.replace(config, model=model)
-                pipe.multi()
-                pipe.set(key, pack(pinned))
-                await pipe.execute()
-                return pinned, True
-            except WatchError:
-                continue
+
+    async def pin(pipe: Any) -> tuple[JobConfig | None, bool]:
+        raw = await pipe.get(key)
+        config = unpack(raw, JobConfig) if raw else None
+        if config is None or config.model != auto:
+            return config, False
+        pipe.multi()
+        pipe.set(key, pack(pinned := msgspec.structs.replace(config, model=model)))
+        return pinned, True
+
+    return await conn.transaction(pin, key, value_from_callable=True)
 
 
 @dataclass
