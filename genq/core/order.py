@@ -61,7 +61,7 @@ def order_queue(conn: redis.Redis) -> bool:
     for rq_id, description in zip(ids, descriptions):
         if found := batch_of_description(description):
             queued.setdefault(found[0], []).append((batch_number(found[1]), rq_id))
-    if len(queued) < 2 and all(_in_order([n for n, _ in v]) for v in queued.values()):
+    if len(queued) < 2 and all(v == sorted(v, key=lambda e: e[0]) for v in queued.values()):  # in order already
         return False
     jobs = sorted(queued)
     counts = ledger_jobs.batches_counted(conn, jobs)
@@ -69,7 +69,3 @@ def order_queue(conn: redis.Redis) -> bool:
     wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given,
                         {j: now.schedule for j, now in zip(jobs, ledger_jobs.jobs_now(conn, jobs))})
     return bool(scripts.evaluate(conn, scripts.REORDER, scripts.reorder_call(queue.key, wanted)))
-
-
-def _in_order(numbers: list[int]) -> bool:
-    return all(a <= b for a, b in zip(numbers, numbers[1:]))

@@ -194,35 +194,32 @@ def parse(url: str) -> Target:
                   master_kwargs=master, sentinel_kwargs=sentinel_kwargs, wait_replicas=int(wait))
 
 
-def connect(url: str) -> redis.Redis:
-    """A sync client (RQ and the CLI): raw bytes, no decoding."""
-    t = parse(url)
-    if not t.sentinels:
-        extra: dict[str, Any] = {"connection_class": _TimedSSLConnection} if t.scheme == "rediss" else {}
-        return redis.Redis.from_url(t.url, **_defaults(t.scheme), **extra)
-    manager = redis.sentinel.Sentinel(t.sentinels, sentinel_kwargs=t.sentinel_kwargs)
-    pool = redis.sentinel.SentinelConnectionPool(t.service, manager, is_master=True, db=t.db, **t.master_kwargs)
+def _sentinel_client(t: Target, sentinel: Any, plain: Any, replicated: Any) -> Any:
+    manager = sentinel.Sentinel(t.sentinels, sentinel_kwargs=t.sentinel_kwargs)
+    pool = sentinel.SentinelConnectionPool(t.service, manager, is_master=True, db=t.db, **t.master_kwargs)
     if not t.wait_replicas:
-        return redis.Redis.from_pool(pool)
-    client = ReplicatedRedis(connection_pool=pool)
+        return plain.from_pool(pool)
+    client = replicated(connection_pool=pool)
     client.auto_close_connection_pool = True  # as from_pool: the client owns its pool
     client.wait_replicas = t.wait_replicas
     return client
 
 
+def connect(url: str) -> redis.Redis:
+    """A sync client (RQ and the CLI): raw bytes, no decoding."""
+    t = parse(url)
+    if t.sentinels:
+        return _sentinel_client(t, redis.sentinel, redis.Redis, ReplicatedRedis)
+    extra: dict[str, Any] = {"connection_class": _TimedSSLConnection} if t.scheme == "rediss" else {}
+    return redis.Redis.from_url(t.url, **_defaults(t.scheme), **extra)
+
+
 def connect_async(url: str) -> aioredis.Redis:
     """An asyncio client (asyncio's TLS handshake is inside redis-py's connect timeout)."""
     t = parse(url)
-    if not t.sentinels:
-        return aioredis.Redis.from_url(t.url, **_defaults(t.scheme))
-    manager = aiosentinel.Sentinel(t.sentinels, sentinel_kwargs=t.sentinel_kwargs)
-    pool = aiosentinel.SentinelConnectionPool(t.service, manager, is_master=True, db=t.db, **t.master_kwargs)
-    if not t.wait_replicas:
-        return aioredis.Redis.from_pool(pool)
-    client = AsyncReplicatedRedis(connection_pool=pool)
-    client.auto_close_connection_pool = True
-    client.wait_replicas = t.wait_replicas
-    return client
+    if t.sentinels:
+        return _sentinel_client(t, aiosentinel, aioredis.Redis, AsyncReplicatedRedis)
+    return aioredis.Redis.from_url(t.url, **_defaults(t.scheme))
 
 
 def describe_error(url: str, exc: Exception) -> str:

@@ -80,12 +80,11 @@ RELEASE = load("release")
 
 
 def release_call(ref: BatchRef, info: ShardInfo, incarnation: str) -> Call:
-    script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
-                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
-                   keys.batch_tries(ref.job, ref.batch), keys.RQ_STARTED]
-    args = [ref.batch, pack(info), info.records, info.bytes, incarnation, RQ_JOB_PREFIX, RQ_EXECUTION]
-    return script_keys, args
+    return ([keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
+             keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
+             keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
+             keys.batch_tries(ref.job, ref.batch), keys.RQ_STARTED],
+            [ref.batch, pack(info), info.records, info.bytes, incarnation, RQ_JOB_PREFIX, RQ_EXECUTION])
 
 
 ADOPT = load("adopt")
@@ -149,16 +148,13 @@ def record_call(job: str, batch: str, worker: str, now: str, results: list[Resul
     for r in results:
         flat += [r.id, pack(records.without_prompt(r)), r.usage.prompt_tokens, r.usage.completion_tokens,
                  records.length_bucket(r.usage.completion_tokens)]
-    letters: list = []
-    for d in dead:
-        letters += [d.id, pack(d)]
+    letters = [item for d in dead for item in (d.id, pack(d))]
     # The job's elapsed time and rate run from the first request, not from the first answer.
     sent = min([r.finished_at - r.latency_s for r in results if r.finished_at] + [float(now)])
-    args: list = [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)]
-    script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
-                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
-                   keys.job_config(job), keys.batch(job, batch)]
-    return script_keys, args
+    return ([keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker), keys.job_hist(job),
+             keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch), keys.job_config(job),
+             keys.batch(job, batch)],
+            [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)])
 
 
 CLAIM = load("claim")
