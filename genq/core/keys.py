@@ -27,9 +27,8 @@ JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 def check_job_name(name: str) -> str:
     if not JOB_NAME.match(name):
-        raise ValueError(
-            f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+        raise ValueError(f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
     return name
 
 
@@ -67,26 +66,11 @@ batch_claims = _job_key2("claims")  # (job, batch): hash: prompt id -> its one s
 batch_tries = _job_key2("tries")
 
 
-def worker_status(worker: str) -> str:
-    return f"genq:worker:{worker}"
-
-
-def worker_control(worker: str) -> str:
-    return f"genq:worker:{worker}:control"
-
-
-def engine_alive(instance: str) -> str:
-    return f"genq:engine:{instance}:alive"
-
-
-def engine_took(instance: str) -> str:
-    """"TOKEN JOB BATCH RQID": the batch an engine's last TAKE leased."""
-    return f"genq:engine:{instance}:took"
-
-
-def server_decode(server: str, model: str) -> str:
-    """ServerDecode: a server's decode figures as its last worker left them."""
-    return f"{SERVERS}{model}@{server}:decode"
+worker_status = "genq:worker:{}".format  # WorkerStatus
+worker_control = "genq:worker:{}:control".format  # Control
+engine_alive = "genq:engine:{}:alive".format  # an engine instance's liveness (its beats renew it)
+engine_took = "genq:engine:{}:took".format  # "TOKEN JOB BATCH RQID": the batch an engine's last TAKE leased
+server_decode = (SERVERS + "{1}@{0}:decode").format  # (server, model): ServerDecode, as its last worker left it
 
 
 def job_keys_pattern(job: str) -> str:
