@@ -115,7 +115,8 @@ def batch_cap(f: GpuFigures) -> Cap | None:
     if limit and running >= AT_LIMIT * limit:
         if holds is not None and holds >= ROOM * limit:
             return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}, where its KV "
-                                        f"cache would hold ~{holds:.0f}{at}", f"raise {LIMIT_FLAG[engine]} to ~{int(holds)}")
+                                        f"cache would hold ~{holds:.0f}{at}",
+                       f"raise {LIMIT_FLAG[engine]} to ~{int(holds)}")
         return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}", "")
     if f.waiting:
         return Cap("prefill", f"{f.waiting:.0f} waiting in the server's queue with {running:.0f} running "
@@ -125,7 +126,8 @@ def batch_cap(f: GpuFigures) -> Cap | None:
         if f.cap and f.cap <= f.target:
             own, advice = f"genq's cap {f.cap}", "raise it with `genq concurrency`"
         else:
-            own, advice = f"genq's in-flight target {f.target}", "genq's controller grows it while the server's queue stays empty"
+            own = f"genq's in-flight target {f.target}"
+            advice = "genq's controller grows it while the server's queue stays empty"
         return Cap("genq_target", f"{own}: the server's queue is empty while the worker holds {f.queued} prompts",
                    advice)
     if f.queued == 0:
@@ -147,9 +149,11 @@ def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -
     speeds = {n: f.tok_per_s / f.running for n, f in fleet.items() if n not in shares and f.running and f.tok_per_s}
     for name, mine in speeds.items():
         running = fleet[name].running or 0.0
-        peers = [v for n, v in speeds.items() if n != name and abs((fleet[n].running or 0.0) - running) <= SAME_BATCH * running]
+        peers = [v for n, v in speeds.items()
+                 if n != name and abs((fleet[n].running or 0.0) - running) <= SAME_BATCH * running]
         if peers and mine < SLOWER * statistics.median(peers):
-            out[name] = f"{mine:.1f} tok/s a request at {running:.0f} running where its peers make {statistics.median(peers):.1f}"
+            out[name] = (f"{mine:.1f} tok/s a request at {running:.0f} running where its peers make "
+                         f"{statistics.median(peers):.1f}")
     return out
 
 
