@@ -1,11 +1,7 @@
-"""Is a GPU doing what its hardware allows? Its decode bound and the share of it reached, what caps
-its running batch (and the server flag that lifts it), a GPU much slower than its peers, and what
-limits each worker now (bottlenecks). Pure functions of the workers' heartbeat records.
+"""Is a GPU doing what its hardware allows? Pure functions of the workers' heartbeat records.
 
-Decode is memory-bound: a step reads the weights once and the KV cache in use, and makes a token per
-running sequence, so tokens/s <= running x bandwidth / (weight bytes + KV bytes in use). The KV bytes
-are SGLang's token_usage x its pool's size; a server that does not publish the pool's size gets a
-bound without them, a ceiling, and says so.
+Decode is memory-bound: a step reads the weights and the KV cache in use and makes a token per running
+sequence, so tokens/s <= running x bandwidth / (weight bytes + token_usage x KV pool bytes).
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ SAME_BATCH = 0.25  # without bounds, peers are compared only at a running count 
 
 
 class GpuFigures(msgspec.Struct, omit_defaults=True):
-    """Everything the bound and the batch's cap are computed from, for one GPU."""
-
     hw: Hardware = Hardware()
     running: float | None = None  # requests the server runs now
     waiting: float | None = None  # in the server's queue
@@ -57,16 +51,12 @@ CAPS = ("kv_cache", "running_limit", "prefill", "genq_target", "nothing_to_send"
 
 
 class Verdict(msgspec.Struct, omit_defaults=True):
-    """One GPU as the views show it: its bound, what caps its batch, and whether it is much slower
-    than its peers (with the NVML figures that back it)."""
-
     bound: Bound
     cap: Cap | None = None
     slow: str | None = None
 
 
 def figures_of(s: WorkerStatus) -> GpuFigures:
-    """The figures of one worker's GPU, from its heartbeat record."""
     server = s.tok_per_s_from == "server"  # its speed over a window: set against the window's batch
     return GpuFigures(hw=s.hardware or Hardware(), running=s.window_running if server else s.server_running,
                       waiting=s.server_waiting, running_limit=s.server_capacity,
@@ -76,7 +66,6 @@ def figures_of(s: WorkerStatus) -> GpuFigures:
 
 
 def bound(f: GpuFigures) -> Bound:
-    """The decode bound of one GPU at its running count now, and the share of it reached."""
     hw = f.hw
     missing = []
     if hw.bandwidth is None:
@@ -87,7 +76,6 @@ def bound(f: GpuFigures) -> Bound:
         missing.append("running requests (the server's metrics)")
     if hw.bandwidth is None or hw.weight_bytes is None or not f.running:
         return Bound(unknown="unknown: " + "; ".join(missing))
-    # The KV bytes a step reads: the KV cache in use.
     kv = None if hw.kv_pool_bytes is None or f.token_usage is None else f.token_usage * hw.kv_pool_bytes
     step = hw.weight_bytes + (kv or 0.0)
     top = f.running * hw.bandwidth / step
@@ -127,7 +115,8 @@ def batch_cap(f: GpuFigures) -> Cap | None:
     if limit and running >= AT_LIMIT * limit:
         if holds is not None and holds >= ROOM * limit:
             return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}, where its KV "
-                                        f"cache would hold ~{holds:.0f}{at}", f"raise {LIMIT_FLAG[engine]} to ~{int(holds)}")
+                                        f"cache would hold ~{holds:.0f}{at}",
+                       f"raise {LIMIT_FLAG[engine]} to ~{int(holds)}")
         return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}", "")
     if f.waiting:
         return Cap("prefill", f"{f.waiting:.0f} waiting in the server's queue with {running:.0f} running "
@@ -137,7 +126,8 @@ def batch_cap(f: GpuFigures) -> Cap | None:
         if f.cap and f.cap <= f.target:
             own, advice = f"genq's cap {f.cap}", "raise it with `genq concurrency`"
         else:
-            own, advice = f"genq's in-flight target {f.target}", "genq's controller grows it while the server's queue stays empty"
+            own = f"genq's in-flight target {f.target}"
+            advice = "genq's controller grows it while the server's queue stays empty"
         return Cap("genq_target", f"{own}: the server's queue is empty while the worker holds {f.queued} prompts",
                    advice)
     if f.queued == 0:
@@ -147,9 +137,8 @@ def batch_cap(f: GpuFigures) -> Cap | None:
 
 
 def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -> dict[str, str]:
-    """GPUs much slower than their peers, each with why: its share of the bound against the others'
-    median share (which allows for batch and context), or, where a bound is unknown, its tokens per
-    running request against peers' at about the same running count."""
+    """GPUs much slower than their peers, with why: share of the bound against the peers' median, or
+    where a bound is unknown, tokens per running request against peers' at about the same running."""
     bounds = bounds if bounds is not None else {name: bound(f) for name, f in fleet.items()}
     shares = {n: b.share for n, b in bounds.items() if b.share is not None and b.share > 0}
     out: dict[str, str] = {}
@@ -160,15 +149,16 @@ def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -
     speeds = {n: f.tok_per_s / f.running for n, f in fleet.items() if n not in shares and f.running and f.tok_per_s}
     for name, mine in speeds.items():
         running = fleet[name].running or 0.0
-        peers = [v for n, v in speeds.items() if n != name and abs((fleet[n].running or 0.0) - running) <= SAME_BATCH * running]
+        peers = [v for n, v in speeds.items()
+                 if n != name and abs((fleet[n].running or 0.0) - running) <= SAME_BATCH * running]
         if peers and mine < SLOWER * statistics.median(peers):
-            out[name] = f"{mine:.1f} tok/s a request at {running:.0f} running where its peers make {statistics.median(peers):.1f}"
+            out[name] = (f"{mine:.1f} tok/s a request at {running:.0f} running where its peers make "
+                         f"{statistics.median(peers):.1f}")
     return out
 
 
 def summary(parts: dict[str, tuple[float, float]], gpus: int, over: str = "") -> str | None:
-    """One line for a fleet from each GPU's (tokens made, tokens its bound allowed): "fleet at N % of
-    its bandwidth bound; k slowest at M %; k much slower than its peers (...)"; None with no bound."""
+    """One line from each GPU's (tokens made, tokens its bound allowed); None with no bound."""
     known = {n: (made, top) for n, (made, top) in parts.items() if top > 0}
     if not known:
         return None
@@ -187,13 +177,12 @@ def summary(parts: dict[str, tuple[float, float]], gpus: int, over: str = "") ->
 
 
 def fleet_line(fleet: dict[str, GpuFigures], verdicts: dict[str, Verdict]) -> str | None:
-    """The summary of a fleet now, from the GPUs with a bound."""
     return summary({n: (fleet[n].tok_per_s or 0.0, v.bound.tok_per_s or 0.0)
                     for n, v in verdicts.items() if v.bound.share is not None}, len(fleet))
 
 
 def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | None = None) -> dict[str, Verdict]:
-    """Each GPU's verdict; a GPU is compared with its peers, those serving the same model."""
+    """Each GPU's verdict; its peers are those serving the same model."""
     model_of = model_of or {}
     bounds = {n: bound(f) for n, f in fleet.items()}
     flagged: dict[str, str] = {}
@@ -204,8 +193,7 @@ def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | Non
 
 
 def working(statuses: dict[str, WorkerStatus]) -> dict[str, GpuFigures]:
-    """The figures of each worker whose server runs requests now: one worker per server (workers sharing
-    a server read the same counters of the same GPU; counted once, by the first name)."""
+    """The figures of each worker whose server runs requests now, one worker (the first) per server."""
     seen: set[str] = set()
     out = {}
     for n, s in sorted(statuses.items()):
@@ -216,7 +204,7 @@ def working(statuses: dict[str, WorkerStatus]) -> dict[str, GpuFigures]:
 
 
 def judge(statuses: dict[str, WorkerStatus]) -> dict[str, Verdict]:
-    """Each working GPU's verdict from its worker's heartbeat record, a slow one's with NVML's figures."""
+    """Each working GPU's verdict, a slow one's with NVML's figures."""
     fleet = working(statuses)
     out = verdicts(fleet, {n: statuses[n].model for n in fleet})
     for n, v in out.items():
@@ -226,7 +214,6 @@ def judge(statuses: dict[str, WorkerStatus]) -> dict[str, Verdict]:
 
 
 def nvml_words(g: GpuSample | None) -> str | None:
-    """The NVML figures that tell a throttled or weaker GPU: clocks, power, temperature."""
     if g is None:
         return None
     words = [g.name]
@@ -246,9 +233,8 @@ TALLIED_JOBS = 20  # a worker keeps the tallies of its last jobs
 
 
 def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], s: WorkerStatus, dt: float) -> None:
-    """Books dt seconds of one worker's GPU to the jobs it ran, in proportion to their requests in flight.
-    Of a server other workers share, this worker books its part, its sequences in flight over those the
-    server runs and queues: the workers of one server together book its speed and its bound once."""
+    """Books dt seconds of one worker's GPU to its jobs by their requests in flight; of a shared server,
+    its part (its sequences over those the server holds), so the server is booked once."""
     total = sum(in_flight.values())
     if total <= 0 or dt <= 0:
         return
@@ -271,8 +257,7 @@ def add_tally(tallies: dict[str, Tally], in_flight: dict[str, int], s: WorkerSta
 
 
 def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
-    """The summary of a job from its workers' tallies, one GPU per server (its workers' tallies summed,
-    named by the first)."""
+    """The summary of a job from its workers' tallies, summed per server."""
     parts: dict[str, tuple[float, float]] = {}
     names: dict[str, str] = {}
     for s in sorted(statuses, key=lambda s: s.name):
@@ -284,10 +269,8 @@ def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- a worker's bottlenecks
-# A bottleneck is (code, text): a code of a fixed set (CODES, fit for a Prometheus label), the numbers for people.
+# A bottleneck is (code, text): a code of CODES (most important first; a Prometheus label), the numbers for people.
 KV_FULL_NOW = 0.98  # of the KV cache in use now: bottlenecks() says it is full
-
-# Every code bottlenecks() can return, most important first.
 CODES = ("lost", "server_down", "waiting", "cap_below_capacity", "kv_cache_full", "target_limits", "no_prompts")
 
 Bottleneck = tuple[str, str]
@@ -296,10 +279,7 @@ NO_HEARTBEAT = f"no heartbeat for {STATUS_TTL_S:.0f} s"
 
 
 def slot_utilization(s: WorkerStatus) -> float | None:
-    """Share of the server's decode slots in use (server_running / server_capacity)."""
-    if s.server_running is None or not s.server_capacity:
-        return None
-    return s.server_running / s.server_capacity
+    return None if s.server_running is None or not s.server_capacity else s.server_running / s.server_capacity
 
 
 def bottlenecks(s: WorkerStatus | None) -> list[Bottleneck]:
@@ -341,6 +321,4 @@ def fleet_gpu_note(statuses: list[WorkerStatus]) -> str | None:
     if not statuses or any(s.gpu_sample is not None for s in statuses):
         return None
     notes = sorted({s.gpu_note for s in statuses if s.gpu_note})
-    if notes:
-        return "no GPU figures from any worker: " + "; ".join(notes)
-    return "no GPU figures from any worker"
+    return "no GPU figures from any worker" + (": " + "; ".join(notes) if notes else "")

@@ -1,8 +1,4 @@
-"""The one place that names Redis keys. Nothing else in genq builds a key string.
-
-Everything genq owns lives under ``genq:``; RQ's own keys (``rq:*``) hold the batch jobs of the
-single RQ queue named by QUEUE.
-"""
+"""The one place that names Redis keys: genq's under ``genq:``, RQ's (``rq:*``) of the one queue QUEUE."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import re
 from collections.abc import Callable
 
 QUEUE = "genq"  # the RQ queue every batch job goes to (`rq info` shows it)
-# RQ 2.x's own keys of that queue (tests/test_scripts.py checks them against RQ): TAKE writes where `rq info` reads.
+# RQ 2.x's own keys of that queue (tests/test_scripts.py checks them against RQ).
 RQ_QUEUE = f"rq:queue:{QUEUE}"
 RQ_STARTED = f"rq:wip:{QUEUE}"  # StartedJobRegistry: "RQID:EXECUTION" -> expiry (+inf: genq's ledger decides)
 RQ_SUSPENDED = "rq:suspended"  # `rq suspend`
@@ -20,8 +16,8 @@ PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
 WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
 RECONCILE_LOCK = "genq:reconcile:lock"  # one reconciler pass at a time across the fleet
 SERVERS = "genq:server:"  # what genq keeps of a server beyond its workers' lives: nothing of any job
-# Pub/sub channel that wakes idle engines (worker/idle.py); its messages: an operator changed a
-# control (read it now), batches were queued (TAKE now); anything else: prompts were given back.
+# Pub/sub channel that wakes idle engines (worker/idle.py): a control changed, batches were queued, or
+# (anything else) prompts were given back.
 WAKE = "genq:wake"
 WAKE_CONTROL = b"control"
 WAKE_QUEUED = b"queued"
@@ -31,9 +27,8 @@ JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 def check_job_name(name: str) -> str:
     if not JOB_NAME.match(name):
-        raise ValueError(
-            f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+        raise ValueError(f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
     return name
 
 
@@ -42,7 +37,6 @@ def _job_key(suffix: str) -> Callable[[str], str]:
 
 
 def _job_key2(suffix: str) -> Callable[[str, str], str]:
-    """A key per job and batch (or worker)."""
     return lambda job, second: f"genq:job:{job}:{suffix}:{second}"
 
 
@@ -57,8 +51,7 @@ job_hist = _job_key("hist")  # hash: output-length bucket -> finished completion
 job_dlq = _job_key("dlq")  # hash: prompt id -> DeadLetter
 job_paused = _job_key("paused")
 job_schedule = _job_key("schedule")  # JobSchedule: priority and fair-share weight (not a settings version)
-# Hash: engine instance -> "REDIS_SECONDS COUNT", the job's prompts each engine has claimed or in flight,
-# refreshed each second while it holds any: the fleet-wide fair share (worker/shares.py).
+# Hash: engine instance -> "REDIS_SECONDS COUNT", its claimed or in-flight prompts (worker/shares.py).
 job_share = _job_key("share")
 job_blocked = _job_key("blocked")  # JobBlock: why the job is blocked (set with job_paused)
 job_workers = _job_key("workers")  # set of workers that have counters for this job
@@ -68,36 +61,18 @@ worker_stats = _job_key2("wstats")  # (job, worker): hash of counters: done, fai
 job_inflight = _job_key2("inflight")  # (job, worker): InFlight, short TTL
 batch = _job_key2("batch")  # (job, batch): BatchSource, the batch's prompts or their input range
 batch_results = _job_key2("res")  # (job, batch): hash: prompt id -> Result, until the shard is written
-# (job, batch): hash: prompt id -> the engine instance sending it: one sender per prompt, counted
-# while that engine heartbeats (engine_alive); an outcome ends it.
-batch_claims = _job_key2("claims")
-# (job, batch): hash: prompt id -> tries lost (claims that ended without an outcome: their engine was
-# killed, their lease over), written when such a claim is taken over; a record's `attempts` adds them.
+batch_claims = _job_key2("claims")  # (job, batch): hash: prompt id -> its one sender (an engine instance)
+# (job, batch): hash: prompt id -> tries lost (claims that ended without an outcome); `attempts` adds them.
 batch_tries = _job_key2("tries")
 
 
-def worker_status(worker: str) -> str:
-    return f"genq:worker:{worker}"
-
-
-def worker_control(worker: str) -> str:
-    return f"genq:worker:{worker}:control"
-
-
-def engine_alive(instance: str) -> str:
-    return f"genq:engine:{instance}:alive"
-
-
-def engine_took(instance: str) -> str:
-    """"TOKEN JOB BATCH RQID": the batch an engine's last TAKE leased (a resent TAKE answers it again)."""
-    return f"genq:engine:{instance}:took"
-
-
-def server_decode(server: str, model: str) -> str:
-    """msgpack ServerDecode: a server's decode figures as its last worker left them (worker/decoding.py)."""
-    return f"{SERVERS}{model}@{server}:decode"
+worker_status = "genq:worker:{}".format  # WorkerStatus
+worker_control = "genq:worker:{}:control".format  # Control
+engine_alive = "genq:engine:{}:alive".format  # an engine instance's liveness (its beats renew it)
+engine_took = "genq:engine:{}:took".format  # "TOKEN JOB BATCH RQID": the batch an engine's last TAKE leased
+server_decode = (SERVERS + "{1}@{0}:decode").format  # (server, model): ServerDecode, as its last worker left it
 
 
 def job_keys_pattern(job: str) -> str:
-    """SCAN MATCH pattern for every key of a job (genq jobs delete); glob characters escaped."""
+    """SCAN MATCH pattern for every key of a job; glob characters escaped."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", f"genq:job:{job}:") + "*"

@@ -1,11 +1,5 @@
-"""Which batch RQ hands out next: priorities and fair share over RQ's one queue (docs/scheduling.md).
-
-RQ's queue is kept in scheduling order: the highest priority first; among jobs of equal priority,
-weighted turns (a job of weight 2 gets two to one) counting the batches each was given already, so
-a job queued later is not stuck behind one queued earlier. `order_queue` rewrites the list in one
-script (REORDER) that keeps every id it finds there: nothing is lost or queued twice, only moved.
-It runs after every change that can put a batch out of order and in the reconciler's pass.
-"""
+"""RQ's queue kept in scheduling order (docs/scheduling.md): highest priority first, then weighted turns
+counting the batches each job was given already; REORDER only moves ids, never loses or adds one."""
 
 from __future__ import annotations
 
@@ -35,13 +29,11 @@ def set_schedule(conn: redis.Redis, job: str, priority: int | None = None, weigh
 
 
 def interleave(queued: dict[str, list[str]], given: dict[str, int], sched: dict[str, JobSchedule]) -> list[str]:
-    """Jobs' queued items in scheduling order: priority first, then weighted turns counting what
-    each job was given already (`given`: batches out of the queue). Each job's items keep their order."""
+    """Jobs' queued items in scheduling order (`given`: batches each job had out of the queue already)."""
     order: list[str] = []
     for priority in sorted({sched[j].priority for j in queued}, reverse=True):
         level = [j for j in queued if sched[j].priority == priority and queued[j]]
-        # A job's place in the turns: what it was given, over its weight; one given far more than the
-        # others (it ran alone a while) starts no further back than one turn behind the least served.
+        # A job's place: what it was given over its weight, no further back than the least served.
         least = min(given.get(j, 0) / sched[j].weight for j in level)
         served = {j: max(given.get(j, 0) / sched[j].weight, least) for j in level}
         at = {j: 0 for j in level}
@@ -69,7 +61,7 @@ def order_queue(conn: redis.Redis) -> bool:
     for rq_id, description in zip(ids, descriptions):
         if found := batch_of_description(description):
             queued.setdefault(found[0], []).append((batch_number(found[1]), rq_id))
-    if len(queued) < 2 and all(_in_order([n for n, _ in v]) for v in queued.values()):
+    if len(queued) < 2 and all(v == sorted(v, key=lambda e: e[0]) for v in queued.values()):  # in order already
         return False
     jobs = sorted(queued)
     counts = ledger_jobs.batches_counted(conn, jobs)
@@ -77,7 +69,3 @@ def order_queue(conn: redis.Redis) -> bool:
     wanted = interleave({j: [i for _, i in sorted(queued[j])] for j in jobs}, given,
                         {j: now.schedule for j, now in zip(jobs, ledger_jobs.jobs_now(conn, jobs))})
     return bool(scripts.evaluate(conn, scripts.REORDER, scripts.reorder_call(queue.key, wanted)))
-
-
-def _in_order(numbers: list[int]) -> bool:
-    return all(a <= b for a, b in zip(numbers, numbers[1:]))

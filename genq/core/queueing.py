@@ -1,11 +1,6 @@
-"""Batches in Redis and their RQ jobs: the only code that creates either.
-
-A batch's record (records.BatchSource) lives under keys.batch(); the RQ job that carries it holds
-only (job name, batch id), JSON-serialized (no pickle: whoever can write Redis must not be able to
-make a worker unpickle bytes). RQ is the transport, the ledger the truth (genq.core.ledger): every
-RQ job of a batch is recorded in keys.job_transport in the transaction that enqueues it, and RQ's
-retries are not used: the reconciler puts back a batch whose RQ job failed or vanished.
-"""
+"""Batches in Redis and their RQ jobs: the only code that creates either. An RQ job holds only (job,
+batch id), as JSON (never pickle), and is recorded in keys.job_transport in the transaction that queues
+it; RQ's retries are not used: the reconciler puts back a batch whose RQ job failed or vanished."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ DESCRIPTION = "genq batch "  # + "JOB/BATCH (N prompts)": what `rq info` shows, 
 
 
 def carried(rq_job: Job | None) -> tuple[str, str] | None:
-    """(job, batch id) of a genq batch's RQ job; None for anything else (another app's, or undecodable:
-    the JSON serializer never unpickles)."""
+    """(job, batch id) of a genq batch's RQ job; None for anything else (another app's, or not JSON)."""
     try:
         if rq_job is None or rq_job.func_name not in (RUN_BATCH, OLD_RUN_BATCH) or len(rq_job.args) < 2:
             return None
@@ -71,19 +65,16 @@ def fetch_rq_job(conn: redis.Redis | Pipeline, rq_id: str) -> Job:
 
 
 def rq_worker(conn: redis.Redis, name: str) -> Worker:
-    """An engine as `rq info` lists it: an RQ worker of genq's queue, registered and heartbeaten by
-    the engine itself (worker/intake.py), never run."""
+    """An engine as `rq info` lists it: registered and heartbeaten by the engine (worker/intake.py), never run."""
     return Worker([rq_queue(conn)], name=name, connection=conn, serializer=JSONSerializer)
 
 
 def failed_registry(conn: redis.Redis) -> FailedJobRegistry:
-    """RQ's failed registry of genq's queue: batches whose RQ job failed (genq dlq)."""
     return FailedJobRegistry(queue=rq_queue(conn))
 
 
 def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True) -> None:
-    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind). A
-    job whose hash went meanwhile (RELEASE takes a done batch's RQ job out of RQ) needs only that."""
+    """Delete an RQ job and its stored results in `pipe` (RQ's delete leaves its results behind)."""
     try:
         rq_job.delete(pipeline=pipe, remove_from_queue=remove_from_queue)
     except InvalidJobOperation:
@@ -92,7 +83,7 @@ def delete_rq_job(pipe: Pipeline, rq_job: Job, *, remove_from_queue: bool = True
 
 
 def suspend_loops(conn: redis.Redis, suspended: bool = True) -> None:
-    """As `rq suspend` (`rq resume`, suspended=False): no engine (TAKE) and no stock RQ worker takes a new batch."""
+    """As `rq suspend` (`rq resume`, suspended=False): no engine takes a new batch."""
     (suspension.suspend if suspended else suspension.resume)(conn)
 
 
@@ -108,7 +99,7 @@ def save_config(conn: redis.Redis, config: JobConfig) -> None:
 
 
 def stage_config(pipe: Pipeline, config: JobConfig) -> None:
-    """Store a job's config in `pipe`: enqueue writes it in the transaction of the job's first batches."""
+    """Store a job's config in `pipe` (enqueue: in the transaction of its first batches)."""
     pipe.set(keys.job_config(config.name), pack(config))
     pipe.sadd(keys.JOBS, config.name)
     pipe.hsetnx(keys.job_stats(config.name), "created_at", repr(config.created_at or time.time()))
@@ -124,17 +115,10 @@ def load_batch(conn: redis.Redis, job: str, batch_id: str) -> BatchSource | None
     return unpack(raw, BatchSource) if raw else None
 
 
-def write_batches(
-    pipe: Pipeline,
-    conn: redis.Redis,
-    batches: Sequence[BatchSource],
-    digests: dict[str, bytes],
-    *,
-    count_total: bool = True,
-) -> None:
-    """Queue new batches in `pipe` (a MULTI pipeline): records, ids, RQ jobs. digests (id -> 8-byte
-    content digest) are the ids they claim in keys.job_ids: in the same transaction, so no id is
-    marked queued without a job that will run it."""
+def write_batches(pipe: Pipeline, conn: redis.Redis, batches: Sequence[BatchSource], digests: dict[str, bytes], *,
+                  count_total: bool = True) -> None:
+    """Queue new batches in `pipe` (MULTI): records, RQ jobs, and their ids' content digests in keys.job_ids,
+    so no id is marked queued without a job that will run it."""
     for batch in batches:
         pipe.set(keys.batch(batch.job, batch.id), pack(batch))
         pipe.zadd(keys.job_batches(batch.job), {batch.id: batch_number(batch.id)})
@@ -147,30 +131,20 @@ def write_batches(
 
 
 def lookup_ids(conn: redis.Redis | Pipeline, job: str, digests: Iterable[tuple[str, bytes]]) -> str:
-    """One of ID_NEW, ID_SAME, ID_OTHER per (id, 8-byte content digest), in order (on a
-    pipeline under WATCH: in immediate mode, before its MULTI)."""
+    """One of ID_NEW, ID_SAME, ID_OTHER per (id, 8-byte content digest), in order."""
     answer = scripts.evaluate(conn, scripts.LOOKUP_IDS, scripts.ids_call(job, digests))
     return answer.decode() if isinstance(answer, bytes) else str(answer)
 
 
 def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[str, str, int]], *,
                        at_front: bool = False) -> list[str]:
-    """One RQ job per (job, batch id, prompt count), queued in `pipe` and recorded as the
-    batch's transport; returns the RQ job ids."""
+    """One RQ job per (job, batch id, prompt count), queued in `pipe` and recorded as the batch's
+    transport; the RQ job ids. No timeout: a batch's tail can take hours; liveness is the heartbeat's."""
     queue = rq_queue(conn)
     refs = list(refs)
-    datas = [
-        Queue.prepare_data(
-            RUN_BATCH,
-            args=(job, batch_id),
-            timeout=-1,  # a batch's long tail can take hours; liveness is the heartbeat's job
-            result_ttl=3600,
-            failure_ttl=24 * 3600,
-            description=f"{DESCRIPTION}{job}/{batch_id} ({size} prompts)",
-            at_front=at_front,
-        )
-        for job, batch_id, size in refs
-    ]
+    datas = [Queue.prepare_data(RUN_BATCH, args=(job, batch_id), timeout=-1, result_ttl=3600, failure_ttl=24 * 3600,
+                                description=f"{DESCRIPTION}{job}/{batch_id} ({size} prompts)", at_front=at_front)
+             for job, batch_id, size in refs]
     if not datas:
         return []
     rq_jobs = queue.enqueue_many(datas, pipeline=pipe)

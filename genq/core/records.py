@@ -3,6 +3,7 @@ decoded only at the edges (Redis calls, HTTP bodies, files) with pack and unpack
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import threading
@@ -16,12 +17,12 @@ Endpoint = Literal["chat", "completions"]
 
 
 class SettingsChange(msgspec.Struct, omit_defaults=True):
-    """One `genq jobs set`: the settings it changed, from what to what, and when."""
+    """One `genq jobs set`: the version it made, when, and each setting's new and previous value."""
 
-    version: int  # the version this change made
+    version: int
     at: float
-    changed: dict[str, Any]  # setting -> new value
-    previous: dict[str, Any] = {}  # setting -> value before
+    changed: dict[str, Any]
+    previous: dict[str, Any] = {}
     note: str | None = None
 
 
@@ -41,36 +42,32 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     compression: Literal["none", "gzip"] = "none"
     s3_endpoint_url: str | None = None
     created_at: float = 0.0
-    # The life of this job name (new_incarnation): a job deleted and enqueued again under the same
-    # name is a new one; every claim, record and write for a job is checked against it.
-    incarnation: str = ""
-    # 1 as enqueued, +1 per `genq jobs set` (docs/settings.md); results record the version they ran under.
-    settings_version: int = 1
+    incarnation: str = ""  # the life of this name: every claim, record and write is checked against it
+    settings_version: int = 1  # +1 per `genq jobs set` (docs/settings.md); results record theirs
     settings_history: list[SettingsChange] = []
     brake: bool = True  # False (--no-brake): failing prompts are dead-lettered one by one, never a block
 
 
 class JobSchedule(msgspec.Struct, omit_defaults=True):
-    """How a job shares the fleet (docs/scheduling.md); not a generation setting (no settings version)."""
+    """How a job shares the fleet (docs/scheduling.md): higher priority first, then by weight."""
 
-    priority: int = 0  # higher first: no worker claims a lower-priority prompt while one of this waits
-    weight: float = 1.0  # among jobs of equal priority: prompts claimed in proportion to it
+    priority: int = 0
+    weight: float = 1.0
     changed_at: float = 0.0
 
 
 class JobBlock(msgspec.Struct, omit_defaults=True):
-    """Why a job is blocked: its settings cannot work against its server, so its prompts stay queued
-    instead of being dead-lettered one by one (docs/settings.md)."""
+    """Why a job's settings cannot work against its server: its prompts wait (docs/settings.md)."""
 
     reason: Literal["preflight", "brake"]
     message: str  # the server's own message (brake) or what the preflight found
     worker: str
     at: float
     settings_version: int = 1
-    status: int | None = None  # HTTP status of the failures (brake)
-    failures: int = 0  # requests that failed this way in the worker's recent window (brake)
-    outcomes: int = 0  # outcomes in that window
-    prompts: int = 0  # distinct prompts among the failures
+    status: int | None = None  # the brake's: HTTP status, failures, outcomes and prompts in its window
+    failures: int = 0
+    outcomes: int = 0
+    prompts: int = 0
 
 
 def new_incarnation() -> str:
@@ -90,9 +87,8 @@ class Prompt(msgspec.Struct, omit_defaults=True):
 
 
 class InputRange(msgspec.Struct, array_like=True, frozen=True):
-    """Where a by-reference batch's prompts are: lines first_line..last_line (1-based) of
-    the JSONL input at uri, bytes [start, end). digest covers (line number, line) of every
-    prompt of the batch, so a changed, moved or missing line is noticed before sending."""
+    """A by-reference batch's lines first_line..last_line (1-based), bytes [start, end) of uri;
+    digest covers each (line number, line), so a changed line is noticed before sending."""
 
     uri: str  # s3://bucket/key or an absolute path every worker can read
     start: int
@@ -103,9 +99,7 @@ class InputRange(msgspec.Struct, array_like=True, frozen=True):
 
 
 class BatchSource(msgspec.Struct, array_like=True):
-    """A pending batch (keys.batch): its prompts (zstd-compressed msgpack) or the input range that holds
-    them (genq.producer.sources reads it), and always its ids (compressed): what needs only the ids
-    reads no prompt."""
+    """A pending batch (keys.batch): its ids and prompts zstd-compressed, or its input range."""
 
     job: str
     id: str
@@ -123,8 +117,8 @@ class BatchSource(msgspec.Struct, array_like=True):
     @classmethod
     def by_reference(cls, job: str, batch: str, ids: Sequence[str], ref: InputRange,
                      created_at: float = 0.0) -> BatchSource:
-        return cls(job=job, id=batch, count=len(ids), ids=_zstd().c.compress(pack(list(ids))),
-                   created_at=created_at, ref=ref)
+        return cls(job=job, id=batch, count=len(ids), ids=_zstd().c.compress(pack(list(ids))), created_at=created_at,
+                   ref=ref)
 
     def prompt_ids(self) -> list[str]:
         return unpack(_zstd().d.decompress(self.ids), list[str])
@@ -148,12 +142,11 @@ def _zstd() -> threading.local:
 
 
 def batch_id(seq: int) -> str:
-    """The id of a job's seq-th batch."""
     return f"b{seq:07d}"
 
 
 def batch_number(batch: str) -> int:
-    """batch_id's inverse: b0000017 -> 17 (the order of keys.job_batches); 0 for an id genq did not number."""
+    """batch_id's inverse: b0000017 -> 17; 0 for an id genq did not number."""
     digits = batch[1:].split(".", 1)[0]
     return int(digits) if digits.isdigit() else 0
 
@@ -165,25 +158,21 @@ class Usage(msgspec.Struct, omit_defaults=True):
 
 
 class Choice(msgspec.Struct, omit_defaults=True):
-    """One of the n samples of a request that asked for n > 1 (Result.choices)."""
+    """One of the n samples of a request for n > 1 (Result.choices); fields as Result's."""
 
     index: int
     completion: str
     finish_reason: str | None
     completion_tokens: int | None = None  # this sample's own length, where the server said it (streamed)
     reasoning_content: str | None = None
-    logprobs: dict[str, Any] | None = None  # as Result.logprobs
-    matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET  # as Result.matched_stop
-    tool_calls: list[dict[str, Any]] | None = None  # as Result.tool_calls
+    logprobs: dict[str, Any] | None = None
+    matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Result(msgspec.Struct, omit_defaults=True):
-    """One completed prompt: a line of a shard.
-
-    A request for n > 1 samples has them all in `choices`, in index order; completion,
-    reasoning_content, finish_reason, logprobs, matched_stop and tool_calls are then choice 0's, so a
-    reader that knows only them reads a real sample. usage is the whole request's
-    (completion_tokens: the sum over the choices). docs/fidelity.md lists every field."""
+    """One completed prompt: a line of a shard (docs/fidelity.md lists every field). With n > 1
+    samples, `choices` holds them all and the top-level fields are choice 0's; usage is the request's."""
 
     id: str
     job: str
@@ -205,25 +194,20 @@ class Result(msgspec.Struct, omit_defaults=True):
     finished_at: float = 0.0
     settings_version: int = 0  # JobConfig.settings_version the request was sent with (0: before versions)
     choices: list[Choice] | None = None  # n > 1 only
-    # The server's logprobs of the choice, only when asked for (a stream's pieces concatenated).
-    logprobs: dict[str, Any] | None = None
-    # What stopped generation, only when the request set stop or stop_token_ids (SGLang's matched_stop,
-    # vLLM's stop_reason); null: the server named nothing; absent: not set. docs/fidelity.md.
+    logprobs: dict[str, Any] | None = None  # only when asked for
+    # Only when the request set stop or stop_token_ids (SGLang's matched_stop, vLLM's stop_reason).
     matched_stop: int | str | None | msgspec.UnsetType = msgspec.UNSET
-    # OpenAI's message.tool_calls when the request offered tools (a stream's pieces merged).
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # when the request offered tools
 
 
 def without_prompt(result: Result) -> Result:
-    """A Result as kept in Redis until its batch's shard is written: without its copy of the
-    prompt (messages, prompt, metadata, custom_id), which the batch holds already."""
+    """A Result as kept in Redis until its shard is written: without the prompt its batch holds."""
     if result.messages is None and result.prompt is None and not result.metadata and result.custom_id is None:
         return result  # the worker's records come without it: no copy
     return msgspec.structs.replace(result, messages=None, prompt=None, metadata={}, custom_id=None)
 
 
 def with_prompt(result: Result, prompt: Prompt) -> Result:
-    """The shard's line: a stored Result joined with its prompt again (what the worker sent)."""
     return msgspec.structs.replace(result, messages=prompt.messages, prompt=prompt.prompt,
                                    metadata=prompt.metadata, custom_id=prompt.custom_id)
 
@@ -241,7 +225,7 @@ ErrorKind = Literal[
 
 
 class DeadLetter(msgspec.Struct, omit_defaults=True):
-    """A prompt genq gave up on, with the reason."""
+    """A prompt genq gave up on, and why."""
 
     id: str
     job: str
@@ -256,7 +240,7 @@ class DeadLetter(msgspec.Struct, omit_defaults=True):
 
 
 class Rejected(msgspec.Struct, omit_defaults=True):
-    """A malformed input line, written to the producer's rejects file."""
+    """A malformed input line (the producer's rejects file)."""
 
     line: int
     reason: str
@@ -264,13 +248,12 @@ class Rejected(msgspec.Struct, omit_defaults=True):
 
 
 class InFlight(msgspec.Struct):
-    """A worker's running requests for one job, published about once a second; tokens: each one's
-    completion tokens so far (a lower bound on its final length, for the ETA)."""
+    """A worker's running requests for one job, published about once a second."""
 
     worker: str
     job: str
     at: float
-    tokens: list[int]
+    tokens: list[int]  # each one's completion tokens so far (for the ETA)
     queued: int  # prompts held by the worker but not yet sent
 
 
@@ -290,12 +273,11 @@ class GpuSample(msgspec.Struct, omit_defaults=True):
 
 
 class Hardware(msgspec.Struct, omit_defaults=True, frozen=True):
-    """What a worker read of its GPU and server that only the bound needs (None: not read).
-    Published in WorkerStatus.hardware."""
+    """What a worker read of its GPU and server that only the decode bound needs (None: not read)."""
 
     engine: str | None = None  # "sglang" | "vllm" | "llamacpp" | ...: whose flags the advice names
     bandwidth: float | None = None  # bytes/s
-    bandwidth_from: str | None = None  # where it came from: "NVML ...", "--gpu-bandwidth", ...
+    bandwidth_from: str | None = None  # "NVML ...", "--gpu-bandwidth", ...
     weight_bytes: float | None = None
     weight_from: str | None = None
     kv_pool_bytes: float | None = None  # the whole KV cache (SGLang's memory_usage.kvcache)
@@ -303,9 +285,7 @@ class Hardware(msgspec.Struct, omit_defaults=True, frozen=True):
 
 
 class Tally(msgspec.Struct, array_like=True):
-    """A job's part of one GPU's decode so far (WorkerStatus.bound_tally), for the summary at the job's end:
-    seconds it ran, and over the seconds that had a bound the tokens made and the tokens the bound allowed,
-    each split between the jobs in flight by their requests."""
+    """A job's part of one GPU's decode so far: seconds run, tokens made and tokens the bound allowed."""
 
     busy_s: float = 0.0
     made: float = 0.0
@@ -313,7 +293,7 @@ class Tally(msgspec.Struct, array_like=True):
 
 
 class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):
-    """A batch's identity everywhere: batch ids are numbered per job, so the job is part of it."""
+    """A batch's identity (batch ids are numbered per job)."""
 
     job: str
     batch: str
@@ -323,23 +303,18 @@ class BatchRef(msgspec.Struct, frozen=True, order=True, array_like=True):
 
 
 class DecodeBin(msgspec.Struct, array_like=True):
-    """One request's decode speed while about `decoding` sequences decoded at once on a worker:
-    tokens streamed over request-seconds spent decoding, decayed alike."""
+    """Tokens streamed over request-seconds decoding while about `decoding` sequences decoded at once."""
 
-    decoding: float  # the mean count over the bin's request-seconds
+    decoding: float
     busy_s: float
     tokens: float
-    # Booked while none of the worker's requests waited for its first token: no prefill of its own
-    # in the server's steps, as in the drain at the end of a job (False: while it admitted requests).
-    clean: bool = False
+    clean: bool = False  # booked while no request of the worker waited for its first token (no prefill)
 
 
 class ServerDecode(msgspec.Struct, omit_defaults=True):
-    """A server's figures kept in Redis (keys.server_decode) beyond one worker's life: the next
-    worker on that server starts from them, so a job's ETA knows how its last requests drain
-    before the job has drained once."""
+    """A server's decode figures kept beyond one worker's life: the next worker starts from them."""
 
-    at: float  # when they were written (time.time()): a reader decays them by their age
+    at: float  # time.time() when written: a reader decays them by their age
     worker: str
     bins: list[DecodeBin] = []
 
@@ -377,23 +352,19 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     gpu_note: str | None = None  # e.g. "no GPU: NVML driver not found"
     note: str | None = None  # why the server is down, or what the worker waits for
     job_errors: dict[str, int] = {}  # failed request attempts per job (errors: the worker's total)
-    model: str | None = None  # what its server serves (/v1/models): it takes only jobs for that model or auto
+    model: str | None = None  # what its server serves: it takes only jobs for that model or auto
     decode: list[DecodeBin] = []  # its requests' speed against how many decoded at once (worker/decoding.py)
-    # Moving averages over its recent completions (worker/stealing.py): seconds per output token of one
-    # request, and mean output tokens per request.
-    token_s: float | None = None
+    token_s: float | None = None  # moving averages: seconds per output token, output tokens per request
     mean_tokens: float | None = None
-    # tok_per_s from "server" (its generation-token counter) or "answers" (ended requests, over 30 s).
-    tok_per_s_from: str | None = None
-    # The server's mean running count and KV usage over that window.
-    window_running: float | None = None
+    tok_per_s_from: str | None = None  # "server" (its generation-token counter) or "answers" (over 30 s)
+    window_running: float | None = None  # the server's mean running count and KV usage over that window
     window_token_usage: float | None = None
     hardware: Hardware | None = None  # what the decode bound needs beyond the above (genq.core.decodebound)
     bound_tally: dict[str, Tally] = {}  # per job, its part of this GPU's decode against the bound so far
 
 
 class Control(msgspec.Struct, omit_defaults=True):
-    """Operator instructions to one worker (genq drain / genq worker set)."""
+    """Operator instructions to one worker (genq drain, genq concurrency)."""
 
     drain: bool = False
     concurrency: int | None = None  # live cap; 0 or None: back to auto
@@ -406,19 +377,17 @@ def pack(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
+@functools.cache
+def _decoder(typ: type) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(typ)  # one per type: msgpack.decode(type=) builds one a call
+
+
 def unpack(data: bytes, typ: type) -> Any:
-    decoder = _decoders.get(typ)
-    if decoder is None:  # one per type: msgpack.decode(type=) builds one a call
-        decoder = _decoders[typ] = msgspec.msgpack.Decoder(typ)
-    return decoder.decode(data)
-
-
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+    return _decoder(typ).decode(data)
 
 
 def length_bucket(tokens: int) -> int:
-    """A completion's bucket in the output-length histograms (keys.job_hist, ShardMarker.hist): log-spaced,
-    4 per doubling of its length in tokens."""
+    """A completion's bucket in the output-length histograms: 4 per doubling of its length."""
     return int(round(4 * math.log2(tokens + 1)))
 
 
@@ -435,20 +404,17 @@ class ShardInfo(msgspec.Struct, omit_defaults=True):
     records: int
     bytes: int
     at: float
-    # A shard is written once every prompt has an outcome: records + letters == prompts (0: an older genq).
-    prompts: int = 0
+    prompts: int = 0  # records + letters == prompts (0: an older genq)
     letters: int = 0
     incarnation: str = ""  # JobConfig.incarnation of the job that wrote it
 
 
 # --------------------------------------------------------------------------- the output's own records
-# What lies beside the shards so that a ledger lost with Redis can be rebuilt from the output alone
-# (docs/recovery.md).
+# Beside the shards, so that a ledger lost with Redis is rebuilt from the output alone (docs/recovery.md).
 
 
 class ShardMarker(ShardInfo):
-    """A shard's marker (OUTPUT/JOB/manifest/BATCH.json): its ShardInfo plus what rebuilding the
-    ledger needs without reading the shard (Redis keeps only the ShardInfo)."""
+    """OUTPUT/JOB/manifest/BATCH.json: its ShardInfo plus what rebuilding the ledger needs."""
 
     sha256: str = ""  # of the shard's bytes: a second writer with other bytes is told apart
     digests: dict[str, str] = {}  # every prompt of the batch with an outcome -> content digest (hex)
@@ -458,22 +424,17 @@ class ShardMarker(ShardInfo):
 
 
 class JobRecord(msgspec.Struct, omit_defaults=True):
-    """OUTPUT/JOB/job.json: the job as created, at its current settings (`genq jobs set` writes them
-    here first), for genq recover."""
+    """OUTPUT/JOB/job.json: the job at its current settings, for genq recover."""
 
     config: JobConfig
     inputs: list[str] = []  # what was enqueued (absolute paths or s3:// URIs)
-    # Batch numbers up to this one may be in use: written before any batch above it is queued, so a
-    # counter lost with Redis restarts above it (no shard name is ever reused).
-    reserved: int = 0
-    # Set by `genq jobs delete`: the name's next enqueue starts a new job (`genq recover` clears it).
-    deleted_at: float | None = None
+    reserved: int = 0  # batch numbers up to this may be in use: a lost counter restarts above it
+    deleted_at: float | None = None  # `genq jobs delete`: the next enqueue starts a new job
 
 
 class EnqueueRecord(msgspec.Struct, omit_defaults=True):
-    """OUTPUT/JOB/enqueues/RUN.json: what one `genq enqueue` (or `genq dlq requeue`) brought in,
-    written before its batches are queued, so a Redis that lost them is found out and they are queued
-    again (genq.producer.enqueue.queue_lost)."""
+    """OUTPUT/JOB/enqueues/RUN.json: what one enqueue or requeue brought in, written before its batches
+    are queued, so that a Redis that lost them queues them again (genq.producer.enqueue.queue_lost)."""
 
     incarnation: str
     input: str  # the input read (absolute path or s3:// URI)

@@ -1,10 +1,5 @@
-"""The timings of a batch's life, defined once: one lease timeout, the rest derived from it.
-
-An engine beats every BEAT_S, renewing its alive key (keys.engine_alive), which expires
-LEASE_TIMEOUT_S after the last beat. Everything that decides when a holder counts as gone is a
-multiple of that timeout; `check()` states their order and runs at import (docs/exactly-once.md
-says why each inequality matters). Timings that only pace one loop stay beside that loop.
-"""
+"""The timings of a batch's life: one lease timeout, the rest derived from it; `check()` states their
+order and runs at import (docs/exactly-once.md says why each inequality matters)."""
 
 from __future__ import annotations
 
@@ -26,7 +21,6 @@ LOST_BATCH_BACK_S = LEASE_TIMEOUT_S + 3 * RECONCILE_EVERY_S
 
 
 def check() -> None:
-    """The order the timings must keep (an edit that breaks it fails at import, with the reason)."""
     rules = [
         (BEAT_S * 3 <= LEASE_TIMEOUT_S, "a lease must survive two missed beats"),
         (LEASE_CHECK_STALE_S < LEASE_TIMEOUT_S, "a frozen sender must stop before its lease can pass on"),

@@ -1,5 +1,4 @@
-"""Waiting in a task that must stay stoppable: for an asyncio event with a timeout, and for
-Redis to answer again."""
+"""Waiting in a task that must stay stoppable: for an asyncio event, and for Redis to answer again."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str = "redis") -> T
 
 
 async def wait_event(event: asyncio.Event, seconds: float | None) -> bool:
-    """Whether `event` was set within `seconds`. Not asyncio.wait_for: on Python 3.11 it swallows a
-    cancel that lands in the turn the event is set, so a task looping on it cannot be stopped;
-    asyncio.timeout tells its own cancel from anyone else's."""
+    """Whether `event` was set within `seconds`. Not asyncio.wait_for: on Python 3.11 it swallows a cancel
+    that lands in the turn the event is set; asyncio.timeout tells its own cancel from anyone else's."""
     if event.is_set():
         return True
     try:

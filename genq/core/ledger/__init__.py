@@ -1,22 +1,8 @@
-"""genq's ledger: the truth about every batch. RQ only carries batches to workers.
+"""genq's ledger: the truth about every batch; RQ only carries batches (docs/exactly-once.md).
 
-A batch of a job is, at any moment, exactly one of:
-- done: in keys.job_done (its shard and manifest marker are written);
-- carried: not done, and keys.job_transport names a live RQ job for it (queued in `genq`, or
-  started by an engine that heartbeats and holds its lease);
-- stranded: anything else (its RQ job failed, vanished, or was pickled by genq 0.1). The
-  reconciler queues these again, so a bug here costs a delay, not a job.
-
-A **lease** is one delivery of a batch to one engine: a random token drawn at TAKE, recorded in
-keys.job_leases; an engine whose lease is no longer current stops sending the batch's prompts. A
-second holder is harmless anyway: each prompt's outcome is written once, the shard is built from
-what Redis recorded, and RELEASE is conditional and idempotent.
-
-A job's **incarnation** (JobConfig.incarnation) is the life of its name: every script that writes
-for a job refuses to write for another incarnation than its caller's (scripts/_incarnation.lua).
-
-This module is the protocol; the package's other modules are every read and write the rest of genq
-makes of a key, named for what they do (docs/architecture.md, "The scripts and the ledger's boundary").
+A batch is done (in keys.job_done), carried (keys.job_transport names a live RQ job: queued, or
+started by a live engine holding its lease), or stranded: the reconciler queues it again. A lease is
+one delivery of a batch to one engine ("TOKEN INSTANCE" in keys.job_leases).
 """
 
 from __future__ import annotations
@@ -40,21 +26,17 @@ log = logging.getLogger("genq.ledger")
 
 
 def lease_token(value: bytes | str | None) -> str | None:
-    """The token of a lease value ("TOKEN INSTANCE")."""
     text = value.decode() if isinstance(value, bytes) else value
     return None if text is None else text.partition(" ")[0]
 
 
 def lease_holder(value: bytes | str | None) -> str | None:
-    """The engine instance of a lease value ("TOKEN INSTANCE")."""
     text = value.decode() if isinstance(value, bytes) else value
     return (text or "").partition(" ")[2] or None
 
 
 @dataclass
 class Outlook:
-    """What the ledger says about every job's batches."""
-
     pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
     # RQ jobs of done batches still "started" in RQ (their loops return, or died): cleared once seen twice.
@@ -66,8 +48,8 @@ class Outlook:
 
 
 class Reconciler:
-    """Finds stranded batches and queues them again. Kept by each worker; a fleet-wide lock makes one
-    pass at a time do the work; what looked stranded in one pass is confirmed in the next."""
+    """Finds stranded batches and queues them again: one pass at a time fleet-wide (a lock), and what
+    looked stranded in one pass is confirmed in the next."""
 
     def __init__(self, conn: redis.Redis, owner: str) -> None:
         self.conn = conn
@@ -103,48 +85,38 @@ class Reconciler:
                     outlook.requeued.append((job, batch))
                     self._suspects.pop(key, None)
         self._suspects = {k: v for k, v in self._suspects.items() if k in seen}
-        outlook.finishing = self._clear_done_started(now)
-        self._clear_done_failed()
+        outlook.finishing = self._clear_done(now)
         return outlook
 
-    def _clear_done_started(self, now: float) -> int:
-        """RQ jobs of done batches left in RQ's started registry or intermediate list (their worker
-        died, or a snapshot was restored) leave them, so `rq info` tells the truth; how many still
-        wait for confirmation."""
+    def _clear_done(self, now: float) -> int:
+        """RQ jobs of done batches leave RQ's failed registry, and (confirmed in a later pass) its started
+        registry and intermediate list, so `rq info` and `genq dlq` tell the truth; how many wait."""
         queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
         for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
             executions.setdefault(entry.decode().partition(":")[0], []).append(entry)
         for raw_id in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
             executions.setdefault(raw_id.decode(), [])
+        failed = {i.decode() for i in self.conn.zrange(FailedJobRegistry(queue=queue).key, 0, -1)} - set(executions)
         seen: dict[str, float] = {}
-        for rq_id, carried_batch in self._of_done_batches(list(executions)):
+        for rq_id, carried_batch in self._of_done_batches([*executions, *sorted(failed)]):
             first = seen[rq_id] = self._done_started.get(rq_id, now)
-            if now - first >= STRANDED_CONFIRM_S:
+            if rq_id in failed or now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
-                    forget_rq_job(pipe, rq_id, executions[rq_id])
+                    forget_rq_job(pipe, rq_id, executions.get(rq_id))
                     pipe.execute()
                 del seen[rq_id]
-                where = "started by a worker that died running it" if executions[rq_id] else "in RQ's intermediate list"
+                where = ("failed after its batch was handed over" if rq_id in failed
+                         else "started by a worker that died running it" if executions[rq_id]
+                         else "in RQ's intermediate list")
                 log.info("RQ job %s of done batch %s/%s was left %s; removed it from RQ's registries",
                          rq_id, *carried_batch, where)
         self._done_started = seen
         return len(seen)
 
-    def _clear_done_failed(self) -> None:
-        """RQ jobs of done batches leave RQ's failed registry: `rq info` and `genq dlq` must not show a
-        complete batch as failed (a done batch never runs again: one pass is enough)."""
-        failed = FailedJobRegistry(queue=rq_queue(self.conn))
-        for rq_id, carried_batch in self._of_done_batches([i.decode() for i in self.conn.zrange(failed.key, 0, -1)]):
-            with self.conn.pipeline(transaction=True) as pipe:
-                forget_rq_job(pipe, rq_id)
-                pipe.execute()
-            log.info("RQ job %s of done batch %s/%s had failed after its batch was handed over; "
-                     "removed it from RQ's failed registry", rq_id, *carried_batch)
-
     def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, tuple[str, str]]]:
-        """(RQ id, its batch) of these RQ jobs whose batch is done, or unknown to a job the ledger has
-        (lost with Redis and queued again under other numbers by genq recover)."""
+        """(RQ id, its batch) of these RQ jobs whose batch is done, or unknown to its job (genq recover
+        queued it again under another number)."""
         batch_jobs = [(rq_id, c) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
                       if (c := carried(job)) is not None]
         with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
@@ -157,8 +129,8 @@ class Reconciler:
         return [found for found, is_over in zip(batch_jobs, over) if is_over]
 
     def drop_legacy_jobs(self) -> int:
-        """Remove RQ jobs that are not JSON (queued by genq 0.1, pickled) from the queue, without
-        unpickling them; their batches have no transport entry, so a pass queues them again."""
+        """Remove RQ jobs that are not JSON (pickled by genq 0.1) without unpickling them; a pass queues
+        their batches again."""
         queue = rq_queue(self.conn)
         dropped = 0
         for raw_id in self.conn.lrange(queue.key, 0, -1):
@@ -188,12 +160,10 @@ class Reconciler:
         return pending_batches(self.conn, job)
 
     def _queued_ids(self) -> set[bytes]:
-        """Ids in RQ's queue (not its intermediate list: a job left there by a dead loop is stranded)."""
         return set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
-        """Whether each batch's RQ job carries it: in RQ's queue (not worth fetching), or started by
-        an engine that heartbeats and holds the batch's lease."""
+        """Whether each batch's RQ job carries it: queued, or started by a live engine holding its lease."""
         known = [i for i in rq_ids if i and i.encode() not in queued]
         jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
         # TAKE names the engine instance that took the batch as the RQ job's worker.
@@ -215,8 +185,7 @@ class Reconciler:
         return [live(rq_id, holder) for rq_id, holder in zip(rq_ids, holders)]
 
     def _requeue(self, job: str, batch: str, stale_rq_id: str | None) -> bool:
-        """Queue the batch again if it is still stranded with the same transport; the stale RQ job
-        leaves RQ altogether (forget_rq_job)."""
+        """Queue the batch again if still stranded with the same transport; the stale RQ job leaves RQ."""
         started = rq_queue(self.conn).started_job_registry
         with self.conn.pipeline(transaction=True) as pipe:
             try:
@@ -250,8 +219,8 @@ def pending_batches(conn: redis.Redis, job: str) -> list[str]:
 
 
 def forget_rq_job(pipe: Pipeline, rq_id: str, executions: list[bytes] | None = None) -> None:
-    """Take an RQ job the ledger has no use for out of RQ's failed registry, intermediate list, started
-    registry (`executions`: its entries there) and its hash, so `rq info` matches the ledger."""
+    """An RQ job out of RQ's failed registry, intermediate list, started registry (`executions`: its
+    entries there) and its hash, so `rq info` matches the ledger."""
     queue = rq_queue(pipe)
     pipe.zrem(FailedJobRegistry(queue=queue).key, rq_id)
     pipe.lrem(queue.intermediate_queue_key, 0, rq_id)

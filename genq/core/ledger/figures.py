@@ -1,12 +1,6 @@
 """A job's figures as the monitor and `genq jobs` read them, in round trips that grow with the
-fleet, never with the job, and which counter is the truth of what.
-
-total: the job's stats "total"; completed and tokens: sums of its workers' counters; failed: its
-dead letters. Running requests: the workers' InFlight records (TTL 5 s); health: their WorkerStatus
-(a worker whose status expired is "lost"). Batches: written = keys.job_done; held = named by a live
-worker's status, or leased by a live engine, while their record exists; queued = in RQ's queue;
-any other is "elsewhere" (retrying, failed in RQ, orphaned), never called queued.
-"""
+fleet, never with the job. total: its stats; completed and tokens: its workers' counters; failed: its
+dead letters; running: InFlight records; batches held: named by a live worker or leased by a live engine."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, Worker
 
 HELD_READ_LIMIT = 2_000  # held batches looked at per refresh: bounded by the fleet, never by the job
 
-# A job's status: one vocabulary and one rule for every view (`genq jobs`, the monitor, its JSON,
-# Prometheus and the web page).
+# A job's status: one vocabulary and one rule for every view.
 JobStatus = Literal["empty", "queued", "running", "paused", "blocked", "writing", "partial", "done"]
 JOB_STATUSES: tuple[JobStatus, ...] = get_args(JobStatus)
 # Nothing more will happen without an operator: `genq monitor --until-done` stops at these.
@@ -32,14 +25,8 @@ FINISHED_STATUSES: tuple[JobStatus, ...] = ("partial", "done")
 
 def job_status(*, total: int, finished: int, batches: int, batches_done: int, paused: bool,
                started: bool, failed: int = 0, blocked: bool = False) -> JobStatus:
-    """finished = results + dead letters (failed of them); started = anything finished, in
-    flight or held.
-
-    "done" only once every batch's shard is written (a script that exports on "done" gets
-    every batch) and no prompt failed: a job with dead letters ends "partial" (see `genq dlq`),
-    never "done". "writing" while the last shards are written. "blocked": its settings failed
-    against the server (the preflight or the brake, docs/settings.md); its prompts wait.
-    """
+    """finished = results + dead letters (failed of them). "done" once every shard is written and no
+    prompt failed ("partial" with dead letters); "writing" while the last shards are written."""
     if total == 0:
         return "empty"
     if blocked:
@@ -55,8 +42,6 @@ def job_status(*, total: int, finished: int, batches: int, batches_done: int, pa
 
 @dataclass
 class WorkerCounters:
-    """One worker's counters for one job (keys.worker_stats)."""
-
     done: int = 0
     failed: int = 0
     in_tok: int = 0
@@ -81,7 +66,6 @@ class WorkerView:
 
     @property
     def live_status(self) -> WorkerStatus | None:
-        """Its status while it runs (None when stopped or lost)."""
         return self.status if self.status is not None and self.status.state != "stopped" else None
 
     @property
@@ -98,15 +82,14 @@ class WorkerView:
 
     @property
     def decoding(self) -> int:
-        """This job's requests the server decodes (in flight with a token made), at most its capacity."""
+        """This job's requests in flight with a token made, at most the server's capacity."""
         n = sum(1 for t in self.running_tokens if t > 0)
         cap = self.status.server_capacity if self.status is not None else None
         return min(n, cap) if cap else n
 
     @property
     def slots(self) -> int:
-        """Requests it can decode at once: its in-flight target, at most its server's capacity (both
-        in sequences), over the samples each request asks for."""
+        """Requests it can decode at once: its target, at most its server's capacity, over samples each."""
         s = self.live_status
         if s is None:
             return 0
@@ -158,17 +141,17 @@ class JobSnapshot:
 
     @property
     def share(self) -> float:
-        """Its part of the fleet's requests in flight as of the workers' last beats."""
+        """Its part of the fleet's requests in flight."""
         return min(1.0, len(self.running_tokens) / self.fleet_running) if self.fleet_running else 0.0
 
     @property
     def queued(self) -> int:
-        """Prompts not started anywhere: in RQ's queue, held by a worker, or elsewhere."""
+        """Prompts not started anywhere."""
         return max(0, self.total - self.completed - self.failed - self.in_flight)
 
     @property
     def held(self) -> int:
-        """Of those, the prompts in batches live workers hold (counted from the batches)."""
+        """Of those, the prompts in batches live workers hold."""
         return min(self.queued, sum(max(0, sum(w.held_unfinished) - len(w.running_tokens)) for w in self.live))
 
     @property
@@ -178,7 +161,7 @@ class JobSnapshot:
 
     @property
     def generated_tokens(self) -> int:
-        """Output tokens produced so far, finished or not: the smooth quantity a rate is read from."""
+        """Output tokens produced so far, finished or not."""
         return self.out_tokens + sum(self.running_tokens)
 
     @property
@@ -212,8 +195,8 @@ class JobSnapshot:
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
              queued: int = 0, rq_queued: int = 0, now: float | None = None) -> JobSnapshot | None:
-    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses (read once per
-    refresh); queued and rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
+    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued and
+    rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
     if workers is None:
         workers = fleet.statuses(conn)
     with conn.pipeline(transaction=False) as pipe:
@@ -270,9 +253,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
 
 
 def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
-    """The job's batches live workers hold; fills each view's held_unfinished (the batch size less
-    its stored results). A batch counts while its record exists, named by a live worker's status or
-    leased by a live engine that no status names yet."""
+    """The job's batches (with a record) live workers name or live engines lease; fills each view's
+    held_unfinished (the batch size less its stored results)."""
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
             for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
     with conn.pipeline(transaction=False) as pipe:
@@ -300,12 +282,12 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
 
 @dataclass
 class JobTotals:
-    """A job's totals for its row in `genq jobs` (genq.ops.control.job_rows)."""
+    """A job's row in `genq jobs`."""
 
-    stats: dict[bytes, bytes]  # the job's stats hash
-    dead: int  # dead letters
+    stats: dict[bytes, bytes]
+    dead: int
     batches_done: int
-    done: int  # prompts its workers finished (the sum of their "done" counters)
+    done: int  # prompts its workers finished
     inflight: dict[str, InFlight]  # of the given workers, those working on it now
 
 
@@ -327,9 +309,8 @@ def job_totals(conn: redis.Redis, job: str, fleet: list[str]) -> JobTotals:
 
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str
                  ) -> tuple[bytes | None, bytes | None, bytes | None, bool]:
-    """Where a prompt of a pending batch is (`genq status JOB ID`): its stored result (packed),
-    its claim ("INSTANCE TOKEN"), its batch's current lease ("TOKEN INSTANCE"), and whether the
-    job (or the whole fleet) is paused; one round trip."""
+    """`genq status JOB ID` of a pending batch's prompt: its stored result, its claim, its batch's
+    lease, and whether the job (or the fleet) is paused; one round trip."""
     with conn.pipeline(transaction=False) as pipe:
         pipe.hget(keys.batch_results(job, batch), prompt_id)
         pipe.hget(keys.batch_claims(job, batch), prompt_id)

@@ -1,7 +1,5 @@
-"""The fleet's records in Redis: the workers, the status each publishes, the controls an operator
-gives them, what each has in flight per job, the wake-up channel, and what genq keeps of a server.
-A beat's writes are staged on the caller's pipeline (`stage_*` only queue commands): one round trip.
-"""
+"""The fleet's records in Redis: workers, their statuses and controls, their requests in flight per job,
+the wake-up channel, and what genq keeps of a server. `stage_*` only queue commands on a pipeline."""
 
 from __future__ import annotations
 
@@ -16,38 +14,35 @@ from genq.core import keys
 from genq.core.ledger.jobs import change_record
 from genq.core.records import Control, InFlight, ServerDecode, WorkerStatus, pack, unpack
 
-AnyPipeline = Any  # a redis-py pipeline, sync or asyncio: stage_* only queue commands on it
+AnyPipeline = Any  # a redis-py pipeline, sync or asyncio
 
 
-# --------------------------------------------------------------------------- statuses
 def worker_names(conn: redis.Redis) -> list[str]:
     """Every worker that ever heartbeated (until `genq workers forget`), sorted."""
     return sorted(n.decode() for n in conn.smembers(keys.WORKERS))
 
 
 def statuses(conn: redis.Redis | aioredis.Redis, names: list[str] | None = None) -> Any:
-    """Each worker's status (of `names`, else of every worker), None when expired (lost) or written by
-    an incompatible genq; on an asyncio client, an awaitable of it."""
-    def decode(names: list[str], raws: list[bytes | None]) -> dict[str, WorkerStatus | None]:
-        out: dict[str, WorkerStatus | None] = {}
-        for name, raw in zip(names, raws):
-            try:
-                out[name] = unpack(raw, WorkerStatus) if raw else None
-            except msgspec.DecodeError:
-                out[name] = None
-        return out
-
+    """Each worker's status (of `names`, else of all), None when expired (lost) or unreadable; on an
+    asyncio client, an awaitable of it."""
     if isinstance(conn, aioredis.Redis):
         async def read() -> dict[str, WorkerStatus | None]:
             found = sorted(n.decode() for n in await conn.smembers(keys.WORKERS)) if names is None else names
-            return decode(found, await conn.mget([keys.worker_status(n) for n in found]) if found else [])
+            raws = await conn.mget([keys.worker_status(n) for n in found]) if found else []
+            return dict(zip(found, map(_status, raws)))
         return read()
     found = worker_names(conn) if names is None else names
-    return decode(found, conn.mget([keys.worker_status(n) for n in found]) if found else [])
+    return dict(zip(found, map(_status, conn.mget([keys.worker_status(n) for n in found]) if found else [])))
+
+
+def _status(raw: bytes | None) -> WorkerStatus | None:
+    try:
+        return unpack(raw, WorkerStatus) if raw else None
+    except msgspec.DecodeError:  # written by an incompatible genq
+        return None
 
 
 def forget_workers(conn: redis.Redis, names: list[str]) -> None:
-    """Remove workers from the fleet view: their name, status and control records."""
     if names:
         with conn.pipeline() as pipe:
             pipe.srem(keys.WORKERS, *names)
@@ -55,13 +50,10 @@ def forget_workers(conn: redis.Redis, names: list[str]) -> None:
             pipe.execute()
 
 
-# --------------------------------------------------------------------------- a beat's writes
 def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
                inflight: list[InFlight], gone: Iterable[str], inflight_ttl: int) -> None:
-    """A worker's beat: its engine instance alive `ttl` s more (claims and leases count while it is),
-    its status (a stopped worker's kept, no TTL, so the fleet view tells stopped from lost), its
-    membership, its requests in flight per job, and none for the jobs it no longer works on (`gone`:
-    a record must not outlive the work by its TTL)."""
+    """A beat: the engine alive `ttl` s more, its status (a stopped one's kept without TTL: stopped, not
+    lost), its membership, its requests in flight per job, and none for the jobs in `gone`."""
     stopped = status.state == "stopped"
     if not stopped:
         pipe.set(keys.engine_alive(instance), status.name, ex=ttl)
@@ -75,17 +67,14 @@ def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int,
 
 
 async def stopped(conn: aioredis.Redis, instance: str, name: str) -> None:
-    """The engine left: its liveness and its control record go (its status says "stopped")."""
     async with conn.pipeline(transaction=False) as pipe:
         pipe.delete(keys.engine_alive(instance))
         pipe.delete(keys.worker_control(name))
         await pipe.execute()
 
 
-# --------------------------------------------------------------------------- controls
 async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tuple[Control, bool, set[str]]:
-    """What the operator asks of this worker now: its Control, the fleet-wide pause, which of
-    `jobs` are paused; one round trip."""
+    """This worker's Control, the fleet-wide pause, and which of `jobs` are paused; one round trip."""
     async with conn.pipeline(transaction=False) as pipe:
         pipe.get(keys.worker_control(name))
         pipe.exists(keys.PAUSED)
@@ -97,7 +86,7 @@ async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tup
 
 
 def change_control(conn: redis.Redis, name: str, change: Callable[[Control], None]) -> Control:
-    """Apply change() to the worker's stored Control under WATCH (a concurrent drain and cap both stick)."""
+    """Apply change() to the worker's stored Control under WATCH."""
     def changed(control: Control) -> Control:
         change(control)
         return control
@@ -106,27 +95,21 @@ def change_control(conn: redis.Redis, name: str, change: Callable[[Control], Non
                          changed)
 
 
-# --------------------------------------------------------------------------- the wake-up channel
 def tell_idle_workers(conn: redis.Redis) -> None:
-    """An operator changed a control: idle workers read theirs now, not at their next idle beat."""
     conn.publish(keys.WAKE, keys.WAKE_CONTROL)
 
 
 async def wake_for_work(conn: aioredis.Redis) -> None:
-    """Prompts were given back: idle workers look for some to take (one PUBLISH)."""
     await conn.publish(keys.WAKE, b"1")
 
 
 def listen_for_wakes(pubsub: Any) -> Callable[[Any], str]:
-    """Subscribe to the wake-up channel; what a message's data says: "control" (read it now), "queued"
-    (batches were queued: TAKE now) or "work" (prompts were given back)."""
+    """Subscribe to the wake-up channel; what a message says: "control", "queued" or "work"."""
     pubsub.subscribe(keys.WAKE)
     return lambda data: {keys.WAKE_CONTROL: "control", keys.WAKE_QUEUED: "queued"}.get(data, "work")
 
 
-# --------------------------------------------------------------------------- a server
 async def server_decode(conn: aioredis.Redis, server: str, model: str) -> ServerDecode | None:
-    """A server's decode figures as its last worker left them (worker/decoding.py)."""
     raw = await conn.get(keys.server_decode(server, model))
     return unpack(raw, ServerDecode) if raw else None
 

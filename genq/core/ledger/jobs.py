@@ -1,8 +1,5 @@
-"""A job's own records in Redis: its settings, block, pause and schedule (`jobs_now` reads them all,
-for the CLI and for engines), its counts, its batch numbering, and every key it has (`genq jobs
-delete`, `genq recover`). Batches and their RQ jobs are genq.core.queueing's, leases
-genq.core.ledger.leasing's, dead letters genq.core.ledger.letters', workers genq.core.ledger.fleet's.
-"""
+"""A job's own records in Redis: its settings, block, pause and schedule, its counts, its batch
+numbering, and every key it has (`genq jobs delete`, `genq recover`)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 from redis.client import Pipeline
-from redis.exceptions import WatchError
 
 from genq.core import keys
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
@@ -27,11 +23,8 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------- what a job is now
 @dataclass
 class JobNow:
-    """A job's records as they are now (jobs_now)."""
-
     config: JobConfig | None  # None: deleted, or written by an incompatible genq
     blocked: JobBlock | None
     paused: bool  # this job (not counting the fleet-wide pause)
@@ -53,23 +46,23 @@ def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases:
     answers = pipe.execute()
 
     def decode(answers: list[Any]) -> list[JobNow]:
-        out, step = [], 5 if leases else 4
-        for i in range(0, len(answers), step):
-            raw_config, raw_block, paused, raw_schedule, *held = answers[i:i + step]
-            try:
-                config = unpack(raw_config, JobConfig) if raw_config else None
-            except msgspec.ValidationError:
-                config = None
-            out.append(JobNow(config, unpack(raw_block, JobBlock) if raw_block else None, bool(paused),
-                              schedule_of(raw_schedule),
-                              {b.decode(): lease_holder(v) for b, v in held[0].items()} if held else {}))
-        return out
+        step = 5 if leases else 4
+        return [JobNow(_config(a[0]), unpack(a[1], JobBlock) if a[1] else None, bool(a[2]), schedule_of(a[3]),
+                       {b.decode(): lease_holder(v) for b, v in a[4].items()} if leases else {})
+                for a in (answers[i:i + step] for i in range(0, len(answers), step))]
 
     if inspect.isawaitable(answers):
         async def later() -> list[JobNow]:
             return decode(await answers)
         return later()
     return decode(answers)
+
+
+def _config(raw: bytes | None) -> JobConfig | None:
+    try:
+        return unpack(raw, JobConfig) if raw else None
+    except msgspec.ValidationError:  # written by an incompatible genq
+        return None
 
 
 def pause_all(conn: redis.Redis) -> None:
@@ -86,7 +79,7 @@ def paused_all(conn: redis.Redis) -> bool:
 
 
 def pause_job(conn: redis.Redis, job: str) -> None:
-    """`genq pause --job`: this job's prompts are not sent (its batches are parked: worker/gate.py)."""
+    """`genq pause --job`: its prompts are not sent (its batches are parked: worker/gate.py)."""
     conn.set(keys.job_paused(job), repr(time.time()))
 
 
@@ -99,12 +92,11 @@ async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
 
 
 def lift_block(conn: redis.Redis, job: str) -> None:
-    """Lift the job's block and its pause (`genq resume --job`), in one DEL."""
+    """`genq resume --job`: the job's block and pause lifted, in one DEL."""
     conn.delete(keys.job_blocked(job), keys.job_paused(job))
 
 
 async def job_names(conn: aioredis.Redis) -> list[str]:
-    """Every job the ledger knows, unordered (from an engine's event loop)."""
     return [j.decode() for j in await conn.smembers(keys.JOBS)]
 
 
@@ -113,13 +105,12 @@ def schedule_of(raw: bytes | None) -> JobSchedule:
 
 
 def stage_schedules(pipe: Any, jobs: list[str]) -> None:
-    """Queue the read of these jobs' packed schedules on a pipeline (one MGET; schedule_of reads each)."""
+    """One MGET of these jobs' packed schedules (schedule_of reads each)."""
     pipe.mget([keys.job_schedule(j) for j in jobs])
 
 
 def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T]) -> T:
-    """Store change(read(the stored bytes)) under `key`, packed, under WATCH (again from the start if
-    the key changes meanwhile); the new record. `change` may raise to store nothing."""
+    """Store change(read(the stored bytes)) under `key` under WATCH; `change` may raise to store nothing."""
     def store(pipe: Pipeline) -> T:
         new = change(read(pipe.get(key)))
         pipe.multi()
@@ -134,38 +125,28 @@ def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule],
 
 
 def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | None], JobConfig]) -> JobConfig:
-    """`genq jobs set`: store change(the stored config, None if none) as the job's config."""
     return change_record(conn, keys.job_config(job), lambda raw: unpack(raw, JobConfig) if raw else None, change)
 
 
 async def pin_model(conn: aioredis.Redis, job: str, model: str, auto: str) -> tuple[JobConfig | None, bool]:
-    """The job's settings with the model `auto` replaced by `model` in the stored config unless another
-    engine resolved it first, and whether this call pinned it; (None, False) if the job is gone."""
+    """The job's config with model `auto` pinned to `model` unless another engine did first, and whether
+    this call pinned it; (None, False) if the job is gone."""
     key = keys.job_config(job)
-    async with conn.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(key)
-                raw = await pipe.get(key)
-                if raw is None:
-                    return None, False
-                config = unpack(raw, JobConfig)
-                if config.model != auto:
-                    return config, False
-                pinned = msgspec.structs.replace(config, model=model)
-                pipe.multi()
-                pipe.set(key, pack(pinned))
-                await pipe.execute()
-                return pinned, True
-            except WatchError:
-                continue
+
+    async def pin(pipe: Any) -> tuple[JobConfig | None, bool]:
+        raw = await pipe.get(key)
+        config = unpack(raw, JobConfig) if raw else None
+        if config is None or config.model != auto:
+            return config, False
+        pipe.multi()
+        pipe.set(key, pack(pinned := msgspec.structs.replace(config, model=model)))
+        return pinned, True
+
+    return await conn.transaction(pin, key, value_from_callable=True)
 
 
-# --------------------------------------------------------------------------- counts
 @dataclass
 class JobCounts:
-    """A job's counters of record (genq.core.ledger.figures says which is the truth of what)."""
-
     total: int  # prompts enqueued (less those purged)
     batches_total: int  # batches written (the ledger's list)
     batches: int  # batches counted in the job's stats (less those purged)
@@ -185,12 +166,11 @@ def counts(conn: redis.Redis, job: str) -> JobCounts:
 
 
 def job_stats(conn: redis.Redis, job: str) -> dict[bytes, bytes]:
-    """The job's stats hash as stored (total, batches, created_at, redeliveries, the shard totals...)."""
     return conn.hgetall(keys.job_stats(job))
 
 
 def batches_counted(conn: redis.Redis, jobs: list[str]) -> list[int]:
-    """Each job's count of batches ever queued (its stats' "batches"), in one round trip."""
+    """Each job's count of batches ever queued, in one round trip."""
     with conn.pipeline(transaction=False) as pipe:
         for job in jobs:
             pipe.hget(keys.job_stats(job), "batches")
@@ -202,28 +182,23 @@ def done_batches(conn: redis.Redis, job: str) -> set[str]:
 
 
 def all_batches(conn: redis.Redis, job: str) -> set[str]:
-    """Every batch the ledger has of the job, done or not."""
     return {b.decode() for b in conn.zrange(keys.job_batches(job), 0, -1)}
 
 
 def knows_prompt(conn: redis.Redis, job: str, prompt_id: str) -> bool:
-    """Whether the prompt id was ever queued for the job (its id index)."""
     return conn.hget(keys.job_ids(job), prompt_id) is not None
 
 
 def shard_infos(conn: redis.Redis, job: str) -> list[bytes]:
-    """The packed ShardInfo of every written shard of the job (the manifest's source)."""
     return conn.hvals(keys.job_shards(job))
 
 
-# --------------------------------------------------------------------------- numbering and creation
 def watch_enqueue(pipe: Pipeline, job: str) -> None:
     """WATCH what an enqueue reads before it writes: the id index, the batch numbering, the config."""
     pipe.watch(keys.job_ids(job), keys.job_batch_seq(job), keys.job_config(job))
 
 
 def last_batch_number(conn: redis.Redis, job: str) -> int:
-    """The number of the job's last batch allocated (0: none)."""
     return int(conn.get(keys.job_batch_seq(job)) or 0)
 
 
@@ -231,27 +206,22 @@ def stage_last_batch_number(pipe: Pipeline, job: str, number: int) -> None:
     pipe.set(keys.job_batch_seq(job), number)
 
 
-# --------------------------------------------------------------------------- every key of a job
 def job_keys_shown(job: str) -> str:
-    """How `genq jobs delete` names a job's keys to the operator (a glob)."""
     return keys.job_keys_pattern(job)
 
 
 def find_job_keys(conn: redis.Redis, job: str) -> list[str]:
-    """Every key of the job (everything under genq:job:JOB:), sorted."""
     return sorted(k.decode() for k in conn.scan_iter(match=keys.job_keys_pattern(job), count=1000))
 
 
 def stage_forget_job(pipe: Pipeline, job: str, job_keys: list[str]) -> None:
-    """Delete the job's keys (find_job_keys) and its name from the job list, in `pipe`."""
     if job_keys:
         pipe.delete(*job_keys)
     pipe.srem(keys.JOBS, job)
 
 
-# --------------------------------------------------------------------------- a batch's state
 def batch_exists(conn: redis.Redis, job: str, batch: str) -> bool:
-    """Whether the batch's record is stored: it is deleted once its shard is written (or with its job)."""
+    """Whether the batch's record is stored (deleted once its shard is written, or with its job)."""
     return bool(conn.exists(keys.batch(job, batch)))
 
 
@@ -260,10 +230,9 @@ def batch_done(conn: redis.Redis, job: str, batch: str) -> bool:
 
 
 def result_count(conn: redis.Redis, job: str, batch: str) -> int:
-    """Results stored for the batch and not yet in a shard."""
+    """Results stored for the batch, not yet in a shard."""
     return int(conn.hlen(keys.batch_results(job, batch)))
 
 
 def result_ids(conn: redis.Redis, job: str, batch: str) -> set[str]:
-    """The prompt ids of the batch's stored results (not yet in a shard)."""
     return {k.decode() for k in conn.hkeys(keys.batch_results(job, batch))}

@@ -1,7 +1,6 @@
-"""A batch's lease, the engine's side (worker/batches.py drives it): what Redis recorded of a taken
-batch, the lease check after each beat, and the lease's end, handed back to the queue or parked (a
-paused or blocked job's batch that no RQ job carries until `genq resume --job`; the reconciler
-leaves those be). genq.core.ledger defines the terms."""
+"""A batch's lease, the engine's side (worker/batches.py): what Redis recorded of a taken batch, the
+lease check after each beat, and the lease's end: queued again, or parked (no RQ job carries a paused
+or blocked job's batch until `genq resume --job`)."""
 
 from __future__ import annotations
 
@@ -18,12 +17,11 @@ from genq.core.scripts import RQ_EXECUTION
 
 
 async def batch_record(conn: aioredis.Redis, ref: BatchRef) -> bytes | None:
-    """The batch's stored record (a packed records.BatchSource); None once released or deleted."""
     return await conn.get(keys.batch(ref.job, ref.batch))
 
 
 async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str], *, transaction: bool = False) -> set[str]:
-    """Of these prompt ids of the batch, those with an outcome recorded (a result or a dead letter)."""
+    """Of these prompt ids of the batch, those with a result or a dead letter."""
     async with conn.pipeline(transaction=transaction) as pipe:
         pipe.hmget(keys.batch_results(ref.job, ref.batch), ids)
         pipe.hmget(keys.job_dlq(ref.job), ids)
@@ -32,15 +30,13 @@ async def outcome_ids(conn: aioredis.Redis, ref: BatchRef, ids: list[str], *, tr
 
 
 async def claim_owners(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> list[bytes | None]:
-    """Who claimed each of these prompts of the batch, as CLAIM wrote it (None: unclaimed)."""
     return await conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
 
 
 async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]
                           ) -> tuple[bool, bytes | None, bytes | int | None, list[bytes], list[bytes | None] | None]:
-    """What the batch's shard is built from, in one transaction: whether it is done, its job's settings,
-    the batch record (given `ids`: only whether it is still there), its stored results, and the letters
-    of `ids` (None without ids: letters_of, once the record names them); all packed."""
+    """What the shard is built from, in one transaction: done?, its job's config, the batch record (given
+    `ids`: whether it exists), its stored results, and the letters of `ids` (None without ids); packed."""
     async with conn.pipeline(transaction=True) as pipe:
         pipe.sismember(keys.job_done(ref.job), ref.batch)
         pipe.get(keys.job_config(ref.job))
@@ -56,13 +52,11 @@ async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]
 
 
 async def letters_of(conn: aioredis.Redis, job: str, ids: list[str]) -> list[bytes | None]:
-    """The dead letters of these prompt ids, packed (None: no letter), in order."""
     return await conn.hmget(keys.job_dlq(job), ids)
 
 
 async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
-    """For each batch: its job's incarnation now (None: deleted), whether it is done, and the token
-    of its current lease; one round trip."""
+    """Per batch: its job's incarnation (None: deleted), whether it is done, its lease's token."""
     jobs = sorted({r.job for r in refs})
     async with conn.pipeline(transaction=False) as pipe:
         for job in jobs:
@@ -79,9 +73,8 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
 
 
 def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) -> bool:
-    """End the lease `token` of the batch, its RQ job out of RQ, and queue the batch again at the front
-    (`requeue`) or park it (no RQ job carries it), in one transaction. False, writing nothing, if the
-    batch is done or that lease is no longer current."""
+    """End the batch's lease `token`, its RQ job out of RQ, and queue it again at the front (`requeue`)
+    or park it, in one transaction; False, writing nothing, if it is done or the lease is not current."""
     def attempt(pipe: Pipeline) -> bool:
         lease = pipe.hget(keys.job_leases(ref.job), ref.batch)
         if lease_token(lease) != token or pipe.sismember(keys.job_done(ref.job), ref.batch):
@@ -102,8 +95,7 @@ def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) ->
 
 
 def unqueue(conn: redis.Redis, job: str) -> int:
-    """Park the job's queued batches: out of RQ's queue, so that workers do not take them one by one
-    only to park them, nor keep other jobs' batches waiting behind them. How many."""
+    """Park the job's queued batches (out of RQ's queue, not taken one by one only to be parked); how many."""
     queue = rq_queue(conn)
     found = [(j, c[1]) for j in fetch_rq_jobs(conn, queue.get_job_ids())
              if j is not None and (c := carried(j)) and c[0] == job]
@@ -120,16 +112,14 @@ def unqueue(conn: redis.Redis, job: str) -> int:
         for (rq_job, batch), carrier in zip(gone, carriers):
             if carrier is not None and carrier.decode() == rq_job.id:
                 pipe.hdel(keys.job_transport(job), batch)
-            # Out of the queue, such a job is in no registry of RQ's: its keys go (not RQ's delete, which
-            # asks Redis for its status seven times, a round trip each).
+            # In no registry of RQ's now: its keys go (RQ's delete costs seven round trips).
             pipe.delete(rq_job.key, rq_job.dependents_key, rq_job.dependencies_key, RqResult.get_key(rq_job.id))
         pipe.execute()
     return len(gone)
 
 
 def requeue_parked(conn: redis.Redis, job: str) -> int:
-    """Queue every batch of `job` not done that no RQ job carries; WATCH on the transport starts this
-    over if another resume or a reconciler queues one meanwhile, so none is queued twice."""
+    """Queue every batch of `job` not done that no RQ job carries (under WATCH: none is queued twice)."""
     transport = keys.job_transport(job)
 
     def queue(pipe: Pipeline) -> int:

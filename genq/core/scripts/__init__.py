@@ -1,11 +1,6 @@
-"""Every Lua script of genq, loaded once from the .lua files beside this module, and each script's
-KEYS and ARGV built in one `*_call` function next to it (docs/architecture.md, "The scripts and the
-ledger's boundary").
-
-Each NAME.lua's header names what it does, each KEYS[i] and ARGV[i], and what it returns. A line
-`-- #include PIECE` is replaced by _PIECE.lua (Lua shared by several scripts). The scripts are
-plain strings: callers register them on their own connection (EVALSHA, reloaded after a restart).
-"""
+"""Every Lua script of genq, loaded from the .lua files beside this module (each one's header names
+its KEYS, ARGV and answer; `-- #include PIECE` inserts _PIECE.lua), and each script's KEYS and ARGV
+built in a `*_call` function next to it."""
 
 from __future__ import annotations
 
@@ -14,18 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from genq.core import keys
-from genq.core.records import (
-    BatchRef,
-    DeadLetter,
-    Result,
-    ShardInfo,
-    ShardMarker,
-    batch_number,
-    length_bucket,
-    pack,
-    without_prompt,
-)
+from genq.core import keys, records
+from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, batch_number, pack
 
 HERE = Path(__file__).resolve().parent
 _INCLUDE = re.compile(r"^-- #include (\w+)$", re.MULTILINE)
@@ -39,52 +24,38 @@ def evaluate(conn: Any, script: str, call: Call) -> Any:
     return conn.eval(script, len(script_keys), *script_keys, *args)
 
 
+def _head(n: int, fix: int, fix_below: int, wide: tuple[int, ...]) -> bytes:
+    """A msgpack header for n: fixstr/fixarray below fix_below, else the first of wide's (code, size) that holds n."""
+    if n < fix_below:
+        return bytes([fix | n])
+    for code, size in zip(wide[::2], wide[1::2]):
+        if n < 1 << (8 * size):
+            return bytes([code]) + n.to_bytes(size, "big")
+    raise ValueError("too long for msgpack")
+
+
 def lua_list(items: Iterable[bytes | str | int]) -> bytes:
-    """Many values in one script argument (one encoding, not one each): a msgpack array of str for
-    cmsgpack.unpack. Never msgpack bin, which cmsgpack cannot read: ints go as their decimal text."""
-    body = bytearray()
-    count = 0
-    for item in items:
-        raw = item if isinstance(item, bytes) else str(item).encode()
-        size = len(raw)
-        if size < 32:
-            body.append(0xA0 | size)
-        elif size < 0x100:
-            body += b"\xd9" + size.to_bytes(1, "big")
-        elif size < 0x10000:
-            body += b"\xda" + size.to_bytes(2, "big")
-        else:
-            body += b"\xdb" + size.to_bytes(4, "big")
-        body += raw
-        count += 1
-    if count < 16:
-        head = bytes([0x90 | count])
-    elif count < 0x10000:
-        head = b"\xdc" + count.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + count.to_bytes(4, "big")
-    return head + bytes(body)
+    """Many values in one script argument: a msgpack array of str for cmsgpack.unpack (never bin, which
+    cmsgpack cannot read: ints go as their decimal text)."""
+    raws = [i if isinstance(i, bytes) else str(i).encode() for i in items]
+    body = b"".join(_head(len(r), 0xA0, 32, (0xD9, 1, 0xDA, 2, 0xDB, 4)) + r for r in raws)
+    return _head(len(raws), 0x90, 16, (0xDC, 2, 0xDD, 4)) + body
 
 
 def load(name: str, _within: tuple[str, ...] = ()) -> str:
-    """NAME.lua with its `-- #include` lines expanded (a piece may include another; a circle is an error)."""
+    """NAME.lua with its `-- #include` lines expanded (a circle is an error)."""
     if name in _within:
         raise ValueError(f"Lua include circle: {' -> '.join((*_within, name))}")
     text = (HERE / f"{name}.lua").read_text()
     return _INCLUDE.sub(lambda m: load("_" + m.group(1), (*_within, name)), text)
 
 
-RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix (TAKE and QUEUE_HEAD read a job's description there)
-# The execution id of every entry genq writes in RQ's started registry ("RQID:genq"): RQ 2.x names
-# an entry by job and execution; genq's engine is the execution, and one RQ job runs once.
-RQ_EXECUTION = "genq"
+RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix
+RQ_EXECUTION = "genq"  # the execution id of genq's entries in RQ's started registry ("RQID:genq")
 JOB_SLOT, BATCH_SLOT = "{job}", "{batch}"  # where TAKE puts names into key templates
-# Running totals of the written shards in keys.job_stats, kept by RELEASE and ADOPT as they record a
-# shard, so the monitor reads two fields, not every ShardInfo. The Lua names them itself (_shard_totals.lua).
+# Totals of the written shards in keys.job_stats, kept by RELEASE and ADOPT (_shard_totals.lua).
 SHARD_RECORDS = "shard_records"  # sum of ShardInfo.records
 SHARD_BYTES = "shard_bytes"  # sum of ShardInfo.bytes
-
-# --------------------------------------------------------------------------- the ledger
 
 TAKE = load("take")
 TAKE_SCAN = 500  # queued RQ jobs TAKE looks at, at most, for one of a job it may run
@@ -109,20 +80,17 @@ RELEASE = load("release")
 
 
 def release_call(ref: BatchRef, info: ShardInfo, incarnation: str) -> Call:
-    """For a written shard (bench/footprint.py drives it too)."""
-    script_keys = [keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
-                   keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
-                   keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
-                   keys.batch_tries(ref.job, ref.batch), keys.RQ_STARTED]
-    args = [ref.batch, pack(info), info.records, info.bytes, incarnation, RQ_JOB_PREFIX, RQ_EXECUTION]
-    return script_keys, args
+    return ([keys.job_done(ref.job), keys.job_shards(ref.job), keys.batch_results(ref.job, ref.batch),
+             keys.batch(ref.job, ref.batch), keys.job_leases(ref.job), keys.job_transport(ref.job),
+             keys.job_stats(ref.job), keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job),
+             keys.batch_tries(ref.job, ref.batch), keys.RQ_STARTED],
+            [ref.batch, pack(info), info.records, info.bytes, incarnation, RQ_JOB_PREFIX, RQ_EXECUTION])
 
 
 ADOPT = load("adopt")
 
 
 def adopt_call(job: str, marker: ShardMarker, info: ShardInfo) -> Call:
-    """For one written batch; info: the marker's ShardInfo (genq.output.truth.shard_info)."""
     b = marker.batch
     script_keys = [keys.job_done(job), keys.job_shards(job), keys.batch_results(job, b), keys.batch(job, b),
                    keys.job_leases(job), keys.job_transport(job), keys.job_stats(job), keys.batch_claims(job, b),
@@ -136,14 +104,12 @@ def adopt_call(job: str, marker: ShardMarker, info: ShardInfo) -> Call:
     return script_keys, args
 
 
-# --------------------------------------------------------------------------- queueing and order
-
 LOOKUP_IDS = load("lookup_ids")
 CLAIM_IDS = load("claim_ids")
 
 
 def ids_call(job: str, digests: Iterable[tuple[str, bytes]]) -> Call:
-    """LOOKUP_IDS's or CLAIM_IDS's (the same KEYS and ARGV): (id, 8-byte content digest) pairs."""
+    """LOOKUP_IDS's or CLAIM_IDS's: (id, 8-byte content digest) pairs."""
     pairs = list(digests)
     ids, values = zip(*pairs) if pairs else ((), ())
     if any(len(v) != 8 for v in values):
@@ -173,28 +139,22 @@ def fleet_share_call(instance: str, fresh_s: int, mine: dict[str, int]) -> Call:
     return [keys.job_share(job) for job in mine], [instance, fresh_s, *mine.values()]
 
 
-# --------------------------------------------------------------------------- outcomes and claims
-
 RECORD = load("record")
 
 
 def record_call(job: str, batch: str, worker: str, now: str, results: list[Result],
                 dead: list[DeadLetter], incarnation: str) -> Call:
-    """For one batch's outcomes (bench/footprint.py drives it too)."""
     flat: list = []
     for r in results:
-        flat += [r.id, pack(without_prompt(r)), r.usage.prompt_tokens, r.usage.completion_tokens,
-                 length_bucket(r.usage.completion_tokens)]
-    letters: list = []
-    for d in dead:
-        letters += [d.id, pack(d)]
+        flat += [r.id, pack(records.without_prompt(r)), r.usage.prompt_tokens, r.usage.completion_tokens,
+                 records.length_bucket(r.usage.completion_tokens)]
+    letters = [item for d in dead for item in (d.id, pack(d))]
     # The job's elapsed time and rate run from the first request, not from the first answer.
     sent = min([r.finished_at - r.latency_s for r in results if r.finished_at] + [float(now)])
-    args: list = [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)]
-    script_keys = [keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker),
-                   keys.job_hist(job), keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch),
-                   keys.job_config(job), keys.batch(job, batch)]
-    return script_keys, args
+    return ([keys.batch_results(job, batch), keys.job_done(job), keys.worker_stats(job, worker), keys.job_hist(job),
+             keys.job_dlq(job), keys.job_workers(job), keys.batch_claims(job, batch), keys.job_config(job),
+             keys.batch(job, batch)],
+            [batch, worker, now, incarnation, lua_list(flat), lua_list(letters), repr(sent)])
 
 
 CLAIM = load("claim")
