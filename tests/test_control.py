@@ -97,7 +97,7 @@ def assert_exactly_once(tmp_path: Path, job: str, ids: list[str]) -> list[dict]:
 
 def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rconn, sim, worker):
     url = sim(**SLOW_SIM)
-    ids = enqueue(tmp_path, "pz", 160)
+    ids = enqueue(tmp_path, "pz", 100)
     w = worker(url, "--name", "pz-worker")
     wait_until(lambda: job_now("pz").done >= 20, what="20 prompts done")
 
@@ -118,7 +118,7 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
     assert after["generated_tokens"] == before["generated_tokens"]
     assert after["aborted_requests"] == 0, "in-flight requests were cut instead of finishing"
     row = jobs_json()["pz"]
-    assert row["done"] == done_before < 160 and row["state"] == "paused" and row["paused"]
+    assert row["done"] == done_before < 100 and row["state"] == "paused" and row["paused"]
     assert workers_json()["pz-worker"]["state"] == "paused"
 
     out = run_genq("resume")
@@ -131,7 +131,7 @@ def test_pause_stops_new_requests_and_resume_completes(tmp_path, redis_url, rcon
 
 def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
     url = sim(**SLOW_SIM)
-    ids = enqueue(tmp_path, "one", 120)
+    ids = enqueue(tmp_path, "one", 80)
     worker(url, "--name", "job-pauser")
     wait_until(lambda: job_now("one").done >= 20, what="20 prompts done")
 
@@ -150,7 +150,7 @@ def test_pause_one_job(tmp_path, redis_url, rconn, sim, worker):
     heartbeats_pass(rconn, "job-pauser")
     assert received(sim_stats(url)) == before, "requests were sent for a paused job"
     row = jobs_json()["one"]
-    assert row["done"] == done < 120 and row["paused"] and row["state"] == "paused"
+    assert row["done"] == done < 80 and row["paused"] and row["state"] == "paused"
 
     bad = run_genq("pause", "--job", "nosuch", check=False)
     assert bad.returncode == 1 and "no job named 'nosuch'" in bad.stderr

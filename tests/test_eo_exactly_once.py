@@ -97,7 +97,7 @@ def test_a_superseded_holders_claims_do_not_hold_the_batch_up(redis_url, rconn, 
     (A is alive) and B waited for them forever."""
     slow = sim(max_running_requests=8, mean_output_tokens=3000, output_sigma=0.2, tokens_per_step=2,
                step_ms_base=40)
-    steady = sim(max_running_requests=16, mean_output_tokens=600, output_sigma=0.2, tokens_per_step=4,
+    steady = sim(max_running_requests=16, mean_output_tokens=600, output_sigma=0.2, tokens_per_step=8,
                  step_ms_base=20)
     ids, out = enqueue(tmp_path, "leak", 40, "--batch-size", "40", "--max-tokens", "5000",
                        redis_url=redis_url)
@@ -157,7 +157,7 @@ def test_workers_ride_out_a_redis_outage_longer_than_a_heartbeat(sim, procs, tmp
     conn = own.conn
     server = sim(max_running_requests=8, mean_output_tokens=400, output_sigma=0.5, tokens_per_step=8,
                  step_ms_base=10)
-    ids, out = enqueue(tmp_path, "rr", 160, "--batch-size", "20", "--max-tokens", "1500", redis_url=own.url)
+    ids, out = enqueue(tmp_path, "rr", 80, "--batch-size", "10", "--max-tokens", "1500", redis_url=own.url)
     workers = [procs(genq_cmd("worker", "--server", server, "--name", f"w{i}", redis_url=own.url), name=f"w{i}")
                for i in range(2)]
     wait_until(lambda: conn.scard(keys.job_done("rr")) >= 1, 90, "a first batch done")

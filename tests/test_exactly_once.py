@@ -174,18 +174,21 @@ def test_records_are_not_rewritten_by_a_late_second_writer(redis_url, rconn, sim
 def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim, worker, tmp_path, monkeypatch):
     """RQ used to retry a batch 10 times and then dead-letter it as batch_failed, though no
     prompt was at fault: the ledger now queues it again however often its RQ job fails."""
-    import subprocess
-    import sys
+    from rq import SimpleWorker
+    from rq.serializers import JSONSerializer
 
     from genq.core import ledger
 
     monkeypatch.setattr(ledger, "STRANDED_CONFIRM_S", 0.0)
     ids, out = enqueue(tmp_path, "tf", 10, "--batch-size", "10", "--max-tokens", "200")
     reconciler = ledger.Reconciler(rconn, "test")
-    rq_bin = str(Path(sys.executable).parent / "rq")
-    for _ in range(12):  # a stock RQ worker: genq's run_batch refuses, the RQ job fails
-        subprocess.run([rq_bin, "worker", "--burst", "-S", "rq.serializers.JSONSerializer", "--url", redis_url,
-                        keys.QUEUE], capture_output=True, timeout=60, check=True)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for _ in range(12):  # a stock RQ worker (in this process: no interpreter to start): run_batch refuses, the job fails
+        try:
+            SimpleWorker([keys.QUEUE], connection=rconn, serializer=JSONSerializer).work(burst=True)
+        finally:
+            for sig, handler in handlers.items():  # RQ's own, for its warm/cold shutdown
+                signal.signal(sig, handler)
         assert rq_queue(rconn).count == 0
         assert reconciler.pass_once(force=True).requeued == [("tf", "b0000001")]  # stranded: queued again
     assert json.loads(run_genq("dlq", "list", "--json").stdout) == [], "a failed transport is in the DLQ"

@@ -93,7 +93,7 @@ def test_a_worker_started_on_a_full_redis_waits_for_room(redis_url, rconn, sim, 
 
 def test_redis_full_mid_job_loses_nothing_and_the_monitor_still_reads(redis_url, rconn, sim, worker, tmp_path):
     server = sim(max_running_requests=8, **SLOW)
-    ids, out, _ = enqueue(tmp_path, redis_url, "full1", 80)
+    ids, out, _ = enqueue(tmp_path, redis_url, "full1", 50)
     proc = worker(server, "--burst")
     wait_until(lambda: rconn.scard(keys.job_done("full1")) >= 1, 60, "a first batch done")
     rconn.config_set("maxmemory", 1)
@@ -127,7 +127,7 @@ def test_two_workers_ride_out_a_full_redis_of_two_leases_each_prompt_generated_o
     other's batches for abandoned and send their prompts again (a fleet, where one worker alone
     has no one to take them)."""
     servers = [sim(max_running_requests=8, **SLOW) for _ in range(2)]
-    ids, out, _ = enqueue(tmp_path, redis_url, "full2", 160)
+    ids, out, _ = enqueue(tmp_path, redis_url, "full2", 100)
     procs = [worker(server, "--burst", name=f"w{i}") for i, server in enumerate(servers)]
     wait_until(lambda: rconn.scard(keys.job_done("full2")) >= 2, 60, "first batches done")
     rconn.config_set("maxmemory", 1)
@@ -192,7 +192,7 @@ def test_redis_without_disk_mid_job_is_waited_out(own_redis, redis_url, rconn, s
     full disk fails it); with a save point and stop-writes-on-bgsave-error (Redis's defaults) it
     refuses writes, and PING, until a snapshot succeeds."""
     server = sim(max_running_requests=8, **SLOW)
-    ids, out, _ = enqueue(tmp_path, redis_url, "nodisk", 60)
+    ids, out, _ = enqueue(tmp_path, redis_url, "nodisk", 40)
     proc = worker(server, "--burst")
     wait_until(lambda: rconn.scard(keys.job_done("nodisk")) >= 1, 60, "a first batch done")
     blocker = Path(own_redis.dir) / "dump.rdb"
