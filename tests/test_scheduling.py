@@ -22,7 +22,7 @@ from genq.core.queueing import rq_queue
 from genq.core.records import JobSchedule, WorkerStatus
 from genq.monitor.progress import JobProgress, Monitor
 from genq.ops.control import job_rows
-from genq.worker.shares import Shares
+from genq.worker.intake import Shares
 from genq.worker.stealing import hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
 from tests.test_exactly_once import check, enqueue

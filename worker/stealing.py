@@ -24,8 +24,8 @@ from genq.ops.recover import adopt_if_written
 from genq.producer.sources import load_prompts
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
+from genq.worker.heartbeat import IdlePace
 from genq.worker.held import HeldBatch
-from genq.worker.idle import IdlePace
 from genq.worker.watch import ModelGate
 
 log = logging.getLogger("genq.worker")
@@ -82,7 +82,7 @@ class Stealer:
         self.batches, self.held = batches, batches.held  # borrowed prompts are held and given back through it
         self.dispatcher, self.gate = dispatcher, dispatcher.gate
         self.models = models  # whether this engine may take a job's prompts
-        self.pace = pace  # an idle stealer naps (worker/idle.py)
+        self.pace = pace  # an idle stealer naps (worker/heartbeat.py)
         # Prompts of batches looked at, by batch, job incarnation and settings version.
         self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
         self._hold_since: float | None = None  # monotonic: when this hold began

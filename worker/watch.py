@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 import redis
@@ -24,13 +25,18 @@ from genq.worker.decoding import Running
 from genq.worker.engines import Metrics
 from genq.worker.options import WorkerOptions
 from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
-from genq.worker.stopping import StopNow
 from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
 SILENT_PROBE_S = 15.0  # no output from any request in flight this long: ask /health
 AUTO = "auto"
+
+
+class Stopping(Protocol):
+    """The engine's StopNow as the parts read it: 1 finish what is held, 2 stop now."""
+
+    requested: int
 
 
 class ServerStartTimeout(Exception):
@@ -42,7 +48,7 @@ class ServerWatch:
     feed the controller; the watchdog cancels stalled requests."""
 
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
-                 stopping: StopNow, running: Running, todo: Todo) -> None:
+                 stopping: Stopping, running: Running, todo: Todo) -> None:
         self.opts, self.client, self.controller, self.stopping = opts, client, controller, stopping
         self.running, self.todo = running, todo  # the dispatcher's requests in flight, and prompts unsent
         self.info: ServerInfo | None = None

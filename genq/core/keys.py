@@ -16,7 +16,7 @@ PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
 WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
 RECONCILE_LOCK = "genq:reconcile:lock"  # one reconciler pass at a time across the fleet
 SERVERS = "genq:server:"  # what genq keeps of a server beyond its workers' lives: nothing of any job
-# Pub/sub channel that wakes idle engines (worker/idle.py): a control changed, batches were queued, or
+# Pub/sub channel that wakes idle engines (worker/heartbeat.py): a control changed, batches were queued, or
 # (anything else) prompts were given back.
 WAKE = "genq:wake"
 WAKE_CONTROL = b"control"
