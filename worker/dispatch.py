@@ -20,13 +20,12 @@ from genq.core.records import JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
-from genq.worker.controller import ConcurrencyController
 from genq.worker.gate import Gate
 from genq.worker.held import RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
 from genq.worker.todo import Plan
-from genq.worker.watch import ServerWatch, Stopping
+from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -57,9 +56,10 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 
 class Dispatcher:
-    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, batches: Batches,
-                 watch: ServerWatch, gate: Gate, stopping: Stopping, plan: Plan) -> None:
-        self.opts, self.client, self.controller, self.watch, self.stopping = opts, client, controller, watch, stopping
+    def __init__(self, opts: WorkerOptions, client: ServerClient, batches: Batches, watch: ServerWatch, gate: Gate,
+                 plan: Plan | None = None) -> None:
+        self.opts, self.client, self.watch = opts, client, watch
+        self.controller, self.stopping = watch.controller, watch.stopping
         self.batches, self.writer, self.todo, self.running = batches, batches.writer, batches.todo, batches.running
         self.gate = gate  # the operator's controls, the brake, parking
         self.plan = plan  # which job's prompts are claimed next (Shares.plan, worker/intake.py)

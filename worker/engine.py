@@ -32,8 +32,7 @@ from genq.ops.control import blocked_jobs
 from genq.ops.recover import OutputWatch
 from genq.producer.enqueue import queue_lost
 from genq.worker.batches import Batches
-from genq.worker.controller import ConcurrencyController
-from genq.worker.decoding import Running
+from genq.worker.controller import ConcurrencyController, Running
 from genq.worker.dispatch import Dispatcher
 from genq.worker.gate import Gate
 from genq.worker.heartbeat import Heartbeat, IdlePace, WakeListener
@@ -43,7 +42,7 @@ from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
 from genq.worker.stealing import Stealer
-from genq.worker.watch import ModelGate, ServerStartTimeout, ServerWatch
+from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
 
@@ -133,17 +132,14 @@ class Engine:
                                backoff=(opts.retry_backoff, opts.retry_backoff_max))
         self.writer = self.batches.writer
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
-        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches.running,
-                                 self.batches.todo)
-        models = ModelGate(self.redis, self.watch)
+        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches)
         self.shares = Shares(self.redis, queue_key, self.instance, self.batches)
         self.gate = Gate(self.batches, self.controller, self.watch)
-        self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.gate,
-                                     self.stopping, self.shares.plan)
+        self.dispatcher = Dispatcher(opts, self.client, self.batches, self.watch, self.gate, self.shares.plan)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.written_again)
-        self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
-        self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
-        self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.batches, self.dispatcher, self.pace)
+        self.intake = Intake(opts, self.batches, self.dispatcher, self.shares)
+        self.stealer = Stealer(queue_key, self.batches, self.dispatcher, self.pace)
+        self.heartbeat = Heartbeat(opts, self.host, self.batches, self.dispatcher, self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)
         self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output
         self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())

@@ -25,13 +25,13 @@ from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, Worker
 from genq.core.redisconn import connect, redis_note, refusal, trouble
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.core.waits import wait_event
-from genq.worker import decoding
+from genq.worker import controller as decoding
 from genq.worker.batches import Batches
+from genq.worker.controller import GpuProbe, hardware
 from genq.worker.dispatch import Dispatcher
 from genq.worker.gate import Gate
 from genq.worker.held import Holdings
 from genq.worker.options import WorkerOptions
-from genq.worker.telemetry import GpuProbe, hardware
 
 log = logging.getLogger("genq.worker")
 
@@ -73,9 +73,6 @@ class IdlePace:
             self.busy_at = now
             return False
         return now - self.busy_at >= IDLE_AFTER_S
-
-    async def tick(self, seconds: float) -> None:
-        await wait_event(self.beat_now, seconds)
 
     def beat_due(self) -> bool:
         """Asked every second by the heartbeat: beat now? Beats are spaced out only after one whose keys
@@ -184,9 +181,9 @@ class WakeListener:
 
 
 class Heartbeat:
-    def __init__(self, opts: WorkerOptions, name: str, host: str, instance: str, batches: Batches,
-                 dispatcher: Dispatcher, pace: IdlePace) -> None:
-        self.opts, self.name, self.host, self.instance = opts, name, host, instance
+    def __init__(self, opts: WorkerOptions, host: str, batches: Batches, dispatcher: Dispatcher,
+                 pace: IdlePace) -> None:
+        self.opts, self.name, self.host, self.instance = opts, batches.worker, host, batches.instance
         self.conn, self.batches, self.held = batches.conn, batches, batches.held  # after each beat, its lease check
         self.dispatcher, self.gate = dispatcher, dispatcher.gate  # the gate's controls are written here only
         self.stopping, self.watch, self.rates = dispatcher.stopping, dispatcher.watch, dispatcher.rates
@@ -243,7 +240,7 @@ class Heartbeat:
     async def run(self) -> None:
         tick = time.monotonic()
         while True:
-            await self.pace.tick(BEAT_S)
+            await wait_event(self.pace.beat_now, BEAT_S)
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             last_tick, tick = tick, time.monotonic()
             if tick - last_tick > LEASE_TIMEOUT_S:

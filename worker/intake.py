@@ -28,9 +28,8 @@ from genq.core.records import BatchRef, JobSchedule
 from genq.core.waits import retrying, wait_event
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
-from genq.worker.heartbeat import IdlePace
 from genq.worker.options import WorkerOptions
-from genq.worker.watch import AUTO, ModelGate, serves
+from genq.worker.watch import AUTO, serves
 
 log = logging.getLogger("genq.worker")
 
@@ -138,18 +137,16 @@ def run_batch(job: str, batch_id: str) -> None:
 
 
 class Intake:
-    def __init__(self, opts: WorkerOptions, instance: str, batches: Batches, dispatcher: Dispatcher, shares: Shares,
-                 models: ModelGate, pace: IdlePace) -> None:
-        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, instance
+    def __init__(self, opts: WorkerOptions, batches: Batches, dispatcher: Dispatcher, shares: Shares) -> None:
+        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, batches.instance
         self.batches, self.held = batches, batches.held  # loads what is taken
         self.dispatcher, self.shares = dispatcher, shares  # whether the engine takes new work; priorities
-        self.models = models  # which jobs this engine's server may run (worker/watch.py)
-        self.queued = pace.queued  # set by the wake listener when batches are queued
+        self.queued = batches.written_again  # set too by the wake listener when batches are queued
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
         self._foreign_at = float("-inf")
         self._take = self.conn.register_script(scripts.TAKE)
-        self._rq = rq_worker(self.sync_conn, instance)
+        self._rq = rq_worker(self.sync_conn, self.instance)
 
     def wants_batch(self) -> bool:
         if not self.dispatcher.accepting():
@@ -215,7 +212,7 @@ class Intake:
         config = (await jobs_now(self.conn, [ref.job]))[0].config
         if self.batches.renewed(ref, token, config):
             return
-        if config is not None and (config := await self.models.admit(config)) is None:  # `auto` pinned
+        if config is not None and (config := await self.dispatcher.watch.admit(config)) is None:  # `auto` pinned
             self.foreign.add(ref.job)  # another model's job: back to the queue, and skipped from now on
             await self.batches.hand_back(ref, token)
             return
@@ -232,7 +229,7 @@ class Intake:
         self.foreign = set(foreign)
         self._foreign_at = time.monotonic()
         for job, job_model in foreign.items():
-            await self.models.refuse(job, job_model)
+            await self.dispatcher.watch.refuse(job, job_model)
 
     def _rq_birth(self) -> None:
         try:
