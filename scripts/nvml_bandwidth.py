@@ -1,5 +1,5 @@
 """On a GPU machine: each GPU's memory bandwidth as genq reads it from NVML (bus width x maximum
-memory clock x 2) beside the rated figure of genq's table (worker/telemetry.py SPECS), and the decode
+memory clock x 2) beside the rated figure of genq's table (worker/controller.py SPECS), and the decode
 bound a model's weights would have at --running requests.
 
     python scripts/nvml_bandwidth.py [--model DIR | --model-bytes 54e9] [--running 37]
@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from genq.worker.telemetry import SPEC_AGREES, GpuProbe, spec_bandwidth
+from genq.worker.controller import SPEC_AGREES, GpuProbe, spec_bandwidth
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")
 

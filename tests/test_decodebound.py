@@ -13,8 +13,8 @@ import pytest
 from genq.cli.worker import ByteSize
 from genq.core.decodebound import GpuFigures, batch_cap, bound, fleet_line, slow, verdicts
 from genq.core.records import Hardware
+from genq.worker.controller import checked_bandwidth, throttle_reasons
 from genq.worker.held import COUNTER_WINDOW_S, RateWindow
-from genq.worker.telemetry import checked_bandwidth, throttle_reasons
 
 # 8 RTX PRO 6000 Blackwell GPUs made 3.9K tok/s: 485 each, 37 running, a 27B model's bf16 weights.
 PRO_6000 = 1.79e12  # bytes/s (GDDR7, 512-bit at 28 Gbps)
@@ -122,7 +122,7 @@ def test_nvml_without_bus_width_uses_the_table_and_a_disagreement_is_said() -> N
 
 
 def test_the_no_gpu_probe_is_clean_here() -> None:
-    from genq.worker.telemetry import GpuProbe
+    from genq.worker.controller import GpuProbe
 
     probe = GpuProbe(0)
     assert probe.note is not None and probe.bandwidth is None  # this machine has no GPU / driver

@@ -1,4 +1,4 @@
-"""The worker's decode figures (worker/decoding.py) and their fit (monitor/rates.py).
+"""The worker's decode figures (worker/controller.py) and their fit (monitor/rates.py).
 
 Pure: a fake clock stands in for time; the requests are Progress records fed as a stream
 would feed them. Against real servers the figures are checked by scripts/vllm/bench.py.
@@ -10,7 +10,7 @@ import pytest
 
 from genq.core.records import DecodeBin
 from genq.monitor.rates import fit_overhead
-from genq.worker.decoding import HALF_LIFE_S, DecodeMeter
+from genq.worker.controller import HALF_LIFE_S, DecodeMeter
 from genq.worker.server import Progress
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
-from genq.worker.decoding import Running
+from genq.worker.controller import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
 from genq.worker.held import HeldBatch
 from genq.worker.options import WorkerOptions
@@ -71,9 +71,10 @@ def dispatcher(server: Server, todo: Todo) -> Dispatcher:
     """A dispatcher of TARGET slots over `todo`, recording nothing, braking nothing."""
     batches = SimpleNamespace(todo=todo, running=Running(), dead=None, writer=SimpleNamespace(
         worker="w", add_result=lambda result, incarnation: None))
+    watch = server_up()
+    watch.controller, watch.stopping = SimpleNamespace(target=TARGET), SimpleNamespace(requested=0)
     return Dispatcher(WorkerOptions(redis_url="", server_url="", stream=False), server,  # type: ignore[arg-type]
-                      SimpleNamespace(target=TARGET), batches, server_up(), open_gate(),  # type: ignore[arg-type]
-                      SimpleNamespace(requested=0), SimpleNamespace(plan=None))
+                      batches, watch, open_gate())  # type: ignore[arg-type]
 
 
 async def settle() -> None:

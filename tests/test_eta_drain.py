@@ -7,7 +7,7 @@ drain (real vLLM: +47/+72/+136 % at 25/50/75 % done). Here `genq sim` plays such
 (step time 1 ms + 1.5 ms per running request), real workers run two jobs on it one after the
 other, and the monitor's own estimator (the code behind `genq monitor --json`) is read at 25,
 50 and 75 % of the second: its ETA must be within TOLERANCE of the true time left. The first
-job's drain is what the workers measured and stored for the server (worker/decoding.py): the
+job's drain is what the workers measured and stored for the server (worker/controller.py): the
 second job's ETA knows how this server drains before the second job does.
 
 The prompts are ~30 tokens for answers of ~40, and the sim prefills a prompt in the step that

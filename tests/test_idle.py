@@ -1,4 +1,4 @@
-"""An idle worker waits instead of polling (worker/idle.py, issue #29): real Redis, real
+"""An idle worker waits instead of polling (worker/heartbeat.py, issue #29): real Redis, real
 `genq worker` against `genq sim`, counted by Redis itself (INFO commandstats)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack
+from genq.worker.heartbeat import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, IdlePace
 from genq.worker.held import Holdings
-from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, IdlePace
 from tests.conftest import run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)

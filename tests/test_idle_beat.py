@@ -1,5 +1,5 @@
 """An engine going idle keeps its keys alive across the idle pace's longer gap between beats
-(worker/idle.py). The last busy beat wrote its alive key for LEASE_TIMEOUT_S and its status for
+(worker/heartbeat.py). The last busy beat wrote its alive key for LEASE_TIMEOUT_S and its status for
 STATUS_TTL_S; the next beat came IDLE_BEAT_S later, so for seconds the worker showed as lost in
 `genq workers` (a `genq drain --wait` then ended at once, "all drained: W lost")."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
-from genq.worker import idle
+from genq.worker import heartbeat as idle
+from genq.worker.heartbeat import IDLE_AFTER_S, IDLE_BEAT_S, IdlePace
 from genq.worker.held import Holdings
-from genq.worker.idle import IDLE_AFTER_S, IDLE_BEAT_S, IdlePace
 
 
 def test_an_engine_going_idle_is_never_without_a_live_heartbeat(monkeypatch):

@@ -691,7 +691,7 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
     import redis.asyncio as aioredis
 
     from genq.worker import batches
-    from genq.worker.decoding import Running
+    from genq.worker.controller import Running
     from genq.worker.held import HeldBatch, Holdings
 
     world = _world(tmp_path)

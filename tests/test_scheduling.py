@@ -22,7 +22,7 @@ from genq.core.queueing import rq_queue
 from genq.core.records import JobSchedule, WorkerStatus
 from genq.monitor.progress import JobProgress, Monitor
 from genq.ops.control import job_rows
-from genq.worker.shares import Shares
+from genq.worker.intake import Shares
 from genq.worker.stealing import hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
 from tests.test_exactly_once import check, enqueue
@@ -152,7 +152,7 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
     job's share of the running requests swings between ~0.2 and ~0.8 every few seconds (load 12 on 2
     cores, 2026-12-06); the second job stays at 6 batches all the same: the queue puts a later job's
     batches first until it has been given as many as the first (interleave), and 12 took every batch
-    the workers held (39.6 against 18.7 prompts/s). The share is the fleet's (worker/shares.py):
+    the workers held (39.6 against 18.7 prompts/s). The share is the fleet's (worker/intake.py, Shares):
     kept per worker, the worker given fewer of the second job's batches ran out first and ran the
     first job alone (44 against 29 prompts/s)."""
     servers = [sim(**SERVER), sim(**SERVER)]
@@ -187,7 +187,7 @@ def test_two_equal_jobs_progress_at_equal_rates(redis_url, rconn, sim, worker, t
 
 @pytest.mark.e2e
 def test_a_job_held_by_one_worker_of_two_gets_half_the_fleet(redis_url, rconn, sim, worker, tmp_path):
-    """The fair share is the fleet's (worker/shares.py): a job in one batch is held by one worker,
+    """The fair share is the fleet's (worker/intake.py, Shares): a job in one batch is held by one worker,
     which gives it all its slots while the other runs the first job. Kept per worker, it got half of
     one worker: a quarter of the fleet (the cause of the equal-rates test's failures)."""
     servers = [sim(**SERVER), sim(**SERVER)]
@@ -240,7 +240,7 @@ def test_pausing_a_job_gives_its_slots_to_the_other(redis_url, rconn, sim, worke
 
 
 def test_each_claim_goes_to_the_job_with_the_fewest_on_the_fleet():
-    """worker/shares.py: the other engines' counts (read each second) count with this engine's."""
+    """worker/intake.py, Shares: the other engines' counts (read each second) count with this engine's."""
     shares = Shares(aioredis.Redis(), "q", "me", SimpleNamespace(running=[], todo=SimpleNamespace(ready=[])))  # type: ignore[arg-type]
     shares.others = {"a": 16}  # the other engine runs only a: b, held here alone, gets every slot here
     assert shares.plan({"a": 50, "b": 50}, 16) == [("b", 16)]

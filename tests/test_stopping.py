@@ -1,4 +1,4 @@
-"""worker/stopping.py on its own: told to stop now, the shutdown goes on while Redis answers, and
+"""worker/engine.py's StopNow on its own: told to stop now, the shutdown goes on while Redis answers, and
 no longer than STOP_NOW_MAX_S; a Redis that does not answer ends it at the next look
 (tests/test_eo_stop_now.py runs the whole worker against a stopped and a frozen Redis)."""
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from genq.worker import stopping
+from genq.worker import engine as stopping
+from genq.worker.engine import StopNow
 from genq.worker.held import Holdings
-from genq.worker.stopping import StopNow
 
 
 class FakeRedis:

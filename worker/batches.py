@@ -31,7 +31,7 @@ from genq.core.words import plural
 from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, written_marker
 from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
 from genq.producer.sources import InputChanged, load_prompts
-from genq.worker.decoding import Running
+from genq.worker.controller import Running
 from genq.worker.held import Claims, HeldBatch, Holdings, Task
 from genq.worker.results import ResultWriter
 from genq.worker.server import Failure
@@ -49,7 +49,7 @@ class Batches:
                  running: Running, backoff: tuple[float, float] = (1.0, 60.0)) -> None:
         self.conn = conn
         self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
-        self.worker, self.held, self.running = worker, held, running
+        self.worker, self.instance, self.held, self.running = worker, instance, held, running
         self.claims = Claims(conn, instance)
         self.writer = ResultWriter(conn, worker, self)  # tells on_written
         self.todo = Todo(self.claims, self.on_written)

@@ -1,17 +1,48 @@
-"""How many sequences one worker keeps in flight: the server's capacity (told, or learned from its
-/metrics) plus a headroom waiting in its queue, so a freed slot is refilled in its next step.
+"""What the server can take, and how fast it goes.
 
-Each look at /metrics: raise while slots idle and prompts are held back; cut by a tenth when the server
-retracts or preempts (then raise gently); lower when its queue keeps growing. An untold capacity (vLLM)
-is learned (docs/engines.md, "Capacity"). --concurrency caps the target; `genq concurrency` live.
+The window: the server's capacity (told, or learned from its /metrics) plus a headroom waiting in its
+queue, so a freed slot is refilled in its next step. Each look at /metrics: raise while slots idle and
+prompts are held back; cut by a tenth when the server retracts or preempts (then raise gently); lower
+when its queue keeps growing. An untold capacity (vLLM) is learned (docs/engines.md, "Capacity").
+--concurrency caps the target; `genq concurrency` live.
+
+The requests in flight, and how fast one decodes against how many decode at once (the monitor's ETA
+needs that curve; no engine reports it): while `d` sequences decode (first token to end),
+request-seconds and streamed tokens go to d's bin, apart for while some request waits for its first
+token ("clean": none does). Figures halve every HALF_LIFE_S; published as WorkerStatus.decode
+(monitor/rates.py fits them), stored per server and model.
+
+GPU figures from NVML (nvidia-ml-py); where there is no GPU or driver, a note that says so. The memory
+bandwidth for the decode bound (genq.core.decodebound) is read once: bus width x the maximum memory
+clock x 2 (NVML's GDDR and HBM clocks), checked against SPECS, the vendors' rated figures.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
+from genq.core.ledger import fleet
+from genq.core.records import DecodeBin, GpuSample, Hardware, ServerDecode
 from genq.worker.engines import CAPACITY_START as UNKNOWN_CAPACITY_START
 from genq.worker.engines import Metrics
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+    from redis.asyncio.client import Pipeline
+
+    from genq.worker.held import Task
+    from genq.worker.options import WorkerOptions
+    from genq.worker.server import Progress, ServerInfo
+
+log = logging.getLogger("genq.worker")
+T = TypeVar("T")
 
 MAX_TARGET = 100_000
 KV_PRESSURE = 0.9  # token usage above which idle slots are the KV cache's doing, not ours
@@ -161,3 +192,255 @@ class ConcurrencyController:
             return m.retracted is not None and m.retracted > 0
         last, self._last_retractions = self._last_retractions, m.retractions_total
         return last is not None and m.retractions_total > last
+
+
+HALF_LIFE_S = 3600.0  # the figures of an hour ago weigh half of this minute's
+STORED_TTL_S = 7 * 86400  # a server's stored figures are dropped after a week unused
+BINS_PER_OCTAVE = 4  # published bins: exact counts up to 4, then four a doubling
+MIN_BUSY_S = 0.05  # a bin with less than this many request-seconds is not published
+
+
+class Running(dict["Task", "asyncio.Task[None]"]):
+    """The requests in flight and the sequences they are on the server (each of n choices is one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequences = 0
+        self.meter = DecodeMeter()
+
+    def __setitem__(self, task: Task, aio: asyncio.Task[None]) -> None:
+        if task not in self:
+            self.sequences += task.progress.sequences
+            self.meter.sent(task.progress)
+        super().__setitem__(task, aio)
+
+    def pop(self, task: Task, default: Any = None) -> Any:
+        if task in self:
+            self.sequences -= task.progress.sequences
+            self.meter.ended(task.progress)
+        return super().pop(task, default)
+
+    def cancel_all(self, reason: str) -> None:
+        """Stop every request; each ends as a failure with `reason`."""
+        for task, aio in list(self.items()):
+            task.cancel_reason = reason
+            aio.cancel()
+
+
+class DecodeMeter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.decoding = 0  # sequences between their first token and their end
+        self.waiting = 0  # sequences sent that have no token yet
+        self._since = self._decayed_at = clock()
+        self.bins: dict[tuple[int, bool], list[float]] = {}  # (decoding, clean) -> [request-seconds, tokens]
+        self.news = False  # tokens booked since the figures were last stored
+
+    def _account(self, now: float) -> list[float] | None:
+        """Books the time since the last change to the current count; its bin (None at 0)."""
+        d, since, self._since = self.decoding, self._since, now
+        if d <= 0:
+            return None
+        b = self.bins.setdefault((d, self.waiting <= 0), [0.0, 0.0])
+        b[0] += d * (now - since)
+        return b
+
+    def sent(self, progress: Progress) -> None:
+        """Until its first token it waits at the server."""
+        if not progress.decoding and not progress.waiting:
+            self._account(self.clock())
+            progress.waiting = True
+            self.waiting += progress.sequences
+
+    def _arrived(self, progress: Progress) -> None:
+        if progress.waiting:
+            progress.waiting = False
+            self.waiting -= progress.sequences
+
+    def advance(self, progress: Progress, tokens: int) -> None:
+        """A streamed request has made `tokens` in all (a first chunk's tokens are the prefill's)."""
+        if tokens <= progress.tokens:
+            progress.tokens = tokens
+            return
+        b = self._account(self.clock())
+        if progress.decoding:
+            if b is not None:
+                b[1] += tokens - progress.tokens
+                self.news = True
+        else:  # its first token: it decodes from now on
+            progress.decoding = True
+            self.decoding += progress.sequences
+            self._arrived(progress)
+        progress.tokens = tokens
+
+    def ended(self, progress: Progress) -> None:
+        """The request is no longer in flight."""
+        if progress.decoding or progress.waiting:
+            self._account(self.clock())
+            self._arrived(progress)
+        if progress.decoding:
+            progress.decoding = False
+            self.decoding -= progress.sequences
+
+    def figures(self) -> list[DecodeBin]:
+        """The bins merged to BINS_PER_OCTAVE a doubling, after the decay: what the worker publishes."""
+        now = self.clock()
+        self._account(now)
+        factor = 0.5 ** ((now - self._decayed_at) / HALF_LIFE_S)
+        self._decayed_at = now
+        merged: dict[tuple[int, bool], list[float]] = {}
+        for (d, clean), b in self.bins.items():
+            b[0] *= factor
+            b[1] *= factor
+            key = (d if d <= BINS_PER_OCTAVE else round(BINS_PER_OCTAVE * math.log2(d)) + BINS_PER_OCTAVE * 8, clean)
+            m = merged.setdefault(key, [0.0, 0.0, 0.0])
+            m[0] += b[0]
+            m[1] += b[1]
+            m[2] += d * b[0]
+        return [DecodeBin(decoding=round(m[2] / m[0], 2), busy_s=round(m[0], 3), tokens=round(m[1], 1), clean=clean)
+                for (_, clean), m in sorted(merged.items()) if m[0] >= MIN_BUSY_S]
+
+    def seed(self, stored: ServerDecode, now: float) -> None:
+        """Begin from what earlier workers measured on this server, decayed by its age."""
+        factor = 0.5 ** (max(0.0, now - stored.at) / HALF_LIFE_S)
+        for b in stored.bins:
+            d = max(1, round(b.decoding))
+            mine = self.bins.setdefault((d, b.clean), [0.0, 0.0])
+            mine[0] += b.busy_s * factor
+            mine[1] += b.tokens * factor
+
+
+async def load(conn: aioredis.Redis, meter: DecodeMeter, server: str, model: str) -> None:
+    if (stored := await fleet.server_decode(conn, server, model)) is not None:
+        meter.seed(stored, time.time())
+
+
+def store(pipe: Pipeline, meter: DecodeMeter, bins: list[DecodeBin], server: str, model: str, worker: str) -> None:
+    """Stores the figures in a beat's pipeline when tokens were booked since the last time."""
+    if meter.news and bins:
+        fleet.stage_server_decode(pipe, server, model, ServerDecode(at=time.time(), worker=worker, bins=bins),
+                                  STORED_TTL_S)
+        meter.news = False
+
+
+# Rated memory bandwidth, bytes/s, by a piece of NVML's device name (most specific first), from
+# NVIDIA's datasheets (2026-12): H100 SXM5 / PCIe / NVL, H200 SXM, B200, RTX PRO 6000 Blackwell,
+# A100 80GB SXM4 / PCIe and 40GB, L40S, L4.
+SPECS: tuple[tuple[str, float], ...] = (
+    ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("B200", 8.0e12),
+    ("RTX PRO 6000", 1.792e12), ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
+)
+SPEC_AGREES = 0.15  # NVML's figure within this of the rated one: they agree
+
+
+def spec_bandwidth(name: str) -> tuple[str, float] | None:
+    """(SPECS key, rated bytes/s) of a GPU NVML names so; None for one not in SPECS."""
+    return next(((key, bw) for key, bw in SPECS if key in name), None)
+
+
+def checked_bandwidth(name: str, bus_bits: int | None, max_mem_clock_mhz: float | None) -> tuple[float | None, str]:
+    """(bytes/s, where it came from): NVML's bus x clock x 2, said against the rated figure."""
+    spec = spec_bandwidth(name)
+    rated = f"rated {spec[1] / 1e12:.2f} TB/s for {spec[0]}" if spec else f"{name} not in genq's table"
+    if bus_bits and max_mem_clock_mhz:
+        bw = bus_bits / 8 * max_mem_clock_mhz * 1e6 * 2
+        told = f"NVML {bus_bits}-bit x {max_mem_clock_mhz:.0f} MHz x 2 = {bw / 1e12:.2f} TB/s"
+        if spec and abs(bw - spec[1]) > SPEC_AGREES * spec[1]:
+            return bw, f"{told}, not the {rated}"
+        return bw, f"{told} ({rated})"
+    if spec:
+        return spec[1], f"{rated} (NVML gave no bus width or memory clock)"
+    return None, f"unknown: NVML gave no bus width or memory clock and {rated}"
+
+
+class GpuProbe:
+    """One GPU's figures; `note` says why there are none."""
+
+    def __init__(self, index: int | None) -> None:
+        self.index, self._handle = index, None
+        self.bandwidth: float | None = None
+        self.bandwidth_from: str | None = None
+        self.note: str | None = None if index is not None else "no GPU assigned (--gpu not given)"
+        if index is None:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            if index >= count:
+                self.note = f"no GPU {index}: NVML sees {count} GPU(s)"
+            else:
+                self._handle = h = pynvml.nvmlDeviceGetHandleByIndex(index)
+                bus = _optional(lambda: int(pynvml.nvmlDeviceGetMemoryBusWidth(h)))  # older drivers: none
+                clock = _optional(lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)))
+                self.bandwidth, self.bandwidth_from = checked_bandwidth(_name(h), bus, clock)
+        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            self.note = f"no GPU telemetry: {type(exc).__name__}: {exc}"
+        if self.note:
+            log.info("%s", self.note)
+
+    def sample(self) -> GpuSample | None:
+        if self._handle is None:
+            return None
+        import pynvml
+
+        h = self._handle
+        try:
+            util = pynvml.nvmlDeviceGetUtilizationRates(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            sample = GpuSample(index=self.index or 0, name=_name(h), utilization_pct=float(util.gpu),
+                               memory_used_mib=mem.used / 2**20, memory_total_mib=mem.total / 2**20)
+        except Exception as exc:
+            self.note = f"GPU telemetry failed: {type(exc).__name__}: {exc}"
+            return None
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        for key, read in {  # some boards (and MIG slices) do not report these
+            "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            "sm_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            "temperature_c": lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+            "max_sm_clock_mhz": lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            "mem_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+            "power_limit_w": lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
+            "throttled": lambda: throttle_reasons(int(reasons(h))),
+        }.items():
+            setattr(sample, key, _optional(read))
+        return sample
+
+
+def _name(handle: object) -> str:
+    import pynvml
+
+    name = pynvml.nvmlDeviceGetName(handle)
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _optional(read: Callable[[], T]) -> T | None:
+    """An NVML call's answer; None where it fails (not every board or MIG slice supports each)."""
+    try:
+        return read()
+    except Exception:
+        return None
+
+
+# NVML's clock-event (throttle) reason bits that slow a GPU down (nvml.h), named as nvidia-smi does.
+THROTTLES = ((0x2, "applications clocks"), (0x4, "power cap"), (0x8, "hw slowdown"), (0x20, "sw thermal"),
+             (0x40, "hw thermal"), (0x80, "power brake"))
+
+
+def throttle_reasons(mask: int) -> list[str]:
+    return [name for bit, name in THROTTLES if mask & bit]
+
+
+def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> Hardware:
+    """What the decode bound needs: --gpu-bandwidth, else NVML's; --model-bytes, else the server's weights."""
+    memory = info.memory if info is not None else Hardware()
+    bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
+                       else (probe.bandwidth, probe.bandwidth_from or probe.note))
+    weight, weight_from = memory.weight_bytes, memory.weight_from
+    if opts.model_bytes is not None:
+        weight, weight_from = opts.model_bytes, "--model-bytes"
+    return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
+                                   bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)

@@ -20,13 +20,11 @@ from genq.core.records import JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
-from genq.worker.controller import ConcurrencyController
 from genq.worker.gate import Gate
 from genq.worker.held import RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
-from genq.worker.shares import Shares
-from genq.worker.stopping import StopNow
+from genq.worker.todo import Plan
 from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
@@ -58,12 +56,13 @@ def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -
 
 
 class Dispatcher:
-    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController, batches: Batches,
-                 watch: ServerWatch, gate: Gate, stopping: StopNow, shares: Shares) -> None:
-        self.opts, self.client, self.controller, self.watch, self.stopping = opts, client, controller, watch, stopping
+    def __init__(self, opts: WorkerOptions, client: ServerClient, batches: Batches, watch: ServerWatch, gate: Gate,
+                 plan: Plan | None = None) -> None:
+        self.opts, self.client, self.watch = opts, client, watch
+        self.controller, self.stopping = watch.controller, watch.stopping
         self.batches, self.writer, self.todo, self.running = batches, batches.writer, batches.todo, batches.running
         self.gate = gate  # the operator's controls, the brake, parking
-        self.shares = shares  # which job's prompts are claimed next
+        self.plan = plan  # which job's prompts are claimed next (Shares.plan, worker/intake.py)
         self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
         self.rates = RateWindow()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
@@ -98,7 +97,7 @@ class Dispatcher:
             await self.todo.release_let_go()
             if self._open() and not self.hold_back and self.todo.waiting and (want := self._to_claim()):
                 stopped = {h.ref.job for h in self.todo.waiting if self.gate.why_not(h.ref.job)}
-                await self.todo.claim(want, stopped, self.shares.plan)
+                await self.todo.claim(want, stopped, self.plan)
             if (self.todo.ready and not self.running and self._open()
                     and time.monotonic() - self.observed > IDLE_CHECK_S):
                 await self._check(gate=True)  # a restart while nothing was in flight showed no failure

@@ -1,19 +1,27 @@
 """The worker engine: one process per GPU, one in-flight window over every batch it holds. Its parts'
 loops run in one TaskGroup (a crash in any stops the worker loudly). Shutdown has one path: take
-nothing more, finish held batches for up to --grace-period, hand the rest back; told to stop now
-(a second signal, the grace over) it stops within seconds whatever Redis does (worker/stopping.py).
+nothing more, finish held batches for up to --grace-period, hand the rest back. Told to stop now (a
+second signal, the grace over) it stops within seconds whatever Redis does: the shutdown goes on only
+while Redis answers a PING; else its leases lapse and others redo its batches (docs/exactly-once.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
 import signal
 import socket
+import threading
+import time
 import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from genq.core.ledger import Reconciler
 from genq.core.queueing import rq_queue
@@ -24,22 +32,88 @@ from genq.ops.control import blocked_jobs
 from genq.ops.recover import OutputWatch
 from genq.producer.enqueue import queue_lost
 from genq.worker.batches import Batches
-from genq.worker.controller import ConcurrencyController
-from genq.worker.decoding import Running
+from genq.worker.controller import ConcurrencyController, Running
 from genq.worker.dispatch import Dispatcher
 from genq.worker.gate import Gate
-from genq.worker.heartbeat import Heartbeat
+from genq.worker.heartbeat import Heartbeat, IdlePace, WakeListener
 from genq.worker.held import Holdings
-from genq.worker.idle import IdlePace, WakeListener
-from genq.worker.intake import Intake
+from genq.worker.intake import Intake, Shares
 from genq.worker.options import WorkerOptions, default_worker_name
+from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient
-from genq.worker.shares import Shares
 from genq.worker.stealing import Stealer
-from genq.worker.stopping import StopNow
-from genq.worker.watch import ModelGate, ServerStartTimeout, ServerWatch
+from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
+
+# The shutdown goes on while Redis answers a PING within PING_S, asked every STOP_NOW_S, for up to
+# STOP_NOW_MAX_S (a Redis that answers pings but never takes the hand-back).
+STOP_NOW_S = 5.0
+STOP_NOW_MAX_S = 30.0
+PING_S = 1.0
+EXIT_BY_S = 10.0  # then the process ends itself: a thread blocked on a frozen Redis would hold its exit
+LOOK_S = 0.5  # how often the shutdown is looked at
+
+
+class StopNow:
+    def __init__(self, conn: aioredis.Redis, worker: str, held: Holdings, writer: ResultWriter) -> None:
+        self.conn, self.worker, self.held, self.writer = conn, worker, held, writer
+        self.requested = 0  # 1: finish what is held, then exit; 2: stop now (a second signal, the grace over)
+        self.since: float | None = None  # monotonic: when the worker was told to stop now
+        self.without_redis = False  # the shutdown was given up: Redis did not answer, or took too long
+
+    def finish(self) -> None:
+        self.requested = max(self.requested, 1)
+
+    def start(self) -> None:
+        self.requested = 2
+        if self.since is None:
+            self.since = time.monotonic()
+
+    async def run(self, finish: Coroutine[Any, Any, None]) -> None:
+        """Run the shutdown `finish`; told to stop now, only while Redis answers (see STOP_NOW_S)."""
+        finishing = asyncio.create_task(finish)
+        ask_at = 0.0  # monotonic: when to ask Redis again
+        try:
+            while True:
+                await asyncio.wait({finishing}, timeout=LOOK_S)
+                if finishing.done():
+                    finishing.result()  # its error, if it failed
+                    return
+                now = time.monotonic()
+                if self.since is None or now < max(ask_at, self.since + STOP_NOW_S):
+                    continue
+                if now - self.since >= STOP_NOW_MAX_S or not await self._redis_answers():
+                    break
+                ask_at = now + STOP_NOW_S
+        finally:
+            finishing.cancel()  # nothing once it is done; it goes with the caller if that is cancelled
+        with contextlib.suppress(asyncio.CancelledError, redis.RedisError, OSError):
+            await finishing
+        await self._without_redis()
+
+    async def _redis_answers(self) -> bool:
+        try:
+            async with asyncio.timeout(PING_S):
+                return bool(await self.conn.ping())
+        except (TimeoutError, redis.RedisError, OSError):
+            return False
+
+    async def _without_redis(self) -> None:
+        self.without_redis = True
+        log.warning("stopping now, Redis away: %s not handed back, %s not recorded; their leases lapse and "
+                    "other workers take them once Redis is back", plural(len(self.held), "batch", "batches"),
+                    plural(self.writer.pending, "result"))
+        backstop = threading.Timer(EXIT_BY_S, self._exit_now)
+        backstop.daemon = True
+        backstop.start()
+
+    def _exit_now(self) -> None:
+        log.warning("worker %s: not exited %.0fs after stopping without Redis (a thread waits on it): exiting now",
+                    self.worker, EXIT_BY_S)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(0)
 
 
 class Engine:
@@ -58,17 +132,14 @@ class Engine:
                                backoff=(opts.retry_backoff, opts.retry_backoff_max))
         self.writer = self.batches.writer
         self.stopping = StopNow(self.redis, self.name, self.held, self.writer)
-        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches.running,
-                                 self.batches.todo)
-        models = ModelGate(self.redis, self.watch)
+        self.watch = ServerWatch(opts, self.client, self.controller, self.stopping, self.batches)
         self.shares = Shares(self.redis, queue_key, self.instance, self.batches)
         self.gate = Gate(self.batches, self.controller, self.watch)
-        self.dispatcher = Dispatcher(opts, self.client, self.controller, self.batches, self.watch, self.gate,
-                                     self.stopping, self.shares)
+        self.dispatcher = Dispatcher(opts, self.client, self.batches, self.watch, self.gate, self.shares.plan)
         self.pace = IdlePace(self.held, self.dispatcher, queue_key, self.batches.written_again)
-        self.intake = Intake(opts, self.instance, self.batches, self.dispatcher, self.shares, models, self.pace)
-        self.stealer = Stealer(self.name, self.instance, queue_key, self.batches, self.dispatcher, models, self.pace)
-        self.heartbeat = Heartbeat(opts, self.name, self.host, self.instance, self.batches, self.dispatcher, self.pace)
+        self.intake = Intake(opts, self.batches, self.dispatcher, self.shares)
+        self.stealer = Stealer(queue_key, self.batches, self.dispatcher, self.pace)
+        self.heartbeat = Heartbeat(opts, self.host, self.batches, self.dispatcher, self.pace)
         self.reconciler = Reconciler(self.sync_redis, self.instance)
         self.outputs = OutputWatch(self.sync_redis, queue_lost)  # the ledger checked against the written output
         self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())
@@ -101,7 +172,7 @@ class Engine:
         )
         await self.heartbeat.first_beat()
         await asyncio.to_thread(self.reconciler.drop_legacy_jobs)
-        self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/idle.py)
+        self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/heartbeat.py)
         try:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (

@@ -1,28 +1,35 @@
 """The engine takes batches off RQ's queue itself (TAKE: the RQ job started under this engine's name
 and the batch leased in one script, so `rq info` stays truthful): while fewer than --prefetch are held,
 or (prefetch - 1) batches' worth is not left unsent, or the queue's next batch outranks what waits here.
+
+Priorities and fair share (docs/scheduling.md), Shares: which held prompts are claimed next (`plan`):
+the highest priority first; among equals, each claim to the job with the fewest claimed or in flight
+on the whole fleet over its weight. Every second while it holds anything, the engine publishes its
+counts per job, reads the others' (FLEET_SHARE), the held jobs' schedules and the queue's next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 
 import redis
+import redis.asyncio as aioredis
 
 from genq.core import scripts
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.jobs import job_names, jobs_now
-from genq.core.queueing import rq_worker
-from genq.core.records import BatchRef
+from genq.core.queueing import batch_of_description, rq_worker
+from genq.core.records import BatchRef, JobSchedule
 from genq.core.waits import retrying, wait_event
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
-from genq.worker.idle import IdlePace
 from genq.worker.options import WorkerOptions
-from genq.worker.shares import Shares
-from genq.worker.watch import AUTO, ModelGate, serves
+from genq.worker.watch import AUTO, serves
 
 log = logging.getLogger("genq.worker")
 
@@ -33,6 +40,96 @@ RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
 MAX_EXTRA = 14  # batches taken beyond --prefetch while held ones drain their long tails
 
+REFRESH_EVERY_S = 1.0
+FRESH_S = 3  # another engine's count stops counting this long after its last refresh
+
+
+class Shares:
+    def __init__(self, conn: aioredis.Redis, queue_key: str, instance: str, batches: Batches) -> None:
+        self.conn, self.queue_key, self.instance = conn, queue_key, instance
+        self.batches = batches  # what this engine holds, claimed and runs
+        self.sched: dict[str, JobSchedule] = {}
+        self.head: str | None = None  # the job of the queue's next batch (None: empty, or not read)
+        self.others: dict[str, int] = {}  # prompts per job claimed or in flight on the fleet's other engines
+        self._published: set[str] = set()  # jobs this engine's count is published for
+        self._head = conn.register_script(scripts.QUEUE_HEAD)
+        self._share = conn.register_script(scripts.FLEET_SHARE)
+
+    def _mine(self) -> dict[str, int]:
+        """This engine's prompts claimed or in flight, per job."""
+        return Counter(t.batch.ref.job for t in itertools.chain(self.batches.running, self.batches.todo.ready))
+
+    def priority(self, job: str) -> int:
+        return self.sched.get(job, JobSchedule()).priority
+
+    def weight(self, job: str) -> float:
+        return self.sched.get(job, JobSchedule()).weight
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_EVERY_S)
+            jobs = sorted(self.batches.held.all_jobs())
+            if not jobs and not self._published:
+                self.head = None
+                continue  # idle: nothing read (worker/heartbeat.py)
+            try:
+                await self.refresh(jobs)
+            except (redis.RedisError, OSError) as exc:
+                log.debug("schedules not read: %s", exc)
+
+    async def refresh(self, jobs: list[str]) -> None:
+        counts = self._mine()
+        # Jobs left since the last refresh publish 0: their entries go now, not FRESH_S later.
+        mine = {job: counts.get(job, 0) for job in sorted(set(jobs) | self._published)}
+        async with self.conn.pipeline(transaction=False) as pipe:
+            script_keys, args = scripts.fleet_share_call(self.instance, FRESH_S, mine)
+            await self._share(keys=script_keys, args=args, client=pipe)
+            if jobs:
+                ledger_jobs.stage_schedules(pipe, jobs)
+                script_keys, args = scripts.queue_head_call(self.queue_key)
+                await self._head(keys=script_keys, args=args, client=pipe)
+            shared, *rest = await pipe.execute()
+        self._published = {job for job, n in mine.items() if n}
+        self.others = dict(zip(mine, shared))
+        if not rest:
+            self.head = None
+            return
+        raws, head = rest
+        self.sched.update({job: ledger_jobs.schedule_of(raw) for job, raw in zip(jobs, raws)})
+        found = batch_of_description(head)
+        self.head = found[0] if found else None
+        if self.head is not None and self.head not in self.sched:
+            self.sched[self.head] = (await ledger_jobs.jobs_now(self.conn, [self.head]))[0].schedule
+
+    def wants_head(self, waiting: dict[str, int], low: int = 1) -> bool:
+        """Whether the queue's next batch should be taken now although --prefetch are held: it outranks
+        what waits here, or ties it with fewer than `low` waiting (taken only once dry, the second of two
+        equal jobs started 38% of the prompts, tests/test_scheduling.py)."""
+        if self.head is None or not waiting:
+            return False
+        best = max(self.priority(j) for j in waiting)
+        head = self.priority(self.head)
+        return head > best or (head == best and waiting.get(self.head, 0) < low)
+
+    def plan(self, waiting: dict[str, int], n: int) -> list[tuple[str, int]]:
+        """How many of n claims go to each job with prompts waiting, in the order to claim them."""
+        out: dict[str, int] = {}
+        load = self._mine()
+        for job, count in self.others.items():
+            load[job] = load.get(job, 0) + count
+        for priority in sorted({self.priority(j) for j in waiting}, reverse=True):
+            left = {j: k for j, k in waiting.items() if self.priority(j) == priority and k > 0}
+            while n > 0 and left:
+                job = min(left, key=lambda j: (load.get(j, 0) / self.weight(j), j))
+                out[job] = out.get(job, 0) + 1
+                load[job] = load.get(job, 0) + 1
+                n -= 1
+                left[job] -= 1
+                if not left[job]:
+                    del left[job]
+        return list(out.items())
+
+
 
 def run_batch(job: str, batch_id: str) -> None:
     """What a stock RQ worker runs for a genq batch: genq's engine takes batches itself (TAKE)."""
@@ -40,18 +137,16 @@ def run_batch(job: str, batch_id: str) -> None:
 
 
 class Intake:
-    def __init__(self, opts: WorkerOptions, instance: str, batches: Batches, dispatcher: Dispatcher, shares: Shares,
-                 models: ModelGate, pace: IdlePace) -> None:
-        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, instance
+    def __init__(self, opts: WorkerOptions, batches: Batches, dispatcher: Dispatcher, shares: Shares) -> None:
+        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, batches.instance
         self.batches, self.held = batches, batches.held  # loads what is taken
         self.dispatcher, self.shares = dispatcher, shares  # whether the engine takes new work; priorities
-        self.models = models  # which jobs this engine's server may run (worker/watch.py)
-        self.queued = pace.queued  # set by the wake listener when batches are queued
+        self.queued = batches.written_again  # set too by the wake listener when batches are queued
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
         self._foreign_at = float("-inf")
         self._take = self.conn.register_script(scripts.TAKE)
-        self._rq = rq_worker(self.sync_conn, instance)
+        self._rq = rq_worker(self.sync_conn, self.instance)
 
     def wants_batch(self) -> bool:
         if not self.dispatcher.accepting():
@@ -117,7 +212,7 @@ class Intake:
         config = (await jobs_now(self.conn, [ref.job]))[0].config
         if self.batches.renewed(ref, token, config):
             return
-        if config is not None and (config := await self.models.admit(config)) is None:  # `auto` pinned
+        if config is not None and (config := await self.dispatcher.watch.admit(config)) is None:  # `auto` pinned
             self.foreign.add(ref.job)  # another model's job: back to the queue, and skipped from now on
             await self.batches.hand_back(ref, token)
             return
@@ -134,7 +229,7 @@ class Intake:
         self.foreign = set(foreign)
         self._foreign_at = time.monotonic()
         for job, job_model in foreign.items():
-            await self.models.refuse(job, job_model)
+            await self.dispatcher.watch.refuse(job, job_model)
 
     def _rq_birth(self) -> None:
         try:

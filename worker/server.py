@@ -45,7 +45,7 @@ class Progress:
     last_activity: float = field(default_factory=time.monotonic)
     tokens: int = 0
     first_byte: float | None = None  # None until the body's first byte: till then it is queued, not stalled
-    meter: Any = None  # what books a stream's tokens (worker/decoding.py DecodeMeter)
+    meter: Any = None  # what books a stream's tokens (worker/controller.py DecodeMeter)
     sequences: int = 1  # its n: each sample is a sequence on the server
     decoding: bool = False  # it has its first token
     waiting: bool = False  # sent, no token yet: queued or prefilling

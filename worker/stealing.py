@@ -24,9 +24,8 @@ from genq.ops.recover import adopt_if_written
 from genq.producer.sources import load_prompts
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
+from genq.worker.heartbeat import IdlePace
 from genq.worker.held import HeldBatch
-from genq.worker.idle import IdlePace
-from genq.worker.watch import ModelGate
 
 log = logging.getLogger("genq.worker")
 
@@ -76,13 +75,11 @@ def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
 
 
 class Stealer:
-    def __init__(self, name: str, instance: str, queue_key: str, batches: Batches, dispatcher: Dispatcher,
-                 models: ModelGate, pace: IdlePace) -> None:
-        self.conn, self.name, self.instance, self.queue_key = batches.conn, name, instance, queue_key
+    def __init__(self, queue_key: str, batches: Batches, dispatcher: Dispatcher, pace: IdlePace) -> None:
+        self.conn, self.name, self.instance, self.queue_key = batches.conn, batches.worker, batches.instance, queue_key
         self.batches, self.held = batches, batches.held  # borrowed prompts are held and given back through it
         self.dispatcher, self.gate = dispatcher, dispatcher.gate
-        self.models = models  # whether this engine may take a job's prompts
-        self.pace = pace  # an idle stealer naps (worker/idle.py)
+        self.pace = pace  # an idle stealer naps (worker/heartbeat.py)
         # Prompts of batches looked at, by batch, job incarnation and settings version.
         self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
         self._hold_since: float | None = None  # monotonic: when this hold began
@@ -131,7 +128,7 @@ class Stealer:
         took = 0
         unwritten = self.batches.unwritten_jobs()
         for ref, holder, config in await self._leased_elsewhere():
-            if ref.job in unwritten or await self.models.servable_config(ref.job) is None:
+            if ref.job in unwritten or await self.dispatcher.watch.servable_config(ref.job) is None:
                 continue  # its shards cannot be written here now, or another model's job
             if (prompts := await self._batch(ref, config)) is None:
                 continue

@@ -11,26 +11,30 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 import redis
-import redis.asyncio as aioredis
 
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.records import JobConfig
 from genq.core.words import plural
+from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
-from genq.worker.decoding import Running
 from genq.worker.engines import Metrics
 from genq.worker.options import WorkerOptions
 from genq.worker.server import ServerClient, ServerInfo, ServerUnavailable
-from genq.worker.stopping import StopNow
-from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
 SILENT_PROBE_S = 15.0  # no output from any request in flight this long: ask /health
 AUTO = "auto"
+
+
+class Stopping(Protocol):
+    """The engine's StopNow as the parts read it: 1 finish what is held, 2 stop now."""
+
+    requested: int
 
 
 class ServerStartTimeout(Exception):
@@ -39,12 +43,14 @@ class ServerStartTimeout(Exception):
 
 class ServerWatch:
     """Whether the server is up, as this watch alone decides (every other part reads it); its metrics
-    feed the controller; the watchdog cancels stalled requests."""
+    feed the controller; the watchdog cancels stalled requests. A job's model: `auto` pinned here,
+    other models' jobs turned away."""
 
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
-                 stopping: StopNow, running: Running, todo: Todo) -> None:
+                 stopping: Stopping, batches: Batches) -> None:
         self.opts, self.client, self.controller, self.stopping = opts, client, controller, stopping
-        self.running, self.todo = running, todo  # the dispatcher's requests in flight, and prompts unsent
+        self.conn, self.running, self.todo = batches.conn, batches.running, batches.todo  # in flight; unsent
+        self._told: set[str] = set()  # jobs of another model whose refusal was logged
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
         self.down_since: float | None = None  # monotonic
@@ -209,22 +215,9 @@ class ServerWatch:
                                     "and /health fails")
 
 
-def serves(job_model: str, server_model: str | None) -> bool:
-    """Whether a server serving server_model may run a job for job_model; one that lists no model is
-    trusted (each record says what answered)."""
-    return job_model == AUTO or server_model is None or job_model == server_model
-
-
-class ModelGate:
-    """This worker's side of a job's model: pins `auto` jobs, turns away other models' jobs."""
-
-    def __init__(self, conn: aioredis.Redis, watch: ServerWatch) -> None:
-        self.conn, self.watch = conn, watch
-        self._told: set[str] = set()  # jobs whose refusal was logged
-
     async def admit(self, config: JobConfig) -> JobConfig | None:
         """The job's settings (`auto` pinned to this server's model), or None: another model's job, or gone."""
-        model = self.watch.model
+        model = self.model
         if config.model == AUTO and model is not None:
             found, pinned = await ledger_jobs.pin_model(self.conn, config.name, model, AUTO)
             if pinned:
@@ -242,15 +235,20 @@ class ModelGate:
         if job not in self._told:
             self._told.add(job)
             log.warning("job %s is for model %s; this worker's server serves %s: it takes none of its batches "
-                        "or prompts", job, job_model, self.watch.model)
+                        "or prompts", job, job_model, self.model)
 
     async def servable_config(self, job: str) -> JobConfig | None:
         """The job's settings now if this worker may take its prompts (the stealer's view), else None."""
         found = (await ledger_jobs.jobs_now(self.conn, [job]))[0].config
-        if found is not None and not serves(found.model, self.watch.model):
+        if found is not None and not serves(found.model, self.model):
             await self.refuse(job, found.model)
             return None
         return found
+
+def serves(job_model: str, server_model: str | None) -> bool:
+    """Whether a server serving server_model may run a job for job_model; one that lists no model is
+    trusted (each record says what answered)."""
+    return job_model == AUTO or server_model is None or job_model == server_model
 
 
 def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list[str]:

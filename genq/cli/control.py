@@ -26,7 +26,7 @@ from genq.core.words import plural
 from genq.ops import control
 from genq.ops.control import LOST, SETTABLE, Refused, WorkerRow, describe_block, jobs_named, set_settings
 from genq.output import truth
-from genq.worker.idle import IDLE_BEAT_S
+from genq.worker.heartbeat import IDLE_BEAT_S
 from genq.worker.watch import servable_jobs
 
 STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow", "server_down": "red",

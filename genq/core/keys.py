@@ -16,7 +16,7 @@ PAUSED = "genq:paused"  # global pause flag (genq pause without --job)
 WORKERS = "genq:workers"  # set of worker names that have ever heartbeated
 RECONCILE_LOCK = "genq:reconcile:lock"  # one reconciler pass at a time across the fleet
 SERVERS = "genq:server:"  # what genq keeps of a server beyond its workers' lives: nothing of any job
-# Pub/sub channel that wakes idle engines (worker/idle.py): a control changed, batches were queued, or
+# Pub/sub channel that wakes idle engines (worker/heartbeat.py): a control changed, batches were queued, or
 # (anything else) prompts were given back.
 WAKE = "genq:wake"
 WAKE_CONTROL = b"control"
@@ -51,7 +51,7 @@ job_hist = _job_key("hist")  # hash: output-length bucket -> finished completion
 job_dlq = _job_key("dlq")  # hash: prompt id -> DeadLetter
 job_paused = _job_key("paused")
 job_schedule = _job_key("schedule")  # JobSchedule: priority and fair-share weight (not a settings version)
-# Hash: engine instance -> "REDIS_SECONDS COUNT", its claimed or in-flight prompts (worker/shares.py).
+# Hash: engine instance -> "REDIS_SECONDS COUNT", its claimed or in-flight prompts (worker/intake.py).
 job_share = _job_key("share")
 job_blocked = _job_key("blocked")  # JobBlock: why the job is blocked (set with job_paused)
 job_workers = _job_key("workers")  # set of workers that have counters for this job

@@ -158,7 +158,7 @@ class Sampler:
 
 def flush(stack: Stack) -> None:
     """Empties the private Redis for the next run, all but what genq keeps of the server
-    (keys.SERVERS: its decode figures, worker/decoding.py), as a fleet's Redis keeps them
+    (keys.SERVERS: its decode figures, worker/controller.py), as a fleet's Redis keeps them
     from job to job: a run's ETA then knows how this server drains (docs/real-engines.md)."""
     from genq.core import keys
     from genq.core.redisconn import connect

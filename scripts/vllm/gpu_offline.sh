@@ -37,7 +37,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | 
 python3 -c "
 import vllm, torch, genq.worker.intake, msgspec, rq
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda, 'msgspec', msgspec.__version__, 'rq', rq.__version__)
-from genq.worker.telemetry import GpuProbe
+from genq.worker.controller import GpuProbe
 for index in (0, 7):
     probe = GpuProbe(index)
     print(f'GpuProbe({index}):', probe.note, probe.sample())" || { el "imports failed"; exit 3; }

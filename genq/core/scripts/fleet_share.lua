@@ -1,5 +1,5 @@
 -- FLEET_SHARE: publish this engine's prompts of each job (claimed, or in flight) and read the
--- fleet's other engines' (worker/shares.py: the fair share is kept over the fleet, not per engine).
+-- fleet's other engines' (worker/intake.py: the fair share is kept over the fleet, not per engine).
 -- KEYS[1] = a job's share hash (keys.job_share): engine instance -> "REDIS_SECONDS COUNT";
 --           KEYS[2], ... the same for each further job
 -- ARGV[1] = me (this engine instance)

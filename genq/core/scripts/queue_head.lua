@@ -1,4 +1,4 @@
--- What RQ's queue hands out next (genq/core/order.py, worker/shares.py).
+-- What RQ's queue hands out next (genq/core/order.py, worker/intake.py).
 -- KEYS[1] = RQ's queue
 -- ARGV[1] = RQ's job key prefix (RQ_JOB_PREFIX)
 -- Returns the description of the queue's first RQ job, or nil (an empty queue).
