@@ -35,6 +35,10 @@ log = logging.getLogger("genq.worker")
 
 BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often,
 IDLE_POLL_S = 30.0  # or this often after a while: every queueing publishes a WAKE that ends the wait
+# Holding enough: whether that changed (prompts sent, a batch written) is a look at this engine's own
+# state, no Redis, this often. At BUSY_POLL_S a fast server idled between batches: on an instant
+# server one worker made 1,670 requests/s, 0.17 x a bare client's, batches written in pairs 0.3 s apart.
+FULL_POLL_S = 0.05
 FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
 RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
@@ -156,7 +160,8 @@ class Intake:
             return True
         if held >= base + MAX_EXTRA:
             return False  # parked prompts are not work: no more batches for them
-        if self.shares.wants_head(self.dispatcher.todo.by_job(), max(1, self.dispatcher.controller.target // 2)):
+        if self.shares.head is not None and self.shares.wants_head(  # by_job() counts every waiting prompt
+                self.dispatcher.todo.by_job(), max(1, self.dispatcher.controller.target // 2)):
             return True  # the queue's next batch outranks what waits here: not after a held batch's long tail
         # (prefetch - 1) batches' worth unsent, counted in prompts without an outcome and not in flight
         # (several held batches can be in their heavy tails at once).
@@ -178,7 +183,7 @@ class Intake:
                     except (redis.RedisError, OSError) as exc:
                         log.debug("rq info heartbeat: %s", exc)
                 if not self.wants_batch():
-                    await self._wait(BUSY_POLL_S)
+                    await asyncio.sleep(FULL_POLL_S)
                     continue
                 taken = await self.take()
                 self.exhausted = not taken
