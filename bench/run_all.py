@@ -28,14 +28,14 @@ def main() -> None:
         ("overhead", ["overhead.py"] + (["--prompts", "10000"] if args.quick else [])),
         ("producer", ["producer_bench.py"] + (["--prompts", "100000"] if args.quick else [])),
     ]
-    failed = []
-    running: list[subprocess.Popen] = []
+    failed, running, stopping = [], [], []
 
-    def stop(*_: object) -> None:  # SIGTERM goes on to the running benchmark, which stops what it started
+    # SIGTERM goes on to the running benchmark, which stops what it started; the loop then ends. The
+    # handler only signals: it runs inside Popen.wait, whose lock a second wait() would deadlock on.
+    def stop(*_: object) -> None:
+        stopping.append(True)
         for child in running:
             child.terminate()
-            child.wait()
-        raise SystemExit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
     for name, argv in runs:
@@ -43,6 +43,8 @@ def main() -> None:
         t0 = time.monotonic()
         running[:] = [subprocess.Popen([sys.executable, str(HERE / argv[0]), *argv[1:]], cwd=HERE.parent)]
         rc = running[0].wait()
+        if stopping:
+            raise SystemExit(128 + signal.SIGTERM)
         print(f"===== {name}: exit {rc} after {time.monotonic() - t0:.0f}s", flush=True)
         if rc:
             failed.append(name)
