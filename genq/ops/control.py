@@ -224,7 +224,8 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
     """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name.
     An RQ job can move between places after the look (an engine takes a queued batch): each registry
     loses every entry of any id found anywhere (`seen`: the ids of an earlier pass, whose hashes are gone)."""
-    ours = seen | {i for ids in found.rq_jobs.values() for i in ids}
+    found_ids = {i for ids in found.rq_jobs.values() for i in ids}
+    ours = seen | found_ids
     with conn.pipeline() as pipe:
         for place, holder in _rq_places(conn).items():
             if place == "queued":
@@ -234,7 +235,7 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
             elif ours and (entries := [e for e in conn.zrange(holder.key, 0, -1)
                                        if holder.parse_job_id(e.decode()) in ours]):
                 pipe.zrem(holder.key, *entries)
-        for rq_job in fetch_rq_jobs(conn, sorted({i for ids in found.rq_jobs.values() for i in ids})):
+        for rq_job in fetch_rq_jobs(conn, sorted(found_ids)):
             if rq_job is not None:
                 delete_rq_job(pipe, rq_job, remove_from_queue=False)
         if again or found.keys:  # the second pass leaves the name to a job created meanwhile
