@@ -1,12 +1,6 @@
-"""How long the rest of a job will take, in closed form (pure: no Redis, no clock; docs/monitoring.md).
-
-    ETA = (work left - work of the drain) / measured tokens/s  +  time of the drain
-
-Output lengths: ln(L + 1) ~ Normal(mu, sigma), fitted by maximum likelihood to the finished lengths
-(interval-censored in their log buckets), the running ones ("at least this long") and the cap. The
-drain (the requests running when the last prompt starts) lasts as long as the longest of their
-remainders, decoded at one request's speed, faster at the end on a server whose step costs a + b d.
-"""
+"""How long the rest of a job will take, in closed form (pure: no Redis, no clock; docs/monitoring.md):
+ETA = (work left - work of the drain) / measured tokens/s + time of the drain, with ln(L + 1) ~ Normal
+fitted to the finished lengths (censored in their buckets), the running ones and the cap."""
 
 from __future__ import annotations
 
@@ -80,8 +74,7 @@ class LengthModel:
     finished: int = 0  # finished completions fitted
 
     def mean_rel_se(self) -> float:
-        """The mean's relative standard error by the delta method over the n finished (ln mean = mu +
-        sigma^2 / 2, Var(mu) = sigma^2 / n, Var(sigma) = sigma^2 / 2n)."""
+        """The mean's relative standard error by the delta method over the n finished."""
         n = self.finished
         return self.sigma * math.sqrt((1 + self.sigma**2 / 2) / n) if n else 0.0
 
@@ -130,8 +123,7 @@ class LengthModel:
 
 
 def grid_groups(tokens: Iterable[int], grid: int) -> list[tuple[int, int, int]]:
-    """Token counts grouped on a grid of ln(t + 1) (`grid` steps a unit): (the group's point, how many,
-    their sum). Thousands of running requests cost a few hundred terms, each within 1/(2 grid) in ln."""
+    """(point, how many, their sum) of token counts grouped on a grid of ln(t + 1), `grid` steps a unit."""
     ordered = sorted(max(0, t) for t in tokens)
     sums = [0, *accumulate(ordered)]
     out = []
@@ -180,7 +172,6 @@ def fit_lengths(data: LengthData) -> LengthModel | None:
 
 def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
                  tol: float = 1e-7, max_iter: int = 400) -> tuple[float, float]:
-    """A plain 2-D Nelder-Mead: the likelihood is smooth and cheap, no scipy needed."""
     def towards(a: tuple[float, float], b: tuple[float, float], t: float) -> tuple[float, float]:
         return a[0] + t * (b[0] - a[0]), a[1] + t * (b[1] - a[1])
 
@@ -213,18 +204,14 @@ def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
 
 @dataclass(frozen=True)
 class Speed:
-    """Decode speed as measured over a recent window (monitor/rates.py)."""
-
     per_request: float  # output tokens/s of one decoding request (0: tokens_per_s over those running)
     rel_se: float  # relative standard error of the speed
     span_s: float  # length of the window
     samples: int
     tokens_per_s: float = 0.0  # the job's measured output tokens/s
     source: str = ""
-    # A step costs in proportion to overhead + d for d decoding on a server; per_request was measured
-    # at about `decoding` per worker. None: the same speed at any d (a GPU's memory-bound decode).
-    overhead: float | None = None
-    decoding: float = 0.0
+    overhead: float | None = None  # a step costs overhead + d for d decoding; None: the same at any d
+    decoding: float = 0.0  # per worker, when per_request was measured
     prompt_tokens: float = 0.0  # the job's mean prompt tokens: what a request's start prefills
     running: float = 0.0  # the job's requests decoding over the window, scaled to the slots now (0: unknown)
 
@@ -243,8 +230,7 @@ class Estimate:
 
 def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, speed: Speed | None,
              workers: int, unsent: int = 0, paused: bool = False) -> Estimate:
-    """The job's remaining time and a 90 % range. workers: the live workers that will work on the job;
-    unsent: prompts they hold not yet sent."""
+    """The job's remaining time and a 90 % range; unsent: prompts the live workers hold not yet sent."""
     finished = completed + failed
     left = max(0, total - finished)
     # A worker's running list is up to a second old: beyond the prompts left (less the unsent ones)
@@ -276,16 +262,14 @@ def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, sp
 def _timed(result: Estimate, model: LengthModel, finished: int, speed: Speed, running: list[int], unstarted: int,
            workers: int) -> None:
     busy = len(running)
-    # The fleet's speed: one request's times the requests decoding (a window's tokens/s would count the
-    # time before the fleet filled up, and workers that have left).
+    # The fleet's speed: one request's times the requests decoding.
     rate = speed.per_request * (speed.running or busy) if speed.per_request > 0 else speed.tokens_per_s
     per_request = speed.per_request if speed.per_request > 0 else rate / max(busy, 1)
     if rate <= 0 or per_request <= 0:
         result.state, result.note = "stalled", "no tokens generated in the window: is any worker running?"
         return
     work = result.remaining_tokens or 0.0
-    # Those that decode at once: as measured (one waiting in the server's queue is in flight, not
-    # decoding), or those in flight when there is no measure (--once).
+    # Those that decode at once: as measured, or those in flight when there is no measure (--once).
     at_once = round(speed.running) if speed.running > 0 else busy
     if at_once == 0:  # nothing decoding and no measure of how many do: the work at the measured rate
         bulk_s, drain_work, shift, fresh, steady = work / rate, 0.0, 0.0, 0, False
@@ -299,8 +283,6 @@ def _timed(result: Estimate, model: LengthModel, finished: int, speed: Speed, ru
     per_worker = speed.decoding if speed.decoding > 0 else max(busy, 1) / workers
 
     def drain_s(longest: float) -> float:
-        """On a server whose step costs a + b d the last requests speed up as the others end, and more
-        without the prefills the bulk paid for."""
         if speed.overhead is None:
             return longest / per_request
         o = speed.overhead
@@ -319,9 +301,8 @@ def _timed(result: Estimate, model: LengthModel, finished: int, speed: Speed, ru
 
 def _longest(model: LengthModel, running: Sequence[int], shift: float, fresh: int,
              steady: bool) -> list[tuple[float, float]]:
-    """(r, P(the drain's longest remainder <= r)) on a log grid: the product of each request's
-    P(remainder <= r). A running request with t tokens so far has shift more made by the drain; a
-    fresh one of a steady fleet has a renewal process' remainder, P(R > r) = E[(L - r)+] / E[L]."""
+    """(r, P(the drain's longest remainder <= r)) on a log grid; a fresh request of a steady fleet has a
+    renewal process' remainder, P(R > r) = E[(L - r)+] / E[L]."""
     mean = max(model.mean(), 1e-9)
     groups = [(at, n, model.survival(at)) for at, n, _ in grid_groups(running, 8)]
     top = (model.cap if model.cap is not None else math.exp(model.mu + 8 * model.sigma)) + max(running, default=0)

@@ -1,9 +1,6 @@
-"""Prometheus metrics for `genq monitor --metrics [HOST]:PORT`: the monitor's records as metric families,
-read through the same Monitor as every view (cached one interval: a second scraper does not recompute
-the ETA). Label values never grow with time: states, reasons and bottlenecks are fixed code sets, each
-exported 0 or 1; a down worker is exported as down without figures, then not at all after
-FORGET_AFTER_S. The genq job is the `job` label (scrape with honor_labels: true; docs/monitoring.md).
-"""
+"""Prometheus metrics for `genq monitor --metrics [HOST]:PORT`, from the same Monitor as every view. Label
+values never grow with time (fixed code sets, each 0 or 1); a down worker is exported as down without figures,
+then not at all after FORGET_AFTER_S. The genq job is the `job` label (docs/monitoring.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ log = logging.getLogger("genq.monitor")
 FORGET_AFTER_S = 600.0
 BLOCK_REASONS = ("preflight", "brake")  # JobBlock.reason: a fixed set, so no series appears with time
 
-# Each per-job gauge and the JobProgress field it shows: the one mapping from the monitor's record
-# (which `--json`, the terminal view and the web page read as it is) to Prometheus.
+# Each per-job gauge and the JobProgress field it shows.
 JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("genq_job_prompts", "Prompts enqueued", "total"),
     ("genq_job_prompts_completed", "Prompts with a result", "completed"),
@@ -158,8 +154,7 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
 
 
 def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: set[str]) -> Iterator[Metric]:
-    """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports.
-    A down worker is exported as down, without its last figures (they are not figures of now)."""
+    """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports."""
     state = {w.name: "lost" if w.state == "gone" else w.state for w in fleet if w.name in shown}
     live = [w for w in fleet if w.name in state and state[w.name] not in ("stopped", "lost")]
     yield _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped or lost", ["worker"],

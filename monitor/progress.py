@@ -129,8 +129,7 @@ class JobNotFound(LookupError):
 
 
 class Monitor:
-    """Keeps throughput samples per job between refreshes; thread-safe (the exporter and the page read too).
-    `on_refresh` is called with each refresh's reports (the web page's history)."""
+    """Keeps throughput samples per job between refreshes; thread-safe; `on_refresh` gets each refresh's reports."""
 
     def __init__(self, conn: redis.Redis, job: str | None = None, *, window_s: float = 120.0, once: bool = False,
                  on_refresh: Callable[[list[JobReport]], None] | None = None) -> None:
@@ -149,8 +148,7 @@ class Monitor:
         return self.job is not None or len(self.last) == 1
 
     def current(self, max_age: float) -> list[JobReport]:
-        """The last reports while younger than max_age seconds, else fresh ones: a scrape or a page poll
-        between refreshes does not recompute the ETA."""
+        """The last reports while younger than max_age seconds, else fresh ones."""
         with self.lock:
             if self.last_at and time.monotonic() - self.last_at < max_age:
                 return self.last
@@ -196,8 +194,7 @@ class Monitor:
 
 
 def works_on(w: WorkerView) -> bool:
-    """Whether a worker will work on the job from now on: a live one holding its prompts, or an idle one
-    (the queue is shared: it takes the next batches). Paused and server-down ones add nothing."""
+    """A live worker holding the job's prompts, or an idle one (it takes the next batches); not paused or down."""
     s = w.live_status
     if s is None or s.state in ("paused", "server_down"):
         return False
@@ -206,8 +203,7 @@ def works_on(w: WorkerView) -> bool:
 
 
 def tail_note(snap: JobSnapshot) -> str | None:
-    """Set while nothing of the job is left to start and its running requests fill at most half of the
-    live workers' slots (each one's server capacity, or its in-flight target)."""
+    """Set while nothing of the job is left to start and its running requests fill at most half the slots."""
     if snap.status != "running" or snap.queued or snap.batches_queued or not snap.in_flight:
         return None
     live = [w.status for w in snap.live if w.status is not None]
@@ -230,8 +226,7 @@ def _hours(seconds: float | None) -> float | None:
 
 def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompts_rate: float | None,
                    judged: dict[str, Verdict]) -> JobProgress:
-    # Elapsed runs from the first request sent, or from creation once a worker works on the job (a job
-    # no worker has touched has not started), to now, or to the last result once done.
+    # From the first request sent, or creation once a worker works on the job, to now or the last result.
     started = snap.first_at or (snap.created_at if snap.in_flight or snap.batches_held else None)
     end = snap.last_at if snap.is_done and snap.last_at else snap.at
     elapsed = max(0.0, end - (started or snap.at))
@@ -269,8 +264,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
 
 def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail: bool = False,
                   job: str | None = None, bound: Verdict | None = None) -> WorkerReport:
-    """A worker's row: in a job's table (`job` given) with its figures for that job. A stopped worker
-    keeps only what it was; a lost one, or a gone one, only its counts for the job."""
+    """A worker's row, with its figures for `job` when given; a stopped, lost or gone one without those of now."""
     s = w.status
     # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
     found = [] if s is None and job_done else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
@@ -293,8 +287,7 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
 
 
 def document(reports: list[JobReport], single: bool, *, for_json: bool) -> Any:
-    """One job: its record. Several (no --job): keyed by job name. None: {}. The ETA in unrounded
-    seconds only for --json (the progress file has its hours). msgspec writes NaN as null."""
+    """One job: its record; several: keyed by job name. The ETA in unrounded seconds only for --json."""
     def one(p: JobProgress) -> Any:
         return p if for_json else {k: v for k, v in msgspec.to_builtins(p).items() if k not in JSON_ONLY}
 

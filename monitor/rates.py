@@ -1,10 +1,5 @@
-"""Decode speed from what the monitor saw, not from the time since the job began.
-
-A live monitor samples the output tokens so far (finished plus running) and reads deltas over a recent
-window: one request's speed is tokens over request-seconds decoding; the fleet's is that times the
-requests decoding, scaled by the live workers' slots now over their mean. `--once` takes the workers'
-own rates. A server's step costs about a + b d for d decoding: the workers' decode bins give a/b.
-"""
+"""Decode speed from the monitor's own samples over a recent window (tokens over request-seconds
+decoding), or the workers' own rates with `--once`; a server's step cost a + b d from its decode bins."""
 
 from __future__ import annotations
 
@@ -17,9 +12,7 @@ from genq.core.ledger.figures import JobSnapshot
 from genq.core.records import DecodeBin
 from genq.monitor.eta import Speed
 
-# Relative standard error never below this: speed drifts in ways a window cannot see (other jobs,
-# thermal throttling, batch-size effects at the end).
-REL_SE_FLOOR = 0.03
+REL_SE_FLOOR = 0.03  # speed drifts in ways a window cannot see (other jobs, throttling, the end's batches)
 ONCE_REL_SE = 0.15  # --once: one look, no history of our own
 MIN_TOKENS = 50.0  # tokens behind a decode bin before it is fitted
 MIN_SPREAD = 1.3  # highest over lowest d among the bins fitted
@@ -57,8 +50,7 @@ class RateTracker:
             self.samples.popleft()
 
     def _aligned(self, snap: JobSnapshot) -> Sample:
-        """A sample as of the workers' in-flight records (published once a second): each worker's finished
-        tokens interpolated back to its publish time, else a request finished since counts twice."""
+        """A sample as of the workers' in-flight records: finished tokens interpolated back to their time."""
         generated = 0.0
         stamps: list[float] = []
         for w in snap.workers:
@@ -79,8 +71,7 @@ class RateTracker:
                       snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots)
 
     def speed(self) -> Speed | None:
-        """Tokens generated over request-seconds decoding, a ratio of sums over the window (idle stretches
-        count in neither); an interval starting with none known to decode is left out."""
+        """Tokens generated over request-seconds decoding, over the intervals with requests decoding."""
         pts = list(self.samples)
         if len(pts) < 2:
             return None
@@ -123,8 +114,7 @@ def _line(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
-    """(speed, prompts/s) from the workers' own records: the job's tokens/s is known, one request's speed
-    is not (per_request 0: the ETA divides by the requests running)."""
+    """(speed, prompts/s) from the workers' own records; one request's speed is not known (per_request 0)."""
     tokens = prompts = 0.0
     spans: list[float] = []
     sources: set[str] = set()
@@ -156,8 +146,7 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
 
 
 def _server(snap: JobSnapshot | None) -> dict[str, Any]:
-    """What the drain's time needs of the servers: the step's overhead (the live workers' decode bins) and the
-    job's mean prompt tokens (what each start makes its server prefill)."""
+    """The step's overhead (the live workers' decode bins) and the job's mean prompt tokens."""
     if snap is None:
         return {}
     return {"overhead": fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode),
@@ -165,9 +154,8 @@ def _server(snap: JobSnapshot | None) -> dict[str, Any]:
 
 
 def fit_overhead(bins: Iterable[DecodeBin]) -> float | None:
-    """The overhead a/b of the step time a + b d, weighted by tokens: through the clean bins (no prefill)
-    where they tell, else through all. Too few bins, too narrow a spread of d, a line that does not
-    rise: None, no dependence."""
+    """The overhead a/b of the step time a + b d, weighted by tokens, through the clean bins where they tell,
+    else all; None (no dependence) for too few bins, too narrow a spread of d, or a line that does not rise."""
     every = list(bins)
     for bins_ in ([b for b in every if b.clean], every):
         pts = [(b.decoding, b.busy_s / b.tokens, b.tokens) for b in bins_ if b.tokens >= MIN_TOKENS and b.busy_s > 0]

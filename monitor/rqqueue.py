@@ -1,11 +1,6 @@
-"""RQ's queue `genq` as the monitor sees it: how many of its batches belong to each genq job (read
-once per RQ id from its description, "genq batch JOB/BATCH (N prompts)", which never changes).
-
-A QueueMirror kept between refreshes reads only the list's two ends: RQ pushes at either end and takes
-from the front, so the queue now is ids pushed at the front + the mirror less those taken + ids
-appended. Anything else makes it read the whole list: its counts are always a full read's, and a
-refresh costs what changed, not the queue's length (docs/performance.md).
-"""
+"""RQ's queue `genq` by genq job (each RQ id's description read once). A QueueMirror reads only the list's two
+ends (RQ pushes at either end, takes from the front); anything else makes it read the whole list, so its counts
+are always a full read's (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ WINDOW = 64  # ids read at each end of the list per refresh (more when more were
 
 
 def _ends(conn: redis.Redis, key: str, want_tail: int) -> tuple[int, list[str], list[str]]:
-    """The list's length and both its ends, in one MULTI; without it where a full Redis refuses MULTI
-    (then nothing is queued, and ends that do not fit the mirror make a whole read)."""
+    """The list's length and both its ends, in one MULTI; without it where a full Redis refuses MULTI."""
     for transaction in (True, False):
         try:
             with conn.pipeline(transaction=transaction) as pipe:

@@ -1,11 +1,6 @@
-"""`genq monitor --web HOST:PORT`: one live page with plots, served by the monitor process.
-
-The page (monitor/web/, uPlot inside: no CDN, relative URLs) polls api/state, answered from the same
-Monitor as every view, so its numbers are `--json`'s; its time series live in memory (History).
-Controls (pause, resume, drain) only with a token, sent in X-Genq-Token. Only a Host naming this
-server is answered (an address, a loopback name, the bound name, this machine's, --web-allow-host):
-any other is a DNS-rebinding page's, answered 403. Every answer carries a same-origin CSP and nosniff.
-"""
+"""`genq monitor --web HOST:PORT`: one live page (monitor/web/, uPlot inside) polling api/state, the same
+Monitor's figures as `--json`; controls only with the X-Genq-Token; only a Host naming this server is
+answered (else 403: a DNS-rebinding page's), every answer with a same-origin CSP and nosniff (docs/monitoring.md)."""
 
 from __future__ import annotations
 
@@ -50,8 +45,7 @@ FOLLOW_ORDER = ("running", "writing", "blocked", "paused", "queued", "empty")
 
 
 class History:
-    """Each job's figures at every refresh, a ring buffer per job (Monitor's on_refresh records them),
-    served as columns aligned on `t`, the form uPlot draws."""
+    """Each job's figures at every refresh, a ring buffer per job, served as columns aligned on `t` (uPlot's form)."""
 
     def __init__(self, maxlen: int = 3600) -> None:
         self.maxlen = maxlen
@@ -96,8 +90,7 @@ def is_own_host(header: str, names: frozenset[str]) -> bool:
 
 
 def length_histogram(report: JobReport) -> dict[str, Any]:
-    """Finished lengths per log bucket, running ones (tokens so far; none yet says nothing) per bucket,
-    and the fitted lognormal's expected count of finished completions per bucket."""
+    """Per log bucket: finished lengths, running ones (tokens so far), and the fit's expected finished count."""
     finished = {int(b): n for b, n in report.snapshot.hist.items()}
     running = Counter(length_bucket(t) for t in report.snapshot.running_tokens if t > 0)
     model = report.estimate.model
@@ -221,7 +214,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
 
 def serve_web(monitor: Monitor, history: History, listen: str, interval: float, token: str | None = None,
               allow_hosts: tuple[str, ...] = ()) -> None:
-    """Start the page's server in a background thread (binding here, so errors reach the caller)."""
+    """Start the page's server in a background thread (binding here: errors reach the caller)."""
     host, port = parse_listen(listen, "--web")
     names = frozenset(host_name(n) for n in (*LOOPBACK_NAMES, host, socket.gethostname(), *allow_hosts) if n)
     loop = asyncio.new_event_loop()

@@ -1,8 +1,6 @@
-"""Idempotent enqueue: checked rows in, batches and RQ jobs out. Ids are claimed in the transaction
-that writes their batches, under WATCH of the job's ids, batch counter and config: each id is queued
-once, also with two enqueues at once or a crash; an id seen before with other content is rejected.
-The output is the durable truth: job.json reserves a batch's number and enqueues/RUN.json names it
-before it is queued, so what Redis loses is found there (queue_lost)."""
+"""Idempotent enqueue: ids are claimed in the transaction that writes their batches, under WATCH (each id queued
+once, even with two enqueues or a crash; other content under a known id is rejected). job.json reserves a batch's
+number and enqueues/RUN.json names it before it is queued, so what Redis loses is found there (queue_lost)."""
 
 from __future__ import annotations
 
@@ -60,8 +58,7 @@ class JobClosed(ValueError):
 
 
 class RejectsFile:
-    """Rejects written as found (never all held), sorted by line, to PATH.partial, renamed at `close`;
-    `discard` removes it and the folders it made. A write error is kept, not raised."""
+    """Rejects written sorted by line to PATH.partial, renamed at `close`; a write error is kept, not raised."""
 
     def __init__(self, path: str | None) -> None:
         self.path, self.count = path, 0
@@ -135,8 +132,7 @@ class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
                  reference: str | None = None, input_uri: str | None = None, closed: str | None = None,
                  dry_run: bool = False) -> None:
-        """reference: the input as workers read it (None: batches inline). closed: the job is finished:
-        JobClosed(closed) is raised before a new prompt is queued. dry_run: claims held in memory."""
+        """reference: the input as workers read it (None: inline); closed: JobClosed(closed) before queueing."""
         self.conn, self.config, self.rejects, self.reference = conn, config, rejects, reference
         self.summary = EnqueueSummary()
         self._create, self._closed = create, closed
@@ -155,7 +151,7 @@ class Enqueuer:
         if self._dry_claims is None:
             self._reach_output(self._from_output)
         meter, read, summary = meter or Meter(), 0, self.summary
-        for items, position in _read_ahead(_chunks(rows, meter)):
+        for items, position in _read_ahead(rows, meter):
             read += len(items)
             meter.read_upto(read, position)
             for item in items:
@@ -183,8 +179,7 @@ class Enqueuer:
         return summary
 
     def _from_output(self) -> None:
-        """Adopt batches written in the output that Redis does not count as done; a job gone from Redis
-        whose job.json has the same settings is created again from there."""
+        """Adopt batches written in the output that Redis does not count as done, or revive the job from job.json."""
         on_disk, config = truth.read_job(self._store, self.config.name), self.config
         if not self._create:
             self.summary.recovered_batches = len(recover.catch_up(self.conn, config))
@@ -328,9 +323,8 @@ class Enqueuer:
 
 
 def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
-    """Queue again what Redis lost of this life of the job (an older snapshot restored): an enqueue
-    record naming batches neither Redis nor the output knows has its input read again (a requeue's: its
-    letters requeued). The prompts queued; run by genq.ops.recover.OutputWatch."""
+    """Queue again the batches of this life's enqueue records that neither Redis nor the output knows (an older
+    snapshot restored): their input read again, or a requeue's letters requeued; how many prompts."""
     store = open_store(config.output, config.s3_endpoint_url)
     records = {run: r for run, r in truth.read_enqueues(store, config.name).items()
                if r.incarnation == config.incarnation}
@@ -370,14 +364,12 @@ def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, referenc
 
 
 def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:
-    """Whether an enqueue of a job Redis does not know takes up the one its job.json describes: the same
-    settings, not deleted (`genq jobs delete`; `genq recover` can)."""
+    """Whether an enqueue of a job Redis does not know takes up its job.json's: same settings, not deleted."""
     return on_disk is not None and on_disk.deleted_at is None and _settings(on_disk.config) == _settings(config)
 
 
 def _settings(config: JobConfig) -> JobConfig:
-    """A config without when, which life and which `genq jobs set`: an enqueue asking for a job's
-    current settings (after `jobs set`) is that job."""
+    """A config without when, which life and which `genq jobs set`: what two enqueues of one job share."""
     return msgspec.structs.replace(config, created_at=0.0, incarnation="", settings_version=1, settings_history=[])
 
 
@@ -387,20 +379,19 @@ def _conflict(row: Row, where: str) -> Rejected:
     return Rejected(line=row.prompt.index + 1, reason=reason, text=row.text())
 
 
-def _read_ahead(chunks: Iterator[T]) -> Iterator[T]:
-    """The chunks, read in a thread at most READ_AHEAD ahead; its exceptions are raised here."""
+def _read_ahead(rows: Iterable[Row | Rejected], meter: Meter) -> Iterator[tuple[list[Row | Rejected], int]]:
+    """READ_CHUNK rows at a time with the meter's position after them, read in a thread READ_AHEAD ahead."""
+    rows = iter(rows)
+
+    def chunk() -> tuple[list[Row | Rejected], int] | None:
+        items = list(islice(rows, READ_CHUNK))
+        return (items, meter.position()) if items else None
+
     pool = ThreadPoolExecutor(1, thread_name_prefix="genq-enqueue-read")
     try:
-        ahead = deque(pool.submit(next, chunks, None) for _ in range(READ_AHEAD))
-        while (chunk := ahead.popleft().result()) is not None:
-            ahead.append(pool.submit(next, chunks, None))
-            yield chunk
+        ahead = deque(pool.submit(chunk) for _ in range(READ_AHEAD))
+        while (got := ahead.popleft().result()) is not None:
+            ahead.append(pool.submit(chunk))
+            yield got
     finally:
         pool.shutdown(cancel_futures=True)
-
-
-def _chunks(rows: Iterable[Row | Rejected], meter: Meter) -> Iterator[tuple[list[Row | Rejected], int]]:
-    """READ_CHUNK rows at a time, each with the meter's position right after its last row."""
-    rows = iter(rows)
-    while chunk := list(islice(rows, READ_CHUNK)):
-        yield chunk, meter.position()

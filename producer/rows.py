@@ -121,7 +121,7 @@ KNOWN: dict[str, Check] = {
 
 def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
     """Raise ParamError naming `where` (an option or a row's field) and the first bad field; with the
-    endpoint known, its rules too (logprobs: true/false for chat, a count for completions)."""
+    endpoint known, its rules too."""
     if not isinstance(params, dict):
         raise ParamError(f"{where} must be an object of request parameters, got {_kind(params)}")
     for name, value in params.items():
@@ -191,8 +191,7 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
 
 
 def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]:
-    """A decoded row as the endpoint's Prompt, and whether it was converted (a prompt sent as one user
-    message; completions refuses messages, which only the model's chat template could flatten)."""
+    """A decoded row as the endpoint's Prompt, and whether it was converted (a prompt sent as one user message)."""
     if not isinstance(obj, dict):
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     batch_line = "custom_id" in obj and "body" in obj
@@ -268,7 +267,6 @@ def _check_messages(messages: Any) -> None:
 
 
 def rejected(line_no: int, reason: str, raw: bytes) -> Rejected:
-    """A reject, its text cut to REJECT_TEXT_LIMIT bytes."""
     text = raw[:REJECT_TEXT_LIMIT].decode("utf-8", errors="replace").rstrip("\n")
     if len(raw) > REJECT_TEXT_LIMIT:
         text += f"... [{len(raw) - REJECT_TEXT_LIMIT:,} more bytes]"

@@ -1,6 +1,5 @@
-"""Input rows from JSONL (plain or .gz) or Parquet, local or on S3, streamed (never read whole), each
-checked by rows.py and named by its 1-based line or row; a by-reference batch's lines read back and
-checked against their digest; and the meter of how much of an input is queued."""
+"""Input rows from JSONL (plain or .gz) or Parquet, local or on S3, streamed, each checked by rows.py and named by
+its 1-based line or row; a by-reference batch's lines read back against their digest; the enqueue's meter."""
 
 from __future__ import annotations
 
@@ -52,8 +51,8 @@ class ColumnMap(NamedTuple):
 
 
 class Meter:
-    """How much of an input is queued (enqueue's percent and ETA): of the rows handed on, not of those read
-    ahead, interpolated between the reader's marks: bytes parsed, compressed bytes read (.gz) or rows."""
+    """How much of an input is queued (of the rows handed on, not those read ahead), interpolated between the
+    reader's marks: bytes parsed, compressed bytes read (.gz) or rows."""
 
     def __init__(self) -> None:
         self.total, self.unit = 0, "MiB"  # 0: not known; unit: "MiB", "MiB compressed" or "rows"
@@ -112,8 +111,7 @@ def located(uri: str) -> str:
 
 
 def default_rejects_path(uri: str, output: str, job: str) -> str:
-    """OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl (never beside the input: its folder may be
-    read-only); for an s3:// output, ./genq-rejects/JOB/NAME.rejects.jsonl."""
+    """OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl; ./genq-rejects/JOB/... for an s3:// output."""
     name = uri.rsplit("/", 1)[-1]
     for suffix in (".gz", ".jsonl", ".json", *PARQUET_SUFFIXES):
         name = name.removesuffix(suffix)
@@ -278,7 +276,7 @@ def range_digest(rows: Iterable[Row]) -> str:
 
 
 async def load_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
-    """read_prompts off the event loop: InputChanged dead-letters the batch, other errors are transient."""
+    """read_prompts off the event loop."""
     return await asyncio.to_thread(read_prompts, source, config)
 
 

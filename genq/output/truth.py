@@ -60,11 +60,9 @@ def job_root(output: str, job: str) -> str:
     return f"{output.rstrip('/')}/{job}"
 
 
-# --------------------------------------------------------------------------- a local folder
 def write_atomic(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], Any], *, create: bool = False) -> Any:
-    """Write `data` (bytes, or a function that writes to the open file) whole over `path` by a rename: a
-    reader never sees half a file; what the function returned. create: only if nothing is there (a hard
-    link both creates and fails if the name exists): False when something is."""
+    """Write `data` (bytes, or a function writing to the open file) whole over `path` by a rename; what it
+    returned. create: only if nothing is there (a hard link), False when something is."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Created as open() creates one (0666 less the umask; mkstemp's 0600 would travel with the rename).
@@ -117,7 +115,6 @@ class LocalStore:
         return open(self.uri(rel), "rb")
 
 
-# --------------------------------------------------------------------------- shards and their markers
 class AlreadyWritten(Exception):
     """The batch's marker exists and describes other bytes: that shard is the batch's."""
 
@@ -133,8 +130,7 @@ def shard_bytes(results: list[Result], compression: str) -> bytes:
 
 def outcome_of(results: Iterable[Result], letters: Iterable[DeadLetter], digests: dict[str, bytes],
                prompts: int) -> ShardMarker:
-    """A batch's marker but for where its shard is (commit_shard fills that in); digests: prompt id ->
-    8-byte content digest of the prompts known."""
+    """A batch's marker but for where its shard is (commit_shard fills that in); digests: prompt id -> digest."""
     dead = list(letters)
     out = ShardMarker(batch="", uri="", records=0, bytes=0, at=0.0, prompts=prompts, letters=len(dead),
                       dead_letters=dead)
@@ -155,8 +151,8 @@ def shard_info(marker: ShardMarker) -> ShardInfo:
 
 def commit_shard(store: Store, job: str, batch: str, data: bytes, records: int, at: float, *,
                  compression: str, incarnation: str, outcome: ShardMarker | None) -> ShardInfo:
-    """Write a batch's shard, then create its marker; the ShardInfo for the ledger. The same bytes again
-    are a no-op; AlreadyWritten when the marker is of other bytes (that shard stands: recover adopts it)."""
+    """Write a batch's shard, then create its marker; the same bytes again are a no-op, AlreadyWritten when the
+    marker is of other bytes (that shard stands: recover adopts it)."""
     sha, suffix = hashlib.sha256(data).hexdigest(), ".jsonl.gz" if compression == "gzip" else ".jsonl"
     marker_at, shard_rel = marker_rel(job, batch), f"{job}/{SHARDS_DIR}/{batch}{suffix}"
     marker = read_marker(store, marker_at)
@@ -206,7 +202,6 @@ def of_life(markers: Iterable[ShardMarker], config: JobConfig) -> list[ShardMark
     return [m for m in markers if m.incarnation == config.incarnation]
 
 
-# --------------------------------------------------------------------------- job.json and enqueues
 def job_uri(store: Store, job: str) -> str:
     return store.uri(f"{job}/{JOB_FILE}")
 
@@ -222,8 +217,7 @@ def write_job(store: Store, record: JobRecord) -> None:
 
 
 def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
-    """job.json says the job was deleted at `at` (None: it lives again); False when there is none (of
-    `incarnation`, when given)."""
+    """job.json says the job was deleted at `at` (None: it lives again); False when there is none (of incarnation)."""
     on_disk = read_job(store, job)
     if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
         return False
@@ -233,8 +227,8 @@ def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | No
 
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
-    """job.json saying batch numbers up to `upto` may be in use (before they are queued), as written;
-    never lowering what is there, nor writing older settings over newer ones."""
+    """job.json saying batch numbers up to `upto` may be in use, as written; never lowering what is there, nor
+    writing older settings over newer ones."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
         config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
