@@ -69,7 +69,8 @@ class QueueMirror:
             if tail[-(appended + 1)] != self.ids[-1]:
                 break
             for _ in range(taken):
-                self._forget(self.ids.popleft())
+                if (job := self.job_of.pop(self.ids.popleft(), None)) is not None:
+                    self.by_job -= Counter([job])  # a job's count at 0 is dropped
             added = head[:fronts] + (tail[len(tail) - appended:] if appended else [])
             self.ids.extendleft(reversed(head[:fronts]))  # head[0] was pushed last
             self.ids.extend(added[fronts:])
@@ -86,10 +87,6 @@ class QueueMirror:
             if rq_id in known:
                 self._count(rq_id, known[rq_id])
         self._name(conn, [i for i in self.ids if i not in known])
-
-    def _forget(self, rq_id: str) -> None:
-        if (job := self.job_of.pop(rq_id, None)) is not None:
-            self.by_job -= Counter([job])  # a job's count at 0 is dropped
 
     def _name(self, conn: redis.Redis, ids: list[str]) -> None:
         job_key = rq_queue(conn).job_class.key_for

@@ -5,6 +5,7 @@ answered (else 403: a DNS-rebinding page's), every answer with a same-origin CSP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import logging
@@ -12,6 +13,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +99,7 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
     keys = set(finished) | set(running)
     if model is not None:  # the fit's central 99.8 %, so its tails show where nothing was seen yet
         keys |= {max(0, int(round(4 * (model.mu + k * model.sigma) / LN2))) for k in (-3, 3)}
-    if not keys:
-        return {"buckets": [], "tokens": [], "finished": [], "running": [], "fitted": []}
-    buckets = list(range(min(keys), max(keys) + 1))
+    buckets = list(range(min(keys), max(keys) + 1)) if keys else []
     n = sum(finished.values())
 
     def fitted(b: int) -> float | None:
@@ -114,24 +114,17 @@ def length_histogram(report: JobReport) -> dict[str, Any]:
 
 
 def followed(reports: list[JobReport]) -> JobReport | None:
-    def rank(r: JobReport) -> tuple:
-        status = r.progress.status
-        order = FOLLOW_ORDER.index(status) if status in FOLLOW_ORDER else len(FOLLOW_ORDER)
-        return (order, -r.progress.in_flight, -(r.snapshot.created_at or 0.0))
-
-    return min(reports, key=rank, default=None)
+    order = {status: i for i, status in enumerate(FOLLOW_ORDER)}
+    return min(reports, default=None, key=lambda r: (order.get(r.progress.status, len(order)), -r.progress.in_flight,
+                                                     -(r.snapshot.created_at or 0.0)))
 
 
 def dead_letter_summary(conn: redis.Redis, job: str, latest: int = 5) -> dict[str, Any]:
     """The job's dead letters: how many, how many of each kind, and the newest few."""
     found: list[DeadLetter] = []
-    for n, raw in enumerate(letters.scan_raw(conn, job, 1000)):
-        if n >= DLQ_READ_LIMIT:
-            break
-        try:
+    for raw in islice(letters.scan_raw(conn, job, 1000), DLQ_READ_LIMIT):
+        with contextlib.suppress(msgspec.DecodeError):
             found.append(unpack(raw, DeadLetter))
-        except msgspec.DecodeError:
-            continue
     by_kind = Counter(d.kind for d in found)
     found.sort(key=lambda d: d.at, reverse=True)
     rows = [dict(id=d.id, kind=d.kind, message=d.message[:300], worker=d.worker, batch=d.batch, at=d.at,
