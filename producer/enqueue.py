@@ -309,17 +309,12 @@ class Enqueuer:
     def _batches(self, pipe: redis.client.Pipeline, rows: list[Row]) -> list[BatchSource]:
         size, job, created = self.config.batch_size, self.config.name, time.time()
         last = max(ledger_jobs.last_batch_number(pipe, job), self._floor)
-        out = []
-        for n, i in enumerate(range(0, len(rows), size)):
-            bid, part = batch_id(last + 1 + n), rows[i : i + size]
-            if self.reference is None:
-                out.append(BatchSource.inline(job, bid, [r.prompt for r in part], created))
-                continue
-            ref = InputRange(uri=self.reference, start=part[0].start, end=part[-1].end,
-                             first_line=part[0].prompt.index + 1, last_line=part[-1].prompt.index + 1,
-                             digest=range_digest(part))
-            out.append(BatchSource.by_reference(job, bid, [r.prompt.id for r in part], ref, created))
-        return out
+        parts = [(batch_id(last + 1 + n), rows[i : i + size]) for n, i in enumerate(range(0, len(rows), size))]
+        if self.reference is None:
+            return [BatchSource.inline(job, bid, [r.prompt for r in part], created) for bid, part in parts]
+        return [BatchSource.by_reference(job, bid, [r.prompt.id for r in part], InputRange(
+            uri=self.reference, start=part[0].start, end=part[-1].end, first_line=part[0].prompt.index + 1,
+            last_line=part[-1].prompt.index + 1, digest=range_digest(part)), created) for bid, part in parts]
 
 
 def queue_lost(conn: redis.Redis, config: JobConfig) -> int:

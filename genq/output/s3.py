@@ -43,9 +43,7 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 
 def client(endpoint_url: str | None = None) -> Any:
-    """One boto3 S3 client per (process, endpoint): making one costs tens of milliseconds. Clients are
-    thread-safe, sessions are not (one each, made under a lock); the pid keeps a forked child off its
-    parent's connection pool."""
+    """One boto3 S3 client per (process, endpoint), made under a lock (sessions are not thread-safe)."""
     with _clients_lock:
         return _client(os.getpid(), endpoint_url or None)
 
@@ -125,9 +123,8 @@ class S3Store:
 
     def names(self, rel_dir: str) -> list[str]:
         bucket, prefix = parse_uri(self.uri(rel_dir) + "/")
-        found = []
-        for page in client(self.endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            found += [item["Key"][len(prefix):] for item in page.get("Contents", [])]
+        pages = client(self.endpoint_url).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        found = (item["Key"][len(prefix):] for page in pages for item in page.get("Contents", []))
         return [name for name in found if "/" not in name]
 
     def open(self, rel: str) -> io.BufferedReader:
@@ -135,9 +132,8 @@ class S3Store:
 
 
 class ObjectReader(io.RawIOBase):
-    """An S3 object read by GETs pinned to its ETag (two versions are never mixed); a body that breaks
-    is resumed where it left off (backoff 0.5 s .. 8 s): a many-GB input survives a network blip. A
-    seek (Parquet's footer is at the end) starts the next GET there."""
+    """An S3 object read by GETs pinned to its ETag; a body that breaks is resumed where it left off (backoff
+    0.5 s .. 8 s); a seek starts the next GET there."""
 
     def __init__(self, s3: Any, bucket: str, key: str) -> None:
         super().__init__()
@@ -205,8 +201,7 @@ class ObjectReader(io.RawIOBase):
 
 def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20, *,
                 seekable: bool = False) -> io.BufferedReader:
-    """A buffered reader of an S3 object (8 MiB for a seeking reader: a Parquet reader's small reads
-    share one GET). Raises botocore errors (see describe)."""
+    """A buffered reader of an S3 object (8 MiB for a seeking reader: a Parquet reader's small reads share one GET)."""
     bucket, key = parse_uri(uri)
     return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key), 8 << 20 if seekable else buffer_size)
 
