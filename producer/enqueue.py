@@ -292,8 +292,7 @@ class Enqueuer:
         return len(batches)
 
     def _unique(self, group: list[Row]) -> list[Row]:
-        """The first row of each id in `group` (rows held back from an earlier group come first, so the
-        first line of an id wins); repeats are counted or rejected here."""
+        """The first row of each id in `group` (the first line of an id wins); repeats counted or rejected here."""
         seen: dict[str, bytes] = {}
         unique = []
         for row in group:

@@ -17,7 +17,6 @@ from genq.core.records import Endpoint, Prompt, Rejected
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
 OPENAI_BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
-_BODY_FIELDS_IGNORED = {"model", "stream", "stream_options", "messages", "prompt"}  # the job decides them
 _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
 
 json_decoder = msgspec.json.Decoder()
@@ -48,10 +47,7 @@ CHAT_TEMPLATE_ARGS = ("enable_thinking", "thinking")
 
 
 class RowError(ValueError):
-    """A row, or a set of request fields (ParamError), that cannot be queued."""
-
-
-ParamError = RowError
+    """A row, or a set of request fields, that cannot be queued."""
 
 
 def _kind(value: Any) -> str:
@@ -120,38 +116,38 @@ KNOWN: dict[str, Check] = {
 
 
 def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
-    """Raise ParamError naming `where` (an option or a row's field) and the first bad field; with the
+    """Raise RowError naming `where` (an option or a row's field) and the first bad field; with the
     endpoint known, its rules too."""
     if not isinstance(params, dict):
-        raise ParamError(f"{where} must be an object of request parameters, got {_kind(params)}")
+        raise RowError(f"{where} must be an object of request parameters, got {_kind(params)}")
     for name, value in params.items():
         if name in SET_BY_GENQ:
-            raise ParamError(f"{where}: {name!r} cannot be set here; it is set by {SET_BY_GENQ[name]}")
+            raise RowError(f"{where}: {name!r} cannot be set here; it is set by {SET_BY_GENQ[name]}")
         if name in REFUSED:
-            raise ParamError(f"{where}: {name!r} is refused: {REFUSED[name]}")
+            raise RowError(f"{where}: {name!r} is refused: {REFUSED[name]}")
         if name in CHAT_TEMPLATE_ARGS:
-            raise ParamError(f"{where}: {name!r} is not a request field but an argument of the model's chat template "
+            raise RowError(f"{where}: {name!r} is not a request field but an argument of the model's chat template "
                              f"(SGLang and vLLM pass it on from chat_template_kwargs): give "
                              f"{{\"chat_template_kwargs\": {{{json.dumps(name)}: {json.dumps(value)}}}}}")
         if name not in KNOWN:
             close = difflib.get_close_matches(name, KNOWN, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ParamError(f"{where}: unknown request field {name!r}{hint}; known fields: {', '.join(sorted(KNOWN))}")
+            raise RowError(f"{where}: unknown request field {name!r}{hint}; known fields: {', '.join(sorted(KNOWN))}")
         if problem := KNOWN[name](value):
-            raise ParamError(f"{where}: {name} {problem}")
+            raise RowError(f"{where}: {name} {problem}")
     logprobs, other = params.get("logprobs"), COMPLETIONS_ONLY if endpoint == "chat" else CHAT_ONLY
     for name in other if endpoint else ():
         if name in params:
-            raise ParamError(f"{where}: {name!r} is a /v1/completions field; {other[name]} (the job uses --endpoint "
+            raise RowError(f"{where}: {name!r} is a /v1/completions field; {other[name]} (the job uses --endpoint "
                              "chat)" if endpoint == "chat" else f"{where}: {name!r} is a chat field; {other[name]}")
     if endpoint == "chat" and logprobs is not None and not isinstance(logprobs, bool):
-        raise ParamError(f"{where}: logprobs must be true or false for chat (use top_logprobs: K for "
+        raise RowError(f"{where}: logprobs must be true or false for chat (use top_logprobs: K for "
                          f"alternatives), got {_kind(logprobs)}")
     if endpoint == "chat" and params.get("top_logprobs") is not None and logprobs is not True:
-        raise ParamError(f"{where}: top_logprobs needs logprobs: true")
+        raise RowError(f"{where}: top_logprobs needs logprobs: true")
     if endpoint == "completions" and logprobs is not None and (
             isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
-        raise ParamError(f"{where}: logprobs must be an integer 0..20 for completions (the alternatives "
+        raise RowError(f"{where}: logprobs must be an integer 0..20 for completions (the alternatives "
                          f"per token), got {_kind(logprobs)}")
 
 
@@ -248,7 +244,7 @@ def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any]:
     if body.get(field) is None:
         raise RowError(f"OpenAI Batch body for {url} has no {field!r}")
     return {"id": custom_id, field: body[field],
-            "sampling": {k: v for k, v in body.items() if k not in _BODY_FIELDS_IGNORED}}
+            "sampling": {k: v for k, v in body.items() if k not in SET_BY_GENQ}}
 
 
 def _check_messages(messages: Any) -> None:

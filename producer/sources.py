@@ -38,8 +38,7 @@ class SourceError(Exception):
 
 
 class InputChanged(Exception):
-    """The input lines of a by-reference batch are not the ones queued (or are gone): the batch is
-    dead-lettered rather than anything sent from the wrong lines."""
+    """A by-reference batch's input lines are not the ones queued (or are gone): the batch is dead-lettered."""
 
 
 class ColumnMap(NamedTuple):

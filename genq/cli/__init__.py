@@ -155,7 +155,7 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
         raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
-    check_params(extra, "--extra-body", endpoint)  # ParamError is a ValueError
+    check_params(extra, "--extra-body", endpoint)  # RowError is a ValueError
     return extra
 
 

@@ -86,8 +86,7 @@ def describe(exc: BaseException, uri: str) -> str:
 
 
 class S3Store:
-    """An s3://bucket/prefix output as a truth.Store; create() is a conditional PUT (If-None-Match: *),
-    so a marker is created once even with two writers."""
+    """An s3://bucket/prefix output as a truth.Store; create() is a conditional PUT (If-None-Match: *)."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
         self.uri_root = uri.rstrip("/")  # parsed when used: building a sink never raises
