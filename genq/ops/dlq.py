@@ -1,10 +1,6 @@
-"""The dead-letter queue: prompts genq gave up on (a DeadLetter in the job's DLQ) and batches RQ gave
-up on (its failed registry, id "batch:<batch id>": the reconciler queues them again).
-
-Requeue and purge are MULTI under WATCH: each letter moves whole or not at all, and only once its
-batch can never run again (a batch leased again regenerates every prompt with neither a result
-nor a letter, so moving the letter earlier would produce it twice).
-"""
+"""The dead-letter queue: prompts genq gave up on (DeadLetters) and batches RQ gave up on (id "batch:<batch id>").
+Requeue and purge are MULTI under WATCH: a letter moves whole, and only once its batch can never run again
+(a batch leased again regenerates every prompt with neither result nor letter: moved earlier, it runs twice)."""
 
 from __future__ import annotations
 
@@ -45,14 +41,11 @@ class Entry(DeadLetter, omit_defaults=True):
         return self.kind == BATCH_FAILED
 
 
-class Report(msgspec.Struct):
-    """What a requeue or a purge did: per job, prompts requeued (or letters purged) and the new batches'
-    ids; the failed batches moved (job, batch, prompts requeued or forgotten); (entry id, why) left."""
-
-    prompts: dict[str, int] = {}
-    new_batches: dict[str, list[str]] = {}
-    batches: list[tuple[str, str, int]] = []
-    left: list[tuple[str, str]] = []
+class Report(msgspec.Struct):  # what a requeue or a purge did
+    prompts: dict[str, int] = {}  # job -> prompts requeued or letters purged
+    new_batches: dict[str, list[str]] = {}  # job -> the requeued prompts' new batches
+    batches: list[tuple[str, str, int]] = []  # failed batches moved: (job, batch, prompts requeued or forgotten)
+    left: list[tuple[str, str]] = []  # (entry id, why)
 
 
 def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
@@ -60,7 +53,6 @@ def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
 
 
 def failed_batches(conn: redis.Redis, jobs: Collection[str], *, traceback: bool = False) -> list[Entry]:
-    """The given jobs' batches in RQ's failed registry."""
     found = []
     for rq_job in q.fetch_rq_jobs(conn, q.failed_registry(conn).get_job_ids()):
         if rq_job is None or (ref := q.carried(rq_job)) is None or ref[0] not in jobs:
@@ -139,8 +131,7 @@ def _each(conn: redis.Redis, chosen: Sequence[Entry], batch: Callable[..., Any],
 
 
 def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> Report:
-    """Dead prompts back as new batches (with the job's current settings; `override`, request fields,
-    goes into each prompt's own sampling, which wins over them), failed batches back on the queue."""
+    """Dead prompts back as new batches (`override` into each prompt's own sampling), failed batches queued again."""
     def some(conn: redis.Redis, job: str, ids: list[str], report: Report) -> None:
         if (config := q.load_config(conn, job)) is None:
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
@@ -179,8 +170,8 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
 
 
 def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:
-    """Forget dead prompts and failed batches: no retry, and out of every count (the DLQ, the job's
-    total and id index, so the same row enqueued again is queued anew; stats count them "purged")."""
+    """Dead prompts and failed batches out of every count (the DLQ, the job's total and id index: the same row
+    enqueued again is queued anew; stats count them "purged")."""
     def some(conn: redis.Redis, job: str, ids: list[str], report: Report) -> None:
         def forget(pipe: Any) -> tuple[list[str], list[tuple[str, str]]]:
             found, left = _movable(pipe, job, ids, "purge")
@@ -198,8 +189,8 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:
 
 
 def _move_batch(conn: redis.Redis, entry: Entry, report: Report, *, requeue: bool) -> None:
-    """A failed batch queued again as a fresh RQ job (not RQ's own requeue, whose separate steps can leave it
-    in no registry), or forgotten: its failed RQ job deleted in the same MULTI, so `rq info` tells the truth."""
+    """A failed batch queued again as a fresh RQ job (RQ's own requeue can leave it in no registry), or
+    forgotten; its failed RQ job deleted in the same MULTI."""
     registry = q.failed_registry(conn)
     job, batch_id = entry.job, entry.batch
 
