@@ -158,8 +158,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
 
 
 def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
-    """After Redis failed part way (full, most often) or Ctrl-C: what the job holds, and how to go on.
-    Batches are queued whole, each prompt once: the same command skips them."""
+    """After Redis failed part way (full, most often) or Ctrl-C: what the job holds, and how to go on."""
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
@@ -186,11 +185,9 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
         return JobConfig(**given), True  # type: ignore[arg-type]
     if differing := [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
                      for k in given if getattr(stored, k) != given[k]]:
-        raise ValueError(
-            f"job {job!r} already exists with other settings: " + "; ".join(differing)
-            + f". Leave those options out to add to it, change the job's generation settings with "
-            f"`genq jobs set {job} ...` (docs/settings.md), or use a new --job name."
-        )
+        raise ValueError(f"job {job!r} already exists with other settings: {'; '.join(differing)}. Leave those "
+                         f"options out to add to it, change the job's generation settings with `genq jobs set {job} "
+                         "...` (docs/settings.md), or use a new --job name.")
     return stored, False
 
 
@@ -207,8 +204,7 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
 
 
 def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) -> str | None:
-    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not one of
-    its own inputs (its own input again is the same command again: it queues what the job lacks)."""
+    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT not one of its inputs."""
     row = job_rows(conn, [job])[0]
     if row.state not in FINISHED_STATUSES:
         return None
@@ -286,10 +282,8 @@ def _nothing_valid(summary: EnqueueSummary, rejects: RejectsFile, input_uri: str
             what = "it is empty" if os.path.getsize(input_uri) == 0 else "it holds only blank lines (whitespace)"
         raise click.ClickException(f"{input_uri} has no prompts ({what}): nothing queued, no job created")
     _show_reasons(rejects, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
-    raise click.ClickException(
-        f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing queued, "
-        "no job created. Input is JSONL, one object a line (see `genq enqueue --help`)."
-    )
+    raise click.ClickException(f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing "
+                               "queued, no job created. Input is JSONL, one object a line (see `genq enqueue --help`).")
 
 
 def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:

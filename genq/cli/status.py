@@ -41,8 +41,7 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
     if (fate := find(conn, job, prompt_id)) is None:
         raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
     if as_json:
-        click.echo(json.dumps(fate))
-        return
+        return click.echo(json.dumps(fate))
     click.echo(f"{job} {prompt_id}: {fate['state']}" + (f" (batch {fate['batch']})" if fate.get("batch") else ""))
     click.echo(f"  {fate['why']}")
     for name in ("letter", "record"):
@@ -79,7 +78,7 @@ def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[st
 
 
 def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
-    """In a written shard: the record itself, read from the shard (local or S3)."""
+    """In a written shard (local or S3): the record itself."""
     endpoint = config.s3_endpoint_url if (config := load_config(conn, job)) else None
     for raw in ledger_jobs.shard_infos(conn, job):
         info = unpack(raw, ShardInfo)
