@@ -115,29 +115,38 @@ def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadL
     return movable, left
 
 
-def _each(conn: redis.Redis, chosen: Sequence[Entry], batch: Callable[..., Any], some: Callable[..., Any]) -> Report:
-    """batch(conn, entry, report) for each failed batch first (a purged batch's own letters can then be
-    purged in the same run), then some(conn, job, ids, report) for the dead prompts, CHUNK at a time."""
+Moved = tuple[list[str], list[tuple[str, str]], list[str]]  # letters moved, (id, why) left, new batches
+
+
+def _each(conn: redis.Redis, chosen: Sequence[Entry], move: Callable[[str, list[str]], Callable[[Any], Moved]], *,
+          requeue: bool) -> Report:
+    """Each failed batch first (a purged batch's own letters can then be purged in the same run), then the dead
+    prompts, CHUNK at a time, each chunk in one transaction: move(job, ids)(pipe)."""
     report, by_job = Report(), dict[str, list[str]]()
     for entry in chosen:
         if entry.is_batch:
-            batch(conn, entry, report)
+            _move_batch(conn, entry, report, requeue=requeue)
         else:
             by_job.setdefault(entry.job, []).append(entry.id)
     for job, ids in by_job.items():
         for start in range(0, len(ids), CHUNK):
-            some(conn, job, ids[start:start + CHUNK], report)
+            moved, left, batch_ids = letters.transaction(conn, job, move(job, ids[start:start + CHUNK]))
+            report.left.extend(left)
+            if moved:
+                report.prompts[job] = report.prompts.get(job, 0) + len(moved)
+            if batch_ids:
+                report.new_batches.setdefault(job, []).extend(batch_ids)
     return report
 
 
 def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> Report:
     """Dead prompts back as new batches (`override` into each prompt's own sampling), failed batches queued again."""
-    def some(conn: redis.Redis, job: str, ids: list[str], report: Report) -> None:
+    def some(job: str, ids: list[str]) -> Callable[[Any], Moved]:
         if (config := q.load_config(conn, job)) is None:
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         run = f"requeue-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
-        def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
+        def move(pipe: Any) -> Moved:
             found, left = _movable(pipe, job, ids, "requeue")
             # A fresh Prompt carries no attempt count: the engine starts it at 0.
             prompts = sorted((msgspec.structs.replace(d.prompt, sampling={**(d.prompt.sampling or {}), **override})
@@ -158,34 +167,24 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             if found:
                 q.write_batches(pipe, conn, batches, digests={}, count_total=False)
                 letters.stage_drop(pipe, job, [d.id for d in found])
-            return found, left, [b.id for b in batches]
+            return [d.id for d in found], left, [b.id for b in batches]
 
-        moved, left, batch_ids = letters.transaction(conn, job, move)
-        report.left.extend(left)
-        if moved:
-            report.prompts[job] = report.prompts.get(job, 0) + len(moved)
-            report.new_batches.setdefault(job, []).extend(batch_ids)
+        return move
 
-    return _each(conn, chosen, functools.partial(_move_batch, requeue=True), some)
+    return _each(conn, chosen, some, requeue=True)
 
 
 def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:
     """Dead prompts and failed batches out of every count (the DLQ, the job's total and id index: the same row
     enqueued again is queued anew; stats count them "purged")."""
-    def some(conn: redis.Redis, job: str, ids: list[str], report: Report) -> None:
-        def forget(pipe: Any) -> tuple[list[str], list[tuple[str, str]]]:
-            found, left = _movable(pipe, job, ids, "purge")
-            pipe.multi()
-            letters.stage_drop(pipe, job, gone := [d.id for d in found])
-            letters.stage_forget_prompts(pipe, job, gone)
-            return gone, left
+    def forget(job: str, ids: list[str], pipe: Any) -> Moved:
+        found, left = _movable(pipe, job, ids, "purge")
+        pipe.multi()
+        letters.stage_drop(pipe, job, gone := [d.id for d in found])
+        letters.stage_forget_prompts(pipe, job, gone)
+        return gone, left, []
 
-        gone, left = letters.transaction(conn, job, forget)
-        report.left.extend(left)
-        if gone:
-            report.prompts[job] = report.prompts.get(job, 0) + len(gone)
-
-    return _each(conn, chosen, functools.partial(_move_batch, requeue=False), some)
+    return _each(conn, chosen, lambda job, ids: functools.partial(forget, job, ids), requeue=False)
 
 
 def _move_batch(conn: redis.Redis, entry: Entry, report: Report, *, requeue: bool) -> None:
