@@ -6,6 +6,7 @@ repeated id is dropped, so a prompt's first result wins. Each shard is read once
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
 import tempfile
 import zlib
@@ -346,16 +347,14 @@ def write_parquet(lines: Iterable[bytes], out: BinaryIO) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema, count, rows = parquet_schema(), 0, []
+    schema, count = parquet_schema(), 0
+    decoded = (_cells(_result_decoder.decode(line), PARQUET_COLUMNS) for line in lines)
     with pq.ParquetWriter(out, schema, compression="zstd") as writer:
-        for line in lines:
-            rows.append(_cells(_result_decoder.decode(line), PARQUET_COLUMNS))
-            count += 1
-            if len(rows) >= PARQUET_ROWS_PER_GROUP:
-                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-                rows = []
-        if rows or count == 0:
-            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+        while (rows := list(itertools.islice(decoded, PARQUET_ROWS_PER_GROUP))) or count == 0:
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))  # an empty export: the schema alone
+            if not rows:
+                break
+            count += len(rows)
     return count
 
 
@@ -384,16 +383,14 @@ def openai_output_line(r: Result) -> dict[str, Any]:
     samples = r.choices or [Choice(index=0, completion=r.completion, finish_reason=r.finish_reason,
                                    reasoning_content=r.reasoning_content, logprobs=r.logprobs,
                                    tool_calls=r.tool_calls)]
-    choices: list[dict[str, Any]] = []
-    for c in samples:
+
+    def said(c: Choice) -> dict[str, Any]:
         if completions:
-            choices.append({"index": c.index, "text": c.completion, "logprobs": c.logprobs,
-                            "finish_reason": c.finish_reason})
-            continue
-        message: dict[str, Any] = {"role": "assistant", "content": c.completion,
-                                   "reasoning_content": c.reasoning_content, **({"tool_calls": c.tool_calls}
-                                                                                if c.tool_calls else {})}
-        choices.append({"index": c.index, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+            return {"text": c.completion}
+        return {"message": {"role": "assistant", "content": c.completion, "reasoning_content": c.reasoning_content,
+                            **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
+
+    choices = [{"index": c.index, **said(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in samples]
     body = {"id": r.response_id or (f"cmpl-{h}" if completions else f"chatcmpl-{h}"),
             "object": "text_completion" if completions else "chat.completion", "created": int(r.finished_at),
             "model": r.model, "choices": choices, "usage": usage}
@@ -405,9 +402,8 @@ def openai_error_line(letter: DeadLetter) -> dict[str, Any]:
     """One line of an OpenAI Batch error file for a dead letter."""
     h = _hash(letter.job, letter.id)
     custom_id = (letter.prompt.custom_id if letter.prompt else None) or letter.id
-    status = letter.status
-    if status is None and letter.kind == "server_error":
-        status = 500  # an error event inside a 200 stream: the server failed the request
+    # An error event inside a 200 stream: the server failed the request.
+    status = 500 if letter.status is None and letter.kind == "server_error" else letter.status
     if status is None:  # no HTTP answer to report: OpenAI's "non-HTTP error" shape
         return {"id": f"batch_req_{h}", "custom_id": custom_id, "response": None,
                 "error": {"code": letter.kind, "message": letter.message}}
