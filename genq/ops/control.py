@@ -237,8 +237,7 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
             ledger_jobs.stage_forget_job(pipe, found.job, found.keys)
         pipe.execute()
     if again:  # a batch RQ queued again or a worker wrote meanwhile would be orphaned: one more pass
-        late = find_job(conn, found.job)
-        delete_job(conn, late, again=False, seen=ours)
+        delete_job(conn, find_job(conn, found.job), again=False, seen=ours)
 
 
 # What `genq jobs set` may change: what is sent with each request. Not endpoint (rows were fitted to
