@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 from typing import Any
 
 import click
@@ -19,6 +18,7 @@ from genq.core.ledger import letters
 from genq.core.ledger.figures import prompt_state
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
+from genq.output.truth import open_store
 
 
 @click.command(short_help="One prompt's fate: queued, held, sending, done or failed.")
@@ -90,12 +90,8 @@ def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
 
 
 def _lines(uri: str, endpoint: str | None) -> list[bytes]:
-    if uri.startswith("s3://"):
-        from genq.output import s3
-
-        data = s3.read_object(uri, endpoint)
-    else:
-        data = Path(uri).read_bytes() if Path(uri).exists() else b""
+    folder, _, name = uri.rpartition("/")
+    data = open_store(folder, endpoint).read(name) or b""  # a local path or s3://
     return (gzip.decompress(data) if data and uri.endswith(".gz") else data).splitlines()
 
 
