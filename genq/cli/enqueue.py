@@ -50,7 +50,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
               """checked here), e.g. '{"chat_template_kwargs": {"enable_thinking": true}}'.""")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None,
               help="Attempts per prompt before its dead letter. [default: 5]")
-@click.option("--compression", type=click.Choice(["none", "gzip"]), default=None, help="Shard compression. [default: none]")
+@click.option("--compression", type=click.Choice(["none", "gzip"]), default=None,
+              help="Shard compression. [default: none]")
 @click.option("--s3-endpoint-url", default=None,
               help="S3-compatible endpoint for s3:// input and output (or AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL).")
 @click.option("--messages-column", default=None, metavar="COL",
