@@ -84,12 +84,8 @@ def _with_redis_option(command: click.Command) -> click.Command:
     return command
 
 
-def redis_given(ctx: click.Context) -> str | None:  # the URL of --redis or GENQ_REDIS_URL, None for the default
-    return ctx.find_root().obj
-
-
 def redis_url(ctx: click.Context) -> str:
-    return redis_given(ctx) or resolve_url(None)
+    return ctx.find_root().obj or resolve_url(None)  # obj: the URL of --redis or GENQ_REDIS_URL
 
 
 def redis_conn(ctx: click.Context | None = None) -> redis.Redis:

@@ -22,7 +22,6 @@ import redis
 from rich.console import Console
 
 from genq import PYTHON
-from genq.cli import redis_given
 from genq.core.ledger import letters
 from genq.core.redisconn import LocalRedis, connect, free_port, mask_url
 from genq.core.words import plural
@@ -56,7 +55,7 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, capacity: i
     from genq.monitor.progress import Monitor
     from genq.monitor.view import render
 
-    given = redis_given(ctx)
+    given = ctx.find_root().obj  # --redis or GENQ_REDIS_URL; None: the demo's own Redis
     if keep and given is None:
         raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
     out, console = Path(output).resolve(), Console()
