@@ -1,6 +1,5 @@
-"""The inference servers genq knows, one row each: how to tell it (`probe`: its own endpoint; else its
-metric prefix on /metrics), what it tells of itself, its metric names. Sources: docs/engines.md.
-"""
+"""The inference servers genq knows, one row each (docs/engines.md): how to tell it (`probe`: its own
+endpoint; else its metric prefix on /metrics), what it tells of itself, its metric names."""
 
 from __future__ import annotations
 

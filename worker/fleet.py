@@ -1,10 +1,6 @@
-"""`genq worker --gpus`: one worker per GPU of this machine and (--launch) its server, kept alive.
-
-Each child leads a session of its own: Ctrl-C reaches only the fleet, which stops workers first and
-servers last, and a server's group signal reaches what it spawned. A failed child restarts after 1 s,
-doubling to 60 s, given up after --max-restarts in a row (STABLE_AFTER up resets the count). GPU
-number i of the list gets port base_port + i. PR_SET_PDEATHSIG and a guard beside each server's
-group (`guard`) end them when the fleet dies, even by SIGKILL.
+"""`genq worker --gpus`: one worker per GPU (GPU i of the list on port base_port + i) and (--launch) its
+server, each leading a session of its own, restarted after 1 s doubling to 60 s, given up after --max-restarts
+in a row. PR_SET_PDEATHSIG and a guard beside each server's group end them when the fleet dies, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ STABLE_AFTER = 600.0  # the restart limit is for crash loops, not for a server t
 
 
 class FleetError(Exception):
-    """A setting that cannot work; the message names it and says what to do."""
+    """A setting that cannot work: the message names it and says what to do."""
 
 
 @dataclass
@@ -147,8 +143,7 @@ def parse_gpus(spec: str) -> list[int]:
 
 
 def _term_on_parent_death() -> None:
-    """In the child: SIGTERM when the thread that forked it dies (Linux's PR_SET_PDEATHSIG = 1)."""
-    with contextlib.suppress(OSError):  # not Linux
+    with contextlib.suppress(OSError):  # not Linux; PR_SET_PDEATHSIG = 1: SIGTERM when the forking thread dies
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
@@ -165,9 +160,8 @@ class Child:
     def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
                  max_restarts: int, health: HealthTimeouts | None = None, url: str = "") -> None:
         self.label, self.argv, self.env, self.log_path, self.pid_path = label, argv, env, log_path, pid_path
-        self.name = label.removeprefix("worker ")
+        self.name, self.starts = label.removeprefix("worker "), 0
         self.max_restarts, self.health, self.url = max_restarts, health, url
-        self.starts = 0
         self.rc = 0  # a worker's last exit status (0 also when our own stop signal ended it)
         self.failure: str | None = None  # why it was given up
         self.proc: asyncio.subprocess.Process | None = None
@@ -252,8 +246,7 @@ class Child:
             log.info("%s: exited with status %s while stopping", self.label, self.rc)
         return None
 
-    async def _pump(self, stream: asyncio.StreamReader) -> None:
-        """The worker's output to its log file and, prefixed with its name, to our stderr."""
+    async def _pump(self, stream: asyncio.StreamReader) -> None:  # to its log and, named, to our stderr
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             while True:

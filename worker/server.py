@@ -1,9 +1,6 @@
-"""One request's path to an inference server (SGLang, vLLM, llama.cpp, `genq sim`) and back as the record.
-
-Only the public API (docs/engines.md): /health, /v1/models, each engine's own endpoint, /metrics, and
-OpenAI's generation endpoints, streamed so the worker sees tokens as they come. One tolerant reader
-decodes every engine's answers and errors. A request for n samples comes back with n choices or is a
-failure, and a record keeps only what its request asked for (docs/fidelity.md).
+"""One request's path to an inference server and back as the record, through the public API only
+(docs/engines.md), streamed. One tolerant reader decodes every engine's answers and errors; n samples
+asked come back as n choices or a failure, and a record keeps only what was asked (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ _json_encode = msgspec.json.Encoder().encode
 
 
 class ServerUnavailable(Exception):
-    """The server is not answering (refused, reset, 503 from /health)."""
+    """Refused, reset, 503 from /health."""
 
 
 @dataclass
@@ -67,9 +64,7 @@ class Failure:
 
 @dataclass
 class Completion:
-    """A whole answer: every choice in index order."""
-
-    choices: list[Choice]
+    choices: list[Choice]  # in index order
     usage: Usage
     model: str
     response_id: str | None
@@ -114,8 +109,7 @@ class ServerClient:
         except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
-    async def _get_json(self, path: str) -> Any:
-        """The JSON answer of a GET, or None if the server has no such endpoint."""
+    async def _get_json(self, path: str) -> Any:  # None: no such endpoint
         status, body = await self._get(path)
         with contextlib.suppress(msgspec.DecodeError):
             return _json_decode(body) if status == 200 else None
@@ -127,7 +121,7 @@ class ServerClient:
         return False
 
     async def discover(self) -> ServerInfo:
-        """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
+        """Which server it is and what it tells; ServerUnavailable if it is not up."""
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
@@ -170,11 +164,7 @@ class ServerClient:
         return parse_completion_bytes(raw, model)
 
 
-# Typed views: decoding straight into these is several times cheaper than into dicts, which matters
-# at thousands of stream events a second.
-
-
-class WireUsage(msgspec.Struct):
+class WireUsage(msgspec.Struct):  # typed views decode several times faster than dicts
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reasoning_tokens: int | None = None
@@ -280,8 +270,7 @@ def usage_of(raw: WireUsage | None) -> Usage:
                  reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None)
 
 
-def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
-    """A non-streamed answer."""
+def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:  # a non-streamed answer
     answer = decode_answer(raw)
     if isinstance(answer, Failure):
         return answer
@@ -302,13 +291,11 @@ def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
     return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
 
 
-# A stream: n > 1 samples come interleaved, one choice per chunk with its `index` (docs/fidelity.md).
-# With continuous usage stats a chunk's usage counts its own choice's tokens; the last chunk (no
-# choices) has the request's total.
-
-
 @dataclass(slots=True)
 class _ChoiceState:
+    """One choice of a stream: n > 1 come interleaved by `index`, a chunk's usage counting its own
+    choice's tokens; the last chunk (no choices) has the request's total (docs/fidelity.md)."""
+
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -392,8 +379,7 @@ class StreamSink:
                     break
         return False
 
-    def outcome(self) -> Completion | Failure:
-        """Once the body has ended (or a failure stopped the reading)."""
+    def outcome(self) -> Completion | Failure:  # once the body has ended or a failure stopped the reading
         if self.failure is None and not self.done and self.rest.startswith(b"data:"):
             self.failure = self.feed(self.rest[5:].strip())
         if self.failure is not None:
