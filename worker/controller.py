@@ -419,8 +419,7 @@ def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> H
     memory = info.memory if info is not None else Hardware()
     bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
                        else (probe.bandwidth, probe.bandwidth_from or probe.note))
-    weight, weight_from = memory.weight_bytes, memory.weight_from
-    if opts.model_bytes is not None:
-        weight, weight_from = opts.model_bytes, "--model-bytes"
+    weight, weight_from = ((opts.model_bytes, "--model-bytes") if opts.model_bytes is not None
+                           else (memory.weight_bytes, memory.weight_from))
     return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
                                    bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)

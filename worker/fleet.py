@@ -199,10 +199,9 @@ class Child:
         """1: drain (a worker gets SIGTERM; a server's group SIGTERM, SIGKILL after health.stop);
         2: a worker stops now (a second SIGTERM); 3+: SIGKILL, no more patience."""
         self._stop.set()
-        if self.health is not None:
-            if level >= 3:
-                self.health.stop = 0.1
-        elif self.proc is not None and self.proc.returncode is None:
+        if self.health is not None and level >= 3:
+            self.health.stop = 0.1
+        elif self.health is None and self.proc is not None and self.proc.returncode is None:
             if level >= 3:
                 signal_group(self.proc.pid, signal.SIGKILL)
             else:
@@ -355,10 +354,7 @@ def guard(pgid: int, stop_s: float) -> None:
     (PR_SET_PDEATHSIG reaches only the process the fleet started, not a server under a shell.)"""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # only the pipe ends the guard
         signal.signal(sig, signal.SIG_IGN)
-    said = b""
-    while chunk := os.read(sys.stdin.fileno(), 64):
-        said += chunk
-    if said == b"done\n":
+    if sys.stdin.buffer.read() == b"done\n":
         return
     print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + stop_s
@@ -417,8 +413,7 @@ async def run_fleet(opts: FleetOptions) -> int:
 
     def on_signal(sig: int) -> None:
         nonlocal signals
-        signals += 1
-        name = signal.Signals(sig).name
+        signals, name = signals + 1, signal.Signals(sig).name
         if signals == 1:
             log.info("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop "
                      "after their worker. Send again to stop the workers now, a third time to kill everything.", name)

@@ -216,12 +216,11 @@ class Heartbeat:
         while not self.stopping.requested:
             try:
                 await self.beat()
+                self._answered()
+                return
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
                 await asyncio.sleep(BEAT_S)
-                continue
-            self._answered()
-            return
 
     async def run(self) -> None:
         tick = time.monotonic()

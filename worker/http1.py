@@ -156,15 +156,13 @@ class Http1Pool:
         is cut short."""
         request = b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head + str(len(data)).encode() \
             + b"\r\n\r\n" + data
-        conn = None
-        while self.idle and conn is None:
-            if not (pooled := self.idle.pop()).closed:
-                conn = pooled
-        if conn is not None:
-            try:
-                return await self._send(conn, request, stream)
-            except NoResponse:
-                self.reconnects += 1
+        while self.idle:
+            if not (conn := self.idle.pop()).closed:
+                try:
+                    return await self._send(conn, request, stream)
+                except NoResponse:
+                    self.reconnects += 1
+                    break
         return await self._send(await self._connect(), request, stream)
 
     async def _send(self, conn: _Conn, request: bytes, stream: Sink | None) -> tuple[int, bytes]:

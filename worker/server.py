@@ -21,7 +21,6 @@ from genq.worker.http1 import Http1Pool
 # SGLang's /health runs a one-token generation and answers 503 itself after 20 s: giving up
 # sooner reads a busy server as down.
 HEALTH_TIMEOUT_S = 30.0
-STOP_FIELDS = ("stop", "stop_token_ids")  # Result.matched_stop is kept only when one was set
 # The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
 # decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
 UNSENT_MAX = 4
@@ -140,10 +139,7 @@ class ServerClient:
     async def metrics(self) -> Metrics | None:
         with contextlib.suppress(ServerUnavailable):
             status, body = await self._get("/metrics", timeout=3.0)
-            if status == 200:
-                m = metrics_from_text(body.decode("utf-8", "replace"))
-                m.at = time.monotonic()
-                return m
+            return metrics_from_text(body.decode("utf-8", "replace")) if status == 200 else None
         return None
 
     async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
@@ -241,12 +237,9 @@ def decode_answer(raw: bytes) -> _WireAnswer | Failure:
 
 def http_failure(status: int, raw: bytes) -> Failure:
     """A non-200 answer: judged by its HTTP status, told by its error's message."""
-    answer = decode_answer(raw)
-    error = answer.error if isinstance(answer, _WireAnswer) else None
-    if isinstance(error, dict) and error.get("message"):
-        return event_failure({"message": error["message"], "code": status})
-    return event_failure({"code": status, "message": error if isinstance(error, str) else
-                          raw[:500].decode("utf-8", "replace") or "(empty body)"})
+    error = answer.error if isinstance(answer := decode_answer(raw), _WireAnswer) else None
+    message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+    return event_failure({"code": status, "message": message or raw[:500].decode("utf-8", "replace") or "(empty body)"})
 
 
 def event_failure(err: Any, mid_stream: bool = False) -> Failure:
@@ -382,9 +375,7 @@ class StreamSink:
     def outcome(self) -> Completion | Failure:  # once the body has ended or a failure stopped the reading
         if self.failure is None and not self.done and self.rest.startswith(b"data:"):
             self.failure = self.feed(self.rest[5:].strip())
-        if self.failure is not None:
-            return self.failure
-        return self.completion() if self.done else Failure("connection", "stream ended before [DONE]")
+        return self.failure or (self.completion() if self.done else Failure("connection", "stream ended before [DONE]"))
 
     def feed(self, payload: bytes) -> Failure | None:
         progress = self.progress
@@ -444,7 +435,7 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
     if indexes != list(range(n)):
         return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
                        f"indexes {indexes}", retryable=False)
-    asked_stop = any(body.get(name) for name in STOP_FIELDS)
+    asked_stop = body.get("stop") or body.get("stop_token_ids")  # else no Result.matched_stop
     # Chat asks with true; completions with a count of alternatives, 0 included.
     asked_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
     for choice in c.choices:
