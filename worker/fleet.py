@@ -157,9 +157,10 @@ class Child:
     its server, restarted when it exits, never answers /health within health.start, or fails it for
     health.unhealthy (its output goes to its log only)."""
 
-    def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
-                 max_restarts: int, health: HealthTimeouts | None = None, url: str = "") -> None:
-        self.label, self.argv, self.env, self.log_path, self.pid_path = label, argv, env, log_path, pid_path
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], files: Path, max_restarts: int,
+                 health: HealthTimeouts | None = None, url: str = "") -> None:
+        self.label, self.argv, self.env, self.log_path = label, argv, env, files.with_suffix(".log")
+        self.pid_path = files.with_suffix(".pid")
         self.name, self.starts = label.removeprefix("worker "), 0
         self.max_restarts, self.health, self.url = max_restarts, health, url
         self.rc = 0  # a worker's last exit status (0 also when our own stop signal ended it)
@@ -383,15 +384,14 @@ def plan(opts: FleetOptions) -> list[tuple[int, str, Child, Child | None]]:
                 "--host", opts.host, *opts.engine_args]
         # The Redis URL travels in the environment, not argv: `ps` must not show a password.
         worker = Child(f"worker {name}", argv, {ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
-                       logs / f"worker-gpu{gpu}.log", logs / f"worker-gpu{gpu}.pid", opts.max_restarts)
+                       logs / f"worker-gpu{gpu}", opts.max_restarts)
         server = None
         if opts.launch is not None:
             # CUDA's default order (fastest first) may differ from nvidia-smi/NVML's; make them agree.
             env = {"CUDA_VISIBLE_DEVICES": str(gpu),
                    "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
             server = Child(f"server gpu{gpu} (port {port})", launch_argv(opts.launch, port=port, gpu=gpu), env,
-                           logs / f"server-gpu{gpu}.log", logs / f"server-gpu{gpu}.pid", opts.max_restarts,
-                           opts.health, url)
+                           logs / f"server-gpu{gpu}", opts.max_restarts, opts.health, url)
             host = urlsplit(url).hostname or "127.0.0.1"
             with contextlib.suppress(OSError):  # a port already answering would answer /health for a stranger
                 socket.create_connection((host, port), timeout=0.5).close()

@@ -336,23 +336,21 @@ class _ChoiceState:
                       tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)] or None)
 
 
+@dataclass(slots=True)
 class StreamSink:
     """A stream's body as it comes, in pieces of any size: split into `data:` events, each fed to the
     answer so far. Called with each piece; True once a failure ends the reading."""
 
-    __slots__ = ("progress", "rest", "failure", "choices", "usage", "total_seen", "response_id", "model", "done",
-                 "events")
-
-    def __init__(self, model: str, progress: Progress) -> None:
-        self.progress, self.model = progress, model
-        self.rest = b""  # the unfinished last line
-        self.failure: Failure | None = None
-        self.choices: dict[int, _ChoiceState] = {}
-        self.usage: WireUsage | None = None
-        self.total_seen = False  # usage came on a chunk without choices: the request's total
-        self.response_id: str | None = None
-        self.done = False
-        self.events = 0
+    model: str
+    progress: Progress
+    rest: bytes = b""  # the unfinished last line
+    failure: Failure | None = None
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    usage: WireUsage | None = None
+    total_seen: bool = False  # usage came on a chunk without choices: the request's total
+    response_id: str | None = None
+    done: bool = False
+    events: int = 0
 
     def __call__(self, chunk: bytes) -> bool:
         progress = self.progress
