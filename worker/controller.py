@@ -1,20 +1,5 @@
-"""What the server can take, and how fast it goes.
-
-The window: the server's capacity (told, or learned from its /metrics) plus a headroom waiting in its
-queue, so a freed slot is refilled in its next step. Each look at /metrics: raise while slots idle and
-prompts are held back; cut by a tenth when the server retracts or preempts (then raise gently); lower
-when its queue keeps growing. An untold capacity (vLLM) is learned (docs/engines.md, "Capacity").
---concurrency caps the target; `genq concurrency` live.
-
-The requests in flight, and how fast one decodes against how many decode at once (the monitor's ETA
-needs that curve; no engine reports it): while `d` sequences decode (first token to end),
-request-seconds and streamed tokens go to d's bin, apart for while some request waits for its first
-token ("clean": none does). Figures halve every HALF_LIFE_S; published as WorkerStatus.decode
-(monitor/rates.py fits them), stored per server and model.
-
-GPU figures from NVML (nvidia-ml-py); where there is no GPU or driver, a note that says so. The memory
-bandwidth for the decode bound (genq.core.decodebound) is read once: bus width x the maximum memory
-clock x 2 (NVML's GDDR and HBM clocks), checked against SPECS, the vendors' rated figures.
+"""What the server can take (the concurrency window, docs/engines.md "Capacity"), how fast one request
+decodes against how many decode at once (WorkerStatus.decode), and the GPU's figures from NVML.
 """
 
 from __future__ import annotations
@@ -62,6 +47,10 @@ def headroom(capacity: int) -> int:
 
 
 class ConcurrencyController:
+    """The window: the server's capacity (told, or learned off /metrics) plus a headroom in its queue. Raised
+    while slots idle and prompts are held back, cut by a tenth when the server retracts (then raised gently),
+    lowered when its queue keeps growing; --concurrency and `genq concurrency` cap it."""
+
     def __init__(self, capacity: int | None, cap: int | None = None) -> None:
         self.capacity = capacity  # from the server (None: unknown)
         self.learned: int | None = None  # capacity read off /metrics when the server does not tell
@@ -228,6 +217,9 @@ class Running(dict["Task", "asyncio.Task[None]"]):
 
 
 class DecodeMeter:
+    """Request-seconds and streamed tokens by `d` sequences decoding (first token to end), apart while some
+    request waits for its first token ("clean": none does); halved every HALF_LIFE_S."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.decoding = 0  # sequences between their first token and their end
@@ -237,7 +229,6 @@ class DecodeMeter:
         self.news = False  # tokens booked since the figures were last stored
 
     def _account(self, now: float) -> list[float] | None:
-        """Books the time since the last change to the current count; its bin (None at 0)."""
         d, since, self._since = self.decoding, self._since, now
         if d <= 0:
             return None
@@ -246,16 +237,10 @@ class DecodeMeter:
         return b
 
     def sent(self, progress: Progress) -> None:
-        """Until its first token it waits at the server."""
         if not progress.decoding and not progress.waiting:
             self._account(self.clock())
             progress.waiting = True
             self.waiting += progress.sequences
-
-    def _arrived(self, progress: Progress) -> None:
-        if progress.waiting:
-            progress.waiting = False
-            self.waiting -= progress.sequences
 
     def advance(self, progress: Progress, tokens: int) -> None:
         """A streamed request has made `tokens` in all (a first chunk's tokens are the prefill's)."""
@@ -268,19 +253,17 @@ class DecodeMeter:
                 b[1] += tokens - progress.tokens
                 self.news = True
         else:  # its first token: it decodes from now on
-            progress.decoding = True
             self.decoding += progress.sequences
-            self._arrived(progress)
+            self.waiting -= progress.sequences if progress.waiting else 0
+            progress.decoding, progress.waiting = True, False
         progress.tokens = tokens
 
     def ended(self, progress: Progress) -> None:
-        """The request is no longer in flight."""
         if progress.decoding or progress.waiting:
             self._account(self.clock())
-            self._arrived(progress)
-        if progress.decoding:
-            progress.decoding = False
-            self.decoding -= progress.sequences
+        self.waiting -= progress.sequences if progress.waiting else 0
+        self.decoding -= progress.sequences if progress.decoding else 0
+        progress.decoding = progress.waiting = False
 
     def figures(self) -> list[DecodeBin]:
         """The bins merged to BINS_PER_OCTAVE a doubling, after the decay: what the worker publishes."""
@@ -300,19 +283,16 @@ class DecodeMeter:
         return [DecodeBin(decoding=round(m[2] / m[0], 2), busy_s=round(m[0], 3), tokens=round(m[1], 1), clean=clean)
                 for (_, clean), m in sorted(merged.items()) if m[0] >= MIN_BUSY_S]
 
-    def seed(self, stored: ServerDecode, now: float) -> None:
-        """Begin from what earlier workers measured on this server, decayed by its age."""
-        factor = 0.5 ** (max(0.0, now - stored.at) / HALF_LIFE_S)
-        for b in stored.bins:
-            d = max(1, round(b.decoding))
-            mine = self.bins.setdefault((d, b.clean), [0.0, 0.0])
-            mine[0] += b.busy_s * factor
-            mine[1] += b.tokens * factor
-
 
 async def load(conn: aioredis.Redis, meter: DecodeMeter, server: str, model: str) -> None:
-    if (stored := await fleet.server_decode(conn, server, model)) is not None:
-        meter.seed(stored, time.time())
+    """Begin from what earlier workers measured on this server, decayed by its age."""
+    if (stored := await fleet.server_decode(conn, server, model)) is None:
+        return
+    factor = 0.5 ** (max(0.0, time.time() - stored.at) / HALF_LIFE_S)
+    for b in stored.bins:
+        mine = meter.bins.setdefault((max(1, round(b.decoding)), b.clean), [0.0, 0.0])
+        mine[0] += b.busy_s * factor
+        mine[1] += b.tokens * factor
 
 
 def store(pipe: Pipeline, meter: DecodeMeter, bins: list[DecodeBin], server: str, model: str, worker: str) -> None:
@@ -439,8 +419,7 @@ def hardware(opts: WorkerOptions, probe: GpuProbe, info: ServerInfo | None) -> H
     memory = info.memory if info is not None else Hardware()
     bandwidth, told = ((opts.gpu_bandwidth, "--gpu-bandwidth") if opts.gpu_bandwidth is not None
                        else (probe.bandwidth, probe.bandwidth_from or probe.note))
-    weight, weight_from = memory.weight_bytes, memory.weight_from
-    if opts.model_bytes is not None:
-        weight, weight_from = opts.model_bytes, "--model-bytes"
+    weight, weight_from = ((opts.model_bytes, "--model-bytes") if opts.model_bytes is not None
+                           else (memory.weight_bytes, memory.weight_from))
     return msgspec.structs.replace(memory, engine=info.flavor if info else None, bandwidth=bandwidth,
                                    bandwidth_from=told, weight_bytes=weight, weight_from=weight_from)

@@ -1,9 +1,9 @@
-"""The inference servers genq knows, one row each: how to tell it (`probe`: its own endpoint; else its
-metric prefix on /metrics), what it tells of itself, its metric names. Sources: docs/engines.md.
-"""
+"""The inference servers genq knows, one row each (docs/engines.md): how to tell it (`probe`: its own
+endpoint; else its metric prefix on /metrics), what it tells of itself, its metric names."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,7 +163,7 @@ def metrics_from_text(text: str) -> Metrics:
             series.setdefault(name, []).append((labels, float(rest.split()[0])))
         except (IndexError, ValueError):
             continue
-    figures = Metrics()
+    figures = Metrics(at=time.monotonic())
     for key, names in _NAMES.items():
         for wanted in names:
             name, _, label = wanted.partition("{")

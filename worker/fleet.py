@@ -1,10 +1,6 @@
-"""`genq worker --gpus`: one worker per GPU of this machine and (--launch) its server, kept alive.
-
-Each child leads a session of its own: Ctrl-C reaches only the fleet, which stops workers first and
-servers last, and a server's group signal reaches what it spawned. A failed child restarts after 1 s,
-doubling to 60 s, given up after --max-restarts in a row (STABLE_AFTER up resets the count). GPU
-number i of the list gets port base_port + i. PR_SET_PDEATHSIG and a guard beside each server's
-group (`guard`) end them when the fleet dies, even by SIGKILL.
+"""`genq worker --gpus`: one worker per GPU (GPU i of the list on port base_port + i) and (--launch) its
+server, each leading a session of its own, restarted after 1 s doubling to 60 s, given up after --max-restarts
+in a row. PR_SET_PDEATHSIG and a guard beside each server's group end them when the fleet dies, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ STABLE_AFTER = 600.0  # the restart limit is for crash loops, not for a server t
 
 
 class FleetError(Exception):
-    """A setting that cannot work; the message names it and says what to do."""
+    """A setting that cannot work: the message names it and says what to do."""
 
 
 @dataclass
@@ -147,8 +143,7 @@ def parse_gpus(spec: str) -> list[int]:
 
 
 def _term_on_parent_death() -> None:
-    """In the child: SIGTERM when the thread that forked it dies (Linux's PR_SET_PDEATHSIG = 1)."""
-    with contextlib.suppress(OSError):  # not Linux
+    with contextlib.suppress(OSError):  # not Linux; PR_SET_PDEATHSIG = 1: SIGTERM when the forking thread dies
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
@@ -162,12 +157,12 @@ class Child:
     its server, restarted when it exits, never answers /health within health.start, or fails it for
     health.unhealthy (its output goes to its log only)."""
 
-    def __init__(self, label: str, argv: list[str], env: dict[str, str], log_path: Path, pid_path: Path,
-                 max_restarts: int, health: HealthTimeouts | None = None, url: str = "") -> None:
-        self.label, self.argv, self.env, self.log_path, self.pid_path = label, argv, env, log_path, pid_path
-        self.name = label.removeprefix("worker ")
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], files: Path, max_restarts: int,
+                 health: HealthTimeouts | None = None, url: str = "") -> None:
+        self.label, self.argv, self.env, self.log_path = label, argv, env, files.with_suffix(".log")
+        self.pid_path = files.with_suffix(".pid")
+        self.name, self.starts = label.removeprefix("worker "), 0
         self.max_restarts, self.health, self.url = max_restarts, health, url
-        self.starts = 0
         self.rc = 0  # a worker's last exit status (0 also when our own stop signal ended it)
         self.failure: str | None = None  # why it was given up
         self.proc: asyncio.subprocess.Process | None = None
@@ -205,10 +200,9 @@ class Child:
         """1: drain (a worker gets SIGTERM; a server's group SIGTERM, SIGKILL after health.stop);
         2: a worker stops now (a second SIGTERM); 3+: SIGKILL, no more patience."""
         self._stop.set()
-        if self.health is not None:
-            if level >= 3:
-                self.health.stop = 0.1
-        elif self.proc is not None and self.proc.returncode is None:
+        if self.health is not None and level >= 3:
+            self.health.stop = 0.1
+        elif self.health is None and self.proc is not None and self.proc.returncode is None:
             if level >= 3:
                 signal_group(self.proc.pid, signal.SIGKILL)
             else:
@@ -252,8 +246,7 @@ class Child:
             log.info("%s: exited with status %s while stopping", self.label, self.rc)
         return None
 
-    async def _pump(self, stream: asyncio.StreamReader) -> None:
-        """The worker's output to its log file and, prefixed with its name, to our stderr."""
+    async def _pump(self, stream: asyncio.StreamReader) -> None:  # to its log and, named, to our stderr
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             while True:
@@ -362,10 +355,7 @@ def guard(pgid: int, stop_s: float) -> None:
     (PR_SET_PDEATHSIG reaches only the process the fleet started, not a server under a shell.)"""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # only the pipe ends the guard
         signal.signal(sig, signal.SIG_IGN)
-    said = b""
-    while chunk := os.read(sys.stdin.fileno(), 64):
-        said += chunk
-    if said == b"done\n":
+    if sys.stdin.buffer.read() == b"done\n":
         return
     print(f"genq: the fleet is gone; stopping the server's process group {pgid}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + stop_s
@@ -394,15 +384,14 @@ def plan(opts: FleetOptions) -> list[tuple[int, str, Child, Child | None]]:
                 "--host", opts.host, *opts.engine_args]
         # The Redis URL travels in the environment, not argv: `ps` must not show a password.
         worker = Child(f"worker {name}", argv, {ENV_VAR: opts.redis_url, "PYTHONUNBUFFERED": "1"},
-                       logs / f"worker-gpu{gpu}.log", logs / f"worker-gpu{gpu}.pid", opts.max_restarts)
+                       logs / f"worker-gpu{gpu}", opts.max_restarts)
         server = None
         if opts.launch is not None:
             # CUDA's default order (fastest first) may differ from nvidia-smi/NVML's; make them agree.
             env = {"CUDA_VISIBLE_DEVICES": str(gpu),
                    "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
             server = Child(f"server gpu{gpu} (port {port})", launch_argv(opts.launch, port=port, gpu=gpu), env,
-                           logs / f"server-gpu{gpu}.log", logs / f"server-gpu{gpu}.pid", opts.max_restarts,
-                           opts.health, url)
+                           logs / f"server-gpu{gpu}", opts.max_restarts, opts.health, url)
             host = urlsplit(url).hostname or "127.0.0.1"
             with contextlib.suppress(OSError):  # a port already answering would answer /health for a stranger
                 socket.create_connection((host, port), timeout=0.5).close()
@@ -424,8 +413,7 @@ async def run_fleet(opts: FleetOptions) -> int:
 
     def on_signal(sig: int) -> None:
         nonlocal signals
-        signals += 1
-        name = signal.Signals(sig).name
+        signals, name = signals + 1, signal.Signals(sig).name
         if signals == 1:
             log.info("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop "
                      "after their worker. Send again to stop the workers now, a third time to kill everything.", name)

@@ -1,10 +1,6 @@
-"""The engine's heartbeat: alive, what it holds, how fast it goes; then the operator's controls and
-the lease check. GPU figures come from a sampler thread (NVML can block).
-
-An idle worker waits instead of polling: under one Redis command a second (0.60, 2026-12-06). Idle
-(nothing held, running or borrowed for IDLE_AFTER_S, no open work in the ledger), it beats every
-IDLE_BEAT_S, looks for prompts to steal every IDLE_LOOK_S and reconciles every IDLE_MAINTENANCE_S. A
-WAKE message (genq:wake: an enqueue, a busy worker's unsent prompts, a control change) ends its waits.
+"""The engine's heartbeat (alive, what it holds, how fast it goes), then the controls and the lease check.
+Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work) it beats every IDLE_BEAT_S and steals
+every IDLE_LOOK_S: under one Redis command a second (0.60, 2026-12-06); a WAKE message ends its waits.
 """
 
 from __future__ import annotations
@@ -67,12 +63,10 @@ class IdlePace:
         self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
 
     def idle(self) -> bool:
-        d = self.dispatcher
-        now = time.monotonic()
-        if self.open_work or self.held.active() or d.running or d.unsent:
-            self.busy_at = now
+        if self.open_work or self.held.active() or self.dispatcher.running or self.dispatcher.unsent:
+            self.busy_at = time.monotonic()
             return False
-        return now - self.busy_at >= IDLE_AFTER_S
+        return time.monotonic() - self.busy_at >= IDLE_AFTER_S
 
     def beat_due(self) -> bool:
         """Asked every second by the heartbeat: beat now? Beats are spaced out only after one whose keys
@@ -89,13 +83,6 @@ class IdlePace:
         idle = self.idle()
         self.idle_keys = self.idle_keys and idle
         return IDLE_TTL_S if idle else busy_ttl
-
-    def workers_set_due(self) -> bool:
-        now = time.monotonic()
-        if now - self.workers_set_at < WORKERS_SET_EVERY_S:
-            return False
-        self.workers_set_at = now
-        return True
 
     def maintenance_every(self, busy_s: float) -> float:
         return IDLE_MAINTENANCE_S if self.idle() else busy_s
@@ -206,14 +193,13 @@ class Heartbeat:
         self._writing = asyncio.Lock()
         self._stopped = False
 
-    def _sample_gpu(self) -> None:
+    def _sample_gpu(self) -> None:  # a thread: NVML can block
         while not self._gpu_stop.is_set():
             self.gpu_sample = self.gpu.sample()
             self._gpu_stop.wait(GPU_EVERY_S)
 
     async def unreachable(self) -> Exception | None:
-        """Why Redis does not answer at the start (a wrong URL exits at once), or None; one refusing
-        writes (MISCONF refuses PING too) is waited for by first_beat."""
+        """Why Redis does not answer at the start, or None: one refusing writes (MISCONF) first_beat waits for."""
         try:
             await self.conn.ping()
         except (redis.RedisError, OSError) as exc:
@@ -230,12 +216,11 @@ class Heartbeat:
         while not self.stopping.requested:
             try:
                 await self.beat()
+                self._answered()
+                return
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
                 await asyncio.sleep(BEAT_S)
-                continue
-            self._answered()
-            return
 
     async def run(self) -> None:
         tick = time.monotonic()
@@ -342,10 +327,12 @@ class Heartbeat:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
         now, pace = time.time(), self.pace
+        if member := time.monotonic() - pace.workers_set_at >= WORKERS_SET_EVERY_S:
+            pace.workers_set_at = time.monotonic()
         async with self.conn.pipeline(transaction=False) as pipe:
             jobs = set(by_job) | set(queued) | self.held.jobs()
             fleet.stage_beat(pipe, status, self.instance, pace.ttl(LEASE_TIMEOUT_S), pace.ttl(STATUS_TTL_S),
-                             member=pace.workers_set_due(), gone=self._inflight_jobs - jobs,
+                             member=member, gone=self._inflight_jobs - jobs,
                              inflight=[InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                                 queued=queued.get(job, 0)) for job in jobs],
                              inflight_ttl=INFLIGHT_TTL_S)

@@ -1,8 +1,6 @@
-"""The worker's HTTP/1.1 client: keep-alive connections to one server, http:// or https://, parsed by
-llhttp (httptools). Not aiohttp: it costs 80-100 % more CPU a request (docs/performance.md).
-
-A request with no response byte on a reused connection never reached the server (idle keep-alive
-closed, llama.cpp's after each stream): it is sent once more on a new one; after a byte, never.
+"""The worker's HTTP/1.1 client (llhttp; aiohttp costs 80-100 % more CPU a request, docs/performance.md).
+A request with no response byte on a reused keep-alive connection never reached the server (llama.cpp closes
+after each stream): it is sent once more on a new one; after a byte, never.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ class NoResponse(ConnectionError):
 
 
 class _Conn(asyncio.Protocol):
-    """One connection; llhttp parses what comes and feeds the body to the sink."""
-
     transport: asyncio.Transport | None
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -36,8 +32,7 @@ class _Conn(asyncio.Protocol):
         self.stream: Sink | None = None  # where a 200 answer's body goes; others are kept in `body`
         self.sink: Sink | None = None
         self.body: list[bytes] = []
-        self.status = 0
-        self.closed = self.keep = False
+        self.status, self.closed, self.keep = 0, False, False
         self.got = False  # a byte of this answer came
         self.framed = False  # by Content-Length or chunked; else the body runs to the close
 
@@ -161,15 +156,13 @@ class Http1Pool:
         is cut short."""
         request = b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head + str(len(data)).encode() \
             + b"\r\n\r\n" + data
-        conn = None
-        while self.idle and conn is None:
-            if not (pooled := self.idle.pop()).closed:
-                conn = pooled
-        if conn is not None:
-            try:
-                return await self._send(conn, request, stream)
-            except NoResponse:
-                self.reconnects += 1
+        while self.idle:
+            if not (conn := self.idle.pop()).closed:
+                try:
+                    return await self._send(conn, request, stream)
+                except NoResponse:
+                    self.reconnects += 1
+                    break
         return await self._send(await self._connect(), request, stream)
 
     async def _send(self, conn: _Conn, request: bytes, stream: Sink | None) -> tuple[int, bytes]:

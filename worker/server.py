@@ -1,9 +1,6 @@
-"""One request's path to an inference server (SGLang, vLLM, llama.cpp, `genq sim`) and back as the record.
-
-Only the public API (docs/engines.md): /health, /v1/models, each engine's own endpoint, /metrics, and
-OpenAI's generation endpoints, streamed so the worker sees tokens as they come. One tolerant reader
-decodes every engine's answers and errors. A request for n samples comes back with n choices or is a
-failure, and a record keeps only what its request asked for (docs/fidelity.md).
+"""One request's path to an inference server and back as the record, through the public API only
+(docs/engines.md), streamed. One tolerant reader decodes every engine's answers and errors; n samples
+asked come back as n choices or a failure, and a record keeps only what was asked (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from genq.worker.http1 import Http1Pool
 # SGLang's /health runs a one-token generation and answers 503 itself after 20 s: giving up
 # sooner reads a busy server as down.
 HEALTH_TIMEOUT_S = 30.0
-STOP_FIELDS = ("stop", "stop_token_ids")  # Result.matched_stop is kept only when one was set
 # The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
 # decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
 UNSENT_MAX = 4
@@ -34,7 +30,7 @@ _json_encode = msgspec.json.Encoder().encode
 
 
 class ServerUnavailable(Exception):
-    """The server is not answering (refused, reset, 503 from /health)."""
+    """Refused, reset, 503 from /health."""
 
 
 @dataclass
@@ -67,9 +63,7 @@ class Failure:
 
 @dataclass
 class Completion:
-    """A whole answer: every choice in index order."""
-
-    choices: list[Choice]
+    choices: list[Choice]  # in index order
     usage: Usage
     model: str
     response_id: str | None
@@ -114,8 +108,7 @@ class ServerClient:
         except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
             raise ServerUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from None
 
-    async def _get_json(self, path: str) -> Any:
-        """The JSON answer of a GET, or None if the server has no such endpoint."""
+    async def _get_json(self, path: str) -> Any:  # None: no such endpoint
         status, body = await self._get(path)
         with contextlib.suppress(msgspec.DecodeError):
             return _json_decode(body) if status == 200 else None
@@ -127,7 +120,7 @@ class ServerClient:
         return False
 
     async def discover(self) -> ServerInfo:
-        """Which server it is and what it tells. Raises ServerUnavailable if it is not up."""
+        """Which server it is and what it tells; ServerUnavailable if it is not up."""
         status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
@@ -146,10 +139,7 @@ class ServerClient:
     async def metrics(self) -> Metrics | None:
         with contextlib.suppress(ServerUnavailable):
             status, body = await self._get("/metrics", timeout=3.0)
-            if status == 200:
-                m = metrics_from_text(body.decode("utf-8", "replace"))
-                m.at = time.monotonic()
-                return m
+            return metrics_from_text(body.decode("utf-8", "replace")) if status == 200 else None
         return None
 
     async def generate(self, endpoint: str, body: dict[str, Any], progress: Progress) -> Completion | Failure:
@@ -170,11 +160,7 @@ class ServerClient:
         return parse_completion_bytes(raw, model)
 
 
-# Typed views: decoding straight into these is several times cheaper than into dicts, which matters
-# at thousands of stream events a second.
-
-
-class WireUsage(msgspec.Struct):
+class WireUsage(msgspec.Struct):  # typed views decode several times faster than dicts
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reasoning_tokens: int | None = None
@@ -251,12 +237,9 @@ def decode_answer(raw: bytes) -> _WireAnswer | Failure:
 
 def http_failure(status: int, raw: bytes) -> Failure:
     """A non-200 answer: judged by its HTTP status, told by its error's message."""
-    answer = decode_answer(raw)
-    error = answer.error if isinstance(answer, _WireAnswer) else None
-    if isinstance(error, dict) and error.get("message"):
-        return event_failure({"message": error["message"], "code": status})
-    return event_failure({"code": status, "message": error if isinstance(error, str) else
-                          raw[:500].decode("utf-8", "replace") or "(empty body)"})
+    error = answer.error if isinstance(answer := decode_answer(raw), _WireAnswer) else None
+    message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+    return event_failure({"code": status, "message": message or raw[:500].decode("utf-8", "replace") or "(empty body)"})
 
 
 def event_failure(err: Any, mid_stream: bool = False) -> Failure:
@@ -280,8 +263,7 @@ def usage_of(raw: WireUsage | None) -> Usage:
                  reasoning_tokens=reasoning if isinstance(reasoning, int) and reasoning else None)
 
 
-def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
-    """A non-streamed answer."""
+def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:  # a non-streamed answer
     answer = decode_answer(raw)
     if isinstance(answer, Failure):
         return answer
@@ -302,13 +284,11 @@ def parse_completion_bytes(raw: bytes, model: str) -> Completion | Failure:
     return Completion(choices=choices, usage=usage, model=answer.model or model, response_id=answer.id)
 
 
-# A stream: n > 1 samples come interleaved, one choice per chunk with its `index` (docs/fidelity.md).
-# With continuous usage stats a chunk's usage counts its own choice's tokens; the last chunk (no
-# choices) has the request's total.
-
-
 @dataclass(slots=True)
 class _ChoiceState:
+    """One choice of a stream: n > 1 come interleaved by `index`, a chunk's usage counting its own
+    choice's tokens; the last chunk (no choices) has the request's total (docs/fidelity.md)."""
+
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -356,23 +336,21 @@ class _ChoiceState:
                       tool_calls=[self.tool_calls[i] for i in sorted(self.tool_calls)] or None)
 
 
+@dataclass(slots=True)
 class StreamSink:
     """A stream's body as it comes, in pieces of any size: split into `data:` events, each fed to the
     answer so far. Called with each piece; True once a failure ends the reading."""
 
-    __slots__ = ("progress", "rest", "failure", "choices", "usage", "total_seen", "response_id", "model", "done",
-                 "events")
-
-    def __init__(self, model: str, progress: Progress) -> None:
-        self.progress, self.model = progress, model
-        self.rest = b""  # the unfinished last line
-        self.failure: Failure | None = None
-        self.choices: dict[int, _ChoiceState] = {}
-        self.usage: WireUsage | None = None
-        self.total_seen = False  # usage came on a chunk without choices: the request's total
-        self.response_id: str | None = None
-        self.done = False
-        self.events = 0
+    model: str
+    progress: Progress
+    rest: bytes = b""  # the unfinished last line
+    failure: Failure | None = None
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    usage: WireUsage | None = None
+    total_seen: bool = False  # usage came on a chunk without choices: the request's total
+    response_id: str | None = None
+    done: bool = False
+    events: int = 0
 
     def __call__(self, chunk: bytes) -> bool:
         progress = self.progress
@@ -392,13 +370,10 @@ class StreamSink:
                     break
         return False
 
-    def outcome(self) -> Completion | Failure:
-        """Once the body has ended (or a failure stopped the reading)."""
+    def outcome(self) -> Completion | Failure:  # once the body has ended or a failure stopped the reading
         if self.failure is None and not self.done and self.rest.startswith(b"data:"):
             self.failure = self.feed(self.rest[5:].strip())
-        if self.failure is not None:
-            return self.failure
-        return self.completion() if self.done else Failure("connection", "stream ended before [DONE]")
+        return self.failure or (self.completion() if self.done else Failure("connection", "stream ended before [DONE]"))
 
     def feed(self, payload: bytes) -> Failure | None:
         progress = self.progress
@@ -458,7 +433,7 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
     if indexes != list(range(n)):
         return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
                        f"indexes {indexes}", retryable=False)
-    asked_stop = any(body.get(name) for name in STOP_FIELDS)
+    asked_stop = body.get("stop") or body.get("stop_token_ids")  # else no Result.matched_stop
     # Chat asks with true; completions with a count of alternatives, 0 included.
     asked_logprobs = body.get("logprobs") is not None and body.get("logprobs") is not False
     for choice in c.choices:

@@ -1,5 +1,5 @@
 """The `genq` command: one click group, lazily loaded subcommands, and what they share. A Redis refusal,
-an operator's mistake (genq.ops.control.Refused and the like) and Ctrl-C become one line and the README's exit status."""
+an operator's mistake (genq.ops.control.Refused and the like) and Ctrl-C: one line and the README's exit status."""
 
 from __future__ import annotations
 
@@ -28,16 +28,6 @@ COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim
             "recover": "recover"}  # name -> genq.cli module[:attribute]
 
 
-def _mistake(exc: Exception) -> bool:
-    """What the operator can fix: one line, exit 1 (imported only when something failed)."""
-    from genq.monitor.progress import JobNotFound
-    from genq.ops.control import Refused
-    from genq.producer.sources import SourceError
-    from genq.worker.fleet import FleetError
-
-    return isinstance(exc, (Refused, SourceError, FleetError, JobNotFound))
-
-
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -56,8 +46,15 @@ class LazyGroup(click.Group):
             sys.exit(EXIT_INTERRUPTED)
         except redis.RedisError as exc:  # unreachable, full, no such database, not Redis: the URL masked
             raise click.ClickException(describe_error(redis_url(ctx), exc)) from None
-        except Exception as exc:
-            if not isinstance(exc, click.ClickException | click.exceptions.Exit | click.Abort) and _mistake(exc):
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:  # what the operator can fix: one line, exit 1 (imported only when something failed)
+            from genq.monitor.progress import JobNotFound
+            from genq.ops.control import Refused
+            from genq.producer.sources import SourceError
+            from genq.worker.fleet import FleetError
+
+            if isinstance(exc, (Refused, SourceError, FleetError, JobNotFound)):
                 raise click.ClickException(str(exc)) from None
             raise
 
@@ -87,13 +84,8 @@ def _with_redis_option(command: click.Command) -> click.Command:
     return command
 
 
-def redis_given(ctx: click.Context) -> str | None:
-    """The URL of --redis or GENQ_REDIS_URL, None for the default."""
-    return ctx.find_root().obj
-
-
 def redis_url(ctx: click.Context) -> str:
-    return redis_given(ctx) or resolve_url(None)
+    return ctx.find_root().obj or resolve_url(None)  # obj: the URL of --redis or GENQ_REDIS_URL
 
 
 def redis_conn(ctx: click.Context | None = None) -> redis.Redis:
@@ -173,8 +165,7 @@ def console() -> Console:
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[str]], *, right: Collection[str] = (),
           ruled: bool = True) -> Table:
-    """Every table the CLI prints: one line per row, numbers right-aligned; not `ruled`, bare columns
-    that grep and awk split on blanks."""
+    """Every table the CLI prints, one line a row; not `ruled`: bare columns that grep and awk split on blanks."""
     shown = Table(show_edge=False, header_style="bold", box=box.HEAVY_HEAD if ruled else None, pad_edge=ruled)
     for col in columns:
         shown.add_column(col, justify="right" if col in right else "left", no_wrap=True)

@@ -74,8 +74,7 @@ def _table(cells: list[dict[str, str]], shown: list[str]):
 
 
 def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[str]]) -> None:
-    """`genq workers` as a person reads it on `out`: the columns that fit its width, the count by
-    state, the decode-bound lines, each lost worker by name, the columns left out."""
+    """`genq workers` for a person: the columns that fit `out`, counts by state, decode-bound lines, lost workers."""
     statuses = {r.name: r.status for r in rows if r.status is not None}
     judged = decodebound.judge(statuses)
     cells = [_cells(r, serves.get(r.name), judged.get(r.name)) for r in rows]

@@ -1,13 +1,11 @@
-"""`genq demo`: the whole path on one machine, with simulated GPUs.
-
-One `genq sim` and one `genq worker` per simulated GPU, synthetic prompts enqueued, the monitor's
-live view until the queue is empty, then a summary and where the results are. Children run as
-`python -P` (genq.PYTHON): the folder they start in never shadows the installed genq.
-"""
+"""`genq demo`: the whole path on one machine: a `genq sim` and a `genq worker` per simulated GPU, synthetic
+prompts, the monitor's live view until the queue is empty, then a summary. Children run as `python -P`
+(genq.PYTHON): the folder they start in never shadows the installed genq."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -24,7 +22,6 @@ import redis
 from rich.console import Console
 
 from genq import PYTHON
-from genq.cli import redis_given
 from genq.core.ledger import letters
 from genq.core.redisconn import LocalRedis, connect, free_port, mask_url
 from genq.core.words import plural
@@ -37,28 +34,31 @@ TASKS = ["Explain {t} to a new student.", "Write three exam questions about {t}.
          "What are common misconceptions about {t}?"]
 
 
+opt = functools.partial(click.option, show_default=True)
+
+
 @click.command()
-@click.option("--num-gpus", "gpus", type=click.IntRange(1, 16), default=4,
-              show_default=True, help="Simulated GPUs: one sim server and one worker each.")
-@click.option("--prompts", "n_prompts", type=click.IntRange(1), default=3000, show_default=True,
-              help="Synthetic prompts to generate.")
-@click.option("--output", type=click.Path(file_okay=False), default="demo-out", show_default=True,
-              help="Where prompts, shards and logs go.")
-@click.option("--max-running-requests", type=click.IntRange(1), default=37, show_default=True,
-              help="Each simulated server's capacity.")
-@click.option("--mean-output-tokens", type=click.FloatRange(1), default=600, show_default=True,
-              help="Mean of the heavy-tailed (lognormal) output lengths.")
-@click.option("--speed", type=click.FloatRange(0.1), default=1.0, show_default=True,
-              help="Time compression: higher finishes sooner.")
+@opt("--num-gpus", "gpus", type=click.IntRange(1, 16), default=4, help="Simulated GPUs, a sim and a worker each.")
+@opt("--prompts", "n_prompts", type=click.IntRange(1), default=3000, help="Synthetic prompts to generate.")
+@opt("--output", type=click.Path(file_okay=False), default="demo-out", help="Where prompts, shards and logs go.")
+@opt("--max-running-requests", "capacity", type=click.IntRange(1), default=37, help="Each simulated server's capacity.")
+@opt("--mean-output-tokens", "mean_tokens", type=click.FloatRange(1), default=600,
+     help="Mean of the heavy-tailed (lognormal) output lengths.")
+@opt("--speed", type=click.FloatRange(0.1), default=1.0, help="Time compression: higher finishes sooner.")
 @click.option("--keep", is_flag=True, help="With --redis: keep the demo's job in that Redis afterwards.")
 @click.pass_context
-def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running_requests: int,
-         mean_output_tokens: float, speed: float, keep: bool) -> None:
+def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, capacity: int, mean_tokens: float, speed: float,
+         keep: bool) -> None:
     """Run genq end to end here, with simulated GPUs. Its Redis: a private one, or --redis URL (README)."""
-    given = redis_given(ctx)
+    from rich.live import Live
+
+    from genq.monitor.progress import Monitor
+    from genq.monitor.view import render
+
+    given = ctx.find_root().obj  # --redis or GENQ_REDIS_URL; None: the demo's own Redis
     if keep and given is None:
         raise click.UsageError("--keep needs --redis URL (the demo's own Redis is stopped at the end)")
-    out = Path(output).resolve()
+    out, console = Path(output).resolve(), Console()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:  # the children stop before a private Redis: none sees it vanish
         url = given
@@ -73,8 +73,47 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, max_running
         conn.ping()
         children: list[subprocess.Popen] = []
         stack.callback(_stop, children)
-        job = _run(url, conn, out, children, gpus, n_prompts, max_running_requests, mean_output_tokens, speed,
-                   private=given is None, keep=keep)
+        genq = [*PYTHON, "-m", "genq", "--redis", url]
+        job = time.strftime("demo-%Y%m%d-%H%M%S")
+        rng = random.Random(7)
+        with open(out / "prompts.jsonl", "w") as f:
+            for i in range(n_prompts):
+                topic = rng.choice(TOPICS)
+                f.write(json.dumps({"id": f"demo-{i:06d}", "topic": topic, "messages": [
+                    {"role": "user", "content": rng.choice(TASKS).format(t=topic)}]}) + "\n")
+        where = mask_url(url) if given is not None else f"a private redis-server at {url}, stopped at the end"
+        console.print(f"[bold]genq demo[/]: {n_prompts:,} prompts, {gpus} simulated GPUs "
+                      f"(max_running_requests {capacity} each), Redis {where}")
+        sims = [f"http://127.0.0.1:{free_port()}" for _ in range(gpus)]
+        for gpu, sim in enumerate(sims):
+            _start(children, out / "logs", f"sim-gpu{gpu}", [
+                *PYTHON, "-m", "genq", "sim", "--port", sim.rsplit(":", 1)[1], "--max-running-requests", str(capacity),
+                "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
+                "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
+                "--tokens-per-step", "16"])
+        for sim in sims:
+            _wait_http(sim + "/health")
+        enqueue = subprocess.run([*genq, "enqueue", str(out / "prompts.jsonl"), "--job", job, "--batch-size", "128",
+                                  "--max-tokens", str(int(mean_tokens * 8)), "--output", str(out),
+                                  "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}'],
+                                 capture_output=True, text=True)
+        console.print(enqueue.stdout.rstrip())
+        if enqueue.returncode != 0:
+            raise click.ClickException(f"enqueue failed:\n{enqueue.stderr}")
+        started = time.monotonic()
+        workers = [_start(children, out / "logs", f"worker-gpu{gpu}",
+                          [*genq, "worker", "--server", sim, "--burst", "--name", f"demo.gpu{gpu}"])
+                   for gpu, sim in enumerate(sims)]
+        mon = Monitor(conn, job)
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            while any(w.poll() is None for w in workers):
+                live.update(render(mon.refresh(), mask_url(url), 0.5))
+                time.sleep(0.5)
+            live.update(render(mon.refresh(), mask_url(url), 0.5))
+        makespan = time.monotonic() - started
+        if failed := [i for i, w in enumerate(workers) if w.returncode != 0]:
+            raise click.ClickException(f"worker(s) {failed} failed; see {out / 'logs'}")
+        _summary(console, conn, out, job, sims, makespan, n_prompts, hints=keep)
         if given is not None and not keep:
             control.delete_job(conn, control.find_job(conn, job))
             click.echo(f"removed the demo's job {job} from {mask_url(url)} (--keep keeps it)")
@@ -97,58 +136,6 @@ def _stop(children: list[subprocess.Popen]) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=15)
         proc.kill()
-
-
-def _run(url: str, conn: redis.Redis, out: Path, children: list[subprocess.Popen], gpus: int, n_prompts: int,
-         capacity: int, mean_tokens: float, speed: float, *, private: bool, keep: bool) -> str:
-    from rich.live import Live
-
-    from genq.monitor.progress import Monitor
-    from genq.monitor.view import render
-
-    console = Console()
-    genq = [*PYTHON, "-m", "genq", "--redis", url]
-    job = time.strftime("demo-%Y%m%d-%H%M%S")
-    rng = random.Random(7)
-    with open(out / "prompts.jsonl", "w") as f:
-        for i in range(n_prompts):
-            topic = rng.choice(TOPICS)
-            f.write(json.dumps({"id": f"demo-{i:06d}", "topic": topic, "messages": [
-                {"role": "user", "content": rng.choice(TASKS).format(t=topic)}]}) + "\n")
-    where = f"a private redis-server at {url}, stopped at the end" if private else mask_url(url)
-    console.print(f"[bold]genq demo[/]: {n_prompts:,} prompts, {gpus} simulated GPUs "
-                  f"(max_running_requests {capacity} each), Redis {where}")
-    sims = [f"http://127.0.0.1:{free_port()}" for _ in range(gpus)]
-    for gpu, sim in enumerate(sims):
-        _start(children, out / "logs", f"sim-gpu{gpu}", [
-            *PYTHON, "-m", "genq", "sim", "--port", sim.rsplit(":", 1)[1], "--max-running-requests", str(capacity),
-            "--mean-output-tokens", str(mean_tokens), "--output-sigma", "1.0",
-            "--step-ms-base", f"{20 / speed:.3f}", "--step-ms-per-req", f"{0.05 / speed:.4f}",
-            "--tokens-per-step", "16"])
-    for sim in sims:
-        _wait_http(sim + "/health")
-    enqueue = subprocess.run([*genq, "enqueue", str(out / "prompts.jsonl"), "--job", job, "--batch-size", "128",
-                              "--max-tokens", str(int(mean_tokens * 8)), "--output", str(out),
-                              "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}'],
-                             capture_output=True, text=True)
-    console.print(enqueue.stdout.rstrip())
-    if enqueue.returncode != 0:
-        raise click.ClickException(f"enqueue failed:\n{enqueue.stderr}")
-    started = time.monotonic()
-    workers = [_start(children, out / "logs", f"worker-gpu{gpu}",
-                      [*genq, "worker", "--server", sim, "--burst", "--name", f"demo.gpu{gpu}"])
-               for gpu, sim in enumerate(sims)]
-    mon = Monitor(conn, job)
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
-        while any(w.poll() is None for w in workers):
-            live.update(render(mon.refresh(), mask_url(url), 0.5))
-            time.sleep(0.5)
-        live.update(render(mon.refresh(), mask_url(url), 0.5))
-    makespan = time.monotonic() - started
-    if failed := [i for i, w in enumerate(workers) if w.returncode != 0]:
-        raise click.ClickException(f"worker(s) {failed} failed; see {out / 'logs'}")
-    _summary(console, conn, out, job, sims, makespan, n_prompts, hints=keep)
-    return job
 
 
 def _wait_http(url: str, timeout: float = 20) -> None:

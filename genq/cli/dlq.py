@@ -36,8 +36,7 @@ def _scope(job: str | None) -> str:
     return f"job {job}" if job else "any job"
 
 
-def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:
-    """The --json shape: `at` as ISO 8601 UTC, `at_epoch` in seconds."""
+def _to_json(entry: core.Entry, *, full: bool = False) -> dict[str, Any]:  # `at`: ISO 8601 UTC; `at_epoch`: seconds
     batch = (["rq_job", "prompts"] + (["traceback"] if full else [])) if entry.is_batch else []
     out = {k: getattr(entry, k) for k in ("id", "job", "batch", "attempts", "kind", "status", "message", "worker")}
     out |= {"at": iso(entry.at), "at_epoch": entry.at} | {k: getattr(entry, k) for k in batch}
@@ -101,14 +100,14 @@ def show(entry_id: str, job: str | None, as_json: bool) -> None:
 
 
 def _chosen(conn: Any, verb: str, job: str | None, ids: tuple[str, ...] = ()) -> list[core.Entry]:
-    """The entries with these ids, or (none given) all of the job's or all jobs': said when there are none."""
+    """The entries with these ids, or (none given) all of the job's or all jobs'; none said."""
     if not (chosen := core.find(conn, ids, job) if ids else core.entries(conn, job)):
         click.echo(f"nothing to {verb}: the dead-letter queue is empty ({_scope(job)})")
     return chosen
 
 
 def _said(verb: str, done: list[str], left_verb: str, left: list[tuple[str, str]]) -> None:
-    """What was done, and each entry left as it was with why: then exit 3 (partly done)."""
+    """What was done, and each entry left as it was with why (then exit 3, partly done)."""
     click.echo("\n".join(done) or f"nothing was {verb}")
     for entry_id, why in left:
         click.echo(f"{left_verb} {entry_id}: {why}", err=True)

@@ -33,23 +33,36 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 
 @click.command(short_help="Queue a JSONL or Parquet file's prompts as a job's batches.")
 @click.argument("input_uri", metavar="INPUT")
-@click.option("--job", type=JobName(), required=True, help="Job name (letters, digits, . _ -). Re-using a name adds to that job (a finished one only with --add).")
+@click.option("--job", type=JobName(), required=True,
+              help="Job name (letters, digits, . _ -). An existing job's name adds to it (a finished one with --add).")
 @click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
-@click.option("--batch-size", type=click.IntRange(1, 100_000), default=None, help="Prompts per batch (one RQ job each). [default: 256]")
-@click.option("--max-tokens", type=click.IntRange(1), default=None, help="max_tokens sent with every request (always sent: SGLang otherwise runs to the context limit). [default: 4096]")
-@click.option("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature, >= 0 (server default if unset).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling top_p, in (0, 1] (server default if unset).")
-@click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None, help="/v1/chat/completions or /v1/completions. [default: chat]")
-@click.option("--model", default=None, help='Model name to send; "auto" takes the first id from the server\'s /v1/models. [default: auto]')
-@click.option("--extra-body", default=None, metavar="JSON", help='Extra request fields (a JSON object of known OpenAI/SGLang/vLLM request fields, checked here), e.g. \'{"chat_template_kwargs": {"enable_thinking": true}}\'.')
-@click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Attempts per prompt before it goes to the dead-letter queue. [default: 5]")
-@click.option("--compression", type=click.Choice(["none", "gzip"]), default=None, help="Shard compression. [default: none]")
-@click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for s3:// input and output (MinIO...); AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL also work.")
-@click.option("--messages-column", default=None, metavar="COL", help="Parquet input: the column holding the messages (list of {role, content}, or a JSON string). [default: 'messages']")
-@click.option("--prompt-column", default=None, metavar="COL", help="Parquet input: the column holding a plain prompt string (for --endpoint completions). [default: 'prompt']")
-@click.option("--id-column", default=None, metavar="COL", help="Parquet input: the column holding the row id. [default: 'id' if present, else a content hash]")
-@click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False), help="Where rejected lines are written. [default: OUTPUT/JOB/rejects/NAME.rejects.jsonl for input NAME.jsonl; "
-              "./genq-rejects/JOB/NAME.rejects.jsonl for s3:// output]")
+@click.option("--batch-size", type=click.IntRange(1, 100_000), default=None,
+              help="Prompts per batch (one RQ job each). [default: 256]")
+@click.option("--max-tokens", type=click.IntRange(1), default=None,
+              help="Sent with every request (always: SGLang otherwise runs to the context limit). [default: 4096]")
+@click.option("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature (server's if unset).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Nucleus sampling top_p, in (0, 1] (server's if unset).")
+@click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None,
+              help="/v1/chat/completions or /v1/completions. [default: chat]")
+@click.option("--model", default=None, help="Model name to send; auto: the server's first. [default: auto]")
+@click.option("--extra-body", default=None, metavar="JSON", help="Extra request fields (known OpenAI/SGLang/vLLM ones, "
+              """checked here), e.g. '{"chat_template_kwargs": {"enable_thinking": true}}'.""")
+@click.option("--max-attempts", type=click.IntRange(1, 100), default=None,
+              help="Attempts per prompt before its dead letter. [default: 5]")
+@click.option("--compression", type=click.Choice(["none", "gzip"]), default=None,
+              help="Shard compression. [default: none]")
+@click.option("--s3-endpoint-url", default=None,
+              help="S3-compatible endpoint for s3:// input and output (or AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL).")
+@click.option("--messages-column", default=None, metavar="COL",
+              help="Parquet: the messages (a list of {role, content}, or its JSON). [default: 'messages']")
+@click.option("--prompt-column", default=None, metavar="COL",
+              help="Parquet: a plain prompt (for --endpoint completions). [default: 'prompt']")
+@click.option("--id-column", default=None, metavar="COL",
+              help="Parquet: the row id. [default: 'id' if present, else a content hash]")
+@click.option("--rejects", "rejects_path", default=None, type=click.Path(dir_okay=False),
+              help="Where rejected lines go. [default: OUTPUT/JOB/rejects/NAME.rejects.jsonl for input "
+              "NAME.jsonl; ./genq-rejects/JOB/NAME.rejects.jsonl for s3:// output]")
 @click.option("--input-by-reference/--input-inline", "by_reference", default=None,
               help="By reference: Redis holds each batch's line range of INPUT (uncompressed JSONL), which workers "
                    "read themselves (a local path at the same absolute path). Inline: the prompts go into Redis, "
@@ -62,8 +75,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.option("--add", "add_to_finished", is_flag=True,
               help="Add INPUT's new prompts to JOB though it is finished (done or partial): it runs again into the "
                    "same output. Without it they are refused unless INPUT is one of the job's own inputs.")
-@click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it would "
-              "queue; write nothing (no job, no batch, no rejects file). Same exit status.")
+@click.option("--dry-run", is_flag=True, help="Check INPUT and the settings as a real enqueue does and say what it "
+              "would queue; write nothing (no job, no batch, no rejects file). Same exit status.")
 @click.pass_context
 def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | None, messages_column: str | None,
             prompt_column: str | None, id_column: str | None, by_reference: bool | None, dry_run: bool,
@@ -146,8 +159,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
 
 
 def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
-    """After Redis failed part way (full, most often) or Ctrl-C: what the job holds, and how to go on.
-    Batches are queued whole, each prompt once: the same command skips them."""
+    """After Redis failed part way (full, most often) or Ctrl-C: what the job holds, and how to go on."""
     try:
         held = counts(connect(url), job).total
     except redis.RedisError:  # away: nothing known to say
@@ -170,14 +182,13 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     """The job's config and whether it is new (stored only with the first batch queued)."""
     if (stored := load_config(conn, job)) is None:
         given.setdefault("output", os.path.abspath("out"))
-        return JobConfig(name=job, created_at=time.time(), incarnation=new_incarnation(), **given), True  # type: ignore[arg-type]
+        given |= {"name": job, "created_at": time.time(), "incarnation": new_incarnation()}
+        return JobConfig(**given), True  # type: ignore[arg-type]
     if differing := [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
                      for k in given if getattr(stored, k) != given[k]]:
-        raise ValueError(
-            f"job {job!r} already exists with other settings: " + "; ".join(differing)
-            + f". Leave those options out to add to it, change the job's generation settings with "
-            f"`genq jobs set {job} ...` (docs/settings.md), or use a new --job name."
-        )
+        raise ValueError(f"job {job!r} already exists with other settings: {'; '.join(differing)}. Leave those "
+                         f"options out to add to it, change the job's generation settings with `genq jobs set {job} "
+                         "...` (docs/settings.md), or use a new --job name.")
     return stored, False
 
 
@@ -194,8 +205,7 @@ def reference_uri(input_uri: str, by_reference: bool | None) -> str | None:
 
 
 def _finished(conn: redis.Redis, job: str, config: JobConfig, input_uri: str) -> str | None:
-    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT is not one of
-    its own inputs (its own input again is the same command again: it queues what the job lacks)."""
+    """Why new prompts from INPUT are refused without --add: the job is finished and INPUT not one of its inputs."""
     row = job_rows(conn, [job])[0]
     if row.state not in FINISHED_STATUSES:
         return None
@@ -226,11 +236,10 @@ def _progress(started: float, meter: Meter) -> Callable[[EnqueueSummary], None] 
 
 def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str, summary: EnqueueSummary,
              rejects: RejectsFile, closed: str | None) -> int:
-    """`--dry-run` says what the real enqueue would do and returns its exit status; `closed` is said as
-    the reason it would be refused."""
+    """`--dry-run` says what the real enqueue would do (refused: `closed` says why); its exit status."""
     _show_reasons(rejects, None)
-    click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(summary.enqueued, 'prompt')} "
-               f"would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} "
+    click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(summary.enqueued, 'prompt')}"
+               f" would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} "
                f"from {input_uri}"
                + (f"; {plural(summary.skipped_existing, 'prompt')} already queued or done would be skipped"
                   if summary.skipped_existing else "")
@@ -274,10 +283,8 @@ def _nothing_valid(summary: EnqueueSummary, rejects: RejectsFile, input_uri: str
             what = "it is empty" if os.path.getsize(input_uri) == 0 else "it holds only blank lines (whitespace)"
         raise click.ClickException(f"{input_uri} has no prompts ({what}): nothing queued, no job created")
     _show_reasons(rejects, None, limit=5)  # often a binary or a non-JSONL file: a few say enough
-    raise click.ClickException(
-        f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing queued, "
-        "no job created. Input is JSONL, one object a line (see `genq enqueue --help`)."
-    )
+    raise click.ClickException(f"no valid line in {input_uri} ({summary.rejected:,} rejected, reasons above): nothing "
+                               "queued, no job created. Input is JSONL, one object a line (see `genq enqueue --help`).")
 
 
 def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:

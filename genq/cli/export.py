@@ -1,17 +1,12 @@
-"""`genq export`: merge a job's finished shards (local or S3) into one JSONL, Parquet or OpenAI Batch file.
-
-Only shards named by manifest markers are read (one without may be half written), each checked against
-its marker (bytes, records) first. Each shard is read once (S3 and .gz ones spooled uncompressed beside
-the destination), keeping only each record's id, input index and place. Shards go in the order of their
-last outcome and a repeated id is dropped, so a prompt's first result wins; the rest is sorted and copied.
-OpenAI Batch lines are as vLLM's run_batch writes them: a success gets a chat.completion (or
-text_completion) body rebuilt from its Result; a dead letter goes to the errors file with the server's
-HTTP status when it answered, else response null and error {"code", "message"} (a timeout, a reset).
+"""`genq export`: a job's finished shards (those its manifest markers name, each checked against its
+marker) merged into one JSONL, Parquet or OpenAI Batch file (as vLLM's run_batch writes it); a
+repeated id is dropped, so a prompt's first result wins. Each shard is read once, spooled beside the destination.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
 import tempfile
 import zlib
@@ -28,7 +23,6 @@ import redis
 from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn, redis_url
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
-from genq.core.ledger.jobs import JobCounts
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import Choice, DeadLetter, Prompt, Result, ShardInfo
 from genq.core.redisconn import mask_url
@@ -37,7 +31,6 @@ from genq.ops.dlq import failed_batches
 from genq.output.truth import MANIFEST_DIR, SHARDS_DIR, LocalStore, Store, batch_of_marker, open_store, write_atomic
 from genq.producer.sources import read_prompts
 
-ORDERS = ("input", "batch")
 DOWNLOAD_THREADS = 8
 OPEN_FILES = 64  # spooled shards kept open while the records are copied out
 PARQUET_ROWS_PER_GROUP = 5000
@@ -47,12 +40,10 @@ _result_decoder = msgspec.json.Decoder(Result)
 
 
 class ExportError(click.ClickException):
-    """Something the operator must look at (a shard that disagrees with its marker...): one line, exit 1."""
+    """A shard that disagrees with its marker, a missing manifest...: one line, exit 1."""
 
 
-class _Key(msgspec.Struct):
-    """What the first pass decodes of each record: the rest is skipped unparsed."""
-
+class _Key(msgspec.Struct):  # what the first pass decodes of each record: the rest is skipped unparsed
     id: str
     index: int
 
@@ -67,7 +58,7 @@ _key_decoder = msgspec.json.Decoder(_Key)
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "openai-batch"]), default=None,
               help="jsonl (Result lines, as in the shards), parquet, or openai-batch (OpenAI Batch "
                    "output lines; dead letters go to an errors file). [default: from --to's suffix, else jsonl]")
-@click.option("--order", type=click.Choice(ORDERS), default="input", show_default=True,
+@click.option("--order", type=click.Choice(["input", "batch"]), default="input", show_default=True,
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
 @click.option("--errors", "errors_path", default=None, metavar="FILE",
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
@@ -82,11 +73,9 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
            source: str | None, source_named_from: str | None, s3_endpoint_url: str | None) -> None:
     """Merge JOB's finished shards into one JSONL, Parquet or OpenAI Batch file.
 
-    Only shards named by the manifest (JOB/manifest/*.json) are read, each checked
-    against its marker; records are deduplicated by id and, with --order input,
-    sorted by their line in the input. Prints what it wrote. Exit status 3
-    (partly done) when the job has batches whose shards are not written yet:
-    the file holds what is finished so far; run it again once the job is done.
+    Only shards named by the manifest (JOB/manifest/*.json) are read, each checked against its
+    marker; records are deduplicated by id and, with --order input, sorted by their line in the
+    input. Exit status 3 (partly done) when some batches' shards are not written yet.
 
     \b
     Examples:
@@ -106,26 +95,26 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
         dest = dest.rstrip("/") + "/" + job + FORMATS[fmt][1]
     batch_api = fmt == "openai-batch"
     try:
-        records, errors = run_export(output=output, job=job, dest=dest, fmt=fmt, order=order,
-                                     letters=_letters(conn, job) if batch_api else [], errors_path=errors_path,
-                                     endpoint_url=endpoint,
-                                     incarnation=config.incarnation if config and not source else None)
+        records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job) if batch_api else [],
+                                     errors_path, endpoint, config.incarnation if config and not source else None)
     except Exception as exc:
         if type(exc).__module__.startswith(("botocore", "boto3")):
             from genq.output import s3
 
             raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
         raise
-    status: JobCounts | None = ledger_jobs.counts(conn, job) if config is not None else None
-    if status is not None and status.done < status.batches_total:
+    if config is None:
+        return
+    status = ledger_jobs.counts(conn, job)
+    if partly := status.done < status.batches_total:
         click.echo(f"  note: job has {plural(status.batches_total, 'batch', 'batches')}, {status.done:,} with shards "
                    f"written: the rest are not in this export yet (exit {EXIT_PARTLY_DONE}: partly done)", err=True)
-    if status is not None and status.dead and not batch_api:
+    if status.dead and not batch_api:
         click.echo(f"  note: {status.dead:,} prompts are in the dead-letter queue, not in this export "
                    "(see `genq dlq`)", err=True)
-    if status is not None and batch_api and (missing := status.total - records - errors) > 0:
+    if batch_api and (missing := status.total - records - errors) > 0:
         click.echo(f"  note: {missing:,} of {status.total:,} prompts are in neither file (not finished yet)", err=True)
-    if status is not None and status.done < status.batches_total:
+    if partly:
         sys.exit(EXIT_PARTLY_DONE)
 
 
@@ -149,12 +138,10 @@ def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     return letters
 
 
-def run_export(*, output: str, job: str, dest: str, fmt: str = "jsonl", order: str = "input",
-               letters: list[DeadLetter] | None = None, errors_path: str | None = None,
-               endpoint_url: str | None = None, incarnation: str | None = None) -> tuple[int, int]:
-    """Merge the job's shards under `output` into `dest`, saying what it wrote; with `incarnation`, only
-    that life's (and those of a genq that wrote none). `letters` go to the errors file of openai-batch.
-    Returns the records and error lines written."""
+def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: list[DeadLetter],
+               errors_path: str | None, endpoint_url: str | None, incarnation: str | None) -> tuple[int, int]:
+    """Merge the job's shards (with `incarnation`, that life's and those of a genq that wrote none) into
+    `dest`, `letters` into openai-batch's errors file, saying so; the records and error lines written."""
     store = open_store(output, endpoint_url)
     shards = _shards(store, job, incarnation)
     spool_parent = None if dest.startswith("s3://") else Path(dest).resolve().parent
@@ -180,17 +167,17 @@ def run_export(*, output: str, job: str, dest: str, fmt: str = "jsonl", order: s
         click.echo(f"  dropped {duplicates:,} duplicate records (same id in more than one shard; first kept)")
     if fmt != "openai-batch":
         return records, 0
-    chosen = [d for d in letters or [] if d.id not in kept]
 
-    def index(d: DeadLetter) -> int:
-        return d.prompt.index if d.prompt else -1
+    def key(d: DeadLetter) -> tuple[Any, ...]:
+        index = d.prompt.index if d.prompt else -1
+        return (index, d.batch, d.id) if order == "input" else (d.batch, index, d.id)
 
-    chosen.sort(key=lambda d: (index(d), d.batch, d.id) if order == "input" else (d.batch, index(d), d.id))
+    chosen = sorted((d for d in letters if d.id not in kept), key=key)
     errors_path = errors_path or dest.removesuffix(".jsonl" if dest.endswith(".jsonl") else ".json") + ".errors.jsonl"
     errors, _ = _write(errors_path, lambda out: write_jsonl((_json.encode(openai_error_line(d)) + b"\n"
                                                              for d in chosen), out), endpoint_url)
     click.echo(f"  wrote {errors:,} error lines to {errors_path}")
-    if skipped := len(letters or []) - len(chosen):
+    if skipped := len(letters) - len(chosen):
         click.echo(f"  left out {skipped:,} dead letters whose id also has a result")
     return records, errors
 
@@ -360,16 +347,14 @@ def write_parquet(lines: Iterable[bytes], out: BinaryIO) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema, count, rows = parquet_schema(), 0, []
+    schema, count = parquet_schema(), 0
+    decoded = (_cells(_result_decoder.decode(line), PARQUET_COLUMNS) for line in lines)
     with pq.ParquetWriter(out, schema, compression="zstd") as writer:
-        for line in lines:
-            rows.append(_cells(_result_decoder.decode(line), PARQUET_COLUMNS))
-            count += 1
-            if len(rows) >= PARQUET_ROWS_PER_GROUP:
-                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-                rows = []
-        if rows or count == 0:
-            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+        while (rows := list(itertools.islice(decoded, PARQUET_ROWS_PER_GROUP))) or count == 0:
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))  # an empty export: the schema alone
+            if not rows:
+                break
+            count += len(rows)
     return count
 
 
@@ -398,16 +383,14 @@ def openai_output_line(r: Result) -> dict[str, Any]:
     samples = r.choices or [Choice(index=0, completion=r.completion, finish_reason=r.finish_reason,
                                    reasoning_content=r.reasoning_content, logprobs=r.logprobs,
                                    tool_calls=r.tool_calls)]
-    choices: list[dict[str, Any]] = []
-    for c in samples:
+
+    def said(c: Choice) -> dict[str, Any]:
         if completions:
-            choices.append({"index": c.index, "text": c.completion, "logprobs": c.logprobs,
-                            "finish_reason": c.finish_reason})
-            continue
-        message: dict[str, Any] = {"role": "assistant", "content": c.completion,
-                                   "reasoning_content": c.reasoning_content, **({"tool_calls": c.tool_calls}
-                                                                                if c.tool_calls else {})}
-        choices.append({"index": c.index, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+            return {"text": c.completion}
+        return {"message": {"role": "assistant", "content": c.completion, "reasoning_content": c.reasoning_content,
+                            **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
+
+    choices = [{"index": c.index, **said(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in samples]
     body = {"id": r.response_id or (f"cmpl-{h}" if completions else f"chatcmpl-{h}"),
             "object": "text_completion" if completions else "chat.completion", "created": int(r.finished_at),
             "model": r.model, "choices": choices, "usage": usage}
@@ -419,9 +402,8 @@ def openai_error_line(letter: DeadLetter) -> dict[str, Any]:
     """One line of an OpenAI Batch error file for a dead letter."""
     h = _hash(letter.job, letter.id)
     custom_id = (letter.prompt.custom_id if letter.prompt else None) or letter.id
-    status = letter.status
-    if status is None and letter.kind == "server_error":
-        status = 500  # an error event inside a 200 stream: the server failed the request
+    # An error event inside a 200 stream: the server failed the request.
+    status = 500 if letter.status is None and letter.kind == "server_error" else letter.status
     if status is None:  # no HTTP answer to report: OpenAI's "non-HTTP error" shape
         return {"id": f"batch_req_{h}", "custom_id": custom_id, "response": None,
                 "error": {"code": letter.kind, "message": letter.message}}

@@ -20,7 +20,7 @@ from genq.output.truth import write_atomic
 
 @click.command(short_help="A job's progress, rates, ETA and workers (live, JSON, web).")
 @click.option("--job", type=JobName(), default=None, help="Job to show. [default: the only job, or every job]")
-@click.option("--once", is_flag=True, help="Print one report and exit (rate from the workers' own records: less certain).")
+@click.option("--once", is_flag=True, help="One report, then exit (rates from the workers' own records: less certain).")
 @click.option("--json", "as_json", is_flag=True,
               help="JSON instead of the live view: one document with --once, else one line per refresh.")
 @click.option("--progress-file", type=click.Path(dir_okay=False, writable=True), default=None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 from typing import Any
 
 import click
@@ -19,6 +18,7 @@ from genq.core.ledger import letters
 from genq.core.ledger.figures import prompt_state
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import DeadLetter, Result, ShardInfo, unpack
+from genq.output.truth import open_store
 
 
 @click.command(short_help="One prompt's fate: queued, held, sending, done or failed.")
@@ -41,8 +41,7 @@ def status(ctx: click.Context, words: tuple[str, ...], job_option: str | None, a
     if (fate := find(conn, job, prompt_id)) is None:
         raise click.ClickException(f"job {job} has no prompt with id {prompt_id!r}")
     if as_json:
-        click.echo(json.dumps(fate))
-        return
+        return click.echo(json.dumps(fate))
     click.echo(f"{job} {prompt_id}: {fate['state']}" + (f" (batch {fate['batch']})" if fate.get("batch") else ""))
     click.echo(f"  {fate['why']}")
     for name in ("letter", "record"):
@@ -79,7 +78,7 @@ def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[st
 
 
 def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
-    """In a written shard: the record itself, read from the shard (local or S3)."""
+    """In a written shard (local or S3): the record itself."""
     endpoint = config.s3_endpoint_url if (config := load_config(conn, job)) else None
     for raw in ledger_jobs.shard_infos(conn, job):
         info = unpack(raw, ShardInfo)
@@ -91,12 +90,8 @@ def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
 
 
 def _lines(uri: str, endpoint: str | None) -> list[bytes]:
-    if uri.startswith("s3://"):
-        from genq.output import s3
-
-        data = s3.read_object(uri, endpoint)
-    else:
-        data = Path(uri).read_bytes() if Path(uri).exists() else b""
+    folder, _, name = uri.rpartition("/")
+    data = open_store(folder, endpoint).read(name) or b""  # a local path or s3://
     return (gzip.decompress(data) if data and uri.endswith(".gz") else data).splitlines()
 
 

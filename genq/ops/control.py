@@ -1,7 +1,6 @@
-"""The fleet and the jobs as operators see and steer them (`genq workers`, `drain`, `concurrency`, `jobs`,
-`pause`, `resume`, `jobs set`). Workers publish a WorkerStatus (TTL 15 s) and read their Control record and
-the job's settings every second. OUTPUT/JOB/job.json is written before Redis: the output is the durable truth
-of a job's settings, and whatever brings a job back from it (recover, the same enqueue, a worker) takes them."""
+"""The fleet and the jobs as operators see and steer them; workers read their Control record and the job's
+settings every second. A settings change is written to OUTPUT/JOB/job.json before Redis: the output is
+their durable truth, and whatever brings a job back from it (recover, the same enqueue, a worker) takes them."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ JSON_FIELDS = ("name", "state", "host", "gpu", "server", "pid", "batches", "in_f
 
 
 class Refused(Exception):
-    """What the operator asked cannot be done (an unknown job or id, a change that changes nothing):
-    the message says why and what to do; the CLI prints it in one line and exits 1."""
+    """What the operator asked cannot be done: the message says why and what to do (the CLI: one line, exit 1)."""
 
 
 def jobs_named(conn: redis.Redis, job: str | None) -> list[str]:
@@ -192,9 +190,7 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
     return rows
 
 
-class JobDeletion(msgspec.Struct):
-    """What `genq jobs delete` found (and removes) of one job."""
-
+class JobDeletion(msgspec.Struct):  # what `genq jobs delete` found (and removes) of one job
     job: str
     keys: list[str]  # everything under genq:job:JOB:
     rq_jobs: dict[str, list[str]]  # where its RQ jobs are (queued, started, failed...) -> RQ job ids
@@ -203,9 +199,8 @@ class JobDeletion(msgspec.Struct):
 
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:
     q = rq_queue(conn)
-    return {"queued": q, "started": q.started_job_registry, "finished": q.finished_job_registry,
-            "failed": q.failed_job_registry, "deferred": q.deferred_job_registry,
-            "scheduled": q.scheduled_job_registry, "canceled": q.canceled_job_registry}
+    return {"queued": q} | {p: getattr(q, f"{p}_job_registry")
+                            for p in ("started", "finished", "failed", "deferred", "scheduled", "canceled")}
 
 
 def find_job(conn: redis.Redis, job: str) -> JobDeletion:
@@ -242,8 +237,7 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
             ledger_jobs.stage_forget_job(pipe, found.job, found.keys)
         pipe.execute()
     if again:  # a batch RQ queued again or a worker wrote meanwhile would be orphaned: one more pass
-        late = find_job(conn, found.job)
-        delete_job(conn, late, again=False, seen=ours)
+        delete_job(conn, find_job(conn, found.job), again=False, seen=ours)
 
 
 # What `genq jobs set` may change: what is sent with each request. Not endpoint (rows were fitted to
@@ -274,8 +268,7 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
 
 
 def write_settings(conn: redis.Redis, config: JobConfig) -> None:
-    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept); Refused where
-    the output cannot be written from here."""
+    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), or Refused."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
     try:
         record = truth.read_job(store, config.name)
@@ -317,7 +310,6 @@ def blocked_jobs(conn: redis.Redis) -> list[str]:
 
 
 def describe_block(job: str, block: JobBlock) -> str:
-    """One paragraph for `genq jobs`, `genq jobs show` and the monitor."""
     why = f"preflight by {block.worker}" if block.reason == "preflight" else (
         f"brake on {block.worker}: {block.failures} of its last {block.outcomes} requests failed the same way "
         f"across {block.prompts} prompts (settings version {block.settings_version}"

@@ -1,10 +1,6 @@
-"""The dead-letter queue: prompts genq gave up on (a DeadLetter in the job's DLQ) and batches RQ gave
-up on (its failed registry, id "batch:<batch id>": the reconciler queues them again).
-
-Requeue and purge are MULTI under WATCH: each letter moves whole or not at all, and only once its
-batch can never run again (a batch leased again regenerates every prompt with neither a result
-nor a letter, so moving the letter earlier would produce it twice).
-"""
+"""The dead-letter queue: prompts genq gave up on (DeadLetters) and batches RQ gave up on (id "batch:<batch id>").
+Requeue and purge are MULTI under WATCH: a letter moves whole, and only once its batch can never run again
+(a batch leased again regenerates every prompt with neither result nor letter: moved earlier, it runs twice)."""
 
 from __future__ import annotations
 
@@ -45,14 +41,11 @@ class Entry(DeadLetter, omit_defaults=True):
         return self.kind == BATCH_FAILED
 
 
-class Report(msgspec.Struct):
-    """What a requeue or a purge did: per job, prompts requeued (or letters purged) and the new batches'
-    ids; the failed batches moved (job, batch, prompts requeued or forgotten); (entry id, why) left."""
-
-    prompts: dict[str, int] = {}
-    new_batches: dict[str, list[str]] = {}
-    batches: list[tuple[str, str, int]] = []
-    left: list[tuple[str, str]] = []
+class Report(msgspec.Struct):  # what a requeue or a purge did
+    prompts: dict[str, int] = {}  # job -> prompts requeued or letters purged
+    new_batches: dict[str, list[str]] = {}  # job -> the requeued prompts' new batches
+    batches: list[tuple[str, str, int]] = []  # failed batches moved: (job, batch, prompts requeued or forgotten)
+    left: list[tuple[str, str]] = []  # (entry id, why)
 
 
 def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
@@ -60,7 +53,6 @@ def dead_letters(conn: redis.Redis, job: str) -> list[Entry]:
 
 
 def failed_batches(conn: redis.Redis, jobs: Collection[str], *, traceback: bool = False) -> list[Entry]:
-    """The given jobs' batches in RQ's failed registry."""
     found = []
     for rq_job in q.fetch_rq_jobs(conn, q.failed_registry(conn).get_job_ids()):
         if rq_job is None or (ref := q.carried(rq_job)) is None or ref[0] not in jobs:
@@ -123,30 +115,38 @@ def _movable(pipe: Any, job: str, ids: list[str], verb: str) -> tuple[list[DeadL
     return movable, left
 
 
-def _each(conn: redis.Redis, chosen: Sequence[Entry], batch: Callable[..., Any], some: Callable[..., Any]) -> Report:
-    """batch(conn, entry, report) for each failed batch first (a purged batch's own letters can then be
-    purged in the same run), then some(conn, job, ids, report) for the dead prompts, CHUNK at a time."""
+Moved = tuple[list[str], list[tuple[str, str]], list[str]]  # letters moved, (id, why) left, new batches
+
+
+def _each(conn: redis.Redis, chosen: Sequence[Entry], move: Callable[[str, list[str]], Callable[[Any], Moved]], *,
+          requeue: bool) -> Report:
+    """Each failed batch first (a purged batch's own letters can then be purged in the same run), then the dead
+    prompts, CHUNK at a time, each chunk in one transaction: move(job, ids)(pipe)."""
     report, by_job = Report(), dict[str, list[str]]()
     for entry in chosen:
         if entry.is_batch:
-            batch(conn, entry, report)
+            _move_batch(conn, entry, report, requeue=requeue)
         else:
             by_job.setdefault(entry.job, []).append(entry.id)
     for job, ids in by_job.items():
         for start in range(0, len(ids), CHUNK):
-            some(conn, job, ids[start:start + CHUNK], report)
+            moved, left, batch_ids = letters.transaction(conn, job, move(job, ids[start:start + CHUNK]))
+            report.left.extend(left)
+            if moved:
+                report.prompts[job] = report.prompts.get(job, 0) + len(moved)
+            if batch_ids:
+                report.new_batches.setdefault(job, []).extend(batch_ids)
     return report
 
 
 def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any] | None = None) -> Report:
-    """Dead prompts back as new batches (with the job's current settings; `override`, request fields,
-    goes into each prompt's own sampling, which wins over them), failed batches back on the queue."""
-    def some(conn: redis.Redis, job: str, ids: list[str], report: Report) -> None:
+    """Dead prompts back as new batches (`override` into each prompt's own sampling), failed batches queued again."""
+    def some(job: str, ids: list[str]) -> Callable[[Any], Moved]:
         if (config := q.load_config(conn, job)) is None:
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         run = f"requeue-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
-        def move(pipe: Any) -> tuple[list[DeadLetter], list[tuple[str, str]], list[str]]:
+        def move(pipe: Any) -> Moved:
             found, left = _movable(pipe, job, ids, "requeue")
             # A fresh Prompt carries no attempt count: the engine starts it at 0.
             prompts = sorted((msgspec.structs.replace(d.prompt, sampling={**(d.prompt.sampling or {}), **override})
@@ -167,39 +167,29 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             if found:
                 q.write_batches(pipe, conn, batches, digests={}, count_total=False)
                 letters.stage_drop(pipe, job, [d.id for d in found])
-            return found, left, [b.id for b in batches]
+            return [d.id for d in found], left, [b.id for b in batches]
 
-        moved, left, batch_ids = letters.transaction(conn, job, move)
-        report.left.extend(left)
-        if moved:
-            report.prompts[job] = report.prompts.get(job, 0) + len(moved)
-            report.new_batches.setdefault(job, []).extend(batch_ids)
+        return move
 
-    return _each(conn, chosen, functools.partial(_move_batch, requeue=True), some)
+    return _each(conn, chosen, some, requeue=True)
 
 
 def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:
-    """Forget dead prompts and failed batches: no retry, and out of every count (the DLQ, the job's
-    total and id index, so the same row enqueued again is queued anew; stats count them "purged")."""
-    def some(conn: redis.Redis, job: str, ids: list[str], report: Report) -> None:
-        def forget(pipe: Any) -> tuple[list[str], list[tuple[str, str]]]:
-            found, left = _movable(pipe, job, ids, "purge")
-            pipe.multi()
-            letters.stage_drop(pipe, job, gone := [d.id for d in found])
-            letters.stage_forget_prompts(pipe, job, gone)
-            return gone, left
+    """Dead prompts and failed batches out of every count (the DLQ, the job's total and id index: the same row
+    enqueued again is queued anew; stats count them "purged")."""
+    def forget(job: str, ids: list[str], pipe: Any) -> Moved:
+        found, left = _movable(pipe, job, ids, "purge")
+        pipe.multi()
+        letters.stage_drop(pipe, job, gone := [d.id for d in found])
+        letters.stage_forget_prompts(pipe, job, gone)
+        return gone, left, []
 
-        gone, left = letters.transaction(conn, job, forget)
-        report.left.extend(left)
-        if gone:
-            report.prompts[job] = report.prompts.get(job, 0) + len(gone)
-
-    return _each(conn, chosen, functools.partial(_move_batch, requeue=False), some)
+    return _each(conn, chosen, lambda job, ids: functools.partial(forget, job, ids), requeue=False)
 
 
 def _move_batch(conn: redis.Redis, entry: Entry, report: Report, *, requeue: bool) -> None:
-    """A failed batch queued again as a fresh RQ job (not RQ's own requeue, whose separate steps can leave it
-    in no registry), or forgotten: its failed RQ job deleted in the same MULTI, so `rq info` tells the truth."""
+    """A failed batch queued again as a fresh RQ job (RQ's own requeue can leave it in no registry), or
+    forgotten; its failed RQ job deleted in the same MULTI."""
     registry = q.failed_registry(conn)
     job, batch_id = entry.job, entry.batch
 

@@ -1,10 +1,6 @@
 """A job's ledger brought up to its output: what is written is done, whatever Redis says (docs/recovery.md).
-
-Redis lost the job: `genq recover` or the same `genq enqueue` creates it again from OUTPUT/JOB/job.json
-and adopts every marker of that life. Redis lost recent writes: workers adopt each written batch from
-its marker instead of generating it again. ADOPT (genq/core/scripts/adopt.lua) marks a batch done as
-RELEASE would, its counters set to the marker's tally, so the monitor's figures equal the output.
-"""
+A lost job is created again from OUTPUT/JOB/job.json; each written batch is adopted from its marker (ADOPT
+marks it done as RELEASE would, counted as the marker says), never generated again."""
 
 from __future__ import annotations
 
@@ -44,8 +40,7 @@ def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
     return marker if marker is not None and marker.incarnation == config.incarnation else None
 
 
-async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:
-    """The worker's adopt (False: it was done already)."""
+async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:  # False: done already
     if adopted := await adopt(conn, ref.job, marker) == 1:
         log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
                     "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)
@@ -53,8 +48,7 @@ async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker)
 
 
 async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRef) -> bool:
-    """Before sending a batch's prompts: True if the output holds its shard for this life of the job,
-    which is then the batch's outcome (marked done in Redis; nothing is sent)."""
+    """True (and the batch marked done: nothing is sent) if the output holds its shard for this life of the job."""
     try:
         marker = await asyncio.to_thread(written_marker, config, ref)
     except Exception as exc:  # the output unreachable now: the shard write checks again (truth.commit_shard)
@@ -66,13 +60,12 @@ async def adopt_if_written(conn: aioredis.Redis, config: JobConfig, ref: BatchRe
 
 
 def outcome_for(prompts: Iterable[Prompt], results: list[Result], letters: list[DeadLetter], size: int) -> ShardMarker:
-    """The marker's outcome of a batch of `size` prompts about to be written."""
     return truth.outcome_of(results, letters, {p.id: claim_digest(p) for p in prompts}, size)
 
 
 def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
-    """Take the latest settings of Redis's and job.json's, and adopt every batch of this life of the
-    job that the output has and the ledger does not count as done; the batches adopted."""
+    """The latest settings of Redis's and job.json's taken, and the batches of this life of the job that the
+    output has and the ledger does not count as done adopted: those."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
     on_disk = truth.read_job(store, config.name)
     settings_from_output(conn, config, on_disk.config if on_disk else None)
@@ -95,8 +88,7 @@ class Recovery:
 
 
 def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url: str | None = None) -> Recovery:
-    """The job's ledger brought up to its output: created again from OUTPUT/JOB/job.json when Redis
-    has no config for it, else caught up."""
+    """Created again from OUTPUT/JOB/job.json when Redis has no config for the job, else caught up."""
     if (config := load_config(conn, job)) is not None:
         adopted = catch_up(conn, config)
         config = load_config(conn, job) or config  # with the output's settings, when Redis had lost them
@@ -111,7 +103,7 @@ def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url
 
 
 def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
-    """Create the job again in Redis from its job.json and adopt every marker of its life."""
+    """The job created again in Redis from its job.json, every marker of its life adopted."""
     config, job = record.config, record.config.name
     store = truth.open_store(config.output, config.s3_endpoint_url)
     markers = truth.of_life(truth.read_markers(store, job, truth.marker_batches(store, job)), config)
@@ -135,9 +127,8 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
 
 
 class OutputWatch:
-    """A worker's look at its jobs' outputs at its start, after Redis restarted (a new run_id) and once a
-    minute: written batches adopted, enqueues whose batches Redis lost queued again (`queue_lost`), a
-    job gone from Redis while its output remains named with its way back."""
+    """A worker's look at its jobs' outputs at its start, after Redis restarted and once a minute: written
+    batches adopted, lost enqueues queued again (`queue_lost`), a job gone from Redis named with its way back."""
 
     EVERY_S = 60.0
 
