@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack
-from genq.worker.heartbeat import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, IdlePace
+from genq.worker.heartbeat import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, WAKE_READ_S, IdlePace, WakeListener
 from genq.worker.held import Holdings
 from tests.conftest import run_genq, wait_until, write_prompts
 
@@ -201,3 +201,20 @@ def test_a_stealer_woken_early_waits_without_holding_the_loop():
         return order
 
     assert asyncio.run(go()) == ["dispatcher", "nap"]
+
+
+def test_the_wake_listener_stops_within_one_read(redis_url):
+    """A stopping worker joins the WAKE listener's thread, which ends after its current read: every
+    worker's exit waited up to a second for it (a --burst worker's last step, each SIGTERM)."""
+    pace = IdlePace(Holdings(), SimpleNamespace(running={}, unsent=0))
+    loop = asyncio.new_event_loop()
+    listener = WakeListener(redis_url, pace, loop)
+    try:
+        listener.start()
+        time.sleep(0.3)  # subscribed, and a read under way
+        started = time.monotonic()
+        listener.stop()
+        took = time.monotonic() - started
+    finally:
+        loop.close()
+    assert took < WAKE_READ_S + 0.4, f"the listener took {took:.2f}s to stop"

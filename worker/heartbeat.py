@@ -42,6 +42,7 @@ IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
 IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup
 WORKERS_SET_EVERY_S = 60.0  # re-adding the worker to genq:workers (kept once added)
 WOKEN_LOOK_S = 1.0  # an idle stealer woken looks at most this often
+WAKE_READ_S = 0.2  # the WAKE listener's read (a select, no Redis command)
 ANNOUNCE_EVERY_S = 2.0  # a busy engine holding unsent prompts says so (WAKE) this often
 
 
@@ -129,7 +130,8 @@ class IdlePace:
 
 class WakeListener:
     """Sets the pace's `queued`, `beat_now` (a control changed) or `woken` on each WAKE message, from a
-    thread reading a second at a time: an asyncio read cancelled at exit once hung a --burst worker."""
+    thread reading WAKE_READ_S at a time (an asyncio read cancelled at exit once hung a --burst worker): a
+    stopping worker waits that long for it, at most."""
 
     def __init__(self, redis_url: str, pace: IdlePace, loop: asyncio.AbstractEventLoop) -> None:
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
@@ -153,7 +155,7 @@ class WakeListener:
             try:
                 says = fleet.listen_for_wakes(pubsub)
                 while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=1.0)
+                    message = pubsub.get_message(timeout=WAKE_READ_S)
                     if message and message.get("type") == "message":
                         event = {"control": self.pace.beat_now, "queued": self.pace.queued,
                                  "work": self.pace.woken}[says(message.get("data"))]
