@@ -1,14 +1,6 @@
-"""Redis connections: every genq process connects here, so every URL form works alike and never
-shows its password; a Sentinel URL's writes wait for replicas; Redis's refusals are named with
-their fix; and LocalRedis, a redis-server of genq's own for the demo, tests and benchmarks.
-
-    redis://[[user]:password@]host[:6379][/db][?option=value...]    rediss://... (TLS)
-    unix://[[user]:password@]/path/redis.sock[?db=N]
-    redis+sentinel://[[user]:password@]host[:26379][,host2[:port]...]/service[/db][?sentinel_password=...]
-
-The userinfo is everything before the last '@', split at its first ':', so a password may hold
-'/', '#', '?', ':' or '@' as typed; percent-encoding works too (a literal '%' is %25).
-"""
+"""Redis connections: every URL form (docs/operations.md) works alike and never shows its password; a
+Sentinel URL's writes wait for replicas; Redis's refusals are named with their fix; and LocalRedis, a
+redis-server of genq's own for the demo, tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -263,12 +255,10 @@ def online_replicas(info: Any) -> int:
     return (info.decode() if isinstance(info, bytes) else str(info)).count("state=online")
 
 
-def _wanted(conn: Any, least: int) -> int | None:
-    """The replicas to WAIT for; None: INFO replication must be read first (the count is stale)."""
+def _stale(conn: Any) -> bool:
+    """Whether the connection's count of online replicas must be read again (INFO replication)."""
     counted = getattr(conn, "genq_replicas", None)
-    if counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S:
-        return None
-    return max(least, counted[1])
+    return counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S
 
 
 def _check(conn: Any, acked: Any, want: int) -> None:
@@ -281,20 +271,18 @@ def _check(conn: Any, acked: Any, want: int) -> None:
 
 
 def _wait(conn: Any, least: int) -> None:
-    if (want := _wanted(conn, least)) is None:
+    if _stale(conn):
         conn.send_command("INFO", "replication")
         conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
-        want = max(least, conn.genq_replicas[1])
-    conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
+    conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, conn.read_response(), want)
 
 
 async def _wait_async(conn: Any, least: int) -> None:
-    if (want := _wanted(conn, least)) is None:
+    if _stale(conn):
         await conn.send_command("INFO", "replication")
         conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
-        want = max(least, conn.genq_replicas[1])
-    await conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
+    await conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, await conn.read_response(), want)
 
 
@@ -337,26 +325,26 @@ class AsyncReplicatedPipeline(aioclient.Pipeline):
     _execute_pipeline = _waits_async(aioclient.Pipeline._execute_pipeline, _each)
 
 
-class ReplicatedRedis(redis.Redis):
+class _Replicated:
     """A client whose writes are on `wait_replicas` replicas (at least) before they return."""
 
     wait_replicas = 1
+    pipeline_class: Any
+
+    def pipeline(self: Any, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = self.pipeline_class(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.wait_replicas = self.wait_replicas
+        return pipe
+
+
+class ReplicatedRedis(_Replicated, redis.Redis):
+    pipeline_class = ReplicatedPipeline
     _send_command_parse_response = _waits(redis.Redis._send_command_parse_response, _one)
 
-    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
-        pipe = ReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.wait_replicas = self.wait_replicas
-        return pipe
 
-
-class AsyncReplicatedRedis(aioredis.Redis):
-    wait_replicas = 1
+class AsyncReplicatedRedis(_Replicated, aioredis.Redis):
+    pipeline_class = AsyncReplicatedPipeline
     _send_command_parse_response = _waits_async(aioredis.Redis._send_command_parse_response, _one)
-
-    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
-        pipe = AsyncReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.wait_replicas = self.wait_replicas
-        return pipe
 
 
 # --------------------------------------------------------------------------- what Redis refuses

@@ -145,10 +145,10 @@ def update_control(conn: redis.Redis, name: str, **change: Any) -> Control:
 def pause(conn: redis.Redis, job: str | None = None) -> None:
     """Stop dispatching new requests (all jobs, or one); in-flight requests finish."""
     if job is None:
-        ledger_jobs.pause_all(conn)
+        ledger_jobs.pause(conn)
         suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
     else:  # its batches leave RQ's queue and its workers park theirs: their slots go to other jobs
-        ledger_jobs.pause_job(conn, job)
+        ledger_jobs.pause(conn, job)
         leasing.unqueue(conn, job)
     ledger_fleet.tell_idle_workers(conn)
 
@@ -157,10 +157,10 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
     """Undo a pause; with a job, also lift its block and queue its parked batches: how many."""
     queued = 0
     if job is None:
-        ledger_jobs.resume_all(conn)
+        ledger_jobs.resume(conn)
         suspend_loops(conn, suspended=False)
     else:
-        ledger_jobs.lift_block(conn, job)
+        ledger_jobs.resume(conn, job)
         if queued := leasing.requeue_parked(conn, job):
             order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)

@@ -219,7 +219,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
     if shards and scripts.SHARD_RECORDS.encode() not in stats:
         # Shards written by a genq that kept no totals: count them once, and keep the totals.
         scripts.evaluate(conn, scripts.COUNT_SHARDS, scripts.count_shards_call(job))
-        stats = jobs.job_stats(conn, job)
+        stats = conn.hgetall(keys.job_stats(job))
     config = unpack(raw_config, JobConfig) if raw_config else None
     members = {w.decode() for w in members}
     names = sorted(set(workers) | members)

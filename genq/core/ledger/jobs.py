@@ -65,22 +65,18 @@ def _config(raw: bytes | None) -> JobConfig | None:
         return None
 
 
-def pause_all(conn: redis.Redis) -> None:
-    """`genq pause`: no worker sends a new request of any job (the flag holds when it was set)."""
-    conn.set(keys.PAUSED, repr(time.time()))
+def pause(conn: redis.Redis, job: str | None = None) -> None:
+    """`genq pause [--job]`: no worker sends a new request of any job, or of `job` (the flag holds when)."""
+    conn.set(keys.PAUSED if job is None else keys.job_paused(job), repr(time.time()))
 
 
-def resume_all(conn: redis.Redis) -> None:
-    conn.delete(keys.PAUSED)
+def resume(conn: redis.Redis, job: str | None = None) -> None:
+    """`genq resume [--job]`: the fleet-wide pause, or the job's block and pause, lifted in one DEL."""
+    conn.delete(*([keys.PAUSED] if job is None else [keys.job_blocked(job), keys.job_paused(job)]))
 
 
 def paused_all(conn: redis.Redis) -> bool:
     return bool(conn.exists(keys.PAUSED))
-
-
-def pause_job(conn: redis.Redis, job: str) -> None:
-    """`genq pause --job`: its prompts are not sent (its batches are parked: worker/gate.py)."""
-    conn.set(keys.job_paused(job), repr(time.time()))
 
 
 async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
@@ -89,11 +85,6 @@ async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
         pipe.set(keys.job_blocked(job), pack(record), nx=True)
         pipe.set(keys.job_paused(job), repr(time.time()))
         await pipe.execute()
-
-
-def lift_block(conn: redis.Redis, job: str) -> None:
-    """`genq resume --job`: the job's block and pause lifted, in one DEL."""
-    conn.delete(keys.job_blocked(job), keys.job_paused(job))
 
 
 async def job_names(conn: aioredis.Redis) -> list[str]:
@@ -165,10 +156,6 @@ def counts(conn: redis.Redis, job: str) -> JobCounts:
                      done=int(done), dead=int(dead))
 
 
-def job_stats(conn: redis.Redis, job: str) -> dict[bytes, bytes]:
-    return conn.hgetall(keys.job_stats(job))
-
-
 def batches_counted(conn: redis.Redis, jobs: list[str]) -> list[int]:
     """Each job's count of batches ever queued, in one round trip."""
     with conn.pipeline(transaction=False) as pipe:
@@ -206,8 +193,7 @@ def stage_last_batch_number(pipe: Pipeline, job: str, number: int) -> None:
     pipe.set(keys.job_batch_seq(job), number)
 
 
-def job_keys_shown(job: str) -> str:
-    return keys.job_keys_pattern(job)
+job_keys_shown = keys.job_keys_pattern
 
 
 def find_job_keys(conn: redis.Redis, job: str) -> list[str]:
