@@ -386,15 +386,11 @@ def refusal(exc: BaseException | None) -> tuple[str, str] | None:
     return None
 
 
-def trouble(exc: BaseException, otherwise: str = "Redis unreachable") -> str:
-    """A failed Redis call in a log line: a refusal named with its fix, else `otherwise`."""
+def in_words(exc: BaseException, otherwise: str | None = None) -> str:
+    """A failed Redis call in a log line: a refusal named with its fix (not Redis's text, which quotes the
+    sha), else `otherwise`, else the error."""
     found = refusal(exc)
-    return f"{found[0]} ({found[1]})" if found else otherwise
-
-
-def in_words(exc: BaseException) -> str:
-    """A failed write in a log line: a refusal with its fix (not Redis's text, which quotes the sha)."""
-    return trouble(exc, f"{type(exc).__name__}: {exc}")
+    return f"{found[0]} ({found[1]})" if found else otherwise or f"{type(exc).__name__}: {exc}"
 
 
 def redis_note(info: dict[str, Any]) -> RedisNote | None:
@@ -440,8 +436,7 @@ class LocalRedis:
     for the caller does not kill it first); answers PING when constructed; `stop()` (or `with`) ends it
     and removes its folder. `extra`: redis-server arguments after the defaults."""
 
-    def __init__(self, *extra: str, db: int = 0, log: IO[bytes] | int = subprocess.DEVNULL,
-                 start_timeout_s: float = 10.0) -> None:
+    def __init__(self, *extra: str, db: int = 0, log: IO[bytes] | int = subprocess.DEVNULL) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.dir, self.port = tempfile.mkdtemp(prefix="genq-redis-"), free_port()
@@ -450,7 +445,7 @@ class LocalRedis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.conn = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + start_timeout_s
+        deadline = time.monotonic() + 10
         while not self._answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
