@@ -113,10 +113,8 @@ class Target:
 
 
 def _defaults(scheme: str) -> dict[str, Any]:
-    kw: dict[str, Any] = {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S}
-    if scheme != "unix":  # redis-py refuses TCP keepalive on a unix socket
-        kw["socket_keepalive"] = True
-    return kw
+    keepalive = {} if scheme == "unix" else {"socket_keepalive": True}  # redis-py refuses it on a unix socket
+    return {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S, **keepalive}
 
 
 def _bad(url: str, why: str) -> BadRedisURL:
@@ -178,9 +176,8 @@ def parse(url: str) -> Target:
         master["password"] = user if password is None else password
         if password is not None and user:
             master["username"] = user
-    sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S}
-    if sentinel_password:
-        sentinel_kwargs["password"] = sentinel_password
+    sentinel_kwargs = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S,
+                       **({"password": sentinel_password} if sentinel_password else {})}
     return Target(url=url, scheme=scheme, sentinels=[_host_port(h, url) for h in hosts.split(",")],
                   service=unquote(names[0]), db=int(names[1]) if len(names) == 2 else 0,
                   master_kwargs=master, sentinel_kwargs=sentinel_kwargs, wait_replicas=int(wait))
