@@ -228,13 +228,11 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
             pipe.hgetall(keys.worker_stats(job, name))
             pipe.get(keys.job_inflight(job, name))
         replies = pipe.execute()
-    views: list[WorkerView] = []
-    for i, name in enumerate(names):
-        status, raw_inflight = workers.get(name), replies[2 * i + 1]
-        # Shown for this job: it has counters here, or it is working on it, or it is alive.
-        if name in members or raw_inflight is not None or (status is not None and status.state != "stopped"):
-            views.append(WorkerView(name, status, WorkerCounters.of(replies[2 * i]),
-                                    unpack(raw_inflight, InFlight) if raw_inflight else None))
+    # Shown for this job: it has counters here, or it is working on it, or it is alive.
+    views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
+                                    unpack(raw_inflight, InFlight) if raw_inflight else None)
+                         for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
+             if v.name in members or v.inflight is not None or v.live]
     created = stats.get(b"created_at")
     return JobSnapshot(
         job=job, at=now if now is not None else time.time(), config=config,
