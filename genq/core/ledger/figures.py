@@ -278,33 +278,6 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
     return held + sum(1 for i in range(len(unnamed)) if alive[2 * i] and alive[2 * i + 1])
 
 
-@dataclass
-class JobTotals:
-    """A job's row in `genq jobs`."""
-
-    stats: dict[bytes, bytes]
-    dead: int
-    batches_done: int
-    done: int  # prompts its workers finished
-    inflight: dict[str, InFlight]  # of the given workers, those working on it now
-
-
-def job_totals(conn: redis.Redis, job: str, fleet: list[str]) -> JobTotals:
-    workers = sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.job_stats(job))
-        pipe.hlen(keys.job_dlq(job))
-        pipe.scard(keys.job_done(job))
-        for w in workers:
-            pipe.hget(keys.worker_stats(job, w), "done")
-        for w in fleet:
-            pipe.get(keys.job_inflight(job, w))
-        stats, dead, batches_done, *rest = pipe.execute()
-    return JobTotals(stats=stats, dead=int(dead), batches_done=int(batches_done),
-                     done=sum(int(v or 0) for v in rest[: len(workers)]),
-                     inflight={w: unpack(raw, InFlight) for w, raw in zip(fleet, rest[len(workers):]) if raw})
-
-
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str
                  ) -> tuple[bytes | None, bytes | None, bytes | None, bool]:
     """`genq status JOB ID` of a pending batch's prompt: its stored result, its claim, its batch's

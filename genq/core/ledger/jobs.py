@@ -17,7 +17,7 @@ from redis.client import Pipeline
 from genq.core import keys
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
 from genq.core.ledger import lease_holder
-from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
+from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, pack, unpack
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -143,17 +143,26 @@ class JobCounts:
     batches: int  # batches counted in the job's stats (less those purged)
     done: int  # batches whose shard is written
     dead: int  # dead letters
+    completed: int = 0  # prompts its workers finished (read with `fleet`)
+    inflight: dict[str, InFlight] = field(default_factory=dict)  # of `fleet`, the workers on it now
 
 
-def counts(conn: redis.Redis, job: str) -> JobCounts:
+def counts(conn: redis.Redis, job: str, fleet: list[str] | None = None) -> JobCounts:
+    """The job's counts; given the fleet's worker names (`genq jobs`), also its workers' figures."""
+    workers = [] if fleet is None else sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
     with conn.pipeline(transaction=False) as pipe:
         pipe.hmget(keys.job_stats(job), ["total", "batches"])
         pipe.zcard(keys.job_batches(job))
         pipe.scard(keys.job_done(job))
         pipe.hlen(keys.job_dlq(job))
-        (total, batches), listed, done, dead = pipe.execute()
-    return JobCounts(total=int(total or 0), batches_total=int(listed), batches=int(batches or 0),
-                     done=int(done), dead=int(dead))
+        for w in workers:
+            pipe.hget(keys.worker_stats(job, w), "done")
+        for w in fleet or []:
+            pipe.get(keys.job_inflight(job, w))
+        (total, batches), listed, done, dead, *rest = pipe.execute()
+    return JobCounts(total=int(total or 0), batches_total=int(listed), batches=int(batches or 0), done=int(done),
+                     dead=int(dead), completed=sum(int(v or 0) for v in rest[:len(workers)]),
+                     inflight={w: unpack(raw, InFlight) for w, raw in zip(fleet or [], rest[len(workers):]) if raw})
 
 
 def batches_counted(conn: redis.Redis, jobs: list[str]) -> list[int]:
