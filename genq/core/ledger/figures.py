@@ -194,7 +194,7 @@ class JobSnapshot:
 
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
-             queued: int = 0, rq_queued: int = 0, now: float | None = None) -> JobSnapshot | None:
+             queued: int = 0, rq_queued: int = 0) -> JobSnapshot | None:
     """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued and
     rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
     if workers is None:
@@ -235,7 +235,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
              if v.name in members or v.inflight is not None or v.live]
     created = stats.get(b"created_at")
     return JobSnapshot(
-        job=job, at=now if now is not None else time.time(), config=config,
+        job=job, at=time.time(), config=config,
         total=int(stats.get(b"total") or 0), created_at=float(created) if created else None,
         batches_total=int(n_batches), batches_done=int(n_done),
         batches_held=_held_batches(conn, job, views, config.batch_size if config else 0),
