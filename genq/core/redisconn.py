@@ -11,7 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import IO, Any
 from urllib.parse import parse_qsl, quote, unquote
 
@@ -98,20 +98,6 @@ class _TimedSSLConnection(redis.SSLConnection):
         return wrapped
 
 
-@dataclass(frozen=True)
-class Target:
-    """What a URL says to connect to: a plain (or TLS, or unix) Redis, or a Sentinel service."""
-
-    url: str  # normalized: userinfo percent-encoded, as redis-py's from_url reads it
-    scheme: str
-    sentinels: list[tuple[str, int]] = field(default_factory=list)
-    service: str = ""
-    db: int = 0
-    master_kwargs: dict[str, Any] = field(default_factory=dict)
-    sentinel_kwargs: dict[str, Any] = field(default_factory=dict)
-    wait_replicas: int = 1  # Sentinel only: replicas that must have each write (ReplicatedRedis)
-
-
 def _defaults(scheme: str) -> dict[str, Any]:
     keepalive = {} if scheme == "unix" else {"socket_keepalive": True}  # redis-py refuses it on a unix socket
     return {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S, **keepalive}
@@ -142,8 +128,9 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
     return host, int(port or 26379)
 
 
-def parse(url: str) -> Target:
-    """The URL checked and read; BadRedisURL (one line, no password) where it cannot be used."""
+def parse(url: str) -> Callable[[bool], Any]:
+    """The URL checked and read, as its client's maker (given True: an asyncio client); BadRedisURL (one
+    line, no password) where it cannot be used."""
     scheme, user, password, rest = _split(url)
     if scheme not in SCHEMES:
         raise BadRedisURL(f"{scheme}:// is not a Redis URL scheme: use one of {FORMS}")
@@ -158,7 +145,10 @@ def parse(url: str) -> Target:
             raise _bad(url, "no host")
         if scheme != "unix" and db and not db.isdigit():
             raise _bad(url, f"the database {db!r} is not a number")
-        return Target(url=normalized, scheme=scheme)
+        # A sync client's TLS handshake is timed here; an asyncio client's is inside its connect timeout.
+        tls = {"connection_class": _TimedSSLConnection} if scheme == "rediss" else {}
+        return lambda aio: (aioredis.Redis.from_url(normalized, **_defaults(scheme)) if aio
+                            else redis.Redis.from_url(normalized, **_defaults(scheme), **tls))
     hosts, _, path = head.partition("/")
     names = [p for p in path.split("/") if p]
     if not hosts or not names or len(names) > 2:
@@ -178,37 +168,30 @@ def parse(url: str) -> Target:
             master["username"] = user
     sentinel_kwargs = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S,
                        **({"password": sentinel_password} if sentinel_password else {})}
-    return Target(url=url, scheme=scheme, sentinels=[_host_port(h, url) for h in hosts.split(",")],
-                  service=unquote(names[0]), db=int(names[1]) if len(names) == 2 else 0,
-                  master_kwargs=master, sentinel_kwargs=sentinel_kwargs, wait_replicas=int(wait))
+    sentinels = [_host_port(h, url) for h in hosts.split(",")]
+    service, number, replicas = unquote(names[0]), int(names[1]) if len(names) == 2 else 0, int(wait)
 
+    def sentinel_client(aio: bool) -> Any:
+        sentinel = aiosentinel if aio else redis.sentinel
+        manager = sentinel.Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+        pool = sentinel.SentinelConnectionPool(service, manager, is_master=True, db=number, **master)
+        if not replicas:
+            return (aioredis.Redis if aio else redis.Redis).from_pool(pool)
+        client = (AsyncReplicatedRedis if aio else ReplicatedRedis)(connection_pool=pool)
+        client.auto_close_connection_pool = True  # as from_pool: the client owns its pool
+        client.wait_replicas = replicas
+        return client
 
-def _sentinel_client(t: Target, sentinel: Any, plain: Any, replicated: Any) -> Any:
-    manager = sentinel.Sentinel(t.sentinels, sentinel_kwargs=t.sentinel_kwargs)
-    pool = sentinel.SentinelConnectionPool(t.service, manager, is_master=True, db=t.db, **t.master_kwargs)
-    if not t.wait_replicas:
-        return plain.from_pool(pool)
-    client = replicated(connection_pool=pool)
-    client.auto_close_connection_pool = True  # as from_pool: the client owns its pool
-    client.wait_replicas = t.wait_replicas
-    return client
+    return sentinel_client
 
 
 def connect(url: str) -> redis.Redis:
     """A sync client (RQ and the CLI): raw bytes, no decoding."""
-    t = parse(url)
-    if t.sentinels:
-        return _sentinel_client(t, redis.sentinel, redis.Redis, ReplicatedRedis)
-    extra: dict[str, Any] = {"connection_class": _TimedSSLConnection} if t.scheme == "rediss" else {}
-    return redis.Redis.from_url(t.url, **_defaults(t.scheme), **extra)
+    return parse(url)(False)
 
 
 def connect_async(url: str) -> aioredis.Redis:
-    """An asyncio client (asyncio's TLS handshake is inside redis-py's connect timeout)."""
-    t = parse(url)
-    if t.sentinels:
-        return _sentinel_client(t, aiosentinel, aioredis.Redis, AsyncReplicatedRedis)
-    return aioredis.Redis.from_url(t.url, **_defaults(t.scheme))
+    return parse(url)(True)
 
 
 def describe_error(url: str, exc: Exception) -> str:
