@@ -163,8 +163,7 @@ class Reconciler:
         def live(rq_id: str | None, holder: str | None) -> bool:
             if rq_id and rq_id.encode() in queued:
                 return True
-            job = jobs.get(rq_id) if rq_id else None
-            if job is None:
+            if (job := jobs.get(rq_id or "")) is None:
                 return False
             status = job.get_status(refresh=False)
             if status == "started":
