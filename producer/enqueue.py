@@ -21,7 +21,7 @@ import msgspec
 import redis
 
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, stage_config, write_batches
+from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, save_config, write_batches
 from genq.core.records import (
     BatchSource,
     EnqueueRecord,
@@ -284,7 +284,7 @@ class Enqueuer:
         self._reach_output(lambda: truth.write_enqueue(self._store, self.config.name, self._run, enqueue))
         pipe.multi()
         if self._create:
-            stage_config(pipe, self.config)
+            save_config(pipe, self.config)
         ledger_jobs.stage_last_batch_number(pipe, self.config.name, upto)
         write_batches(pipe, self.conn, batches, {row.prompt.id: row.digest for row in rows})
         pipe.execute()

@@ -20,7 +20,7 @@ import redis
 
 from genq.core import keys
 from genq.core.queueing import save_config
-from genq.core.records import JobConfig, Result, bucket_bounds, length_bucket, unpack
+from genq.core.records import JobConfig, Result, length_bucket, unpack
 from genq.core.redisconn import connect_async
 from genq.worker.results import ResultWriter
 from tests.commit_support import BATCH, INCARNATION, JOB, Stored, commit, letter, result, stored_by
@@ -220,6 +220,11 @@ def test_records_added_while_a_write_fails_are_kept_with_the_ones_put_back(redis
     assert stored == {r.id: r for r in [result("p00000", "w1"), *held, *arriving]}
     letters = {k.decode() for k in rconn.hkeys(keys.job_dlq(JOB))}
     assert letters == {"p00004", "p00008"}
+
+
+def bucket_bounds(bucket: int) -> tuple[float, float]:
+    """Token range a bucket stands for (the inverse of length_bucket)."""
+    return 2 ** ((bucket - 0.5) / 4) - 1, 2 ** ((bucket + 0.5) / 4) - 1
 
 
 def test_length_buckets_are_four_per_doubling_and_bounds_invert_them():

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from genq.core import decodebound
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
-from genq.core.redisconn import connect, redis_note, refusal, trouble
+from genq.core.redisconn import connect, in_words, redis_note, refusal
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.core.waits import wait_event
 from genq.worker import controller as decoding
@@ -255,7 +255,7 @@ class Heartbeat:
         if down_for >= self._next_note:
             why = "" if refusal(exc) else f" ({exc})"  # a refusal quotes the refused command: said already
             log.warning("heartbeat: %s for %.0fs%s; results kept in memory, nothing new sent until it "
-                        "answers", trouble(exc), down_for, why)
+                        "answers", in_words(exc, "Redis unreachable"), down_for, why)
             self._next_note = down_for + REDIS_NOTE_EVERY_S
 
     def _answered(self) -> None:

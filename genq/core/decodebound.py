@@ -1,8 +1,6 @@
-"""Is a GPU doing what its hardware allows? Pure functions of the workers' heartbeat records.
-
-Decode is memory-bound: a step reads the weights and the KV cache in use and makes a token per running
-sequence, so tokens/s <= running x bandwidth / (weight bytes + token_usage x KV pool bytes).
-"""
+"""Is a GPU doing what its hardware allows? Pure functions of the workers' heartbeat records. Decode is
+memory-bound: a step reads the weights and the KV cache in use and makes a token per running sequence,
+so tokens/s <= running x bandwidth / (weight bytes + token_usage x KV pool bytes)."""
 
 from __future__ import annotations
 
@@ -67,14 +65,11 @@ def figures_of(s: WorkerStatus) -> GpuFigures:
 
 def bound(f: GpuFigures) -> Bound:
     hw = f.hw
-    missing = []
-    if hw.bandwidth is None:
-        missing.append("memory bandwidth (give it with genq worker --gpu-bandwidth, e.g. 1.79TB/s)")
-    if hw.weight_bytes is None:
-        missing.append("model weight bytes (give them with genq worker --model-bytes, e.g. 54GB)")
-    if not f.running:
-        missing.append("running requests (the server's metrics)")
     if hw.bandwidth is None or hw.weight_bytes is None or not f.running:
+        missing = [what for what, absent in (
+            ("memory bandwidth (give it with genq worker --gpu-bandwidth, e.g. 1.79TB/s)", hw.bandwidth is None),
+            ("model weight bytes (give them with genq worker --model-bytes, e.g. 54GB)", hw.weight_bytes is None),
+            ("running requests (the server's metrics)", not f.running)) if absent]
         return Bound(unknown="unknown: " + "; ".join(missing))
     kv = None if hw.kv_pool_bytes is None or f.token_usage is None else f.token_usage * hw.kv_pool_bytes
     step = hw.weight_bytes + (kv or 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import redis
 
 from genq.core import scripts
@@ -18,12 +19,9 @@ def set_schedule(conn: redis.Redis, job: str, priority: int | None = None, weigh
     """Store the job's priority and/or weight (the others kept) and put the queue in order again."""
     if weight is not None and not weight > 0:
         raise ValueError("a weight is > 0")
-
-    def change(old: JobSchedule) -> JobSchedule:
-        return JobSchedule(priority=old.priority if priority is None else priority,
-                           weight=old.weight if weight is None else weight, changed_at=time.time())
-
-    new = ledger_jobs.change_schedule(conn, job, change)
+    given = {name: v for name, v in (("priority", priority), ("weight", weight)) if v is not None}
+    new = ledger_jobs.change_schedule(conn, job,
+                                      lambda old: msgspec.structs.replace(old, **given, changed_at=time.time()))
     order_queue(conn)
     return new
 

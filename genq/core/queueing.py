@@ -92,14 +92,8 @@ def load_config(conn: redis.Redis, job: str) -> JobConfig | None:
     return unpack(raw, JobConfig) if raw else None
 
 
-def save_config(conn: redis.Redis, config: JobConfig) -> None:
-    with conn.pipeline() as pipe:
-        stage_config(pipe, config)
-        pipe.execute()
-
-
-def stage_config(pipe: Pipeline, config: JobConfig) -> None:
-    """Store a job's config in `pipe` (enqueue: in the transaction of its first batches)."""
+def save_config(pipe: redis.Redis | Pipeline, config: JobConfig) -> None:
+    """Store a job's config (on a pipeline: enqueue's, in the transaction of its first batches)."""
     pipe.set(keys.job_config(config.name), pack(config))
     pipe.sadd(keys.JOBS, config.name)
     pipe.hsetnx(keys.job_stats(config.name), "created_at", repr(config.created_at or time.time()))

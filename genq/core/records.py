@@ -391,11 +391,6 @@ def length_bucket(tokens: int) -> int:
     return int(round(4 * math.log2(tokens + 1)))
 
 
-def bucket_bounds(bucket: int) -> tuple[float, float]:
-    """Token range a bucket stands for (inverse of length_bucket)."""
-    return 2 ** ((bucket - 0.5) / 4) - 1, 2 ** ((bucket + 0.5) / 4) - 1
-
-
 class ShardInfo(msgspec.Struct, omit_defaults=True):
     """A written shard: one line of the manifest."""
 

@@ -1,14 +1,6 @@
-"""Redis connections: every genq process connects here, so every URL form works alike and never
-shows its password; a Sentinel URL's writes wait for replicas; Redis's refusals are named with
-their fix; and LocalRedis, a redis-server of genq's own for the demo, tests and benchmarks.
-
-    redis://[[user]:password@]host[:6379][/db][?option=value...]    rediss://... (TLS)
-    unix://[[user]:password@]/path/redis.sock[?db=N]
-    redis+sentinel://[[user]:password@]host[:26379][,host2[:port]...]/service[/db][?sentinel_password=...]
-
-The userinfo is everything before the last '@', split at its first ':', so a password may hold
-'/', '#', '?', ':' or '@' as typed; percent-encoding works too (a literal '%' is %25).
-"""
+"""Redis connections: every URL form (docs/operations.md) works alike and never shows its password; a
+Sentinel URL's writes wait for replicas; Redis's refusals are named with their fix; and LocalRedis, a
+redis-server of genq's own for the demo, tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import IO, Any
 from urllib.parse import parse_qsl, quote, unquote
 
@@ -106,25 +98,9 @@ class _TimedSSLConnection(redis.SSLConnection):
         return wrapped
 
 
-@dataclass(frozen=True)
-class Target:
-    """What a URL says to connect to: a plain (or TLS, or unix) Redis, or a Sentinel service."""
-
-    url: str  # normalized: userinfo percent-encoded, as redis-py's from_url reads it
-    scheme: str
-    sentinels: list[tuple[str, int]] = field(default_factory=list)
-    service: str = ""
-    db: int = 0
-    master_kwargs: dict[str, Any] = field(default_factory=dict)
-    sentinel_kwargs: dict[str, Any] = field(default_factory=dict)
-    wait_replicas: int = 1  # Sentinel only: replicas that must have each write (ReplicatedRedis)
-
-
 def _defaults(scheme: str) -> dict[str, Any]:
-    kw: dict[str, Any] = {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S}
-    if scheme != "unix":  # redis-py refuses TCP keepalive on a unix socket
-        kw["socket_keepalive"] = True
-    return kw
+    keepalive = {} if scheme == "unix" else {"socket_keepalive": True}  # redis-py refuses it on a unix socket
+    return {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S, **keepalive}
 
 
 def _bad(url: str, why: str) -> BadRedisURL:
@@ -152,8 +128,9 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
     return host, int(port or 26379)
 
 
-def parse(url: str) -> Target:
-    """The URL checked and read; BadRedisURL (one line, no password) where it cannot be used."""
+def parse(url: str) -> Callable[[bool], Any]:
+    """The URL checked and read, as its client's maker (given True: an asyncio client); BadRedisURL (one
+    line, no password) where it cannot be used."""
     scheme, user, password, rest = _split(url)
     if scheme not in SCHEMES:
         raise BadRedisURL(f"{scheme}:// is not a Redis URL scheme: use one of {FORMS}")
@@ -168,7 +145,10 @@ def parse(url: str) -> Target:
             raise _bad(url, "no host")
         if scheme != "unix" and db and not db.isdigit():
             raise _bad(url, f"the database {db!r} is not a number")
-        return Target(url=normalized, scheme=scheme)
+        # A sync client's TLS handshake is timed here; an asyncio client's is inside its connect timeout.
+        tls = {"connection_class": _TimedSSLConnection} if scheme == "rediss" else {}
+        return lambda aio: (aioredis.Redis.from_url(normalized, **_defaults(scheme)) if aio
+                            else redis.Redis.from_url(normalized, **_defaults(scheme), **tls))
     hosts, _, path = head.partition("/")
     names = [p for p in path.split("/") if p]
     if not hosts or not names or len(names) > 2:
@@ -186,40 +166,32 @@ def parse(url: str) -> Target:
         master["password"] = user if password is None else password
         if password is not None and user:
             master["username"] = user
-    sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S}
-    if sentinel_password:
-        sentinel_kwargs["password"] = sentinel_password
-    return Target(url=url, scheme=scheme, sentinels=[_host_port(h, url) for h in hosts.split(",")],
-                  service=unquote(names[0]), db=int(names[1]) if len(names) == 2 else 0,
-                  master_kwargs=master, sentinel_kwargs=sentinel_kwargs, wait_replicas=int(wait))
+    sentinel_kwargs = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": CONNECT_TIMEOUT_S,
+                       **({"password": sentinel_password} if sentinel_password else {})}
+    sentinels = [_host_port(h, url) for h in hosts.split(",")]
+    service, number, replicas = unquote(names[0]), int(names[1]) if len(names) == 2 else 0, int(wait)
 
+    def sentinel_client(aio: bool) -> Any:
+        sentinel = aiosentinel if aio else redis.sentinel
+        manager = sentinel.Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+        pool = sentinel.SentinelConnectionPool(service, manager, is_master=True, db=number, **master)
+        if not replicas:
+            return (aioredis.Redis if aio else redis.Redis).from_pool(pool)
+        client = (AsyncReplicatedRedis if aio else ReplicatedRedis)(connection_pool=pool)
+        client.auto_close_connection_pool = True  # as from_pool: the client owns its pool
+        client.wait_replicas = replicas
+        return client
 
-def _sentinel_client(t: Target, sentinel: Any, plain: Any, replicated: Any) -> Any:
-    manager = sentinel.Sentinel(t.sentinels, sentinel_kwargs=t.sentinel_kwargs)
-    pool = sentinel.SentinelConnectionPool(t.service, manager, is_master=True, db=t.db, **t.master_kwargs)
-    if not t.wait_replicas:
-        return plain.from_pool(pool)
-    client = replicated(connection_pool=pool)
-    client.auto_close_connection_pool = True  # as from_pool: the client owns its pool
-    client.wait_replicas = t.wait_replicas
-    return client
+    return sentinel_client
 
 
 def connect(url: str) -> redis.Redis:
     """A sync client (RQ and the CLI): raw bytes, no decoding."""
-    t = parse(url)
-    if t.sentinels:
-        return _sentinel_client(t, redis.sentinel, redis.Redis, ReplicatedRedis)
-    extra: dict[str, Any] = {"connection_class": _TimedSSLConnection} if t.scheme == "rediss" else {}
-    return redis.Redis.from_url(t.url, **_defaults(t.scheme), **extra)
+    return parse(url)(False)
 
 
 def connect_async(url: str) -> aioredis.Redis:
-    """An asyncio client (asyncio's TLS handshake is inside redis-py's connect timeout)."""
-    t = parse(url)
-    if t.sentinels:
-        return _sentinel_client(t, aiosentinel, aioredis.Redis, AsyncReplicatedRedis)
-    return aioredis.Redis.from_url(t.url, **_defaults(t.scheme))
+    return parse(url)(True)
 
 
 def describe_error(url: str, exc: Exception) -> str:
@@ -263,12 +235,10 @@ def online_replicas(info: Any) -> int:
     return (info.decode() if isinstance(info, bytes) else str(info)).count("state=online")
 
 
-def _wanted(conn: Any, least: int) -> int | None:
-    """The replicas to WAIT for; None: INFO replication must be read first (the count is stale)."""
+def _stale(conn: Any) -> bool:
+    """Whether the connection's count of online replicas must be read again (INFO replication)."""
     counted = getattr(conn, "genq_replicas", None)
-    if counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S:
-        return None
-    return max(least, counted[1])
+    return counted is None or time.monotonic() - counted[0] >= REPLICAS_EVERY_S
 
 
 def _check(conn: Any, acked: Any, want: int) -> None:
@@ -281,20 +251,18 @@ def _check(conn: Any, acked: Any, want: int) -> None:
 
 
 def _wait(conn: Any, least: int) -> None:
-    if (want := _wanted(conn, least)) is None:
+    if _stale(conn):
         conn.send_command("INFO", "replication")
         conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
-        want = max(least, conn.genq_replicas[1])
-    conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
+    conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, conn.read_response(), want)
 
 
 async def _wait_async(conn: Any, least: int) -> None:
-    if (want := _wanted(conn, least)) is None:
+    if _stale(conn):
         await conn.send_command("INFO", "replication")
         conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
-        want = max(least, conn.genq_replicas[1])
-    await conn.send_command("WAIT", want, WAIT_TIMEOUT_MS)
+    await conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, await conn.read_response(), want)
 
 
@@ -337,26 +305,26 @@ class AsyncReplicatedPipeline(aioclient.Pipeline):
     _execute_pipeline = _waits_async(aioclient.Pipeline._execute_pipeline, _each)
 
 
-class ReplicatedRedis(redis.Redis):
+class _Replicated:
     """A client whose writes are on `wait_replicas` replicas (at least) before they return."""
 
     wait_replicas = 1
+    pipeline_class: Any
+
+    def pipeline(self: Any, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = self.pipeline_class(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.wait_replicas = self.wait_replicas
+        return pipe
+
+
+class ReplicatedRedis(_Replicated, redis.Redis):
+    pipeline_class = ReplicatedPipeline
     _send_command_parse_response = _waits(redis.Redis._send_command_parse_response, _one)
 
-    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
-        pipe = ReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.wait_replicas = self.wait_replicas
-        return pipe
 
-
-class AsyncReplicatedRedis(aioredis.Redis):
-    wait_replicas = 1
+class AsyncReplicatedRedis(_Replicated, aioredis.Redis):
+    pipeline_class = AsyncReplicatedPipeline
     _send_command_parse_response = _waits_async(aioredis.Redis._send_command_parse_response, _one)
-
-    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
-        pipe = AsyncReplicatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.wait_replicas = self.wait_replicas
-        return pipe
 
 
 # --------------------------------------------------------------------------- what Redis refuses
@@ -398,15 +366,11 @@ def refusal(exc: BaseException | None) -> tuple[str, str] | None:
     return None
 
 
-def trouble(exc: BaseException, otherwise: str = "Redis unreachable") -> str:
-    """A failed Redis call in a log line: a refusal named with its fix, else `otherwise`."""
+def in_words(exc: BaseException, otherwise: str | None = None) -> str:
+    """A failed Redis call in a log line: a refusal named with its fix (not Redis's text, which quotes the
+    sha), else `otherwise`, else the error."""
     found = refusal(exc)
-    return f"{found[0]} ({found[1]})" if found else otherwise
-
-
-def in_words(exc: BaseException) -> str:
-    """A failed write in a log line: a refusal with its fix (not Redis's text, which quotes the sha)."""
-    return trouble(exc, f"{type(exc).__name__}: {exc}")
+    return f"{found[0]} ({found[1]})" if found else otherwise or f"{type(exc).__name__}: {exc}"
 
 
 def redis_note(info: dict[str, Any]) -> RedisNote | None:
@@ -452,8 +416,7 @@ class LocalRedis:
     for the caller does not kill it first); answers PING when constructed; `stop()` (or `with`) ends it
     and removes its folder. `extra`: redis-server arguments after the defaults."""
 
-    def __init__(self, *extra: str, db: int = 0, log: IO[bytes] | int = subprocess.DEVNULL,
-                 start_timeout_s: float = 10.0) -> None:
+    def __init__(self, *extra: str, db: int = 0, log: IO[bytes] | int = subprocess.DEVNULL) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.dir, self.port = tempfile.mkdtemp(prefix="genq-redis-"), free_port()
@@ -462,7 +425,7 @@ class LocalRedis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.conn = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + start_timeout_s
+        deadline = time.monotonic() + 10
         while not self._answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -17,7 +17,7 @@ from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
-from genq.core.ledger.figures import JobStatus, job_status, job_totals
+from genq.core.ledger.figures import JobStatus, job_status
 from genq.core.order import order_queue
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
@@ -143,10 +143,10 @@ def update_control(conn: redis.Redis, name: str, **change: Any) -> Control:
 def pause(conn: redis.Redis, job: str | None = None) -> None:
     """Stop dispatching new requests (all jobs, or one); in-flight requests finish."""
     if job is None:
-        ledger_jobs.pause_all(conn)
+        ledger_jobs.pause(conn)
         suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
     else:  # its batches leave RQ's queue and its workers park theirs: their slots go to other jobs
-        ledger_jobs.pause_job(conn, job)
+        ledger_jobs.pause(conn, job)
         leasing.unqueue(conn, job)
     ledger_fleet.tell_idle_workers(conn)
 
@@ -155,10 +155,10 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
     """Undo a pause; with a job, also lift its block and queue its parked batches: how many."""
     queued = 0
     if job is None:
-        ledger_jobs.resume_all(conn)
+        ledger_jobs.resume(conn)
         suspend_loops(conn, suspended=False)
     else:
-        ledger_jobs.lift_block(conn, job)
+        ledger_jobs.resume(conn, job)
         if queued := leasing.requeue_parked(conn, job):
             order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)
@@ -166,20 +166,20 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
 
 
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
-    """Totals per job from the counters of record (genq.core.ledger.figures)."""
+    """Totals per job from the counters of record (genq.core.ledger.jobs.counts)."""
     names = list_jobs(conn) if names is None else list(names)
     paused_all, fleet_names = ledger_jobs.paused_all(conn), ledger_fleet.worker_names(conn)
     rows = []
     for job, now in zip(names, ledger_jobs.jobs_now(conn, names)):
-        t, config = job_totals(conn, job, fleet_names), now.config
-        total, batches = int(t.stats.get(b"total", 0)), int(t.stats.get(b"batches", 0))
+        t, config = ledger_jobs.counts(conn, job, fleet_names), now.config
+        total, batches, done = t.total, t.batches, t.completed
         paused = paused_all or now.paused
-        state = job_status(total=total, finished=t.done + t.dead, batches=batches, batches_done=t.batches_done,
-                           paused=paused, started=bool(t.inflight) or t.done + t.dead > 0, failed=t.dead,
+        state = job_status(total=total, finished=done + t.dead, batches=batches, batches_done=t.done,
+                           paused=paused, started=bool(t.inflight) or done + t.dead > 0, failed=t.dead,
                            blocked=now.blocked is not None)
         rows.append(JobRow(
-            name=job, state=state, paused=paused, total=total, done=t.done, failed=t.dead,
-            remaining=max(0, total - t.done - t.dead), batches=batches, batches_done=t.batches_done,
+            name=job, state=state, paused=paused, total=total, done=done, failed=t.dead,
+            remaining=max(0, total - done - t.dead), batches=batches, batches_done=t.done,
             workers=list(t.inflight), output=config.output if config else None, blocked=now.blocked,
             settings_version=config.settings_version if config else 1, priority=now.schedule.priority,
             weight=now.schedule.weight, running=sum(len(r.tokens) for r in t.inflight.values())))

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from genq.core import scripts
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.queueing import batch_number, list_jobs, load_config, stage_config
+from genq.core.queueing import batch_number, list_jobs, load_config, save_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, JobRecord, Prompt, Result, ShardMarker
 from genq.core.words import plural
 from genq.ops.control import Refused, settings_from_output
@@ -114,7 +114,7 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
     with conn.pipeline(transaction=True) as pipe:
         if orphans:
             pipe.delete(*orphans)
-        stage_config(pipe, config)
+        save_config(pipe, config)
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]

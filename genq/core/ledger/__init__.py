@@ -1,9 +1,6 @@
-"""genq's ledger: the truth about every batch; RQ only carries batches (docs/exactly-once.md).
-
-A batch is done (in keys.job_done), carried (keys.job_transport names a live RQ job: queued, or
-started by a live engine holding its lease), or stranded: the reconciler queues it again. A lease is
-one delivery of a batch to one engine ("TOKEN INSTANCE" in keys.job_leases).
-"""
+"""genq's ledger, the truth about every batch (docs/exactly-once.md): a batch is done, carried (its RQ job is
+queued, or started by a live engine holding its lease), or stranded, and then queued again. A lease is one
+delivery of a batch to one engine ("TOKEN INSTANCE" in keys.job_leases); RQ only carries batches."""
 
 from __future__ import annotations
 
@@ -26,13 +23,11 @@ log = logging.getLogger("genq.ledger")
 
 
 def lease_token(value: bytes | str | None) -> str | None:
-    text = value.decode() if isinstance(value, bytes) else value
-    return None if text is None else text.partition(" ")[0]
+    return None if value is None else (value.decode() if isinstance(value, bytes) else value).partition(" ")[0]
 
 
 def lease_holder(value: bytes | str | None) -> str | None:
-    text = value.decode() if isinstance(value, bytes) else value
-    return (text or "").partition(" ")[2] or None
+    return (value.decode() if isinstance(value, bytes) else value or "").partition(" ")[2] or None
 
 
 @dataclass
@@ -61,9 +56,9 @@ class Reconciler:
         """One pass over every job. `force` skips the fleet lock (a burst worker deciding to exit)."""
         outlook = Outlook()
         if not force and not self.conn.set(keys.RECONCILE_LOCK, self.owner, nx=True, px=int(RECONCILE_EVERY_S * 900)):
-            outlook.pending = self.pending()
+            outlook.pending = {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
             return outlook
-        queued = self._queued_ids()
+        queued = set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
         now = time.monotonic()
         seen: set[tuple[str, str, str | None]] = set()
         for job in list_jobs(self.conn):
@@ -151,16 +146,10 @@ class Reconciler:
                         "their batches are queued again", dropped)
         return dropped
 
-    def pending(self) -> dict[str, list[str]]:
-        return {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
-
     def _pending_of(self, job: str) -> list[str]:
         if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
             return []  # blocked or paused (worker/gate.py): its batches wait, parked, for `genq resume --job`
         return pending_batches(self.conn, job)
-
-    def _queued_ids(self) -> set[bytes]:
-        return set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
         """Whether each batch's RQ job carries it: queued, or started by a live engine holding its lease."""
@@ -174,8 +163,7 @@ class Reconciler:
         def live(rq_id: str | None, holder: str | None) -> bool:
             if rq_id and rq_id.encode() in queued:
                 return True
-            job = jobs.get(rq_id) if rq_id else None
-            if job is None:
+            if (job := jobs.get(rq_id or "")) is None:
                 return False
             status = job.get_status(refresh=False)
             if status == "started":

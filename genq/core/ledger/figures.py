@@ -194,7 +194,7 @@ class JobSnapshot:
 
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
-             queued: int = 0, rq_queued: int = 0, now: float | None = None) -> JobSnapshot | None:
+             queued: int = 0, rq_queued: int = 0) -> JobSnapshot | None:
     """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued and
     rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
     if workers is None:
@@ -219,7 +219,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
     if shards and scripts.SHARD_RECORDS.encode() not in stats:
         # Shards written by a genq that kept no totals: count them once, and keep the totals.
         scripts.evaluate(conn, scripts.COUNT_SHARDS, scripts.count_shards_call(job))
-        stats = jobs.job_stats(conn, job)
+        stats = conn.hgetall(keys.job_stats(job))
     config = unpack(raw_config, JobConfig) if raw_config else None
     members = {w.decode() for w in members}
     names = sorted(set(workers) | members)
@@ -228,16 +228,14 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
             pipe.hgetall(keys.worker_stats(job, name))
             pipe.get(keys.job_inflight(job, name))
         replies = pipe.execute()
-    views: list[WorkerView] = []
-    for i, name in enumerate(names):
-        status, raw_inflight = workers.get(name), replies[2 * i + 1]
-        # Shown for this job: it has counters here, or it is working on it, or it is alive.
-        if name in members or raw_inflight is not None or (status is not None and status.state != "stopped"):
-            views.append(WorkerView(name, status, WorkerCounters.of(replies[2 * i]),
-                                    unpack(raw_inflight, InFlight) if raw_inflight else None))
+    # Shown for this job: it has counters here, or it is working on it, or it is alive.
+    views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
+                                    unpack(raw_inflight, InFlight) if raw_inflight else None)
+                         for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
+             if v.name in members or v.inflight is not None or v.live]
     created = stats.get(b"created_at")
     return JobSnapshot(
-        job=job, at=now if now is not None else time.time(), config=config,
+        job=job, at=time.time(), config=config,
         total=int(stats.get(b"total") or 0), created_at=float(created) if created else None,
         batches_total=int(n_batches), batches_done=int(n_done),
         batches_held=_held_batches(conn, job, views, config.batch_size if config else 0),
@@ -278,33 +276,6 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
             pipe.exists(keys.batch(job, bid))
         alive = pipe.execute()
     return held + sum(1 for i in range(len(unnamed)) if alive[2 * i] and alive[2 * i + 1])
-
-
-@dataclass
-class JobTotals:
-    """A job's row in `genq jobs`."""
-
-    stats: dict[bytes, bytes]
-    dead: int
-    batches_done: int
-    done: int  # prompts its workers finished
-    inflight: dict[str, InFlight]  # of the given workers, those working on it now
-
-
-def job_totals(conn: redis.Redis, job: str, fleet: list[str]) -> JobTotals:
-    workers = sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.job_stats(job))
-        pipe.hlen(keys.job_dlq(job))
-        pipe.scard(keys.job_done(job))
-        for w in workers:
-            pipe.hget(keys.worker_stats(job, w), "done")
-        for w in fleet:
-            pipe.get(keys.job_inflight(job, w))
-        stats, dead, batches_done, *rest = pipe.execute()
-    return JobTotals(stats=stats, dead=int(dead), batches_done=int(batches_done),
-                     done=sum(int(v or 0) for v in rest[: len(workers)]),
-                     inflight={w: unpack(raw, InFlight) for w, raw in zip(fleet, rest[len(workers):]) if raw})
 
 
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str

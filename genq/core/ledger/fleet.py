@@ -67,10 +67,7 @@ def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int,
 
 
 async def stopped(conn: aioredis.Redis, instance: str, name: str) -> None:
-    async with conn.pipeline(transaction=False) as pipe:
-        pipe.delete(keys.engine_alive(instance))
-        pipe.delete(keys.worker_control(name))
-        await pipe.execute()
+    await conn.delete(keys.engine_alive(instance), keys.worker_control(name))
 
 
 async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tuple[Control, bool, set[str]]:

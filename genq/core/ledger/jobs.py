@@ -17,7 +17,7 @@ from redis.client import Pipeline
 from genq.core import keys
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
 from genq.core.ledger import lease_holder
-from genq.core.records import JobBlock, JobConfig, JobSchedule, pack, unpack
+from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, pack, unpack
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -65,22 +65,18 @@ def _config(raw: bytes | None) -> JobConfig | None:
         return None
 
 
-def pause_all(conn: redis.Redis) -> None:
-    """`genq pause`: no worker sends a new request of any job (the flag holds when it was set)."""
-    conn.set(keys.PAUSED, repr(time.time()))
+def pause(conn: redis.Redis, job: str | None = None) -> None:
+    """`genq pause [--job]`: no worker sends a new request of any job, or of `job` (the flag holds when)."""
+    conn.set(keys.PAUSED if job is None else keys.job_paused(job), repr(time.time()))
 
 
-def resume_all(conn: redis.Redis) -> None:
-    conn.delete(keys.PAUSED)
+def resume(conn: redis.Redis, job: str | None = None) -> None:
+    """`genq resume [--job]`: the fleet-wide pause, or the job's block and pause, lifted in one DEL."""
+    conn.delete(*([keys.PAUSED] if job is None else [keys.job_blocked(job), keys.job_paused(job)]))
 
 
 def paused_all(conn: redis.Redis) -> bool:
     return bool(conn.exists(keys.PAUSED))
-
-
-def pause_job(conn: redis.Redis, job: str) -> None:
-    """`genq pause --job`: its prompts are not sent (its batches are parked: worker/gate.py)."""
-    conn.set(keys.job_paused(job), repr(time.time()))
 
 
 async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
@@ -89,11 +85,6 @@ async def block_job(conn: aioredis.Redis, job: str, record: JobBlock) -> None:
         pipe.set(keys.job_blocked(job), pack(record), nx=True)
         pipe.set(keys.job_paused(job), repr(time.time()))
         await pipe.execute()
-
-
-def lift_block(conn: redis.Redis, job: str) -> None:
-    """`genq resume --job`: the job's block and pause lifted, in one DEL."""
-    conn.delete(keys.job_blocked(job), keys.job_paused(job))
 
 
 async def job_names(conn: aioredis.Redis) -> list[str]:
@@ -152,21 +143,26 @@ class JobCounts:
     batches: int  # batches counted in the job's stats (less those purged)
     done: int  # batches whose shard is written
     dead: int  # dead letters
+    completed: int = 0  # prompts its workers finished (read with `fleet`)
+    inflight: dict[str, InFlight] = field(default_factory=dict)  # of `fleet`, the workers on it now
 
 
-def counts(conn: redis.Redis, job: str) -> JobCounts:
+def counts(conn: redis.Redis, job: str, fleet: list[str] | None = None) -> JobCounts:
+    """The job's counts; given the fleet's worker names (`genq jobs`), also its workers' figures."""
+    workers = [] if fleet is None else sorted(w.decode() for w in conn.smembers(keys.job_workers(job)))
     with conn.pipeline(transaction=False) as pipe:
         pipe.hmget(keys.job_stats(job), ["total", "batches"])
         pipe.zcard(keys.job_batches(job))
         pipe.scard(keys.job_done(job))
         pipe.hlen(keys.job_dlq(job))
-        (total, batches), listed, done, dead = pipe.execute()
-    return JobCounts(total=int(total or 0), batches_total=int(listed), batches=int(batches or 0),
-                     done=int(done), dead=int(dead))
-
-
-def job_stats(conn: redis.Redis, job: str) -> dict[bytes, bytes]:
-    return conn.hgetall(keys.job_stats(job))
+        for w in workers:
+            pipe.hget(keys.worker_stats(job, w), "done")
+        for w in fleet or []:
+            pipe.get(keys.job_inflight(job, w))
+        (total, batches), listed, done, dead, *rest = pipe.execute()
+    return JobCounts(total=int(total or 0), batches_total=int(listed), batches=int(batches or 0), done=int(done),
+                     dead=int(dead), completed=sum(int(v or 0) for v in rest[:len(workers)]),
+                     inflight={w: unpack(raw, InFlight) for w, raw in zip(fleet or [], rest[len(workers):]) if raw})
 
 
 def batches_counted(conn: redis.Redis, jobs: list[str]) -> list[int]:
@@ -206,8 +202,7 @@ def stage_last_batch_number(pipe: Pipeline, job: str, number: int) -> None:
     pipe.set(keys.job_batch_seq(job), number)
 
 
-def job_keys_shown(job: str) -> str:
-    return keys.job_keys_pattern(job)
+job_keys_shown = keys.job_keys_pattern
 
 
 def find_job_keys(conn: redis.Redis, job: str) -> list[str]:

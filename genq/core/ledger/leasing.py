@@ -40,10 +40,7 @@ async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]
     async with conn.pipeline(transaction=True) as pipe:
         pipe.sismember(keys.job_done(ref.job), ref.batch)
         pipe.get(keys.job_config(ref.job))
-        if ids:
-            pipe.exists(keys.batch(ref.job, ref.batch))
-        else:
-            pipe.get(keys.batch(ref.job, ref.batch))
+        (pipe.exists if ids else pipe.get)(keys.batch(ref.job, ref.batch))
         pipe.hvals(keys.batch_results(ref.job, ref.batch))
         if ids:
             pipe.hmget(keys.job_dlq(ref.job), ids)

@@ -42,12 +42,9 @@ def lua_list(items: Iterable[bytes | str | int]) -> bytes:
     return _head(len(raws), 0x90, 16, (0xDC, 2, 0xDD, 4)) + body
 
 
-def load(name: str, _within: tuple[str, ...] = ()) -> str:
-    """NAME.lua with its `-- #include` lines expanded (a circle is an error)."""
-    if name in _within:
-        raise ValueError(f"Lua include circle: {' -> '.join((*_within, name))}")
-    text = (HERE / f"{name}.lua").read_text()
-    return _INCLUDE.sub(lambda m: load("_" + m.group(1), (*_within, name)), text)
+def load(name: str) -> str:
+    """NAME.lua with its `-- #include` lines expanded."""
+    return _INCLUDE.sub(lambda m: load("_" + m.group(1)), (HERE / f"{name}.lua").read_text())
 
 
 RQ_JOB_PREFIX = "rq:job:"  # RQ's job hash prefix
