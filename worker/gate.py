@@ -1,8 +1,6 @@
-"""Whether a job's prompts may be sent here (`Gate.why_not`): the operator's controls, as the heartbeat
-last read them; the brake, which blocks a job whose requests keep failing the same way (a wrong setting
-would otherwise dead-letter the whole job, prompt by prompt); and parking, which ends the leases of a
-blocked or paused job's batches with no RQ job carrying them until `genq resume --job`. docs/settings.md.
-"""
+"""Whether a job's prompts may be sent here (`Gate.why_not`): the operator's controls; the brake, which blocks a
+job whose requests keep failing the same way (not dead-lettering it prompt by prompt); and parking, which ends a
+blocked or paused job's leases with no RQ job until `genq resume --job` (docs/settings.md)."""
 
 from __future__ import annotations
 
@@ -69,7 +67,6 @@ class _Held:
 @dataclass
 class JobWindow:
     """One job's recent outcomes on this engine: (signature, or None for a result; prompt id)."""
-
     outcomes: deque[tuple[str | None, str]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     held: list[_Held] = field(default_factory=list)
 
@@ -79,21 +76,18 @@ class Gate:
                  watch: ServerWatch | None) -> None:
         self.batches = batches  # admits, dead-letters and parks
         self.conn, self.sync_conn, self.worker, self.held = batches.conn, batches.sync_conn, batches.worker, batches.held
-        self.controller = controller
-        self.watch = watch  # the server's context, for the preflight
-        self.paused_all = False
+        self.controller, self.watch = controller, watch  # watch: the server's context, for the preflight
+        self.paused_all = self.draining = False
         self.paused_jobs: set[str] = set()
-        self.draining = False
-        # When the heartbeat last checked the leases (monotonic): a gap longer than a lease survives
-        # (a frozen process) stops dispatch until they are checked again.
+        # When the heartbeat last checked the leases: a longer gap than a lease survives (a frozen process)
+        # stops dispatch until they are checked again.
         self.last_beat = time.monotonic()
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
         self.trips: dict[str, JobBlock] = {}  # blocks the brake tripped, stored by `run`
         self.tripped = asyncio.Event()
         self.pausing: set[str] = set()  # paused jobs being parked here
-        # When this engine's block of a job landed in Redis (inf while it is stored): a read asked
-        # before says nothing of a lift.
+        # When this engine's block of a job landed in Redis (inf while stored): a read asked before says no lift.
         self._landed_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -111,7 +105,7 @@ class Gate:
         """The operator's controls for these jobs, applied; True if one changed."""
         assert self.controller is not None
         control, paused, paused_jobs = await fleet.read_controls(self.conn, self.worker, jobs)
-        changed = False
+        changed = paused != self.paused_all or paused_jobs != self.paused_jobs
         if control.drain and not self.draining:
             log.info("drain requested: finishing held batches, taking no new ones")
             self.draining = changed = True
@@ -125,7 +119,6 @@ class Gate:
         for word, jobs_now in (("paused", paused_jobs - self.paused_jobs), ("resumed", self.paused_jobs - paused_jobs)):
             if jobs_now:
                 log.info("%s: %s", word, ", ".join(sorted(jobs_now)))
-        changed = changed or paused != self.paused_all or paused_jobs != self.paused_jobs
         self.paused_all, self.paused_jobs = paused, paused_jobs
         return changed
 
@@ -136,8 +129,7 @@ class Gate:
             self.judge(task.batch.ref.job)
 
     def failed(self, task: Task, failure: Failure) -> bool:
-        """A non-retryable failure: True if the brake takes it (held, or its job blocked: the prompt
-        stays unfinished), False to dead-letter it now (also with `genq jobs set JOB --no-brake`)."""
+        """A non-retryable failure: True if the brake holds it (or its job is blocked), False to dead-letter it."""
         job = task.batch.ref.job
         if job in self.blocked:
             return True
@@ -172,7 +164,7 @@ class Gate:
         window.held = keep
 
     def judge_all(self) -> None:
-        """Held failures past HOLD_S go to the dead-letter queue (called about once a second)."""
+        """Held failures past HOLD_S go to the dead-letter queue."""
         for job in [j for j, w in self.windows.items() if w.held]:
             self.judge(job)
 
@@ -191,8 +183,7 @@ class Gate:
         self.tripped.set()
 
     def reset(self, job: str) -> None:
-        """New settings, or resumed: old outcomes are no evidence; held ones are dead-lettered as they
-        would have been."""
+        """New settings, or resumed: old outcomes are no evidence; held ones are dead-lettered."""
         for held in self.windows.pop(job, JobWindow()).held:
             self.batches.dead(held.task, held.failure)
 
@@ -207,8 +198,8 @@ class Gate:
             log.error("blocked-job handling failed", exc_info=task.exception())
 
     async def admit(self) -> None:
-        """Each loaded batch (Batches.arrived) is sent only if its job is neither blocked nor paused,
-        with the job's current settings, and past the preflight."""
+        """Each loaded batch (Batches.arrived) is sent with its job's settings now, unless blocked, paused or
+        failing the preflight."""
         while True:
             held, prompts = await self.batches.arrived.get()
             self._spawn(self._admit(held, prompts))
@@ -225,12 +216,15 @@ class Gate:
         problem = preflight(held.config, self.watch.info if self.watch else None)
         if problem is not None and self.watch:  # judged by what the server says now, not before a restart
             problem = preflight(held.config, await self.watch.reread())
-        if problem is not None:
-            log.error("job %s blocked before any request (preflight): %s", job, problem)
-            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
-                                     settings_version=held.config.settings_version))
-            return
-        self.batches.send(held, prompts)
+        if problem is None:
+            self.batches.send(held, prompts)
+        else:
+            self._block_preflight(job, held.config, problem, "before any request")
+
+    def _block_preflight(self, job: str, config: JobConfig, problem: str, when: str) -> None:
+        log.error("job %s blocked %s (preflight): %s", job, when, problem)
+        self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
+                                 settings_version=config.settings_version))
 
     def block(self, job: str, record: JobBlock) -> None:
         """Block `job` (the first reason stored wins) and park what this engine holds of it."""
@@ -254,8 +248,8 @@ class Gate:
                      job, taken, job)
 
     def _news(self, job: str, now: ledger_jobs.JobNow, asked: float) -> None:
-        """What Redis (read at `asked`) says of a job: blocked elsewhere, no longer blocked (not a read
-        from before our own block landed), newer settings."""
+        """What Redis (read at `asked`) says of a job: blocked elsewhere, no longer blocked (not by a read from
+        before our own block landed), newer settings."""
         if now.blocked and job not in self.blocked:
             log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
             self.blocked.add(job)
@@ -269,16 +263,19 @@ class Gate:
             self._settings(job, now.config)
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
-        """Park what this engine holds of the job (Batches.park): blocked, its requests in flight are
-        cancelled; paused (`cancel` False), they finish and are recorded."""
-        parked = await self.batches.park(job, cancel=cancel)
+        """Park what this engine holds of the job: blocked, its requests in flight are cancelled; paused
+        (`cancel` False), they finish and are recorded."""
+        try:
+            parked = await self.batches.park(job, cancel=cancel)
+        finally:
+            self.pausing.discard(job)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
 
     def _settings(self, job: str, stored: JobConfig) -> None:
-        """A newer settings version of a job this engine holds: every unsent prompt gets it."""
+        """A newer settings version of a job held here: every unsent prompt gets it."""
         stale = [h for h in [*self.held.values(), *self.held.borrowed.values()]
                  if h.ref.job == job and h.config.incarnation == stored.incarnation
                  and h.config.settings_version < stored.settings_version]
@@ -291,9 +288,7 @@ class Gate:
                  plural(len(stale), "batch", "batches"))
         problem = preflight(stored, self.watch.info if self.watch else None)
         if problem is not None and job not in self.blocked:
-            log.error("job %s blocked (preflight of its new settings): %s", job, problem)
-            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
-                                     settings_version=stored.settings_version))
+            self._block_preflight(job, stored, problem, "by its new settings")
 
     async def run(self) -> None:
         """Every second (at once on a trip): trips stored, paused jobs parked, jobs' news read."""
@@ -306,7 +301,7 @@ class Gate:
             # Paused jobs held here: parked once their requests in flight are done (docs/scheduling.md).
             for job in (self.paused_jobs & self.held.all_jobs()) - self.blocked - self.pausing:
                 self.pausing.add(job)
-                self._spawn(self._park_paused(job))
+                self._spawn(self.park_job(job, cancel=False))
             try:
                 jobs, asked = sorted(self.held.all_jobs() | self.blocked), time.monotonic()
                 for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs) if jobs else []):
@@ -314,9 +309,3 @@ class Gate:
             except (redis.RedisError, OSError) as exc:
                 log.debug("blocked/settings check skipped: %s", exc)
             self.judge_all()
-
-    async def _park_paused(self, job: str) -> None:
-        try:
-            await self.park_job(job, cancel=False)
-        finally:
-            self.pausing.discard(job)

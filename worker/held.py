@@ -1,7 +1,5 @@
-"""What an engine holds: leased batches, their prompts, and its claims (one sender per prompt: the
-holder claims a few ahead of its free slots, idle engines take the rest from the back). Claims keep two
-live engines off one prompt; exactly once is RECORD's (first writer wins).
-"""
+"""What an engine holds: leased batches, their prompts, and its claims, which keep two live engines off one
+prompt (the holder claims ahead of its free slots, idle engines steal from the back); exactly once is RECORD's."""
 
 from __future__ import annotations
 
@@ -106,9 +104,6 @@ class Claims:
     async def unclaim(self, held: HeldBatch, ids: Iterable[str] = ()) -> None:
         await self._unclaim(*scripts.unclaim_call(held.ref, self.instance, held.config.incarnation, ids))
 
-    async def finished_ids(self, ref: BatchRef, ids: list[str]) -> set[str]:
-        return set(await leasing.outcome_ids(self.conn, ref, ids))
-
     async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
         owners = await leasing.claim_owners(self.conn, ref, ids)
         return [o is not None and _text(o).partition(" ")[0] == self.instance for o in owners]
@@ -127,8 +122,7 @@ class RateWindow:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self._events: list[list[int]] = []  # [second, requests, tokens]: per second, not per request
-        self.done = 0
-        self.errors = 0
+        self.done = self.errors = 0
         self.job_errors: dict[str, int] = {}
         self.token_s: float | None = None  # seconds per output token of one request, moving average
         self.mean_tokens: float | None = None  # output tokens per request, moving average
@@ -143,11 +137,10 @@ class RateWindow:
     def add(self, tokens: int, latency_s: float | None = None) -> None:
         self.done += 1
         second = int(time.monotonic())
-        if self._events and self._events[-1][0] == second:
-            self._events[-1][1] += 1
-            self._events[-1][2] += tokens
-        else:
-            self._events.append([second, 1, tokens])
+        if not self._events or self._events[-1][0] != second:
+            self._events.append([second, 0, 0])
+        self._events[-1][1] += 1
+        self._events[-1][2] += tokens
         if latency_s is not None and tokens > 0:  # per-request speed (worker/stealing.py)
             a = SPEED_ALPHA
             per_token = latency_s / tokens

@@ -1,12 +1,7 @@
-"""The engine takes batches off RQ's queue itself (TAKE: the RQ job started under this engine's name
-and the batch leased in one script, so `rq info` stays truthful): while fewer than --prefetch are held,
-or (prefetch - 1) batches' worth is not left unsent, or the queue's next batch outranks what waits here.
-
-Priorities and fair share (docs/scheduling.md), Shares: which held prompts are claimed next (`plan`):
-the highest priority first; among equals, each claim to the job with the fewest claimed or in flight
-on the whole fleet over its weight. Every second while it holds anything, the engine publishes its
-counts per job, reads the others' (FLEET_SHARE), the held jobs' schedules and the queue's next batch.
-"""
+"""The engine takes batches off RQ's queue itself (TAKE: RQ job started and batch leased in one script): while
+fewer than --prefetch are held, or (prefetch - 1) batches' worth is not left unsent, or the queue's next batch
+outranks what waits here. Shares: which held prompts are claimed next, the highest priority first, then the job
+with the fewest claimed or in flight on the fleet over its weight (FLEET_SHARE; docs/scheduling.md)."""
 
 from __future__ import annotations
 
@@ -35,9 +30,7 @@ log = logging.getLogger("genq.worker")
 
 BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often,
 IDLE_POLL_S = 30.0  # or this often after a while: every queueing publishes a WAKE that ends the wait
-# Holding enough: whether that changed (prompts sent, a batch written) is a look at this engine's own
-# state, no Redis, this often; a fast server empties a batch well within BUSY_POLL_S.
-FULL_POLL_S = 0.05
+FULL_POLL_S = 0.05  # holding enough: whether that changed is a look at this engine's own state, no Redis
 FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
 RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
@@ -105,10 +98,9 @@ class Shares:
             self.sched[self.head] = (await ledger_jobs.jobs_now(self.conn, [self.head]))[0].schedule
 
     def wants_head(self, low: int = 1) -> bool:
-        """Whether the queue's next batch should be taken now although --prefetch are held: it outranks
-        what waits here, or ties it with fewer than `low` waiting (taken only once dry, the second of two
-        equal jobs started 38% of the prompts, tests/test_scheduling.py). The intake asks every
-        FULL_POLL_S: what waits is counted (every waiting prompt) only when the head is known."""
+        """Whether the queue's next batch should be taken now although --prefetch are held: it outranks what
+        waits here, or ties it with fewer than `low` waiting (taken only once dry, the second of two equal jobs
+        started 38% of the prompts, tests/test_scheduling.py). What waits is counted only once the head is known."""
         if self.head is None or not (waiting := self.batches.todo.by_job()):
             return False
         best = max(self.priority(j) for j in waiting)
@@ -117,22 +109,19 @@ class Shares:
 
     def plan(self, waiting: dict[str, int], n: int) -> list[tuple[str, int]]:
         """How many of n claims go to each job with prompts waiting, in the order to claim them."""
-        out: dict[str, int] = {}
-        load = self._mine()
-        for job, count in self.others.items():
-            load[job] = load.get(job, 0) + count
+        out: Counter[str] = Counter()
+        load = Counter(self._mine()) + Counter(self.others)
         for priority in sorted({self.priority(j) for j in waiting}, reverse=True):
             left = {j: k for j, k in waiting.items() if self.priority(j) == priority and k > 0}
             while n > 0 and left:
-                job = min(left, key=lambda j: (load.get(j, 0) / self.weight(j), j))
-                out[job] = out.get(job, 0) + 1
-                load[job] = load.get(job, 0) + 1
+                job = min(left, key=lambda j: (load[j] / self.weight(j), j))
+                out[job] += 1
+                load[job] += 1
                 n -= 1
                 left[job] -= 1
                 if not left[job]:
                     del left[job]
         return list(out.items())
-
 
 
 def run_batch(job: str, batch_id: str) -> None:
@@ -171,8 +160,7 @@ class Intake:
     async def run(self) -> None:
         # Redis away or refusing writes (full, a replica) at the start: waited out, as every write is.
         await retrying(lambda: asyncio.to_thread(self._rq_birth), "registering in rq info")
-        beat_at = time.monotonic()
-        quiet_since = time.monotonic()
+        beat_at = quiet_since = time.monotonic()
         try:
             while True:
                 if time.monotonic() - beat_at >= RQ_BEAT_S:
@@ -190,7 +178,8 @@ class Intake:
                     quiet_since = time.monotonic()
                     continue
                 idle = time.monotonic() - quiet_since > 10 * BUSY_POLL_S
-                await self._wait(IDLE_POLL_S if idle else BUSY_POLL_S)
+                await wait_event(self.queued, IDLE_POLL_S if idle else BUSY_POLL_S)
+                self.queued.clear()
         finally:
             try:
                 await asyncio.to_thread(self._rq.register_death)
@@ -198,12 +187,13 @@ class Intake:
                 pass  # its key lapses within RQ_TTL_S
 
     async def take(self) -> bool:
-        """TAKE one batch this engine may run, and load it; False if the queue has none. A TAKE whose
-        answer was lost is sent again with the same token and answers the batch the first one took."""
+        """TAKE one batch this engine may run, and load it; False if the queue has none. A TAKE whose answer was
+        lost is sent again with the same token and answers the batch the first one took."""
         await retrying(self._refresh_foreign, "reading the jobs")
         token = uuid.uuid4().hex
         skip = sorted(self.foreign | self.batches.unwritten_jobs())
-        script_keys, args = scripts.take_call(self.instance, token, _rq_now(), skip)
+        rq_now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())  # as RQ writes it (rq.utils.utcformat)
+        script_keys, args = scripts.take_call(self.instance, token, rq_now, skip)
         got = await retrying(lambda: self._take(keys=script_keys, args=args), "taking a batch")
         if not got:
             return False
@@ -246,11 +236,3 @@ class Intake:
         self._rq.set_state("busy" if self.held else "idle")
         self._rq.heartbeat(RQ_TTL_S)
 
-    async def _wait(self, seconds: float) -> None:
-        await wait_event(self.queued, seconds)
-        self.queued.clear()
-
-
-def _rq_now() -> str:
-    """Now as RQ writes its timestamps (rq.utils.utcformat)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())

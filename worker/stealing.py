@@ -1,8 +1,6 @@
-"""The end of the queue on a fleet (docs/scheduling.md): once RQ's queue is empty, free slots take
-("borrow") unsent prompts from the back of other engines' batches, and a slow engine holds back while
-every unsent prompt of the fleet ends sooner on faster ones: U <= SPREAD x sum_v slots_v / L_v x
-(L_me - L_v), L the mean request time (WorkerStatus.token_s x mean_tokens).
-"""
+"""The end of the queue (docs/scheduling.md): once RQ's queue is empty, free slots borrow unsent prompts from the
+back of other engines' batches, and a slow engine holds back while the fleet's unsent prompts end sooner on faster
+ones: U <= SPREAD x sum_v slots_v / L_v x (L_me - L_v), L the mean request time (token_s x mean_tokens)."""
 
 from __future__ import annotations
 
@@ -77,8 +75,7 @@ def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
 class Stealer:
     def __init__(self, queue_key: str, batches: Batches, dispatcher: Dispatcher, pace: IdlePace) -> None:
         self.conn, self.name, self.instance, self.queue_key = batches.conn, batches.worker, batches.instance, queue_key
-        self.batches, self.held = batches, batches.held  # borrowed prompts are held and given back through it
-        self.dispatcher, self.gate = dispatcher, dispatcher.gate
+        self.batches, self.held, self.dispatcher, self.gate = batches, batches.held, dispatcher, dispatcher.gate
         self.pace = pace  # an idle stealer naps (worker/heartbeat.py)
         # Prompts of batches looked at, by batch, job incarnation and settings version.
         self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
@@ -128,9 +125,9 @@ class Stealer:
         took = 0
         unwritten = self.batches.unwritten_jobs()
         for ref, holder, config in await self._leased_elsewhere():
-            if ref.job in unwritten or await self.dispatcher.watch.servable_config(ref.job) is None:
-                continue  # its shards cannot be written here now, or another model's job
-            if (prompts := await self._batch(ref, config)) is None:
+            # Its shards cannot be written here now, or another model's job, or its input unreadable: skipped.
+            if (ref.job in unwritten or await self.dispatcher.watch.servable_config(ref.job) is None
+                    or (prompts := await self._batch(ref, config)) is None):
                 continue
             ids = await self.batches.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)],
                                                   free)
@@ -141,12 +138,12 @@ class Stealer:
                 continue
             took += len(ids)
             free -= len(ids)
-            self._lend_here(ref, config, prompts, ids)
+            self._borrow(ref, config, prompts, ids)
             if free <= 0:
                 break
         return took
 
-    def _lend_here(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int]) -> None:
+    def _borrow(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int]) -> None:
         borrowed = self.held.borrowed.get(ref)
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
             self.batches.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
@@ -158,8 +155,8 @@ class Stealer:
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
-        """Batches other engines hold, with their job's settings now, the highest priority first
-        (docs/scheduling.md), holders mixed (idle engines spread over them), paused jobs left out."""
+        """Batches other engines hold with their job's settings now, the highest priority first, holders mixed
+        (idle engines spread over them), paused jobs left out."""
         names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.gate.paused_jobs]
         found = [(now.schedule.priority, BatchRef(job, batch), holder, now.config)
                  for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True))
@@ -173,13 +170,11 @@ class Stealer:
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
         cached = (ref, config.incarnation, config.settings_version)  # new settings: read again
         if cached not in self._batches:
-            raw = await leasing.batch_record(self.conn, ref)
-            loaded = None
-            if raw is not None:
-                try:
-                    loaded = await load_prompts(unpack(raw, BatchSource), config)
-                except Exception as exc:  # unreadable or changed input: its holder deals with it
-                    log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
+            raw, loaded = await leasing.batch_record(self.conn, ref), None
+            try:
+                loaded = None if raw is None else await load_prompts(unpack(raw, BatchSource), config)
+            except Exception as exc:  # unreadable or changed input: its holder deals with it
+                log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
             while len(self._batches) > BATCHES_CACHED:
                 self._batches.popitem(last=False)
@@ -221,14 +216,12 @@ class Stealer:
 
     def _bounded(self, hold: bool, active: bool) -> bool:
         """A hold lasts a few of this worker's request times at most: then this one sends them."""
-        if not active:
-            self._given_up = False
+        self._given_up = self._given_up and active
         if not hold:
             self._hold_since = None
             return False
         now = time.monotonic()
-        if self._hold_since is None:
-            self._hold_since = now
+        self._hold_since = now if self._hold_since is None else self._hold_since
         if now - self._hold_since > self._hold_limit_s:
             log.info("end of the queue: held back %.0fs and the faster workers took nothing; sending here",
                      now - self._hold_since)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
+from genq.core.ledger import leasing
 from genq.core.records import Prompt
 from genq.core.redisconn import in_words
 from genq.core.words import plural
@@ -55,9 +56,9 @@ class Todo:
         for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
             self.waiting.pop(held, None)
         eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
-        waiting: dict[str, int] = {}
+        waiting: Counter[str] = Counter()
         for held, tasks in eligible:
-            waiting[held.ref.job] = waiting.get(held.ref.job, 0) + len(tasks)
+            waiting[held.ref.job] += len(tasks)
         quota = plan(waiting, n) if plan is not None else [(j, n) for j in waiting]
         claimed: list[Task] = []
         try:
@@ -119,8 +120,24 @@ class Todo:
         return mine
 
     async def check_claims(self) -> None:
-        """After each heartbeat: claims lost while frozen, and lent prompts that came back."""
-        await self.verify_claims()
+        """After each heartbeat: claims other engines took while this one was frozen (lent if ours, else
+        forgotten), and lent prompts that came back."""
+        by_batch: dict[HeldBatch, list[Task]] = {}
+        for task in self.claimed():
+            by_batch.setdefault(task.batch, []).append(task)
+        lost: set[Task] = set()
+        for held, tasks in by_batch.items():
+            mine = await self.claims.mine(held.ref, [t.prompt.id for t in tasks])
+            lost.update(t for t, ok in zip(tasks, mine) if not ok)
+        if lost:
+            log.info("%s taken by other engines meanwhile: not sending them",
+                     plural(len(lost), "claimed prompt was", "claimed prompts were"))
+            self._remove(lambda t: t in lost)
+        for task in lost:
+            if task.batch.borrowed:
+                task.batch.unfinished.discard(task.prompt.id)
+            else:
+                self.lent.setdefault(task.batch, {})[task.prompt.id] = task
         back: list[Task] = []
         for held, lent in list(self.lent.items()):
             if held.dropped:
@@ -133,33 +150,10 @@ class Todo:
         self.ready.extendleft(reversed(back))
         self.wake.set()
 
-    async def verify_claims(self) -> None:
-        """Claimed prompts another engine took while this one was frozen: lent if ours, else forgotten."""
-        by_batch: dict[HeldBatch, list[Task]] = {}
-        for task in self.claimed():
-            by_batch.setdefault(task.batch, []).append(task)
-        lost: set[Task] = set()
-        for held, tasks in by_batch.items():
-            mine = await self.claims.mine(held.ref, [t.prompt.id for t in tasks])
-            lost.update(t for t, ok in zip(tasks, mine) if not ok)
-        if not lost:
-            return
-        log.info("%s taken by other engines meanwhile: not sending them",
-                 plural(len(lost), "claimed prompt was", "claimed prompts were"))
-        self._remove(lambda t: t in lost)
-        for task in lost:
-            if task.batch.borrowed:
-                task.batch.unfinished.discard(task.prompt.id)
-            else:
-                self.lent.setdefault(task.batch, {})[task.prompt.id] = task
-
     async def prune(self) -> None:
-        """Held back, this engine claims nothing and hears of no backlog prompt faster engines finished:
-        it looks (read only), their batch may be complete."""
-        for held, tasks in list(self.waiting.items()):
-            if held.dropped or not tasks:
-                continue
-            done = await self.claims.finished_ids(held.ref, [t.prompt.id for t in tasks])
+        """Held back, this engine hears of no backlog prompt faster engines finished: it looks (read only)."""
+        for held, tasks in [(h, t) for h, t in self.waiting.items() if t and not h.dropped]:
+            done = set(await leasing.outcome_ids(self.claims.conn, held.ref, [t.prompt.id for t in tasks]))
             if done:
                 kept = [t for t in tasks if t.prompt.id not in done]
                 tasks.clear()
@@ -167,8 +161,8 @@ class Todo:
                 self.finished(held.ref.job, held.ref.batch, sorted(done))
 
     async def give_back_ready(self, server_down: bool = False) -> int:
-        """Holding back: own claimed prompts never sent go back to the backlog's front, unclaimed, for
-        faster engines (server down: retried ones too, crash suspects aside); how many."""
+        """Holding back: own claimed prompts never sent go back to the backlog's front, unclaimed (server down:
+        retried ones too, crash suspects aside); how many."""
         mine = [t for t in itertools.chain(self.ready, (d[2] for d in self.delayed) if server_down else ())
                 if not t.batch.borrowed and not t.batch.dropped]
         back = mine if server_down else [t for t in mine if not t.attempts and not t.crashes and not t.lost]
@@ -181,12 +175,12 @@ class Todo:
             by_batch.setdefault(task.batch, []).append(task)
         for held, tasks in by_batch.items():
             self.waiting.setdefault(held, deque()).extendleft(reversed(tasks))
-        for held, tasks in by_batch.items():
+        for held, tasks in by_batch.items():  # after: none is lost to an error meanwhile
             await self.claims.unclaim(held, [t.prompt.id for t in tasks])
         return len(back)
 
     def let_go(self, task: Task) -> None:
-        """A claimed prompt of a let-go batch, not sent here: its claim goes at the dispatcher's next turn."""
+        """A claimed prompt of a let-go batch: its claim goes at the dispatcher's next turn."""
         self._let_go.setdefault(task.batch, set()).add(task.prompt.id)
         self.wake.set()
 

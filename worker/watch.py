@@ -1,9 +1,6 @@
-"""The server as the worker sees it: up or down, what it says of itself, its model, stalled requests.
-
-Down (a failed /health), another model or a smaller context: nothing is sent, no attempt counted, and
-it is polled until it answers as it was; after --server-down-timeout its batches go back (another
-model: at once). A job is for one model: `--model auto` is pinned to the first taker's server's.
-"""
+"""The server as the worker sees it. Down (a failed /health), another model or a smaller context: nothing is sent,
+no attempt counted, polled until it answers as it was; after --server-down-timeout its batches go back (another
+model: at once). A job is for one model: `--model auto` is pinned to the first taker's server's."""
 
 from __future__ import annotations
 
@@ -42,9 +39,8 @@ class ServerStartTimeout(Exception):
 
 
 class ServerWatch:
-    """Whether the server is up, as this watch alone decides (every other part reads it); its metrics
-    feed the controller; the watchdog cancels stalled requests. A job's model: `auto` pinned here,
-    other models' jobs turned away."""
+    """Whether the server is up, as this watch alone decides; its metrics feed the controller; the watchdog
+    cancels stalled requests."""
 
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
                  stopping: Stopping, batches: Batches) -> None:
@@ -68,7 +64,7 @@ class ServerWatch:
         return self.info.model if self.info else None
 
     async def wait_for_server(self, on_waiting: Callable[[str], Awaitable[None]]) -> ServerInfo | None:
-        """The server's info once it answers; None if stopped first. ServerStartTimeout after --server-start-timeout."""
+        """The server's info once it answers; None if stopped first."""
         started = time.monotonic()
         delay, next_note = 0.5, 0.0
         while not self.stopping.requested:
@@ -89,8 +85,7 @@ class ServerWatch:
         return None
 
     async def is_down(self) -> bool:
-        """Whether the server is down or not the one it was (another model, a smaller context): one
-        check for many failures. What else it says of itself (a larger context) is adopted."""
+        """Whether the server is down or not the one it was: one check for many failures."""
         if self.down:
             return True
         if self._check is None:
@@ -112,8 +107,7 @@ class ServerWatch:
         return self.info
 
     def _change(self, info: ServerInfo) -> str | None:
-        """How the server now differs in a way its prompts must not meet (another model, or none named; a
-        smaller context), or None: what it says is adopted (a context it did not tell this time is kept)."""
+        """How the server now differs in a way its prompts must not meet, or None: what it says is adopted."""
         old = self.info
         if old is not None and old.model is not None and info.model is None:
             return f"it did not say which model it serves now (/v1/models; it served {old.model})"
@@ -139,8 +133,8 @@ class ServerWatch:
         self._down.set()
 
     async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
-        """Polls a server that went down until it answers as it was; past --server-down-timeout (or
-        serving another model) what is held goes back through `hand_back_all`."""
+        """Polls a server that went down until it answers as it was; past --server-down-timeout (or serving
+        another model) what is held goes back."""
         url = self.opts.server_url
         while True:
             await self._down.wait()
@@ -185,15 +179,14 @@ class ServerWatch:
                 continue
             if (m := await self.client.metrics()) is None:
                 continue
-            self.metrics = m
-            before = self.controller.target
+            self.metrics, before = m, self.controller.target
             self.controller.observe(m, self.running.sequences, len(self.todo))
             if self.controller.target != before:
                 log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
                 self.todo.wake.set()
 
     async def watchdog(self) -> None:
-        """Cancel requests that stalled or ran too long; probe a server silent while holding requests."""
+        """Cancel requests that stalled or ran too long; probe a server silent with requests in flight."""
         opts = self.opts
         while True:
             await asyncio.sleep(1.0)
@@ -213,7 +206,6 @@ class ServerWatch:
                 if now - latest > SILENT_PROBE_S and not await self.client.healthy():
                     self._went_down(f"no output from {plural(len(self.running), 'request')} for {now - latest:.0f}s "
                                     "and /health fails")
-
 
     async def admit(self, config: JobConfig) -> JobConfig | None:
         """The job's settings (`auto` pinned to this server's model), or None: another model's job, or gone."""
@@ -238,22 +230,20 @@ class ServerWatch:
                         "or prompts", job, job_model, self.model)
 
     async def servable_config(self, job: str) -> JobConfig | None:
-        """The job's settings now if this worker may take its prompts (the stealer's view), else None."""
+        """The job's settings now if this worker may take its prompts, else None."""
         found = (await ledger_jobs.jobs_now(self.conn, [job]))[0].config
         if found is not None and not serves(found.model, self.model):
             await self.refuse(job, found.model)
             return None
         return found
 
+
 def serves(job_model: str, server_model: str | None) -> bool:
-    """Whether a server serving server_model may run a job for job_model; one that lists no model is
-    trusted (each record says what answered)."""
+    """Whether a server of server_model may run a job for job_model; one that lists none is trusted."""
     return job_model == AUTO or server_model is None or job_model == server_model
 
 
 def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list[str]:
     """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
-    if not jobs:
-        return []
     return [job for job, config in zip(jobs, [n.config for n in ledger_jobs.jobs_now(conn, jobs)], strict=True)
             if config is not None and serves(config.model, model)]
