@@ -24,7 +24,6 @@ from genq.core.waits import retrying, wait_event
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
 from genq.worker.options import WorkerOptions
-from genq.worker.watch import AUTO, serves
 
 log = logging.getLogger("genq.worker")
 
@@ -216,14 +215,10 @@ class Intake:
         """Jobs whose model is pinned to one this server does not serve."""
         if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
-        model = self.dispatcher.watch.model
         jobs = sorted(await job_names(self.conn))
-        foreign = {job: now.config.model for job, now in zip(jobs, await jobs_now(self.conn, jobs))
-                   if now.config is not None and now.config.model != AUTO and not serves(now.config.model, model)}
-        self.foreign = set(foreign)
+        self.foreign = {job for job, now in zip(jobs, await jobs_now(self.conn, jobs))
+                        if now.config is not None and not self.dispatcher.watch.takes(now.config)}
         self._foreign_at = time.monotonic()
-        for job, job_model in foreign.items():
-            await self.dispatcher.watch.refuse(job, job_model)
 
     def _rq_birth(self) -> None:
         try:

@@ -126,7 +126,7 @@ class Stealer:
         unwritten = self.batches.unwritten_jobs()
         for ref, holder, config in await self._leased_elsewhere():
             # Its shards cannot be written here now, or another model's job, or its input unreadable: skipped.
-            if (ref.job in unwritten or await self.dispatcher.watch.servable_config(ref.job) is None
+            if (ref.job in unwritten or not self.dispatcher.watch.takes(config)
                     or (prompts := await self._batch(ref, config)) is None):
                 continue
             ids = await self.batches.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)],

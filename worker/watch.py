@@ -218,24 +218,17 @@ class ServerWatch:
             if found is None:
                 return None
             config = found
-        if serves(config.model, model):
-            return config
-        await self.refuse(config.name, config.model)
-        return None
+        return config if self.takes(config) else None
 
-    async def refuse(self, job: str, job_model: str) -> None:
-        if job not in self._told:
-            self._told.add(job)
+    def takes(self, config: JobConfig) -> bool:
+        """Whether this server may run the job's prompts; another model's job is refused (said once)."""
+        if serves(config.model, self.model):
+            return True
+        if config.name not in self._told:
+            self._told.add(config.name)
             log.warning("job %s is for model %s; this worker's server serves %s: it takes none of its batches "
-                        "or prompts", job, job_model, self.model)
-
-    async def servable_config(self, job: str) -> JobConfig | None:
-        """The job's settings now if this worker may take its prompts, else None."""
-        found = (await ledger_jobs.jobs_now(self.conn, [job]))[0].config
-        if found is not None and not serves(found.model, self.model):
-            await self.refuse(job, found.model)
-            return None
-        return found
+                        "or prompts", config.name, config.model, self.model)
+        return False
 
 
 def serves(job_model: str, server_model: str | None) -> bool:
