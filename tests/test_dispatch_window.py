@@ -11,10 +11,9 @@ import pytest
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
 from genq.worker.controller import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
-from genq.worker.held import HeldBatch
+from genq.worker.held import HeldBatch, Todo
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion
-from genq.worker.todo import Todo
 
 TARGET = 8
 

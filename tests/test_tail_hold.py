@@ -15,9 +15,8 @@ import redis.asyncio as aioredis
 
 from genq.core import keys
 from genq.core.records import BatchRef, JobConfig, Prompt, WorkerStatus, pack
-from genq.worker.held import Claims, HeldBatch, Task
+from genq.worker.held import Claims, HeldBatch, Task, Todo
 from genq.worker.stealing import hold_back
-from genq.worker.todo import Todo
 
 
 def status(name: str, token_s: float, queued: int, beat_age_s: float = 0.0) -> WorkerStatus:

@@ -31,10 +31,9 @@ from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, writte
 from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
 from genq.producer.sources import InputChanged, load_prompts
 from genq.worker.controller import Running
-from genq.worker.held import Claims, HeldBatch, Holdings, Task
+from genq.worker.held import Claims, HeldBatch, Holdings, Task, Todo
 from genq.worker.results import ResultWriter
 from genq.worker.server import Failure
-from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 

@@ -18,10 +18,9 @@ from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
 from genq.worker.gate import Gate
-from genq.worker.held import RateWindow, Task
+from genq.worker.held import Plan, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
-from genq.worker.todo import Plan
 from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
