@@ -17,11 +17,10 @@ from genq.core.records import JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
-from genq.worker.gate import Gate
+from genq.worker.gate import Gate, ServerWatch
 from genq.worker.held import Plan, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
-from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 

@@ -31,7 +31,7 @@ from genq.producer.enqueue import queue_lost
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController, Running
 from genq.worker.dispatch import Dispatcher
-from genq.worker.gate import Gate
+from genq.worker.gate import Gate, ServerStartTimeout, ServerWatch
 from genq.worker.heartbeat import Heartbeat, IdlePace, WakeListener
 from genq.worker.held import Holdings
 from genq.worker.intake import Intake, Shares
@@ -39,7 +39,6 @@ from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient, ServerInfo
 from genq.worker.stealing import Stealer
-from genq.worker.watch import ServerStartTimeout, ServerWatch
 
 log = logging.getLogger("genq.worker")
 

@@ -6,6 +6,7 @@ with the fewest claimed or in flight on the fleet over its weight (FLEET_SHARE; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -180,10 +181,8 @@ class Intake:
                 await wait_event(self.queued, IDLE_POLL_S if idle else BUSY_POLL_S)
                 self.queued.clear()
         finally:
-            try:
+            with contextlib.suppress(redis.RedisError, OSError):  # else its key lapses within RQ_TTL_S
                 await asyncio.to_thread(self._rq.register_death)
-            except (redis.RedisError, OSError):
-                pass  # its key lapses within RQ_TTL_S
 
     async def take(self) -> bool:
         """TAKE one batch this engine may run, and load it; False if the queue has none. A TAKE whose answer was
@@ -221,10 +220,8 @@ class Intake:
         self._foreign_at = time.monotonic()
 
     def _rq_birth(self) -> None:
-        try:
+        with contextlib.suppress(ValueError):  # "an active worker named ...": a try before this one got that far
             self._rq.register_birth()
-        except ValueError:  # "an active worker named ..." : a try before this one got that far
-            pass
         self._rq_beat()
 
     def _rq_beat(self) -> None:
