@@ -42,8 +42,8 @@ def test_a_beat_old_count_is_taken_less_what_was_sent_since():
 def test_holding_back_gives_back_the_prompts_claimed_ahead(redis_url):
     job, ref = "hb", BatchRef("hb", "b0000001")
     config = JobConfig(name=job, output="/tmp", model="m", incarnation="i1")
-    own = HeldBatch(ref, "tok", config, 8, set())
-    other = HeldBatch(BatchRef(job, "b0000002"), "", config, 8, set(), borrowed=True)
+    own = HeldBatch(ref, "tok", config, set())
+    other = HeldBatch(BatchRef(job, "b0000002"), "", config, set(), borrowed=True)
     prompts = [Prompt(id=f"p{i}", index=i, prompt="x") for i in range(6)]
 
     async def go() -> tuple[int, list[str], list[str], set[str]]:

@@ -12,7 +12,7 @@ from genq.worker.held import HeldBatch, Task, Todo
 
 
 def held_batch(job: str) -> HeldBatch:
-    return HeldBatch(BatchRef(job, "b0000001"), "t", JobConfig(name=job, output="/tmp", model="m"), 4, set())
+    return HeldBatch(BatchRef(job, "b0000001"), "t", JobConfig(name=job, output="/tmp", model="m"), set())
 
 
 class SlowClaims:

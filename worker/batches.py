@@ -93,7 +93,7 @@ class Batches:
             log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
             await self.hand_back(ref, token)
             return
-        held = self.held[ref] = HeldBatch(ref, token, config, size=len(ids), unfinished=unfinished, prompts=prompts)
+        held = self.held[ref] = HeldBatch(ref, token, config, unfinished=unfinished, prompts=prompts)
         if finished:
             log.info("batch %s: %d of %s already done, not regenerating them", ref, len(finished),
                      plural(len(ids), "prompt"))

@@ -35,7 +35,6 @@ class HeldBatch:
     ref: BatchRef
     token: str  # the lease it was taken under (TAKE)
     config: JobConfig
-    size: int
     unfinished: set[str]
     completing: bool = False
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more

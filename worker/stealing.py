@@ -148,8 +148,7 @@ class Stealer:
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
             self.batches.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
-            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, size=len(prompts),
-                                                          unfinished=set(), borrowed=True)
+            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, unfinished=set(), borrowed=True)
         borrowed.unfinished |= set(ids)
         log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
