@@ -1,4 +1,4 @@
-"""worker/stealing.py: the slow worker's hold comes when the fleet's unsent prompts cross the line, not
+"""worker/intake.py: the slow worker's hold comes when the fleet's unsent prompts cross the line, not
 a beat or two later, and what it had claimed ahead goes to the faster workers.
 
 bench/fleet_tail.py --trace (2026-12-03) saw the half-speed server take its last prompt 1.2-1.6 s
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from genq.core import keys
 from genq.core.records import BatchRef, JobConfig, Prompt, WorkerStatus, pack
 from genq.worker.held import Claims, HeldBatch, Task, Todo
-from genq.worker.stealing import hold_back
+from genq.worker.intake import hold_back
 
 
 def status(name: str, token_s: float, queued: int, beat_age_s: float = 0.0) -> WorkerStatus:

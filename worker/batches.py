@@ -149,7 +149,7 @@ class Batches:
         """Outcomes recorded, by this engine or (lent prompts) another one."""
         ref = BatchRef(job, batch)
         held = self.held.get(ref)
-        if held is None:  # borrowed prompts (worker/stealing.py): their holder writes the shard
+        if held is None:  # borrowed prompts (worker/intake.py): their holder writes the shard
             if (borrowed := self.held.borrowed.get(ref)) is not None:
                 borrowed.unfinished.difference_update(ids)
                 if not borrowed.unfinished:

@@ -57,7 +57,7 @@ class Dispatcher:
         self.batches, self.writer, self.todo, self.running = batches, batches.writer, batches.todo, batches.running
         self.gate = gate  # the operator's controls, the brake, parking
         self.plan = plan  # which job's prompts are claimed next (Shares.plan, worker/intake.py)
-        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
+        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/intake.py)
         self.rates = RateWindow()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.observed = time.monotonic()  # when the server last answered anything, or was checked

@@ -34,11 +34,10 @@ from genq.worker.dispatch import Dispatcher
 from genq.worker.gate import Gate, ServerStartTimeout, ServerWatch
 from genq.worker.heartbeat import Heartbeat, IdlePace, WakeListener
 from genq.worker.held import Holdings
-from genq.worker.intake import Intake, Shares
+from genq.worker.intake import Intake, Shares, Stealer
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.results import ResultWriter
 from genq.worker.server import ServerClient, ServerInfo
-from genq.worker.stealing import Stealer
 
 log = logging.getLogger("genq.worker")
 

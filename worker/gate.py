@@ -111,11 +111,6 @@ class ServerWatch:
             self._went_down(why)
         return why is not None
 
-    async def reread(self) -> ServerInfo | None:
-        """What the server says of itself now (a preflight about to block a job: a larger context?)."""
-        await self.is_down()
-        return self.info
-
     def _change(self, info: ServerInfo) -> str | None:
         """How the server now differs in a way its prompts must not meet, or None: what it says is adopted."""
         old = self.info
@@ -168,7 +163,7 @@ class ServerWatch:
                     log.warning("server %s: %s; handing its batches back", url, change)
                     await hand_back_all(f"server now serves {info.model}")
                     self.info = info
-                elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/stealing.py)
+                elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/intake.py)
                     if (note := f"{change}: waiting for it as it was (--server-down-timeout)") != self.note:
                         log.warning("server %s: %s", url, note)
                     self.note = note
@@ -436,8 +431,9 @@ class Gate:
             await self.park_job(job, quiet=True, cancel=job in self.blocked)
             return
         problem = preflight(held.config, self.watch.info if self.watch else None)
-        if problem is not None and self.watch:  # judged by what the server says now, not before a restart
-            problem = preflight(held.config, await self.watch.reread())
+        if problem is not None and self.watch:  # judged by what the server says now (a larger context?)
+            await self.watch.is_down()
+            problem = preflight(held.config, self.watch.info)
         if problem is None:
             self.batches.send(held, prompts)
         else:

@@ -368,7 +368,7 @@ class RateWindow:
             self._events.append([second, 0, 0])
         self._events[-1][1] += 1
         self._events[-1][2] += tokens
-        if latency_s is not None and tokens > 0:  # per-request speed (worker/stealing.py)
+        if latency_s is not None and tokens > 0:  # per-request speed (worker/intake.py)
             a = SPEED_ALPHA
             per_token = latency_s / tokens
             self.token_s = per_token if self.token_s is None else (1 - a) * self.token_s + a * per_token
