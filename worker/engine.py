@@ -66,8 +66,7 @@ class StopNow:
             self.since = time.monotonic()
 
     async def run(self, finish: Coroutine[Any, Any, None]) -> None:
-        """Run the shutdown `finish`; told to stop now, only while Redis answers (see STOP_NOW_S); else its
-        leases lapse and other workers redo its batches."""
+        """Run the shutdown `finish`; told to stop now, only while Redis answers (STOP_NOW_S): else leases lapse."""
         finishing = asyncio.create_task(finish)
         ask_at = 0.0  # monotonic: when to ask Redis again
         try:
@@ -158,12 +157,9 @@ class Engine:
             log.info("worker %s exited (stopped while waiting for its server)", self.name)
             return 0
         self.controller.set_capacity(server.capacity)
-        log.info(
-            "worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s",
-            self.name, self.opts.server_url, server.flavor, server.model, server.capacity or "unknown",
-            self.controller.target, f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
-            mask_url(self.opts.redis_url),
-        )
+        log.info("worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s", self.name,
+                 self.opts.server_url, server.flavor, server.model, server.capacity or "unknown", self.controller.target,
+                 f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto", mask_url(self.opts.redis_url))
         await self.heartbeat.first_beat()
         await asyncio.to_thread(self.reconciler.drop_legacy_jobs)
         self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/heartbeat.py)

@@ -49,8 +49,7 @@ class ServerStartTimeout(Exception):
 
 
 class ServerWatch:
-    """Whether the server is up, as this watch alone decides; its metrics feed the controller; the watchdog
-    cancels stalled requests."""
+    """Whether the server is up (this watch alone decides); metrics for the controller; stalled requests cancelled."""
 
     def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
                  stopping: Stopping, batches: Batches) -> None:
@@ -138,8 +137,7 @@ class ServerWatch:
         self._down.set()
 
     async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
-        """Polls a server that went down until it answers as it was; past --server-down-timeout (or serving
-        another model) what is held goes back."""
+        """Polls a down server until it answers as it was; past --server-down-timeout (or another model) hands back."""
         url = self.opts.server_url
         while True:
             await self._down.wait()
@@ -481,8 +479,7 @@ class Gate:
             self._settings(job, now.config)
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
-        """Park what this engine holds of the job: blocked, its requests in flight are cancelled; paused
-        (`cancel` False), they finish and are recorded."""
+        """Park what is held of the job: blocked, its requests in flight are cancelled; paused, they finish."""
         try:
             parked = await self.batches.park(job, cancel=cancel)
         finally:

@@ -219,8 +219,7 @@ class Todo:
         return mine
 
     async def check_claims(self) -> None:
-        """After each heartbeat: claims other engines took while this one was frozen (lent if ours, else
-        forgotten), and lent prompts that came back."""
+        """After each heartbeat: claims others took while this one was frozen (lent if ours), lent prompts back."""
         by_batch: dict[HeldBatch, list[Task]] = {}
         for task in self.claimed():
             by_batch.setdefault(task.batch, []).append(task)
@@ -343,8 +342,7 @@ COUNTER_STALE_S = 10.0  # no reading this long (server down, metrics off): fall 
 
 
 class RateWindow:
-    """Requests/s and tokens/s over the last 30 s as answers end; the server's own tokens/s from its
-    generation counter where it has one."""
+    """Requests/s and tokens/s over the last 30 s; the server's own tokens/s by its generation counter."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()

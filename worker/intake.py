@@ -368,8 +368,7 @@ class Stealer:
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 
     async def _leased_elsewhere(self) -> list[tuple[BatchRef, str, JobConfig]]:
-        """Batches other engines hold with their job's settings now, the highest priority first, holders mixed
-        (idle engines spread over them), paused jobs left out."""
+        """Batches other engines hold, with their job's settings now: highest priority first, holders mixed."""
         names = [j for j in await ledger_jobs.job_names(self.conn) if j not in self.gate.paused_jobs]
         found = [(now.schedule.priority, BatchRef(job, batch), holder, now.config)
                  for job, now in zip(names, await ledger_jobs.jobs_now(self.conn, names, leases=True))

@@ -32,8 +32,7 @@ class _Pending:
 
 
 class ResultWriter:
-    """Outcomes buffered and written, a RECORD call per batch, once the previous write is done;
-    `batches.on_written` hears of each group once it is durable."""
+    """Outcomes buffered, a RECORD call per batch once the previous write is done; then `batches.on_written`."""
 
     def __init__(self, conn: aioredis.Redis, worker: str, batches: Any) -> None:
         self.conn, self.worker, self.batches = conn, worker, batches
