@@ -70,9 +70,6 @@ class Shares:
     def priority(self, job: str) -> int:
         return self.sched.get(job, JobSchedule()).priority
 
-    def weight(self, job: str) -> float:
-        return self.sched.get(job, JobSchedule()).weight
-
     async def run(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_EVERY_S)
@@ -126,7 +123,7 @@ class Shares:
         for priority in sorted({self.priority(j) for j in waiting}, reverse=True):
             left = {j: k for j, k in waiting.items() if self.priority(j) == priority and k > 0}
             while n > 0 and left:
-                job = min(left, key=lambda j: (load[j] / self.weight(j), j))
+                job = min(left, key=lambda j: (load[j] / self.sched.get(j, JobSchedule()).weight, j))
                 out[job] += 1
                 load[job] += 1
                 n -= 1
