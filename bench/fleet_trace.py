@@ -6,7 +6,7 @@ every INTERVAL_S. From the samples, per run:
   sent_s        when the servers had received every prompt (the end of the queue: nothing unsent)
   last_in_s     per server, when it received its last prompt (the slow server's hold shows here)
   unsent_at_s   when the prompts not yet received fell to k x the fast servers' slots (k = 3, 1):
-                worker/stealing.py's hold with SPREAD = 3 is due at k = 3 on the half-speed fleet
+                worker/intake.py's hold with SPREAD = 3 is due at k = 3 on the half-speed fleet
   running       per server, the mean running count until sent_s, and after it
   waiting       per server, the mean waiting count until sent_s (a refill queue, if any)
 

@@ -17,7 +17,7 @@ below run without that gap. Each is makespan / the baseline's on the same prompt
 
   FIFO          every free slot takes the next prompt, no refill gap.
   hold back k   the same, but the half-speed server takes no new prompt once the unsent prompts
-                are at most k x the fast servers' slots (worker/stealing.py's rule, for every k):
+                are at most k x the fast servers' slots (worker/intake.py's rule, for every k):
                 the best a scheduler that does not know output lengths can do here, since a
                 prompt's length is known only once it has finished.
   longest first FIFO on the prompts sorted longest first (it needs every output length in

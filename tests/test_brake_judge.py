@@ -19,7 +19,7 @@ class Judged:
         batches = SimpleNamespace(dead=lambda task, failure: self.dead.append(task.prompt.id), conn=None,
                                   sync_conn=None, worker="w", held=None)
         self.brake = Gate(batches, None, None)  # type: ignore[arg-type]
-        self.batch = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp"), 1000, set())
+        self.batch = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp"), set())
 
     @property
     def blocks(self) -> list[tuple[str, object]]:

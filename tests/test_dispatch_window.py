@@ -11,10 +11,9 @@ import pytest
 from genq.core.records import BatchRef, Choice, JobConfig, Prompt, Usage
 from genq.worker.controller import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
-from genq.worker.held import HeldBatch
+from genq.worker.held import HeldBatch, Todo
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion
-from genq.worker.todo import Todo
 
 TARGET = 8
 
@@ -89,7 +88,7 @@ def test_claims_are_taken_ahead_while_the_window_is_full():
     prompts left. The claims were taken only once a slot was free (the claim's condition was
     that a request could be sent now), so the prompts claimed ahead ran out every few ends and
     the next request waited for a CLAIM."""
-    held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m"), 40, set())
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m"), set())
     claims = Claims()
     server = Server()
     group, slack = claim_ahead(TARGET), claim_step(TARGET)
@@ -124,7 +123,7 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
     (44 sequences) at a target of 8, prompts an idle worker could have stolen at a job's end.
     A prompt of more sequences than the target (n = 16) is still sent, one at a time."""
     config = JobConfig(name="j", output="/tmp", model="m", extra_body={"n": n})
-    held = HeldBatch(BatchRef("j", "b0000001"), "t", config, 40, set())
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", config, set())
     claims = Claims()
     server = Server(n)
     bound = max(n, TARGET + claim_ahead(TARGET) + claim_step(TARGET))  # sequences in flight + claimed ahead

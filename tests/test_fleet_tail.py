@@ -1,4 +1,4 @@
-"""The end of a job on a fleet (worker/stealing.py, worker/held.py): prompts a worker
+"""The end of a job on a fleet (worker/intake.py, worker/held.py): prompts a worker
 holds but has not sent move to a worker with free slots once the queue is empty.
 
 Each test ends with the shared exactly-once audit and counts what the servers generated.

@@ -712,8 +712,8 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
         return info
 
     monkeypatch.setattr(batches, "commit_shard", rolled_back)
-    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, size=len(hold.prompts),
-                     unfinished=set(), prompts=hold.prompts)
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, unfinished=set(),
+                     prompts=hold.prompts)
 
     async def complete() -> set[str]:
         conn = aioredis.Redis.from_url(REDIS_URL)

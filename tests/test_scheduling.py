@@ -22,8 +22,7 @@ from genq.core.queueing import rq_queue
 from genq.core.records import JobSchedule, WorkerStatus
 from genq.monitor.progress import JobProgress, Monitor
 from genq.ops.control import job_rows
-from genq.worker.intake import Shares
-from genq.worker.stealing import hold_back
+from genq.worker.intake import Shares, hold_back
 from tests.conftest import post_json, run_genq, sim_stats, wait_until
 from tests.test_exactly_once import check, enqueue
 
@@ -257,7 +256,7 @@ def _status(name: str, token_s: float, queued: int, slots: int = 16) -> WorkerSt
 
 
 def test_only_a_slower_worker_holds_back_and_only_at_the_end():
-    """worker/stealing.py: three workers at 3 ms/token, one at 6 ms/token, 16 slots each."""
+    """worker/intake.py: three workers at 3 ms/token, one at 6 ms/token, 16 slots each."""
     fast = [_status(f"f{i}", 0.003, 0) for i in range(3)]
     slow = _status("slow", 0.006, 10)
     assert hold_back(slow, fast)  # 10 unsent: the fast ones start them all and finish first

@@ -1,4 +1,4 @@
-"""worker/stealing.py: the slow worker's hold comes when the fleet's unsent prompts cross the line, not
+"""worker/intake.py: the slow worker's hold comes when the fleet's unsent prompts cross the line, not
 a beat or two later, and what it had claimed ahead goes to the faster workers.
 
 bench/fleet_tail.py --trace (2026-12-03) saw the half-speed server take its last prompt 1.2-1.6 s
@@ -15,9 +15,8 @@ import redis.asyncio as aioredis
 
 from genq.core import keys
 from genq.core.records import BatchRef, JobConfig, Prompt, WorkerStatus, pack
-from genq.worker.held import Claims, HeldBatch, Task
-from genq.worker.stealing import hold_back
-from genq.worker.todo import Todo
+from genq.worker.held import Claims, HeldBatch, Task, Todo
+from genq.worker.intake import hold_back
 
 
 def status(name: str, token_s: float, queued: int, beat_age_s: float = 0.0) -> WorkerStatus:
@@ -43,8 +42,8 @@ def test_a_beat_old_count_is_taken_less_what_was_sent_since():
 def test_holding_back_gives_back_the_prompts_claimed_ahead(redis_url):
     job, ref = "hb", BatchRef("hb", "b0000001")
     config = JobConfig(name=job, output="/tmp", model="m", incarnation="i1")
-    own = HeldBatch(ref, "tok", config, 8, set())
-    other = HeldBatch(BatchRef(job, "b0000002"), "", config, 8, set(), borrowed=True)
+    own = HeldBatch(ref, "tok", config, set())
+    other = HeldBatch(BatchRef(job, "b0000002"), "", config, set(), borrowed=True)
     prompts = [Prompt(id=f"p{i}", index=i, prompt="x") for i in range(6)]
 
     async def go() -> tuple[int, list[str], list[str], set[str]]:

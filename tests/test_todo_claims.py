@@ -1,4 +1,4 @@
-"""worker/todo.py: prompts claimed in Redis are never lost from the engine's memory. A batch let go
+"""worker/held.py's Todo: prompts claimed in Redis are never lost from the engine's memory. A batch let go
 (parked, blocked, handed back) while a CLAIM call of another batch is out must not take that call's
 prompts with it: claimed and never sent, they held their batch open forever (a paused job's
 neighbour hung test_scheduling's pause test one run in three)."""
@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from genq.core.records import BatchRef, JobConfig, Prompt
-from genq.worker.held import HeldBatch, Task
-from genq.worker.todo import Todo
+from genq.worker.held import HeldBatch, Task, Todo
 
 
 def held_batch(job: str) -> HeldBatch:
-    return HeldBatch(BatchRef(job, "b0000001"), "t", JobConfig(name=job, output="/tmp", model="m"), 4, set())
+    return HeldBatch(BatchRef(job, "b0000001"), "t", JobConfig(name=job, output="/tmp", model="m"), set())
 
 
 class SlowClaims:

@@ -6,9 +6,8 @@
       |--handed back (stopping, server gone or changed model, input unreadable)--> queued
       |--its job blocked or paused--> parked (lease ended, no RQ job: `genq resume --job` queues it)
 
-The newest lease drives a batch (docs/exactly-once.md). A shard is built from what Redis recorded,
-never from memory (every holder builds the same bytes), once Redis holds every prompt's outcome;
-RELEASE checks again as it marks the batch done. Encoding and uploads run on threads of their own.
+The newest lease drives a batch (docs/exactly-once.md). A shard is built from what Redis recorded, never from
+memory (every holder builds the same bytes), once Redis holds every prompt's outcome; RELEASE checks it again.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, writte
 from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
 from genq.producer.sources import InputChanged, load_prompts
 from genq.worker.controller import Running
-from genq.worker.held import Claims, HeldBatch, Holdings, Task
+from genq.worker.held import Claims, HeldBatch, Holdings, Task, Todo
 from genq.worker.results import ResultWriter
 from genq.worker.server import Failure
-from genq.worker.todo import Todo
 
 log = logging.getLogger("genq.worker")
 
@@ -47,8 +45,7 @@ SHORT_TRIES = 3  # RELEASE refusing a shard that is not every stored result, thi
 class Batches:
     def __init__(self, conn: aioredis.Redis, sync_conn: redis.Redis, worker: str, instance: str, held: Holdings,
                  running: Running, backoff: tuple[float, float] = (1.0, 60.0)) -> None:
-        self.conn = conn
-        self.sync_conn = sync_conn  # RQ's enqueue (the hand-back) is synchronous
+        self.conn, self.sync_conn = conn, sync_conn  # sync: RQ's enqueue (the hand-back)
         self.worker, self.instance, self.held, self.running = worker, instance, held, running
         self.claims = Claims(conn, instance)
         self.writer = ResultWriter(conn, worker, self)  # tells on_written
@@ -56,8 +53,7 @@ class Batches:
         self.arrived: asyncio.Queue[tuple[HeldBatch, list[Prompt]]] = asyncio.Queue()  # the gate admits them
         self.completed = self.handed_back = 0
         self.completions: set[asyncio.Task[None]] = set()
-        # Shards that cannot be written now (disk full, S3 down), and why: their results stay in Redis
-        # while the write is retried; nothing new of their jobs is taken.
+        # Shards that cannot be written now (disk full, S3 down), and why: retried; nothing new of their jobs taken.
         self.unwritten: dict[BatchRef, str] = {}
         self._backoff = backoff  # worker --retry-backoff, --retry-backoff-max
         self.written_again = asyncio.Event()  # a shard written after failing: the intake looks again now
@@ -77,8 +73,7 @@ class Batches:
         return False
 
     async def load(self, token: str, ref: BatchRef, config: JobConfig | None) -> None:
-        """A batch TAKE leased here under `token` (`config` None: its job is gone): what Redis recorded
-        of it is not sent again."""
+        """A batch TAKE leased here (`config` None: its job is gone): what Redis recorded of it is not sent again."""
         raw = await leasing.batch_record(self.conn, ref)
         if config is None or raw is None:
             return  # the job was deleted meanwhile: its lease goes with it
@@ -88,8 +83,7 @@ class Batches:
         ids = source.prompt_ids()
         finished = await leasing.outcome_ids(self.conn, ref, ids, transaction=True)
         unfinished = {i for i in ids if i not in finished}
-        prompts: list[Prompt] = []
-        changed: str | None = None
+        prompts, changed = [], None
         try:  # finished ones too: the shard joins each result with its prompt
             prompts = await self._read(source, config)
         except InputChanged as exc:
@@ -99,7 +93,7 @@ class Batches:
             log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
             await self.hand_back(ref, token)
             return
-        held = self.held[ref] = HeldBatch(ref, token, config, size=len(ids), unfinished=unfinished, prompts=prompts)
+        held = self.held[ref] = HeldBatch(ref, token, config, unfinished=unfinished, prompts=prompts)
         if finished:
             log.info("batch %s: %d of %s already done, not regenerating them", ref, len(finished),
                      plural(len(ids), "prompt"))
@@ -114,7 +108,6 @@ class Batches:
         self.arrived.put_nowait((held, [p for p in prompts if p.id in unfinished]))
 
     async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
-        """The batch's prompts, read up to LOAD_TRIES times (a blip)."""
         for attempt in range(LOAD_TRIES - 1):
             try:
                 return await load_prompts(source, config)
@@ -143,8 +136,7 @@ class Batches:
         ), held.config.incarnation)
 
     def drop(self, held: HeldBatch, *, cancel: bool) -> list[str]:
-        """Send nothing more of this batch (`cancel`: its requests in flight stop, nothing recorded);
-        the ids claimed here and not sent."""
+        """Send nothing more of it (`cancel`: requests in flight stop); the ids claimed here and not sent."""
         held.dropped = True
         unsent = self.todo.remove_batch(held)
         if cancel:
@@ -157,9 +149,8 @@ class Batches:
         """Outcomes recorded, by this engine or (lent prompts) another one."""
         ref = BatchRef(job, batch)
         held = self.held.get(ref)
-        if held is None:  # borrowed prompts (worker/stealing.py): their holder writes the shard
-            borrowed = self.held.borrowed.get(ref)
-            if borrowed is not None:
+        if held is None:  # borrowed prompts (worker/intake.py): their holder writes the shard
+            if (borrowed := self.held.borrowed.get(ref)) is not None:
                 borrowed.unfinished.difference_update(ids)
                 if not borrowed.unfinished:
                     self.held.borrowed.pop(ref)
@@ -190,8 +181,7 @@ class Batches:
         self.todo.add(held, [p for p in held.prompts if p.id in missing])
 
     async def write_and_release(self, held: HeldBatch) -> set[str]:
-        """Write the shard and release the batch if Redis holds every prompt's outcome; else the prompts
-        without one (nothing written). Done by another holder, or of a job gone: let go."""
+        """Write the shard and release the batch once Redis holds every prompt's outcome; else those without one."""
         ref = held.ref
         for _ in range(SHORT_TRIES):
             recorded = await retrying(lambda: self._recorded(held), f"reading batch {ref}")
@@ -221,12 +211,10 @@ class Batches:
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
         """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
-        ref, results, letters = held.ref, recorded.results, recorded.letters
-        # The shard's time is the last outcome's: the same for every writer.
-        at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)
+        ref, results, letters, config = held.ref, recorded.results, recorded.letters, held.config
+        at = max([r.finished_at for r in results] + [d.at for d in letters], default=0.0)  # the same for every writer
         loop = asyncio.get_running_loop()
-        data = await loop.run_in_executor(self._pool, shard_bytes, results, held.config.compression)
-        config = held.config
+        data = await loop.run_in_executor(self._pool, shard_bytes, results, config.compression)
         write = functools.partial(commit_shard, open_store(config.output, config.s3_endpoint_url), ref.job, ref.batch,
                                   data, len(results), at, compression=config.compression,
                                   incarnation=config.incarnation,
@@ -249,13 +237,12 @@ class Batches:
         finally:
             if self.unwritten.pop(ref, None) is not None:
                 self.written_again.set()
-        call = scripts.release_call(ref, info, held.config.incarnation)
+        call = scripts.release_call(ref, info, config.incarnation)
         answer = await retrying(lambda: self._release(*call), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 
     async def _recorded(self, held: HeldBatch) -> _Recorded | None:
-        """Everything recorded for the batch, in one transaction, each result joined with its prompt; None
-        once it is done, or its job gone (or another incarnation)."""
+        """What Redis recorded of the batch, in one transaction; None once it is done, or its job gone."""
         ref = held.ref
         by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
         done, raw_config, raw_batch, raw_results, stored_letters = await leasing.stored_outcomes(
@@ -267,22 +254,19 @@ class Batches:
         # the record itself only when the prompts were not in memory (else: whether it is there)
         ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
         letters_raw = stored_letters if stored_letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
-        wanted = set(ids)
         results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
-                   for r in (unpack(v, Result) for v in raw_results) if r.id in wanted]
+                   for r in (unpack(v, Result) for v in raw_results) if r.id in set(ids)]
         letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
-        missing = wanted - {r.id for r in results} - {d.id for d in letters}
-        return _Recorded(results, letters, size=len(ids), missing=missing)
+        return _Recorded(results, letters, len(ids), set(ids) - {r.id for r in results} - {d.id for d in letters})
 
     def unwritten_jobs(self) -> frozenset[str]:
         return frozenset(ref.job for ref in self.unwritten)
 
     def unwritten_note(self) -> str | None:
-        """What the worker's status says of shards it cannot write, if any."""
+        """What the worker's status says of shards it cannot write: the cause first (`genq workers` cuts at 60)."""
         if not self.unwritten:
             return None
         why = next(reversed(self.unwritten.values()))
-        # The cause first: `genq workers` cuts a note at 60 characters.
         return (f"cannot write shards: {why} ({plural(len(self.unwritten), 'batch', 'batches')}; "
                 "their results stay in Redis, retrying; taking no new batch of their jobs)")
 
@@ -290,8 +274,7 @@ class Batches:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def check_leases(self) -> None:
-        """After each heartbeat: let go of batches whose lease is no longer this engine's (requests in
-        flight finish, first writer wins, unless the job is gone: deleted, or enqueued again)."""
+        """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone."""
         mine = [h for h in self.held.values() if not h.dropped and not h.completing]
         states = await leasing.lease_states(self.conn, [h.ref for h in mine]) if mine else []
         for held, (incarnation, done, token) in zip(mine, states):
@@ -316,7 +299,6 @@ class Batches:
         return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
 
     async def hand_back_all(self, why: str) -> None:
-        """Every held batch back to the queue, borrowed prompts to their holders."""
         await self.give_back_borrowed(why)
         given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
                                    requeue=True)
@@ -325,7 +307,7 @@ class Batches:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def give_back_borrowed(self, why: str) -> None:
-        """Borrowed prompts go back to their holders (what was recorded stays), and idle workers hear."""
+        """Borrowed prompts go back to their holders (what was recorded stays); idle workers hear."""
         borrowed = list(self.held.borrowed.values())
         if not borrowed:
             return
@@ -338,16 +320,15 @@ class Batches:
             log.debug("wake-up not sent: %s", exc)
 
     async def park(self, job: str, *, cancel: bool) -> list[str]:
-        """Park the job's batches (leases ended, no RQ job) and give its borrowed prompts back; `cancel`
-        (blocked) stops its requests in flight, else (paused) they finish. The batches parked."""
+        """Park the job's batches (leases ended, no RQ job), its borrowed prompts back; the batches parked."""
         mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         return await self._let_go(mine, borrowed, cancel=cancel, requeue=False)
 
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       requeue: bool) -> list[str]:
-        """Send nothing more of these batches, write what was recorded, drop their claims and end each
-        lease (`requeue`: to the queue's front, else parked); the batches whose lease it ended."""
+        """Send nothing more of these batches, write what was recorded, drop their claims and end each lease
+        (`requeue`: to the queue's front, else parked); the batches whose lease it ended."""
         for batch in mine + borrowed:
             self.drop(batch, cancel=cancel)
         while any(t.batch in mine or t.batch in borrowed for t in self.running):

@@ -1,10 +1,7 @@
-"""Dispatch: one in-flight window of `controller.target` sequences over every held batch's prompts.
-
-Failures are retried with capped exponential backoff. One while the server is down counts no attempt
-but a crash for the prompts in flight: a prompt in flight during two is a suspect, sent alone, and
-dead-lettered as `server_crash` after --server-crash-limit. A retryable failure is dead-lettered at
-its last attempt only if the server answered a request sent after it first failed (evidence against
-the prompt; a server failing everything gives none).
+"""Dispatch: one in-flight window of `controller.target` sequences over every held batch's prompts. Failures are
+retried with capped exponential backoff; one while the server is down counts a crash, not an attempt (in flight
+during two: a suspect, sent alone; `server_crash` after --server-crash-limit). A retryable failure is dead-lettered
+at its last attempt only if the server answered a request sent after it first failed (evidence against the prompt).
 """
 
 from __future__ import annotations
@@ -20,20 +17,18 @@ from genq.core.records import JobConfig
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
-from genq.worker.gate import Gate
-from genq.worker.held import RateWindow, Task
+from genq.worker.gate import Gate, ServerWatch
+from genq.worker.held import Plan, RateWindow, Task
 from genq.worker.options import WorkerOptions
 from genq.worker.server import Completion, Failure, Progress, ServerClient, build_body, result_of, samples
-from genq.worker.todo import Plan
-from genq.worker.watch import ServerWatch
 
 log = logging.getLogger("genq.worker")
 
-# Prompts are claimed ahead of the free slots, a quarter of the target at a time, the next group once
-# half a group is left: a freed slot never waits on Redis, and the rest stays for idle engines.
+# Prompts are claimed ahead of the free slots, a quarter of the target at a time, the next group once half a
+# group is left: a freed slot never waits on Redis, and the rest stays for idle engines.
 CLAIM_AHEAD_MIN = 2
-# Nothing answered this long: the server is checked before the next request (a restart while
-# nothing is in flight fails nothing; genq sim restarts in 0.5 s, real servers in tens of seconds).
+# Nothing answered this long: the server is checked before the next request (a restart while nothing is in
+# flight fails nothing; genq sim restarts in 0.5 s, real servers in tens of seconds).
 IDLE_CHECK_S = 0.25
 
 
@@ -46,8 +41,7 @@ def claim_step(target: int) -> int:
 
 
 def to_claim(target: int, in_flight: int, ready: int, suspects: int, per: int) -> int:
-    """Prompts to claim, counted in sequences like the window (a prompt of n samples is n on the
-    server; `per`: the backlog's next prompt's n)."""
+    """Prompts to claim, counted in sequences like the window (`per`: the backlog's next prompt's samples)."""
     want = target + claim_ahead(target) + claim_step(target) - in_flight - per * (ready + suspects)
     if want >= per and (want >= claim_ahead(target) or not ready):  # a whole group, or any when dry
         return want // per
@@ -63,7 +57,7 @@ class Dispatcher:
         self.batches, self.writer, self.todo, self.running = batches, batches.writer, batches.todo, batches.running
         self.gate = gate  # the operator's controls, the brake, parking
         self.plan = plan  # which job's prompts are claimed next (Shares.plan, worker/intake.py)
-        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/stealing.py)
+        self.hold_back = False  # the end of the queue: faster workers finish the unsent prompts (worker/intake.py)
         self.rates = RateWindow()
         self.verifying = 0  # connection failures whose server check is not back yet: nothing is sent meanwhile
         self.observed = time.monotonic()  # when the server last answered anything, or was checked
@@ -75,7 +69,6 @@ class Dispatcher:
         return len(self.todo)
 
     def accepting(self) -> bool:
-        """Whether the engine takes new work."""
         return not (self.gate.draining or self.gate.paused_all or self.stopping.requested or self.watch.down)
 
     def _open(self) -> bool:
@@ -131,13 +124,13 @@ class Dispatcher:
         return None
 
     async def _send(self, task: Task | None) -> None:
-        # One asyncio task sends prompt after prompt: a task per request would cost about half of what
-        # the HTTP request costs against a fast server.
+        # One asyncio task sends prompt after prompt: a task per request costs half the HTTP request (fast server).
         me = asyncio.current_task()
         assert me is not None
         while task is not None:
             config = task.batch.config
-            body = build_body(config, task.prompt, self._model(config), self.opts.stream)
+            model = config.model if config.model != "auto" else self.watch.model or "default"
+            body = build_body(config, task.prompt, model, self.opts.stream)
             try:
                 try:
                     outcome: Completion | Failure = await self.client.generate(config.endpoint, body, task.progress)
@@ -163,13 +156,9 @@ class Dispatcher:
                 self.wake.set()  # claim more before the slots run dry
         self.wake.set()
 
-    def _model(self, config: JobConfig) -> str:
-        return config.model if config.model != "auto" else self.watch.model or "default"
-
     def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
         """Records the answer, or returns why it is not what the request asked for."""
-        held = task.batch
-        latency = time.monotonic() - task.progress.started
+        held, latency = task.batch, time.monotonic() - task.progress.started
         result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.writer.worker,
                            attempts=task.lost + task.attempts + 1, latency_s=latency,
                            settings_version=sent.settings_version)
@@ -206,15 +195,13 @@ class Dispatcher:
         task.attempts += 1
         self.rates.error(held.ref.job)
         max_attempts = self.opts.max_attempts or held.config.max_attempts
-        if task.failing_since is None:
-            task.failing_since = task.progress.started
+        task.failing_since = task.progress.started if task.failing_since is None else task.failing_since
         # No evidence against the prompt: retried while it could be the server's (a job's last prompts
         # send nothing else to give evidence, so that lasts --server-down-timeout at most).
         unproven = (task.answered_before <= task.failing_since
                     and time.monotonic() - task.failing_since < self.opts.server_down_timeout)
         if failure.retryable and (task.attempts < max_attempts or unproven):
-            delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
-            delay *= random.uniform(0.5, 1.5)
+            delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1)) * random.uniform(0.5, 1.5)
             self.todo.retry_at(time.monotonic() + delay, task)
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay,
@@ -226,8 +213,7 @@ class Dispatcher:
         self.batches.dead(task, failure)
 
     async def _check(self, gate: bool) -> bool:
-        """Is the server down, or not the one it was? With `gate` nothing is sent until it says (another
-        model's answer must never be recorded)."""
+        """Is the server down, or not the one it was? With `gate` nothing is sent until it says."""
         self.verifying += gate
         try:
             return await self.watch.is_down()

@@ -1,9 +1,6 @@
-"""The worker engine: one process per GPU, one in-flight window over every batch it holds. Its parts'
-loops run in one TaskGroup (a crash in any stops the worker loudly). Shutdown has one path: take
-nothing more, finish held batches for up to --grace-period, hand the rest back. Told to stop now (a
-second signal, the grace over) it stops within seconds whatever Redis does: the shutdown goes on only
-while Redis answers a PING; else its leases lapse and others redo its batches (docs/exactly-once.md).
-"""
+"""The worker engine: one process per GPU, one in-flight window over every batch it holds, its parts' loops in
+one TaskGroup. Shutdown: take nothing more, finish held batches for up to --grace-period, hand the rest back;
+told to stop now, it goes on only while Redis answers a PING (docs/exactly-once.md)."""
 
 from __future__ import annotations
 
@@ -34,15 +31,13 @@ from genq.producer.enqueue import queue_lost
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController, Running
 from genq.worker.dispatch import Dispatcher
-from genq.worker.gate import Gate
+from genq.worker.gate import Gate, ServerStartTimeout, ServerWatch
 from genq.worker.heartbeat import Heartbeat, IdlePace, WakeListener
 from genq.worker.held import Holdings
-from genq.worker.intake import Intake, Shares
+from genq.worker.intake import Intake, Shares, Stealer
 from genq.worker.options import WorkerOptions, default_worker_name
 from genq.worker.results import ResultWriter
-from genq.worker.server import ServerClient
-from genq.worker.stealing import Stealer
-from genq.worker.watch import ServerStartTimeout, ServerWatch
+from genq.worker.server import ServerClient, ServerInfo
 
 log = logging.getLogger("genq.worker")
 
@@ -71,7 +66,7 @@ class StopNow:
             self.since = time.monotonic()
 
     async def run(self, finish: Coroutine[Any, Any, None]) -> None:
-        """Run the shutdown `finish`; told to stop now, only while Redis answers (see STOP_NOW_S)."""
+        """Run the shutdown `finish`; told to stop now, only while Redis answers (STOP_NOW_S): else leases lapse."""
         finishing = asyncio.create_task(finish)
         ask_at = 0.0  # monotonic: when to ask Redis again
         try:
@@ -90,16 +85,6 @@ class StopNow:
             finishing.cancel()  # nothing once it is done; it goes with the caller if that is cancelled
         with contextlib.suppress(asyncio.CancelledError, redis.RedisError, OSError):
             await finishing
-        await self._without_redis()
-
-    async def _redis_answers(self) -> bool:
-        try:
-            async with asyncio.timeout(PING_S):
-                return bool(await self.conn.ping())
-        except (TimeoutError, redis.RedisError, OSError):
-            return False
-
-    async def _without_redis(self) -> None:
         self.without_redis = True
         log.warning("stopping now, Redis away: %s not handed back, %s not recorded; their leases lapse and "
                     "other workers take them once Redis is back", plural(len(self.held), "batch", "batches"),
@@ -107,6 +92,13 @@ class StopNow:
         backstop = threading.Timer(EXIT_BY_S, self._exit_now)
         backstop.daemon = True
         backstop.start()
+
+    async def _redis_answers(self) -> bool:
+        try:
+            async with asyncio.timeout(PING_S):
+                return bool(await self.conn.ping())
+        except (TimeoutError, redis.RedisError, OSError):
+            return False
 
     def _exit_now(self) -> None:
         log.warning("worker %s: not exited %.0fs after stopping without Redis (a thread waits on it): exiting now",
@@ -152,24 +144,22 @@ class Engine:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        waiting = functools.partial(self.heartbeat.beat, "server_down")
         try:
-            server = await self.watch.wait_for_server(functools.partial(self.heartbeat.beat, "server_down"))
+            server: ServerInfo | ServerStartTimeout | None = await self.watch.wait_for_server(waiting)
         except ServerStartTimeout as exc:
+            server = exc
+        if not isinstance(server, ServerInfo):  # stopped while waiting: nothing was taken, nothing to hand back
             await self.heartbeat.stopped()
             await self._close()
-            raise SystemExit(str(exc)) from None
-        if server is None:  # stopped while waiting: nothing was taken, nothing to hand back
-            await self.heartbeat.stopped()
-            await self._close()
+            if server is not None:
+                raise SystemExit(str(server)) from None
             log.info("worker %s exited (stopped while waiting for its server)", self.name)
             return 0
         self.controller.set_capacity(server.capacity)
-        log.info(
-            "worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s",
-            self.name, self.opts.server_url, server.flavor, server.model, server.capacity or "unknown",
-            self.controller.target, f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
-            mask_url(self.opts.redis_url),
-        )
+        log.info("worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s", self.name,
+                 self.opts.server_url, server.flavor, server.model, server.capacity or "unknown", self.controller.target,
+                 f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto", mask_url(self.opts.redis_url))
         await self.heartbeat.first_beat()
         await asyncio.to_thread(self.reconciler.drop_legacy_jobs)
         self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/heartbeat.py)
@@ -177,8 +167,9 @@ class Engine:
             async with asyncio.TaskGroup() as group:
                 loops = [group.create_task(coro) for coro in (
                     self.writer.run(), self.intake.run(), self.dispatcher.run(), self.watch.watchdog(),
-                    self.watch.recovery_loop(self.batches.hand_back_all), self.watch.metrics_loop(), self.heartbeat.run(), self.maintain(),
-                    self.stealer.run(), self.gate.run(), self.gate.admit(), self.shares.run())]
+                    self.watch.recovery_loop(self.batches.hand_back_all), self.watch.metrics_loop(),
+                    self.heartbeat.run(), self.maintain(), self.stealer.run(), self.gate.run(), self.gate.admit(),
+                    self.shares.run())]
                 await self.stopping.run(self._finish())
                 for task in loops:
                     task.cancel()
@@ -199,11 +190,19 @@ class Engine:
                 break
             if self.opts.burst and self.intake.exhausted and idle and await self._burst_done():
                 break
-        await self._shutdown()
+        if self.held or self.held.borrowed:
+            await self.batches.hand_back_all("stopping")
+        if self.batches.completions:  # shards being written: their release answers their leases
+            await asyncio.wait(self.batches.completions, timeout=60)
+        try:
+            await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
+        except TimeoutError:
+            log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
+        with contextlib.suppress(redis.RedisError, OSError):
+            await self.heartbeat.stopped()
 
     async def maintain(self) -> None:
-        """Every worker takes its turn at the ledger's reconciler (one pass at a time across the fleet):
-        stranded batches queued again, decided from engine heartbeats' TTLs, never from clocks."""
+        """Each worker takes its turn at the ledger's reconciler: stranded batches queued again (by TTLs, not clocks)."""
         while True:
             await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
             try:
@@ -214,8 +213,7 @@ class Engine:
                 log.debug("maintenance skipped: %s", exc)
 
     async def _burst_done(self) -> bool:
-        """--burst leaves once the ledger says every batch of every job is done (not while batches
-        are queued again: stranded, or handed back by others)."""
+        """--burst leaves once the ledger says every batch of every job is done (none queued again)."""
         await asyncio.to_thread(self.outputs.pass_once)
         outlook = await asyncio.to_thread(self.reconciler.pass_once, force=True)
         if outlook.unfinished or outlook.finishing:
@@ -237,25 +235,10 @@ class Engine:
         self.dispatcher.wake.set()
 
     def _grace_expired(self) -> None:
-        """Still here: stop as a second signal would (held batches go back; a shutdown that waits on
-        Redis waits only while Redis answers)."""
+        """Still here: stop as a second signal would."""
         if self.stopping.requested < 2:
             log.info("grace period over: %s", "handing back unfinished batches" if self.held else "stopping now")
         self.stopping.start()
-
-    async def _shutdown(self) -> None:
-        if self.held or self.held.borrowed:
-            await self.batches.hand_back_all("stopping")
-        if self.batches.completions:  # shards being written: their release answers their leases
-            await asyncio.wait(self.batches.completions, timeout=60)
-        try:
-            await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
-        except TimeoutError:
-            log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
-        try:
-            await self.heartbeat.stopped()
-        except (redis.RedisError, OSError):
-            pass
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.wake_listener.stop)
@@ -266,6 +249,6 @@ class Engine:
 
 
 async def run_engine(opts: WorkerOptions) -> int:
-    """Build the engine inside the running loop (aiohttp and redis clients bind to it)."""
+    """Built inside the running loop (aiohttp and redis clients bind to it)."""
     return await Engine(opts).run()
 

@@ -1,8 +1,8 @@
-"""Whether a job's prompts may be sent here (`Gate.why_not`): the operator's controls, as the heartbeat
-last read them; the brake, which blocks a job whose requests keep failing the same way (a wrong setting
-would otherwise dead-letter the whole job, prompt by prompt); and parking, which ends the leases of a
-blocked or paused job's batches with no RQ job carrying them until `genq resume --job`. docs/settings.md.
-"""
+"""Whether prompts may be sent here. The server (ServerWatch): down (a failed /health), another model or a smaller
+context, nothing is sent, no attempt counted, polled until it answers as it was; after --server-down-timeout its
+batches go back (another model: at once); `--model auto` is pinned to the first taker's server's. A job
+(`Gate.why_not`): the operator's controls; the brake, which blocks a job whose requests keep failing the same way;
+parking, which ends a blocked or paused job's leases with no RQ job until `genq resume --job` (docs/settings.md)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import msgspec
 import redis
 
 from genq.core.ledger import fleet
@@ -26,11 +27,223 @@ from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
+from genq.worker.engines import Metrics
 from genq.worker.held import HeldBatch, Task
-from genq.worker.server import Failure, ServerInfo
-from genq.worker.watch import ServerWatch
+from genq.worker.options import WorkerOptions
+from genq.worker.server import Failure, ServerClient, ServerInfo, ServerUnavailable
 
 log = logging.getLogger("genq.worker")
+
+SILENT_PROBE_S = 15.0  # no output from any request in flight this long: ask /health
+AUTO = "auto"
+
+
+class Stopping(Protocol):
+    """The engine's StopNow as the parts read it: 1 finish what is held, 2 stop now."""
+
+    requested: int
+
+
+class ServerStartTimeout(Exception):
+    """The server did not answer within --server-start-timeout."""
+
+
+class ServerWatch:
+    """Whether the server is up (this watch alone decides); metrics for the controller; stalled requests cancelled."""
+
+    def __init__(self, opts: WorkerOptions, client: ServerClient, controller: ConcurrencyController,
+                 stopping: Stopping, batches: Batches) -> None:
+        self.opts, self.client, self.controller, self.stopping = opts, client, controller, stopping
+        self.conn, self.running, self.todo = batches.conn, batches.running, batches.todo  # in flight; unsent
+        self._told: set[str] = set()  # jobs of another model whose refusal was logged
+        self.info: ServerInfo | None = None
+        self.metrics: Metrics | None = None
+        self.down_since: float | None = None  # monotonic
+        self.outages = 0  # since the start: a prompt in flight through two is a suspect (worker/dispatch.py)
+        self.note: str | None = None  # what the worker waits on: the server's last answer, or its change
+        self._check: asyncio.Future[ServerInfo] | None = None
+        self._down = asyncio.Event()  # set when the server went down: recovery_loop takes over
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    @property
+    def model(self) -> str | None:
+        return self.info.model if self.info else None
+
+    async def wait_for_server(self, on_waiting: Callable[[str], Awaitable[None]]) -> ServerInfo | None:
+        """The server's info once it answers; None if stopped first."""
+        started = time.monotonic()
+        delay, next_note = 0.5, 0.0
+        while not self.stopping.requested:
+            try:
+                self.info = await self.client.discover()
+                return self.info
+            except ServerUnavailable as exc:
+                waited, limit = time.monotonic() - started, self.opts.server_start_timeout
+                if limit is not None and waited >= limit:
+                    raise ServerStartTimeout(f"server {self.opts.server_url} did not answer within {limit:.0f}s "
+                                             f"(--server-start-timeout): {exc}") from None
+                if waited >= next_note:
+                    log.warning("waiting for server %s (%.0fs so far): %s", self.opts.server_url, waited, exc)
+                    next_note = max(10.0, next_note * 2)
+                await on_waiting(str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        return None
+
+    async def is_down(self) -> bool:
+        """Whether the server is down or not the one it was: one check for many failures."""
+        if self.down:
+            return True
+        if self._check is None:
+            self._check = asyncio.ensure_future(self.client.discover())
+        try:
+            why = self._change(await asyncio.shield(self._check))
+        except ServerUnavailable:
+            why = "health check failed"
+        finally:
+            if self._check is not None and self._check.done():
+                self._check = None
+        if why is not None and not self.down:
+            self._went_down(why)
+        return why is not None
+
+    def _change(self, info: ServerInfo) -> str | None:
+        """How the server now differs in a way its prompts must not meet, or None: what it says is adopted."""
+        old = self.info
+        if old is not None and old.model is not None and info.model is None:
+            return f"it did not say which model it serves now (/v1/models; it served {old.model})"
+        if old is not None and old.model is not None and info.model != old.model:
+            return f"it serves model {info.model} now, not {old.model}"
+        if old is not None and old.context_length and info.context_length and info.context_length < old.context_length:
+            return f"its context is {info.context_length} tokens now, not {old.context_length}"
+        if old is not None and info.context_length is None:
+            info = msgspec.structs.replace(info, context_length=old.context_length)
+        self.info = info
+        return None
+
+    def _went_down(self, why: str) -> None:
+        self.down_since = time.monotonic()
+        self.note = why
+        self.outages += 1
+        self.metrics = None  # what a server that is gone said last is not what it does now
+        for task in self.running:
+            task.crashed(self.outages)
+        log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
+                    "%d in flight counted a server crash)", self.opts.server_url, why, len(self.running))
+        self.running.cancel_all(f"server down: {why}")
+        self._down.set()
+
+    async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
+        """Polls a down server until it answers as it was; past --server-down-timeout (or another model) hands back."""
+        url = self.opts.server_url
+        while True:
+            await self._down.wait()
+            delay, handed_back = 0.5, False
+            while self.down:
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, 5.0)
+                down_for = time.monotonic() - (self.down_since or time.monotonic())
+                waiting = down_for <= self.opts.server_down_timeout
+                if not waiting and not handed_back:
+                    handed_back = True
+                    await hand_back_all(f"server down for {down_for:.0f}s")
+                try:
+                    info = await self.client.discover()
+                except ServerUnavailable as exc:
+                    self.note = str(exc)
+                    continue
+                if (change := self._change(info)) is None:
+                    pass
+                elif change.startswith("it serves model"):  # its prompts go back to a server of their model
+                    log.warning("server %s: %s; handing its batches back", url, change)
+                    await hand_back_all(f"server now serves {info.model}")
+                    self.info = info
+                elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/intake.py)
+                    if (note := f"{change}: waiting for it as it was (--server-down-timeout)") != self.note:
+                        log.warning("server %s: %s", url, note)
+                    self.note = note
+                    continue
+                else:
+                    log.warning("server %s: %s for %.0fs: taken as it is", url, change, down_for)
+                    self.info = info
+                self.controller.set_capacity(info.capacity)
+                log.info("server %s is back after %.1fs", url, down_for)
+                self.down_since = self.note = None
+                self.todo.wake.set()
+            self._down.clear()
+
+    async def metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.controller.look_interval_s)  # faster while it learns a capacity
+            if self.down or self.info is None or not self.info.has_metrics:
+                continue
+            if (m := await self.client.metrics()) is None:
+                continue
+            self.metrics, before = m, self.controller.target
+            self.controller.observe(m, self.running.sequences, len(self.todo))
+            if self.controller.target != before:
+                log.info("in-flight target %d -> %d (%s)", before, self.controller.target, self.controller.reason)
+                self.todo.wake.set()
+
+    async def watchdog(self) -> None:
+        """Cancel requests that stalled or ran too long; probe a server silent with requests in flight."""
+        opts = self.opts
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            queue_empty = self.metrics is not None and not self.metrics.waiting
+            for task, aio in list(self.running.items()):
+                p = task.progress
+                if now - p.started > opts.request_timeout:
+                    task.cancel_reason = f"request exceeded {opts.request_timeout:.0f}s (request timeout)"
+                elif now - p.last_activity > opts.stall_timeout and (p.first_byte is not None or queue_empty):
+                    task.cancel_reason = f"no output for {opts.stall_timeout:.0f}s (stall timeout)"
+                else:
+                    continue
+                aio.cancel()
+            if self.running and not self.down:
+                latest = max(t.progress.last_activity for t in self.running)
+                if now - latest > SILENT_PROBE_S and not await self.client.healthy():
+                    self._went_down(f"no output from {plural(len(self.running), 'request')} for {now - latest:.0f}s "
+                                    "and /health fails")
+
+    async def admit(self, config: JobConfig) -> JobConfig | None:
+        """The job's settings (`auto` pinned to this server's model), or None: another model's job, or gone."""
+        model = self.model
+        if config.model == AUTO and model is not None:
+            found, pinned = await ledger_jobs.pin_model(self.conn, config.name, model, AUTO)
+            if pinned:
+                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
+                         "pinned in its settings", config.name, model)
+            if found is None:
+                return None
+            config = found
+        return config if self.takes(config) else None
+
+    def takes(self, config: JobConfig) -> bool:
+        """Whether this server may run the job's prompts; another model's job is refused (said once)."""
+        if serves(config.model, self.model):
+            return True
+        if config.name not in self._told:
+            self._told.add(config.name)
+            log.warning("job %s is for model %s; this worker's server serves %s: it takes none of its batches "
+                        "or prompts", config.name, config.model, self.model)
+        return False
+
+
+def serves(job_model: str, server_model: str | None) -> bool:
+    """Whether a server of server_model may run a job for job_model; one that lists none is trusted."""
+    return job_model == AUTO or server_model is None or job_model == server_model
+
+
+def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list[str]:
+    """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
+    return [job for job, config in zip(jobs, [n.config for n in ledger_jobs.jobs_now(conn, jobs)], strict=True)
+            if config is not None and serves(config.model, model)]
+
 
 WINDOW = 24  # a job's recent outcomes on one engine that the brake looks at
 TRIP_PROMPTS = 8  # different prompts failing the same way before a job is blocked
@@ -69,7 +282,6 @@ class _Held:
 @dataclass
 class JobWindow:
     """One job's recent outcomes on this engine: (signature, or None for a result; prompt id)."""
-
     outcomes: deque[tuple[str | None, str]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     held: list[_Held] = field(default_factory=list)
 
@@ -79,21 +291,18 @@ class Gate:
                  watch: ServerWatch | None) -> None:
         self.batches = batches  # admits, dead-letters and parks
         self.conn, self.sync_conn, self.worker, self.held = batches.conn, batches.sync_conn, batches.worker, batches.held
-        self.controller = controller
-        self.watch = watch  # the server's context, for the preflight
-        self.paused_all = False
+        self.controller, self.watch = controller, watch  # watch: the server's context, for the preflight
+        self.paused_all = self.draining = False
         self.paused_jobs: set[str] = set()
-        self.draining = False
-        # When the heartbeat last checked the leases (monotonic): a gap longer than a lease survives
-        # (a frozen process) stops dispatch until they are checked again.
+        # When the heartbeat last checked the leases: a longer gap than a lease survives (a frozen process)
+        # stops dispatch until they are checked again.
         self.last_beat = time.monotonic()
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
         self.trips: dict[str, JobBlock] = {}  # blocks the brake tripped, stored by `run`
         self.tripped = asyncio.Event()
         self.pausing: set[str] = set()  # paused jobs being parked here
-        # When this engine's block of a job landed in Redis (inf while it is stored): a read asked
-        # before says nothing of a lift.
+        # When this engine's block of a job landed in Redis (inf while stored): a read asked before says no lift.
         self._landed_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -111,7 +320,7 @@ class Gate:
         """The operator's controls for these jobs, applied; True if one changed."""
         assert self.controller is not None
         control, paused, paused_jobs = await fleet.read_controls(self.conn, self.worker, jobs)
-        changed = False
+        changed = paused != self.paused_all or paused_jobs != self.paused_jobs
         if control.drain and not self.draining:
             log.info("drain requested: finishing held batches, taking no new ones")
             self.draining = changed = True
@@ -125,7 +334,6 @@ class Gate:
         for word, jobs_now in (("paused", paused_jobs - self.paused_jobs), ("resumed", self.paused_jobs - paused_jobs)):
             if jobs_now:
                 log.info("%s: %s", word, ", ".join(sorted(jobs_now)))
-        changed = changed or paused != self.paused_all or paused_jobs != self.paused_jobs
         self.paused_all, self.paused_jobs = paused, paused_jobs
         return changed
 
@@ -136,8 +344,7 @@ class Gate:
             self.judge(task.batch.ref.job)
 
     def failed(self, task: Task, failure: Failure) -> bool:
-        """A non-retryable failure: True if the brake takes it (held, or its job blocked: the prompt
-        stays unfinished), False to dead-letter it now (also with `genq jobs set JOB --no-brake`)."""
+        """A non-retryable failure: True if the brake holds it (or its job is blocked), False to dead-letter it."""
         job = task.batch.ref.job
         if job in self.blocked:
             return True
@@ -172,7 +379,7 @@ class Gate:
         window.held = keep
 
     def judge_all(self) -> None:
-        """Held failures past HOLD_S go to the dead-letter queue (called about once a second)."""
+        """Held failures past HOLD_S go to the dead-letter queue."""
         for job in [j for j, w in self.windows.items() if w.held]:
             self.judge(job)
 
@@ -191,8 +398,7 @@ class Gate:
         self.tripped.set()
 
     def reset(self, job: str) -> None:
-        """New settings, or resumed: old outcomes are no evidence; held ones are dead-lettered as they
-        would have been."""
+        """New settings, or resumed: old outcomes are no evidence; held ones are dead-lettered."""
         for held in self.windows.pop(job, JobWindow()).held:
             self.batches.dead(held.task, held.failure)
 
@@ -207,8 +413,8 @@ class Gate:
             log.error("blocked-job handling failed", exc_info=task.exception())
 
     async def admit(self) -> None:
-        """Each loaded batch (Batches.arrived) is sent only if its job is neither blocked nor paused,
-        with the job's current settings, and past the preflight."""
+        """Each loaded batch (Batches.arrived) is sent with its job's settings now, unless blocked, paused or
+        failing the preflight."""
         while True:
             held, prompts = await self.batches.arrived.get()
             self._spawn(self._admit(held, prompts))
@@ -223,14 +429,18 @@ class Gate:
             await self.park_job(job, quiet=True, cancel=job in self.blocked)
             return
         problem = preflight(held.config, self.watch.info if self.watch else None)
-        if problem is not None and self.watch:  # judged by what the server says now, not before a restart
-            problem = preflight(held.config, await self.watch.reread())
-        if problem is not None:
-            log.error("job %s blocked before any request (preflight): %s", job, problem)
-            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
-                                     settings_version=held.config.settings_version))
-            return
-        self.batches.send(held, prompts)
+        if problem is not None and self.watch:  # judged by what the server says now (a larger context?)
+            await self.watch.is_down()
+            problem = preflight(held.config, self.watch.info)
+        if problem is None:
+            self.batches.send(held, prompts)
+        else:
+            self._block_preflight(job, held.config, problem, "before any request")
+
+    def _block_preflight(self, job: str, config: JobConfig, problem: str, when: str) -> None:
+        log.error("job %s blocked %s (preflight): %s", job, when, problem)
+        self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
+                                 settings_version=config.settings_version))
 
     def block(self, job: str, record: JobBlock) -> None:
         """Block `job` (the first reason stored wins) and park what this engine holds of it."""
@@ -254,8 +464,8 @@ class Gate:
                      job, taken, job)
 
     def _news(self, job: str, now: ledger_jobs.JobNow, asked: float) -> None:
-        """What Redis (read at `asked`) says of a job: blocked elsewhere, no longer blocked (not a read
-        from before our own block landed), newer settings."""
+        """What Redis (read at `asked`) says of a job: blocked elsewhere, no longer blocked (not by a read from
+        before our own block landed), newer settings."""
         if now.blocked and job not in self.blocked:
             log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
             self.blocked.add(job)
@@ -269,16 +479,18 @@ class Gate:
             self._settings(job, now.config)
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
-        """Park what this engine holds of the job (Batches.park): blocked, its requests in flight are
-        cancelled; paused (`cancel` False), they finish and are recorded."""
-        parked = await self.batches.park(job, cancel=cancel)
+        """Park what is held of the job: blocked, its requests in flight are cancelled; paused, they finish."""
+        try:
+            parked = await self.batches.park(job, cancel=cancel)
+        finally:
+            self.pausing.discard(job)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
 
     def _settings(self, job: str, stored: JobConfig) -> None:
-        """A newer settings version of a job this engine holds: every unsent prompt gets it."""
+        """A newer settings version of a job held here: every unsent prompt gets it."""
         stale = [h for h in [*self.held.values(), *self.held.borrowed.values()]
                  if h.ref.job == job and h.config.incarnation == stored.incarnation
                  and h.config.settings_version < stored.settings_version]
@@ -291,9 +503,7 @@ class Gate:
                  plural(len(stale), "batch", "batches"))
         problem = preflight(stored, self.watch.info if self.watch else None)
         if problem is not None and job not in self.blocked:
-            log.error("job %s blocked (preflight of its new settings): %s", job, problem)
-            self.block(job, JobBlock(reason="preflight", message=problem, worker=self.worker, at=time.time(),
-                                     settings_version=stored.settings_version))
+            self._block_preflight(job, stored, problem, "by its new settings")
 
     async def run(self) -> None:
         """Every second (at once on a trip): trips stored, paused jobs parked, jobs' news read."""
@@ -306,7 +516,7 @@ class Gate:
             # Paused jobs held here: parked once their requests in flight are done (docs/scheduling.md).
             for job in (self.paused_jobs & self.held.all_jobs()) - self.blocked - self.pausing:
                 self.pausing.add(job)
-                self._spawn(self._park_paused(job))
+                self._spawn(self.park_job(job, cancel=False))
             try:
                 jobs, asked = sorted(self.held.all_jobs() | self.blocked), time.monotonic()
                 for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs) if jobs else []):
@@ -314,9 +524,3 @@ class Gate:
             except (redis.RedisError, OSError) as exc:
                 log.debug("blocked/settings check skipped: %s", exc)
             self.judge_all()
-
-    async def _park_paused(self, job: str) -> None:
-        try:
-            await self.park_job(job, cancel=False)
-        finally:
-            self.pausing.discard(job)

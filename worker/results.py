@@ -1,7 +1,6 @@
 """Group commit of results and dead letters: each written and counted in one Lua call (RECORD), first
 writer wins, only for the job incarnation it was generated for, so the counters equal what is stored.
-Its own module: `make mutation` mutates it (docs/mutation.md).
-"""
+Its own module: `make mutation` mutates it (docs/mutation.md)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class _Pending:
 
 
 class ResultWriter:
-    """Outcomes buffered and written, a RECORD call per batch, once the previous write is done;
-    `batches.on_written` hears of each group once it is durable."""
+    """Outcomes buffered, a RECORD call per batch once the previous write is done; then `batches.on_written`."""
 
     def __init__(self, conn: aioredis.Redis, worker: str, batches: Any) -> None:
         self.conn, self.worker, self.batches = conn, worker, batches
@@ -94,11 +92,7 @@ class ResultWriter:
         now = repr(time.time())
         calls = [scripts.record_call(job, batch, self.worker, now, g.results, g.dead, g.incarnation)
                  for (job, batch, _), g in groups.items()]
-        if len(calls) == 1:  # the common case: one call, no pipeline (redis-py's adds a SCRIPT EXISTS to each)
-            answers = [await self._script(*calls[0])]
-        else:
-            answers = await self._pipelined(calls)
-        for ((job, batch, _), g), (added, _) in zip(groups.items(), answers):
+        for ((job, batch, _), g), (added, _) in zip(groups.items(), await self._pipelined(calls)):
             if added == -2:
                 log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",
                          job, batch, plural(len(g.results) + len(g.dead), "outcome"))
@@ -106,8 +100,8 @@ class ResultWriter:
             self.batches.on_written(job, batch, [r.id for r in g.results] + [d.id for d in g.dead])
 
     async def _pipelined(self, calls: list[tuple[list[str], list]]) -> list:
-        """Several batches' calls in one round trip, by EVALSHA; once more after loading the script
-        if Redis lost it (a restart): RECORD is safe to run twice (first writer wins)."""
+        """The calls in one round trip, by EVALSHA (redis-py's pipelined scripts add a SCRIPT EXISTS); once more
+        after loading the script if Redis lost it (a restart): RECORD is safe to run twice (first writer wins)."""
         for _ in range(2):
             async with self.conn.pipeline(transaction=False) as pipe:
                 for script_keys, args in calls:

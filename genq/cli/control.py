@@ -26,8 +26,8 @@ from genq.core.words import plural
 from genq.ops import control
 from genq.ops.control import LOST, SETTABLE, Refused, WorkerRow, describe_block, jobs_named, set_settings
 from genq.output import truth
+from genq.worker.gate import servable_jobs
 from genq.worker.heartbeat import IDLE_BEAT_S
-from genq.worker.watch import servable_jobs
 
 STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow", "server_down": "red",
           "stopped": "dim", LOST: "bold red"}
@@ -118,7 +118,7 @@ def workers(as_json: bool, prune: bool) -> None:
         rows = [r for r in rows if r.live]
         if gone and not as_json:
             click.echo(f"forgot {len(gone)} stopped/lost worker(s): {', '.join(gone)}")
-    jobs = list_jobs(conn)  # which each can serve: those for its server's model or `auto` (worker/watch.py)
+    jobs = list_jobs(conn)  # which each can serve: those for its server's model or `auto` (worker/gate.py)
     serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
         judged = decodebound.judge({r.name: r.status for r in rows if r.status is not None})

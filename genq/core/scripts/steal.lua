@@ -1,4 +1,4 @@
--- STEAL: claim prompts from the back of a batch another engine holds (worker/stealing.py).
+-- STEAL: claim prompts from the back of a batch another engine holds (worker/intake.py).
 -- KEYS[1..7], ARGV[1..5]: as in _claim_helpers.lua
 -- KEYS[8] = the holder's alive key (keys.engine_alive)
 -- ARGV[6] = n, the most ids to claim
