@@ -184,7 +184,8 @@ def fleet_run(a: argparse.Namespace, work: Path) -> tuple[RedisCounters, float, 
         time.sleep(0.5)
         started = time.monotonic()
         by_id = {b.id: b for b in batches}
-        threads = [threading.Thread(target=fleet_worker, args=(r.url, "fleet", f"f{i:03d}", per_worker, by_id, a, filler))
+        threads = [threading.Thread(target=fleet_worker,
+                                    args=(r.url, "fleet", f"f{i:03d}", per_worker, by_id, a, filler))
                    for i in range(a.fleet)]
         for t in threads:
             t.start()

@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                              " ".join(str(x) for x in figs["genq"]["last_finish_s"])])
                 for run, f in figs.items():
                     print(f"  {run}: each server's first admission {f['first_admit_s']} s, last finish "
-                          f"{f['last_finish_s']} s, mean running {f['busy_mean_running']}, step {f['step_ms']} ms", flush=True)
+                          f"{f['last_finish_s']} s, mean running {f['busy_mean_running']}, step {f['step_ms']} ms",
+                          flush=True)
                     if "trace" in f:
                         print(f"    trace: {({k: v for k, v in f['trace'].items() if k != 'timeline'})}", flush=True)
                 print(f"{name}: ideal {ideal:.1f}s, genq {figs['genq']['makespan_s']:.1f}s ({ratio:.3f}x), router "
@@ -320,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             redis.stop()
     print(table(["scenario", "prompts", "batch", "servers", "one at half speed", "ideal makespan s",
-                 "genq makespan s", "genq / ideal", "router / ideal", "target", "genq: each server's last finish s"], rows))
+                 "genq makespan s", "genq / ideal", "router / ideal", "target",
+                 "genq: each server's last finish s"], rows))
     print(conditions())
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(all_figures, indent=2))

@@ -19,7 +19,8 @@ their heartbeat records as a live worker writes them. Then it reports:
   turn (ABAB...), medians. Exit 1 when LARGE's refresh is over 1.5x SMALL's.
 
 The large state uses the same scripts in bulk (pipelines of whole batches) with short texts
-(--bulk-chars): texts change the bytes, not the keys or fields a refresh reads. Bytes per prompt are measured at --footprint-prompts prompts
+(--bulk-chars): texts change the bytes, not the keys or fields a refresh reads. Bytes per
+prompt are measured at --footprint-prompts prompts
 with realistic texts (--prompt-chars, --completion-chars).
 
     .venv/bin/python bench/footprint.py                      # 20 K vs 2 M prompts, ~2-4 minutes
@@ -127,7 +128,8 @@ class Filler:
                 batches.append(Batch(job=self.job, id=f"b{seq + b + 1:07d}", prompts=prompts, created_at=time.time()))
             digests = {p.id: claim_digest(p) for b in batches for p in b.prompts}
             with self.conn.pipeline(transaction=True) as pipe:
-                write_batches(pipe, self.conn, [BatchSource.inline(b.job, b.id, b.prompts, b.created_at) for b in batches],
+                write_batches(pipe, self.conn,
+                              [BatchSource.inline(b.job, b.id, b.prompts, b.created_at) for b in batches],
                               digests)
                 pipe.execute()
             made.extend(batches)
@@ -164,7 +166,8 @@ class Filler:
         with self.conn.pipeline(transaction=False) as pipe:
             for b in batches:
                 done = b.prompts[: int(len(b.prompts) * share)]
-                script_keys, args = scripts.record_call(self.job, b.id, worker, now, self.results(b, done, worker), [], "")
+                script_keys, args = scripts.record_call(self.job, b.id, worker, now,
+                                                        self.results(b, done, worker), [], "")
                 self._record(keys=script_keys, args=args, client=pipe)
             pipe.execute()
 
@@ -359,10 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one stored result: {fp.result_blob:,} bytes; with the prompt's copy (genq before #15): "
           f"{fp.result_blob_with_prompt:,} bytes")
     print("\nwhat the finished job keeps (MEMORY USAGE, bytes in all / per prompt):")
-    print(table(["key", "bytes", "per prompt"], [[k, v, round(v / fp.prompts, 1)] for k, v in fp.finished_keys.items()]))
+    print(table(["key", "bytes", "per prompt"],
+                [[k, v, round(v / fp.prompts, 1)] for k, v in fp.finished_keys.items()]))
     rf = measure_refresh(args.small, args.large, rounds=args.rounds, chars=args.bulk_chars)
     print(f"\nmonitor refresh (fleet.statuses + queue mirror + read_job), mid-job: half the batches finished, "
-          f"{WORKERS} workers x {HELD_PER_WORKER} held batches, the rest queued; large state filled in {rf.fill_s:.0f}s")
+          f"{WORKERS} workers x {HELD_PER_WORKER} held batches, the rest queued; "
+          f"large state filled in {rf.fill_s:.0f}s")
     print(table(["prompts", "batches", "refresh, median ms"], [
         [rf.small, rf.small_batches, round(rf.small_ms, 2)], [rf.large, rf.large_batches, round(rf.large_ms, 2)]]))
     verdict = "met" if rf.met else "MISSED"

@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     cores = os.cpu_count() or 1
     server_core, client_core = (None, None) if args.no_pin or cores < 2 else (1, 0)
     print(f"overhead: {args.prompts} prompts of {args.output_tokens} output tokens, server capacity {args.capacity}, "
-          f"concurrency {target_concurrency(args.capacity)} (genq auto), batch size {args.batch_size}, genq = {args.client}; "
+          f"concurrency {target_concurrency(args.capacity)} (genq auto), batch size {args.batch_size}, "
+          f"genq = {args.client}; "
           f"server on core {server_core}, client on core {client_core}; redis {mask_url(args.redis)}; work dir {work}")
     print(f"machine: {conditions()}")
     for p in busy_processes():

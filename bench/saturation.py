@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=4096, help="max_tokens of every request (genq's default).")
     p.add_argument("--batch-size", type=int, default=256, help="genq's batch size, and the baseline's.")
     p.add_argument("--baseline-concurrency", type=int, default=32)
-    p.add_argument("--baseline-stagger", type=float, default=0.01, help="Seconds between the baseline's task creations.")
+    p.add_argument("--baseline-stagger", type=float, default=0.01,
+                   help="Seconds between the baseline's task creations.")
     p.add_argument("--worker-args", default="", help="Extra arguments for `genq worker` (e.g. '--prefetch 3').")
     p.add_argument("--redis", default=None, help="A spare Redis database: it is flushed.")
     p.add_argument("--workdir", default=None, help="Where prompts, logs and outputs go. [default: a temp dir]")
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = work / "prompts.jsonl"
     write_prompts(prompts, args.prompts)
     opts = sim_options(args)
-    print(f"saturation: {args.prompts} prompts, sim {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in opts.items())}, "
+    print(f"saturation: {args.prompts} prompts, "
+          f"sim {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in opts.items())}, "
           f"max_tokens {args.max_tokens}, batch size {args.batch_size}; redis {mask_url(args.redis)}; work dir {work}")
     print(f"machine: {conditions()}")
     for p in busy_processes():

@@ -232,7 +232,8 @@ def main() -> int:
                              f"{low['rss_mb']:.0f} / {high['rss_mb']:.0f} MB", f"{ten_m_s / 60:.1f} min",
                              high["load"]])
                 if "inline" in name and high["used"] > TARGET_INLINE_RATIO * size:
-                    misses.append(f"{name}: Redis {high['used'] / size:.3f} x the input (target <= {TARGET_INLINE_RATIO})")
+                    misses.append(f"{name}: Redis {high['used'] / size:.3f} x the input "
+                                  f"(target <= {TARGET_INLINE_RATIO})")
                 if "reference" in name and per > TARGET_REF_BYTES:
                     misses.append(f"{name}: {per:.0f} bytes of Redis per queued prompt (target <= {TARGET_REF_BYTES})")
                 if high["rss_mb"] > TARGET_RSS_MB:

@@ -143,7 +143,8 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
     yield _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)",
                  ["job"], [([p.job], p.tail is not None) for p in ps])
     for name, doc, field in (("genq_job_input_tokens", "Prompt tokens of finished prompts", "total_input_tokens"),
-                             ("genq_job_output_tokens", "Completion tokens of finished prompts", "total_output_tokens")):
+                             ("genq_job_output_tokens", "Completion tokens of finished prompts",
+                              "total_output_tokens")):
         yield _gauge(name, doc, ["job"], [([p.job], getattr(p, field)) for p in ps], CounterMetricFamily)
     yield _one_of("genq_job_status", "1 for the job's status, 0 for the others", ["job"], "status", JOB_STATUSES,
                   [([p.job], (p.status,)) for p in ps])

@@ -86,7 +86,8 @@ def job_panel(r: JobReport) -> Panel:
         head.append(f"  {finished:,} finished ({p.percent:.1f}%)")
     counts = Text(
         f"done {p.completed:,}  failed {p.failed:,}  in flight {p.in_flight:,}  not started {p.queued:,}"
-        f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers ({plural(p.held, 'prompt')} unsent),"
+        f" · batches: {p.batches_done:,} written, {p.held_batches:,} held by workers"
+        f" ({plural(p.held, 'prompt')} unsent),"
         f" {p.queued_batches:,} in RQ's queue")
     if p.other_batches and (p.blocked or p.status == "paused"):
         counts.append(f", {p.other_batches:,} parked while the job is {'blocked' if p.blocked else 'paused'}",

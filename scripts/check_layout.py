@@ -76,7 +76,8 @@ def imports_of(path: Path, name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return {i for i in found if i == "genq" or i.startswith("genq.")}

@@ -15,7 +15,8 @@ what `genq monitor --job JOB --once --json` reports:
   batch's dead letters (its records, in its file), and no dead letter of its batch came since;
 - counters: the workers' done/in_tok/out_tok and the length histogram equal the
   results stored, the job's running shard totals (records, bytes: RELEASE keeps
-  them) equal a recount of the shard records in Redis and of the markers (their failed counts every letter stored: requeue and purge keep that
+  them) equal a recount of the shard records in Redis and of the markers (their failed
+  counts every letter stored: requeue and purge keep that
   history), and the monitor's completed, failed, total,
   shard_records, shards, batches_done/batches_total and tokens equal them too;
 - RQ: the queue `genq`, its intermediate list and the started registry hold no batch of this job, the failed

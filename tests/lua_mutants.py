@@ -2,7 +2,8 @@
 
 mutmut mutates Python only, so the logic that decides what is stored and counted would go
 unchecked. Each mutant below is one hand-written change of that Lua, applied to a copy of the
-tree; tests/test_commit.py must fail on every one. Usage: python tests/lua_mutants.py COPY_DIR  (exits 1 if any survives).
+tree; tests/test_commit.py must fail on every one.
+Usage: python tests/lua_mutants.py COPY_DIR  (exits 1 if any survives).
 PLANTS are bugs planted in the ledger's scripts for the model test (tests/test_ledger_model.py):
 `python tests/lua_mutants.py --model` prints the shrunk failure of each.
 """
@@ -30,7 +31,8 @@ MUTANTS = [
      "intok = intok + tonumber(rs[i + 3])"),
     ("output tokens read from the input field", "outtok = outtok + tonumber(rs[i + 3])",
      "outtok = outtok + tonumber(rs[i + 2])"),
-    ("histogram counts 2", "buckets[bucket] = (buckets[bucket] or 0) + 1", "buckets[bucket] = (buckets[bucket] or 0) + 2"),
+    ("histogram counts 2", "buckets[bucket] = (buckets[bucket] or 0) + 1",
+     "buckets[bucket] = (buckets[bucket] or 0) + 2"),
     ("a write of letters only updates no counter", "if added > 0 or dead > 0 then", "if added > 0 then"),
     ("counters written even when nothing was stored", "if added > 0 or dead > 0 then", "if true then"),
     ("done counts letters too", "redis.call('HINCRBY', KEYS[3], 'done', added)",
@@ -96,7 +98,8 @@ def model_plants() -> int:
         try:
             run_model({plant[1]: planted(plant)}, settings(MODEL, max_examples=200))
         except (Broken, ExceptionGroup) as exc:
-            steps = "\n".join(note for e in [exc, *getattr(exc, "exceptions", [])] for note in getattr(e, "__notes__", []))
+            steps = "\n".join(note for e in [exc, *getattr(exc, "exceptions", [])]
+                              for note in getattr(e, "__notes__", []))
             print(f"    model: caught   {plant[0]}\n{exc}\n{steps}", flush=True)
         else:
             missed.append(plant[0])

@@ -44,12 +44,14 @@ def chat(content: str, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
 
 
-async def post(http: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[int, Any]:
+async def post(http: aiohttp.ClientSession, body: dict[str, Any],
+               path: str = "/v1/chat/completions") -> tuple[int, Any]:
     async with http.post(path, json=body) as resp:
         return resp.status, await resp.json()
 
 
-async def sse_events(http: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/chat/completions") -> list[Any]:
+async def sse_events(http: aiohttp.ClientSession, body: dict[str, Any],
+                     path: str = "/v1/chat/completions") -> list[Any]:
     """Every `data:` event of a stream, decoded; "[DONE]" stays a string."""
     async with http.post(path, json=body) as resp:
         assert resp.status == 200

@@ -258,7 +258,8 @@ def test_workers_view_shows_lost_and_prunes(redis_url, rconn):
         heartbeat_at=now - 30, gpu="1")))
     rconn.set(keys.worker_status("live.gpu2"), pack(WorkerStatus(
         name="live.gpu2", host="live", pid=2, server="http://x:2", state="busy", started_at=now - 60,
-        heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=[BatchRef("j", "b0000001")], tok_per_s=123.0)),
+        heartbeat_at=now, gpu="2", in_flight=5, concurrency_target=8, batches=[BatchRef("j", "b0000001")],
+        tok_per_s=123.0)),
         ex=3600)  # live = the status key exists; a worker's 15 s TTL would run out under a loaded machine's CLI calls
     view = workers_json()
     assert view["gone.gpu0"]["state"] == "lost" and view["gone.gpu0"]["host"] is None

@@ -193,7 +193,8 @@ def test_a_job_summary_counts_a_shared_server_once() -> None:
 
     def status(name: str, server: str, tok_per_s: float, sequences: int) -> WorkerStatus:
         return WorkerStatus(name=name, host="h", pid=1, server=server, state="busy", started_at=0.0,
-                            heartbeat_at=0.0, server_running=37, server_waiting=3, window_running=37, tok_per_s=tok_per_s,
+                            heartbeat_at=0.0, server_running=37, server_waiting=3, window_running=37,
+                            tok_per_s=tok_per_s,
                             tok_per_s_from="server", in_flight=sequences, sequences=sequences,
                             hardware=Hardware(bandwidth=PRO_6000, weight_bytes=WEIGHTS_27B))
 

@@ -95,14 +95,16 @@ def test_half_speed_gpu_flagged_shares_and_speed_follow_the_server(tmp_path: Pat
         for name in ("fast", "slow"):
             at, now = readings[name][-1]
             then_at, then = next((t, r) for t, r in reversed(readings[name]) if at - t >= WINDOW_S)
-            server_rate = (now["sglang:generation_tokens_total"] - then["sglang:generation_tokens_total"]) / (at - then_at)
+            server_rate = ((now["sglang:generation_tokens_total"] - then["sglang:generation_tokens_total"])
+                           / (at - then_at))
             status = unpack(rconn.get(keys.worker_status(name)), WorkerStatus)
             assert status.tok_per_s_from == "server"
             assert abs(status.tok_per_s - server_rate) <= 0.1 * server_rate, (name, status.tok_per_s, server_rate)
             # The share the sim's own figures give: its speed over running x bandwidth / (weights + KV in
             # use), with the running count and KV use at either end of the window (the worker read them
             # at its beat, between the two: on a loaded machine the count moves by a few meanwhile).
-            shares = [server_rate / (r["sglang:num_running_reqs"] * BANDWIDTH / (weight + r["sglang:token_usage"] * kv_pool))
+            shares = [server_rate / (r["sglang:num_running_reqs"] * BANDWIDTH
+                                     / (weight + r["sglang:token_usage"] * kv_pool))
                       for r in (then, now)]
             # The share genq shows (`genq workers --json` below, the monitor), from the record just read: a
             # CLI run here took seconds on a loaded machine, and the sim's speed had moved meanwhile.

@@ -114,7 +114,8 @@ def test_the_line_goes_through_the_bins_booked_with_nothing_admitted_where_they_
     decode's own curve; the prefill's cost is played apart (Speed.prefill)."""
     clean = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s, tokens=b.tokens, clean=True)
              for b in bins_of(0.020, 0.001, [16, 32, 64, 128])]
-    bulk = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s * 1.2, tokens=b.tokens) for b in bins_of(0.020, 0.001, [128])]
+    bulk = [DecodeBin(decoding=b.decoding, busy_s=b.busy_s * 1.2, tokens=b.tokens)
+            for b in bins_of(0.020, 0.001, [128])]
     ramp = [DecodeBin(decoding=8, busy_s=50.0, tokens=100.0)]  # the start of a job: prefill-laden
     assert fit_overhead(clean + bulk + ramp) == pytest.approx(20.0)
     # No drain seen yet: all the bins, and the ramp beside the bulk reads a slower request at a

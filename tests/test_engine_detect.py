@@ -40,7 +40,8 @@ def test_sglang_is_told_by_its_server_info_and_llamacpp_is_not_asked() -> None:
     assert (found.engine.name, found.capacity, found.context_length, found.has_metrics) == ("sglang", 48, 4096, True)
     assert asked == ["/server_info", "/metrics"]
     found, asked = detected({"/get_server_info": SGLANG_INFO})  # an older SGLang
-    assert (found.engine.name, found.capacity, asked) == ("sglang", 48, ["/server_info", "/get_server_info", "/metrics"])
+    assert (found.engine.name, found.capacity, asked) == ("sglang", 48,
+                                                          ["/server_info", "/get_server_info", "/metrics"])
 
 
 def test_sglang_0_5_23_as_recorded() -> None:

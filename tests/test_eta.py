@@ -306,7 +306,8 @@ def test_the_bulk_of_a_job_runs_at_the_speed_measured_while_admitting() -> None:
 def test_warming_up_paused_stalled_done() -> None:
     few = lengths(MIN_FINISHED - 1, seed=1)
     running = [10, 20]
-    e = estimate(total=100, completed=len(few), failed=0, lengths=LengthData(hist=hist_of(few), running=running, cap=CAP),
+    e = estimate(total=100, completed=len(few), failed=0,
+                 lengths=LengthData(hist=hist_of(few), running=running, cap=CAP),
                  workers=1, speed=STEADY)
     assert e.state == "warming up" and e.eta_s is None and "finished completions" in e.note
 
@@ -375,7 +376,8 @@ def _snapshot(at: float, out_tok: int, published_at: float, tokens: list[int], d
     from genq.core.ledger.figures import JobSnapshot, WorkerCounters, WorkerView
     from genq.core.records import InFlight, WorkerStatus
 
-    status = WorkerStatus(name="w", host="h", pid=1, server="s", state="busy", started_at=0.0, heartbeat_at=published_at,
+    status = WorkerStatus(name="w", host="h", pid=1, server="s", state="busy", started_at=0.0,
+                          heartbeat_at=published_at,
                           concurrency_target=40, server_capacity=37, in_flight=len(tokens))
     view = WorkerView(name="w", status=status, counters=WorkerCounters(done=done, out_tok=out_tok),
                       inflight=InFlight(worker="w", job="j", at=published_at, tokens=tokens, queued=10))

@@ -183,7 +183,8 @@ def test_transport_failures_never_count_against_the_batch(redis_url, rconn, sim,
     ids, out = enqueue(tmp_path, "tf", 10, "--batch-size", "10", "--max-tokens", "200")
     reconciler = ledger.Reconciler(rconn, "test")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for _ in range(12):  # a stock RQ worker (in this process: no interpreter to start): run_batch refuses, the job fails
+    # a stock RQ worker (in this process: no interpreter to start): run_batch refuses, the job fails
+    for _ in range(12):
         try:
             SimpleWorker([keys.QUEUE], connection=rconn, serializer=JSONSerializer).work(burst=True)
         finally:

@@ -85,7 +85,8 @@ def test_two_jobs_on_two_models_run_at_once_each_on_its_own_servers(redis_url, r
 def test_model_auto_is_pinned_to_the_first_server_that_takes_the_job(redis_url, rconn, sim, worker, tmp_path):
     ids, out = enqueue(tmp_path, redis_url, "au", 60)
     assert load_config(rconn, "au").model == "auto"
-    server_a, server_b = served(sim, "model-A", tokens_per_step=1, step_ms_base=50, max_running_requests=4), served(sim, "model-B")
+    server_a, server_b = (served(sim, "model-A", tokens_per_step=1, step_ms_base=50, max_running_requests=4),
+                          served(sim, "model-B"))
     first = worker(server_a, "--burst", name="first")
     wait_until(lambda: load_config(rconn, "au").model == "model-A", 30, "the job pinned")
     later = worker(server_b, "--burst", name="later")

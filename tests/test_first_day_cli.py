@@ -32,7 +32,8 @@ def test_a_burst_worker_on_a_dead_port_says_so_finally_within_a_minute(redis_url
 
 def test_a_bad_job_name_is_bad_usage_everywhere(redis_url, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 1)
-    for args in (("enqueue", str(tmp_path / "p.jsonl"), "--job", "bad/name"), ("monitor", "--once", "--job", "bad/name"),
+    for args in (("enqueue", str(tmp_path / "p.jsonl"), "--job", "bad/name"),
+                 ("monitor", "--once", "--job", "bad/name"),
                  ("pause", "--job", "bad/name"), ("status", "bad/name", "p00000")):
         proc = run_genq(*args, check=False)
         assert proc.returncode == 2 and "invalid job name 'bad/name'" in proc.stderr, (args, proc.stderr)
@@ -68,7 +69,8 @@ def test_a_job_of_one_prompt_is_counted_in_words_to_the_end(redis_url, tmp_path,
 
 def test_the_stream_message_names_the_switch_that_exists_and_dlq_help_counts_right(redis_url, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 1)
-    proc = run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "s", "--extra-body", '{"stream": false}', check=False)
+    proc = run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "s", "--extra-body", '{"stream": false}',
+                    check=False)
     assert "'stream' cannot be set here" in proc.stderr and "--no-stream" in proc.stderr, proc.stderr
     assert "always streams" not in proc.stderr
     text = run_genq("dlq", "--help").stdout
@@ -87,9 +89,11 @@ def test_dry_run_checks_everything_says_what_a_real_run_does_and_writes_nothing(
     args = ("enqueue", str(src), "--job", "dry", "--output", str(tmp_path / "out"), "--batch-size", "8")
     proc = run_genq(*args, "--dry-run", check=False)
     assert proc.returncode == 3, proc.stderr
-    assert ("30 prompts would be queued in 4 batches" in proc.stdout and "1 repeated line would be skipped" in proc.stdout
+    assert ("30 prompts would be queued in 4 batches" in proc.stdout
+            and "1 repeated line would be skipped" in proc.stdout
             and "2 lines rejected" in proc.stdout), proc.stdout
-    assert "line 31: invalid JSON" in proc.stderr and "line 33: duplicate id 'p00001' with different content" in proc.stderr
+    assert ("line 31: invalid JSON" in proc.stderr
+            and "line 33: duplicate id 'p00001' with different content" in proc.stderr)
     assert rconn.dbsize() == 0 and not (tmp_path / "out").exists()
     # The real run does what the dry run said.
     real = run_genq(*args, check=False)

@@ -28,7 +28,8 @@ def test_a_paused_worker_and_job_show_no_stale_rates(tmp_path, redis_url, sim, w
     wait_until(lambda: workers_json().get("pz-w", {}).get("tok_per_s", 0) > 0, 60, "the worker generating")
     wait_until(lambda: monitor_json("pz")["rate_per_sec"], 60, "a job rate")
     run_genq("pause")
-    wait_until(lambda: (s := sim_stats(url))["num_running"] == 0 and s["num_waiting"] == 0, 60, "in-flight requests done")
+    wait_until(lambda: (s := sim_stats(url))["num_running"] == 0 and s["num_waiting"] == 0, 60,
+               "in-flight requests done")
     paused_at = time.monotonic()
     row = wait_until(lambda: (w := workers_json()["pz-w"])["state"] == "paused" and w["in_flight"] == 0 and w, 30,
                      "the worker paused with nothing in flight")
@@ -74,11 +75,13 @@ def test_values_of_zero_that_mean_nothing_are_refused(redis_url, rconn):
 def test_the_errors_column_is_per_job(tmp_path, redis_url, sim, worker):
     url = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
     write_mixed(tmp_path / "a.jsonl", 12, long_every=3)  # 4 prompts too long: 4 failed attempts
-    run_genq("enqueue", str(tmp_path / "a.jsonl"), "--job", "first", "--max-tokens", "8", "--output", str(tmp_path / "out"))
+    run_genq("enqueue", str(tmp_path / "a.jsonl"), "--job", "first", "--max-tokens", "8",
+             "--output", str(tmp_path / "out"))
     worker(url, "--name", "one")
     wait_until(lambda: monitor_json("first")["status"] in ("done", "partial"), 60, "the first job finished")
     write_prompts(tmp_path / "b.jsonl", 10)
-    run_genq("enqueue", str(tmp_path / "b.jsonl"), "--job", "second", "--max-tokens", "8", "--output", str(tmp_path / "out"))
+    run_genq("enqueue", str(tmp_path / "b.jsonl"), "--job", "second", "--max-tokens", "8",
+             "--output", str(tmp_path / "out"))
     wait_until(lambda: monitor_json("second")["status"] == "done", 60, "the second job finished")
     time.sleep(2.5)  # a heartbeat after the last outcome
 

@@ -85,7 +85,8 @@ def test_an_unreachable_redis_given_after_the_subcommand_is_the_one_named():
     # The error named the Redis before the subcommand (here the default) instead of the one tried.
     proc = genq("workers", "--redis", "redis://:sekrit@127.0.0.1:1/0")
     assert proc.returncode == 1, proc.stderr
-    assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in proc.stderr and "sekrit" not in proc.stderr, proc.stderr
+    assert ("cannot reach Redis at redis://:***@127.0.0.1:1/0" in proc.stderr
+            and "sekrit" not in proc.stderr), proc.stderr
 
 
 @pytest.mark.parametrize("userinfo", [
@@ -160,7 +161,8 @@ def test_rediss_against_a_tls_redis_works_with_its_certificate_checked(tmp_path)
                    check=True, capture_output=True)
     port = free_port()
     server = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                               "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                               "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                               "--tls-ca-cert-file", str(cert),
                                "--tls-auth-clients", "no", "--save", "", "--dir", str(tmp_path)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:

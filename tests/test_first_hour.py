@@ -50,14 +50,16 @@ def test_prompt_rows_are_queued_as_one_user_message_for_the_chat_endpoint(redis_
     src = _lines(tmp_path / "mixed.jsonl", [
         {"id": "a1", "messages": CHAT},
         {"id": "a2", "prompt": "Write a haiku."},
-        {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon", "max_tokens": 9}},
+        {"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon", "max_tokens": 9}},
     ])
     proc = run_genq("enqueue", str(src), "--job", "fit", "--output", str(tmp_path / "out"), redis_url=redis_url)
     assert "queued 3 prompts" in proc.stdout
     assert "2 'prompt' rows sent as one user message each" in proc.stdout
     prompts = {p.id: p for p in _stored_prompts(rconn, "fit")}
     assert prompts["a2"].messages == [{"role": "user", "content": "Write a haiku."}] and prompts["a2"].prompt is None
-    assert prompts["r1"].messages == [{"role": "user", "content": "Once upon"}] and prompts["r1"].sampling == {"max_tokens": 9}
+    assert (prompts["r1"].messages == [{"role": "user", "content": "Once upon"}]
+            and prompts["r1"].sampling == {"max_tokens": 9})
     assert prompts["a1"].messages == CHAT
 
 
@@ -116,7 +118,8 @@ def test_bad_extra_body_is_refused_naming_the_option_and_field(redis_url, rconn,
 
 def test_bad_row_sampling_is_rejected_with_its_line(redis_url, rconn, tmp_path):
     src = _lines(tmp_path / "s.jsonl", [
-        {"id": "ok", "messages": CHAT, "sampling": {"temperature": 0.2, "chat_template_kwargs": {"enable_thinking": False}}},
+        {"id": "ok", "messages": CHAT,
+         "sampling": {"temperature": 0.2, "chat_template_kwargs": {"enable_thinking": False}}},
         {"id": "neg", "messages": CHAT, "sampling": {"temperature": -1}},
         {"id": "typo", "messages": CHAT, "sampling": {"max_token": 5}},
         {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": CHAT, "top_p": 7}},

@@ -105,7 +105,8 @@ def test_output_and_export_files_have_the_umasks_mode_not_0600(redis_url, sim, w
             run_genq("export", "--job", "modes", "--to", str(tmp_path / f"modes.{fmt}"), redis_url=redis_url)
     finally:
         os.umask(old)
-    made = [p for p in (out / "modes").rglob("*") if p.is_file()] + [tmp_path / "modes.jsonl", tmp_path / "modes.parquet"]
+    made = ([p for p in (out / "modes").rglob("*") if p.is_file()]
+            + [tmp_path / "modes.jsonl", tmp_path / "modes.parquet"])
     kinds = {p.parent.name for p in made}
     assert {"shards", "manifest", "rejects", "modes"} <= kinds, made  # modes/job.json is in "modes"
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made}
@@ -121,7 +122,8 @@ def test_enable_thinking_at_the_top_of_extra_body_points_at_chat_template_kwargs
     assert '{"chat_template_kwargs": {"enable_thinking": true}}' in proc.stderr, proc.stderr
     assert rconn.keys("*") == []
     # Said that way, it is taken.
-    run_genq("enqueue", str(src), "--job", "think", "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}',
+    run_genq("enqueue", str(src), "--job", "think",
+             "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}',
              "--output", str(tmp_path / "out"), redis_url=redis_url)
 
 
@@ -218,7 +220,8 @@ def test_a_finished_jobs_name_is_not_silently_added_to_and_a_deleted_ones_starts
     assert json.loads((out / "fin" / "job.json").read_text())["deleted_at"] > 0
     # genq recover, asked, brings the old job back whole.
     back = run_genq("recover", "--job", "fin", "--output", str(out), redis_url=redis_url)
-    assert "created again from" in back.stdout and "3 batches written in the output marked done" in back.stdout, back.stdout
+    assert ("created again from" in back.stdout
+            and "3 batches written in the output marked done" in back.stdout), back.stdout
     assert "deleted_at" not in json.loads((out / "fin" / "job.json").read_text())
     row = next(r for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout) if r["name"] == "fin")
     assert (row["state"], row["total"], row["done"]) == ("done", 15, 15), row
@@ -291,7 +294,8 @@ def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_
     for option in ("--output", "--from"):
         done = run_genq("export", "--job", "names", option, str(out), "--to", str(tmp_path / f"x{option}.jsonl"),
                         redis_url=redis_url, check=False)
-        assert done.returncode == 3 and "wrote 1 record" in done.stdout, (option, done.stdout, done.stderr)  # 3: partial
+        # returncode 3: partial
+        assert done.returncode == 3 and "wrote 1 record" in done.stdout, (option, done.stdout, done.stderr)
     export_help = run_genq("export", "--help", redis_url=redis_url).stdout
     assert "--output OUTPUT" in export_help and "--from" not in export_help, export_help
     monitor_help = run_genq("monitor", "--help", redis_url=redis_url).stdout
@@ -300,7 +304,8 @@ def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_
     assert bad.returncode == 1 and "--metrics 'nonsense': expected [HOST]:PORT" in bad.stderr, bad.stderr
 
     level = run_genq("worker", "--log-level", "INFO", redis_url=redis_url, check=False)
-    assert level.returncode == 2 and "--log-level" not in level.stderr and "give either --server" in level.stderr, level.stderr
+    assert (level.returncode == 2 and "--log-level" not in level.stderr
+            and "give either --server" in level.stderr), level.stderr
 
     purge = run_genq("dlq", "purge", "--job", "names", "-y", redis_url=redis_url, check=False)
     assert purge.returncode == 0 and "No such option" not in purge.stderr, purge.stderr

@@ -87,7 +87,8 @@ def holder_and_taker(rconn, sim, worker, tmp_path, job: str, *taker_args: str):
     holder = worker(holder_server, "--burst", "--prefetch", "1", name="holder")
     wait_until(lambda: rconn.hlen(keys.job_leases(job)) == 1, 60, "the batch held")
     taker = worker(taker_server, *taker_args, name="taker")
-    wait_until(lambda: re.search(rf"unsent prompts? of batch {job}/", taker.log()), 60, "the second worker to take prompts")
+    wait_until(lambda: re.search(rf"unsent prompts? of batch {job}/", taker.log()), 60,
+               "the second worker to take prompts")
     return ids, out, holder, taker, taker_server
 
 

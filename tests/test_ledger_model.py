@@ -501,7 +501,8 @@ class LedgerModel(RuleBasedStateMachine):
         """Every (engine, batch) held by an engine that runs."""
         return [(e, b) for e in self.world.engines.values() if not e.frozen for b in sorted(e.holds)]
 
-    @initialize(opening=st.sampled_from(["delivered", "delivered twice", "sent", "written, then Redis lost its outcomes"]))
+    @initialize(opening=st.sampled_from(["delivered", "delivered twice", "sent",
+                                         "written, then Redis lost its outcomes"]))
     def first_delivery(self, opening: str) -> None:
         """The job's first batch delivered to engine 0, where the races the scripts exist for begin:
         delivered to engine 1 as well before engine 0 sent anything (the reconciler found it

@@ -69,7 +69,8 @@ def test_once_json_and_progress_file_match_the_shards(tmp_path: Path, redis_url,
     assert doc["total_output_tokens"] == out_tokens and doc["total_input_tokens"] == in_tokens
     assert doc["avg_output_tokens"] == round(out_tokens / 60, 1)
     shards = sorted((out / "mon" / "shards").glob("*.jsonl"))
-    assert doc["shards"] == doc["s3_uploaded"] == len(shards) == len(list((out / "mon" / "manifest").glob("*.json"))) == 4
+    assert (doc["shards"] == doc["s3_uploaded"] == len(shards)
+            == len(list((out / "mon" / "manifest").glob("*.json"))) == 4)
     assert doc["s3_bytes"] == sum(p.stat().st_size for p in shards)
     assert doc["shard_records"] == 60
     assert doc["batches_total"] == doc["batches_done"] == 4 and doc["queued_batches"] == 0
@@ -323,10 +324,12 @@ def test_dead_letters_are_not_shown_as_done(tmp_path: Path, redis_url, sim, work
 
     url = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
     _, long_ids = write_mixed(tmp_path / "p.jsonl", 30, long_every=3)  # every third prompt is too long
-    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "dl", "--output", str(tmp_path / "out"), "--max-tokens", "16")
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "dl", "--output", str(tmp_path / "out"),
+             "--max-tokens", "16")
     assert worker(url, "--burst", "--name", "dl-w").wait(60) == 0
     doc = monitor_json("--job", "dl")
-    assert doc["failed"] == len(long_ids) == 10 and doc["completed"] == 20 and doc["status"] == "partial"  # never "done" with dead letters (#25)
+    assert (doc["failed"] == len(long_ids) == 10 and doc["completed"] == 20
+            and doc["status"] == "partial")  # never "done" with dead letters (#25)
     assert doc["percent_completed"] == 66.67 and doc["percent_failed"] == 33.33
     text = run_genq("monitor", "--once", "--job", "dl").stdout
     assert "30 / 30" not in text and "100.0%" not in text, text

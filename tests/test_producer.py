@@ -161,7 +161,8 @@ def test_a_dry_run_counts_what_the_real_enqueue_then_does_and_writes_nothing(rco
 
     def summary(dry_run: bool) -> tuple[int, ...]:
         rejects = RejectsFile(None if dry_run else str(tmp_path / "rejects.jsonl"))
-        got = Enqueuer(rconn, config, create=True, rejects=rejects, dry_run=dry_run).run(jsonl_rows(lines, config.endpoint))
+        got = Enqueuer(rconn, config, create=True, rejects=rejects, dry_run=dry_run).run(
+            jsonl_rows(lines, config.endpoint))
         rejects.close()
         return got.enqueued, got.batches, got.skipped_existing, got.skipped_duplicate, got.rejected
 
@@ -178,7 +179,8 @@ def test_dry_run_checks_rows_for_the_jobs_endpoint_as_the_real_enqueue_does(redi
     src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"say {i}"}) + "\n" for i in range(3)))
     run_genq("enqueue", str(src), "--job", "conv", "--output", str(tmp_path / "out"), redis_url=redis_url)
     dry = run_genq("enqueue", str(src), "--job", "conv", "--dry-run", redis_url=redis_url, check=False)
-    assert dry.returncode == 0 and "3 prompts already queued or done would be skipped" in dry.stdout, dry.stdout + dry.stderr
+    assert (dry.returncode == 0
+            and "3 prompts already queued or done would be skipped" in dry.stdout), dry.stdout + dry.stderr
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"id": "c1", "messages": [{"role": "user", "content": "hi"}]}) + "\n"

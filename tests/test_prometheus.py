@@ -55,12 +55,14 @@ def put_job(conn, now: float) -> None:
                     memory_total_mib=81_559.0, power_w=612.5, sm_clock_mhz=1980.0, temperature_c=71.0)
     a = WorkerStatus(name="gpu-a", host="node1", pid=11, server="http://127.0.0.1:30000", state="busy",
                      started_at=now - 550, heartbeat_at=now - 0.5, gpu="0", concurrency_target=70,
-                     server_capacity=64, in_flight=70, queued=30, batches=[BatchRef("exp", "b0000003"), BatchRef("exp", "b0000004")],
+                     server_capacity=64, in_flight=70, queued=30,
+                     batches=[BatchRef("exp", "b0000003"), BatchRef("exp", "b0000004")],
                      tok_per_s=2150.5, req_per_s=3.2, done=250, errors=4, server_running=64.0,
                      server_waiting=6.0, server_token_usage=0.83, gpu_sample=gpu)
     b = WorkerStatus(name="gpu-b", host="node2", pid=12, server="http://127.0.0.1:30001", state="busy",
                      started_at=now - 550, heartbeat_at=now - 0.2, concurrency_target=40, concurrency_limit=40,
-                     server_capacity=64, in_flight=40, queued=10, batches=[BatchRef("exp", "b0000005")], tok_per_s=1200.0,
+                     server_capacity=64, in_flight=40, queued=10, batches=[BatchRef("exp", "b0000005")],
+                     tok_per_s=1200.0,
                      req_per_s=2.0, done=150, errors=0, server_running=40.0, server_waiting=0.0,
                      server_token_usage=0.5, gpu_note="no GPU telemetry: NVMLError_LibraryNotFound")
     for s, tokens in ((a, [300, 120, 2000] + [50] * 67), (b, [10] * 40)):
@@ -115,7 +117,8 @@ def test_collector_reports_what_redis_holds(rconn) -> None:
     assert m[("genq_job_eta_seconds", job)] == pytest.approx(report.progress.eta_s)
     assert m[("genq_job_eta_low_seconds", job)] == pytest.approx(report.progress.eta_low_s)
     assert m[("genq_job_eta_high_seconds", job)] == pytest.approx(report.progress.eta_high_s)
-    assert m[("genq_job_eta_low_seconds", job)] <= m[("genq_job_eta_seconds", job)] <= m[("genq_job_eta_high_seconds", job)]
+    assert (m[("genq_job_eta_low_seconds", job)] <= m[("genq_job_eta_seconds", job)]
+            <= m[("genq_job_eta_high_seconds", job)])
 
     a, b, c = (("worker", "gpu-a"),), (("worker", "gpu-b"),), (("worker", "gpu-c"),)
     d, e = (("worker", "gpu-d"),), (("worker", "gpu-e"),)
@@ -307,7 +310,8 @@ class Prometheus:
         """{sorted labels: value} of an instant query, without __name__, instance and the scrape job."""
         data = self.api("query", query=expr)
         return {tuple(sorted((k, v) for k, v in r["metric"].items()
-                             if k not in ("__name__", "instance") and (k, v) != ("job", SCRAPE_JOB))): float(r["value"][1])
+                             if k not in ("__name__", "instance")
+                                and (k, v) != ("job", SCRAPE_JOB))): float(r["value"][1])
                 for r in data["result"]}
 
     def one(self, expr: str) -> float | None:
@@ -388,7 +392,8 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
 
     # No label whose values grow with time: besides names, only fixed sets of codes.
     series = prom.api("series", **{"match[]": '{__name__=~"genq_.*"}'})
-    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES), "reason": set(CODES) | set(BLOCK_REASONS) | set(NOTE_REASONS) | set(CAPS)}
+    fixed = {"state": set(WORKER_STATES) | set(ETA_STATES), "status": set(JOB_STATUSES),
+             "reason": set(CODES) | set(BLOCK_REASONS) | set(NOTE_REASONS) | set(CAPS)}
     names = {"__name__", "job", "worker", "instance", "gpu", "name"}
     for s in series:
         for label, value in s.items():

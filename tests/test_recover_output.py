@@ -79,7 +79,8 @@ def test_batch_numbers_are_not_reused_when_a_job_is_created_again_in_its_folder(
     run_genq("jobs", "delete", "again", "--yes")
     second = run_genq("enqueue", str(src), "--job", "again", "--output", str(out), "--batch-size", "10",
                       "--max-tokens", "20")
-    assert "earlier job of this name, which was deleted (genq jobs delete): this is a new job" in second.stdout, second.stdout
+    assert ("earlier job of this name, which was deleted (genq jobs delete): this is a new job"
+            in second.stdout), second.stdout
     batches = sorted(b.decode() for b in rconn.zrange("genq:job:again:batches", 0, -1))
     assert batches and min(int(b[1:]) for b in batches) > first["reserved"], batches
     record = json.loads((out / "again" / "job.json").read_text())

@@ -167,7 +167,8 @@ def test_s3_outage_mid_run_acknowledges_only_uploaded_batches(moto, redis_url, r
     shards = {b.decode(): unpack(raw, ShardInfo) for b, raw in rconn.hgetall(keys.job_shards("outage")).items()}
     assert set(shards) == all_batches
     gap = frozen - set(snapshot)
-    seen = [r["id"] for b in frozen & set(snapshot) for r in snapshot[b]] + [r["id"] for rs in after.values() for r in rs]
+    seen = ([r["id"] for b in frozen & set(snapshot) for r in snapshot[b]]
+            + [r["id"] for rs in after.values() for r in rs])
     assert len(seen) == len(set(seen)), "a prompt has two records"
     assert len(seen) + sum(shards[b].records for b in gap) == len(ids)
     assert set(seen) <= set(ids)

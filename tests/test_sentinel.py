@@ -64,7 +64,8 @@ class SentinelSet:
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['a']} 1\n"
             f"sentinel down-after-milliseconds {SERVICE} 2000\n"
             f"sentinel failover-timeout {SERVICE} 10000\n")
-        self.procs["sentinel"] = subprocess.Popen(["redis-sentinel", str(conf)], stdout=open(self.dir / "sentinel.log", "ab"),
+        self.procs["sentinel"] = subprocess.Popen(["redis-sentinel", str(conf)],
+                                                  stdout=open(self.dir / "sentinel.log", "ab"),
                                                   stderr=subprocess.STDOUT, start_new_session=True)
         self.sentinel = redis.Redis(port=self.sentinel_port, socket_connect_timeout=1, decode_responses=True)
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{SERVICE}/0"

@@ -134,7 +134,8 @@ def test_live_page_draws_the_run_and_agrees_with_once_json(tmp_path: Path, redis
 
     for w in workers:
         assert w.wait(120) == 0, w.log()
-    # Both after the end (the job's dead letters make it 'partial', never 'done'): the page's numbers are `genq monitor --once --json`'s.
+    # Both after the end (the job's dead letters make it 'partial', never 'done'): the page's numbers
+    # are `genq monitor --once --json`'s.
     wait_js(page, "document.getElementById('status').textContent === 'partial'", timeout=30_000)
     polls = int(page.evaluate("document.body.dataset.polls"))
     wait_js(page, f"Number(document.body.dataset.polls) >= {polls + 2}")
@@ -150,7 +151,8 @@ def test_live_page_draws_the_run_and_agrees_with_once_json(tmp_path: Path, redis
     assert page.locator("#dlq-total").get_attribute("data-value") == "30"
     assert page.locator("#dlq-kinds tr[data-kind=bad_request] td").nth(1).text_content() == "30"
     assert page.locator("#dlq-latest tbody tr").count() == 5
-    assert page.locator("#manifest").get_attribute("data-value") == str(len(list((tmp_path / "out" / "webjob" / "manifest").glob("*.json"))))
+    assert page.locator("#manifest").get_attribute("data-value") == str(
+        len(list((tmp_path / "out" / "webjob" / "manifest").glob("*.json"))))
     assert problems == [], problems
     assert rconn.exists(keys.job_paused("webjob")) == 0
 
@@ -225,7 +227,8 @@ def test_only_its_own_host_names_are_answered_and_the_page_runs_under_its_csp(tm
                  f"GENQ.example.org:{port}", "10.1.2.3:8008"):  # an address is no rebinding: no name to rebind
         status, headers, body = get("api/state", host)
         assert status == 200 and b"hosts" in body, (host, status)
-        assert "default-src 'self'" in headers["Content-Security-Policy"] and headers["X-Content-Type-Options"] == "nosniff"
+        assert ("default-src 'self'" in headers["Content-Security-Policy"]
+                and headers["X-Content-Type-Options"] == "nosniff")
 
     page = browser.new_page()
     problems: list[str] = []

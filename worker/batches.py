@@ -253,7 +253,8 @@ class Batches:
             return None  # the job was deleted and enqueued again: nothing of this one is written
         # the record itself only when the prompts were not in memory (else: whether it is there)
         ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
-        letters_raw = stored_letters if stored_letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
+        letters_raw = (stored_letters if stored_letters is not None
+                       else await leasing.letters_of(self.conn, ref.job, ids))
         results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
                    for r in (unpack(v, Result) for v in raw_results) if r.id in set(ids)]
         letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
@@ -342,7 +343,8 @@ class Batches:
             if h.borrowed:
                 self.held.borrowed.pop(h.ref, None)
                 continue
-            end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token, requeue=requeue)
+            end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token,
+                                    requeue=requeue)
             if await retrying(end, f"ending the lease of {h.ref}"):
                 ended.append(str(h.ref))
             self.held.pop(h.ref, None)

@@ -159,7 +159,8 @@ class Dispatcher:
     def _record(self, task: Task, body: dict[str, Any], c: Completion, sent: JobConfig) -> Failure | None:
         """Records the answer, or returns why it is not what the request asked for."""
         held, latency = task.batch, time.monotonic() - task.progress.started
-        result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch, worker=self.writer.worker,
+        result = result_of(body, c, prompt=task.prompt, job=held.ref.job, batch=held.ref.batch,
+                           worker=self.writer.worker,
                            attempts=task.lost + task.attempts + 1, latency_s=latency,
                            settings_version=sent.settings_version)
         if isinstance(result, Failure):
@@ -182,12 +183,14 @@ class Dispatcher:
             # Answered by a server that is not the one the prompt ran on (restarted smaller): no attempt.
             self.todo.ready.appendleft(task)
             return
-        if failure.kind in ("connection", "timeout", "server_error") and await self._check(failure.kind == "connection"):
+        if (failure.kind in ("connection", "timeout", "server_error")
+            and await self._check(failure.kind == "connection")):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             task.crashed(self.watch.outages)
             if task.crashes >= self.opts.server_crash_limit:
                 self.batches.dead(task, Failure(
-                    "server_crash", f"the server went down {plural(task.crashes, 'time')} while this prompt was in flight "
+                    "server_crash", f"the server went down {plural(task.crashes, 'time')} "
+                    "while this prompt was in flight "
                     f"(sent alone after the first); last error: {failure.kind}: {failure.message}"))
                 return
             (self.todo.suspects if self._suspect(task) else self.todo.ready).appendleft(task)
@@ -201,7 +204,8 @@ class Dispatcher:
         unproven = (task.answered_before <= task.failing_since
                     and time.monotonic() - task.failing_since < self.opts.server_down_timeout)
         if failure.retryable and (task.attempts < max_attempts or unproven):
-            delay = min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1)) * random.uniform(0.5, 1.5)
+            delay = (min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
+                     * random.uniform(0.5, 1.5))
             self.todo.retry_at(time.monotonic() + delay, task)
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay,

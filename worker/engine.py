@@ -158,8 +158,10 @@ class Engine:
             return 0
         self.controller.set_capacity(server.capacity)
         log.info("worker %s: server %s (%s, model %s, capacity %s) -> %s in flight (%s); redis %s", self.name,
-                 self.opts.server_url, server.flavor, server.model, server.capacity or "unknown", self.controller.target,
-                 f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto", mask_url(self.opts.redis_url))
+                 self.opts.server_url, server.flavor, server.model, server.capacity or "unknown",
+                 self.controller.target,
+                 f"capped at {self.opts.concurrency}" if self.opts.concurrency else "auto",
+                 mask_url(self.opts.redis_url))
         await self.heartbeat.first_beat()
         await asyncio.to_thread(self.reconciler.drop_legacy_jobs)
         self.wake_listener.start()  # WAKE messages end an idle stealer's nap (worker/heartbeat.py)
@@ -197,12 +199,13 @@ class Engine:
         try:
             await asyncio.wait_for(self.writer.wait_idle(), timeout=30)
         except TimeoutError:
-            log.error("could not flush %s to Redis; their batches will be redone", plural(self.writer.pending, "result"))
+            log.error("could not flush %s to Redis; their batches will be redone",
+                      plural(self.writer.pending, "result"))
         with contextlib.suppress(redis.RedisError, OSError):
             await self.heartbeat.stopped()
 
     async def maintain(self) -> None:
-        """Each worker takes its turn at the ledger's reconciler: stranded batches queued again (by TTLs, not clocks)."""
+        """Each worker takes its turn at the ledger's reconciler: stranded batches requeued (by TTLs, not clocks)."""
         while True:
             await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
             try:

@@ -97,7 +97,8 @@ async def _llamacpp_probe(get_json: GetJson) -> ServerInfo | None:
     if capacity is None:
         listed = await get_json("/slots")
         capacity = len(listed) if isinstance(listed, list) and listed else None
-    return ServerInfo(LLAMACPP, capacity=capacity, context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None)
+    return ServerInfo(LLAMACPP, capacity=capacity,
+                      context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None)
 
 
 SGLANG = Engine("sglang", _sglang_probe, b"sglang:", metrics={

@@ -96,7 +96,8 @@ def launch_problem(argv: list[str]) -> str | None:
     program = argv[0]
     found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
     if found is None:
-        return None if os.sep in program else f"--launch: {program!r} is not a command on this machine's PATH; {STAND_IN}"
+        return (None if os.sep in program
+                else f"--launch: {program!r} is not a command on this machine's PATH; {STAND_IN}")
     if not os.path.basename(found).startswith("python") or len(argv) < 3 or argv[1] != "-m":
         return None
     package = argv[2].split(".")[0]

@@ -290,7 +290,8 @@ class Gate:
     def __init__(self, batches: Batches, controller: ConcurrencyController | None,
                  watch: ServerWatch | None) -> None:
         self.batches = batches  # admits, dead-letters and parks
-        self.conn, self.sync_conn, self.worker, self.held = batches.conn, batches.sync_conn, batches.worker, batches.held
+        self.conn, self.sync_conn, self.worker, self.held = (batches.conn, batches.sync_conn, batches.worker,
+                                                             batches.held)
         self.controller, self.watch = controller, watch  # watch: the server's context, for the preflight
         self.paused_all = self.draining = False
         self.paused_jobs: set[str] = set()

@@ -231,7 +231,8 @@ class Heartbeat:
             # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             last_tick, tick = tick, time.monotonic()
             if tick - last_tick > LEASE_TIMEOUT_S:
-                log.warning("this engine was frozen for %.0fs: checking its leases before sending more", tick - last_tick)
+                log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
+                            tick - last_tick)
             if not self.pace.beat_due():
                 continue
             try:
@@ -260,7 +261,8 @@ class Heartbeat:
 
     def _answered(self) -> None:
         if self.outage_since is not None:
-            log.info("Redis answers again after %.0fs; leases checked, sending again", time.monotonic() - self.outage_since)
+            log.info("Redis answers again after %.0fs; leases checked, sending again",
+                     time.monotonic() - self.outage_since)
             self.outage_since = None
 
     def state(self) -> WorkerState:
@@ -275,7 +277,8 @@ class Heartbeat:
 
     def status(self, state: WorkerState | None = None, note: str | None = None) -> WorkerStatus:
         req_s, tok_s = self.rates.rates()
-        if not self.dispatcher.running:  # nothing running generates nothing now (the window is 30 s: a pause read stale)
+        # nothing running generates nothing now (the window is 30 s: a pause read stale)
+        if not self.dispatcher.running:
             req_s = tok_s = 0.0
         m = self.watch.metrics
         now = time.monotonic()
@@ -301,10 +304,12 @@ class Heartbeat:
             job_errors=dict(self.rates.job_errors),
             server_running=m.running if m else None, server_waiting=m.waiting if m else None,
             server_token_usage=m.kv_usage if m else None,
-            gpu_sample=self.gpu_sample, gpu_note=self.gpu.note, note=note or self.watch.note or self.batches.unwritten_note(),
+            gpu_sample=self.gpu_sample, gpu_note=self.gpu.note,
+            note=note or self.watch.note or self.batches.unwritten_note(),
             model=self.watch.info.model if self.watch.info else None,
             decode=self.dispatcher.running.meter.figures(),
-            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens, hardware=hardware(self.opts, self.gpu, self.watch.info),
+            token_s=self.rates.token_s, mean_tokens=self.rates.mean_tokens,
+            hardware=hardware(self.opts, self.gpu, self.watch.info),
         )
         in_flight = Counter(task.batch.ref.job for task in self.dispatcher.running)
         decodebound.add_tally(self.tallies, in_flight, status, now - self._tallied_at)

@@ -271,7 +271,8 @@ def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
     mine = mean * me.token_s
     faster = 0.0
     for w in others:
-        if w.state in ("busy", "idle") and w.token_s and w.concurrency_target and w.token_s <= me.token_s * (1 - MARGIN):
+        if (w.state in ("busy", "idle") and w.token_s and w.concurrency_target
+            and w.token_s <= me.token_s * (1 - MARGIN)):
             theirs = mean * w.token_s
             faster += w.concurrency_target / theirs * (mine - theirs)
     return unsent, faster * SPREAD
@@ -359,7 +360,8 @@ class Stealer:
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
             self.batches.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
-            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, unfinished=set(), borrowed=True)
+            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, unfinished=set(),
+                                                           borrowed=True)
         borrowed.unfinished |= set(ids)
         log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)

@@ -401,7 +401,8 @@ class StreamSink:
                 self.usage = usage
             elif self.usage is None:  # per-choice usage: the prompt's tokens for the total
                 self.usage = WireUsage(prompt_tokens=usage.prompt_tokens)
-            progress.advance((usage.completion_tokens or 0) if whole else sum(s.tokens or 0 for s in self.choices.values()))
+            progress.advance((usage.completion_tokens or 0) if whole
+                             else sum(s.tokens or 0 for s in self.choices.values()))
         elif self.usage is None:
             progress.advance(progress.tokens + 1)  # no usage stats: count events
         return None

@@ -113,7 +113,8 @@ def eta_phase(stack: Stack, work: Path, args: argparse.Namespace, problems: list
     print(f"\nETA ({run['capacity_line'].split('INFO ', 1)[-1]}): {args.eta_n} prompts, {run['tokens']} tokens "
           f"in {run['span_s']:.1f} s ({run['tok_s']:.0f} tok/s), load {run['load']:.1f}")
     print("| done | monitor ETA | 90% range | true time left | error | state | load "
-          "| tok/s | per-request tok/s | fitted mean length | overhead (a/b) |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| tok/s | per-request tok/s | fitted mean length | overhead (a/b) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for pt in run["eta"]:
         eta = "–" if pt["eta_s"] is None else f"{pt['eta_s']:.1f} s"
         rng = "–" if pt["eta_low_s"] is None else f"[{pt['eta_low_s']:.0f}, {pt['eta_high_s']:.0f}]"

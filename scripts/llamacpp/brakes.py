@@ -113,7 +113,8 @@ def brake(stack: Any, work: Path, message: str, problems: list[str]) -> None:
     target = status.concurrency_target if status else 0
     after = (block.at - started) if block else float("nan")
     print(f"brake 2, a setting the server refuses ({BAD}): blocked by {block.reason if block else 'nothing'} "
-          f"{after:.1f} s after the worker started, {block.failures if block else 0} of {block.outcomes if block else 0} "
+          f"{after:.1f} s after the worker started, "
+          f"{block.failures if block else 0} of {block.outcomes if block else 0} "
           f"outcomes across {block.prompts if block else 0} prompts; {letters} dead letters (in-flight target "
           f"{target}); message: {block.message[:160] if block else '-'}", flush=True)
     if block is None or block.reason != "brake" or message not in block.message or block.status != 400:
@@ -173,7 +174,8 @@ def cut_at_context(stack: Any, work: Path, over_context: str, problems: list[str
     cut = [r for r in rows if r["finish_reason"] == "length"]
     print(f"brake 4, max_tokens 1000 with prompts of ~1,800 tokens: {len(rows)} records of {n}, {letters} dead "
           f"letters, blocked: {block is not None}; prompt + completion {totals[:1]}..{totals[-1:]}, "
-          f"{len(cut)} cut ('length') at {sorted({r['usage']['prompt_tokens'] + r['usage']['completion_tokens'] for r in cut})}",
+          f"{len(cut)} cut ('length') at "
+          f"{sorted({r['usage']['prompt_tokens'] + r['usage']['completion_tokens'] for r in cut})}",
           flush=True)
     ids = sorted([r["id"] for r in rows] + [d["id"] for d in dead])
     if block is not None or len(refused) != letters or ids != [f"c{i:04d}" for i in range(n)] \

@@ -240,7 +240,8 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
     os.setpriority(os.PRIO_PROCESS, 0, old_nice)
     (report,) = mon.refresh()
     end = report.snapshot.last_at or report.snapshot.at  # the last result's commit
-    print(f"monitor: {len(refresh_cpu)} refreshes, CPU per refresh median {statistics.median(refresh_cpu) * 1000:.0f} ms, "
+    print(f"monitor: {len(refresh_cpu)} refreshes, "
+          f"CPU per refresh median {statistics.median(refresh_cpu) * 1000:.0f} ms, "
           f"max {max(refresh_cpu) * 1000:.0f} ms (at nice 19)")
     out_tokens = report.snapshot.out_tokens  # the job's, all done (`total` counts its prompts)
     for pt in points:
@@ -249,7 +250,8 @@ def watch_eta(stack: Stack, job: str, proc: subprocess.Popen, total: int) -> lis
         # tokens came after it than before it (the server's speed, which a shared CPU moves).
         ran_s = pt["t"] - pt["first_at"] if pt["first_at"] else 0.0
         known = ran_s > 0 and pt["generated"] > 0 and pt["true_s"] > 0
-        pt["rate_change"] = ((out_tokens - pt["generated"]) / pt["true_s"]) / (pt["generated"] / ran_s) if known else None
+        pt["rate_change"] = (((out_tokens - pt["generated"]) / pt["true_s"]) / (pt["generated"] / ran_s)
+                             if known else None)
         pt["error"] = None if pt["eta_s"] is None else (pt["eta_s"] - pt["true_s"]) / pt["true_s"]
     if os.environ.get("GENQ_ETA_TRACE"):
         with open(os.environ["GENQ_ETA_TRACE"], "w") as f:

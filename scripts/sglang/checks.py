@@ -107,7 +107,8 @@ def _problems_of(r: dict, streamed: bool) -> list[str]:
                     out.append(f"{r['id']}: choice {c['index']}: last entry {last['token']!r}, want {want!r}")
         if case.startswith("eos1") and any((c["completion"], c["finish_reason"], t) != ("", "stop", 1)
                                            for c, t in zip(choices, counts, strict=True)):
-            out.append(f"{r['id']}: not an EOS-first answer: {[(c['completion'], c['finish_reason']) for c in choices]}")
+            out.append(f"{r['id']}: not an EOS-first answer: "
+                       f"{[(c['completion'], c['finish_reason']) for c in choices]}")
         if case.startswith("eos4") and counts != [4] * len(choices):
             out.append(f"{r['id']}: {counts} tokens, want 4 a choice")
     elif "logprobs" in r:

@@ -33,7 +33,8 @@ check fails. With vLLM's defaults (max_num_seqs 128 on CPU):
    ABBA order so a linear drift of the shared machine's load cancels. Judged on vLLM's
    own slot occupancy: the seconds requests spent running
    (vllm:request_inference_time_seconds_sum, before and after; SGLang's e2e request
-   latency less its queue time) over 128 x the run's span; the CPU's speed moves tokens/s and running seconds alike. Target: the median
+   latency less its queue time) over 128 x the run's span; the CPU's speed moves tokens/s
+   and running seconds alike. Target: the median
    over rounds of genq / bare >= 0.95; raw tok/s ratios printed beside.
 Then a second server with --max-num-seqs 16: --capacity-runs jobs as in 1, capacity 16.
 

@@ -93,7 +93,8 @@ class Stack:
         cmd = server_command(engine, python or str(cache / "venv" / "bin" / "python"), model or str(cache / "model"),
                              vport, seqs, extra)
         started = time.monotonic()
-        self._start(cmd if gpu else ["nice", "-n", os.environ.get("GENQ_VLLM_NICE", "5"), *cmd], work / f"{engine}-{seqs or 'default'}.log", env)
+        self._start(cmd if gpu else ["nice", "-n", os.environ.get("GENQ_VLLM_NICE", "5"), *cmd],
+                    work / f"{engine}-{seqs or 'default'}.log", env)
         wait_ok(self.server + "/health", 900, self.procs[-1])
         self.start_s = time.monotonic() - started
 
@@ -179,7 +180,8 @@ class Sampler:
         if "vllm:request_inference_time_seconds_sum" in self.delta:
             running_s = self.delta["vllm:request_inference_time_seconds_sum"]
         else:
-            running_s = self.delta["sglang:e2e_request_latency_seconds_sum"] - self.delta["sglang:queue_time_seconds_sum"]
+            running_s = (self.delta["sglang:e2e_request_latency_seconds_sum"]
+                         - self.delta["sglang:queue_time_seconds_sum"])
         return {"busy_slots": sum(busy) / len(busy), "max_waiting": max(self.waiting or [0.0]),
                 "looks_queued": len(queued), "looks_queued_full": sum(1 for r in queued if r >= self.slots),
                 "server_running_s": running_s, "occupancy": running_s / (self.slots * run["span_s"]),
@@ -218,7 +220,8 @@ def genq_run(stack: Stack, work: Path, src: Path, name: str, max_tokens: int, *w
     told = TOLD.search(text)  # SGLang tells its capacity; vLLM's is learned
     return {"name": name, "args": " ".join(worker_args) or "(defaults)", "rows": rows, "letters": letters,
             "span_s": span, "tokens": tokens, "tok_s": tokens / span, "learned": learned,
-            "capacity": learned[-1] if learned else int(told.group(1)) if told else None, "requests": len(rows) + len(letters),
+            "capacity": learned[-1] if learned else int(told.group(1)) if told else None,
+            "requests": len(rows) + len(letters),
             "client_cpu_s": cpu_s(resource.RUSAGE_CHILDREN) - cpu0, "eta": points}
 
 
