@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="Real workers in part 1 [%(default)s].")
     p.add_argument("--prompts", type=int, default=2000, help="Prompts of part 1's job [%(default)s].")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--fleet", type=int, default=256, help="Lightweight workers in part 2 [%(default)s].")
+    p.add_argument("--fleet", type=int, default=256, help="Lightweight workers in part 2; 0: no part 2 [%(default)s].")
     p.add_argument("--fleet-batches", type=int, default=4, help="Batches each of them finishes [%(default)s].")
     p.add_argument("--prompts-per-s", type=float, default=64.0,
                    help="Prompts a second one modelled worker makes: sets its heartbeats a batch [%(default)s].")
@@ -235,14 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="genq-fleet-") as tmp:
             real, wall = real_run(a, Path(tmp))
         rows.append(describe(f"real: {a.workers} genq workers, batch {a.batch_size}", real, a.prompts, wall))
-    with tempfile.TemporaryDirectory(prefix="genq-fleet-") as tmp:
-        fleet, wall, prompts, rtts, latency = fleet_run(a, Path(tmp))
-    rows.append(describe(f"fleet: {a.fleet} lightweight workers, batch {a.batch_size}", fleet, prompts, wall))
+    if a.fleet:
+        with tempfile.TemporaryDirectory(prefix="genq-fleet-") as tmp:
+            fleet, wall, prompts, rtts, latency = fleet_run(a, Path(tmp))
+        rows.append(describe(f"fleet: {a.fleet} lightweight workers, batch {a.batch_size}", fleet, prompts, wall))
     print(table(["run", "prompts", "wall s", "commands/prompt", "Redis CPU us/prompt", "prompts/s per Redis core",
                  "commands per prompt, by command (top 10)"], rows))
-    print(f"fleet: {len(rtts)} probe PINGs, round trip median {statistics.median(rtts) * 1000:.2f} ms, "
-          f"p99 {rtts[int(0.99 * (len(rtts) - 1))] * 1000:.2f} ms, max {rtts[-1] * 1000:.2f} ms")
-    print(f"fleet: Redis's own p99 per command: {p99_by_command(latency, fleet.calls)}")
+    if a.fleet:
+        print(f"fleet: {len(rtts)} probe PINGs, round trip median {statistics.median(rtts) * 1000:.2f} ms, "
+              f"p99 {rtts[int(0.99 * (len(rtts) - 1))] * 1000:.2f} ms, max {rtts[-1] * 1000:.2f} ms")
+        print(f"fleet: Redis's own p99 per command: {p99_by_command(latency, fleet.calls)}")
     print(f"bench took {time.monotonic() - started:.0f} s")
     return 0
 
