@@ -31,6 +31,12 @@ from tests import zygote
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.tiers"]  # the fast and end-to-end tiers
 
+# Every command a test starts gets Ctrl-C's default action, as a terminal's foreground command has it: a run
+# started in the background (`make test &`) ignores SIGINT, and a child would inherit that and ignore a test's
+# Ctrl-C. An exec resets a handled signal to its default; the zygote's children set it themselves.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 _PRIVATE = LocalRedis()
 atexit.register(_PRIVATE.stop)
 REDIS_URL = _PRIVATE.url

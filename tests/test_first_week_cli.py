@@ -170,10 +170,8 @@ def test_ctrl_c_during_enqueue_exits_130_says_what_the_job_holds_and_the_same_co
     with src.open("w") as f:
         f.writelines(f'{{"id": "r{i}", "prompt": "q{i}"}}\n' for i in range(n))
     args = ("enqueue", str(src), "--job", "big", "--output", str(tmp_path / "out"), "--batch-size", "512")
-    # Started with Ctrl-C's default action, as a terminal's foreground command is: a test run started in the
-    # background (`make test &`) ignores SIGINT, and the enqueue would inherit that and ignore the Ctrl-C.
     proc = subprocess.Popen(genq_cmd(*args, redis_url=redis_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=WORKDIR, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            text=True, cwd=WORKDIR)
     wait_until(lambda: counts(rconn, "big").total > 0 or proc.poll() is not None, 60, "the first batches queued")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
