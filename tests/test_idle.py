@@ -36,15 +36,18 @@ def idle_worker(rconn, sim, worker):
     return proc
 
 
-def asleep(rconn, *names: str) -> None:
-    """Waits until each worker's heartbeat has been quiet 5 s (busy, it beats every second): the idle
-    pace, its heartbeat and its stealer asleep until woken."""
-    def quiet(name: str) -> bool:
+def asleep(rconn, *names: str, quiet_s: float = 5.0) -> float:
+    """Waits until each worker's heartbeat has been quiet `quiet_s` (busy, it beats every second): the idle
+    pace, its heartbeat and its stealer asleep until woken. Returns the latest of their last beats: the
+    next is IDLE_BEAT_S after it."""
+    def last_beat(name: str) -> float:
         raw = rconn.get(keys.worker_status(name))
-        return raw is not None and time.time() - unpack(raw, WorkerStatus).heartbeat_at > 5
+        return float("inf") if raw is None else unpack(raw, WorkerStatus).heartbeat_at
 
-    wait_until(lambda: all(quiet(n) for n in names), timeout=IDLE_AFTER_S + IDLE_BEAT_S + 30, interval=0.2,
+    wait_until(lambda: all(time.time() - last_beat(n) >= quiet_s for n in names),
+               timeout=IDLE_AFTER_S + IDLE_BEAT_S + 30, interval=0.05,
                what=f"the idle pace of {', '.join(names)} (heartbeats spaced out)")
+    return max(last_beat(n) for n in names)
 
 
 def test_an_idle_worker_issues_under_one_redis_command_a_second(redis_url, rconn, sim, worker):
@@ -78,16 +81,6 @@ def test_an_idle_worker_takes_a_job_enqueued_while_it_waits_within_2s(redis_url,
     assert took < 2.0, f"first result {took:.2f}s after the enqueue"
 
 
-def spaced_beat(rconn, name: str) -> float:
-    """Waits until the idle worker's last beat is 1.5 s old (busy, it beats every second) and returns its
-    time: the next one is IDLE_BEAT_S after it."""
-    def at() -> float:
-        return unpack(rconn.get(keys.worker_status(name)), WorkerStatus).heartbeat_at
-    wait_until(lambda: time.time() - at() >= 1.5, timeout=IDLE_AFTER_S + 30, interval=0.05,
-               what="the idle pace (heartbeats spaced out)")
-    return at()
-
-
 def test_an_idle_worker_sees_pause_and_drain_within_seconds_not_at_its_next_idle_beat(redis_url, rconn, sim, worker):
     proc = worker(sim(max_running_requests=8, **FAST_SIM), "--name", "idler")
     wait_until(lambda: rconn.get(keys.worker_status("idler")) is not None, timeout=30, what="first heartbeat")
@@ -95,13 +88,13 @@ def test_an_idle_worker_sees_pause_and_drain_within_seconds_not_at_its_next_idle
     def state() -> str:
         return unpack(rconn.get(keys.worker_status("idler")), WorkerStatus).state
 
-    beat = spaced_beat(rconn, "idler")
+    beat = asleep(rconn, "idler", quiet_s=1.5)
     run_genq("pause", redis_url=redis_url)
     wait_until(lambda: state() == "paused", timeout=IDLE_BEAT_S + 10, interval=0.1, what="the worker paused")
     assert time.time() - beat < IDLE_BEAT_S / 2, "a pause waited for the idle worker's next beat"
     run_genq("resume", redis_url=redis_url)
     wait_until(lambda: state() == "idle", timeout=IDLE_BEAT_S + 10, interval=0.1, what="the worker resumed")
-    beat = spaced_beat(rconn, "idler")
+    beat = asleep(rconn, "idler", quiet_s=1.5)
     run_genq("drain", "--worker", "idler", redis_url=redis_url)
     assert proc.wait(timeout=IDLE_BEAT_S + 30) == 0, proc.log()
     assert time.time() - beat < IDLE_BEAT_S / 2, "a drain waited for the idle worker's next beat"
