@@ -253,12 +253,13 @@ class Batches:
             return None  # the job was deleted and enqueued again: nothing of this one is written
         # the record itself only when the prompts were not in memory (else: whether it is there)
         ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
+        wanted = set(ids)
         letters_raw = (stored_letters if stored_letters is not None
                        else await leasing.letters_of(self.conn, ref.job, ids))
         results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
-                   for r in (unpack(v, Result) for v in raw_results) if r.id in set(ids)]
+                   for r in (unpack(v, Result) for v in raw_results) if r.id in wanted]
         letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
-        return _Recorded(results, letters, len(ids), set(ids) - {r.id for r in results} - {d.id for d in letters})
+        return _Recorded(results, letters, len(ids), wanted - {r.id for r in results} - {d.id for d in letters})
 
     def unwritten_jobs(self) -> frozenset[str]:
         return frozenset(ref.job for ref in self.unwritten)
