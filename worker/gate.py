@@ -481,14 +481,19 @@ class Gate:
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
         """Park what is held of the job: blocked, its requests in flight are cancelled; paused, they finish."""
-        try:
-            parked = await self.batches.park(job, cancel=cancel)
-        finally:
-            self.pausing.discard(job)
+        parked = await self.batches.park(job, cancel=cancel)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
+
+    async def _park_paused(self, job: str) -> None:
+        # Only this park ends the job's `pausing` mark: one that ends sooner (a batch parked as it arrives)
+        # would let the next turn start another park waiting on the same requests in flight.
+        try:
+            await self.park_job(job, cancel=False)
+        finally:
+            self.pausing.discard(job)
 
     def _settings(self, job: str, stored: JobConfig) -> None:
         """A newer settings version of a job held here: every unsent prompt gets it."""
@@ -517,7 +522,7 @@ class Gate:
             # Paused jobs held here: parked once their requests in flight are done (docs/scheduling.md).
             for job in (self.paused_jobs & self.held.all_jobs()) - self.blocked - self.pausing:
                 self.pausing.add(job)
-                self._spawn(self.park_job(job, cancel=False))
+                self._spawn(self._park_paused(job))
             try:
                 jobs, asked = sorted(self.held.all_jobs() | self.blocked), time.monotonic()
                 for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs) if jobs else []):
