@@ -66,3 +66,33 @@ def test_holding_back_gives_back_the_prompts_claimed_ahead(redis_url):
     assert ready == ["p2", "p3"]  # a retried prompt keeps its attempts here; a borrowed one is its holder's
     assert waiting == ["p0", "p1", "p4", "p5"]  # first in the backlog, in order: claimed first if the hold ends
     assert claims == {"p2"}  # p0, p1, p4 unclaimed: a faster engine may take them
+
+
+def test_holding_back_looks_only_at_backlogs_still_there_when_their_turn_comes(redis_url):
+    # While the hold is decided the dispatcher may still claim, and a batch be let go: a backlog emptied or
+    # dropped during the look at an earlier one is not asked about (an HMGET of no ids is an error).
+    job = "pr"
+    config = JobConfig(name=job, output="/tmp", model="m", incarnation="i1")
+    first, emptied, dropped = (HeldBatch(BatchRef(job, f"b000000{i}"), "tok", config, set()) for i in (1, 2, 3))
+    prompts = [Prompt(id=f"p{i}", index=i, prompt="x") for i in range(3)]
+
+    async def go() -> list[tuple[str, list[str]]]:
+        conn = aioredis.Redis.from_url(redis_url)
+        told: list[tuple[str, list[str]]] = []
+        try:
+            for held in (first, dropped):  # an outcome recorded elsewhere for each
+                await conn.hset(keys.batch_results(job, held.ref.batch), "p0", b"r")
+            todo = Todo(Claims(conn, "me"), lambda job, batch, ids: told.append((batch, ids)))
+            for held in (first, emptied, dropped):
+                todo.add(held, prompts)
+            looking = asyncio.create_task(todo.prune())
+            await asyncio.sleep(0)  # its look at the first backlog is out
+            todo.waiting[emptied].clear()  # the dispatcher claims the last of one meanwhile
+            dropped.dropped = True  # and another batch is let go
+            todo.remove_batch(dropped)
+            await looking
+            return told
+        finally:
+            await conn.aclose()
+
+    assert asyncio.run(go()) == [("b0000001", ["p0"])]

@@ -250,7 +250,9 @@ class Todo:
 
     async def prune(self) -> None:
         """Held back, this engine hears of no backlog prompt faster engines finished: it looks (read only)."""
-        for held, tasks in [(h, t) for h, t in self.waiting.items() if t and not h.dropped]:
+        for held, tasks in list(self.waiting.items()):
+            if held.dropped or not tasks:  # at its turn: claimed or let go during an earlier look
+                continue
             done = set(await leasing.outcome_ids(self.claims.conn, held.ref, [t.prompt.id for t in tasks]))
             if done:
                 kept = [t for t in tasks if t.prompt.id not in done]
