@@ -66,8 +66,8 @@ class Meter:
             self.total = int(size if size is not None else os.fstat(stream.fileno()).st_size)
         except (OSError, ValueError):
             self.total = 0
-        if compressed:  # where the compressed stream is (closed: read to the end)
-            self.unit, self.position = "MiB compressed", lambda: self.total if stream.closed else stream.tell()
+        if compressed:
+            self.unit, self.position = "MiB compressed", lambda: _tell(stream, self.total)
 
     def of_rows(self, rows: int) -> None:
         self.total, self.unit = rows, "rows"
@@ -94,6 +94,15 @@ class Meter:
 
     def of_what(self) -> str:
         return f"{self.total:,} rows" if self.unit == "rows" else f"{self.total / 2**20:,.1f} {self.unit}"
+
+
+def _tell(stream: BinaryIO, end: int) -> int:
+    """The compressed bytes a stream has given; `end` once it is closed (read to the end) or where it cannot
+    tell (a pipe or FIFO: OSError)."""
+    try:
+        return stream.tell()
+    except (OSError, ValueError):
+        return end
 
 
 def is_s3(uri: str) -> bool:

@@ -28,3 +28,27 @@ def test_no_percent_when_the_size_is_not_known():
     meter.read_upto(10, 10)
     meter.settle(10)
     assert meter.fraction() is None
+
+
+def test_a_gz_input_that_cannot_tell_its_position_is_read_to_the_end(tmp_path):
+    """A .gz input through a FIFO (a pipe cannot tell()): the meter's position is its total, no OSError
+    in the reading thread that would end the enqueue."""
+    import gzip
+    import json
+    import os
+    import threading
+
+    from genq.producer.sources import open_rows
+
+    fifo = tmp_path / "in.jsonl.gz"
+    os.mkfifo(fifo)
+    data = gzip.compress(b"".join(json.dumps({"id": f"p{i}", "prompt": "hi"}).encode() + b"\n" for i in range(50)))
+    writer = threading.Thread(target=fifo.write_bytes, args=(data,))
+    writer.start()
+    meter = Meter()
+    rows = open_rows(str(fifo), endpoint="chat", meter=meter)
+    read = [next(rows)]
+    assert meter.position() == meter.total == 0  # as enqueue's reader asks after each chunk: no size known
+    read += list(rows)
+    writer.join()
+    assert len(read) == 50 and meter.fraction() is None

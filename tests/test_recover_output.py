@@ -101,3 +101,20 @@ def test_export_keeps_the_first_written_result_of_a_prompt(redis_url, tmp_path: 
     lines = [json.loads(line) for line in dest.read_text().splitlines()]
     assert [r["completion"] for r in lines if r["id"] == "dup"] == ["first"], lines
     assert len(lines) == 3 and "dropped 1 duplicate" in done.stdout, done.stdout
+
+
+def test_catch_up_names_only_the_batches_adopt_marked_done(rconn, tmp_path: Path):
+    """ADOPT answers 'gone' for a job whose life in Redis is not the marker's (deleted meanwhile): catch_up
+    must not count (nor log) such a batch as marked done; only ADOPT's 1 is an adoption."""
+    from genq.core.ledger import jobs as ledger_jobs
+    from genq.core.records import JobConfig, JobRecord
+    from genq.ops import recover
+
+    out = tmp_path / "out"
+    store = LocalStore(str(out))
+    config = JobConfig(name="j", output=str(out), incarnation="life1")
+    truth.write_job(store, JobRecord(config=config, reserved=1))
+    commit(store, [result(f"p{i}", i, "b0000001") for i in range(4)])
+    # Redis holds no config of the job (deleted after its caller read it): no life to adopt into.
+    assert recover.catch_up(rconn, config) == []
+    assert ledger_jobs.done_batches(rconn, "j") == set()

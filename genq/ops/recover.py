@@ -28,8 +28,8 @@ log = logging.getLogger("genq.recover")
 
 
 def adopt(conn: redis.Redis | aioredis.Redis, job: str, marker: ShardMarker) -> Any:
-    """Mark a written batch done from its marker: 0 if it was done already, or the job in Redis is not the
-    life that wrote it, else 1 (awaitable on an asyncio connection)."""
+    """Mark a written batch done from its marker: 1, else 0 (done already) or b'gone' (the job in Redis is not
+    the life that wrote it): only 1 is an adoption (awaitable on an asyncio connection)."""
     return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker)))
 
 
@@ -71,7 +71,7 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     settings_from_output(conn, config, on_disk.config if on_disk else None)
     undone = truth.marker_batches(store, config.name) - ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, undone), config)
-    if adopted := [m.batch for m in markers if adopt(conn, config.name, m)]:
+    if adopted := [m.batch for m in markers if adopt(conn, config.name, m) == 1]:
         log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); marked done from "
                     "their markers, not generated again: %s", config.name, plural(len(adopted), "batch", "batches"),
                     config.output, ", ".join(adopted[:8]) + (" ..." if len(adopted) > 8 else ""))
@@ -117,7 +117,7 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         save_config(pipe, config)
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
-    adopted = [m.batch for m in markers if adopt(conn, job, m)]
+    adopted = [m.batch for m in markers if adopt(conn, job, m) == 1]
     if record.deleted_at is not None:  # `genq jobs delete` marked it; it is asked back: it lives again
         truth.mark_deleted(store, job, None)
         record = msgspec.structs.replace(record, deleted_at=None)
