@@ -78,7 +78,10 @@ def test_redis_is_accepted_after_the_subcommand_and_wins_there(locked, tmp_path)
     proc = genq("jobs", "delete", "after", "--yes", "--redis", url)
     assert proc.returncode == 0, proc.stderr
     assert not locked.client.exists(keys.job_config("after"))
-    assert "--redis URL" in genq("worker", "--help").stdout
+    worker_help = " ".join(genq("worker", "--help").stdout.split())
+    assert "--redis URL" in worker_help
+    # The fleet's templates and files are said where they are set, not only in docs/fleet.md.
+    assert "{port} and {gpu} substituted" in worker_help and "their .pid files" in worker_help
 
 
 def test_an_unreachable_redis_given_after_the_subcommand_is_the_one_named():

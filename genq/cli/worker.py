@@ -53,12 +53,19 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 
 @click.command()
 @click.option("--server", "server_url", metavar="URL", callback=_checked_server, help="One worker for this server.")
-@click.option("--gpus", metavar="all|0,1,5", help="One worker per GPU of this machine (docs/fleet.md).")
-@opt("--server-url", "server_url_template", default="http://127.0.0.1:{port}", metavar="TEMPLATE", help="With --gpus.")
+@click.option("--gpus", metavar="all|0,1,5",
+              help="One worker per GPU of this machine: all (as NVML sees them) or indices (docs/fleet.md).")
+@opt("--server-url", "server_url_template", default="http://127.0.0.1:{port}", metavar="TEMPLATE",
+     help="With --gpus: each GPU's server; {port} is --base-port + its place in --gpus, {gpu} its index.")
 @opt("--base-port", type=click.IntRange(1, 65535), default=30000, help="With --gpus: the first GPU's server port.")
-@click.option("--launch", metavar="COMMAND", help="With --gpus: start and supervise each GPU's server with COMMAND.")
-@opt("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("genq-logs"), help="With --gpus.")
-@opt("--max-restarts", type=click.IntRange(0), default=10, help="With --gpus: restarts in a row before giving up.")
+@click.option("--launch", metavar="COMMAND",
+              help="With --gpus: start and supervise each GPU's server with COMMAND (split like a shell, run without "
+                   "one; {port} and {gpu} substituted; CUDA_VISIBLE_DEVICES set to the GPU), e.g. "
+                   "'python -m sglang.launch_server --model-path M --port {port} --enable-metrics'.")
+@opt("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("genq-logs"),
+     help="With --gpus: server-gpuN.log, worker-gpuN.log and their .pid files.")
+@opt("--max-restarts", type=click.IntRange(0), default=10,
+     help="With --gpus: restarts in a row (1 s backoff doubling to 60 s) before giving up.")
 @opt("--server-start-timeout", type=click.FloatRange(1), default=1800,
      help=f"Seconds a starting server may take to answer /health ({BURST_SERVER_WAIT_S:.0f} for --burst --server).")
 @opt("--server-health-timeout", type=click.FloatRange(0.5), default=60, help="With --launch: failing /health seconds.")
