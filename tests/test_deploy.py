@@ -132,3 +132,11 @@ def test_compose_services_run_a_job_as_processes(image, redis_url, tmp_path, pro
         text = service.log()
         assert "No module named" not in text, f"{name}: {text[-2000:]}"
         assert "Traceback" not in text, f"{name}: {text[-2000:]}"
+
+
+def test_python_m_genq_from_the_folder_holding_the_sources_runs_the_installed_genq(image):
+    # `docker run --entrypoint python IMAGE -m genq ...` starts in /app, whose genq/ shadows the installed one.
+    src, genq = image
+    proc = subprocess.run([str(genq.parent / "python"), "-m", "genq", "worker", "--help"],
+                          cwd=src, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and "--gpus" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
