@@ -38,10 +38,9 @@ class SimRequest:
 def new_stats() -> dict[str, Any]:
     """/sim/stats' figures since start or /sim/reset; starved steps: a slot free while one waited (KV budget)."""
     now = time.monotonic()
-    return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "prompt_tokens": 0,
-            "generated_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "generation_requests": 0,
-            "first_admit": None, "last_finish": None, "steps": 0, "request_steps": 0, "starved_steps": 0,
-            "generated_by_key": {}}  # complete generations per prompt key
+    return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "first_admit": None,
+            "last_finish": None, **dict.fromkeys((*_COUNTED, "generation_requests", "steps", "request_steps",
+                                                  "starved_steps"), 0), "generated_by_key": {}}  # per prompt key
 
 
 class Engine:
@@ -125,20 +124,19 @@ class Engine:
                 await self._wakeup.wait()
                 self._tp_since, self._tp_tokens = time.monotonic(), self.totals["generated_tokens"]
                 continue
-            admitted = self._admit()
-            st = self.stats
+            admitted, st = self._admit(), self.stats
             st["steps"] += 1
             st["request_steps"] += len(self.running)
             st["starved_steps"] += bool(self.waiting) and len(self.running) < cfg.max_running_requests
-            delay = base_s + per_req_s * (len(self.running) + (admitted or 0) * prefill_cost)
+            delay = base_s + per_req_s * (len(self.running) + admitted * prefill_cost)
             # sleep(0) still yields: in the instant mode handlers queue more, served as one batch.
             await asyncio.sleep(delay)
-            if not self._step() and delay == 0 and admitted is None:
+            if not self._step() and delay == 0 and not admitted:
                 await self._wakeup.wait()  # only hung requests left in the instant mode: no spinning
 
-    def _admit(self) -> int | None:
-        """Admit what fits; returns the prompt tokens admitted (this step prefills them), None: none."""
-        now, admitted = self._account(), None
+    def _admit(self) -> int:
+        """Admit what fits; returns the prompt tokens admitted (this step prefills them)."""
+        now, admitted = self._account(), 0
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = next(iter(self.waiting))
             # An empty batch always takes the head request, so no prompt blocks the queue forever; the
@@ -149,30 +147,27 @@ class Engine:
             self.running[req] = None
             self.used_tokens += req.prompt_tokens
             self._count("prompt_tokens", req.prompt_tokens)
-            admitted = (admitted or 0) + req.prompt_tokens
-            if self.stats["first_admit"] is None:
-                self.stats["first_admit"] = now
+            admitted += req.prompt_tokens
+            self.stats["first_admit"] = self.stats["first_admit"] or now
         self._left_out = len(self.waiting)
         return admitted
 
     def _step(self) -> bool:
         """Advance every running request by one step; True if anything changed."""
-        now, st, produced, ended = self._account(), self.stats, 0, 0
+        now, st, produced, before = self._account(), self.stats, 0, len(self.running)
         for req in list(self.running):
             limit = min([req.target, *(x for x in (req.hang_at, req.drop_at) if x is not None)])
-            new = min(req.generated + self.config.tokens_per_step, limit)
-            produced += new - req.generated
-            self.used_tokens += new - req.generated
-            grew, req.generated = new > req.generated, new
-            if new >= req.target:
+            grew = min(req.generated + self.config.tokens_per_step, limit) - req.generated
+            req.generated += grew
+            produced += grew
+            self.used_tokens += grew
+            if req.generated >= req.target:
                 self._end(req, "stop" if req.natural_tokens <= req.max_new_tokens else "length")
                 self._count("finished_requests", 1)
                 st["last_finish"] = now
                 st["generated_by_key"][req.key] = st["generated_by_key"].get(req.key, 0) + 1
-                ended += 1
-            elif req.drop_at is not None and new >= req.drop_at:
+            elif req.drop_at is not None and req.generated >= req.drop_at:
                 self.abort(req, dropped=True)
-                ended += 1
             elif grew and req.stream:
                 req.event.set()
         self._count("generated_tokens", produced)
@@ -181,4 +176,4 @@ class Engine:
             self._tp_since, self._tp_tokens = now, self.totals["generated_tokens"]
         self.stepped_running = len(self.running)
         self.stepped_waiting = min(self._left_out, len(self.waiting))  # less any aborted meanwhile
-        return produced > 0 or ended > 0
+        return produced > 0 or len(self.running) < before

@@ -89,25 +89,20 @@ class Request(msgspec.Struct, kw_only=True):
     def check(self, chat: bool, flavor: str, ctx: int, ctx_given: bool) -> tuple[Any, int, int, int | None]:
         """(what the prompt key hashes, its tokens, the most it may generate, logprobs' alternatives a token or None),
         or the engine's 400 (a Refusal). ctx_given: SGLang's --context-length. A batch of prompts is not served."""
-        source: Any = self.prompt
+        source, ids = self.prompt, isinstance(self.prompt, list) and all(isinstance(t, int) for t in self.prompt)
+        n_prompt = len(source) // 4 + 1 if isinstance(source, str) else len(source) if ids else 0
         logprobs = None if self.logprobs is None else int(self.logprobs)
         max_new: int | None = 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
         if chat:
-            if not self.messages:
-                raise Refusal("messages: Field required (a non-empty list).")
-            source, n_prompt = self.messages, chat_prompt_tokens(self.messages)
+            source, n_prompt = self.messages, chat_prompt_tokens(self.messages or [])
             # SGLang: max_completion_tokens wins over the deprecated max_tokens.
             max_new = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
             logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        elif isinstance(source, str):
-            n_prompt = len(source) // 4 + 1
-        elif isinstance(source, list) and source and all(isinstance(t, int) for t in source):
-            n_prompt = len(source)
-        else:
-            raise Refusal("prompt must be a string or a list of token ids in genq sim.")
         left, over = ctx - n_prompt, max_new is not None and max_new > ctx
         llamacpp, vllm, sglang = (flavor == name for name in ("llamacpp", "vllm", "sglang"))
         checks: list[tuple[bool, str, dict[str, Any]]] = [
+            (chat and not self.messages, "messages: Field required (a non-empty list).", {}),
+            (not chat and not n_prompt, "prompt must be a string or a list of token ids in genq sim.", {}),
             (llamacpp and self.n != 1, "Only one completion choice is allowed", {}),
             (self.n < 1, f"n must be at least 1, got {self.n}.", {}),
             (self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20,
@@ -482,13 +477,11 @@ class SimServer:
         first.hang_at = int(where * first.target) if fault == "hang" else None
         first.drop_at = {"reset": int(where * first.target),
                          "stream_error": 1 + int(where * (first.target - 1))}.get(fault or "")
-        if not all(self.engine.submit(choice) for choice in choices):  # all() stops at the first refused
-            for choice in choices:
-                self.engine.abort(choice)
-            raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
-        if cfg.crash_marker and cfg.crash_marker.encode() in raw:
-            self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
         try:
+            if not all(self.engine.submit(choice) for choice in choices):  # all() stops at the first refused
+                raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
+            if cfg.crash_marker and cfg.crash_marker.encode() in raw:
+                self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
             if body.stream:
                 return await self._stream(request, choices, body.stream_options or StreamOptions(),
                                           fault == "stream_error")
@@ -513,9 +506,8 @@ class SimServer:
         flavor, first, event, continuous = self.flavor, choices[0], choices[0].event, options.continuous_usage_stats
         sglang, headers = flavor == "sglang", {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if flavor == "llamacpp" else headers)
-        if flavor != "vllm":
-            # llama-server answers (headers included) only with the first result, SGLang's _handle_streaming_request
-            # after the first chunk: no byte while queued. vLLM's StreamingResponse sends its headers at once.
+        if flavor != "vllm":  # vLLM's StreamingResponse sends its headers at once; the others only with the first
+            # result (llama-server, SGLang's _handle_streaming_request): no byte while queued.
             await until(event, lambda: any(c.generated or c.finish_reason for c in choices))
             if first.dropped and not failing:
                 drop_connection(request)
@@ -624,9 +616,7 @@ async def start(config: SimConfig) -> SimServer:
 
 
 def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM; on_ready gets the base URL once listening. The llamacpp flavor answers
-    its first SIGTERM as llama-server does: it stops listening and leaves open requests hanging; it exits
-    once none is open (their clients gave up) or on a second signal."""
+    """Serve until SIGINT or SIGTERM (llamacpp: as llama-server, see stop_listening); on_ready gets the base URL."""
 
     async def serve() -> None:
         stop, loop = asyncio.Event(), asyncio.get_running_loop()
