@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 import signal
@@ -334,12 +335,8 @@ class SimServer:
             return None, 0.0
         attempt = self._attempts[key] = self._attempts.get(key, -1) + 1
         rng = random.Random(f"{key}:{self.config.seed}:{attempt}")
-        u, where, bound = rng.random(), rng.random(), 0.0
-        for name, fault in FAULTS.items():
-            bound += self.rates[name]
-            if u < bound:
-                return fault, where
-        return None, where
+        u, where, bounds = rng.random(), rng.random(), itertools.accumulate(self.rates[name] for name in FAULTS)
+        return next((fault for fault, bound in zip(FAULTS.values(), bounds) if u < bound), None), where
 
     async def stop_listening(self) -> None:
         """llama-server on SIGTERM: the listening socket closes, requests in progress hang (no output, no
@@ -348,9 +345,6 @@ class SimServer:
         if self.site is not None:
             await self.site.stop()
         self._engine.cancel()
-
-    def error(self, status: int, message: str, err_type: str | None = None, **extra: Any) -> web.Response:
-        return json_response(error_body(self.flavor, status, message, err_type, **extra), status)
 
     @web.middleware
     async def gate(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -361,10 +355,9 @@ class SimServer:
         self.open_requests += 1
         try:
             return await handler(request)
-        except Refusal as refusal:
-            return self.error(refusal.status, str(refusal), refusal.err_type, **refusal.extra)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: the engine's 400
-            return self.error(400, str(exc))
+        except (Refusal, msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: a 400
+            no = exc if isinstance(exc, Refusal) else Refusal(str(exc))
+            return json_response(error_body(self.flavor, no.status, str(no), no.err_type, **no.extra), no.status)
         finally:
             self.open_requests -= 1
 
@@ -372,9 +365,9 @@ class SimServer:
         # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
         await asyncio.sleep(self.config.health_delay + (self.flavor == "sglang") * self.config.step_ms_base / 1000)
         ok = time.monotonic() - self.started_at >= self.config.startup_delay and self._outage_until <= time.monotonic()
-        if self.flavor == "llamacpp":
-            return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
-        return web.Response(status=200 if ok else 503)
+        if self.flavor == "llamacpp" and not ok:
+            raise Refusal("Loading model", 503, "unavailable_error")
+        return json_response({"status": "ok"}) if self.flavor == "llamacpp" else web.Response(status=200 if ok else 503)
 
     async def info(self, request: web.Request) -> web.Response:
         return json_response(self._info[request.path]())
