@@ -200,8 +200,8 @@ async def test_client_disconnect_frees_slot(sim: SimServer, http: aiohttp.Client
     for stream in (False, True):
         hog = asyncio.create_task(post(http, chat("long", max_tokens=30_000, stream=stream)))
         await wait_for_metric(http, "sglang:num_running_reqs", 1)
-        before = sim.engine.generation_tokens_total
-        while sim.engine.generation_tokens_total == before:  # it is generating
+        before = sim.engine.totals["generated_tokens"]
+        while sim.engine.totals["generated_tokens"] == before:  # it is generating
             await asyncio.sleep(0.005)
         hog.cancel()  # closes the connection
         status, _ = await post(http, chat("short", max_tokens=5))

@@ -15,11 +15,9 @@ from genq.sim.serve import FLAVORS, run
 def sim_command(**options: Any) -> None:
     """Serve a simulator of one GPU inference server (SGLang, vLLM or llama.cpp).
 
-    Continuous batching with compressed time, deterministic per-prompt output
-    lengths, the flavor's endpoints, errors and /metrics, plus /sim/stats,
-    /sim/reset and /sim/faults for tests and benchmarks. Stops on SIGINT/SIGTERM
-    (llamacpp: the first SIGTERM stops listening and leaves open requests hanging,
-    as llama-server does; it exits when none is left open, or on a second signal).
+    Continuous batching in compressed time, deterministic output lengths, the flavor's endpoints, errors and
+    /metrics, and /sim/stats, /sim/reset, /sim/faults. Stops on SIGINT/SIGTERM (llamacpp: the first SIGTERM stops
+    listening, leaving open requests hanging as llama-server does; it exits once none is open or on a second one).
     """
     config = SimConfig(**options)
     shown = ("flavor", "max_running_requests", "max_total_num_tokens", "step_ms_base", "step_ms_per_req",

@@ -11,6 +11,9 @@ from typing import Any
 
 from genq.sim.config import SimConfig
 
+# The counts that /sim/stats and the Prometheus counters both keep.
+_COUNTED = ("prompt_tokens", "generated_tokens", "finished_requests", "aborted_requests")
+
 
 @dataclass(slots=True, eq=False)
 class SimRequest:
@@ -33,13 +36,11 @@ class SimRequest:
 
 
 def new_stats() -> dict[str, Any]:
-    """/sim/stats' figures since start or /sim/reset: time integrals (time-weighted means) and counts, of steps, of
-    request-steps (the batch summed), of starved steps (a slot free while one waited: the KV budget held it back)."""
+    """/sim/stats' figures since start or /sim/reset; starved steps: a slot free while one waited (KV budget)."""
     now = time.monotonic()
-    return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "prompt_tokens": 0,
-            "generated_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "generation_requests": 0,
-            "first_admit": None, "last_finish": None, "steps": 0, "request_steps": 0, "starved_steps": 0,
-            "generated_by_key": {}}  # complete generations per prompt key
+    return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "first_admit": None,
+            "last_finish": None, **dict.fromkeys((*_COUNTED, "generation_requests", "steps", "request_steps",
+                                                  "starved_steps"), 0), "generated_by_key": {}}  # per prompt key
 
 
 class Engine:
@@ -51,9 +52,7 @@ class Engine:
         self.used_tokens = 0  # KV cache in use: prompt + generated tokens of running requests
         self._wakeup = asyncio.Event()
         self.stats = new_stats()
-        # Prometheus counters: monotonic since start, never reset.
-        self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.num_requests_total = self.num_aborted_total = 0
+        self.totals = dict.fromkeys(_COUNTED, 0)  # Prometheus counters: those of stats, never reset
         self.last_gen_throughput = 0.0
         self._tp_since, self._tp_tokens = time.monotonic(), 0
         # The counts as vLLM 0.32's scheduler reports them: make_stats() runs after the step's finished
@@ -75,8 +74,7 @@ class Engine:
         if req in self.running or req in self.waiting:
             self._end(req, "abort")
             req.dropped = dropped
-            self.stats["aborted_requests"] += 1
-            self.num_aborted_total += 1
+            self._count("aborted_requests", 1)
             self._wakeup.set()  # a freed slot may let a waiting request in
 
     def _end(self, req: SimRequest, reason: str) -> None:
@@ -87,23 +85,24 @@ class Engine:
             self.used_tokens -= req.prompt_tokens + req.generated
         self.waiting.pop(req, None)
         req.finish_reason = reason
-        self.num_requests_total += 1
         req.event.set()
+
+    def _count(self, name: str, n: int) -> None:
+        self.stats[name] += n
+        self.totals[name] += n
 
     def stats_snapshot(self) -> dict[str, Any]:
         now, st, running, waiting = self._account(), self.stats, len(self.running), len(self.waiting)
         elapsed, first, last, integral = now - st["start"], st["first_admit"], st["last_finish"], st["running_integral"]
         # The busy window, first admission to last finish (or now while work remains), leaves out idle time.
         busy = 0.0 if first is None else max((now if running or waiting or last is None else last) - first, 0.0)
-        wall = now - time.time()  # the two instants on the wall clock too, to compare servers
-        return {**st, "elapsed_s": elapsed, "busy_s": busy, "num_running": running, "num_waiting": waiting,
-                "mean_running": integral / elapsed if elapsed > 0 else 0.0,
+        # first_admit and last_finish since start, and on the wall clock too (_at), to compare servers.
+        instants = {f"{name}_{unit}": None if t is None else t - zero for name, t in (("first_admit", first),
+                    ("last_finish", last)) for unit, zero in (("s", st["start"]), ("at", now - time.time()))}
+        return {**st, **instants, "elapsed_s": elapsed, "busy_s": busy, "num_running": running,
+                "num_waiting": waiting, "mean_running": integral / elapsed if elapsed > 0 else 0.0,
                 "busy_mean_running": integral / busy if busy > 0 else 0.0,
-                "busy_mean_waiting": st["waiting_integral"] / busy if busy > 0 else 0.0,
-                "first_admit_s": None if first is None else first - st["start"],
-                "last_finish_s": None if last is None else last - st["start"],
-                "first_admit_at": None if first is None else first - wall,
-                "last_finish_at": None if last is None else last - wall}
+                "busy_mean_waiting": st["waiting_integral"] / busy if busy > 0 else 0.0}
 
     def _account(self) -> float:
         """Called before every change of the running/waiting counts; returns the time."""
@@ -123,22 +122,21 @@ class Engine:
             if not self.running and not self.waiting:
                 self.last_gen_throughput = 0.0
                 await self._wakeup.wait()
-                self._tp_since, self._tp_tokens = time.monotonic(), self.generation_tokens_total
+                self._tp_since, self._tp_tokens = time.monotonic(), self.totals["generated_tokens"]
                 continue
-            admitted = self._admit()
-            st = self.stats
+            admitted, st = self._admit(), self.stats
             st["steps"] += 1
             st["request_steps"] += len(self.running)
             st["starved_steps"] += bool(self.waiting) and len(self.running) < cfg.max_running_requests
-            delay = base_s + per_req_s * (len(self.running) + (admitted or 0) * prefill_cost)
+            delay = base_s + per_req_s * (len(self.running) + admitted * prefill_cost)
             # sleep(0) still yields: in the instant mode handlers queue more, served as one batch.
             await asyncio.sleep(delay)
-            if not self._step() and delay == 0 and admitted is None:
+            if not self._step() and delay == 0 and not admitted:
                 await self._wakeup.wait()  # only hung requests left in the instant mode: no spinning
 
-    def _admit(self) -> int | None:
-        """Admit what fits; returns the prompt tokens admitted (this step prefills them), None: none."""
-        now, admitted = self._account(), None
+    def _admit(self) -> int:
+        """Admit what fits; returns the prompt tokens admitted (this step prefills them)."""
+        now, admitted = self._account(), 0
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = next(iter(self.waiting))
             # An empty batch always takes the head request, so no prompt blocks the queue forever; the
@@ -148,39 +146,34 @@ class Engine:
             del self.waiting[req]
             self.running[req] = None
             self.used_tokens += req.prompt_tokens
-            self.stats["prompt_tokens"] += req.prompt_tokens
-            self.prompt_tokens_total += req.prompt_tokens
-            admitted = (admitted or 0) + req.prompt_tokens
-            if self.stats["first_admit"] is None:
-                self.stats["first_admit"] = now
+            self._count("prompt_tokens", req.prompt_tokens)
+            admitted += req.prompt_tokens
+            self.stats["first_admit"] = self.stats["first_admit"] or now
         self._left_out = len(self.waiting)
         return admitted
 
     def _step(self) -> bool:
         """Advance every running request by one step; True if anything changed."""
-        now, st, produced, ended = self._account(), self.stats, 0, 0
+        now, st, produced, before = self._account(), self.stats, 0, len(self.running)
         for req in list(self.running):
             limit = min([req.target, *(x for x in (req.hang_at, req.drop_at) if x is not None)])
-            new = min(req.generated + self.config.tokens_per_step, limit)
-            produced += new - req.generated
-            self.used_tokens += new - req.generated
-            grew, req.generated = new > req.generated, new
-            if new >= req.target:
+            grew = min(req.generated + self.config.tokens_per_step, limit) - req.generated
+            req.generated += grew
+            produced += grew
+            self.used_tokens += grew
+            if req.generated >= req.target:
                 self._end(req, "stop" if req.natural_tokens <= req.max_new_tokens else "length")
-                st["finished_requests"] += 1
+                self._count("finished_requests", 1)
                 st["last_finish"] = now
                 st["generated_by_key"][req.key] = st["generated_by_key"].get(req.key, 0) + 1
-                ended += 1
-            elif req.drop_at is not None and new >= req.drop_at:
+            elif req.drop_at is not None and req.generated >= req.drop_at:
                 self.abort(req, dropped=True)
-                ended += 1
             elif grew and req.stream:
                 req.event.set()
-        st["generated_tokens"] += produced
-        self.generation_tokens_total += produced
+        self._count("generated_tokens", produced)
         if now - self._tp_since >= 1.0:
-            self.last_gen_throughput = (self.generation_tokens_total - self._tp_tokens) / (now - self._tp_since)
-            self._tp_since, self._tp_tokens = now, self.generation_tokens_total
+            self.last_gen_throughput = (self.totals["generated_tokens"] - self._tp_tokens) / (now - self._tp_since)
+            self._tp_since, self._tp_tokens = now, self.totals["generated_tokens"]
         self.stepped_running = len(self.running)
         self.stepped_waiting = min(self._left_out, len(self.waiting))  # less any aborted meanwhile
-        return produced > 0 or ended > 0
+        return produced > 0 or len(self.running) < before

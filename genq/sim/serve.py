@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 import signal
@@ -49,14 +50,11 @@ class Refusal(Exception):
 
 def error_body(flavor: str, status: int, message: str, err_type: str | None = None, **extra: Any) -> dict[str, Any]:
     """SGLang's error body is flat; vLLM's and llama.cpp's (format_error_response()) nest it under "error"."""
+    default = _LLAMACPP_TYPES.get(status, "server_error") if flavor == "llamacpp" else "BadRequestError"
+    body = {"code": status, "message": message, "type": err_type or default}
     if flavor == "sglang":
-        return {"object": "error", "message": message, "type": err_type or "BadRequestError", "param": None,
-                "code": status}
-    if flavor == "vllm":
-        return {"error": {"message": message, "type": err_type or "BadRequestError", "param": extra.get("param"),
-                          "code": status}}
-    return {"error": {"code": status, "message": message,
-                      "type": err_type or _LLAMACPP_TYPES.get(status, "server_error"), **extra}}
+        return {"object": "error", **body, "param": None}
+    return {"error": {**body, "param": extra.get("param")} if flavor == "vllm" else {**body, **extra}}
 
 
 def sse(data: Any) -> bytes:
@@ -90,72 +88,59 @@ class Request(msgspec.Struct, kw_only=True):
     tool_choice: Any = None
 
     def check(self, chat: bool, flavor: str, ctx: int, ctx_given: bool) -> tuple[Any, int, int, int | None]:
-        """(what the prompt key hashes, its tokens, the most tokens it may generate, alternatives a token in the
-        answer's logprobs or None: none), or the engine's 400 (a Refusal). ctx_given: SGLang was started with
-        --context-length. A batch of prompts (several choices in SGLang) is not served."""
-        source: Any = self.prompt
+        """(what the prompt key hashes, its tokens, the most it may generate, logprobs' alternatives a token or None),
+        or the engine's 400 (a Refusal). ctx_given: SGLang's --context-length. A batch of prompts is not served."""
+        source, ids = self.prompt, isinstance(self.prompt, list) and all(isinstance(t, int) for t in self.prompt)
+        n_prompt = len(source) // 4 + 1 if isinstance(source, str) else len(source) if ids else 0
         logprobs = None if self.logprobs is None else int(self.logprobs)
         max_new: int | None = 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default for completions
         if chat:
-            if not self.messages:
-                raise Refusal("messages: Field required (a non-empty list).")
-            source, n_prompt = self.messages, chat_prompt_tokens(self.messages)
+            source, n_prompt = self.messages, chat_prompt_tokens(self.messages or [])
             # SGLang: max_completion_tokens wins over the deprecated max_tokens.
             max_new = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
             logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        elif isinstance(source, str):
-            n_prompt = len(source) // 4 + 1
-        elif isinstance(source, list) and source and all(isinstance(t, int) for t in source):
-            n_prompt = len(source)
-        else:
-            raise Refusal("prompt must be a string or a list of token ids in genq sim.")
-        for bad, message in (
-                (flavor == "llamacpp" and self.n != 1, "Only one completion choice is allowed"),
-                (self.n < 1, f"n must be at least 1, got {self.n}."),
-                (self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20,
-                 f"top_logprobs must be between 0 and 20, got {self.top_logprobs}."),
-                (chat and not isinstance(self.logprobs, bool | None), "logprobs: Input should be a valid boolean"),
-                (chat and bool(self.top_logprobs) and not self.logprobs, "top_logprobs requires logprobs to be true."),
-                (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
-                (self.temperature is not None and self.temperature < 0,
-                 f"temperature must be non-negative, got {self.temperature}."),
-                (self.top_p is not None and not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")):
-            if bad:
-                raise Refusal(message)
-        left = ctx - n_prompt
-        # llama.cpp checks the slot's context; max_tokens past its end is no error, the slot stops there.
-        if flavor == "llamacpp" and left <= 0:
-            raise Refusal(f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), try "
-                          "increasing it", 400, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=ctx)
-        if flavor == "vllm":
-            # vLLM 0.32's checks in its order. "at least ctx + 1": its chat tokenizer cuts there; the
+        left, over = ctx - n_prompt, max_new is not None and max_new > ctx
+        llamacpp, vllm, sglang = (flavor == name for name in ("llamacpp", "vllm", "sglang"))
+        checks: list[tuple[bool, str, dict[str, Any]]] = [
+            (chat and not self.messages, "messages: Field required (a non-empty list).", {}),
+            (not chat and not n_prompt, "prompt must be a string or a list of token ids in genq sim.", {}),
+            (llamacpp and self.n != 1, "Only one completion choice is allowed", {}),
+            (self.n < 1, f"n must be at least 1, got {self.n}.", {}),
+            (self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20,
+             f"top_logprobs must be between 0 and 20, got {self.top_logprobs}.", {}),
+            (chat and not isinstance(self.logprobs, bool | None), "logprobs: Input should be a valid boolean", {}),
+            (chat and bool(self.top_logprobs) and not self.logprobs, "top_logprobs requires logprobs to be true.", {}),
+            (max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}.", {}),
+            (self.temperature is not None and self.temperature < 0,
+             f"temperature must be non-negative, got {self.temperature}.", {}),
+            (self.top_p is not None and not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.", {}),
+            # llama.cpp checks the slot's context; max_tokens past its end is no error, the slot stops there.
+            (llamacpp and left <= 0, f"request ({n_prompt} tokens) exceeds the available context size ({ctx} tokens), "
+             "try increasing it", {"err_type": "exceed_context_size_error", "n_prompt_tokens": n_prompt, "n_ctx": ctx}),
+            # vLLM 0.32's, in its order. "at least ctx + 1": its chat tokenizer cuts there; the
             # "(parameter=..., value=...)" tail is VLLMValidationError's str().
-            if max_new is not None and max_new > ctx:
-                raise Refusal(f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
-                              f"output tokens. (parameter=max_tokens, value={max_new})", param="max_tokens")
-            if left < 0:
-                raise Refusal(f"This model's maximum context length is {ctx} tokens. However, your prompt contains "
-                              f"at least {ctx + 1} input tokens, which exceeds this limit even without any output "
-                              "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
-                              f"value={ctx + 1})", param="input_tokens")
-            if left == 0:
-                raise Refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
-                              param="max_tokens")
-        if flavor != "sglang":
-            return source, n_prompt, left if max_new is None else min(max_new, left), logprobs
-        # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is
-        # tokenized (its message's missing space included).
-        if ctx_given and max_new is not None and max_new > ctx:
-            raise Refusal(f"max_completion_tokens is too large: {max_new}.This model supports at most {ctx} "
-                          "completion tokens.")
-        if left <= 0:
-            raise Refusal(f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} tokens).")
-        if max_new is not None and max_new + n_prompt >= ctx:
-            raise Refusal(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
-                          f"requested a total of {max_new + n_prompt} tokens: {n_prompt} tokens from the input "
-                          f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in "
-                          "the input messages or the completion to fit within the limit.")
-        return source, n_prompt, left if max_new is None else max_new, logprobs  # a chat may run to the context's end
+            (vllm and over, f"max_tokens={max_new} cannot be greater than max_model_len={ctx}. Please request fewer "
+             f"output tokens. (parameter=max_tokens, value={max_new})", {"param": "max_tokens"}),
+            (vllm and left < 0, f"This model's maximum context length is {ctx} tokens. However, your prompt contains "
+             f"at least {ctx + 1} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+             f"the length of the input prompt. (parameter=input_tokens, value={ctx + 1})", {"param": "input_tokens"}),
+            (vllm and left == 0, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+             {"param": "max_tokens"}),
+            # SGLang 0.5.23: with --context-length, max_tokens over it is refused before the prompt is tokenized
+            # (its message's missing space included).
+            (sglang and ctx_given and over, f"max_completion_tokens is too large: {max_new}.This model supports at "
+             f"most {ctx} completion tokens.", {}),
+            (sglang and left <= 0, f"The input ({n_prompt} tokens) is longer than the model's context length ({ctx} "
+             "tokens).", {}),
+            (sglang and max_new is not None and max_new + n_prompt >= ctx, "Requested token count exceeds the model's "
+             f"maximum context length of {ctx} tokens. You requested a total of {(max_new or 0) + n_prompt} tokens: "
+             f"{n_prompt} tokens from the input messages and {max_new} tokens for the completion. Please reduce the "
+             "number of tokens in the input messages or the completion to fit within the limit.", {})]
+        for bad, message, extra in checks:
+            if bad:
+                raise Refusal(message, **extra)
+        # SGLang's checks leave max_new under left; a chat without one may run to the context's end.
+        return source, n_prompt, left if max_new is None else min(max_new, left), logprobs
 
     def tool_called(self) -> str | None:
         """The function the sim's answer calls: the chosen one, else the first offered (none for "none")."""
@@ -174,9 +159,8 @@ def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
 
 @dataclass(slots=True, eq=False, kw_only=True)
 class Choice(SimRequest):
-    """One of a request's n samples (each runs as a request of its own, as in SGLang and vLLM) and its bodies: the
-    text of tokens [a, b) is a slice of a fixed string (rotated per choice), reasoning first when thinking. SGLang's
-    (tests/recordings/sglang-0.5.23/): every delta has reasoning_content, each choice's chunks its own id."""
+    """One of a request's n samples, run as a request of its own (as in SGLang and vLLM), and its bodies: the text
+    of tokens [a, b) is a slice of a fixed string (rotated per choice), reasoning first when thinking."""
 
     text: str
     chat: bool
@@ -187,7 +171,7 @@ class Choice(SimRequest):
     index: int
     top_logprobs: int | None  # logprobs asked for, with this many alternatives; None: not asked
     tool: str | None  # the tool the answer calls after its text (SGLang with a tool-call parser)
-    sglang: bool
+    sglang: bool  # SGLang's shapes (tests/recordings/sglang-0.5.23/)
     chunk_id: str
 
     def finish(self) -> str | None:
@@ -213,8 +197,7 @@ class Choice(SimRequest):
                 "reasoning_tokens": min(completion_tokens, self.think)}
 
     def logprobs(self, a: int, b: int) -> dict[str, Any] | None:
-        """Logprobs of output tokens [a, b) in the endpoint's shape, None when not asked; fake values, fixed
-        by choice and position, each alternative less likely than the one before."""
+        """Logprobs of tokens [a, b) in the endpoint's shape (None: not asked); fake, each alternative less likely."""
         k = self.top_logprobs
         if k is None:
             return None
@@ -222,13 +205,12 @@ class Choice(SimRequest):
         values = [-round(((self.index * 7919 + t * 104729) % 1000) / 1000 + 0.001, 4) for t in range(a, b)]
         alts = [[(tok if i == 0 else f"{tok}~{i}", round(lp - i, 4)) for i in range(k)]
                 for tok, lp in zip(tokens, values, strict=True)]
-        if self.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                                  for t, v in alt]}
-                                for tok, lp, alt in zip(tokens, values, alts, strict=True)]}
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k else None,
-                "text_offset": [4 * t for t in range(a, b)]}
+        if not self.chat:
+            return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k
+                    else None, "text_offset": [4 * t for t in range(a, b)]}
+        entries = [[{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in [(tok, lp), *alt]]
+                   for tok, lp, alt in zip(tokens, values, alts, strict=True)]
+        return {"content": [{**entry, "top_logprobs": tops} for entry, *tops in entries]}
 
     def stop_field(self, finish: str | None) -> dict[str, Any]:
         """SGLang's matched_stop names the EOS token; vLLM's stop_reason is null at EOS (it names stop strings)."""
@@ -237,14 +219,11 @@ class Choice(SimRequest):
     def whole(self) -> dict[str, Any]:
         """This choice of a whole answer."""
         reasoning, content = self.pieces(0, self.generated)
-        body: dict[str, Any] = {"index": self.index, "text": reasoning + content}
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-            if self.tool or not self.sglang:  # SGLang's message has no tool_calls key without a call
-                message["tool_calls"] = [self.call(self.generated)] if self.tool else None
-            body = {"index": self.index, "message": message}
-        return {**body, "logprobs": self.logprobs(0, self.generated),
-                "finish_reason": self.finish() if self.chat else self.finish_reason,
+        message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+        if self.tool or not self.sglang:  # SGLang's message has no tool_calls key without a call
+            message["tool_calls"] = [self.call(self.generated)] if self.tool else None
+        return {"index": self.index, **({"message": message} if self.chat else {"text": reasoning + content}),
+                "logprobs": self.logprobs(0, self.generated), "finish_reason": self.finish(),
                 **self.stop_field(self.finish_reason)}
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, tokens: int | None = None,
@@ -261,8 +240,7 @@ class Choice(SimRequest):
         return sse(out)
 
     def finish_chunks(self, continuous: bool, chunk_id: str | None = None) -> bytes:
-        """A choice's last events: its tool call, if any, in two pieces (name, then arguments), then its
-        finish_reason (SGLang's chat finish chunk has no usage)."""
+        """Its tool call, if any, in two chunks (name, arguments), then its finish (SGLang's chat one: no usage)."""
         usage, out = self.generated if continuous else None, b""
         if self.tool:
             call = self.call(self.generated)
@@ -276,15 +254,10 @@ class Choice(SimRequest):
                 "created": int(time.time()), "model": self.model, "choices": choices}
 
 
-class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """POST /sim/faults: fields left out keep their value; outage_for starts an outage (0 ends one)."""
-
-    error_rate: _Rate | None = None
-    reset_rate: _Rate | None = None
-    hang_rate: _Rate | None = None
-    stream_error_rate: _Rate | None = None
-    outage_for: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    stop_listening: bool | None = None
+# POST /sim/faults: the rate switches, an outage_for that starts an outage (0 ends one), stop_listening; each optional.
+_UPDATE: list[Any] = [*((name, _Rate | None, None) for name in FAULTS), ("stop_listening", bool | None, None),
+                      ("outage_for", Annotated[float, msgspec.Meta(ge=0)] | None, None)]
+FaultUpdate = msgspec.defstruct("FaultUpdate", _UPDATE, kw_only=True, forbid_unknown_fields=True)
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -319,7 +292,7 @@ class SimServer:
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
         self.listening = True
-        self.open_requests = 0  # generation requests being handled
+        self.open_requests = 0  # requests being handled
         self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None  # vLLM, llama.cpp: always
         self._text = (WORDS * (4 * config.context_length // len(WORDS) + 1))[: 4 * config.context_length]
         app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self.gate])  # SGLang's large prompts
@@ -362,12 +335,8 @@ class SimServer:
             return None, 0.0
         attempt = self._attempts[key] = self._attempts.get(key, -1) + 1
         rng = random.Random(f"{key}:{self.config.seed}:{attempt}")
-        u, where, bound = rng.random(), rng.random(), 0.0
-        for name, fault in FAULTS.items():
-            bound += self.rates[name]
-            if u < bound:
-                return fault, where
-        return None, where
+        u, where, bounds = rng.random(), rng.random(), itertools.accumulate(self.rates[name] for name in FAULTS)
+        return next((fault for fault, bound in zip(FAULTS.values(), bounds) if u < bound), None), where
 
     async def stop_listening(self) -> None:
         """llama-server on SIGTERM: the listening socket closes, requests in progress hang (no output, no
@@ -377,29 +346,28 @@ class SimServer:
             await self.site.stop()
         self._engine.cancel()
 
-    def error(self, status: int, message: str, err_type: str | None = None, **extra: Any) -> web.Response:
-        return json_response(error_body(self.flavor, status, message, err_type, **extra), status)
-
     @web.middleware
     async def gate(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         if not self.listening:  # stopped: the connection just closes
             if request.transport is not None:
                 request.transport.close()
             return web.Response(status=503)  # never sent
+        self.open_requests += 1
         try:
             return await handler(request)
-        except Refusal as refusal:
-            return self.error(refusal.status, str(refusal), refusal.err_type, **refusal.extra)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: the engine's 400
-            return self.error(400, str(exc))
+        except (Refusal, msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: a 400
+            no = exc if isinstance(exc, Refusal) else Refusal(str(exc))
+            return json_response(error_body(self.flavor, no.status, str(no), no.err_type, **no.extra), no.status)
+        finally:
+            self.open_requests -= 1
 
     async def health(self, request: web.Request) -> web.Response:
         # SGLang's /health runs a one-token generation (about 1 s on 0.5.23 on CPU): one engine step here.
         await asyncio.sleep(self.config.health_delay + (self.flavor == "sglang") * self.config.step_ms_base / 1000)
         ok = time.monotonic() - self.started_at >= self.config.startup_delay and self._outage_until <= time.monotonic()
-        if self.flavor == "llamacpp":
-            return json_response({"status": "ok"}) if ok else self.error(503, "Loading model", "unavailable_error")
-        return web.Response(status=200 if ok else 503)
+        if self.flavor == "llamacpp" and not ok:
+            raise Refusal("Loading model", 503, "unavailable_error")
+        return json_response({"status": "ok"}) if self.flavor == "llamacpp" else web.Response(status=200 if ok else 503)
 
     async def info(self, request: web.Request) -> web.Response:
         return json_response(self._info[request.path]())
@@ -408,17 +376,18 @@ class SimServer:
         """/metrics in the engine's names: llama.cpp's server-task.cpp (no labels, integer values); vLLM 0.32's
         v1/metrics/loggers.py (counters get _total on the wire; the counts as its last step left them, none deferred);
         SGLang's metrics/collector.py (0.5.23 has the retracted gauge; the sim never retracts)."""
-        cfg, eng, flavor = self.config, self.engine, self.flavor
+        cfg, eng, flavor, totals = self.config, self.engine, self.flavor, self.engine.totals
         usage = eng.used_tokens / cfg.max_total_num_tokens
         label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", eng.prompt_tokens_total)
+        prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", totals["prompt_tokens"])
         generated = ("counter", "generation_tokens_total", "Number of generation tokens processed.",
-                     eng.generation_tokens_total)
+                     totals["generated_tokens"])
+        # Each row: kind, name, help, and its value, or {more labels: value} for several samples.
         tables: dict[str, list[tuple[str, str, str, Any]]] = {
             "llamacpp": [
-                ("counter", "prompt_tokens_total", "Number of prompt tokens processed", eng.prompt_tokens_total),
+                ("counter", "prompt_tokens_total", "Number of prompt tokens processed", totals["prompt_tokens"]),
                 ("counter", "tokens_predicted_total", "Number of generation tokens processed",
-                 eng.generation_tokens_total),
+                 totals["generated_tokens"]),
                 ("gauge", "requests_processing", "Number of requests processing", len(eng.running)),
                 ("gauge", "requests_deferred", "Number of requests deferred", len(eng.waiting))],
             "vllm": [
@@ -427,7 +396,11 @@ class SimServer:
                 ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", eng.stepped_waiting),
                 ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
                 ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.", 0),
-                prompt, generated],
+                prompt, generated,
+                ("gauge", "num_requests_waiting_by_reason", "Number of waiting requests by reason. Reason labels: "
+                 "'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA "
+                 "budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+                 {',reason="capacity"': eng.stepped_waiting, ',reason="deferred"': 0})],
             "sglang": [
                 ("gauge", "num_running_reqs", "The number of running requests.", len(eng.running)),
                 ("gauge", "num_queue_reqs", "The number of requests in the waiting queue.", len(eng.waiting)),
@@ -436,19 +409,14 @@ class SimServer:
                 ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
                 ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
                 prompt, generated,
-                ("counter", "num_requests_total", "Number of requests processed.", eng.num_requests_total),
-                ("counter", "num_aborted_requests_total", "Number of requests aborted.", eng.num_aborted_total)]}
+                ("counter", "num_requests_total", "Number of requests processed.",
+                 totals["finished_requests"] + totals["aborted_requests"]),
+                ("counter", "num_aborted_requests_total", "Number of requests aborted.", totals["aborted_requests"])]}
         labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"', "sglang": f'model_name="{label}"'}[flavor]
-        page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n{flavor}:{name}"
-                       + (f" {value}\n" if flavor == "llamacpp" else f"{{{labels}}} {float(value)}\n")
-                       for kind, name, text, value in tables[flavor])
-        if flavor == "vllm":
-            name = "vllm:num_requests_waiting_by_reason"
-            page += (f"# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
-                     "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
-                     f"blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE {name} gauge\n"
-                     f'{name}{{{labels},reason="capacity"}} {float(eng.stepped_waiting)}\n'
-                     f'{name}{{{labels},reason="deferred"}} 0.0\n')
+        page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n" + "".join(
+            f"{flavor}:{name} {v}\n" if flavor == "llamacpp" else f"{flavor}:{name}{{{labels}{more}}} {float(v)}\n"
+            for more, v in (value if isinstance(value, dict) else {"": value}).items())
+            for kind, name, text, value in tables[flavor])
         return web.Response(text=page, content_type="text/plain", charset="utf-8")
 
     async def reset(self, request: web.Request) -> web.Response:
@@ -458,25 +426,18 @@ class SimServer:
     async def faults(self, request: web.Request) -> web.Response:
         """GET: the switches; POST: change them (FaultUpdate, all or none)."""
         if request.method == "POST":
-            update = msgspec.json.decode(await request.read(), type=FaultUpdate)
-            self.rates.update({name: value for name in FAULTS if (value := getattr(update, name)) is not None})
-            if update.outage_for is not None:
-                self.start_outage(update.outage_for)
-            if update.stop_listening:
+            update = msgspec.to_builtins(msgspec.json.decode(await request.read(), type=FaultUpdate))
+            self.rates.update({name: update[name] for name in FAULTS if update[name] is not None})
+            if update["outage_for"] is not None:
+                self.start_outage(update["outage_for"])
+            if update["stop_listening"]:
                 await self.stop_listening()
         remaining = max(self._outage_until - time.monotonic(), 0.0)
         return json_response({**self.rates, "outage": remaining > 0, "outage_remaining_s": remaining,
                               "listening": self.listening})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        self.open_requests += 1
-        try:
-            return await self._answer(request, chat=request.path.endswith("/chat/completions"))
-        finally:
-            self.open_requests -= 1
-
-    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        cfg, flavor = self.config, self.flavor
+        cfg, flavor, chat = self.config, self.flavor, request.path.endswith("/chat/completions")
         if self._outage_until > time.monotonic():
             return drop_connection(request)
         if time.monotonic() - self.started_at < self.config.startup_delay:
@@ -509,13 +470,11 @@ class SimServer:
         first.hang_at = int(where * first.target) if fault == "hang" else None
         first.drop_at = {"reset": int(where * first.target),
                          "stream_error": 1 + int(where * (first.target - 1))}.get(fault or "")
-        if not all(self.engine.submit(choice) for choice in choices):  # all() stops at the first refused
-            for choice in choices:
-                self.engine.abort(choice)
-            raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
-        if cfg.crash_marker and cfg.crash_marker.encode() in raw:
-            self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
         try:
+            if not all(self.engine.submit(choice) for choice in choices):  # all() stops at the first refused
+                raise Refusal("The request queue is full.", 503, "ServiceUnavailableError")
+            if cfg.crash_marker and cfg.crash_marker.encode() in raw:
+                self.start_outage(cfg.outage_for)  # a prompt that crashes its server, with everything in flight
             if body.stream:
                 return await self._stream(request, choices, body.stream_options or StreamOptions(),
                                           fault == "stream_error")
@@ -538,24 +497,21 @@ class SimServer:
         """Choices interleaved, a chunk one choice. vLLM and llama.cpp send a chunk a step and end each choice as it
         finishes; SGLang a chunk a token and every chat finish chunk after the last output (_generate_chat_stream)."""
         flavor, first, event, continuous = self.flavor, choices[0], choices[0].event, options.continuous_usage_stats
-        sglang = flavor == "sglang"
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        sglang, headers = flavor == "sglang", {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers={**headers, **_LLAMACPP_KEEP_ALIVE} if flavor == "llamacpp" else headers)
-        if flavor != "vllm":
-            # llama-server answers (headers included) only with the first result, SGLang's _handle_streaming_request
-            # after the first chunk: no byte while queued. vLLM's StreamingResponse sends its headers at once.
+        if flavor != "vllm":  # vLLM's StreamingResponse sends its headers at once; the others only with the first
+            # result (llama-server, SGLang's _handle_streaming_request): no byte while queued.
             await until(event, lambda: any(c.generated or c.finish_reason for c in choices))
             if first.dropped and not failing:
                 drop_connection(request)
                 return resp
         await resp.prepare(request)
-        sent, done, last_id = [0] * len(choices), [False] * len(choices), first.chunk_id
+        sent, pending, last_id = [0] * len(choices), list(choices), first.chunk_id
         while True:
-            await until(event, lambda: any(not d and (c.generated > s or c.finish_reason)
-                                           for c, s, d in zip(choices, sent, done, strict=True)))
-            for i, c in enumerate(choices):
-                a, b = sent[i], c.generated
-                if done[i] or (b <= a and c.finish_reason is None):
+            await until(event, lambda: any(c.generated > sent[c.index] or c.finish_reason for c in pending))
+            for c in list(pending):
+                a, b = sent[c.index], c.generated
+                if b <= a and c.finish_reason is None:
                     continue
                 out = []
                 if a == 0 and c.chat:  # chat streams open with the role, completions with text
@@ -573,15 +529,13 @@ class SimServer:
                     out += [c.chunk(delta, c.finish_reason if last and d == len(deltas) else None,
                                     y if continuous else None, c.logprobs(x, y) if d == len(deltas) else None)
                             for d, delta in enumerate(deltas, 1)]
-                sent[i] = b
-                if out:
-                    last_id = c.chunk_id
+                sent[c.index], last_id = b, c.chunk_id if out else last_id
                 if c.finish_reason is not None:
-                    done[i] = True
+                    pending.remove(c)
                     if not (sglang or c.dropped):
                         out.append(c.finish_chunks(continuous))
                 await resp.write(b"".join(out))
-            if all(done) or first.dropped:
+            if not pending or first.dropped:
                 break
         if first.dropped and failing:
             # The engine's event on its HTTP 200 stream: SGLang's create_streaming_error_response() makes any
@@ -655,9 +609,7 @@ async def start(config: SimConfig) -> SimServer:
 
 
 def run(config: SimConfig, on_ready: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM; on_ready gets the base URL once listening. The llamacpp flavor answers
-    its first SIGTERM as llama-server does: it stops listening and leaves open requests hanging; it exits
-    once none is open (their clients gave up) or on a second signal."""
+    """Serve until SIGINT or SIGTERM (llamacpp: as llama-server, see stop_listening); on_ready gets the base URL."""
 
     async def serve() -> None:
         stop, loop = asyncio.Event(), asyncio.get_running_loop()
