@@ -35,15 +35,32 @@ class _Dispatcher:
         return True
 
 
-def queue_job(conn: redis.Redis, job: str, output: Path) -> str:
-    """One batch of two prompts for `job`, a job of OLD, queued as `genq enqueue` queues it; its id."""
+class _Server:
+    """A server that now serves NEW."""
+
+    async def discover(self) -> ServerInfo:
+        return ServerInfo(SGLANG, model=NEW)
+
+
+class _Controller:
+    def set_capacity(self, capacity: int | None) -> None:
+        pass
+
+
+class _Running:
+    requested = 0
+
+
+def queue_job(conn: redis.Redis, job: str, output: Path, batches: int = 1) -> list[str]:
+    """Batches of two prompts for `job`, a job of OLD, queued as `genq enqueue` queues them; their ids."""
     save_config(conn, JobConfig(name=job, output=str(output), model=OLD, incarnation="i-" + job))
-    prompts = [Prompt(id=f"{job}-{i}", index=i, messages=[{"role": "user", "content": "x"}]) for i in range(2)]
-    (made,) = new_batches(conn, job, prompts, 2)
+    prompts = [Prompt(id=f"{job}-{i}", index=i, messages=[{"role": "user", "content": "x"}])
+               for i in range(2 * batches)]
+    made = new_batches(conn, job, prompts, 2)
     with conn.pipeline(transaction=True) as pipe:
-        write_batches(pipe, conn, [made], {})
+        write_batches(pipe, conn, made, {})
         pipe.execute()
-    return made.id
+    return [b.id for b in made]
 
 
 def test_a_batch_handed_back_for_another_model_is_not_taken_again(redis_url: str, rconn: redis.Redis,
@@ -53,7 +70,7 @@ def test_a_batch_handed_back_for_another_model_is_not_taken_again(redis_url: str
     refresh interval made long: no clock decides this). Before, the intake took it again and its model gate
     handed it back once more: a second hand-back and a second RQ job for nothing."""
     monkeypatch.setattr(intake_mod, "FOREIGN_EVERY_S", 3600.0)
-    batch = queue_job(rconn, "j", tmp_path / "out")
+    (batch,) = queue_job(rconn, "j", tmp_path / "out")
 
     async def scenario() -> tuple[bool, bytes | None, bytes | None, int]:
         conn = aioredis.Redis.from_url(redis_url)
@@ -79,3 +96,50 @@ def test_a_batch_handed_back_for_another_model_is_not_taken_again(redis_url: str
     assert not taken, "the batch of the old model's job was taken again (and handed back by the model gate)"
     assert after == carrier, "a second RQ job carries the batch: it was handed back twice"
     assert rconn.hlen(keys.job_leases("j")) == 0
+
+
+def test_a_batch_taken_while_the_watch_hands_back_for_another_model_is_not_admitted(
+        redis_url: str, rconn: redis.Redis, tmp_path: Path) -> None:
+    """A TAKE the intake had under way when the watch saw the new model lands while the watch hands the held
+    batches back (injected: it runs inside the hand-back, where the hand-back waits for what was recorded). The
+    batch it takes is judged by the server as it is now: handed back, not admitted and later sent to the new
+    model; nothing of the job stays held here. Before, the watch adopted the new model only after its
+    hand-back, so that batch was admitted for the old one."""
+    first, second = queue_job(rconn, "j", tmp_path / "out", batches=2)
+
+    async def scenario() -> tuple[bool, list[str], bool]:
+        conn = aioredis.Redis.from_url(redis_url)
+        held = Holdings()
+        batches = Batches(conn, rconn, "w", "w.1", held, Running())
+        opts = WorkerOptions(redis_url=redis_url, server_url="http://127.0.0.1:1")
+        watch = ServerWatch(opts, _Server(), _Controller(), _Running(), batches)  # type: ignore[arg-type]
+        watch.info = ServerInfo(SGLANG, model=OLD)
+        intake = Intake(opts, batches, _Dispatcher(watch), Shares(conn, "q", "w.1", batches))  # type: ignore[arg-type]
+        wait_idle, meanwhile = batches.writer.wait_idle, []
+
+        async def take_meanwhile() -> None:
+            if not meanwhile:
+                meanwhile.append(await intake.take())
+            await wait_idle()
+
+        batches.writer.wait_idle = take_meanwhile  # type: ignore[method-assign]
+        recovery = asyncio.create_task(watch.recovery_loop(batches.hand_back_all))
+        try:
+            assert await intake.take() and [ref.batch for ref in held] == [first]
+            watch._went_down("a test: the server answers under another name")
+            for _ in range(600):  # the loop's first look is half a second away
+                if not watch.down:
+                    break
+                await asyncio.sleep(0.05)
+            assert not watch.down and meanwhile, "the recovery loop never took the new server"
+            return meanwhile[0], [ref.batch for ref in held], batches.arrived.qsize() > 1
+        finally:
+            recovery.cancel()
+            batches.close()
+            await conn.aclose()
+
+    _, still_held, admitted = asyncio.run(scenario())
+    assert still_held == [], f"batch {still_held} of the old model's job is held, to be sent to {NEW}"
+    assert not admitted, "a batch of the old model's job was admitted after the change was seen"
+    assert rconn.hlen(keys.job_leases("j")) == 0
+    assert {b.decode() for b in rconn.hkeys(keys.job_transport("j"))} == {first, second}
