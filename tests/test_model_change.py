@@ -1,6 +1,7 @@
 """A server that now serves another model: its batches are handed back once, and nothing of a job of the old
-model is taken again afterwards (worker/gate.py's ServerWatch, worker/intake.py's skip list). The engine's parts
-in this process against the real test Redis; the server is a stand-in that only tells its model."""
+model is taken again afterwards (worker/gate.py's ServerWatch, worker/intake.py's skip list); a batch taken again
+while a hand-back ends stays held (worker/batches.py). The engine's parts in this process against the real test
+Redis; the server is a stand-in that only tells its model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import redis
 import redis.asyncio as aioredis
 
 from genq.core import keys
+from genq.core.ledger import lease_holder, lease_token
 from genq.core.queueing import new_batches, save_config, write_batches
 from genq.core.records import JobConfig, Prompt
 from genq.worker import intake as intake_mod
@@ -143,3 +145,45 @@ def test_a_batch_taken_while_the_watch_hands_back_for_another_model_is_not_admit
     assert not admitted, "a batch of the old model's job was admitted after the change was seen"
     assert rconn.hlen(keys.job_leases("j")) == 0
     assert {b.decode() for b in rconn.hkeys(keys.job_transport("j"))} == {first, second}
+
+
+def test_a_batch_taken_again_while_its_hand_back_ends_stays_held(redis_url: str, rconn: redis.Redis, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The watch hands its batches back (the server down too long); a TAKE the intake had under way takes the
+    batch again the moment its lease ends (injected: right after the hand-back's end of the lease) and loads it.
+    The hand-back then forgets the batch it let go, not the one just loaded under the new lease: that one stays
+    held. Before, it was popped: leased to this live engine in Redis, driven by nothing."""
+    from genq.worker import batches as batches_mod
+
+    (batch,) = queue_job(rconn, "j", tmp_path / "out")
+
+    async def scenario() -> tuple[list[str], str | None]:
+        conn = aioredis.Redis.from_url(redis_url)
+        held = Holdings()
+        batches = Batches(conn, rconn, "w", "w.1", held, Running())
+        opts = WorkerOptions(redis_url=redis_url, server_url="http://127.0.0.1:1")
+        watch = ServerWatch(opts, None, None, None, batches)  # type: ignore[arg-type]  # only its model is read
+        watch.info = ServerInfo(SGLANG, model=OLD)
+        intake = Intake(opts, batches, _Dispatcher(watch), Shares(conn, "q", "w.1", batches))  # type: ignore[arg-type]
+        real = batches_mod.retrying
+
+        async def then_taken(action, what: str = "redis"):
+            answer = await real(action, what)
+            if what.startswith("ending the lease"):
+                assert await intake.take(), "the batch handed back was not taken again"
+            return answer
+
+        monkeypatch.setattr(batches_mod, "retrying", then_taken)
+        try:
+            assert await intake.take()
+            await batches.hand_back_all("server down for 300s")
+            return [ref.batch for ref in held], next(iter(held.values())).token if held else None
+        finally:
+            batches.close()
+            await conn.aclose()
+
+    still_held, token = asyncio.run(scenario())
+    lease = rconn.hget(keys.job_leases("j"), batch)
+    assert lease is not None and lease_holder(lease) == "w.1", lease
+    assert still_held == [batch], "the batch leased to this engine again is held by nothing here"
+    assert token == lease_token(lease)
