@@ -165,7 +165,7 @@ class Batches:
     async def _complete(self, held: HeldBatch) -> None:
         missing = await self.write_and_release(held)
         if not missing:
-            self.held.pop(held.ref, None)
+            self.held.forget(held)
             self.todo.wake.set()
             return
         # Outcomes lost from Redis (a rollback): the batch goes back to work for those prompts.
@@ -175,7 +175,7 @@ class Batches:
         if not held.prompts:  # its input could not be read: the next delivery dead-letters them again
             self.drop(held, cancel=True)
             await retrying(functools.partial(self.hand_back, held.ref, held.token), f"handing back {held.ref}")
-            self.held.pop(held.ref, None)
+            self.held.forget(held)
             return
         held.unfinished |= missing
         self.todo.add(held, [p for p in held.prompts if p.id in missing])
@@ -289,7 +289,7 @@ class Batches:
             else:
                 continue
             unsent = self.drop(held, cancel=gone)
-            self.held.pop(held.ref, None)
+            self.held.forget(held)
             await self.claims.unclaim(held, unsent)
         await self.todo.check_claims()
         for held in list(self.held.values()):
@@ -348,7 +348,7 @@ class Batches:
                                     requeue=requeue)
             if await retrying(end, f"ending the lease of {h.ref}"):
                 ended.append(str(h.ref))
-            self.held.pop(h.ref, None)
+            self.held.forget(h)
         self.todo.wake.set()
         return ended
 

@@ -159,8 +159,8 @@ class ServerWatch:
                     pass
                 elif change.startswith("it serves model"):  # its prompts go back to a server of their model
                     log.warning("server %s: %s; handing its batches back", url, change)
+                    self.info = info  # first: a batch taken meanwhile is judged by the model served now
                     await hand_back_all(f"server now serves {info.model}")
-                    self.info = info
                 elif waiting:  # a smaller context: its prompts wait, or go to other workers (worker/intake.py)
                     if (note := f"{change}: waiting for it as it was (--server-down-timeout)") != self.note:
                         log.warning("server %s: %s", url, note)

@@ -320,7 +320,6 @@ class Heartbeat:
     async def beat(self, state: WorkerState | None = None, note: str | None = None) -> None:
         async with self._writing:
             if not self._stopped:
-                self._stopped = state == "stopped"
                 await self._beat(state, note)
 
     async def _beat(self, state: WorkerState | None, note: str | None) -> None:
@@ -364,7 +363,10 @@ class Heartbeat:
                              "give this one another --name")
 
     async def stopped(self) -> None:
+        """The last write, after any beat under way: that beat's alive key would outlive the stop."""
         self._gpu_stop.set()
-        await fleet.stopped(self.conn, self.instance, self.name)
-        await self.beat(state="stopped")
+        async with self._writing:
+            self._stopped = True
+            await fleet.stopped(self.conn, self.instance, self.name)
+            await self._beat("stopped", None)
 

@@ -80,6 +80,11 @@ class Holdings(dict[BatchRef, HeldBatch]):
     def active(self) -> bool:
         return bool(self or self.borrowed)
 
+    def forget(self, held: HeldBatch) -> None:
+        """Forget this holding of its batch; not a newer one, the batch taken again (TAKE) once its lease ended."""
+        if self.get(held.ref) is held:
+            del self[held.ref]
+
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

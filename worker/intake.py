@@ -146,7 +146,8 @@ class Intake:
         self.queued = batches.written_again  # set too by the wake listener when batches are queued
         self.exhausted = False  # the last look at the queue found nothing for this engine (--burst: leave?)
         self.foreign: set[str] = set()  # jobs of a model this engine's server does not serve
-        self._foreign_at = float("-inf")
+        self._foreign_at = float("-inf")  # when the skip list was read,
+        self._foreign_model: str | None = None  # and under which model the server served
         self._take = self.conn.register_script(scripts.TAKE)
         self._rq = rq_worker(self.sync_conn, self.instance)
 
@@ -220,13 +221,15 @@ class Intake:
         await self.batches.load(token, ref, config)
 
     async def _refresh_foreign(self) -> None:
-        """Jobs whose model is pinned to one this server does not serve."""
-        if time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
+        """Jobs whose model is pinned to one this server does not serve; read again at once when the server
+        serves another model: else a batch the watch just handed back is taken again and handed back twice."""
+        model = self.dispatcher.watch.model
+        if model == self._foreign_model and time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
         jobs = sorted(await job_names(self.conn))
         self.foreign = {job for job, now in zip(jobs, await jobs_now(self.conn, jobs))
                         if now.config is not None and not self.dispatcher.watch.takes(now.config)}
-        self._foreign_at = time.monotonic()
+        self._foreign_at, self._foreign_model = time.monotonic(), model
 
     def _rq_birth(self) -> None:
         with contextlib.suppress(ValueError):  # "an active worker named ...": a try before this one got that far
