@@ -94,6 +94,9 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
     if dest.endswith("/") or (not dest.startswith("s3://") and Path(dest).is_dir()):
         dest = dest.rstrip("/") + "/" + job + FORMATS[fmt][1]
     batch_api = fmt == "openai-batch"
+    # Counted before the manifest is listed: a batch is marked done only after its marker is written, so
+    # every batch done now is in the export, and one written while it runs makes it partly done.
+    status = ledger_jobs.counts(conn, job) if config is not None else None
     try:
         records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job) if batch_api else [],
                                      errors_path, endpoint, config.incarnation if config and not source else None)
@@ -103,9 +106,8 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
 
             raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
         raise
-    if config is None:
+    if status is None:
         return
-    status = ledger_jobs.counts(conn, job)
     if partly := status.done < status.batches_total:
         click.echo(f"  note: job has {plural(status.batches_total, 'batch', 'batches')}, {status.done:,} with shards "
                    f"written: the rest are not in this export yet (exit {EXIT_PARTLY_DONE}: partly done)", err=True)
