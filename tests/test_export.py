@@ -290,3 +290,14 @@ def test_a_batch_written_while_export_runs_makes_it_partly_done(redis_url, sim, 
     assert exported == [f"p{i:05d}" for i in range(5)]
     assert len(read_results(out, "race")) == 10  # the job is whole now; the file is not
     assert ran.exit_code == 3, ran.output
+
+
+def test_an_output_that_is_a_file_is_one_line_for_export_and_recover(redis_url, tmp_path):
+    """--output naming a file (the input, say) is the operator's mistake: one line naming the path, exit 1."""
+    wrong = tmp_path / "prompts.jsonl"
+    write_prompts(wrong, 3)
+    for args in (("export", "--job", "mixup", "--to", str(tmp_path / "x.jsonl"), "--output", str(wrong)),
+                 ("recover", "--job", "mixup", "--output", str(wrong))):
+        ran = run_genq(*args, check=False)
+        assert ran.returncode == 1 and "Traceback" not in ran.stderr, (args, ran.stderr)
+        assert str(wrong) in ran.stderr and len(ran.stderr.strip().splitlines()) == 1, (args, ran.stderr)

@@ -100,6 +100,8 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
     try:
         records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job) if batch_api else [],
                                      errors_path, endpoint, config.incarnation if config and not source else None)
+    except OSError as exc:  # an output or --to that is not what it should be (a file, a folder not writable)
+        raise click.ClickException(f"{exc.strerror or exc}: {exc.filename or output}") from None
     except Exception as exc:
         if type(exc).__module__.startswith(("botocore", "boto3")):
             from genq.output import s3
