@@ -291,3 +291,25 @@ def test_redis_password_is_masked_when_unreachable():
     out = run_genq("workers", redis_url="redis://user:hunter2@127.0.0.1:1/0", check=False)
     assert out.returncode == 1
     assert "hunter2" not in out.stderr and "user:***@127.0.0.1:1" in out.stderr
+
+
+def test_a_worker_drained_while_everything_is_paused_hands_its_batches_back_and_exits(tmp_path, redis_url, sim,
+                                                                                        worker):
+    """Pause all, then drain a machine to take it away: its held batches cannot finish while paused, so they
+    go back to the queue once its requests in flight are done, and it exits; after the resume another
+    worker finishes the job, each prompt once."""
+    url = sim(**SLOW_SIM)
+    ids = enqueue(tmp_path, "pd", 120)
+    a = worker(url, "--name", "pd-a")
+    wait_until(lambda: job_now("pd").done >= 10, what="10 prompts done")
+    run_genq("pause")
+    wait_until(lambda: worker_now("pd-a").state == "paused", timeout=60, what="the worker to see the pause")
+    held = len(worker_now("pd-a").batches)
+    out = run_genq("drain", "--worker", "pd-a", "--wait", "--timeout", "90", check=False)
+    assert out.returncode == 0 and "all drained: pd-a stopped" in out.stdout, (held, out.stdout, out.stderr)
+    assert a.wait(timeout=30) == 0, a.log()
+    assert job_now("pd").done < 120
+    run_genq("resume")
+    worker(url, "--name", "pd-b")
+    wait_until(lambda: job_now("pd").state == "done", timeout=180, what="the job to complete")
+    assert_exactly_once(tmp_path, "pd", ids)
