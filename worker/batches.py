@@ -327,6 +327,13 @@ class Batches:
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         return await self._let_go(mine, borrowed, cancel=cancel, requeue=False)
 
+    async def hand_back_job(self, job: str) -> list[str]:
+        """The job's batches back to the queue's front, its borrowed prompts to their holders; requests in
+        flight finish (sent with the settings they were sent with); the batches handed back."""
+        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
+        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job and not b.dropped]
+        return await self._let_go(mine, borrowed, cancel=False, requeue=True)
+
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       requeue: bool) -> list[str]:
         """Send nothing more of these batches, write what was recorded, drop their claims and end each lease
