@@ -313,3 +313,24 @@ def test_a_worker_drained_while_everything_is_paused_hands_its_batches_back_and_
     worker(url, "--name", "pd-b")
     wait_until(lambda: job_now("pd").state == "done", timeout=180, what="the job to complete")
     assert_exactly_once(tmp_path, "pd", ids)
+
+
+def test_a_resume_while_a_worker_waits_to_park_the_job_queues_its_batch_at_once(tmp_path, redis_url, rconn, sim,
+                                                                                 worker):
+    """`genq pause --job J` then `genq resume --job J` while the worker waits for J's requests in flight (it
+    parks J's batch once they finish): the batch goes back to the queue then, not parked for a resume that
+    already came (left to the reconciler's stranded-batch pass, 20-40 s later, counted as a redelivery)."""
+    url = sim(max_running_requests=4, step_ms_base=100, step_ms_per_req=0, tokens_per_step=1,
+              mean_output_tokens=150, output_sigma=0.05)
+    ids = enqueue(tmp_path, "pr", 8, batch_size=8)
+    w = worker(url, "--name", "pr-w")
+    wait_until(lambda: sim_stats(url)["num_running"] == 4, timeout=60, what="4 requests in flight")
+    run_genq("pause", "--job", "pr")
+    wait_until(lambda: "paused: pr" in w.log(), timeout=60, what="the worker to see the pause")
+    heartbeats_pass(rconn, "pr-w", 2)  # it waits for its 4 requests (15 s each) before parking the batch
+    assert sim_stats(url)["num_running"] > 0, "the requests ended before the resume: nothing was tried"
+    run_genq("resume", "--job", "pr")
+    wait_until(lambda: job_now("pr").state == "done", timeout=180, what="the job to complete")
+    assert_exactly_once(tmp_path, "pr", ids)
+    assert int(rconn.hget(keys.job_stats("pr"), "redeliveries") or 0) == 0, w.log()
+    assert "wait for `genq resume --job pr`" not in w.log().split("resumed: pr", 1)[-1], w.log()

@@ -298,7 +298,7 @@ class Batches:
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again, at the front; False if it was done or no longer ours."""
-        return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
+        return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True) is not None
 
     async def hand_back_all(self, why: str) -> None:
         await self.give_back_borrowed(why)
@@ -353,7 +353,10 @@ class Batches:
                 continue
             end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token,
                                     requeue=requeue)
-            if await retrying(end, f"ending the lease of {h.ref}"):
+            if (how := await retrying(end, f"ending the lease of {h.ref}")) == "queued" and not requeue:
+                log.info("batch %s: its job was resumed while its requests finished: queued again, not parked",
+                         h.ref)
+            elif how is not None:
                 ended.append(str(h.ref))
             self.held.pop(h.ref, None)
         self.todo.wake.set()
