@@ -22,6 +22,7 @@ import redis
 from aiohttp import web
 
 from genq.core.ledger import letters
+from genq.core.ledger.jobs import check_job_name
 from genq.core.records import DeadLetter, unpack
 from genq.monitor.eta import LN2, bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.exporter import parse_listen
@@ -179,6 +180,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
     def act(action: str, job: str | None) -> str:
         from genq.ops import control
 
+        control.jobs_named(monitor.conn, job)  # Refused: a job deleted since the page showed it stays unknown
         if action == "drain":  # every live worker finishes what it holds and exits
             for row in control.select(control.fleet(monitor.conn), everyone=True):
                 control.update_control(monitor.conn, row.name, drain=True)
@@ -189,11 +191,23 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
     async def control(request: web.Request) -> web.Response:
         if token is None or not hmac.compare_digest(request.headers.get("X-Genq-Token", "").encode(), token.encode()):
             return web.json_response({"error": "wrong or missing token"}, status=403)
-        body = await request.json()
-        action, job = body.get("action"), body.get("job") or None
-        if action not in CONTROL_ACTIONS:
-            return web.json_response({"error": f"action must be one of {', '.join(CONTROL_ACTIONS)}"}, status=400)
-        done = await asyncio.get_running_loop().run_in_executor(None, act, action, job)
+        from genq.ops.control import Refused
+
+        try:
+            body = msgspec.json.decode(await request.read(), type=dict[str, Any])
+            action, job = body.get("action"), body.get("job") or None
+            if action not in CONTROL_ACTIONS:
+                raise ValueError(f"action must be one of {', '.join(CONTROL_ACTIONS)}")
+            if job is not None and not isinstance(job, str):
+                raise ValueError("job must be a job's name")
+            if job is not None:
+                check_job_name(job)
+        except (msgspec.DecodeError, ValueError) as exc:  # msgspec's ValidationError is a DecodeError
+            return web.json_response({"error": f"a control is a JSON object {{action, job}}: {exc}"}, status=400)
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(None, act, action, job)
+        except Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
+            return web.json_response({"error": str(exc)}, status=404)
         log.warning("web control: %s (from %s)", done, request.remote)
         return web.json_response({"ok": done})
 

@@ -97,3 +97,31 @@ def test_no_brake_lets_a_job_dead_letter_its_prompts(redis_url, rconn, sim, work
     assert all(letter.message.startswith("Requested token count exceeds") for letter in found.letters.values())
     row = json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout)[0]
     assert row["state"] == "partial" and row["blocked"] is None
+
+
+def test_jobs_set_model_moves_the_job_off_the_servers_of_the_old_model(redis_url, rconn, sim, worker,
+                                                                       tmp_path: Path):
+    """`genq jobs set J --model big` on a fleet serving two models: no prompt is sent at the new settings
+    to a server of the old model (its worker hands the batches it holds back); each record is from a
+    server of the model its settings version names."""
+    slow = dict(mean_output_tokens=200, output_sigma=0.2, tokens_per_step=8, step_ms_base=40, step_ms_per_req=0,
+                max_running_requests=4)
+    small = sim(served_model_name="small", **slow)
+    big = sim(served_model_name="big", max_running_requests=16, step_ms_base=5, tokens_per_step=32)
+    src = tmp_path / "p.jsonl"
+    ids = write_prompts(src, 120)
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "moved", "--output", str(out), "--batch-size", "10", "--model", "small",
+             redis_url=redis_url)
+    on_small = worker(small, "--name", "on-small")
+    worker(big, "--name", "on-big")
+    wait_until(lambda: done_count(redis_url, "moved") >= 4, timeout=60, what="some prompts done")
+    run_genq("jobs", "set", "moved", "--model", "big", redis_url=redis_url)
+    wait_until(lambda: any(r["name"] == "moved" and r["state"] == "done"
+                           for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout)),
+               timeout=300, what="the job done")
+    found = audit(rconn, "moved", out, ids)
+    wrong = [(r["id"], r["worker"], r["model"]) for r in found.results.values()
+             if (r["settings_version"], r["worker"]) not in ((1, "on-small"), (2, "on-big"))]
+    assert not wrong, wrong[:10]
+    assert on_small.alive()

@@ -291,3 +291,46 @@ def test_redis_password_is_masked_when_unreachable():
     out = run_genq("workers", redis_url="redis://user:hunter2@127.0.0.1:1/0", check=False)
     assert out.returncode == 1
     assert "hunter2" not in out.stderr and "user:***@127.0.0.1:1" in out.stderr
+
+
+def test_a_worker_drained_while_everything_is_paused_hands_its_batches_back_and_exits(tmp_path, redis_url, sim,
+                                                                                        worker):
+    """Pause all, then drain a machine to take it away: its held batches cannot finish while paused, so they
+    go back to the queue once its requests in flight are done, and it exits; after the resume another
+    worker finishes the job, each prompt once."""
+    url = sim(**SLOW_SIM)
+    ids = enqueue(tmp_path, "pd", 120)
+    a = worker(url, "--name", "pd-a")
+    wait_until(lambda: job_now("pd").done >= 10, what="10 prompts done")
+    run_genq("pause")
+    wait_until(lambda: worker_now("pd-a").state == "paused", timeout=60, what="the worker to see the pause")
+    held = len(worker_now("pd-a").batches)
+    out = run_genq("drain", "--worker", "pd-a", "--wait", "--timeout", "90", check=False)
+    assert out.returncode == 0 and "all drained: pd-a stopped" in out.stdout, (held, out.stdout, out.stderr)
+    assert a.wait(timeout=30) == 0, a.log()
+    assert job_now("pd").done < 120
+    run_genq("resume")
+    worker(url, "--name", "pd-b")
+    wait_until(lambda: job_now("pd").state == "done", timeout=180, what="the job to complete")
+    assert_exactly_once(tmp_path, "pd", ids)
+
+
+def test_a_resume_while_a_worker_waits_to_park_the_job_queues_its_batch_at_once(tmp_path, redis_url, rconn, sim,
+                                                                                 worker):
+    """`genq pause --job J` then `genq resume --job J` while the worker waits for J's requests in flight (it
+    parks J's batch once they finish): the batch goes back to the queue then, not parked for a resume that
+    already came (left to the reconciler's stranded-batch pass, 20-40 s later, counted as a redelivery)."""
+    url = sim(max_running_requests=4, step_ms_base=100, step_ms_per_req=0, tokens_per_step=1,
+              mean_output_tokens=150, output_sigma=0.05)
+    ids = enqueue(tmp_path, "pr", 8, batch_size=8)
+    w = worker(url, "--name", "pr-w")
+    wait_until(lambda: sim_stats(url)["num_running"] == 4, timeout=60, what="4 requests in flight")
+    run_genq("pause", "--job", "pr")
+    wait_until(lambda: "paused: pr" in w.log(), timeout=60, what="the worker to see the pause")
+    heartbeats_pass(rconn, "pr-w", 2)  # it waits for its 4 requests (15 s each) before parking the batch
+    assert sim_stats(url)["num_running"] > 0, "the requests ended before the resume: nothing was tried"
+    run_genq("resume", "--job", "pr")
+    wait_until(lambda: job_now("pr").state == "done", timeout=180, what="the job to complete")
+    assert_exactly_once(tmp_path, "pr", ids)
+    assert int(rconn.hget(keys.job_stats("pr"), "redeliveries") or 0) == 0, w.log()
+    assert "wait for `genq resume --job pr`" not in w.log().split("resumed: pr", 1)[-1], w.log()

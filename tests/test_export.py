@@ -13,7 +13,7 @@ from genq.core import keys
 from genq.core.records import DeadLetter, Result, Usage, unpack
 from genq.output.truth import LocalStore, commit_shard, shard_bytes
 from tests.audit import audit
-from tests.conftest import batch_prompts, read_results, run_genq
+from tests.conftest import batch_prompts, read_results, run_genq, write_prompts
 
 
 def result(pid: str, index: int, batch: str, job: str = "hand", **extra) -> Result:
@@ -256,3 +256,48 @@ def test_parquet_request_named_columns_that_are_not_the_mapped_ones_are_metadata
     (row,) = open_rows(str(path), endpoint="completions", columns=ColumnMap(prompt="text"))
     assert row.prompt.prompt == "say hi"
     assert row.prompt.metadata == {"prompt": "an older prompt", "messages": "[]", "n": 1}
+
+
+def test_a_batch_written_while_export_runs_makes_it_partly_done(redis_url, sim, tmp_path, monkeypatch):
+    """The last batch of a job written while `genq export` reads the shards is not in the file: the exit
+    status must say partly done (3), not done (0), though the job counts every batch written by the end."""
+    from click.testing import CliRunner
+
+    from genq.cli import cli
+    from genq.cli import export as export_cli
+
+    url = sim()
+    out = tmp_path / "out"
+    first = tmp_path / "first.jsonl"
+    write_prompts(first, 5)
+    run_genq("enqueue", str(first), "--job", "race", "--output", str(out), "--batch-size", "5")
+    run_genq("worker", "--server", url, "--burst", timeout=300)
+    second = tmp_path / "second.jsonl"
+    write_prompts(second, 5, start=5)
+    run_genq("enqueue", str(second), "--job", "race", "--output", str(out), "--batch-size", "5", "--add")
+
+    real = export_cli.run_export
+
+    def export_then_the_last_batch_lands(*args, **kwargs):
+        written = real(*args, **kwargs)  # the shards listed and merged: the second batch's is not among them
+        run_genq("worker", "--server", url, "--burst", timeout=300)  # a worker writes it meanwhile
+        return written
+
+    monkeypatch.setattr(export_cli, "run_export", export_then_the_last_batch_lands)
+    dest = tmp_path / "race.jsonl"
+    ran = CliRunner().invoke(cli, ["--redis", redis_url, "export", "--job", "race", "--to", str(dest)])
+    exported = [json.loads(line)["id"] for line in dest.read_text().splitlines()]
+    assert exported == [f"p{i:05d}" for i in range(5)]
+    assert len(read_results(out, "race")) == 10  # the job is whole now; the file is not
+    assert ran.exit_code == 3, ran.output
+
+
+def test_an_output_that_is_a_file_is_one_line_for_export_and_recover(redis_url, tmp_path):
+    """--output naming a file (the input, say) is the operator's mistake: one line naming the path, exit 1."""
+    wrong = tmp_path / "prompts.jsonl"
+    write_prompts(wrong, 3)
+    for args in (("export", "--job", "mixup", "--to", str(tmp_path / "x.jsonl"), "--output", str(wrong)),
+                 ("recover", "--job", "mixup", "--output", str(wrong))):
+        ran = run_genq(*args, check=False)
+        assert ran.returncode == 1 and "Traceback" not in ran.stderr, (args, ran.stderr)
+        assert str(wrong) in ran.stderr and len(ran.stderr.strip().splitlines()) == 1, (args, ran.stderr)

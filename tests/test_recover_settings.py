@@ -141,3 +141,24 @@ def test_on_s3_jobs_set_is_in_job_json_and_recover_takes_it(lost_redis, moto, tm
 
     run_genq("recover", "--job", "st", "--output", out, "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
     at_current_settings(config_of(lost_redis.url))
+
+
+def test_jobs_set_refused_by_a_full_redis_changes_nothing(redis_url, rconn, tmp_path):
+    """A `jobs set` Redis refuses (full) says so and leaves job.json as it was: the change is not taken up
+    later from the output behind the operator's back (a worker's catch-up would store it in Redis)."""
+    src, out = tmp_path / "p.jsonl", tmp_path / "out"
+    write_prompts(src, 5)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    rconn.config_set("maxmemory", 1)
+    try:
+        refused = run_genq("jobs", "set", "st", "--max-tokens", "20", redis_url=redis_url, check=False)
+    finally:
+        rconn.config_set("maxmemory", 0)
+    assert refused.returncode == 1 and "Redis is full" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
+    assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (64, 1), on_disk
+    shortened(redis_url)
+    on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
+    assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (20, 2), on_disk
+    assert config_of(redis_url)["max_tokens"] == 20

@@ -239,3 +239,41 @@ def test_only_its_own_host_names_are_answered_and_the_page_runs_under_its_csp(tm
     assert page.locator("#status").text_content() == "queued"
     assert page.evaluate("typeof uPlot") == "function" and page.evaluate("Object.keys(charts).length") > 0
     assert problems == [], problems
+
+
+def test_a_control_for_a_job_that_is_not_there_changes_nothing(tmp_path: Path, redis_url, rconn, procs) -> None:
+    """The page's job can be deleted before its button is pressed: a pause of a job Redis does not know is
+    refused (404), not stored to pause the next job of that name; a malformed request is a 400, no traceback."""
+    from tests.conftest import write_prompts
+
+    write_prompts(tmp_path / "p.jsonl", 10)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "ctl", "--output", str(tmp_path / "out"))
+    token = "s3cret-token-of-enough-length"
+    port = free_port()
+    monitor = procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--web-control", "--json"), name="monitor",
+                    env={"GENQ_WEB_TOKEN": token})
+    base = f"http://127.0.0.1:{port}/"
+    wait_http(base)
+
+    def post(body: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(base + "api/control", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "X-Genq-Token": token})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    code, answer = post(json.dumps({"action": "pause", "job": "gone"}).encode())
+    assert code == 404 and "gone" in answer["error"], (code, answer)
+    assert not rconn.exists(keys.job_paused("gone"))
+    for body in (b"not json", b"[1]", json.dumps({"action": "pause", "job": ["ctl"]}).encode(),
+                 json.dumps({"action": "pause", "job": "bad/name"}).encode()):
+        code, answer = post(body)
+        assert code == 400 and answer.get("error"), (body, code, answer)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "gone", "--output", str(tmp_path / "out"))
+    assert {j["name"]: j["paused"] for j in json.loads(run_genq("jobs", "--json").stdout)} == {"ctl": False,
+                                                                                                "gone": False}
+    assert post(json.dumps({"action": "pause", "job": "ctl"}).encode())[0] == 200
+    assert rconn.exists(keys.job_paused("ctl"))
+    assert "Traceback" not in monitor.log()

@@ -298,7 +298,7 @@ class Batches:
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again, at the front; False if it was done or no longer ours."""
-        return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True)
+        return await asyncio.to_thread(leasing.end_lease, self.sync_conn, ref, token, requeue=True) is not None
 
     async def hand_back_all(self, why: str) -> None:
         await self.give_back_borrowed(why)
@@ -327,6 +327,13 @@ class Batches:
         borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
         return await self._let_go(mine, borrowed, cancel=cancel, requeue=False)
 
+    async def hand_back_job(self, job: str) -> list[str]:
+        """The job's batches back to the queue's front, its borrowed prompts to their holders; requests in
+        flight finish (sent with the settings they were sent with); the batches handed back."""
+        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
+        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job and not b.dropped]
+        return await self._let_go(mine, borrowed, cancel=False, requeue=True)
+
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       requeue: bool) -> list[str]:
         """Send nothing more of these batches, write what was recorded, drop their claims and end each lease
@@ -346,7 +353,10 @@ class Batches:
                 continue
             end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token,
                                     requeue=requeue)
-            if await retrying(end, f"ending the lease of {h.ref}"):
+            if (how := await retrying(end, f"ending the lease of {h.ref}")) == "queued" and not requeue:
+                log.info("batch %s: its job was resumed while its requests finished: queued again, not parked",
+                         h.ref)
+            elif how is not None:
                 ended.append(str(h.ref))
             self.held.forget(h)
         self.todo.wake.set()

@@ -190,6 +190,11 @@ class Engine:
                 break
             if (self.gate.draining or self.stopping.requested) and idle:
                 break
+            # Paused fleet-wide, what it holds cannot finish: once its requests in flight are done and
+            # recorded, it goes back to the queue (hand_back_all below), for whoever runs after the resume.
+            if ((self.gate.draining or self.stopping.requested) and self.gate.paused_all
+                    and not self.dispatcher.running and self.writer.pending == 0):
+                break
             if self.opts.burst and self.intake.exhausted and idle and await self._burst_done():
                 break
         if self.held or self.held.borrowed:

@@ -499,8 +499,11 @@ class Gate:
         """A newer settings version of a job held here: every unsent prompt gets it."""
         stale = [h for h in [*self.held.values(), *self.held.borrowed.values()]
                  if h.ref.job == job and h.config.incarnation == stored.incarnation
-                 and h.config.settings_version < stored.settings_version]
+                 and h.config.settings_version < stored.settings_version and not h.dropped]
         if not stale:
+            return
+        if self.watch is not None and not self.watch.takes(stored):  # `jobs set --model`: not this server's
+            self._spawn(self._hand_back(job, stored.settings_version))
             return
         for h in stale:
             h.config = stored
@@ -510,6 +513,14 @@ class Gate:
         problem = preflight(stored, self.watch.info if self.watch else None)
         if problem is not None and job not in self.blocked:
             self._block_preflight(job, stored, problem, "by its new settings")
+
+    async def _hand_back(self, job: str, version: int) -> None:
+        """What is held of a job whose new settings ask for a model this server does not serve goes back to
+        the queue: none of its prompts is sent here at them (its requests in flight finish at theirs)."""
+        given = await self.batches.hand_back_job(job)
+        if given:
+            log.info("job %s: settings version %d is for another model: handed back %s (%s)", job, version,
+                     plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def run(self) -> None:
         """Every second (at once on a trip): trips stored, paused jobs parked, jobs' news read."""

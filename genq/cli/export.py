@@ -94,18 +94,22 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
     if dest.endswith("/") or (not dest.startswith("s3://") and Path(dest).is_dir()):
         dest = dest.rstrip("/") + "/" + job + FORMATS[fmt][1]
     batch_api = fmt == "openai-batch"
+    # Counted before the manifest is listed: a batch is marked done only after its marker is written, so
+    # every batch done now is in the export, and one written while it runs makes it partly done.
+    status = ledger_jobs.counts(conn, job) if config is not None else None
     try:
         records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job) if batch_api else [],
                                      errors_path, endpoint, config.incarnation if config and not source else None)
+    except OSError as exc:  # an output or --to that is not what it should be (a file, a folder not writable)
+        raise click.ClickException(f"{exc.strerror or exc}: {exc.filename or output}") from None
     except Exception as exc:
         if type(exc).__module__.startswith(("botocore", "boto3")):
             from genq.output import s3
 
             raise click.ClickException(f"S3: {s3.describe(exc, output)}") from None
         raise
-    if config is None:
+    if status is None:
         return
-    status = ledger_jobs.counts(conn, job)
     if partly := status.done < status.batches_total:
         click.echo(f"  note: job has {plural(status.batches_total, 'batch', 'batches')}, {status.done:,} with shards "
                    f"written: the rest are not in this export yet (exit {EXIT_PARTLY_DONE}: partly done)", err=True)

@@ -47,5 +47,7 @@ def recover(job: str, output: str | None, inputs: tuple[str, ...], s3_endpoint_u
                        "written or queued")
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # an output that is not a folder, a path this machine cannot read: the path named
+        raise click.ClickException(f"{exc.strerror or exc}: {exc.filename or output}") from None
     if rejected:
         sys.exit(EXIT_PARTLY_DONE)

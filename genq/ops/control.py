@@ -21,6 +21,7 @@ from genq.core.ledger.figures import JobStatus, job_status
 from genq.core.order import order_queue
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
+from genq.core.redisconn import redis_note_of
 from genq.output import truth
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
@@ -250,6 +251,11 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
     so every version in the history differs from the one before."""
     if unknown := sorted(set(changes) - set(SETTABLE)):
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
+    # job.json is written first and taken up from there later: a Redis that refuses the change must be
+    # seen before it, or the change said to have failed would be made behind the operator's back.
+    if (refusing := redis_note_of(conn)) is not None and refusing.reason != "evicting_policy":
+        raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
+                      "takes writes")
 
     def change(config: JobConfig | None) -> JobConfig:
         if config is None:

@@ -69,26 +69,30 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
             for i, ref in enumerate(refs)]
 
 
-def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) -> bool:
+def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) -> str | None:
     """End the batch's lease `token`, its RQ job out of RQ, and queue it again at the front (`requeue`)
-    or park it, in one transaction; False, writing nothing, if it is done or the lease is not current."""
-    def attempt(pipe: Pipeline) -> bool:
+    or park it, in one transaction: "queued" or "parked"; None, writing nothing, if it is done or the
+    lease is not current."""
+    def attempt(pipe: Pipeline) -> str | None:
         lease = pipe.hget(keys.job_leases(ref.job), ref.batch)
         if lease_token(lease) != token or pipe.sismember(keys.job_done(ref.job), ref.batch):
-            return False
+            return None
         rq_id = pipe.hget(keys.job_transport(ref.job), ref.batch)
+        # A park asked for while the job was paused or blocked, ending after `genq resume --job` (the
+        # engine waited for its requests in flight): queued, as that resume queued the parked ones.
+        queue = requeue or not pipe.exists(keys.job_paused(ref.job), keys.job_blocked(ref.job))
         pipe.multi()
         if rq_id is not None:
             forget_rq_job(pipe, rq_id.decode(), [f"{rq_id.decode()}:{RQ_EXECUTION}".encode()])
-        if requeue:
+        if queue:
             enqueue_batch_jobs(pipe, conn, [(ref.job, ref.batch, 0)], at_front=True)
         else:
             pipe.hdel(keys.job_transport(ref.job), ref.batch)
         pipe.hdel(keys.job_leases(ref.job), ref.batch)
-        return True
+        return "queued" if queue else "parked"
 
-    return bool(conn.transaction(attempt, keys.job_leases(ref.job), keys.job_done(ref.job),
-                                 value_from_callable=True))
+    return conn.transaction(attempt, keys.job_leases(ref.job), keys.job_done(ref.job),
+                                 keys.job_paused(ref.job), keys.job_blocked(ref.job), value_from_callable=True)
 
 
 def unqueue(conn: redis.Redis, job: str) -> int:
