@@ -77,6 +77,8 @@ class Hold:
     prompts: list[Prompt]
     inflight: dict[str, Result] = field(default_factory=dict)  # claimed and generated, not recorded
     written: ShardInfo | None = None  # the shard it wrote, not yet released
+    stored: dict[str, bytes] = field(default_factory=dict)  # the results it was written from, as stored
+    letters: list[str] = field(default_factory=list)  # the ids of its dead letters
 
 
 @dataclass
@@ -333,8 +335,8 @@ class World:
                 or not ledger_jobs.batch_exists(self.conn, JOB, batch):
             self.let_go(engine, batch)
             return
-        results = [unpack(v, Result) for v in self.conn.hvals(keys.batch_results(JOB, batch))]
-        results = [r for r in results if r.id in set(ids)]
+        found = [(unpack(v, Result), v) for v in self.conn.hvals(keys.batch_results(JOB, batch))]
+        results = [r for r, _ in found if r.id in set(ids)]
         letters = [unpack(v, DeadLetter) for v in self.conn.hmget(keys.job_dlq(JOB), ids) if v]
         if set(ids) - {r.id for r in results} - {d.id for d in letters}:
             return  # outcomes missing: claimed again
@@ -343,6 +345,7 @@ class World:
         try:
             hold.written = truth.commit_shard(self.store, JOB, batch, shard_bytes(results, "none"), len(results), at,
                                               compression="none", incarnation=hold.config.incarnation, outcome=outcome)
+            hold.stored, hold.letters = {r.id: v for r, v in found if r.id in set(ids)}, [d.id for d in letters]
         except truth.AlreadyWritten as written:
             recover.adopt(self.conn, JOB, written.marker)
             self.let_go(engine, batch)
@@ -367,7 +370,7 @@ class World:
         if hold.written is None:
             return
         answer = self.run("RELEASE", scripts.release_call(BatchRef(JOB, batch), hold.written,
-                                                          hold.config.incarnation))
+                                                          hold.config.incarnation, hold.stored, hold.letters))
         if answer == b"short":  # Redis lost outcomes since they were read: the written shard is the truth
             marker = truth.read_marker(self.store, truth.marker_rel(JOB, batch))
             if marker is not None:
@@ -728,3 +731,66 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
     missing = asyncio.run(complete())
     assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
     assert world.conn.sismember(keys.job_done(JOB), batch)
+
+
+def _record(world: World, engine: Engine, batch: str, *, results: list[str] = (), letters: list[str] = ()) -> None:
+    """RECORD these of what `engine` has in flight of `batch`: some as results, some as dead letters."""
+    hold = engine.holds[batch]
+    dead = [DeadLetter(id=i, job=JOB, batch=batch, attempts=1, kind="bad_request", message=hold.inflight[i].completion,
+                       worker=engine.instance, at=time.time(), prompt=next(p for p in hold.prompts if p.id == i))
+            for i in letters]
+    world.run("RECORD", scripts.record_call(JOB, batch, engine.instance, repr(time.time()),
+                                            [hold.inflight[i] for i in results], dead, hold.config.incarnation))
+    for i in [*results, *letters]:
+        del hold.inflight[i]
+
+
+def test_a_release_after_redis_lost_a_dead_letter_of_the_shard_keeps_it(tmp_path: Path) -> None:
+    """The shard is written with a result and a dead letter; Redis is then restored from between the two
+    RECORD calls (the result stored, the letter not) and the holder releases: RELEASE must not take the
+    shard as every outcome Redis holds (same count of results), or the letter is lost from the DLQ for good
+    (the batch done, nothing queues it again) and the job never ends."""
+    world = _world(tmp_path)
+    engine = world.engines[ENGINES[0]]
+    world.take(engine)
+    (batch, hold), = engine.holds.items()
+    world.work(engine, batch)  # claims both prompts
+    first, second = sorted(hold.inflight)
+    _record(world, engine, batch, results=[second])
+    world.take_snapshot()
+    _record(world, engine, batch, letters=[first])
+    world.write_shard(engine, batch)
+    assert engine.holds[batch].written is not None
+    world.restore()  # the letter is gone from Redis, the result is there
+    world.release(engine, batch)
+    assert world.conn.hexists(keys.job_dlq(JOB), first), "the shard's dead letter is in no DLQ"
+    world.drain()
+    assert world.status() == "partial", ledger_jobs.counts(world.conn, JOB)
+
+
+def test_a_release_over_other_outcomes_of_the_same_count_is_refused(tmp_path: Path) -> None:
+    """The shard holds the holder's result of one prompt and its letter of the other; Redis is restored to
+    before both, and a second holder of the batch (delivered again while the first was slow, its CLAIM
+    before the first one's answers came) records the other way round: a letter for the shard's result and
+    a result for its letter. Same number of results, other outcomes: RELEASE must refuse the shard (the
+    batch is then done from its marker), or the DLQ holds a letter of a prompt whose result is written (a
+    requeue generates it again) and lacks the shard's letter."""
+    world = _world(tmp_path)
+    slow, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(slow)
+    (batch, hold), = slow.holds.items()
+    world.work(slow, batch)  # the slow holder claims and sends both
+    world.deliver(other, batch)
+    world.work(other, batch)  # the second holder claims both under its newer lease
+    world.take_snapshot()
+    first, second = sorted(hold.inflight)
+    _record(world, slow, batch, results=[first], letters=[second])
+    world.write_shard(slow, batch)
+    assert slow.holds[batch].written is not None
+    world.restore()
+    _record(world, other, batch, results=[second], letters=[first])
+    world.release(slow, batch)
+    dead = {k.decode() for k in world.conn.hkeys(keys.job_dlq(JOB))}
+    written = world.written_outcomes()
+    assert not written[first].startswith("letter:") and first not in dead, (written, dead)
+    assert second in dead, (written, dead)

@@ -237,7 +237,7 @@ class Batches:
         finally:
             if self.unwritten.pop(ref, None) is not None:
                 self.written_again.set()
-        call = scripts.release_call(ref, info, config.incarnation)
+        call = scripts.release_call(ref, info, config.incarnation, recorded.stored, [d.id for d in letters])
         answer = await retrying(lambda: self._release(*call), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 
@@ -256,10 +256,11 @@ class Batches:
         wanted = set(ids)
         letters_raw = (stored_letters if stored_letters is not None
                        else await leasing.letters_of(self.conn, ref.job, ids))
-        results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
-                   for r in (unpack(v, Result) for v in raw_results) if r.id in wanted]
+        found = [(r, v) for r, v in ((unpack(v, Result), v) for v in raw_results) if r.id in wanted]
+        stored = {r.id: v for r, v in found}
+        results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r for r, _ in found]
         letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
-        return _Recorded(results, letters, len(ids), wanted - {r.id for r in results} - {d.id for d in letters})
+        return _Recorded(results, letters, len(ids), wanted - set(stored) - {d.id for d in letters}, stored)
 
     def unwritten_jobs(self) -> frozenset[str]:
         return frozenset(ref.job for ref in self.unwritten)
@@ -359,3 +360,4 @@ class _Recorded:
     letters: list[DeadLetter]
     size: int  # the batch's prompt count
     missing: set[str]  # prompts of the batch with no outcome in Redis
+    stored: dict[str, bytes]  # the results as stored (id -> packed): RELEASE checks Redis still holds these
