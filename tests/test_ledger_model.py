@@ -794,3 +794,41 @@ def test_a_release_over_other_outcomes_of_the_same_count_is_refused(tmp_path: Pa
     written = world.written_outcomes()
     assert not written[first].startswith("letter:") and first not in dead, (written, dead)
     assert second in dead, (written, dead)
+
+
+def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_path: Path) -> None:
+    """The worker's Batches.write_and_release (worker/batches.py): another holder of the batch wrote its shard
+    (not released yet), then Redis lost one of its outcomes (a rollback). This holder, every outcome recorded
+    as far as it knows, reads Redis and finds one missing: the written shard is the batch's outcome, so the
+    batch is done from its marker; sending the prompt again would generate a written prompt again."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    writer = world.engines[ENGINES[1]]
+    world.take(writer)
+    (batch, hold), = writer.holds.items()
+    for _ in range(3):  # claim, record, write the shard
+        world.work(writer, batch)
+    assert hold.written is not None and not world.conn.sismember(keys.job_done(JOB), batch)
+    world.conn.hdel(keys.batch_results(JOB, batch), hold.prompts[0].id)  # Redis rolled back under it
+    held = HeldBatch(ref=BatchRef(JOB, batch), token="another", config=hold.config, unfinished=set(),
+                     prompts=hold.prompts)
+
+    async def complete() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
+        try:
+            return await owner.write_and_release(held)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    missing = asyncio.run(complete())
+    assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
+    assert world.conn.sismember(keys.job_done(JOB), batch)

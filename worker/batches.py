@@ -187,27 +187,35 @@ class Batches:
             recorded = await retrying(lambda: self._recorded(held), f"reading batch {ref}")
             if recorded is None:
                 return set()
+            # Outcomes this engine saw recorded are gone (a rollback), or Redis lost some after they were
+            # read for the shard: a shard written meanwhile (this one, or another holder's) is the batch's
+            # outcome, as any written shard is, and none of its prompts is generated again.
             if recorded.missing:
-                return recorded.missing
+                return set() if await self._adopt_written(held) else recorded.missing
             released = await self._write(held, recorded)
             if released != "short":
                 self.completed += released == 1
                 return set()
-            # Redis lost outcomes after they were read (a rollback): the shard just written is the
-            # batch's outcome, as any written shard is, and none of its prompts is generated again.
-            try:
-                marker = await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config, ref)
-            except Exception as exc:  # the output unreachable now: read Redis again instead
-                log.warning("batch %s: cannot read its marker (%s: %s)", ref, type(exc).__name__, exc)
-                marker = None
-            if marker is not None:
-                adopting = functools.partial(adopt_marker, self.conn, ref, marker)
-                self.completed += bool(await retrying(adopting, f"adopting batch {ref}"))
+            if await self._adopt_written(held):
                 return set()
             log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
         # Never marked done short: the batch is let go, and the reconciler queues it again.
         log.error("batch %s: Redis never held exactly the shard's results; letting the batch go", ref)
         return set()
+
+    async def _adopt_written(self, held: HeldBatch) -> bool:
+        """True if the output holds the batch's marker of this life (the batch then marked done from it)."""
+        try:
+            marker = await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config,
+                                                                      held.ref)
+        except Exception as exc:  # the output unreachable now: read Redis again instead
+            log.warning("batch %s: cannot read its marker (%s: %s)", held.ref, type(exc).__name__, exc)
+            return False
+        if marker is None:
+            return False
+        adopting = functools.partial(adopt_marker, self.conn, held.ref, marker)
+        self.completed += bool(await retrying(adopting, f"adopting batch {held.ref}"))
+        return True
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
         """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
