@@ -832,3 +832,25 @@ def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_pa
     missing = asyncio.run(complete())
     assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
     assert world.conn.sismember(keys.job_done(JOB), batch)
+
+
+def test_a_requeue_after_redis_lost_an_earlier_one_takes_no_written_batch_number(tmp_path: Path) -> None:
+    """Dead letters requeued as a new batch, written; Redis then restored from before that requeue (its batch
+    counter with it), the written batch adopted from its marker. Another letter requeued then must not get
+    the written batch's number: that batch is done (or would be adopted from the other prompts' marker), so
+    the requeued prompt would never run, gone from the DLQ, and the job never end."""
+    world = _world(tmp_path)
+    _finish(world, letter=True)  # b0000001: a result and a letter
+    world.take_snapshot()  # b0000002 queued
+    world.requeue_letters()
+    world.take(world.engines[ENGINES[0]])  # b0000002 taken, and left
+    _finish(world)  # the requeue's batch, written
+    requeued = sorted(truth.marker_batches(world.store, JOB) - {"b0000001"})
+    world.restore()
+    world.start(world.engines[ENGINES[0]])
+    world.compare()  # the requeue's written batch adopted
+    _finish(world, letter=True)  # b0000002: its prompt a letter
+    world.requeue_letters()
+    world.drain()
+    assert world.status() == "done", (requeued, ledger_jobs.counts(world.conn, JOB),
+                                      world.conn.zrange(keys.job_batches(JOB), 0, -1))
