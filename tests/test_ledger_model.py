@@ -331,9 +331,10 @@ class World:
         ids = [p.id for p in hold.prompts]
         done = self.conn.sismember(keys.job_done(JOB), batch)
         config = self.config()
+        current = lease_token(self.conn.hget(keys.job_leases(JOB), batch))
         if done or config is None or config.incarnation != hold.config.incarnation \
-                or not ledger_jobs.batch_exists(self.conn, JOB, batch):
-            self.let_go(engine, batch)
+                or not ledger_jobs.batch_exists(self.conn, JOB, batch) or current != hold.token:
+            self.let_go(engine, batch)  # a superseded holder writes no shard: the current one does
             return
         found = [(unpack(v, Result), v) for v in self.conn.hvals(keys.batch_results(JOB, batch))]
         results = [r for r, _ in found if r.id in set(ids)]
@@ -769,27 +770,27 @@ def test_a_release_after_redis_lost_a_dead_letter_of_the_shard_keeps_it(tmp_path
 
 
 def test_a_release_over_other_outcomes_of_the_same_count_is_refused(tmp_path: Path) -> None:
-    """The shard holds the holder's result of one prompt and its letter of the other; Redis is restored to
-    before both, and a second holder of the batch (delivered again while the first was slow, its CLAIM
-    before the first one's answers came) records the other way round: a letter for the shard's result and
-    a result for its letter. Same number of results, other outcomes: RELEASE must refuse the shard (the
+    """The holder's shard holds its result of one prompt and its letter of the other; Redis is restored to
+    before both, and the slow holder it superseded (delivered again while that one was slow, both claimed
+    before the restore point) records its late answers the other way round: a letter for the shard's result
+    and a result for its letter. Same number of results, other outcomes: RELEASE must refuse the shard (the
     batch is then done from its marker), or the DLQ holds a letter of a prompt whose result is written (a
     requeue generates it again) and lacks the shard's letter."""
     world = _world(tmp_path)
-    slow, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    slow, holder = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
     world.take(slow)
     (batch, hold), = slow.holds.items()
     world.work(slow, batch)  # the slow holder claims and sends both
-    world.deliver(other, batch)
-    world.work(other, batch)  # the second holder claims both under its newer lease
+    world.deliver(holder, batch)
+    world.work(holder, batch)  # the holder claims both under its newer lease
     world.take_snapshot()
     first, second = sorted(hold.inflight)
-    _record(world, slow, batch, results=[first], letters=[second])
-    world.write_shard(slow, batch)
-    assert slow.holds[batch].written is not None
+    _record(world, holder, batch, results=[first], letters=[second])
+    world.write_shard(holder, batch)
+    assert holder.holds[batch].written is not None
     world.restore()
-    _record(world, other, batch, results=[second], letters=[first])
-    world.release(slow, batch)
+    _record(world, slow, batch, results=[second], letters=[first])
+    world.release(holder, batch)
     dead = {k.decode() for k in world.conn.hkeys(keys.job_dlq(JOB))}
     written = world.written_outcomes()
     assert not written[first].startswith("letter:") and first not in dead, (written, dead)
@@ -797,10 +798,11 @@ def test_a_release_over_other_outcomes_of_the_same_count_is_refused(tmp_path: Pa
 
 
 def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_path: Path) -> None:
-    """The worker's Batches.write_and_release (worker/batches.py): another holder of the batch wrote its shard
-    (not released yet), then Redis lost one of its outcomes (a rollback). This holder, every outcome recorded
-    as far as it knows, reads Redis and finds one missing: the written shard is the batch's outcome, so the
-    batch is done from its marker; sending the prompt again would generate a written prompt again."""
+    """The worker's Batches.write_and_release (worker/batches.py): a holder frozen once it had seen every outcome
+    recorded; meanwhile the batch was written by another engine, and Redis was then restored to a state where
+    the frozen holder's lease is current again and one outcome is missing. It wakes, reads Redis and finds that
+    one missing: the written shard is the batch's outcome, so the batch is done from its marker; sending the
+    prompt again would generate a written prompt again."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -817,7 +819,9 @@ def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_pa
         world.work(writer, batch)
     assert hold.written is not None and not world.conn.sismember(keys.job_done(JOB), batch)
     world.conn.hdel(keys.batch_results(JOB, batch), hold.prompts[0].id)  # Redis rolled back under it
-    held = HeldBatch(ref=BatchRef(JOB, batch), token="another", config=hold.config, unfinished=set(),
+    frozen = "woken"  # its lease, current in the restored Redis
+    world.conn.hset(keys.job_leases(JOB), batch, f"{frozen} w.1")
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=frozen, config=hold.config, unfinished=set(),
                      prompts=hold.prompts)
 
     async def complete() -> set[str]:
@@ -854,3 +858,42 @@ def test_a_requeue_after_redis_lost_an_earlier_one_takes_no_written_batch_number
     world.drain()
     assert world.status() == "done", (requeued, ledger_jobs.counts(world.conn, JOB),
                                       world.conn.zrange(keys.job_batches(JOB), 0, -1))
+
+
+def test_a_superseded_holder_writes_no_shard_a_rollback_would_leave_behind(tmp_path: Path) -> None:
+    """The worker's Batches.write_and_release: holder A is superseded (its batch queued again while it was slow,
+    and leased to B, who has not claimed yet), A's answers come and are recorded, and A goes on to write the
+    shard. Redis is then restored from between B's lease and A's records: B, holding the current lease, claims
+    the prompts and generates them again though their outcomes are written. A superseded holder writes no
+    shard (the current holder does, from what Redis holds), so a rollback leaves no marker behind its lease."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    slow, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(slow)
+    (batch, hold), = slow.holds.items()
+    world.work(slow, batch)  # A claims and sends both prompts
+    world.deliver(other, batch)  # B leased it, not claimed yet
+    world.take_snapshot()
+    world.work(slow, batch)  # A's answers recorded
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, unfinished=set(),
+                     prompts=hold.prompts)
+
+    async def complete() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
+        try:
+            return await owner.write_and_release(held)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    assert not asyncio.run(complete())
+    world.restore()
+    world.work(other, batch)  # B claims: Broken if what it generates is written already

@@ -250,19 +250,26 @@ class Batches:
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 
     async def _recorded(self, held: HeldBatch) -> _Recorded | None:
-        """What Redis recorded of the batch, in one transaction; None once it is done, or its job gone."""
+        """What Redis recorded of the batch, in one transaction; None once it is done, its job gone, or its
+        lease not this holder's."""
         ref = held.ref
         by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
-        done, raw_config, raw_batch, raw_results, stored_letters = await leasing.stored_outcomes(
-            self.conn, ref, list(by_id))
-        if done or not raw_batch or not raw_config:
+        stored_now = await leasing.stored_outcomes(self.conn, ref, list(by_id))
+        raw_config, raw_batch, raw_results = stored_now.config, stored_now.record, stored_now.results
+        if stored_now.done or not raw_batch or not raw_config:
             return None
         if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
             return None  # the job was deleted and enqueued again: nothing of this one is written
+        if stored_now.lease != held.token:
+            # Leased again elsewhere: the current holder writes the shard. One written by a superseded holder
+            # could outlive, in a Redis restored from before these outcomes, the lease that then claims and
+            # generates its prompts again.
+            log.info("batch %s was leased again elsewhere: its holder writes the shard, not this engine", ref)
+            return None
         # the record itself only when the prompts were not in memory (else: whether it is there)
         ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
         wanted = set(ids)
-        letters_raw = (stored_letters if stored_letters is not None
+        letters_raw = (stored_now.letters if stored_now.letters is not None
                        else await leasing.letters_of(self.conn, ref.job, ids))
         found = [(r, v) for r, v in ((unpack(v, Result), v) for v in raw_results) if r.id in wanted]
         stored = {r.id: v for r, v in found}
