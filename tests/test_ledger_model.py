@@ -86,6 +86,7 @@ class Engine:
     name: str
     instance: str = ""
     frozen: bool = False
+    woke: bool = False  # woken, its lease check not run since: it claims nothing
     holds: dict[str, Hold] = field(default_factory=dict)
 
 
@@ -194,7 +195,8 @@ class World:
         """A worker (re)started: a new instance, nothing held."""
         if engine.instance:
             self.conn.delete(keys.engine_alive(engine.instance))
-        engine.instance, engine.frozen, engine.holds = f"{engine.name}.{secrets.token_hex(3)}", False, {}
+        engine.instance, engine.frozen, engine.woke, engine.holds = f"{engine.name}.{secrets.token_hex(3)}", False, \
+            False, {}
         self.conn.set(keys.engine_alive(engine.instance), "1")
 
     def freeze(self, engine: Engine) -> None:
@@ -204,12 +206,13 @@ class World:
 
     def wake(self, engine: Engine) -> None:
         """It runs again, with what it held, before its next lease check."""
-        engine.frozen = False
+        engine.frozen, engine.woke = False, True
         self.conn.set(keys.engine_alive(engine.instance), "1")
 
     def beat(self, engine: Engine) -> None:
         """A heartbeat and the lease check after it: batches done, of another life or leased
-        to another are let go (their claims dropped)."""
+        to another are let go (their claims dropped); after a freeze, also those the output holds
+        (adopted from their markers)."""
         self.conn.set(keys.engine_alive(engine.instance), "1")
         config = self.config()
         for batch, hold in list(engine.holds.items()):
@@ -217,6 +220,11 @@ class World:
             done = self.conn.sismember(keys.job_done(JOB), batch)
             if done or current != hold.token or config is None or config.incarnation != hold.config.incarnation:
                 self.let_go(engine, batch)
+            elif engine.woke and (marker := truth.read_marker(self.store, truth.marker_rel(JOB, batch))) is not None \
+                    and marker.incarnation == hold.config.incarnation:
+                recover.adopt(self.conn, JOB, marker)
+                self.let_go(engine, batch)
+        engine.woke = False
 
     def let_go(self, engine: Engine, batch: str) -> None:
         hold = engine.holds.pop(batch)
@@ -271,7 +279,7 @@ class World:
         hold = engine.holds[batch]
         ref = BatchRef(JOB, batch)
         ids = [p.id for p in hold.prompts if p.id not in hold.inflight]
-        if not ids:
+        if not ids or engine.woke:  # woken: nothing is claimed before its lease check
             return
         current = lease_token(self.conn.hget(keys.job_leases(JOB), batch))
         answer = self.run("CLAIM", scripts.claim_call(ref, engine.instance, hold.config.incarnation, hold.token, ids))
@@ -897,3 +905,51 @@ def test_a_superseded_holder_writes_no_shard_a_rollback_would_leave_behind(tmp_p
     assert not asyncio.run(complete())
     world.restore()
     world.work(other, batch)  # B claims: Broken if what it generates is written already
+
+
+def test_a_holder_back_after_a_gap_looks_for_its_batches_in_the_output(tmp_path: Path) -> None:
+    """The worker's Batches.check_leases: holder A frozen (or cut off from Redis) past its lease; the batch
+    went to B, who wrote and released it; Redis was then restored from before B's lease, so A's lease is the
+    current one again and no outcome is stored. A's first lease check after the gap passes: unless it looks
+    at the output, A claims the batch's prompts and generates them again, though every outcome is written."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    frozen, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(frozen)
+    (batch, hold), = frozen.holds.items()
+    world.take_snapshot()
+    world.freeze(frozen)
+    world.deliver(other, batch)
+    for _ in range(4):  # claim, record, write, release
+        if batch in other.holds:
+            world.work(other, batch)
+    assert truth.read_marker(world.store, truth.marker_rel(JOB, batch)) is not None
+    world.restore()
+    world.wake(frozen)
+    ref = BatchRef(JOB, batch)
+
+    async def check(borrowed: bool) -> bool:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        held = Holdings()
+        taken = HeldBatch(ref, "" if borrowed else hold.token, hold.config, unfinished={p.id for p in hold.prompts},
+                          borrowed=borrowed, prompts=hold.prompts)
+        (held.borrowed if borrowed else held)[ref] = taken
+        owner = batches.Batches(conn, world.conn, "w", frozen.instance, held, Running())
+        try:
+            await owner.check_leases()
+            return ref in held or ref in held.borrowed
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    assert not asyncio.run(check(borrowed=False)), "still held: its prompts would be claimed and generated again"
+    assert world.conn.sismember(keys.job_done(JOB), batch)
+    world.restore()  # again: a stealer of its prompts (their claims its own under A's lease) is back too
+    assert not asyncio.run(check(borrowed=True)), "still borrowed: its prompts would be sent again"

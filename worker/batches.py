@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from genq.core import scripts
 from genq.core.ledger import fleet, leasing
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, Result, unpack, with_prompt
+from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, written_marker
@@ -59,6 +60,7 @@ class Batches:
         self.written_again = asyncio.Event()  # a shard written after failing: the intake looks again now
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
+        self._leases_checked_at = float("-inf")  # the last lease check that ran whole (monotonic)
 
     def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
         """A batch taken again while held: True if `token`, the newest lease, now drives it."""
@@ -292,22 +294,36 @@ class Batches:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def check_leases(self) -> None:
-        """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone."""
+        """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone.
+        After a gap longer than a lease survives (this engine frozen, or Redis away from it), a batch whose lease
+        is still ours is looked for in the output too: meanwhile it may have been leased elsewhere and written,
+        and Redis then restored from before that lease (its lease ours again, its outcomes gone); sending its
+        prompts would generate written ones again."""
+        away = time.monotonic() - self._leases_checked_at > LEASE_CHECK_STALE_S
         mine = [h for h in self.held.values() if not h.dropped and not h.completing]
         states = await leasing.lease_states(self.conn, [h.ref for h in mine]) if mine else []
         for held, (incarnation, done, token) in zip(mine, states):
-            gone = incarnation != held.config.incarnation
+            gone = written = incarnation != held.config.incarnation
             if gone:
                 log.info("batch %s: its job was deleted (or enqueued again as a new job): dropping it", held.ref)
             elif done or token != held.token:
                 log.info("batch %s %s elsewhere: dropping it here", held.ref,
                          "was completed" if done else "was leased again")
+            elif away and (written := await adopt_if_written(self.conn, held.config, held.ref)):
+                log.info("batch %s was written to the output while this engine was away: dropping it", held.ref)
             else:
                 continue
-            unsent = self.drop(held, cancel=gone)
+            unsent = self.drop(held, cancel=written)
             self.held.pop(held.ref, None)
             await self.claims.unclaim(held, unsent)
+        for borrowed in [b for b in self.held.borrowed.values() if away and not b.dropped]:  # the same, for them
+            if await adopt_if_written(self.conn, borrowed.config, borrowed.ref):
+                log.info("batch %s was written to the output while this engine was away: its borrowed prompts "
+                         "are not sent", borrowed.ref)
+                self.drop(borrowed, cancel=True)
+                self.held.borrowed.pop(borrowed.ref, None)
         await self.todo.check_claims()
+        self._leases_checked_at = time.monotonic()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:
                 self.on_written(held.ref.job, held.ref.batch, [])
