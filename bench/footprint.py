@@ -172,12 +172,17 @@ class Filler:
             pipe.execute()
 
     def release(self, batches: list[Batch], shard_bytes_per_record: int) -> None:
-        """Completion: RELEASE with each batch's ShardInfo (the shard itself is not written)."""
+        """Completion: RELEASE with each batch's ShardInfo (the shard itself is not written), built from the
+        results Redis holds, as a worker's is."""
         with self.conn.pipeline(transaction=False) as pipe:
             for b in batches:
+                pipe.hgetall(keys.batch_results(self.job, b.id))
+            stored = [{k.decode(): v for k, v in found.items()} for found in pipe.execute()]
+        with self.conn.pipeline(transaction=False) as pipe:
+            for b, results in zip(batches, stored):
                 info = ShardInfo(batch=b.id, uri=f"/nonexistent/footprint/{self.job}/shards/{b.id}.jsonl",
                                  records=len(b.prompts), bytes=len(b.prompts) * shard_bytes_per_record, at=time.time())
-                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, incarnation="")
+                script_keys, args = scripts.release_call(BatchRef(self.job, b.id), info, "", results, [])
                 self._release(keys=script_keys, args=args, client=pipe)
             pipe.execute()
 

@@ -47,7 +47,7 @@ PLANTS = [
     ("a RECORD that lets a second writer win", "RECORD",
      "if has_result[k] then over[ids[k]] = 'result' end", ""),
     ("a RELEASE without the shard check", "RELEASE",
-     "if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[3]) then return 'short' end", ""),
+     "if not same_outcomes() then return 'short' end", ""),
     ("a CLAIM that ignores the current lease", "CLAIM",
      "if lease ~= ARGV[6] or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end",
      "if not lease or not incarnation_ok(KEYS[6], ARGV[5]) then return 'stale' end"),

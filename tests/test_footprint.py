@@ -89,8 +89,9 @@ def test_shard_totals_are_counted_once_for_a_job_of_an_older_genq(rconn):
     release = rconn.register_script(scripts.RELEASE)
     info = ShardInfo(batch="b0000006", uri="/o/j/shards/b0000006.jsonl", records=7, bytes=70, at=2.0)
     save_config(rconn, JobConfig(name="old", output="/o"))
-    rconn.hset(keys.batch_results("old", info.batch), mapping={f"p{i}": b"result" for i in range(7)})
-    script_keys, args = scripts.release_call(BatchRef("old", info.batch), info, incarnation="")
+    stored = {f"p{i}": b"result" for i in range(7)}
+    rconn.hset(keys.batch_results("old", info.batch), mapping=stored)
+    script_keys, args = scripts.release_call(BatchRef("old", info.batch), info, "", stored, [])
     release(keys=script_keys, args=args)
     snap = read_job(rconn, "old")
     assert snap is not None and (snap.shards, snap.shard_records, snap.shard_bytes) == (

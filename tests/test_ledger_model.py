@@ -77,6 +77,8 @@ class Hold:
     prompts: list[Prompt]
     inflight: dict[str, Result] = field(default_factory=dict)  # claimed and generated, not recorded
     written: ShardInfo | None = None  # the shard it wrote, not yet released
+    stored: dict[str, bytes] = field(default_factory=dict)  # the results it was written from, as stored
+    letters: list[str] = field(default_factory=list)  # the ids of its dead letters
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Engine:
     name: str
     instance: str = ""
     frozen: bool = False
+    woke: bool = False  # woken, its lease check not run since: it claims nothing
     holds: dict[str, Hold] = field(default_factory=dict)
 
 
@@ -192,7 +195,8 @@ class World:
         """A worker (re)started: a new instance, nothing held."""
         if engine.instance:
             self.conn.delete(keys.engine_alive(engine.instance))
-        engine.instance, engine.frozen, engine.holds = f"{engine.name}.{secrets.token_hex(3)}", False, {}
+        engine.instance, engine.frozen, engine.woke, engine.holds = f"{engine.name}.{secrets.token_hex(3)}", False, \
+            False, {}
         self.conn.set(keys.engine_alive(engine.instance), "1")
 
     def freeze(self, engine: Engine) -> None:
@@ -202,12 +206,13 @@ class World:
 
     def wake(self, engine: Engine) -> None:
         """It runs again, with what it held, before its next lease check."""
-        engine.frozen = False
+        engine.frozen, engine.woke = False, True
         self.conn.set(keys.engine_alive(engine.instance), "1")
 
     def beat(self, engine: Engine) -> None:
         """A heartbeat and the lease check after it: batches done, of another life or leased
-        to another are let go (their claims dropped)."""
+        to another are let go (their claims dropped); after a freeze, also those the output holds
+        (adopted from their markers)."""
         self.conn.set(keys.engine_alive(engine.instance), "1")
         config = self.config()
         for batch, hold in list(engine.holds.items()):
@@ -215,6 +220,11 @@ class World:
             done = self.conn.sismember(keys.job_done(JOB), batch)
             if done or current != hold.token or config is None or config.incarnation != hold.config.incarnation:
                 self.let_go(engine, batch)
+            elif engine.woke and (marker := truth.read_marker(self.store, truth.marker_rel(JOB, batch))) is not None \
+                    and marker.incarnation == hold.config.incarnation:
+                recover.adopt(self.conn, JOB, marker)
+                self.let_go(engine, batch)
+        engine.woke = False
 
     def let_go(self, engine: Engine, batch: str) -> None:
         hold = engine.holds.pop(batch)
@@ -269,7 +279,7 @@ class World:
         hold = engine.holds[batch]
         ref = BatchRef(JOB, batch)
         ids = [p.id for p in hold.prompts if p.id not in hold.inflight]
-        if not ids:
+        if not ids or engine.woke:  # woken: nothing is claimed before its lease check
             return
         current = lease_token(self.conn.hget(keys.job_leases(JOB), batch))
         answer = self.run("CLAIM", scripts.claim_call(ref, engine.instance, hold.config.incarnation, hold.token, ids))
@@ -329,12 +339,13 @@ class World:
         ids = [p.id for p in hold.prompts]
         done = self.conn.sismember(keys.job_done(JOB), batch)
         config = self.config()
+        current = lease_token(self.conn.hget(keys.job_leases(JOB), batch))
         if done or config is None or config.incarnation != hold.config.incarnation \
-                or not ledger_jobs.batch_exists(self.conn, JOB, batch):
-            self.let_go(engine, batch)
+                or not ledger_jobs.batch_exists(self.conn, JOB, batch) or current != hold.token:
+            self.let_go(engine, batch)  # a superseded holder writes no shard: the current one does
             return
-        results = [unpack(v, Result) for v in self.conn.hvals(keys.batch_results(JOB, batch))]
-        results = [r for r in results if r.id in set(ids)]
+        found = [(unpack(v, Result), v) for v in self.conn.hvals(keys.batch_results(JOB, batch))]
+        results = [r for r, _ in found if r.id in set(ids)]
         letters = [unpack(v, DeadLetter) for v in self.conn.hmget(keys.job_dlq(JOB), ids) if v]
         if set(ids) - {r.id for r in results} - {d.id for d in letters}:
             return  # outcomes missing: claimed again
@@ -343,6 +354,7 @@ class World:
         try:
             hold.written = truth.commit_shard(self.store, JOB, batch, shard_bytes(results, "none"), len(results), at,
                                               compression="none", incarnation=hold.config.incarnation, outcome=outcome)
+            hold.stored, hold.letters = {r.id: v for r, v in found if r.id in set(ids)}, [d.id for d in letters]
         except truth.AlreadyWritten as written:
             recover.adopt(self.conn, JOB, written.marker)
             self.let_go(engine, batch)
@@ -367,7 +379,7 @@ class World:
         if hold.written is None:
             return
         answer = self.run("RELEASE", scripts.release_call(BatchRef(JOB, batch), hold.written,
-                                                          hold.config.incarnation))
+                                                          hold.config.incarnation, hold.stored, hold.letters))
         if answer == b"short":  # Redis lost outcomes since they were read: the written shard is the truth
             marker = truth.read_marker(self.store, truth.marker_rel(JOB, batch))
             if marker is not None:
@@ -728,3 +740,216 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
     missing = asyncio.run(complete())
     assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
     assert world.conn.sismember(keys.job_done(JOB), batch)
+
+
+def _record(world: World, engine: Engine, batch: str, *, results: list[str] = (), letters: list[str] = ()) -> None:
+    """RECORD these of what `engine` has in flight of `batch`: some as results, some as dead letters."""
+    hold = engine.holds[batch]
+    dead = [DeadLetter(id=i, job=JOB, batch=batch, attempts=1, kind="bad_request", message=hold.inflight[i].completion,
+                       worker=engine.instance, at=time.time(), prompt=next(p for p in hold.prompts if p.id == i))
+            for i in letters]
+    world.run("RECORD", scripts.record_call(JOB, batch, engine.instance, repr(time.time()),
+                                            [hold.inflight[i] for i in results], dead, hold.config.incarnation))
+    for i in [*results, *letters]:
+        del hold.inflight[i]
+
+
+def test_a_release_after_redis_lost_a_dead_letter_of_the_shard_keeps_it(tmp_path: Path) -> None:
+    """The shard is written with a result and a dead letter; Redis is then restored from between the two
+    RECORD calls (the result stored, the letter not) and the holder releases: RELEASE must not take the
+    shard as every outcome Redis holds (same count of results), or the letter is lost from the DLQ for good
+    (the batch done, nothing queues it again) and the job never ends."""
+    world = _world(tmp_path)
+    engine = world.engines[ENGINES[0]]
+    world.take(engine)
+    (batch, hold), = engine.holds.items()
+    world.work(engine, batch)  # claims both prompts
+    first, second = sorted(hold.inflight)
+    _record(world, engine, batch, results=[second])
+    world.take_snapshot()
+    _record(world, engine, batch, letters=[first])
+    world.write_shard(engine, batch)
+    assert engine.holds[batch].written is not None
+    world.restore()  # the letter is gone from Redis, the result is there
+    world.release(engine, batch)
+    assert world.conn.hexists(keys.job_dlq(JOB), first), "the shard's dead letter is in no DLQ"
+    world.drain()
+    assert world.status() == "partial", ledger_jobs.counts(world.conn, JOB)
+
+
+def test_a_release_over_other_outcomes_of_the_same_count_is_refused(tmp_path: Path) -> None:
+    """The holder's shard holds its result of one prompt and its letter of the other; Redis is restored to
+    before both, and the slow holder it superseded (delivered again while that one was slow, both claimed
+    before the restore point) records its late answers the other way round: a letter for the shard's result
+    and a result for its letter. Same number of results, other outcomes: RELEASE must refuse the shard (the
+    batch is then done from its marker), or the DLQ holds a letter of a prompt whose result is written (a
+    requeue generates it again) and lacks the shard's letter."""
+    world = _world(tmp_path)
+    slow, holder = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(slow)
+    (batch, hold), = slow.holds.items()
+    world.work(slow, batch)  # the slow holder claims and sends both
+    world.deliver(holder, batch)
+    world.work(holder, batch)  # the holder claims both under its newer lease
+    world.take_snapshot()
+    first, second = sorted(hold.inflight)
+    _record(world, holder, batch, results=[first], letters=[second])
+    world.write_shard(holder, batch)
+    assert holder.holds[batch].written is not None
+    world.restore()
+    _record(world, slow, batch, results=[second], letters=[first])
+    world.release(holder, batch)
+    dead = {k.decode() for k in world.conn.hkeys(keys.job_dlq(JOB))}
+    written = world.written_outcomes()
+    assert not written[first].startswith("letter:") and first not in dead, (written, dead)
+    assert second in dead, (written, dead)
+
+
+def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_path: Path) -> None:
+    """The worker's Batches.write_and_release (worker/batches.py): a holder frozen once it had seen every outcome
+    recorded; meanwhile the batch was written by another engine, and Redis was then restored to a state where
+    the frozen holder's lease is current again and one outcome is missing. It wakes, reads Redis and finds that
+    one missing: the written shard is the batch's outcome, so the batch is done from its marker; sending the
+    prompt again would generate a written prompt again."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    writer = world.engines[ENGINES[1]]
+    world.take(writer)
+    (batch, hold), = writer.holds.items()
+    for _ in range(3):  # claim, record, write the shard
+        world.work(writer, batch)
+    assert hold.written is not None and not world.conn.sismember(keys.job_done(JOB), batch)
+    world.conn.hdel(keys.batch_results(JOB, batch), hold.prompts[0].id)  # Redis rolled back under it
+    frozen = "woken"  # its lease, current in the restored Redis
+    world.conn.hset(keys.job_leases(JOB), batch, f"{frozen} w.1")
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=frozen, config=hold.config, unfinished=set(),
+                     prompts=hold.prompts)
+
+    async def complete() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
+        try:
+            return await owner.write_and_release(held)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    missing = asyncio.run(complete())
+    assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
+    assert world.conn.sismember(keys.job_done(JOB), batch)
+
+
+def test_a_requeue_after_redis_lost_an_earlier_one_takes_no_written_batch_number(tmp_path: Path) -> None:
+    """Dead letters requeued as a new batch, written; Redis then restored from before that requeue (its batch
+    counter with it), the written batch adopted from its marker. Another letter requeued then must not get
+    the written batch's number: that batch is done (or would be adopted from the other prompts' marker), so
+    the requeued prompt would never run, gone from the DLQ, and the job never end."""
+    world = _world(tmp_path)
+    _finish(world, letter=True)  # b0000001: a result and a letter
+    world.take_snapshot()  # b0000002 queued
+    world.requeue_letters()
+    world.take(world.engines[ENGINES[0]])  # b0000002 taken, and left
+    _finish(world)  # the requeue's batch, written
+    requeued = sorted(truth.marker_batches(world.store, JOB) - {"b0000001"})
+    world.restore()
+    world.start(world.engines[ENGINES[0]])
+    world.compare()  # the requeue's written batch adopted
+    _finish(world, letter=True)  # b0000002: its prompt a letter
+    world.requeue_letters()
+    world.drain()
+    assert world.status() == "done", (requeued, ledger_jobs.counts(world.conn, JOB),
+                                      world.conn.zrange(keys.job_batches(JOB), 0, -1))
+
+
+def test_a_superseded_holder_writes_no_shard_a_rollback_would_leave_behind(tmp_path: Path) -> None:
+    """The worker's Batches.write_and_release: holder A is superseded (its batch queued again while it was slow,
+    and leased to B, who has not claimed yet), A's answers come and are recorded, and A goes on to write the
+    shard. Redis is then restored from between B's lease and A's records: B, holding the current lease, claims
+    the prompts and generates them again though their outcomes are written. A superseded holder writes no
+    shard (the current holder does, from what Redis holds), so a rollback leaves no marker behind its lease."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    slow, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(slow)
+    (batch, hold), = slow.holds.items()
+    world.work(slow, batch)  # A claims and sends both prompts
+    world.deliver(other, batch)  # B leased it, not claimed yet
+    world.take_snapshot()
+    world.work(slow, batch)  # A's answers recorded
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, unfinished=set(),
+                     prompts=hold.prompts)
+
+    async def complete() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
+        try:
+            return await owner.write_and_release(held)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    assert not asyncio.run(complete())
+    world.restore()
+    world.work(other, batch)  # B claims: Broken if what it generates is written already
+
+
+def test_a_holder_back_after_a_gap_looks_for_its_batches_in_the_output(tmp_path: Path) -> None:
+    """The worker's Batches.check_leases: holder A frozen (or cut off from Redis) past its lease; the batch
+    went to B, who wrote and released it; Redis was then restored from before B's lease, so A's lease is the
+    current one again and no outcome is stored. A's first lease check after the gap passes: unless it looks
+    at the output, A claims the batch's prompts and generates them again, though every outcome is written."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    frozen, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(frozen)
+    (batch, hold), = frozen.holds.items()
+    world.take_snapshot()
+    world.freeze(frozen)
+    world.deliver(other, batch)
+    for _ in range(4):  # claim, record, write, release
+        if batch in other.holds:
+            world.work(other, batch)
+    assert truth.read_marker(world.store, truth.marker_rel(JOB, batch)) is not None
+    world.restore()
+    world.wake(frozen)
+    ref = BatchRef(JOB, batch)
+
+    async def check(borrowed: bool) -> bool:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        held = Holdings()
+        taken = HeldBatch(ref, "" if borrowed else hold.token, hold.config, unfinished={p.id for p in hold.prompts},
+                          borrowed=borrowed, prompts=hold.prompts)
+        (held.borrowed if borrowed else held)[ref] = taken
+        owner = batches.Batches(conn, world.conn, "w", frozen.instance, held, Running())
+        try:
+            await owner.check_leases()
+            return ref in held or ref in held.borrowed
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    assert not asyncio.run(check(borrowed=False)), "still held: its prompts would be claimed and generated again"
+    assert world.conn.sismember(keys.job_done(JOB), batch)
+    world.restore()  # again: a stealer of its prompts (their claims its own under A's lease) is back too
+    assert not asyncio.run(check(borrowed=True)), "still borrowed: its prompts would be sent again"

@@ -15,7 +15,8 @@ SCRIPTS = sorted(p.stem for p in scripts.HERE.glob("*.lua") if not p.stem.starts
 REF = BatchRef("j", "b0000001")
 CALLS = {
     "count_shards": scripts.count_shards_call("j"),
-    "release": scripts.release_call(REF, ShardInfo(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0), ""),
+    "release": scripts.release_call(REF, ShardInfo(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0), "",
+                                    {"p1": b"r"}, ["p2"]),
     "adopt": scripts.adopt_call("j", ShardMarker(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0, dead_letters=[
         DeadLetter(id="p1", job="j", batch=REF.batch, attempts=1, kind="bad_request", message="m", worker="w",
                    at=1.0)]),

@@ -88,7 +88,8 @@ def test_release_takes_the_batch_rq_job_out_of_rq(rconn: redis.Redis) -> None:
     (batch,) = queue(rconn, "a", 1)
     _, _, rq_id = take(rconn)  # type: ignore[misc]
     info = ShardInfo(batch=batch, uri="u", records=0, bytes=0, at=1.0)
-    assert scripts.evaluate(rconn, scripts.RELEASE, scripts.release_call(BatchRef("a", batch), info, "i-a")) == 1
+    release = scripts.release_call(BatchRef("a", batch), info, "i-a", {}, [])
+    assert scripts.evaluate(rconn, scripts.RELEASE, release) == 1
     assert not rconn.exists(scripts.RQ_JOB_PREFIX + rq_id)
     assert StartedJobRegistry(queue=rq_queue(rconn)).count == 0
 

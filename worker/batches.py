@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from genq.core import scripts
 from genq.core.ledger import fleet, leasing
 from genq.core.records import BatchRef, BatchSource, DeadLetter, JobConfig, Prompt, Result, unpack, with_prompt
+from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, written_marker
@@ -59,6 +60,7 @@ class Batches:
         self.written_again = asyncio.Event()  # a shard written after failing: the intake looks again now
         self._pool = ThreadPoolExecutor(SHARD_THREADS, thread_name_prefix="genq-shard")
         self._release = conn.register_script(scripts.RELEASE)
+        self._leases_checked_at = float("-inf")  # the last lease check that ran whole (monotonic)
 
     def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
         """A batch taken again while held: True if `token`, the newest lease, now drives it."""
@@ -187,27 +189,35 @@ class Batches:
             recorded = await retrying(lambda: self._recorded(held), f"reading batch {ref}")
             if recorded is None:
                 return set()
+            # Outcomes this engine saw recorded are gone (a rollback), or Redis lost some after they were
+            # read for the shard: a shard written meanwhile (this one, or another holder's) is the batch's
+            # outcome, as any written shard is, and none of its prompts is generated again.
             if recorded.missing:
-                return recorded.missing
+                return set() if await self._adopt_written(held) else recorded.missing
             released = await self._write(held, recorded)
             if released != "short":
                 self.completed += released == 1
                 return set()
-            # Redis lost outcomes after they were read (a rollback): the shard just written is the
-            # batch's outcome, as any written shard is, and none of its prompts is generated again.
-            try:
-                marker = await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config, ref)
-            except Exception as exc:  # the output unreachable now: read Redis again instead
-                log.warning("batch %s: cannot read its marker (%s: %s)", ref, type(exc).__name__, exc)
-                marker = None
-            if marker is not None:
-                adopting = functools.partial(adopt_marker, self.conn, ref, marker)
-                self.completed += bool(await retrying(adopting, f"adopting batch {ref}"))
+            if await self._adopt_written(held):
                 return set()
             log.warning("batch %s: Redis changed while its shard was written; reading it again", ref)
         # Never marked done short: the batch is let go, and the reconciler queues it again.
         log.error("batch %s: Redis never held exactly the shard's results; letting the batch go", ref)
         return set()
+
+    async def _adopt_written(self, held: HeldBatch) -> bool:
+        """True if the output holds the batch's marker of this life (the batch then marked done from it)."""
+        try:
+            marker = await asyncio.get_running_loop().run_in_executor(self._pool, written_marker, held.config,
+                                                                      held.ref)
+        except Exception as exc:  # the output unreachable now: read Redis again instead
+            log.warning("batch %s: cannot read its marker (%s: %s)", held.ref, type(exc).__name__, exc)
+            return False
+        if marker is None:
+            return False
+        adopting = functools.partial(adopt_marker, self.conn, held.ref, marker)
+        self.completed += bool(await retrying(adopting, f"adopting batch {held.ref}"))
+        return True
 
     async def _write(self, held: HeldBatch, recorded: _Recorded) -> int | str:
         """The shard, then RELEASE's answer (genq/core/scripts/release.lua)."""
@@ -237,29 +247,37 @@ class Batches:
         finally:
             if self.unwritten.pop(ref, None) is not None:
                 self.written_again.set()
-        call = scripts.release_call(ref, info, config.incarnation)
+        call = scripts.release_call(ref, info, config.incarnation, recorded.stored, [d.id for d in letters])
         answer = await retrying(lambda: self._release(*call), f"releasing batch {ref}")
         return answer.decode() if isinstance(answer, bytes) else int(answer)
 
     async def _recorded(self, held: HeldBatch) -> _Recorded | None:
-        """What Redis recorded of the batch, in one transaction; None once it is done, or its job gone."""
+        """What Redis recorded of the batch, in one transaction; None once it is done, its job gone, or its
+        lease not this holder's."""
         ref = held.ref
         by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
-        done, raw_config, raw_batch, raw_results, stored_letters = await leasing.stored_outcomes(
-            self.conn, ref, list(by_id))
-        if done or not raw_batch or not raw_config:
+        stored_now = await leasing.stored_outcomes(self.conn, ref, list(by_id))
+        raw_config, raw_batch, raw_results = stored_now.config, stored_now.record, stored_now.results
+        if stored_now.done or not raw_batch or not raw_config:
             return None
         if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
             return None  # the job was deleted and enqueued again: nothing of this one is written
+        if stored_now.lease != held.token:
+            # Leased again elsewhere: the current holder writes the shard. One written by a superseded holder
+            # could outlive, in a Redis restored from before these outcomes, the lease that then claims and
+            # generates its prompts again.
+            log.info("batch %s was leased again elsewhere: its holder writes the shard, not this engine", ref)
+            return None
         # the record itself only when the prompts were not in memory (else: whether it is there)
         ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
         wanted = set(ids)
-        letters_raw = (stored_letters if stored_letters is not None
+        letters_raw = (stored_now.letters if stored_now.letters is not None
                        else await leasing.letters_of(self.conn, ref.job, ids))
-        results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r
-                   for r in (unpack(v, Result) for v in raw_results) if r.id in wanted]
+        found = [(r, v) for r, v in ((unpack(v, Result), v) for v in raw_results) if r.id in wanted]
+        stored = {r.id: v for r, v in found}
+        results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r for r, _ in found]
         letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
-        return _Recorded(results, letters, len(ids), wanted - {r.id for r in results} - {d.id for d in letters})
+        return _Recorded(results, letters, len(ids), wanted - set(stored) - {d.id for d in letters}, stored)
 
     def unwritten_jobs(self) -> frozenset[str]:
         return frozenset(ref.job for ref in self.unwritten)
@@ -276,22 +294,36 @@ class Batches:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def check_leases(self) -> None:
-        """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone."""
+        """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone.
+        After a gap longer than a lease survives (this engine frozen, or Redis away from it), a batch whose lease
+        is still ours is looked for in the output too: meanwhile it may have been leased elsewhere and written,
+        and Redis then restored from before that lease (its lease ours again, its outcomes gone); sending its
+        prompts would generate written ones again."""
+        away = time.monotonic() - self._leases_checked_at > LEASE_CHECK_STALE_S
         mine = [h for h in self.held.values() if not h.dropped and not h.completing]
         states = await leasing.lease_states(self.conn, [h.ref for h in mine]) if mine else []
         for held, (incarnation, done, token) in zip(mine, states):
-            gone = incarnation != held.config.incarnation
+            gone = written = incarnation != held.config.incarnation
             if gone:
                 log.info("batch %s: its job was deleted (or enqueued again as a new job): dropping it", held.ref)
             elif done or token != held.token:
                 log.info("batch %s %s elsewhere: dropping it here", held.ref,
                          "was completed" if done else "was leased again")
+            elif away and (written := await adopt_if_written(self.conn, held.config, held.ref)):
+                log.info("batch %s was written to the output while this engine was away: dropping it", held.ref)
             else:
                 continue
-            unsent = self.drop(held, cancel=gone)
+            unsent = self.drop(held, cancel=written)
             self.held.forget(held)
             await self.claims.unclaim(held, unsent)
+        for borrowed in [b for b in self.held.borrowed.values() if away and not b.dropped]:  # the same, for them
+            if await adopt_if_written(self.conn, borrowed.config, borrowed.ref):
+                log.info("batch %s was written to the output while this engine was away: its borrowed prompts "
+                         "are not sent", borrowed.ref)
+                self.drop(borrowed, cancel=True)
+                self.held.forget(borrowed)
         await self.todo.check_claims()
+        self._leases_checked_at = time.monotonic()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:
                 self.on_written(held.ref.job, held.ref.batch, [])
@@ -349,7 +381,7 @@ class Batches:
                 continue  # the flush above finished it
             await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
             if h.borrowed:
-                self.held.borrowed.pop(h.ref, None)
+                self.held.forget(h)
                 continue
             end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token,
                                     requeue=requeue)
@@ -369,3 +401,4 @@ class _Recorded:
     letters: list[DeadLetter]
     size: int  # the batch's prompt count
     missing: set[str]  # prompts of the batch with no outcome in Redis
+    stored: dict[str, bytes]  # the results as stored (id -> packed): RELEASE checks Redis still holds these

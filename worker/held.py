@@ -81,9 +81,11 @@ class Holdings(dict[BatchRef, HeldBatch]):
         return bool(self or self.borrowed)
 
     def forget(self, held: HeldBatch) -> None:
-        """Forget this holding of its batch; not a newer one, the batch taken again (TAKE) once its lease ended."""
-        if self.get(held.ref) is held:
-            del self[held.ref]
+        """Forget this holding of its batch (leased or borrowed); not a newer one, the batch taken (TAKE) or
+        borrowed again after an await."""
+        table = self.borrowed if held.borrowed else self
+        if table.get(held.ref) is held:
+            del table[held.ref]
 
 
 def _text(value: Any) -> str:

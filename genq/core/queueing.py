@@ -148,10 +148,23 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
     return [j.id for j in rq_jobs]
 
 
-def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int) -> list[BatchSource]:
-    """Split prompts into inline batches with freshly allocated ids (not yet written)."""
+def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int,
+                floor: int = 0) -> list[BatchSource]:
+    """Split prompts into inline batches with freshly allocated ids (not yet written), numbered above the job's
+    counter and above `floor`: the numbers the job's output folder may hold (a Redis restored from an older
+    state has an older counter, and a number it hands out again would be a written batch's)."""
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    last = conn.incrby(keys.job_batch_seq(job), len(chunks)) if chunks else 0
+    if not chunks:
+        return []
+    seq = keys.job_batch_seq(job)
+
+    def allocate(pipe: Pipeline) -> int:
+        last = max(int(pipe.get(seq) or 0), floor) + len(chunks)
+        pipe.multi()
+        pipe.set(seq, last)
+        return last
+
+    last = int(conn.transaction(allocate, seq, value_from_callable=True))
     created = time.time()
     return [BatchSource.inline(job, batch_id(last - len(chunks) + n), chunk, created)
             for n, chunk in enumerate(chunks, 1)]

@@ -17,7 +17,7 @@ import redis
 from genq.core import queueing as q
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters
-from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind
+from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig, JobRecord, batch_number
 from genq.ops.control import Refused, jobs_named
 from genq.output import truth
 
@@ -145,6 +145,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
         if (config := q.load_config(conn, job)) is None:
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         run = f"requeue-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+        store = truth.open_store(config.output, config.s3_endpoint_url)
 
         def move(pipe: Any) -> Moved:
             found, left = _movable(pipe, job, ids, "requeue")
@@ -152,14 +153,19 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             prompts = sorted((msgspec.structs.replace(d.prompt, sampling={**(d.prompt.sampling or {}), **override})
                               if override else d.prompt for d in found if d.prompt is not None),
                              key=lambda p: (p.index, p.id))
-            batches = q.new_batches(conn, job, prompts, config.batch_size)  # ids from INCRBY: gaps are harmless
+            # Numbered above what the output folder may hold, as an enqueue's are (gaps are harmless), and
+            # reserved in job.json before they are queued.
+            floor, on_disk = _numbers_in_use(store, config) if found else (0, None)
+            batches = q.new_batches(conn, job, prompts, config.batch_size, floor)
             # OUTPUT/JOB/enqueues/RUN.json names them before they are queued: a Redis that loses them
             # requeues the letters again (genq.producer.enqueue.queue_lost).
             record = EnqueueRecord(incarnation=config.incarnation, input="", prompts=len(found),
                                    batches=truth.batch_ranges(b.id for b in batches), letters=[d.id for d in found])
             try:
+                if found and on_disk is not None and (upto := batch_number(batches[-1].id)) > on_disk.reserved:
+                    truth.reserve(store, on_disk, upto + truth.RESERVE_STEP)
                 if found:
-                    truth.write_enqueue(truth.open_store(config.output, config.s3_endpoint_url), job, run, record)
+                    truth.write_enqueue(store, job, run, record)
             except Exception as exc:  # OSError, botocore's errors: the output unreachable costs only that
                 log.warning("job %s: cannot record the requeue in its output %s (%s): a Redis restored from "
                             "before it would not requeue these letters again", job, config.output, exc)
@@ -172,6 +178,20 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
         return move
 
     return _each(conn, chosen, some, requeue=True)
+
+
+def _numbers_in_use(store: truth.Store, config: JobConfig) -> tuple[int, JobRecord | None]:
+    """The highest batch number the job's output folder may hold (job.json's reserve, its markers), and its
+    job.json if of this life; (0, None) where the output cannot be read (Redis's counter alone then)."""
+    try:
+        on_disk = truth.read_job(store, config.name)
+        markers = truth.marker_batches(store, config.name)
+    except Exception as exc:  # OSError, botocore's errors: the output unreachable
+        log.warning("job %s: cannot read its output %s (%s): requeued batches numbered by Redis alone",
+                    config.name, config.output, exc)
+        return 0, None
+    record = on_disk if on_disk is not None and on_disk.config.incarnation == config.incarnation else None
+    return max([on_disk.reserved if on_disk else 0, *map(q.batch_number, markers)]), record
 
 
 def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:

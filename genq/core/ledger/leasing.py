@@ -4,6 +4,8 @@ or blocked job's batch until `genq resume --job`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis
 import redis.asyncio as aioredis
 from redis.client import Pipeline
@@ -33,19 +35,30 @@ async def claim_owners(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> l
     return await conn.hmget(keys.batch_claims(ref.job, ref.batch), ids)
 
 
-async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]
-                          ) -> tuple[bool, bytes | None, bytes | int | None, list[bytes], list[bytes | None] | None]:
-    """What the shard is built from, in one transaction: done?, its job's config, the batch record (given
-    `ids`: whether it exists), its stored results, and the letters of `ids` (None without ids); packed."""
+@dataclass
+class Stored:
+    """What a batch's shard is built from, read in one transaction (stored_outcomes); packed."""
+
+    done: bool
+    config: bytes | None  # its job's
+    record: bytes | int | None  # the batch record (given ids: whether it exists)
+    results: list[bytes]
+    letters: list[bytes | None] | None  # of the ids asked (None without ids)
+    lease: str | None  # the current lease's token
+
+
+async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -> Stored:
     async with conn.pipeline(transaction=True) as pipe:
         pipe.sismember(keys.job_done(ref.job), ref.batch)
         pipe.get(keys.job_config(ref.job))
         (pipe.exists if ids else pipe.get)(keys.batch(ref.job, ref.batch))
         pipe.hvals(keys.batch_results(ref.job, ref.batch))
+        pipe.hget(keys.job_leases(ref.job), ref.batch)
         if ids:
             pipe.hmget(keys.job_dlq(ref.job), ids)
-        done, raw_config, raw_batch, raw_results, *raw_letters = await pipe.execute()
-    return bool(done), raw_config, raw_batch, raw_results, raw_letters[0] if raw_letters else None
+        done, raw_config, raw_batch, raw_results, lease, *raw_letters = await pipe.execute()
+    return Stored(bool(done), raw_config, raw_batch, raw_results, raw_letters[0] if raw_letters else None,
+                  lease_token(lease))
 
 
 async def letters_of(conn: aioredis.Redis, job: str, ids: list[str]) -> list[bytes | None]:
