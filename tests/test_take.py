@@ -134,3 +134,19 @@ def test_a_batch_taken_while_its_job_is_deleted_leaves_nothing_in_rq(rconn: redi
     registry = StartedJobRegistry(queue=rq_queue(rconn))
     assert registry.get_job_ids(cleanup=False) == []
     assert rq_queue(rconn).count == 0 and not rconn.keys(scripts.RQ_JOB_PREFIX + "*")
+
+
+def test_release_refuses_a_shard_whose_result_redis_holds_in_another_writers_form(rconn: redis.Redis) -> None:
+    # After a rollback another writer may record the same prompt with its own answer: the shard read the first.
+    from genq.core.records import BatchRef, ShardInfo
+
+    (batch,) = queue(rconn, "a", 1)
+    take(rconn)
+    rconn.hset(keys.batch_results("a", batch), "p0", b"another writer's longer answer")
+    info = ShardInfo(batch=batch, uri="u", records=1, bytes=10, at=1.0)
+    shard_read = {"p0": b"the answer"}
+    assert scripts.evaluate(rconn, scripts.RELEASE, scripts.release_call(BatchRef("a", batch), info, "i-a",
+                                                                         shard_read, [])) == b"short"
+    stored = {"p0": rconn.hget(keys.batch_results("a", batch), "p0")}
+    assert scripts.evaluate(rconn, scripts.RELEASE, scripts.release_call(BatchRef("a", batch), info, "i-a",
+                                                                         stored, [])) == 1
