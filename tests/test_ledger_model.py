@@ -694,11 +694,8 @@ def test_a_requeue_that_redis_lost_is_done_again(tmp_path: Path) -> None:
     assert world.status() == "done", ledger_jobs.counts(world.conn, JOB)
 
 
-def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_release(tmp_path: Path,
-                                                                                      monkeypatch) -> None:
-    """The worker's Batches.write_and_release (worker/batches.py), not the model's engine: Redis loses an outcome
-    between the shard being written and RELEASE (a rollback), so RELEASE answers 'short'. The written
-    shard is the batch's outcome: the batch is marked done from its marker and nothing is sent again."""
+def _worker_completes(world: World, batch: str, hold: Hold, token: str) -> set[str]:
+    """The worker's own Batches.write_and_release of the batch held under `token`: the prompts it finds missing."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -706,6 +703,27 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
     from genq.worker import batches
     from genq.worker.controller import Running
     from genq.worker.held import HeldBatch, Holdings
+
+    held = HeldBatch(ref=BatchRef(JOB, batch), token=token, config=hold.config, unfinished=set(), prompts=hold.prompts)
+
+    async def complete() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
+        try:
+            return await owner.write_and_release(held)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    return asyncio.run(complete())
+
+
+def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_release(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """The worker's Batches.write_and_release (worker/batches.py), not the model's engine: Redis loses an outcome
+    between the shard being written and RELEASE (a rollback), so RELEASE answers 'short'. The written
+    shard is the batch's outcome: the batch is marked done from its marker and nothing is sent again."""
+    from genq.worker import batches
 
     world = _world(tmp_path)
     engine = world.engines[ENGINES[1]]
@@ -725,19 +743,7 @@ def test_the_worker_adopts_its_own_shard_when_redis_loses_outcomes_before_its_re
         return info
 
     monkeypatch.setattr(batches, "commit_shard", rolled_back)
-    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, unfinished=set(),
-                     prompts=hold.prompts)
-
-    async def complete() -> set[str]:
-        conn = aioredis.Redis.from_url(REDIS_URL)
-        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
-        try:
-            return await owner.write_and_release(held)
-        finally:
-            owner.close()
-            await conn.aclose()
-
-    missing = asyncio.run(complete())
+    missing = _worker_completes(world, batch, hold, hold.token)
     assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
     assert world.conn.sismember(keys.job_done(JOB), batch)
 
@@ -811,13 +817,6 @@ def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_pa
     the frozen holder's lease is current again and one outcome is missing. It wakes, reads Redis and finds that
     one missing: the written shard is the batch's outcome, so the batch is done from its marker; sending the
     prompt again would generate a written prompt again."""
-    import asyncio
-
-    import redis.asyncio as aioredis
-
-    from genq.worker import batches
-    from genq.worker.controller import Running
-    from genq.worker.held import HeldBatch, Holdings
 
     world = _world(tmp_path)
     writer = world.engines[ENGINES[1]]
@@ -829,19 +828,7 @@ def test_a_holder_missing_outcomes_of_a_batch_written_elsewhere_adopts_it(tmp_pa
     world.conn.hdel(keys.batch_results(JOB, batch), hold.prompts[0].id)  # Redis rolled back under it
     frozen = "woken"  # its lease, current in the restored Redis
     world.conn.hset(keys.job_leases(JOB), batch, f"{frozen} w.1")
-    held = HeldBatch(ref=BatchRef(JOB, batch), token=frozen, config=hold.config, unfinished=set(),
-                     prompts=hold.prompts)
-
-    async def complete() -> set[str]:
-        conn = aioredis.Redis.from_url(REDIS_URL)
-        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
-        try:
-            return await owner.write_and_release(held)
-        finally:
-            owner.close()
-            await conn.aclose()
-
-    missing = asyncio.run(complete())
+    missing = _worker_completes(world, batch, hold, frozen)
     assert not missing, f"{sorted(missing)} would be generated again: their shard is written"
     assert world.conn.sismember(keys.job_done(JOB), batch)
 
@@ -874,13 +861,6 @@ def test_a_superseded_holder_writes_no_shard_a_rollback_would_leave_behind(tmp_p
     shard. Redis is then restored from between B's lease and A's records: B, holding the current lease, claims
     the prompts and generates them again though their outcomes are written. A superseded holder writes no
     shard (the current holder does, from what Redis holds), so a rollback leaves no marker behind its lease."""
-    import asyncio
-
-    import redis.asyncio as aioredis
-
-    from genq.worker import batches
-    from genq.worker.controller import Running
-    from genq.worker.held import HeldBatch, Holdings
 
     world = _world(tmp_path)
     slow, other = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
@@ -890,19 +870,7 @@ def test_a_superseded_holder_writes_no_shard_a_rollback_would_leave_behind(tmp_p
     world.deliver(other, batch)  # B leased it, not claimed yet
     world.take_snapshot()
     world.work(slow, batch)  # A's answers recorded
-    held = HeldBatch(ref=BatchRef(JOB, batch), token=hold.token, config=hold.config, unfinished=set(),
-                     prompts=hold.prompts)
-
-    async def complete() -> set[str]:
-        conn = aioredis.Redis.from_url(REDIS_URL)
-        owner = batches.Batches(conn, world.conn, "w", "w.1", Holdings(), Running())
-        try:
-            return await owner.write_and_release(held)
-        finally:
-            owner.close()
-            await conn.aclose()
-
-    assert not asyncio.run(complete())
+    assert not _worker_completes(world, batch, hold, hold.token)
     world.restore()
     world.work(other, batch)  # B claims: Broken if what it generates is written already
 

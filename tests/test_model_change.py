@@ -53,6 +53,20 @@ class _Running:
     requested = 0
 
 
+def engine_parts(conn: aioredis.Redis, rconn: redis.Redis, redis_url: str, server: _Server | None = None
+                 ) -> tuple[Holdings, Batches, ServerWatch, Intake]:
+    """An engine's holdings, Batches, ServerWatch (its server serving OLD) and Intake, built as engine.py builds
+    them; the watch gets a server, controller and stop flag only where its recovery loop runs (`server`)."""
+    held = Holdings()
+    batches = Batches(conn, rconn, "w", "w.1", held, Running())
+    opts = WorkerOptions(redis_url=redis_url, server_url="http://127.0.0.1:1")
+    parts = (server, _Controller(), _Running()) if server is not None else (None, None, None)
+    watch = ServerWatch(opts, *parts, batches)  # type: ignore[arg-type]
+    watch.info = ServerInfo(SGLANG, model=OLD)
+    intake = Intake(opts, batches, _Dispatcher(watch), Shares(conn, "q", "w.1", batches))  # type: ignore[arg-type]
+    return held, batches, watch, intake
+
+
 def queue_job(conn: redis.Redis, job: str, output: Path, batches: int = 1) -> list[str]:
     """Batches of two prompts for `job`, a job of OLD, queued as `genq enqueue` queues them; their ids."""
     save_config(conn, JobConfig(name=job, output=str(output), model=OLD, incarnation="i-" + job))
@@ -76,12 +90,7 @@ def test_a_batch_handed_back_for_another_model_is_not_taken_again(redis_url: str
 
     async def scenario() -> tuple[bool, bytes | None, bytes | None, int]:
         conn = aioredis.Redis.from_url(redis_url)
-        held = Holdings()
-        batches = Batches(conn, rconn, "w", "w.1", held, Running())
-        opts = WorkerOptions(redis_url=redis_url, server_url="http://127.0.0.1:1")
-        watch = ServerWatch(opts, None, None, None, batches)  # type: ignore[arg-type]  # only its model is read
-        watch.info = ServerInfo(SGLANG, model=OLD)
-        intake = Intake(opts, batches, _Dispatcher(watch), Shares(conn, "q", "w.1", batches))  # type: ignore[arg-type]
+        held, batches, watch, intake = engine_parts(conn, rconn, redis_url)
         try:
             assert await intake.take() and [ref.batch for ref in held] == [batch]
             watch.info = ServerInfo(SGLANG, model=NEW)  # as ServerWatch.recovery_loop adopts the new server
@@ -111,12 +120,7 @@ def test_a_batch_taken_while_the_watch_hands_back_for_another_model_is_not_admit
 
     async def scenario() -> tuple[bool, list[str], bool]:
         conn = aioredis.Redis.from_url(redis_url)
-        held = Holdings()
-        batches = Batches(conn, rconn, "w", "w.1", held, Running())
-        opts = WorkerOptions(redis_url=redis_url, server_url="http://127.0.0.1:1")
-        watch = ServerWatch(opts, _Server(), _Controller(), _Running(), batches)  # type: ignore[arg-type]
-        watch.info = ServerInfo(SGLANG, model=OLD)
-        intake = Intake(opts, batches, _Dispatcher(watch), Shares(conn, "q", "w.1", batches))  # type: ignore[arg-type]
+        held, batches, watch, intake = engine_parts(conn, rconn, redis_url, _Server())
         wait_idle, meanwhile = batches.writer.wait_idle, []
 
         async def take_meanwhile() -> None:
@@ -159,12 +163,7 @@ def test_a_batch_taken_again_while_its_hand_back_ends_stays_held(redis_url: str,
 
     async def scenario() -> tuple[list[str], str | None]:
         conn = aioredis.Redis.from_url(redis_url)
-        held = Holdings()
-        batches = Batches(conn, rconn, "w", "w.1", held, Running())
-        opts = WorkerOptions(redis_url=redis_url, server_url="http://127.0.0.1:1")
-        watch = ServerWatch(opts, None, None, None, batches)  # type: ignore[arg-type]  # only its model is read
-        watch.info = ServerInfo(SGLANG, model=OLD)
-        intake = Intake(opts, batches, _Dispatcher(watch), Shares(conn, "q", "w.1", batches))  # type: ignore[arg-type]
+        held, batches, _, intake = engine_parts(conn, rconn, redis_url)
         real = batches_mod.retrying
 
         async def then_taken(action, what: str = "redis"):
