@@ -24,6 +24,7 @@ from aiohttp import web
 from genq.core.ledger import letters
 from genq.core.ledger.jobs import check_job_name
 from genq.core.records import DeadLetter, unpack
+from genq.core.redisconn import in_words
 from genq.monitor.eta import LN2, bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.exporter import parse_listen
 from genq.monitor.progress import DOWN, JobReport, Monitor, encode
@@ -208,6 +209,9 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
             done = await asyncio.get_running_loop().run_in_executor(None, act, action, job)
         except Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
             return web.json_response({"error": str(exc)}, status=404)
+        except (redis.RedisError, OSError) as exc:  # away, or refusing writes: said, not a 500 and a traceback
+            log.warning("web control %s %s not taken: %s", action, job or "all", in_words(exc))
+            return web.json_response({"error": f"Redis did not take it: {in_words(exc)}"}, status=503)
         log.warning("web control: %s (from %s)", done, request.remote)
         return web.json_response({"ok": done})
 

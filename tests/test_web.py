@@ -276,4 +276,12 @@ def test_a_control_for_a_job_that_is_not_there_changes_nothing(tmp_path: Path, r
                                                                                                 "gone": False}
     assert post(json.dumps({"action": "pause", "job": "ctl"}).encode())[0] == 200
     assert rconn.exists(keys.job_paused("ctl"))
+    assert post(json.dumps({"action": "resume", "job": "ctl"}).encode())[0] == 200
+    rconn.config_set("maxmemory", "1")  # Redis full: it refuses writes, and the answer says so
+    try:
+        code, answer = post(json.dumps({"action": "pause", "job": "ctl"}).encode())
+    finally:
+        rconn.config_set("maxmemory", "0")
+    assert code == 503 and "Redis is full" in answer.get("error", ""), (code, answer)
+    assert not rconn.exists(keys.job_paused("ctl"))
     assert "Traceback" not in monitor.log()
