@@ -146,6 +146,10 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         run = f"requeue-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
         store = truth.open_store(config.output, config.s3_endpoint_url)
+        # Numbered above what the output folder may hold, as an enqueue's are (gaps are harmless), and reserved
+        # in job.json before they are queued. Read once here, not in each run of `move` under WATCH: a floor
+        # stays one (numbers only grow; Redis's counter is read in each run), and truth.reserve merges.
+        floor, on_disk = _numbers_in_use(store, config)
 
         def move(pipe: Any) -> Moved:
             found, left = _movable(pipe, job, ids, "requeue")
@@ -153,9 +157,6 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             prompts = sorted((msgspec.structs.replace(d.prompt, sampling={**(d.prompt.sampling or {}), **override})
                               if override else d.prompt for d in found if d.prompt is not None),
                              key=lambda p: (p.index, p.id))
-            # Numbered above what the output folder may hold, as an enqueue's are (gaps are harmless), and
-            # reserved in job.json before they are queued.
-            floor, on_disk = _numbers_in_use(store, config) if found else (0, None)
             batches = q.new_batches(conn, job, prompts, config.batch_size, floor)
             # OUTPUT/JOB/enqueues/RUN.json names them before they are queued: a Redis that loses them
             # requeues the letters again (genq.producer.enqueue.queue_lost).
