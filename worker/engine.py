@@ -184,16 +184,14 @@ class Engine:
     async def _finish(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            idle = not self.held.active() and not self.dispatcher.running and self.writer.pending == 0
+            quiet = not self.dispatcher.running and self.writer.pending == 0  # nothing in flight, all recorded
+            idle = quiet and not self.held.active()
             if self.stopping.requested >= 2:
                 await self.batches.hand_back_all("stopping now")
                 break
-            if (self.gate.draining or self.stopping.requested) and idle:
-                break
             # Paused fleet-wide, what it holds cannot finish: once its requests in flight are done and
             # recorded, it goes back to the queue (hand_back_all below), for whoever runs after the resume.
-            if ((self.gate.draining or self.stopping.requested) and self.gate.paused_all
-                    and not self.dispatcher.running and self.writer.pending == 0):
+            if (self.gate.draining or self.stopping.requested) and (idle or quiet and self.gate.paused_all):
                 break
             if self.opts.burst and self.intake.exhausted and idle and await self._burst_done():
                 break

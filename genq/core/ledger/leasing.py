@@ -104,8 +104,8 @@ def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) ->
         pipe.hdel(keys.job_leases(ref.job), ref.batch)
         return "queued" if queue else "parked"
 
-    return conn.transaction(attempt, keys.job_leases(ref.job), keys.job_done(ref.job),
-                                 keys.job_paused(ref.job), keys.job_blocked(ref.job), value_from_callable=True)
+    return conn.transaction(attempt, keys.job_leases(ref.job), keys.job_done(ref.job), keys.job_paused(ref.job),
+                            keys.job_blocked(ref.job), value_from_callable=True)
 
 
 def unqueue(conn: redis.Redis, job: str) -> int:
