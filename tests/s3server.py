@@ -7,12 +7,14 @@ MinIO or AWS. It keeps its state in memory, so a restarted server is empty.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ class MotoServer:
     def __init__(self, port: int, log_path: Path) -> None:
         self.port = port
         self.log_path = log_path
+        self.recording = log_path.with_name("moto-requests.jsonl")  # see record()
         self.popen: subprocess.Popen | None = None
 
     @property
@@ -50,6 +53,7 @@ class MotoServer:
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "MOTO_RECORDER_FILEPATH": str(self.recording)},
         )
         log.close()
         deadline = time.monotonic() + timeout
@@ -79,6 +83,15 @@ class MotoServer:
                 if s.connect_ex(("127.0.0.1", self.port)) != 0:
                     return
             time.sleep(0.05)
+
+    def record(self) -> None:
+        """From now on moto logs each request it gets (method, URL, headers): read them with recorded()."""
+        self.recording.unlink(missing_ok=True)
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/moto-api/recorder/start-recording", method="POST"))
+
+    def recorded(self) -> list[dict]:
+        """The requests moto got since record(), in order."""
+        return [json.loads(line) for line in self.recording.read_text().splitlines()]
 
     def client(self) -> Any:
         """A test-side client (its own, not genq's cache), with no retries."""

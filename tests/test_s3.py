@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import re
 
 import msgspec
@@ -211,6 +212,46 @@ def test_enqueue_parquet_from_s3_with_column_mapping(moto, redis_url, rconn, tmp
     gone = run_genq("enqueue", f"s3://{BUCKET}/in/nothing.jsonl", "--job", "pq3", "--s3-endpoint-url", moto.url,
                     redis_url=redis_url, check=False)
     assert gone.returncode == 1 and f"s3://{BUCKET}/in/nothing.jsonl: no such object" in gone.stderr
+
+
+def test_s3_inputs_are_read_in_few_bounded_gets(moto, redis_url, tmp_path):  # noqa: F811 (the moto fixture)
+    """A Parquet input is read by a few ranged GETs of at most a window each, not by GETs to the end of the object
+    that the next seek abandons (dropping their connection); a JSONL input streams in one GET."""
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    rows = 1600
+    texts = [os.urandom(4 << 10).hex() for _ in range(rows)]  # 8 KiB each, incompressible: ~13 MB in all
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(rows)], "prompt": texts}), buf, row_group_size=400)
+    s3.put_object(Bucket=BUCKET, Key="in/big.parquet", Body=buf.getvalue())
+    ids, data = prompt_lines(300)
+    s3.put_object(Bucket=BUCKET, Key="in/prompts.jsonl.gz", Body=gzip.compress(data))
+
+    def gets(key: str) -> list[tuple[int, int]]:
+        """The byte range each GET of the key asked for, [first, last]."""
+        found = []
+        for request in moto.recorded():
+            if request["method"] == "GET" and request["url"].split("?")[0].endswith(f"/{BUCKET}/{key}"):
+                first, last = re.fullmatch(r"bytes=(\d+)-(\d*)", request["headers"].get("Range", "bytes=0-")).groups()
+                found.append((int(first), int(last) if last else -1))
+        return found
+
+    moto.record()
+    out = run_genq("enqueue", f"s3://{BUCKET}/in/big.parquet", "--job", "pq", "--endpoint", "completions",
+                   "--batch-size", "500", "--s3-endpoint-url", moto.url, "--output", str(tmp_path / "out"),
+                   redis_url=redis_url)
+    assert f"queued {rows:,} prompts" in out.stdout
+    size, window = len(buf.getvalue()), 8 << 20
+    ranges = gets("in/big.parquet")
+    assert all(first <= last < first + window for first, last in ranges), f"a GET past its window: {ranges}"
+    assert sum(last - first + 1 for first, last in ranges) <= size + window, ranges
+    assert len(ranges) <= size // window + 3, ranges
+
+    moto.record()
+    run_genq("enqueue", f"s3://{BUCKET}/in/prompts.jsonl.gz", "--job", "jl", "--s3-endpoint-url", moto.url,
+             "--output", str(tmp_path / "out"), redis_url=redis_url)
+    compressed = len(gzip.compress(data))
+    assert gets("in/prompts.jsonl.gz") in ([(0, compressed - 1)], [(0, -1)]), "a JSONL input streams in one GET"
 
 
 def test_s3_input_stream_resumes_where_a_dropped_connection_left_off(moto):  # noqa: F811 (the moto fixture)

@@ -132,14 +132,16 @@ class S3Store:
 
 class ObjectReader(io.RawIOBase):
     """An S3 object read by GETs pinned to its ETag; a body that breaks is resumed where it left off (backoff
-    0.5 s .. 8 s); a seek starts the next GET there."""
+    0.5 s .. 8 s); a seek starts the next GET there. Without a window one GET streams to the end; with one
+    (Parquet seeks), each GET asks for the window or the read's size, whichever is more, and is read whole,
+    so a seek never abandons a body (which would drop its connection)."""
 
-    def __init__(self, s3: Any, bucket: str, key: str) -> None:
+    def __init__(self, s3: Any, bucket: str, key: str, window: int | None = None) -> None:
         super().__init__()
-        self.s3, self.bucket, self.key = s3, bucket, key
+        self.s3, self.bucket, self.key, self.window = s3, bucket, key, window
         head = s3.head_object(Bucket=bucket, Key=key)
         self.size, self.etag = int(head["ContentLength"]), head.get("ETag")
-        self.pos = self.resumes = self._resumed_at = 0
+        self.pos = self.end = self.resumes = self._resumed_at = 0
         self._body: Any = None
 
     def readable(self) -> bool:
@@ -160,10 +162,11 @@ class ObjectReader(io.RawIOBase):
         while self.pos < self.size:
             try:
                 if self._body is None:
+                    self.end = min(self.size, self.pos + max(self.window, len(view))) if self.window else self.size
                     pinned = {"IfMatch": self.etag} if self.etag else {}
                     self._body = self.s3.get_object(Bucket=self.bucket, Key=self.key, **pinned,
-                                                    Range=f"bytes={self.pos}-{self.size - 1}")["Body"]
-                data = self._body.read(len(view))
+                                                    Range=f"bytes={self.pos}-{self.end - 1}")["Body"]
+                data = self._body.read(min(len(view), self.end - self.pos))
             except _STREAM_ERRORS as exc:
                 self._resume(exc)
                 continue
@@ -172,6 +175,8 @@ class ObjectReader(io.RawIOBase):
                 continue
             view[: len(data)] = data
             self.pos += len(data)
+            if self.pos == self.end:
+                self._drop()  # read whole: its connection is back in the pool
             if self.resumes and self.pos - self._resumed_at > RESUME_RESET_BYTES:
                 self.resumes = 0  # a long object may meet several blips over hours
             return len(data)
@@ -200,9 +205,10 @@ class ObjectReader(io.RawIOBase):
 
 def open_stream(uri: str, endpoint_url: str | None = None, buffer_size: int = 1 << 20, *,
                 seekable: bool = False) -> io.BufferedReader:
-    """A buffered reader of an S3 object (8 MiB for a seeking reader: a Parquet reader's small reads share one GET)."""
+    """A buffered reader of an S3 object; a seeking one reads 8 MiB windows (a Parquet reader's reads share them)."""
     bucket, key = parse_uri(uri)
-    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key), 8 << 20 if seekable else buffer_size)
+    window = 8 << 20 if seekable else None
+    return io.BufferedReader(ObjectReader(client(endpoint_url), bucket, key, window), window or buffer_size)
 
 
 def read_object(uri: str, endpoint_url: str | None = None, byte_range: tuple[int, int] | None = None) -> bytes:
