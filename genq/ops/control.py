@@ -156,12 +156,12 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
     """Undo a pause; with a job, also lift its block and queue its parked batches: how many."""
     queued = 0
     if job is None:
-        ledger_jobs.resume(conn)
-        suspend_loops(conn, suspended=False)
-    else:
-        ledger_jobs.resume(conn, job)
-        if queued := leasing.requeue_parked(conn, job):
-            order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+        with conn.pipeline() as pipe:  # one transaction: a Redis refusing writes takes neither, nothing changes
+            ledger_jobs.resume(pipe)
+            suspend_loops(pipe, suspended=False)
+            pipe.execute()
+    elif queued := leasing.resume_job(conn, job):
+        order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 
