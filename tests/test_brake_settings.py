@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from genq.sim.serve import chat_prompt_tokens
 from tests.audit import audit
 from tests.conftest import run_genq, wait_until, write_prompts
@@ -125,3 +127,28 @@ def test_jobs_set_model_moves_the_job_off_the_servers_of_the_old_model(redis_url
              if (r["settings_version"], r["worker"]) not in ((1, "on-small"), (2, "on-big"))]
     assert not wrong, wrong[:10]
     assert on_small.alive()
+
+
+@pytest.mark.e2e
+def test_jobs_set_says_what_it_changed_and_what_the_job_had_already(redis_url, tmp_path: Path):
+    """`genq jobs set` that leaves the job as asked exits 0, whatever part of it was so already: it says which
+    settings it changed (a new version holding those alone) and which the job had (no version for them)."""
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 5)
+    run_genq("enqueue", str(src), "--job", "same", "--output", str(tmp_path / "out"), "--max-tokens", "64",
+             redis_url=redis_url)
+
+    def jobs_set(*args: str) -> str:
+        done = run_genq("jobs", "set", "same", *args, redis_url=redis_url, check=False)
+        assert done.returncode == 0 and not done.stderr, (args, done.returncode, done.stdout, done.stderr)
+        return done.stdout
+
+    said = jobs_set("--priority", "3", "--max-tokens", "64")
+    assert "priority 3" in said and "max_tokens 64 already" in said and "version 2" not in said, said
+    said = jobs_set("--max-tokens", "64")
+    assert "max_tokens 64 already" in said and "version 2" not in said, said
+    said = jobs_set("--max-tokens", "64", "--temperature", "0.5")
+    assert "settings version 2: temperature 0.5" in said and "max_tokens 64 already" in said, said
+    shown = json.loads(run_genq("jobs", "show", "same", "--json", redis_url=redis_url).stdout)
+    assert shown["row"]["priority"] == 3 and shown["config"]["settings_version"] == 2, shown
+    assert [h["changed"] for h in shown["config"]["settings_history"]] == [{"temperature": 0.5}], shown

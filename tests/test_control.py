@@ -334,3 +334,34 @@ def test_a_resume_while_a_worker_waits_to_park_the_job_queues_its_batch_at_once(
     assert_exactly_once(tmp_path, "pr", ids)
     assert int(rconn.hget(keys.job_stats("pr"), "redeliveries") or 0) == 0, w.log()
     assert "wait for `genq resume --job pr`" not in w.log().split("resumed: pr", 1)[-1], w.log()
+
+
+def test_a_resume_refused_by_a_full_redis_changes_nothing(tmp_path, redis_url, rconn):
+    """`genq resume` Redis refuses (full) says so in one line and changes nothing: not the job's pause lifted
+    with its parked batches left to the reconciler (20-40 s later) behind an error, nor the fleet's pause
+    without RQ's suspension. Once Redis takes writes, `genq resume --job` queues the parked batches at once."""
+    enqueue(tmp_path, "rf", 30)  # 3 batches, queued
+    run_genq("pause", "--job", "rf")  # no worker: all 3 parked at once
+    assert rq_queue(rconn).count == 0
+
+    def full(*args: str) -> None:
+        rconn.config_set("maxmemory", 1)
+        try:
+            refused = run_genq(*args, check=False)
+        finally:
+            rconn.config_set("maxmemory", 0)
+        assert refused.returncode == 1 and "Redis is full" in refused.stderr, (args, refused.stderr)
+        assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+    full("resume", "--job", "rf")
+    full("pause")
+    assert rconn.exists(keys.job_paused("rf")) and rq_queue(rconn).count == 0
+    assert not rconn.exists(keys.PAUSED) and not suspension.is_suspended(rconn)
+    run_genq("pause")
+    full("resume")
+    assert rconn.exists(keys.PAUSED) and suspension.is_suspended(rconn)
+    said = run_genq("resume", "--job", "rf").stdout
+    assert "3 parked batches queued again" in said and rq_queue(rconn).count == 3, said
+    assert not rconn.exists(keys.job_paused("rf"))
+    run_genq("resume")
+    assert not rconn.exists(keys.PAUSED) and not suspension.is_suspended(rconn)

@@ -104,9 +104,10 @@ def test_jobs_set_where_the_output_cannot_be_written_changes_nothing(redis_url, 
     run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
     (out / "st").rename(tmp_path / "elsewhere")
     (out / "st").write_text("not a folder")  # job.json cannot be written under it
-    proc = run_genq("jobs", "set", "st", "--max-tokens", "20", redis_url=redis_url, check=False)
+    proc = run_genq("jobs", "set", "st", "--max-tokens", "20", "--priority", "5", redis_url=redis_url, check=False)
     assert proc.returncode == 1 and "cannot write" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert config_of(redis_url)["max_tokens"] == 64
+    shown = json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)
+    assert (shown["config"]["max_tokens"], shown["row"]["priority"]) == (64, 0), "it said nothing was changed"
 
 
 def test_a_running_worker_takes_the_settings_back_after_a_snapshot_from_before_jobs_set(  # noqa: F811

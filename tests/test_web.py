@@ -275,13 +275,20 @@ def test_a_control_for_a_job_that_is_not_there_changes_nothing(tmp_path: Path, r
     assert {j["name"]: j["paused"] for j in json.loads(run_genq("jobs", "--json").stdout)} == {"ctl": False,
                                                                                                 "gone": False}
     assert post(json.dumps({"action": "pause", "job": "ctl"}).encode())[0] == 200
-    assert rconn.exists(keys.job_paused("ctl"))
+    assert rconn.exists(keys.job_paused("ctl")) and not rconn.hlen(keys.job_transport("ctl"))  # its batch parked
+
+    def full(action: str) -> None:  # Redis full: it refuses writes, the answer says so, and nothing changed
+        rconn.config_set("maxmemory", "1")
+        try:
+            code, answer = post(json.dumps({"action": action, "job": "ctl"}).encode())
+        finally:
+            rconn.config_set("maxmemory", "0")
+        assert code == 503 and "Redis is full" in answer.get("error", ""), (code, answer)
+
+    full("resume")
+    assert rconn.exists(keys.job_paused("ctl")) and not rconn.hlen(keys.job_transport("ctl"))
     assert post(json.dumps({"action": "resume", "job": "ctl"}).encode())[0] == 200
-    rconn.config_set("maxmemory", "1")  # Redis full: it refuses writes, and the answer says so
-    try:
-        code, answer = post(json.dumps({"action": "pause", "job": "ctl"}).encode())
-    finally:
-        rconn.config_set("maxmemory", "0")
-    assert code == 503 and "Redis is full" in answer.get("error", ""), (code, answer)
+    assert not rconn.exists(keys.job_paused("ctl")) and rconn.hlen(keys.job_transport("ctl")) == 1
+    full("pause")
     assert not rconn.exists(keys.job_paused("ctl"))
     assert "Traceback" not in monitor.log()

@@ -305,18 +305,21 @@ def jobs_set(job: str, note: str | None, priority: int | None, weight: float | N
     if not changes and priority is None and weight is None:
         raise click.UsageError("name at least one setting to change (see --help)")
     conn = redis_conn()
+    if changes:  # first: what may be refused (the output unwritable, Redis full) is, before anything changed
+        config, changed = set_settings(conn, job, changes, note)
+        had = ", ".join(f"{k} {json.dumps(v)}" for k, v in changes.items() if k not in changed)
+        if changed:
+            what = ", ".join(f"{k} {json.dumps(v)}" for k, v in changed.items())
+            click.echo(f"job {job}: settings version {config.settings_version}: {what}; every prompt not yet done is "
+                       f"sent with it{f' ({had} already)' if had else ''}")
+        else:
+            click.echo(f"job {job}: {had} already (settings version {config.settings_version}): no new version")
+        if (block := ledger_jobs.jobs_now(conn, [job])[0].blocked) is not None:
+            click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
     if priority is not None or weight is not None:
         jobs_named(conn, job)
         sched = set_schedule(conn, job, priority, weight)
         click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
-    if not changes:
-        return
-    config = set_settings(conn, job, changes, note)
-    what = ", ".join(f"{k} {json.dumps(v)}" for k, v in changes.items())
-    click.echo(f"job {job}: settings version {config.settings_version}: {what}; every prompt not yet done is "
-               "sent with it")
-    if (block := ledger_jobs.jobs_now(conn, [job])[0].blocked) is not None:
-        click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
 
 
 @jobs.command("delete")

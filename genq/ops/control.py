@@ -156,12 +156,12 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
     """Undo a pause; with a job, also lift its block and queue its parked batches: how many."""
     queued = 0
     if job is None:
-        ledger_jobs.resume(conn)
-        suspend_loops(conn, suspended=False)
-    else:
-        ledger_jobs.resume(conn, job)
-        if queued := leasing.requeue_parked(conn, job):
-            order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+        with conn.pipeline() as pipe:  # one transaction: a Redis refusing writes takes neither, nothing changes
+            ledger_jobs.resume(pipe)
+            suspend_loops(pipe, suspended=False)
+            pipe.execute()
+    elif queued := leasing.resume_job(conn, job):
+        order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 
@@ -246,9 +246,10 @@ def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
 SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_attempts", "brake")
 
 
-def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str | None = None) -> JobConfig:
-    """Store `changes` as the job's next settings version. A change that changes nothing is refused,
-    so every version in the history differs from the one before."""
+def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
+                 note: str | None = None) -> tuple[JobConfig, dict[str, Any]]:
+    """Store those of `changes` the job has not already as its next settings version: (its config, what
+    changed). Nothing to change makes no version: every version in the history differs from the one before."""
     if unknown := sorted(set(changes) - set(SETTABLE)):
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
     # job.json is written first and taken up from there later: a Redis that refuses the change must be
@@ -257,20 +258,24 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
         raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
                       "takes writes")
 
+    differing: dict[str, Any] = {}
+
     def change(config: JobConfig | None) -> JobConfig:
         if config is None:
             raise Refused(f"no job named {job!r} (or it has no stored settings)")
-        if not (differing := {k: v for k, v in changes.items() if getattr(config, k) != v}):
-            raise Refused(f"job {job!r} has these settings already (version {config.settings_version})")
+        differing.clear()  # WATCH may run this again
+        differing.update({k: v for k, v in changes.items() if getattr(config, k) != v})
+        if not differing:
+            return config  # it has them all already: nothing stored
         version = config.settings_version + 1
-        entry = SettingsChange(version=version, at=time.time(), changed=differing,
+        entry = SettingsChange(version=version, at=time.time(), changed=dict(differing),
                                previous={k: getattr(config, k) for k in differing}, note=note)
         new = msgspec.structs.replace(config, **differing, settings_version=version,
                                       settings_history=[*config.settings_history, entry])
         write_settings(conn, new)  # the output first: Redis may lose the change, the output keeps it
         return new
 
-    return ledger_jobs.change_config(conn, job, change)
+    return ledger_jobs.change_config(conn, job, change), differing
 
 
 def write_settings(conn: redis.Redis, config: JobConfig) -> None:

@@ -101,11 +101,13 @@ def stage_schedules(pipe: Any, jobs: list[str]) -> None:
 
 
 def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T]) -> T:
-    """Store change(read(the stored bytes)) under `key` under WATCH; `change` may raise to store nothing."""
+    """Store change(read(the stored bytes)) under `key` under WATCH; `change` may raise to store nothing, or
+    return what it was given: nothing to store."""
     def store(pipe: Pipeline) -> T:
-        new = change(read(pipe.get(key)))
+        new = change(old := read(pipe.get(key)))
         pipe.multi()
-        pipe.set(key, pack(new))
+        if new is not old:
+            pipe.set(key, pack(new))
         return new
 
     return conn.transaction(store, key, value_from_callable=True)

@@ -13,6 +13,7 @@ from rq.results import Result as RqResult
 
 from genq.core import keys
 from genq.core.ledger import forget_rq_job, lease_token
+from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, rq_queue
 from genq.core.records import BatchRef, JobConfig, unpack
 from genq.core.scripts import RQ_EXECUTION
@@ -132,8 +133,11 @@ def unqueue(conn: redis.Redis, job: str) -> int:
     return len(gone)
 
 
-def requeue_parked(conn: redis.Redis, job: str) -> int:
-    """Queue every batch of `job` not done that no RQ job carries (under WATCH: none is queued twice)."""
+def resume_job(conn: redis.Redis, job: str) -> int:
+    """Lift the job's block and pause and queue every batch of it not done that no RQ job carries (parked),
+    in one transaction: a Redis refusing writes takes none of it (a full one refuses every command inside
+    MULTI), and no worker takes such a batch while the job still reads paused, to park it again. How many
+    were queued; under WATCH, none twice."""
     transport = keys.job_transport(job)
 
     def queue(pipe: Pipeline) -> int:
@@ -143,6 +147,7 @@ def requeue_parked(conn: redis.Redis, job: str) -> int:
         carried = pipe.hmget(transport, pending) if pending else []
         parked = [b for b, t in zip(pending, carried) if t is None and pipe.exists(keys.batch(job, b))]
         pipe.multi()
+        ledger_jobs.resume(pipe, job)
         if parked:
             enqueue_batch_jobs(pipe, conn, [(job, b, 0) for b in parked], at_front=True)
         return len(parked)
