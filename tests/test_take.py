@@ -199,3 +199,20 @@ def test_a_late_let_go_of_an_old_lease_keeps_the_claims_made_under_the_newer_one
     asyncio.run(late_let_go())
     steal = scripts.steal_call(ref, "B.1", config.incarnation, "A.1", [prompt], 1)
     assert scripts.evaluate(rconn, scripts.STEAL, steal) == [], "B steals a prompt A sends"
+
+
+def test_a_let_go_clears_this_engines_void_claims_of_an_older_lease(rconn: redis.Redis) -> None:
+    """A claim of mine under a lease that is over is void; a let-go drops it too, or whoever claims that prompt
+    next counts a try lost on it (and a prompt never sent may reach its dead letter sooner)."""
+    from genq.core.queueing import load_config
+    from genq.core.records import BatchRef
+
+    (batch,) = queue(rconn, "a", 1)
+    ref, config = BatchRef("a", batch), load_config(rconn, "a")
+    assert config is not None
+    rconn.set(keys.engine_alive("A.1"), "1")
+    take(rconn, "A.1")
+    current = lease_token(rconn.hget(keys.job_leases("a"), batch))
+    rconn.hset(keys.batch_claims("a", batch), mapping={"a-0": "A.1 older", "a-1": f"A.1 {current}", "a-2": "B.1 older"})
+    scripts.evaluate(rconn, scripts.UNCLAIM, scripts.unclaim_call(ref, "A.1", config.incarnation, current))
+    assert rconn.hgetall(keys.batch_claims("a", batch)) == {b"a-2": b"B.1 older"}

@@ -185,4 +185,5 @@ def steal_call(ref: BatchRef, me: str, incarnation: str, holder: str, ids_back_f
 
 
 def unclaim_call(ref: BatchRef, me: str, incarnation: str, token: str, ids: Iterable[str] = ()) -> Call:
-    return [keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job)], [me, incarnation, token, *ids]
+    return ([keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job), keys.job_leases(ref.job)],
+            [me, incarnation, token, ref.batch, *ids])
