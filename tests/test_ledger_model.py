@@ -229,7 +229,7 @@ class World:
     def let_go(self, engine: Engine, batch: str) -> None:
         hold = engine.holds.pop(batch)
         ref = BatchRef(JOB, batch)
-        self.run("UNCLAIM", scripts.unclaim_call(ref, engine.instance, hold.config.incarnation))
+        self.run("UNCLAIM", scripts.unclaim_call(ref, engine.instance, hold.config.incarnation, hold.token))
 
     def run(self, name: str, call: scripts.Call):
         return scripts.evaluate(self.conn, self.lua[name], call)

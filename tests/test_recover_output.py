@@ -105,7 +105,8 @@ def test_export_keeps_the_first_written_result_of_a_prompt(redis_url, tmp_path: 
 
 def test_catch_up_names_only_the_batches_adopt_marked_done(rconn, tmp_path: Path):
     """ADOPT answers 'gone' for a job whose life in Redis is not the marker's (deleted meanwhile): catch_up
-    must not count (nor log) such a batch as marked done; only ADOPT's 1 is an adoption."""
+    must not count (nor log) such a batch as marked done; only ADOPT's 1 is an adoption, and recover.adopt says so
+    as a bool."""
     from genq.core.ledger import jobs as ledger_jobs
     from genq.core.records import JobConfig, JobRecord
     from genq.ops import recover
@@ -118,3 +119,5 @@ def test_catch_up_names_only_the_batches_adopt_marked_done(rconn, tmp_path: Path
     # Redis holds no config of the job (deleted after its caller read it): no life to adopt into.
     assert recover.catch_up(rconn, config) == []
     assert ledger_jobs.done_batches(rconn, "j") == set()
+    (marker,) = truth.read_markers(store, "j", {"b0000001"})
+    assert recover.adopt(rconn, "j", marker) is False  # not b'gone', which a caller would read as true

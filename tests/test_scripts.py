@@ -30,7 +30,7 @@ CALLS = {
     "record": scripts.record_call("j", REF.batch, "w", "1.0", [], [], ""),
     "claim": scripts.claim_call(REF, "inst", "", "tok", ["p1"]),
     "steal": scripts.steal_call(REF, "inst", "", "holder", ["p1"], 1),
-    "unclaim": scripts.unclaim_call(REF, "inst", "", ["p1"]),
+    "unclaim": scripts.unclaim_call(REF, "inst", "", "tok", ["p1"]),
 }
 
 

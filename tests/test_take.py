@@ -150,3 +150,69 @@ def test_release_refuses_a_shard_whose_result_redis_holds_in_another_writers_for
     stored = {"p0": rconn.hget(keys.batch_results("a", batch), "p0")}
     assert scripts.evaluate(rconn, scripts.RELEASE, scripts.release_call(BatchRef("a", batch), info, "i-a",
                                                                          stored, [])) == 1
+
+
+def test_a_late_let_go_of_an_old_lease_keeps_the_claims_made_under_the_newer_one(rconn: redis.Redis) -> None:
+    """Engine A sends a prompt under lease 1; the batch goes to B, then back to A (lease 3), which claims the
+    prompt again. The let-go of lease 1 (a request of it failing late: Todo.let_go, or a hand-back waiting
+    out a Redis outage) then runs: it must not drop the claim of lease 3, or idle B steals the prompt and
+    sends it while A sends it too."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.core.queueing import load_config
+    from genq.core.records import BatchRef
+    from genq.worker.held import Claims, HeldBatch
+    from tests.conftest import REDIS_URL
+
+    (batch,) = queue(rconn, "a", 1)
+    ref, config, prompt = BatchRef("a", batch), load_config(rconn, "a"), "a-0"
+    assert config is not None
+    for engine in ("A.1", "B.1"):
+        rconn.set(keys.engine_alive(engine), "1")
+
+    def lease_to(engine: str) -> str:
+        with rconn.pipeline(transaction=True) as pipe:  # queued again (the reconciler), then taken
+            enqueue_batch_jobs(pipe, rconn, [("a", batch, 1)])
+            pipe.execute()
+        assert take(rconn, engine)[1] == batch  # type: ignore[index]
+        return lease_token(rconn.hget(keys.job_leases("a"), batch))  # type: ignore[return-value]
+
+    def claim(token: str) -> bytes:
+        call = scripts.claim_call(ref, "A.1", config.incarnation, token, [prompt])
+        return scripts.evaluate(rconn, scripts.CLAIM, call)[0]
+
+    take(rconn, "A.1")
+    first = lease_token(rconn.hget(keys.job_leases("a"), batch))
+    assert claim(first) == b"c"  # type: ignore[arg-type]
+    lease_to("B.1")
+    assert claim(lease_to("A.1")) == b"c"
+
+    async def late_let_go() -> None:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            await Claims(conn, "A.1").unclaim(HeldBatch(ref, first, config, {prompt}), [prompt])  # type: ignore[arg-type]
+        finally:
+            await conn.aclose()
+
+    asyncio.run(late_let_go())
+    steal = scripts.steal_call(ref, "B.1", config.incarnation, "A.1", [prompt], 1)
+    assert scripts.evaluate(rconn, scripts.STEAL, steal) == [], "B steals a prompt A sends"
+
+
+def test_a_let_go_clears_this_engines_void_claims_of_an_older_lease(rconn: redis.Redis) -> None:
+    """A claim of mine under a lease that is over is void; a let-go drops it too, or whoever claims that prompt
+    next counts a try lost on it (and a prompt never sent may reach its dead letter sooner)."""
+    from genq.core.queueing import load_config
+    from genq.core.records import BatchRef
+
+    (batch,) = queue(rconn, "a", 1)
+    ref, config = BatchRef("a", batch), load_config(rconn, "a")
+    assert config is not None
+    rconn.set(keys.engine_alive("A.1"), "1")
+    take(rconn, "A.1")
+    current = lease_token(rconn.hget(keys.job_leases("a"), batch))
+    rconn.hset(keys.batch_claims("a", batch), mapping={"a-0": "A.1 older", "a-1": f"A.1 {current}", "a-2": "B.1 older"})
+    scripts.evaluate(rconn, scripts.UNCLAIM, scripts.unclaim_call(ref, "A.1", config.incarnation, current))
+    assert rconn.hgetall(keys.batch_claims("a", batch)) == {b"a-2": b"B.1 older"}

@@ -33,7 +33,7 @@ SPEED_ALPHA = 0.05  # weight of each completion in the moving averages of per-re
 @dataclass(eq=False)
 class HeldBatch:
     ref: BatchRef
-    token: str  # the lease it was taken under (TAKE)
+    token: str  # the lease it was taken under (TAKE); borrowed: the holder's its prompts were stolen under
     config: JobConfig
     unfinished: set[str]
     completing: bool = False
@@ -114,13 +114,17 @@ class Claims:
         return _text(answer[0]), {int(lost[i]) - 1: int(lost[i + 1]) for i in range(0, len(lost), 2)}
 
     async def steal(self, ref: BatchRef, incarnation: str, holder: str, ids_back_first: list[str],
-                    n: int) -> dict[str, int]:
-        """The ids claimed, each with the tries it had lost."""
+                    n: int) -> tuple[dict[str, int], str]:
+        """The ids claimed, each with the tries it had lost, and the lease they were claimed under."""
         answer = await self._steal(*scripts.steal_call(ref, self.instance, incarnation, holder, ids_back_first, n))
-        return {_text(i): int(lost) for i, lost in zip(answer[0], answer[1])} if answer else {}
+        if not answer:
+            return {}, ""
+        return {_text(i): int(lost) for i, lost in zip(answer[0], answer[1])}, _text(answer[2])
 
-    async def unclaim(self, held: HeldBatch, ids: Iterable[str] = ()) -> None:
-        await self._unclaim(*scripts.unclaim_call(held.ref, self.instance, held.config.incarnation, ids))
+    async def unclaim(self, held: HeldBatch, ids: Iterable[str] = (), token: str | None = None) -> None:
+        """Drop this engine's claims made under `token` (the held lease by default), not a newer lease's."""
+        await self._unclaim(*scripts.unclaim_call(held.ref, self.instance, held.config.incarnation,
+                                                  token or held.token, ids))
 
     async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
         owners = await leasing.claim_owners(self.conn, ref, ids)

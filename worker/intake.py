@@ -344,28 +344,29 @@ class Stealer:
             if (ref.job in unwritten or not self.dispatcher.watch.takes(config)
                     or (prompts := await self._batch(ref, config)) is None):
                 continue
-            ids = await self.batches.claims.steal(ref, config.incarnation, holder, [p.id for p in reversed(prompts)],
-                                                  free)
+            ids, lease = await self.batches.claims.steal(ref, config.incarnation, holder,
+                                                         [p.id for p in reversed(prompts)], free)
             if not ids or await adopt_if_written(self.conn, config, ref):  # written already: Redis lost that
                 continue
             if ref in self.held:  # leased to this engine meanwhile: its own lease sends them
-                await self.batches.claims.unclaim(self.held[ref], ids)
+                await self.batches.claims.unclaim(self.held[ref], ids, lease)
                 continue
             took += len(ids)
             free -= len(ids)
-            self._borrow(ref, config, prompts, ids)
+            self._borrow(ref, config, prompts, ids, lease)
             if free <= 0:
                 break
         return took
 
-    def _borrow(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int]) -> None:
+    def _borrow(self, ref: BatchRef, config: JobConfig, prompts: list[Prompt], ids: dict[str, int], lease: str) -> None:
         borrowed = self.held.borrowed.get(ref)
         if borrowed is not None and borrowed.config.incarnation != config.incarnation:
             self.batches.drop(borrowed, cancel=True)  # of a deleted job: nothing of it is recorded
         if borrowed is None or borrowed.dropped:
-            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token="", config=config, unfinished=set(),
+            borrowed = self.held.borrowed[ref] = HeldBatch(ref, token=lease, config=config, unfinished=set(),
                                                            borrowed=True)
         borrowed.unfinished |= set(ids)
+        borrowed.token = lease  # the holder's lease now: claims under an older one are void
         log.info("took %s of batch %s from another worker", plural(len(ids), "unsent prompt"), ref)
         self.batches.todo.add_claimed(borrowed, [p for p in prompts if p.id in ids], ids)
 

@@ -27,10 +27,15 @@ from genq.producer.rows import claim_digest
 log = logging.getLogger("genq.recover")
 
 
-def adopt(conn: redis.Redis | aioredis.Redis, job: str, marker: ShardMarker) -> Any:
-    """Mark a written batch done from its marker: 1, else 0 (done already) or b'gone' (the job in Redis is not
-    the life that wrote it): only 1 is an adoption (awaitable on an asyncio connection)."""
-    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker)))
+def adopt(conn: redis.Redis, job: str, marker: ShardMarker) -> bool:
+    """Mark a written batch done from its marker; True only if this call did."""
+    return _adopted(scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker))))
+
+
+def _adopted(answer: Any) -> bool:
+    """ADOPT answers 1 for an adoption, else 0 (done already) or b'gone' (the job in Redis is not the life that
+    wrote it): a string, true in Python, so the answer is never read as a truth value."""
+    return answer == 1
 
 
 def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
@@ -40,8 +45,9 @@ def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
     return marker if marker is not None and marker.incarnation == config.incarnation else None
 
 
-async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:  # False: done already
-    if adopted := await adopt(conn, ref.job, marker) == 1:
+async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:  # False: not by this call
+    call = scripts.adopt_call(ref.job, marker, truth.shard_info(marker))
+    if adopted := _adopted(await scripts.evaluate(conn, scripts.ADOPT, call)):
         log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
                     "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)
     return adopted
@@ -71,7 +77,7 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     settings_from_output(conn, config, on_disk.config if on_disk else None)
     undone = truth.marker_batches(store, config.name) - ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, undone), config)
-    if adopted := [m.batch for m in markers if adopt(conn, config.name, m) == 1]:
+    if adopted := [m.batch for m in markers if adopt(conn, config.name, m)]:
         log.warning("job %s: %s written to %s and not done in Redis (it lost recent writes); marked done from "
                     "their markers, not generated again: %s", config.name, plural(len(adopted), "batch", "batches"),
                     config.output, ", ".join(adopted[:8]) + (" ..." if len(adopted) > 8 else ""))
@@ -117,7 +123,7 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         save_config(pipe, config)
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
-    adopted = [m.batch for m in markers if adopt(conn, job, m) == 1]
+    adopted = [m.batch for m in markers if adopt(conn, job, m)]
     if record.deleted_at is not None:  # `genq jobs delete` marked it; it is asked back: it lives again
         truth.mark_deleted(store, job, None)
         record = msgspec.structs.replace(record, deleted_at=None)

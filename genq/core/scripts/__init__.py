@@ -184,5 +184,6 @@ def steal_call(ref: BatchRef, me: str, incarnation: str, holder: str, ids_back_f
     return [*script_keys, keys.engine_alive(holder)], [*args, n, len(ids_back_first), *ids_back_first]
 
 
-def unclaim_call(ref: BatchRef, me: str, incarnation: str, ids: Iterable[str] = ()) -> Call:
-    return [keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job)], [me, incarnation, *ids]
+def unclaim_call(ref: BatchRef, me: str, incarnation: str, token: str, ids: Iterable[str] = ()) -> Call:
+    return ([keys.batch_claims(ref.job, ref.batch), keys.job_config(ref.job), keys.job_leases(ref.job)],
+            [me, incarnation, token, ref.batch, *ids])

@@ -4,7 +4,7 @@
 -- ARGV[6] = n, the most ids to claim
 -- ARGV[7] = the batch's size
 -- ARGV[8..] = ids, the back of the batch first
--- Returns {the ids claimed (at most n), the tries each had lost}, under the batch's current
+-- Returns {the ids claimed (at most n), the tries each had lost, the lease}, under the batch's current
 -- lease: unclaimed ones, or claimed by an engine that stopped beating or under a lease that is over.
 -- #include claim_helpers
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return {} end
@@ -25,4 +25,4 @@ for i = 8, #ARGV do
     taken[#taken + 1] = id
   end
 end
-return {taken, lost}
+return {taken, lost, lease}
