@@ -8,12 +8,16 @@ import signal
 import time
 from types import SimpleNamespace
 
+import redis.asyncio as aioredis
+
 from genq.core import keys
 from genq.core.ledger import lease_holder
 from genq.core.records import WorkerStatus, unpack
 from genq.worker.heartbeat import IDLE_AFTER_S, IDLE_BEAT_S, IDLE_MAINTENANCE_S, WAKE_READ_S, IdlePace, WakeListener
 from genq.worker.held import Holdings
+from genq.worker.intake import CLOSED_POLL_S
 from tests.conftest import run_genq, wait_until, write_prompts
+from tests.test_model_change import engine_parts, queue_job
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=5)
 # One whole period of every idle loop (beats and RQ beats 20 s, looks 30 s, maintenance 60 s): each
@@ -211,3 +215,47 @@ def test_the_wake_listener_stops_within_one_read(redis_url):
     finally:
         loop.close()
     assert took < WAKE_READ_S + 0.4, f"the listener took {took:.2f}s to stop"
+
+
+class _Closed:
+    """The dispatcher as the intake reads it: whether it takes work (each look counted), its wake, the watch."""
+
+    def __init__(self, watch) -> None:
+        self.watch, self.wake = watch, asyncio.Event()
+        self.open, self.looks = False, 0
+
+    def accepting(self) -> bool:
+        self.looks += 1
+        return self.open
+
+
+def test_an_intake_taking_nothing_waits_for_the_wake_and_takes_at_once_when_woken(redis_url, rconn, tmp_path):
+    """Paused (or draining, stopping, its server down), an idle engine's intake waits on the dispatcher's wake,
+    which whatever ends that sets, and looks again CLOSED_POLL_S later at the latest. It looked every 50 ms
+    (FULL_POLL_S), 20 wake-ups a second on every idle GPU host. Resumed and woken, it takes the queued batch
+    at once."""
+    queue_job(rconn, "j", tmp_path / "out")
+
+    async def scenario() -> tuple[int, float, int]:
+        conn = aioredis.Redis.from_url(redis_url)
+        held, batches, watch, intake = engine_parts(conn, rconn, redis_url)
+        intake.dispatcher = dispatcher = _Closed(watch)  # type: ignore[assignment]
+        run = asyncio.create_task(intake.run())
+        try:
+            await asyncio.sleep(2.0)
+            looks = dispatcher.looks
+            dispatcher.open = True  # resumed: the heartbeat's read of the controls sets the wake
+            dispatcher.wake.set()
+            woken = time.monotonic()
+            while not held and time.monotonic() - woken < 5:
+                await asyncio.sleep(0.01)
+            return looks, time.monotonic() - woken, len(held)
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            batches.close()
+            await conn.aclose()
+
+    looks, took, taken = asyncio.run(scenario())
+    assert looks <= 2.0 / CLOSED_POLL_S + 2, f"{looks} looks in 2 s while taking nothing"
+    assert taken == 1 and took < 0.5, f"{taken} batch taken {took:.2f}s after the wake"

@@ -1,12 +1,13 @@
 """A server that now serves another model: its batches are handed back once, and nothing of a job of the old
-model is taken again afterwards (worker/gate.py's ServerWatch, worker/intake.py's skip list); a batch taken again
-while a hand-back ends stays held (worker/batches.py). The engine's parts in this process against the real test
-Redis; the server is a stand-in that only tells its model."""
+model is taken again afterwards (worker/gate.py's ServerWatch, worker/intake.py's skip list); a batch taken (or
+borrowed) again while a hand-back ends stays held (worker/batches.py). The engine's parts in this process against
+the real test Redis; the server is a stand-in that only tells its model."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import redis
 import redis.asyncio as aioredis
@@ -14,14 +15,14 @@ import redis.asyncio as aioredis
 from genq.core import keys
 from genq.core.ledger import lease_holder, lease_token
 from genq.core.queueing import new_batches, save_config, write_batches
-from genq.core.records import JobConfig, Prompt
+from genq.core.records import BatchRef, JobConfig, Prompt
 from genq.worker import intake as intake_mod
 from genq.worker.batches import Batches
 from genq.worker.controller import Running
 from genq.worker.engines import SGLANG, ServerInfo
 from genq.worker.gate import ServerWatch
 from genq.worker.held import Holdings
-from genq.worker.intake import Intake, Shares
+from genq.worker.intake import Intake, Shares, Stealer
 from genq.worker.options import WorkerOptions
 
 OLD, NEW = "old-model", "new-model"
@@ -186,3 +187,50 @@ def test_a_batch_taken_again_while_its_hand_back_ends_stays_held(redis_url: str,
     assert lease is not None and lease_holder(lease) == "w.1", lease
     assert still_held == [batch], "the batch leased to this engine again is held by nothing here"
     assert token == lease_token(lease)
+
+
+def test_prompts_borrowed_again_while_their_give_back_ends_stay_borrowed(redis_url: str, rconn: redis.Redis,
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    """The borrowed case of the test above: prompts this engine borrowed from another's batch are given back,
+    and the stealer borrows from that batch again right after the give-back released their claims (injected).
+    The give-back forgets the borrowed batch it let go, not the new one, whose prompts are queued here to send;
+    a give-back with nothing borrowed meanwhile forgets it. Before, the new one was popped: its prompts were
+    sent, their outcomes recorded, by a batch the engine no longer knew it borrowed."""
+    from genq.worker import batches as batches_mod
+
+    (batch,) = queue_job(rconn, "j", tmp_path / "out")
+    ref = BatchRef("j", batch)
+    config = JobConfig(name="j", output=str(tmp_path / "out"), model=OLD, incarnation="i-j")
+    prompts = [Prompt(id="j-1", index=1, messages=[{"role": "user", "content": "x"}])]
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        conn = aioredis.Redis.from_url(redis_url)
+        held, batches, _, _ = engine_parts(conn, rconn, redis_url)
+        stealer = Stealer("q", batches, SimpleNamespace(gate=None), None)  # type: ignore[arg-type]
+        real = batches_mod.retrying
+
+        async def then_borrowed(action, what: str = "redis"):
+            answer = await real(action, what)
+            if what.startswith("releasing claims") and held.borrowed.get(ref) is first:  # it was let go
+                stealer._borrow(ref, config, prompts, {"j-1": 0})
+            return answer
+
+        stealer._borrow(ref, config, prompts, {"j-1": 0})
+        first = held.borrowed[ref]
+        monkeypatch.setattr(batches_mod, "retrying", then_borrowed)
+        try:
+            await batches.give_back_borrowed("a test")
+            again = held.borrowed.get(ref)
+            kept = (again is not None and again is not first and not again.dropped
+                    and any(t.batch is again for t in batches.todo.ready))
+            monkeypatch.setattr(batches_mod, "retrying", real)
+            await batches.give_back_borrowed("a test, nothing borrowed meanwhile")
+            return kept, first.dropped, ref in held.borrowed
+        finally:
+            batches.close()
+            await conn.aclose()
+
+    kept, first_dropped, still_borrowed = asyncio.run(scenario())
+    assert first_dropped
+    assert kept, "the prompts borrowed again are borrowed by nothing here"
+    assert not still_borrowed, "a borrowed batch given back is still borrowed"

@@ -355,16 +355,19 @@ class Batches:
 
     async def park(self, job: str, *, cancel: bool) -> list[str]:
         """Park the job's batches (leases ended, no RQ job), its borrowed prompts back; the batches parked."""
-        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
-        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job]
-        return await self._let_go(mine, borrowed, cancel=cancel, requeue=False)
+        return await self._let_go(*self._of_job(job), cancel=cancel, requeue=False)
 
     async def hand_back_job(self, job: str) -> list[str]:
         """The job's batches back to the queue's front, its borrowed prompts to their holders; requests in
         flight finish (sent with the settings they were sent with); the batches handed back."""
-        mine = [h for h in self.held.values() if h.ref.job == job and not h.completing and not h.dropped]
-        borrowed = [b for ref, b in self.held.borrowed.items() if ref.job == job and not b.dropped]
-        return await self._let_go(mine, borrowed, cancel=False, requeue=True)
+        return await self._let_go(*self._of_job(job), cancel=False, requeue=True)
+
+    def _of_job(self, job: str) -> tuple[list[HeldBatch], list[HeldBatch]]:
+        """The job's leased and borrowed batches, less those completing or dropped: a let-go under way (a paused
+        job's park waiting on its requests in flight) ends those, and a second must not wait on them."""
+        mine, borrowed = ([h for h in table.values() if h.ref.job == job and not h.completing and not h.dropped]
+                          for table in (self.held, self.held.borrowed))
+        return mine, borrowed
 
     async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
                       requeue: bool) -> list[str]:

@@ -43,6 +43,7 @@ log = logging.getLogger("genq.worker")
 BUSY_POLL_S = 0.3  # wanting a batch and the last TAKE found none: look again this often,
 IDLE_POLL_S = 30.0  # or this often after a while: every queueing publishes a WAKE that ends the wait
 FULL_POLL_S = 0.05  # holding enough: whether that changed is a look at this engine's own state, no Redis
+CLOSED_POLL_S = 1.0  # taking nothing (paused, draining, stopping, server down): what ends it sets the wake
 FOREIGN_EVERY_S = 2.0  # the skip list's view of other models' jobs is this fresh
 RQ_BEAT_S = 20.0  # the RQ worker key's heartbeat...
 RQ_TTL_S = 60  # ...and its life: a killed engine leaves `rq info` within this
@@ -152,8 +153,6 @@ class Intake:
         self._rq = rq_worker(self.sync_conn, self.instance)
 
     def wants_batch(self) -> bool:
-        if not self.dispatcher.accepting():
-            return False
         base, held = self.opts.loops, len(self.held)
         if held < base:
             return True
@@ -179,6 +178,10 @@ class Intake:
                         beat_at = time.monotonic()
                     except (redis.RedisError, OSError) as exc:
                         log.debug("rq info heartbeat: %s", exc)
+                if not self.dispatcher.accepting():
+                    wake = self.dispatcher.wake  # set, it is the dispatcher's to clear: a wait on it would spin
+                    await (asyncio.sleep(FULL_POLL_S) if wake.is_set() else wait_event(wake, CLOSED_POLL_S))
+                    continue
                 if not self.wants_batch():
                     await asyncio.sleep(FULL_POLL_S)
                     continue
