@@ -212,10 +212,10 @@ def test_prompts_borrowed_again_while_their_give_back_ends_stay_borrowed(redis_u
         async def then_borrowed(action, what: str = "redis"):
             answer = await real(action, what)
             if what.startswith("releasing claims") and held.borrowed.get(ref) is first:  # it was let go
-                stealer._borrow(ref, config, prompts, {"j-1": 0})
+                stealer._borrow(ref, config, prompts, {"j-1": 0}, "lease-1")
             return answer
 
-        stealer._borrow(ref, config, prompts, {"j-1": 0})
+        stealer._borrow(ref, config, prompts, {"j-1": 0}, "lease-1")
         first = held.borrowed[ref]
         monkeypatch.setattr(batches_mod, "retrying", then_borrowed)
         try:

@@ -84,7 +84,8 @@ async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tup
 
 def change_control(conn: redis.Redis, name: str, change: Callable[[Control], None]) -> Control:
     """Apply change() to the worker's stored Control under WATCH."""
-    def changed(control: Control) -> Control:
+    def changed(stored: Control) -> Control:
+        control = msgspec.structs.replace(stored)  # a copy: change_record stores a record other than the one read
         change(control)
         return control
 
