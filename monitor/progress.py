@@ -18,7 +18,7 @@ from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_uti
 from genq.core.ledger import fleet
 from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
 from genq.core.queueing import list_jobs
-from genq.core.records import GpuSample
+from genq.core.records import GpuSample, JobConfig
 from genq.core.redisconn import RedisNote, redis_note_of
 from genq.core.words import plural
 from genq.monitor.eta import Estimate, LengthData, Speed, estimate
@@ -182,7 +182,7 @@ class Monitor:
             tracker = self.trackers.setdefault(snap.job, RateTracker(self.window_s))
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
-        workers = [w for w in snap.workers if works_on(w)]
+        workers = [w for w in snap.workers if works_on(w, snap.config)]
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(snap.hist, snap.running_tokens, snap.config.max_tokens if snap.config else None),
@@ -193,13 +193,14 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate, judged), speed)
 
 
-def works_on(w: WorkerView) -> bool:
-    """A live worker holding the job's prompts, or an idle one (it takes the next batches); not paused or down."""
+def works_on(w: WorkerView, config: JobConfig | None) -> bool:
+    """A live worker holding the job's prompts, or an idle one whose server may run them (it takes the next
+    batches; workers route by model); not paused or down."""
     s = w.live_status
     if s is None or s.state in ("paused", "server_down"):
         return False
     holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
-    return bool(holds) or s.state in ("idle", "busy", "starting")
+    return bool(holds) or (s.state in ("idle", "busy", "starting") and (config is None or config.served_by(s.model)))
 
 
 def tail_note(snap: JobSnapshot) -> str | None:

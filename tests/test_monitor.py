@@ -190,6 +190,30 @@ def test_paused_job_and_lost_worker(tmp_path: Path, redis_url, rconn) -> None:
     assert doc["status"] == "paused" and doc["eta_state"] == "paused" and doc["eta_s"] is None
 
 
+def test_an_idle_worker_of_another_model_is_no_help_to_a_job(tmp_path: Path, redis_url, rconn) -> None:
+    """Workers route by model: job A's ETA counts the idle workers that may take its batches (its model's,
+    or any while it is `--model auto`), never another model's. Statuses written as a worker writes them."""
+    for job, model in (("for-a", "model-A"), ("for-any", "auto")):
+        write_prompts(tmp_path / f"{job}.jsonl", 100)
+        run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"),
+                 "--model", model)
+        rconn.hset(keys.job_hist(job), mapping={"28": 25})  # enough finished to fit the lengths
+    now = time.time()
+
+    def idle(name: str, model: str) -> None:
+        status = WorkerStatus(name=name, host="h", pid=1, server=f"http://{name}", state="idle",
+                              started_at=now - 100, heartbeat_at=now, concurrency_target=8, model=model)
+        rconn.set(keys.worker_status(name), pack(status), ex=60)
+        rconn.sadd(keys.WORKERS, name)
+
+    idle("b-idle", "model-B")
+    a, any_ = monitor_json("--job", "for-a"), monitor_json("--job", "for-any")
+    assert (a["eta_state"], a["eta_note"]) == ("stalled", "no live worker has slots for this job"), a
+    assert any_["eta_state"] == "warming up", any_  # model-B's worker takes an auto job
+    idle("a-idle", "model-A")
+    assert monitor_json("--job", "for-a")["eta_state"] == "warming up"
+
+
 def test_worker_rows_show_slots_and_bottlenecks(tmp_path: Path, redis_url, rconn) -> None:
     """Efficiency columns and bottleneck lines come from WorkerStatus; written here as a worker would."""
     write_prompts(tmp_path / "p.jsonl", 100)

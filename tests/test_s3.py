@@ -285,3 +285,32 @@ def test_s3_input_stream_resumes_where_a_dropped_connection_left_off(moto):  # n
     with pytest.raises(SourceError, match="changed while it was being read"):
         for line in lines:
             assert b"y" not in line, "read a different version of the object after the resume"
+
+
+def test_status_of_a_written_prompt_reads_only_its_own_shard(moto, redis_url, rconn, sim, worker, tmp_path):  # noqa: F811 (the moto fixture)
+    """`genq status` of a prompt whose shard is written: the id index names its batch, so of a job of 60
+    shards on S3 it GETs that one shard (counted in moto's own request log), not every shard before it."""
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    ids, data = prompt_lines(120)
+    (tmp_path / "p.jsonl").write_bytes(data)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "many", "--batch-size", "2", "--max-tokens", "16",
+             "--output", f"s3://{BUCKET}/runs", "--s3-endpoint-url", moto.url, redis_url=redis_url)
+    assert worker(sim(max_running_requests=16, **FAST_SIM), "--burst").wait(timeout=120) == 0
+    assert rconn.hlen(keys.job_shards("many")) == 60
+
+    def shard_gets() -> int:
+        return len(re.findall(rf'"GET /{BUCKET}/runs/many/shards/', moto.log_path.read_text()))
+
+    reads = []
+    for pid in ids[::23]:  # six prompts in six batches
+        before = shard_gets()
+        fate = json.loads(run_genq("status", "many", pid, "--json", redis_url=redis_url).stdout)
+        assert fate["state"] == "done" and fate["record"]["id"] == pid, fate
+        reads.append(shard_gets() - before)
+    assert reads == [1] * 6, reads
+    # An id indexed by an older genq (its content digest alone) names no batch: every shard may be read.
+    rconn.hset(keys.job_ids("many"), ids[-1], rconn.hget(keys.job_ids("many"), ids[-1])[:8])
+    before = shard_gets()
+    fate = json.loads(run_genq("status", "many", ids[-1], "--json", redis_url=redis_url).stdout)
+    assert fate["record"]["id"] == ids[-1] and shard_gets() - before >= 1

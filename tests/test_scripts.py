@@ -22,7 +22,7 @@ CALLS = {
                    at=1.0)]),
         ShardInfo(batch=REF.batch, uri="u", records=1, bytes=2, at=3.0)),
     "lookup_ids": scripts.ids_call("j", [("p1", b"12345678")]),
-    "claim_ids": scripts.ids_call("j", [("p1", b"12345678")]),
+    "claim_ids": scripts.ids_call("j", [("p1", b"12345678")], [REF.batch]),
     "reorder": scripts.reorder_call("q", ["a", "b"]),
     "queue_head": scripts.queue_head_call("q"),
     "fleet_share": scripts.fleet_share_call("inst", 3, {"j": 2}),

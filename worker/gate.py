@@ -225,7 +225,7 @@ class ServerWatch:
 
     def takes(self, config: JobConfig) -> bool:
         """Whether this server may run the job's prompts; another model's job is refused (said once)."""
-        if serves(config.model, self.model):
+        if config.served_by(self.model):
             return True
         if config.name not in self._told:
             self._told.add(config.name)
@@ -234,15 +234,10 @@ class ServerWatch:
         return False
 
 
-def serves(job_model: str, server_model: str | None) -> bool:
-    """Whether a server of server_model may run a job for job_model; one that lists none is trusted."""
-    return job_model == AUTO or server_model is None or job_model == server_model
-
-
 def servable_jobs(conn: redis.Redis, model: str | None, jobs: list[str]) -> list[str]:
     """Of these jobs, those a server serving `model` may run (for `genq workers`)."""
     return [job for job, config in zip(jobs, [n.config for n in ledger_jobs.jobs_now(conn, jobs)], strict=True)
-            if config is not None and serves(config.model, model)]
+            if config is not None and config.served_by(model)]
 
 
 WINDOW = 24  # a job's recent outcomes on one engine that the brake looks at

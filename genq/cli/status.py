@@ -53,15 +53,27 @@ def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
     if (letter := letters.read_some(conn, job, [prompt_id], DeadLetter)[0]) is not None:
         return {"state": "dead-lettered", "batch": letter.batch, "letter": msgspec.to_builtins(letter),
                 "why": f"{letter.kind} after {letter.attempts} attempt(s): {letter.message}"}
-    if not ledger_jobs.knows_prompt(conn, job, prompt_id):
+    known, indexed = ledger_jobs.prompt_batch(conn, job, prompt_id)
+    if not known:
         return None
-    for batch in ledger.pending_batches(conn, job):
-        if (source := load_batch(conn, job, batch)) is not None and prompt_id in source.prompt_ids():
-            return _pending(conn, job, batch, prompt_id)
-    return _written(conn, job, prompt_id)
+    pending = ledger.pending_batches(conn, job)
+    # The id index names the prompt's batch: its record or its one shard is read. Every pending batch and
+    # then every shard are read for a prompt it does not place: indexed by an older genq, or
+    # requeued from the DLQ (the index keeps the batch it failed in).
+    if indexed is not None and (fate := _pending(conn, job, [b for b in pending if b == indexed], prompt_id)
+                                or _written(conn, job, prompt_id, [indexed])):
+        return fate
+    return _pending(conn, job, pending, prompt_id) or _written(conn, job, prompt_id) or {
+        "state": "done", "batch": None,
+        "why": "its batch is done, but no written shard holds it (see `genq export` and docs/operations.md)"}
 
 
-def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[str, Any]:
+def _pending(conn: redis.Redis, job: str, batches: list[str], prompt_id: str) -> dict[str, Any] | None:
+    """In one of these pending batches: its state there."""
+    batch = next((b for b in batches if (source := load_batch(conn, job, b)) is not None
+                  and prompt_id in source.prompt_ids()), None)
+    if batch is None:
+        return None
     result, claim, lease, paused = prompt_state(conn, job, batch, prompt_id)
     if result is not None:
         return {"state": "done", "batch": batch, "record": msgspec.to_builtins(unpack(result, Result)),
@@ -77,16 +89,15 @@ def _pending(conn: redis.Redis, job: str, batch: str, prompt_id: str) -> dict[st
             "why": "its batch waits for a worker" + (" (the job is paused)" if paused else "")}
 
 
-def _written(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any]:
-    """In a written shard (local or S3): the record itself."""
+def _written(conn: redis.Redis, job: str, prompt_id: str, batches: list[str] | None = None) -> dict[str, Any] | None:
+    """In a written shard (of `batches`, else any; local or S3): the record itself."""
     endpoint = config.s3_endpoint_url if (config := load_config(conn, job)) else None
-    for raw in ledger_jobs.shard_infos(conn, job):
+    for raw in ledger_jobs.shard_infos(conn, job, batches):
         info = unpack(raw, ShardInfo)
         for line in _lines(info.uri, endpoint):
             if prompt_id.encode() in line and (record := json.loads(line)).get("id") == prompt_id:
                 return {"state": "done", "batch": info.batch, "record": record, "why": f"written to {info.uri}"}
-    return {"state": "done", "batch": None,
-            "why": "its batch is done, but no written shard holds it (see `genq export` and docs/operations.md)"}
+    return None
 
 
 def _lines(uri: str, endpoint: str | None) -> list[bytes]:

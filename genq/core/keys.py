@@ -41,7 +41,7 @@ def _job_key2(suffix: str) -> Callable[[str, str], str]:
 
 
 job_config = _job_key("config")  # JobConfig
-job_ids = _job_key("ids")  # hash: prompt id -> content digest (8 bytes), for idempotent enqueue
+job_ids = _job_key("ids")  # hash: prompt id -> content digest (8 bytes, for idempotent enqueue) + batch number (4)
 job_batch_seq = _job_key("batch_seq")  # the last batch number allocated
 job_batches = _job_key("batches")  # sorted set: batch ids scored by creation order
 job_done = _job_key("done")  # set: batch ids whose shard is written

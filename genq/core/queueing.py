@@ -111,8 +111,8 @@ def load_batch(conn: redis.Redis, job: str, batch_id: str) -> BatchSource | None
 
 def write_batches(pipe: Pipeline, conn: redis.Redis, batches: Sequence[BatchSource], digests: dict[str, bytes], *,
                   count_total: bool = True) -> None:
-    """Queue new batches in `pipe` (MULTI): records, RQ jobs, and their ids' content digests in keys.job_ids,
-    so no id is marked queued without a job that will run it."""
+    """Queue new batches in `pipe` (MULTI): records, RQ jobs, and their ids' content digests and batches in
+    keys.job_ids, so no id is marked queued without a job that will run it."""
     for batch in batches:
         pipe.set(keys.batch(batch.job, batch.id), pack(batch))
         pipe.zadd(keys.job_batches(batch.job), {batch.id: batch_number(batch.id)})
@@ -120,7 +120,9 @@ def write_batches(pipe: Pipeline, conn: redis.Redis, batches: Sequence[BatchSour
             pipe.hincrby(keys.job_stats(batch.job), "total", batch.count)
         pipe.hincrby(keys.job_stats(batch.job), "batches", 1)
     if digests and batches:
-        scripts.evaluate(pipe, scripts.CLAIM_IDS, scripts.ids_call(batches[0].job, digests.items()))
+        placed = [(i, b.id) for b in batches for i in b.prompt_ids() if i in digests]
+        call = scripts.ids_call(batches[0].job, [(i, digests[i]) for i, _ in placed], [b for _, b in placed])
+        scripts.evaluate(pipe, scripts.CLAIM_IDS, call)
     enqueue_batch_jobs(pipe, conn, [(b.job, b.id, b.count) for b in batches])
 
 

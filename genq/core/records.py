@@ -47,6 +47,10 @@ class JobConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False)
     settings_history: list[SettingsChange] = []
     brake: bool = True  # False (--no-brake): failing prompts are dead-lettered one by one, never a block
 
+    def served_by(self, server_model: str | None) -> bool:
+        """Whether a server of server_model may run this job's prompts; one that lists none is trusted."""
+        return self.model in ("auto", server_model) or server_model is None
+
 
 class JobSchedule(msgspec.Struct, omit_defaults=True):
     """How a job shares the fleet (docs/scheduling.md): higher priority first, then by weight."""

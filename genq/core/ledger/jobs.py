@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.client import Pipeline
 
-from genq.core import keys
+from genq.core import keys, scripts
 from genq.core.keys import check_job_name as check_job_name  # a job name becomes part of its keys
 from genq.core.ledger import lease_holder
 from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, pack, unpack
@@ -183,12 +183,17 @@ def all_batches(conn: redis.Redis, job: str) -> set[str]:
     return {b.decode() for b in conn.zrange(keys.job_batches(job), 0, -1)}
 
 
-def knows_prompt(conn: redis.Redis, job: str, prompt_id: str) -> bool:
-    return conn.hget(keys.job_ids(job), prompt_id) is not None
+def prompt_batch(conn: redis.Redis, job: str, prompt_id: str) -> tuple[bool, str | None]:
+    """Whether the id index knows the prompt, and the batch it names (None in an entry of an older genq)."""
+    value = conn.hget(keys.job_ids(job), prompt_id)
+    return value is not None, None if value is None else scripts.indexed_batch(value)
 
 
-def shard_infos(conn: redis.Redis, job: str) -> list[bytes]:
-    return conn.hvals(keys.job_shards(job))
+def shard_infos(conn: redis.Redis, job: str, batches: list[str] | None = None) -> list[bytes]:
+    """The ShardInfo of each written batch, or of those of `batches` that are written."""
+    if batches is None:
+        return conn.hvals(keys.job_shards(job))
+    return [raw for raw in conn.hmget(keys.job_shards(job), batches) if raw is not None]
 
 
 def watch_enqueue(pipe: Pipeline, job: str) -> None:

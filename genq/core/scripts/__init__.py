@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from genq.core import keys, records
-from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, batch_number, pack
+from genq.core.records import BatchRef, DeadLetter, Result, ShardInfo, ShardMarker, batch_id, batch_number, pack
 
 HERE = Path(__file__).resolve().parent
 _INCLUDE = re.compile(r"^-- #include (\w+)$", re.MULTILINE)
@@ -110,13 +110,20 @@ LOOKUP_IDS = load("lookup_ids")
 CLAIM_IDS = load("claim_ids")
 
 
-def ids_call(job: str, digests: Iterable[tuple[str, bytes]]) -> Call:
-    """LOOKUP_IDS's or CLAIM_IDS's: (id, 8-byte content digest) pairs."""
+def ids_call(job: str, digests: Iterable[tuple[str, bytes]], batches: Iterable[str] | None = None) -> Call:
+    """LOOKUP_IDS's: (id, 8-byte content digest) pairs; CLAIM_IDS's: those and each id's batch."""
     pairs = list(digests)
     ids, values = zip(*pairs) if pairs else ((), ())
     if any(len(v) != 8 for v in values):
         raise ValueError("keys.job_ids digests are 8 bytes")
+    if batches is not None:
+        values = tuple(v + batch_number(b).to_bytes(4, "big") for v, b in zip(values, batches, strict=True))
     return [keys.job_ids(job)], [pack(list(ids)), b"".join(values)]
+
+
+def indexed_batch(value: bytes) -> str | None:
+    """The batch keys.job_ids names for an id; None in an older genq's entry (a digest alone)."""
+    return batch_id(int.from_bytes(value[8:], "big")) if len(value) == 12 else None
 
 
 REORDER = load("reorder")

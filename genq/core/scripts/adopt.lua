@@ -69,7 +69,7 @@ end
 local unknown = tonumber(ARGV[5]) + #cmsgpack.unpack(ARGV[10])
 for id, hex in pairs(cmsgpack.unpack(ARGV[11])) do
   if not dead[id] then redis.call('HDEL', KEYS[10], id) end  -- the shard has its result
-  unknown = unknown - 1 + redis.call('HSETNX', KEYS[13], id, unhex(hex))
+  unknown = unknown - 1 + redis.call('HSETNX', KEYS[13], id, unhex(hex) .. struct.pack('>I4', tonumber(ARGV[12])))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARGV[1]) then
   -- A batch this Redis never saw (it was lost with the rest): part of the job again. Its prompts

@@ -1,7 +1,7 @@
 -- Which ids a job has queued already, and with which content (genq/core/queueing.py).
 -- keys.job_ids maps each queued id to its content digest (8 raw bytes; genq 0.1 wrote 16 hex
--- characters). Two arguments for thousands of ids, not two per id (packing those was a third
--- of the producer's time).
+-- characters), then its batch's number (4 bytes, where a newer genq wrote it). Two arguments for
+-- thousands of ids, not two per id (packing those was a third of the producer's time).
 -- KEYS[1] = the job's ids (keys.job_ids)
 -- ARGV[1] = the ids (msgpack list)
 -- ARGV[2] = their digests, 8 bytes each, one after the other
@@ -17,7 +17,7 @@ for first = 1, #ids, 1000 do
       out[i] = '0'
     else
       local digest = digests:sub(i * 8 - 7, i * 8)
-      if v == digest or (#v == 16 and v == (digest:gsub('.', function(c)
+      if (#v ~= 16 and v:sub(1, 8) == digest) or (#v == 16 and v == (digest:gsub('.', function(c)
           return string.format('%02x', c:byte()) end))) then
         out[i] = '1'
       else
