@@ -175,7 +175,8 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     """None for a blank line. line_no is 1-based, as editors show it; start: the line's byte offset."""
     if len(raw) > MAX_LINE_BYTES:
         return rejected(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
-    if not (stripped := raw.strip()):
+    # A byte order mark (Windows editors; files joined with cat) starts no JSON: it is not the row's.
+    if not (stripped := raw.strip().removeprefix(b"\xef\xbb\xbf")):
         return None
     try:
         prompt, converted = to_prompt(line_no, json_decoder.decode(stripped), endpoint)

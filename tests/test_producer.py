@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
@@ -191,3 +192,18 @@ def test_dry_run_checks_rows_for_the_jobs_endpoint_as_the_real_enqueue_does(redi
     assert "line 1: has 'messages' but the job uses --endpoint completions" in dry.stderr
     real = run_genq(*args, redis_url=redis_url, check=False)
     assert real.returncode == 3 and "queued 1 prompt in 1 batch" in real.stdout
+
+
+@pytest.mark.parametrize("mode", ["--input-inline", "--input-by-reference"])
+def test_a_byte_order_mark_and_crlf_line_ends_lose_no_line(redis_url, rconn, tmp_path, mode):
+    """Editors on Windows save UTF-8 with a byte order mark and CRLF: the first line is a row like the
+    others (it was rejected as invalid JSON), also when a worker reads it back by reference."""
+    src = tmp_path / "bom.jsonl"
+    rows = [{"id": f"w{i}", "messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
+    src.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\r\n" for r in rows))
+    proc = run_genq("enqueue", str(src), "--job", "bom", "--output", str(tmp_path / "out"), mode,
+                    redis_url=redis_url, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(p.id, p.messages) for p in batch_prompts(rconn, "bom", "b0000001")] == \
+        [(r["id"], r["messages"]) for r in rows]
+
