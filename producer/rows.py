@@ -18,6 +18,7 @@ MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
 OPENAI_BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
+_BATCH_LINE_FIELDS = {"custom_id", "method", "url", "body"}
 
 json_decoder = msgspec.json.Decoder()
 _canonical = msgspec.json.Encoder(order="sorted")
@@ -193,8 +194,9 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     batch_line = "custom_id" in obj and "body" in obj
     prompt = _plain_row(line_no, _openai_batch_row(obj) if batch_line else obj)
-    if batch_line:
+    if batch_line:  # its other fields are metadata, as a plain row's are
         prompt.custom_id = prompt.id
+        prompt.metadata = {k: v for k, v in obj.items() if k not in _BATCH_LINE_FIELDS}
     if prompt.sampling is not None:
         check_params(prompt.sampling, "OpenAI Batch 'body'" if batch_line else "'sampling'", endpoint)
     if endpoint == "completions" and prompt.messages is not None:

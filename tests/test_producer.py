@@ -207,3 +207,13 @@ def test_a_byte_order_mark_and_crlf_line_ends_lose_no_line(redis_url, rconn, tmp
     assert [(p.id, p.messages) for p in batch_prompts(rconn, "bom", "b0000001")] == \
         [(r["id"], r["messages"]) for r in rows]
 
+
+def test_an_openai_batch_lines_other_fields_are_its_metadata(redis_url, rconn, tmp_path):
+    """Fields beside custom_id, method, url and body are carried to the record as a plain row's are,
+    not dropped."""
+    src = tmp_path / "oai.jsonl"
+    src.write_text(json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "topic": "t",
+                               "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}) + "\n")
+    run_genq("enqueue", str(src), "--job", "oaimeta", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    (prompt,) = batch_prompts(rconn, "oaimeta", "b0000001")
+    assert (prompt.custom_id, prompt.metadata) == ("r1", {"topic": "t"})
