@@ -49,7 +49,8 @@ def test_jobs_set_reaches_a_running_job(redis_url, rconn, sim, worker, tmp_path:
 
 def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, sim, worker, tmp_path: Path):
     """Four prompts too long for prompt + max_tokens are dead-lettered alone; requeued with
-    --max-tokens 50 they fit and finish, the job's own settings unchanged."""
+    --max-tokens 50 they fit and finish, the job's own settings unchanged; --extra-body's fields are
+    sent as request fields (they were sent inside an 'extra_body' field the server ignores)."""
     url = sim(max_context=1000, mean_output_tokens=30, output_sigma=0.3, tokens_per_step=16, step_ms_base=2)
     src = tmp_path / "p.jsonl"
     ids = write_prompts(src, 20)
@@ -67,7 +68,8 @@ def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, si
     letters = json.loads(run_genq("dlq", "list", "--json", "--job", "ov", redis_url=redis_url).stdout)
     assert sorted(e["id"] for e in letters) == long_ids
     assert all(e["message"].startswith("Requested token count exceeds") for e in letters), letters
-    said = run_genq("dlq", "requeue", "--all", "--job", "ov", "--max-tokens", "50", redis_url=redis_url).stdout
+    said = run_genq("dlq", "requeue", "--all", "--job", "ov", "--max-tokens", "50", "--extra-body",
+                    '{"stop_token_ids": [7]}', redis_url=redis_url).stdout
     assert "requeued 4 prompts" in said, said
     assert worker(url, "--burst", name="again").wait(timeout=60) == 0
     found = audit(rconn, "ov", out, ids + long_ids)
@@ -75,6 +77,7 @@ def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, si
     for pid in long_ids:
         record = found.results[pid]
         assert record["usage"]["completion_tokens"] <= 50 and record["settings_version"] == 1, record
+        assert "matched_stop" in record, record  # kept only when the request set stop_token_ids
     assert run_genq("jobs", "show", "ov", redis_url=redis_url).stdout.count("version 2") == 0
 
 
