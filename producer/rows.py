@@ -38,9 +38,13 @@ REFUSED = {
     "best_of": "SGLang ignores it and vLLM's V1 engine refuses it; ask for n samples instead",
 }
 # One endpoint's fields: the other's engines ignore them, so the record would not show them.
-_NO_TOOLS = "completions have no tool calls"
+_NO_TOOLS, _NO_TEMPLATE = "completions have no tool calls", "completions have no chat template"
 CHAT_ONLY = {"top_logprobs": "use 'logprobs': K with --endpoint completions", "tools": _NO_TOOLS,
-             "tool_choice": _NO_TOOLS, "parallel_tool_calls": _NO_TOOLS}
+             "tool_choice": _NO_TOOLS, "parallel_tool_calls": _NO_TOOLS,
+             "max_completion_tokens": "use max_tokens with --endpoint completions (the server's default is 16)",
+             **dict.fromkeys(["chat_template_kwargs", "chat_template", "add_generation_prompt",
+                              "continue_final_message", "reasoning_effort"], _NO_TEMPLATE),
+             **dict.fromkeys(["separate_reasoning", "stream_reasoning"], "completions have no reasoning_content")}
 COMPLETIONS_ONLY = {"echo": "chat has no echo", "suffix": "chat has no suffix"}
 # Chat templates' switches (Qwen3's enable_thinking, DeepSeek-V3.1's thinking): the servers take them
 # inside chat_template_kwargs.

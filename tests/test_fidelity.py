@@ -222,6 +222,12 @@ def _export(tmp_path: Path, redis_url: str, fmt: str) -> Path:
     ({"sampling": {"logprobs": True}}, "completions", "logprobs must be an integer 0..20 for completions"),
     ({"sampling": {"top_logprobs": 1}}, "completions", "'top_logprobs' is a chat field"),
     ({"sampling": {"modalities": ["audio"]}}, "chat", "'modalities' is refused"),
+    # SGLang's and vLLM's /v1/completions ignore these: the job's max_tokens was dropped for the
+    # server's default of 16, and a template switch did nothing.
+    ({"sampling": {"max_completion_tokens": 5}}, "completions", "'max_completion_tokens' is a chat field; use"),
+    ({"sampling": {"chat_template_kwargs": {"enable_thinking": True}}}, "completions",
+     "'chat_template_kwargs' is a chat field; completions have no chat template"),
+    ({"sampling": {"separate_reasoning": False}}, "completions", "'separate_reasoning' is a chat field"),
 ])
 def test_fields_genq_cannot_record_are_refused_at_enqueue(redis_url, tmp_path, line, endpoint, message):
     src = tmp_path / "in.jsonl"
