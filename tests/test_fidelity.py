@@ -245,6 +245,13 @@ def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
     proc = run_genq("enqueue", str(src), "--job", "x", "--endpoint", "completions", "--extra-body",
                     '{"logprobs": true}', "--output", str(tmp_path / "o"), redis_url=redis_url, check=False)
     assert proc.returncode != 0 and "--extra-body: logprobs must be an integer" in proc.stderr, proc.stderr
+    # ... and when `genq jobs set` changes them later (they were taken, then ignored by the server).
+    run_genq("enqueue", str(src), "--job", "x", "--endpoint", "completions", "--output", str(tmp_path / "o"),
+             redis_url=redis_url)
+    proc = run_genq("jobs", "set", "x", "--extra-body", json.dumps({"tools": [TOOL]}), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 1 and "--extra-body: 'tools' is a chat field" in proc.stderr, proc.stdout + proc.stderr
+    assert "settings version 1" in run_genq("jobs", "show", "x", redis_url=redis_url).stdout
 
 
 def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, worker, tmp_path):

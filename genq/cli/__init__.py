@@ -51,10 +51,11 @@ class LazyGroup(click.Group):
         except Exception as exc:  # what the operator can fix: one line, exit 1 (imported only when something failed)
             from genq.monitor.progress import JobNotFound
             from genq.ops.control import Refused
+            from genq.producer.rows import RowError
             from genq.producer.sources import SourceError
             from genq.worker.fleet import FleetError
 
-            if isinstance(exc, (Refused, SourceError, FleetError, JobNotFound)):
+            if isinstance(exc, (Refused, RowError, SourceError, FleetError, JobNotFound)):
                 raise click.ClickException(str(exc)) from None
             raise
 

@@ -23,6 +23,7 @@ from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs,
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
 from genq.core.redisconn import redis_note_of
 from genq.output import truth
+from genq.producer.rows import check_params
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 # A lost worker's fields, read through its status otherwise.
@@ -262,6 +263,8 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any], note: str
             raise Refused(f"no job named {job!r} (or it has no stored settings)")
         if not (differing := {k: v for k, v in changes.items() if getattr(config, k) != v}):
             raise Refused(f"job {job!r} has these settings already (version {config.settings_version})")
+        if "extra_body" in differing:  # checked for the job's endpoint, as at enqueue
+            check_params(differing["extra_body"], "--extra-body", config.endpoint)
         version = config.settings_version + 1
         entry = SettingsChange(version=version, at=time.time(), changed=differing,
                                previous={k: getattr(config, k) for k in differing}, note=note)

@@ -20,6 +20,7 @@ from genq.core.ledger import letters
 from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig, JobRecord, batch_number
 from genq.ops.control import Refused, jobs_named
 from genq.output import truth
+from genq.producer.rows import check_params
 
 log = logging.getLogger("genq.dlq")
 
@@ -178,6 +179,9 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
 
         return move
 
+    for job in {e.job for e in chosen} if override else ():  # as at enqueue, before anything moves
+        if (config := q.load_config(conn, job)) is not None:
+            check_params(override or {}, "--extra-body", config.endpoint)
     return _each(conn, chosen, some, requeue=True)
 
 
