@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from genq.core.records import Endpoint, Prompt, Rejected
+from genq.core.records import Endpoint, Prompt, Rejected, pack
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
@@ -185,10 +185,14 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
         return None
     try:
         prompt, converted = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
+        pack(prompt)  # Redis holds it as msgpack, whose integers are 64-bit
     except msgspec.DecodeError as exc:
         return rejected(line_no, f"invalid JSON: {exc}", raw)
     except RowError as exc:
         return rejected(line_no, str(exc), raw)
+    except OverflowError:
+        return rejected(line_no, "has an integer outside -2**63..2**64-1, which genq cannot queue; give it as a "
+                        "string", raw)
     return Row(prompt, stripped, claim_digest(prompt), converted, start, start + len(raw) if start >= 0 else -1)
 
 

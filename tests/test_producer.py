@@ -217,3 +217,23 @@ def test_an_openai_batch_lines_other_fields_are_its_metadata(redis_url, rconn, t
     run_genq("enqueue", str(src), "--job", "oaimeta", "--output", str(tmp_path / "out"), redis_url=redis_url)
     (prompt,) = batch_prompts(rconn, "oaimeta", "b0000001")
     assert (prompt.custom_id, prompt.metadata) == ("r1", {"topic": "t"})
+
+
+def test_an_integer_too_large_to_queue_rejects_its_line_only(redis_url, rconn, tmp_path):
+    """Redis holds prompts as msgpack, whose integers are 64-bit: a larger one (a seed, a metadata id)
+    rejected its whole enqueue with a traceback; now its line is rejected, named, and the rest queued."""
+    src = tmp_path / "big.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"id": "ok", "prompt": "hi", "sampling": {"seed": 2**64 - 1}}),
+        json.dumps({"id": "seed", "prompt": "hi", "sampling": {"seed": 2**64}}),
+        json.dumps({"id": "meta", "prompt": "hi", "row": -(2**63) - 1}),
+    ]) + "\n")
+    proc = run_genq("enqueue", str(src), "--job", "big", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "line 2: has an integer outside" in proc.stderr and "line 3: has an integer outside" in proc.stderr
+    assert [p.id for p in batch_prompts(rconn, "big", "b0000001")] == ["ok"]
+    proc = run_genq("enqueue", str(src), "--job", "big2", "--extra-body", '{"seed": 18446744073709551616}',
+                    "--output", str(tmp_path / "out"), redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--extra-body has an integer outside" in proc.stderr
