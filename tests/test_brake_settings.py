@@ -78,6 +78,9 @@ def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, si
         record = found.results[pid]
         assert record["usage"]["completion_tokens"] <= 50 and record["settings_version"] == 1, record
         assert "matched_stop" in record, record  # kept only when the request set stop_token_ids
+        # Version 1 says max_tokens 200: the record says what overrode it for this prompt.
+        assert record["sampling"] == {"max_tokens": 50, "stop_token_ids": [7]}, record
+    assert all("sampling" not in r for pid, r in found.results.items() if pid not in long_ids)
     assert run_genq("jobs", "show", "ov", redis_url=redis_url).stdout.count("version 2") == 0
 
 

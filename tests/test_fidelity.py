@@ -54,6 +54,7 @@ def test_n_samples_are_one_record_with_every_choice(redis_url, rconn, sim, worke
     assert len(records) == 12
     lengths_differ = 0
     for r in records:
+        assert r["sampling"] == {"n": 3}  # the row's request fields, as sent
         choices = r["choices"]
         assert [c["index"] for c in choices] == [0, 1, 2]
         texts = [c["completion"] for c in choices]
