@@ -131,3 +131,21 @@ def test_jobs_set_model_moves_the_job_off_the_servers_of_the_old_model(redis_url
              if (r["settings_version"], r["worker"]) not in ((1, "on-small"), (2, "on-big"))]
     assert not wrong, wrong[:10]
     assert on_small.alive()
+
+
+def test_dlq_requeue_max_tokens_wins_over_the_rows_max_completion_tokens(redis_url, rconn, sim, worker,
+                                                                         tmp_path: Path):
+    """A row that asked with max_completion_tokens (OpenAI's newer name, which SGLang prefers) and died
+    of it: requeued with --max-tokens 50, it is sent with 50 (both were sent; the server kept the row's)."""
+    url = sim(max_context=1000, mean_output_tokens=30, output_sigma=0.3, tokens_per_step=16, step_ms_base=2)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"custom_id": "long", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "word " * 720}], "max_completion_tokens": 200}}) + "\n")
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "mct", "--output", str(out), "--max-tokens", "200", redis_url=redis_url)
+    assert worker(url, "--burst").wait(timeout=60) == 0
+    assert [e["id"] for e in json.loads(run_genq("dlq", "list", "--json", redis_url=redis_url).stdout)] == ["long"]
+    run_genq("dlq", "requeue", "--all", "--max-tokens", "50", redis_url=redis_url)
+    assert worker(url, "--burst", name="again").wait(timeout=60) == 0
+    found = audit(rconn, "mct", out, ["long"])
+    assert not found.letters and found.results["long"]["sampling"] == {"max_tokens": 50}
