@@ -292,3 +292,19 @@ def test_the_eta_sees_requests_of_n_samples_as_fewer_slots(redis_url, rconn, sim
     view = wait_until(busy_view, 60, "the worker running two requests")
     assert (view.live_status.sequences, view.live_status.concurrency_target) == (8, 8)
     assert view.slots == 2
+
+
+@pytest.mark.parametrize(("job", "row", "cap"), [
+    ({}, {"max_completion_tokens": 7}, {"max_completion_tokens": 7}),
+    ({"max_completion_tokens": 900}, {"max_tokens": 7}, {"max_tokens": 7}),
+    ({"max_completion_tokens": 900}, {}, {"max_tokens": 96, "max_completion_tokens": 900}),
+])
+def test_the_rows_token_cap_wins_over_the_jobs_whichever_name_each_uses(job, row, cap):
+    """SGLang and vLLM take max_completion_tokens over max_tokens: a row's max_tokens under a job's
+    --extra-body max_completion_tokens was sent beside it, and the job's cap was used."""
+    from genq.core.records import JobConfig, Prompt
+    from genq.worker.server import build_body
+
+    config = JobConfig(name="j", output="o", max_tokens=96, extra_body=job)
+    body = build_body(config, Prompt(id="a", index=0, prompt="hi", sampling=row or None), "m", stream=False)
+    assert {k: v for k, v in body.items() if k in ("max_tokens", "max_completion_tokens")} == cap
