@@ -12,12 +12,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from genq.core.records import Endpoint, Prompt, Rejected
+from genq.core.records import Endpoint, Prompt, Rejected, pack
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 REJECT_TEXT_LIMIT = 2000
 OPENAI_BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 _REQUEST_FIELDS = {"id", "messages", "prompt", "sampling"}
+_BATCH_LINE_FIELDS = {"custom_id", "method", "url", "body"}
 
 json_decoder = msgspec.json.Decoder()
 _canonical = msgspec.json.Encoder(order="sorted")
@@ -37,9 +38,13 @@ REFUSED = {
     "best_of": "SGLang ignores it and vLLM's V1 engine refuses it; ask for n samples instead",
 }
 # One endpoint's fields: the other's engines ignore them, so the record would not show them.
-_NO_TOOLS = "completions have no tool calls"
+_NO_TOOLS, _NO_TEMPLATE = "completions have no tool calls", "completions have no chat template"
 CHAT_ONLY = {"top_logprobs": "use 'logprobs': K with --endpoint completions", "tools": _NO_TOOLS,
-             "tool_choice": _NO_TOOLS, "parallel_tool_calls": _NO_TOOLS}
+             "tool_choice": _NO_TOOLS, "parallel_tool_calls": _NO_TOOLS,
+             "max_completion_tokens": "use max_tokens with --endpoint completions (the server's default is 16)",
+             **dict.fromkeys(["chat_template_kwargs", "chat_template", "add_generation_prompt",
+                              "continue_final_message", "reasoning_effort"], _NO_TEMPLATE),
+             **dict.fromkeys(["separate_reasoning", "stream_reasoning"], "completions have no reasoning_content")}
 COMPLETIONS_ONLY = {"echo": "chat has no echo", "suffix": "chat has no suffix"}
 # Chat templates' switches (Qwen3's enable_thinking, DeepSeek-V3.1's thinking): the servers take them
 # inside chat_template_kwargs.
@@ -175,14 +180,19 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     """None for a blank line. line_no is 1-based, as editors show it; start: the line's byte offset."""
     if len(raw) > MAX_LINE_BYTES:
         return rejected(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
-    if not (stripped := raw.strip()):
+    # A byte order mark (Windows editors; files joined with cat) starts no JSON: it is not the row's.
+    if not (stripped := raw.strip().removeprefix(b"\xef\xbb\xbf")):
         return None
     try:
         prompt, converted = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
+        pack(prompt)  # Redis holds it as msgpack, whose integers are 64-bit
     except msgspec.DecodeError as exc:
         return rejected(line_no, f"invalid JSON: {exc}", raw)
     except RowError as exc:
         return rejected(line_no, str(exc), raw)
+    except OverflowError:
+        return rejected(line_no, "has an integer outside -2**63..2**64-1, which genq cannot queue; give it as a "
+                        "string", raw)
     return Row(prompt, stripped, claim_digest(prompt), converted, start, start + len(raw) if start >= 0 else -1)
 
 
@@ -192,8 +202,9 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     batch_line = "custom_id" in obj and "body" in obj
     prompt = _plain_row(line_no, _openai_batch_row(obj) if batch_line else obj)
-    if batch_line:
+    if batch_line:  # its other fields are metadata, as a plain row's are
         prompt.custom_id = prompt.id
+        prompt.metadata = {k: v for k, v in obj.items() if k not in _BATCH_LINE_FIELDS}
     if prompt.sampling is not None:
         check_params(prompt.sampling, "OpenAI Batch 'body'" if batch_line else "'sampling'", endpoint)
     if endpoint == "completions" and prompt.messages is not None:

@@ -259,6 +259,9 @@ def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoi
                 raise RowError(f"'messages' is a string but not JSON: {exc}") from None
         elif messages is not None:
             row["messages"] = _strip_nulls(messages)
+        for field in ("sampling", "body"):  # a row's absent fields are nulls there too: not what it set
+            if isinstance(row.get(field), dict):
+                row[field] = _strip_nulls(row[field])
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
         prompt, converted = to_prompt(row_no, row, endpoint)

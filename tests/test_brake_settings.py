@@ -51,7 +51,8 @@ def test_jobs_set_reaches_a_running_job(redis_url, rconn, sim, worker, tmp_path:
 
 def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, sim, worker, tmp_path: Path):
     """Four prompts too long for prompt + max_tokens are dead-lettered alone; requeued with
-    --max-tokens 50 they fit and finish, the job's own settings unchanged."""
+    --max-tokens 50 they fit and finish, the job's own settings unchanged; --extra-body's fields are
+    sent as request fields (they were sent inside an 'extra_body' field the server ignores)."""
     url = sim(max_context=1000, mean_output_tokens=30, output_sigma=0.3, tokens_per_step=16, step_ms_base=2)
     src = tmp_path / "p.jsonl"
     ids = write_prompts(src, 20)
@@ -69,7 +70,8 @@ def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, si
     letters = json.loads(run_genq("dlq", "list", "--json", "--job", "ov", redis_url=redis_url).stdout)
     assert sorted(e["id"] for e in letters) == long_ids
     assert all(e["message"].startswith("Requested token count exceeds") for e in letters), letters
-    said = run_genq("dlq", "requeue", "--all", "--job", "ov", "--max-tokens", "50", redis_url=redis_url).stdout
+    said = run_genq("dlq", "requeue", "--all", "--job", "ov", "--max-tokens", "50", "--extra-body",
+                    '{"stop_token_ids": [7]}', redis_url=redis_url).stdout
     assert "requeued 4 prompts" in said, said
     assert worker(url, "--burst", name="again").wait(timeout=60) == 0
     found = audit(rconn, "ov", out, ids + long_ids)
@@ -77,6 +79,10 @@ def test_dlq_requeue_overrides_the_settings_for_its_prompts(redis_url, rconn, si
     for pid in long_ids:
         record = found.results[pid]
         assert record["usage"]["completion_tokens"] <= 50 and record["settings_version"] == 1, record
+        assert "matched_stop" in record, record  # kept only when the request set stop_token_ids
+        # Version 1 says max_tokens 200: the record says what overrode it for this prompt.
+        assert record["sampling"] == {"max_tokens": 50, "stop_token_ids": [7]}, record
+    assert all("sampling" not in r for pid, r in found.results.items() if pid not in long_ids)
     assert run_genq("jobs", "show", "ov", redis_url=redis_url).stdout.count("version 2") == 0
 
 
@@ -152,3 +158,21 @@ def test_jobs_set_says_what_it_changed_and_what_the_job_had_already(redis_url, t
     shown = json.loads(run_genq("jobs", "show", "same", "--json", redis_url=redis_url).stdout)
     assert shown["row"]["priority"] == 3 and shown["config"]["settings_version"] == 2, shown
     assert [h["changed"] for h in shown["config"]["settings_history"]] == [{"temperature": 0.5}], shown
+
+
+def test_dlq_requeue_max_tokens_wins_over_the_rows_max_completion_tokens(redis_url, rconn, sim, worker,
+                                                                         tmp_path: Path):
+    """A row that asked with max_completion_tokens (OpenAI's newer name, which SGLang prefers) and died
+    of it: requeued with --max-tokens 50, it is sent with 50 (both were sent; the server kept the row's)."""
+    url = sim(max_context=1000, mean_output_tokens=30, output_sigma=0.3, tokens_per_step=16, step_ms_base=2)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"custom_id": "long", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "word " * 720}], "max_completion_tokens": 200}}) + "\n")
+    out = tmp_path / "out"
+    run_genq("enqueue", str(src), "--job", "mct", "--output", str(out), "--max-tokens", "200", redis_url=redis_url)
+    assert worker(url, "--burst").wait(timeout=60) == 0
+    assert [e["id"] for e in json.loads(run_genq("dlq", "list", "--json", redis_url=redis_url).stdout)] == ["long"]
+    run_genq("dlq", "requeue", "--all", "--max-tokens", "50", redis_url=redis_url)
+    assert worker(url, "--burst", name="again").wait(timeout=60) == 0
+    found = audit(rconn, "mct", out, ["long"])
+    assert not found.letters and found.results["long"]["sampling"] == {"max_tokens": 50}

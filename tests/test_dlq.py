@@ -304,3 +304,20 @@ def test_unknown_job_or_id_is_a_clear_error(redis_url, tmp_path):
     proc = run_genq("dlq", "requeue", redis_url=redis_url, check=False)
     assert proc.returncode == 2 and "give either --all or one or more IDs" in proc.stderr
     assert "the dead-letter queue is empty" in run_genq("dlq", "list", redis_url=redis_url).stdout
+
+
+def test_requeue_overrides_are_checked_for_the_jobs_endpoint(redis_url, rconn, sim, worker, tmp_path):
+    """A chat-only field given to a completions job's dead prompts is refused, as at enqueue (it was
+    queued, and the server would have ignored it); the letters stay."""
+    server = sim(context_length=SMALL_CONTEXT, **FAST_SIM)
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"id": "long", "prompt": "x" * 2000}) + "\n")
+    run_genq("enqueue", str(src), "--job", "comp", "--endpoint", "completions", "--max-tokens", "16",
+             "--output", str(tmp_path / "out"), redis_url=redis_url)
+    assert worker(server, "--burst").wait(timeout=60) == 0
+    assert [e["id"] for e in dlq_json(redis_url)] == ["long"]
+    proc = run_genq("dlq", "requeue", "--all", "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}',
+                    redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "--extra-body: 'chat_template_kwargs' is a chat field" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert [e["id"] for e in dlq_json(redis_url)] == ["long"]

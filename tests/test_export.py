@@ -301,3 +301,24 @@ def test_an_output_that_is_a_file_is_one_line_for_export_and_recover(redis_url, 
         ran = run_genq(*args, check=False)
         assert ran.returncode == 1 and "Traceback" not in ran.stderr, (args, ran.stderr)
         assert str(wrong) in ran.stderr and len(ran.stderr.strip().splitlines()) == 1, (args, ran.stderr)
+
+
+def test_parquet_sampling_and_openai_batch_bodies_lose_the_nulls_struct_unification_adds(tmp_path):
+    """Arrow gives every row of a struct column every field, null where the row had none: a row's
+    `sampling` (or an OpenAI Batch `body`) is what it set, not a refusal of the nulls added."""
+    from genq.producer.sources import open_rows
+
+    path = tmp_path / "rows.parquet"
+    chat = [{"role": "user", "content": "hi"}]
+    pq.write_table(pa.Table.from_pylist([
+        {"id": "a", "messages": chat, "sampling": {"temperature": 0.2}},
+        {"id": "b", "messages": chat, "sampling": {"n": 2}},
+        {"id": "c", "messages": chat, "sampling": None},
+    ]), path)
+    assert [(r.prompt.id, r.prompt.sampling) for r in open_rows(str(path), endpoint="chat")] == \
+        [("a", {"temperature": 0.2}), ("b", {"n": 2}), ("c", None)]
+    pq.write_table(pa.Table.from_pylist([
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": chat, **body}}
+        for i, body in enumerate([{"max_tokens": 5}, {"temperature": 0.5}])]), path)
+    assert [r.prompt.sampling for r in open_rows(str(path), endpoint="chat")] == [{"max_tokens": 5},
+                                                                                  {"temperature": 0.5}]

@@ -54,6 +54,7 @@ def test_n_samples_are_one_record_with_every_choice(redis_url, rconn, sim, worke
     assert len(records) == 12
     lengths_differ = 0
     for r in records:
+        assert r["sampling"] == {"n": 3}  # the row's request fields, as sent
         choices = r["choices"]
         assert [c["index"] for c in choices] == [0, 1, 2]
         texts = [c["completion"] for c in choices]
@@ -222,6 +223,12 @@ def _export(tmp_path: Path, redis_url: str, fmt: str) -> Path:
     ({"sampling": {"logprobs": True}}, "completions", "logprobs must be an integer 0..20 for completions"),
     ({"sampling": {"top_logprobs": 1}}, "completions", "'top_logprobs' is a chat field"),
     ({"sampling": {"modalities": ["audio"]}}, "chat", "'modalities' is refused"),
+    # SGLang's and vLLM's /v1/completions ignore these: the job's max_tokens was dropped for the
+    # server's default of 16, and a template switch did nothing.
+    ({"sampling": {"max_completion_tokens": 5}}, "completions", "'max_completion_tokens' is a chat field; use"),
+    ({"sampling": {"chat_template_kwargs": {"enable_thinking": True}}}, "completions",
+     "'chat_template_kwargs' is a chat field; completions have no chat template"),
+    ({"sampling": {"separate_reasoning": False}}, "completions", "'separate_reasoning' is a chat field"),
 ])
 def test_fields_genq_cannot_record_are_refused_at_enqueue(redis_url, tmp_path, line, endpoint, message):
     src = tmp_path / "in.jsonl"
@@ -239,6 +246,13 @@ def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
     proc = run_genq("enqueue", str(src), "--job", "x", "--endpoint", "completions", "--extra-body",
                     '{"logprobs": true}', "--output", str(tmp_path / "o"), redis_url=redis_url, check=False)
     assert proc.returncode != 0 and "--extra-body: logprobs must be an integer" in proc.stderr, proc.stderr
+    # ... and when `genq jobs set` changes them later (they were taken, then ignored by the server).
+    run_genq("enqueue", str(src), "--job", "x", "--endpoint", "completions", "--output", str(tmp_path / "o"),
+             redis_url=redis_url)
+    proc = run_genq("jobs", "set", "x", "--extra-body", json.dumps({"tools": [TOOL]}), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 1 and "--extra-body: 'tools' is a chat field" in proc.stderr, proc.stdout + proc.stderr
+    assert "settings version 1" in run_genq("jobs", "show", "x", redis_url=redis_url).stdout
 
 
 def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, worker, tmp_path):
@@ -278,3 +292,19 @@ def test_the_eta_sees_requests_of_n_samples_as_fewer_slots(redis_url, rconn, sim
     view = wait_until(busy_view, 60, "the worker running two requests")
     assert (view.live_status.sequences, view.live_status.concurrency_target) == (8, 8)
     assert view.slots == 2
+
+
+@pytest.mark.parametrize(("job", "row", "cap"), [
+    ({}, {"max_completion_tokens": 7}, {"max_completion_tokens": 7}),
+    ({"max_completion_tokens": 900}, {"max_tokens": 7}, {"max_tokens": 7}),
+    ({"max_completion_tokens": 900}, {}, {"max_tokens": 96, "max_completion_tokens": 900}),
+])
+def test_the_rows_token_cap_wins_over_the_jobs_whichever_name_each_uses(job, row, cap):
+    """SGLang and vLLM take max_completion_tokens over max_tokens: a row's max_tokens under a job's
+    --extra-body max_completion_tokens was sent beside it, and the job's cap was used."""
+    from genq.core.records import JobConfig, Prompt
+    from genq.worker.server import build_body
+
+    config = JobConfig(name="j", output="o", max_tokens=96, extra_body=job)
+    body = build_body(config, Prompt(id="a", index=0, prompt="hi", sampling=row or None), "m", stream=False)
+    assert {k: v for k, v in body.items() if k in ("max_tokens", "max_completion_tokens")} == cap

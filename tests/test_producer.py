@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
@@ -191,3 +192,48 @@ def test_dry_run_checks_rows_for_the_jobs_endpoint_as_the_real_enqueue_does(redi
     assert "line 1: has 'messages' but the job uses --endpoint completions" in dry.stderr
     real = run_genq(*args, redis_url=redis_url, check=False)
     assert real.returncode == 3 and "queued 1 prompt in 1 batch" in real.stdout
+
+
+@pytest.mark.parametrize("mode", ["--input-inline", "--input-by-reference"])
+def test_a_byte_order_mark_and_crlf_line_ends_lose_no_line(redis_url, rconn, tmp_path, mode):
+    """Editors on Windows save UTF-8 with a byte order mark and CRLF: the first line is a row like the
+    others (it was rejected as invalid JSON), also when a worker reads it back by reference."""
+    src = tmp_path / "bom.jsonl"
+    rows = [{"id": f"w{i}", "messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
+    src.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\r\n" for r in rows))
+    proc = run_genq("enqueue", str(src), "--job", "bom", "--output", str(tmp_path / "out"), mode,
+                    redis_url=redis_url, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(p.id, p.messages) for p in batch_prompts(rconn, "bom", "b0000001")] == \
+        [(r["id"], r["messages"]) for r in rows]
+
+
+def test_an_openai_batch_lines_other_fields_are_its_metadata(redis_url, rconn, tmp_path):
+    """Fields beside custom_id, method, url and body are carried to the record as a plain row's are,
+    not dropped."""
+    src = tmp_path / "oai.jsonl"
+    src.write_text(json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "topic": "t",
+                               "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}) + "\n")
+    run_genq("enqueue", str(src), "--job", "oaimeta", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    (prompt,) = batch_prompts(rconn, "oaimeta", "b0000001")
+    assert (prompt.custom_id, prompt.metadata) == ("r1", {"topic": "t"})
+
+
+def test_an_integer_too_large_to_queue_rejects_its_line_only(redis_url, rconn, tmp_path):
+    """Redis holds prompts as msgpack, whose integers are 64-bit: a larger one (a seed, a metadata id)
+    rejected its whole enqueue with a traceback; now its line is rejected, named, and the rest queued."""
+    src = tmp_path / "big.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"id": "ok", "prompt": "hi", "sampling": {"seed": 2**64 - 1}}),
+        json.dumps({"id": "seed", "prompt": "hi", "sampling": {"seed": 2**64}}),
+        json.dumps({"id": "meta", "prompt": "hi", "row": -(2**63) - 1}),
+    ]) + "\n")
+    proc = run_genq("enqueue", str(src), "--job", "big", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "line 2: has an integer outside" in proc.stderr and "line 3: has an integer outside" in proc.stderr
+    assert [p.id for p in batch_prompts(rconn, "big", "b0000001")] == ["ok"]
+    proc = run_genq("enqueue", str(src), "--job", "big2", "--extra-body", '{"seed": 18446744073709551616}',
+                    "--output", str(tmp_path / "out"), redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--extra-body has an integer outside" in proc.stderr

@@ -75,9 +75,11 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
     body.update(config.extra_body)
     if prompt.sampling:
         body.update(prompt.sampling)
-        # An OpenAI Batch row's max_completion_tokens wins over the job's max_tokens.
-        if "max_completion_tokens" in prompt.sampling and "max_tokens" not in prompt.sampling:
-            body.pop("max_tokens", None)
+        # The row's token cap wins over the job's, whichever name each used (the servers take
+        # max_completion_tokens over max_tokens).
+        for mine, other in (("max_completion_tokens", "max_tokens"), ("max_tokens", "max_completion_tokens")):
+            if mine in prompt.sampling and other not in prompt.sampling:
+                body.pop(other, None)
     if prompt.messages is not None:
         body["messages"] = prompt.messages
     else:

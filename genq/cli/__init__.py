@@ -51,10 +51,11 @@ class LazyGroup(click.Group):
         except Exception as exc:  # what the operator can fix: one line, exit 1 (imported only when something failed)
             from genq.monitor.progress import JobNotFound
             from genq.ops.control import Refused
+            from genq.producer.rows import RowError
             from genq.producer.sources import SourceError
             from genq.worker.fleet import FleetError
 
-            if isinstance(exc, (Refused, SourceError, FleetError, JobNotFound)):
+            if isinstance(exc, (Refused, RowError, SourceError, FleetError, JobNotFound)):
                 raise click.ClickException(str(exc)) from None
             raise
 
@@ -139,6 +140,7 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     """--extra-body's JSON object, its fields checked as a row's sampling is (ValueError says why)."""
+    from genq.core.records import pack
     from genq.producer.rows import check_params
 
     try:
@@ -148,6 +150,10 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     check_params(extra, "--extra-body", endpoint)  # RowError is a ValueError
+    try:
+        pack(extra)  # Redis holds the settings as msgpack, whose integers are 64-bit
+    except OverflowError:
+        raise ValueError("--extra-body has an integer outside -2**63..2**64-1, which genq cannot store") from None
     return extra
 
 

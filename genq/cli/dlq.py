@@ -124,7 +124,8 @@ def requeue(ids: tuple[str, ...], job: str | None, all_: bool, **settings: Any) 
     """Queue dead prompts and failed batches again. The options apply to these prompts only."""
     if all_ == bool(ids):
         raise click.UsageError("give either --all or one or more IDs")
-    override = {k: v for k, v in settings.items() if v is not None}
+    # Into each prompt's own request fields: --extra-body's fields are some of them, not one named extra_body.
+    override = {**(settings.pop("extra_body") or {}), **{k: v for k, v in settings.items() if v is not None}}
     conn = redis_conn()
     if not (chosen := _chosen(conn, "requeue", job, ids)):
         return

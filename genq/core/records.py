@@ -193,6 +193,7 @@ class Result(msgspec.Struct, omit_defaults=True):
     prompt: str | None = None
     reasoning_content: str | None = None
     metadata: dict[str, Any] = {}
+    sampling: dict[str, Any] | None = None  # the row's own request fields (Prompt.sampling), as sent
     custom_id: str | None = None
     response_id: str | None = None
     finished_at: float = 0.0
@@ -206,14 +207,15 @@ class Result(msgspec.Struct, omit_defaults=True):
 
 def without_prompt(result: Result) -> Result:
     """A Result as kept in Redis until its shard is written: without the prompt its batch holds."""
-    if result.messages is None and result.prompt is None and not result.metadata and result.custom_id is None:
+    if (result.messages is None and result.prompt is None and not result.metadata and result.sampling is None
+            and result.custom_id is None):
         return result  # the worker's records come without it: no copy
-    return msgspec.structs.replace(result, messages=None, prompt=None, metadata={}, custom_id=None)
+    return msgspec.structs.replace(result, messages=None, prompt=None, metadata={}, sampling=None, custom_id=None)
 
 
 def with_prompt(result: Result, prompt: Prompt) -> Result:
     return msgspec.structs.replace(result, messages=prompt.messages, prompt=prompt.prompt,
-                                   metadata=prompt.metadata, custom_id=prompt.custom_id)
+                                   metadata=prompt.metadata, sampling=prompt.sampling, custom_id=prompt.custom_id)
 
 
 ErrorKind = Literal[

@@ -23,6 +23,7 @@ from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs,
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
 from genq.core.redisconn import redis_note_of
 from genq.output import truth
+from genq.producer.rows import check_params
 
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 # A lost worker's fields, read through its status otherwise.
@@ -267,6 +268,8 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
         differing.update({k: v for k, v in changes.items() if getattr(config, k) != v})
         if not differing:
             return config  # it has them all already: nothing stored
+        if "extra_body" in differing:  # checked for the job's endpoint, as at enqueue
+            check_params(differing["extra_body"], "--extra-body", config.endpoint)
         version = config.settings_version + 1
         entry = SettingsChange(version=version, at=time.time(), changed=dict(differing),
                                previous={k: getattr(config, k) for k in differing}, note=note)

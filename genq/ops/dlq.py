@@ -20,6 +20,7 @@ from genq.core.ledger import letters
 from genq.core.records import DeadLetter, EnqueueRecord, ErrorKind, JobConfig, JobRecord, batch_number
 from genq.ops.control import Refused, jobs_named
 from genq.output import truth
+from genq.producer.rows import check_params
 
 log = logging.getLogger("genq.dlq")
 
@@ -154,7 +155,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
         def move(pipe: Any) -> Moved:
             found, left = _movable(pipe, job, ids, "requeue")
             # A fresh Prompt carries no attempt count: the engine starts it at 0.
-            prompts = sorted((msgspec.structs.replace(d.prompt, sampling={**(d.prompt.sampling or {}), **override})
+            prompts = sorted((msgspec.structs.replace(d.prompt, sampling=_overridden(d.prompt.sampling, override))
                               if override else d.prompt for d in found if d.prompt is not None),
                              key=lambda p: (p.index, p.id))
             batches = q.new_batches(conn, job, prompts, config.batch_size, floor)
@@ -178,7 +179,18 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
 
         return move
 
+    for job in {e.job for e in chosen} if override else ():  # as at enqueue, before anything moves
+        if (config := q.load_config(conn, job)) is not None:
+            check_params(override or {}, "--extra-body", config.endpoint)
     return _each(conn, chosen, some, requeue=True)
+
+
+def _overridden(sampling: dict[str, Any] | None, override: dict[str, Any]) -> dict[str, Any]:
+    """A prompt's request fields under requeue's: --max-tokens caps the row's max_completion_tokens too,
+    which the servers would otherwise take over it."""
+    if "max_tokens" in override:
+        sampling = {k: v for k, v in (sampling or {}).items() if k != "max_completion_tokens"}
+    return {**(sampling or {}), **override}
 
 
 def _numbers_in_use(store: truth.Store, config: JobConfig) -> tuple[int, JobRecord | None]:
