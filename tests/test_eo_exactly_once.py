@@ -24,7 +24,7 @@ import redis
 from rq.registry import StartedJobRegistry
 
 from genq.core import keys, ledger
-from genq.core.queueing import rq_queue
+from genq.core.queueing import enqueue_batch_jobs, rq_queue
 from genq.sim.lengths import prompt_key
 from tests.audit import audit
 from tests.conftest import (
@@ -148,6 +148,48 @@ def test_a_redis_rolled_back_under_a_batch_never_gets_a_short_shard(sim, procs, 
     found = audit(own.conn, "short", out, ids)
     assert len(found.results) == 40
     assert "no outcome in Redis" in proc.log(), "the rolled-back results were not noticed"
+
+
+def test_a_redis_rolled_back_under_a_live_holder_generates_nothing_written_elsewhere(sim, procs, tmp_path):
+    """Redis restarted from a snapshot taken while A held a batch that B then took, wrote and released:
+    A's lease is current again, and A (frozen 6 s) saw no gap longer than a lease. A used to go on
+    generating the batch's prompts (their outcomes written) until its output check adopted the batch;
+    now the changed Redis run id makes its next lease check look in the output first."""
+    own = OwnRedis(procs, tmp_path, appendonly=False)
+    slow = sim(max_running_requests=8, mean_output_tokens=1000, output_sigma=0.05, tokens_per_step=1,
+               step_ms_base=20)  # a request runs 20 s or more
+    fast = sim(max_running_requests=32, **FAST)
+    ids, out = enqueue(tmp_path, "rb", 40, "--batch-size", "40", "--max-tokens", "2000", redis_url=own.url)
+    a = procs(genq_cmd("worker", "--server", slow, "--concurrency", "2", "--prefetch", "1", "--name", "a",
+                       redis_url=own.url), name="a")
+    wait_until(lambda: sim_stats(slow)["num_running"] == 2, 60, "A sending its batch")
+    time.sleep(2)  # A's leases checked since its start (its first check looks in the output)
+    own.conn.save()  # the snapshot Redis comes back from: the batch A's
+    os.kill(a.pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        with own.conn.pipeline(transaction=True) as pipe:  # RQ delivers the batch again: B takes it
+            enqueue_batch_jobs(pipe, own.conn, [("rb", "b0000001", 40)], at_front=True)
+            pipe.execute()
+        b = procs(genq_cmd("worker", "--server", fast, "--burst", "--concurrency", "32", "--name", "b",
+                           redis_url=own.url), name="b")
+        assert b.wait(timeout=60) == 0, b.log()
+        assert own.conn.sismember(keys.job_done("rb"), "b0000001"), b.log()
+        own.crash()
+        own.start()  # from the snapshot: A's lease is current again, the batch not done
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    frozen_for = time.monotonic() - frozen_at
+    before = sim_stats(slow)
+    wait_until(lambda: "dropping it" in a.log(), 30, "A letting the batch go")
+    wait_until(lambda: sim_stats(slow)["num_running"] == 0, 30, "A's requests ending")
+    after = sim_stats(slow)
+    a.signal(signal.SIGTERM)
+    assert a.wait(timeout=60) == 0, a.log()
+    assert frozen_for < 7, f"A frozen {frozen_for:.1f}s: near a gap its lease check notices anyway"
+    sent, finished = (after[k] - before[k] for k in ("generation_requests", "finished_requests"))
+    assert (sent, finished) == (0, 0), f"A sent {sent} and finished {finished} requests of a written batch:\n" + a.log()
+    audit(own.conn, "rb", out, ids)
 
 
 def test_workers_ride_out_a_redis_outage_longer_than_a_heartbeat(sim, procs, tmp_path):

@@ -293,13 +293,14 @@ class Batches:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def check_leases(self) -> None:
+    async def check_leases(self, restarted: bool = False) -> None:
         """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone.
-        After a gap longer than a lease survives (this engine frozen, or Redis away from it), a batch whose lease
-        is still ours is looked for in the output too: meanwhile it may have been leased elsewhere and written,
-        and Redis then restored from before that lease (its lease ours again, its outcomes gone); sending its
-        prompts would generate written ones again."""
-        away = time.monotonic() - self._leases_checked_at > LEASE_CHECK_STALE_S
+        After a gap longer than a lease survives (this engine frozen, or Redis away from it) or a Redis restart
+        (`restarted`: a gap Redis lived, not this engine), a batch whose lease is still ours is looked for in the
+        output too: meanwhile it may have been leased elsewhere and written, and Redis then restored from before
+        that lease (its lease ours again, its outcomes gone); sending its prompts would generate written ones
+        again."""
+        away = restarted or time.monotonic() - self._leases_checked_at > LEASE_CHECK_STALE_S
         mine = [h for h in self.held.values() if not h.dropped and not h.completing]
         states = await leasing.lease_states(self.conn, [h.ref for h in mine]) if mine else []
         for held, (incarnation, done, token) in zip(mine, states):

@@ -1,6 +1,6 @@
 """The engine's heartbeat (alive, what it holds, how fast it goes), then the controls and the lease check.
 Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work) it beats every IDLE_BEAT_S and steals
-every IDLE_LOOK_S: under one Redis command a second (0.60, 2026-12-06); a WAKE message ends its waits.
+every IDLE_LOOK_S: under one Redis command a second (0.72, 2026-12-07); a WAKE message ends its waits.
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ class Heartbeat:
             threading.Thread(target=self._sample_gpu, name="genq-gpu", daemon=True).start()
         self.started_at = time.time()
         self.outage_since: float | None = None  # monotonic: the first beat that failed, while they fail
+        self.run_id: str | None = None  # Redis's (INFO): another one is a restart or a failover
         self._next_note = 0.0  # seconds into the outage when the next warning is due
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
@@ -211,7 +212,9 @@ class Heartbeat:
     async def first_beat(self) -> None:
         """The start's beat, waited for (Redis full or restarting), after what Redis's settings mean for genq."""
         try:
-            if note := redis_note(await self.conn.info()):
+            info = await self.conn.info()
+            self.run_id = info.get("run_id")
+            if note := redis_note(info):
                 log.warning("%s", note.text)
         except (redis.RedisError, OSError):
             pass  # INFO not allowed (renamed in some managed Redis), or Redis away: the beat below waits
@@ -240,13 +243,25 @@ class Heartbeat:
                 # A control changed: the status just written is stale (an idle engine's next beat is 20 s away).
                 if await self.gate.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
                     self.pace.beat_now.set()
-                await self.batches.check_leases()
+                # Redis restarted or failed over (a snapshot, a lagging replica): it may hold a lease of ours that
+                # another engine's written shard superseded. Nothing is sent until the check looked in the output.
+                run_id = await self._run_id()
+                if run_id != self.run_id:
+                    self.gate.last_beat = float("-inf")
+                await self.batches.check_leases(run_id != self.run_id)
+                self.run_id = run_id
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.gate.leases_checked()
                 self.dispatcher.wake.set()
                 self._answered()
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
+
+    async def _run_id(self) -> str | None:
+        try:
+            return (await self.conn.info("server")).get("run_id")
+        except redis.ResponseError:  # INFO not allowed (renamed in some managed Redis): no restart seen
+            return self.run_id
 
     def _failed(self, exc: BaseException) -> None:
         """A beat failed (Redis away or refusing writes): said at once, then every REDIS_NOTE_EVERY_S."""
