@@ -9,10 +9,10 @@ import logging
 import os
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -35,7 +35,7 @@ from genq.core.records import (
 from genq.ops import dlq, recover
 from genq.output import truth
 from genq.output.truth import open_store
-from genq.producer.rows import Row
+from genq.producer.rows import UNSENT_AT_TOP, Row
 from genq.producer.sources import Meter, default_rejects_path, open_rows, range_digest
 
 log = logging.getLogger("genq.enqueue")
@@ -119,6 +119,7 @@ class EnqueueSummary:
     enqueued: int = 0
     batches: int = 0
     converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
+    unsent: Counter[str] = field(default_factory=Counter)  # request fields at a row's top level: metadata, not sent
     skipped_existing: int = 0  # already queued or done (an earlier run, or far up this input)
     skipped_duplicate: int = 0  # same id, same content, close together in this input
     rejected: int = 0
@@ -163,6 +164,8 @@ class Enqueuer:
                 self._pending.append(item)
                 summary.read += 1
                 summary.converted += item.converted
+                if not UNSENT_AT_TOP.isdisjoint(item.prompt.metadata):
+                    summary.unsent.update(UNSENT_AT_TOP.intersection(item.prompt.metadata))
             self._flush(final=False)
             meter.settle(read - len(self._pending))
             # Every reject still to come is of a pending row or a later line.

@@ -120,6 +120,10 @@ KNOWN: dict[str, Check] = {
 }
 
 
+# Request fields a row may carry at its top level by mistake: kept as metadata there, never sent (a note says so).
+UNSENT_AT_TOP = KNOWN.keys() - {"metadata", "user", "priority", "rid", "store"}
+
+
 def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
     """Raise RowError naming `where` (an option or a row's field) and the first bad field; with the
     endpoint known, its rules too."""

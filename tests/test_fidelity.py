@@ -253,6 +253,11 @@ def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
                     check=False)
     assert proc.returncode == 1 and "--extra-body: 'tools' is a chat field" in proc.stderr, proc.stdout + proc.stderr
     assert "settings version 1" in run_genq("jobs", "show", "x", redis_url=redis_url).stdout
+    # A job-wide token cap under another name hid --max-tokens: `jobs set --max-tokens` (the brake's advice)
+    # changed nothing the servers used.
+    for command in (["enqueue", str(src), "--job", "y", "--output", str(tmp_path / "o")], ["jobs", "set", "x"]):
+        proc = run_genq(*command, "--extra-body", '{"max_completion_tokens": 900}', redis_url=redis_url, check=False)
+        assert proc.returncode != 0 and "the job's token cap is --max-tokens" in proc.stderr, proc.stdout + proc.stderr
 
 
 def test_a_request_for_n_samples_counts_as_n_sequences(redis_url, rconn, sim, worker, tmp_path):

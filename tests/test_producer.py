@@ -237,3 +237,15 @@ def test_an_integer_too_large_to_queue_rejects_its_line_only(redis_url, rconn, t
                     "--output", str(tmp_path / "out"), redis_url=redis_url, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "--extra-body has an integer outside" in proc.stderr
+
+
+def test_request_fields_at_a_rows_top_level_are_named_as_not_sent(redis_url, rconn, tmp_path):
+    """A row's top-level fields are its metadata, request field names too (docs/input-output.md): kept,
+    never sent. A user who wrote max_tokens there is told, in one line, where request fields go."""
+    src = tmp_path / "top.jsonl"
+    src.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": "hi", "max_tokens": 9, "topic": "x"})
+                             for i in range(3)) + "\n" + json.dumps({"id": "u", "prompt": "hi", "user": "u1"}) + "\n")
+    proc = run_genq("enqueue", str(src), "--job", "top", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    assert 'not sent: max_tokens (3 rows); to send them, put them under "sampling"' in proc.stdout, proc.stdout
+    prompts = batch_prompts(rconn, "top", "b0000001")
+    assert [(p.metadata, p.sampling) for p in prompts[:1]] == [({"max_tokens": 9, "topic": "x"}, None)]

@@ -150,6 +150,9 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     check_params(extra, "--extra-body", endpoint)  # RowError is a ValueError
+    if cap := sorted({"max_tokens", "max_completion_tokens"} & extra.keys()):  # a job's: dlq requeue's differ
+        raise ValueError(f"--extra-body: {cap[0]!r} cannot be set here; the job's token cap is --max-tokens (`genq "
+                         "jobs set --max-tokens` changes it), and a cap here would hide it")
     try:
         pack(extra)  # Redis holds the settings as msgpack, whose integers are 64-bit
     except OverflowError:
