@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,8 +23,9 @@ import redis
 
 from genq.core import keys
 from genq.core.queueing import rq_queue
+from genq.core.redisconn import free_port
 from tests import zygote
-from tests.conftest import ROOT, genq_cmd, wait_until
+from tests.conftest import ROOT, genq_cmd, wait_http, wait_until
 
 HOST = "127.0.0.1"
 # The Redis to leave alone. Another port only to check these tests against a scratch
@@ -131,3 +133,26 @@ def test_a_genq_forked_by_the_tests_answers_as_a_fresh_interpreter_does(redis_ur
         forked = zygote.run(genq_cmd(*args, redis_url=redis_url), cwd=tmp_path, timeout=120, fork=True)
         assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert fresh.returncode == 2 and "no-such-command" in fresh.stderr
+
+
+def test_a_genq_killed_by_a_fatal_signal_says_where_it_was(tmp_path):
+    """A segfault (a C library's bug) ends genq with the Python traceback of every thread on stderr, not silently:
+    a fresh `genq` as a user starts it, and one forked from the tests' zygote."""
+    for fork in (False, True):
+        port, log = free_port(), tmp_path / f"sim-forked-{fork}.log"
+        args = [sys.executable, "-m", "genq", "sim", "--port", str(port)]
+        if fork:
+            proc = zygote.Forked(args, cwd=tmp_path, env=dict(os.environ), stdout=str(log))
+        else:
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/v1/models", want=None)
+            proc.send_signal(signal.SIGSEGV)
+            assert proc.wait(timeout=30) == -signal.SIGSEGV
+        finally:
+            proc.kill()
+        said = log.read_text(errors="replace")
+        assert "Fatal Python error: Segmentation fault" in said and "most recent call first" in said, said
+    closed = subprocess.run(["sh", "-c", '"$0" -m genq --help 2>&-', sys.executable], capture_output=True, timeout=60)
+    assert closed.returncode == 0 and b"Usage:" in closed.stdout  # with no stderr to write to, it still runs

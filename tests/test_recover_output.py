@@ -5,6 +5,8 @@ a job's folder, and export keeps one record per prompt, the first written, of th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,30 @@ def test_catch_up_names_only_the_batches_adopt_marked_done(rconn, tmp_path: Path
     assert ledger_jobs.done_batches(rconn, "j") == set()
     (marker,) = truth.read_markers(store, "j", {"b0000001"})
     assert recover.adopt(rconn, "j", marker) is False  # not b'gone', which a caller would read as true
+
+
+# A fresh interpreter reads a job's markers as `genq recover` does (truth.read_markers: 8 threads, each decoding
+# ShardMarker for the first time); switching threads every microsecond makes a race there show in a few runs.
+READ_MARKERS = """
+import sys
+sys.setswitchinterval(1e-6)
+from genq.output import truth
+print(len(truth.read_markers(truth.LocalStore(sys.argv[1]), "j", [f"b{i:07d}" for i in range(1, 17)])))
+"""
+
+
+def test_a_fresh_genq_reads_markers_in_several_threads_without_crashing(tmp_path: Path):
+    """genq recover died of SIGSEGV in read_markers (1 run in ~300 of the recover test): msgspec (0.20) builds a
+    Struct type's decoding information at its first decode, and another thread decoding the type then can read it
+    half built."""
+    store = LocalStore(str(tmp_path))
+    for n in range(1, 17):
+        batch = f"b{n:07d}"
+        results = [result(f"p{n}-{i}", i, batch) for i in range(3)]
+        outcome = truth.outcome_of(results, [], {r.id: bytes(8) for r in results}, len(results))
+        truth.commit_shard(store, "j", batch, shard_bytes(results, "none"), len(results), 2.0, compression="none",
+                           incarnation="life1", outcome=outcome)
+    for _ in range(30):
+        read = subprocess.run([sys.executable, "-c", READ_MARKERS, str(tmp_path)], capture_output=True, text=True,
+                              timeout=60)
+        assert (read.returncode, read.stdout) == (0, "16\n"), read.stderr[-3000:]

@@ -3,6 +3,7 @@ an operator's mistake (genq.ops.control.Refused and the like) and Ctrl-C: one li
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib
 import json
@@ -216,6 +217,8 @@ def cli() -> None:
 
 
 def main() -> None:
+    if sys.stderr is not None:  # None: started with stderr closed
+        faulthandler.enable()  # a crash in C code (SIGSEGV, SIGABRT, ...) names its place: every thread's traceback
     try:
         cli(prog_name="genq")
     except KeyboardInterrupt:  # before a subcommand runs

@@ -442,3 +442,9 @@ class EnqueueRecord(msgspec.Struct, omit_defaults=True):
     batches: list[list[int]] = []  # the batches it queued: [first, last] number ranges
     prompts: int = 0  # the prompts in them
     letters: list[str] = []  # a requeue's: the dead letters it moved into those batches
+
+
+# msgspec (0.20) builds a Struct type's decoding information at its first decode, and a second thread decoding the
+# type meanwhile can read it half built: a segfault (genq recover's marker reads). Built here, before any thread.
+for _struct in [t for t in list(globals().values()) if isinstance(t, type) and issubclass(t, msgspec.Struct)]:
+    msgspec.json.Decoder(_struct)
