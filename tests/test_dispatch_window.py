@@ -13,7 +13,7 @@ from genq.worker.controller import Running
 from genq.worker.dispatch import Dispatcher, claim_ahead, claim_step
 from genq.worker.held import HeldBatch, Todo
 from genq.worker.options import WorkerOptions
-from genq.worker.server import Completion
+from genq.worker.server import Completion, Failure
 
 TARGET = 8
 
@@ -146,3 +146,42 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
         await asyncio.gather(runner, *d.running.values(), return_exceptions=True)
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("status, message", [(429, "Too Many Requests"), (503, "The request queue is full.")])
+def test_a_prompt_refused_as_too_many_is_never_dead_lettered(status: int, message: str):
+    """429 and 503 say the server is too busy, not that the prompt is wrong: a prompt refused so more
+    often than its attempts allow, while the server answers the others, is retried until it is
+    answered, each try counted in its record. It was dead-lettered as a server_error at its last
+    attempt: the others' answers read as evidence against it."""
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m", max_attempts=2),
+                     set())
+    refusals = 5
+    results: dict[str, int] = {}
+    dead: list[tuple[str, Failure]] = []
+
+    class Busy:
+        async def generate(self, endpoint: str, body: dict, progress: object) -> Completion | Failure:
+            nonlocal refusals
+            await asyncio.sleep(0.001)
+            if body["prompt"] == "p0" and refusals:
+                refusals -= 1
+                return Failure("server_error", message, status)
+            return Completion([Choice(0, "ok", "stop")], Usage(1, 1), "m", None)
+
+    async def go() -> None:
+        d = dispatcher(Busy(), todo_of(held, 20, Claims()))  # type: ignore[arg-type]
+        d.opts.retry_backoff, d.opts.retry_backoff_max = 0.01, 0.02
+        d.writer.add_result = lambda result, incarnation: results.__setitem__(result.id, result.attempts)
+        d.batches.dead = lambda task, failure: dead.append((task.prompt.id, failure))
+        runner = asyncio.create_task(d.run())
+        d.wake.set()
+        async with asyncio.timeout(10):
+            while len(results) + len(dead) < 20:
+                await asyncio.sleep(0.01)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(go())
+    assert not dead, dead
+    assert results["p0"] == 6, results
