@@ -5,12 +5,14 @@ request, TLS."""
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import subprocess
 
 import pytest
 from yarl import URL
 
+from genq.worker.engines import ServerInfo
 from genq.worker.http1 import Http1Pool, NoResponse
 from genq.worker.server import Completion, Failure, Progress, ServerClient
 
@@ -230,3 +232,33 @@ def test_a_stream_event_that_is_not_json_is_a_protocol_failure_not_an_exception(
             server.close()
 
     asyncio.run(main())
+
+
+def test_a_busy_sglang_whose_server_info_answers_late_is_not_read_as_down():
+    """SGLang's /server_info asks its scheduler for internal_states, as /health's generation does: on a
+    busy scheduler both answer late. The check after a failed request read /server_info with 5 s where
+    /health had 30: a busy server was down, every request in flight cancelled and counted a crash."""
+    info = json.dumps({"context_length": 4096, "max_running_requests": 48}).encode()
+    models = json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        path = (await reader.readuntil(b"\r\n\r\n")).split(b" ")[1]
+        if path == b"/server_info":
+            await asyncio.sleep(6)
+        body = {b"/health": b"", b"/v1/models": models, b"/server_info": info}.get(path)
+        head = b"HTTP/1.1 200 OK" if body is not None else b"HTTP/1.1 404 Not Found"
+        writer.write(b"%s\r\nContent-Length: %d\r\n\r\n%s" % (head, len(body or b""), body or b""))
+        await writer.drain()
+        writer.close()
+
+    async def main() -> ServerInfo:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.discover()
+        finally:
+            await client.close()
+            server.close()
+
+    found = asyncio.run(main())
+    assert (found.flavor, found.model, found.capacity, found.context_length) == ("sglang", "m", 48, 4096), found

@@ -18,8 +18,8 @@ from genq.core.records import Choice, ErrorKind, JobConfig, Prompt, Result, Usag
 from genq.worker.engines import Metrics, ServerInfo, detect, metrics_from_text
 from genq.worker.http1 import Http1Pool
 
-# SGLang's /health runs a one-token generation and answers 503 itself after 20 s: giving up
-# sooner reads a busy server as down.
+# SGLang's /health runs a one-token generation and answers 503 itself after 20 s, and its /server_info
+# waits on the scheduler too: giving up sooner on any GET of the server check reads a busy server as down.
 HEALTH_TIMEOUT_S = 30.0
 # The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
 # decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
@@ -104,7 +104,7 @@ class ServerClient:
     async def close(self) -> None:
         self.pool.close()
 
-    async def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    async def _get(self, path: str, timeout: float = HEALTH_TIMEOUT_S) -> tuple[int, bytes]:
         try:
             return await self.pool.get(path, timeout)
         except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
@@ -118,12 +118,12 @@ class ServerClient:
 
     async def healthy(self) -> bool:
         with contextlib.suppress(ServerUnavailable):
-            return (await self._get("/health", HEALTH_TIMEOUT_S))[0] == 200
+            return (await self._get("/health"))[0] == 200
         return False
 
     async def discover(self) -> ServerInfo:
         """Which server it is and what it tells; ServerUnavailable if it is not up."""
-        status, _ = await self._get("/health", HEALTH_TIMEOUT_S)
+        status, _ = await self._get("/health")
         if status != 200:
             raise ServerUnavailable(f"{self.base_url}/health answered {status}")
         models = await self._get_json("/v1/models")
