@@ -262,3 +262,26 @@ def test_a_busy_sglang_whose_server_info_answers_late_is_not_read_as_down():
 
     found = asyncio.run(main())
     assert (found.flavor, found.model, found.capacity, found.context_length) == ("sglang", "m", 48, 4096), found
+
+
+def test_an_error_page_that_is_not_json_is_told_in_one_line():
+    """A proxy's 502 page (nginx's, HTML over lines) is the failure's message, the dead letter's and the
+    worker's log line: in one line, so that a log line is one event. Its lines went into the log as they came."""
+    page = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+            b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n")
+    answers = [b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
+               % (len(page), page)]
+
+    async def main() -> None:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            outcome = await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+        assert isinstance(outcome, Failure) and (outcome.kind, outcome.status) == ("server_error", 502), outcome
+        assert outcome.message.startswith("<html> <head><title>502 Bad Gateway</title></head> <body>"), outcome
+        assert "\n" not in outcome.message and "\r" not in outcome.message, outcome
+
+    asyncio.run(main())

@@ -241,7 +241,8 @@ def http_failure(status: int, raw: bytes) -> Failure:
     """A non-200 answer: judged by its HTTP status, told by its error's message."""
     error = answer.error if isinstance(answer := decode_answer(raw), _WireAnswer) else None
     message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
-    return event_failure({"code": status, "message": message or raw[:500].decode("utf-8", "replace") or "(empty body)"})
+    page = " ".join(raw[:500].decode("utf-8", "replace").split())  # a proxy's HTML page, in one line
+    return event_failure({"code": status, "message": message or page or "(empty body)"})
 
 
 def event_failure(err: Any, mid_stream: bool = False) -> Failure:
