@@ -152,21 +152,20 @@ def test_claims_count_sequences_when_each_prompt_asks_for_n_samples(n: int):
 def test_a_prompt_refused_as_too_many_is_never_dead_lettered(status: int, message: str):
     """429 and 503 say the server is too busy, not that the prompt is wrong: a prompt refused so more
     often than its attempts allow, while the server answers the others, is retried until it is
-    answered, each try counted in its record. It was dead-lettered as a server_error at its last
-    attempt: the others' answers read as evidence against it."""
+    answered, each try counted in its record, and the refusals spend none of its --max-attempts (a 500
+    after them is its first failure). It was dead-lettered as a server_error at its last attempt: the
+    others' answers read as evidence against it."""
     held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m", max_attempts=2),
                      set())
-    refusals = 5
+    failures = [Failure("server_error", message, status)] * 5 + [Failure("server_error", "Internal", 500)]
     results: dict[str, int] = {}
     dead: list[tuple[str, Failure]] = []
 
     class Busy:
         async def generate(self, endpoint: str, body: dict, progress: object) -> Completion | Failure:
-            nonlocal refusals
             await asyncio.sleep(0.001)
-            if body["prompt"] == "p0" and refusals:
-                refusals -= 1
-                return Failure("server_error", message, status)
+            if body["prompt"] == "p0" and failures:
+                return failures.pop(0)
             return Completion([Choice(0, "ok", "stop")], Usage(1, 1), "m", None)
 
     async def go() -> None:
@@ -184,4 +183,4 @@ def test_a_prompt_refused_as_too_many_is_never_dead_lettered(status: int, messag
 
     asyncio.run(go())
     assert not dead, dead
-    assert results["p0"] == 6, results
+    assert results["p0"] == 7, results

@@ -203,14 +203,14 @@ class Dispatcher:
         # send nothing else to give evidence, so that lasts --server-down-timeout at most).
         unproven = (task.answered_before <= task.failing_since
                     and time.monotonic() - task.failing_since < self.opts.server_down_timeout)
-        busy = failure.status in (429, 503)  # refused for the server's load: never the prompt's fault
-        if failure.retryable and (task.attempts < max_attempts or unproven or busy):
+        task.busy += failure.status in (429, 503)
+        if failure.retryable and (task.attempts - task.busy < max_attempts or unproven):
             delay = (min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
                      * random.uniform(0.5, 1.5))
             self.todo.retry_at(time.monotonic() + delay, task)
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay,
-                      "" if task.attempts < max_attempts else " (the server is busy, or had answered nothing sent "
+                      "" if task.attempts - task.busy < max_attempts else " (the server had answered nothing sent "
                       "since it first failed: no evidence it is the prompt's fault)")
             return
         if not failure.retryable and self.gate.failed(task, failure):

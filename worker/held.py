@@ -48,7 +48,8 @@ class Task:
 
     prompt: Prompt
     batch: HeldBatch
-    attempts: int = 0  # failed requests here: max_attempts counts these
+    attempts: int = 0  # failed requests here: max_attempts counts these, less the busy ones
+    busy: int = 0  # of those, refused with 429 / 503 (the server's load, never the prompt's fault)
     lost: int = 0  # tries lost before: claims of it that ended without an outcome
     crashes: int = 0  # server crashes while this prompt was in flight
     last_outage: int = 0  # the outage (ServerWatch.outages) last counted for it
