@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from msgspec.structs import replace
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -59,8 +60,10 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None,
         again = "" if interval is None else f"; refreshing every {interval:g}s"
         return Text(f"no jobs in {redis_display} yet (genq enqueue creates one){again}")
     seen: dict[str, WorkerReport] = {}
-    for w in (w for r in reports for w in r.progress.worker_details):  # a worker of several jobs shows once
-        seen.setdefault(w.name, w)
+    for w in (w for r in reports for w in r.progress.worker_details):  # a worker of several jobs: once, its sums
+        s = seen.setdefault(w.name, w)
+        if s is not w:
+            seen[w.name] = replace(s, job_completed=s.job_completed + w.job_completed, errors=s.errors + w.errors)
     workers = list(seen.values())
     parts: list[RenderableType] = [*(job_panel(r) for r in reports), worker_table(workers),
                                    *bottleneck_lines(workers)]
