@@ -422,3 +422,23 @@ def test_a_worker_row_of_several_jobs_counts_what_it_did_for_each(tmp_path: Path
     cells = [c.strip() for c in row.split("│")]
     assert (cells[7], cells[8]) == ("7", "4"), row
 
+
+def test_a_job_enqueued_again_after_its_delete_has_no_rate_of_the_deleted_one(tmp_path: Path, redis_url,
+                                                                               rconn) -> None:
+    """The monitor's samples are of one life of a job: a job deleted and enqueued again under its name starts
+    without a rate (one sample), never with the deleted job's samples (which read 0.0 prompts/s here)."""
+    from genq.monitor.progress import Monitor
+
+    mon = Monitor(rconn, "again", window_s=60)
+    for n in (20, 30):
+        write_prompts(tmp_path / f"p{n}.jsonl", n, start=100 * n)
+        run_genq("enqueue", str(tmp_path / f"p{n}.jsonl"), "--job", "again", "--output", str(tmp_path / "out"))
+        rconn.sadd(keys.job_workers("again"), "w")
+        rconn.hset(keys.worker_stats("again", "w"), mapping={"done": 5, "failed": 0, "in_tok": 5, "out_tok": 50})
+        (first,) = mon.refresh()
+        time.sleep(0.05)
+        if n == 20:
+            (second,) = mon.refresh()
+            assert second.progress.rate_per_sec == 0.0 and second.progress.status == "running"
+            run_genq("jobs", "delete", "again", "--yes")
+    assert first.progress.total == 30 and first.progress.rate_per_sec is None, first.progress
