@@ -110,8 +110,10 @@ def job_panel(r: JobReport) -> Panel:
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
     short = p.elapsed_s < 9.95  # a short run in tenths: 0.4 s of generation is not "elapsed 0s"
-    eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}" if p.elapsed_s > 0
-               else "  · not started")
+    if p.elapsed_s > 0:
+        eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}")
+    elif not finished:  # a job genq recover rebuilt has finished prompts and no times
+        eta.append("  · not started")
     share = Text(f"priority {p.priority}" + (f" (weight {p.weight:g})" if p.weight != 1 else "")
                  + (f" · {100 * p.share:.0f}% of the fleet's requests in flight" if p.share else ""), style="dim")
     bar = Table.grid(padding=(0, 1))  # alone, a bar ends no line
