@@ -134,7 +134,7 @@ class Monitor:
     def __init__(self, conn: redis.Redis, job: str | None = None, *, window_s: float = 120.0, once: bool = False,
                  on_refresh: Callable[[list[JobReport]], None] | None = None) -> None:
         self.conn, self.job, self.window_s, self.once, self.on_refresh = conn, job, window_s, once, on_refresh
-        self.trackers: dict[str, RateTracker] = {}
+        self.trackers: dict[tuple[str, str], RateTracker] = {}
         self.lock = threading.Lock()
         self.last: list[JobReport] = []
         self.last_at = 0.0  # time.monotonic() of the last refresh
@@ -179,7 +179,9 @@ class Monitor:
         if self.once:
             speed, prompts_rate = once_speed(snap)
         else:
-            tracker = self.trackers.setdefault(snap.job, RateTracker(self.window_s))
+            # Samples of one life: a job deleted and enqueued again under its name is another job.
+            life = snap.config.incarnation if snap.config else ""
+            tracker = self.trackers.setdefault((snap.job, life), RateTracker(self.window_s))
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
         workers = [w for w in snap.workers if works_on(w, snap.config)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from msgspec.structs import replace
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -59,8 +60,10 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None,
         again = "" if interval is None else f"; refreshing every {interval:g}s"
         return Text(f"no jobs in {redis_display} yet (genq enqueue creates one){again}")
     seen: dict[str, WorkerReport] = {}
-    for w in (w for r in reports for w in r.progress.worker_details):  # a worker of several jobs shows once
-        seen.setdefault(w.name, w)
+    for w in (w for r in reports for w in r.progress.worker_details):  # a worker of several jobs: once, its sums
+        s = seen.setdefault(w.name, w)
+        if s is not w:
+            seen[w.name] = replace(s, job_completed=s.job_completed + w.job_completed, errors=s.errors + w.errors)
     workers = list(seen.values())
     parts: list[RenderableType] = [*(job_panel(r) for r in reports), worker_table(workers),
                                    *bottleneck_lines(workers)]
@@ -107,8 +110,10 @@ def job_panel(r: JobReport) -> Panel:
     else:
         eta = Text.assemble(("ETA ", "bold"), (p.eta_state, "yellow"), f"  {p.eta_note}")
     short = p.elapsed_s < 9.95  # a short run in tenths: 0.4 s of generation is not "elapsed 0s"
-    eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}" if p.elapsed_s > 0
-               else "  · not started")
+    if p.elapsed_s > 0:
+        eta.append(f"  · elapsed {f'{p.elapsed_s:.1f}s' if short else duration(p.elapsed_s)}")
+    elif not finished:  # a job genq recover rebuilt has finished prompts and no times
+        eta.append("  · not started")
     share = Text(f"priority {p.priority}" + (f" (weight {p.weight:g})" if p.weight != 1 else "")
                  + (f" · {100 * p.share:.0f}% of the fleet's requests in flight" if p.share else ""), style="dim")
     bar = Table.grid(padding=(0, 1))  # alone, a bar ends no line

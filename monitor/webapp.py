@@ -54,11 +54,16 @@ class History:
     def __init__(self, maxlen: int = 3600) -> None:
         self.maxlen = maxlen
         self.points: dict[str, deque[dict[str, Any]]] = {}
+        self.lives: dict[str, str] = {}  # job -> the incarnation its points are of
         self.lock = threading.Lock()
 
     def record(self, reports: list[JobReport]) -> None:
         with self.lock:
-            for p in (r.progress for r in reports):
+            for r in reports:
+                p, config = r.progress, r.snapshot.config
+                if config is not None and self.lives.setdefault(p.job, config.incarnation) != config.incarnation:
+                    self.points.pop(p.job, None)  # deleted and enqueued again: the points are of another job
+                    self.lives[p.job] = config.incarnation
                 ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
                 if ring and ring[-1]["t"] >= p.updated_at:
                     continue  # a second reader of the same refresh

@@ -365,3 +365,19 @@ def test_a_resume_refused_by_a_full_redis_changes_nothing(tmp_path, redis_url, r
     assert not rconn.exists(keys.job_paused("rf"))
     run_genq("resume")
     assert not rconn.exists(keys.PAUSED) and not suspension.is_suspended(rconn)
+
+
+def test_jobs_shows_paths_and_server_messages_with_brackets_as_they_are(tmp_path, redis_url, rconn):
+    """`genq jobs` prints an output path and a block's server message as written: rich markup in them is
+    text (a message with "[/body/n]" crashed the command; "[bold]" vanished from a path)."""
+    from genq.core.records import JobBlock
+
+    write_prompts(tmp_path / "p.jsonl", 5)
+    out = str(tmp_path / "[bold]run[/]")
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "brk", "--output", out)
+    message = "field [/body/n] must be [b]<=1[/b]"
+    rconn.set(keys.job_blocked("brk"), pack(JobBlock(reason="brake", message=message, worker="w", at=time.time(),
+                                                     status=400, failures=5, outcomes=5, prompts=5)))
+    shown = run_genq("jobs", check=False)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert out in shown.stdout and message in shown.stdout, shown.stdout

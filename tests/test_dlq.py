@@ -321,3 +321,19 @@ def test_requeue_overrides_are_checked_for_the_jobs_endpoint(redis_url, rconn, s
     assert proc.returncode == 1 and "--extra-body: 'chat_template_kwargs' is a chat field" in proc.stderr, \
         proc.stdout + proc.stderr
     assert [e["id"] for e in dlq_json(redis_url)] == ["long"]
+
+
+def test_list_shows_a_message_with_brackets_as_it_is(redis_url, rconn, tmp_path):
+    """A server's message is text, not rich markup: "[/messages/0]" crashed `genq dlq list`."""
+    import time
+
+    from genq.core.records import DeadLetter, pack
+
+    message = "value at [/messages/0] is [bold]x"
+    rconn.hset(keys.job_dlq("brk"), "p1", pack(DeadLetter(id="p1", job="brk", batch="b0000001", attempts=1,
+                                                          kind="bad_request", message=message, worker="w",
+                                                          at=time.time(), status=400)))
+    rconn.sadd(keys.JOBS, "brk")
+    shown = run_genq("dlq", "list", check=False)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert message in shown.stdout, shown.stdout

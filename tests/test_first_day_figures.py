@@ -65,6 +65,21 @@ def test_a_job_no_worker_has_touched_shows_no_elapsed_time(tmp_path, redis_url):
     assert "elapsed" not in text and "not started" in text, text
 
 
+def test_a_finished_job_without_times_is_not_said_not_started(tmp_path, redis_url, rconn):
+    """`genq recover` rebuilds the workers' counts from the written output but not when they sent: a job
+    whose every prompt is finished has no elapsed time then, and is not "not started" (it was said beside
+    "finished")."""
+    from genq.core import keys
+
+    write_prompts(tmp_path / "p.jsonl", 5)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "rebuilt", "--output", str(tmp_path / "out"))
+    rconn.sadd(keys.job_workers("rebuilt"), "w")
+    rconn.hset(keys.worker_stats("rebuilt", "w"), mapping={"done": 5, "failed": 0, "in_tok": 5, "out_tok": 50})
+    assert monitor_json("rebuilt")["elapsed_s"] == 0
+    text = run_genq("monitor", "--once", "--job", "rebuilt").stdout
+    assert "finished" in text and "· not started" not in text, text
+
+
 def test_values_of_zero_that_mean_nothing_are_refused(redis_url, rconn):
     proc = run_genq("concurrency", "--all", "0", check=False)
     assert proc.returncode == 2 and "at least 1" in proc.stderr and "auto" in proc.stderr, proc.stderr

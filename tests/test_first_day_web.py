@@ -118,3 +118,24 @@ def test_an_unknown_job_is_a_404_and_the_page_says_so(tmp_path: Path, redis_url,
     wait_js(page, "document.getElementById('error').textContent.includes('nosuch')", timeout=20_000)
     assert page.locator("#job-picker option").all_text_contents() == ["only"]
     assert page.locator("#elapsed").text_content() in ("", None)  # nothing of another job was drawn
+
+
+def test_a_finished_job_without_times_is_not_said_not_started(tmp_path: Path, redis_url, rconn, procs,
+                                                              browser) -> None:  # noqa: F811
+    """`genq recover` rebuilds the workers' counts but not when they sent: a finished job with no elapsed time
+    is not "not started" on the page (as in the terminal, tests/test_first_day_figures.py)."""
+    from genq.core import keys
+
+    write_prompts(tmp_path / "p.jsonl", 3)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "rebuilt", "--output", str(tmp_path / "out"))
+    rconn.sadd(keys.job_workers("rebuilt"), "w")
+    rconn.hset(keys.worker_stats("rebuilt", "w"), mapping={"done": 3, "failed": 0, "in_tok": 3, "out_tok": 30})
+    port = free_port()
+    procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--interval", "0.5"), name="monitor")
+    base = f"http://127.0.0.1:{port}/"
+    wait_http(base)
+    page = browser.new_page()
+    page.goto(base)
+    wait_js(page, "document.getElementById('completed').dataset.value === '3'", timeout=20_000)
+    assert page.locator("#elapsed").get_attribute("data-value") == "0"
+    assert page.locator("#elapsed").text_content() != "not started"

@@ -400,3 +400,45 @@ def test_a_stopped_worker_shows_no_figures_of_its_last_moments(redis_url, rconn)
     assert e["server_running"] is None and e["in_flight"] == 0
     row = next(line for line in run_genq("monitor", "--once", "--job", "exp").stdout.splitlines() if "gpu-e" in line)
     assert "999" not in row and "%" not in row, row
+
+
+def test_a_worker_row_of_several_jobs_counts_what_it_did_for_each(tmp_path: Path, redis_url, rconn) -> None:
+    """The terminal shows a worker once with several jobs: its done and errors are its sums over them, not
+    the first job's (a worker that finished 5 prompts of the second job read "done 0")."""
+    for job in ("first", "second"):
+        write_prompts(tmp_path / f"{job}.jsonl", 20)
+        run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"))
+    now = time.time()
+    status = WorkerStatus(name="w-both", host="h", pid=1, server="http://s", state="idle", started_at=now - 100,
+                          heartbeat_at=now, concurrency_target=8, errors=4, job_errors={"first": 1, "second": 3})
+    rconn.set(keys.worker_status("w-both"), pack(status), ex=60)
+    rconn.sadd(keys.WORKERS, "w-both")
+    for job, done in (("first", 2), ("second", 5)):
+        rconn.sadd(keys.job_workers(job), "w-both")
+        rconn.hset(keys.worker_stats(job, "w-both"), mapping={"done": done, "failed": 0, "in_tok": 1, "out_tok": 9})
+    doc = monitor_json()
+    assert [doc[j]["worker_details"][0]["job_completed"] for j in ("first", "second")] == [2, 5]
+    row = next(line for line in run_genq("monitor", "--once").stdout.splitlines() if line.startswith("w-both"))
+    cells = [c.strip() for c in row.split("│")]
+    assert (cells[7], cells[8]) == ("7", "4"), row
+
+
+def test_a_job_enqueued_again_after_its_delete_has_no_rate_of_the_deleted_one(tmp_path: Path, redis_url,
+                                                                               rconn) -> None:
+    """The monitor's samples are of one life of a job: a job deleted and enqueued again under its name starts
+    without a rate (one sample), never with the deleted job's samples (which read 0.0 prompts/s here)."""
+    from genq.monitor.progress import Monitor
+
+    mon = Monitor(rconn, "again", window_s=60)
+    for n in (20, 30):
+        write_prompts(tmp_path / f"p{n}.jsonl", n, start=100 * n)
+        run_genq("enqueue", str(tmp_path / f"p{n}.jsonl"), "--job", "again", "--output", str(tmp_path / "out"))
+        rconn.sadd(keys.job_workers("again"), "w")
+        rconn.hset(keys.worker_stats("again", "w"), mapping={"done": 5, "failed": 0, "in_tok": 5, "out_tok": 50})
+        (first,) = mon.refresh()
+        time.sleep(0.05)
+        if n == 20:
+            (second,) = mon.refresh()
+            assert second.progress.rate_per_sec == 0.0 and second.progress.status == "running"
+            run_genq("jobs", "delete", "again", "--yes")
+    assert first.progress.total == 30 and first.progress.rate_per_sec is None, first.progress

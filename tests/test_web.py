@@ -292,3 +292,30 @@ def test_a_control_for_a_job_that_is_not_there_changes_nothing(tmp_path: Path, r
     full("pause")
     assert not rconn.exists(keys.job_paused("ctl"))
     assert "Traceback" not in monitor.log()
+
+
+def test_a_job_deleted_and_enqueued_again_starts_a_new_history(tmp_path: Path, redis_url, sim, worker,
+                                                               procs) -> None:
+    """A job deleted and enqueued again under its name is another life (docs/exactly-once.md): the page's
+    charts and the monitor's rates start afresh, never with the deleted job's points (150 of 150 done drawn
+    before the new job's 2 of 40)."""
+    from tests.conftest import write_prompts
+
+    url = sim(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=32)
+    port = free_port()
+    procs(genq_cmd("monitor", "--web", f"127.0.0.1:{port}", "--json", "--interval", "0.3"), name="monitor")
+    base = f"http://127.0.0.1:{port}/"
+    wait_http(base)
+
+    def state() -> dict:
+        with urllib.request.urlopen(base + "api/state?job=again", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    for n in (12, 3):
+        write_prompts(tmp_path / f"p{n}.jsonl", n, start=100 * n)
+        run_genq("enqueue", str(tmp_path / f"p{n}.jsonl"), "--job", "again", "--output", str(tmp_path / f"out{n}"))
+        assert worker(url, "--burst").wait(90) == 0
+        wait_until(lambda n=n: state()["history"]["completed"][-1:] == [n], 20, f"the page's history at {n} done")
+        if n == 12:
+            run_genq("jobs", "delete", "again", "--yes")
+    assert max(state()["history"]["completed"]) == 3

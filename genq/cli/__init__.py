@@ -17,6 +17,7 @@ import redis
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_error, parse, resolve_url
 
@@ -173,14 +174,15 @@ def console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200, no_color=True, highlight=False)
 
 
-def table(columns: Sequence[str], rows: Iterable[Sequence[str]], *, right: Collection[str] = (),
+def table(columns: Sequence[str], rows: Iterable[Sequence[str | Text]], *, right: Collection[str] = (),
           ruled: bool = True) -> Table:
-    """Every table the CLI prints, one line a row; not `ruled`: bare columns that grep and awk split on blanks."""
+    """Every table the CLI prints, one line a row; not `ruled`: bare columns that grep and awk split on blanks.
+    A str cell is text as it is, never rich markup: paths and servers' messages hold brackets."""
     shown = Table(show_edge=False, header_style="bold", box=box.HEAVY_HEAD if ruled else None, pad_edge=ruled)
     for col in columns:
         shown.add_column(col, justify="right" if col in right else "left", no_wrap=True)
     for row in rows:
-        shown.add_row(*row)
+        shown.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))
     return shown
 
 

@@ -38,18 +38,17 @@ COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of
 RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "queued", "gpu"}
 
 
-def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None) -> dict[str, str]:
+def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None) -> dict[str, str | Text]:
     live, b = r.live, v.bound if v else None
     heartbeat = ("none" if r.state == LOST else "-") if r.heartbeat_age_s is None else (
         age(r.heartbeat_age_s) + (f" (every {IDLE_BEAT_S:.0f}s)" if r.state == "idle" else ""))  # 16 s is on time
     batches = f"{len(r.batches)}: {' '.join(r.batches[:3])}" + (f" +{len(r.batches) - 3}" if len(r.batches) > 3 else "")
-    red = ("[red]", "[/]") if v and v.slow else ("", "")
     return {
         "worker": r.name,
-        "state": f"[{STYLES[r.state]}]{r.state}[/]" if r.state in STYLES else r.state,
+        "state": Text(r.state, STYLES.get(r.state, "")),
         "tok/s": f"{r.tok_per_s:,.0f}" if live else "",
         "of bound": "" if b is None else "?" if b.tok_per_s is None or b.share is None else
-                    f"{red[0]}{b.share:.0%} of {b.tok_per_s:,.0f}{red[1]}",
+                    Text(f"{b.share:.0%} of {b.tok_per_s:,.0f}", "red" if v and v.slow else ""),
         "in flight": (f"{r.in_flight}/{r.target}" + (f" limit {r.cap}" if r.cap else "")) if live else "",
         "capacity": str(r.server_capacity or "?") if live else "",
         "heartbeat": heartbeat,
@@ -62,14 +61,14 @@ def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None
     }
 
 
-def _table(cells: list[dict[str, str]], shown: list[str]):
+def _table(cells: list[dict[str, str | Text]], shown: list[str]):
     fleet = cli.table([c for c in COLUMNS if c in shown], ([c[col] for col in COLUMNS if col in shown] for c in cells),
                       right=RIGHT)
     for column in fleet.columns:
         column.overflow = "ellipsis"
         column.max_width = 60 if column.header == "note" else None  # a long note (a connection error) is cut
         if (header := str(column.header)) in COLUMNS[:3]:
-            column.min_width = max([len(header)] + [len(Text.from_markup(c[header])) for c in cells])
+            column.min_width = max([len(header)] + [len(c[header]) for c in cells])
     return fleet
 
 
@@ -233,7 +232,7 @@ def jobs(ctx: click.Context, as_json: bool) -> None:
         right={"priority", "share", "total", "done", "failed", "remaining"}))
     for r in rows:
         if r.blocked is not None:
-            out.print(describe_block(r.name, r.blocked), soft_wrap=True)
+            out.print(describe_block(r.name, r.blocked), soft_wrap=True, markup=False)
     if ledger_jobs.paused_all(conn):
         out.print("all jobs are paused (genq resume)")
 

@@ -251,7 +251,7 @@ function render(s) {
   $("bound-summary").hidden = !p.bound_summary;
   put("rate", p.rate_per_sec, p.rate_per_sec === null ? "?" : p.rate_per_sec.toFixed(2));
   put("toks", p.output_tokens_per_sec, count(p.output_tokens_per_sec));
-  put("elapsed", p.elapsed_s, p.elapsed_s > 0 ? duration(p.elapsed_s) : "not started");
+  put("elapsed", p.elapsed_s, p.elapsed_s > 0 ? duration(p.elapsed_s) : p.completed + p.failed ? "?" : "not started");
   put("priority", p.priority, p.weight === 1 ? String(p.priority) : p.priority + " (weight " + p.weight + ")");
   put("share", p.share, Math.round(100 * p.share) + "%");
   put("shards", p.shards);
