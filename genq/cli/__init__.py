@@ -107,6 +107,14 @@ def concurrency(value: Any) -> int | None:
     return number
 
 
+def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
+    folder named after it, which each worker would fill in its own working directory."""
+    if value is not None and "://" in value and not value.startswith("s3://"):
+        raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
+    return value
+
+
 class JobName(click.ParamType):
     name = "NAME"  # as the ledger allows it: a bad one is bad usage
 

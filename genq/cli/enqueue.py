@@ -11,7 +11,7 @@ from collections.abc import Callable
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, redis_url
+from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, local_or_s3, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
@@ -35,7 +35,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.argument("input_uri", metavar="INPUT")
 @click.option("--job", type=JobName(), required=True,
               help="Job name (letters, digits, . _ -). An existing job's name adds to it (a finished one with --add).")
-@click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
+@click.option("--output", default=None, callback=local_or_s3,
+              help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=None,
               help="Prompts per batch (one RQ job each). [default: 256]")
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
