@@ -5,6 +5,7 @@ repeated id is dropped, so a prompt's first result wins. Each shard is read once
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import itertools
 import sys
@@ -279,7 +280,13 @@ def _lines(paths: list[str], entries: Iterable[tuple[int, int, int, int]]) -> It
 
 def _write(dest: str, write: Callable[[BinaryIO], int], endpoint_url: str | None) -> tuple[int, int]:
     """Write whole (a reader never sees half an export) to a local path, or to s3:// through a local
-    temporary file; what `write` returned and the size written."""
+    temporary file; what `write` returned and the size written. A name ending .gz is gzip, as readers expect."""
+    if dest.endswith(".gz"):
+        plain = write
+
+        def write(out: BinaryIO) -> int:
+            with gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as packed:
+                return plain(packed)  # type: ignore[arg-type]
     if not dest.startswith("s3://"):
         return write_atomic(dest, write), Path(dest).stat().st_size
     from genq.output import s3
