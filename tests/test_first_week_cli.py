@@ -342,6 +342,7 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("sim", "--port", "-5"), "--port"),
     (("enqueue", str(EXAMPLE), "--job", "j", "--output", "gs://bucket/out"), "--output"),
     (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
+    (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
     (("monitor", "--metrics", "abc"), "--metrics"),
     (("monitor", "--web", "127.0.0.1:port"), "--web"),
     (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),
