@@ -63,7 +63,8 @@ def test_a_refusing_redis_is_one_line_and_exit_1_for_every_command(where, privat
         assert len(lines) == 1 and lines[0].startswith("Error: ") and said in lines[0], (args, proc.stderr)
 
 
-@pytest.mark.parametrize("server", ["127.0.0.1:31000", "localhost:31000", "tcp://127.0.0.1:31000", "http://:31000"])
+@pytest.mark.parametrize("server", ["127.0.0.1:31000", "localhost:31000", "tcp://127.0.0.1:31000", "http://:31000",
+                                    "http://127.0.0.1:31000/v1"])  # an OpenAI base_url: genq adds /v1/... itself
 def test_a_server_without_its_scheme_is_bad_usage_before_anything_is_written(server, redis_url, rconn):
     proc = run_genq("worker", "--server", server, "--burst", redis_url=redis_url, check=False, timeout=60)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
