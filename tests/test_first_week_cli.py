@@ -344,6 +344,7 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("enqueue", str(EXAMPLE), "--job", "j", "--output", "gs://bucket/out"), "--output"),
     (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
     (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
+    (("concurrency", "99999999999999999999", "--all"), "VALUE"),  # was msgpack's OverflowError, with workers
     (("monitor", "--metrics", "abc"), "--metrics"),
     (("monitor", "--web", "127.0.0.1:port"), "--web"),
     (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),
@@ -369,3 +370,11 @@ def test_export_of_a_job_with_no_shard_yet_names_the_option_that_exists(redis_ur
     proc = run_genq("export", "--job", "early", "--to", str(tmp_path / "e.jsonl"), redis_url=redis_url, check=False)
     assert proc.returncode == 1 and "no shards to export" in proc.stderr, proc.stderr
     assert "--output" in proc.stderr and "--from" not in proc.stderr, proc.stderr  # --from is hidden from --help
+
+
+def test_a_concurrency_cap_too_large_to_store_is_bad_usage():
+    """A live worker's cap is stored as msgpack (64-bit): a bigger number was a traceback from genq concurrency."""
+    from genq.cli import concurrency
+
+    with pytest.raises(ValueError, match="is not a cap"):
+        concurrency("99999999999999999999")

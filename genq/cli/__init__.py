@@ -102,8 +102,8 @@ def concurrency(value: Any) -> int | None:
         number = int(value)
     except ValueError:
         raise ValueError(f"{value!r} is neither 'auto' nor a whole number") from None
-    if number < 1:
-        raise ValueError(f"{number} is not a cap: give at least 1, or auto to follow the server")
+    if not 1 <= number <= 100_000:  # more than any server runs, and storable
+        raise ValueError(f"{number} is not a cap: give 1 to 100000, or auto to follow the server")
     return number
 
 
