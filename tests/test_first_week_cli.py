@@ -345,6 +345,10 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
     (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
     (("concurrency", "99999999999999999999", "--all"), "VALUE"),  # was msgpack's OverflowError, with workers
+    (("enqueue", str(EXAMPLE), "--job", "j", "--max-tokens", "9" * 20), "--max-tokens"),  # was msgpack's traceback
+    (("enqueue", str(EXAMPLE), "--job", "j", "--priority", "9" * 20), "--priority"),
+    (("jobs", "set", "j", "--priority", "9" * 20), "--priority"),
+    (("dlq", "requeue", "--all", "--max-tokens", "9" * 20), "--max-tokens"),
     (("monitor", "--metrics", "abc"), "--metrics"),
     (("monitor", "--web", "127.0.0.1:port"), "--web"),
     (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),

@@ -22,6 +22,7 @@ from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_e
 
 EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an export is partial
 EXIT_INTERRUPTED = 130
+INT32 = 2**31 - 1  # the most --max-tokens or --priority: storable (msgpack is 64-bit), and a server's int
 
 COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim": "sim:sim_command",
             "demo": "demo", "dlq": "dlq", "pause": "control", "resume": "control", "jobs": "control",

@@ -284,7 +284,7 @@ def generation_options(fn: Any) -> Any:
                       help="""Extra request fields, replacing the job's ('{}' clears them).""")(fn)
     fn = click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling.")(fn)
     fn = click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")(fn)
-    return click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate.")(fn)
+    return click.option("--max-tokens", type=click.IntRange(1, cli.INT32), help="Most tokens to generate.")(fn)
 
 
 @jobs.command("set")
@@ -295,7 +295,8 @@ def generation_options(fn: Any) -> Any:
 @click.option("--brake/--no-brake", "brake", default=None,
               help="--no-brake: never block this job on repeated failures; each failing prompt is dead-lettered.")
 @click.option("--note", default=None, help="Why (kept in the settings history).")
-@click.option("--priority", type=int, default=None, help="Scheduling priority, higher first (no settings version).")
+@click.option("--priority", type=click.IntRange(-cli.INT32, cli.INT32), default=None,
+              help="Scheduling priority, higher first (no settings version).")
 @click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority.")
 def jobs_set(job: str, note: str | None, priority: int | None, weight: float | None, **settings: Any) -> None:
