@@ -349,6 +349,9 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("enqueue", str(EXAMPLE), "--job", "j", "--priority", "9" * 20), "--priority"),
     (("jobs", "set", "j", "--priority", "9" * 20), "--priority"),
     (("dlq", "requeue", "--all", "--max-tokens", "9" * 20), "--max-tokens"),
+    (("enqueue", str(EXAMPLE), "--job", "j", "--weight", "nan"), "--weight"),  # was queued, then exit 1
+    (("enqueue", str(EXAMPLE), "--job", "j", "--temperature", "inf"), "--temperature"),
+    (("jobs", "set", "j", "--weight", "nan"), "--weight"),  # was a traceback for a job that exists
     (("monitor", "--metrics", "abc"), "--metrics"),
     (("monitor", "--web", "127.0.0.1:port"), "--web"),
     (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),

@@ -7,6 +7,7 @@ import faulthandler
 import functools
 import importlib
 import json
+import math
 import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime
@@ -114,6 +115,15 @@ def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is not None and "://" in value and not value.startswith("s3://"):
         raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
     return value
+
+
+class Finite(click.FloatRange):
+    """A FloatRange that refuses nan and inf: nan passes its comparisons, and neither is a weight or a setting."""
+
+    def convert(self, value, param, ctx):
+        if not math.isfinite(number := super().convert(value, param, ctx)):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
 
 
 class JobName(click.ParamType):
