@@ -322,3 +322,15 @@ def test_parquet_sampling_and_openai_batch_bodies_lose_the_nulls_struct_unificat
         for i, body in enumerate([{"max_tokens": 5}, {"temperature": 0.5}])]), path)
     assert [r.prompt.sampling for r in open_rows(str(path), endpoint="chat")] == [{"max_tokens": 5},
                                                                                   {"temperature": 0.5}]
+
+
+def test_export_to_a_gz_name_writes_gzip(redis_url, tmp_path):
+    """A FILE named .gz is read with zcat or gzip.open downstream: plain JSON under that name is not."""
+    import gzip
+
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [result(f"p{i:05d}", i, "b0000001") for i in range(3)])
+    dest = tmp_path / "all.jsonl.gz"
+    proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
+    assert "wrote 3 records" in proc.stdout and f"{dest.stat().st_size:,} bytes" in proc.stdout, proc.stdout
+    assert [json.loads(line)["id"] for line in gzip.open(dest)] == ["p00000", "p00001", "p00002"]

@@ -134,6 +134,17 @@ def test_status_tells_the_fate_of_one_prompt(redis_url, rconn, tmp_path, sim, wo
     assert rconn.scard(keys.job_done("fate")) == 3
 
 
+def test_status_finds_a_written_prompt_whatever_its_id_holds(redis_url, tmp_path, sim, worker):
+    """An id is any string: one JSON escapes in the shard (a quote, a backslash, a tab) is found there too."""
+    ids = ['say "hi"', "back\\slash", "tab\there", "a/b c", "ünï-✓"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, "prompt": "hi"}) + "\n" for i in ids))
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "odd", "--output", str(tmp_path / "out"))
+    assert worker(sim(**FAST), "--burst").wait(90) == 0
+    for pid in ids:
+        fate = json.loads(run_genq("status", "odd", pid, "--json").stdout)
+        assert fate["state"] == "done" and fate["record"]["id"] == pid, (pid, fate)
+
+
 def test_enqueue_shows_percent_and_eta_on_a_big_file(redis_url, tmp_path):
     src = tmp_path / "big.jsonl"
     write_prompts(src, 60_000)

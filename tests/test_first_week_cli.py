@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +63,8 @@ def test_a_refusing_redis_is_one_line_and_exit_1_for_every_command(where, privat
         assert len(lines) == 1 and lines[0].startswith("Error: ") and said in lines[0], (args, proc.stderr)
 
 
-@pytest.mark.parametrize("server", ["127.0.0.1:31000", "localhost:31000", "tcp://127.0.0.1:31000", "http://:31000"])
+@pytest.mark.parametrize("server", ["127.0.0.1:31000", "localhost:31000", "tcp://127.0.0.1:31000", "http://:31000",
+                                    "http://127.0.0.1:31000/v1"])  # an OpenAI base_url: genq adds /v1/... itself
 def test_a_server_without_its_scheme_is_bad_usage_before_anything_is_written(server, redis_url, rconn):
     proc = run_genq("worker", "--server", server, "--burst", redis_url=redis_url, check=False, timeout=60)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
@@ -301,7 +303,7 @@ def test_the_clis_names_agree_and_the_old_ones_still_work(redis_url, rconn, tmp_
     monitor_help = run_genq("monitor", "--help", redis_url=redis_url).stdout
     assert "--metrics [HOST]:PORT" in monitor_help and "--serve" not in monitor_help, monitor_help
     bad = run_genq("monitor", "--metrics", "nonsense", redis_url=redis_url, check=False)
-    assert bad.returncode == 1 and "--metrics 'nonsense': expected [HOST]:PORT" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--metrics 'nonsense': expected [HOST]:PORT" in bad.stderr, bad.stderr
 
     level = run_genq("worker", "--log-level", "INFO", redis_url=redis_url, check=False)
     assert (level.returncode == 2 and "--log-level" not in level.stderr
@@ -333,3 +335,53 @@ def test_demo_takes_the_redis_given_after_the_subcommand(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "genq", "demo", "--redis", "redis://127.0.0.1:1/0", "--keep",
                            "--output", str(tmp_path / "d")], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "--keep needs" not in proc.stderr, proc.stderr
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+BAD_VALUES = [  # (command, the option its one line names)
+    (("sim", "--port", "99999"), "--port"),
+    (("sim", "--port", "-5"), "--port"),
+    (("enqueue", str(EXAMPLE), "--job", "j", "--output", "gs://bucket/out"), "--output"),
+    (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
+    (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
+    (("concurrency", "99999999999999999999", "--all"), "VALUE"),  # was msgpack's OverflowError, with workers
+    (("enqueue", str(EXAMPLE), "--job", "j", "--max-tokens", "9" * 20), "--max-tokens"),  # was msgpack's traceback
+    (("enqueue", str(EXAMPLE), "--job", "j", "--priority", "9" * 20), "--priority"),
+    (("jobs", "set", "j", "--priority", "9" * 20), "--priority"),
+    (("dlq", "requeue", "--all", "--max-tokens", "9" * 20), "--max-tokens"),
+    (("enqueue", str(EXAMPLE), "--job", "j", "--weight", "nan"), "--weight"),  # was queued, then exit 1
+    (("enqueue", str(EXAMPLE), "--job", "j", "--temperature", "inf"), "--temperature"),
+    (("jobs", "set", "j", "--weight", "nan"), "--weight"),  # was a traceback for a job that exists
+    (("monitor", "--metrics", "abc"), "--metrics"),
+    (("monitor", "--web", "127.0.0.1:port"), "--web"),
+    (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),
+]
+
+
+@pytest.mark.parametrize("args,option", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_a_bad_value_is_one_line_naming_its_option_exit_2_and_nothing_written(args, option, redis_url, rconn,
+                                                                              tmp_path):
+    """A typo in an option is bad usage (README: exit 2), said before anything starts: not a traceback
+    (sim's port), not a local folder named `gs:` that workers fill in their own working directories."""
+    proc = run_genq(*args, redis_url=redis_url, check=False, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("Error")]
+    assert "Traceback" not in proc.stderr and len(lines) == 1 and option in lines[0], proc.stderr[-3000:]
+    assert rconn.keys("genq:job*") == [] and list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_export_of_a_job_with_no_shard_yet_names_the_option_that_exists(redis_url, rconn, tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 3)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "early", "--output", str(tmp_path / "out"),
+             redis_url=redis_url)
+    proc = run_genq("export", "--job", "early", "--to", str(tmp_path / "e.jsonl"), redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "no shards to export" in proc.stderr, proc.stderr
+    assert "--output" in proc.stderr and "--from" not in proc.stderr, proc.stderr  # --from is hidden from --help
+
+
+def test_a_concurrency_cap_too_large_to_store_is_bad_usage():
+    """A live worker's cap is stored as msgpack (64-bit): a bigger number was a traceback from genq concurrency."""
+    from genq.cli import concurrency
+
+    with pytest.raises(ValueError, match="is not a cap"):
+        concurrency("99999999999999999999")

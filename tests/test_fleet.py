@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -375,3 +376,22 @@ def test_busy_port_and_missing_program_are_reported(tmp_path, redis_url, procs, 
     assert out.returncode == 1
     assert "cannot run '/nonexistent/sglang'" in out.stderr
 
+
+
+def test_the_same_name_started_twice_is_refused_while_the_first_is_idle(redis_url, sim, worker):
+    """An idle worker beats every 20 s, not every second: the second one under its name must still see
+    it alive (it asks for a beat now) instead of taking the name and the first one's status."""
+    from genq.worker.heartbeat import IDLE_AFTER_S
+
+    url = sim()
+    first = worker(url, "--name", "twice", name="first")
+
+    def state() -> str | None:
+        rows = json.loads(run_genq("workers", "--json", redis_url=redis_url).stdout)
+        return next((r["state"] for r in rows if r["name"] == "twice"), None)
+
+    wait_until(lambda: state() == "idle", timeout=60, what="the first worker idle")
+    time.sleep(IDLE_AFTER_S + 3)  # now at the idle pace: its next beat is up to 20 s away
+    second = worker(url, "--name", "twice", name="second")
+    assert second.wait(timeout=60) != 0 and "a worker named twice is already running" in second.log(), second.log()
+    assert first.alive(), first.log()

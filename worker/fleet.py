@@ -112,7 +112,8 @@ def launch_problem(argv: list[str]) -> str | None:
 
 
 def parse_gpus(spec: str) -> list[int]:
-    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver)."""
+    """`all` (every GPU NVML sees) or a comma-separated list of GPU indices (any, where NVML sees no driver).
+    ValueError for a list that is not one (bad usage); FleetError for what NVML says of this machine."""
     spec, count = spec.strip(), None
     try:
         import pynvml
@@ -134,9 +135,9 @@ def parse_gpus(spec: str) -> list[int]:
     gpus: list[int] = []
     for part in (p.strip() for p in spec.split(",")):
         if not part.isdigit():
-            raise FleetError(f"--gpus {spec!r}: {part!r} is not a GPU index; use 'all' or a list such as 0,1,5")
+            raise ValueError(f"--gpus {spec!r}: {part!r} is not a GPU index; use 'all' or a list such as 0,1,5")
         if int(part) in gpus:
-            raise FleetError(f"--gpus {spec!r}: GPU {part} is listed twice")
+            raise ValueError(f"--gpus {spec!r}: GPU {part} is listed twice")
         gpus.append(int(part))
     if count is not None and (missing := [g for g in gpus if g >= count]):
         raise FleetError(f"--gpus {spec!r}: NVML sees {count} GPU(s) (0-{count - 1}); no GPU {missing[0]}")

@@ -51,6 +51,8 @@ def server_url_problem(url: str) -> str | None:
         _ = parts.port  # raises for a port out of range or not a number
     except ValueError as exc:
         return f"{url!r}: {exc}"
+    if parts.path.rstrip("/").endswith("/v1"):  # an OpenAI base_url; /health is at the root
+        return f"{url!r} ends in /v1: give the server's root, e.g. {parts.scheme}://{parts.netloc} (genq adds /v1/...)"
     return None
 
 

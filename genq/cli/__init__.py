@@ -7,6 +7,7 @@ import faulthandler
 import functools
 import importlib
 import json
+import math
 import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime
@@ -23,6 +24,7 @@ from genq.core.redisconn import ENV_VAR, FORMS, BadRedisURL, connect, describe_e
 
 EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an export is partial
 EXIT_INTERRUPTED = 130
+INT32 = 2**31 - 1  # the most --max-tokens or --priority: storable (msgpack is 64-bit), and a server's int
 
 COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim": "sim:sim_command",
             "demo": "demo", "dlq": "dlq", "pause": "control", "resume": "control", "jobs": "control",
@@ -103,9 +105,26 @@ def concurrency(value: Any) -> int | None:
         number = int(value)
     except ValueError:
         raise ValueError(f"{value!r} is neither 'auto' nor a whole number") from None
-    if number < 1:
-        raise ValueError(f"{number} is not a cap: give at least 1, or auto to follow the server")
+    if not 1 <= number <= 100_000:  # more than any server runs, and storable
+        raise ValueError(f"{number} is not a cap: give 1 to 100000, or auto to follow the server")
     return number
+
+
+def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
+    folder named after it, which each worker would fill in its own working directory."""
+    if value is not None and "://" in value and not value.startswith("s3://"):
+        raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
+    return value
+
+
+class Finite(click.FloatRange):
+    """A FloatRange that refuses nan and inf: nan passes its comparisons, and neither is a weight or a setting."""
+
+    def convert(self, value, param, ctx):
+        if not math.isfinite(number := super().convert(value, param, ctx)):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
 
 
 class JobName(click.ParamType):

@@ -281,21 +281,22 @@ def generation_options(fn: Any) -> Any:
     """The generation settings a command may change (jobs set; dlq requeue's override)."""
     fn = click.option("--extra-body", metavar="JSON", callback=_extra_body,
                       help="""Extra request fields, replacing the job's ('{}' clears them).""")(fn)
-    fn = click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling.")(fn)
-    fn = click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature.")(fn)
-    return click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate.")(fn)
+    fn = click.option("--top-p", type=cli.Finite(0, 1, min_open=True), help="Nucleus sampling.")(fn)
+    fn = click.option("--temperature", type=cli.Finite(min=0), help="Sampling temperature.")(fn)
+    return click.option("--max-tokens", type=click.IntRange(1, cli.INT32), help="Most tokens to generate.")(fn)
 
 
 @jobs.command("set")
 @job_argument
 @generation_options
 @click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
-@click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Tries per prompt before its letter.")
+@click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Tries per prompt before its letter.")
 @click.option("--brake/--no-brake", "brake", default=None,
               help="--no-brake: never block this job on repeated failures; each failing prompt is dead-lettered.")
 @click.option("--note", default=None, help="Why (kept in the settings history).")
-@click.option("--priority", type=int, default=None, help="Scheduling priority, higher first (no settings version).")
-@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--priority", type=click.IntRange(-cli.INT32, cli.INT32), default=None,
+              help="Scheduling priority, higher first (no settings version).")
+@click.option("--weight", type=cli.Finite(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority.")
 def jobs_set(job: str, note: str | None, priority: int | None, weight: float | None, **settings: Any) -> None:
     """Change a job's generation settings, priority or weight. See docs/settings.md."""

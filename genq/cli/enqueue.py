@@ -11,7 +11,7 @@ from collections.abc import Callable
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, extra_body, redis_url
+from genq.cli import EXIT_PARTLY_DONE, INT32, Finite, JobName, extra_body, local_or_s3, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
@@ -35,13 +35,14 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 @click.argument("input_uri", metavar="INPUT")
 @click.option("--job", type=JobName(), required=True,
               help="Job name (letters, digits, . _ -). An existing job's name adds to it (a finished one with --add).")
-@click.option("--output", default=None, help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
+@click.option("--output", default=None, callback=local_or_s3,
+              help="Where shards go: a directory or s3://bucket/prefix. [default: ./out]")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=None,
               help="Prompts per batch (one RQ job each). [default: 256]")
-@click.option("--max-tokens", type=click.IntRange(1), default=None,
+@click.option("--max-tokens", type=click.IntRange(1, INT32), default=None,
               help="Sent with every request (always: SGLang otherwise runs to the context limit). [default: 4096]")
-@click.option("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature (server's if unset).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+@click.option("--temperature", type=Finite(0), default=None, help="Sampling temperature (server's if unset).")
+@click.option("--top-p", type=Finite(0, 1, min_open=True), default=None,
               help="Nucleus sampling top_p, in (0, 1] (server's if unset).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None,
               help="/v1/chat/completions or /v1/completions. [default: chat]")
@@ -67,10 +68,10 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
               help="By reference: Redis holds each batch's line range of INPUT (uncompressed JSONL), which workers "
                    "read themselves (a local path at the same absolute path). Inline: the prompts go into Redis, "
                    "compressed. [default: by reference for an s3:// .jsonl input, inline otherwise]")
-@click.option("--priority", type=int, default=None,
+@click.option("--priority", type=click.IntRange(-INT32, INT32), default=None,
               help="Scheduling priority, higher first: no worker starts a lower-priority prompt while one of this job "
                    "waits (docs/scheduling.md). Changeable: genq jobs set JOB --priority N. [default: 0]")
-@click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--weight", type=Finite(min=0, min_open=True), default=None,
               help="Fair-share weight among jobs of equal priority (prompts in proportion to it). [default: 1]")
 @click.option("--add", "add_to_finished", is_flag=True,
               help="Add INPUT's new prompts to JOB though it is finished (done or partial): it runs again into the "

@@ -5,6 +5,7 @@ repeated id is dropped, so a prompt's first result wins. Each shard is read once
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import itertools
 import sys
@@ -20,7 +21,7 @@ import click
 import msgspec
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn, redis_url
+from genq.cli import EXIT_PARTLY_DONE, JobName, local_or_s3, redis_conn, redis_url
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.queueing import load_batch, load_config
@@ -53,7 +54,7 @@ _key_decoder = msgspec.json.Decoder(_Key)
 
 @click.command(short_help="Merge a job's shards into one JSONL, Parquet or Batch file.")
 @click.option("--job", type=JobName(), required=True, help="The job to export.")
-@click.option("--to", "dest", required=True, metavar="FILE|DIR",
+@click.option("--to", "dest", required=True, metavar="FILE|DIR", callback=local_or_s3,
               help="Output file (local or s3://bucket/key), or a directory to write JOB.<format> into.")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "openai-batch"]), default=None,
               help="jsonl (Result lines, as in the shards), parquet, or openai-batch (OpenAI Batch "
@@ -63,7 +64,7 @@ _key_decoder = msgspec.json.Decoder(_Key)
 @click.option("--errors", "errors_path", default=None, metavar="FILE",
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
 @click.option("--from", "source_named_from", default=None, hidden=True)  # --output's first name (docs/recovery.md)
-@click.option("--output", "source", default=None, metavar="OUTPUT",
+@click.option("--output", "source", default=None, metavar="OUTPUT", callback=local_or_s3,
               help="Read shards from OUTPUT (a directory or s3://bucket/prefix, as enqueue's --output) instead "
                    "of the job's configured output, e.g. after copying it.")
 @click.option("--s3-endpoint-url", default=None, metavar="URL",
@@ -200,7 +201,7 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
     manifest = f"{job}/{MANIFEST_DIR}"
     if not (names := [n for n in store.names(manifest) if batch_of_marker(n)]):
         raise ExportError(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
-                          f"{job!r} has finished there yet, or the output is elsewhere: see --from)")
+                          f"{job!r} has finished there yet, or the output is elsewhere: see --output)")
     with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
         raws = list(pool.map(lambda n: store.read(f"{manifest}/{n}") or b"", names))
     shards = []
@@ -279,7 +280,13 @@ def _lines(paths: list[str], entries: Iterable[tuple[int, int, int, int]]) -> It
 
 def _write(dest: str, write: Callable[[BinaryIO], int], endpoint_url: str | None) -> tuple[int, int]:
     """Write whole (a reader never sees half an export) to a local path, or to s3:// through a local
-    temporary file; what `write` returned and the size written."""
+    temporary file; what `write` returned and the size written. A name ending .gz is gzip, as readers expect."""
+    if dest.endswith(".gz"):
+        plain = write
+
+        def write(out: BinaryIO) -> int:
+            with gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as packed:
+                return plain(packed)  # type: ignore[arg-type]
     if not dest.startswith("s3://"):
         return write_atomic(dest, write), Path(dest).stat().st_size
     from genq.output import s3

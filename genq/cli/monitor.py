@@ -59,6 +59,14 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
     token = os.environ.get("GENQ_WEB_TOKEN") or None
     if once and (listen or web_listen):
         raise click.UsageError(f"{'--metrics' if listen else '--web'} needs a running monitor; drop --once")
+    for option, value in (("--metrics", listen), ("--web", web_listen)):
+        if value:  # a malformed address is bad usage, said before anything starts
+            from genq.monitor.exporter import parse_listen
+
+            try:
+                parse_listen(value, option)
+            except ValueError as exc:  # it names the option and the value
+                raise click.UsageError(str(exc)) from None
     if (web_control or web_hosts) and not web_listen:
         raise click.UsageError(f"{'--web-control' if web_control else '--web-allow-host'} goes with --web")
     if web_control and (token is None or len(token) < 16):
@@ -81,15 +89,13 @@ def monitor(ctx: click.Context, job: str | None, once: bool, as_json: bool, prog
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
         try:
             serve(mon, listen, max_age=interval)
-        except ValueError as exc:  # it names the option and the value
-            raise click.ClickException(str(exc)) from None
         except OSError as exc:
             raise click.ClickException(f"--metrics {listen}: {exc}") from None
         click.echo(f"genq monitor: Prometheus metrics on http://{_shown(listen)}/metrics", err=True)
     if web_listen and history is not None:
         try:
             serve_web(mon, history, web_listen, interval, token if web_control else None, web_hosts)
-        except (ValueError, OSError) as exc:
+        except OSError as exc:
             raise click.ClickException(f"--web {web_listen}: {exc}") from None
         click.echo(f"genq monitor: live page on http://{_shown(web_listen)}/"
                    f"{' (pause/resume/drain enabled)' if web_control else ' (read-only)'}", err=True)

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from genq.cli import EXIT_PARTLY_DONE, JobName, redis_conn
+from genq.cli import EXIT_PARTLY_DONE, JobName, local_or_s3, redis_conn
 from genq.cli.enqueue import reference_uri
 from genq.core.words import plural
 from genq.ops import recover as recovering
@@ -17,7 +17,7 @@ from genq.producer.sources import located
 
 @click.command()
 @click.option("--job", type=JobName(), required=True, help="The job to recover.")
-@click.option("--output", default=None, metavar="OUTPUT",
+@click.option("--output", default=None, metavar="OUTPUT", callback=local_or_s3,
               help="Where the job wrote its shards, when Redis no longer knows it. [default: the job's, from Redis]")
 @click.option("--input", "inputs", multiple=True, metavar="INPUT",
               help="The job's input, to queue its prompts with no written outcome. [default: the ones job.json names]")

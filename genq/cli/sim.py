@@ -35,7 +35,7 @@ for _name, _hint in reversed(typing.get_type_hints(SimConfig, include_extras=Tru
     sim_command = click.option(
         *_flags, _name, default=_DEFAULTS[_name], help=_help,
         type=click.Choice(FLAVORS) if _name == "flavor" else click.FloatRange(0, 1) if _name.endswith("_rate")
-        else _type,
+        else click.IntRange(0, 65535) if _name == "port" else _type,
         metavar={"crash_marker": "TEXT", "tool_call_parser": "NAME"}.get(_name))(sim_command)
 sim_command = click.command("sim", short_help="Simulate one SGLang, vLLM or llama.cpp server (no GPU needed).",
                             context_settings={"show_default": True, "max_content_width": 100})(sim_command)

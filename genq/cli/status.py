@@ -92,10 +92,11 @@ def _pending(conn: redis.Redis, job: str, batches: list[str], prompt_id: str) ->
 def _written(conn: redis.Redis, job: str, prompt_id: str, batches: list[str] | None = None) -> dict[str, Any] | None:
     """In a written shard (of `batches`, else any; local or S3): the record itself."""
     endpoint = config.s3_endpoint_url if (config := load_config(conn, job)) else None
+    written = msgspec.json.encode(prompt_id)[1:-1]  # as the shard holds it: a quote or a tab escaped
     for raw in ledger_jobs.shard_infos(conn, job, batches):
         info = unpack(raw, ShardInfo)
         for line in _lines(info.uri, endpoint):
-            if prompt_id.encode() in line and (record := json.loads(line)).get("id") == prompt_id:
+            if written in line and (record := json.loads(line)).get("id") == prompt_id:
                 return {"state": "done", "batch": info.batch, "record": record, "why": f"written to {info.uri}"}
     return None
 

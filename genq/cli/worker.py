@@ -107,8 +107,12 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
         from genq.worker.fleet import FleetOptions, HealthTimeouts, parse_gpus, run_fleet
 
         f = fleet_opts
+        try:
+            gpus = parse_gpus(f["gpus"])
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
         raise SystemExit(asyncio.run(run_fleet(FleetOptions(
-            redis_url=redis_url(ctx), gpus=parse_gpus(f["gpus"]), host=options["host"] or socket.gethostname(),
+            redis_url=redis_url(ctx), gpus=gpus, host=options["host"] or socket.gethostname(),
             base_port=f["base_port"], server_url=f["server_url_template"], launch=f["launch"], log_dir=f["log_dir"],
             name_prefix=options["name"], engine_args=forwarded_options(ctx), max_restarts=f["max_restarts"],
             health=HealthTimeouts(start=options["server_start_timeout"], unhealthy=f["server_health_timeout"],

@@ -101,6 +101,11 @@ async def wake_for_work(conn: aioredis.Redis) -> None:
     await conn.publish(keys.WAKE, b"1")
 
 
+async def ask_for_beats(conn: aioredis.Redis) -> None:
+    """Every idle worker beats now (as after a control change), not at its 20 s pace."""
+    await conn.publish(keys.WAKE, keys.WAKE_CONTROL)
+
+
 def listen_for_wakes(pubsub: Any) -> Callable[[Any], str]:
     """Subscribe to the wake-up channel; what a message says: "control", "queued" or "work"."""
     pubsub.subscribe(keys.WAKE)
