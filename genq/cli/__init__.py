@@ -106,7 +106,7 @@ def concurrency(value: Any) -> int | None:
     except ValueError:
         raise ValueError(f"{value!r} is neither 'auto' nor a whole number") from None
     if not 1 <= number <= 100_000:  # more than any server runs, and storable
-        raise ValueError(f"{number} is not a cap: give 1 to 100000, or auto to follow the server")
+        raise ValueError(f"{number} is not a cap: give at least 1 (at most 100000), or auto to follow the server")
     return number
 
 
