@@ -181,7 +181,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
 
     for job in {e.job for e in chosen} if override else ():  # as at enqueue, before anything moves
         if (config := q.load_config(conn, job)) is not None:
-            check_params(override or {}, "--extra-body", config.endpoint)
+            check_params(override, "--extra-body", config.endpoint)
     return _each(conn, chosen, some, requeue=True)
 
 
