@@ -223,13 +223,8 @@ def test_concurrency_cap_is_live(tmp_path, redis_url, rconn, sim, worker):
 
     # While capped, a job runs with never more than 3 requests at the server.
     ids = enqueue(tmp_path, "cap", 40)
-    peak = 0
-    deadline = time.monotonic() + 60
-    while job_now("cap").state != "done":
-        assert time.monotonic() < deadline, "job did not complete"
-        peak = max(peak, sim_stats(url)["num_running"])
-        time.sleep(0.05)
-    assert 0 < peak <= 3
+    wait_until(lambda: job_now("cap").state == "done", timeout=60, what="the job to complete")
+    assert 0 < sim_stats(url)["max_running"] <= 3  # the sim's own peak: sampling can miss every request
     assert_exactly_once(tmp_path, "cap", ids)
 
     run_genq("concurrency", "--all", "auto")

@@ -36,11 +36,12 @@ class SimRequest:
 
 
 def new_stats() -> dict[str, Any]:
-    """/sim/stats' figures since start or /sim/reset; starved steps: a slot free while one waited (KV budget)."""
+    """/sim/stats' figures since start or /sim/reset; starved steps: a slot free while one waited (KV budget);
+    generated_by_key: per prompt key; max_running: the most requests running at once (a peak that sampling misses)."""
     now = time.monotonic()
     return {"start": now, "last_change": now, "running_integral": 0.0, "waiting_integral": 0.0, "first_admit": None,
             "last_finish": None, **dict.fromkeys((*_COUNTED, "generation_requests", "steps", "request_steps",
-                                                  "starved_steps"), 0), "generated_by_key": {}}  # per prompt key
+                                                  "starved_steps", "max_running"), 0), "generated_by_key": {}}
 
 
 class Engine:
@@ -149,6 +150,7 @@ class Engine:
             self._count("prompt_tokens", req.prompt_tokens)
             admitted += req.prompt_tokens
             self.stats["first_admit"] = self.stats["first_admit"] or now
+            self.stats["max_running"] = max(self.stats["max_running"], len(self.running))
         self._left_out = len(self.waiting)
         return admitted
 
