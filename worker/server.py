@@ -448,6 +448,9 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
     n = body.get("n", 1)
     n = n if isinstance(n, int) and n > 1 else 1
     indexes = [choice.index for choice in c.choices]
+    # An aborted request's text is what was made before it ended, not an answer: the server's failure, retried.
+    if aborted := next((x.finish_reason for x in c.choices if x.finish_reason in ("abort", "error")), None):
+        return Failure("server_error", f"the server ended the request with finish_reason {aborted}")
     if indexes != list(range(n)):
         return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
                        f"indexes {indexes}", retryable=False)
