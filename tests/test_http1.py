@@ -336,3 +336,23 @@ def test_a_streams_200_answer_that_is_a_json_error_is_that_error(body, kind, sta
     message = json.loads(body).get("error", json.loads(body))["message"]
     assert isinstance(outcome, Failure), outcome
     assert (outcome.kind, outcome.status, outcome.message, outcome.retryable) == (kind, status, message, retryable)
+
+
+def test_a_streams_200_answer_that_is_an_html_page_is_told_as_such():
+    """A proxy's page on HTTP 200 (a login or maintenance page) to a streamed request: a protocol failure
+    quoting the page, in one line. It was "stream ended before [DONE]", a connection failure."""
+    page = b"<html>\r\n<head><title>Maintenance</title></head>\r\n<body>Back soon</body>\r\n</html>\r\n"
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)]
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
+    assert "<title>Maintenance</title>" in outcome.message and "\n" not in outcome.message, outcome

@@ -388,8 +388,9 @@ class StreamSink:
     def outcome(self) -> Completion | Failure:  # once the body has ended or a failure stopped the reading
         if self.failure is None and not self.done and self.rest.startswith(b"data:"):
             self.failure = self.feed(self.rest[5:].strip())
-        if self.failure is None and not self.done and not self.events and self.head.lstrip()[:1] == b"{":
-            return parse_completion_bytes(self.head, self.model)  # JSON, not SSE: an error on HTTP 200
+        if self.failure is None and not self.done and not self.events and self.head.strip() \
+                and not self.head.lstrip().startswith((b"data:", b":")):  # not SSE: a JSON error, a page
+            return parse_completion_bytes(self.head, self.model)
         return self.failure or (self.completion() if self.done else Failure("connection", "stream ended before [DONE]"))
 
     def feed(self, payload: bytes) -> Failure | None:
