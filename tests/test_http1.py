@@ -356,3 +356,29 @@ def test_a_streams_200_answer_that_is_an_html_page_is_told_as_such():
     outcome = asyncio.run(main())
     assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
     assert "<title>Maintenance</title>" in outcome.message and "\n" not in outcome.message, outcome
+
+
+def test_a_stream_cut_after_its_done_event_is_the_answer_it_was():
+    """Every event and [DONE] came, then the connection closed before the chunked body's last chunk (the
+    server killed, a proxy's reset): the answer is whole and is recorded. It was a connection failure:
+    the prompt generated again, its GPU time spent twice."""
+    events = (b'data: {"id": "r", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+              b'data: {"id": "r", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+              b'data: {"id": "r", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\n'
+              b"data: [DONE]\n\n")
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"%x\r\n%s\r\n" % (len(events), events)]  # no last chunk: the connection closes
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers, close_after=True, step=1000).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Completion), outcome
+    assert (outcome.choices[0].completion, outcome.choices[0].finish_reason, outcome.usage.completion_tokens) == \
+        ("Hi", "stop", 1), outcome

@@ -154,6 +154,8 @@ class ServerClient:
         try:
             status, raw, retry_after = await self.pool.post(path, _json_encode(body), stream)
         except OSError as exc:  # refused, reset, cut short, the connect timeout, no answer
+            if stream is not None and stream.done:  # cut after [DONE]: the answer is whole
+                return stream.outcome()
             return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
