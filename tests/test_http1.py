@@ -382,3 +382,25 @@ def test_a_stream_cut_after_its_done_event_is_the_answer_it_was():
     assert isinstance(outcome, Completion), outcome
     assert (outcome.choices[0].completion, outcome.choices[0].finish_reason, outcome.usage.completion_tokens) == \
         ("Hi", "stop", 1), outcome
+
+
+def test_a_servers_error_message_over_lines_is_told_in_one_line():
+    """SGLang sends str(exception) as the message: a CUDA error is several lines. The failure's message (the
+    dead letter's, the worker's log line) is one line, so that a log line is one event. Its lines went into
+    the log as they came."""
+    message = "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be reported later.\n"
+    body = json.dumps({"object": "error", "message": message, "type": "InternalServerError", "code": 500}).encode()
+    answers = [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)]
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Failure) and outcome.message == (
+        "CUDA error: an illegal memory access was encountered CUDA kernel errors might be reported later."), outcome

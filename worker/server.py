@@ -261,7 +261,7 @@ def event_failure(err: Any, mid_stream: bool = False) -> Failure:
     whatever its code: SGLang sends any exception in a running stream with its blanket code 400."""
     code = err.get("code") if isinstance(err, dict) else None
     status = code if isinstance(code, int) else None
-    message = str(err.get("message") or err) if isinstance(err, dict) else str(err)
+    message = " ".join((str(err.get("message") or err) if isinstance(err, dict) else str(err)).split())  # one line
     if status in (400, 413, 422) and not mid_stream:
         return Failure("bad_request", message, status, retryable=False)
     return Failure("server_error", message, status)
