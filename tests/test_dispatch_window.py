@@ -184,3 +184,64 @@ def test_a_prompt_refused_as_too_many_is_never_dead_lettered(status: int, messag
     asyncio.run(go())
     assert not dead, dead
     assert results["p0"] == 7, results
+
+
+@pytest.mark.parametrize("asked, waited", [(5.0, 5.0), (3600.0, 20.0)])
+def test_a_retry_after_is_waited_for_up_to_the_backoffs_cap(asked: float, waited: float):
+    """A 503 (or 429) with Retry-After: the retry is due no sooner than the server asked, and no later
+    than --retry-backoff-max (20 s here) however long it asked. It was due at the backoff (0.01 s here)."""
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m"), set())
+
+    class Busy:
+        async def generate(self, endpoint: str, body: dict, progress: object) -> Failure:
+            return Failure("server_error", "The request queue is full.", 503, retry_after=asked)
+
+    async def go() -> float:
+        d = dispatcher(Busy(), todo_of(held, 1, Claims()))  # type: ignore[arg-type]
+        d.opts.retry_backoff, d.opts.retry_backoff_max = 0.01, 20.0
+        sent = asyncio.get_running_loop().time()
+        runner = asyncio.create_task(d.run())
+        d.wake.set()
+        async with asyncio.timeout(10):
+            while not d.todo.delayed:
+                await asyncio.sleep(0.01)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        return d.todo.delayed[0][0] - sent
+
+    delay = asyncio.run(go())
+    assert waited <= delay <= waited * 1.5 + 1, delay
+
+
+def test_requests_failing_while_the_server_is_up_are_told_in_a_warning_now_and_then(caplog):
+    """Every request answered 500 while /health is fine: the prompts are retried (no evidence against any),
+    and the operator reads one WARNING line naming the server, the status and its message, not one a
+    request. Nothing above DEBUG was logged: the worker looked idle while its server failed everything."""
+    held = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp", model="m"), set())
+    calls = []
+
+    class Failing:
+        async def generate(self, endpoint: str, body: dict, progress: object) -> Failure:
+            await asyncio.sleep(0.001)
+            calls.append(body["prompt"])
+            return Failure("server_error", "Internal server error (simulated)", 500)
+
+    async def go() -> None:
+        d = dispatcher(Failing(), todo_of(held, 10, Claims()))  # type: ignore[arg-type]
+        d.opts.retry_backoff, d.opts.retry_backoff_max, d.opts.server_url = 0.001, 0.002, "http://gpu7:30000"
+        runner = asyncio.create_task(d.run())
+        d.wake.set()
+        async with asyncio.timeout(10):
+            while len(calls) < 50:
+                await asyncio.sleep(0.01)
+        runner.cancel()
+        for aio in list(d.running.values()):
+            aio.cancel()
+        await asyncio.gather(runner, *d.running.values(), return_exceptions=True)
+
+    with caplog.at_level("DEBUG", logger="genq.worker"):
+        asyncio.run(go())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert all(s in warnings[0] for s in ("http://gpu7:30000", "500", "Internal server error (simulated)")), warnings
+    assert "\n" not in warnings[0]

@@ -51,7 +51,7 @@ class Scripted:
 
 
 async def post(pool: Http1Pool) -> tuple[int, bytes]:
-    return await pool.post("/v1/chat/completions", b'{"x": 1}')
+    return (await pool.post("/v1/chat/completions", b'{"x": 1}'))[:2]
 
 
 def run(answers: list[bytes], go, close_after: bool = False, step: int = 1) -> Scripted:
@@ -148,7 +148,7 @@ def test_a_sink_that_has_enough_gets_no_more_and_the_connection_is_not_reused(st
         return b"".join(parts).endswith(b"STOP")
 
     async def go(pool: Http1Pool) -> None:
-        assert await pool.post("/v1/completions", b"{}", sink) == (200, b"")
+        assert await pool.post("/v1/completions", b"{}", sink) == (200, b"", None)
         assert b"".join(parts) == b"aSTOP", "nothing after the sink said enough"
         assert not pool.idle
 
@@ -285,3 +285,122 @@ def test_an_error_page_that_is_not_json_is_told_in_one_line():
         assert "\n" not in outcome.message and "\r" not in outcome.message, outcome
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("header, seconds", [(b"7", 7.0), (b"Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (b"soon", None)])
+def test_a_busy_answers_retry_after_is_kept_in_its_failure(header, seconds):
+    """A 429 or 503 may say when to come back (Retry-After: seconds or an HTTP date, RFC 9110); the
+    failure keeps it for the dispatcher's retry (a date past is 0, a value that is neither is ignored).
+    It was dropped with the headers: the retry came at the backoff, however long the server had asked."""
+    body = b'{"object": "error", "message": "The request queue is full.", "code": 503}'
+    answers = [b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %s\r\nContent-Length: %d\r\n\r\n%s"
+               % (header, len(body), body)]
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Failure) and (outcome.status, outcome.message) == (503, "The request queue is full.")
+    assert outcome.retry_after == seconds, outcome
+
+
+@pytest.mark.parametrize("body, kind, status, retryable", [
+    (b'{"error": {"message": "This model\'s maximum context length is 2048 tokens.", "code": 400}}',
+     "bad_request", 400, False),
+    (b'{"object": "error", "message": "Internal server error", "type": "InternalServerError", "code": 500}',
+     "server_error", 500, True),
+])
+def test_a_streams_200_answer_that_is_a_json_error_is_that_error(body, kind, status, retryable):
+    """A proxy or an older engine may answer a streamed request with HTTP 200 and a plain JSON error
+    body, no SSE: the failure is the server's own message, judged by its code (a 400 is the prompt's,
+    not retried). It was a connection failure, "stream ended before [DONE]", the message lost."""
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+               % (len(body), body)]
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    message = json.loads(body).get("error", json.loads(body))["message"]
+    assert isinstance(outcome, Failure), outcome
+    assert (outcome.kind, outcome.status, outcome.message, outcome.retryable) == (kind, status, message, retryable)
+
+
+def test_a_streams_200_answer_that_is_an_html_page_is_told_as_such():
+    """A proxy's page on HTTP 200 (a login or maintenance page) to a streamed request: a protocol failure
+    quoting the page, in one line. It was "stream ended before [DONE]", a connection failure."""
+    page = b"<html>\r\n<head><title>Maintenance</title></head>\r\n<body>Back soon</body>\r\n</html>\r\n"
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)]
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
+    assert "<title>Maintenance</title>" in outcome.message and "\n" not in outcome.message, outcome
+
+
+def test_a_stream_cut_after_its_done_event_is_the_answer_it_was():
+    """Every event and [DONE] came, then the connection closed before the chunked body's last chunk (the
+    server killed, a proxy's reset): the answer is whole and is recorded. It was a connection failure:
+    the prompt generated again, its GPU time spent twice."""
+    events = (b'data: {"id": "r", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+              b'data: {"id": "r", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+              b'data: {"id": "r", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\n'
+              b"data: [DONE]\n\n")
+    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"%x\r\n%s\r\n" % (len(events), events)]  # no last chunk: the connection closes
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers, close_after=True, step=1000).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Completion), outcome
+    assert (outcome.choices[0].completion, outcome.choices[0].finish_reason, outcome.usage.completion_tokens) == \
+        ("Hi", "stop", 1), outcome
+
+
+def test_a_servers_error_message_over_lines_is_told_in_one_line():
+    """SGLang sends str(exception) as the message: a CUDA error is several lines. The failure's message (the
+    dead letter's, the worker's log line) is one line, so that a log line is one event. Its lines went into
+    the log as they came."""
+    message = "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be reported later.\n"
+    body = json.dumps({"object": "error", "message": message, "type": "InternalServerError", "code": 500}).encode()
+    answers = [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)]
+
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, Failure) and outcome.message == (
+        "CUDA error: an illegal memory access was encountered CUDA kernel errors might be reported later."), outcome

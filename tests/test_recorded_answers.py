@@ -16,6 +16,7 @@ from genq.core.records import Prompt, Result
 from genq.worker.server import (
     UNSENT_MAX,
     Completion,
+    Failure,
     Progress,
     StreamSink,
     one_per_token,
@@ -80,3 +81,30 @@ def test_a_length_cut_answer_whose_last_token_made_no_text() -> None:
     assert one_per_token(sent, 15, "length", chat=True) is sent  # nothing missing
     assert one_per_token(sent, 15 + UNSENT_MAX + 1, "length", chat=True) is sent  # more than trailing bytes: as sent
     assert one_per_token(None, 16, "length", chat=True) is None  # no logprobs at all: the server ignored them
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_an_answer_the_server_aborted_is_a_failure_to_retry_not_a_record(reason: str, stream: bool) -> None:
+    """SGLang ends a request it aborts (scheduler gone, abort all at shutdown) with finish_reason "abort",
+    vLLM with "abort" or "error": the text is what was made before, not an answer. It is a server_error,
+    retried (and dead-lettered only on evidence, as any), naming the reason. It was recorded as the
+    prompt's result: a cut answer in the output, the prompt never generated whole."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    if stream:
+        sink = StreamSink("m", Progress())
+        for event in ({"choices": [{"index": 0, "delta": {"content": "Once upon"}}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]},
+                      {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}):
+            assert sink.feed(json.dumps(event).encode()) is None
+        assert sink.feed(b"[DONE]") is None
+        completion: Any = sink.outcome()
+    else:
+        answer = {"choices": [{"index": 0, "message": {"content": "Once upon"}, "finish_reason": reason}],
+                  "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+        completion = parse_completion_bytes(json.dumps(answer).encode(), "m")
+    assert isinstance(completion, Completion), completion
+    outcome = result_of(body, completion, prompt=Prompt(id="p", index=0), job="j", batch="b", worker="w", attempts=1,
+                        latency_s=0.1)
+    assert isinstance(outcome, Failure), outcome
+    assert (outcome.kind, outcome.retryable) == ("server_error", True) and f"finish_reason {reason}" in outcome.message

@@ -71,6 +71,9 @@ def test_a_server_answering_500_to_everything_costs_no_prompt(redis_url, rconn, 
                "every prompt failed as often as its attempts allow")
     post_json(url + "/sim/faults", {"error_rate": 0.0})
     assert proc.wait(timeout=60) == 0, proc.log()
+    # Said to the operator in one line, not one a request (they were DEBUG only).
+    said = [line for line in proc.log().splitlines() if "failed while it is up" in line]
+    assert len(said) == 1 and "HTTP 500" in said[0] and "Internal server error (simulated)" in said[0], said
     found = audit(rconn, "e500", out, ids)
     assert not found.letters, {k: v.message for k, v in found.letters.items()}
 

@@ -30,6 +30,7 @@ CLAIM_AHEAD_MIN = 2
 # Nothing answered this long: the server is checked before the next request (a restart while nothing is in
 # flight fails nothing; genq sim restarts in 0.5 s, real servers in tens of seconds).
 IDLE_CHECK_S = 0.25
+FAILURE_NOTE_EVERY_S = 60.0  # requests failing while the server is up: a WARNING this often at most
 
 
 def claim_ahead(target: int) -> int:
@@ -63,6 +64,7 @@ class Dispatcher:
         self.observed = time.monotonic()  # when the server last answered anything, or was checked
         self.answered = 0.0  # when the latest request this server answered normally was sent (monotonic)
         self.wake = self.todo.wake  # set by whatever may have made a prompt sendable
+        self.failed_since_note, self.next_failure_note = 0, 0.0
 
     @property
     def unsent(self) -> int:
@@ -197,6 +199,13 @@ class Dispatcher:
             return
         task.attempts += 1
         self.rates.error(held.ref.job)
+        self.failed_since_note += 1
+        if (now := time.monotonic()) >= self.next_failure_note:  # one line now and then, not one a request
+            log.warning("server %s: %s failed while it is up (said every %.0fs at most); latest: %s%s: %s",
+                        self.opts.server_url, plural(self.failed_since_note, "request"), FAILURE_NOTE_EVERY_S,
+                        f"HTTP {failure.status} " if failure.status else "", failure.kind,
+                        " ".join(failure.message.split()))
+            self.failed_since_note, self.next_failure_note = 0, now + FAILURE_NOTE_EVERY_S
         max_attempts = self.opts.max_attempts or held.config.max_attempts
         task.failing_since = task.progress.started if task.failing_since is None else task.failing_since
         # No evidence against the prompt: retried while it could be the server's (a job's last prompts
@@ -207,6 +216,8 @@ class Dispatcher:
         if failure.retryable and (task.attempts - task.busy < max_attempts or unproven):
             delay = (min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))
                      * random.uniform(0.5, 1.5))
+            # Never sooner than the server's Retry-After, nor later than --retry-backoff-max for it.
+            delay = max(delay, min(failure.retry_after or 0.0, self.opts.retry_backoff_max))
             self.todo.retry_at(time.monotonic() + delay, task)
             log.debug("prompt %s attempt %d failed (%s: %s); retry in %.1fs%s",
                       task.prompt.id, task.attempts, failure.kind, failure.message, delay,

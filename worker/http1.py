@@ -35,6 +35,7 @@ class _Conn(asyncio.Protocol):
         self.status, self.closed, self.keep = 0, False, False
         self.got = False  # a byte of this answer came
         self.framed = False  # by Content-Length or chunked; else the body runs to the close
+        self.retry_after: bytes | None = None  # the answer's Retry-After header
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -43,6 +44,7 @@ class _Conn(asyncio.Protocol):
         """(status, whether the connection can carry another) once the answer is read."""
         assert self.transport is not None
         self.answer, self.stream, self.sink, self.got, self.body = self.loop.create_future(), stream, None, False, []
+        self.retry_after = None
         self.transport.write(request)
         return self.answer
 
@@ -65,6 +67,8 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() in _FRAMING:
             self.framed = True
+        elif name.lower() == b"retry-after":
+            self.retry_after = value
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -150,8 +154,8 @@ class Http1Pool:
                 conn.close()
         return status, b"".join(conn.body)
 
-    async def post(self, path: str, data: bytes, stream: Sink | None = None) -> tuple[int, bytes]:
-        """(status, body); a 200 answer's body goes to `stream` instead, when there is one. Raises
+    async def post(self, path: str, data: bytes, stream: Sink | None = None) -> tuple[int, bytes, bytes | None]:
+        """(status, body, Retry-After); a 200 answer's body goes to `stream` instead, when there is one. Raises
         NoResponse, or OSError, before the response; once it has begun, ConnectionError if the body
         is cut short."""
         request = b"POST " + (self.prefix + path).encode() + b" HTTP/1.1" + self._head + str(len(data)).encode() \
@@ -165,7 +169,7 @@ class Http1Pool:
                     break
         return await self._send(await self._connect(), request, stream)
 
-    async def _send(self, conn: _Conn, request: bytes, stream: Sink | None) -> tuple[int, bytes]:
+    async def _send(self, conn: _Conn, request: bytes, stream: Sink | None) -> tuple[int, bytes, bytes | None]:
         try:
             status, keep = await conn.send(request, stream)
         except BaseException:  # cut short, cancelled: the connection is in an unknown state
@@ -175,4 +179,4 @@ class Http1Pool:
             self.idle.append(conn)
         else:
             conn.close()
-        return status, b"".join(conn.body)
+        return status, b"".join(conn.body), conn.retry_after

@@ -6,6 +6,7 @@ asked come back as n choices or a failure, and a record keeps only what was aske
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ HEALTH_TIMEOUT_S = 30.0
 # The most trailing tokens SGLang's chat stream counts without sending their logprobs: those that
 # decode to no text, the end-of-sequence token or the bytes of an unfinished UTF-8 character (<= 4).
 UNSENT_MAX = 4
+HEAD_MAX = 1 << 16  # the most of a stream's body kept to read it whole when it is not SSE
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -59,6 +61,7 @@ class Failure:
     message: str
     status: int | None = None
     retryable: bool = True
+    retry_after: float | None = None  # seconds the server asked to wait (Retry-After)
 
 
 @dataclass
@@ -149,13 +152,15 @@ class ServerClient:
         model = body.get("model", "")
         stream = StreamSink(model, progress) if body.get("stream") else None
         try:
-            status, raw = await self.pool.post(path, _json_encode(body), stream)
+            status, raw, retry_after = await self.pool.post(path, _json_encode(body), stream)
         except OSError as exc:  # refused, reset, cut short, the connect timeout, no answer
+            if stream is not None and stream.done:  # cut after [DONE]: the answer is whole
+                return stream.outcome()
             return Failure("connection", f"{type(exc).__name__}: {exc}".rstrip(": "))
         except ValueError as exc:  # a status line, length or chunk size that is not HTTP's
             return Failure("protocol", f"malformed HTTP response: {exc}")
         if status != 200:
-            return http_failure(status, raw)
+            return http_failure(status, raw, retry_after)
         if stream is not None:
             return stream.outcome()
         progress.first_byte = progress.last_activity = time.monotonic()
@@ -237,12 +242,18 @@ def decode_answer(raw: bytes) -> _WireAnswer | Failure:
     return answer
 
 
-def http_failure(status: int, raw: bytes) -> Failure:
-    """A non-200 answer: judged by its HTTP status, told by its error's message."""
+def http_failure(status: int, raw: bytes, retry_after: bytes | None = None) -> Failure:
+    """A non-200 answer: judged by its HTTP status, told by its error's message; with the wait its
+    Retry-After asks, in seconds or as an HTTP date (RFC 9110), if it is either."""
     error = answer.error if isinstance(answer := decode_answer(raw), _WireAnswer) else None
     message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
     page = " ".join(raw[:500].decode("utf-8", "replace").split())  # a proxy's HTML page, in one line
-    return event_failure({"code": status, "message": message or page or "(empty body)"})
+    failure = event_failure({"code": status, "message": message or page or "(empty body)"})
+    wait = (retry_after or b"").decode("latin-1").strip()
+    with contextlib.suppress(TypeError, ValueError):
+        failure.retry_after = float(wait) if wait.isdigit() else \
+            max(0.0, email.utils.parsedate_to_datetime(wait).timestamp() - time.time())
+    return failure
 
 
 def event_failure(err: Any, mid_stream: bool = False) -> Failure:
@@ -250,7 +261,7 @@ def event_failure(err: Any, mid_stream: bool = False) -> Failure:
     whatever its code: SGLang sends any exception in a running stream with its blanket code 400."""
     code = err.get("code") if isinstance(err, dict) else None
     status = code if isinstance(code, int) else None
-    message = str(err.get("message") or err) if isinstance(err, dict) else str(err)
+    message = " ".join((str(err.get("message") or err) if isinstance(err, dict) else str(err)).split())  # one line
     if status in (400, 413, 422) and not mid_stream:
         return Failure("bad_request", message, status, retryable=False)
     return Failure("server_error", message, status)
@@ -354,6 +365,7 @@ class StreamSink:
     response_id: str | None = None
     done: bool = False
     events: int = 0
+    head: bytes = b""  # the body's start, until its first event: one that is not SSE is read whole
 
     def __call__(self, chunk: bytes) -> bool:
         progress = self.progress
@@ -362,6 +374,8 @@ class StreamSink:
             progress.first_byte = now
         if self.done:  # read on to the body's end: a body left unread costs the connection
             return False
+        if not self.events and len(self.head) < HEAD_MAX:
+            self.head += chunk
         lines = (self.rest + chunk if self.rest else chunk).split(b"\n")
         self.rest = lines.pop()
         for line in lines:
@@ -376,6 +390,9 @@ class StreamSink:
     def outcome(self) -> Completion | Failure:  # once the body has ended or a failure stopped the reading
         if self.failure is None and not self.done and self.rest.startswith(b"data:"):
             self.failure = self.feed(self.rest[5:].strip())
+        if self.failure is None and not self.done and not self.events and self.head.strip() \
+                and not self.head.lstrip().startswith((b"data:", b":")):  # not SSE: a JSON error, a page
+            return parse_completion_bytes(self.head, self.model)
         return self.failure or (self.completion() if self.done else Failure("connection", "stream ended before [DONE]"))
 
     def feed(self, payload: bytes) -> Failure | None:
@@ -434,6 +451,9 @@ def result_of(body: dict[str, Any], c: Completion, *, prompt: Prompt, job: str, 
     n = body.get("n", 1)
     n = n if isinstance(n, int) and n > 1 else 1
     indexes = [choice.index for choice in c.choices]
+    # An aborted request's text is what was made before it ended, not an answer: the server's failure, retried.
+    if aborted := next((x.finish_reason for x in c.choices if x.finish_reason in ("abort", "error")), None):
+        return Failure("server_error", f"the server ended the request with finish_reason {aborted}")
     if indexes != list(range(n)):
         return Failure("protocol", f"the request asked for n={n} choices; the server answered with "
                        f"indexes {indexes}", retryable=False)

@@ -88,7 +88,8 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
      help="Server outages a prompt may be in flight for before its dead letter.")
 @opt("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, help="On SIGTERM: seconds to finish.")
 @opt("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, help="First retry delay, seconds.")
-@opt("--retry-backoff-max", type=click.FloatRange(0), default=DEFAULTS.retry_backoff_max, help="Longest retry delay.")
+@opt("--retry-backoff-max", type=click.FloatRange(0), default=DEFAULTS.retry_backoff_max,
+     help="Longest retry delay, also for a server's Retry-After.")
 @opt("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info")
 @click.pass_context
 def worker(ctx: click.Context, log_level: str, **options) -> None:
