@@ -40,9 +40,10 @@ from hypothesis.stateful import (
 
 from genq.core import keys, scripts
 from genq.core import ledger as ledger_mod
-from genq.core.ledger import Reconciler, lease_token
+from genq.core.ledger import Reconciler, lease_holder, lease_token
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.figures import job_status
+from genq.core.ledger.leasing import end_lease
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardInfo, Usage, unpack
 from genq.ops import control, dlq, recover
@@ -87,6 +88,7 @@ class Engine:
     instance: str = ""
     frozen: bool = False
     woke: bool = False  # woken, its lease check not run since: it claims nothing
+    away: bool = False  # frozen or Redis restored since its lease check: the check looks further (beat)
     holds: dict[str, Hold] = field(default_factory=dict)
 
 
@@ -185,6 +187,7 @@ class World:
             pipe.restore(k, max(ttl, 0), dumped)
         pipe.execute()
         for engine in self.engines.values():  # heartbeats write their alive keys again
+            engine.away = True  # each one's next lease check sees another run_id
             if engine.instance and not engine.frozen:
                 self.conn.set(keys.engine_alive(engine.instance), "1")
         self.compared = False
@@ -206,13 +209,14 @@ class World:
 
     def wake(self, engine: Engine) -> None:
         """It runs again, with what it held, before its next lease check."""
-        engine.frozen, engine.woke = False, True
+        engine.frozen, engine.woke, engine.away = False, True, True
         self.conn.set(keys.engine_alive(engine.instance), "1")
 
     def beat(self, engine: Engine) -> None:
         """A heartbeat and the lease check after it: batches done, of another life or leased
-        to another are let go (their claims dropped); after a freeze, also those the output holds
-        (adopted from their markers)."""
+        to another are let go (their claims dropped); after a freeze or a Redis restore, also those the
+        output holds (adopted from their markers), and leases Redis says are its own and it does not hold
+        are queued again."""
         self.conn.set(keys.engine_alive(engine.instance), "1")
         config = self.config()
         for batch, hold in list(engine.holds.items()):
@@ -220,11 +224,14 @@ class World:
             done = self.conn.sismember(keys.job_done(JOB), batch)
             if done or current != hold.token or config is None or config.incarnation != hold.config.incarnation:
                 self.let_go(engine, batch)
-            elif engine.woke and (marker := truth.read_marker(self.store, truth.marker_rel(JOB, batch))) is not None \
+            elif engine.away and (marker := truth.read_marker(self.store, truth.marker_rel(JOB, batch))) is not None \
                     and marker.incarnation == hold.config.incarnation:
                 recover.adopt(self.conn, JOB, marker)
                 self.let_go(engine, batch)
-        engine.woke = False
+        for batch, lease in self.conn.hgetall(keys.job_leases(JOB)).items() if engine.away else []:
+            if lease_holder(lease) == engine.instance and batch.decode() not in engine.holds:
+                end_lease(self.conn, BatchRef(JOB, batch.decode()), str(lease_token(lease)), requeue=True)
+        engine.woke = engine.away = False
 
     def let_go(self, engine: Engine, batch: str) -> None:
         hold = engine.holds.pop(batch)
@@ -921,3 +928,46 @@ def test_a_holder_back_after_a_gap_looks_for_its_batches_in_the_output(tmp_path:
     assert world.conn.sismember(keys.job_done(JOB), batch)
     world.restore()  # again: a stealer of its prompts (their claims its own under A's lease) is back too
     assert not asyncio.run(check(borrowed=True)), "still borrowed: its prompts would be sent again"
+
+
+def test_a_lease_a_rollback_gives_back_to_a_live_engine_that_let_go_is_queued_again(tmp_path: Path) -> None:
+    """The worker's Batches.check_leases after a Redis restart: holder A frozen past its lease, the batch queued
+    again and leased to B, A wakes and lets it go. Redis is then restored from before B's lease: the lease is A's
+    again, its RQ job started under A, who is alive but holds nothing of it, and B lets it go (not its lease).
+    The reconciler sees it carried (a live engine, its lease): unless A gives back the leases Redis says it
+    holds and it does not, nobody runs the batch for as long as A runs, and the job never ends."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import Holdings
+
+    world = _world(tmp_path)
+    a, b = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(a)
+    (batch, _), = a.holds.items()
+    world.take_snapshot()
+    world.freeze(a)
+    world.deliver(b, batch)
+    world.wake(a)
+    world.beat(a)
+    world.restore()
+    world.beat(b)
+    assert batch not in a.holds and batch not in b.holds
+
+    async def check() -> None:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", a.instance, Holdings(), Running())
+        try:
+            await owner.check_leases(restarted=True)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    asyncio.run(check())
+    world.reconcile()
+    for _ in range(2):  # the queue's head is the other batch
+        world.take(b)
+    assert batch in b.holds, "nobody holds the batch, and nothing queues it again while its old holder runs"

@@ -323,11 +323,20 @@ class Batches:
                          "are not sent", borrowed.ref)
                 self.drop(borrowed, cancel=True)
                 self.held.forget(borrowed)
+        if away:
+            await self._give_back_unheld()
         await self.todo.check_claims()
         self._leases_checked_at = time.monotonic()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:
                 self.on_written(held.ref.job, held.ref.batch, [])
+
+    async def _give_back_unheld(self) -> None:
+        """Leases Redis says are this engine's and it does not hold (a restored Redis, or a lagging replica promoted,
+        gives back one it let go of since) are queued again: the reconciler counts them carried by this live engine."""
+        for ref, token in await leasing.leases_of(self.conn, self.instance):
+            if ref not in self.held and await self.hand_back(ref, token):
+                log.info("batch %s: leased to this engine in a restored Redis, not held here: queued again", ref)
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again, at the front; False if it was done or no longer ours."""
