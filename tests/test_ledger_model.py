@@ -971,3 +971,40 @@ def test_a_lease_a_rollback_gives_back_to_a_live_engine_that_let_go_is_queued_ag
     for _ in range(2):  # the queue's head is the other batch
         world.take(b)
     assert batch in b.holds, "nobody holds the batch, and nothing queues it again while its old holder runs"
+
+
+def test_prompts_claimed_under_a_lease_their_holder_renewed_are_not_stolen_while_it_sends_them(
+        tmp_path: Path) -> None:
+    """The worker's Todo.check_claims: holder A claimed its batch's first prompt (not sent yet) under lease L1; the
+    batch was queued again (A's alive key lapsed: frozen, or Redis away longer than a lease) and A itself took it again,
+    L2 driving it now (Batches.renewed). Claims under L1 are void under L2: an idle engine at the end of the job
+    steals them while A sends them too, one generation wasted each. After a beat, every prompt A is about to send
+    is claimed under its current lease."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker.held import Claims, HeldBatch, Task, Todo
+
+    world = _world(tmp_path)
+    a, c = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(a)
+    (batch, hold), = a.holds.items()
+    ref, ids = BatchRef(JOB, batch), [p.id for p in hold.prompts]
+
+    async def go() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            held = HeldBatch(ref, hold.token, hold.config, unfinished=set(ids), prompts=hold.prompts)
+            todo = Todo(Claims(conn, a.instance), lambda *args: None)
+            assert (await todo.claims.claim(held, ids[:1]) or ("",))[0] == "c"  # the next one not claimed yet
+            todo.ready.append(Task(hold.prompts[0], held))
+            world.deliver(a, batch)  # queued again, and taken again by A: the newest lease drives it
+            held.token = a.holds[batch].token
+            await todo.check_claims()  # A's next beat
+            stolen, _ = await Claims(conn, c.instance).steal(ref, hold.config.incarnation, a.instance, ids[::-1], 9)
+            return set(stolen) & {t.prompt.id for t in todo.claimed()}
+        finally:
+            await conn.aclose()
+
+    assert not asyncio.run(go()), "stolen while its holder sends them too"
