@@ -6,7 +6,8 @@ claim, record, write the shard, release, the lease check after a beat), and the 
 misbehaves: an engine crashes (its lease lapses; the reconciler queues its batches again), freezes
 and wakes with an old lease, a batch is queued again while its holder is slow, Redis is restored from a
 snapshot (DUMP/RESTORE of every key) taken some steps before, a second enqueue comes into the job,
-the job is deleted and created again, dead letters are requeued, `jobs set` changes the settings.
+the job is deleted and created again, dead letters are requeued, `jobs set` changes the settings, the
+job is paused (its holders park their batches at a beat) and resumed.
 After every step the invariants are checked; at the end every batch is driven to its shard and the
 job must be called finished with one outcome for every prompt of every enqueue.
 
@@ -219,6 +220,7 @@ class World:
         are queued again."""
         self.conn.set(keys.engine_alive(engine.instance), "1")
         config = self.config()
+        paused = self.conn.exists(keys.job_paused(JOB))
         for batch, hold in list(engine.holds.items()):
             current = lease_token(self.conn.hget(keys.job_leases(JOB), batch))
             done = self.conn.sismember(keys.job_done(JOB), batch)
@@ -228,6 +230,11 @@ class World:
                     and marker.incarnation == hold.config.incarnation:
                 recover.adopt(self.conn, JOB, marker)
                 self.let_go(engine, batch)
+            elif paused and hold.written is None:  # parked (worker/gate.py): its answers in flight recorded first
+                if hold.inflight:
+                    self.record(engine, batch, False)
+                self.let_go(engine, batch)
+                end_lease(self.conn, BatchRef(JOB, batch), hold.token, requeue=False)
         for batch, lease in self.conn.hgetall(keys.job_leases(JOB)).items() if engine.away else []:
             if lease_holder(lease) == engine.instance and batch.decode() not in engine.holds:
                 end_lease(self.conn, BatchRef(JOB, batch.decode()), str(lease_token(lease)), requeue=True)
@@ -278,6 +285,8 @@ class World:
         """The batch queued again while its holder is slow (the reconciler saw its alive key lapse),
         and taken by `engine`."""
         current = self.conn.hget(keys.job_transport(JOB), batch)
+        if self.conn.exists(keys.job_paused(JOB)):
+            return  # the reconciler leaves a paused job's batches parked
         if Reconciler(self.conn, "model")._requeue(JOB, batch, current.decode() if current else None):
             self.take(engine)
 
@@ -456,6 +465,7 @@ class World:
         # The engines wake; what they had in hand ends before their next lease check: a written
         # shard is released, answers in flight are recorded (after a fresh engine, leased every
         # batch meanwhile, recorded its own), then they beat; then every worker compares.
+        control.resume(self.conn, JOB)  # the operator's resume: parked batches queued again
         others = [e for e in self.engines.values() if e.name != ENGINES[2]]
         for engine in others:
             if engine.frozen:
@@ -585,7 +595,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.world.restore(back)
 
     @rule(what=st.sampled_from(["compare", "reconcile", "enqueue", "requeue letters", "jobs set",
-                                "delete and create again"]),
+                                "delete and create again", "pause", "resume"]),
           n=st.integers(1, 3))
     def around(self, what: str, n: int) -> None:
         """A worker's comparison of Redis with the output (its start, its maintenance), or an operator's command."""
@@ -599,6 +609,11 @@ class LedgerModel(RuleBasedStateMachine):
             self.world.requeue_letters()
         elif what == "jobs set":
             self.world.jobs_set()
+        elif what == "pause":  # `genq pause --job`: its queued batches parked, its holders park theirs at a beat
+            if self.world.config() is not None:
+                control.pause(self.world.conn, JOB)
+        elif what == "resume":
+            control.resume(self.world.conn, JOB)
         else:
             self.world.delete_and_create_again(n)
 
