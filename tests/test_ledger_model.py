@@ -1023,3 +1023,58 @@ def test_prompts_claimed_under_a_lease_their_holder_renewed_are_not_stolen_while
             await conn.aclose()
 
     assert not asyncio.run(go()), "stolen while its holder sends them too"
+
+
+def test_results_redis_lost_after_they_were_recorded_are_recorded_again_not_generated(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """The worker's ResultWriter and Batches: every result of a held batch recorded, then Redis rolled back to before
+    one of them (a restart from an older snapshot, a lagging replica promoted) as the shard is about to be built.
+    The holder has that result in hand: it is recorded again, not sent to the server again (a GPU-hour twice)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.core.ledger import leasing
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    engine = world.engines[ENGINES[1]]
+    world.take(engine)
+    (batch, hold), = engine.holds.items()
+    ref, lost = BatchRef(JOB, batch), hold.prompts[0].id
+    results = [Result(id=p.id, job=JOB, batch=batch, index=p.index, completion=f"{p.id} once", finish_reason="stop",
+                      usage=Usage(prompt_tokens=3, completion_tokens=4), model="m", worker=engine.instance,
+                      attempts=1, latency_s=0.1, finished_at=time.time(),
+                      settings_version=hold.config.settings_version) for p in hold.prompts]
+    real = leasing.stored_outcomes
+
+    async def rolled_back(conn, ref_, ids):
+        monkeypatch.setattr(leasing, "stored_outcomes", real)  # once
+        world.conn.hdel(keys.batch_results(JOB, batch), lost)
+        return await real(conn, ref_, ids)
+
+    monkeypatch.setattr(leasing, "stored_outcomes", rolled_back)
+
+    async def go() -> list[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        held = Holdings()
+        held[ref] = HeldBatch(ref, hold.token, hold.config, unfinished={p.id for p in hold.prompts},
+                              prompts=hold.prompts)
+        owner = batches.Batches(conn, world.conn, "w", engine.instance, held, Running())
+        writer = asyncio.create_task(owner.writer.run())
+        try:
+            for r in results:
+                owner.writer.add_result(r, hold.config.incarnation)
+            while ref in held and not owner.todo.waiting:
+                await asyncio.sleep(0.05)
+            return [t.prompt.id for tasks in owner.todo.waiting.values() for t in tasks]
+        finally:
+            writer.cancel()
+            owner.close()
+            await conn.aclose()
+
+    again = asyncio.run(go())
+    assert not again, f"{again} would be generated again: this engine recorded their results"
+    assert world.conn.sismember(keys.job_done(JOB), batch)

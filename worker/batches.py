@@ -147,8 +147,8 @@ class Batches:
                     aio.cancel()
         return unsent
 
-    def on_written(self, job: str, batch: str, ids: list[str]) -> None:
-        """Outcomes recorded, by this engine or (lent prompts) another one."""
+    def on_written(self, job: str, batch: str, ids: list[str], results: list[Result] | None = None) -> None:
+        """Outcomes recorded, by this engine (its `results`) or (lent prompts) another one."""
         ref = BatchRef(job, batch)
         held = self.held.get(ref)
         if held is None:  # borrowed prompts (worker/intake.py): their holder writes the shard
@@ -158,6 +158,7 @@ class Batches:
                     self.held.borrowed.pop(ref)
             return
         held.unfinished.difference_update(ids)
+        held.recorded.update((r.id, r) for r in results or [])
         if not held.unfinished and not held.completing and not held.dropped:
             held.completing = True
             task = asyncio.create_task(self._complete(held))
@@ -170,10 +171,17 @@ class Batches:
             self.held.forget(held)
             self.todo.wake.set()
             return
-        # Outcomes lost from Redis (a rollback): the batch goes back to work for those prompts.
-        log.warning("batch %s: %s no outcome in Redis (lost from it?): sending again",
-                    held.ref, plural(len(missing), "prompt has", "prompts have"))
+        # Outcomes lost from Redis (a rollback): results recorded here are recorded again; the rest sent again.
         held.completing = False
+        again = [held.recorded[i] for i in missing if i in held.recorded]
+        missing -= {r.id for r in again}
+        log.warning("batch %s: %s no outcome in Redis (lost from it?): %d recorded again from memory, %d sent again",
+                    held.ref, plural(len(missing) + len(again), "prompt has", "prompts have"), len(again), len(missing))
+        held.unfinished |= {r.id for r in again}
+        for result in again:
+            self.writer.add_result(result, held.config.incarnation)
+        if not missing:
+            return
         if not held.prompts:  # its input could not be read: the next delivery dead-letters them again
             self.drop(held, cancel=True)
             await retrying(functools.partial(self.hand_back, held.ref, held.token), f"handing back {held.ref}")

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from genq.core import scripts
 from genq.core.ledger import leasing
-from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.records import BatchRef, JobConfig, Prompt, Result
 from genq.core.redisconn import in_words
 from genq.core.words import plural
 from genq.worker.server import Progress
@@ -40,6 +40,7 @@ class HeldBatch:
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
     borrowed: bool = False  # prompts of another engine's batch: sent and recorded here, no shard written
     prompts: list[Prompt] = field(default_factory=list)
+    recorded: dict[str, Result] = field(default_factory=dict)  # results recorded here: if Redis loses one, again
 
 
 @dataclass(eq=False)
