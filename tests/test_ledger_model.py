@@ -1078,3 +1078,40 @@ def test_results_redis_lost_after_they_were_recorded_are_recorded_again_not_gene
     again = asyncio.run(go())
     assert not again, f"{again} would be generated again: this engine recorded their results"
     assert world.conn.sismember(keys.job_done(JOB), batch)
+
+
+def test_prompts_in_flight_when_their_holder_takes_their_batch_again_are_not_stolen(tmp_path: Path) -> None:
+    """The worker's Batches.renewed: holder A sent its batch's first prompt under lease L1; the batch was queued again
+    (A's alive key lapsed) and A itself took it again, L2 driving it now. The claim under L1 is void under L2: an
+    idle engine at the end of the job steals the prompt while A's request for it is still running."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import Claims, HeldBatch, Holdings, Task
+
+    world = _world(tmp_path)
+    a, c = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(a)
+    (batch, hold), = a.holds.items()
+    ref, ids = BatchRef(JOB, batch), [p.id for p in hold.prompts]
+
+    async def go() -> dict[str, int]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        held = Holdings()
+        taken = held[ref] = HeldBatch(ref, hold.token, hold.config, unfinished=set(ids), prompts=hold.prompts)
+        owner = batches.Batches(conn, world.conn, "w", a.instance, held, Running())
+        try:
+            assert (await owner.claims.claim(taken, ids[:1]) or ("",))[0] == "c"
+            owner.running[Task(hold.prompts[0], taken)] = asyncio.current_task()  # its request is out
+            world.deliver(a, batch)  # queued again, and taken again by A
+            assert await owner.renewed(ref, a.holds[batch].token, hold.config)
+            stolen, _ = await Claims(conn, c.instance).steal(ref, hold.config.incarnation, a.instance, ids[::-1], 9)
+            return stolen
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    assert ids[0] not in asyncio.run(go()), "stolen while its holder's request for it runs"

@@ -62,14 +62,16 @@ class Batches:
         self._release = conn.register_script(scripts.RELEASE)
         self._leases_checked_at = float("-inf")  # the last lease check that ran whole (monotonic)
 
-    def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
-        """A batch taken again while held: True if `token`, the newest lease, now drives it."""
+    async def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
+        """A batch taken again while held: True if `token`, the newest lease, now drives it. Its prompts in flight
+        are claimed under it: their claims under the older lease are void, an idle engine would steal them."""
         current = self.held.get(ref)
         if current is None or current.dropped:
             return False
         if config is not None and current.config.incarnation == config.incarnation:
             log.debug("batch %s taken again; lease %s replaces %s", ref, token, current.token)
             current.token = token
+            await self.claims.claim(current, [t.prompt.id for t in self.running if t.batch is current])
             return True
         current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
         return False
