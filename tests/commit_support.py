@@ -56,7 +56,7 @@ async def commit(url: str, worker: str, *groups: list[Result | DeadLetter], paus
     """Write each group through one ResultWriter (waiting for it to be stored) and return the ids it reported."""
     written: list[str] = []
 
-    def on_written(job: str, batch: str, ids: list[str]) -> None:
+    def on_written(job: str, batch: str, ids: list[str], results: object = None) -> None:
         assert (job, batch) == (JOB, BATCH), f"on_written was told {(job, batch)}"
         written.extend(ids)
 

@@ -139,7 +139,7 @@ def test_writes_survive_the_connection_being_killed_between_them(redis_url, rcon
         written: list[tuple[str, str, str]] = []
         errors: list[str] = []
         conn = connect_async(redis_url)
-        told = SimpleNamespace(on_written=lambda job, batch, ids: written.extend((job, batch, i) for i in ids))
+        told = SimpleNamespace(on_written=lambda job, batch, ids, *_: written.extend((job, batch, i) for i in ids))
         writer = ResultWriter(conn, "w1", told)
         task = asyncio.create_task(writer.run())
         try:
@@ -189,7 +189,7 @@ def test_records_added_while_a_write_fails_are_kept_with_the_ones_put_back(redis
 
     async def go() -> list[str]:
         conn = connect_async(redis_url)
-        writer = ResultWriter(conn, "w1", SimpleNamespace(on_written=lambda job, batch, ids: None))
+        writer = ResultWriter(conn, "w1", SimpleNamespace(on_written=lambda job, batch, ids, *_: None))
         task = asyncio.create_task(writer.run())
         try:
             writer.add_result(result("p00000", "w1"), INCARNATION)  # the script loaded, the connection open
@@ -263,7 +263,7 @@ def test_a_writer_started_before_redis_keeps_everything_until_redis_comes_up(tmp
 
     async def go() -> None:
         conn = connect_async(url)
-        writer = ResultWriter(conn, "w1", SimpleNamespace(on_written=lambda job, batch, ids: None))
+        writer = ResultWriter(conn, "w1", SimpleNamespace(on_written=lambda job, batch, ids, *_: None))
         task = asyncio.create_task(writer.run())
         server = None
         try:

@@ -30,7 +30,7 @@ async def _write(url: str, *rounds: list[tuple[str, str]], incarnation: str = IN
     after each round. Returns what the writer reported written, in order."""
     told: list[tuple[str, str, list[str]]] = []
     conn = connect_async(url)
-    written = SimpleNamespace(on_written=lambda job, batch, ids: told.append((job, batch, sorted(ids))))
+    written = SimpleNamespace(on_written=lambda job, batch, ids, *_: told.append((job, batch, sorted(ids))))
     writer = ResultWriter(conn, "w1", written)
     task = asyncio.create_task(writer.run())
     try:

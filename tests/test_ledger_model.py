@@ -6,7 +6,8 @@ claim, record, write the shard, release, the lease check after a beat), and the 
 misbehaves: an engine crashes (its lease lapses; the reconciler queues its batches again), freezes
 and wakes with an old lease, a batch is queued again while its holder is slow, Redis is restored from a
 snapshot (DUMP/RESTORE of every key) taken some steps before, a second enqueue comes into the job,
-the job is deleted and created again, dead letters are requeued, `jobs set` changes the settings.
+the job is deleted and created again, dead letters are requeued, `jobs set` changes the settings, the
+job is paused (its holders park their batches at a beat) and resumed.
 After every step the invariants are checked; at the end every batch is driven to its shard and the
 job must be called finished with one outcome for every prompt of every enqueue.
 
@@ -40,9 +41,10 @@ from hypothesis.stateful import (
 
 from genq.core import keys, scripts
 from genq.core import ledger as ledger_mod
-from genq.core.ledger import Reconciler, lease_token
+from genq.core.ledger import Reconciler, lease_holder, lease_token
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.figures import job_status
+from genq.core.ledger.leasing import end_lease
 from genq.core.queueing import load_batch, load_config
 from genq.core.records import BatchRef, DeadLetter, JobConfig, Prompt, Result, ShardInfo, Usage, unpack
 from genq.ops import control, dlq, recover
@@ -87,6 +89,7 @@ class Engine:
     instance: str = ""
     frozen: bool = False
     woke: bool = False  # woken, its lease check not run since: it claims nothing
+    away: bool = False  # frozen or Redis restored since its lease check: the check looks further (beat)
     holds: dict[str, Hold] = field(default_factory=dict)
 
 
@@ -185,6 +188,7 @@ class World:
             pipe.restore(k, max(ttl, 0), dumped)
         pipe.execute()
         for engine in self.engines.values():  # heartbeats write their alive keys again
+            engine.away = True  # each one's next lease check sees another run_id
             if engine.instance and not engine.frozen:
                 self.conn.set(keys.engine_alive(engine.instance), "1")
         self.compared = False
@@ -206,25 +210,35 @@ class World:
 
     def wake(self, engine: Engine) -> None:
         """It runs again, with what it held, before its next lease check."""
-        engine.frozen, engine.woke = False, True
+        engine.frozen, engine.woke, engine.away = False, True, True
         self.conn.set(keys.engine_alive(engine.instance), "1")
 
     def beat(self, engine: Engine) -> None:
         """A heartbeat and the lease check after it: batches done, of another life or leased
-        to another are let go (their claims dropped); after a freeze, also those the output holds
-        (adopted from their markers)."""
+        to another are let go (their claims dropped); after a freeze or a Redis restore, also those the
+        output holds (adopted from their markers), and leases Redis says are its own and it does not hold
+        are queued again."""
         self.conn.set(keys.engine_alive(engine.instance), "1")
         config = self.config()
+        paused = self.conn.exists(keys.job_paused(JOB))
         for batch, hold in list(engine.holds.items()):
             current = lease_token(self.conn.hget(keys.job_leases(JOB), batch))
             done = self.conn.sismember(keys.job_done(JOB), batch)
             if done or current != hold.token or config is None or config.incarnation != hold.config.incarnation:
                 self.let_go(engine, batch)
-            elif engine.woke and (marker := truth.read_marker(self.store, truth.marker_rel(JOB, batch))) is not None \
+            elif engine.away and (marker := truth.read_marker(self.store, truth.marker_rel(JOB, batch))) is not None \
                     and marker.incarnation == hold.config.incarnation:
                 recover.adopt(self.conn, JOB, marker)
                 self.let_go(engine, batch)
-        engine.woke = False
+            elif paused and hold.written is None:  # parked (worker/gate.py): its answers in flight recorded first
+                if hold.inflight:
+                    self.record(engine, batch, False)
+                self.let_go(engine, batch)
+                end_lease(self.conn, BatchRef(JOB, batch), hold.token, requeue=False)
+        for batch, lease in self.conn.hgetall(keys.job_leases(JOB)).items() if engine.away else []:
+            if lease_holder(lease) == engine.instance and batch.decode() not in engine.holds:
+                end_lease(self.conn, BatchRef(JOB, batch.decode()), str(lease_token(lease)), requeue=True)
+        engine.woke = engine.away = False
 
     def let_go(self, engine: Engine, batch: str) -> None:
         hold = engine.holds.pop(batch)
@@ -271,6 +285,8 @@ class World:
         """The batch queued again while its holder is slow (the reconciler saw its alive key lapse),
         and taken by `engine`."""
         current = self.conn.hget(keys.job_transport(JOB), batch)
+        if self.conn.exists(keys.job_paused(JOB)):
+            return  # the reconciler leaves a paused job's batches parked
         if Reconciler(self.conn, "model")._requeue(JOB, batch, current.decode() if current else None):
             self.take(engine)
 
@@ -449,6 +465,7 @@ class World:
         # The engines wake; what they had in hand ends before their next lease check: a written
         # shard is released, answers in flight are recorded (after a fresh engine, leased every
         # batch meanwhile, recorded its own), then they beat; then every worker compares.
+        control.resume(self.conn, JOB)  # the operator's resume: parked batches queued again
         others = [e for e in self.engines.values() if e.name != ENGINES[2]]
         for engine in others:
             if engine.frozen:
@@ -578,7 +595,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.world.restore(back)
 
     @rule(what=st.sampled_from(["compare", "reconcile", "enqueue", "requeue letters", "jobs set",
-                                "delete and create again"]),
+                                "delete and create again", "pause", "resume"]),
           n=st.integers(1, 3))
     def around(self, what: str, n: int) -> None:
         """A worker's comparison of Redis with the output (its start, its maintenance), or an operator's command."""
@@ -592,6 +609,11 @@ class LedgerModel(RuleBasedStateMachine):
             self.world.requeue_letters()
         elif what == "jobs set":
             self.world.jobs_set()
+        elif what == "pause":  # `genq pause --job`: its queued batches parked, its holders park theirs at a beat
+            if self.world.config() is not None:
+                control.pause(self.world.conn, JOB)
+        elif what == "resume":
+            control.resume(self.world.conn, JOB)
         else:
             self.world.delete_and_create_again(n)
 
@@ -921,3 +943,175 @@ def test_a_holder_back_after_a_gap_looks_for_its_batches_in_the_output(tmp_path:
     assert world.conn.sismember(keys.job_done(JOB), batch)
     world.restore()  # again: a stealer of its prompts (their claims its own under A's lease) is back too
     assert not asyncio.run(check(borrowed=True)), "still borrowed: its prompts would be sent again"
+
+
+def test_a_lease_a_rollback_gives_back_to_a_live_engine_that_let_go_is_queued_again(tmp_path: Path) -> None:
+    """The worker's Batches.check_leases after a Redis restart: holder A frozen past its lease, the batch queued
+    again and leased to B, A wakes and lets it go. Redis is then restored from before B's lease: the lease is A's
+    again, its RQ job started under A, who is alive but holds nothing of it, and B lets it go (not its lease).
+    The reconciler sees it carried (a live engine, its lease): unless A gives back the leases Redis says it
+    holds and it does not, nobody runs the batch for as long as A runs, and the job never ends."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import Holdings
+
+    world = _world(tmp_path)
+    a, b = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(a)
+    (batch, _), = a.holds.items()
+    world.take_snapshot()
+    world.freeze(a)
+    world.deliver(b, batch)
+    world.wake(a)
+    world.beat(a)
+    world.restore()
+    world.beat(b)
+    assert batch not in a.holds and batch not in b.holds
+
+    async def check() -> None:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        owner = batches.Batches(conn, world.conn, "w", a.instance, Holdings(), Running())
+        try:
+            await owner.check_leases(restarted=True)
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    asyncio.run(check())
+    world.reconcile()
+    for _ in range(2):  # the queue's head is the other batch
+        world.take(b)
+    assert batch in b.holds, "nobody holds the batch, and nothing queues it again while its old holder runs"
+
+
+def test_prompts_claimed_under_a_lease_their_holder_renewed_are_not_stolen_while_it_sends_them(
+        tmp_path: Path) -> None:
+    """The worker's Todo.check_claims: holder A claimed its batch's first prompt (not sent yet) under lease L1; the
+    batch was queued again (A's alive key lapsed: frozen, or Redis away longer than a lease) and A itself took it again,
+    L2 driving it now (Batches.renewed). Claims under L1 are void under L2: an idle engine at the end of the job
+    steals them while A sends them too, one generation wasted each. After a beat, every prompt A is about to send
+    is claimed under its current lease."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker.held import Claims, HeldBatch, Task, Todo
+
+    world = _world(tmp_path)
+    a, c = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(a)
+    (batch, hold), = a.holds.items()
+    ref, ids = BatchRef(JOB, batch), [p.id for p in hold.prompts]
+
+    async def go() -> set[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            held = HeldBatch(ref, hold.token, hold.config, unfinished=set(ids), prompts=hold.prompts)
+            todo = Todo(Claims(conn, a.instance), lambda *args: None)
+            assert (await todo.claims.claim(held, ids[:1]) or ("",))[0] == "c"  # the next one not claimed yet
+            todo.ready.append(Task(hold.prompts[0], held))
+            world.deliver(a, batch)  # queued again, and taken again by A: the newest lease drives it
+            held.token = a.holds[batch].token
+            await todo.check_claims()  # A's next beat
+            stolen, _ = await Claims(conn, c.instance).steal(ref, hold.config.incarnation, a.instance, ids[::-1], 9)
+            return set(stolen) & {t.prompt.id for t in todo.claimed()}
+        finally:
+            await conn.aclose()
+
+    assert not asyncio.run(go()), "stolen while its holder sends them too"
+
+
+def test_results_redis_lost_after_they_were_recorded_are_recorded_again_not_generated(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """The worker's ResultWriter and Batches: every result of a held batch recorded, then Redis rolled back to before
+    one of them (a restart from an older snapshot, a lagging replica promoted) as the shard is about to be built.
+    The holder has that result in hand: it is recorded again, not sent to the server again (a GPU-hour twice)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.core.ledger import leasing
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import HeldBatch, Holdings
+
+    world = _world(tmp_path)
+    engine = world.engines[ENGINES[1]]
+    world.take(engine)
+    (batch, hold), = engine.holds.items()
+    ref, lost = BatchRef(JOB, batch), hold.prompts[0].id
+    results = [Result(id=p.id, job=JOB, batch=batch, index=p.index, completion=f"{p.id} once", finish_reason="stop",
+                      usage=Usage(prompt_tokens=3, completion_tokens=4), model="m", worker=engine.instance,
+                      attempts=1, latency_s=0.1, finished_at=time.time(),
+                      settings_version=hold.config.settings_version) for p in hold.prompts]
+    real = leasing.stored_outcomes
+
+    async def rolled_back(conn, ref_, ids):
+        monkeypatch.setattr(leasing, "stored_outcomes", real)  # once
+        world.conn.hdel(keys.batch_results(JOB, batch), lost)
+        return await real(conn, ref_, ids)
+
+    monkeypatch.setattr(leasing, "stored_outcomes", rolled_back)
+
+    async def go() -> list[str]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        held = Holdings()
+        held[ref] = HeldBatch(ref, hold.token, hold.config, unfinished={p.id for p in hold.prompts},
+                              prompts=hold.prompts)
+        owner = batches.Batches(conn, world.conn, "w", engine.instance, held, Running())
+        writer = asyncio.create_task(owner.writer.run())
+        try:
+            for r in results:
+                owner.writer.add_result(r, hold.config.incarnation)
+            while ref in held and not owner.todo.waiting:
+                await asyncio.sleep(0.05)
+            return [t.prompt.id for tasks in owner.todo.waiting.values() for t in tasks]
+        finally:
+            writer.cancel()
+            owner.close()
+            await conn.aclose()
+
+    again = asyncio.run(go())
+    assert not again, f"{again} would be generated again: this engine recorded their results"
+    assert world.conn.sismember(keys.job_done(JOB), batch)
+
+
+def test_prompts_in_flight_when_their_holder_takes_their_batch_again_are_not_stolen(tmp_path: Path) -> None:
+    """The worker's Batches.renewed: holder A sent its batch's first prompt under lease L1; the batch was queued again
+    (A's alive key lapsed) and A itself took it again, L2 driving it now. The claim under L1 is void under L2: an
+    idle engine at the end of the job steals the prompt while A's request for it is still running."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.worker import batches
+    from genq.worker.controller import Running
+    from genq.worker.held import Claims, HeldBatch, Holdings, Task
+
+    world = _world(tmp_path)
+    a, c = world.engines[ENGINES[0]], world.engines[ENGINES[1]]
+    world.take(a)
+    (batch, hold), = a.holds.items()
+    ref, ids = BatchRef(JOB, batch), [p.id for p in hold.prompts]
+
+    async def go() -> dict[str, int]:
+        conn = aioredis.Redis.from_url(REDIS_URL)
+        held = Holdings()
+        taken = held[ref] = HeldBatch(ref, hold.token, hold.config, unfinished=set(ids), prompts=hold.prompts)
+        owner = batches.Batches(conn, world.conn, "w", a.instance, held, Running())
+        try:
+            assert (await owner.claims.claim(taken, ids[:1]) or ("",))[0] == "c"
+            owner.running[Task(hold.prompts[0], taken)] = asyncio.current_task()  # its request is out
+            world.deliver(a, batch)  # queued again, and taken again by A
+            assert await owner.renewed(ref, a.holds[batch].token, hold.config)
+            stolen, _ = await Claims(conn, c.instance).steal(ref, hold.config.incarnation, a.instance, ids[::-1], 9)
+            return stolen
+        finally:
+            owner.close()
+            await conn.aclose()
+
+    assert ids[0] not in asyncio.run(go()), "stolen while its holder's request for it runs"

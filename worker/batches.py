@@ -62,14 +62,16 @@ class Batches:
         self._release = conn.register_script(scripts.RELEASE)
         self._leases_checked_at = float("-inf")  # the last lease check that ran whole (monotonic)
 
-    def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
-        """A batch taken again while held: True if `token`, the newest lease, now drives it."""
+    async def renewed(self, ref: BatchRef, token: str, config: JobConfig | None) -> bool:
+        """A batch taken again while held: True if `token`, the newest lease, now drives it. Its prompts in flight
+        are claimed under it: their claims under the older lease are void, an idle engine would steal them."""
         current = self.held.get(ref)
         if current is None or current.dropped:
             return False
         if config is not None and current.config.incarnation == config.incarnation:
             log.debug("batch %s taken again; lease %s replaces %s", ref, token, current.token)
             current.token = token
+            await self.claims.claim(current, [t.prompt.id for t in self.running if t.batch is current])
             return True
         current.dropped = True  # a batch of a deleted job under the same name: nothing more of it is sent
         return False
@@ -147,8 +149,8 @@ class Batches:
                     aio.cancel()
         return unsent
 
-    def on_written(self, job: str, batch: str, ids: list[str]) -> None:
-        """Outcomes recorded, by this engine or (lent prompts) another one."""
+    def on_written(self, job: str, batch: str, ids: list[str], results: list[Result] | None = None) -> None:
+        """Outcomes recorded, by this engine (its `results`) or (lent prompts) another one."""
         ref = BatchRef(job, batch)
         held = self.held.get(ref)
         if held is None:  # borrowed prompts (worker/intake.py): their holder writes the shard
@@ -158,6 +160,7 @@ class Batches:
                     self.held.borrowed.pop(ref)
             return
         held.unfinished.difference_update(ids)
+        held.recorded.update((r.id, r) for r in results or [])
         if not held.unfinished and not held.completing and not held.dropped:
             held.completing = True
             task = asyncio.create_task(self._complete(held))
@@ -170,10 +173,17 @@ class Batches:
             self.held.forget(held)
             self.todo.wake.set()
             return
-        # Outcomes lost from Redis (a rollback): the batch goes back to work for those prompts.
-        log.warning("batch %s: %s no outcome in Redis (lost from it?): sending again",
-                    held.ref, plural(len(missing), "prompt has", "prompts have"))
+        # Outcomes lost from Redis (a rollback): results recorded here are recorded again; the rest sent again.
         held.completing = False
+        again = [held.recorded[i] for i in missing if i in held.recorded]
+        missing -= {r.id for r in again}
+        log.warning("batch %s: %s no outcome in Redis (lost from it?): %d recorded again from memory, %d sent again",
+                    held.ref, plural(len(missing) + len(again), "prompt has", "prompts have"), len(again), len(missing))
+        held.unfinished |= {r.id for r in again}
+        for result in again:
+            self.writer.add_result(result, held.config.incarnation)
+        if not missing:
+            return
         if not held.prompts:  # its input could not be read: the next delivery dead-letters them again
             self.drop(held, cancel=True)
             await retrying(functools.partial(self.hand_back, held.ref, held.token), f"handing back {held.ref}")
@@ -323,11 +333,20 @@ class Batches:
                          "are not sent", borrowed.ref)
                 self.drop(borrowed, cancel=True)
                 self.held.forget(borrowed)
+        if away:
+            await self._give_back_unheld()
         await self.todo.check_claims()
         self._leases_checked_at = time.monotonic()
         for held in list(self.held.values()):
             if not held.unfinished and not held.completing and not held.dropped:
                 self.on_written(held.ref.job, held.ref.batch, [])
+
+    async def _give_back_unheld(self) -> None:
+        """Leases Redis says are this engine's and it does not hold (a restored Redis, or a lagging replica promoted,
+        gives back one it let go of since) are queued again: the reconciler counts them carried by this live engine."""
+        for ref, token in await leasing.leases_of(self.conn, self.instance):
+            if ref not in self.held and await self.hand_back(ref, token):
+                log.info("batch %s: leased to this engine in a restored Redis, not held here: queued again", ref)
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again, at the front; False if it was done or no longer ours."""

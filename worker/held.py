@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from genq.core import scripts
 from genq.core.ledger import leasing
-from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.records import BatchRef, JobConfig, Prompt, Result
 from genq.core.redisconn import in_words
 from genq.core.words import plural
 from genq.worker.server import Progress
@@ -40,6 +40,7 @@ class HeldBatch:
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
     borrowed: bool = False  # prompts of another engine's batch: sent and recorded here, no shard written
     prompts: list[Prompt] = field(default_factory=list)
+    recorded: dict[str, Result] = field(default_factory=dict)  # results recorded here: if Redis loses one, again
 
 
 @dataclass(eq=False)
@@ -127,9 +128,11 @@ class Claims:
         await self._unclaim(*scripts.unclaim_call(held.ref, self.instance, held.config.incarnation,
                                                   token or held.token, ids))
 
-    async def mine(self, ref: BatchRef, ids: list[str]) -> list[bool]:
-        owners = await leasing.claim_owners(self.conn, ref, ids)
-        return [o is not None and _text(o).partition(" ")[0] == self.instance for o in owners]
+    async def mine(self, held: HeldBatch, ids: list[str]) -> list[bool]:
+        """Claimed by this engine under the lease it sends them under: one under a lease it was given since (the
+        batch taken again while held) is void, another engine steals it."""
+        owners = await leasing.claim_owners(self.conn, held.ref, ids)
+        return [o is not None and _text(o) == f"{self.instance} {held.token}" for o in owners]
 
 
 CLAIM_NOTE_EVERY_S = 10.0  # while claims fail (Redis away), say so this often
@@ -231,16 +234,17 @@ class Todo:
         return mine
 
     async def check_claims(self) -> None:
-        """After each heartbeat: claims others took while this one was frozen (lent if ours), lent prompts back."""
+        """After each heartbeat: claims others took while this one was frozen, or void under the lease it holds now
+        (lent if ours: claimed again), lent prompts back."""
         by_batch: dict[HeldBatch, list[Task]] = {}
         for task in self.claimed():
             by_batch.setdefault(task.batch, []).append(task)
         lost: set[Task] = set()
         for held, tasks in by_batch.items():
-            mine = await self.claims.mine(held.ref, [t.prompt.id for t in tasks])
+            mine = await self.claims.mine(held, [t.prompt.id for t in tasks])
             lost.update(t for t, ok in zip(tasks, mine) if not ok)
         if lost:
-            log.info("%s taken by other engines meanwhile: not sending them",
+            log.info("%s taken by other engines meanwhile, or under an older lease: not sending them",
                      plural(len(lost), "claimed prompt was", "claimed prompts were"))
             self._remove(lambda t: t in lost)
         for task in lost:

@@ -215,7 +215,7 @@ class Intake:
 
     async def _load(self, token: str, ref: BatchRef) -> None:
         config = (await jobs_now(self.conn, [ref.job]))[0].config
-        if self.batches.renewed(ref, token, config):
+        if await self.batches.renewed(ref, token, config):
             return
         if config is not None and (config := await self.dispatcher.watch.admit(config)) is None:  # `auto` pinned
             self.foreign.add(ref.job)  # another model's job: back to the queue, and skipped from now on

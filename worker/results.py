@@ -97,7 +97,7 @@ class ResultWriter:
                 log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",
                          job, batch, plural(len(g.results) + len(g.dead), "outcome"))
                 continue
-            self.batches.on_written(job, batch, [r.id for r in g.results] + [d.id for d in g.dead])
+            self.batches.on_written(job, batch, [r.id for r in g.results] + [d.id for d in g.dead], g.results)
 
     async def _pipelined(self, calls: list[tuple[list[str], list]]) -> list:
         """The calls in one round trip, by EVALSHA (redis-py's pipelined scripts add a SCRIPT EXISTS); once more

@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from rq.results import Result as RqResult
 
 from genq.core import keys
-from genq.core.ledger import forget_rq_job, lease_token
+from genq.core.ledger import forget_rq_job, lease_holder, lease_token
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, rq_queue
 from genq.core.records import BatchRef, JobConfig, unpack
@@ -81,6 +81,17 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
     answers = answers[len(jobs):]
     return [(incarnations[ref.job], bool(answers[2 * i]), lease_token(answers[2 * i + 1]))
             for i, ref in enumerate(refs)]
+
+
+async def leases_of(conn: aioredis.Redis, instance: str) -> list[tuple[BatchRef, str]]:
+    """Every (batch, token) Redis says is leased to this engine instance."""
+    jobs = await ledger_jobs.job_names(conn)
+    async with conn.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.hgetall(keys.job_leases(job))
+        found = await pipe.execute()
+    return [(BatchRef(job, b.decode()), str(lease_token(v))) for job, leases in zip(jobs, found)
+            for b, v in leases.items() if lease_holder(v) == instance]
 
 
 def end_lease(conn: redis.Redis, ref: BatchRef, token: str, *, requeue: bool) -> str | None:
