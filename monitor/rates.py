@@ -26,7 +26,7 @@ class Sample(NamedTuple):
     finished: int
     decoding: int  # requests being decoded
     workers: int  # workers decoding any of them
-    slots: int  # the live workers' slots
+    slots: int  # the slots of the live workers that can serve the job
 
 
 class RateTracker:
@@ -146,10 +146,10 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
 
 
 def _server(snap: JobSnapshot | None) -> dict[str, Any]:
-    """The step's overhead (the live workers' decode bins) and the job's mean prompt tokens."""
+    """The step's overhead (the decode bins of the live workers that can serve the job) and its mean prompt tokens."""
     if snap is None:
         return {}
-    return {"overhead": fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode),
+    return {"overhead": fit_overhead(b for w in snap.serving if w.status is not None for b in w.status.decode),
             "prompt_tokens": snap.in_tokens / snap.completed if snap.completed else 0.0}
 
 

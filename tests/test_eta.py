@@ -442,3 +442,33 @@ def test_requests_finished_since_the_beat_are_not_played_again() -> None:
     # 100 prompts of ~100 tokens: 80 running with 5 made, 20 unsent.
     assert e.remaining_tokens == pytest.approx(80 * 95 + 20 * 100, rel=0.05)
     assert e.eta_s == pytest.approx(e.remaining_tokens / 100, rel=0.05)  # not 120 prompts' worth
+
+
+def test_only_workers_that_can_serve_the_job_enter_its_speed() -> None:
+    """A fleet of two models: the job's model on a memory-bound server (its step costs the same
+    at any batch: no overhead), another model on a compute-bound one (its step grows with the
+    batch). The job's ETA is fitted from the workers that can serve its model (JobConfig.served_by):
+    neither the other model's step-cost line nor its slots coming and going enter it."""
+    from genq.core.ledger.figures import WorkerView
+    from genq.core.records import DecodeBin, JobConfig, WorkerStatus
+    from genq.monitor.rates import RateTracker, once_speed
+
+    def other(at: float) -> WorkerView:
+        cpu = [DecodeBin(decoding=d, busy_s=d * 100 * 0.001 * d, tokens=d * 100.0, clean=True) for d in (8, 16)]
+        return WorkerView(name="other", status=WorkerStatus(
+            name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=at,
+            concurrency_target=64, server_capacity=64, model="model-b", decode=cpu))
+
+    tracker = RateTracker(window_s=60)
+    for k in range(12):
+        snap = _snapshot(1000.0 + k, 10_000 + 3700 * k, 999.4 + k, [400] * 37, done=20 * k)
+        snap.config = JobConfig(name="j", output="/tmp/out", model="model-a")
+        snap.workers[0].status.model, snap.workers[0].status.tok_per_s = "model-a", 3700.0
+        if k >= 6:  # the other model's worker joins half way: this job gains no slot
+            snap.workers.append(other(999.4 + k))
+        tracker.observe(snap)
+    speed, (once, _) = tracker.speed(), once_speed(snap)
+    assert speed is not None and once is not None
+    assert speed.running == pytest.approx(37), "another model's slots scaled this job's speed"
+    assert speed.overhead is None, "another model's server's step cost was fitted into this job's"
+    assert once.overhead is None

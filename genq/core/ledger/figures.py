@@ -131,6 +131,12 @@ class JobSnapshot:
         return [w for w in self.workers if w.live]
 
     @property
+    def serving(self) -> list[WorkerView]:
+        """Live workers whose server may run the job's prompts (its model), or that run some."""
+        return [w for w in self.live if w.inflight is not None or self.config is None
+                or self.config.served_by(w.status.model if w.status else None)]
+
+    @property
     def running_tokens(self) -> list[int]:
         return [t for w in self.live for t in w.running_tokens]
 
@@ -170,7 +176,7 @@ class JobSnapshot:
 
     @property
     def slots(self) -> int:
-        return sum(w.slots for w in self.live)
+        return sum(w.slots for w in self.serving)
 
     @property
     def first_at(self) -> float | None:
