@@ -209,11 +209,11 @@ def tail_note(snap: JobSnapshot) -> str | None:
     """Set while nothing of the job is left to start and its running requests fill at most half the slots."""
     if snap.status != "running" or snap.queued or snap.batches_queued or not snap.in_flight:
         return None
-    live = [w.status for w in snap.live if w.status is not None]
+    live = [w.status for w in snap.serving if w.status is not None]  # another model's slots are none of its
     slots = sum(s.server_capacity or s.concurrency_target for s in live)
     if not slots or snap.in_flight * 2 > slots:
         return None
-    busy = sum(1 for w in snap.live if w.running_tokens)
+    busy = sum(1 for w in snap.serving if w.running_tokens)
     return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of "
             f"{plural(len(live), 'worker')} ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput "
             f"falls as they finish: the end of the job, not a fault")

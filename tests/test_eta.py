@@ -472,3 +472,21 @@ def test_only_workers_that_can_serve_the_job_enter_its_speed() -> None:
     assert speed.running == pytest.approx(37), "another model's slots scaled this job's speed"
     assert speed.overhead is None, "another model's server's step cost was fitted into this job's"
     assert once.overhead is None
+
+
+def test_another_models_idle_slots_do_not_put_a_job_in_its_tail() -> None:
+    """The tail note says the job's last requests leave most of its slots idle: slots of the workers
+    that can serve its model. 30 requests left on its one 37-slot server are no tail, whatever
+    another model's idle 64-slot server does."""
+    from genq.core.ledger.figures import WorkerView
+    from genq.core.records import JobConfig, WorkerStatus
+    from genq.monitor.progress import tail_note
+
+    snap = _snapshot(1000.0, 0, 999.4, [40] * 30, done=10**6 - 30)
+    snap.config = JobConfig(name="j", output="/tmp/out", model="model-a")
+    snap.workers[0].status.model = "model-a"
+    assert tail_note(snap) is None
+    snap.workers.append(WorkerView(name="other", status=WorkerStatus(
+        name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=999.4,
+        concurrency_target=64, server_capacity=64, model="model-b")))
+    assert tail_note(snap) is None, tail_note(snap)
