@@ -235,7 +235,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     elapsed = max(0.0, end - (started or snap.at))
     statuses = [w.status for w in snap.workers if w.status is not None]
     tok_s = None if speed is None else speed.tokens_per_s
-    if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
+    if snap.paused and not snap.is_done and not snap.running_tokens:  # other jobs' requests may run on
         prompts_rate, tok_s = 0.0, 0.0  # paused and drained: nothing finishes now (a window's rate is stale)
     if snap.is_done:  # the whole run's averages, whoever looks: a window would read the idle tail
         prompts_rate = snap.completed / elapsed if elapsed > 0 else None

@@ -490,3 +490,15 @@ def test_another_models_idle_slots_do_not_put_a_job_in_its_tail() -> None:
         name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=999.4,
         concurrency_target=64, server_capacity=64, model="model-b")))
     assert tail_note(snap) is None, tail_note(snap)
+
+
+def test_a_paused_job_whose_requests_ended_finishes_nothing_while_its_workers_run_another() -> None:
+    """A paused job's rates read 0 once none of its requests run: its window's rate is of before the
+    pause. Its workers running another job's requests (their in_flight, every job's) change nothing."""
+    from genq.monitor.eta import Estimate
+    from genq.monitor.progress import build_progress
+
+    snap = _snapshot(1000.0, 50_000, 999.4, [], done=500)  # none of this job's requests run
+    snap.paused, snap.workers[0].status.in_flight = True, 37  # 37 of another job's
+    progress = build_progress(snap, Estimate(None, None, None, "paused"), STEADY, 5.0, {})
+    assert (progress.rate_per_sec, progress.output_tokens_per_sec) == (0.0, 0.0), progress
