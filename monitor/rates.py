@@ -27,6 +27,7 @@ class Sample(NamedTuple):
     decoding: int  # requests being decoded
     workers: int  # workers decoding any of them
     slots: int  # the slots of the live workers that can serve the job
+    paused: bool  # the job (or every job): its requests end and none start, whatever its slots
 
 
 class RateTracker:
@@ -68,7 +69,7 @@ class RateTracker:
             generated += sum(w.running_tokens)
             stamps.append(at)
         return Sample(sum(stamps) / len(stamps) if stamps else snap.at, snap.at, round(generated), snap.completed,
-                      snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots)
+                      snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots, snap.paused)
 
     def speed(self) -> Speed | None:
         """Tokens generated over request-seconds decoding, over the intervals with requests decoding."""
@@ -76,7 +77,8 @@ class RateTracker:
         if len(pts) < 2:
             return None
         tokens_per_s = max(_line([(p.at, float(p.generated), 1.0) for p in pts])[0], 0.0)
-        kept = [(a, b) for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
+        kept = [(a, b) for a, b in zip(pts, pts[1:])
+                if a.decoding > 0 and b.decoding > 0 and b.at > a.at and not (a.paused or b.paused)]
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
         busy = [b.decoding * (b.at - a.at) for a, b in kept]
         total_busy = sum(busy)

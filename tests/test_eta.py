@@ -502,3 +502,23 @@ def test_a_paused_job_whose_requests_ended_finishes_nothing_while_its_workers_ru
     snap.paused, snap.workers[0].status.in_flight = True, 37  # 37 of another job's
     progress = build_progress(snap, Estimate(None, None, None, "paused"), STEADY, 5.0, {})
     assert (progress.rate_per_sec, progress.output_tokens_per_sec) == (0.0, 0.0), progress
+
+
+def test_a_pause_is_not_counted_as_slots_left_idle() -> None:
+    """The fleet's speed is one request's times the requests decoding over the window. While the job
+    is paused its last requests end and nothing starts: those seconds say nothing of how many decode
+    once it runs. Counted, 12 s of pause in a 24 s window read the ETA after the resume ~40 % high."""
+    from genq.monitor.rates import RateTracker
+
+    tracker = RateTracker(window_s=60)
+    made = 0
+    for k in range(24):
+        paused = 6 <= k < 18
+        running = [400] * (2 if paused else 37)
+        made += 100 * len(running)
+        snap = _snapshot(1000.0 + k, made, 999.4 + k, running, done=20 * k)
+        snap.paused = paused
+        tracker.observe(snap)
+    speed = tracker.speed()
+    assert speed is not None
+    assert speed.running == pytest.approx(37), speed
