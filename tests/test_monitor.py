@@ -442,3 +442,19 @@ def test_a_job_enqueued_again_after_its_delete_has_no_rate_of_the_deleted_one(tm
             assert second.progress.rate_per_sec == 0.0 and second.progress.status == "running"
             run_genq("jobs", "delete", "again", "--yes")
     assert first.progress.total == 30 and first.progress.rate_per_sec is None, first.progress
+
+
+def test_a_worker_lost_while_one_of_its_jobs_runs_is_shown_lost(tmp_path: Path, redis_url, rconn) -> None:
+    """A worker whose heartbeat expired is "gone" for a job that is done and "lost" for one still
+    running: its one row in the terminal says lost (with the lost line), whichever job is listed first."""
+    for job, done in (("a-done", 20), ("b-run", 5)):
+        write_prompts(tmp_path / f"{job}.jsonl", 20)
+        run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"))
+        rconn.sadd(keys.job_workers(job), "ghost")
+        rconn.hset(keys.worker_stats(job, "ghost"), mapping={"done": done, "failed": 0, "in_tok": 1, "out_tok": 9})
+    rconn.sadd(keys.WORKERS, "ghost")
+    doc = monitor_json()
+    assert [doc[j]["worker_details"][0]["state"] for j in ("a-done", "b-run")] == ["gone", "lost"]
+    text = run_genq("monitor", "--once").stdout
+    row = next(line for line in text.splitlines() if line.startswith("ghost"))
+    assert "lost" in row and "lost ghost" in text, text
