@@ -185,10 +185,12 @@ class Monitor:
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
         workers = [w for w in snap.workers if works_on(w, snap.config)]
+        # Draining workers finish what they hold and take nothing more: alone, they leave the rest waiting.
+        stranded = snap.queued > snap.held and all(w.state == "draining" for w in workers)
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(snap.hist, snap.running_tokens, snap.config.max_tokens if snap.config else None),
-            speed=speed, workers=len(workers), paused=snap.paused and not snap.is_done,
+            speed=speed, workers=0 if stranded else len(workers), paused=snap.paused and not snap.is_done,
             unsent=sum(w.inflight.queued for w in workers if w.inflight is not None))
         if snap.is_done:
             est.state = "done"

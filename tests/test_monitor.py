@@ -458,3 +458,21 @@ def test_a_worker_lost_while_one_of_its_jobs_runs_is_shown_lost(tmp_path: Path, 
     text = run_genq("monitor", "--once").stdout
     row = next(line for line in text.splitlines() if line.startswith("ghost"))
     assert "lost" in row and "lost ghost" in text, text
+
+
+def test_a_job_whose_only_worker_drains_with_prompts_it_does_not_hold_is_stalled(tmp_path: Path, redis_url,
+                                                                                 rconn) -> None:
+    """A draining worker finishes the batches it holds and exits: it takes none of the job's other
+    prompts, so with nobody else to take them the job has no ETA; it is stalled, not warming up."""
+    write_prompts(tmp_path / "p.jsonl", 100)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "drn", "--output", str(tmp_path / "out"))
+    rconn.hset(keys.job_hist("drn"), mapping={"28": 25})  # enough finished to fit the lengths
+    now = time.time()
+    status = WorkerStatus(name="w-drain", host="h", pid=1, server="http://s", state="draining", started_at=now - 100,
+                          heartbeat_at=now, concurrency_target=8, in_flight=8, tok_per_s=500.0)
+    rconn.set(keys.worker_status("w-drain"), pack(status), ex=60)
+    rconn.sadd(keys.WORKERS, "w-drain")
+    running = InFlight(worker="w-drain", job="drn", at=now, tokens=[5] * 8, queued=0)
+    rconn.set(keys.job_inflight("drn", "w-drain"), pack(running), ex=60)
+    doc = monitor_json("--job", "drn")
+    assert (doc["eta_state"], doc["eta_note"]) == ("stalled", "no live worker has slots for this job"), doc

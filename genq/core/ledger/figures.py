@@ -89,9 +89,10 @@ class WorkerView:
 
     @property
     def slots(self) -> int:
-        """Requests it can decode at once: its target, at most its server's capacity, over samples each."""
+        """Requests it can decode at once: its target, at most its server's capacity, over samples each;
+        none while it drains (it finishes what it holds and takes no more)."""
         s = self.live_status
-        if s is None:
+        if s is None or s.state == "draining":
             return 0
         target = s.concurrency_target or s.in_flight
         slots = min(target, s.server_capacity) if s.server_capacity else target
