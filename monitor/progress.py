@@ -16,7 +16,7 @@ import redis
 from genq.core import decodebound
 from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
-from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
+from genq.core.ledger.figures import FINISHED_STATUSES, JobSnapshot, JobStatus, WorkerView, read_job
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample, JobConfig
 from genq.core.redisconn import RedisNote, redis_note_of
@@ -102,7 +102,7 @@ class JobProgress(msgspec.Struct):
     shard_records: int
     s3_uploaded: int  # shards written, wherever the output is
     s3_bytes: int
-    workers: int  # live workers on this job
+    workers: int  # live workers on this job (none once it is done or partial)
     workers_lost: int
     rate_source: str
     gpu_note: str | None
@@ -256,7 +256,8 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         expected_output_tokens=_round(est.expected_output_tokens, 1),
         remaining_output_tokens=None if est.remaining_tokens is None else round(est.remaining_tokens),
         queued_batches=snap.batches_queued, held_batches=snap.batches_held, s3_uploaded=snap.shards,
-        s3_bytes=snap.shard_bytes, workers=sum(1 for w in snap.live if w.inflight is not None),
+        s3_bytes=snap.shard_bytes, workers=0 if snap.status in FINISHED_STATUSES else
+        sum(1 for w in snap.live if w.inflight is not None),  # in-flight records outlive a done job by seconds
         workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
         rate_source="" if speed is None else speed.source, gpu_note=fleet_gpu_note(statuses), tail=tail,
         worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job,

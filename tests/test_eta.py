@@ -543,3 +543,16 @@ def test_a_draining_worker_s_slots_leave_the_fleet_s_speed_at_once() -> None:
     speed = tracker.speed()
     assert speed is not None
     assert speed.running == pytest.approx(37, rel=0.1), speed  # not 74
+
+
+def test_a_finished_job_has_no_worker_on_it() -> None:
+    """A worker's in-flight record lives a few seconds after its last request ends: a job done (every
+    shard written) shows none in flight on any worker, and so no worker working on it (genq_job_workers)."""
+    from genq.monitor.eta import Estimate
+    from genq.monitor.progress import build_progress
+
+    snap = _snapshot(1000.0, 50_000, 999.4, [40] * 3, done=10**6)  # the record of its last beat
+    snap.batches_done = snap.batches_total  # every shard written
+    progress = build_progress(snap, Estimate(0.0, 0.0, 0.0, "done"), STEADY, 5.0, {})
+    assert (progress.in_flight, progress.worker_details[0].job_in_flight) == (0, 0)
+    assert progress.workers == 0, progress
