@@ -133,9 +133,10 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
             prompts += c.done / span
             spans.append(span)
             sources.add("workers' tokens since their first request")
-        elif s.tok_per_s > 0:
-            tokens += s.tok_per_s
-            prompts += s.req_per_s
+        elif s.tok_per_s > 0:  # every job's: this job's part is its share of the requests in flight
+            share = min(1.0, len(w.running_tokens) / s.in_flight) if s.in_flight else 1.0
+            tokens += s.tok_per_s * share
+            prompts += s.req_per_s * share
             spans.append(min(30.0, snap.at - s.started_at))
             sources.add("workers' last-30s rates")
     if not spans:

@@ -556,3 +556,16 @@ def test_a_finished_job_has_no_worker_on_it() -> None:
     progress = build_progress(snap, Estimate(0.0, 0.0, 0.0, "done"), STEADY, 5.0, {})
     assert (progress.in_flight, progress.worker_details[0].job_in_flight) == (0, 0)
     assert progress.workers == 0, progress
+
+
+def test_once_gives_a_job_its_part_of_a_restarted_worker_s_rates() -> None:
+    """--once after a worker restarted reads its last-30s rates, which are every job's it runs: a job with
+    half of its requests in flight gets half of them, not all (each of two jobs read the whole worker's)."""
+    from genq.monitor.rates import once_speed
+
+    snap = _snapshot(1000.0, 50_000, 999.4, [40] * 20, done=500)
+    snap.workers[0].counters.first_at = 100.0  # its first result for the job, before this process started
+    status = snap.workers[0].status
+    status.started_at, status.in_flight, status.tok_per_s, status.req_per_s = 900.0, 40, 1000.0, 4.0
+    speed, prompts = once_speed(snap)
+    assert speed is not None and (speed.tokens_per_s, prompts) == (500.0, 2.0), (speed, prompts)
