@@ -524,9 +524,10 @@ def test_a_pause_is_not_counted_as_slots_left_idle() -> None:
     assert speed.running == pytest.approx(37), speed
 
 
-def test_a_draining_worker_s_slots_leave_the_fleet_s_speed_at_once() -> None:
-    """A worker told to drain finishes what it holds and takes no more: the job's speed from then is
-    that of the slots of the others, as when a worker leaves (docs/monitoring.md)."""
+@pytest.mark.parametrize("state", ["draining", "server_down"])
+def test_a_draining_worker_s_slots_leave_the_fleet_s_speed_at_once(state: str) -> None:
+    """A worker told to drain finishes what it holds and takes no more, one whose server is down runs
+    nothing: the job's speed from then is that of the slots of the others, as when a worker leaves."""
     from msgspec import structs
 
     from genq.core.records import InFlight
@@ -537,7 +538,7 @@ def test_a_draining_worker_s_slots_leave_the_fleet_s_speed_at_once() -> None:
         snap = _snapshot(1000.0 + k, 7400 * k, 999.4 + k, [400] * 37, done=40 * k)
         second = replace(snap.workers[0], name="w2", inflight=InFlight(worker="w2", job="j", at=999.4 + k,
                                                                       tokens=[400] * 37, queued=10))
-        second.status = structs.replace(snap.workers[0].status, name="w2", state="draining" if k == 11 else "busy")
+        second.status = structs.replace(snap.workers[0].status, name="w2", state=state if k == 11 else "busy")
         snap.workers.append(second)
         tracker.observe(snap)
     speed = tracker.speed()

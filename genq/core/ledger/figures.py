@@ -90,9 +90,9 @@ class WorkerView:
     @property
     def slots(self) -> int:
         """Requests it can decode at once: its target, at most its server's capacity, over samples each;
-        none while it drains (it finishes what it holds and takes no more)."""
+        none while it drains (it finishes what it holds and takes no more) or its server is down."""
         s = self.live_status
-        if s is None or s.state == "draining":
+        if s is None or s.state in ("draining", "server_down"):
             return 0
         target = s.concurrency_target or s.in_flight
         slots = min(target, s.server_capacity) if s.server_capacity else target
