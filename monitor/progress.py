@@ -37,7 +37,7 @@ SAME = ("job", "status", "total", "completed", "failed", "in_flight", "queued", 
 
 class WorkerReport(msgspec.Struct):
     name: str
-    state: str  # WORKER_STATES, or "gone": lost while its job is done
+    state: str  # WORKER_STATES, or "gone": lost while its job is done, or forgotten (genq workers --prune)
     host: str | None = None
     in_flight: int = 0  # requests in flight (all jobs)
     concurrency_target: int = 0
@@ -258,7 +258,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         queued_batches=snap.batches_queued, held_batches=snap.batches_held, s3_uploaded=snap.shards,
         s3_bytes=snap.shard_bytes, workers=0 if snap.status in FINISHED_STATUSES else
         sum(1 for w in snap.live if w.inflight is not None),  # in-flight records outlive a done job by seconds
-        workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
+        workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.state == "lost"),
         rate_source="" if speed is None else speed.source, gpu_note=fleet_gpu_note(statuses), tail=tail,
         worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job,
                                       bound=judged.get(w.name)) for w in snap.workers],
@@ -272,11 +272,12 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
                   job: str | None = None, bound: Verdict | None = None) -> WorkerReport:
     """A worker's row, with its figures for `job` when given; a stopped, lost or gone one without those of now."""
     s = w.status
+    state = "gone" if s is None and job_done else w.state
     # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
-    found = [] if s is None and job_done else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
+    found = [] if state == "gone" else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
     # A done job has nothing in flight: a worker's InFlight record can be a beat older than its last result.
     row: dict[str, Any] = dict(
-        name=w.name, state="gone" if s is None and job_done else w.state,
+        name=w.name, state=state,
         job_in_flight=0 if job_done else len(w.running_tokens), job_completed=w.counters.done,
         job_failed=w.counters.failed, job_output_tokens=w.counters.out_tok, bound=bound,
         bottlenecks=[text for _, text in found], bottleneck_codes=[code for code, _ in found])

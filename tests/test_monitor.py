@@ -476,3 +476,24 @@ def test_a_job_whose_only_worker_drains_with_prompts_it_does_not_hold_is_stalled
     rconn.set(keys.job_inflight("drn", "w-drain"), pack(running), ex=60)
     doc = monitor_json("--job", "drn")
     assert (doc["eta_state"], doc["eta_note"]) == ("stalled", "no live worker has slots for this job"), doc
+
+
+def test_a_worker_forgotten_by_prune_is_not_shown_lost(tmp_path: Path, redis_url, rconn) -> None:
+    """`genq workers --prune` forgets stopped and lost workers: a job one of them worked on keeps its
+    counts, but the worker is not lost for it (no workers_lost, no lost line); it is gone."""
+    write_prompts(tmp_path / "p.jsonl", 20)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "pr", "--output", str(tmp_path / "out"))
+    now = time.time()
+    stopped = WorkerStatus(name="w-stop", host="h", pid=1, server="http://s", state="stopped", started_at=now - 100,
+                           heartbeat_at=now - 50)
+    rconn.set(keys.worker_status("w-stop"), pack(stopped))  # a stopped worker's record is kept, without TTL
+    rconn.sadd(keys.WORKERS, "w-stop")
+    rconn.sadd(keys.job_workers("pr"), "w-stop")
+    rconn.hset(keys.worker_stats("pr", "w-stop"), mapping={"done": 5, "failed": 0, "in_tok": 1, "out_tok": 9})
+    assert monitor_json("--job", "pr")["worker_details"][0]["state"] == "stopped"
+    assert "forgot 1" in run_genq("workers", "--prune").stdout
+    doc = monitor_json("--job", "pr")
+    (row,) = doc["worker_details"]
+    assert (doc["workers_lost"], row["state"], row["job_completed"], doc["completed"]) == (0, "gone", 5, 5), doc
+    assert row["bottlenecks"] == [] and row["bottleneck_codes"] == []
+    assert "lost" not in run_genq("monitor", "--once", "--job", "pr").stdout

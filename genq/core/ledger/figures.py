@@ -63,6 +63,7 @@ class WorkerView:
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     inflight: InFlight | None = None  # this job's running requests on this worker
     held_unfinished: list[int] = field(default_factory=list)  # per batch of this job it holds, oldest first
+    forgotten: bool = False  # not in the fleet any more (`genq workers --prune`): gone, not lost
 
     @property
     def live_status(self) -> WorkerStatus | None:
@@ -74,7 +75,7 @@ class WorkerView:
 
     @property
     def state(self) -> str:
-        return "lost" if self.status is None else self.status.state
+        return ("gone" if self.forgotten else "lost") if self.status is None else self.status.state
 
     @property
     def running_tokens(self) -> list[int]:
@@ -237,7 +238,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         replies = pipe.execute()
     # Shown for this job: it has counters here, or it is working on it, or it is alive.
     views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
-                                    unpack(raw_inflight, InFlight) if raw_inflight else None)
+                                    unpack(raw_inflight, InFlight) if raw_inflight else None,
+                                    forgotten=name not in workers)
                          for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
              if v.name in members or v.inflight is not None or v.live]
     created = stats.get(b"created_at")
