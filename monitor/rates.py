@@ -76,7 +76,7 @@ class RateTracker:
         pts = list(self.samples)
         if len(pts) < 2:
             return None
-        tokens_per_s = max(_line([(p.at, float(p.generated), 1.0) for p in pts])[0], 0.0)
+        tokens_per_s = max(_line([(t, float(p.generated), 1.0) for t, p in zip(_unpaused(pts, "at"), pts)])[0], 0.0)
         kept = [(a, b) for a, b in zip(pts, pts[1:])
                 if a.decoding > 0 and b.decoding > 0 and b.at > a.at and not (a.paused or b.paused)]
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
@@ -102,7 +102,15 @@ class RateTracker:
         pts = list(self.samples)
         if len(pts) < 2 or pts[-1].read_at - pts[0].read_at <= 0:
             return None
-        return max(_line([(p.read_at, float(p.finished), 1.0) for p in pts])[0], 0.0)
+        return max(_line([(t, float(p.finished), 1.0) for t, p in zip(_unpaused(pts, "read_at"), pts)])[0], 0.0)
+
+
+def _unpaused(pts: list[Sample], attr: str) -> list[float]:
+    """Each sample's time with the intervals the job was paused (at either end) taken out."""
+    clock = [0.0]
+    for a, b in zip(pts, pts[1:]):
+        clock.append(clock[-1] + (0.0 if a.paused or b.paused else getattr(b, attr) - getattr(a, attr)))
+    return clock
 
 
 def _line(pts: list[tuple[float, float, float]]) -> tuple[float, float]:

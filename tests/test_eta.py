@@ -570,3 +570,23 @@ def test_once_gives_a_job_its_part_of_a_restarted_worker_s_rates() -> None:
     status.started_at, status.in_flight, status.tok_per_s, status.req_per_s = 900.0, 40, 1000.0, 4.0
     speed, prompts = once_speed(snap)
     assert speed is not None and (speed.tokens_per_s, prompts) == (500.0, 2.0), (speed, prompts)
+
+
+def test_rates_after_a_resume_leave_the_pause_out() -> None:
+    """Prompts/s and tokens/s are the monitor's recent rates: a minute paused in the window is not a
+    minute of them at 0, or a job running at 20 prompts/s read 6 for the window's length after its resume."""
+    from genq.monitor.rates import RateTracker
+
+    tracker = RateTracker(window_s=120)
+    done = made = 0
+    for k in range(84):
+        paused = 12 <= k < 72
+        if not paused:
+            done, made = done + 20, made + 3700
+        snap = _snapshot(1000.0 + k, made, 999.4 + k, [] if paused else [400] * 37, done=done)
+        snap.paused = paused
+        tracker.observe(snap)
+    speed = tracker.speed()
+    assert speed is not None
+    assert tracker.prompts_per_s() == pytest.approx(20, rel=0.1)
+    assert speed.tokens_per_s == pytest.approx(3700, rel=0.1)
