@@ -16,7 +16,7 @@ import redis
 from genq.core import decodebound
 from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
-from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
+from genq.core.ledger.figures import FINISHED_STATUSES, JobSnapshot, JobStatus, WorkerView, read_job
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample, JobConfig
 from genq.core.redisconn import RedisNote, redis_note_of
@@ -37,7 +37,7 @@ SAME = ("job", "status", "total", "completed", "failed", "in_flight", "queued", 
 
 class WorkerReport(msgspec.Struct):
     name: str
-    state: str  # WORKER_STATES, or "gone": lost while its job is done
+    state: str  # WORKER_STATES, or "gone": lost while its job is done, or forgotten (genq workers --prune)
     host: str | None = None
     in_flight: int = 0  # requests in flight (all jobs)
     concurrency_target: int = 0
@@ -102,7 +102,7 @@ class JobProgress(msgspec.Struct):
     shard_records: int
     s3_uploaded: int  # shards written, wherever the output is
     s3_bytes: int
-    workers: int  # live workers on this job
+    workers: int  # live workers on this job (none once it is done or partial)
     workers_lost: int
     rate_source: str
     gpu_note: str | None
@@ -185,10 +185,12 @@ class Monitor:
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
         workers = [w for w in snap.workers if works_on(w, snap.config)]
+        # Draining workers finish what they hold and take nothing more: alone, they leave the rest waiting.
+        stranded = snap.queued > snap.held and all(w.state == "draining" for w in workers)
         est = estimate(
             total=snap.total, completed=snap.completed, failed=snap.failed,
             lengths=LengthData(snap.hist, snap.running_tokens, snap.config.max_tokens if snap.config else None),
-            speed=speed, workers=len(workers), paused=snap.paused and not snap.is_done,
+            speed=speed, workers=0 if stranded else len(workers), paused=snap.paused and not snap.is_done,
             unsent=sum(w.inflight.queued for w in workers if w.inflight is not None))
         if snap.is_done:
             est.state = "done"
@@ -209,11 +211,11 @@ def tail_note(snap: JobSnapshot) -> str | None:
     """Set while nothing of the job is left to start and its running requests fill at most half the slots."""
     if snap.status != "running" or snap.queued or snap.batches_queued or not snap.in_flight:
         return None
-    live = [w.status for w in snap.live if w.status is not None]
+    live = [w.status for w in snap.serving if w.status is not None]  # another model's slots are none of its
     slots = sum(s.server_capacity or s.concurrency_target for s in live)
     if not slots or snap.in_flight * 2 > slots:
         return None
-    busy = sum(1 for w in snap.live if w.running_tokens)
+    busy = sum(1 for w in snap.serving if w.running_tokens)
     return (f"tail: nothing left to start; the last {plural(snap.in_flight, 'request')} run on {busy} of "
             f"{plural(len(live), 'worker')} ({slots - snap.in_flight:,} of {slots:,} slots idle). Throughput "
             f"falls as they finish: the end of the job, not a fault")
@@ -235,7 +237,7 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
     elapsed = max(0.0, end - (started or snap.at))
     statuses = [w.status for w in snap.workers if w.status is not None]
     tok_s = None if speed is None else speed.tokens_per_s
-    if snap.paused and not snap.is_done and not any(s.in_flight for s in statuses if s.state != "stopped"):
+    if snap.paused and not snap.is_done and not snap.running_tokens:  # other jobs' requests may run on
         prompts_rate, tok_s = 0.0, 0.0  # paused and drained: nothing finishes now (a window's rate is stale)
     if snap.is_done:  # the whole run's averages, whoever looks: a window would read the idle tail
         prompts_rate = snap.completed / elapsed if elapsed > 0 else None
@@ -254,8 +256,9 @@ def build_progress(snap: JobSnapshot, est: Estimate, speed: Speed | None, prompt
         expected_output_tokens=_round(est.expected_output_tokens, 1),
         remaining_output_tokens=None if est.remaining_tokens is None else round(est.remaining_tokens),
         queued_batches=snap.batches_queued, held_batches=snap.batches_held, s3_uploaded=snap.shards,
-        s3_bytes=snap.shard_bytes, workers=sum(1 for w in snap.live if w.inflight is not None),
-        workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.status is None),
+        s3_bytes=snap.shard_bytes, workers=0 if snap.status in FINISHED_STATUSES else
+        sum(1 for w in snap.live if w.inflight is not None),  # in-flight records outlive a done job by seconds
+        workers_lost=0 if snap.is_done else sum(1 for w in snap.workers if w.state == "lost"),
         rate_source="" if speed is None else speed.source, gpu_note=fleet_gpu_note(statuses), tail=tail,
         worker_details=[worker_report(w, snap.at, snap.is_done, in_tail=tail is not None, job=snap.job,
                                       bound=judged.get(w.name)) for w in snap.workers],
@@ -269,11 +272,12 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
                   job: str | None = None, bound: Verdict | None = None) -> WorkerReport:
     """A worker's row, with its figures for `job` when given; a stopped, lost or gone one without those of now."""
     s = w.status
+    state = "gone" if s is None and job_done else w.state
     # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
-    found = [] if s is None and job_done else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
+    found = [] if state == "gone" else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
     # A done job has nothing in flight: a worker's InFlight record can be a beat older than its last result.
     row: dict[str, Any] = dict(
-        name=w.name, state="gone" if s is None and job_done else w.state,
+        name=w.name, state=state,
         job_in_flight=0 if job_done else len(w.running_tokens), job_completed=w.counters.done,
         job_failed=w.counters.failed, job_output_tokens=w.counters.out_tok, bound=bound,
         bottlenecks=[text for _, text in found], bottleneck_codes=[code for code, _ in found])

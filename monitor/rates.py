@@ -26,7 +26,8 @@ class Sample(NamedTuple):
     finished: int
     decoding: int  # requests being decoded
     workers: int  # workers decoding any of them
-    slots: int  # the live workers' slots
+    slots: int  # the slots of the live workers that can serve the job
+    paused: bool  # the job (or every job): its requests end and none start, whatever its slots
 
 
 class RateTracker:
@@ -68,15 +69,16 @@ class RateTracker:
             generated += sum(w.running_tokens)
             stamps.append(at)
         return Sample(sum(stamps) / len(stamps) if stamps else snap.at, snap.at, round(generated), snap.completed,
-                      snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots)
+                      snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots, snap.paused)
 
     def speed(self) -> Speed | None:
         """Tokens generated over request-seconds decoding, over the intervals with requests decoding."""
         pts = list(self.samples)
         if len(pts) < 2:
             return None
-        tokens_per_s = max(_line([(p.at, float(p.generated), 1.0) for p in pts])[0], 0.0)
-        kept = [(a, b) for a, b in zip(pts, pts[1:]) if a.decoding > 0 and b.decoding > 0 and b.at > a.at]
+        tokens_per_s = max(_line([(t, float(p.generated), 1.0) for t, p in zip(_unpaused(pts, "at"), pts)])[0], 0.0)
+        kept = [(a, b) for a, b in zip(pts, pts[1:])
+                if a.decoding > 0 and b.decoding > 0 and b.at > a.at and not (a.paused or b.paused)]
         source = f"monitor's samples over the last {pts[-1].read_at - pts[0].read_at:.0f}s"
         busy = [b.decoding * (b.at - a.at) for a, b in kept]
         total_busy = sum(busy)
@@ -100,7 +102,15 @@ class RateTracker:
         pts = list(self.samples)
         if len(pts) < 2 or pts[-1].read_at - pts[0].read_at <= 0:
             return None
-        return max(_line([(p.read_at, float(p.finished), 1.0) for p in pts])[0], 0.0)
+        return max(_line([(t, float(p.finished), 1.0) for t, p in zip(_unpaused(pts, "read_at"), pts)])[0], 0.0)
+
+
+def _unpaused(pts: list[Sample], attr: str) -> list[float]:
+    """Each sample's time with the intervals the job was paused (at either end) taken out."""
+    clock = [0.0]
+    for a, b in zip(pts, pts[1:]):
+        clock.append(clock[-1] + (0.0 if a.paused or b.paused else getattr(b, attr) - getattr(a, attr)))
+    return clock
 
 
 def _line(pts: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -131,9 +141,10 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
             prompts += c.done / span
             spans.append(span)
             sources.add("workers' tokens since their first request")
-        elif s.tok_per_s > 0:
-            tokens += s.tok_per_s
-            prompts += s.req_per_s
+        elif s.tok_per_s > 0:  # every job's: this job's part is its share of the requests in flight
+            share = min(1.0, len(w.running_tokens) / s.in_flight) if s.in_flight else 1.0
+            tokens += s.tok_per_s * share
+            prompts += s.req_per_s * share
             spans.append(min(30.0, snap.at - s.started_at))
             sources.add("workers' last-30s rates")
     if not spans:
@@ -146,10 +157,10 @@ def once_speed(snap: JobSnapshot) -> tuple[Speed | None, float | None]:
 
 
 def _server(snap: JobSnapshot | None) -> dict[str, Any]:
-    """The step's overhead (the live workers' decode bins) and the job's mean prompt tokens."""
+    """The step's overhead (the decode bins of the live workers that can serve the job) and its mean prompt tokens."""
     if snap is None:
         return {}
-    return {"overhead": fit_overhead(b for w in snap.live if w.live_status is not None for b in w.live_status.decode),
+    return {"overhead": fit_overhead(b for w in snap.serving if w.status is not None for b in w.status.decode),
             "prompt_tokens": snap.in_tokens / snap.completed if snap.completed else 0.0}
 
 

@@ -62,8 +62,9 @@ def render(reports: list[JobReport], redis_display: str, interval: float | None,
     seen: dict[str, WorkerReport] = {}
     for w in (w for r in reports for w in r.progress.worker_details):  # a worker of several jobs: once, its sums
         s = seen.setdefault(w.name, w)
-        if s is not w:
-            seen[w.name] = replace(s, job_completed=s.job_completed + w.job_completed, errors=s.errors + w.errors)
+        if s is not w:  # "gone" only for a job that is done: lost for one that is not
+            seen[w.name] = replace(s, job_completed=s.job_completed + w.job_completed, errors=s.errors + w.errors,
+                                   state=w.state if s.state == "gone" else s.state)
     workers = list(seen.values())
     parts: list[RenderableType] = [*(job_panel(r) for r in reports), worker_table(workers),
                                    *bottleneck_lines(workers)]

@@ -442,3 +442,151 @@ def test_requests_finished_since_the_beat_are_not_played_again() -> None:
     # 100 prompts of ~100 tokens: 80 running with 5 made, 20 unsent.
     assert e.remaining_tokens == pytest.approx(80 * 95 + 20 * 100, rel=0.05)
     assert e.eta_s == pytest.approx(e.remaining_tokens / 100, rel=0.05)  # not 120 prompts' worth
+
+
+def test_only_workers_that_can_serve_the_job_enter_its_speed() -> None:
+    """A fleet of two models: the job's model on a memory-bound server (its step costs the same
+    at any batch: no overhead), another model on a compute-bound one (its step grows with the
+    batch). The job's ETA is fitted from the workers that can serve its model (JobConfig.served_by):
+    neither the other model's step-cost line nor its slots coming and going enter it."""
+    from genq.core.ledger.figures import WorkerView
+    from genq.core.records import DecodeBin, JobConfig, WorkerStatus
+    from genq.monitor.rates import RateTracker, once_speed
+
+    def other(at: float) -> WorkerView:
+        cpu = [DecodeBin(decoding=d, busy_s=d * 100 * 0.001 * d, tokens=d * 100.0, clean=True) for d in (8, 16)]
+        return WorkerView(name="other", status=WorkerStatus(
+            name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=at,
+            concurrency_target=64, server_capacity=64, model="model-b", decode=cpu))
+
+    tracker = RateTracker(window_s=60)
+    for k in range(12):
+        snap = _snapshot(1000.0 + k, 10_000 + 3700 * k, 999.4 + k, [400] * 37, done=20 * k)
+        snap.config = JobConfig(name="j", output="/tmp/out", model="model-a")
+        snap.workers[0].status.model, snap.workers[0].status.tok_per_s = "model-a", 3700.0
+        if k >= 6:  # the other model's worker joins half way: this job gains no slot
+            snap.workers.append(other(999.4 + k))
+        tracker.observe(snap)
+    speed, (once, _) = tracker.speed(), once_speed(snap)
+    assert speed is not None and once is not None
+    assert speed.running == pytest.approx(37), "another model's slots scaled this job's speed"
+    assert speed.overhead is None, "another model's server's step cost was fitted into this job's"
+    assert once.overhead is None
+
+
+def test_another_models_idle_slots_do_not_put_a_job_in_its_tail() -> None:
+    """The tail note says the job's last requests leave most of its slots idle: slots of the workers
+    that can serve its model. 30 requests left on its one 37-slot server are no tail, whatever
+    another model's idle 64-slot server does."""
+    from genq.core.ledger.figures import WorkerView
+    from genq.core.records import JobConfig, WorkerStatus
+    from genq.monitor.progress import tail_note
+
+    snap = _snapshot(1000.0, 0, 999.4, [40] * 30, done=10**6 - 30)
+    snap.config = JobConfig(name="j", output="/tmp/out", model="model-a")
+    snap.workers[0].status.model = "model-a"
+    assert tail_note(snap) is None
+    snap.workers.append(WorkerView(name="other", status=WorkerStatus(
+        name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=999.4,
+        concurrency_target=64, server_capacity=64, model="model-b")))
+    assert tail_note(snap) is None, tail_note(snap)
+
+
+def test_a_paused_job_whose_requests_ended_finishes_nothing_while_its_workers_run_another() -> None:
+    """A paused job's rates read 0 once none of its requests run: its window's rate is of before the
+    pause. Its workers running another job's requests (their in_flight, every job's) change nothing."""
+    from genq.monitor.eta import Estimate
+    from genq.monitor.progress import build_progress
+
+    snap = _snapshot(1000.0, 50_000, 999.4, [], done=500)  # none of this job's requests run
+    snap.paused, snap.workers[0].status.in_flight = True, 37  # 37 of another job's
+    progress = build_progress(snap, Estimate(None, None, None, "paused"), STEADY, 5.0, {})
+    assert (progress.rate_per_sec, progress.output_tokens_per_sec) == (0.0, 0.0), progress
+
+
+def test_a_pause_is_not_counted_as_slots_left_idle() -> None:
+    """The fleet's speed is one request's times the requests decoding over the window. While the job
+    is paused its last requests end and nothing starts: those seconds say nothing of how many decode
+    once it runs. Counted, 12 s of pause in a 24 s window read the ETA after the resume ~40 % high."""
+    from genq.monitor.rates import RateTracker
+
+    tracker = RateTracker(window_s=60)
+    made = 0
+    for k in range(24):
+        paused = 6 <= k < 18
+        running = [400] * (2 if paused else 37)
+        made += 100 * len(running)
+        snap = _snapshot(1000.0 + k, made, 999.4 + k, running, done=20 * k)
+        snap.paused = paused
+        tracker.observe(snap)
+    speed = tracker.speed()
+    assert speed is not None
+    assert speed.running == pytest.approx(37), speed
+
+
+@pytest.mark.parametrize("state", ["draining", "server_down"])
+def test_a_draining_worker_s_slots_leave_the_fleet_s_speed_at_once(state: str) -> None:
+    """A worker told to drain finishes what it holds and takes no more, one whose server is down runs
+    nothing: the job's speed from then is that of the slots of the others, as when a worker leaves."""
+    from msgspec import structs
+
+    from genq.core.records import InFlight
+    from genq.monitor.rates import RateTracker
+
+    tracker = RateTracker(window_s=60)
+    for k in range(12):
+        snap = _snapshot(1000.0 + k, 7400 * k, 999.4 + k, [400] * 37, done=40 * k)
+        second = replace(snap.workers[0], name="w2", inflight=InFlight(worker="w2", job="j", at=999.4 + k,
+                                                                      tokens=[400] * 37, queued=10))
+        second.status = structs.replace(snap.workers[0].status, name="w2", state=state if k == 11 else "busy")
+        snap.workers.append(second)
+        tracker.observe(snap)
+    speed = tracker.speed()
+    assert speed is not None
+    assert speed.running == pytest.approx(37, rel=0.1), speed  # not 74
+
+
+def test_a_finished_job_has_no_worker_on_it() -> None:
+    """A worker's in-flight record lives a few seconds after its last request ends: a job done (every
+    shard written) shows none in flight on any worker, and so no worker working on it (genq_job_workers)."""
+    from genq.monitor.eta import Estimate
+    from genq.monitor.progress import build_progress
+
+    snap = _snapshot(1000.0, 50_000, 999.4, [40] * 3, done=10**6)  # the record of its last beat
+    snap.batches_done = snap.batches_total  # every shard written
+    progress = build_progress(snap, Estimate(0.0, 0.0, 0.0, "done"), STEADY, 5.0, {})
+    assert (progress.in_flight, progress.worker_details[0].job_in_flight) == (0, 0)
+    assert progress.workers == 0, progress
+
+
+def test_once_gives_a_job_its_part_of_a_restarted_worker_s_rates() -> None:
+    """--once after a worker restarted reads its last-30s rates, which are every job's it runs: a job with
+    half of its requests in flight gets half of them, not all (each of two jobs read the whole worker's)."""
+    from genq.monitor.rates import once_speed
+
+    snap = _snapshot(1000.0, 50_000, 999.4, [40] * 20, done=500)
+    snap.workers[0].counters.first_at = 100.0  # its first result for the job, before this process started
+    status = snap.workers[0].status
+    status.started_at, status.in_flight, status.tok_per_s, status.req_per_s = 900.0, 40, 1000.0, 4.0
+    speed, prompts = once_speed(snap)
+    assert speed is not None and (speed.tokens_per_s, prompts) == (500.0, 2.0), (speed, prompts)
+
+
+def test_rates_after_a_resume_leave_the_pause_out() -> None:
+    """Prompts/s and tokens/s are the monitor's recent rates: a minute paused in the window is not a
+    minute of them at 0, or a job running at 20 prompts/s read 6 for the window's length after its resume."""
+    from genq.monitor.rates import RateTracker
+
+    tracker = RateTracker(window_s=120)
+    done = made = 0
+    for k in range(84):
+        paused = 12 <= k < 72
+        if not paused:
+            done, made = done + 20, made + 3700
+        snap = _snapshot(1000.0 + k, made, 999.4 + k, [] if paused else [400] * 37, done=done)
+        snap.paused = paused
+        tracker.observe(snap)
+    speed = tracker.speed()
+    assert speed is not None
+    assert tracker.prompts_per_s() == pytest.approx(20, rel=0.1)
+    assert speed.tokens_per_s == pytest.approx(3700, rel=0.1)

@@ -442,3 +442,58 @@ def test_a_job_enqueued_again_after_its_delete_has_no_rate_of_the_deleted_one(tm
             assert second.progress.rate_per_sec == 0.0 and second.progress.status == "running"
             run_genq("jobs", "delete", "again", "--yes")
     assert first.progress.total == 30 and first.progress.rate_per_sec is None, first.progress
+
+
+def test_a_worker_lost_while_one_of_its_jobs_runs_is_shown_lost(tmp_path: Path, redis_url, rconn) -> None:
+    """A worker whose heartbeat expired is "gone" for a job that is done and "lost" for one still
+    running: its one row in the terminal says lost (with the lost line), whichever job is listed first."""
+    for job, done in (("a-done", 20), ("b-run", 5)):
+        write_prompts(tmp_path / f"{job}.jsonl", 20)
+        run_genq("enqueue", str(tmp_path / f"{job}.jsonl"), "--job", job, "--output", str(tmp_path / "out"))
+        rconn.sadd(keys.job_workers(job), "ghost")
+        rconn.hset(keys.worker_stats(job, "ghost"), mapping={"done": done, "failed": 0, "in_tok": 1, "out_tok": 9})
+    rconn.sadd(keys.WORKERS, "ghost")
+    doc = monitor_json()
+    assert [doc[j]["worker_details"][0]["state"] for j in ("a-done", "b-run")] == ["gone", "lost"]
+    text = run_genq("monitor", "--once").stdout
+    row = next(line for line in text.splitlines() if line.startswith("ghost"))
+    assert "lost" in row and "lost ghost" in text, text
+
+
+def test_a_job_whose_only_worker_drains_with_prompts_it_does_not_hold_is_stalled(tmp_path: Path, redis_url,
+                                                                                 rconn) -> None:
+    """A draining worker finishes the batches it holds and exits: it takes none of the job's other
+    prompts, so with nobody else to take them the job has no ETA; it is stalled, not warming up."""
+    write_prompts(tmp_path / "p.jsonl", 100)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "drn", "--output", str(tmp_path / "out"))
+    rconn.hset(keys.job_hist("drn"), mapping={"28": 25})  # enough finished to fit the lengths
+    now = time.time()
+    status = WorkerStatus(name="w-drain", host="h", pid=1, server="http://s", state="draining", started_at=now - 100,
+                          heartbeat_at=now, concurrency_target=8, in_flight=8, tok_per_s=500.0)
+    rconn.set(keys.worker_status("w-drain"), pack(status), ex=60)
+    rconn.sadd(keys.WORKERS, "w-drain")
+    running = InFlight(worker="w-drain", job="drn", at=now, tokens=[5] * 8, queued=0)
+    rconn.set(keys.job_inflight("drn", "w-drain"), pack(running), ex=60)
+    doc = monitor_json("--job", "drn")
+    assert (doc["eta_state"], doc["eta_note"]) == ("stalled", "no live worker has slots for this job"), doc
+
+
+def test_a_worker_forgotten_by_prune_is_not_shown_lost(tmp_path: Path, redis_url, rconn) -> None:
+    """`genq workers --prune` forgets stopped and lost workers: a job one of them worked on keeps its
+    counts, but the worker is not lost for it (no workers_lost, no lost line); it is gone."""
+    write_prompts(tmp_path / "p.jsonl", 20)
+    run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "pr", "--output", str(tmp_path / "out"))
+    now = time.time()
+    stopped = WorkerStatus(name="w-stop", host="h", pid=1, server="http://s", state="stopped", started_at=now - 100,
+                           heartbeat_at=now - 50)
+    rconn.set(keys.worker_status("w-stop"), pack(stopped))  # a stopped worker's record is kept, without TTL
+    rconn.sadd(keys.WORKERS, "w-stop")
+    rconn.sadd(keys.job_workers("pr"), "w-stop")
+    rconn.hset(keys.worker_stats("pr", "w-stop"), mapping={"done": 5, "failed": 0, "in_tok": 1, "out_tok": 9})
+    assert monitor_json("--job", "pr")["worker_details"][0]["state"] == "stopped"
+    assert "forgot 1" in run_genq("workers", "--prune").stdout
+    doc = monitor_json("--job", "pr")
+    (row,) = doc["worker_details"]
+    assert (doc["workers_lost"], row["state"], row["job_completed"], doc["completed"]) == (0, "gone", 5, 5), doc
+    assert row["bottlenecks"] == [] and row["bottleneck_codes"] == []
+    assert "lost" not in run_genq("monitor", "--once", "--job", "pr").stdout

@@ -63,6 +63,7 @@ class WorkerView:
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     inflight: InFlight | None = None  # this job's running requests on this worker
     held_unfinished: list[int] = field(default_factory=list)  # per batch of this job it holds, oldest first
+    forgotten: bool = False  # not in the fleet any more (`genq workers --prune`): gone, not lost
 
     @property
     def live_status(self) -> WorkerStatus | None:
@@ -74,7 +75,7 @@ class WorkerView:
 
     @property
     def state(self) -> str:
-        return "lost" if self.status is None else self.status.state
+        return ("gone" if self.forgotten else "lost") if self.status is None else self.status.state
 
     @property
     def running_tokens(self) -> list[int]:
@@ -89,9 +90,10 @@ class WorkerView:
 
     @property
     def slots(self) -> int:
-        """Requests it can decode at once: its target, at most its server's capacity, over samples each."""
+        """Requests it can decode at once: its target, at most its server's capacity, over samples each;
+        none while it drains (it finishes what it holds and takes no more) or its server is down."""
         s = self.live_status
-        if s is None:
+        if s is None or s.state in ("draining", "server_down"):
             return 0
         target = s.concurrency_target or s.in_flight
         slots = min(target, s.server_capacity) if s.server_capacity else target
@@ -129,6 +131,12 @@ class JobSnapshot:
     @property
     def live(self) -> list[WorkerView]:
         return [w for w in self.workers if w.live]
+
+    @property
+    def serving(self) -> list[WorkerView]:
+        """Live workers whose server may run the job's prompts (its model), or that run some."""
+        return [w for w in self.live if w.inflight is not None or self.config is None
+                or self.config.served_by(w.status.model if w.status else None)]
 
     @property
     def running_tokens(self) -> list[int]:
@@ -170,7 +178,7 @@ class JobSnapshot:
 
     @property
     def slots(self) -> int:
-        return sum(w.slots for w in self.live)
+        return sum(w.slots for w in self.serving)
 
     @property
     def first_at(self) -> float | None:
@@ -230,7 +238,8 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         replies = pipe.execute()
     # Shown for this job: it has counters here, or it is working on it, or it is alive.
     views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
-                                    unpack(raw_inflight, InFlight) if raw_inflight else None)
+                                    unpack(raw_inflight, InFlight) if raw_inflight else None,
+                                    forgotten=name not in workers)
                          for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
              if v.name in members or v.inflight is not None or v.live]
     created = stats.get(b"created_at")
