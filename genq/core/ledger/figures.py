@@ -228,11 +228,13 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
             pipe.hgetall(keys.worker_stats(job, name))
             pipe.get(keys.job_inflight(job, name))
         replies = pipe.execute()
-    # Shown for this job: it has counters here, or it is working on it, or it is alive.
+    # Shown for this job: it has counters here, or it is working on it, or it is alive and its server may run
+    # the job (one serving another model takes none of it: its slots are not the job's).
     views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
                                     unpack(raw_inflight, InFlight) if raw_inflight else None)
                          for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
-             if v.name in members or v.inflight is not None or v.live]
+             if v.name in members or v.inflight is not None
+             or (s := v.live_status) is not None and (config is None or config.served_by(s.model))]
     created = stats.get(b"created_at")
     return JobSnapshot(
         job=job, at=time.time(), config=config,
