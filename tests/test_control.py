@@ -336,8 +336,10 @@ def test_a_resume_refused_by_a_full_redis_changes_nothing(tmp_path, redis_url, r
     with its parked batches left to the reconciler (20-40 s later) behind an error, nor the fleet's pause
     without RQ's suspension. Once Redis takes writes, `genq resume --job` queues the parked batches at once."""
     enqueue(tmp_path, "rf", 30)  # 3 batches, queued
-    run_genq("pause", "--job", "rf")  # no worker: all 3 parked at once
+    paused = run_genq("pause", "--job", "rf")  # no worker: all 3 parked at once
     assert rq_queue(rconn).count == 0
+    # A job's pause parks its batches (out of RQ's queue and off the workers): its line says so.
+    assert "parked" in paused.stdout and "stay held" not in paused.stdout, paused.stdout
 
     def full(*args: str) -> None:
         rconn.config_set("maxmemory", 1)

@@ -74,6 +74,13 @@ def test_a_running_limit_below_what_the_kv_cache_holds_gets_raised() -> None:
     assert "~100" in cap.text
 
 
+def test_the_running_limit_advice_names_the_figure_its_text_gives() -> None:
+    # The KV cache would hold 100.6: the text and the fix say the same ~101, not ~101 then ~100.
+    cap = batch_cap(story(token_usage=37 / 100.6, running_limit=37, in_flight=37, target=37))
+    assert cap is not None and "would hold ~101" in cap.text, cap.text
+    assert cap.advice == "raise --max-running-requests to ~101", cap.advice
+
+
 def test_genq_target_prefill_and_the_tail() -> None:
     target = batch_cap(story(token_usage=0.3, waiting=0, running_limit=72, in_flight=32, target=32, cap=32,
                              queued=200))

@@ -154,13 +154,13 @@ def test_enqueue_shows_percent_and_eta_on_a_big_file(redis_url, tmp_path):
     assert "100.0% of" in text, text[-500:]
 
 
-def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, sim, worker):
+def test_status_says_sending_and_held_while_a_worker_runs(redis_url, rconn, tmp_path, sim, worker):
     write_prompts(tmp_path / "p.jsonl", 8)
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "slow", "--batch-size", "4", "--max-tokens", "400",
              "--output", str(tmp_path / "out"))
     url = sim(max_running_requests=1, step_ms_base=1000, step_ms_per_req=0, tokens_per_step=1, mean_output_tokens=200,
               output_sigma=0.1)
-    worker(url, "--concurrency", "1", "--name", "slow-w")
+    w = worker(url, "--concurrency", "1", "--name", "slow-w")
 
     batches = [[f"p{i:05d}" for i in range(first, first + 4)] for first in (0, 4)]
 
@@ -184,7 +184,14 @@ def test_status_says_sending_and_held_while_a_worker_runs(redis_url, tmp_path, s
     assert set(found.values()) <= {"sending", "held"}, found
     engine = json.loads(run_genq("status", "slow", next(p for p, s in found.items() if s == "sending"), "--json")
                         .stdout)["holder"]
-    assert engine.startswith("slow-w"), engine
+    assert engine.startswith("slow-w") and " " not in engine, engine  # the engine, not its lease's token
+    # Killed, its engine's liveness lapses: its lease and claims hold nothing, and no prompt of its batch is
+    # said to be held or sent by it (the reconciler queues the batch again).
+    w.kill_tree()
+    wait_until(lambda: not rconn.exists(keys.engine_alive(engine)), 60, "the killed engine's liveness to lapse")
+    for pid in found:
+        fate = json.loads(run_genq("status", "slow", pid, "--json").stdout)
+        assert fate["state"] == "queued" and engine in fate["why"] and "gone" in fate["why"], fate
 
 
 def test_a_launch_that_cannot_run_here_is_said_at_once_and_a_failing_server_says_why(tmp_path, redis_url):

@@ -108,15 +108,21 @@ def test_the_monitor_says_when_a_job_is_in_its_tail(redis_url, rconn, sim, worke
     wait_until(lambda: rconn.hlen(keys.job_leases("tl")) == 1 and sim_stats(busy_server)["num_running"] == 6, 60,
                "every prompt running on the first worker")
     second = worker(idle_server, "--burst", "--name", "second", name="second")
+    # A live worker whose server serves another model cannot run the job: neither its slots nor
+    # its row belong to the job's view.
+    other = worker(sim(served_model_name="other-model"), "--burst", "--name", "other", name="other")
+    wait_until(lambda: rconn.exists(keys.worker_status("other")), 60, "the other model's worker to register")
     # Six requests on 32 slots, nothing left to start: the tail, said as such; the idle worker
     # is not reported as a bottleneck.
-    doc = wait_until(lambda: (d := monitor_json(rconn, "tl"))["tail"] and len(d["worker_details"]) == 2 and d, 60,
+    doc = wait_until(lambda: (d := monitor_json(rconn, "tl"))["tail"] and len(d["worker_details"]) >= 2 and d, 60,
                      "the monitor to report the tail", interval=0.5)
+    assert sorted(w["name"] for w in doc["worker_details"]) == ["first", "second"], doc["worker_details"]
     # Six were running; on a loaded machine one may finish before the monitor's read.
     assert re.search(r"the last [1-6] requests? run on 1 of 2 workers", doc["tail"]), doc["tail"]
     idle = next(w for w in doc["worker_details"] if w["name"] == "second")
     assert "no_prompts" not in idle["bottleneck_codes"], idle
     assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0, first.log() + second.log()
+    assert other.wait(timeout=120) == 0, other.log()
     check(rconn, out, "tl", ids)
     assert monitor_json(rconn, "tl")["tail"] is None, "a finished job is not in its tail"
 

@@ -264,3 +264,19 @@ def test_only_a_slower_worker_holds_back_and_only_at_the_end():
     assert not hold_back(fast[0], [*fast[1:], slow])  # the fastest never holds back
     assert not hold_back(_status("even", 0.0032, 10), fast)  # within MARGIN: an even fleet
     assert not hold_back(_status("slow", 0.006, 0), fast)  # nothing unsent: nothing to hold
+
+
+@pytest.mark.e2e
+def test_a_job_of_another_model_at_the_queues_head_takes_no_extra_batches(redis_url, rconn, sim, worker, tmp_path):
+    """A higher-priority job at the head of RQ's queue that this worker's server cannot run (another model)
+    does not outrank what waits here: the worker keeps --prefetch's batches, not up to 14 more of its own
+    job, which a worker joining later could only borrow prompt by prompt."""
+    enqueue(tmp_path, "far", 20, "--model", "other-model", "--priority", "10")
+    ids, out = enqueue(tmp_path, "near", 600, "--batch-size", "50", "--max-tokens", "2000")
+    w = worker(sim(**SERVER), name="w")
+    wait_until(lambda: done_count(rconn, "near") >= 100, 120, "two batches' worth of the job done")
+    held = rconn.hlen(keys.job_leases("near"))
+    assert held <= 4, f"the worker holds {held} batches of 12 with 16 slots and --prefetch 2"
+    wait_until(lambda: finished(rconn, "near"), 180, "the job written", interval=0.5)
+    w.kill_tree()
+    check(rconn, out, "near", ids)

@@ -158,8 +158,9 @@ class Intake:
             return True
         if held >= base + MAX_EXTRA:
             return False  # parked prompts are not work: no more batches for them
-        if self.shares.wants_head(max(1, self.dispatcher.controller.target // 2)):
-            return True  # the queue's next batch outranks what waits here: not after a held batch's long tail
+        low = max(1, self.dispatcher.controller.target // 2)
+        if self.shares.head not in self.foreign and self.shares.wants_head(low):
+            return True  # the queue's next batch outranks what waits here; another model's is not ours to take
         # (prefetch - 1) batches' worth unsent, counted in prompts without an outcome and not in flight
         # (several held batches can be in their heavy tails at once).
         size = max((h.config.batch_size for h in self.held.values()), default=0)

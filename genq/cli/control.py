@@ -190,9 +190,10 @@ def pause(job: str | None) -> None:
     conn = redis_conn()
     jobs_named(conn, job)
     control.pause(conn, job)
+    kept = ("then its batches are parked, out of RQ's queue and off the workers" if job
+            else "batches stay held); RQ workers suspended (rq suspend")
     click.echo(f"paused {f'job {job}' if job else 'all jobs'}: workers send no new requests from now (in-flight ones "
-               f"finish, batches stay held){'' if job else '; RQ workers suspended (rq suspend)'}. "
-               f"Undo with `genq resume{f' --job {job}' if job else ''}`.")
+               f"finish, {kept}). Undo with `genq resume{f' --job {job}' if job else ''}`.")
 
 
 @click.command()

@@ -74,19 +74,20 @@ def _pending(conn: redis.Redis, job: str, batches: list[str], prompt_id: str) ->
                   and prompt_id in source.prompt_ids()), None)
     if batch is None:
         return None
-    result, claim, lease, paused = prompt_state(conn, job, batch, prompt_id)
+    result, claimer, holder, holder_alive, paused = prompt_state(conn, job, batch, prompt_id)
     if result is not None:
         return {"state": "done", "batch": batch, "record": msgspec.to_builtins(unpack(result, Result)),
                 "why": "its result is in Redis; the batch's shard is written when the whole batch is done"}
-    if claim is not None:  # a claim is taken just before the send: it covers the next prompts too
-        return {"state": "sending", "batch": batch, "holder": claim.decode(),
-                "why": f"claimed by engine {claim.decode()}: in flight, or among the next it sends"}
-    if lease is not None:
-        holder = lease.decode().partition(" ")[2]
+    if claimer is not None:  # a claim is taken just before the send: it covers the next prompts too
+        return {"state": "sending", "batch": batch, "holder": claimer,
+                "why": f"claimed by engine {claimer}: in flight, or among the next it sends"}
+    if holder is not None and holder_alive:
         return {"state": "held", "batch": batch, "holder": holder,
                 "why": f"its batch is held by engine {holder}" + (" (paused)" if paused else "; it is sent in turn")}
+    gone = f"its batch's holder, engine {holder}, is gone (no heartbeat): a live worker queues the batch again " \
+           f"20-40 s after it died; " if holder else ""
     return {"state": "queued", "batch": batch,
-            "why": "its batch waits for a worker" + (" (the job is paused)" if paused else "")}
+            "why": gone + "its batch waits for a worker" + (" (the job is paused)" if paused else "")}
 
 
 def _written(conn: redis.Redis, job: str, prompt_id: str, batches: list[str] | None = None) -> dict[str, Any] | None:

@@ -111,7 +111,7 @@ def batch_cap(f: GpuFigures) -> Cap | None:
         if holds is not None and holds >= ROOM * limit:
             return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}, where its KV "
                                         f"cache would hold ~{holds:.0f}{at}",
-                       f"raise {LIMIT_FLAG[engine]} to ~{int(holds)}")
+                       f"raise {LIMIT_FLAG[engine]} to ~{holds:.0f}")
         return Cap("running_limit", f"{running:.0f} running at the server's limit {limit}", "")
     if f.waiting:
         return Cap("prefill", f"{f.waiting:.0f} waiting in the server's queue with {running:.0f} running "

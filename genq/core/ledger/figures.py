@@ -236,12 +236,14 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
             pipe.hgetall(keys.worker_stats(job, name))
             pipe.get(keys.job_inflight(job, name))
         replies = pipe.execute()
-    # Shown for this job: it has counters here, or it is working on it, or it is alive.
+    # Shown for this job: it has counters here, or it is working on it, or it is alive and its server may run
+    # the job (one serving another model takes none of it: its slots are not the job's).
     views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
                                     unpack(raw_inflight, InFlight) if raw_inflight else None,
                                     forgotten=name not in workers)
                          for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
-             if v.name in members or v.inflight is not None or v.live]
+             if v.name in members or v.inflight is not None
+             or (s := v.live_status) is not None and (config is None or config.served_by(s.model))]
     created = stats.get(b"created_at")
     return JobSnapshot(
         job=job, at=time.time(), config=config,
@@ -288,13 +290,18 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
 
 
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str
-                 ) -> tuple[bytes | None, bytes | None, bytes | None, bool]:
-    """`genq status JOB ID` of a pending batch's prompt: its stored result, its claim, its batch's
-    lease, and whether the job (or the fleet) is paused; one round trip."""
+                 ) -> tuple[bytes | None, str | None, str | None, bool, bool]:
+    """`genq status JOB ID` of a pending batch's prompt: its stored result, the engine of a claim that counts
+    (its engine alive, under the batch's current lease), its batch's lease holder, whether that one is alive,
+    and whether the job (or the fleet) is paused."""
     with conn.pipeline(transaction=False) as pipe:
         pipe.hget(keys.batch_results(job, batch), prompt_id)
         pipe.hget(keys.batch_claims(job, batch), prompt_id)
         pipe.hget(keys.job_leases(job), batch)
         pipe.exists(keys.job_paused(job), keys.PAUSED)
         result, claim, lease, paused = pipe.execute()
-    return result, claim, lease, bool(paused)
+    claimer, _, claim_token = claim.decode().partition(" ") if claim else ("", "", "")
+    token, _, holder = lease.decode().partition(" ") if lease else ("", "", "")
+    claim_alive, holder_alive = (bool(conn.exists(keys.engine_alive(e))) if e else False for e in (claimer, holder))
+    counts = claim_alive and claim_token == token
+    return result, claimer if counts else None, holder or None, holder_alive, bool(paused)
