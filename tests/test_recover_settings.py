@@ -163,3 +163,60 @@ def test_jobs_set_refused_by_a_full_redis_changes_nothing(redis_url, rconn, tmp_
     on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
     assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (20, 2), on_disk
     assert config_of(redis_url)["max_tokens"] == 20
+
+
+def schedule_of(url: str) -> tuple[int, float]:
+    row = json.loads(run_genq("jobs", "show", "st", "--json", redis_url=url).stdout)["row"]
+    return row["priority"], row["weight"]
+
+
+def test_priority_and_weight_come_back_with_the_job_after_a_flushall(redis_url, rconn, tmp_path):
+    """job.json keeps the job's priority and weight (docs/scheduling.md): recover and the same enqueue again
+    bring them back, as they bring back its settings."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), "--priority", "3", "--weight", "2", redis_url=redis_url)
+    run_genq("jobs", "set", "st", "--priority", "7", redis_url=redis_url)
+    rconn.flushall()
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    assert schedule_of(redis_url) == (7, 2.0), "recover brought the job back at priority 0, weight 1"
+    run_genq("jobs", "set", "st", "--weight", "0.5", redis_url=redis_url)
+    rconn.flushall()
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)  # the same enqueue again takes the job up
+    assert schedule_of(redis_url) == (7, 0.5)
+
+
+def test_a_snapshot_from_before_a_priority_change_takes_it_from_the_output(lost_redis, tmp_path):  # noqa: F811
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    lost_redis.snapshot()
+    run_genq("jobs", "set", "st", "--priority", "9", "--weight", "3", redis_url=lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=False)  # the job as it was before the change
+    assert schedule_of(lost_redis.url) == (0, 1.0)
+    run_genq("recover", "--job", "st", redis_url=lost_redis.url)
+    assert schedule_of(lost_redis.url) == (9, 3.0)
+
+
+def test_a_priority_change_refused_changes_nothing(redis_url, rconn, tmp_path):
+    """Redis refusing writes, or job.json unwritable: the change is refused whole, job.json as it was (a later
+    catch-up would otherwise take it up behind the operator's back)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, 5)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    before = (out / "st" / "job.json").read_bytes()
+    rconn.config_set("maxmemory", 1)
+    try:
+        refused = run_genq("jobs", "set", "st", "--priority", "4", redis_url=redis_url, check=False)
+    finally:
+        rconn.config_set("maxmemory", 0)
+    assert refused.returncode == 1 and "Redis is full" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert (out / "st" / "job.json").read_bytes() == before
+    (out / "st").rename(tmp_path / "elsewhere")
+    (out / "st").write_text("not a folder")  # job.json cannot be written under it
+    refused = run_genq("jobs", "set", "st", "--priority", "4", redis_url=redis_url, check=False)
+    assert refused.returncode == 1 and "cannot write" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert schedule_of(redis_url) == (0, 1.0), "it said nothing was changed"

@@ -13,14 +13,15 @@ from typing import Any
 import msgspec
 import redis
 
+from genq.core import order
 from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
 from genq.core.ledger.figures import JobStatus, job_status
 from genq.core.order import order_queue
-from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
-from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
+from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
+from genq.core.records import Control, JobBlock, JobConfig, JobRecord, JobSchedule, SettingsChange, WorkerStatus
 from genq.core.redisconn import redis_note_of
 from genq.output import truth
 from genq.producer.rows import check_params
@@ -253,12 +254,7 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
     changed). Nothing to change makes no version: every version in the history differs from the one before."""
     if unknown := sorted(set(changes) - set(SETTABLE)):
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
-    # job.json is written first and taken up from there later: a Redis that refuses the change must be
-    # seen before it, or the change said to have failed would be made behind the operator's back.
-    if (refusing := redis_note_of(conn)) is not None and refusing.reason != "evicting_policy":
-        raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
-                      "takes writes")
-
+    writable(conn)
     differing: dict[str, Any] = {}
 
     def change(config: JobConfig | None) -> JobConfig:
@@ -281,14 +277,32 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
     return ledger_jobs.change_config(conn, job, change), differing
 
 
-def write_settings(conn: redis.Redis, config: JobConfig) -> None:
-    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), or Refused."""
+def writable(conn: redis.Redis) -> None:
+    """Refused when Redis refuses writes. job.json is written first and taken up from there later: a Redis that
+    refuses the change must be seen before it, or the change said to have failed would be made behind the
+    operator's back."""
+    if (refusing := redis_note_of(conn)) is not None and refusing.reason != "evicting_policy":
+        raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
+                      "takes writes")
+
+
+def set_schedule(conn: redis.Redis, job: str, priority: int | None, weight: float | None) -> JobSchedule:
+    """The job's priority and/or weight changed, in job.json before Redis as its settings are."""
+    writable(conn)
+    if (config := load_config(conn, job)) is None:
+        raise Refused(f"no job named {job!r} (or it has no stored settings)")
+    return order.set_schedule(conn, job, priority, weight, keep=lambda new: write_settings(conn, config, new))
+
+
+def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule | None = None) -> None:
+    """OUTPUT/JOB/job.json with `config`, or only with `schedule` (the rest kept), or Refused."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
     try:
         record = truth.read_job(store, config.name)
         if record is None or record.config.incarnation != config.incarnation:  # an output without job.json
             record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
-        truth.write_job(store, msgspec.structs.replace(record, config=config))
+        truth.write_job(store, msgspec.structs.replace(record, **{"schedule": schedule} if schedule else
+                                                       {"config": config}))
     except redis.RedisError:
         raise
     except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
@@ -297,10 +311,18 @@ def write_settings(conn: redis.Redis, config: JobConfig) -> None:
                       "output is reachable") from None
 
 
-def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
-    """Redis's and job.json's settings brought to the latest of the two (same life of the job): Redis
-    restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
-    if (on_disk is None or on_disk.incarnation != config.incarnation
+def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord | None) -> None:
+    """Redis's and job.json's settings and schedule brought to the latest of the two (same life of the job):
+    Redis restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
+    if record is None or record.config.incarnation != config.incarnation:
+        return
+    stored, kept = ledger_jobs.jobs_now(conn, [config.name])[0].schedule, record.schedule
+    if stored.version > (kept.version if kept else -1) and (kept or stored != JobSchedule()):
+        write_settings(conn, config, stored)
+    elif kept and kept.version > stored.version:
+        ledger_jobs.change_schedule(conn, config.name, lambda now: kept if now.version < kept.version else now)
+    on_disk = record.config
+    if (on_disk.incarnation != config.incarnation
             or on_disk.settings_version == config.settings_version):
         return
     if on_disk.settings_version < config.settings_version:
