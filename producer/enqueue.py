@@ -335,7 +335,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
         if record.letters:  # a requeue's: its letters are back in the DLQ with the state Redis was restored to
             wanted = set(record.letters)
             back = [e for e in dlq.dead_letters(conn, config.name) if e.id in wanted]
-            again = sum(dlq.requeue(conn, back).prompts.values()) if back else 0
+            again = sum(dlq.requeue(conn, back, record.override).prompts.values()) if back else 0
         elif record.input:
             again = enqueue_again(conn, config, record.input).enqueued
         else:

@@ -444,6 +444,7 @@ class EnqueueRecord(msgspec.Struct, omit_defaults=True):
     batches: list[list[int]] = []  # the batches it queued: [first, last] number ranges
     prompts: int = 0  # the prompts in them
     letters: list[str] = []  # a requeue's: the dead letters it moved into those batches
+    override: dict[str, Any] = {}  # a requeue's: what it set in each prompt's sampling (requeued again with it)
 
 
 # msgspec (0.20) builds a Struct type's decoding information at its first decode, and a second thread decoding the
