@@ -362,6 +362,8 @@ def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, referenc
 
 def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:
     """Whether an enqueue of a job Redis does not know takes up its job.json's: same settings, not deleted."""
+    if config.model == "auto" and on_disk is not None:  # a pinned model is what `auto` became
+        config = msgspec.structs.replace(config, model=on_disk.config.model)
     return on_disk is not None and on_disk.deleted_at is None and _settings(on_disk.config) == _settings(config)
 
 

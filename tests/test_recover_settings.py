@@ -220,3 +220,23 @@ def test_a_priority_change_refused_changes_nothing(redis_url, rconn, tmp_path):
     assert refused.returncode == 1 and "cannot write" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     assert schedule_of(redis_url) == (0, 1.0), "it said nothing was changed"
+
+
+def test_a_pinned_model_comes_back_with_the_job(redis_url, rconn, sim, procs, tmp_path):
+    """`--model auto` pinned by the first worker is the job's model (docs/fidelity.md): job.json keeps it, so a
+    job recovered after a FLUSHALL is not pinned again by a server of another model; the same enqueue
+    (model auto) still takes the job up."""
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    burst(procs, redis_url, server)
+    pinned = config_of(redis_url)["model"]
+    assert pinned != "auto"
+    rconn.flushall()
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    assert config_of(redis_url).get("model", "auto") == pinned, "the pin was lost with Redis"
+    incarnation = config_of(redis_url)["incarnation"]
+    rconn.flushall()
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    assert (config_of(redis_url).get("model"), config_of(redis_url)["incarnation"]) == (pinned, incarnation)

@@ -311,6 +311,15 @@ def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule |
                       "output is reachable") from None
 
 
+def keep_pin(config: JobConfig) -> None:
+    """job.json's `--model auto` replaced by the model a worker pinned in Redis (genq.worker.gate)."""
+    store = truth.open_store(config.output, config.s3_endpoint_url)
+    if ((record := truth.read_job(store, config.name)) is not None and record.config.model == "auto"
+            and record.config.incarnation == config.incarnation and config.model != "auto"):
+        truth.write_job(store, msgspec.structs.replace(record, config=msgspec.structs.replace(
+            record.config, model=config.model)))
+
+
 def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord | None) -> None:
     """Redis's and job.json's settings and schedule brought to the latest of the two (same life of the job):
     Redis restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
@@ -322,11 +331,10 @@ def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord
     elif kept and kept.version > stored.version:
         ledger_jobs.change_schedule(conn, config.name, lambda now: kept if now.version < kept.version else now)
     on_disk = record.config
-    if (on_disk.incarnation != config.incarnation
-            or on_disk.settings_version == config.settings_version):
-        return
     if on_disk.settings_version < config.settings_version:
         return write_settings(conn, config)
+    if on_disk.settings_version == config.settings_version:
+        return keep_pin(config) if on_disk.model == "auto" != config.model else None  # a pin not written yet
 
     def take(stored: JobConfig | None) -> JobConfig:
         if (stored is None or stored.incarnation != on_disk.incarnation
