@@ -21,6 +21,7 @@ import msgspec
 import redis
 
 from genq.core.ledger import jobs as ledger_jobs
+from genq.core.order import order_queue
 from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, save_config, write_batches
 from genq.core.records import (
     BatchSource,
@@ -357,6 +358,8 @@ def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, referenc
     rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
     summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference, input_uri=input_uri).run(rows)
     rejects.close()
+    if summary.enqueued:
+        order_queue(conn)  # its batches in their place among the other jobs' (priority first)
     return summary
 
 
