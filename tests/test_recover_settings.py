@@ -136,12 +136,14 @@ def test_on_s3_jobs_set_is_in_job_json_and_recover_takes_it(lost_redis, moto, tm
     write_prompts(src, N)
     run_genq(*enqueue_args(src, out, 64), "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
     shortened(lost_redis.url)
+    run_genq("jobs", "set", "st", "--priority", "6", "--weight", "2", redis_url=lost_redis.url)
     on_s3 = json.loads(moto.objects("settings", "out/st/job.json")["out/st/job.json"])["config"]
     assert (on_s3["max_tokens"], on_s3.get("settings_version", 1)) == (20, 2)
     redis.Redis.from_url(lost_redis.url).flushall()
 
     run_genq("recover", "--job", "st", "--output", out, "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
     at_current_settings(config_of(lost_redis.url))
+    assert schedule_of(lost_redis.url) == (6, 2.0)
 
 
 def test_jobs_set_refused_by_a_full_redis_changes_nothing(redis_url, rconn, tmp_path):
