@@ -242,3 +242,21 @@ def test_a_pinned_model_comes_back_with_the_job(redis_url, rconn, sim, procs, tm
     rconn.flushall()
     run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
     assert (config_of(redis_url).get("model"), config_of(redis_url)["incarnation"]) == (pinned, incarnation)
+
+
+def test_a_paused_job_comes_back_paused(redis_url, rconn, tmp_path):
+    """`genq pause --job` is kept in job.json: a job rebuilt after a FLUSHALL does not start running behind the
+    operator's back; `genq resume --job` is kept too."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    run_genq("pause", "--job", "st", redis_url=redis_url)
+    rconn.flushall()
+    recovered = run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    row = json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]
+    assert row["paused"], "the job came back running"
+    assert "genq resume --job st" in recovered.stdout, recovered.stdout
+    run_genq("resume", "--job", "st", redis_url=redis_url)
+    rconn.flushall()
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)  # the same enqueue again takes the job up
+    assert not json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]

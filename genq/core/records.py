@@ -433,6 +433,7 @@ class JobRecord(msgspec.Struct, omit_defaults=True):
     reserved: int = 0  # batch numbers up to this may be in use: a lost counter restarts above it
     deleted_at: float | None = None  # `genq jobs delete`: the next enqueue starts a new job
     schedule: JobSchedule | None = None  # its priority and weight (None: never set)
+    paused: bool = False  # `genq pause --job`
 
 
 class EnqueueRecord(msgspec.Struct, omit_defaults=True):

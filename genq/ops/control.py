@@ -5,6 +5,7 @@ their durable truth, and whatever brings a job back from it (recover, the same e
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from genq.core.redisconn import redis_note_of
 from genq.output import truth
 from genq.producer.rows import check_params
 
+log = logging.getLogger("genq.control")
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 # A lost worker's fields, read through its status otherwise.
 _LOST = {"host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0, "tok_per_s": 0.0,
@@ -151,7 +153,23 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
     else:  # its batches leave RQ's queue and its workers park theirs: their slots go to other jobs
         ledger_jobs.pause(conn, job)
         leasing.unqueue(conn, job)
+        keep_paused(conn, job, True)
     ledger_fleet.tell_idle_workers(conn)
+
+
+def keep_paused(conn: redis.Redis, job: str, paused: bool) -> None:
+    """job.json says whether the job is paused, so a job rebuilt from its output comes back so. Written after
+    Redis, as a pause must work while the output is unreachable (then said, on stderr)."""
+    if (config := load_config(conn, job)) is None:
+        return
+    store = truth.open_store(config.output, config.s3_endpoint_url)
+    try:
+        if (record := truth.read_job(store, job)) is not None and record.config.incarnation == config.incarnation:
+            truth.write_job(store, msgspec.structs.replace(record, paused=paused))
+    except Exception as exc:  # OSError, botocore's errors: the output unreachable from here
+        log.warning("job %s: %s in Redis, but %s could not be written (%s: %s): a job rebuilt from its output "
+                    "would not be", job, "paused" if paused else "resumed", truth.job_uri(store, job),
+                    type(exc).__name__, exc)
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:
@@ -162,8 +180,10 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
             ledger_jobs.resume(pipe)
             suspend_loops(pipe, suspended=False)
             pipe.execute()
-    elif queued := leasing.resume_job(conn, job):
-        order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+    else:
+        if queued := leasing.resume_job(conn, job):
+            order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+        keep_paused(conn, job, False)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 

@@ -123,6 +123,8 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         save_config(pipe, config)
         if record.schedule is not None:
             ledger_jobs.stage_schedule(pipe, job, record.schedule)
+        if record.paused:
+            ledger_jobs.pause(pipe, job)
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]
