@@ -260,3 +260,17 @@ def test_a_paused_job_comes_back_paused(redis_url, rconn, tmp_path):
     rconn.flushall()
     run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)  # the same enqueue again takes the job up
     assert not json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
+
+
+def test_the_same_enqueue_with_a_priority_after_a_flushall_sets_it(redis_url, rconn, sim, procs, tmp_path):
+    """A finished job Redis lost, taken up by the same enqueue with --priority: nothing is queued, and the
+    priority asked for is stored all the same (the job existed: it was not created by this enqueue)."""
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    burst(procs, redis_url, server)
+    rconn.flushall()
+    again = run_genq(*enqueue_args(src, out, 64), "--priority", "9", redis_url=redis_url)
+    assert "queued 0 prompts" in again.stdout, again.stdout
+    assert schedule_of(redis_url) == (9, 1.0), again.stdout

@@ -139,7 +139,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
                        f"{plural(summary.batches, 'batch', 'batches')} "
                        f"({f'by reference to {reference}' if reference else 'inline'}) "
                        f"from {input_uri} in {time.monotonic() - started:.1f}s")
-        if summary.enqueued or (not create and (priority is not None or weight is not None)):
+        if summary.enqueued or ((not create or summary.rebuilt) and (priority is not None or weight is not None)):
             if priority is not None or weight is not None:
                 set_schedule(conn, job, priority, weight)  # job.json, then Redis; the queue in order again
             else:
