@@ -260,6 +260,12 @@ def test_a_paused_job_comes_back_paused(redis_url, rconn, tmp_path):
     rconn.flushall()
     run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)  # the same enqueue again takes the job up
     assert not json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
+    (out / "st").rename(tmp_path / "elsewhere")
+    (out / "st").write_text("not a folder")  # job.json cannot be written: the pause is taken all the same
+    paused = run_genq("pause", "--job", "st", redis_url=redis_url)
+    assert "paused in Redis, but" in paused.stderr and "Traceback" not in paused.stderr, paused.stderr
+    assert len(paused.stderr.strip().splitlines()) == 1, paused.stderr
+    assert json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
 
 
 def test_the_same_enqueue_with_a_priority_after_a_flushall_sets_it(redis_url, rconn, sim, procs, tmp_path):
