@@ -350,6 +350,7 @@ def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord
         write_settings(conn, config, stored)
     elif kept and kept.version > stored.version:
         ledger_jobs.change_schedule(conn, config.name, lambda now: kept if now.version < kept.version else now)
+        order_queue(conn)
     on_disk = record.config
     if on_disk.settings_version < config.settings_version:
         return write_settings(conn, config)
