@@ -21,6 +21,7 @@ import msgspec
 import redis
 
 from genq.core.ledger import jobs as ledger_jobs
+from genq.core.order import order_queue
 from genq.core.queueing import ID_NEW, ID_OTHER, ID_SAME, load_config, lookup_ids, save_config, write_batches
 from genq.core.records import (
     BatchSource,
@@ -335,7 +336,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
         if record.letters:  # a requeue's: its letters are back in the DLQ with the state Redis was restored to
             wanted = set(record.letters)
             back = [e for e in dlq.dead_letters(conn, config.name) if e.id in wanted]
-            again = sum(dlq.requeue(conn, back).prompts.values()) if back else 0
+            again = sum(dlq.requeue(conn, back, record.override).prompts.values()) if back else 0
         elif record.input:
             again = enqueue_again(conn, config, record.input).enqueued
         else:
@@ -357,11 +358,15 @@ def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, referenc
     rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
     summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference, input_uri=input_uri).run(rows)
     rejects.close()
+    if summary.enqueued:
+        order_queue(conn)  # its batches in their place among the other jobs' (priority first)
     return summary
 
 
 def revives(on_disk: JobRecord | None, config: JobConfig) -> bool:
     """Whether an enqueue of a job Redis does not know takes up its job.json's: same settings, not deleted."""
+    if config.model == "auto" and on_disk is not None:  # a pinned model is what `auto` became
+        config = msgspec.structs.replace(config, model=on_disk.config.model)
     return on_disk is not None and on_disk.deleted_at is None and _settings(on_disk.config) == _settings(config)
 
 

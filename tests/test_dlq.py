@@ -337,3 +337,38 @@ def test_list_shows_a_message_with_brackets_as_it_is(redis_url, rconn, tmp_path)
     shown = run_genq("dlq", "list", check=False)
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
     assert message in shown.stdout, shown.stdout
+
+
+def test_a_requeue_written_then_redis_flushed_recovers_without_the_letters_back(
+        redis_url, rconn, sim, worker, tmp_path):
+    """Letters requeued, their new batch written, then FLUSHALL: recover counts every prompt once (the old
+    batch's marker names them as letters, the requeued batch's as results), the DLQ empty, nothing again."""
+    small, _, out, ids, long_ids = dead_letters_the_real_way(redis_url, sim, worker, tmp_path)
+    sim.procs[small].stop()
+    big = sim(context_length=32768, **FAST_SIM)
+    run_genq("dlq", "requeue", "--all", "--max-tokens", "12", redis_url=redis_url)
+    assert worker(big, "--burst").wait(timeout=60) == 0
+    rconn.flushall()
+    run_genq("recover", "--job", "j1", "--output", str(out), redis_url=redis_url)
+    assert dlq_json(redis_url) == []
+    assert worker(big, "--burst").wait(timeout=60) == 0
+    assert sum(sim_stats(big)["generated_by_key"].values()) == 3  # nothing generated again
+    found = audit(rconn, "j1", out, ids)
+    assert not found.letters and sorted(found.results) == sorted(ids)
+
+
+def test_a_requeue_redis_lost_is_requeued_again_with_its_override(redis_url, rconn, sim, worker, tmp_path):
+    """Letters requeued with --max-tokens, then FLUSHALL before any worker ran them: recover brings the letters
+    back from the markers, and the requeue record sends them again with the override they were requeued with."""
+    small, _, out, ids, long_ids = dead_letters_the_real_way(redis_url, sim, worker, tmp_path)
+    sim.procs[small].stop()
+    big = sim(context_length=32768, **{**FAST_SIM, "mean_output_tokens": 200})
+    run_genq("dlq", "requeue", "--all", "--max-tokens", "3", redis_url=redis_url)
+    rconn.flushall()
+    run_genq("recover", "--job", "j1", "--output", str(out), redis_url=redis_url)
+    assert worker(big, "--burst").wait(timeout=60) == 0
+    rows = {r["id"]: r for r in read_results(out, "j1")}
+    assert sorted(rows) == sorted(ids), "every prompt has a result"
+    assert all(rows[i]["usage"]["completion_tokens"] <= 3 for i in long_ids), \
+        {i: rows[i]["usage"]["completion_tokens"] for i in long_ids}
+    audit(rconn, "j1", out, ids)

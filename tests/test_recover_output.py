@@ -150,3 +150,20 @@ def test_a_fresh_genq_reads_markers_in_several_threads_without_crashing(tmp_path
         read = subprocess.run([sys.executable, "-c", READ_MARKERS, str(tmp_path)], capture_output=True, text=True,
                               timeout=60)
         assert (read.returncode, read.stdout) == (0, "16\n"), read.stderr[-3000:]
+
+
+def test_reserve_keeps_a_newer_pin_and_schedule_of_job_json(tmp_path):
+    """An enqueue's job.json write (truth.reserve, from what it read at its start) keeps what was written there
+    meanwhile at the same settings version: the model a worker pinned, a priority `jobs set` stored."""
+    import msgspec
+
+    from genq.core.records import JobConfig, JobRecord, JobSchedule
+
+    store = LocalStore(str(tmp_path))
+    base = JobConfig(name="j", output=str(tmp_path), incarnation="i1")
+    truth.write_job(store, JobRecord(config=msgspec.structs.replace(base, model="M"), reserved=1024,
+                                     schedule=JobSchedule(priority=5, version=2)))
+    truth.reserve(store, JobRecord(config=base, reserved=1024), 2048)
+    on_disk = truth.read_job(store, "j")
+    assert on_disk is not None and on_disk.reserved == 2048
+    assert (on_disk.config.model, on_disk.schedule and on_disk.schedule.priority) == ("M", 5), on_disk

@@ -136,12 +136,14 @@ def test_on_s3_jobs_set_is_in_job_json_and_recover_takes_it(lost_redis, moto, tm
     write_prompts(src, N)
     run_genq(*enqueue_args(src, out, 64), "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
     shortened(lost_redis.url)
+    run_genq("jobs", "set", "st", "--priority", "6", "--weight", "2", redis_url=lost_redis.url)
     on_s3 = json.loads(moto.objects("settings", "out/st/job.json")["out/st/job.json"])["config"]
     assert (on_s3["max_tokens"], on_s3.get("settings_version", 1)) == (20, 2)
     redis.Redis.from_url(lost_redis.url).flushall()
 
     run_genq("recover", "--job", "st", "--output", out, "--s3-endpoint-url", moto.url, redis_url=lost_redis.url)
     at_current_settings(config_of(lost_redis.url))
+    assert schedule_of(lost_redis.url) == (6, 2.0)
 
 
 def test_jobs_set_refused_by_a_full_redis_changes_nothing(redis_url, rconn, tmp_path):
@@ -163,3 +165,118 @@ def test_jobs_set_refused_by_a_full_redis_changes_nothing(redis_url, rconn, tmp_
     on_disk = json.loads((out / "st" / "job.json").read_text())["config"]
     assert (on_disk["max_tokens"], on_disk.get("settings_version", 1)) == (20, 2), on_disk
     assert config_of(redis_url)["max_tokens"] == 20
+
+
+def schedule_of(url: str) -> tuple[int, float]:
+    row = json.loads(run_genq("jobs", "show", "st", "--json", redis_url=url).stdout)["row"]
+    return row["priority"], row["weight"]
+
+
+def test_priority_and_weight_come_back_with_the_job_after_a_flushall(redis_url, rconn, tmp_path):
+    """job.json keeps the job's priority and weight (docs/scheduling.md): recover and the same enqueue again
+    bring them back, as they bring back its settings."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), "--priority", "3", "--weight", "2", redis_url=redis_url)
+    run_genq("jobs", "set", "st", "--priority", "7", redis_url=redis_url)
+    rconn.flushall()
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    assert schedule_of(redis_url) == (7, 2.0), "recover brought the job back at priority 0, weight 1"
+    run_genq("jobs", "set", "st", "--weight", "0.5", redis_url=redis_url)
+    rconn.flushall()
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)  # the same enqueue again takes the job up
+    assert schedule_of(redis_url) == (7, 0.5)
+
+
+def test_a_snapshot_from_before_a_priority_change_takes_it_from_the_output(lost_redis, tmp_path):  # noqa: F811
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    lost_redis.snapshot()
+    run_genq("jobs", "set", "st", "--priority", "9", "--weight", "3", redis_url=lost_redis.url)
+    lost_redis.kill()
+    lost_redis.start(empty=False)  # the job as it was before the change
+    assert schedule_of(lost_redis.url) == (0, 1.0)
+    run_genq("recover", "--job", "st", redis_url=lost_redis.url)
+    assert schedule_of(lost_redis.url) == (9, 3.0)
+
+
+def test_a_priority_change_refused_changes_nothing(redis_url, rconn, tmp_path):
+    """Redis refusing writes, or job.json unwritable: the change is refused whole, job.json as it was (a later
+    catch-up would otherwise take it up behind the operator's back)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, 5)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    before = (out / "st" / "job.json").read_bytes()
+    rconn.config_set("maxmemory", 1)
+    try:
+        refused = run_genq("jobs", "set", "st", "--priority", "4", redis_url=redis_url, check=False)
+    finally:
+        rconn.config_set("maxmemory", 0)
+    assert refused.returncode == 1 and "Redis is full" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert (out / "st" / "job.json").read_bytes() == before
+    (out / "st").rename(tmp_path / "elsewhere")
+    (out / "st").write_text("not a folder")  # job.json cannot be written under it
+    refused = run_genq("jobs", "set", "st", "--priority", "4", redis_url=redis_url, check=False)
+    assert refused.returncode == 1 and "cannot write" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert schedule_of(redis_url) == (0, 1.0), "it said nothing was changed"
+
+
+def test_a_pinned_model_comes_back_with_the_job(redis_url, rconn, sim, procs, tmp_path):
+    """`--model auto` pinned by the first worker is the job's model (docs/fidelity.md): job.json keeps it, so a
+    job recovered after a FLUSHALL is not pinned again by a server of another model; the same enqueue
+    (model auto) still takes the job up."""
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    burst(procs, redis_url, server)
+    pinned = config_of(redis_url)["model"]
+    assert pinned != "auto"
+    rconn.flushall()
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    assert config_of(redis_url).get("model", "auto") == pinned, "the pin was lost with Redis"
+    incarnation = config_of(redis_url)["incarnation"]
+    rconn.flushall()
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    assert (config_of(redis_url).get("model"), config_of(redis_url)["incarnation"]) == (pinned, incarnation)
+
+
+def test_a_paused_job_comes_back_paused(redis_url, rconn, tmp_path):
+    """`genq pause --job` is kept in job.json: a job rebuilt after a FLUSHALL does not start running behind the
+    operator's back; `genq resume --job` is kept too."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    run_genq("pause", "--job", "st", redis_url=redis_url)
+    rconn.flushall()
+    recovered = run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    row = json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]
+    assert row["paused"], "the job came back running"
+    assert "genq resume --job st" in recovered.stdout, recovered.stdout
+    run_genq("resume", "--job", "st", redis_url=redis_url)
+    rconn.flushall()
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)  # the same enqueue again takes the job up
+    assert not json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
+    (out / "st").rename(tmp_path / "elsewhere")
+    (out / "st").write_text("not a folder")  # job.json cannot be written: the pause is taken all the same
+    paused = run_genq("pause", "--job", "st", redis_url=redis_url)
+    assert "paused in Redis, but" in paused.stderr and "Traceback" not in paused.stderr, paused.stderr
+    assert len(paused.stderr.strip().splitlines()) == 1, paused.stderr
+    assert json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
+
+
+def test_the_same_enqueue_with_a_priority_after_a_flushall_sets_it(redis_url, rconn, sim, procs, tmp_path):
+    """A finished job Redis lost, taken up by the same enqueue with --priority: nothing is queued, and the
+    priority asked for is stored all the same (the job existed: it was not created by this enqueue)."""
+    server = sim(**FAST)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    burst(procs, redis_url, server)
+    rconn.flushall()
+    again = run_genq(*enqueue_args(src, out, 64), "--priority", "9", redis_url=redis_url)
+    assert "queued 0 prompts" in again.stdout, again.stdout
+    assert schedule_of(redis_url) == (9, 1.0), again.stdout

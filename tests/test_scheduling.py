@@ -112,6 +112,18 @@ def test_order_queue_moves_a_later_job_forward_and_loses_nothing(redis_url, rcon
 
 
 @pytest.mark.e2e
+def test_jobs_recovered_after_a_flushall_are_queued_in_priority_order(redis_url, rconn, tmp_path):
+    """job.json keeps each job's priority: recovered one after the other, the higher one's batches go first."""
+    _, out = enqueue(tmp_path, "low", 30, "--batch-size", "10")
+    enqueue(tmp_path, "high", 30, "--batch-size", "10", "--priority", "5")
+    rconn.flushall()
+    for job in ("low", "high"):
+        run_genq("recover", "--job", job, "--output", str(out), redis_url=redis_url)
+    order = [j.args[0] for j in rq_queue(rconn).get_jobs()]
+    assert order == ["high"] * 3 + ["low"] * 3, order
+
+
+@pytest.mark.e2e
 def test_a_high_priority_job_is_done_within_20s_while_a_big_one_runs(redis_url, rconn, sim, worker, tmp_path):
     """#26: a big job on 2 workers; 8 s later 60 prompts at --priority 10. The big job's 2,400 outlast the
     measurement (at most 80 a second: 2,240 done 20 s after the small one is queued)."""

@@ -25,6 +25,7 @@ from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
 from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
+from genq.ops.control import keep_pin
 from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController
 from genq.worker.engines import Metrics
@@ -220,6 +221,11 @@ class ServerWatch:
                          "pinned in its settings", config.name, model)
             if found is None:
                 return None
+            try:  # before anything is sent: a job rebuilt from its output keeps its model
+                if pinned:
+                    await asyncio.to_thread(keep_pin, found)
+            except Exception as exc:  # the output unreachable: the maintenance pass writes it later
+                log.warning("job %s: cannot write its pinned model to %s: %s", config.name, config.output, exc)
             config = found
         return config if self.takes(config) else None
 

@@ -19,7 +19,6 @@ from genq.cli import age, iso, job_argument, job_option, json_option, redis_conn
 from genq.core import decodebound
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import redis_note_of
 from genq.core.words import plural
@@ -319,7 +318,7 @@ def jobs_set(job: str, note: str | None, priority: int | None, weight: float | N
             click.echo(f"the job is still blocked ({block.reason}): resume it with `genq resume --job {job}`")
     if priority is not None or weight is not None:
         jobs_named(conn, job)
-        sched = set_schedule(conn, job, priority, weight)
+        sched = control.set_schedule(conn, job, priority, weight)
         click.echo(f"job {job}: priority {sched.priority}, weight {sched.weight:g}")
 
 

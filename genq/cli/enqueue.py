@@ -14,13 +14,13 @@ import redis
 from genq.cli import EXIT_PARTLY_DONE, INT32, Finite, JobName, extra_body, local_or_s3, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
-from genq.core.order import order_queue, set_schedule
+from genq.core.order import order_queue
 from genq.core.queueing import load_config
 from genq.core.records import JobConfig, new_incarnation
 from genq.core.redisconn import connect, describe_error, redis_note_of
 from genq.core.words import plural
 from genq.monitor.view import duration
-from genq.ops.control import job_rows
+from genq.ops.control import job_rows, set_schedule
 from genq.output import truth
 from genq.output.truth import open_store
 from genq.producer.enqueue import SHOWN, Enqueuer, EnqueueSummary, RejectsFile, revives
@@ -139,9 +139,9 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
                        f"{plural(summary.batches, 'batch', 'batches')} "
                        f"({f'by reference to {reference}' if reference else 'inline'}) "
                        f"from {input_uri} in {time.monotonic() - started:.1f}s")
-        if summary.enqueued or (not create and (priority is not None or weight is not None)):
+        if summary.enqueued or ((not create or summary.rebuilt) and (priority is not None or weight is not None)):
             if priority is not None or weight is not None:
-                set_schedule(conn, job, priority, weight)  # and the queue in order again
+                set_schedule(conn, job, priority, weight)  # job.json, then Redis; the queue in order again
             else:
                 order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
     except ValueError as exc:  # SourceError is the genq group's to print

@@ -34,6 +34,8 @@ def recover(job: str, output: str | None, inputs: tuple[str, ...], s3_endpoint_u
             click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
                        f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it "
                        "without its config")
+            if found.record.paused:
+                click.echo(f"job {job}: paused, as job.json says (genq pause --job): `genq resume --job {job}` runs it")
         click.echo(f"job {job}: {plural(len(found.adopted), 'batch', 'batches')} written in the output marked done "
                    "from their markers")
         if not (sources := list(inputs) or found.record.inputs):

@@ -4,6 +4,7 @@ counting the batches each job was given already; REORDER only moves ids, never l
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 import redis
@@ -15,13 +16,19 @@ from genq.core.records import JobSchedule, batch_number
 from genq.core.scripts import RQ_JOB_PREFIX
 
 
-def set_schedule(conn: redis.Redis, job: str, priority: int | None = None, weight: float | None = None) -> JobSchedule:
-    """Store the job's priority and/or weight (the others kept) and put the queue in order again."""
+def set_schedule(conn: redis.Redis, job: str, priority: int | None = None, weight: float | None = None,
+                 keep: Callable[[JobSchedule], object] = lambda new: None) -> JobSchedule:
+    """Store the job's priority and/or weight (the others kept; `keep` given the new one first, to write it
+    durably) and put the queue in order again."""
     if weight is not None and not weight > 0:
         raise ValueError("a weight is > 0")
     given = {name: v for name, v in (("priority", priority), ("weight", weight)) if v is not None}
-    new = ledger_jobs.change_schedule(conn, job,
-                                      lambda old: msgspec.structs.replace(old, **given, changed_at=time.time()))
+
+    def change(old: JobSchedule) -> JobSchedule:
+        keep(new := msgspec.structs.replace(old, **given, changed_at=time.time(), version=old.version + 1))
+        return new
+
+    new = ledger_jobs.change_schedule(conn, job, change)
     order_queue(conn)
     return new
 

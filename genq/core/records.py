@@ -58,6 +58,7 @@ class JobSchedule(msgspec.Struct, omit_defaults=True):
     priority: int = 0
     weight: float = 1.0
     changed_at: float = 0.0
+    version: int = 0  # +1 per change: job.json's and Redis's copies compared by it (docs/recovery.md)
 
 
 class JobBlock(msgspec.Struct, omit_defaults=True):
@@ -431,6 +432,8 @@ class JobRecord(msgspec.Struct, omit_defaults=True):
     inputs: list[str] = []  # what was enqueued (absolute paths or s3:// URIs)
     reserved: int = 0  # batch numbers up to this may be in use: a lost counter restarts above it
     deleted_at: float | None = None  # `genq jobs delete`: the next enqueue starts a new job
+    schedule: JobSchedule | None = None  # its priority and weight (None: never set)
+    paused: bool = False  # `genq pause --job`
 
 
 class EnqueueRecord(msgspec.Struct, omit_defaults=True):
@@ -442,6 +445,7 @@ class EnqueueRecord(msgspec.Struct, omit_defaults=True):
     batches: list[list[int]] = []  # the batches it queued: [first, last] number ranges
     prompts: int = 0  # the prompts in them
     letters: list[str] = []  # a requeue's: the dead letters it moved into those batches
+    override: dict[str, Any] = {}  # a requeue's: what it set in each prompt's sampling (requeued again with it)
 
 
 # msgspec (0.20) builds a Struct type's decoding information at its first decode, and a second thread decoding the

@@ -5,6 +5,7 @@ their durable truth, and whatever brings a job back from it (recover, the same e
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,18 +14,20 @@ from typing import Any
 import msgspec
 import redis
 
+from genq.core import order
 from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
 from genq.core.ledger.figures import JobStatus, job_status
 from genq.core.order import order_queue
-from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, rq_queue, suspend_loops
-from genq.core.records import Control, JobBlock, JobConfig, JobRecord, SettingsChange, WorkerStatus
+from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
+from genq.core.records import Control, JobBlock, JobConfig, JobRecord, JobSchedule, SettingsChange, WorkerStatus
 from genq.core.redisconn import redis_note_of
 from genq.output import truth
 from genq.producer.rows import check_params
 
+log = logging.getLogger("genq.control")
 LOST = "lost"  # in the fleet's list, but its status key expired: the process died without saying so
 # A lost worker's fields, read through its status otherwise.
 _LOST = {"host": None, "gpu": None, "server": None, "pid": None, "in_flight": 0, "queued": 0, "tok_per_s": 0.0,
@@ -150,7 +153,23 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
     else:  # its batches leave RQ's queue and its workers park theirs: their slots go to other jobs
         ledger_jobs.pause(conn, job)
         leasing.unqueue(conn, job)
+        keep_paused(conn, job, True)
     ledger_fleet.tell_idle_workers(conn)
+
+
+def keep_paused(conn: redis.Redis, job: str, paused: bool) -> None:
+    """job.json says whether the job is paused, so a job rebuilt from its output comes back so. Written after
+    Redis, as a pause must work while the output is unreachable (then said, on stderr)."""
+    if (config := load_config(conn, job)) is None:
+        return
+    store = truth.open_store(config.output, config.s3_endpoint_url)
+    try:
+        if (record := truth.read_job(store, job)) is not None and record.config.incarnation == config.incarnation:
+            truth.write_job(store, msgspec.structs.replace(record, paused=paused))
+    except Exception as exc:  # OSError, botocore's errors: the output unreachable from here
+        log.warning("job %s: %s in Redis, but %s could not be written (%s: %s): a job rebuilt from its output "
+                    "would not be", job, "paused" if paused else "resumed", truth.job_uri(store, job),
+                    type(exc).__name__, exc)
 
 
 def resume(conn: redis.Redis, job: str | None = None) -> int:
@@ -161,8 +180,10 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
             ledger_jobs.resume(pipe)
             suspend_loops(pipe, suspended=False)
             pipe.execute()
-    elif queued := leasing.resume_job(conn, job):
-        order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+    else:
+        if queued := leasing.resume_job(conn, job):
+            order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
+        keep_paused(conn, job, False)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 
@@ -253,12 +274,7 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
     changed). Nothing to change makes no version: every version in the history differs from the one before."""
     if unknown := sorted(set(changes) - set(SETTABLE)):
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
-    # job.json is written first and taken up from there later: a Redis that refuses the change must be
-    # seen before it, or the change said to have failed would be made behind the operator's back.
-    if (refusing := redis_note_of(conn)) is not None and refusing.reason != "evicting_policy":
-        raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
-                      "takes writes")
-
+    writable(conn)
     differing: dict[str, Any] = {}
 
     def change(config: JobConfig | None) -> JobConfig:
@@ -281,14 +297,32 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
     return ledger_jobs.change_config(conn, job, change), differing
 
 
-def write_settings(conn: redis.Redis, config: JobConfig) -> None:
-    """OUTPUT/JOB/job.json with `config` (its inputs and reserved batch numbers kept), or Refused."""
+def writable(conn: redis.Redis) -> None:
+    """Refused when Redis refuses writes. job.json is written first and taken up from there later: a Redis that
+    refuses the change must be seen before it, or the change said to have failed would be made behind the
+    operator's back."""
+    if (refusing := redis_note_of(conn)) is not None and refusing.reason != "evicting_policy":
+        raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
+                      "takes writes")
+
+
+def set_schedule(conn: redis.Redis, job: str, priority: int | None, weight: float | None) -> JobSchedule:
+    """The job's priority and/or weight changed, in job.json before Redis as its settings are."""
+    writable(conn)
+    if (config := load_config(conn, job)) is None:
+        raise Refused(f"no job named {job!r} (or it has no stored settings)")
+    return order.set_schedule(conn, job, priority, weight, keep=lambda new: write_settings(conn, config, new))
+
+
+def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule | None = None) -> None:
+    """OUTPUT/JOB/job.json with `config`, or only with `schedule` (the rest kept), or Refused."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
     try:
         record = truth.read_job(store, config.name)
         if record is None or record.config.incarnation != config.incarnation:  # an output without job.json
             record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
-        truth.write_job(store, msgspec.structs.replace(record, config=config))
+        truth.write_job(store, msgspec.structs.replace(record, **{"schedule": schedule} if schedule else
+                                                       {"config": config}))
     except redis.RedisError:
         raise
     except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
@@ -297,14 +331,31 @@ def write_settings(conn: redis.Redis, config: JobConfig) -> None:
                       "output is reachable") from None
 
 
-def settings_from_output(conn: redis.Redis, config: JobConfig, on_disk: JobConfig | None) -> None:
-    """Redis's and job.json's settings brought to the latest of the two (same life of the job): Redis
-    restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
-    if (on_disk is None or on_disk.incarnation != config.incarnation
-            or on_disk.settings_version == config.settings_version):
+def keep_pin(config: JobConfig) -> None:
+    """job.json's `--model auto` replaced by the model a worker pinned in Redis (genq.worker.gate)."""
+    store = truth.open_store(config.output, config.s3_endpoint_url)
+    if ((record := truth.read_job(store, config.name)) is not None and record.config.model == "auto"
+            and record.config.incarnation == config.incarnation and config.model != "auto"):
+        truth.write_job(store, msgspec.structs.replace(record, config=msgspec.structs.replace(
+            record.config, model=config.model)))
+
+
+def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord | None) -> None:
+    """Redis's and job.json's settings and schedule brought to the latest of the two (same life of the job):
+    Redis restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
+    if record is None or record.config.incarnation != config.incarnation:
         return
+    stored, kept = ledger_jobs.jobs_now(conn, [config.name])[0].schedule, record.schedule
+    if stored.version > (kept.version if kept else -1) and (kept or stored != JobSchedule()):
+        write_settings(conn, config, stored)
+    elif kept and kept.version > stored.version:
+        ledger_jobs.change_schedule(conn, config.name, lambda now: kept if now.version < kept.version else now)
+        order_queue(conn)
+    on_disk = record.config
     if on_disk.settings_version < config.settings_version:
         return write_settings(conn, config)
+    if on_disk.settings_version == config.settings_version:
+        return keep_pin(config) if on_disk.model == "auto" != config.model else None  # a pin not written yet
 
     def take(stored: JobConfig | None) -> JobConfig:
         if (stored is None or stored.incarnation != on_disk.incarnation

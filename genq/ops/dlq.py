@@ -162,7 +162,8 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             # OUTPUT/JOB/enqueues/RUN.json names them before they are queued: a Redis that loses them
             # requeues the letters again (genq.producer.enqueue.queue_lost).
             record = EnqueueRecord(incarnation=config.incarnation, input="", prompts=len(found),
-                                   batches=truth.batch_ranges(b.id for b in batches), letters=[d.id for d in found])
+                                   batches=truth.batch_ranges(b.id for b in batches), letters=[d.id for d in found],
+                                   override=override or {})
             try:
                 if found and on_disk is not None and (upto := batch_number(batches[-1].id)) > on_disk.reserved:
                     truth.reserve(store, on_disk, upto + truth.RESERVE_STEP)

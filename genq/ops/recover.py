@@ -74,7 +74,7 @@ def catch_up(conn: redis.Redis, config: JobConfig) -> list[str]:
     output has and the ledger does not count as done adopted: those."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
     on_disk = truth.read_job(store, config.name)
-    settings_from_output(conn, config, on_disk.config if on_disk else None)
+    settings_from_output(conn, config, on_disk)
     undone = truth.marker_batches(store, config.name) - ledger_jobs.done_batches(conn, config.name)
     markers = truth.of_life(truth.read_markers(store, config.name, undone), config)
     if adopted := [m.batch for m in markers if adopt(conn, config.name, m)]:
@@ -121,6 +121,10 @@ def rebuild(conn: redis.Redis, record: JobRecord) -> Recovery:
         if orphans:
             pipe.delete(*orphans)
         save_config(pipe, config)
+        if record.schedule is not None:
+            ledger_jobs.stage_schedule(pipe, job, record.schedule)
+        if record.paused:
+            ledger_jobs.pause(pipe, job)
         ledger_jobs.stage_last_batch_number(pipe, job, top)
         pipe.execute()
     adopted = [m.batch for m in markers if adopt(conn, job, m)]

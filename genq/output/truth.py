@@ -228,11 +228,13 @@ def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | No
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     """job.json saying batch numbers up to `upto` may be in use, as written; never lowering what is there, nor
-    writing older settings over newer ones."""
+    writing older settings (a later version, or a pinned model) over newer ones; the rest (schedule, pause) as
+    job.json has it: `record` may have been read long ago."""
     on_disk = read_job(store, record.config.name)
     if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
-        config = on_disk.config if on_disk.config.settings_version > record.config.settings_version else record.config
-        record = msgspec.structs.replace(record, config=config, reserved=max(record.reserved, on_disk.reserved),
+        newer = [(c.settings_version, c.model != "auto") for c in (record.config, on_disk.config)]
+        record = msgspec.structs.replace(on_disk, config=record.config if newer[0] > newer[1] else on_disk.config,
+                                         reserved=max(record.reserved, on_disk.reserved),
                                          inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
     if record.reserved >= upto and on_disk == record:
         return record

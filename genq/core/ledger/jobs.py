@@ -100,6 +100,10 @@ def stage_schedules(pipe: Any, jobs: list[str]) -> None:
     pipe.mget([keys.job_schedule(j) for j in jobs])
 
 
+def stage_schedule(pipe: Pipeline, job: str, schedule: JobSchedule) -> None:
+    pipe.set(keys.job_schedule(job), pack(schedule))
+
+
 def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T]) -> T:
     """Store change(read(the stored bytes)) under `key` under WATCH; `change` may raise to store nothing, or
     return what it was given: nothing to store."""
