@@ -188,6 +188,18 @@ def json_option(help: str) -> Callable[[Any], Any]:
 yes_option = click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 
 
+def confirmed(yes: bool, question: str, nothing: str) -> bool:
+    """--yes, or the operator's answer. A no is their choice, not an error: `nothing` said, exit 0; no answer
+    (stdin closed, Ctrl-C) is not a yes either: exit 1, naming --yes."""
+    try:
+        if yes or click.confirm(question, default=False):
+            return True
+    except click.Abort:
+        raise click.ClickException(f"no answer: {nothing} (--yes does it without asking)") from None
+    click.echo(nothing)
+    return False
+
+
 def console() -> Console:
     """Piped output (logs, docs, tests) gets wide lines rather than wrapped cells."""
     return Console() if sys.stdout.isatty() else Console(width=200, no_color=True, highlight=False)

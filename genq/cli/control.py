@@ -341,8 +341,8 @@ def jobs_delete(job: str, yes: bool, force: bool) -> None:
     rq_count = len({i for ids in found.rq_jobs.values() for i in ids})
     what = (f"{plural(len(found.keys), 'key')} {ledger_jobs.job_keys_shown(job)} ({listing or 'none'}), its name "
             f"in the job list, {plural(rq_count, 'RQ job')} ({places or 'none'})")
-    if not yes and not click.confirm(f"delete job {job}: {what}?", default=False):
-        raise Refused("nothing deleted")
+    if not cli.confirmed(yes, f"delete job {job}: {what}?", "nothing deleted"):
+        return
     config = load_config(conn, job)
     control.delete_job(conn, found)
     click.echo(f"removed job {job}: {what}")
