@@ -381,3 +381,13 @@ def test_jobs_shows_paths_and_server_messages_with_brackets_as_they_are(tmp_path
     shown = run_genq("jobs", check=False)
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
     assert out in shown.stdout and message in shown.stdout, shown.stdout
+
+
+def test_a_worker_named_twice_is_steered_once(redis_url, rconn):
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "w.gpu0")
+    rconn.set(keys.worker_status("w.gpu0"), pack(WorkerStatus(
+        name="w.gpu0", host="h", pid=1, server="http://x:1", state="busy", started_at=now, heartbeat_at=now)), ex=3600)
+    twice = ("--worker", "w.gpu0", "--worker", "w.gpu0")
+    assert run_genq("drain", *twice).stdout == "draining 1 worker(s): w.gpu0\n"
+    assert run_genq("concurrency", *twice, "4").stdout == "concurrency cap 4 for 1 worker(s): w.gpu0\n"

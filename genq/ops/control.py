@@ -122,7 +122,7 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
             hosts = sorted({r.host for r in rows if r.live and r.host})
             raise Refused(f"no live worker on host {host!r}; live hosts: {', '.join(hosts) or 'none'}")
         return chosen
-    by_name = {r.name: r for r in rows}
+    by_name, workers = {r.name: r for r in rows}, dict.fromkeys(workers)  # a name given twice is one worker
     for name in workers:
         if name not in by_name:
             raise Refused(f"no worker named {name!r}; known: {', '.join(sorted(by_name)) or 'none'}")
