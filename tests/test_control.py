@@ -391,3 +391,15 @@ def test_a_worker_named_twice_is_steered_once(redis_url, rconn):
     twice = ("--worker", "w.gpu0", "--worker", "w.gpu0")
     assert run_genq("drain", *twice).stdout == "draining 1 worker(s): w.gpu0\n"
     assert run_genq("concurrency", *twice, "4").stdout == "concurrency cap 4 for 1 worker(s): w.gpu0\n"
+
+
+def test_a_drain_is_for_the_life_it_was_sent_to_not_the_next_under_that_name(tmp_path, redis_url, rconn, sim,
+                                                                             worker):
+    """A worker SIGKILLed while draining leaves its Control record (drain=True) behind; the worker started
+    next under that --name is another life: it takes work, it does not drain at once."""
+    rconn.set(keys.worker_control("again"), pack(Control(drain=True, concurrency=2)))  # what the killed one left
+    ids = enqueue(tmp_path, "life", 300)
+    w = worker(sim(**SLOW_SIM), "--name", "again", "--burst")
+    assert w.wait(timeout=120) == 0, w.log()
+    assert "drain requested" not in w.log() and "concurrency cap now" not in w.log(), w.log()
+    assert_exactly_once(tmp_path, "life", ids)

@@ -194,7 +194,7 @@ class Heartbeat:
         # One beat at a time, and none after the last ("stopped"): a beat of the loop landing after it
         # would leave a status with a TTL, and the worker read as lost once it expired.
         self._writing = asyncio.Lock()
-        self._stopped = False
+        self._stopped = self._beaten = False  # _beaten: a beat of this life has landed
 
     def _sample_gpu(self) -> None:  # a thread: NVML can block
         while not self._gpu_stop.is_set():
@@ -356,13 +356,14 @@ class Heartbeat:
                              member=member, gone=self._inflight_jobs - jobs,
                              inflight=[InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                                 queued=queued.get(job, 0)) for job in jobs],
-                             inflight_ttl=INFLIGHT_TTL_S)
+                             inflight_ttl=INFLIGHT_TTL_S, first=not self._beaten)
             if self._figures_of is not None:
                 decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
             # Raised as Redis said it (redis-py's pipeline rewrites the words that tell a full Redis).
             for answer in await pipe.execute(raise_on_error=False):
                 if isinstance(answer, Exception):
                     raise answer
+        self._beaten = True
         self._inflight_jobs = jobs
 
     async def check_name_free(self) -> None:
