@@ -16,7 +16,7 @@ import redis
 from genq.core import decodebound
 from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
-from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job
+from genq.core.ledger.figures import JobSnapshot, JobStatus, WorkerView, read_job, shown_state
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample, JobConfig
 from genq.core.redisconn import RedisNote, redis_note_of
@@ -28,8 +28,9 @@ from genq.ops.control import describe_block
 
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds: --json only
 ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
-WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
-DOWN = ("lost", "gone", "stopped")  # a worker's row without figures of now ("gone": lost once its job is done)
+WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "silent", "lost")
+# A worker's row without figures of now ("gone": lost once its job is done; "silent": its beats stopped).
+DOWN = ("lost", "gone", "stopped", "silent")
 # Fields of JobSnapshot that JobProgress carries as they are.
 SAME = ("job", "status", "total", "completed", "failed", "in_flight", "queued", "held", "batches_total",
         "batches_done", "other_batches", "rq_queued", "shards", "shard_records")
@@ -272,8 +273,9 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
     # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
     found = [] if s is None and job_done else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
     # A done job has nothing in flight: a worker's InFlight record can be a beat older than its last result.
+    state = "gone" if s is None and job_done else shown_state(s, now)
     row: dict[str, Any] = dict(
-        name=w.name, state="gone" if s is None and job_done else w.state,
+        name=w.name, state=state,
         job_in_flight=0 if job_done else len(w.running_tokens), job_completed=w.counters.done,
         job_failed=w.counters.failed, job_output_tokens=w.counters.out_tok, bound=bound,
         bottlenecks=[text for _, text in found], bottleneck_codes=[code for code, _ in found])
@@ -282,7 +284,7 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
                    server_capacity=s.server_capacity, gpu_note=s.gpu_note,
                    errors=s.errors if job is None else s.job_errors.get(job, 0),
                    heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
-    if s is not None and s.state != "stopped":  # a stopped one's last rates, slots and GPU are not of now
+    if s is not None and state not in DOWN:  # a stopped or silent one's last rates, slots and GPU are not of now
         row.update(in_flight=s.in_flight, server_running=s.server_running, server_waiting=s.server_waiting,
                    slot_utilization=_round(slot_utilization(s), 3), kv_cache_usage=s.server_token_usage,
                    tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)

@@ -19,7 +19,7 @@ from genq.core import decodebound
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
 from genq.core.redisconn import connect, in_words, redis_note, refusal
-from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
+from genq.core.timings import BEAT_S, IDLE_BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.core.waits import wait_event
 from genq.worker import controller as decoding
 from genq.worker.batches import Batches
@@ -36,7 +36,6 @@ GPU_EVERY_S = 5.0
 INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
 IDLE_AFTER_S = 5.0  # nothing held, running or borrowed this long: the idle pace
-IDLE_BEAT_S = 20.0  # an idle worker's heartbeat and control read
 IDLE_TTL_S = 60  # its liveness and status keys live this long (3 beats)
 IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
 IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup

@@ -22,15 +22,15 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.order import set_schedule
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import redis_note_of
+from genq.core.timings import IDLE_BEAT_S
 from genq.core.words import plural
 from genq.ops import control
 from genq.ops.control import LOST, SETTABLE, Refused, WorkerRow, describe_block, jobs_named, set_settings
 from genq.output import truth
 from genq.worker.gate import servable_jobs
-from genq.worker.heartbeat import IDLE_BEAT_S
 
 STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow", "server_down": "red",
-          "stopped": "dim", LOST: "bold red"}
+          "stopped": "dim", "silent": "bold red", LOST: "bold red"}
 # Most wanted first. The first three are always shown whole (a name is what an operator types into
 # --worker); the others join in this order while the table fits the terminal, and a line names the rest.
 COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of bound", "done", "queued", "note",
@@ -39,9 +39,9 @@ RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "que
 
 
 def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None) -> dict[str, str | Text]:
-    live, b = r.live, v.bound if v else None
-    heartbeat = ("none" if r.state == LOST else "-") if r.heartbeat_age_s is None else (
-        age(r.heartbeat_age_s) + (f" (every {IDLE_BEAT_S:.0f}s)" if r.state == "idle" else ""))  # 16 s is on time
+    live, b = r.beating, v.bound if v else None
+    heartbeat = ("none" if r.state == LOST else "-") if r.heartbeat_age_s is None else age(r.heartbeat_age_s) + (
+        f" (every {IDLE_BEAT_S:.0f}s)" if r.state == "idle" else " (overdue)" if r.state == "silent" else "")
     batches = f"{len(r.batches)}: {' '.join(r.batches[:3])}" + (f" +{len(r.batches) - 3}" if len(r.batches) > 3 else "")
     return {
         "worker": r.name,
@@ -85,8 +85,8 @@ def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[st
     out.print(_table(cells, shown))
     summary = ", ".join(f"{n} {state}" for state, n in sorted(Counter(r.state for r in rows).items()))
     by_server = {(r.server or r.name): r.tok_per_s for r in rows  # a server's own counter counts once
-                 if r.live and r.status is not None and r.status.tok_per_s_from == "server"}
-    total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.live and (
+                 if r.beating and r.status is not None and r.status.tok_per_s_from == "server"}
+    total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.beating and (
         r.status is None or r.status.tok_per_s_from != "server"))
     out.print(f"{plural(len(rows), 'worker')}: {summary}; {total:,.0f} tok/s in all")
     lines = [line for name, v in sorted(judged.items()) for line in (  # a slow GPU, its batch's cap, a figure missing
