@@ -160,7 +160,8 @@ class Monitor:
             self.redis_note = redis_note_of(self.conn)
             statuses = fleet.statuses(self.conn)
             self.queue.refresh(self.conn)
-            judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
+            now = time.time()  # a silent worker's last figures are not of now: no verdict from them
+            judged = decodebound.judge({n: s for n, s in statuses.items() if shown_state(s, now) not in DOWN})
             reports = []
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
                 snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0),

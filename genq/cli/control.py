@@ -74,7 +74,7 @@ def _table(cells: list[dict[str, str | Text]], shown: list[str]):
 
 def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[str]]) -> None:
     """`genq workers` for a person: the columns that fit `out`, counts by state, decode-bound lines, lost workers."""
-    statuses = {r.name: r.status for r in rows if r.status is not None}
+    statuses = {r.name: r.status for r in rows if r.status and r.beating}  # a silent one's figures are not of now
     judged = decodebound.judge(statuses)
     cells = [_cells(r, serves.get(r.name), judged.get(r.name)) for r in rows]
     measuring, shown = Console(width=10_000), list(COLUMNS[:3])
@@ -120,7 +120,7 @@ def workers(as_json: bool, prune: bool) -> None:
     jobs = list_jobs(conn)  # which each can serve: those for its server's model or `auto` (worker/gate.py)
     serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
-        judged = decodebound.judge({r.name: r.status for r in rows if r.status is not None})
+        judged = decodebound.judge({r.name: r.status for r in rows if r.status and r.beating})
         click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name), "bound": judged.get(r.name)}
                                         for r in rows]).decode())
     elif not rows:
