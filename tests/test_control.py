@@ -403,3 +403,15 @@ def test_a_drain_is_for_the_life_it_was_sent_to_not_the_next_under_that_name(tmp
     assert w.wait(timeout=120) == 0, w.log()
     assert "drain requested" not in w.log() and "concurrency cap now" not in w.log(), w.log()
     assert_exactly_once(tmp_path, "life", ids)
+
+
+def test_an_empty_model_name_is_refused_as_bad_usage(tmp_path, redis_url):
+    """No server serves the model "" (nor " m"): a job sent with it would wait for ever; refused, nothing stored."""
+    src = tmp_path / "m.jsonl"
+    write_prompts(src, 2)
+    run_genq("enqueue", str(src), "--job", "m", "--output", str(tmp_path / "out"))
+    for args in (("jobs", "set", "m", "--model", ""), ("jobs", "set", "m", "--model", " m"),
+                 ("enqueue", str(src), "--job", "m2", "--model", "", "--output", str(tmp_path / "out"))):
+        proc = run_genq(*args, check=False)
+        assert proc.returncode == 2 and "--model" in proc.stderr, (args, proc.stdout, proc.stderr)
+    assert jobs_json()["m"]["settings_version"] == 1 and "m2" not in jobs_json()

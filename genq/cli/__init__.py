@@ -110,6 +110,13 @@ def concurrency(value: Any) -> int | None:
     return number
 
 
+def model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: a model name as a server lists it, or auto; no server serves "" or " m" (the job waits)."""
+    if value is not None and (not value or value != value.strip()):
+        raise click.BadParameter(f"{value!r}: give the model's name as its server lists it, or auto")
+    return value
+
+
 def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
     folder named after it, which each worker would fill in its own working directory."""
