@@ -415,3 +415,11 @@ def test_an_empty_model_name_is_refused_as_bad_usage(tmp_path, redis_url):
         proc = run_genq(*args, check=False)
         assert proc.returncode == 2 and "--model" in proc.stderr, (args, proc.stdout, proc.stderr)
     assert jobs_json()["m"]["settings_version"] == 1 and "m2" not in jobs_json()
+
+
+def test_a_resume_of_what_is_not_paused_says_so(tmp_path, redis_url):
+    enqueue(tmp_path, "np", 2)
+    assert run_genq("resume", "--job", "np").stdout == "job np was neither paused nor blocked: nothing to resume\n"
+    assert run_genq("resume").stdout == "the fleet was not paused (genq pause): nothing to resume\n"
+    run_genq("pause", "--job", "np")
+    assert run_genq("resume", "--job", "np").stdout.startswith("resumed job np")

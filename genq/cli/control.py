@@ -201,9 +201,14 @@ def resume(job: str | None) -> None:
     """Undo genq pause (all jobs, or --job). --job also lifts its block (docs/settings.md)."""
     conn = redis_conn()
     jobs_named(conn, job)
-    queued = control.resume(conn, job)
-    click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
-               + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
+    now = None if job is None else ledger_jobs.jobs_now(conn, [job])[0]
+    was = ledger_jobs.paused_all(conn) if now is None else now.paused or now.blocked is not None
+    if not (queued := control.resume(conn, job)) and not was:  # said as it was, not "resumed"
+        click.echo((f"job {job} was neither paused nor blocked" if job else "the fleet was not paused (genq pause)")
+                   + ": nothing to resume")
+    else:
+        click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
+                   + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
     names = list_jobs(conn)
     if still := sorted(j for j, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.paused):
         click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
