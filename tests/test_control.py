@@ -285,6 +285,8 @@ def test_empty_views(redis_url):
     assert "no jobs" in run_genq("jobs").stdout
     bad = run_genq("drain", "--all", check=False)
     assert bad.returncode == 1 and "no live workers" in bad.stderr
+    bad = run_genq("drain", "--all", "--timeout", "5", check=False)  # no wait to give up on: not silently ignored
+    assert bad.returncode == 2 and "--timeout" in bad.stderr and "--wait" in bad.stderr, bad.stderr
 
 
 def test_redis_password_is_masked_when_unreachable():

@@ -156,6 +156,8 @@ def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: o
               help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, timeout: float | None) -> None:
     """Let workers finish what they hold, then exit. They take no new batches."""
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout is how long --wait waits: give --wait too")
     chosen = _steer(names, host, everyone, drain=True)
     click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
     deadline, said = None if timeout is None else time.monotonic() + timeout, ""
