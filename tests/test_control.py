@@ -425,3 +425,23 @@ def test_a_resume_of_what_is_not_paused_says_so(tmp_path, redis_url):
     assert run_genq("resume").stdout == "the fleet was not paused (genq pause): nothing to resume\n"
     run_genq("pause", "--job", "np")
     assert run_genq("resume", "--job", "np").stdout.startswith("resumed job np")
+
+
+def test_ctrl_c_at_a_confirmation_is_an_interruption(tmp_path, redis_url, rconn):
+    """Exit 130 as README "Exit status" says, not 1 or "Aborted!"; nothing deleted."""
+    import signal
+    import subprocess
+
+    from tests.conftest import WORKDIR, genq_cmd
+
+    enqueue(tmp_path, "ask", 2)
+    proc = subprocess.Popen(genq_cmd("jobs", "delete", "ask"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=WORKDIR)
+    said = b""
+    while not said.endswith(b"[y/N]: "):
+        said += proc.stdout.read(1) or b"(ended)"
+        assert not said.endswith(b"(ended)"), said
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"interrupted: nothing deleted" in err and b"Aborted" not in err, err
+    assert "ask" in jobs_json()

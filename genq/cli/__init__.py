@@ -197,11 +197,13 @@ yes_option = click.option("--yes", "-y", is_flag=True, help="Do not ask for conf
 
 def confirmed(yes: bool, question: str, nothing: str) -> bool:
     """--yes, or the operator's answer. A no is their choice, not an error: `nothing` said, exit 0; no answer
-    (stdin closed, Ctrl-C) is not a yes either: exit 1, naming --yes."""
+    (stdin closed) is not a yes either: exit 1, naming --yes; Ctrl-C is an interruption (130)."""
     try:
         if yes or click.confirm(question, default=False):
             return True
-    except click.Abort:
+    except click.Abort as exc:  # click's, for EOFError and KeyboardInterrupt alike
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt(f": {nothing}") from None
         raise click.ClickException(f"no answer: {nothing} (--yes does it without asking)") from None
     click.echo(nothing)
     return False
