@@ -85,6 +85,11 @@ async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tup
     return control, bool(paused), {job for job, flag in zip(jobs, job_flags) if flag}
 
 
+def control_of(conn: redis.Redis, name: str) -> Control:
+    raw = conn.get(keys.worker_control(name))
+    return unpack(raw, Control) if raw else Control()
+
+
 def change_control(conn: redis.Redis, name: str, change: Callable[[Control], None]) -> Control:
     """Apply change() to the worker's stored Control under WATCH."""
     def changed(stored: Control) -> Control:
