@@ -445,3 +445,22 @@ def test_ctrl_c_at_a_confirmation_is_an_interruption(tmp_path, redis_url, rconn)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and b"interrupted: nothing deleted" in err and b"Aborted" not in err, err
     assert "ask" in jobs_json()
+
+
+def test_drain_wait_does_not_call_a_worker_that_died_drained(redis_url, rconn):
+    import subprocess
+
+    from tests.conftest import WORKDIR, genq_cmd
+
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "doomed")
+    rconn.set(keys.worker_status("doomed"), pack(WorkerStatus(
+        name="doomed", host="h", pid=1, server="http://x:1", state="busy", started_at=now, heartbeat_at=now + 3600,
+        batches=[BatchRef("j", "b0000001")])), ex=3600)
+    proc = subprocess.Popen(genq_cmd("drain", "--worker", "doomed", "--wait", "--timeout", "300"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=WORKDIR)
+    assert proc.stdout.readline() == "draining 1 worker(s): doomed\n"
+    rconn.delete(keys.worker_status("doomed"))  # it died: its record expires, it is lost
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "all drained" not in out, out
+    assert "doomed lost (it died before it drained: its batches run elsewhere)" in out, out

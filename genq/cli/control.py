@@ -168,8 +168,10 @@ def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, 
             f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "") for r in rows)
         if line != said:
             click.echo(said := line)
-        if not any(r.live for r in rows):
-            return click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
+        if not any(r.live for r in rows):  # a lost one did not drain: said so
+            died = " (it died before it drained: its batches run elsewhere)"
+            ends = ", ".join(f"{r.name} {r.state}{died if r.state == LOST else ''}" for r in rows)
+            return click.echo(f"{'all drained' if all(r.state == 'stopped' for r in rows) else 'none running'}: {ends}")
         if deadline is not None and time.monotonic() > deadline:
             raise Refused(f"still running after {timeout:.0f}s (they keep draining)")
         time.sleep(1.0)
