@@ -7,6 +7,7 @@ Real Redis, real `genq sim` servers, real `genq worker` processes; the CLI is ru
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -464,3 +465,14 @@ def test_drain_wait_does_not_call_a_worker_that_died_drained(redis_url, rconn):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "all drained" not in out, out
     assert "doomed lost (it died before it drained: its batches run elsewhere)" in out, out
+
+
+def test_steering_a_silent_worker_says_it_may_never_act_on_it(redis_url, rconn):
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "quiet")
+    rconn.set(keys.worker_status("quiet"), pack(WorkerStatus(
+        name="quiet", host="h", pid=1, server="http://x:1", state="busy", started_at=now - 60,
+        heartbeat_at=now - 30)), ex=3600)
+    out = run_genq("concurrency", "--worker", "quiet", "4")
+    assert out.stdout == "concurrency cap 4 for 1 worker(s): quiet\n", out.stdout
+    assert re.search(r"quiet is silent \(no heartbeat for \d+[smh]\)", out.stderr) and "wakes" in out.stderr, out.stderr

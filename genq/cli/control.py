@@ -141,12 +141,14 @@ def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: o
     if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
     conn = redis_conn()
-    if not (chosen := [r.name for r in control.select(control.fleet(conn), workers=names, host=host,
-                                                      everyone=everyone)]):
+    if not (chosen := control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)):
         raise Refused("no live workers")
-    for name in chosen:
-        control.update_control(conn, name, **change)
-    return chosen
+    for r in chosen:
+        control.update_control(conn, r.name, **change)
+        if r.state == "silent":  # killed, frozen or cut off: told, but it may never read it
+            click.echo(f"note: {r.name} is silent (no heartbeat for {age(r.heartbeat_age_s or 0)}): it acts on this "
+                       "only if it wakes", err=True)
+    return [r.name for r in chosen]
 
 
 @click.command()
