@@ -204,6 +204,7 @@ def confirmed(yes: bool, question: str, nothing: str) -> bool:
     except click.Abort as exc:  # click's, for EOFError and KeyboardInterrupt alike
         if isinstance(exc.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt(f": {nothing}") from None
+        click.echo()  # the question's line ends
         raise click.ClickException(f"no answer: {nothing} (--yes does it without asking)") from None
     click.echo(nothing)
     return False
