@@ -59,12 +59,12 @@ class WorkerCounters:
 
 def shown_state(status: WorkerStatus | None, now: float) -> str:
     """A worker's state as views show it: "lost" once its record expired; "silent" once its next beat is more
-    than two beats late by the viewer's clock (due every BEAT_S while it holds or runs work, else every
-    IDLE_BEAT_S): a killed worker's record goes on saying "busy" until it expires. docs/monitoring.md."""
+    than 3 s late by the viewer's clock (due every BEAT_S while it holds or runs work, else every IDLE_BEAT_S;
+    3 s: a loaded host's slack): a killed worker's record goes on saying "busy" until it expires. monitoring.md"""
     if status is None:
         return "lost"
     every = BEAT_S if status.state in ("busy", "draining") else IDLE_BEAT_S
-    late = status.state != "stopped" and now - status.heartbeat_at > every + 2 * BEAT_S
+    late = status.state != "stopped" and now - status.heartbeat_at > every + 3 * BEAT_S
     return "silent" if late else status.state
 
 
