@@ -157,8 +157,8 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
 def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: set[str]) -> Iterator[Metric]:
     """Per worker from the fleet (every worker in genq:workers); per (job, worker) from the job reports."""
     state = {w.name: "lost" if w.state == "gone" else w.state for w in fleet if w.name in shown}
-    live = [w for w in fleet if w.name in state and state[w.name] not in ("stopped", "lost")]
-    yield _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped or lost", ["worker"],
+    live = [w for w in fleet if w.name in state and state[w.name] not in DOWN]
+    yield _gauge("genq_worker_up", "1 while the worker heartbeats and runs; 0 when stopped, silent or lost", ["worker"],
                  [([w.name], w in live) for w in fleet if w.name in state])
     yield _one_of("genq_worker_state", "1 for the worker's state, 0 for the others", ["worker"], "state",
                   WORKER_STATES, [([name], (s,)) for name, s in state.items()])

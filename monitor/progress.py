@@ -16,7 +16,7 @@ import redis
 from genq.core import decodebound
 from genq.core.decodebound import Verdict, bottlenecks, fleet_gpu_note, slot_utilization
 from genq.core.ledger import fleet
-from genq.core.ledger.figures import FINISHED_STATUSES, JobSnapshot, JobStatus, WorkerView, read_job
+from genq.core.ledger.figures import FINISHED_STATUSES, JobSnapshot, JobStatus, WorkerView, read_job, shown_state
 from genq.core.queueing import list_jobs
 from genq.core.records import GpuSample, JobConfig
 from genq.core.redisconn import RedisNote, redis_note_of
@@ -28,8 +28,9 @@ from genq.ops.control import describe_block
 
 JSON_ONLY = ("eta_s", "eta_low_s", "eta_high_s")  # the ETA in unrounded seconds: --json only
 ETA_STATES = ("warming up", "estimating", "steady", "stalled", "paused", "done")
-WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "lost")
-DOWN = ("lost", "gone", "stopped")  # a worker's row without figures of now ("gone": lost once its job is done)
+WORKER_STATES = ("starting", "busy", "idle", "paused", "draining", "server_down", "stopped", "silent", "lost")
+# A worker's row without figures of now ("gone": lost once its job is done; "silent": its beats stopped).
+DOWN = ("lost", "gone", "stopped", "silent")
 # Fields of JobSnapshot that JobProgress carries as they are.
 SAME = ("job", "status", "total", "completed", "failed", "in_flight", "queued", "held", "batches_total",
         "batches_done", "other_batches", "rq_queued", "shards", "shard_records")
@@ -159,7 +160,8 @@ class Monitor:
             self.redis_note = redis_note_of(self.conn)
             statuses = fleet.statuses(self.conn)
             self.queue.refresh(self.conn)
-            judged = decodebound.judge({n: s for n, s in statuses.items() if s is not None})
+            now = time.time()  # a silent worker's last figures are not of now: no verdict from them
+            judged = decodebound.judge({n: s for n, s in statuses.items() if shown_state(s, now) not in DOWN})
             reports = []
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
                 snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0),
@@ -272,7 +274,8 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
                   job: str | None = None, bound: Verdict | None = None) -> WorkerReport:
     """A worker's row, with its figures for `job` when given; a stopped, lost or gone one without those of now."""
     s = w.status
-    state = "gone" if s is None and job_done else w.state
+    # Gone: lost while its job is done, or forgotten (genq workers --prune); else as views show it.
+    state = "gone" if s is None and (job_done or w.forgotten) else shown_state(s, now)
     # In the job's tail an idle worker is expected (the tail note says so), not a bottleneck.
     found = [] if state == "gone" else [b for b in bottlenecks(s) if not (in_tail and b[0] == "no_prompts")]
     # A done job has nothing in flight: a worker's InFlight record can be a beat older than its last result.
@@ -286,7 +289,7 @@ def worker_report(w: WorkerView, now: float, job_done: bool = False, *, in_tail:
                    server_capacity=s.server_capacity, gpu_note=s.gpu_note,
                    errors=s.errors if job is None else s.job_errors.get(job, 0),
                    heartbeat_age_s=round(max(0.0, now - s.heartbeat_at), 1))
-    if s is not None and s.state != "stopped":  # a stopped one's last rates, slots and GPU are not of now
+    if s is not None and state not in DOWN:  # a stopped or silent one's last rates, slots and GPU are not of now
         row.update(in_flight=s.in_flight, server_running=s.server_running, server_waiting=s.server_waiting,
                    slot_utilization=_round(slot_utilization(s), 3), kv_cache_usage=s.server_token_usage,
                    tok_per_s=s.tok_per_s, req_per_s=s.req_per_s, gpu=s.gpu_sample)

@@ -15,8 +15,8 @@ from genq.monitor.progress import DOWN, JobReport, WorkerReport
 
 STATUS_STYLE = {"empty": "dim", "queued": "yellow", "running": "green", "paused": "magenta", "blocked": "bold red",
                 "partial": "yellow", "writing": "green", "done": "bold green"}
-STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow",
-               "server_down": "bold red", "lost": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
+STATE_STYLE = {"busy": "green", "idle": "dim", "paused": "magenta", "draining": "yellow", "server_down": "bold red",
+               "lost": "bold red", "silent": "bold red", "gone": "dim", "starting": "yellow", "stopped": "dim"}
 # (column, right-justified, wraps, min width its title's)
 COLUMNS = (("worker", False, False, True), ("state", False, False, True), ("in flight/target", True, True, False),
            ("server run/wait", True, True, False), ("slots", True, False, True), ("tok/s", True, False, True),

@@ -208,6 +208,8 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
                 raise ValueError("job must be a job's name")
             if job is not None:
                 check_job_name(job)
+            if action == "drain" and job is not None:  # it would drain every worker and answer "drain JOB"
+                raise ValueError("drain is for every worker: give no job")
         except (msgspec.DecodeError, ValueError) as exc:  # msgspec's ValidationError is a DecodeError
             return web.json_response({"error": f"a control is a JSON object {{action, job}}: {exc}"}, status=400)
         try:

@@ -7,6 +7,7 @@ Real Redis, real `genq sim` servers, real `genq worker` processes; the CLI is ru
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -280,6 +281,8 @@ def test_empty_views(redis_url):
     assert "no jobs" in run_genq("jobs").stdout
     bad = run_genq("drain", "--all", check=False)
     assert bad.returncode == 1 and "no live workers" in bad.stderr
+    bad = run_genq("drain", "--all", "--timeout", "5", check=False)  # no wait to give up on: not silently ignored
+    assert bad.returncode == 2 and "--timeout" in bad.stderr and "--wait" in bad.stderr, bad.stderr
 
 
 def test_redis_password_is_masked_when_unreachable():
@@ -378,3 +381,95 @@ def test_jobs_shows_paths_and_server_messages_with_brackets_as_they_are(tmp_path
     shown = run_genq("jobs", check=False)
     assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
     assert out in shown.stdout and message in shown.stdout, shown.stdout
+
+
+def test_a_worker_named_twice_is_steered_once(redis_url, rconn):
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "w.gpu0")
+    rconn.set(keys.worker_status("w.gpu0"), pack(WorkerStatus(
+        name="w.gpu0", host="h", pid=1, server="http://x:1", state="busy", started_at=now, heartbeat_at=now)), ex=3600)
+    twice = ("--worker", "w.gpu0", "--worker", "w.gpu0")
+    assert run_genq("drain", *twice).stdout == "draining 1 worker(s): w.gpu0\n"
+    assert run_genq("concurrency", *twice, "4").stdout == "concurrency cap 4 for 1 worker(s): w.gpu0\n"
+
+
+def test_a_drain_is_for_the_life_it_was_sent_to_not_the_next_under_that_name(tmp_path, redis_url, rconn, sim,
+                                                                             worker):
+    """A worker SIGKILLed while draining leaves its Control record (drain=True) behind; the worker started
+    next under that --name is another life: it takes work, it does not drain at once."""
+    rconn.set(keys.worker_control("again"), pack(Control(drain=True, concurrency=2)))  # what the killed one left
+    ids = enqueue(tmp_path, "life", 300)
+    w = worker(sim(**SLOW_SIM), "--name", "again", "--burst")
+    assert w.wait(timeout=120) == 0, w.log()
+    assert "drain requested" not in w.log() and "concurrency cap now" not in w.log(), w.log()
+    assert_exactly_once(tmp_path, "life", ids)
+
+
+def test_an_empty_model_name_is_refused_as_bad_usage(tmp_path, redis_url):
+    """No server serves the model "" (nor " m"): a job sent with it would wait for ever; refused, nothing stored."""
+    src = tmp_path / "m.jsonl"
+    write_prompts(src, 2)
+    run_genq("enqueue", str(src), "--job", "m", "--output", str(tmp_path / "out"))
+    for args in (("jobs", "set", "m", "--model", ""), ("jobs", "set", "m", "--model", " m"),
+                 ("enqueue", str(src), "--job", "m2", "--model", "", "--output", str(tmp_path / "out"))):
+        proc = run_genq(*args, check=False)
+        assert proc.returncode == 2 and "--model" in proc.stderr, (args, proc.stdout, proc.stderr)
+    assert jobs_json()["m"]["settings_version"] == 1 and "m2" not in jobs_json()
+
+
+def test_a_resume_of_what_is_not_paused_says_so(tmp_path, redis_url):
+    enqueue(tmp_path, "np", 2)
+    assert run_genq("resume", "--job", "np").stdout == "job np was neither paused nor blocked: nothing to resume\n"
+    assert run_genq("resume").stdout == "the fleet was not paused (genq pause): nothing to resume\n"
+    run_genq("pause", "--job", "np")
+    assert run_genq("resume", "--job", "np").stdout.startswith("resumed job np")
+
+
+def test_ctrl_c_at_a_confirmation_is_an_interruption(tmp_path, redis_url, rconn):
+    """Exit 130 as README "Exit status" says, not 1 or "Aborted!"; nothing deleted."""
+    import signal
+    import subprocess
+
+    from tests.conftest import WORKDIR, genq_cmd
+
+    enqueue(tmp_path, "ask", 2)
+    proc = subprocess.Popen(genq_cmd("jobs", "delete", "ask"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=WORKDIR)
+    said = b""
+    while not said.endswith(b"[y/N]: "):
+        said += proc.stdout.read(1) or b"(ended)"
+        assert not said.endswith(b"(ended)"), said
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"interrupted: nothing deleted" in err and b"Aborted" not in err, err
+    assert "ask" in jobs_json()
+
+
+def test_drain_wait_does_not_call_a_worker_that_died_drained(redis_url, rconn):
+    import subprocess
+
+    from tests.conftest import WORKDIR, genq_cmd
+
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "doomed")
+    rconn.set(keys.worker_status("doomed"), pack(WorkerStatus(
+        name="doomed", host="h", pid=1, server="http://x:1", state="busy", started_at=now, heartbeat_at=now + 3600,
+        batches=[BatchRef("j", "b0000001")])), ex=3600)
+    proc = subprocess.Popen(genq_cmd("drain", "--worker", "doomed", "--wait", "--timeout", "300"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=WORKDIR)
+    assert proc.stdout.readline() == "draining 1 worker(s): doomed\n"
+    rconn.delete(keys.worker_status("doomed"))  # it died: its record expires, it is lost
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "all drained" not in out, out
+    assert "doomed lost (it died before it drained: its batches run elsewhere)" in out, out
+
+
+def test_steering_a_silent_worker_says_it_may_never_act_on_it(redis_url, rconn):
+    now = time.time()
+    rconn.sadd(keys.WORKERS, "quiet")
+    rconn.set(keys.worker_status("quiet"), pack(WorkerStatus(
+        name="quiet", host="h", pid=1, server="http://x:1", state="busy", started_at=now - 60,
+        heartbeat_at=now - 30)), ex=3600)
+    out = run_genq("concurrency", "--worker", "quiet", "4")
+    assert out.stdout == "concurrency cap 4 for 1 worker(s): quiet\n", out.stdout
+    assert re.search(r"quiet is silent \(no heartbeat for \d+[smh]\)", out.stderr) and "wakes" in out.stderr, out.stderr

@@ -26,7 +26,7 @@ from genq.core.records import JobConfig, Result, Usage, unpack
 from genq.core.redisconn import connect_async
 from genq.worker.results import ResultWriter
 from tests.audit import audit
-from tests.conftest import ROOT, read_results, run_genq, sim_stats, wait_until
+from tests.conftest import ROOT, genq_cmd, read_results, run_genq, sim_stats, wait_until
 
 FAST_SIM = dict(mean_output_tokens=16, output_sigma=0.5, tokens_per_step=16, step_ms_base=2)
 SMALL_CONTEXT = 256
@@ -187,7 +187,8 @@ def test_purge_asks_then_forgets_and_the_rows_can_be_enqueued_again(redis_url, r
 
     declined = subprocess.run([sys.executable, "-m", "genq", "--redis", redis_url, "dlq", "purge", "--job", "j1"],
                               input="n\n", capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert declined.returncode == 1 and "Purge 3 dead prompts of job j1?" in declined.stdout, declined.stdout
+    assert declined.returncode == 0 and "Purge 3 dead prompts of job j1?" in declined.stdout, declined.stdout
+    assert "nothing purged" in declined.stdout, declined.stdout
     assert len(dlq_json(redis_url, "--job", "j1")) == 3
 
     purged = run_genq("dlq", "purge", "--job", "j1", "--yes", redis_url=redis_url).stdout
@@ -278,6 +279,13 @@ def test_failed_rq_batch_purge_forgets_its_prompts(redis_url, rconn, tmp_path):
     registry = fail_batches_in_rq(redis_url, rconn, expected=1)
     assert audit(rconn, "fp", tmp_path / "out", [f"p{i:05d}" for i in range(6)],
                  failed_batches={"b0000001"}).unfinished == {f"p{i:05d}" for i in range(6)}
+    # Declining is the operator's choice (exit 0); no answer at all (stdin closed) is not a yes (exit 1).
+    for answer, code, said in (("n\n", 0, "nothing purged"), ("", 1, "no answer")):
+        proc = subprocess.run(genq_cmd("dlq", "purge", redis_url=redis_url), input=answer, capture_output=True,
+                              text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == code and said in proc.stdout + proc.stderr, (answer, proc.stdout, proc.stderr)
+        assert "Aborted" not in proc.stderr and registry.count == 1, proc.stderr
+        assert "Purge 1 failed batch of all jobs?" in proc.stdout, proc.stdout  # not "0 dead prompts and ..."
     purged = run_genq("dlq", "purge", "--yes", redis_url=redis_url).stdout
     assert "job fp: purged failed batch b0000001 (6 unfinished prompts forgotten)" in purged
     assert registry.count == 0 and rq_queue(rconn).count == 0

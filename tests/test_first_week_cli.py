@@ -225,6 +225,11 @@ def test_a_finished_jobs_name_is_not_silently_added_to_and_a_deleted_ones_starts
     assert ("created again from" in back.stdout
             and "3 batches written in the output marked done" in back.stdout), back.stdout
     assert "deleted_at" not in json.loads((out / "fin" / "job.json").read_text())
+    # Redis has the job now: an --output other than its own is a mistake said, not silently ignored.
+    other = run_genq("recover", "--job", "fin", "--output", str(tmp_path / "elsewhere"), redis_url=redis_url,
+                     check=False)
+    assert other.returncode == 1 and str(out) in other.stderr and "elsewhere" in other.stderr, other.stderr
+    assert run_genq("recover", "--job", "fin", "--output", f"{out}/", redis_url=redis_url).returncode == 0
     row = next(r for r in json.loads(run_genq("jobs", "--json", redis_url=redis_url).stdout) if r["name"] == "fin")
     assert (row["state"], row["total"], row["done"]) == ("done", 15, 15), row
 

@@ -89,3 +89,26 @@ def test_the_servers_capacity_has_a_column_and_a_json_field():
     assert capped_row["server_capacity"] == 128 and capped_row["concurrency_limit"] == 4, capped_row
     assert capped_row["cap"] == 4 and busy["cap"] is None  # the first name, kept for scripts
     assert lost["server_capacity"] is None and lost["state"] == "lost"
+
+
+def test_a_worker_whose_beats_stopped_is_not_shown_busy_until_its_record_expires():
+    """A SIGKILLed worker's record says "busy" for 15 s (60 s if it was idle): once its next beat is more than
+    3 s late (due every second while it holds work, else every 20 s) the views say "silent"."""
+    from genq.core.ledger.figures import WorkerView
+    from genq.monitor.progress import worker_report
+
+    killed = status("vm-a100-node-20.gpu0", "busy", 4.5, in_flight=64, tok_per_s=900.0, server_running=64.0,
+                    server_capacity=64)
+    killed_idle = status("vm-a100-node-20.gpu1", "idle", 23.5)
+    rows, serves = fleet()
+    rows += [WorkerRow(s.name, s, NOW) for s in (killed, killed_idle)]
+    out = Console(width=200, record=True, no_color=True, file=open("/dev/null", "w"))
+    print_workers(out, rows, serves)
+    text = out.export_text()
+    for name, beat in (("vm-a100-node-20.gpu0", "4s (overdue)"), ("vm-a100-node-20.gpu1", "24s (overdue)")):
+        assert re.search(r"\bsilent\b", line_of(text, name)) and beat in line_of(text, name), text
+    assert "2 busy, 1 idle, 1 lost, 2 silent" in text and "5,823 tok/s in all" in text, text  # not the killed one's
+    assert "vm-a100-node-20.gpu0:" not in text, text  # no verdict on its decode from its last figures
+    assert [r.to_json()["state"] for r in rows[-2:]] == ["silent", "silent"]
+    assert worker_report(WorkerView(killed.name, killed), NOW).state == "silent"
+    assert worker_report(WorkerView("on-time", status("on-time.gpu0", "busy", 3.5)), NOW).state == "busy"

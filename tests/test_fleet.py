@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from genq.core import keys  # noqa: E402
+from genq.core.records import Control, pack  # noqa: E402
 from genq.core.redisconn import connect  # noqa: E402
 from genq.ops import control  # noqa: E402
 from tests.conftest import (
@@ -395,3 +397,20 @@ def test_the_same_name_started_twice_is_refused_while_the_first_is_idle(redis_ur
     second = worker(url, "--name", "twice", name="second")
     assert second.wait(timeout=60) != 0 and "a worker named twice is already running" in second.log(), second.log()
     assert first.alive(), first.log()
+
+
+def test_a_worker_that_dies_while_draining_is_not_restarted_by_its_fleet(tmp_path, redis_url, rconn, procs, sim):
+    """The drain asked this GPU's worker to go; the fleet does not start another in its place (a worker
+    started by hand under the name is another life: it does not drain, docs/operations.md)."""
+    port = free_port()
+    sim(port=port, step_ms_base=1)
+    logs = tmp_path / "logs"
+    fleet = start_fleet(procs, "--gpus", "0", "--server-url", "http://127.0.0.1:{port}", "--base-port", str(port),
+                        "--log-dir", str(logs), "--name", "dr")
+    wait_until(lambda: (w := fleet_now().get("dr.gpu0")) and w.state == "idle", what="worker dr.gpu0 idle")
+    first = read_pid(logs / "worker-gpu0.pid")
+    os.kill(first, signal.SIGSTOP)  # frozen, so the drain is asked of it and it dies before acting on it
+    rconn.set(keys.worker_control("dr.gpu0"), pack(Control(drain=True)))
+    os.kill(first, signal.SIGKILL)
+    fleet.wait(timeout=60)
+    assert "while draining; not restarted" in fleet.log() and "restart 1/" not in fleet.log(), fleet.log()

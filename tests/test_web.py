@@ -268,7 +268,8 @@ def test_a_control_for_a_job_that_is_not_there_changes_nothing(tmp_path: Path, r
     assert code == 404 and "gone" in answer["error"], (code, answer)
     assert not rconn.exists(keys.job_paused("gone"))
     for body in (b"not json", b"[1]", json.dumps({"action": "pause", "job": ["ctl"]}).encode(),
-                 json.dumps({"action": "pause", "job": "bad/name"}).encode()):
+                 json.dumps({"action": "pause", "job": "bad/name"}).encode(),
+                 json.dumps({"action": "drain", "job": "ctl"}).encode()):  # drains every worker, not a job's
         code, answer = post(body)
         assert code == 400 and answer.get("error"), (body, code, answer)
     run_genq("enqueue", str(tmp_path / "p.jsonl"), "--job", "gone", "--output", str(tmp_path / "out"))

@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import urlsplit
 
+import redis
+
 from genq import PYTHON
-from genq.core.redisconn import ENV_VAR, mask_url
+from genq.core.ledger import fleet as ledger_fleet
+from genq.core.redisconn import ENV_VAR, connect, mask_url
 from genq.core.waits import wait_event
 from genq.core.words import plural
 from genq.worker.server import ServerClient
@@ -185,6 +188,9 @@ class Child:
                 why = await (self._server_once() if self.health else self._worker_once())
                 if why is None or self._stop.is_set():
                     return
+                if self.health is None and await asyncio.to_thread(self._draining):
+                    log.warning("%s: %s while draining; not restarted (the drain asked it to go)", self.label, why)
+                    return
                 restarts = 1 if time.monotonic() - started >= STABLE_AFTER else restarts + 1
                 if restarts > self.max_restarts:
                     self.failure = f"{why}; gave up after {plural(self.max_restarts, 'restart')} (log: {self.log_path})"
@@ -197,6 +203,14 @@ class Child:
                     return
         finally:
             await self._kill()
+
+    def _draining(self) -> bool:
+        """Whether the worker that died was asked to drain (no when Redis cannot say)."""
+        try:
+            with connect(self.env[ENV_VAR]) as conn:
+                return ledger_fleet.control_of(conn, self.name).drain
+        except (redis.RedisError, OSError):
+            return False
 
     def stop(self, level: int = 1) -> None:
         """1: drain (a worker gets SIGTERM; a server's group SIGTERM, SIGKILL after health.stop);

@@ -19,7 +19,7 @@ from genq.core import decodebound
 from genq.core.ledger import fleet
 from genq.core.records import BatchRef, GpuSample, InFlight, WorkerState, WorkerStatus
 from genq.core.redisconn import connect, in_words, redis_note, refusal
-from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
+from genq.core.timings import BEAT_S, IDLE_BEAT_S, LEASE_TIMEOUT_S, STATUS_TTL_S
 from genq.core.waits import wait_event
 from genq.worker import controller as decoding
 from genq.worker.batches import Batches
@@ -36,7 +36,6 @@ GPU_EVERY_S = 5.0
 INFLIGHT_TTL_S = 5  # a job's InFlight record of this worker: the requests it runs now
 
 IDLE_AFTER_S = 5.0  # nothing held, running or borrowed this long: the idle pace
-IDLE_BEAT_S = 20.0  # an idle worker's heartbeat and control read
 IDLE_TTL_S = 60  # its liveness and status keys live this long (3 beats)
 IDLE_LOOK_S = 30.0  # its look for prompts to steal, when nothing woke it
 IDLE_MAINTENANCE_S = 60.0  # its turn at RQ's and the ledger's cleanup
@@ -194,7 +193,7 @@ class Heartbeat:
         # One beat at a time, and none after the last ("stopped"): a beat of the loop landing after it
         # would leave a status with a TTL, and the worker read as lost once it expired.
         self._writing = asyncio.Lock()
-        self._stopped = False
+        self._stopped = self._beaten = False  # _beaten: a beat of this life has landed
 
     def _sample_gpu(self) -> None:  # a thread: NVML can block
         while not self._gpu_stop.is_set():
@@ -356,13 +355,14 @@ class Heartbeat:
                              member=member, gone=self._inflight_jobs - jobs,
                              inflight=[InFlight(worker=self.name, job=job, at=now, tokens=by_job.get(job, []),
                                                 queued=queued.get(job, 0)) for job in jobs],
-                             inflight_ttl=INFLIGHT_TTL_S)
+                             inflight_ttl=INFLIGHT_TTL_S, first=not self._beaten)
             if self._figures_of is not None:
                 decoding.store(pipe, meter, status.decode, *self._figures_of, self.name)
             # Raised as Redis said it (redis-py's pipeline rewrites the words that tell a full Redis).
             for answer in await pipe.execute(raise_on_error=False):
                 if isinstance(answer, Exception):
                     raise answer
+        self._beaten = True
         self._inflight_jobs = jobs
 
     async def check_name_free(self) -> None:

@@ -110,6 +110,13 @@ def concurrency(value: Any) -> int | None:
     return number
 
 
+def model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: a model name as a server lists it, or auto; no server serves "" or " m" (the job waits)."""
+    if value is not None and (not value or value != value.strip()):
+        raise click.BadParameter(f"{value!r}: give the model's name as its server lists it, or auto")
+    return value
+
+
 def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
     folder named after it, which each worker would fill in its own working directory."""
@@ -186,6 +193,21 @@ def json_option(help: str) -> Callable[[Any], Any]:
 
 
 yes_option = click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+
+
+def confirmed(yes: bool, question: str, nothing: str) -> bool:
+    """--yes, or the operator's answer. A no is their choice, not an error: `nothing` said, exit 0; no answer
+    (stdin closed) is not a yes either: exit 1, naming --yes; Ctrl-C is an interruption (130)."""
+    try:
+        if yes or click.confirm(question, default=False):
+            return True
+    except click.Abort as exc:  # click's, for EOFError and KeyboardInterrupt alike
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt(f": {nothing}") from None
+        click.echo()  # the question's line ends
+        raise click.ClickException(f"no answer: {nothing} (--yes does it without asking)") from None
+    click.echo(nothing)
+    return False
 
 
 def console() -> Console:

@@ -21,15 +21,15 @@ from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import list_jobs, load_config
 from genq.core.redisconn import redis_note_of
+from genq.core.timings import IDLE_BEAT_S
 from genq.core.words import plural
 from genq.ops import control
 from genq.ops.control import LOST, SETTABLE, Refused, WorkerRow, describe_block, jobs_named, set_settings
 from genq.output import truth
 from genq.worker.gate import servable_jobs
-from genq.worker.heartbeat import IDLE_BEAT_S
 
 STYLES = {"busy": "green", "idle": "cyan", "paused": "yellow", "draining": "yellow", "server_down": "red",
-          "stopped": "dim", LOST: "bold red"}
+          "stopped": "dim", "silent": "bold red", LOST: "bold red"}
 # Most wanted first. The first three are always shown whole (a name is what an operator types into
 # --worker); the others join in this order while the table fits the terminal, and a line names the rest.
 COLUMNS = ("worker", "state", "tok/s", "in flight", "capacity", "heartbeat", "of bound", "done", "queued", "note",
@@ -38,9 +38,9 @@ RIGHT = {"tok/s", "of bound", "in flight", "capacity", "heartbeat", "done", "que
 
 
 def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None) -> dict[str, str | Text]:
-    live, b = r.live, v.bound if v else None
-    heartbeat = ("none" if r.state == LOST else "-") if r.heartbeat_age_s is None else (
-        age(r.heartbeat_age_s) + (f" (every {IDLE_BEAT_S:.0f}s)" if r.state == "idle" else ""))  # 16 s is on time
+    live, b = r.beating, v.bound if v else None
+    heartbeat = ("none" if r.state == LOST else "-") if r.heartbeat_age_s is None else age(r.heartbeat_age_s) + (
+        f" (every {IDLE_BEAT_S:.0f}s)" if r.state == "idle" else " (overdue)" if r.state == "silent" else "")
     batches = f"{len(r.batches)}: {' '.join(r.batches[:3])}" + (f" +{len(r.batches) - 3}" if len(r.batches) > 3 else "")
     return {
         "worker": r.name,
@@ -73,7 +73,7 @@ def _table(cells: list[dict[str, str | Text]], shown: list[str]):
 
 def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[str]]) -> None:
     """`genq workers` for a person: the columns that fit `out`, counts by state, decode-bound lines, lost workers."""
-    statuses = {r.name: r.status for r in rows if r.status is not None}
+    statuses = {r.name: r.status for r in rows if r.status and r.beating}  # a silent one's figures are not of now
     judged = decodebound.judge(statuses)
     cells = [_cells(r, serves.get(r.name), judged.get(r.name)) for r in rows]
     measuring, shown = Console(width=10_000), list(COLUMNS[:3])
@@ -84,8 +84,8 @@ def print_workers(out: Console, rows: list[WorkerRow], serves: dict[str, list[st
     out.print(_table(cells, shown))
     summary = ", ".join(f"{n} {state}" for state, n in sorted(Counter(r.state for r in rows).items()))
     by_server = {(r.server or r.name): r.tok_per_s for r in rows  # a server's own counter counts once
-                 if r.live and r.status is not None and r.status.tok_per_s_from == "server"}
-    total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.live and (
+                 if r.beating and r.status is not None and r.status.tok_per_s_from == "server"}
+    total = sum(by_server.values()) + sum(r.tok_per_s for r in rows if r.beating and (
         r.status is None or r.status.tok_per_s_from != "server"))
     out.print(f"{plural(len(rows), 'worker')}: {summary}; {total:,.0f} tok/s in all")
     lines = [line for name, v in sorted(judged.items()) for line in (  # a slow GPU, its batch's cap, a figure missing
@@ -119,7 +119,7 @@ def workers(as_json: bool, prune: bool) -> None:
     jobs = list_jobs(conn)  # which each can serve: those for its server's model or `auto` (worker/gate.py)
     serves = {r.name: servable_jobs(conn, r.model, jobs) for r in rows if r.live}
     if as_json:
-        judged = decodebound.judge({r.name: r.status for r in rows if r.status is not None})
+        judged = decodebound.judge({r.name: r.status for r in rows if r.status and r.beating})
         click.echo(msgspec.json.encode([{**r.to_json(), "serves": serves.get(r.name), "bound": judged.get(r.name)}
                                         for r in rows]).decode())
     elif not rows:
@@ -140,12 +140,14 @@ def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: o
     if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
     conn = redis_conn()
-    if not (chosen := [r.name for r in control.select(control.fleet(conn), workers=names, host=host,
-                                                      everyone=everyone)]):
+    if not (chosen := control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)):
         raise Refused("no live workers")
-    for name in chosen:
-        control.update_control(conn, name, **change)
-    return chosen
+    for r in chosen:
+        control.update_control(conn, r.name, **change)
+        if r.state == "silent":  # killed, frozen or cut off: told, but it may never read it
+            click.echo(f"note: {r.name} is silent (no heartbeat for {age(r.heartbeat_age_s or 0)}): it acts on this "
+                       "only if it wakes", err=True)
+    return [r.name for r in chosen]
 
 
 @click.command()
@@ -155,6 +157,8 @@ def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: o
               help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, timeout: float | None) -> None:
     """Let workers finish what they hold, then exit. They take no new batches."""
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout is how long --wait waits: give --wait too")
     chosen = _steer(names, host, everyone, drain=True)
     click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
     deadline, said = None if timeout is None else time.monotonic() + timeout, ""
@@ -165,8 +169,10 @@ def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, 
             f" batches={len(r.batches)} in_flight={r.in_flight} queued={r.queued}" if r.live else "") for r in rows)
         if line != said:
             click.echo(said := line)
-        if not any(r.live for r in rows):
-            return click.echo("all drained: " + ", ".join(f"{r.name} {r.state}" for r in rows))
+        if not any(r.live for r in rows):  # a lost one did not drain: said so
+            died = " (it died before it drained: its batches run elsewhere)"
+            ends = ", ".join(f"{r.name} {r.state}{died if r.state == LOST else ''}" for r in rows)
+            return click.echo(f"{'all drained' if all(r.state == 'stopped' for r in rows) else 'none running'}: {ends}")
         if deadline is not None and time.monotonic() > deadline:
             raise Refused(f"still running after {timeout:.0f}s (they keep draining)")
         time.sleep(1.0)
@@ -201,9 +207,14 @@ def resume(job: str | None) -> None:
     """Undo genq pause (all jobs, or --job). --job also lifts its block (docs/settings.md)."""
     conn = redis_conn()
     jobs_named(conn, job)
-    queued = control.resume(conn, job)
-    click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
-               + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
+    now = None if job is None else ledger_jobs.jobs_now(conn, [job])[0]
+    was = ledger_jobs.paused_all(conn) if now is None else now.paused or now.blocked is not None
+    if not (queued := control.resume(conn, job)) and not was:  # said as it was, not "resumed"
+        click.echo((f"job {job} was neither paused nor blocked" if job else "the fleet was not paused (genq pause)")
+                   + ": nothing to resume")
+    else:
+        click.echo(f"resumed {f'job {job}' if job else 'all jobs'}"
+                   + (f"; {plural(queued, 'parked batch', 'parked batches')} queued again" if queued else ""))
     names = list_jobs(conn)
     if still := sorted(j for j, now in zip(names, ledger_jobs.jobs_now(conn, names)) if now.paused):
         click.echo(f"still paused on their own: {', '.join(still)} (genq resume --job NAME)")
@@ -289,7 +300,7 @@ def generation_options(fn: Any) -> Any:
 @jobs.command("set")
 @job_argument
 @generation_options
-@click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
+@click.option("--model", default=None, callback=cli.model_name, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Tries per prompt before its letter.")
 @click.option("--brake/--no-brake", "brake", default=None,
               help="--no-brake: never block this job on repeated failures; each failing prompt is dead-lettered.")
@@ -341,8 +352,8 @@ def jobs_delete(job: str, yes: bool, force: bool) -> None:
     rq_count = len({i for ids in found.rq_jobs.values() for i in ids})
     what = (f"{plural(len(found.keys), 'key')} {ledger_jobs.job_keys_shown(job)} ({listing or 'none'}), its name "
             f"in the job list, {plural(rq_count, 'RQ job')} ({places or 'none'})")
-    if not yes and not click.confirm(f"delete job {job}: {what}?", default=False):
-        raise Refused("nothing deleted")
+    if not cli.confirmed(yes, f"delete job {job}: {what}?", "nothing deleted"):
+        return
     config = load_config(conn, job)
     control.delete_job(conn, found)
     click.echo(f"removed job {job}: {what}")

@@ -11,6 +11,7 @@ from typing import Any
 import click
 import msgspec
 
+from genq import cli
 from genq.cli import EXIT_PARTLY_DONE, age, console, iso, job_option, json_option, redis_conn, table, yes_option
 from genq.cli.control import generation_options
 from genq.core.words import plural
@@ -149,11 +150,11 @@ def purge(job: str | None, yes: bool) -> None:
     if not (chosen := _chosen(conn, "purge", job)):
         return
     batches = sum(1 for e in chosen if e.is_batch)
-    what = plural(len(chosen) - batches, "dead prompt") + (
-        f" and {plural(batches, 'failed batch', 'failed batches')}" if batches else "")
-    if not yes:
-        click.confirm(f"Purge {what} of {f'job {job}' if job else 'all jobs'}? They will not be retried or counted",
-                      abort=True)
+    what = " and ".join(plural(n, *kind) for n, kind in ((len(chosen) - batches, ("dead prompt",)),
+                                                         (batches, ("failed batch", "failed batches"))) if n)
+    if not cli.confirmed(yes, f"Purge {what} of {f'job {job}' if job else 'all jobs'}? They will not be retried or "
+                         "counted", "nothing purged"):
+        return
     report = core.purge(conn, chosen)
     _said("purged", [f"job {name}: purged {plural(n, 'dead prompt')}" for name, n in report.prompts.items()]
           + [f"job {name}: purged failed batch {batch_id} ({plural(forgotten, 'unfinished prompt')} forgotten)"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, INT32, Finite, JobName, extra_body, local_or_s3, redis_url
+from genq.cli import EXIT_PARTLY_DONE, INT32, Finite, JobName, extra_body, local_or_s3, model_name, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue
@@ -46,7 +46,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
               help="Nucleus sampling top_p, in (0, 1] (server's if unset).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None,
               help="/v1/chat/completions or /v1/completions. [default: chat]")
-@click.option("--model", default=None, help="Model name to send; auto: the server's first. [default: auto]")
+@click.option("--model", default=None, callback=model_name,
+              help="Model name to send; auto: the server's first. [default: auto]")
 @click.option("--extra-body", default=None, metavar="JSON", help="Extra request fields (known OpenAI/SGLang/vLLM ones, "
               """checked here), e.g. '{"chat_template_kwargs": {"enable_thinking": true}}'.""")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None,

@@ -4,6 +4,7 @@ order and runs at import (docs/exactly-once.md says why each inequality matters)
 from __future__ import annotations
 
 BEAT_S = 1.0  # an engine's heartbeat: alive key, status, lease checks
+IDLE_BEAT_S = 20.0  # an idle worker's heartbeat and control read (worker/heartbeat.py IdlePace)
 # No beat this long: the engine's alive key is gone, its batches are queued again (a key TTL: whole seconds).
 LEASE_TIMEOUT_S = 10
 # A sender frozen this long (SIGSTOP, a stalled host) sends nothing until a beat has checked its leases.

@@ -19,7 +19,7 @@ from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
-from genq.core.ledger.figures import JobStatus, job_status
+from genq.core.ledger.figures import JobStatus, job_status, shown_state
 from genq.core.order import order_queue
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, JobSchedule, SettingsChange, WorkerStatus
@@ -66,8 +66,9 @@ class WorkerRow:
             raise AttributeError(field)
         return _LOST[field] if self.status is None else getattr(self.status, field)
 
-    state = property(lambda self: LOST if self.status is None else self.status.state)
-    live = property(lambda self: self.state not in ("stopped", LOST))
+    state = property(lambda self: shown_state(self.status, self.now))
+    live = property(lambda self: self.state not in ("stopped", LOST))  # may take instructions; kept by --prune
+    beating = property(lambda self: self.live and self.state != "silent")  # its figures are of now
     batches = property(lambda self: [] if self.status is None else [str(b) for b in self.status.batches])
     target = property(lambda self: self.concurrency_target)
     cap = property(lambda self: self.concurrency_limit)
@@ -125,7 +126,7 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
             hosts = sorted({r.host for r in rows if r.live and r.host})
             raise Refused(f"no live worker on host {host!r}; live hosts: {', '.join(hosts) or 'none'}")
         return chosen
-    by_name = {r.name: r for r in rows}
+    by_name, workers = {r.name: r for r in rows}, dict.fromkeys(workers)  # a name given twice is one worker
     for name in workers:
         if name not in by_name:
             raise Refused(f"no worker named {name!r}; known: {', '.join(sorted(by_name)) or 'none'}")

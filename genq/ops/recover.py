@@ -96,6 +96,9 @@ class Recovery:
 def recover(conn: redis.Redis, job: str, output: str | None = None, endpoint_url: str | None = None) -> Recovery:
     """Created again from OUTPUT/JOB/job.json when Redis has no config for the job, else caught up."""
     if (config := load_config(conn, job)) is not None:
+        if output is not None and output.rstrip("/") != config.output.rstrip("/"):  # never read silently elsewhere
+            raise Refused(f"job {job!r} is in Redis with output {config.output}, not {output}: leave --output out "
+                          "(or give that one)")
         adopted = catch_up(conn, config)
         config = load_config(conn, job) or config  # with the output's settings, when Redis had lost them
         record = truth.read_job(truth.open_store(config.output, config.s3_endpoint_url), job)

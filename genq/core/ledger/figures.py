@@ -13,6 +13,7 @@ import redis
 from genq.core import keys, ledger, scripts
 from genq.core.ledger import fleet, jobs
 from genq.core.records import InFlight, JobBlock, JobConfig, JobSchedule, WorkerStatus, unpack
+from genq.core.timings import BEAT_S, IDLE_BEAT_S
 
 HELD_READ_LIMIT = 2_000  # held batches looked at per refresh: bounded by the fleet, never by the job
 
@@ -54,6 +55,17 @@ class WorkerCounters:
         counts = [int(raw.get(name) or 0) for name in (b"done", b"failed", b"in_tok", b"out_tok")]
         times = [float(raw[name]) if raw.get(name) else None for name in (b"first_at", b"last_at")]
         return cls(*counts, *times)
+
+
+def shown_state(status: WorkerStatus | None, now: float) -> str:
+    """A worker's state as views show it: "lost" once its record expired; "silent" once its next beat is more
+    than 3 s late by the viewer's clock (due every BEAT_S while it holds or runs work, else every IDLE_BEAT_S;
+    3 s: a loaded host's slack): a killed worker's record goes on saying "busy" until it expires. monitoring.md"""
+    if status is None:
+        return "lost"
+    every = BEAT_S if status.state in ("busy", "draining") else IDLE_BEAT_S
+    late = status.state != "stopped" and now - status.heartbeat_at > every + 3 * BEAT_S
+    return "silent" if late else status.state
 
 
 @dataclass

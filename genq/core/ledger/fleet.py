@@ -51,10 +51,13 @@ def forget_workers(conn: redis.Redis, names: list[str]) -> None:
 
 
 def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
-               inflight: list[InFlight], gone: Iterable[str], inflight_ttl: int) -> None:
+               inflight: list[InFlight], gone: Iterable[str], inflight_ttl: int, first: bool = False) -> None:
     """A beat: the engine alive `ttl` s more, its status (a stopped one's kept without TTL: stopped, not
-    lost), its membership, its requests in flight per job, and none for the jobs in `gone`."""
+    lost), its membership, its requests in flight per job, and none for the jobs in `gone`. A life's first
+    beat drops the Control record an earlier life under the name left (killed while draining): it was for that one."""
     stopped = status.state == "stopped"
+    if first:
+        pipe.delete(keys.worker_control(status.name))
     if not stopped:
         pipe.set(keys.engine_alive(instance), status.name, ex=ttl)
     pipe.set(keys.worker_status(status.name), pack(status), ex=None if stopped else status_ttl)
@@ -80,6 +83,11 @@ async def read_controls(conn: aioredis.Redis, name: str, jobs: list[str]) -> tup
         raw, paused, *job_flags = await pipe.execute()
     control = unpack(raw, Control) if raw else Control()
     return control, bool(paused), {job for job, flag in zip(jobs, job_flags) if flag}
+
+
+def control_of(conn: redis.Redis, name: str) -> Control:
+    raw = conn.get(keys.worker_control(name))
+    return unpack(raw, Control) if raw else Control()
 
 
 def change_control(conn: redis.Redis, name: str, change: Callable[[Control], None]) -> Control:

@@ -177,7 +177,7 @@ function drawTables(s) {
   });
   document.querySelector("#bottlenecks tbody").innerHTML = rows.join("") || "<tr><td colspan=5>no workers</td></tr>";
   // The terminal view's worker table: this job's figures per worker.
-  const live = (w) => !["lost", "gone", "stopped"].includes(w.state);
+  const live = (w) => !["lost", "gone", "stopped", "silent"].includes(w.state);
   document.querySelector("#workers tbody").innerHTML = p.worker_details.map((w) =>
     `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td>${esc(w.state)}</td>` +
     `<td data-value="${live(w) ? w.in_flight : ""}">${live(w) ? w.in_flight + "/" + w.concurrency_target : ""}</td>` +
