@@ -334,3 +334,32 @@ def test_export_to_a_gz_name_writes_gzip(redis_url, tmp_path):
     proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
     assert "wrote 3 records" in proc.stdout and f"{dest.stat().st_size:,} bytes" in proc.stdout, proc.stdout
     assert [json.loads(line)["id"] for line in gzip.open(dest)] == ["p00000", "p00001", "p00002"]
+
+
+def test_export_refuses_to_write_over_what_it_reads(redis_url, tmp_path):
+    """--to (or --errors) inside the job's own output folder (a shard, a marker, job.json) overwrote what
+    the export read; now it is refused, exit 2, before anything is written."""
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [result(f"p{i}", i, "b0000001") for i in range(3)])
+    shard = out / "hand" / "shards" / "b0000001.jsonl"
+    before = shard.read_bytes()
+    for extra in (["--to", str(shard)], ["--to", str(out / "hand" / "manifest" / "b0000001.json")],
+                  ["--to", str(out / "hand")], ["--to", str(tmp_path / "ok.jsonl"), "--format", "openai-batch",
+                                                "--errors", str(shard)]):
+        proc = run_genq("export", "--job", "hand", "--from", str(out), *extra, redis_url=redis_url, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stdout + proc.stderr)
+        assert "--to" in proc.stderr or "--errors" in proc.stderr, proc.stderr
+        assert shard.read_bytes() == before and not (tmp_path / "ok.jsonl").exists()
+        assert sorted(p.name for p in (out / "hand").iterdir()) == ["manifest", "shards"]
+
+
+def test_export_refuses_to_write_over_the_jobs_input(redis_url, tmp_path):
+    """--to naming the job's own input file (job.json's inputs) overwrote the prompts; now refused, exit 2."""
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    write_prompts(src, 3)
+    before = src.read_bytes()
+    run_genq("enqueue", str(src), "--job", "hand", "--output", str(out), redis_url=redis_url)
+    write_shard(out, "b0000001", [result(f"p{i}", i, "b0000001") for i in range(3)])
+    proc = run_genq("export", "--job", "hand", "--to", str(src), redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and f"--to {src} is the job's input" in proc.stderr, proc.stdout + proc.stderr
+    assert src.read_bytes() == before

@@ -29,8 +29,9 @@ from genq.core.records import Choice, DeadLetter, Prompt, Result, ShardInfo
 from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
+from genq.output import truth
 from genq.output.truth import MANIFEST_DIR, SHARDS_DIR, LocalStore, Store, batch_of_marker, open_store, write_atomic
-from genq.producer.sources import read_prompts
+from genq.producer.sources import located, read_prompts
 
 DOWNLOAD_THREADS = 8
 OPEN_FILES = 64  # spooled shards kept open while the records are copied out
@@ -123,6 +124,12 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
         sys.exit(EXIT_PARTLY_DONE)
 
 
+def _inside(path: str, folder: str) -> bool:
+    if "://" in path or "://" in folder:
+        return path.startswith(folder + "/")
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
 def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     """The job's dead letters, plus the unfinished prompts of batches RQ gave up on (so that every
     input id lands in the output or the errors file)."""
@@ -148,6 +155,12 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     """Merge the job's shards (with `incarnation`, that life's and those of a genq that wrote none) into
     `dest`, `letters` into openai-batch's errors file, saying so; the records and error lines written."""
     store = open_store(output, endpoint_url)
+    folder, record = store.uri(job), truth.read_job(store, job)  # what export reads: never overwritten by it
+    for option, path in (("--to", dest), ("--errors", errors_path)):
+        where = (f"inside the job's output folder {folder}" if path and _inside(path, folder) else
+                 "the job's input" if path and record and located(path) in record.inputs else None)
+        if where:
+            raise click.UsageError(f"{option} {path} is {where}, which export reads: write it elsewhere")
     shards = _shards(store, job, incarnation)
     spool_parent = None if dest.startswith("s3://") else Path(dest).resolve().parent
     if spool_parent is not None:
