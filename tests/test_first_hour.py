@@ -104,16 +104,43 @@ def test_out_of_range_options_are_refused_before_anything_is_created(redis_url, 
     ('{"top_k": 2.5}', "top_k must be an integer"),
     ('{"stream": false}', "'stream' cannot be set here"),
     ('[1]', "must be a JSON object"),
+    ('{bad', "is not valid JSON"),
+    ('{"echo": true}', "'echo' is a /v1/completions field"),  # the default endpoint is chat's
 ])
 def test_bad_extra_body_is_refused_naming_the_option_and_field(redis_url, rconn, tmp_path, extra, expect):
+    """A bad value is bad usage, exit 2, as `genq jobs set` and `genq dlq requeue` say it (enqueue said 1)."""
     src = tmp_path / "p.jsonl"
     write_prompts(src, 3)
     proc = run_genq("enqueue", str(src), "--job", "bad", "--extra-body", extra, redis_url=redis_url, check=False)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert "--extra-body" in proc.stderr and expect in proc.stderr
     if "known fields" in expect:
         assert "chat_template_kwargs" in proc.stderr and "max_completion_tokens" in proc.stderr
     assert rconn.keys("*") == []
+
+
+def test_bad_extra_body_exits_2_on_every_command(redis_url, rconn, tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 1)
+    run_genq("enqueue", str(src), "--job", "ok", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    for extra in ('{bad', '{"temprature": 1}', '{"max_tokens": 9}'):  # for the job's endpoint: test_dlq, test_fidelity
+        for args in (("jobs", "set", "ok"), ("dlq", "requeue", "--all", "--job", "ok")):
+            proc = run_genq(*args, "--extra-body", extra, redis_url=redis_url, check=False)
+            assert proc.returncode == 2 and "--extra-body" in proc.stderr, (args, extra, proc.stdout + proc.stderr)
+            assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["", "  "])
+def test_an_empty_model_is_refused_on_every_command(redis_url, rconn, tmp_path, model):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 1)
+    proc = run_genq("enqueue", str(src), "--job", "em", "--model", model, redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--model" in proc.stderr, proc.stdout + proc.stderr
+    assert rconn.keys("*") == []
+    run_genq("enqueue", str(src), "--job", "em", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    proc = run_genq("jobs", "set", "em", "--model", model, redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--model" in proc.stderr, proc.stdout + proc.stderr
+    assert "model" not in run_genq("jobs", "show", "em", redis_url=redis_url).stdout.split("version 1")[-1]
 
 
 def test_bad_row_sampling_is_rejected_with_its_line(redis_url, rconn, tmp_path):

@@ -289,7 +289,7 @@ def generation_options(fn: Any) -> Any:
 @jobs.command("set")
 @job_argument
 @generation_options
-@click.option("--model", default=None, help="Model name to send ('auto': the server's first).")
+@click.option("--model", default=None, callback=cli.model_name, help="Model name to send ('auto': the server's first).")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None, help="Tries per prompt before its letter.")
 @click.option("--brake/--no-brake", "brake", default=None,
               help="--no-brake: never block this job on repeated failures; each failing prompt is dead-lettered.")

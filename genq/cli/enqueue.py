@@ -11,7 +11,7 @@ from collections.abc import Callable
 import click
 import redis
 
-from genq.cli import EXIT_PARTLY_DONE, INT32, Finite, JobName, extra_body, local_or_s3, redis_url
+from genq.cli import EXIT_PARTLY_DONE, INT32, Finite, JobName, extra_body, local_or_s3, model_name, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.ledger.jobs import counts
 from genq.core.order import order_queue, set_schedule
@@ -24,6 +24,7 @@ from genq.ops.control import job_rows
 from genq.output import truth
 from genq.output.truth import open_store
 from genq.producer.enqueue import SHOWN, Enqueuer, EnqueueSummary, RejectsFile, revives
+from genq.producer.rows import RowError, check_params
 from genq.producer.sources import ColumnMap, Meter, default_rejects_path, is_parquet, is_s3, located, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
@@ -46,7 +47,8 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
               help="Nucleus sampling top_p, in (0, 1] (server's if unset).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None,
               help="/v1/chat/completions or /v1/completions. [default: chat]")
-@click.option("--model", default=None, help="Model name to send; auto: the server's first. [default: auto]")
+@click.option("--model", default=None, callback=model_name,
+              help="Model name to send; auto: the server's first. [default: auto]")
 @click.option("--extra-body", default=None, metavar="JSON", help="Extra request fields (known OpenAI/SGLang/vLLM ones, "
               """checked here), e.g. '{"chat_template_kwargs": {"enable_thinking": true}}'.""")
 @click.option("--max-attempts", type=click.IntRange(1, 100), default=None,
@@ -144,6 +146,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
                 set_schedule(conn, job, priority, weight)  # and the queue in order again
             else:
                 order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
+    except RowError as exc:  # --extra-body's: bad usage
+        raise click.UsageError(str(exc)) from None
     except ValueError as exc:  # SourceError is the genq group's to print
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
@@ -184,7 +188,9 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     if (stored := load_config(conn, job)) is None:
         given.setdefault("output", os.path.abspath("out"))
         given |= {"name": job, "created_at": time.time(), "incarnation": new_incarnation()}
-        return JobConfig(**given), True  # type: ignore[arg-type]
+        config = JobConfig(**given)  # type: ignore[arg-type]
+        check_params(config.extra_body, "--extra-body", config.endpoint)  # the default endpoint's rules too
+        return config, True
     if differing := [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
                      for k in given if getattr(stored, k) != given[k]]:
         raise ValueError(f"job {job!r} already exists with other settings: {'; '.join(differing)}. Leave those "
