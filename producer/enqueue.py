@@ -120,6 +120,7 @@ class EnqueueSummary:
     batches: int = 0
     converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
     unsent: Counter[str] = field(default_factory=Counter)  # request fields at a row's top level: metadata, not sent
+    models: Counter[str] = field(default_factory=Counter)  # OpenAI Batch bodies' models, with --model auto
     skipped_existing: int = 0  # already queued or done (an earlier run, or far up this input)
     skipped_duplicate: int = 0  # same id, same content, close together in this input
     rejected: int = 0
@@ -159,6 +160,13 @@ class Enqueuer:
                 if isinstance(item, Rejected):
                     self.rejects.add(item)
                     continue
+                if item.model is not None and item.model != self.config.model:  # genq sends the job's model
+                    if self.config.model != "auto":
+                        self.rejects.add(Rejected(line=item.prompt.index + 1, text=item.text(), reason=(
+                            f"OpenAI Batch body's 'model' {item.model!r} is not the job's --model "
+                            f"{self.config.model!r}, which is what genq sends: queue it in a job of its own model")))
+                        continue
+                    summary.models[item.model] += 1  # unknown until a server takes the job: said at the end
                 if self.reference is not None and item.start < 0:
                     raise ValueError("by-reference batches need an uncompressed JSONL input")
                 self._pending.append(item)

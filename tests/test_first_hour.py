@@ -106,6 +106,8 @@ def test_out_of_range_options_are_refused_before_anything_is_created(redis_url, 
     ('[1]', "must be a JSON object"),
     ('{bad', "is not valid JSON"),
     ('{"echo": true}', "'echo' is a /v1/completions field"),  # the default endpoint is chat's
+    ('{"temperature": NaN}', "temperature must be a finite number, got nan"),  # JSON would send null
+    ('{"length_penalty": Infinity}', "length_penalty must be a finite number, got inf"),
 ])
 def test_bad_extra_body_is_refused_naming_the_option_and_field(redis_url, rconn, tmp_path, extra, expect):
     """A bad value is bad usage, exit 2, as `genq jobs set` and `genq dlq requeue` say it (enqueue said 1)."""
@@ -374,3 +376,40 @@ def test_bad_usage_exits_2_as_the_help_says(redis_url, tmp_path):
     proc = run_genq("enqueue", "x.jsonl", "--job", "j", "--no-such-option", redis_url=redis_url, check=False)
     assert proc.returncode == 2 and "No such option" in proc.stderr
     assert "2 bad usage" in " ".join(run_genq("enqueue", "--help", redis_url=redis_url).stdout.split())
+
+
+def test_an_openai_batch_lines_model_is_the_jobs_or_refused(redis_url, rconn, tmp_path):
+    """A body's model was silently replaced by the job's. Now: a line naming another model than the job's
+    --model is rejected, named; the same model (or none) is queued; with --model auto (nothing to check
+    against at enqueue) it is queued and a note says which model the lines named and what is sent."""
+    def line(cid, **body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"messages": CHAT, **body}}
+
+    src = _lines(tmp_path / "oai.jsonl", [line("same", model="m1"), line("other", model="gpt-4o-mini"),
+                                         line("none"), line("odd", model=5)])
+    proc = run_genq("enqueue", str(src), "--job", "pinned", "--model", "m1", "--output", str(tmp_path / "out"),
+                    redis_url=redis_url, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 2: OpenAI Batch body's 'model' 'gpt-4o-mini' is not the job's --model 'm1'" in proc.stderr
+    assert "line 4: OpenAI Batch body's 'model' must be a string" in proc.stderr, proc.stderr
+    assert [p.id for p in _stored_prompts(rconn, "pinned")] == ["same", "none"]
+    proc = run_genq("enqueue", str(src), "--job", "auto", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3 and [p.id for p in _stored_prompts(rconn, "auto")] == ["same", "other", "none"]
+    assert ("note: OpenAI Batch bodies name a model (gpt-4o-mini: 1 row, m1: 1 row); the job's (--model auto: "
+            "the first server's) is sent instead") in proc.stdout, proc.stdout
+
+
+def test_an_openai_batch_body_with_both_messages_and_prompt_is_rejected(redis_url, rconn, tmp_path):
+    """The body's field its url does not take was dropped without a word (a plain row with both is refused)."""
+    body = {"messages": CHAT, "prompt": "other"}
+    chat = "/v1/chat/completions"
+    src = _lines(tmp_path / "both.jsonl", [{"custom_id": "c", "url": chat, "body": body},
+                                          {"custom_id": "p", "url": "/v1/completions", "body": body},
+                                          {"custom_id": "ok", "url": chat, "body": {"messages": CHAT}}])
+    proc = run_genq("enqueue", str(src), "--job", "both", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 1: has both 'messages' and 'prompt'; give one" in proc.stderr, proc.stderr
+    assert "line 2: has both 'messages' and 'prompt'; give one" in proc.stderr, proc.stderr
+    assert [p.id for p in _stored_prompts(rconn, "both")] == ["ok"]

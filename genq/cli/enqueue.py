@@ -302,6 +302,10 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
         fields = ", ".join(f"{k} ({plural(n, 'row')})" for k, n in sorted(summary.unsent.items()))
         click.echo(f"  note: request fields at a row's top level are kept as its metadata and not sent: {fields}; "
                    "to send them, put them under \"sampling\"")
+    if summary.models:
+        named = ", ".join(f"{k}: {plural(n, 'row')}" for k, n in sorted(summary.models.items()))
+        click.echo(f"  note: OpenAI Batch bodies name a model ({named}); the job's (--model auto: the first "
+                   "server's) is sent instead, and each record's model says which answered")
     if summary.rebuilt or summary.recovered_batches:  # the output is the truth (docs/recovery.md)
         click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
                    f"{plural(summary.recovered_batches, 'batch', 'batches')} already written there counted as done")
