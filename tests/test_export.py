@@ -363,3 +363,12 @@ def test_export_refuses_to_write_over_the_jobs_input(redis_url, tmp_path):
     proc = run_genq("export", "--job", "hand", "--to", str(src), redis_url=redis_url, check=False)
     assert proc.returncode == 2 and f"--to {src} is the job's input" in proc.stderr, proc.stdout + proc.stderr
     assert src.read_bytes() == before
+
+
+def test_parquet_export_keeps_each_records_settings_version(redis_url, tmp_path):
+    """JSONL records name the settings version they were sent with (genq jobs set); Parquet dropped it."""
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [result("a", 0, "b0000001", settings_version=3), result("b", 1, "b0000001")])
+    dest = tmp_path / "v.parquet"
+    run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
+    assert pq.read_table(dest).column("settings_version").to_pylist() == [3, 0]

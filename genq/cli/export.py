@@ -332,8 +332,8 @@ PARQUET_COLUMNS = {
     "messages": "messages", "prompt": "string", "completion": "string", "reasoning_content": "string",
     "finish_reason": "string", "prompt_tokens": "usage", "completion_tokens": "usage", "reasoning_tokens": "usage",
     "model": "string", "worker": "string", "attempts": "int32", "latency_s": "float64", "response_id": "string",
-    "finished_at": "float64", "metadata": "json", "sampling": "json", "choices": "choices", "logprobs": "json",
-    "matched_stop": "json", "tool_calls": "json",
+    "finished_at": "float64", "settings_version": "int32", "metadata": "json", "sampling": "json",
+    "choices": "choices", "logprobs": "json", "matched_stop": "json", "tool_calls": "json",
 }
 
 
