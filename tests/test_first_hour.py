@@ -413,3 +413,13 @@ def test_an_openai_batch_body_with_both_messages_and_prompt_is_rejected(redis_ur
     assert "line 1: has both 'messages' and 'prompt'; give one" in proc.stderr, proc.stderr
     assert "line 2: has both 'messages' and 'prompt'; give one" in proc.stderr, proc.stderr
     assert [p.id for p in _stored_prompts(rconn, "both")] == ["ok"]
+
+
+def test_rejects_naming_the_input_is_refused_before_anything(redis_url, rconn, tmp_path):
+    """--rejects INPUT wrote the rejected lines over the input itself; now bad usage, nothing queued."""
+    src = _lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, "{bad"])
+    before = src.read_bytes()
+    proc = run_genq("enqueue", str(src), "--job", "rj", "--rejects", str(src), redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--rejects" in proc.stderr and "is the input" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert src.read_bytes() == before and rconn.keys("*") == []

@@ -109,6 +109,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     empty or invalid input, settings that contradict the job, Redis unreachable), or Redis failed
     part way (the same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C).
     """
+    if rejects_path and os.path.realpath(rejects_path) == os.path.realpath(input_uri):
+        raise click.UsageError(f"--rejects {rejects_path} is the input: the rejected lines would be written over it")
     url = redis_url(ctx)
     try:
         given = _given_settings(options)
