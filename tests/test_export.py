@@ -135,7 +135,7 @@ def test_export_dedups_orders_and_reads_only_shards_in_the_manifest(redis_url, t
     assert f"to {folder / 'hand.parquet'} from 2 shards" in proc.stdout
     assert table.num_rows == 10 and table.column("id").to_pylist() == [f"p{i:05d}" for i in range(10)]
     assert table.schema.field("completion_tokens").type == pa.int64()
-    assert table.column("messages").to_pylist()[4] == [{"role": "user", "content": "question p00004"}]
+    assert table.column("messages").to_pylist()[4] == [{"role": "user", "content": "question p00004", "other": None}]
     assert [json.loads(m) for m in table.column("metadata").to_pylist()] == [{"n": i} for i in range(10)]
 
     # A shard that disagrees with its marker stops the export, naming both.
@@ -372,3 +372,18 @@ def test_parquet_export_keeps_each_records_settings_version(redis_url, tmp_path)
     dest = tmp_path / "v.parquet"
     run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
     assert pq.read_table(dest).column("settings_version").to_pylist() == [3, 0]
+
+
+def test_parquet_export_keeps_every_key_of_a_message(redis_url, tmp_path):
+    """A message's keys beyond role and content (an assistant's tool_calls, a tool's tool_call_id, a name)
+    were dropped from Parquet's messages column; they are kept there as JSON in 'other'."""
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "sum", "name": "ann"}, {"role": "assistant", "content": None,
+                "tool_calls": [call]}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [msgspec.structs.replace(result("a", 0, "b0000001"), messages=messages)])
+    dest = tmp_path / "m.parquet"
+    run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
+    [got] = pq.read_table(dest).column("messages").to_pylist()
+    back = [{"role": m["role"], "content": m["content"], **json.loads(m["other"] or "{}")} for m in got]
+    assert back == messages and got[0]["other"] == '{"name":"ann"}'

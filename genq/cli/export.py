@@ -322,8 +322,8 @@ def write_jsonl(lines: Iterable[bytes], out: BinaryIO) -> int:
 
 
 # One fixed schema: a column's name and kind: an Arrow type, "usage" (an int64 of Result.usage), "json"
-# (a JSON string: keys differ from row to row), "messages" (a list of {role, content}, non-string content
-# as its JSON) or "choices" (every sample when n > 1; the columns before it are choice 0's).
+# (a JSON string: keys differ from row to row), "messages" (a list of {role, content, other}: _message) or
+# "choices" (every sample when n > 1; the columns before it are choice 0's).
 _CHOICE_COLUMNS = {"index": "int64", "completion": "string", "reasoning_content": "string",
                    "finish_reason": "string", "completion_tokens": "int64", "logprobs": "json",
                    "matched_stop": "json", "tool_calls": "json"}
@@ -344,13 +344,19 @@ def _cells(obj: Result | Choice, columns: dict[str, str]) -> dict[str, Any]:
         if kind == "json":  # matched_stop: "null" when stop was set and the server named nothing, null when not set
             absent = msgspec.UNSET if name == "matched_stop" else None
             value = None if value is absent or (name == "metadata" and not value) else _json.encode(value).decode()
-        elif kind == "messages" and value is not None:  # non-string content (multimodal parts) as its JSON
-            value = [{"role": m.get("role"), "content": c if (c := m.get("content")) is None or isinstance(c, str)
-                      else _json.encode(c).decode()} for m in value]
+        elif kind == "messages" and value is not None:
+            value = [_message(m) for m in value]
         elif kind == "choices" and value is not None:
             value = [_cells(c, _CHOICE_COLUMNS) for c in value]
         row[name] = value
     return row
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    """Parquet's message: non-string content (multimodal parts) and the other keys (tool_calls, name...) as JSON."""
+    content, rest = m.get("content"), {k: v for k, v in m.items() if k not in ("role", "content")}
+    return {"role": m.get("role"), "content": content if content is None or isinstance(content, str) else
+            _json.encode(content).decode(), "other": _json.encode(rest).decode() if rest else None}
 
 
 def parquet_schema() -> Any:
@@ -358,7 +364,7 @@ def parquet_schema() -> Any:
 
     def arrow(kind: str) -> Any:
         if kind == "messages":
-            return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+            return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("other", pa.string())]))
         if kind == "choices":
             return pa.list_(pa.struct([(name, arrow(k)) for name, k in _CHOICE_COLUMNS.items()]))
         return getattr(pa, {"json": "string", "usage": "int64"}.get(kind, kind))()
