@@ -108,6 +108,9 @@ def test_out_of_range_options_are_refused_before_anything_is_created(redis_url, 
     ('{"echo": true}', "'echo' is a /v1/completions field"),  # the default endpoint is chat's
     ('{"temperature": NaN}', "temperature must be a finite number, got nan"),  # JSON would send null
     ('{"length_penalty": Infinity}', "length_penalty must be a finite number, got inf"),
+    # The job's own options: one here was sent over them, and `genq jobs set --temperature` then changed nothing.
+    ('{"temperature": 0.9}', "'temperature' cannot be set here; the job's temperature is --temperature"),
+    ('{"top_p": 0.5}', "'top_p' cannot be set here; the job's top_p is --top-p"),
 ])
 def test_bad_extra_body_is_refused_naming_the_option_and_field(redis_url, rconn, tmp_path, extra, expect):
     """A bad value is bad usage, exit 2, as `genq jobs set` and `genq dlq requeue` say it (enqueue said 1)."""

@@ -168,6 +168,10 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.argument("job", type=JobName(), required=False)(command)
 
 
+OWN_OPTIONS = {"max_tokens": ("token cap", "--max-tokens"), "max_completion_tokens": ("token cap", "--max-tokens"),
+               "temperature": ("temperature", "--temperature"), "top_p": ("top_p", "--top-p")}
+
+
 def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     """--extra-body's JSON object, its fields checked as a row's sampling is (RowError says why: bad usage)."""
     from genq.core.records import pack
@@ -180,9 +184,10 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise RowError("--extra-body must be a JSON object")
     check_params(extra, "--extra-body", endpoint)
-    if cap := sorted({"max_tokens", "max_completion_tokens"} & extra.keys()):  # a job's: dlq requeue's differ
-        raise RowError(f"--extra-body: {cap[0]!r} cannot be set here; the job's token cap is --max-tokens (`genq "
-                       "jobs set --max-tokens` changes it), and a cap here would hide it")
+    if own := sorted(OWN_OPTIONS.keys() & extra.keys()):  # sent over the option's: `jobs set` would change nothing
+        what, option = OWN_OPTIONS[own[0]]
+        raise RowError(f"--extra-body: {own[0]!r} cannot be set here; the job's {what} is {option} (`genq jobs set "
+                       f"{option}` changes it), and one here would hide it")
     try:
         pack(extra)  # Redis holds the settings as msgpack, whose integers are 64-bit
     except OverflowError:
