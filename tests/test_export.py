@@ -387,3 +387,14 @@ def test_parquet_export_keeps_every_key_of_a_message(redis_url, tmp_path):
     [got] = pq.read_table(dest).column("messages").to_pylist()
     back = [{"role": m["role"], "content": m["content"], **json.loads(m["other"] or "{}")} for m in got]
     assert back == messages and got[0]["other"] == '{"name":"ann"}'
+
+
+def test_openai_batch_errors_file_cannot_be_the_output(redis_url, tmp_path):
+    """--errors naming --to's file wrote the error lines over the results; now refused, exit 2."""
+    out, dest = tmp_path / "out", tmp_path / "r.jsonl"
+    write_shard(out, "b0000001", [result("a", 0, "b0000001")])
+    proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), "--format", "openai-batch",
+                    "--errors", str(tmp_path / "." / "r.jsonl"), redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--errors" in proc.stderr and "is --to's file" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert not dest.exists()

@@ -156,6 +156,8 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     `dest`, `letters` into openai-batch's errors file, saying so; the records and error lines written."""
     store = open_store(output, endpoint_url)
     folder, record = store.uri(job), truth.read_job(store, job)  # what export reads: never overwritten by it
+    if errors_path and located(errors_path) == located(dest):
+        raise click.UsageError(f"--errors {errors_path} is --to's file: the error lines would be written over it")
     for option, path in (("--to", dest), ("--errors", errors_path)):
         where = (f"inside the job's output folder {folder}" if path and _inside(path, folder) else
                  "the job's input" if path and record and located(path) in record.inputs else None)
