@@ -212,7 +212,9 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool,
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     batch_line = "custom_id" in obj and "body" in obj
     prompt = _plain_row(line_no, _openai_batch_row(obj) if batch_line else obj)
-    if batch_line:  # its other fields are metadata, as a plain row's are
+    if batch_line:  # its other fields are metadata, as a plain row's are; its request is its body alone
+        if beside := sorted((_REQUEST_FIELDS - {"id"}) & obj.keys()):
+            raise RowError(f"{beside[0]!r} beside an OpenAI Batch 'body' would not be sent: put it in the body")
         if not isinstance(model := obj["body"].get("model", ""), str):
             raise RowError(f"OpenAI Batch body's 'model' must be a string, got {_kind(model)}")
         prompt.custom_id = prompt.id

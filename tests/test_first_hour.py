@@ -426,3 +426,18 @@ def test_rejects_naming_the_input_is_refused_before_anything(redis_url, rconn, t
     assert proc.returncode == 2 and "--rejects" in proc.stderr and "is the input" in proc.stderr, \
         proc.stdout + proc.stderr
     assert src.read_bytes() == before and rconn.keys("*") == []
+
+
+def test_request_fields_beside_an_openai_batch_body_are_rejected(redis_url, rconn, tmp_path):
+    """A batch line's 'sampling' (or messages, prompt) beside its body became metadata, never sent, without a
+    word; its request is its body, so such a line is rejected, named."""
+    line = {"custom_id": "r", "url": "/v1/chat/completions", "body": {"messages": CHAT}}
+    src = _lines(tmp_path / "beside.jsonl", [{**line, "sampling": {"temperature": 0}},
+                                            {**line, "custom_id": "m", "messages": CHAT},
+                                            {**line, "custom_id": "ok", "topic": "t"}])
+    proc = run_genq("enqueue", str(src), "--job", "beside", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 1: 'sampling' beside an OpenAI Batch 'body' would not be sent" in proc.stderr, proc.stderr
+    assert "line 2: 'messages' beside an OpenAI Batch 'body' would not be sent" in proc.stderr, proc.stderr
+    assert [(p.id, p.metadata) for p in _stored_prompts(rconn, "beside")] == [("ok", {"topic": "t"})]
