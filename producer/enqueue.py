@@ -133,9 +133,10 @@ class EnqueueSummary:
 class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
                  reference: str | None = None, input_uri: str | None = None, closed: str | None = None,
-                 dry_run: bool = False) -> None:
-        """reference: the input as workers read it (None: inline); closed: JobClosed(closed) before queueing."""
-        self.conn, self.config, self.rejects, self.reference = conn, config, rejects, reference
+                 dry_run: bool = False, model: str | None = None) -> None:
+        """reference: the input as workers read it (None: inline); closed: JobClosed(closed) before queueing;
+        model: the one OpenAI Batch bodies may name (--model; auto: any, noted; None: unchecked)."""
+        self.conn, self.config, self.rejects, self.reference, self.model = conn, config, rejects, reference, model
         self.summary = EnqueueSummary()
         self._create, self._closed = create, closed
         self._pending: list[Row] = []
@@ -160,11 +161,11 @@ class Enqueuer:
                 if isinstance(item, Rejected):
                     self.rejects.add(item)
                     continue
-                if item.model is not None and item.model != self.config.model:  # genq sends the job's model
-                    if self.config.model != "auto":
+                if item.model is not None and self.model is not None and item.model != self.model:  # it sends its
+                    if self.model != "auto":
                         self.rejects.add(Rejected(line=item.prompt.index + 1, text=item.text(), reason=(
                             f"OpenAI Batch body's 'model' {item.model!r} is not the job's --model "
-                            f"{self.config.model!r}, which is what genq sends: queue it in a job of its own model")))
+                            f"{self.model!r}, which is what genq sends: queue it in a job of its own model")))
                         continue
                     summary.models[item.model] += 1  # unknown until a server takes the job: said at the end
                 if self.reference is not None and item.start < 0:

@@ -401,6 +401,12 @@ def test_an_openai_batch_lines_model_is_the_jobs_or_refused(redis_url, rconn, tm
     assert proc.returncode == 3 and [p.id for p in _stored_prompts(rconn, "auto")] == ["same", "other", "none"]
     assert ("note: OpenAI Batch bodies name a model (gpt-4o-mini: 1 row, m1: 1 row); the job's (--model auto: "
             "the first server's) is sent instead") in proc.stdout, proc.stdout
+    # A worker pins the job's model (as `jobs set --model` does here): the same command again queues the rest
+    # as before, not rejecting the lines --model auto took.
+    run_genq("jobs", "set", "auto", "--model", "m1", redis_url=redis_url)
+    proc = run_genq("enqueue", str(src), "--job", "auto", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert "skipped 3 prompts already queued" in proc.stdout and "--model" not in proc.stderr, proc.stdout + proc.stderr
 
 
 def test_an_openai_batch_body_with_both_messages_and_prompt_is_rejected(redis_url, rconn, tmp_path):

@@ -128,7 +128,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         rejects, started = RejectsFile(path), time.monotonic()
         enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
                             input_uri=None if dry_run else located(input_uri), closed=None if dry_run else closed,
-                            dry_run=dry_run)
+                            dry_run=dry_run, model=config.model if create or "model" in given else None)
         try:
             summary = enqueuer.run(rows, on_progress=None if dry_run else _progress(started, meter), meter=meter)
         except BaseException:
