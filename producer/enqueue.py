@@ -137,6 +137,7 @@ class Enqueuer:
         """reference: the input as workers read it (None: inline); closed: JobClosed(closed) before queueing;
         model: the one OpenAI Batch bodies may name (--model; auto: any, noted; None: unchecked)."""
         self.conn, self.config, self.rejects, self.reference, self.model = conn, config, rejects, reference, model
+        self._wrong: set[str] = set()  # ids of rows rejected for their model
         self.summary = EnqueueSummary()
         self._create, self._closed = create, closed
         self._pending: list[Row] = []
@@ -161,13 +162,9 @@ class Enqueuer:
                 if isinstance(item, Rejected):
                     self.rejects.add(item)
                     continue
-                if item.model is not None and self.model is not None and item.model != self.model:  # it sends its
-                    if self.model != "auto":
-                        self.rejects.add(Rejected(line=item.prompt.index + 1, text=item.text(), reason=(
-                            f"OpenAI Batch body's 'model' {item.model!r} is not the job's --model "
-                            f"{self.model!r}, which is what genq sends: queue it in a job of its own model")))
-                        continue
-                    summary.models[item.model] += 1  # unknown until a server takes the job: said at the end
+                if reason := self._wrong_model(item):
+                    self.rejects.add(Rejected(line=item.prompt.index + 1, reason=reason, text=item.text()))
+                    continue
                 if self.reference is not None and item.start < 0:
                     raise ValueError("by-reference batches need an uncompressed JSONL input")
                 self._pending.append(item)
@@ -189,6 +186,20 @@ class Enqueuer:
         if on_progress:  # the rows of the last, short batch are queued too: 100%
             on_progress(summary)
         return summary
+
+    def _wrong_model(self, row: Row) -> str | None:
+        """Why a row is rejected for its OpenAI Batch body's model (genq sends the job's), or None; a later line of its
+        id too (a worker reading by reference takes an id's first line in its range). auto: any, noted."""
+        if row.prompt.id in self._wrong:
+            return f"duplicate id {row.prompt.id!r} of a line rejected for its model"
+        if row.model is None or self.model is None or row.model == self.model:
+            return None
+        if self.model == "auto":
+            self.summary.models[row.model] += 1  # unknown until a server takes the job: said at the end
+            return None
+        self._wrong.add(row.prompt.id)
+        return (f"OpenAI Batch body's 'model' {row.model!r} is not the job's --model {self.model!r}, which is what "
+                "genq sends: queue it in a job of its own model")
 
     def _from_output(self) -> None:
         """Adopt batches written in the output that Redis does not count as done, or revive the job from job.json."""

@@ -447,3 +447,21 @@ def test_request_fields_beside_an_openai_batch_body_are_rejected(redis_url, rcon
     assert "line 1: 'sampling' beside an OpenAI Batch 'body' would not be sent" in proc.stderr, proc.stderr
     assert "line 2: 'messages' beside an OpenAI Batch 'body' would not be sent" in proc.stderr, proc.stderr
     assert [(p.id, p.metadata) for p in _stored_prompts(rconn, "beside")] == [("ok", {"topic": "t"})]
+
+
+def test_a_line_rejected_for_its_model_does_not_spoil_a_by_reference_batch(redis_url, rconn, tmp_path, sim, worker):
+    """Workers reading a batch by reference take an id's first line in its range: a line rejected for its model
+    followed by a line of the same id made the whole batch input_changed. Now the later line is rejected too."""
+    def line(cid, model):
+        return {"custom_id": cid, "body": {"model": model, "messages": CHAT, "max_tokens": 8}}
+
+    src = _lines(tmp_path / "ref.jsonl", [line("s", "genq-sim/Sim-8B"), line("r", "other"),
+                                         line("r", "genq-sim/Sim-8B")])
+    out = tmp_path / "out"
+    proc = run_genq("enqueue", str(src), "--job", "ref", "--model", "genq-sim/Sim-8B", "--input-by-reference",
+                    "--output", str(out), redis_url=redis_url, check=False)
+    assert proc.returncode == 3 and "line 3: duplicate id 'r' of a line rejected for its model" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert worker(sim(mean_output_tokens=4), "--burst").wait(timeout=120) == 0
+    assert rconn.hlen(keys.job_dlq("ref")) == 0
+    assert [json.loads(x)["id"] for x in (out / "ref" / "shards" / "b0000001.jsonl").read_text().splitlines()] == ["s"]
