@@ -106,8 +106,9 @@ def test_out_of_range_options_are_refused_before_anything_is_created(redis_url, 
     ('[1]', "must be a JSON object"),
     ('{bad', "is not valid JSON"),
     ('{"echo": true}', "'echo' is a /v1/completions field"),  # the default endpoint is chat's
-    ('{"temperature": NaN}', "temperature must be a finite number, got nan"),  # JSON would send null
-    ('{"length_penalty": Infinity}', "length_penalty must be a finite number, got inf"),
+    ('{"temperature": NaN}', "--extra-body has NaN, which JSON cannot send"),  # it would go out as null
+    ('{"length_penalty": Infinity}', "--extra-body has Infinity, which JSON cannot send"),
+    ('{"chat_template_kwargs": {"x": 1e999}}', "--extra-body has 1e999, which JSON cannot send"),  # inf
     # The job's own options: one here was sent over them, and `genq jobs set --temperature` then changed nothing.
     ('{"temperature": 0.9}', "'temperature' cannot be set here; the job's temperature is --temperature"),
     ('{"top_p": 0.5}', "'top_p' cannot be set here; the job's top_p is --top-p"),
@@ -465,3 +466,18 @@ def test_a_line_rejected_for_its_model_does_not_spoil_a_by_reference_batch(redis
     assert worker(sim(mean_output_tokens=4), "--burst").wait(timeout=120) == 0
     assert rconn.hlen(keys.job_dlq("ref")) == 0
     assert [json.loads(x)["id"] for x in (out / "ref" / "shards" / "b0000001.jsonl").read_text().splitlines()] == ["s"]
+
+
+def test_a_parquet_rows_nan_setting_is_rejected_not_sent_as_null(redis_url, rconn, tmp_path):
+    """A Parquet float column holds NaN, which JSON has not: the row's temperature went out as null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"id": ["nan", "ok"], "prompt": ["a", "b"],
+                             "sampling": [{"temperature": float("nan")}, {"temperature": 0.5}]}), src)
+    proc = run_genq("enqueue", str(src), "--job", "nan", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 1: 'sampling': temperature must be a finite number, got nan" in proc.stderr, proc.stderr
+    assert [(p.id, p.sampling) for p in _stored_prompts(rconn, "nan")] == [("ok", {"temperature": 0.5})]

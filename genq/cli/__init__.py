@@ -177,8 +177,13 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     from genq.core.records import pack
     from genq.producer.rows import RowError, check_params
 
+    def finite(number: str) -> float:  # nan and inf (NaN, Infinity, 1e999) would be sent as null
+        if not math.isfinite(value := float(number)):
+            raise RowError(f"--extra-body has {number}, which JSON cannot send (it would go out as null)")
+        return value
+
     try:
-        extra = json.loads(text)
+        extra = json.loads(text, parse_float=finite, parse_constant=finite)
     except json.JSONDecodeError as exc:
         raise RowError(f"--extra-body is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
