@@ -398,3 +398,15 @@ def test_openai_batch_errors_file_cannot_be_the_output(redis_url, tmp_path):
     assert proc.returncode == 2 and "--errors" in proc.stderr and "is --to's file" in proc.stderr, \
         proc.stdout + proc.stderr
     assert not dest.exists()
+
+
+def test_openai_batch_export_keeps_the_matched_stop(redis_url, tmp_path):
+    """A request that set stop records what stopped it (matched_stop); the OpenAI Batch export dropped it. It is
+    kept on each choice, by SGLang's name, when the record has it (null: asked, nothing matched)."""
+    out, dest = tmp_path / "out", tmp_path / "b.jsonl"
+    write_shard(out, "b0000001", [result("a", 0, "b0000001", matched_stop="END"),
+                                  result("b", 1, "b0000001", matched_stop=None), result("c", 2, "b0000001")])
+    run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), "--format", "openai-batch",
+             redis_url=redis_url)
+    choices = [json.loads(x)["response"]["body"]["choices"][0] for x in dest.read_text().splitlines()]
+    assert [c.get("matched_stop", "absent") for c in choices] == ["END", None, "absent"]

@@ -414,7 +414,7 @@ def openai_output_line(r: Result) -> dict[str, Any]:
     completions = r.messages is None and r.prompt is not None
     samples = r.choices or [Choice(index=0, completion=r.completion, finish_reason=r.finish_reason,
                                    reasoning_content=r.reasoning_content, logprobs=r.logprobs,
-                                   tool_calls=r.tool_calls)]
+                                   matched_stop=r.matched_stop, tool_calls=r.tool_calls)]
 
     def said(c: Choice) -> dict[str, Any]:
         if completions:
@@ -422,7 +422,8 @@ def openai_output_line(r: Result) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": c.completion, "reasoning_content": c.reasoning_content,
                             **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
 
-    choices = [{"index": c.index, **said(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in samples]
+    choices = [{"index": c.index, **said(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                **({} if c.matched_stop is msgspec.UNSET else {"matched_stop": c.matched_stop})} for c in samples]
     body = {"id": r.response_id or (f"cmpl-{h}" if completions else f"chatcmpl-{h}"),
             "object": "text_completion" if completions else "chat.completion", "created": int(r.finished_at),
             "model": r.model, "choices": choices, "usage": usage}
