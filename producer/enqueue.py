@@ -121,6 +121,7 @@ class EnqueueSummary:
     batches: int = 0
     converted: int = 0  # 'prompt' rows sent as one user message (chat endpoint)
     unsent: Counter[str] = field(default_factory=Counter)  # request fields at a row's top level: metadata, not sent
+    models: Counter[str] = field(default_factory=Counter)  # OpenAI Batch bodies' models, with --model auto
     skipped_existing: int = 0  # already queued or done (an earlier run, or far up this input)
     skipped_duplicate: int = 0  # same id, same content, close together in this input
     rejected: int = 0
@@ -133,9 +134,11 @@ class EnqueueSummary:
 class Enqueuer:
     def __init__(self, conn: redis.Redis, config: JobConfig, *, create: bool, rejects: RejectsFile,
                  reference: str | None = None, input_uri: str | None = None, closed: str | None = None,
-                 dry_run: bool = False) -> None:
-        """reference: the input as workers read it (None: inline); closed: JobClosed(closed) before queueing."""
-        self.conn, self.config, self.rejects, self.reference = conn, config, rejects, reference
+                 dry_run: bool = False, model: str | None = None) -> None:
+        """reference: the input as workers read it (None: inline); closed: JobClosed(closed) before queueing;
+        model: the one OpenAI Batch bodies may name (--model; auto: any, noted; None: unchecked)."""
+        self.conn, self.config, self.rejects, self.reference, self.model = conn, config, rejects, reference, model
+        self._wrong: set[str] = set()  # ids of rows rejected for their model
         self.summary = EnqueueSummary()
         self._create, self._closed = create, closed
         self._pending: list[Row] = []
@@ -160,6 +163,9 @@ class Enqueuer:
                 if isinstance(item, Rejected):
                     self.rejects.add(item)
                     continue
+                if reason := self._wrong_model(item):
+                    self.rejects.add(Rejected(line=item.prompt.index + 1, reason=reason, text=item.text()))
+                    continue
                 if self.reference is not None and item.start < 0:
                     raise ValueError("by-reference batches need an uncompressed JSONL input")
                 self._pending.append(item)
@@ -181,6 +187,20 @@ class Enqueuer:
         if on_progress:  # the rows of the last, short batch are queued too: 100%
             on_progress(summary)
         return summary
+
+    def _wrong_model(self, row: Row) -> str | None:
+        """Why a row is rejected for its OpenAI Batch body's model (genq sends the job's), or None; a later line of its
+        id too (a worker reading by reference takes an id's first line in its range). auto: any, noted."""
+        if row.prompt.id in self._wrong:
+            return f"duplicate id {row.prompt.id!r} of a line rejected for its model"
+        if row.model is None or self.model is None or row.model == self.model:
+            return None
+        if self.model == "auto":
+            self.summary.models[row.model] += 1  # unknown until a server takes the job: said at the end
+            return None
+        self._wrong.add(row.prompt.id)
+        return (f"OpenAI Batch body's 'model' {row.model!r} is not the job's --model {self.model!r}, which is what "
+                "genq sends: queue it in a job of its own model")
 
     def _from_output(self) -> None:
         """Adopt batches written in the output that Redis does not count as done, or revive the job from job.json."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -73,6 +74,8 @@ def _number(low: float | None = None, high: float | None = None, *, low_open: bo
     def check(value: Any) -> str | None:
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             return f"must be {'an integer' if integer else 'a number'}, got {_kind(value)}"
+        if not math.isfinite(value):  # JSON has no nan or inf: they would be sent as null
+            return f"must be a finite number, got {value!r}"
         if low is not None and (value <= low if low_open else value < low):
             upper = f" and <= {high:g}" if high is not None and not integer else ""
             return f"must be {'>' if low_open else '>='} {low:g}{upper}, got {value!r}"
@@ -169,6 +172,7 @@ class Row(NamedTuple):
     converted: bool = False  # a 'prompt' row sent as one user message
     start: int = -1  # a JSONL line's byte range in the uncompressed input (by-reference batches); -1: none
     end: int = -1
+    model: str | None = None  # an OpenAI Batch body's: the job's (--model), checked by the Enqueuer
 
     def text(self) -> str:
         source = self.source if isinstance(self.source, bytes) else lenient_encoder.encode(self.source)
@@ -188,7 +192,7 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     if not (stripped := raw.strip().removeprefix(b"\xef\xbb\xbf")):
         return None
     try:
-        prompt, converted = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
+        prompt, converted, model = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
         pack(prompt)  # Redis holds it as msgpack, whose integers are 64-bit
     except msgspec.DecodeError as exc:
         return rejected(line_no, f"invalid JSON: {exc}", raw)
@@ -197,16 +201,22 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     except OverflowError:
         return rejected(line_no, "has an integer outside -2**63..2**64-1, which genq cannot queue; give it as a "
                         "string", raw)
-    return Row(prompt, stripped, claim_digest(prompt), converted, start, start + len(raw) if start >= 0 else -1)
+    return Row(prompt, stripped, claim_digest(prompt), converted, start, start + len(raw) if start >= 0 else -1,
+               model)
 
 
-def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]:
-    """A decoded row as the endpoint's Prompt, and whether it was converted (a prompt sent as one user message)."""
+def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool, str | None]:
+    """A decoded row as the endpoint's Prompt, whether it was converted (a prompt sent as one user message),
+    and the model an OpenAI Batch body names."""
     if not isinstance(obj, dict):
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     batch_line = "custom_id" in obj and "body" in obj
     prompt = _plain_row(line_no, _openai_batch_row(obj) if batch_line else obj)
-    if batch_line:  # its other fields are metadata, as a plain row's are
+    if batch_line:  # its other fields are metadata, as a plain row's are; its request is its body alone
+        if beside := sorted((_REQUEST_FIELDS - {"id"}) & obj.keys()):
+            raise RowError(f"{beside[0]!r} beside an OpenAI Batch 'body' would not be sent: put it in the body")
+        if not isinstance(model := obj["body"].get("model", ""), str):
+            raise RowError(f"OpenAI Batch body's 'model' must be a string, got {_kind(model)}")
         prompt.custom_id = prompt.id
         prompt.metadata = {k: v for k, v in obj.items() if k not in _BATCH_LINE_FIELDS}
     if prompt.sampling is not None:
@@ -215,10 +225,9 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool]
         what = "OpenAI Batch url /v1/chat/completions" if batch_line else "'messages'"
         raise RowError(f"has {what} but the job uses --endpoint completions, which takes a 'prompt' string; "
                        "queue chat rows in a job with --endpoint chat")
-    if endpoint == "chat" and prompt.messages is None:
+    if converted := endpoint == "chat" and prompt.messages is None:
         prompt.messages, prompt.prompt = [{"role": "user", "content": prompt.prompt}], None
-        return prompt, True
-    return prompt, False
+    return prompt, converted, (model or None) if batch_line else None
 
 
 def _plain_row(line_no: int, obj: dict[str, Any]) -> Prompt:
@@ -258,7 +267,7 @@ def _openai_batch_row(obj: dict[str, Any]) -> dict[str, Any]:
         raise RowError("OpenAI Batch 'body' must be an object")
     if body.get(field) is None:
         raise RowError(f"OpenAI Batch body for {url} has no {field!r}")
-    return {"id": custom_id, field: body[field],
+    return {"id": custom_id, "messages": body.get("messages"), "prompt": body.get("prompt"),  # both: refused
             "sampling": {k: v for k, v in body.items() if k not in SET_BY_GENQ}}
 
 

@@ -264,11 +264,11 @@ def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoi
                 row[field] = _strip_nulls(row[field])
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
-        prompt, converted = to_prompt(row_no, row, endpoint)
+        prompt, converted, model = to_prompt(row_no, row, endpoint)
     except RowError as exc:
         return rejected(row_no, str(exc), lenient_encoder.encode(row))
     prompt.metadata = {**(prompt.metadata or {}), **aside}
-    return Row(prompt, row, claim_digest(prompt), converted)
+    return Row(prompt, row, claim_digest(prompt), converted, model=model)
 
 
 def _strip_nulls(value: Any) -> Any:

@@ -326,7 +326,7 @@ def test_requeue_overrides_are_checked_for_the_jobs_endpoint(redis_url, rconn, s
     assert [e["id"] for e in dlq_json(redis_url)] == ["long"]
     proc = run_genq("dlq", "requeue", "--all", "--extra-body", '{"chat_template_kwargs": {"enable_thinking": true}}',
                     redis_url=redis_url, check=False)
-    assert proc.returncode == 1 and "--extra-body: 'chat_template_kwargs' is a chat field" in proc.stderr, \
+    assert proc.returncode == 2 and "--extra-body: 'chat_template_kwargs' is a chat field" in proc.stderr, \
         proc.stdout + proc.stderr
     assert [e["id"] for e in dlq_json(redis_url)] == ["long"]
 

@@ -135,7 +135,7 @@ def test_export_dedups_orders_and_reads_only_shards_in_the_manifest(redis_url, t
     assert f"to {folder / 'hand.parquet'} from 2 shards" in proc.stdout
     assert table.num_rows == 10 and table.column("id").to_pylist() == [f"p{i:05d}" for i in range(10)]
     assert table.schema.field("completion_tokens").type == pa.int64()
-    assert table.column("messages").to_pylist()[4] == [{"role": "user", "content": "question p00004"}]
+    assert table.column("messages").to_pylist()[4] == [{"role": "user", "content": "question p00004", "other": None}]
     assert [json.loads(m) for m in table.column("metadata").to_pylist()] == [{"n": i} for i in range(10)]
 
     # A shard that disagrees with its marker stops the export, naming both.
@@ -334,3 +334,79 @@ def test_export_to_a_gz_name_writes_gzip(redis_url, tmp_path):
     proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
     assert "wrote 3 records" in proc.stdout and f"{dest.stat().st_size:,} bytes" in proc.stdout, proc.stdout
     assert [json.loads(line)["id"] for line in gzip.open(dest)] == ["p00000", "p00001", "p00002"]
+
+
+def test_export_refuses_to_write_over_what_it_reads(redis_url, tmp_path):
+    """--to (or --errors) inside the job's own output folder (a shard, a marker, job.json) overwrote what
+    the export read; now it is refused, exit 2, before anything is written."""
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [result(f"p{i}", i, "b0000001") for i in range(3)])
+    shard = out / "hand" / "shards" / "b0000001.jsonl"
+    before = shard.read_bytes()
+    for extra in (["--to", str(shard)], ["--to", str(out / "hand" / "manifest" / "b0000001.json")],
+                  ["--to", str(out / "hand")], ["--to", str(tmp_path / "ok.jsonl"), "--format", "openai-batch",
+                                                "--errors", str(shard)]):
+        proc = run_genq("export", "--job", "hand", "--from", str(out), *extra, redis_url=redis_url, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stdout + proc.stderr)
+        assert "--to" in proc.stderr or "--errors" in proc.stderr, proc.stderr
+        assert shard.read_bytes() == before and not (tmp_path / "ok.jsonl").exists()
+        assert sorted(p.name for p in (out / "hand").iterdir()) == ["manifest", "shards"]
+
+
+def test_export_refuses_to_write_over_the_jobs_input(redis_url, tmp_path):
+    """--to naming the job's own input file (job.json's inputs) overwrote the prompts; now refused, exit 2."""
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    write_prompts(src, 3)
+    before = src.read_bytes()
+    run_genq("enqueue", str(src), "--job", "hand", "--output", str(out), redis_url=redis_url)
+    write_shard(out, "b0000001", [result(f"p{i}", i, "b0000001") for i in range(3)])
+    proc = run_genq("export", "--job", "hand", "--to", str(src), redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and f"--to {src} is the job's input" in proc.stderr, proc.stdout + proc.stderr
+    assert src.read_bytes() == before
+
+
+def test_parquet_export_keeps_each_records_settings_version(redis_url, tmp_path):
+    """JSONL records name the settings version they were sent with (genq jobs set); Parquet dropped it."""
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [result("a", 0, "b0000001", settings_version=3), result("b", 1, "b0000001")])
+    dest = tmp_path / "v.parquet"
+    run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
+    assert pq.read_table(dest).column("settings_version").to_pylist() == [3, 0]
+
+
+def test_parquet_export_keeps_every_key_of_a_message(redis_url, tmp_path):
+    """A message's keys beyond role and content (an assistant's tool_calls, a tool's tool_call_id, a name)
+    were dropped from Parquet's messages column; they are kept there as JSON in 'other'."""
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "sum", "name": "ann"}, {"role": "assistant", "content": None,
+                "tool_calls": [call]}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    out = tmp_path / "out"
+    write_shard(out, "b0000001", [msgspec.structs.replace(result("a", 0, "b0000001"), messages=messages)])
+    dest = tmp_path / "m.parquet"
+    run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), redis_url=redis_url)
+    [got] = pq.read_table(dest).column("messages").to_pylist()
+    back = [{"role": m["role"], "content": m["content"], **json.loads(m["other"] or "{}")} for m in got]
+    assert back == messages and got[0]["other"] == '{"name":"ann"}'
+
+
+def test_openai_batch_errors_file_cannot_be_the_output(redis_url, tmp_path):
+    """--errors naming --to's file wrote the error lines over the results; now refused, exit 2."""
+    out, dest = tmp_path / "out", tmp_path / "r.jsonl"
+    write_shard(out, "b0000001", [result("a", 0, "b0000001")])
+    proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), "--format", "openai-batch",
+                    "--errors", str(tmp_path / "." / "r.jsonl"), redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--errors" in proc.stderr and "is --to's file" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert not dest.exists()
+
+
+def test_openai_batch_export_keeps_the_matched_stop(redis_url, tmp_path):
+    """A request that set stop records what stopped it (matched_stop); the OpenAI Batch export dropped it. It is
+    kept on each choice, by SGLang's name, when the record has it (null: asked, nothing matched)."""
+    out, dest = tmp_path / "out", tmp_path / "b.jsonl"
+    write_shard(out, "b0000001", [result("a", 0, "b0000001", matched_stop="END"),
+                                  result("b", 1, "b0000001", matched_stop=None), result("c", 2, "b0000001")])
+    run_genq("export", "--job", "hand", "--from", str(out), "--to", str(dest), "--format", "openai-batch",
+             redis_url=redis_url)
+    choices = [json.loads(x)["response"]["body"]["choices"][0] for x in dest.read_text().splitlines()]
+    assert [c.get("matched_stop", "absent") for c in choices] == ["END", None, "absent"]

@@ -208,7 +208,7 @@ def test_tool_calls_are_kept(redis_url, rconn, sim, worker, tmp_path, stream):
 
 
 def _export(tmp_path: Path, redis_url: str, fmt: str) -> Path:
-    dest = tmp_path / f"exp.{fmt}"
+    dest = tmp_path / f"exp-export.{fmt}"  # exp.jsonl is the job's input: export refuses to write over it
     run_genq("export", "--job", "exp", "--to", str(dest), "--format", fmt, redis_url=redis_url)
     return dest
 
@@ -251,7 +251,7 @@ def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
              redis_url=redis_url)
     proc = run_genq("jobs", "set", "x", "--extra-body", json.dumps({"tools": [TOOL]}), redis_url=redis_url,
                     check=False)
-    assert proc.returncode == 1 and "--extra-body: 'tools' is a chat field" in proc.stderr, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "--extra-body: 'tools' is a chat field" in proc.stderr, proc.stdout + proc.stderr
     assert "settings version 1" in run_genq("jobs", "show", "x", redis_url=redis_url).stdout
     # A job-wide token cap under another name hid --max-tokens: `jobs set --max-tokens` (the brake's advice)
     # changed nothing the servers used.

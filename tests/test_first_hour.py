@@ -104,16 +104,49 @@ def test_out_of_range_options_are_refused_before_anything_is_created(redis_url, 
     ('{"top_k": 2.5}', "top_k must be an integer"),
     ('{"stream": false}', "'stream' cannot be set here"),
     ('[1]', "must be a JSON object"),
+    ('{bad', "is not valid JSON"),
+    ('{"echo": true}', "'echo' is a /v1/completions field"),  # the default endpoint is chat's
+    ('{"temperature": NaN}', "--extra-body has NaN, which JSON cannot send"),  # it would go out as null
+    ('{"length_penalty": Infinity}', "--extra-body has Infinity, which JSON cannot send"),
+    ('{"chat_template_kwargs": {"x": 1e999}}', "--extra-body has 1e999, which JSON cannot send"),  # inf
+    # The job's own options: one here was sent over them, and `genq jobs set --temperature` then changed nothing.
+    ('{"temperature": 0.9}', "'temperature' cannot be set here; the job's temperature is --temperature"),
+    ('{"top_p": 0.5}', "'top_p' cannot be set here; the job's top_p is --top-p"),
 ])
 def test_bad_extra_body_is_refused_naming_the_option_and_field(redis_url, rconn, tmp_path, extra, expect):
+    """A bad value is bad usage, exit 2, as `genq jobs set` and `genq dlq requeue` say it (enqueue said 1)."""
     src = tmp_path / "p.jsonl"
     write_prompts(src, 3)
     proc = run_genq("enqueue", str(src), "--job", "bad", "--extra-body", extra, redis_url=redis_url, check=False)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert "--extra-body" in proc.stderr and expect in proc.stderr
     if "known fields" in expect:
         assert "chat_template_kwargs" in proc.stderr and "max_completion_tokens" in proc.stderr
     assert rconn.keys("*") == []
+
+
+def test_bad_extra_body_exits_2_on_every_command(redis_url, rconn, tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 1)
+    run_genq("enqueue", str(src), "--job", "ok", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    for extra in ('{bad', '{"temprature": 1}', '{"max_tokens": 9}'):  # for the job's endpoint: test_dlq, test_fidelity
+        for args in (("jobs", "set", "ok"), ("dlq", "requeue", "--all", "--job", "ok")):
+            proc = run_genq(*args, "--extra-body", extra, redis_url=redis_url, check=False)
+            assert proc.returncode == 2 and "--extra-body" in proc.stderr, (args, extra, proc.stdout + proc.stderr)
+            assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["", "  "])
+def test_an_empty_model_is_refused_on_every_command(redis_url, rconn, tmp_path, model):
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 1)
+    proc = run_genq("enqueue", str(src), "--job", "em", "--model", model, redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--model" in proc.stderr, proc.stdout + proc.stderr
+    assert rconn.keys("*") == []
+    run_genq("enqueue", str(src), "--job", "em", "--output", str(tmp_path / "out"), redis_url=redis_url)
+    proc = run_genq("jobs", "set", "em", "--model", model, redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--model" in proc.stderr, proc.stdout + proc.stderr
+    assert "model" not in run_genq("jobs", "show", "em", redis_url=redis_url).stdout.split("version 1")[-1]
 
 
 def test_bad_row_sampling_is_rejected_with_its_line(redis_url, rconn, tmp_path):
@@ -348,3 +381,104 @@ def test_bad_usage_exits_2_as_the_help_says(redis_url, tmp_path):
     proc = run_genq("enqueue", "x.jsonl", "--job", "j", "--no-such-option", redis_url=redis_url, check=False)
     assert proc.returncode == 2 and "No such option" in proc.stderr
     assert "2 bad usage" in " ".join(run_genq("enqueue", "--help", redis_url=redis_url).stdout.split())
+
+
+def test_an_openai_batch_lines_model_is_the_jobs_or_refused(redis_url, rconn, tmp_path):
+    """A body's model was silently replaced by the job's. Now: a line naming another model than the job's
+    --model is rejected, named; the same model (or none) is queued; with --model auto (nothing to check
+    against at enqueue) it is queued and a note says which model the lines named and what is sent."""
+    def line(cid, **body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"messages": CHAT, **body}}
+
+    src = _lines(tmp_path / "oai.jsonl", [line("same", model="m1"), line("other", model="gpt-4o-mini"),
+                                         line("none"), line("odd", model=5)])
+    proc = run_genq("enqueue", str(src), "--job", "pinned", "--model", "m1", "--output", str(tmp_path / "out"),
+                    redis_url=redis_url, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 2: OpenAI Batch body's 'model' 'gpt-4o-mini' is not the job's --model 'm1'" in proc.stderr
+    assert "line 4: OpenAI Batch body's 'model' must be a string" in proc.stderr, proc.stderr
+    assert [p.id for p in _stored_prompts(rconn, "pinned")] == ["same", "none"]
+    proc = run_genq("enqueue", str(src), "--job", "auto", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3 and [p.id for p in _stored_prompts(rconn, "auto")] == ["same", "other", "none"]
+    assert ("note: OpenAI Batch bodies name a model (gpt-4o-mini: 1 row, m1: 1 row); the job's (--model auto: "
+            "the first server's) is sent instead") in proc.stdout, proc.stdout
+    # A worker pins the job's model (as `jobs set --model` does here): the same command again queues the rest
+    # as before, not rejecting the lines --model auto took.
+    run_genq("jobs", "set", "auto", "--model", "m1", redis_url=redis_url)
+    proc = run_genq("enqueue", str(src), "--job", "auto", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert "skipped 3 prompts already queued" in proc.stdout and "--model" not in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_an_openai_batch_body_with_both_messages_and_prompt_is_rejected(redis_url, rconn, tmp_path):
+    """The body's field its url does not take was dropped without a word (a plain row with both is refused)."""
+    body = {"messages": CHAT, "prompt": "other"}
+    chat = "/v1/chat/completions"
+    src = _lines(tmp_path / "both.jsonl", [{"custom_id": "c", "url": chat, "body": body},
+                                          {"custom_id": "p", "url": "/v1/completions", "body": body},
+                                          {"custom_id": "ok", "url": chat, "body": {"messages": CHAT}}])
+    proc = run_genq("enqueue", str(src), "--job", "both", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 1: has both 'messages' and 'prompt'; give one" in proc.stderr, proc.stderr
+    assert "line 2: has both 'messages' and 'prompt'; give one" in proc.stderr, proc.stderr
+    assert [p.id for p in _stored_prompts(rconn, "both")] == ["ok"]
+
+
+def test_rejects_naming_the_input_is_refused_before_anything(redis_url, rconn, tmp_path):
+    """--rejects INPUT wrote the rejected lines over the input itself; now bad usage, nothing queued."""
+    src = _lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, "{bad"])
+    before = src.read_bytes()
+    proc = run_genq("enqueue", str(src), "--job", "rj", "--rejects", str(src), redis_url=redis_url, check=False)
+    assert proc.returncode == 2 and "--rejects" in proc.stderr and "is the input" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert src.read_bytes() == before and rconn.keys("*") == []
+
+
+def test_request_fields_beside_an_openai_batch_body_are_rejected(redis_url, rconn, tmp_path):
+    """A batch line's 'sampling' (or messages, prompt) beside its body became metadata, never sent, without a
+    word; its request is its body, so such a line is rejected, named."""
+    line = {"custom_id": "r", "url": "/v1/chat/completions", "body": {"messages": CHAT}}
+    src = _lines(tmp_path / "beside.jsonl", [{**line, "sampling": {"temperature": 0}},
+                                            {**line, "custom_id": "m", "messages": CHAT},
+                                            {**line, "custom_id": "ok", "topic": "t"}])
+    proc = run_genq("enqueue", str(src), "--job", "beside", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 1: 'sampling' beside an OpenAI Batch 'body' would not be sent" in proc.stderr, proc.stderr
+    assert "line 2: 'messages' beside an OpenAI Batch 'body' would not be sent" in proc.stderr, proc.stderr
+    assert [(p.id, p.metadata) for p in _stored_prompts(rconn, "beside")] == [("ok", {"topic": "t"})]
+
+
+def test_a_line_rejected_for_its_model_does_not_spoil_a_by_reference_batch(redis_url, rconn, tmp_path, sim, worker):
+    """Workers reading a batch by reference take an id's first line in its range: a line rejected for its model
+    followed by a line of the same id made the whole batch input_changed. Now the later line is rejected too."""
+    def line(cid, model):
+        return {"custom_id": cid, "body": {"model": model, "messages": CHAT, "max_tokens": 8}}
+
+    src = _lines(tmp_path / "ref.jsonl", [line("s", "genq-sim/Sim-8B"), line("r", "other"),
+                                         line("r", "genq-sim/Sim-8B")])
+    out = tmp_path / "out"
+    proc = run_genq("enqueue", str(src), "--job", "ref", "--model", "genq-sim/Sim-8B", "--input-by-reference",
+                    "--output", str(out), redis_url=redis_url, check=False)
+    assert proc.returncode == 3 and "line 3: duplicate id 'r' of a line rejected for its model" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert worker(sim(mean_output_tokens=4), "--burst").wait(timeout=120) == 0
+    assert rconn.hlen(keys.job_dlq("ref")) == 0
+    assert [json.loads(x)["id"] for x in (out / "ref" / "shards" / "b0000001.jsonl").read_text().splitlines()] == ["s"]
+
+
+def test_a_parquet_rows_nan_setting_is_rejected_not_sent_as_null(redis_url, rconn, tmp_path):
+    """A Parquet float column holds NaN, which JSON has not: the row's temperature went out as null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"id": ["nan", "ok"], "prompt": ["a", "b"],
+                             "sampling": [{"temperature": float("nan")}, {"temperature": 0.5}]}), src)
+    proc = run_genq("enqueue", str(src), "--job", "nan", "--output", str(tmp_path / "out"), redis_url=redis_url,
+                    check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "line 1: 'sampling': temperature must be a finite number, got nan" in proc.stderr, proc.stderr
+    assert [(p.id, p.sampling) for p in _stored_prompts(rconn, "nan")] == [("ok", {"temperature": 0.5})]

@@ -120,7 +120,7 @@ def test_enable_thinking_at_the_top_of_extra_body_points_at_chat_template_kwargs
     write_prompts(src, 3)
     proc = run_genq("enqueue", str(src), "--job", "think", "--extra-body", '{"enable_thinking": true}',
                     redis_url=redis_url, check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert '{"chat_template_kwargs": {"enable_thinking": true}}' in proc.stderr, proc.stderr
     assert rconn.keys("*") == []
     # Said that way, it is taken.

@@ -235,7 +235,7 @@ def test_an_integer_too_large_to_queue_rejects_its_line_only(redis_url, rconn, t
     assert [p.id for p in batch_prompts(rconn, "big", "b0000001")] == ["ok"]
     proc = run_genq("enqueue", str(src), "--job", "big2", "--extra-body", '{"seed": 18446744073709551616}',
                     "--output", str(tmp_path / "out"), redis_url=redis_url, check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "--extra-body has an integer outside" in proc.stderr
 
 

@@ -111,7 +111,13 @@ def test_job_from_s3_input_writes_s3_shards_one_record_per_prompt(moto, redis_ur
     assert f"to s3://{BUCKET}/exports/s3job.parquet from 6 shards" in exp.stdout
     table = pq.read_table(io.BytesIO(s3.get_object(Bucket=BUCKET, Key="exports/s3job.parquet")["Body"].read()))
     assert table.column("id").to_pylist() == ids
-    assert table.column("messages").to_pylist()[3] == [{"role": "user", "content": "prompt p00003"}]
+    assert table.column("messages").to_pylist()[3] == [{"role": "user", "content": "prompt p00003", "other": None}]
+    # ... never over a shard it reads (or anything else in the job's folder).
+    key = f"runs/2026/s3job/shards/{min(by_batch)}.jsonl.gz"
+    before = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    exp = run_genq("export", "--job", "s3job", "--to", f"s3://{BUCKET}/{key}", redis_url=redis_url, check=False)
+    assert exp.returncode == 2 and "inside the job's output folder" in exp.stderr, exp.stdout + exp.stderr
+    assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() == before
 
 
 def test_s3_outage_mid_run_acknowledges_only_uploaded_batches(moto, redis_url, rconn, sim, worker, tmp_path):  # noqa: F811 (the moto fixture)

@@ -59,7 +59,9 @@ class LazyGroup(click.Group):
             from genq.producer.sources import SourceError
             from genq.worker.fleet import FleetError
 
-            if isinstance(exc, (Refused, RowError, SourceError, FleetError, JobNotFound)):
+            if isinstance(exc, RowError):  # a request field's bad value (--extra-body for the job's endpoint)
+                raise click.UsageError(str(exc)) from None
+            if isinstance(exc, (Refused, SourceError, FleetError, JobNotFound)):
                 raise click.ClickException(str(exc)) from None
             raise
 
@@ -111,9 +113,9 @@ def concurrency(value: Any) -> int | None:
 
 
 def model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A click callback: a model name as a server lists it, or auto; no server serves "" or " m" (the job waits)."""
-    if value is not None and (not value or value != value.strip()):
-        raise click.BadParameter(f"{value!r}: give the model's name as its server lists it, or auto")
+    """A click callback: --model names a model (or auto); a blank one, or one in spaces, matches no server."""
+    if value is not None and (not value.strip() or value != value.strip()):
+        raise click.BadParameter(f"{value!r}: give a model name without spaces around it, or auto")
     return value
 
 
@@ -166,25 +168,35 @@ def job_argument(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.argument("job", type=JobName(), required=False)(command)
 
 
+OWN_OPTIONS = {"max_tokens": ("token cap", "--max-tokens"), "max_completion_tokens": ("token cap", "--max-tokens"),
+               "temperature": ("temperature", "--temperature"), "top_p": ("top_p", "--top-p")}
+
+
 def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
-    """--extra-body's JSON object, its fields checked as a row's sampling is (ValueError says why)."""
+    """--extra-body's JSON object, its fields checked as a row's sampling is (RowError says why: bad usage)."""
     from genq.core.records import pack
-    from genq.producer.rows import check_params
+    from genq.producer.rows import RowError, check_params
+
+    def finite(number: str) -> float:  # nan and inf (NaN, Infinity, 1e999) would be sent as null
+        if not math.isfinite(value := float(number)):
+            raise RowError(f"--extra-body has {number}, which JSON cannot send (it would go out as null)")
+        return value
 
     try:
-        extra = json.loads(text)
+        extra = json.loads(text, parse_float=finite, parse_constant=finite)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
+        raise RowError(f"--extra-body is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    check_params(extra, "--extra-body", endpoint)  # RowError is a ValueError
-    if cap := sorted({"max_tokens", "max_completion_tokens"} & extra.keys()):  # a job's: dlq requeue's differ
-        raise ValueError(f"--extra-body: {cap[0]!r} cannot be set here; the job's token cap is --max-tokens (`genq "
-                         "jobs set --max-tokens` changes it), and a cap here would hide it")
+        raise RowError("--extra-body must be a JSON object")
+    check_params(extra, "--extra-body", endpoint)
+    if own := sorted(OWN_OPTIONS.keys() & extra.keys()):  # sent over the option's: `jobs set` would change nothing
+        what, option = OWN_OPTIONS[own[0]]
+        raise RowError(f"--extra-body: {own[0]!r} cannot be set here; the job's {what} is {option} (`genq jobs set "
+                       f"{option}` changes it), and one here would hide it")
     try:
         pack(extra)  # Redis holds the settings as msgpack, whose integers are 64-bit
     except OverflowError:
-        raise ValueError("--extra-body has an integer outside -2**63..2**64-1, which genq cannot store") from None
+        raise RowError("--extra-body has an integer outside -2**63..2**64-1, which genq cannot store") from None
     return extra
 
 

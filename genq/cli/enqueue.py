@@ -24,6 +24,7 @@ from genq.ops.control import job_rows, set_schedule
 from genq.output import truth
 from genq.output.truth import open_store
 from genq.producer.enqueue import SHOWN, Enqueuer, EnqueueSummary, RejectsFile, revives
+from genq.producer.rows import RowError, check_params
 from genq.producer.sources import ColumnMap, Meter, default_rejects_path, is_parquet, is_s3, located, open_rows
 
 # Options that make up the job's config; None means "not given on this command line".
@@ -108,6 +109,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     empty or invalid input, settings that contradict the job, Redis unreachable), or Redis failed
     part way (the same command again queues the rest); 2 bad usage; 130 interrupted (Ctrl-C).
     """
+    if rejects_path and os.path.realpath(rejects_path) == os.path.realpath(input_uri):
+        raise click.UsageError(f"--rejects {rejects_path} is the input: the rejected lines would be written over it")
     url = redis_url(ctx)
     try:
         given = _given_settings(options)
@@ -125,7 +128,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         rejects, started = RejectsFile(path), time.monotonic()
         enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,
                             input_uri=None if dry_run else located(input_uri), closed=None if dry_run else closed,
-                            dry_run=dry_run)
+                            dry_run=dry_run, model=config.model if create or "model" in given else None)
         try:
             summary = enqueuer.run(rows, on_progress=None if dry_run else _progress(started, meter), meter=meter)
         except BaseException:
@@ -145,6 +148,8 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
                 set_schedule(conn, job, priority, weight)  # job.json, then Redis; the queue in order again
             else:
                 order_queue(conn)  # its batches take their turns among the other jobs' (genq.core.order)
+    except RowError as exc:  # --extra-body's: bad usage
+        raise click.UsageError(str(exc)) from None
     except ValueError as exc:  # SourceError is the genq group's to print
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
@@ -185,7 +190,9 @@ def _job_config(conn: redis.Redis, job: str, given: dict[str, object]) -> tuple[
     if (stored := load_config(conn, job)) is None:
         given.setdefault("output", os.path.abspath("out"))
         given |= {"name": job, "created_at": time.time(), "incarnation": new_incarnation()}
-        return JobConfig(**given), True  # type: ignore[arg-type]
+        config = JobConfig(**given)  # type: ignore[arg-type]
+        check_params(config.extra_body, "--extra-body", config.endpoint)  # the default endpoint's rules too
+        return config, True
     if differing := [f"--{k.replace('_', '-')} {given[k]!r} (job has {getattr(stored, k)!r})"
                      for k in given if getattr(stored, k) != given[k]]:
         raise ValueError(f"job {job!r} already exists with other settings: {'; '.join(differing)}. Leave those "
@@ -297,6 +304,10 @@ def _report(summary: EnqueueSummary, rejects: RejectsFile) -> None:
         fields = ", ".join(f"{k} ({plural(n, 'row')})" for k, n in sorted(summary.unsent.items()))
         click.echo(f"  note: request fields at a row's top level are kept as its metadata and not sent: {fields}; "
                    "to send them, put them under \"sampling\"")
+    if summary.models:
+        named = ", ".join(f"{k}: {plural(n, 'row')}" for k, n in sorted(summary.models.items()))
+        click.echo(f"  note: OpenAI Batch bodies name a model ({named}); the job's (--model auto: the first "
+                   "server's) is sent instead, and each record's model says which answered")
     if summary.rebuilt or summary.recovered_batches:  # the output is the truth (docs/recovery.md)
         click.echo(f"  {'job created again from its output (it was not in Redis); ' if summary.rebuilt else ''}"
                    f"{plural(summary.recovered_batches, 'batch', 'batches')} already written there counted as done")

@@ -29,8 +29,9 @@ from genq.core.records import Choice, DeadLetter, Prompt, Result, ShardInfo
 from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
+from genq.output import truth
 from genq.output.truth import MANIFEST_DIR, SHARDS_DIR, LocalStore, Store, batch_of_marker, open_store, write_atomic
-from genq.producer.sources import read_prompts
+from genq.producer.sources import located, read_prompts
 
 DOWNLOAD_THREADS = 8
 OPEN_FILES = 64  # spooled shards kept open while the records are copied out
@@ -123,6 +124,12 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
         sys.exit(EXIT_PARTLY_DONE)
 
 
+def _inside(path: str, folder: str) -> bool:
+    if "://" in path or "://" in folder:
+        return path.startswith(folder + "/")
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
 def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
     """The job's dead letters, plus the unfinished prompts of batches RQ gave up on (so that every
     input id lands in the output or the errors file)."""
@@ -148,6 +155,14 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     """Merge the job's shards (with `incarnation`, that life's and those of a genq that wrote none) into
     `dest`, `letters` into openai-batch's errors file, saying so; the records and error lines written."""
     store = open_store(output, endpoint_url)
+    folder, record = store.uri(job), truth.read_job(store, job)  # what export reads: never overwritten by it
+    if errors_path and located(errors_path) == located(dest):
+        raise click.UsageError(f"--errors {errors_path} is --to's file: the error lines would be written over it")
+    for option, path in (("--to", dest), ("--errors", errors_path)):
+        where = (f"inside the job's output folder {folder}" if path and _inside(path, folder) else
+                 "the job's input" if path and record and located(path) in record.inputs else None)
+        if where:
+            raise click.UsageError(f"{option} {path} is {where}, which export reads: write it elsewhere")
     shards = _shards(store, job, incarnation)
     spool_parent = None if dest.startswith("s3://") else Path(dest).resolve().parent
     if spool_parent is not None:
@@ -309,8 +324,8 @@ def write_jsonl(lines: Iterable[bytes], out: BinaryIO) -> int:
 
 
 # One fixed schema: a column's name and kind: an Arrow type, "usage" (an int64 of Result.usage), "json"
-# (a JSON string: keys differ from row to row), "messages" (a list of {role, content}, non-string content
-# as its JSON) or "choices" (every sample when n > 1; the columns before it are choice 0's).
+# (a JSON string: keys differ from row to row), "messages" (a list of {role, content, other}: _message) or
+# "choices" (every sample when n > 1; the columns before it are choice 0's).
 _CHOICE_COLUMNS = {"index": "int64", "completion": "string", "reasoning_content": "string",
                    "finish_reason": "string", "completion_tokens": "int64", "logprobs": "json",
                    "matched_stop": "json", "tool_calls": "json"}
@@ -319,8 +334,8 @@ PARQUET_COLUMNS = {
     "messages": "messages", "prompt": "string", "completion": "string", "reasoning_content": "string",
     "finish_reason": "string", "prompt_tokens": "usage", "completion_tokens": "usage", "reasoning_tokens": "usage",
     "model": "string", "worker": "string", "attempts": "int32", "latency_s": "float64", "response_id": "string",
-    "finished_at": "float64", "metadata": "json", "sampling": "json", "choices": "choices", "logprobs": "json",
-    "matched_stop": "json", "tool_calls": "json",
+    "finished_at": "float64", "settings_version": "int32", "metadata": "json", "sampling": "json",
+    "choices": "choices", "logprobs": "json", "matched_stop": "json", "tool_calls": "json",
 }
 
 
@@ -331,13 +346,19 @@ def _cells(obj: Result | Choice, columns: dict[str, str]) -> dict[str, Any]:
         if kind == "json":  # matched_stop: "null" when stop was set and the server named nothing, null when not set
             absent = msgspec.UNSET if name == "matched_stop" else None
             value = None if value is absent or (name == "metadata" and not value) else _json.encode(value).decode()
-        elif kind == "messages" and value is not None:  # non-string content (multimodal parts) as its JSON
-            value = [{"role": m.get("role"), "content": c if (c := m.get("content")) is None or isinstance(c, str)
-                      else _json.encode(c).decode()} for m in value]
+        elif kind == "messages" and value is not None:
+            value = [_message(m) for m in value]
         elif kind == "choices" and value is not None:
             value = [_cells(c, _CHOICE_COLUMNS) for c in value]
         row[name] = value
     return row
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    """Parquet's message: non-string content (multimodal parts) and the other keys (tool_calls, name...) as JSON."""
+    content, rest = m.get("content"), {k: v for k, v in m.items() if k not in ("role", "content")}
+    return {"role": m.get("role"), "content": content if content is None or isinstance(content, str) else
+            _json.encode(content).decode(), "other": _json.encode(rest).decode() if rest else None}
 
 
 def parquet_schema() -> Any:
@@ -345,7 +366,7 @@ def parquet_schema() -> Any:
 
     def arrow(kind: str) -> Any:
         if kind == "messages":
-            return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+            return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("other", pa.string())]))
         if kind == "choices":
             return pa.list_(pa.struct([(name, arrow(k)) for name, k in _CHOICE_COLUMNS.items()]))
         return getattr(pa, {"json": "string", "usage": "int64"}.get(kind, kind))()
@@ -393,7 +414,7 @@ def openai_output_line(r: Result) -> dict[str, Any]:
     completions = r.messages is None and r.prompt is not None
     samples = r.choices or [Choice(index=0, completion=r.completion, finish_reason=r.finish_reason,
                                    reasoning_content=r.reasoning_content, logprobs=r.logprobs,
-                                   tool_calls=r.tool_calls)]
+                                   matched_stop=r.matched_stop, tool_calls=r.tool_calls)]
 
     def said(c: Choice) -> dict[str, Any]:
         if completions:
@@ -401,7 +422,8 @@ def openai_output_line(r: Result) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": c.completion, "reasoning_content": c.reasoning_content,
                             **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
 
-    choices = [{"index": c.index, **said(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in samples]
+    choices = [{"index": c.index, **said(c), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                **({} if c.matched_stop is msgspec.UNSET else {"matched_stop": c.matched_stop})} for c in samples]
     body = {"id": r.response_id or (f"cmpl-{h}" if completions else f"chatcmpl-{h}"),
             "object": "text_completion" if completions else "chat.completion", "created": int(r.finished_at),
             "model": r.model, "choices": choices, "usage": usage}
