@@ -165,8 +165,8 @@ def keep_paused(conn: redis.Redis, job: str, paused: bool) -> None:
         return
     store = truth.open_store(config.output, config.s3_endpoint_url)
     try:
-        if (record := truth.read_job(store, job)) is not None and record.config.incarnation == config.incarnation:
-            truth.write_job(store, msgspec.structs.replace(record, paused=paused))
+        truth.update_job(store, job, lambda record: msgspec.structs.replace(record, paused=paused) if record
+                         is not None and record.config.incarnation == config.incarnation else None)
     except Exception as exc:  # OSError, botocore's errors: the output unreachable from here
         log.warning("job %s: %s in Redis, but %s could not be written (%s: %s): a job rebuilt from its output "
                     "would not be", job, "paused" if paused else "resumed", truth.job_uri(store, job),
@@ -318,12 +318,17 @@ def set_schedule(conn: redis.Redis, job: str, priority: int | None, weight: floa
 def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule | None = None) -> None:
     """OUTPUT/JOB/job.json with `config`, or only with `schedule` (the rest kept), or Refused."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
-    try:
-        record = truth.read_job(store, config.name)
+
+    def change(record: JobRecord | None) -> JobRecord:
         if record is None or record.config.incarnation != config.incarnation:  # an output without job.json
             record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
-        truth.write_job(store, msgspec.structs.replace(record, **{"schedule": schedule} if schedule else
-                                                       {"config": config}))
+        if schedule is not None:  # never an older one over a newer one: writers race (truth.update_job)
+            return record if record.schedule and record.schedule.version > schedule.version else \
+                msgspec.structs.replace(record, schedule=schedule)
+        return msgspec.structs.replace(record, config=truth.newer_config(config, record.config))
+
+    try:
+        truth.update_job(store, config.name, change)
     except redis.RedisError:
         raise
     except Exception as exc:  # OSError, botocore's errors: the output is unreachable from here
@@ -334,11 +339,13 @@ def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule |
 
 def keep_pin(config: JobConfig) -> None:
     """job.json's `--model auto` replaced by the model a worker pinned in Redis (genq.worker.gate)."""
-    store = truth.open_store(config.output, config.s3_endpoint_url)
-    if ((record := truth.read_job(store, config.name)) is not None and record.config.model == "auto"
-            and record.config.incarnation == config.incarnation and config.model != "auto"):
-        truth.write_job(store, msgspec.structs.replace(record, config=msgspec.structs.replace(
-            record.config, model=config.model)))
+    def change(record: JobRecord | None) -> JobRecord | None:
+        if (record is None or record.config.model != "auto" or record.config.incarnation != config.incarnation
+                or config.model == "auto"):
+            return None
+        return msgspec.structs.replace(record, config=msgspec.structs.replace(record.config, model=config.model))
+
+    truth.update_job(truth.open_store(config.output, config.s3_endpoint_url), config.name, change)
 
 
 def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord | None) -> None:

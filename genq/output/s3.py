@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import boto3
@@ -119,6 +120,26 @@ class S3Store:
         kind = kinds.get(rel.rsplit(".", 1)[-1], "application/x-ndjson")
         bucket, key = parse_uri(self.uri(rel))
         client(self.endpoint_url).put_object(Bucket=bucket, Key=key, Body=data, ContentType=kind, **conditions)
+
+    def swap(self, rel: str, change: Callable[[bytes | None], bytes | None]) -> None:
+        """`rel` replaced by change(what is there) (None: left) by a PUT conditional on the ETag read (If-Match;
+        If-None-Match: * where there was none): another writer's change meanwhile is read and changed again."""
+        bucket, key = parse_uri(self.uri(rel))
+        while True:
+            try:
+                got = client(self.endpoint_url).get_object(Bucket=bucket, Key=key)
+                old, unchanged = got["Body"].read(), {"IfMatch": got["ETag"]}
+            except botocore.exceptions.ClientError as exc:
+                if error_code(exc) not in MISSING:
+                    raise
+                old, unchanged = None, {"IfNoneMatch": "*"}
+            if (new := change(old)) is None:
+                return
+            try:
+                return self.put(rel, new, **unchanged)
+            except botocore.exceptions.ClientError as exc:
+                if error_code(exc) not in (*CHANGED, "ConditionalRequestConflict", "409"):
+                    raise
 
     def names(self, rel_dir: str) -> list[str]:
         bucket, prefix = parse_uri(self.uri(rel_dir) + "/")

@@ -5,6 +5,7 @@ the shards a marker names; batch numbers are never reused, and a shard never ove
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import os
@@ -43,6 +44,7 @@ class Store(Protocol):
     def read(self, rel: str) -> bytes | None: ...
     def create(self, rel: str, data: bytes) -> bool: ...  # False: something is there already
     def put(self, rel: str, data: bytes) -> None: ...
+    def swap(self, rel: str, change: Callable[[bytes | None], bytes | None]) -> None: ...  # one writer at a time
     def names(self, rel_dir: str) -> list[str]: ...  # file names directly under rel_dir
     def open(self, rel: str) -> BinaryIO: ...  # a stream of a large object (a shard)
 
@@ -104,6 +106,15 @@ class LocalStore:
 
     def put(self, rel: str, data: bytes) -> None:
         write_atomic(self.uri(rel), data)
+
+    def swap(self, rel: str, change: Callable[[bytes | None], bytes | None]) -> None:
+        """`rel` replaced by change(what is there) (None: left), under a lock on .NAME.lock beside it."""
+        lock_at = Path(self.uri(rel)).with_name(f".{Path(rel).name}.lock")
+        lock_at.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_at, "ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when the process dies
+            if (new := change(self.read(rel))) is not None:
+                self.put(rel, new)
 
     def names(self, rel_dir: str) -> list[str]:
         try:
@@ -212,35 +223,53 @@ def read_job(store: Store, job: str) -> JobRecord | None:
 
 
 def write_job(store: Store, record: JobRecord) -> None:
-    """job.json: `genq jobs set` writes the settings here before Redis: these are the current ones."""
     store.put(f"{record.config.name}/{JOB_FILE}", _json.encode(record) + b"\n")
+
+
+def update_job(store: Store, job: str, change: Callable[[JobRecord | None], JobRecord | None]) -> JobRecord | None:
+    """job.json replaced by change(job.json as it is now) (None, or the same: left), one writer at a time
+    (Store.swap): each of its writers (`jobs set`, pause, a pin, reserve) changes only its own fields of the
+    latest record, so none undoes another's change made meanwhile. What job.json holds after."""
+    after: list[JobRecord | None] = [None]
+
+    def swap(raw: bytes | None) -> bytes | None:
+        new = change(old := msgspec.json.decode(raw, type=JobRecord) if raw else None)
+        after[0] = old if new is None else new
+        return None if new is None or new == old else _json.encode(new) + b"\n"
+
+    store.swap(f"{job}/{JOB_FILE}", swap)
+    return after[0]
+
+
+def newer_config(mine: JobConfig, there: JobConfig) -> JobConfig:
+    """Of two configs of one life of a job, the later settings version (a pinned model over `auto`)."""
+    newer = [(c.settings_version, c.model != "auto") for c in (mine, there)]
+    return mine if newer[0] > newer[1] else there
 
 
 def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
     """job.json says the job was deleted at `at` (None: it lives again); False when there is none (of incarnation)."""
-    on_disk = read_job(store, job)
-    if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
-        return False
-    if on_disk.deleted_at != at:
-        write_job(store, msgspec.structs.replace(on_disk, deleted_at=at))
-    return True
+    def change(on_disk: JobRecord | None) -> JobRecord | None:
+        if on_disk is None or (incarnation is not None and on_disk.config.incarnation != incarnation):
+            return None
+        return msgspec.structs.replace(on_disk, deleted_at=at)
+
+    found = update_job(store, job, change)
+    return found is not None and incarnation in (None, found.config.incarnation)
 
 
 def reserve(store: Store, record: JobRecord, upto: int) -> JobRecord:
     """job.json saying batch numbers up to `upto` may be in use, as written; never lowering what is there, nor
-    writing older settings (a later version, or a pinned model) over newer ones; the rest (schedule, pause) as
-    job.json has it: `record` may have been read long ago."""
-    on_disk = read_job(store, record.config.name)
-    if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
-        newer = [(c.settings_version, c.model != "auto") for c in (record.config, on_disk.config)]
-        record = msgspec.structs.replace(on_disk, config=record.config if newer[0] > newer[1] else on_disk.config,
-                                         reserved=max(record.reserved, on_disk.reserved),
-                                         inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
-    if record.reserved >= upto and on_disk == record:
-        return record
-    record = msgspec.structs.replace(record, reserved=max(record.reserved, upto))
-    write_job(store, record)
-    return record
+    writing older settings over newer ones (newer_config); the rest (schedule, pause) as job.json has it."""
+    def change(on_disk: JobRecord | None) -> JobRecord:
+        new = record
+        if on_disk is not None and on_disk.config.incarnation == record.config.incarnation:
+            new = msgspec.structs.replace(on_disk, config=newer_config(record.config, on_disk.config),
+                                          reserved=max(record.reserved, on_disk.reserved),
+                                          inputs=sorted(set(record.inputs) | set(on_disk.inputs)))
+        return msgspec.structs.replace(new, reserved=max(new.reserved, upto))
+
+    return update_job(store, record.config.name, change) or record
 
 
 def batch_ranges(batches: Iterable[str]) -> list[list[int]]:
