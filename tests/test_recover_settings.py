@@ -280,3 +280,21 @@ def test_the_same_enqueue_with_a_priority_after_a_flushall_sets_it(redis_url, rc
     again = run_genq(*enqueue_args(src, out, 64), "--priority", "9", redis_url=redis_url)
     assert "queued 0 prompts" in again.stdout, again.stdout
     assert schedule_of(redis_url) == (9, 1.0), again.stdout
+
+
+def test_a_snapshot_from_before_pause_job_takes_the_pause_back_from_job_json(lost_redis, tmp_path):  # noqa: F811
+    """job.json's pause is versioned with the schedule: a Redis restored from before `pause --job` is paused
+    again by recover (and every worker's maintenance pass), and one from before a `resume --job` resumed."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=lost_redis.url)
+    for verb, paused in (("pause", True), ("resume", False)):
+        lost_redis.snapshot()
+        run_genq(verb, "--job", "st", redis_url=lost_redis.url)
+        lost_redis.kill()
+        lost_redis.start(empty=False)  # the job as it was before the pause (the resume)
+        assert json.loads(run_genq("jobs", "show", "st", "--json", redis_url=lost_redis.url).stdout)["row"][
+            "paused"] is not paused
+        run_genq("recover", "--job", "st", redis_url=lost_redis.url)
+        row = json.loads(run_genq("jobs", "show", "st", "--json", redis_url=lost_redis.url).stdout)["row"]
+        assert row["paused"] is paused, (verb, row)

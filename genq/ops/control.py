@@ -159,14 +159,17 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
 
 
 def keep_paused(conn: redis.Redis, job: str, paused: bool) -> None:
-    """job.json says whether the job is paused, so a job rebuilt from its output comes back so. Written after
-    Redis, as a pause must work while the output is unreachable (then said, on stderr)."""
+    """job.json says whether the job is paused, so a job rebuilt from its output, or a Redis restored from before
+    the change, comes back so: the change numbered as a schedule change (schedule.version; settings_from_output).
+    Written after Redis, as a pause must work while the output is unreachable (then said, on stderr)."""
     if (config := load_config(conn, job)) is None:
         return
+    schedule = ledger_jobs.change_schedule(conn, job, lambda s: msgspec.structs.replace(s, version=s.version + 1))
     store = truth.open_store(config.output, config.s3_endpoint_url)
     try:
-        truth.update_job(store, job, lambda record: msgspec.structs.replace(record, paused=paused) if record
-                         is not None and record.config.incarnation == config.incarnation else None)
+        truth.update_job(store, job, lambda record: msgspec.structs.replace(record, paused=paused, schedule=schedule)
+                         if record is not None and record.config.incarnation == config.incarnation
+                         and (record.schedule or schedule).version <= schedule.version else None)
     except Exception as exc:  # OSError, botocore's errors: the output unreachable from here
         log.warning("job %s: %s in Redis, but %s could not be written (%s: %s): a job rebuilt from its output "
                     "would not be", job, "paused" if paused else "resumed", truth.job_uri(store, job),
@@ -353,11 +356,17 @@ def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord
     Redis restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
     if record is None or record.config.incarnation != config.incarnation:
         return
-    stored, kept = ledger_jobs.jobs_now(conn, [config.name])[0].schedule, record.schedule
+    now = ledger_jobs.jobs_now(conn, [config.name])[0]
+    stored, kept = now.schedule, record.schedule
     if stored.version > (kept.version if kept else -1) and (kept or stored != JobSchedule()):
         write_settings(conn, config, stored)
-    elif kept and kept.version > stored.version:
+    elif kept and kept.version > stored.version:  # and the pause or resume of that version (keep_paused)
         ledger_jobs.change_schedule(conn, config.name, lambda now: kept if now.version < kept.version else now)
+        if record.paused and not now.paused:
+            ledger_jobs.pause(conn, config.name)
+            leasing.unqueue(conn, config.name)
+        elif now.paused and not record.paused and now.blocked is None:
+            leasing.resume_job(conn, config.name)
         order_queue(conn)
     on_disk = record.config
     if on_disk.settings_version < config.settings_version:
