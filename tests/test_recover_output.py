@@ -116,7 +116,7 @@ def test_catch_up_names_only_the_batches_adopt_marked_done(rconn, tmp_path: Path
     out = tmp_path / "out"
     store = LocalStore(str(out))
     config = JobConfig(name="j", output=str(out), incarnation="life1")
-    truth.write_job(store, JobRecord(config=config, reserved=1))
+    truth.update_job(store, "j", lambda _: JobRecord(config=config, reserved=1))
     commit(store, [result(f"p{i}", i, "b0000001") for i in range(4)])
     # Redis holds no config of the job (deleted after its caller read it): no life to adopt into.
     assert recover.catch_up(rconn, config) == []
@@ -161,8 +161,8 @@ def test_reserve_keeps_a_newer_pin_and_schedule_of_job_json(tmp_path):
 
     store = LocalStore(str(tmp_path))
     base = JobConfig(name="j", output=str(tmp_path), incarnation="i1")
-    truth.write_job(store, JobRecord(config=msgspec.structs.replace(base, model="M"), reserved=1024,
-                                     schedule=JobSchedule(priority=5, version=2)))
+    truth.update_job(store, "j", lambda _: JobRecord(config=msgspec.structs.replace(base, model="M"), reserved=1024,
+                                                     schedule=JobSchedule(priority=5, version=2)))
     truth.reserve(store, JobRecord(config=base, reserved=1024), 2048)
     on_disk = truth.read_job(store, "j")
     assert on_disk is not None and on_disk.reserved == 2048

@@ -222,10 +222,6 @@ def read_job(store: Store, job: str) -> JobRecord | None:
     return msgspec.json.decode(raw, type=JobRecord) if raw else None
 
 
-def write_job(store: Store, record: JobRecord) -> None:
-    store.put(f"{record.config.name}/{JOB_FILE}", _json.encode(record) + b"\n")
-
-
 def update_job(store: Store, job: str, change: Callable[[JobRecord | None], JobRecord | None]) -> JobRecord | None:
     """job.json replaced by change(job.json as it is now) (None, or the same: left), one writer at a time
     (Store.swap): each of its writers (`jobs set`, pause, a pin, reserve) changes only its own fields of the
