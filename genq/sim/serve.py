@@ -207,7 +207,7 @@ class Choice(SimRequest):
                 for tok, lp in zip(tokens, values, strict=True)]
         if not self.chat:
             return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k
-                    else None, "text_offset": [4 * t for t in range(a, b)]}
+                    else [] if self.sglang else None, "text_offset": [4 * t for t in range(a, b)]}
         entries = [[{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in [(tok, lp), *alt]]
                    for tok, lp, alt in zip(tokens, values, alts, strict=True)]
         return {"content": [{**entry, "top_logprobs": tops} for entry, *tops in entries]}
