@@ -22,6 +22,7 @@ import pytest
 from genq.sim.config import SimConfig
 from genq.sim.lengths import choice_key, output_length, prompt_key
 from tests.sim_client import with_sim
+from worker.engines import SGLANG
 
 RECORDED = Path(__file__).parent / "recordings" / "sglang-0.5.23"
 # As make test-sglang starts the real server: 16 running requests, a 2,048-token context, both given.
@@ -259,3 +260,24 @@ def test_answer_shapes_as_recorded(name: str) -> None:
                {p: sorted(t) for p, t in want.items() if got.get(p) != want.get(p)}
 
     body()
+
+
+def label_keys(page: str) -> dict[str, set[tuple[str, ...]]]:
+    """Each series name of a Prometheus page and the label-key sets its samples carry."""
+    out: dict[str, set[tuple[str, ...]]] = {}
+    for name, labels in re.findall(r"^([\w:]+)(?:\{(.*)\})? \S+$", page, re.M):
+        out.setdefault(name, set()).add(tuple(sorted(re.findall(r'(\w+)="', labels))))
+    return out
+
+
+@with_sim(**SIM)
+async def test_metric_labels_as_recorded(sim: Any, http: aiohttp.ClientSession) -> None:
+    """The series genq reads carry SGLang 0.5.23's label keys: the rank labels (and pid on the retracted
+    gauge). The sim's token counters are not split by is_streaming (genq sums the series either way)."""
+    async with http.get("/metrics") as resp:
+        got = label_keys(await resp.text())
+    want = label_keys(recorded("metrics")["text"])
+    read = [n for names in SGLANG.metrics.values() for n in names if n in want]
+    assert len(read) == 5
+    assert {n: got.get(n) for n in read} == {n: {tuple(k for k in keys if k != "is_streaming") for keys in want[n]}
+                                             for n in read}
