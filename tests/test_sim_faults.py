@@ -112,7 +112,7 @@ async def test_stream_error_event_sglang(sim: SimServer, http: aiohttp.ClientSes
     await _stream_error_body("sglang", sim)
 
 
-@with_sim(flavor="vllm", **SE)
+@with_sim(flavor="vllm", served_model_name="m", **SE)
 async def test_stream_error_event_vllm(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await _stream_error_body("vllm", sim)
 

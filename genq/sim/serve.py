@@ -449,6 +449,8 @@ class SimServer:
         raw = await request.read()
         self.engine.stats["generation_requests"] += 1
         body = msgspec.json.decode(raw, type=Request)
+        if flavor == "vllm" and body.model not in (None, cfg.model_name):  # its first check (SGLang serves any name)
+            raise Refusal(f"The model `{body.model}` does not exist.", 404, "NotFoundError", param="model")
         source, n_prompt, max_new, logprobs = body.check(chat, flavor, cfg.context_length, cfg.args_given)
         fault, where = self.draw(key := prompt_key(source))
         if fault == "error":
