@@ -89,7 +89,7 @@ async def test_llamacpp_flavor_endpoints_and_errors(sim: SimServer, http: aiohtt
     assert (m.running, m.waiting) == (0.0, 0.0)
 
 
-@with_sim(flavor="vllm", max_running_requests=8, context_length=1024)
+@with_sim(flavor="vllm", served_model_name="m", max_running_requests=8, context_length=1024)
 async def test_vllm_flavor_endpoints_and_errors(sim: SimServer, http: aiohttp.ClientSession) -> None:
     for path in ("/get_server_info", "/server_info", "/props", "/slots"):
         async with http.get(path) as resp:
@@ -161,7 +161,7 @@ async def test_sglang_sends_nothing_while_a_request_is_queued(sim: SimServer, ht
     assert not headers_while_waiting, "SGLang awaits a stream's first chunk before it answers"
 
 
-@with_sim(flavor="vllm", max_running_requests=1, **HOLD)
+@with_sim(flavor="vllm", served_model_name="m", max_running_requests=1, **HOLD)
 async def test_vllm_sends_stream_headers_but_no_event_while_queued(sim: SimServer, http) -> None:
     _, _, headers_while_waiting = await _hold_then_second(sim, http, headers_expected=True)
     # first_byte is the first event, not the headers: still None while queued (checked inside).
@@ -341,7 +341,8 @@ def test_llamacpp_flavor_sigterm_stops_listening_and_exits_when_no_request_is_op
     assert proc.wait(timeout=20) == 0
 
 
-@with_sim(flavor="vllm", max_running_requests=8, context_length=1024, mean_output_tokens=100_000.0, output_sigma=0.0)
+@with_sim(flavor="vllm", served_model_name="m", max_running_requests=8, context_length=1024,
+          mean_output_tokens=100_000.0, output_sigma=0.0)
 async def test_vllm_flavor_answers_the_context_as_vllm_0_32(sim: SimServer, http: aiohttp.ClientSession) -> None:
     """vLLM 0.32 (renderers/params.py, entrypoints/serve/utils/api_utils.py get_max_tokens): a prompt
     over the context and max_tokens over the context are 400s with its wording; a prompt that fits
@@ -367,3 +368,16 @@ async def test_vllm_flavor_answers_the_context_as_vllm_0_32(sim: SimServer, http
     usage = body["usage"]
     assert body["choices"][0]["finish_reason"] == "length"
     assert usage["completion_tokens"] == 1024 - usage["prompt_tokens"], usage
+
+
+@with_sim(flavor="vllm", served_model_name="served")
+async def test_vllm_flavor_refuses_a_model_it_does_not_serve(sim: SimServer, http: aiohttp.ClientSession) -> None:
+    """vLLM checks the model name before anything else: 404 NotFoundError, nested, streamed or not."""
+    for stream in (False, True):
+        async with http.post("/v1/chat/completions", json={**chat("hi", stream), "model": "other"}) as resp:
+            refused = {"message": "The model `other` does not exist.", "type": "NotFoundError", "param": "model",
+                       "code": 404}
+            assert (resp.status, await resp.json()) == (404, {"error": refused})
+    for model in ("served", None):
+        async with http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": model}) as resp:
+            assert resp.status == 200

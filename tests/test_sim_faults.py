@@ -112,7 +112,7 @@ async def test_stream_error_event_sglang(sim: SimServer, http: aiohttp.ClientSes
     await _stream_error_body("sglang", sim)
 
 
-@with_sim(flavor="vllm", **SE)
+@with_sim(flavor="vllm", served_model_name="m", **SE)
 async def test_stream_error_event_vllm(sim: SimServer, http: aiohttp.ClientSession) -> None:
     await _stream_error_body("vllm", sim)
 
@@ -188,7 +188,8 @@ async def test_info_endpoints(sim: SimServer, http: aiohttp.ClientSession) -> No
     async with http.get("/model_info") as resp:
         assert (await resp.json())["is_generation"] is True
     async with http.get("/metrics") as resp:
-        assert 'sglang:num_running_reqs{model_name="served"} 0.0' in await resp.text()
+        assert 'sglang:num_running_reqs{engine_type="unified",model_name="served",moe_ep_rank="0",pp_rank="0",' \
+               'tp_rank="0"} 0.0' in await resp.text()
 
 
 @pytest.mark.e2e  # starts a process

@@ -22,6 +22,7 @@ import pytest
 from genq.sim.config import SimConfig
 from genq.sim.lengths import choice_key, output_length, prompt_key
 from tests.sim_client import with_sim
+from worker.engines import SGLANG
 
 RECORDED = Path(__file__).parent / "recordings" / "sglang-0.5.23"
 # As make test-sglang starts the real server: 16 running requests, a 2,048-token context, both given.
@@ -215,3 +216,68 @@ async def test_server_info_without_the_flags(sim: Any, http: aiohttp.ClientSessi
     async with http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 5000}) as resp:
         assert resp.status == 400 and "Requested token count exceeds" in (await resp.json())["message"]
+
+
+def shape(value: Any, path: str = "$", out: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Every key path of a JSON value (list items merged as `[]`) and the types found there."""
+    out = {} if out is None else out
+    out.setdefault(path, set()).add(type(value).__name__)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            shape(item, f"{path}.{key}", out)
+    elif isinstance(value, list):
+        for item in value:
+            shape(item, f"{path}[]", out)
+    return out
+
+
+# What genq neither reads nor records: SGLang's weight-version metadata, a details object always null here.
+UNREAD = ("$.metadata", "$[].usage.completion_tokens_details", "$.usage.completion_tokens_details")
+ANSWERS = sorted(p.stem for p in RECORDED.glob("*.json") if p.stem.startswith(("chat_", "completions_")))
+
+
+@pytest.mark.parametrize("name", ANSWERS)
+def test_answer_shapes_as_recorded(name: str) -> None:
+    """Status, content type and every key and value type of the body or of the stream's events, as recorded
+    (not the text): what a record keeps of an answer comes from these."""
+    record = recorded(name)
+    answers = [record["body"]] if "body" in record else [e for e in record["events"] if isinstance(e, dict)]
+    finishes = {c["finish_reason"] for a in answers for c in a.get("choices", ())} - {None}
+    # Ended on EOS: the sim's seed gives each choice the same length; else both run to max_tokens.
+    tokens = answers[-1]["usage"]["completion_tokens"] // record["request"]["body"].get("n", 1) \
+        if finishes == {"stop"} else None
+    sim = {**SIM, "seed": seed_for(record, tokens)} if tokens else {**SIM, "mean_output_tokens": 1e4,
+                                                                     "output_sigma": 0.0}
+
+    @with_sim(**sim)
+    async def body(sim: Any, http: aiohttp.ClientSession) -> None:
+        answer = await replay(http, record)
+        media = [(a["status"], a["content_type"].split(";")[0]) for a in (answer, record)]
+        assert media[0] == media[1], media
+        key = "events" if "events" in record else "body"
+        got, want = ({p: t for p, t in shape(a[key]).items() if not p.startswith(UNREAD)} for a in (answer, record))
+        assert {p: sorted(t) for p, t in got.items() if got.get(p) != want.get(p)} == \
+               {p: sorted(t) for p, t in want.items() if got.get(p) != want.get(p)}
+
+    body()
+
+
+def label_keys(page: str) -> dict[str, set[tuple[str, ...]]]:
+    """Each series name of a Prometheus page and the label-key sets its samples carry."""
+    out: dict[str, set[tuple[str, ...]]] = {}
+    for name, labels in re.findall(r"^([\w:]+)(?:\{(.*)\})? \S+$", page, re.M):
+        out.setdefault(name, set()).add(tuple(sorted(re.findall(r'(\w+)="', labels))))
+    return out
+
+
+@with_sim(**SIM)
+async def test_metric_labels_as_recorded(sim: Any, http: aiohttp.ClientSession) -> None:
+    """The series genq reads carry SGLang 0.5.23's label keys: the rank labels (and pid on the retracted
+    gauge). The sim's token counters are not split by is_streaming (genq sums the series either way)."""
+    async with http.get("/metrics") as resp:
+        got = label_keys(await resp.text())
+    want = label_keys(recorded("metrics")["text"])
+    read = [n for names in SGLANG.metrics.values() for n in names if n in want]
+    assert len(read) == 5
+    assert {n: got.get(n) for n in read} == {n: {tuple(k for k in keys if k != "is_streaming") for keys in want[n]}
+                                             for n in read}

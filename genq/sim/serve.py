@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
 import random
 import signal
 import socket
@@ -207,7 +208,7 @@ class Choice(SimRequest):
                 for tok, lp in zip(tokens, values, strict=True)]
         if not self.chat:
             return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(alt) for alt in alts] if k
-                    else None, "text_offset": [4 * t for t in range(a, b)]}
+                    else [] if self.sglang else None, "text_offset": [4 * t for t in range(a, b)]}
         entries = [[{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in [(tok, lp), *alt]]
                    for tok, lp, alt in zip(tokens, values, alts, strict=True)]
         return {"content": [{**entry, "top_logprobs": tops} for entry, *tops in entries]}
@@ -375,7 +376,7 @@ class SimServer:
     async def metrics(self, request: web.Request) -> web.Response:
         """/metrics in the engine's names: llama.cpp's server-task.cpp (no labels, integer values); vLLM 0.32's
         v1/metrics/loggers.py (counters get _total on the wire; the counts as its last step left them, none deferred);
-        SGLang's metrics/collector.py (0.5.23 has the retracted gauge; the sim never retracts)."""
+        SGLang's metrics/collector.py (0.5.23 has the retracted gauge, with a pid label; the sim never retracts)."""
         cfg, eng, flavor, totals = self.config, self.engine, self.flavor, self.engine.totals
         usage = eng.used_tokens / cfg.max_total_num_tokens
         label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -407,14 +408,17 @@ class SimServer:
                 ("gauge", "num_used_tokens", "The number of used tokens.", eng.used_tokens),
                 ("gauge", "token_usage", "The token usage.", usage),
                 ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
-                ("gauge", "num_retracted_reqs", "The number of retracted requests.", 0),
+                ("gauge", "num_retracted_reqs", "The number of retracted requests.", {f',pid="{os.getpid()}"': 0}),
                 prompt, generated,
                 ("counter", "num_requests_total", "Number of requests processed.",
                  totals["finished_requests"] + totals["aborted_requests"]),
                 ("counter", "num_aborted_requests_total", "Number of requests aborted.", totals["aborted_requests"])]}
-        labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"', "sglang": f'model_name="{label}"'}[flavor]
+        labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"',
+                  "sglang": f'engine_type="unified",model_name="{label}"'}[flavor]
+        rank = ',moe_ep_rank="0",pp_rank="0",tp_rank="0"' if flavor == "sglang" else ""  # on its gauges
         page = "".join(f"# HELP {flavor}:{name} {text}\n# TYPE {flavor}:{name} {kind}\n" + "".join(
-            f"{flavor}:{name} {v}\n" if flavor == "llamacpp" else f"{flavor}:{name}{{{labels}{more}}} {float(v)}\n"
+            f"{flavor}:{name} {v}\n" if flavor == "llamacpp" else
+            f"{flavor}:{name}{{{labels}{rank if kind == 'gauge' else ''}{more}}} {float(v)}\n"
             for more, v in (value if isinstance(value, dict) else {"": value}).items())
             for kind, name, text, value in tables[flavor])
         return web.Response(text=page, content_type="text/plain", charset="utf-8")
@@ -445,6 +449,8 @@ class SimServer:
         raw = await request.read()
         self.engine.stats["generation_requests"] += 1
         body = msgspec.json.decode(raw, type=Request)
+        if flavor == "vllm" and body.model not in (None, cfg.model_name):  # its first check (SGLang serves any name)
+            raise Refusal(f"The model `{body.model}` does not exist.", 404, "NotFoundError", param="model")
         source, n_prompt, max_new, logprobs = body.check(chat, flavor, cfg.context_length, cfg.args_given)
         fault, where = self.draw(key := prompt_key(source))
         if fault == "error":
