@@ -183,3 +183,16 @@ def test_a_server_restarted_with_another_model_while_idle_answers_nothing(redis_
         carriers.add(rconn.hget(keys.job_transport("after"), "b0000001"))
         time.sleep(0.05)
     assert len(carriers) <= 2, f"the batch went back to the queue {len(carriers)} times in 1.5 s\n{proc.log()}"
+
+
+def test_a_stream_held_open_after_its_done_is_recorded_once(redis_url, rconn, sim, worker, tmp_path):
+    """Each stream's body never ends after its `data: [DONE]` (the connection held open): the answer is whole,
+    recorded once, its connection closed. It was cancelled by the stall watchdog and generated again."""
+    url = sim(**FAST)
+    post_json(url + "/sim/faults", {"hold_open": True})
+    ids, out = enqueue(tmp_path, redis_url, "held", 6, "--batch-size", "6", "--max-tokens", "16")
+    proc = worker(url, "--burst", "--stall-timeout", "2", "--server-down-timeout", "4", "--retry-backoff", "0.05")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    found = audit(rconn, "held", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    assert sim_stats(url)["generation_requests"] == len(ids), proc.log()

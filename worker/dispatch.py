@@ -142,6 +142,8 @@ class Dispatcher:
                     me.uncancel()  # the watchdog's cancel was for this request only
                     outcome = Failure("connection" if task.cancel_reason.startswith("server down") else "timeout",
                                       task.cancel_reason)
+                    if task.progress.whole is not None:  # cancelled after its [DONE]: the answer is whole
+                        outcome = task.progress.whole.outcome()
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
                 self.observed = time.monotonic()

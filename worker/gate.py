@@ -198,7 +198,9 @@ class ServerWatch:
             queue_empty = self.metrics is not None and not self.metrics.waiting
             for task, aio in list(self.running.items()):
                 p = task.progress
-                if now - p.started > opts.request_timeout:
+                if p.whole is not None:  # [DONE] came, the body never ends: the answer is recorded (worker/dispatch.py)
+                    task.cancel_reason = "the stream's body did not end after its [DONE]"
+                elif now - p.started > opts.request_timeout:
                     task.cancel_reason = f"request exceeded {opts.request_timeout:.0f}s (request timeout)"
                 elif now - p.last_activity > opts.stall_timeout and (p.first_byte is not None or queue_empty):
                     task.cancel_reason = f"no output for {opts.stall_timeout:.0f}s (stall timeout)"
