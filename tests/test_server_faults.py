@@ -196,3 +196,21 @@ def test_a_stream_held_open_after_its_done_is_recorded_once(redis_url, rconn, si
     found = audit(rconn, "held", out, ids)
     assert not found.letters, {k: v.message for k, v in found.letters.items()}
     assert sim_stats(url)["generation_requests"] == len(ids), proc.log()
+
+
+def test_every_prompt_in_flight_through_an_outage_counts_a_server_crash(redis_url, rconn, sim, worker, tmp_path):
+    """An outage drops every request in flight: each of their prompts counts a server crash, not only those
+    still in flight when the worker saw it down (--server-crash-limit 1: each is a dead letter)."""
+    url = sim(**{**SLOW, "max_running_requests": 18})
+    ids, out = enqueue(tmp_path, redis_url, "crash", 40, "--batch-size", "40", "--max-tokens", "600")
+    proc = worker(url, "--burst", "--server-crash-limit", "1")
+    wait_until(lambda: (s := status_of(rconn, worker_name(url))) and s.in_flight >= 12, 30, "requests in flight")
+    post_json(url + "/sim/faults", {"outage_for": 3})
+    assert proc.wait(timeout=120) == 0, proc.log()
+    dropped = sim_stats(url)["aborted_requests"]
+    found = audit(rconn, "crash", out, ids)
+    assert dropped >= 12 and len(found.letters) >= dropped, (dropped, len(found.letters), proc.log())
+    assert {v.kind for v in found.letters.values()} == {"server_crash"}, found.letters
+    # Said as it is: it said "0 in flight counted a server crash" (the others' failures came before its check).
+    down = [line for line in proc.log().splitlines() if " is down: " in line]
+    assert down and "each prompt in flight counts a server crash (--server-crash-limit)" in down[0], down

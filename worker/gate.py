@@ -132,8 +132,9 @@ class ServerWatch:
         self.metrics = None  # what a server that is gone said last is not what it does now
         for task in self.running:
             task.crashed(self.outages)
-        log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
-                    "%d in flight counted a server crash)", self.opts.server_url, why, len(self.running))
+        # The requests that failed already count in Dispatcher._failed, those still out here: none is left out.
+        log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s); each prompt in "
+                    "flight counts a server crash (--server-crash-limit)", self.opts.server_url, why)
         self.running.cancel_all(f"server down: {why}")
         self._down.set()
 
