@@ -214,3 +214,22 @@ def test_every_prompt_in_flight_through_an_outage_counts_a_server_crash(redis_ur
     # Said as it is: it said "0 in flight counted a server crash" (the others' failures came before its check).
     down = [line for line in proc.log().splitlines() if " is down: " in line]
     assert down and "each prompt in flight counts a server crash (--server-crash-limit)" in down[0], down
+
+
+def test_a_server_failing_everything_past_its_down_timeout_hands_back_and_letters_nothing(
+        redis_url, rconn, sim, worker, tmp_path):
+    """Every request answered 500 while /health says 200 for longer than --server-down-timeout: no prompt is
+    dead-lettered (nothing it sent was answered: no evidence against any prompt); the worker says its server
+    is failing, with its answer, in one WARNING line, and its batches go back to the queue; once a request
+    succeeds again the job is written whole. They were dead-lettered at --max-attempts."""
+    url = sim(error_rate=1.0, **FAST)
+    ids, out = enqueue(tmp_path, redis_url, "fail", 20, "--batch-size", "10", "--max-tokens", "64",
+                       "--max-attempts", "2")
+    proc = worker(url, "--burst", "--retry-backoff", "0.05", "--server-down-timeout", "2")
+    wait_until(lambda: "handed back" in proc.log() or rconn.exists(keys.job_dlq("fail")), 60, "batches handed back")
+    post_json(url + "/sim/faults", {"error_rate": 0.0})
+    assert proc.wait(timeout=120) == 0, proc.log()
+    found = audit(rconn, "fail", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    said = [line for line in proc.log().splitlines() if " is failing: " in line]
+    assert said and "HTTP 500" in said[0] and "--server-down-timeout" in said[0], said
