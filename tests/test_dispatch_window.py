@@ -57,7 +57,8 @@ def todo_of(held: HeldBatch, n: int, claims: Claims) -> Todo:
 
 def server_up() -> SimpleNamespace:
     """The watch of a server that is up and serves model m."""
-    return SimpleNamespace(down=False, outages=0, model="m", is_down=lambda: asyncio.sleep(0, False))
+    return SimpleNamespace(down=False, failing=False, failed_at=0.0, outages=0, model="m",
+                           is_down=lambda: asyncio.sleep(0, False))
 
 
 def open_gate() -> SimpleNamespace:

@@ -183,3 +183,53 @@ def test_a_server_restarted_with_another_model_while_idle_answers_nothing(redis_
         carriers.add(rconn.hget(keys.job_transport("after"), "b0000001"))
         time.sleep(0.05)
     assert len(carriers) <= 2, f"the batch went back to the queue {len(carriers)} times in 1.5 s\n{proc.log()}"
+
+
+def test_a_stream_held_open_after_its_done_is_recorded_once(redis_url, rconn, sim, worker, tmp_path):
+    """Each stream's body never ends after its `data: [DONE]` (the connection held open): the answer is whole,
+    recorded once, its connection closed. It was cancelled by the stall watchdog and generated again."""
+    url = sim(**FAST)
+    post_json(url + "/sim/faults", {"hold_open": True})
+    ids, out = enqueue(tmp_path, redis_url, "held", 6, "--batch-size", "6", "--max-tokens", "16")
+    proc = worker(url, "--burst", "--stall-timeout", "2", "--server-down-timeout", "4", "--retry-backoff", "0.05")
+    assert proc.wait(timeout=60) == 0, proc.log()
+    found = audit(rconn, "held", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    assert sim_stats(url)["generation_requests"] == len(ids), proc.log()
+
+
+def test_every_prompt_in_flight_through_an_outage_counts_a_server_crash(redis_url, rconn, sim, worker, tmp_path):
+    """An outage drops every request in flight: each of their prompts counts a server crash, not only those
+    still in flight when the worker saw it down (--server-crash-limit 1: each is a dead letter)."""
+    url = sim(**{**SLOW, "max_running_requests": 18})
+    ids, out = enqueue(tmp_path, redis_url, "crash", 40, "--batch-size", "40", "--max-tokens", "600")
+    proc = worker(url, "--burst", "--server-crash-limit", "1")
+    wait_until(lambda: (s := status_of(rconn, worker_name(url))) and s.in_flight >= 12, 30, "requests in flight")
+    post_json(url + "/sim/faults", {"outage_for": 3})
+    assert proc.wait(timeout=120) == 0, proc.log()
+    dropped = sim_stats(url)["aborted_requests"]
+    found = audit(rconn, "crash", out, ids)
+    assert dropped >= 12 and len(found.letters) >= dropped, (dropped, len(found.letters), proc.log())
+    assert {v.kind for v in found.letters.values()} == {"server_crash"}, found.letters
+    # Said as it is: it said "0 in flight counted a server crash" (the others' failures came before its check).
+    down = [line for line in proc.log().splitlines() if " is down: " in line]
+    assert down and "each prompt in flight counts a server crash (--server-crash-limit)" in down[0], down
+
+
+def test_a_server_failing_everything_past_its_down_timeout_hands_back_and_letters_nothing(
+        redis_url, rconn, sim, worker, tmp_path):
+    """Every request answered 500 while /health says 200 for longer than --server-down-timeout: no prompt is
+    dead-lettered (nothing it sent was answered: no evidence against any prompt); the worker says its server
+    is failing, with its answer, in one WARNING line, and its batches go back to the queue; once a request
+    succeeds again the job is written whole. They were dead-lettered at --max-attempts."""
+    url = sim(error_rate=1.0, **FAST)
+    ids, out = enqueue(tmp_path, redis_url, "fail", 20, "--batch-size", "10", "--max-tokens", "64",
+                       "--max-attempts", "2")
+    proc = worker(url, "--burst", "--retry-backoff", "0.05", "--server-down-timeout", "2")
+    wait_until(lambda: "handed back" in proc.log() or rconn.exists(keys.job_dlq("fail")), 60, "batches handed back")
+    post_json(url + "/sim/faults", {"error_rate": 0.0})
+    assert proc.wait(timeout=120) == 0, proc.log()
+    found = audit(rconn, "fail", out, ids)
+    assert not found.letters, {k: v.message for k, v in found.letters.items()}
+    said = [line for line in proc.log().splitlines() if " is failing: " in line]
+    assert said and "HTTP 500" in said[0] and "--server-down-timeout" in said[0], said

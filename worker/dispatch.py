@@ -142,6 +142,8 @@ class Dispatcher:
                     me.uncancel()  # the watchdog's cancel was for this request only
                     outcome = Failure("connection" if task.cancel_reason.startswith("server down") else "timeout",
                                       task.cancel_reason)
+                    if task.progress.whole is not None:  # cancelled after its [DONE]: the answer is whole
+                        outcome = task.progress.whole.outcome()
                 # No longer in flight: the watchdog must not cancel the bookkeeping below.
                 self.running.pop(task, None)
                 self.observed = time.monotonic()
@@ -185,7 +187,7 @@ class Dispatcher:
             # Answered by a server that is not the one the prompt ran on (restarted smaller): no attempt.
             self.todo.ready.appendleft(task)
             return
-        if (failure.kind in ("connection", "timeout", "server_error")
+        if (failure.kind in ("connection", "timeout", "server_error") and not self.watch.failing
             and await self._check(failure.kind == "connection")):
             # The server is down, not (necessarily) the prompt: no attempt is counted.
             task.crashed(self.watch.outages)
@@ -208,10 +210,16 @@ class Dispatcher:
             self.failed_since_note, self.next_failure_note = 0, now + FAILURE_NOTE_EVERY_S
         max_attempts = self.opts.max_attempts or held.config.max_attempts
         task.failing_since = task.progress.started if task.failing_since is None else task.failing_since
-        # No evidence against the prompt: retried while it could be the server's (a job's last prompts
-        # send nothing else to give evidence, so that lasts --server-down-timeout at most).
-        unproven = (task.answered_before <= task.failing_since
-                    and time.monotonic() - task.failing_since < self.opts.server_down_timeout)
+        # No evidence against the prompt (the server answered nothing sent since it first failed): retried for
+        # --server-down-timeout; then, or at once while none was answered since, the server is failing, not it.
+        unproven = task.answered_before <= task.failing_since
+        if unproven and failure.retryable and (time.monotonic() - task.failing_since >= self.opts.server_down_timeout
+                                               or self.answered < self.watch.failed_at):
+            self.todo.ready.appendleft(task)
+            self.watch.failed(f"nothing sent was answered for {time.monotonic() - task.failing_since:.0f}s while "
+                              f"/health answers; latest: {f'HTTP {failure.status} ' if failure.status else ''}"
+                              f"{failure.kind}: {' '.join(failure.message.split())}", task.failing_since)
+            return
         task.busy += failure.status in (429, 503)
         if failure.retryable and (task.attempts - task.busy < max_attempts or unproven):
             delay = (min(self.opts.retry_backoff_max, self.opts.retry_backoff * 2 ** (task.attempts - 1))

@@ -60,6 +60,8 @@ class ServerWatch:
         self.info: ServerInfo | None = None
         self.metrics: Metrics | None = None
         self.down_since: float | None = None  # monotonic
+        self.failing = False  # down because every request failed while /health answered: a request must succeed
+        self.failed_at = 0.0  # when it was last taken as failing (monotonic): none answered since, it still is
         self.outages = 0  # since the start: a prompt in flight through two is a suspect (worker/dispatch.py)
         self.note: str | None = None  # what the worker waits on: the server's last answer, or its change
         self._check: asyncio.Future[ServerInfo] | None = None
@@ -125,15 +127,26 @@ class ServerWatch:
         self.info = info
         return None
 
+    def failed(self, why: str, since: float) -> None:
+        """Nothing sent since `since` was answered while /health answers: down as a down server is, no crash
+        counted; its batches go back --server-down-timeout after `since`, and it is tried again after that."""
+        if not self.down:
+            self.failing, self.failed_at = True, time.monotonic()
+            log.warning("server %s is failing: %s; holding prompts, its batches back to the queue after "
+                        "--server-down-timeout, tried again after that", self.opts.server_url, why)
+            self._went_down(why)
+            self.down_since = since
+
     def _went_down(self, why: str) -> None:
         self.down_since = time.monotonic()
         self.note = why
-        self.outages += 1
         self.metrics = None  # what a server that is gone said last is not what it does now
-        for task in self.running:
-            task.crashed(self.outages)
-        log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s; "
-                    "%d in flight counted a server crash)", self.opts.server_url, why, len(self.running))
+        if not self.failing:  # the requests that failed already count in Dispatcher._failed, those still out here
+            self.outages += 1
+            for task in self.running:
+                task.crashed(self.outages)
+            log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s); each prompt "
+                        "in flight counts a server crash (--server-crash-limit)", self.opts.server_url, why)
         self.running.cancel_all(f"server down: {why}")
         self._down.set()
 
@@ -157,7 +170,8 @@ class ServerWatch:
                     self.note = str(exc)
                     continue
                 if (change := self._change(info)) is None:
-                    pass
+                    if self.failing and waiting:  # its /health answered all along
+                        continue
                 elif change.startswith("it serves model"):  # its prompts go back to a server of their model
                     log.warning("server %s: %s; handing its batches back", url, change)
                     self.info = info  # first: a batch taken meanwhile is judged by the model served now
@@ -172,7 +186,7 @@ class ServerWatch:
                     self.info = info
                 self.controller.set_capacity(info.capacity)
                 log.info("server %s is back after %.1fs", url, down_for)
-                self.down_since = self.note = None
+                self.down_since, self.note, self.failing = None, None, False
                 self.todo.wake.set()
             self._down.clear()
 
@@ -198,7 +212,9 @@ class ServerWatch:
             queue_empty = self.metrics is not None and not self.metrics.waiting
             for task, aio in list(self.running.items()):
                 p = task.progress
-                if now - p.started > opts.request_timeout:
+                if p.whole is not None:  # [DONE] came, the body never ends: the answer is recorded (worker/dispatch.py)
+                    task.cancel_reason = "the stream's body did not end after its [DONE]"
+                elif now - p.started > opts.request_timeout:
                     task.cancel_reason = f"request exceeded {opts.request_timeout:.0f}s (request timeout)"
                 elif now - p.last_activity > opts.stall_timeout and (p.first_byte is not None or queue_empty):
                     task.cancel_reason = f"no output for {opts.stall_timeout:.0f}s (stall timeout)"

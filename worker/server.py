@@ -47,6 +47,7 @@ class Progress:
     sequences: int = 1  # its n: each sample is a sequence on the server
     decoding: bool = False  # it has its first token
     waiting: bool = False  # sent, no token yet: queued or prefilling
+    whole: Any = None  # its StreamSink once [DONE] came: the answer is whole, recorded even if the body never ends
 
     def advance(self, tokens: int) -> None:
         if self.meter is None:
@@ -398,7 +399,7 @@ class StreamSink:
     def feed(self, payload: bytes) -> Failure | None:
         progress = self.progress
         if payload == b"[DONE]":
-            self.done = True
+            self.done, progress.whole = True, self
             return None
         event = decode_answer(payload)
         if isinstance(event, Failure):

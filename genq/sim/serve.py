@@ -255,8 +255,10 @@ class Choice(SimRequest):
                 "created": int(time.time()), "model": self.model, "choices": choices}
 
 
-# POST /sim/faults: the rate switches, an outage_for that starts an outage (0 ends one), stop_listening; each optional.
+# POST /sim/faults: the rate switches, an outage_for that starts an outage (0 ends one), stop_listening, hold_open
+# (each stream's body left unended after its [DONE], the connection held); each optional.
 _UPDATE: list[Any] = [*((name, _Rate | None, None) for name in FAULTS), ("stop_listening", bool | None, None),
+                      ("hold_open", bool | None, None),
                       ("outage_for", Annotated[float, msgspec.Meta(ge=0)] | None, None)]
 FaultUpdate = msgspec.defstruct("FaultUpdate", _UPDATE, kw_only=True, forbid_unknown_fields=True)
 
@@ -293,6 +295,7 @@ class SimServer:
         self._attempts: dict[str, int] = {}  # prompt key -> requests drawn for it
         self._outage_until = 0.0
         self.listening = True
+        self.hold_open = False  # streams never end their body after [DONE] (a stuck proxy, a server's bug)
         self.open_requests = 0  # requests being handled
         self._tool_calls = config.flavor != "sglang" or config.tool_call_parser is not None  # vLLM, llama.cpp: always
         self._text = (WORDS * (4 * config.context_length // len(WORDS) + 1))[: 4 * config.context_length]
@@ -434,6 +437,7 @@ class SimServer:
             self.rates.update({name: update[name] for name in FAULTS if update[name] is not None})
             if update["outage_for"] is not None:
                 self.start_outage(update["outage_for"])
+            self.hold_open = self.hold_open if update["hold_open"] is None else update["hold_open"]
             if update["stop_listening"]:
                 await self.stop_listening()
         remaining = max(self._outage_until - time.monotonic(), 0.0)
@@ -559,6 +563,8 @@ class SimServer:
             if options.include_usage:
                 tail.append(sse({**first.head(last_id, []), "usage": first.usage(sum(sent))}))
             await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
+            if self.hold_open:
+                await asyncio.Event().wait()  # till the client closes (handler_cancellation)
         await resp.write_eof()
         if flavor == "llamacpp" and request.transport is not None:
             # llama-server closes the connection after a stream, whatever its Keep-Alive header said.
