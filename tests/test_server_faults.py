@@ -233,3 +233,4 @@ def test_a_server_failing_everything_past_its_down_timeout_hands_back_and_letter
     assert not found.letters, {k: v.message for k, v in found.letters.items()}
     said = [line for line in proc.log().splitlines() if " is failing: " in line]
     assert said and "HTTP 500" in said[0] and "--server-down-timeout" in said[0], said
+    assert "is back after" not in proc.log() and "tried again (it was failing)" in proc.log()  # only a retry

@@ -185,7 +185,8 @@ class ServerWatch:
                     log.warning("server %s: %s for %.0fs: taken as it is", url, change, down_for)
                     self.info = info
                 self.controller.set_capacity(info.capacity)
-                log.info("server %s is back after %.1fs", url, down_for)
+                log.info("server %s %s after %.1fs", url, "tried again (it was failing)" if self.failing else "is back",
+                         down_for)
                 self.down_since, self.note, self.failing = None, None, False
                 self.todo.wake.set()
             self._down.clear()
