@@ -497,3 +497,21 @@ def test_a_worker_forgotten_by_prune_is_not_shown_lost(tmp_path: Path, redis_url
     assert (doc["workers_lost"], row["state"], row["job_completed"], doc["completed"]) == (0, "gone", 5, 5), doc
     assert row["bottlenecks"] == [] and row["bottleneck_codes"] == []
     assert "lost" not in run_genq("monitor", "--once", "--job", "pr").stdout
+
+
+def test_a_deleted_job_leaves_no_samples_or_history_behind(redis_url, rconn) -> None:
+    """A days-long monitor over many jobs keeps samples and history only of the jobs still there: a deleted
+    job's are dropped at the next refresh (they grew without end)."""
+    from genq.monitor.progress import Monitor
+    from genq.monitor.webapp import History
+    from genq.ops.control import delete_job, find_job
+    from tests.test_prometheus import put_job
+
+    history = History()
+    mon = Monitor(rconn, on_refresh=history.record)
+    put_job(rconn, time.time())
+    mon.refresh()
+    assert list(mon.trackers) == [("exp", mon.last[0].snapshot.config.incarnation)] and list(history.points) == ["exp"]
+    delete_job(rconn, find_job(rconn, "exp"))
+    assert mon.refresh() == []
+    assert mon.trackers == {} and history.points == {} and history.lives == {}
