@@ -186,7 +186,7 @@ class Monitor:
             tracker = self.trackers[life] = trackers.get(life) or RateTracker(self.window_s)
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
-        workers = [w for w in snap.workers if works_on(w, snap.config)]
+        workers = [w for w in snap.workers if works_on(w, snap.config, snap.at)]
         # Draining workers finish what they hold and take nothing more: alone, they leave the rest waiting.
         stranded = snap.queued > snap.held and all(w.state == "draining" for w in workers)
         est = estimate(
@@ -199,11 +199,11 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate, judged), speed)
 
 
-def works_on(w: WorkerView, config: JobConfig | None) -> bool:
+def works_on(w: WorkerView, config: JobConfig | None, now: float) -> bool:
     """A live worker holding the job's prompts, or an idle one whose server may run them (it takes the next
-    batches; workers route by model); not paused or down."""
+    batches; workers route by model); not paused, down, or silent (its beats late: killed, as views show it)."""
     s = w.live_status
-    if s is None or s.state in ("paused", "server_down"):
+    if s is None or s.state in ("paused", "server_down") or shown_state(s, now) == "silent":
         return False
     holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
     return bool(holds) or (s.state in ("idle", "busy", "starting") and (config is None or config.served_by(s.model)))

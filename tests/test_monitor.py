@@ -550,3 +550,27 @@ def test_the_first_tokens_rate_waits_for_a_sound_pair_of_samples(redis_url, rcon
         publish(at, 2_000 + round(1000 * (at - start)), 53_000, start + 0.9)
         rates.append(mon.refresh()[0].progress.output_tokens_per_sec)
     assert rates[:2] == [None, None] and rates[2] == pytest.approx(1000, rel=0.02), rates
+
+
+def test_a_silent_worker_is_no_help_to_the_eta(redis_url, rconn) -> None:
+    """A killed worker's record says "busy" until it expires; once its beats are late the views show it silent
+    and count no live worker on the job (`workers` 0, genq_worker_up 0): the ETA counts none either, so it
+    says stalled, not "warming up" on a worker that is gone."""
+    from genq.core.queueing import save_config
+    from genq.core.records import JobConfig
+    from genq.monitor.progress import Monitor
+
+    save_config(rconn, JobConfig(name="s", output="/tmp/unused", max_tokens=2048, batch_size=50))
+    rconn.hset(keys.job_stats("s"), mapping={"total": 1000, "batches": 20})
+    now = time.time()
+    status = WorkerStatus(name="w", host="h", pid=1, server="http://s", state="busy", started_at=now - 60,
+                          heartbeat_at=now - 8, concurrency_target=10, in_flight=10)
+    rconn.set(keys.worker_status("w"), pack(status), ex=60)
+    rconn.sadd(keys.WORKERS, "w")
+    rconn.sadd(keys.job_workers("s"), "w")
+    rconn.hset(keys.worker_stats("s", "w"), mapping={"done": 100, "out_tok": 9000})
+    rconn.hset(keys.job_hist("s"), mapping={"24": 30, "26": 40, "28": 30})
+    (r,) = Monitor(rconn, "s").refresh()
+    p = r.progress
+    assert [w.state for w in p.worker_details] == ["silent"] and p.workers == 0
+    assert p.eta_state == "stalled", (p.eta_state, p.eta_note)
