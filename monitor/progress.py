@@ -162,14 +162,14 @@ class Monitor:
             self.queue.refresh(self.conn)
             now = time.time()  # a silent worker's last figures are not of now: no verdict from them
             judged = decodebound.judge({n: s for n, s in statuses.items() if shown_state(s, now) not in DOWN})
-            reports = []
+            reports, trackers, self.trackers = [], self.trackers, {}  # only jobs (lives) still there keep theirs
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
                 snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0),
                                 rq_queued=self.queue.total)
                 if snap is None and self.job is not None:
                     raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
                 if snap is not None:
-                    reports.append(self._report(snap, judged))
+                    reports.append(self._report(snap, judged, trackers))
             self.fleet = [worker_report(WorkerView(name, status), time.time(), bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last, self.last_at = reports, time.monotonic()
@@ -177,16 +177,16 @@ class Monitor:
                 self.on_refresh(reports)
             return reports
 
-    def _report(self, snap: JobSnapshot, judged: dict[str, Verdict]) -> JobReport:
+    def _report(self, snap: JobSnapshot, judged: dict[str, Verdict], trackers: dict[Any, RateTracker]) -> JobReport:
         if self.once:
             speed, prompts_rate = once_speed(snap)
         else:
             # Samples of one life: a job deleted and enqueued again under its name is another job.
-            life = snap.config.incarnation if snap.config else ""
-            tracker = self.trackers.setdefault((snap.job, life), RateTracker(self.window_s))
+            life = (snap.job, snap.config.incarnation if snap.config else "")
+            tracker = self.trackers[life] = trackers.get(life) or RateTracker(self.window_s)
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
-        workers = [w for w in snap.workers if works_on(w, snap.config)]
+        workers = [w for w in snap.workers if works_on(w, snap.config, snap.at)]
         # Draining workers finish what they hold and take nothing more: alone, they leave the rest waiting.
         stranded = snap.queued > snap.held and all(w.state == "draining" for w in workers)
         est = estimate(
@@ -199,11 +199,11 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate, judged), speed)
 
 
-def works_on(w: WorkerView, config: JobConfig | None) -> bool:
+def works_on(w: WorkerView, config: JobConfig | None, now: float) -> bool:
     """A live worker holding the job's prompts, or an idle one whose server may run them (it takes the next
-    batches; workers route by model); not paused or down."""
+    batches; workers route by model); not paused, down, or silent (its beats late: killed, as views show it)."""
     s = w.live_status
-    if s is None or s.state in ("paused", "server_down"):
+    if s is None or s.state in ("paused", "server_down") or shown_state(s, now) == "silent":
         return False
     holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
     return bool(holds) or (s.state in ("idle", "busy", "starting") and (config is None or config.served_by(s.model)))

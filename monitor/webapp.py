@@ -59,6 +59,9 @@ class History:
 
     def record(self, reports: list[JobReport]) -> None:
         with self.lock:
+            jobs = {r.progress.job for r in reports}  # a deleted job's points go with it
+            self.points = {j: ring for j, ring in self.points.items() if j in jobs}
+            self.lives = {j: life for j, life in self.lives.items() if j in jobs}
             for r in reports:
                 p, config = r.progress, r.snapshot.config
                 if config is not None and self.lives.setdefault(p.job, config.incarnation) != config.incarnation:

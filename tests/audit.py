@@ -176,9 +176,8 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
     ):
         if counted != stored:
             problems.append(f"{what} counter is {counted} but {stored} are stored")
-    # A worker's `failed` counts the letters it wrote; `genq dlq requeue`/`purge` remove letters and
-    # leave that history alone (the monitor's failed is the DLQ's size), so it can only be larger.
-    if sums["failed"] < len(letters):
+    # A worker's `failed` counts its letters still stored: `genq dlq requeue`/`purge` take theirs off.
+    if sums["failed"] != len(letters):
         problems.append(f"workers' failed counter is {sums['failed']} but {len(letters)} letters are stored")
 
     # The running totals the monitor reads (kept by the ledger's RELEASE) against a full recount.
@@ -225,6 +224,9 @@ def audit(conn: redis.Redis, job: str, out: Path | str, ids: list[str], *,
     ):
         if reported != stored:
             problems.append(f"monitor says {what}={reported} but {stored} stored")
+    shown_failed = sum(w["job_failed"] for w in mon.get("worker_details", []))
+    if shown_failed != mon.get("failed"):
+        problems.append(f"monitor's workers' failed add up to {shown_failed}, its job's failed is {mon.get('failed')}")
     if not failed_batches and mon.get("batches_done") != mon.get("batches_total"):
         problems.append(f"monitor says batches {mon.get('batches_done')}/{mon.get('batches_total')} done")
     # genq.core.ledger.figures: a job with nothing in it is empty; one with dead letters ends partial, never done

@@ -175,7 +175,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             pipe.multi()
             if found:
                 q.write_batches(pipe, conn, batches, digests={}, count_total=False)
-                letters.stage_drop(pipe, job, [d.id for d in found])
+                letters.stage_drop(pipe, job, found)
             return [d.id for d in found], left, [b.id for b in batches]
 
         return move
@@ -214,8 +214,8 @@ def purge(conn: redis.Redis, chosen: Sequence[Entry]) -> Report:
     def forget(job: str, ids: list[str], pipe: Any) -> Moved:
         found, left = _movable(pipe, job, ids, "purge")
         pipe.multi()
-        letters.stage_drop(pipe, job, gone := [d.id for d in found])
-        letters.stage_forget_prompts(pipe, job, gone)
+        letters.stage_drop(pipe, job, found)
+        letters.stage_forget_prompts(pipe, job, gone := [d.id for d in found])
         return gone, left, []
 
     return _each(conn, chosen, lambda job, ids: functools.partial(forget, job, ids), requeue=False)

@@ -3,6 +3,7 @@ under WATCH of the job's letters (transaction)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -11,6 +12,7 @@ import redis
 from redis.client import Pipeline
 
 from genq.core import keys
+from genq.core.records import DeadLetter
 
 L = TypeVar("L", bound=msgspec.Struct)  # DeadLetter, or a view of it (genq.ops.dlq.Entry)
 T = TypeVar("T")
@@ -44,9 +46,13 @@ def transaction(conn: redis.Redis, job: str, body: Callable[[Any], T], *, batch:
     return conn.transaction(body, *watched, value_from_callable=True)
 
 
-def stage_drop(pipe: Pipeline, job: str, ids: list[str]) -> None:
-    if ids:
-        pipe.hdel(keys.job_dlq(job), *ids)
+def stage_drop(pipe: Pipeline, job: str, dropped: Sequence[DeadLetter]) -> None:
+    """These letters out of the DLQ, and off the counter of the worker that wrote each (its `failed`: its
+    letters stored, as the job's failed is the DLQ's size)."""
+    if dropped:
+        pipe.hdel(keys.job_dlq(job), *(d.id for d in dropped))
+    for worker, n in Counter(d.worker for d in dropped).items():
+        pipe.hincrby(keys.worker_stats(job, worker), "failed", -n)
 
 
 def stage_forget_prompts(pipe: Pipeline, job: str, ids: list[str]) -> None:

@@ -68,7 +68,11 @@ end
 -- and those the marker has no digest of (a shard of an older genq).
 local unknown = tonumber(ARGV[5]) + #cmsgpack.unpack(ARGV[10])
 for id, hex in pairs(cmsgpack.unpack(ARGV[11])) do
-  if not dead[id] then redis.call('HDEL', KEYS[10], id) end  -- the shard has its result
+  local letter = not dead[id] and redis.call('HGET', KEYS[10], id)
+  if letter then  -- the shard has its result: the letter goes, off its worker's count
+    redis.call('HDEL', KEYS[10], id)
+    redis.call('HINCRBY', wstats(cmsgpack.unpack(letter)['worker']), 'failed', -1)
+  end
   unknown = unknown - 1 + redis.call('HSETNX', KEYS[13], id, unhex(hex) .. struct.pack('>I4', tonumber(ARGV[12])))
 end
 if redis.call('EXISTS', KEYS[4]) == 0 and not redis.call('ZSCORE', KEYS[12], ARGV[1]) then
