@@ -34,7 +34,7 @@ import pytest
 import redis
 
 from genq.core import keys
-from genq.core.redisconn import connect
+from genq.core.redisconn import connect, describe_error
 from tests.audit import audit
 from tests.conftest import free_port, run_genq, sim_stats, wait_until, write_prompts
 
@@ -182,6 +182,13 @@ def test_every_command_reads_a_sentinel_url(sentinel_set):
     # A service the sentinel does not know: one line naming it, exit 1.
     proc = run_genq("jobs", redis_url=sentinel_set.url.replace(SERVICE, "nosuch"), check=False)
     assert proc.returncode == 1 and "nosuch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # A sentinel that refuses the password, or none answering: the sentinel and its error, not a client's repr.
+    for url, says in ((sentinel_set.url + "?sentinel_password=S3cret", "AUTH"),
+                      (sentinel_set.url.replace(str(sentinel_set.sentinel_port), str(free_port())), "refused")):
+        with pytest.raises(redis.ConnectionError) as caught:
+            connect(url).ping()
+        said = describe_error(url, caught.value)
+        assert says in said and "S3cret" not in said and "redis.client" not in said and len(said) < 300, said
 
 
 # ---------------------------------------------------------------- two replicas, the preferred one lagging

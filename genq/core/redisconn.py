@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -194,8 +195,12 @@ def connect_async(url: str) -> aioredis.Redis:
     return parse(url)(True)
 
 
+# redis-py's MasterNotFoundError quotes each sentinel's client (its repr, settings and all), then its error.
+_SENTINEL_ERROR = re.compile(r"<redis\.[\w.]*Redis\(.*?host=([^,]*),port=(\d+).*?\)>\)>\)> - \w+\((['\"])(.*?)\3\)")
+
+
 def describe_error(url: str, exc: Exception) -> str:
-    why = scrub(str(exc), url)
+    why = _SENTINEL_ERROR.sub(r"sentinel \1:\2: \4", scrub(str(exc), url))
     if isinstance(exc, redis.TimeoutError) and url.lower().startswith("rediss://"):
         why += f" (no TLS handshake within {CONNECT_TIMEOUT_S:g}s: if this Redis does not speak TLS, use redis://)"
     if found := refusal(exc):  # not `why`: redis-py's words quote the refused command, arguments and all
