@@ -48,8 +48,9 @@ FAST = dict(max_running_requests=16, mean_output_tokens=120, output_sigma=0.8, t
 class SentinelSet:
     """A master, a replica of it, and one sentinel watching them: private, loopback, in a tmp dir."""
 
-    def __init__(self, replicas: dict[str, int] | None = None) -> None:
-        """replicas: name -> replica-priority (lower is promoted first); default one replica, b."""
+    def __init__(self, replicas: dict[str, int] | None = None, password: str | None = None) -> None:
+        """replicas: name -> replica-priority (lower is promoted first); default one replica, b. password:
+        the sentinel's own (requirepass)."""
         self.dir = Path(tempfile.mkdtemp(prefix="genq-test-sentinel-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.replicas = replicas or {"b": 100}
@@ -64,12 +65,14 @@ class SentinelSet:
             f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['a']} 1\n"
             f"sentinel down-after-milliseconds {SERVICE} 2000\n"
-            f"sentinel failover-timeout {SERVICE} 10000\n")
+            f"sentinel failover-timeout {SERVICE} 10000\n" + (f"requirepass {password}\n" if password else ""))
         self.procs["sentinel"] = subprocess.Popen(["redis-sentinel", str(conf)],
                                                   stdout=open(self.dir / "sentinel.log", "ab"),
                                                   stderr=subprocess.STDOUT, start_new_session=True)
-        self.sentinel = redis.Redis(port=self.sentinel_port, socket_connect_timeout=1, decode_responses=True)
-        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{SERVICE}/0"
+        self.sentinel = redis.Redis(port=self.sentinel_port, socket_connect_timeout=1, decode_responses=True,
+                                    password=password)
+        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{SERVICE}/0" + (
+            f"?sentinel_password={password}" if password else "")
         wait_until(self._replica_known, 30, "the sentinel seeing the master and its synced replicas")
 
     def _server(self, name: str, *extra: str) -> None:
@@ -280,3 +283,21 @@ def test_a_job_loses_nothing_when_a_lagging_replica_is_promoted(two_replicas, si
         lines = done.stderr.strip().splitlines()
         assert done.returncode in (0, 1) and "Traceback" not in done.stderr, (name, done.stderr)
         assert done.returncode == 0 or len(lines) == 1, (name, done.stderr)
+
+
+def test_a_worker_that_loses_every_sentinel_never_logs_the_sentinel_password(sim, procs, tmp_path):
+    s = SentinelSet(password="S3ntinelPw")
+    try:
+        src = tmp_path / "p.jsonl"
+        write_prompts(src, 40)
+        run_genq("enqueue", str(src), "--job", "lost", "--output", str(tmp_path / "out"), redis_url=s.url)
+        server = sim(max_running_requests=4, mean_output_tokens=400, tokens_per_step=4, step_ms_base=50)
+        worker = procs([sys.executable, "-m", "genq", "worker", "--server", server, "--redis", s.url], name="worker")
+        wait_until(lambda: "-> " in worker.log(), 60, "the worker started")
+        for name in ("sentinel", "a"):  # no master, and no sentinel to name another: it reconnects, and fails
+            s.procs[name].kill()
+            s.procs[name].wait(timeout=10)
+        wait_until(lambda: "heartbeat:" in worker.log(), 60, "the worker to say Redis is away")
+        assert "S3ntinelPw" not in worker.log(), worker.log()[-3000:]
+    finally:
+        s.stop()

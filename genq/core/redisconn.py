@@ -174,7 +174,7 @@ def parse(url: str) -> Callable[[bool], Any]:
 
     def sentinel_client(aio: bool) -> Any:
         sentinel = aiosentinel if aio else redis.sentinel
-        manager = sentinel.Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+        manager = (_AsyncSentinel if aio else _Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
         pool = sentinel.SentinelConnectionPool(service, manager, is_master=True, db=number, **master)
         if not replicas:
             return (aioredis.Redis if aio else redis.Redis).from_pool(pool)
@@ -186,6 +186,31 @@ def parse(url: str) -> Callable[[bool], Any]:
     return sentinel_client
 
 
+# redis-py's MasterNotFoundError quotes each sentinel's client (its repr: settings, sentinel_password and all),
+# then its error: it is said as `sentinel host:port: error` instead, in every message and log line.
+_SENTINEL_ERROR = re.compile(r"<redis\.[\w.]*Redis\(.*?host=([^,]*),port=(\d+).*?\)>\)>\)> - \w+\((['\"])(.*?)\3\)")
+
+
+def _plain(exc: Exception) -> Exception:
+    return type(exc)(_SENTINEL_ERROR.sub(r"sentinel \1:\2: \4", str(exc)))
+
+
+class _Sentinel(redis.sentinel.Sentinel):
+    def discover_master(self, service_name: str) -> Any:
+        try:
+            return super().discover_master(service_name)
+        except redis.sentinel.MasterNotFoundError as exc:
+            raise _plain(exc) from None
+
+
+class _AsyncSentinel(aiosentinel.Sentinel):
+    async def discover_master(self, service_name: str) -> Any:
+        try:
+            return await super().discover_master(service_name)
+        except aiosentinel.MasterNotFoundError as exc:
+            raise _plain(exc) from None
+
+
 def connect(url: str) -> redis.Redis:
     """A sync client (RQ and the CLI): raw bytes, no decoding."""
     return parse(url)(False)
@@ -195,12 +220,8 @@ def connect_async(url: str) -> aioredis.Redis:
     return parse(url)(True)
 
 
-# redis-py's MasterNotFoundError quotes each sentinel's client (its repr, settings and all), then its error.
-_SENTINEL_ERROR = re.compile(r"<redis\.[\w.]*Redis\(.*?host=([^,]*),port=(\d+).*?\)>\)>\)> - \w+\((['\"])(.*?)\3\)")
-
-
 def describe_error(url: str, exc: Exception) -> str:
-    why = _SENTINEL_ERROR.sub(r"sentinel \1:\2: \4", scrub(str(exc), url))
+    why = scrub(str(exc), url)
     if isinstance(exc, redis.TimeoutError) and url.lower().startswith("rediss://"):
         why += f" (no TLS handshake within {CONNECT_TIMEOUT_S:g}s: if this Redis does not speak TLS, use redis://)"
     if found := refusal(exc):  # not `why`: redis-py's words quote the refused command, arguments and all
