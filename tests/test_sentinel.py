@@ -20,6 +20,7 @@ on the new master, nothing lost.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,7 @@ import pytest
 import redis
 
 from genq.core import keys
-from genq.core.redisconn import connect, describe_error
+from genq.core.redisconn import connect, connect_async, describe_error
 from tests.audit import audit
 from tests.conftest import free_port, run_genq, sim_stats, wait_until, write_prompts
 
@@ -48,9 +49,11 @@ FAST = dict(max_running_requests=16, mean_output_tokens=120, output_sigma=0.8, t
 class SentinelSet:
     """A master, a replica of it, and one sentinel watching them: private, loopback, in a tmp dir."""
 
-    def __init__(self, replicas: dict[str, int] | None = None, password: str | None = None) -> None:
+    def __init__(self, replicas: dict[str, int] | None = None, password: str | None = None,
+                 renamed_info: str | None = None) -> None:
         """replicas: name -> replica-priority (lower is promoted first); default one replica, b. password:
-        the sentinel's own (requirepass)."""
+        the sentinel's own (requirepass). renamed_info: INFO's name on the servers (as some managed Redis)."""
+        self.extra = ("--rename-command", "INFO", renamed_info) if renamed_info else ()
         self.dir = Path(tempfile.mkdtemp(prefix="genq-test-sentinel-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.replicas = replicas or {"b": 100}
@@ -65,7 +68,8 @@ class SentinelSet:
             f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['a']} 1\n"
             f"sentinel down-after-milliseconds {SERVICE} 2000\n"
-            f"sentinel failover-timeout {SERVICE} 10000\n" + (f"requirepass {password}\n" if password else ""))
+            f"sentinel failover-timeout {SERVICE} 10000\n" + (f"requirepass {password}\n" if password else "")
+            + (f"sentinel rename-command {SERVICE} INFO {renamed_info}\n" if renamed_info else ""))
         self.procs["sentinel"] = subprocess.Popen(["redis-sentinel", str(conf)],
                                                   stdout=open(self.dir / "sentinel.log", "ab"),
                                                   stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,7 +82,7 @@ class SentinelSet:
     def _server(self, name: str, *extra: str) -> None:
         self.procs[name] = subprocess.Popen(
             ["redis-server", "--port", str(self.ports[name]), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.dir), "--dbfilename", f"{name}.rdb", *extra],
+             "--appendonly", "no", "--dir", str(self.dir), "--dbfilename", f"{name}.rdb", *self.extra, *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
 
     def restart_as_replica(self, name: str, of: str) -> None:
@@ -299,5 +303,16 @@ def test_a_worker_that_loses_every_sentinel_never_logs_the_sentinel_password(sim
             s.procs[name].wait(timeout=10)
         wait_until(lambda: "heartbeat:" in worker.log(), 60, "the worker to say Redis is away")
         assert "S3ntinelPw" not in worker.log(), worker.log()[-3000:]
+    finally:
+        s.stop()
+
+
+def test_writes_wait_for_a_replica_where_info_is_renamed():
+    """INFO renamed (Sentinel told so): the online replicas cannot be counted; a write waits for ?wait_replicas."""
+    s = SentinelSet(renamed_info="GENQINFO")
+    try:
+        connect(s.url).set("genq-test:k", "v")
+        asyncio.run(connect_async(s.url).set("genq-test:a", "v"))  # a worker's client
+        assert s.direct("b").mget("genq-test:k", "genq-test:a") == [b"v", b"v"]  # WAIT returned: on the replica
     finally:
         s.stop()

@@ -279,7 +279,10 @@ def _check(conn: Any, acked: Any, want: int) -> None:
 def _wait(conn: Any, least: int) -> None:
     if _stale(conn):
         conn.send_command("INFO", "replication")
-        conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
+        try:
+            conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
+        except redis.ResponseError:  # INFO not allowed (renamed): the replicas cannot be counted, at least `least`
+            conn.genq_replicas = (time.monotonic(), 0)
     conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, conn.read_response(), want)
 
@@ -287,7 +290,10 @@ def _wait(conn: Any, least: int) -> None:
 async def _wait_async(conn: Any, least: int) -> None:
     if _stale(conn):
         await conn.send_command("INFO", "replication")
-        conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
+        try:
+            conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
+        except redis.ResponseError:
+            conn.genq_replicas = (time.monotonic(), 0)
     await conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, await conn.read_response(), want)
 
