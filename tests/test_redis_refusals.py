@@ -260,3 +260,24 @@ def test_an_enqueue_that_fills_redis_says_what_is_queued_and_the_same_command_fi
     assert f"skipped {held:,} prompts already queued" in again.stdout + again.stderr, again.stdout + again.stderr
     assert counts(rconn, "big").total == n and counts(rconn, "big").batches == n // 100
     assert rq_queue(rconn).count == n // 100  # every batch in RQ's queue once
+
+
+@pytest.mark.parametrize("deny", [("--rename-command", "INFO", ""),
+                                  ("--user", "default", "on", "nopass", "~*", "&*", "+@all", "-info")],
+                         ids=["renamed", "acl"])
+def test_info_not_allowed_a_job_still_runs_and_every_command_works(deny, sim, procs, tmp_path):
+    """Some managed Redis disable INFO: no restart is seen by run_id then (docs/exactly-once.md), nothing else
+    changes; no command fails or logs a traceback for it."""
+    with LocalRedis(*deny) as own:
+        server = sim(max_running_requests=8, **FAST)
+        ids, out, _ = enqueue(tmp_path, own.url, "noinfo", 30)
+        proc = procs(genq_cmd("worker", "--server", server, "--burst", redis_url=own.url), name="worker")
+        assert proc.wait(timeout=120) == 0, proc.log()
+        assert "Traceback" not in proc.log(), proc.log()
+        for args in (("monitor", "--job", "noinfo", "--once"), ("monitor", "--json", "--once"), ("workers",),
+                     ("jobs",)):
+            done = run_genq(*args, redis_url=own.url, check=False)
+            assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr)
+        assert warning_gauge(own.conn) == set()
+        audit(own.conn, "noinfo", out, ids)
+        generated_once(server, len(ids))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -173,7 +174,7 @@ def parse(url: str) -> Callable[[bool], Any]:
 
     def sentinel_client(aio: bool) -> Any:
         sentinel = aiosentinel if aio else redis.sentinel
-        manager = sentinel.Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+        manager = (_AsyncSentinel if aio else _Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
         pool = sentinel.SentinelConnectionPool(service, manager, is_master=True, db=number, **master)
         if not replicas:
             return (aioredis.Redis if aio else redis.Redis).from_pool(pool)
@@ -183,6 +184,31 @@ def parse(url: str) -> Callable[[bool], Any]:
         return client
 
     return sentinel_client
+
+
+# redis-py's MasterNotFoundError quotes each sentinel's client (its repr: settings, sentinel_password and all),
+# then its error: it is said as `sentinel host:port: error` instead, in every message and log line.
+_SENTINEL_ERROR = re.compile(r"<redis\.[\w.]*Redis\(.*?host=([^,]*),port=(\d+).*?\)>\)>\)> - \w+\((['\"])(.*?)\3\)")
+
+
+def _plain(exc: Exception) -> Exception:
+    return type(exc)(_SENTINEL_ERROR.sub(r"sentinel \1:\2: \4", str(exc)))
+
+
+class _Sentinel(redis.sentinel.Sentinel):
+    def discover_master(self, service_name: str) -> Any:
+        try:
+            return super().discover_master(service_name)
+        except redis.sentinel.MasterNotFoundError as exc:
+            raise _plain(exc) from None
+
+
+class _AsyncSentinel(aiosentinel.Sentinel):
+    async def discover_master(self, service_name: str) -> Any:
+        try:
+            return await super().discover_master(service_name)
+        except aiosentinel.MasterNotFoundError as exc:
+            raise _plain(exc) from None
 
 
 def connect(url: str) -> redis.Redis:
@@ -253,7 +279,10 @@ def _check(conn: Any, acked: Any, want: int) -> None:
 def _wait(conn: Any, least: int) -> None:
     if _stale(conn):
         conn.send_command("INFO", "replication")
-        conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
+        try:
+            conn.genq_replicas = (time.monotonic(), online_replicas(conn.read_response()))
+        except redis.ResponseError:  # INFO not allowed (renamed): the replicas cannot be counted, at least `least`
+            conn.genq_replicas = (time.monotonic(), 0)
     conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, conn.read_response(), want)
 
@@ -261,7 +290,10 @@ def _wait(conn: Any, least: int) -> None:
 async def _wait_async(conn: Any, least: int) -> None:
     if _stale(conn):
         await conn.send_command("INFO", "replication")
-        conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
+        try:
+            conn.genq_replicas = (time.monotonic(), online_replicas(await conn.read_response()))
+        except redis.ResponseError:
+            conn.genq_replicas = (time.monotonic(), 0)
     await conn.send_command("WAIT", want := max(least, conn.genq_replicas[1]), WAIT_TIMEOUT_MS)
     _check(conn, await conn.read_response(), want)
 
