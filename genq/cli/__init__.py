@@ -172,8 +172,9 @@ OWN_OPTIONS = {"max_tokens": ("token cap", "--max-tokens"), "max_completion_toke
                "temperature": ("temperature", "--temperature"), "top_p": ("top_p", "--top-p")}
 
 
-def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
-    """--extra-body's JSON object, its fields checked as a row's sampling is (RowError says why: bad usage)."""
+def extra_body(text: str, endpoint: str | None = None, prompts: bool = False) -> dict[str, Any]:
+    """--extra-body's JSON object, its fields checked as a row's sampling is (RowError says why: bad usage);
+    `prompts`: it overrides dead prompts' fields (dlq requeue), not the job's."""
     from genq.core.records import pack
     from genq.producer.rows import RowError, check_params
 
@@ -191,8 +192,8 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     check_params(extra, "--extra-body", endpoint)
     if own := sorted(OWN_OPTIONS.keys() & extra.keys()):  # sent over the option's: `jobs set` would change nothing
         what, option = OWN_OPTIONS[own[0]]
-        raise RowError(f"--extra-body: {own[0]!r} cannot be set here; the job's {what} is {option} (`genq jobs set "
-                       f"{option}` changes it), and one here would hide it")
+        raise RowError(f"--extra-body: {own[0]!r} cannot be set here; " + (f"give {option}" if prompts else f"the "
+                       f"job's {what} is {option} (`genq jobs set {option}` changes it), and one here would hide it"))
     try:
         pack(extra)  # Redis holds the settings as msgpack, whose integers are 64-bit
     except OverflowError:
