@@ -139,15 +139,19 @@ def steering(fn: Any) -> Any:
 def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: object) -> list[str]:
     if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
-    conn = redis_conn()
-    if not (chosen := control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)):
+    conn, drain = redis_conn(), change.get("drain") is True  # a drain is done once the worker is gone
+    if not (chosen := control.select(control.fleet(conn), workers=names, host=host, everyone=everyone,
+                                     gone_too=drain)) and not drain:
         raise Refused("no live workers")
     for r in chosen:
+        if not r.live:
+            click.echo(f"{r.name} is {r.state} already: nothing to drain")
+            continue
         control.update_control(conn, r.name, **change)
         if r.state == "silent":  # killed, frozen or cut off: told, but it may never read it
             click.echo(f"note: {r.name} is silent (no heartbeat for {age(r.heartbeat_age_s or 0)}): it acts on this "
                        "only if it wakes", err=True)
-    return [r.name for r in chosen]
+    return [r.name for r in chosen if r.live]
 
 
 @click.command()
@@ -159,7 +163,8 @@ def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, 
     """Let workers finish what they hold, then exit. They take no new batches."""
     if timeout is not None and not wait:
         raise click.UsageError("--timeout is how long --wait waits: give --wait too")
-    chosen = _steer(names, host, everyone, drain=True)
+    if not (chosen := _steer(names, host, everyone, drain=True)):
+        return None if names else click.echo("no live workers: nothing to drain")
     click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
     deadline, said = None if timeout is None else time.monotonic() + timeout, ""
     while wait:  # a line whenever what they hold changes
@@ -283,7 +288,7 @@ def jobs_show(job: str, as_json: bool) -> None:
 
 def _extra_body(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
     try:
-        return None if value is None else cli.extra_body(value)
+        return None if value is None else cli.extra_body(value, prompts=ctx.info_name == "requeue")
     except ValueError as exc:
         raise click.UsageError(str(exc), ctx) from None
 

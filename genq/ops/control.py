@@ -118,8 +118,9 @@ def fleet(conn: redis.Redis) -> list[WorkerRow]:
 
 
 def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str | None = None,
-           everyone: bool = False) -> list[WorkerRow]:
-    """The live workers an operator named; Refused says what exists when a name matches none."""
+           everyone: bool = False, gone_too: bool = False) -> list[WorkerRow]:
+    """The live workers an operator named (gone_too: the stopped or lost ones named too); Refused says what
+    exists when a name matches none."""
     rows = list(rows)
     if everyone or host is not None:
         if not (chosen := [r for r in rows if r.live and (everyone or r.host == host)]) and host is not None:
@@ -130,7 +131,7 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
     for name in workers:
         if name not in by_name:
             raise Refused(f"no worker named {name!r}; known: {', '.join(sorted(by_name)) or 'none'}")
-        if not by_name[name].live:
+        if not by_name[name].live and not gone_too:
             raise Refused(f"worker {name!r} is {by_name[name].state}; it cannot take instructions")
     return [by_name[name] for name in workers]
 
