@@ -349,8 +349,12 @@ def jobs_delete(job: str, yes: bool, force: bool) -> None:
     if not found.keys and not found.rq_jobs:
         jobs_named(conn, job)
     if found.holders and not force:
-        raise Refused(f"live workers hold batches of job {job!r}: {', '.join(found.holders)}. Drain them "
-                      f"(genq drain --worker NAME) or wait, or pass --force to delete anyway.")
+        held = ", ".join(f"{name} ({state})" for name, state in found.holders.items())
+        silent = [name for name, state in found.holders.items() if state == "silent"]  # killed or frozen
+        helps = "Drain them (genq drain --worker NAME) or wait" if not silent else (
+            f"Silent ones ({', '.join(silent)}) cannot be drained: wait until `genq workers` shows them lost (their "
+            "batches then go back to the queue)" + ("; drain the others" if len(silent) < len(found.holders) else ""))
+        raise Refused(f"live workers hold batches of job {job!r}: {held}. {helps}, or pass --force to delete anyway.")
     kinds = Counter(key.split(":")[3] for key in found.keys)  # genq:job:JOB:batch:b0000001 -> batch
     listing = ", ".join(kind + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
     places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())

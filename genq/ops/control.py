@@ -219,7 +219,7 @@ class JobDeletion(msgspec.Struct):  # what `genq jobs delete` found (and removes
     job: str
     keys: list[str]  # everything under genq:job:JOB:
     rq_jobs: dict[str, list[str]]  # where its RQ jobs are (queued, started, failed...) -> RQ job ids
-    holders: list[str]  # live workers holding its batches
+    holders: dict[str, str]  # live workers holding its batches -> their shown state (silent: a drain cannot help)
 
 
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:
@@ -235,7 +235,7 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
         ids = holder.get_job_ids() if place == "queued" else holder.get_job_ids(cleanup=False)
         if mine := [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job]:
             rq_jobs[place] = mine
-    holders = sorted(r.name for r in fleet(conn) if r.live and any(b.split("/", 1)[0] == job for b in r.batches))
+    holders = {r.name: r.state for r in fleet(conn) if r.live and any(b.split("/", 1)[0] == job for b in r.batches)}
     return JobDeletion(job=job, keys=ledger_jobs.find_job_keys(conn, job), rq_jobs=rq_jobs, holders=holders)
 
 
