@@ -348,6 +348,10 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("sim", "--port", "-5"), "--port"),
     (("enqueue", str(EXAMPLE), "--job", "j", "--output", "gs://bucket/out"), "--output"),
     (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
+    (("export", "--job", "j", "--to", ""), "--to"),  # was taken as the current folder, written as /j.jsonl
+    (("export", "--job", "j", "--to", "x.jsonl", "--errors", "gs://b/e.jsonl"), "--errors"),  # was not checked
+    (("enqueue", str(EXAMPLE), "--job", "j", "--output", ""), "--output"),  # was the current folder, silently
+    (("recover", "--job", "j", "--output", ""), "--output"),
     (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
     (("concurrency", "99999999999999999999", "--all"), "VALUE"),  # was msgpack's OverflowError, with workers
     (("enqueue", str(EXAMPLE), "--job", "j", "--max-tokens", "9" * 20), "--max-tokens"),  # was msgpack's traceback

@@ -121,8 +121,9 @@ def model_name(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
-    folder named after it, which each worker would fill in its own working directory."""
-    if value is not None and "://" in value and not value.startswith("s3://"):
+    folder named after it, which each worker would fill in its own working directory; an empty one, the
+    current folder (export --to '' wrote /JOB.jsonl)."""
+    if value == "" or value is not None and "://" in value and not value.startswith("s3://"):
         raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
     return value
 

@@ -62,7 +62,7 @@ _key_decoder = msgspec.json.Decoder(_Key)
                    "output lines; dead letters go to an errors file). [default: from --to's suffix, else jsonl]")
 @click.option("--order", type=click.Choice(["input", "batch"]), default="input", show_default=True,
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
-@click.option("--errors", "errors_path", default=None, metavar="FILE",
+@click.option("--errors", "errors_path", default=None, metavar="FILE", callback=local_or_s3,
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
 @click.option("--from", "source_named_from", default=None, hidden=True)  # --output's first name (docs/recovery.md)
 @click.option("--output", "source", default=None, metavar="OUTPUT", callback=local_or_s3,
