@@ -364,6 +364,14 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("monitor", "--metrics", "abc"), "--metrics"),
     (("monitor", "--web", "127.0.0.1:port"), "--web"),
     (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),
+    (("worker", "--gpus", "0", "--server-url", "http://x/{nope}"), "--server-url"),  # was exit 1
+    # nan passes every comparison of a range: it was taken (a worker with requests that never time out)
+    (("worker", "--server", "http://127.0.0.1:1", "--server-start-timeout", "1", "--request-timeout", "nan"),
+     "--request-timeout"),
+    (("monitor", "--interval", "nan"), "--interval"),
+    (("sim", "--port", "0", "--error-rate", "nan"), "--error-rate"),  # was a sim that never erred
+    (("sim", "--port", "0", "--startup-delay", "inf"), "--startup-delay"),  # was a sim that never came up
+    (("drain", "--all", "--wait", "--timeout", "nan"), "--timeout"),
 ]
 
 

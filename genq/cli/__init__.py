@@ -136,6 +136,9 @@ class Finite(click.FloatRange):
             self.fail(f"{number} is not a finite number", param, ctx)
         return number
 
+    def _describe_range(self) -> str:  # --help's, where no bound is given (click's would say x<=None)
+        return super()._describe_range() if (self.min, self.max) != (None, None) else "finite"
+
 
 class JobName(click.ParamType):
     name = "NAME"  # as the ledger allows it: a bad one is bad usage

@@ -157,7 +157,7 @@ def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: o
 @click.command()
 @steering
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--timeout", type=cli.Finite(0, min_open=True), default=None,
               help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, timeout: float | None) -> None:
     """Let workers finish what they hold, then exit. They take no new batches."""
