@@ -105,13 +105,18 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     if fleet_opts["gpus"] is not None:
         if options["gpu"] is not None:
             raise click.UsageError("--gpu is for --server; with --gpus each worker gets its GPU from the list")
-        from genq.worker.fleet import FleetError, FleetOptions, HealthTimeouts, check_template, parse_gpus, run_fleet
+        from genq.worker import fleet
+        from genq.worker.fleet import FleetError, FleetOptions, HealthTimeouts, parse_gpus, run_fleet
 
         f = fleet_opts
-        try:  # bad usage, said before anything starts
-            gpus = parse_gpus(f["gpus"])
-            check_template(f["server_url_template"], "--server-url")
-        except (ValueError, FleetError) as exc:
+        try:  # a bad template is bad usage, said before anything starts
+            fleet.check_template(f["server_url_template"], "--server-url")
+            fleet.launch_argv(f["launch"], port=0, gpu=0) if f["launch"] is not None else None
+        except FleetError as exc:
+            raise click.UsageError(str(exc)) from None
+        try:
+            gpus = parse_gpus(f["gpus"])  # FleetError: NVML cannot answer --gpus all (exit 1)
+        except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         raise SystemExit(asyncio.run(run_fleet(FleetOptions(
             redis_url=redis_url(ctx), gpus=gpus, host=options["host"] or socket.gethostname(),
