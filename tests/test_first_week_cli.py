@@ -350,7 +350,9 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
     (("export", "--job", "j", "--to", ""), "--to"),  # was taken as the current folder, written as /j.jsonl
     (("export", "--job", "j", "--to", "x.jsonl", "--errors", "gs://b/e.jsonl"), "--errors"),  # was not checked
-    (("enqueue", str(EXAMPLE), "--job", "j", "--output", ""), "--output"),  # was the current folder, silently
+    (("enqueue", str(EXAMPLE), "--job", "j", "--output", ""), "--output"),
+    (("enqueue", "", "--job", "j"), "INPUT"),  # was exit 1, "input file not found: "
+    (("enqueue", "gs://b/in.jsonl", "--job", "j"), "INPUT"),  # was the current folder, silently
     (("recover", "--job", "j", "--output", ""), "--output"),
     (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
     (("concurrency", "99999999999999999999", "--all"), "VALUE"),  # was msgpack's OverflowError, with workers

@@ -33,7 +33,7 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 
 
 @click.command(short_help="Queue a JSONL or Parquet file's prompts as a job's batches.")
-@click.argument("input_uri", metavar="INPUT")
+@click.argument("input_uri", metavar="INPUT", callback=local_or_s3)
 @click.option("--job", type=JobName(), required=True,
               help="Job name (letters, digits, . _ -). An existing job's name adds to it (a finished one with --add).")
 @click.option("--output", default=None, callback=local_or_s3,
