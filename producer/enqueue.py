@@ -375,7 +375,7 @@ def queue_lost(conn: redis.Redis, config: JobConfig) -> int:
 def enqueue_again(conn: redis.Redis, config: JobConfig, input_uri: str, reference: str | None = None) -> EnqueueSummary:
     """What the job does not hold of one of its inputs (`located`), queued again."""
     rejects = RejectsFile(os.path.abspath(default_rejects_path(input_uri, config.output, config.name)))
-    rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url)
+    rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url, job=config.extra_body)
     summary = Enqueuer(conn, config, create=False, rejects=rejects, reference=reference, input_uri=input_uri).run(rows)
     rejects.close()
     if summary.enqueued:

@@ -127,9 +127,9 @@ KNOWN: dict[str, Check] = {
 UNSENT_AT_TOP = KNOWN.keys() - {"metadata", "user", "priority", "rid", "store"}
 
 
-def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
+def check_params(params: Any, where: str, endpoint: str | None = None, job: dict[str, Any] | None = None) -> None:
     """Raise RowError naming `where` (an option or a row's field) and the first bad field; with the
-    endpoint known, its rules too."""
+    endpoint known, its rules too, for the request as sent: the `job`'s extra_body under these params."""
     if not isinstance(params, dict):
         raise RowError(f"{where} must be an object of request parameters, got {_kind(params)}")
     for name, value in params.items():
@@ -147,7 +147,8 @@ def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
             raise RowError(f"{where}: unknown request field {name!r}{hint}; known fields: {', '.join(sorted(KNOWN))}")
         if problem := KNOWN[name](value):
             raise RowError(f"{where}: {name} {problem}")
-    logprobs, other = params.get("logprobs"), COMPLETIONS_ONLY if endpoint == "chat" else CHAT_ONLY
+    sent = {**(job or {}), **params}
+    logprobs, other = sent.get("logprobs"), COMPLETIONS_ONLY if endpoint == "chat" else CHAT_ONLY
     for name in other if endpoint else ():
         if name in params:
             raise RowError(f"{where}: {name!r} is a /v1/completions field; {other[name]} (the job uses --endpoint "
@@ -155,7 +156,7 @@ def check_params(params: Any, where: str, endpoint: str | None = None) -> None:
     if endpoint == "chat" and logprobs is not None and not isinstance(logprobs, bool):
         raise RowError(f"{where}: logprobs must be true or false for chat (use top_logprobs: K for "
                          f"alternatives), got {_kind(logprobs)}")
-    if endpoint == "chat" and params.get("top_logprobs") is not None and logprobs is not True:
+    if endpoint == "chat" and sent.get("top_logprobs") is not None and logprobs is not True:
         raise RowError(f"{where}: top_logprobs needs logprobs: true")
     if endpoint == "completions" and logprobs is not None and (
             isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
@@ -184,7 +185,8 @@ def claim_digest(prompt: Prompt) -> bytes:
     return hashlib.sha256(_canonical.encode([prompt.messages, prompt.prompt, prompt.sampling])).digest()[:8]
 
 
-def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) -> Row | Rejected | None:
+def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1,
+               job: dict[str, Any] | None = None) -> Row | Rejected | None:
     """None for a blank line. line_no is 1-based, as editors show it; start: the line's byte offset."""
     if len(raw) > MAX_LINE_BYTES:
         return rejected(line_no, f"line is {len(raw):,} bytes, over the {MAX_LINE_BYTES:,}-byte limit", raw)
@@ -192,7 +194,7 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
     if not (stripped := raw.strip().removeprefix(b"\xef\xbb\xbf")):
         return None
     try:
-        prompt, converted, model = to_prompt(line_no, json_decoder.decode(stripped), endpoint)
+        prompt, converted, model = to_prompt(line_no, json_decoder.decode(stripped), endpoint, job)
         pack(prompt)  # Redis holds it as msgpack, whose integers are 64-bit
     except msgspec.DecodeError as exc:
         return rejected(line_no, f"invalid JSON: {exc}", raw)
@@ -205,9 +207,10 @@ def parse_line(line_no: int, raw: bytes, endpoint: Endpoint, start: int = -1) ->
                model)
 
 
-def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool, str | None]:
+def to_prompt(line_no: int, obj: Any, endpoint: Endpoint,
+              job: dict[str, Any] | None = None) -> tuple[Prompt, bool, str | None]:
     """A decoded row as the endpoint's Prompt, whether it was converted (a prompt sent as one user message),
-    and the model an OpenAI Batch body names."""
+    and the model an OpenAI Batch body names; `job`: the job's extra_body, sent with the row's sampling."""
     if not isinstance(obj, dict):
         raise RowError(f"expected a JSON object, got {type(obj).__name__}")
     batch_line = "custom_id" in obj and "body" in obj
@@ -220,7 +223,7 @@ def to_prompt(line_no: int, obj: Any, endpoint: Endpoint) -> tuple[Prompt, bool,
         prompt.custom_id = prompt.id
         prompt.metadata = {k: v for k, v in obj.items() if k not in _BATCH_LINE_FIELDS}
     if prompt.sampling is not None:
-        check_params(prompt.sampling, "OpenAI Batch 'body'" if batch_line else "'sampling'", endpoint)
+        check_params(prompt.sampling, "OpenAI Batch 'body'" if batch_line else "'sampling'", endpoint, job)
     if endpoint == "completions" and prompt.messages is not None:
         what = "OpenAI Batch url /v1/chat/completions" if batch_line else "'messages'"
         raise RowError(f"has {what} but the job uses --endpoint completions, which takes a 'prompt' string; "

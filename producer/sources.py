@@ -130,23 +130,23 @@ def default_rejects_path(uri: str, output: str, job: str) -> str:
 
 
 def open_rows(uri: str, *, endpoint: Endpoint, s3_endpoint_url: str | None = None, columns: ColumnMap = ColumnMap(),
-              meter: Meter | None = None) -> Iterator[Row | Rejected]:
+              meter: Meter | None = None, job: dict[str, Any] | None = None) -> Iterator[Row | Rejected]:
     """The prompts (or rejects) of INPUT in input order; opening errors (no such file, column) raised here."""
     meter = meter or Meter()
     if is_parquet(uri):
-        return _parquet_rows(uri, columns, endpoint, s3_endpoint_url, meter)
+        return _parquet_rows(uri, columns, endpoint, s3_endpoint_url, meter, job)
     if columns != ColumnMap():
         raise SourceError("--messages-column, --prompt-column and --id-column apply to Parquet inputs "
                           f"(*.parquet) only; {uri} is read as JSONL")
-    return jsonl_rows(open_lines(uri, s3_endpoint_url=s3_endpoint_url, meter=meter), endpoint, meter)
+    return jsonl_rows(open_lines(uri, s3_endpoint_url=s3_endpoint_url, meter=meter), endpoint, meter, job=job)
 
 
 def jsonl_rows(lines: Iterable[bytes], endpoint: Endpoint, meter: Meter | None = None,
-               first_line: int = 1) -> Iterator[Row | Rejected]:
+               first_line: int = 1, job: dict[str, Any] | None = None) -> Iterator[Row | Rejected]:
     """The rows of JSONL lines (newlines included); blank lines are skipped."""
     meter = meter or Meter()
     for line_no, raw in enumerate(lines, start=first_line):
-        row = parse_line(line_no, raw, endpoint, meter.done)
+        row = parse_line(line_no, raw, endpoint, meter.done, job)
         meter.done += len(raw)
         if row is not None:
             yield row
@@ -215,7 +215,7 @@ def _columns(columns: ColumnMap, names: list[str], uri: str) -> dict[str, str]:
 
 
 def _parquet_rows(uri: str, columns: ColumnMap, endpoint: Endpoint, s3_endpoint_url: str | None,
-                  meter: Meter) -> Iterator[Row | Rejected]:
+                  meter: Meter, job: dict[str, Any] | None) -> Iterator[Row | Rejected]:
     """Every column but the request's is metadata, as a JSONL line's extra fields are."""
     import pyarrow as pa  # only when a Parquet input is read
     import pyarrow.parquet as pq
@@ -240,7 +240,7 @@ def _parquet_rows(uri: str, columns: ColumnMap, endpoint: Endpoint, s3_endpoint_
                     meter.done += 1
                     row = {k: v for k, v in record.items() if k not in sources and k not in _REQUEST_COLUMNS}
                     row.update((field, record[column]) for field, column in mapping.items())
-                    yield _parquet_row(meter.done, row, {k: record[k] for k in aside}, endpoint)
+                    yield _parquet_row(meter.done, row, {k: record[k] for k in aside}, endpoint, job)
         except (pa.ArrowException, OSError) as exc:
             raise SourceError(f"reading Parquet failed after row {meter.done:,}: {exc}") from None
         finally:
@@ -249,7 +249,8 @@ def _parquet_rows(uri: str, columns: ColumnMap, endpoint: Endpoint, s3_endpoint_
     return records()
 
 
-def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoint: Endpoint) -> Row | Rejected:
+def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoint: Endpoint,
+                 job: dict[str, Any] | None) -> Row | Rejected:
     try:
         messages = row.get("messages")
         if isinstance(messages, str):
@@ -264,7 +265,7 @@ def _parquet_row(row_no: int, row: dict[str, Any], aside: dict[str, Any], endpoi
                 row[field] = _strip_nulls(row[field])
         if row.get("id") is None:
             row.pop("id", None)  # a null id: the content hash is used, as for a JSONL line without one
-        prompt, converted, model = to_prompt(row_no, row, endpoint)
+        prompt, converted, model = to_prompt(row_no, row, endpoint, job)
     except RowError as exc:
         return rejected(row_no, str(exc), lenient_encoder.encode(row))
     prompt.metadata = {**(prompt.metadata or {}), **aside}
@@ -297,7 +298,7 @@ def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
         return source.inline_prompts()
     wanted, rows = set(source.prompt_ids()), []
     lines = io.BytesIO(_read_range(ref, config.s3_endpoint_url))  # as enqueue read them: on \n only
-    for row in jsonl_rows(lines, config.endpoint, first_line=ref.first_line):
+    for row in jsonl_rows(lines, config.endpoint, first_line=ref.first_line, job=config.extra_body):
         if isinstance(row, Row) and row.prompt.id in wanted:
             wanted.discard(row.prompt.id)  # the first line with an id is the one queued
             rows.append(row)

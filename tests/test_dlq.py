@@ -331,6 +331,21 @@ def test_requeue_overrides_are_checked_for_the_jobs_endpoint(redis_url, rconn, s
     assert [e["id"] for e in dlq_json(redis_url)] == ["long"]
 
 
+def test_requeue_options_are_checked_whatever_the_queue_holds(redis_url, tmp_path):
+    """A bad override is bad usage even with nothing to requeue (it said "nothing to requeue", exit 0);
+    a field with its own option names requeue's option, not `genq jobs set`."""
+    src = tmp_path / "prompts.jsonl"
+    write_mixed(src, 2)
+    enqueue(redis_url, src, "chat", tmp_path / "out")
+    for body, message in (('{"echo": true}', "--extra-body: 'echo' is a /v1/completions field"),
+                          ('{"temperature": 0.5}', "'temperature' cannot be set here; give --temperature"),
+                          ('{"top_p": 0.5}', "'top_p' cannot be set here; give --top-p")):
+        proc = run_genq("dlq", "requeue", "--all", "--job", "chat", "--extra-body", body, redis_url=redis_url,
+                        check=False)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stdout + proc.stderr
+        assert "jobs set" not in proc.stderr, proc.stderr
+
+
 def test_list_shows_a_message_with_brackets_as_it_is(redis_url, rconn, tmp_path):
     """A server's message is text, not rich markup: "[/messages/0]" crashed `genq dlq list`."""
     import time

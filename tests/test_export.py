@@ -59,7 +59,7 @@ def test_openai_batch_round_trip_with_a_rejected_row(redis_url, rconn, sim, work
     errors_path = tmp_path / "export" / "results.errors.jsonl"
     assert "wrote 22 records" in exp.stdout
     assert f"{dest.stat().st_size:,} bytes) to {dest} from 3 shards" in exp.stdout
-    assert f"wrote 1 error lines to {errors_path}" in exp.stdout
+    assert f"wrote 1 error line to {errors_path}" in exp.stdout
 
     output = [json.loads(line) for line in dest.read_text().splitlines()]
     errors = [json.loads(line) for line in errors_path.read_text().splitlines()]
@@ -113,7 +113,7 @@ def test_export_dedups_orders_and_reads_only_shards_in_the_manifest(redis_url, t
     by_input = tmp_path / "input.jsonl"
     proc = run_genq("export", "--job", "hand", "--from", str(out), "--to", str(by_input), redis_url=redis_url)
     assert "wrote 10 records" in proc.stdout and f"{by_input.stat().st_size:,} bytes" in proc.stdout
-    assert "from 2 shards" in proc.stdout and "dropped 1 duplicate records" in proc.stdout
+    assert "from 2 shards" in proc.stdout and "dropped 1 duplicate record (same id" in proc.stdout
     rows = [json.loads(line) for line in by_input.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"p{i:05d}" for i in range(10)]
     assert [r["index"] for r in rows] == list(range(10))

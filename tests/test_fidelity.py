@@ -240,6 +240,17 @@ def test_fields_genq_cannot_record_are_refused_at_enqueue(redis_url, tmp_path, l
     assert f"line 2: 'sampling': {message}" in proc.stderr or f"line 2: {message}" in proc.stderr, proc.stderr
 
 
+def test_a_row_is_checked_with_the_jobs_extra_body_as_the_request_sent(redis_url, tmp_path):
+    # top_logprobs needs logprobs: true in the request sent: the job's --extra-body gives it to every row.
+    src, msg = tmp_path / "in.jsonl", {"messages": [{"role": "user", "content": "hi"}]}
+    src.write_text(json.dumps({"id": "a", **msg, "sampling": {"top_logprobs": 2}}) + "\n"
+                   + json.dumps({"id": "b", **msg, "sampling": {"logprobs": False, "top_logprobs": 2}}) + "\n")
+    proc = run_genq("enqueue", str(src), "--job", "lp", "--endpoint", "chat", "--extra-body", '{"logprobs": true}',
+                    "--output", str(tmp_path / "o"), redis_url=redis_url, check=False)
+    assert proc.returncode == 3 and "line 1" not in proc.stderr, proc.stdout + proc.stderr
+    assert "line 2: 'sampling': top_logprobs needs logprobs: true" in proc.stderr, proc.stderr
+
+
 def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")

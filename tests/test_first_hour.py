@@ -316,6 +316,20 @@ def test_jobs_delete_refuses_while_a_live_worker_holds_its_batches(redis_url, rc
     assert _job_keys(rconn, "held") == [] and rq_queue(rconn).count == 0
 
 
+
+def test_jobs_delete_held_by_a_silent_worker_says_what_helps(redis_url, rconn, tmp_path):
+    """A killed worker holds its batches until its record expires: a drain cannot reach it (it said "Drain them")."""
+    src = tmp_path / "p.jsonl"
+    write_prompts(src, 2)
+    run_genq("enqueue", str(src), "--job", "held", redis_url=redis_url)
+    status = WorkerStatus(name="w9", host="h", pid=1, server="http://x", state="busy", started_at=time.time() - 300,
+                          heartbeat_at=time.time() - 120, batches=[BatchRef("held", "b0000001")])
+    rconn.sadd(keys.WORKERS, "w9")
+    rconn.set(keys.worker_status("w9"), pack(status), ex=600)
+    proc = run_genq("jobs", "delete", "held", "--yes", redis_url=redis_url, check=False)
+    assert proc.returncode == 1 and "w9 (silent)" in proc.stderr and "genq drain" not in proc.stderr, proc.stderr
+    assert "--force" in proc.stderr and "lost" in proc.stderr and _job_keys(rconn, "held"), proc.stderr
+
 # ---------------------------------------------------------------- #10: URLs masked in every form
 
 

@@ -348,6 +348,12 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("sim", "--port", "-5"), "--port"),
     (("enqueue", str(EXAMPLE), "--job", "j", "--output", "gs://bucket/out"), "--output"),
     (("export", "--job", "j", "--to", "http://host/x.jsonl"), "--to"),
+    (("export", "--job", "j", "--to", ""), "--to"),  # was taken as the current folder, written as /j.jsonl
+    (("export", "--job", "j", "--to", "x.jsonl", "--errors", "gs://b/e.jsonl"), "--errors"),  # was not checked
+    (("enqueue", str(EXAMPLE), "--job", "j", "--output", ""), "--output"),
+    (("enqueue", "", "--job", "j"), "INPUT"),  # was exit 1, "input file not found: "
+    (("enqueue", "gs://b/in.jsonl", "--job", "j"), "INPUT"),  # was the current folder, silently
+    (("recover", "--job", "j", "--output", ""), "--output"),
     (("jobs", "set", "j", "--max-attempts", "1000"), "--max-attempts"),  # as enqueue's and the worker's: 1..100
     (("concurrency", "99999999999999999999", "--all"), "VALUE"),  # was msgpack's OverflowError, with workers
     (("enqueue", str(EXAMPLE), "--job", "j", "--max-tokens", "9" * 20), "--max-tokens"),  # was msgpack's traceback
@@ -360,6 +366,14 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("monitor", "--metrics", "abc"), "--metrics"),
     (("monitor", "--web", "127.0.0.1:port"), "--web"),
     (("worker", "--gpus", "0,x", "--launch", "genq sim --port {port}"), "--gpus"),
+    (("worker", "--gpus", "0", "--server-url", "http://x/{nope}"), "--server-url"),  # was exit 1
+    # nan passes every comparison of a range: it was taken (a worker with requests that never time out)
+    (("worker", "--server", "http://127.0.0.1:1", "--server-start-timeout", "1", "--request-timeout", "nan"),
+     "--request-timeout"),
+    (("monitor", "--interval", "nan"), "--interval"),
+    (("sim", "--port", "0", "--error-rate", "nan"), "--error-rate"),  # was a sim that never erred
+    (("sim", "--port", "0", "--startup-delay", "inf"), "--startup-delay"),  # was a sim that never came up
+    (("drain", "--all", "--wait", "--timeout", "nan"), "--timeout"),
 ]
 
 

@@ -121,8 +121,9 @@ def model_name(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
-    folder named after it, which each worker would fill in its own working directory."""
-    if value is not None and "://" in value and not value.startswith("s3://"):
+    folder named after it, which each worker would fill in its own working directory; an empty one, the
+    current folder (export --to '' wrote /JOB.jsonl)."""
+    if value == "" or value is not None and "://" in value and not value.startswith("s3://"):
         raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
     return value
 
@@ -134,6 +135,9 @@ class Finite(click.FloatRange):
         if not math.isfinite(number := super().convert(value, param, ctx)):
             self.fail(f"{number} is not a finite number", param, ctx)
         return number
+
+    def _describe_range(self) -> str:  # --help's, where no bound is given (click's would say x<=None)
+        return super()._describe_range() if (self.min, self.max) != (None, None) else "finite"
 
 
 class JobName(click.ParamType):
@@ -172,8 +176,9 @@ OWN_OPTIONS = {"max_tokens": ("token cap", "--max-tokens"), "max_completion_toke
                "temperature": ("temperature", "--temperature"), "top_p": ("top_p", "--top-p")}
 
 
-def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
-    """--extra-body's JSON object, its fields checked as a row's sampling is (RowError says why: bad usage)."""
+def extra_body(text: str, endpoint: str | None = None, prompts: bool = False) -> dict[str, Any]:
+    """--extra-body's JSON object, its fields checked as a row's sampling is (RowError says why: bad usage);
+    `prompts`: it overrides dead prompts' fields (dlq requeue), not the job's."""
     from genq.core.records import pack
     from genq.producer.rows import RowError, check_params
 
@@ -191,8 +196,8 @@ def extra_body(text: str, endpoint: str | None = None) -> dict[str, Any]:
     check_params(extra, "--extra-body", endpoint)
     if own := sorted(OWN_OPTIONS.keys() & extra.keys()):  # sent over the option's: `jobs set` would change nothing
         what, option = OWN_OPTIONS[own[0]]
-        raise RowError(f"--extra-body: {own[0]!r} cannot be set here; the job's {what} is {option} (`genq jobs set "
-                       f"{option}` changes it), and one here would hide it")
+        raise RowError(f"--extra-body: {own[0]!r} cannot be set here; " + (f"give {option}" if prompts else f"the "
+                       f"job's {what} is {option} (`genq jobs set {option}` changes it), and one here would hide it"))
     try:
         pack(extra)  # Redis holds the settings as msgpack, whose integers are 64-bit
     except OverflowError:

@@ -139,27 +139,32 @@ def steering(fn: Any) -> Any:
 def _steer(names: tuple[str, ...], host: str | None, everyone: bool, **change: object) -> list[str]:
     if sum([bool(names), host is not None, everyone]) != 1:
         raise click.UsageError("name the workers with exactly one of --worker NAME, --host HOST or --all")
-    conn = redis_conn()
-    if not (chosen := control.select(control.fleet(conn), workers=names, host=host, everyone=everyone)):
+    conn, drain = redis_conn(), change.get("drain") is True  # a drain is done once the worker is gone
+    if not (chosen := control.select(control.fleet(conn), workers=names, host=host, everyone=everyone,
+                                     gone_too=drain)) and not drain:
         raise Refused("no live workers")
     for r in chosen:
+        if not r.live:
+            click.echo(f"{r.name} is {r.state} already: nothing to drain")
+            continue
         control.update_control(conn, r.name, **change)
         if r.state == "silent":  # killed, frozen or cut off: told, but it may never read it
             click.echo(f"note: {r.name} is silent (no heartbeat for {age(r.heartbeat_age_s or 0)}): it acts on this "
                        "only if it wakes", err=True)
-    return [r.name for r in chosen]
+    return [r.name for r in chosen if r.live]
 
 
 @click.command()
 @steering
 @click.option("--wait", is_flag=True, help="Show what each worker still holds until all have stopped.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--timeout", type=cli.Finite(0, min_open=True), default=None,
               help="With --wait: give up waiting after this many seconds (exit 1); more than 0.")
 def drain(names: tuple[str, ...], host: str | None, everyone: bool, wait: bool, timeout: float | None) -> None:
     """Let workers finish what they hold, then exit. They take no new batches."""
     if timeout is not None and not wait:
         raise click.UsageError("--timeout is how long --wait waits: give --wait too")
-    chosen = _steer(names, host, everyone, drain=True)
+    if not (chosen := _steer(names, host, everyone, drain=True)):
+        return None if names else click.echo("no live workers: nothing to drain")
     click.echo(f"draining {len(chosen)} worker(s): {', '.join(chosen)}")
     deadline, said = None if timeout is None else time.monotonic() + timeout, ""
     while wait:  # a line whenever what they hold changes
@@ -283,7 +288,7 @@ def jobs_show(job: str, as_json: bool) -> None:
 
 def _extra_body(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
     try:
-        return None if value is None else cli.extra_body(value)
+        return None if value is None else cli.extra_body(value, prompts=ctx.info_name == "requeue")
     except ValueError as exc:
         raise click.UsageError(str(exc), ctx) from None
 
@@ -344,8 +349,12 @@ def jobs_delete(job: str, yes: bool, force: bool) -> None:
     if not found.keys and not found.rq_jobs:
         jobs_named(conn, job)
     if found.holders and not force:
-        raise Refused(f"live workers hold batches of job {job!r}: {', '.join(found.holders)}. Drain them "
-                      f"(genq drain --worker NAME) or wait, or pass --force to delete anyway.")
+        held = ", ".join(f"{name} ({state})" for name, state in found.holders.items())
+        silent = [name for name, state in found.holders.items() if state == "silent"]  # killed or frozen
+        helps = "Drain them (genq drain --worker NAME) or wait" if not silent else (
+            f"Silent ones ({', '.join(silent)}) cannot be drained: wait until `genq workers` shows them lost (their "
+            "batches then go back to the queue)" + ("; drain the others" if len(silent) < len(found.holders) else ""))
+        raise Refused(f"live workers hold batches of job {job!r}: {held}. {helps}, or pass --force to delete anyway.")
     kinds = Counter(key.split(":")[3] for key in found.keys)  # genq:job:JOB:batch:b0000001 -> batch
     listing = ", ".join(kind + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))
     places = ", ".join(f"{len(ids)} {place}" for place, ids in found.rq_jobs.items())

@@ -128,6 +128,7 @@ def requeue(ids: tuple[str, ...], job: str | None, all_: bool, **settings: Any) 
     # Into each prompt's own request fields: --extra-body's fields are some of them, not one named extra_body.
     override = {**(settings.pop("extra_body") or {}), **{k: v for k, v in settings.items() if v is not None}}
     conn = redis_conn()
+    core.check_override(conn, [job] if job else [], override)  # bad usage even with nothing to requeue
     if not (chosen := _chosen(conn, "requeue", job, ids)):
         return
     if override and any(e.is_batch for e in chosen):

@@ -33,7 +33,7 @@ CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "t
 
 
 @click.command(short_help="Queue a JSONL or Parquet file's prompts as a job's batches.")
-@click.argument("input_uri", metavar="INPUT")
+@click.argument("input_uri", metavar="INPUT", callback=local_or_s3)
 @click.option("--job", type=JobName(), required=True,
               help="Job name (letters, digits, . _ -). An existing job's name adds to it (a finished one with --add).")
 @click.option("--output", default=None, callback=local_or_s3,
@@ -123,7 +123,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         closed = None if create or add_to_finished else _finished(conn, job, config, input_uri)
         meter = Meter()
         rows = open_rows(input_uri, endpoint=config.endpoint, s3_endpoint_url=config.s3_endpoint_url, columns=columns,
-                         meter=meter)
+                         meter=meter, job=config.extra_body)
         path = None if dry_run else os.path.abspath(rejects_path or default_rejects_path(input_uri, config.output, job))
         rejects, started = RejectsFile(path), time.monotonic()
         enqueuer = Enqueuer(conn, config, create=create, rejects=rejects, reference=reference,

@@ -62,7 +62,7 @@ _key_decoder = msgspec.json.Decoder(_Key)
                    "output lines; dead letters go to an errors file). [default: from --to's suffix, else jsonl]")
 @click.option("--order", type=click.Choice(["input", "batch"]), default="input", show_default=True,
               help="input: sorted by the prompt's position in the input; batch: shard by shard.")
-@click.option("--errors", "errors_path", default=None, metavar="FILE",
+@click.option("--errors", "errors_path", default=None, metavar="FILE", callback=local_or_s3,
               help="openai-batch: where dead letters go. [default: FILE with .errors.jsonl]")
 @click.option("--from", "source_named_from", default=None, hidden=True)  # --output's first name (docs/recovery.md)
 @click.option("--output", "source", default=None, metavar="OUTPUT", callback=local_or_s3,
@@ -184,7 +184,7 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     click.echo(f"wrote {plural(records, 'record')} ({_size(size)}, {size:,} bytes) to {dest} "
                f"from {plural(len(shards), 'shard')}")
     if duplicates:
-        click.echo(f"  dropped {duplicates:,} duplicate records (same id in more than one shard; first kept)")
+        click.echo(f"  dropped {plural(duplicates, 'duplicate record')} (same id in more than one shard; first kept)")
     if fmt != "openai-batch":
         return records, 0
 
@@ -196,7 +196,7 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     errors_path = errors_path or dest.removesuffix(".jsonl" if dest.endswith(".jsonl") else ".json") + ".errors.jsonl"
     errors, _ = _write(errors_path, lambda out: write_jsonl((_json.encode(openai_error_line(d)) + b"\n"
                                                              for d in chosen), out), endpoint_url)
-    click.echo(f"  wrote {errors:,} error lines to {errors_path}")
+    click.echo(f"  wrote {plural(errors, 'error line')} to {errors_path}")
     if skipped := len(letters) - len(chosen):
         click.echo(f"  left out {skipped:,} dead letters whose id also has a result")
     return records, errors

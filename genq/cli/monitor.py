@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import click
 import redis
 
-from genq.cli import JobName, redis_url
+from genq.cli import Finite, JobName, redis_url
 from genq.core.ledger.figures import FINISHED_STATUSES
 from genq.core.redisconn import connect, describe_error, mask_url, refusal
 from genq.monitor.progress import Monitor, document, encode
@@ -25,9 +25,9 @@ from genq.output.truth import write_atomic
               help="JSON instead of the live view: one document with --once, else one line per refresh.")
 @click.option("--progress-file", type=click.Path(dir_okay=False, writable=True), default=None,
               help="(Re)write this JSON file atomically on every refresh (once with --once).")
-@click.option("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True,
+@click.option("--interval", type=Finite(0.2), default=2.0, show_default=True,
               help="Seconds between refreshes.")
-@click.option("--rate-window", type=click.FloatRange(5), default=120.0, show_default=True,
+@click.option("--rate-window", type=Finite(5), default=120.0, show_default=True,
               help="Seconds of the monitor's own samples the throughput is read from.")
 @click.option("--metrics", "listen", default=None, metavar="[HOST]:PORT",
               help="Expose Prometheus metrics on HOST:PORT (e.g. :9108) while running; scrape with "

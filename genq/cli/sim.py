@@ -8,6 +8,7 @@ from typing import Any
 import click
 import msgspec
 
+from genq.cli import Finite
 from genq.sim.config import SimConfig
 from genq.sim.serve import FLAVORS, run
 
@@ -26,7 +27,7 @@ def sim_command(**options: Any) -> None:
     run(config, on_ready=lambda url: click.echo(f"genq sim: listening on {url} ({summary})"))
 
 
-# One option per SimConfig field, in its order: the field's type (the rates 0..1) and its annotation's help.
+# One option per SimConfig field, in its order: the field's type (the rates 0..1; no nan or inf) and its help.
 _DEFAULTS = msgspec.to_builtins(SimConfig())
 for _name, _hint in reversed(typing.get_type_hints(SimConfig, include_extras=True).items()):
     _type, _help = typing.get_args(_hint)
@@ -34,8 +35,8 @@ for _name, _hint in reversed(typing.get_type_hints(SimConfig, include_extras=Tru
     _flags = ["--" + _name.replace("_", "-")] + (["--max-context"] if _name == "context_length" else [])
     sim_command = click.option(
         *_flags, _name, default=_DEFAULTS[_name], help=_help,
-        type=click.Choice(FLAVORS) if _name == "flavor" else click.FloatRange(0, 1) if _name.endswith("_rate")
-        else click.IntRange(0, 65535) if _name == "port" else _type,
+        type=click.Choice(FLAVORS) if _name == "flavor" else Finite(0, 1) if _name.endswith("_rate")
+        else click.IntRange(0, 65535) if _name == "port" else Finite() if _type is float else _type,
         metavar={"crash_marker": "TEXT", "tool_call_parser": "NAME"}.get(_name))(sim_command)
 sim_command = click.command("sim", short_help="Simulate one SGLang, vLLM or llama.cpp server (no GPU needed).",
                             context_settings={"show_default": True, "max_content_width": 100})(sim_command)

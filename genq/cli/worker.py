@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from genq.cli import concurrency, redis_url
+from genq.cli import Finite, concurrency, redis_url
 from genq.worker.options import DEFAULT_PREFETCH, WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
@@ -66,10 +66,10 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
      help="With --gpus: server-gpuN.log, worker-gpuN.log and their .pid files.")
 @opt("--max-restarts", type=click.IntRange(0), default=10,
      help="With --gpus: restarts in a row (1 s backoff doubling to 60 s) before giving up.")
-@opt("--server-start-timeout", type=click.FloatRange(1), default=1800,
+@opt("--server-start-timeout", type=Finite(1), default=1800,
      help=f"Seconds a starting server may take to answer /health ({BURST_SERVER_WAIT_S:.0f} for --burst --server).")
-@opt("--server-health-timeout", type=click.FloatRange(0.5), default=60, help="With --launch: failing /health seconds.")
-@opt("--health-interval", type=click.FloatRange(0.1), default=5, help="With --launch: seconds between /health checks.")
+@opt("--server-health-timeout", type=Finite(0.5), default=60, help="With --launch: failing /health seconds.")
+@opt("--health-interval", type=Finite(0.1), default=5, help="With --launch: seconds between /health checks.")
 @click.option("--gpu", type=click.IntRange(0), help="With --server: the GPU this server runs on.")
 @click.option("--gpu-bandwidth", type=ByteSize(per_second=True), metavar="RATE", help="e.g. 1.79TB/s (decode bound).")
 @click.option("--model-bytes", type=ByteSize(), metavar="SIZE", help="Weight bytes per GPU, e.g. 54GB (decode bound).")
@@ -80,15 +80,15 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @opt("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULT_PREFETCH, help="Least batches held at once.")
 @opt("--stream/--no-stream", default=True, help="Stream responses.")
 @click.option("--max-attempts", type=click.IntRange(1, 100), help="Attempts per prompt. [default: the job's, 5]")
-@opt("--request-timeout", type=click.FloatRange(1), default=DEFAULTS.request_timeout, help="Seconds per request.")
-@opt("--stall-timeout", type=click.FloatRange(0.1), default=DEFAULTS.stall_timeout, help="Seconds without output.")
-@opt("--server-down-timeout", type=click.FloatRange(0), default=DEFAULTS.server_down_timeout,
+@opt("--request-timeout", type=Finite(1), default=DEFAULTS.request_timeout, help="Seconds per request.")
+@opt("--stall-timeout", type=Finite(0.1), default=DEFAULTS.stall_timeout, help="Seconds without output.")
+@opt("--server-down-timeout", type=Finite(0), default=DEFAULTS.server_down_timeout,
      help="Seconds the server may be down before held batches go back to the queue.")
 @opt("--server-crash-limit", type=click.IntRange(1, 100), default=DEFAULTS.server_crash_limit,
      help="Server outages a prompt may be in flight for before its dead letter.")
-@opt("--grace-period", type=click.FloatRange(0), default=DEFAULTS.grace_period, help="On SIGTERM: seconds to finish.")
-@opt("--retry-backoff", type=click.FloatRange(0), default=DEFAULTS.retry_backoff, help="First retry delay, seconds.")
-@opt("--retry-backoff-max", type=click.FloatRange(0), default=DEFAULTS.retry_backoff_max,
+@opt("--grace-period", type=Finite(0), default=DEFAULTS.grace_period, help="On SIGTERM: seconds to finish.")
+@opt("--retry-backoff", type=Finite(0), default=DEFAULTS.retry_backoff, help="First retry delay, seconds.")
+@opt("--retry-backoff-max", type=Finite(0), default=DEFAULTS.retry_backoff_max,
      help="Longest retry delay, also for a server's Retry-After.")
 @opt("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default="info")
 @click.pass_context
@@ -105,11 +105,17 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     if fleet_opts["gpus"] is not None:
         if options["gpu"] is not None:
             raise click.UsageError("--gpu is for --server; with --gpus each worker gets its GPU from the list")
-        from genq.worker.fleet import FleetOptions, HealthTimeouts, parse_gpus, run_fleet
+        from genq.worker import fleet
+        from genq.worker.fleet import FleetError, FleetOptions, HealthTimeouts, parse_gpus, run_fleet
 
         f = fleet_opts
+        try:  # a bad template is bad usage, said before anything starts
+            fleet.check_template(f["server_url_template"], "--server-url")
+            fleet.launch_argv(f["launch"], port=0, gpu=0) if f["launch"] is not None else None
+        except FleetError as exc:
+            raise click.UsageError(str(exc)) from None
         try:
-            gpus = parse_gpus(f["gpus"])
+            gpus = parse_gpus(f["gpus"])  # FleetError: NVML cannot answer --gpus all (exit 1)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         raise SystemExit(asyncio.run(run_fleet(FleetOptions(

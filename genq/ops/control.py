@@ -118,8 +118,9 @@ def fleet(conn: redis.Redis) -> list[WorkerRow]:
 
 
 def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str | None = None,
-           everyone: bool = False) -> list[WorkerRow]:
-    """The live workers an operator named; Refused says what exists when a name matches none."""
+           everyone: bool = False, gone_too: bool = False) -> list[WorkerRow]:
+    """The live workers an operator named (gone_too: the stopped or lost ones named too); Refused says what
+    exists when a name matches none."""
     rows = list(rows)
     if everyone or host is not None:
         if not (chosen := [r for r in rows if r.live and (everyone or r.host == host)]) and host is not None:
@@ -130,7 +131,7 @@ def select(rows: Iterable[WorkerRow], *, workers: Iterable[str] = (), host: str 
     for name in workers:
         if name not in by_name:
             raise Refused(f"no worker named {name!r}; known: {', '.join(sorted(by_name)) or 'none'}")
-        if not by_name[name].live:
+        if not by_name[name].live and not gone_too:
             raise Refused(f"worker {name!r} is {by_name[name].state}; it cannot take instructions")
     return [by_name[name] for name in workers]
 
@@ -221,7 +222,7 @@ class JobDeletion(msgspec.Struct):  # what `genq jobs delete` found (and removes
     job: str
     keys: list[str]  # everything under genq:job:JOB:
     rq_jobs: dict[str, list[str]]  # where its RQ jobs are (queued, started, failed...) -> RQ job ids
-    holders: list[str]  # live workers holding its batches
+    holders: dict[str, str]  # live workers holding its batches -> their shown state (silent: a drain cannot help)
 
 
 def _rq_places(conn: redis.Redis) -> dict[str, Any]:
@@ -237,7 +238,7 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
         ids = holder.get_job_ids() if place == "queued" else holder.get_job_ids(cleanup=False)
         if mine := [j.id for j in fetch_rq_jobs(conn, ids) if j is not None and (c := carried(j)) and c[0] == job]:
             rq_jobs[place] = mine
-    holders = sorted(r.name for r in fleet(conn) if r.live and any(b.split("/", 1)[0] == job for b in r.batches))
+    holders = {r.name: r.state for r in fleet(conn) if r.live and any(b.split("/", 1)[0] == job for b in r.batches)}
     return JobDeletion(job=job, keys=ledger_jobs.find_job_keys(conn, job), rq_jobs=rq_jobs, holders=holders)
 
 

@@ -180,10 +180,15 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
 
         return move
 
-    for job in {e.job for e in chosen} if override else ():  # as at enqueue, before anything moves
+    check_override(conn, {e.job for e in chosen}, override)  # as at enqueue, before anything moves
+    return _each(conn, chosen, some, requeue=True)
+
+
+def check_override(conn: redis.Redis, jobs: Collection[str], override: dict[str, Any] | None) -> None:
+    """RowError where the override does not fit a job's endpoint."""
+    for job in jobs if override else ():
         if (config := q.load_config(conn, job)) is not None:
             check_params(override, "--extra-body", config.endpoint)
-    return _each(conn, chosen, some, requeue=True)
 
 
 def _overridden(sampling: dict[str, Any] | None, override: dict[str, Any]) -> dict[str, Any]:
