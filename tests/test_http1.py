@@ -71,6 +71,20 @@ def run(answers: list[bytes], go, close_after: bool = False, step: int = 1) -> S
     return scripted
 
 
+def generate(answers: list[bytes], close_after: bool = False, step: int = 1) -> Completion | Failure:
+    """A streamed chat request of ServerClient against a server answering `answers`: its outcome."""
+    async def main() -> Completion | Failure:
+        server = await asyncio.start_server(Scripted(answers, close_after, step).handle, "127.0.0.1", 0)
+        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    return asyncio.run(main())
+
+
 def test_bodies_by_length_chunks_and_close_and_keep_alive_reuse():
     chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"3;ext=1\r\ndat\r\n5\r\na: [D\r\n0\r\nX-Trailer: t\r\n\r\n")
@@ -221,17 +235,8 @@ def test_a_stream_event_that_is_not_json_is_a_protocol_failure_not_an_exception(
     sse = b"data: {not json\n\n"
     answers = [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(sse), sse)]
 
-    async def main() -> None:
-        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            outcome = await client.generate("chat", {"model": "m", "stream": True}, Progress())
-            assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
-        finally:
-            await client.close()
-            server.close()
-
-    asyncio.run(main())
+    outcome = generate(answers)
+    assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
 
 
 def test_a_busy_sglang_whose_server_info_answers_late_is_not_read_as_down():
@@ -272,19 +277,10 @@ def test_an_error_page_that_is_not_json_is_told_in_one_line():
     answers = [b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
                % (len(page), page)]
 
-    async def main() -> None:
-        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            outcome = await client.generate("chat", {"model": "m", "stream": True}, Progress())
-        finally:
-            await client.close()
-            server.close()
-        assert isinstance(outcome, Failure) and (outcome.kind, outcome.status) == ("server_error", 502), outcome
-        assert outcome.message.startswith("<html> <head><title>502 Bad Gateway</title></head> <body>"), outcome
-        assert "\n" not in outcome.message and "\r" not in outcome.message, outcome
-
-    asyncio.run(main())
+    outcome = generate(answers)
+    assert isinstance(outcome, Failure) and (outcome.kind, outcome.status) == ("server_error", 502), outcome
+    assert outcome.message.startswith("<html> <head><title>502 Bad Gateway</title></head> <body>"), outcome
+    assert "\n" not in outcome.message and "\r" not in outcome.message, outcome
 
 
 @pytest.mark.parametrize("header, seconds", [(b"7", 7.0), (b"Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (b"soon", None)])
@@ -296,16 +292,7 @@ def test_a_busy_answers_retry_after_is_kept_in_its_failure(header, seconds):
     answers = [b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %s\r\nContent-Length: %d\r\n\r\n%s"
                % (header, len(body), body)]
 
-    async def main() -> Completion | Failure:
-        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
-        finally:
-            await client.close()
-            server.close()
-
-    outcome = asyncio.run(main())
+    outcome = generate(answers)
     assert isinstance(outcome, Failure) and (outcome.status, outcome.message) == (503, "The request queue is full.")
     assert outcome.retry_after == seconds, outcome
 
@@ -323,16 +310,7 @@ def test_a_streams_200_answer_that_is_a_json_error_is_that_error(body, kind, sta
     answers = [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                % (len(body), body)]
 
-    async def main() -> Completion | Failure:
-        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
-        finally:
-            await client.close()
-            server.close()
-
-    outcome = asyncio.run(main())
+    outcome = generate(answers)
     message = json.loads(body).get("error", json.loads(body))["message"]
     assert isinstance(outcome, Failure), outcome
     assert (outcome.kind, outcome.status, outcome.message, outcome.retryable) == (kind, status, message, retryable)
@@ -344,16 +322,7 @@ def test_a_streams_200_answer_that_is_an_html_page_is_told_as_such():
     page = b"<html>\r\n<head><title>Maintenance</title></head>\r\n<body>Back soon</body>\r\n</html>\r\n"
     answers = [b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)]
 
-    async def main() -> Completion | Failure:
-        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
-        finally:
-            await client.close()
-            server.close()
-
-    outcome = asyncio.run(main())
+    outcome = generate(answers)
     assert isinstance(outcome, Failure) and outcome.kind == "protocol", outcome
     assert "<title>Maintenance</title>" in outcome.message and "\n" not in outcome.message, outcome
 
@@ -369,16 +338,7 @@ def test_a_stream_cut_after_its_done_event_is_the_answer_it_was():
     answers = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"%x\r\n%s\r\n" % (len(events), events)]  # no last chunk: the connection closes
 
-    async def main() -> Completion | Failure:
-        server = await asyncio.start_server(Scripted(answers, close_after=True, step=1000).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
-        finally:
-            await client.close()
-            server.close()
-
-    outcome = asyncio.run(main())
+    outcome = generate(answers, close_after=True, step=1000)
     assert isinstance(outcome, Completion), outcome
     assert (outcome.choices[0].completion, outcome.choices[0].finish_reason, outcome.usage.completion_tokens) == \
         ("Hi", "stop", 1), outcome
@@ -392,15 +352,6 @@ def test_a_servers_error_message_over_lines_is_told_in_one_line():
     body = json.dumps({"object": "error", "message": message, "type": "InternalServerError", "code": 500}).encode()
     answers = [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)]
 
-    async def main() -> Completion | Failure:
-        server = await asyncio.start_server(Scripted(answers).handle, "127.0.0.1", 0)
-        client = ServerClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        try:
-            return await client.generate("chat", {"model": "m", "stream": True}, Progress())
-        finally:
-            await client.close()
-            server.close()
-
-    outcome = asyncio.run(main())
+    outcome = generate(answers)
     assert isinstance(outcome, Failure) and outcome.message == (
         "CUDA error: an illegal memory access was encountered CUDA kernel errors might be reported later."), outcome
