@@ -40,8 +40,6 @@ class RateTracker:
     def observe(self, snap: JobSnapshot) -> None:
         self.snap = snap
         s = self._aligned(snap)
-        if s is None:
-            return
         if self.samples:
             last = self.samples[-1]
             if s.at <= last.at or s.read_at <= last.read_at:
@@ -52,13 +50,10 @@ class RateTracker:
         while len(self.samples) > 2 and s.read_at - self.samples[0].read_at > self.window_s:
             self.samples.popleft()
 
-    def _aligned(self, snap: JobSnapshot) -> Sample | None:
-        """A sample as of the workers' in-flight records: finished tokens interpolated back to their time; None
-        while a worker has results since its record and no earlier read of ours before it (they would count twice:
-        finished, and running in the record)."""
+    def _aligned(self, snap: JobSnapshot) -> Sample:
+        """A sample as of the workers' in-flight records: finished tokens interpolated back to their time."""
         generated = 0.0
         stamps: list[float] = []
-        sound = True
         for w in snap.workers:
             out_now = w.counters.out_tok
             prev = self._out.get(w.name)
@@ -67,16 +62,12 @@ class RateTracker:
                 generated += out_now
                 continue
             at = min(w.inflight.at, snap.at)
-            if (w.counters.last_at or 0.0) <= at:  # no result since its record
-                generated += out_now
-            elif prev is not None and prev[0] <= at < snap.at:
-                generated += prev[1] + (out_now - prev[1]) * (at - prev[0]) / (snap.at - prev[0])
+            if prev is not None and snap.at > prev[0]:
+                generated += prev[1] + (out_now - prev[1]) * max(0.0, (at - prev[0]) / (snap.at - prev[0]))
             else:
-                sound = False
+                generated += out_now
             generated += sum(w.running_tokens)
             stamps.append(at)
-        if not sound:
-            return None
         return Sample(sum(stamps) / len(stamps) if stamps else snap.at, snap.at, round(generated), snap.completed,
                       snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots, snap.paused)
 

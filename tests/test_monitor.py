@@ -517,41 +517,6 @@ def test_a_deleted_job_leaves_no_samples_or_history_behind(redis_url, rconn) -> 
     assert mon.trackers == {} and history.points == {} and history.lives == {}
 
 
-def test_the_first_tokens_rate_waits_for_a_sound_pair_of_samples(redis_url, rconn) -> None:
-    """A worker decoding 1,000 tokens/s whose results since its in-flight record are already counted when the
-    monitor first looks: that look cannot be aligned to the record (the finished requests are counted twice),
-    so no rate is shown from it (it read 0.0 here); the next two looks, each aligned, give 1,000."""
-    from genq.core.queueing import save_config
-    from genq.core.records import JobConfig
-    from genq.monitor.progress import Monitor
-
-    save_config(rconn, JobConfig(name="r", output="/tmp/unused", max_tokens=2048, batch_size=50))
-    rconn.hset(keys.job_stats("r"), mapping={"total": 1000, "batches": 20})
-    rconn.sadd(keys.job_workers("r"), "w")
-    rconn.sadd(keys.WORKERS, "w")
-    start = time.time() - 1.0  # its in-flight record: 5,000 tokens running, 50,000 finished
-
-    def publish(at: float, running: int, out: int, last_at: float) -> None:
-        status = WorkerStatus(name="w", host="h", pid=1, server="http://s", state="busy", started_at=start - 60,
-                              heartbeat_at=time.time(), concurrency_target=10, in_flight=10)
-        rconn.set(keys.worker_status("w"), pack(status), ex=60)
-        record = InFlight(worker="w", job="r", at=at, tokens=[500] * 9 + [running - 4500], queued=0)
-        rconn.set(keys.job_inflight("r", "w"), pack(record), ex=60)
-        rconn.hset(keys.worker_stats("r", "w"), mapping={"done": 100, "out_tok": out, "first_at": repr(start - 60),
-                                                          "last_at": repr(last_at)})
-
-    # Since the record, 1,000 more tokens, and requests of 3,000 tokens finished: 53,000 finished, 3,000 running.
-    publish(start, 5_000, 53_000, start + 0.9)
-    mon = Monitor(rconn, "r", window_s=60)
-    rates = [mon.refresh()[0].progress.output_tokens_per_sec]
-    for _ in range(2):  # each read after a fresh record, with no result since it: 55,000 + 1,000/s in all
-        time.sleep(0.2)
-        at = time.time()
-        publish(at, 2_000 + round(1000 * (at - start)), 53_000, start + 0.9)
-        rates.append(mon.refresh()[0].progress.output_tokens_per_sec)
-    assert rates[:2] == [None, None] and rates[2] == pytest.approx(1000, rel=0.02), rates
-
-
 def test_a_silent_worker_is_no_help_to_the_eta(redis_url, rconn) -> None:
     """A killed worker's record says "busy" until it expires; once its beats are late the views show it silent
     and count no live worker on the job (`workers` 0, genq_worker_up 0): the ETA counts none either, so it
