@@ -313,7 +313,7 @@ def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str
         pipe.exists(keys.job_paused(job), keys.PAUSED)
         result, claim, lease, paused = pipe.execute()
     claimer, _, claim_token = claim.decode().partition(" ") if claim else ("", "", "")
-    token, _, holder = lease.decode().partition(" ") if lease else ("", "", "")
+    token, holder = ledger.lease_token(lease), ledger.lease_holder(lease)
     claim_alive, holder_alive = (bool(conn.exists(keys.engine_alive(e))) if e else False for e in (claimer, holder))
     counts = claim_alive and claim_token == token
     return result, claimer if counts else None, holder or None, holder_alive, bool(paused)
