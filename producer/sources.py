@@ -3,7 +3,6 @@ its 1-based line or row; a by-reference batch's lines read back against their di
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import hashlib
 import io
@@ -285,11 +284,6 @@ def range_digest(rows: Iterable[Row]) -> str:
     """Digest of (1-based line number, stripped line) of each row of a batch, in input order."""
     items = [b"%d\0%b\n" % (row.prompt.index + 1, row.source) for row in rows if isinstance(row.source, bytes)]
     return hashlib.blake2b(b"".join(items), digest_size=16).hexdigest()
-
-
-async def load_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:
-    """read_prompts off the event loop."""
-    return await asyncio.to_thread(read_prompts, source, config)
 
 
 def read_prompts(source: BatchSource, config: JobConfig) -> list[Prompt]:

@@ -30,7 +30,7 @@ from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.recover import adopt_if_written, adopt_marker, outcome_for, written_marker
 from genq.output.truth import AlreadyWritten, commit_shard, open_store, shard_bytes
-from genq.producer.sources import InputChanged, load_prompts
+from genq.producer.sources import InputChanged, read_prompts
 from genq.worker.controller import Running
 from genq.worker.held import Claims, HeldBatch, Holdings, Task, Todo
 from genq.worker.results import ResultWriter
@@ -114,14 +114,14 @@ class Batches:
     async def _read(self, source: BatchSource, config: JobConfig) -> list[Prompt]:
         for attempt in range(LOAD_TRIES - 1):
             try:
-                return await load_prompts(source, config)
+                return await asyncio.to_thread(read_prompts, source, config)
             except InputChanged:
                 raise
             except Exception as exc:
                 log.warning("batch %s/%s: reading its input failed (%s: %s); retrying", source.job, source.id,
                             type(exc).__name__, exc)
                 await asyncio.sleep(min(0.5 * 2 ** attempt, 8))
-        return await load_prompts(source, config)
+        return await asyncio.to_thread(read_prompts, source, config)
 
     def send(self, held: HeldBatch, prompts: list[Prompt]) -> None:
         """An admitted batch's prompts go to dispatch; those borrowed of it before are the lease's now."""

@@ -31,7 +31,7 @@ from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
 from genq.core.waits import retrying, wait_event
 from genq.core.words import plural
 from genq.ops.recover import adopt_if_written
-from genq.producer.sources import load_prompts
+from genq.producer.sources import read_prompts
 from genq.worker.batches import Batches
 from genq.worker.dispatch import Dispatcher
 from genq.worker.heartbeat import IdlePace
@@ -391,7 +391,8 @@ class Stealer:
         if cached not in self._batches:
             raw, loaded = await leasing.batch_record(self.conn, ref), None
             try:
-                loaded = None if raw is None else await load_prompts(unpack(raw, BatchSource), config)
+                loaded = None if raw is None else await asyncio.to_thread(read_prompts, unpack(raw, BatchSource),
+                                                                          config)
             except Exception as exc:  # unreadable or changed input: its holder deals with it
                 log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
