@@ -125,7 +125,6 @@ class EnqueueSummary:
     skipped_existing: int = 0  # already queued or done (an earlier run, or far up this input)
     skipped_duplicate: int = 0  # same id, same content, close together in this input
     rejected: int = 0
-    created: bool = False  # this run created the job
     recovered_batches: int = 0  # batches written in the output that Redis did not count as done
     rebuilt: bool = False  # the job was gone from Redis and was created again from OUTPUT/JOB/job.json
     note: str = ""  # something about the output the operator should know
@@ -264,8 +263,8 @@ class Enqueuer:
                     break
                 except redis.WatchError:
                     continue  # another enqueue (or a DLQ requeue) wrote meanwhile: look again
-        if batches and self._create:
-            self._create, self.summary.created = False, True
+        if batches:
+            self._create = False  # the job exists once a batch is queued
         self.summary.enqueued += len(taking)
         self.summary.batches += batches
         self.summary.skipped_existing += known.count(ID_SAME)
