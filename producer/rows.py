@@ -57,15 +57,13 @@ class RowError(ValueError):
 
 
 def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
     if isinstance(value, bool):
         return f"{str(value).lower()} (a boolean)"
     if isinstance(value, (int, float)):
         return f"{value!r} (a number)"
     if isinstance(value, str):
         return f"{value[:40]!r} (a string)"
-    kinds: dict[type, str] = {dict: "an object", list: "a list"}
+    kinds: dict[type, str] = {type(None): "null", dict: "an object", list: "a list"}
     return kinds.get(type(value), type(value).__name__)
 
 

@@ -239,8 +239,7 @@ def update_job(store: Store, job: str, change: Callable[[JobRecord | None], JobR
 
 def newer_config(mine: JobConfig, there: JobConfig) -> JobConfig:
     """Of two configs of one life of a job, the later settings version (a pinned model over `auto`)."""
-    newer = [(c.settings_version, c.model != "auto") for c in (mine, there)]
-    return mine if newer[0] > newer[1] else there
+    return max(there, mine, key=lambda c: (c.settings_version, c.model != "auto"))  # a tie: there
 
 
 def mark_deleted(store: Store, job: str, at: float | None, incarnation: str | None = None) -> bool:
