@@ -309,25 +309,22 @@ def _describe(ref: InputRange) -> str:
 
 def _read_range(ref: InputRange, endpoint_url: str | None) -> bytes:
     want = ref.end - ref.start
-    try:
-        if is_s3(ref.uri):
-            from genq.output import s3
+    if is_s3(ref.uri):
+        from genq.output import s3
 
+        try:
             data = s3.read_object(ref.uri, endpoint_url, (ref.start, ref.end))
-        else:
+        except Exception as exc:
+            if s3.error_code(exc) not in (*s3.MISSING, "NoSuchBucket", "InvalidRange", "416"):
+                raise
+            raise InputChanged(f"input {_describe(ref)} is gone: {s3.describe(exc, ref.uri)}") from None
+    else:
+        try:
             with open(ref.uri, "rb") as f:
                 f.seek(ref.start)
                 data = f.read(want)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-        raise InputChanged(f"input {_describe(ref)} is gone: {exc}") from None
-    except Exception as exc:
-        if not is_s3(ref.uri):
-            raise
-        from genq.output import s3
-
-        if s3.error_code(exc) in (*s3.MISSING, "NoSuchBucket", "InvalidRange", "416"):
-            raise InputChanged(f"input {_describe(ref)} is gone: {s3.describe(exc, ref.uri)}") from None
-        raise
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise InputChanged(f"input {_describe(ref)} is gone: {exc}") from None
     if len(data) != want:
         raise InputChanged(f"input {_describe(ref)} changed: only {len(data):,} of {want:,} bytes are left")
     return data
