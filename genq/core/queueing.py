@@ -39,16 +39,11 @@ def carried(rq_job: Job | None) -> tuple[str, str] | None:
 
 def batch_of_description(description: bytes | str | None) -> tuple[str, str] | None:
     """(job, batch) from an RQ job's description (one HGET, not the whole job); None if not genq's."""
-    text = description.decode() if isinstance(description, bytes) else description or ""
+    text = description.decode(errors="replace") if isinstance(description, bytes) else description or ""
     if not text.startswith(DESCRIPTION):
         return None
     job, _, batch = text[len(DESCRIPTION):].split(" ", 1)[0].partition("/")
     return (job, batch) if job and batch else None
-
-
-def job_in_description(text: str) -> str | None:
-    found = batch_of_description(text)
-    return found[0] if found else None
 
 
 def rq_queue(conn: redis.Redis) -> Queue:
