@@ -147,9 +147,8 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
 
 def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int,
                 floor: int = 0) -> list[BatchSource]:
-    """Split prompts into inline batches with freshly allocated ids (not yet written), numbered above the job's
-    counter and above `floor`: the numbers the job's output folder may hold (a Redis restored from an older
-    state has an older counter, and a number it hands out again would be a written batch's)."""
+    """Split prompts into inline batches (not yet written) numbered above the job's counter and above `floor`, the
+    numbers its output folder may hold: a Redis restored from an older state must not hand out a written one."""
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     if not chunks:
         return []

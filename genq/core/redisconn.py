@@ -319,13 +319,11 @@ def _waits_async(step: Any, pipeline: bool = False) -> Any:
 
 
 class ReplicatedPipeline(redis.client.Pipeline):
-    wait_replicas = 1
     _execute_transaction = _waits(redis.client.Pipeline._execute_transaction, pipeline=True)
     _execute_pipeline = _waits(redis.client.Pipeline._execute_pipeline, pipeline=True)
 
 
 class AsyncReplicatedPipeline(aioclient.Pipeline):
-    wait_replicas = 1
     _execute_transaction = _waits_async(aioclient.Pipeline._execute_transaction, pipeline=True)
     _execute_pipeline = _waits_async(aioclient.Pipeline._execute_pipeline, pipeline=True)
 
