@@ -9,7 +9,7 @@ from itertools import islice
 
 import redis
 
-from genq.core.queueing import job_in_description, rq_queue
+from genq.core.queueing import batch_of_description, rq_queue
 from genq.core.redisconn import refusal
 
 QUEUE_SCAN_LIMIT = 100_000  # beyond this many queued batches, per-job counts come from the first ones
@@ -96,7 +96,8 @@ class QueueMirror:
                 for rq_id in chunk:
                     pipe.hget(job_key(rq_id), "description")
                 for rq_id, raw in zip(chunk, pipe.execute()):
-                    self._count(rq_id, job_in_description(raw.decode(errors="replace") if raw else ""))
+                    found = batch_of_description(raw)
+                    self._count(rq_id, found[0] if found else None)
 
     def _count(self, rq_id: str, job: str | None) -> None:
         self.job_of[rq_id] = job

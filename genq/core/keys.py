@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 QUEUE = "genq"  # the RQ queue every batch job goes to (`rq info` shows it)
 # RQ 2.x's own keys of that queue (tests/test_scripts.py checks them against RQ).
@@ -32,38 +31,30 @@ def check_job_name(name: str) -> str:
     return name
 
 
-def _job_key(suffix: str) -> Callable[[str], str]:
-    return lambda job: f"genq:job:{job}:{suffix}"
-
-
-def _job_key2(suffix: str) -> Callable[[str, str], str]:
-    return lambda job, second: f"genq:job:{job}:{suffix}:{second}"
-
-
-job_config = _job_key("config")  # JobConfig
-job_ids = _job_key("ids")  # hash: prompt id -> content digest (8 bytes, for idempotent enqueue) + batch number (4)
-job_batch_seq = _job_key("batch_seq")  # the last batch number allocated
-job_batches = _job_key("batches")  # sorted set: batch ids scored by creation order
-job_done = _job_key("done")  # set: batch ids whose shard is written
-job_stats = _job_key("stats")  # hash of job-level facts: total prompts, created_at, shard totals...
-job_shards = _job_key("shards")  # hash: batch id -> ShardInfo (the manifest's source)
-job_hist = _job_key("hist")  # hash: output-length bucket -> finished completions
-job_dlq = _job_key("dlq")  # hash: prompt id -> DeadLetter
-job_paused = _job_key("paused")
-job_schedule = _job_key("schedule")  # JobSchedule: priority and fair-share weight (not a settings version)
+job_config = "genq:job:{}:config".format  # JobConfig
+job_ids = "genq:job:{}:ids".format  # hash: id -> 8-byte content digest (idempotent enqueue) + 4-byte batch number
+job_batch_seq = "genq:job:{}:batch_seq".format  # the last batch number allocated
+job_batches = "genq:job:{}:batches".format  # sorted set: batch ids scored by creation order
+job_done = "genq:job:{}:done".format  # set: batch ids whose shard is written
+job_stats = "genq:job:{}:stats".format  # hash of job-level facts: total prompts, created_at, shard totals...
+job_shards = "genq:job:{}:shards".format  # hash: batch id -> ShardInfo (the manifest's source)
+job_hist = "genq:job:{}:hist".format  # hash: output-length bucket -> finished completions
+job_dlq = "genq:job:{}:dlq".format  # hash: prompt id -> DeadLetter
+job_paused = "genq:job:{}:paused".format
+job_schedule = "genq:job:{}:schedule".format  # JobSchedule: priority and fair-share weight (not a settings version)
 # Hash: engine instance -> "REDIS_SECONDS COUNT", its claimed or in-flight prompts (worker/intake.py).
-job_share = _job_key("share")
-job_blocked = _job_key("blocked")  # JobBlock: why the job is blocked (set with job_paused)
-job_workers = _job_key("workers")  # set of workers that have counters for this job
-job_leases = _job_key("leases")  # hash: batch id -> the current lease ("TOKEN INSTANCE")
-job_transport = _job_key("transport")  # hash: batch id -> the RQ job that carries the batch now
-worker_stats = _job_key2("wstats")  # (job, worker): hash of counters: done, failed, in_tok, out_tok...
-job_inflight = _job_key2("inflight")  # (job, worker): InFlight, short TTL
-batch = _job_key2("batch")  # (job, batch): BatchSource, the batch's prompts or their input range
-batch_results = _job_key2("res")  # (job, batch): hash: prompt id -> Result, until the shard is written
-batch_claims = _job_key2("claims")  # (job, batch): hash: prompt id -> its one sender (an engine instance)
+job_share = "genq:job:{}:share".format
+job_blocked = "genq:job:{}:blocked".format  # JobBlock: why the job is blocked (set with job_paused)
+job_workers = "genq:job:{}:workers".format  # set of workers that have counters for this job
+job_leases = "genq:job:{}:leases".format  # hash: batch id -> the current lease ("TOKEN INSTANCE")
+job_transport = "genq:job:{}:transport".format  # hash: batch id -> the RQ job that carries the batch now
+worker_stats = "genq:job:{}:wstats:{}".format  # (job, worker): hash of counters: done, failed, in_tok, out_tok...
+job_inflight = "genq:job:{}:inflight:{}".format  # (job, worker): InFlight, short TTL
+batch = "genq:job:{}:batch:{}".format  # (job, batch): BatchSource, the batch's prompts or their input range
+batch_results = "genq:job:{}:res:{}".format  # (job, batch): hash: prompt id -> Result, until the shard is written
+batch_claims = "genq:job:{}:claims:{}".format  # (job, batch): hash: prompt id -> its one sender (an engine instance)
 # (job, batch): hash: prompt id -> tries lost (claims that ended without an outcome); `attempts` adds them.
-batch_tries = _job_key2("tries")
+batch_tries = "genq:job:{}:tries:{}".format
 
 
 worker_status = "genq:worker:{}".format  # WorkerStatus

@@ -39,16 +39,11 @@ def carried(rq_job: Job | None) -> tuple[str, str] | None:
 
 def batch_of_description(description: bytes | str | None) -> tuple[str, str] | None:
     """(job, batch) from an RQ job's description (one HGET, not the whole job); None if not genq's."""
-    text = description.decode() if isinstance(description, bytes) else description or ""
+    text = description.decode(errors="replace") if isinstance(description, bytes) else description or ""
     if not text.startswith(DESCRIPTION):
         return None
     job, _, batch = text[len(DESCRIPTION):].split(" ", 1)[0].partition("/")
     return (job, batch) if job and batch else None
-
-
-def job_in_description(text: str) -> str | None:
-    found = batch_of_description(text)
-    return found[0] if found else None
 
 
 def rq_queue(conn: redis.Redis) -> Queue:
@@ -152,9 +147,8 @@ def enqueue_batch_jobs(pipe: Pipeline, conn: redis.Redis, refs: Iterable[tuple[s
 
 def new_batches(conn: redis.Redis, job: str, prompts: Sequence[Prompt], batch_size: int,
                 floor: int = 0) -> list[BatchSource]:
-    """Split prompts into inline batches with freshly allocated ids (not yet written), numbered above the job's
-    counter and above `floor`: the numbers the job's output folder may hold (a Redis restored from an older
-    state has an older counter, and a number it hands out again would be a written batch's)."""
+    """Split prompts into inline batches (not yet written) numbered above the job's counter and above `floor`, the
+    numbers its output folder may hold: a Redis restored from an older state must not hand out a written one."""
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     if not chunks:
         return []

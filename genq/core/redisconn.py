@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import IO, Any
-from urllib.parse import parse_qsl, quote, unquote
+from urllib.parse import parse_qsl, quote, unquote, urlencode
 
 import msgspec
 import redis
@@ -160,8 +160,7 @@ def parse(url: str) -> Callable[[bool], Any]:
     sentinel_password, wait = options.pop("sentinel_password", None), options.pop("wait_replicas", "1")
     if not wait.isdigit():
         raise _bad(url, f"wait_replicas={wait!r} is not a whole number (0 turns waiting off)")
-    master = {**_defaults("redis"), **_options(url, "redis://h/?" + "&".join(f"{k}={quote(v)}"
-                                                                            for k, v in options.items()))}
+    master = {**_defaults("redis"), **_options(url, "redis://h/?" + urlencode(options))}
     master.pop("host", None)
     if user is not None:  # a lone userinfo is the password, as redis-py reads it
         master["password"] = user if password is None else password
@@ -252,10 +251,6 @@ class ReplicaLag(redis.ConnectionError):
     """No replica confirmed a write in time: the master may be failing over."""
 
 
-def _is_write(name: Any) -> bool:
-    return (name if isinstance(name, bytes) else str(name).encode()).split(b" ")[0].upper() not in READS
-
-
 def online_replicas(info: Any) -> int:
     """The replicas a master streams to, from its INFO replication (state=online)."""
     return (info.decode() if isinstance(info, bytes) else str(info)).count("state=online")
@@ -298,43 +293,39 @@ async def _wait_async(conn: Any, least: int) -> None:
     _check(conn, await conn.read_response(), want)
 
 
-def _one(args: Any) -> Any:
-    return args[:1]  # a client's command: its name
+def _writes(args: Any, pipeline: bool) -> bool:
+    """Whether a client's command (args: name, arguments) or a pipeline's commands (args[0]) change anything."""
+    names = [command[0] for command, _ in args[0]] if pipeline else args[:1]
+    return any((n if isinstance(n, bytes) else str(n).encode()).split(b" ")[0].upper() not in READS for n in names)
 
 
-def _each(args: Any) -> Any:
-    return [command[0] for command, _ in args[0]]  # a pipeline's commands: each one's name
-
-
-def _waits(step: Any, names: Any) -> Any:
+def _waits(step: Any, pipeline: bool = False) -> Any:
     """A client's or pipeline's send step, followed by WAIT where one of its commands writes."""
     def run(self: Any, conn: Any, *args: Any, **options: Any) -> Any:
         result = step(self, conn, *args, **options)
-        if any(map(_is_write, names(args))):
+        if _writes(args, pipeline):
             _wait(conn, self.wait_replicas)
         return result
     return run
 
 
-def _waits_async(step: Any, names: Any) -> Any:
+def _waits_async(step: Any, pipeline: bool = False) -> Any:
     async def run(self: Any, conn: Any, *args: Any, **options: Any) -> Any:
         result = await step(self, conn, *args, **options)
-        if any(map(_is_write, names(args))):
+        if _writes(args, pipeline):
             await _wait_async(conn, self.wait_replicas)
         return result
     return run
 
 
 class ReplicatedPipeline(redis.client.Pipeline):
-    wait_replicas = 1
-    _execute_transaction = _waits(redis.client.Pipeline._execute_transaction, _each)
-    _execute_pipeline = _waits(redis.client.Pipeline._execute_pipeline, _each)
+    _execute_transaction = _waits(redis.client.Pipeline._execute_transaction, pipeline=True)
+    _execute_pipeline = _waits(redis.client.Pipeline._execute_pipeline, pipeline=True)
 
 
 class AsyncReplicatedPipeline(aioclient.Pipeline):
-    wait_replicas = 1
-    _execute_transaction = _waits_async(aioclient.Pipeline._execute_transaction, _each)
-    _execute_pipeline = _waits_async(aioclient.Pipeline._execute_pipeline, _each)
+    _execute_transaction = _waits_async(aioclient.Pipeline._execute_transaction, pipeline=True)
+    _execute_pipeline = _waits_async(aioclient.Pipeline._execute_pipeline, pipeline=True)
 
 
 class _Replicated:
@@ -351,12 +342,12 @@ class _Replicated:
 
 class ReplicatedRedis(_Replicated, redis.Redis):
     pipeline_class = ReplicatedPipeline
-    _send_command_parse_response = _waits(redis.Redis._send_command_parse_response, _one)
+    _send_command_parse_response = _waits(redis.Redis._send_command_parse_response)
 
 
 class AsyncReplicatedRedis(_Replicated, aioredis.Redis):
     pipeline_class = AsyncReplicatedPipeline
-    _send_command_parse_response = _waits_async(aioredis.Redis._send_command_parse_response, _one)
+    _send_command_parse_response = _waits_async(aioredis.Redis._send_command_parse_response)
 
 
 # --------------------------------------------------------------------------- what Redis refuses
@@ -406,16 +397,12 @@ def in_words(exc: BaseException, otherwise: str | None = None) -> str:
 
 
 def redis_note(info: dict[str, Any]) -> RedisNote | None:
-    """What `INFO` (its default sections) tells a user of genq to act on, or None."""
-    def text(name: str, default: str) -> str:
-        value = info.get(name, default)
-        return value.decode() if isinstance(value, bytes) else str(value)
-
+    """What `INFO` (its default sections, as redis-py parses them: str values) tells a user of genq to act on."""
     maxmemory, used = int(info.get("maxmemory", 0)), int(info.get("used_memory", 0))
-    policy = text("maxmemory_policy", SAFE_POLICY)
-    if text("role", "master") != "master":
+    policy = info.get("maxmemory_policy", SAFE_POLICY)
+    if info.get("role", "master") != "master":
         return RedisNote("replica", f"{REPLICA}: it refuses writes; {REPLICA_FIX}")
-    if text("rdb_last_bgsave_status", "ok") != "ok" or text("aof_last_write_status", "ok") != "ok":
+    if info.get("rdb_last_bgsave_status", "ok") != "ok" or info.get("aof_last_write_status", "ok") != "ok":
         return RedisNote("no_disk", f"{NO_DISK}: {NO_DISK_FIX}; the workers wait")
     if maxmemory and used > maxmemory:
         return RedisNote("full", f"{FULL}: it uses {used:,} bytes, over its maxmemory of {maxmemory:,}, and "

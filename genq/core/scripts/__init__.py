@@ -24,22 +24,12 @@ def evaluate(conn: Any, script: str, call: Call) -> Any:
     return conn.eval(script, len(script_keys), *script_keys, *args)
 
 
-def _head(n: int, fix: int, fix_below: int, wide: tuple[int, ...]) -> bytes:
-    """A msgpack header for n: fixstr/fixarray below fix_below, else the first of wide's (code, size) that holds n."""
-    if n < fix_below:
-        return bytes([fix | n])
-    for code, size in zip(wide[::2], wide[1::2]):
-        if n < 1 << (8 * size):
-            return bytes([code]) + n.to_bytes(size, "big")
-    raise ValueError("too long for msgpack")
-
-
 def lua_list(items: Iterable[bytes | str | int]) -> bytes:
-    """Many values in one script argument: a msgpack array of str for cmsgpack.unpack (never bin, which
+    """Many values in one script argument: a msgpack array32 of str32 for cmsgpack.unpack (never bin, which
     cmsgpack cannot read: ints go as their decimal text)."""
     raws = [i if isinstance(i, bytes) else str(i).encode() for i in items]
-    body = b"".join(_head(len(r), 0xA0, 32, (0xD9, 1, 0xDA, 2, 0xDB, 4)) + r for r in raws)
-    return _head(len(raws), 0x90, 16, (0xDC, 2, 0xDD, 4)) + body
+    body = b"".join(b"\xdb" + len(r).to_bytes(4, "big") + r for r in raws)
+    return b"\xdd" + len(raws).to_bytes(4, "big") + body
 
 
 def load(name: str) -> str:
