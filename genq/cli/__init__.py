@@ -50,8 +50,6 @@ class LazyGroup(click.Group):
             sys.exit(EXIT_INTERRUPTED)
         except redis.RedisError as exc:  # unreachable, full, no such database, not Redis: the URL masked
             raise click.ClickException(describe_error(redis_url(ctx), exc)) from None
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise
         except Exception as exc:  # what the operator can fix: one line, exit 1 (imported only when something failed)
             from genq.monitor.progress import JobNotFound
             from genq.ops.control import Refused
@@ -120,9 +118,8 @@ def model_name(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
-    folder named after it, which each worker would fill in its own working directory; an empty one, the
-    current folder (export --to '' wrote /JOB.jsonl)."""
+    """A click callback: a local path or s3://; another scheme (gs://) or '' would be taken as a local folder
+    (each worker's own, or /)."""
     if value == "" or value is not None and "://" in value and not value.startswith("s3://"):
         raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
     return value

@@ -247,14 +247,11 @@ def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
              rejects: RejectsFile, closed: str | None) -> int:
     """`--dry-run` says what the real enqueue would do (refused: `closed` says why); its exit status."""
     _show_reasons(rejects, None)
+    skips = ((summary.skipped_existing, "prompt", " already queued or done would be skipped"),
+             (summary.skipped_duplicate, "repeated line", " would be skipped"), (summary.rejected, "line", " rejected"))
     click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(summary.enqueued, 'prompt')}"
                f" would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} "
-               f"from {input_uri}"
-               + (f"; {plural(summary.skipped_existing, 'prompt')} already queued or done would be skipped"
-                  if summary.skipped_existing else "")
-               + (f"; {plural(summary.skipped_duplicate, 'repeated line')} would be skipped"
-                  if summary.skipped_duplicate else "")
-               + (f"; {plural(summary.rejected, 'line')} rejected" if summary.rejected else "")
+               f"from {input_uri}" + "".join(f"; {plural(n, noun)}{what}" for n, noun, what in skips if n)
                + ". Nothing was written.")
     if closed is not None and summary.enqueued:
         click.echo(f"the real enqueue would be refused: {closed}", err=True)

@@ -1,7 +1,5 @@
-"""`genq export`: a job's finished shards (those its manifest markers name, each checked against its
-marker) merged into one JSONL, Parquet or OpenAI Batch file (as vLLM's run_batch writes it); a
-repeated id is dropped, so a prompt's first result wins. Each shard is read once, spooled beside the destination.
-"""
+"""`genq export`: the shards the job's manifest names, each checked against its marker, merged into one JSONL,
+Parquet or OpenAI Batch file; a prompt's first result wins. Each shard is read once, spooled beside the file."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from genq.cli import EXIT_PARTLY_DONE, JobName, local_or_s3, redis_conn, redis_u
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.queueing import load_batch, load_config
-from genq.core.records import Choice, DeadLetter, Prompt, Result, ShardInfo
+from genq.core.records import Choice, DeadLetter, JobConfig, Prompt, Result, ShardInfo
 from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
@@ -100,7 +98,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
     # every batch done now is in the export, and one written while it runs makes it partly done.
     status = ledger_jobs.counts(conn, job) if config is not None else None
     try:
-        records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job) if batch_api else [],
+        records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job, config) if batch_api else [],
                                      errors_path, endpoint, config.incarnation if config and not source else None)
     except OSError as exc:  # an output or --to that is not what it should be (a file, a folder not writable)
         raise click.ClickException(f"{exc.strerror or exc}: {exc.filename or output}") from None
@@ -130,12 +128,11 @@ def _inside(path: str, folder: str) -> bool:
     return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
-def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
-    """The job's dead letters, plus the unfinished prompts of batches RQ gave up on (so that every
-    input id lands in the output or the errors file)."""
+def _letters(conn: redis.Redis, job: str, config: JobConfig | None) -> list[DeadLetter]:
+    """The job's dead letters, and the unfinished prompts of batches RQ gave up on: every input id lands
+    in the output or the errors file."""
     letters = ledger_letters.read_all(conn, job, DeadLetter)
     dead = {d.id for d in letters}
-    config = load_config(conn, job)
     for entry in failed_batches(conn, [job]):
         if (batch := load_batch(conn, job, entry.batch)) is None:
             continue
@@ -168,22 +165,20 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     if spool_parent is not None:
         spool_parent.mkdir(parents=True, exist_ok=True)
     kept: dict[str, tuple[int, int, int, int]] = {}  # id -> (index, shard, offset, length) of its first record
-    duplicates, paths = 0, []
+    records_read, paths = 0, []
     with tempfile.TemporaryDirectory(prefix=".genq-export-", dir=spool_parent) as spool, \
             ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
         copies = pool.map(lambda n: _spool(store, *shards[n], Path(spool) / f"{n:08d}.jsonl"), range(len(shards)))
         for number, (path, keys) in enumerate(copies):
             paths.append(path)
+            records_read += len(keys)
             for id_, line, offset, length in keys:
-                if id_ in kept:
-                    duplicates += 1
-                else:
-                    kept[id_] = (line, number, offset, length)
+                kept.setdefault(id_, (line, number, offset, length))
         entries = sorted(kept.values(), key=None if order == "input" else lambda e: (shards[e[1]][0].batch, e[2]))
         records, size = _write(dest, lambda out: FORMATS[fmt][0](_lines(paths, entries), out), endpoint_url)
     click.echo(f"wrote {plural(records, 'record')} ({_size(size)}, {size:,} bytes) to {dest} "
                f"from {plural(len(shards), 'shard')}")
-    if duplicates:
+    if duplicates := records_read - len(kept):
         click.echo(f"  dropped {plural(duplicates, 'duplicate record')} (same id in more than one shard; first kept)")
     if fmt != "openai-batch":
         return records, 0
