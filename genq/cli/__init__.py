@@ -26,10 +26,8 @@ EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an expo
 EXIT_INTERRUPTED = 130
 INT32 = 2**31 - 1  # the most --max-tokens or --priority: storable (msgpack is 64-bit), and a server's int
 
-COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim": "sim:sim_command",
-            "demo": "demo", "dlq": "dlq", "pause": "control", "resume": "control", "jobs": "control",
-            "drain": "control", "workers": "control", "concurrency": "control", "export": "export", "status": "status",
-            "recover": "recover"}  # name -> genq.cli module[:attribute]
+COMMANDS = {cmd: cmd for cmd in ("enqueue", "worker", "monitor", "sim", "demo", "dlq", "export", "status", "recover")}
+COMMANDS |= dict.fromkeys(("pause", "resume", "jobs", "drain", "workers", "concurrency"), "control")  # name -> module
 
 
 class LazyGroup(click.Group):
@@ -39,8 +37,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module, _, attr = COMMANDS[name].partition(":")
-        return _with_redis_option(getattr(importlib.import_module(f"genq.cli.{module}"), attr or name))
+        return _with_redis_option(getattr(importlib.import_module(f"genq.cli.{COMMANDS[name]}"), name))
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
