@@ -39,10 +39,6 @@ _json = msgspec.json.Encoder()
 _result_decoder = msgspec.json.Decoder(Result)
 
 
-class ExportError(click.ClickException):
-    """A shard that disagrees with its marker, a missing manifest...: one line, exit 1."""
-
-
 class _Key(msgspec.Struct):  # what the first pass decodes of each record: the rest is skipped unparsed
     id: str
     index: int
@@ -210,8 +206,8 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
     first. The shard is looked for beside its marker, not at info.uri: an output copied elsewhere exports."""
     manifest = f"{job}/{MANIFEST_DIR}"
     if not (names := [n for n in store.names(manifest) if batch_of_marker(n)]):
-        raise ExportError(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
-                          f"{job!r} has finished there yet, or the output is elsewhere: see --output)")
+        raise click.ClickException(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
+                                   f"{job!r} has finished there yet, or the output is elsewhere: see --output)")
     with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
         raws = list(pool.map(lambda n: store.read(f"{manifest}/{n}") or b"", names))
     shards = []
@@ -219,12 +215,13 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
         try:
             info = msgspec.json.decode(raw, type=ShardInfo)
         except msgspec.DecodeError as exc:
-            raise ExportError(f"manifest marker {store.uri(f'{manifest}/{name}')} is not a ShardInfo: {exc}") from None
+            raise click.ClickException(f"manifest marker {store.uri(f'{manifest}/{name}')} is not a ShardInfo: "
+                                       f"{exc}") from None
         if incarnation is None or info.incarnation in ("", incarnation):
             shards.append((info, f"{job}/{SHARDS_DIR}/{info.uri.rstrip('/').rsplit('/', 1)[-1]}"))
     if not shards:
-        raise ExportError(f"no shards of this life of job {job!r} (incarnation {incarnation}) in "
-                          f"{store.uri(manifest)}/: the markers there are of an earlier job of that name")
+        raise click.ClickException(f"no shards of this life of job {job!r} (incarnation {incarnation}) in "
+                                   f"{store.uri(manifest)}/: the markers there are of an earlier job of that name")
     return sorted(shards, key=lambda s: (s[0].at, s[0].batch))
 
 
@@ -242,18 +239,18 @@ def _spool(store: Store, info: ShardInfo, rel: str, target: Path) -> tuple[str, 
                     size += len(chunk)
                     out.write(unzip.decompress(chunk) if unzip else chunk)
         except FileNotFoundError:
-            raise ExportError(f"shard {uri} named by the manifest is missing") from None
+            raise click.ClickException(f"shard {uri} named by the manifest is missing") from None
         except (OSError, zlib.error) as exc:
-            raise ExportError(f"shard {uri} is unreadable: {exc}") from None
+            raise click.ClickException(f"shard {uri} is unreadable: {exc}") from None
         except Exception as exc:
             from genq.output import s3  # a store.open of an S3 shard: boto3 is loaded
 
             if not s3.is_s3_error(exc):
                 raise
-            raise ExportError(f"cannot read shard {s3.describe(exc, uri)}") from None
+            raise click.ClickException(f"cannot read shard {s3.describe(exc, uri)}") from None
     if size != info.bytes:
-        raise ExportError(f"shard {uri} is {size:,} bytes but its manifest marker says "
-                          f"{info.bytes:,}: it was changed or truncated after it was written")
+        raise click.ClickException(f"shard {uri} is {size:,} bytes but its manifest marker says "
+                                   f"{info.bytes:,}: it was changed or truncated after it was written")
     keys: list[tuple[str, int, int, int]] = []
     offset = 0
     with open(path, "rb") as f:
@@ -262,11 +259,12 @@ def _spool(store: Store, info: ShardInfo, rel: str, target: Path) -> tuple[str, 
                 try:
                     key = _key_decoder.decode(line)
                 except msgspec.DecodeError as exc:
-                    raise ExportError(f"shard {uri} record {len(keys) + 1}: {exc}") from None
+                    raise click.ClickException(f"shard {uri} record {len(keys) + 1}: {exc}") from None
                 keys.append((key.id, key.index, offset, len(line)))
             offset += len(line)
     if len(keys) != info.records:
-        raise ExportError(f"shard {uri} has {len(keys):,} records but its manifest marker says {info.records:,}")
+        raise click.ClickException(f"shard {uri} has {len(keys):,} records but its manifest marker says "
+                                   f"{info.records:,}")
     return path, keys
 
 
