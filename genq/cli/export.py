@@ -374,11 +374,9 @@ def write_parquet(lines: Iterable[bytes], out: BinaryIO) -> int:
 
     schema, count = parquet_schema(), 0
     decoded = (_cells(_result_decoder.decode(line), PARQUET_COLUMNS) for line in lines)
-    with pq.ParquetWriter(out, schema, compression="zstd") as writer:
-        while (rows := list(itertools.islice(decoded, PARQUET_ROWS_PER_GROUP))) or count == 0:
-            writer.write_table(pa.Table.from_pylist(rows, schema=schema))  # an empty export: the schema alone
-            if not rows:
-                break
+    with pq.ParquetWriter(out, schema, compression="zstd") as writer:  # an empty export: the schema alone
+        while rows := list(itertools.islice(decoded, PARQUET_ROWS_PER_GROUP)):
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
             count += len(rows)
     return count
 
