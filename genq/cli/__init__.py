@@ -26,10 +26,8 @@ EXIT_PARTLY_DONE = 3  # some input lines or DLQ entries were skipped, or an expo
 EXIT_INTERRUPTED = 130
 INT32 = 2**31 - 1  # the most --max-tokens or --priority: storable (msgpack is 64-bit), and a server's int
 
-COMMANDS = {"enqueue": "enqueue", "worker": "worker", "monitor": "monitor", "sim": "sim:sim_command",
-            "demo": "demo", "dlq": "dlq", "pause": "control", "resume": "control", "jobs": "control",
-            "drain": "control", "workers": "control", "concurrency": "control", "export": "export", "status": "status",
-            "recover": "recover"}  # name -> genq.cli module[:attribute]
+COMMANDS = {cmd: cmd for cmd in ("enqueue", "worker", "monitor", "sim", "demo", "dlq", "export", "status", "recover")}
+COMMANDS |= dict.fromkeys(("pause", "resume", "jobs", "drain", "workers", "concurrency"), "control")  # name -> module
 
 
 class LazyGroup(click.Group):
@@ -39,8 +37,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module, _, attr = COMMANDS[name].partition(":")
-        return _with_redis_option(getattr(importlib.import_module(f"genq.cli.{module}"), attr or name))
+        return _with_redis_option(getattr(importlib.import_module(f"genq.cli.{COMMANDS[name]}"), name))
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -50,8 +47,6 @@ class LazyGroup(click.Group):
             sys.exit(EXIT_INTERRUPTED)
         except redis.RedisError as exc:  # unreachable, full, no such database, not Redis: the URL masked
             raise click.ClickException(describe_error(redis_url(ctx), exc)) from None
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise
         except Exception as exc:  # what the operator can fix: one line, exit 1 (imported only when something failed)
             from genq.monitor.progress import JobNotFound
             from genq.ops.control import Refused
@@ -120,9 +115,8 @@ def model_name(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def local_or_s3(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A click callback: a local path or s3://; another scheme (gs://, http://) would be taken as a local
-    folder named after it, which each worker would fill in its own working directory; an empty one, the
-    current folder (export --to '' wrote /JOB.jsonl)."""
+    """A click callback: a local path or s3://; another scheme (gs://) or '' would be taken as a local folder
+    (each worker's own, or /)."""
     if value == "" or value is not None and "://" in value and not value.startswith("s3://"):
         raise click.BadParameter(f"{value!r}: give a local path or s3://bucket/...")
     return value

@@ -27,10 +27,6 @@ from genq.producer.enqueue import SHOWN, Enqueuer, EnqueueSummary, RejectsFile, 
 from genq.producer.rows import RowError, check_params
 from genq.producer.sources import ColumnMap, Meter, default_rejects_path, is_parquet, is_s3, located, open_rows
 
-# Options that make up the job's config; None means "not given on this command line".
-CONFIG_OPTIONS = ("output", "endpoint", "model", "max_tokens", "temperature", "top_p", "extra_body",
-                  "batch_size", "max_attempts", "compression", "s3_endpoint_url")
-
 
 @click.command(short_help="Queue a JSONL or Parquet file's prompts as a job's batches.")
 @click.argument("input_uri", metavar="INPUT", callback=local_or_s3)
@@ -113,7 +109,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         raise click.UsageError(f"--rejects {rejects_path} is the input: the rejected lines would be written over it")
     url = redis_url(ctx)
     try:
-        given = _given_settings(options)
+        given = _given_settings(options)  # options: those of the job's config
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
         conn = connect(url)
         if note := redis_note_of(conn):  # before a prompt is queued: this Redis would lose them
@@ -176,8 +172,8 @@ def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> s
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:
-    """The config options given on the command line, checked and normalised (no Redis needed)."""
-    given = {k: v for k, v in options.items() if k in CONFIG_OPTIONS and v is not None}
+    """The job config's options given on the command line (not None), checked and normalised (no Redis needed)."""
+    given = {k: v for k, v in options.items() if v is not None}
     if "extra_body" in given:
         given["extra_body"] = extra_body(str(given["extra_body"]), given.get("endpoint"))  # type: ignore[arg-type]
     if "output" in given and "://" not in str(given["output"]):
@@ -247,14 +243,11 @@ def _dry_run(conn: redis.Redis, config: JobConfig, create: bool, input_uri: str,
              rejects: RejectsFile, closed: str | None) -> int:
     """`--dry-run` says what the real enqueue would do (refused: `closed` says why); its exit status."""
     _show_reasons(rejects, None)
+    skips = ((summary.skipped_existing, "prompt", " already queued or done would be skipped"),
+             (summary.skipped_duplicate, "repeated line", " would be skipped"), (summary.rejected, "line", " rejected"))
     click.echo(f"dry run: job {config.name} ({_name_state(conn, config, create)}): {plural(summary.enqueued, 'prompt')}"
                f" would be queued in {plural(summary.batches, 'batch', 'batches')} of up to {config.batch_size:,} "
-               f"from {input_uri}"
-               + (f"; {plural(summary.skipped_existing, 'prompt')} already queued or done would be skipped"
-                  if summary.skipped_existing else "")
-               + (f"; {plural(summary.skipped_duplicate, 'repeated line')} would be skipped"
-                  if summary.skipped_duplicate else "")
-               + (f"; {plural(summary.rejected, 'line')} rejected" if summary.rejected else "")
+               f"from {input_uri}" + "".join(f"; {plural(n, noun)}{what}" for n, noun, what in skips if n)
                + ". Nothing was written.")
     if closed is not None and summary.enqueued:
         click.echo(f"the real enqueue would be refused: {closed}", err=True)

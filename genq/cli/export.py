@@ -1,7 +1,5 @@
-"""`genq export`: a job's finished shards (those its manifest markers name, each checked against its
-marker) merged into one JSONL, Parquet or OpenAI Batch file (as vLLM's run_batch writes it); a
-repeated id is dropped, so a prompt's first result wins. Each shard is read once, spooled beside the destination.
-"""
+"""`genq export`: the shards the job's manifest names, each checked against its marker, merged into one JSONL,
+Parquet or OpenAI Batch file; a prompt's first result wins. Each shard is read once, spooled beside the file."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from genq.cli import EXIT_PARTLY_DONE, JobName, local_or_s3, redis_conn, redis_u
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import letters as ledger_letters
 from genq.core.queueing import load_batch, load_config
-from genq.core.records import Choice, DeadLetter, Prompt, Result, ShardInfo
+from genq.core.records import Choice, DeadLetter, JobConfig, Prompt, Result, ShardInfo
 from genq.core.redisconn import mask_url
 from genq.core.words import plural
 from genq.ops.dlq import failed_batches
@@ -39,10 +37,6 @@ PARQUET_ROWS_PER_GROUP = 5000
 
 _json = msgspec.json.Encoder()
 _result_decoder = msgspec.json.Decoder(Result)
-
-
-class ExportError(click.ClickException):
-    """A shard that disagrees with its marker, a missing manifest...: one line, exit 1."""
 
 
 class _Key(msgspec.Struct):  # what the first pass decodes of each record: the rest is skipped unparsed
@@ -100,7 +94,7 @@ def export(ctx: click.Context, job: str, dest: str, fmt: str | None, order: str,
     # every batch done now is in the export, and one written while it runs makes it partly done.
     status = ledger_jobs.counts(conn, job) if config is not None else None
     try:
-        records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job) if batch_api else [],
+        records, errors = run_export(output, job, dest, fmt, order, _letters(conn, job, config) if batch_api else [],
                                      errors_path, endpoint, config.incarnation if config and not source else None)
     except OSError as exc:  # an output or --to that is not what it should be (a file, a folder not writable)
         raise click.ClickException(f"{exc.strerror or exc}: {exc.filename or output}") from None
@@ -130,12 +124,11 @@ def _inside(path: str, folder: str) -> bool:
     return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
-def _letters(conn: redis.Redis, job: str) -> list[DeadLetter]:
-    """The job's dead letters, plus the unfinished prompts of batches RQ gave up on (so that every
-    input id lands in the output or the errors file)."""
+def _letters(conn: redis.Redis, job: str, config: JobConfig | None) -> list[DeadLetter]:
+    """The job's dead letters, and the unfinished prompts of batches RQ gave up on: every input id lands
+    in the output or the errors file."""
     letters = ledger_letters.read_all(conn, job, DeadLetter)
     dead = {d.id for d in letters}
-    config = load_config(conn, job)
     for entry in failed_batches(conn, [job]):
         if (batch := load_batch(conn, job, entry.batch)) is None:
             continue
@@ -168,22 +161,20 @@ def run_export(output: str, job: str, dest: str, fmt: str, order: str, letters: 
     if spool_parent is not None:
         spool_parent.mkdir(parents=True, exist_ok=True)
     kept: dict[str, tuple[int, int, int, int]] = {}  # id -> (index, shard, offset, length) of its first record
-    duplicates, paths = 0, []
+    records_read, paths = 0, []
     with tempfile.TemporaryDirectory(prefix=".genq-export-", dir=spool_parent) as spool, \
             ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
         copies = pool.map(lambda n: _spool(store, *shards[n], Path(spool) / f"{n:08d}.jsonl"), range(len(shards)))
         for number, (path, keys) in enumerate(copies):
             paths.append(path)
+            records_read += len(keys)
             for id_, line, offset, length in keys:
-                if id_ in kept:
-                    duplicates += 1
-                else:
-                    kept[id_] = (line, number, offset, length)
+                kept.setdefault(id_, (line, number, offset, length))
         entries = sorted(kept.values(), key=None if order == "input" else lambda e: (shards[e[1]][0].batch, e[2]))
         records, size = _write(dest, lambda out: FORMATS[fmt][0](_lines(paths, entries), out), endpoint_url)
     click.echo(f"wrote {plural(records, 'record')} ({_size(size)}, {size:,} bytes) to {dest} "
                f"from {plural(len(shards), 'shard')}")
-    if duplicates:
+    if duplicates := records_read - len(kept):
         click.echo(f"  dropped {plural(duplicates, 'duplicate record')} (same id in more than one shard; first kept)")
     if fmt != "openai-batch":
         return records, 0
@@ -215,8 +206,8 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
     first. The shard is looked for beside its marker, not at info.uri: an output copied elsewhere exports."""
     manifest = f"{job}/{MANIFEST_DIR}"
     if not (names := [n for n in store.names(manifest) if batch_of_marker(n)]):
-        raise ExportError(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
-                          f"{job!r} has finished there yet, or the output is elsewhere: see --output)")
+        raise click.ClickException(f"no shards to export: {store.uri(manifest)}/ is empty or missing (no batch of job "
+                                   f"{job!r} has finished there yet, or the output is elsewhere: see --output)")
     with ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
         raws = list(pool.map(lambda n: store.read(f"{manifest}/{n}") or b"", names))
     shards = []
@@ -224,12 +215,13 @@ def _shards(store: Store, job: str, incarnation: str | None) -> list[tuple[Shard
         try:
             info = msgspec.json.decode(raw, type=ShardInfo)
         except msgspec.DecodeError as exc:
-            raise ExportError(f"manifest marker {store.uri(f'{manifest}/{name}')} is not a ShardInfo: {exc}") from None
+            raise click.ClickException(f"manifest marker {store.uri(f'{manifest}/{name}')} is not a ShardInfo: "
+                                       f"{exc}") from None
         if incarnation is None or info.incarnation in ("", incarnation):
             shards.append((info, f"{job}/{SHARDS_DIR}/{info.uri.rstrip('/').rsplit('/', 1)[-1]}"))
     if not shards:
-        raise ExportError(f"no shards of this life of job {job!r} (incarnation {incarnation}) in "
-                          f"{store.uri(manifest)}/: the markers there are of an earlier job of that name")
+        raise click.ClickException(f"no shards of this life of job {job!r} (incarnation {incarnation}) in "
+                                   f"{store.uri(manifest)}/: the markers there are of an earlier job of that name")
     return sorted(shards, key=lambda s: (s[0].at, s[0].batch))
 
 
@@ -247,18 +239,18 @@ def _spool(store: Store, info: ShardInfo, rel: str, target: Path) -> tuple[str, 
                     size += len(chunk)
                     out.write(unzip.decompress(chunk) if unzip else chunk)
         except FileNotFoundError:
-            raise ExportError(f"shard {uri} named by the manifest is missing") from None
+            raise click.ClickException(f"shard {uri} named by the manifest is missing") from None
         except (OSError, zlib.error) as exc:
-            raise ExportError(f"shard {uri} is unreadable: {exc}") from None
+            raise click.ClickException(f"shard {uri} is unreadable: {exc}") from None
         except Exception as exc:
             from genq.output import s3  # a store.open of an S3 shard: boto3 is loaded
 
             if not s3.is_s3_error(exc):
                 raise
-            raise ExportError(f"cannot read shard {s3.describe(exc, uri)}") from None
+            raise click.ClickException(f"cannot read shard {s3.describe(exc, uri)}") from None
     if size != info.bytes:
-        raise ExportError(f"shard {uri} is {size:,} bytes but its manifest marker says "
-                          f"{info.bytes:,}: it was changed or truncated after it was written")
+        raise click.ClickException(f"shard {uri} is {size:,} bytes but its manifest marker says "
+                                   f"{info.bytes:,}: it was changed or truncated after it was written")
     keys: list[tuple[str, int, int, int]] = []
     offset = 0
     with open(path, "rb") as f:
@@ -267,11 +259,12 @@ def _spool(store: Store, info: ShardInfo, rel: str, target: Path) -> tuple[str, 
                 try:
                     key = _key_decoder.decode(line)
                 except msgspec.DecodeError as exc:
-                    raise ExportError(f"shard {uri} record {len(keys) + 1}: {exc}") from None
+                    raise click.ClickException(f"shard {uri} record {len(keys) + 1}: {exc}") from None
                 keys.append((key.id, key.index, offset, len(line)))
             offset += len(line)
     if len(keys) != info.records:
-        raise ExportError(f"shard {uri} has {len(keys):,} records but its manifest marker says {info.records:,}")
+        raise click.ClickException(f"shard {uri} has {len(keys):,} records but its manifest marker says "
+                                   f"{info.records:,}")
     return path, keys
 
 
@@ -381,11 +374,9 @@ def write_parquet(lines: Iterable[bytes], out: BinaryIO) -> int:
 
     schema, count = parquet_schema(), 0
     decoded = (_cells(_result_decoder.decode(line), PARQUET_COLUMNS) for line in lines)
-    with pq.ParquetWriter(out, schema, compression="zstd") as writer:
-        while (rows := list(itertools.islice(decoded, PARQUET_ROWS_PER_GROUP))) or count == 0:
-            writer.write_table(pa.Table.from_pylist(rows, schema=schema))  # an empty export: the schema alone
-            if not rows:
-                break
+    with pq.ParquetWriter(out, schema, compression="zstd") as writer:  # an empty export: the schema alone
+        while rows := list(itertools.islice(decoded, PARQUET_ROWS_PER_GROUP)):
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
             count += len(rows)
     return count
 

@@ -29,10 +29,9 @@ def recover(job: str, output: str | None, inputs: tuple[str, ...], s3_endpoint_u
     try:  # an output or input that cannot be read (SourceError is the genq group's to print)
         conn, rejected = redis_conn(), 0
         found = recovering.recover(conn, job, output, s3_endpoint_url)
-        config = found.config
         if found.rebuilt:
-            click.echo(f"job {job}: created again from {config.output}/{job}/job.json (incarnation "
-                       f"{config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it "
+            click.echo(f"job {job}: created again from {found.config.output}/{job}/job.json (incarnation "
+                       f"{found.config.incarnation}); removed {plural(found.dropped_keys, 'key')} Redis held of it "
                        "without its config")
             if found.record.paused:
                 click.echo(f"job {job}: paused, as job.json says (genq pause --job): `genq resume --job {job}` runs it")
@@ -42,7 +41,7 @@ def recover(job: str, output: str | None, inputs: tuple[str, ...], s3_endpoint_u
             click.echo("  no input given or recorded in job.json: prompts with no written outcome are not queued "
                        "again (give --input)", err=True)
         for source in sources:
-            summary = enqueue_again(conn, config, located(source), reference_uri(source, None))
+            summary = enqueue_again(conn, found.config, located(source), reference_uri(source, None))
             rejected += summary.rejected
             click.echo(f"  {source}: queued {plural(summary.enqueued, 'prompt')} with no written outcome in "
                        f"{plural(summary.batches, 'batch', 'batches')}; {summary.skipped_existing:,} already "

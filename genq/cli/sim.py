@@ -13,7 +13,7 @@ from genq.sim.config import SimConfig
 from genq.sim.serve import FLAVORS, run
 
 
-def sim_command(**options: Any) -> None:
+def sim(**options: Any) -> None:
     """Serve a simulator of one GPU inference server (SGLang, vLLM or llama.cpp).
 
     Continuous batching in compressed time, deterministic output lengths, the flavor's endpoints, errors and
@@ -33,10 +33,10 @@ for _name, _hint in reversed(typing.get_type_hints(SimConfig, include_extras=Tru
     _type, _help = typing.get_args(_hint)
     _type = typing.get_args(_type)[0] if _DEFAULTS[_name] is None else _type
     _flags = ["--" + _name.replace("_", "-")] + (["--max-context"] if _name == "context_length" else [])
-    sim_command = click.option(
+    sim = click.option(
         *_flags, _name, default=_DEFAULTS[_name], help=_help,
         type=click.Choice(FLAVORS) if _name == "flavor" else Finite(0, 1) if _name.endswith("_rate")
         else click.IntRange(0, 65535) if _name == "port" else Finite() if _type is float else _type,
-        metavar={"crash_marker": "TEXT", "tool_call_parser": "NAME"}.get(_name))(sim_command)
-sim_command = click.command("sim", short_help="Simulate one SGLang, vLLM or llama.cpp server (no GPU needed).",
-                            context_settings={"show_default": True, "max_content_width": 100})(sim_command)
+        metavar={"crash_marker": "TEXT", "tool_call_parser": "NAME"}.get(_name))(sim)
+sim = click.command("sim", short_help="Simulate one SGLang, vLLM or llama.cpp server (no GPU needed).",
+                    context_settings={"show_default": True, "max_content_width": 100})(sim)

@@ -57,9 +57,8 @@ def find(conn: redis.Redis, job: str, prompt_id: str) -> dict[str, Any] | None:
     if not known:
         return None
     pending = ledger.pending_batches(conn, job)
-    # The id index names the prompt's batch: its record or its one shard is read. Every pending batch and
-    # then every shard are read for a prompt it does not place: indexed by an older genq, or
-    # requeued from the DLQ (the index keeps the batch it failed in).
+    # The id index names the prompt's batch, whose record or shard is read; one it does not place (an older genq's,
+    # or requeued from the DLQ: the index keeps the batch it failed in) is looked for everywhere.
     if indexed is not None and (fate := _pending(conn, job, [b for b in pending if b == indexed], prompt_id)
                                 or _written(conn, job, prompt_id, [indexed])):
         return fate

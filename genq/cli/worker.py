@@ -99,16 +99,15 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
         if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
             raise click.UsageError(problem)
-    fleet_opts = {k: options.pop(k) for k in FLEET_ONLY}
-    if (options["server_url"] is None) == (fleet_opts["gpus"] is None):
+    f = {k: options.pop(k) for k in FLEET_ONLY}  # the fleet's own options
+    if (options["server_url"] is None) == (f["gpus"] is None):
         raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")
-    if fleet_opts["gpus"] is not None:
+    if f["gpus"] is not None:
         if options["gpu"] is not None:
             raise click.UsageError("--gpu is for --server; with --gpus each worker gets its GPU from the list")
         from genq.worker import fleet
         from genq.worker.fleet import FleetError, FleetOptions, HealthTimeouts, parse_gpus, run_fleet
 
-        f = fleet_opts
         try:  # a bad template is bad usage, said before anything starts
             fleet.check_template(f["server_url_template"], "--server-url")
             fleet.launch_argv(f["launch"], port=0, gpu=0) if f["launch"] is not None else None
