@@ -230,19 +230,17 @@ class ServerWatch:
 
     async def admit(self, config: JobConfig) -> JobConfig | None:
         """The job's settings (`auto` pinned to this server's model), or None: another model's job, or gone."""
-        model = self.model
-        if config.model == AUTO and model is not None:
+        if config.model == AUTO and (model := self.model) is not None:
             found, pinned = await ledger_jobs.pin_model(self.conn, config.name, model, AUTO)
-            if pinned:
-                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
-                         "pinned in its settings", config.name, model)
             if found is None:
                 return None
-            try:  # before anything is sent: a job rebuilt from its output keeps its model
-                if pinned:
+            if pinned:  # written before anything is sent: a job rebuilt from its output keeps its model
+                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
+                         "pinned in its settings", found.name, model)
+                try:
                     await asyncio.to_thread(keep_pin, found)
-            except Exception as exc:  # the output unreachable: the maintenance pass writes it later
-                log.warning("job %s: cannot write its pinned model to %s: %s", config.name, config.output, exc)
+                except Exception as exc:  # the output unreachable: the maintenance pass writes it later
+                    log.warning("job %s: cannot write its pinned model to %s: %s", found.name, found.output, exc)
             config = found
         return config if self.takes(config) else None
 
@@ -308,14 +306,11 @@ class Gate:
     def __init__(self, batches: Batches, controller: ConcurrencyController | None,
                  watch: ServerWatch | None) -> None:
         self.batches = batches  # admits, dead-letters and parks
-        self.conn, self.sync_conn, self.worker, self.held = (batches.conn, batches.sync_conn, batches.worker,
-                                                             batches.held)
+        self.conn, self.worker, self.held = batches.conn, batches.worker, batches.held
         self.controller, self.watch = controller, watch  # watch: the server's context, for the preflight
         self.paused_all = self.draining = False
         self.paused_jobs: set[str] = set()
-        # When the heartbeat last checked the leases: a longer gap than a lease survives (a frozen process)
-        # stops dispatch until they are checked again.
-        self.last_beat = time.monotonic()
+        self.last_beat = time.monotonic()  # the last lease check: one too old (a frozen process) stops dispatch
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
         self.trips: dict[str, JobBlock] = {}  # blocks the brake tripped, stored by `run`
@@ -432,8 +427,7 @@ class Gate:
             log.error("blocked-job handling failed", exc_info=task.exception())
 
     async def admit(self) -> None:
-        """Each loaded batch (Batches.arrived) is sent with its job's settings now, unless blocked, paused or
-        failing the preflight."""
+        """Sends each loaded batch (Batches.arrived) at its job's settings now, unless blocked, paused or failing."""
         while True:
             held, prompts = await self.batches.arrived.get()
             self._spawn(self._admit(held, prompts))
@@ -474,7 +468,7 @@ class Gate:
             self._landed_at[job] = time.monotonic()
         await self.park_job(job)
         try:
-            taken = await asyncio.to_thread(unqueue, self.sync_conn, job)
+            taken = await asyncio.to_thread(unqueue, self.batches.sync_conn, job)
         except (redis.RedisError, OSError) as exc:  # they are parked one by one as they arrive instead
             log.warning("job %s: could not take its batches out of RQ's queue (%s)", job, exc)
             return
@@ -506,8 +500,7 @@ class Gate:
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
 
     async def _park_paused(self, job: str) -> None:
-        # Only this park ends the job's `pausing` mark: one that ends sooner (a batch parked as it arrives)
-        # would let the next turn start another park waiting on the same requests in flight.
+        # Only this park ends the `pausing` mark, else the next turn starts another on the same requests in flight.
         try:
             await self.park_job(job, cancel=False)
         finally:
@@ -533,8 +526,7 @@ class Gate:
             self._block_preflight(job, stored, problem, "by its new settings")
 
     async def _hand_back(self, job: str, version: int) -> None:
-        """What is held of a job whose new settings ask for a model this server does not serve goes back to
-        the queue: none of its prompts is sent here at them (its requests in flight finish at theirs)."""
+        """A job's new settings are for another model: what is held goes back (requests in flight finish)."""
         given = await self.batches.hand_back_job(job)
         if given:
             log.info("job %s: settings version %d is for another model: handed back %s (%s)", job, version,
