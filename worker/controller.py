@@ -119,7 +119,11 @@ class ConcurrencyController:
         queued = waiting if m.waiting_capacity is None else m.waiting_capacity
         growing, self._last_waiting = waiting > self._last_waiting, waiting
         ramping, self._last_running = running > self._last_running, running  # admitting, not full
-        retracting = self._retracting(m)
+        if m.retractions_total is None:  # retracted (SGLang) or preempted (vLLM) since the last look
+            retracting = m.retracted is not None and m.retracted > 0
+        else:
+            last, self._last_retractions = self._last_retractions, m.retractions_total
+            retracting = last is not None and m.retractions_total > last
         kv_pressure = m.kv_usage is not None and m.kv_usage >= KV_PRESSURE
         if self.capacity is None and not kv_pressure and not retracting:
             if queued > 0:  # requests wait with memory free: a slot limit, the most that runs
@@ -131,7 +135,7 @@ class ConcurrencyController:
             elif self.learned is not None and running > self.learned:  # whatever runs fits
                 self._seen_max = int(running)
                 self._commit(self._seen_max)
-        capacity = self.capacity or self.learned
+        capacity = self.slots
         self._gentle = max(0, self._gentle - 1)
         if retracting:  # the KV cache cannot hold what runs: cut to what the server holds, less a tenth
             self._gentle = GENTLE_CHECKS
@@ -175,13 +179,6 @@ class ConcurrencyController:
         verb = "lowered" if self.auto > limit else "raised" if self.auto < limit else "kept"
         self._set(limit, f"{verb}: learned server capacity {capacity}")
 
-    def _retracting(self, m: Metrics) -> bool:
-        """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""
-        if m.retractions_total is None:
-            return m.retracted is not None and m.retracted > 0
-        last, self._last_retractions = self._last_retractions, m.retractions_total
-        return last is not None and m.retractions_total > last
-
 
 HALF_LIFE_S = 3600.0  # the figures of an hour ago weigh half of this minute's
 STORED_TTL_S = 7 * 86400  # a server's stored figures are dropped after a week unused
@@ -208,12 +205,6 @@ class Running(dict["Task", "asyncio.Task[None]"]):
             self.sequences -= task.progress.sequences
             self.meter.ended(task.progress)
         return super().pop(task, default)
-
-    def cancel_all(self, reason: str) -> None:
-        """Stop every request; each ends as a failure with `reason`."""
-        for task, aio in list(self.items()):
-            task.cancel_reason = reason
-            aio.cancel()
 
 
 class DecodeMeter:

@@ -147,7 +147,9 @@ class ServerWatch:
                 task.crashed(self.outages)
             log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s); each prompt "
                         "in flight counts a server crash (--server-crash-limit)", self.opts.server_url, why)
-        self.running.cancel_all(f"server down: {why}")
+        for task, aio in list(self.running.items()):
+            task.cancel_reason = f"server down: {why}"
+            aio.cancel()
         self._down.set()
 
     async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
@@ -326,9 +328,6 @@ class Gate:
 
     def leases_fresh(self) -> bool:
         return time.monotonic() - self.last_beat < LEASE_CHECK_STALE_S
-
-    def leases_checked(self) -> None:
-        self.last_beat = time.monotonic()
 
     async def read(self, jobs: list[str]) -> bool:
         """The operator's controls for these jobs, applied; True if one changed."""
