@@ -165,8 +165,7 @@ class ConcurrencyController:
         # Ours (once the capacity is known: before, what runs is no base for it) and a headroom more.
         queue_limit = (max(self.auto - base, room) if capacity else room) + room
         settling = capacity is None and ramping  # what runs is no capacity yet
-        if (waiting > queue_limit and (growing or self._queue_high) and not settling
-                and self.auto > base + room):
+        if waiting > queue_limit and (growing or self._queue_high) and not settling and self.auto > base + room:
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:  # past what refilling slots needs: hold less
                 self._set(max(1, base + room), "lowered: server queue growing")

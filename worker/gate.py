@@ -305,8 +305,7 @@ class JobWindow:
 
 
 class Gate:
-    def __init__(self, batches: Batches, controller: ConcurrencyController | None,
-                 watch: ServerWatch | None) -> None:
+    def __init__(self, batches: Batches, controller: ConcurrencyController | None, watch: ServerWatch | None) -> None:
         self.batches = batches  # admits, dead-letters and parks
         self.conn, self.worker, self.held = batches.conn, batches.worker, batches.held
         self.controller, self.watch = controller, watch  # watch: the server's context, for the preflight
