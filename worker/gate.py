@@ -23,7 +23,7 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.leasing import unqueue
 from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
-from genq.core.waits import retrying, wait_event
+from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.control import keep_pin
 from genq.worker.batches import Batches
@@ -314,8 +314,6 @@ class Gate:
         self.last_beat = time.monotonic()  # the last lease check: one too old (a frozen process) stops dispatch
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
-        self.trips: dict[str, JobBlock] = {}  # blocks the brake tripped, stored by `run`
-        self.tripped = asyncio.Event()
         self.pausing: set[str] = set()  # paused jobs being parked here
         # When this engine's block of a job landed in Redis (inf while stored): a read asked before says no lift.
         self._landed_at: dict[str, float] = {}
@@ -399,15 +397,13 @@ class Gate:
         example = next(h for h in window.held if h.signature == sig)
         f, kept = example.failure, len(window.held)
         window.held = []  # not dead-lettered: they stay unfinished, queued with the rest of the job
-        self.blocked.add(job)
         log.error("job %s blocked by the brake: %d of its last %d requests here failed the same way across %d "
                   "prompts (%s%s: %s); its prompts stay queued (%d held back from the dead-letter queue). "
                   "Fix the settings (genq jobs set %s ...), then genq resume --job %s",
                   job, failures, n, prompts, f.kind, f" {f.status}" if f.status else "", f.message, kept, job, job)
-        self.trips[job] = JobBlock(reason="brake", message=f.message, worker=self.worker, at=time.time(),
-                                   settings_version=example.task.batch.config.settings_version,
-                                   status=f.status, failures=failures, outcomes=n, prompts=prompts)
-        self.tripped.set()
+        self.block(job, JobBlock(reason="brake", message=f.message, worker=self.worker, at=time.time(),
+                                 settings_version=example.task.batch.config.settings_version,
+                                 status=f.status, failures=failures, outcomes=n, prompts=prompts))
 
     def reset(self, job: str) -> None:
         """New settings, or resumed: old outcomes are no evidence; held ones are dead-lettered."""
@@ -481,8 +477,7 @@ class Gate:
             log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
             self.blocked.add(job)
             self._spawn(self.park_job(job))
-        elif (not now.blocked and job in self.blocked and job not in self.trips
-              and asked > self._landed_at.get(job, float("-inf"))):
+        elif not now.blocked and job in self.blocked and asked > self._landed_at.get(job, float("-inf")):
             log.info("job %s is no longer blocked: taking its batches again", job)
             self.blocked.discard(job)
             self.reset(job)
@@ -531,13 +526,9 @@ class Gate:
                      plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def run(self) -> None:
-        """Every second (at once on a trip): trips stored, paused jobs parked, jobs' news read."""
+        """Every second: paused jobs parked, jobs' news read, held failures judged."""
         while True:
-            await wait_event(self.tripped, CHECK_EVERY_S)
-            self.tripped.clear()
-            for job, record in self.trips.items():
-                self.block(job, record)
-            self.trips.clear()
+            await asyncio.sleep(CHECK_EVERY_S)
             # Paused jobs held here: parked once their requests in flight are done (docs/scheduling.md).
             for job in (self.paused_jobs & self.held.all_jobs()) - self.blocked - self.pausing:
                 self.pausing.add(job)
