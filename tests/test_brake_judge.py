@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from genq.core.records import BatchRef, JobConfig, Prompt
+from genq.core.records import BatchRef, JobBlock, JobConfig, Prompt
 from genq.worker.gate import HOLD_S, TRIP_PROMPTS, WINDOW, Gate, signature
 from genq.worker.held import HeldBatch, Task
 from genq.worker.server import Failure
@@ -19,12 +19,14 @@ class Judged:
         batches = SimpleNamespace(dead=lambda task, failure: self.dead.append(task.prompt.id), conn=None,
                                   sync_conn=None, worker="w", held=None)
         self.brake = Gate(batches, None, None)  # type: ignore[arg-type]
+        self.brake.block = self.block  # type: ignore[method-assign]
         self.batch = HeldBatch(BatchRef("j", "b0000001"), "t", JobConfig(name="j", output="/tmp"), set())
+        self.blocks: list[tuple[str, JobBlock]] = []
 
-    @property
-    def blocks(self) -> list[tuple[str, object]]:
-        """The blocks the brake tripped (parking takes them from `trips`)."""
-        return list(self.brake.trips.items())
+    def block(self, job: str, record: JobBlock) -> None:
+        """The blocks the brake tripped; Gate.block would store them and park the job."""
+        self.blocks.append((job, record))
+        self.brake.blocked.add(job)
 
     def task(self, i: int) -> Task:
         return Task(Prompt(id=f"p{i}", index=i), self.batch)

@@ -50,8 +50,7 @@ def test_a_batch_parked_on_arrival_does_not_start_a_second_park_of_its_paused_jo
             parks.arriving = True  # a batch of it arrives meanwhile, parked at once by the admission
             await gate.park_job("j", quiet=True, cancel=False)
             parks.arriving = False
-            gate.tripped.set()  # the next turn, now
-            await turns.get()
+            await turns.get()  # the next turn
             return parks.waiting
         finally:
             running.cancel()

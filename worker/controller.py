@@ -119,7 +119,11 @@ class ConcurrencyController:
         queued = waiting if m.waiting_capacity is None else m.waiting_capacity
         growing, self._last_waiting = waiting > self._last_waiting, waiting
         ramping, self._last_running = running > self._last_running, running  # admitting, not full
-        retracting = self._retracting(m)
+        if m.retractions_total is None:  # retracted (SGLang) or preempted (vLLM) since the last look
+            retracting = m.retracted is not None and m.retracted > 0
+        else:
+            last, self._last_retractions = self._last_retractions, m.retractions_total
+            retracting = last is not None and m.retractions_total > last
         kv_pressure = m.kv_usage is not None and m.kv_usage >= KV_PRESSURE
         if self.capacity is None and not kv_pressure and not retracting:
             if queued > 0:  # requests wait with memory free: a slot limit, the most that runs
@@ -131,7 +135,7 @@ class ConcurrencyController:
             elif self.learned is not None and running > self.learned:  # whatever runs fits
                 self._seen_max = int(running)
                 self._commit(self._seen_max)
-        capacity = self.capacity or self.learned
+        capacity = self.slots
         self._gentle = max(0, self._gentle - 1)
         if retracting:  # the KV cache cannot hold what runs: cut to what the server holds, less a tenth
             self._gentle = GENTLE_CHECKS
@@ -161,8 +165,7 @@ class ConcurrencyController:
         # Ours (once the capacity is known: before, what runs is no base for it) and a headroom more.
         queue_limit = (max(self.auto - base, room) if capacity else room) + room
         settling = capacity is None and ramping  # what runs is no capacity yet
-        if (waiting > queue_limit and (growing or self._queue_high) and not settling
-                and self.auto > base + room):
+        if waiting > queue_limit and (growing or self._queue_high) and not settling and self.auto > base + room:
             self._queue_high += 1
             if self._queue_high >= QUEUE_RUNAWAY_CHECKS:  # past what refilling slots needs: hold less
                 self._set(max(1, base + room), "lowered: server queue growing")
@@ -174,13 +177,6 @@ class ConcurrencyController:
         self.learned, self._since_learned, limit = capacity, 0, capacity + headroom(capacity)
         verb = "lowered" if self.auto > limit else "raised" if self.auto < limit else "kept"
         self._set(limit, f"{verb}: learned server capacity {capacity}")
-
-    def _retracting(self, m: Metrics) -> bool:
-        """Whether the server retracted (SGLang) or preempted (vLLM) requests since last time."""
-        if m.retractions_total is None:
-            return m.retracted is not None and m.retracted > 0
-        last, self._last_retractions = self._last_retractions, m.retractions_total
-        return last is not None and m.retractions_total > last
 
 
 HALF_LIFE_S = 3600.0  # the figures of an hour ago weigh half of this minute's
@@ -208,12 +204,6 @@ class Running(dict["Task", "asyncio.Task[None]"]):
             self.sequences -= task.progress.sequences
             self.meter.ended(task.progress)
         return super().pop(task, default)
-
-    def cancel_all(self, reason: str) -> None:
-        """Stop every request; each ends as a failure with `reason`."""
-        for task, aio in list(self.items()):
-            task.cancel_reason = reason
-            aio.cancel()
 
 
 class DecodeMeter:

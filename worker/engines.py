@@ -74,15 +74,14 @@ def memory_from_info(info: dict[str, Any]) -> Hardware:
     usage = [s["memory_usage"] for s in info.get("internal_states") or []
              if isinstance(s, dict) and isinstance(s.get("memory_usage"), dict)]
 
-    def per_rank(key: str) -> float | None:
+    def per_rank(key: str, unit: float = GIB) -> float | None:
         values = [u.get(key) for u in usage]
         ok = values and all(isinstance(v, (int, float)) and v > 0 for v in values)
-        return sum(values) / len(values) if ok else None
+        return sum(values) / len(values) * unit if ok else None
 
-    weight, kv, tokens = per_rank("weight"), per_rank("kvcache"), per_rank("token_capacity")
-    return Hardware(weight_bytes=None if weight is None else weight * GIB,
-                    weight_from=None if weight is None else "SGLang /server_info memory_usage.weight",
-                    kv_pool_bytes=None if kv is None else kv * GIB,
+    weight, tokens = per_rank("weight"), per_rank("token_capacity", 1)
+    told = None if weight is None else "SGLang /server_info memory_usage.weight"
+    return Hardware(weight_bytes=weight, weight_from=told, kv_pool_bytes=per_rank("kvcache"),
                     token_capacity=None if tokens is None else int(tokens))
 
 

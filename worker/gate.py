@@ -23,7 +23,7 @@ from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger.leasing import unqueue
 from genq.core.records import JobBlock, JobConfig, Prompt
 from genq.core.timings import LEASE_CHECK_STALE_S
-from genq.core.waits import retrying, wait_event
+from genq.core.waits import retrying
 from genq.core.words import plural
 from genq.ops.control import keep_pin
 from genq.worker.batches import Batches
@@ -147,7 +147,9 @@ class ServerWatch:
                 task.crashed(self.outages)
             log.warning("server %s is down: holding prompts (no attempts counted) until it answers (%s); each prompt "
                         "in flight counts a server crash (--server-crash-limit)", self.opts.server_url, why)
-        self.running.cancel_all(f"server down: {why}")
+        for task, aio in list(self.running.items()):
+            task.cancel_reason = f"server down: {why}"
+            aio.cancel()
         self._down.set()
 
     async def recovery_loop(self, hand_back_all: Callable[[str], Awaitable[None]]) -> None:
@@ -230,19 +232,17 @@ class ServerWatch:
 
     async def admit(self, config: JobConfig) -> JobConfig | None:
         """The job's settings (`auto` pinned to this server's model), or None: another model's job, or gone."""
-        model = self.model
-        if config.model == AUTO and model is not None:
+        if config.model == AUTO and (model := self.model) is not None:
             found, pinned = await ledger_jobs.pin_model(self.conn, config.name, model, AUTO)
-            if pinned:
-                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
-                         "pinned in its settings", config.name, model)
             if found is None:
                 return None
-            try:  # before anything is sent: a job rebuilt from its output keeps its model
-                if pinned:
+            if pinned:  # written before anything is sent: a job rebuilt from its output keeps its model
+                log.info("job %s: --model auto resolved to %s, the model of the first server that took it; "
+                         "pinned in its settings", found.name, model)
+                try:
                     await asyncio.to_thread(keep_pin, found)
-            except Exception as exc:  # the output unreachable: the maintenance pass writes it later
-                log.warning("job %s: cannot write its pinned model to %s: %s", config.name, config.output, exc)
+                except Exception as exc:  # the output unreachable: the maintenance pass writes it later
+                    log.warning("job %s: cannot write its pinned model to %s: %s", found.name, found.output, exc)
             config = found
         return config if self.takes(config) else None
 
@@ -305,21 +305,15 @@ class JobWindow:
 
 
 class Gate:
-    def __init__(self, batches: Batches, controller: ConcurrencyController | None,
-                 watch: ServerWatch | None) -> None:
+    def __init__(self, batches: Batches, controller: ConcurrencyController | None, watch: ServerWatch | None) -> None:
         self.batches = batches  # admits, dead-letters and parks
-        self.conn, self.sync_conn, self.worker, self.held = (batches.conn, batches.sync_conn, batches.worker,
-                                                             batches.held)
+        self.conn, self.worker, self.held = batches.conn, batches.worker, batches.held
         self.controller, self.watch = controller, watch  # watch: the server's context, for the preflight
         self.paused_all = self.draining = False
         self.paused_jobs: set[str] = set()
-        # When the heartbeat last checked the leases: a longer gap than a lease survives (a frozen process)
-        # stops dispatch until they are checked again.
-        self.last_beat = time.monotonic()
+        self.last_beat = time.monotonic()  # the last lease check: one too old (a frozen process) stops dispatch
         self.windows: dict[str, JobWindow] = {}
         self.blocked: set[str] = set()  # jobs blocked as far as this engine knows
-        self.trips: dict[str, JobBlock] = {}  # blocks the brake tripped, stored by `run`
-        self.tripped = asyncio.Event()
         self.pausing: set[str] = set()  # paused jobs being parked here
         # When this engine's block of a job landed in Redis (inf while stored): a read asked before says no lift.
         self._landed_at: dict[str, float] = {}
@@ -331,9 +325,6 @@ class Gate:
 
     def leases_fresh(self) -> bool:
         return time.monotonic() - self.last_beat < LEASE_CHECK_STALE_S
-
-    def leases_checked(self) -> None:
-        self.last_beat = time.monotonic()
 
     async def read(self, jobs: list[str]) -> bool:
         """The operator's controls for these jobs, applied; True if one changed."""
@@ -406,15 +397,13 @@ class Gate:
         example = next(h for h in window.held if h.signature == sig)
         f, kept = example.failure, len(window.held)
         window.held = []  # not dead-lettered: they stay unfinished, queued with the rest of the job
-        self.blocked.add(job)
         log.error("job %s blocked by the brake: %d of its last %d requests here failed the same way across %d "
                   "prompts (%s%s: %s); its prompts stay queued (%d held back from the dead-letter queue). "
                   "Fix the settings (genq jobs set %s ...), then genq resume --job %s",
                   job, failures, n, prompts, f.kind, f" {f.status}" if f.status else "", f.message, kept, job, job)
-        self.trips[job] = JobBlock(reason="brake", message=f.message, worker=self.worker, at=time.time(),
-                                   settings_version=example.task.batch.config.settings_version,
-                                   status=f.status, failures=failures, outcomes=n, prompts=prompts)
-        self.tripped.set()
+        self.block(job, JobBlock(reason="brake", message=f.message, worker=self.worker, at=time.time(),
+                                 settings_version=example.task.batch.config.settings_version,
+                                 status=f.status, failures=failures, outcomes=n, prompts=prompts))
 
     def reset(self, job: str) -> None:
         """New settings, or resumed: old outcomes are no evidence; held ones are dead-lettered."""
@@ -432,8 +421,7 @@ class Gate:
             log.error("blocked-job handling failed", exc_info=task.exception())
 
     async def admit(self) -> None:
-        """Each loaded batch (Batches.arrived) is sent with its job's settings now, unless blocked, paused or
-        failing the preflight."""
+        """Sends each loaded batch (Batches.arrived) at its job's settings now, unless blocked, paused or failing."""
         while True:
             held, prompts = await self.batches.arrived.get()
             self._spawn(self._admit(held, prompts))
@@ -474,7 +462,7 @@ class Gate:
             self._landed_at[job] = time.monotonic()
         await self.park_job(job)
         try:
-            taken = await asyncio.to_thread(unqueue, self.sync_conn, job)
+            taken = await asyncio.to_thread(unqueue, self.batches.sync_conn, job)
         except (redis.RedisError, OSError) as exc:  # they are parked one by one as they arrive instead
             log.warning("job %s: could not take its batches out of RQ's queue (%s)", job, exc)
             return
@@ -489,8 +477,7 @@ class Gate:
             log.warning("job %s is blocked (genq jobs show %s): parking its batches here", job, job)
             self.blocked.add(job)
             self._spawn(self.park_job(job))
-        elif (not now.blocked and job in self.blocked and job not in self.trips
-              and asked > self._landed_at.get(job, float("-inf"))):
+        elif not now.blocked and job in self.blocked and asked > self._landed_at.get(job, float("-inf")):
             log.info("job %s is no longer blocked: taking its batches again", job)
             self.blocked.discard(job)
             self.reset(job)
@@ -506,8 +493,7 @@ class Gate:
                 job, "blocked" if cancel else "paused", plural(len(parked), "batch", "batches"), ", ".join(parked), job)
 
     async def _park_paused(self, job: str) -> None:
-        # Only this park ends the job's `pausing` mark: one that ends sooner (a batch parked as it arrives)
-        # would let the next turn start another park waiting on the same requests in flight.
+        # Only this park ends the `pausing` mark, else the next turn starts another on the same requests in flight.
         try:
             await self.park_job(job, cancel=False)
         finally:
@@ -533,21 +519,16 @@ class Gate:
             self._block_preflight(job, stored, problem, "by its new settings")
 
     async def _hand_back(self, job: str, version: int) -> None:
-        """What is held of a job whose new settings ask for a model this server does not serve goes back to
-        the queue: none of its prompts is sent here at them (its requests in flight finish at theirs)."""
+        """A job's new settings are for another model: what is held goes back (requests in flight finish)."""
         given = await self.batches.hand_back_job(job)
         if given:
             log.info("job %s: settings version %d is for another model: handed back %s (%s)", job, version,
                      plural(len(given), "batch", "batches"), ", ".join(given))
 
     async def run(self) -> None:
-        """Every second (at once on a trip): trips stored, paused jobs parked, jobs' news read."""
+        """Every second: paused jobs parked, jobs' news read, held failures judged."""
         while True:
-            await wait_event(self.tripped, CHECK_EVERY_S)
-            self.tripped.clear()
-            for job, record in self.trips.items():
-                self.block(job, record)
-            self.trips.clear()
+            await asyncio.sleep(CHECK_EVERY_S)
             # Paused jobs held here: parked once their requests in flight are done (docs/scheduling.md).
             for job in (self.paused_jobs & self.held.all_jobs()) - self.blocked - self.pausing:
                 self.pausing.add(job)

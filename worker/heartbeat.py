@@ -250,7 +250,7 @@ class Heartbeat:
                 await self.batches.check_leases(run_id != self.run_id)
                 self.run_id = run_id
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
-                self.gate.leases_checked()
+                self.gate.last_beat = time.monotonic()
                 self.dispatcher.wake.set()
                 self._answered()
             except (redis.RedisError, OSError) as exc:

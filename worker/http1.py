@@ -84,14 +84,7 @@ class _Conn(asyncio.Protocol):
         if self.sink is not None:
             self._end(self.keep)
 
-    def eof_received(self) -> bool:
-        self._ended(None)
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._ended(exc)
-
-    def _ended(self, exc: BaseException | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:  # also after the server's EOF
         self.closed = True
         if not self.got:
             self._end(exc=NoResponse("the server closed the connection before answering"))
