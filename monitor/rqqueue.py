@@ -46,11 +46,7 @@ class QueueMirror:
         for _ in range(3):
             n, head, tail = _ends(conn, key, want_tail)
             self.total = n
-            if n == 0:
-                self.ids.clear()
-                self.job_of, self.by_job = {}, Counter()
-                return
-            if n > QUEUE_SCAN_LIMIT or not self.ids:
+            if not 0 < n <= QUEUE_SCAN_LIMIT or not self.ids:  # an empty queue's full read is of nothing
                 break
             fronts = next((k for k, rq_id in enumerate(head) if rq_id in self.job_of), None)
             if fronts is None:
