@@ -53,21 +53,19 @@ class History:
 
     def __init__(self, maxlen: int = 3600) -> None:
         self.maxlen = maxlen
-        self.points: dict[str, deque[dict[str, Any]]] = {}
-        self.lives: dict[str, str] = {}  # job -> the incarnation its points are of
+        self.points: dict[str, tuple[str | None, deque[dict[str, Any]]]] = {}  # job -> (its incarnation, ring)
         self.lock = threading.Lock()
 
     def record(self, reports: list[JobReport]) -> None:
         with self.lock:
             jobs = {r.progress.job for r in reports}  # a deleted job's points go with it
-            self.points = {j: ring for j, ring in self.points.items() if j in jobs}
-            self.lives = {j: life for j, life in self.lives.items() if j in jobs}
+            self.points = {j: kept for j, kept in self.points.items() if j in jobs}
             for r in reports:
                 p, config = r.progress, r.snapshot.config
-                if config is not None and self.lives.setdefault(p.job, config.incarnation) != config.incarnation:
-                    self.points.pop(p.job, None)  # deleted and enqueued again: the points are of another job
-                    self.lives[p.job] = config.incarnation
-                ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
+                life, ring = self.points.get(p.job, (None, deque(maxlen=self.maxlen)))
+                if config is not None and life not in (None, config.incarnation):
+                    ring = deque(maxlen=self.maxlen)  # deleted and enqueued again: the points are of another job
+                self.points[p.job] = (life if config is None else config.incarnation, ring)
                 if ring and ring[-1]["t"] >= p.updated_at:
                     continue  # a second reader of the same refresh
                 ring.append({"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
@@ -77,7 +75,7 @@ class History:
     def columns(self, job: str) -> dict[str, Any]:
         """{"t": [...], field: [...], "workers": {name: {field: [...]}}}, None where absent."""
         with self.lock:
-            pts = list(self.points.get(job, ()))
+            pts = list(self.points[job][1]) if job in self.points else []
         names = sorted({n for p in pts for n in p["workers"]})
         return {**{name: [p[name] for p in pts] for name in ("t", *JOB_FIELDS)},
                 "workers": {n: {f: [p["workers"].get(n, {}).get(f) for p in pts] for f in WORKER_FIELDS}
