@@ -168,8 +168,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         return web.FileResponse(STATIC / "index.html")
 
     async def state(request: web.Request) -> web.Response:
-        loop = asyncio.get_running_loop()
-        reports = await loop.run_in_executor(None, monitor.current, interval)
+        reports = await asyncio.to_thread(monitor.current, interval)
         jobs = [r.progress.job for r in reports]
         wanted = request.query.get("job")
         if wanted is not None and wanted not in jobs:
@@ -180,8 +179,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         if chosen is not None:
             job = chosen.progress.job
             body.update(job=job, progress=chosen.progress, history=history.columns(job),
-                        lengths=length_histogram(chosen),
-                        dead_letters=await loop.run_in_executor(None, dead_letters, job))
+                        lengths=length_histogram(chosen), dead_letters=await asyncio.to_thread(dead_letters, job))
         return web.json_response(body, dumps=lambda obj: encode(obj).decode())
 
     def act(action: str, job: str | None) -> str:
@@ -214,7 +212,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         except (msgspec.DecodeError, ValueError) as exc:  # msgspec's ValidationError is a DecodeError
             return web.json_response({"error": f"a control is a JSON object {{action, job}}: {exc}"}, status=400)
         try:
-            done = await asyncio.get_running_loop().run_in_executor(None, act, action, job)
+            done = await asyncio.to_thread(act, action, job)
         except Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
             return web.json_response({"error": str(exc)}, status=404)
         except (redis.RedisError, OSError) as exc:  # away, or refusing writes: said, not a 500 and a traceback
