@@ -256,7 +256,6 @@ def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, sp
 def _timed(result: Estimate, model: LengthModel, finished: int, speed: Speed, running: list[int], unstarted: int,
            workers: int) -> None:
     busy = len(running)
-    # The fleet's speed: one request's times the requests decoding.
     rate = speed.per_request * (speed.running or busy) if speed.per_request > 0 else speed.tokens_per_s
     per_request = speed.per_request if speed.per_request > 0 else rate / max(busy, 1)
     if rate <= 0 or per_request <= 0:
