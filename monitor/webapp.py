@@ -28,6 +28,7 @@ from genq.core.redisconn import in_words
 from genq.monitor.eta import LN2, bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.exporter import parse_listen
 from genq.monitor.progress import DOWN, JobReport, Monitor, encode
+from genq.ops import control as ops
 
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
@@ -183,21 +184,17 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         return web.json_response(body, dumps=lambda obj: encode(obj).decode())
 
     def act(action: str, job: str | None) -> str:
-        from genq.ops import control
-
-        control.jobs_named(monitor.conn, job)  # Refused: a job deleted since the page showed it stays unknown
+        ops.jobs_named(monitor.conn, job)  # Refused: a job deleted since the page showed it stays unknown
         if action == "drain":  # every live worker finishes what it holds and exits
-            for row in control.select(control.fleet(monitor.conn), everyone=True):
-                control.update_control(monitor.conn, row.name, drain=True)
+            for row in ops.select(ops.fleet(monitor.conn), everyone=True):
+                ops.update_control(monitor.conn, row.name, drain=True)
         else:  # pause or resume
-            getattr(control, action)(monitor.conn, job)
+            getattr(ops, action)(monitor.conn, job)
         return f"{action} {job or 'all'}"
 
     async def control(request: web.Request) -> web.Response:
         if token is None or not hmac.compare_digest(request.headers.get("X-Genq-Token", "").encode(), token.encode()):
             return web.json_response({"error": "wrong or missing token"}, status=403)
-        from genq.ops.control import Refused
-
         try:
             body = msgspec.json.decode(await request.read(), type=dict[str, Any])
             action, job = body.get("action"), body.get("job") or None
@@ -213,7 +210,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
             return web.json_response({"error": f"a control is a JSON object {{action, job}}: {exc}"}, status=400)
         try:
             done = await asyncio.to_thread(act, action, job)
-        except Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
+        except ops.Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
             return web.json_response({"error": str(exc)}, status=404)
         except (redis.RedisError, OSError) as exc:  # away, or refusing writes: said, not a 500 and a traceback
             log.warning("web control %s %s not taken: %s", action, job or "all", in_words(exc))
