@@ -93,11 +93,10 @@ def host_name(header: str) -> str:
 
 def is_own_host(header: str, names: frozenset[str]) -> bool:
     name = host_name(header)
-    try:
+    with contextlib.suppress(ValueError):
         ipaddress.ip_address(name)
         return True  # an address names no domain a page could rebind
-    except ValueError:
-        return name in names
+    return name in names
 
 
 def length_histogram(report: JobReport) -> dict[str, Any]:
