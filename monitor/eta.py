@@ -39,12 +39,9 @@ def log_q(x: float) -> float:
 
 def log_interval(lo: float, hi: float) -> float:
     """log P(lo <= N(0,1) < hi), each tail taken from its own side (no 1 - 1 cancellation)."""
-    if lo > 0:
-        p = norm_cdf(-lo) - norm_cdf(-hi)
-    elif hi < 0:
-        p = norm_cdf(hi) - norm_cdf(lo)
-    else:
-        p = 1.0 - norm_cdf(-hi) - norm_cdf(lo)
+    if hi < 0:  # the same interval mirrored
+        lo, hi = -hi, -lo
+    p = norm_cdf(-lo) - norm_cdf(-hi) if lo > 0 else 1.0 - norm_cdf(-hi) - norm_cdf(lo)
     return math.log(p) if p > 0 else -math.inf
 
 
@@ -103,10 +100,10 @@ class LengthModel:
         """E[min(L, cap)^2] = E[(e^Z - 1)^2; Z < m] + cap^2 P(Z >= m)."""
         mu, s = self.mu, self.sigma
         m0 = math.inf if self.cap is None else (math.log(self.cap + 1) - mu) / s
-        below = 1.0 - math.exp(log_q(m0)) if m0 != math.inf else 1.0
+        capped = math.exp(log_q(m0))  # P(Z >= m), 0 without a cap
         e1 = math.exp(min(700.0, mu + s * s / 2)) * norm_cdf(m0 - s)
         e2 = math.exp(min(700.0, 2 * mu + 2 * s * s)) * norm_cdf(m0 - 2 * s)
-        return e2 - 2 * e1 + below + (0.0 if self.cap is None else self.cap**2 * math.exp(log_q(m0)))
+        return e2 - 2 * e1 + (1.0 - capped) + (self.cap or 0) ** 2 * capped
 
     def remaining_tokens(self, unstarted: int, running: Iterable[int]) -> float:
         """Expected output tokens still to come: fresh prompts plus the rest of running ones."""
@@ -175,9 +172,6 @@ def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
     def towards(a: tuple[float, float], b: tuple[float, float], t: float) -> tuple[float, float]:
         return a[0] + t * (b[0] - a[0]), a[1] + t * (b[1] - a[1])
 
-    def mid(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
-        return (a[0] + b[0]) / 2, (a[1] + b[1]) / 2
-
     pts = [start, (start[0] + step[0], start[1]), (start[0], start[1] + step[1])]
     vals = [f(*p) for p in pts]
     for _ in range(max_iter):
@@ -185,7 +179,7 @@ def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
         if abs(vals[2] - vals[0]) <= tol * (1 + abs(vals[0])) and \
                 max(abs(pts[2][0] - pts[0][0]), abs(pts[2][1] - pts[0][1])) < 1e-6:
             break
-        c = mid(pts[0], pts[1])
+        c = towards(pts[0], pts[1], 0.5)
         refl = towards(c, pts[2], -1.0)
         fr = f(*refl)
         if fr < vals[0]:
@@ -197,7 +191,7 @@ def _nelder_mead(f, start: tuple[float, float], step: tuple[float, float], *,
         elif (fc := f(*(con := towards(c, pts[2], 0.5)))) < vals[2]:
             pts[2], vals[2] = con, fc
         else:  # shrink towards the best point
-            pts[1:] = [mid(p, pts[0]) for p in pts[1:]]
+            pts[1:] = [towards(p, pts[0], 0.5) for p in pts[1:]]
             vals[1:] = [f(*p) for p in pts[1:]]
     return pts[min(range(3), key=lambda k: vals[k])]
 
@@ -262,7 +256,6 @@ def estimate(*, total: int, completed: int, failed: int, lengths: LengthData, sp
 def _timed(result: Estimate, model: LengthModel, finished: int, speed: Speed, running: list[int], unstarted: int,
            workers: int) -> None:
     busy = len(running)
-    # The fleet's speed: one request's times the requests decoding.
     rate = speed.per_request * (speed.running or busy) if speed.per_request > 0 else speed.tokens_per_s
     per_request = speed.per_request if speed.per_request > 0 else rate / max(busy, 1)
     if rate <= 0 or per_request <= 0:

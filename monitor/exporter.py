@@ -49,6 +49,8 @@ JOB_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("genq_job_shard_bytes", "Bytes of shards written", "s3_bytes"),
     ("genq_job_workers", "Live workers working on the job", "workers"),
     ("genq_job_workers_lost", "Workers of the job whose heartbeat expired", "workers_lost"),
+    ("genq_job_input_tokens", "Prompt tokens of finished prompts", "total_input_tokens"),
+    ("genq_job_output_tokens", "Completion tokens of finished prompts", "total_output_tokens"),
 )
 # The same for each live worker's gauges and the WorkerReport field each shows.
 WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -62,7 +64,17 @@ WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("genq_worker_output_tokens_per_second", "Output tokens per second (the server's generation counter over 5 s; "
      "finished answers over 30 s where it has none)", "tok_per_s"),
     ("genq_worker_requests_per_second", "Requests finished per second (worker's 30 s window)", "req_per_s"),
+    ("genq_worker_errors", "Failed request attempts since the worker started", "errors"),
 )
+# The same for each (job, worker) pair and the WorkerReport field each shows.
+PAIR_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("genq_job_worker_prompts_completed", "Prompts completed by the worker", "job_completed"),
+    ("genq_job_worker_output_tokens", "Completion tokens by the worker", "job_output_tokens"),
+    ("genq_job_worker_in_flight", "The job's requests in flight on the worker", "job_in_flight"),
+)
+# Those of the tables above that only grow: exported as counters (NAME_total).
+COUNTERS = frozenset(("genq_job_input_tokens", "genq_job_output_tokens", "genq_worker_errors",
+                      "genq_job_worker_prompts_completed", "genq_job_worker_output_tokens"))
 # The same for each GPU: (metric, help, its figure from the worker's GpuSample, None when not measured).
 GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
     ("genq_gpu_utilization_ratio", "GPU utilization (NVML, 0-1)", lambda g: g.utilization_pct / 100.0),
@@ -82,10 +94,9 @@ def parse_listen(value: str, option: str = "--metrics") -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float | None]],
-           kind: type[GaugeMetricFamily] | type[CounterMetricFamily] = GaugeMetricFamily) -> Metric:
-    """A family of these (labels, value) rows; an unknown value (None) stays absent, not a made-up 0."""
-    fam = kind(name, doc, labels=labels)
+def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float | None]]) -> Metric:
+    """A family of these (labels, value) rows, a counter if in COUNTERS; an unknown value (None) stays absent."""
+    fam = (CounterMetricFamily if name in COUNTERS else GaugeMetricFamily)(name, doc, labels=labels)
     for lab, value in rows:
         if value is not None:
             fam.add_metric(lab, float(value))
@@ -99,9 +110,8 @@ def _one_of(name: str, doc: str, labels: list[str], label: str, codes: Iterable[
 
 
 class GenqCollector(Collector):
-    def __init__(self, monitor: Monitor, *, max_age: float = 1.0, forget_after_s: float = FORGET_AFTER_S,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.monitor, self.max_age, self.forget_after_s, self.clock = monitor, max_age, forget_after_s, clock
+    def __init__(self, monitor: Monitor, *, max_age: float = 1.0, forget_after_s: float = FORGET_AFTER_S) -> None:
+        self.monitor, self.max_age, self.forget_after_s = monitor, max_age, forget_after_s
         self.down_since: dict[str, float] = {}  # worker -> when this exporter first saw it stopped or lost
 
     def collect(self) -> Iterator[Metric]:
@@ -124,7 +134,7 @@ class GenqCollector(Collector):
 
     def _shown(self, fleet: list[WorkerReport]) -> set[str]:
         """Live workers, and down ones until they have been down for forget_after_s."""
-        now = self.clock()
+        now = time.time()
         for w in fleet:
             if w.state not in DOWN:
                 self.down_since.pop(w.name, None)
@@ -142,10 +152,6 @@ def job_metrics(reports: list[JobReport]) -> Iterator[Metric]:
         yield _gauge(name, doc, ["job"], [([p.job], getattr(p, field)) for p in ps])
     yield _gauge("genq_job_in_tail", "1 while the job is in its tail (nothing left to start, most slots idle)",
                  ["job"], [([p.job], p.tail is not None) for p in ps])
-    for name, doc, field in (("genq_job_input_tokens", "Prompt tokens of finished prompts", "total_input_tokens"),
-                             ("genq_job_output_tokens", "Completion tokens of finished prompts",
-                              "total_output_tokens")):
-        yield _gauge(name, doc, ["job"], [([p.job], getattr(p, field)) for p in ps], CounterMetricFamily)
     yield _one_of("genq_job_status", "1 for the job's status, 0 for the others", ["job"], "status", JOB_STATUSES,
                   [([p.job], (p.status,)) for p in ps])
     yield _one_of("genq_job_eta_state", "1 for the ETA's state, 0 for the others", ["job"], "state", ETA_STATES,
@@ -164,8 +170,6 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
                   WORKER_STATES, [([name], (s,)) for name, s in state.items()])
     for name, doc, field in WORKER_GAUGES:
         yield _gauge(name, doc, ["worker"], [([w.name], getattr(w, field)) for w in live])
-    yield _gauge("genq_worker_errors", "Failed request attempts since the worker started", ["worker"],
-                 [([w.name], w.errors) for w in live], CounterMetricFamily)
     yield _one_of("genq_worker_bottleneck", "1 for each code that limits the worker now, 0 for the others",
                   ["worker"], "reason", CODES, [([w.name], w.bottleneck_codes) for w in live])
     judged = [(w.name, w.bound) for w in live if w.bound is not None]
@@ -181,14 +185,8 @@ def worker_metrics(reports: list[JobReport], fleet: list[WorkerReport], shown: s
     # Only (job, worker) pairs with something to say: not a zero for every live worker under every job ever run.
     pairs = [([r.progress.job, w.name], w) for r in reports for w in r.progress.worker_details if w.name in shown
              and (w.job_completed or w.job_failed or w.job_output_tokens or w.job_in_flight)]
-    for name, doc, field, kind in (
-            ("genq_job_worker_prompts_completed", "Prompts completed by the worker", "job_completed",
-             CounterMetricFamily),
-            ("genq_job_worker_output_tokens", "Completion tokens by the worker", "job_output_tokens",
-             CounterMetricFamily),
-            ("genq_job_worker_in_flight", "The job's requests in flight on the worker", "job_in_flight",
-             GaugeMetricFamily)):
-        yield _gauge(name, doc, ["job", "worker"], [(lab, getattr(w, field)) for lab, w in pairs], kind)
+    for name, doc, field in PAIR_GAUGES:
+        yield _gauge(name, doc, ["job", "worker"], [(lab, getattr(w, field)) for lab, w in pairs])
     gpus = [([w.name, str(w.gpu.index), w.gpu.name], w.gpu) for w in live if w.gpu is not None]
     for name, doc, value in GPU_GAUGES:
         yield _gauge(name, doc, ["worker", "gpu", "name"], [(lab, value(g)) for lab, g in gpus])

@@ -34,7 +34,7 @@ class RateTracker:
     def __init__(self, window_s: float = 120.0) -> None:
         self.window_s = window_s
         self.samples: deque[Sample] = deque()
-        self._out: dict[str, tuple[float, int]] = {}  # worker -> (read time, out_tok then)
+        self._out: dict[str, tuple[float, float]] = {}  # worker -> (read time, out_tok then)
         self.snap: JobSnapshot | None = None
 
     def observe(self, snap: JobSnapshot) -> None:
@@ -55,19 +55,16 @@ class RateTracker:
         generated = 0.0
         stamps: list[float] = []
         for w in snap.workers:
-            out_now = w.counters.out_tok
+            out_now: float = w.counters.out_tok
             prev = self._out.get(w.name)
             self._out[w.name] = (snap.at, out_now)
-            if not w.live or w.inflight is None:
-                generated += out_now
-                continue
-            at = min(w.inflight.at, snap.at)
-            if prev is not None and snap.at > prev[0]:
-                generated += prev[1] + (out_now - prev[1]) * max(0.0, (at - prev[0]) / (snap.at - prev[0]))
-            else:
-                generated += out_now
-            generated += sum(w.running_tokens)
-            stamps.append(at)
+            if w.live and w.inflight is not None:
+                at = min(w.inflight.at, snap.at)
+                if prev is not None and snap.at > prev[0]:
+                    out_now = prev[1] + (out_now - prev[1]) * max(0.0, (at - prev[0]) / (snap.at - prev[0]))
+                generated += sum(w.running_tokens)
+                stamps.append(at)
+            generated += out_now
         return Sample(sum(stamps) / len(stamps) if stamps else snap.at, snap.at, round(generated), snap.completed,
                       snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots, snap.paused)
 

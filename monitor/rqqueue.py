@@ -46,11 +46,7 @@ class QueueMirror:
         for _ in range(3):
             n, head, tail = _ends(conn, key, want_tail)
             self.total = n
-            if n == 0:
-                self.ids.clear()
-                self.job_of, self.by_job = {}, Counter()
-                return
-            if n > QUEUE_SCAN_LIMIT or not self.ids:
+            if not 0 < n <= QUEUE_SCAN_LIMIT or not self.ids:  # an empty queue's full read is of nothing
                 break
             fronts = next((k for k, rq_id in enumerate(head) if rq_id in self.job_of), None)
             if fronts is None:
@@ -61,9 +57,7 @@ class QueueMirror:
             appended = n - fronts - kept
             if rest != list(islice(self.ids, taken, taken + len(rest))) or appended < 0:
                 break
-            if appended + 1 > len(tail):  # more was appended than the tail window holds
-                if len(tail) == n:
-                    break
+            if appended + 1 > len(tail):  # more was appended than the tail window holds (never the whole list)
                 want_tail = appended + 1 + WINDOW
                 continue
             if tail[-(appended + 1)] != self.ids[-1]:
@@ -71,7 +65,7 @@ class QueueMirror:
             for _ in range(taken):
                 if (job := self.job_of.pop(self.ids.popleft(), None)) is not None:
                     self.by_job -= Counter([job])  # a job's count at 0 is dropped
-            added = head[:fronts] + (tail[len(tail) - appended:] if appended else [])
+            added = head[:fronts] + tail[len(tail) - appended:]
             self.ids.extendleft(reversed(head[:fronts]))  # head[0] was pushed last
             self.ids.extend(added[fronts:])
             self._name(conn, added)

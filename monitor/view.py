@@ -39,7 +39,6 @@ def duration(seconds: float | None) -> str:
 def count(n: float | None) -> str:
     if n is None:
         return "?"
-    n = float(n)
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.1f}{unit}"

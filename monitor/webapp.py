@@ -28,6 +28,7 @@ from genq.core.redisconn import in_words
 from genq.monitor.eta import LN2, bucket_log_bounds, length_bucket, norm_cdf
 from genq.monitor.exporter import parse_listen
 from genq.monitor.progress import DOWN, JobReport, Monitor, encode
+from genq.ops import control as ops
 
 log = logging.getLogger("genq.monitor")
 STATIC = Path(__file__).parent / "web"
@@ -53,21 +54,19 @@ class History:
 
     def __init__(self, maxlen: int = 3600) -> None:
         self.maxlen = maxlen
-        self.points: dict[str, deque[dict[str, Any]]] = {}
-        self.lives: dict[str, str] = {}  # job -> the incarnation its points are of
+        self.points: dict[str, tuple[str | None, deque[dict[str, Any]]]] = {}  # job -> (its incarnation, ring)
         self.lock = threading.Lock()
 
     def record(self, reports: list[JobReport]) -> None:
         with self.lock:
             jobs = {r.progress.job for r in reports}  # a deleted job's points go with it
-            self.points = {j: ring for j, ring in self.points.items() if j in jobs}
-            self.lives = {j: life for j, life in self.lives.items() if j in jobs}
+            self.points = {j: kept for j, kept in self.points.items() if j in jobs}
             for r in reports:
                 p, config = r.progress, r.snapshot.config
-                if config is not None and self.lives.setdefault(p.job, config.incarnation) != config.incarnation:
-                    self.points.pop(p.job, None)  # deleted and enqueued again: the points are of another job
-                    self.lives[p.job] = config.incarnation
-                ring = self.points.setdefault(p.job, deque(maxlen=self.maxlen))
+                life, ring = self.points.get(p.job, (None, deque(maxlen=self.maxlen)))
+                if config is not None and life not in (None, config.incarnation):
+                    ring = deque(maxlen=self.maxlen)  # deleted and enqueued again: the points are of another job
+                self.points[p.job] = (life if config is None else config.incarnation, ring)
                 if ring and ring[-1]["t"] >= p.updated_at:
                     continue  # a second reader of the same refresh
                 ring.append({"t": p.updated_at, **{name: getattr(p, name) for name in JOB_FIELDS},
@@ -77,7 +76,7 @@ class History:
     def columns(self, job: str) -> dict[str, Any]:
         """{"t": [...], field: [...], "workers": {name: {field: [...]}}}, None where absent."""
         with self.lock:
-            pts = list(self.points.get(job, ()))
+            pts = list(self.points[job][1]) if job in self.points else []
         names = sorted({n for p in pts for n in p["workers"]})
         return {**{name: [p[name] for p in pts] for name in ("t", *JOB_FIELDS)},
                 "workers": {n: {f: [p["workers"].get(n, {}).get(f) for p in pts] for f in WORKER_FIELDS}
@@ -94,11 +93,10 @@ def host_name(header: str) -> str:
 
 def is_own_host(header: str, names: frozenset[str]) -> bool:
     name = host_name(header)
-    try:
+    with contextlib.suppress(ValueError):
         ipaddress.ip_address(name)
         return True  # an address names no domain a page could rebind
-    except ValueError:
-        return name in names
+    return name in names
 
 
 def length_histogram(report: JobReport) -> dict[str, Any]:
@@ -170,8 +168,7 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         return web.FileResponse(STATIC / "index.html")
 
     async def state(request: web.Request) -> web.Response:
-        loop = asyncio.get_running_loop()
-        reports = await loop.run_in_executor(None, monitor.current, interval)
+        reports = await asyncio.to_thread(monitor.current, interval)
         jobs = [r.progress.job for r in reports]
         wanted = request.query.get("job")
         if wanted is not None and wanted not in jobs:
@@ -182,26 +179,21 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         if chosen is not None:
             job = chosen.progress.job
             body.update(job=job, progress=chosen.progress, history=history.columns(job),
-                        lengths=length_histogram(chosen),
-                        dead_letters=await loop.run_in_executor(None, dead_letters, job))
+                        lengths=length_histogram(chosen), dead_letters=await asyncio.to_thread(dead_letters, job))
         return web.json_response(body, dumps=lambda obj: encode(obj).decode())
 
     def act(action: str, job: str | None) -> str:
-        from genq.ops import control
-
-        control.jobs_named(monitor.conn, job)  # Refused: a job deleted since the page showed it stays unknown
+        ops.jobs_named(monitor.conn, job)  # Refused: a job deleted since the page showed it stays unknown
         if action == "drain":  # every live worker finishes what it holds and exits
-            for row in control.select(control.fleet(monitor.conn), everyone=True):
-                control.update_control(monitor.conn, row.name, drain=True)
+            for row in ops.select(ops.fleet(monitor.conn), everyone=True):
+                ops.update_control(monitor.conn, row.name, drain=True)
         else:  # pause or resume
-            getattr(control, action)(monitor.conn, job)
+            getattr(ops, action)(monitor.conn, job)
         return f"{action} {job or 'all'}"
 
     async def control(request: web.Request) -> web.Response:
         if token is None or not hmac.compare_digest(request.headers.get("X-Genq-Token", "").encode(), token.encode()):
             return web.json_response({"error": "wrong or missing token"}, status=403)
-        from genq.ops.control import Refused
-
         try:
             body = msgspec.json.decode(await request.read(), type=dict[str, Any])
             action, job = body.get("action"), body.get("job") or None
@@ -216,8 +208,8 @@ def make_app(monitor: Monitor, history: History, interval: float, token: str | N
         except (msgspec.DecodeError, ValueError) as exc:  # msgspec's ValidationError is a DecodeError
             return web.json_response({"error": f"a control is a JSON object {{action, job}}: {exc}"}, status=400)
         try:
-            done = await asyncio.get_running_loop().run_in_executor(None, act, action, job)
-        except Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
+            done = await asyncio.to_thread(act, action, job)
+        except ops.Refused as exc:  # unknown to Redis: nothing stored for it (the next job of that name unpaused)
             return web.json_response({"error": str(exc)}, status=404)
         except (redis.RedisError, OSError) as exc:  # away, or refusing writes: said, not a 500 and a traceback
             log.warning("web control %s %s not taken: %s", action, job or "all", in_words(exc))

@@ -514,7 +514,7 @@ def test_a_deleted_job_leaves_no_samples_or_history_behind(redis_url, rconn) -> 
     assert list(mon.trackers) == [("exp", mon.last[0].snapshot.config.incarnation)] and list(history.points) == ["exp"]
     delete_job(rconn, find_job(rconn, "exp"))
     assert mon.refresh() == []
-    assert mon.trackers == {} and history.points == {} and history.lives == {}
+    assert mon.trackers == {} and history.points == {}
 
 
 def test_a_silent_worker_is_no_help_to_the_eta(redis_url, rconn) -> None:

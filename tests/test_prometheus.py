@@ -245,10 +245,10 @@ def test_every_gauge_shows_a_field_of_the_monitor_record() -> None:
     not as an AttributeError at a scrape."""
     import msgspec
 
-    from genq.monitor.exporter import JOB_GAUGES, WORKER_GAUGES
+    from genq.monitor.exporter import JOB_GAUGES, PAIR_GAUGES, WORKER_GAUGES
     from genq.monitor.progress import JobProgress, WorkerReport
 
-    for table, record in ((JOB_GAUGES, JobProgress), (WORKER_GAUGES, WorkerReport)):
+    for table, record in ((JOB_GAUGES, JobProgress), (WORKER_GAUGES, WorkerReport), (PAIR_GAUGES, WorkerReport)):
         fields = {f.name for f in msgspec.structs.fields(record)}
         assert [field for _, _, field in table if field not in fields] == [], record.__name__
         names = [name for name, _, _ in table]

@@ -131,11 +131,10 @@ def batch_cap(f: GpuFigures) -> Cap | None:
     return None
 
 
-def slow(fleet: dict[str, GpuFigures], bounds: dict[str, Bound] | None = None) -> dict[str, str]:
+def slow(fleet: dict[str, GpuFigures]) -> dict[str, str]:
     """GPUs much slower than their peers, with why: share of the bound against the peers' median, or
     where a bound is unknown, tokens per running request against peers' at about the same running."""
-    bounds = bounds if bounds is not None else {name: bound(f) for name, f in fleet.items()}
-    shares = {n: b.share for n, b in bounds.items() if b.share is not None and b.share > 0}
+    shares = {n: share for n, f in fleet.items() if (share := bound(f).share) is not None and share > 0}
     out: dict[str, str] = {}
     for name, share in shares.items():
         others = [s for n, s in shares.items() if n != name]
@@ -179,12 +178,10 @@ def fleet_line(fleet: dict[str, GpuFigures], verdicts: dict[str, Verdict]) -> st
 def verdicts(fleet: dict[str, GpuFigures], model_of: dict[str, str | None] | None = None) -> dict[str, Verdict]:
     """Each GPU's verdict; its peers are those serving the same model."""
     model_of = model_of or {}
-    bounds = {n: bound(f) for n, f in fleet.items()}
     flagged: dict[str, str] = {}
     for model in {model_of.get(n) for n in fleet}:
-        peers = {n: f for n, f in fleet.items() if model_of.get(n) == model}
-        flagged.update(slow(peers, {n: bounds[n] for n in peers}))
-    return {n: Verdict(bound=bounds[n], cap=batch_cap(f), slow=flagged.get(n)) for n, f in fleet.items()}
+        flagged.update(slow({n: f for n, f in fleet.items() if model_of.get(n) == model}))
+    return {n: Verdict(bound=bound(f), cap=batch_cap(f), slow=flagged.get(n)) for n, f in fleet.items()}
 
 
 def working(statuses: dict[str, WorkerStatus]) -> dict[str, GpuFigures]:
@@ -263,12 +260,9 @@ def job_line(statuses: list[WorkerStatus], job: str) -> str | None:
     return summary(parts, len(parts), " over the job")
 
 
-# --------------------------------------------------------------------------- a worker's bottlenecks
 # A bottleneck is (code, text): a code of CODES (most important first; a Prometheus label), the numbers for people.
 KV_FULL_NOW = 0.98  # of the KV cache in use now: bottlenecks() says it is full
 CODES = ("lost", "server_down", "waiting", "cap_below_capacity", "kv_cache_full", "target_limits", "no_prompts")
-
-Bottleneck = tuple[str, str]
 # Why a worker is shown lost: its status record, renewed every beat, has expired.
 NO_HEARTBEAT = f"no heartbeat for {STATUS_TTL_S:.0f} s"
 
@@ -277,13 +271,13 @@ def slot_utilization(s: WorkerStatus) -> float | None:
     return None if s.server_running is None or not s.server_capacity else s.server_running / s.server_capacity
 
 
-def bottlenecks(s: WorkerStatus | None) -> list[Bottleneck]:
+def bottlenecks(s: WorkerStatus | None) -> list[tuple[str, str]]:
     """What limits this worker now as (code, text), most important first; [] when nothing does."""
     if s is None:
         return [("lost", f"lost: {NO_HEARTBEAT} (worker crashed, or its host or Redis link is down)")]
     if s.state == "stopped":
         return []
-    out: list[Bottleneck] = []
+    out: list[tuple[str, str]] = []
     if s.state == "server_down":
         out.append(("server_down", f"server down ({s.note})" if s.note else "server down"))
     elif s.note:
@@ -301,14 +295,8 @@ def bottlenecks(s: WorkerStatus | None) -> list[Bottleneck]:
                                      f"in-flight target {s.concurrency_target} is what limits it"))
     if s.state == "idle" and not s.batches:
         out.append(("no_prompts", "idle: nothing to take from the queue"))
-    seen: set[str] = set()
-    unique = []
-    for code, text in out:  # the worker's own note may repeat a derived one
-        key = text.split(" (")[0].lower()
-        if code not in seen and key not in seen:
-            seen.update((code, key))
-            unique.append((code, text))
-    return unique
+    keys = [text.split(" (")[0].lower() for _, text in out]  # the worker's own note may repeat a derived one
+    return [b for i, b in enumerate(out) if keys[i] not in keys[:i]]
 
 
 def fleet_gpu_note(statuses: list[WorkerStatus]) -> str | None:
