@@ -139,7 +139,7 @@ class OutputWatch:
 
     EVERY_S = 60.0
 
-    def __init__(self, conn: redis.Redis, queue_lost: Callable[[redis.Redis, JobConfig], int] | None = None) -> None:
+    def __init__(self, conn: redis.Redis, queue_lost: Callable[[redis.Redis, JobConfig], int]) -> None:
         self.conn, self.queue_lost = conn, queue_lost
         self._run_id: str | None = None
         self._last = float("-inf")  # a worker's start compares at once
@@ -162,8 +162,7 @@ class OutputWatch:
             self._outputs[job] = config.output
             try:
                 catch_up(self.conn, config)
-                if self.queue_lost is not None:
-                    self.queue_lost(self.conn, config)
+                self.queue_lost(self.conn, config)
             except Exception as exc:  # the output unreachable (disk, S3): next time
                 log.warning("job %s: cannot read its output %s to check the ledger against it: %s",
                             job, config.output, exc)

@@ -33,7 +33,7 @@ def lease_holder(value: bytes | str | None) -> str | None:
 
 @dataclass
 class Outlook:
-    pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
+    pending: dict[str, list[str]]  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
     finishing: int = 0  # RQ jobs of done batches still "started" in RQ: cleared once seen in two passes
 
@@ -47,27 +47,20 @@ class Reconciler:
     looked stranded in one pass is confirmed in the next."""
 
     def __init__(self, conn: redis.Redis, owner: str) -> None:
-        self.conn = conn
-        self.owner = owner
+        self.conn, self.owner = conn, owner
         self._suspects: dict[tuple[str, str, str | None], float] = {}
         self._done_started: dict[str, float] = {}  # RQ job id -> when first seen started with its batch done
 
     def pass_once(self, *, force: bool = False) -> Outlook:
         """One pass over every job. `force` skips the fleet lock (a burst worker deciding to exit)."""
-        outlook = Outlook()
+        outlook = Outlook({job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))})
         if not force and not self.conn.set(keys.RECONCILE_LOCK, self.owner, nx=True, px=int(RECONCILE_EVERY_S * 900)):
-            outlook.pending = {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
             return outlook
         queued = set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
         now = time.monotonic()
         seen: set[tuple[str, str, str | None]] = set()
-        for job in list_jobs(self.conn):
-            batches = self._pending_of(job)
-            if not batches:
-                continue
-            outlook.pending[job] = batches
-            transport = self.conn.hmget(keys.job_transport(job), batches)
-            rq_ids = [t.decode() if t else None for t in transport]
+        for job, batches in outlook.pending.items():
+            rq_ids = [t.decode() if t else None for t in self.conn.hmget(keys.job_transport(job), batches)]
             holders = [lease_holder(v) for v in self.conn.hmget(keys.job_leases(job), batches)]
             live = self._live(rq_ids, holders, queued)
             for batch, rq_id, ok in zip(batches, rq_ids, live):
@@ -134,10 +127,7 @@ class Reconciler:
             except zlib.error:
                 legacy = True
             if legacy:
-                with self.conn.pipeline(transaction=True) as pipe:
-                    pipe.lrem(queue.key, 0, raw_id)
-                    pipe.delete(job_key)
-                    pipe.execute()
+                self.conn.pipeline(transaction=True).lrem(queue.key, 0, raw_id).delete(job_key).execute()
                 dropped += 1
         if dropped:
             log.warning("dropped %d RQ jobs that were not JSON (queued by genq 0.1, pickled): "
