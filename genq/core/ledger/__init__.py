@@ -53,7 +53,9 @@ class Reconciler:
 
     def pass_once(self, *, force: bool = False) -> Outlook:
         """One pass over every job. `force` skips the fleet lock (a burst worker deciding to exit)."""
-        outlook = Outlook({job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))})
+        # A blocked or paused job's batches wait, parked, for `genq resume --job` (worker/gate.py).
+        jobs = [j for j in list_jobs(self.conn) if not self.conn.exists(keys.job_blocked(j), keys.job_paused(j))]
+        outlook = Outlook({job: b for job in jobs if (b := pending_batches(self.conn, job))})
         if not force and not self.conn.set(keys.RECONCILE_LOCK, self.owner, nx=True, px=int(RECONCILE_EVERY_S * 900)):
             return outlook
         queued = set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
@@ -133,11 +135,6 @@ class Reconciler:
             log.warning("dropped %d RQ jobs that were not JSON (queued by genq 0.1, pickled): "
                         "their batches are queued again", dropped)
         return dropped
-
-    def _pending_of(self, job: str) -> list[str]:
-        if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
-            return []  # blocked or paused (worker/gate.py): its batches wait, parked, for `genq resume --job`
-        return pending_batches(self.conn, job)
 
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
         """Whether each batch's RQ job carries it: queued, or started by a live engine holding its lease (TAKE

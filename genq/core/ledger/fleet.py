@@ -14,8 +14,6 @@ from genq.core import keys
 from genq.core.ledger.jobs import change_record
 from genq.core.records import Control, InFlight, ServerDecode, WorkerStatus, pack, unpack
 
-AnyPipeline = Any  # a redis-py pipeline, sync or asyncio
-
 
 def worker_names(conn: redis.Redis) -> list[str]:
     """Every worker that ever heartbeated (until `genq workers forget`), sorted."""
@@ -50,7 +48,7 @@ def forget_workers(conn: redis.Redis, names: list[str]) -> None:
             pipe.execute()
 
 
-def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
+def stage_beat(pipe: Any, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
                inflight: list[InFlight], gone: Iterable[str], inflight_ttl: int, first: bool = False) -> None:
     """A beat: the engine alive `ttl` s more, its status (a stopped one's kept without TTL: stopped, not lost), its
     membership, its requests in flight per job (none for `gone`); a life's first drops an earlier life's Control."""
@@ -120,5 +118,5 @@ async def server_decode(conn: aioredis.Redis, server: str, model: str) -> Server
     return unpack(raw, ServerDecode) if raw else None
 
 
-def stage_server_decode(pipe: AnyPipeline, server: str, model: str, figures: ServerDecode, ttl: int) -> None:
+def stage_server_decode(pipe: Any, server: str, model: str, figures: ServerDecode, ttl: int) -> None:
     pipe.set(keys.server_decode(server, model), pack(figures), ex=ttl)
