@@ -371,7 +371,7 @@ class Heartbeat:
         if found is None or found.state == "stopped":
             return
         first = found.heartbeat_at
-        await fleet.ask_for_beats(self.conn)  # an idle one beats every 20 s, a busy one every second
+        await fleet.tell_idle_workers(self.conn)  # an idle one beats every 20 s, a busy one every second
         await asyncio.sleep(2.5)
         other = (await fleet.statuses(self.conn, [self.name]))[self.name]
         if other is not None and other.heartbeat_at > first and other.state != "stopped":

@@ -1,6 +1,5 @@
-"""The fleet and the jobs as operators see and steer them; workers read their Control record and the job's
-settings every second. A settings change is written to OUTPUT/JOB/job.json before Redis: the output is
-their durable truth, and whatever brings a job back from it (recover, the same enqueue, a worker) takes them."""
+"""The fleet and the jobs as operators see and steer them (workers read their Control and the job's settings every
+second). A settings change is written to OUTPUT/JOB/job.json, their durable truth, before Redis."""
 
 from __future__ import annotations
 
@@ -160,9 +159,8 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
 
 
 def keep_paused(conn: redis.Redis, job: str, paused: bool) -> None:
-    """job.json says whether the job is paused, so a job rebuilt from its output, or a Redis restored from before
-    the change, comes back so: the change numbered as a schedule change (schedule.version; settings_from_output).
-    Written after Redis, as a pause must work while the output is unreachable (then said, on stderr)."""
+    """job.json says whether the job is paused (numbered as a schedule change), so a job rebuilt from its output
+    comes back so. Written after Redis: a pause must work while the output is unreachable (said on stderr)."""
     if (config := load_config(conn, job)) is None:
         return
     schedule = ledger_jobs.change_schedule(conn, job, lambda s: msgspec.structs.replace(s, version=s.version + 1))
@@ -200,14 +198,12 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
     rows = []
     for job, now in zip(names, ledger_jobs.jobs_now(conn, names)):
         t, config = ledger_jobs.counts(conn, job, fleet_names), now.config
-        total, batches, done = t.total, t.batches, t.completed
-        paused = paused_all or now.paused
-        state = job_status(total=total, finished=done + t.dead, batches=batches, batches_done=t.done,
-                           paused=paused, started=bool(t.inflight) or done + t.dead > 0, failed=t.dead,
-                           blocked=now.blocked is not None)
+        paused, finished = paused_all or now.paused, t.completed + t.dead
+        state = job_status(total=t.total, finished=finished, batches=t.batches, batches_done=t.done, paused=paused,
+                           started=bool(t.inflight) or finished > 0, failed=t.dead, blocked=now.blocked is not None)
         rows.append(JobRow(
-            name=job, state=state, paused=paused, total=total, done=done, failed=t.dead,
-            remaining=max(0, total - done - t.dead), batches=batches, batches_done=t.done,
+            name=job, state=state, paused=paused, total=t.total, done=t.completed, failed=t.dead,
+            remaining=max(0, t.total - finished), batches=t.batches, batches_done=t.done,
             workers=list(t.inflight), output=config.output if config else None, blocked=now.blocked,
             settings_version=config.settings_version if config else 1, priority=now.schedule.priority,
             weight=now.schedule.weight, running=sum(len(r.tokens) for r in t.inflight.values())))
@@ -244,9 +240,8 @@ def find_job(conn: redis.Redis, job: str) -> JobDeletion:
 
 def delete_job(conn: redis.Redis, found: JobDeletion, *, again: bool = True,
                seen: frozenset[str] = frozenset()) -> None:
-    """Remove what find_job found: RQ jobs from the queue and every registry, then the job's keys and name.
-    An RQ job can move between places after the look (an engine takes a queued batch): each registry
-    loses every entry of any id found anywhere (`seen`: the ids of an earlier pass, whose hashes are gone)."""
+    """Remove what find_job found: RQ jobs from the queue and every registry (each registry loses any id found
+    anywhere, or in an earlier pass: `seen`; they move), then the job's keys and name."""
     found_ids = {i for ids in found.rq_jobs.values() for i in ids}
     ours = seen | found_ids
     with conn.pipeline() as pipe:
@@ -275,8 +270,8 @@ SETTABLE = ("model", "max_tokens", "temperature", "top_p", "extra_body", "max_at
 
 def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
                  note: str | None = None) -> tuple[JobConfig, dict[str, Any]]:
-    """Store those of `changes` the job has not already as its next settings version: (its config, what
-    changed). Nothing to change makes no version: every version in the history differs from the one before."""
+    """Store those of `changes` the job has not already as its next settings version (none if nothing
+    differs): (its config, what changed)."""
     if unknown := sorted(set(changes) - set(SETTABLE)):
         raise Refused(f"cannot set {', '.join(unknown)}; settable: {', '.join(SETTABLE)}")
     writable(conn)
@@ -303,9 +298,8 @@ def set_settings(conn: redis.Redis, job: str, changes: dict[str, Any],
 
 
 def writable(conn: redis.Redis) -> None:
-    """Refused when Redis refuses writes. job.json is written first and taken up from there later: a Redis that
-    refuses the change must be seen before it, or the change said to have failed would be made behind the
-    operator's back."""
+    """Refused when Redis refuses writes: job.json, written first and taken up later, must not get a change
+    said to have failed."""
     if (refusing := redis_note_of(conn)) is not None and refusing.reason != "evicting_policy":
         raise Refused(f"{refusing.text}. Nothing was changed (job.json neither); run this again once Redis "
                       "takes writes")
@@ -353,8 +347,8 @@ def keep_pin(config: JobConfig) -> None:
 
 
 def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord | None) -> None:
-    """Redis's and job.json's settings and schedule brought to the latest of the two (same life of the job):
-    Redis restored from a snapshot or a lagging replica may have lost a `jobs set` that job.json keeps."""
+    """Redis's and job.json's settings and schedule brought to the latest of the two (same life of the job): a
+    restored or lagging Redis may have lost a `jobs set`."""
     if record is None or record.config.incarnation != config.incarnation:
         return
     now = ledger_jobs.jobs_now(conn, [config.name])[0]

@@ -147,9 +147,8 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
             raise Refused(f"job {job!r} has no stored config; cannot size its new batches")
         run = f"requeue-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
         store = truth.open_store(config.output, config.s3_endpoint_url)
-        # Numbered above what the output folder may hold, as an enqueue's are (gaps are harmless), and reserved
-        # in job.json before they are queued. Read once here, not in each run of `move` under WATCH: a floor
-        # stays one (numbers only grow; Redis's counter is read in each run), and truth.reserve merges.
+        # Numbered above what the output may hold (gaps are harmless), reserved in job.json before they are queued;
+        # read once, not in each run of `move` under WATCH: numbers only grow, and truth.reserve merges.
         floor, on_disk = _numbers_in_use(store, config)
 
         def move(pipe: Any) -> Moved:
@@ -159,8 +158,7 @@ def requeue(conn: redis.Redis, chosen: Sequence[Entry], override: dict[str, Any]
                               if override else d.prompt for d in found if d.prompt is not None),
                              key=lambda p: (p.index, p.id))
             batches = q.new_batches(conn, job, prompts, config.batch_size, floor)
-            # OUTPUT/JOB/enqueues/RUN.json names them before they are queued: a Redis that loses them
-            # requeues the letters again (genq.producer.enqueue.queue_lost).
+            # OUTPUT/JOB/enqueues/RUN.json names them before they are queued: a Redis that loses them requeues again.
             record = EnqueueRecord(incarnation=config.incarnation, input="", prompts=len(found),
                                    batches=truth.batch_ranges(b.id for b in batches), letters=[d.id for d in found],
                                    override=override or {})
@@ -259,8 +257,7 @@ def _move_batch(conn: redis.Redis, entry: Entry, report: Report, *, requeue: boo
     report.batches.append((job, batch_id, outcome))
     if requeue or (config := q.load_config(conn, job)) is None:
         return
-    # It leaves the enqueue records that name it: gone on purpose, not lost with Redis, so its
-    # forgotten prompts are not queued again (genq.producer.enqueue.queue_lost).
+    # Out of the enqueue records that name it: gone on purpose, its prompts are not queued again (queue_lost).
     try:
         store = truth.open_store(config.output, config.s3_endpoint_url)
         for run, record in truth.read_enqueues(store, job).items():

@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import redis
@@ -28,14 +27,9 @@ log = logging.getLogger("genq.recover")
 
 
 def adopt(conn: redis.Redis, job: str, marker: ShardMarker) -> bool:
-    """Mark a written batch done from its marker; True only if this call did."""
-    return _adopted(scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker))))
-
-
-def _adopted(answer: Any) -> bool:
-    """ADOPT answers 1 for an adoption, else 0 (done already) or b'gone' (the job in Redis is not the life that
-    wrote it): a string, true in Python, so the answer is never read as a truth value."""
-    return answer == 1
+    """Mark a written batch done from its marker; True only if this call did. ADOPT answers 1, else 0 (done
+    already) or b'gone' (another life of the job in Redis): true in Python, so never read as a truth value."""
+    return scripts.evaluate(conn, scripts.ADOPT, scripts.adopt_call(job, marker, truth.shard_info(marker))) == 1
 
 
 def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
@@ -47,7 +41,7 @@ def written_marker(config: JobConfig, ref: BatchRef) -> ShardMarker | None:
 
 async def adopt_marker(conn: aioredis.Redis, ref: BatchRef, marker: ShardMarker) -> bool:  # False: not by this call
     call = scripts.adopt_call(ref.job, marker, truth.shard_info(marker))
-    if adopted := _adopted(await scripts.evaluate(conn, scripts.ADOPT, call)):
+    if adopted := await scripts.evaluate(conn, scripts.ADOPT, call) == 1:  # as adopt()
         log.warning("batch %s: its shard is in the output already (%d records, %s): marked done from its "
                     "marker, not generated again (Redis had lost it)", ref, marker.records, marker.uri)
     return adopted
@@ -145,7 +139,7 @@ class OutputWatch:
 
     EVERY_S = 60.0
 
-    def __init__(self, conn: redis.Redis, queue_lost: Callable[[redis.Redis, JobConfig], int] | None = None) -> None:
+    def __init__(self, conn: redis.Redis, queue_lost: Callable[[redis.Redis, JobConfig], int]) -> None:
         self.conn, self.queue_lost = conn, queue_lost
         self._run_id: str | None = None
         self._last = float("-inf")  # a worker's start compares at once
@@ -168,8 +162,7 @@ class OutputWatch:
             self._outputs[job] = config.output
             try:
                 catch_up(self.conn, config)
-                if self.queue_lost is not None:
-                    self.queue_lost(self.conn, config)
+                self.queue_lost(self.conn, config)
             except Exception as exc:  # the output unreachable (disk, S3): next time
                 log.warning("job %s: cannot read its output %s to check the ledger against it: %s",
                             job, config.output, exc)

@@ -8,6 +8,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from redis.client import Pipeline
@@ -32,10 +33,9 @@ def lease_holder(value: bytes | str | None) -> str | None:
 
 @dataclass
 class Outlook:
-    pending: dict[str, list[str]] = field(default_factory=dict)  # job -> batches not done
+    pending: dict[str, list[str]]  # job -> batches not done
     requeued: list[tuple[str, str]] = field(default_factory=list)  # (job, batch) queued again this pass
-    # RQ jobs of done batches still "started" in RQ (their loops return, or died): cleared once seen twice.
-    finishing: int = 0
+    finishing: int = 0  # RQ jobs of done batches still "started" in RQ: cleared once seen in two passes
 
     @property
     def unfinished(self) -> int:
@@ -47,27 +47,22 @@ class Reconciler:
     looked stranded in one pass is confirmed in the next."""
 
     def __init__(self, conn: redis.Redis, owner: str) -> None:
-        self.conn = conn
-        self.owner = owner
+        self.conn, self.owner = conn, owner
         self._suspects: dict[tuple[str, str, str | None], float] = {}
         self._done_started: dict[str, float] = {}  # RQ job id -> when first seen started with its batch done
 
     def pass_once(self, *, force: bool = False) -> Outlook:
         """One pass over every job. `force` skips the fleet lock (a burst worker deciding to exit)."""
-        outlook = Outlook()
+        # A blocked or paused job's batches wait, parked, for `genq resume --job` (worker/gate.py).
+        jobs = [j for j in list_jobs(self.conn) if not self.conn.exists(keys.job_blocked(j), keys.job_paused(j))]
+        outlook = Outlook({job: b for job in jobs if (b := pending_batches(self.conn, job))})
         if not force and not self.conn.set(keys.RECONCILE_LOCK, self.owner, nx=True, px=int(RECONCILE_EVERY_S * 900)):
-            outlook.pending = {job: b for job in list_jobs(self.conn) if (b := self._pending_of(job))}
             return outlook
         queued = set(self.conn.lrange(rq_queue(self.conn).key, 0, -1))
         now = time.monotonic()
         seen: set[tuple[str, str, str | None]] = set()
-        for job in list_jobs(self.conn):
-            batches = self._pending_of(job)
-            if not batches:
-                continue
-            outlook.pending[job] = batches
-            transport = self.conn.hmget(keys.job_transport(job), batches)
-            rq_ids = [t.decode() if t else None for t in transport]
+        for job, batches in outlook.pending.items():
+            rq_ids = [t.decode() if t else None for t in self.conn.hmget(keys.job_transport(job), batches)]
             holders = [lease_holder(v) for v in self.conn.hmget(keys.job_leases(job), batches)]
             live = self._live(rq_ids, holders, queued)
             for batch, rq_id, ok in zip(batches, rq_ids, live):
@@ -84,8 +79,9 @@ class Reconciler:
         return outlook
 
     def _clear_done(self, now: float) -> int:
-        """RQ jobs of done batches leave RQ's failed registry, and (confirmed in a later pass) its started
-        registry and intermediate list, so `rq info` and `genq dlq` tell the truth; how many wait."""
+        """RQ jobs of done batches (or of batches their job no longer knows: `genq recover` queued them again
+        under another number) leave RQ's failed registry, and (confirmed in a later pass) its started registry
+        and intermediate list, so `rq info` and `genq dlq` tell the truth; how many wait."""
         queue = rq_queue(self.conn)
         executions: dict[str, list[bytes]] = {}
         for entry in self.conn.zrange(queue.started_job_registry.key, 0, -1):
@@ -93,8 +89,19 @@ class Reconciler:
         for raw_id in self.conn.lrange(queue.intermediate_queue_key, 0, -1):
             executions.setdefault(raw_id.decode(), [])
         failed = {i.decode() for i in self.conn.zrange(FailedJobRegistry(queue=queue).key, 0, -1)} - set(executions)
+        rq_ids = [*executions, *sorted(failed)]
+        batch_jobs = [(rq_id, c) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
+                      if (c := carried(job)) is not None]
+        with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
+            for _, (job_name, batch) in batch_jobs:
+                pipe.sismember(keys.job_done(job_name), batch)
+                pipe.zscore(keys.job_batches(job_name), batch)
+                pipe.exists(keys.job_config(job_name))
+            answers = pipe.execute()
         seen: dict[str, float] = {}
-        for rq_id, carried_batch in self._of_done_batches([*executions, *sorted(failed)]):
+        for (rq_id, carried_batch), done, score, known in zip(batch_jobs, *[iter(answers)] * 3):
+            if not (done or (score is None and known)):
+                continue
             first = seen[rq_id] = self._done_started.get(rq_id, now)
             if rq_id in failed or now - first >= STRANDED_CONFIRM_S:
                 with self.conn.pipeline(transaction=True) as pipe:
@@ -109,20 +116,6 @@ class Reconciler:
         self._done_started = seen
         return len(seen)
 
-    def _of_done_batches(self, rq_ids: list[str]) -> list[tuple[str, tuple[str, str]]]:
-        """(RQ id, its batch) of these RQ jobs whose batch is done, or unknown to its job (genq recover
-        queued it again under another number)."""
-        batch_jobs = [(rq_id, c) for rq_id, job in zip(rq_ids, fetch_rq_jobs(self.conn, rq_ids))
-                      if (c := carried(job)) is not None]
-        with self.conn.pipeline(transaction=False) as pipe:  # one round trip, not one per job
-            for _, (job_name, batch) in batch_jobs:
-                pipe.sismember(keys.job_done(job_name), batch)
-                pipe.zscore(keys.job_batches(job_name), batch)
-                pipe.exists(keys.job_config(job_name))
-            answers = pipe.execute()
-        over = [done or (score is None and known) for done, score, known in zip(*[iter(answers)] * 3)]
-        return [found for found, is_over in zip(batch_jobs, over) if is_over]
-
     def drop_legacy_jobs(self) -> int:
         """Remove RQ jobs that are not JSON (pickled by genq 0.1) without unpickling them; a pass queues
         their batches again."""
@@ -136,41 +129,27 @@ class Reconciler:
             except zlib.error:
                 legacy = True
             if legacy:
-                with self.conn.pipeline(transaction=True) as pipe:
-                    pipe.lrem(queue.key, 0, raw_id)
-                    pipe.delete(job_key)
-                    pipe.execute()
+                self.conn.pipeline(transaction=True).lrem(queue.key, 0, raw_id).delete(job_key).execute()
                 dropped += 1
         if dropped:
             log.warning("dropped %d RQ jobs that were not JSON (queued by genq 0.1, pickled): "
                         "their batches are queued again", dropped)
         return dropped
 
-    def _pending_of(self, job: str) -> list[str]:
-        if self.conn.exists(keys.job_blocked(job), keys.job_paused(job)):
-            return []  # blocked or paused (worker/gate.py): its batches wait, parked, for `genq resume --job`
-        return pending_batches(self.conn, job)
-
     def _live(self, rq_ids: list[str | None], holders: list[str | None], queued: set[bytes]) -> list[bool]:
-        """Whether each batch's RQ job carries it: queued, or started by a live engine holding its lease."""
+        """Whether each batch's RQ job carries it: queued, or started by a live engine holding its lease (TAKE
+        names the engine instance as the RQ job's worker); "scheduled" and "deferred" count, "queued" outside
+        the queue does not (lost from it)."""
         known = [i for i in rq_ids if i and i.encode() not in queued]
-        jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None} if known else {}
-        # TAKE names the engine instance that took the batch as the RQ job's worker.
-        engines = sorted({j.worker_name for j in jobs.values()
-                          if j.worker_name and j.get_status(refresh=False) == "started"})
-        alive = dict(zip(engines, self.conn.mget([keys.engine_alive(e) for e in engines]))) if engines else {}
-
-        def live(rq_id: str | None, holder: str | None) -> bool:
-            if rq_id and rq_id.encode() in queued:
-                return True
-            if (job := jobs.get(rq_id or "")) is None:
-                return False
-            status = job.get_status(refresh=False)
-            if status == "started":
-                return alive.get(job.worker_name or "") is not None and holder == job.worker_name
-            return status in ("scheduled", "deferred")  # "queued" but not in the queue: lost from it
-
-        return [live(rq_id, holder) for rq_id, holder in zip(rq_ids, holders)]
+        jobs = {i: j for i, j in zip(known, fetch_rq_jobs(self.conn, known)) if j is not None}
+        status: dict[str, Any] = {i: j.get_status(refresh=False) for i, j in jobs.items()}
+        engines = sorted({j.worker_name for i, j in jobs.items() if j.worker_name and status[i] == "started"})
+        alive = {e for e, a in zip(engines, self.conn.mget([keys.engine_alive(e) for e in engines]) if engines else [])
+                 if a is not None}
+        return [rq_id is not None and (rq_id.encode() in queued or status.get(rq_id) in ("scheduled", "deferred")
+                                       or status.get(rq_id) == "started" and holder == jobs[rq_id].worker_name
+                                       and holder in alive)
+                for rq_id, holder in zip(rq_ids, holders)]
 
     def _requeue(self, job: str, batch: str, stale_rq_id: str | None) -> bool:
         """Queue the batch again if still stranded with the same transport; the stale RQ job leaves RQ."""
@@ -179,10 +158,9 @@ class Reconciler:
             try:
                 pipe.watch(keys.job_transport(job), keys.job_done(job))
                 current = pipe.hget(keys.job_transport(job), batch)
-                if (current.decode() if current else None) != stale_rq_id or pipe.sismember(keys.job_done(job), batch):
+                if ((current.decode() if current else None) != stale_rq_id or pipe.sismember(keys.job_done(job), batch)
+                        or not pipe.exists(keys.batch(job, batch))):  # done, or deleted with its job
                     return False
-                if not pipe.exists(keys.batch(job, batch)):
-                    return False  # deleted with its job
                 executions = [e for e in pipe.zrange(started.key, 0, -1)
                               if stale_rq_id and e.decode().partition(":")[0] == stale_rq_id]
                 pipe.multi()

@@ -58,9 +58,8 @@ class WorkerCounters:
 
 
 def shown_state(status: WorkerStatus | None, now: float) -> str:
-    """A worker's state as views show it: "lost" once its record expired; "silent" once its next beat is more
-    than 3 s late by the viewer's clock (due every BEAT_S while it holds or runs work, else every IDLE_BEAT_S;
-    3 s: a loaded host's slack): a killed worker's record goes on saying "busy" until it expires. monitoring.md"""
+    """A worker's state as views show it (monitoring.md): "lost" once its record expired; "silent" once its next
+    beat (every BEAT_S while busy or draining, else IDLE_BEAT_S) is 3 s late, a loaded host's slack."""
     if status is None:
         return "lost"
     every = BEAT_S if status.state in ("busy", "draining") else IDLE_BEAT_S
@@ -215,8 +214,8 @@ class JobSnapshot:
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
              queued: int = 0, rq_queued: int = 0) -> JobSnapshot | None:
-    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued and
-    rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
+    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued, rq_queued: RQ's
+    counts of the job's batches and of all (genq.monitor.rqqueue)."""
     if workers is None:
         workers = fleet.statuses(conn)
     with conn.pipeline(transaction=False) as pipe:
@@ -248,8 +247,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
             pipe.hgetall(keys.worker_stats(job, name))
             pipe.get(keys.job_inflight(job, name))
         replies = pipe.execute()
-    # Shown for this job: it has counters here, or it is working on it, or it is alive and its server may run
-    # the job (one serving another model takes none of it: its slots are not the job's).
+    # Shown: workers with counters or in-flight requests here, and live ones whose server may run the job.
     views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
                                     unpack(raw_inflight, InFlight) if raw_inflight else None,
                                     forgotten=name not in workers)
@@ -298,14 +296,13 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
             pipe.exists(keys.engine_alive(holder))
             pipe.exists(keys.batch(job, bid))
         alive = pipe.execute()
-    return held + sum(1 for i in range(len(unnamed)) if alive[2 * i] and alive[2 * i + 1])
+    return held + sum(1 for engine, batch in zip(*[iter(alive)] * 2) if engine and batch)
 
 
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str
                  ) -> tuple[bytes | None, str | None, str | None, bool, bool]:
-    """`genq status JOB ID` of a pending batch's prompt: its stored result, the engine of a claim that counts
-    (its engine alive, under the batch's current lease), its batch's lease holder, whether that one is alive,
-    and whether the job (or the fleet) is paused."""
+    """`genq status JOB ID` of a pending batch's prompt: its stored result, the engine of a claim that counts (alive,
+    under the batch's lease), the lease holder, whether it is alive, and whether the job (or fleet) is paused."""
     with conn.pipeline(transaction=False) as pipe:
         pipe.hget(keys.batch_results(job, batch), prompt_id)
         pipe.hget(keys.batch_claims(job, batch), prompt_id)

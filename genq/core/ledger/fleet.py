@@ -14,8 +14,6 @@ from genq.core import keys
 from genq.core.ledger.jobs import change_record
 from genq.core.records import Control, InFlight, ServerDecode, WorkerStatus, pack, unpack
 
-AnyPipeline = Any  # a redis-py pipeline, sync or asyncio
-
 
 def worker_names(conn: redis.Redis) -> list[str]:
     """Every worker that ever heartbeated (until `genq workers forget`), sorted."""
@@ -23,8 +21,8 @@ def worker_names(conn: redis.Redis) -> list[str]:
 
 
 def statuses(conn: redis.Redis | aioredis.Redis, names: list[str] | None = None) -> Any:
-    """Each worker's status (of `names`, else of all), None when expired (lost) or unreadable; on an
-    asyncio client, an awaitable of it."""
+    """Each worker's status (of `names`, else of all), None when expired (lost) or unreadable; an awaitable on an
+    asyncio client."""
     if isinstance(conn, aioredis.Redis):
         async def read() -> dict[str, WorkerStatus | None]:
             found = sorted(n.decode() for n in await conn.smembers(keys.WORKERS)) if names is None else names
@@ -50,11 +48,10 @@ def forget_workers(conn: redis.Redis, names: list[str]) -> None:
             pipe.execute()
 
 
-def stage_beat(pipe: AnyPipeline, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
+def stage_beat(pipe: Any, status: WorkerStatus, instance: str, ttl: int, status_ttl: int, *, member: bool,
                inflight: list[InFlight], gone: Iterable[str], inflight_ttl: int, first: bool = False) -> None:
-    """A beat: the engine alive `ttl` s more, its status (a stopped one's kept without TTL: stopped, not
-    lost), its membership, its requests in flight per job, and none for the jobs in `gone`. A life's first
-    beat drops the Control record an earlier life under the name left (killed while draining): it was for that one."""
+    """A beat: the engine alive `ttl` s more, its status (a stopped one's kept without TTL: stopped, not lost), its
+    membership, its requests in flight per job (none for `gone`); a life's first drops an earlier life's Control."""
     stopped = status.state == "stopped"
     if first:
         pipe.delete(keys.worker_control(status.name))
@@ -101,17 +98,13 @@ def change_control(conn: redis.Redis, name: str, change: Callable[[Control], Non
                          changed)
 
 
-def tell_idle_workers(conn: redis.Redis) -> None:
-    conn.publish(keys.WAKE, keys.WAKE_CONTROL)
+def tell_idle_workers(conn: redis.Redis | aioredis.Redis) -> Any:
+    """Every idle worker reads its control and beats now, not at its 20 s pace; an awaitable on an asyncio client."""
+    return conn.publish(keys.WAKE, keys.WAKE_CONTROL)
 
 
 async def wake_for_work(conn: aioredis.Redis) -> None:
     await conn.publish(keys.WAKE, b"1")
-
-
-async def ask_for_beats(conn: aioredis.Redis) -> None:
-    """Every idle worker beats now (as after a control change), not at its 20 s pace."""
-    await conn.publish(keys.WAKE, keys.WAKE_CONTROL)
 
 
 def listen_for_wakes(pubsub: Any) -> Callable[[Any], str]:
@@ -125,5 +118,5 @@ async def server_decode(conn: aioredis.Redis, server: str, model: str) -> Server
     return unpack(raw, ServerDecode) if raw else None
 
 
-def stage_server_decode(pipe: AnyPipeline, server: str, model: str, figures: ServerDecode, ttl: int) -> None:
+def stage_server_decode(pipe: Any, server: str, model: str, figures: ServerDecode, ttl: int) -> None:
     pipe.set(keys.server_decode(server, model), pack(figures), ex=ttl)
