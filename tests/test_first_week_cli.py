@@ -374,6 +374,10 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("sim", "--port", "0", "--error-rate", "nan"), "--error-rate"),  # was a sim that never erred
     (("sim", "--port", "0", "--startup-delay", "inf"), "--startup-delay"),  # was a sim that never came up
     (("drain", "--all", "--wait", "--timeout", "nan"), "--timeout"),
+    # a first retry delay longer than the longest: each retry was taken at --retry-backoff-max, silently
+    (("worker", "--server", "http://127.0.0.1:1", "--burst", "--server-start-timeout", "1", "--retry-backoff", "10",
+      "--retry-backoff-max", "5"), "--retry-backoff 10.0 is more than --retry-backoff-max 5.0"),
+    (("worker", "--gpus", "0,x", "--retry-backoff", "90"), "--retry-backoff 90.0 is more than --retry-backoff-max"),
 ]
 
 

@@ -99,6 +99,9 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
         if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
             raise click.UsageError(problem)
+    if options["retry_backoff"] > options["retry_backoff_max"]:  # each GPU's worker gets both: said once, here
+        raise click.UsageError(f"--retry-backoff {options['retry_backoff']} is more than --retry-backoff-max "
+                               f"{options['retry_backoff_max']}: the first retry delay cannot exceed the longest")
     fleet_opts = {k: options.pop(k) for k in FLEET_ONLY}
     if (options["server_url"] is None) == (fleet_opts["gpus"] is None):
         raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")
