@@ -40,8 +40,8 @@ class ByteSize(click.ParamType):
             size = float(number) * self.UNITS[text[len(number):]]
         except (ValueError, KeyError):
             self.fail(f"{value!r} is not a size: give e.g. {'1.79TB/s' if self.per_second else '54GB'}", param, ctx)
-        if size <= 0:
-            self.fail(f"{value!r} is not a size above 0", param, ctx)
+        if not 0 < size < float("inf"):  # nan fails both
+            self.fail(f"{value!r} is not a finite size above 0", param, ctx)
         return size
 
 
