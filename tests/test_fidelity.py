@@ -251,6 +251,22 @@ def test_a_row_is_checked_with_the_jobs_extra_body_as_the_request_sent(redis_url
     assert "line 2: 'sampling': top_logprobs needs logprobs: true" in proc.stderr, proc.stderr
 
 
+def test_a_rows_top_logprobs_keeps_logprobs_when_jobs_set_drops_them_from_the_extra_body(redis_url, rconn, sim,
+                                                                                           worker, tmp_path):
+    """Queued under the job's logprobs: true, a row's top_logprobs was a 400 and a dead letter once `jobs set
+    --extra-body '{}'` dropped it: the row's own field wins, and asks for logprobs."""
+    ids, out = rows(tmp_path / "in.jsonl", 4, {"top_logprobs": 2}), tmp_path / "out"
+    run_genq("enqueue", str(tmp_path / "in.jsonl"), "--job", "lp", "--output", str(out), "--max-tokens", "32",
+             "--extra-body", '{"logprobs": true}', redis_url=redis_url)
+    run_genq("jobs", "set", "lp", "--extra-body", "{}", redis_url=redis_url)
+    w = worker(sim(**SIM), "--burst")
+    assert w.wait(timeout=120) == 0, w.log()
+    assert not audit(rconn, "lp", out, ids).letters
+    for r in read_results(out, "lp"):
+        assert (r["sampling"], r["settings_version"]) == ({"top_logprobs": 2}, 2), r
+        assert all(len(e["top_logprobs"]) == 2 for e in r["logprobs"]["content"][:-1]), r["logprobs"]
+
+
 def test_job_wide_fields_are_checked_for_the_endpoint(redis_url, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")

@@ -13,8 +13,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 
+from genq.cli.worker import ByteSize
 from genq.core.redisconn import LocalRedis
 from tests.conftest import run_genq, write_prompts
 
@@ -374,6 +376,12 @@ BAD_VALUES = [  # (command, the option its one line names)
     (("sim", "--port", "0", "--error-rate", "nan"), "--error-rate"),  # was a sim that never erred
     (("sim", "--port", "0", "--startup-delay", "inf"), "--startup-delay"),  # was a sim that never came up
     (("drain", "--all", "--wait", "--timeout", "nan"), "--timeout"),
+    (("demo", "--prompts", "1", "--num-gpus", "1", "--speed", "nan"), "--speed"),
+    (("demo", "--prompts", "1", "--num-gpus", "1", "--speed", "inf"), "--speed"),
+    # a first retry delay longer than the longest: each retry was taken at --retry-backoff-max, silently
+    (("worker", "--server", "http://127.0.0.1:1", "--burst", "--server-start-timeout", "1", "--retry-backoff", "10",
+      "--retry-backoff-max", "5"), "--retry-backoff 10.0 is more than --retry-backoff-max 5.0"),
+    (("worker", "--gpus", "0,x", "--retry-backoff", "90"), "--retry-backoff 90.0 is more than --retry-backoff-max"),
 ]
 
 
@@ -387,6 +395,30 @@ def test_a_bad_value_is_one_line_naming_its_option_exit_2_and_nothing_written(ar
     lines = [line for line in proc.stderr.splitlines() if line.startswith("Error")]
     assert "Traceback" not in proc.stderr and len(lines) == 1 and option in lines[0], proc.stderr[-3000:]
     assert rconn.keys("genq:job*") == [] and list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def _float_options() -> list[tuple[str, click.Option]]:
+    from genq.cli import cli
+
+    def walk(command: click.Command, path: str) -> Iterator[tuple[str, click.Option]]:
+        for param in command.params:
+            if isinstance(param, click.Option) and isinstance(param.type, (click.types.FloatParamType, ByteSize)):
+                yield f"{path} {param.opts[0]}", param
+        ctx = click.Context(command)
+        for name in getattr(command, "list_commands", lambda _: [])(ctx):
+            yield from walk(command.get_command(ctx, name), f"{path} {name}".strip())  # type: ignore[attr-defined]
+
+    return list(walk(cli, ""))
+
+
+@pytest.mark.parametrize("name,option", _float_options(), ids=[name for name, _ in _float_options()])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
+def test_no_float_option_takes_nan_or_inf(name, option, value):
+    """nan passes every comparison of a range and inf every lower bound: no option (a timeout, a rate, a
+    speed, a size) is either, each is refused as bad usage naming its option."""
+    with pytest.raises(click.BadParameter) as refused:
+        option.type.convert(value, option, click.Context(click.Command("x")))
+    assert option.opts[0] in refused.value.format_message() or refused.value.param is option
 
 
 def test_export_of_a_job_with_no_shard_yet_names_the_option_that_exists(redis_url, rconn, tmp_path):

@@ -84,6 +84,8 @@ def build_body(config: JobConfig, prompt: Prompt, model: str, stream: bool) -> d
         for mine, other in (("max_completion_tokens", "max_tokens"), ("max_tokens", "max_completion_tokens")):
             if mine in prompt.sampling and other not in prompt.sampling:
                 body.pop(other, None)
+        if "top_logprobs" in prompt.sampling and "logprobs" not in prompt.sampling:  # (chat) needs logprobs: true,
+            body["logprobs"] = True  # which `jobs set --extra-body` may have dropped since the row was queued
     if prompt.messages is not None:
         body["messages"] = prompt.messages
     else:

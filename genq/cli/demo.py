@@ -22,6 +22,7 @@ import redis
 from rich.console import Console
 
 from genq import PYTHON
+from genq.cli import Finite
 from genq.core.ledger import letters
 from genq.core.redisconn import LocalRedis, connect, free_port, mask_url
 from genq.core.words import plural
@@ -42,9 +43,9 @@ opt = functools.partial(click.option, show_default=True)
 @opt("--prompts", "n_prompts", type=click.IntRange(1), default=3000, help="Synthetic prompts to generate.")
 @opt("--output", type=click.Path(file_okay=False), default="demo-out", help="Where prompts, shards and logs go.")
 @opt("--max-running-requests", "capacity", type=click.IntRange(1), default=37, help="Each simulated server's capacity.")
-@opt("--mean-output-tokens", "mean_tokens", type=click.FloatRange(1), default=600,
+@opt("--mean-output-tokens", "mean_tokens", type=Finite(1), default=600,
      help="Mean of the heavy-tailed (lognormal) output lengths.")
-@opt("--speed", type=click.FloatRange(0.1), default=1.0, help="Time compression: higher finishes sooner.")
+@opt("--speed", type=Finite(0.1), default=1.0, help="Time compression: higher finishes sooner.")
 @click.option("--keep", is_flag=True, help="With --redis: keep the demo's job in that Redis afterwards.")
 @click.pass_context
 def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, capacity: int, mean_tokens: float, speed: float,

@@ -40,8 +40,8 @@ class ByteSize(click.ParamType):
             size = float(number) * self.UNITS[text[len(number):]]
         except (ValueError, KeyError):
             self.fail(f"{value!r} is not a size: give e.g. {'1.79TB/s' if self.per_second else '54GB'}", param, ctx)
-        if size <= 0:
-            self.fail(f"{value!r} is not a size above 0", param, ctx)
+        if not 0 < size < float("inf"):  # nan fails both
+            self.fail(f"{value!r} is not a finite size above 0", param, ctx)
         return size
 
 
@@ -99,6 +99,9 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
     for option in ("name", "host"):  # the worker names are NAME, NAME.gpuN, HOST.gpuN or HOST.PORT
         if options[option] is not None and (problem := name_problem(options[option], f"--{option}")):
             raise click.UsageError(problem)
+    if options["retry_backoff"] > options["retry_backoff_max"]:  # each GPU's worker gets both: said once, here
+        raise click.UsageError(f"--retry-backoff {options['retry_backoff']} is more than --retry-backoff-max "
+                               f"{options['retry_backoff_max']}: the first retry delay cannot exceed the longest")
     f = {k: options.pop(k) for k in FLEET_ONLY}  # the fleet's own options
     if (options["server_url"] is None) == (f["gpus"] is None):
         raise click.UsageError("give either --server URL (one worker) or --gpus all|0,1,... (one worker per GPU)")
