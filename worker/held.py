@@ -83,8 +83,7 @@ class Holdings(dict[BatchRef, HeldBatch]):
         return bool(self or self.borrowed)
 
     def forget(self, held: HeldBatch) -> None:
-        """Forget this holding of its batch (leased or borrowed); not a newer one, the batch taken (TAKE) or
-        borrowed again after an await."""
+        """Forget this holding of its batch (leased or borrowed), not a newer one taken or borrowed since."""
         table = self.borrowed if held.borrowed else self
         if table.get(held.ref) is held:
             del table[held.ref]
@@ -129,8 +128,7 @@ class Claims:
                                                   token or held.token, ids))
 
     async def mine(self, held: HeldBatch, ids: list[str]) -> list[bool]:
-        """Claimed by this engine under the lease it sends them under: one under a lease it was given since (the
-        batch taken again while held) is void, another engine steals it."""
+        """Claimed by this engine under the lease it sends them under (a claim under an older lease is void)."""
         owners = await leasing.claim_owners(self.conn, held.ref, ids)
         return [o is not None and _text(o) == f"{self.instance} {held.token}" for o in owners]
 
@@ -170,9 +168,7 @@ class Todo:
         for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
             self.waiting.pop(held, None)
         eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
-        waiting: Counter[str] = Counter()
-        for held, tasks in eligible:
-            waiting[held.ref.job] += len(tasks)
+        waiting = Counter(h.ref.job for h, tasks in eligible for _ in tasks)
         quota = plan(waiting, n) if plan is not None else [(j, n) for j in waiting]
         claimed: list[Task] = []
         try:
@@ -257,10 +253,7 @@ class Todo:
             if held.dropped:
                 self.lent.pop(held)
                 continue
-            got = await self._sort(held, list(lent.values()))  # what stays lent is lent again
-            for task in got:
-                lent.pop(task.prompt.id, None)
-            back += got
+            back += await self._sort(held, list(lent.values()))  # those claimed leave `lent`
         self.ready.extendleft(reversed(back))
         self.wake.set()
 
@@ -341,8 +334,7 @@ class Todo:
             self.ready, self.suspects, (d[2] for d in self.delayed), *self.waiting.values()))
 
     def _remove(self, gone: Callable[[Task], bool]) -> None:
-        # In place: a coroutine may hold these lists across an await (a CLAIM call's answer is
-        # added to `ready` after it); a new list in their place took such prompts with the old one.
+        # In place: a coroutine may hold these lists across an await (a CLAIM's answer joins `ready` after it).
         for queue in (self.ready, self.suspects):
             kept = [t for t in queue if not gone(t)]
             queue.clear()
@@ -353,8 +345,8 @@ class Todo:
             self.parked[job] = [t for t in tasks if not gone(t)]
 
 
-# The speed shown is the server's generation counter's rate over this window: answers' tokens come
-# in waves (vLLM: 0 to 546 tok/s at a steady 500, 2026-12).
+# The speed shown is the server's generation counter's rate over this window: answers' tokens come in waves
+# (vLLM: 0 to 546 tok/s at a steady 500).
 COUNTER_WINDOW_S = 5.0
 COUNTER_STALE_S = 10.0  # no reading this long (server down, metrics off): fall back to the answers
 
