@@ -326,19 +326,15 @@ class Batches:
                          "are not sent", borrowed.ref)
                 self.drop(borrowed, cancel=True)
                 self.held.forget(borrowed)
-        if away:
-            await self._give_back_unheld()
+        # Leases Redis says are this engine's and it does not hold (a restored Redis, or a lagging replica promoted,
+        # gives back one it let go of since): queued again, else the reconciler counts them carried by this engine.
+        for ref, token in await leasing.leases_of(self.conn, self.instance) if away else []:
+            if ref not in self.held and await self.hand_back(ref, token):
+                log.info("batch %s: leased to this engine in a restored Redis, not held here: queued again", ref)
         await self.todo.check_claims()
         self._leases_checked_at = time.monotonic()
         for held in list(self.held.values()):  # completes any whose every outcome is recorded
             self.on_written(held.ref.job, held.ref.batch, [])
-
-    async def _give_back_unheld(self) -> None:
-        """Leases Redis says are this engine's and it does not hold (a restored Redis, or a lagging replica promoted,
-        gives back one it let go of since) are queued again: the reconciler counts them carried by this live engine."""
-        for ref, token in await leasing.leases_of(self.conn, self.instance):
-            if ref not in self.held and await self.hand_back(ref, token):
-                log.info("batch %s: leased to this engine in a restored Redis, not held here: queued again", ref)
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again, at the front; False if it was done or no longer ours."""
@@ -364,20 +360,13 @@ class Batches:
         except (redis.RedisError, OSError) as exc:
             log.debug("wake-up not sent: %s", exc)
 
-    async def park(self, job: str, *, cancel: bool) -> list[str]:
-        """Park the job's batches (leases ended, no RQ job), its borrowed prompts back; the batches parked."""
-        return await self._let_go(self._of_job(job), cancel=cancel, requeue=False)
-
-    async def hand_back_job(self, job: str) -> list[str]:
-        """The job's batches back to the queue's front, its borrowed prompts to their holders; requests in
-        flight finish (sent with the settings they were sent with); the batches handed back."""
-        return await self._let_go(self._of_job(job), cancel=False, requeue=True)
-
-    def _of_job(self, job: str) -> list[HeldBatch]:
-        """The job's borrowed and leased batches, less those completing or dropped: a let-go under way (a paused
-        job's park waiting on its requests in flight) ends those, and a second must not wait on them."""
-        return [h for table in (self.held.borrowed, self.held) for h in table.values()
-                if h.ref.job == job and not h.completing and not h.dropped]
+    async def let_go_job(self, job: str, *, cancel: bool, requeue: bool) -> list[str]:
+        """The job's batches parked (leases ended, no RQ job) or, `requeue`, back to the queue's front, its borrowed
+        prompts to their holders; the batches let go. Those completing or dropped are left out: a let-go under way
+        (a paused job's park waiting on its requests in flight) ends them, and a second must not wait on them."""
+        return await self._let_go([h for table in (self.held.borrowed, self.held) for h in table.values()
+                                   if h.ref.job == job and not h.completing and not h.dropped],
+                                  cancel=cancel, requeue=requeue)
 
     async def _let_go(self, batches: list[HeldBatch], *, cancel: bool, requeue: bool) -> list[str]:
         """Send nothing more of these batches, write what was recorded, drop their claims and end each lease
