@@ -97,7 +97,7 @@ class Batches:
             log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
             await self.hand_back(ref, token)
             return
-        held = self.held[ref] = HeldBatch(ref, token, config, unfinished=unfinished, prompts=prompts)
+        held = self.held[ref] = HeldBatch(ref, token, config, unfinished=unfinished, prompts=prompts, ids=ids)
         if finished:
             log.info("batch %s: %d of %s already done, not regenerating them", ref, len(finished),
                      plural(len(ids), "prompt"))
@@ -264,8 +264,9 @@ class Batches:
         """What Redis recorded of the batch, in one transaction; None once it is done, its job gone, or its
         lease not this holder's."""
         ref = held.ref
-        by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
-        now = await leasing.stored_outcomes(self.conn, ref, list(by_id))
+        by_id = {p.id: p for p in held.prompts}
+        ids = list(by_id) or held.ids
+        now = await leasing.stored_outcomes(self.conn, ref, ids)
         if now.done or not now.record or not now.config:
             return None
         if unpack(now.config, JobConfig).incarnation != held.config.incarnation:
@@ -275,14 +276,11 @@ class Batches:
             # before these outcomes, the lease that then generates its prompts again.
             log.info("batch %s was leased again elsewhere: its holder writes the shard, not this engine", ref)
             return None
-        # the record itself only when the prompts were not in memory (else: whether it is there)
-        ids = unpack(now.record, BatchSource).prompt_ids() if isinstance(now.record, bytes) else list(by_id)
         wanted = set(ids)
-        letters_raw = now.letters if now.letters is not None else await leasing.letters_of(self.conn, ref.job, ids)
         found = [(r, v) for r, v in ((unpack(v, Result), v) for v in now.results) if r.id in wanted]
         stored = {r.id: v for r, v in found}
         results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r for r, _ in found]
-        letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
+        letters = [unpack(v, DeadLetter) for v in now.letters if v is not None]
         return _Recorded(results, letters, len(ids), wanted - set(stored) - {d.id for d in letters}, stored)
 
     def unwritten_jobs(self) -> frozenset[str]:

@@ -39,7 +39,8 @@ class HeldBatch:
     completing: bool = False
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
     borrowed: bool = False  # prompts of another engine's batch: sent and recorded here, no shard written
-    prompts: list[Prompt] = field(default_factory=list)
+    prompts: list[Prompt] = field(default_factory=list)  # empty if its input could not be read (input_changed)
+    ids: list[str] = field(default_factory=list)  # its prompts' ids, as its batch record lists them
     recorded: dict[str, Result] = field(default_factory=dict)  # results recorded here: if Redis loses one, again
 
 
