@@ -175,8 +175,19 @@ class Todo:
         try:
             for job, k in quota:
                 for held, tasks in eligible:
-                    if held.ref.job == job and k > 0 and tasks:
-                        k -= await self._claim_from(held, tasks, min(k, n - len(claimed)), claimed)
+                    if held.ref.job != job or (take := min(k, n - len(claimed), len(tasks))) <= 0:
+                        continue
+                    chunk = [tasks.popleft() for _ in range(take)]
+                    try:
+                        claimed += await self._sort(held, chunk)
+                    except BaseException:  # Redis away, or cancelled: every prompt kept (our claims are re-claimable)
+                        tasks.extendleft(reversed(chunk))
+                        for task in reversed(claimed):
+                            self.waiting.setdefault(task.batch, deque()).appendleft(task)
+                        raise
+                    k -= take
+                    if not tasks:
+                        self.waiting.pop(held, None)
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
                 log.warning("cannot claim prompts (%s); trying again shortly", in_words(exc))
@@ -184,22 +195,6 @@ class Todo:
             asyncio.get_running_loop().call_later(1.0, self.wake.set)
             return
         self.ready.extend(claimed)
-
-    async def _claim_from(self, held: HeldBatch, tasks: deque[Task], k: int, out: list[Task]) -> int:
-        if k <= 0:
-            return 0
-        chunk = [tasks.popleft() for _ in range(min(k, len(tasks)))]
-        try:
-            out += await self._sort(held, chunk)
-        except BaseException:  # Redis away, or cancelled: keep every prompt (a claim of ours is re-claimable)
-            tasks.extendleft(reversed(chunk))
-            for task in reversed(out):
-                self.waiting.setdefault(task.batch, deque()).appendleft(task)
-            out.clear()
-            raise
-        if not tasks:
-            self.waiting.pop(held, None)
-        return len(chunk)
 
     async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
         """CLAIM the chunk: those claimed returned, those another engine holds lent, finished ones told."""
