@@ -70,11 +70,10 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
             pipe.sismember(keys.job_done(ref.job), ref.batch)
             pipe.hget(keys.job_leases(ref.job), ref.batch)
         answers = await pipe.execute()
-    incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None
-                    for job, raw in zip(jobs, answers[: len(jobs)])}
-    answers = answers[len(jobs):]
-    return [(incarnations[ref.job], bool(answers[2 * i]), lease_token(answers[2 * i + 1]))
-            for i, ref in enumerate(refs)]
+    incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None for job, raw in zip(jobs, answers)}
+    states = answers[len(jobs):]
+    return [(incarnations[ref.job], bool(done), lease_token(lease))
+            for ref, done, lease in zip(refs, states[::2], states[1::2])]
 
 
 async def leases_of(conn: aioredis.Redis, instance: str) -> list[tuple[BatchRef, str]]:
