@@ -18,14 +18,14 @@ from tests.test_model_change import OLD, engine_parts, queue_job
 
 
 class Parks:
-    """Batches.park as the gate sees it: a paused park waits for its requests in flight (until `done`)."""
+    """Batches.let_go_job as the gate's park sees it: a paused park waits for its requests in flight (until `done`)."""
 
     def __init__(self) -> None:
         self.done = asyncio.Event()
         self.waiting = 0  # parks waiting on the requests in flight
         self.arriving = False  # a batch just arrived: nothing of it in flight, its park ends at once
 
-    async def park(self, job: str, *, cancel: bool) -> list[str]:
+    async def let_go_job(self, job: str, *, cancel: bool, requeue: bool) -> list[str]:
         if self.arriving:
             return []
         self.waiting += 1
@@ -38,7 +38,7 @@ def test_a_batch_parked_on_arrival_does_not_start_a_second_park_of_its_paused_jo
         conn = aioredis.Redis.from_url(redis_url)
         parks = Parks()
         held = SimpleNamespace(all_jobs=lambda: {"j"})
-        batches = SimpleNamespace(park=parks.park, conn=conn, sync_conn=None, worker="w", held=held)
+        batches = SimpleNamespace(let_go_job=parks.let_go_job, conn=conn, sync_conn=None, worker="w", held=held)
         gate = Gate(batches, None, None)  # type: ignore[arg-type]
         gate.paused_jobs = {"j"}
         turns = asyncio.Queue[None]()
@@ -83,13 +83,13 @@ def test_a_batch_arriving_while_its_paused_job_lets_borrowed_prompts_finish_is_p
             batches.running.pop(task)
 
         batches.running[task] = asyncio.create_task(in_flight())
-        first = second = asyncio.create_task(batches.park("j", cancel=False))
+        first = second = asyncio.create_task(batches.let_go_job("j", cancel=False, requeue=False))
         try:
             await asyncio.sleep(0.2)
             assert borrowed.dropped and not first.done(), "the first park waits on the borrowed request"
             assert await intake.take() and list(held) == [BatchRef("j", batch)]
             ledger_jobs.pause(rconn, "j")
-            second = asyncio.create_task(batches.park("j", cancel=False))
+            second = asyncio.create_task(batches.let_go_job("j", cancel=False, requeue=False))
             done, _ = await asyncio.wait({second}, timeout=2.0)
             return second.result() if done else None
         finally:

@@ -97,7 +97,7 @@ class Batches:
             log.warning("batch %s: cannot read its input (%s: %s); handing it back", ref, type(exc).__name__, exc)
             await self.hand_back(ref, token)
             return
-        held = self.held[ref] = HeldBatch(ref, token, config, unfinished=unfinished, prompts=prompts)
+        held = self.held[ref] = HeldBatch(ref, token, config, unfinished=unfinished, prompts=prompts, ids=ids)
         if finished:
             log.info("batch %s: %d of %s already done, not regenerating them", ref, len(finished),
                      plural(len(ids), "prompt"))
@@ -199,9 +199,8 @@ class Batches:
             recorded = await retrying(lambda: self._recorded(held), f"reading batch {ref}")
             if recorded is None:
                 return set()
-            # Outcomes this engine saw recorded are gone (a rollback), or Redis lost some after they were
-            # read for the shard: a shard written meanwhile (this one, or another holder's) is the batch's
-            # outcome, as any written shard is, and none of its prompts is generated again.
+            # Outcomes gone (a rollback) before or while the shard was built: a shard written meanwhile (by any
+            # holder) is the batch's outcome, and none of its prompts is generated again.
             if recorded.missing:
                 return set() if await self._adopt_written(held) else recorded.missing
             released = await self._write(held, recorded)
@@ -265,28 +264,23 @@ class Batches:
         """What Redis recorded of the batch, in one transaction; None once it is done, its job gone, or its
         lease not this holder's."""
         ref = held.ref
-        by_id = {p.id: p for p in held.prompts}  # empty only if its input could not be read (input_changed)
-        stored_now = await leasing.stored_outcomes(self.conn, ref, list(by_id))
-        raw_config, raw_batch, raw_results = stored_now.config, stored_now.record, stored_now.results
-        if stored_now.done or not raw_batch or not raw_config:
+        by_id = {p.id: p for p in held.prompts}
+        ids = list(by_id) or held.ids
+        now = await leasing.stored_outcomes(self.conn, ref, ids)
+        if now.done or not now.record or not now.config:
             return None
-        if unpack(raw_config, JobConfig).incarnation != held.config.incarnation:
+        if unpack(now.config, JobConfig).incarnation != held.config.incarnation:
             return None  # the job was deleted and enqueued again: nothing of this one is written
-        if stored_now.lease != held.token:
-            # Leased again elsewhere: the current holder writes the shard. One written by a superseded holder
-            # could outlive, in a Redis restored from before these outcomes, the lease that then claims and
-            # generates its prompts again.
+        if now.lease != held.token:
+            # The current holder writes it: a superseded holder's shard could outlive, in a Redis restored from
+            # before these outcomes, the lease that then generates its prompts again.
             log.info("batch %s was leased again elsewhere: its holder writes the shard, not this engine", ref)
             return None
-        # the record itself only when the prompts were not in memory (else: whether it is there)
-        ids = unpack(raw_batch, BatchSource).prompt_ids() if isinstance(raw_batch, bytes) else list(by_id)
         wanted = set(ids)
-        letters_raw = (stored_now.letters if stored_now.letters is not None
-                       else await leasing.letters_of(self.conn, ref.job, ids))
-        found = [(r, v) for r, v in ((unpack(v, Result), v) for v in raw_results) if r.id in wanted]
+        found = [(r, v) for r, v in ((unpack(v, Result), v) for v in now.results) if r.id in wanted]
         stored = {r.id: v for r, v in found}
         results = [with_prompt(r, by_id[r.id]) if r.id in by_id else r for r, _ in found]
-        letters = [unpack(v, DeadLetter) for v in letters_raw if v is not None]
+        letters = [unpack(v, DeadLetter) for v in now.letters if v is not None]
         return _Recorded(results, letters, len(ids), wanted - set(stored) - {d.id for d in letters}, stored)
 
     def unwritten_jobs(self) -> frozenset[str]:
@@ -305,11 +299,8 @@ class Batches:
 
     async def check_leases(self, restarted: bool = False) -> None:
         """After each heartbeat: let go of batches leased elsewhere (requests in flight finish) or of jobs gone.
-        After a gap longer than a lease survives (this engine frozen, or Redis away from it) or a Redis restart
-        (`restarted`: a gap Redis lived, not this engine), a batch whose lease is still ours is looked for in the
-        output too: meanwhile it may have been leased elsewhere and written, and Redis then restored from before
-        that lease (its lease ours again, its outcomes gone); sending its prompts would generate written ones
-        again."""
+        After a gap longer than a lease survives or a Redis restart (`restarted`), a batch still ours is looked
+        for in the output too: it may have been leased elsewhere and written, then Redis restored from before."""
         away = restarted or time.monotonic() - self._leases_checked_at > LEASE_CHECK_STALE_S
         mine = [h for h in self.held.values() if not h.dropped and not h.completing]
         states = await leasing.lease_states(self.conn, [h.ref for h in mine]) if mine else []
@@ -333,20 +324,15 @@ class Batches:
                          "are not sent", borrowed.ref)
                 self.drop(borrowed, cancel=True)
                 self.held.forget(borrowed)
-        if away:
-            await self._give_back_unheld()
-        await self.todo.check_claims()
-        self._leases_checked_at = time.monotonic()
-        for held in list(self.held.values()):
-            if not held.unfinished and not held.completing and not held.dropped:
-                self.on_written(held.ref.job, held.ref.batch, [])
-
-    async def _give_back_unheld(self) -> None:
-        """Leases Redis says are this engine's and it does not hold (a restored Redis, or a lagging replica promoted,
-        gives back one it let go of since) are queued again: the reconciler counts them carried by this live engine."""
-        for ref, token in await leasing.leases_of(self.conn, self.instance):
+        # Leases Redis says are this engine's and it does not hold (a restored Redis, or a lagging replica promoted,
+        # gives back one it let go of since): queued again, else the reconciler counts them carried by this engine.
+        for ref, token in await leasing.leases_of(self.conn, self.instance) if away else []:
             if ref not in self.held and await self.hand_back(ref, token):
                 log.info("batch %s: leased to this engine in a restored Redis, not held here: queued again", ref)
+        await self.todo.check_claims()
+        self._leases_checked_at = time.monotonic()
+        for held in list(self.held.values()):  # completes any whose every outcome is recorded
+            self.on_written(held.ref.job, held.ref.batch, [])
 
     async def hand_back(self, ref: BatchRef, token: str) -> bool:
         """Queue the batch again, at the front; False if it was done or no longer ours."""
@@ -354,8 +340,7 @@ class Batches:
 
     async def hand_back_all(self, why: str) -> None:
         await self.give_back_borrowed(why)
-        given = await self._let_go([h for h in self.held.values() if not h.completing], [], cancel=True,
-                                   requeue=True)
+        given = await self._let_go([h for h in self.held.values() if not h.completing], cancel=True, requeue=True)
         self.handed_back += len(given)
         if given:
             log.info("%s: handed back %s (%s)", why, plural(len(given), "batch", "batches"), ", ".join(given))
@@ -367,52 +352,41 @@ class Batches:
             return
         log.info("%s: giving %s back to their holders", why,
                  plural(sum(len(b.unfinished) for b in borrowed), "borrowed prompt"))
-        await self._let_go([], borrowed, cancel=True, requeue=True)
+        await self._let_go(borrowed, cancel=True, requeue=True)
         try:
             await fleet.wake_for_work(self.conn)
         except (redis.RedisError, OSError) as exc:
             log.debug("wake-up not sent: %s", exc)
 
-    async def park(self, job: str, *, cancel: bool) -> list[str]:
-        """Park the job's batches (leases ended, no RQ job), its borrowed prompts back; the batches parked."""
-        return await self._let_go(*self._of_job(job), cancel=cancel, requeue=False)
+    async def let_go_job(self, job: str, *, cancel: bool, requeue: bool) -> list[str]:
+        """The job's batches parked (leases ended, no RQ job) or, `requeue`, back to the queue's front, its borrowed
+        prompts to their holders; the batches let go. Those completing or dropped are left out: a let-go under way
+        (a paused job's park waiting on its requests in flight) ends them, and a second must not wait on them."""
+        return await self._let_go([h for table in (self.held.borrowed, self.held) for h in table.values()
+                                   if h.ref.job == job and not h.completing and not h.dropped],
+                                  cancel=cancel, requeue=requeue)
 
-    async def hand_back_job(self, job: str) -> list[str]:
-        """The job's batches back to the queue's front, its borrowed prompts to their holders; requests in
-        flight finish (sent with the settings they were sent with); the batches handed back."""
-        return await self._let_go(*self._of_job(job), cancel=False, requeue=True)
-
-    def _of_job(self, job: str) -> tuple[list[HeldBatch], list[HeldBatch]]:
-        """The job's leased and borrowed batches, less those completing or dropped: a let-go under way (a paused
-        job's park waiting on its requests in flight) ends those, and a second must not wait on them."""
-        mine, borrowed = ([h for h in table.values() if h.ref.job == job and not h.completing and not h.dropped]
-                          for table in (self.held, self.held.borrowed))
-        return mine, borrowed
-
-    async def _let_go(self, mine: list[HeldBatch], borrowed: list[HeldBatch], *, cancel: bool,
-                      requeue: bool) -> list[str]:
+    async def _let_go(self, batches: list[HeldBatch], *, cancel: bool, requeue: bool) -> list[str]:
         """Send nothing more of these batches, write what was recorded, drop their claims and end each lease
         (`requeue`: to the queue's front, else parked); the batches whose lease it ended."""
-        for batch in mine + borrowed:
+        for batch in batches:
             self.drop(batch, cancel=cancel)
-        while any(t.batch in mine or t.batch in borrowed for t in self.running):
+        while any(t.batch in batches for t in self.running):
             await asyncio.sleep(0.05)
         await self.writer.wait_idle()  # what was recorded is written: it stays
         ended = []
-        for h in borrowed + mine:
+        for h in batches:
             if h.completing:
                 continue  # the flush above finished it
             await retrying(functools.partial(self.claims.unclaim, h), f"releasing claims of {h.ref}")
-            if h.borrowed:
-                self.held.forget(h)
-                continue
-            end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token,
-                                    requeue=requeue)
-            if (how := await retrying(end, f"ending the lease of {h.ref}")) == "queued" and not requeue:
-                log.info("batch %s: its job was resumed while its requests finished: queued again, not parked",
-                         h.ref)
-            elif how is not None:
-                ended.append(str(h.ref))
+            if not h.borrowed:
+                end = functools.partial(asyncio.to_thread, leasing.end_lease, self.sync_conn, h.ref, h.token,
+                                        requeue=requeue)
+                if (how := await retrying(end, f"ending the lease of {h.ref}")) == "queued" and not requeue:
+                    log.info("batch %s: its job was resumed while its requests finished: queued again, not parked",
+                             h.ref)
+                elif how is not None:
+                    ended.append(str(h.ref))
             self.held.forget(h)
         self.todo.wake.set()
         return ended

@@ -27,8 +27,8 @@ log = logging.getLogger("genq.worker")
 # Prompts are claimed ahead of the free slots, a quarter of the target at a time, the next group once half a
 # group is left: a freed slot never waits on Redis, and the rest stays for idle engines.
 CLAIM_AHEAD_MIN = 2
-# Nothing answered this long: the server is checked before the next request (a restart while nothing is in
-# flight fails nothing; genq sim restarts in 0.5 s, real servers in tens of seconds).
+# Nothing answered this long: the server is checked before the next request (a restart with nothing in flight
+# fails nothing; genq sim restarts in 0.5 s).
 IDLE_CHECK_S = 0.25
 FAILURE_NOTE_EVERY_S = 60.0  # requests failing while the server is up: a WARNING this often at most
 
@@ -202,11 +202,11 @@ class Dispatcher:
         task.attempts += 1
         self.rates.error(held.ref.job)
         self.failed_since_note += 1
+        status = f"HTTP {failure.status} " if failure.status else ""
+        latest = f"{status}{failure.kind}: {' '.join(failure.message.split())}"
         if (now := time.monotonic()) >= self.next_failure_note:  # one line now and then, not one a request
-            log.warning("server %s: %s failed while it is up (said every %.0fs at most); latest: %s%s: %s",
-                        self.opts.server_url, plural(self.failed_since_note, "request"), FAILURE_NOTE_EVERY_S,
-                        f"HTTP {failure.status} " if failure.status else "", failure.kind,
-                        " ".join(failure.message.split()))
+            log.warning("server %s: %s failed while it is up (said every %.0fs at most); latest: %s",
+                        self.opts.server_url, plural(self.failed_since_note, "request"), FAILURE_NOTE_EVERY_S, latest)
             self.failed_since_note, self.next_failure_note = 0, now + FAILURE_NOTE_EVERY_S
         max_attempts = self.opts.max_attempts or held.config.max_attempts
         task.failing_since = task.progress.started if task.failing_since is None else task.failing_since
@@ -217,8 +217,7 @@ class Dispatcher:
                                                or self.answered < self.watch.failed_at):
             self.todo.ready.appendleft(task)
             self.watch.failed(f"nothing sent was answered for {time.monotonic() - task.failing_since:.0f}s while "
-                              f"/health answers; latest: {f'HTTP {failure.status} ' if failure.status else ''}"
-                              f"{failure.kind}: {' '.join(failure.message.split())}", task.failing_since)
+                              f"/health answers; latest: {latest}", task.failing_since)
             return
         task.busy += failure.status in (429, 503)
         if failure.retryable and (task.attempts - task.busy < max_attempts or unproven):

@@ -486,7 +486,7 @@ class Gate:
 
     async def park_job(self, job: str, *, quiet: bool = False, cancel: bool = True) -> None:
         """Park what is held of the job: blocked, its requests in flight are cancelled; paused, they finish."""
-        parked = await self.batches.park(job, cancel=cancel)
+        parked = await self.batches.let_go_job(job, cancel=cancel, requeue=False)
         if parked:
             (log.debug if quiet else log.info)(
                 "job %s is %s: parked %s (%s); their prompts wait for `genq resume --job %s`",
@@ -520,7 +520,7 @@ class Gate:
 
     async def _hand_back(self, job: str, version: int) -> None:
         """A job's new settings are for another model: what is held goes back (requests in flight finish)."""
-        given = await self.batches.hand_back_job(job)
+        given = await self.batches.let_go_job(job, cancel=False, requeue=True)
         if given:
             log.info("job %s: settings version %d is for another model: handed back %s (%s)", job, version,
                      plural(len(given), "batch", "batches"), ", ".join(given))

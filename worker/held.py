@@ -39,7 +39,8 @@ class HeldBatch:
     completing: bool = False
     dropped: bool = False  # superseded, done elsewhere or handed back: send nothing more
     borrowed: bool = False  # prompts of another engine's batch: sent and recorded here, no shard written
-    prompts: list[Prompt] = field(default_factory=list)
+    prompts: list[Prompt] = field(default_factory=list)  # empty if its input could not be read (input_changed)
+    ids: list[str] = field(default_factory=list)  # its prompts' ids, as its batch record lists them
     recorded: dict[str, Result] = field(default_factory=dict)  # results recorded here: if Redis loses one, again
 
 
@@ -83,8 +84,7 @@ class Holdings(dict[BatchRef, HeldBatch]):
         return bool(self or self.borrowed)
 
     def forget(self, held: HeldBatch) -> None:
-        """Forget this holding of its batch (leased or borrowed); not a newer one, the batch taken (TAKE) or
-        borrowed again after an await."""
+        """Forget this holding of its batch (leased or borrowed), not a newer one taken or borrowed since."""
         table = self.borrowed if held.borrowed else self
         if table.get(held.ref) is held:
             del table[held.ref]
@@ -129,8 +129,7 @@ class Claims:
                                                   token or held.token, ids))
 
     async def mine(self, held: HeldBatch, ids: list[str]) -> list[bool]:
-        """Claimed by this engine under the lease it sends them under: one under a lease it was given since (the
-        batch taken again while held) is void, another engine steals it."""
+        """Claimed by this engine under the lease it sends them under (a claim under an older lease is void)."""
         owners = await leasing.claim_owners(self.conn, held.ref, ids)
         return [o is not None and _text(o) == f"{self.instance} {held.token}" for o in owners]
 
@@ -170,16 +169,25 @@ class Todo:
         for held in [h for h, tasks in self.waiting.items() if h.dropped or not tasks]:
             self.waiting.pop(held, None)
         eligible = [(h, t) for h, t in self.waiting.items() if h.ref.job not in skip_jobs]
-        waiting: Counter[str] = Counter()
-        for held, tasks in eligible:
-            waiting[held.ref.job] += len(tasks)
+        waiting = Counter(h.ref.job for h, tasks in eligible for _ in tasks)
         quota = plan(waiting, n) if plan is not None else [(j, n) for j in waiting]
         claimed: list[Task] = []
         try:
             for job, k in quota:
                 for held, tasks in eligible:
-                    if held.ref.job == job and k > 0 and tasks:
-                        k -= await self._claim_from(held, tasks, min(k, n - len(claimed)), claimed)
+                    if held.ref.job != job or (take := min(k, n - len(claimed), len(tasks))) <= 0:
+                        continue
+                    chunk = [tasks.popleft() for _ in range(take)]
+                    try:
+                        claimed += await self._sort(held, chunk)
+                    except BaseException:  # Redis away, or cancelled: every prompt kept (our claims are re-claimable)
+                        tasks.extendleft(reversed(chunk))
+                        for task in reversed(claimed):
+                            self.waiting.setdefault(task.batch, deque()).appendleft(task)
+                        raise
+                    k -= take
+                    if not tasks:
+                        self.waiting.pop(held, None)
         except (redis.RedisError, OSError) as exc:
             if time.monotonic() >= self._next_claim_note:  # not at every wake: the heartbeat says Redis is away
                 log.warning("cannot claim prompts (%s); trying again shortly", in_words(exc))
@@ -187,22 +195,6 @@ class Todo:
             asyncio.get_running_loop().call_later(1.0, self.wake.set)
             return
         self.ready.extend(claimed)
-
-    async def _claim_from(self, held: HeldBatch, tasks: deque[Task], k: int, out: list[Task]) -> int:
-        if k <= 0:
-            return 0
-        chunk = [tasks.popleft() for _ in range(min(k, len(tasks)))]
-        try:
-            out += await self._sort(held, chunk)
-        except BaseException:  # Redis away, or cancelled: keep every prompt (a claim of ours is re-claimable)
-            tasks.extendleft(reversed(chunk))
-            for task in reversed(out):
-                self.waiting.setdefault(task.batch, deque()).appendleft(task)
-            out.clear()
-            raise
-        if not tasks:
-            self.waiting.pop(held, None)
-        return len(chunk)
 
     async def _sort(self, held: HeldBatch, chunk: list[Task]) -> list[Task]:
         """CLAIM the chunk: those claimed returned, those another engine holds lent, finished ones told."""
@@ -257,10 +249,7 @@ class Todo:
             if held.dropped:
                 self.lent.pop(held)
                 continue
-            got = await self._sort(held, list(lent.values()))  # what stays lent is lent again
-            for task in got:
-                lent.pop(task.prompt.id, None)
-            back += got
+            back += await self._sort(held, list(lent.values()))  # those claimed leave `lent`
         self.ready.extendleft(reversed(back))
         self.wake.set()
 
@@ -341,8 +330,7 @@ class Todo:
             self.ready, self.suspects, (d[2] for d in self.delayed), *self.waiting.values()))
 
     def _remove(self, gone: Callable[[Task], bool]) -> None:
-        # In place: a coroutine may hold these lists across an await (a CLAIM call's answer is
-        # added to `ready` after it); a new list in their place took such prompts with the old one.
+        # In place: a coroutine may hold these lists across an await (a CLAIM's answer joins `ready` after it).
         for queue in (self.ready, self.suspects):
             kept = [t for t in queue if not gone(t)]
             queue.clear()
@@ -353,8 +341,8 @@ class Todo:
             self.parked[job] = [t for t in tasks if not gone(t)]
 
 
-# The speed shown is the server's generation counter's rate over this window: answers' tokens come
-# in waves (vLLM: 0 to 546 tok/s at a steady 500, 2026-12).
+# The speed shown is the server's generation counter's rate over this window: answers' tokens come in waves
+# (vLLM: 0 to 546 tok/s at a steady 500).
 COUNTER_WINDOW_S = 5.0
 COUNTER_STALE_S = 10.0  # no reading this long (server down, metrics off): fall back to the answers
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,6 @@ RECORD_LINGER_S = 0.005  # the first outcome of a group waits this long for othe
 
 @dataclass
 class _Pending:
-    incarnation: str  # the job's incarnation the outcomes were generated for
     results: list[Result] = field(default_factory=list)
     dead: list[DeadLetter] = field(default_factory=list)
 
@@ -36,7 +36,7 @@ class ResultWriter:
 
     def __init__(self, conn: aioredis.Redis, worker: str, batches: Any) -> None:
         self.conn, self.worker, self.batches = conn, worker, batches
-        self._buffer: dict[tuple[str, str, str], _Pending] = {}  # by (job, batch, incarnation)
+        self._buffer: defaultdict[tuple[str, str, str], _Pending] = defaultdict(_Pending)  # (job, batch, incarnation)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -52,7 +52,7 @@ class ResultWriter:
     def _slot(self, job: str, batch: str, incarnation: str) -> _Pending:
         self._idle.clear()
         self._wake.set()
-        return self._buffer.setdefault((job, batch, incarnation), _Pending(incarnation))
+        return self._buffer[(job, batch, incarnation)]
 
     @property
     def pending(self) -> int:
@@ -67,7 +67,7 @@ class ResultWriter:
             await self._wake.wait()
             await asyncio.sleep(RECORD_LINGER_S)
             self._wake.clear()
-            taking, self._buffer = self._buffer, {}
+            taking, self._buffer = self._buffer, defaultdict(_Pending)
             try:
                 await self._write(taking)
             except (redis.RedisError, OSError) as exc:
@@ -76,9 +76,8 @@ class ResultWriter:
                 log.warning("cannot write results to Redis (%s); %d kept in memory, retrying in %.1fs",
                             self.last_error, sum(len(p.results) + len(p.dead) for p in taking.values()), backoff)
                 for key, pending in taking.items():
-                    slot = self._buffer.setdefault(key, _Pending(pending.incarnation))
-                    slot.results[:0] = pending.results
-                    slot.dead[:0] = pending.dead
+                    self._buffer[key].results[:0] = pending.results
+                    self._buffer[key].dead[:0] = pending.dead
                 self._wake.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -90,8 +89,8 @@ class ResultWriter:
 
     async def _write(self, groups: dict[tuple[str, str, str], _Pending]) -> None:
         now = repr(time.time())
-        calls = [scripts.record_call(job, batch, self.worker, now, g.results, g.dead, g.incarnation)
-                 for (job, batch, _), g in groups.items()]
+        calls = [scripts.record_call(job, batch, self.worker, now, g.results, g.dead, incarnation)
+                 for (job, batch, incarnation), g in groups.items()]
         for ((job, batch, _), g), (added, _) in zip(groups.items(), await self._pipelined(calls)):
             if added == -2:
                 log.info("batch %s/%s: %s not recorded: the job was deleted (or enqueued again) meanwhile",

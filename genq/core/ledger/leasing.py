@@ -42,9 +42,9 @@ class Stored:
 
     done: bool
     config: bytes | None  # its job's
-    record: bytes | int | None  # the batch record (given ids: whether it exists)
+    record: int  # whether the batch record exists
     results: list[bytes]
-    letters: list[bytes | None] | None  # of the ids asked (None without ids)
+    letters: list[bytes | None]  # of the ids asked
     lease: str | None  # the current lease's token
 
 
@@ -52,18 +52,12 @@ async def stored_outcomes(conn: aioredis.Redis, ref: BatchRef, ids: list[str]) -
     async with conn.pipeline(transaction=True) as pipe:
         pipe.sismember(keys.job_done(ref.job), ref.batch)
         pipe.get(keys.job_config(ref.job))
-        (pipe.exists if ids else pipe.get)(keys.batch(ref.job, ref.batch))
+        pipe.exists(keys.batch(ref.job, ref.batch))
         pipe.hvals(keys.batch_results(ref.job, ref.batch))
         pipe.hget(keys.job_leases(ref.job), ref.batch)
-        if ids:
-            pipe.hmget(keys.job_dlq(ref.job), ids)
-        done, raw_config, raw_batch, raw_results, lease, *raw_letters = await pipe.execute()
-    return Stored(bool(done), raw_config, raw_batch, raw_results, raw_letters[0] if raw_letters else None,
-                  lease_token(lease))
-
-
-async def letters_of(conn: aioredis.Redis, job: str, ids: list[str]) -> list[bytes | None]:
-    return await conn.hmget(keys.job_dlq(job), ids)
+        pipe.hmget(keys.job_dlq(ref.job), ids)
+        done, raw_config, record, raw_results, lease, letters = await pipe.execute()
+    return Stored(bool(done), raw_config, record, raw_results, letters, lease_token(lease))
 
 
 async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple[str | None, bool, str | None]]:
@@ -76,11 +70,10 @@ async def lease_states(conn: aioredis.Redis, refs: list[BatchRef]) -> list[tuple
             pipe.sismember(keys.job_done(ref.job), ref.batch)
             pipe.hget(keys.job_leases(ref.job), ref.batch)
         answers = await pipe.execute()
-    incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None
-                    for job, raw in zip(jobs, answers[: len(jobs)])}
-    answers = answers[len(jobs):]
-    return [(incarnations[ref.job], bool(answers[2 * i]), lease_token(answers[2 * i + 1]))
-            for i, ref in enumerate(refs)]
+    incarnations = {job: unpack(raw, JobConfig).incarnation if raw else None for job, raw in zip(jobs, answers)}
+    states = answers[len(jobs):]
+    return [(incarnations[ref.job], bool(done), lease_token(lease))
+            for ref, done, lease in zip(refs, states[::2], states[1::2])]
 
 
 async def leases_of(conn: aioredis.Redis, instance: str) -> list[tuple[BatchRef, str]]:
