@@ -1,6 +1,6 @@
 """The engine's heartbeat (alive, what it holds, how fast it goes), then the controls and the lease check.
 Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work) it beats every IDLE_BEAT_S and steals
-every IDLE_LOOK_S: under one Redis command a second (0.72, 2026-12-07); a WAKE message ends its waits.
+every IDLE_LOOK_S: under one Redis command a second (0.72 today); a WAKE message ends its waits.
 """
 
 from __future__ import annotations
@@ -84,9 +84,6 @@ class IdlePace:
         self.idle_keys = self.idle_keys and idle
         return IDLE_TTL_S if idle else busy_ttl
 
-    def maintenance_every(self, busy_s: float) -> float:
-        return IDLE_MAINTENANCE_S if self.idle() else busy_s
-
     async def nap(self, seconds: float, looked: float | None = None) -> bool:
         """The stealer's wait: `seconds`, or while idle IDLE_LOOK_S after its last look (`looked`, monotonic);
         True when a WAKE message ends it, WOKEN_LOOK_S after the look at the soonest."""
@@ -106,11 +103,10 @@ class IdlePace:
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
-    async def fresh_beat(self, controls: Gate, within: float = 3.0) -> None:
-        """Asks the heartbeat for a beat now (its lease check included) and waits for it."""
-        before = controls.last_beat
+    async def fresh_beat(self, controls: Gate) -> None:
+        """Asks the heartbeat for a beat now (its lease check included) and waits for it, 3 s at most."""
+        before, deadline = controls.last_beat, time.monotonic() + 3.0
         self.beat_now.set()
-        deadline = time.monotonic() + within
         while controls.last_beat == before and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
@@ -127,33 +123,29 @@ class IdlePace:
                 log.debug("wake-up not sent: %s", exc)
 
 
-class WakeListener:
-    """Sets the pace's `queued`, `beat_now` (a control changed) or `woken` on each WAKE message, from a
-    thread reading WAKE_READ_S at a time (an asyncio read cancelled at exit once hung a --burst worker): a
-    stopping worker waits that long for it, at most."""
+class WakeListener(threading.Thread):
+    """Sets the pace's `queued`, `beat_now` (a control changed) or `woken` on each WAKE message, reading
+    WAKE_READ_S at a time (an asyncio read cancelled at exit can hang): a stopping worker waits that long at most."""
 
     def __init__(self, redis_url: str, pace: IdlePace, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(name="genq-wake", daemon=True)
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
         self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
         self.pace, self.loop = pace, loop
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="genq-wake", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
+        self._done = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._done.set()
+        if self.is_alive():
+            self.join(timeout=5)
         self._conn.close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self) -> None:
+        while not self._done.is_set():
             pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
                 says = fleet.listen_for_wakes(pubsub)
-                while not self._stop.is_set():
+                while not self._done.is_set():
                     message = pubsub.get_message(timeout=WAKE_READ_S)
                     if message and message.get("type") == "message":
                         event = {"control": self.pace.beat_now, "queued": self.pace.queued,
@@ -161,7 +153,7 @@ class WakeListener:
                         self.loop.call_soon_threadsafe(event.set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
-                self._stop.wait(1.0)
+                self._done.wait(1.0)
             except RuntimeError:  # the engine's loop is closed: it has exited
                 return
             finally:
@@ -199,14 +191,6 @@ class Heartbeat:
         while not self._gpu_stop.is_set():
             self.gpu_sample = self.gpu.sample()
             self._gpu_stop.wait(GPU_EVERY_S)
-
-    async def unreachable(self) -> Exception | None:
-        """Why Redis does not answer at the start, or None: one refusing writes (MISCONF) first_beat waits for."""
-        try:
-            await self.conn.ping()
-        except (redis.RedisError, OSError) as exc:
-            return None if refusal(exc) else exc
-        return None
 
     async def first_beat(self) -> None:
         """The start's beat, waited for (Redis full or restarting), after what Redis's settings mean for genq."""

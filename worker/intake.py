@@ -259,19 +259,18 @@ HOLD_REQUESTS = 3.0
 DOWN_GRACE_S = LEASE_TIMEOUT_S  # a server down this long: its prompts go as a lost worker's would
 
 
-def unsent_now(w: WorkerStatus, now: float) -> float:
+def unsent_now(w: WorkerStatus) -> float:
     """w's unsent prompts now: its beat's count less what it sent since, at slots / L_w."""
     if w.state != "busy" or not w.token_s or not w.mean_tokens or not w.concurrency_target or not w.in_flight:
         return w.queued
-    age = min(max(0.0, now - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
+    age = min(max(0.0, time.time() - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
     return max(0.0, w.queued - age * w.concurrency_target / (w.mean_tokens * w.token_s))
 
 
-def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> tuple[float, float]:
+def tail_line(me: WorkerStatus, others: list[WorkerStatus]) -> tuple[float, float]:
     """(the fleet's unsent prompts now, the line at or under which `me` holds back; 0: never)."""
     tokens = [w.mean_tokens for w in (me, *others) if w.mean_tokens]
-    now = time.time() if now is None else now
-    unsent = me.queued + sum(unsent_now(w, now) for w in others)
+    unsent = me.queued + sum(unsent_now(w) for w in others)
     if not me.token_s or not tokens:
         return unsent, 0.0  # nothing measured yet
     mean = sum(tokens) / len(tokens)
@@ -285,9 +284,9 @@ def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
     return unsent, faster * SPREAD
 
 
-def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> bool:
+def hold_back(me: WorkerStatus, others: list[WorkerStatus]) -> bool:
     """Whether `me` should start nothing new (`me.queued` taken as of now)."""
-    unsent, line = tail_line(me, others, now)
+    unsent, line = tail_line(me, others)
     return 0 < unsent <= line
 
 
