@@ -187,8 +187,7 @@ class Engine:
             if self.stopping.requested >= 2:
                 await self.batches.hand_back_all("stopping now")
                 break
-            # Paused fleet-wide, what it holds cannot finish: once its requests in flight are done and
-            # recorded, it goes back to the queue (hand_back_all below), for whoever runs after the resume.
+            # Paused fleet-wide, what it holds cannot finish: once quiet it goes back to the queue (below).
             if (self.gate.draining or self.stopping.requested) and (idle or quiet and self.gate.paused_all):
                 break
             if self.opts.burst and self.intake.exhausted and idle and await self._burst_done():

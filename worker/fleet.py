@@ -38,6 +38,10 @@ FIELDS = ("port", "gpu")  # the only substitutions in --launch and --server-url
 HAS_MODULE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
 STAND_IN = "without the server installed here, `--launch \"genq sim --port {port}\"` stands in for one (docs/fleet.md)"
 STABLE_AFTER = 600.0  # the restart limit is for crash loops, not for a server that fails once a day
+SIGNALLED = ("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop after "
+             "their worker. Send again to stop the workers now, a third time to kill everything.",
+             "%s again: workers stop now, handing unfinished batches back",
+             "%s a third time: killing workers and servers")
 
 
 class FleetError(Exception):
@@ -424,13 +428,8 @@ async def run_fleet(opts: FleetOptions) -> int:
 
     def on_signal(sig: int) -> None:
         nonlocal signals
-        signals, name = signals + 1, signal.Signals(sig).name
-        if signals == 1:
-            log.info("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop "
-                     "after their worker. Send again to stop the workers now, a third time to kill everything.", name)
-        else:
-            log.info("%s again: workers stop now, handing unfinished batches back" if signals == 2 else
-                     "%s a third time: killing workers and servers", name)
+        signals += 1
+        log.info(SIGNALLED[min(signals, 3) - 1], signal.Signals(sig).name)
         for _, _, worker, server in slots:
             worker.stop(signals)
             if signals >= 3 and server is not None:

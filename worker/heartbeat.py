@@ -56,8 +56,7 @@ class IdlePace:
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
         self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
-        # A WAKE message that says batches were queued, or a shard written after failing (worker/intake.py).
-        self.queued = queued or asyncio.Event()
+        self.queued = queued or asyncio.Event()  # a WAKE: batches queued; or a shard written after failing
         self.open_work = False  # some job has a batch not done (the reconciler's last pass): not idle
         self.announced_at = 0.0
         self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
@@ -97,8 +96,7 @@ class IdlePace:
             left = (looked + IDLE_LOOK_S if self.idle() else start + seconds) - now
             if left <= 0:
                 return False
-            if self.woken.is_set():
-                # Woken too soon after the last look: sleep (waiting on the set event would spin).
+            if self.woken.is_set():  # too soon after the last look: sleep (a wait on the set event would spin)
                 await asyncio.sleep(min(left, looked + WOKEN_LOOK_S - now))
             else:
                 await wait_event(self.woken, min(left, 1.0))
@@ -182,9 +180,7 @@ class Heartbeat:
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
-        # One beat at a time, and none after the last ("stopped"): a beat of the loop landing after it
-        # would leave a status with a TTL, and the worker read as lost once it expired.
-        self._writing = asyncio.Lock()
+        self._writing = asyncio.Lock()  # one beat at a time, none after "stopped" (its TTLs would read as lost)
         self._stopped = self._beaten = False  # _beaten: a beat of this life has landed
 
     def _sample_gpu(self) -> None:  # a thread: NVML can block
@@ -214,24 +210,25 @@ class Heartbeat:
         tick = time.monotonic()
         while True:
             await wait_event(self.pace.beat_now, BEAT_S)
-            # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             last_tick, tick = tick, time.monotonic()
-            if tick - last_tick > LEASE_TIMEOUT_S:
+            if tick - last_tick > LEASE_TIMEOUT_S:  # the loop itself did not run (SIGSTOP, a stalled host)
                 log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
                             tick - last_tick)
             if not self.pace.beat_due():
                 continue
             try:
                 await self.beat()
-                # A control changed: the status just written is stale (an idle engine's next beat is 20 s away).
                 if await self.gate.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
-                    self.pace.beat_now.set()
-                # Redis restarted or failed over (a snapshot, a lagging replica): it may hold a lease of ours that
-                # another engine's written shard superseded. Nothing is sent until the check looked in the output.
-                run_id = await self._run_id()
-                if run_id != self.run_id:
+                    self.pace.beat_now.set()  # a control changed: the status just written is stale
+                try:
+                    run_id = (await self.conn.info("server")).get("run_id")
+                except redis.ResponseError:  # INFO not allowed (renamed in some managed Redis): no restart seen
+                    run_id = self.run_id
+                # Redis restarted or failed over: it may hold a lease of ours that another engine's written shard
+                # superseded. Nothing is sent until the check looked in the output.
+                if restarted := run_id != self.run_id:
                     self.gate.last_beat = float("-inf")
-                await self.batches.check_leases(run_id != self.run_id)
+                await self.batches.check_leases(restarted)
                 self.run_id = run_id
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.gate.leases_checked()
@@ -239,12 +236,6 @@ class Heartbeat:
                 self._answered()
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
-
-    async def _run_id(self) -> str | None:
-        try:
-            return (await self.conn.info("server")).get("run_id")
-        except redis.ResponseError:  # INFO not allowed (renamed in some managed Redis): no restart seen
-            return self.run_id
 
     def _failed(self, exc: BaseException) -> None:
         """A beat failed (Redis away or refusing writes): said at once, then every REDIS_NOTE_EVERY_S."""

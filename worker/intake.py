@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import msgspec
 import redis
@@ -107,10 +107,9 @@ class Shares:
         if self.head is not None and self.head not in self.sched:
             self.sched[self.head] = (await ledger_jobs.jobs_now(self.conn, [self.head]))[0].schedule
 
-    def wants_head(self, low: int = 1) -> bool:
-        """Whether the queue's next batch should be taken now although --prefetch are held: it outranks what
-        waits here, or ties it with fewer than `low` waiting (taken only once dry, the second of two equal jobs
-        started 38% of the prompts, tests/test_scheduling.py). What waits is counted only once the head is known."""
+    def wants_head(self, low: int) -> bool:
+        """Whether the queue's next batch is taken now although --prefetch are held: it outranks what waits here, or
+        ties it with fewer than `low` waiting (taken only once dry, the second of two equal jobs got 38%)."""
         if self.head is None or not (waiting := self.batches.todo.by_job()):
             return False
         best = max(self.priority(j) for j in waiting)
@@ -295,8 +294,7 @@ class Stealer:
         self.conn, self.name, self.instance, self.queue_key = batches.conn, batches.worker, batches.instance, queue_key
         self.batches, self.held, self.dispatcher, self.gate = batches, batches.held, dispatcher, dispatcher.gate
         self.pace = pace  # an idle stealer naps (worker/heartbeat.py)
-        # Prompts of batches looked at, by batch, job incarnation and settings version.
-        self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
+        self._batches: dict[tuple[BatchRef, str, int], list[Prompt] | None] = {}  # by batch, incarnation, settings
         self._hold_since: float | None = None  # monotonic: when this hold began
         self._hold_limit_s = HOLD_MIN_S
         self._given_up = False  # held back past its limit: not again while this engine holds anything
@@ -394,14 +392,14 @@ class Stealer:
             except Exception as exc:  # unreadable or changed input: its holder deals with it
                 log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
-            while len(self._batches) > BATCHES_CACHED:
-                self._batches.popitem(last=False)
+            if len(self._batches) > BATCHES_CACHED:  # the oldest read goes
+                del self._batches[next(iter(self._batches))]
         return self._batches[cached]
 
     async def tail(self) -> None:
         """Decide the hold (see the module docstring) and act on it."""
         d, active = self.dispatcher, self.held.active()
-        self._near = self._near and active and not self._given_up
+        self._near = False  # _decide says
         since = d.watch.down_since  # down past DOWN_GRACE_S: its prompts are better sent anywhere else
         down = since is not None and time.monotonic() - since > DOWN_GRACE_S
         try:
@@ -448,7 +446,6 @@ class Stealer:
         return True
 
     async def _decide(self) -> bool:
-        self._near = False
         if await self.conn.llen(self.queue_key):
             return False
         statuses = [s for s in (await fleet.statuses(self.conn)).values() if s is not None]
