@@ -1,7 +1,6 @@
 """`genq worker --gpus`: one worker per GPU (GPU i of the list on port base_port + i) and (--launch) its
 server, each leading a session of its own, restarted after 1 s doubling to 60 s, given up after --max-restarts
-in a row. PR_SET_PDEATHSIG and a guard beside each server's group end them when the fleet dies, even by SIGKILL.
-"""
+in a row. PR_SET_PDEATHSIG and a guard beside each server's group end them when the fleet dies, even by SIGKILL."""
 
 from __future__ import annotations
 

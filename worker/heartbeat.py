@@ -1,7 +1,6 @@
 """The engine's heartbeat (alive, what it holds, how fast it goes), then the controls and the lease check.
 Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work) it beats every IDLE_BEAT_S and steals
-every IDLE_LOOK_S: under one Redis command a second (0.72 today); a WAKE message ends its waits.
-"""
+every IDLE_LOOK_S: under one Redis command a second (0.72 today); a WAKE message ends its waits."""
 
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ class IdlePace:
         self.busy_at = time.monotonic()
         self.last_beat = 0.0
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
-        self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
         self.queued = queued or asyncio.Event()  # a WAKE: batches queued; or a shard written after failing
         self.open_work = False  # some job has a batch not done (the reconciler's last pass): not idle
@@ -177,6 +175,7 @@ class Heartbeat:
         self.run_id: str | None = None  # Redis's (INFO): another one is a restart or a failover
         self._next_note = 0.0  # seconds into the outage when the next warning is due
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
+        self._workers_set_at = -WORKERS_SET_EVERY_S  # when it was last added to genq:workers
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
@@ -322,8 +321,8 @@ class Heartbeat:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
         now, pace = time.time(), self.pace
-        if member := time.monotonic() - pace.workers_set_at >= WORKERS_SET_EVERY_S:
-            pace.workers_set_at = time.monotonic()
+        if member := time.monotonic() - self._workers_set_at >= WORKERS_SET_EVERY_S:
+            self._workers_set_at = time.monotonic()
         async with self.conn.pipeline(transaction=False) as pipe:
             jobs = set(by_job) | set(queued) | self.held.jobs()
             fleet.stage_beat(pipe, status, self.instance, pace.ttl(LEASE_TIMEOUT_S), pace.ttl(STATUS_TTL_S),

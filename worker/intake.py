@@ -140,7 +140,7 @@ def run_batch(job: str, batch_id: str) -> None:
 
 class Intake:
     def __init__(self, opts: WorkerOptions, batches: Batches, dispatcher: Dispatcher, shares: Shares) -> None:
-        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, batches.instance
+        self.conn, self.opts, self.instance = batches.conn, opts, batches.instance
         self.batches, self.held = batches, batches.held  # loads what is taken
         self.dispatcher, self.shares = dispatcher, shares  # whether the engine takes new work; priorities
         self.queued = batches.written_again  # set too by the wake listener when batches are queued
@@ -149,7 +149,7 @@ class Intake:
         self._foreign_at = float("-inf")  # when the skip list was read,
         self._foreign_model: str | None = None  # and under which model the server served
         self._take = self.conn.register_script(scripts.TAKE)
-        self._rq = rq_worker(self.sync_conn, self.instance)
+        self._rq = rq_worker(batches.sync_conn, self.instance)
 
     def wants_batch(self) -> bool:
         base, held = self.opts.loops, len(self.held)
