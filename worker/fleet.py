@@ -185,6 +185,7 @@ class Child:
             while not self._stop.is_set():
                 started = time.monotonic()
                 self.starts += 1
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)  # its log and pid file, each start
                 why = await (self._server_once() if self.health else self._worker_once())
                 if why is None or self._stop.is_set():
                     return
@@ -229,7 +230,6 @@ class Child:
         self.proc = proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20, preexec_fn=_term_on_parent_death)
-        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
         self.pid_path.write_text(f"{proc.pid}\n")
         return proc
 
@@ -263,7 +263,6 @@ class Child:
         return None
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:  # to its log and, named, to our stderr
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             while True:
                 try:
@@ -280,7 +279,6 @@ class Child:
 
     async def _server_once(self) -> str | None:
         assert self.health is not None
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n=== genq: start #{self.starts} of the {self.label} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                        f"{' '.join(self.argv)}\n".encode())
