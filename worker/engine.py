@@ -41,8 +41,8 @@ from genq.worker.server import ServerClient, ServerInfo
 
 log = logging.getLogger("genq.worker")
 
-STOP_NOW_S = 5.0  # told to stop now, the shutdown goes on while Redis answers a PING (within PING_S) asked this often,
-STOP_NOW_MAX_S = 30.0  # for up to this (a Redis that answers pings but never takes the hand-back)
+STOP_NOW_S = 5.0  # told to stop now, it goes on while Redis answers a PING (within PING_S) asked this often...
+STOP_NOW_MAX_S = 30.0  # ...for up to this (a Redis that answers pings but never takes the hand-back)
 PING_S = 1.0
 EXIT_BY_S = 10.0  # then the process ends itself: a thread blocked on a frozen Redis would hold its exit
 LOOK_S = 0.5  # how often the shutdown is looked at

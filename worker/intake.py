@@ -24,7 +24,6 @@ import redis.asyncio as aioredis
 from genq.core import scripts
 from genq.core.ledger import fleet, leasing
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger.jobs import job_names, jobs_now
 from genq.core.queueing import batch_of_description, rq_worker
 from genq.core.records import BatchRef, BatchSource, JobConfig, JobSchedule, Prompt, WorkerStatus, unpack
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
@@ -214,7 +213,7 @@ class Intake:
         return True
 
     async def _load(self, token: str, ref: BatchRef) -> None:
-        config = (await jobs_now(self.conn, [ref.job]))[0].config
+        config = (await ledger_jobs.jobs_now(self.conn, [ref.job]))[0].config
         if await self.batches.renewed(ref, token, config):
             return
         if config is not None and (config := await self.dispatcher.watch.admit(config)) is None:  # `auto` pinned
@@ -229,8 +228,8 @@ class Intake:
         model = self.dispatcher.watch.model
         if model == self._foreign_model and time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
-        jobs = sorted(await job_names(self.conn))
-        self.foreign = {job for job, now in zip(jobs, await jobs_now(self.conn, jobs))
+        jobs = sorted(await ledger_jobs.job_names(self.conn))
+        self.foreign = {job for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs))
                         if now.config is not None and not self.dispatcher.watch.takes(now.config)}
         self._foreign_at, self._foreign_model = time.monotonic(), model
 
@@ -379,8 +378,7 @@ class Stealer:
                  if now.config is not None and not now.paused
                  for batch, holder in now.leases.items()
                  if holder and holder != self.instance and BatchRef(job, batch) not in self.held]
-        random.shuffle(found)
-        found.sort(key=lambda f: -f[0])
+        found.sort(key=lambda f: (-f[0], random.random()))
         return [(ref, holder, config) for _, ref, holder, config in found]
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
