@@ -72,7 +72,7 @@ def test_a_beat_under_way_when_the_worker_stops_lands_before_stopped_and_none_af
             release = conn.hold = asyncio.Event()
             beat = asyncio.create_task(heartbeat.beat())  # the loop's beat, held before it writes
             await conn.holding.wait()
-            stopping.finish()
+            stopping.requested = 1
             stop = asyncio.create_task(heartbeat.stopped())
             while not stop.done() and not waits_for_a_lock(stop):  # its Redis commands answered meanwhile
                 await asyncio.sleep(0.01)

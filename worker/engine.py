@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from genq.core.ledger import Reconciler
 from genq.core.queueing import rq_queue
-from genq.core.redisconn import connect, connect_async, describe_error, mask_url
+from genq.core.redisconn import connect, connect_async, describe_error, mask_url, refusal
 from genq.core.timings import RECONCILE_EVERY_S
 from genq.core.words import plural
 from genq.ops.control import blocked_jobs
@@ -32,7 +32,7 @@ from genq.worker.batches import Batches
 from genq.worker.controller import ConcurrencyController, Running
 from genq.worker.dispatch import Dispatcher
 from genq.worker.gate import Gate, ServerStartTimeout, ServerWatch
-from genq.worker.heartbeat import Heartbeat, IdlePace, WakeListener
+from genq.worker.heartbeat import IDLE_MAINTENANCE_S, Heartbeat, IdlePace, WakeListener
 from genq.worker.held import Holdings
 from genq.worker.intake import Intake, Shares, Stealer
 from genq.worker.options import WorkerOptions, default_worker_name
@@ -41,10 +41,8 @@ from genq.worker.server import ServerClient, ServerInfo
 
 log = logging.getLogger("genq.worker")
 
-# The shutdown goes on while Redis answers a PING within PING_S, asked every STOP_NOW_S, for up to
-# STOP_NOW_MAX_S (a Redis that answers pings but never takes the hand-back).
-STOP_NOW_S = 5.0
-STOP_NOW_MAX_S = 30.0
+STOP_NOW_S = 5.0  # told to stop now, it goes on while Redis answers a PING (within PING_S) asked this often...
+STOP_NOW_MAX_S = 30.0  # ...for up to this (a Redis that answers pings but never takes the hand-back)
 PING_S = 1.0
 EXIT_BY_S = 10.0  # then the process ends itself: a thread blocked on a frozen Redis would hold its exit
 LOOK_S = 0.5  # how often the shutdown is looked at
@@ -56,9 +54,6 @@ class StopNow:
         self.requested = 0  # 1: finish what is held, then exit; 2: stop now (a second signal, the grace over)
         self.since: float | None = None  # monotonic: when the worker was told to stop now
         self.without_redis = False  # the shutdown was given up: Redis did not answer, or took too long
-
-    def finish(self) -> None:
-        self.requested = max(self.requested, 1)
 
     def start(self) -> None:
         self.requested = 2
@@ -137,9 +132,12 @@ class Engine:
         self.wake_listener = WakeListener(opts.redis_url, self.pace, asyncio.get_running_loop())
 
     async def run(self) -> int:
-        if (failed := await self.heartbeat.unreachable()) is not None:
-            await self.client.close()
-            raise SystemExit(describe_error(self.opts.redis_url, failed))
+        try:
+            await self.redis.ping()
+        except (redis.RedisError, OSError) as exc:  # one refusing writes (MISCONF): the first beat waits for it
+            if not refusal(exc):
+                await self.client.close()
+                raise SystemExit(describe_error(self.opts.redis_url, exc)) from None
         await self.heartbeat.check_name_free()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -189,8 +187,7 @@ class Engine:
             if self.stopping.requested >= 2:
                 await self.batches.hand_back_all("stopping now")
                 break
-            # Paused fleet-wide, what it holds cannot finish: once its requests in flight are done and
-            # recorded, it goes back to the queue (hand_back_all below), for whoever runs after the resume.
+            # Paused fleet-wide, what it holds cannot finish: once quiet it goes back to the queue (below).
             if (self.gate.draining or self.stopping.requested) and (idle or quiet and self.gate.paused_all):
                 break
             if self.opts.burst and self.intake.exhausted and idle and await self._burst_done():
@@ -210,7 +207,7 @@ class Engine:
     async def maintain(self) -> None:
         """Each worker takes its turn at the ledger's reconciler: stranded batches requeued (by TTLs, not clocks)."""
         while True:
-            await asyncio.sleep(self.pace.maintenance_every(RECONCILE_EVERY_S))
+            await asyncio.sleep(IDLE_MAINTENANCE_S if self.pace.idle() else RECONCILE_EVERY_S)
             try:
                 await asyncio.to_thread(self.outputs.pass_once)
                 outlook = await asyncio.to_thread(self.reconciler.pass_once)
@@ -232,7 +229,7 @@ class Engine:
 
     def _on_signal(self, sig: int) -> None:
         if not self.stopping.requested:
-            self.stopping.finish()
+            self.stopping.requested = 1
             log.info("%s: finishing held batches (up to %.0fs), then exiting; send again to stop now",
                      signal.Signals(sig).name, self.opts.grace_period)
             asyncio.get_running_loop().call_later(self.opts.grace_period, self._grace_expired)

@@ -1,7 +1,6 @@
 """`genq worker --gpus`: one worker per GPU (GPU i of the list on port base_port + i) and (--launch) its
 server, each leading a session of its own, restarted after 1 s doubling to 60 s, given up after --max-restarts
-in a row. PR_SET_PDEATHSIG and a guard beside each server's group end them when the fleet dies, even by SIGKILL.
-"""
+in a row. PR_SET_PDEATHSIG and a guard beside each server's group end them when the fleet dies, even by SIGKILL."""
 
 from __future__ import annotations
 
@@ -38,6 +37,10 @@ FIELDS = ("port", "gpu")  # the only substitutions in --launch and --server-url
 HAS_MODULE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
 STAND_IN = "without the server installed here, `--launch \"genq sim --port {port}\"` stands in for one (docs/fleet.md)"
 STABLE_AFTER = 600.0  # the restart limit is for crash loops, not for a server that fails once a day
+SIGNALLED = ("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop after "
+             "their worker. Send again to stop the workers now, a third time to kill everything.",
+             "%s again: workers stop now, handing unfinished batches back",
+             "%s a third time: killing workers and servers")
 
 
 class FleetError(Exception):
@@ -96,11 +99,9 @@ def launch_argv(command: str, *, port: int, gpu: int) -> list[str]:
 def launch_problem(argv: list[str]) -> str | None:
     """Why argv cannot run here (said once, not after --max-restarts per GPU): a program not on PATH, or
     `python -m PACKAGE` where that python has no PACKAGE (found without importing it: no CUDA touched)."""
-    program = argv[0]
-    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
-    if found is None:
-        return (None if os.sep in program
-                else f"--launch: {program!r} is not a command on this machine's PATH; {STAND_IN}")
+    if (found := shutil.which(argv[0])) is None:  # a path is only checked: its launch says what is wrong
+        return (None if os.sep in argv[0]
+                else f"--launch: {argv[0]!r} is not a command on this machine's PATH; {STAND_IN}")
     if not os.path.basename(found).startswith("python") or len(argv) < 3 or argv[1] != "-m":
         return None
     package = argv[2].split(".")[0]
@@ -158,9 +159,8 @@ def signal_group(pid: int, sig: int) -> None:
 
 
 class Child:
-    """A GPU's `genq worker`, restarted unless it exits 0 (drained, --burst, stopped); or, with `health`,
-    its server, restarted when it exits, never answers /health within health.start, or fails it for
-    health.unhealthy (its output goes to its log only)."""
+    """A GPU's `genq worker`, restarted unless it exits 0; or, with `health`, its server (output to its log only),
+    restarted when it exits, never answers /health within health.start, or fails it for health.unhealthy."""
 
     def __init__(self, label: str, argv: list[str], env: dict[str, str], files: Path, max_restarts: int,
                  health: HealthTimeouts | None = None, url: str = "") -> None:
@@ -185,6 +185,7 @@ class Child:
             while not self._stop.is_set():
                 started = time.monotonic()
                 self.starts += 1
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)  # its log and pid file, each start
                 why = await (self._server_once() if self.health else self._worker_once())
                 if why is None or self._stop.is_set():
                     return
@@ -229,7 +230,6 @@ class Child:
         self.proc = proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **self.env}, start_new_session=True, limit=1 << 20, preexec_fn=_term_on_parent_death)
-        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
         self.pid_path.write_text(f"{proc.pid}\n")
         return proc
 
@@ -263,7 +263,6 @@ class Child:
         return None
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:  # to its log and, named, to our stderr
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             while True:
                 try:
@@ -280,7 +279,6 @@ class Child:
 
     async def _server_once(self) -> str | None:
         assert self.health is not None
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n=== genq: start #{self.starts} of the {self.label} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                        f"{' '.join(self.argv)}\n".encode())
@@ -297,10 +295,11 @@ class Child:
         log.info("%s: started pid %d (log %s)", self.label, proc.pid, self.log_path)
         client, t, started = ServerClient(self.url), self.health, time.monotonic()
         ended, stopped = asyncio.ensure_future(proc.wait()), asyncio.ensure_future(self._stop.wait())
-        healthy = ever_healthy = False
+        ever_healthy = False
         bad_since: float | None = None
         try:  # until it must be started again (or stopped)
             while True:
+                healthy = ever_healthy and bad_since is None
                 await asyncio.wait([ended, stopped], timeout=t.interval if healthy else min(1.0, t.interval),
                                    return_when=asyncio.FIRST_COMPLETED)
                 if stopped.done():
@@ -313,13 +312,12 @@ class Child:
                     if not healthy:
                         log.info("%s: healthy%s", self.label,
                                  " again" if ever_healthy else f" after {now - started:.1f}s")
-                    healthy = ever_healthy = True
-                    bad_since = None
+                    ever_healthy, bad_since = True, None
                 elif not ever_healthy:
                     if now - started > t.start:
                         return f"no healthy answer on /health within {t.start:.0f}s of start"
                 elif bad_since is None:
-                    bad_since, healthy = now, False
+                    bad_since = now
                     log.warning("%s: /health is failing", self.label)
                 elif now - bad_since >= t.unhealthy:
                     return f"/health failing for {now - bad_since:.0f}s"
@@ -366,9 +364,8 @@ def last_words(log_path: Path, limit: int = 240) -> str:
 
 
 def guard(pgid: int, stop_s: float) -> None:
-    """Beside a server, in a session of its own, reading a pipe from the fleet: "done" means the group is
-    gone; the pipe ending without it means the fleet died: SIGTERM to the group, SIGKILL after stop_s.
-    (PR_SET_PDEATHSIG reaches only the process the fleet started, not a server under a shell.)"""
+    """Beside a server, reading a pipe from the fleet: "done", the group is gone; the pipe ending without it, the
+    fleet died (PR_SET_PDEATHSIG misses a server under a shell): SIGTERM to the group, SIGKILL after stop_s."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # only the pipe ends the guard
         signal.signal(sig, signal.SIG_IGN)
     if sys.stdin.buffer.read() == b"done\n":
@@ -386,8 +383,7 @@ def guard(pgid: int, stop_s: float) -> None:
 def plan(opts: FleetOptions) -> list[tuple[int, str, Child, Child | None]]:
     """One (gpu, server URL, worker, launched server) per GPU, every setting checked before anything starts."""
     check_template(opts.server_url, "--server-url")
-    first = launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0] if opts.gpus else 0) if opts.launch else None
-    if first is not None and (problem := launch_problem(first)):
+    if opts.launch and (problem := launch_problem(launch_argv(opts.launch, port=opts.base_port, gpu=opts.gpus[0]))):
         raise FleetError(problem)
     last = opts.base_port + len(opts.gpus) - 1
     if not 1 <= opts.base_port or last > 65535:
@@ -429,13 +425,8 @@ async def run_fleet(opts: FleetOptions) -> int:
 
     def on_signal(sig: int) -> None:
         nonlocal signals
-        signals, name = signals + 1, signal.Signals(sig).name
-        if signals == 1:
-            log.info("%s: each worker finishes its held batches (up to its --grace-period) and exits; servers stop "
-                     "after their worker. Send again to stop the workers now, a third time to kill everything.", name)
-        else:
-            log.info("%s again: workers stop now, handing unfinished batches back" if signals == 2 else
-                     "%s a third time: killing workers and servers", name)
+        signals += 1
+        log.info(SIGNALLED[min(signals, 3) - 1], signal.Signals(sig).name)
         for _, _, worker, server in slots:
             worker.stop(signals)
             if signals >= 3 and server is not None:

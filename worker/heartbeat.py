@@ -1,7 +1,6 @@
 """The engine's heartbeat (alive, what it holds, how fast it goes), then the controls and the lease check.
 Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work) it beats every IDLE_BEAT_S and steals
-every IDLE_LOOK_S: under one Redis command a second (0.72, 2026-12-07); a WAKE message ends its waits.
-"""
+every IDLE_LOOK_S: under one Redis command a second (0.72 today); a WAKE message ends its waits."""
 
 from __future__ import annotations
 
@@ -54,10 +53,8 @@ class IdlePace:
         self.busy_at = time.monotonic()
         self.last_beat = 0.0
         self.idle_keys = False  # the last beat wrote every key with IDLE_TTL_S (ttl() while idle)
-        self.workers_set_at = -WORKERS_SET_EVERY_S
         self.woken = asyncio.Event()  # a WAKE message
-        # A WAKE message that says batches were queued, or a shard written after failing (worker/intake.py).
-        self.queued = queued or asyncio.Event()
+        self.queued = queued or asyncio.Event()  # a WAKE: batches queued; or a shard written after failing
         self.open_work = False  # some job has a batch not done (the reconciler's last pass): not idle
         self.announced_at = 0.0
         self.beat_now = asyncio.Event()  # the heartbeat beats at once (a woken stealer wants a fresh lease check)
@@ -84,9 +81,6 @@ class IdlePace:
         self.idle_keys = self.idle_keys and idle
         return IDLE_TTL_S if idle else busy_ttl
 
-    def maintenance_every(self, busy_s: float) -> float:
-        return IDLE_MAINTENANCE_S if self.idle() else busy_s
-
     async def nap(self, seconds: float, looked: float | None = None) -> bool:
         """The stealer's wait: `seconds`, or while idle IDLE_LOOK_S after its last look (`looked`, monotonic);
         True when a WAKE message ends it, WOKEN_LOOK_S after the look at the soonest."""
@@ -100,17 +94,15 @@ class IdlePace:
             left = (looked + IDLE_LOOK_S if self.idle() else start + seconds) - now
             if left <= 0:
                 return False
-            if self.woken.is_set():
-                # Woken too soon after the last look: sleep (waiting on the set event would spin).
+            if self.woken.is_set():  # too soon after the last look: sleep (a wait on the set event would spin)
                 await asyncio.sleep(min(left, looked + WOKEN_LOOK_S - now))
             else:
                 await wait_event(self.woken, min(left, 1.0))
 
-    async def fresh_beat(self, controls: Gate, within: float = 3.0) -> None:
-        """Asks the heartbeat for a beat now (its lease check included) and waits for it."""
-        before = controls.last_beat
+    async def fresh_beat(self, controls: Gate) -> None:
+        """Asks the heartbeat for a beat now (its lease check included) and waits for it, 3 s at most."""
+        before, deadline = controls.last_beat, time.monotonic() + 3.0
         self.beat_now.set()
-        deadline = time.monotonic() + within
         while controls.last_beat == before and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
@@ -127,33 +119,29 @@ class IdlePace:
                 log.debug("wake-up not sent: %s", exc)
 
 
-class WakeListener:
-    """Sets the pace's `queued`, `beat_now` (a control changed) or `woken` on each WAKE message, from a
-    thread reading WAKE_READ_S at a time (an asyncio read cancelled at exit once hung a --burst worker): a
-    stopping worker waits that long for it, at most."""
+class WakeListener(threading.Thread):
+    """Sets the pace's `queued`, `beat_now` (a control changed) or `woken` on each WAKE message, reading
+    WAKE_READ_S at a time (an asyncio read cancelled at exit can hang): a stopping worker waits that long at most."""
 
     def __init__(self, redis_url: str, pace: IdlePace, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(name="genq-wake", daemon=True)
         self._conn = connect(redis_url)  # a client of its own (Sentinel too): its pool makes connections lazily
         self._conn.connection_pool.connection_kwargs["health_check_interval"] = 0
         self.pace, self.loop = pace, loop
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="genq-wake", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
+        self._done = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._done.set()
+        if self.is_alive():
+            self.join(timeout=5)
         self._conn.close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self) -> None:
+        while not self._done.is_set():
             pubsub = self._conn.pubsub(ignore_subscribe_messages=True)
             try:
                 says = fleet.listen_for_wakes(pubsub)
-                while not self._stop.is_set():
+                while not self._done.is_set():
                     message = pubsub.get_message(timeout=WAKE_READ_S)
                     if message and message.get("type") == "message":
                         event = {"control": self.pace.beat_now, "queued": self.pace.queued,
@@ -161,7 +149,7 @@ class WakeListener:
                         self.loop.call_soon_threadsafe(event.set)
             except (redis.RedisError, OSError) as exc:
                 log.debug("wake-up channel: %s", exc)
-                self._stop.wait(1.0)
+                self._done.wait(1.0)
             except RuntimeError:  # the engine's loop is closed: it has exited
                 return
             finally:
@@ -187,26 +175,17 @@ class Heartbeat:
         self.run_id: str | None = None  # Redis's (INFO): another one is a restart or a failover
         self._next_note = 0.0  # seconds into the outage when the next warning is due
         self._inflight_jobs: set[str] = set()  # jobs whose InFlight record the last beat wrote
+        self._workers_set_at = -WORKERS_SET_EVERY_S  # when it was last added to genq:workers
         self._figures_of: tuple[str, str] | None = None  # (server, model) whose decode figures it keeps
         self.tallies: dict[str, decodebound.Tally] = {}  # per job: its decode against the bound (WorkerStatus)
         self._tallied_at = time.monotonic()
-        # One beat at a time, and none after the last ("stopped"): a beat of the loop landing after it
-        # would leave a status with a TTL, and the worker read as lost once it expired.
-        self._writing = asyncio.Lock()
+        self._writing = asyncio.Lock()  # one beat at a time, none after "stopped" (its TTLs would read as lost)
         self._stopped = self._beaten = False  # _beaten: a beat of this life has landed
 
     def _sample_gpu(self) -> None:  # a thread: NVML can block
         while not self._gpu_stop.is_set():
             self.gpu_sample = self.gpu.sample()
             self._gpu_stop.wait(GPU_EVERY_S)
-
-    async def unreachable(self) -> Exception | None:
-        """Why Redis does not answer at the start, or None: one refusing writes (MISCONF) first_beat waits for."""
-        try:
-            await self.conn.ping()
-        except (redis.RedisError, OSError) as exc:
-            return None if refusal(exc) else exc
-        return None
 
     async def first_beat(self) -> None:
         """The start's beat, waited for (Redis full or restarting), after what Redis's settings mean for genq."""
@@ -230,24 +209,25 @@ class Heartbeat:
         tick = time.monotonic()
         while True:
             await wait_event(self.pace.beat_now, BEAT_S)
-            # Frozen: this loop itself did not run (SIGSTOP, a stalled host); not a beat that failed.
             last_tick, tick = tick, time.monotonic()
-            if tick - last_tick > LEASE_TIMEOUT_S:
+            if tick - last_tick > LEASE_TIMEOUT_S:  # the loop itself did not run (SIGSTOP, a stalled host)
                 log.warning("this engine was frozen for %.0fs: checking its leases before sending more",
                             tick - last_tick)
             if not self.pace.beat_due():
                 continue
             try:
                 await self.beat()
-                # A control changed: the status just written is stale (an idle engine's next beat is 20 s away).
                 if await self.gate.read(sorted(self.held.jobs() | set(self.dispatcher.todo.parked))):
-                    self.pace.beat_now.set()
-                # Redis restarted or failed over (a snapshot, a lagging replica): it may hold a lease of ours that
-                # another engine's written shard superseded. Nothing is sent until the check looked in the output.
-                run_id = await self._run_id()
-                if run_id != self.run_id:
+                    self.pace.beat_now.set()  # a control changed: the status just written is stale
+                try:
+                    run_id = (await self.conn.info("server")).get("run_id")
+                except redis.ResponseError:  # INFO not allowed (renamed in some managed Redis): no restart seen
+                    run_id = self.run_id
+                # Redis restarted or failed over: it may hold a lease of ours that another engine's written shard
+                # superseded. Nothing is sent until the check looked in the output.
+                if restarted := run_id != self.run_id:
                     self.gate.last_beat = float("-inf")
-                await self.batches.check_leases(run_id != self.run_id)
+                await self.batches.check_leases(restarted)
                 self.run_id = run_id
                 await self.pace.announce(self.conn)  # unsent prompts: idle workers may take some
                 self.gate.last_beat = time.monotonic()
@@ -255,12 +235,6 @@ class Heartbeat:
                 self._answered()
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
-
-    async def _run_id(self) -> str | None:
-        try:
-            return (await self.conn.info("server")).get("run_id")
-        except redis.ResponseError:  # INFO not allowed (renamed in some managed Redis): no restart seen
-            return self.run_id
 
     def _failed(self, exc: BaseException) -> None:
         """A beat failed (Redis away or refusing writes): said at once, then every REDIS_NOTE_EVERY_S."""
@@ -347,8 +321,8 @@ class Heartbeat:
             by_job.setdefault(task.batch.ref.job, []).append(task.progress.tokens)
         queued = self.dispatcher.todo.by_job()
         now, pace = time.time(), self.pace
-        if member := time.monotonic() - pace.workers_set_at >= WORKERS_SET_EVERY_S:
-            pace.workers_set_at = time.monotonic()
+        if member := time.monotonic() - self._workers_set_at >= WORKERS_SET_EVERY_S:
+            self._workers_set_at = time.monotonic()
         async with self.conn.pipeline(transaction=False) as pipe:
             jobs = set(by_job) | set(queued) | self.held.jobs()
             fleet.stage_beat(pipe, status, self.instance, pace.ttl(LEASE_TIMEOUT_S), pace.ttl(STATUS_TTL_S),

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import msgspec
 import redis
@@ -24,7 +24,6 @@ import redis.asyncio as aioredis
 from genq.core import scripts
 from genq.core.ledger import fleet, leasing
 from genq.core.ledger import jobs as ledger_jobs
-from genq.core.ledger.jobs import job_names, jobs_now
 from genq.core.queueing import batch_of_description, rq_worker
 from genq.core.records import BatchRef, BatchSource, JobConfig, JobSchedule, Prompt, WorkerStatus, unpack
 from genq.core.timings import BEAT_S, LEASE_TIMEOUT_S
@@ -107,10 +106,9 @@ class Shares:
         if self.head is not None and self.head not in self.sched:
             self.sched[self.head] = (await ledger_jobs.jobs_now(self.conn, [self.head]))[0].schedule
 
-    def wants_head(self, low: int = 1) -> bool:
-        """Whether the queue's next batch should be taken now although --prefetch are held: it outranks what
-        waits here, or ties it with fewer than `low` waiting (taken only once dry, the second of two equal jobs
-        started 38% of the prompts, tests/test_scheduling.py). What waits is counted only once the head is known."""
+    def wants_head(self, low: int) -> bool:
+        """Whether the queue's next batch is taken now although --prefetch are held: it outranks what waits here, or
+        ties it with fewer than `low` waiting (taken only once dry, the second of two equal jobs got 38%)."""
         if self.head is None or not (waiting := self.batches.todo.by_job()):
             return False
         best = max(self.priority(j) for j in waiting)
@@ -141,7 +139,7 @@ def run_batch(job: str, batch_id: str) -> None:
 
 class Intake:
     def __init__(self, opts: WorkerOptions, batches: Batches, dispatcher: Dispatcher, shares: Shares) -> None:
-        self.conn, self.sync_conn, self.opts, self.instance = batches.conn, batches.sync_conn, opts, batches.instance
+        self.conn, self.opts, self.instance = batches.conn, opts, batches.instance
         self.batches, self.held = batches, batches.held  # loads what is taken
         self.dispatcher, self.shares = dispatcher, shares  # whether the engine takes new work; priorities
         self.queued = batches.written_again  # set too by the wake listener when batches are queued
@@ -150,7 +148,7 @@ class Intake:
         self._foreign_at = float("-inf")  # when the skip list was read,
         self._foreign_model: str | None = None  # and under which model the server served
         self._take = self.conn.register_script(scripts.TAKE)
-        self._rq = rq_worker(self.sync_conn, self.instance)
+        self._rq = rq_worker(batches.sync_conn, self.instance)
 
     def wants_batch(self) -> bool:
         base, held = self.opts.loops, len(self.held)
@@ -215,7 +213,7 @@ class Intake:
         return True
 
     async def _load(self, token: str, ref: BatchRef) -> None:
-        config = (await jobs_now(self.conn, [ref.job]))[0].config
+        config = (await ledger_jobs.jobs_now(self.conn, [ref.job]))[0].config
         if await self.batches.renewed(ref, token, config):
             return
         if config is not None and (config := await self.dispatcher.watch.admit(config)) is None:  # `auto` pinned
@@ -230,8 +228,8 @@ class Intake:
         model = self.dispatcher.watch.model
         if model == self._foreign_model and time.monotonic() - self._foreign_at < FOREIGN_EVERY_S:
             return
-        jobs = sorted(await job_names(self.conn))
-        self.foreign = {job for job, now in zip(jobs, await jobs_now(self.conn, jobs))
+        jobs = sorted(await ledger_jobs.job_names(self.conn))
+        self.foreign = {job for job, now in zip(jobs, await ledger_jobs.jobs_now(self.conn, jobs))
                         if now.config is not None and not self.dispatcher.watch.takes(now.config)}
         self._foreign_at, self._foreign_model = time.monotonic(), model
 
@@ -259,19 +257,18 @@ HOLD_REQUESTS = 3.0
 DOWN_GRACE_S = LEASE_TIMEOUT_S  # a server down this long: its prompts go as a lost worker's would
 
 
-def unsent_now(w: WorkerStatus, now: float) -> float:
+def unsent_now(w: WorkerStatus) -> float:
     """w's unsent prompts now: its beat's count less what it sent since, at slots / L_w."""
     if w.state != "busy" or not w.token_s or not w.mean_tokens or not w.concurrency_target or not w.in_flight:
         return w.queued
-    age = min(max(0.0, now - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
+    age = min(max(0.0, time.time() - w.heartbeat_at), 2 * BEAT_S)  # clocks of other hosts: a beat or two at most
     return max(0.0, w.queued - age * w.concurrency_target / (w.mean_tokens * w.token_s))
 
 
-def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> tuple[float, float]:
+def tail_line(me: WorkerStatus, others: list[WorkerStatus]) -> tuple[float, float]:
     """(the fleet's unsent prompts now, the line at or under which `me` holds back; 0: never)."""
     tokens = [w.mean_tokens for w in (me, *others) if w.mean_tokens]
-    now = time.time() if now is None else now
-    unsent = me.queued + sum(unsent_now(w, now) for w in others)
+    unsent = me.queued + sum(unsent_now(w) for w in others)
     if not me.token_s or not tokens:
         return unsent, 0.0  # nothing measured yet
     mean = sum(tokens) / len(tokens)
@@ -285,9 +282,9 @@ def tail_line(me: WorkerStatus, others: list[WorkerStatus], now: float | None = 
     return unsent, faster * SPREAD
 
 
-def hold_back(me: WorkerStatus, others: list[WorkerStatus], now: float | None = None) -> bool:
+def hold_back(me: WorkerStatus, others: list[WorkerStatus]) -> bool:
     """Whether `me` should start nothing new (`me.queued` taken as of now)."""
-    unsent, line = tail_line(me, others, now)
+    unsent, line = tail_line(me, others)
     return 0 < unsent <= line
 
 
@@ -296,8 +293,7 @@ class Stealer:
         self.conn, self.name, self.instance, self.queue_key = batches.conn, batches.worker, batches.instance, queue_key
         self.batches, self.held, self.dispatcher, self.gate = batches, batches.held, dispatcher, dispatcher.gate
         self.pace = pace  # an idle stealer naps (worker/heartbeat.py)
-        # Prompts of batches looked at, by batch, job incarnation and settings version.
-        self._batches: OrderedDict[tuple[BatchRef, str, int], list[Prompt] | None] = OrderedDict()
+        self._batches: dict[tuple[BatchRef, str, int], list[Prompt] | None] = {}  # by batch, incarnation, settings
         self._hold_since: float | None = None  # monotonic: when this hold began
         self._hold_limit_s = HOLD_MIN_S
         self._given_up = False  # held back past its limit: not again while this engine holds anything
@@ -382,8 +378,7 @@ class Stealer:
                  if now.config is not None and not now.paused
                  for batch, holder in now.leases.items()
                  if holder and holder != self.instance and BatchRef(job, batch) not in self.held]
-        random.shuffle(found)
-        found.sort(key=lambda f: -f[0])
+        found.sort(key=lambda f: (-f[0], random.random()))
         return [(ref, holder, config) for _, ref, holder, config in found]
 
     async def _batch(self, ref: BatchRef, config: JobConfig) -> list[Prompt] | None:
@@ -396,14 +391,14 @@ class Stealer:
             except Exception as exc:  # unreadable or changed input: its holder deals with it
                 log.debug("not taking from batch %s: its input cannot be read (%s)", ref, exc)
             self._batches[cached] = loaded
-            while len(self._batches) > BATCHES_CACHED:
-                self._batches.popitem(last=False)
+            if len(self._batches) > BATCHES_CACHED:  # the oldest read goes
+                del self._batches[next(iter(self._batches))]
         return self._batches[cached]
 
     async def tail(self) -> None:
         """Decide the hold (see the module docstring) and act on it."""
         d, active = self.dispatcher, self.held.active()
-        self._near = self._near and active and not self._given_up
+        self._near = False  # _decide says
         since = d.watch.down_since  # down past DOWN_GRACE_S: its prompts are better sent anywhere else
         down = since is not None and time.monotonic() - since > DOWN_GRACE_S
         try:
@@ -450,7 +445,6 @@ class Stealer:
         return True
 
     async def _decide(self) -> bool:
-        self._near = False
         if await self.conn.llen(self.queue_key):
             return False
         statuses = [s for s in (await fleet.statuses(self.conn)).values() if s is not None]

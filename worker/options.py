@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-DEFAULT_PREFETCH = 2  # genq worker --prefetch: batches held at least (the current one and the next)
-
 
 @dataclass
 class WorkerOptions:
@@ -19,7 +17,7 @@ class WorkerOptions:
     model_bytes: float | None = None  # --model-bytes: the weights, where the server does not publish them
     concurrency: int | None = None  # None: auto, from the server's capacity
     burst: bool = False
-    loops: int = DEFAULT_PREFETCH  # --prefetch: batches held at least (worker/intake.py)
+    loops: int = 2  # --prefetch: batches held at least, the current one and the next (worker/intake.py)
     stream: bool = True
     request_timeout: float = 3600.0
     stall_timeout: float = 300.0
@@ -40,8 +38,7 @@ def default_worker_name(host: str, gpu: int | None, server_url: str) -> str:
 
 
 def server_url_problem(url: str) -> str | None:
-    """Why `url` cannot be a server's address, or None (without http://, 127.0.0.1:30000 would be
-    taken for a scheme and a path)."""
+    """Why `url` cannot be a server's address, or None (without http://, 127.0.0.1:30000 reads as scheme and path)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         return f"{url!r} has no http:// or https:// in front: give e.g. http://{url.split('://')[-1]}"
@@ -56,12 +53,10 @@ def server_url_problem(url: str) -> str | None:
     return None
 
 
-# A worker's name names its Redis connection (RQ's doing): Redis refuses a space or non-printable ASCII.
-NAME_CHARS = "! to ~ (printable ASCII, no spaces)"
-
-
 def name_problem(name: str, option: str) -> str | None:
-    """Why `name` (given as `option`) cannot name a worker, or None."""
+    """Why `name` (given as `option`) cannot name a worker, or None: it names its Redis connection (RQ's doing),
+    and Redis refuses a space or non-printable ASCII there."""
     if name and all("!" <= c <= "~" for c in name):
         return None
-    return f"{option} {name!r}: a worker name may hold only the characters {NAME_CHARS}, as a Redis client name"
+    return (f"{option} {name!r}: a worker name may hold only the characters ! to ~ (printable ASCII, no spaces), "
+            "as a Redis client name")

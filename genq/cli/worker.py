@@ -12,7 +12,7 @@ import click
 from click.core import ParameterSource
 
 from genq.cli import Finite, concurrency, redis_url
-from genq.worker.options import DEFAULT_PREFETCH, WorkerOptions, name_problem, server_url_problem
+from genq.worker.options import WorkerOptions, name_problem, server_url_problem
 
 # The worker's defaults are WorkerOptions' own: one definition, shown by --help.
 DEFAULTS = WorkerOptions(redis_url="", server_url="")
@@ -77,7 +77,7 @@ def _checked_server(ctx: click.Context, param: click.Parameter, value: str | Non
 @click.option("--host", help="Host name to report. [default: this machine's]")
 @opt("--concurrency", type=concurrency, metavar="auto|N", default="auto", help="Requests in flight: auto, or a cap.")
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty and nothing is in flight.")
-@opt("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULT_PREFETCH, help="Least batches held at once.")
+@opt("--prefetch", "loops", type=click.IntRange(1, 16), default=DEFAULTS.loops, help="Least batches held at once.")
 @opt("--stream/--no-stream", default=True, help="Stream responses.")
 @click.option("--max-attempts", type=click.IntRange(1, 100), help="Attempts per prompt. [default: the job's, 5]")
 @opt("--request-timeout", type=Finite(1), default=DEFAULTS.request_timeout, help="Seconds per request.")
