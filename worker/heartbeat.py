@@ -1,6 +1,6 @@
 """The engine's heartbeat (alive, what it holds, how fast it goes), then the controls and the lease check.
 Idle (nothing held, running or borrowed for IDLE_AFTER_S, no open work) it beats every IDLE_BEAT_S and steals
-every IDLE_LOOK_S: under one Redis command a second (0.72 today); a WAKE message ends its waits."""
+every IDLE_LOOK_S: under one Redis command a second (0.72, 2026-12-07); a WAKE message ends its waits."""
 
 from __future__ import annotations
 
