@@ -103,9 +103,9 @@ def samples(config: JobConfig, prompt: Prompt) -> int:
 
 
 class ServerClient:
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, *, connections: int = 4096) -> None:
         self.base_url = base_url.rstrip("/")
-        self.pool = Http1Pool(URL(self.base_url), 4096)  # idle connections kept
+        self.pool = Http1Pool(URL(self.base_url), connections)  # `connections`: idle ones kept
 
     async def close(self) -> None:
         self.pool.close()
