@@ -3,12 +3,13 @@ decoding), or the workers' own rates with `--once`; a server's step cost a + b d
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from genq.core.ledger.figures import JobSnapshot
+from genq.core.ledger.figures import JobSnapshot, WorkerCounters
 from genq.core.records import DecodeBin
 from genq.monitor.eta import Speed
 
@@ -34,7 +35,7 @@ class RateTracker:
     def __init__(self, window_s: float = 120.0) -> None:
         self.window_s = window_s
         self.samples: deque[Sample] = deque()
-        self._out: dict[str, tuple[float, float]] = {}  # worker -> (read time, out_tok then)
+        self._known: dict[str, list[tuple[float, int, float | None]]] = {}  # worker -> (read time, out_tok, last_at)
         self.snap: JobSnapshot | None = None
 
     def observe(self, snap: JobSnapshot) -> None:
@@ -55,18 +56,33 @@ class RateTracker:
         generated = 0.0
         stamps: list[float] = []
         for w in snap.workers:
-            out_now: float = w.counters.out_tok
-            prev = self._out.get(w.name)
-            self._out[w.name] = (snap.at, out_now)
+            at = snap.at
             if w.live and w.inflight is not None:
                 at = min(w.inflight.at, snap.at)
-                if prev is not None and snap.at > prev[0]:
-                    out_now = prev[1] + (out_now - prev[1]) * max(0.0, (at - prev[0]) / (snap.at - prev[0]))
                 generated += sum(w.running_tokens)
                 stamps.append(at)
-            generated += out_now
+            generated += self._out_at(w.name, w.counters, snap.at, at)
         return Sample(sum(stamps) / len(stamps) if stamps else snap.at, snap.at, round(generated), snap.completed,
                       snap.decoding, sum(1 for w in snap.live if w.decoding), snap.slots, snap.paused)
+
+    def _out_at(self, name: str, c: WorkerCounters, read_at: float, at: float) -> float:
+        """A worker's finished tokens at `at` from its reads over the window (and 0 at its first request):
+        a read's out_tok from its last result on, else interpolated from the reads either side."""
+        pts = self._known.setdefault(name, [])
+        if pts and c.out_tok < pts[-1][1]:  # counters went backwards: the job was reset
+            pts.clear()
+        if not pts and c.first_at is not None and c.first_at < read_at:
+            pts.append((c.first_at, 0, None))
+        if not pts or read_at > pts[-1][0]:
+            pts.append((read_at, c.out_tok, c.last_at))
+        while len(pts) > 2 and pts[1][0] < read_at - self.window_s:
+            pts.pop(0)
+        i = bisect.bisect_left(pts, at, key=lambda p: p[0])  # at <= read_at: pts[i] is there
+        t1, out1, last_at = pts[i]
+        if i == 0 or (last_at is not None and at >= last_at):
+            return out1
+        t0, out0, _ = pts[i - 1]
+        return out0 + (out1 - out0) * (at - t0) / (t1 - t0)
 
     def speed(self) -> Speed | None:
         """Tokens generated over request-seconds decoding, over the intervals with requests decoding."""

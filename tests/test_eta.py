@@ -590,3 +590,53 @@ def test_rates_after_a_resume_leave_the_pause_out() -> None:
     assert speed is not None
     assert tracker.prompts_per_s() == pytest.approx(20, rel=0.1)
     assert speed.tokens_per_s == pytest.approx(3700, rel=0.1)
+
+
+def test_the_first_tokens_per_second_is_right_with_workers_beating_out_of_phase() -> None:
+    """Two workers, each 37 requests at 100 tok/s (7400 tok/s in all), publish their in-flight lists
+    once a second, half a second apart, and commit each result as it ends; the monitor reads every
+    0.5 s from a moment mid-run. A list predates results counted since: their tokens are running in
+    it and finished too. The first reading (two samples) is the fleet's 7400 at any phase. The tokens
+    finished at the first list's time are in no record: interpolated from the worker's first request,
+    the reading spreads by about a beat's results either way. Taken as of the read, it was 0 to 7,200."""
+    from genq.core.ledger.figures import WorkerCounters
+    from genq.core.records import InFlight
+    from genq.monitor.rates import RateTracker
+
+    def requests(rng: random.Random) -> list[tuple[float, float, int]]:
+        """One worker's requests (start, end, tokens): 37 slots since t=-30, each refilled as its request ends."""
+        made = []
+        for _ in range(37):
+            at = -30 - 8 * rng.random()
+            while at < 30:
+                n = max(1, round(rng.lognormvariate(math.log(400), 0.5)))
+                made.append((at, at + n / 100, n))
+                at += n / 100
+        return made
+
+    def read(name: str, made: list[tuple[float, float, int]], read_at: float, beat: float):
+        """A worker as the monitor reads it at read_at: results counted as they ended, its in-flight list of `beat`."""
+        ended = [(e, n) for _, e, n in made if e <= read_at]
+        view = replace(template.workers[0], name=name, counters=WorkerCounters(
+            done=len(ended), out_tok=sum(n for _, n in ended), first_at=-38.0, last_at=max(e for e, _ in ended)))
+        view.inflight = InFlight(worker=name, job="j", at=beat, queued=10,
+                                 tokens=[int(100 * (beat - s)) for s, e, _ in made if s <= beat < e])
+        return view
+
+    template = _snapshot(0.0, 0, 0.0, [], done=0)
+    rng = random.Random(7)
+    readings = []
+    for _ in range(40):
+        fleet = [requests(rng), requests(rng)]
+        tracker = RateTracker(window_s=60)
+        first = 20 + rng.random()  # the monitor's first read, at any phase of the beats
+        for read_at in (first, first + 0.5):
+            beats = (math.floor(read_at), math.floor(read_at - 0.5) + 0.5)  # on the second, on the half
+            workers = [read(f"w{i}", fleet[i], read_at, beats[i]) for i in range(2)]
+            tracker.observe(replace(template, at=read_at, workers=workers,
+                                    completed=sum(w.counters.done for w in workers)))
+        speed = tracker.speed()
+        assert speed is not None
+        readings.append(speed.tokens_per_s)
+    assert statistics.mean(readings) == pytest.approx(7400, rel=0.1), sorted(readings)
+    assert statistics.quantiles(readings, n=4) == pytest.approx([7400] * 3, rel=0.25), sorted(readings)
