@@ -41,9 +41,9 @@ def gate_first_write(monkeypatch, arrived: threading.Event, second_done: threadi
                                                   else (store.uri_root, endpoint_url))))
 
 
-def race(monkeypatch, first, second) -> None:
+def race(monkeypatch, first, second, gate=gate_first_write) -> None:
     arrived, done = threading.Event(), threading.Event()
-    gate_first_write(monkeypatch, arrived, done)
+    gate(monkeypatch, arrived, done)
     errors: list[BaseException] = []
 
     def run(fn, name: str) -> None:
@@ -124,3 +124,28 @@ def test_jobs_set_settings_and_schedule_at_once_both_reach_job_json(monkeypatch,
     back = rebuilt_after_flushall(rconn, out)
     assert (back.config.max_tokens, back.config.settings_version) == (20, 2), back.config
     assert back.record.schedule is not None and back.record.schedule.priority == 5, back.record.schedule
+
+
+def gate_first_pause(monkeypatch, arrived: threading.Event, second_done: threading.Event) -> None:
+    """Thread "first" (a `pause --job`) waits for the second writer as it looks its job up to number the pause."""
+    looked_up = control.load_config
+
+    def held(conn: redis.Redis, job: str):
+        if threading.current_thread().name == "first" and not arrived.is_set():
+            arrived.set()
+            second_done.wait(30)
+        return looked_up(conn, job)
+
+    monkeypatch.setattr(control, "load_config", held)
+
+
+def test_a_pause_and_a_resume_at_once_leave_redis_and_job_json_agreeing(monkeypatch, redis_url, rconn, tmp_path):
+    """Each `pause --job` and `resume --job` numbers its change (the schedule's version) with its change in Redis:
+    job.json keeps the highest, so Redis and job.json agree, and a job rebuilt after FLUSHALL is in Redis's state."""
+    out = str(tmp_path / "out")
+    make_job(redis_url, tmp_path, out)
+    race(monkeypatch, lambda: control.pause(rconn, "rj"), lambda: control.resume(rconn, "rj"), gate_first_pause)
+    now, on_disk = ledger_jobs.jobs_now(rconn, ["rj"])[0], truth.read_job(truth.open_store(out), "rj")
+    assert (now.paused, now.schedule.version) == (on_disk.paused, on_disk.schedule.version), (now, on_disk)
+    rebuilt_after_flushall(rconn, out)
+    assert ledger_jobs.jobs_now(rconn, ["rj"])[0].paused is now.paused

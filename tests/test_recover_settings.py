@@ -268,6 +268,30 @@ def test_a_paused_job_comes_back_paused(redis_url, rconn, tmp_path):
     assert json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
 
 
+def test_a_pause_job_could_not_write_reaches_job_json_once_it_can(redis_url, rconn, tmp_path):
+    """`genq pause --job` where job.json cannot be written stays in force, and the catch-up (recover's, every
+    worker's maintenance pass) or the next `jobs set --priority` writes it there once it can: a job rebuilt after
+    a FLUSHALL comes back paused. The same for `resume --job`."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_prompts(src, N)
+    run_genq(*enqueue_args(src, out, 64), redis_url=redis_url)
+    for verb, paused, then in (("pause", True, ("recover", "--job", "st")),
+                               ("resume", False, ("jobs", "set", "st", "--priority", "2"))):
+        (out / "st").rename(tmp_path / "elsewhere")
+        (out / "st").write_text("not a folder")
+        run_genq(verb, "--job", "st", redis_url=redis_url)
+        (out / "st").unlink()
+        (tmp_path / "elsewhere").rename(out / "st")  # the output is back
+        run_genq(*then, redis_url=redis_url)
+        on_disk = json.loads((out / "st" / "job.json").read_text())
+        assert on_disk.get("paused", False) is paused, (verb, then, on_disk)
+        assert json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"][
+            "paused"] is paused, (verb, then)
+    rconn.flushall()
+    run_genq("recover", "--job", "st", "--output", str(out), redis_url=redis_url)
+    assert not json.loads(run_genq("jobs", "show", "st", "--json", redis_url=redis_url).stdout)["row"]["paused"]
+
+
 def test_the_same_enqueue_with_a_priority_after_a_flushall_sets_it(redis_url, rconn, sim, procs, tmp_path):
     """A finished job Redis lost, taken up by the same enqueue with --priority: nothing is queued, and the
     priority asked for is stored all the same (the job existed: it was not created by this enqueue)."""

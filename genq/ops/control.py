@@ -152,18 +152,23 @@ def pause(conn: redis.Redis, job: str | None = None) -> None:
         ledger_jobs.pause(conn)
         suspend_loops(conn)  # as `rq suspend`: no engine (TAKE) and no stock RQ worker takes a new batch
     else:  # its batches leave RQ's queue and its workers park theirs: their slots go to other jobs
-        ledger_jobs.pause(conn, job)
+        schedule = ledger_jobs.change_schedule(conn, job, numbered, paused=True)
         leasing.unqueue(conn, job)
-        keep_paused(conn, job, True)
+        keep_paused(conn, job, True, schedule)
     ledger_fleet.tell_idle_workers(conn)
 
 
-def keep_paused(conn: redis.Redis, job: str, paused: bool) -> None:
-    """job.json says whether the job is paused (numbered as a schedule change), so a job rebuilt from its output
-    comes back so. Written after Redis: a pause must work while the output is unreachable (said on stderr)."""
+def numbered(schedule: JobSchedule) -> JobSchedule:
+    """A pause or resume of the job is a schedule change: the next version (docs/recovery.md)."""
+    return msgspec.structs.replace(schedule, version=schedule.version + 1)
+
+
+def keep_paused(conn: redis.Redis, job: str, paused: bool, schedule: JobSchedule) -> None:
+    """job.json says whether the job is paused as of `schedule`, so a job rebuilt from its output comes back so;
+    an older version never over a newer one. Written after Redis: a pause must work while the output is
+    unreachable (said on stderr; the next catch-up writes it, settings_from_output)."""
     if (config := load_config(conn, job)) is None:
         return
-    schedule = ledger_jobs.change_schedule(conn, job, lambda s: msgspec.structs.replace(s, version=s.version + 1))
     store = truth.open_store(config.output, config.s3_endpoint_url)
     try:
         truth.update_job(store, job, lambda record: msgspec.structs.replace(record, paused=paused, schedule=schedule)
@@ -184,9 +189,10 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
             suspend_loops(pipe, suspended=False)
             pipe.execute()
     else:
-        if queued := leasing.resume_job(conn, job):
+        queued, schedule = leasing.resume_job(conn, job, numbered)
+        if queued:
             order_queue(conn)  # queued at the front: in priority order again (genq.core.order)
-        keep_paused(conn, job, False)
+        keep_paused(conn, job, False, schedule)
     ledger_fleet.tell_idle_workers(conn)
     return queued
 
@@ -310,11 +316,19 @@ def set_schedule(conn: redis.Redis, job: str, priority: int | None, weight: floa
     writable(conn)
     if (config := load_config(conn, job)) is None:
         raise Refused(f"no job named {job!r} (or it has no stored settings)")
-    return order.set_schedule(conn, job, priority, weight, keep=lambda new: write_settings(conn, config, new))
+    return order.set_schedule(conn, job, priority, weight, keep=lambda new: write_settings(
+        conn, config, new, pause_of(ledger_jobs.jobs_now(conn, [job])[0])))  # a pause comes under WATCH: read again
 
 
-def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule | None = None) -> None:
-    """OUTPUT/JOB/job.json with `config`, or only with `schedule` (the rest kept), or Refused."""
+def pause_of(now: ledger_jobs.JobNow) -> bool | None:
+    """The job's pause as job.json keeps it: `pause --job`'s, not a block's (None: job.json's own kept)."""
+    return None if now.blocked else now.paused
+
+
+def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule | None = None,
+                   paused: bool | None = None) -> None:
+    """OUTPUT/JOB/job.json with `config`, or only with `schedule` and the pause of its version (the rest kept),
+    or Refused."""
     store = truth.open_store(config.output, config.s3_endpoint_url)
 
     def change(record: JobRecord | None) -> JobRecord:
@@ -322,7 +336,7 @@ def write_settings(conn: redis.Redis, config: JobConfig, schedule: JobSchedule |
             record = JobRecord(config=config, reserved=ledger_jobs.last_batch_number(conn, config.name))
         if schedule is not None:  # never an older one over a newer one: writers race (truth.update_job)
             return record if record.schedule and record.schedule.version > schedule.version else \
-                msgspec.structs.replace(record, schedule=schedule)
+                msgspec.structs.replace(record, schedule=schedule, paused=record.paused if paused is None else paused)
         return msgspec.structs.replace(record, config=truth.newer_config(config, record.config))
 
     try:
@@ -354,14 +368,17 @@ def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord
     now = ledger_jobs.jobs_now(conn, [config.name])[0]
     stored, kept = now.schedule, record.schedule
     if stored.version > (kept.version if kept else -1) and (kept or stored != JobSchedule()):
-        write_settings(conn, config, stored)
+        write_settings(conn, config, stored, pause_of(now))  # and its pause: `pause --job` could not write it
     elif kept and kept.version > stored.version:  # and the pause or resume of that version (keep_paused)
-        ledger_jobs.change_schedule(conn, config.name, lambda now: kept if now.version < kept.version else now)
-        if record.paused and not now.paused:
-            ledger_jobs.pause(conn, config.name)
-            leasing.unqueue(conn, config.name)
-        elif now.paused and not record.paused and now.blocked is None:
-            leasing.resume_job(conn, config.name)
+        def newest(now: JobSchedule) -> JobSchedule:
+            return kept if now.version < kept.version else now
+
+        if now.paused and not record.paused and now.blocked is None:
+            leasing.resume_job(conn, config.name, newest)
+        else:  # a blocked job stays so
+            ledger_jobs.change_schedule(conn, config.name, newest, record.paused or (None if now.blocked else False))
+            if record.paused and not now.paused:
+                leasing.unqueue(conn, config.name)
         order_queue(conn)
     on_disk = record.config
     if on_disk.settings_version < config.settings_version:

@@ -35,7 +35,7 @@ class JobNow:
 def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases: bool = False) -> Any:
     """Each job's JobNow, in order, in one round trip; on an asyncio client, an awaitable of it."""
     jobs = list(jobs)
-    pipe = conn.pipeline(transaction=False)
+    pipe = conn.pipeline()  # MULTI: a pause and its schedule's version read as one (genq.ops.control.pause)
     for job in jobs:
         pipe.get(keys.job_config(job))
         pipe.get(keys.job_blocked(job))
@@ -104,21 +104,27 @@ def stage_schedule(pipe: Pipeline, job: str, schedule: JobSchedule) -> None:
     pipe.set(keys.job_schedule(job), pack(schedule))
 
 
-def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T]) -> T:
-    """Store change(read(the stored bytes)) under `key` under WATCH; `change` may raise to store nothing, or
-    return what it was given: nothing to store."""
+def change_record(conn: redis.Redis, key: str, read: Callable[[bytes | None], R], change: Callable[[R], T],
+                  also: Callable[[Pipeline], object] = lambda pipe: None) -> T:
+    """Store change(read(the stored bytes)) under `key` under WATCH, with what `also` stages in the same
+    transaction; `change` may raise to store nothing, or return what it was given: nothing to store."""
     def store(pipe: Pipeline) -> T:
         new = change(old := read(pipe.get(key)))
         pipe.multi()
         if new is not old:
             pipe.set(key, pack(new))
+            also(pipe)
         return new
 
     return conn.transaction(store, key, value_from_callable=True)
 
 
-def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule], JobSchedule]) -> JobSchedule:
-    return change_record(conn, keys.job_schedule(job), schedule_of, change)
+def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule], JobSchedule],
+                    paused: bool | None = None) -> JobSchedule:
+    """The job's schedule changed; paused True/False: the job paused or not in the same transaction (its block
+    left), so that Redis's pauses and resumes come in the order of their versions, as job.json keeps them."""
+    return change_record(conn, keys.job_schedule(job), schedule_of, change, also=lambda pipe: None if paused is None
+                         else pause(pipe, job) if paused else pipe.delete(keys.job_paused(job)))
 
 
 def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | None], JobConfig]) -> JobConfig:

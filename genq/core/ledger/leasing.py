@@ -4,6 +4,7 @@ or blocked job's batch until `genq resume --job`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -15,7 +16,7 @@ from genq.core import keys
 from genq.core.ledger import forget_rq_job, lease_holder, lease_token
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.queueing import carried, enqueue_batch_jobs, fetch_rq_jobs, rq_queue
-from genq.core.records import BatchRef, JobConfig, unpack
+from genq.core.records import BatchRef, JobConfig, JobSchedule, unpack
 from genq.core.scripts import RQ_EXECUTION
 
 
@@ -137,14 +138,19 @@ def unqueue(conn: redis.Redis, job: str) -> int:
     return len(gone)
 
 
-def resume_job(conn: redis.Redis, job: str) -> int:
-    """Lift the job's block and pause and queue every batch of it not done that no RQ job carries (parked),
-    in one transaction: a Redis refusing writes takes none of it (a full one refuses every command inside
-    MULTI), and no worker takes such a batch while the job still reads paused, to park it again. How many
-    were queued; under WATCH, none twice."""
-    transport = keys.job_transport(job)
+def resume_job(conn: redis.Redis, job: str,
+               change: Callable[[JobSchedule], JobSchedule]) -> tuple[int, JobSchedule]:
+    """Lift the job's block and pause, store change(its schedule) and queue every batch of it not done that no
+    RQ job carries (parked), in one transaction: a Redis refusing writes takes none of it (a full one refuses
+    every command inside MULTI), no worker takes such a batch while the job still reads paused, to park it
+    again, and the resume is in Redis in its version's order (ledger_jobs.change_schedule); nothing if `change`
+    keeps the schedule. How many were queued (under WATCH, none twice) and the schedule."""
+    transport, at = keys.job_transport(job), keys.job_schedule(job)
 
-    def queue(pipe: Pipeline) -> int:
+    def queue(pipe: Pipeline) -> tuple[int, JobSchedule]:
+        if (schedule := change(old := ledger_jobs.schedule_of(pipe.get(at)))) is old:
+            pipe.multi()  # a newer change is in Redis already: it stands
+            return 0, old
         batches = [b.decode() for b in pipe.zrange(keys.job_batches(job), 0, -1)]
         done = {b.decode() for b in pipe.smembers(keys.job_done(job))}
         pending = [b for b in batches if b not in done]
@@ -152,8 +158,9 @@ def resume_job(conn: redis.Redis, job: str) -> int:
         parked = [b for b, t in zip(pending, carried) if t is None and pipe.exists(keys.batch(job, b))]
         pipe.multi()
         ledger_jobs.resume(pipe, job)
+        ledger_jobs.stage_schedule(pipe, job, schedule)
         if parked:
             enqueue_batch_jobs(pipe, conn, [(job, b, 0) for b in parked], at_front=True)
-        return len(parked)
+        return len(parked), schedule
 
-    return int(conn.transaction(queue, transport, keys.job_done(job), value_from_callable=True))
+    return conn.transaction(queue, transport, keys.job_done(job), at, value_from_callable=True)
