@@ -73,7 +73,8 @@ async def metrics(http: aiohttp.ClientSession) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name_labels, value = line.rsplit(" ", 1)
-            values[name_labels.split("{")[0]] = float(value)
+            name = name_labels.split("{")[0]
+            values[name] = values.get(name, 0.0) + float(value)  # its series summed, as genq reads them
     return values
 
 

@@ -52,7 +52,7 @@ def server_figures(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("sglang:"):
             name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
-            out[name] = value
+            out[name] = out.get(name, 0.0) + value  # its series summed, as genq reads them
     return out
 
 

@@ -207,7 +207,6 @@ async def test_client_disconnect_frees_slot(sim: SimServer, http: aiohttp.Client
         status, _ = await post(http, chat("short", max_tokens=5))
         assert status == 200
     m = await metrics(http)
-    assert m["sglang:num_aborted_requests_total"] == 2
     assert m["sglang:num_running_reqs"] == 0
     stats = await sim_stats(http)
     assert stats["aborted_requests"] == 2

@@ -20,6 +20,7 @@ from tests.sim_client import (
     health_becomes,
     metrics,
     post,
+    sim_stats,
     sse_events,
     wait_for_metric,
     with_sim,
@@ -55,16 +56,15 @@ async def test_reset_rate_drops_connections(sim: SimServer, http: aiohttp.Client
             async for line in resp.content:
                 got += line
     assert b'"role":"assistant"' in got and b"[DONE]" not in got
-    m = await metrics(http)
-    assert m["sglang:num_aborted_requests_total"] == 2 and m["sglang:num_running_reqs"] == 0
+    assert sim.engine.totals["aborted_requests"] == 2 and (await metrics(http))["sglang:num_running_reqs"] == 0
 
 
 @with_sim(hang_rate=1.0, max_running_requests=1)
 async def test_hang_until_client_leaves(sim: SimServer, http: aiohttp.ClientSession) -> None:
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(post(http, chat("stuck", max_tokens=1000)), timeout=0.3)
-    m = await wait_for_metric(http, "sglang:num_running_reqs", 0)
-    assert m["sglang:num_aborted_requests_total"] == 1
+    await wait_for_metric(http, "sglang:num_running_reqs", 0)
+    assert sim.engine.totals["aborted_requests"] == 1
 
 
 # What each engine sends when a request fails after its stream began (genq/sim/serve.py
@@ -97,7 +97,7 @@ async def _stream_errors(flavor: str, http: aiohttp.ClientSession) -> None:
     status, body = await post(http, chat("whole", max_tokens=400))
     assert status == 500 and "Internal server error (simulated, mid-stream)" in str(body)
     if flavor == "sglang":
-        assert (await metrics(http))["sglang:num_aborted_requests_total"] == 4, "the engine aborted each one"
+        assert (await sim_stats(http))["aborted_requests"] == 4, "the engine aborted each one"
     async with http.post("/sim/faults", json={"stream_error_rate": 0.0}) as resp:
         assert (await resp.json())["stream_error_rate"] == 0.0
     events = await sse_events(http, chat("fine", max_tokens=50, stream=True))

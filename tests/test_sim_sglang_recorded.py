@@ -76,7 +76,8 @@ def stream_shape(events: list[Any]) -> dict[str, Any]:
     ids: dict[str, list[str]] = {"role": [], "finish": []}
     for e in events:
         if e == "[DONE]" or not e["choices"]:
-            tail.append("[DONE]" if e == "[DONE]" else ("usage", e["usage"]["completion_tokens"]))
+            tail.append("[DONE]" if e == "[DONE]" else ("usage", e["usage"]["completion_tokens"],
+                                                        sorted(set(e["usage"]) - {"completion_tokens_details"})))
             continue
         [c] = e["choices"]  # SGLang: one choice a chunk
         delta = c.get("delta", {})
@@ -109,7 +110,8 @@ STREAMS = [(name, tokens) for name in ("chat_stream_logprobs", "completions_stre
 def test_streams_as_recorded(name: str, tokens: int) -> None:
     """Chunk per token, none for EOS in chat (logprob and text left out; usage counts it), the
     completions stream's EOS logprob sent, reasoning_content null in deltas, per-choice ids,
-    finish chunks without usage and matched_stop the EOS token id."""
+    finish chunks without usage, matched_stop the EOS token id, and the usage chunk's keys (no
+    prompt_tokens_details in the completions stream's)."""
     record = recorded(f"{name}_{'eos_first' if tokens == 1 else 'eos_after_3'}")
 
     @with_sim(**SIM, seed=seed_for(record, tokens))
@@ -181,7 +183,7 @@ def test_unknown_model_and_tools_without_a_parser_as_recorded() -> None:
 
 
 def test_info_endpoints_as_recorded() -> None:
-    """What discovery reads: /server_info (and the older name), /v1/models, /metrics names, /health."""
+    """What discovery reads: /server_info (and the older name), /v1/models, /metrics names, /health; a 404."""
     @with_sim(**SIM)
     async def body(sim: Any, http: aiohttp.ClientSession) -> None:
         for name in ("server_info", "get_server_info"):
@@ -193,8 +195,11 @@ def test_info_endpoints_as_recorded() -> None:
                 assert {"weight", "kvcache", "token_capacity"} <= set(state["memory_usage"])
         record, answer = recorded("v1_models"), await replay(http, recorded("v1_models"))
         assert answer["body"]["data"][0]["max_model_len"] == record["body"]["data"][0]["max_model_len"] == 2048
-        for name in ("version", "get_load"):
-            assert (await replay(http, recorded(name)))["status"] == recorded(name)["status"] == 404
+        assert sorted(answer["body"]["data"][0]) == sorted(record["body"]["data"][0])
+        for name in ("version", "get_load"):  # FastAPI's 404: {"detail": "Not Found"}
+            record, answer = recorded(name), await replay(http, recorded(name))
+            assert [(a["status"], a["content_type"].split(";")[0], a.get("body")) for a in (answer, record)] == \
+                [(404, "application/json", {"detail": "Not Found"})] * 2
         record, answer = recorded("health"), await replay(http, recorded("health"))
         assert (answer["status"], answer["text"]) == (record["status"], record["text"]) == (200, "")
         assert answer["seconds"] >= 0.002  # with_sim's 2 ms step: a generation step, not at once
@@ -272,12 +277,22 @@ def label_keys(page: str) -> dict[str, set[tuple[str, ...]]]:
 
 @with_sim(**SIM)
 async def test_metric_labels_as_recorded(sim: Any, http: aiohttp.ClientSession) -> None:
-    """The series genq reads carry SGLang 0.5.23's label keys: the rank labels (and pid on the retracted
-    gauge). The sim's token counters are not split by is_streaming (genq sums the series either way)."""
+    """Every series the sim shows is one of SGLang 0.5.23's, with its label keys: the rank labels on gauges (and
+    pid on the retracted gauge), is_streaming on the counters (genq sums the series); those genq reads among them.
+    The same request streamed and not counts once in each counter's two series, the same prompt and output tokens."""
+    for stream in (True, False):
+        async with http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 4, "stream": stream}) as resp:
+            await resp.read()
     async with http.get("/metrics") as resp:
-        got = label_keys(await resp.text())
+        page = await resp.text()
+    got = label_keys(page)
+    counts = {(name, streamed): float(v) for name, streamed, v in
+              re.findall(r'^sglang:(\w+)\{.*is_streaming="(\w+)".*\} (\S+)$', page, re.M)}
+    names = ("prompt_tokens_total", "generation_tokens_total", "num_requests_total")
+    assert sorted(counts) == sorted((n, s) for n in names for s in ("false", "true"))
+    assert all(counts[n, "true"] == counts[n, "false"] > 0 for n in names) and counts["num_requests_total", "true"] == 1
     want = label_keys(recorded("metrics")["text"])
     read = [n for names in SGLANG.metrics.values() for n in names if n in want]
-    assert len(read) == 5
-    assert {n: got.get(n) for n in read} == {n: {tuple(k for k in keys if k != "is_streaming") for keys in want[n]}
-                                             for n in read}
+    assert len(read) == 5 and set(read) <= set(got)
+    assert got == {n: want.get(n) for n in got}

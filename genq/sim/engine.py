@@ -54,6 +54,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self.stats = new_stats()
         self.totals = dict.fromkeys(_COUNTED, 0)  # Prometheus counters: those of stats, never reset
+        self.streamed = dict.fromkeys(_COUNTED, 0)  # of the totals, streamed requests' (SGLang's is_streaming)
         self.last_gen_throughput = 0.0
         self._tp_since, self._tp_tokens = time.monotonic(), 0
         # The counts as vLLM 0.32's scheduler reports them: make_stats() runs after the step's finished
@@ -75,7 +76,7 @@ class Engine:
         if req in self.running or req in self.waiting:
             self._end(req, "abort")
             req.dropped = dropped
-            self._count("aborted_requests", 1)
+            self._count("aborted_requests", 1, req.stream)
             self._wakeup.set()  # a freed slot may let a waiting request in
 
     def _end(self, req: SimRequest, reason: str) -> None:
@@ -88,9 +89,10 @@ class Engine:
         req.finish_reason = reason
         req.event.set()
 
-    def _count(self, name: str, n: int) -> None:
+    def _count(self, name: str, n: int, streamed: int) -> None:
         self.stats[name] += n
         self.totals[name] += n
+        self.streamed[name] += streamed
 
     def stats_snapshot(self) -> dict[str, Any]:
         now, st, running, waiting = self._account(), self.stats, len(self.running), len(self.waiting)
@@ -147,7 +149,7 @@ class Engine:
             del self.waiting[req]
             self.running[req] = None
             self.used_tokens += req.prompt_tokens
-            self._count("prompt_tokens", req.prompt_tokens)
+            self._count("prompt_tokens", req.prompt_tokens, req.prompt_tokens * req.stream)
             admitted += req.prompt_tokens
             self.stats["first_admit"] = self.stats["first_admit"] or now
             self.stats["max_running"] = max(self.stats["max_running"], len(self.running))
@@ -156,23 +158,24 @@ class Engine:
 
     def _step(self) -> bool:
         """Advance every running request by one step; True if anything changed."""
-        now, st, produced, before = self._account(), self.stats, 0, len(self.running)
+        now, st, produced, streamed, before = self._account(), self.stats, 0, 0, len(self.running)
         for req in list(self.running):
             limit = min([req.target, *(x for x in (req.hang_at, req.drop_at) if x is not None)])
             grew = min(req.generated + self.config.tokens_per_step, limit) - req.generated
             req.generated += grew
             produced += grew
+            streamed += grew * req.stream
             self.used_tokens += grew
             if req.generated >= req.target:
                 self._end(req, "stop" if req.natural_tokens <= req.max_new_tokens else "length")
-                self._count("finished_requests", 1)
+                self._count("finished_requests", 1, req.stream)
                 st["last_finish"] = now
                 st["generated_by_key"][req.key] = st["generated_by_key"].get(req.key, 0) + 1
             elif req.drop_at is not None and req.generated >= req.drop_at:
                 self.abort(req, dropped=True)
             elif grew and req.stream:
                 req.event.set()
-        self._count("generated_tokens", produced)
+        self._count("generated_tokens", produced, streamed)
         if now - self._tp_since >= 1.0:
             self.last_gen_throughput = (self.totals["generated_tokens"] - self._tp_tokens) / (now - self._tp_since)
             self._tp_since, self._tp_tokens = now, self.totals["generated_tokens"]

@@ -362,6 +362,10 @@ class SimServer:
         except (Refusal, msgspec.DecodeError, msgspec.ValidationError) as exc:  # a body it cannot read: a 400
             no = exc if isinstance(exc, Refusal) else Refusal(str(exc))
             return json_response(error_body(self.flavor, no.status, str(no), no.err_type, **no.extra), no.status)
+        except web.HTTPNotFound:  # an unknown path: SGLang's (FastAPI's) 404 is JSON
+            if self.flavor != "sglang":
+                raise
+            return json_response({"detail": "Not Found"}, 404)
         finally:
             self.open_requests -= 1
 
@@ -379,13 +383,19 @@ class SimServer:
     async def metrics(self, request: web.Request) -> web.Response:
         """/metrics in the engine's names: llama.cpp's server-task.cpp (no labels, integer values); vLLM 0.32's
         v1/metrics/loggers.py (counters get _total on the wire; the counts as its last step left them, none deferred);
-        SGLang's metrics/collector.py (0.5.23 has the retracted gauge, with a pid label; the sim never retracts)."""
+        SGLang's metrics/collector.py (0.5.23: counters split by is_streaming; the retracted gauge, with a pid label,
+        the sim never retracts; no aborted counter)."""
         cfg, eng, flavor, totals = self.config, self.engine, self.flavor, self.engine.totals
         usage = eng.used_tokens / cfg.max_total_num_tokens
         label = cfg.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         prompt = ("counter", "prompt_tokens_total", "Number of prefill tokens processed.", totals["prompt_tokens"])
         generated = ("counter", "generation_tokens_total", "Number of generation tokens processed.",
                      totals["generated_tokens"])
+
+        def split(*counts: str) -> dict[str, int]:
+            whole = sum(totals[c] for c in counts) - (streamed := sum(eng.streamed[c] for c in counts))
+            return {',is_streaming="false"': whole, ',is_streaming="true"': streamed}
+
         # Each row: kind, name, help, and its value, or {more labels: value} for several samples.
         tables: dict[str, list[tuple[str, str, str, Any]]] = {
             "llamacpp": [
@@ -412,10 +422,9 @@ class SimServer:
                 ("gauge", "token_usage", "The token usage.", usage),
                 ("gauge", "gen_throughput", "The generation throughput (token/s).", eng.last_gen_throughput),
                 ("gauge", "num_retracted_reqs", "The number of retracted requests.", {f',pid="{os.getpid()}"': 0}),
-                prompt, generated,
+                (*prompt[:3], split("prompt_tokens")), (*generated[:3], split("generated_tokens")),
                 ("counter", "num_requests_total", "Number of requests processed.",
-                 totals["finished_requests"] + totals["aborted_requests"]),
-                ("counter", "num_aborted_requests_total", "Number of requests aborted.", totals["aborted_requests"])]}
+                 split("finished_requests", "aborted_requests"))]}
         labels = {"llamacpp": "", "vllm": f'engine="0",model_name="{label}"',
                   "sglang": f'engine_type="unified",model_name="{label}"'}[flavor]
         rank = ',moe_ep_rank="0",pp_rank="0",tp_rank="0"' if flavor == "sglang" else ""  # on its gauges
@@ -561,7 +570,10 @@ class SimServer:
             # SGLang's finish chunks, and its usage chunk, all carry the id of the last chunk sent.
             tail = [c.finish_chunks(continuous, last_id) for c in choices if sglang and c.chat]
             if options.include_usage:
-                tail.append(sse({**first.head(last_id, []), "usage": first.usage(sum(sent))}))
+                usage = first.usage(sum(sent))
+                if sglang and not first.chat:  # SGLang's completions stream: no prompt_tokens_details here
+                    del usage["prompt_tokens_details"]
+                tail.append(sse({**first.head(last_id, []), "usage": usage}))
             await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
             if self.hold_open:
                 await asyncio.Event().wait()  # till the client closes (handler_cancellation)
@@ -576,7 +588,8 @@ class SimServer:
 def info_endpoints(cfg: SimConfig, engine: Engine) -> dict[str, Callable[[], Any]]:
     """GET path -> its JSON answer, for the flavor."""
     card = {"id": cfg.model_path if cfg.flavor == "llamacpp" else cfg.model_name,  # llama.cpp: the file (--alias)
-            "object": "model", "owned_by": cfg.flavor, "root": cfg.model_path, "max_model_len": cfg.context_length}
+            "object": "model", "owned_by": cfg.flavor, "root": cfg.model_path, "max_model_len": cfg.context_length,
+            **({"parent": None} if cfg.flavor == "sglang" else {})}
     answers: dict[str, Callable[[], Any]] = {
         "/v1/models": lambda: {"object": "list", "data": [{**card, "created": int(time.time())}]},
         "/sim/stats": engine.stats_snapshot}
