@@ -150,6 +150,9 @@ def test_collector_reports_what_redis_holds(rconn) -> None:
     assert m[("genq_job_worker_prompts_completed_total", jw)] == 250
     assert m[("genq_job_worker_output_tokens_total", jw)] == 90_000
     assert m[("genq_job_worker_in_flight", jw)] == 70
+    # Its dead letters still in the DLQ, as the monitor's failed column: a gauge (a requeue or purge lowers it).
+    assert m[("genq_job_worker_prompts_failed", jw)] == 1
+    assert m[("genq_job_worker_prompts_failed", (("job", "exp"), ("worker", "gpu-b")))] == 2
     # Pairs only where the worker worked on the job: not the idle gpu-d, not gpu-e (nothing done).
     pairs = {dict(k[1])["worker"] for k in m if k[0] == "genq_job_worker_in_flight"}
     assert pairs == {"gpu-a", "gpu-b", "gpu-c"}
@@ -369,6 +372,7 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
     assert prom.one(queries["ETA"][0]) == 0
     assert prom.one(queries["Failed"][0]) == 0
     assert prom.one('genq_job_prompts_completed{job="pj"}') == 80
+    assert prom.one('genq_job_worker_prompts_failed{job="pj",worker="pj-w"}') == 0
     assert prom.one('genq_job_output_tokens_total{job="pj"}') == sum(r["usage"]["completion_tokens"] for r in rows)
     assert prom.one('genq_job_shards{job="pj"}') == 5
     batches = [prom.one(e) for e in queries["Batches: written, held, in RQ's queue, elsewhere"]]
