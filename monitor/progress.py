@@ -160,17 +160,17 @@ class Monitor:
             self.redis_note = redis_note_of(self.conn)
             statuses = fleet.statuses(self.conn)
             self.queue.refresh(self.conn)
-            now = time.time()  # a silent worker's last figures are not of now: no verdict from them
+            now = time.time()  # the refresh's one time: every snapshot's, the fleet's, each worker's state
             judged = decodebound.judge({n: s for n, s in statuses.items() if shown_state(s, now) not in DOWN})
             reports, trackers, self.trackers = [], self.trackers, {}  # only jobs (lives) still there keep theirs
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
                 snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0),
-                                rq_queued=self.queue.total)
+                                rq_queued=self.queue.total, at=now)
                 if snap is None and self.job is not None:
                     raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
                 if snap is not None:
                     reports.append(self._report(snap, judged, trackers))
-            self.fleet = [worker_report(WorkerView(name, status), time.time(), bound=judged.get(name))
+            self.fleet = [worker_report(WorkerView(name, status), now, bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last, self.last_at = reports, time.monotonic()
             if self.on_refresh is not None:

@@ -213,9 +213,10 @@ class JobSnapshot:
 
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
-             queued: int = 0, rq_queued: int = 0) -> JobSnapshot | None:
-    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued, rq_queued: RQ's
-    counts of the job's batches and of all (genq.monitor.rqqueue)."""
+             queued: int = 0, rq_queued: int = 0, at: float | None = None) -> JobSnapshot | None:
+    """The job's snapshot at `at` (default now), or None when Redis has no such job. `workers`: fleet.statuses;
+    queued, rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
+    at = time.time() if at is None else at
     if workers is None:
         workers = fleet.statuses(conn)
     with conn.pipeline(transaction=False) as pipe:
@@ -256,7 +257,7 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
              or (s := v.live_status) is not None and (config is None or config.served_by(s.model))]
     created = stats.get(b"created_at")
     return JobSnapshot(
-        job=job, at=time.time(), config=config,
+        job=job, at=at, config=config,
         total=int(stats.get(b"total") or 0), created_at=float(created) if created else None,
         batches_total=int(n_batches), batches_done=int(n_done),
         batches_held=_held_batches(conn, job, views, config.batch_size if config else 0),
