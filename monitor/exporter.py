@@ -69,6 +69,7 @@ WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
 # The same for each (job, worker) pair and the WorkerReport field each shows.
 PAIR_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("genq_job_worker_prompts_completed", "Prompts completed by the worker", "job_completed"),
+    ("genq_job_worker_prompts_failed", "The worker's dead letters still in the job's DLQ", "job_failed"),
     ("genq_job_worker_output_tokens", "Completion tokens by the worker", "job_output_tokens"),
     ("genq_job_worker_in_flight", "The job's requests in flight on the worker", "job_in_flight"),
 )

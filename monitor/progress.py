@@ -160,17 +160,17 @@ class Monitor:
             self.redis_note = redis_note_of(self.conn)
             statuses = fleet.statuses(self.conn)
             self.queue.refresh(self.conn)
-            now = time.time()  # a silent worker's last figures are not of now: no verdict from them
+            now = time.time()  # the refresh's one time: every snapshot's, the fleet's, each worker's state
             judged = decodebound.judge({n: s for n, s in statuses.items() if shown_state(s, now) not in DOWN})
             reports, trackers, self.trackers = [], self.trackers, {}  # only jobs (lives) still there keep theirs
             for name in [self.job] if self.job is not None else list_jobs(self.conn):
                 snap = read_job(self.conn, name, statuses, queued=self.queue.by_job.get(name, 0),
-                                rq_queued=self.queue.total)
+                                rq_queued=self.queue.total, at=now)
                 if snap is None and self.job is not None:
                     raise JobNotFound(f"no job named {name!r} in this Redis (genq jobs lists them)")
                 if snap is not None:
                     reports.append(self._report(snap, judged, trackers))
-            self.fleet = [worker_report(WorkerView(name, status), time.time(), bound=judged.get(name))
+            self.fleet = [worker_report(WorkerView(name, status, at=now), now, bound=judged.get(name))
                           for name, status in sorted(statuses.items())]
             self.last, self.last_at = reports, time.monotonic()
             if self.on_refresh is not None:
@@ -186,7 +186,7 @@ class Monitor:
             tracker = self.trackers[life] = trackers.get(life) or RateTracker(self.window_s)
             tracker.observe(snap)
             speed, prompts_rate = tracker.speed(), tracker.prompts_per_s()
-        workers = [w for w in snap.workers if works_on(w, snap.config, snap.at)]
+        workers = [w for w in snap.workers if works_on(w, snap.config)]
         # Draining workers finish what they hold and take nothing more: alone, they leave the rest waiting.
         stranded = snap.queued > snap.held and all(w.state == "draining" for w in workers)
         est = estimate(
@@ -199,11 +199,11 @@ class Monitor:
         return JobReport(snap, est, build_progress(snap, est, speed, prompts_rate, judged), speed)
 
 
-def works_on(w: WorkerView, config: JobConfig | None, now: float) -> bool:
-    """A live worker holding the job's prompts, or an idle one whose server may run them (it takes the next
-    batches; workers route by model); not paused, down, or silent (its beats late: killed, as views show it)."""
+def works_on(w: WorkerView, config: JobConfig | None) -> bool:
+    """A beating worker holding the job's prompts, or an idle one whose server may run them (it takes the next
+    batches; workers route by model); not paused or down."""
     s = w.live_status
-    if s is None or s.state in ("paused", "server_down") or shown_state(s, now) == "silent":
+    if s is None or s.state in ("paused", "server_down"):
         return False
     holds = w.inflight is not None and (w.inflight.tokens or w.inflight.queued or w.held_unfinished)
     return bool(holds) or (s.state in ("idle", "busy", "starting") and (config is None or config.served_by(s.model)))

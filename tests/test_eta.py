@@ -377,10 +377,10 @@ def _snapshot(at: float, out_tok: int, published_at: float, tokens: list[int], d
     from genq.core.records import InFlight, WorkerStatus
 
     status = WorkerStatus(name="w", host="h", pid=1, server="s", state="busy", started_at=0.0,
-                          heartbeat_at=published_at,
+                          heartbeat_at=max(published_at, at - 0.6),  # on time: it beats every second
                           concurrency_target=40, server_capacity=37, in_flight=len(tokens))
     view = WorkerView(name="w", status=status, counters=WorkerCounters(done=done, out_tok=out_tok),
-                      inflight=InFlight(worker="w", job="j", at=published_at, tokens=tokens, queued=10))
+                      inflight=InFlight(worker="w", job="j", at=published_at, tokens=tokens, queued=10), at=at)
     return JobSnapshot(job="j", at=at, config=None, total=10**6, created_at=0.0, batches_total=1, batches_done=0,
                        batches_held=1, completed=done, failed=0, in_tokens=0, out_tokens=out_tok, hist={},
                        workers=[view], paused=False, shards=0, shard_bytes=0, shard_records=0)
@@ -457,7 +457,7 @@ def test_only_workers_that_can_serve_the_job_enter_its_speed() -> None:
         cpu = [DecodeBin(decoding=d, busy_s=d * 100 * 0.001 * d, tokens=d * 100.0, clean=True) for d in (8, 16)]
         return WorkerView(name="other", status=WorkerStatus(
             name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=at,
-            concurrency_target=64, server_capacity=64, model="model-b", decode=cpu))
+            concurrency_target=64, server_capacity=64, model="model-b", decode=cpu), at=at + 0.6)
 
     tracker = RateTracker(window_s=60)
     for k in range(12):
@@ -488,7 +488,7 @@ def test_another_models_idle_slots_do_not_put_a_job_in_its_tail() -> None:
     assert tail_note(snap) is None
     snap.workers.append(WorkerView(name="other", status=WorkerStatus(
         name="other", host="h", pid=2, server="s2", state="idle", started_at=0.0, heartbeat_at=999.4,
-        concurrency_target=64, server_capacity=64, model="model-b")))
+        concurrency_target=64, server_capacity=64, model="model-b"), at=snap.at))
     assert tail_note(snap) is None, tail_note(snap)
 
 

@@ -98,7 +98,7 @@ def test_a_worker_whose_beats_stopped_is_not_shown_busy_until_its_record_expires
     from genq.monitor.progress import worker_report
 
     killed = status("vm-a100-node-20.gpu0", "busy", 4.5, in_flight=64, tok_per_s=900.0, server_running=64.0,
-                    server_capacity=64)
+                    server_capacity=64, batches=[BatchRef(job="thinking-20k", batch="b0000099")])
     killed_idle = status("vm-a100-node-20.gpu1", "idle", 23.5)
     rows, serves = fleet()
     rows += [WorkerRow(s.name, s, NOW) for s in (killed, killed_idle)]
@@ -107,6 +107,10 @@ def test_a_worker_whose_beats_stopped_is_not_shown_busy_until_its_record_expires
     text = out.export_text()
     for name, beat in (("vm-a100-node-20.gpu0", "4s (overdue)"), ("vm-a100-node-20.gpu1", "24s (overdue)")):
         assert re.search(r"\bsilent\b", line_of(text, name)) and beat in line_of(text, name), text
+    wide = Console(width=400, record=True, no_color=True, file=open("/dev/null", "w"))  # the batches column too
+    print_workers(wide, rows, serves)
+    batches = wide.export_text()  # a busy worker's batches, none of a silent one's: it holds nothing (monitoring.md)
+    assert "thinking-20k/b0000000" in batches and "b0000099" not in batches, batches
     assert "2 busy, 1 idle, 1 lost, 2 silent" in text and "5,823 tok/s in all" in text, text  # not the killed one's
     assert "vm-a100-node-20.gpu0:" not in text, text  # no verdict on its decode from its last figures
     assert [r.to_json()["state"] for r in rows[-2:]] == ["silent", "silent"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from genq.core import keys  # noqa: E402
-from genq.core.records import InFlight, WorkerStatus, pack, unpack  # noqa: E402
+from genq.core.records import BatchRef, InFlight, WorkerStatus, pack, unpack  # noqa: E402
 from tests.conftest import genq_cmd, nvml_count, nvml_gpu, read_results, run_genq, wait_until, write_prompts
 
 FAST_SIM = dict(step_ms_base=2, step_ms_per_req=0, tokens_per_step=16, mean_output_tokens=64, output_sigma=1.0)
@@ -313,7 +313,11 @@ def test_a_batch_a_live_worker_has_leased_is_held_before_its_next_heartbeat_name
              "--batch-size", "8")
     rq_queue(rconn).empty()  # taken off the queue by the workers (TAKE)
     rconn.hset(keys.job_leases("lz"), mapping={"b0000001": "tok1 eng-live", "b0000002": "tok2 eng-dead"})
-    rconn.set(keys.engine_alive("eng-live"), "w", ex=60)
+    rconn.set(keys.engine_alive("eng-live"), "w", ex=60)  # its worker was idle at its last beat: names no batch
+    now = time.time()
+    rconn.set(keys.worker_status("w"), pack(WorkerStatus(name="w", host="h", pid=1, server="http://s", state="idle",
+                                                         started_at=now - 60, heartbeat_at=now)), ex=60)
+    rconn.sadd(keys.WORKERS, "w")
     doc = monitor_json("--job", "lz")
     assert (doc["held_batches"], doc["other_batches"], doc["queued"]) == (1, 2, 24), doc
     text = run_genq("monitor", "--once", "--job", "lz").stdout
@@ -539,3 +543,45 @@ def test_a_silent_worker_is_no_help_to_the_eta(redis_url, rconn) -> None:
     p = r.progress
     assert [w.state for w in p.worker_details] == ["silent"] and p.workers == 0
     assert p.eta_state == "stalled", (p.eta_state, p.eta_note)
+
+
+@pytest.mark.parametrize("age, state, held", [(0.5, "busy", 4), (8.0, "silent", 0)])
+def test_a_silent_workers_batches_are_held_by_no_one_in_any_view(redis_url, rconn, age, state, held) -> None:
+    """One rule (figures.beating): a worker's batches are held, its requests running, and it a worker on the job
+    only while its beats are on time. A silent one's 4 batches (2 named in its record, 2 leased by its engine whose
+    alive key lives on) are elsewhere in the monitor, the page's record, Prometheus and `genq jobs` alike."""
+    from prometheus_client import generate_latest
+
+    from genq.core.queueing import save_config
+    from genq.core.records import JobConfig
+    from genq.monitor.exporter import make_registry
+    from genq.monitor.progress import Monitor
+    from genq.ops.control import job_rows
+    from tests.test_prometheus import samples
+
+    save_config(rconn, JobConfig(name="s", output="/tmp/unused", max_tokens=2048, batch_size=50))
+    rconn.hset(keys.job_stats("s"), mapping={"total": 200, "batches": 4})
+    rconn.zadd(keys.job_batches("s"), {f"b{i}": i for i in range(4)})
+    for i in range(4):
+        rconn.set(keys.batch("s", f"b{i}"), b"x")
+    rconn.hset(keys.job_leases("s"), mapping={"b2": "t2 w-i1", "b3": "t3 w-i1"})
+    rconn.set(keys.engine_alive("w-i1"), "w", ex=60)
+    now = time.time()
+    status = WorkerStatus(name="w", host="h", pid=1, server="http://s", state="busy", started_at=now - 60,
+                          heartbeat_at=now - age, concurrency_target=10, in_flight=10,
+                          batches=[BatchRef("s", "b0"), BatchRef("s", "b1")])
+    rconn.set(keys.worker_status("w"), pack(status), ex=60)
+    rconn.sadd(keys.WORKERS, "w")
+    rconn.sadd(keys.job_workers("s"), "w")
+    rconn.set(keys.job_inflight("s", "w"), pack(InFlight(worker="w", job="s", at=now - age, tokens=[5] * 10,
+                                                          queued=40)), ex=60)
+    monitor = Monitor(rconn, "s")
+    m = samples(generate_latest(make_registry(monitor)).decode())
+    p = monitor.last[0].progress
+    assert [w.state for w in p.worker_details] == [state]
+    assert (p.held_batches, p.other_batches, p.workers) == (held, 4 - held, held // 4), p
+    assert (p.held, p.in_flight) == ((2 * 50 - 10, 10) if held else (0, 0)), p
+    assert m[("genq_job_batches_held", (("job", "s"),))] == held
+    assert m[("genq_job_workers", (("job", "s"),))] == held // 4
+    (row,) = job_rows(rconn, ["s"])
+    assert (row.workers, row.running) == ((["w"], 10) if held else ([], 0)), row

@@ -150,6 +150,9 @@ def test_collector_reports_what_redis_holds(rconn) -> None:
     assert m[("genq_job_worker_prompts_completed_total", jw)] == 250
     assert m[("genq_job_worker_output_tokens_total", jw)] == 90_000
     assert m[("genq_job_worker_in_flight", jw)] == 70
+    # Its dead letters still in the DLQ, as the monitor's failed column: a gauge (a requeue or purge lowers it).
+    assert m[("genq_job_worker_prompts_failed", jw)] == 1
+    assert m[("genq_job_worker_prompts_failed", (("job", "exp"), ("worker", "gpu-b")))] == 2
     # Pairs only where the worker worked on the job: not the idle gpu-d, not gpu-e (nothing done).
     pairs = {dict(k[1])["worker"] for k in m if k[0] == "genq_job_worker_in_flight"}
     assert pairs == {"gpu-a", "gpu-b", "gpu-c"}
@@ -253,6 +256,35 @@ def test_every_gauge_shows_a_field_of_the_monitor_record() -> None:
         assert [field for _, _, field in table if field not in fields] == [], record.__name__
         names = [name for name, _, _ in table]
         assert len(set(names)) == len(names), f"a metric named twice in the {record.__name__} table"
+
+
+def test_a_workers_state_is_judged_at_the_snapshots_time(rconn, monkeypatch) -> None:
+    """Prometheus' genq_worker_state is the job row's state, judged at the snapshot's one time: beats 2.9 s and
+    3.1 s late then read busy and silent in both, however far the clock moves during the refresh (here 0.08 s a
+    read, so a second read would see the first worker late too)."""
+    import types
+
+    from genq.core.ledger import figures
+    from genq.monitor import progress
+
+    t0 = time.time()
+    reads = iter(t0 + 0.08 * i for i in range(1000))
+    clock = types.SimpleNamespace(time=lambda: next(reads), monotonic=time.monotonic)
+    monkeypatch.setattr(progress, "time", clock)
+    monkeypatch.setattr(figures, "time", clock)
+    save_config(rconn, JobConfig(name="t", output="/tmp/unused", max_tokens=2048, batch_size=50))
+    rconn.hset(keys.job_stats("t"), mapping={"total": 100, "batches": 2})
+    for name, late in (("on-time", 2.9), ("late", 3.1)):  # busy: a beat due every second
+        s = WorkerStatus(name=name, host="h", pid=1, server="http://s", state="busy", started_at=t0 - 60,
+                         heartbeat_at=t0 - 1 - late, concurrency_target=4, in_flight=4)
+        rconn.set(keys.worker_status(name), pack(s), ex=60)
+        rconn.sadd(keys.WORKERS, name)
+        rconn.sadd(keys.job_workers("t"), name)
+    monitor = Monitor(rconn, "t")
+    m = samples(generate_latest(make_registry(monitor)).decode())
+    rows = {w.name: w.state for w in monitor.last[0].progress.worker_details}
+    exported = {dict(k[1])["worker"]: dict(k[1])["state"] for k, v in m.items() if k[0] == "genq_worker_state" and v}
+    assert rows == {"on-time": "busy", "late": "silent"} and exported == rows, (rows, exported)
 
 
 @pytest.mark.e2e  # starts a process
@@ -369,6 +401,7 @@ def test_real_prometheus_answers_the_dashboard(tmp_path: Path, redis_url, sim, w
     assert prom.one(queries["ETA"][0]) == 0
     assert prom.one(queries["Failed"][0]) == 0
     assert prom.one('genq_job_prompts_completed{job="pj"}') == 80
+    assert prom.one('genq_job_worker_prompts_failed{job="pj",worker="pj-w"}') == 0
     assert prom.one('genq_job_output_tokens_total{job="pj"}') == sum(r["usage"]["completion_tokens"] for r in rows)
     assert prom.one('genq_job_shards{job="pj"}') == 5
     batches = [prom.one(e) for e in queries["Batches: written, held, in RQ's queue, elsewhere"]]

@@ -53,7 +53,7 @@ def _cells(r: WorkerRow, serves: list[str] | None, v: decodebound.Verdict | None
         "heartbeat": heartbeat,
         "done": f"{r.done:,}" if r.state != LOST else "",
         "queued": str(r.queued) if live else "",
-        "batches": batches if r.batches else "-" if live else "",
+        "batches": (batches if r.batches else "-") if live else "",  # a silent one holds nothing (monitoring.md)
         "model: jobs it serves": f"{r.model or '?'}: {', '.join(serves or []) or '-'}" if live else "",
         "server": r.server or "", "gpu": r.gpu if r.gpu is not None else "-", "host": r.host or "?",
         "note": r.note or "",

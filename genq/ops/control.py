@@ -18,7 +18,7 @@ from genq.core.decodebound import NO_HEARTBEAT
 from genq.core.ledger import fleet as ledger_fleet
 from genq.core.ledger import jobs as ledger_jobs
 from genq.core.ledger import leasing
-from genq.core.ledger.figures import JobStatus, job_status, shown_state
+from genq.core.ledger.figures import JobStatus, beating, job_status, shown_state
 from genq.core.order import order_queue
 from genq.core.queueing import carried, delete_rq_job, fetch_rq_jobs, list_jobs, load_config, rq_queue, suspend_loops
 from genq.core.records import Control, JobBlock, JobConfig, JobRecord, JobSchedule, SettingsChange, WorkerStatus
@@ -67,7 +67,7 @@ class WorkerRow:
 
     state = property(lambda self: shown_state(self.status, self.now))
     live = property(lambda self: self.state not in ("stopped", LOST))  # may take instructions; kept by --prune
-    beating = property(lambda self: self.live and self.state != "silent")  # its figures are of now
+    beating = property(lambda self: beating(self.status, self.now))  # its figures are of now
     batches = property(lambda self: [] if self.status is None else [str(b) for b in self.status.batches])
     target = property(lambda self: self.concurrency_target)
     cap = property(lambda self: self.concurrency_limit)
@@ -98,7 +98,7 @@ class JobRow(msgspec.Struct, omit_defaults=False):
     remaining: int
     batches: int
     batches_done: int
-    workers: list[str] = []  # workers holding work of this job right now
+    workers: list[str] = []  # beating workers running this job's requests right now
     output: str | None = None
     blocked: JobBlock | None = None  # why its settings stopped it (docs/settings.md)
     settings_version: int = 1
@@ -200,10 +200,12 @@ def resume(conn: redis.Redis, job: str | None = None) -> int:
 def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobRow]:
     """Totals per job from the counters of record (genq.core.ledger.jobs.counts)."""
     names = list_jobs(conn) if names is None else list(names)
-    paused_all, fleet_names = ledger_jobs.paused_all(conn), ledger_fleet.worker_names(conn)
+    paused_all, fleet_names, at = ledger_jobs.paused_all(conn), ledger_fleet.worker_names(conn), time.time()
+    statuses = ledger_fleet.statuses(conn, fleet_names)
     rows = []
     for job, now in zip(names, ledger_jobs.jobs_now(conn, names)):
         t, config = ledger_jobs.counts(conn, job, fleet_names), now.config
+        t.inflight = {w: r for w, r in t.inflight.items() if beating(statuses[w], at)}  # a silent one's: not of now
         paused, finished = paused_all or now.paused, t.completed + t.dead
         state = job_status(total=t.total, finished=finished, batches=t.batches, batches_done=t.done, paused=paused,
                            started=bool(t.inflight) or finished > 0, failed=t.dead, blocked=now.blocked is not None)
@@ -213,8 +215,8 @@ def job_rows(conn: redis.Redis, names: Iterable[str] | None = None) -> list[JobR
             workers=list(t.inflight), output=config.output if config else None, blocked=now.blocked,
             settings_version=config.settings_version if config else 1, priority=now.schedule.priority,
             weight=now.schedule.weight, running=sum(len(r.tokens) for r in t.inflight.values())))
-    statuses = ledger_fleet.statuses(conn, fleet_names).values()  # every job's requests running, as the monitor's
-    if running := sum(s.in_flight for s in statuses if s is not None and s.state != "stopped"):
+    # Every job's requests running, as the monitor's.
+    if running := sum(s.in_flight for s in statuses.values() if s is not None and beating(s, at)):
         for r in rows:
             r.share = min(1.0, r.running / running)
     return rows

@@ -1,6 +1,6 @@
 """A job's figures as the monitor and `genq jobs` read them, in round trips that grow with the
 fleet, never with the job. total: its stats; completed and tokens: its workers' counters; failed: its
-dead letters; running: InFlight records; batches held: named by a live worker or leased by a live engine."""
+dead letters; running: InFlight records; batches held: named by a beating worker or leased by its engine."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def shown_state(status: WorkerStatus | None, now: float) -> str:
     return "silent" if late else status.state
 
 
+def beating(status: WorkerStatus | None, now: float) -> bool:
+    """Whether a worker's figures are of now (monitoring.md): its batches held, its requests running, it a worker
+    on its jobs; not once its shown state is stopped, silent or lost."""
+    return shown_state(status, now) not in ("stopped", "silent", "lost")
+
+
 @dataclass
 class WorkerView:
     name: str
@@ -75,10 +81,11 @@ class WorkerView:
     inflight: InFlight | None = None  # this job's running requests on this worker
     held_unfinished: list[int] = field(default_factory=list)  # per batch of this job it holds, oldest first
     forgotten: bool = False  # not in the fleet any more (`genq workers --prune`): gone, not lost
+    at: float = field(default_factory=time.time)  # when its record is judged: the snapshot's time
 
     @property
     def live_status(self) -> WorkerStatus | None:
-        return self.status if self.status is not None and self.status.state != "stopped" else None
+        return self.status if beating(self.status, self.at) else None
 
     @property
     def live(self) -> bool:
@@ -122,7 +129,7 @@ class JobSnapshot:
     created_at: float | None
     batches_total: int
     batches_done: int
-    batches_held: int  # by live workers, not yet written
+    batches_held: int  # by beating workers, not yet written
     completed: int
     failed: int
     in_tokens: int
@@ -213,9 +220,10 @@ class JobSnapshot:
 
 
 def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None] | None = None, *,
-             queued: int = 0, rq_queued: int = 0) -> JobSnapshot | None:
-    """The job's snapshot, or None when Redis has no such job. `workers`: fleet.statuses; queued, rq_queued: RQ's
-    counts of the job's batches and of all (genq.monitor.rqqueue)."""
+             queued: int = 0, rq_queued: int = 0, at: float | None = None) -> JobSnapshot | None:
+    """The job's snapshot at `at` (default now), or None when Redis has no such job. `workers`: fleet.statuses;
+    queued, rq_queued: RQ's counts of the job's batches and of all (genq.monitor.rqqueue)."""
+    at = time.time() if at is None else at
     if workers is None:
         workers = fleet.statuses(conn)
     with conn.pipeline(transaction=False) as pipe:
@@ -250,16 +258,17 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
     # Shown: workers with counters or in-flight requests here, and live ones whose server may run the job.
     views = [v for v in (WorkerView(name, workers.get(name), WorkerCounters.of(raw_stats),
                                     unpack(raw_inflight, InFlight) if raw_inflight else None,
-                                    forgotten=name not in workers)
+                                    forgotten=name not in workers, at=at)
                          for name, raw_stats, raw_inflight in zip(names, replies[::2], replies[1::2]))
              if v.name in members or v.inflight is not None
              or (s := v.live_status) is not None and (config is None or config.served_by(s.model))]
     created = stats.get(b"created_at")
     return JobSnapshot(
-        job=job, at=time.time(), config=config,
+        job=job, at=at, config=config,
         total=int(stats.get(b"total") or 0), created_at=float(created) if created else None,
         batches_total=int(n_batches), batches_done=int(n_done),
-        batches_held=_held_batches(conn, job, views, config.batch_size if config else 0),
+        batches_held=_held_batches(conn, job, views, config.batch_size if config else 0,
+                                   {n for n, s in workers.items() if beating(s, at)}),
         batches_queued=queued, rq_queued=rq_queued,
         completed=sum(v.counters.done for v in views), failed=int(n_dlq),
         in_tokens=sum(v.counters.in_tok for v in views), out_tokens=sum(v.counters.out_tok for v in views),
@@ -267,12 +276,12 @@ def read_job(conn: redis.Redis, job: str, workers: dict[str, WorkerStatus | None
         shard_bytes=int(stats.get(scripts.SHARD_BYTES.encode()) or 0),
         shard_records=int(stats.get(scripts.SHARD_RECORDS.encode()) or 0),
         blocked=unpack(raw_block, JobBlock) if raw_block else None, schedule=jobs.schedule_of(raw_schedule),
-        fleet_running=sum(s.in_flight for s in workers.values() if s is not None and s.state != "stopped"),
+        fleet_running=sum(s.in_flight for s in workers.values() if s is not None and beating(s, at)),
     )
 
 
-def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int) -> int:
-    """The job's batches (with a record) live workers name or live engines lease; fills each view's
+def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_size: int, beats: set[str]) -> int:
+    """The job's batches (with a record) beating workers name or their live engines lease; fills each view's
     held_unfinished (the batch size less its stored results)."""
     asks = [(v, b.batch) for v in views if (s := v.live_status) is not None and v.inflight is not None
             for b in sorted(s.batches) if b.job == job][:HELD_READ_LIMIT]
@@ -293,10 +302,10 @@ def _held_batches(conn: redis.Redis, job: str, views: list[WorkerView], batch_si
         return held
     with conn.pipeline(transaction=False) as pipe:
         for bid, holder in unnamed:
-            pipe.exists(keys.engine_alive(holder))
+            pipe.get(keys.engine_alive(holder))  # the engine's worker
             pipe.exists(keys.batch(job, bid))
         alive = pipe.execute()
-    return held + sum(1 for engine, batch in zip(*[iter(alive)] * 2) if engine and batch)
+    return held + sum(1 for worker, batch in zip(*[iter(alive)] * 2) if batch and worker and worker.decode() in beats)
 
 
 def prompt_state(conn: redis.Redis, job: str, batch: str, prompt_id: str
