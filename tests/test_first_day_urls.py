@@ -7,6 +7,8 @@ line what is wrong without any part of the password.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import pytest
 import redis
 
 from genq.core import keys
-from tests.conftest import ROOT, LocalRedis, free_port, run_genq, wait_until, write_prompts
+from tests.conftest import ROOT, LocalRedis, descendants, free_port, restart_port, run_genq, wait_until, write_prompts
 
 PASSWORD = "k3J9/x#Q@z:w?p"  # '/', '#', '@', ':' and '?': each broke URL parsing somewhere
 
@@ -34,9 +36,9 @@ class LockedRedis:
     """A private Redis with a password and an ACL user, both with URL-hostile characters
     (conftest's LocalRedis pings without a password)."""
 
-    def __init__(self, conf: Path) -> None:
+    def __init__(self, conf: Path, port: int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="genq-test-redis-")
-        self.port = free_port()
+        self.port = port or free_port()
         self.proc = subprocess.Popen(["redis-server", str(conf), "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--dir", self.dir], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -55,11 +57,15 @@ class LockedRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def locked_conf(folder: Path) -> Path:
+    conf = folder / "redis.conf"
+    conf.write_text(f'requirepass "{PASSWORD}"\nuser alice on >{PASSWORD} ~* &* +@all\n')
+    return conf
+
+
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    conf = tmp_path_factory.mktemp("locked") / "redis.conf"
-    conf.write_text(f'requirepass "{PASSWORD}"\nuser alice on >{PASSWORD} ~* &* +@all\n')
-    server = LockedRedis(conf)
+    server = LockedRedis(locked_conf(tmp_path_factory.mktemp("locked")))
     yield server
     server.stop()
 
@@ -121,6 +127,54 @@ def test_a_bad_url_is_one_line_without_the_password(locked, url, code, says):
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     for piece in ("W7/", wrong[2:6], PASSWORD[:4], quote(wrong, safe="")[:8]):
         assert piece not in err, (piece, err)
+
+
+def leaks(text: str) -> list[str]:
+    """The pieces of PASSWORD (as typed or percent-encoded) found in text."""
+    return [piece for piece in (PASSWORD, PASSWORD[:6], quote(PASSWORD, safe="")[:8]) if piece in text]
+
+
+@pytest.mark.parametrize("command", ["worker", "monitor"])
+def test_a_redis_that_quotes_auth_never_puts_the_password_in_a_long_running_log(command, sim, procs, tmp_path):
+    """A Redis that refuses AUTH quotes it, arguments and all ("unknown command 'AUTH', with args beginning
+    with: 'alice' '<password>'"): here the Redis restarted with AUTH renamed; a proxy or another server does
+    the same. A running worker and monitor say Redis is unreachable, never the password."""
+    port = restart_port()
+    server = LockedRedis(locked_conf(tmp_path), port)
+    url = f"redis://alice:{quote(PASSWORD, safe='')}@127.0.0.1:{port}/0"
+    args = ["worker", "--server", sim()] if command == "worker" else ["monitor", "--json", "--interval", "0.5"]
+    started = procs([sys.executable, "-m", "genq", *args], name=command, env={"GENQ_REDIS_URL": url})
+    wait_until(lambda: ("-> " if command == "worker" else "{") in started.log(), 60, f"the {command} read Redis")
+    server.stop()
+    renamed = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir",
+                                str(tmp_path), "--rename-command", "AUTH", ""], stdout=subprocess.DEVNULL,
+                               start_new_session=True)  # it answers, refusing AUTH
+    try:
+        wait_until(lambda: "unknown command 'AUTH'" in started.log(), 120, f"the {command} to say Redis refused AUTH")
+        assert not leaks(started.log()), started.log()[-3000:]
+    finally:
+        renamed.kill()
+        renamed.wait(timeout=10)
+
+
+def test_a_demo_on_a_redis_with_a_password_keeps_it_out_of_its_childrens_argv(locked, tmp_path):
+    """GENQ_REDIS_URL keeps the password out of the process list (docs/security.md): the demo's enqueue and
+    workers get it the same way, not as --redis in their argv."""
+    url = f"redis://:{quote(PASSWORD, safe='')}@127.0.0.1:{locked.port}/0"
+    demo = subprocess.Popen([sys.executable, "-m", "genq", "demo", "--num-gpus", "1", "--prompts", "10",
+                             "--mean-output-tokens", "8", "--speed", "10", "--output", str(tmp_path / "demo")],
+                            cwd=tmp_path, env={**os.environ, "GENQ_REDIS_URL": url}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen: set[str] = set()
+    while demo.poll() is None:
+        for pid in descendants(demo.pid):
+            with contextlib.suppress(OSError):
+                seen.add(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+    output = demo.stdout.read() if demo.stdout else ""
+    assert demo.returncode == 0, output[-3000:]
+    assert any(" worker " in argv for argv in seen), seen  # its workers were seen while they ran
+    assert not [argv for argv in seen if leaks(argv)], seen
+    assert not leaks(output), output
 
 
 def test_unix_socket_urls_run_a_job(tmp_path, sim, procs):

@@ -302,3 +302,28 @@ def test_a_job_with_dead_letters_is_created_again_from_its_output(lost_redis, si
     assert set(found.letters) == letters and len(found.results) == len(ids) - len(letters)
     dlq = json.loads(run_genq("dlq", "list", "--job", "lettered", "--json", redis_url=lost_redis.url).stdout)
     assert sorted(e["id"] for e in dlq) == sorted(letters), dlq
+
+
+@pytest.mark.e2e
+def test_an_enqueue_cut_by_a_redis_outage_says_the_same_command_finishes_it(lost_redis, tmp_path):
+    """Redis stops mid-enqueue (a failover or an outage, back from a snapshot taken part way: the writes after it
+    are lost). The enqueue says the same command again is safe, though it cannot ask Redis what the job holds;
+    run again once Redis is back, it queues the rest, each prompt once."""
+    from genq.core.ledger.jobs import counts
+
+    n = 20_000
+    write_prompts(src := tmp_path / "big.jsonl", n)
+    args = ("enqueue", str(src), "--job", "big", "--output", str(tmp_path / "out"), "--batch-size", "1")
+    conn = redis.Redis.from_url(lost_redis.url)
+    first = subprocess.Popen(genq_cmd(*args, redis_url=lost_redis.url), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_until(lambda: counts(conn, "big").total > 0, 60, "the enqueue to queue some prompts")
+    lost_redis.snapshot()
+    lost_redis.kill()
+    err = first.communicate(timeout=120)[1]
+    assert first.returncode == 1 and "cannot reach Redis" in err and "Traceback" not in err, err
+    assert "run the same command again" in err and "each prompt once" in err, err
+    lost_redis.start(empty=False)
+    assert 0 < counts(conn, "big").total < n  # cut part way
+    run_genq(*args, redis_url=lost_redis.url)
+    assert (counts(conn, "big").total, counts(conn, "big").batches, rq_queue(conn).count) == (n, n, n)

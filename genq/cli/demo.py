@@ -24,7 +24,7 @@ from rich.console import Console
 from genq import PYTHON
 from genq.cli import Finite
 from genq.core.ledger import letters
-from genq.core.redisconn import LocalRedis, connect, free_port, mask_url
+from genq.core.redisconn import ENV_VAR, LocalRedis, connect, free_port, mask_url
 from genq.core.words import plural
 from genq.ops import control
 from genq.output import truth
@@ -74,7 +74,8 @@ def demo(ctx: click.Context, gpus: int, n_prompts: int, output: str, capacity: i
         conn.ping()
         children: list[subprocess.Popen] = []
         stack.callback(_stop, children)
-        genq = [*PYTHON, "-m", "genq", "--redis", url]
+        genq = [*PYTHON, "-m", "genq"]
+        os.environ[ENV_VAR] = url  # its children's Redis, out of their argv (the process list): docs/security.md
         job = time.strftime("demo-%Y%m%d-%H%M%S")
         rng = random.Random(7)
         with open(out / "prompts.jsonl", "w") as f:

@@ -107,7 +107,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     """
     if rejects_path and os.path.realpath(rejects_path) == os.path.realpath(input_uri):
         raise click.UsageError(f"--rejects {rejects_path} is the input: the rejected lines would be written over it")
-    url = redis_url(ctx)
+    url, enqueuer = redis_url(ctx), None
     try:
         given = _given_settings(options)  # options: those of the job's config
         columns = ColumnMap(messages=messages_column, prompt=prompt_column, id=id_column)
@@ -149,7 +149,7 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
     except ValueError as exc:  # SourceError is the genq group's to print
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
-        raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job)) from None
+        raise click.ClickException(describe_error(url, exc) + _held_so_far(url, job, started=bool(enqueuer))) from None
     except KeyboardInterrupt:  # the group says "interrupted" and exits 130; this adds what the job holds
         raise KeyboardInterrupt(_held_so_far(url, job, "to queue the rest") or ": nothing was queued") from None
     if summary.read == 0:
@@ -161,14 +161,17 @@ def enqueue(ctx: click.Context, input_uri: str, job: str, rejects_path: str | No
         sys.exit(EXIT_PARTLY_DONE)
 
 
-def _held_so_far(url: str, job: str, when: str = "once Redis takes writes") -> str:
-    """After Redis failed part way (full, most often) or Ctrl-C: what the job holds, and how to go on."""
+def _held_so_far(url: str, job: str, when: str = "once Redis takes writes", started: bool = True) -> str:
+    """After Redis failed part way (full, away, failing over) or Ctrl-C: what the job holds, and how to go on."""
     try:
-        held = counts(connect(url), job).total
-    except redis.RedisError:  # away: nothing known to say
-        held = 0
-    return (f"\njob {job} holds {plural(held, 'prompt')} now (queued: workers run them); {when}, run the same "
-            "command again: the prompts already queued are skipped, the rest queued, each prompt once") if held else ""
+        held: int | None = counts(connect(url), job).total
+    except redis.RedisError:  # away: what it holds is not known (if `started`), and the same command is as safe
+        held = None if started else 0
+    if held == 0:
+        return ""
+    holds = f"job {job} holds {plural(held, 'prompt')} now (queued: workers run them); " if held else ""
+    return (f"\n{holds}{when}, run the same command again: the prompts already queued are skipped, the rest queued, "
+            "each prompt once")
 
 
 def _given_settings(options: dict[str, object]) -> dict[str, object]:

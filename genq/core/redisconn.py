@@ -99,6 +99,26 @@ class _TimedSSLConnection(redis.SSLConnection):
         return wrapped
 
 
+def _on_connect(conn: Any) -> None:
+    try:
+        conn.on_connect()  # AUTH first: no PING before it
+    except redis.RedisError as exc:
+        raise type(exc)(str(exc).replace(conn.password, "***")) from None
+
+
+async def _on_connect_async(conn: Any) -> None:
+    try:
+        await conn.on_connect()
+    except redis.RedisError as exc:
+        raise type(exc)(str(exc).replace(conn.password, "***")) from None
+
+
+def _unquoted(aio: bool, password: str | None) -> dict[str, Any]:
+    """redis-py's connect step (AUTH, SELECT), its errors with *** for the password: a server that refuses AUTH
+    (renamed, or not Redis) quotes it, arguments and all, into every log line, message and record."""
+    return {"redis_connect_func": _on_connect_async if aio else _on_connect} if password else {}
+
+
 def _defaults(scheme: str) -> dict[str, Any]:
     keepalive = {} if scheme == "unix" else {"socket_keepalive": True}  # redis-py refuses it on a unix socket
     return {"health_check_interval": 30, "socket_connect_timeout": CONNECT_TIMEOUT_S, **keepalive}
@@ -148,8 +168,8 @@ def parse(url: str) -> Callable[[bool], Any]:
             raise _bad(url, f"the database {db!r} is not a number")
         # A sync client's TLS handshake is timed here; an asyncio client's is inside its connect timeout.
         tls = {"connection_class": _TimedSSLConnection} if scheme == "rediss" else {}
-        return lambda aio: (aioredis.Redis.from_url(normalized, **_defaults(scheme)) if aio
-                            else redis.Redis.from_url(normalized, **_defaults(scheme), **tls))
+        return lambda aio: (aioredis.Redis if aio else redis.Redis).from_url(
+            normalized, **_defaults(scheme), **_unquoted(aio, kwargs.get("password")), **({} if aio else tls))
     hosts, _, path = head.partition("/")
     names = [p for p in path.split("/") if p]
     if not hosts or not names or len(names) > 2:
@@ -173,8 +193,10 @@ def parse(url: str) -> Callable[[bool], Any]:
 
     def sentinel_client(aio: bool) -> Any:
         sentinel = aiosentinel if aio else redis.sentinel
-        manager = (_AsyncSentinel if aio else _Sentinel)(sentinels, sentinel_kwargs=sentinel_kwargs)
-        pool = sentinel.SentinelConnectionPool(service, manager, is_master=True, db=number, **master)
+        manager = (_AsyncSentinel if aio else _Sentinel)(
+            sentinels, sentinel_kwargs={**sentinel_kwargs, **_unquoted(aio, sentinel_password)})
+        pool = sentinel.SentinelConnectionPool(service, manager, is_master=True, db=number, **master,
+                                               **_unquoted(aio, master.get("password")))
         if not replicas:
             return (aioredis.Redis if aio else redis.Redis).from_pool(pool)
         client = (AsyncReplicatedRedis if aio else ReplicatedRedis)(connection_pool=pool)
