@@ -318,8 +318,9 @@ def set_schedule(conn: redis.Redis, job: str, priority: int | None, weight: floa
     writable(conn)
     if (config := load_config(conn, job)) is None:
         raise Refused(f"no job named {job!r} (or it has no stored settings)")
+    # The pause is read again when job.json is written: it may have changed under WATCH.
     return order.set_schedule(conn, job, priority, weight, keep=lambda new: write_settings(
-        conn, config, new, pause_of(ledger_jobs.jobs_now(conn, [job])[0])))  # a pause comes under WATCH: read again
+        conn, config, new, pause_of(ledger_jobs.jobs_now(conn, [job], together=True)[0])))
 
 
 def pause_of(now: ledger_jobs.JobNow) -> bool | None:
@@ -367,7 +368,7 @@ def settings_from_output(conn: redis.Redis, config: JobConfig, record: JobRecord
     restored or lagging Redis may have lost a `jobs set`."""
     if record is None or record.config.incarnation != config.incarnation:
         return
-    now = ledger_jobs.jobs_now(conn, [config.name])[0]
+    now = ledger_jobs.jobs_now(conn, [config.name], together=True)[0]
     stored, kept = now.schedule, record.schedule
     if stored.version > (kept.version if kept else -1) and (kept or stored != JobSchedule()):
         write_settings(conn, config, stored, pause_of(now))  # and its pause: `pause --job` could not write it

@@ -32,10 +32,12 @@ class JobNow:
     leases: dict[str, str | None] = field(default_factory=dict)  # batch -> holder (an engine); asked for only
 
 
-def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases: bool = False) -> Any:
-    """Each job's JobNow, in order, in one round trip; on an asyncio client, an awaitable of it."""
+def jobs_now(conn: redis.Redis | aioredis.Redis, jobs: Iterable[str], *, leases: bool = False,
+             together: bool = False) -> Any:
+    """Each job's JobNow, in order, in one round trip; on an asyncio client, an awaitable of it. `together`: in
+    MULTI, a pause and its schedule's version read as one (genq.ops.control.pause), which a full Redis refuses."""
     jobs = list(jobs)
-    pipe = conn.pipeline()  # MULTI: a pause and its schedule's version read as one (genq.ops.control.pause)
+    pipe = conn.pipeline(transaction=together)
     for job in jobs:
         pipe.get(keys.job_config(job))
         pipe.get(keys.job_blocked(job))
