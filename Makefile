@@ -30,10 +30,10 @@ demo: $(BIN)/genq
 	$(BIN)/genq demo
 	@echo "To use genq yourself: . $(VENV)/bin/activate, then follow \"Using it\" in README.md"
 
-# Five test processes on two cores: the suite mostly waits on timers and servers (two cores 66 % busy
-# at five, 2026-12-06), and every genq command a test starts is forked from one warm interpreter
+# Six test processes on two cores: the suite mostly waits on timers and servers (955 tests: 7:55 at six,
+# 8:10 at five, quiet, 2026-12-07), and every genq command a test starts is forked from one warm interpreter
 # (tests/zygote.py). TEST_WORKERS=0: one.
-TEST_WORKERS ?= 5
+TEST_WORKERS ?= 6
 
 # loadgroup: tests marked with one xdist_group run in one process (to share a module's fixture); the
 # rest go one by one to whichever process is free, in tests/tiers.py's order.
