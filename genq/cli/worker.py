@@ -113,7 +113,8 @@ def worker(ctx: click.Context, log_level: str, **options) -> None:
 
         try:  # a bad template is bad usage, said before anything starts
             fleet.check_template(f["server_url_template"], "--server-url")
-            fleet.launch_argv(f["launch"], port=0, gpu=0) if f["launch"] is not None else None
+            if f["launch"] is not None:
+                fleet.launch_argv(f["launch"], port=0, gpu=0)
         except FleetError as exc:
             raise click.UsageError(str(exc)) from None
         try:

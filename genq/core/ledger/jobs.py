@@ -125,8 +125,13 @@ def change_schedule(conn: redis.Redis, job: str, change: Callable[[JobSchedule],
                     paused: bool | None = None) -> JobSchedule:
     """The job's schedule changed; paused True/False: the job paused or not in the same transaction (its block
     left), so that Redis's pauses and resumes come in the order of their versions, as job.json keeps them."""
-    return change_record(conn, keys.job_schedule(job), schedule_of, change, also=lambda pipe: None if paused is None
-                         else pause(pipe, job) if paused else pipe.delete(keys.job_paused(job)))
+    def also(pipe: Pipeline) -> None:
+        if paused:
+            pause(pipe, job)
+        elif paused is not None:
+            pipe.delete(keys.job_paused(job))
+
+    return change_record(conn, keys.job_schedule(job), schedule_of, change, also)
 
 
 def change_config(conn: redis.Redis, job: str, change: Callable[[JobConfig | None], JobConfig]) -> JobConfig:
